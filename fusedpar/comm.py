@@ -1,0 +1,421 @@
+"""Process groups, differentiable collectives, async collectives and the ring.
+
+Every function takes ``group``: a ``ProcessGroup``, a 1-D ``DeviceMesh``, or ``None``.
+``None`` means no parallelism: each collective is then the identity (a group of one),
+so layers built on these run on one device without ``torch.distributed`` initialized.
+
+Collectives work on dim 0 and validate their inputs before communicating, so bad input
+raises the same ``ValueError`` on every rank instead of leaving the others waiting.
+
+Differentiable collectives (W = group size, x on rank r is ``x_r``):
+
+| function              | forward                       | backward of ``g``                 |
+| --------------------- | ----------------------------- | --------------------------------- |
+| `all_gather`          | ``cat_r x_r``  (n -> W*n)     | ``reduce_scatter(g)``             |
+| `reduce_scatter`      | ``(sum_r x_r)[chunk r]``      | ``all_gather(g)``                 |
+| `all_reduce`          | ``sum_r x_r``                 | ``all_reduce(g)``                 |
+| `copy_to_region`      | ``x``                         | ``all_reduce(g)``                 |
+| `reduce_from_region`  | ``sum_r x_r``                 | ``g``                             |
+| `all_to_all`          | rows ``in_splits[s]`` to rank s | ``all_to_all`` with splits swapped |
+
+`all_reduce` is the gradient of a sum when every rank goes on with its own loss;
+`copy_to_region` / `reduce_from_region` are Megatron's pair for a region whose
+downstream is replicated (each rank computes the same loss, counted once).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+Group = dist.ProcessGroup | DeviceMesh | None
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); torch 2.11,
+# on our GPU machines, has only the old ones. Same arguments either way.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# --- groups -------------------------------------------------------------------------
+
+
+def resolve_group(group: Group) -> dist.ProcessGroup | None:
+    """The ``ProcessGroup`` behind `group` (``None`` stays ``None``: no parallelism)."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"a DeviceMesh group must be 1-D, got a {group.ndim}-D mesh with dims "
+                f"{group.mesh_dim_names}: pass mesh[name] for the axis you mean"
+            )
+        return group.get_group()
+    raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group)}")
+
+
+def group_size(group: Group) -> int:
+    pg = resolve_group(group)
+    return 1 if pg is None else dist.get_world_size(pg)
+
+
+def group_rank(group: Group) -> int:
+    pg = resolve_group(group)
+    return 0 if pg is None else dist.get_rank(pg)
+
+
+def check_dim0_divisible(x: torch.Tensor, size: int, what: str) -> None:
+    if x.dim() == 0:
+        raise ValueError(f"{what} needs a tensor with a dim 0, got a scalar")
+    if x.shape[0] % size:
+        raise ValueError(
+            f"{what}: dim 0 of size {x.shape[0]} (shape {tuple(x.shape)}) is not divisible "
+            f"by the group size {size}"
+        )
+
+
+def _check_splits(name: str, splits: Sequence[int], size: int, total: int | None) -> list[int]:
+    splits = [int(s) for s in splits]
+    if len(splits) != size:
+        raise ValueError(f"{name} must have one entry per rank ({size}), got {len(splits)}")
+    if any(s < 0 for s in splits):
+        raise ValueError(f"{name} must be non-negative, got {splits}")
+    if total is not None and sum(splits) != total:
+        raise ValueError(f"{name} {splits} sum to {sum(splits)}, but dim 0 has {total} rows")
+    return splits
+
+
+# --- plain collectives (no autograd) ---------------------------------------------------
+
+
+def _gather(x: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:
+    out = x.new_empty((dist.get_world_size(pg) * x.shape[0], *x.shape[1:]))
+    _all_gather_tensor(out, x.contiguous(), group=pg)
+    return out
+
+
+def _scatter_sum(x: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:
+    out = x.new_empty((x.shape[0] // dist.get_world_size(pg), *x.shape[1:]))
+    _reduce_scatter_tensor(out, x.contiguous(), group=pg)
+    return out
+
+
+def _sum(x: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=pg)
+    return out
+
+
+def _exchange(x, pg, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=pg)
+    return out
+
+
+# --- differentiable collectives --------------------------------------------------------
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg):
+        ctx.pg = pg
+        return _gather(x, pg)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _scatter_sum(grad, ctx.pg), None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg):
+        ctx.pg = pg
+        return _scatter_sum(x, pg)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.pg), None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg):
+        ctx.pg = pg
+        return _sum(x, pg)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sum(grad, ctx.pg), None
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg):
+        ctx.pg = pg
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sum(grad, ctx.pg), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg):
+        return _sum(x, pg)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg, output_splits, input_splits):
+        ctx.pg, ctx.output_splits, ctx.input_splits = pg, output_splits, input_splits
+        return _exchange(x, pg, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.pg, ctx.input_splits, ctx.output_splits), None, None, None
+
+
+def all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Concatenate every rank's `x` along dim 0: (n, ...) -> (W*n, ...). Same n on all ranks."""
+    pg = resolve_group(group)
+    if x.dim() == 0:
+        raise ValueError("all_gather needs a tensor with a dim 0, got a scalar")
+    return x if pg is None else _AllGather.apply(x, pg)
+
+
+def reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum `x` over ranks and keep this rank's chunk of dim 0: (W*n, ...) -> (n, ...)."""
+    pg = resolve_group(group)
+    check_dim0_divisible(x, group_size(pg), "reduce_scatter")
+    return x if pg is None else _ReduceScatter.apply(x, pg)
+
+
+def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum `x` over ranks (out of place); the gradient is summed over ranks too."""
+    pg = resolve_group(group)
+    return x if pg is None else _AllReduce.apply(x, pg)
+
+
+def copy_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Identity forward, all-reduce backward: enter a tensor-parallel region."""
+    pg = resolve_group(group)
+    return x if pg is None else _CopyToRegion.apply(x, pg)
+
+
+def reduce_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """All-reduce forward, identity backward: leave a tensor-parallel region."""
+    pg = resolve_group(group)
+    return x if pg is None else _ReduceFromRegion.apply(x, pg)
+
+
+def all_to_all(
+    x: torch.Tensor,
+    group: Group,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Send rows ``input_split_sizes[s]`` of `x` (in order) to rank s; receive
+    ``output_split_sizes[s]`` rows from rank s. ``None`` splits dim 0 evenly.
+
+    Zero-size splits are fine: a rank with nothing to send still calls this, so every
+    rank takes part in the collective and none waits forever.
+    """
+    pg = resolve_group(group)
+    size = group_size(pg)
+    if x.dim() == 0:
+        raise ValueError("all_to_all needs a tensor with a dim 0, got a scalar")
+    if input_split_sizes is None:
+        check_dim0_divisible(x, size, "all_to_all with even input splits")
+        input_split_sizes = [x.shape[0] // size] * size
+    input_splits = _check_splits("input_split_sizes", input_split_sizes, size, x.shape[0])
+    if output_split_sizes is None:
+        output_split_sizes = [x.shape[0] // size] * size if x.shape[0] % size == 0 else None
+        if output_split_sizes is None:
+            raise ValueError(
+                f"all_to_all: output_split_sizes must be given when dim 0 ({x.shape[0]}) is "
+                f"not divisible by the group size {size}"
+            )
+    output_splits = _check_splits("output_split_sizes", output_split_sizes, size, None)
+    if pg is None:
+        return x
+    return _AllToAll.apply(x, pg, output_splits, input_splits)
+
+
+# --- async collectives ---------------------------------------------------------------
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    # One communication stream per GPU, made on first use (never at import).
+    return torch.cuda.Stream(device=device)
+
+
+class Pending:
+    """A collective in flight. `wait()` returns its result, once.
+
+    On CPU (gloo) `wait()` blocks until the work is done. On a GPU the collective was
+    issued from a side stream that first waited for the caller's stream (so it reads
+    finished inputs); `wait()` makes the caller's current stream wait for it, without
+    blocking the host.
+    """
+
+    def __init__(self, works, result, stream: torch.cuda.Stream | None = None):
+        self._works, self._result, self._stream = list(works), result, stream
+        self._done = False
+
+    def wait(self):
+        if self._done:
+            raise RuntimeError("wait() was already called on this Pending collective")
+        self._done = True
+        for work in self._works:
+            work.wait()
+        if self._stream is not None:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+        return self._result
+
+
+def _issue(device: torch.device, issue) -> tuple[list, torch.cuda.Stream | None]:
+    """Run ``issue()`` (which posts async work and returns its handles) on the side stream."""
+    if device.type != "cuda":
+        return issue(), None
+    stream = _side_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        return issue(), stream
+
+
+def all_gather_async(x: torch.Tensor, group: Group, *, out: torch.Tensor | None = None) -> Pending:
+    """Start ``all_gather(x)`` (no autograd) into `out` (W*n, ...); ``.wait()`` returns it."""
+    pg = resolve_group(group)
+    size = group_size(pg)
+    shape = (size * x.shape[0], *x.shape[1:])
+    if out is None:
+        out = x.new_empty(shape)
+    elif out.shape != shape or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {shape}, got {tuple(out.shape)}")
+    if pg is None:
+        return Pending([], out.copy_(x))
+    x = x.contiguous()
+    works, stream = _issue(x.device, lambda: [_all_gather_tensor(out, x, group=pg, async_op=True)])
+    return Pending(works, out, stream)
+
+
+def reduce_scatter_async(x: torch.Tensor, group: Group) -> Pending:
+    """Start ``reduce_scatter(x)`` (no autograd); ``.wait()`` returns this rank's sum."""
+    pg = resolve_group(group)
+    size = group_size(pg)
+    check_dim0_divisible(x, size, "reduce_scatter_async")
+    if pg is None:
+        return Pending([], x)
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    works, stream = _issue(
+        x.device, lambda: [_reduce_scatter_tensor(out, x, group=pg, async_op=True)]
+    )
+    return Pending(works, out, stream)
+
+
+def all_reduce_async(x: torch.Tensor, group: Group) -> Pending:
+    """Start an out-of-place ``all_reduce(x)`` (no autograd); ``.wait()`` returns the sum."""
+    pg = resolve_group(group)
+    if pg is None:
+        return Pending([], x)
+    out = x.clone(memory_format=torch.contiguous_format)
+    works, stream = _issue(x.device, lambda: [dist.all_reduce(out, group=pg, async_op=True)])
+    return Pending(works, out, stream)
+
+
+# --- ring ----------------------------------------------------------------------------
+
+
+class Ring:
+    """Point-to-point ring: send to rank ``r + 1``, receive from rank ``r - 1``.
+
+    At most one exchange is in flight; ``send_recv`` posts it and returns the tensors that
+    `wait` will have filled, so the overlap is visible in the loop::
+
+        ring = Ring(group)
+        for step in range(ring.size):
+            if step + 1 < ring.size:
+                incoming = ring.send_recv(kv)   # posted now ...
+            compute(kv)                         # ... overlaps this
+            if step + 1 < ring.size:
+                kv = ring.wait()                # == incoming, now filled
+
+    Receive buffers are double-buffered: two per (shape, dtype, device), used in turn, so
+    a loop that sends what it last received allocates nothing after the first step. A
+    received tensor stays valid until the second ``send_recv`` after the one that
+    returned it. Misuse (two ``send_recv`` without ``wait``, ``wait`` with nothing in
+    flight, non-contiguous tensors) raises.
+    """
+
+    def __init__(self, group: Group):
+        self._pg = resolve_group(group)
+        self.size = group_size(self._pg)
+        self.rank = group_rank(self._pg)
+        if self._pg is not None:
+            self.next_rank = dist.get_global_rank(self._pg, (self.rank + 1) % self.size)
+            self.prev_rank = dist.get_global_rank(self._pg, (self.rank - 1) % self.size)
+        self._pending: tuple[Pending, bool] | None = None
+        self._buffers: dict[tuple, list[torch.Tensor]] = {}
+
+    def _free_buffer(self, slot: int, tensor: torch.Tensor) -> torch.Tensor:
+        # Each position in the sent sequence has its own pair, used in turn: the buffer
+        # handed out last time may be what is being sent now, so take the other one.
+        key = (slot, tuple(tensor.shape), tensor.dtype, tensor.device)
+        pair = self._buffers.setdefault(key, [])
+        if len(pair) < 2:
+            pair.insert(0, torch.empty_like(tensor, memory_format=torch.contiguous_format))
+        pair.reverse()
+        return pair[-1]
+
+    def send_recv(self, tensors, out=None):
+        """Post: send `tensors` to the next rank, receive the previous rank's into `out`.
+
+        `tensors` is a tensor or a sequence of them (e.g. K and V, or dK and dV in fp32);
+        `out`, if given, has the same structure. Returns the receive tensors.
+        """
+        if self._pending is not None:
+            raise RuntimeError("Ring.send_recv called again before wait(): one exchange at a time")
+        single = isinstance(tensors, torch.Tensor)
+        sends = [tensors] if single else list(tensors)
+        for i, t in enumerate(sends):
+            if not t.is_contiguous():
+                raise ValueError(
+                    f"Ring.send_recv: tensor {i} of shape {tuple(t.shape)} is not contiguous"
+                )
+        if out is None:
+            recvs = [self._free_buffer(i, t) for i, t in enumerate(sends)]
+        else:
+            recvs = [out] if isinstance(out, torch.Tensor) else list(out)
+            if [(r.shape, r.dtype) for r in recvs] != [(t.shape, t.dtype) for t in sends]:
+                raise ValueError(
+                    "Ring.send_recv: out must match the sent tensors in shape and dtype"
+                )
+        if self.size == 1:
+            for r, t in zip(recvs, sends, strict=True):
+                r.copy_(t)
+            pending = Pending([], recvs)
+        else:
+            ops = [dist.P2POp(dist.isend, t, self.next_rank, self._pg) for t in sends]
+            ops += [dist.P2POp(dist.irecv, r, self.prev_rank, self._pg) for r in recvs]
+            works, stream = _issue(sends[0].device, lambda: dist.batch_isend_irecv(ops))
+            pending = Pending(works, recvs, stream)
+        self._pending = (pending, single)
+        return recvs[0] if single else recvs
+
+    def wait(self):
+        """Wait for the exchange posted by `send_recv` and return what it received."""
+        if self._pending is None:
+            raise RuntimeError("Ring.wait called with no send_recv in flight")
+        (pending, single), self._pending = self._pending, None
+        recvs = pending.wait()
+        return recvs[0] if single else recvs

@@ -1,0 +1,1 @@
+"""nn.Modules built from fusedpar.ops: parallel linears, attention, MoE."""

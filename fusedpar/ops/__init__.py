@@ -1,0 +1,1 @@
+"""autograd Functions and the functional API, one module per op family."""

@@ -1,0 +1,22 @@
+"""The harness fusedpar's tests use, and that users get for their own parallel models.
+
+- `World`: a persistent pool of ranks; ``world.run(fn, *args)`` runs on every rank.
+- `assert_close`: the tolerance rule (twice PyTorch's own error against float64).
+- `strategies`: hypothesis profiles and strategies.
+- `compile_gate`: compile Triton kernels for sm_80/sm_90 without a GPU.
+"""
+
+from fusedpar.testing import compile_gate, strategies
+from fusedpar.testing.tolerance import assert_close, tolerance
+from fusedpar.testing.world import World, WorldError, WorldTimeout, shared_world
+
+__all__ = [
+    "World",
+    "WorldError",
+    "WorldTimeout",
+    "assert_close",
+    "compile_gate",
+    "shared_world",
+    "strategies",
+    "tolerance",
+]

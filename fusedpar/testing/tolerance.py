@@ -1,0 +1,50 @@
+"""The numerics contract of DESIGN.md as assertions.
+
+A result passes when ``max|out - ref| <= 2 * max|out_torch - ref| + floor``, where ``ref``
+is the float64 oracle and ``out_torch`` the same math done by plain PyTorch in the op's
+dtype (FlashAttention's "twice PyTorch's own error" rule). ``floor`` absorbs the cases
+where PyTorch happens to be exact: a few units of the dtype's precision at the
+reference's scale (``FLOOR[dtype] * max(1, max|ref|)``).
+"""
+
+import torch
+
+# About 8 ulps at magnitude 1: a different summation order alone can cost this much.
+FLOOR = {
+    torch.float64: 1e-12,
+    torch.float32: 1e-6,
+    torch.float16: 4e-3,
+    torch.bfloat16: 3e-2,
+}
+
+
+def tolerance(ref: torch.Tensor, out_torch: torch.Tensor, dtype: torch.dtype) -> float:
+    """The largest error the contract allows for an op of `dtype` against `ref`."""
+    ref, out_torch = ref.double(), out_torch.double()
+    finite = torch.isfinite(ref)  # e.g. an LSE of -inf for a row that sees no key
+    if not finite.any():
+        return FLOOR[dtype]
+    torch_err = (out_torch[finite] - ref[finite]).abs().max().item()
+    scale = max(1.0, ref[finite].abs().max().item())
+    return 2 * torch_err + FLOOR[dtype] * scale
+
+
+def assert_close(
+    out: torch.Tensor, ref: torch.Tensor, out_torch: torch.Tensor, *, name: str = "output"
+) -> None:
+    """Assert the tolerance rule for `out` (any float dtype) against the float64 `ref`."""
+    dtype = out.dtype
+    if out.shape != ref.shape:
+        raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
+    out, ref = out.double(), ref.double()
+    finite = torch.isfinite(ref)
+    if not torch.equal(torch.isfinite(out), finite) or not torch.equal(out[~finite], ref[~finite]):
+        bad = (torch.isfinite(out) != finite).sum().item()
+        raise AssertionError(f"{name}: non-finite values differ from the reference at {bad} places")
+    err = (out[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
+    allowed = tolerance(ref, out_torch, dtype)
+    if not err <= allowed:
+        raise AssertionError(
+            f"{name}: max error {err:.3g} > allowed {allowed:.3g} "
+            f"(2 x PyTorch's {dtype} error + floor), shape {tuple(out.shape)}"
+        )

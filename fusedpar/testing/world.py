@@ -1,0 +1,376 @@
+"""`World`: a persistent pool of ranks for running parallel code from one test process.
+
+    with World(4) as world:
+        results = world.run(fn, *args)   # fn(*args) on every rank, results in rank order
+
+Each rank is a spawned process with the default process group initialized (gloo on CPU,
+NCCL on GPUs), reused for every call, so a property test pays the start-up once rather
+than per example. ``fn`` and its arguments are pickled, so ``fn`` must be defined at
+module level. A call fails as a whole: if any rank raises, `WorldError` carries every
+rank's traceback; if the call runs past its timeout, `WorldTimeout` carries every
+running rank's Python stack. The pool is then killed and started afresh on the next call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import faulthandler
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+# After the first rank fails, how long the others get to finish before they are taken to
+# be stuck (typically in a collective that the failed rank never joined).
+ERROR_GRACE_S = 5.0
+# How long a graceful shutdown may take before the ranks are killed.
+CLOSE_TIMEOUT_S = 10.0
+
+
+class WorldError(RuntimeError):
+    """A `World.run` call failed on at least one rank.
+
+    ``exceptions`` maps each failed rank to the exception it raised (a ``RuntimeError``
+    stand-in when the original cannot be pickled); ``tracebacks`` maps every rank that
+    failed, hung or died to a text: its traceback, its stack dump, or its exit code.
+    """
+
+    def __init__(self, message: str, exceptions: dict, tracebacks: dict):
+        super().__init__(message)
+        self.exceptions = exceptions
+        self.tracebacks = tracebacks
+
+
+class WorldTimeout(WorldError):
+    """A `World.run` call ran past its timeout; ``tracebacks`` holds each rank's stack."""
+
+
+class World:
+    """A pool of `world_size` ranks, started on the first call, reused until `close`.
+
+    Args:
+        world_size: number of ranks.
+        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (rank r uses GPU r % device count).
+        timeout: seconds a `run` call may take before it fails with `WorldTimeout`.
+        threads_per_rank: ``torch.set_num_threads`` in each rank; by default the cores are
+            shared out, so W ranks do not oversubscribe the machine.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        backend: str = "gloo",
+        timeout: float = 300.0,
+        threads_per_rank: int | None = None,
+    ):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout = timeout
+        self.threads_per_rank = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+        self._procs: list = []
+        self._conns: list = []
+        self._tmpdir: str | None = None
+        self.starts = 0  # how many times the pool was (re)started; tests read it
+
+    # --- life cycle -------------------------------------------------------------------
+
+    def __enter__(self) -> World:
+        self._ensure_started()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def _ensure_started(self) -> None:
+        if self._procs:
+            if self.alive:
+                return
+            self._kill()
+        ctx = mp.get_context("spawn")
+        self._tmpdir = tempfile.mkdtemp(prefix="fusedpar-world-")
+        init_file = os.path.join(self._tmpdir, "init")
+        for rank in range(self.world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=True)
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(rank, self.world_size, self.backend, init_file, child_conn,
+                      self._dump_path(rank), self.threads_per_rank, os.getpid()),
+                name=f"fusedpar-rank{rank}",
+                daemon=True,
+            )  # fmt: skip
+            proc.start()
+            child_conn.close()
+            self._procs.append(proc)
+            self._conns.append(parent_conn)
+        self.starts += 1
+        _live_worlds.add(self)
+        replies = self._collect(range(self.world_size), time.monotonic() + max(self.timeout, 120))
+        failed = {r: text for r, (kind, text) in replies.items() if kind != "ready"}
+        if failed or len(replies) < self.world_size:
+            missing = set(range(self.world_size)) - set(replies)
+            self._kill()
+            details = "\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(failed.items()))
+            raise WorldError(
+                f"World({self.world_size}) failed to start (no reply from ranks "
+                f"{sorted(missing)})\n{details}", {}, failed,
+            )  # fmt: skip
+
+    def close(self) -> None:
+        """Shut the ranks down (gracefully, then by force). The World can start again."""
+        for conn in self._conns:
+            with contextlib.suppress(OSError):  # a dead rank's pipe is closed
+                conn.send_bytes(pickle.dumps(("close", None)))
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        self._kill()
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+        _live_worlds.discard(self)
+
+    # --- calls ------------------------------------------------------------------------
+
+    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        try:
+            payload = pickle.dumps(("call", (list(sys.path), fn, args, kwargs)))
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            raise TypeError(
+                f"World.run pickles fn and its arguments for the ranks: {e}. Define fn at "
+                "module level and pass plain data (numbers, strings, tensors, dicts)."
+            ) from e
+        self._ensure_started()
+        timeout = self.timeout if timeout is None else timeout
+        results, exceptions, texts, stuck = self._call(payload, timeout)
+        if not texts:
+            return results
+        if stuck:
+            self._kill()  # a stuck rank holds the process group: start afresh
+        elif not self._healthy():
+            self._kill()
+        what = "timed out" if set(texts) == set(stuck) else "failed"
+        lines = [f"World({self.world_size}).run({getattr(fn, '__qualname__', fn)}) {what}:"]
+        lines += [f"--- rank {r} ---\n{texts[r]}" for r in sorted(texts)]
+        error = WorldTimeout if what == "timed out" else WorldError
+        raise error("\n".join(lines), exceptions, texts)
+
+    def _call(self, payload: bytes, timeout: float):
+        for conn in self._conns:
+            conn.send_bytes(payload)
+        start = time.monotonic()
+        replies = self._collect(range(self.world_size), start + timeout, ERROR_GRACE_S)
+        results = [None] * self.world_size
+        exceptions, texts = {}, {}
+        for rank, (kind, value) in replies.items():
+            if kind == "ok":
+                results[rank] = value
+            elif kind == "error":
+                exceptions[rank], texts[rank] = _revive(value), value["traceback"]
+            else:  # died
+                texts[rank] = value
+        stuck = sorted(set(range(self.world_size)) - set(replies))
+        elapsed = time.monotonic() - start
+        for rank, stack in self._dump_stacks(stuck).items():
+            texts[rank] = f"still running after {elapsed:.1f} s; its stack:\n{stack}"
+        return results, exceptions, texts, stuck
+
+    def _collect(self, ranks, deadline: float, grace: float | None = None) -> dict:
+        """Read one reply from each of `ranks` until `deadline` (or `grace` s after an error)."""
+        waiting = {self._conns[r]: r for r in ranks}
+        sentinels = {self._procs[r].sentinel: r for r in ranks}
+        replies: dict[int, tuple] = {}
+        while waiting:
+            ready = mp.connection.wait(
+                list(waiting) + [s for s, r in sentinels.items() if r not in replies],
+                timeout=max(0.0, deadline - time.monotonic()),
+            )
+            if not ready:
+                break
+            for obj in ready:
+                if obj in waiting and obj.poll():
+                    rank = waiting.pop(obj)
+                    try:
+                        replies[rank] = pickle.loads(obj.recv_bytes())
+                    except (EOFError, OSError):
+                        replies[rank] = ("died", self._death_note(rank))
+                elif obj in sentinels and sentinels[obj] not in replies:
+                    rank = sentinels[obj]
+                    conn = self._conns[rank]
+                    if conn in waiting and not conn.poll():
+                        waiting.pop(conn)
+                        replies[rank] = ("died", self._death_note(rank))
+            if grace is not None and any(kind != "ok" for kind, _ in replies.values()):
+                deadline = min(deadline, time.monotonic() + grace)
+                grace = None
+        return replies
+
+    def _death_note(self, rank: int) -> str:
+        proc = self._procs[rank]
+        proc.join(1.0)
+        return f"rank {rank} exited (exit code {proc.exitcode}) without replying"
+
+    def _dump_stacks(self, ranks) -> dict[int, str]:
+        if not ranks:
+            return {}
+        offsets = {}
+        for rank in ranks:
+            path = self._dump_path(rank)
+            offsets[rank] = os.path.getsize(path) if os.path.exists(path) else 0
+            if self._procs[rank].is_alive():
+                os.kill(self._procs[rank].pid, signal.SIGUSR1)
+        time.sleep(0.5)  # faulthandler writes from the signal handler, promptly
+        dumps = {}
+        for rank in ranks:
+            try:
+                with open(self._dump_path(rank)) as f:
+                    f.seek(offsets[rank])
+                    dumps[rank] = f.read().strip() or "(no stack dump was written)"
+            except OSError:
+                dumps[rank] = "(no stack dump was written)"
+        return dumps
+
+    def _healthy(self) -> bool:
+        """After a failure where every rank returned: can the group still communicate?"""
+        if not self.alive:
+            return False
+        payload = pickle.dumps(("call", (list(sys.path), _health_probe, (), {})))
+        results, _, texts, _ = self._call(payload, timeout=30.0)
+        return not texts and all(r == self.world_size for r in results)
+
+    def _dump_path(self, rank: int) -> str:
+        return os.path.join(self._tmpdir, f"stack{rank}.txt")
+
+
+# --- pool sharing ----------------------------------------------------------------------
+
+_live_worlds: set[World] = set()
+_shared: dict[tuple, World] = {}
+
+
+def shared_world(world_size: int, **kwargs) -> World:
+    """A process-wide `World` per (world_size, options), made on first use.
+
+    Test suites call this from many tests and hypothesis examples and get one pool per
+    world size for the whole session. Every World still running is closed at exit.
+    """
+    key = (world_size, tuple(sorted(kwargs.items())))
+    if key not in _shared:
+        _shared[key] = World(world_size, **kwargs)
+    return _shared[key]
+
+
+@atexit.register
+def _close_all() -> None:
+    for world in list(_live_worlds):
+        world.close()
+
+
+# --- inside a rank ---------------------------------------------------------------------
+
+
+def _health_probe() -> int:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def _describe(exc: BaseException) -> dict:
+    text = "".join(traceback.format_exception(exc))
+    try:
+        blob = pickle.dumps(exc)
+        pickle.loads(blob)
+    except Exception:
+        blob = None
+    return {"type": type(exc).__name__, "message": str(exc), "traceback": text, "pickled": blob}
+
+
+def _revive(desc: dict) -> BaseException:
+    if desc["pickled"] is not None:
+        try:
+            return pickle.loads(desc["pickled"])
+        except Exception:
+            pass
+    return RuntimeError(f"{desc['type']}: {desc['message']}")
+
+
+def _watch_parent(parent_pid: int) -> None:
+    # A rank stuck in a collective never reads its pipe again; this thread still sees the
+    # test process go away and ends the rank, so no process outlives the session.
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def _rank_main(rank, world_size, backend, init_file, conn, dump_path, threads, parent_pid):
+    dump_file = open(dump_path, "w")  # noqa: SIM115 (stays open for faulthandler)
+    faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        elif sys.platform == "linux":
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks are on this host
+        dist.init_process_group(
+            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            timeout=timedelta(hours=1),  # the driver's per-call timeout is what counts
+        )  # fmt: skip
+    except BaseException as e:
+        conn.send_bytes(pickle.dumps(("init-error", _describe(e)["traceback"])))
+        return
+    conn.send_bytes(pickle.dumps(("ready", None)))
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):
+            break
+        try:
+            kind, payload = pickle.loads(message)
+            if kind == "close":
+                break
+            path, fn, args, kwargs = payload
+            sys.path[:0] = [p for p in path if p not in sys.path]
+            reply = ("ok", fn(*args, **kwargs))
+        except BaseException as e:
+            reply = ("error", _describe(e))
+        try:
+            blob = pickle.dumps(reply)
+        except Exception as e:
+            blob = pickle.dumps(("error", _describe(TypeError(f"result cannot be pickled: {e}"))))
+        conn.send_bytes(blob)
+    dist.destroy_process_group()

@@ -1,0 +1,260 @@
+"""Tiled GEMM with strided operands: ``C = A @ B (+ bias)`` or ``C += A @ B (+ bias)``.
+
+| tensor | shape  | dtype                          | strides   |
+| ------ | ------ | ------------------------------ | --------- |
+| A      | (M, K) | fp16, bf16 or fp32             | any       |
+| B      | (K, N) | A's                            | any       |
+| bias   | (N,)   | A's or fp32                    | any       |
+| C      | (M, N) | A's or fp32                    | any       |
+
+Any strides means a transposed weight (``weight.T``) is read in place and C can be a
+slice of a larger buffer (a chunk's rows of an all-gathered output). Products accumulate
+in fp32 and are rounded once; with ``accumulate=True`` the old C is added in fp32 before
+that rounding, which is how reduce-scatter partials and weight gradients build up in an
+fp32 buffer.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from fusedpar.kernels._common import (
+    check_float_dtype,
+    check_launchable,
+    fp32_dot_precision,
+    is_interpreted,
+)
+
+# Row blocks that share one column of B tiles in L2 (the Triton tutorial's grouped order).
+GROUP_M = 8
+# The interpreter runs one program at a time in numpy: fewer, larger tiles are faster, and
+# 64 keeps the per-program arrays small on 2 cores.
+INTERPRETER_MAX_BLOCK = 64
+
+
+def matmul_configs() -> list[triton.Config]:
+    """Tiles the autotuner tries on a GPU (pruned for small problems by `_prune_configs`).
+
+    Large tiles with 8 warps feed Hopper's wgmma; the small ones serve thin TP shards and
+    decode-sized M. fp32 configs that overflow shared memory are skipped by the autotuner.
+    """
+    tiles = [
+        # BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps
+        (128, 256, 64, 3, 8),
+        (256, 128, 64, 3, 8),
+        (128, 128, 64, 4, 8),
+        (128, 128, 64, 3, 4),
+        (128, 64, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+        (64, 64, 64, 4, 4),
+        (128, 32, 32, 4, 4),
+        (64, 32, 32, 5, 2),
+        (32, 64, 32, 5, 2),
+        (32, 32, 32, 4, 2),
+    ]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=s, num_warps=w)
+        for bm, bn, bk, s, w in tiles
+    ]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Drop tiles larger than the problem (they only waste lanes); keep at least one."""
+    limit_m = max(32, triton.next_power_of_2(named_args["M"]))
+    limit_n = max(32, triton.next_power_of_2(named_args["N"]))
+    limit_k = max(32, triton.next_power_of_2(named_args["K"]))
+    kept = [
+        c
+        for c in configs
+        if c.kwargs["BLOCK_M"] <= limit_m
+        and c.kwargs["BLOCK_N"] <= limit_n
+        and c.kwargs["BLOCK_K"] <= limit_k
+    ]
+    if kept:
+        return kept
+    return [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+@triton.jit
+def _matmul_kernel(
+    # pointers
+    a_ptr, b_ptr, c_ptr, bias_ptr,
+    # strides
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+    # sizes
+    M, N, K,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # Grouped launch order: GROUP_M consecutive row blocks walk the same column blocks, so
+    # the B tiles they share stay in L2.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // pids_per_group) * GROUP_M
+    group_rows = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % pids_per_group) % group_rows
+    pid_n = (pid % pids_per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows and columns past the edge wrap onto valid ones, so the loads need no M/N mask;
+    # only the store is masked. Row offsets are 64-bit: M * stride can pass 2**31.
+    rows_a = (offs_m % M).to(tl.int64)
+    cols_b = offs_n % N
+    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols_b[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@functools.cache
+def _autotuned_matmul_kernel():
+    # Built on first use, not at import. `restore_value` puts C back after each timed
+    # trial, so tuning a `C += A @ B` call does not add the product several times.
+    return triton.autotune(
+        configs=matmul_configs(),
+        key=["M", "N", "K"],
+        prune_configs_by={"early_config_prune": _prune_configs},
+        restore_value=["c_ptr"],
+    )(triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_matmul_kernel))
+
+
+def _interpreter_block(size: int) -> int:
+    return min(INTERPRETER_MAX_BLOCK, max(16, triton.next_power_of_2(size)))
+
+
+def _check_operands(a, b, bias, out, accumulate, out_dtype):
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(
+            f"matmul takes 2-D A (M, K) and B (K, N), got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    (M, K), (K_b, N) = a.shape, b.shape
+    if K_b != K:
+        raise ValueError(
+            f"inner sizes differ: A is (M, K) = {tuple(a.shape)}, B is (K, N) = {tuple(b.shape)}"
+        )
+    check_float_dtype("A", a)
+    if b.dtype != a.dtype:
+        raise TypeError(f"A and B must share a dtype, got {a.dtype} and {b.dtype}")
+    out_dtypes = (a.dtype, torch.float32)
+    if bias is not None:
+        if bias.shape != (N,):
+            raise ValueError(f"bias must be (N,) = ({N},), got {tuple(bias.shape)}")
+        check_float_dtype("bias", bias, out_dtypes)
+    if accumulate and out is None:
+        raise ValueError("accumulate=True adds into `out`, so `out` must be given")
+    if out is not None:
+        if out.shape != (M, N):
+            raise ValueError(f"out must be (M, N) = ({M}, {N}), got {tuple(out.shape)}")
+        check_float_dtype("out", out, out_dtypes)
+        if out_dtype is not None and out_dtype != out.dtype:
+            raise TypeError(f"out_dtype={out_dtype} contradicts out.dtype={out.dtype}")
+    elif out_dtype is not None and out_dtype not in out_dtypes:
+        raise TypeError(f"out_dtype must be A's dtype ({a.dtype}) or float32, got {out_dtype}")
+
+
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``C = A @ B (+ bias)``, or ``C += A @ B (+ bias)`` with ``accumulate=True``.
+
+    a (M, K), b (K, N), bias (N,), out (M, N): any strides, no copies. ``out`` defaults to
+    a new tensor of ``out_dtype`` (A's dtype unless given: A's or float32). Returns C.
+    """
+    _check_operands(a, b, bias, out, accumulate, out_dtype)
+    tensors = [t for t in (a, b, bias, out) if t is not None]
+    check_launchable(_matmul_kernel, *tensors)
+    (M, K), N = a.shape, b.shape[1]
+    if out is None:
+        out = torch.empty((M, N), dtype=out_dtype or a.dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+
+    args = (
+        a, b, out, bias if bias is not None else out,  # bias_ptr is unused without bias
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        bias.stride(0) if bias is not None else 0,
+        M, N, K,
+    )  # fmt: skip
+    meta = dict(
+        HAS_BIAS=bias is not None,
+        ACCUMULATE=accumulate,
+        INPUT_PRECISION=fp32_dot_precision() if a.dtype == torch.float32 else "tf32",
+        GROUP_M=GROUP_M,
+    )
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    if is_interpreted(_matmul_kernel):
+        block_m, block_n, block_k = map(_interpreter_block, (M, N, K))
+        _matmul_kernel[grid](
+            *args,
+            **meta,
+            EVEN_K=K % block_k == 0,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+        )
+    else:
+        _autotuned_matmul_kernel()[grid](*args, **meta)
+    return out
+
+
+def matmul_reference(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`matmul`'s contract in plain PyTorch, computed in A's dtype (float64 in -> the oracle).
+
+    Returns a new tensor; ``out`` is read (for ``accumulate``), never written.
+    """
+    c = a @ b
+    if bias is not None:
+        c = c + bias.to(c.dtype)
+    if accumulate:
+        c = out.to(c.dtype) + c
+    dtype = out.dtype if out is not None else out_dtype
+    return c if dtype is None or c.dtype == torch.float64 else c.to(dtype)

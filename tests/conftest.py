@@ -1,0 +1,58 @@
+"""Test tiers: the CPU tier (default) runs Triton in its interpreter; ``pytest -m gpu``
+runs the GPU tier with compiled kernels. ``@triton.jit`` reads ``TRITON_INTERPRET`` when a
+kernel is decorated, so it is set here, before any test module imports triton; spawned
+ranks inherit it from this process's environment.
+"""
+
+import os
+import sys
+
+_CHOSEN_BY_USER = "TRITON_INTERPRET" in os.environ
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def _gpu_tier_selected(config) -> bool:
+    markexpr = (config.getoption("markexpr") or "").replace(" ", "")
+    return markexpr == "gpu"
+
+
+def pytest_configure(config):
+    if _gpu_tier_selected(config) and not _CHOSEN_BY_USER:
+        assert "triton" not in sys.modules, "triton was imported before conftest chose the tier"
+        os.environ["TRITON_INTERPRET"] = "0"
+    from fusedpar.testing.strategies import register_profiles
+
+    register_profiles()
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if not torch.cuda.is_available():
+        reason = "CUDA is not available: the GPU tier needs a GPU"
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        reason = "this run interprets Triton kernels; run the GPU tier with `pytest -m gpu`"
+    else:
+        return
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def world():
+    """``world(n)``: the session's pool of n ranks (one per size, reused by every test)."""
+    from fusedpar.testing import shared_world
+
+    used = []
+
+    def get(world_size: int):
+        w = shared_world(world_size)
+        used.append(w)
+        return w
+
+    yield get
+    for w in used:
+        w.close()

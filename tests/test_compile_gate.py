@@ -1,0 +1,76 @@
+"""The compile gate: every Triton kernel compiles for sm_80 and sm_90 with no GPU present.
+
+All cases compile in one subprocess without the interpreter (see
+`fusedpar.testing.compile_gate`); each case is then its own test.
+"""
+
+import pytest
+
+from fusedpar.testing.compile_gate import compile_in_subprocess
+
+# Shared memory per block (opt-in maximum) on A100 and H100.
+SHARED_LIMIT = {80: 166912, 90: 232448}
+
+
+def _matmul_case(
+    dtype, c_dtype, cap, bias, accumulate, tile, num_warps, num_stages, precision="tf32"
+):
+    block_m, block_n, block_k = tile
+    signature = {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "c_ptr": f"*{c_dtype}",
+                 "bias_ptr": f"*{c_dtype}"}  # fmt: skip
+    signature.update({name: "i32" for name in (
+        "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
+        "stride_bias", "M", "N", "K")})  # fmt: skip
+    return {
+        "kernel": "fusedpar.kernels.matmul:_matmul_kernel",
+        "signature": signature,
+        "constexprs": {
+            "HAS_BIAS": bias,
+            "ACCUMULATE": accumulate,
+            "EVEN_K": False,
+            "INPUT_PRECISION": precision,
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+            "BLOCK_K": block_k,
+            "GROUP_M": 8,
+        },  # fmt: skip
+        "cap": cap,
+        "num_warps": num_warps,
+        "num_stages": num_stages,
+    }
+
+
+CASES = {}
+for cap in (80, 90):
+    for dtype in ("fp16", "bf16"):
+        # the largest tile of the autotune list, writing dtype with a bias ...
+        CASES[f"matmul-{dtype}-bias-sm{cap}"] = _matmul_case(
+            dtype, dtype, cap, True, False, (128, 256, 64), 8, 3
+        )
+        # ... and a mid tile accumulating into an fp32 C (reduce-scatter partials, dW)
+        CASES[f"matmul-{dtype}-accumulate-fp32-sm{cap}"] = _matmul_case(
+            dtype, "fp32", cap, False, True, (128, 128, 64), 4, 3
+        )
+    for precision in ("ieee", "tf32"):  # torch's "highest" and "high" fp32 matmul precision
+        CASES[f"matmul-fp32-{precision}-sm{cap}"] = _matmul_case(
+            "fp32", "fp32", cap, True, False, (64, 64, 32), 4, 3, precision
+        )
+
+# Kernels whose sm_90 PTX must use wgmma. Full-precision fp32 has no tensor-core path.
+WGMMA_EXPECTED = {name for name in CASES if name.startswith("matmul") and "ieee" not in name}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    names = list(CASES)
+    return dict(zip(names, compile_in_subprocess([CASES[n] for n in names]), strict=True))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_compiles(compiled, name):
+    result = compiled[name]
+    assert result["ok"], result["error"]
+    cap = CASES[name]["cap"]
+    assert result["shared"] <= SHARED_LIMIT[cap], f"{result['shared']} bytes of shared memory"
+    if cap == 90 and name in WGMMA_EXPECTED:
+        assert result["wgmma"], "the sm_90 PTX should use wgmma (Hopper's warpgroup MMA)"

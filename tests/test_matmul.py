@@ -1,0 +1,114 @@
+"""fusedpar.kernels.matmul against float64, with odd sizes, strides, slices and accumulation."""
+
+import pytest
+import torch
+from fusedpar.kernels.matmul import matmul, matmul_reference
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from fusedpar.testing import assert_close
+from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
+
+
+def _operand(shape, dtype, seed, transposed):
+    """A (rows, cols) operand; transposed ones are views of a (cols, rows) tensor."""
+    if transposed:
+        return randn(shape[::-1], dtype, seed).T
+    return randn(shape, dtype, seed)
+
+
+@given(
+    M=st.integers(1, 80), N=st.integers(1, 80), K=st.integers(1, 80),
+    dtype=cpu_dtypes(), seed=seeds(),
+    a_t=st.booleans(), b_t=st.booleans(), bias=st.booleans(),
+    mode=st.sampled_from(["new", "slice", "accumulate-fp32", "accumulate"]),
+)  # fmt: skip
+@example(M=1, N=1, K=1, dtype=torch.float32, seed=0, a_t=False, b_t=False, bias=True, mode="new")
+@example(M=65, N=33, K=17, dtype=torch.float16, seed=1, a_t=True, b_t=True, bias=True,
+         mode="accumulate-fp32")  # fmt: skip
+@example(M=7, N=70, K=64, dtype=torch.float32, seed=2, a_t=False, b_t=True, bias=False,
+         mode="slice")  # fmt: skip
+def test_matmul_matches_float64(M, N, K, dtype, seed, a_t, b_t, bias, mode):
+    a = _operand((M, K), dtype, seed, a_t)
+    b = _operand((K, N), dtype, seed + 1, b_t)
+    bias_t = randn((N,), dtype, seed + 2) if bias else None
+    kwargs = {"bias": bias_t}
+    if mode == "slice":  # write into a window of a larger buffer, strides untouched
+        big = randn((M + 5, N + 7), dtype, seed + 3)
+        kwargs["out"] = big[2 : 2 + M, 3 : 3 + N]
+    elif mode.startswith("accumulate"):
+        out_dtype = torch.float32 if mode == "accumulate-fp32" else dtype
+        kwargs.update(out=randn((M, N), out_dtype, seed + 3), accumulate=True)
+    before = kwargs["out"].clone() if "out" in kwargs else None
+
+    ref = matmul_reference(
+        a.double(), b.double(), bias=None if bias_t is None else bias_t.double(),
+        out=before, accumulate=kwargs.get("accumulate", False),
+    )  # fmt: skip
+    expected_torch = matmul_reference(
+        a, b, out=before, **{k: v for k, v in kwargs.items() if k != "out"}
+    )
+    c = matmul(a, b, **kwargs)
+
+    assert_close(c, ref, expected_torch, name="C")
+    if mode == "slice":
+        assert c.data_ptr() == kwargs["out"].data_ptr()
+        mask = torch.ones_like(big, dtype=torch.bool)
+        mask[2 : 2 + M, 3 : 3 + N] = False
+        assert torch.equal(big[mask], randn((M + 5, N + 7), dtype, seed + 3)[mask])  # rest intact
+
+
+def test_out_dtype_fp32_and_empty_sizes():
+    a, b = randn((9, 5), torch.float16, 0), randn((5, 11), torch.float16, 1)
+    c = matmul(a, b, out_dtype=torch.float32)
+    assert c.dtype == torch.float32
+    assert_close(c, a.double() @ b.double(), (a @ b).float())
+    assert matmul(a[:0], b).shape == (0, 11)
+    bias = randn((11,), torch.float32, 2)
+    assert torch.equal(
+        matmul(a[:, :0], b[:0], bias=bias, out_dtype=torch.float32), bias.expand(9, 11)
+    )
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, match",
+    [
+        ((torch.ones(2, 3), torch.ones(4, 5)), {}, ValueError, r"\(2, 3\).*\(4, 5\)"),
+        ((torch.ones(2, 3, 1), torch.ones(3, 5)), {}, ValueError, "2-D"),
+        ((torch.ones(2, 3), torch.ones(3, 5, dtype=torch.float16)), {}, TypeError, "share a dtype"),
+        (
+            (torch.ones(2, 3, dtype=torch.int32), torch.ones(3, 2, dtype=torch.int32)),
+            {},
+            TypeError,
+            "int32",
+        ),
+        ((torch.ones(2, 3), torch.ones(3, 5)), {"bias": torch.ones(4)}, ValueError, r"\(5,\)"),
+        ((torch.ones(2, 3), torch.ones(3, 5)), {"out": torch.ones(5, 2)}, ValueError, r"\(2, 5\)"),
+        ((torch.ones(2, 3), torch.ones(3, 5)), {"accumulate": True}, ValueError, "out"),
+        (
+            (torch.ones(2, 3), torch.ones(3, 5)),
+            {"out_dtype": torch.float16},
+            TypeError,
+            "out_dtype",
+        ),
+    ],
+)
+def test_bad_input_is_a_clear_error(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        matmul(*args, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("M, N, K", [(4096, 2048, 4096), (3000, 1792, 8192), (1, 14336, 4096)])
+def test_matmul_gpu(dtype, M, N, K):
+    a = randn((M, K), dtype, 0).cuda()
+    w = randn((N, K), dtype, 1).cuda()  # a weight, read transposed in place
+    bias = randn((N,), dtype, 2).cuda()
+    c = matmul(a, w.T, bias=bias)
+    ref = a.double() @ w.T.double() + bias.double()
+    assert_close(c, ref, a @ w.T + bias)
+    before = randn((M, N), torch.float32, 3).cuda()
+    acc = before.clone()
+    matmul(a, w.T, out=acc, accumulate=True)
+    assert_close(acc, before.double() + a.double() @ w.T.double(), before + (a @ w.T).float())

@@ -1,0 +1,153 @@
+"""fusedpar.testing.World: results, failures, hangs, respawns, no orphans."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fusedpar.testing import World, WorldError, WorldTimeout
+from fusedpar.testing.strategies import randn, seeds
+
+# --- functions the ranks run (module level: World pickles them by name) -------------
+
+
+def whoami():
+    return dist.get_rank(), dist.get_world_size(), os.getpid()
+
+
+def gather_and_sum(seed, shape):
+    x = randn(shape, torch.float32, seed + dist.get_rank())
+    gathered = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, x)
+    total = x.clone()
+    dist.all_reduce(total)
+    return torch.cat(gathered), total
+
+
+def raise_on(rank):
+    if dist.get_rank() == rank:
+        raise ValueError(f"rank {rank} rejects its input")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the others wait here for the rank that raised
+    return t.item()
+
+
+def raise_everywhere():
+    raise ValueError(f"bad input seen on rank {dist.get_rank()}")
+
+
+def sleep_on(rank, seconds):
+    if dist.get_rank() == rank:
+        time.sleep(seconds)
+    return dist.get_rank()
+
+
+def exit_on(rank):
+    if dist.get_rank() == rank:
+        os._exit(3)
+    return dist.get_rank()
+
+
+# --- tests ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_run_returns_rank_results(world, world_size):
+    results = world(world_size).run(whoami)
+    assert [r[:2] for r in results] == [(rank, world_size) for rank in range(world_size)]
+    assert len({pid for _, _, pid in results}) == world_size
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_pool_is_reused(world, world_size):
+    w = world(world_size)
+    pids = [r[2] for r in w.run(whoami)]
+    starts = w.starts
+    assert [r[2] for r in w.run(whoami)] == pids
+    assert w.starts == starts
+
+
+@given(seed=seeds(), rows=st.integers(0, 5), cols=st.integers(1, 4))
+def test_collectives_match_single_process(world, seed, rows, cols):
+    world_size = 4
+    results = world(world_size).run(gather_and_sum, seed, (rows, cols))
+    parts = [randn((rows, cols), torch.float32, seed + r) for r in range(world_size)]
+    for gathered, total in results:
+        assert torch.equal(gathered, torch.cat(parts))
+        torch.testing.assert_close(total, sum(parts[1:], parts[0].clone()), rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def scratch_world():
+    """A pool of its own, so the failures below do not restart the shared ones."""
+    with World(2, timeout=60) as w:
+        yield w
+
+
+def test_a_raising_rank_fails_the_call_with_every_traceback(scratch_world):
+    with pytest.raises(WorldError) as info:
+        scratch_world.run(raise_on, 1)
+    err = info.value
+    assert not isinstance(err, WorldTimeout)
+    assert set(err.exceptions) == {1} and isinstance(err.exceptions[1], ValueError)
+    assert "rank 1 rejects its input" in err.tracebacks[1]
+    # rank 0 was left in all_reduce: its stack says where
+    assert "raise_on" in err.tracebacks[0] and "all_reduce" in err.tracebacks[0]
+    assert "--- rank 0 ---" in str(err) and "--- rank 1 ---" in str(err)
+    assert scratch_world.run(whoami)[1][:2] == (1, 2)  # respawned, usable
+
+
+def test_every_rank_raising_keeps_the_pool(scratch_world):
+    scratch_world.run(whoami)
+    starts = scratch_world.starts
+    with pytest.raises(WorldError) as info:
+        scratch_world.run(raise_everywhere)
+    assert sorted(info.value.exceptions) == [0, 1]
+    assert all(isinstance(e, ValueError) for e in info.value.exceptions.values())
+    assert scratch_world.run(whoami)[0][:2] == (0, 2)
+    assert scratch_world.starts == starts  # nothing was stuck: no restart needed
+
+
+def test_a_hanging_rank_times_out_with_its_stack(scratch_world):
+    starts = scratch_world.starts
+    t0 = time.monotonic()
+    with pytest.raises(WorldTimeout) as info:
+        scratch_world.run(sleep_on, 0, 600, timeout=2)
+    assert time.monotonic() - t0 < 30
+    assert "sleep_on" in info.value.tracebacks[0]
+    assert "still running" in info.value.tracebacks[0]
+    assert scratch_world.run(whoami)[0][:2] == (0, 2)
+    assert scratch_world.starts == starts + 1
+
+
+def test_a_dying_rank_fails_the_call(scratch_world):
+    with pytest.raises(WorldError) as info:
+        scratch_world.run(exit_on, 1)
+    assert "exit code 3" in info.value.tracebacks[1]
+    assert scratch_world.run(whoami)[1][:2] == (1, 2)
+
+
+def test_unpicklable_function_is_a_clear_type_error(scratch_world):
+    with pytest.raises(TypeError, match="module level"):
+        scratch_world.run(lambda: 1)
+
+
+def test_close_leaves_no_processes():
+    w = World(2)
+    pids = [r[2] for r in w.run(whoami)]
+    w.close()
+    assert not w.alive
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="world_size"):
+        World(0)
+    with pytest.raises(ValueError, match="backend"):
+        World(2, backend="mpi")
