@@ -244,3 +244,29 @@ def test_device_mesh_groups(world):
     results = world(4).run(_run_device_mesh)
     assert [r[0] for r in results] == [[0.0, 1.0], [0.0, 1.0], [2.0, 3.0], [2.0, 3.0]]
     assert all(r[1] == 2 and r[2] for r in results)
+
+
+def _run_streams_on_gpu(seed):
+    """Async collectives and the ring on CUDA: side stream in, caller's stream waits."""
+    torch.cuda.set_device(dist.get_rank())
+    x = randn((4096, 256), torch.float32, seed).cuda()
+    pending = comm.all_gather_async(x, dist.group.WORLD)
+    busy = x @ x.T  # work on the caller's stream while the gather runs
+    gathered = pending.wait()
+    ring = comm.Ring(dist.group.WORLD)
+    received = ring.send_recv([x, busy])
+    received = ring.wait()
+    torch.cuda.synchronize()
+    return (
+        torch.equal(gathered, x.repeat(dist.get_world_size(), 1))
+        and torch.equal(received[0], x)
+        and torch.equal(received[1], busy)
+    )
+
+
+@pytest.mark.gpu
+def test_async_collectives_on_gpu_streams():
+    from fusedpar.testing import World
+
+    with World(1, backend="nccl") as w:
+        assert w.run(_run_streams_on_gpu, 5) == [True]

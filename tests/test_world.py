@@ -1,6 +1,8 @@
 """fusedpar.testing.World: results, failures, hangs, respawns, no orphans."""
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -151,3 +153,35 @@ def test_bad_arguments():
         World(0)
     with pytest.raises(ValueError, match="backend"):
         World(2, backend="mpi")
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("how", ["exit", "killed"])
+def test_ranks_do_not_outlive_the_test_process(tmp_path, how):
+    """Ranks end when the process that owns the World ends, even by SIGKILL."""
+    script = tmp_path / "owner.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from fusedpar.testing import World\n"
+        "from test_world import whoami\n"
+        "if __name__ == '__main__':\n"
+        "    w = World(2)\n"
+        "    print(' '.join(str(r[2]) for r in w.run(whoami)), flush=True)\n"
+        f"    if {how == 'killed'}: os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2, proc.stderr
+    deadline = time.monotonic() + 10
+    while any(map(_running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(map(_running, pids))

@@ -124,14 +124,16 @@ class World:
         _live_worlds.add(self)
         replies = self._collect(range(self.world_size), time.monotonic() + max(self.timeout, 120))
         failed = {r: text for r, (kind, text) in replies.items() if kind != "ready"}
-        if failed or len(replies) < self.world_size:
-            missing = set(range(self.world_size)) - set(replies)
+        failed.update({r: "no reply" for r in range(self.world_size) if r not in replies})
+        if failed:
             self._kill()
             details = "\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(failed.items()))
             raise WorldError(
-                f"World({self.world_size}) failed to start (no reply from ranks "
-                f"{sorted(missing)})\n{details}", {}, failed,
-            )  # fmt: skip
+                f"World({self.world_size}) failed to start (a script that makes a World needs "
+                f"an `if __name__ == '__main__':` guard: ranks are spawned)\n{details}",
+                {},
+                failed,
+            )
 
     def close(self) -> None:
         """Shut the ranks down (gracefully, then by force). The World can start again."""
