@@ -163,7 +163,7 @@ class World:
     def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
         try:
-            payload = pickle.dumps(("call", (list(sys.path), fn, args, kwargs)))
+            payload = _call_message(fn, args, kwargs)
         except (pickle.PicklingError, TypeError, AttributeError) as e:
             raise TypeError(
                 f"World.run pickles fn and its arguments for the ranks: {e}. Define fn at "
@@ -263,7 +263,7 @@ class World:
         """After a failure where every rank returned: can the group still communicate?"""
         if not self.alive:
             return False
-        payload = pickle.dumps(("call", (list(sys.path), _health_probe, (), {})))
+        payload = _call_message(_health_probe, (), {})
         results, _, texts, _ = self._call(payload, timeout=30.0)
         return not texts and all(r == self.world_size for r in results)
 
@@ -293,6 +293,12 @@ def shared_world(world_size: int, **kwargs) -> World:
 def _close_all() -> None:
     for world in list(_live_worlds):
         world.close()
+
+
+def _call_message(fn, args, kwargs) -> bytes:
+    # The call is pickled on its own, so that a rank can take the driver's sys.path (where
+    # fn's module may have been added since the rank started) before unpickling fn.
+    return pickle.dumps(("call", (list(sys.path), pickle.dumps((fn, args, kwargs)))))
 
 
 # --- inside a rank ---------------------------------------------------------------------
@@ -365,8 +371,9 @@ def _rank_main(rank, world_size, backend, init_file, conn, dump_path, threads, p
             kind, payload = pickle.loads(message)
             if kind == "close":
                 break
-            path, fn, args, kwargs = payload
-            sys.path[:0] = [p for p in path if p not in sys.path]
+            path, call = payload
+            sys.path[:0] = [p for p in path if p not in sys.path]  # before fn is imported
+            fn, args, kwargs = pickle.loads(call)
             reply = ("ok", fn(*args, **kwargs))
         except BaseException as e:
             reply = ("error", _describe(e))
