@@ -56,8 +56,62 @@ for cap in (80, 90):
             "fp32", "fp32", cap, True, False, (64, 64, 32), 4, 3, precision
         )
 
+
+def _strides(*names, dims="bshd"):
+    return {f"stride_{n}{d}": "i32" for n in names for d in dims}
+
+
+def _attention_case(kernel, dtype, cap, head_dim, config):
+    ptr = f"*{dtype}"
+    fp32 = "*fp32"
+    causal = {"CAUSAL": True, "INPUT_PRECISION": "tf32"}
+    if kernel == "fwd":
+        signature = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "o_ptr": ptr, "lse_ptr": fp32,
+                     **_strides("q", "k", "v", "o"), **_strides("l", dims="bhs"),
+                     "Sq": "i32", "Skv": "i32", "Hq": "i32", "GROUP": "i32",
+                     "qk_scale": "fp32"}  # fmt: skip
+        extra = causal
+    elif kernel == "delta":
+        signature = {"o_ptr": ptr, "do_ptr": ptr, "delta_ptr": fp32, **_strides("o", "d"),
+                     "Sq": "i32", "Hq": "i32"}  # fmt: skip
+        extra = {}
+    else:  # dkdv / dq write fp32 gradients, accumulating (the ring's use)
+        outs = ("dk", "dv") if kernel == "dkdv" else ("dq",)
+        signature = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "do_ptr": ptr, "lse_ptr": fp32,
+                     "delta_ptr": fp32, **{f"{o}_ptr": fp32 for o in outs},
+                     **_strides("q", "k", "v", "do", *outs), **_strides("l", dims="bhs"),
+                     "Sq": "i32", "Skv": "i32", "Hq": "i32", "Hkv": "i32", "GROUP": "i32",
+                     "qk_scale": "fp32", "sm_scale": "fp32"}  # fmt: skip
+        extra = {**causal, "ACCUMULATE": True}
+    block_m, block_n, num_stages, num_warps = config
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "BLOCK_M": block_m, **extra}
+    if kernel != "delta":
+        constexprs["BLOCK_N"] = block_n
+    name = {"fwd": "_attn_fwd_kernel", "delta": "_bwd_delta_kernel",
+            "dkdv": "_attn_bwd_dkdv_kernel", "dq": "_attn_bwd_dq_kernel"}[kernel]  # fmt: skip
+    module = "attention" if kernel == "fwd" else "attention_backward"
+    return {"kernel": f"fusedpar.kernels.{module}:{name}", "signature": signature,
+            "constexprs": constexprs, "cap": cap, "num_warps": num_warps,
+            "num_stages": num_stages}  # fmt: skip
+
+
+# The first (largest) tile of each autotune list.
+ATTENTION_CONFIGS = {"fwd": (128, 128, 3, 8), "delta": (64, 0, 1, 4),
+                     "dkdv": (64, 128, 3, 8), "dq": (64, 128, 3, 8)}  # fmt: skip
+for cap in (80, 90):
+    for dtype in ("fp16", "bf16"):
+        for head_dim in (64, 128):
+            for kernel, config in ATTENTION_CONFIGS.items():
+                CASES[f"attention-{kernel}-{dtype}-d{head_dim}-sm{cap}"] = _attention_case(
+                    kernel, dtype, cap, head_dim, config)  # fmt: skip
+
 # Kernels whose sm_90 PTX must use wgmma. Full-precision fp32 has no tensor-core path.
-WGMMA_EXPECTED = {name for name in CASES if name.startswith("matmul") and "ieee" not in name}
+WGMMA_EXPECTED = {
+    name
+    for name in CASES
+    if (name.startswith("matmul") and "ieee" not in name)
+    or (name.startswith("attention") and "delta" not in name)
+}
 
 
 @pytest.fixture(scope="module")

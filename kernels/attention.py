@@ -1,0 +1,334 @@
+"""Flash attention: blockwise ``softmax(Q K^T * scale) V`` with an online softmax.
+
+| tensor     | shape            | dtype                               |
+| ---------- | ---------------- | ----------------------------------- |
+| q          | (B, Sq, Hq, D)   | fp16, bf16 or fp32, any strides     |
+| k, v       | (B, Skv, Hkv, D) | q's; Hq % Hkv == 0 (GQA / MQA)      |
+| o          | (B, Sq, Hq, D)   | q's or fp32 (ring partials)         |
+| lse        | (B, Hq, Sq)      | fp32, natural log                   |
+
+Query head h reads KV head ``h // (Hq / Hkv)``; KV is never repeated. With ``causal``,
+query i sees keys ``j <= i + Skv - Sq`` (bottom-right aligned); a row that sees no key
+gets output 0 and LSE -inf.
+
+| pass     | math (S = scale * Q K^T, masked)                                  |
+| -------- | ----------------------------------------------------------------- |
+| forward  | ``P = softmax(S)``, ``O = P V``, ``LSE = logsumexp(S)``           |
+| delta    | ``delta = rowsum(dO * O) - dLSE``                                 |
+| backward | ``dV = P^T dO``, ``dS = P * (dO V^T - delta)``,                   |
+|          | ``dQ = scale * dS K``, ``dK = scale * dS^T Q`` (summed over a group) |
+
+The backward kernels live in `fusedpar.kernels.attention_backward`; P is recomputed
+there from the LSE (no S x S storage). The kernels work in
+base 2 (``exp2`` with log2(e) folded into the scale); the LSE is natural at the boundary.
+"""
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+from fusedpar.kernels._common import (
+    check_float_dtype,
+    check_launchable,
+    fp32_dot_precision,
+    is_interpreted,
+)
+
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
+LN2 = 0.6931471805599453  # log(x) = log2(x) * LN2
+MAX_HEAD_DIM = 256
+# The interpreter runs one program at a time in numpy: a few large tiles beat many small.
+INTERPRETER_MAX_BLOCK = 64
+
+
+def forward_configs() -> list[triton.Config]:
+    """Forward tiles for the autotuner: 128-row query tiles feed Hopper's wgmma."""
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=s, num_warps=w)
+        for bm, bn, s, w in [
+            (128, 128, 3, 8),
+            (128, 64, 3, 8),
+            (128, 64, 4, 4),
+            (64, 64, 4, 4),
+            (64, 32, 3, 4),
+        ]
+    ]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Drop tiles far larger than the sequences, and the big ones at head dim 256."""
+    limit_m = max(32, triton.next_power_of_2(named_args["Sq"]))
+    limit_n = max(32, triton.next_power_of_2(named_args["Skv"]))
+    big_head = kwargs.get("BLOCK_D", 0) > 128
+    kept = [
+        c
+        for c in configs
+        if c.kwargs["BLOCK_M"] <= limit_m
+        and c.kwargs["BLOCK_N"] <= limit_n
+        and not (big_head and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 64 * 64)
+    ]
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+# --- forward ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q,
+    k_ptrs, v_ptrs, stride_ks, stride_vs,
+    offs_m, offs_n, d_mask, lo, hi, Skv, diag, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Fold KV blocks [lo, hi) into the running (acc, l_i, m_i). MASKED blocks may hold
+    keys past Skv or above the causal diagonal; the others are fully visible."""
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        kv_rows = start_n + offs_n
+        kv_mask = d_mask[None, :]
+        if MASKED:
+            kv_mask = kv_mask & (kv_rows[:, None] < Skv)
+        k = tl.load(k_ptrs + start_n * stride_ks, mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        if MASKED:
+            visible = kv_rows[None, :] < Skv
+            if CAUSAL:
+                visible = visible & (kv_rows[None, :] <= offs_m[:, None] + diag)
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if MASKED:  # a row may have seen nothing yet: keep exp2 away from -inf - -inf
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptrs + start_n * stride_vs, mask=kv_mask, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    # strides
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_lb, stride_lh, stride_ls,
+    # sizes
+    Sq, Skv, Hq, GROUP, qk_scale,
+    # meta-parameters
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = pid_bh % Hq
+    h_kv = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    row_mask = offs_m < Sq
+
+    q_ptrs = q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
+    q = tl.load(
+        q_ptrs + offs_d[None, :] * stride_qd, mask=row_mask[:, None] & d_mask[None, :], other=0.0
+    )
+    k_ptrs = (k_ptr + b * stride_kb + h_kv * stride_kh
+              + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd)  # fmt: skip
+    v_ptrs = (v_ptr + b * stride_vb + h_kv * stride_vh
+              + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd)  # fmt: skip
+
+    # Keys [0, full) are seen by every row of this block and lie inside Skv: no mask.
+    # Keys [full, end) need the edge and causal masks. Blocks past `end` are skipped.
+    diag = Skv - Sq
+    if CAUSAL:
+        full = tl.minimum(pid_m * BLOCK_M + diag + 1, Skv)
+        end = tl.minimum((pid_m + 1) * BLOCK_M + diag, Skv)
+    else:
+        full = Skv
+        end = Skv
+    full = tl.maximum(full, 0) // BLOCK_N * BLOCK_N
+    end = tl.maximum(end, 0)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, d_mask,
+        0, full, Skv, diag, qk_scale, False, CAUSAL, INPUT_PRECISION, BLOCK_N,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, d_mask,
+        full, end, Skv, diag, qk_scale, True, CAUSAL, INPUT_PRECISION, BLOCK_N,
+    )  # fmt: skip
+
+    # A row that saw no key has l_i == 0: output 0 and LSE -inf, never 0/0.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # ln 2
+    o_ptrs = (o_ptr + b * stride_ob + h * stride_oh
+              + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od)  # fmt: skip
+    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh + offs_m * stride_ls, lse, mask=row_mask)
+
+
+# --- launchers -------------------------------------------------------------------------
+
+
+def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ValueError/TypeError naming the sizes for anything the kernels cannot take."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (B, S, H, D), got shape {tuple(t.shape)}")
+    (B, _, Hq, D), (B_kv, _, Hkv, D_kv) = q.shape, k.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if B_kv != B:
+        raise ValueError(f"batch sizes differ: q has B={B}, k and v have B={B_kv}")
+    if D_kv != D:
+        raise ValueError(f"head dims differ: q has D={D}, k and v have D={D_kv}")
+    check_float_dtype("q", q)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if len({q.device, k.device, v.device}) > 1:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"query heads (Hq={Hq}) must be a multiple of KV heads (Hkv={Hkv})")
+    if D == 0 or D % 8 or D > MAX_HEAD_DIM:
+        raise ValueError(f"head dim D={D} must be a positive multiple of 8, at most {MAX_HEAD_DIM}")
+
+
+def check_buffer(name, t, shape, dtypes, device):
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must be {tuple(shape)}, got {tuple(t.shape)}")
+    check_float_dtype(name, t, dtypes)
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the inputs on {device}")
+
+
+def kernel_meta(q: torch.Tensor, causal: bool) -> dict:
+    D = q.shape[-1]
+    return dict(
+        HEAD_DIM=D,
+        BLOCK_D=max(16, triton.next_power_of_2(D)),  # tl.dot needs K >= 16
+        CAUSAL=causal,
+        INPUT_PRECISION=fp32_dot_precision() if q.dtype == torch.float32 else "tf32",
+    )
+
+
+def interpreter_blocks(Sq: int, Skv: int) -> dict:
+    def block(n):
+        return min(INTERPRETER_MAX_BLOCK, max(16, triton.next_power_of_2(n)))
+
+    return {"BLOCK_M": block(Sq), "BLOCK_N": block(Skv)}
+
+
+@functools.cache
+def _autotuned(kernel, configs, restore: tuple[str, ...]):
+    # Built on first use, not at import. Buffers a kernel accumulates into are restored
+    # after each timed trial, so that tuning does not add twice.
+    return triton.autotune(
+        configs=configs(),
+        key=["Sq", "Skv", "HEAD_DIM", "CAUSAL"],
+        prune_configs_by={"early_config_prune": _prune_configs},
+        restore_value=list(restore),
+    )(kernel)
+
+
+def launch(kernel, configs, grid, args, meta, Sq, Skv, restore=()):
+    """Launch `kernel` with a tile sized to the problem in the interpreter, else autotuned
+    over ``configs()``."""
+    if is_interpreted(kernel):
+        kernel[grid](*args, **meta, **interpreter_blocks(Sq, Skv))
+    else:
+        _autotuned(kernel, configs, tuple(restore))[grid](*args, **meta)
+
+
+def resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+
+def strides(t: torch.Tensor) -> tuple:
+    return tuple(t.stride())
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(out, lse)``: out (B, Sq, Hq, D) in `out_dtype` (q's, or fp32 for ring
+    partials), lse (B, Hq, Sq) fp32. `out` and `lse` may be given, with any strides."""
+    check_attention_inputs(q, k, v)
+    (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
+    allowed = (q.dtype, torch.float32)
+    if out is None:
+        out = torch.empty((B, Sq, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
+    check_buffer("out", out, (B, Sq, Hq, D), allowed, q.device)
+    if lse is None:
+        lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    check_buffer("lse", lse, (B, Hq, Sq), (torch.float32,), q.device)
+    check_launchable(_attn_fwd_kernel, q, k, v, out, lse)
+    if B * Sq * Hq == 0:
+        return out, lse
+    scale = resolve_scale(softmax_scale, D)
+    args = (
+        q, k, v, out, lse,
+        *strides(q), *strides(k), *strides(v), *strides(out), *strides(lse),
+        Sq, Skv, Hq, Hq // Hkv, scale * LOG2E,
+    )  # fmt: skip
+
+    def grid(meta):
+        return (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)
+
+    launch(_attn_fwd_kernel, forward_configs, grid, args, kernel_meta(q, causal), Sq, Skv)
+    return out, lse
+
+
+# --- reference -------------------------------------------------------------------------
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same contract in plain, differentiable PyTorch, in q's dtype (float64 in ->
+    the oracle). Returns ``(out, lse)``; rows that see no key give 0 and -inf, and their
+    gradients are 0, not NaN."""
+    (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
+    scale = resolve_scale(softmax_scale, D)
+    k = k.repeat_interleave(Hq // Hkv, dim=2)
+    v = v.repeat_interleave(Hq // Hkv, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        i = torch.arange(Sq, device=q.device)[:, None]
+        j = torch.arange(Skv, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (Skv - Sq), float("-inf"))
+    m = s.amax(-1, keepdim=True) if Skv else s.new_full((B, Hq, Sq, 1), float("-inf"))
+    m = torch.where(torch.isinf(m), 0.0, m).detach()  # softmax is shift-invariant
+    e = torch.exp(s - m)
+    denom = e.sum(-1, keepdim=True)
+    empty = denom == 0
+    p = e / torch.where(empty, 1.0, denom)
+    lse = torch.where(empty, float("-inf"), torch.log(torch.where(empty, 1.0, denom)) + m)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    return out, lse.squeeze(-1)

@@ -1,0 +1,381 @@
+"""Flash attention backward: ``delta``, then dK/dV and dQ, recomputing P from the LSE.
+
+Shapes and conventions are those of `fusedpar.kernels.attention`. With
+``S = scale * Q K^T`` (masked) and ``P = exp(S - LSE)``:
+
+| kernel  | grid                      | computes                                          |
+| ------- | ------------------------- | ------------------------------------------------- |
+| delta   | (Sq blocks, B * Hq)       | ``delta = rowsum(dO * O)`` in fp32                |
+| dkdv    | (Skv blocks, B * Hkv)     | ``dV = P^T dO``, ``dK = scale * dS^T Q``          |
+| dq      | (Sq blocks, B * Hq)       | ``dQ = scale * dS K``                             |
+
+with ``dS = P * (dO V^T - delta)``. A dkdv program sums over every query head of its
+GQA group itself, so each gradient is a sum in a fixed order inside one program: no
+atomics, and results are deterministic.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from fusedpar.kernels._common import check_launchable, is_interpreted
+from fusedpar.kernels.attention import (
+    LOG2E,
+    check_attention_inputs,
+    check_buffer,
+    interpreter_blocks,
+    kernel_meta,
+    launch,
+    resolve_scale,
+    strides,
+)
+
+
+def backward_configs() -> list[triton.Config]:
+    """Backward tiles (dK/dV and dQ kernels): smaller, as each holds more accumulators."""
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=s, num_warps=w)
+        for bm, bn, s, w in [
+            (64, 128, 3, 8),
+            (64, 64, 3, 4),
+            (32, 64, 3, 4),
+            (32, 32, 2, 4),
+        ]
+    ]
+
+
+# --- kernels --------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_delta_kernel(
+    o_ptr, do_ptr, delta_ptr,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_db, stride_ds, stride_dh, stride_dd,
+    Sq, Hq,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """delta[b, h, i] = sum_d dO * O, in fp32; written contiguous (B, Hq, Sq)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = pid_bh % Hq
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < Sq) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os
+                + offs_d[None, :] * stride_od, mask=mask, other=0.0)  # fmt: skip
+    do = tl.load(do_ptr + b * stride_db + h * stride_dh + offs_m[:, None] * stride_ds
+                 + offs_d[None, :] * stride_dd, mask=mask, other=0.0)  # fmt: skip
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(delta_ptr + pid_bh.to(tl.int64) * Sq + offs_m, delta, mask=offs_m < Sq)
+
+
+@triton.jit
+def _load_row_stats(lse_ptrs, delta_ptrs, mask):
+    """LSE (to base 2) and delta of some rows. A row that saw no key has LSE -inf; it
+    becomes +inf so that exp2(S - LSE) is 0 there rather than NaN."""
+    lse = tl.load(lse_ptrs, mask=mask, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2(e)
+    return lse2, tl.load(delta_ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _bwd_dkdv_inner(
+    dk, dv, k, v, q_ptrs, do_ptrs, stride_qs, stride_dos, lse_ptr, delta_ptr, stride_ls,
+    offs_m, offs_n, d_mask, lo, hi, Sq, diag, qk_scale,
+    MASKED: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """Add query blocks [lo, hi) into dK, dV of one KV block (transposed: rows are keys)."""
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_m
+        row_mask = (rows < Sq)[:, None] & d_mask[None, :]
+        q = tl.load(q_ptrs + start_m * stride_qs, mask=row_mask, other=0.0)
+        do = tl.load(do_ptrs + start_m * stride_dos, mask=row_mask, other=0.0)
+        lse2, delta = _load_row_stats(lse_ptr + rows * stride_ls, delta_ptr + rows, rows < Sq)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale  # (N, M)
+        p_t = tl.math.exp2(qk_t - lse2[None, :])
+        if MASKED:  # causal: key n is visible to row m when n <= m + diag
+            p_t = tl.where(offs_n[:, None] <= rows[None, :] + diag, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    # strides
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_lb, stride_lh, stride_ls,
+    stride_dkb, stride_dks, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+    # sizes
+    Sq, Skv, Hq, Hkv, GROUP, qk_scale, sm_scale,
+    # meta-parameters
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    ACCUMULATE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One KV block of one KV head: loops over the GROUP query heads that read it and
+    their query blocks, so dK/dV are summed in a fixed order, with no atomics."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hkv).to(tl.int64)
+    h_kv = pid_bh % Hkv
+    start_n = pid_n * BLOCK_N
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    kv_mask = (offs_n < Skv)[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + b * stride_kb + h_kv * stride_kh + offs_n[:, None] * stride_ks
+                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # fmt: skip
+    v = tl.load(v_ptr + b * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vs
+                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # fmt: skip
+
+    # Query blocks [lo, full) hold rows that see only part of this KV block (masked);
+    # rows from `full` on see all of it. Rows past Sq and keys past Skv load as zeros
+    # and add nothing to the stored rows.
+    diag = Skv - Sq
+    q_end = tl.cdiv(Sq, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        lo = tl.maximum(start_n - diag, 0) // BLOCK_M * BLOCK_M
+        full = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
+        full = tl.minimum(tl.maximum(full, lo), q_end)
+    else:
+        lo = 0
+        full = 0
+
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    for g in range(GROUP):
+        h = h_kv * GROUP + g
+        q_ptrs = (q_ptr + b * stride_qb + h * stride_qh
+                  + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd)  # fmt: skip
+        do_ptrs = (do_ptr + b * stride_dob + h * stride_doh
+                   + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod)  # fmt: skip
+        row_lse = lse_ptr + b * stride_lb + h * stride_lh
+        row_delta = delta_ptr + (b * Hq + h) * Sq
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, q_ptrs, do_ptrs, stride_qs, stride_dos, row_lse, row_delta,
+            stride_ls, offs_m, offs_n, d_mask, lo, full, Sq, diag, qk_scale,
+            True, INPUT_PRECISION, BLOCK_M,
+        )  # fmt: skip
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, q_ptrs, do_ptrs, stride_qs, stride_dos, row_lse, row_delta,
+            stride_ls, offs_m, offs_n, d_mask, full, q_end, Sq, diag, qk_scale,
+            False, INPUT_PRECISION, BLOCK_M,
+        )  # fmt: skip
+
+    dk = dk * sm_scale
+    dk_ptrs = (dk_ptr + b * stride_dkb + h_kv * stride_dkh
+               + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd)  # fmt: skip
+    dv_ptrs = (dv_ptr + b * stride_dvb + h_kv * stride_dvh
+               + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd)  # fmt: skip
+    if ACCUMULATE:
+        dk += tl.load(dk_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+        dv += tl.load(dv_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
+    tl.store(dk_ptrs, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _bwd_dq_inner(
+    dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs,
+    offs_m, offs_n, d_mask, lo, hi, Skv, diag, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Add KV blocks [lo, hi) into dQ of one query block."""
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        kv_rows = start_n + offs_n
+        kv_mask = d_mask[None, :]
+        if MASKED:
+            kv_mask = kv_mask & (kv_rows[:, None] < Skv)
+        k = tl.load(k_ptrs + start_n * stride_ks, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs + start_n * stride_vs, mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        p = tl.math.exp2(qk - lse2[:, None])
+        if MASKED:
+            visible = kv_rows[None, :] < Skv
+            if CAUSAL:
+                visible = visible & (kv_rows[None, :] <= offs_m[:, None] + diag)
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    # strides
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_lb, stride_lh, stride_ls,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+    # sizes
+    Sq, Skv, Hq, GROUP, qk_scale, sm_scale,
+    # meta-parameters
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    ACCUMULATE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = pid_bh % Hq
+    h_kv = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    row_mask = (offs_m < Sq)[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
+                + offs_d[None, :] * stride_qd, mask=row_mask, other=0.0)  # fmt: skip
+    do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos
+                 + offs_d[None, :] * stride_dod, mask=row_mask, other=0.0)  # fmt: skip
+    lse2, delta = _load_row_stats(
+        lse_ptr + b * stride_lb + h * stride_lh + offs_m * stride_ls,
+        delta_ptr + pid_bh.to(tl.int64) * Sq + offs_m,
+        offs_m < Sq,
+    )
+    k_ptrs = (k_ptr + b * stride_kb + h_kv * stride_kh
+              + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd)  # fmt: skip
+    v_ptrs = (v_ptr + b * stride_vb + h_kv * stride_vh
+              + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd)  # fmt: skip
+
+    diag = Skv - Sq  # the same block split as the forward
+    if CAUSAL:
+        full = tl.minimum(pid_m * BLOCK_M + diag + 1, Skv)
+        end = tl.minimum((pid_m + 1) * BLOCK_M + diag, Skv)
+    else:
+        full = Skv
+        end = Skv
+    full = tl.maximum(full, 0) // BLOCK_N * BLOCK_N
+    end = tl.maximum(end, 0)
+
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    dq = _bwd_dq_inner(
+        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, d_mask,
+        0, full, Skv, diag, qk_scale, False, CAUSAL, INPUT_PRECISION, BLOCK_N,
+    )  # fmt: skip
+    dq = _bwd_dq_inner(
+        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, d_mask,
+        full, end, Skv, diag, qk_scale, True, CAUSAL, INPUT_PRECISION, BLOCK_N,
+    )  # fmt: skip
+    dq = dq * sm_scale
+    dq_ptrs = (dq_ptr + b * stride_dqb + h * stride_dqh
+               + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd)  # fmt: skip
+    if ACCUMULATE:
+        dq += tl.load(dq_ptrs, mask=row_mask, other=0.0).to(tl.float32)
+    tl.store(dq_ptrs, dq.to(dq_ptr.dtype.element_ty), mask=row_mask)
+
+
+# --- launchers ---
+
+
+def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """``delta = rowsum(dO * O)``: (B, Hq, Sq) fp32, contiguous."""
+    if out.shape != dout.shape or out.dim() != 4:
+        raise ValueError(f"out and dout must be one (B, S, H, D) shape, got "
+                         f"{tuple(out.shape)} and {tuple(dout.shape)}")  # fmt: skip
+    B, Sq, Hq, D = out.shape
+    delta = torch.empty((B, Hq, Sq), dtype=torch.float32, device=out.device)
+    check_launchable(_bwd_delta_kernel, out, dout)
+    if delta.numel() == 0:
+        return delta
+    block_m = 64 if not is_interpreted(_bwd_delta_kernel) else interpreter_blocks(Sq, 1)["BLOCK_M"]
+    _bwd_delta_kernel[(triton.cdiv(Sq, block_m), B * Hq)](
+        out, dout, delta, *strides(out), *strides(dout), Sq, Hq,
+        HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m,
+    )  # fmt: skip
+    return delta
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None,
+    dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+    accumulate: bool = False,
+    grad_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(dq, dk, dv)`` from dO, the inputs and the forward's LSE.
+
+    `delta` (B, Hq, Sq) fp32 is ``rowsum(dO * O)`` (minus dLSE when the LSE has a
+    gradient); computed from `out` when not given. The ring passes the final LSE and
+    delta at every step, fp32 `dq`/`dk`/`dv` buffers, and ``accumulate=True`` (add into
+    them). New gradients are in `grad_dtype` (q's unless given: q's or fp32).
+    """
+    check_attention_inputs(q, k, v)
+    (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
+    if dout.shape != q.shape:
+        raise ValueError(f"dout must be q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
+    check_buffer("lse", lse, (B, Hq, Sq), (torch.float32,), q.device)
+    if delta is None:
+        if out is None:
+            raise ValueError("attention_backward needs `out` or a precomputed `delta`")
+        delta = attention_delta(out, dout)
+    check_buffer("delta", delta, (B, Hq, Sq), (torch.float32,), q.device)
+    delta = delta.contiguous()
+    allowed = (q.dtype, torch.float32)
+    if accumulate and (dq is None or dk is None or dv is None):
+        raise ValueError("accumulate=True adds into dq, dk and dv: all three must be given")
+    grads = []
+    for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if buf is None:
+            buf = torch.empty(like.shape, dtype=grad_dtype or q.dtype, device=q.device)
+        check_buffer(name, buf, like.shape, allowed, q.device)
+        grads.append(buf)
+    dq, dk, dv = grads
+    check_launchable(_attn_bwd_dq_kernel, dout, q, k, v, lse, delta, dq, dk, dv)
+    scale = resolve_scale(softmax_scale, D)
+    meta = {**kernel_meta(q, causal), "ACCUMULATE": accumulate}
+    if B * Hkv * Skv:  # with Sq == 0 this writes zeros: no query, no gradient
+        args = (
+            q, k, v, dout, lse, delta, dk, dv,
+            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(lse),
+            *strides(dk), *strides(dv),
+            Sq, Skv, Hq, Hkv, Hq // Hkv, scale * LOG2E, scale,
+        )  # fmt: skip
+
+        def grid_kv(meta):
+            return (triton.cdiv(Skv, meta["BLOCK_N"]), B * Hkv)
+
+        restore = ("dk_ptr", "dv_ptr")
+        launch(_attn_bwd_dkdv_kernel, backward_configs, grid_kv, args, meta, Sq, Skv, restore)
+    if B * Hq * Sq:
+        args = (
+            q, k, v, dout, lse, delta, dq,
+            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(lse),
+            *strides(dq),
+            Sq, Skv, Hq, Hq // Hkv, scale * LOG2E, scale,
+        )  # fmt: skip
+
+        def grid_q(meta):
+            return (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)
+
+        launch(_attn_bwd_dq_kernel, backward_configs, grid_q, args, meta, Sq, Skv, ("dq_ptr",))
+    return dq, dk, dv

@@ -1,0 +1,170 @@
+"""fp.flash_attn against a float64 reference: output, LSE, dQ, dK, dV.
+
+Tolerance (DESIGN): twice plain PyTorch's own error in the same dtype, plus a floor.
+The LSE gets an upstream gradient too, so its backward path is checked with the rest.
+"""
+
+import math
+
+import pytest
+import torch
+from fusedpar.kernels.attention import attention_reference
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import fusedpar as fp
+from fusedpar.testing import assert_close
+from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
+
+HEAD_DIMS = [8, 16, 40, 64, 72, 96, 128, 256]
+
+
+def _inputs(B, Sq, Skv, Hq, Hkv, D, dtype, seed, layout):
+    """q, k, v in one of three layouts: contiguous, slices of a fused QKV projection
+    (strided heads), or windows of a longer sequence (strided sequence)."""
+    if layout == "fused-qkv":
+        assert Sq == Skv
+        qkv = randn((B, Sq, Hq + 2 * Hkv, D), dtype, seed)
+        return qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], qkv[:, :, Hq + Hkv :]
+    pad = 3 if layout == "seq-window" else 0
+    q = randn((B, Sq + pad, Hq, D), dtype, seed)[:, pad:]
+    k = randn((B, Skv + pad, Hkv, D), dtype, seed + 1)[:, :Skv]
+    v = randn((B, Skv + 2 * pad, Hkv, D), dtype, seed + 2)[:, pad : pad + Skv]
+    return q, k, v
+
+
+def _with_grads(fn, inputs, dout, dlse):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out, lse = fn(*leaves)
+    finite = torch.isfinite(lse)
+    loss = (out * dout.to(out.dtype)).sum() + (
+        torch.where(finite, lse, 0) * dlse.to(lse.dtype)
+    ).sum()
+    loss.backward()
+    return [out.detach(), lse.detach()] + [t.grad for t in leaves]
+
+
+def check_attention(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, layout="contiguous", scale=None):
+    q, k, v = _inputs(B, Sq, Skv, Hq, Hkv, D, dtype, seed, layout)
+    dout = randn((B, Sq, Hq, D), dtype, seed + 3)
+    dlse = randn((B, Hq, Sq), torch.float32, seed + 4)
+
+    def ours(q, k, v):
+        return fp.flash_attn(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+
+    def reference(q, k, v):
+        return attention_reference(q, k, v, causal=causal, softmax_scale=scale)
+
+    got = _with_grads(ours, (q, k, v), dout, dlse)
+    ref = _with_grads(reference, [t.double() for t in (q, k, v)], dout, dlse)
+    torch_same_dtype = _with_grads(reference, (q, k, v), dout, dlse)
+    for name, g, r, t in zip(
+        ("out", "lse", "dq", "dk", "dv"), got, ref, torch_same_dtype, strict=True
+    ):
+        assert g.dtype == (torch.float32 if name == "lse" else dtype), name
+        assert_close(g, r, t, name=name)
+
+
+@given(
+    B=st.integers(1, 2), Sq=st.integers(1, 70), Skv=st.integers(1, 70),
+    Hkv=st.integers(1, 2), group=st.integers(1, 3), D=st.sampled_from(HEAD_DIMS),
+    causal=st.booleans(), dtype=cpu_dtypes(), seed=seeds(),
+    layout=st.sampled_from(["contiguous", "seq-window"]),
+)  # fmt: skip
+@example(B=1, Sq=1, Skv=33, Hkv=1, group=2, D=64, causal=True, dtype=torch.float32, seed=0,
+         layout="contiguous")  # Sq = 1: a decoding step  # fmt: skip
+@example(B=2, Sq=40, Skv=13, Hkv=2, group=1, D=16, causal=True, dtype=torch.float16, seed=1,
+         layout="seq-window")  # Sq > Skv causal: 27 rows see no key  # fmt: skip
+@example(B=1, Sq=19, Skv=1, Hkv=1, group=4, D=40, causal=False, dtype=torch.float32, seed=2,
+         layout="contiguous")  # Skv = 1, MQA  # fmt: skip
+@example(B=1, Sq=24, Skv=24, Hkv=1, group=2, D=256, causal=True, dtype=torch.float16, seed=3,
+         layout="contiguous")  # the largest head dim  # fmt: skip
+def test_flash_attn_matches_float64(B, Sq, Skv, Hkv, group, D, causal, dtype, seed, layout):
+    check_attention(B, Sq, Skv, Hkv * group, Hkv, D, causal, dtype, seed, layout)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_qkv_views_and_custom_scale(dtype, causal):
+    check_attention(2, 37, 37, 4, 2, 72, causal, dtype, seed=5, layout="fused-qkv", scale=0.3)
+
+
+def test_rows_that_see_no_key():
+    q, k, v = (
+        randn((1, s, 2, 16), torch.float32, i).requires_grad_() for i, s in enumerate((9, 4, 4))
+    )
+    out, lse = fp.flash_attn(q, k, v, causal=True, return_lse=True)
+    (out.sum() + torch.where(torch.isfinite(lse), lse, 0).sum()).backward()
+    # bottom-right alignment: query i sees keys j <= i - 5, so rows 0..4 see nothing
+    assert torch.equal(out[:, :5], torch.zeros_like(out[:, :5]))
+    assert torch.isneginf(lse[:, :, :5]).all() and torch.isfinite(lse[:, :, 5:]).all()
+    assert torch.equal(q.grad[:, :5], torch.zeros_like(q.grad[:, :5]))
+    for t in (out, lse[:, :, 5:], q.grad, k.grad, v.grad):
+        assert not torch.isnan(t).any()
+
+
+def test_default_scale_is_inverse_sqrt_head_dim():
+    q, k, v = (randn((1, 5, 1, 24), torch.float32, i) for i in range(3))
+    torch.testing.assert_close(
+        fp.flash_attn(q, k, v), fp.flash_attn(q, k, v, softmax_scale=1 / math.sqrt(24))
+    )
+
+
+@pytest.mark.parametrize(
+    "shapes, dtypes, error, match",
+    [
+        (((2, 4, 2, 8), (2, 4, 2, 8), (2, 4, 2)), None, ValueError, r"v must be 4-D.*\(2, 4, 2\)"),
+        (((2, 4, 2, 8), (3, 4, 2, 8), (3, 4, 2, 8)), None, ValueError, "B=2.*B=3"),
+        (((2, 4, 2, 8), (2, 4, 2, 16), (2, 4, 2, 16)), None, ValueError, "D=8.*D=16"),
+        (((2, 4, 2, 8), (2, 5, 2, 8), (2, 4, 2, 8)), None, ValueError, "one shape"),
+        (((1, 4, 3, 8), (1, 4, 2, 8), (1, 4, 2, 8)), None, ValueError, "Hq=3.*Hkv=2"),
+        (((1, 4, 2, 12), (1, 4, 2, 12), (1, 4, 2, 12)), None, ValueError, "D=12"),
+        (((1, 4, 2, 264), (1, 4, 2, 264), (1, 4, 2, 264)), None, ValueError, "D=264"),
+        (((1, 4, 2, 8),) * 3, (torch.float32, torch.float16, torch.float32), TypeError, "dtype"),
+        (((1, 4, 2, 8),) * 3, (torch.int64,) * 3, TypeError, "int64"),
+    ],
+)
+def test_bad_input_is_a_clear_error(shapes, dtypes, error, match):
+    dtypes = dtypes or (torch.float32,) * 3
+    q, k, v = (torch.ones(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True))
+    with pytest.raises(error, match=match):
+        fp.flash_attn(q, k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "B, S, Hq, Hkv, D, causal",
+    [(2, 1024, 8, 2, 128, True), (1, 8192, 4, 2, 128, True), (1, 4096, 4, 4, 64, False),
+     (1, 2048, 4, 1, 256, True)],
+)  # fmt: skip
+def test_flash_attn_gpu(B, S, Hq, Hkv, D, causal, dtype):
+    torch.manual_seed(0)
+    q = torch.randn(B, S, Hq, D, device="cuda", dtype=dtype)
+    k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype) for _ in range(2))
+    dout = torch.randn_like(q)
+    dlse = torch.zeros(B, Hq, S, device="cuda")
+    got = _with_grads(
+        lambda *t: fp.flash_attn(*t, causal=causal, return_lse=True), (q, k, v), dout, dlse
+    )
+    ref = _with_grads(
+        lambda *t: attention_reference(*t, causal=causal),
+        [t.double() for t in (q, k, v)],
+        dout,
+        dlse,
+    )
+    same = _with_grads(lambda *t: attention_reference(*t, causal=causal), (q, k, v), dout, dlse)
+    for name, g, r, t in zip(("out", "lse", "dq", "dk", "dv"), got, ref, same, strict=True):
+        assert_close(g, r, t, name=name)
+
+
+@pytest.mark.parametrize("Sq, Skv", [(0, 5), (5, 0), (0, 0)])
+def test_empty_sequences(Sq, Skv):
+    q = randn((1, Sq, 2, 8), torch.float32, 0).requires_grad_()
+    k, v = (randn((1, Skv, 1, 8), torch.float32, i).requires_grad_() for i in (1, 2))
+    out, lse = fp.flash_attn(q, k, v, return_lse=True)
+    out.sum().backward()
+    assert out.shape == q.shape and lse.shape == (1, 2, Sq)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    for t in (q, k, v):
+        assert torch.equal(t.grad, torch.zeros_like(t))
