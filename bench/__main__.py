@@ -3,7 +3,7 @@
 import importlib
 import sys
 
-FAMILIES = ["matmul"]
+FAMILIES = ["matmul", "attention"]
 
 
 def main(argv: list[str]) -> None:
