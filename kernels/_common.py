@@ -1,5 +1,7 @@
 """Checks shared by every launcher: dtypes, devices, and the interpreter/GPU split."""
 
+import contextlib
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -42,3 +44,10 @@ def fp32_dot_precision() -> str:
     compare against ``torch.matmul`` expect the same from us.
     """
     return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def device_guard(tensor: torch.Tensor):
+    """Make `tensor`'s GPU current while launching: Triton launches on the current device."""
+    if tensor.device.type == "cuda":
+        return torch.cuda.device(tensor.device)
+    return contextlib.nullcontext()

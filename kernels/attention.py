@@ -32,6 +32,7 @@ import triton.language as tl
 from fusedpar.kernels._common import (
     check_float_dtype,
     check_launchable,
+    device_guard,
     fp32_dot_precision,
     is_interpreted,
 )
@@ -247,10 +248,11 @@ def _autotuned(kernel, configs, restore: tuple[str, ...]):
 def launch(kernel, configs, grid, args, meta, Sq, Skv, restore=()):
     """Launch `kernel` with a tile sized to the problem in the interpreter, else autotuned
     over ``configs()``."""
-    if is_interpreted(kernel):
-        kernel[grid](*args, **meta, **interpreter_blocks(Sq, Skv))
-    else:
-        _autotuned(kernel, configs, tuple(restore))[grid](*args, **meta)
+    with device_guard(args[0]):
+        if is_interpreted(kernel):
+            kernel[grid](*args, **meta, **interpreter_blocks(Sq, Skv))
+        else:
+            _autotuned(kernel, configs, tuple(restore))[grid](*args, **meta)
 
 
 def resolve_scale(softmax_scale: float | None, head_dim: int) -> float:

@@ -17,7 +17,7 @@ atomics, and results are deterministic.
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels._common import check_launchable, is_interpreted
+from fusedpar.kernels._common import check_launchable, device_guard, is_interpreted
 from fusedpar.kernels.attention import (
     LOG2E,
     check_attention_inputs,
@@ -298,10 +298,11 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     if delta.numel() == 0:
         return delta
     block_m = 64 if not is_interpreted(_bwd_delta_kernel) else interpreter_blocks(Sq, 1)["BLOCK_M"]
-    _bwd_delta_kernel[(triton.cdiv(Sq, block_m), B * Hq)](
-        out, dout, delta, *strides(out), *strides(dout), Sq, Hq,
-        HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m,
-    )  # fmt: skip
+    with device_guard(out):
+        _bwd_delta_kernel[(triton.cdiv(Sq, block_m), B * Hq)](
+            out, dout, delta, *strides(out), *strides(dout), Sq, Hq,
+            HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m,
+        )  # fmt: skip
     return delta
 
 

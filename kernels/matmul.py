@@ -22,6 +22,7 @@ import triton.language as tl
 from fusedpar.kernels._common import (
     check_float_dtype,
     check_launchable,
+    device_guard,
     fp32_dot_precision,
     is_interpreted,
 )
@@ -31,31 +32,36 @@ GROUP_M = 8
 # The interpreter runs one program at a time in numpy: fewer, larger tiles are faster, and
 # 64 keeps the per-program arrays small on 2 cores.
 INTERPRETER_MAX_BLOCK = 64
+# The K step of every tile, GPU and interpreter alike (see `matmul_configs`).
+BLOCK_K = 64
 
 
 def matmul_configs() -> list[triton.Config]:
     """Tiles the autotuner tries on a GPU (pruned for small problems by `_prune_configs`).
 
     Large tiles with 8 warps feed Hopper's wgmma; the small ones serve thin TP shards and
-    decode-sized M. fp32 configs that overflow shared memory are skipped by the autotuner.
+    decode-sized M. fp32 tiles that overflow shared memory are skipped by the autotuner.
+    Every tile has the same BLOCK_K, so each output sums its K products in the same
+    order whichever tile wins: the numbers do not depend on the tuning (a TP shard's
+    GEMM equals the matching rows of the single-device GEMM, bit for bit).
     """
     tiles = [
-        # BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps
-        (128, 256, 64, 3, 8),
-        (256, 128, 64, 3, 8),
-        (128, 128, 64, 4, 8),
-        (128, 128, 64, 3, 4),
-        (128, 64, 64, 4, 4),
-        (64, 128, 64, 4, 4),
-        (64, 64, 64, 4, 4),
-        (128, 32, 32, 4, 4),
-        (64, 32, 32, 5, 2),
-        (32, 64, 32, 5, 2),
-        (32, 32, 32, 4, 2),
+        # BLOCK_M, BLOCK_N, num_stages, num_warps
+        (128, 256, 3, 8),
+        (256, 128, 3, 8),
+        (128, 128, 4, 8),
+        (128, 128, 3, 4),
+        (128, 64, 4, 4),
+        (64, 128, 4, 4),
+        (64, 64, 4, 4),
+        (128, 32, 4, 4),
+        (64, 32, 5, 2),
+        (32, 64, 5, 2),
+        (32, 32, 4, 2),
     ]
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=s, num_warps=w)
-        for bm, bn, bk, s, w in tiles
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK_K}, num_stages=s, num_warps=w)
+        for bm, bn, s, w in tiles
     ]
 
 
@@ -63,14 +69,7 @@ def _prune_configs(configs, named_args, **kwargs):
     """Drop tiles larger than the problem (they only waste lanes); keep at least one."""
     limit_m = max(32, triton.next_power_of_2(named_args["M"]))
     limit_n = max(32, triton.next_power_of_2(named_args["N"]))
-    limit_k = max(32, triton.next_power_of_2(named_args["K"]))
-    kept = [
-        c
-        for c in configs
-        if c.kwargs["BLOCK_M"] <= limit_m
-        and c.kwargs["BLOCK_N"] <= limit_n
-        and c.kwargs["BLOCK_K"] <= limit_k
-    ]
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= limit_m and c.kwargs["BLOCK_N"] <= limit_n]
     if kept:
         return kept
     return [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
@@ -109,9 +108,10 @@ def _matmul_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     # Rows and columns past the edge wrap onto valid ones, so the loads need no M/N mask;
-    # only the store is masked. Row offsets are 64-bit: M * stride can pass 2**31.
+    # only the store is masked. Row and column offsets are 64-bit: M * stride_am or
+    # N * stride_bn can pass 2**31 (an LM head's weight read transposed, say).
     rows_a = (offs_m % M).to(tl.int64)
-    cols_b = offs_n % N
+    cols_b = (offs_n % N).to(tl.int64)
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols_b[None, :] * stride_bn
 
@@ -131,7 +131,8 @@ def _matmul_kernel(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)
         acc += bias.to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    c_ptrs = (c_ptr + offs_m[:, None].to(tl.int64) * stride_cm
+              + offs_n[None, :].to(tl.int64) * stride_cn)  # fmt: skip
     c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if ACCUMULATE:
         acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
@@ -223,18 +224,13 @@ def matmul(
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    if is_interpreted(_matmul_kernel):
-        block_m, block_n, block_k = map(_interpreter_block, (M, N, K))
-        _matmul_kernel[grid](
-            *args,
-            **meta,
-            EVEN_K=K % block_k == 0,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-        )
-    else:
-        _autotuned_matmul_kernel()[grid](*args, **meta)
+    with device_guard(a):
+        if is_interpreted(_matmul_kernel):
+            block_m, block_n = _interpreter_block(M), _interpreter_block(N)
+            _matmul_kernel[grid](*args, **meta, EVEN_K=K % BLOCK_K == 0, BLOCK_M=block_m,
+                                 BLOCK_N=block_n, BLOCK_K=BLOCK_K)  # fmt: skip
+        else:
+            _autotuned_matmul_kernel()[grid](*args, **meta)
     return out
 
 

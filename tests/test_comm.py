@@ -246,21 +246,26 @@ def test_device_mesh_groups(world):
     assert all(r[1] == 2 and r[2] for r in results)
 
 
-def _run_streams_on_gpu(seed):
-    """Async collectives and the ring on CUDA: side stream in, caller's stream waits."""
-    torch.cuda.set_device(dist.get_rank())
-    x = randn((4096, 256), torch.float32, seed).cuda()
-    pending = comm.all_gather_async(x, dist.group.WORLD)
-    busy = x @ x.T  # work on the caller's stream while the gather runs
-    gathered = pending.wait()
+def _run_streams_on_gpu(value):
+    """Async collectives and the ring on CUDA. The input is written late on the caller's
+    stream (after a sleep): a side stream that did not wait for it would send stale
+    data, and a caller that did not wait for the side stream would read too early."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    x = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time on the caller's stream
+    x.fill_(value + rank)
+    gathered = comm.all_gather_async(x, dist.group.WORLD).wait()
     ring = comm.Ring(dist.group.WORLD)
-    received = ring.send_recv([x, busy])
-    received = ring.wait()
-    torch.cuda.synchronize()
-    return (
-        torch.equal(gathered, x.repeat(dist.get_world_size(), 1))
-        and torch.equal(received[0], x)
-        and torch.equal(received[1], busy)
+    ring.send_recv([x, x * 2])
+    torch.cuda._sleep(50_000_000)
+    k, v = ring.wait()
+    expected = torch.cat([torch.full_like(x, value + r) for r in range(size)])
+    prev = value + (rank - 1) % size
+    return bool(
+        torch.equal(gathered, expected)
+        and (k == prev).all().item()
+        and (v == 2 * prev).all().item()
     )
 
 
@@ -268,5 +273,6 @@ def _run_streams_on_gpu(seed):
 def test_async_collectives_on_gpu_streams():
     from fusedpar.testing import World
 
-    with World(1, backend="nccl") as w:
-        assert w.run(_run_streams_on_gpu, 5) == [True]
+    size = min(2, torch.cuda.device_count())  # 2 ranks exercise NCCL P2P when there are GPUs
+    with World(size, backend="nccl") as w:
+        assert w.run(_run_streams_on_gpu, 5.0) == [True] * size

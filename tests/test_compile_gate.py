@@ -13,12 +13,13 @@ SHARED_LIMIT = {80: 166912, 90: 232448}
 
 
 def _matmul_case(
-    dtype, c_dtype, cap, bias, accumulate, tile, num_warps, num_stages, precision="tf32"
-):
+    dtype, c_dtype, cap, bias, accumulate, tile, num_warps, num_stages, precision="tf32",
+    index="i32",
+):  # fmt: skip
     block_m, block_n, block_k = tile
     signature = {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "c_ptr": f"*{c_dtype}",
                  "bias_ptr": f"*{c_dtype}"}  # fmt: skip
-    signature.update({name: "i32" for name in (
+    signature.update({name: index for name in (
         "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
         "stride_bias", "M", "N", "K")})  # fmt: skip
     return {
@@ -51,9 +52,13 @@ for cap in (80, 90):
         CASES[f"matmul-{dtype}-accumulate-fp32-sm{cap}"] = _matmul_case(
             dtype, "fp32", cap, False, True, (128, 128, 64), 4, 3
         )
+    # strides past 2**31 (Triton passes them as i64), e.g. a huge weight read transposed
+    CASES[f"matmul-bf16-i64-strides-sm{cap}"] = _matmul_case(
+        "bf16", "bf16", cap, False, False, (128, 128, 64), 4, 3, index="i64"
+    )
     for precision in ("ieee", "tf32"):  # torch's "highest" and "high" fp32 matmul precision
         CASES[f"matmul-fp32-{precision}-sm{cap}"] = _matmul_case(
-            "fp32", "fp32", cap, True, False, (64, 64, 32), 4, 3, precision
+            "fp32", "fp32", cap, True, False, (64, 64, 64), 4, 3, precision
         )
 
 

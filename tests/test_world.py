@@ -103,15 +103,58 @@ def test_a_raising_rank_fails_the_call_with_every_traceback(scratch_world):
     assert scratch_world.run(whoami)[1][:2] == (1, 2)  # respawned, usable
 
 
-def test_every_rank_raising_keeps_the_pool(scratch_world):
+def test_every_rank_raising_fails_fast_and_restarts(scratch_world):
     scratch_world.run(whoami)
     starts = scratch_world.starts
+    t0 = time.monotonic()
     with pytest.raises(WorldError) as info:
         scratch_world.run(raise_everywhere)
+    assert time.monotonic() - t0 < 5  # nobody waited out the error grace
     assert sorted(info.value.exceptions) == [0, 1]
     assert all(isinstance(e, ValueError) for e in info.value.exceptions.values())
     assert scratch_world.run(whoami)[0][:2] == (0, 2)
-    assert scratch_world.starts == starts  # nothing was stuck: no restart needed
+    assert scratch_world.starts == starts + 1  # any failure: a fresh group
+
+
+def send_then_raise():
+    if dist.get_rank() == 0:
+        dist.isend(torch.full((4,), 7.0), dst=1)  # never received
+    raise ValueError("both ranks give up")
+
+
+def send_recv_once():
+    t = torch.full((4,), float(dist.get_rank()))
+    if dist.get_rank() == 0:
+        dist.send(t, dst=1)
+    else:
+        dist.recv(t, src=0)
+    return t.tolist()
+
+
+def test_a_failure_never_leaks_into_the_next_call(scratch_world):
+    with pytest.raises(WorldError):
+        scratch_world.run(send_then_raise)
+    assert scratch_world.run(send_recv_once, timeout=30) == [[0.0] * 4] * 2
+
+
+class Unpicklable:
+    def __reduce__(self):
+        return (_fail_to_rebuild, ())
+
+
+def _fail_to_rebuild():
+    raise RuntimeError("cannot rebuild this result")
+
+
+def return_unpicklable():
+    return Unpicklable() if dist.get_rank() == 0 else "fine"
+
+
+def test_a_result_the_driver_cannot_read(scratch_world):
+    with pytest.raises(WorldError) as info:
+        scratch_world.run(return_unpicklable)
+    assert "cannot rebuild" in info.value.tracebacks[0]
+    assert scratch_world.run(whoami)[0][:2] == (0, 2)
 
 
 def test_a_hanging_rank_times_out_with_its_stack(scratch_world):
@@ -124,6 +167,15 @@ def test_a_hanging_rank_times_out_with_its_stack(scratch_world):
     assert "still running" in info.value.tracebacks[0]
     assert scratch_world.run(whoami)[0][:2] == (0, 2)
     assert scratch_world.starts == starts + 1
+
+
+def test_a_failing_start_fails_fast(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-interface")  # init_process_group fails
+    t0 = time.monotonic()
+    with pytest.raises(WorldError, match="failed to start") as info:
+        World(2, timeout=60).run(whoami)
+    assert time.monotonic() - t0 < 30
+    assert "no-such-interface" in str(info.value) and "__main__" not in str(info.value)
 
 
 def test_a_dying_rank_fails_the_call(scratch_world):

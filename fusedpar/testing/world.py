@@ -8,7 +8,8 @@ NCCL on GPUs), reused for every call, so a property test pays the start-up once 
 than per example. ``fn`` and its arguments are pickled, so ``fn`` must be defined at
 module level. A call fails as a whole: if any rank raises, `WorldError` carries every
 rank's traceback; if the call runs past its timeout, `WorldTimeout` carries every
-running rank's Python stack. The pool is then killed and started afresh on the next call.
+running rank's Python stack. After any failure the pool is killed and started afresh on
+the next call, so one failing test never leaves the next one a group out of step.
 """
 
 from __future__ import annotations
@@ -77,6 +78,14 @@ class World:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if backend == "nccl":
+            import torch
+
+            if torch.cuda.device_count() < world_size:
+                raise ValueError(
+                    f"World({world_size}, backend='nccl') needs a GPU per rank, "
+                    f"this machine has {torch.cuda.device_count()}"
+                )
         self.world_size = world_size
         self.backend = backend
         self.timeout = timeout
@@ -122,17 +131,23 @@ class World:
             self._conns.append(parent_conn)
         self.starts += 1
         _live_worlds.add(self)
-        replies = self._collect(range(self.world_size), time.monotonic() + max(self.timeout, 120))
+        try:
+            deadline = time.monotonic() + max(self.timeout, 120)
+            replies = self._collect(range(self.world_size), deadline, ERROR_GRACE_S)
+        except BaseException:
+            self._kill()
+            raise
         failed = {r: text for r, (kind, text) in replies.items() if kind != "ready"}
         failed.update({r: "no reply" for r in range(self.world_size) if r not in replies})
         if failed:
             self._kill()
             details = "\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(failed.items()))
+            hint = ""
+            if any(kind == "died" for kind, _ in replies.values()):
+                hint = (" (a script that makes a World needs an `if __name__ == '__main__':` "
+                        "guard: ranks are spawned and import it)")  # fmt: skip
             raise WorldError(
-                f"World({self.world_size}) failed to start (a script that makes a World needs "
-                f"an `if __name__ == '__main__':` guard: ranks are spawned)\n{details}",
-                {},
-                failed,
+                f"World({self.world_size}) failed to start{hint}\n{details}", {}, failed
             )
 
     def close(self) -> None:
@@ -171,13 +186,16 @@ class World:
             ) from e
         self._ensure_started()
         timeout = self.timeout if timeout is None else timeout
-        results, exceptions, texts, stuck = self._call(payload, timeout)
+        try:
+            results, exceptions, texts, stuck = self._call(payload, timeout)
+        except BaseException:  # interrupted: unread replies would answer the next call
+            self._kill()
+            raise
         if not texts:
             return results
-        if stuck:
-            self._kill()  # a stuck rank holds the process group: start afresh
-        elif not self._healthy():
-            self._kill()
+        # Even when every rank returned, a failed call may leave the group out of step
+        # (a send no one received, a collective one rank skipped): start afresh.
+        self._kill()
         what = "timed out" if set(texts) == set(stuck) else "failed"
         lines = [f"World({self.world_size}).run({getattr(fn, '__qualname__', fn)}) {what}:"]
         lines += [f"--- rank {r} ---\n{texts[r]}" for r in sorted(texts)]
@@ -196,7 +214,7 @@ class World:
                 results[rank] = value
             elif kind == "error":
                 exceptions[rank], texts[rank] = _revive(value), value["traceback"]
-            else:  # died
+            else:  # died, or a reply this process cannot unpickle
                 texts[rank] = value
         stuck = sorted(set(range(self.world_size)) - set(replies))
         elapsed = time.monotonic() - start
@@ -223,6 +241,8 @@ class World:
                         replies[rank] = pickle.loads(obj.recv_bytes())
                     except (EOFError, OSError):
                         replies[rank] = ("died", self._death_note(rank))
+                    except Exception:  # the rank's result cannot be rebuilt here
+                        replies[rank] = ("unreadable", traceback.format_exc())
                 elif obj in sentinels and sentinels[obj] not in replies:
                     rank = sentinels[obj]
                     conn = self._conns[rank]
@@ -259,14 +279,6 @@ class World:
                 dumps[rank] = "(no stack dump was written)"
         return dumps
 
-    def _healthy(self) -> bool:
-        """After a failure where every rank returned: can the group still communicate?"""
-        if not self.alive:
-            return False
-        payload = _call_message(_health_probe, (), {})
-        results, _, texts, _ = self._call(payload, timeout=30.0)
-        return not texts and all(r == self.world_size for r in results)
-
     def _dump_path(self, rank: int) -> str:
         return os.path.join(self._tmpdir, f"stack{rank}.txt")
 
@@ -302,15 +314,6 @@ def _call_message(fn, args, kwargs) -> bytes:
 
 
 # --- inside a rank ---------------------------------------------------------------------
-
-
-def _health_probe() -> int:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    return int(t.item())
 
 
 def _describe(exc: BaseException) -> dict:
