@@ -16,11 +16,13 @@ Differentiable collectives (W = group size, x on rank r is ``x_r``):
 | `all_reduce`          | ``sum_r x_r``                 | ``all_reduce(g)``                 |
 | `copy_to_region`      | ``x``                         | ``all_reduce(g)``                 |
 | `reduce_from_region`  | ``sum_r x_r``                 | ``g``                             |
+| `gather_from_region`  | ``cat_r x_r`` along `dim`     | ``g``'s chunk r along `dim`       |
 | `all_to_all`          | rows ``in_splits[s]`` to rank s | ``all_to_all`` with splits swapped |
 
-`all_reduce` is the gradient of a sum when every rank goes on with its own loss;
-`copy_to_region` / `reduce_from_region` are Megatron's pair for a region whose
-downstream is replicated (each rank computes the same loss, counted once).
+`all_gather` and `all_reduce` give the gradient of a sum when every rank goes on with
+its own loss; `copy_to_region`, `reduce_from_region` and `gather_from_region` are
+Megatron's mappings for a region whose downstream is replicated (each rank computes the
+same loss, counted once).
 """
 
 from __future__ import annotations
@@ -172,6 +174,19 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg, dim):
+        ctx.pg, ctx.dim = pg, dim
+        gathered = _gather(x.movedim(dim, 0), pg)
+        return gathered.movedim(0, dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        chunks = grad.chunk(dist.get_world_size(ctx.pg), dim=ctx.dim)
+        return chunks[dist.get_rank(ctx.pg)].contiguous(), None, None
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pg, output_splits, input_splits):
@@ -214,6 +229,16 @@ def reduce_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-reduce forward, identity backward: leave a tensor-parallel region."""
     pg = resolve_group(group)
     return x if pg is None else _ReduceFromRegion.apply(x, pg)
+
+
+def gather_from_region(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim` (same shape on all ranks); the backward
+    keeps this rank's chunk of the gradient: leave a region whose output is replicated
+    (Megatron's ``gather_output`` of a column-parallel layer)."""
+    pg = resolve_group(group)
+    if x.dim() == 0:
+        raise ValueError("gather_from_region needs a tensor with at least one dim")
+    return x if pg is None else _GatherFromRegion.apply(x, pg, dim % x.dim())
 
 
 def all_to_all(

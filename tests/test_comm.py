@@ -276,3 +276,23 @@ def test_async_collectives_on_gpu_streams():
     size = min(2, torch.cuda.device_count())  # 2 ranks exercise NCCL P2P when there are GPUs
     with World(size, backend="nccl") as w:
         assert w.run(_run_streams_on_gpu, 5.0) == [True] * size
+
+
+def _run_gather_from_region(seed, dim):
+    """Forward: concatenation along `dim`. Backward, with the same upstream gradient on
+    every rank (a replicated downstream): this rank's chunk of it."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    xs = [randn((3, 2, 4), torch.float32, seed + r) for r in range(size)]
+    x = xs[rank].clone().requires_grad_()
+    y = comm.gather_from_region(x, dist.group.WORLD, dim=dim)
+    g = randn(tuple(y.shape), torch.float32, seed + 99)
+    y.backward(g)
+    return torch.equal(y, torch.cat(xs, dim=dim)) and torch.equal(
+        x.grad, g.chunk(size, dim=dim)[rank]
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("dim", [-1, 1, 0])
+def test_gather_from_region(world, world_size, dim):
+    assert all(world(world_size).run(_run_gather_from_region, 11, dim))

@@ -1,0 +1,233 @@
+"""Megatron-style tensor-parallel linears, with or without sequence parallelism.
+
+| layer                  | weight on each rank              | x -> y, sequence-parallel    |
+| ---------------------- | -------------------------------- | ---------------------------- |
+| `ColumnParallelLinear` | (out/W, in)                      | (T/W, ..., in) -> (T, ..., out/W) |
+| `RowParallelLinear`    | (out, in/W)                      | (T, ..., in/W) -> (T/W, ..., out) |
+| `ParallelSwiGLU`       | gate, up (h/W, d); down (d, h/W) | (T/W, ..., d) -> (T/W, ..., d) |
+
+Without sequence parallelism (classic TP) every T/W above is T: the column side takes
+the full, replicated x and the row side returns the full, all-reduced y.
+
+With sequence parallelism the column side all-gathers its input and the row side
+reduce-scatters its output, both overlapped with the GEMMs (`fusedpar.ops.linear`).
+Without it (classic TP) the column side is the identity forward and all-reduces dX
+backward; the row side all-reduces its output. A column-parallel bias is split like the
+output features; a row-parallel bias is whole on every rank and added after the sum.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusedpar import comm
+from fusedpar.ops.linear import DEFAULT_CHUNKS_PER_RANK, all_gather_matmul, matmul_reduce_scatter
+
+
+def _check_divisible(what: str, size: int, world: int) -> None:
+    if size % world:
+        raise ValueError(f"{what} ({size}) is not divisible by the group size ({world})")
+
+
+def _dense_init(out_features: int, in_features: int, bias: bool):
+    """What ``nn.Linear(in_features, out_features)`` draws, in float32 on the CPU, from the
+    current RNG state: every rank, whatever the world size, gets the same full weight."""
+    weight = torch.empty(out_features, in_features)
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if not bias:
+        return weight, None
+    bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+    return weight, nn.init.uniform_(torch.empty(out_features), -bound, bound)
+
+
+def _weight_of(layer_or_weight) -> torch.Tensor:
+    return layer_or_weight.weight if isinstance(layer_or_weight, nn.Linear) else layer_or_weight
+
+
+class _ParallelLinear(nn.Module):
+    """Shared plumbing: group, sizes, parameter creation, `from_dense`."""
+
+    split_dim: int  # 0: the output features are split (column); 1: the input ones (row)
+
+    def __init__(self, in_features, out_features, group, bias, sequence_parallel,
+                 chunks_per_rank, device, dtype):  # fmt: skip
+        super().__init__()
+        self.group = group
+        self.world = comm.group_size(group)
+        self.rank = comm.group_rank(group)
+        split = out_features if self.split_dim == 0 else in_features
+        _check_divisible(
+            "out_features" if self.split_dim == 0 else "in_features", split, self.world
+        )
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel = sequence_parallel
+        self.chunks_per_rank = chunks_per_rank
+        shape = [out_features, in_features]
+        shape[self.split_dim] //= self.world
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(shape, **factory))
+        bias_size = out_features // self.world if self.split_dim == 0 else out_features
+        self.bias = nn.Parameter(torch.empty(bias_size, **factory)) if bias else None
+        if self.weight.device.type != "meta":
+            self.reset_parameters()
+
+    def _shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+        return full.chunk(self.world, dim=dim)[self.rank]
+
+    def load_dense(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's part of a full (out, in) weight and (out,) bias."""
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(
+                f"dense weight must be ({self.out_features}, {self.in_features}), "
+                f"got {tuple(weight.shape)}"
+            )
+        if (bias is None) != (self.bias is None):
+            raise ValueError("the dense layer and this one must agree on having a bias")
+        with torch.no_grad():
+            self.weight.copy_(self._shard(weight, self.split_dim))
+            if bias is not None:
+                self.bias.copy_(self._shard(bias, 0) if self.split_dim == 0 else bias)
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialization of the full layer, then this rank's part."""
+        self.load_dense(*_dense_init(self.out_features, self.in_features, self.bias is not None))
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, group, **kwargs):
+        """Shard an ``nn.Linear``: the result computes exactly the dense layer's function."""
+        w = linear.weight
+        kwargs.setdefault("device", w.device)
+        kwargs.setdefault("dtype", w.dtype)
+        device = kwargs.pop("device")
+        layer = cls(linear.in_features, linear.out_features, group,
+                    bias=linear.bias is not None, device="meta", **kwargs)  # fmt: skip
+        layer.to_empty(device=device)
+        layer.load_dense(w.detach(), None if linear.bias is None else linear.bias.detach())
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"world={self.world}, bias={self.bias is not None}, "
+                f"sequence_parallel={self.sequence_parallel}")  # fmt: skip
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x @ W.T + b`` with W's output features split over `group`.
+
+    sequence_parallel=True: x (T/W, ..., in) this rank's tokens, all-gathered inside the
+    GEMM; y (T, ..., out/W). False: x (T, ..., in) the same on every rank. With
+    ``gather_output`` the features are gathered back: y (T, ..., out) on every rank (its
+    backward keeps this rank's slice, as the downstream is then replicated).
+    """
+
+    split_dim = 0
+
+    def __init__(self, in_features, out_features, group=None, *, bias=True,
+                 sequence_parallel=True, gather_output=False,
+                 chunks_per_rank=DEFAULT_CHUNKS_PER_RANK, device=None, dtype=None):  # fmt: skip
+        self.gather_output = gather_output
+        super().__init__(in_features, out_features, group, bias, sequence_parallel,
+                         chunks_per_rank, device, dtype)  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            y = all_gather_matmul(x, self.weight, self.group, bias=self.bias,
+                                  chunks_per_rank=self.chunks_per_rank)  # fmt: skip
+        else:
+            y = F.linear(comm.copy_to_region(x, self.group), self.weight, self.bias)
+        return comm.gather_from_region(y, self.group, dim=-1) if self.gather_output else y
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = x @ W.T + b`` with W's input features split over `group`.
+
+    x (T, ..., in/W): this rank's slice of the features (a column-parallel output).
+    sequence_parallel=True: y (T/W, ..., out), reduce-scattered inside the GEMM; False:
+    y (T, ..., out), all-reduced. The bias is whole on every rank and added once.
+    """
+
+    split_dim = 1
+
+    def __init__(self, in_features, out_features, group=None, *, bias=True,
+                 sequence_parallel=True, chunks_per_rank=DEFAULT_CHUNKS_PER_RANK,
+                 device=None, dtype=None):  # fmt: skip
+        super().__init__(in_features, out_features, group, bias, sequence_parallel,
+                         chunks_per_rank, device, dtype)  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            # Each rank adds the bias to its own tokens: its gradient is summed over ranks.
+            bias = None if self.bias is None else comm.copy_to_region(self.bias, self.group)
+            return matmul_reduce_scatter(x, self.weight, self.group, bias=bias,
+                                         chunks_per_rank=self.chunks_per_rank)  # fmt: skip
+        y = comm.reduce_from_region(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class ParallelSwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with the hidden features split over `group`.
+
+    gate and up are column-parallel and share one all-gather of x; down is row-parallel.
+    No biases (as in Llama). Shapes: x (T/W, ..., d_model) with sequence parallelism,
+    (T, ..., d_model) without; the output has x's shape.
+    """
+
+    def __init__(self, d_model, d_hidden, group=None, *, sequence_parallel=True,
+                 chunks_per_rank=DEFAULT_CHUNKS_PER_RANK, device=None, dtype=None):  # fmt: skip
+        super().__init__()
+        self.group = group
+        self.world, self.rank = comm.group_size(group), comm.group_rank(group)
+        _check_divisible("d_hidden", d_hidden, self.world)
+        self.d_model, self.d_hidden = d_model, d_hidden
+        self.sequence_parallel, self.chunks_per_rank = sequence_parallel, chunks_per_rank
+        local, factory = d_hidden // self.world, {"device": device, "dtype": dtype}
+        self.gate_weight = nn.Parameter(torch.empty(local, d_model, **factory))
+        self.up_weight = nn.Parameter(torch.empty(local, d_model, **factory))
+        self.down_weight = nn.Parameter(torch.empty(d_model, local, **factory))
+        if self.gate_weight.device.type != "meta":
+            self.reset_parameters()
+
+    def load_dense(self, w_gate, w_up, w_down) -> None:
+        """Copy this rank's part of full weights: gate, up (d_hidden, d_model); down
+        (d_model, d_hidden). ``nn.Linear`` modules are accepted for any of them."""
+        w_gate, w_up, w_down = (_weight_of(w).detach() for w in (w_gate, w_up, w_down))
+        hidden_first = (self.d_hidden, self.d_model)
+        for name, w, shape in (("w_gate", w_gate, hidden_first), ("w_up", w_up, hidden_first),
+                               ("w_down", w_down, hidden_first[::-1])):  # fmt: skip
+            if w.shape != shape:
+                raise ValueError(f"{name} must be {shape}, got {tuple(w.shape)}")
+        with torch.no_grad():
+            self.gate_weight.copy_(w_gate.chunk(self.world, 0)[self.rank])
+            self.up_weight.copy_(w_up.chunk(self.world, 0)[self.rank])
+            self.down_weight.copy_(w_down.chunk(self.world, 1)[self.rank])
+
+    def reset_parameters(self) -> None:
+        """As ``nn.Linear(d, h, bias=False)`` twice then ``nn.Linear(h, d, bias=False)``."""
+        gate, _ = _dense_init(self.d_hidden, self.d_model, False)
+        up, _ = _dense_init(self.d_hidden, self.d_model, False)
+        down, _ = _dense_init(self.d_model, self.d_hidden, False)
+        self.load_dense(gate, up, down)
+
+    @classmethod
+    def from_dense(cls, w_gate, w_up, w_down, group, **kwargs):
+        """Shard dense SwiGLU weights (tensors or bias-free ``nn.Linear``s)."""
+        w_gate_t = _weight_of(w_gate)
+        kwargs.setdefault("dtype", w_gate_t.dtype)
+        device = kwargs.pop("device", w_gate_t.device)
+        d_hidden, d_model = w_gate_t.shape
+        mlp = cls(d_model, d_hidden, group, device="meta", **kwargs)
+        mlp.to_empty(device=device)
+        mlp.load_dense(w_gate, w_up, w_down)
+        return mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            gate, up = all_gather_matmul(x, [self.gate_weight, self.up_weight], self.group,
+                                         chunks_per_rank=self.chunks_per_rank)  # fmt: skip
+            return matmul_reduce_scatter(F.silu(gate) * up, self.down_weight, self.group,
+                                         chunks_per_rank=self.chunks_per_rank)  # fmt: skip
+        x = comm.copy_to_region(x, self.group)
+        hidden = F.silu(F.linear(x, self.gate_weight)) * F.linear(x, self.up_weight)
+        return comm.reduce_from_region(F.linear(hidden, self.down_weight), self.group)

@@ -1,0 +1,256 @@
+"""Sequence-parallel tensor parallelism: GEMMs whose all-gather or reduce-scatter travels
+a ring in chunks, each chunk's transfer overlapping the GEMM of the one before it.
+
+Shapes on each of W ranks (T tokens in all, dim 0 sharded, any dims between):
+
+| op                        | x                | weight        | result             |
+| ------------------------- | ---------------- | ------------- | ------------------ |
+| `all_gather_matmul`       | (T/W, ..., K)    | (N_loc, K)    | (T, ..., N_loc)    |
+| `matmul_reduce_scatter`   | (T, ..., K_loc)  | (N, K_loc)    | (T/W, ..., N)      |
+
+| op                      | forward                | backward                            |
+| ----------------------- | ---------------------- | ----------------------------------- |
+| `all_gather_matmul`     | ``Y = g(X) @ W^T + b`` | ``dX = rs(dY @ W)``, pipelined      |
+|                         |                        | ``dW = dY^T @ g(X)``, ``db = sum dY`` |
+| `matmul_reduce_scatter` | ``Y = rs(X @ W^T) + b`` | ``dX = g(dY) @ W``, pipelined      |
+|                         |                        | ``dW = g(dY)^T @ X``, ``db = sum dY`` |
+
+g = all-gather, rs = reduce-scatter, both on dim 0; the row op's db sums this rank's
+rows only (the layers all-reduce it). The backward of `all_gather_matmul`
+re-gathers X while it computes dX; that of `matmul_reduce_scatter` gets g(dY) from the
+same ring that feeds the dX GEMMs.
+
+The ring order is that of PyTorch async-TP and Flux: the all-gather multiplies the local
+chunk first while the next arrives, each GEMM writing straight into its rows of the
+output; the reduce-scatter computes the partial bound for one rank while the previous
+partial travels, adds in fp32, and rounds once at the end (the bias after the sum).
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+from fusedpar.comm import Group, Ring, all_gather_async, group_rank, group_size, resolve_group
+from fusedpar.kernels.matmul import matmul
+
+DEFAULT_CHUNKS_PER_RANK = 1  # one ring message per rank and step, as in async-TP
+
+
+def _pieces(rows: int, chunks: int) -> list[tuple[int, int]]:
+    """Cut `rows` into `chunks` near-equal [start, stop) ranges, dropping empty ones."""
+    bounds = [rows * i // chunks for i in range(chunks + 1)]
+    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+
+
+def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul):
+    """``gather(x) @ operand + bias`` for each operand, one ring all-gather for all.
+
+    x (n, K) this rank's rows; operands [(K, N_i)]; biases [(N_i,) or None]. Returns the
+    outputs [(W*n, N_i)] and the gathered x (W*n, K). Step s multiplies the rows of rank
+    r - s while those of rank r - s - 1 arrive (received straight into their place).
+    """
+    size, rank = group_size(pg), group_rank(pg)
+    n, K = x.shape
+    gathered = x.new_empty((size * n, K))
+    gathered[rank * n : (rank + 1) * n].copy_(x)
+    outs = [x.new_empty((size * n, op.shape[1])) for op in operands]
+    ring = Ring(pg)
+    for step in range(size):
+        src, incoming = (rank - step) % size, (rank - step - 1) % size
+        for a, b in _pieces(n, chunks):
+            rows = slice(src * n + a, src * n + b)
+            if step + 1 < size:
+                ring.send_recv(gathered[rows], out=gathered[incoming * n + a : incoming * n + b])
+            for out, op, bias in zip(outs, operands, biases, strict=True):
+                gemm(gathered[rows], op, out=out[rows], bias=bias)
+            if step + 1 < size:
+                ring.wait()
+    return outs, gathered
+
+
+def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul):
+    """This rank's rows of ``sum_ranks sum_i A_i @ B_i`` (+ bias), by a ring reduce-scatter.
+
+    pairs [(A_i (W*m, K_i), B_i (K_i, N))]. At step s rank r computes its fp32 partial for
+    rank r - s - 1 while the running sum for that rank arrives from r - 1, adds it, and
+    passes it on; after W - 1 steps it holds its own sum. Returns (m, N) in `out_dtype`.
+    """
+    size, rank = group_size(pg), group_rank(pg)
+    rows, N = pairs[0][0].shape[0] // size, pairs[0][1].shape[1]
+    device = pairs[0][0].device
+    out = torch.empty((rows, N), dtype=out_dtype, device=device)
+    running = {}
+    ring = Ring(pg)
+    for step in range(size):
+        dest = (rank - step - 1) % size
+        for a, b in _pieces(rows, chunks):
+            partial = torch.empty((b - a, N), dtype=torch.float32, device=device)
+            if step > 0:
+                ring.send_recv(running[a])  # the sum for rank dest - 1 goes on
+            for i, (A, B) in enumerate(pairs):
+                gemm(A[dest * rows + a : dest * rows + b], B, out=partial, accumulate=i > 0)
+            if step > 0:
+                partial += ring.wait()  # the sum for `dest` so far, from rank - 1
+            running[a] = partial
+    for a, b in _pieces(rows, chunks):
+        out[a:b] = running[a] if bias is None else running[a] + bias.float()  # rounded once
+    return out
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _row_sum(dy2d: torch.Tensor, dtype) -> torch.Tensor:
+    return dy2d.sum(0, dtype=torch.float32).to(dtype)
+
+
+class AllGatherMatmulFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg, chunks, save_gathered, n_weights, *params):
+        weights, biases = params[:n_weights], params[n_weights:]
+        outs, gathered = gather_matmuls(_flat(x), [w.t() for w in weights], biases, pg, chunks)
+        ctx.pg, ctx.chunks, ctx.n_weights = pg, chunks, n_weights
+        ctx.has_bias = [b is not None for b in biases]
+        ctx.save_for_backward(x, gathered if save_gathered else None, *weights)
+        ctx.set_materialize_grads(False)
+        lead = (group_size(pg) * x.shape[0], *x.shape[1:-1])
+        return tuple(out.view(*lead, out.shape[1]) for out in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, gathered, *weights = ctx.saved_tensors
+        pg = ctx.pg
+        dys = [None if g is None else _flat(g) for g in grads]
+        weight_grads = any(ctx.needs_input_grad[5 : 5 + ctx.n_weights])
+        regather = None
+        if gathered is None and weight_grads:
+            regather = all_gather_async(_flat(x), pg)  # runs while dX is computed
+        dx = None
+        if ctx.needs_input_grad[0]:
+            pairs = [(dy, w) for dy, w in zip(dys, weights, strict=True) if dy is not None]
+            if pairs:
+                dx = matmuls_reduce_scatter(pairs, pg, ctx.chunks, x.dtype).view(x.shape)
+        if regather is not None:
+            gathered = regather.wait()
+        dws, dbs = [], []
+        for i, (dy, w) in enumerate(zip(dys, weights, strict=True)):
+            needs_w = ctx.needs_input_grad[5 + i] and dy is not None
+            needs_b = ctx.needs_input_grad[5 + ctx.n_weights + i] and dy is not None
+            dws.append(matmul(dy.t(), gathered) if needs_w else None)
+            dbs.append(_row_sum(dy, w.dtype) if needs_b and ctx.has_bias[i] else None)
+        return (dx, None, None, None, None, *dws, *dbs)
+
+
+class MatmulReduceScatterFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, pg, chunks):
+        x2d = _flat(x)
+        y = matmuls_reduce_scatter([(x2d, weight.t())], pg, chunks, x.dtype, bias)
+        ctx.pg, ctx.chunks = pg, chunks
+        ctx.save_for_backward(x, weight)
+        return y.view(x.shape[0] // group_size(pg), *x.shape[1:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy2d = _flat(dy)
+        needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]
+        operands = [weight] if needs_x else []
+        outs, dy_full = gather_matmuls(dy2d, operands, [None] * len(operands), ctx.pg, ctx.chunks)
+        dx = outs[0].view(x.shape) if needs_x else None
+        dw = matmul(dy_full.t(), _flat(x)) if needs_w else None
+        db = _row_sum(dy2d, weight.dtype) if needs_b else None
+        return dx, dw, db, None, None
+
+
+def _check_chunks(chunks: int) -> None:
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks_per_rank must be a positive int, got {chunks!r}")
+
+
+def _check_linear(x, weight, bias, what, k_dim=-1):
+    if weight.dim() != 2:
+        raise ValueError(f"{what}: weight must be 2-D (N, K), got {tuple(weight.shape)}")
+    if weight.shape[1] != x.shape[k_dim]:
+        raise ValueError(
+            f"{what}: x has K={x.shape[k_dim]} (shape {tuple(x.shape)}), weight has "
+            f"K={weight.shape[1]} (shape {tuple(weight.shape)})"
+        )
+    if weight.dtype != x.dtype:
+        raise TypeError(f"{what}: x is {x.dtype} but weight is {weight.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"{what}: x is on {x.device} but weight on {weight.device}")
+    if bias is not None:
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"{what}: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
+        if bias.dtype != x.dtype:
+            raise TypeError(f"{what}: x is {x.dtype} but bias is {bias.dtype}")
+
+
+def all_gather_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor | Sequence[torch.Tensor],
+    group: Group,
+    *,
+    bias: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
+    chunks_per_rank: int = DEFAULT_CHUNKS_PER_RANK,
+    save_gathered_input: bool = False,
+):
+    """``all_gather(x, dim 0) @ weight.T (+ bias)``, pipelined around the ring.
+
+    x (T/W, ..., K): this rank's tokens. weight (N_loc, K), or a list of them: one gather
+    feeds every GEMM (fused QKV, gate/up) and a list of (T, ..., N_i) comes back. bias
+    (N_loc,), or a list aligned with the weights (entries may be None). The backward
+    re-gathers x while it computes dX, unless ``save_gathered_input`` keeps the gathered
+    copy from the forward (memory for one all-gather less). ``chunks_per_rank`` cuts each
+    rank's rows into that many ring messages. With ``group=None`` this is a plain GEMM.
+    """
+    many = isinstance(weight, (list, tuple))
+    weights = list(weight) if many else [weight]
+    if not many:
+        biases = [bias]
+    elif isinstance(bias, torch.Tensor):
+        raise ValueError("with a list of weights, pass bias as a list (None entries allowed)")
+    else:
+        biases = [None] * len(weights) if bias is None else list(bias)
+    if not weights or len(biases) != len(weights):
+        raise ValueError(f"{len(weights)} weights but {len(biases)} biases")
+    if x.dim() < 2:
+        raise ValueError(f"all_gather_matmul: x must be (T/W, ..., K), got {tuple(x.shape)}")
+    for w, b in zip(weights, biases, strict=True):
+        _check_linear(x, w, b, "all_gather_matmul")
+    _check_chunks(chunks_per_rank)
+    pg = resolve_group(group)
+    outs = AllGatherMatmulFunction.apply(
+        x, pg, chunks_per_rank, save_gathered_input, len(weights), *weights, *biases
+    )
+    return list(outs) if many else outs[0]
+
+
+def matmul_reduce_scatter(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group: Group,
+    *,
+    bias: torch.Tensor | None = None,
+    chunks_per_rank: int = DEFAULT_CHUNKS_PER_RANK,
+) -> torch.Tensor:
+    """``reduce_scatter(x @ weight.T, dim 0) (+ bias)``, pipelined around the ring.
+
+    x (T, ..., K_loc): every token, this rank's slice of the features; weight (N, K_loc);
+    bias (N,), added once after the sum. Returns this rank's tokens (T/W, ..., N). Partial
+    sums travel in fp32 and are rounded once. With ``group=None`` this is a plain GEMM.
+    """
+    if x.dim() < 2:
+        raise ValueError(f"matmul_reduce_scatter: x must be (T, ..., K), got {tuple(x.shape)}")
+    _check_linear(x, weight, bias, "matmul_reduce_scatter")
+    _check_chunks(chunks_per_rank)
+    pg = resolve_group(group)
+    size = group_size(pg)
+    if x.shape[0] % size:
+        raise ValueError(
+            f"matmul_reduce_scatter: dim 0 of x (shape {tuple(x.shape)}) has {x.shape[0]} "
+            f"tokens, not divisible by the group size {size}"
+        )
+    return MatmulReduceScatterFunction.apply(x, weight, bias, pg, chunks_per_rank)

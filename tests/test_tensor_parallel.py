@@ -1,0 +1,290 @@
+"""Tensor parallelism against the dense single-process computation, at W = 2 and 4.
+
+Every rank rebuilds the full inputs, weights and upstream gradients from the seed, runs
+its share, and checks its own outputs and gradients against the dense math in float64
+(and in the op's dtype, for the tolerance rule's PyTorch term).
+"""
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import example, given
+from hypothesis import strategies as st
+from torch import nn
+
+import fusedpar as fp
+from fusedpar.testing import WorldError, assert_close
+from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
+
+WORLD = dist.group.WORLD  # read inside the ranks, after init_process_group
+
+
+def _tokens_shape(p, tokens):
+    """(tokens, K) flat, or sequence-first (tokens, B, K)."""
+    return (tokens, p["batch"]) if p["seq_first"] else (tokens,)
+
+
+def _maybe_strided(t, strided):
+    """The same values as `t`, read through a non-contiguous view when `strided`."""
+    if not strided:
+        return t
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+def _check_all(results):
+    for name, got, ref64, same_dtype in results:
+        assert_close(got, ref64, same_dtype, name=name)
+    return True
+
+
+def _run_all_gather_matmul(p):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    n, K, dtype, seed = p["rows"], p["K"], p["dtype"], p["seed"]
+    lead = _tokens_shape(p, n * size)
+    X = randn((*lead, K), torch.float64, seed)
+    # every rank's weights, biases and upstream gradients (rank s: index s)
+
+    def draw(shape_of, offset):  # [rank][weight] -> a float64 tensor
+        return [[randn(shape_of(N), torch.float64, seed + 100 * s + offset + i)
+                 for i, N in enumerate(p["Ns"])] for s in range(size)]  # fmt: skip
+
+    Ws, dYs = draw(lambda N: (N, K), 0), draw(lambda N: (*lead, N), 80)
+    bs = draw(lambda N: (N,), 50) if p["bias"] else [[None] * len(p["Ns"])] * size
+
+    x = _maybe_strided(X[rank * n : (rank + 1) * n].to(dtype), p["strided"]).requires_grad_()
+    ws = [w.to(dtype).requires_grad_() for w in Ws[rank]]
+    b_in = [None if b is None else b.to(dtype).requires_grad_() for b in bs[rank]]
+    ys = fp.all_gather_matmul(x, ws, WORLD, bias=b_in, chunks_per_rank=p["chunks"],
+                              save_gathered_input=p["save"])  # fmt: skip
+    torch.autograd.backward(ys, [dy.to(dtype) for dy in dYs[rank]])
+
+    def dense(X, Ws, bs, dYs, dt):  # outputs, dX rows of this rank, dWs, dbs
+        X = X.to(dt)
+        ys = [
+            X @ w.to(dt).T + (0 if b is None else b.to(dt))
+            for w, b in zip(Ws[rank], bs[rank], strict=True)
+        ]  # noqa: E501
+        dx = sum(
+            dy.to(dt) @ w.to(dt) for s in range(size) for dy, w in zip(dYs[s], Ws[s], strict=True)
+        )  # noqa: E501
+        dws = [dy.to(dt).flatten(0, -2).T @ X.flatten(0, -2) for dy in dYs[rank]]
+        dbs = [dy.to(dt).flatten(0, -2).sum(0) for dy in dYs[rank]]
+        return ys, dx[rank * n : (rank + 1) * n], dws, dbs
+
+    ref, same = dense(X, Ws, bs, dYs, torch.float64), dense(X, Ws, bs, dYs, dtype)
+    checks = [("y", y, r, t) for y, r, t in zip(ys, ref[0], same[0], strict=True)]
+    checks.append(("dx", x.grad, ref[1], same[1]))
+    checks += [("dw", w.grad, r, t) for w, r, t in zip(ws, ref[2], same[2], strict=True)]
+    if p["bias"]:
+        checks += [("db", b.grad, r, t) for b, r, t in zip(b_in, ref[3], same[3], strict=True)]
+    return _check_all(checks)
+
+
+@given(
+    world_size=st.sampled_from([2, 4]), rows=st.integers(1, 4), K=st.integers(1, 20),
+    Ns=st.lists(st.integers(1, 12), min_size=1, max_size=3), bias=st.booleans(),
+    chunks=st.integers(1, 3), dtype=cpu_dtypes(), seq_first=st.booleans(),
+    batch=st.integers(1, 2), strided=st.booleans(), save=st.booleans(), seed=seeds(),
+)  # fmt: skip
+@example(world_size=4, rows=0, K=5, Ns=[3], bias=True, chunks=1, dtype=torch.float32,
+         seq_first=False, batch=1, strided=False, save=False, seed=0)  # no tokens  # fmt: skip
+@example(world_size=2, rows=3, K=33, Ns=[17, 5, 9], bias=True, chunks=2, dtype=torch.float16,
+         seq_first=True, batch=2, strided=True, save=True, seed=1)  # fused QKV  # fmt: skip
+def test_all_gather_matmul(world, world_size, **p):
+    assert all(world(world_size).run(_run_all_gather_matmul, p))
+
+
+def _run_matmul_reduce_scatter(p):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    n, k, N, dtype, seed = p["rows"], p["K"], p["N"], p["dtype"], p["seed"]
+    lead = _tokens_shape(p, n * size)
+    X = randn((*lead, k * size), torch.float64, seed)
+    Wt = randn((N, k * size), torch.float64, seed + 1)
+    b = randn((N,), torch.float64, seed + 2) if p["bias"] else None
+    dYs = [randn((*_tokens_shape(p, n), N), torch.float64, seed + 10 + s) for s in range(size)]
+    cols = slice(rank * k, (rank + 1) * k)
+
+    x = _maybe_strided(X[..., cols].to(dtype), p["strided"]).requires_grad_()
+    w = Wt[:, cols].to(dtype).requires_grad_()
+    b_in = None if b is None else b.to(dtype).requires_grad_()
+    y = fp.matmul_reduce_scatter(x, w, WORLD, bias=b_in, chunks_per_rank=p["chunks"])
+    y.backward(dYs[rank].to(dtype))
+
+    def dense(dt):
+        full = X.to(dt) @ Wt.to(dt).T + (0 if b is None else b.to(dt))
+        dY = torch.cat(dYs).to(dt)
+        return (full[rank * n : (rank + 1) * n], dY @ Wt[:, cols].to(dt),
+                dY.flatten(0, -2).T @ X[..., cols].to(dt).flatten(0, -2),
+                dYs[rank].to(dt).flatten(0, -2).sum(0))  # fmt: skip
+
+    ref, same = dense(torch.float64), dense(dtype)
+    checks = [("y", y, ref[0], same[0]), ("dx", x.grad, ref[1], same[1]),
+              ("dw", w.grad, ref[2], same[2])]  # fmt: skip
+    if b is not None:
+        checks.append(("db", b_in.grad, ref[3], same[3]))
+    return _check_all(checks)
+
+
+@given(
+    world_size=st.sampled_from([2, 4]), rows=st.integers(1, 4), K=st.integers(1, 9),
+    N=st.integers(1, 20), bias=st.booleans(), chunks=st.integers(1, 3), dtype=cpu_dtypes(),
+    seq_first=st.booleans(), batch=st.integers(1, 2), strided=st.booleans(), seed=seeds(),
+)  # fmt: skip
+@example(world_size=2, rows=0, K=3, N=4, bias=True, chunks=2, dtype=torch.float32,
+         seq_first=False, batch=1, strided=False, seed=0)  # no tokens  # fmt: skip
+@example(world_size=4, rows=3, K=7, N=19, bias=True, chunks=3, dtype=torch.float16,
+         seq_first=True, batch=2, strided=True, seed=1)  # fmt: skip
+def test_matmul_reduce_scatter(world, world_size, **p):
+    assert all(world(world_size).run(_run_matmul_reduce_scatter, p))
+
+
+# --- layers ----------------------------------------------------------------------------
+
+
+def _dense_model(kind, d_in, d_hidden, seed):
+    """The dense module in float64 and, per parameter, the dim a rank holds a slice of
+    (None: whole on every rank)."""
+    torch.manual_seed(seed)
+    if kind == "swiglu":
+        gate, up = nn.Linear(d_in, d_hidden, bias=False), nn.Linear(d_in, d_hidden, bias=False)
+        down = nn.Linear(d_hidden, d_in, bias=False)
+        model = nn.ModuleDict({"gate": gate, "up": up, "down": down}).double()
+        model.forward = lambda x: down(nn.functional.silu(gate(x)) * up(x))
+        return model, [gate.weight, up.weight, down.weight], [0, 0, 1]
+    in_f, out_f = (d_in, d_hidden) if kind == "column" else (d_hidden, d_in)
+    model = nn.Linear(in_f, out_f).double()
+    return model, [model.weight, model.bias], [0, 0] if kind == "column" else [1, None]
+
+
+def _run_layers(kind, sequence_parallel, gather_output, dtype, seed):
+    """A layer made with from_dense against the dense module, forward and backward."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    T, d_in, d_hidden = 3 * size, 6, 4 * size
+    model, dense_params, split = _dense_model(kind, d_in, d_hidden, seed)
+    if kind == "swiglu":
+        layer = fp.nn.ParallelSwiGLU.from_dense(*(p.to(dtype) for p in dense_params), WORLD,
+                                                sequence_parallel=sequence_parallel)  # fmt: skip
+        layer_params = [layer.gate_weight, layer.up_weight, layer.down_weight]
+    else:
+        cls = fp.nn.ColumnParallelLinear if kind == "column" else fp.nn.RowParallelLinear
+        kwargs = {"gather_output": gather_output} if kind == "column" else {}
+        layer = cls.from_dense(
+            model.to(dtype), WORLD, sequence_parallel=sequence_parallel, **kwargs
+        )
+        model.double()
+        layer_params = [layer.weight, layer.bias]
+
+    def mine(t, dim):  # this rank's slice of a dense tensor along dim (None: all of it)
+        return t if dim is None else t.chunk(size, dim)[rank]
+
+    token_dim = 0 if sequence_parallel else None
+    feature_in = 1 if kind == "row" else None  # the row layer takes split features
+    feature_out = 1 if kind == "column" and not gather_output else None
+    tokens_out = None if kind == "column" else token_dim  # column-parallel outputs hold every token
+
+    X = randn((T, d_hidden if kind == "row" else d_in), torch.float64, seed + 1)
+    with torch.no_grad():
+        G = torch.randn_like(model(X))  # dLoss/dY of the dense model
+    x = mine(mine(X, token_dim if kind != "row" else None), feature_in).to(dtype).requires_grad_()
+    y = layer(x)
+    y.backward(mine(mine(G, tokens_out), feature_out).to(dtype))
+
+    refs = []
+    for dt in (torch.float64, dtype):
+        xd = X.to(dt, copy=True).requires_grad_()
+        model.to(dt).zero_grad()
+        yd = model(xd)
+        yd.backward(G.to(dt))
+        y_ref = mine(mine(yd.detach(), tokens_out), feature_out)
+        dx_ref = mine(mine(xd.grad, token_dim if kind != "row" else None), feature_in)
+        grads = [mine(p.grad, dim) for p, dim in zip(dense_params, split, strict=True)]
+        refs.append([y_ref, dx_ref, *grads])
+    model.double()
+    names = ["y", "dx"] + [f"d{i}" for i in range(len(layer_params))]
+    got = [y, x.grad] + [p.grad for p in layer_params]
+    return _check_all(zip(names, got, refs[0], refs[1], strict=True))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize(
+    "kind, sequence_parallel, gather_output",
+    [("column", True, False), ("column", True, True), ("column", False, False),
+     ("column", False, True), ("row", True, False), ("row", False, False),
+     ("swiglu", True, False), ("swiglu", False, False)],
+)  # fmt: skip
+def test_layers_equal_dense(world, world_size, kind, sequence_parallel, gather_output):
+    for dtype, seed in ((torch.float32, 0), (torch.float16, 1)):
+        assert all(world(world_size).run(
+            _run_layers, kind, sequence_parallel, gather_output, dtype, seed))  # fmt: skip
+
+
+def _run_init(seed):
+    torch.manual_seed(seed)
+    dense_col, dense_row = nn.Linear(5, 8), nn.Linear(8, 5)
+    gate, up, down = (
+        nn.Linear(5, 8, bias=False),
+        nn.Linear(5, 8, bias=False),
+        nn.Linear(8, 5, bias=False),
+    )
+    torch.manual_seed(seed)
+    col, row = fp.nn.ColumnParallelLinear(5, 8, WORLD), fp.nn.RowParallelLinear(8, 5, WORLD)
+    mlp = fp.nn.ParallelSwiGLU(5, 8, WORLD)
+    r, size = dist.get_rank(), dist.get_world_size()
+    pairs = [(col.weight, dense_col.weight.chunk(size, 0)[r]),
+             (col.bias, dense_col.bias.chunk(size, 0)[r]),
+             (row.weight, dense_row.weight.chunk(size, 1)[r]), (row.bias, dense_row.bias),
+             (mlp.gate_weight, gate.weight.chunk(size, 0)[r]),
+             (mlp.up_weight, up.weight.chunk(size, 0)[r]),
+             (mlp.down_weight, down.weight.chunk(size, 1)[r])]  # fmt: skip
+    return all(torch.equal(a, b) for a, b in pairs)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_initialization_is_the_dense_one_for_any_world_size(world, world_size):
+    assert all(world(world_size).run(_run_init, 3))
+
+
+def test_no_group_is_a_plain_layer():
+    torch.manual_seed(0)
+    dense = nn.Linear(7, 5)
+    torch.manual_seed(0)
+    col = fp.nn.ColumnParallelLinear(7, 5)
+    x = randn((4, 7), torch.float32, 1)
+    assert torch.equal(col.weight, dense.weight) and torch.equal(col.bias, dense.bias)
+    torch.testing.assert_close(col(x), dense(x))
+    y = fp.all_gather_matmul(x, dense.weight, None, bias=dense.bias)
+    torch.testing.assert_close(y, dense(x))
+    y = fp.matmul_reduce_scatter(x, dense.weight, None, bias=dense.bias)
+    torch.testing.assert_close(y, dense(x))
+
+
+def _run_bad_input(case):
+    x = torch.ones(5, 4) if case != "fp16 weight" else torch.ones(4, 4)
+    weight = torch.ones(3, 4)
+    if case == "indivisible tokens":
+        fp.matmul_reduce_scatter(x, weight, WORLD)
+    elif case == "wrong K":
+        fp.all_gather_matmul(x, torch.ones(3, 6), WORLD)
+    elif case == "fp16 weight":
+        fp.matmul_reduce_scatter(x, weight.half(), WORLD)
+    elif case == "indivisible features":
+        fp.nn.ColumnParallelLinear(4, 6, WORLD)
+
+
+@pytest.mark.parametrize(
+    "case, error, match",
+    [("indivisible tokens", ValueError, r"5 tokens.*group size 4"),
+     ("wrong K", ValueError, "K=4.*K=6"),
+     ("fp16 weight", TypeError, "float16"),
+     ("indivisible features", ValueError, r"out_features \(6\).*group size \(4\)")],
+)  # fmt: skip
+def test_bad_input_fails_on_every_rank(world, case, error, match):
+    with pytest.raises(WorldError) as info:
+        world(4).run(_run_bad_input, case)
+    assert sorted(info.value.exceptions) == [0, 1, 2, 3]
+    for e in info.value.exceptions.values():
+        assert isinstance(e, error) and re.search(match, str(e)), repr(e)
