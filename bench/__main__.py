@@ -3,7 +3,7 @@
 import importlib
 import sys
 
-FAMILIES = ["matmul", "attention"]
+FAMILIES = ["matmul", "attention", "linear"]
 
 
 def main(argv: list[str]) -> None:

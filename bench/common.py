@@ -2,7 +2,6 @@
 
 import json
 import os
-import platform
 import re
 import sys
 from pathlib import Path
@@ -31,8 +30,10 @@ def time_ms(fn, *, warmup: int = 25, rep: int = 100) -> float:
 
 
 def device_slug() -> str:
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.node()
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    """The results folder: the GPU's name, or "cpu-<cores>core" without one."""
+    if not torch.cuda.is_available():
+        return f"cpu-{os.cpu_count()}core"
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
 
 
 def environment() -> dict:
