@@ -1,7 +1,15 @@
 """fusedpar: Triton kernels that fuse compute with communication for transformer training."""
 
 from fusedpar import comm, nn, ops, testing
-from fusedpar.ops import all_gather_matmul, flash_attn, matmul_reduce_scatter
+from fusedpar.ops import (
+    all_gather_matmul,
+    flash_attn,
+    gather_sequence,
+    matmul_reduce_scatter,
+    ring_attn,
+    sequence_positions,
+    shard_sequence,
+)
 
 __version__ = "0.1.0"
 
@@ -9,8 +17,12 @@ __all__ = [
     "all_gather_matmul",
     "comm",
     "flash_attn",
+    "gather_sequence",
     "matmul_reduce_scatter",
     "nn",
     "ops",
+    "ring_attn",
+    "sequence_positions",
+    "shard_sequence",
     "testing",
 ]

@@ -382,8 +382,11 @@ class Ring:
     flight, non-contiguous tensors) raises.
     """
 
-    def __init__(self, group: Group):
+    def __init__(self, group: Group, *, tag: int = 0):
         self._pg = resolve_group(group)
+        self.tag = (
+            tag  # rings with exchanges in flight at once between the same ranks differ in tag
+        )
         self.size = group_size(self._pg)
         self.rank = group_rank(self._pg)
         if self._pg is not None:
@@ -430,8 +433,8 @@ class Ring:
                 r.copy_(t)
             pending = Pending([], recvs)
         else:
-            ops = [dist.P2POp(dist.isend, t, self.next_rank, self._pg) for t in sends]
-            ops += [dist.P2POp(dist.irecv, r, self.prev_rank, self._pg) for r in recvs]
+            ops = [dist.P2POp(dist.isend, t, self.next_rank, self._pg, self.tag) for t in sends]
+            ops += [dist.P2POp(dist.irecv, r, self.prev_rank, self._pg, self.tag) for r in recvs]
             works, stream = _issue(sends[0].device, lambda: dist.batch_isend_irecv(ops))
             pending = Pending(works, recvs, stream)
         self._pending = (pending, single)

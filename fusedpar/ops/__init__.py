@@ -2,5 +2,15 @@
 
 from fusedpar.ops.attention import flash_attn
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
+from fusedpar.ops.ring_attention import ring_attn
+from fusedpar.ops.sequence import gather_sequence, sequence_positions, shard_sequence
 
-__all__ = ["all_gather_matmul", "flash_attn", "matmul_reduce_scatter"]
+__all__ = [
+    "all_gather_matmul",
+    "flash_attn",
+    "gather_sequence",
+    "matmul_reduce_scatter",
+    "ring_attn",
+    "sequence_positions",
+    "shard_sequence",
+]

@@ -1,0 +1,127 @@
+"""Sharding a sequence over a context-parallel group, and putting it back.
+
+A sequence of length S is cut into chunks along `dim`:
+
+| layout       | chunks | rank r holds            | per rank |
+| ------------ | ------ | ----------------------- | -------- |
+| "zigzag"     | 2W     | chunks r and 2W-1-r     | S / W    |
+| "contiguous" | W      | chunk r                 | S / W    |
+
+With a causal mask, zigzag gives every rank the same work: an early chunk (few keys
+visible) paired with a late one (many keys visible). For W = 4 and S = 16:
+
+    positions  0 1 | 2 3 | 4 5 | 6 7 | 8 9 | 10 11 | 12 13 | 14 15
+    chunk      0   | 1   | 2   | 3   | 4   | 5     | 6     | 7
+    rank       0   | 1   | 2   | 3   | 3   | 2     | 1     | 0
+
+`shard_sequence` (full -> local) and `gather_sequence` (local -> full) are differentiable
+duals for a region that is replicated outside and sharded inside: the gradient of a
+shard is gathered (every rank gets the full gradient), that of a gather is sharded.
+"""
+
+import torch
+import torch.distributed as dist
+
+from fusedpar.comm import Group, all_gather_async, group_rank, group_size, resolve_group
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _num_chunks(size: int, layout: str) -> int:
+    return 2 * size if layout == "zigzag" else size
+
+
+def _chunks_of(rank: int, size: int, layout: str) -> tuple[int, ...]:
+    return (rank, 2 * size - 1 - rank) if layout == "zigzag" else (rank,)
+
+
+def check_sequence_length(seq_len: int, size: int, layout: str, what: str = "sequence") -> None:
+    """Raise ValueError unless a full length `seq_len` splits into the layout's chunks."""
+    check_layout(layout)
+    chunks = _num_chunks(size, layout)
+    if size > 1 and seq_len % chunks:
+        raise ValueError(
+            f"{what}: the full length {seq_len} must be divisible by {chunks} "
+            f"({'2W' if layout == 'zigzag' else 'W'} for layout {layout!r} with W={size})"
+        )
+
+
+def _shard(x: torch.Tensor, rank: int, size: int, dim: int, layout: str) -> torch.Tensor:
+    pieces = x.chunk(_num_chunks(size, layout), dim=dim)
+    return torch.cat([pieces[c] for c in _chunks_of(rank, size, layout)], dim=dim)
+
+
+def _gather(x: torch.Tensor, pg, dim: int, layout: str) -> torch.Tensor:
+    size = dist.get_world_size(pg)
+    gathered = all_gather_async(x.movedim(dim, 0), pg).wait()
+    per_rank = len(_chunks_of(0, size, layout))
+    pieces = gathered.chunk(size * per_rank)  # rank-major: rank r's chunks in its order
+    owner = {c: r * per_rank + i for r in range(size)
+             for i, c in enumerate(_chunks_of(r, size, layout))}  # fmt: skip
+    full = torch.cat([pieces[owner[c]] for c in range(_num_chunks(size, layout))])
+    return full.movedim(0, dim)
+
+
+class _ShardSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg, dim, layout):
+        ctx.pg, ctx.dim, ctx.layout = pg, dim, layout
+        return _shard(x, dist.get_rank(pg), dist.get_world_size(pg), dim, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.pg, ctx.dim, ctx.layout), None, None, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg, dim, layout):
+        ctx.pg, ctx.dim, ctx.layout = pg, dim, layout
+        return _gather(x, pg, dim, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pg = ctx.pg
+        shard = _shard(grad, dist.get_rank(pg), dist.get_world_size(pg), ctx.dim, ctx.layout)
+        return shard, None, None, None
+
+
+def shard_sequence(x: torch.Tensor, group: Group, *, dim: int = 1, layout: str = "zigzag"):
+    """This rank's part of the full sequence `x` along `dim` (every rank passes the same
+    full `x`). Backward: the gradient is gathered, so each rank gets the full one."""
+    pg = resolve_group(group)
+    dim = dim % x.dim()
+    check_sequence_length(x.shape[dim], group_size(pg), layout, "shard_sequence")
+    if group_size(pg) == 1:
+        return x
+    return _ShardSequence.apply(x, pg, dim, layout)
+
+
+def gather_sequence(x: torch.Tensor, group: Group, *, dim: int = 1, layout: str = "zigzag"):
+    """The full sequence from every rank's part `x` along `dim`, in order, on every rank.
+    Backward: each rank keeps its part of the gradient (the output is replicated)."""
+    pg = resolve_group(group)
+    check_layout(layout)
+    dim = dim % x.dim()
+    size = group_size(pg)
+    if size == 1:
+        return x
+    if layout == "zigzag" and x.shape[dim] % 2:
+        raise ValueError(f"gather_sequence: a zigzag shard holds two equal chunks, but its "
+                         f"length along dim {dim} is {x.shape[dim]}")  # fmt: skip
+    return _GatherSequence.apply(x, pg, dim, layout)
+
+
+def sequence_positions(
+    seq_len: int, group: Group, *, layout: str = "zigzag", device=None
+) -> torch.Tensor:
+    """Global positions (int64, (seq_len / W,)) of this rank's tokens, for RoPE."""
+    size, rank = group_size(group), group_rank(group)
+    check_sequence_length(seq_len, size, layout, "sequence_positions")
+    positions = torch.arange(seq_len, device=device)
+    return positions if size == 1 else _shard(positions, rank, size, 0, layout)

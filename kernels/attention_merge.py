@@ -1,0 +1,105 @@
+"""Merge two attention partials through their LSE, in place: the ring's combine step.
+
+Two results of softmax attention over disjoint key sets, ``(o_a, lse_a)`` and
+``(o_b, lse_b)``, combine exactly into the result over the union:
+
+    lse = log(exp(lse_a) + exp(lse_b))
+    o   = (o_a * exp(lse_a - lse) + o_b * exp(lse_b - lse))
+
+computed around ``m = max(lse_a, lse_b)`` so nothing overflows. The formula is
+symmetric (the order of merging does not matter), a side with ``lse = -inf`` (no key)
+drops out exactly (its weight is 0 and the other's is exp(0) = 1), and two empty sides
+give output 0 and ``lse = -inf``, never NaN.
+
+| tensor          | shape        | dtype                       |
+| --------------- | ------------ | --------------------------- |
+| out (updated)   | (B, S, H, D) | fp32, any strides           |
+| lse (updated)   | (B, H, S)    | fp32, any strides           |
+| block_out       | (B, S, H, D) | any float dtype, any strides |
+| block_lse       | (B, H, S)    | fp32                        |
+"""
+
+import torch
+import triton
+import triton.language as tl
+from fusedpar.kernels._common import check_launchable, device_guard, is_interpreted
+
+# One program merges BLOCK_S rows of one (batch, head): rows are D-wide, so 64 rows keep
+# a (64, 256) fp32 tile at most in registers.
+BLOCK_S = 64
+
+
+@triton.jit
+def _merge_kernel(
+    # pointers
+    out_ptr, lse_ptr, blk_ptr, blk_lse_ptr,
+    # strides
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_lb, stride_lh, stride_ls,
+    stride_xb, stride_xs, stride_xh, stride_xd,
+    stride_yb, stride_yh, stride_ys,
+    # sizes
+    S, H,
+    # meta-parameters
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = offs_s < S
+    mask = rows[:, None] & (offs_d[None, :] < HEAD_DIM)
+
+    lse_ptrs = lse_ptr + b * stride_lb + h * stride_lh + offs_s * stride_ls
+    lse_a = tl.load(lse_ptrs, mask=rows, other=float("-inf"))
+    lse_b = tl.load(blk_lse_ptr + b * stride_yb + h * stride_yh + offs_s * stride_ys,
+                    mask=rows, other=float("-inf"))  # fmt: skip
+    m = tl.maximum(lse_a, lse_b)
+    m = tl.where(m == float("-inf"), 0.0, m)  # both empty: weights exp(-inf) = 0, no NaN
+    w_a = tl.exp(lse_a - m)
+    w_b = tl.exp(lse_b - m)
+    total = w_a + w_b
+    empty = total == 0.0
+    total = tl.where(empty, 1.0, total)
+
+    o_ptrs = (out_ptr + b * stride_ob + h * stride_oh
+              + offs_s[:, None] * stride_os + offs_d[None, :] * stride_od)  # fmt: skip
+    o_a = tl.load(o_ptrs, mask=mask, other=0.0)
+    o_b = tl.load(blk_ptr + b * stride_xb + h * stride_xh + offs_s[:, None] * stride_xs
+                  + offs_d[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)  # fmt: skip
+    o = (o_a * w_a[:, None] + o_b * w_b[:, None]) / total[:, None]
+    tl.store(o_ptrs, o, mask=mask)
+    tl.store(lse_ptrs, tl.where(empty, float("-inf"), m + tl.log(total)), mask=rows)
+
+
+def merge_attention(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
+    """Fold ``(block_out, block_lse)`` into ``(out, lse)``, in place (see the module doc)."""
+    if out.dim() != 4 or block_out.shape != out.shape:
+        raise ValueError(f"out and block_out must be one (B, S, H, D) shape, got "
+                         f"{tuple(out.shape)} and {tuple(block_out.shape)}")  # fmt: skip
+    B, S, H, D = out.shape
+    for name, t in (("lse", lse), ("block_lse", block_lse)):
+        if t.shape != (B, H, S) or t.dtype != torch.float32:
+            raise ValueError(
+                f"{name} must be float32 ({B}, {H}, {S}), got {t.dtype} {tuple(t.shape)}"
+            )
+    if out.dtype != torch.float32:
+        raise TypeError(f"out accumulates in float32, got {out.dtype}")
+    check_launchable(_merge_kernel, out, lse, block_out, block_lse)
+    if out.numel() == 0:
+        return
+    block_s = (
+        BLOCK_S
+        if not is_interpreted(_merge_kernel)
+        else min(BLOCK_S, max(16, triton.next_power_of_2(S)))
+    )
+    with device_guard(out):
+        _merge_kernel[(triton.cdiv(S, block_s), B * H)](
+            out, lse, block_out, block_lse,
+            *out.stride(), *lse.stride(), *block_out.stride(), *block_lse.stride(),
+            S, H, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_S=block_s,
+        )  # fmt: skip
