@@ -3,7 +3,7 @@
 import importlib
 import sys
 
-FAMILIES = ["matmul", "attention", "linear"]
+FAMILIES = ["matmul", "attention", "linear", "ring_attention"]
 
 
 def main(argv: list[str]) -> None:

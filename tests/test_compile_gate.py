@@ -110,12 +110,23 @@ for cap in (80, 90):
                 CASES[f"attention-{kernel}-{dtype}-d{head_dim}-sm{cap}"] = _attention_case(
                     kernel, dtype, cap, head_dim, config)  # fmt: skip
 
+for cap in (80, 90):
+    for head_dim in (64, 128):
+        CASES[f"attention-merge-d{head_dim}-sm{cap}"] = {
+            "kernel": "fusedpar.kernels.attention_merge:_merge_kernel",
+            "signature": {"out_ptr": "*fp32", "lse_ptr": "*fp32", "blk_ptr": "*fp32",
+                          "blk_lse_ptr": "*fp32", **_strides("o", "x"),
+                          **_strides("l", "y", dims="bhs"), "S": "i32", "H": "i32"},
+            "constexprs": {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "BLOCK_S": 64},
+            "cap": cap, "num_warps": 4, "num_stages": 1,
+        }  # fmt: skip
+
 # Kernels whose sm_90 PTX must use wgmma. Full-precision fp32 has no tensor-core path.
 WGMMA_EXPECTED = {
     name
     for name in CASES
     if (name.startswith("matmul") and "ieee" not in name)
-    or (name.startswith("attention") and "delta" not in name)
+    or (name.startswith("attention") and "delta" not in name and "merge" not in name)
 }
 
 

@@ -44,32 +44,44 @@ def _block(rank: int, src: int, causal: bool, layout: str, s_local: int):
     return (ALL, slice(0, half), False) if src < rank else (slice(half, None), ALL, False)
 
 
+def ring_attention_forward(q, k, v, pg, *, causal, softmax_scale, layout, overlap=True,
+                           attend=attention_forward):  # fmt: skip
+    """The forward ring: returns (out fp32, lse). ``overlap=False`` waits for each
+    transfer before computing (the benchmark's baseline); `attend` computes one block
+    (``attention_forward``'s signature; the CPU benchmark passes a torch one)."""
+    rank, size = dist.get_rank(pg), dist.get_world_size(pg)
+    B, S, H, D = q.shape
+    out = torch.empty((B, S, H, D), dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
+    ring = Ring(pg)
+    kv = [k.contiguous(), v.contiguous()]
+    for step in range(size):
+        src = (rank - step) % size
+        if step + 1 < size:
+            incoming = ring.send_recv(kv)  # the next block travels while this one computes
+            if not overlap:
+                incoming = ring.wait()
+        block = _block(rank, src, causal, layout, S)
+        if step == 0:  # the local block covers every query row: write in place
+            attend(q, kv[0], kv[1], causal=causal, softmax_scale=softmax_scale, out=out, lse=lse)
+        elif block is not None:
+            q_rows, kv_rows, block_causal = block
+            blk_out, blk_lse = attend(
+                q[:, q_rows], kv[0][:, kv_rows], kv[1][:, kv_rows], causal=block_causal,
+                softmax_scale=softmax_scale, out_dtype=torch.float32,
+            )  # fmt: skip
+            merge_attention(out[:, q_rows], lse[:, :, q_rows], blk_out, blk_lse)
+        if step + 1 < size:
+            kv = ring.wait() if overlap else incoming
+    return out, lse
+
+
 class RingAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, pg, causal, softmax_scale, layout):
-        rank, size = dist.get_rank(pg), dist.get_world_size(pg)
-        B, S, H, D = q.shape
-        out = torch.empty((B, S, H, D), dtype=torch.float32, device=q.device)
-        lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
-        ring = Ring(pg)
-        kv = [k.contiguous(), v.contiguous()]
-        for step in range(size):
-            src = (rank - step) % size
-            if step + 1 < size:
-                ring.send_recv(kv)  # the next block travels while this one is computed
-            block = _block(rank, src, causal, layout, S)
-            if step == 0:  # the local block covers every query row: write in place
-                attention_forward(q, kv[0], kv[1], causal=causal, softmax_scale=softmax_scale,
-                                  out=out, lse=lse)  # fmt: skip
-            elif block is not None:
-                q_rows, kv_rows, block_causal = block
-                blk_out, blk_lse = attention_forward(
-                    q[:, q_rows], kv[0][:, kv_rows], kv[1][:, kv_rows], causal=block_causal,
-                    softmax_scale=softmax_scale, out_dtype=torch.float32,
-                )  # fmt: skip
-                merge_attention(out[:, q_rows], lse[:, :, q_rows], blk_out, blk_lse)
-            if step + 1 < size:
-                kv = ring.wait()
+        out, lse = ring_attention_forward(
+            q, k, v, pg, causal=causal, softmax_scale=softmax_scale, layout=layout
+        )
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.pg, ctx.causal, ctx.softmax_scale, ctx.layout = pg, causal, softmax_scale, layout
