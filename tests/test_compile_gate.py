@@ -121,12 +121,55 @@ for cap in (80, 90):
             "cap": cap, "num_warps": 4, "num_stages": 1,
         }  # fmt: skip
 
+MOE_GEMM_TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}  # gemm_tiles(False)
+
+
+def _moe_cases(dtype, cap):
+    ptr, i32, i64 = f"*{dtype}", "i32", "*i64"
+    return {
+        "grouped-matmul": ("_grouped_matmul_kernel", 8, 3, {
+            "x_ptr": ptr, "w_ptr": ptr, "y_ptr": ptr, "rows_ptr": i64, "offsets_ptr": i64,
+            "block_offsets_ptr": i64, **{n: i32 for n in (
+                "stride_xm", "stride_xk", "stride_we", "stride_wn", "stride_wk", "stride_ym",
+                "stride_yn", "N", "K", "E")}},
+            {"HAS_ROWS": True, "E_PAD": 128, "INPUT_PRECISION": "tf32", **MOE_GEMM_TILE}),
+        "grouped-weight-grad": ("_grouped_weight_grad_kernel", 8, 3, {
+            "dy_ptr": ptr, "x_ptr": ptr, "dw_ptr": ptr, "rows_ptr": i64, "offsets_ptr": i64,
+            **{n: i32 for n in ("stride_dym", "stride_dyn", "stride_xm", "stride_xk",
+                                "stride_we", "stride_wn", "stride_wk", "N", "K")}},
+            {"HAS_ROWS": True, "INPUT_PRECISION": "tf32", **MOE_GEMM_TILE}),
+        "gather-rows": ("_gather_rows_kernel", 4, 1, {
+            "src_ptr": ptr, "idx_ptr": i64, "scale_ptr": "*fp32", "out_ptr": ptr,
+            **{n: i32 for n in ("stride_sm", "stride_sd", "stride_om", "stride_od", "P", "D")}},
+            {"HAS_SCALE": True, "BLOCK_M": 16, "BLOCK_D": 128}),
+        "combine": ("_combine_kernel", 4, 1, {
+            "src_ptr": ptr, "pos_ptr": i64, "weight_ptr": "*fp32", "y_ptr": ptr,
+            **{n: i32 for n in ("stride_sm", "stride_sd", "stride_ym", "stride_yd", "T", "D",
+                                "TOP_K")}},
+            {"HAS_WEIGHT": True, "BLOCK_M": 16, "BLOCK_D": 128}),
+        "combine-weight-grad": ("_combine_weight_grad_kernel", 4, 1, {
+            "dy_ptr": ptr, "src_ptr": ptr, "pos_ptr": i64, "dw_ptr": "*fp32",
+            **{n: i32 for n in ("stride_dym", "stride_dyd", "stride_sm", "stride_sd", "T", "D",
+                                "TOP_K")}},
+            {"BLOCK_M": 16, "BLOCK_D": 128}),
+    }  # fmt: skip
+
+
+for cap in (80, 90):
+    for dtype in ("fp16", "bf16"):
+        for label, (name, warps, stages, signature, constexprs) in _moe_cases(dtype, cap).items():
+            CASES[f"moe-{label}-{dtype}-sm{cap}"] = {
+                "kernel": f"fusedpar.kernels.moe:{name}", "signature": signature,
+                "constexprs": constexprs, "cap": cap, "num_warps": warps, "num_stages": stages,
+            }  # fmt: skip
+
 # Kernels whose sm_90 PTX must use wgmma. Full-precision fp32 has no tensor-core path.
 WGMMA_EXPECTED = {
     name
     for name in CASES
     if (name.startswith("matmul") and "ieee" not in name)
     or (name.startswith("attention") and "delta" not in name and "merge" not in name)
+    or name.startswith("moe-grouped")
 }
 
 

@@ -1,5 +1,6 @@
 """nn.Modules built from fusedpar.ops: parallel linears, attention, MoE."""
 
 from fusedpar.nn.linear import ColumnParallelLinear, ParallelSwiGLU, RowParallelLinear
+from fusedpar.nn.moe import MoE
 
-__all__ = ["ColumnParallelLinear", "ParallelSwiGLU", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "MoE", "ParallelSwiGLU", "RowParallelLinear"]

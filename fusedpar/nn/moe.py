@@ -1,0 +1,142 @@
+"""`MoE`: a mixture-of-experts layer whose SwiGLU experts are spread over an EP group."""
+
+import math
+
+import torch
+from torch import nn
+
+from fusedpar import comm
+from fusedpar.ops.moe import SCORES, aux_losses, capacity_mask, moe_dispatch_combine, route
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts; ``forward(x) -> (y, aux_loss)``.
+
+    x (..., d_model): this rank's tokens (any leading shape, zero tokens allowed); y has
+    x's shape. Experts ``[r*E/W, (r+1)*E/W)`` live on EP rank r; expert e computes
+    ``w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))``.
+
+    | parameter       | shape on a rank        | notes                                  |
+    | --------------- | ---------------------- | -------------------------------------- |
+    | `router_weight` | (E, d_model)           | whole on every rank                    |
+    | `w1`, `w3`      | (E/W, d_hidden, d_model) | this rank's experts                  |
+    | `w2`            | (E/W, d_model, d_hidden) |                                      |
+    | `expert_bias`   | (E,) buffer, sigmoid only | shifts selection, not the weights   |
+
+    Router math is fp32. ``aux_loss`` = Switch load balancing (``aux_loss_coef``) + router
+    z-loss (``z_loss_coef``), over this rank's tokens. Dropless unless
+    ``capacity_factor`` is set: then each expert takes at most
+    ``ceil(capacity_factor * T * k / E)`` of a rank's (token, slot) pairs, its
+    highest-weighted ones, and dropped pairs add 0. ``last_stats`` holds the local tokens
+    per expert and the dropped fraction of the last forward.
+
+    The router, like every parameter not split over the EP group, gets the gradient of
+    this rank's tokens: the ranks of an EP group see different tokens, so data
+    parallelism sums it over them, as for the rest of the model.
+    """
+
+    def __init__(self, d_model, d_hidden, num_experts, top_k, ep_group=None, *,
+                 score="softmax", norm_topk_prob=True, capacity_factor=None,
+                 aux_loss_coef=0.01, z_loss_coef=0.0, device=None, dtype=None):  # fmt: skip
+        super().__init__()
+        world = comm.group_size(ep_group)
+        if num_experts < 1 or num_experts % world:
+            raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the "
+                             f"EP group size ({world})")  # fmt: skip
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k ({top_k}) must be between 1 and num_experts ({num_experts})")
+        if score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
+        self.d_model, self.d_hidden, self.num_experts, self.top_k = (
+            d_model,
+            d_hidden,
+            num_experts,
+            top_k,
+        )
+        self.ep_group, self.world, self.rank = ep_group, world, comm.group_rank(ep_group)
+        self.score, self.norm_topk_prob, self.capacity_factor = (
+            score,
+            norm_topk_prob,
+            capacity_factor,
+        )
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        local, factory = num_experts // world, {"device": device, "dtype": dtype}
+        self.router_weight = nn.Parameter(torch.empty(num_experts, d_model, **factory))
+        self.w1 = nn.Parameter(torch.empty(local, d_hidden, d_model, **factory))
+        self.w3 = nn.Parameter(torch.empty(local, d_hidden, d_model, **factory))
+        self.w2 = nn.Parameter(torch.empty(local, d_model, d_hidden, **factory))
+        bias = torch.zeros(num_experts, device=device) if score == "sigmoid" else None
+        self.register_buffer("expert_bias", bias)
+        self.last_stats: dict = {}
+        if self.router_weight.device.type != "meta":
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialization for the router and each full expert stack, drawn
+        in float32 on the CPU from the current RNG state: one seed, one model, any W."""
+
+        def linear_init(*shape):  # (..., out, in), bound 1/sqrt(in) as nn.Linear
+            return torch.empty(shape).uniform_(-1, 1) / math.sqrt(shape[-1])
+
+        E, d, h = self.num_experts, self.d_model, self.d_hidden
+        self.load_dense(linear_init(E, d), linear_init(E, h, d), linear_init(E, d, h),
+                        linear_init(E, h, d))  # fmt: skip
+
+    def load_dense(self, router_weight, w1, w2, w3) -> None:
+        """Copy the full (unsharded) router and expert stacks, keeping this rank's experts."""
+        E, d, h = self.num_experts, self.d_model, self.d_hidden
+        for name, t, shape in (("router_weight", router_weight, (E, d)), ("w1", w1, (E, h, d)),
+                               ("w2", w2, (E, d, h)), ("w3", w3, (E, h, d))):  # fmt: skip
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name} must be {shape}, got {tuple(t.shape)}")
+        mine = slice(self.rank * E // self.world, (self.rank + 1) * E // self.world)
+        with torch.no_grad():
+            self.router_weight.copy_(router_weight)
+            self.w1.copy_(w1[mine])
+            self.w2.copy_(w2[mine])
+            self.w3.copy_(w3[mine])
+
+    @classmethod
+    def from_dense(cls, router_weight, w1, w2, w3, ep_group=None, **kwargs):
+        """A layer holding this rank's share of full stacks: router_weight (E, d_model);
+        w1, w3 (E, d_hidden, d_model); w2 (E, d_model, d_hidden)."""
+        if "top_k" not in kwargs:
+            raise TypeError("MoE.from_dense needs top_k=...")
+        num_experts, d_model = router_weight.shape
+        kwargs.setdefault("dtype", w1.dtype)
+        device = kwargs.pop("device", w1.device)
+        layer = cls(d_model, w1.shape[1], num_experts, kwargs.pop("top_k"), ep_group,
+                    device="meta", **kwargs)  # fmt: skip
+        layer.to_empty(device=device)
+        if layer.expert_bias is not None:
+            layer.expert_bias.zero_()
+        layer.load_dense(router_weight.detach(), w1.detach(), w2.detach(), w3.detach())
+        return layer
+
+    def forward(self, x: torch.Tensor):
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"MoE: x must be (..., d_model={self.d_model}), got {tuple(x.shape)}")
+        if x.dtype != self.w1.dtype:
+            raise TypeError(f"MoE: x is {x.dtype} but the experts are {self.w1.dtype}")
+        x2d = x.reshape(-1, self.d_model)
+        weights, ids, probs, logits = route(x2d, self.router_weight, self.top_k, self.score,
+                                            self.norm_topk_prob, self.expert_bias)  # fmt: skip
+        keep = None
+        if self.capacity_factor is not None:
+            keep = capacity_mask(ids, weights, self.num_experts, self.capacity_factor)
+        y, counts = moe_dispatch_combine(x2d, weights, ids, keep, self.w1, self.w3, self.w2,
+                                         self.num_experts, self.ep_group)  # fmt: skip
+        dropped = ids.numel() - counts.sum()
+        self.last_stats = {
+            "tokens_per_expert": counts.detach(),
+            "dropped_fraction": dropped.float() / max(1, ids.numel()),
+        }
+        aux = aux_losses(probs, logits, ids, self.score, self.aux_loss_coef, self.z_loss_coef)
+        return y.view(x.shape), aux
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, d_hidden={self.d_hidden}, experts={self.num_experts}"
+                f" ({self.num_experts // self.world} here), top_k={self.top_k}, "
+                f"score={self.score}, capacity_factor={self.capacity_factor}")  # fmt: skip
