@@ -10,10 +10,12 @@ from fusedpar.ops import (
     sequence_positions,
     shard_sequence,
 )
+from fusedpar.parallel import ParallelDims
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ParallelDims",
     "all_gather_matmul",
     "comm",
     "flash_attn",
