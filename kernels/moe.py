@@ -34,7 +34,7 @@ def gemm_tiles(interpreted: bool) -> dict:
     BLOCK_M before launch (blocks never straddle two experts). 128x128x64 with 8 warps
     feeds Hopper's wgmma; the interpreter wants few, small programs."""
     if interpreted:
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=1)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 

@@ -9,8 +9,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_example(doc: str, module_name: str, tmp_path, monkeypatch):
-    """Import the first ```python block of `doc` as a module the ranks can import too."""
-    code = re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), re.S)[0]
+    """Import the ```python blocks of `doc`, in order, as one module the ranks can import."""
+    code = "\n".join(re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), re.S))
     (tmp_path / f"{module_name}.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))  # World.run hands sys.path to the ranks
     monkeypatch.delitem(sys.modules, module_name, raising=False)
@@ -20,3 +20,8 @@ def _load_example(doc: str, module_name: str, tmp_path, monkeypatch):
 def test_testing_guide_example(tmp_path, monkeypatch):
     example = _load_example("docs/testing.md", "testing_guide_example", tmp_path, monkeypatch)
     example.test_tensor_parallel_mlp_matches_dense()
+
+
+def test_dropin_guide_example(tmp_path, monkeypatch):
+    example = _load_example("docs/dropin.md", "dropin_guide_example", tmp_path, monkeypatch)
+    example.test_converted_block_matches_the_dense_one()

@@ -145,3 +145,29 @@ def test_bad_configurations_fail_on_every_rank(world, kwargs, check, match):
     assert sorted(info.value.exceptions) == [0, 1, 2, 3]
     for e in info.value.exceptions.values():
         assert isinstance(e, ValueError) and re.search(match, str(e)), repr(e)
+
+
+def _torchrun(*args, timeout=600):
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(root / "examples" / "train.py"), *args]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script sets it
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_the_demo_script_trains_and_reports_parity():
+    proc = _torchrun("--tp", "2", "--cp", "2", "--moe", "--steps", "2", "--seq", "16",
+                     "--batch", "2", "--d-model", "32")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"parity: .* over 2 steps; .*: OK", proc.stdout), proc.stdout
+
+
+def test_the_demo_script_rejects_bad_degrees_on_every_rank():
+    proc = _torchrun("--tp", "3", "--cp", "2", "--steps", "1")
+    assert proc.returncode != 0
+    assert (
+        len(re.findall(r"bad configuration: dp \(1\) x cp \(2\) x tp \(3\) = 6", proc.stderr)) == 4
+    )
