@@ -33,7 +33,9 @@ def _inputs(B, Sq, Skv, Hq, Hkv, D, dtype, seed, layout):
     return q, k, v
 
 
-def _with_grads(fn, inputs, dout, dlse):
+def attention_grads(fn, inputs, dout, dlse):
+    """fn(*inputs) -> (out, lse); backward of <out, dout> + <lse, dlse> (finite lse only).
+    Returns [out, lse, *input grads]. Shared with the ring attention tests."""
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
     out, lse = fn(*leaves)
     finite = torch.isfinite(lse)
@@ -55,9 +57,9 @@ def check_attention(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, layout="contigu
     def reference(q, k, v):
         return attention_reference(q, k, v, causal=causal, softmax_scale=scale)
 
-    got = _with_grads(ours, (q, k, v), dout, dlse)
-    ref = _with_grads(reference, [t.double() for t in (q, k, v)], dout, dlse)
-    torch_same_dtype = _with_grads(reference, (q, k, v), dout, dlse)
+    got = attention_grads(ours, (q, k, v), dout, dlse)
+    ref = attention_grads(reference, [t.double() for t in (q, k, v)], dout, dlse)
+    torch_same_dtype = attention_grads(reference, (q, k, v), dout, dlse)
     for name, g, r, t in zip(
         ("out", "lse", "dq", "dk", "dv"), got, ref, torch_same_dtype, strict=True
     ):
@@ -144,16 +146,16 @@ def test_flash_attn_gpu(B, S, Hq, Hkv, D, causal, dtype):
     k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype) for _ in range(2))
     dout = torch.randn_like(q)
     dlse = torch.zeros(B, Hq, S, device="cuda")
-    got = _with_grads(
+    got = attention_grads(
         lambda *t: fp.flash_attn(*t, causal=causal, return_lse=True), (q, k, v), dout, dlse
     )
-    ref = _with_grads(
+    ref = attention_grads(
         lambda *t: attention_reference(*t, causal=causal),
         [t.double() for t in (q, k, v)],
         dout,
         dlse,
     )
-    same = _with_grads(lambda *t: attention_reference(*t, causal=causal), (q, k, v), dout, dlse)
+    same = attention_grads(lambda *t: attention_reference(*t, causal=causal), (q, k, v), dout, dlse)
     for name, g, r, t in zip(("out", "lse", "dq", "dk", "dv"), got, ref, same, strict=True):
         assert_close(g, r, t, name=name)
 

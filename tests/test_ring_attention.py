@@ -14,6 +14,7 @@ from fusedpar.kernels.attention import attention_reference
 from fusedpar.kernels.attention_merge import merge_attention
 from hypothesis import example, given
 from hypothesis import strategies as st
+from test_attention import attention_grads  # noqa: I001 (a sibling test module)
 
 import fusedpar as fp
 from fusedpar.testing import WorldError, assert_close
@@ -25,23 +26,13 @@ WORLD = dist.group.WORLD
 def _full_inputs(p, size):
     S = p["chunk"] * (2 * size if p["layout"] == "zigzag" else size)
     Hq = p["Hkv"] * p["group"]
-    q = randn((p["B"], S, Hq, p["D"]), torch.float64, p["seed"])
-    k = randn((p["B"], S, p["Hkv"], p["D"]), torch.float64, p["seed"] + 1)
-    v = randn((p["B"], S, p["Hkv"], p["D"]), torch.float64, p["seed"] + 2)
-    dout = randn((p["B"], S, Hq, p["D"]), torch.float64, p["seed"] + 3)
-    dlse = randn((p["B"], Hq, S), torch.float64, p["seed"] + 4)
+    exact = {"exact_in": p["dtype"]}  # the oracle sees exactly what the ring sees
+    q = randn((p["B"], S, Hq, p["D"]), torch.float64, p["seed"], **exact)
+    k = randn((p["B"], S, p["Hkv"], p["D"]), torch.float64, p["seed"] + 1, **exact)
+    v = randn((p["B"], S, p["Hkv"], p["D"]), torch.float64, p["seed"] + 2, **exact)
+    dout = randn((p["B"], S, Hq, p["D"]), torch.float64, p["seed"] + 3, **exact)
+    dlse = randn((p["B"], Hq, S), torch.float64, p["seed"] + 4, exact_in=torch.float32)
     return q, k, v, dout, dlse
-
-
-def _forward_backward(fn, q, k, v, dout, dlse):
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out, lse = fn(*leaves)
-    finite = torch.isfinite(lse)
-    loss = (out * dout.to(out.dtype)).sum() + (
-        torch.where(finite, lse, 0) * dlse.to(lse.dtype)
-    ).sum()
-    loss.backward()
-    return [out.detach(), lse.detach()] + [t.grad for t in leaves]
 
 
 def _run_ring(p):
@@ -52,13 +43,14 @@ def _run_ring(p):
         return fp.shard_sequence(t, WORLD, dim=dim, layout=layout)
 
     local = [shard(t).to(dtype) for t in (q, k, v)]
-    got = _forward_backward(
-        lambda *t: fp.ring_attn(*t, WORLD, causal=causal, layout=layout, return_lse=True),
-        *local, shard(dout), shard(dlse, dim=2),
-    )  # fmt: skip
+
+    def ring(*t):
+        return fp.ring_attn(*t, WORLD, causal=causal, layout=layout, return_lse=True)
+
+    got = attention_grads(ring, local, shard(dout), shard(dlse, dim=2))
 
     def reference(dt, fn):
-        full = _forward_backward(fn, *(t.to(dt) for t in (q, k, v)), dout, dlse)
+        full = attention_grads(fn, [t.to(dt) for t in (q, k, v)], dout, dlse)
         return [shard(t, dim=2 if i == 1 else 1) for i, t in enumerate(full)]
 
     ref64 = reference(torch.float64, lambda *t: attention_reference(*t, causal=causal))

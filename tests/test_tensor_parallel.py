@@ -45,11 +45,11 @@ def _run_all_gather_matmul(p):
     rank, size = dist.get_rank(), dist.get_world_size()
     n, K, dtype, seed = p["rows"], p["K"], p["dtype"], p["seed"]
     lead = _tokens_shape(p, n * size)
-    X = randn((*lead, K), torch.float64, seed)
+    X = randn((*lead, K), torch.float64, seed, exact_in=dtype)
     # every rank's weights, biases and upstream gradients (rank s: index s)
 
     def draw(shape_of, offset):  # [rank][weight] -> a float64 tensor
-        return [[randn(shape_of(N), torch.float64, seed + 100 * s + offset + i)
+        return [[randn(shape_of(N), torch.float64, seed + 100 * s + offset + i, exact_in=dtype)
                  for i, N in enumerate(p["Ns"])] for s in range(size)]  # fmt: skip
 
     Ws, dYs = draw(lambda N: (N, K), 0), draw(lambda N: (*lead, N), 80)
@@ -102,10 +102,11 @@ def _run_matmul_reduce_scatter(p):
     rank, size = dist.get_rank(), dist.get_world_size()
     n, k, N, dtype, seed = p["rows"], p["K"], p["N"], p["dtype"], p["seed"]
     lead = _tokens_shape(p, n * size)
-    X = randn((*lead, k * size), torch.float64, seed)
-    Wt = randn((N, k * size), torch.float64, seed + 1)
-    b = randn((N,), torch.float64, seed + 2) if p["bias"] else None
-    dYs = [randn((*_tokens_shape(p, n), N), torch.float64, seed + 10 + s) for s in range(size)]
+    X = randn((*lead, k * size), torch.float64, seed, exact_in=dtype)
+    Wt = randn((N, k * size), torch.float64, seed + 1, exact_in=dtype)
+    b = randn((N,), torch.float64, seed + 2, exact_in=dtype) if p["bias"] else None
+    dYs = [randn((*_tokens_shape(p, n), N), torch.float64, seed + 10 + s, exact_in=dtype)
+           for s in range(size)]  # fmt: skip
     cols = slice(rank * k, (rank + 1) * k)
 
     x = _maybe_strided(X[..., cols].to(dtype), p["strided"]).requires_grad_()
@@ -165,6 +166,9 @@ def _run_layers(kind, sequence_parallel, gather_output, dtype, seed):
     rank, size = dist.get_rank(), dist.get_world_size()
     T, d_in, d_hidden = 3 * size, 6, 4 * size
     model, dense_params, split = _dense_model(kind, d_in, d_hidden, seed)
+    with torch.no_grad():  # the oracle sees exactly the weights the layer gets
+        for param in dense_params:
+            param.copy_(param.to(dtype))
     if kind == "swiglu":
         layer = fp.nn.ParallelSwiGLU.from_dense(*(p.to(dtype) for p in dense_params), WORLD,
                                                 sequence_parallel=sequence_parallel)  # fmt: skip
@@ -186,9 +190,9 @@ def _run_layers(kind, sequence_parallel, gather_output, dtype, seed):
     feature_out = 1 if kind == "column" and not gather_output else None
     tokens_out = None if kind == "column" else token_dim  # column-parallel outputs hold every token
 
-    X = randn((T, d_hidden if kind == "row" else d_in), torch.float64, seed + 1)
-    with torch.no_grad():
-        G = torch.randn_like(model(X))  # dLoss/dY of the dense model
+    X = randn((T, d_hidden if kind == "row" else d_in), torch.float64, seed + 1, exact_in=dtype)
+    with torch.no_grad():  # dLoss/dY of the dense model
+        G = torch.randn_like(model(X)).to(dtype).double()
     x = mine(mine(X, token_dim if kind != "row" else None), feature_in).to(dtype).requires_grad_()
     y = layer(x)
     y.backward(mine(mine(G, tokens_out), feature_out).to(dtype))

@@ -54,7 +54,13 @@ def cpu_dtypes():
     return st.sampled_from(CPU_DTYPES)
 
 
-def randn(shape, dtype, seed: int, *, scale: float = 1.0) -> torch.Tensor:
-    """Reproducible standard-normal data: the same `seed` gives the same tensor on every rank."""
+def randn(shape, dtype, seed: int, *, scale: float = 1.0, exact_in=None) -> torch.Tensor:
+    """Reproducible standard-normal data: the same `seed` gives the same tensor on every rank.
+
+    ``exact_in``: round the values to that dtype first, so a float64 oracle built from the
+    result sees exactly the inputs the op under test sees (its error then measures the
+    op, not the rounding of its inputs).
+    """
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+    values = torch.randn(shape, generator=gen, dtype=torch.float64) * scale
+    return (values if exact_in is None else values.to(exact_in)).to(dtype)
