@@ -171,3 +171,16 @@ def test_the_demo_script_rejects_bad_degrees_on_every_rank():
     assert (
         len(re.findall(r"bad configuration: dp \(1\) x cp \(2\) x tp \(3\) = 6", proc.stderr)) == 4
     )
+
+
+def _run_ep_over_a_pair():
+    dims = fp.ParallelDims(cp=2, tp=2, ep=("cp", "tp"))
+    groups = dims.groups(dims.build_mesh("cpu"))
+    torch.manual_seed(0)
+    moe = fp.nn.MoE(8, 6, 8, 2, groups["ep"])
+    y, _ = moe(torch.randn(5, 8))
+    return fp.comm.group_size(groups["ep"]), tuple(moe.w1.shape), tuple(y.shape)
+
+
+def test_ep_over_a_flattened_pair_of_axes(world):
+    assert world(4).run(_run_ep_over_a_pair) == [(4, (2, 6, 8), (5, 8))] * 4
