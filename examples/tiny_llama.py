@@ -228,8 +228,8 @@ class ParallelTransformer(nn.Module):
         """Sum each parameter's gradient over the ranks that hold it whole but see other
         tokens (data parallelism over dp is FSDP's)."""
         for name, param in self.named_parameters():
-            if param.grad is None:
-                continue
+            if param.grad is None:  # every rank runs the same all-reduces: never skip one
+                param.grad = torch.zeros_like(param)
             grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
             for axis in self._replicated_over(name):
                 group = self.groups[axis]

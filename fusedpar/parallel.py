@@ -7,8 +7,9 @@
 
 `validate` runs no collective: call it first, on every rank, and a bad configuration
 fails everywhere with a message naming the degree that does not fit. EP runs over one
-named axis (``"tp"``, ``"cp"``, ``"dp"``) or a pair flattened into one
-(``("cp", "tp")``), or not at all (``None``: every expert on every rank).
+named axis (``"tp"`` or ``"cp"``) or a pair flattened into one (``("cp", "tp")``), or not
+at all (``None``: every expert on every rank). Not over ``"dp"`` when dp > 1: data
+parallelism averages parameters over dp, and split experts differ there.
 """
 
 from dataclasses import dataclass
@@ -54,6 +55,11 @@ class ParallelDims:
         for axis in self.ep_axes:
             if axis not in AXES:
                 raise ValueError(f"ep runs over mesh axes {AXES}, got {self.ep!r}")
+        if "dp" in self.ep_axes and self.dp > 1:
+            # Data parallelism (FSDP/DDP over dp) averages every parameter over dp, but
+            # experts split over dp differ from rank to rank there.
+            raise ValueError(f"ep over dp (dp degree {self.dp}) would mix different experts in "
+                             "data parallelism over dp: run ep over cp and/or tp")  # fmt: skip
         for name, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
             if heads is not None and heads % self.tp:
                 raise ValueError(f"{name} ({heads}) is not divisible by the tp degree ({self.tp})")

@@ -54,6 +54,7 @@ def forward_configs() -> list[triton.Config]:
             (128, 64, 4, 4),
             (64, 64, 4, 4),
             (64, 32, 3, 4),
+            (32, 32, 2, 4),  # fp32 at head dim 256 fits an A100's shared memory only so
         ]
     ]
 
@@ -87,7 +88,7 @@ def _fwd_inner(
     """Fold KV blocks [lo, hi) into the running (acc, l_i, m_i). MASKED blocks may hold
     keys past Skv or above the causal diagonal; the others are fully visible."""
     for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
+        start_n = tl.cast(tl.multiple_of(start_n, BLOCK_N), tl.int64)
         kv_rows = start_n + offs_n
         kv_mask = d_mask[None, :]
         if MASKED:
@@ -122,19 +123,21 @@ def _attn_fwd_kernel(
     stride_ob, stride_os, stride_oh, stride_od,
     stride_lb, stride_lh, stride_ls,
     # sizes
-    Sq, Skv, Hq, GROUP, qk_scale,
+    Sq, Skv, GROUP, qk_scale,
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    # Grid (query blocks, B, Hq): batch and heads on their own axes (each up to 65535).
+    # Offsets are 64-bit: a strided view's sequence stride times its length (a KV view
+    # into a (S, B, H*D) projection, say) can pass 2**31.
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = pid_bh % Hq
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
     h_kv = h // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     d_mask = offs_d < HEAD_DIM
     row_mask = offs_m < Sq
 
@@ -292,11 +295,11 @@ def attention_forward(
     args = (
         q, k, v, out, lse,
         *strides(q), *strides(k), *strides(v), *strides(out), *strides(lse),
-        Sq, Skv, Hq, Hq // Hkv, scale * LOG2E,
+        Sq, Skv, Hq // Hkv, scale * LOG2E,
     )  # fmt: skip
 
     def grid(meta):
-        return (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)
+        return (triton.cdiv(Sq, meta["BLOCK_M"]), B, Hq)
 
     launch(_attn_fwd_kernel, forward_configs, grid, args, kernel_meta(q, causal), Sq, Skv)
     return out, lse

@@ -5,9 +5,9 @@ Shapes and conventions are those of `fusedpar.kernels.attention`. With
 
 | kernel  | grid                      | computes                                          |
 | ------- | ------------------------- | ------------------------------------------------- |
-| delta   | (Sq blocks, B * Hq)       | ``delta = rowsum(dO * O)`` in fp32                |
-| dkdv    | (Skv blocks, B * Hkv)     | ``dV = P^T dO``, ``dK = scale * dS^T Q``          |
-| dq      | (Sq blocks, B * Hq)       | ``dQ = scale * dS K``                             |
+| delta   | (Sq blocks, B, Hq)        | ``delta = rowsum(dO * O)`` in fp32                |
+| dkdv    | (Skv blocks, B, Hkv)      | ``dV = P^T dO``, ``dK = scale * dS^T Q``          |
+| dq      | (Sq blocks, B, Hq)        | ``dQ = scale * dS K``                             |
 
 with ``dS = P * (dO V^T - delta)``. A dkdv program sums over every query head of its
 GQA group itself, so each gradient is a sum in a fixed order inside one program: no
@@ -56,18 +56,17 @@ def _bwd_delta_kernel(
 ):  # fmt: skip
     """delta[b, h, i] = sum_d dO * O, in fp32; written contiguous (B, Hq, Sq)."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = pid_bh % Hq
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     mask = (offs_m[:, None] < Sq) & (offs_d[None, :] < HEAD_DIM)
     o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os
                 + offs_d[None, :] * stride_od, mask=mask, other=0.0)  # fmt: skip
     do = tl.load(do_ptr + b * stride_db + h * stride_dh + offs_m[:, None] * stride_ds
                  + offs_d[None, :] * stride_dd, mask=mask, other=0.0)  # fmt: skip
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(delta_ptr + pid_bh.to(tl.int64) * Sq + offs_m, delta, mask=offs_m < Sq)
+    tl.store(delta_ptr + (b * Hq + h) * Sq + offs_m, delta, mask=offs_m < Sq)
 
 
 @triton.jit
@@ -87,7 +86,7 @@ def _bwd_dkdv_inner(
 ):  # fmt: skip
     """Add query blocks [lo, hi) into dK, dV of one KV block (transposed: rows are keys)."""
     for start_m in range(lo, hi, BLOCK_M):
-        start_m = tl.multiple_of(start_m, BLOCK_M)
+        start_m = tl.cast(tl.multiple_of(start_m, BLOCK_M), tl.int64)
         rows = start_m + offs_m
         row_mask = (rows < Sq)[:, None] & d_mask[None, :]
         q = tl.load(q_ptrs + start_m * stride_qs, mask=row_mask, other=0.0)
@@ -117,7 +116,7 @@ def _attn_bwd_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh, stride_dkd,
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
     # sizes
-    Sq, Skv, Hq, Hkv, GROUP, qk_scale, sm_scale,
+    Sq, Skv, Hq, GROUP, qk_scale, sm_scale,
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     ACCUMULATE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -125,14 +124,13 @@ def _attn_bwd_dkdv_kernel(
 ):  # fmt: skip
     """One KV block of one KV head: loops over the GROUP query heads that read it and
     their query blocks, so dK/dV are summed in a fixed order, with no atomics."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hkv).to(tl.int64)
-    h_kv = pid_bh % Hkv
+    pid_n = tl.program_id(0)  # grid (KV blocks, B, Hkv), offsets 64-bit as in the forward
+    b = tl.program_id(1).to(tl.int64)
+    h_kv = tl.program_id(2).to(tl.int64)
     start_n = pid_n * BLOCK_N
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     d_mask = offs_d < HEAD_DIM
     kv_mask = (offs_n < Skv)[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + b * stride_kb + h_kv * stride_kh + offs_n[:, None] * stride_ks
@@ -195,7 +193,7 @@ def _bwd_dq_inner(
 ):  # fmt: skip
     """Add KV blocks [lo, hi) into dQ of one query block."""
     for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
+        start_n = tl.cast(tl.multiple_of(start_n, BLOCK_N), tl.int64)
         kv_rows = start_n + offs_n
         kv_mask = d_mask[None, :]
         if MASKED:
@@ -233,14 +231,13 @@ def _attn_bwd_dq_kernel(
     ACCUMULATE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = pid_bh % Hq
+    pid_m = tl.program_id(0)  # grid (query blocks, B, Hq), offsets 64-bit as in the forward
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
     h_kv = h // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     d_mask = offs_d < HEAD_DIM
     row_mask = (offs_m < Sq)[:, None] & d_mask[None, :]
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
@@ -249,7 +246,7 @@ def _attn_bwd_dq_kernel(
                  + offs_d[None, :] * stride_dod, mask=row_mask, other=0.0)  # fmt: skip
     lse2, delta = _load_row_stats(
         lse_ptr + b * stride_lb + h * stride_lh + offs_m * stride_ls,
-        delta_ptr + pid_bh.to(tl.int64) * Sq + offs_m,
+        delta_ptr + (b * Hq + h) * Sq + offs_m,
         offs_m < Sq,
     )
     k_ptrs = (k_ptr + b * stride_kb + h_kv * stride_kh
@@ -299,7 +296,7 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
         return delta
     block_m = 64 if not is_interpreted(_bwd_delta_kernel) else interpreter_blocks(Sq, 1)["BLOCK_M"]
     with device_guard(out):
-        _bwd_delta_kernel[(triton.cdiv(Sq, block_m), B * Hq)](
+        _bwd_delta_kernel[(triton.cdiv(Sq, block_m), B, Hq)](
             out, dout, delta, *strides(out), *strides(dout), Sq, Hq,
             HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m,
         )  # fmt: skip
@@ -359,11 +356,11 @@ def attention_backward(
             q, k, v, dout, lse, delta, dk, dv,
             *strides(q), *strides(k), *strides(v), *strides(dout), *strides(lse),
             *strides(dk), *strides(dv),
-            Sq, Skv, Hq, Hkv, Hq // Hkv, scale * LOG2E, scale,
+            Sq, Skv, Hq, Hq // Hkv, scale * LOG2E, scale,
         )  # fmt: skip
 
         def grid_kv(meta):
-            return (triton.cdiv(Skv, meta["BLOCK_N"]), B * Hkv)
+            return (triton.cdiv(Skv, meta["BLOCK_N"]), B, Hkv)
 
         restore = ("dk_ptr", "dv_ptr")
         launch(_attn_bwd_dkdv_kernel, backward_configs, grid_kv, args, meta, Sq, Skv, restore)
@@ -376,7 +373,7 @@ def attention_backward(
         )  # fmt: skip
 
         def grid_q(meta):
-            return (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)
+            return (triton.cdiv(Sq, meta["BLOCK_M"]), B, Hq)
 
         launch(_attn_bwd_dq_kernel, backward_configs, grid_q, args, meta, Sq, Skv, ("dq_ptr",))
     return dq, dk, dv

@@ -39,16 +39,15 @@ def _merge_kernel(
     stride_xb, stride_xs, stride_xh, stride_xd,
     stride_yb, stride_yh, stride_ys,
     # sizes
-    S, H,
+    S,
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    pid_s = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    pid_s = tl.program_id(0)  # grid (row blocks, B, H); 64-bit offsets
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     rows = offs_s < S
     mask = rows[:, None] & (offs_d[None, :] < HEAD_DIM)
 
@@ -98,8 +97,8 @@ def merge_attention(
         else min(BLOCK_S, max(16, triton.next_power_of_2(S)))
     )
     with device_guard(out):
-        _merge_kernel[(triton.cdiv(S, block_s), B * H)](
+        _merge_kernel[(triton.cdiv(S, block_s), B, H)](
             out, lse, block_out, block_lse,
             *out.stride(), *lse.stride(), *block_out.stride(), *block_lse.stride(),
-            S, H, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_S=block_s,
+            S, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_S=block_s,
         )  # fmt: skip

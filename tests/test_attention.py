@@ -170,3 +170,15 @@ def test_empty_sequences(Sq, Skv):
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
     for t in (q, k, v):
         assert torch.equal(t.grad, torch.zeros_like(t))
+
+
+@pytest.mark.gpu
+def test_offsets_past_two_to_the_31():
+    """K and V read through a sequence stride of 2**30 elements: 64-bit offsets."""
+    stride = 2**30
+    storage = torch.zeros(2 * stride + 64, dtype=torch.float16, device="cuda")
+    kv = storage.as_strided((1, 3, 1, 16), (0, stride, 16, 1))
+    kv.copy_(randn((1, 3, 1, 16), torch.float16, 0).cuda())
+    q = randn((1, 1, 1, 16), torch.float16, 1).cuda()
+    ref = attention_reference(q.double(), kv.double(), kv.double())[0]
+    assert_close(fp.flash_attn(q, kv, kv), ref, attention_reference(q, kv, kv)[0])

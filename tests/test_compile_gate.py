@@ -73,8 +73,7 @@ def _attention_case(kernel, dtype, cap, head_dim, config):
     if kernel == "fwd":
         signature = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "o_ptr": ptr, "lse_ptr": fp32,
                      **_strides("q", "k", "v", "o"), **_strides("l", dims="bhs"),
-                     "Sq": "i32", "Skv": "i32", "Hq": "i32", "GROUP": "i32",
-                     "qk_scale": "fp32"}  # fmt: skip
+                     "Sq": "i32", "Skv": "i32", "GROUP": "i32", "qk_scale": "fp32"}  # fmt: skip
         extra = causal
     elif kernel == "delta":
         signature = {"o_ptr": ptr, "do_ptr": ptr, "delta_ptr": fp32, **_strides("o", "d"),
@@ -85,7 +84,7 @@ def _attention_case(kernel, dtype, cap, head_dim, config):
         signature = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "do_ptr": ptr, "lse_ptr": fp32,
                      "delta_ptr": fp32, **{f"{o}_ptr": fp32 for o in outs},
                      **_strides("q", "k", "v", "do", *outs), **_strides("l", dims="bhs"),
-                     "Sq": "i32", "Skv": "i32", "Hq": "i32", "Hkv": "i32", "GROUP": "i32",
+                     "Sq": "i32", "Skv": "i32", "Hq": "i32", "GROUP": "i32",
                      "qk_scale": "fp32", "sm_scale": "fp32"}  # fmt: skip
         extra = {**causal, "ACCUMULATE": True}
     block_m, block_n, num_stages, num_warps = config
@@ -116,7 +115,7 @@ for cap in (80, 90):
             "kernel": "fusedpar.kernels.attention_merge:_merge_kernel",
             "signature": {"out_ptr": "*fp32", "lse_ptr": "*fp32", "blk_ptr": "*fp32",
                           "blk_lse_ptr": "*fp32", **_strides("o", "x"),
-                          **_strides("l", "y", dims="bhs"), "S": "i32", "H": "i32"},
+                          **_strides("l", "y", dims="bhs"), "S": "i32"},
             "constexprs": {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "BLOCK_S": 64},
             "cap": cap, "num_warps": 4, "num_stages": 1,
         }  # fmt: skip
