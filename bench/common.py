@@ -71,6 +71,17 @@ def measured_ceilings() -> dict:
     }
 
 
+def paired_bars(ax, labels, ours, theirs, ours_label, theirs_label, ylabel, title) -> None:
+    """Two bars per point (ours left, the peer right): the plot of most benchmarks."""
+    xs = range(len(labels))
+    ax.bar([i - 0.2 for i in xs], ours, 0.4, label=ours_label)
+    ax.bar([i + 0.2 for i in xs], theirs, 0.4, label=theirs_label)
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+
+
 def write_results(family: str, rows: list[dict], columns: list[str], meta: dict, plot=None):
     """Write bench/results/<device>/<family>.{json,md,png}; return the folder.
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from bench.common import environment, time_ms, write_results
+from bench.common import environment, paired_bars, time_ms, write_results
 
 CPU_SHAPE = {"tokens": 2048, "k": 1024, "n": 1024}  # per TP group, fp32
 CPU_WORLDS = (2, 4)
@@ -157,14 +157,10 @@ def main() -> None:
 
     def plot(ax):
         cpu = [r for r in rows if r["part"] == "cpu-gloo"]
-        labels = [f"{r['op']} W={r['world']}" for r in cpu]
-        xs = range(len(cpu))
-        ax.bar([i - 0.2 for i in xs], [r["serial_ms"] for r in cpu], 0.4, label="serialized")
-        ax.bar([i + 0.2 for i in xs], [r["ring_ms"] for r in cpu], 0.4, label="ring pipeline")
-        ax.set_xticks(list(xs), labels)
-        ax.set_ylabel("ms (slowest rank, median)")
-        ax.set_title(f"TP GEMM + collective, {meta['device']}")
-        ax.legend()
+        paired_bars(ax, [f"{r['op']} W={r['world']}" for r in cpu],
+                    [r["ring_ms"] for r in cpu], [r["serial_ms"] for r in cpu],
+                    "ring pipeline", "serialized", "ms (slowest rank, median)",
+                    f"TP GEMM + collective, {meta['device']}")  # fmt: skip
 
     write_results("linear", rows, columns, meta, plot)
 

@@ -17,7 +17,14 @@ Qwen3-30B-A3B shapes (H100); permute kernels at 1.5-2.4 TB/s on H200.
 
 import torch
 
-from bench.common import environment, measured_ceilings, require_gpu, time_ms, write_results
+from bench.common import (
+    environment,
+    measured_ceilings,
+    paired_bars,
+    require_gpu,
+    time_ms,
+    write_results,
+)
 
 SHAPES = [(64, 2048, 768), (128, 2048, 1536)]  # (experts, d_model, d_hidden)
 TOKENS, TOP_K = 16384, 8
@@ -122,14 +129,10 @@ def main() -> None:
         r.setdefault("torch_grouped_mm_tflops", "n/a")
 
     def plot(ax):
-        labels = [f"E={r['E']} {r['routing']}" for r in rows]
-        xs = range(len(rows))
-        ax.bar([i - 0.2 for i in xs], [r["grouped_tflops"] for r in rows], 0.4, label="fusedpar")
-        ax.bar([i + 0.2 for i in xs], [r["loop_tflops"] for r in rows], 0.4, label="matmul loop")
-        ax.set_xticks(list(xs), labels)
-        ax.set_ylabel("grouped GEMM TFLOP/s")
-        ax.set_title(f"MoE expert GEMM, bf16, {meta['device']}")
-        ax.legend()
+        paired_bars(ax, [f"E={r['E']} {r['routing']}" for r in rows],
+                    [r["grouped_tflops"] for r in rows], [r["loop_tflops"] for r in rows],
+                    "fusedpar", "matmul loop", "grouped GEMM TFLOP/s",
+                    f"MoE expert GEMM, bf16, {meta['device']}")  # fmt: skip
 
     write_results("moe", rows, columns, meta, plot)
 

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from bench.common import environment, require_gpu, time_ms, write_results
+from bench.common import environment, paired_bars, require_gpu, time_ms, write_results
 
 CPU_SHAPE = {"batch": 1, "tokens_per_rank": 1024, "heads": 8, "kv_heads": 2, "head_dim": 64}
 CPU_REPS = 5
@@ -150,15 +150,10 @@ def main() -> None:
 
     def plot(ax):
         cpu = [r for r in rows if r["part"] == "cpu-gloo"]
-        xs = range(len(cpu))
-        ax.bar(
-            [i - 0.2 for i in xs], [r["waited_ms"] for r in cpu], 0.4, label="wait, then compute"
-        )
-        ax.bar([i + 0.2 for i in xs], [r["overlapped_ms"] for r in cpu], 0.4, label="overlapped")
-        ax.set_xticks(list(xs), [f"W={r['world']}{' causal' if r['causal'] else ''}" for r in cpu])
-        ax.set_ylabel("forward ms (slowest rank, median)")
-        ax.set_title(f"ring attention, zigzag, {meta['device']}")
-        ax.legend()
+        paired_bars(ax, [f"W={r['world']}{' causal' if r['causal'] else ''}" for r in cpu],
+                    [r["overlapped_ms"] for r in cpu], [r["waited_ms"] for r in cpu],
+                    "overlapped", "wait, then compute", "forward ms (slowest rank, median)",
+                    f"ring attention, zigzag, {meta['device']}")  # fmt: skip
 
     write_results("ring_attention", rows, columns, meta, plot)
 
