@@ -97,7 +97,7 @@ def write_results(family: str, rows: list[dict], columns: list[str], meta: dict,
     lines = [f"# {family} on {meta.get('device', '?')}", ""]
     lines += [f"- {k}: {cell(v)}" for k, v in meta.items() if k != "device"]
     lines += ["", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-    lines += ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for r in rows]
+    lines += ["| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |" for r in rows]
     (folder / f"{family}.md").write_text("\n".join(lines) + "\n")
 
     if plot is not None:

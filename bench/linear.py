@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from bench.common import environment, paired_bars, time_ms, write_results
+from bench.common import environment, paired_bars, require_gpu, time_ms, write_results
 
 CPU_SHAPE = {"tokens": 2048, "k": 1024, "n": 1024}  # per TP group, fp32
 CPU_WORLDS = (2, 4)
@@ -143,17 +143,13 @@ def main() -> None:
     meta = {"cpu_shape": str(CPU_SHAPE), "cpu_reps": CPU_REPS, "cpu_cores": os.cpu_count(),
             "torch": torch.__version__}  # fmt: skip
     columns = ["part", "world", "op", "serial_ms", "ring_ms", "speedup"]
-    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if require_gpu("linear (GPU part: decomposition, overlap)"):
         meta.update(environment())
         rows += [dict(part="gpu", **r) for r in gpu_decomposition()]
         columns += ["tokens", "k", "n", "cublas_ms", "chunked_ms", "decomposition_cost",
                     "comm_ms", "serialized_ms", "overlapped_ms", "vs_max"]  # fmt: skip
     else:
         meta["device"] = f"CPU ({os.cpu_count()} cores), gloo"
-        print("bench/linear: no CUDA device here: the GPU part (decomposition, overlap) skipped")
-    for r in rows:
-        for c in columns:
-            r.setdefault(c, "")
 
     def plot(ax):
         cpu = [r for r in rows if r["part"] == "cpu-gloo"]

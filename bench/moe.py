@@ -84,6 +84,7 @@ def _point(E, d, h, skewed, copy_gbps):
 
     row["grouped_tflops"] = flops / time_ms(lambda: grouped_matmul(x, w1, counts, rows)) / 1e9
     row["loop_tflops"] = flops / time_ms(loop) / 1e9
+    row["torch_grouped_mm_tflops"] = "n/a (no torch._grouped_mm)"
     if hasattr(torch, "_grouped_mm"):
         ends = torch.cumsum(counts, 0).to(torch.int32)
         w1_t = w1.transpose(1, 2)
@@ -125,8 +126,6 @@ def main() -> None:
                "permute_vs_copy", "combine_gbps", "combine_torch_gbps", "grouped_tflops",
                "loop_tflops", "torch_grouped_mm_tflops", "grouped_vs_loop", "layer_ms",
                "naive_layer_ms"]  # fmt: skip
-    for r in rows:
-        r.setdefault("torch_grouped_mm_tflops", "n/a")
 
     def plot(ax):
         paired_bars(ax, [f"E={r['E']} {r['routing']}" for r in rows],

@@ -144,9 +144,6 @@ def main() -> None:
         columns += ["seq_len", "impl", "fwd_ms", "fwd_bwd_ms", "overhead"]
     else:
         meta["device"] = f"CPU ({os.cpu_count()} cores), gloo"
-    for r in rows:
-        for c in columns:
-            r.setdefault(c, "")
 
     def plot(ax):
         cpu = [r for r in rows if r["part"] == "cpu-gloo"]
