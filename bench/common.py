@@ -22,6 +22,18 @@ def require_gpu(family: str) -> bool:
     return True
 
 
+def quick() -> bool:
+    """``BENCH_QUICK=1``: a smaller grid, for a GPU lease's 10-minute commands."""
+    return os.environ.get("BENCH_QUICK") == "1"
+
+
+def results_folder() -> Path:
+    """bench/results/<device>/, or ``BENCH_RESULTS``/<device>/ when that is set (a GPU
+    machine's copy of the repo is not this one: point it at a folder that comes back)."""
+    root = Path(os.environ["BENCH_RESULTS"]) if os.environ.get("BENCH_RESULTS") else RESULTS
+    return root / device_slug()
+
+
 def time_ms(fn, *, warmup: int = 25, rep: int = 100) -> float:
     """Median milliseconds of ``fn()`` (triton.testing.do_bench: L2 flushed between runs)."""
     import triton.testing
@@ -82,16 +94,22 @@ def paired_bars(ax, labels, ours, theirs, ours_label, theirs_label, ylabel, titl
     ax.legend()
 
 
-def write_results(family: str, rows: list[dict], columns: list[str], meta: dict, plot=None):
-    """Write bench/results/<device>/<family>.{json,md,png}; return the folder.
+def write_results(
+    family: str, rows: list[dict], columns: list[str], meta: dict, plot=None, announce=True
+):
+    """Write <results folder>/<family>.{json,md,png}; return the folder.
 
-    `plot`, if given, is ``plot(ax)`` drawing on a matplotlib axis.
+    `plot`, if given, is ``plot(ax)`` drawing on a matplotlib axis. A missing value is
+    None: null in the JSON, "n/a" in the table.
     """
-    folder = RESULTS / device_slug()
+    folder = results_folder()
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{family}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    text = json.dumps({"meta": meta, "rows": rows}, indent=2, allow_nan=False)
+    (folder / f"{family}.json").write_text(text)
 
     def cell(v):
+        if v is None:
+            return "n/a"
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 
     lines = [f"# {family} on {meta.get('device', '?')}", ""]
@@ -114,5 +132,6 @@ def write_results(family: str, rows: list[dict], columns: list[str], meta: dict,
             fig.tight_layout()
             fig.savefig(folder / f"{family}.png", dpi=120)
             plt.close(fig)
-    print(f"results in {folder}/{family}.*")
+    if announce:
+        print(f"results in {folder}/{family}.*")
     return folder

@@ -3,23 +3,31 @@
 Shapes: Llama-3 8B and 70B projections split 2, 4 and 8 ways, as one rank of TP sees
 them: QKV and gate/up column-parallel (N split), output and down row-parallel (K split),
 at M = 2k..16k tokens, bf16, ``x @ weight.T`` with an ``nn.Linear``-layout weight.
-Target: >= 0.95x cuBLAS.
+Target: >= 0.95x cuBLAS. ``BENCH_QUICK=1``: TP = 8 at M = 4k and 16k only.
 """
 
 import torch
 
-from bench.common import environment, measured_ceilings, require_gpu, time_ms, write_results
+from bench.common import (
+    environment,
+    measured_ceilings,
+    quick,
+    require_gpu,
+    time_ms,
+    write_results,
+)
 
 # name: (d_model, d_ffn, q + k + v width)
 MODELS = {"llama3-8b": (4096, 14336, 4096 + 2 * 1024), "llama3-70b": (8192, 28672, 8192 + 2 * 1024)}
 TP_SIZES = (2, 4, 8)
 TOKENS = (2048, 4096, 8192, 16384)
+COLUMNS = ["model", "tp", "proj", "M", "N", "K", "fusedpar_tflops", "torch_tflops", "ratio"]
 
 
 def tp_shapes():
     """(model, tp, projection, N, K) for one rank's weight (N, K)."""
     for model, (d, ffn, qkv) in MODELS.items():
-        for tp in TP_SIZES:
+        for tp in (8,) if quick() else TP_SIZES:
             yield model, tp, "qkv", qkv // tp, d
             yield model, tp, "out", d, d // tp
             yield model, tp, "gate_up", 2 * ffn // tp, d
@@ -35,7 +43,7 @@ def main() -> None:
     rows = []
     for model, tp, proj, N, K in tp_shapes():
         weight = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
-        for M in TOKENS:
+        for M in (4096, 16384) if quick() else TOKENS:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             flops = 2 * M * N * K
             ours = flops / time_ms(lambda x=x, w=weight: matmul(x, w.T)) / 1e9
@@ -43,11 +51,12 @@ def main() -> None:
             row = dict(model=model, tp=tp, proj=proj, M=M, N=N, K=K)
             row.update(fusedpar_tflops=ours, torch_tflops=cublas, ratio=ours / cublas)
             rows.append(row)
+            write_results("matmul", rows, COLUMNS, {"partial": True}, announce=False)
             print(f"{model} tp{tp} {proj:8s} M={M:6d} N={N:6d} K={K:6d}: fusedpar {ours:6.1f}"
                   f"  cuBLAS {cublas:6.1f}  ({ours / cublas:.2f}x)")  # fmt: skip
 
     ratios = sorted(r["ratio"] for r in rows)
-    meta = {**environment(), **measured_ceilings(), "dtype": "bfloat16",
+    meta = {**environment(), **measured_ceilings(), "dtype": "bfloat16", "quick": quick(),
             "median_ratio": ratios[len(ratios) // 2], "min_ratio": ratios[0]}  # fmt: skip
 
     def plot(ax):
@@ -58,8 +67,7 @@ def main() -> None:
         ax.set_title(f"Triton GEMM vs torch.matmul, bf16, {meta['device']}")
         ax.legend()
 
-    columns = ["model", "tp", "proj", "M", "N", "K", "fusedpar_tflops", "torch_tflops", "ratio"]
-    write_results("matmul", rows, columns, meta, plot)
+    write_results("matmul", rows, COLUMNS, meta, plot)
 
 
 if __name__ == "__main__":

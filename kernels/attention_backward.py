@@ -377,3 +377,46 @@ def attention_backward(
 
         launch(_attn_bwd_dq_kernel, backward_configs, grid_q, args, meta, Sq, Skv, ("dq_ptr",))
     return dq, dk, dv
+
+
+# --- reference -------------------------------------------------------------------------
+
+
+def attention_backward_reference(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' backward formula in plain PyTorch, in q's dtype: P from the LSE and
+    ``delta = rowsum(dO * O) - dLSE`` from the forward's output.
+
+    Autograd through `attention_reference` computes ``P * (dP - rowsum(P * dP))``, where
+    the two dP terms cancel exactly; here, as in the kernels (and FlashAttention), delta
+    comes from the rounded O and cancels dP only to rounding. The tests use both as
+    PyTorch's own error in the tolerance rule.
+    """
+    (_, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
+    group, scale = Hq // Hkv, resolve_scale(softmax_scale, D)
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        i = torch.arange(Sq, device=q.device)[:, None]
+        j = torch.arange(Skv, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (Skv - Sq), float("-inf"))
+    lse = lse.to(q.dtype)[..., None]
+    p = torch.where(torch.isneginf(lse), 0.0, torch.exp(s - lse))  # rows with no key: 0
+    delta = (dout * out).sum(-1).transpose(1, 2)  # (B, Hq, Sq)
+    if dlse is not None:
+        delta = delta - dlse.to(delta.dtype)
+    ds = p * (torch.einsum("bqhd,bkhd->bhqk", dout, v) - delta[..., None])
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, k) * scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
+    return dq, *(g.unflatten(2, (Hkv, group)).sum(3) for g in (dk, dv))

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from fusedpar.kernels.attention import attention_reference
+from fusedpar.kernels.attention_backward import attention_backward_reference
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -46,6 +47,28 @@ def attention_grads(fn, inputs, dout, dlse):
     return [out.detach(), lse.detach()] + [t.grad for t in leaves]
 
 
+def torch_results(inputs, dout, dlse, ref, causal=False, scale=None):
+    """PyTorch's own [out, lse, dq, dk, dv] in the inputs' dtype: the yardstick of the
+    tolerance rule. Each gradient is the worse (against the float64 `ref`) of autograd
+    through the reference and the kernels' own formula in PyTorch: delta from the
+    rounded O cancels dP only to rounding, where autograd cancels exactly. Against
+    autograd alone, 2-4% of random fp32 examples with Skv <= 2 fail (measured over 450).
+    Shared with the ring attention tests."""
+    same = attention_grads(
+        lambda *t: attention_reference(*t, causal=causal, softmax_scale=scale), inputs, dout, dlse
+    )
+    formula = attention_backward_reference(
+        dout.to(same[0].dtype), *inputs, *same[:2], causal=causal, softmax_scale=scale,
+        dlse=torch.where(torch.isfinite(same[1]), dlse.to(torch.float32), 0),
+    )  # fmt: skip
+
+    def error(t, r):
+        return (t.double() - r.double()).nan_to_num(posinf=0, neginf=0).abs().max().item()
+
+    grads = zip(same[2:], formula, ref[2:], strict=True)
+    return same[:2] + [max(a, b, key=lambda t: error(t, r)) for a, b, r in grads]
+
+
 def check_attention(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, layout="contiguous", scale=None):
     q, k, v = _inputs(B, Sq, Skv, Hq, Hkv, D, dtype, seed, layout)
     dout = randn((B, Sq, Hq, D), dtype, seed + 3)
@@ -59,12 +82,13 @@ def check_attention(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, layout="contigu
 
     got = attention_grads(ours, (q, k, v), dout, dlse)
     ref = attention_grads(reference, [t.double() for t in (q, k, v)], dout, dlse)
-    torch_same_dtype = attention_grads(reference, (q, k, v), dout, dlse)
+    torch_same_dtype = torch_results((q, k, v), dout, dlse, ref, causal, scale)
     for name, g, r, t in zip(
         ("out", "lse", "dq", "dk", "dv"), got, ref, torch_same_dtype, strict=True
     ):
         assert g.dtype == (torch.float32 if name == "lse" else dtype), name
-        assert_close(g, r, t, name=name)
+        # S and dP are dots of length D, their rounding amplified by exp and dP - delta
+        assert_close(g, r, t, name=name, sum_length=D)
 
 
 @given(
@@ -155,9 +179,9 @@ def test_flash_attn_gpu(B, S, Hq, Hkv, D, causal, dtype):
         dout,
         dlse,
     )
-    same = attention_grads(lambda *t: attention_reference(*t, causal=causal), (q, k, v), dout, dlse)
+    same = torch_results((q, k, v), dout, dlse, ref, causal)
     for name, g, r, t in zip(("out", "lse", "dq", "dk", "dv"), got, ref, same, strict=True):
-        assert_close(g, r, t, name=name)
+        assert_close(g, r, t, name=name, sum_length=D)
 
 
 @pytest.mark.parametrize("Sq, Skv", [(0, 5), (5, 0), (0, 0)])

@@ -156,6 +156,7 @@ def _torchrun(*args, timeout=600):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            str(root / "examples" / "train.py"), *args]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script sets it
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU tier stays on CPU (gloo) on a GPU machine too
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 

@@ -14,7 +14,7 @@ from fusedpar.kernels.attention import attention_reference
 from fusedpar.kernels.attention_merge import merge_attention
 from hypothesis import example, given
 from hypothesis import strategies as st
-from test_attention import attention_grads  # noqa: I001 (a sibling test module)
+from test_attention import attention_grads, torch_results  # noqa: I001 (a sibling test module)
 
 import fusedpar as fp
 from fusedpar.testing import WorldError, assert_close
@@ -49,22 +49,23 @@ def _run_ring(p):
 
     got = attention_grads(ring, local, shard(dout), shard(dlse, dim=2))
 
-    def reference(dt, fn):
-        full = attention_grads(fn, [t.to(dt) for t in (q, k, v)], dout, dlse)
+    def shard_all(full):
         return [shard(t, dim=2 if i == 1 else 1) for i, t in enumerate(full)]
 
-    ref64 = reference(torch.float64, lambda *t: attention_reference(*t, causal=causal))
-    same = reference(dtype, lambda *t: attention_reference(*t, causal=causal))
-    single = reference(dtype, lambda *t: fp.flash_attn(*t, causal=causal, return_lse=True))
-    for name, g, r, t, s in zip(("out", "lse", "dq", "dk", "dv"), got, ref64, same, single,
-                                strict=True):  # fmt: skip
+    full = [t.to(dtype) for t in (q, k, v)]
+    ref64 = attention_grads(lambda *t: attention_reference(*t, causal=causal), (q, k, v), dout,
+                            dlse)  # fmt: skip
+    same = torch_results(full, dout, dlse, ref64, causal)
+    single = attention_grads(
+        lambda *t: fp.flash_attn(*t, causal=causal, return_lse=True), full, dout, dlse
+    )
+    expected = zip(*map(shard_all, (ref64, same, single)), strict=True)
+    for name, g, (r, t, s) in zip(("out", "lse", "dq", "dk", "dv"), got, expected, strict=True):
         assert g.dtype == s.dtype, name
-        assert_close(g, r, t, name=name)
+        assert_close(g, r, t, name=name, sum_length=p["D"])
     # gathered, the output is the full-sequence one
     gathered = fp.gather_sequence(got[0], WORLD, layout=layout)
-    full64 = attention_reference(q, k, v, causal=causal)[0]
-    full_same = attention_reference(*(t.to(dtype) for t in (q, k, v)), causal=causal)[0]
-    assert_close(gathered, full64, full_same, name="gathered out")
+    assert_close(gathered, ref64[0], same[0], name="gathered out", sum_length=p["D"])
     return True
 
 

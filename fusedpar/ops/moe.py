@@ -163,13 +163,13 @@ def expert_swiglu(x, w1, w3, w2, counts, rows, reduce_pos):
     return GroupedLinear.apply(F.silu(h1) * h3, w2, counts, None, None)
 
 
-def _regroup_index(recv_counts: torch.Tensor) -> torch.Tensor:
+def _regroup_index(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
     """Rows received source-major (source s, then expert e) in expert-major order: the
-    source-major row of each expert-major position. recv_counts (W, E_loc)."""
+    source-major row of each expert-major position. recv_counts (W, E_loc); `total`, their
+    sum, is already on the host (no device sync here)."""
     flat = recv_counts.reshape(-1)
     starts = (torch.cumsum(flat, 0) - flat).view_as(recv_counts)
     em_counts, em_starts = recv_counts.T.reshape(-1), starts.T.reshape(-1)
-    total = int(flat.sum())
     block_of = torch.repeat_interleave(torch.arange(em_counts.numel(), device=flat.device),
                                        em_counts, output_size=total)  # fmt: skip
     em_offsets = torch.cumsum(em_counts, 0) - em_counts
@@ -195,7 +195,7 @@ def moe_dispatch_combine(x, weights, ids, keep, w1, w3, w2, num_experts, group):
     send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
     x_send = PermuteRows.apply(x, order // top_k, pos)
     x_recv = comm.all_to_all(x_send, pg, recv_splits, send_splits)
-    regroup = _regroup_index(recv_counts)
+    regroup = _regroup_index(recv_counts, sum(recv_splits))
     inverse = torch.empty_like(regroup)
     inverse[regroup] = torch.arange(regroup.numel(), device=regroup.device)
     out = expert_swiglu(x_recv, w1, w3, w2, recv_counts.sum(0), regroup, inverse.view(-1, 1))
