@@ -97,8 +97,9 @@ def _time_passes(make, B, S, H, D):
     for p, run in runs.items():
         try:
             result[p] = time_ms(run)
-        except Exception as e:
-            result[p] = e
+        except Exception as e:  # drop the traceback, whose frames hold the pass's memory
+            result[p] = e.with_traceback(None)
+            del e
             torch.cuda.empty_cache()
     return result
 

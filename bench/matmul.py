@@ -40,7 +40,7 @@ def main() -> None:
     from fusedpar.kernels.matmul import matmul
 
     torch.manual_seed(0)
-    rows = []
+    rows, env = [], environment()
     for model, tp, proj, N, K in tp_shapes():
         weight = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
         for M in (4096, 16384) if quick() else TOKENS:
@@ -51,12 +51,12 @@ def main() -> None:
             row = dict(model=model, tp=tp, proj=proj, M=M, N=N, K=K)
             row.update(fusedpar_tflops=ours, torch_tflops=cublas, ratio=ours / cublas)
             rows.append(row)
-            write_results("matmul", rows, COLUMNS, {"partial": True}, announce=False)
+            write_results("matmul", rows, COLUMNS, {**env, "partial": True}, announce=False)
             print(f"{model} tp{tp} {proj:8s} M={M:6d} N={N:6d} K={K:6d}: fusedpar {ours:6.1f}"
                   f"  cuBLAS {cublas:6.1f}  ({ours / cublas:.2f}x)")  # fmt: skip
 
     ratios = sorted(r["ratio"] for r in rows)
-    meta = {**environment(), **measured_ceilings(), "dtype": "bfloat16", "quick": quick(),
+    meta = {**env, **measured_ceilings(), "dtype": "bfloat16", "quick": quick(),
             "median_ratio": ratios[len(ratios) // 2], "min_ratio": ratios[0]}  # fmt: skip
 
     def plot(ax):

@@ -6,9 +6,10 @@ Fine-grained shapes (E = 64 and 128 experts, d_model 2048, d_hidden 768 and 1536
 - permute (gather rows with top-k replication) and combine (weighted sum of k rows per
   token): GB/s against torch index ops (``x[idx]``, ``index_add_``) and against the
   measured device copy bandwidth (target >= 0.7 of it);
-- grouped GEMM (the first expert projection, gather fused): TFLOP/s against a loop of
-  ``torch.matmul`` per expert and ``torch._grouped_mm`` where it exists (target >= 1.2x
-  the loop);
+- grouped GEMM (the first expert projection): TFLOP/s against a loop of ``torch.matmul``
+  per expert and ``torch._grouped_mm`` where it exists (target >= 1.2x the loop), all
+  reading the permuted rows; `grouped_gather_tflops` is ours with the gather fused, as
+  the layer runs it;
 - `fp.nn.MoE` forward + backward against a naive torch MoE (loop over experts). The
   layer routes with its own router, so its times do not depend on the routing column.
 

@@ -399,8 +399,9 @@ def attention_backward_reference(
 
     Autograd through `attention_reference` computes ``P * (dP - rowsum(P * dP))``, where
     the two dP terms cancel exactly; here, as in the kernels (and FlashAttention), delta
-    comes from the rounded O and cancels dP only to rounding. The tests use both as
-    PyTorch's own error in the tolerance rule.
+    comes from the rounded O and cancels dP only to rounding. The fp32 tests use both
+    as PyTorch's own error in the tolerance rule. `dout` is in q's dtype; the LSE is
+    rounded to it (the kernels keep it in fp32).
     """
     (_, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
     group, scale = Hq // Hkv, resolve_scale(softmax_scale, D)

@@ -49,14 +49,17 @@ def attention_grads(fn, inputs, dout, dlse):
 
 def torch_results(inputs, dout, dlse, ref, causal=False, scale=None):
     """PyTorch's own [out, lse, dq, dk, dv] in the inputs' dtype: the yardstick of the
-    tolerance rule. Each gradient is the worse (against the float64 `ref`) of autograd
-    through the reference and the kernels' own formula in PyTorch: delta from the
-    rounded O cancels dP only to rounding, where autograd cancels exactly. Against
-    autograd alone, 2-4% of random fp32 examples with Skv <= 2 fail (measured over 450).
-    Shared with the ring attention tests."""
+    tolerance rule. In fp32 each gradient is the worse (against the float64 `ref`) of
+    autograd through the reference and the kernels' own formula in PyTorch: delta from
+    the rounded O cancels dP only to rounding, where autograd cancels exactly. Against
+    autograd alone, 14% of random fp32 examples with Skv <= 2 failed. In fp16 and bf16
+    the formula would round P, dS and delta where the kernels keep fp32, so autograd
+    alone is the yardstick there. Shared with the ring attention tests."""
     same = attention_grads(
         lambda *t: attention_reference(*t, causal=causal, softmax_scale=scale), inputs, dout, dlse
     )
+    if same[0].dtype != torch.float32:
+        return same
     formula = attention_backward_reference(
         dout.to(same[0].dtype), *inputs, *same[:2], causal=causal, softmax_scale=scale,
         dlse=torch.where(torch.isfinite(same[1]), dlse.to(torch.float32), 0),
@@ -88,7 +91,7 @@ def check_attention(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, layout="contigu
     ):
         assert g.dtype == (torch.float32 if name == "lse" else dtype), name
         # S and dP are dots of length D, their rounding amplified by exp and dP - delta
-        assert_close(g, r, t, name=name, sum_length=D)
+        assert_close(g, r, t, name=name, sum_length=D if name.startswith("d") else None)
 
 
 @given(
@@ -181,7 +184,7 @@ def test_flash_attn_gpu(B, S, Hq, Hkv, D, causal, dtype):
     )
     same = torch_results((q, k, v), dout, dlse, ref, causal)
     for name, g, r, t in zip(("out", "lse", "dq", "dk", "dv"), got, ref, same, strict=True):
-        assert_close(g, r, t, name=name, sum_length=D)
+        assert_close(g, r, t, name=name, sum_length=D if name.startswith("d") else None)
 
 
 @pytest.mark.parametrize("Sq, Skv", [(0, 5), (5, 0), (0, 0)])

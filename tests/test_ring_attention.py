@@ -62,10 +62,10 @@ def _run_ring(p):
     expected = zip(*map(shard_all, (ref64, same, single)), strict=True)
     for name, g, (r, t, s) in zip(("out", "lse", "dq", "dk", "dv"), got, expected, strict=True):
         assert g.dtype == s.dtype, name
-        assert_close(g, r, t, name=name, sum_length=p["D"])
+        assert_close(g, r, t, name=name, sum_length=p["D"] if name.startswith("d") else None)
     # gathered, the output is the full-sequence one
     gathered = fp.gather_sequence(got[0], WORLD, layout=layout)
-    assert_close(gathered, ref64[0], same[0], name="gathered out", sum_length=p["D"])
+    assert_close(gathered, ref64[0], same[0], name="gathered out")
     return True
 
 
