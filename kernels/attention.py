@@ -308,6 +308,21 @@ def attention_forward(
 # --- reference -------------------------------------------------------------------------
 
 
+def reference_scores(q, k, v, *, causal, softmax_scale):
+    """The references' shared start: ``S = scale * Q K^T`` (B, Hq, Sq, Skv) with the
+    causal mask as -inf, K and V repeated to Hq heads, and the scale."""
+    (_, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
+    scale = resolve_scale(softmax_scale, D)
+    k = k.repeat_interleave(Hq // Hkv, dim=2)
+    v = v.repeat_interleave(Hq // Hkv, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        i = torch.arange(Sq, device=q.device)[:, None]
+        j = torch.arange(Skv, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (Skv - Sq), float("-inf"))
+    return s, k, v, scale
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -319,15 +334,8 @@ def attention_reference(
     """The same contract in plain, differentiable PyTorch, in q's dtype (float64 in ->
     the oracle). Returns ``(out, lse)``; rows that see no key give 0 and -inf, and their
     gradients are 0, not NaN."""
-    (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
-    scale = resolve_scale(softmax_scale, D)
-    k = k.repeat_interleave(Hq // Hkv, dim=2)
-    v = v.repeat_interleave(Hq // Hkv, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
-        i = torch.arange(Sq, device=q.device)[:, None]
-        j = torch.arange(Skv, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (Skv - Sq), float("-inf"))
+    (B, Sq, Hq, _), Skv = q.shape, k.shape[1]
+    s, _, v, _ = reference_scores(q, k, v, causal=causal, softmax_scale=softmax_scale)
     m = s.amax(-1, keepdim=True) if Skv else s.new_full((B, Hq, Sq, 1), float("-inf"))
     m = torch.where(torch.isinf(m), 0.0, m).detach()  # softmax is shift-invariant
     e = torch.exp(s - m)

@@ -25,6 +25,7 @@ from fusedpar.kernels.attention import (
     interpreter_blocks,
     kernel_meta,
     launch,
+    reference_scores,
     resolve_scale,
     strides,
 )
@@ -403,14 +404,8 @@ def attention_backward_reference(
     as PyTorch's own error in the tolerance rule. `dout` is in q's dtype; the LSE is
     rounded to it (the kernels keep it in fp32).
     """
-    (_, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
-    group, scale = Hq // Hkv, resolve_scale(softmax_scale, D)
-    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
-        i = torch.arange(Sq, device=q.device)[:, None]
-        j = torch.arange(Skv, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (Skv - Sq), float("-inf"))
+    Hkv, group = k.shape[2], q.shape[2] // k.shape[2]
+    s, k, v, scale = reference_scores(q, k, v, causal=causal, softmax_scale=softmax_scale)
     lse = lse.to(q.dtype)[..., None]
     p = torch.where(torch.isneginf(lse), 0.0, torch.exp(s - lse))  # rows with no key: 0
     delta = (dout * out).sum(-1).transpose(1, 2)  # (B, Hq, Sq)
