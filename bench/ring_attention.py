@@ -24,10 +24,13 @@ CPU_SHAPE = {"batch": 1, "tokens_per_rank": 1024, "heads": 8, "kv_heads": 2, "he
 CPU_REPS = 5
 
 
-def torch_attend(q, k, v, *, causal, softmax_scale, out=None, lse=None, out_dtype=None):
+def torch_attend(q, k, v, *, causal, softmax_scale, out=None, lse=None, out_dtype=None,
+                 agreement=None, tune_only=False):  # fmt: skip
     """One ring block in plain torch float32, with `attention_forward`'s contract."""
     from fusedpar.kernels.attention import attention_reference
 
+    if tune_only:  # nothing to tune
+        return None
     block_out, block_lse = attention_reference(q.float(), k.float(), v.float(), causal=causal,
                                                softmax_scale=softmax_scale)  # fmt: skip
     if out is None:

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from fusedpar.kernels._tuning import Agreement
+
 Group = dist.ProcessGroup | DeviceMesh | None
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); torch 2.11,
@@ -67,6 +69,23 @@ def group_size(group: Group) -> int:
 def group_rank(group: Group) -> int:
     pg = resolve_group(group)
     return 0 if pg is None else dist.get_rank(pg)
+
+
+def tuning_agreement(group: Group, device: torch.device) -> Agreement | None:
+    """What makes the ranks of `group` pick the same kernel tiles: each candidate's time
+    summed over the ranks (one all-reduce per tuned key, on `device`), the lowest sum
+    winning. None for no group or a group of one."""
+    pg = resolve_group(group)
+    if pg is None or dist.get_world_size(pg) == 1:
+        return None
+
+    def sum_times(times: list[float]) -> list[float]:
+        summed = torch.tensor(times, dtype=torch.float64, device=device)
+        dist.all_reduce(summed, group=pg)
+        return summed.tolist()  # a host sync, once per tuned key
+
+    name = getattr(pg, "group_name", None) or str(dist.get_process_group_ranks(pg))
+    return Agreement(f"group {name}", sum_times)
 
 
 def check_dim0_divisible(x: torch.Tensor, size: int, what: str) -> None:

@@ -23,12 +23,12 @@ there from the LSE (no S x S storage). The kernels work in
 base 2 (``exp2`` with log2(e) folded into the scale); the LSE is natural at the boundary.
 """
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
+from fusedpar.kernels import _tuning
 from fusedpar.kernels._common import (
     check_float_dtype,
     check_launchable,
@@ -36,6 +36,7 @@ from fusedpar.kernels._common import (
     fp32_dot_precision,
     is_interpreted,
 )
+from fusedpar.kernels._tuning import Agreement, bucket
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # log(x) = log2(x) * LN2
@@ -59,11 +60,11 @@ def forward_configs() -> list[triton.Config]:
     ]
 
 
-def _prune_configs(configs, named_args, **kwargs):
+def _prune_configs(configs, Sq: int, Skv: int, block_d: int):
     """Drop tiles far larger than the sequences, and the big ones at head dim 256."""
-    limit_m = max(32, triton.next_power_of_2(named_args["Sq"]))
-    limit_n = max(32, triton.next_power_of_2(named_args["Skv"]))
-    big_head = kwargs.get("BLOCK_D", 0) > 128
+    limit_m = max(32, triton.next_power_of_2(Sq))
+    limit_n = max(32, triton.next_power_of_2(Skv))
+    big_head = block_d > 128
     kept = [
         c
         for c in configs
@@ -236,26 +237,26 @@ def interpreter_blocks(Sq: int, Skv: int) -> dict:
     return {"BLOCK_M": block(Sq), "BLOCK_N": block(Skv)}
 
 
-@functools.cache
-def _autotuned(kernel, configs, restore: tuple[str, ...]):
-    # Built on first use, not at import. Buffers a kernel accumulates into are restored
-    # after each timed trial, so that tuning does not add twice.
-    return triton.autotune(
-        configs=configs(),
-        key=["Sq", "Skv", "HEAD_DIM", "CAUSAL"],
-        prune_configs_by={"early_config_prune": _prune_configs},
-        restore_value=list(restore),
-    )(kernel)
+def launch(
+    kernel, configs, grid, args, meta, Sq, Skv, *, restore=(), agreement=None, tune_only=False
+):
+    """Launch `kernel` with the tile tuned for (Sq and Skv buckets, `meta`, the dtypes):
+    one sized to the problem in the interpreter, else the best of ``configs()``.
+    `grid(tile)` builds the grid; `restore`: buffers the kernel adds into."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    key = (bucket(Sq), bucket(Skv), *sorted(meta.items()), *(str(t.dtype) for t in tensors))
+    if is_interpreted(kernel):
+        candidates = [triton.Config(interpreter_blocks(bucket(Sq), bucket(Skv)))]
+    else:
+        candidates = _prune_configs(configs(), bucket(Sq), bucket(Skv), meta["BLOCK_D"])
 
+    def run(config):
+        kernel[grid(config.kwargs)](*args, **meta, **config.all_kwargs())
 
-def launch(kernel, configs, grid, args, meta, Sq, Skv, restore=()):
-    """Launch `kernel` with a tile sized to the problem in the interpreter, else autotuned
-    over ``configs()``."""
     with device_guard(args[0]):
-        if is_interpreted(kernel):
-            kernel[grid](*args, **meta, **interpreter_blocks(Sq, Skv))
-        else:
-            _autotuned(kernel, configs, tuple(restore))[grid](*args, **meta)
+        _tuning.tuner(kernel.__name__).run(key, candidates, run, device=args[0].device,
+                                           restore=restore, agreement=agreement,
+                                           tune_only=tune_only)  # fmt: skip
 
 
 def resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
@@ -276,12 +277,20 @@ def attention_forward(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    agreement: Agreement | None = None,
+    tune_only: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Returns ``(out, lse)``: out (B, Sq, Hq, D) in `out_dtype` (q's, or fp32 for ring
-    partials), lse (B, Hq, Sq) fp32. `out` and `lse` may be given, with any strides."""
+    partials), lse (B, Hq, Sq) fp32. `out` and `lse` may be given, with any strides.
+
+    `agreement`: the ranks that pick one tile together; ``tune_only``: make the pick for
+    this call (on scratch buffers) and return None: the ring does so before its loop."""
     check_attention_inputs(q, k, v)
     (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
     allowed = (q.dtype, torch.float32)
+    if tune_only:  # the key depends on the dtypes only: write nothing of the caller's
+        out_dtype = out.dtype if out is not None else out_dtype
+        out = lse = None
     if out is None:
         out = torch.empty((B, Sq, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
     check_buffer("out", out, (B, Sq, Hq, D), allowed, q.device)
@@ -290,7 +299,7 @@ def attention_forward(
     check_buffer("lse", lse, (B, Hq, Sq), (torch.float32,), q.device)
     check_launchable(_attn_fwd_kernel, q, k, v, out, lse)
     if B * Sq * Hq == 0:
-        return out, lse
+        return None if tune_only else (out, lse)
     scale = resolve_scale(softmax_scale, D)
     args = (
         q, k, v, out, lse,
@@ -301,8 +310,9 @@ def attention_forward(
     def grid(meta):
         return (triton.cdiv(Sq, meta["BLOCK_M"]), B, Hq)
 
-    launch(_attn_fwd_kernel, forward_configs, grid, args, kernel_meta(q, causal), Sq, Skv)
-    return out, lse
+    launch(_attn_fwd_kernel, forward_configs, grid, args, kernel_meta(q, causal), Sq, Skv,
+           agreement=agreement, tune_only=tune_only)  # fmt: skip
+    return None if tune_only else (out, lse)
 
 
 # --- reference -------------------------------------------------------------------------

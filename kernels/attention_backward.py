@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 from fusedpar.kernels._common import check_launchable, device_guard, is_interpreted
+from fusedpar.kernels._tuning import Agreement
 from fusedpar.kernels.attention import (
     LOG2E,
     check_attention_inputs,
@@ -320,13 +321,16 @@ def attention_backward(
     dv: torch.Tensor | None = None,
     accumulate: bool = False,
     grad_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    agreement: Agreement | None = None,
+    tune_only: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Returns ``(dq, dk, dv)`` from dO, the inputs and the forward's LSE.
 
     `delta` (B, Hq, Sq) fp32 is ``rowsum(dO * O)`` (minus dLSE when the LSE has a
     gradient); computed from `out` when not given. The ring passes the final LSE and
     delta at every step, fp32 `dq`/`dk`/`dv` buffers, and ``accumulate=True`` (add into
     them). New gradients are in `grad_dtype` (q's unless given: q's or fp32).
+    `agreement` and ``tune_only`` as in `attention_forward` (scratch gradients).
     """
     check_attention_inputs(q, k, v)
     (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
@@ -340,6 +344,12 @@ def attention_backward(
     check_buffer("delta", delta, (B, Hq, Sq), (torch.float32,), q.device)
     delta = delta.contiguous()
     allowed = (q.dtype, torch.float32)
+    if tune_only:  # scratch gradients of the same dtypes: nothing of the caller's is written
+        dq, dk, dv = (
+            torch.empty(like.shape, dtype=grad_dtype or q.dtype if g is None else g.dtype,
+                        device=q.device)
+            for g, like in ((dq, q), (dk, k), (dv, v))
+        )  # fmt: skip
     if accumulate and (dq is None or dk is None or dv is None):
         raise ValueError("accumulate=True adds into dq, dk and dv: all three must be given")
     grads = []
@@ -352,6 +362,7 @@ def attention_backward(
     check_launchable(_attn_bwd_dq_kernel, dout, q, k, v, lse, delta, dq, dk, dv)
     scale = resolve_scale(softmax_scale, D)
     meta = {**kernel_meta(q, causal), "ACCUMULATE": accumulate}
+    tuning = dict(agreement=agreement, tune_only=tune_only)
     if B * Hkv * Skv:  # with Sq == 0 this writes zeros: no query, no gradient
         args = (
             q, k, v, dout, lse, delta, dk, dv,
@@ -363,8 +374,8 @@ def attention_backward(
         def grid_kv(meta):
             return (triton.cdiv(Skv, meta["BLOCK_N"]), B, Hkv)
 
-        restore = ("dk_ptr", "dv_ptr")
-        launch(_attn_bwd_dkdv_kernel, backward_configs, grid_kv, args, meta, Sq, Skv, restore)
+        launch(_attn_bwd_dkdv_kernel, backward_configs, grid_kv, args, meta, Sq, Skv,
+               restore=[dk, dv] if accumulate else [], **tuning)  # fmt: skip
     if B * Hq * Sq:
         args = (
             q, k, v, dout, lse, delta, dq,
@@ -376,8 +387,9 @@ def attention_backward(
         def grid_q(meta):
             return (triton.cdiv(Sq, meta["BLOCK_M"]), B, Hq)
 
-        launch(_attn_bwd_dq_kernel, backward_configs, grid_q, args, meta, Sq, Skv, ("dq_ptr",))
-    return dq, dk, dv
+        launch(_attn_bwd_dq_kernel, backward_configs, grid_q, args, meta, Sq, Skv,
+               restore=[dq] if accumulate else [], **tuning)  # fmt: skip
+    return None if tune_only else (dq, dk, dv)
 
 
 # --- reference -------------------------------------------------------------------------

@@ -14,11 +14,10 @@ that rounding, which is how reduce-scatter partials and weight gradients build u
 fp32 buffer.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+from fusedpar.kernels import _tuning
 from fusedpar.kernels._common import (
     check_float_dtype,
     check_launchable,
@@ -26,6 +25,7 @@ from fusedpar.kernels._common import (
     fp32_dot_precision,
     is_interpreted,
 )
+from fusedpar.kernels._tuning import Agreement, bucket
 
 # Row blocks that share one column of B tiles in L2 (the Triton tutorial's grouped order).
 GROUP_M = 8
@@ -37,10 +37,10 @@ BLOCK_K = 64
 
 
 def matmul_configs() -> list[triton.Config]:
-    """Tiles the autotuner tries on a GPU (pruned for small problems by `_prune_configs`).
+    """Tiles the tuner tries on a GPU (pruned for small problems by `_prune_configs`).
 
     Large tiles with 8 warps feed Hopper's wgmma; the small ones serve thin TP shards and
-    decode-sized M. fp32 tiles that overflow shared memory are skipped by the autotuner.
+    decode-sized M. fp32 tiles that overflow shared memory are skipped by the tuner.
     Every tile has the same BLOCK_K, so each output sums its K products in the same
     order whichever tile wins: the numbers do not depend on the tuning (a TP shard's
     GEMM equals the matching rows of the single-device GEMM, bit for bit).
@@ -65,10 +65,10 @@ def matmul_configs() -> list[triton.Config]:
     ]
 
 
-def _prune_configs(configs, named_args, **kwargs):
+def _prune_configs(configs, M: int, N: int):
     """Drop tiles larger than the problem (they only waste lanes); keep at least one."""
-    limit_m = max(32, triton.next_power_of_2(named_args["M"]))
-    limit_n = max(32, triton.next_power_of_2(named_args["N"]))
+    limit_m = max(32, triton.next_power_of_2(M))
+    limit_n = max(32, triton.next_power_of_2(N))
     kept = [c for c in configs if c.kwargs["BLOCK_M"] <= limit_m and c.kwargs["BLOCK_N"] <= limit_n]
     if kept:
         return kept
@@ -139,16 +139,11 @@ def _matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-@functools.cache
-def _autotuned_matmul_kernel():
-    # Built on first use, not at import. `restore_value` puts C back after each timed
-    # trial, so tuning a `C += A @ B` call does not add the product several times.
-    return triton.autotune(
-        configs=matmul_configs(),
-        key=["M", "N", "K"],
-        prune_configs_by={"early_config_prune": _prune_configs},
-        restore_value=["c_ptr"],
-    )(triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_matmul_kernel))
+def _candidates(M: int, N: int, interpreted: bool) -> list[triton.Config]:
+    if interpreted:
+        block_m, block_n = _interpreter_block(M), _interpreter_block(N)
+        return [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": BLOCK_K})]
+    return _prune_configs(matmul_configs(), M, N)
 
 
 def _interpreter_block(size: int) -> int:
@@ -193,18 +188,33 @@ def matmul(
     out: torch.Tensor | None = None,
     accumulate: bool = False,
     out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+    agreement: Agreement | None = None,
+    tune_only: bool = False,
+) -> torch.Tensor | None:
     """``C = A @ B (+ bias)``, or ``C += A @ B (+ bias)`` with ``accumulate=True``.
 
     a (M, K), b (K, N), bias (N,), out (M, N): any strides, no copies. ``out`` defaults to
     a new tensor of ``out_dtype`` (A's dtype unless given: A's or float32). Returns C.
+
+    The tile is tuned per (M bucket, N, K, dtypes, flags); `agreement` makes the ranks
+    of a group pick the same one, and ``tune_only`` only makes the pick (on scratch
+    buffers, nothing written, returns None): the TP rings do so before their loops.
     """
-    _check_operands(a, b, bias, out, accumulate, out_dtype)
+    _check_operands(a, b, bias, out, accumulate and not tune_only, out_dtype)
     tensors = [t for t in (a, b, bias, out) if t is not None]
     check_launchable(_matmul_kernel, *tensors)
     (M, K), N = a.shape, b.shape[1]
-    if out is None:
-        out = torch.empty((M, N), dtype=out_dtype or a.dtype, device=a.device)
+    c_dtype = out.dtype if out is not None else out_dtype or a.dtype
+    precision = fp32_dot_precision() if a.dtype == torch.float32 else "tf32"
+    key = (bucket(M), N, K, str(a.dtype), str(c_dtype), bias is not None and str(bias.dtype),
+           accumulate, precision)  # fmt: skip
+    tuner = _tuning.tuner("matmul")
+    if tune_only:
+        if M == 0 or N == 0 or tuner.has(key, agreement):
+            return None
+        out = torch.zeros((M, N), dtype=c_dtype, device=a.device)  # scratch
+    elif out is None:
+        out = torch.empty((M, N), dtype=c_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
 
@@ -214,24 +224,18 @@ def matmul(
         bias.stride(0) if bias is not None else 0,
         M, N, K,
     )  # fmt: skip
-    meta = dict(
-        HAS_BIAS=bias is not None,
-        ACCUMULATE=accumulate,
-        INPUT_PRECISION=fp32_dot_precision() if a.dtype == torch.float32 else "tf32",
-        GROUP_M=GROUP_M,
-    )
+    meta = dict(HAS_BIAS=bias is not None, ACCUMULATE=accumulate, INPUT_PRECISION=precision,
+                EVEN_K=K % BLOCK_K == 0, GROUP_M=GROUP_M)  # fmt: skip
 
-    def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+    def launch(config):
+        tiles = triton.cdiv(M, config.kwargs["BLOCK_M"]) * triton.cdiv(N, config.kwargs["BLOCK_N"])
+        _matmul_kernel[(tiles,)](*args, **meta, **config.all_kwargs())
 
+    candidates = _candidates(bucket(M), N, is_interpreted(_matmul_kernel))
     with device_guard(a):
-        if is_interpreted(_matmul_kernel):
-            block_m, block_n = _interpreter_block(M), _interpreter_block(N)
-            _matmul_kernel[grid](*args, **meta, EVEN_K=K % BLOCK_K == 0, BLOCK_M=block_m,
-                                 BLOCK_N=block_n, BLOCK_K=BLOCK_K)  # fmt: skip
-        else:
-            _autotuned_matmul_kernel()[grid](*args, **meta)
-    return out
+        tuner.run(key, candidates, launch, device=a.device, restore=[out] if accumulate else [],
+                  agreement=agreement, tune_only=tune_only)  # fmt: skip
+    return None if tune_only else out
 
 
 def matmul_reference(

@@ -30,7 +30,15 @@ from collections.abc import Sequence
 
 import torch
 
-from fusedpar.comm import Group, Ring, all_gather_async, group_rank, group_size, resolve_group
+from fusedpar.comm import (
+    Group,
+    Ring,
+    all_gather_async,
+    group_size,
+    resolve_group,
+    tuning_agreement,
+)
+from fusedpar.kernels._tuning import frozen
 from fusedpar.kernels.matmul import matmul
 
 DEFAULT_CHUNKS_PER_RANK = 1  # one ring message per rank and step, as in async-TP
@@ -42,56 +50,72 @@ def _pieces(rows: int, chunks: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
 
 
-def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul):
+def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None):
     """``gather(x) @ operand + bias`` for each operand, one ring all-gather for all.
 
     x (n, K) this rank's rows; operands [(K, N_i)]; biases [(N_i,) or None]. Returns the
     outputs [(W*n, N_i)] and the gathered x (W*n, K). Step s multiplies the rows of rank
     r - s while those of rank r - s - 1 arrive (received straight into their place).
+    `gemm` has `matmul`'s signature; `ring` replaces ``Ring(pg)`` (the benchmark injects
+    a stand-in). The GEMMs are tuned before the first transfer, agreed over `pg`.
     """
-    size, rank = group_size(pg), group_rank(pg)
+    ring = Ring(pg) if ring is None else ring
+    size, rank = ring.size, ring.rank
     n, K = x.shape
     gathered = x.new_empty((size * n, K))
     gathered[rank * n : (rank + 1) * n].copy_(x)
     outs = [x.new_empty((size * n, op.shape[1])) for op in operands]
-    ring = Ring(pg)
-    for step in range(size):
-        src, incoming = (rank - step) % size, (rank - step - 1) % size
-        for a, b in _pieces(n, chunks):
-            rows = slice(src * n + a, src * n + b)
-            if step + 1 < size:
-                ring.send_recv(gathered[rows], out=gathered[incoming * n + a : incoming * n + b])
-            for out, op, bias in zip(outs, operands, biases, strict=True):
-                gemm(gathered[rows], op, out=out[rows], bias=bias)
-            if step + 1 < size:
-                ring.wait()
+    agreement = tuning_agreement(pg, x.device)
+    for a, b in _pieces(n, chunks):  # the loop's GEMM shapes, picked before it starts
+        for op, bias in zip(operands, biases, strict=True):
+            gemm(x[a:b], op, bias=bias, out_dtype=x.dtype, agreement=agreement, tune_only=True)
+    with frozen("the all-gather ring", agreement):
+        for step in range(size):
+            src, incoming = (rank - step) % size, (rank - step - 1) % size
+            for a, b in _pieces(n, chunks):
+                rows = slice(src * n + a, src * n + b)
+                if step + 1 < size:
+                    arriving = gathered[incoming * n + a : incoming * n + b]
+                    ring.send_recv(gathered[rows], out=arriving)
+                for out, op, bias in zip(outs, operands, biases, strict=True):
+                    gemm(gathered[rows], op, out=out[rows], bias=bias, agreement=agreement)
+                if step + 1 < size:
+                    ring.wait()
     return outs, gathered
 
 
-def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul):
+def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul, ring=None):
     """This rank's rows of ``sum_ranks sum_i A_i @ B_i`` (+ bias), by a ring reduce-scatter.
 
     pairs [(A_i (W*m, K_i), B_i (K_i, N))]. At step s rank r computes its fp32 partial for
     rank r - s - 1 while the running sum for that rank arrives from r - 1, adds it, and
     passes it on; after W - 1 steps it holds its own sum. Returns (m, N) in `out_dtype`.
+    `gemm` and `ring` as in `gather_matmuls`.
     """
-    size, rank = group_size(pg), group_rank(pg)
+    ring = Ring(pg) if ring is None else ring
+    size, rank = ring.size, ring.rank
     rows, N = pairs[0][0].shape[0] // size, pairs[0][1].shape[1]
     device = pairs[0][0].device
     out = torch.empty((rows, N), dtype=out_dtype, device=device)
     running = {}
-    ring = Ring(pg)
-    for step in range(size):
-        dest = (rank - step - 1) % size
-        for a, b in _pieces(rows, chunks):
-            partial = torch.empty((b - a, N), dtype=torch.float32, device=device)
-            if step > 0:
-                ring.send_recv(running[a])  # the sum for rank dest - 1 goes on
-            for i, (A, B) in enumerate(pairs):
-                gemm(A[dest * rows + a : dest * rows + b], B, out=partial, accumulate=i > 0)
-            if step > 0:
-                partial += ring.wait()  # the sum for `dest` so far, from rank - 1
-            running[a] = partial
+    agreement = tuning_agreement(pg, device)
+    for a, b in _pieces(rows, chunks):  # the loop's GEMM shapes, picked before it starts
+        for i, (A, B) in enumerate(pairs):
+            gemm(A[a:b], B, out_dtype=torch.float32, accumulate=i > 0, agreement=agreement,
+                 tune_only=True)  # fmt: skip
+    with frozen("the reduce-scatter ring", agreement):
+        for step in range(size):
+            dest = (rank - step - 1) % size
+            for a, b in _pieces(rows, chunks):
+                partial = torch.empty((b - a, N), dtype=torch.float32, device=device)
+                if step > 0:
+                    ring.send_recv(running[a])  # the sum for rank dest - 1 goes on
+                for i, (A, B) in enumerate(pairs):
+                    gemm(A[dest * rows + a : dest * rows + b], B, out=partial, accumulate=i > 0,
+                         agreement=agreement)  # fmt: skip
+                if step > 0:
+                    partial += ring.wait()  # the sum for `dest` so far, from rank - 1
+                running[a] = partial
     for a, b in _pieces(rows, chunks):
         out[a:b] = running[a] if bias is None else running[a] + bias.float()  # rounded once
     return out

@@ -21,7 +21,8 @@ after W steps. Every step uses the final LSE and ``delta = rowsum(dO * O) - dLSE
 import torch
 import torch.distributed as dist
 
-from fusedpar.comm import Group, Ring, group_size, resolve_group
+from fusedpar.comm import Group, Ring, group_size, resolve_group, tuning_agreement
+from fusedpar.kernels._tuning import frozen
 from fusedpar.kernels.attention import attention_forward, check_attention_inputs
 from fusedpar.kernels.attention_backward import attention_backward, attention_delta
 from fusedpar.kernels.attention_merge import merge_attention
@@ -44,6 +45,19 @@ def _block(rank: int, src: int, causal: bool, layout: str, s_local: int):
     return (ALL, slice(0, half), False) if src < rank else (slice(half, None), ALL, False)
 
 
+def _distinct_blocks(size: int, causal: bool, layout: str, s_local: int):
+    """Every (q rows, kv rows, causal) block of the schedule, over all ranks, in one
+    order: the launches to tune before the loop (every rank tunes all of them, so the
+    group's tuning collectives match)."""
+    blocks = []
+    for rank in range(size):
+        for src in range(size):
+            block = _block(rank, src, causal, layout, s_local)
+            if block is not None and block not in blocks:
+                blocks.append(block)
+    return blocks
+
+
 def ring_attention_forward(q, k, v, pg, *, causal, softmax_scale, layout, overlap=True,
                            attend=attention_forward):  # fmt: skip
     """The forward ring: returns (out fp32, lse). ``overlap=False`` waits for each
@@ -53,8 +67,22 @@ def ring_attention_forward(q, k, v, pg, *, causal, softmax_scale, layout, overla
     B, S, H, D = q.shape
     out = torch.empty((B, S, H, D), dtype=torch.float32, device=q.device)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
+    agreement = tuning_agreement(pg, q.device)
+    for q_rows, kv_rows, block_causal in _distinct_blocks(size, causal, layout, S):
+        attend(q[:, q_rows], k[:, kv_rows], v[:, kv_rows], causal=block_causal,
+               softmax_scale=softmax_scale, out_dtype=torch.float32, agreement=agreement,
+               tune_only=True)  # fmt: skip
     ring = Ring(pg)
     kv = [k.contiguous(), v.contiguous()]
+    with frozen("the ring attention forward", agreement):
+        _forward_loop(q, kv, out, lse, ring, rank, size, causal, softmax_scale, layout, overlap,
+                      attend, agreement)  # fmt: skip
+    return out, lse
+
+
+def _forward_loop(q, kv, out, lse, ring, rank, size, causal, softmax_scale, layout, overlap,
+                  attend, agreement):  # fmt: skip
+    S = q.shape[1]
     for step in range(size):
         src = (rank - step) % size
         if step + 1 < size:
@@ -63,17 +91,17 @@ def ring_attention_forward(q, k, v, pg, *, causal, softmax_scale, layout, overla
                 incoming = ring.wait()
         block = _block(rank, src, causal, layout, S)
         if step == 0:  # the local block covers every query row: write in place
-            attend(q, kv[0], kv[1], causal=causal, softmax_scale=softmax_scale, out=out, lse=lse)
+            attend(q, kv[0], kv[1], causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
+                   agreement=agreement)  # fmt: skip
         elif block is not None:
             q_rows, kv_rows, block_causal = block
             blk_out, blk_lse = attend(
                 q[:, q_rows], kv[0][:, kv_rows], kv[1][:, kv_rows], causal=block_causal,
-                softmax_scale=softmax_scale, out_dtype=torch.float32,
+                softmax_scale=softmax_scale, out_dtype=torch.float32, agreement=agreement,
             )  # fmt: skip
             merge_attention(out[:, q_rows], lse[:, :, q_rows], blk_out, blk_lse)
         if step + 1 < size:
             kv = ring.wait() if overlap else incoming
-    return out, lse
 
 
 class RingAttnFunction(torch.autograd.Function):
@@ -92,39 +120,56 @@ class RingAttnFunction(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         pg = ctx.pg
-        rank, size = dist.get_rank(pg), dist.get_world_size(pg)
+        size = dist.get_world_size(pg)
         if dout is None:
             dout = torch.zeros_like(out)
         delta = attention_delta(out, dout)
         if dlse is not None:
             delta = delta - dlse
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv_ring, grad_ring = Ring(pg), Ring(pg, tag=1)
-        kv = [k.contiguous(), v.contiguous()]
-        for step in range(size):
-            src = (rank - step) % size
-            if step + 1 < size:
-                kv_ring.send_recv(kv)
-            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-            block = _block(rank, src, ctx.causal, ctx.layout, q.shape[1])
-            if block is not None:
-                q_rows, kv_rows, block_causal = block
-                attention_backward(
-                    dout[:, q_rows], q[:, q_rows], kv[0][:, kv_rows], kv[1][:, kv_rows],
-                    lse[:, :, q_rows], causal=block_causal, softmax_scale=ctx.softmax_scale,
-                    delta=delta[:, :, q_rows], dq=dq[:, q_rows], dk=dk[:, kv_rows],
-                    dv=dv[:, kv_rows], accumulate=True,
-                )  # fmt: skip
-            if step > 0:  # the sums for this block from the ranks it visited before
-                dk_in, dv_in = grad_ring.wait()
-                dk += dk_in
-                dv += dv_in
-            if step + 1 < size:
-                kv = kv_ring.wait()
-            grad_ring.send_recv([dk, dv])  # on to the block's next holder (last: its owner)
-        dk, dv = grad_ring.wait()
+        agreement = tuning_agreement(pg, q.device)
+        for q_rows, kv_rows, block_causal in _distinct_blocks(size, ctx.causal, ctx.layout,
+                                                              q.shape[1]):  # fmt: skip
+            attention_backward(
+                dout[:, q_rows], q[:, q_rows], k[:, kv_rows], v[:, kv_rows], lse[:, :, q_rows],
+                causal=block_causal, softmax_scale=ctx.softmax_scale, delta=delta[:, :, q_rows],
+                accumulate=True, grad_dtype=torch.float32, agreement=agreement, tune_only=True,
+            )  # fmt: skip
+        with frozen("the ring attention backward", agreement):
+            dq, dk, dv = _backward_loop(q, k, v, dout, lse, delta, pg, ctx.causal,
+                                        ctx.softmax_scale, ctx.layout, agreement)  # fmt: skip
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _backward_loop(q, k, v, dout, lse, delta, pg, causal, softmax_scale, layout, agreement):
+    """The backward ring: returns dQ and this rank's dK, dV (fp32) after W steps."""
+    rank, size = dist.get_rank(pg), dist.get_world_size(pg)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv_ring, grad_ring = Ring(pg), Ring(pg, tag=1)
+    kv = [k.contiguous(), v.contiguous()]
+    for step in range(size):
+        src = (rank - step) % size
+        if step + 1 < size:
+            kv_ring.send_recv(kv)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        block = _block(rank, src, causal, layout, q.shape[1])
+        if block is not None:
+            q_rows, kv_rows, block_causal = block
+            attention_backward(
+                dout[:, q_rows], q[:, q_rows], kv[0][:, kv_rows], kv[1][:, kv_rows],
+                lse[:, :, q_rows], causal=block_causal, softmax_scale=softmax_scale,
+                delta=delta[:, :, q_rows], dq=dq[:, q_rows], dk=dk[:, kv_rows],
+                dv=dv[:, kv_rows], accumulate=True, agreement=agreement,
+            )  # fmt: skip
+        if step > 0:  # the sums for this block from the ranks it visited before
+            dk_in, dv_in = grad_ring.wait()
+            dk += dk_in
+            dv += dv_in
+        if step + 1 < size:
+            kv = kv_ring.wait()
+        grad_ring.send_recv([dk, dv])  # on to the block's next holder (last: its owner)
+    dk, dv = grad_ring.wait()
+    return dq, dk, dv
 
 
 def _check_same_shapes_across_ranks(pg, q, k) -> None:

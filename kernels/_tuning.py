@@ -1,0 +1,234 @@
+"""Choosing a kernel's tile: one tuner behind every launcher, kept out of the hot loops.
+
+A launcher hands `Tuner.run` a key, the candidate configs and ``launch(config)``; the
+tuner returns the pick for that key, timing every candidate once on a miss:
+
+| concern            | what the tuner does                                                  |
+| ------------------ | -------------------------------------------------------------------- |
+| keys               | the launcher buckets lengths (`bucket`: the next power of two), so a |
+|                    | growing sequence or token count does not retune every call           |
+| accumulating calls | buffers the kernel reads back (``restore``) are copied aside once    |
+|                    | and put back after timing; the copy is not in the timed region, and  |
+|                    | calls that only write their output copy nothing                      |
+| ranks of a group   | with an `Agreement`, each rank times every candidate, the times are  |
+|                    | summed over the group (one collective) and the lowest sum wins: every |
+|                    | rank gets the same pick, kept in that group's own table              |
+| ring and TP loops  | they tune with ``tune_only`` before the loop and run the loop inside |
+|                    | `frozen()`, where a miss raises instead of timing between transfers  |
+| failures           | a config that does not compile (shared memory, registers) is skipped |
+
+Environment (read when a pick is made, never at import):
+
+- ``FUSEDPAR_TUNING=first``: take the first candidate without timing (fast test runs);
+- ``FUSEDPAR_TUNING_CACHE=path.json``: keep the picks made without a group in a file,
+  read at first use and rewritten after each new pick (a later process skips the timing);
+- ``TRITON_PRINT_AUTOTUNING=1`` or ``FUSEDPAR_PRINT_TUNING=1``: print each pick with its time.
+
+Kernels know nothing of ``torch.distributed``: the collective behind an `Agreement` is
+built in `fusedpar.comm`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+
+_FROZEN = contextvars.ContextVar("fusedpar_tuning_frozen", default=None)
+_TUNERS: dict[str, Tuner] = {}
+
+
+def bucket(n: int) -> int:
+    """The tuning bucket of a length: the next power of two (0 stays 0)."""
+    return triton.next_power_of_2(n) if n > 0 else 0
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Ranks that must pick the same configs. `name` names the group (its picks are kept
+    apart from the local ones); `sum_times` sums a list of times over the group's ranks
+    (a collective: every rank tunes the same keys in the same order, which holds because
+    the ops that pass an agreement are collective calls with equal shapes)."""
+
+    name: str
+    sum_times: Callable[[list[float]], list[float]]
+
+
+@contextlib.contextmanager
+def frozen(where: str, agreement: Agreement | None):
+    """Inside, a launch whose pick was not made before, or that names another agreement,
+    raises: for ring and TP loops, which tune before their first transfer (timing a
+    kernel while NCCL moves data gives noisy picks and delays the transfer)."""
+    token = _FROZEN.set((where, agreement.name if agreement else None))
+    try:
+        yield
+    finally:
+        _FROZEN.reset(token)
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    from triton.compiler.errors import CompileTimeAssertionFailure
+    from triton.runtime import errors
+
+    found = [CompileTimeAssertionFailure, errors.OutOfResources]
+    if hasattr(errors, "PTXASError"):
+        found.append(errors.PTXASError)
+    return tuple(found)
+
+
+def _time_ms(fn: Callable[[], None], device: torch.device) -> float:
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+    times = []  # the interpreter: wall time of a few runs
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _describe(config: triton.Config) -> dict:
+    return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps,
+            "num_stages": config.num_stages}  # fmt: skip
+
+
+def _verbose() -> bool:
+    names = ("TRITON_PRINT_AUTOTUNING", "FUSEDPAR_PRINT_TUNING")
+    return any(os.environ.get(name) == "1" for name in names)
+
+
+class Tuner:
+    """The picks of one kernel: ``{(group name or None, key): config}``."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.picks: dict[tuple, triton.Config] = {}
+        self.timings: dict[tuple, list[float]] = {}
+        self.tuned = 0  # how many keys were timed (tests read it)
+        self._disk_loaded = False
+
+    def has(self, key: tuple, agreement: Agreement | None = None) -> bool:
+        """Whether the pick for `key` is made (in `agreement`'s group, or locally)."""
+        return (agreement.name if agreement else None, key) in self.picks
+
+    def run(
+        self,
+        key: tuple,
+        candidates: Sequence[triton.Config],
+        launch: Callable[[triton.Config], None],
+        *,
+        device: torch.device,
+        restore: Sequence[torch.Tensor] = (),
+        agreement: Agreement | None = None,
+        tune_only: bool = False,
+    ) -> triton.Config:
+        """Launch with the pick for `key` (timing `candidates` first on a miss). With
+        `tune_only`, make the pick if missing and launch nothing more."""
+        scope = (agreement.name if agreement else None, key)
+        where, frozen_group = _FROZEN.get() or (None, None)
+        if where is not None and frozen_group != scope[0]:
+            raise RuntimeError(f"{self.name}: launched inside {where} (tuned for "
+                               f"{frozen_group}) with agreement {scope[0]}")  # fmt: skip
+        config = self.picks.get(scope)
+        if config is None and agreement is None:
+            config = self._from_disk(key, candidates)
+        if config is None:
+            if where is not None:
+                raise RuntimeError(
+                    f"{self.name}: no tile picked for key {key} inside {where}, which tunes "
+                    f"before its loop: the loop launched a kernel its tuning step did not cover"
+                )
+            config = self._tune(scope, candidates, launch, device, restore, agreement)
+            if tune_only:
+                return config
+        elif tune_only:
+            return config
+        launch(config)
+        return config
+
+    def _tune(self, scope, candidates, launch, device, restore, agreement) -> triton.Config:
+        if not candidates:
+            raise ValueError(f"{self.name}: no candidate config for key {scope[1]}")
+        if len(candidates) == 1 or os.environ.get("FUSEDPAR_TUNING") == "first":
+            times = [0.0] + [float("inf")] * (len(candidates) - 1)
+        else:
+            saved = [t.clone() for t in restore]
+            times = []
+            for config in candidates:
+                try:
+                    launch(config)  # compiles outside the timing
+                    times.append(_time_ms(lambda c=config: launch(c), device))
+                except _compile_errors():
+                    times.append(float("inf"))
+            for t, s in zip(restore, saved, strict=True):
+                t.copy_(s)
+            if agreement is not None:
+                times = agreement.sum_times(times)
+        best = min(range(len(candidates)), key=lambda i: times[i])
+        if times[best] == float("inf"):
+            raise RuntimeError(f"{self.name}: no candidate config compiles for key {scope[1]}")
+        config = candidates[best]
+        self.picks[scope] = config
+        self.timings[scope] = times
+        self.tuned += 1
+        if _verbose():
+            where = f" (agreed over {scope[0]})" if scope[0] else ""
+            print(f"fusedpar tuning: {self.name} {scope[1]} -> {config} "
+                  f"{times[best]:.4f} ms{where}")  # fmt: skip
+        if scope[0] is None:
+            self._to_disk(scope[1], config)
+        return config
+
+    # --- the optional file of picks (FUSEDPAR_TUNING_CACHE) ---
+
+    def _from_disk(self, key, candidates) -> triton.Config | None:
+        path = os.environ.get("FUSEDPAR_TUNING_CACHE")
+        if not path or not Path(path).exists():
+            return None
+        entry = json.loads(Path(path).read_text()).get(self.name, {}).get(repr(key))
+        for config in candidates:  # only a pick that is still a candidate counts
+            if entry is not None and _describe(config) == entry:
+                self.picks[(None, key)] = config
+                return config
+        return None
+
+    def _to_disk(self, key, config) -> None:
+        path = os.environ.get("FUSEDPAR_TUNING_CACHE")
+        if not path:
+            return
+        file = Path(path)
+        data = json.loads(file.read_text()) if file.exists() else {}
+        data.setdefault(self.name, {})[repr(key)] = _describe(config)
+        file.write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+def tuner(name: str) -> Tuner:
+    """The process's tuner for the kernel called `name` (made on first use)."""
+    if name not in _TUNERS:
+        _TUNERS[name] = Tuner(name)
+    return _TUNERS[name]
+
+
+def all_picks() -> dict[str, dict[str, dict]]:
+    """Every pick made so far, ``{kernel: {"key [group]": config}}``: benchmarks record it."""
+    return {
+        name: {f"{key}{f' [{group}]' if group else ''}": _describe(c)
+               for (group, key), c in t.picks.items()}
+        for name, t in _TUNERS.items()
+    }  # fmt: skip
+
+
+def forget_picks() -> None:
+    """Drop every pick of this process (tests start from a clean slate with it)."""
+    _TUNERS.clear()

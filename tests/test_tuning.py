@@ -1,0 +1,153 @@
+"""The tuner behind every launcher: buckets, restores, agreement over a group, frozen loops.
+
+On CPU the launchers offer one interpreter tile per key, so these tests drive `Tuner`
+with stand-in launches (sleeps) where several candidates are needed, and the launchers
+themselves where the keys and the loops are the point.
+"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import triton
+from fusedpar.kernels import _tuning
+from fusedpar.kernels.matmul import matmul
+
+import fusedpar as fp
+from fusedpar.testing.strategies import randn
+
+CPU = torch.device("cpu")
+CONFIGS = [triton.Config({"BLOCK_M": 16}), triton.Config({"BLOCK_M": 32})]
+
+
+def _sleepy(ms_per_config, calls):
+    def launch(config):
+        calls.append(config.kwargs["BLOCK_M"])
+        time.sleep(ms_per_config[config.kwargs["BLOCK_M"]] / 1e3)
+
+    return launch
+
+
+@pytest.fixture(autouse=True)
+def clean_picks():
+    _tuning.forget_picks()
+    yield
+    _tuning.forget_picks()
+
+
+def test_times_every_candidate_once_then_reuses_the_pick():
+    tuner, calls = _tuning.Tuner("t"), []
+    launch = _sleepy({16: 20, 32: 1}, calls)
+    pick = tuner.run(("k",), CONFIGS, launch, device=CPU)
+    assert pick.kwargs["BLOCK_M"] == 32 and tuner.tuned == 1
+    calls.clear()
+    tuner.run(("k",), CONFIGS, launch, device=CPU)
+    assert calls == [32]  # no timing: the real launch only
+
+
+def test_restores_what_the_kernel_adds_into_after_timing():
+    tuner, acc = _tuning.Tuner("t"), torch.zeros(3)
+
+    def accumulate(config):
+        acc.add_(1.0)
+
+    tuner.run(("k",), CONFIGS, accumulate, device=CPU, restore=[acc])
+    assert torch.equal(acc, torch.ones(3))  # the timed runs were undone; one real launch
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_matmul_restores_c_only_when_accumulating(monkeypatch, accumulate):
+    seen = []
+    original = _tuning.Tuner.run
+
+    def spy(self, key, candidates, launch, **kwargs):
+        seen.append(len(kwargs["restore"]))
+        return original(self, key, candidates, launch, **kwargs)
+
+    monkeypatch.setattr(_tuning.Tuner, "run", spy)
+    a, b = randn((5, 7), torch.float32, 0), randn((7, 3), torch.float32, 1)
+    matmul(a, b, out=torch.zeros(5, 3), accumulate=accumulate)
+    assert seen == [1 if accumulate else 0]
+
+
+def test_growing_lengths_share_a_bucket():
+    a = randn((64, 16), torch.float32, 0)
+    b = randn((16, 8), torch.float32, 1)
+    for m in (33, 40, 64):  # one bucket: 64
+        matmul(a[:m], b)
+    matmul(a[:20], b)  # bucket 32
+    assert _tuning.tuner("matmul").tuned == 2
+    q = randn((1, 70, 2, 16), torch.float32, 2)
+    for s in (65, 70):  # attention keys bucket Sq and Skv alike
+        fp.flash_attn(q[:, :s], q[:, :s], q[:, :s])
+    assert _tuning.tuner("_attn_fwd_kernel").tuned == 1
+
+
+def test_first_candidate_without_timing(monkeypatch):
+    monkeypatch.setenv("FUSEDPAR_TUNING", "first")
+    calls = []
+    pick = _tuning.Tuner("t").run(("k",), CONFIGS, _sleepy({16: 5, 32: 1}, calls),
+                                  device=CPU)  # fmt: skip
+    assert pick.kwargs["BLOCK_M"] == 16 and calls == [16]
+
+
+def test_picks_survive_in_the_cache_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("FUSEDPAR_TUNING_CACHE", str(tmp_path / "picks.json"))
+    calls = []
+    _tuning.Tuner("t").run(("k", 1), CONFIGS, _sleepy({16: 20, 32: 1}, calls),
+                           device=CPU)  # fmt: skip
+    calls.clear()
+    pick = _tuning.Tuner("t").run(("k", 1), CONFIGS, _sleepy({16: 20, 32: 1}, calls),
+                                  device=CPU)  # fmt: skip
+    assert pick.kwargs["BLOCK_M"] == 32 and calls == [32]  # read back, not timed again
+
+
+def test_frozen_loops_refuse_to_tune():
+    tuner = _tuning.Tuner("t")
+    with _tuning.frozen("a test loop", None), pytest.raises(RuntimeError, match="a test loop"):
+        tuner.run(("k",), CONFIGS, lambda c: None, device=CPU)
+    tuner.run(("k",), CONFIGS, lambda c: None, device=CPU, tune_only=True)
+    with _tuning.frozen("a test loop", None):
+        tuner.run(("k",), CONFIGS, lambda c: None, device=CPU)  # tuned: fine
+    other = _tuning.Agreement("group x", lambda t: t)
+    with _tuning.frozen("a test loop", None), pytest.raises(RuntimeError, match="group x"):
+        tuner.run(("k",), CONFIGS, lambda c: None, device=CPU, agreement=other)
+
+
+def _agree_on_a_tile():
+    """Rank 0 alone would pick 16 (1 ms vs 40), rank 1 alone 32 (5 vs 80): the sums are
+    81 against 45, so both pick 32."""
+    rank = dist.get_rank()
+    times = {16: 1, 32: 40} if rank == 0 else {16: 80, 32: 5}
+    alone = _tuning.Tuner("alone").run(("k",), CONFIGS, _sleepy(times, []),
+                                       device=CPU)  # fmt: skip
+    agreement = fp.comm.tuning_agreement(dist.group.WORLD, torch.device("cpu"))
+    together = _tuning.Tuner("together").run(("k",), CONFIGS, _sleepy(times, []),
+                                             device=CPU, agreement=agreement)  # fmt: skip
+    return alone.kwargs["BLOCK_M"], together.kwargs["BLOCK_M"]
+
+
+def test_ranks_of_a_group_agree_on_one_pick(world):
+    assert world(2).run(_agree_on_a_tile) == [(16, 32), (32, 32)]
+
+
+def _ring_without_tuning_step():
+    from fusedpar.ops import ring_attention
+
+    _tuning.forget_picks()
+    original = ring_attention._distinct_blocks
+    ring_attention._distinct_blocks = lambda *args: []  # skip the tuning step
+    q = randn((1, 8, 2, 16), torch.float32, dist.get_rank())
+    try:
+        fp.ring_attn(q, q, q, dist.group.WORLD, causal=True)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        ring_attention._distinct_blocks = original
+    return "no error"
+
+
+def test_ring_loops_launch_only_what_they_tuned_before(world):
+    errors = world(2).run(_ring_without_tuning_step)
+    assert all("inside the ring attention forward" in e for e in errors), errors
