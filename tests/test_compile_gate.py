@@ -156,9 +156,23 @@ def _tile(config) -> str:
     return f"{sizes} s{config.num_stages} w{config.num_warps}"
 
 
-def add(family, variant, scenario, params, kernel, cap, config=None, *, no_spill, wgmma=False):
+def add(
+    family,
+    variant,
+    scenario,
+    params,
+    kernel,
+    cap,
+    config=None,
+    *,
+    no_spill,
+    wgmma=False,
+    match=None,
+):
     """One case. `family`/`variant` group the report's rows; `no_spill` and `wgmma` say
-    which rules apply beyond compiling within the shared-memory limit."""
+    which rules apply beyond compiling within the shared-memory limit; `match` picks,
+    among the scenario's launches of `kernel`, the first whose keyword arguments
+    (constexpr flags) have these values."""
     tile = _tile(config)
     name = f"{family}-{variant}-{tile.replace(' ', '-')}-sm{cap}"
     assert name not in CASES, name
@@ -167,7 +181,7 @@ def add(family, variant, scenario, params, kernel, cap, config=None, *, no_spill
         "kernel": kernel, "cap": cap,
         "config": None if config is None else gate.config_kwargs(config),
         "family": family, "variant": variant, "tile": tile, "no_spill": no_spill,
-        "wgmma": wgmma,
+        "wgmma": wgmma, "match": match,
     }  # fmt: skip
 
 
@@ -175,11 +189,11 @@ def _smallest(configs):
     return min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
 
 
-def add_configs(family, variant, scenario, params, kernel, configs, *, no_spill, wgmma):
+def add_configs(family, variant, scenario, params, kernel, configs, *, no_spill, wgmma, match=None):
     """Every config for sm_90 (`wgmma`: the first, the largest, must use it)."""
     for i, config in enumerate(configs):
         add(family, variant, scenario, params, kernel, 90, config, no_spill=no_spill,
-            wgmma=wgmma and i == 0)  # fmt: skip
+            wgmma=wgmma and i == 0, match=match)  # fmt: skip
 
 
 for label, (kernel, scenario, configs_of) in ATTENTION.items():
@@ -258,12 +272,15 @@ add(
 )
 
 # The MoE kernels take their launcher's fixed tile. A kernel with a config list adds one
-# case per config, as attention and matmul do above.
+# case per config, as attention and matmul do above; a kernel launched in several modes
+# (constexpr flags) by one scenario gets a case per mode, picked with `match`.
 for cap in (90, 80):
     for kernel in MOE_KERNELS:
-        add("moe-" + kernel.strip("_").removesuffix("_kernel"), "bfloat16", moe_calls,
-            {"dtype": "bfloat16"}, kernel, cap, no_spill=cap == 90,
-            wgmma=cap == 90 and "grouped" in kernel)  # fmt: skip
+        grouped = "grouped" in kernel
+        add("moe-" + kernel.strip("_").removesuffix("_kernel"), "gathered-bfloat16"
+            if grouped else "bfloat16", moe_calls, {"dtype": "bfloat16"}, kernel, cap,
+            no_spill=cap == 90, wgmma=cap == 90 and grouped,
+            match={"HAS_ROWS": True} if grouped else None)  # fmt: skip
 
 
 # --- tests ----------------------------------------------------------------------------------

@@ -28,7 +28,9 @@ constants, Python floats are fp32. A case may swap the recorded tile for another
     {"name": "attention-fwd-bf16-d128-...",            # unique, the test id
      "scenario": "test_compile_gate:attention_forward",  # module:function
      "params": {"dtype": "bfloat16", "head_dim": 128},   # JSON, passed as keyword args
-     "kernel": "_attn_fwd_kernel",                        # which recorded launch to build
+     "kernel": "_attn_fwd_kernel",                        # which recorded launch to build:
+     "match": {"CAUSAL": True},                           # the first of that kernel whose
+                                                          # keyword arguments match (optional)
      "config": {"BLOCK_M": 128, "num_warps": 8, ...},    # or None: the recorded tile
      "cap": 90}
 
@@ -110,6 +112,9 @@ def compile_launch(launch: Launch, cap: int, config: dict | None = None):
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
+    # The binder and `_pack_args` are the two steps `JITFunction.run` takes before it
+    # compiles (triton 3.6 and 3.9 alike): using them, the gate cannot drift from what a
+    # GPU run builds. A triton that renames them fails here loudly, not silently.
     kernel, kwargs = launch.kernel, {**launch.kwargs, **(config or {})}
     target = GPUTarget("cuda", cap, 32)
     backend = make_backend(target)
@@ -193,12 +198,13 @@ def run_case(case: dict) -> dict:
 
     result = {"name": case["name"], "ok": False, "error": "", "seconds": 0.0, "cpu_seconds": 0.0}
     try:
-        kernel = case["kernel"]
-        found = [x for x in _record(case) if x.kernel.__name__ == kernel]
+        kernel, match = case["kernel"], case.get("match") or {}
+        found = [x for x in _record(case) if x.kernel.__name__ == kernel
+                 and all(x.kwargs.get(k) == v for k, v in match.items())]  # fmt: skip
         if not found:
-            raise RuntimeError(f"the scenario launched no {kernel}")
+            raise RuntimeError(f"the scenario launched no {kernel} with {match}")
         start, cpu = time.perf_counter(), _cpu_seconds()
-        compiled = compile_launch(found[case.get("launch", 0)], case["cap"], case.get("config"))
+        compiled = compile_launch(found[0], case["cap"], case.get("config"))
         result["seconds"] = round(time.perf_counter() - start, 2)
         result["cpu_seconds"] = round(_cpu_seconds() - cpu, 2)
         result.update(resource_usage(compiled), ok=True)
