@@ -322,10 +322,11 @@ def test_ring_modes_match_float64(B, Sq, Skv, Hkv, group, D, causal, dtype, seed
 @pytest.mark.parametrize(
     "B, Sq, Skv, Hq, Hkv, D, causal",
     [(1, 1024, 1536, 8, 2, 128, True), (2, 2048, 2048, 32, 1, 128, True),
-     (1, 1000, 777, 4, 4, 64, False), (1, 512, 512, 16, 2, 256, True)],
+     (1, 1000, 777, 4, 4, 64, False)],
 )  # fmt: skip
 def test_ring_modes_gpu(B, Sq, Skv, Hq, Hkv, D, causal, dtype):
-    """At Hkv = 1 (and B * Hkv small) the default threshold (two waves of SMs) splits."""
+    """The default threshold (two waves of SMs) splits the first two: 24 and 32 dK/dV
+    programs of 128 keys on an H100's 132 SMs."""
     check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed=11, device="cuda")
 
 
