@@ -14,8 +14,8 @@ GQA group itself, so each gradient is a sum in a fixed order: no atomics, and re
 are deterministic. When the (Skv blocks, B, Hkv) grid is too small to fill the GPU (few
 KV heads, short KV), the group is split over ``split`` programs per KV head (see
 `gqa_split`): each writes an fp32 partial over its slice of the group, and the partials
-are summed afterwards in a fixed order (still deterministic; FlashAttention-2 sums
-per-head dK/dV the same way).
+are summed afterwards in a fixed order (still deterministic; the review cites
+FlashAttention's ``mha_bwd``, which sums per-query-head dK/dV over the group likewise).
 """
 
 import functools
