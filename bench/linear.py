@@ -445,20 +445,22 @@ def make_case(side: str, d: int, widths: list[int], tp: int, tokens: int, device
                 message=partial, peer_message=torch.empty(n, d, **kw))  # fmt: skip
 
 
-def _gpu_point(model, proj, tp, tokens, side, link) -> dict:
+def _gpu_point(model, proj, tp, tokens, side, link, device="cuda") -> dict:
+    """One point's row (on CPU, where tests run it, the copies are unpaced)."""
     d, widths = layer_widths(model, proj, tp)
-    case = make_case(side, d, widths, tp, tokens, "cuda")
-    ring, silent = StandInRing(tp, link), StandInRing(tp, None)
+    case = make_case(side, d, widths, tp, tokens, device)
+    ring, silent = StandInRing(tp, link, device=device), StandInRing(tp, None, device=device)
     recv, peer_recv = torch.empty_like(case.message), torch.empty_like(case.peer_message)
+    pace = torch.device(device).type == "cuda"
 
     def comm():  # the W - 1 transfers of the ring, alone
         for _ in range(tp - 1):
-            paced_copy(case.message, recv, link)
+            paced_copy(case.message, recv, link, pace=pace)
 
     def serial_cublas():  # the peer: cuBLAS and NCCL's collective, one after the other
         case.cublas()
         for _ in range(tp - 1):
-            paced_copy(case.peer_message, peer_recv, link)
+            paced_copy(case.peer_message, peer_recv, link, pace=pace)
 
     for fn in (lambda: case.loop(ring), lambda: case.loop(silent), case.gemms, case.unchunked):
         fn()  # tuning picks and compiles happen here, outside every timing
@@ -485,17 +487,16 @@ def _gpu_point(model, proj, tp, tokens, side, link) -> dict:
 STANDIN_SIZES_MB = (1, 4, 16, 64)  # the ring's messages span about 1 to 64 MiB
 
 
-def standin_rows(link: Link) -> list[dict]:
+def standin_rows(link: Link, device="cuda") -> list[dict]:
     """The stand-in alone against its link model, one message at a time (L2 flushed)."""
-    rows = []
+    rows, pace = [], torch.device(device).type == "cuda"
     for mb in STANDIN_SIZES_MB:
-        src = torch.randn(mb * 2**20 // 4, device="cuda")
-        dst = torch.empty_like(src)
-        paced_copy(src, dst, link)
-        torch.cuda.synchronize()
-        if not torch.equal(src, dst):
+        src = torch.randn(mb * 2**20 // 4, device=device)
+        dst = torch.full_like(src, float("nan"))
+        paced_copy(src, dst, link, pace=pace)
+        if not torch.equal(src, dst):  # (a host sync)
             raise RuntimeError(f"the stand-in's copy of {mb} MiB is wrong")
-        measured = time_ms(lambda s=src, t=dst: paced_copy(s, t, link))
+        measured = time_ms(lambda s=src, t=dst: paced_copy(s, t, link, pace=pace))
         unpaced = time_ms(lambda s=src, t=dst: paced_copy(s, t, link, pace=False))
         nominal = link.nominal_ms(src.nbytes)
         rows.append(dict(part="standin", link_gbps=link.gbps, msg_mb=float(mb), comm_ms=measured,
@@ -543,20 +544,21 @@ GPU_COLUMNS = ["part", "side", "model", "proj", "world", "tokens", "link_gbps", 
                "gpu_us_step", "host_bound", "chunking_cost", "unpaced_ms"]  # fmt: skip
 
 
-def gpu_overlap(meta: dict) -> list[dict]:
+def gpu_overlap(meta: dict, device="cuda") -> list[dict]:
     """Every GPU point for every link (results rewritten after each: a cut run keeps them)."""
     rows = []
     for link in links_from_env():
-        rows += standin_rows(link)
+        rows += standin_rows(link, device)
         for point in gpu_points():
-            rows.append(dict(part="gpu", **_gpu_point(*point, link)))
+            rows.append(dict(part="gpu", **_gpu_point(*point, link, device)))
             r = rows[-1]
             print(f"{r['side']} {r['model']} {r['proj']} W={r['world']} T={r['tokens']}: ring "
                   f"{r['ring_ms']:.3f} ms, gemm {r['gemm_ms']:.3f}, comm {r['comm_ms']:.3f} "
                   f"(vs max {r['vs_max']:.2f}); host {r['host_us_step']:.0f} us/step, GPU "
                   f"{r['gpu_us_step'] or float('nan'):.0f} us/step")  # fmt: skip
             write_results("linear", rows, GPU_COLUMNS, {**meta, "partial": True}, announce=False)
-            torch.cuda.empty_cache()
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -576,11 +578,15 @@ def main() -> None:
         write_results("linear", rows, ["part", "world", "op", "serial_ms", "ring_ms", "speedup"],
                       meta, plot)  # fmt: skip
         return
-    if not require_gpu("linear"):
-        return
+    if require_gpu("linear"):
+        gpu_main()
+
+
+def gpu_main(device="cuda") -> None:
+    """The GPU part, start to end (tests run it on CPU with the timers replaced)."""
     meta = {**environment(), "dtype": "bfloat16", "quick": quick(), "piece_bytes": PIECE_BYTES,
             "links": [vars(link) for link in links_from_env()]}  # fmt: skip
-    rows = gpu_overlap(meta)
+    rows = gpu_overlap(meta, device)
     meta["nccl_p2p_issue_us"], meta["nccl_p2p_issue_note"] = nccl_p2p_issue_us()
     gpu = [r for r in rows if r["part"] == "gpu"]
     meta["worst_vs_max"] = max(r["vs_max"] for r in gpu)
@@ -588,7 +594,9 @@ def main() -> None:
     def plot(ax):
         for side, marker in zip(SIDES, "os", strict=True):
             points = [(i, r["vs_max"]) for i, r in enumerate(gpu) if r["side"] == side]
-            ax.plot(*zip(*points, strict=True), marker, label=f"{side}: ring / max(comm, gemm)")
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker, label=f"{side}: ring / max(comm, gemm)")
         ax.axhline(1.1, color="gray", ls="--", label="target 1.1")
         ax.set_xlabel("point (model x projection x TP x tokens, in table order)")
         ax.set_ylabel("ring time / max(comm, GEMM)")

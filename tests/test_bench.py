@@ -176,7 +176,7 @@ def test_stand_in_ring_without_a_link_moves_nothing():
         ring.send_recv(sent)
 
 
-@pytest.mark.parametrize("side", ["ag", "rs"])
+@pytest.mark.parametrize("side", ["ag"])  # "rs": test_the_gpu_part_runs_end_to_end_on_cpu
 def test_a_gpu_point_runs_its_calls_on_cpu(side):
     case = make_case(side, d=32, widths=[16, 8], tp=2, tokens=16, device="cpu")
     case.loop(StandInRing(2, Link(), device="cpu"))
@@ -198,6 +198,43 @@ def test_gpu_grid_and_shapes(monkeypatch):
     assert {p[3] for p in points} == {4096, 8192, 16384}
     monkeypatch.setenv("BENCH_QUICK", "1")
     assert len(list(gpu_points())) == 2 * 2 * 2 * 1 * 2
+
+
+def test_the_gpu_part_runs_end_to_end_on_cpu(monkeypatch, tmp_path):
+    """`gpu_main` with tiny shapes and each timer replaced by one call of its function:
+    every call a GPU run makes, the row assembly, the result files and the plot."""
+    import bench.linear as linear
+
+    monkeypatch.setattr(linear, "MODELS", {"tiny": (32, 48, 32, 16)})
+    points = [("tiny", "gate_up", 4, 16, "rs")]  # the "ag" calls: test_a_gpu_point_...
+    monkeypatch.setattr(linear, "gpu_points", lambda: iter(points))
+    monkeypatch.setattr(linear, "STANDIN_SIZES_MB", (1,))
+    monkeypatch.setattr(linear, "time_ms", lambda fn, **kw: (fn(), 1.0)[1])
+    monkeypatch.setattr(linear, "time_ms_graph", lambda fn, **kw: (fn(), (0.5, None))[1])
+    monkeypatch.setattr(linear, "host_ms", lambda fn, **kw: (fn(), 0.25)[1])
+    monkeypatch.setattr(linear, "environment", lambda: {"device": "cpu stand-in"})
+    monkeypatch.setattr(linear, "nccl_p2p_issue_us", lambda: (None, "no NCCL here"))
+    for name in ("BENCH_COMM_GBPS", "BENCH_COMM_LATENCY_US", "BENCH_COMM_CTAS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
+    linear.gpu_main("cpu")
+    folder = tmp_path / common.device_slug()
+    data = json.loads((folder / "linear.json").read_text())
+    standin, *gpu = data["rows"]
+    assert standin["part"] == "standin" and standin["msg_mb"] == 1.0
+    assert math.isclose(standin["comm_nominal_ms"], Link().nominal_ms(MiB))
+    assert [(r["side"], r["world"], r["N"], r["K"]) for r in gpu] == [("rs", 4, 24, 32)]
+    for r, tp in zip(gpu, (4,), strict=True):
+        assert r["part"] == "gpu" and set(linear.GPU_COLUMNS) - {"unpaced_ms"} <= set(r)
+        assert r["vs_max"] == 1.0 and r["serialized_ms"] == 2.0 and r["speedup"] == 1.0
+        assert (r["host_us_step"], r["gpu_us_step"]) == (250 / tp, 500 / tp)
+        assert r["host_bound"] is False and r["graph_note"] is None
+        assert math.isclose(r["comm_nominal_ms"], (tp - 1) * Link().nominal_ms(16 // tp * 32 * 4))
+    meta = data["meta"]
+    assert meta["nccl_p2p_issue_us"] is None and meta["nccl_p2p_issue_note"] == "no NCCL here"
+    assert meta["links"] == [vars(Link())] and meta["worst_vs_max"] == 1.0
+    assert meta["tuning_picks"]["matmul"] and "partial" not in meta
+    assert (folder / "linear.md").exists() and (folder / "linear.png").exists()
 
 
 def test_paced_copy_compiles_for_gpus_with_its_timer_and_vector_loads():
