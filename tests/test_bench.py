@@ -59,6 +59,44 @@ def test_copy_plan_moves_every_byte_once_and_ends_at_the_link_models_time(nbytes
         assert all(abs(g - plan.grid * plan.piece_ps / 1000) <= 1 for g in gaps)
 
 
+def _finish_ns(plan, *, tick_ns, copy_ns, phase_ns):
+    """When the kernel's last CTA finishes, simulating its loop: every CTA starts at 0
+    and reads a timer that advances in ticks (first tick at -phase_ns); each piece
+    takes copy_ns, then the CTA spins while the timer reads less than start + due."""
+    timer = lambda t: math.floor((t + phase_ns) / tick_ns) * tick_ns
+    start, end = timer(0), 0.0
+    for cta in range(plan.grid):
+        t = 0.0
+        for p in plan.cta_pieces(cta):
+            t += copy_ns
+            due = start + plan.due_ns(p)
+            if timer(t) < due:  # the first tick at or past the due time ends the spin
+                t = max(t, math.ceil(due / tick_ns) * tick_ns - phase_ns)
+        end = max(end, t)
+    return end
+
+
+@pytest.mark.parametrize("tick_ns", [1, 32, 1000])
+@pytest.mark.parametrize("mib", [4, 16, 64])
+def test_pacing_ends_within_a_timer_tick_of_the_link_model(tick_ns, mib):
+    # The ring's messages are 4 MiB and up (8B QKV, TP = 8, 4k tokens: 512 rows x 8 KiB);
+    # a copy CTA moving 32 KiB in 1 us is far slower than an SM can, and still keeps pace.
+    link = Link()
+    plan = copy_plan(mib * MiB, 4, link)
+    nominal_ns = link.nominal_ms(mib * MiB) * 1e6
+    for phase in (0.0, 0.25, 0.5, 0.99):
+        end = _finish_ns(plan, tick_ns=tick_ns, copy_ns=1000, phase_ns=phase * tick_ns)
+        assert abs(end - nominal_ns) <= tick_ns + 1, (end, nominal_ns)
+    assert (tick_ns + 1) / nominal_ns < 0.07  # well inside the 10% the bench aims for
+
+
+def test_a_copy_slower_than_its_pace_shows_in_the_time():
+    plan = copy_plan(4 * MiB, 4, Link())
+    per_cta_pieces = math.ceil(plan.pieces / plan.grid)
+    end = _finish_ns(plan, tick_ns=1, copy_ns=10_000, phase_ns=0)
+    assert end == per_cta_pieces * 10_000 > Link().nominal_ms(4 * MiB) * 1e6
+
+
 def test_link_model_numbers():
     link = Link(350.0, 3.0, 32)
     # 3.5 MB at 350 GB/s is 10 us, plus 3 us of latency
