@@ -393,3 +393,14 @@ def test_write_results_records_nulls_and_tuner_picks(monkeypatch, tmp_path):
     assert "| 1 | n/a | 0.123 |" in table
     assert "## Tuner picks" in table and "- matmul (" in table
     assert "tuning_picks:" not in table
+
+
+def test_matmul_bench_graph_columns(monkeypatch):
+    import bench.matmul as mm
+
+    assert mm.graph_timed(8, 4096) and not mm.graph_timed(8, 8192) and not mm.graph_timed(4, 2048)
+    results = iter([(None, "RuntimeError: capture failed"), (0.5, None)])
+    monkeypatch.setattr(mm, "time_ms_graph", lambda fn: next(results))
+    row = mm._graph_point(None, None, None, flops=1e9)
+    assert row == {"fusedpar_graph_tflops": None, "torch_graph_tflops": 1e9 / 0.5 / 1e9,
+                   "graph_note": "fusedpar: RuntimeError: capture failed"}  # fmt: skip
