@@ -395,7 +395,8 @@ class Case:
 
 
 def make_case(side: str, d: int, widths: list[int], tp: int, tokens: int, device) -> Case:
-    """The tensors and calls of one point (bf16; random data scaled to stay finite)."""
+    """The tensors and calls of one point: bf16 on a GPU, fp32 on CPU (the interpreter has
+    no bf16 dot); weights scaled by 1 / sqrt(d) so sums stay near 1."""
     from fusedpar.kernels.matmul import matmul
 
     from fusedpar.ops.linear import gather_matmuls, matmuls_reduce_scatter
