@@ -1,41 +1,33 @@
 """Tensor-parallel GEMMs: the ring pipeline against the serialized collective + GEMM.
 
-CPU (gloo, runs anywhere; skipped when a GPU is present): `all_gather_matmul`'s and
-`matmul_reduce_scatter`'s ring pipelines against "all-gather, then GEMM" and "GEMM, then
-reduce-scatter" at W = 2 and 4, both with torch doing the GEMMs, so the comparison
-measures the pipelining alone.
+CPU (gloo; skipped when a GPU is present): the ring pipelines against "all-gather, then
+GEMM" and "GEMM, then reduce-scatter" at W = 2 and 4, torch doing every GEMM, so the
+comparison measures the pipelining alone.
 
 GPU (one device): the real ring loops, `gather_matmuls` and `matmuls_reduce_scatter`,
-with `StandInRing` in place of `Ring`. Its ``send_recv`` launches `paced_copy` on a side
-stream: a copy kernel on ``ctas`` CTAs that moves the message's bytes in HBM at a set
-link bandwidth (it spins on the GPU's nanosecond timer between pieces, so it holds its
-SMs for the whole transfer, as NCCL's kernels do); ``wait`` makes the caller's stream wait
-for it. Shapes: Llama-3 8B and 70B QKV (three GEMMs per step) and gate/up (two) at
-TP = 2, 4, 8 and 4k-16k tokens, bf16. Side ``ag`` is the column-parallel forward
-(`gather_matmuls`); side ``rs`` is its backward dX (`matmuls_reduce_scatter` over the
-same weights: fp32 running sums travel, as the library sends them).
+with `StandInRing` for `Ring`: its ``send_recv`` launches `paced_copy` on a side stream,
+a copy kernel on ``ctas`` CTAs that moves the message's bytes through HBM at a set link
+bandwidth and holds its SMs for the whole transfer, as NCCL's kernels do. Llama-3 8B and
+70B QKV (three GEMMs per step) and gate/up (two) at TP = 2, 4, 8 and 4k-16k tokens,
+bf16; side ``ag`` is the column-parallel forward, side ``rs`` its backward dX (fp32
+running sums travel, as the library sends them). docs/tensor_parallel.md has the link
+model's sources and reads the columns:
 
 | column (GPU rows)   | meaning                                                          |
 | ------------------- | ---------------------------------------------------------------- |
 | ``gemm_ms``         | the loop's chunk GEMMs alone, the same calls, one stream          |
-| ``comm_ms``         | the stand-in's W - 1 transfers alone (``comm_nominal_ms``: the    |
-|                     | link model's latency + bytes / bandwidth; ``comm_vs_nominal``)    |
-| ``serialized_ms``   | ``gemm_ms + comm_ms``                                             |
+| ``comm_ms``         | the stand-in's W - 1 transfers alone (``comm_vs_nominal``: over   |
+|                     | the link model's latency + bytes / bandwidth)                     |
 | ``ring_ms``         | the real loop with the stand-in (eager, ``do_bench``)             |
 | ``vs_max``          | ``ring_ms / max(comm_ms, gemm_ms)``: target <= 1.1               |
-| ``nocomm_ms``       | the real loop with a ring that moves nothing (GEMMs + the loop's  |
-|                     | own copies and fp32 adds)                                         |
-| ``serial_cublas_ms``| one cuBLAS GEMM (weights concatenated) and the collective's bytes |
-|                     | over the same link, one after the other (``speedup`` = it / ring) |
+| ``nocomm_ms``       | the real loop with a ring that moves nothing                      |
+| ``serial_cublas_ms``| one cuBLAS GEMM (weights concatenated), then the collective's     |
+|                     | bytes over the same link (``speedup`` = it / ``ring_ms``)         |
 | ``ring_graph_ms``   | the loop replayed from a CUDA graph (null + ``graph_note``)       |
 | ``host_us_step``    | host time to issue the loop / W; ``gpu_us_step`` = graph time / W |
 | ``chunking_cost``   | ``gemm_ms`` / the same GEMMs unchunked (wave quantization, P4)    |
 
-``host_us_step > gpu_us_step`` (``host_bound``) means the GPU waits for Python. The
-stand-in's host cost is one Triton launch per step; the real `Ring` adds NCCL's
-``batch_isend_irecv``, measured once as ``nccl_p2p_issue_us`` in the meta when a
-one-rank NCCL group can be made. Rows ``part=standin`` time the stand-in alone against
-its link model. Environment: ``BENCH_COMM_GBPS`` (comma-separated for several links),
+Environment: ``BENCH_COMM_GBPS`` (comma-separated for several links),
 ``BENCH_COMM_LATENCY_US``, ``BENCH_COMM_CTAS``; ``BENCH_QUICK=1``: TP = 2 and 8 at 8k.
 """
 
