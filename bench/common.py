@@ -85,6 +85,10 @@ def time_ms_graph(fn, *, warmup: int = 25, rep: int = 100) -> tuple[float | None
         del graph  # its memory pool goes back before the next point
 
 
+# What `time_ms_graph` measures, for the results' meta.
+GRAPH_TIMING = "one call captured in a CUDA graph, replayed under do_bench (L2 flushed, median)"
+
+
 def _reason(error: BaseException) -> str:
     """One line naming an exception, short enough for a table cell."""
     text = str(error).strip().splitlines()

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from bench.common import (
+    GRAPH_TIMING,
     environment,
     host_ms,
     paired_bars,
@@ -578,7 +579,8 @@ def main() -> None:
 def gpu_main(device="cuda") -> None:
     """The GPU part, start to end (tests run it on CPU with the timers replaced)."""
     meta = {**environment(), "dtype": "bfloat16", "quick": quick(), "piece_bytes": PIECE_BYTES,
-            "links": [vars(link) for link in links_from_env()]}  # fmt: skip
+            "links": [vars(link) for link in links_from_env()],
+            "graph_timing": GRAPH_TIMING}  # fmt: skip
     rows = gpu_overlap(meta, device)
     gpu = [r for r in rows if r["part"] == "gpu"]
     meta["worst_vs_max"] = max(r["vs_max"] for r in gpu)

@@ -14,6 +14,7 @@ than the kernel (a failed capture leaves them null with the reason in ``graph_no
 import torch
 
 from bench.common import (
+    GRAPH_TIMING,
     environment,
     measured_ceilings,
     quick,
@@ -83,6 +84,7 @@ def main() -> None:
 
     ratios = sorted(r["ratio"] for r in rows)
     meta = {**env, **measured_ceilings(), "dtype": "bfloat16", "quick": quick(),
+            "graph_timing": GRAPH_TIMING,
             "median_ratio": ratios[len(ratios) // 2], "min_ratio": ratios[0]}  # fmt: skip
 
     def plot(ax):
