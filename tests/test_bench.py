@@ -15,17 +15,8 @@ import pytest
 import torch
 
 import bench.common as common
-from bench.linear import (
-    PIECE_BYTES,
-    Link,
-    StandInRing,
-    copy_plan,
-    gpu_points,
-    layer_widths,
-    links_from_env,
-    make_case,
-    paced_copy,
-)
+from bench.linear import gpu_points, layer_widths, make_case
+from bench.standin import PIECE_BYTES, Link, StandInRing, copy_plan, links_from_env, paced_copy
 from fusedpar.testing import assert_close
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -281,7 +272,7 @@ def test_paced_copy_compiles_for_gpus_with_its_timer_and_vector_loads():
 import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from bench.linear import _paced_copy_kernel as k
+from bench.standin import _paced_copy_kernel as k
 sig = {"src_ptr": "*i32", "dst_ptr": "*i32", "numel": "i32", "pieces": "i32",
        "latency_ns": "i32", "piece_ps": "i64", "BLOCK": "constexpr", "PACE": "constexpr"}
 # the launcher's runtime specialisation: 16-byte aligned pointers, numel % 16 == 0
