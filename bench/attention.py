@@ -10,7 +10,8 @@ TFLOP/s of the forward, the backward and both, with FLOPs = 4 * B * Hq * S^2 * D
 forward (x0.5 causal), backward 2.5x forward. Targets (H100, D = 128, S >= 4k): at or
 above the best peer everywhere (`vs_best_peer` >= 1), and the forward at >= 0.75 of the
 measured bf16 matmul ceiling (`vs_matmul`). A pass a peer cannot run is null in the JSON
-and listed under `missing`. The tiles the tuner picked are in the meta (`tuning_picks`).
+and listed under `missing`. The tiles the tuner picked are in the results' meta
+(`bench.common.write_results` adds them).
 
 Environment: ``BENCH_QUICK=1`` keeps D = 128 at S = 1k, 4k, 16k and GQA at 16k;
 ``BENCH_PEERS=fusedpar,sdpa-cudnn`` runs only the peers named (of `PEERS`). FlexAttention
@@ -39,6 +40,7 @@ GQA_HEADS = 32
 GQA_KV_HEADS = (8, 1)
 PASSES = ("fwd", "bwd", "fwd+bwd")
 PEERS = ("fusedpar", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+DTYPE = torch.bfloat16  # a CPU test runs the whole bench in fp32 (the interpreter)
 
 
 def selected_peers() -> list[str]:
@@ -86,28 +88,28 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex(causal, gqa, S):
+def _flex(causal, gqa, S, device):
     from torch.nn.attention.flex_attention import create_block_mask
 
     compiled = _compiled_flex()
     mask = None
     if causal:
-        mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, S, S, device="cuda")
+        mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, S, S, device=device)
     return "bhsd", lambda q, k, v: compiled(q, k, v, block_mask=mask, enable_gqa=gqa)
 
 
-def make_peer(name, causal, S, gqa):
+def make_peer(name, causal, S, gqa, device="cuda"):
     """(layout, fn(q, k, v)) of the peer called `name`."""
     if name == "fusedpar":
         return _fusedpar(causal, gqa)
     if name == "flex":
-        return _flex(causal, gqa, S)
+        return _flex(causal, gqa, S, device)
     backend = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION",
                "sdpa-efficient": "EFFICIENT_ATTENTION"}[name]  # fmt: skip
     return _sdpa(backend, causal, gqa)
 
 
-def _time_passes(make, B, S, Hq, Hkv, D):
+def _time_passes(make, B, S, Hq, Hkv, D, device="cuda"):
     """{pass: ms, or the exception that stopped it}: a pass that fails (out of memory in
     the backward, say) leaves the others measured."""
     try:
@@ -115,7 +117,7 @@ def _time_passes(make, B, S, Hq, Hkv, D):
 
         def tensor(H):
             shape = (B, S, H, D) if layout == "bshd" else (B, H, S, D)
-            return torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            return torch.randn(shape, device=device, dtype=DTYPE, requires_grad=True)
 
         q, k, v = tensor(Hq), tensor(Hkv), tensor(Hkv)
         dout = torch.randn_like(q)
@@ -134,7 +136,8 @@ def _time_passes(make, B, S, Hq, Hkv, D):
         except Exception as e:  # drop the traceback, whose frames hold the pass's memory
             result[p] = e.with_traceback(None)
             del e
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return result
 
 
@@ -155,13 +158,13 @@ def _best_peer_ratios(row, names) -> None:
         row["vs_best_peer"] = row["fusedpar"] / max(peers)
 
 
-def main() -> None:
-    if not require_gpu("attention"):
+def main(device: str = "cuda") -> None:
+    """The whole grid on `device` (a CPU test runs it in the interpreter, timers faked)."""
+    if device == "cuda" and not require_gpu("attention"):
         return
-    from fusedpar.kernels._tuning import all_picks
-
     names = selected_peers()
-    meta = {**environment(), **measured_ceilings(), "dtype": "bfloat16", "tokens": TOKENS,
+    dtype = str(DTYPE).removeprefix("torch.")
+    meta = {**environment(), **measured_ceilings(), "dtype": dtype, "tokens": TOKENS,
             "d_model": D_MODEL, "quick": quick(), "peers": ",".join(names)}  # fmt: skip
     columns = ["D", "S", "B", "Hq", "Hkv", "causal", "pass_", *names, "vs_best_peer",
                "vs_matmul"]  # fmt: skip
@@ -176,8 +179,8 @@ def main() -> None:
         B = TOKENS // S
         fwd_flops = 4 * B * Hq * S * S * D * (0.5 if causal else 1.0)
         flops = {"fwd": fwd_flops, "bwd": 2.5 * fwd_flops, "fwd+bwd": 3.5 * fwd_flops}
-        make = functools.partial(make_peer, name, causal, S, Hkv != Hq)
-        for p, ms in _time_passes(make, B, S, Hq, Hkv, D).items():
+        make = functools.partial(make_peer, name, causal, S, Hkv != Hq, device)
+        for p, ms in _time_passes(make, B, S, Hq, Hkv, D, device).items():
             if isinstance(ms, Exception):  # recorded as missing (null), with the reason
                 failures.setdefault(f"{type(ms).__name__}: {str(ms)[:120]}", []).append(
                     f"{name} D={D} S={S} Hq={Hq} Hkv={Hkv}{' causal' if causal else ''} {p}"
@@ -192,7 +195,6 @@ def main() -> None:
         print(f"{name} D={D} causal={causal} S={S} Hq={Hq} Hkv={Hkv}: fwd+bwd TFLOP/s "
               f"{both[name] if both[name] is None else round(both[name])}")  # fmt: skip
         meta["missing"] = "; ".join(f"{why} at {', '.join(at)}" for why, at in failures.items())
-        meta["tuning_picks"] = all_picks()
         rows = [r for per_pass in table.values() for r in per_pass.values()]
         write_results("attention", rows, columns, meta, announce=False)  # kept if cut short
 
@@ -218,7 +220,7 @@ def main() -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length (16k tokens per batch)")
         ax.set_ylabel("TFLOP/s, forward + backward")
-        ax.set_title(f"attention, bf16, D={shown}, multi-head, {meta['device']}")
+        ax.set_title(f"attention, {dtype}, D={shown}, multi-head, {meta['device']}")
         ax.legend(fontsize=7, ncol=2)
 
     write_results("attention", rows, columns, meta, plot)

@@ -34,6 +34,8 @@ CPU_SHAPE = {"batch": 1, "tokens_per_rank": 1024, "heads": 8, "kv_heads": 2, "he
 CPU_REPS = 5
 GPU_SHAPE = {"batch": 1, "heads": 32, "kv_heads": 8, "head_dim": 128}
 GPU_WORLDS = (2, 4, 8)
+GPU_SEQ_LENS = (4096, 16384)  # BENCH_QUICK: the last only
+GPU_DTYPE = torch.bfloat16  # a CPU test runs the GPU part in fp32 (the interpreter)
 
 
 def torch_attend(q, k, v, *, causal, softmax_scale, out=None, lse=None, out_dtype=None,
@@ -104,7 +106,7 @@ def cpu_overlap() -> list[dict]:
     return rows
 
 
-def _timed(fn, q, k, v, dout) -> dict:
+def _timed(fn, q, k, v, dout, device) -> dict:
     """fwd and fwd+bwd milliseconds; a pass that fails is None, with the reason."""
     result = {}
     runs = {"fwd_ms": fn, "fwd_bwd_ms": lambda: torch.autograd.grad(fn(), (q, k, v), dout)}
@@ -115,16 +117,17 @@ def _timed(fn, q, k, v, dout) -> dict:
             result[name] = None
             result.setdefault("error", f"{type(e).__name__}: {str(e)[:120]}")
             del e
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return result
 
 
-def _gpu_point(S: int, causal: bool) -> list[dict]:
+def _gpu_point(S: int, causal: bool, device: str) -> list[dict]:
     import fusedpar as fp
     from fusedpar.ops.ring_attention import virtual_ring_attn
 
     B, H, Hkv, D = (GPU_SHAPE[n] for n in ("batch", "heads", "kv_heads", "head_dim"))
-    shape = dict(device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    shape = dict(device=device, dtype=GPU_DTYPE, requires_grad=True)
     q = torch.randn(B, S, H, D, **shape)
     k, v = torch.randn(B, S, Hkv, D, **shape), torch.randn(B, S, Hkv, D, **shape)
     dout = torch.randn_like(q)
@@ -138,7 +141,7 @@ def _gpu_point(S: int, causal: bool) -> list[dict]:
     for W in (1, *GPU_WORLDS):
         row = dict(part="gpu-virtual-ring", seq_len=S, causal=causal,
                    impl="flash_attn" if W == 1 else "virtual ring", world=W,
-                   **_timed(lambda W=W: attend(W), q, k, v, dout))  # fmt: skip
+                   **_timed(lambda W=W: attend(W), q, k, v, dout, device))  # fmt: skip
         for t in ("fwd_ms", "fwd_bwd_ms"):
             if W > 1 and row[t] is not None and rows[0][t] is not None:
                 row[f"{t[:-3]}_vs_flash"] = row[t] / rows[0][t]
@@ -148,22 +151,21 @@ def _gpu_point(S: int, causal: bool) -> list[dict]:
     return rows
 
 
-def gpu_virtual_ring() -> list[dict]:
-    seq_lens = (16384,) if quick() else (4096, 16384)
-    return [row for S in seq_lens for causal in (False, True) for row in _gpu_point(S, causal)]
+def gpu_virtual_ring(device: str = "cuda") -> list[dict]:
+    """The GPU part's rows on `device` (a CPU test runs it in the interpreter)."""
+    seq_lens = GPU_SEQ_LENS[-1:] if quick() else GPU_SEQ_LENS
+    return [row for S in seq_lens for causal in (False, True)
+            for row in _gpu_point(S, causal, device)]  # fmt: skip
 
 
 def main() -> None:
-    from fusedpar.kernels._tuning import all_picks
-
     rows = cpu_overlap()
     meta = {"cpu_shape": str(CPU_SHAPE), "cpu_reps": CPU_REPS, "cpu_cores": os.cpu_count(),
             "layout": "zigzag", "torch": torch.__version__}  # fmt: skip
     columns = ["part", "world", "causal", "waited_ms", "overlapped_ms", "speedup"]
     if require_gpu("ring_attention (GPU part)"):
-        meta.update(environment(), gpu_shape=str(GPU_SHAPE), dtype="bfloat16", quick=quick())
+        meta.update(environment(), gpu_shape=str(GPU_SHAPE), dtype=str(GPU_DTYPE), quick=quick())
         rows += gpu_virtual_ring()
-        meta["tuning_picks"] = all_picks()
         columns += ["seq_len", "impl", "fwd_ms", "fwd_bwd_ms", "fwd_vs_flash", "fwd_bwd_vs_flash",
                     "error"]  # fmt: skip
     else:

@@ -363,3 +363,37 @@ def test_gqa_split_is_deterministic_and_needs_no_gpu_query(monkeypatch):
 def test_ring_mode_bad_input(call, error, match):
     with pytest.raises(error, match=match):
         call(torch.ones(1, 4, 2, 8, dtype=torch.float16))
+
+
+def test_the_attention_benchmark_runs_on_cpu(monkeypatch, tmp_path):
+    """bench/attention.py end to end on CPU (fp32, the interpreter, timers replaced): a
+    multi-head and a GQA point, the peer filter, a peer that cannot run recorded as
+    missing, and the tuner's picks in the results."""
+    import json
+
+    import bench.attention as bench
+    from bench.common import results_folder
+
+    monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
+    monkeypatch.setenv("BENCH_PEERS", "sdpa-flash,fusedpar")
+    monkeypatch.setattr(bench, "DTYPE", torch.float32)
+    monkeypatch.setattr(bench, "TOKENS", 32)
+    monkeypatch.setattr(bench, "points", lambda: [(16, True, 16, 2, 2), (16, False, 32, 4, 1)])
+    monkeypatch.setattr(bench, "time_ms", lambda fn, **kw: (fn(), 1.0)[1])
+    monkeypatch.setattr(bench, "environment", lambda: {"device": "cpu test"})
+    monkeypatch.setattr(bench, "measured_ceilings", lambda: {"matmul_bf16_tflops": 1.0})
+    bench.main(device="cpu")
+    result = json.loads((results_folder() / "attention.json").read_text())
+    rows = result["rows"]
+    assert [(r["S"], r["B"], r["Hq"], r["Hkv"], r["pass_"]) for r in rows] == [
+        (S, 32 // S, Hq, Hkv, p) for S, Hq, Hkv in ((16, 2, 2), (32, 4, 1)) for p in bench.PASSES
+    ]
+    fwd = rows[0]
+    assert fwd["fusedpar"] == pytest.approx(4 * 2 * 2 * 16 * 16 * 16 * 0.5 / 1e9)
+    assert result["meta"]["peers"] == "fusedpar,sdpa-flash"
+    if fwd["sdpa-flash"] is None:  # no flash backend on CPU: recorded, the rest measured
+        assert "sdpa-flash D=16 S=16" in result["meta"]["missing"]
+    assert "_attn_fwd_kernel" in result["meta"]["tuning_picks"]
+    monkeypatch.setenv("BENCH_PEERS", "fusedpar,sdpa")
+    with pytest.raises(ValueError, match="unknown peers \\['sdpa'\\]"):
+        bench.selected_peers()

@@ -352,3 +352,32 @@ def test_bad_input_fails_on_every_rank(world, case, match):
 def test_helper_bad_lengths():
     with pytest.raises(ValueError, match="layout"):
         fp.sequence_positions(8, None, layout="spiral")
+
+
+# --- the ring benchmark's GPU part, run on CPU --------------------------------------------
+
+
+def test_the_ring_benchmarks_gpu_part_runs_on_cpu(monkeypatch):
+    """The virtual ring against flash_attn through the benchmark's own code (tiny shapes,
+    fp32, the interpreter, timers replaced): rows, ratios and the torch block's merge."""
+    import bench.ring_attention as bench
+
+    monkeypatch.setattr(bench, "GPU_SHAPE", {"batch": 1, "heads": 2, "kv_heads": 1,
+                                             "head_dim": 16})  # fmt: skip
+    monkeypatch.setattr(bench, "GPU_WORLDS", (2,))
+    monkeypatch.setattr(bench, "GPU_SEQ_LENS", (4, 8))
+    monkeypatch.setattr(bench, "GPU_DTYPE", torch.float32)
+    monkeypatch.setenv("BENCH_QUICK", "1")  # the last length only
+    monkeypatch.setattr(bench, "time_ms", lambda fn, **kw: (fn(), 2.0)[1])
+    rows = bench.gpu_virtual_ring(device="cpu")
+    assert [(r["seq_len"], r["causal"], r["world"]) for r in rows] == [
+        (8, False, 1), (8, False, 2), (8, True, 1), (8, True, 2)]  # fmt: skip
+    assert all(r["fwd_vs_flash"] == r["fwd_bwd_vs_flash"] == 1.0 for r in rows if r["world"] > 1)
+    # the CPU part's torch block merges like the kernel's epilogue
+    q, k, v = (randn((1, 6, 2, 8), torch.float32, i) for i in range(3))
+    # key 0 is visible to every row; the rest, bottom-right aligned, is the causal part
+    out, lse = bench.torch_attend(q, k[:, :1], v[:, :1], causal=False, softmax_scale=None)
+    bench.torch_attend(q, k[:, 1:], v[:, 1:], causal=True, softmax_scale=None, out=out, lse=lse,
+                       merge=True)  # fmt: skip
+    full = attention_reference(q, k, v, causal=True)
+    torch.testing.assert_close((out, lse), full, rtol=1e-5, atol=1e-6)
