@@ -397,3 +397,19 @@ def test_the_attention_benchmark_runs_on_cpu(monkeypatch, tmp_path):
     monkeypatch.setenv("BENCH_PEERS", "fusedpar,sdpa")
     with pytest.raises(ValueError, match="unknown peers \\['sdpa'\\]"):
         bench.selected_peers()
+
+
+def test_the_gqa_split_adds_no_host_sync(monkeypatch):
+    from fusedpar.testing.host_syncs import HostSyncs
+
+    monkeypatch.setattr(backward_kernels, "SPLIT_BELOW_PROGRAMS", 10**6)
+    q = randn((1, 19, 4, 16), torch.float32, 0).requires_grad_()
+    k, v = (randn((1, 23, 1, 16), torch.float32, i).requires_grad_() for i in (1, 2))
+
+    def step():
+        fp.flash_attn(q, k, v, causal=True).sum().backward()
+
+    step()  # warm-up: tuning
+    with HostSyncs() as syncs:
+        step()
+    assert not syncs.found, syncs.report()
