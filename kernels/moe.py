@@ -322,6 +322,8 @@ def _grouped_weight_grad_kernel(
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     k_mask = offs_k < K
+    dy_cols = (half * N + offs_n).to(tl.int64)  # 64-bit: a transposed dy or x has long
+    x_cols = offs_k.to(tl.int64)  # column strides
     row_start = tl.load(offsets_ptr + e)
     row_end = tl.load(offsets_ptr + e + 1)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -329,10 +331,9 @@ def _grouped_weight_grad_kernel(
         offs_m = start + tl.arange(0, BLOCK_M)
         row_mask = offs_m < row_end
         src_rows = tl.load(rows_ptr + offs_m, mask=row_mask, other=0) if HAS_ROWS else offs_m
-        dy_ptrs = (dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym
-                   + (half * N + offs_n)[None, :] * stride_dyn)  # fmt: skip
+        dy_ptrs = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym + dy_cols[None, :] * stride_dyn
         dy = tl.load(dy_ptrs, mask=row_mask[:, None] & n_mask[None, :], other=0.0)
-        x_ptrs = x_ptr + src_rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        x_ptrs = x_ptr + src_rows.to(tl.int64)[:, None] * stride_xm + x_cols[None, :] * stride_xk
         x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(tl.trans(dy), x, acc, input_precision=INPUT_PRECISION)
     out_ptr = dw_ptr

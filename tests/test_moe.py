@@ -240,6 +240,26 @@ def test_leading_dims_and_no_group():
     torch.testing.assert_close(aux, ref_aux)
 
 
+def test_inference_matches_training_forward(monkeypatch):
+    """Under no_grad the experts skip storing h1 and h3 and give the same bits."""
+    torch.manual_seed(0)
+    layer = fp.nn.MoE(6, 5, 4, 2, capacity_factor=0.5)
+    x = torch.randn(9, 6) + 1.0
+    y, _ = layer(x)
+    saved = []
+    real = moe_kernels.grouped_swiglu
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        saved.append(out[1])
+        return out
+
+    monkeypatch.setattr(fp.ops.moe, "grouped_swiglu", spy)
+    with torch.no_grad():
+        y_inference, _ = layer(x)
+    assert torch.equal(y, y_inference) and saved == [None]
+
+
 def test_expert_bias_steers_selection_only():
     torch.manual_seed(0)
     layer = fp.nn.MoE(6, 5, 4, 1, score="sigmoid", norm_topk_prob=False)

@@ -70,7 +70,7 @@ class ExpertSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, w3, w2, counts, rows, reduce_pos):
-        a, h13 = grouped_swiglu(x, w1, w3, counts, rows, save_hidden=any(ctx.needs_input_grad))
+        a, h13 = grouped_swiglu(x, w1, w3, counts, rows)
         ctx.save_for_backward(x, w1, w3, w2, counts, rows, reduce_pos, h13)
         return grouped_matmul(a, w2, counts)
 
@@ -88,6 +88,15 @@ class ExpertSwiGLU(torch.autograd.Function):
         if need_w2:
             dw2 = grouped_weight_grad(d_out, a, counts, out_dtype=w2.dtype)
         return dx, dw1, dw3, dw2, None, None, None
+
+
+def expert_swiglu(x, w1, w3, w2, counts, rows, reduce_pos):
+    """`ExpertSwiGLU`, or its forward alone (h1, h3 not stored) where no gradient is
+    needed: a Function's ``needs_input_grad`` stays True under ``torch.no_grad()``."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, w3, w2)):
+        return ExpertSwiGLU.apply(x, w1, w3, w2, counts, rows, reduce_pos)
+    a, _ = grouped_swiglu(x, w1, w3, counts, rows, save_hidden=False)
+    return grouped_matmul(a, w2, counts)
 
 
 class PermuteRows(torch.autograd.Function):
@@ -206,7 +215,7 @@ def moe_dispatch_combine(x, weights, ids, keep, w1, w3, w2, num_experts, group):
     pg = comm.resolve_group(group)
     size = comm.group_size(pg)
     if size == 1:  # the gather is fused into the gate/up GEMM: no permuted copy of x
-        out = ExpertSwiGLU.apply(x, w1, w3, w2, counts, order // top_k, pos)
+        out = expert_swiglu(x, w1, w3, w2, counts, order // top_k, pos)
         return Combine.apply(out, weights, pos, order), counts
     send_counts = counts.view(size, num_experts // size)
     recv_counts = comm.all_to_all(send_counts, pg)  # row s: what s sends to my experts
@@ -219,7 +228,7 @@ def moe_dispatch_combine(x, weights, ids, keep, w1, w3, w2, num_experts, group):
     regroup = _regroup_index(recv_counts, sum(recv_splits))
     inverse = torch.empty_like(regroup)
     inverse[regroup] = torch.arange(regroup.numel(), device=regroup.device)
-    out = ExpertSwiGLU.apply(x_recv, w1, w3, w2, recv_counts.sum(0), regroup, inverse.view(-1, 1))
+    out = expert_swiglu(x_recv, w1, w3, w2, recv_counts.sum(0), regroup, inverse.view(-1, 1))
     out = PermuteRows.apply(out, inverse, regroup.view(-1, 1))  # back to source-major
     out = comm.all_to_all(out, pg, send_splits, recv_splits)
     return Combine.apply(out, weights, pos, order), counts
