@@ -40,8 +40,10 @@ from fusedpar.kernels._common import (
 from fusedpar.kernels._tuning import bucket
 
 # The K step of every grouped GEMM tile. Each output sums its K products in BLOCK_K
-# chunks, in order; with one BLOCK_K for every config the numbers do not depend on the
-# tuner's pick (ranks of an EP group may pick differently and still agree bit for bit).
+# chunks, in order; with one BLOCK_K for every config no pick changes the order of any
+# sum, so results do not depend on the tuning (a gpu test forces each config and compares
+# the bits; unverified until the first GPU run). Each expert runs on one EP rank, so the
+# ranks tune on their own: no agreement collective.
 BLOCK_K = 64
 # The weight gradient sums over an expert's rows in chunks of this many: fixed for the
 # same reason. 64 with a 128 x 128 output tile is the review's prediction (P8), unmeasured.
@@ -112,6 +114,19 @@ def _prune(configs, m: int, n: int, m_key="BLOCK_M", n_key="BLOCK_N"):
     limit_m, limit_n = max(32, bucket(m)), max(32, bucket(n))
     kept = [c for c in configs if c.kwargs[m_key] <= limit_m and c.kwargs[n_key] <= limit_n]
     return kept or [min(configs, key=lambda c: c.kwargs[m_key] * c.kwargs[n_key])]
+
+
+def _gemm_candidates(gate_up: bool, rows_per_expert: int, N: int) -> list[triton.Config]:
+    if is_interpreted(_grouped_matmul_kernel):  # one small tile: see INTERPRETER_MAX_BLOCK
+        return [triton.Config({"BLOCK_M": _fit(rows_per_expert, 32), "BLOCK_N": _fit(N, 64),
+                               "BLOCK_K": BLOCK_K})]  # fmt: skip
+    return _prune(grouped_matmul_configs(gate_up), rows_per_expert, N)
+
+
+def _weight_grad_candidates(N: int, K: int) -> list[triton.Config]:
+    if is_interpreted(_grouped_weight_grad_kernel):
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": _fit(N, 64), "BLOCK_K": _fit(K, 64)})]
+    return _prune(weight_grad_configs(), N, K, "BLOCK_N", "BLOCK_K")
 
 
 # --- metadata ------------------------------------------------------------------------
@@ -510,11 +525,7 @@ def _launch_gemm(mode, x, w, y, counts, rows, N, K, *, w_strides, v=None, v_stri
                                      **config.all_kwargs())  # fmt: skip
 
     per_expert = triton.cdiv(P, max(E, 1))
-    if is_interpreted(_grouped_matmul_kernel):
-        tile = {"BLOCK_M": _fit(per_expert, 32), "BLOCK_N": _fit(N, 64), "BLOCK_K": BLOCK_K}
-        candidates = [triton.Config(tile)]
-    else:
-        candidates = _prune(grouped_matmul_configs(mode == "gate_up"), per_expert, N)
+    candidates = _gemm_candidates(mode == "gate_up", per_expert, N)
     key = (mode, meta["STORE_HIDDEN"], N, K, bucket(per_expert), str(x.dtype), str(y.dtype),
            rows is not None, meta["INPUT_PRECISION"])  # fmt: skip
     with device_guard(x):
@@ -634,12 +645,7 @@ def grouped_weight_grad(dy, x, counts, rows=None, *, out_dtype=None, split=False
         tiles = triton.cdiv(N, config.kwargs["BLOCK_N"]) * triton.cdiv(K, config.kwargs["BLOCK_K"])
         _grouped_weight_grad_kernel[(E * tiles * len(outs),)](*args, **meta, **config.all_kwargs())
 
-    if is_interpreted(_grouped_weight_grad_kernel):
-        candidates = [
-            triton.Config({"BLOCK_M": 16, "BLOCK_N": _fit(N, 64), "BLOCK_K": _fit(K, 64)})
-        ]
-    else:
-        candidates = _prune(weight_grad_configs(), N, K, "BLOCK_N", "BLOCK_K")
+    candidates = _weight_grad_candidates(N, K)
     key = (split, N, K, bucket(triton.cdiv(P, E)), str(x.dtype), str(outs[0].dtype),
            rows is not None, meta["INPUT_PRECISION"])  # fmt: skip
     with device_guard(x):

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import triton
+from fusedpar.kernels import _tuning
 from fusedpar.kernels import moe as moe_kernels
 from fusedpar.kernels.moe import (
     combine,
@@ -451,6 +453,58 @@ GPU_PROBLEMS = {
 @pytest.mark.parametrize("check", KERNEL_CHECKS, ids=lambda c: c.__name__[6:])
 def test_kernels_match_references_gpu(check, problem, dtype):
     check({**GPU_PROBLEMS[problem], "dtype": dtype, "seed": 0}, torch.device("cuda"))
+
+
+def check_tile_independence(p, device, gemm_configs, wgrad_configs, exact=False):
+    """Every config sums in the same order (one BLOCK_K, one row step for the weight
+    gradient), so forcing each in turn must give the same bits. `exact`: integer-valued
+    operands, whose sums are exact in any order (the interpreter's numpy dot orders its
+    sums by tile shape, so on CPU only the forcing and the per-config grids are tested)."""
+    q = _kernel_problem(p, device)
+    if exact:
+        q.update({n_: (q[n_] * 2).round() for n_ in ("x", "w1", "dh13")})
+    x, counts, rows, n = q["x"], q["counts"], q["rows"], q["kept"]
+
+    def gemm():
+        return grouped_matmul(x, q["w1"], counts, rows)[:n]
+
+    def wgrad():
+        return torch.stack(grouped_weight_grad(q["dh13"], x, counts, rows, split=True))
+
+    real = moe_kernels._gemm_candidates, moe_kernels._weight_grad_candidates
+    try:
+        for name, configs, run in (("_gemm_candidates", gemm_configs, gemm),
+                                   ("_weight_grad_candidates", wgrad_configs, wgrad)):  # fmt: skip
+            outs = []
+            for config in configs:
+                setattr(moe_kernels, name, lambda *_, c=config: [c])
+                _tuning.forget_picks()
+                outs.append((config, run()))
+            for config, out in outs[1:]:
+                assert torch.equal(out, outs[0][1]), f"{config} differs from {outs[0][0]}"
+    finally:
+        moe_kernels._gemm_candidates, moe_kernels._weight_grad_candidates = real
+        _tuning.forget_picks()
+
+
+def test_gemm_bits_do_not_depend_on_the_tile():
+    def tiles(m_key, n_key, k_key, k):
+        return [
+            triton.Config({m_key: a, n_key: b, k_key: k}) for a, b in ((16, 64), (32, 16), (64, 32))
+        ]
+
+    p = {**SMALL, "T": 30, "d": 70, "h": 40, "E": 3, "empty": 0, "strided": True}
+    check_tile_independence(p, torch.device("cpu"), tiles("BLOCK_M", "BLOCK_N", "BLOCK_K", 64),
+                            tiles("BLOCK_N", "BLOCK_K", "BLOCK_M", 16), exact=True)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gemm_bits_do_not_depend_on_the_tile_gpu(dtype):
+    """The GPU tiles: 128- and 64-row wgmma ones and the 32-row mma ones alike."""
+    p = {**GPU_PROBLEMS["E8-d512-drop"], "dtype": dtype, "seed": 1}
+    check_tile_independence(p, torch.device("cuda"), moe_kernels.grouped_matmul_configs(),
+                            moe_kernels.weight_grad_configs())  # fmt: skip
 
 
 def _f(*shape, dtype=torch.float32):
