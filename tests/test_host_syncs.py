@@ -1,10 +1,16 @@
-"""No host syncs in the hot paths: flash attention, the TP linears, the attention layer.
+"""No host syncs in the hot paths: flash attention, the TP linears, the attention layer,
+and the MoE layer at EP = 1.
 
-`HostSyncs` records, on CPU too, the calls that would stall the host on a GPU (see
-`fusedpar.testing.host_syncs`). Each path runs once to warm up (tuning a new key syncs
-once, by design) and is then checked forward and backward.
+On CPU, `HostSyncs` records the calls that would stall the host on a GPU (see
+`fusedpar.testing.host_syncs`); on a GPU, ``torch.cuda.set_sync_debug_mode("error")``
+turns a real sync into an error. Each path runs once to warm up (tuning a new key syncs
+once, by design), then is checked forward and backward. Modules are built outside the
+check: construction copies weights to the device.
 """
 
+from pathlib import Path
+
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -13,16 +19,24 @@ from fusedpar.testing.host_syncs import HostSyncs
 from fusedpar.testing.strategies import randn
 
 
-def _syncs_of(step):
+def _syncs_of(step) -> str | None:
     step()  # warm-up: tuning and first-use caches
     with HostSyncs() as syncs:
         step()
     return syncs.report() if syncs.found else None
 
 
-def test_the_detector_sees_each_kind_of_sync():
-    from pathlib import Path
+def _no_sync_on_the_gpu(step) -> None:
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
+
+def test_the_detector_sees_each_kind_of_sync():
     x = torch.arange(6.0, device="cpu")
     with HostSyncs(packages=(str(Path(__file__).parent),)) as syncs:
         x.sum().item()
@@ -40,25 +54,53 @@ def test_the_detector_sees_each_kind_of_sync():
         assert any(word in r for r in reasons), (word, syncs.report())
 
 
-def test_flash_attention_has_no_host_sync():
-    q = randn((2, 19, 4, 16), torch.float32, 0).requires_grad_()
-    k, v = (randn((2, 23, 2, 16), torch.float32, i).requires_grad_() for i in (1, 2))
-
-    def step():
-        fp.flash_attn(q, k, v, causal=True).sum().backward()
-
-    assert _syncs_of(step) is None, _syncs_of(step)
+# --- the steps, on any device ----------------------------------------------------------
 
 
-def test_attention_layer_has_no_host_sync():
+def _flash_step(device, dtype):
+    q = randn((2, 19, 4, 16), dtype, 0).to(device).requires_grad_()
+    k, v = (randn((2, 23, 2, 16), dtype, i).to(device).requires_grad_() for i in (1, 2))
+    return lambda: fp.flash_attn(q, k, v, causal=True).float().sum().backward()
+
+
+def _attention_layer_step(device, dtype):
     torch.manual_seed(0)
-    layer = fp.nn.ParallelAttention(32, 4, 2)
-    x = torch.randn(12, 2, 32, requires_grad=True)
+    layer = fp.nn.ParallelAttention(32, 4, 2, device=device, dtype=dtype)
+    x = torch.randn(12, 2, 32, device=device, dtype=dtype, requires_grad=True)
+    return lambda: layer(x).float().sum().backward()
+
+
+def _moe_step(device, dtype, capacity_factor):
+    torch.manual_seed(0)
+    layer = fp.nn.MoE(16, 12, 4, 2, capacity_factor=capacity_factor, device=device, dtype=dtype)
+    x = torch.randn(11, 16, device=device, dtype=dtype) + 1.0  # skewed: drops happen
+    x.requires_grad_()
 
     def step():
-        layer(x).sum().backward()
+        y, aux = layer(x)
+        (y.float().square().sum() + aux).backward()
 
-    assert _syncs_of(step) is None, _syncs_of(step)
+    return step
+
+
+STEPS = {
+    "flash_attn": _flash_step,
+    "attention layer": _attention_layer_step,
+    "moe": lambda device, dtype: _moe_step(device, dtype, None),
+    "moe with capacity": lambda device, dtype: _moe_step(device, dtype, 0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(STEPS))
+def test_no_host_sync(name):
+    assert _syncs_of(STEPS[name]("cpu", torch.float32)) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(STEPS))
+def test_no_host_sync_gpu(monkeypatch, name):
+    monkeypatch.setenv("FUSEDPAR_TUNING", "first")  # one compile per key: tiles are not the point
+    _no_sync_on_the_gpu(STEPS[name]("cuda", torch.bfloat16))
 
 
 def _tp_linears():

@@ -14,7 +14,6 @@ the GPU tier (``pytest -m gpu``) on realistic bf16/fp16 shapes.
 
 import contextlib
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,7 +39,6 @@ from fusedpar.kernels.moe import (
 )
 from hypothesis import example, given
 from hypothesis import strategies as st
-from torch.overrides import TorchFunctionMode
 
 import fusedpar as fp
 from fusedpar.ops.moe import ExpertSwiGLU, moe_reference
@@ -540,73 +538,6 @@ def _i(*shape, dtype=torch.int64):
 def test_kernel_bad_input_is_a_clear_error(fn, args, error, match):
     with pytest.raises(error, match=match):
         fn(*args)
-
-
-# --- no host sync in the layer at EP = 1 (F6) ----------------------------------------------
-
-# Calls that make the host wait for a CUDA device: values read back (item, tolist, bool,
-# int, float, index), output sizes that depend on values (nonzero, boolean-mask indexing,
-# masked_select, unique) and torch.bincount (which reads the largest id back).
-_SYNCS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero",
-          "masked_select", "unique", "bincount", "numpy"}  # fmt: skip
-_OURS = (str(Path(fp.__file__).parent), str(Path(moe_kernels.__file__).parent))
-
-
-class _HostSyncs(TorchFunctionMode):
-    """Records the sync-type calls made from fusedpar's own files (a CPU stand-in for
-    ``torch.cuda.set_sync_debug_mode("error")``, which the GPU tier uses)."""
-
-    def __init__(self):
-        super().__init__()
-        self.found = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", str(func))
-        caller = sys._getframe(1)
-        by_mask = name in ("__getitem__", "__setitem__") and any(
-            isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in args[1:2]
-        )
-        if (name in _SYNCS or by_mask) and caller.f_code.co_filename.startswith(_OURS):
-            self.found.append(f"{name} at {caller.f_code.co_filename}:{caller.f_lineno}")
-        return func(*args, **(kwargs or {}))
-
-
-def _layer_and_input(capacity_factor, device, dtype=torch.float32):
-    """Built outside the checks: construction copies weights to the device (a sync)."""
-    torch.manual_seed(0)
-    layer = fp.nn.MoE(16, 12, 4, 2, capacity_factor=capacity_factor, device=device, dtype=dtype)
-    x = torch.randn(11, 16, device=device, dtype=dtype) + 1.0  # skewed: drops happen
-    return layer, x.requires_grad_()
-
-
-def _step(layer, x):
-    y, aux = layer(x)
-    (y.float().square().sum() + aux).backward()
-
-
-@pytest.mark.parametrize("capacity_factor", [None, 0.5])
-def test_no_host_sync_in_the_layer_at_ep1(capacity_factor):
-    layer, x = _layer_and_input(capacity_factor, "cpu")
-    with _HostSyncs() as syncs:
-        _step(layer, x)
-    assert syncs.found == []
-    with _HostSyncs() as syncs:  # the detector itself: the reference reads counts back
-        grouped_matmul_reference(torch.ones(2, 3), torch.ones(1, 4, 3), torch.tensor([2]))
-    assert any("tolist" in f for f in syncs.found)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("capacity_factor", [None, 0.5])
-def test_no_host_sync_in_the_layer_at_ep1_gpu(monkeypatch, capacity_factor):
-    monkeypatch.setenv("FUSEDPAR_TUNING", "first")  # one compile per key: tiles are not the point
-    layer, x = _layer_and_input(capacity_factor, "cuda", torch.bfloat16)
-    _step(layer, x)  # the first call picks the tiles
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        _step(layer, x)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 # --- the benchmark's peers, on CPU -----------------------------------------------------------
