@@ -1,9 +1,23 @@
-"""What every benchmark shares: the GPU check, timing, ceilings, and the result files."""
+"""What every benchmark shares: the GPU check, timing, ceilings, and the result files.
+
+| helper             | what it measures or records                                           |
+| ------------------ | --------------------------------------------------------------------- |
+| `time_ms`          | GPU time of ``fn()``: `triton.testing.do_bench` median, L2 flushed     |
+| `time_ms_graph`    | the same, for ``fn`` captured once in a CUDA graph and replayed: no    |
+|                    | host launch cost; ``(None, reason)`` when capture fails                |
+| `host_ms`          | host wall time of issuing ``fn()`` (synchronized before and after)     |
+| `environment`      | device, versions, GPU clocks as found (``nvidia-smi``; None without)   |
+| `tuning_picks`     | the tiles fusedpar's tuner picked so far (`write_results` adds them)   |
+"""
 
 import json
 import os
 import re
+import shutil
+import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -41,6 +55,62 @@ def time_ms(fn, *, warmup: int = 25, rep: int = 100) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def time_ms_graph(fn, *, warmup: int = 25, rep: int = 100) -> tuple[float | None, str | None]:
+    """``(median ms, None)`` of ``fn`` captured once in a CUDA graph and replayed under
+    `time_ms`, or ``(None, reason)`` when it cannot be captured.
+
+    ``fn()`` runs eagerly first, so fusedpar's tuner makes its picks (and Triton compiles)
+    outside the capture: a pick timed during capture would fail it. Replaying under
+    ``do_bench`` keeps everything but the launch path equal to `time_ms` (same L2 flush,
+    same median), so ``time_ms(fn) - time_ms_graph(fn)`` is host launch overhead.
+    `triton.testing.do_bench_cudagraph` instead replays many unflushed calls, which at
+    the small shapes this is for (operands that fit the 50 MB L2) mixes a warm L2 into
+    the difference.
+    """
+    if not torch.cuda.is_available():
+        return None, "no CUDA device"
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+    except Exception as error:  # any capture failure is recorded with its reason, not raised
+        torch.cuda.synchronize()
+        return None, _reason(error)
+    try:
+        return time_ms(graph.replay, warmup=warmup, rep=rep), None
+    finally:
+        del graph  # its memory pool goes back before the next point
+
+
+# What `time_ms_graph` measures, for the results' meta.
+GRAPH_TIMING = "one call captured in a CUDA graph, replayed under do_bench (L2 flushed, median)"
+
+
+def _reason(error: BaseException) -> str:
+    """One line naming an exception, short enough for a table cell."""
+    text = str(error).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(error).__name__}: {first}"[:160]
+
+
+def host_ms(fn, *, reps: int = 10) -> float:
+    """Median host milliseconds of issuing ``fn()``: the device is synchronized before
+    each call (an empty queue never blocks a launch) and after it (calls do not overlap);
+    the timer stops when ``fn`` returns, before the GPU finishes."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+        sync()
+    return statistics.median(times)
+
+
 def device_slug() -> str:
     """The results folder: the GPU's name, or "cpu-<cores>core" without one."""
     if not torch.cuda.is_available():
@@ -60,8 +130,47 @@ def environment() -> dict:
         "cuda": torch.version.cuda,
         "fusedpar": fusedpar.__version__,
         "python": sys.version.split()[0],
+        "gpu_clocks": gpu_clocks(),
     }
     return env
+
+
+CLOCK_QUERY = "clocks.sm,clocks.mem,clocks.max.sm"
+
+
+def gpu_clocks() -> list[dict] | None:
+    """The GPU clocks as found now, one dict per GPU ``nvidia-smi`` lists (keys as its CSV
+    header says them, e.g. ``"clocks.current.sm [MHz]": "1980 MHz"``), or None when
+    ``nvidia-smi`` is missing or fails. A clock below ``clocks.max.sm`` at the start of a
+    run (idle, power or thermal limits) explains slow numbers; nothing here sets clocks."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        proc = subprocess.run([exe, f"--query-gpu={CLOCK_QUERY}", "--format=csv"],
+                              capture_output=True, text=True, timeout=20)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode != 0:
+        return None
+    return parse_csv_query(proc.stdout)
+
+
+def parse_csv_query(text: str) -> list[dict] | None:
+    """``nvidia-smi --format=csv`` output as one dict per data line (None if empty)."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    if len(lines) < 2:
+        return None
+    header = [h.strip() for h in lines[0].split(",")]
+    return [dict(zip(header, (v.strip() for v in line.split(",")), strict=False))
+            for line in lines[1:]]  # fmt: skip
+
+
+def tuning_picks() -> dict:
+    """Every tile fusedpar's tuner picked in this process, ``{kernel: {key: config}}``."""
+    from fusedpar.kernels._tuning import all_picks
+
+    return all_picks()
 
 
 def measured_ceilings() -> dict:
@@ -100,10 +209,12 @@ def write_results(
     """Write <results folder>/<family>.{json,md,png}; return the folder.
 
     `plot`, if given, is ``plot(ax)`` drawing on a matplotlib axis. A missing value is
-    None: null in the JSON, "n/a" in the table.
+    None: null in the JSON, "n/a" in the table. The tuner's picks so far are added to the
+    meta as ``tuning_picks`` (a section of their own in the table).
     """
     folder = results_folder()
     folder.mkdir(parents=True, exist_ok=True)
+    meta = {**meta, "tuning_picks": tuning_picks()}
     text = json.dumps({"meta": meta, "rows": rows}, indent=2, allow_nan=False)
     (folder / f"{family}.json").write_text(text)
 
@@ -113,9 +224,10 @@ def write_results(
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 
     lines = [f"# {family} on {meta.get('device', '?')}", ""]
-    lines += [f"- {k}: {cell(v)}" for k, v in meta.items() if k != "device"]
+    lines += [f"- {k}: {cell(v)}" for k, v in meta.items() if k not in ("device", "tuning_picks")]
     lines += ["", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     lines += ["| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |" for r in rows]
+    lines += _picks_section(meta["tuning_picks"])
     (folder / f"{family}.md").write_text("\n".join(lines) + "\n")
 
     if plot is not None:
@@ -135,3 +247,16 @@ def write_results(
     if announce:
         print(f"results in {folder}/{family}.*")
     return folder
+
+
+def _picks_section(picks: dict) -> list[str]:
+    """The tuner's picks as markdown lines, one per (kernel, key)."""
+    if not any(picks.values()):
+        return []
+    lines = ["", "## Tuner picks", ""]
+    for kernel, by_key in picks.items():
+        for key, config in by_key.items():
+            tile = " ".join(f"{k}={v}" for k, v in config["kwargs"].items())
+            lines.append(f"- {kernel} {key}: {tile}, {config['num_warps']} warps, "
+                         f"{config['num_stages']} stages")  # fmt: skip
+    return lines

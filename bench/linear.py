@@ -1,29 +1,65 @@
 """Tensor-parallel GEMMs: the ring pipeline against the serialized collective + GEMM.
 
-CPU (gloo, runs anywhere): `all_gather_matmul`'s and `matmul_reduce_scatter`'s ring
-pipelines against "all-gather, then GEMM" and "GEMM, then reduce-scatter" at W = 2 and 4,
-both with torch doing the GEMMs, so the comparison measures the pipelining alone.
+CPU (gloo; skipped when a GPU is present): the ring pipelines against "all-gather, then
+GEMM" and "GEMM, then reduce-scatter" at W = 2 and 4, torch doing every GEMM, so the
+comparison measures the pipelining alone.
 
-GPU (one device): the cost of cutting a GEMM into W chunk GEMMs (fusedpar's Triton GEMM)
-against one cuBLAS GEMM of the same size (target <= 1.1x; `chunking_cost` against one
-fusedpar GEMM separates the chunking from the kernel), and the overlap of those chunk
-GEMMs with a communication stand-in on a side stream that sleeps bytes / 450 GB/s (NVLink)
-per chunk: target time <= 1.1 x max(comm, gemm), against the serialized sum, with the
-stand-in's time measured alone.
+GPU (one device): the real ring loops, `gather_matmuls` and `matmuls_reduce_scatter`,
+with `StandInRing` for `Ring`: its ``send_recv`` launches `paced_copy` on a side stream,
+a copy kernel on ``ctas`` CTAs that moves the message's bytes through HBM at a set link
+bandwidth and holds its SMs for the whole transfer, as NCCL's kernels do. Llama-3 8B and
+70B QKV (three GEMMs per step) and gate/up (two) at TP = 2, 4, 8 and 4k-16k tokens,
+bf16; side ``ag`` is the column-parallel forward, side ``rs`` its backward dX (fp32
+running sums travel, as the library sends them). docs/tensor_parallel.md has the link
+model's sources and reads the columns:
+
+| column (GPU rows)   | meaning                                                          |
+| ------------------- | ---------------------------------------------------------------- |
+| ``gemm_ms``         | the loop's chunk GEMMs alone, the same calls, one stream          |
+| ``comm_ms``         | the stand-in's W - 1 transfers alone (``comm_vs_nominal``: over   |
+|                     | the link model's latency + bytes / bandwidth)                     |
+| ``ring_ms``         | the real loop with the stand-in (eager, ``do_bench``)             |
+| ``vs_max``          | ``ring_ms / max(comm_ms, gemm_ms)``: target <= 1.1               |
+| ``nocomm_ms``       | the real loop with a ring that moves nothing                      |
+| ``serial_cublas_ms``| one cuBLAS GEMM (weights concatenated), then the collective's     |
+|                     | bytes over the same link (``speedup`` = it / ``ring_ms``)         |
+| ``ring_graph_ms``   | the loop replayed from a CUDA graph (null + ``graph_note``)       |
+| ``host_us_step``    | host time to issue the loop / W; ``gpu_us_step`` = graph time / W |
+| ``chunking_cost``   | ``gemm_ms`` / the same GEMMs unchunked (wave quantization, P4)    |
+
+Environment: ``BENCH_COMM_GBPS`` (comma-separated for several links),
+``BENCH_COMM_LATENCY_US``, ``BENCH_COMM_CTAS``; ``BENCH_QUICK=1``: TP = 2 and 8 at 8k.
 """
 
+import datetime
 import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
-from bench.common import environment, paired_bars, require_gpu, time_ms, write_results
+from bench.common import (
+    GRAPH_TIMING,
+    environment,
+    host_ms,
+    paired_bars,
+    quick,
+    require_gpu,
+    time_ms,
+    time_ms_graph,
+    write_results,
+)
+from bench.standin import PIECE_BYTES, Link, StandInRing, links_from_env, paced_copy
 
 CPU_SHAPE = {"tokens": 2048, "k": 1024, "n": 1024}  # per TP group, fp32
 CPU_WORLDS = (2, 4)
 CPU_REPS = 7
-NVLINK_GBPS = 450.0
+
+# name: (d_model, d_ffn, q width, k (= v) width); per rank each width is split TP ways
+MODELS = {"llama3-8b": (4096, 14336, 4096, 1024), "llama3-70b": (8192, 28672, 8192, 1024)}
+PROJECTIONS = ("qkv", "gate_up")
+SIDES = ("ag", "rs")
 
 
 def torch_gemm(
@@ -92,99 +128,253 @@ def cpu_overlap() -> list[dict]:
     return rows
 
 
-def _sleep_cycles_per_ms() -> float:
-    """How many `torch.cuda._sleep` cycles make a millisecond on this GPU (measured)."""
-    cycles = 10_000_000
-    return cycles / time_ms(lambda: torch.cuda._sleep(cycles))
+# --- the GPU part --------------------------------------------------------------------
 
 
-def _gpu_point(tokens, k, n, world, cycles_per_ms, side) -> dict:
+def gpu_points():
+    """(model, proj, tp, tokens, side) for every GPU point, in run order."""
+    tps, token_counts = ((2, 8), (8192,)) if quick() else ((2, 4, 8), (4096, 8192, 16384))
+    for model in MODELS:
+        for proj in PROJECTIONS:
+            for tp in tps:
+                for tokens in token_counts:
+                    for side in SIDES:
+                        yield model, proj, tp, tokens, side
+
+
+def layer_widths(model: str, proj: str, tp: int) -> tuple[int, list[int]]:
+    """d_model and one rank's output widths of the projection's weights at TP = tp."""
+    d, ffn, q, kv = MODELS[model]
+    widths = [q, kv, kv] if proj == "qkv" else [ffn, ffn]
+    return d, [w // tp for w in widths]
+
+
+@dataclass
+class Case:
+    """One point's work: ``loop(ring)`` is the real ring loop; the rest its parts and peer."""
+
+    loop: object  # loop(ring): gather_matmuls or matmuls_reduce_scatter with `ring`
+    gemms: object  # the loop's chunk GEMMs alone, the same calls
+    unchunked: object  # the same GEMMs over all rows at once
+    cublas: object  # one cuBLAS GEMM over the concatenated weights
+    message: torch.Tensor  # what the ring sends each step
+    peer_message: torch.Tensor  # what NCCL's collective would move per step for the peer
+
+
+def make_case(side: str, d: int, widths: list[int], tp: int, tokens: int, device) -> Case:
+    """The tensors and calls of one point: bf16 on a GPU, fp32 on CPU (the interpreter has
+    no bf16 dot); weights scaled by 1 / sqrt(d) so sums stay near 1."""
     from fusedpar.kernels.matmul import matmul
 
-    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16)
-    rows = [slice(c * tokens // world, (c + 1) * tokens // world) for c in range(world)]
-    comm_ms = tokens // world * k * 2 / (NVLINK_GBPS * 1e9) * 1e3  # one chunk's transfer
-    comm_cycles = int(comm_ms * cycles_per_ms)
+    from fusedpar.ops.linear import gather_matmuls, matmuls_reduce_scatter
 
-    def chunked():
-        for r in rows:
-            matmul(x[r], w.T, out=out[r])
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    kw = dict(device=device, dtype=dtype)
+    n = tokens // tp  # one rank's rows: the ring's chunk
+    weights = [torch.randn(w, d, **kw) / d**0.5 for w in widths]  # nn.Linear layout (N_i, K)
+    w_cat = torch.cat(weights)
+    chunks = [slice(c * n, (c + 1) * n) for c in range(tp)]
+    if side == "ag":  # forward of the column-parallel layer: x (n, d) -> [(T, N_i)]
+        x, x_full = torch.randn(n, d, **kw), torch.randn(tokens, d, **kw)
+        ops = [w.T for w in weights]
+        outs = [torch.empty(tokens, w, **kw) for w in widths]
 
-    def overlapped():  # chunk c's GEMM runs while chunk c + 1 "arrives" on the side stream
-        main = torch.cuda.current_stream()
-        for c, r in enumerate(rows):
-            arrived = torch.cuda.Event()
-            if c + 1 < world:
-                side.wait_stream(main)
-                with torch.cuda.stream(side):
-                    torch.cuda._sleep(comm_cycles)
-                    arrived.record()
-            matmul(x[r], w.T, out=out[r])
-            if c + 1 < world:
-                main.wait_event(arrived)
+        def gemms():
+            for rows in chunks:
+                for out, op in zip(outs, ops, strict=True):
+                    matmul(x_full[rows], op, out=out[rows])
 
-    def comm_alone():
-        for _ in range(world - 1):
-            torch.cuda._sleep(comm_cycles)
+        def unchunked():
+            for out, op in zip(outs, ops, strict=True):
+                matmul(x_full, op, out=out)
 
-    def whole():
-        matmul(x, w.T, out=out)
+        return Case(loop=lambda ring: gather_matmuls(x, ops, [None] * len(ops), None, 1,
+                                                     ring=ring),
+                    gemms=gemms, unchunked=unchunked, cublas=lambda: x_full @ w_cat.T,
+                    message=x, peer_message=x)  # fmt: skip
+    # "rs": its backward dX = rs(sum_i dY_i @ W_i), fp32 running sums on the ring
+    dys = [torch.randn(tokens, w, **kw) for w in widths]
+    dy_cat = torch.cat(dys, dim=1)
+    pairs = list(zip(dys, weights, strict=True))
+    partial = torch.empty(n, d, device=device, dtype=torch.float32)
+    full = torch.empty(tokens, d, device=device, dtype=torch.float32)
 
-    cublas, single, decomposed, pipelined, comm = (
-        time_ms(fn) for fn in (lambda: x @ w.T, whole, chunked, overlapped, comm_alone)
-    )
-    # decomposition_cost mixes two gaps (Triton vs cuBLAS, and chunking); chunking_cost is
-    # the chunking alone. The stand-in's time is measured, not the nominal bytes / 450 GB/s.
-    return dict(tokens=tokens, k=k, n=n, world=world, cublas_ms=cublas, fusedpar_ms=single,
-                chunked_ms=decomposed, decomposition_cost=decomposed / cublas,
-                chunking_cost=decomposed / single, comm_ms=comm,
-                serialized_ms=comm + decomposed, overlapped_ms=pipelined,
-                vs_max=pipelined / max(comm, decomposed))  # fmt: skip
+    def gemms():
+        for rows in chunks:
+            for i, (a, b) in enumerate(pairs):
+                matmul(a[rows], b, out=partial, accumulate=i > 0)
+
+    def unchunked():
+        for i, (a, b) in enumerate(pairs):
+            matmul(a, b, out=full, accumulate=i > 0)
+
+    return Case(loop=lambda ring: matmuls_reduce_scatter(pairs, None, 1, dtype, ring=ring),
+                gemms=gemms, unchunked=unchunked, cublas=lambda: dy_cat @ w_cat,
+                message=partial, peer_message=torch.empty(n, d, **kw))  # fmt: skip
 
 
-def gpu_decomposition() -> list[dict]:
-    cycles_per_ms = _sleep_cycles_per_ms()
-    side = torch.cuda.Stream()
+def _gpu_point(model, proj, tp, tokens, side, link, device="cuda") -> dict:
+    """One point's row (on CPU, where tests run it, the copies are unpaced)."""
+    d, widths = layer_widths(model, proj, tp)
+    case = make_case(side, d, widths, tp, tokens, device)
+    ring, silent = StandInRing(tp, link, device=device), StandInRing(tp, None, device=device)
+    recv, peer_recv = torch.empty_like(case.message), torch.empty_like(case.peer_message)
+    pace = torch.device(device).type == "cuda"
+
+    def comm():  # the W - 1 transfers of the ring, alone
+        for _ in range(tp - 1):
+            paced_copy(case.message, recv, link, pace=pace)
+
+    def serial_cublas():  # the peer: cuBLAS and NCCL's collective, one after the other
+        case.cublas()
+        for _ in range(tp - 1):
+            paced_copy(case.peer_message, peer_recv, link, pace=pace)
+
+    for fn in (lambda: case.loop(ring), lambda: case.loop(silent), case.gemms, case.unchunked):
+        fn()  # tuning picks and compiles happen here, outside every timing
+    gemm_ms, comm_ms = time_ms(case.gemms), time_ms(comm)
+    ring_ms = time_ms(lambda: case.loop(ring))
+    graph_ms, graph_note = time_ms_graph(lambda: case.loop(ring))
+    host_us_step = host_ms(lambda: case.loop(ring)) * 1e3 / tp
+    gpu_us_step = None if graph_ms is None else graph_ms * 1e3 / tp
+    nominal = (tp - 1) * link.nominal_ms(case.message.nbytes)
+    serial_ms, unchunked_ms = time_ms(serial_cublas), time_ms(case.unchunked)
+    return dict(side=side, model=model, proj=proj, world=tp, tokens=tokens, N=sum(widths), K=d,
+                msg_mb=case.message.nbytes / 2**20, link_gbps=link.gbps,
+                cublas_ms=time_ms(case.cublas), fusedpar_ms=unchunked_ms,
+                gemm_ms=gemm_ms, comm_ms=comm_ms, comm_nominal_ms=nominal,
+                comm_vs_nominal=comm_ms / nominal, serialized_ms=gemm_ms + comm_ms,
+                ring_ms=ring_ms, vs_max=ring_ms / max(comm_ms, gemm_ms),
+                nocomm_ms=time_ms(lambda: case.loop(silent)), serial_cublas_ms=serial_ms,
+                speedup=serial_ms / ring_ms, ring_graph_ms=graph_ms, graph_note=graph_note,
+                host_us_step=host_us_step, gpu_us_step=gpu_us_step,
+                host_bound=None if gpu_us_step is None else host_us_step > gpu_us_step,
+                chunking_cost=gemm_ms / unchunked_ms)  # fmt: skip
+
+
+STANDIN_SIZES_MB = (1, 4, 16, 64)  # the ring's messages span about 1 to 64 MiB
+
+
+def standin_rows(link: Link, device="cuda") -> list[dict]:
+    """The stand-in alone against its link model, one message at a time (L2 flushed)."""
+    rows, pace = [], torch.device(device).type == "cuda"
+    for mb in STANDIN_SIZES_MB:
+        src = torch.randn(mb * 2**20 // 4, device=device)
+        dst = torch.full_like(src, float("nan"))
+        paced_copy(src, dst, link, pace=pace)
+        if not torch.equal(src, dst):  # (a host sync)
+            raise RuntimeError(f"the stand-in's copy of {mb} MiB is wrong")
+        measured = time_ms(lambda s=src, t=dst: paced_copy(s, t, link, pace=pace))
+        unpaced = time_ms(lambda s=src, t=dst: paced_copy(s, t, link, pace=False))
+        nominal = link.nominal_ms(src.nbytes)
+        rows.append(dict(part="standin", link_gbps=link.gbps, msg_mb=float(mb), comm_ms=measured,
+                         comm_nominal_ms=nominal, comm_vs_nominal=measured / nominal,
+                         unpaced_ms=unpaced))  # fmt: skip
+        flag = "" if abs(measured / nominal - 1) <= 0.1 else "  <- off by more than 10%"
+        print(f"stand-in {mb:3d} MiB at {link.gbps:g} GB/s: {measured * 1e3:8.1f} us, model "
+              f"{nominal * 1e3:8.1f} us, unpaced {unpaced * 1e3:8.1f} us{flag}")  # fmt: skip
+    return rows
+
+
+def nccl_p2p_issue_us(nbytes: int = 4 << 20, reps: int = 20) -> tuple[float | None, str | None]:
+    """Host microseconds to post a send and a receive with ``batch_isend_irecv`` (what
+    `Ring.send_recv` does per step, which the stand-in does not) on a one-rank NCCL group
+    sending to itself; ``(None, reason)`` when that group cannot be made."""
+    import torch.distributed as dist
+
+    from bench.common import _reason
+
+    if dist.is_initialized():
+        return None, "a process group already exists in this process"
+    try:
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=60))  # fmt: skip
+        send = torch.randn(nbytes // 4, device="cuda")
+        recv = torch.empty_like(send)
+
+        def post():
+            ops = [dist.P2POp(dist.isend, send, 0), dist.P2POp(dist.irecv, recv, 0)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+        post()  # the first exchange builds the communicator
+        return host_ms(post, reps=reps) * 1e3, None
+    except Exception as error:  # recorded with its reason: the rest of the run stands
+        return None, _reason(error)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+GPU_COLUMNS = ["part", "side", "model", "proj", "world", "tokens", "link_gbps", "msg_mb",
+               "gemm_ms", "comm_ms", "comm_vs_nominal", "serialized_ms", "ring_ms", "vs_max",
+               "nocomm_ms", "serial_cublas_ms", "speedup", "ring_graph_ms", "host_us_step",
+               "gpu_us_step", "host_bound", "chunking_cost", "unpaced_ms"]  # fmt: skip
+
+
+def gpu_overlap(meta: dict, device="cuda") -> list[dict]:
+    """Every GPU point for every link (results rewritten after each: a cut run keeps them)."""
     rows = []
-    # Llama-3 8B gate/up and 70B gate/up per rank at TP=8, and a square projection
-    for tokens, k, n in [(8192, 4096, 14336 // 8), (8192, 8192, 28672 // 8), (16384, 4096, 4096)]:
-        for world in (2, 4, 8):
-            rows.append(_gpu_point(tokens, k, n, world, cycles_per_ms, side))
-            print(rows[-1])
+    for link in links_from_env():
+        rows += standin_rows(link, device)
+        for point in gpu_points():
+            rows.append(dict(part="gpu", **_gpu_point(*point, link, device)))
+            r = rows[-1]
+            print(f"{r['side']} {r['model']} {r['proj']} W={r['world']} T={r['tokens']}: ring "
+                  f"{r['ring_ms']:.3f} ms, gemm {r['gemm_ms']:.3f}, comm {r['comm_ms']:.3f} "
+                  f"(vs max {r['vs_max']:.2f}); host {r['host_us_step']:.0f} us/step, GPU "
+                  f"{r['gpu_us_step'] or float('nan'):.0f} us/step")  # fmt: skip
+            write_results("linear", rows, GPU_COLUMNS, {**meta, "partial": True}, announce=False)
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
 def main() -> None:
-    rows = [dict(part="cpu-gloo", **r) for r in cpu_overlap()]
-    meta = {"cpu_shape": str(CPU_SHAPE), "cpu_reps": CPU_REPS, "cpu_cores": os.cpu_count(),
-            "torch": torch.__version__}  # fmt: skip
-    columns = ["part", "world", "op", "serial_ms", "ring_ms", "speedup"]
-    if require_gpu("linear (GPU part: decomposition, overlap)"):
-        meta.update(environment())
-        rows += [dict(part="gpu", **r) for r in gpu_decomposition()]
-        columns += ["tokens", "k", "n", "cublas_ms", "fusedpar_ms", "chunked_ms",
-                    "decomposition_cost", "chunking_cost", "comm_ms", "serialized_ms",
-                    "overlapped_ms", "vs_max"]  # fmt: skip
-    else:
-        meta["device"] = f"CPU ({os.cpu_count()} cores), gloo"
+    if not torch.cuda.is_available():  # the CPU part: gloo ranks on this machine
+        rows = [dict(part="cpu-gloo", **r) for r in cpu_overlap()]
+        meta = {"device": f"CPU ({os.cpu_count()} cores), gloo", "cpu_shape": str(CPU_SHAPE),
+                "cpu_reps": CPU_REPS, "cpu_cores": os.cpu_count(),
+                "torch": torch.__version__}  # fmt: skip
 
-    def plot(ax):  # the GPU rows when there are some, else the CPU ones
-        gpu = [r for r in rows if r["part"] == "gpu"]
-        if gpu:
-            paired_bars(ax, [f"{r['k']}x{r['n']} W={r['world']}" for r in gpu],
-                        [r["overlapped_ms"] for r in gpu], [r["serialized_ms"] for r in gpu],
-                        "overlapped", "serialized", "ms (median)",
-                        f"chunk GEMMs + comm stand-in, bf16, {meta['device']}")  # fmt: skip
-            return
-        cpu = [r for r in rows if r["part"] == "cpu-gloo"]
-        paired_bars(ax, [f"{r['op']} W={r['world']}" for r in cpu],
-                    [r["ring_ms"] for r in cpu], [r["serial_ms"] for r in cpu],
-                    "ring pipeline", "serialized", "ms (slowest rank, median)",
-                    f"TP GEMM + collective, {meta['device']}")  # fmt: skip
+        def plot(ax):
+            paired_bars(ax, [f"{r['op']} W={r['world']}" for r in rows],
+                        [r["ring_ms"] for r in rows], [r["serial_ms"] for r in rows],
+                        "ring pipeline", "serialized", "ms (slowest rank, median)",
+                        f"TP GEMM + collective, {meta['device']}")  # fmt: skip
 
-    write_results("linear", rows, columns, meta, plot)
+        write_results("linear", rows, ["part", "world", "op", "serial_ms", "ring_ms", "speedup"],
+                      meta, plot)  # fmt: skip
+        return
+    if require_gpu("linear"):
+        gpu_main()
+
+
+def gpu_main(device="cuda") -> None:
+    """The GPU part, start to end (tests run it on CPU with the timers replaced)."""
+    meta = {**environment(), "dtype": "bfloat16", "quick": quick(), "piece_bytes": PIECE_BYTES,
+            "links": [vars(link) for link in links_from_env()],
+            "graph_timing": GRAPH_TIMING}  # fmt: skip
+    rows = gpu_overlap(meta, device)
+    gpu = [r for r in rows if r["part"] == "gpu"]
+    meta["worst_vs_max"] = max(r["vs_max"] for r in gpu)
+
+    def plot(ax):
+        for side, marker in zip(SIDES, "os", strict=True):
+            points = [(i, r["vs_max"]) for i, r in enumerate(gpu) if r["side"] == side]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker, label=f"{side}: ring / max(comm, gemm)")
+        ax.axhline(1.1, color="gray", ls="--", label="target 1.1")
+        ax.set_xlabel("point (model x projection x TP x tokens, in table order)")
+        ax.set_ylabel("ring time / max(comm, GEMM)")
+        ax.set_title(f"TP ring with an NVLink-speed comm stand-in, bf16, {meta['device']}")
+        ax.legend()
+
+    write_results("linear", rows, GPU_COLUMNS, meta, plot, announce=False)
+    # last, and after the files are complete: it makes an NCCL process group
+    meta["nccl_p2p_issue_us"], meta["nccl_p2p_issue_note"] = nccl_p2p_issue_us()
+    write_results("linear", rows, GPU_COLUMNS, meta, plot)
 
 
 if __name__ == "__main__":

@@ -4,16 +4,23 @@ Shapes: Llama-3 8B and 70B projections split 2, 4 and 8 ways, as one rank of TP 
 them: QKV and gate/up column-parallel (N split), output and down row-parallel (K split),
 at M = 2k..16k tokens, bf16, ``x @ weight.T`` with an ``nn.Linear``-layout weight.
 Target: >= 0.95x cuBLAS. ``BENCH_QUICK=1``: TP = 8 at M = 4k and 16k only.
+
+The small points (TP = 8, M <= 4k: down to about 20 us of GPU time, predicted) are also
+timed replaying a CUDA graph of the same call (`time_ms_graph`): ``*_graph_tflops``
+beside ``*_tflops`` shows how much of the eager number is host launch overhead rather
+than the kernel (a failed capture leaves them null with the reason in ``graph_note``).
 """
 
 import torch
 
 from bench.common import (
+    GRAPH_TIMING,
     environment,
     measured_ceilings,
     quick,
     require_gpu,
     time_ms,
+    time_ms_graph,
     write_results,
 )
 
@@ -21,7 +28,14 @@ from bench.common import (
 MODELS = {"llama3-8b": (4096, 14336, 4096 + 2 * 1024), "llama3-70b": (8192, 28672, 8192 + 2 * 1024)}
 TP_SIZES = (2, 4, 8)
 TOKENS = (2048, 4096, 8192, 16384)
-COLUMNS = ["model", "tp", "proj", "M", "N", "K", "fusedpar_tflops", "torch_tflops", "ratio"]
+COLUMNS = ["model", "tp", "proj", "M", "N", "K", "fusedpar_tflops", "torch_tflops", "ratio",
+           "fusedpar_graph_tflops", "torch_graph_tflops", "graph_note"]  # fmt: skip
+# Points whose eager time can be launch-bound: timed through a CUDA graph as well.
+GRAPH_TP, GRAPH_MAX_M = 8, 4096
+
+
+def graph_timed(tp: int, M: int) -> bool:
+    return tp == GRAPH_TP and M <= GRAPH_MAX_M
 
 
 def tp_shapes():
@@ -32,6 +46,17 @@ def tp_shapes():
             yield model, tp, "out", d, d // tp
             yield model, tp, "gate_up", 2 * ffn // tp, d
             yield model, tp, "down", d, ffn // tp
+
+
+def _graph_point(matmul, x, weight, flops) -> dict:
+    """TFLOP/s of both GEMMs replayed from a CUDA graph (None + the reason if capture fails)."""
+    ours_ms, ours_note = time_ms_graph(lambda: matmul(x, weight.T))
+    torch_ms, torch_note = time_ms_graph(lambda: x @ weight.T)
+    notes = [f"{who}: {note}" for who, note in (("fusedpar", ours_note), ("torch", torch_note))
+             if note]  # fmt: skip
+    return dict(fusedpar_graph_tflops=None if ours_ms is None else flops / ours_ms / 1e9,
+                torch_graph_tflops=None if torch_ms is None else flops / torch_ms / 1e9,
+                graph_note="; ".join(notes) or None)  # fmt: skip
 
 
 def main() -> None:
@@ -50,6 +75,8 @@ def main() -> None:
             cublas = flops / time_ms(lambda x=x, w=weight: x @ w.T) / 1e9
             row = dict(model=model, tp=tp, proj=proj, M=M, N=N, K=K)
             row.update(fusedpar_tflops=ours, torch_tflops=cublas, ratio=ours / cublas)
+            if graph_timed(tp, M):
+                row.update(_graph_point(matmul, x, weight, flops))
             rows.append(row)
             write_results("matmul", rows, COLUMNS, {**env, "partial": True}, announce=False)
             print(f"{model} tp{tp} {proj:8s} M={M:6d} N={N:6d} K={K:6d}: fusedpar {ours:6.1f}"
@@ -57,6 +84,7 @@ def main() -> None:
 
     ratios = sorted(r["ratio"] for r in rows)
     meta = {**env, **measured_ceilings(), "dtype": "bfloat16", "quick": quick(),
+            "graph_timing": GRAPH_TIMING,
             "median_ratio": ratios[len(ratios) // 2], "min_ratio": ratios[0]}  # fmt: skip
 
     def plot(ax):

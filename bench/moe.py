@@ -10,14 +10,23 @@ Fine-grained shapes (E = 64 and 128 experts, d_model 2048, d_hidden 768 and 1536
   per expert and ``torch._grouped_mm`` where it exists (target >= 1.2x the loop), all
   reading the permuted rows; `grouped_gather_tflops` is ours with the gather fused, as
   the layer runs it;
-- `fp.nn.MoE` forward + backward against a naive torch MoE (loop over experts). The
-  layer routes with its own router, so its times do not depend on the routing column.
+- the fused gate/up GEMM (`grouped_swiglu`: both projections and the SwiGLU, gathering
+  from x) against two ``torch._grouped_mm`` and ``silu * mul`` on the permuted rows;
+- the weight gradient (`grouped_weight_grad`) against a loop of ``dy_e.T @ x_e``;
+- `fp.nn.MoE` forward + backward against a naive torch MoE (loop over experts) and a
+  torchtitan-style layer on ``torch._grouped_mm`` (permute, three grouped GEMMs,
+  weighted ``index_add_``). The layers route with the same router weights; our layer's
+  times do not depend on the routing column.
+
+The tuner's picks (`all_picks`) go in the results' meta. Runs on a GPU only (exits 0
+without one); the peers' math is device-agnostic and tested on CPU (tests/test_moe.py).
 
 Anchors: CUTLASS SM90 grouped GEMM 160 TFLOP/s against a cuBLAS loop at 129.5 on
 Qwen3-30B-A3B shapes (H100); permute kernels at 1.5-2.4 TB/s on H200.
 """
 
 import torch
+from fusedpar.kernels._tuning import all_picks
 
 from bench.common import (
     environment,
@@ -32,15 +41,21 @@ SHAPES = [(64, 2048, 768), (128, 2048, 1536)]  # (experts, d_model, d_hidden)
 TOKENS, TOP_K = 16384, 8
 
 
-def _routing(E, skewed, gen):
+def _routing(E, skewed, gen, tokens=TOKENS, top_k=TOP_K, device="cuda"):
     """ids (T, k) distinct per token; skewed: expert popularity ~ 1 / (rank + 1)."""
     popularity = 1.0 / torch.arange(1, E + 1, dtype=torch.float32) if skewed else torch.ones(E)
-    return torch.multinomial(popularity.expand(TOKENS, E), TOP_K, generator=gen).cuda()
+    return torch.multinomial(popularity.expand(tokens, E), top_k, generator=gen).to(device)
+
+
+def _route(x, router_weight, top_k):
+    """The peers' router: softmax, top-k, weights renormalized (as `fp.nn.MoE` defaults)."""
+    weights, ids = (x.float() @ router_weight.float().T).softmax(-1).topk(top_k, -1)
+    return (weights / weights.sum(-1, keepdim=True)).to(x.dtype), ids
 
 
 def _naive_moe(x, router_weight, w1, w2, w3, top_k):
-    weights, ids = (x.float() @ router_weight.float().T).softmax(-1).topk(top_k, -1)
-    weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+    """A loop over experts with boolean indexing (one host sync per expert)."""
+    weights, ids = _route(x, router_weight, top_k)
     y = torch.zeros_like(x)
     for e in range(w1.shape[0]):
         token, slot = torch.where(ids == e)
@@ -49,8 +64,43 @@ def _naive_moe(x, router_weight, w1, w2, w3, top_k):
     return y
 
 
+def _grouped_mm_moe(x, router_weight, w1, w2, w3, top_k):
+    """The layer as torchtitan runs it on ``torch._grouped_mm``: sort the (token, slot)
+    pairs by expert, gather x, one grouped GEMM per projection (w1, w3, w2) with the
+    experts' row offsets, SwiGLU between, and a weighted ``index_add_`` back to tokens."""
+    weights, ids = _route(x, router_weight, top_k)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(w1.shape[0], dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # no host sync (bincount has one)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    tokens = order // top_k
+    xs = x[tokens]
+    h1 = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)
+    h3 = torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs)
+    out = torch._grouped_mm(torch.nn.functional.silu(h1) * h3, w2.transpose(-2, -1), offs=offs)
+    return torch.zeros_like(x).index_add_(0, tokens, out * weights.reshape(-1)[order, None])
+
+
+def _grouped_mm_or_reason(fn):
+    """``fn()``'s value, or "n/a (why)" where torch._grouped_mm is missing or refuses."""
+    if not hasattr(torch, "_grouped_mm"):
+        return "n/a (no torch._grouped_mm in this torch)"
+    try:
+        return fn()
+    except (RuntimeError, NotImplementedError) as e:  # device, dtype or layout unsupported
+        return f"n/a ({type(e).__name__}: {str(e)[:60]})"
+
+
 def _point(E, d, h, skewed, copy_gbps):
-    from fusedpar.kernels.moe import combine, dispatch_metadata, gather_rows, grouped_matmul
+    from fusedpar.kernels.moe import (
+        combine,
+        dispatch_metadata,
+        gather_rows,
+        grouped_matmul,
+        grouped_swiglu,
+        grouped_weight_grad,
+    )
 
     gen = torch.Generator().manual_seed(0)
     ids = _routing(E, skewed, gen)
@@ -92,16 +142,37 @@ def _point(E, d, h, skewed, copy_gbps):
         flops / time_ms(lambda: grouped_matmul(x, w1, counts, rows)) / 1e9
     )
     row["loop_tflops"] = flops / time_ms(loop) / 1e9
-    row["torch_grouped_mm_tflops"] = "n/a (no torch._grouped_mm)"
-    if hasattr(torch, "_grouped_mm"):
-        ends = torch.cumsum(counts, 0).to(torch.int32)
-        w1_t = w1.transpose(1, 2)
-        try:
-            row["torch_grouped_mm_tflops"] = flops / time_ms(
-                lambda: torch._grouped_mm(permuted, w1_t, offs=ends)) / 1e9  # fmt: skip
-        except RuntimeError as e:  # not supported on this device/dtype: say so in the row
-            row["torch_grouped_mm_tflops"] = f"n/a ({str(e)[:40]})"
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    w1_t = w1.transpose(1, 2)
+    row["torch_grouped_mm_tflops"] = _grouped_mm_or_reason(
+        lambda: flops / time_ms(lambda: torch._grouped_mm(permuted, w1_t, offs=ends)) / 1e9
+    )
     row["grouped_vs_loop"] = row["grouped_tflops"] / row["loop_tflops"]
+
+    # gate + up + SwiGLU: ours fused (gathering from x), the peer on the permuted copy
+    w3 = torch.randn_like(w1) / d**0.5
+    w3_t = w3.transpose(1, 2)
+    row["gate_up_tflops"] = (
+        2 * flops / time_ms(lambda: grouped_swiglu(x, w1, w3, counts, rows)) / 1e9
+    )
+
+    def grouped_mm_gate_up():
+        h1 = torch._grouped_mm(permuted, w1_t, offs=ends)
+        return torch.nn.functional.silu(h1) * torch._grouped_mm(permuted, w3_t, offs=ends)
+
+    row["gate_up_grouped_mm_tflops"] = _grouped_mm_or_reason(
+        lambda: 2 * flops / time_ms(grouped_mm_gate_up) / 1e9
+    )
+
+    # weight gradient of w1: ours (gathering from x) against a loop over experts
+    dy_h = torch.randn(rows.numel(), h, device="cuda", dtype=torch.bfloat16)
+
+    def wgrad_loop():
+        for e in range(E):
+            dy_h[offsets[e] : offsets[e + 1]].T @ permuted[offsets[e] : offsets[e + 1]]
+
+    row["wgrad_tflops"] = flops / time_ms(lambda: grouped_weight_grad(dy_h, x, counts, rows)) / 1e9
+    row["wgrad_loop_tflops"] = flops / time_ms(wgrad_loop) / 1e9
 
     import fusedpar as fp
 
@@ -114,12 +185,19 @@ def _point(E, d, h, skewed, copy_gbps):
         y, aux = layer(xg)
         torch.autograd.grad((y * dy).sum() + aux, [xg, *layer.parameters()])
 
-    def naive():
-        y = _naive_moe(xg, layer.router_weight, layer.w1, layer.w2, layer.w3, TOP_K)
-        torch.autograd.grad((y * dy).sum(), [xg, *layer.parameters()], allow_unused=True)
+    def peer(moe):
+        def run():
+            y = moe(xg, layer.router_weight, layer.w1, layer.w2, layer.w3, TOP_K)
+            torch.autograd.grad((y * dy).sum(), [xg, *layer.parameters()], allow_unused=True)
+
+        return run
 
     # rep is milliseconds of timing: the naive layer takes tens of ms a call
-    row["layer_ms"], row["naive_layer_ms"] = time_ms(ours, rep=500), time_ms(naive, rep=500)
+    row["layer_ms"] = time_ms(ours, rep=500)
+    row["naive_layer_ms"] = time_ms(peer(_naive_moe), rep=500)
+    row["grouped_mm_layer_ms"] = _grouped_mm_or_reason(
+        lambda: time_ms(peer(_grouped_mm_moe), rep=500)
+    )
     print(row)
     return row
 
@@ -130,12 +208,14 @@ def main() -> None:
     ceilings = measured_ceilings()
     rows = [_point(E, d, h, skewed, ceilings["copy_gbps"])
             for E, d, h in SHAPES for skewed in (False, True)]  # fmt: skip
-    meta = {**environment(), **ceilings, "dtype": "bfloat16", "tokens": TOKENS, "top_k": TOP_K}
+    meta = {**environment(), **ceilings, "dtype": "bfloat16", "tokens": TOKENS, "top_k": TOP_K,
+            "tuning_picks": all_picks()}  # fmt: skip
     columns = ["E", "d_model", "d_hidden", "routing", "permute_gbps", "permute_torch_gbps",
                "permute_vs_copy", "combine_gbps", "combine_torch_gbps", "combine_vs_copy",
                "grouped_tflops", "grouped_gather_tflops", "loop_tflops",
-               "torch_grouped_mm_tflops", "grouped_vs_loop", "layer_ms",
-               "naive_layer_ms"]  # fmt: skip
+               "torch_grouped_mm_tflops", "grouped_vs_loop", "gate_up_tflops",
+               "gate_up_grouped_mm_tflops", "wgrad_tflops", "wgrad_loop_tflops", "layer_ms",
+               "naive_layer_ms", "grouped_mm_layer_ms"]  # fmt: skip
 
     def plot(ax):
         paired_bars(ax, [f"E={r['E']} {r['routing']}" for r in rows],

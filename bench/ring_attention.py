@@ -1,12 +1,15 @@
-"""Ring attention: the cost of the ring on one GPU, and the overlap of its transfers.
+"""Ring attention: the ring's schedule on one GPU, and the overlap of its transfers.
 
-GPU (one device): `ring_attn` with a group of one rank against `flash_attn`, forward and
-backward, bf16, D = 128 (target overhead <= 5%). With one rank the ring reduces to the
-flash kernel, so this checks that the wrapper adds nothing.
+GPU (one device): the virtual ring (`virtual_ring_attn`: the ring's own forward and
+backward loops over W simulated ranks, transfers replaced by copies) at W = 2, 4, 8
+against `flash_attn` on the whole sequence, forward and forward + backward, bf16,
+32 query / 8 KV heads, D = 128, zigzag. Both do the same FLOPs; the ring adds W * W
+smaller launches, the merge epilogues, dK/dV carried in fp32 and the KV copies.
+Target: ring time <= 1.1x flash_attn (`vs_flash`). `BENCH_QUICK=1`: S = 16k only.
 
 CPU (gloo, runs anywhere): the forward ring at W = 2 and 4 with each transfer overlapped
-with the block's compute, against waiting for it first. Blocks are computed by torch
-(float32) so the comparison measures the pipelining, not Triton's interpreter.
+with the block's compute, against waiting for it first. Blocks are computed (and merged)
+by torch in float32, so the comparison measures the pipelining, not Triton's interpreter.
 
 Anchor: ring-flash-attention reports zigzag at 90.2% of the ideal speed-up on 8 x H800
 (Llama-3-8B shapes, 8k tokens per GPU).
@@ -18,14 +21,25 @@ import time
 
 import torch
 
-from bench.common import environment, paired_bars, require_gpu, time_ms, write_results
+from bench.common import (
+    environment,
+    paired_bars,
+    quick,
+    require_gpu,
+    time_ms,
+    write_results,
+)
 
 CPU_SHAPE = {"batch": 1, "tokens_per_rank": 1024, "heads": 8, "kv_heads": 2, "head_dim": 64}
 CPU_REPS = 5
+GPU_SHAPE = {"batch": 1, "heads": 32, "kv_heads": 8, "head_dim": 128}
+GPU_WORLDS = (2, 4, 8)
+GPU_SEQ_LENS = (4096, 16384)  # BENCH_QUICK: the last only
+GPU_DTYPE = torch.bfloat16  # a CPU test runs the GPU part in fp32 (the interpreter)
 
 
 def torch_attend(q, k, v, *, causal, softmax_scale, out=None, lse=None, out_dtype=None,
-                 agreement=None, tune_only=False):  # fmt: skip
+                 merge=False, agreement=None, tune_only=False):  # fmt: skip
     """One ring block in plain torch float32, with `attention_forward`'s contract."""
     from fusedpar.kernels.attention import attention_reference
 
@@ -35,6 +49,12 @@ def torch_attend(q, k, v, *, causal, softmax_scale, out=None, lse=None, out_dtyp
                                                softmax_scale=softmax_scale)  # fmt: skip
     if out is None:
         return block_out, block_lse
+    if merge:  # the LSE merge of the kernel's epilogue
+        total = torch.logaddexp(lse, block_lse)
+        weight = torch.exp(lse - total).nan_to_num(0).transpose(1, 2)[..., None]
+        block_weight = torch.exp(block_lse - total).nan_to_num(0).transpose(1, 2)[..., None]
+        block_out = out * weight + block_out * block_weight
+        block_lse = total
     out.copy_(block_out)
     lse.copy_(block_lse)
     return out, lse
@@ -73,21 +93,6 @@ def cpu_overlap() -> list[dict]:
     from fusedpar.testing import World
 
     rows = []
-    # The ranks merge partials with the Triton merge kernel: on CPU, in the interpreter.
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        rows = _cpu_worlds(World)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-    return rows
-
-
-def _cpu_worlds(World) -> list[dict]:
-    rows = []
     for size in (2, 4):
         with World(size) as world:
             for causal in (False, True):
@@ -101,30 +106,56 @@ def _cpu_worlds(World) -> list[dict]:
     return rows
 
 
-def _gpu_point(seq_len, causal):
-    import torch.distributed as dist
+def _timed(fn, q, k, v, dout, device) -> dict:
+    """fwd and fwd+bwd milliseconds; a pass that fails is None, with the reason."""
+    result = {}
+    runs = {"fwd_ms": fn, "fwd_bwd_ms": lambda: torch.autograd.grad(fn(), (q, k, v), dout)}
+    for name, run in runs.items():
+        try:
+            result[name] = time_ms(run)
+        except Exception as e:  # out of memory at W = 8, say: recorded, the rest measured
+            result[name] = None
+            result.setdefault("error", f"{type(e).__name__}: {str(e)[:120]}")
+            del e
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return result
 
+
+def _gpu_point(S: int, causal: bool, device: str) -> list[dict]:
     import fusedpar as fp
+    from fusedpar.ops.ring_attention import virtual_ring_attn
 
-    shape = dict(device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    q = torch.randn(1, seq_len, 32, 128, **shape)
-    k, v = torch.randn(1, seq_len, 8, 128, **shape), torch.randn(1, seq_len, 8, 128, **shape)
+    B, H, Hkv, D = (GPU_SHAPE[n] for n in ("batch", "heads", "kv_heads", "head_dim"))
+    shape = dict(device=device, dtype=GPU_DTYPE, requires_grad=True)
+    q = torch.randn(B, S, H, D, **shape)
+    k, v = torch.randn(B, S, Hkv, D, **shape), torch.randn(B, S, Hkv, D, **shape)
     dout = torch.randn_like(q)
-    impls = {
-        "flash_attn": lambda: fp.flash_attn(q, k, v, causal=causal),
-        "ring_attn": lambda: fp.ring_attn(q, k, v, dist.group.WORLD, causal=causal),
-    }
+
+    def attend(W):
+        if W == 1:
+            return fp.flash_attn(q, k, v, causal=causal)
+        return virtual_ring_attn(q, k, v, W, causal=causal)
+
     rows = []
-    for name, fn in impls.items():
-        fwd = time_ms(fn)
-        both = time_ms(lambda fn=fn: torch.autograd.grad(fn(), (q, k, v), dout))
-        rows.append(dict(part="gpu-1rank", seq_len=seq_len, causal=causal, impl=name,
-                         fwd_ms=fwd, fwd_bwd_ms=both))  # fmt: skip
+    for W in (1, *GPU_WORLDS):
+        row = dict(part="gpu-virtual-ring", seq_len=S, causal=causal,
+                   impl="flash_attn" if W == 1 else "virtual ring", world=W,
+                   **_timed(lambda W=W: attend(W), q, k, v, dout, device))  # fmt: skip
+        for t in ("fwd_ms", "fwd_bwd_ms"):
+            if W > 1 and row[t] is not None and rows[0][t] is not None:
+                row[f"{t[:-3]}_vs_flash"] = row[t] / rows[0][t]
+        rows.append(row)
+        print(f"S={S} causal={causal} {row['impl']} W={W}: fwd {row['fwd_ms']} ms, "
+              f"fwd+bwd {row['fwd_bwd_ms']} ms")  # fmt: skip
     return rows
 
 
-def _gpu_rank(seq_len):
-    return [row for causal in (False, True) for row in _gpu_point(seq_len, causal)]
+def gpu_virtual_ring(device: str = "cuda") -> list[dict]:
+    """The GPU part's rows on `device` (a CPU test runs it in the interpreter)."""
+    seq_lens = GPU_SEQ_LENS[-1:] if quick() else GPU_SEQ_LENS
+    return [row for S in seq_lens for causal in (False, True)
+            for row in _gpu_point(S, causal, device)]  # fmt: skip
 
 
 def main() -> None:
@@ -133,22 +164,25 @@ def main() -> None:
             "layout": "zigzag", "torch": torch.__version__}  # fmt: skip
     columns = ["part", "world", "causal", "waited_ms", "overlapped_ms", "speedup"]
     if require_gpu("ring_attention (GPU part)"):
-        from fusedpar.testing import World
-
-        meta.update(environment())
-        with World(1, backend="nccl") as world:
-            for seq_len in (4096, 16384):
-                rows += world.run(_gpu_rank, seq_len)[0]
-        flash = {(r["seq_len"], r["causal"]): r for r in rows if r.get("impl") == "flash_attn"}
-        for r in rows:
-            if r.get("impl") == "ring_attn":
-                base = flash[(r["seq_len"], r["causal"])]
-                r["overhead"] = r["fwd_bwd_ms"] / base["fwd_bwd_ms"] - 1
-        columns += ["seq_len", "impl", "fwd_ms", "fwd_bwd_ms", "overhead"]
+        meta.update(environment(), gpu_shape=str(GPU_SHAPE), dtype=str(GPU_DTYPE), quick=quick())
+        rows += gpu_virtual_ring()
+        columns += ["seq_len", "impl", "fwd_ms", "fwd_bwd_ms", "fwd_vs_flash", "fwd_bwd_vs_flash",
+                    "error"]  # fmt: skip
     else:
         meta["device"] = f"CPU ({os.cpu_count()} cores), gloo"
 
     def plot(ax):
+        gpu = [r for r in rows if r["part"] == "gpu-virtual-ring" and r["world"] > 1]
+        if gpu:  # the ring against flash_attn on the same sequence, forward + backward
+            flash = {(r["seq_len"], r["causal"]): r for r in rows if r.get("impl") == "flash_attn"}
+            paired_bars(ax, [f"S={r['seq_len'] // 1024}k W={r['world']}"
+                             f"{' causal' if r['causal'] else ''}" for r in gpu],
+                        [r["fwd_bwd_ms"] or 0 for r in gpu],
+                        [flash[(r["seq_len"], r["causal"])]["fwd_bwd_ms"] or 0 for r in gpu],
+                        "virtual ring", "flash_attn, whole sequence", "forward + backward ms",
+                        f"ring attention on one GPU, zigzag, {meta['device']}")  # fmt: skip
+            ax.tick_params(axis="x", labelrotation=45)
+            return
         cpu = [r for r in rows if r["part"] == "cpu-gloo"]
         paired_bars(ax, [f"W={r['world']}{' causal' if r['causal'] else ''}" for r in cpu],
                     [r["overlapped_ms"] for r in cpu], [r["waited_ms"] for r in cpu],

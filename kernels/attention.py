@@ -14,6 +14,8 @@ gets output 0 and LSE -inf.
 | pass     | math (S = scale * Q K^T, masked)                                  |
 | -------- | ----------------------------------------------------------------- |
 | forward  | ``P = softmax(S)``, ``O = P V``, ``LSE = logsumexp(S)``           |
+| merge    | (ring steps) ``O, LSE`` folded into the fp32 ``out, lse`` given,  |
+|          | through the LSE (`fusedpar.kernels.attention_merge`)              |
 | delta    | ``delta = rowsum(dO * O) - dLSE``                                 |
 | backward | ``dV = P^T dO``, ``dS = P * (dO V^T - delta)``,                   |
 |          | ``dQ = scale * dS K``, ``dK = scale * dS^T Q`` (summed over a group) |
@@ -37,6 +39,7 @@ from fusedpar.kernels._common import (
     is_interpreted,
 )
 from fusedpar.kernels._tuning import Agreement, bucket
+from fusedpar.kernels.attention_merge import merge_partials
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # log(x) = log2(x) * LN2
@@ -140,7 +143,7 @@ def _attn_fwd_kernel(
     # sizes
     Sq, Skv, GROUP, qk_scale,
     # meta-parameters
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, MERGE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # Grid (query blocks, B, Hq): batch and heads on their own axes (each up to 65535).
@@ -196,8 +199,15 @@ def _attn_fwd_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # ln 2
     o_ptrs = (o_ptr + b * stride_ob + h * stride_oh
               + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od)  # fmt: skip
-    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
-    tl.store(lse_ptr + b * stride_lb + h * stride_lh + offs_m * stride_ls, lse, mask=row_mask)
+    o_mask = row_mask[:, None] & d_mask[None, :]
+    lse_ptrs = lse_ptr + b * stride_lb + h * stride_lh + offs_m * stride_ls
+    if MERGE:  # a ring step: fold this block into the running fp32 (out, lse) in place,
+        # instead of writing a block partial that a second pass reads back (review P10)
+        o_prev = tl.load(o_ptrs, mask=o_mask, other=0.0)
+        lse_prev = tl.load(lse_ptrs, mask=row_mask, other=float("-inf"))
+        o, lse = merge_partials(o_prev, lse_prev, o, lse)
+    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=o_mask)
+    tl.store(lse_ptrs, lse, mask=row_mask)
 
 
 # --- launchers -------------------------------------------------------------------------
@@ -252,13 +262,16 @@ def interpreter_blocks(Sq: int, Skv: int) -> dict:
 
 
 def launch(
-    kernel, configs, grid, args, meta, Sq, Skv, *, restore=(), agreement=None, tune_only=False
-):
-    """Launch `kernel` with the tile tuned for (Sq and Skv buckets, `meta`, the dtypes):
-    one sized to the problem in the interpreter, else the best of ``configs()``.
-    `grid(tile)` builds the grid; `restore`: buffers the kernel adds into."""
+    kernel, configs, grid, args, meta, Sq, Skv, *, restore=(), agreement=None, tune_only=False,
+    key_extra=(),
+):  # fmt: skip
+    """Launch `kernel` with the tile tuned for (Sq and Skv buckets, `meta`, the dtypes,
+    `key_extra`): one sized to the problem in the interpreter, else the best of
+    ``configs()``. `grid(tile)` builds the grid; `restore`: buffers the kernel reads
+    back (adds into, or merges with)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    key = (bucket(Sq), bucket(Skv), *sorted(meta.items()), *(str(t.dtype) for t in tensors))
+    key = (bucket(Sq), bucket(Skv), *sorted(meta.items()), *(str(t.dtype) for t in tensors),
+           *key_extra)  # fmt: skip
     if is_interpreted(kernel):
         candidates = [triton.Config(interpreter_blocks(bucket(Sq), bucket(Skv)))]
     else:
@@ -293,23 +306,31 @@ def attention_forward(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    merge: bool = False,
     agreement: Agreement | None = None,
     tune_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Returns ``(out, lse)``: out (B, Sq, Hq, D) in `out_dtype` (q's, or fp32 for ring
     partials), lse (B, Hq, Sq) fp32. `out` and `lse` may be given, with any strides.
 
-    `agreement`: the ranks that pick one tile together; ``tune_only``: make the pick for
-    this call (on scratch buffers) and return None: the ring does so before its loop."""
+    ``merge``: `out` (fp32) and `lse` hold attention over other keys; this call's result
+    is merged into them in place through the LSE (a ring step) rather than overwriting
+    them. `agreement`: the ranks that pick one tile together; ``tune_only``: make the
+    pick for this call (on scratch buffers) and return None: the ring does so before its
+    loop."""
     check_attention_inputs(q, k, v)
     (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
     allowed = (q.dtype, torch.float32)
+    if merge and not tune_only and (out is None or lse is None):
+        raise ValueError("merge=True folds the result into `out` and `lse`: give both")
     if tune_only:  # the key depends on the dtypes only: write nothing of the caller's
         out_dtype = out.dtype if out is not None else out_dtype
         out = lse = None
     if out is None:
         out = torch.empty((B, Sq, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
     check_buffer("out", out, (B, Sq, Hq, D), allowed, q.device)
+    if merge and out.dtype != torch.float32:
+        raise TypeError(f"merge=True accumulates in float32: out is {out.dtype}")
     if lse is None:
         lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     check_buffer("lse", lse, (B, Hq, Sq), (torch.float32,), q.device)
@@ -326,7 +347,10 @@ def attention_forward(
     def grid(meta):
         return (triton.cdiv(Sq, meta["BLOCK_M"]), B, Hq)
 
-    launch(_attn_fwd_kernel, forward_configs, grid, args, kernel_meta(q, causal), Sq, Skv,
+    # A merging launch reads its output: tuning must put it back (scratch when tune_only).
+    restore = [out, lse] if merge and not tune_only else []
+    launch(_attn_fwd_kernel, forward_configs, grid, args,
+           {**kernel_meta(q, causal), "MERGE": merge}, Sq, Skv, restore=restore,
            agreement=agreement, tune_only=tune_only)  # fmt: skip
     return None if tune_only else (out, lse)
 

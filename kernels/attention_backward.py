@@ -6,13 +6,19 @@ Shapes and conventions are those of `fusedpar.kernels.attention`. With
 | kernel  | grid                      | computes                                          |
 | ------- | ------------------------- | ------------------------------------------------- |
 | delta   | (Sq blocks, B, Hq)        | ``delta = rowsum(dO * O)`` in fp32                |
-| dkdv    | (Skv blocks, B, Hkv)      | ``dV = P^T dO``, ``dK = scale * dS^T Q``          |
+| dkdv    | (Skv blocks, B, Hkv * split) | ``dV = P^T dO``, ``dK = scale * dS^T Q``       |
 | dq      | (Sq blocks, B, Hq)        | ``dQ = scale * dS K``                             |
 
-with ``dS = P * (dO V^T - delta)``. A dkdv program sums over every query head of its
-GQA group itself, so each gradient is a sum in a fixed order inside one program: no
-atomics, and results are deterministic.
+with ``dS = P * (dO V^T - delta)``. A dkdv program sums over the query heads of its
+GQA group itself, so each gradient is a sum in a fixed order: no atomics, and results
+are deterministic. When the (Skv blocks, B, Hkv) grid is too small to fill the GPU (few
+KV heads, short KV), the group is split over ``split`` programs per KV head (see
+`gqa_split`): each writes an fp32 partial over its slice of the group, and the partials
+are summed afterwards in a fixed order (still deterministic; the review cites
+FlashAttention's ``mha_bwd``, which sums per-query-head dK/dV over the group likewise).
 """
+
+import functools
 
 import torch
 import triton
@@ -31,6 +37,14 @@ from fusedpar.kernels.attention import (
     strides,
     tile_configs,
 )
+
+# Split a GQA group over programs when the dK/dV grid has fewer programs than this (two
+# waves of the GPU's SMs keep every SM busy through the tail). None: 2 x the SM count
+# on a GPU, never in the interpreter (it runs programs one at a time); tests set it.
+SPLIT_BELOW_PROGRAMS: int | None = None
+# The dK/dV tile the decision assumes: the largest BLOCK_N, i.e. the fewest programs.
+SPLIT_BLOCK_N = 128
+
 
 # Checked by the resource gate as the forward's tiles are (kernels/attention.py). BLOCK_M
 # is the query block and BLOCK_N the key block in both kernels; each program keeps its
@@ -147,17 +161,24 @@ def _attn_bwd_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh, stride_dkd,
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
     # sizes
-    Sq, Skv, Hq, GROUP, qk_scale, sm_scale,
+    Sq, Skv, Hq, GROUP, SPLIT, qk_scale, sm_scale,
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     ACCUMULATE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """One KV block of one KV head: loops over the GROUP query heads that read it and
-    their query blocks, so dK/dV are summed in a fixed order, with no atomics."""
-    pid_n = tl.program_id(0)  # grid (KV blocks, B, Hkv), offsets 64-bit as in the forward
+    """One KV block of one KV head: loops over the query heads that read it (all GROUP
+    of them, or its slice of the group when SPLIT > 1) and their query blocks, so dK/dV
+    are summed in a fixed order, with no atomics. Output head ``pid_h``: the KV head, or
+    with SPLIT > 1 the partial ``h_kv * SPLIT + slice`` of an (B, Skv, Hkv * SPLIT, D)
+    buffer."""
+    pid_n = tl.program_id(0)  # grid (KV blocks, B, Hkv * SPLIT), 64-bit offsets as forward
     b = tl.program_id(1).to(tl.int64)
-    h_kv = tl.program_id(2).to(tl.int64)
+    pid_h = tl.program_id(2).to(tl.int64)
+    h_kv = pid_h // SPLIT
+    per_program = tl.cdiv(GROUP, SPLIT)
+    g_lo = (pid_h % SPLIT) * per_program
+    g_hi = tl.minimum(g_lo + per_program, GROUP)
     start_n = pid_n * BLOCK_N
     offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -184,7 +205,7 @@ def _attn_bwd_dkdv_kernel(
 
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    for g in range(GROUP):
+    for g in range(g_lo, g_hi):
         h = h_kv * GROUP + g
         q_ptrs = (q_ptr + b * stride_qb + h * stride_qh
                   + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd)  # fmt: skip
@@ -204,9 +225,9 @@ def _attn_bwd_dkdv_kernel(
         )  # fmt: skip
 
     dk = dk * sm_scale
-    dk_ptrs = (dk_ptr + b * stride_dkb + h_kv * stride_dkh
+    dk_ptrs = (dk_ptr + b * stride_dkb + pid_h * stride_dkh
                + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd)  # fmt: skip
-    dv_ptrs = (dv_ptr + b * stride_dvb + h_kv * stride_dvh
+    dv_ptrs = (dv_ptr + b * stride_dvb + pid_h * stride_dvh
                + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd)  # fmt: skip
     if ACCUMULATE:
         dk += tl.load(dk_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
@@ -334,6 +355,162 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     return delta
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def gqa_split(B: int, Skv: int, Hkv: int, group: int, device: torch.device) -> int:
+    """How many programs share the query heads of one KV head's dK/dV (1: no split).
+
+    Split when the grid ``cdiv(Skv, SPLIT_BLOCK_N) * B * Hkv`` is below
+    `SPLIT_BELOW_PROGRAMS` (two waves of SMs by default; queried when first needed, never
+    at import), into as many slices as fill that, at most one query head each."""
+    below = SPLIT_BELOW_PROGRAMS
+    if below is None:
+        below = 2 * _sm_count(device.index or 0) if device.type == "cuda" else 0
+    programs = max(1, triton.cdiv(Skv, SPLIT_BLOCK_N) * B * Hkv)
+    if group == 1 or programs >= below:
+        return 1
+    split = min(group, triton.cdiv(below, programs))
+    return triton.cdiv(group, triton.cdiv(group, split))  # no slice left without a head
+
+
+def _partials(shape, device: torch.device) -> torch.Tensor:
+    """The fp32 per-slice dK or dV of a split group (every element is written; tests
+    poison it through this function)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def _check_backward_inputs(dout, q, k, v, lse, delta):
+    """Raise for anything the backward kernels cannot take; returns delta contiguous."""
+    check_attention_inputs(q, k, v)
+    (B, Sq, Hq, _) = q.shape
+    if dout.shape != q.shape:
+        raise ValueError(f"dout must be q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
+    check_buffer("lse", lse, (B, Hq, Sq), (torch.float32,), q.device)
+    if delta is None:
+        return None
+    check_buffer("delta", delta, (B, Hq, Sq), (torch.float32,), q.device)
+    return delta.contiguous()
+
+
+def _gradient_buffer(name, buf, like, q, grad_dtype, tune_only):
+    """The caller's buffer, checked; a new one; or, for ``tune_only``, scratch of the
+    dtype the call would write (nothing of the caller's is touched)."""
+    dtype = (grad_dtype or q.dtype) if buf is None else buf.dtype
+    if buf is None or tune_only:
+        buf = torch.empty(like.shape, dtype=dtype, device=q.device)
+    check_buffer(name, buf, like.shape, (q.dtype, torch.float32), q.device)
+    return buf
+
+
+def attention_backward_dkdv(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+    accumulate: bool = False,
+    grad_dtype: torch.dtype | None = None,
+    agreement: Agreement | None = None,
+    tune_only: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(dk, dv)`` (B, Skv, Hkv, D) of one attention block; arguments as in
+    `attention_backward` (``delta`` required). Writes fresh values, or adds into `dk`
+    and `dv` with ``accumulate``. Under GQA with a small grid the group is split
+    (`gqa_split`): fp32 partials, then a fixed-order sum into `dk`, `dv`."""
+    delta = _check_backward_inputs(dout, q, k, v, lse, delta)
+    (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
+    if accumulate and not tune_only and (dk is None or dv is None):
+        raise ValueError("accumulate=True adds into dk and dv: both must be given")
+    dk = _gradient_buffer("dk", dk, k, q, grad_dtype, tune_only)
+    dv = _gradient_buffer("dv", dv, v, q, grad_dtype, tune_only)
+    check_launchable(_attn_bwd_dkdv_kernel, dout, q, k, v, lse, delta, dk, dv)
+    if B * Hkv * Skv == 0:  # with Sq == 0 the kernel writes zeros: no query, no gradient
+        return None if tune_only else (dk, dv)
+    group = Hq // Hkv
+    split = gqa_split(B, Skv, Hkv, group, q.device)
+    out_k, out_v = dk, dv
+    if split > 1:
+        out_k, out_v = (_partials((B, Skv, Hkv * split, D), q.device) for _ in range(2))
+    scale = resolve_scale(softmax_scale, D)
+    args = (
+        q, k, v, dout, lse, delta, out_k, out_v,
+        *strides(q), *strides(k), *strides(v), *strides(dout), *strides(lse),
+        *strides(out_k), *strides(out_v),
+        Sq, Skv, Hq, group, split, scale * LOG2E, scale,
+    )  # fmt: skip
+    adds = accumulate and split == 1  # the kernel reads its output back: tuning restores it
+    meta = {**kernel_meta(q, causal), "ACCUMULATE": adds}
+
+    def grid(meta):
+        return (triton.cdiv(Skv, meta["BLOCK_N"]), B, Hkv * split)
+
+    launch(_attn_bwd_dkdv_kernel, backward_configs, grid, args, meta, Sq, Skv,
+           restore=[dk, dv] if adds and not tune_only else [], agreement=agreement,
+           tune_only=tune_only, key_extra=(("SPLIT", split),))  # fmt: skip
+    if tune_only:
+        return None
+    if split > 1:  # the slices of each group, summed in order (torch.sum: no atomics)
+        for final, part in ((dk, out_k), (dv, out_v)):
+            summed = part.unflatten(2, (Hkv, split)).sum(3)
+            if accumulate:
+                final.add_(summed)
+            else:
+                final.copy_(summed)
+    return dk, dv
+
+
+def attention_backward_dq(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    dq: torch.Tensor | None = None,
+    accumulate: bool = False,
+    grad_dtype: torch.dtype | None = None,
+    agreement: Agreement | None = None,
+    tune_only: bool = False,
+) -> torch.Tensor | None:
+    """``dq`` (B, Sq, Hq, D) of one attention block; arguments as in `attention_backward`
+    (``delta`` required). Writes fresh values, or adds into `dq` with ``accumulate``."""
+    delta = _check_backward_inputs(dout, q, k, v, lse, delta)
+    (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
+    if accumulate and not tune_only and dq is None:
+        raise ValueError("accumulate=True adds into dq: it must be given")
+    dq = _gradient_buffer("dq", dq, q, q, grad_dtype, tune_only)
+    check_launchable(_attn_bwd_dq_kernel, dout, q, k, v, lse, delta, dq)
+    if B * Hq * Sq == 0:
+        return None if tune_only else dq
+    scale = resolve_scale(softmax_scale, D)
+    args = (
+        q, k, v, dout, lse, delta, dq,
+        *strides(q), *strides(k), *strides(v), *strides(dout), *strides(lse), *strides(dq),
+        Sq, Skv, Hq, Hq // Hkv, scale * LOG2E, scale,
+    )  # fmt: skip
+    meta = {**kernel_meta(q, causal), "ACCUMULATE": accumulate}
+
+    def grid(meta):
+        return (triton.cdiv(Sq, meta["BLOCK_M"]), B, Hq)
+
+    launch(_attn_bwd_dq_kernel, dq_configs, grid, args, meta, Sq, Skv,
+           restore=[dq] if accumulate and not tune_only else [], agreement=agreement,
+           tune_only=tune_only)  # fmt: skip
+    return None if tune_only else dq
+
+
 def attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -356,69 +533,23 @@ def attention_backward(
     """Returns ``(dq, dk, dv)`` from dO, the inputs and the forward's LSE.
 
     `delta` (B, Hq, Sq) fp32 is ``rowsum(dO * O)`` (minus dLSE when the LSE has a
-    gradient); computed from `out` when not given. The ring passes the final LSE and
-    delta at every step, fp32 `dq`/`dk`/`dv` buffers, and ``accumulate=True`` (add into
-    them). New gradients are in `grad_dtype` (q's unless given: q's or fp32).
-    `agreement` and ``tune_only`` as in `attention_forward` (scratch gradients).
+    gradient); computed from `out` when not given. ``accumulate=True`` adds into the
+    given `dq`, `dk`, `dv` (any strides) instead of overwriting them. New gradients are
+    in `grad_dtype` (q's unless given: q's or fp32). `agreement` and ``tune_only`` as in
+    `attention_forward` (scratch gradients). The ring calls the two halves,
+    `attention_backward_dq` and `attention_backward_dkdv`, itself: it adds into dQ at
+    every step but writes a block's dK/dV fresh at its first.
     """
-    check_attention_inputs(q, k, v)
-    (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
-    if dout.shape != q.shape:
-        raise ValueError(f"dout must be q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
-    check_buffer("lse", lse, (B, Hq, Sq), (torch.float32,), q.device)
     if delta is None:
+        _check_backward_inputs(dout, q, k, v, lse, None)
         if out is None:
             raise ValueError("attention_backward needs `out` or a precomputed `delta`")
         delta = attention_delta(out, dout)
-    check_buffer("delta", delta, (B, Hq, Sq), (torch.float32,), q.device)
-    delta = delta.contiguous()
-    allowed = (q.dtype, torch.float32)
-    if tune_only:  # scratch gradients of the same dtypes: nothing of the caller's is written
-        dq, dk, dv = (
-            torch.empty(like.shape, dtype=grad_dtype or q.dtype if g is None else g.dtype,
-                        device=q.device)
-            for g, like in ((dq, q), (dk, k), (dv, v))
-        )  # fmt: skip
-    if accumulate and (dq is None or dk is None or dv is None):
-        raise ValueError("accumulate=True adds into dq, dk and dv: all three must be given")
-    grads = []
-    for name, buf, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        if buf is None:
-            buf = torch.empty(like.shape, dtype=grad_dtype or q.dtype, device=q.device)
-        check_buffer(name, buf, like.shape, allowed, q.device)
-        grads.append(buf)
-    dq, dk, dv = grads
-    check_launchable(_attn_bwd_dq_kernel, dout, q, k, v, lse, delta, dq, dk, dv)
-    scale = resolve_scale(softmax_scale, D)
-    meta = {**kernel_meta(q, causal), "ACCUMULATE": accumulate}
-    tuning = dict(agreement=agreement, tune_only=tune_only)
-    if B * Hkv * Skv:  # with Sq == 0 this writes zeros: no query, no gradient
-        args = (
-            q, k, v, dout, lse, delta, dk, dv,
-            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(lse),
-            *strides(dk), *strides(dv),
-            Sq, Skv, Hq, Hq // Hkv, scale * LOG2E, scale,
-        )  # fmt: skip
-
-        def grid_kv(meta):
-            return (triton.cdiv(Skv, meta["BLOCK_N"]), B, Hkv)
-
-        launch(_attn_bwd_dkdv_kernel, backward_configs, grid_kv, args, meta, Sq, Skv,
-               restore=[dk, dv] if accumulate else [], **tuning)  # fmt: skip
-    if B * Hq * Sq:
-        args = (
-            q, k, v, dout, lse, delta, dq,
-            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(lse),
-            *strides(dq),
-            Sq, Skv, Hq, Hq // Hkv, scale * LOG2E, scale,
-        )  # fmt: skip
-
-        def grid_q(meta):
-            return (triton.cdiv(Sq, meta["BLOCK_M"]), B, Hq)
-
-        launch(_attn_bwd_dq_kernel, dq_configs, grid_q, args, meta, Sq, Skv,
-               restore=[dq] if accumulate else [], **tuning)  # fmt: skip
-    return None if tune_only else (dq, dk, dv)
+    common = dict(causal=causal, softmax_scale=softmax_scale, accumulate=accumulate,
+                  grad_dtype=grad_dtype, agreement=agreement, tune_only=tune_only)  # fmt: skip
+    grads_kv = attention_backward_dkdv(dout, q, k, v, lse, delta, dk=dk, dv=dv, **common)
+    grad_q = attention_backward_dq(dout, q, k, v, lse, delta, dq=dq, **common)
+    return None if tune_only else (grad_q, *grads_kv)
 
 
 # --- reference -------------------------------------------------------------------------

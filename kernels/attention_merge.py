@@ -17,6 +17,11 @@ give output 0 and ``lse = -inf``, never NaN.
 | lse (updated)   | (B, H, S)    | fp32, any strides           |
 | block_out       | (B, S, H, D) | any float dtype, any strides |
 | block_lse       | (B, H, S)    | fp32                        |
+
+The ring no longer calls this kernel: the forward kernel merges its block into the
+running result in its epilogue (``attention_forward(..., merge=True)``), through the
+same `merge_partials` below. `merge_attention` stays as a building block for partials
+computed elsewhere (and as the isolated test of that math).
 """
 
 import torch
@@ -27,6 +32,21 @@ from fusedpar.kernels._common import check_launchable, device_guard, is_interpre
 # One program merges BLOCK_S rows of one (batch, head): rows are D-wide, so 64 rows keep
 # a (64, 256) fp32 tile at most in registers.
 BLOCK_S = 64
+
+
+@triton.jit
+def merge_partials(o_a, lse_a, o_b, lse_b):
+    """The merged ``(o, lse)`` of two partials: o (rows, D) fp32, lse (rows,) natural
+    log. Shared by `_merge_kernel` and the forward kernel's MERGE epilogue."""
+    m = tl.maximum(lse_a, lse_b)
+    m = tl.where(m == float("-inf"), 0.0, m)  # both empty: weights exp(-inf) = 0, no NaN
+    w_a = tl.exp(lse_a - m)
+    w_b = tl.exp(lse_b - m)
+    total = w_a + w_b
+    empty = total == 0.0
+    total = tl.where(empty, 1.0, total)
+    o = (o_a * w_a[:, None] + o_b * w_b[:, None]) / total[:, None]
+    return o, tl.where(empty, float("-inf"), m + tl.log(total))
 
 
 @triton.jit
@@ -55,22 +75,14 @@ def _merge_kernel(
     lse_a = tl.load(lse_ptrs, mask=rows, other=float("-inf"))
     lse_b = tl.load(blk_lse_ptr + b * stride_yb + h * stride_yh + offs_s * stride_ys,
                     mask=rows, other=float("-inf"))  # fmt: skip
-    m = tl.maximum(lse_a, lse_b)
-    m = tl.where(m == float("-inf"), 0.0, m)  # both empty: weights exp(-inf) = 0, no NaN
-    w_a = tl.exp(lse_a - m)
-    w_b = tl.exp(lse_b - m)
-    total = w_a + w_b
-    empty = total == 0.0
-    total = tl.where(empty, 1.0, total)
-
     o_ptrs = (out_ptr + b * stride_ob + h * stride_oh
               + offs_s[:, None] * stride_os + offs_d[None, :] * stride_od)  # fmt: skip
     o_a = tl.load(o_ptrs, mask=mask, other=0.0)
     o_b = tl.load(blk_ptr + b * stride_xb + h * stride_xh + offs_s[:, None] * stride_xs
                   + offs_d[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)  # fmt: skip
-    o = (o_a * w_a[:, None] + o_b * w_b[:, None]) / total[:, None]
+    o, lse = merge_partials(o_a, lse_a, o_b, lse_b)
     tl.store(o_ptrs, o, mask=mask)
-    tl.store(lse_ptrs, tl.where(empty, float("-inf"), m + tl.log(total)), mask=rows)
+    tl.store(lse_ptrs, lse, mask=rows)
 
 
 def merge_attention(

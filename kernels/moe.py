@@ -1,25 +1,35 @@
 """Mixture-of-experts token dispatch: metadata, grouped expert GEMMs, permute, combine.
 
 Routing sends each of T tokens to k experts: P = T * k (token, slot) pairs. The pairs are
-put in a stable expert-major order; expert e owns the rows
-``offsets[e]:offsets[e + 1]`` of that order.
+put in a stable expert-major order; expert e owns the rows ``offsets[e]:offsets[e + 1]``
+of that order, and the pairs a capacity limit drops sort last, past ``offsets[E]``: no
+kernel reads or writes those rows (their values are unspecified), so no count has to
+reach the host.
 
-| function                | computes                                                      |
-| ----------------------- | ------------------------------------------------------------- |
-| `dispatch_metadata`     | counts (E,), order (P_kept,), pos (T, k) (-1: dropped)        |
-| `grouped_matmul`        | ``y[p] = x[rows[p]] @ w[e(p)].T`` (the gather fused into the loads) |
-| `grouped_weight_grad`   | ``dw[e] = sum_{p in e} dy[p]^T x[rows[p]]`` (0 for an empty expert) |
-| `gather_rows`           | ``out[p] = src[idx[p]] (* scale[p])``                         |
-| `combine`               | ``y[t] = sum_j w[t, j] * src[pos[t, j]]`` (j in order; pos -1 skipped) |
-| `combine_weight_grad`   | ``dw[t, j] = <dy[t], src[pos[t, j]]>``                        |
+| function                    | computes                                                 |
+| --------------------------- | -------------------------------------------------------- |
+| `dispatch_metadata`         | counts (E,), order (P,), pos (T, k) (-1: dropped)        |
+| `grouped_matmul`            | ``y[p] = x[rows[p]] @ w[e].T`` (the gather in the loads) |
+| `grouped_swiglu`            | ``a[p] = silu(h1[p]) * h3[p]``, ``h1, h3 = x[rows[p]] @  |
+|                             | w1[e].T, w3[e].T``: one gather of x for both             |
+| `grouped_swiglu_backward`   | ``dh1, dh3`` from ``da = d_out[p] @ w2[e]`` and the saved |
+|                             | h1, h3; a again (for w2's gradient)                      |
+| `grouped_swiglu_input_grad` | ``dx[p] = dh1[p] @ w1[e] + dh3[p] @ w3[e]``              |
+| `grouped_weight_grad`       | ``dw[e] = sum_{p in e} dy[p]^T x[rows[p]]`` (0 if empty) |
+| `gather_rows`               | ``out[p] = src[idx[p]] (* scale[p])``                    |
+| `combine`                   | ``y[t] = sum_j w[t, j] * src[pos[t, j]]`` (pos -1 skipped) |
+| `combine_weight_grad`       | ``dw[t, j] = <dy[t], src[pos[t, j]]>``                   |
 
-Every sum runs in a fixed order inside one program: no atomics, so results are
-bitwise reproducible. Accumulation is fp32.
+Every sum runs in a fixed order inside one program: no floating-point atomics, so results
+are bitwise reproducible, and they do not depend on the tile the tuner picks (see
+`BLOCK_K`, `WGRAD_BLOCK_M`). Accumulation is fp32. A plain-PyTorch reference of each
+kernel closes the file.
 """
 
 import torch
 import triton
 import triton.language as tl
+from fusedpar.kernels import _tuning
 from fusedpar.kernels._common import (
     check_float_dtype,
     check_launchable,
@@ -27,40 +37,128 @@ from fusedpar.kernels._common import (
     fp32_dot_precision,
     is_interpreted,
 )
+from fusedpar.kernels._tuning import bucket
+
+# The K step of every grouped GEMM tile. Each output sums its K products in BLOCK_K
+# chunks, in order; with one BLOCK_K for every config no pick changes the order of any
+# sum, so results do not depend on the tuning (a gpu test forces each config and compares
+# the bits; unverified until the first GPU run). Each expert runs on one EP rank, so the
+# ranks tune on their own: no agreement collective.
+BLOCK_K = 64
+# The weight gradient sums over an expert's rows in chunks of this many: fixed for the
+# same reason. 64 with a 128 x 128 output tile is the review's prediction (P8), unmeasured.
+WGRAD_BLOCK_M = 64
+# Row blocks that walk the same column blocks together, so their x tiles and the
+# expert's weight tiles stay in L2 (the Triton tutorial's grouped order; P7).
+GROUP_M = 8
+# Permute/combine: a program moves this many elements (4 rows of 2048 at d_model 2048),
+# looping over the hidden size past MAX_BLOCK_D, and loads its indices once (P11).
+ROW_TILE_ELEMENTS = 8192
+MAX_BLOCK_D = 2048
+# The interpreter runs programs one by one in numpy: small tiles keep CPU tests fast and
+# make tiny shapes cross block edges (several row blocks, a loop over D).
+INTERPRETER_MAX_BLOCK = 64
 
 
-def gemm_tiles(interpreted: bool) -> dict:
-    """The grouped GEMM's tile. Fixed rather than autotuned: the grid is sized from
-    BLOCK_M before launch (blocks never straddle two experts). 128x128x64 with 8 warps
-    feeds Hopper's wgmma; the interpreter wants few, small programs."""
+def grouped_matmul_configs(gate_up: bool = False) -> list[triton.Config]:
+    """Tiles the tuner tries on a GPU, pruned to the rows per expert and N of a call.
+
+    128-row tiles with 8 warps feed Hopper's wgmma; 64- and 32-row tiles serve experts
+    with few rows (decode, many experts). The fused gate/up GEMM keeps two accumulators
+    and loads two weight tiles per step, so its tiles are half as wide.
+    """
+    tiles = [
+        # BLOCK_M, BLOCK_N, num_stages, num_warps
+        (128, 128, 3, 8),
+        (128, 128, 4, 4),
+        (128, 64, 4, 4),
+        (64, 128, 4, 4),
+        (64, 64, 4, 4),
+        (32, 64, 4, 4),
+    ]
+    if gate_up:
+        tiles = [(128, 64, 3, 8), (128, 64, 4, 4), (64, 128, 3, 8), (64, 64, 4, 4), (32, 64, 4, 4)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK_K}, num_stages=s, num_warps=w)
+        for bm, bn, s, w in tiles
+    ]
+
+
+def weight_grad_configs() -> list[triton.Config]:
+    """Output tiles (N x K) of the weight gradient; the row step is `WGRAD_BLOCK_M`."""
+    tiles = [(128, 128, 3, 8), (128, 128, 4, 4), (128, 64, 4, 4), (64, 128, 4, 4), (64, 64, 4, 4)]
+    return [
+        triton.Config(
+            {"BLOCK_M": WGRAD_BLOCK_M, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=s, num_warps=w
+        )  # fmt: skip
+        for bn, bk, s, w in tiles
+    ]
+
+
+def row_tile(D: int, interpreted: bool) -> dict:
+    """Rows and columns of one permute/combine program: 4 to 64 rows, the full width up
+    to 2048 columns (P11 predicts 60-80% of copy bandwidth for the old 16 x 128 tiles)."""
     if interpreted:
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=1)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+        return dict(BLOCK_ROWS=8, BLOCK_D=_fit(D, INTERPRETER_MAX_BLOCK), num_warps=4)
+    block_d = _fit(D, MAX_BLOCK_D)
+    rows = max(4, min(64, ROW_TILE_ELEMENTS // block_d))
+    return dict(BLOCK_ROWS=rows, BLOCK_D=block_d, num_warps=8 if rows * block_d >= 8192 else 4)
 
 
-ROW_BLOCK = 16  # rows per program of the permute/combine kernels (they are bandwidth-bound)
-COL_BLOCK = 128  # columns per program of the same
+def _fit(n: int, limit: int) -> int:
+    return min(limit, max(16, triton.next_power_of_2(n)))
+
+
+def _prune(configs, m: int, n: int, m_key="BLOCK_M", n_key="BLOCK_N"):
+    """Drop tiles larger than the problem (m x n; they only waste lanes); keep at least one."""
+    limit_m, limit_n = max(32, bucket(m)), max(32, bucket(n))
+    kept = [c for c in configs if c.kwargs[m_key] <= limit_m and c.kwargs[n_key] <= limit_n]
+    return kept or [min(configs, key=lambda c: c.kwargs[m_key] * c.kwargs[n_key])]
+
+
+def _gemm_candidates(gate_up: bool, rows_per_expert: int, N: int) -> list[triton.Config]:
+    if is_interpreted(_grouped_matmul_kernel):  # one small tile: see INTERPRETER_MAX_BLOCK
+        return [triton.Config({"BLOCK_M": _fit(rows_per_expert, 32), "BLOCK_N": _fit(N, 64),
+                               "BLOCK_K": BLOCK_K})]  # fmt: skip
+    return _prune(grouped_matmul_configs(gate_up), rows_per_expert, N)
+
+
+def _weight_grad_candidates(N: int, K: int) -> list[triton.Config]:
+    if is_interpreted(_grouped_weight_grad_kernel):
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": _fit(N, 64), "BLOCK_K": _fit(K, 64)})]
+    return _prune(weight_grad_configs(), N, K, "BLOCK_N", "BLOCK_K")
 
 
 # --- metadata ------------------------------------------------------------------------
 
 
+def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many entries of `ids` (any shape, values in [0, num_experts)) name each expert:
+    (num_experts,) int64. A scatter-add, not `torch.bincount`, which reads the largest id
+    back to the host on CUDA (a sync); integer adds are exact, so atomics do not matter."""
+    flat = ids.reshape(-1).to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def dispatch_metadata(expert_ids: torch.Tensor, num_experts: int, keep: torch.Tensor | None = None):
-    """Counts per expert and the stable expert-major order of the kept (token, slot) pairs.
+    """Counts per expert and the stable expert-major order of the (token, slot) pairs.
 
     expert_ids (T, k) int; keep (T, k) bool or None (all kept). Returns ``counts`` (E,)
-    int64, ``order`` (P_kept,) int64 (flat pair indices t * k + j, expert-major, by pair
-    index within an expert) and ``pos`` (T, k) int64, each pair's row in that order or -1.
-    Deterministic: a stable sort, no atomics.
+    int64 (kept pairs), ``order`` (T*k,) int64 (flat pair indices t * k + j, expert-major,
+    by pair index within an expert, the dropped pairs last) and ``pos`` (T, k) int64, each
+    pair's row in that order or -1 if dropped. No host sync: `order` keeps its full length
+    and the kernels stop at ``offsets[E] = counts.sum()`` on the device.
     """
     flat = expert_ids.reshape(-1).to(torch.int64)
     if keep is not None:
         flat = torch.where(keep.reshape(-1), flat, num_experts)  # dropped pairs sort last
-    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
-    kept = int(counts.sum())
-    order = torch.argsort(flat, stable=True)[:kept]
-    pos = torch.full_like(flat, -1)
-    pos[order] = torch.arange(kept, device=flat.device)
+    counts = expert_counts(flat, num_experts + 1)[:num_experts]
+    order = torch.argsort(flat, stable=True)
+    pos = torch.empty_like(flat)
+    pos[order] = torch.arange(flat.numel(), device=flat.device)
+    if keep is not None:
+        pos = torch.where(keep.reshape(-1), pos, -1)
     return counts, order, pos.view(expert_ids.shape)
 
 
@@ -68,26 +166,89 @@ def _offsets(counts: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0))
 
 
-# --- grouped GEMM ----------------------------------------------------------------------
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Every output of this module is allocated here (tests fill it with NaN first, so an
+    element a kernel should write and does not fails them)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# --- grouped GEMMs ----------------------------------------------------------------------
+
+
+@triton.jit
+def _k_loop(
+    acc, acc2, x_ptrs, w_ptrs, v_ptrs, row_mask, n_mask, K, stride_xk, stride_wk, stride_vk,
+    TWO_WEIGHTS: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """acc += x @ w over K (and acc2 += x @ v from the same x tiles with TWO_WEIGHTS)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            x_mask = row_mask[:, None]
+            w_mask = n_mask[None, :]
+        else:
+            k_mask = offs_k < K - k * BLOCK_K
+            x_mask = row_mask[:, None] & k_mask[None, :]
+            w_mask = k_mask[:, None] & n_mask[None, :]
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        acc = tl.dot(x, tl.load(w_ptrs, mask=w_mask, other=0.0), acc,
+                     input_precision=INPUT_PRECISION)  # fmt: skip
+        if TWO_WEIGHTS:
+            acc2 = tl.dot(x, tl.load(v_ptrs, mask=w_mask, other=0.0), acc2,
+                          input_precision=INPUT_PRECISION)  # fmt: skip
+            v_ptrs += BLOCK_K * stride_vk
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    return acc, acc2
+
+
+@triton.jit
+def _silu_mul(g, u):
+    """silu(g) * u in fp32; the forward and the backward's recompute share it, bit for bit."""
+    return g * tl.sigmoid(g) * u
 
 
 @triton.jit
 def _grouped_matmul_kernel(
     # pointers
-    x_ptr, w_ptr, y_ptr, rows_ptr, offsets_ptr, block_offsets_ptr,
+    x_ptr, w_ptr, v_ptr, y_ptr, h_ptr, dh_ptr, rows_ptr, offsets_ptr, block_offsets_ptr,
     # strides
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_ve, stride_vn, stride_vk,
+    stride_ym, stride_yn, stride_hm, stride_hn, stride_dhm, stride_dhn,
     # sizes
     N, K, E,
     # meta-parameters
-    HAS_ROWS: tl.constexpr, E_PAD: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_ROWS: tl.constexpr, GATE_UP: tl.constexpr, STORE_HIDDEN: tl.constexpr,
+    SWIGLU_GRAD: tl.constexpr, SECOND_K: tl.constexpr, EVEN_K: tl.constexpr,
+    E_PAD: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    """y[p] = x[rows[p]] @ w[e].T for the rows p of expert e; one (BLOCK_M, BLOCK_N) tile.
-    Program m handles block m of the concatenated per-expert blocks (block_offsets is the
-    cumulative count of BLOCK_M blocks per expert); programs past the last block exit."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """One (BLOCK_M, BLOCK_N) tile of ``acc = x[rows[p]] @ w[e].T`` for the rows p of one
+    expert e, then by flag:
+
+    | flag        | inputs                     | writes                                    |
+    | ----------- | -------------------------- | ----------------------------------------- |
+    | (none)      | x (R, K), w (E, N, K)      | y = acc                                   |
+    | GATE_UP     | v (E, N, K): the up weight | y = silu(g) u; h = [g, u] if STORE_HIDDEN |
+    | SWIGLU_GRAD | acc = da; h = [g, u]       | dh = [da u silu'(g), da silu(g)]; y = silu(g) u |
+    | SECOND_K    | x (P, 2K), v (E, N, K)     | y = x[:, :K] @ w[e].T + x[:, K:] @ v[e].T |
+
+    Row block m of the concatenated per-expert blocks (`block_offsets`: the cumulative
+    count of BLOCK_M blocks per expert) is found from the program id; programs past the
+    last block exit, so the grid may be an upper bound known without a host sync.
+    """
+    # Grouped order (P7): GROUP_M row blocks walk the column blocks together, so a row
+    # block's x tile is read from HBM once, not once per column block.
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_m = tl.num_programs(0) // num_pid_n
+    pids_per_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // pids_per_group) * GROUP_M
+    group_rows = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % pids_per_group) % group_rows
+    pid_n = (pid % pids_per_group) // group_rows
+
     experts = tl.arange(0, E_PAD)
     ends = tl.load(block_offsets_ptr + 1 + experts, mask=experts < E, other=2**31 - 1)
     e = tl.sum((ends <= pid_m).to(tl.int32), 0)
@@ -96,60 +257,106 @@ def _grouped_matmul_kernel(
     first_block = tl.load(block_offsets_ptr + e)
     row_start = tl.load(offsets_ptr + e) + (pid_m - first_block) * BLOCK_M
     row_end = tl.load(offsets_ptr + e + 1)
-    offs_m = row_start + tl.arange(0, BLOCK_M)
+    offs_m = row_start + tl.arange(0, BLOCK_M)  # int64: rows in expert order
     row_mask = offs_m < row_end
     src_rows = tl.load(rows_ptr + offs_m, mask=row_mask, other=0) if HAS_ROWS else offs_m
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + src_rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
               + offs_k[:, None] * stride_wk)  # fmt: skip
+    v_ptrs = (v_ptr + e.to(tl.int64) * stride_ve + offs_n[None, :].to(tl.int64) * stride_vn
+              + offs_k[:, None] * stride_vk)  # fmt: skip
+
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_mask = offs_k < K - k * BLOCK_K
-        x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & (offs_n[None, :] < N), other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n[None, :] < N))
+    acc, acc2 = _k_loop(acc, acc, x_ptrs, w_ptrs, v_ptrs, row_mask, n_mask, K, stride_xk,
+                        stride_wk, stride_vk, GATE_UP, EVEN_K, INPUT_PRECISION,
+                        BLOCK_K)  # fmt: skip
+    if SECOND_K:  # the columns K.. of x against v, into the same accumulator
+        acc, acc2 = _k_loop(acc, acc, x_ptrs + K * stride_xk, v_ptrs, v_ptrs, row_mask, n_mask,
+                            K, stride_xk, stride_vk, stride_vk, False, EVEN_K, INPUT_PRECISION,
+                            BLOCK_K)  # fmt: skip
+
+    out_dtype = y_ptr.dtype.element_ty
+    mask = row_mask[:, None] & n_mask[None, :]
+    rows64 = offs_m.to(tl.int64)[:, None]
+    if GATE_UP:
+        # g and u are rounded to the output dtype first, as PyTorch's h1 and h3 would be;
+        # the backward recomputes a from these rounded values and gets the same bits.
+        g = acc.to(out_dtype)
+        u = acc2.to(out_dtype)
+        if STORE_HIDDEN:
+            h_ptrs = h_ptr + rows64 * stride_hm + offs_n[None, :] * stride_hn
+            tl.store(h_ptrs, g, mask=mask)
+            tl.store(h_ptrs + N * stride_hn, u, mask=mask)
+        acc = _silu_mul(g.to(tl.float32), u.to(tl.float32))
+    if SWIGLU_GRAD:  # acc is da = d_out @ w2[e]; d silu(g) / dg = s (1 + g (1 - s))
+        h_ptrs = h_ptr + rows64 * stride_hm + offs_n[None, :] * stride_hn
+        g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_ptrs + N * stride_hn, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g)
+        dh_ptrs = dh_ptr + rows64 * stride_dhm + offs_n[None, :] * stride_dhn
+        dh_dtype = dh_ptr.dtype.element_ty
+        tl.store(dh_ptrs, (acc * u * s * (1.0 + g * (1.0 - s))).to(dh_dtype), mask=mask)
+        tl.store(dh_ptrs + N * stride_dhn, (acc * g * s).to(dh_dtype), mask=mask)
+        acc = _silu_mul(g, u)
+    tl.store(y_ptr + rows64 * stride_ym + offs_n[None, :] * stride_yn, acc.to(out_dtype),
+             mask=mask)  # fmt: skip
 
 
 @triton.jit
 def _grouped_weight_grad_kernel(
     # pointers
-    dy_ptr, x_ptr, dw_ptr, rows_ptr, offsets_ptr,
+    dy_ptr, x_ptr, dw_ptr, dv_ptr, rows_ptr, offsets_ptr,
     # strides
     stride_dym, stride_dyn, stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
     # sizes
     N, K,
     # meta-parameters
-    HAS_ROWS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HAS_ROWS: tl.constexpr, SPLIT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """dw[e] tile (BLOCK_N, BLOCK_K) = sum over expert e's rows of dy[p]^T x[rows[p]]."""
-    e = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    """One (BLOCK_N, BLOCK_K) tile of ``dw[e] = sum_{p in e} dy[p]^T x[rows[p]]``, over
+    the expert's rows in BLOCK_M steps. With SPLIT, dy is (P, 2N) and its columns N..
+    give dv (the fused gate/up's two weight gradients in one launch, one gather of x).
+
+    The expert is the slowest grid axis and the K tiles of one (expert, N tile) are
+    adjacent (P8, scattermoe's grouped XtY): the programs running together share the
+    expert's dy and x rows in L2 instead of streaming them once per tile.
+    """
+    pid = tl.program_id(0)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_expert = tiles_k * tiles_n * (2 if SPLIT else 1)
+    e = pid // per_expert
+    pid_n = (pid % per_expert) // tiles_k
+    pid_k = pid % tiles_k
+    half = pid_n // tiles_n  # 1: the dv half of a SPLIT launch
+    offs_n = (pid_n - half * tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    k_mask = offs_k < K
+    dy_cols = (half * N + offs_n).to(tl.int64)  # 64-bit: a transposed dy or x has long
+    x_cols = offs_k.to(tl.int64)  # column strides
     row_start = tl.load(offsets_ptr + e)
     row_end = tl.load(offsets_ptr + e + 1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for start in range(row_start, row_end, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
         row_mask = offs_m < row_end
         src_rows = tl.load(rows_ptr + offs_m, mask=row_mask, other=0) if HAS_ROWS else offs_m
-        dy_ptrs = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym + offs_n[None, :] * stride_dyn
-        dy = tl.load(dy_ptrs, mask=row_mask[:, None] & (offs_n[None, :] < N), other=0.0)
-        x_ptrs = x_ptr + src_rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
-        x = tl.load(x_ptrs, mask=row_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+        dy_ptrs = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym + dy_cols[None, :] * stride_dyn
+        dy = tl.load(dy_ptrs, mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+        x_ptrs = x_ptr + src_rows.to(tl.int64)[:, None] * stride_xm + x_cols[None, :] * stride_xk
+        x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(tl.trans(dy), x, acc, input_precision=INPUT_PRECISION)
-    dw_ptrs = (dw_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
-               + offs_k[None, :] * stride_wk)  # fmt: skip
-    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty),
-             mask=(offs_n[:, None] < N) & (offs_k[None, :] < K))  # fmt: skip
+    out_ptr = dw_ptr
+    if SPLIT and half == 1:
+        out_ptr = dv_ptr
+    out_ptrs = (out_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
+                + offs_k[None, :] * stride_wk)  # fmt: skip
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
 
 
 # --- permute and combine ------------------------------------------------------------------
@@ -157,64 +364,81 @@ def _grouped_weight_grad_kernel(
 
 @triton.jit
 def _gather_rows_kernel(
+    # pointers
     src_ptr, idx_ptr, scale_ptr, out_ptr,
+    # strides
     stride_sm, stride_sd, stride_om, stride_od,
+    # sizes
     P, D,
-    HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    # meta-parameters
+    HAS_SCALE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """out[p] = src[idx[p]] (* scale[p])."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    """out[p] = src[idx[p]] (* scale[p]) for BLOCK_ROWS rows, looping over D."""
+    offs_m = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     rows = offs_m < P
-    mask = rows[:, None] & (offs_d[None, :] < D)
     src_rows = tl.load(idx_ptr + offs_m, mask=rows, other=0).to(tl.int64)
-    vals = tl.load(src_ptr + src_rows[:, None] * stride_sm + offs_d[None, :] * stride_sd, mask=mask)
     if HAS_SCALE:
-        vals = vals.to(tl.float32) * tl.load(scale_ptr + offs_m, mask=rows, other=0.0)[:, None]
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od,
-             vals.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        scale = tl.load(scale_ptr + offs_m, mask=rows, other=0.0)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask = rows[:, None] & (offs_d[None, :] < D)
+        vals = tl.load(src_ptr + src_rows[:, None] * stride_sm + offs_d[None, :] * stride_sd,
+                       mask=mask)  # fmt: skip
+        if HAS_SCALE:
+            vals = vals.to(tl.float32) * scale[:, None]
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od,
+                 vals.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
 
 
 @triton.jit
 def _combine_kernel(
+    # pointers
     src_ptr, pos_ptr, weight_ptr, y_ptr,
+    # strides
     stride_sm, stride_sd, stride_ym, stride_yd,
+    # sizes
     T, D, TOP_K,
-    HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    # meta-parameters
+    HAS_WEIGHT: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """y[t] = sum_j w[t, j] * src[pos[t, j]], j = 0..TOP_K-1 in order, pos -1 skipped."""
-    offs_t = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_t = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     tokens = offs_t < T
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for j in range(TOP_K):
-        pos = tl.load(pos_ptr + offs_t.to(tl.int64) * TOP_K + j, mask=tokens, other=-1)
-        live = pos >= 0
-        mask = live[:, None] & (offs_d[None, :] < D)
-        src_ptrs = src_ptr + pos.to(tl.int64)[:, None] * stride_sm + offs_d[None, :] * stride_sd
-        vals = tl.load(src_ptrs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_WEIGHT:
-            w = tl.load(weight_ptr + offs_t.to(tl.int64) * TOP_K + j, mask=tokens, other=0.0)
-            vals *= w[:, None]
-        acc += vals
-    y_ptrs = y_ptr + offs_t.to(tl.int64)[:, None] * stride_ym + offs_d[None, :] * stride_yd
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=tokens[:, None] & (offs_d[None, :] < D))
+    pair = offs_t.to(tl.int64) * TOP_K
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_mask = offs_d[None, :] < D
+        acc = tl.zeros((BLOCK_ROWS, BLOCK_D), dtype=tl.float32)
+        for j in range(TOP_K):
+            pos = tl.load(pos_ptr + pair + j, mask=tokens, other=-1)
+            src_ptrs = src_ptr + pos.to(tl.int64)[:, None] * stride_sm + offs_d[None, :] * stride_sd
+            vals = tl.load(src_ptrs, mask=(pos >= 0)[:, None] & d_mask, other=0.0).to(tl.float32)
+            if HAS_WEIGHT:
+                vals *= tl.load(weight_ptr + pair + j, mask=tokens, other=0.0)[:, None]
+            acc += vals
+        y_ptrs = y_ptr + offs_t.to(tl.int64)[:, None] * stride_ym + offs_d[None, :] * stride_yd
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=tokens[:, None] & d_mask)
 
 
 @triton.jit
 def _combine_weight_grad_kernel(
+    # pointers
     dy_ptr, src_ptr, pos_ptr, dw_ptr,
+    # strides
     stride_dym, stride_dyd, stride_sm, stride_sd,
+    # sizes
     T, D, TOP_K,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    # meta-parameters
+    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """dw[t, j] = <dy[t], src[pos[t, j]]> (0 where pos is -1), summed over D in order."""
-    offs_t = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_t = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     tokens = offs_t < T
+    pair = offs_t.to(tl.int64) * TOP_K
     for j in range(TOP_K):
-        pos = tl.load(pos_ptr + offs_t.to(tl.int64) * TOP_K + j, mask=tokens, other=-1)
+        pos = tl.load(pos_ptr + pair + j, mask=tokens, other=-1)
         live = pos >= 0
-        acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             d_mask = offs_d[None, :] < D
@@ -225,7 +449,7 @@ def _combine_weight_grad_kernel(
             src_ptrs = src_ptr + pos.to(tl.int64)[:, None] * stride_sm + offs_d[None, :] * stride_sd
             src = tl.load(src_ptrs, mask=live[:, None] & d_mask, other=0.0).to(tl.float32)
             acc += tl.sum(dy * src, 1)
-        tl.store(dw_ptr + offs_t.to(tl.int64) * TOP_K + j, acc, mask=tokens)
+        tl.store(dw_ptr + pair + j, acc, mask=tokens)
 
 
 # --- launchers -------------------------------------------------------------------------
@@ -235,149 +459,294 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return fp32_dot_precision() if dtype == torch.float32 else "tf32"
 
 
-def _check_rows(name, rows, count, device):
-    if rows is None:
+def _check_index(name, index, count, device):
+    if index is None:
         return
-    if rows.dim() != 1 or rows.shape[0] != count or rows.dtype != torch.int64:
-        raise ValueError(f"{name} must be int64 ({count},), got {rows.dtype} {tuple(rows.shape)}")
-    if rows.device != device:
-        raise ValueError(f"{name} is on {rows.device}, the data on {device}")
+    if index.dim() != 1 or index.shape[0] != count or index.dtype != torch.int64:
+        raise ValueError(f"{name} must be int64 ({count},), got {index.dtype} {tuple(index.shape)}")
+    if index.device != device:
+        raise ValueError(f"{name} is on {index.device}, the data on {device}")
+
+
+def _check_grouped(what, kernel, x, counts, rows, P, **weights):
+    """x 2-D float; each weight ``name=(w, (N, K))`` is (E, N, K) in x's dtype, E =
+    len(counts); counts (E,) int64; rows (P,) int64 or None; one device. Returns E."""
+    if x.dim() != 2:
+        raise ValueError(f"{what}: x must be 2-D, got {tuple(x.shape)}")
+    check_float_dtype("x", x)
+    if counts.dim() != 1 or counts.dtype != torch.int64:
+        raise ValueError(f"{what}: counts must be int64 (E,), got {counts.dtype} "
+                         f"{tuple(counts.shape)}")  # fmt: skip
+    E = counts.shape[0]
+    for name, (w, shape) in weights.items():
+        if tuple(w.shape) != (E, *shape):
+            raise ValueError(f"{what}: {name} must be {(E, *shape)} for x {tuple(x.shape)} and "
+                             f"{E} experts, got {tuple(w.shape)}")  # fmt: skip
+        if w.dtype != x.dtype:
+            raise TypeError(f"{what}: x is {x.dtype} but {name} is {w.dtype}")
+    _check_index("rows", rows, P, x.device)
+    check_launchable(kernel, x, counts, *(w for w, _ in weights.values()))
+    return E
+
+
+def _weight_strides(w, transpose):
+    """(expert, n, k) strides of w read as (E, N, K), or as (E, K, N) with `transpose`."""
+    return (w.stride(0), w.stride(2), w.stride(1)) if transpose else tuple(w.stride())
+
+
+def _launch_gemm(mode, x, w, y, counts, rows, N, K, *, w_strides, v=None, v_strides=None,
+                 h=None, dh=None):  # fmt: skip
+    """Tune (per mode, N, K, rows-per-expert bucket, dtypes) and launch the grouped GEMM.
+    The grid depends on BLOCK_M (blocks never straddle two experts), so each config
+    builds its own block offsets; its size is an upper bound, cdiv(P, BLOCK_M) + E row
+    blocks, so no count is read back to the host."""
+    P, E = y.shape[0], counts.shape[0]
+    if P == 0 or N == 0:
+        return
+    offsets = _offsets(counts)
+    block_offsets = {}
+    args = (x, w, w if v is None else v, y, y if h is None else h, y if dh is None else dh,
+            offsets if rows is None else rows, offsets)  # fmt: skip
+    strides = (*x.stride(), *w_strides, *(v_strides or w_strides), *y.stride(),
+               *(h.stride() if h is not None else (0, 0)),
+               *(dh.stride() if dh is not None else (0, 0)))  # fmt: skip
+    meta = dict(HAS_ROWS=rows is not None, GATE_UP=mode == "gate_up",
+                STORE_HIDDEN=mode == "gate_up" and h is not None,
+                SWIGLU_GRAD=mode == "swiglu_grad", SECOND_K=mode == "second_k",
+                EVEN_K=K % BLOCK_K == 0, E_PAD=triton.next_power_of_2(E + 1),
+                INPUT_PRECISION=_dot_precision(x.dtype), GROUP_M=GROUP_M)  # fmt: skip
+
+    def launch(config):
+        bm = config.kwargs["BLOCK_M"]
+        if bm not in block_offsets:
+            block_offsets[bm] = _offsets((counts + bm - 1) // bm)
+        grid = ((triton.cdiv(P, bm) + E) * triton.cdiv(N, config.kwargs["BLOCK_N"]),)
+        _grouped_matmul_kernel[grid](*args, block_offsets[bm], *strides, N, K, E, **meta,
+                                     **config.all_kwargs())  # fmt: skip
+
+    per_expert = triton.cdiv(P, max(E, 1))
+    candidates = _gemm_candidates(mode == "gate_up", per_expert, N)
+    key = (mode, meta["STORE_HIDDEN"], N, K, bucket(per_expert), str(x.dtype), str(y.dtype),
+           rows is not None, meta["INPUT_PRECISION"])  # fmt: skip
+    with device_guard(x):
+        _tuning.tuner("grouped_matmul").run(key, candidates, launch, device=x.device)
 
 
 def grouped_matmul(x, w, counts, rows=None, *, out_dtype=None, transpose_w=False):
     """``y[p] = x[rows[p]] @ w[e].T`` (``@ w[e]`` with `transpose_w`) over expert groups.
 
     x (R, K) any strides; w (E, N, K) (or (E, K, N) with `transpose_w`); counts (E,)
-    int64, summing to P; rows (P,) int64 or None (x is already in expert order, P = R).
-    Returns y (P, N) in `out_dtype` (x's by default), rows in expert order.
+    int64, summing to at most P; rows (P,) int64 or None (x is already in expert order,
+    P = R). Returns y (P, N) in `out_dtype` (x's by default), rows in expert order; rows
+    past ``counts.sum()`` are left unwritten.
     """
-    if x.dim() != 2 or w.dim() != 3:
-        raise ValueError(f"grouped_matmul takes x (R, K) and w (E, N, K), got "
-                         f"{tuple(x.shape)} and {tuple(w.shape)}")  # fmt: skip
-    E = w.shape[0]
-    N, K = (w.shape[2], w.shape[1]) if transpose_w else (w.shape[1], w.shape[2])
-    if x.shape[1] != K:
-        raise ValueError(f"x has K={x.shape[1]}, the experts' weights K={K} ({tuple(w.shape)})")
-    check_float_dtype("x", x)
-    if w.dtype != x.dtype:
-        raise TypeError(f"x is {x.dtype} but w is {w.dtype}")
-    if counts.shape != (E,):
-        raise ValueError(f"counts must be ({E},), got {tuple(counts.shape)}")
+    if w.dim() != 3:
+        raise ValueError(f"grouped_matmul: w must be (E, N, K), got {tuple(w.shape)}")
+    N = w.shape[2] if transpose_w else w.shape[1]
+    K = x.shape[-1]
     P = x.shape[0] if rows is None else rows.shape[0]
-    _check_rows("rows", rows, P, x.device)
-    check_launchable(_grouped_matmul_kernel, x, w, counts)
-    y = torch.empty((P, N), dtype=out_dtype or x.dtype, device=x.device)
-    if P == 0 or N == 0:
-        return y
-    tiles = gemm_tiles(is_interpreted(_grouped_matmul_kernel))
-    block_m = tiles["BLOCK_M"]
-    offsets = _offsets(counts)
-    block_offsets = _offsets((counts + block_m - 1) // block_m)  # blocks per expert
-    stride_wn, stride_wk = (w.stride(2), w.stride(1)) if transpose_w else (w.stride(1), w.stride(2))
-    grid = (triton.cdiv(P, block_m) + E, triton.cdiv(N, tiles["BLOCK_N"]))  # >= the blocks needed
-    with device_guard(x):
-        _grouped_matmul_kernel[grid](
-            x, w, y, rows if rows is not None else offsets, offsets, block_offsets,
-            x.stride(0), x.stride(1), w.stride(0), stride_wn, stride_wk, y.stride(0), y.stride(1),
-            N, K, E,
-            HAS_ROWS=rows is not None, E_PAD=triton.next_power_of_2(E + 1),
-            INPUT_PRECISION=_dot_precision(x.dtype), **tiles,
-        )  # fmt: skip
+    _check_grouped("grouped_matmul", _grouped_matmul_kernel, x, counts, rows, P,
+                   w=(w, (K, N) if transpose_w else (N, K)))  # fmt: skip
+    y = _empty((P, N), out_dtype or x.dtype, x.device)
+    _launch_gemm("plain", x, w, y, counts, rows, N, K, w_strides=_weight_strides(w, transpose_w))
     return y
 
 
-def grouped_weight_grad(dy, x, counts, rows=None, *, out_dtype=None):
-    """``dw[e] = sum_{p in e} dy[p]^T x[rows[p]]``: (E, N, K). Zero for an empty expert."""
-    P, N = dy.shape
+def grouped_swiglu(x, w1, w3, counts, rows=None, *, save_hidden=True):
+    """The experts' gate and up projections as one grouped GEMM with the SwiGLU in its
+    epilogue: ``a[p] = silu(h1[p]) * h3[p]``, ``h1 = x[rows[p]] @ w1[e].T``, ``h3 = x[rows[p]]
+    @ w3[e].T``. Each x tile is gathered once for both weights.
+
+    x (R, d); w1, w3 (E, h, d); counts, rows as in `grouped_matmul`. Returns ``(a, h13)``:
+    a (P, h) and, with `save_hidden`, h13 (P, 2h) = [h1 | h3] in x's dtype (what the
+    backward needs), else None. a is computed from h1 and h3 rounded to x's dtype, as
+    PyTorch's ``silu(h1) * h3`` would be, so `grouped_swiglu_backward` recomputes it
+    bit for bit.
+    """
+    h, d = w1.shape[1:] if w1.dim() == 3 else (0, x.shape[-1])
+    P = x.shape[0] if rows is None else rows.shape[0]
+    _check_grouped("grouped_swiglu", _grouped_matmul_kernel, x, counts, rows, P,
+                   w1=(w1, (h, x.shape[-1])), w3=(w3, (h, x.shape[-1])))  # fmt: skip
+    a = _empty((P, h), x.dtype, x.device)
+    h13 = _empty((P, 2 * h), x.dtype, x.device) if save_hidden else None
+    _launch_gemm("gate_up", x, w1, a, counts, rows, h, d, w_strides=tuple(w1.stride()), v=w3,
+                 v_strides=tuple(w3.stride()), h=h13)  # fmt: skip
+    return a, h13
+
+
+def grouped_swiglu_backward(d_out, w2, h13, counts):
+    """From the gradient of the experts' outputs, the gradients of h1 and h3, and a again.
+
+    d_out (P, d) in expert order; w2 (E, d, h); h13 (P, 2h) from `grouped_swiglu`.
+    Returns ``(d_h13, a)``: d_h13 (P, 2h) = [dh1 | dh3] with ``da = d_out[p] @ w2[e]``,
+    ``dh1 = da * h3 * silu'(h1)``, ``dh3 = da * silu(h1)``, and a (P, h) = silu(h1) * h3
+    (for w2's gradient), all in d_out's dtype, from one grouped GEMM.
+    """
+    d = w2.shape[1] if w2.dim() == 3 else -1
+    P, h = d_out.shape[0], h13.shape[-1] // 2
+    if h13.shape != (P, 2 * h) or h13.dtype != d_out.dtype:
+        raise ValueError(f"grouped_swiglu_backward: h13 must be {d_out.dtype} ({P}, 2h) "
+                         f"for d_out {tuple(d_out.shape)}, got {h13.dtype} "
+                         f"{tuple(h13.shape)}")  # fmt: skip
+    _check_grouped("grouped_swiglu_backward", _grouped_matmul_kernel, d_out, counts, None, P,
+                   w2=(w2, (d_out.shape[-1], h)))  # fmt: skip
+    a = _empty((P, h), d_out.dtype, d_out.device)
+    d_h13 = _empty((P, 2 * h), d_out.dtype, d_out.device)
+    _launch_gemm("swiglu_grad", d_out, w2, a, counts, None, h, d,
+                 w_strides=_weight_strides(w2, True), h=h13, dh=d_h13)  # fmt: skip
+    return d_h13, a
+
+
+def grouped_swiglu_input_grad(d_h13, w1, w3, counts):
+    """``dx[p] = dh1[p] @ w1[e] + dh3[p] @ w3[e]``: (P, d), one grouped GEMM over both
+    halves of d_h13 (P, 2h) = [dh1 | dh3]; w1, w3 (E, h, d). Rows in expert order (sum
+    them back onto tokens with `combine`)."""
+    d = w1.shape[-1]
+    h = d_h13.shape[-1] // 2
+    if d_h13.shape[-1] % 2:
+        raise ValueError(f"grouped_swiglu_input_grad: d_h13 must be (P, 2h), got "
+                         f"{tuple(d_h13.shape)}")  # fmt: skip
+    _check_grouped("grouped_swiglu_input_grad", _grouped_matmul_kernel, d_h13, counts, None,
+                   d_h13.shape[0], w1=(w1, (h, d)), w3=(w3, (h, d)))  # fmt: skip
+    dx = _empty((d_h13.shape[0], d), d_h13.dtype, d_h13.device)
+    _launch_gemm("second_k", d_h13, w1, dx, counts, None, d, h,
+                 w_strides=_weight_strides(w1, True), v=w3,
+                 v_strides=_weight_strides(w3, True))  # fmt: skip
+    return dx
+
+
+def grouped_weight_grad(dy, x, counts, rows=None, *, out_dtype=None, split=False):
+    """``dw[e] = sum_{p in e} dy[p]^T x[rows[p]]``: (E, N, K), zero for an empty expert.
+
+    dy (P, N) in expert order; x (R, K); counts (E,) int64; rows (P,) int64 or None (then
+    R = P). With `split`, dy is (P, 2N) and the result is the pair ``(dw, dv)`` of
+    (E, N, K) from its two column halves (the fused gate/up's weights), in one launch.
+    """
+    if dy.dim() != 2 or (split and dy.shape[1] % 2) or dy.dtype != x.dtype:
+        shape = "(P, 2N)" if split else "(P, N)"
+        raise ValueError(f"grouped_weight_grad: dy must be {x.dtype} {shape}, got {dy.dtype} "
+                         f"{tuple(dy.shape)}")  # fmt: skip
+    if rows is None and x.shape[0] != dy.shape[0]:
+        raise ValueError(f"grouped_weight_grad: without rows x must have dy's {dy.shape[0]} "
+                         f"rows, got {tuple(x.shape)}")  # fmt: skip
+    P, N = dy.shape[0], dy.shape[1] // (2 if split else 1)
+    E = _check_grouped("grouped_weight_grad", _grouped_weight_grad_kernel, x, counts, rows, P)
+    check_launchable(_grouped_weight_grad_kernel, dy, x)
     K = x.shape[1]
-    E = counts.shape[0]
-    _check_rows("rows", rows, P, x.device)
-    check_launchable(_grouped_weight_grad_kernel, dy, x, counts)
-    dw = torch.empty((E, N, K), dtype=out_dtype or x.dtype, device=x.device)
-    if dw.numel() == 0:
-        return dw
-    tiles = gemm_tiles(is_interpreted(_grouped_weight_grad_kernel))
-    grid = (E, triton.cdiv(N, tiles["BLOCK_N"]), triton.cdiv(K, tiles["BLOCK_K"]))
+    outs = [_empty((E, N, K), out_dtype or x.dtype, x.device) for _ in range(2 if split else 1)]
+    if outs[0].numel() == 0:
+        return tuple(outs) if split else outs[0]
+    offsets = _offsets(counts)
+    args = (dy, x, outs[0], outs[-1], offsets if rows is None else rows, offsets,
+            *dy.stride(), *x.stride(), *outs[0].stride(), N, K)  # fmt: skip
+    meta = dict(HAS_ROWS=rows is not None, SPLIT=split, INPUT_PRECISION=_dot_precision(x.dtype))
+
+    def launch(config):
+        tiles = triton.cdiv(N, config.kwargs["BLOCK_N"]) * triton.cdiv(K, config.kwargs["BLOCK_K"])
+        _grouped_weight_grad_kernel[(E * tiles * len(outs),)](*args, **meta, **config.all_kwargs())
+
+    candidates = _weight_grad_candidates(N, K)
+    key = (split, N, K, bucket(triton.cdiv(P, E)), str(x.dtype), str(outs[0].dtype),
+           rows is not None, meta["INPUT_PRECISION"])  # fmt: skip
     with device_guard(x):
-        _grouped_weight_grad_kernel[grid](
-            dy, x, dw, rows if rows is not None else counts, _offsets(counts),
-            dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), *dw.stride(),
-            N, K,
-            HAS_ROWS=rows is not None, INPUT_PRECISION=_dot_precision(x.dtype), **tiles,
-        )  # fmt: skip
-    return dw
+        _tuning.tuner("grouped_weight_grad").run(key, candidates, launch, device=x.device)
+    return tuple(outs) if split else outs[0]
 
 
-def _row_grid(rows: int, cols: int):
-    block_d = min(COL_BLOCK, max(16, triton.next_power_of_2(cols)))
-    return (triton.cdiv(rows, ROW_BLOCK), triton.cdiv(cols, block_d)), block_d
+def _launch_rows(kernel, n_rows, D, args, meta, device_tensor):
+    tile = row_tile(D, is_interpreted(kernel))
+    num_warps = tile.pop("num_warps")
+    with device_guard(device_tensor):
+        kernel[(triton.cdiv(n_rows, tile["BLOCK_ROWS"]),)](*args, **meta, **tile,
+                                                           num_warps=num_warps)  # fmt: skip
 
 
 def gather_rows(src, idx, scale=None, *, out_dtype=None):
-    """``out[p] = src[idx[p]] (* scale[p])``: (P, D) from src (R, D), idx (P,) int64."""
-    P, D = idx.shape[0], src.shape[1]
-    _check_rows("idx", idx, P, src.device)
+    """``out[p] = src[idx[p]] (* scale[p])``: (P, D) from src (R, D), idx (P,) int64,
+    scale (P,) float32 or None."""
+    P, D = idx.shape[0], src.shape[-1]
+    _check_index("idx", idx, P, src.device)
+    bad_scale = scale is not None and (scale.shape != (P,) or scale.dtype != torch.float32)
+    if src.dim() != 2 or bad_scale:
+        got = None if scale is None else (scale.dtype, tuple(scale.shape))
+        raise ValueError(f"gather_rows takes src (R, D) and scale float32 ({P},) or None, got "
+                         f"{tuple(src.shape)} and {got}")  # fmt: skip
     check_launchable(_gather_rows_kernel, src, idx)
-    out = torch.empty((P, D), dtype=out_dtype or src.dtype, device=src.device)
-    if out.numel() == 0:
-        return out
-    grid, block_d = _row_grid(P, D)
-    with device_guard(src):
-        _gather_rows_kernel[grid](
-            src, idx, scale if scale is not None else idx, out,
-            src.stride(0), src.stride(1), out.stride(0), out.stride(1), P, D,
-            HAS_SCALE=scale is not None, BLOCK_M=ROW_BLOCK, BLOCK_D=block_d,
-        )  # fmt: skip
+    out = _empty((P, D), out_dtype or src.dtype, src.device)
+    if out.numel():
+        args = (src, idx, idx if scale is None else scale, out, *src.stride(), *out.stride(), P, D)
+        _launch_rows(_gather_rows_kernel, P, D, args, dict(HAS_SCALE=scale is not None), src)
     return out
 
 
 def combine(src, pos, weight=None, *, out_dtype=None):
     """``y[t] = sum_j weight[t, j] * src[pos[t, j]]``: (T, D) from src (P, D), pos (T, k)
-    int64 (-1: skipped), weight (T, k) float32 or None (all ones)."""
-    T, top_k = pos.shape
-    D = src.shape[1]
+    int64 (-1: skipped), weight (T, k) or None (all ones), summed in slot order in fp32."""
+    bad_weight = weight is not None and weight.shape != pos.shape
+    if src.dim() != 2 or pos.dim() != 2 or pos.dtype != torch.int64 or bad_weight:
+        raise ValueError(f"combine takes src (P, D), pos (T, k) int64 and weight (T, k), got "
+                         f"{tuple(src.shape)}, {pos.dtype} {tuple(pos.shape)} and "
+                         f"{weight if weight is None else tuple(weight.shape)}")  # fmt: skip
+    (T, top_k), D = pos.shape, src.shape[1]
     check_launchable(_combine_kernel, src, pos)
-    y = torch.empty((T, D), dtype=out_dtype or src.dtype, device=src.device)
-    if y.numel() == 0:
-        return y
-    pos = pos.contiguous()
-    weight = None if weight is None else weight.float().contiguous()
-    grid, block_d = _row_grid(T, D)
-    with device_guard(src):
-        _combine_kernel[grid](
-            src, pos, weight if weight is not None else pos, y,
-            src.stride(0), src.stride(1), y.stride(0), y.stride(1), T, D, top_k,
-            HAS_WEIGHT=weight is not None, BLOCK_M=ROW_BLOCK, BLOCK_D=block_d,
-        )  # fmt: skip
+    y = _empty((T, D), out_dtype or src.dtype, src.device)
+    if y.numel():
+        pos = pos.contiguous()
+        weight = pos if weight is None else weight.float().contiguous()
+        args = (src, pos, weight, y, *src.stride(), *y.stride(), T, D, top_k)
+        _launch_rows(_combine_kernel, T, D, args, dict(HAS_WEIGHT=weight is not pos), src)
     return y
 
 
 def combine_weight_grad(dy, src, pos):
     """``dw[t, j] = <dy[t], src[pos[t, j]]>`` (0 where pos is -1): (T, k) float32."""
     T, top_k = pos.shape
+    if dy.dim() != 2 or src.dim() != 2 or dy.shape != (T, src.shape[1]):
+        raise ValueError(f"combine_weight_grad: dy must be ({T}, D) for pos {tuple(pos.shape)} "
+                         f"and src (P, D) {tuple(src.shape)}, got {tuple(dy.shape)}")  # fmt: skip
     check_launchable(_combine_weight_grad_kernel, dy, src, pos)
-    dw = torch.empty((T, top_k), dtype=torch.float32, device=dy.device)
-    if dw.numel() == 0:
-        return dw
-    _, block_d = _row_grid(T, dy.shape[1])
-    with device_guard(dy):
-        _combine_weight_grad_kernel[(triton.cdiv(T, ROW_BLOCK),)](
-            dy, src, pos.contiguous(), dw,
-            dy.stride(0), dy.stride(1), src.stride(0), src.stride(1), T, dy.shape[1], top_k,
-            BLOCK_M=ROW_BLOCK, BLOCK_D=block_d,
-        )  # fmt: skip
+    dw = _empty((T, top_k), torch.float32, dy.device)
+    if dw.numel():
+        args = (dy, src, pos.contiguous(), dw, *dy.stride(), *src.stride(), T, dy.shape[1], top_k)
+        _launch_rows(_combine_weight_grad_kernel, T, dy.shape[1], args, {}, dy)
     return dw
 
 
-# --- reference -------------------------------------------------------------------------
+# --- references (plain PyTorch, in the inputs' dtype: float64 in -> the oracle) -----------
+
+
+def _expert_slices(counts):
+    ends = torch.cumsum(counts, 0).tolist()
+    return [slice(end - c, end) for c, end in zip(counts.tolist(), ends, strict=True)]
 
 
 def grouped_matmul_reference(x, w, counts, rows=None, transpose_w=False):
-    """`grouped_matmul` in plain PyTorch: a loop over experts."""
+    """`grouped_matmul` as a loop over experts; rows past ``counts.sum()`` are left out."""
     xs = x if rows is None else x[rows]
-    outs, start = [], 0
-    for e, c in enumerate(counts.tolist()):
-        we = w[e] if transpose_w else w[e].T
-        outs.append(xs[start : start + c] @ we)
-        start += c
-    return torch.cat(outs) if outs else xs.new_empty((0, w.shape[1]))
+    outs = [xs[s] @ (w[e] if transpose_w else w[e].T) for e, s in enumerate(_expert_slices(counts))]
+    return torch.cat(outs) if outs else xs.new_empty((0, w.shape[2 if transpose_w else 1]))
+
+
+def expert_swiglu_reference(x, w1, w3, w2, counts, rows=None):
+    """``w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))`` per expert (differentiable): the kept
+    rows, (counts.sum(), d)."""
+    h1 = grouped_matmul_reference(x, w1, counts, rows)
+    h3 = grouped_matmul_reference(x, w3, counts, rows)
+    return grouped_matmul_reference(torch.nn.functional.silu(h1) * h3, w2, counts)
+
+
+def grouped_weight_grad_reference(dy, x, counts, rows=None):
+    """`grouped_weight_grad` as a loop: (E, N, K), zeros for an empty expert."""
+    xs = x if rows is None else x[rows]
+    return torch.stack([dy[s].T @ xs[s] for s in _expert_slices(counts)])
+
+
+def combine_reference(src, pos, weight=None):
+    """`combine` in PyTorch: slots in order, -1 skipped."""
+    T, top_k = pos.shape
+    y = src.new_zeros((T, src.shape[1]))
+    for j in range(top_k):
+        live = pos[:, j] >= 0
+        term = src[pos[:, j].clamp(min=0)] * live[:, None]
+        y = y + (term if weight is None else term * weight[:, j, None].to(src.dtype))
+    return y

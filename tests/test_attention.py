@@ -1,4 +1,6 @@
-"""fp.flash_attn against a float64 reference: output, LSE, dQ, dK, dV.
+"""fp.flash_attn against a float64 reference: output, LSE, dQ, dK, dV; and the kernels
+in the modes the ring drives them (fp32 partials, merge epilogue, fresh and accumulating
+gradients, the GQA split).
 
 Tolerance (DESIGN): twice plain PyTorch's own error in the same dtype, plus a floor.
 The LSE gets an upstream gradient too, so its backward path is checked with the rest.
@@ -8,8 +10,16 @@ import math
 
 import pytest
 import torch
-from fusedpar.kernels.attention import attention_reference
-from fusedpar.kernels.attention_backward import attention_backward_reference
+from fusedpar.kernels import attention_backward as backward_kernels
+from fusedpar.kernels.attention import attention_forward, attention_reference
+from fusedpar.kernels.attention_backward import (
+    attention_backward,
+    attention_backward_dkdv,
+    attention_backward_dq,
+    attention_backward_reference,
+    attention_delta,
+    gqa_split,
+)
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -34,17 +44,28 @@ def _inputs(B, Sq, Skv, Hq, Hkv, D, dtype, seed, layout):
     return q, k, v
 
 
+def _differentiable_copy(t):
+    """A copy of `t` with its strides (a view keeps being a view: `clone` would make a
+    strided input contiguous and the kernels would never see the strides)."""
+    if t._base is None:
+        return t.detach().clone().requires_grad_()
+    base = t._base.detach().clone().requires_grad_()
+    assert base.stride() == t._base.stride()
+    return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
 def attention_grads(fn, inputs, dout, dlse):
     """fn(*inputs) -> (out, lse); backward of <out, dout> + <lse, dlse> (finite lse only).
-    Returns [out, lse, *input grads]. Shared with the ring attention tests."""
-    leaves = [t.detach().clone().requires_grad_() for t in inputs]
-    out, lse = fn(*leaves)
+    Returns [out, lse, *input grads]; strided inputs stay strided. Shared with the ring
+    attention tests."""
+    copies = [_differentiable_copy(t) for t in inputs]
+    out, lse = fn(*copies)
     finite = torch.isfinite(lse)
     loss = (out * dout.to(out.dtype)).sum() + (
         torch.where(finite, lse, 0) * dlse.to(lse.dtype)
     ).sum()
-    loss.backward()
-    return [out.detach(), lse.detach()] + [t.grad for t in leaves]
+    grads = torch.autograd.grad(loss, copies)
+    return [out.detach(), lse.detach(), *grads]
 
 
 def torch_results(inputs, dout, dlse, ref, causal=False, scale=None):
@@ -209,3 +230,186 @@ def test_offsets_past_two_to_the_31():
     q = randn((1, 1, 1, 16), torch.float16, 1).cuda()
     ref = attention_reference(q.double(), kv.double(), kv.double())[0]
     assert_close(fp.flash_attn(q, kv, kv), ref, attention_reference(q, kv, kv)[0])
+
+
+# --- the ring's modes: fp32 partials, merge epilogue, fresh / accumulating gradients ---
+
+
+def poisoned(shape, device, dtype=torch.float32, pad=1):
+    """A NaN-filled strided view of `shape` (padded along dim 1): an element the kernel
+    should write but does not stays NaN and fails the comparison."""
+    padded = (shape[0], shape[1] + 2 * pad, *shape[2:])
+    return torch.full(padded, float("nan"), dtype=dtype, device=device)[:, pad : pad + shape[1]]
+
+
+def force_split(mp, split_below):
+    """Set the GQA split threshold (None: the default, no split on CPU) and poison the
+    split's partials with NaN."""
+    mp.setattr(backward_kernels, "SPLIT_BELOW_PROGRAMS", split_below)
+    nan_partials = lambda shape, device: torch.full(shape, float("nan"), device=device)  # noqa: E731
+    mp.setattr(backward_kernels, "_partials", nan_partials)
+
+
+def check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, device="cpu", split_below=None,
+                     first_keys=None):  # fmt: skip
+    """The kernels as the ring drives them, against float64 full attention:
+
+    - forward: keys [0, s1) written as an fp32 partial into NaN-poisoned strided buffers,
+      then keys [s1, Skv) merged into them in the epilogue (``merge=True``); with
+      ``causal`` the first part is visible to every row (a ring's earlier block), and
+      s1 = 0 merges into an empty partial (LSE -inf); Sq > Skv leaves rows with no key;
+    - backward: dQ and dK/dV halves written fresh into NaN-poisoned fp32 buffers, and
+      `attention_backward` adding into random fp32 buffers (``accumulate``);
+    - both with the GQA split forced (``split_below``) or not.
+    """
+
+    def strided(shape, offset):
+        return randn((shape[0], shape[1] + 3, *shape[2:]), dtype, seed + offset).to(device)[:, 3:]
+
+    q, k, v = strided((B, Sq, Hq, D), 0), strided((B, Skv, Hkv, D), 1), strided((B, Skv, Hkv, D), 2)
+    dout = randn((B, Sq, Hq, D), dtype, seed + 3).to(device)
+    dlse = randn((B, Hq, Sq), torch.float32, seed + 4).to(device)
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    visible_to_all = max(0, Skv - Sq + 1) if causal else Skv
+    s1 = first_keys if first_keys is not None else seed % (visible_to_all + 1)
+
+    out, lse = poisoned((B, Sq, Hq, D), device), poisoned((B, Hq, Sq + 1), device)[..., 1:]
+    attention_forward(q, k[:, :s1], v[:, :s1], out=out, lse=lse)
+    attention_forward(q, k[:, s1:], v[:, s1:], causal=causal, out=out, lse=lse, merge=True)
+    ref = attention_grads(lambda *t: attention_reference(*t, causal=causal), (q64, k64, v64),
+                          dout, dlse)  # fmt: skip
+    same = torch_results((q, k, v), dout, dlse, ref, causal)
+    assert out.dtype == torch.float32
+    assert_close(out, ref[0], same[0], name="merged out")
+    assert_close(lse, ref[1], same[1], name="merged lse")
+
+    with pytest.MonkeyPatch.context() as mp:
+        force_split(mp, split_below)
+        o, saved_lse = attention_forward(q, k, v, causal=causal)  # what flash_attn saves
+        delta = attention_delta(o, dout) - torch.where(torch.isfinite(saved_lse), dlse, 0)
+        saved = (dout, q, k, v, saved_lse, delta)
+        fresh = [poisoned(t.shape, device) for t in (q, k, v)]
+        attention_backward_dq(*saved, causal=causal, dq=fresh[0])
+        attention_backward_dkdv(*saved, causal=causal, dk=fresh[1], dv=fresh[2])
+        start = [randn(t.shape, torch.float32, seed + 5 + i).to(device)
+                 for i, t in enumerate((q, k, v))]  # fmt: skip
+        added = [t.clone() for t in start]
+        attention_backward(dout, q, k, v, saved_lse, causal=causal, delta=delta, dq=added[0],
+                           dk=added[1], dv=added[2], accumulate=True)  # fmt: skip
+    for name, f, a, s0, r, t in zip(("dq", "dk", "dv"), fresh, added, start, ref[2:], same[2:],
+                                    strict=True):  # fmt: skip
+        assert f.dtype == a.dtype == torch.float32
+        assert_close(f, r, t, name=f"{name} fresh", sum_length=D)
+        assert_close(a - s0, r, t, name=f"{name} accumulated", sum_length=D)
+
+
+@given(
+    B=st.integers(1, 2), Sq=st.integers(1, 40), Skv=st.integers(1, 40), Hkv=st.integers(1, 2),
+    group=st.integers(1, 3), D=st.sampled_from([8, 16, 40, 64]), causal=st.booleans(),
+    dtype=cpu_dtypes(), seed=seeds(), split_below=st.sampled_from([None, 4, 10**6]),
+)  # fmt: skip
+# Sq > Skv: 24 rows see no key, merged into an empty partial (s1 = 0)
+@example(B=1, Sq=37, Skv=13, Hkv=1, group=3, D=16, causal=True, dtype=torch.float32, seed=0,
+         split_below=10**6)  # fmt: skip
+@example(B=2, Sq=17, Skv=33, Hkv=2, group=3, D=40, causal=True, dtype=torch.float16, seed=7,
+         split_below=10**6)  # fmt: skip
+def test_ring_modes_match_float64(B, Sq, Skv, Hkv, group, D, causal, dtype, seed, split_below):
+    check_ring_modes(B, Sq, Skv, Hkv * group, Hkv, D, causal, dtype, seed, split_below=split_below)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "B, Sq, Skv, Hq, Hkv, D, causal",
+    [(1, 1024, 1536, 8, 2, 128, True), (2, 2048, 2048, 32, 1, 128, True),
+     (1, 1000, 777, 4, 4, 64, False)],
+)  # fmt: skip
+def test_ring_modes_gpu(B, Sq, Skv, Hq, Hkv, D, causal, dtype):
+    """The default threshold (two waves of SMs) splits the first two: 24 and 32 dK/dV
+    programs of 128 keys on an H100's 132 SMs."""
+    check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed=11, device="cuda")
+
+
+def test_gqa_split_is_deterministic_and_needs_no_gpu_query(monkeypatch):
+    def no_query(index):
+        raise AssertionError("the SM count is queried only for CUDA tensors")
+
+    monkeypatch.setattr(backward_kernels, "_sm_count", no_query)
+    cpu = torch.device("cpu")
+    assert gqa_split(1, 8192, 1, 32, cpu) == 1  # the interpreter never splits by default
+    monkeypatch.setattr(backward_kernels, "SPLIT_BELOW_PROGRAMS", 264)  # 2 x an H100's SMs
+    # 64 programs of 128 keys: 5 slices of at most 7 query heads reach 264
+    assert gqa_split(1, 8192, 1, 32, cpu) == 5
+    assert gqa_split(1, 8192, 1, 1, cpu) == 1  # no group to split
+    assert gqa_split(4, 8192, 8, 4, cpu) == 1  # 2048 programs: enough
+    assert gqa_split(1, 100, 1, 3, cpu) == 3  # at most one query head per slice
+    q, k, v = (randn((1, 21, h, 16), torch.float32, i) for i, h in enumerate((6, 1, 1)))
+    dout = randn(q.shape, torch.float32, 3)
+    out, lse = attention_forward(q, k, v, causal=True)
+    runs = [attention_backward(dout, q, k, v, lse, causal=True, out=out) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [(lambda q: attention_forward(q, q, q, merge=True), ValueError, "give both"),
+     (lambda q: attention_forward(q, q, q, out=torch.empty_like(q), lse=torch.empty(1, 2, 4),
+                                  merge=True), TypeError, "float32: out is torch.float16"),
+     (lambda q: attention_backward_dq(q, q, q, q, torch.empty(1, 2, 4), torch.empty(1, 2, 4),
+                                      accumulate=True), ValueError, "adds into dq"),
+     (lambda q: attention_backward_dkdv(q, q, q, q, torch.empty(1, 2, 4), torch.empty(1, 2, 5)),
+      ValueError, r"delta must be \(1, 2, 4\)")],
+)  # fmt: skip
+def test_ring_mode_bad_input(call, error, match):
+    with pytest.raises(error, match=match):
+        call(torch.ones(1, 4, 2, 8, dtype=torch.float16))
+
+
+def test_the_attention_benchmark_runs_on_cpu(monkeypatch, tmp_path):
+    """bench/attention.py end to end on CPU (fp32, the interpreter, timers replaced): a
+    multi-head and a GQA point, the peer filter, a peer that cannot run recorded as
+    missing, and the tuner's picks in the results."""
+    import json
+
+    import bench.attention as bench
+    from bench.common import results_folder
+
+    monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
+    monkeypatch.setenv("BENCH_PEERS", "sdpa-flash,fusedpar")
+    monkeypatch.setattr(bench, "DTYPE", torch.float32)
+    monkeypatch.setattr(bench, "TOKENS", 32)
+    monkeypatch.setattr(bench, "points", lambda: [(16, True, 16, 2, 2), (16, False, 32, 4, 1)])
+    monkeypatch.setattr(bench, "time_ms", lambda fn, **kw: (fn(), 1.0)[1])
+    monkeypatch.setattr(bench, "environment", lambda: {"device": "cpu test"})
+    monkeypatch.setattr(bench, "measured_ceilings", lambda: {"matmul_bf16_tflops": 1.0})
+    bench.main(device="cpu")
+    result = json.loads((results_folder() / "attention.json").read_text())
+    rows = result["rows"]
+    assert [(r["S"], r["B"], r["Hq"], r["Hkv"], r["pass_"]) for r in rows] == [
+        (S, 32 // S, Hq, Hkv, p) for S, Hq, Hkv in ((16, 2, 2), (32, 4, 1)) for p in bench.PASSES
+    ]
+    fwd = rows[0]
+    assert fwd["fusedpar"] == pytest.approx(4 * 2 * 2 * 16 * 16 * 16 * 0.5 / 1e9)
+    assert result["meta"]["peers"] == "fusedpar,sdpa-flash"
+    if fwd["sdpa-flash"] is None:  # no flash backend on CPU: recorded, the rest measured
+        assert "sdpa-flash D=16 S=16" in result["meta"]["missing"]
+    assert "_attn_fwd_kernel" in result["meta"]["tuning_picks"]
+    monkeypatch.setenv("BENCH_PEERS", "fusedpar,sdpa")
+    with pytest.raises(ValueError, match="unknown peers \\['sdpa'\\]"):
+        bench.selected_peers()
+
+
+def test_the_gqa_split_adds_no_host_sync(monkeypatch):
+    from fusedpar.testing.host_syncs import HostSyncs
+
+    monkeypatch.setattr(backward_kernels, "SPLIT_BELOW_PROGRAMS", 10**6)
+    q = randn((1, 19, 4, 16), torch.float32, 0).requires_grad_()
+    k, v = (randn((1, 23, 1, 16), torch.float32, i).requires_grad_() for i in (1, 2))
+
+    def step():
+        fp.flash_attn(q, k, v, causal=True).sum().backward()
+
+    step()  # warm-up: tuning
+    with HostSyncs() as syncs:
+        step()
+    assert not syncs.found, syncs.report()

@@ -1,30 +1,66 @@
-"""fp.nn.MoE against a naive float64 loop over tokens and experts, at W = 1, 2 and 4.
+"""fp.nn.MoE against a naive float64 loop over tokens and experts, at W = 1, 2 and 4, and
+each MoE kernel against its plain-PyTorch reference.
 
 Every rank builds the full router and expert stacks and every rank's tokens from the
 seed, runs its share, and checks y, the aux loss and the gradients of x, of its experts
-and (summed over ranks, as data parallelism would) of the router.
+and (summed over ranks, as data parallelism would) of the router. Every output a kernel
+allocates starts as NaN (`poisoned_outputs`), so an element it should write and does not,
+or a row past the kept pairs that something reads, fails the comparison.
+
+The kernel checks (`KERNEL_CHECKS`) are plain functions of a problem dict and a device:
+the CPU tier runs them on hypothesis-drawn tiny fp32/fp16 problems in the interpreter,
+the GPU tier (``pytest -m gpu``) on realistic bf16/fp16 shapes.
 """
 
+import contextlib
 import re
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import triton
+from fusedpar.kernels import _tuning
+from fusedpar.kernels import moe as moe_kernels
 from fusedpar.kernels.moe import (
     combine,
+    combine_reference,
+    combine_weight_grad,
     dispatch_metadata,
+    expert_swiglu_reference,
     gather_rows,
     grouped_matmul,
     grouped_matmul_reference,
+    grouped_swiglu,
+    grouped_swiglu_backward,
+    grouped_swiglu_input_grad,
     grouped_weight_grad,
+    grouped_weight_grad_reference,
 )
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 import fusedpar as fp
-from fusedpar.ops.moe import moe_reference
+from fusedpar.ops.moe import ExpertSwiGLU, moe_reference
 from fusedpar.testing import WorldError, assert_close
 from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Every output `fusedpar.kernels.moe` allocates starts as NaN while inside."""
+    real = moe_kernels._empty
+
+    def nan_empty(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    moe_kernels._empty = nan_empty
+    try:
+        yield
+    finally:
+        moe_kernels._empty = real
 
 
 def _group():
@@ -73,8 +109,9 @@ def _run_moe(p):
                                  score=p["score"], capacity_factor=p["capacity"],
                                  z_loss_coef=p["z_loss"])  # fmt: skip
     x = xs[rank].to(dtype).requires_grad_()
-    y, aux = layer(x)
-    ((y * dys[rank].to(dtype)).sum() + aux).backward()
+    with poisoned_outputs():  # dropped pairs' rows hold NaN: nothing may read them
+        y, aux = layer(x)
+        ((y * dys[rank].to(dtype)).sum() + aux).backward()
 
     ref = _reference(p, stacks, xs, dys, torch.float64)
     same = _reference(p, stacks, xs, dys, dtype)
@@ -203,6 +240,26 @@ def test_leading_dims_and_no_group():
     torch.testing.assert_close(aux, ref_aux)
 
 
+def test_inference_matches_training_forward(monkeypatch):
+    """Under no_grad the experts skip storing h1 and h3 and give the same bits."""
+    torch.manual_seed(0)
+    layer = fp.nn.MoE(6, 5, 4, 2, capacity_factor=0.5)
+    x = torch.randn(9, 6) + 1.0
+    y, _ = layer(x)
+    saved = []
+    real = moe_kernels.grouped_swiglu
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        saved.append(out[1])
+        return out
+
+    monkeypatch.setattr(fp.ops.moe, "grouped_swiglu", spy)
+    with torch.no_grad():
+        y_inference, _ = layer(x)
+    assert torch.equal(y, y_inference) and saved == [None]
+
+
 def test_expert_bias_steers_selection_only():
     torch.manual_seed(0)
     layer = fp.nn.MoE(6, 5, 4, 1, score="sigmoid", norm_topk_prob=False)
@@ -212,27 +269,300 @@ def test_expert_bias_steers_selection_only():
     assert layer.last_stats["tokens_per_expert"].tolist() == [0, 0, 0, 8]
 
 
-# --- the kernels on their own --------------------------------------------------------------
+# --- the kernels on their own: checks shared by the CPU and GPU tiers ----------------------
 
 
-@given(T=st.integers(0, 20), k=st.integers(1, 3), E=st.integers(1, 5), K=st.integers(1, 40),
-       N=st.integers(1, 40), dtype=cpu_dtypes(), seed=seeds())  # fmt: skip
-def test_grouped_kernels(T, k, E, K, N, dtype, seed):
-    ids = torch.randint(0, E, (T, k), generator=torch.Generator().manual_seed(seed))
-    counts, order, pos = dispatch_metadata(ids, E)
-    assert counts.sum() == T * k and torch.equal(order, torch.argsort(ids.reshape(-1), stable=True))
-    x, w = randn((T, K), dtype, seed), randn((E, N, K), dtype, seed + 1)
-    rows = order // k
-    y = grouped_matmul(x, w, counts, rows)
+def _operand(shape, dtype, seed, device, strided, scale=1.0):
+    """Random data; `strided`: a transposed view of the last two dims (no unit stride
+    where a contiguous tensor has one)."""
+    if not strided:
+        return randn(shape, dtype, seed, scale=scale).to(device)
+    flipped = (*shape[:-2], shape[-1], shape[-2])
+    return randn(flipped, dtype, seed, scale=scale).to(device).transpose(-1, -2)
+
+
+def _kernel_problem(p, device):
+    """Routing of T tokens to k of E experts (skewed popularity, `empty` experts never
+    chosen, a random `drop` mask) and the operands of the experts' SwiGLU."""
+    T, k, E, d, h, dtype, seed = (p[n] for n in ("T", "k", "E", "d", "h", "dtype", "seed"))
+    gen = torch.Generator().manual_seed(seed)
+    popularity = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** p["skew"]
+    popularity[E - p["empty"] :] = 0.0  # the last `empty` experts get no pair
+    ids = torch.multinomial(popularity, max(T * k, 1), replacement=True, generator=gen)
+    ids = ids[: T * k].view(T, k)
+    keep = torch.rand(T, k, generator=gen) > 0.3 if p["drop"] else None
+    counts, order, pos = dispatch_metadata(
+        ids.to(device), E, None if keep is None else keep.to(device)
+    )
+    strided = p["strided"]
+    return dict(
+        counts=counts, order=order, pos=pos, rows=order // k, kept=int(counts.sum()),
+        x=_operand((T, d), dtype, seed + 1, device, strided),
+        w1=_operand((E, h, d), dtype, seed + 2, device, strided, d**-0.5),
+        w3=_operand((E, h, d), dtype, seed + 3, device, strided, d**-0.5),
+        w2=_operand((E, d, h), dtype, seed + 4, device, strided, h**-0.5),
+        dy=_operand((T * k, d), dtype, seed + 5, device, strided),
+        dh13=_operand((T * k, 2 * h), dtype, seed + 6, device, strided),
+    )  # fmt: skip
+
+
+def _unwritten(t, kept, name):
+    """Rows past the kept pairs stay as poisoned: no kernel writes there."""
+    assert t[kept:].isnan().all(), f"{name}: a row past the kept pairs was written"
+
+
+def check_grouped_matmul(p, device):
+    """grouped_matmul gathering from x, and on rows already in expert order with the
+    weight read transposed (the backward's use)."""
+    q = _kernel_problem(p, device)
+    x, w, counts, rows, n = q["x"], q["w1"], q["counts"], q["rows"], q["kept"]
+    with poisoned_outputs():
+        y = grouped_matmul(x, w, counts, rows)
+        dx = grouped_matmul(q["dy"], q["w2"], counts, transpose_w=True)
+    _unwritten(y, n, "gathered y")
     ref = grouped_matmul_reference(x.double(), w.double(), counts, rows)
-    assert_close(y, ref, grouped_matmul_reference(x, w, counts, rows), name="grouped y")
-    dy = randn((T * k, N), dtype, seed + 2)
-    dw = grouped_weight_grad(dy, x, counts, rows)
-    offsets = [0, *torch.cumsum(counts, 0).tolist()]
-    for e in range(E):  # an empty expert's gradient is exactly zero
-        a, b = offsets[e], offsets[e + 1]
-        expected = dy[a:b].double().T @ x[rows[a:b]].double()
-        assert_close(dw[e], expected, dy[a:b].T @ x[rows[a:b]], name=f"dw[{e}]")
-    assert torch.equal(gather_rows(x, rows), x[rows])
-    summed = combine(gather_rows(x, rows), pos)
-    assert_close(summed, x.double() * k, x * k, name="combine")
+    assert_close(y[:n], ref, grouped_matmul_reference(x, w, counts, rows), name="gathered y")
+    args = (q["dy"], q["w2"], counts, None, True)
+    ref = grouped_matmul_reference(*(t.double() for t in args[:2]), *args[2:])
+    assert_close(dx[:n], ref, grouped_matmul_reference(*args), name="transposed w")
+
+
+def check_expert_swiglu(p, device):
+    """The fused gate/up kernel, then `ExpertSwiGLU` forward and every gradient against
+    the loop over experts; the backward's recomputed a equals the forward's bit for bit."""
+    q = _kernel_problem(p, device)
+    counts, rows, pos, n = q["counts"], q["rows"], q["pos"], q["kept"]
+    with poisoned_outputs():
+        a, h13 = grouped_swiglu(q["x"], q["w1"], q["w3"], counts, rows)
+        _, a_again = grouped_swiglu_backward(q["dy"], q["w2"], h13, counts)
+    for t, name in ((a, "a"), (h13, "h13"), (a_again, "a again")):
+        _unwritten(t, n, name)
+    assert torch.equal(a[:n], a_again[:n]), "the backward's a differs from the forward's"
+
+    def run(x, w1, w3, w2, fused):
+        x, w1, w3, w2 = (t.detach().requires_grad_() for t in (x, w1, w3, w2))
+        if fused:
+            with poisoned_outputs():
+                out = ExpertSwiGLU.apply(x, w1, w3, w2, counts, rows, pos)
+                _unwritten(out, n, "expert outputs")
+                (out[:n] * q["dy"][:n]).sum().backward()
+            out = out[:n]
+        else:
+            out = expert_swiglu_reference(x, w1, w3, w2, counts, rows)
+            if out.requires_grad:
+                (out * q["dy"][:n].to(out.dtype)).sum().backward()
+        grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in (x, w1, w3, w2)]
+        return [out, *grads]
+
+    operands = [q[n_] for n_ in ("x", "w1", "w3", "w2")]
+    got = run(*operands, True)
+    ref = run(*(t.double() for t in operands), False)
+    same = run(*operands, False)
+    for name, g, r, t in zip(("out", "dx", "dw1", "dw3", "dw2"), got, ref, same, strict=True):
+        assert_close(g, r, t, name=name)
+
+
+def check_weight_grad(p, device):
+    """grouped_weight_grad gathering x (both halves of a split dy) and on rows in order."""
+    q = _kernel_problem(p, device)
+    x, counts, rows, dh, h = q["x"], q["counts"], q["rows"], q["dh13"], p["h"]
+    with poisoned_outputs():
+        dw1, dw3 = grouped_weight_grad(dh, x, counts, rows, split=True)
+        dw2 = grouped_weight_grad(q["dy"], dh[:, :h], counts)
+    cases = [("dw1", dw1, dh[:, :h], x, rows), ("dw3", dw3, dh[:, h:], x, rows),
+             ("dw2", dw2, q["dy"], dh[:, :h], None)]  # fmt: skip
+    for name, got, dy, src, r in cases:
+        ref = grouped_weight_grad_reference(dy.double(), src.double(), counts, r)
+        assert_close(got, ref, grouped_weight_grad_reference(dy, src, counts, r), name=name)
+        assert (got[counts == 0] == 0).all(), f"{name}: an empty expert's gradient is not 0"
+
+
+def check_permute_combine(p, device):
+    """gather_rows (plain and scaled), combine (weighted, dropped slots skipped) and the
+    combine's weight gradient."""
+    q = _kernel_problem(p, device)
+    x, rows, pos, dy = q["x"], q["rows"], q["pos"], q["dy"]
+    T, k = pos.shape
+    weight = torch.rand(T, k, generator=torch.Generator().manual_seed(p["seed"])).to(device)
+    scale = weight.reshape(-1)[q["order"]]
+    with poisoned_outputs():
+        permuted = gather_rows(x, rows)
+        scaled = gather_rows(x, rows, scale)
+        y = combine(dy, pos, weight)
+        dw = combine_weight_grad(y, dy, pos)
+    assert torch.equal(permuted, x[rows]), "gather_rows must copy rows exactly"
+    ref = x.double()[rows] * scale.double()[:, None]
+    assert_close(scaled, ref, (x[rows].float() * scale[:, None]).to(x.dtype), name="scaled")
+    ref = combine_reference(dy.double(), pos, weight.double())
+    assert_close(y, ref, combine_reference(dy, pos, weight), name="combine")
+
+    def dw_reference(yy, src):
+        live = pos >= 0
+        return (yy[:, None, :] * src[pos.clamp(min=0)]).sum(-1) * live
+
+    ref = dw_reference(y.double(), dy.double())
+    assert_close(dw, ref, dw_reference(y.float(), dy.float()), name="combine weight grad")
+
+
+KERNEL_CHECKS = [check_grouped_matmul, check_expert_swiglu, check_weight_grad,
+                 check_permute_combine]  # fmt: skip
+
+
+@st.composite
+def kernel_problems(draw):
+    E = draw(st.integers(1, 5))
+    return dict(
+        T=draw(st.integers(0, 24)), k=draw(st.integers(1, 3)), E=E, d=draw(st.integers(1, 40)),
+        h=draw(st.integers(1, 40)), empty=draw(st.integers(0, E - 1)),
+        skew=draw(st.sampled_from([0.0, 1.0, 3.0])), drop=draw(st.booleans()),
+        strided=draw(st.booleans()), dtype=draw(cpu_dtypes()), seed=draw(seeds()),
+    )  # fmt: skip
+
+
+SMALL = dict(T=9, k=2, E=4, d=10, h=7, empty=1, skew=1.0, drop=True, strided=False,
+             dtype=torch.float32, seed=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("check", KERNEL_CHECKS, ids=lambda c: c.__name__[6:])
+@given(p=kernel_problems())
+@example(p={**SMALL, "T": 0})  # no token
+@example(p={**SMALL, "d": 70, "h": 67, "strided": True, "dtype": torch.float16})  # loops over D, K
+@example(p={**SMALL, "T": 40, "k": 1, "E": 2, "empty": 0, "drop": False})  # many blocks/expert
+def test_kernels_match_references(check, p):
+    check(p, torch.device("cpu"))
+
+
+GPU_PROBLEMS = {
+    # fine-grained experts, top-8, 4 of 64 experts empty
+    "E64-d2048": dict(T=2048, k=8, E=64, d=2048, h=768, empty=4, skew=1.0, drop=False,
+                      strided=False),
+    # few large experts, a capacity drop, strided operands, h not a multiple of 64
+    "E8-d512-drop": dict(T=3000, k=2, E=8, d=512, h=1400, empty=1, skew=1.0, drop=True,
+                         strided=True),
+    # d past one permute tile (2048): the D loop; uneven experts
+    "E16-d2560": dict(T=1000, k=4, E=16, d=2560, h=1000, empty=2, skew=2.0, drop=False,
+                      strided=False),
+}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("problem", list(GPU_PROBLEMS))
+@pytest.mark.parametrize("check", KERNEL_CHECKS, ids=lambda c: c.__name__[6:])
+def test_kernels_match_references_gpu(check, problem, dtype):
+    check({**GPU_PROBLEMS[problem], "dtype": dtype, "seed": 0}, torch.device("cuda"))
+
+
+def check_tile_independence(p, device, gemm_configs, wgrad_configs, exact=False):
+    """Every config sums in the same order (one BLOCK_K, one row step for the weight
+    gradient), so forcing each in turn must give the same bits. `exact`: integer-valued
+    operands, whose sums are exact in any order (the interpreter's numpy dot orders its
+    sums by tile shape, so on CPU only the forcing and the per-config grids are tested)."""
+    q = _kernel_problem(p, device)
+    if exact:
+        q.update({n_: (q[n_] * 2).round() for n_ in ("x", "w1", "dh13")})
+    x, counts, rows, n = q["x"], q["counts"], q["rows"], q["kept"]
+
+    def gemm():
+        return grouped_matmul(x, q["w1"], counts, rows)[:n]
+
+    def wgrad():
+        return torch.stack(grouped_weight_grad(q["dh13"], x, counts, rows, split=True))
+
+    real = moe_kernels._gemm_candidates, moe_kernels._weight_grad_candidates
+    try:
+        for name, configs, run in (("_gemm_candidates", gemm_configs, gemm),
+                                   ("_weight_grad_candidates", wgrad_configs, wgrad)):  # fmt: skip
+            outs = []
+            for config in configs:
+                setattr(moe_kernels, name, lambda *_, c=config: [c])
+                _tuning.forget_picks()
+                outs.append((config, run()))
+            for config, out in outs[1:]:
+                assert torch.equal(out, outs[0][1]), f"{config} differs from {outs[0][0]}"
+    finally:
+        moe_kernels._gemm_candidates, moe_kernels._weight_grad_candidates = real
+        _tuning.forget_picks()
+
+
+def test_gemm_bits_do_not_depend_on_the_tile():
+    def tiles(m_key, n_key, k_key, k):
+        return [
+            triton.Config({m_key: a, n_key: b, k_key: k}) for a, b in ((16, 64), (32, 16), (64, 32))
+        ]
+
+    p = {**SMALL, "T": 30, "d": 70, "h": 40, "E": 3, "empty": 0, "strided": True}
+    check_tile_independence(p, torch.device("cpu"), tiles("BLOCK_M", "BLOCK_N", "BLOCK_K", 64),
+                            tiles("BLOCK_N", "BLOCK_K", "BLOCK_M", 16), exact=True)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gemm_bits_do_not_depend_on_the_tile_gpu(dtype):
+    """The GPU tiles: 128- and 64-row wgmma ones and the 32-row mma ones alike."""
+    p = {**GPU_PROBLEMS["E8-d512-drop"], "dtype": dtype, "seed": 1}
+    check_tile_independence(p, torch.device("cuda"), moe_kernels.grouped_matmul_configs(),
+                            moe_kernels.weight_grad_configs())  # fmt: skip
+
+
+def _f(*shape, dtype=torch.float32):
+    return torch.ones(shape, dtype=dtype)
+
+
+def _i(*shape, dtype=torch.int64):
+    return torch.ones(shape, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "fn, args, error, match",
+    [
+        (grouped_matmul, (_f(4, 3), _f(2, 5, 4), _i(2)), ValueError, r"w must be \(2, 5, 3\)"),
+        (grouped_matmul, (_f(4, 3), _f(2, 5, 3), _i(3)), ValueError, r"\(3, 5, 3\).*3 experts"),
+        (grouped_matmul, (_f(4, 3), _f(2, 5, 3, dtype=torch.float16), _i(2)), TypeError,
+         "float16"),
+        (grouped_matmul, (_f(4, 3), _f(2, 5, 3), _f(2)), ValueError, "counts must be int64"),
+        (grouped_swiglu, (_f(4, 3), _f(2, 5, 3), _f(2, 6, 3), _i(2)), ValueError,
+         r"w3 must be \(2, 5, 3\)"),
+        (grouped_swiglu, (_f(4, 3), _f(2, 5, 3), _f(2, 5, 3), _i(2), _i(3, dtype=torch.int32)),
+         ValueError, r"rows must be int64 \(3,\)"),
+        (grouped_swiglu_backward, (_f(4, 3), _f(2, 3, 5), _f(4, 9), _i(2)), ValueError,
+         r"\(4, 2h\)"),
+        (grouped_swiglu_input_grad, (_f(4, 8), _f(2, 5, 3), _f(2, 5, 3), _i(2)), ValueError,
+         r"\(2, 4, 3\)"),
+        (grouped_weight_grad, (_f(4, 5), _f(3, 2), _i(2)), ValueError, "dy's 4 rows"),
+        (gather_rows, (_f(4, 3), _i(2), _f(3)), ValueError, r"float32 \(2,\)"),
+        (combine, (_f(4, 3), _i(2, 2), _f(2, 3)), ValueError, r"\(2, 3\)"),
+        (combine_weight_grad, (_f(2, 4), _f(4, 3), _i(2, 2)), ValueError, r"\(2, D\)"),
+    ],
+)  # fmt: skip
+def test_kernel_bad_input_is_a_clear_error(fn, args, error, match):
+    with pytest.raises(error, match=match):
+        fn(*args)
+
+
+# --- the benchmark's peers, on CPU -----------------------------------------------------------
+
+
+def test_bench_peers_match_the_reference(monkeypatch, capsys):
+    """bench/moe.py runs on a GPU only, but its peer layers (a per-expert loop and
+    torchtitan's torch._grouped_mm recipe) are plain torch: check their forward here."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    bench_moe = pytest.importorskip("bench.moe")
+    torch.manual_seed(0)
+    E, d, h, k = 4, 16, 8, 2  # 16-byte aligned rows: torch._grouped_mm's CPU kernel needs it
+    router, w1, w3 = torch.randn(E, d), torch.randn(E, h, d) / 4, torch.randn(E, h, d) / 4
+    w2 = torch.randn(E, d, h) / 3
+    x = torch.randn(13, d)
+    ref, _ = moe_reference(x.double(), router.double(), w1.double(), w2.double(),
+                           w3.double(), top_k=k)  # fmt: skip
+    peers = [bench_moe._naive_moe]
+    if hasattr(torch, "_grouped_mm"):
+        peers.append(bench_moe._grouped_mm_moe)
+    for peer in peers:
+        torch.testing.assert_close(peer(x, router, w1, w2, w3, k).double(), ref, rtol=1e-5,
+                                   atol=1e-5)  # fmt: skip
+    ids = bench_moe._routing(8, True, torch.Generator().manual_seed(0), 32, 4, "cpu")
+    assert ids.shape == (32, 4) and all(len(set(r)) == 4 for r in ids.tolist())
+    if not torch.cuda.is_available():
+        bench_moe.main()  # says why and returns: no GPU here
+        assert "no CUDA device" in capsys.readouterr().out

@@ -151,3 +151,18 @@ def _ring_without_tuning_step():
 def test_ring_loops_launch_only_what_they_tuned_before(world):
     errors = world(2).run(_ring_without_tuning_step)
     assert all("inside the ring attention forward" in e for e in errors), errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_tuning_on_a_gpu_leaves_one_result(accumulate):
+    """Compiled, every candidate runs many times while it is timed: the output must end
+    as one call's (C + A @ B once when accumulating, restored in between)."""
+    a = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    c = torch.randn(1000, 384, device="cuda", dtype=torch.float32)
+    expected = (c.double() if accumulate else 0) + a.double() @ b.double()
+    matmul(a, b, out=c, accumulate=accumulate)
+    assert _tuning.tuner("matmul").timings, "nothing was tuned"
+    assert len(next(iter(_tuning.tuner("matmul").timings.values()))) > 1
+    torch.testing.assert_close(c.double(), expected, rtol=2e-2, atol=2e-2)

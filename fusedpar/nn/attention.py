@@ -26,9 +26,11 @@ from fusedpar.ops.sequence import sequence_positions
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
-    """cos, sin (len(positions), head_dim / 2) for rotary embeddings at `positions`."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]
+    """cos, sin (len(positions), head_dim / 2) for rotary embeddings at `positions`, built
+    on positions' device (no host-to-device copy)."""
+    dims = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
+    inv_freq = 1.0 / theta ** (dims / head_dim)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -76,6 +78,7 @@ class ParallelAttention(nn.Module):
         self.k_weight = nn.Parameter(torch.empty(n_kv_heads // tp * hd, d_model, **factory))
         self.v_weight = nn.Parameter(torch.empty(n_kv_heads // tp * hd, d_model, **factory))
         self.o_weight = nn.Parameter(torch.empty(d_model, n_heads // tp * hd, **factory))
+        self._rope_tables: dict = {}  # (length, device) -> (cos, sin); not state
         if self.q_weight.device.type != "meta":
             self.reset_parameters()
 
@@ -116,6 +119,17 @@ class ParallelAttention(nn.Module):
         layer.load_dense(q, k, v, o)
         return layer
 
+    def _rope(self, full_len: int, device: torch.device):
+        """cos, sin at this rank's global positions, built on the device once per length."""
+        key = (full_len, device)
+        if key not in self._rope_tables:
+            if len(self._rope_tables) >= 4:  # lengths that vary (evaluation): keep a few
+                self._rope_tables.clear()
+            positions = sequence_positions(full_len, self.cp_group, layout=self.cp_layout,
+                                           device=device)  # fmt: skip
+            self._rope_tables[key] = rope_tables(positions, self.head_dim, self.rope_theta)
+        return self._rope_tables[key]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (S_loc, B, d_model) -> the same shape (see the module doc)."""
         if x.dim() != 3 or x.shape[-1] != self.d_model:
@@ -130,10 +144,7 @@ class ParallelAttention(nn.Module):
         seq, batch, hd = q.shape[0], q.shape[1], self.head_dim
         # (S, B, H*hd) -> (B, S, H, hd): a strided view, read in place by the kernels
         q, k, v = (t.view(seq, batch, -1, hd).transpose(0, 1) for t in (q, k, v))
-        full_len = seq * comm.group_size(self.cp_group)
-        positions = sequence_positions(full_len, self.cp_group, layout=self.cp_layout,
-                                       device=x.device)  # fmt: skip
-        cos, sin = rope_tables(positions, hd, self.rope_theta)
+        cos, sin = self._rope(seq * comm.group_size(self.cp_group), x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ring_attn(q, k, v, self.cp_group, causal=self.causal, layout=self.cp_layout)
         out = out.transpose(0, 1).reshape(seq, batch, -1)  # (S, B, Hq/TP * hd)

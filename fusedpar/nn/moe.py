@@ -128,7 +128,7 @@ class MoE(nn.Module):
             keep = capacity_mask(ids, weights, self.num_experts, self.capacity_factor)
         y, counts = moe_dispatch_combine(x2d, weights, ids, keep, self.w1, self.w3, self.w2,
                                          self.num_experts, self.ep_group)  # fmt: skip
-        dropped = ids.numel() - counts.sum()
+        dropped = ids.numel() - counts.sum()  # a device tensor: no host sync for the stats
         self.last_stats = {
             "tokens_per_expert": counts.detach(),
             "dropped_fraction": dropped.float() / max(1, ids.numel()),

@@ -6,37 +6,46 @@ Shapes on each of W expert-parallel ranks (T local tokens, k slots, E experts, E
 | step                    | tensor                                  |
 | ----------------------- | --------------------------------------- |
 | router (fp32)           | logits (T, E); weights, ids (T, k)      |
-| dispatch metadata       | counts (E,); order (P,); pos (T, k)     |
+| dispatch metadata       | counts (E,); order (T*k,); pos (T, k)   |
 | to the experts' ranks   | all_to_all: P -> R rows, source-major   |
 | local experts (SwiGLU)  | rows read expert-major through an index |
 | back, and combine       | all_to_all: R -> P; y (T, d)            |
 
-Forward and backward of the differentiable pieces:
+Forward and backward of the differentiable pieces (``h1, h3 = x[rows[p]] @ w1[e].T,
+w3[e].T``; ``a = silu(h1) * h3``):
 
-| piece           | forward                               | backward                             |
-| --------------- | ------------------------------------- | ------------------------------------ |
-| `GroupedLinear` | ``y[p] = x[rows[p]] @ w[e].T``        | ``dx[r] = sum_(p reads r) dy[p] w[e]`` |
-|                 |                                       | ``dw[e] = dy_e^T x_e``               |
-| `PermuteRows`   | ``out[p] = src[idx[p]]``              | ``dsrc[r] = sum_(p reads r) dout[p]`` |
-| `Combine`       | ``y[t] = sum_j w[t,j] out[pos[t,j]]`` | ``dout[p] = w[t,j] dy[t]``           |
-|                 |                                       | ``dw[t,j] = <dy[t], out[pos[t,j]]>`` |
+| piece          | forward                               | backward                              |
+| -------------- | ------------------------------------- | ------------------------------------- |
+| `ExpertSwiGLU` | ``a`` and ``[h1, h3]``: one GEMM;     | ``da = dout w2[e]``, its epilogue     |
+|                | ``out[p] = a[p] @ w2[e].T``           | giving ``dh1, dh3`` and ``a``;        |
+|                |                                       | ``dx[r] = sum_(p reads r) dh1 w1[e] + |
+|                |                                       | dh3 w3[e]``; ``dw1, dw3 = dh1_e^T x_e, |
+|                |                                       | dh3_e^T x_e``; ``dw2 = dout_e^T a_e`` |
+| `PermuteRows`  | ``out[p] = src[idx[p]]``              | ``dsrc[r] = sum_(p reads r) dout[p]`` |
+| `Combine`      | ``y[t] = sum_j w[t,j] out[pos[t,j]]`` | ``dout[p] = w[t,j] dy[t]``            |
+|                |                                       | ``dw[t,j] = <dy[t], out[pos[t,j]]>``  |
 
 "sum over p that read r" runs through the combine kernel in a fixed order (no atomics):
-two runs give bitwise-equal outputs and gradients.
+two runs give bitwise-equal outputs and gradients. At EP = 1 nothing here reads a count
+back to the host: pairs dropped by a capacity limit sit past ``counts.sum()`` in the
+full-length order, and no kernel touches those rows.
 """
 
 import math
 
 import torch
-import torch.nn.functional as F
 
 from fusedpar import comm
 from fusedpar.kernels.moe import (
     combine,
     combine_weight_grad,
     dispatch_metadata,
+    expert_counts,
     gather_rows,
     grouped_matmul,
+    grouped_swiglu,
+    grouped_swiglu_backward,
+    grouped_swiglu_input_grad,
     grouped_weight_grad,
 )
 
@@ -46,25 +55,48 @@ SCORES = ("softmax", "sigmoid")
 # --- differentiable pieces ----------------------------------------------------------------
 
 
-class GroupedLinear(torch.autograd.Function):
-    """``y[p] = x[rows[p]] @ w[e(p)].T``; `reduce_pos` (R, j) lists the rows p that read
-    each row of x (-1 for none), for summing dx back."""
+class ExpertSwiGLU(torch.autograd.Function):
+    """``out[p] = w2[e] @ (silu(w1[e] @ x[rows[p]]) * (w3[e] @ x[rows[p]]))`` for the rows
+    p of expert e (rows None: x is in expert order); `reduce_pos` (R, j) lists the rows p
+    that read each row of x (-1 for none), for summing dx back.
+
+    Saved for the backward: h1 and h3 (P, 2h, in x's dtype), not a = silu(h1) * h3: the
+    backward's first GEMM (``da = dout w2[e]``) loads h1 and h3 in its epilogue anyway to
+    form dh1 and dh3, and writes a there for w2's gradient, bit for bit the forward's
+    (both round h1 and h3 first). Recomputing h1 and h3 instead would cost a second
+    gate/up GEMM, 2/3 of the experts' forward FLOPs; saving a as well would add half
+    again to the activations kept per layer.
+    """
 
     @staticmethod
-    def forward(ctx, x, w, counts, rows, reduce_pos):
-        ctx.save_for_backward(x, w, counts, rows, reduce_pos)
-        return grouped_matmul(x, w, counts, rows)
+    def forward(ctx, x, w1, w3, w2, counts, rows, reduce_pos):
+        a, h13 = grouped_swiglu(x, w1, w3, counts, rows)
+        ctx.save_for_backward(x, w1, w3, w2, counts, rows, reduce_pos, h13)
+        return grouped_matmul(a, w2, counts)
 
     @staticmethod
-    def backward(ctx, dy):
-        x, w, counts, rows, reduce_pos = ctx.saved_tensors
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            d_rows = grouped_matmul(dy, w, counts, transpose_w=True)
+    def backward(ctx, d_out):
+        x, w1, w3, w2, counts, rows, reduce_pos, h13 = ctx.saved_tensors
+        need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
+        d_h13, a = grouped_swiglu_backward(d_out, w2, h13, counts)
+        dx = dw1 = dw3 = dw2 = None
+        if need_x:
+            d_rows = grouped_swiglu_input_grad(d_h13, w1, w3, counts)
             dx = d_rows if rows is None else combine(d_rows, reduce_pos, out_dtype=x.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = grouped_weight_grad(dy, x, counts, rows, out_dtype=w.dtype)
-        return dx, dw, None, None, None
+        if need_w1 or need_w3:
+            dw1, dw3 = grouped_weight_grad(d_h13, x, counts, rows, out_dtype=w1.dtype, split=True)
+        if need_w2:
+            dw2 = grouped_weight_grad(d_out, a, counts, out_dtype=w2.dtype)
+        return dx, dw1, dw3, dw2, None, None, None
+
+
+def expert_swiglu(x, w1, w3, w2, counts, rows, reduce_pos):
+    """`ExpertSwiGLU`, or its forward alone (h1, h3 not stored) where no gradient is
+    needed: a Function's ``needs_input_grad`` stays True under ``torch.no_grad()``."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, w3, w2)):
+        return ExpertSwiGLU.apply(x, w1, w3, w2, counts, rows, reduce_pos)
+    a, _ = grouped_swiglu(x, w1, w3, counts, rows, save_hidden=False)
+    return grouped_matmul(a, w2, counts)
 
 
 class PermuteRows(torch.autograd.Function):
@@ -82,7 +114,8 @@ class PermuteRows(torch.autograd.Function):
 
 
 class Combine(torch.autograd.Function):
-    """``y[t] = sum_j weight[t, j] * out[pos[t, j]]``; `order` (P,): the pair of each row."""
+    """``y[t] = sum_j weight[t, j] * out[pos[t, j]]``; `order`: the pair of each row (out's
+    rows are its first ones: all T*k at EP = 1, the kept ones at EP > 1)."""
 
     @staticmethod
     def forward(ctx, out, weight, pos, order):
@@ -95,8 +128,9 @@ class Combine(torch.autograd.Function):
         top_k = pos.shape[1]
         d_out = d_weight = None
         if ctx.needs_input_grad[0]:
-            scale = weight.detach().reshape(-1)[order].float()
-            d_out = gather_rows(dy, order // top_k, scale, out_dtype=out.dtype)
+            pairs = order[: out.shape[0]]
+            scale = weight.detach().reshape(-1)[pairs].float()
+            d_out = gather_rows(dy, pairs // top_k, scale, out_dtype=out.dtype)
         if ctx.needs_input_grad[1]:
             d_weight = combine_weight_grad(dy, out, pos).to(weight.dtype)
         return d_out, d_weight, None, None
@@ -130,7 +164,7 @@ def capacity_mask(ids, weights, num_experts: int, capacity_factor: float):
     flat_e, flat_w = ids.reshape(-1), weights.detach().reshape(-1)
     by_weight = torch.argsort(-flat_w, stable=True)
     order = by_weight[torch.argsort(flat_e[by_weight], stable=True)]
-    counts = torch.bincount(flat_e, minlength=num_experts)
+    counts = expert_counts(flat_e, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     rank_in_expert = torch.arange(order.numel(), device=ids.device) - starts[flat_e[order]]
     keep = torch.empty_like(flat_e, dtype=torch.bool)
@@ -145,7 +179,7 @@ def aux_losses(probs, logits, ids, score, aux_loss_coef, z_loss_coef):
     T, E = probs.shape
     if T == 0:
         return probs.new_zeros(())
-    f = torch.bincount(ids.reshape(-1), minlength=E).float() / ids.numel()
+    f = expert_counts(ids, E).float() / ids.numel()
     p = probs if score == "softmax" else probs / probs.sum(-1, keepdim=True)
     loss = aux_loss_coef * E * (f * p.mean(0)).sum()
     if z_loss_coef:
@@ -154,13 +188,6 @@ def aux_losses(probs, logits, ids, score, aux_loss_coef, z_loss_coef):
 
 
 # --- experts and dispatch ----------------------------------------------------------------------
-
-
-def expert_swiglu(x, w1, w3, w2, counts, rows, reduce_pos):
-    """``w2 @ (silu(w1 @ x) * (w3 @ x))`` per expert over rows in expert order (P, d)."""
-    h1 = GroupedLinear.apply(x, w1, counts, rows, reduce_pos)
-    h3 = GroupedLinear.apply(x, w3, counts, rows, reduce_pos)
-    return GroupedLinear.apply(F.silu(h1) * h3, w2, counts, None, None)
 
 
 def _regroup_index(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
@@ -187,13 +214,16 @@ def moe_dispatch_combine(x, weights, ids, keep, w1, w3, w2, num_experts, group):
     top_k = ids.shape[1]
     pg = comm.resolve_group(group)
     size = comm.group_size(pg)
-    if size == 1:  # the gather is fused into the first GEMMs: no permuted copy of x
+    if size == 1:  # the gather is fused into the gate/up GEMM: no permuted copy of x
         out = expert_swiglu(x, w1, w3, w2, counts, order // top_k, pos)
         return Combine.apply(out, weights, pos, order), counts
     send_counts = counts.view(size, num_experts // size)
     recv_counts = comm.all_to_all(send_counts, pg)  # row s: what s sends to my experts
+    # The one host sync of the layer: all_to_all_single takes its variable split sizes
+    # as host integers. Inherent without fixed-capacity send buffers.
     send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-    x_send = PermuteRows.apply(x, order // top_k, pos)
+    kept = order[: sum(send_splits)]  # the dropped pairs sort last
+    x_send = PermuteRows.apply(x, kept // top_k, pos)
     x_recv = comm.all_to_all(x_send, pg, recv_splits, send_splits)
     regroup = _regroup_index(recv_counts, sum(recv_splits))
     inverse = torch.empty_like(regroup)
@@ -236,7 +266,7 @@ def moe_reference(x, router_weight, w1, w2, w3, *, top_k, score="softmax",
         for j in range(top_k):
             if kept[t][j]:
                 e = int(ids[t, j])
-                hidden = F.silu(w1[e] @ x[t]) * (w3[e] @ x[t])
+                hidden = torch.nn.functional.silu(w1[e] @ x[t]) * (w3[e] @ x[t])
                 y_t = y_t + weights[t, j].to(x.dtype) * (w2[e] @ hidden)
         rows.append(y_t)
     y = torch.stack(rows) if rows else x.new_zeros((0, x.shape[1]))

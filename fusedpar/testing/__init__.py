@@ -4,13 +4,16 @@
 - `assert_close`: the tolerance rule (twice PyTorch's own error against float64).
 - `strategies`: hypothesis profiles and strategies.
 - `compile_gate`: compile Triton kernels for sm_80/sm_90 without a GPU.
+- `HostSyncs`: record the calls that would stall the host on a GPU, on any machine.
 """
 
 from fusedpar.testing import compile_gate, strategies
+from fusedpar.testing.host_syncs import HostSyncs
 from fusedpar.testing.tolerance import assert_close, tolerance
 from fusedpar.testing.world import World, WorldError, WorldTimeout, shared_world
 
 __all__ = [
+    "HostSyncs",
     "World",
     "WorldError",
     "WorldTimeout",

@@ -1,0 +1,121 @@
+"""No host syncs in the hot paths: flash attention, the TP linears, the attention layer,
+and the MoE layer at EP = 1.
+
+On CPU, `HostSyncs` records the calls that would stall the host on a GPU (see
+`fusedpar.testing.host_syncs`); on a GPU, ``torch.cuda.set_sync_debug_mode("error")``
+turns a real sync into an error. Each path runs once to warm up (tuning a new key syncs
+once, by design), then is checked forward and backward. Modules are built outside the
+check: construction copies weights to the device.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fusedpar as fp
+from fusedpar.testing.host_syncs import HostSyncs
+from fusedpar.testing.strategies import randn
+
+
+def _syncs_of(step) -> str | None:
+    step()  # warm-up: tuning and first-use caches
+    with HostSyncs() as syncs:
+        step()
+    return syncs.report() if syncs.found else None
+
+
+def _no_sync_on_the_gpu(step) -> None:
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_detector_sees_each_kind_of_sync():
+    x = torch.arange(6.0, device="cpu")
+    with HostSyncs(packages=(str(Path(__file__).parent),)) as syncs:
+        x.sum().item()
+        bool(x[0] > 0)
+        x[x > 2]
+        torch.bincount(x.long())
+        torch.arange(3)
+        repeats = torch.ones(6, dtype=torch.long, device=x.device)
+        x.repeat_interleave(repeats)
+        x.repeat_interleave(repeats, output_size=6)  # no sync
+        torch.zeros(3, device=x.device)  # no sync
+    reasons = [why for why, _ in syncs.found]
+    assert len(reasons) == 6, syncs.report()
+    for word in ("item", "__bool__", "boolean-mask", "bincount", "arange", "repeat_interleave"):
+        assert any(word in r for r in reasons), (word, syncs.report())
+
+
+# --- the steps, on any device ----------------------------------------------------------
+
+
+def _flash_step(device, dtype):
+    q = randn((2, 19, 4, 16), dtype, 0).to(device).requires_grad_()
+    k, v = (randn((2, 23, 2, 16), dtype, i).to(device).requires_grad_() for i in (1, 2))
+    return lambda: fp.flash_attn(q, k, v, causal=True).float().sum().backward()
+
+
+def _attention_layer_step(device, dtype):
+    torch.manual_seed(0)
+    layer = fp.nn.ParallelAttention(32, 4, 2, device=device, dtype=dtype)
+    x = torch.randn(12, 2, 32, device=device, dtype=dtype, requires_grad=True)
+    return lambda: layer(x).float().sum().backward()
+
+
+def _moe_step(device, dtype, capacity_factor):
+    torch.manual_seed(0)
+    layer = fp.nn.MoE(16, 12, 4, 2, capacity_factor=capacity_factor, device=device, dtype=dtype)
+    x = torch.randn(11, 16, device=device, dtype=dtype) + 1.0  # skewed: drops happen
+    x.requires_grad_()
+
+    def step():
+        y, aux = layer(x)
+        (y.float().square().sum() + aux).backward()
+
+    return step
+
+
+STEPS = {
+    "flash_attn": _flash_step,
+    "attention layer": _attention_layer_step,
+    "moe": lambda device, dtype: _moe_step(device, dtype, None),
+    "moe with capacity": lambda device, dtype: _moe_step(device, dtype, 0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(STEPS))
+def test_no_host_sync(name):
+    assert _syncs_of(STEPS[name]("cpu", torch.float32)) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(STEPS))
+def test_no_host_sync_gpu(monkeypatch, name):
+    monkeypatch.setenv("FUSEDPAR_TUNING", "first")  # one compile per key: tiles are not the point
+    _no_sync_on_the_gpu(STEPS[name]("cuda", torch.bfloat16))
+
+
+def _tp_linears():
+    torch.manual_seed(0)
+    group = dist.group.WORLD
+    mlp = fp.nn.ParallelSwiGLU(16, 24, group)
+    column = fp.nn.ColumnParallelLinear(16, 8, group)
+    row = fp.nn.RowParallelLinear(8, 16, group)
+    x = torch.randn(6, 16, requires_grad=True)
+
+    def step():
+        (mlp(x).sum() + row(column(x)).sum()).backward()
+
+    return _syncs_of(step)
+
+
+def test_tp_linears_have_no_host_sync(world):
+    assert world(2).run(_tp_linears) == [None, None]
