@@ -52,12 +52,13 @@ SPLIT_BLOCK_N = 128
 # the two kernels tune over different lists.
 #
 # dK/dV: a program holds K, V, dK and dV of BLOCK_N keys, so the tiles shrink with the
-# head dim and take 8 warps: at D=128 every 4-warp tile of 32+ keys and queries spills
-# (64x64: 824 B, 32x32: 112-160 B), and so does 64x64 with 8 warps (336 B); at D=256
-# only 16x32 with 8 warps is free of spills (32x32: 56-80 B, kept for the tuner to
-# weigh; the review's 64x64 with 2 stages spills 1 KB) and no tile reaches wgmma.
+# head dim and take 8 warps: 64 queries at a time spill 8-64 B even at D=64; at D=128
+# every 4-warp tile of 32+ keys and queries spills (64x64: 824 B, 32x32: 112-160 B), and
+# so does 64x64 with 8 warps (336 B); at D=256 only 16x32 with 8 warps is free of spills
+# (32x32: 56-80 B, kept for the tuner to weigh; the review's 64x64 with 2 stages spills
+# 1 KB) and no tile reaches wgmma.
 _DKDV_TILES = {
-    (64, "16-bit"): [(64, 64, 3, 8), (32, 128, 3, 8), (32, 64, 3, 4), (32, 32, 2, 4)],
+    (64, "16-bit"): [(32, 128, 3, 8), (32, 64, 3, 8), (32, 64, 3, 4), (32, 32, 2, 4)],
     (128, "16-bit"): [(16, 64, 3, 8), (32, 32, 3, 8), (16, 32, 2, 4)],
     (256, "16-bit"): [(16, 32, 2, 8), (32, 32, 2, 8)],
     # fp32's full-precision dots are FMA loops: 8 warps keep the small tiles unspilled

@@ -18,13 +18,15 @@ Everything else (registers, spills at D=256 and in fp32) is reported in
 docs/resources.md; ``FUSEDPAR_WRITE_RESOURCES=1 pytest tests/test_compile_gate.py``
 rewrites it. Combinations left out, and why (each checked on a sample):
 
-- fp16 is built where a spill would fail the gate (attention at D <= 128, GEMMs): its
-  registers differ from bf16's by a few (conversions). Elsewhere bf16 stands for it:
-  `test_fp16_matches_bf16` checks on every pair built that the shared memory is equal.
+- fp16 GEMMs are built for every tile (conversions move their registers by a few);
+  fp16 attention builds exactly as bf16 does, so only its largest tiles are built, and
+  `test_fp16_matches_bf16` keeps checking both claims.
 - Attention is built causal with a GQA group of 2, the heaviest specialisation measured
   (non-causal or MHA spill less: 128x128 forward, 0 B instead of 120 B; 64x64 dK/dV,
-  16-128 B instead of 336 B); the ring's modes (fp32 partials, accumulating gradients)
-  are built for the largest tile of each kernel at D=128.
+  16-128 B instead of 336 B), and in bf16 at D <= 128 with dK/dV's GQA split (every
+  tile) and in the ring's modes (the largest tile: a forward step merging into fp32
+  partials, gradients added into fp32 buffers; MHA and not causal, they use fewer
+  registers than the causal GQA builds, e.g. 222 against 246 for the D=128 forward).
 - On sm_80 only D=256 is built: shared memory grows with the head dim.
 - fp32 attention is built at full precision (PyTorch's default, FMA dots: the slow and
   spilling builds) and, at D=256 only, in TF32 (the larger shared memory).
@@ -32,6 +34,7 @@ rewrites it. Combinations left out, and why (each checked on a sample):
 
 import contextlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -65,30 +68,37 @@ def _fp32_precision(precision):
         torch.set_float32_matmul_precision(saved)
 
 
-def attention_forward(dtype, head_dim, causal=True, group=2, out_dtype=None, precision="highest"):
+def attention_forward(dtype, head_dim, causal=True, group=2, merge=False, precision="highest"):
+    """The forward; with `merge`, a ring step: fp32 `out` and `lse` merged into in place."""
     q = _empty((2, 256, 2 * group, head_dim), dtype)
     k, v = (_empty((2, 256, 2, head_dim), dtype) for _ in range(2))
+    buffers = {}
+    if merge:
+        buffers = {"out": _empty(q.shape, "float32"), "lse": _empty((2, 2 * group, 256), "float32")}
     with _fp32_precision(precision):
-        attn.attention_forward(
-            q, k, v, causal=causal, out_dtype=out_dtype and getattr(torch, out_dtype)
-        )
+        attn.attention_forward(q, k, v, causal=causal, merge=merge, **buffers)
 
 
-def attention_backward(
-    dtype, head_dim, causal=True, group=2, accumulate=False, precision="highest"
-):
-    """Launches the delta, dK/dV and dQ kernels (the ring's mode with ``accumulate``:
-    fp32 gradient buffers added into)."""
+def attention_backward(dtype, head_dim, causal=True, group=2, accumulate=False, split=False,
+                       precision="highest"):  # fmt: skip
+    """Launches the delta, dK/dV and dQ kernels. `accumulate`: the ring's later steps (fp32
+    gradient buffers added into); `split`: with a GQA group of 4, two slices of 2 heads
+    (fp32 partials), as a grid of few programs gets on a GPU."""
     q, dout, out = (_empty((2, 256, 2 * group, head_dim), dtype) for _ in range(3))
     k, v = (_empty((2, 256, 2, head_dim), dtype) for _ in range(2))
     lse = _empty((2, 2 * group, 256), "float32")
     grads = {}
     if accumulate:
         grads = {name: _empty(t.shape, "float32") for name, t in (("dq", q), ("dk", k), ("dv", v))}
-    with _fp32_precision(precision):
-        attn_bwd.attention_backward(
-            dout, q, k, v, lse, causal=causal, out=out, accumulate=accumulate, **grads
-        )
+    saved = attn_bwd.SPLIT_BELOW_PROGRAMS
+    # 8 programs (2 KV blocks x B x Hkv) under 16: two slices per group
+    attn_bwd.SPLIT_BELOW_PROGRAMS = 16 if split else saved
+    try:
+        with _fp32_precision(precision):
+            attn_bwd.attention_backward(dout, q, k, v, lse, causal=causal, out=out,
+                                        accumulate=accumulate, **grads)  # fmt: skip
+    finally:
+        attn_bwd.SPLIT_BELOW_PROGRAMS = saved
 
 
 def attention_merge_call(head_dim):
@@ -117,16 +127,25 @@ def matmul_call(dtype, accumulate=False, precision="highest", huge_stride=False)
 
 
 def moe_calls(dtype):
-    """The current MoE kernels as the layer uses them: gathered grouped GEMM, weight
-    gradient, permute, combine and the combine's weight gradient."""
-    T, top_k, E, d, h = 256, 2, 8, 256, 512
+    """The MoE kernels as the layer uses them (Qwen3-30B-A3B's widths: d 2048, h 768),
+    each mode of the grouped GEMM once: the gathered gate/up with the SwiGLU epilogue, a
+    plain gathered GEMM, the down projection, the SwiGLU's backward, the input gradient
+    over both halves, the weight gradients (split over gate/up, and plain), permute,
+    combine and the combine's weight gradient."""
+    T, top_k, E, d, h = 256, 2, 8, 2048, 768
     ids = torch.arange(T * top_k).reshape(T, top_k) % E
     counts, order, pos = moe.dispatch_metadata(ids, E)
-    x, dy = _empty((T, d), dtype), _empty((T * top_k, h), dtype)
-    moe.grouped_matmul(x, _empty((E, h, d), dtype), counts, order // top_k)
-    moe.grouped_weight_grad(dy, x, counts, order // top_k)
-    moe.gather_rows(x, order // top_k, _empty((T * top_k,), "float32"))
-    y = _empty((T * top_k, d), dtype)
+    rows, P = order // top_k, T * top_k
+    x = _empty((T, d), dtype)
+    w1, w3, w2 = _empty((E, h, d), dtype), _empty((E, h, d), dtype), _empty((E, d, h), dtype)
+    a, h13 = moe.grouped_swiglu(x, w1, w3, counts, rows)
+    moe.grouped_matmul(x, w1, counts, rows)
+    y = moe.grouped_matmul(a, w2, counts)
+    d_h13, a = moe.grouped_swiglu_backward(y, w2, h13, counts)
+    moe.grouped_swiglu_input_grad(d_h13, w1, w3, counts)
+    moe.grouped_weight_grad(d_h13, x, counts, rows, split=True)
+    moe.grouped_weight_grad(y, a, counts)
+    moe.gather_rows(x, rows, _empty((P,), "float32"))
     moe.combine(y, pos, _empty((T, top_k), "float32"))
     moe.combine_weight_grad(_empty((T, d), dtype), y, pos)
 
@@ -140,19 +159,30 @@ ATTENTION = {  # kernel label: (kernel name, scenario, config function)
     "dkdv": ("_attn_bwd_dkdv_kernel", attention_backward, attn_bwd.backward_configs),
     "dq": ("_attn_bwd_dq_kernel", attention_backward, attn_bwd.dq_configs),
 }
-MOE_KERNELS = (
-    "_grouped_matmul_kernel",
-    "_grouped_weight_grad_kernel",
-    "_gather_rows_kernel",
-    "_combine_kernel",
-    "_combine_weight_grad_kernel",
-)
+MOE_GEMM_MODES = {  # variant: (kernel, flags that pick its launch, config list)
+    "gather-swiglu": ("_grouped_matmul_kernel", {"GATE_UP": True},
+                      moe.grouped_matmul_configs("gate_up")),
+    "gather": ("_grouped_matmul_kernel", {"HAS_ROWS": True, "GATE_UP": False},
+               moe.grouped_matmul_configs()),
+    "plain": ("_grouped_matmul_kernel", {"HAS_ROWS": False, "GATE_UP": False,
+              "SWIGLU_GRAD": False, "SECOND_K": False}, moe.grouped_matmul_configs()),
+    "swiglu-backward": ("_grouped_matmul_kernel", {"SWIGLU_GRAD": True},
+                        moe.grouped_matmul_configs("swiglu_grad")),
+    "input-grad": ("_grouped_matmul_kernel", {"SECOND_K": True}, moe.grouped_matmul_configs()),
+    "weight-grad-split": ("_grouped_weight_grad_kernel", {"SPLIT": True},
+                          moe.weight_grad_configs()),
+    "weight-grad": ("_grouped_weight_grad_kernel", {"SPLIT": False}, moe.weight_grad_configs()),
+}  # fmt: skip
+MOE_ROW_KERNELS = ("_gather_rows_kernel", "_combine_kernel", "_combine_weight_grad_kernel")
+
+
+BLOCKS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 
 
 def _tile(config) -> str:
     if config is None:
         return "fixed"
-    sizes = "x".join(str(config.kwargs[k]) for k in ("BLOCK_M", "BLOCK_N"))
+    sizes = "x".join(str(config.kwargs[k]) for k in BLOCKS if k in config.kwargs)
     return f"{sizes} s{config.num_stages} w{config.num_warps}"
 
 
@@ -186,7 +216,8 @@ def add(
 
 
 def _smallest(configs):
-    return min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
+    """The config with the smallest tile: the one the launchers' pruning always keeps."""
+    return min(configs, key=lambda c: math.prod(c.kwargs.get(k, 1) for k in BLOCKS))
 
 
 def add_configs(family, variant, scenario, params, kernel, configs, *, no_spill, wgmma, match=None):
@@ -203,6 +234,8 @@ for label, (kernel, scenario, configs_of) in ATTENTION.items():
             if dtype == "float16" and D > 128:
                 continue  # no rule applies; shared memory is bf16's (test_fp16_matches_bf16)
             configs = configs_of(D, getattr(torch, dtype))
+            if dtype == "float16":  # the largest tile: it builds exactly as bf16 does
+                configs = configs[:1]
             # dK/dV at D=256 holds too much per key for the 64 keys wgmma needs
             matrix = dtype != "float32" and (label != "dkdv" or D < 256)
             add_configs(family, f"{dtype}-d{D}", scenario, {"dtype": dtype, "head_dim": D},
@@ -216,11 +249,23 @@ for label, (kernel, scenario, configs_of) in ATTENTION.items():
         configs = configs_of(256, getattr(torch, params["dtype"]))
         add(family, f"{dtype}-d256-smallest", scenario, params, kernel, 80, _smallest(configs),
             no_spill=False)  # fmt: skip
-    # the ring's modes (fp32 partial outputs; fp32 gradients added into), MHA, not causal
-    ring = {"causal": False, "group": 1}
-    ring.update({"out_dtype": "float32"} if label == "fwd" else {"accumulate": True})
-    add(family, "ring-mha-bfloat16-d128", scenario, {"dtype": "bfloat16", "head_dim": 128, **ring},
-        kernel, 90, configs_of(128, torch.bfloat16)[0], no_spill=True)  # fmt: skip
+    # The ring's modes, every 16-bit tile: a forward step merging into fp32 `out` and `lse`
+    # (MHA, not causal: the off-diagonal blocks), gradients added into fp32 buffers; and
+    # the GQA split of dK/dV.
+    if label == "fwd":
+        modes = {"ring-merge": {"causal": False, "group": 1, "merge": True}}
+    else:
+        modes = {"ring-accumulate": {"causal": False, "group": 1, "accumulate": True}}
+    if label == "dkdv":
+        modes["gqa-split"] = {"group": 4, "split": True}
+    for mode, extra in modes.items():
+        for D in (64, 128):  # where the no-spill rule applies
+            configs = configs_of(D, torch.bfloat16)
+            if mode.startswith("ring"):  # MHA, not causal: lighter than the cases above
+                configs = configs[:1]
+            add_configs(family, f"{mode}-bfloat16-d{D}", scenario,
+                        {"dtype": "bfloat16", "head_dim": D, **extra}, kernel, configs,
+                        no_spill=True, wgmma=True)  # fmt: skip
 
 for cap in (90, 80):
     add(
@@ -271,16 +316,20 @@ add(
     no_spill=True,
 )
 
-# The MoE kernels take their launcher's fixed tile. A kernel with a config list adds one
-# case per config, as attention and matmul do above; a kernel launched in several modes
-# (constexpr flags) by one scenario gets a case per mode, picked with `match`.
+# MoE: the grouped GEMM kernels run in several modes (constexpr flags) in one scenario,
+# each picked with `match`; the permute/combine kernels take their launcher's fixed tile
+# (no config: the recorded one is built).
+for variant, (kernel, match, configs) in MOE_GEMM_MODES.items():
+    family = "moe-" + kernel.strip("_").removesuffix("_kernel")
+    params = {"dtype": "bfloat16"}
+    add_configs(family, f"{variant}-bfloat16", moe_calls, params, kernel, configs,
+                no_spill=True, wgmma=True, match=match)  # fmt: skip
+    add(family, f"{variant}-bfloat16-smallest", moe_calls, params, kernel, 80,
+        _smallest(configs), no_spill=False, match=match)  # fmt: skip
 for cap in (90, 80):
-    for kernel in MOE_KERNELS:
-        grouped = "grouped" in kernel
-        add("moe-" + kernel.strip("_").removesuffix("_kernel"), "gathered-bfloat16"
-            if grouped else "bfloat16", moe_calls, {"dtype": "bfloat16"}, kernel, cap,
-            no_spill=cap == 90, wgmma=cap == 90 and grouped,
-            match={"HAS_ROWS": True} if grouped else None)  # fmt: skip
+    for kernel in MOE_ROW_KERNELS:
+        add("moe-" + kernel.strip("_").removesuffix("_kernel"), "bfloat16", moe_calls,
+            {"dtype": "bfloat16"}, kernel, cap, no_spill=cap == 90)  # fmt: skip
 
 
 # --- tests ----------------------------------------------------------------------------------
@@ -319,10 +368,14 @@ def _twin(name):
     "name", [n for n, c in CASES.items() if c["variant"].startswith("float16")]
 )
 def test_fp16_matches_bf16(built, name):
-    """Why fp16 is not built at D=256 (where no spill rule applies): it needs bf16's
-    shared memory. (Registers differ by a few in conversions: a 128x256 GEMM with bias
-    takes 181 in fp16 and 170 in bf16 on triton 3.6, so the no-spill builds have both.)"""
-    assert built[name]["shared"] == built[_twin(name)]["shared"]
+    """Why fp16 is built for only some tiles. Attention: fp16 builds exactly as bf16
+    (registers, spills, shared memory: all 27 tiles at D <= 128 on triton 3.6 and 3.9),
+    so its largest tile stands for the rest. GEMMs: the bias and output conversions move
+    registers by a few (a 128x256 tile with bias: 181 in fp16, 170 in bf16 on triton
+    3.6), so every tile is built in both; shared memory is always bf16's, which is why
+    fp16 is not built at D=256 (where only shared memory is checked)."""
+    usage = ("shared",) if CASES[name]["family"] == "matmul" else ("regs", "spill", "shared")
+    assert {k: built[name][k] for k in usage} == {k: built[_twin(name)][k] for k in usage}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
