@@ -48,33 +48,47 @@ MAX_HEAD_DIM = 256
 INTERPRETER_MAX_BLOCK = 64
 
 
-def forward_configs() -> list[triton.Config]:
-    """Forward tiles for the autotuner: 128-row query tiles feed Hopper's wgmma."""
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=s, num_warps=w)
-        for bm, bn, s, w in [
-            (128, 128, 3, 8),
-            (128, 64, 3, 8),
-            (128, 64, 4, 4),
-            (64, 64, 4, 4),
-            (64, 32, 3, 4),
-            (32, 32, 2, 4),  # fp32 at head dim 256 fits an A100's shared memory only so
-        ]
-    ]
+def tile_configs(table: dict, head_dim: int, dtype: torch.dtype) -> list[triton.Config]:
+    """The configs of `table` ``{(padded head dim, "fp32" or "16-bit"): [(BLOCK_M, BLOCK_N,
+    num_stages, num_warps), ...]}`` for one head dim and dtype."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    size = "fp32" if dtype == torch.float32 else "16-bit"
+    tiles = table[(max(64, block_d), size)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=s, num_warps=w)
+            for bm, bn, s, w in tiles]  # fmt: skip
 
 
-def _prune_configs(configs, Sq: int, Skv: int, block_d: int):
-    """Drop tiles far larger than the sequences, and the big ones at head dim 256."""
+# Every tile here passes the resource gate (tests/test_compile_gate.py, docs/resources.md):
+# it fits an H100's shared memory, and in fp16/bf16 at head dim <= 128 it does not spill
+# (causal GQA, the heaviest specialisation, on triton 3.6 and 3.9). Measured drops:
+# 128x64 with 4 warps spills 40 B (D=64) and 440-544 B (D=128); 128x128x3 with 8 warps
+# spills 120 B at D=128 on triton 3.9 (none on 3.6). fp32 is the correctness path: its
+# full-precision dots are FMA loops (64x32 with 4 warps spills 7-10 KB at D >= 128 and
+# compiles in 14-48 s), so it gets one small 8-warp tile: no spill, about 2 s to build.
+_FORWARD_TILES = {
+    (64, "16-bit"): [(128, 128, 3, 8), (128, 64, 3, 8), (64, 64, 4, 4), (64, 32, 3, 4),
+                     (32, 32, 2, 4)],
+    (128, "16-bit"): [(128, 64, 3, 8), (128, 64, 2, 8), (64, 64, 4, 4), (64, 32, 3, 4),
+                      (32, 32, 2, 4)],
+    (256, "16-bit"): [(64, 64, 2, 8), (128, 32, 2, 8), (64, 32, 2, 8), (32, 32, 2, 4)],
+    (64, "fp32"): [(32, 32, 2, 8)],
+    (128, "fp32"): [(32, 32, 2, 8)],
+    (256, "fp32"): [(32, 32, 2, 8)],
+}  # fmt: skip
+
+
+def forward_configs(head_dim: int, dtype: torch.dtype) -> list[triton.Config]:
+    """Forward tiles for the tuner at this head dim and dtype: 128-row query tiles feed
+    Hopper's wgmma; the smallest (kept for short sequences by `_prune_configs`) fits an
+    A100 too."""
+    return tile_configs(_FORWARD_TILES, head_dim, dtype)
+
+
+def _prune_configs(configs, Sq: int, Skv: int):
+    """Drop tiles far larger than the sequences; keep at least the smallest."""
     limit_m = max(32, triton.next_power_of_2(Sq))
     limit_n = max(32, triton.next_power_of_2(Skv))
-    big_head = block_d > 128
-    kept = [
-        c
-        for c in configs
-        if c.kwargs["BLOCK_M"] <= limit_m
-        and c.kwargs["BLOCK_N"] <= limit_n
-        and not (big_head and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 64 * 64)
-    ]
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= limit_m and c.kwargs["BLOCK_N"] <= limit_n]
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
@@ -261,7 +275,9 @@ def launch(
     if is_interpreted(kernel):
         candidates = [triton.Config(interpreter_blocks(bucket(Sq), bucket(Skv)))]
     else:
-        candidates = _prune_configs(configs(), bucket(Sq), bucket(Skv), meta["BLOCK_D"])
+        candidates = _prune_configs(
+            configs(meta["HEAD_DIM"], args[0].dtype), bucket(Sq), bucket(Skv)
+        )
 
     def run(config):
         kernel[grid(config.kwargs)](*args, **meta, **config.all_kwargs())

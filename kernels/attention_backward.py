@@ -35,6 +35,7 @@ from fusedpar.kernels.attention import (
     reference_scores,
     resolve_scale,
     strides,
+    tile_configs,
 )
 
 # Split a GQA group over programs when the dK/dV grid has fewer programs than this (two
@@ -45,17 +46,47 @@ SPLIT_BELOW_PROGRAMS: int | None = None
 SPLIT_BLOCK_N = 128
 
 
-def backward_configs() -> list[triton.Config]:
-    """Backward tiles (dK/dV and dQ kernels): smaller, as each holds more accumulators."""
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=s, num_warps=w)
-        for bm, bn, s, w in [
-            (64, 128, 3, 8),
-            (64, 64, 3, 4),
-            (32, 64, 3, 4),
-            (32, 32, 2, 4),
-        ]
-    ]
+# Checked by the resource gate as the forward's tiles are (kernels/attention.py). BLOCK_M
+# is the query block and BLOCK_N the key block in both kernels; each program keeps its
+# own rows' tiles and accumulators in registers, and Hopper's wgmma needs 64 of them, so
+# the two kernels tune over different lists.
+#
+# dK/dV: a program holds K, V, dK and dV of BLOCK_N keys, so the tiles shrink with the
+# head dim and take 8 warps: 64 queries at a time spill 8-64 B even at D=64; at D=128
+# every 4-warp tile of 32+ keys and queries spills (64x64: 824 B, 32x32: 112-160 B), and
+# so does 64x64 with 8 warps (336 B); at D=256 only 16x32 with 8 warps is free of spills
+# (32x32: 56-80 B, kept for the tuner to weigh; the review's 64x64 with 2 stages spills
+# 1 KB) and no tile reaches wgmma.
+_DKDV_TILES = {
+    (64, "16-bit"): [(32, 128, 3, 8), (32, 64, 3, 8), (32, 64, 3, 4), (32, 32, 2, 4)],
+    (128, "16-bit"): [(16, 64, 3, 8), (32, 32, 3, 8), (16, 32, 2, 4)],
+    (256, "16-bit"): [(16, 32, 2, 8), (32, 32, 2, 8)],
+    # fp32's full-precision dots are FMA loops: 8 warps keep the small tiles unspilled
+    # (32x32 with 4 warps spills 850-1050 B, 16x32 at D=256 1.3 KB).
+    (64, "fp32"): [(32, 32, 2, 8)],
+    (128, "fp32"): [(16, 32, 2, 8)],
+    (256, "fp32"): [(16, 32, 2, 8)],
+}  # fmt: skip
+# dQ: a program holds Q, dO and dQ of BLOCK_M queries: the forward's sizes fit.
+_DQ_TILES = {
+    (64, "16-bit"): [(128, 64, 3, 8), (64, 128, 3, 8), (64, 64, 3, 4), (32, 64, 3, 4),
+                     (32, 32, 2, 4)],
+    (128, "16-bit"): [(128, 64, 3, 8), (128, 32, 3, 8), (64, 64, 3, 8), (64, 32, 3, 4),
+                      (32, 32, 2, 4)],
+    (256, "16-bit"): [(64, 32, 2, 8), (32, 64, 2, 8), (32, 32, 2, 8)],
+    **{key: tiles for key, tiles in _DKDV_TILES.items() if key[1] == "fp32"},
+}  # fmt: skip
+
+
+def backward_configs(head_dim: int, dtype: torch.dtype) -> list[triton.Config]:
+    """dK/dV tiles at this head dim and dtype: few keys per program, as each holds four
+    (BLOCK_N, D) tiles."""
+    return tile_configs(_DKDV_TILES, head_dim, dtype)
+
+
+def dq_configs(head_dim: int, dtype: torch.dtype) -> list[triton.Config]:
+    """dQ tiles at this head dim and dtype: 64 to 128 queries per program (wgmma)."""
+    return tile_configs(_DQ_TILES, head_dim, dtype)
 
 
 # --- kernels --------------------------------------------------------------------------
@@ -475,7 +506,7 @@ def attention_backward_dq(
     def grid(meta):
         return (triton.cdiv(Sq, meta["BLOCK_M"]), B, Hq)
 
-    launch(_attn_bwd_dq_kernel, backward_configs, grid, args, meta, Sq, Skv,
+    launch(_attn_bwd_dq_kernel, dq_configs, grid, args, meta, Sq, Skv,
            restore=[dq] if accumulate and not tune_only else [], agreement=agreement,
            tune_only=tune_only)  # fmt: skip
     return None if tune_only else dq

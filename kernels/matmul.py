@@ -36,29 +36,37 @@ INTERPRETER_MAX_BLOCK = 64
 BLOCK_K = 64
 
 
-def matmul_configs() -> list[triton.Config]:
-    """Tiles the tuner tries on a GPU (pruned for small problems by `_prune_configs`).
+# BLOCK_M, BLOCK_N, num_stages, num_warps. Every tile passes the resource gate
+# (tests/test_compile_gate.py, docs/resources.md): it fits an H100's shared memory and,
+# in fp16/bf16, does not spill. Adding into an fp32 C loads a (BLOCK_M, BLOCK_N) fp32
+# tile in the epilogue: 128x256 and 256x128 with 8 warps then spill 96-192 B, and
+# 128x128 with 4 warps 96 B, so those are left out of the accumulating list.
+_TILES_16BIT = [
+    (128, 256, 3, 8), (256, 128, 3, 8), (128, 128, 4, 8), (128, 128, 3, 4), (128, 64, 4, 4),
+    (64, 128, 4, 4), (64, 64, 4, 4), (128, 32, 4, 4), (64, 32, 5, 2), (32, 64, 5, 2),
+    (32, 32, 4, 2),
+]  # fmt: skip
+_SPILL_WHEN_ACCUMULATING = {(128, 256, 3, 8), (256, 128, 3, 8), (128, 128, 3, 4)}
+# fp32 runs as FMA loops at full precision (PyTorch's default) and through TF32 wgmma
+# otherwise; these tiles serve both. 128x256 and 128x128x4 in fp32 need 256-288 KB of
+# shared memory (over an H100's 227 KB), and 128x128 with 4 warps as FMA spills over
+# 1 KB and takes 13 s to build (review F1).
+_TILES_FP32 = [(128, 64, 3, 8), (64, 64, 3, 8), (64, 64, 4, 4), (32, 32, 3, 4)]
+
+
+def matmul_configs(dtype: torch.dtype, accumulate: bool) -> list[triton.Config]:
+    """Tiles the tuner tries on a GPU for A's dtype, and whether C is added into
+    (pruned for small problems by `_prune_configs`).
 
     Large tiles with 8 warps feed Hopper's wgmma; the small ones serve thin TP shards and
-    decode-sized M. fp32 tiles that overflow shared memory are skipped by the tuner.
-    Every tile has the same BLOCK_K, so each output sums its K products in the same
-    order whichever tile wins: the numbers do not depend on the tuning (a TP shard's
-    GEMM equals the matching rows of the single-device GEMM, bit for bit).
+    decode-sized M. Every tile has the same BLOCK_K, so each output sums its K products in
+    the same order whichever tile wins: the numbers do not depend on the tuning (a TP
+    shard's GEMM equals the matching rows of the single-device GEMM, bit for bit).
     """
-    tiles = [
-        # BLOCK_M, BLOCK_N, num_stages, num_warps
-        (128, 256, 3, 8),
-        (256, 128, 3, 8),
-        (128, 128, 4, 8),
-        (128, 128, 3, 4),
-        (128, 64, 4, 4),
-        (64, 128, 4, 4),
-        (64, 64, 4, 4),
-        (128, 32, 4, 4),
-        (64, 32, 5, 2),
-        (32, 64, 5, 2),
-        (32, 32, 4, 2),
-    ]
+    if dtype == torch.float32:
+        tiles = _TILES_FP32
+    else:
+        tiles = [t for t in _TILES_16BIT if not (accumulate and t in _SPILL_WHEN_ACCUMULATING)]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK_K}, num_stages=s, num_warps=w)
         for bm, bn, s, w in tiles
@@ -139,11 +147,11 @@ def _matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-def _candidates(M: int, N: int, interpreted: bool) -> list[triton.Config]:
+def _candidates(M: int, N: int, interpreted: bool, dtype, accumulate) -> list[triton.Config]:
     if interpreted:
         block_m, block_n = _interpreter_block(M), _interpreter_block(N)
         return [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": BLOCK_K})]
-    return _prune_configs(matmul_configs(), M, N)
+    return _prune_configs(matmul_configs(dtype, accumulate), M, N)
 
 
 def _interpreter_block(size: int) -> int:
@@ -231,7 +239,7 @@ def matmul(
         tiles = triton.cdiv(M, config.kwargs["BLOCK_M"]) * triton.cdiv(N, config.kwargs["BLOCK_N"])
         _matmul_kernel[(tiles,)](*args, **meta, **config.all_kwargs())
 
-    candidates = _candidates(bucket(M), N, is_interpreted(_matmul_kernel))
+    candidates = _candidates(bucket(M), N, is_interpreted(_matmul_kernel), a.dtype, accumulate)
     with device_guard(a):
         tuner.run(key, candidates, launch, device=a.device, restore=[out] if accumulate else [],
                   agreement=agreement, tune_only=tune_only)  # fmt: skip

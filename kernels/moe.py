@@ -60,24 +60,24 @@ MAX_BLOCK_D = 2048
 INTERPRETER_MAX_BLOCK = 64
 
 
-def grouped_matmul_configs(gate_up: bool = False) -> list[triton.Config]:
-    """Tiles the tuner tries on a GPU, pruned to the rows per expert and N of a call.
+def grouped_matmul_configs(mode: str = "plain") -> list[triton.Config]:
+    """Tiles the tuner tries on a GPU for a mode of `_launch_gemm`, pruned to the rows per
+    expert and N of a call.
 
     128-row tiles with 8 warps feed Hopper's wgmma; 64- and 32-row tiles serve experts
     with few rows (decode, many experts). The fused gate/up GEMM keeps two accumulators
-    and loads two weight tiles per step, so its tiles are half as wide.
+    and loads two weight tiles per step, so its tiles are half as wide; the SwiGLU's
+    backward holds da, g and u in its epilogue: the full-width tiles and 128x64 with 4
+    warps spill there (464-5480 B, resource gate), so it takes half-width 8-warp ones.
     """
-    tiles = [
+    tiles = {
         # BLOCK_M, BLOCK_N, num_stages, num_warps
-        (128, 128, 3, 8),
-        (128, 128, 4, 4),
-        (128, 64, 4, 4),
-        (64, 128, 4, 4),
-        (64, 64, 4, 4),
-        (32, 64, 4, 4),
-    ]
-    if gate_up:
-        tiles = [(128, 64, 3, 8), (128, 64, 4, 4), (64, 128, 3, 8), (64, 64, 4, 4), (32, 64, 4, 4)]
+        "gate_up": [(128, 64, 3, 8), (128, 64, 4, 4), (64, 128, 3, 8), (64, 64, 4, 4),
+                    (32, 64, 4, 4)],
+        "swiglu_grad": [(128, 64, 3, 8), (128, 64, 4, 8), (64, 128, 3, 8), (64, 64, 4, 4),
+                        (32, 64, 4, 4)],
+    }.get(mode, [(128, 128, 3, 8), (128, 128, 4, 4), (128, 64, 4, 4), (64, 128, 4, 4),
+                 (64, 64, 4, 4), (32, 64, 4, 4)])  # fmt: skip
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK_K}, num_stages=s, num_warps=w)
         for bm, bn, s, w in tiles
@@ -116,11 +116,11 @@ def _prune(configs, m: int, n: int, m_key="BLOCK_M", n_key="BLOCK_N"):
     return kept or [min(configs, key=lambda c: c.kwargs[m_key] * c.kwargs[n_key])]
 
 
-def _gemm_candidates(gate_up: bool, rows_per_expert: int, N: int) -> list[triton.Config]:
+def _gemm_candidates(mode: str, rows_per_expert: int, N: int) -> list[triton.Config]:
     if is_interpreted(_grouped_matmul_kernel):  # one small tile: see INTERPRETER_MAX_BLOCK
         return [triton.Config({"BLOCK_M": _fit(rows_per_expert, 32), "BLOCK_N": _fit(N, 64),
                                "BLOCK_K": BLOCK_K})]  # fmt: skip
-    return _prune(grouped_matmul_configs(gate_up), rows_per_expert, N)
+    return _prune(grouped_matmul_configs(mode), rows_per_expert, N)
 
 
 def _weight_grad_candidates(N: int, K: int) -> list[triton.Config]:
@@ -525,7 +525,7 @@ def _launch_gemm(mode, x, w, y, counts, rows, N, K, *, w_strides, v=None, v_stri
                                      **config.all_kwargs())  # fmt: skip
 
     per_expert = triton.cdiv(P, max(E, 1))
-    candidates = _gemm_candidates(mode == "gate_up", per_expert, N)
+    candidates = _gemm_candidates(mode, per_expert, N)
     key = (mode, meta["STORE_HIDDEN"], N, K, bucket(per_expert), str(x.dtype), str(y.dtype),
            rows is not None, meta["INPUT_PRECISION"])  # fmt: skip
     with device_guard(x):

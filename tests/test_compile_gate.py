@@ -1,188 +1,411 @@
-"""The compile gate: every Triton kernel compiles for sm_80 and sm_90 with no GPU present.
+"""The compile and resource gate: every tuning config of every Triton kernel, built for
+sm_90 (and sm_80 where a config must serve an A100) with no GPU present.
 
-All cases compile in one subprocess without the interpreter (see
-`fusedpar.testing.compile_gate`); each case is then its own test.
+Each case records a launcher's real call on CPU tensors (see
+`fusedpar.testing.compile_gate`), swaps in one tuning config and compiles it. A case
+fails when
+
+- it does not compile (what the interpreter forgives);
+- its shared memory (static + dynamic) is over the device's: such a config is dead
+  weight on every GPU run, so the config function prunes it by head dim and dtype;
+- it spills in fp16/bf16 at head dim <= 128, or in any 16-bit GEMM: a silent slowdown;
+- it is the largest tile of a matrix kernel and its sm_90 PTX does not use wgmma;
+- it is the smallest config of a key built for sm_80 and does not fit an A100: the
+  launchers' pruning always keeps that config, so every key has a candidate there (the
+  tuner skips the larger ones that do not fit).
+
+Everything else (registers, spills at D=256 and in fp32) is reported in
+docs/resources.md; ``FUSEDPAR_WRITE_RESOURCES=1 pytest tests/test_compile_gate.py``
+rewrites it. Combinations left out, and why (each checked on a sample):
+
+- fp16 GEMMs are built for every tile (conversions move their registers by a few);
+  fp16 attention builds exactly as bf16 does, so only its largest tiles are built, and
+  `test_fp16_matches_bf16` keeps checking both claims.
+- Attention is built causal with a GQA group of 2, the heaviest specialisation measured
+  (non-causal or MHA spill less: 128x128 forward, 0 B instead of 120 B; 64x64 dK/dV,
+  16-128 B instead of 336 B), and in bf16 at D <= 128 with dK/dV's GQA split (every
+  tile) and in the ring's modes (the largest tile: a forward step merging into fp32
+  partials, gradients added into fp32 buffers; MHA and not causal, they use fewer
+  registers than the causal GQA builds, e.g. 222 against 246 for the D=128 forward).
+- On sm_80 only D=256 is built: shared memory grows with the head dim.
+- fp32 attention is built at full precision (PyTorch's default, FMA dots: the slow and
+  spilling builds) and, at D=256 only, in TF32 (the larger shared memory).
 """
 
+import contextlib
+import json
+import math
+import os
+from pathlib import Path
+
 import pytest
+import torch
+from fusedpar.kernels import attention as attn
+from fusedpar.kernels import attention_backward as attn_bwd
+from fusedpar.kernels import attention_merge, matmul, moe
 
-from fusedpar.testing.compile_gate import compile_in_subprocess
+from fusedpar.testing import compile_gate as gate
 
-# Shared memory per block (opt-in maximum) on A100 and H100.
-SHARED_LIMIT = {80: 166912, 90: 232448}
+RESOURCES_DOC = Path(__file__).resolve().parent.parent / "docs" / "resources.md"
 
-
-def _matmul_case(
-    dtype, c_dtype, cap, bias, accumulate, tile, num_warps, num_stages, precision="tf32",
-    index="i32",
-):  # fmt: skip
-    block_m, block_n, block_k = tile
-    signature = {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "c_ptr": f"*{c_dtype}",
-                 "bias_ptr": f"*{c_dtype}"}  # fmt: skip
-    signature.update({name: index for name in (
-        "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn",
-        "stride_bias", "M", "N", "K")})  # fmt: skip
-    return {
-        "kernel": "fusedpar.kernels.matmul:_matmul_kernel",
-        "signature": signature,
-        "constexprs": {
-            "HAS_BIAS": bias,
-            "ACCUMULATE": accumulate,
-            "EVEN_K": False,
-            "INPUT_PRECISION": precision,
-            "BLOCK_M": block_m,
-            "BLOCK_N": block_n,
-            "BLOCK_K": block_k,
-            "GROUP_M": 8,
-        },  # fmt: skip
-        "cap": cap,
-        "num_warps": num_warps,
-        "num_stages": num_stages,
-    }
+# --- scenarios: the launchers called as the library calls them -------------------------
+# They run in the gate's worker processes, on CPU tensors whose contents do not matter
+# (nothing is launched), with shapes that give the specialisation of a real run: sizes
+# divisible by 16, contiguous (unit inner strides), B and Hkv > 1.
 
 
-CASES = {}
-for cap in (80, 90):
-    for dtype in ("fp16", "bf16"):
-        # the largest tile of the autotune list, writing dtype with a bias ...
-        CASES[f"matmul-{dtype}-bias-sm{cap}"] = _matmul_case(
-            dtype, dtype, cap, True, False, (128, 256, 64), 8, 3
-        )
-        # ... and a mid tile accumulating into an fp32 C (reduce-scatter partials, dW)
-        CASES[f"matmul-{dtype}-accumulate-fp32-sm{cap}"] = _matmul_case(
-            dtype, "fp32", cap, False, True, (128, 128, 64), 4, 3
-        )
-    # strides past 2**31 (Triton passes them as i64), e.g. a huge weight read transposed
-    CASES[f"matmul-bf16-i64-strides-sm{cap}"] = _matmul_case(
-        "bf16", "bf16", cap, False, False, (128, 128, 64), 4, 3, index="i64"
-    )
-    for precision in ("ieee", "tf32"):  # torch's "highest" and "high" fp32 matmul precision
-        CASES[f"matmul-fp32-{precision}-sm{cap}"] = _matmul_case(
-            "fp32", "fp32", cap, True, False, (64, 64, 64), 4, 3, precision
-        )
+def _empty(shape, dtype):
+    return torch.empty(shape, dtype=getattr(torch, dtype))
 
 
-def _strides(*names, dims="bshd"):
-    return {f"stride_{n}{d}": "i32" for n in names for d in dims}
+@contextlib.contextmanager
+def _fp32_precision(precision):
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved)
 
 
-def _attention_case(kernel, dtype, cap, head_dim, config):
-    ptr = f"*{dtype}"
-    fp32 = "*fp32"
-    causal = {"CAUSAL": True, "INPUT_PRECISION": "tf32"}
-    if kernel == "fwd":
-        signature = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "o_ptr": ptr, "lse_ptr": fp32,
-                     **_strides("q", "k", "v", "o"), **_strides("l", dims="bhs"),
-                     "Sq": "i32", "Skv": "i32", "GROUP": "i32", "qk_scale": "fp32"}  # fmt: skip
-        extra = causal
-    elif kernel == "delta":
-        signature = {"o_ptr": ptr, "do_ptr": ptr, "delta_ptr": fp32, **_strides("o", "d"),
-                     "Sq": "i32", "Hq": "i32"}  # fmt: skip
-        extra = {}
-    else:  # dkdv / dq write fp32 gradients, accumulating (the ring's use)
-        outs = ("dk", "dv") if kernel == "dkdv" else ("dq",)
-        signature = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "do_ptr": ptr, "lse_ptr": fp32,
-                     "delta_ptr": fp32, **{f"{o}_ptr": fp32 for o in outs},
-                     **_strides("q", "k", "v", "do", *outs), **_strides("l", dims="bhs"),
-                     "Sq": "i32", "Skv": "i32", "Hq": "i32", "GROUP": "i32",
-                     "qk_scale": "fp32", "sm_scale": "fp32"}  # fmt: skip
-        extra = {**causal, "ACCUMULATE": True}
-    block_m, block_n, num_stages, num_warps = config
-    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "BLOCK_M": block_m, **extra}
-    if kernel != "delta":
-        constexprs["BLOCK_N"] = block_n
-    name = {"fwd": "_attn_fwd_kernel", "delta": "_bwd_delta_kernel",
-            "dkdv": "_attn_bwd_dkdv_kernel", "dq": "_attn_bwd_dq_kernel"}[kernel]  # fmt: skip
-    module = "attention" if kernel == "fwd" else "attention_backward"
-    return {"kernel": f"fusedpar.kernels.{module}:{name}", "signature": signature,
-            "constexprs": constexprs, "cap": cap, "num_warps": num_warps,
-            "num_stages": num_stages}  # fmt: skip
+def attention_forward(dtype, head_dim, causal=True, group=2, merge=False, precision="highest"):
+    """The forward; with `merge`, a ring step: fp32 `out` and `lse` merged into in place."""
+    q = _empty((2, 256, 2 * group, head_dim), dtype)
+    k, v = (_empty((2, 256, 2, head_dim), dtype) for _ in range(2))
+    buffers = {}
+    if merge:
+        buffers = {"out": _empty(q.shape, "float32"), "lse": _empty((2, 2 * group, 256), "float32")}
+    with _fp32_precision(precision):
+        attn.attention_forward(q, k, v, causal=causal, merge=merge, **buffers)
 
 
-# The first (largest) tile of each autotune list.
-ATTENTION_CONFIGS = {"fwd": (128, 128, 3, 8), "delta": (64, 0, 1, 4),
-                     "dkdv": (64, 128, 3, 8), "dq": (64, 128, 3, 8)}  # fmt: skip
-for cap in (80, 90):
-    for dtype in ("fp16", "bf16"):
-        for head_dim in (64, 128):
-            for kernel, config in ATTENTION_CONFIGS.items():
-                CASES[f"attention-{kernel}-{dtype}-d{head_dim}-sm{cap}"] = _attention_case(
-                    kernel, dtype, cap, head_dim, config)  # fmt: skip
-
-for cap in (80, 90):
-    for head_dim in (64, 128):
-        CASES[f"attention-merge-d{head_dim}-sm{cap}"] = {
-            "kernel": "fusedpar.kernels.attention_merge:_merge_kernel",
-            "signature": {"out_ptr": "*fp32", "lse_ptr": "*fp32", "blk_ptr": "*fp32",
-                          "blk_lse_ptr": "*fp32", **_strides("o", "x"),
-                          **_strides("l", "y", dims="bhs"), "S": "i32"},
-            "constexprs": {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "BLOCK_S": 64},
-            "cap": cap, "num_warps": 4, "num_stages": 1,
-        }  # fmt: skip
-
-MOE_GEMM_TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}  # gemm_tiles(False)
+def attention_backward(dtype, head_dim, causal=True, group=2, accumulate=False, split=False,
+                       precision="highest"):  # fmt: skip
+    """Launches the delta, dK/dV and dQ kernels. `accumulate`: the ring's later steps (fp32
+    gradient buffers added into); `split`: with a GQA group of 4, two slices of 2 heads
+    (fp32 partials), as a grid of few programs gets on a GPU."""
+    q, dout, out = (_empty((2, 256, 2 * group, head_dim), dtype) for _ in range(3))
+    k, v = (_empty((2, 256, 2, head_dim), dtype) for _ in range(2))
+    lse = _empty((2, 2 * group, 256), "float32")
+    grads = {}
+    if accumulate:
+        grads = {name: _empty(t.shape, "float32") for name, t in (("dq", q), ("dk", k), ("dv", v))}
+    saved = attn_bwd.SPLIT_BELOW_PROGRAMS
+    # 8 programs (2 KV blocks x B x Hkv) under 16: two slices per group
+    attn_bwd.SPLIT_BELOW_PROGRAMS = 16 if split else saved
+    try:
+        with _fp32_precision(precision):
+            attn_bwd.attention_backward(dout, q, k, v, lse, causal=causal, out=out,
+                                        accumulate=accumulate, **grads)  # fmt: skip
+    finally:
+        attn_bwd.SPLIT_BELOW_PROGRAMS = saved
 
 
-def _moe_cases(dtype, cap):
-    ptr, i32, i64 = f"*{dtype}", "i32", "*i64"
-    return {
-        "grouped-matmul": ("_grouped_matmul_kernel", 8, 3, {
-            "x_ptr": ptr, "w_ptr": ptr, "y_ptr": ptr, "rows_ptr": i64, "offsets_ptr": i64,
-            "block_offsets_ptr": i64, **{n: i32 for n in (
-                "stride_xm", "stride_xk", "stride_we", "stride_wn", "stride_wk", "stride_ym",
-                "stride_yn", "N", "K", "E")}},
-            {"HAS_ROWS": True, "E_PAD": 128, "INPUT_PRECISION": "tf32", **MOE_GEMM_TILE}),
-        "grouped-weight-grad": ("_grouped_weight_grad_kernel", 8, 3, {
-            "dy_ptr": ptr, "x_ptr": ptr, "dw_ptr": ptr, "rows_ptr": i64, "offsets_ptr": i64,
-            **{n: i32 for n in ("stride_dym", "stride_dyn", "stride_xm", "stride_xk",
-                                "stride_we", "stride_wn", "stride_wk", "N", "K")}},
-            {"HAS_ROWS": True, "INPUT_PRECISION": "tf32", **MOE_GEMM_TILE}),
-        "gather-rows": ("_gather_rows_kernel", 4, 1, {
-            "src_ptr": ptr, "idx_ptr": i64, "scale_ptr": "*fp32", "out_ptr": ptr,
-            **{n: i32 for n in ("stride_sm", "stride_sd", "stride_om", "stride_od", "P", "D")}},
-            {"HAS_SCALE": True, "BLOCK_M": 16, "BLOCK_D": 128}),
-        "combine": ("_combine_kernel", 4, 1, {
-            "src_ptr": ptr, "pos_ptr": i64, "weight_ptr": "*fp32", "y_ptr": ptr,
-            **{n: i32 for n in ("stride_sm", "stride_sd", "stride_ym", "stride_yd", "T", "D",
-                                "TOP_K")}},
-            {"HAS_WEIGHT": True, "BLOCK_M": 16, "BLOCK_D": 128}),
-        "combine-weight-grad": ("_combine_weight_grad_kernel", 4, 1, {
-            "dy_ptr": ptr, "src_ptr": ptr, "pos_ptr": i64, "dw_ptr": "*fp32",
-            **{n: i32 for n in ("stride_dym", "stride_dyd", "stride_sm", "stride_sd", "T", "D",
-                                "TOP_K")}},
-            {"BLOCK_M": 16, "BLOCK_D": 128}),
+def attention_merge_call(head_dim):
+    out, block = (_empty((2, 256, 4, head_dim), "float32") for _ in range(2))
+    lse, block_lse = (_empty((2, 4, 256), "float32") for _ in range(2))
+    attention_merge.merge_attention(out, lse, block, block_lse)
+
+
+def matmul_call(dtype, accumulate=False, precision="highest", huge_stride=False):
+    """``x @ w.T + bias`` (a linear layer's forward), or with ``accumulate`` an fp32 C added
+    into without bias (reduce-scatter partials, weight gradients). ``huge_stride``: rows
+    of A 2**31 elements apart, so the strides are passed as i64 (4 GiB of address space
+    is reserved, never touched)."""
+    M, N, K = 256, 512, 256
+    if huge_stride:
+        M = 2
+        a = _empty((2**31 + K,), dtype).as_strided((M, K), (2**31, 1))
+    else:
+        a = _empty((M, K), dtype)
+    w = _empty((N, K), dtype)
+    with _fp32_precision(precision):
+        if accumulate:
+            matmul.matmul(a, w.T, out=_empty((M, N), "float32"), accumulate=True)
+        else:
+            matmul.matmul(a, w.T, bias=_empty((N,), dtype))
+
+
+def moe_calls(dtype):
+    """The MoE kernels as the layer uses them (Qwen3-30B-A3B's widths: d 2048, h 768),
+    each mode of the grouped GEMM once: the gathered gate/up with the SwiGLU epilogue, a
+    plain gathered GEMM, the down projection, the SwiGLU's backward, the input gradient
+    over both halves, the weight gradients (split over gate/up, and plain), permute,
+    combine and the combine's weight gradient."""
+    T, top_k, E, d, h = 256, 2, 8, 2048, 768
+    ids = torch.arange(T * top_k).reshape(T, top_k) % E
+    counts, order, pos = moe.dispatch_metadata(ids, E)
+    rows, P = order // top_k, T * top_k
+    x = _empty((T, d), dtype)
+    w1, w3, w2 = _empty((E, h, d), dtype), _empty((E, h, d), dtype), _empty((E, d, h), dtype)
+    a, h13 = moe.grouped_swiglu(x, w1, w3, counts, rows)
+    moe.grouped_matmul(x, w1, counts, rows)
+    y = moe.grouped_matmul(a, w2, counts)
+    d_h13, a = moe.grouped_swiglu_backward(y, w2, h13, counts)
+    moe.grouped_swiglu_input_grad(d_h13, w1, w3, counts)
+    moe.grouped_weight_grad(d_h13, x, counts, rows, split=True)
+    moe.grouped_weight_grad(y, a, counts)
+    moe.gather_rows(x, rows, _empty((P,), "float32"))
+    moe.combine(y, pos, _empty((T, top_k), "float32"))
+    moe.combine_weight_grad(_empty((T, d), dtype), y, pos)
+
+
+# --- cases --------------------------------------------------------------------------------
+
+CASES: dict[str, dict] = {}
+HEAD_DIMS = (64, 128, 256)
+ATTENTION = {  # kernel label: (kernel name, scenario, config function)
+    "fwd": ("_attn_fwd_kernel", attention_forward, attn.forward_configs),
+    "dkdv": ("_attn_bwd_dkdv_kernel", attention_backward, attn_bwd.backward_configs),
+    "dq": ("_attn_bwd_dq_kernel", attention_backward, attn_bwd.dq_configs),
+}
+MOE_GEMM_MODES = {  # variant: (kernel, flags that pick its launch, config list)
+    "gather-swiglu": ("_grouped_matmul_kernel", {"GATE_UP": True},
+                      moe.grouped_matmul_configs("gate_up")),
+    "gather": ("_grouped_matmul_kernel", {"HAS_ROWS": True, "GATE_UP": False},
+               moe.grouped_matmul_configs()),
+    "plain": ("_grouped_matmul_kernel", {"HAS_ROWS": False, "GATE_UP": False,
+              "SWIGLU_GRAD": False, "SECOND_K": False}, moe.grouped_matmul_configs()),
+    "swiglu-backward": ("_grouped_matmul_kernel", {"SWIGLU_GRAD": True},
+                        moe.grouped_matmul_configs("swiglu_grad")),
+    "input-grad": ("_grouped_matmul_kernel", {"SECOND_K": True}, moe.grouped_matmul_configs()),
+    "weight-grad-split": ("_grouped_weight_grad_kernel", {"SPLIT": True},
+                          moe.weight_grad_configs()),
+    "weight-grad": ("_grouped_weight_grad_kernel", {"SPLIT": False}, moe.weight_grad_configs()),
+}  # fmt: skip
+MOE_ROW_KERNELS = ("_gather_rows_kernel", "_combine_kernel", "_combine_weight_grad_kernel")
+
+
+BLOCKS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
+
+
+def _tile(config) -> str:
+    if config is None:
+        return "fixed"
+    sizes = "x".join(str(config.kwargs[k]) for k in BLOCKS if k in config.kwargs)
+    return f"{sizes} s{config.num_stages} w{config.num_warps}"
+
+
+def add(
+    family,
+    variant,
+    scenario,
+    params,
+    kernel,
+    cap,
+    config=None,
+    *,
+    no_spill,
+    wgmma=False,
+    match=None,
+):
+    """One case. `family`/`variant` group the report's rows; `no_spill` and `wgmma` say
+    which rules apply beyond compiling within the shared-memory limit; `match` picks,
+    among the scenario's launches of `kernel`, the first whose keyword arguments
+    (constexpr flags) have these values."""
+    tile = _tile(config)
+    name = f"{family}-{variant}-{tile.replace(' ', '-')}-sm{cap}"
+    assert name not in CASES, name
+    CASES[name] = {
+        "name": name, "scenario": gate.scenario_name(scenario), "params": params,
+        "kernel": kernel, "cap": cap,
+        "config": None if config is None else gate.config_kwargs(config),
+        "family": family, "variant": variant, "tile": tile, "no_spill": no_spill,
+        "wgmma": wgmma, "match": match,
     }  # fmt: skip
 
 
-for cap in (80, 90):
-    for dtype in ("fp16", "bf16"):
-        for label, (name, warps, stages, signature, constexprs) in _moe_cases(dtype, cap).items():
-            CASES[f"moe-{label}-{dtype}-sm{cap}"] = {
-                "kernel": f"fusedpar.kernels.moe:{name}", "signature": signature,
-                "constexprs": constexprs, "cap": cap, "num_warps": warps, "num_stages": stages,
-            }  # fmt: skip
+def _smallest(configs):
+    """The config with the smallest tile: the one the launchers' pruning always keeps."""
+    return min(configs, key=lambda c: math.prod(c.kwargs.get(k, 1) for k in BLOCKS))
 
-# Kernels whose sm_90 PTX must use wgmma. Full-precision fp32 has no tensor-core path.
-WGMMA_EXPECTED = {
-    name
-    for name in CASES
-    if (name.startswith("matmul") and "ieee" not in name)
-    or (name.startswith("attention") and "delta" not in name and "merge" not in name)
-    or name.startswith("moe-grouped")
+
+def add_configs(family, variant, scenario, params, kernel, configs, *, no_spill, wgmma, match=None):
+    """Every config for sm_90 (`wgmma`: the first, the largest, must use it)."""
+    for i, config in enumerate(configs):
+        add(family, variant, scenario, params, kernel, 90, config, no_spill=no_spill,
+            wgmma=wgmma and i == 0, match=match)  # fmt: skip
+
+
+for label, (kernel, scenario, configs_of) in ATTENTION.items():
+    family = f"attention-{label}"
+    for D in HEAD_DIMS:
+        for dtype in ("bfloat16", "float16", "float32"):
+            if dtype == "float16" and D > 128:
+                continue  # no rule applies; shared memory is bf16's (test_fp16_matches_bf16)
+            configs = configs_of(D, getattr(torch, dtype))
+            if dtype == "float16":  # the largest tile: it builds exactly as bf16 does
+                configs = configs[:1]
+            # dK/dV at D=256 holds too much per key for the 64 keys wgmma needs
+            matrix = dtype != "float32" and (label != "dkdv" or D < 256)
+            add_configs(family, f"{dtype}-d{D}", scenario, {"dtype": dtype, "head_dim": D},
+                        kernel, configs, no_spill=dtype != "float32" and D <= 128,
+                        wgmma=matrix)  # fmt: skip
+    # TF32 needs more shared memory than the FMA build of fp32: at the largest head dim
+    fp32 = configs_of(256, torch.float32)
+    tf32 = {"dtype": "float32", "head_dim": 256, "precision": "high"}
+    add_configs(family, "tf32-d256", scenario, tf32, kernel, fp32, no_spill=False, wgmma=False)
+    for dtype, params in (("bfloat16", {"dtype": "bfloat16", "head_dim": 256}), ("tf32", tf32)):
+        configs = configs_of(256, getattr(torch, params["dtype"]))
+        add(family, f"{dtype}-d256-smallest", scenario, params, kernel, 80, _smallest(configs),
+            no_spill=False)  # fmt: skip
+    # The ring's modes, every 16-bit tile: a forward step merging into fp32 `out` and `lse`
+    # (MHA, not causal: the off-diagonal blocks), gradients added into fp32 buffers; and
+    # the GQA split of dK/dV.
+    if label == "fwd":
+        modes = {"ring-merge": {"causal": False, "group": 1, "merge": True}}
+    else:
+        modes = {"ring-accumulate": {"causal": False, "group": 1, "accumulate": True}}
+    if label == "dkdv":
+        modes["gqa-split"] = {"group": 4, "split": True}
+    for mode, extra in modes.items():
+        for D in (64, 128):  # where the no-spill rule applies
+            configs = configs_of(D, torch.bfloat16)
+            if mode.startswith("ring"):  # MHA, not causal: lighter than the cases above
+                configs = configs[:1]
+            add_configs(family, f"{mode}-bfloat16-d{D}", scenario,
+                        {"dtype": "bfloat16", "head_dim": D, **extra}, kernel, configs,
+                        no_spill=True, wgmma=True)  # fmt: skip
+
+for cap in (90, 80):
+    add(
+        "attention-delta",
+        "bfloat16-d256",
+        attention_backward,
+        {"dtype": "bfloat16", "head_dim": 256},
+        "_bwd_delta_kernel",
+        cap,
+        no_spill=True,
+    )
+    add(
+        "attention-merge",
+        "d256",
+        attention_merge_call,
+        {"head_dim": 256},
+        "_merge_kernel",
+        cap,
+        no_spill=False,
+    )
+add("attention-merge", "d128", attention_merge_call, {"head_dim": 128}, "_merge_kernel", 90,
+    no_spill=True)  # fmt: skip
+
+MATMUL_VARIANTS = {  # variant: scenario params
+    "bfloat16-bias": {"dtype": "bfloat16"},
+    "float16-bias": {"dtype": "float16"},
+    "bfloat16-accumulate-fp32": {"dtype": "bfloat16", "accumulate": True},
+    "float16-accumulate-fp32": {"dtype": "float16", "accumulate": True},
+    "ieee-bias": {"dtype": "float32"},
+    "tf32-bias": {"dtype": "float32", "precision": "high"},
 }
+for variant, params in MATMUL_VARIANTS.items():
+    dtype = getattr(torch, params["dtype"])
+    configs = matmul.matmul_configs(dtype, params.get("accumulate", False))
+    add_configs("matmul", variant, matmul_call, params, "_matmul_kernel", configs,
+                no_spill=dtype != torch.float32, wgmma=variant != "ieee-bias")  # fmt: skip
+    if variant.startswith(("bfloat16", "tf32")):
+        add("matmul", f"{variant}-smallest", matmul_call, params, "_matmul_kernel", 80,
+            _smallest(configs), no_spill=False)  # fmt: skip
+add(
+    "matmul",
+    "bfloat16-i64-strides",
+    matmul_call,
+    {"dtype": "bfloat16", "huge_stride": True},
+    "_matmul_kernel",
+    90,
+    matmul.matmul_configs(torch.bfloat16, False)[0],
+    no_spill=True,
+)
+
+# MoE: the grouped GEMM kernels run in several modes (constexpr flags) in one scenario,
+# each picked with `match`; the permute/combine kernels take their launcher's fixed tile
+# (no config: the recorded one is built).
+for variant, (kernel, match, configs) in MOE_GEMM_MODES.items():
+    family = "moe-" + kernel.strip("_").removesuffix("_kernel")
+    params = {"dtype": "bfloat16"}
+    add_configs(family, f"{variant}-bfloat16", moe_calls, params, kernel, configs,
+                no_spill=True, wgmma=True, match=match)  # fmt: skip
+    add(family, f"{variant}-bfloat16-smallest", moe_calls, params, kernel, 80,
+        _smallest(configs), no_spill=False, match=match)  # fmt: skip
+for cap in (90, 80):
+    for kernel in MOE_ROW_KERNELS:
+        add("moe-" + kernel.strip("_").removesuffix("_kernel"), "bfloat16", moe_calls,
+            {"dtype": "bfloat16"}, kernel, cap, no_spill=cap == 90)  # fmt: skip
+
+
+# --- tests ----------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    names = list(CASES)
-    return dict(zip(names, compile_in_subprocess([CASES[n] for n in names]), strict=True))
+def built():
+    cases = list(CASES.values())
+    return {c["name"]: r for c, r in zip(cases, gate.run_cases(cases), strict=True)}
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_kernel_compiles(compiled, name):
-    result = compiled[name]
+def test_config_fits(built, name):
+    case, result = CASES[name], built[name]
     assert result["ok"], result["error"]
-    cap = CASES[name]["cap"]
-    assert result["shared"] <= SHARED_LIMIT[cap], f"{result['shared']} bytes of shared memory"
-    if cap == 90 and name in WGMMA_EXPECTED:
+    limit = gate.SHARED_LIMIT[case["cap"]]
+    assert result["shared"] <= limit, (
+        f"{result['shared']} B of shared memory, over sm_{case['cap']}'s {limit} B: prune this "
+        f"tile in the config function (it is dead weight on every GPU run)"
+    )
+    if case["no_spill"]:
+        assert result["spill"] == 0, f"spills {result['spill']} B ({result['regs']} registers)"
+    if case["wgmma"]:
         assert result["wgmma"], "the sm_90 PTX should use wgmma (Hopper's warpgroup MMA)"
+
+
+def _twin(name):
+    case = CASES[name]
+    variant = case["variant"].replace("float16", "bfloat16", 1)
+    same = ("family", "tile", "cap")
+    return next(n for n, c in CASES.items()
+                if c["variant"] == variant and all(c[k] == case[k] for k in same))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name", [n for n, c in CASES.items() if c["variant"].startswith("float16")]
+)
+def test_fp16_matches_bf16(built, name):
+    """Why fp16 is built for only some tiles. Attention: fp16 builds exactly as bf16
+    (registers, spills, shared memory: all 27 tiles at D <= 128 on triton 3.6 and 3.9),
+    so its largest tile stands for the rest. GEMMs: the bias and output conversions move
+    registers by a few (a 128x256 tile with bias: 181 in fp16, 170 in bf16 on triton
+    3.6), so every tile is built in both; shared memory is always bf16's, which is why
+    fp16 is not built at D=256 (where only shared memory is checked)."""
+    usage = ("shared",) if CASES[name]["family"] == "matmul" else ("regs", "spill", "shared")
+    assert {k: built[name][k] for k in usage} == {k: built[_twin(name)][k] for k in usage}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("label", ATTENTION)
+def test_pruning_keeps_the_smallest_attention_tile(label, dtype):
+    """The sm_80 cases build the smallest tile of each list: every sequence length's
+    candidates must include it, so an A100 always has a config that fits."""
+    for D in HEAD_DIMS:
+        configs = ATTENTION[label][2](D, dtype)
+        for n in (1, 16, 32, 64, 128, 1024):
+            assert _smallest(configs) in attn._prune_configs(configs, n, n)
+
+
+def test_pruning_keeps_the_smallest_matmul_tile():
+    for dtype in (torch.bfloat16, torch.float32):
+        for accumulate in (False, True):
+            configs = matmul.matmul_configs(dtype, accumulate)
+            for m in (1, 16, 32, 256, 4096):
+                assert _smallest(configs) in matmul._prune_configs(configs, m, m)
+
+
+def test_resource_table_is_current(built):
+    """docs/resources.md lists every case. ``FUSEDPAR_WRITE_RESOURCES=1`` rewrites it
+    (``=path``: writes the table there instead, e.g. to compare two triton versions)."""
+    target = os.environ.get("FUSEDPAR_WRITE_RESOURCES")
+    if target:
+        path = RESOURCES_DOC if target == "1" else Path(target)
+        path.write_text(gate.resource_table(list(CASES.values()), list(built.values())))
+    listed = set(json.loads(RESOURCES_DOC.read_text().split("<!-- cases: ")[1].split(" -->")[0]))
+    assert listed == set(CASES), (
+        "docs/resources.md is stale: rerun with FUSEDPAR_WRITE_RESOURCES=1 "
+        f"(missing {sorted(set(CASES) - listed)[:5]}, gone {sorted(listed - set(CASES))[:5]})"
+    )
