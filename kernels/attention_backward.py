@@ -42,8 +42,6 @@ from fusedpar.kernels.attention import (
 # waves of the GPU's SMs keep every SM busy through the tail). None: 2 x the SM count
 # on a GPU, never in the interpreter (it runs programs one at a time); tests set it.
 SPLIT_BELOW_PROGRAMS: int | None = None
-# The dK/dV tile the decision assumes: the largest BLOCK_N, i.e. the fewest programs.
-SPLIT_BLOCK_N = 128
 
 
 # Checked by the resource gate as the forward's tiles are (kernels/attention.py). BLOCK_M
@@ -361,16 +359,18 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def gqa_split(B: int, Skv: int, Hkv: int, group: int, device: torch.device) -> int:
+def gqa_split(B: int, Skv: int, Hkv: int, group: int, q: torch.Tensor) -> int:
     """How many programs share the query heads of one KV head's dK/dV (1: no split).
 
-    Split when the grid ``cdiv(Skv, SPLIT_BLOCK_N) * B * Hkv`` is below
-    `SPLIT_BELOW_PROGRAMS` (two waves of SMs by default; queried when first needed, never
-    at import), into as many slices as fill that, at most one query head each."""
+    Split when the grid ``cdiv(Skv, BLOCK_N) * B * Hkv`` (BLOCK_N: the largest key block
+    of q's dK/dV tiles, i.e. the fewest programs) is below `SPLIT_BELOW_PROGRAMS` (two
+    waves of SMs by default; queried when first needed, never at import), into as many
+    slices as fill that, at most one query head each."""
     below = SPLIT_BELOW_PROGRAMS
     if below is None:
-        below = 2 * _sm_count(device.index or 0) if device.type == "cuda" else 0
-    programs = max(1, triton.cdiv(Skv, SPLIT_BLOCK_N) * B * Hkv)
+        below = 2 * _sm_count(q.device.index or 0) if q.device.type == "cuda" else 0
+    block_n = max(c.kwargs["BLOCK_N"] for c in backward_configs(q.shape[-1], q.dtype))
+    programs = max(1, triton.cdiv(Skv, block_n) * B * Hkv)
     if group == 1 or programs >= below:
         return 1
     split = min(group, triton.cdiv(below, programs))
@@ -437,7 +437,7 @@ def attention_backward_dkdv(
     if B * Hkv * Skv == 0:  # with Sq == 0 the kernel writes zeros: no query, no gradient
         return None if tune_only else (dk, dv)
     group = Hq // Hkv
-    split = gqa_split(B, Skv, Hkv, group, q.device)
+    split = gqa_split(B, Skv, Hkv, group, q)
     out_k, out_v = dk, dv
     if split > 1:
         out_k, out_v = (_partials((B, Skv, Hkv * split, D), q.device) for _ in range(2))

@@ -325,8 +325,8 @@ def test_ring_modes_match_float64(B, Sq, Skv, Hkv, group, D, causal, dtype, seed
      (1, 1000, 777, 4, 4, 64, False)],
 )  # fmt: skip
 def test_ring_modes_gpu(B, Sq, Skv, Hq, Hkv, D, causal, dtype):
-    """The default threshold (two waves of SMs) splits the first two: 24 and 32 dK/dV
-    programs of 128 keys on an H100's 132 SMs."""
+    """The default threshold (two waves of SMs) splits the first two: 48 and 64 dK/dV
+    programs of 64 keys (D = 128's largest key block) on an H100's 132 SMs."""
     check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed=11, device="cuda")
 
 
@@ -335,14 +335,14 @@ def test_gqa_split_is_deterministic_and_needs_no_gpu_query(monkeypatch):
         raise AssertionError("the SM count is queried only for CUDA tensors")
 
     monkeypatch.setattr(backward_kernels, "_sm_count", no_query)
-    cpu = torch.device("cpu")
-    assert gqa_split(1, 8192, 1, 32, cpu) == 1  # the interpreter never splits by default
+    q = torch.empty((1, 1, 1, 128), dtype=torch.bfloat16)  # D = 128: key blocks of 64 at most
+    assert gqa_split(1, 8192, 1, 32, q) == 1  # the interpreter never splits by default
     monkeypatch.setattr(backward_kernels, "SPLIT_BELOW_PROGRAMS", 264)  # 2 x an H100's SMs
-    # 64 programs of 128 keys: 5 slices of at most 7 query heads reach 264
-    assert gqa_split(1, 8192, 1, 32, cpu) == 5
-    assert gqa_split(1, 8192, 1, 1, cpu) == 1  # no group to split
-    assert gqa_split(4, 8192, 8, 4, cpu) == 1  # 2048 programs: enough
-    assert gqa_split(1, 100, 1, 3, cpu) == 3  # at most one query head per slice
+    # 128 programs of 64 keys: 3 slices of at most 11 query heads reach 264
+    assert gqa_split(1, 8192, 1, 32, q) == 3
+    assert gqa_split(1, 8192, 1, 1, q) == 1  # no group to split
+    assert gqa_split(4, 8192, 8, 4, q) == 1  # 4096 programs: enough
+    assert gqa_split(1, 100, 1, 3, q) == 3  # at most one query head per slice
     q, k, v = (randn((1, 21, h, 16), torch.float32, i) for i, h in enumerate((6, 1, 1)))
     dout = randn(q.shape, torch.float32, 3)
     out, lse = attention_forward(q, k, v, causal=True)
