@@ -16,6 +16,8 @@ tuner returns the pick for that key, timing every candidate once on a miss:
 | ring and TP loops  | they tune with ``tune_only`` before the loop and run the loop inside |
 |                    | `frozen()`, where a miss raises instead of timing between transfers  |
 | failures           | a config that does not compile (shared memory, registers) is skipped |
+| tests              | `forced(name, config)` runs one config for every key, untimed, so   |
+|                    | each config of a list is checked for correctness in turn           |
 
 Environment (read when a pick is made, never at import):
 
@@ -44,6 +46,7 @@ import torch
 import triton
 
 _FROZEN = contextvars.ContextVar("fusedpar_tuning_frozen", default=None)
+_FORCED = contextvars.ContextVar("fusedpar_tuning_forced", default=None)
 _TUNERS: dict[str, Tuner] = {}
 
 
@@ -73,6 +76,18 @@ def frozen(where: str, agreement: Agreement | None):
         yield
     finally:
         _FROZEN.reset(token)
+
+
+@contextlib.contextmanager
+def forced(name: str, config: triton.Config):
+    """Inside, tuner `name` launches `config` for every key, with no timing and no pick
+    kept: tests run each config of a list in turn (a config the tuner never picks is
+    still checked for correctness)."""
+    token = _FORCED.set({**(_FORCED.get() or {}), name: config})
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
 
 
 def _compile_errors() -> tuple[type[BaseException], ...]:
@@ -135,6 +150,11 @@ class Tuner:
     ) -> triton.Config:
         """Launch with the pick for `key` (timing `candidates` first on a miss). With
         `tune_only`, make the pick if missing and launch nothing more."""
+        config = (_FORCED.get() or {}).get(self.name)
+        if config is not None:
+            if not tune_only:
+                launch(config)
+            return config
         scope = (agreement.name if agreement else None, key)
         where, frozen_group = _FROZEN.get() or (None, None)
         if where is not None and frozen_group != scope[0]:

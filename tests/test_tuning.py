@@ -166,3 +166,11 @@ def test_tuning_on_a_gpu_leaves_one_result(accumulate):
     assert _tuning.tuner("matmul").timings, "nothing was tuned"
     assert len(next(iter(_tuning.tuner("matmul").timings.values()))) > 1
     torch.testing.assert_close(c.double(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_a_forced_config_runs_without_timing_or_caching():
+    tuner, calls = _tuning.Tuner("t"), []
+    launch = _sleepy({16: 1, 32: 1}, calls)
+    with _tuning.forced("t", CONFIGS[1]):
+        assert tuner.run(("k",), CONFIGS, launch, device=CPU) is CONFIGS[1]
+    assert calls == [32] and not tuner.picks and tuner.tuned == 0
