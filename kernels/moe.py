@@ -1,4 +1,4 @@
-"""Mixture-of-experts token dispatch: metadata, grouped expert GEMMs, permute, combine.
+"""Mixture-of-experts token dispatch: metadata and the grouped expert GEMMs.
 
 Routing sends each of T tokens to k experts: P = T * k (token, slot) pairs. The pairs are
 put in a stable expert-major order; expert e owns the rows ``offsets[e]:offsets[e + 1]``
@@ -16,14 +16,12 @@ reach the host.
 |                             | h1, h3; a again (for w2's gradient)                      |
 | `grouped_swiglu_input_grad` | ``dx[p] = dh1[p] @ w1[e] + dh3[p] @ w3[e]``              |
 | `grouped_weight_grad`       | ``dw[e] = sum_{p in e} dy[p]^T x[rows[p]]`` (0 if empty) |
-| `gather_rows`               | ``out[p] = src[idx[p]] (* scale[p])``                    |
-| `combine`                   | ``y[t] = sum_j w[t, j] * src[pos[t, j]]`` (pos -1 skipped) |
-| `combine_weight_grad`       | ``dw[t, j] = <dy[t], src[pos[t, j]]>``                   |
 
-Every sum runs in a fixed order inside one program: no floating-point atomics, so results
-are bitwise reproducible, and they do not depend on the tile the tuner picks (see
-`BLOCK_K`, `WGRAD_BLOCK_M`). Accumulation is fp32. A plain-PyTorch reference of each
-kernel closes the file.
+Permute and combine (`gather_rows`, `combine`, `combine_weight_grad`) live in
+`fusedpar.kernels.moe_permute`. Every sum runs in a fixed order inside one program: no
+floating-point atomics, so results are bitwise reproducible, and they do not depend on
+the tile the tuner picks (see `BLOCK_K`, `WGRAD_BLOCK_M`). Accumulation is fp32. A
+plain-PyTorch reference of each kernel closes the file.
 """
 
 import torch
@@ -38,6 +36,7 @@ from fusedpar.kernels._common import (
     is_interpreted,
 )
 from fusedpar.kernels._tuning import bucket
+from fusedpar.kernels.moe_permute import _check_index, _empty, _fit
 
 # The K step of every grouped GEMM tile. Each output sums its K products in BLOCK_K
 # chunks, in order; with one BLOCK_K for every config no pick changes the order of any
@@ -51,13 +50,6 @@ WGRAD_BLOCK_M = 64
 # Row blocks that walk the same column blocks together, so their x tiles and the
 # expert's weight tiles stay in L2 (the Triton tutorial's grouped order; P7).
 GROUP_M = 8
-# Permute/combine: a program moves this many elements (4 rows of 2048 at d_model 2048),
-# looping over the hidden size past MAX_BLOCK_D, and loads its indices once (P11).
-ROW_TILE_ELEMENTS = 8192
-MAX_BLOCK_D = 2048
-# The interpreter runs programs one by one in numpy: small tiles keep CPU tests fast and
-# make tiny shapes cross block edges (several row blocks, a loop over D).
-INTERPRETER_MAX_BLOCK = 64
 
 
 def grouped_matmul_configs(mode: str = "plain") -> list[triton.Config]:
@@ -95,20 +87,6 @@ def weight_grad_configs() -> list[triton.Config]:
     ]
 
 
-def row_tile(D: int, interpreted: bool) -> dict:
-    """Rows and columns of one permute/combine program: 4 to 64 rows, the full width up
-    to 2048 columns (P11 predicts 60-80% of copy bandwidth for the old 16 x 128 tiles)."""
-    if interpreted:
-        return dict(BLOCK_ROWS=8, BLOCK_D=_fit(D, INTERPRETER_MAX_BLOCK), num_warps=4)
-    block_d = _fit(D, MAX_BLOCK_D)
-    rows = max(4, min(64, ROW_TILE_ELEMENTS // block_d))
-    return dict(BLOCK_ROWS=rows, BLOCK_D=block_d, num_warps=8 if rows * block_d >= 8192 else 4)
-
-
-def _fit(n: int, limit: int) -> int:
-    return min(limit, max(16, triton.next_power_of_2(n)))
-
-
 def _prune(configs, m: int, n: int, m_key="BLOCK_M", n_key="BLOCK_N"):
     """Drop tiles larger than the problem (m x n; they only waste lanes); keep at least one."""
     limit_m, limit_n = max(32, bucket(m)), max(32, bucket(n))
@@ -117,7 +95,7 @@ def _prune(configs, m: int, n: int, m_key="BLOCK_M", n_key="BLOCK_N"):
 
 
 def _gemm_candidates(mode: str, rows_per_expert: int, N: int) -> list[triton.Config]:
-    if is_interpreted(_grouped_matmul_kernel):  # one small tile: see INTERPRETER_MAX_BLOCK
+    if is_interpreted(_grouped_matmul_kernel):  # one small tile: fast, and crosses edges
         return [triton.Config({"BLOCK_M": _fit(rows_per_expert, 32), "BLOCK_N": _fit(N, 64),
                                "BLOCK_K": BLOCK_K})]  # fmt: skip
     return _prune(grouped_matmul_configs(mode), rows_per_expert, N)
@@ -164,12 +142,6 @@ def dispatch_metadata(expert_ids: torch.Tensor, num_experts: int, keep: torch.Te
 
 def _offsets(counts: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0))
-
-
-def _empty(shape, dtype, device) -> torch.Tensor:
-    """Every output of this module is allocated here (tests fill it with NaN first, so an
-    element a kernel should write and does not fails them)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 # --- grouped GEMMs ----------------------------------------------------------------------
@@ -359,113 +331,11 @@ def _grouped_weight_grad_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
 
 
-# --- permute and combine ------------------------------------------------------------------
-
-
-@triton.jit
-def _gather_rows_kernel(
-    # pointers
-    src_ptr, idx_ptr, scale_ptr, out_ptr,
-    # strides
-    stride_sm, stride_sd, stride_om, stride_od,
-    # sizes
-    P, D,
-    # meta-parameters
-    HAS_SCALE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """out[p] = src[idx[p]] (* scale[p]) for BLOCK_ROWS rows, looping over D."""
-    offs_m = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    rows = offs_m < P
-    src_rows = tl.load(idx_ptr + offs_m, mask=rows, other=0).to(tl.int64)
-    if HAS_SCALE:
-        scale = tl.load(scale_ptr + offs_m, mask=rows, other=0.0)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask = rows[:, None] & (offs_d[None, :] < D)
-        vals = tl.load(src_ptr + src_rows[:, None] * stride_sm + offs_d[None, :] * stride_sd,
-                       mask=mask)  # fmt: skip
-        if HAS_SCALE:
-            vals = vals.to(tl.float32) * scale[:, None]
-        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od,
-                 vals.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
-
-
-@triton.jit
-def _combine_kernel(
-    # pointers
-    src_ptr, pos_ptr, weight_ptr, y_ptr,
-    # strides
-    stride_sm, stride_sd, stride_ym, stride_yd,
-    # sizes
-    T, D, TOP_K,
-    # meta-parameters
-    HAS_WEIGHT: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """y[t] = sum_j w[t, j] * src[pos[t, j]], j = 0..TOP_K-1 in order, pos -1 skipped."""
-    offs_t = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    tokens = offs_t < T
-    pair = offs_t.to(tl.int64) * TOP_K
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        d_mask = offs_d[None, :] < D
-        acc = tl.zeros((BLOCK_ROWS, BLOCK_D), dtype=tl.float32)
-        for j in range(TOP_K):
-            pos = tl.load(pos_ptr + pair + j, mask=tokens, other=-1)
-            src_ptrs = src_ptr + pos.to(tl.int64)[:, None] * stride_sm + offs_d[None, :] * stride_sd
-            vals = tl.load(src_ptrs, mask=(pos >= 0)[:, None] & d_mask, other=0.0).to(tl.float32)
-            if HAS_WEIGHT:
-                vals *= tl.load(weight_ptr + pair + j, mask=tokens, other=0.0)[:, None]
-            acc += vals
-        y_ptrs = y_ptr + offs_t.to(tl.int64)[:, None] * stride_ym + offs_d[None, :] * stride_yd
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=tokens[:, None] & d_mask)
-
-
-@triton.jit
-def _combine_weight_grad_kernel(
-    # pointers
-    dy_ptr, src_ptr, pos_ptr, dw_ptr,
-    # strides
-    stride_dym, stride_dyd, stride_sm, stride_sd,
-    # sizes
-    T, D, TOP_K,
-    # meta-parameters
-    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """dw[t, j] = <dy[t], src[pos[t, j]]> (0 where pos is -1), summed over D in order."""
-    offs_t = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    tokens = offs_t < T
-    pair = offs_t.to(tl.int64) * TOP_K
-    for j in range(TOP_K):
-        pos = tl.load(pos_ptr + pair + j, mask=tokens, other=-1)
-        live = pos >= 0
-        acc = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            d_mask = offs_d[None, :] < D
-            dy_ptrs = (
-                dy_ptr + offs_t.to(tl.int64)[:, None] * stride_dym + offs_d[None, :] * stride_dyd
-            )
-            dy = tl.load(dy_ptrs, mask=tokens[:, None] & d_mask, other=0.0).to(tl.float32)
-            src_ptrs = src_ptr + pos.to(tl.int64)[:, None] * stride_sm + offs_d[None, :] * stride_sd
-            src = tl.load(src_ptrs, mask=live[:, None] & d_mask, other=0.0).to(tl.float32)
-            acc += tl.sum(dy * src, 1)
-        tl.store(dw_ptr + pair + j, acc, mask=tokens)
-
-
 # --- launchers -------------------------------------------------------------------------
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
     return fp32_dot_precision() if dtype == torch.float32 else "tf32"
-
-
-def _check_index(name, index, count, device):
-    if index is None:
-        return
-    if index.dim() != 1 or index.shape[0] != count or index.dtype != torch.int64:
-        raise ValueError(f"{name} must be int64 ({count},), got {index.dtype} {tuple(index.shape)}")
-    if index.device != device:
-        raise ValueError(f"{name} is on {index.device}, the data on {device}")
 
 
 def _check_grouped(what, kernel, x, counts, rows, P, **weights):
@@ -653,65 +523,6 @@ def grouped_weight_grad(dy, x, counts, rows=None, *, out_dtype=None, split=False
     return tuple(outs) if split else outs[0]
 
 
-def _launch_rows(kernel, n_rows, D, args, meta, device_tensor):
-    tile = row_tile(D, is_interpreted(kernel))
-    num_warps = tile.pop("num_warps")
-    with device_guard(device_tensor):
-        kernel[(triton.cdiv(n_rows, tile["BLOCK_ROWS"]),)](*args, **meta, **tile,
-                                                           num_warps=num_warps)  # fmt: skip
-
-
-def gather_rows(src, idx, scale=None, *, out_dtype=None):
-    """``out[p] = src[idx[p]] (* scale[p])``: (P, D) from src (R, D), idx (P,) int64,
-    scale (P,) float32 or None."""
-    P, D = idx.shape[0], src.shape[-1]
-    _check_index("idx", idx, P, src.device)
-    bad_scale = scale is not None and (scale.shape != (P,) or scale.dtype != torch.float32)
-    if src.dim() != 2 or bad_scale:
-        got = None if scale is None else (scale.dtype, tuple(scale.shape))
-        raise ValueError(f"gather_rows takes src (R, D) and scale float32 ({P},) or None, got "
-                         f"{tuple(src.shape)} and {got}")  # fmt: skip
-    check_launchable(_gather_rows_kernel, src, idx)
-    out = _empty((P, D), out_dtype or src.dtype, src.device)
-    if out.numel():
-        args = (src, idx, idx if scale is None else scale, out, *src.stride(), *out.stride(), P, D)
-        _launch_rows(_gather_rows_kernel, P, D, args, dict(HAS_SCALE=scale is not None), src)
-    return out
-
-
-def combine(src, pos, weight=None, *, out_dtype=None):
-    """``y[t] = sum_j weight[t, j] * src[pos[t, j]]``: (T, D) from src (P, D), pos (T, k)
-    int64 (-1: skipped), weight (T, k) or None (all ones), summed in slot order in fp32."""
-    bad_weight = weight is not None and weight.shape != pos.shape
-    if src.dim() != 2 or pos.dim() != 2 or pos.dtype != torch.int64 or bad_weight:
-        raise ValueError(f"combine takes src (P, D), pos (T, k) int64 and weight (T, k), got "
-                         f"{tuple(src.shape)}, {pos.dtype} {tuple(pos.shape)} and "
-                         f"{weight if weight is None else tuple(weight.shape)}")  # fmt: skip
-    (T, top_k), D = pos.shape, src.shape[1]
-    check_launchable(_combine_kernel, src, pos)
-    y = _empty((T, D), out_dtype or src.dtype, src.device)
-    if y.numel():
-        pos = pos.contiguous()
-        weight = pos if weight is None else weight.float().contiguous()
-        args = (src, pos, weight, y, *src.stride(), *y.stride(), T, D, top_k)
-        _launch_rows(_combine_kernel, T, D, args, dict(HAS_WEIGHT=weight is not pos), src)
-    return y
-
-
-def combine_weight_grad(dy, src, pos):
-    """``dw[t, j] = <dy[t], src[pos[t, j]]>`` (0 where pos is -1): (T, k) float32."""
-    T, top_k = pos.shape
-    if dy.dim() != 2 or src.dim() != 2 or dy.shape != (T, src.shape[1]):
-        raise ValueError(f"combine_weight_grad: dy must be ({T}, D) for pos {tuple(pos.shape)} "
-                         f"and src (P, D) {tuple(src.shape)}, got {tuple(dy.shape)}")  # fmt: skip
-    check_launchable(_combine_weight_grad_kernel, dy, src, pos)
-    dw = _empty((T, top_k), torch.float32, dy.device)
-    if dw.numel():
-        args = (dy, src, pos.contiguous(), dw, *dy.stride(), *src.stride(), T, dy.shape[1], top_k)
-        _launch_rows(_combine_weight_grad_kernel, T, dy.shape[1], args, {}, dy)
-    return dw
-
-
 # --- references (plain PyTorch, in the inputs' dtype: float64 in -> the oracle) -----------
 
 
@@ -739,14 +550,3 @@ def grouped_weight_grad_reference(dy, x, counts, rows=None):
     """`grouped_weight_grad` as a loop: (E, N, K), zeros for an empty expert."""
     xs = x if rows is None else x[rows]
     return torch.stack([dy[s].T @ xs[s] for s in _expert_slices(counts)])
-
-
-def combine_reference(src, pos, weight=None):
-    """`combine` in PyTorch: slots in order, -1 skipped."""
-    T, top_k = pos.shape
-    y = src.new_zeros((T, src.shape[1]))
-    for j in range(top_k):
-        live = pos[:, j] >= 0
-        term = src[pos[:, j].clamp(min=0)] * live[:, None]
-        y = y + (term if weight is None else term * weight[:, j, None].to(src.dtype))
-    return y

@@ -42,7 +42,7 @@ import pytest
 import torch
 from fusedpar.kernels import attention as attn
 from fusedpar.kernels import attention_backward as attn_bwd
-from fusedpar.kernels import attention_merge, matmul, moe
+from fusedpar.kernels import attention_merge, matmul, moe, moe_permute
 
 from fusedpar.testing import compile_gate as gate
 
@@ -145,9 +145,9 @@ def moe_calls(dtype):
     moe.grouped_swiglu_input_grad(d_h13, w1, w3, counts)
     moe.grouped_weight_grad(d_h13, x, counts, rows, split=True)
     moe.grouped_weight_grad(y, a, counts)
-    moe.gather_rows(x, rows, _empty((P,), "float32"))
-    moe.combine(y, pos, _empty((T, top_k), "float32"))
-    moe.combine_weight_grad(_empty((T, d), dtype), y, pos)
+    moe_permute.gather_rows(x, rows, _empty((P,), "float32"))
+    moe_permute.combine(y, pos, _empty((T, top_k), "float32"))
+    moe_permute.combine_weight_grad(_empty((T, d), dtype), y, pos)
 
 
 # --- cases --------------------------------------------------------------------------------

@@ -20,15 +20,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import triton
-from fusedpar.kernels import _tuning
+from fusedpar.kernels import _tuning, moe_permute
 from fusedpar.kernels import moe as moe_kernels
 from fusedpar.kernels.moe import (
-    combine,
-    combine_reference,
-    combine_weight_grad,
     dispatch_metadata,
     expert_swiglu_reference,
-    gather_rows,
     grouped_matmul,
     grouped_matmul_reference,
     grouped_swiglu,
@@ -36,6 +32,12 @@ from fusedpar.kernels.moe import (
     grouped_swiglu_input_grad,
     grouped_weight_grad,
     grouped_weight_grad_reference,
+)
+from fusedpar.kernels.moe_permute import (
+    combine,
+    combine_reference,
+    combine_weight_grad,
+    gather_rows,
 )
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -50,17 +52,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @contextlib.contextmanager
 def poisoned_outputs():
-    """Every output `fusedpar.kernels.moe` allocates starts as NaN while inside."""
-    real = moe_kernels._empty
+    """Every output the MoE kernels' launchers allocate starts as NaN while inside."""
+    modules = (moe_kernels, moe_permute)
+    real = [module._empty for module in modules]
 
     def nan_empty(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    moe_kernels._empty = nan_empty
+    for module in modules:
+        module._empty = nan_empty
     try:
         yield
     finally:
-        moe_kernels._empty = real
+        for module, empty in zip(modules, real, strict=True):
+            module._empty = empty
 
 
 def _group():

@@ -37,17 +37,15 @@ import torch
 
 from fusedpar import comm
 from fusedpar.kernels.moe import (
-    combine,
-    combine_weight_grad,
     dispatch_metadata,
     expert_counts,
-    gather_rows,
     grouped_matmul,
     grouped_swiglu,
     grouped_swiglu_backward,
     grouped_swiglu_input_grad,
     grouped_weight_grad,
 )
+from fusedpar.kernels.moe_permute import combine, combine_weight_grad, gather_rows
 
 SCORES = ("softmax", "sigmoid")
 
