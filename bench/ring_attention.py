@@ -7,9 +7,10 @@ against `flash_attn` on the whole sequence, forward and forward + backward, bf16
 smaller launches, the merge epilogues, dK/dV carried in fp32 and the KV copies.
 Target: ring time <= 1.1x flash_attn (`vs_flash`). `BENCH_QUICK=1`: S = 16k only.
 
-CPU (gloo, runs anywhere): the forward ring at W = 2 and 4 with each transfer overlapped
-with the block's compute, against waiting for it first. Blocks are computed (and merged)
-by torch in float32, so the comparison measures the pipelining, not Triton's interpreter.
+CPU (gloo; run only where there is no GPU): the forward ring at W = 2 and 4 with each
+transfer overlapped with the block's compute, against waiting for it first. Blocks are
+computed (and merged) by torch in float32, so the comparison measures the pipelining,
+not Triton's interpreter.
 
 Anchor: ring-flash-attention reports zigzag at 90.2% of the ideal speed-up on 8 x H800
 (Llama-3-8B shapes, 8k tokens per GPU).
@@ -159,17 +160,17 @@ def gpu_virtual_ring(device: str = "cuda") -> list[dict]:
 
 
 def main() -> None:
-    rows = cpu_overlap()
-    meta = {"cpu_shape": str(CPU_SHAPE), "cpu_reps": CPU_REPS, "cpu_cores": os.cpu_count(),
-            "layout": "zigzag", "torch": torch.__version__}  # fmt: skip
-    columns = ["part", "world", "causal", "waited_ms", "overlapped_ms", "speedup"]
-    if require_gpu("ring_attention (GPU part)"):
+    meta = {"layout": "zigzag", "torch": torch.__version__}
+    if require_gpu("ring_attention (GPU part; the CPU part runs instead)"):
         meta.update(environment(), gpu_shape=str(GPU_SHAPE), dtype=str(GPU_DTYPE), quick=quick())
-        rows += gpu_virtual_ring()
-        columns += ["seq_len", "impl", "fwd_ms", "fwd_bwd_ms", "fwd_vs_flash", "fwd_bwd_vs_flash",
-                    "error"]  # fmt: skip
-    else:
-        meta["device"] = f"CPU ({os.cpu_count()} cores), gloo"
+        rows = gpu_virtual_ring()
+        columns = ["part", "world", "causal", "seq_len", "impl", "fwd_ms", "fwd_bwd_ms",
+                   "fwd_vs_flash", "fwd_bwd_vs_flash", "error"]  # fmt: skip
+    else:  # the CPU part needs no GPU and says nothing about one: only where there is none
+        rows = cpu_overlap()
+        meta.update(cpu_shape=str(CPU_SHAPE), cpu_reps=CPU_REPS, cpu_cores=os.cpu_count(),
+                    device=f"CPU ({os.cpu_count()} cores), gloo")  # fmt: skip
+        columns = ["part", "world", "causal", "waited_ms", "overlapped_ms", "speedup"]
 
     def plot(ax):
         gpu = [r for r in rows if r["part"] == "gpu-virtual-ring" and r["world"] > 1]

@@ -2,7 +2,7 @@
 
 from fusedpar.ops.attention import flash_attn
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
-from fusedpar.ops.ring_attention import ring_attn
+from fusedpar.ops.ring_attention import ring_attn, virtual_ring_attn
 from fusedpar.ops.sequence import gather_sequence, sequence_positions, shard_sequence
 
 __all__ = [
@@ -13,4 +13,5 @@ __all__ = [
     "ring_attn",
     "sequence_positions",
     "shard_sequence",
+    "virtual_ring_attn",
 ]
