@@ -30,7 +30,9 @@ def _sleepy(ms_per_config, calls):
 
 
 @pytest.fixture(autouse=True)
-def clean_picks():
+def clean_picks(monkeypatch):
+    for name in ("FUSEDPAR_TUNING", "FUSEDPAR_TUNING_CACHE"):  # the tests set their own
+        monkeypatch.delenv(name, raising=False)
     _tuning.forget_picks()
     yield
     _tuning.forget_picks()
