@@ -180,7 +180,8 @@ class Tuner:
     def _tune(self, scope, candidates, launch, device, restore, agreement) -> triton.Config:
         if not candidates:
             raise ValueError(f"{self.name}: no candidate config for key {scope[1]}")
-        if len(candidates) == 1 or os.environ.get("FUSEDPAR_TUNING") == "first":
+        timed = len(candidates) > 1 and os.environ.get("FUSEDPAR_TUNING") != "first"
+        if not timed:
             times = [0.0] + [float("inf")] * (len(candidates) - 1)
         else:
             saved = [t.clone() for t in restore]
@@ -206,7 +207,7 @@ class Tuner:
             where = f" (agreed over {scope[0]})" if scope[0] else ""
             print(f"fusedpar tuning: {self.name} {scope[1]} -> {config} "
                   f"{times[best]:.4f} ms{where}")  # fmt: skip
-        if scope[0] is None:
+        if scope[0] is None and timed:  # an untimed pick must not pass for a tuned one
             self._to_disk(scope[1], config)
         return config
 

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU run plan of bench/NOTES.md, one self-contained command per step:
+#
+#   bash bench/gpu_run.sh STEP      (STEP 1-4, on a fresh lent GPU machine, with $OUT set)
+#
+# 1: the GPU tier in fp16/bf16        3: GEMM, MoE and ring benchmarks
+# 2: the attention benchmark          4: the TP benchmark and the fp32 GPU tier
+#
+# Each step installs fusedpar, records the device, runs its parts under their own time
+# limits (summing to under 9 minutes, so the tarball is always written) and leaves at most
+# 8 files in $OUT: install.log, device.txt, summary.txt, one log per part, results.tgz
+# (every bench's JSON, table and plot, and the tuner's picks).
+set -uo pipefail
+step=${1:?usage: bash bench/gpu_run.sh 1|2|3|4}
+out=${OUT:?set OUT to a folder that comes back}
+results=/tmp/fusedpar-results
+mkdir -p "$results"
+: >"$out/summary.txt"
+
+pip install -q --no-build-isolation --no-deps -e . >"$out/install.log" 2>&1 \
+  || { tail -20 "$out/install.log"; exit 1; }
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 BENCH_RESULTS=$results
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw,power.limit --format=csv
+  python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+  nproc
+} >"$out/device.txt" 2>&1
+
+part() {  # part NAME SECONDS COMMAND...: run under a limit, log to $OUT/NAME.log
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  echo "$name: exit $? after $((SECONDS - start)) s (limit $limit s)" >>"$out/summary.txt"
+}
+# The GPU tier takes the first tile of each list (one build per specialisation: the review's
+# F1); tests/test_config_sweep.py builds and checks every tile. Benchmarks tune, print each
+# pick (TRITON_PRINT_AUTOTUNING) and keep the picks in the tarball (FUSEDPAR_TUNING_CACHE).
+tier=(python -m pytest -m gpu -n 6 -q -p no:cacheprovider --timeout 300)
+bench=(env BENCH_QUICK=1 TRITON_PRINT_AUTOTUNING=1 FUSEDPAR_TUNING_CACHE=$results/picks.json
+       python -m bench)
+case $step in
+  1) part gpu_tier 520 env FUSEDPAR_TUNING=first "${tier[@]}" -k "not float32" ;;
+  2) part attention 530 "${bench[@]}" attention ;;
+  3) part matmul 170 "${bench[@]}" matmul
+     part moe 230 "${bench[@]}" moe
+     part ring_attention 130 "${bench[@]}" ring_attention ;;
+  4) part linear 250 "${bench[@]}" linear
+     part gpu_tier_fp32 280 env FUSEDPAR_TUNING=first "${tier[@]}" -k float32 ;;
+  *) echo "unknown step $step: 1-4" >&2; exit 2 ;;
+esac
+tar -czf "$out/results.tgz" -C "$results" .
+for log in "$out"/*.log; do echo "== $log"; tail -n 15 "$log"; done
+cat "$out/device.txt" "$out/summary.txt"
