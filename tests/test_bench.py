@@ -3,6 +3,7 @@
 fallback, host timing, GPU clocks, and the result files."""
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -263,7 +264,9 @@ def test_the_gpu_part_runs_end_to_end_on_cpu(monkeypatch, tmp_path):
     assert meta["nccl_p2p_issue_us"] is None and meta["nccl_p2p_issue_note"] == "no NCCL here"
     assert meta["links"] == [vars(Link())] and meta["worst_vs_max"] == 1.0
     assert meta["tuning_picks"]["matmul"] and "partial" not in meta
-    assert (folder / "linear.md").exists() and (folder / "linear.png").exists()
+    assert (folder / "linear.md").exists()
+    # the plot needs matplotlib (the "bench" extra; the test command installs "test" only)
+    assert (folder / "linear.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
 
 
 def test_paced_copy_compiles_for_gpus_with_its_timer_and_vector_loads():
