@@ -140,7 +140,7 @@ class Tuner:
     def run(
         self,
         key: tuple,
-        candidates: Sequence[triton.Config],
+        candidates: Callable[[], Sequence[triton.Config]],
         launch: Callable[[triton.Config], None],
         *,
         device: torch.device,
@@ -148,8 +148,9 @@ class Tuner:
         agreement: Agreement | None = None,
         tune_only: bool = False,
     ) -> triton.Config:
-        """Launch with the pick for `key` (timing `candidates` first on a miss). With
-        `tune_only`, make the pick if missing and launch nothing more."""
+        """Launch with the pick for `key` (timing the configs ``candidates()`` lists first
+        on a miss: they are built only then, not on every launch). With `tune_only`, make
+        the pick if missing and launch nothing more."""
         config = (_FORCED.get() or {}).get(self.name)
         if config is not None:
             if not tune_only:
@@ -162,14 +163,14 @@ class Tuner:
                                f"{frozen_group}) with agreement {scope[0]}")  # fmt: skip
         config = self.picks.get(scope)
         if config is None and agreement is None:
-            config = self._from_disk(key, candidates)
+            config = self._from_disk(key, candidates())
         if config is None:
             if where is not None:
                 raise RuntimeError(
                     f"{self.name}: no tile picked for key {key} inside {where}, which tunes "
                     f"before its loop: the loop launched a kernel its tuning step did not cover"
                 )
-            config = self._tune(scope, candidates, launch, device, restore, agreement)
+            config = self._tune(scope, candidates(), launch, device, restore, agreement)
             if tune_only:
                 return config
         elif tune_only:

@@ -272,12 +272,11 @@ def launch(
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     key = (bucket(Sq), bucket(Skv), *sorted(meta.items()), *(str(t.dtype) for t in tensors),
            *key_extra)  # fmt: skip
-    if is_interpreted(kernel):
-        candidates = [triton.Config(interpreter_blocks(bucket(Sq), bucket(Skv)))]
-    else:
-        candidates = _prune_configs(
-            configs(meta["HEAD_DIM"], args[0].dtype), bucket(Sq), bucket(Skv)
-        )
+
+    def candidates():
+        if is_interpreted(kernel):
+            return [triton.Config(interpreter_blocks(bucket(Sq), bucket(Skv)))]
+        return _prune_configs(configs(meta["HEAD_DIM"], args[0].dtype), bucket(Sq), bucket(Skv))
 
     def run(config):
         kernel[grid(config.kwargs)](*args, **meta, **config.all_kwargs())

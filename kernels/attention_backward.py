@@ -359,6 +359,11 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.cache
+def _largest_key_block(head_dim: int, dtype: torch.dtype) -> int:
+    return max(c.kwargs["BLOCK_N"] for c in backward_configs(head_dim, dtype))
+
+
 def gqa_split(B: int, Skv: int, Hkv: int, group: int, q: torch.Tensor) -> int:
     """How many programs share the query heads of one KV head's dK/dV (1: no split).
 
@@ -369,8 +374,7 @@ def gqa_split(B: int, Skv: int, Hkv: int, group: int, q: torch.Tensor) -> int:
     below = SPLIT_BELOW_PROGRAMS
     if below is None:
         below = 2 * _sm_count(q.device.index or 0) if q.device.type == "cuda" else 0
-    block_n = max(c.kwargs["BLOCK_N"] for c in backward_configs(q.shape[-1], q.dtype))
-    programs = max(1, triton.cdiv(Skv, block_n) * B * Hkv)
+    programs = max(1, triton.cdiv(Skv, _largest_key_block(q.shape[-1], q.dtype)) * B * Hkv)
     if group == 1 or programs >= below:
         return 1
     split = min(group, triton.cdiv(below, programs))

@@ -239,7 +239,9 @@ def matmul(
         tiles = triton.cdiv(M, config.kwargs["BLOCK_M"]) * triton.cdiv(N, config.kwargs["BLOCK_N"])
         _matmul_kernel[(tiles,)](*args, **meta, **config.all_kwargs())
 
-    candidates = _candidates(bucket(M), N, is_interpreted(_matmul_kernel), a.dtype, accumulate)
+    def candidates():
+        return _candidates(bucket(M), N, is_interpreted(_matmul_kernel), a.dtype, accumulate)
+
     with device_guard(a):
         tuner.run(key, candidates, launch, device=a.device, restore=[out] if accumulate else [],
                   agreement=agreement, tune_only=tune_only)  # fmt: skip

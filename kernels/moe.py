@@ -395,11 +395,12 @@ def _launch_gemm(mode, x, w, y, counts, rows, N, K, *, w_strides, v=None, v_stri
                                      **config.all_kwargs())  # fmt: skip
 
     per_expert = triton.cdiv(P, max(E, 1))
-    candidates = _gemm_candidates(mode, per_expert, N)
     key = (mode, meta["STORE_HIDDEN"], N, K, bucket(per_expert), str(x.dtype), str(y.dtype),
            rows is not None, meta["INPUT_PRECISION"])  # fmt: skip
     with device_guard(x):
-        _tuning.tuner("grouped_matmul").run(key, candidates, launch, device=x.device)
+        _tuning.tuner("grouped_matmul").run(
+            key, lambda: _gemm_candidates(mode, per_expert, N), launch, device=x.device
+        )
 
 
 def grouped_matmul(x, w, counts, rows=None, *, out_dtype=None, transpose_w=False):
@@ -515,11 +516,12 @@ def grouped_weight_grad(dy, x, counts, rows=None, *, out_dtype=None, split=False
         tiles = triton.cdiv(N, config.kwargs["BLOCK_N"]) * triton.cdiv(K, config.kwargs["BLOCK_K"])
         _grouped_weight_grad_kernel[(E * tiles * len(outs),)](*args, **meta, **config.all_kwargs())
 
-    candidates = _weight_grad_candidates(N, K)
     key = (split, N, K, bucket(triton.cdiv(P, E)), str(x.dtype), str(outs[0].dtype),
            rows is not None, meta["INPUT_PRECISION"])  # fmt: skip
     with device_guard(x):
-        _tuning.tuner("grouped_weight_grad").run(key, candidates, launch, device=x.device)
+        _tuning.tuner("grouped_weight_grad").run(
+            key, lambda: _weight_grad_candidates(N, K), launch, device=x.device
+        )
     return tuple(outs) if split else outs[0]
 
 

@@ -21,6 +21,10 @@ CPU = torch.device("cpu")
 CONFIGS = [triton.Config({"BLOCK_M": 16}), triton.Config({"BLOCK_M": 32})]
 
 
+def candidates():
+    return CONFIGS
+
+
 def _sleepy(ms_per_config, calls):
     def launch(config):
         calls.append(config.kwargs["BLOCK_M"])
@@ -41,10 +45,10 @@ def clean_picks(monkeypatch):
 def test_times_every_candidate_once_then_reuses_the_pick():
     tuner, calls = _tuning.Tuner("t"), []
     launch = _sleepy({16: 20, 32: 1}, calls)
-    pick = tuner.run(("k",), CONFIGS, launch, device=CPU)
+    pick = tuner.run(("k",), candidates, launch, device=CPU)
     assert pick.kwargs["BLOCK_M"] == 32 and tuner.tuned == 1
     calls.clear()
-    tuner.run(("k",), CONFIGS, launch, device=CPU)
+    tuner.run(("k",), candidates, launch, device=CPU)
     assert calls == [32]  # no timing: the real launch only
 
 
@@ -54,7 +58,7 @@ def test_restores_what_the_kernel_adds_into_after_timing():
     def accumulate(config):
         acc.add_(1.0)
 
-    tuner.run(("k",), CONFIGS, accumulate, device=CPU, restore=[acc])
+    tuner.run(("k",), candidates, accumulate, device=CPU, restore=[acc])
     assert torch.equal(acc, torch.ones(3))  # the timed runs were undone; one real launch
 
 
@@ -89,7 +93,7 @@ def test_growing_lengths_share_a_bucket():
 def test_first_candidate_without_timing(monkeypatch):
     monkeypatch.setenv("FUSEDPAR_TUNING", "first")
     calls = []
-    pick = _tuning.Tuner("t").run(("k",), CONFIGS, _sleepy({16: 5, 32: 1}, calls),
+    pick = _tuning.Tuner("t").run(("k",), candidates, _sleepy({16: 5, 32: 1}, calls),
                                   device=CPU)  # fmt: skip
     assert pick.kwargs["BLOCK_M"] == 16 and calls == [16]
 
@@ -97,10 +101,10 @@ def test_first_candidate_without_timing(monkeypatch):
 def test_picks_survive_in_the_cache_file(monkeypatch, tmp_path):
     monkeypatch.setenv("FUSEDPAR_TUNING_CACHE", str(tmp_path / "picks.json"))
     calls = []
-    _tuning.Tuner("t").run(("k", 1), CONFIGS, _sleepy({16: 20, 32: 1}, calls),
+    _tuning.Tuner("t").run(("k", 1), candidates, _sleepy({16: 20, 32: 1}, calls),
                            device=CPU)  # fmt: skip
     calls.clear()
-    pick = _tuning.Tuner("t").run(("k", 1), CONFIGS, _sleepy({16: 20, 32: 1}, calls),
+    pick = _tuning.Tuner("t").run(("k", 1), candidates, _sleepy({16: 20, 32: 1}, calls),
                                   device=CPU)  # fmt: skip
     assert pick.kwargs["BLOCK_M"] == 32 and calls == [32]  # read back, not timed again
 
@@ -108,13 +112,13 @@ def test_picks_survive_in_the_cache_file(monkeypatch, tmp_path):
 def test_frozen_loops_refuse_to_tune():
     tuner = _tuning.Tuner("t")
     with _tuning.frozen("a test loop", None), pytest.raises(RuntimeError, match="a test loop"):
-        tuner.run(("k",), CONFIGS, lambda c: None, device=CPU)
-    tuner.run(("k",), CONFIGS, lambda c: None, device=CPU, tune_only=True)
+        tuner.run(("k",), candidates, lambda c: None, device=CPU)
+    tuner.run(("k",), candidates, lambda c: None, device=CPU, tune_only=True)
     with _tuning.frozen("a test loop", None):
-        tuner.run(("k",), CONFIGS, lambda c: None, device=CPU)  # tuned: fine
+        tuner.run(("k",), candidates, lambda c: None, device=CPU)  # tuned: fine
     other = _tuning.Agreement("group x", lambda t: t)
     with _tuning.frozen("a test loop", None), pytest.raises(RuntimeError, match="group x"):
-        tuner.run(("k",), CONFIGS, lambda c: None, device=CPU, agreement=other)
+        tuner.run(("k",), candidates, lambda c: None, device=CPU, agreement=other)
 
 
 def _agree_on_a_tile():
@@ -122,10 +126,10 @@ def _agree_on_a_tile():
     81 against 45, so both pick 32."""
     rank = dist.get_rank()
     times = {16: 1, 32: 40} if rank == 0 else {16: 80, 32: 5}
-    alone = _tuning.Tuner("alone").run(("k",), CONFIGS, _sleepy(times, []),
+    alone = _tuning.Tuner("alone").run(("k",), candidates, _sleepy(times, []),
                                        device=CPU)  # fmt: skip
     agreement = fp.comm.tuning_agreement(dist.group.WORLD, torch.device("cpu"))
-    together = _tuning.Tuner("together").run(("k",), CONFIGS, _sleepy(times, []),
+    together = _tuning.Tuner("together").run(("k",), candidates, _sleepy(times, []),
                                              device=CPU, agreement=agreement)  # fmt: skip
     return alone.kwargs["BLOCK_M"], together.kwargs["BLOCK_M"]
 
@@ -174,5 +178,5 @@ def test_a_forced_config_runs_without_timing_or_caching():
     tuner, calls = _tuning.Tuner("t"), []
     launch = _sleepy({16: 1, 32: 1}, calls)
     with _tuning.forced("t", CONFIGS[1]):
-        assert tuner.run(("k",), CONFIGS, launch, device=CPU) is CONFIGS[1]
+        assert tuner.run(("k",), candidates, launch, device=CPU) is CONFIGS[1]
     assert calls == [32] and not tuner.picks and tuner.tuned == 0
