@@ -18,7 +18,6 @@ losses of a TP x CP group sum to the reference's loss.
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from fusedpar.kernels.attention import attention_reference
 from torch import nn
@@ -185,12 +184,14 @@ class ParallelBlock(nn.Module):
 
 class ParallelTransformer(nn.Module):
     """The reference model on a TP x CP x EP group; ``forward`` returns this rank's share
-    of the loss. Call `finalize_grads` after backward (before the optimizer)."""
+    of the loss. ``fp.distribute(model, mesh)`` makes every gradient whole: the norms,
+    embedding, head and routers see this rank's tokens only, and their gradients are
+    declared partial sums over cp and tp (see `fusedpar.storage`)."""
 
-    def __init__(self, reference: Transformer, groups: dict, ep_axes: tuple[str, ...] = ()):
+    def __init__(self, reference: Transformer, groups: dict):
         super().__init__()
         cfg = reference.cfg
-        self.cfg, self.groups, self.ep_axes = cfg, groups, ep_axes
+        self.cfg, self.groups = cfg, groups
         self.embed = nn.Embedding(cfg.vocab, cfg.d_model)
         self.embed.load_state_dict(reference.embed.state_dict())
         self.blocks = nn.ModuleList(ParallelBlock(b, cfg, groups) for b in reference.blocks)
@@ -214,24 +215,3 @@ class ParallelTransformer(nn.Module):
         local = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                 self.local_tokens(labels).reshape(-1), reduction="sum")  # fmt: skip
         return local / labels.numel()
-
-    def _replicated_over(self, name: str) -> tuple[str, ...]:
-        """The axes over which a parameter is whole but sees different tokens: its
-        gradient must be summed over them."""
-        if ".attn." in name or (".mlp." in name and not self.cfg.num_experts):
-            return ("cp",)  # split over TP
-        if ".mlp.w" in name:  # experts: split over the EP axes
-            return tuple(n for n in ("cp", "tp") if n not in self.ep_axes)
-        return ("cp", "tp")  # embedding, norms, head, routers
-
-    def finalize_grads(self) -> None:
-        """Sum each parameter's gradient over the ranks that hold it whole but see other
-        tokens (data parallelism over dp is FSDP's)."""
-        for name, param in self.named_parameters():
-            if param.grad is None:  # every rank runs the same all-reduces: never skip one
-                param.grad = torch.zeros_like(param)
-            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
-            for axis in self._replicated_over(name):
-                group = self.groups[axis]
-                if fp.comm.group_size(group) > 1:
-                    dist.all_reduce(grad, group=fp.comm.resolve_group(group))

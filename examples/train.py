@@ -1,12 +1,17 @@
 """Train the tiny Llama with TP x CP (x EP for the MoE variant) next to its reference.
 
     torchrun --nproc-per-node 4 examples/train.py --tp 2 --cp 2 [--moe]
+    torchrun --nproc-per-node 4 examples/train.py --steps 20 --save ckpt --save-every 10
+    torchrun --nproc-per-node 4 examples/train.py --steps 30 --tp 4 --cp 1 --resume ckpt/step-20
 
-GPUs: NCCL and compiled Triton kernels. CPU: gloo and Triton's interpreter. Data
-parallelism over the remaining ranks (dp = world / (tp * cp)) goes through PyTorch's
-FSDP2 (`fully_shard` on the "dp" axis). The text is this repository's own docs, read as
-bytes (nothing is fetched). Rank 0 trains the single-device reference on the same
-batches and ends with how far the two loss curves are apart.
+GPUs: NCCL and compiled Triton kernels. CPU: gloo and Triton's interpreter. Every
+parameter is a DTensor on the (dp, cp, tp) mesh (`fp.distribute`); data parallelism over
+the remaining ranks (dp = world / (tp * cp)) goes through PyTorch's FSDP2 on the "dp"
+axis of that mesh. Checkpoints (`--save`) hold the model and AdamW state through
+`torch.distributed.checkpoint` and resume at any layout (`--resume`). The text is this
+repository's own docs, read as bytes (nothing is fetched). Rank 0 trains the
+single-device reference on the same batches and ends with how far the two loss curves
+are apart.
 """
 
 import argparse
@@ -35,6 +40,11 @@ def parse_args(argv=None):
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save", metavar="DIR", help="write checkpoints to DIR/step-N")
+    parser.add_argument("--save-every", type=int, default=0, metavar="N",
+                        help="with --save: every N steps as well as at the end")  # fmt: skip
+    parser.add_argument("--resume", metavar="CKPT", help="continue from DIR/step-N, at any "
+                        "tp/cp/dp layout; --steps counts from the start")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -76,7 +86,6 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch.distributed as dist
     from tiny_llama import Config, ParallelTransformer, Transformer
-    from torch.distributed.fsdp import fully_shard
 
     import fusedpar as fp
 
@@ -101,13 +110,33 @@ def main(argv=None) -> int:
 
     torch.manual_seed(args.seed)
     reference = Transformer(cfg).to(device)
-    model = ParallelTransformer(reference, groups, dims.ep_axes).to(device)
-    fully_shard(model, mesh=mesh["dp"])
+    model = ParallelTransformer(reference, groups).to(device)
+    fp.distribute(model, mesh)  # every parameter a DTensor on the full mesh
+    dims.fully_shard(model, mesh)  # FSDP2 over "dp"
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr)
+    first_step = 1
+    if args.resume:
+        try:  # the shapes are checked on every rank before anything is read
+            first_step = fp.checkpoint.load(args.resume, model, optimizer)["step"] + 1
+        except ValueError as e:
+            print(f"rank {rank}: cannot resume: {e}", file=sys.stderr, flush=True)
+            dist.destroy_process_group()
+            return 2
+        if rank == 0:
+            saved = torch.load(Path(args.resume) / "reference.pt", map_location=device)
+            reference.load_state_dict(saved["model"])
+            ref_optimizer.load_state_dict(saved["optimizer"])
+
+    def save(step: int) -> None:
+        path = Path(args.save) / f"step-{step}"
+        fp.checkpoint.save(path, model, optimizer, extra={"step": step})
+        if rank == 0:
+            torch.save({"model": reference.state_dict(), "optimizer": ref_optimizer.state_dict()},
+                       path / "reference.pt")  # fmt: skip
+        dist.barrier()
 
     corpus = load_corpus()
-    gen = torch.Generator().manual_seed(args.seed)
     dp_rank = mesh["dp"].get_local_rank()
     tokens_per_step = dims.dp * args.batch * args.seq
     if rank == 0:
@@ -116,7 +145,8 @@ def main(argv=None) -> int:
               f"{tokens_per_step} tokens per step", flush=True)  # fmt: skip
     progress, losses, ref_losses = Progress(args.steps), [], []
     start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    for step in range(first_step, args.steps + 1):
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # resumable batches
         starts = torch.randint(
             0, corpus.numel() - args.seq - 1, (dims.dp * args.batch,), generator=gen
         )
@@ -124,7 +154,6 @@ def main(argv=None) -> int:
         mine = windows[dp_rank * args.batch : (dp_rank + 1) * args.batch]
         loss = model(mine[:, :-1], mine[:, 1:])
         loss.backward()
-        model.finalize_grads()
         optimizer.step()
         optimizer.zero_grad()
         total = loss.detach().clone()
@@ -136,17 +165,21 @@ def main(argv=None) -> int:
             ref_optimizer.step()
             ref_optimizer.zero_grad()
             ref_losses.append(ref_loss.item())
-            rate = step * tokens_per_step / (time.perf_counter() - start)
+            rate = len(losses) * tokens_per_step / (time.perf_counter() - start)
             progress.update(step, f"loss {losses[-1]:.4f} (reference {ref_losses[-1]:.4f}) "
                                   f"{rate:,.0f} tokens/s")  # fmt: skip
+        if args.save and (step == args.steps or args.save_every and step % args.save_every == 0):
+            save(step)
     ok = True
-    if rank == 0:
+    if rank == 0 and losses:
+        if args.save or args.resume:  # every digit, to compare a resumed run with its original
+            print(f"losses from step {first_step}: {' '.join(map(repr, losses))}", flush=True)
         gaps = [abs(a - b) for a, b in zip(losses, ref_losses, strict=True)]
         worst = max(range(len(gaps)), key=gaps.__getitem__)
         relative = gaps[worst] / abs(ref_losses[worst])
         ok = relative <= PARITY_TOLERANCE
-        print(f"parity: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps; "
-              f"max |loss - reference| = {gaps[worst]:.2e} at step {worst + 1} "
+        print(f"parity: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
+              f"max |loss - reference| = {gaps[worst]:.2e} at step {first_step + worst} "
               f"({relative:.1e} relative, tolerance {PARITY_TOLERANCE:.0e}): "
               f"{'OK' if ok else 'MISMATCH'}", flush=True)  # fmt: skip
     dist.destroy_process_group()

@@ -1,6 +1,6 @@
 """fusedpar: Triton kernels that fuse compute with communication for transformer training."""
 
-from fusedpar import comm, nn, ops, testing
+from fusedpar import checkpoint, comm, nn, ops, testing
 from fusedpar.ops import (
     all_gather_matmul,
     flash_attn,
@@ -11,13 +11,16 @@ from fusedpar.ops import (
     shard_sequence,
 )
 from fusedpar.parallel import ParallelDims
+from fusedpar.storage import distribute
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ParallelDims",
     "all_gather_matmul",
+    "checkpoint",
     "comm",
+    "distribute",
     "flash_attn",
     "gather_sequence",
     "matmul_reduce_scatter",

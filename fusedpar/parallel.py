@@ -6,18 +6,38 @@
     groups = dims.groups(mesh)           # {"dp": ..., "cp": ..., "tp": ..., "ep": ...}
 
 `validate` runs no collective: call it first, on every rank, and a bad configuration
-fails everywhere with a message naming the degree that does not fit. EP runs over one
+fails everywhere with a message naming the degree that does not fit.
+
+With the model's parameters on the full mesh (`fusedpar.distribute`), `fully_shard`
+applies PyTorch's FSDP2 over the "dp" axis of that same mesh: on torch >= 2.12 with
+``dp_mesh_dims`` (the parameters stay on the full mesh); on older torch (2.11 has no
+``dp_mesh_dims``) by moving them to the (cp, tp) mesh first, FSDP2's TP/EP path. EP runs over one
 named axis (``"tp"`` or ``"cp"``) or a pair flattened into one (``("cp", "tp")``), or not
 at all (``None``: every expert on every rank). Not over ``"dp"`` when dp > 1: data
 parallelism averages parameters over dp, and split experts differ there.
 """
 
 from dataclasses import dataclass
+from itertools import combinations
 
+import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate
+
+try:  # torch >= 2.12
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:
+    DataParallelMeshDims = None
 
 AXES = ("dp", "cp", "tp")
+_meshes: dict[tuple, tuple] = {}  # (device type, dp, cp, tp) -> (default group, mesh)
+
+
+def _default_group():
+    return dist.distributed_c10d._get_default_group()
 
 
 @dataclass(frozen=True)
@@ -77,9 +97,27 @@ class ParallelDims:
                                  f"degree ({self.tp}) for sequence parallelism")  # fmt: skip
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """``init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))``."""
+        """``init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))``,
+        with the flattened meshes of its split axes (e.g. "cp_tp") made too.
+
+        The same mesh object for the same degrees while the default process group lives:
+        FSDP2 requires the parameters' mesh to *be* the mesh it is given, and DTensor's
+        operator cache hands out the specs of an equal mesh built earlier in the
+        process (a second model built in a test pool or a notebook failed there)."""
         self.validate(dist.get_world_size())
-        return init_device_mesh(device_type, (self.dp, self.cp, self.tp), mesh_dim_names=AXES)
+        key = (device_type, self.dp, self.cp, self.tp)
+        cached = _meshes.get(key)
+        if cached is not None and cached[0] is _default_group():
+            return cached[1]
+        mesh = init_device_mesh(device_type, (self.dp, self.cp, self.tp), mesh_dim_names=AXES)
+        # DTensor sums a gradient partial over several axes (cp and tp, say) in one
+        # collective, rather than one per axis, only where their flattened mesh exists.
+        split = [axis for axis in AXES if getattr(self, axis) > 1]
+        for count in range(2, len(split) + 1):
+            for axes in combinations(split, count):
+                mesh[axes]._flatten("_".join(axes))
+        _meshes[key] = (_default_group(), mesh)
+        return mesh
 
     def groups(self, mesh: DeviceMesh) -> dict:
         """1-D meshes per axis, and "ep" (None without expert parallelism)."""
@@ -91,3 +129,38 @@ class ParallelDims:
         else:
             groups["ep"] = None
         return groups
+
+    def fully_shard(self, module: nn.Module, mesh: DeviceMesh, *, dp_mesh_dims: bool | None = None,
+                    **fsdp_kwargs):  # fmt: skip
+        """FSDP2 (``torch.distributed.fsdp.fully_shard``) over the "dp" axis of `mesh`, for
+        a module whose parameters `fusedpar.distribute` put on `mesh`. Call it bottom-up
+        like ``fully_shard`` (blocks, then the root); ``fsdp_kwargs`` go through.
+
+        ``dp_mesh_dims`` (default: when torch has it, >= 2.12): the parameters stay on the
+        full mesh. Otherwise (torch 2.11) each parameter still on the full mesh moves to
+        the mesh of the other axes first, (cp, tp), where FSDP2's TP path takes it."""
+        if dp_mesh_dims is None:
+            dp_mesh_dims = DataParallelMeshDims is not None
+        if dp_mesh_dims:
+            if DataParallelMeshDims is None:
+                raise RuntimeError(
+                    f"dp_mesh_dims needs torch >= 2.12 (this is {torch.__version__})"
+                )
+            return fully_shard(module, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"),
+                               **fsdp_kwargs)  # fmt: skip
+        rest = tuple(axis for axis in mesh.mesh_dim_names if axis != "dp")
+        moved: dict[int, nn.Parameter] = {}
+        for sub in module.modules():
+            for name, param in sub._parameters.items():
+                if not isinstance(param, DTensor) or param.device_mesh != mesh:
+                    continue  # already sharded by an earlier fully_shard, or not ours
+                if id(param) not in moved:
+                    dp = mesh.mesh_dim_names.index("dp")
+                    if param.placements[dp] != Replicate():
+                        raise ValueError(f"{name} is not replicated over dp: {param.placements}")
+                    placements = param.placements[:dp] + param.placements[dp + 1 :]
+                    local = DTensor.from_local(param.to_local().detach(), mesh[rest], placements,
+                                               run_check=False)  # fmt: skip
+                    moved[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
+                sub._parameters[name] = moved[id(param)]
+        return fully_shard(module, mesh=mesh["dp"], **fsdp_kwargs)

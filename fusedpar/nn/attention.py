@@ -23,6 +23,7 @@ from fusedpar import comm
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.ring_attention import ring_attn
 from fusedpar.ops.sequence import sequence_positions
+from fusedpar.storage import ParamLayout, local_tensor
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
@@ -106,7 +107,12 @@ class ParallelAttention(nn.Module):
         with torch.no_grad():
             for param, full, dim in ((self.q_weight, q, 0), (self.k_weight, k, 0),
                                      (self.v_weight, v, 0), (self.o_weight, o, 1)):  # fmt: skip
-                param.copy_(full.detach().chunk(self.tp, dim)[self.tp_rank])
+                local_tensor(param).copy_(full.detach().chunk(self.tp, dim)[self.tp_rank])
+
+    def param_layouts(self) -> dict:
+        """For `fusedpar.distribute`: the heads split over the TP group."""
+        heads, o = ParamLayout(0, self.tp_group), ParamLayout(1, self.tp_group)
+        return {"q_weight": heads, "k_weight": heads, "v_weight": heads, "o_weight": o}
 
     @classmethod
     def from_dense(cls, q, k, v, o, d_model, n_heads, n_kv_heads=None, **kwargs):

@@ -24,6 +24,7 @@ from torch import nn
 
 from fusedpar import comm
 from fusedpar.ops.linear import DEFAULT_CHUNKS_PER_RANK, all_gather_matmul, matmul_reduce_scatter
+from fusedpar.storage import ParamLayout, local_tensor
 
 
 def _check_divisible(what: str, size: int, world: int) -> None:
@@ -86,9 +87,20 @@ class _ParallelLinear(nn.Module):
         if (bias is None) != (self.bias is None):
             raise ValueError("the dense layer and this one must agree on having a bias")
         with torch.no_grad():
-            self.weight.copy_(self._shard(weight, self.split_dim))
+            local_tensor(self.weight).copy_(self._shard(weight, self.split_dim))
             if bias is not None:
-                self.bias.copy_(self._shard(bias, 0) if self.split_dim == 0 else bias)
+                local_tensor(self.bias).copy_(self._shard(bias, 0) if self.split_dim == 0 else bias)
+
+    def param_layouts(self) -> dict:
+        """For `fusedpar.distribute`: the weight split over the group; the bias split with
+        the output features (column), or whole and summed over the group inside the layer
+        (row)."""
+        bias = (
+            ParamLayout(0, self.group)
+            if self.split_dim == 0
+            else ParamLayout(complete_over=(self.group,))
+        )
+        return {"weight": ParamLayout(self.split_dim, self.group), "bias": bias}
 
     def reset_parameters(self) -> None:
         """``nn.Linear``'s initialization of the full layer, then this rank's part."""
@@ -199,9 +211,14 @@ class ParallelSwiGLU(nn.Module):
             if w.shape != shape:
                 raise ValueError(f"{name} must be {shape}, got {tuple(w.shape)}")
         with torch.no_grad():
-            self.gate_weight.copy_(w_gate.chunk(self.world, 0)[self.rank])
-            self.up_weight.copy_(w_up.chunk(self.world, 0)[self.rank])
-            self.down_weight.copy_(w_down.chunk(self.world, 1)[self.rank])
+            local_tensor(self.gate_weight).copy_(w_gate.chunk(self.world, 0)[self.rank])
+            local_tensor(self.up_weight).copy_(w_up.chunk(self.world, 0)[self.rank])
+            local_tensor(self.down_weight).copy_(w_down.chunk(self.world, 1)[self.rank])
+
+    def param_layouts(self) -> dict:
+        """For `fusedpar.distribute`: the hidden features split over the group."""
+        column, row = ParamLayout(0, self.group), ParamLayout(1, self.group)
+        return {"gate_weight": column, "up_weight": column, "down_weight": row}
 
     def reset_parameters(self) -> None:
         """As ``nn.Linear(d, h, bias=False)`` twice then ``nn.Linear(h, d, bias=False)``."""

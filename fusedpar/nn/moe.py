@@ -7,6 +7,7 @@ from torch import nn
 
 from fusedpar import comm
 from fusedpar.ops.moe import SCORES, aux_losses, capacity_mask, moe_dispatch_combine, route
+from fusedpar.storage import ParamLayout, local_tensor
 
 
 class MoE(nn.Module):
@@ -31,8 +32,9 @@ class MoE(nn.Module):
     per expert and the dropped fraction of the last forward.
 
     The router, like every parameter not split over the EP group, gets the gradient of
-    this rank's tokens: the ranks of an EP group see different tokens, so data
-    parallelism sums it over them, as for the rest of the model.
+    this rank's tokens: the ranks of an EP group see different tokens. With the
+    parameters on the mesh (`fusedpar.distribute`) that gradient is declared a partial
+    sum and summed over them after backward, as for the rest of the model.
     """
 
     def __init__(self, d_model, d_hidden, num_experts, top_k, ep_group=None, *,
@@ -93,10 +95,15 @@ class MoE(nn.Module):
                 raise ValueError(f"{name} must be {shape}, got {tuple(t.shape)}")
         mine = slice(self.rank * E // self.world, (self.rank + 1) * E // self.world)
         with torch.no_grad():
-            self.router_weight.copy_(router_weight)
-            self.w1.copy_(w1[mine])
-            self.w2.copy_(w2[mine])
-            self.w3.copy_(w3[mine])
+            local_tensor(self.router_weight).copy_(router_weight)
+            for param, full in ((self.w1, w1), (self.w2, w2), (self.w3, w3)):
+                local_tensor(param).copy_(full[mine])
+
+    def param_layouts(self) -> dict:
+        """For `fusedpar.distribute`: the expert stacks split over the EP group; the
+        router whole (its gradient is this rank's tokens')."""
+        experts = ParamLayout(0, self.ep_group)
+        return {"w1": experts, "w2": experts, "w3": experts}
 
     @classmethod
     def from_dense(cls, router_weight, w1, w2, w3, ep_group=None, **kwargs):

@@ -1,0 +1,213 @@
+"""Parameters stored as DTensors on the full mesh, computed on as local tensors.
+
+    mesh = dims.build_mesh("cuda")          # axes ("dp", "cp", "tp")
+    fp.distribute(model, mesh)              # every parameter -> a DTensor on that mesh
+    dims.fully_shard(model, mesh)           # optional: FSDP2 over "dp"
+
+PyTorch's tools (DCP checkpoints, FSDP2, ``clip_grad_norm_``, foreach and fused
+optimizers) understand a model only when every parameter is a DTensor on one mesh: a
+TP shard held as a plain tensor checkpoints as if it were the whole weight, and a mix
+of plain and DTensor parameters fails ("mixed torch.Tensor and DTensor"). So
+`distribute` stores each parameter as ``DTensor.from_local(local, mesh, placements)``
+and the module still computes on plain tensors: a forward pre-hook puts each DTensor
+parameter's local tensor in its place for the duration of ``forward`` (as FSDP2 does
+with its unsharded parameters) and a forward hook puts the DTensor back.
+
+| parameter (placements on (dp, cp, tp))  | gradient placements declared in forward |
+| ---------------------------------------- | --------------------------------------- |
+| TP shard `q_weight`: (R, R, Shard(d))    | (Partial(avg), Partial, Shard(d))       |
+| `MoE` experts, ep over tp: (R, R, Shard(0)) | (Partial(avg), Partial, Shard(0))    |
+| whole (norm, embedding, router): (R, R, R) | (Partial(avg), Partial, Partial)      |
+
+The gradient column is the mechanism that replaces a hand-written list of names: a
+parameter whole on every rank but used on only this rank's tokens gets a partial sum,
+and the local gradient is declared as such (``to_local(grad_placements=...)``). The sum
+happens where PyTorch expects it: FSDP2 redistributes each gradient to its parameter's
+placements before its reduce-scatter over dp; without FSDP a post-accumulate-grad hook
+does the same. Data-parallel axes average (``Partial("avg")``), as FSDP does; the axes
+the tokens are split over (`token_axes`: cp, and tp under sequence parallelism) sum.
+Axes over which a layer already completes the gradient itself (the TP all-gather of its
+input, the EP all-to-all of its tokens) stay as the parameter's own placement.
+
+fusedpar's layers declare their parameters with ``param_layouts()`` (`ParamLayout` per
+name); any other module's parameters are whole (`Replicate`) and need no edit.
+"""
+
+from dataclasses import dataclass
+from itertools import combinations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from fusedpar import comm
+
+DATA_AXES = ("dp",)  # averaged, as data parallelism does
+TOKEN_AXES = ("cp", "tp")  # where fusedpar's defaults split the tokens (CP, and TP's SP)
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How a layer holds one parameter: split along `dim` over `group` (``dim=None``:
+    whole on every rank), and `complete_over`, the groups over which the layer already
+    makes the gradient complete (the group it is split over always counts)."""
+
+    dim: int | None = None
+    group: object = None
+    complete_over: tuple = ()
+
+
+WHOLE = ParamLayout()
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor behind a DTensor (a view: writes reach the parameter); t else."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def mesh_axes_of(group, mesh: DeviceMesh) -> tuple[str, ...]:
+    """The axes of `mesh` whose ranks, in order, are `group`'s: ``("tp",)`` for
+    ``mesh["tp"]``, ``("cp", "tp")`` for ``mesh["cp", "tp"]._flatten()``, ``()`` for a
+    group of one. No communication. ValueError if `group` is not on the mesh."""
+    pg = comm.resolve_group(group)
+    if pg is None or dist.get_world_size(pg) == 1:
+        return ()
+    ranks = dist.get_process_group_ranks(pg)
+    names, coordinate = mesh.mesh_dim_names, mesh.get_coordinate()
+    for count in range(1, mesh.ndim + 1):
+        for dims in combinations(range(mesh.ndim), count):
+            index = [slice(None) if d in dims else c for d, c in enumerate(coordinate)]
+            if mesh.mesh[tuple(index)].flatten().tolist() == ranks:
+                return tuple(names[d] for d in dims)
+    raise ValueError(f"the group of ranks {ranks} is not an axis (or a run of axes) of the "
+                     f"mesh {names} {tuple(mesh.shape)}: build the layers from "
+                     "dims.groups(mesh)")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """A parameter's placements and the placements of its gradient from forward, by axis
+    name, so either can be read off any mesh holding those axes (FSDP2 on torch < 2.12
+    keeps the parameters on the mesh without dp)."""
+
+    placements: dict
+    grad_placements: dict
+
+    def grad_on(self, mesh: DeviceMesh) -> tuple:
+        return tuple(self.grad_placements[name] for name in mesh.mesh_dim_names)
+
+
+def _place(layout: ParamLayout, mesh: DeviceMesh, token_axes) -> _Placed:
+    split = mesh_axes_of(layout.group, mesh) if layout.dim is not None else ()
+    complete = set(split)
+    for group in layout.complete_over:
+        complete.update(mesh_axes_of(group, mesh))
+    placements, grads = {}, {}
+    for i, name in enumerate(mesh.mesh_dim_names):
+        placements[name] = Shard(layout.dim) if name in split else Replicate()
+        # No Partial on an axis of one rank: nothing to reduce, and torch 2.11 to 2.13
+        # get (Partial(avg) on a 1-rank dp, Partial(sum) on cp and tp) -> Replicate wrong
+        # where "cp_tp" is flattened: it averages over cp and tp.
+        if name in complete or mesh.size(i) == 1:
+            grads[name] = placements[name]
+        elif name in token_axes:
+            grads[name] = Partial("sum")
+        elif name in DATA_AXES:
+            grads[name] = Partial("avg")
+        else:
+            grads[name] = Replicate()
+    return _Placed(placements, grads)
+
+
+def _swap_in_locals(module, args):
+    """Forward pre-hook: each DTensor parameter's local tensor in its place."""
+    saved = {}
+    for name, placed in module._fusedpar_placed.items():
+        param = module._parameters.get(name)
+        if isinstance(param, DTensor):
+            saved[name] = param
+            grads = placed.grad_on(param.device_mesh)
+            module._parameters[name] = param.to_local(grad_placements=grads)
+    module._fusedpar_saved.append(saved)
+
+
+def _swap_back(module, args, output):
+    """Forward hook (also on an exception): the DTensor parameters back."""
+    module._parameters.update(module._fusedpar_saved.pop())
+
+
+def _reduce_grad(param: DTensor) -> None:
+    """Post-accumulate-grad hook: a partial gradient summed (or averaged) to the
+    parameter's placements, as FSDP2 does before its reduce-scatter."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def _check_token_axes(model: nn.Module, mesh: DeviceMesh, token_axes) -> None:
+    """A fusedpar TP layer's sequence parallelism says whether the tokens between layers
+    are split over its axis: it must agree with `token_axes`."""
+    for name, module in model.named_modules():
+        sequence_parallel = getattr(module, "sequence_parallel", None)
+        if not hasattr(module, "param_layouts") or sequence_parallel is None:
+            continue
+        group = getattr(module, "group", getattr(module, "tp_group", None))
+        axes = mesh_axes_of(group, mesh)
+        if axes and sequence_parallel != all(axis in token_axes for axis in axes):
+            raise ValueError(
+                f"{name or type(module).__name__} runs with sequence_parallel="
+                f"{sequence_parallel} over {axes}, but token_axes={tuple(token_axes)} says "
+                f"the tokens between layers are {'not ' if sequence_parallel else ''}split "
+                f"there: pass the axes the activations are split over"
+            )
+
+
+def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=TOKEN_AXES) -> nn.Module:
+    """Store every parameter of `model` as a DTensor on `mesh`, in place; returns `model`.
+
+    `mesh` is the full mesh (``ParallelDims.build_mesh``), with named axes. fusedpar
+    layers place their parameters as ``param_layouts()`` says; every other parameter is
+    whole (``Replicate`` on every axis). `token_axes` are the mesh axes the activations
+    between layers are split over (default: cp and tp, as fusedpar's sequence-parallel
+    layers and ring attention split them); a layer whose ``sequence_parallel`` disagrees
+    raises ValueError. Call it after moving the model to its device, before FSDP2 and
+    before building the optimizer. Every check runs before any parameter changes. No
+    communication: whole parameters must already be equal on every rank (as they are
+    when every rank builds the model from the same seed).
+    """
+    if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None:
+        raise TypeError("distribute needs a DeviceMesh with named axes (ParallelDims.build_mesh)")
+    unknown = [axis for axis in token_axes if axis not in mesh.mesh_dim_names]
+    if unknown:
+        raise ValueError(f"token_axes {unknown} are not axes of the mesh {mesh.mesh_dim_names}")
+    _check_token_axes(model, mesh, token_axes)
+    plan = []  # (module, {name: _Placed}): every check passes before anything changes
+    for owner, module in model.named_modules():
+        layouts = module.param_layouts() if hasattr(module, "param_layouts") else {}
+        placed = {}
+        for name, param in module._parameters.items():
+            if isinstance(param, DTensor):
+                where = f"{owner}.{name}" if owner else name
+                raise ValueError(f"{where} is already a DTensor: distribute a model once")
+            if param is not None:
+                placed[name] = _place(layouts.get(name, WHOLE), mesh, token_axes)
+        if placed:
+            plan.append((module, placed))
+    done: dict[int, nn.Parameter] = {}  # a tied parameter becomes one DTensor parameter
+    for module, placed in plan:
+        for name, where in placed.items():
+            param = module._parameters[name]
+            if id(param) not in done:
+                placements = tuple(where.placements.values())
+                tensor = DTensor.from_local(param.detach(), mesh, placements, run_check=False)
+                new = nn.Parameter(tensor, requires_grad=param.requires_grad)
+                if new.requires_grad:
+                    new.register_post_accumulate_grad_hook(_reduce_grad)
+                done[id(param)] = new
+            module._parameters[name] = done[id(param)]
+        module._fusedpar_placed, module._fusedpar_saved = placed, []
+        module.register_forward_pre_hook(_swap_in_locals)
+        module.register_forward_hook(_swap_back, always_call=True)
+    return model

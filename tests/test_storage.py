@@ -1,0 +1,197 @@
+"""`fp.distribute`: every parameter a DTensor on the full mesh, with the placements its
+layer declares; the gradients of whole parameters (a norm, a row-parallel bias) summed
+over the ranks whose tokens they saw, with no list of names; clipping and foreach/fused
+AdamW on the result; and the misuse errors. The whole-model gradient checks against a
+single device are in test_examples.py."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import fusedpar as fp
+from fusedpar.testing import assert_close
+
+
+def _mesh(dp=1, cp=2, tp=2, ep=None):
+    dims = fp.ParallelDims(dp=dp, cp=cp, tp=tp, ep=ep)
+    mesh = dims.build_mesh("cpu")
+    return dims, mesh, dims.groups(mesh)
+
+
+def _run_placements():
+    """Every layer kind on (dp=1, cp=2, tp=2): placements, global shapes, local data."""
+    _, mesh, groups = _mesh(ep="tp")
+    torch.manual_seed(0)
+    model = nn.ModuleDict({
+        "embed": nn.Embedding(10, 16),
+        "norm": nn.RMSNorm(16),
+        "col": fp.nn.ColumnParallelLinear(16, 8, groups["tp"]),
+        "row": fp.nn.RowParallelLinear(8, 16, groups["tp"]),
+        "mlp": fp.nn.ParallelSwiGLU(16, 12, groups["tp"]),
+        "attn": fp.nn.ParallelAttention(16, 2, tp_group=groups["tp"], cp_group=groups["cp"]),
+        "moe": fp.nn.MoE(16, 6, 4, 2, groups["ep"]),
+        "head": nn.Linear(16, 10, bias=False),
+    })  # fmt: skip
+    model["head"].weight = model["embed"].weight  # tied
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    fp.distribute(model, mesh)
+    R, S0, S1 = Replicate(), Shard(0), Shard(1)
+    expected = {  # name: (placements on (dp, cp, tp), global shape)
+        "embed.weight": ((R, R, R), (10, 16)),
+        "norm.weight": ((R, R, R), (16,)),
+        "col.weight": ((R, R, S0), (8, 16)), "col.bias": ((R, R, S0), (8,)),
+        "row.weight": ((R, R, S1), (16, 8)), "row.bias": ((R, R, R), (16,)),
+        "mlp.gate_weight": ((R, R, S0), (12, 16)), "mlp.up_weight": ((R, R, S0), (12, 16)),
+        "mlp.down_weight": ((R, R, S1), (16, 12)),
+        "attn.q_weight": ((R, R, S0), (16, 16)), "attn.k_weight": ((R, R, S0), (16, 16)),
+        "attn.v_weight": ((R, R, S0), (16, 16)), "attn.o_weight": ((R, R, S1), (16, 16)),
+        "moe.router_weight": ((R, R, R), (4, 16)),
+        "moe.w1": ((R, R, S0), (4, 6, 16)), "moe.w2": ((R, R, S0), (4, 16, 6)),
+        "moe.w3": ((R, R, S0), (4, 6, 16)),
+    }  # fmt: skip
+    params = dict(model.named_parameters())
+    assert sorted(params) == sorted(expected)  # the tied head is the embedding's parameter
+    assert model["head"].weight is model["embed"].weight
+    for name, (placements, shape) in expected.items():
+        p = params[name]
+        assert isinstance(p, DTensor) and isinstance(p, nn.Parameter), name
+        assert p.placements == placements and tuple(p.shape) == shape, (name, p.placements)
+        assert torch.equal(p.to_local(), before[name]), name
+    # layers still load dense weights, into the local shards
+    full = torch.randn(8, 16)
+    model["col"].load_dense(full, torch.zeros(8))
+    assert torch.equal(model["col"].weight.full_tensor(), full)
+    # experts over the flattened (cp, tp) pair: Shard(0) on both, in the group's order
+    moe = fp.distribute(fp.nn.MoE(16, 6, 4, 2, mesh["cp", "tp"]._flatten("cp_tp")), mesh)
+    assert moe.w1.placements == (R, S0, S0) and moe.w1.to_local().shape == (1, 6, 16)
+    stacks = [
+        torch.randn(4, 16),
+        torch.randn(4, 6, 16),
+        torch.randn(4, 16, 6),
+        torch.randn(4, 6, 16),
+    ]
+    moe.load_dense(*stacks)
+    loaded = (moe.router_weight, moe.w1, moe.w2, moe.w3)  # load_dense's order
+    assert all(torch.equal(p.full_tensor(), t) for p, t in zip(loaded, stacks, strict=True))
+    return True
+
+
+def test_every_layer_places_its_parameters(world):
+    assert all(world(4).run(_run_placements))
+
+
+def _sharded(t, groups):
+    """(T, ...) -> this rank's tokens: split over dp, cp, then tp (sequence parallel)."""
+    for axis in ("dp", "cp", "tp"):
+        t = t.chunk(fp.comm.group_size(groups[axis]))[fp.comm.group_rank(groups[axis])]
+    return t
+
+
+def _run_whole_parameter_gradients(dp, cp, seed):
+    """norm -> column (bias) -> gelu -> row (bias), tokens split over dp, cp and tp, no
+    FSDP: every gradient, whole parameters included, equals the dense model's (dp
+    averages, so each dp rank's loss counts dp times)."""
+    _, mesh, groups = _mesh(dp=dp, cp=cp, tp=2)
+    torch.manual_seed(seed)
+    d, h, tokens = 8, 12, 8
+    norm, up, down = nn.RMSNorm(d), nn.Linear(d, h), nn.Linear(h, d)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x, g = torch.randn(tokens, d), torch.randn(tokens, d)
+
+    def dense(dtype):
+        mods = [m.to(dtype) for m in (norm, up, down)]
+        for m in mods:
+            m.zero_grad()
+        (down(F.gelu(up(norm(x.to(dtype))))) * g.to(dtype)).sum().backward()
+        return {
+            f"{i}.{n}": p.grad.clone() for i, m in enumerate(mods) for n, p in m.named_parameters()
+        }
+
+    ref64, ref32 = dense(torch.float64), dense(torch.float32)
+    column = fp.nn.ColumnParallelLinear.from_dense(up, groups["tp"])
+    model = nn.Sequential(norm, column, nn.GELU(),
+                          fp.nn.RowParallelLinear.from_dense(down, groups["tp"]))  # fmt: skip
+    fp.distribute(model, mesh)
+    (dp * model(_sharded(x, groups)) * _sharded(g, groups)).sum().backward()
+    names = {"0.weight": "0.weight", "1.weight": "1.weight", "1.bias": "1.bias",
+             "3.weight": "2.weight", "3.bias": "2.bias"}  # fmt: skip
+    for name, p in model.named_parameters():
+        assert p.grad.placements == p.placements, (name, p.grad.placements)  # reduced
+        assert_close(p.grad.full_tensor(), ref64[names[name]], ref32[names[name]], name=name)
+    return True
+
+
+@pytest.mark.parametrize("dp, cp", [(1, 2), (2, 1)])
+def test_whole_parameters_get_whole_gradients(world, dp, cp):
+    assert all(world(4).run(_run_whole_parameter_gradients, dp, cp, 0))
+
+
+def _run_clip_and_optimizers(kind):
+    """clip_grad_norm_ over DTensor parameters is the dense norm, and foreach or fused
+    AdamW takes the dense model's step. (dp=2, tp=2), classic TP: dp averages."""
+    _, mesh, groups = _mesh(dp=2, cp=1, tp=2)
+    torch.manual_seed(1)
+    dense = nn.Sequential(nn.Linear(8, 12, bias=False), nn.GELU(), nn.Linear(12, 8))
+    x = torch.randn(4, 8)
+    model = nn.Sequential(
+        fp.nn.ColumnParallelLinear.from_dense(dense[0], groups["tp"], sequence_parallel=False),
+        nn.GELU(),
+        fp.nn.RowParallelLinear.from_dense(dense[2], groups["tp"], sequence_parallel=False),
+    )
+    fp.distribute(model, mesh, token_axes=())  # the tokens are whole over tp
+    model(x.chunk(2)[mesh["dp"].get_local_rank()]).square().mean().backward()
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.01)
+    torch.optim.AdamW(model.parameters(), lr=0.1, **{kind: True}).step()
+
+    (sum(dense(half).square().mean() for half in x.chunk(2)) / 2).backward()
+    dense_norm = nn.utils.clip_grad_norm_(dense.parameters(), max_norm=0.01)
+    torch.optim.AdamW(dense.parameters(), lr=0.1).step()
+    torch.testing.assert_close(norm.full_tensor(), dense_norm, rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), dense.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-6)
+    return True
+
+
+@pytest.mark.parametrize("kind", ["foreach", "fused"])
+def test_clipping_and_foreach_and_fused_adamw(world, kind):
+    assert all(world(4).run(_run_clip_and_optimizers, kind))
+
+
+def _run_misuse(case):
+    """Each misuse raises ValueError on every rank, before any collective."""
+    _, mesh, groups = _mesh()
+    try:
+        if case == "classic tp with split tokens":
+            fp.distribute(
+                fp.nn.ColumnParallelLinear(8, 8, groups["tp"], sequence_parallel=False), mesh
+            )
+        elif case == "group not on the mesh":  # pairs (0, 3) and (1, 2): no mesh axis
+            pairs = [dist.new_group([0, 3]), dist.new_group([1, 2])]
+            pg = pairs[0] if dist.get_rank() in (0, 3) else pairs[1]
+            fp.distribute(fp.nn.ColumnParallelLinear(8, 8, pg), mesh)
+        elif case == "twice":
+            layer = nn.Linear(4, 4)
+            fp.distribute(layer, mesh)
+            fp.distribute(layer, mesh)
+        elif case == "unknown axis":
+            fp.distribute(nn.Linear(4, 4), mesh, token_axes=("sp",))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case, match", [
+    ("classic tp with split tokens", r"sequence_parallel=False over \('tp',\).*token_axes"),
+    ("group not on the mesh", r"ranks \[(0, 3|1, 2)\] is not an axis"),
+    ("twice", r"weight is already a DTensor"),
+    ("unknown axis", r"token_axes \['sp'\] are not axes"),
+])  # fmt: skip
+def test_misuse_raises_on_every_rank(world, case, match):
+    import re
+
+    messages = world(4).run(_run_misuse, case)
+    assert all(m is not None and re.search(match, m) for m in messages), messages
