@@ -149,15 +149,14 @@ class ParallelDims:
             return fully_shard(module, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"),
                                **fsdp_kwargs)  # fmt: skip
         rest = tuple(axis for axis in mesh.mesh_dim_names if axis != "dp")
+        dp = mesh.mesh_dim_names.index("dp")
         moved: dict[int, nn.Parameter] = {}
         for sub in module.modules():
             for name, param in sub._parameters.items():
-                if not isinstance(param, DTensor) or param.device_mesh != mesh:
-                    continue  # already sharded by an earlier fully_shard, or not ours
+                ours = isinstance(param, DTensor) and param.device_mesh == mesh
+                if not ours or param.placements[dp] != Replicate():
+                    continue  # not distributed, or sharded by an earlier fully_shard
                 if id(param) not in moved:
-                    dp = mesh.mesh_dim_names.index("dp")
-                    if param.placements[dp] != Replicate():
-                        raise ValueError(f"{name} is not replicated over dp: {param.placements}")
                     placements = param.placements[:dp] + param.placements[dp + 1 :]
                     local = DTensor.from_local(param.to_local().detach(), mesh[rest], placements,
                                                run_check=False)  # fmt: skip

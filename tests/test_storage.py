@@ -130,10 +130,12 @@ def test_whole_parameters_get_whole_gradients(world, dp, cp):
     assert all(world(4).run(_run_whole_parameter_gradients, dp, cp, 0))
 
 
-def _run_clip_and_optimizers(kind):
+def _run_clip_and_optimizers(kind, fsdp):
     """clip_grad_norm_ over DTensor parameters is the dense norm, and foreach or fused
-    AdamW takes the dense model's step. (dp=2, tp=2), classic TP: dp averages."""
-    _, mesh, groups = _mesh(dp=2, cp=1, tp=2)
+    AdamW takes the dense model's step. (dp=2, tp=2), classic TP: dp averages, by the
+    hooks (``fsdp=None``) or by FSDP2 applied per layer, its hooks and ours on the same
+    module (True: this torch's path; False: the torch 2.11 path)."""
+    dims, mesh, groups = _mesh(dp=2, cp=1, tp=2)
     torch.manual_seed(1)
     dense = nn.Sequential(nn.Linear(8, 12, bias=False), nn.GELU(), nn.Linear(12, 8))
     x = torch.randn(4, 8)
@@ -143,6 +145,9 @@ def _run_clip_and_optimizers(kind):
         fp.nn.RowParallelLinear.from_dense(dense[2], groups["tp"], sequence_parallel=False),
     )
     fp.distribute(model, mesh, token_axes=())  # the tokens are whole over tp
+    if fsdp is not None:
+        for module in (model[0], model[2], model):
+            dims.fully_shard(module, mesh, dp_mesh_dims=None if fsdp else False)
     model(x.chunk(2)[mesh["dp"].get_local_rank()]).square().mean().backward()
     norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.01)
     torch.optim.AdamW(model.parameters(), lr=0.1, **{kind: True}).step()
@@ -156,9 +161,9 @@ def _run_clip_and_optimizers(kind):
     return True
 
 
-@pytest.mark.parametrize("kind", ["foreach", "fused"])
-def test_clipping_and_foreach_and_fused_adamw(world, kind):
-    assert all(world(4).run(_run_clip_and_optimizers, kind))
+@pytest.mark.parametrize("kind, fsdp", [("foreach", None), ("fused", True), ("foreach", False)])
+def test_clipping_and_foreach_and_fused_adamw(world, kind, fsdp):
+    assert all(world(4).run(_run_clip_and_optimizers, kind, fsdp))
 
 
 def _run_misuse(case):
