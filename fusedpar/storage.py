@@ -51,12 +51,15 @@ TOKEN_AXES = ("cp", "tp")  # where fusedpar's defaults split the tokens (CP, and
 @dataclass(frozen=True)
 class ParamLayout:
     """How a layer holds one parameter: split along `dim` over `group` (``dim=None``:
-    whole on every rank), and `complete_over`, the groups over which the layer already
-    makes the gradient complete (the group it is split over always counts)."""
+    whole on every rank); `complete_over`, the groups over which the layer already
+    makes the gradient complete (the group it is split over always counts); and
+    `partial_over`, groups over which the gradient is a partial sum whatever the tokens
+    (a per-head norm's weight, whole, applied to other heads on each TP rank)."""
 
     dim: int | None = None
     group: object = None
     complete_over: tuple = ()
+    partial_over: tuple = ()
 
 
 WHOLE = ParamLayout()
@@ -101,9 +104,11 @@ class _Placed:
 
 def _place(layout: ParamLayout, mesh: DeviceMesh, token_axes) -> _Placed:
     split = mesh_axes_of(layout.group, mesh) if layout.dim is not None else ()
-    complete = set(split)
+    complete, partial = set(split), set()
     for group in layout.complete_over:
         complete.update(mesh_axes_of(group, mesh))
+    for group in layout.partial_over:
+        partial.update(mesh_axes_of(group, mesh))
     placements, grads = {}, {}
     for i, name in enumerate(mesh.mesh_dim_names):
         placements[name] = Shard(layout.dim) if name in split else Replicate()
@@ -112,7 +117,7 @@ def _place(layout: ParamLayout, mesh: DeviceMesh, token_axes) -> _Placed:
         # where "cp_tp" is flattened: it averages over cp and tp.
         if name in complete or mesh.size(i) == 1:
             grads[name] = placements[name]
-        elif name in token_axes:
+        elif name in token_axes or name in partial:
             grads[name] = Partial("sum")
         elif name in DATA_AXES:
             grads[name] = Partial("avg")

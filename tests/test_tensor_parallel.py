@@ -146,15 +146,25 @@ def test_matmul_reduce_scatter(world, world_size, **p):
 # --- layers ----------------------------------------------------------------------------
 
 
+def _activation(kind):
+    if kind == "geglu-bias":
+        return lambda h: nn.functional.gelu(h, approximate="tanh")  # Gemma's MLP
+    return nn.functional.silu
+
+
 def _dense_model(kind, d_in, d_hidden, seed):
     """The dense module in float64 and, per parameter, the dim a rank holds a slice of
     (None: whole on every rank)."""
     torch.manual_seed(seed)
-    if kind == "swiglu":
-        gate, up = nn.Linear(d_in, d_hidden, bias=False), nn.Linear(d_in, d_hidden, bias=False)
-        down = nn.Linear(d_hidden, d_in, bias=False)
+    if kind in ("swiglu", "geglu-bias"):
+        bias = kind == "geglu-bias"
+        gate, up = nn.Linear(d_in, d_hidden, bias=bias), nn.Linear(d_in, d_hidden, bias=bias)
+        down = nn.Linear(d_hidden, d_in, bias=bias)
         model = nn.ModuleDict({"gate": gate, "up": up, "down": down}).double()
-        model.forward = lambda x: down(nn.functional.silu(gate(x)) * up(x))
+        model.forward = lambda x: down(_activation(kind)(gate(x)) * up(x))
+        if bias:
+            params = [gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias]
+            return model, params, [0, 0, 1, 0, 0, None]
         return model, [gate.weight, up.weight, down.weight], [0, 0, 1]
     in_f, out_f = (d_in, d_hidden) if kind == "column" else (d_hidden, d_in)
     model = nn.Linear(in_f, out_f).double()
@@ -173,6 +183,13 @@ def _run_layers(kind, sequence_parallel, gather_output, dtype, seed):
         layer = fp.nn.ParallelSwiGLU.from_dense(*(p.to(dtype) for p in dense_params), WORLD,
                                                 sequence_parallel=sequence_parallel)  # fmt: skip
         layer_params = [layer.gate_weight, layer.up_weight, layer.down_weight]
+    elif kind == "geglu-bias":  # from the nn.Linear modules: biases read off them
+        layer = fp.nn.ParallelSwiGLU.from_dense(
+            *(model[n].to(dtype) for n in ("gate", "up", "down")), WORLD,
+            activation=_activation(kind), sequence_parallel=sequence_parallel)  # fmt: skip
+        model.double()
+        layer_params = [getattr(layer, f"{n}_{p}") for p in ("weight", "bias")
+                        for n in ("gate", "up", "down")]  # fmt: skip
     else:
         cls = fp.nn.ColumnParallelLinear if kind == "column" else fp.nn.RowParallelLinear
         kwargs = {"gather_output": gather_output} if kind == "column" else {}
@@ -218,7 +235,8 @@ def _run_layers(kind, sequence_parallel, gather_output, dtype, seed):
     "kind, sequence_parallel, gather_output",
     [("column", True, False), ("column", True, True), ("column", False, False),
      ("column", False, True), ("row", True, False), ("row", False, False),
-     ("swiglu", True, False), ("swiglu", False, False)],
+     ("swiglu", True, False), ("swiglu", False, False), ("geglu-bias", True, False),
+     ("geglu-bias", False, False)],
 )  # fmt: skip
 def test_layers_equal_dense(world, world_size, kind, sequence_parallel, gather_output):
     for dtype, seed in ((torch.float32, 0), (torch.float16, 1)):

@@ -11,9 +11,16 @@ parallelism a further 1 / TP of them (dim 0 split over TP).
 | RoPE        | at `sequence_positions(S, cp)`            | q (B, S/CP, Hq/TP, hd)        |
 | attention   | `ring_attn(q, k, v, cp, causal)`          | (B, S/CP, Hq/TP, hd)          |
 | projection  | `matmul_reduce_scatter(o, wo, tp)`        | (S/CP/TP, B, d_model)         |
+
+Options for today's open models: q/k/v biases (`bias`, Qwen2) and an o bias (`o_bias`),
+a head dim other than d_model / n_heads (`head_dim`, Qwen3, Gemma), a per-head RMSNorm
+of q and k before RoPE (`qk_norm`, Qwen3), and `rope`, a callable ``positions -> (cos,
+sin)`` for any rotary variant (Llama 3 scaling, YaRN, or the model's own rotary module),
+called at the global positions of this rank's tokens. `from_dense` reads each of these
+off the dense modules, and refuses what it cannot compute exactly.
 """
 
-import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,97 +51,219 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
+def _linear_parts(name: str, t) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of an ``nn.Linear``, or (t, None) of a weight tensor."""
+    if isinstance(t, nn.Linear):
+        return t.weight, t.bias
+    if isinstance(t, torch.Tensor):
+        return t, None
+    raise TypeError(f"dense {name} must be an nn.Linear or a weight tensor, got {type(t)}")
+
+
+def _norm_weight(name: str, t) -> torch.Tensor:
+    """The weight of an RMSNorm-like module (``.weight``), or a tensor."""
+    weight = getattr(t, "weight", t)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{name} must be a norm module with .weight or a tensor, got {type(t)}")
+    return weight
+
+
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x (..., hd) in fp32, scaled by weight (hd,) in x's
+    dtype: the per-head q/k norm of Qwen3 (as Hugging Face computes it)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
 class ParallelAttention(nn.Module):
     """GQA self-attention over TP (heads) and CP (sequence). See the module doc.
 
-    Parameters (no biases): q_weight (Hq/TP * hd, d), k_weight and v_weight
-    (Hkv/TP * hd, d), o_weight (d, Hq/TP * hd): this TP rank's heads.
+    | parameter                        | shape on a rank     | with           |
+    | -------------------------------- | ------------------- | -------------- |
+    | `q_weight`                       | (Hq/TP * hd, d)     | always         |
+    | `k_weight`, `v_weight`           | (Hkv/TP * hd, d)    | always         |
+    | `o_weight`                       | (d, Hq/TP * hd)     | always         |
+    | `q_bias`; `k_bias`, `v_bias`     | (Hq/TP * hd,); (Hkv/TP * hd,) | ``bias=True`` |
+    | `o_bias`                         | (d,), whole         | ``o_bias=True`` |
+    | `q_norm_weight`, `k_norm_weight` | (hd,), whole        | ``qk_norm=True`` |
+
+    ``rope(positions)`` returns cos, sin of shape (S, hd/2), or (S, hd) with equal
+    halves (Hugging Face's layout; leading dims of 1 are dropped); without it, the
+    default rotary tables of `rope_theta`.
     """
 
-    def __init__(self, d_model, n_heads, n_kv_heads=None, *, tp_group=None, cp_group=None,
-                 causal=True, sequence_parallel=True, cp_layout="zigzag", rope_theta=10000.0,
-                 device=None, dtype=None):  # fmt: skip
+    def __init__(self, d_model, n_heads, n_kv_heads=None, *, head_dim=None, bias=False,
+                 o_bias=False, qk_norm=False, norm_eps=1e-6,
+                 rope: Callable | None = None, tp_group=None, cp_group=None, causal=True,
+                 sequence_parallel=True, cp_layout="zigzag", rope_theta=10000.0, device=None,
+                 dtype=None):  # fmt: skip
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
         tp = comm.group_size(tp_group)
-        if d_model % n_heads:
-            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(f"d_model ({d_model}) is not divisible by n_heads ({n_heads}): "
+                                 "pass head_dim")  # fmt: skip
+            head_dim = d_model // n_heads
+        if head_dim % 2:
+            raise ValueError(f"head_dim ({head_dim}) must be even for the rotary embedding")
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         for name, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
             if heads % tp:
                 raise ValueError(f"{name} ({heads}) is not divisible by the TP degree ({tp})")
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
-        self.head_dim = d_model // n_heads
-        self.tp_group, self.cp_group, self.tp, self.tp_rank = (
-            tp_group,
-            cp_group,
-            tp,
-            comm.group_rank(tp_group),
-        )
+        self.head_dim, self.norm_eps, self.rope = head_dim, norm_eps, rope
+        self.tp_group, self.cp_group = tp_group, cp_group
+        self.tp, self.tp_rank = tp, comm.group_rank(tp_group)
         self.causal, self.sequence_parallel = causal, sequence_parallel
         self.cp_layout, self.rope_theta = cp_layout, rope_theta
-        hd, factory = self.head_dim, {"device": device, "dtype": dtype}
-        self.q_weight = nn.Parameter(torch.empty(n_heads // tp * hd, d_model, **factory))
-        self.k_weight = nn.Parameter(torch.empty(n_kv_heads // tp * hd, d_model, **factory))
-        self.v_weight = nn.Parameter(torch.empty(n_kv_heads // tp * hd, d_model, **factory))
-        self.o_weight = nn.Parameter(torch.empty(d_model, n_heads // tp * hd, **factory))
+        hd, factory = head_dim, {"device": device, "dtype": dtype}
+        q_rows, kv_rows = n_heads // tp * hd, n_kv_heads // tp * hd
+        self.q_weight = nn.Parameter(torch.empty(q_rows, d_model, **factory))
+        self.k_weight = nn.Parameter(torch.empty(kv_rows, d_model, **factory))
+        self.v_weight = nn.Parameter(torch.empty(kv_rows, d_model, **factory))
+        self.o_weight = nn.Parameter(torch.empty(d_model, q_rows, **factory))
+
+        def optional(on, *shape):  # noqa: E306
+            return nn.Parameter(torch.empty(shape, **factory)) if on else None
+
+        self.q_bias = optional(bias, q_rows)
+        self.k_bias, self.v_bias = optional(bias, kv_rows), optional(bias, kv_rows)
+        self.o_bias = optional(o_bias, d_model)
+        self.q_norm_weight, self.k_norm_weight = optional(qk_norm, hd), optional(qk_norm, hd)
         self._rope_tables: dict = {}  # (length, device) -> (cos, sin); not state
         if self.q_weight.device.type != "meta":
             self.reset_parameters()
 
+    @property
+    def has_bias(self) -> bool:
+        return self.q_bias is not None
+
     def reset_parameters(self) -> None:
-        """``nn.Linear`` initialization of the full projections (float32, CPU, current RNG
-        state: the same model for any TP degree), then this rank's heads."""
-        d, hd = self.d_model, self.head_dim
+        """``nn.Linear`` initialization of the full projections and biases (float32, CPU,
+        current RNG state: the same model for any TP degree), then this rank's heads;
+        norm weights 1."""
+        d, hd, bias = self.d_model, self.head_dim, self.has_bias
+        q = nn.Linear(d, self.n_heads * hd, bias=bias)
+        k = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
+        v = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
+        o = nn.Linear(self.n_heads * hd, d, bias=self.o_bias is not None)
+        norms = {}
+        if self.q_norm_weight is not None:
+            norms = {"q_norm": torch.ones(hd), "k_norm": torch.ones(hd)}
+        self.load_dense(q, k, v, o, **norms)
 
-        def full(out_features, in_features):
-            return torch.empty(out_features, in_features).uniform_(-1, 1) / math.sqrt(in_features)
-
-        self.load_dense(full(self.n_heads * hd, d), full(self.n_kv_heads * hd, d),
-                        full(self.n_kv_heads * hd, d), full(d, self.n_heads * hd))  # fmt: skip
-
-    def load_dense(self, q, k, v, o) -> None:
-        """Copy this rank's heads of dense projections (weights or bias-free ``nn.Linear``):
-        q (Hq*hd, d), k and v (Hkv*hd, d), o (d, Hq*hd)."""
-        q, k, v, o = (t.weight if isinstance(t, nn.Linear) else t for t in (q, k, v, o))
+    def load_dense(self, q, k, v, o, *, q_norm=None, k_norm=None) -> None:
+        """Copy this rank's heads of dense projections: q, k, v, o as ``nn.Linear`` (with
+        biases where this layer has them) or weight tensors (q (Hq*hd, d), k and v
+        (Hkv*hd, d), o (d, Hq*hd)); q_norm, k_norm (hd,) with ``qk_norm``. Raises
+        ValueError for anything this layer would not compute: a bias it has no place
+        for, a missing one, a shape that does not fit."""
         d, hd = self.d_model, self.head_dim
         expected = {"q": (self.n_heads * hd, d), "k": (self.n_kv_heads * hd, d),
                     "v": (self.n_kv_heads * hd, d), "o": (d, self.n_heads * hd)}  # fmt: skip
+        copies = []  # (parameter, full tensor, split dim or None)
         for name, t in zip("qkvo", (q, k, v, o), strict=True):
-            if tuple(t.shape) != expected[name]:
-                raise ValueError(f"dense {name} must be {expected[name]}, got {tuple(t.shape)}")
+            weight, bias = _linear_parts(name, t)
+            if tuple(weight.shape) != expected[name]:
+                raise ValueError(f"dense {name} must be {expected[name]} (heads x head_dim "
+                                 f"{hd}), got {tuple(weight.shape)}")  # fmt: skip
+            param_bias = getattr(self, f"{name}_bias")
+            if (bias is None) != (param_bias is None):
+                flag = "o_bias" if name == "o" else "bias"
+                raise ValueError(
+                    f"dense {name} has {'a' if bias is not None else 'no'} bias but this "
+                    f"ParallelAttention was built with {flag}={param_bias is not None}"
+                )
+            copies.append((getattr(self, f"{name}_weight"), weight, 1 if name == "o" else 0))
+            if bias is not None:
+                copies.append((param_bias, bias, None if name == "o" else 0))
+        for name, t in (("q_norm", q_norm), ("k_norm", k_norm)):
+            param = getattr(self, f"{name}_weight")
+            if (t is None) != (param is None):
+                given = "given" if t is not None else "missing"
+                raise ValueError(f"{name} {given} but this ParallelAttention was built with "
+                                 f"qk_norm={param is not None}")  # fmt: skip
+            if t is not None:
+                weight = _norm_weight(name, t)
+                if tuple(weight.shape) != (hd,):
+                    raise ValueError(
+                        f"{name} must be ({hd},) (one head), got {tuple(weight.shape)}"
+                    )
+                copies.append((param, weight, None))
         with torch.no_grad():
-            for param, full, dim in ((self.q_weight, q, 0), (self.k_weight, k, 0),
-                                     (self.v_weight, v, 0), (self.o_weight, o, 1)):  # fmt: skip
-                local_tensor(param).copy_(full.detach().chunk(self.tp, dim)[self.tp_rank])
+            for param, full, dim in copies:
+                part = (
+                    full.detach()
+                    if dim is None
+                    else full.detach().chunk(self.tp, dim)[self.tp_rank]
+                )
+                local_tensor(param).copy_(part)
 
     def param_layouts(self) -> dict:
-        """For `fusedpar.distribute`: the heads split over the TP group."""
+        """For `fusedpar.distribute`: the heads (and their biases) split over the TP group;
+        the o bias whole, summed over TP inside the layer; the q/k norm weights whole,
+        each TP rank's gradient a partial sum over its own heads."""
         heads, o = ParamLayout(0, self.tp_group), ParamLayout(1, self.tp_group)
-        return {"q_weight": heads, "k_weight": heads, "v_weight": heads, "o_weight": o}
+        tp = (self.tp_group,)
+        return {"q_weight": heads, "k_weight": heads, "v_weight": heads, "o_weight": o,
+                "q_bias": heads, "k_bias": heads, "v_bias": heads,
+                "o_bias": ParamLayout(complete_over=tp),
+                "q_norm_weight": ParamLayout(partial_over=tp),
+                "k_norm_weight": ParamLayout(partial_over=tp)}  # fmt: skip
 
     @classmethod
-    def from_dense(cls, q, k, v, o, d_model, n_heads, n_kv_heads=None, **kwargs):
-        """A layer holding this TP rank's heads of dense q, k, v, o projections."""
-        weight = q.weight if isinstance(q, nn.Linear) else q
+    def from_dense(cls, q, k, v, o, d_model, n_heads, n_kv_heads=None, *, q_norm=None,
+                   k_norm=None, **kwargs):  # fmt: skip
+        """A layer holding this TP rank's heads of dense q, k, v, o (``nn.Linear`` or
+        weights) and optional q/k norms. `bias`, `o_bias`, `qk_norm` and `head_dim` are
+        read off the dense modules unless given (and then must agree)."""
+        weight, bias = _linear_parts("q", q)
+        n_kv_heads = n_kv_heads or n_heads
+        if weight.shape[0] % n_heads:
+            raise ValueError(f"dense q has {weight.shape[0]} rows, not a multiple of n_heads "
+                             f"({n_heads})")  # fmt: skip
+        kwargs.setdefault("head_dim", weight.shape[0] // n_heads)
+        kwargs.setdefault("bias", bias is not None)
+        kwargs.setdefault("o_bias", _linear_parts("o", o)[1] is not None)
+        kwargs.setdefault("qk_norm", q_norm is not None)
         kwargs.setdefault("dtype", weight.dtype)
         device = kwargs.pop("device", weight.device)
         layer = cls(d_model, n_heads, n_kv_heads, device="meta", **kwargs)
         layer.to_empty(device=device)
-        layer.load_dense(q, k, v, o)
+        norms = (
+            {"q_norm": q_norm, "k_norm": k_norm} if q_norm is not None or k_norm is not None else {}
+        )
+        layer.load_dense(q, k, v, o, **norms)
         return layer
 
     def _rope(self, full_len: int, device: torch.device):
-        """cos, sin at this rank's global positions, built on the device once per length."""
+        """cos, sin (S_loc, hd/2) at this rank's global positions, once per length."""
         key = (full_len, device)
         if key not in self._rope_tables:
             if len(self._rope_tables) >= 4:  # lengths that vary (evaluation): keep a few
                 self._rope_tables.clear()
             positions = sequence_positions(full_len, self.cp_group, layout=self.cp_layout,
                                            device=device)  # fmt: skip
-            self._rope_tables[key] = rope_tables(positions, self.head_dim, self.rope_theta)
+            if self.rope is None:
+                tables = rope_tables(positions, self.head_dim, self.rope_theta)
+            else:
+                tables = tuple(self._rope_table(t, len(positions)) for t in self.rope(positions))
+            self._rope_tables[key] = tables
         return self._rope_tables[key]
+
+    def _rope_table(self, t: torch.Tensor, length: int) -> torch.Tensor:
+        half = self.head_dim // 2
+        while t.dim() > 2 and t.shape[0] == 1:
+            t = t[0]
+        if t.dim() == 2 and t.shape == (length, 2 * half):
+            t = t[:, :half]  # Hugging Face's layout: the same angles twice
+        if t.shape != (length, half):
+            raise ValueError(f"rope(positions) must give cos, sin of ({length}, {half}) or "
+                             f"({length}, {2 * half}), got {tuple(t.shape)}")  # fmt: skip
+        return t.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (S_loc, B, d_model) -> the same shape (see the module doc)."""
@@ -142,18 +271,25 @@ class ParallelAttention(nn.Module):
             raise ValueError(f"ParallelAttention takes x (S_loc, B, d_model={self.d_model}), "
                              f"got {tuple(x.shape)}")  # fmt: skip
         weights = [self.q_weight, self.k_weight, self.v_weight]
+        biases = [self.q_bias, self.k_bias, self.v_bias]
         if self.sequence_parallel:
-            q, k, v = all_gather_matmul(x, weights, self.tp_group)
+            q, k, v = all_gather_matmul(x, weights, self.tp_group, bias=biases)
         else:
             x = comm.copy_to_region(x, self.tp_group)
-            q, k, v = (F.linear(x, w) for w in weights)
+            q, k, v = (F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
         seq, batch, hd = q.shape[0], q.shape[1], self.head_dim
         # (S, B, H*hd) -> (B, S, H, hd): a strided view, read in place by the kernels
         q, k, v = (t.view(seq, batch, -1, hd).transpose(0, 1) for t in (q, k, v))
+        if self.q_norm_weight is not None:
+            q = head_rms_norm(q, self.q_norm_weight, self.norm_eps)
+            k = head_rms_norm(k, self.k_norm_weight, self.norm_eps)
         cos, sin = self._rope(seq * comm.group_size(self.cp_group), x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ring_attn(q, k, v, self.cp_group, causal=self.causal, layout=self.cp_layout)
         out = out.transpose(0, 1).reshape(seq, batch, -1)  # (S, B, Hq/TP * hd)
         if self.sequence_parallel:
-            return matmul_reduce_scatter(out, self.o_weight, self.tp_group)
-        return comm.reduce_from_region(F.linear(out, self.o_weight), self.tp_group)
+            # Each rank adds the o bias to its own tokens: its gradient is summed over TP.
+            bias = None if self.o_bias is None else comm.copy_to_region(self.o_bias, self.tp_group)
+            return matmul_reduce_scatter(out, self.o_weight, self.tp_group, bias=bias)
+        y = comm.reduce_from_region(F.linear(out, self.o_weight), self.tp_group)
+        return y if self.o_bias is None else y + self.o_bias

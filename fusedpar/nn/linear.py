@@ -179,17 +179,20 @@ class RowParallelLinear(_ParallelLinear):
 
 
 class ParallelSwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with the hidden features split over `group`.
+    """``down(act(gate(x)) * up(x))`` with the hidden features split over `group`.
 
     gate and up are column-parallel and share one all-gather of x; down is row-parallel.
-    No biases (as in Llama). Shapes: x (T/W, ..., d_model) with sequence parallelism,
-    (T, ..., d_model) without; the output has x's shape.
+    ``act`` is `activation` (SiLU: SwiGLU; ``gelu(approximate="tanh")``: Gemma's GeGLU).
+    With ``bias=True``, gate_bias and up_bias (d_hidden/W,) are split like their outputs
+    and down_bias (d_model,) is whole, added once. Shapes: x (T/W, ..., d_model) with
+    sequence parallelism, (T, ..., d_model) without; the output has x's shape.
     """
 
-    def __init__(self, d_model, d_hidden, group=None, *, sequence_parallel=True,
-                 chunks_per_rank=DEFAULT_CHUNKS_PER_RANK, device=None, dtype=None):  # fmt: skip
+    def __init__(self, d_model, d_hidden, group=None, *, bias=False, activation=F.silu,
+                 sequence_parallel=True, chunks_per_rank=DEFAULT_CHUNKS_PER_RANK,
+                 device=None, dtype=None):  # fmt: skip
         super().__init__()
-        self.group = group
+        self.group, self.activation = group, activation
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
         _check_divisible("d_hidden", d_hidden, self.world)
         self.d_model, self.d_hidden = d_model, d_hidden
@@ -198,39 +201,61 @@ class ParallelSwiGLU(nn.Module):
         self.gate_weight = nn.Parameter(torch.empty(local, d_model, **factory))
         self.up_weight = nn.Parameter(torch.empty(local, d_model, **factory))
         self.down_weight = nn.Parameter(torch.empty(d_model, local, **factory))
+        biases = (local, local, d_model) if bias else (None, None, None)
+        for name, size in zip(("gate_bias", "up_bias", "down_bias"), biases, strict=True):
+            param = None if size is None else nn.Parameter(torch.empty(size, **factory))
+            self.register_parameter(name, param)
         if self.gate_weight.device.type != "meta":
             self.reset_parameters()
 
     def load_dense(self, w_gate, w_up, w_down) -> None:
         """Copy this rank's part of full weights: gate, up (d_hidden, d_model); down
-        (d_model, d_hidden). ``nn.Linear`` modules are accepted for any of them."""
-        w_gate, w_up, w_down = (_weight_of(w).detach() for w in (w_gate, w_up, w_down))
+        (d_model, d_hidden), as tensors or ``nn.Linear``s (with biases if and only if
+        this layer has them: a bias is never dropped)."""
         hidden_first = (self.d_hidden, self.d_model)
-        for name, w, shape in (("w_gate", w_gate, hidden_first), ("w_up", w_up, hidden_first),
-                               ("w_down", w_down, hidden_first[::-1])):  # fmt: skip
-            if w.shape != shape:
-                raise ValueError(f"{name} must be {shape}, got {tuple(w.shape)}")
+        copies = []  # (parameter, this rank's part)
+        for name, dense, shape, dim in (("gate", w_gate, hidden_first, 0),
+                                        ("up", w_up, hidden_first, 0),
+                                        ("down", w_down, hidden_first[::-1], 1)):  # fmt: skip
+            weight = _weight_of(dense).detach()
+            bias = dense.bias if isinstance(dense, nn.Linear) else None
+            if weight.shape != shape:
+                raise ValueError(f"w_{name} must be {shape}, got {tuple(weight.shape)}")
+            param_bias = getattr(self, f"{name}_bias")
+            if (bias is None) != (param_bias is None):
+                has = "a" if bias is not None else "no"
+                raise ValueError(f"dense {name} has {has} bias but this ParallelSwiGLU was built "
+                                 f"with bias={param_bias is not None}")  # fmt: skip
+            copies.append(
+                (getattr(self, f"{name}_weight"), weight.chunk(self.world, dim)[self.rank])
+            )
+            if bias is not None:
+                part = bias.detach() if dim else bias.detach().chunk(self.world)[self.rank]
+                copies.append((param_bias, part))
         with torch.no_grad():
-            local_tensor(self.gate_weight).copy_(w_gate.chunk(self.world, 0)[self.rank])
-            local_tensor(self.up_weight).copy_(w_up.chunk(self.world, 0)[self.rank])
-            local_tensor(self.down_weight).copy_(w_down.chunk(self.world, 1)[self.rank])
+            for param, part in copies:
+                local_tensor(param).copy_(part)
 
     def param_layouts(self) -> dict:
-        """For `fusedpar.distribute`: the hidden features split over the group."""
+        """For `fusedpar.distribute`: the hidden features split over the group; the down
+        bias whole, summed over the group inside the layer."""
         column, row = ParamLayout(0, self.group), ParamLayout(1, self.group)
-        return {"gate_weight": column, "up_weight": column, "down_weight": row}
+        return {"gate_weight": column, "up_weight": column, "down_weight": row,
+                "gate_bias": column, "up_bias": column,
+                "down_bias": ParamLayout(complete_over=(self.group,))}  # fmt: skip
 
     def reset_parameters(self) -> None:
-        """As ``nn.Linear(d, h, bias=False)`` twice then ``nn.Linear(h, d, bias=False)``."""
-        gate, _ = _dense_init(self.d_hidden, self.d_model, False)
-        up, _ = _dense_init(self.d_hidden, self.d_model, False)
-        down, _ = _dense_init(self.d_model, self.d_hidden, False)
-        self.load_dense(gate, up, down)
+        """As ``nn.Linear(d, h)`` twice then ``nn.Linear(h, d)``, with this layer's bias."""
+        bias = self.gate_bias is not None
+        d, h = self.d_model, self.d_hidden
+        self.load_dense(nn.Linear(d, h, bias=bias), nn.Linear(d, h, bias=bias),
+                        nn.Linear(h, d, bias=bias))  # fmt: skip
 
     @classmethod
     def from_dense(cls, w_gate, w_up, w_down, group, **kwargs):
-        """Shard dense SwiGLU weights (tensors or bias-free ``nn.Linear``s)."""
+        """Shard dense weights (tensors or ``nn.Linear``s; `bias` read off them)."""
         w_gate_t = _weight_of(w_gate)
+        kwargs.setdefault("bias", isinstance(w_gate, nn.Linear) and w_gate.bias is not None)
         kwargs.setdefault("dtype", w_gate_t.dtype)
         device = kwargs.pop("device", w_gate_t.device)
         d_hidden, d_model = w_gate_t.shape
@@ -240,11 +265,20 @@ class ParallelSwiGLU(nn.Module):
         return mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, biases = [self.gate_weight, self.up_weight], [self.gate_bias, self.up_bias]
         if self.sequence_parallel:
-            gate, up = all_gather_matmul(x, [self.gate_weight, self.up_weight], self.group,
+            gate, up = all_gather_matmul(x, weights, self.group, bias=biases,
                                          chunks_per_rank=self.chunks_per_rank)  # fmt: skip
-            return matmul_reduce_scatter(F.silu(gate) * up, self.down_weight, self.group,
+            # Each rank adds the down bias to its own tokens: its gradient is summed.
+            bias = (
+                None if self.down_bias is None else comm.copy_to_region(self.down_bias, self.group)
+            )
+            hidden = self.activation(gate) * up
+            return matmul_reduce_scatter(hidden, self.down_weight, self.group, bias=bias,
                                          chunks_per_rank=self.chunks_per_rank)  # fmt: skip
         x = comm.copy_to_region(x, self.group)
-        hidden = F.silu(F.linear(x, self.gate_weight)) * F.linear(x, self.up_weight)
-        return comm.reduce_from_region(F.linear(hidden, self.down_weight), self.group)
+        gate, up = (F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
+        y = comm.reduce_from_region(
+            F.linear(self.activation(gate) * up, self.down_weight), self.group
+        )
+        return y if self.down_bias is None else y + self.down_bias
