@@ -19,6 +19,7 @@ small picklable state (the step, a data-loader position), saved once.
 import os
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -57,7 +58,9 @@ def _tensors(tree, prefix: str = ""):
 
 
 def _compare(path, metadata, state: dict) -> None:
+    names = set()
     for name, tensor in _tensors(state):
+        names.add(name)
         saved = metadata.get(name)
         if saved is None:
             raise ValueError(
@@ -67,33 +70,58 @@ def _compare(path, metadata, state: dict) -> None:
             got = tuple(saved.size) if isinstance(saved, TensorStorageMetadata) else "no tensor"
             raise ValueError(f"{name} is {tuple(tensor.shape)} in the model but {got} in the "
                              f"checkpoint at {path}: a checkpoint of another model")  # fmt: skip
+    prefix = next(iter(state)) + "."
+    unknown = sorted(k for k in metadata if k.startswith(prefix) and k not in names
+                     and isinstance(metadata[k], TensorStorageMetadata))  # fmt: skip
+    if unknown:
+        raise ValueError(f"the checkpoint at {path} has {unknown[0]}, which the model does "
+                         f"not ({len(unknown)} such tensors): a checkpoint of another "
+                         "model")  # fmt: skip
 
 
 def check(path: str | os.PathLike, model: nn.Module, optimizer=None) -> None:
-    """ValueError unless the checkpoint at `path` holds every tensor of `model` (and
-    `optimizer`) with the same global shape. Reads the metadata only; no communication.
-    An optimizer without state yet gets it (zeros, as PyTorch's state-dict API makes
-    it) and, if the check fails, loses it again."""
+    """ValueError unless the checkpoint at `path` holds exactly the tensors of `model`
+    (and `optimizer`), with the same global shapes. Reads the metadata only; no
+    communication; leaves an optimizer without state without state."""
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     _compare(path, metadata, {"model": get_model_state_dict(model)})
     if optimizer is None:
         return
     fresh = not optimizer.state
-    try:
+    try:  # PyTorch's state-dict API gives a fresh optimizer state (zeros, step 1) to read
         _compare(path, metadata, {"optim": get_optimizer_state_dict(model, optimizer)})
-    except ValueError:
+    finally:
         if fresh:
             optimizer.state.clear()
-        raise
+
+
+def _agree(error: Exception | None) -> None:
+    """Every rank raises if any rank failed its check (a rank that raised alone would
+    leave the others waiting in DCP's collectives)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        raise ValueError(f"cannot load (rank {rank}): {message}") from error
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer=None) -> dict:
     """Read the checkpoint at `path` into `model` (and `optimizer`), resharding to their
-    layout; returns the saved `extra` dict. Collective: every rank calls it. Raises
-    ValueError (every rank, nothing loaded) if the shapes do not fit."""
-    check(path, model, optimizer)
+    layout; returns the saved `extra` dict. Collective: every rank calls it. If the
+    checkpoint does not fit (or a rank cannot read it), every rank raises ValueError
+    before anything is read."""
+    try:
+        check(path, model, optimizer)
+        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - handed to every rank by _agree
+        _agree(e)
+    _agree(None)
     state = _state(model, optimizer)
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     extra = {key.removeprefix("extra."): None for key in metadata if key.startswith("extra.")}
     if extra:
         state["extra"] = extra

@@ -24,20 +24,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate
-
-try:  # torch >= 2.12
-    from torch.distributed.fsdp import DataParallelMeshDims
-except ImportError:
-    DataParallelMeshDims = None
 
 AXES = ("dp", "cp", "tp")
 _meshes: dict[tuple, tuple] = {}  # (device type, dp, cp, tp) -> (default group, mesh)
 
 
 def _default_group():
-    return dist.distributed_c10d._get_default_group()
+    return dist.group.WORLD
 
 
 @dataclass(frozen=True)
@@ -139,6 +133,12 @@ class ParallelDims:
         ``dp_mesh_dims`` (default: when torch has it, >= 2.12): the parameters stay on the
         full mesh. Otherwise (torch 2.11) each parameter still on the full mesh moves to
         the mesh of the other axes first, (cp, tp), where FSDP2's TP path takes it."""
+        from torch.distributed import fsdp
+
+        from fusedpar.storage import _reduce_grad
+
+        fully_shard = fsdp.fully_shard
+        DataParallelMeshDims = getattr(fsdp, "DataParallelMeshDims", None)  # torch >= 2.12
         if dp_mesh_dims is None:
             dp_mesh_dims = DataParallelMeshDims is not None
         if dp_mesh_dims:
@@ -160,6 +160,9 @@ class ParallelDims:
                     placements = param.placements[:dp] + param.placements[dp + 1 :]
                     local = DTensor.from_local(param.to_local().detach(), mesh[rest], placements,
                                                run_check=False)  # fmt: skip
-                    moved[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
+                    new = nn.Parameter(local, requires_grad=param.requires_grad)
+                    if new.requires_grad:  # for what FSDP2 leaves alone (ignored_params)
+                        new.register_post_accumulate_grad_hook(_reduce_grad)
+                    moved[id(param)] = new
                 sub._parameters[name] = moved[id(param)]
         return fully_shard(module, mesh=mesh["dp"], **fsdp_kwargs)

@@ -63,6 +63,9 @@ class ParamLayout:
 
 
 WHOLE = ParamLayout()
+# Stock modules whose forward uses their children's parameters directly (the hooks swap
+# each module's own parameters for its own forward): refused by name.
+_READS_CHILD_PARAMETERS = (nn.MultiheadAttention,)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -140,7 +143,8 @@ def _swap_in_locals(module, args):
 
 def _swap_back(module, args, output):
     """Forward hook (also on an exception): the DTensor parameters back."""
-    module._parameters.update(module._fusedpar_saved.pop())
+    if module._fusedpar_saved:  # empty if an earlier pre-hook raised before ours ran
+        module._parameters.update(module._fusedpar_saved.pop())
 
 
 def _reduce_grad(param: DTensor) -> None:
@@ -153,8 +157,13 @@ def _reduce_grad(param: DTensor) -> None:
 
 def _check_token_axes(model: nn.Module, mesh: DeviceMesh, token_axes) -> None:
     """A fusedpar TP layer's sequence parallelism says whether the tokens between layers
-    are split over its axis: it must agree with `token_axes`."""
+    are split over its axis, and a CP group always splits them: `token_axes` must agree."""
     for name, module in model.named_modules():
+        cp_axes = mesh_axes_of(getattr(module, "cp_group", None), mesh)
+        if hasattr(module, "param_layouts") and any(a not in token_axes for a in cp_axes):
+            what = name or type(module).__name__
+            raise ValueError(f"{what} splits the sequence over {cp_axes}, but "
+                             f"token_axes={tuple(token_axes)} leaves it out")  # fmt: skip
         sequence_parallel = getattr(module, "sequence_parallel", None)
         if not hasattr(module, "param_layouts") or sequence_parallel is None:
             continue
@@ -190,12 +199,19 @@ def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=TOKEN_AXES) -> 
     _check_token_axes(model, mesh, token_axes)
     plan = []  # (module, {name: _Placed}): every check passes before anything changes
     for owner, module in model.named_modules():
-        layouts = module.param_layouts() if hasattr(module, "param_layouts") else {}
+        if type(module) in _READS_CHILD_PARAMETERS:
+            raise ValueError(f"{owner or 'the model'} is an nn.{type(module).__name__}, whose "
+                             "forward reads its children's parameters: distribute swaps a "
+                             "module's own parameters for its forward only")  # fmt: skip
+        declared = hasattr(module, "param_layouts")
+        layouts = module.param_layouts() if declared else {}
         placed = {}
         for name, param in module._parameters.items():
+            where = f"{owner}.{name}" if owner else name
             if isinstance(param, DTensor):
-                where = f"{owner}.{name}" if owner else name
                 raise ValueError(f"{where} is already a DTensor: distribute a model once")
+            if param is not None and declared and name not in layouts:
+                raise ValueError(f"{where} is not in {type(module).__name__}.param_layouts()")
             if param is not None:
                 placed[name] = _place(layouts.get(name, WHOLE), mesh, token_axes)
         if placed:

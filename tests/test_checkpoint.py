@@ -4,6 +4,7 @@ original bit for bit, and training goes on with the uninterrupted run's losses; 
 checkpoint of another model fails on every rank, naming the tensor, with nothing loaded.
 """
 
+import re
 import sys
 from pathlib import Path
 
@@ -20,10 +21,10 @@ from tiny_llama import Config, ParallelTransformer, Transformer  # noqa: E402
 SEQ, BATCH, SAVED_AT = 16, 4, 2  # BATCH sequences per step, split over dp
 
 
-def _config(moe: bool, d_model: int = 32, experts: int = 4) -> Config:
+def _config(moe: bool, d_model: int = 32, experts: int = 4, n_layers: int = 1) -> Config:
     # 4 heads (TP up to 4) of dimension 8: small, for Triton's interpreter
-    return Config(vocab=64, d_model=d_model, n_layers=1, n_heads=4, n_kv_heads=4, d_hidden=32,
-                  num_experts=experts if moe else 0, top_k=2)  # fmt: skip
+    return Config(vocab=64, d_model=d_model, n_layers=n_layers, n_heads=4, n_kv_heads=4,
+                  d_hidden=32, num_experts=experts if moe else 0, top_k=2)  # fmt: skip
 
 
 def _build(layout, moe=False, fsdp=True, **config):
@@ -118,11 +119,17 @@ def test_loads_bitwise_at_another_layout(world, saved, layout, fsdp):
     torch.testing.assert_close(resumed, losses, rtol=1e-5, atol=0)
 
 
+WRONG = {"d_model": {"d_model": 64}, "experts": {"experts": 8}, "layers": {"n_layers": 0},
+         "path on rank 3": {}}  # fmt: skip
+
+
 def _run_load_wrong(path, what):
-    """Load a checkpoint of another model: the error, and whether anything changed."""
-    config = {"d_model": 64} if what == "d_model" else {"experts": 8}
-    mesh, model, optimizer = _build((1, 1, 4), moe=True, fsdp=None, **config)
-    before = {name: p.full_tensor() for name, p in model.named_parameters()}
+    """Load a checkpoint of another model (or, on one rank, a path that is not there):
+    the error, and whether anything changed."""
+    mesh, model, optimizer = _build((1, 1, 4), moe=True, fsdp=None, **WRONG[what])
+    before = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
+    if what == "path on rank 3" and dist.get_rank() == 3:
+        path += "-typo"
     try:
         fp.checkpoint.load(path, model, optimizer)
     except ValueError as e:
@@ -136,10 +143,11 @@ def _run_load_wrong(path, what):
 @pytest.mark.parametrize("what, match", [
     ("d_model", r"model\.embed\.weight is \(64, 64\) in the model but \(64, 32\)"),
     ("experts", r"router_weight is \(8, 32\) in the model but \(4, 32\)"),
+    ("layers", r"has model\.blocks\.0\..*, which the model does not \(\d+ such"),
+    ("path on rank 3", r"cannot load \(rank 3\): FileNotFoundError"),
 ])  # fmt: skip
 def test_a_checkpoint_of_another_model_fails_on_every_rank(world, saved, what, match):
-    import re
-
+    """...before any rank reads it, and every rank: none is left waiting in DCP."""
     kind, path = saved[:2]
     if kind != "moe":
         pytest.skip("the MoE checkpoint has both")

@@ -4,6 +4,8 @@ over the ranks whose tokens they saw, with no list of names; clipping and foreac
 AdamW on the result; and the misuse errors. The whole-model gradient checks against a
 single device are in test_examples.py."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -178,6 +180,11 @@ def _run_misuse(case):
             pairs = [dist.new_group([0, 3]), dist.new_group([1, 2])]
             pg = pairs[0] if dist.get_rank() in (0, 3) else pairs[1]
             fp.distribute(fp.nn.ColumnParallelLinear(8, 8, pg), mesh)
+        elif case == "cp left out of token_axes":
+            attn = fp.nn.ParallelAttention(16, 2, tp_group=groups["tp"], cp_group=groups["cp"])
+            fp.distribute(attn, mesh, token_axes=("tp",))
+        elif case == "multihead attention":
+            fp.distribute(nn.Sequential(nn.MultiheadAttention(8, 2)), mesh)
         elif case == "twice":
             layer = nn.Linear(4, 4)
             fp.distribute(layer, mesh)
@@ -192,11 +199,11 @@ def _run_misuse(case):
 @pytest.mark.parametrize("case, match", [
     ("classic tp with split tokens", r"sequence_parallel=False over \('tp',\).*token_axes"),
     ("group not on the mesh", r"ranks \[(0, 3|1, 2)\] is not an axis"),
+    ("cp left out of token_axes", r"splits the sequence over \('cp',\), but token_axes"),
+    ("multihead attention", r"0 is an nn.MultiheadAttention, whose forward reads its children"),
     ("twice", r"weight is already a DTensor"),
     ("unknown axis", r"token_axes \['sp'\] are not axes"),
 ])  # fmt: skip
 def test_misuse_raises_on_every_rank(world, case, match):
-    import re
-
     messages = world(4).run(_run_misuse, case)
     assert all(m is not None and re.search(match, m) for m in messages), messages

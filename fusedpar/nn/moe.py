@@ -103,7 +103,7 @@ class MoE(nn.Module):
         """For `fusedpar.distribute`: the expert stacks split over the EP group; the
         router whole (its gradient is this rank's tokens')."""
         experts = ParamLayout(0, self.ep_group)
-        return {"w1": experts, "w2": experts, "w3": experts}
+        return {"router_weight": ParamLayout(), "w1": experts, "w2": experts, "w3": experts}
 
     @classmethod
     def from_dense(cls, router_weight, w1, w2, w3, ep_group=None, **kwargs):
