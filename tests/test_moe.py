@@ -44,7 +44,7 @@ from hypothesis import strategies as st
 
 import fusedpar as fp
 from fusedpar.ops.moe import ExpertSwiGLU, moe_reference
-from fusedpar.testing import WorldError, assert_close
+from fusedpar.testing import assert_close
 from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +80,12 @@ def _problem(p, size):
     w1, w3 = randn((E, h, d), torch.float64, seed + 1), randn((E, h, d), torch.float64, seed + 2)
     w2 = randn((E, d, h), torch.float64, seed + 3)
     stacks = [router, w1 / d**0.5, w2 / h**0.5, w3 / d**0.5]
+    if p["shared"]:  # a shared expert of width h (and its gate): stacks[4:8]
+        stacks += [randn((h, d), torch.float64, seed + 4) / d**0.5,
+                   randn((d, h), torch.float64, seed + 5) / h**0.5,
+                   randn((h, d), torch.float64, seed + 6) / d**0.5]  # fmt: skip
+        if p["shared"] == "gated":
+            stacks.append(randn((1, d), torch.float64, seed + 7) / d**0.5)
     xs = [randn((n, d), torch.float64, seed + 10 + r) + skew for r, n in enumerate(p["tokens"])]
     dys = [randn((n, d), torch.float64, seed + 20 + r) for r, n in enumerate(p["tokens"])]
 
@@ -94,8 +100,8 @@ def _reference(p, stacks, xs, dys, dtype):
     params = [t.to(dtype, copy=True).requires_grad_() for t in stacks]
     xr = [t.to(dtype, copy=True).requires_grad_() for t in xs]
     kwargs = dict(top_k=p["k"], score=p["score"], capacity_factor=p["capacity"],
-                  z_loss_coef=p["z_loss"])  # fmt: skip
-    outs = [moe_reference(x, *params, **kwargs) for x in xr]
+                  z_loss_coef=p["z_loss"], **_shared(params))  # fmt: skip
+    outs = [moe_reference(x, *params[:4], **kwargs) for x in xr]
     loss = sum((y * dy.to(dtype)).sum() + aux for (y, aux), dy in zip(outs, dys, strict=True))
     if loss.requires_grad:
         loss.backward()
@@ -106,13 +112,23 @@ def _reference(p, stacks, xs, dys, dtype):
     return outs, [grad(x) for x in xr], [grad(t) for t in params]
 
 
+def _shared(stacks, gate="shared_gate") -> dict:
+    """The shared expert and gate keywords of moe_reference (or, with
+    ``gate="shared_gate_weight"``, of MoE.from_dense)."""
+    kwargs = {"shared": tuple(stacks[4:7])} if len(stacks) > 4 else {}
+    if len(stacks) > 7:
+        kwargs[gate] = stacks[7]
+    return kwargs
+
+
 def _run_moe(p):
     rank, size = dist.get_rank(), dist.get_world_size()
     dtype = p["dtype"]
     stacks, xs, dys = _problem(p, size)
-    layer = fp.nn.MoE.from_dense(*(t.to(dtype) for t in stacks), _group(), top_k=p["k"],
-                                 score=p["score"], capacity_factor=p["capacity"],
-                                 z_loss_coef=p["z_loss"])  # fmt: skip
+    stacks_in = [t.to(dtype) for t in stacks]
+    layer = fp.nn.MoE.from_dense(*stacks_in[:4], _group(), top_k=p["k"], score=p["score"],
+                                 capacity_factor=p["capacity"], z_loss_coef=p["z_loss"],
+                                 **_shared(stacks_in, "shared_gate_weight"))  # fmt: skip
     x = xs[rank].to(dtype).requires_grad_()
     with poisoned_outputs():  # dropped pairs' rows hold NaN: nothing may read them
         y, aux = layer(x)
@@ -133,6 +149,12 @@ def _run_moe(p):
         ("dw2", layer.w2.grad, ref[2][2][mine], same[2][2][mine]),
         ("dw3", layer.w3.grad, ref[2][3][mine], same[2][3][mine]),
     ]
+    shared = ["shared_w1", "shared_w2", "shared_w3", "shared_gate_weight"][: len(stacks) - 4]
+    for i, name in enumerate(shared, start=4):  # whole on every rank, as the router
+        grad = getattr(layer, name).grad.clone()
+        if size > 1:
+            dist.all_reduce(grad)
+        checks.append((f"d {name}", grad, ref[2][i], same[2][i]))
     for name, got, r, t in checks:
         assert_close(got, r, t, name=name)
     return float(layer.last_stats["dropped_fraction"])
@@ -149,16 +171,18 @@ def moe_problems(draw):
         score=draw(st.sampled_from(["softmax", "sigmoid"])),
         capacity=draw(st.sampled_from([None, None, 1.0, 0.5])),
         z_loss=draw(st.sampled_from([0.0, 1e-3])), skew=draw(st.sampled_from([0.0, 0.5, 2.0])),
+        shared=draw(st.sampled_from([None, None, "plain", "gated"])),
         dtype=draw(cpu_dtypes()), seed=draw(seeds()),
     )  # fmt: skip
 
 
 BASE = dict(E=4, k=2, d=8, h=6, score="softmax", capacity=None, z_loss=0.0, skew=0.0,
-            dtype=torch.float32, seed=0)  # fmt: skip
+            shared=None, dtype=torch.float32, seed=0)  # fmt: skip
 
 
 @given(p=moe_problems())
 @example(p={**BASE, "world_size": 2, "tokens": [0, 5]})  # a rank with no tokens
+@example(p={**BASE, "world_size": 2, "tokens": [0, 4], "shared": "gated"})  # Qwen2-MoE
 @example(p={**BASE, "world_size": 4, "tokens": [3, 0, 0, 2]})  # two of them
 @example(p={**BASE, "world_size": 2, "E": 6, "tokens": [1, 1]})  # T = 1, idle experts
 @example(p={**BASE, "world_size": 2, "tokens": [6, 6], "skew": 8.0})  # all to expert 0
@@ -209,14 +233,19 @@ def test_capacity_caps_experts_and_reports_drops(world):
 
 
 def _run_bad(case):
-    if case == "experts":
-        fp.nn.MoE(8, 4, 3, 1, _group())
-    elif case == "top_k":
-        fp.nn.MoE(8, 4, 4, 5, _group())
-    elif case == "shape":
-        fp.nn.MoE(8, 4, 4, 2, _group())(torch.ones(3, 7))
-    elif case == "dtype":
-        fp.nn.MoE(8, 4, 4, 2, _group())(torch.ones(3, 8, dtype=torch.float16))
+    """The error each rank raised (returned: the pool lives on for the next test)."""
+    try:
+        if case == "experts":
+            fp.nn.MoE(8, 4, 3, 1, _group())
+        elif case == "top_k":
+            fp.nn.MoE(8, 4, 4, 5, _group())
+        elif case == "shape":
+            fp.nn.MoE(8, 4, 4, 2, _group())(torch.ones(3, 7))
+        elif case == "dtype":
+            fp.nn.MoE(8, 4, 4, 2, _group())(torch.ones(3, 8, dtype=torch.float16))
+    except (ValueError, TypeError) as e:
+        return e
+    return None
 
 
 @pytest.mark.parametrize(
@@ -226,11 +255,24 @@ def _run_bad(case):
      ("shape", ValueError, r"d_model=8.*\(3, 7\)"), ("dtype", TypeError, "float16")],
 )  # fmt: skip
 def test_bad_input_fails_on_every_rank(world, case, error, match):
-    with pytest.raises(WorldError) as info:
-        world(2).run(_run_bad, case)
-    assert sorted(info.value.exceptions) == [0, 1]
-    for e in info.value.exceptions.values():
+    for e in world(2).run(_run_bad, case):
         assert isinstance(e, error) and re.search(match, str(e)), repr(e)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"shared_gate_weight": torch.ones(1, 8)}, r"shared_gate needs a shared expert"),
+    ({"shared": (torch.ones(5, 8), torch.ones(8, 5), torch.ones(5, 8)),
+      "shared_gate_weight": torch.ones(1, 8), "shared_gate": False},
+     r"a shared gate given but this MoE was built with shared_gate=False"),
+    ({"shared": (torch.ones(5, 8), torch.ones(8, 5), torch.ones(5, 8)), "shared_hidden": 0},
+     r"a shared expert given but this MoE was built with shared_hidden=0"),
+    ({"shared": (torch.ones(5, 8), torch.ones(8, 4), torch.ones(5, 8))},
+     r"shared w2 must be \(8, 5\), got \(8, 4\)"),
+])  # fmt: skip
+def test_from_dense_refuses_a_shared_expert_it_would_not_compute(kwargs, match):
+    stacks = (torch.ones(4, 8), torch.ones(4, 6, 8), torch.ones(4, 8, 6), torch.ones(4, 6, 8))
+    with pytest.raises(ValueError, match=match):
+        fp.nn.MoE.from_dense(*stacks, top_k=2, **kwargs)
 
 
 def test_leading_dims_and_no_group():

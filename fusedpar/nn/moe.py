@@ -3,6 +3,7 @@
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fusedpar import comm
@@ -23,6 +24,13 @@ class MoE(nn.Module):
     | `w1`, `w3`      | (E/W, d_hidden, d_model) | this rank's experts                  |
     | `w2`            | (E/W, d_model, d_hidden) |                                      |
     | `expert_bias`   | (E,) buffer, sigmoid only | shifts selection, not the weights   |
+    | `shared_w1`, `shared_w3`; `shared_w2` | (hs, d_model); (d_model, hs) | ``shared_hidden=hs`` |
+    | `shared_gate_weight` | (1, d_model)      | ``shared_gate=True``                   |
+
+    With ``shared_hidden`` every token also goes through a shared SwiGLU expert (whole
+    on every rank, on this rank's tokens), added to the routed output, scaled by
+    ``sigmoid(x @ shared_gate_weight.T)`` with ``shared_gate`` (Qwen2-MoE; DeepSeek's
+    shared experts are ungated).
 
     Router math is fp32. ``aux_loss`` = Switch load balancing (``aux_loss_coef``) + router
     z-loss (``z_loss_coef``), over this rank's tokens. Dropless unless
@@ -39,9 +47,12 @@ class MoE(nn.Module):
 
     def __init__(self, d_model, d_hidden, num_experts, top_k, ep_group=None, *,
                  score="softmax", norm_topk_prob=True, capacity_factor=None,
-                 aux_loss_coef=0.01, z_loss_coef=0.0, device=None, dtype=None):  # fmt: skip
+                 aux_loss_coef=0.01, z_loss_coef=0.0, shared_hidden=0, shared_gate=False,
+                 device=None, dtype=None):  # fmt: skip
         super().__init__()
         world = comm.group_size(ep_group)
+        if shared_gate and not shared_hidden:
+            raise ValueError("shared_gate needs a shared expert: pass shared_hidden > 0")
         if num_experts < 1 or num_experts % world:
             raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the "
                              f"EP group size ({world})")  # fmt: skip
@@ -69,6 +80,16 @@ class MoE(nn.Module):
         self.w1 = nn.Parameter(torch.empty(local, d_hidden, d_model, **factory))
         self.w3 = nn.Parameter(torch.empty(local, d_hidden, d_model, **factory))
         self.w2 = nn.Parameter(torch.empty(local, d_model, d_hidden, **factory))
+        self.shared_hidden = shared_hidden
+        shared = shared_hidden > 0
+        for name, shape in (("shared_w1", (shared_hidden, d_model)),
+                            ("shared_w2", (d_model, shared_hidden)),
+                            ("shared_w3", (shared_hidden, d_model)),
+                            ("shared_gate_weight", (1, d_model))):  # fmt: skip
+            on = shared_gate if name == "shared_gate_weight" else shared
+            self.register_parameter(
+                name, nn.Parameter(torch.empty(shape, **factory)) if on else None
+            )
         bias = torch.zeros(num_experts, device=device) if score == "sigmoid" else None
         self.register_buffer("expert_bias", bias)
         self.last_stats: dict = {}
@@ -82,15 +103,38 @@ class MoE(nn.Module):
         def linear_init(*shape):  # (..., out, in), bound 1/sqrt(in) as nn.Linear
             return torch.empty(shape).uniform_(-1, 1) / math.sqrt(shape[-1])
 
-        E, d, h = self.num_experts, self.d_model, self.d_hidden
+        E, d, h, hs = self.num_experts, self.d_model, self.d_hidden, self.shared_hidden
+        shared = {}
+        if hs:
+            shared["shared"] = (linear_init(hs, d), linear_init(d, hs), linear_init(hs, d))
+        if self.shared_gate_weight is not None:
+            shared["shared_gate_weight"] = linear_init(1, d)
         self.load_dense(linear_init(E, d), linear_init(E, h, d), linear_init(E, d, h),
-                        linear_init(E, h, d))  # fmt: skip
+                        linear_init(E, h, d), **shared)  # fmt: skip
 
-    def load_dense(self, router_weight, w1, w2, w3) -> None:
-        """Copy the full (unsharded) router and expert stacks, keeping this rank's experts."""
-        E, d, h = self.num_experts, self.d_model, self.d_hidden
-        for name, t, shape in (("router_weight", router_weight, (E, d)), ("w1", w1, (E, h, d)),
-                               ("w2", w2, (E, d, h)), ("w3", w3, (E, h, d))):  # fmt: skip
+    def load_dense(self, router_weight, w1, w2, w3, *, shared=None,
+                   shared_gate_weight=None) -> None:  # fmt: skip
+        """Copy the full (unsharded) router and expert stacks, keeping this rank's experts,
+        and the shared expert (w1, w2, w3) and its gate (1, d_model) where this layer has
+        them (and only there: nothing given is ignored)."""
+        E, d, h, hs = self.num_experts, self.d_model, self.d_hidden, self.shared_hidden
+        if (shared is None) != (hs == 0):
+            raise ValueError(f"a shared expert {'given' if shared is not None else 'missing'} "
+                             f"but this MoE was built with shared_hidden={hs}")  # fmt: skip
+        if (shared_gate_weight is None) != (self.shared_gate_weight is None):
+            given = "given" if shared_gate_weight is not None else "missing"
+            raise ValueError(f"a shared gate {given}"
+                             f" but this MoE was built with shared_gate="
+                             f"{self.shared_gate_weight is not None}")  # fmt: skip
+        checks = [("router_weight", router_weight, (E, d)), ("w1", w1, (E, h, d)),
+                  ("w2", w2, (E, d, h)), ("w3", w3, (E, h, d))]  # fmt: skip
+        if shared is not None:
+            shapes = ((hs, d), (d, hs), (hs, d))
+            names = ("shared w1", "shared w2", "shared w3")
+            checks += list(zip(names, shared, shapes, strict=True))
+        if shared_gate_weight is not None:
+            checks.append(("shared_gate_weight", shared_gate_weight, (1, d)))
+        for name, t, shape in checks:
             if tuple(t.shape) != shape:
                 raise ValueError(f"{name} must be {shape}, got {tuple(t.shape)}")
         mine = slice(self.rank * E // self.world, (self.rank + 1) * E // self.world)
@@ -98,17 +142,29 @@ class MoE(nn.Module):
             local_tensor(self.router_weight).copy_(router_weight)
             for param, full in ((self.w1, w1), (self.w2, w2), (self.w3, w3)):
                 local_tensor(param).copy_(full[mine])
+            for param, full in zip((self.shared_w1, self.shared_w2, self.shared_w3),
+                                   shared or (), strict=False):  # fmt: skip
+                local_tensor(param).copy_(full)
+            if shared_gate_weight is not None:
+                local_tensor(self.shared_gate_weight).copy_(shared_gate_weight)
 
     def param_layouts(self) -> dict:
         """For `fusedpar.distribute`: the expert stacks split over the EP group; the
         router whole (its gradient is this rank's tokens')."""
-        experts = ParamLayout(0, self.ep_group)
-        return {"router_weight": ParamLayout(), "w1": experts, "w2": experts, "w3": experts}
+        experts, whole = ParamLayout(0, self.ep_group), ParamLayout()
+        return {"router_weight": whole, "w1": experts, "w2": experts, "w3": experts,
+                "shared_w1": whole, "shared_w2": whole, "shared_w3": whole,
+                "shared_gate_weight": whole}  # fmt: skip
 
     @classmethod
-    def from_dense(cls, router_weight, w1, w2, w3, ep_group=None, **kwargs):
+    def from_dense(cls, router_weight, w1, w2, w3, ep_group=None, *, shared=None,
+                   shared_gate_weight=None, **kwargs):  # fmt: skip
         """A layer holding this rank's share of full stacks: router_weight (E, d_model);
-        w1, w3 (E, d_hidden, d_model); w2 (E, d_model, d_hidden)."""
+        w1, w3 (E, d_hidden, d_model); w2 (E, d_model, d_hidden); optionally a shared
+        expert ``shared=(w1 (hs, d), w2 (d, hs), w3 (hs, d))`` and its gate
+        ``shared_gate_weight`` (1, d); ``shared_hidden``, ``shared_gate`` read off them."""
+        kwargs.setdefault("shared_hidden", 0 if shared is None else shared[0].shape[0])
+        kwargs.setdefault("shared_gate", shared_gate_weight is not None)
         if "top_k" not in kwargs:
             raise TypeError("MoE.from_dense needs top_k=...")
         num_experts, d_model = router_weight.shape
@@ -119,7 +175,13 @@ class MoE(nn.Module):
         layer.to_empty(device=device)
         if layer.expert_bias is not None:
             layer.expert_bias.zero_()
-        layer.load_dense(router_weight.detach(), w1.detach(), w2.detach(), w3.detach())
+        extras = {}
+        if shared is not None:
+            extras["shared"] = tuple(t.detach() for t in shared)
+        if shared_gate_weight is not None:
+            extras["shared_gate_weight"] = shared_gate_weight.detach()
+        layer.load_dense(router_weight.detach(), w1.detach(), w2.detach(), w3.detach(),
+                         **extras)  # fmt: skip
         return layer
 
     def forward(self, x: torch.Tensor):
@@ -141,6 +203,12 @@ class MoE(nn.Module):
             "dropped_fraction": dropped.float() / max(1, ids.numel()),
         }
         aux = aux_losses(probs, logits, ids, self.score, self.aux_loss_coef, self.z_loss_coef)
+        if self.shared_w1 is not None:
+            hidden = F.silu(F.linear(x2d, self.shared_w1)) * F.linear(x2d, self.shared_w3)
+            shared = F.linear(hidden, self.shared_w2)
+            if self.shared_gate_weight is not None:
+                shared = torch.sigmoid(F.linear(x2d, self.shared_gate_weight)) * shared
+            y = y + shared
         return y.view(x.shape), aux
 
     def extra_repr(self) -> str:

@@ -237,10 +237,13 @@ def moe_dispatch_combine(x, weights, ids, keep, w1, w3, w2, num_experts, group):
 
 def moe_reference(x, router_weight, w1, w2, w3, *, top_k, score="softmax",
                   norm_topk_prob=True, capacity_factor=None, expert_bias=None,
-                  aux_loss_coef=0.01, z_loss_coef=0.0):  # fmt: skip
+                  aux_loss_coef=0.01, z_loss_coef=0.0, shared=None,
+                  shared_gate=None):  # fmt: skip
     """The whole layer as a naive loop over tokens and experts, in x's dtype (float64 in ->
     the oracle; the router in at least fp32, as the layer's). Full (unsharded) stacks;
-    returns (y (T, d), aux_loss)."""
+    `shared` (w1 (hs, d), w2 (d, hs), w3 (hs, d)): a shared expert every token goes
+    through, scaled by ``sigmoid(x @ shared_gate.T)`` if given (1, d). Returns (y (T, d),
+    aux_loss)."""
     T, E = x.shape[0], router_weight.shape[0]
     router_dtype = torch.promote_types(x.dtype, torch.float32)
     logits = x.to(router_dtype) @ router_weight.to(router_dtype).T
@@ -268,4 +271,8 @@ def moe_reference(x, router_weight, w1, w2, w3, *, top_k, score="softmax",
                 y_t = y_t + weights[t, j].to(x.dtype) * (w2[e] @ hidden)
         rows.append(y_t)
     y = torch.stack(rows) if rows else x.new_zeros((0, x.shape[1]))
+    if shared is not None:
+        s1, s2, s3 = shared
+        out = (torch.nn.functional.silu(x @ s1.T) * (x @ s3.T)) @ s2.T
+        y = y + (out if shared_gate is None else torch.sigmoid(x @ shared_gate.T) * out)
     return y, aux_losses(probs, logits, ids, score, aux_loss_coef, z_loss_coef)
