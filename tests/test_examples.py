@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import fusedpar as fp
-from fusedpar.testing import assert_close
+from fusedpar.testing import assert_close, exception_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -130,13 +130,7 @@ def test_a_few_clipped_adamw_steps_keep_the_losses_together(world):
 
 
 def _run_bad_config(kwargs, check):
-    """The error each rank raised (returned, so the pool lives on for the next test)."""
-    dims = fp.ParallelDims(**kwargs)
-    try:
-        dims.validate(dist.get_world_size(), **check)
-    except ValueError as e:
-        return e
-    return None
+    fp.ParallelDims(**kwargs).validate(dist.get_world_size(), **check)
 
 
 @pytest.mark.parametrize(
@@ -150,7 +144,7 @@ def _run_bad_config(kwargs, check):
      ({"dp": 2, "tp": 2, "ep": "dp"}, {}, r"ep over dp \(dp degree 2\)")],
 )  # fmt: skip
 def test_bad_configurations_fail_on_every_rank(world, kwargs, check, match):
-    for e in world(4).run(_run_bad_config, kwargs, check):
+    for e in world(4).run(exception_of, _run_bad_config, kwargs, check):
         assert isinstance(e, ValueError) and re.search(match, str(e)), repr(e)
 
 

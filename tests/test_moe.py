@@ -44,7 +44,7 @@ from hypothesis import strategies as st
 
 import fusedpar as fp
 from fusedpar.ops.moe import ExpertSwiGLU, moe_reference
-from fusedpar.testing import assert_close
+from fusedpar.testing import assert_close, exception_of
 from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,19 +233,14 @@ def test_capacity_caps_experts_and_reports_drops(world):
 
 
 def _run_bad(case):
-    """The error each rank raised (returned: the pool lives on for the next test)."""
-    try:
-        if case == "experts":
-            fp.nn.MoE(8, 4, 3, 1, _group())
-        elif case == "top_k":
-            fp.nn.MoE(8, 4, 4, 5, _group())
-        elif case == "shape":
-            fp.nn.MoE(8, 4, 4, 2, _group())(torch.ones(3, 7))
-        elif case == "dtype":
-            fp.nn.MoE(8, 4, 4, 2, _group())(torch.ones(3, 8, dtype=torch.float16))
-    except (ValueError, TypeError) as e:
-        return e
-    return None
+    if case == "experts":
+        fp.nn.MoE(8, 4, 3, 1, _group())
+    elif case == "top_k":
+        fp.nn.MoE(8, 4, 4, 5, _group())
+    elif case == "shape":
+        fp.nn.MoE(8, 4, 4, 2, _group())(torch.ones(3, 7))
+    elif case == "dtype":
+        fp.nn.MoE(8, 4, 4, 2, _group())(torch.ones(3, 8, dtype=torch.float16))
 
 
 @pytest.mark.parametrize(
@@ -255,7 +250,7 @@ def _run_bad(case):
      ("shape", ValueError, r"d_model=8.*\(3, 7\)"), ("dtype", TypeError, "float16")],
 )  # fmt: skip
 def test_bad_input_fails_on_every_rank(world, case, error, match):
-    for e in world(2).run(_run_bad, case):
+    for e in world(2).run(exception_of, _run_bad, case):
         assert isinstance(e, error) and re.search(match, str(e)), repr(e)
 
 

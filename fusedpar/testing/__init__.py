@@ -1,6 +1,7 @@
 """The harness fusedpar's tests use, and that users get for their own parallel models.
 
-- `World`: a persistent pool of ranks; ``world.run(fn, *args)`` runs on every rank.
+- `World`: a persistent pool of ranks; ``world.run(fn, *args)`` runs on every rank;
+  ``world.run(exception_of, fn, *args)`` returns what each rank raised.
 - `assert_close`: the tolerance rule (twice PyTorch's own error against float64).
 - `strategies`: hypothesis profiles and strategies.
 - `compile_gate`: compile Triton kernels for sm_80/sm_90 without a GPU.
@@ -10,7 +11,7 @@
 from fusedpar.testing import compile_gate, strategies
 from fusedpar.testing.host_syncs import HostSyncs
 from fusedpar.testing.tolerance import assert_close, tolerance
-from fusedpar.testing.world import World, WorldError, WorldTimeout, shared_world
+from fusedpar.testing.world import World, WorldError, WorldTimeout, exception_of, shared_world
 
 __all__ = [
     "HostSyncs",
@@ -19,6 +20,7 @@ __all__ = [
     "WorldTimeout",
     "assert_close",
     "compile_gate",
+    "exception_of",
     "shared_world",
     "strategies",
     "tolerance",

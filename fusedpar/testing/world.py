@@ -283,6 +283,21 @@ class World:
         return os.path.join(self._tmpdir, f"stack{rank}.txt")
 
 
+def exception_of(fn, *args, **kwargs) -> Exception | None:
+    """``fn(*args, **kwargs)`` on a rank; the exception it raised (None if it returned).
+
+    For testing errors that every rank must raise before any collective:
+    ``world.run(exception_of, fn, *args)`` returns them all and, no call having failed,
+    keeps the pool (a failed call restarts it, seconds per test). A rank that entered a
+    collective the others skipped still hangs the call into `WorldTimeout`.
+    """
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - returned to the test, which checks it
+        return e
+    return None
+
+
 # --- pool sharing ----------------------------------------------------------------------
 
 _live_worlds: set[World] = set()
