@@ -1,0 +1,1 @@
+"""Conversions of other libraries' models to fusedpar layers (optional dependencies)."""

@@ -1,0 +1,209 @@
+"""Hugging Face decoder models in one call: `parallelize(model, dims)`.
+
+    dims = fp.ParallelDims(cp=2, tp=2, ep="tp")
+    mesh = parallelize(model, dims)              # in place; returns the mesh
+    groups = dims.groups(mesh)
+    logits = model(input_ids=local_tokens(ids, groups)).logits    # (B, S/CP/TP, V)
+    labels = local_tokens(next_token_labels(ids), groups)
+
+Each decoder layer's attention becomes a `ParallelAttention` (heads over tp, the
+sequence over cp, RoPE from the model's own rotary module at the global positions of the
+local tokens), its MLP a `ParallelSwiGLU` or, in MoE layers, a `MoE` (experts over the
+ep axes, the shared expert and its gate where the model has them). Embeddings, norms and
+the LM head stay as they are; then `fusedpar.distribute` puts every parameter on the
+mesh. The model takes this rank's share of the tokens, (B, S / CP / TP): the zigzag CP
+shard of the sequence, then its TP chunk; `full_logits` gathers the logits back.
+
+Supported: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE (``model_type`` llama,
+mistral, qwen2, qwen3, mixtral, qwen2_moe), causal training without a KV cache or
+padding mask. Anything the converted model would not compute exactly (sliding-window
+layers, attention dropout, router jitter, another activation, a module of an unknown
+kind) raises ValueError naming it, on every rank, before any collective.
+"""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusedpar import comm
+from fusedpar.nn import MoE, ParallelAttention, ParallelSwiGLU
+from fusedpar.ops.sequence import gather_sequence, shard_sequence
+from fusedpar.storage import distribute
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe")
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu,
+               "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}  # fmt: skip
+
+
+class HFParallelAttention(ParallelAttention):
+    """`ParallelAttention` called as a Hugging Face attention module: hidden_states
+    (B, S_loc, d) batch-first in, ``(output, None)`` out; HF's mask and position
+    embeddings are ignored (causal, RoPE at global positions inside)."""
+
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
+        if past_key_values is not None:
+            raise ValueError("fusedpar's attention keeps no KV cache: call with use_cache=False")
+        return super().forward(hidden_states.transpose(0, 1)).transpose(0, 1), None
+
+
+class HFParallelSwiGLU(ParallelSwiGLU):
+    """`ParallelSwiGLU` on batch-first hidden states (B, S_loc, d)."""
+
+    def forward(self, hidden_states):
+        return super().forward(hidden_states.transpose(0, 1)).transpose(0, 1)
+
+
+class HFMoE(MoE):
+    """`MoE` returning only y, as HF's sparse blocks do; its aux loss is kept in
+    ``last_aux_loss`` (0 unless ``aux_loss_coef`` is set)."""
+
+    def forward(self, hidden_states):
+        y, self.last_aux_loss = super().forward(hidden_states)
+        return y
+
+
+def _rope(rotary_emb: nn.Module, positions: torch.Tensor):
+    """cos, sin of the model's own rotary module at `positions` (HF's (1, S, hd))."""
+    probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
+    return rotary_emb(probe, positions[None])
+
+
+def _refuse(condition: bool, what: str) -> None:
+    if condition:
+        raise ValueError(f"parallelize: {what} is not supported (the result would not compute "
+                         "what the model does)")  # fmt: skip
+
+
+def _check_config(config) -> None:
+    _refuse(config.model_type not in FAMILIES,
+            f"model_type {config.model_type!r} (supported: {', '.join(FAMILIES)})")  # fmt: skip
+    sliding = [t for t in getattr(config, "layer_types", None) or () if t != "full_attention"]
+    _refuse(bool(sliding), f"layer_types {sorted(set(sliding))}")
+    _refuse(getattr(config, "use_sliding_window", False), "use_sliding_window=True")
+    window = getattr(config, "sliding_window", None)
+    _refuse(config.model_type in ("mistral", "mixtral") and window is not None,
+            f"sliding_window={window} (windows are pending in the attention kernels)")  # fmt: skip
+    for name in ("attention_dropout", "router_jitter_noise", "hidden_dropout"):
+        value = getattr(config, name, 0.0)
+        _refuse(value not in (0, 0.0, None), f"{name}={value}")
+    tp_slices = getattr(config, "pretraining_tp", 1)
+    _refuse(tp_slices != 1, f"pretraining_tp={tp_slices}")
+    _refuse(getattr(config, "output_router_logits", False), "output_router_logits=True")
+    _refuse(config.hidden_act not in ACTIVATIONS, f"hidden_act={config.hidden_act!r}")
+
+
+def _check_layer(i: int, layer: nn.Module, config) -> None:
+    """Every refusal for decoder layer i, before anything is built."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    parts = ("q_proj", "k_proj", "v_proj", "o_proj")
+    _refuse(not all(isinstance(getattr(attn, p, None), nn.Linear) for p in parts),
+            f"layer {i}: attention {type(attn).__name__} without q/k/v/o_proj Linears")  # fmt: skip
+    head_dim = attn.q_proj.out_features // config.num_attention_heads
+    _refuse(abs(attn.scaling - head_dim**-0.5) > 1e-12, f"layer {i}: scaling {attn.scaling}")
+    _refuse(getattr(attn, "sliding_window", None) is not None, f"layer {i}: a sliding window")
+    if hasattr(mlp, "experts"):
+        _refuse(not hasattr(mlp.experts, "gate_up_proj") or not hasattr(mlp, "gate"),
+                f"layer {i}: experts of {type(mlp.experts).__name__}")  # fmt: skip
+        _refuse(ACTIVATIONS[config.hidden_act] is not F.silu,
+                f"layer {i}: MoE experts with hidden_act={config.hidden_act!r}")  # fmt: skip
+        shared = getattr(mlp, "shared_expert", None)
+        linears = () if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
+        gate = getattr(mlp, "shared_expert_gate", None)
+        _refuse(any(lin.bias is not None for lin in (*linears, *([gate] if gate else []))),
+                f"layer {i}: a shared expert (or its gate) with biases")  # fmt: skip
+        return
+    parts = ("gate_proj", "up_proj", "down_proj")
+    _refuse(not all(isinstance(getattr(mlp, p, None), nn.Linear) for p in parts),
+            f"layer {i}: MLP {type(mlp).__name__}")  # fmt: skip
+
+
+def _attention(attn: nn.Module, config, groups, rope) -> HFParallelAttention:
+    norms = {}
+    if getattr(attn, "q_norm", None) is not None:
+        norms = {"q_norm": attn.q_norm, "k_norm": attn.k_norm,
+                 "norm_eps": attn.q_norm.variance_epsilon}  # fmt: skip
+    return HFParallelAttention.from_dense(
+        attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, config.hidden_size,
+        config.num_attention_heads, config.num_key_value_heads, rope=rope,
+        tp_group=groups["tp"], cp_group=groups["cp"], **norms,
+    )  # fmt: skip
+
+
+def _mlp(mlp: nn.Module, config, groups) -> nn.Module:
+    act = ACTIVATIONS[config.hidden_act]
+    if hasattr(mlp, "experts"):
+        experts, h = mlp.experts, mlp.experts.down_proj.shape[-1]
+        extra = {}
+        shared = getattr(mlp, "shared_expert", None)
+        if shared is not None:
+            extra["shared"] = (shared.gate_proj.weight, shared.down_proj.weight,
+                               shared.up_proj.weight)  # fmt: skip
+            if getattr(mlp, "shared_expert_gate", None) is not None:
+                extra["shared_gate_weight"] = mlp.shared_expert_gate.weight
+        up = experts.gate_up_proj  # (E, 2h, d): the gate rows, then the up rows
+        return HFMoE.from_dense(
+            mlp.gate.weight, up[:, :h], experts.down_proj, up[:, h:], groups["ep"],
+            top_k=config.num_experts_per_tok, aux_loss_coef=0.0,
+            norm_topk_prob=getattr(config, "norm_topk_prob", True), **extra,
+        )  # fmt: skip
+    return HFParallelSwiGLU.from_dense(mlp.gate_proj, mlp.up_proj, mlp.down_proj, groups["tp"],
+                                       activation=act)  # fmt: skip
+
+
+def parallelize(model: nn.Module, dims, mesh=None):
+    """Convert a Hugging Face causal LM of a supported family in place (see the module
+    doc) and put its parameters on `mesh` (``dims.build_mesh`` on the model's device
+    type if None); returns the mesh. Checks everything before any collective."""
+    import torch.distributed as dist
+
+    config = model.config
+    _check_config(config)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    dims.validate(world, n_heads=config.num_attention_heads,
+                  n_kv_heads=config.num_key_value_heads, num_experts=experts)  # fmt: skip
+    decoder = model.model
+    for i, layer in enumerate(decoder.layers):
+        _check_layer(i, layer, config)
+    if mesh is None:
+        mesh = dims.build_mesh(next(model.parameters()).device.type)
+    groups = dims.groups(mesh)
+    rope = functools.partial(_rope, decoder.rotary_emb)
+    for layer in decoder.layers:
+        layer.self_attn = _attention(layer.self_attn, config, groups, rope)
+        layer.mlp = _mlp(layer.mlp, config, groups)
+    config.use_cache = False  # training: the converted attention keeps no KV cache
+    model.register_forward_pre_hook(_no_padding_mask, with_kwargs=True)
+    distribute(model, mesh)
+    return mesh
+
+
+def _no_padding_mask(module, args, kwargs):
+    if kwargs.get("attention_mask") is not None or len(args) > 1 and args[1] is not None:
+        raise ValueError("a model converted by fusedpar is causal over whole sequences: "
+                         "pass attention_mask=None (no packed sequences yet)")  # fmt: skip
+    if kwargs.get("use_cache"):
+        raise ValueError("a model converted by fusedpar keeps no KV cache: use_cache=False")
+
+
+def local_tokens(t: torch.Tensor, groups: dict) -> torch.Tensor:
+    """(B, S, ...) on every rank -> this rank's (B, S / CP / TP, ...): the zigzag CP shard
+    of the sequence, then this TP rank's chunk of it."""
+    t = shard_sequence(t, groups["cp"], dim=1)
+    return t.chunk(comm.group_size(groups["tp"]), dim=1)[comm.group_rank(groups["tp"])]
+
+
+def full_logits(logits: torch.Tensor, groups: dict) -> torch.Tensor:
+    """The inverse of `local_tokens` (differentiable): (B, S / CP / TP, V) -> (B, S, V)."""
+    return gather_sequence(comm.gather_from_region(logits, groups["tp"], dim=1), groups["cp"],
+                           dim=1)  # fmt: skip
+
+
+def next_token_labels(input_ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """(B, S) -> labels (B, S): token i+1 at i, `ignore_index` last. Shift before sharding:
+    a shard's last token's label lives on another rank."""
+    labels = torch.full_like(input_ids, ignore_index)
+    labels[:, :-1] = input_ids[:, 1:]
+    return labels

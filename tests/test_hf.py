@@ -1,0 +1,143 @@
+"""`fusedpar.integrations.hf.parallelize` on tiny random Hugging Face models of every
+supported family (built from their configs, nothing downloaded, fp32): at TP2 x CP2 (EP
+over tp for the MoE families) and on one rank, the converted model gives the original's
+logits, loss and every parameter gradient (gathered) within the tolerance rule; and
+each unsupported option is refused, on every rank, before any collective."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fusedpar as fp
+from fusedpar.testing import assert_close, exception_of
+
+transformers = pytest.importorskip(
+    "transformers", reason="the [test] extra installs transformers; absent on purpose here"
+)
+hf = pytest.importorskip("fusedpar.integrations.hf")
+
+SEQ, BATCH, VOCAB = 16, 2, 64
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+FAMILIES = {  # family: (config class, model class, options that family exercises)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),  # q/k norms, head dim
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                       shared_expert_intermediate_size=40)),  # shared expert + gate
+}  # fmt: skip
+
+
+def _model(family: str, seed: int, **changes):
+    config_cls, model_cls, options = FAMILIES[family]
+    # the eager expert loop: the default grouped GEMM has no float64 (the oracle's dtype)
+    config = getattr(transformers, config_cls)(**{**COMMON, **options, **changes},
+                                               experts_implementation="eager")  # fmt: skip
+    torch.manual_seed(seed)
+    return getattr(transformers, model_cls)(config).float()
+
+
+def _reference_grad(model, name: str) -> torch.Tensor:
+    """The gradient of the original parameter a converted one came from."""
+    prefix, leaf = name.rsplit(".", 1)
+    module = model.get_submodule(prefix)
+    plain = {"q_weight": "q_proj.weight", "k_weight": "k_proj.weight",
+             "v_weight": "v_proj.weight", "o_weight": "o_proj.weight", "q_bias": "q_proj.bias",
+             "k_bias": "k_proj.bias", "v_bias": "v_proj.bias", "o_bias": "o_proj.bias",
+             "q_norm_weight": "q_norm.weight", "k_norm_weight": "k_norm.weight",
+             "gate_weight": "gate_proj.weight", "up_weight": "up_proj.weight",
+             "down_weight": "down_proj.weight", "gate_bias": "gate_proj.bias",
+             "up_bias": "up_proj.bias", "down_bias": "down_proj.bias",
+             "router_weight": "gate.weight", "w2": "experts.down_proj",
+             "shared_w1": "shared_expert.gate_proj.weight",
+             "shared_w2": "shared_expert.down_proj.weight",
+             "shared_w3": "shared_expert.up_proj.weight",
+             "shared_gate_weight": "shared_expert_gate.weight"}  # fmt: skip
+    if leaf in ("w1", "w3"):  # halves of the fused (E, 2h, d) gate_up_proj
+        grad = module.get_parameter("experts.gate_up_proj").grad
+        h = grad.shape[1] // 2
+        return grad[:, :h] if leaf == "w1" else grad[:, h:]
+    if leaf in plain:
+        return module.get_parameter(plain[leaf]).grad
+    return model.get_parameter(name).grad  # embeddings, norms, head: unchanged names
+
+
+def _run_family(family, seed):
+    world = dist.get_world_size()
+    moe = family in ("mixtral", "qwen2_moe")
+    dims = (
+        fp.ParallelDims(cp=2, tp=2, ep="tp" if moe else None) if world == 4 else fp.ParallelDims()
+    )
+    model = _model(family, seed)
+    refs = {torch.float64: copy.deepcopy(model).double(), torch.float32: copy.deepcopy(model)}
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+    labels = hf.next_token_labels(ids)
+    valid = int((labels != -100).sum())
+    out = {}
+    for dtype, ref in refs.items():
+        logits = ref(input_ids=ids).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / valid
+        loss.backward()
+        out[dtype] = (logits.detach(), loss.detach().reshape(1))
+
+    mesh = hf.parallelize(model, dims)
+    groups = dims.groups(mesh)
+    logits = model(input_ids=hf.local_tokens(ids, groups)).logits  # (B, S/CP/TP, V)
+    local = hf.local_tokens(labels, groups).flatten()
+    loss = F.cross_entropy(logits.flatten(0, 1), local, reduction="sum") / valid
+    loss.backward()
+    total = loss.detach().clone().reshape(1)
+    if world > 1:
+        dist.all_reduce(total)
+    full = hf.full_logits(logits.detach(), groups)
+    assert_close(full, out[torch.float64][0], out[torch.float32][0], name="logits")
+    assert_close(total, out[torch.float64][1], out[torch.float32][1], name="loss")
+    checked = 0
+    for name, param in model.named_parameters():
+        ref64, ref32 = (_reference_grad(refs[dtype], name) for dtype in refs)
+        assert_close(param.grad.full_tensor(), ref64, ref32, name=name, sum_length=SEQ)
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_converted_model_trains_like_the_original(world, family):
+    assert len(set(world(4).run(_run_family, family, 0))) == 1
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2_moe"])
+def test_one_rank_with_no_groups(world, family):
+    assert world(1).run(_run_family, family, 1)[0] > 0
+
+
+def _run_refusal(family, changes):
+    hf.parallelize(_model(family, 0, **changes), fp.ParallelDims(cp=2, tp=2))
+
+
+@pytest.mark.parametrize("family, changes, match", [
+    ("mistral", dict(sliding_window=8), r"sliding_window=8"),
+    ("llama", dict(attention_dropout=0.1), r"attention_dropout=0.1"),
+    ("llama", dict(hidden_act="relu"), r"hidden_act='relu'"),
+    ("mixtral", dict(router_jitter_noise=0.1, sliding_window=None), r"router_jitter_noise=0.1"),
+    ("qwen2", dict(use_sliding_window=True, layer_types=["sliding_attention"]),
+     r"layer_types \['sliding_attention'\]"),
+])  # fmt: skip
+def test_unsupported_options_are_refused_on_every_rank(world, family, changes, match):
+    import re
+
+    for e in world(4).run(exception_of, _run_refusal, family, changes):
+        assert isinstance(e, ValueError) and re.search(match, str(e)), repr(e)
+
+
+def test_another_family_is_refused():
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=VOCAB)
+    model = transformers.GPT2LMHeadModel(config)
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' \(supported: llama"):
+        hf.parallelize(model, fp.ParallelDims())
