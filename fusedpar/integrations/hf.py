@@ -155,27 +155,35 @@ def _mlp(mlp: nn.Module, config, groups) -> nn.Module:
 def parallelize(model: nn.Module, dims, mesh=None):
     """Convert a Hugging Face causal LM of a supported family in place (see the module
     doc) and put its parameters on `mesh` (``dims.build_mesh`` on the model's device
-    type if None); returns the mesh. Checks everything before any collective."""
+    type if None); returns the mesh. Checks everything before any collective.
+
+    ``dims=None``: one process, every group None, plain parameters (no mesh, no
+    ``torch.distributed``): the same layers, for tests and debugging; returns None."""
     import torch.distributed as dist
 
     config = model.config
     _check_config(config)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    dims.validate(world, n_heads=config.num_attention_heads,
-                  n_kv_heads=config.num_key_value_heads, num_experts=experts)  # fmt: skip
+    if dims is not None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+        dims.validate(world, n_heads=config.num_attention_heads,
+                      n_kv_heads=config.num_key_value_heads, num_experts=experts)  # fmt: skip
     decoder = model.model
     for i, layer in enumerate(decoder.layers):
         _check_layer(i, layer, config)
-    if mesh is None:
-        mesh = dims.build_mesh(next(model.parameters()).device.type)
-    groups = dims.groups(mesh)
+    if dims is None:
+        groups = dict.fromkeys(("dp", "cp", "tp", "ep"))
+    else:
+        mesh = mesh if mesh is not None else dims.build_mesh(next(model.parameters()).device.type)
+        groups = dims.groups(mesh)
     rope = functools.partial(_rope, decoder.rotary_emb)
     for layer in decoder.layers:
         layer.self_attn = _attention(layer.self_attn, config, groups, rope)
         layer.mlp = _mlp(layer.mlp, config, groups)
     config.use_cache = False  # training: the converted attention keeps no KV cache
     model.register_forward_pre_hook(_no_padding_mask, with_kwargs=True)
+    if dims is None:
+        return None
     distribute(model, mesh)
     return mesh
 
