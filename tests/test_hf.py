@@ -70,13 +70,13 @@ def _reference_grad(model, name: str) -> torch.Tensor:
     return model.get_parameter(name).grad  # embeddings, norms, head: unchanged names
 
 
-def _run_family(family, seed):
+def _run_family(family, seed, changes=None):
     """At TP2 x CP2 on 4 ranks; in one process (no torch.distributed) with every group
-    None and plain parameters."""
+    None and plain parameters. `changes`: config fields over the family's."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     moe = family in ("mixtral", "qwen2_moe")
     dims = fp.ParallelDims(cp=2, tp=2, ep="tp" if moe else None) if world == 4 else None
-    model = _model(family, seed)
+    model = _model(family, seed, **(changes or {}))
     refs = {torch.float64: copy.deepcopy(model).double(), torch.float32: copy.deepcopy(model)}
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
     labels = hf.next_token_labels(ids)
@@ -114,9 +114,32 @@ def test_the_converted_model_trains_like_the_original(world, family):
     assert len(set(world(4).run(_run_family, family, 0))) == 1
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_one_process_with_every_group_none(family):
-    assert _run_family(family, 1) > 0
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}  # fmt: skip
+VARIANTS = [(family, None) for family in FAMILIES] + [
+    ("llama", dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)),  # scaled, tied
+    ("qwen2_moe", dict(num_hidden_layers=2, mlp_only_layers=[1])),  # a dense layer among MoE
+    ("mixtral", dict(norm_topk_prob=False, num_local_experts=4, num_experts_per_tok=2,
+                     sliding_window=None)),  # Mixtral's router normalizes whatever this says
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("family, changes", VARIANTS)
+def test_one_process_with_every_group_none(family, changes):
+    assert _run_family(family, 1, changes) > 0
+
+
+@pytest.mark.parametrize("call, match", [
+    (dict(attention_mask=torch.ones(BATCH, SEQ, dtype=torch.long)), r"attention_mask=None"),
+    (dict(position_ids=torch.arange(SEQ)[None]), r"no position_ids"),
+    (dict(labels=torch.zeros(BATCH, SEQ, dtype=torch.long)), r"labels= would shift"),
+    (dict(use_cache=True), r"keeps no KV cache"),
+])  # fmt: skip
+def test_what_the_converted_model_would_get_wrong_is_refused(call, match):
+    model = _model("llama", 0)
+    hf.parallelize(model, None)
+    with pytest.raises(ValueError, match=match):
+        model(input_ids=torch.zeros(BATCH, SEQ, dtype=torch.long), **call)
 
 
 def _run_refusal(family, changes):
@@ -130,6 +153,8 @@ def _run_refusal(family, changes):
     ("mixtral", dict(router_jitter_noise=0.1, sliding_window=None), r"router_jitter_noise=0.1"),
     ("qwen2", dict(use_sliding_window=True, layer_types=["sliding_attention"]),
      r"layer_types \['sliding_attention'\]"),
+    ("llama", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+     r"rope_type 'dynamic'"),
 ])  # fmt: skip
 def test_unsupported_options_are_refused_on_every_rank(world, family, changes, match):
     import re

@@ -15,10 +15,12 @@ mesh. The model takes this rank's share of the tokens, (B, S / CP / TP): the zig
 shard of the sequence, then its TP chunk; `full_logits` gathers the logits back.
 
 Supported: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE (``model_type`` llama,
-mistral, qwen2, qwen3, mixtral, qwen2_moe), causal training without a KV cache or
-padding mask. Anything the converted model would not compute exactly (sliding-window
-layers, attention dropout, router jitter, another activation, a module of an unknown
-kind) raises ValueError naming it, on every rank, before any collective.
+mistral, qwen2, qwen3, mixtral, qwen2_moe), causal training over whole sequences.
+Anything the converted model would not compute exactly (sliding-window layers, attention
+dropout, router jitter, another activation, RoPE whose tables depend on the sequence
+length, a module of an unknown kind) raises ValueError naming it, on every rank, before
+any collective; so do, at call time, an attention mask, position_ids, labels (HF would
+shift them inside each shard) and use_cache.
 """
 
 import functools
@@ -64,10 +66,14 @@ class HFMoE(MoE):
         return y
 
 
-def _rope(rotary_emb: nn.Module, positions: torch.Tensor):
-    """cos, sin of the model's own rotary module at `positions` (HF's (1, S, hd))."""
+def _rope(rotary_emb: nn.Module, head_dim: int, positions: torch.Tensor):
+    """cos, sin of the model's own rotary module at `positions`: HF's (1, S, hd)."""
     probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
-    return rotary_emb(probe, positions[None])
+    cos, sin = rotary_emb(probe, positions[None])
+    if cos.shape[-1] != head_dim:  # a half-width table would pass for fusedpar's layout
+        raise ValueError(f"the model's rotary module gives tables of width {cos.shape[-1]}, "
+                         f"not head_dim {head_dim}")  # fmt: skip
+    return cos, sin
 
 
 def _refuse(condition: bool, what: str) -> None:
@@ -92,6 +98,13 @@ def _check_config(config) -> None:
     _refuse(tp_slices != 1, f"pretraining_tp={tp_slices}")
     _refuse(getattr(config, "output_router_logits", False), "output_router_logits=True")
     _refuse(config.hidden_act not in ACTIVATIONS, f"hidden_act={config.hidden_act!r}")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    rope_type = (rope or {}).get("rope_type")
+    # these tables depend on the whole sequence's length, which a CP rank's positions do
+    # not tell (zigzag: only rank 0 holds the last chunk)
+    _refuse(rope_type in ("dynamic", "longrope"), f"rope_type {rope_type!r}")
+    factor = getattr(config, "partial_rotary_factor", 1.0)
+    _refuse(factor != 1.0, f"partial_rotary_factor={factor}")
 
 
 def _check_layer(i: int, layer: nn.Module, config) -> None:
@@ -146,7 +159,7 @@ def _mlp(mlp: nn.Module, config, groups) -> nn.Module:
         return HFMoE.from_dense(
             mlp.gate.weight, up[:, :h], experts.down_proj, up[:, h:], groups["ep"],
             top_k=config.num_experts_per_tok, aux_loss_coef=0.0,
-            norm_topk_prob=getattr(config, "norm_topk_prob", True), **extra,
+            norm_topk_prob=getattr(mlp.gate, "norm_topk_prob", True), **extra,  # Mixtral: always
         )  # fmt: skip
     return HFParallelSwiGLU.from_dense(mlp.gate_proj, mlp.up_proj, mlp.down_proj, groups["tp"],
                                        activation=act)  # fmt: skip
@@ -168,15 +181,20 @@ def parallelize(model: nn.Module, dims, mesh=None):
         experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
         dims.validate(world, n_heads=config.num_attention_heads,
                       n_kv_heads=config.num_key_value_heads, num_experts=experts)  # fmt: skip
-    decoder = model.model
+    decoder = getattr(model, "model", None)
+    _refuse(not hasattr(decoder, "layers") or not hasattr(decoder, "rotary_emb"),
+            f"{type(model).__name__} without .model.layers and .model.rotary_emb (pass the "
+            "ForCausalLM model)")  # fmt: skip
     for i, layer in enumerate(decoder.layers):
         _check_layer(i, layer, config)
     if dims is None:
+        _refuse(mesh is not None, "a mesh without dims")
         groups = dict.fromkeys(("dp", "cp", "tp", "ep"))
     else:
         mesh = mesh if mesh is not None else dims.build_mesh(next(model.parameters()).device.type)
         groups = dims.groups(mesh)
-    rope = functools.partial(_rope, decoder.rotary_emb)
+    head_dim = decoder.layers[0].self_attn.q_proj.out_features // config.num_attention_heads
+    rope = functools.partial(_rope, decoder.rotary_emb, head_dim)
     for layer in decoder.layers:
         layer.self_attn = _attention(layer.self_attn, config, groups, rope)
         layer.mlp = _mlp(layer.mlp, config, groups)
@@ -189,9 +207,17 @@ def parallelize(model: nn.Module, dims, mesh=None):
 
 
 def _no_padding_mask(module, args, kwargs):
+    """What the converted model would ignore or get wrong: refused at call time."""
     if kwargs.get("attention_mask") is not None or len(args) > 1 and args[1] is not None:
         raise ValueError("a model converted by fusedpar is causal over whole sequences: "
-                         "pass attention_mask=None (no packed sequences yet)")  # fmt: skip
+                         "pass attention_mask=None, even an all-ones one (no packing "
+                         "yet)")  # fmt: skip
+    if kwargs.get("position_ids") is not None:
+        raise ValueError("a converted model takes no position_ids: RoPE is applied at the "
+                         "global positions of the local tokens")  # fmt: skip
+    if kwargs.get("labels") is not None:
+        raise ValueError("labels= would shift within each rank's shard: compute the loss "
+                         "with next_token_labels and local_tokens (docs/dropin.md)")  # fmt: skip
     if kwargs.get("use_cache"):
         raise ValueError("a model converted by fusedpar keeps no KV cache: use_cache=False")
 
@@ -200,7 +226,11 @@ def local_tokens(t: torch.Tensor, groups: dict) -> torch.Tensor:
     """(B, S, ...) on every rank -> this rank's (B, S / CP / TP, ...): the zigzag CP shard
     of the sequence, then this TP rank's chunk of it."""
     t = shard_sequence(t, groups["cp"], dim=1)
-    return t.chunk(comm.group_size(groups["tp"]), dim=1)[comm.group_rank(groups["tp"])]
+    tp = comm.group_size(groups["tp"])
+    if t.shape[1] % tp:
+        raise ValueError(f"each CP shard's {t.shape[1]} tokens do not divide by the TP "
+                         f"degree {tp} (sequence parallelism)")  # fmt: skip
+    return t.chunk(tp, dim=1)[comm.group_rank(groups["tp"])]
 
 
 def full_logits(logits: torch.Tensor, groups: dict) -> torch.Tensor:
