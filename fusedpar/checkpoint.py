@@ -79,11 +79,15 @@ def _compare(path, metadata, state: dict) -> None:
                          "model")  # fmt: skip
 
 
-def check(path: str | os.PathLike, model: nn.Module, optimizer=None) -> None:
+def _metadata(path) -> dict:
+    return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+
+
+def check(path: str | os.PathLike, model: nn.Module, optimizer=None, *, metadata=None) -> None:
     """ValueError unless the checkpoint at `path` holds exactly the tensors of `model`
-    (and `optimizer`), with the same global shapes. Reads the metadata only; no
-    communication; leaves an optimizer without state without state."""
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    (and `optimizer`), with the same global shapes. Reads the metadata only (unless
+    given); no communication; leaves an optimizer without state without state."""
+    metadata = _metadata(path) if metadata is None else metadata
     _compare(path, metadata, {"model": get_model_state_dict(model)})
     if optimizer is None:
         return
@@ -116,8 +120,8 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None) -> dict:
     checkpoint does not fit (or a rank cannot read it), every rank raises ValueError
     before anything is read."""
     try:
-        check(path, model, optimizer)
-        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        metadata = _metadata(path)
+        check(path, model, optimizer, metadata=metadata)
     except Exception as e:  # noqa: BLE001 - handed to every rank by _agree
         _agree(e)
     _agree(None)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedpar import comm
+from fusedpar.nn.linear import linear_parts
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.ring_attention import ring_attn
 from fusedpar.ops.sequence import sequence_positions
@@ -49,15 +50,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     c, s = cos[None, :, None, :], sin[None, :, None, :]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-
-
-def _linear_parts(name: str, t) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias) of an ``nn.Linear``, or (t, None) of a weight tensor."""
-    if isinstance(t, nn.Linear):
-        return t.weight, t.bias
-    if isinstance(t, torch.Tensor):
-        return t, None
-    raise TypeError(f"dense {name} must be an nn.Linear or a weight tensor, got {type(t)}")
 
 
 def _norm_weight(name: str, t) -> torch.Tensor:
@@ -166,7 +158,7 @@ class ParallelAttention(nn.Module):
                     "v": (self.n_kv_heads * hd, d), "o": (d, self.n_heads * hd)}  # fmt: skip
         copies = []  # (parameter, full tensor, split dim or None)
         for name, t in zip("qkvo", (q, k, v, o), strict=True):
-            weight, bias = _linear_parts(name, t)
+            weight, bias = linear_parts(name, t)
             if tuple(weight.shape) != expected[name]:
                 raise ValueError(f"dense {name} must be {expected[name]} (heads x head_dim "
                                  f"{hd}), got {tuple(weight.shape)}")  # fmt: skip
@@ -220,14 +212,14 @@ class ParallelAttention(nn.Module):
         """A layer holding this TP rank's heads of dense q, k, v, o (``nn.Linear`` or
         weights) and optional q/k norms. `bias`, `o_bias`, `qk_norm` and `head_dim` are
         read off the dense modules unless given (and then must agree)."""
-        weight, bias = _linear_parts("q", q)
+        weight, bias = linear_parts("q", q)
         n_kv_heads = n_kv_heads or n_heads
         if weight.shape[0] % n_heads:
             raise ValueError(f"dense q has {weight.shape[0]} rows, not a multiple of n_heads "
                              f"({n_heads})")  # fmt: skip
         kwargs.setdefault("head_dim", weight.shape[0] // n_heads)
         kwargs.setdefault("bias", bias is not None)
-        kwargs.setdefault("o_bias", _linear_parts("o", o)[1] is not None)
+        kwargs.setdefault("o_bias", linear_parts("o", o)[1] is not None)
         kwargs.setdefault("qk_norm", q_norm is not None)
         kwargs.setdefault("dtype", weight.dtype)
         device = kwargs.pop("device", weight.device)

@@ -43,8 +43,13 @@ def _dense_init(out_features: int, in_features: int, bias: bool):
     return weight, nn.init.uniform_(torch.empty(out_features), -bound, bound)
 
 
-def _weight_of(layer_or_weight) -> torch.Tensor:
-    return layer_or_weight.weight if isinstance(layer_or_weight, nn.Linear) else layer_or_weight
+def linear_parts(name: str, t) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of an ``nn.Linear``, or (t, None) of a weight tensor."""
+    if isinstance(t, nn.Linear):
+        return t.weight, t.bias
+    if isinstance(t, torch.Tensor):
+        return t, None
+    raise TypeError(f"dense {name} must be an nn.Linear or a weight tensor, got {type(t)}")
 
 
 class _ParallelLinear(nn.Module):
@@ -217,8 +222,8 @@ class ParallelSwiGLU(nn.Module):
         for name, dense, shape, dim in (("gate", w_gate, hidden_first, 0),
                                         ("up", w_up, hidden_first, 0),
                                         ("down", w_down, hidden_first[::-1], 1)):  # fmt: skip
-            weight = _weight_of(dense).detach()
-            bias = dense.bias if isinstance(dense, nn.Linear) else None
+            weight, bias = linear_parts(name, dense)
+            weight = weight.detach()
             if weight.shape != shape:
                 raise ValueError(f"w_{name} must be {shape}, got {tuple(weight.shape)}")
             param_bias = getattr(self, f"{name}_bias")
@@ -254,8 +259,8 @@ class ParallelSwiGLU(nn.Module):
     @classmethod
     def from_dense(cls, w_gate, w_up, w_down, group, **kwargs):
         """Shard dense weights (tensors or ``nn.Linear``s; `bias` read off them)."""
-        w_gate_t = _weight_of(w_gate)
-        kwargs.setdefault("bias", isinstance(w_gate, nn.Linear) and w_gate.bias is not None)
+        w_gate_t, gate_bias = linear_parts("gate", w_gate)
+        kwargs.setdefault("bias", gate_bias is not None)
         kwargs.setdefault("dtype", w_gate_t.dtype)
         device = kwargs.pop("device", w_gate_t.device)
         d_hidden, d_model = w_gate_t.shape
