@@ -39,15 +39,21 @@ GPU_SEQ_LENS = (4096, 16384)  # BENCH_QUICK: the last only
 GPU_DTYPE = torch.bfloat16  # a CPU test runs the GPU part in fp32 (the interpreter)
 
 
-def torch_attend(q, k, v, *, causal, softmax_scale, out=None, lse=None, out_dtype=None,
-                 merge=False, agreement=None, tune_only=False):  # fmt: skip
+def torch_attend(q, k, v, *, causal=False, softmax_scale, window=(-1, -1), softcap=0.0,
+                 intervals=None, out=None, lse=None, out_dtype=None, merge=False, agreement=None,
+                 tune_only=False):  # fmt: skip
     """One ring block in plain torch float32, with `attention_forward`'s contract."""
     from fusedpar.kernels.attention import attention_reference
 
     if tune_only:  # nothing to tune
         return None
+    visible = None
+    if intervals is not None:  # the ring's mask: key rows [kv_lo, kv_hi) per query row
+        keys = torch.arange(k.shape[1], device=q.device)
+        visible = (keys >= intervals.kv_lo[0, :, None]) & (keys < intervals.kv_hi[0, :, None])
     block_out, block_lse = attention_reference(q.float(), k.float(), v.float(), causal=causal,
-                                               softmax_scale=softmax_scale)  # fmt: skip
+                                               softmax_scale=softmax_scale, window=window,
+                                               softcap=softcap, visible=visible)  # fmt: skip
     if out is None:
         return block_out, block_lse
     if merge:  # the LSE merge of the kernel's epilogue

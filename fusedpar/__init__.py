@@ -4,6 +4,7 @@ from fusedpar import checkpoint, comm, nn, ops, testing
 from fusedpar.ops import (
     all_gather_matmul,
     flash_attn,
+    flash_attn_varlen,
     gather_sequence,
     matmul_reduce_scatter,
     ring_attn,
@@ -22,6 +23,7 @@ __all__ = [
     "comm",
     "distribute",
     "flash_attn",
+    "flash_attn_varlen",
     "gather_sequence",
     "matmul_reduce_scatter",
     "nn",

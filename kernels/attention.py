@@ -39,6 +39,16 @@ from fusedpar.kernels._common import (
     is_interpreted,
 )
 from fusedpar.kernels._tuning import Agreement, bucket
+from fusedpar.kernels.attention_mask import (
+    Intervals,
+    block_ranges,
+    check_softcap,
+    is_masked,
+    load_intervals,
+    scalar_bounds,
+    scalar_intervals,
+    visible_reference,
+)
 from fusedpar.kernels.attention_merge import merge_partials
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
@@ -96,27 +106,53 @@ def _prune_configs(configs, Sq: int, Skv: int):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in fp32, accurate near 0 too (a series there; ``1 - 2 / (e^2x + 1)`` would
+    lose x's relative precision to cancellation)."""
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    x2 = x * x
+    series = a * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    t = tl.where(a < 0.1, series, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def scores(qk, qk_scale, cap_in, SOFTCAP: tl.constexpr):
+    """Base-2 scores from raw dots ``qk = q . k``: ``qk * scale * log2(e)``, or soft-capped
+    ``softcap * tanh(qk * scale / softcap) * log2(e)`` (``qk_scale`` holds softcap *
+    log2(e) and ``cap_in`` scale / softcap). Also returns the tanh, for the backward's
+    ``1 - tanh^2`` (the raw dots when not capped)."""
+    t = qk
+    if SOFTCAP:
+        t = _tanh(qk * cap_in)
+        s = t * qk_scale
+    else:
+        s = qk * qk_scale
+    return s, t
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,
     k_ptrs, v_ptrs, stride_ks, stride_vs,
-    offs_m, offs_n, d_mask, lo, hi, Skv, diag, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    offs_n, d_mask, lo, hi, start, stop, Skv, qk_scale, cap_in,
+    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Fold KV blocks [lo, hi) into the running (acc, l_i, m_i). MASKED blocks may hold
-    keys past Skv or above the causal diagonal; the others are fully visible."""
-    for start_n in range(lo, hi, BLOCK_N):
+    """Fold KV blocks [start, stop) into the running (acc, l_i, m_i). In MASKED blocks a
+    row sees keys [lo, hi) only (and none past Skv); the others it sees whole."""
+    for start_n in range(start, stop, BLOCK_N):
         start_n = tl.cast(tl.multiple_of(start_n, BLOCK_N), tl.int64)
         kv_rows = start_n + offs_n
         kv_mask = d_mask[None, :]
         if MASKED:
             kv_mask = kv_mask & (kv_rows[:, None] < Skv)
         k = tl.load(k_ptrs + start_n * stride_ks, mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        qk, _ = scores(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION), qk_scale,
+                       cap_in, SOFTCAP)  # fmt: skip
         if MASKED:
-            visible = kv_rows[None, :] < Skv
-            if CAUSAL:
-                visible = visible & (kv_rows[None, :] <= offs_m[:, None] + diag)
+            visible = (kv_rows[None, :] >= lo[:, None]) & (kv_rows[None, :] < hi[:, None])
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         if MASKED:  # a row may have seen nothing yet: keep exp2 away from -inf - -inf
@@ -133,18 +169,20 @@ def _fwd_inner(
 @triton.jit
 def _attn_fwd_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, kv_lo_ptr, kv_hi_ptr,
     # strides
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ob, stride_os, stride_oh, stride_od,
     stride_lb, stride_lh, stride_ls,
+    stride_ib,
     # sizes
-    Sq, Skv, GROUP, qk_scale,
+    Sq, Skv, GROUP, qk_scale, cap_in, shift, left, right,
     # meta-parameters
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, MERGE: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INTERVALS: tl.constexpr,
+    SOFTCAP: tl.constexpr, MERGE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # Grid (query blocks, B, Hq): batch and heads on their own axes (each up to 65535).
     # Offsets are 64-bit: a strided view's sequence stride times its length (a KV view
@@ -159,6 +197,15 @@ def _attn_fwd_kernel(
     d_mask = offs_d < HEAD_DIM
     row_mask = offs_m < Sq
 
+    # Each row's visible keys [lo, hi) (attention_mask), and the key blocks they give:
+    # masked [start, mid_lo), whole [mid_lo, mid_hi), masked [mid_hi, end); no others.
+    if INTERVALS:
+        lo, hi = load_intervals(kv_lo_ptr + b * stride_ib, kv_hi_ptr + b * stride_ib, offs_m,
+                                row_mask, Skv)  # fmt: skip
+    else:
+        lo, hi = scalar_intervals(offs_m, shift, left, right, Skv)
+    start, mid_lo, mid_hi, end = block_ranges(lo, hi, row_mask, BLOCK_N)
+
     q_ptrs = q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
     q = tl.load(
         q_ptrs + offs_d[None, :] * stride_qd, mask=row_mask[:, None] & d_mask[None, :], other=0.0
@@ -168,28 +215,20 @@ def _attn_fwd_kernel(
     v_ptrs = (v_ptr + b * stride_vb + h_kv * stride_vh
               + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd)  # fmt: skip
 
-    # Keys [0, full) are seen by every row of this block and lie inside Skv: no mask.
-    # Keys [full, end) need the edge and causal masks. Blocks past `end` are skipped.
-    diag = Skv - Sq
-    if CAUSAL:
-        full = tl.minimum(pid_m * BLOCK_M + diag + 1, Skv)
-        end = tl.minimum((pid_m + 1) * BLOCK_M + diag, Skv)
-    else:
-        full = Skv
-        end = Skv
-    full = tl.maximum(full, 0) // BLOCK_N * BLOCK_N
-    end = tl.maximum(end, 0)
-
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, d_mask,
-        0, full, Skv, diag, qk_scale, False, CAUSAL, INPUT_PRECISION, BLOCK_N,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_n, d_mask, lo, hi,
+        start, mid_lo, Skv, qk_scale, cap_in, True, SOFTCAP, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, d_mask,
-        full, end, Skv, diag, qk_scale, True, CAUSAL, INPUT_PRECISION, BLOCK_N,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_n, d_mask, lo, hi,
+        mid_lo, mid_hi, Skv, qk_scale, cap_in, False, SOFTCAP, INPUT_PRECISION, BLOCK_N,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_n, d_mask, lo, hi,
+        mid_hi, end, Skv, qk_scale, cap_in, True, SOFTCAP, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
 
     # A row that saw no key has l_i == 0: output 0 and LSE -inf, never 0/0.
@@ -199,13 +238,16 @@ def _attn_fwd_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # ln 2
     o_ptrs = (o_ptr + b * stride_ob + h * stride_oh
               + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od)  # fmt: skip
-    o_mask = row_mask[:, None] & d_mask[None, :]
     lse_ptrs = lse_ptr + b * stride_lb + h * stride_lh + offs_m * stride_ls
     if MERGE:  # a ring step: fold this block into the running fp32 (out, lse) in place,
-        # instead of writing a block partial that a second pass reads back (review P10)
+        # instead of writing a block partial that a second pass reads back (review P10);
+        # a block that saw no key leaves them as they are
+        row_mask = row_mask & (offs_m * 0 + start < end)  # (a vector: the interpreter's masks)
+        o_mask = row_mask[:, None] & d_mask[None, :]
         o_prev = tl.load(o_ptrs, mask=o_mask, other=0.0)
         lse_prev = tl.load(lse_ptrs, mask=row_mask, other=float("-inf"))
         o, lse = merge_partials(o_prev, lse_prev, o, lse)
+    o_mask = row_mask[:, None] & d_mask[None, :]
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=o_mask)
     tl.store(lse_ptrs, lse, mask=row_mask)
 
@@ -244,14 +286,44 @@ def check_buffer(name, t, shape, dtypes, device):
         raise ValueError(f"{name} is on {t.device}, the inputs on {device}")
 
 
-def kernel_meta(q: torch.Tensor, causal: bool) -> dict:
+def kernel_meta(q: torch.Tensor, *, intervals: bool = False, softcap: bool = False) -> dict:
     D = q.shape[-1]
     return dict(
         HEAD_DIM=D,
         BLOCK_D=max(16, triton.next_power_of_2(D)),  # tl.dot needs K >= 16
-        CAUSAL=causal,
+        INTERVALS=intervals,
+        SOFTCAP=softcap,
         INPUT_PRECISION=fp32_dot_precision() if q.dtype == torch.float32 else "tf32",
     )
+
+
+def mask_arguments(q, k, *, causal, window, softcap, softmax_scale, intervals, side):
+    """What every attention kernel takes for its mask and scores: ``(tensors, scalars,
+    meta, key)``. tensors: the intervals of `side` ("query": keys each query row sees;
+    "key": queries that see each key row) and their batch stride; scalars: ``(qk_scale,
+    cap_in, shift, left, right)``; key: for the tuner. With `intervals` (the tensor
+    mode) they hold the whole mask: `causal` and `window` must be left unset."""
+    (B, Sq, _, D), Skv = q.shape, k.shape[1]
+    softcap = check_softcap(softcap)
+    shift, left, right = scalar_bounds(causal, window, Sq, Skv)
+    scale = resolve_scale(softmax_scale, D)
+    if softcap:
+        qk_scale, cap_in = softcap * LOG2E, scale / softcap
+    else:
+        qk_scale, cap_in = scale * LOG2E, 0.0
+    if intervals is None:
+        tensors = (q, q, 0)  # never read
+    else:
+        if is_masked(causal, window):
+            raise ValueError("with intervals, causal and window are part of them: pass "
+                             "causal=False and no window")  # fmt: skip
+        intervals.check(B, Sq, Skv, q.device)
+        lo, hi = ((intervals.kv_lo, intervals.kv_hi) if side == "query"
+                  else (intervals.q_lo, intervals.q_hi))  # fmt: skip
+        tensors = (lo, hi, intervals.batch_stride(lo))
+    meta = kernel_meta(q, intervals=intervals is not None, softcap=softcap > 0)
+    key = (("masked", is_masked(causal, window)),)
+    return tensors, (qk_scale, cap_in, shift, left, right), meta, key
 
 
 def interpreter_blocks(Sq: int, Skv: int) -> dict:
@@ -302,6 +374,9 @@ def attention_forward(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    intervals: Intervals | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
@@ -312,6 +387,10 @@ def attention_forward(
     """Returns ``(out, lse)``: out (B, Sq, Hq, D) in `out_dtype` (q's, or fp32 for ring
     partials), lse (B, Hq, Sq) fp32. `out` and `lse` may be given, with any strides.
 
+    The mask: `causal` and `window` (see `fusedpar.kernels.attention_mask`), or
+    `intervals` (packed documents, ring blocks: the whole mask in tensors). ``softcap``
+    > 0 caps the scaled scores at ``softcap * tanh(s / softcap)`` before masking.
+
     ``merge``: `out` (fp32) and `lse` hold attention over other keys; this call's result
     is merged into them in place through the LSE (a ring step) rather than overwriting
     them. `agreement`: the ranks that pick one tile together; ``tune_only``: make the
@@ -319,6 +398,10 @@ def attention_forward(
     loop."""
     check_attention_inputs(q, k, v)
     (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
+    tensors, scalars, meta, key = mask_arguments(
+        q, k, causal=causal, window=window, softcap=softcap, softmax_scale=softmax_scale,
+        intervals=intervals, side="query",
+    )  # fmt: skip
     allowed = (q.dtype, torch.float32)
     if merge and not tune_only and (out is None or lse is None):
         raise ValueError("merge=True folds the result into `out` and `lse`: give both")
@@ -333,14 +416,14 @@ def attention_forward(
     if lse is None:
         lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     check_buffer("lse", lse, (B, Hq, Sq), (torch.float32,), q.device)
-    check_launchable(_attn_fwd_kernel, q, k, v, out, lse)
+    check_launchable(_attn_fwd_kernel, q, k, v, out, lse, *tensors[:2])
     if B * Sq * Hq == 0:
         return None if tune_only else (out, lse)
-    scale = resolve_scale(softmax_scale, D)
+    qk_scale, cap_in, shift, left, right = scalars
     args = (
-        q, k, v, out, lse,
-        *strides(q), *strides(k), *strides(v), *strides(out), *strides(lse),
-        Sq, Skv, Hq // Hkv, scale * LOG2E,
+        q, k, v, out, lse, *tensors[:2],
+        *strides(q), *strides(k), *strides(v), *strides(out), *strides(lse), tensors[2],
+        Sq, Skv, Hq // Hkv, qk_scale, cap_in, shift, left, right,
     )  # fmt: skip
 
     def grid(meta):
@@ -348,28 +431,31 @@ def attention_forward(
 
     # A merging launch reads its output: tuning must put it back (scratch when tune_only).
     restore = [out, lse] if merge and not tune_only else []
-    launch(_attn_fwd_kernel, forward_configs, grid, args,
-           {**kernel_meta(q, causal), "MERGE": merge}, Sq, Skv, restore=restore,
-           agreement=agreement, tune_only=tune_only)  # fmt: skip
+    launch(_attn_fwd_kernel, forward_configs, grid, args, {**meta, "MERGE": merge}, Sq, Skv,
+           restore=restore, agreement=agreement, tune_only=tune_only,
+           key_extra=key)  # fmt: skip
     return None if tune_only else (out, lse)
 
 
 # --- reference -------------------------------------------------------------------------
 
 
-def reference_scores(q, k, v, *, causal, softmax_scale):
-    """The references' shared start: ``S = scale * Q K^T`` (B, Hq, Sq, Skv) with the
-    causal mask as -inf, K and V repeated to Hq heads, and the scale."""
+def reference_scores(q, k, v, *, causal, softmax_scale, window=(-1, -1), softcap=0.0,
+                     visible=None):  # fmt: skip
+    """The references' shared start: ``S = scale * Q K^T`` (B, Hq, Sq, Skv), soft-capped,
+    with the mask as -inf, K and V repeated to Hq heads, and the scale. The mask:
+    `visible` (Sq, Skv) boolean (packed documents), else `causal` and `window`."""
     (_, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
     scale = resolve_scale(softmax_scale, D)
     k = k.repeat_interleave(Hq // Hkv, dim=2)
     v = v.repeat_interleave(Hq // Hkv, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
-        i = torch.arange(Sq, device=q.device)[:, None]
-        j = torch.arange(Skv, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (Skv - Sq), float("-inf"))
-    return s, k, v, scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if visible is None:
+        one = torch.tensor([0, Sq]), torch.tensor([0, Skv])
+        visible = visible_reference(*one, causal=causal, window=window)
+    return s.masked_fill(~visible.to(q.device), float("-inf")), k, v, scale
 
 
 def attention_reference(
@@ -379,12 +465,17 @@ def attention_reference(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    visible: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same contract in plain, differentiable PyTorch, in q's dtype (float64 in ->
     the oracle). Returns ``(out, lse)``; rows that see no key give 0 and -inf, and their
-    gradients are 0, not NaN."""
+    gradients are 0, not NaN. `visible`: a dense (Sq, Skv) mask instead of `causal` and
+    `window` (`attention_mask.visible_reference` of packed documents)."""
     (B, Sq, Hq, _), Skv = q.shape, k.shape[1]
-    s, _, v, _ = reference_scores(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    s, _, v, _ = reference_scores(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                  window=window, softcap=softcap, visible=visible)  # fmt: skip
     m = s.amax(-1, keepdim=True) if Skv else s.new_full((B, Hq, Sq, 1), float("-inf"))
     m = torch.where(torch.isinf(m), 0.0, m).detach()  # softmax is shift-invariant
     e = torch.exp(s - m)

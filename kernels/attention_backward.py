@@ -26,16 +26,22 @@ import triton.language as tl
 from fusedpar.kernels._common import check_launchable, device_guard, is_interpreted
 from fusedpar.kernels._tuning import Agreement
 from fusedpar.kernels.attention import (
-    LOG2E,
     check_attention_inputs,
     check_buffer,
     interpreter_blocks,
-    kernel_meta,
     launch,
+    mask_arguments,
     reference_scores,
     resolve_scale,
+    scores,
     strides,
     tile_configs,
+)
+from fusedpar.kernels.attention_mask import (
+    Intervals,
+    block_ranges,
+    load_intervals,
+    scalar_intervals,
 )
 
 # Split a GQA group over programs when the dK/dV grid has fewer programs than this (two
@@ -125,24 +131,30 @@ def _load_row_stats(lse_ptrs, delta_ptrs, mask):
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v, q_ptrs, do_ptrs, stride_qs, stride_dos, lse_ptr, delta_ptr, stride_ls,
-    offs_m, offs_n, d_mask, lo, hi, Sq, diag, qk_scale,
-    MASKED: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    offs_m, d_mask, q_lo, q_hi, start, stop, Sq, qk_scale, cap_in,
+    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    """Add query blocks [lo, hi) into dK, dV of one KV block (transposed: rows are keys)."""
-    for start_m in range(lo, hi, BLOCK_M):
+    """Add query blocks [start, stop) into dK, dV of one KV block (transposed: rows are
+    keys). In MASKED blocks key n is seen by queries [q_lo[n], q_hi[n]) only."""
+    for start_m in range(start, stop, BLOCK_M):
         start_m = tl.cast(tl.multiple_of(start_m, BLOCK_M), tl.int64)
         rows = start_m + offs_m
         row_mask = (rows < Sq)[:, None] & d_mask[None, :]
         q = tl.load(q_ptrs + start_m * stride_qs, mask=row_mask, other=0.0)
         do = tl.load(do_ptrs + start_m * stride_dos, mask=row_mask, other=0.0)
         lse2, delta = _load_row_stats(lse_ptr + rows * stride_ls, delta_ptr + rows, rows < Sq)
-        qk_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale  # (N, M)
+        qk_t, t = scores(tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION), qk_scale,
+                         cap_in, SOFTCAP)  # (N, M)  # fmt: skip
         p_t = tl.math.exp2(qk_t - lse2[None, :])
-        if MASKED:  # causal: key n is visible to row m when n <= m + diag
-            p_t = tl.where(offs_n[:, None] <= rows[None, :] + diag, p_t, 0.0)
+        if MASKED:
+            p_t = tl.where((rows[None, :] >= q_lo[:, None]) & (rows[None, :] < q_hi[:, None]),
+                           p_t, 0.0)  # fmt: skip
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:  # through s = softcap * tanh(raw / softcap): times 1 - tanh^2
+            ds_t = ds_t * (1.0 - t * t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
     return dk, dv
 
@@ -150,7 +162,7 @@ def _bwd_dkdv_inner(
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, q_lo_ptr, q_hi_ptr,
     # strides
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -159,11 +171,12 @@ def _attn_bwd_dkdv_kernel(
     stride_lb, stride_lh, stride_ls,
     stride_dkb, stride_dks, stride_dkh, stride_dkd,
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+    stride_ib,
     # sizes
-    Sq, Skv, Hq, GROUP, SPLIT, qk_scale, sm_scale,
+    Sq, Skv, Hq, GROUP, SPLIT, qk_scale, cap_in, sm_scale, shift, left, right,
     # meta-parameters
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    ACCUMULATE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INTERVALS: tl.constexpr,
+    SOFTCAP: tl.constexpr, ACCUMULATE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """One KV block of one KV head: loops over the query heads that read it (all GROUP
@@ -178,30 +191,26 @@ def _attn_bwd_dkdv_kernel(
     per_program = tl.cdiv(GROUP, SPLIT)
     g_lo = (pid_h % SPLIT) * per_program
     g_hi = tl.minimum(g_lo + per_program, GROUP)
-    start_n = pid_n * BLOCK_N
     offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
-    offs_n = start_n + tl.arange(0, BLOCK_N).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     d_mask = offs_d < HEAD_DIM
     kv_mask = (offs_n < Skv)[:, None] & d_mask[None, :]
+
+    # The queries [q_lo, q_hi) that see each key (attention_mask), and the query blocks
+    # they give (the forward's ranges, from the key side). Rows past Sq and keys past
+    # Skv load as zeros and add nothing to the stored rows.
+    if INTERVALS:
+        q_lo, q_hi = load_intervals(q_lo_ptr + b * stride_ib, q_hi_ptr + b * stride_ib, offs_n,
+                                    offs_n < Skv, Sq)  # fmt: skip
+    else:
+        q_lo, q_hi = scalar_intervals(offs_n, -shift, right, left, Sq)
+    start, mid_lo, mid_hi, end = block_ranges(q_lo, q_hi, offs_n < Skv, BLOCK_M)
+
     k = tl.load(k_ptr + b * stride_kb + h_kv * stride_kh + offs_n[:, None] * stride_ks
                 + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # fmt: skip
     v = tl.load(v_ptr + b * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vs
                 + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # fmt: skip
-
-    # Query blocks [lo, full) hold rows that see only part of this KV block (masked);
-    # rows from `full` on see all of it. Rows past Sq and keys past Skv load as zeros
-    # and add nothing to the stored rows.
-    diag = Skv - Sq
-    q_end = tl.cdiv(Sq, BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        lo = tl.maximum(start_n - diag, 0) // BLOCK_M * BLOCK_M
-        full = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
-        full = tl.minimum(tl.maximum(full, lo), q_end)
-    else:
-        lo = 0
-        full = 0
-
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     for g in range(g_lo, g_hi):
@@ -214,13 +223,18 @@ def _attn_bwd_dkdv_kernel(
         row_delta = delta_ptr + (b * Hq + h) * Sq
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, stride_qs, stride_dos, row_lse, row_delta,
-            stride_ls, offs_m, offs_n, d_mask, lo, full, Sq, diag, qk_scale,
-            True, INPUT_PRECISION, BLOCK_M,
+            stride_ls, offs_m, d_mask, q_lo, q_hi, start, mid_lo, Sq, qk_scale, cap_in,
+            True, SOFTCAP, INPUT_PRECISION, BLOCK_M,
         )  # fmt: skip
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, stride_qs, stride_dos, row_lse, row_delta,
-            stride_ls, offs_m, offs_n, d_mask, full, q_end, Sq, diag, qk_scale,
-            False, INPUT_PRECISION, BLOCK_M,
+            stride_ls, offs_m, d_mask, q_lo, q_hi, mid_lo, mid_hi, Sq, qk_scale, cap_in,
+            False, SOFTCAP, INPUT_PRECISION, BLOCK_M,
+        )  # fmt: skip
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, q_ptrs, do_ptrs, stride_qs, stride_dos, row_lse, row_delta,
+            stride_ls, offs_m, d_mask, q_lo, q_hi, mid_hi, end, Sq, qk_scale, cap_in,
+            True, SOFTCAP, INPUT_PRECISION, BLOCK_M,
         )  # fmt: skip
 
     dk = dk * sm_scale
@@ -228,7 +242,8 @@ def _attn_bwd_dkdv_kernel(
                + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd)  # fmt: skip
     dv_ptrs = (dv_ptr + b * stride_dvb + pid_h * stride_dvh
                + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd)  # fmt: skip
-    if ACCUMULATE:
+    if ACCUMULATE:  # a block no query sees adds nothing: leave it alone
+        kv_mask = kv_mask & (offs_n * 0 + start < end)[:, None]
         dk += tl.load(dk_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
         dv += tl.load(dv_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
     tl.store(dk_ptrs, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
@@ -238,12 +253,12 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_inner(
     dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs,
-    offs_m, offs_n, d_mask, lo, hi, Skv, diag, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    offs_n, d_mask, lo, hi, start, stop, Skv, qk_scale, cap_in,
+    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Add KV blocks [lo, hi) into dQ of one query block."""
-    for start_n in range(lo, hi, BLOCK_N):
+    """Add KV blocks [start, stop) into dQ of one query block (masked as the forward)."""
+    for start_n in range(start, stop, BLOCK_N):
         start_n = tl.cast(tl.multiple_of(start_n, BLOCK_N), tl.int64)
         kv_rows = start_n + offs_n
         kv_mask = d_mask[None, :]
@@ -251,15 +266,16 @@ def _bwd_dq_inner(
             kv_mask = kv_mask & (kv_rows[:, None] < Skv)
         k = tl.load(k_ptrs + start_n * stride_ks, mask=kv_mask, other=0.0)
         v = tl.load(v_ptrs + start_n * stride_vs, mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        qk, t = scores(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION), qk_scale,
+                       cap_in, SOFTCAP)  # fmt: skip
         p = tl.math.exp2(qk - lse2[:, None])
         if MASKED:
-            visible = kv_rows[None, :] < Skv
-            if CAUSAL:
-                visible = visible & (kv_rows[None, :] <= offs_m[:, None] + diag)
+            visible = (kv_rows[None, :] >= lo[:, None]) & (kv_rows[None, :] < hi[:, None])
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
     return dq
 
@@ -267,7 +283,7 @@ def _bwd_dq_inner(
 @triton.jit
 def _attn_bwd_dq_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, kv_lo_ptr, kv_hi_ptr,
     # strides
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -275,11 +291,12 @@ def _attn_bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh, stride_dod,
     stride_lb, stride_lh, stride_ls,
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+    stride_ib,
     # sizes
-    Sq, Skv, Hq, GROUP, qk_scale, sm_scale,
+    Sq, Skv, Hq, GROUP, qk_scale, cap_in, sm_scale, shift, left, right,
     # meta-parameters
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    ACCUMULATE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INTERVALS: tl.constexpr,
+    SOFTCAP: tl.constexpr, ACCUMULATE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)  # grid (query blocks, B, Hq), offsets 64-bit as in the forward
@@ -291,6 +308,13 @@ def _attn_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     d_mask = offs_d < HEAD_DIM
     row_mask = (offs_m < Sq)[:, None] & d_mask[None, :]
+    if INTERVALS:  # the forward's key ranges
+        lo, hi = load_intervals(kv_lo_ptr + b * stride_ib, kv_hi_ptr + b * stride_ib, offs_m,
+                                offs_m < Sq, Skv)  # fmt: skip
+    else:
+        lo, hi = scalar_intervals(offs_m, shift, left, right, Skv)
+    start, mid_lo, mid_hi, end = block_ranges(lo, hi, offs_m < Sq, BLOCK_N)
+
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
                 + offs_d[None, :] * stride_qd, mask=row_mask, other=0.0)  # fmt: skip
     do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos
@@ -305,24 +329,18 @@ def _attn_bwd_dq_kernel(
     v_ptrs = (v_ptr + b * stride_vb + h_kv * stride_vh
               + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd)  # fmt: skip
 
-    diag = Skv - Sq  # the same block split as the forward
-    if CAUSAL:
-        full = tl.minimum(pid_m * BLOCK_M + diag + 1, Skv)
-        end = tl.minimum((pid_m + 1) * BLOCK_M + diag, Skv)
-    else:
-        full = Skv
-        end = Skv
-    full = tl.maximum(full, 0) // BLOCK_N * BLOCK_N
-    end = tl.maximum(end, 0)
-
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     dq = _bwd_dq_inner(
-        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, d_mask,
-        0, full, Skv, diag, qk_scale, False, CAUSAL, INPUT_PRECISION, BLOCK_N,
+        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_n, d_mask,
+        lo, hi, start, mid_lo, Skv, qk_scale, cap_in, True, SOFTCAP, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     dq = _bwd_dq_inner(
-        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, d_mask,
-        full, end, Skv, diag, qk_scale, True, CAUSAL, INPUT_PRECISION, BLOCK_N,
+        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_n, d_mask,
+        lo, hi, mid_lo, mid_hi, Skv, qk_scale, cap_in, False, SOFTCAP, INPUT_PRECISION, BLOCK_N,
+    )  # fmt: skip
+    dq = _bwd_dq_inner(
+        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_n, d_mask,
+        lo, hi, mid_hi, end, Skv, qk_scale, cap_in, True, SOFTCAP, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     dq = dq * sm_scale
     dq_ptrs = (dq_ptr + b * stride_dqb + h * stride_dqh
@@ -420,6 +438,9 @@ def attention_backward_dkdv(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    intervals: Intervals | None = None,
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
     accumulate: bool = False,
@@ -437,7 +458,11 @@ def attention_backward_dkdv(
         raise ValueError("accumulate=True adds into dk and dv: both must be given")
     dk = _gradient_buffer("dk", dk, k, q, grad_dtype, tune_only)
     dv = _gradient_buffer("dv", dv, v, q, grad_dtype, tune_only)
-    check_launchable(_attn_bwd_dkdv_kernel, dout, q, k, v, lse, delta, dk, dv)
+    tensors, scalars, meta, key = mask_arguments(
+        q, k, causal=causal, window=window, softcap=softcap, softmax_scale=softmax_scale,
+        intervals=intervals, side="key",
+    )  # fmt: skip
+    check_launchable(_attn_bwd_dkdv_kernel, dout, q, k, v, lse, delta, dk, dv, *tensors[:2])
     if B * Hkv * Skv == 0:  # with Sq == 0 the kernel writes zeros: no query, no gradient
         return None if tune_only else (dk, dv)
     group = Hq // Hkv
@@ -445,22 +470,23 @@ def attention_backward_dkdv(
     out_k, out_v = dk, dv
     if split > 1:
         out_k, out_v = (_partials((B, Skv, Hkv * split, D), q.device) for _ in range(2))
-    scale = resolve_scale(softmax_scale, D)
+    qk_scale, cap_in, shift, left, right = scalars
     args = (
-        q, k, v, dout, lse, delta, out_k, out_v,
+        q, k, v, dout, lse, delta, out_k, out_v, *tensors[:2],
         *strides(q), *strides(k), *strides(v), *strides(dout), *strides(lse),
-        *strides(out_k), *strides(out_v),
-        Sq, Skv, Hq, group, split, scale * LOG2E, scale,
+        *strides(out_k), *strides(out_v), tensors[2],
+        Sq, Skv, Hq, group, split, qk_scale, cap_in, resolve_scale(softmax_scale, D),
+        shift, left, right,
     )  # fmt: skip
     adds = accumulate and split == 1  # the kernel reads its output back: tuning restores it
-    meta = {**kernel_meta(q, causal), "ACCUMULATE": adds}
+    meta = {**meta, "ACCUMULATE": adds}
 
     def grid(meta):
         return (triton.cdiv(Skv, meta["BLOCK_N"]), B, Hkv * split)
 
     launch(_attn_bwd_dkdv_kernel, backward_configs, grid, args, meta, Sq, Skv,
            restore=[dk, dv] if adds and not tune_only else [], agreement=agreement,
-           tune_only=tune_only, key_extra=(("SPLIT", split),))  # fmt: skip
+           tune_only=tune_only, key_extra=(*key, ("SPLIT", split)))  # fmt: skip
     if tune_only:
         return None
     if split > 1:  # the slices of each group, summed in order (torch.sum: no atomics)
@@ -483,6 +509,9 @@ def attention_backward_dq(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    intervals: Intervals | None = None,
     dq: torch.Tensor | None = None,
     accumulate: bool = False,
     grad_dtype: torch.dtype | None = None,
@@ -496,23 +525,28 @@ def attention_backward_dq(
     if accumulate and not tune_only and dq is None:
         raise ValueError("accumulate=True adds into dq: it must be given")
     dq = _gradient_buffer("dq", dq, q, q, grad_dtype, tune_only)
-    check_launchable(_attn_bwd_dq_kernel, dout, q, k, v, lse, delta, dq)
+    tensors, scalars, meta, key = mask_arguments(
+        q, k, causal=causal, window=window, softcap=softcap, softmax_scale=softmax_scale,
+        intervals=intervals, side="query",
+    )  # fmt: skip
+    check_launchable(_attn_bwd_dq_kernel, dout, q, k, v, lse, delta, dq, *tensors[:2])
     if B * Hq * Sq == 0:
         return None if tune_only else dq
-    scale = resolve_scale(softmax_scale, D)
+    qk_scale, cap_in, shift, left, right = scalars
     args = (
-        q, k, v, dout, lse, delta, dq,
+        q, k, v, dout, lse, delta, dq, *tensors[:2],
         *strides(q), *strides(k), *strides(v), *strides(dout), *strides(lse), *strides(dq),
-        Sq, Skv, Hq, Hq // Hkv, scale * LOG2E, scale,
+        tensors[2], Sq, Skv, Hq, Hq // Hkv, qk_scale, cap_in, resolve_scale(softmax_scale, D),
+        shift, left, right,
     )  # fmt: skip
-    meta = {**kernel_meta(q, causal), "ACCUMULATE": accumulate}
+    meta = {**meta, "ACCUMULATE": accumulate}
 
     def grid(meta):
         return (triton.cdiv(Sq, meta["BLOCK_M"]), B, Hq)
 
     launch(_attn_bwd_dq_kernel, dq_configs, grid, args, meta, Sq, Skv,
            restore=[dq] if accumulate and not tune_only else [], agreement=agreement,
-           tune_only=tune_only)  # fmt: skip
+           tune_only=tune_only, key_extra=key)  # fmt: skip
     return None if tune_only else dq
 
 
@@ -525,6 +559,9 @@ def attention_backward(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    intervals: Intervals | None = None,
     out: torch.Tensor | None = None,
     delta: torch.Tensor | None = None,
     dq: torch.Tensor | None = None,
@@ -541,8 +578,9 @@ def attention_backward(
     gradient); computed from `out` when not given. ``accumulate=True`` adds into the
     given `dq`, `dk`, `dv` (any strides) instead of overwriting them. New gradients are
     in `grad_dtype` (q's unless given: q's or fp32). `agreement` and ``tune_only`` as in
-    `attention_forward` (scratch gradients). The ring calls the two halves,
-    `attention_backward_dq` and `attention_backward_dkdv`, itself: it adds into dQ at
+    `attention_forward` (scratch gradients); the mask and `softcap` as there. The ring
+    calls the two halves, `attention_backward_dq` and `attention_backward_dkdv`, itself:
+    it adds into dQ at
     every step but writes a block's dK/dV fresh at its first.
     """
     if delta is None:
@@ -550,8 +588,9 @@ def attention_backward(
         if out is None:
             raise ValueError("attention_backward needs `out` or a precomputed `delta`")
         delta = attention_delta(out, dout)
-    common = dict(causal=causal, softmax_scale=softmax_scale, accumulate=accumulate,
-                  grad_dtype=grad_dtype, agreement=agreement, tune_only=tune_only)  # fmt: skip
+    common = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                  intervals=intervals, accumulate=accumulate, grad_dtype=grad_dtype,
+                  agreement=agreement, tune_only=tune_only)  # fmt: skip
     grads_kv = attention_backward_dkdv(dout, q, k, v, lse, delta, dk=dk, dv=dv, **common)
     grad_q = attention_backward_dq(dout, q, k, v, lse, delta, dq=dq, **common)
     return None if tune_only else (grad_q, *grads_kv)
@@ -570,6 +609,9 @@ def attention_backward_reference(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    visible: torch.Tensor | None = None,
     dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernels' backward formula in plain PyTorch, in q's dtype: P from the LSE and
@@ -582,13 +624,17 @@ def attention_backward_reference(
     rounded to it (the kernels keep it in fp32).
     """
     Hkv, group = k.shape[2], q.shape[2] // k.shape[2]
-    s, k, v, scale = reference_scores(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    s, k, v, scale = reference_scores(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                      window=window, softcap=softcap, visible=visible)  # fmt: skip
     lse = lse.to(q.dtype)[..., None]
     p = torch.where(torch.isneginf(lse), 0.0, torch.exp(s - lse))  # rows with no key: 0
     delta = (dout * out).sum(-1).transpose(1, 2)  # (B, Hq, Sq)
     if dlse is not None:
         delta = delta - dlse.to(delta.dtype)
     ds = p * (torch.einsum("bqhd,bkhd->bhqk", dout, v) - delta[..., None])
+    if softcap:  # s = softcap * tanh(raw / softcap): d s / d raw = 1 - tanh^2
+        raw = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+        ds = ds * (1 - torch.tanh(raw / softcap) ** 2)
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, k) * scale
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q) * scale
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)

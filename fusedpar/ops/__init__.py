@@ -1,6 +1,6 @@
 """autograd Functions and the functional API, one module per op family."""
 
-from fusedpar.ops.attention import flash_attn
+from fusedpar.ops.attention import flash_attn, flash_attn_varlen
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.ring_attention import ring_attn, virtual_ring_attn
 from fusedpar.ops.sequence import gather_sequence, sequence_positions, shard_sequence
@@ -8,6 +8,7 @@ from fusedpar.ops.sequence import gather_sequence, sequence_positions, shard_seq
 __all__ = [
     "all_gather_matmul",
     "flash_attn",
+    "flash_attn_varlen",
     "gather_sequence",
     "matmul_reduce_scatter",
     "ring_attn",

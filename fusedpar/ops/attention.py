@@ -1,4 +1,5 @@
-"""`flash_attn`: the autograd Function over the flash-attention kernels.
+"""`flash_attn` and `flash_attn_varlen`: the autograd Function over the flash-attention
+kernels.
 
 | input   | shape            | gradient                                      |
 | ------- | ---------------- | --------------------------------------------- |
@@ -6,22 +7,33 @@
 | k, v    | (B, Skv, Hkv, D) | ``dK = scale * dS^T Q``, ``dV = P^T dO``      |
 
 summed over the query heads of each GQA group, with
-``dS = P * (dO V^T - rowsum(dO * O) + dLSE)``: a gradient flowing into the returned
-LSE is folded into the same backward pass.
+``dS = P * (dO V^T - rowsum(dO * O) + dLSE)`` (times ``1 - tanh^2`` of the capped
+scores under ``softcap``): a gradient flowing into the returned LSE is folded into the
+same backward pass. The varlen form runs the same kernels on the packed stream as one
+batch row, its documents given to the kernels as key intervals
+(`fusedpar.kernels.attention_mask`).
 """
 
 import torch
 
 from fusedpar.kernels.attention import attention_forward, check_attention_inputs
 from fusedpar.kernels.attention_backward import attention_backward, attention_delta
+from fusedpar.kernels.attention_mask import (
+    check_cu_seqlens,
+    check_softcap,
+    check_window,
+    packed_intervals,
+)
 
 
 class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale):
-        out, lse = attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    def forward(ctx, q, k, v, causal, softmax_scale, window, softcap, intervals):
+        mask = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                    intervals=intervals)  # fmt: skip
+        out, lse = attention_forward(q, k, v, **mask)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.softmax_scale = causal, softmax_scale
+        ctx.mask = mask
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -33,10 +45,8 @@ class FlashAttnFunction(torch.autograd.Function):
         delta = attention_delta(out, dout)
         if dlse is not None:  # d(LSE_i)/d(S_ij) = P_ij: the same shape as the dO term
             delta = delta - dlse
-        dq, dk, dv = attention_backward(
-            dout, q, k, v, lse, causal=ctx.causal, softmax_scale=ctx.softmax_scale, delta=delta
-        )
-        return dq, dk, dv, None, None
+        dq, dk, dv = attention_backward(dout, q, k, v, lse, delta=delta, **ctx.mask)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def flash_attn(
@@ -46,6 +56,8 @@ def flash_attn(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
     return_lse: bool = False,
 ):
     """Scaled dot-product attention, flash-style: ``softmax(q k^T * scale) v``.
@@ -54,11 +66,65 @@ def flash_attn(
     read in place, never repeated); D a multiple of 8 up to 256; fp16, bf16 or fp32; any
     strides (views into a fused QKV projection are read without copies).
 
-    ``causal`` aligns the mask bottom-right: query i sees keys ``j <= i + Skv - Sq``. A
-    row that sees no key returns 0 (LSE -inf, zero gradients). ``softmax_scale``
-    defaults to ``1 / sqrt(D)``. Returns ``out`` (B, Sq, Hq, D), or ``(out, lse)`` with
-    lse (B, Hq, Sq) float32 in natural log when ``return_lse``.
+    The mask is aligned bottom-right: query i sits at key position ``i + Skv - Sq``.
+    ``causal``: it sees keys up to there. ``window=(left, right)`` (flash-attn's): keys
+    in ``[i + Skv - Sq - left, i + Skv - Sq + right]``, -1 unbounded; causal means
+    right = 0 (Hugging Face's ``sliding_window=W`` is ``(W - 1, 0)``). Blocks outside
+    the window are skipped, not masked. ``softcap > 0`` caps the scaled scores at
+    ``softcap * tanh(s / softcap)`` (Gemma 2), before the mask. A row that sees no key
+    returns 0 (LSE -inf, zero gradients). ``softmax_scale`` defaults to ``1 / sqrt(D)``.
+    Returns ``out`` (B, Sq, Hq, D), or ``(out, lse)`` with lse (B, Hq, Sq) float32 in
+    natural log when ``return_lse``.
     """
     check_attention_inputs(q, k, v)
-    out, lse = FlashAttnFunction.apply(q, k, v, causal, softmax_scale)
+    window, softcap = check_window(window), check_softcap(softcap)
+    out, lse = FlashAttnFunction.apply(q, k, v, causal, softmax_scale, window, softcap, None)
     return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor | None = None,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+):
+    """`flash_attn` over packed documents (flash-attn's ``flash_attn_varlen_func``).
+
+    q (Tq, Hq, D), k and v (Tk, Hkv, D): documents back to back, document b in rows
+    ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32, B + 1 entries from 0 to the total;
+    `cu_seqlens_k` defaults to `cu_seqlens_q`). A query sees keys of its own document
+    only, with `causal`, `window` and `softcap` as in `flash_attn`, aligned bottom-right
+    within the document where its query and key lengths differ. Zero-length documents
+    are legal. The kernels run over the packed stream and skip the blocks that share no
+    document, so ``max_seqlen_q`` / ``max_seqlen_k`` are not needed (accepted for
+    flash-attn's signature, and never read). The values of the cu_seqlens are checked,
+    which reads them: a host sync when they are on a GPU.
+
+    Returns out (Tq, Hq, D), or ``(out, lse)`` with lse (Hq, Tq) float32.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"flash_attn_varlen: {name} must be packed (T, H, D), "
+                             f"got shape {tuple(t.shape)}")  # fmt: skip
+    q, k, v = q[None], k[None], v[None]
+    check_attention_inputs(q, k, v)
+    window, softcap = check_window(window), check_softcap(softcap)
+    cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+    check_cu_seqlens(cu_seqlens_q, q.shape[1], "cu_seqlens_q")
+    check_cu_seqlens(cu_seqlens_k, k.shape[1], "cu_seqlens_k")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe {cu_seqlens_q.numel() - 1} "
+                         f"and {cu_seqlens_k.numel() - 1} documents")  # fmt: skip
+    mask = packed_intervals(cu_seqlens_q.to(q.device), cu_seqlens_k.to(q.device), q.shape[1],
+                            k.shape[1], causal=causal, window=window)  # fmt: skip
+    out, lse = FlashAttnFunction.apply(q, k, v, False, softmax_scale, (-1, -1), softcap, mask)
+    return (out[0], lse[0]) if return_lse else out[0]

@@ -2,18 +2,25 @@
 `virtual_ring_attn`: the same schedule over W simulated ranks on one device.
 
 Each rank keeps its queries; keys and values travel a ring (at the KV head count), and
-each step folds one rank's block into the running output through the LSE:
+each step folds one rank's block into the running output through the LSE. The mask is
+computed in global coordinates (`fusedpar.kernels.attention_mask`): for each KV block a
+rank meets, `ring_masks` gives the kernels every local query's interval of visible
+local keys, and every key's interval of the queries that see it, from the global
+positions of both ranks' tokens (a zigzag pair of chunks included), the packed
+documents (`cu_seqlens` of the whole stream, documents spanning ranks), causality and
+the window. So the kernels skip the blocks no query sees, and a ring step whose KV no
+local query can see under the causal mask and window (decided on the host, from the
+chunk positions) launches nothing and only relays:
 
-| KV of rank j (step r - j) | causal, zigzag                  | causal, contiguous | else |
-| ------------------------- | ------------------------------- | ------------------ | ---- |
-| j == r                    | local causal block              | causal block       | full |
-| j <  r                    | all q x first half of kv        | full               | full |
-| j >  r                    | second half of q x all kv       | nothing            | full |
+| KV of rank j (step r - j) | causal, zigzag             | causal, contiguous | window w (left)   |
+| ------------------------- | -------------------------- | ------------------ | ----------------- |
+| j == r                    | the causal part            | the causal part    | the band          |
+| j <  r                    | chunk j, to all of r's     | all of it          | only within w     |
+| j >  r                    | all of it, to chunk 2W-1-r | nothing (skipped)  | only within w     |
 
-(zigzag: rank r holds chunks r and 2W-1-r; with j < r only chunk j is visible to both of
-r's chunks; with j > r both of j's chunks are visible to chunk 2W-1-r only.) The running
-output is fp32: step 0 writes it, later steps merge into it in the forward kernel's
-epilogue (``attention_forward(merge=True)``), so no block partial is written and re-read.
+(zigzag: rank r holds chunks r and 2W-1-r.) The running output is fp32: step 0 writes
+it, later steps merge into it in the forward kernel's epilogue
+(``attention_forward(merge=True)``), so no block partial is written and re-read.
 
 Backward: dQ accumulates locally in fp32 (written at step 0, added to after); each KV
 block's dK, dV (fp32) travel a second ring with it: written fresh by the block's owner
@@ -37,7 +44,14 @@ from fusedpar.kernels.attention_backward import (
     attention_backward_dq,
     attention_delta,
 )
-from fusedpar.ops.attention import flash_attn
+from fusedpar.kernels.attention_mask import (
+    check_cu_seqlens,
+    check_softcap,
+    check_window,
+    intervals,
+    window_sides,
+)
+from fusedpar.ops.attention import flash_attn, flash_attn_varlen
 from fusedpar.ops.sequence import (
     _chunks_of,
     _num_chunks,
@@ -46,40 +60,50 @@ from fusedpar.ops.sequence import (
     check_sequence_length,
 )
 
-ALL = slice(None)
+
+def _positions(rank: int, size: int, layout: str, s_local: int, device) -> torch.Tensor:
+    """Global positions of `rank`'s tokens (sorted: the layouts keep the order)."""
+    return _shard(torch.arange(s_local * size, device=device), rank, size, 0, layout)
 
 
-def _block(rank: int, src: int, causal: bool, layout: str, s_local: int):
-    """(q rows, kv rows, causal) that rank `rank` computes against the KV of `src`, or
-    None when the causal mask hides all of it."""
-    if not causal:
-        return ALL, ALL, False
-    if src == rank:
-        return ALL, ALL, True
-    if layout == "contiguous":
-        return (ALL, ALL, False) if src < rank else None
-    half = s_local // 2
-    return (ALL, slice(0, half), False) if src < rank else (slice(half, None), ALL, False)
+def _step_sees(rank: int, src: int, size: int, layout: str, s_local: int, causal, window):
+    """Whether a query of `rank` can see a key of `src` under the causal mask and the
+    window (documents aside): whole ring steps are skipped on the host by this."""
+    left, right = window_sides(causal, window)
+    chunk = s_local // len(_chunks_of(0, size, layout))
+    for a in _chunks_of(rank, size, layout):  # query chunk a, key chunk b
+        for b in _chunks_of(src, size, layout):
+            reach_right = right is None or (a + 1) * chunk - 1 + right >= b * chunk
+            reach_left = left is None or a * chunk - left <= (b + 1) * chunk - 1
+            if reach_right and reach_left:
+                return True
+    return False
 
 
-def _distinct_blocks(size: int, causal: bool, layout: str, s_local: int):
-    """Every (q rows, kv rows, causal, first step) launch of the schedule, over all
-    ranks, in one order: the launches to tune before the loop (every rank tunes all of
-    them, so the group's tuning collectives match). The first step writes the block's
-    results fresh; later steps merge or add into them."""
-    blocks = []
-    for rank in range(size):
-        for step in range(size):
-            block = _block(rank, (rank - step) % size, causal, layout, s_local)
-            if block is not None and (*block, step == 0) not in blocks:
-                blocks.append((*block, step == 0))
-    return blocks
+def ring_masks(ranks, size, layout, s_local, device, *, causal, window, cu_seqlens=None):
+    """For each rank in `ranks`, a list over source ranks j: the `Intervals` of the
+    rank's queries against j's keys, or None when the step is skipped. `cu_seqlens`:
+    the documents of the whole packed stream (None: one sequence)."""
+    total = s_local * size
+    cu = torch.tensor([0, total]) if cu_seqlens is None else cu_seqlens
+    cu = cu.to(device)
+    positions = [_positions(r, size, layout, s_local, device) for r in range(size)]
+    return [[intervals(positions[rank], positions[src], cu, cu, causal=causal, window=window)
+             if _step_sees(rank, src, size, layout, s_local, causal, window) else None
+             for src in range(size)] for rank in ranks]  # fmt: skip
 
 
 def _fresh(shape, device) -> torch.Tensor:
     """A buffer the loops write completely before reading (fp32). Tests poison it with
     NaN through this function, so an element a step fails to write shows."""
     return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def _tuned_launches(size: int) -> tuple[bool, ...]:
+    """The launches to tune before a loop, by whether they write fresh (step 0) or
+    merge/add (later steps): every rank tunes all of them, so the group's tuning
+    collectives match."""
+    return (True, False) if size > 1 else (True,)
 
 
 # --- transports ----------------------------------------------------------------------
@@ -130,17 +154,18 @@ class VirtualRing:
 # --- the loops (one list entry per rank the transport plays) --------------------------
 
 
-def _forward(q, k, v, ring, *, causal, softmax_scale, layout, agreement=None, overlap=True,
+def _forward(q, k, v, ring, masks, *, softmax_scale, softcap=0.0, agreement=None, overlap=True,
              attend=attention_forward):  # fmt: skip
-    """The forward schedule over `ring`; q, k, v: one shard per rank of ``ring.ranks``.
-    Returns lists of out (fp32) and lse. ``overlap=False`` waits for each transfer
-    before computing (the benchmark's baseline); `attend` computes one block
-    (``attention_forward``'s signature; the CPU benchmark passes a torch one)."""
-    size, S = ring.size, q[0].shape[1]
-    for q_rows, kv_rows, block_causal, first in _distinct_blocks(size, causal, layout, S):
-        attend(q[0][:, q_rows], k[0][:, kv_rows], v[0][:, kv_rows], causal=block_causal,
-               softmax_scale=softmax_scale, out_dtype=torch.float32, merge=not first,
-               agreement=agreement, tune_only=True)  # fmt: skip
+    """The forward schedule over `ring`; q, k, v: one shard per rank of ``ring.ranks``;
+    `masks` from `ring_masks`. Returns lists of out (fp32) and lse. ``overlap=False``
+    waits for each transfer before computing (the benchmark's baseline); `attend`
+    computes one block (``attention_forward``'s signature; the CPU benchmark passes a
+    torch one)."""
+    size = ring.size
+    block = dict(softmax_scale=softmax_scale, softcap=softcap, agreement=agreement)
+    for first in _tuned_launches(size):
+        attend(q[0], k[0], v[0], intervals=masks[0][ring.ranks[0]], out_dtype=torch.float32,
+               merge=not first, tune_only=True, **block)  # fmt: skip
     out = [_fresh(t.shape, t.device) for t in q]
     lse = [_fresh((t.shape[0], t.shape[2], t.shape[1]), t.device) for t in q]
     kv = [[k_i.contiguous(), v_i.contiguous()] for k_i, v_i in zip(k, v, strict=True)]
@@ -151,56 +176,48 @@ def _forward(q, k, v, ring, *, causal, softmax_scale, layout, agreement=None, ov
                 if not overlap:
                     incoming = ring.wait()
             for i, rank in enumerate(ring.ranks):
-                block = _block(rank, (rank - step) % size, causal, layout, S)
-                if block is None:
-                    continue
-                q_rows, kv_rows, block_causal = block  # step 0: every row, written fresh
-                attend(q[i][:, q_rows], kv[i][0][:, kv_rows], kv[i][1][:, kv_rows],
-                       causal=block_causal, softmax_scale=softmax_scale,
-                       out=out[i][:, q_rows], lse=lse[i][:, :, q_rows], merge=step > 0,
-                       agreement=agreement)  # fmt: skip
+                mask = masks[i][(rank - step) % size]
+                if mask is not None:  # step 0 (every row sees itself) writes fresh
+                    attend(q[i], kv[i][0], kv[i][1], intervals=mask, out=out[i], lse=lse[i],
+                           merge=step > 0, **block)  # fmt: skip
             if step + 1 < size:
                 kv = ring.wait() if overlap else incoming
     return out, lse
 
 
-def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, *, causal, softmax_scale, layout,
-              agreement=None):  # fmt: skip
+def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_scale,
+              softcap=0.0, agreement=None):  # fmt: skip
     """The backward schedule: lists (one per rank of the rings) of dQ and of the dK, dV
     of the rank's own KV (fp32), back home after W steps."""
-    size, S = kv_ring.size, q[0].shape[1]
-    f32 = dict(causal=causal, softmax_scale=softmax_scale, grad_dtype=torch.float32,
+    size = kv_ring.size
+    f32 = dict(softmax_scale=softmax_scale, softcap=softcap, grad_dtype=torch.float32,
                agreement=agreement)  # fmt: skip
-    for q_rows, kv_rows, block_causal, first in _distinct_blocks(size, causal, layout, S):
-        block_args = (dout[0][:, q_rows], q[0][:, q_rows], k[0][:, kv_rows], v[0][:, kv_rows],
-                      lse[0][:, :, q_rows], delta[0][:, :, q_rows])  # fmt: skip
-        tuning = {**f32, "causal": block_causal, "accumulate": not first, "tune_only": True}
-        attention_backward_dq(*block_args, **tuning)
-        attention_backward_dkdv(*block_args, **tuning)
+    own = (dout[0], q[0], k[0], v[0], lse[0], delta[0])
+    for first in _tuned_launches(size):
+        tuning = {**f32, "intervals": masks[0][kv_ring.ranks[0]], "accumulate": not first,
+                  "tune_only": True}  # fmt: skip
+        attention_backward_dq(*own, **tuning)
+        attention_backward_dkdv(*own, **tuning)
     dq = [_fresh(t.shape, t.device) for t in q]
     kv = [[k_i.contiguous(), v_i.contiguous()] for k_i, v_i in zip(k, v, strict=True)]
     with frozen("the ring attention backward", agreement):
         for step in range(size):
             if step + 1 < size:
                 kv_ring.send_recv(kv)
-            work = []  # (rank index, q rows, kv rows, kernel kwargs, block inputs)
+            work = []  # (rank index, kernel kwargs, block inputs)
             for i, rank in enumerate(kv_ring.ranks):
-                block = _block(rank, (rank - step) % size, causal, layout, S)
-                if block is not None:
-                    q_rows, kv_rows, block_causal = block
-                    inputs = (dout[i][:, q_rows], q[i][:, q_rows], kv[i][0][:, kv_rows],
-                              kv[i][1][:, kv_rows], lse[i][:, :, q_rows],
-                              delta[i][:, :, q_rows])  # fmt: skip
-                    work.append((i, q_rows, kv_rows, {**f32, "causal": block_causal}, inputs))
-            for i, q_rows, _, kw, inputs in work:  # dQ needs no transfer: launched first
-                attention_backward_dq(*inputs, dq=dq[i][:, q_rows], accumulate=step > 0, **kw)
+                mask = masks[i][(rank - step) % size]
+                if mask is not None:
+                    inputs = (dout[i], q[i], kv[i][0], kv[i][1], lse[i], delta[i])
+                    work.append((i, {**f32, "intervals": mask, "accumulate": step > 0}, inputs))
+            for i, kw, inputs in work:  # dQ needs no transfer: launched first
+                attention_backward_dq(*inputs, dq=dq[i], **kw)
             if step == 0:  # each owner starts its block's sums: written fresh, no zero fill
                 grads = [[_fresh(t.shape, t.device) for t in pair] for pair in kv]
             else:  # the sums from the ranks the held blocks visited before, added to here
                 grads = grad_ring.wait()
-            for i, _, kv_rows, kw, inputs in work:
-                dk, dv = (g[:, kv_rows] for g in grads[i])
-                attention_backward_dkdv(*inputs, dk=dk, dv=dv, accumulate=step > 0, **kw)
+            for i, kw, inputs in work:
+                attention_backward_dkdv(*inputs, dk=grads[i][0], dv=grads[i][1], **kw)
             if step + 1 < size:
                 kv = kv_ring.wait()
             grad_ring.send_recv(grads)  # on to the blocks' next holders (last: the owners)
@@ -216,26 +233,33 @@ def _delta(out, dout, dlse):
 # --- over a process group ------------------------------------------------------------
 
 
-def ring_attention_forward(q, k, v, pg, *, causal, softmax_scale, layout, overlap=True,
-                           attend=attention_forward):  # fmt: skip
+def ring_attention_forward(q, k, v, pg, *, causal, softmax_scale, layout, window=(-1, -1),
+                           softcap=0.0, cu_seqlens=None, overlap=True, attend=attention_forward,
+                           masks=None):  # fmt: skip
     """This rank's forward ring over `pg`: returns (out fp32, lse). `overlap` and
-    `attend` as in `_forward`."""
-    out, lse = _forward([q], [k], [v], _GroupRing(pg), causal=causal,
-                        softmax_scale=softmax_scale, layout=layout,
-                        agreement=tuning_agreement(pg, q.device), overlap=overlap,
-                        attend=attend)  # fmt: skip
+    `attend` as in `_forward`; `masks`: this rank's row of `ring_masks` (built here
+    when not given)."""
+    size, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    if masks is None:
+        masks = ring_masks([rank], size, layout, q.shape[1], q.device, causal=causal,
+                           window=window, cu_seqlens=cu_seqlens)[0]  # fmt: skip
+    out, lse = _forward([q], [k], [v], _GroupRing(pg), [masks], softmax_scale=softmax_scale,
+                        softcap=softcap, agreement=tuning_agreement(pg, q.device),
+                        overlap=overlap, attend=attend)  # fmt: skip
     return out[0], lse[0]
 
 
 class RingAttnFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, pg, causal, softmax_scale, layout):
-        out, lse = ring_attention_forward(
-            q, k, v, pg, causal=causal, softmax_scale=softmax_scale, layout=layout
-        )
+    def forward(ctx, q, k, v, pg, causal, softmax_scale, layout, window, softcap, cu_seqlens):
+        rank, size = dist.get_rank(pg), dist.get_world_size(pg)
+        masks = ring_masks([rank], size, layout, q.shape[1], q.device, causal=causal,
+                           window=window, cu_seqlens=cu_seqlens)[0]  # fmt: skip
+        out, lse = ring_attention_forward(q, k, v, pg, causal=causal, softmax_scale=softmax_scale,
+                                          layout=layout, softcap=softcap, masks=masks)  # fmt: skip
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.pg, ctx.causal, ctx.softmax_scale, ctx.layout = pg, causal, softmax_scale, layout
+        ctx.pg, ctx.masks, ctx.softmax_scale, ctx.softcap = pg, masks, softmax_scale, softcap
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -247,10 +271,10 @@ class RingAttnFunction(torch.autograd.Function):
             dout = torch.zeros_like(out)
         delta = _delta(out, dout, dlse)
         rings = _GroupRing(pg), _GroupRing(pg, tag=1)
-        dq, dk, dv = _backward([q], [k], [v], [dout], [lse], [delta], *rings, causal=ctx.causal,
-                               softmax_scale=ctx.softmax_scale, layout=ctx.layout,
+        dq, dk, dv = _backward([q], [k], [v], [dout], [lse], [delta], *rings, [ctx.masks],
+                               softmax_scale=ctx.softmax_scale, softcap=ctx.softcap,
                                agreement=tuning_agreement(pg, q.device))  # fmt: skip
-        return dq[0].to(q.dtype), dk[0].to(k.dtype), dv[0].to(v.dtype), None, None, None, None
+        return dq[0].to(q.dtype), dk[0].to(k.dtype), dv[0].to(v.dtype), *[None] * 7
 
 
 def _check_same_shapes_across_ranks(pg, q, k) -> None:
@@ -267,6 +291,16 @@ def _check_same_shapes_across_ranks(pg, q, k) -> None:
         raise ValueError(f"ring_attn: ranks disagree on q/k shapes: {sorted(shapes)}")
 
 
+def check_packed(q: torch.Tensor, cu_seqlens, total: int, what: str) -> None:
+    """A packed stream is one batch row whose documents `cu_seqlens` covers `total`."""
+    if cu_seqlens is None:
+        return
+    if q.shape[0] != 1:
+        raise ValueError(f"{what}: with cu_seqlens the documents are packed into one batch "
+                         f"row: q must be (1, T, H, D), got batch {q.shape[0]}")  # fmt: skip
+    check_cu_seqlens(cu_seqlens, total)
+
+
 def ring_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -276,6 +310,9 @@ def ring_attn(
     causal: bool = False,
     softmax_scale: float | None = None,
     layout: str = "zigzag",
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    cu_seqlens: torch.Tensor | None = None,
     return_lse: bool = False,
 ):
     """Attention over a sequence sharded along dim 1 on `group` (context parallelism).
@@ -283,26 +320,36 @@ def ring_attn(
     q (B, S_loc, Hq, D), k and v (B, S_loc, Hkv, D): this rank's shards in `layout`
     ("zigzag" or "contiguous", see `fusedpar.ops.sequence`). The result is this rank's
     shard of ``flash_attn`` on the full sequence, (B, S_loc, Hq, D), and with
-    ``return_lse`` its LSE (B, Hq, S_loc) float32. With ``group=None`` or one rank this
-    is `flash_attn`.
+    ``return_lse`` its LSE (B, Hq, S_loc) float32. `window` and `softcap` as in
+    `flash_attn`, in global positions. ``cu_seqlens`` (int32, the same on every rank):
+    the documents of a packed stream of length S_loc * W, as in `flash_attn_varlen`;
+    q, k, v are then this rank's shard of it, (1, S_loc, H, D). Documents may span
+    ranks and need no padding: only the total length must split into the layout's
+    chunks. With ``group=None`` or one rank this is `flash_attn` (`flash_attn_varlen`).
     """
     check_attention_inputs(q, k, v)
     check_layout(layout)
+    window, softcap = check_window(window), check_softcap(softcap)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"ring_attn: q has {q.shape[1]} local tokens, k and v have "
                          f"{k.shape[1]}: they must be shards of one sequence")  # fmt: skip
     pg = resolve_group(group)
     size = group_size(pg)
+    check_packed(q, cu_seqlens, q.shape[1] * size, "ring_attn")
+    mask = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap)
     if size == 1:
-        return flash_attn(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                          return_lse=return_lse)  # fmt: skip
+        if cu_seqlens is None:
+            return flash_attn(q, k, v, **mask, return_lse=return_lse)
+        out, lse = flash_attn_varlen(q[0], k[0], v[0], cu_seqlens, **mask, return_lse=True)
+        return (out[None], lse[None]) if return_lse else out[None]
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(
             f"ring_attn: zigzag needs the full length divisible by 2W = {2 * size}, but "
             f"this rank holds {q.shape[1]} tokens (full length {q.shape[1] * size})"
         )
     _check_same_shapes_across_ranks(pg, q, k)
-    out, lse = RingAttnFunction.apply(q, k, v, pg, causal, softmax_scale, layout)
+    out, lse = RingAttnFunction.apply(q, k, v, pg, causal, softmax_scale, layout, window, softcap,
+                                      cu_seqlens)  # fmt: skip
     return (out, lse) if return_lse else out
 
 
@@ -324,30 +371,33 @@ def _unshard(pieces, size, layout, dim=1):
 
 class VirtualRingAttnFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, size, causal, softmax_scale, layout):
-        common = dict(causal=causal, softmax_scale=softmax_scale, layout=layout)
+    def forward(ctx, q, k, v, size, causal, softmax_scale, layout, window, softcap, cu_seqlens):
+        masks = ring_masks(range(size), size, layout, q.shape[1] // size, q.device,
+                           causal=causal, window=window, cu_seqlens=cu_seqlens)  # fmt: skip
+        common = dict(softmax_scale=softmax_scale, softcap=softcap)
         out, lse = _forward(*(_shards(t, size, layout) for t in (q, k, v)), VirtualRing(size),
-                            **common)  # fmt: skip
+                            masks, **common)  # fmt: skip
         out = _unshard([o.to(q.dtype) for o in out], size, layout)  # rounded as ring_attn's
         lse = _unshard(lse, size, layout, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.size, ctx.common = size, common
+        ctx.size, ctx.layout, ctx.masks, ctx.common = size, layout, masks, common
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        size, layout = ctx.size, ctx.common["layout"]
+        size, layout = ctx.size, ctx.layout
         if dout is None:
             dout = torch.zeros_like(out)
         delta = _delta(out, dout, dlse)
         per_rank = [_shards(t, size, layout) for t in (q, k, v, dout)]
         per_rank += [_shards(t, size, layout, dim=2) for t in (lse, delta)]
-        grads = _backward(*per_rank, VirtualRing(size), VirtualRing(size), **ctx.common)
+        grads = _backward(*per_rank, VirtualRing(size), VirtualRing(size), ctx.masks,
+                          **ctx.common)  # fmt: skip
         dq, dk, dv = (_unshard(g, size, layout).to(t.dtype)
                       for g, t in zip(grads, (q, k, v), strict=True))  # fmt: skip
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, *[None] * 7
 
 
 def virtual_ring_attn(
@@ -359,20 +409,25 @@ def virtual_ring_attn(
     causal: bool = False,
     softmax_scale: float | None = None,
     layout: str = "zigzag",
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    cu_seqlens: torch.Tensor | None = None,
     return_lse: bool = False,
 ):
     """`ring_attn`'s schedule over `world_size` simulated ranks on one device.
 
-    q (B, S, Hq, D), k and v (B, S, Hkv, D) are the FULL sequence. They are sharded in
-    `layout`, the ring's forward and backward loops run for every rank (step s of all
-    ranks before step s + 1; transfers are copies), and the result is gathered back:
-    the same (B, S, Hq, D) output (and LSE) as ``flash_attn(q, k, v, causal=causal)``,
-    up to the order of the fp32 sums. Differentiable. For tests of the ring on one
-    device (CPU too) and for the one-GPU ring benchmark; S must split into the layout's
-    chunks (2W for zigzag, W for contiguous).
+    q (B, S, Hq, D), k and v (B, S, Hkv, D) are the FULL sequence (B = 1 for a packed
+    stream with `cu_seqlens`). They are sharded in `layout`, the ring's forward and
+    backward loops run for every rank (step s of all ranks before step s + 1; transfers
+    are copies), and the result is gathered back: the same (B, S, Hq, D) output (and
+    LSE) as `flash_attn` (`flash_attn_varlen`) with the same mask, up to the order of
+    the fp32 sums. Differentiable. For tests of the ring on one device (CPU too) and
+    for the one-GPU ring benchmark; S must split into the layout's chunks (2W for
+    zigzag, W for contiguous).
     """
     check_attention_inputs(q, k, v)
     check_layout(layout)
+    window, softcap = check_window(window), check_softcap(softcap)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"virtual_ring_attn: world_size must be an int >= 1, got {world_size!r}")
     if q.shape[1] != k.shape[1]:
@@ -383,7 +438,9 @@ def virtual_ring_attn(
                          f"{_num_chunks(world_size, layout)} chunks of layout {layout!r} "
                          f"at W={world_size}")  # fmt: skip
     check_sequence_length(q.shape[1], world_size, layout, "virtual_ring_attn")
+    check_packed(q, cu_seqlens, q.shape[1], "virtual_ring_attn")
     if world_size == 1:  # one rank holds the sequence in order, whatever the layout
         layout = "contiguous"
-    out, lse = VirtualRingAttnFunction.apply(q, k, v, world_size, causal, softmax_scale, layout)
+    out, lse = VirtualRingAttnFunction.apply(q, k, v, world_size, causal, softmax_scale, layout,
+                                             window, softcap, cu_seqlens)  # fmt: skip
     return (out, lse) if return_lse else out

@@ -1,0 +1,225 @@
+"""Attention masks in global coordinates: every mask is one key interval per query.
+
+Documents (packed sequences), causality and a sliding window combine into one rule. A
+query at global position i, in document d, sees key j when
+
+    max(doc_start, i - left)  <=  j  <  min(doc_end, i + right + 1)
+
+with ``window = (left, right)`` as in flash-attn (-1: unbounded; ``causal`` means
+right = 0). Positions are global: across the packed stream, and across the ranks of a
+ring, so a window means the same thing on every rank and at every ring step. Where a
+document's query and key lengths differ, a query is aligned bottom-right within it
+(query i of the document sits at key position ``i + Lk - Lq``).
+
+The kernels never see a mask kind, only intervals in the *local* rows of the block they
+compute:
+
+| mode      | query row i sees keys             | key row j is seen by queries      |
+| --------- | --------------------------------- | --------------------------------- |
+| scalar    | ``[i + sh - left, i + sh + right]`` | ``[j - sh - right, j - sh + left]`` |
+| intervals | ``[kv_lo[i], kv_hi[i])`` (tensors) | ``[q_lo[j], q_hi[j])`` (tensors)  |
+
+The scalar mode (one dense sequence per batch row, ``sh = Skv - Sq``) needs no
+tensors. `Intervals` holds the tensor mode: `intervals` builds it from the global
+positions of the block's query and key rows (any sorted positions: a zigzag pair of
+chunks too, as the set of rows a query sees is then still a contiguous run of local
+rows) and the documents. Each program of a kernel reduces its rows' intervals to
+the block ranges it visits (`block_ranges`): blocks outside every interval are skipped,
+blocks inside every interval run unmasked, the rest are masked element by element.
+
+`visible_reference` is the same rule as a dense boolean (Sq, Skv) matrix, built another
+way (document ids by repetition), for the float64 references.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# An unbounded side of a window, in the kernels' integer arithmetic: far past any
+# sequence, and i + UNBOUNDED stays inside int32 for i < 2**30.
+UNBOUNDED = 2**30
+_UNBOUNDED = tl.constexpr(UNBOUNDED)
+
+
+def check_window(window, what: str = "window") -> tuple[int, int]:
+    """``window`` as two ints, each -1 (unbounded) or >= 0; raises otherwise."""
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise TypeError(f"{what} must be a pair (left, right), got {window!r}") from None
+    for side in (left, right):
+        if isinstance(side, bool) or not isinstance(side, int):
+            raise TypeError(f"{what} sides must be ints, got {window!r}")
+        if side < -1:
+            raise ValueError(f"{what} sides must be -1 (unbounded) or >= 0, got {window!r}")
+    return left, right
+
+
+def check_softcap(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a number, got {softcap!r}")
+    if not softcap >= 0:  # NaN too
+        raise ValueError(f"softcap must be >= 0 (0: no capping), got {softcap!r}")
+    return float(softcap)
+
+
+def window_sides(causal: bool, window) -> tuple[int | None, int | None]:
+    """(left, right) with None for unbounded; causal clamps the right side to 0."""
+    left, right = check_window(window)
+    return (None if left < 0 else left), (0 if causal else None if right < 0 else right)
+
+
+def scalar_bounds(causal: bool, window, Sq: int, Skv: int) -> tuple[int, int, int]:
+    """The scalar mode's ``(shift, left, right)`` kernel arguments (UNBOUNDED for None)."""
+    left, right = window_sides(causal, window)
+    return Skv - Sq, UNBOUNDED if left is None else left, UNBOUNDED if right is None else right
+
+
+def is_masked(causal: bool, window) -> bool:
+    return window_sides(causal, window) != (None, None)
+
+
+# --- the kernels' side -------------------------------------------------------------------
+
+
+@triton.jit
+def scalar_intervals(rows, shift, left, right, n_other):
+    """The scalar mode: rows' intervals ``[rows + shift - left, rows + shift + right + 1)``
+    clamped to [0, n_other). Called with (shift, left, right) from the query side and
+    (-shift, right, left) from the key side."""
+    lo = tl.minimum(tl.maximum(rows + shift - left, 0), n_other)
+    hi = tl.minimum(tl.maximum(rows + shift + right + 1, 0), n_other)
+    return lo, hi
+
+
+@triton.jit
+def load_intervals(lo_ptr, hi_ptr, rows, valid, n_other):
+    """The tensor mode: rows' intervals, loaded and clamped to [0, n_other)."""
+    lo = tl.load(lo_ptr + rows, mask=valid, other=0).to(tl.int64)
+    hi = tl.load(hi_ptr + rows, mask=valid, other=0).to(tl.int64)
+    return tl.minimum(tl.maximum(lo, 0), n_other), tl.minimum(tl.maximum(hi, 0), n_other)
+
+
+@triton.jit
+def block_ranges(lo, hi, valid, BLOCK: tl.constexpr):
+    """The other side's blocks a program visits, from its `valid` rows' intervals:
+    masked ``[start, mid_lo)``, unmasked ``[mid_lo, mid_hi)``, masked ``[mid_hi, end)``.
+    Blocks outside the union of the intervals are skipped; a block runs unmasked when it
+    lies inside every interval. Nothing visible: every range is empty."""
+    seen = valid & (lo < hi)
+    first = tl.min(tl.where(seen, lo, _UNBOUNDED), 0)
+    end = tl.max(tl.where(seen, hi, 0), 0)
+    shared_lo = tl.max(tl.where(valid, lo, 0), 0)  # an empty row makes these cross
+    shared_hi = tl.min(tl.where(valid, hi, _UNBOUNDED), 0)
+    start = first // BLOCK * BLOCK
+    end_block = tl.cdiv(end, BLOCK) * BLOCK
+    mid_lo = tl.minimum(tl.maximum(tl.cdiv(shared_lo, BLOCK) * BLOCK, start), end_block)
+    mid_hi = tl.minimum(tl.maximum(shared_hi // BLOCK * BLOCK, mid_lo), end_block)
+    return start, mid_lo, mid_hi, end
+
+
+# --- the host's side ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Intervals:
+    """The tensor mode's intervals, in the local rows of one (query block, key block)
+    pair: keys ``[kv_lo[:, i], kv_hi[:, i])`` are visible to query row i, and queries
+    ``[q_lo[:, j], q_hi[:, j])`` see key row j. int32, (1 or B, Sq) and (1 or B, Skv);
+    a first dim of 1 serves every batch row."""
+
+    kv_lo: torch.Tensor
+    kv_hi: torch.Tensor
+    q_lo: torch.Tensor
+    q_hi: torch.Tensor
+
+    def check(self, B: int, Sq: int, Skv: int, device) -> None:
+        for name, t, n in (("kv_lo", self.kv_lo, Sq), ("kv_hi", self.kv_hi, Sq),
+                           ("q_lo", self.q_lo, Skv), ("q_hi", self.q_hi, Skv)):  # fmt: skip
+            if t.dim() != 2 or t.shape[0] not in (1, B) or t.shape[1] != n or t.stride(1) != 1:
+                raise ValueError(f"Intervals.{name} must be contiguous (1 or {B}, {n}), "
+                                 f"got {tuple(t.shape)}")  # fmt: skip
+            if t.dtype != torch.int32 or t.device != device:
+                raise ValueError(f"Intervals.{name} must be int32 on {device}, "
+                                 f"got {t.dtype} on {t.device}")  # fmt: skip
+
+    def batch_stride(self, t: torch.Tensor) -> int:
+        return 0 if t.shape[0] == 1 else t.stride(0)
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, what: str = "cu_seqlens") -> None:
+    """Raise unless `cu_seqlens` is int32, 1-D of length >= 2, starts at 0, never
+    decreases and ends at `total`. Reads the values: a host sync on a GPU tensor."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{what} must be a tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"{what} must be int32 (as flash-attn's), got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"{what} must be 1-D with B + 1 >= 2 entries, got shape "
+                         f"{tuple(cu_seqlens.shape)}")  # fmt: skip
+    first, last, rises = torch.stack([cu_seqlens[0], cu_seqlens[-1],
+                                      (cu_seqlens.diff() >= 0).all().int()]).tolist()  # fmt: skip
+    if first != 0:
+        raise ValueError(f"{what} must start at 0, got {first}")
+    if not rises:
+        raise ValueError(f"{what} must not decrease: {cu_seqlens.tolist()}")
+    if last != total:
+        raise ValueError(f"{what} must end at the total length {total}, got {last}")
+
+
+def _side(pos, cu_self, cu_other, near, far):
+    """The global intervals on the other side for rows at global positions `pos` (of the
+    packed stream described by `cu_self`): [max(start, p - near), min(end, p + far + 1))
+    in the other side's coordinates, p aligned bottom-right within the document."""
+    doc = torch.searchsorted(cu_self, pos, right=True) - 1  # zero-length documents: skipped
+    doc = doc.clamp(0, cu_self.numel() - 2)
+    start, end = cu_other[doc], cu_other[doc + 1]
+    aligned = pos + (end - cu_self[doc + 1])
+    lo = start if near is None else torch.maximum(start, aligned - near)
+    hi = end if far is None else torch.minimum(end, aligned + far + 1)
+    return lo, hi
+
+
+def intervals(q_pos, k_pos, cu_q, cu_k, *, causal: bool, window) -> Intervals:
+    """`Intervals` for query rows at global positions `q_pos` and key rows at `k_pos`
+    (int64, sorted, on one device) in the packed streams `cu_q` and `cu_k` (the
+    documents' boundaries; one document per sequence when not packed). Positions are
+    translated into local rows by counting (``searchsorted``): no host sync."""
+    left, right = window_sides(causal, window)
+    cu_q, cu_k = cu_q.to(q_pos.device, torch.int64), cu_k.to(q_pos.device, torch.int64)
+    kv_lo, kv_hi = _side(q_pos, cu_q, cu_k, left, right)
+    q_lo, q_hi = _side(k_pos, cu_k, cu_q, right, left)
+
+    def local(bounds, positions):
+        return torch.searchsorted(positions, bounds).to(torch.int32)[None]
+
+    return Intervals(local(kv_lo, k_pos), local(kv_hi, k_pos),
+                     local(q_lo, q_pos), local(q_hi, q_pos))  # fmt: skip
+
+
+def packed_intervals(cu_q, cu_k, Tq: int, Tk: int, *, causal: bool, window) -> Intervals:
+    """`Intervals` of a whole packed stream against itself (local rows are global)."""
+    device = cu_q.device
+    return intervals(torch.arange(Tq, device=device), torch.arange(Tk, device=device),
+                     cu_q, cu_k, causal=causal, window=window)  # fmt: skip
+
+
+def visible_reference(cu_q, cu_k, *, causal: bool, window) -> torch.Tensor:
+    """The rule as a dense (Tq, Tk) boolean: same document, inside the window (aligned
+    bottom-right per document). Document ids by repetition, independent of `intervals`."""
+    left, right = window_sides(causal, window)
+    cu_q, cu_k = cu_q.long().cpu(), cu_k.long().cpu()
+    docs = torch.arange(cu_q.numel() - 1)
+    doc_q = docs.repeat_interleave(cu_q.diff())
+    doc_k = docs.repeat_interleave(cu_k.diff())
+    i = torch.arange(len(doc_q)) - cu_q[doc_q] + (cu_k.diff() - cu_q.diff())[doc_q]  # in doc
+    j = torch.arange(len(doc_k)) - cu_k[doc_k]
+    offset = j[None, :] - i[:, None]  # key minus aligned query, within a document
+    allowed = doc_q[:, None] == doc_k[None, :]
+    if left is not None:
+        allowed &= offset >= -left
+    if right is not None:
+        allowed &= offset <= right
+    return allowed
