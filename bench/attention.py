@@ -13,12 +13,22 @@ measured bf16 matmul ceiling (`vs_matmul`). A pass a peer cannot run is null in 
 and listed under `missing`. The tiles the tuner picked are in the results' meta
 (`bench.common.write_results` adds them).
 
-Environment: ``BENCH_QUICK=1`` keeps D = 128 at S = 1k, 4k, 16k and GQA at 16k;
-``BENCH_PEERS=fusedpar,sdpa-cudnn`` runs only the peers named (of `PEERS`). FlexAttention
-recompiles for every point, so it runs after every other peer has measured every point.
+Masked points (`masked_points`, causal, one packed stream, B = 1, D = 128, 16 heads and
+GQA 32 over 8): documents of `DOC_LENGTHS` (16k tokens) and a sliding window of `WINDOW`
+keys at 32k tokens. fp.flash_attn_varlen / fp.flash_attn(window=(W - 1, 0)) against SDPA
+given the dense boolean mask (`sdpa-mask`), FlexAttention with a block mask of the same
+mask_mod, and flash-attn's varlen / window_size functions where `flash_attn` imports
+(`flash-attn`; otherwise null with a note in the row). FLOPs count the visible pairs as
+above: sum L^2 / 2 over documents, T W - W^2 / 2 in a window; the `mask` column names it.
+
+Environment: ``BENCH_QUICK=1`` keeps D = 128 at S = 1k, 4k, 16k, GQA at 16k and the
+masked points at 16 heads; ``BENCH_PEERS=fusedpar,sdpa-cudnn`` runs only the peers named
+(of `PEERS` and `MASKED_PEERS`). FlexAttention recompiles for every point, so it runs
+after every other peer has measured every point, masked points first.
 """
 
 import functools
+import itertools
 import os
 
 import torch
@@ -40,19 +50,25 @@ GQA_HEADS = 32
 GQA_KV_HEADS = (8, 1)
 PASSES = ("fwd", "bwd", "fwd+bwd")
 PEERS = ("fusedpar", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+DOC_LENGTHS = (4096, 2048, 1000, 7000, 2240)  # fixed: 16384 tokens, ragged against tiles
+WINDOW, WINDOW_TOKENS = 4096, 32768
+MASKED_HEADS = ((16, 16), (32, 8))  # (Hq, Hkv) at D = 128; BENCH_QUICK keeps the first
+MASKED_PEERS = ("fusedpar", "sdpa-mask", "flex", "flash-attn")
+ALL_PEERS = (*PEERS, *(n for n in MASKED_PEERS if n not in PEERS))
 DTYPE = torch.bfloat16  # a CPU test runs the whole bench in fp32 (the interpreter)
 
 
 def selected_peers() -> list[str]:
-    """`PEERS`, or those named in ``BENCH_PEERS`` (comma-separated), in `PEERS` order."""
+    """`ALL_PEERS`, or those named in ``BENCH_PEERS`` (comma-separated), in that order."""
     named = os.environ.get("BENCH_PEERS")
     if not named:
-        return list(PEERS)
+        return list(ALL_PEERS)
     wanted = {n.strip() for n in named.split(",") if n.strip()}
-    unknown = wanted - set(PEERS)
+    unknown = wanted - set(ALL_PEERS)
     if unknown:
-        raise ValueError(f"BENCH_PEERS: unknown peers {sorted(unknown)}; known: {', '.join(PEERS)}")
-    return [n for n in PEERS if n in wanted]
+        raise ValueError(f"BENCH_PEERS: unknown peers {sorted(unknown)}; "
+                         f"known: {', '.join(ALL_PEERS)}")  # fmt: skip
+    return [n for n in ALL_PEERS if n in wanted]
 
 
 def _fusedpar(causal, gqa):
@@ -109,6 +125,87 @@ def make_peer(name, causal, S, gqa, device="cuda"):
     return _sdpa(backend, causal, gqa)
 
 
+class Unavailable(Exception):
+    """A peer not installed here: null with a note in its rows, not listed as missing."""
+
+
+def mask_mod(mask, spec, device):
+    """FlexAttention's mask_mod of a masked point: causal within a document (`spec`: the
+    lengths) or within the last `spec` keys. Called on (T, 1) and (1, T) positions it is
+    the dense boolean mask SDPA is given, so the peers see the same mask."""
+    if mask == "documents":
+        lengths = torch.tensor(spec, device=device)
+        doc = torch.repeat_interleave(torch.arange(len(spec), device=device), lengths)
+        return lambda b, h, q, kv: (q >= kv) & (doc[q] == doc[kv])
+    return lambda b, h, q, kv: (q >= kv) & (q < kv + spec)
+
+
+def cu_seqlens(lengths, device):
+    """int32 document boundaries (B + 1 entries from 0 to the total)."""
+    ends = [0, *itertools.accumulate(lengths)]
+    return torch.tensor(ends, dtype=torch.int32, device=device)
+
+
+def _masked_fusedpar(mask, spec, device):
+    """flash_attn_varlen as users call it: it checks the cu_seqlens (a host sync) and
+    derives the blocks' document intervals on every call, and the timings include both."""
+    import fusedpar as fp
+
+    if mask == "documents":
+        cu = cu_seqlens(spec, device)
+        return "thd", lambda q, k, v: fp.flash_attn_varlen(q, k, v, cu, causal=True)
+    return "bshd", lambda q, k, v: fp.flash_attn(q, k, v, causal=True, window=(spec - 1, 0))
+
+
+def _masked_sdpa(mask, spec, T, group, device):
+    """SDPA with the dense (T, T) boolean mask, built once; torch picks the backend. KV
+    heads are repeated to the query heads inside the timed call, as Hugging Face does
+    when there is a mask (its reason: enable_gqa with a mask can leave only SDPA's math
+    path)."""
+    pos = torch.arange(T, device=device)
+    dense = mask_mod(mask, spec, device)(0, 0, pos[:, None], pos[None, :])
+
+    def run(q, k, v):
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+
+    return "bhsd", run
+
+
+def _masked_flex(mask, spec, T, gqa, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    compiled = _compiled_flex()
+    blocks = create_block_mask(mask_mod(mask, spec, device), None, None, T, T, device=device)
+    return "bhsd", lambda q, k, v: compiled(q, k, v, block_mask=blocks, enable_gqa=gqa)
+
+
+def _masked_flash_attn(mask, spec, device):
+    try:
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
+    except Exception as e:  # usually not installed; a broken build fails here too
+        raise Unavailable(f"flash-attn: not importable ({type(e).__name__})") from None
+    if mask == "documents":
+        cu, longest = cu_seqlens(spec, device), max(spec)
+        return "thd", lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, longest, longest,
+                                                             causal=True)  # fmt: skip
+    return "bshd", lambda q, k, v: flash_attn_func(q, k, v, causal=True,
+                                                   window_size=(spec - 1, 0))  # fmt: skip
+
+
+def make_masked_peer(name, point, device="cuda"):
+    """(layout, fn(q, k, v)) of the peer called `name` at a point of `masked_points`."""
+    mask, _, T, Hq, Hkv, spec = point
+    if name == "fusedpar":
+        return _masked_fusedpar(mask, spec, device)
+    if name == "sdpa-mask":
+        return _masked_sdpa(mask, spec, T, Hq // Hkv, device)
+    if name == "flex":
+        return _masked_flex(mask, spec, T, Hq != Hkv, device)
+    return _masked_flash_attn(mask, spec, device)
+
+
 def _time_passes(make, B, S, Hq, Hkv, D, device="cuda"):
     """{pass: ms, or the exception that stopped it}: a pass that fails (out of memory in
     the backward, say) leaves the others measured."""
@@ -116,7 +213,7 @@ def _time_passes(make, B, S, Hq, Hkv, D, device="cuda"):
         layout, fn = make()
 
         def tensor(H):
-            shape = (B, S, H, D) if layout == "bshd" else (B, H, S, D)
+            shape = {"bshd": (B, S, H, D), "bhsd": (B, H, S, D), "thd": (B * S, H, D)}[layout]
             return torch.randn(shape, device=device, dtype=DTYPE, requires_grad=True)
 
         q, k, v = tensor(Hq), tensor(Hkv), tensor(Hkv)
@@ -152,6 +249,40 @@ def points():
     return mha + gqa
 
 
+def masked_points():
+    """(mask, D, T, Hq, Hkv, spec) in run order, causal over one packed stream of T
+    tokens: documents (`spec`: their lengths), then a sliding window (`spec`: W keys)."""
+    heads = MASKED_HEADS[:1] if quick() else MASKED_HEADS
+    return [pt for Hq, Hkv in heads
+            for pt in (("documents", 128, sum(DOC_LENGTHS), Hq, Hkv, DOC_LENGTHS),
+                       ("window", 128, WINDOW_TOKENS, Hq, Hkv, WINDOW))]  # fmt: skip
+
+
+def _masked(point) -> bool:
+    return isinstance(point[0], str)
+
+
+def describe(point):
+    """(row fields, forward FLOPs) of a point of `points` or `masked_points`: FLOPs are
+    4 * Hq * D per visible (query, key) pair, a causal square counted as S^2 / 2."""
+    if not _masked(point):
+        D, causal, S, Hq, Hkv = point
+        B = TOKENS // S
+        fields = dict(D=D, S=S, B=B, Hq=Hq, Hkv=Hkv, causal=causal)
+        return fields, 4 * B * Hq * S * S * D * (0.5 if causal else 1.0)
+    mask, D, T, Hq, Hkv, spec = point
+    if mask == "documents":
+        pairs, label = sum(n * n for n in spec) / 2, "documents " + "+".join(map(str, spec))
+    else:
+        pairs, label = T * spec - spec * spec / 2, f"window {spec}"
+    return dict(D=D, S=T, B=1, Hq=Hq, Hkv=Hkv, causal=True, mask=label), 4 * Hq * D * pairs
+
+
+def peers_at(point, names) -> list[str]:
+    """The peers of `names` that a point compares: `PEERS`, or `MASKED_PEERS`."""
+    return [n for n in names if n in (MASKED_PEERS if _masked(point) else PEERS)]
+
+
 def _best_peer_ratios(row, names) -> None:
     peers = [row.get(n) for n in names if n != "fusedpar" and row.get(n) is not None]
     if row.get("fusedpar") is not None and peers:
@@ -166,55 +297,61 @@ def main(device: str = "cuda") -> None:
     dtype = str(DTYPE).removeprefix("torch.")
     meta = {**environment(), **measured_ceilings(), "dtype": dtype, "tokens": TOKENS,
             "d_model": D_MODEL, "quick": quick(), "peers": ",".join(names)}  # fmt: skip
-    columns = ["D", "S", "B", "Hq", "Hkv", "causal", "pass_", *names, "vs_best_peer",
-               "vs_matmul"]  # fmt: skip
-    table, failures = {}, {}
-    for point in points():
-        D, causal, S, Hq, Hkv = point
-        table[point] = {p: dict(D=D, S=S, B=TOKENS // S, Hq=Hq, Hkv=Hkv, causal=causal, pass_=p)
-                        for p in PASSES}  # fmt: skip
+    columns = ["D", "S", "B", "Hq", "Hkv", "causal", "mask", "pass_", *names, "vs_best_peer",
+               "vs_matmul", "note"]  # fmt: skip
+    dense, masked = points(), masked_points()
+    table = {pt: {p: {**describe(pt)[0], "pass_": p} for p in PASSES} for pt in dense + masked}
+    failures = {}
 
     def measure(name, point):
-        D, causal, S, Hq, Hkv = point
-        B = TOKENS // S
-        fwd_flops = 4 * B * Hq * S * S * D * (0.5 if causal else 1.0)
+        fields, fwd_flops = describe(point)
+        D, S, B, Hq, Hkv, causal = (fields[k] for k in ("D", "S", "B", "Hq", "Hkv", "causal"))
         flops = {"fwd": fwd_flops, "bwd": 2.5 * fwd_flops, "fwd+bwd": 3.5 * fwd_flops}
-        make = functools.partial(make_peer, name, causal, S, Hkv != Hq, device)
+        if _masked(point):
+            make = functools.partial(make_masked_peer, name, point, device)
+        else:
+            make = functools.partial(make_peer, name, causal, S, Hkv != Hq, device)
+        where = " ".join(filter(None, (name, fields.get("mask"), f"D={D} S={S} Hq={Hq} Hkv={Hkv}",
+                                       "causal" if causal else "")))  # fmt: skip
         for p, ms in _time_passes(make, B, S, Hq, Hkv, D, device).items():
-            if isinstance(ms, Exception):  # recorded as missing (null), with the reason
+            row = table[point][p]
+            if isinstance(ms, Unavailable):  # not installed: a note in the row
+                row["note"] = "; ".join(filter(None, (row.get("note"), str(ms))))
+                ms = None
+            elif isinstance(ms, Exception):  # recorded as missing (null), with the reason
                 failures.setdefault(f"{type(ms).__name__}: {str(ms)[:120]}", []).append(
-                    f"{name} D={D} S={S} Hq={Hq} Hkv={Hkv}{' causal' if causal else ''} {p}"
+                    f"{where} {p}"
                 )
                 ms = None
-            table[point][p][name] = None if ms is None else flops[p] / ms / 1e9
+            row[name] = None if ms is None else flops[p] / ms / 1e9
         for r in table[point].values():
             _best_peer_ratios(r, names)
             if r.get("fusedpar") is not None and r["pass_"] == "fwd":
                 r["vs_matmul"] = r["fusedpar"] / meta["matmul_bf16_tflops"]
-        both = table[point]["fwd+bwd"]
-        print(f"{name} D={D} causal={causal} S={S} Hq={Hq} Hkv={Hkv}: fwd+bwd TFLOP/s "
-              f"{both[name] if both[name] is None else round(both[name])}")  # fmt: skip
+        both = table[point]["fwd+bwd"][name]
+        print(f"{where}: fwd+bwd TFLOP/s {both if both is None else round(both)}")
         meta["missing"] = "; ".join(f"{why} at {', '.join(at)}" for why, at in failures.items())
         rows = [r for per_pass in table.values() for r in per_pass.values()]
         write_results("attention", rows, columns, meta, announce=False)  # kept if cut short
 
-    # Point by point for every peer but flex, which recompiles per point: it comes last.
+    # Point by point for every peer but flex, which recompiles per point: it comes last,
+    # masked points first (the comparison FlexAttention's block masks are made for).
     for point in table:
-        for name in names:
+        for name in peers_at(point, names):
             if name != "flex":
                 measure(name, point)
-    if "flex" in names:
-        for point in table:
+    for point in masked + dense:
+        if "flex" in peers_at(point, names):
             measure("flex", point)
     rows = [r for per_pass in table.values() for r in per_pass.values()]
 
-    def plot(ax):
-        shown = 128 if any(r["D"] == 128 for r in rows) else rows[0]["D"]
-        for name in names:
+    def plot(ax):  # the unmasked multi-head points; the masked ones are in the table
+        plain = [r for r in rows if "mask" not in r and r["Hq"] == r["Hkv"]]
+        shown = 128 if any(r["D"] == 128 for r in plain) else plain[0]["D"]
+        for name in (n for n in names if n in PEERS):
             for causal, style in ((False, "-"), (True, "--")):
-                pts = [r for r in rows if r["D"] == shown and r["causal"] == causal
-                       and r["Hq"] == r["Hkv"] and r["pass_"] == "fwd+bwd"
-                       and r.get(name) is not None]  # fmt: skip
+                pts = [r for r in plain if r["D"] == shown and r["causal"] == causal
+                       and r["pass_"] == "fwd+bwd" and r.get(name) is not None]  # fmt: skip
                 ax.plot([r["S"] for r in pts], [r[name] for r in pts], style, marker="o",
                         label=f"{name}{' causal' if causal else ''}")  # fmt: skip
         ax.set_xscale("log", base=2)

@@ -7,9 +7,11 @@
 | o          | (B, Sq, Hq, D)   | q's or fp32 (ring partials)         |
 | lse        | (B, Hq, Sq)      | fp32, natural log                   |
 
-Query head h reads KV head ``h // (Hq / Hkv)``; KV is never repeated. With ``causal``,
-query i sees keys ``j <= i + Skv - Sq`` (bottom-right aligned); a row that sees no key
-gets output 0 and LSE -inf.
+Query head h reads KV head ``h // (Hq / Hkv)``; KV is never repeated. The mask (causal,
+a sliding window, packed documents) is one key interval per query row, in global
+coordinates (`fusedpar.kernels.attention_mask`): blocks outside every row's interval are
+skipped, blocks inside all of them run unmasked. A row that sees no key gets output 0
+and LSE -inf. ``softcap`` caps the scaled scores at ``softcap * tanh(S / softcap)``.
 
 | pass     | math (S = scale * Q K^T, masked)                                  |
 | -------- | ----------------------------------------------------------------- |
@@ -24,8 +26,6 @@ The backward kernels live in `fusedpar.kernels.attention_backward`; P is recompu
 there from the LSE (no S x S storage). The kernels work in
 base 2 (``exp2`` with log2(e) folded into the scale); the LSE is natural at the boundary.
 """
-
-import math
 
 import torch
 import triton
@@ -47,9 +47,13 @@ from fusedpar.kernels.attention_mask import (
     load_intervals,
     scalar_bounds,
     scalar_intervals,
-    visible_reference,
 )
 from fusedpar.kernels.attention_merge import merge_partials
+from fusedpar.kernels.attention_reference import (  # the references, beside the kernels
+    attention_reference,  # noqa: F401
+    reference_scores,  # noqa: F401
+    resolve_scale,
+)
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # log(x) = log2(x) * LN2
@@ -136,19 +140,20 @@ def scores(qk, qk_scale, cap_in, SOFTCAP: tl.constexpr):
 def _fwd_inner(
     acc, l_i, m_i, q,
     k_ptrs, v_ptrs, stride_ks, stride_vs,
-    offs_n, d_mask, lo, hi, start, stop, Skv, qk_scale, cap_in,
+    d_mask, lo, hi, start, stop, Skv, qk_scale, cap_in,
     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Fold KV blocks [start, stop) into the running (acc, l_i, m_i). In MASKED blocks a
-    row sees keys [lo, hi) only (and none past Skv); the others it sees whole."""
+    row sees keys [lo, hi) only (and none past Skv); the others it sees whole. Rows and
+    intervals are int32 (fewer registers); pointer offsets int64."""
     for start_n in range(start, stop, BLOCK_N):
-        start_n = tl.cast(tl.multiple_of(start_n, BLOCK_N), tl.int64)
-        kv_rows = start_n + offs_n
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        kv_rows = start_n + tl.arange(0, BLOCK_N)
         kv_mask = d_mask[None, :]
         if MASKED:
             kv_mask = kv_mask & (kv_rows[:, None] < Skv)
-        k = tl.load(k_ptrs + start_n * stride_ks, mask=kv_mask, other=0.0)
+        k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_ks, mask=kv_mask, other=0.0)
         qk, _ = scores(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION), qk_scale,
                        cap_in, SOFTCAP)  # fmt: skip
         if MASKED:
@@ -160,7 +165,7 @@ def _fwd_inner(
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs + start_n * stride_vs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_vs, mask=kv_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -199,11 +204,12 @@ def _attn_fwd_kernel(
 
     # Each row's visible keys [lo, hi) (attention_mask), and the key blocks they give:
     # masked [start, mid_lo), whole [mid_lo, mid_hi), masked [mid_hi, end); no others.
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if INTERVALS:
-        lo, hi = load_intervals(kv_lo_ptr + b * stride_ib, kv_hi_ptr + b * stride_ib, offs_m,
+        lo, hi = load_intervals(kv_lo_ptr + b * stride_ib, kv_hi_ptr + b * stride_ib, rows,
                                 row_mask, Skv)  # fmt: skip
     else:
-        lo, hi = scalar_intervals(offs_m, shift, left, right, Skv)
+        lo, hi = scalar_intervals(rows, shift, left, right, Skv)
     start, mid_lo, mid_hi, end = block_ranges(lo, hi, row_mask, BLOCK_N)
 
     q_ptrs = q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
@@ -219,15 +225,15 @@ def _attn_fwd_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_n, d_mask, lo, hi,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, d_mask, lo, hi,
         start, mid_lo, Skv, qk_scale, cap_in, True, SOFTCAP, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_n, d_mask, lo, hi,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, d_mask, lo, hi,
         mid_lo, mid_hi, Skv, qk_scale, cap_in, False, SOFTCAP, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_n, d_mask, lo, hi,
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, d_mask, lo, hi,
         mid_hi, end, Skv, qk_scale, cap_in, True, SOFTCAP, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
 
@@ -242,7 +248,7 @@ def _attn_fwd_kernel(
     if MERGE:  # a ring step: fold this block into the running fp32 (out, lse) in place,
         # instead of writing a block partial that a second pass reads back (review P10);
         # a block that saw no key leaves them as they are
-        row_mask = row_mask & (offs_m * 0 + start < end)  # (a vector: the interpreter's masks)
+        row_mask = row_mask & (rows * 0 + start < end)  # (a vector: the interpreter's masks)
         o_mask = row_mask[:, None] & d_mask[None, :]
         o_prev = tl.load(o_ptrs, mask=o_mask, other=0.0)
         lse_prev = tl.load(lse_ptrs, mask=row_mask, other=float("-inf"))
@@ -359,10 +365,6 @@ def launch(
                                            tune_only=tune_only)  # fmt: skip
 
 
-def resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
-    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-
-
 def strides(t: torch.Tensor) -> tuple:
     return tuple(t.stride())
 
@@ -435,53 +437,3 @@ def attention_forward(
            restore=restore, agreement=agreement, tune_only=tune_only,
            key_extra=key)  # fmt: skip
     return None if tune_only else (out, lse)
-
-
-# --- reference -------------------------------------------------------------------------
-
-
-def reference_scores(q, k, v, *, causal, softmax_scale, window=(-1, -1), softcap=0.0,
-                     visible=None):  # fmt: skip
-    """The references' shared start: ``S = scale * Q K^T`` (B, Hq, Sq, Skv), soft-capped,
-    with the mask as -inf, K and V repeated to Hq heads, and the scale. The mask:
-    `visible` (Sq, Skv) boolean (packed documents), else `causal` and `window`."""
-    (_, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
-    scale = resolve_scale(softmax_scale, D)
-    k = k.repeat_interleave(Hq // Hkv, dim=2)
-    v = v.repeat_interleave(Hq // Hkv, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    if visible is None:
-        one = torch.tensor([0, Sq]), torch.tensor([0, Skv])
-        visible = visible_reference(*one, causal=causal, window=window)
-    return s.masked_fill(~visible.to(q.device), float("-inf")), k, v, scale
-
-
-def attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    window: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    visible: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same contract in plain, differentiable PyTorch, in q's dtype (float64 in ->
-    the oracle). Returns ``(out, lse)``; rows that see no key give 0 and -inf, and their
-    gradients are 0, not NaN. `visible`: a dense (Sq, Skv) mask instead of `causal` and
-    `window` (`attention_mask.visible_reference` of packed documents)."""
-    (B, Sq, Hq, _), Skv = q.shape, k.shape[1]
-    s, _, v, _ = reference_scores(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                  window=window, softcap=softcap, visible=visible)  # fmt: skip
-    m = s.amax(-1, keepdim=True) if Skv else s.new_full((B, Hq, Sq, 1), float("-inf"))
-    m = torch.where(torch.isinf(m), 0.0, m).detach()  # softmax is shift-invariant
-    e = torch.exp(s - m)
-    denom = e.sum(-1, keepdim=True)
-    empty = denom == 0
-    p = e / torch.where(empty, 1.0, denom)
-    lse = torch.where(empty, float("-inf"), torch.log(torch.where(empty, 1.0, denom)) + m)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
-    return out, lse.squeeze(-1)

@@ -31,7 +31,6 @@ from fusedpar.kernels.attention import (
     interpreter_blocks,
     launch,
     mask_arguments,
-    reference_scores,
     resolve_scale,
     scores,
     strides,
@@ -43,6 +42,7 @@ from fusedpar.kernels.attention_mask import (
     load_intervals,
     scalar_intervals,
 )
+from fusedpar.kernels.attention_reference import attention_backward_reference  # noqa: F401
 
 # Split a GQA group over programs when the dK/dV grid has fewer programs than this (two
 # waves of the GPU's SMs keep every SM busy through the tail). None: 2 x the SM count
@@ -58,12 +58,15 @@ SPLIT_BELOW_PROGRAMS: int | None = None
 # dK/dV: a program holds K, V, dK and dV of BLOCK_N keys, so the tiles shrink with the
 # head dim and take 8 warps: 64 queries at a time spill 8-64 B even at D=64; at D=128
 # every 4-warp tile of 32+ keys and queries spills (64x64: 824 B, 32x32: 112-160 B), and
-# so does 64x64 with 8 warps (336 B); at D=256 only 16x32 with 8 warps is free of spills
+# so does 64x64 with 8 warps (336 B); the masks' intervals (three query loops) took
+# 32x64 with 4 warps at D=64 and 16x64 with 3 stages at D=128 to 40 B of spills (2
+# stages: none), and 16x32 with 4 warps at D=128 to 8 B with a window and soft-capping
+# (8 warps instead); at D=256 only 16x32 with 8 warps is free of spills
 # (32x32: 56-80 B, kept for the tuner to weigh; the review's 64x64 with 2 stages spills
 # 1 KB) and no tile reaches wgmma.
 _DKDV_TILES = {
-    (64, "16-bit"): [(32, 128, 3, 8), (32, 64, 3, 8), (32, 64, 3, 4), (32, 32, 2, 4)],
-    (128, "16-bit"): [(16, 64, 3, 8), (32, 32, 3, 8), (16, 32, 2, 4)],
+    (64, "16-bit"): [(32, 128, 3, 8), (32, 64, 3, 8), (32, 32, 2, 4)],
+    (128, "16-bit"): [(16, 64, 2, 8), (32, 32, 3, 8), (16, 32, 2, 8)],
     (256, "16-bit"): [(16, 32, 2, 8), (32, 32, 2, 8)],
     # fp32's full-precision dots are FMA loops: 8 warps keep the small tiles unspilled
     # (32x32 with 4 warps spills 850-1050 B, 16x32 at D=256 1.3 KB).
@@ -131,25 +134,27 @@ def _load_row_stats(lse_ptrs, delta_ptrs, mask):
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v, q_ptrs, do_ptrs, stride_qs, stride_dos, lse_ptr, delta_ptr, stride_ls,
-    offs_m, d_mask, q_lo, q_hi, start, stop, Sq, qk_scale, cap_in,
+    d_mask, q_lo, q_hi, start, stop, Sq, qk_scale, cap_in,
     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     """Add query blocks [start, stop) into dK, dV of one KV block (transposed: rows are
-    keys). In MASKED blocks key n is seen by queries [q_lo[n], q_hi[n]) only."""
+    keys). In MASKED blocks key n is seen by queries [q_lo[n], q_hi[n]) only. Rows and
+    intervals are int32, pointer offsets int64 (as in the forward)."""
     for start_m in range(start, stop, BLOCK_M):
-        start_m = tl.cast(tl.multiple_of(start_m, BLOCK_M), tl.int64)
-        rows = start_m + offs_m
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + tl.arange(0, BLOCK_M)
         row_mask = (rows < Sq)[:, None] & d_mask[None, :]
-        q = tl.load(q_ptrs + start_m * stride_qs, mask=row_mask, other=0.0)
-        do = tl.load(do_ptrs + start_m * stride_dos, mask=row_mask, other=0.0)
-        lse2, delta = _load_row_stats(lse_ptr + rows * stride_ls, delta_ptr + rows, rows < Sq)
+        q = tl.load(q_ptrs + start_m.to(tl.int64) * stride_qs, mask=row_mask, other=0.0)
+        do = tl.load(do_ptrs + start_m.to(tl.int64) * stride_dos, mask=row_mask, other=0.0)
+        rows64 = rows.to(tl.int64)
+        lse2, delta = _load_row_stats(lse_ptr + rows64 * stride_ls, delta_ptr + rows64, rows < Sq)
         qk_t, t = scores(tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION), qk_scale,
                          cap_in, SOFTCAP)  # (N, M)  # fmt: skip
         p_t = tl.math.exp2(qk_t - lse2[None, :])
         if MASKED:
-            p_t = tl.where((rows[None, :] >= q_lo[:, None]) & (rows[None, :] < q_hi[:, None]),
-                           p_t, 0.0)  # fmt: skip
+            seen = (rows[None, :] >= q_lo[:, None]) & (rows[None, :] < q_hi[:, None])
+            p_t = tl.where(seen, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -200,12 +205,13 @@ def _attn_bwd_dkdv_kernel(
     # The queries [q_lo, q_hi) that see each key (attention_mask), and the query blocks
     # they give (the forward's ranges, from the key side). Rows past Sq and keys past
     # Skv load as zeros and add nothing to the stored rows.
+    keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if INTERVALS:
-        q_lo, q_hi = load_intervals(q_lo_ptr + b * stride_ib, q_hi_ptr + b * stride_ib, offs_n,
-                                    offs_n < Skv, Sq)  # fmt: skip
+        q_lo, q_hi = load_intervals(q_lo_ptr + b * stride_ib, q_hi_ptr + b * stride_ib, keys,
+                                    keys < Skv, Sq)  # fmt: skip
     else:
-        q_lo, q_hi = scalar_intervals(offs_n, -shift, right, left, Sq)
-    start, mid_lo, mid_hi, end = block_ranges(q_lo, q_hi, offs_n < Skv, BLOCK_M)
+        q_lo, q_hi = scalar_intervals(keys, -shift, right, left, Sq)
+    start, mid_lo, mid_hi, end = block_ranges(q_lo, q_hi, keys < Skv, BLOCK_M)
 
     k = tl.load(k_ptr + b * stride_kb + h_kv * stride_kh + offs_n[:, None] * stride_ks
                 + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # fmt: skip
@@ -223,17 +229,17 @@ def _attn_bwd_dkdv_kernel(
         row_delta = delta_ptr + (b * Hq + h) * Sq
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, stride_qs, stride_dos, row_lse, row_delta,
-            stride_ls, offs_m, d_mask, q_lo, q_hi, start, mid_lo, Sq, qk_scale, cap_in,
+            stride_ls, d_mask, q_lo, q_hi, start, mid_lo, Sq, qk_scale, cap_in,
             True, SOFTCAP, INPUT_PRECISION, BLOCK_M,
         )  # fmt: skip
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, stride_qs, stride_dos, row_lse, row_delta,
-            stride_ls, offs_m, d_mask, q_lo, q_hi, mid_lo, mid_hi, Sq, qk_scale, cap_in,
+            stride_ls, d_mask, q_lo, q_hi, mid_lo, mid_hi, Sq, qk_scale, cap_in,
             False, SOFTCAP, INPUT_PRECISION, BLOCK_M,
         )  # fmt: skip
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, stride_qs, stride_dos, row_lse, row_delta,
-            stride_ls, offs_m, d_mask, q_lo, q_hi, mid_hi, end, Sq, qk_scale, cap_in,
+            stride_ls, d_mask, q_lo, q_hi, mid_hi, end, Sq, qk_scale, cap_in,
             True, SOFTCAP, INPUT_PRECISION, BLOCK_M,
         )  # fmt: skip
 
@@ -243,7 +249,7 @@ def _attn_bwd_dkdv_kernel(
     dv_ptrs = (dv_ptr + b * stride_dvb + pid_h * stride_dvh
                + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd)  # fmt: skip
     if ACCUMULATE:  # a block no query sees adds nothing: leave it alone
-        kv_mask = kv_mask & (offs_n * 0 + start < end)[:, None]
+        kv_mask = kv_mask & (keys * 0 + start < end)[:, None]
         dk += tl.load(dk_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
         dv += tl.load(dv_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
     tl.store(dk_ptrs, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
@@ -253,19 +259,19 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_inner(
     dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs,
-    offs_n, d_mask, lo, hi, start, stop, Skv, qk_scale, cap_in,
+    d_mask, lo, hi, start, stop, Skv, qk_scale, cap_in,
     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Add KV blocks [start, stop) into dQ of one query block (masked as the forward)."""
     for start_n in range(start, stop, BLOCK_N):
-        start_n = tl.cast(tl.multiple_of(start_n, BLOCK_N), tl.int64)
-        kv_rows = start_n + offs_n
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        kv_rows = start_n + tl.arange(0, BLOCK_N)
         kv_mask = d_mask[None, :]
         if MASKED:
             kv_mask = kv_mask & (kv_rows[:, None] < Skv)
-        k = tl.load(k_ptrs + start_n * stride_ks, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs + start_n * stride_vs, mask=kv_mask, other=0.0)
+        k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_ks, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_vs, mask=kv_mask, other=0.0)
         qk, t = scores(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION), qk_scale,
                        cap_in, SOFTCAP)  # fmt: skip
         p = tl.math.exp2(qk - lse2[:, None])
@@ -308,11 +314,12 @@ def _attn_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     d_mask = offs_d < HEAD_DIM
     row_mask = (offs_m < Sq)[:, None] & d_mask[None, :]
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if INTERVALS:  # the forward's key ranges
-        lo, hi = load_intervals(kv_lo_ptr + b * stride_ib, kv_hi_ptr + b * stride_ib, offs_m,
-                                offs_m < Sq, Skv)  # fmt: skip
+        lo, hi = load_intervals(kv_lo_ptr + b * stride_ib, kv_hi_ptr + b * stride_ib, rows,
+                                rows < Sq, Skv)  # fmt: skip
     else:
-        lo, hi = scalar_intervals(offs_m, shift, left, right, Skv)
+        lo, hi = scalar_intervals(rows, shift, left, right, Skv)
     start, mid_lo, mid_hi, end = block_ranges(lo, hi, offs_m < Sq, BLOCK_N)
 
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
@@ -331,16 +338,16 @@ def _attn_bwd_dq_kernel(
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     dq = _bwd_dq_inner(
-        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_n, d_mask,
-        lo, hi, start, mid_lo, Skv, qk_scale, cap_in, True, SOFTCAP, INPUT_PRECISION, BLOCK_N,
+        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, d_mask, lo, hi,
+        start, mid_lo, Skv, qk_scale, cap_in, True, SOFTCAP, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     dq = _bwd_dq_inner(
-        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_n, d_mask,
-        lo, hi, mid_lo, mid_hi, Skv, qk_scale, cap_in, False, SOFTCAP, INPUT_PRECISION, BLOCK_N,
+        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, d_mask, lo, hi,
+        mid_lo, mid_hi, Skv, qk_scale, cap_in, False, SOFTCAP, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     dq = _bwd_dq_inner(
-        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_n, d_mask,
-        lo, hi, mid_hi, end, Skv, qk_scale, cap_in, True, SOFTCAP, INPUT_PRECISION, BLOCK_N,
+        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, d_mask, lo, hi,
+        mid_hi, end, Skv, qk_scale, cap_in, True, SOFTCAP, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     dq = dq * sm_scale
     dq_ptrs = (dq_ptr + b * stride_dqb + h * stride_dqh
@@ -594,48 +601,3 @@ def attention_backward(
     grads_kv = attention_backward_dkdv(dout, q, k, v, lse, delta, dk=dk, dv=dv, **common)
     grad_q = attention_backward_dq(dout, q, k, v, lse, delta, dq=dq, **common)
     return None if tune_only else (grad_q, *grads_kv)
-
-
-# --- reference -------------------------------------------------------------------------
-
-
-def attention_backward_reference(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    window: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    visible: torch.Tensor | None = None,
-    dlse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernels' backward formula in plain PyTorch, in q's dtype: P from the LSE and
-    ``delta = rowsum(dO * O) - dLSE`` from the forward's output.
-
-    Autograd through `attention_reference` computes ``P * (dP - rowsum(P * dP))``, where
-    the two dP terms cancel exactly; here, as in the kernels (and FlashAttention), delta
-    comes from the rounded O and cancels dP only to rounding. The fp32 tests use both
-    as PyTorch's own error in the tolerance rule. `dout` is in q's dtype; the LSE is
-    rounded to it (the kernels keep it in fp32).
-    """
-    Hkv, group = k.shape[2], q.shape[2] // k.shape[2]
-    s, k, v, scale = reference_scores(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                      window=window, softcap=softcap, visible=visible)  # fmt: skip
-    lse = lse.to(q.dtype)[..., None]
-    p = torch.where(torch.isneginf(lse), 0.0, torch.exp(s - lse))  # rows with no key: 0
-    delta = (dout * out).sum(-1).transpose(1, 2)  # (B, Hq, Sq)
-    if dlse is not None:
-        delta = delta - dlse.to(delta.dtype)
-    ds = p * (torch.einsum("bqhd,bkhd->bhqk", dout, v) - delta[..., None])
-    if softcap:  # s = softcap * tanh(raw / softcap): d s / d raw = 1 - tanh^2
-        raw = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-        ds = ds * (1 - torch.tanh(raw / softcap) ** 2)
-    dq = torch.einsum("bhqk,bkhd->bqhd", ds, k) * scale
-    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q) * scale
-    dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
-    return dq, *(g.unflatten(2, (Hkv, group)).sum(3) for g in (dk, dv))

@@ -96,9 +96,9 @@ def scalar_intervals(rows, shift, left, right, n_other):
 
 @triton.jit
 def load_intervals(lo_ptr, hi_ptr, rows, valid, n_other):
-    """The tensor mode: rows' intervals, loaded and clamped to [0, n_other)."""
-    lo = tl.load(lo_ptr + rows, mask=valid, other=0).to(tl.int64)
-    hi = tl.load(hi_ptr + rows, mask=valid, other=0).to(tl.int64)
+    """The tensor mode: rows' intervals (int32), loaded and clamped to [0, n_other)."""
+    lo = tl.load(lo_ptr + rows, mask=valid, other=0)
+    hi = tl.load(hi_ptr + rows, mask=valid, other=0)
     return tl.minimum(tl.maximum(lo, 0), n_other), tl.minimum(tl.maximum(hi, 0), n_other)
 
 

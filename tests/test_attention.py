@@ -68,21 +68,23 @@ def attention_grads(fn, inputs, dout, dlse):
     return [out.detach(), lse.detach(), *grads]
 
 
-def torch_results(inputs, dout, dlse, ref, causal=False, scale=None):
+def torch_results(inputs, dout, dlse, ref, causal=False, scale=None, **mask):
     """PyTorch's own [out, lse, dq, dk, dv] in the inputs' dtype: the yardstick of the
     tolerance rule. In fp32 each gradient is the worse (against the float64 `ref`) of
     autograd through the reference and the kernels' own formula in PyTorch: delta from
     the rounded O cancels dP only to rounding, where autograd cancels exactly. Against
     autograd alone, 14% of random fp32 examples with Skv <= 2 failed. In fp16 and bf16
     the formula would round P, dS and delta where the kernels keep fp32, so autograd
-    alone is the yardstick there. Shared with the ring attention tests."""
+    alone is the yardstick there. `mask`: window, softcap or visible, as the references
+    take them. Shared with the ring attention and mask tests."""
     same = attention_grads(
-        lambda *t: attention_reference(*t, causal=causal, softmax_scale=scale), inputs, dout, dlse
-    )
+        lambda *t: attention_reference(*t, causal=causal, softmax_scale=scale, **mask), inputs,
+        dout, dlse,
+    )  # fmt: skip
     if same[0].dtype != torch.float32:
         return same
     formula = attention_backward_reference(
-        dout.to(same[0].dtype), *inputs, *same[:2], causal=causal, softmax_scale=scale,
+        dout.to(same[0].dtype), *inputs, *same[:2], causal=causal, softmax_scale=scale, **mask,
         dlse=torch.where(torch.isfinite(same[1]), dlse.to(torch.float32), 0),
     )  # fmt: skip
 
@@ -93,20 +95,22 @@ def torch_results(inputs, dout, dlse, ref, causal=False, scale=None):
     return same[:2] + [max(a, b, key=lambda t: error(t, r)) for a, b, r in grads]
 
 
-def check_attention(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, layout="contiguous", scale=None):
+def check_attention(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, layout="contiguous", scale=None,
+                    **mask):  # fmt: skip
+    """`mask`: window and softcap, as `flash_attn` takes them."""
     q, k, v = _inputs(B, Sq, Skv, Hq, Hkv, D, dtype, seed, layout)
     dout = randn((B, Sq, Hq, D), dtype, seed + 3)
     dlse = randn((B, Hq, Sq), torch.float32, seed + 4)
 
     def ours(q, k, v):
-        return fp.flash_attn(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+        return fp.flash_attn(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, **mask)
 
     def reference(q, k, v):
-        return attention_reference(q, k, v, causal=causal, softmax_scale=scale)
+        return attention_reference(q, k, v, causal=causal, softmax_scale=scale, **mask)
 
     got = attention_grads(ours, (q, k, v), dout, dlse)
     ref = attention_grads(reference, [t.double() for t in (q, k, v)], dout, dlse)
-    torch_same_dtype = torch_results((q, k, v), dout, dlse, ref, causal, scale)
+    torch_same_dtype = torch_results((q, k, v), dout, dlse, ref, causal, scale, **mask)
     for name, g, r, t in zip(
         ("out", "lse", "dq", "dk", "dv"), got, ref, torch_same_dtype, strict=True
     ):
@@ -367,32 +371,55 @@ def test_ring_mode_bad_input(call, error, match):
 
 def test_the_attention_benchmark_runs_on_cpu(monkeypatch, tmp_path):
     """bench/attention.py end to end on CPU (fp32, the interpreter, timers replaced): a
-    multi-head and a GQA point, the peer filter, a peer that cannot run recorded as
-    missing, and the tuner's picks in the results."""
+    multi-head and a GQA point, a packed-documents and a sliding-window point, the peer
+    filter, a peer that cannot run recorded as missing, one not installed noted in its
+    rows, and the tuner's picks in the results."""
     import json
 
     import bench.attention as bench
     from bench.common import results_folder
 
     monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
-    monkeypatch.setenv("BENCH_PEERS", "sdpa-flash,fusedpar")
+    monkeypatch.setenv("BENCH_PEERS", "sdpa-flash,fusedpar,sdpa-mask,flash-attn")
     monkeypatch.setattr(bench, "DTYPE", torch.float32)
     monkeypatch.setattr(bench, "TOKENS", 32)
     monkeypatch.setattr(bench, "points", lambda: [(16, True, 16, 2, 2), (16, False, 32, 4, 1)])
+    masked = [("documents", 16, 40, 2, 2, (7, 16, 1, 16)), ("window", 16, 48, 4, 2, 8)]
+    monkeypatch.setattr(bench, "masked_points", lambda: masked)
     monkeypatch.setattr(bench, "time_ms", lambda fn, **kw: (fn(), 1.0)[1])
     monkeypatch.setattr(bench, "environment", lambda: {"device": "cpu test"})
     monkeypatch.setattr(bench, "measured_ceilings", lambda: {"matmul_bf16_tflops": 1.0})
     bench.main(device="cpu")
     result = json.loads((results_folder() / "attention.json").read_text())
     rows = result["rows"]
-    assert [(r["S"], r["B"], r["Hq"], r["Hkv"], r["pass_"]) for r in rows] == [
-        (S, 32 // S, Hq, Hkv, p) for S, Hq, Hkv in ((16, 2, 2), (32, 4, 1)) for p in bench.PASSES
+    shapes = [(16, 2, 2, 2, None), (32, 1, 4, 1, None), (40, 1, 2, 2, "documents 7+16+1+16"),
+              (48, 1, 4, 2, "window 8")]  # fmt: skip
+    assert [(r["S"], r["B"], r["Hq"], r["Hkv"], r.get("mask"), r["pass_"]) for r in rows] == [
+        (*shape, p) for shape in shapes for p in bench.PASSES
     ]
     fwd = rows[0]
     assert fwd["fusedpar"] == pytest.approx(4 * 2 * 2 * 16 * 16 * 16 * 0.5 / 1e9)
-    assert result["meta"]["peers"] == "fusedpar,sdpa-flash"
+    assert result["meta"]["peers"] == "fusedpar,sdpa-flash,sdpa-mask,flash-attn"
     if fwd["sdpa-flash"] is None:  # no flash backend on CPU: recorded, the rest measured
         assert "sdpa-flash D=16 S=16" in result["meta"]["missing"]
+    docs, window = rows[6], rows[9]
+    pairs = {"documents": (7**2 + 16**2 + 1 + 16**2) / 2, "window": 48 * 8 - 8 * 8 / 2}
+    for row, (Hq, kind) in ((docs, (2, "documents")), (window, (4, "window"))):
+        assert row["fusedpar"] == pytest.approx(4 * Hq * 16 * pairs[kind] / 1e9)
+        assert row["sdpa-mask"] == pytest.approx(row["fusedpar"])  # timers faked: equal
+        assert "sdpa-flash" not in row  # the masked points compare their own peers
+        if row["flash-attn"] is None and "note" in row:  # not installed: noted, not missing
+            assert "flash-attn: not importable" in row["note"]
+            assert "flash-attn" not in result["meta"]["missing"]
+    assert "mask" in (results_folder() / "attention.md").read_text()
+    for point in masked:  # the peers compute one mask: ours against SDPA's dense mask
+        _, D, T, Hq, Hkv, _ = point
+        q, k, v = (randn((T, h, D), torch.float32, i) for i, h in enumerate((Hq, Hkv, Hkv)))
+        ours = bench.make_masked_peer("fusedpar", point, "cpu")[1]
+        sdpa = bench.make_masked_peer("sdpa-mask", point, "cpu")[1]
+        got = ours(q, k, v) if point[0] == "documents" else ours(q[None], k[None], v[None])[0]
+        want = sdpa(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0].transpose(0, 1)
+        torch.testing.assert_close(got, want)
     assert "_attn_fwd_kernel" in result["meta"]["tuning_picks"]
     monkeypatch.setenv("BENCH_PEERS", "fusedpar,sdpa")
     with pytest.raises(ValueError, match="unknown peers \\['sdpa'\\]"):

@@ -68,7 +68,17 @@ def _fp32_precision(precision):
         torch.set_float32_matmul_precision(saved)
 
 
-def attention_forward(dtype, head_dim, causal=True, group=2, merge=False, precision="highest"):
+def _mask(causal, window, softcap, intervals):
+    """The mask arguments: the scalar mode (causal, window), or with `intervals` the
+    tensor mode the ring and packed documents use (int32, one row for every batch)."""
+    if not intervals:
+        return {"causal": causal, "window": window, "softcap": softcap}
+    lo, hi = (torch.empty((1, 256), dtype=torch.int32) for _ in range(2))
+    return {"intervals": attn.Intervals(lo, hi, lo, hi), "softcap": softcap}
+
+
+def attention_forward(dtype, head_dim, causal=True, group=2, merge=False, precision="highest",
+                      window=(-1, -1), softcap=0.0, intervals=False):  # fmt: skip
     """The forward; with `merge`, a ring step: fp32 `out` and `lse` merged into in place."""
     q = _empty((2, 256, 2 * group, head_dim), dtype)
     k, v = (_empty((2, 256, 2, head_dim), dtype) for _ in range(2))
@@ -76,11 +86,13 @@ def attention_forward(dtype, head_dim, causal=True, group=2, merge=False, precis
     if merge:
         buffers = {"out": _empty(q.shape, "float32"), "lse": _empty((2, 2 * group, 256), "float32")}
     with _fp32_precision(precision):
-        attn.attention_forward(q, k, v, causal=causal, merge=merge, **buffers)
+        attn.attention_forward(q, k, v, merge=merge, **_mask(causal, window, softcap, intervals),
+                               **buffers)  # fmt: skip
 
 
 def attention_backward(dtype, head_dim, causal=True, group=2, accumulate=False, split=False,
-                       precision="highest"):  # fmt: skip
+                       precision="highest", window=(-1, -1), softcap=0.0,
+                       intervals=False):  # fmt: skip
     """Launches the delta, dK/dV and dQ kernels. `accumulate`: the ring's later steps (fp32
     gradient buffers added into); `split`: with a GQA group of 4, two slices of 2 heads
     (fp32 partials), as a grid of few programs gets on a GPU."""
@@ -95,8 +107,9 @@ def attention_backward(dtype, head_dim, causal=True, group=2, accumulate=False, 
     attn_bwd.SPLIT_BELOW_PROGRAMS = 16 if split else saved
     try:
         with _fp32_precision(precision):
-            attn_bwd.attention_backward(dout, q, k, v, lse, causal=causal, out=out,
-                                        accumulate=accumulate, **grads)  # fmt: skip
+            mask = _mask(causal, window, softcap, intervals)
+            attn_bwd.attention_backward(dout, q, k, v, lse, out=out, accumulate=accumulate,
+                                        **mask, **grads)  # fmt: skip
     finally:
         attn_bwd.SPLIT_BELOW_PROGRAMS = saved
 
@@ -250,18 +263,20 @@ for label, (kernel, scenario, configs_of) in ATTENTION.items():
         add(family, f"{dtype}-d256-smallest", scenario, params, kernel, 80, _smallest(configs),
             no_spill=False)  # fmt: skip
     # The ring's modes, every 16-bit tile: a forward step merging into fp32 `out` and `lse`
-    # (MHA, not causal: the off-diagonal blocks), gradients added into fp32 buffers; and
-    # the GQA split of dK/dV.
+    # (MHA, the mask as intervals), gradients added into fp32 buffers; the GQA split of
+    # dK/dV; and the heaviest mask: causal GQA with a window and soft-capping.
+    ring = {"group": 1, "intervals": True}
     if label == "fwd":
-        modes = {"ring-merge": {"causal": False, "group": 1, "merge": True}}
+        modes = {"ring-merge": {**ring, "merge": True}}
     else:
-        modes = {"ring-accumulate": {"causal": False, "group": 1, "accumulate": True}}
+        modes = {"ring-accumulate": {**ring, "accumulate": True}}
+    modes["window-softcap"] = {"window": (100, 0), "softcap": 30.0}
     if label == "dkdv":
         modes["gqa-split"] = {"group": 4, "split": True}
     for mode, extra in modes.items():
         for D in (64, 128):  # where the no-spill rule applies
             configs = configs_of(D, torch.bfloat16)
-            if mode.startswith("ring"):  # MHA, not causal: lighter than the cases above
+            if mode.startswith("ring"):  # MHA: lighter than the cases above
                 configs = configs[:1]
             add_configs(family, f"{mode}-bfloat16-d{D}", scenario,
                         {"dtype": "bfloat16", "head_dim": D, **extra}, kernel, configs,

@@ -83,14 +83,28 @@ class ParallelAttention(nn.Module):
     ``rope(positions)`` returns cos, sin of shape (S, hd/2), or (S, hd) with equal
     halves (Hugging Face's layout; leading dims of 1 are dropped); without it, the
     default rotary tables of `rope_theta`.
+
+    ``sliding_window=W`` has Hugging Face's meaning (Mistral, Gemma 2/3): a query sees
+    itself and the W - 1 keys before it, i.e. ``window=(W - 1, 0)`` of `flash_attn`.
+    ``softcap``: Gemma 2's ``attn_logit_softcapping``. ``forward(x, cu_seqlens)`` takes
+    packed documents (see `forward`).
     """
 
     def __init__(self, d_model, n_heads, n_kv_heads=None, *, head_dim=None, bias=False,
                  o_bias=False, qk_norm=False, norm_eps=1e-6,
-                 rope: Callable | None = None, tp_group=None, cp_group=None, causal=True,
+                 rope: Callable | None = None, sliding_window: int | None = None,
+                 softcap: float | None = None, tp_group=None, cp_group=None, causal=True,
                  sequence_parallel=True, cp_layout="zigzag", rope_theta=10000.0, device=None,
                  dtype=None):  # fmt: skip
         super().__init__()
+        if sliding_window is not None:
+            if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+                raise TypeError(f"sliding_window must be an int, got {sliding_window!r}")
+            if sliding_window < 1 or not causal:
+                raise ValueError(f"sliding_window={sliding_window} is Hugging Face's causal "
+                                 f"window of W >= 1 keys (causal={causal})")  # fmt: skip
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be > 0 (or None), got {softcap!r}")
         n_kv_heads = n_kv_heads or n_heads
         tp = comm.group_size(tp_group)
         if head_dim is None:
@@ -111,6 +125,9 @@ class ParallelAttention(nn.Module):
         self.tp, self.tp_rank = tp, comm.group_rank(tp_group)
         self.causal, self.sequence_parallel = causal, sequence_parallel
         self.cp_layout, self.rope_theta = cp_layout, rope_theta
+        self.sliding_window, self.softcap = sliding_window, softcap
+        # Hugging Face's W keys (the query's own included) is flash-attn's (W - 1, 0)
+        self.window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
         hd, factory = head_dim, {"device": device, "dtype": dtype}
         q_rows, kv_rows = n_heads // tp * hd, n_kv_heads // tp * hd
         self.q_weight = nn.Parameter(torch.empty(q_rows, d_model, **factory))
@@ -231,20 +248,23 @@ class ParallelAttention(nn.Module):
         layer.load_dense(q, k, v, o, **norms)
         return layer
 
-    def _rope(self, full_len: int, device: torch.device):
-        """cos, sin (S_loc, hd/2) at this rank's global positions, once per length."""
+    def _rope(self, full_len: int, device: torch.device, cu_seqlens=None):
+        """cos, sin (S_loc, hd/2) at this rank's positions: global ones, kept per length;
+        with packed documents, restarting in each (built per call)."""
         key = (full_len, device)
-        if key not in self._rope_tables:
+        if cu_seqlens is None and key in self._rope_tables:
+            return self._rope_tables[key]
+        positions = sequence_positions(full_len, self.cp_group, layout=self.cp_layout,
+                                       device=device, cu_seqlens=cu_seqlens)  # fmt: skip
+        if self.rope is None:
+            tables = rope_tables(positions, self.head_dim, self.rope_theta)
+        else:
+            tables = tuple(self._rope_table(t, len(positions)) for t in self.rope(positions))
+        if cu_seqlens is None:
             if len(self._rope_tables) >= 4:  # lengths that vary (evaluation): keep a few
                 self._rope_tables.clear()
-            positions = sequence_positions(full_len, self.cp_group, layout=self.cp_layout,
-                                           device=device)  # fmt: skip
-            if self.rope is None:
-                tables = rope_tables(positions, self.head_dim, self.rope_theta)
-            else:
-                tables = tuple(self._rope_table(t, len(positions)) for t in self.rope(positions))
             self._rope_tables[key] = tables
-        return self._rope_tables[key]
+        return tables
 
     def _rope_table(self, t: torch.Tensor, length: int) -> torch.Tensor:
         half = self.head_dim // 2
@@ -257,11 +277,17 @@ class ParallelAttention(nn.Module):
                              f"({length}, {2 * half}), got {tuple(t.shape)}")  # fmt: skip
         return t.float()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (S_loc, B, d_model) -> the same shape (see the module doc)."""
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """x (S_loc, B, d_model) -> the same shape (see the module doc). `cu_seqlens`
+        (int32, the same on every rank): the documents packed into the full sequence
+        (B = 1), as in `fusedpar.flash_attn_varlen`; a token attends within its own
+        document, and its RoPE position restarts at each document's start."""
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"ParallelAttention takes x (S_loc, B, d_model={self.d_model}), "
                              f"got {tuple(x.shape)}")  # fmt: skip
+        if cu_seqlens is not None and x.shape[1] != 1:
+            raise ValueError(f"ParallelAttention: packed documents (cu_seqlens) take one "
+                             f"sequence, x (S_loc, 1, d); got batch {x.shape[1]}")  # fmt: skip
         weights = [self.q_weight, self.k_weight, self.v_weight]
         biases = [self.q_bias, self.k_bias, self.v_bias]
         if self.sequence_parallel:
@@ -275,9 +301,11 @@ class ParallelAttention(nn.Module):
         if self.q_norm_weight is not None:
             q = head_rms_norm(q, self.q_norm_weight, self.norm_eps)
             k = head_rms_norm(k, self.k_norm_weight, self.norm_eps)
-        cos, sin = self._rope(seq * comm.group_size(self.cp_group), x.device)
+        cos, sin = self._rope(seq * comm.group_size(self.cp_group), x.device, cu_seqlens)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = ring_attn(q, k, v, self.cp_group, causal=self.causal, layout=self.cp_layout)
+        out = ring_attn(q, k, v, self.cp_group, causal=self.causal, layout=self.cp_layout,
+                        window=self.window, softcap=self.softcap or 0.0,
+                        cu_seqlens=cu_seqlens)  # fmt: skip
         out = out.transpose(0, 1).reshape(seq, batch, -1)  # (S, B, Hq/TP * hd)
         if self.sequence_parallel:
             # Each rank adds the o bias to its own tokens: its gradient is summed over TP.

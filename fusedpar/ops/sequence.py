@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fusedpar.comm import Group, all_gather_async, group_rank, group_size, resolve_group
+from fusedpar.kernels.attention_mask import check_cu_seqlens
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -118,10 +119,21 @@ def gather_sequence(x: torch.Tensor, group: Group, *, dim: int = 1, layout: str 
 
 
 def sequence_positions(
-    seq_len: int, group: Group, *, layout: str = "zigzag", device=None
+    seq_len: int,
+    group: Group,
+    *,
+    layout: str = "zigzag",
+    device=None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Global positions (int64, (seq_len / W,)) of this rank's tokens, for RoPE."""
+    """Global positions (int64, (seq_len / W,)) of this rank's tokens, for RoPE. With
+    ``cu_seqlens`` (the documents of a packed stream of length `seq_len`, as in
+    `fusedpar.flash_attn_varlen`) positions restart at 0 in every document."""
     size, rank = group_size(group), group_rank(group)
     check_sequence_length(seq_len, size, layout, "sequence_positions")
     positions = torch.arange(seq_len, device=device)
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, seq_len)
+        starts = cu_seqlens.to(positions.device, torch.int64)
+        positions = positions - starts[torch.searchsorted(starts, positions, right=True) - 1]
     return positions if size == 1 else _shard(positions, rank, size, 0, layout)
