@@ -160,10 +160,13 @@ def _fwd_inner(
             visible = (kv_rows[None, :] >= lo[:, None]) & (kv_rows[None, :] < hi[:, None])
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        if MASKED:  # a row may have seen nothing yet: keep exp2 away from -inf - -inf
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        m_safe = m_new
+        if MASKED:  # a row may have seen nothing yet: keep exp2 away from -inf - -inf, but
+            # keep m_i at -inf (a stand-in max of 0 would scale later blocks' p towards
+            # fp16 underflow: a row whose keys start in a later block, e.g. a document's)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_vs, mask=kv_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)

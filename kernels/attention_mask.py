@@ -60,8 +60,8 @@ def check_window(window, what: str = "window") -> tuple[int, int]:
 def check_softcap(softcap) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a number, got {softcap!r}")
-    if not softcap >= 0:  # NaN too
-        raise ValueError(f"softcap must be >= 0 (0: no capping), got {softcap!r}")
+    if not 0 <= softcap < float("inf"):  # NaN too
+        raise ValueError(f"softcap must be >= 0 and finite (0: no capping), got {softcap!r}")
     return float(softcap)
 
 
@@ -144,6 +144,9 @@ class Intervals:
             if t.dtype != torch.int32 or t.device != device:
                 raise ValueError(f"Intervals.{name} must be int32 on {device}, "
                                  f"got {t.dtype} on {t.device}")  # fmt: skip
+        for lo, hi in ((self.kv_lo, self.kv_hi), (self.q_lo, self.q_hi)):  # one batch stride
+            if lo.shape != hi.shape or lo.stride() != hi.stride():
+                raise ValueError("Intervals: each lo/hi pair must share its shape and strides")
 
     def batch_stride(self, t: torch.Tensor) -> int:
         return 0 if t.shape[0] == 1 else t.stride(0)

@@ -134,6 +134,24 @@ def test_max_seqlen_is_never_read():
                                             causal=True), expected)  # fmt: skip
 
 
+def test_rows_whose_keys_start_in_a_later_block_keep_their_scale():
+    """A document starting inside a query block (rows 64..127, the second starting at
+    100): its rows see nothing in the first key block visited (0..63), then scores far
+    below 0. The running max must not stand in as 0 for them (p = e^-30 underflows fp16
+    in the P V product and the output would vanish)."""
+    cu = cu_of([100, 28])
+    q = randn((128, 1, 16), torch.float16, 0, scale=1.5)
+    k = (-q).clone()  # the diagonal scores -|q|^2, about -36
+    v = randn((128, 1, 16), torch.float16, 2)
+    out = fp.flash_attn_varlen(q, k, v, cu, causal=True, softmax_scale=1.0)
+    visible = visible_reference(cu, cu, causal=True, window=(-1, -1))
+    ref, _ = attention_reference(*(t[None].double() for t in (q, k, v)), softmax_scale=1.0,
+                                 visible=visible)  # fmt: skip
+    same, _ = attention_reference(*(t[None] for t in (q, k, v)), softmax_scale=1.0,
+                                  visible=visible)  # fmt: skip
+    assert_close(out[None], ref, same, name="out")
+
+
 # --- block skipping -----------------------------------------------------------------------
 
 
@@ -187,8 +205,9 @@ def _qkv(T=6):
         ({"window": (-2, 0)}, ValueError, r"-1 \(unbounded\) or >= 0"),
         ({"window": (3,)}, TypeError, "a pair"),
         ({"window": (1.5, 0)}, TypeError, "ints"),
-        ({"softcap": -1.0}, ValueError, "softcap must be >= 0"),
-        ({"softcap": float("nan")}, ValueError, "softcap must be >= 0"),
+        ({"softcap": -1.0}, ValueError, "softcap must be >= 0 and finite"),
+        ({"softcap": float("nan")}, ValueError, "softcap must be >= 0 and finite"),
+        ({"softcap": float("inf")}, ValueError, "softcap must be >= 0 and finite"),
     ],
 )  # fmt: skip
 def test_bad_window_or_softcap(kwargs, error, match):
