@@ -12,6 +12,7 @@ from fusedpar.ops import (
     shard_sequence,
 )
 from fusedpar.parallel import ParallelDims
+from fusedpar.recompute import checkpoint_policy
 from fusedpar.storage import distribute
 
 __version__ = "0.1.0"
@@ -20,6 +21,7 @@ __all__ = [
     "ParallelDims",
     "all_gather_matmul",
     "checkpoint",
+    "checkpoint_policy",
     "comm",
     "distribute",
     "flash_attn",

@@ -71,6 +71,20 @@ def group_rank(group: Group) -> int:
     return 0 if pg is None else dist.get_rank(pg)
 
 
+@torch.compiler.assume_constant_result
+def group_name(pg: dist.ProcessGroup | None) -> str:
+    """The name a group crosses a custom-op boundary by (`group_by_name` resolves it;
+    "" for None). A constant to torch.compile: the group is fixed for a traced call."""
+    return "" if pg is None else pg.group_name
+
+
+def group_by_name(name: str) -> dist.ProcessGroup | None:
+    """The process group registered under `name` (from `group_name`)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name) if name else None
+
+
 def tuning_agreement(group: Group, device: torch.device) -> Agreement | None:
     """What makes the ranks of `group` pick the same kernel tiles: each candidate's time
     summed over the ranks (one all-reduce per tuned key, on `device`), the lowest sum

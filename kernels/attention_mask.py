@@ -152,9 +152,12 @@ class Intervals:
         return 0 if t.shape[0] == 1 else t.stride(0)
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, what: str = "cu_seqlens") -> None:
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, what: str = "cu_seqlens", *,
+                     values: bool = True) -> None:  # fmt: skip
     """Raise unless `cu_seqlens` is int32, 1-D of length >= 2, starts at 0, never
-    decreases and ends at `total`. Reads the values: a host sync on a GPU tensor."""
+    decreases and ends at `total`. ``values=False`` checks the type and shape only; the
+    values are read (a host sync on a GPU tensor) inside the ops that take them, where a
+    compiled graph does not see the read."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{what} must be a tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32:
@@ -162,6 +165,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, what: str = "cu_seqle
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"{what} must be 1-D with B + 1 >= 2 entries, got shape "
                          f"{tuple(cu_seqlens.shape)}")  # fmt: skip
+    if not values:
+        return
     first, last, rises = torch.stack([cu_seqlens[0], cu_seqlens[-1],
                                       (cu_seqlens.diff() >= 0).all().int()]).tolist()  # fmt: skip
     if first != 0:

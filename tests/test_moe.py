@@ -43,7 +43,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import fusedpar as fp
-from fusedpar.ops.moe import ExpertSwiGLU, moe_reference
+from fusedpar.ops.moe import expert_swiglu, moe_reference
 from fusedpar.testing import assert_close, exception_of
 from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
 
@@ -370,7 +370,7 @@ def check_grouped_matmul(p, device):
 
 
 def check_expert_swiglu(p, device):
-    """The fused gate/up kernel, then `ExpertSwiGLU` forward and every gradient against
+    """The fused gate/up kernel, then `expert_swiglu` forward and every gradient against
     the loop over experts; the backward's recomputed a equals the forward's bit for bit."""
     q = _kernel_problem(p, device)
     counts, rows, pos, n = q["counts"], q["rows"], q["pos"], q["kept"]
@@ -385,7 +385,7 @@ def check_expert_swiglu(p, device):
         x, w1, w3, w2 = (t.detach().requires_grad_() for t in (x, w1, w3, w2))
         if fused:
             with poisoned_outputs():
-                out = ExpertSwiGLU.apply(x, w1, w3, w2, counts, rows, pos)
+                out = expert_swiglu(x, w1, w3, w2, counts, rows, pos)
                 _unwritten(out, n, "expert outputs")
                 (out[:n] * q["dy"][:n]).sum().backward()
             out = out[:n]

@@ -8,6 +8,7 @@ from torch import nn
 
 from fusedpar import comm
 from fusedpar.ops.moe import SCORES, aux_losses, capacity_mask, moe_dispatch_combine, route
+from fusedpar.recompute import is_recomputing
 from fusedpar.storage import ParamLayout, local_tensor
 
 
@@ -37,7 +38,13 @@ class MoE(nn.Module):
     ``capacity_factor`` is set: then each expert takes at most
     ``ceil(capacity_factor * T * k / E)`` of a rank's (token, slot) pairs, its
     highest-weighted ones, and dropped pairs add 0. ``last_stats`` holds the local tokens
-    per expert and the dropped fraction of the last forward.
+    per expert and the dropped fraction of the last forward (activation checkpointing's
+    recompute leaves it alone: `fusedpar.recompute.is_recomputing`).
+
+    Under activation checkpointing the routing is recomputed bit for bit (the router is
+    deterministic, and so is the dispatch: no atomics), so the recompute sends every
+    token where the forward did; `fusedpar.checkpoint_policy` saves the top-k and the
+    all-to-alls' outputs outright.
 
     The router, like every parameter not split over the EP group, gets the gradient of
     this rank's tokens: the ranks of an EP group see different tokens. With the
@@ -197,11 +204,12 @@ class MoE(nn.Module):
             keep = capacity_mask(ids, weights, self.num_experts, self.capacity_factor)
         y, counts = moe_dispatch_combine(x2d, weights, ids, keep, self.w1, self.w3, self.w2,
                                          self.num_experts, self.ep_group)  # fmt: skip
-        dropped = ids.numel() - counts.sum()  # a device tensor: no host sync for the stats
-        self.last_stats = {
-            "tokens_per_expert": counts.detach(),
-            "dropped_fraction": dropped.float() / max(1, ids.numel()),
-        }
+        if not is_recomputing():  # activation checkpointing's re-run counts nothing again
+            dropped = ids.numel() - counts.sum()  # a device tensor: no host sync for the stats
+            self.last_stats = {
+                "tokens_per_expert": counts.detach(),
+                "dropped_fraction": dropped.float() / max(1, ids.numel()),
+            }
         aux = aux_losses(probs, logits, ids, self.score, self.aux_loss_coef, self.z_loss_coef)
         if self.shared_w1 is not None:
             hidden = F.silu(F.linear(x2d, self.shared_w1)) * F.linear(x2d, self.shared_w3)

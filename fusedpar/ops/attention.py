@@ -1,4 +1,5 @@
-"""`flash_attn` and `flash_attn_varlen`: the autograd Function over the flash-attention
+"""`flash_attn` and `flash_attn_varlen`: the custom op ``fusedpar::flash_attn`` (with its
+backward op and autograd registered through ``torch.library``) over the flash-attention
 kernels.
 
 | input   | shape            | gradient                                      |
@@ -15,6 +16,7 @@ batch row, its documents given to the kernels as key intervals
 """
 
 import torch
+from torch import Tensor
 
 from fusedpar.kernels.attention import attention_forward, check_attention_inputs
 from fusedpar.kernels.attention_backward import attention_backward, attention_delta
@@ -25,28 +27,72 @@ from fusedpar.kernels.attention_mask import (
     packed_intervals,
 )
 
+# --- custom ops: fusedpar::flash_attn and its backward ---------------------------------
+# The mask crosses the op boundary as plain values: (causal, window) for one sequence,
+# or the packed documents' cu_seqlens (then causal and window apply within each
+# document). Their values are checked inside the op: a compiled graph never sees the read.
 
-class FlashAttnFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, window, softcap, intervals):
-        mask = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
-                    intervals=intervals)  # fmt: skip
-        out, lse = attention_forward(q, k, v, **mask)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask = mask
-        ctx.set_materialize_grads(False)
-        return out, lse
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        delta = attention_delta(out, dout)
-        if dlse is not None:  # d(LSE_i)/d(S_ij) = P_ij: the same shape as the dO term
-            delta = delta - dlse
-        dq, dk, dv = attention_backward(dout, q, k, v, lse, delta=delta, **ctx.mask)
-        return dq, dk, dv, None, None, None, None, None
+def _mask(q, k, cu_q, cu_k, causal, window, *, check: bool) -> dict:
+    if cu_q is None:
+        return dict(causal=causal, window=window)
+    if check:
+        check_cu_seqlens(cu_q, q.shape[1], "cu_seqlens_q")
+        check_cu_seqlens(cu_k, k.shape[1], "cu_seqlens_k")
+    intervals = packed_intervals(cu_q.to(q.device), cu_k.to(q.device), q.shape[1], k.shape[1],
+                                 causal=causal, window=window)  # fmt: skip
+    return dict(intervals=intervals)
+
+
+@torch.library.custom_op("fusedpar::flash_attn", mutates_args=())
+def _flash_attn_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None,
+                   cu_seqlens_k: Tensor | None, causal: bool, softmax_scale: float | None,
+                   window_left: int, window_right: int,
+                   softcap: float) -> tuple[Tensor, Tensor]:  # fmt: skip
+    mask = _mask(q, k, cu_seqlens_q, cu_seqlens_k, causal, (window_left, window_right),
+                 check=True)  # fmt: skip
+    return attention_forward(q, k, v, softmax_scale=softmax_scale, softcap=softcap, **mask)
+
+
+@_flash_attn_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_left, window_right,
+      softcap):  # fmt: skip
+    B, Sq, Hq, D = q.shape
+    return q.new_empty((B, Sq, Hq, D)), q.new_empty((B, Hq, Sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("fusedpar::flash_attn_backward", mutates_args=())
+def _flash_attn_backward_op(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                            out: Tensor, lse: Tensor, cu_seqlens_q: Tensor | None,
+                            cu_seqlens_k: Tensor | None, causal: bool,
+                            softmax_scale: float | None, window_left: int, window_right: int,
+                            softcap: float) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    # d(LSE_i)/d(S_ij) = P_ij: a gradient of the LSE folds into delta (0 when unused).
+    delta = attention_delta(out, dout) - dlse
+    mask = _mask(q, k, cu_seqlens_q, cu_seqlens_k, causal, (window_left, window_right),
+                 check=False)  # fmt: skip
+    return attention_backward(dout, q, k, v, lse, delta=delta, softmax_scale=softmax_scale,
+                              softcap=softcap, **mask)  # fmt: skip
+
+
+@_flash_attn_backward_op.register_fake
+def _(dout, dlse, q, k, v, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, *options = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
+    ctx.options = options
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = _flash_attn_backward_op(dout, dlse, q, k, v, out, lse, cu_q, cu_k, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_flash_attn_op.register_autograd(_backward, setup_context=_setup)
 
 
 def flash_attn(
@@ -78,7 +124,7 @@ def flash_attn(
     """
     check_attention_inputs(q, k, v)
     window, softcap = check_window(window), check_softcap(softcap)
-    out, lse = FlashAttnFunction.apply(q, k, v, causal, softmax_scale, window, softcap, None)
+    out, lse = _flash_attn_op(q, k, v, None, None, causal, softmax_scale, *window, softcap)
     return (out, lse) if return_lse else out
 
 
@@ -119,12 +165,11 @@ def flash_attn_varlen(
     check_attention_inputs(q, k, v)
     window, softcap = check_window(window), check_softcap(softcap)
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
-    check_cu_seqlens(cu_seqlens_q, q.shape[1], "cu_seqlens_q")
-    check_cu_seqlens(cu_seqlens_k, k.shape[1], "cu_seqlens_k")
+    check_cu_seqlens(cu_seqlens_q, q.shape[1], "cu_seqlens_q", values=False)
+    check_cu_seqlens(cu_seqlens_k, k.shape[1], "cu_seqlens_k", values=False)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe {cu_seqlens_q.numel() - 1} "
                          f"and {cu_seqlens_k.numel() - 1} documents")  # fmt: skip
-    mask = packed_intervals(cu_seqlens_q.to(q.device), cu_seqlens_k.to(q.device), q.shape[1],
-                            k.shape[1], causal=causal, window=window)  # fmt: skip
-    out, lse = FlashAttnFunction.apply(q, k, v, False, softmax_scale, (-1, -1), softcap, mask)
+    out, lse = _flash_attn_op(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
+                              *window, softcap)  # fmt: skip
     return (out[0], lse[0]) if return_lse else out[0]

@@ -29,11 +29,14 @@ partial travels, adds in fp32, and rounds once at the end (the bias after the su
 from collections.abc import Sequence
 
 import torch
+from torch import Tensor
 
 from fusedpar.comm import (
     Group,
     Ring,
     all_gather_async,
+    group_by_name,
+    group_name,
     group_size,
     resolve_group,
     tuning_agreement,
@@ -129,63 +132,150 @@ def _row_sum(dy2d: torch.Tensor, dtype) -> torch.Tensor:
     return dy2d.sum(0, dtype=torch.float32).to(dtype)
 
 
-class AllGatherMatmulFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, pg, chunks, save_gathered, n_weights, *params):
-        weights, biases = params[:n_weights], params[n_weights:]
-        outs, gathered = gather_matmuls(_flat(x), [w.t() for w in weights], biases, pg, chunks)
-        ctx.pg, ctx.chunks, ctx.n_weights = pg, chunks, n_weights
-        ctx.has_bias = [b is not None for b in biases]
-        ctx.save_for_backward(x, gathered if save_gathered else None, *weights)
-        ctx.set_materialize_grads(False)
-        lead = (group_size(pg) * x.shape[0], *x.shape[1:-1])
-        return tuple(out.view(*lead, out.shape[1]) for out in outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        x, gathered, *weights = ctx.saved_tensors
-        pg = ctx.pg
-        dys = [None if g is None else _flat(g) for g in grads]
-        weight_grads = any(ctx.needs_input_grad[5 : 5 + ctx.n_weights])
-        regather = None
-        if gathered is None and weight_grads:
-            regather = all_gather_async(_flat(x), pg)  # runs while dX is computed
-        dx = None
-        if ctx.needs_input_grad[0]:
-            pairs = [(dy, w) for dy, w in zip(dys, weights, strict=True) if dy is not None]
-            if pairs:
-                dx = matmuls_reduce_scatter(pairs, pg, ctx.chunks, x.dtype).view(x.shape)
-        if regather is not None:
-            gathered = regather.wait()
-        dws, dbs = [], []
-        for i, (dy, w) in enumerate(zip(dys, weights, strict=True)):
-            needs_w = ctx.needs_input_grad[5 + i] and dy is not None
-            needs_b = ctx.needs_input_grad[5 + ctx.n_weights + i] and dy is not None
-            dws.append(matmul(dy.t(), gathered) if needs_w else None)
-            dbs.append(_row_sum(dy, w.dtype) if needs_b and ctx.has_bias[i] else None)
-        return (dx, None, None, None, None, *dws, *dbs)
+def _spread(present: list, has: list[bool]) -> list:
+    """One entry per flag: the next of `present` where True, None where False."""
+    it = iter(present)
+    return [next(it) if flag else None for flag in has]
 
 
-class MatmulReduceScatterFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, pg, chunks):
-        x2d = _flat(x)
-        y = matmuls_reduce_scatter([(x2d, weight.t())], pg, chunks, x.dtype, bias)
-        ctx.pg, ctx.chunks = pg, chunks
-        ctx.save_for_backward(x, weight)
-        return y.view(x.shape[0] // group_size(pg), *x.shape[1:-1], weight.shape[0])
+def _asked(grads, needs) -> list:
+    """The backward ops return an empty tensor for a gradient not asked for: None here.
+    Decided by the flags, never by the tensor's size (unbacked under torch.compile)."""
+    return [g if need else None for g, need in zip(grads, needs, strict=True)]
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dy2d = _flat(dy)
-        needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]
-        operands = [weight] if needs_x else []
-        outs, dy_full = gather_matmuls(dy2d, operands, [None] * len(operands), ctx.pg, ctx.chunks)
-        dx = outs[0].view(x.shape) if needs_x else None
-        dw = matmul(dy_full.t(), _flat(x)) if needs_w else None
-        db = _row_sum(dy2d, weight.dtype) if needs_b else None
-        return dx, dw, db, None, None
+
+# --- custom ops: fusedpar::all_gather_matmul, fusedpar::matmul_reduce_scatter ------------
+# The group crosses the op boundary by name (`fusedpar.comm.group_name`). A gradient not
+# asked for comes back from a backward op as an empty (0,) tensor: ops return tensors.
+
+
+@torch.library.custom_op("fusedpar::all_gather_matmul", mutates_args=())
+def _all_gather_matmul_op(x: Tensor, weights: list[Tensor], biases: list[Tensor],
+                          has_bias: list[bool], group: str, chunks: int,
+                          save_gathered: bool) -> tuple[list[Tensor], Tensor]:  # fmt: skip
+    """The outputs (T, ..., N_i) and the gathered x (T * rows, K), which the backward
+    keeps when `save_gathered` (`save_gathered_input`) and re-gathers otherwise. `biases`:
+    those of the weights with ``has_bias`` (a list of optional tensors would not carry
+    gradients through ``torch.library``'s autograd)."""
+    pg = group_by_name(group)
+    biases = _spread(biases, has_bias)
+    outs, gathered = gather_matmuls(_flat(x), [w.t() for w in weights], biases, pg, chunks)
+    lead = (group_size(pg) * x.shape[0], *x.shape[1:-1])
+    return [out.view(*lead, out.shape[1]) for out in outs], gathered
+
+
+@_all_gather_matmul_op.register_fake
+def _(x, weights, biases, has_bias, group, chunks, save_gathered):
+    size = group_size(group_by_name(group))
+    lead = (size * x.shape[0], *x.shape[1:-1])
+    outs = [x.new_empty((*lead, w.shape[0])) for w in weights]
+    return outs, x.new_empty((size * _flat(x).shape[0], x.shape[-1]))
+
+
+@torch.library.custom_op("fusedpar::all_gather_matmul_backward", mutates_args=())
+def _all_gather_matmul_backward_op(
+    grads: list[Tensor], x: Tensor, gathered: Tensor | None, weights: list[Tensor], group: str,
+    chunks: int, needs_x: bool, needs_w: list[bool], needs_b: list[bool],
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:  # fmt: skip
+    """dX (reduce-scattered, pipelined), each weight's gradient, and each bias's (needs_b:
+    one per weight, False where it has none)."""
+    pg = group_by_name(group)
+    dys = [_flat(g) for g in grads]
+    regather = None
+    if gathered is None and any(needs_w):
+        regather = all_gather_async(_flat(x), pg)  # runs while dX is computed
+    dx = x.new_empty(0)
+    if needs_x:
+        pairs = list(zip(dys, weights, strict=True))
+        dx = matmuls_reduce_scatter(pairs, pg, chunks, x.dtype).view(x.shape)
+    if regather is not None:
+        gathered = regather.wait()
+    dws = [matmul(dy.t(), gathered) if need else w.new_empty(0)
+           for dy, w, need in zip(dys, weights, needs_w, strict=True)]  # fmt: skip
+    dbs = [_row_sum(dy, w.dtype) if need else w.new_empty(0)
+           for dy, w, need in zip(dys, weights, needs_b, strict=True)]  # fmt: skip
+    return dx, dws, dbs
+
+
+@_all_gather_matmul_backward_op.register_fake
+def _(grads, x, gathered, weights, group, chunks, needs_x, needs_w, needs_b):
+    dx = torch.empty_like(x) if needs_x else x.new_empty(0)
+    dws = [torch.empty_like(w) if n else w.new_empty(0)
+           for w, n in zip(weights, needs_w, strict=True)]  # fmt: skip
+    dbs = [w.new_empty(w.shape[0] if n else 0) for w, n in zip(weights, needs_b, strict=True)]
+    return dx, dws, dbs
+
+
+def _all_gather_matmul_setup(ctx, inputs, output):
+    x, weights, biases, has_bias, group, chunks, save_gathered = inputs
+    needs_b = [b is not None and b.requires_grad for b in _spread(biases, has_bias)]
+    ctx.options = (group, chunks, x.requires_grad, [w.requires_grad for w in weights], needs_b)
+    ctx.has_bias = has_bias
+    gathered = output[1] if save_gathered else None
+    ctx.save_for_backward(x, gathered, *weights)
+
+
+def _all_gather_matmul_backward(ctx, grads, _):
+    x, gathered, *weights = ctx.saved_tensors
+    dx, dws, dbs = _all_gather_matmul_backward_op(grads, x, gathered, weights, *ctx.options)
+    _, _, needs_x, needs_w, needs_b = ctx.options
+    dbs = [db for db, has in zip(_asked(dbs, needs_b), ctx.has_bias, strict=True) if has]
+    return (dx if needs_x else None, _asked(dws, needs_w), dbs, None, None, None, None)
+
+
+@torch.library.custom_op("fusedpar::matmul_reduce_scatter", mutates_args=())
+def _matmul_reduce_scatter_op(x: Tensor, weight: Tensor, bias: Tensor | None, group: str,
+                              chunks: int) -> Tensor:  # fmt: skip
+    pg = group_by_name(group)
+    y = matmuls_reduce_scatter([(_flat(x), weight.t())], pg, chunks, x.dtype, bias)
+    return y.view(x.shape[0] // group_size(pg), *x.shape[1:-1], weight.shape[0])
+
+
+@_matmul_reduce_scatter_op.register_fake
+def _(x, weight, bias, group, chunks):
+    size = group_size(group_by_name(group))
+    return x.new_empty((x.shape[0] // size, *x.shape[1:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("fusedpar::matmul_reduce_scatter_backward", mutates_args=())
+def _matmul_reduce_scatter_backward_op(dy: Tensor, x: Tensor, weight: Tensor, group: str,
+                                       chunks: int, needs_x: bool, needs_w: bool,
+                                       needs_b: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """dX from the all-gather ring of dY that also gathers dY for dW."""
+    pg = group_by_name(group)
+    dy2d = _flat(dy)
+    operands = [weight] if needs_x else []
+    outs, dy_full = gather_matmuls(dy2d, operands, [None] * len(operands), pg, chunks)
+    dx = outs[0].view(x.shape) if needs_x else x.new_empty(0)
+    dw = matmul(dy_full.t(), _flat(x)) if needs_w else weight.new_empty(0)
+    db = _row_sum(dy2d, weight.dtype) if needs_b else weight.new_empty(0)
+    return dx, dw, db
+
+
+@_matmul_reduce_scatter_backward_op.register_fake
+def _(dy, x, weight, group, chunks, needs_x, needs_w, needs_b):
+    return (torch.empty_like(x) if needs_x else x.new_empty(0),
+            torch.empty_like(weight) if needs_w else weight.new_empty(0),
+            weight.new_empty(weight.shape[0] if needs_b else 0))  # fmt: skip
+
+
+def _matmul_reduce_scatter_setup(ctx, inputs, output):
+    x, weight, bias, group, chunks = inputs
+    ctx.options = (group, chunks, x.requires_grad, weight.requires_grad,
+                   bias is not None and bias.requires_grad)  # fmt: skip
+    ctx.save_for_backward(x, weight)
+
+
+def _matmul_reduce_scatter_backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    grads = _matmul_reduce_scatter_backward_op(dy, x, weight, *ctx.options)
+    return *_asked(grads, ctx.options[2:]), None, None
+
+
+_all_gather_matmul_op.register_autograd(_all_gather_matmul_backward,
+                                        setup_context=_all_gather_matmul_setup)  # fmt: skip
+_matmul_reduce_scatter_op.register_autograd(_matmul_reduce_scatter_backward,
+                                            setup_context=_matmul_reduce_scatter_setup)  # fmt: skip
 
 
 def _check_chunks(chunks: int) -> None:
@@ -246,9 +336,10 @@ def all_gather_matmul(
         _check_linear(x, w, b, "all_gather_matmul")
     _check_chunks(chunks_per_rank)
     pg = resolve_group(group)
-    outs = AllGatherMatmulFunction.apply(
-        x, pg, chunks_per_rank, save_gathered_input, len(weights), *weights, *biases
-    )
+    present = [b for b in biases if b is not None]
+    has_bias = [b is not None for b in biases]
+    outs, _ = _all_gather_matmul_op(x, weights, present, has_bias, group_name(pg),
+                                    chunks_per_rank, save_gathered_input)  # fmt: skip
     return list(outs) if many else outs[0]
 
 
@@ -277,4 +368,4 @@ def matmul_reduce_scatter(
             f"matmul_reduce_scatter: dim 0 of x (shape {tuple(x.shape)}) has {x.shape[0]} "
             f"tokens, not divisible by the group size {size}"
         )
-    return MatmulReduceScatterFunction.apply(x, weight, bias, pg, chunks_per_rank)
+    return _matmul_reduce_scatter_op(x, weight, bias, group_name(pg), chunks_per_rank)

@@ -34,6 +34,8 @@ full-length order, and no kernel touches those rows.
 import math
 
 import torch
+import torch.distributed as dist
+from torch import Tensor
 
 from fusedpar import comm
 from fusedpar.kernels.moe import (
@@ -50,90 +52,248 @@ from fusedpar.kernels.moe_permute import combine, combine_weight_grad, gather_ro
 SCORES = ("softmax", "sigmoid")
 
 
-# --- differentiable pieces ----------------------------------------------------------------
+# --- custom ops: the differentiable pieces --------------------------------------------------
+# Every kernel launch and collective of the layer sits inside a ``fusedpar::`` op, with a
+# fake that gives its shapes and autograd registered through ``torch.library``; what is
+# left between them is plain PyTorch, so the layer compiles as one graph. A gradient
+# not asked for comes back from a backward op as an empty (0,) tensor.
 
 
-class ExpertSwiGLU(torch.autograd.Function):
+def _asked(grads, needs) -> list:
+    """None for each gradient not asked for (its op returned an empty tensor), decided by
+    the flags: a size is unbacked under torch.compile."""
+    return [g if need else None for g, need in zip(grads, needs, strict=True)]
+
+
+@torch.library.custom_op("fusedpar::expert_swiglu", mutates_args=())
+def _expert_swiglu_op(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, counts: Tensor,
+                      rows: Tensor | None, reduce_pos: Tensor | None,
+                      save_hidden: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``out[p] = w2[e] @ (silu(w1[e] @ x[rows[p]]) * (w3[e] @ x[rows[p]]))`` for the rows
-    p of expert e (rows None: x is in expert order); `reduce_pos` (R, j) lists the rows p
-    that read each row of x (-1 for none), for summing dx back.
+    p of expert e (rows None: x is in expert order), and h13 = [h1 | h3] (P, 2h) for the
+    backward (empty without `save_hidden`). `reduce_pos` (R, j) lists the rows p that
+    read each row of x (-1 for none): the backward sums dx through it.
 
     Saved for the backward: h1 and h3 (P, 2h, in x's dtype), not a = silu(h1) * h3: the
     backward's first GEMM (``da = dout w2[e]``) loads h1 and h3 in its epilogue anyway to
     form dh1 and dh3, and writes a there for w2's gradient, bit for bit the forward's
     (both round h1 and h3 first). Recomputing h1 and h3 instead would cost a second
     gate/up GEMM, 2/3 of the experts' forward FLOPs; saving a as well would add half
-    again to the activations kept per layer.
-    """
+    again to the activations kept per layer."""
+    a, h13 = grouped_swiglu(x, w1, w3, counts, rows, save_hidden=save_hidden)
+    return grouped_matmul(a, w2, counts), x.new_empty(0) if h13 is None else h13
 
-    @staticmethod
-    def forward(ctx, x, w1, w3, w2, counts, rows, reduce_pos):
-        a, h13 = grouped_swiglu(x, w1, w3, counts, rows)
-        ctx.save_for_backward(x, w1, w3, w2, counts, rows, reduce_pos, h13)
-        return grouped_matmul(a, w2, counts)
 
-    @staticmethod
-    def backward(ctx, d_out):
-        x, w1, w3, w2, counts, rows, reduce_pos, h13 = ctx.saved_tensors
-        need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
-        d_h13, a = grouped_swiglu_backward(d_out, w2, h13, counts)
-        dx = dw1 = dw3 = dw2 = None
-        if need_x:
-            d_rows = grouped_swiglu_input_grad(d_h13, w1, w3, counts)
-            dx = d_rows if rows is None else combine(d_rows, reduce_pos, out_dtype=x.dtype)
-        if need_w1 or need_w3:
-            dw1, dw3 = grouped_weight_grad(d_h13, x, counts, rows, out_dtype=w1.dtype, split=True)
-        if need_w2:
-            dw2 = grouped_weight_grad(d_out, a, counts, out_dtype=w2.dtype)
-        return dx, dw1, dw3, dw2, None, None, None
+@_expert_swiglu_op.register_fake
+def _(x, w1, w3, w2, counts, rows, reduce_pos, save_hidden):
+    P = x.shape[0] if rows is None else rows.shape[0]
+    h13 = x.new_empty((P, 2 * w1.shape[1]) if save_hidden else 0)
+    return x.new_empty((P, w2.shape[1])), h13
+
+
+@torch.library.custom_op("fusedpar::expert_swiglu_backward", mutates_args=())
+def _expert_swiglu_backward_op(d_out: Tensor, x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
+                               counts: Tensor, rows: Tensor | None, reduce_pos: Tensor | None,
+                               h13: Tensor, needs: list[bool]) -> list[Tensor]:  # fmt: skip
+    """dx (summed over the rows p that read each row of x: `reduce_pos` (R, j), -1 for
+    none), dw1, dw3, dw2; `needs` says which (the others come back empty)."""
+    need_x, need_w1, need_w3, need_w2 = needs
+    d_h13, a = grouped_swiglu_backward(d_out, w2, h13, counts)
+    dx, dw1, dw3, dw2 = (t.new_empty(0) for t in (x, w1, w3, w2))
+    if need_x:
+        d_rows = grouped_swiglu_input_grad(d_h13, w1, w3, counts)
+        dx = d_rows if rows is None else combine(d_rows, reduce_pos, out_dtype=x.dtype)
+    if need_w1 or need_w3:
+        dw1, dw3 = grouped_weight_grad(d_h13, x, counts, rows, out_dtype=w1.dtype, split=True)
+    if need_w2:
+        dw2 = grouped_weight_grad(d_out, a, counts, out_dtype=w2.dtype)
+    return [dx, dw1, dw3, dw2]
+
+
+@_expert_swiglu_backward_op.register_fake
+def _(d_out, x, w1, w3, w2, counts, rows, reduce_pos, h13, needs):
+    need_w13 = needs[1] or needs[2]
+    return list(torch.empty_like(t) if need else t.new_empty(0)
+                 for t, need in zip((x, w1, w3, w2), (needs[0], need_w13, need_w13, needs[3]),
+                                    strict=True))  # fmt: skip
+
+
+def _expert_swiglu_setup(ctx, inputs, output):
+    x, w1, w3, w2, counts, rows, reduce_pos, _ = inputs
+    ctx.needs = [t.requires_grad for t in (x, w1, w3, w2)]
+    ctx.save_for_backward(x, w1, w3, w2, counts, rows, reduce_pos, output[1])
+
+
+def _expert_swiglu_backward(ctx, d_out, _):
+    x, w1, w3, w2, counts, rows, reduce_pos, h13 = ctx.saved_tensors
+    grads = _expert_swiglu_backward_op(d_out, x, w1, w3, w2, counts, rows, reduce_pos, h13,
+                                       ctx.needs)  # fmt: skip
+    return *_asked(grads, ctx.needs), None, None, None, None
 
 
 def expert_swiglu(x, w1, w3, w2, counts, rows, reduce_pos):
-    """`ExpertSwiGLU`, or its forward alone (h1, h3 not stored) where no gradient is
-    needed: a Function's ``needs_input_grad`` stays True under ``torch.no_grad()``."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, w3, w2)):
-        return ExpertSwiGLU.apply(x, w1, w3, w2, counts, rows, reduce_pos)
-    a, _ = grouped_swiglu(x, w1, w3, counts, rows, save_hidden=False)
-    return grouped_matmul(a, w2, counts)
+    """`fusedpar::expert_swiglu`'s output; `reduce_pos` (R, j) lists the rows p that read
+    each row of x (-1 for none), for summing dx back. Where no gradient is needed (no
+    grad mode, or nothing requires one) h1 and h3 are not stored."""
+    save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, w3, w2))
+    out, _ = _expert_swiglu_op(x, w1, w3, w2, counts, rows, reduce_pos, save)
+    return out
 
 
-class PermuteRows(torch.autograd.Function):
+@torch.library.custom_op("fusedpar::moe_permute", mutates_args=())
+def _permute_op(src: Tensor, idx: Tensor, reduce_pos: Tensor) -> Tensor:
     """``out[p] = src[idx[p]]``; `reduce_pos` (R, j): the rows p that read each src row."""
-
-    @staticmethod
-    def forward(ctx, src, idx, reduce_pos):
-        ctx.save_for_backward(reduce_pos)
-        return gather_rows(src, idx)
-
-    @staticmethod
-    def backward(ctx, dout):
-        (reduce_pos,) = ctx.saved_tensors
-        return combine(dout, reduce_pos, out_dtype=dout.dtype), None, None
+    return gather_rows(src, idx)
 
 
-class Combine(torch.autograd.Function):
-    """``y[t] = sum_j weight[t, j] * out[pos[t, j]]``; `order`: the pair of each row (out's
-    rows are its first ones: all T*k at EP = 1, the kept ones at EP > 1)."""
-
-    @staticmethod
-    def forward(ctx, out, weight, pos, order):
-        ctx.save_for_backward(out, weight, pos, order)
-        return combine(out, pos, weight, out_dtype=out.dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        out, weight, pos, order = ctx.saved_tensors
-        top_k = pos.shape[1]
-        d_out = d_weight = None
-        if ctx.needs_input_grad[0]:
-            pairs = order[: out.shape[0]]
-            scale = weight.detach().reshape(-1)[pairs].float()
-            d_out = gather_rows(dy, pairs // top_k, scale, out_dtype=out.dtype)
-        if ctx.needs_input_grad[1]:
-            d_weight = combine_weight_grad(dy, out, pos).to(weight.dtype)
-        return d_out, d_weight, None, None
+@_permute_op.register_fake
+def _(src, idx, reduce_pos):
+    return src.new_empty((idx.shape[0], src.shape[1]))
 
 
+@torch.library.custom_op("fusedpar::moe_permute_backward", mutates_args=())
+def _permute_backward_op(d_out: Tensor, reduce_pos: Tensor) -> Tensor:
+    """``dsrc[r] = sum_(p reads r) dout[p]``, in a fixed order (no atomics)."""
+    return combine(d_out, reduce_pos, out_dtype=d_out.dtype)
+
+
+@_permute_backward_op.register_fake
+def _(d_out, reduce_pos):
+    return d_out.new_empty((reduce_pos.shape[0], d_out.shape[1]))
+
+
+def _permute_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[2])
+
+
+def _permute_backward(ctx, d_out):
+    (reduce_pos,) = ctx.saved_tensors
+    return _permute_backward_op(d_out, reduce_pos), None, None
+
+
+@torch.library.custom_op("fusedpar::moe_combine", mutates_args=())
+def _combine_op(out: Tensor, weight: Tensor, pos: Tensor, order: Tensor) -> Tensor:
+    """``y[t] = sum_j weight[t, j] * out[pos[t, j]]`` (T, d); `order`: the pair of each row
+    (out's rows are its first ones: all T*k at EP = 1, the kept ones at EP > 1)."""
+    return combine(out, pos, weight, out_dtype=out.dtype)
+
+
+@_combine_op.register_fake
+def _(out, weight, pos, order):
+    return out.new_empty((pos.shape[0], out.shape[1]))
+
+
+@torch.library.custom_op("fusedpar::moe_combine_backward", mutates_args=())
+def _combine_backward_op(dy: Tensor, out: Tensor, weight: Tensor, pos: Tensor, order: Tensor,
+                         need_out: bool, need_weight: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``dout[p] = w[t, j] dy[t]`` for the pair (t, j) of row p; ``dw[t, j] = <dy[t],
+    out[pos[t, j]]>``."""
+    d_out, d_weight = out.new_empty(0), weight.new_empty(0)
+    if need_out:
+        pairs = order[: out.shape[0]]
+        scale = weight.reshape(-1)[pairs].float()
+        d_out = gather_rows(dy, pairs // pos.shape[1], scale, out_dtype=out.dtype)
+    if need_weight:
+        d_weight = combine_weight_grad(dy, out, pos).to(weight.dtype)
+    return d_out, d_weight
+
+
+@_combine_backward_op.register_fake
+def _(dy, out, weight, pos, order, need_out, need_weight):
+    return (torch.empty_like(out) if need_out else out.new_empty(0),
+            torch.empty_like(weight) if need_weight else weight.new_empty(0))  # fmt: skip
+
+
+def _combine_setup(ctx, inputs, output):
+    out, weight, pos, order = inputs
+    ctx.needs = (out.requires_grad, weight.requires_grad)
+    ctx.save_for_backward(out, weight, pos, order)
+
+
+def _combine_backward(ctx, dy):
+    out, weight, pos, order = ctx.saved_tensors
+    grads = _combine_backward_op(dy, out, weight.detach(), pos, order, *ctx.needs)
+    return *_asked(grads, ctx.needs), None, None
+
+
+@torch.library.custom_op("fusedpar::moe_dispatch", mutates_args=())
+def _dispatch_op(x: Tensor, order: Tensor, pos: Tensor, counts: Tensor, top_k: int,
+                 group: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """Send each kept (token, slot) pair's row of x (T, d) to its expert's rank.
+
+    Returns the rows received (R, d), source-major (source s, then expert e); the counts
+    received (W, E_loc) (row s: what s sends to my experts); `regroup` (R,), the
+    source-major row of each expert-major position, and its `inverse`; and the split
+    sizes (2, W) int64 on the CPU (sent, received) for `moe_return` and the backward.
+    R depends on the routing: the fake gives it an unbacked size."""
+    pg = comm.group_by_name(group)
+    size = dist.get_world_size(pg)
+    send_counts = counts.view(size, -1)
+    recv_counts = comm._exchange(send_counts, pg, [1] * size, [1] * size)
+    # The one host sync of the layer: all_to_all_single takes its variable split sizes
+    # as host integers. Inherent without fixed-capacity send buffers.
+    splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).cpu()
+    send_splits, recv_splits = splits.tolist()
+    kept = order[: sum(send_splits)]  # the dropped pairs sort last
+    x_recv = comm._exchange(gather_rows(x, kept // top_k), pg, recv_splits, send_splits)
+    regroup = _regroup_index(recv_counts, sum(recv_splits))
+    inverse = torch.empty_like(regroup)
+    inverse[regroup] = torch.arange(regroup.numel(), device=regroup.device)
+    return x_recv, recv_counts, regroup, inverse, splits
+
+
+@_dispatch_op.register_fake
+def _(x, order, pos, counts, top_k, group):
+    size = comm.group_size(comm.group_by_name(group))
+    rows = torch.library.get_ctx().new_dynamic_size()
+    index = order.new_empty(rows)
+    return (x.new_empty((rows, x.shape[1])), counts.new_empty((size, counts.shape[0] // size)),
+            index, torch.empty_like(index), torch.empty((2, size), dtype=torch.int64))  # fmt: skip
+
+
+@torch.library.custom_op("fusedpar::moe_return", mutates_args=())
+def _return_op(rows: Tensor, splits: Tensor, group: str, reverse: bool) -> Tensor:
+    """The all-to-all of `moe_dispatch`'s rows with its `splits`: back to their sources
+    (the expert outputs, ``reverse=False``), or out again (its gradient)."""
+    sent, received = splits.tolist()
+    if reverse:
+        sent, received = received, sent
+    return comm._exchange(rows, comm.group_by_name(group), sent, received)
+
+
+@_return_op.register_fake
+def _(rows, splits, group, reverse):
+    return rows.new_empty((torch.library.get_ctx().new_dynamic_size(), rows.shape[1]))
+
+
+def _return_setup(ctx, inputs, output):
+    _, splits, group, reverse = inputs
+    ctx.save_for_backward(splits)
+    ctx.options = (group, not reverse)
+
+
+def _return_backward(ctx, d_rows):
+    (splits,) = ctx.saved_tensors
+    return _return_op(d_rows, splits, *ctx.options), None, None, None
+
+
+def _dispatch_setup(ctx, inputs, output):
+    x, order, pos, counts, top_k, group = inputs
+    ctx.save_for_backward(pos, output[4])
+    ctx.group = group
+
+
+def _dispatch_backward(ctx, d_recv, *_):
+    pos, splits = ctx.saved_tensors
+    d_send = _return_op(d_recv, splits, ctx.group, False)  # back to the sending ranks
+    return _permute_backward_op(d_send, pos), None, None, None, None, None
+
+
+_expert_swiglu_op.register_autograd(_expert_swiglu_backward, setup_context=_expert_swiglu_setup)
+_permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
+_combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+_dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+_return_op.register_autograd(_return_backward, setup_context=_return_setup)
 # --- routing -------------------------------------------------------------------------------
 
 
@@ -211,25 +371,16 @@ def moe_dispatch_combine(x, weights, ids, keep, w1, w3, w2, num_experts, group):
     counts, order, pos = dispatch_metadata(ids, num_experts, keep)
     top_k = ids.shape[1]
     pg = comm.resolve_group(group)
-    size = comm.group_size(pg)
-    if size == 1:  # the gather is fused into the gate/up GEMM: no permuted copy of x
+    if comm.group_size(pg) == 1:  # the gather is fused into the gate/up GEMM: no copy of x
         out = expert_swiglu(x, w1, w3, w2, counts, order // top_k, pos)
-        return Combine.apply(out, weights, pos, order), counts
-    send_counts = counts.view(size, num_experts // size)
-    recv_counts = comm.all_to_all(send_counts, pg)  # row s: what s sends to my experts
-    # The one host sync of the layer: all_to_all_single takes its variable split sizes
-    # as host integers. Inherent without fixed-capacity send buffers.
-    send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-    kept = order[: sum(send_splits)]  # the dropped pairs sort last
-    x_send = PermuteRows.apply(x, kept // top_k, pos)
-    x_recv = comm.all_to_all(x_send, pg, recv_splits, send_splits)
-    regroup = _regroup_index(recv_counts, sum(recv_splits))
-    inverse = torch.empty_like(regroup)
-    inverse[regroup] = torch.arange(regroup.numel(), device=regroup.device)
+        return _combine_op(out, weights, pos, order), counts
+    name = comm.group_name(pg)
+    x_recv, recv_counts, regroup, inverse, splits = _dispatch_op(x, order, pos, counts, top_k,
+                                                                 name)  # fmt: skip
     out = expert_swiglu(x_recv, w1, w3, w2, recv_counts.sum(0), regroup, inverse.view(-1, 1))
-    out = PermuteRows.apply(out, inverse, regroup.view(-1, 1))  # back to source-major
-    out = comm.all_to_all(out, pg, send_splits, recv_splits)
-    return Combine.apply(out, weights, pos, order), counts
+    out = _permute_op(out, inverse, regroup.view(-1, 1))  # back to source-major
+    out = _return_op(out, splits, name, False)
+    return _combine_op(out, weights, pos, order), counts
 
 
 # --- reference -------------------------------------------------------------------------------

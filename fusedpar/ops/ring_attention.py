@@ -35,8 +35,17 @@ step s run before step s + 1). `virtual_ring_attn` runs the real loops over a
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
-from fusedpar.comm import Group, Ring, group_size, resolve_group, tuning_agreement
+from fusedpar.comm import (
+    Group,
+    Ring,
+    group_by_name,
+    group_name,
+    group_size,
+    resolve_group,
+    tuning_agreement,
+)
 from fusedpar.kernels._tuning import frozen
 from fusedpar.kernels.attention import attention_forward, check_attention_inputs
 from fusedpar.kernels.attention_backward import (
@@ -249,35 +258,75 @@ def ring_attention_forward(q, k, v, pg, *, causal, softmax_scale, layout, window
     return out[0], lse[0]
 
 
-class RingAttnFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, pg, causal, softmax_scale, layout, window, softcap, cu_seqlens):
-        rank, size = dist.get_rank(pg), dist.get_world_size(pg)
-        masks = ring_masks([rank], size, layout, q.shape[1], q.device, causal=causal,
-                           window=window, cu_seqlens=cu_seqlens)[0]  # fmt: skip
-        out, lse = ring_attention_forward(q, k, v, pg, causal=causal, softmax_scale=softmax_scale,
-                                          layout=layout, softcap=softcap, masks=masks)  # fmt: skip
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.pg, ctx.masks, ctx.softmax_scale, ctx.softcap = pg, masks, softmax_scale, softcap
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        pg = ctx.pg
-        if dout is None:
-            dout = torch.zeros_like(out)
-        delta = _delta(out, dout, dlse)
-        rings = _GroupRing(pg), _GroupRing(pg, tag=1)
-        dq, dk, dv = _backward([q], [k], [v], [dout], [lse], [delta], *rings, [ctx.masks],
-                               softmax_scale=ctx.softmax_scale, softcap=ctx.softcap,
-                               agreement=tuning_agreement(pg, q.device))  # fmt: skip
-        return dq[0].to(q.dtype), dk[0].to(k.dtype), dv[0].to(v.dtype), *[None] * 7
+# --- custom ops: fusedpar::ring_attn and its backward -------------------------------------
+# The group crosses the op boundary by name; the ring's masks are rebuilt from the same
+# values in the backward (a few small device ops) rather than carried across.
 
 
-def _check_same_shapes_across_ranks(pg, q, k) -> None:
+@torch.library.custom_op("fusedpar::ring_attn", mutates_args=())
+def _ring_attn_op(q: Tensor, k: Tensor, v: Tensor, group: str, causal: bool,
+                  softmax_scale: float | None, layout: str, window_left: int,
+                  window_right: int, softcap: float,
+                  cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    pg = group_by_name(group)
+    _check_same_shapes_across_ranks(pg, q, k)
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, q.shape[1] * dist.get_world_size(pg))
+    masks = _masks(pg, q, causal, layout, (window_left, window_right), cu_seqlens)
+    out, lse = ring_attention_forward(q, k, v, pg, causal=causal, softmax_scale=softmax_scale,
+                                      layout=layout, softcap=softcap, masks=masks)  # fmt: skip
+    return out.to(q.dtype), lse
+
+
+@_ring_attn_op.register_fake
+def _(q, k, v, *args):
+    B, S, H, _ = q.shape
+    return torch.empty_like(q), q.new_empty((B, H, S), dtype=torch.float32)
+
+
+@torch.library.custom_op("fusedpar::ring_attn_backward", mutates_args=())
+def _ring_attn_backward_op(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                           out: Tensor, lse: Tensor, group: str, causal: bool,
+                           softmax_scale: float | None, layout: str, window_left: int,
+                           window_right: int, softcap: float,
+                           cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    pg = group_by_name(group)
+    masks = _masks(pg, q, causal, layout, (window_left, window_right), cu_seqlens)
+    rings = _GroupRing(pg), _GroupRing(pg, tag=1)
+    dq, dk, dv = _backward([q], [k], [v], [dout], [lse], [_delta(out, dout, dlse)], *rings,
+                           [masks], softmax_scale=softmax_scale, softcap=softcap,
+                           agreement=tuning_agreement(pg, q.device))  # fmt: skip
+    return dq[0].to(q.dtype), dk[0].to(k.dtype), dv[0].to(v.dtype)
+
+
+@_ring_attn_backward_op.register_fake
+def _(dout, dlse, q, k, v, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _masks(pg, q, causal, layout, window, cu_seqlens):
+    """This rank's row of `ring_masks`."""
+    rank, size = dist.get_rank(pg), dist.get_world_size(pg)
+    return ring_masks([rank], size, layout, q.shape[1], q.device, causal=causal,
+                      window=window, cu_seqlens=cu_seqlens)[0]  # fmt: skip
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, *options = inputs
+    ctx.save_for_backward(q, k, v, *output, options[-1])
+    ctx.options = options[:-1]
+
+
+def _backward_op(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    grads = _ring_attn_backward_op(dout, dlse, q, k, v, out, lse, *ctx.options, cu_seqlens)
+    return *grads, *[None] * 8
+
+
+_ring_attn_op.register_autograd(_backward_op, setup_context=_setup)
+
+
+def _check_same_shapes_across_ranks(pg, q, k) -> None:  # inside the op: before its ring
     """On CPU (gloo) a tiny all-gather of the shapes catches ranks that disagree, which
     would otherwise crash the ring's transfers. Skipped on GPUs: it would cost a host
     sync per call."""
@@ -298,7 +347,7 @@ def check_packed(q: torch.Tensor, cu_seqlens, total: int, what: str) -> None:
     if q.shape[0] != 1:
         raise ValueError(f"{what}: with cu_seqlens the documents are packed into one batch "
                          f"row: q must be (1, T, H, D), got batch {q.shape[0]}")  # fmt: skip
-    check_cu_seqlens(cu_seqlens, total)
+    check_cu_seqlens(cu_seqlens, total, values=False)  # the values: inside the op
 
 
 def ring_attn(
@@ -347,9 +396,8 @@ def ring_attn(
             f"ring_attn: zigzag needs the full length divisible by 2W = {2 * size}, but "
             f"this rank holds {q.shape[1]} tokens (full length {q.shape[1] * size})"
         )
-    _check_same_shapes_across_ranks(pg, q, k)
-    out, lse = RingAttnFunction.apply(q, k, v, pg, causal, softmax_scale, layout, window, softcap,
-                                      cu_seqlens)  # fmt: skip
+    out, lse = _ring_attn_op(q, k, v, group_name(pg), causal, softmax_scale, layout, *window,
+                             softcap, cu_seqlens)  # fmt: skip
     return (out, lse) if return_lse else out
 
 
@@ -439,6 +487,8 @@ def virtual_ring_attn(
                          f"at W={world_size}")  # fmt: skip
     check_sequence_length(q.shape[1], world_size, layout, "virtual_ring_attn")
     check_packed(q, cu_seqlens, q.shape[1], "virtual_ring_attn")
+    if cu_seqlens is not None:  # this one runs eagerly: its values are read here
+        check_cu_seqlens(cu_seqlens, q.shape[1])
     if world_size == 1:  # one rank holds the sequence in order, whatever the layout
         layout = "contiguous"
     out, lse = VirtualRingAttnFunction.apply(q, k, v, world_size, causal, softmax_scale, layout,

@@ -1,0 +1,82 @@
+"""Activation checkpointing: what selective checkpointing saves, and how a layer tells a
+recompute from a forward.
+
+    from torch.utils.checkpoint import checkpoint
+    y = checkpoint(block, x, use_reentrant=False, context_fn=fp.checkpoint_policy())
+
+`checkpoint_policy` gives `torch.utils.checkpoint` (selective activation checkpointing)
+a policy that keeps the outputs of the ops named in `save` and recomputes the rest. By
+default it keeps every fusedpar op that communicates and the MoE routing, so a backward
+never repeats a collective or re-routes a token:
+
+| op                                  | why it is kept                                    |
+| ----------------------------------- | ------------------------------------------------- |
+| ``fusedpar::all_gather_matmul``     | its all-gather ring                               |
+| ``fusedpar::matmul_reduce_scatter`` | its reduce-scatter ring                           |
+| ``fusedpar::ring_attn``             | the ring of K/V blocks (and all the attention)    |
+| ``fusedpar::moe_dispatch``, ``fusedpar::moe_return`` | the expert-parallel all-to-alls  |
+| ``aten::topk``                      | the routing: a recompute could break a near tie   |
+|                                     | the other way and send tokens elsewhere           |
+
+Everything else (norms, RoPE, the experts' GEMMs, single-device attention) is
+recomputed. Pass ``also=`` to keep more (``"fusedpar::flash_attn"``,
+``"fusedpar::expert_swiglu"``), or ``save=`` for a list of your own.
+"""
+
+import functools
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+COMMUNICATION_OPS = (
+    "fusedpar::all_gather_matmul",
+    "fusedpar::matmul_reduce_scatter",
+    "fusedpar::ring_attn",
+    "fusedpar::moe_dispatch",
+    "fusedpar::moe_return",
+)
+ROUTING_OPS = ("aten::topk",)
+SAVED_BY_DEFAULT = COMMUNICATION_OPS + ROUTING_OPS
+
+
+def _packet(op) -> torch._ops.OpOverloadPacket:
+    """The op packet of "namespace::name", an OpOverloadPacket or an OpOverload."""
+    if isinstance(op, torch._ops.OpOverload):
+        return op.overloadpacket
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return op
+    if isinstance(op, str) and "::" in op:
+        import fusedpar.ops  # noqa: F401  (registers the fusedpar:: ops)
+
+        namespace, name = op.split("::", 1)
+        packet = getattr(getattr(torch.ops, namespace), name, None)
+        if isinstance(packet, torch._ops.OpOverloadPacket):
+            return packet
+    raise ValueError(f"checkpoint_policy: {op!r} is not an op ('namespace::name', e.g. "
+                     f"'fusedpar::ring_attn', or torch.ops.<namespace>.<name>)")  # fmt: skip
+
+
+def checkpoint_policy(save=SAVED_BY_DEFAULT, *, also=()):
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
+    that saves the outputs of the ops in `save` (plus `also`) and recomputes the rest.
+    Ops are "namespace::name" strings or ``torch.ops`` objects; an unknown name raises
+    here, not in the backward."""
+    kept = frozenset(_packet(op) for op in (*save, *also))
+
+    def policy(ctx, op, *args, **kwargs):
+        if op.overloadpacket in kept:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+def is_recomputing() -> bool:
+    """Whether this forward is activation checkpointing's recompute: it runs inside the
+    backward (autograd's engine is executing a graph task). A layer skips its side
+    effects there (statistics, counters), so they count each forward once. Under
+    torch.compile the recompute is part of the compiled backward and never re-runs the
+    Python forward, so this is False while tracing."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1

@@ -1,0 +1,219 @@
+"""torch.compile and activation checkpointing at 2 and 4 ranks (gloo, CPU).
+
+- every ``fusedpar::`` custom op passes ``torch.library.opcheck`` (schema, fake, autograd
+  registration, AOT dispatch), run on every rank of a group of 2, as the op communicates;
+- the example model (dense at TP2 x CP2, MoE with EP2 over tp) compiles full-graph with
+  the ``aot_eager`` backend, no graph break, and its loss and every gradient equal
+  eager's bit for bit (the same kernels run, in the same order);
+- activation checkpointing of its blocks (full, and selective with
+  `fusedpar.checkpoint_policy`) gives bitwise the losses and gradients of no
+  checkpointing; the policy keeps every communicating op out of the backward, and the
+  MoE's statistics are not touched by the recompute.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint, noop_context_fn
+
+import fusedpar as fp
+from fusedpar.comm import group_name
+from fusedpar.recompute import COMMUNICATION_OPS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from tiny_llama import Config, ParallelTransformer, Transformer  # noqa: E402
+
+SEQ, BATCH = 16, 2
+
+
+def _ops():
+    return torch.ops.fusedpar
+
+
+# --- opcheck ------------------------------------------------------------------------------
+
+
+def _leaf(*shape, dtype=torch.float32, grad=True):
+    return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
+
+
+def _opcheck_cases(group: str):
+    """(op, args) for every fusedpar custom op, small and random; float inputs require
+    grad so that the autograd registration is exercised."""
+    ops = _ops()
+    W = dist.get_world_size()
+    q, k, v = _leaf(1, 8, 4, 16), _leaf(1, 8, 2, 16), _leaf(1, 8, 2, 16)
+    cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    opts = (True, None, -1, -1, 0.0)
+    out, lse = ops.flash_attn(q, k, v, None, None, *opts)
+    ring_opts = (group, True, None, "zigzag", -1, -1, 0.0)
+    ring_out, ring_lse = ops.ring_attn(q, k, v, *ring_opts, None)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    x, w1, w2, b1 = _leaf(4, 3, 8), _leaf(6, 8), _leaf(5, 8), _leaf(6)
+    y = torch.randn(4 * W, 3, 6)
+    T, E, top_k, d, h = 5, 4, 2, 8, 6
+    xm = _leaf(T, d)
+    ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)])
+    counts, order, pos = fp.kernels.moe.dispatch_metadata(ids, E)
+    wts = torch.rand(T, top_k).requires_grad_()
+    ew1, ew3, ew2 = _leaf(E, h, d), _leaf(E, h, d), _leaf(E, d, h)
+    rows = order // top_k
+    experts = (xm, ew1, ew3, ew2, counts, rows, pos)
+    eout, h13 = ops.expert_swiglu(*experts, True)
+    ep = (xm, order, pos, counts, top_k, group)
+    recv, _, regroup, inverse, splits = ops.moe_dispatch(*ep)
+    return [
+        (ops.flash_attn, (q, k, v, None, None, *opts)),
+        (ops.flash_attn, (q[0, None], k[0, None], v[0, None], cu, cu, *opts)),
+        (ops.flash_attn_backward, (dout, dlse, q, k, v, out, lse, None, None, *opts)),
+        (ops.ring_attn, (q, k, v, *ring_opts, None)),
+        (ops.ring_attn, (q, k, v, *ring_opts, torch.tensor([0, 5, 16], dtype=torch.int32))),
+        (ops.ring_attn_backward, (dout, dlse, q, k, v, ring_out, ring_lse, *ring_opts, None)),
+        (ops.all_gather_matmul, (x, [w1, w2], [b1], [True, False], group, 2, False)),
+        (ops.all_gather_matmul, (x, [w1], [], [False], group, 1, True)),
+        (ops.all_gather_matmul_backward,
+         ([torch.randn(4 * W, 3, 6)], x, None, [w1], group, 1, True, [True], [False])),
+        (ops.matmul_reduce_scatter, (_leaf(4 * W, 3, 6), _leaf(8, 6), _leaf(8), group, 1)),
+        (ops.matmul_reduce_scatter_backward,
+         (torch.randn(4, 3, 8), y, torch.randn(8, 6), group, 1, True, True, True)),
+        (ops.expert_swiglu, (*experts, True)),
+        (ops.expert_swiglu_backward, (torch.randn_like(eout), *experts, h13, [True] * 4)),
+        (ops.moe_permute, (xm, rows, pos)),
+        (ops.moe_permute_backward, (torch.randn(T * top_k, d), pos)),
+        (ops.moe_combine, (_leaf(T * top_k, d), wts, pos, order)),
+        (ops.moe_combine_backward,
+         (torch.randn(T, d), torch.randn(T * top_k, d), wts.detach(), pos, order, True, True)),
+        (ops.moe_dispatch, ep),
+        (ops.moe_return, (recv.detach().requires_grad_(), splits, group, False)),
+    ], (regroup, inverse)
+
+
+def _run_opcheck():
+    torch.manual_seed(dist.get_rank())
+    cases, _ = _opcheck_cases(group_name(dist.group.WORLD))
+    failures = []
+    for op, args in cases:
+        if op._qualified_op_name.endswith("_backward"):  # no double backward: plain inputs
+            args = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, args)
+        results = torch.library.opcheck(op, args, raise_exception=False)
+        bad = {test: repr(err)[:300] for test, err in results.items() if err != "SUCCESS"}
+        if bad:
+            failures.append(f"{op}: {bad}")
+    return failures, sorted({op._qualified_op_name for op, _ in cases})
+
+
+def test_every_custom_op_passes_opcheck_on_every_rank(world):
+    registered = sorted(name for name in torch._C._dispatch_get_all_op_names()
+                        if name.startswith("fusedpar::"))  # fmt: skip
+    for failures, checked in world(2).run(_run_opcheck):
+        assert failures == [], "\n".join(failures)
+        assert checked == registered
+
+
+# --- the example model: compiled, and under activation checkpointing ------------------------
+
+
+def _build(moe: bool):
+    dims = fp.ParallelDims(cp=2, tp=2, ep="tp" if moe else None)
+    cfg = Config(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_hidden=64,
+                 num_experts=4 if moe else 0, top_k=2)  # fmt: skip
+    mesh = dims.build_mesh("cpu")
+    torch.manual_seed(0)
+    model = fp.distribute(ParallelTransformer(Transformer(cfg), dims.groups(mesh)), mesh)
+    data = torch.randint(0, cfg.vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    return model, (data[:, :-1], data[:, 1:])
+
+
+def _loss_and_grads(model, step, batch):
+    model.zero_grad(set_to_none=True)
+    loss = step(*batch)
+    loss.backward()
+    return [loss.detach(), *(p.grad.to_local().clone() for p in model.parameters())]
+
+
+def _bitwise(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _run_compiled(moe):
+    model, batch = _build(moe)
+    eager = _loss_and_grads(model, model, batch)
+    torch._dynamo.reset()
+    # EP > 1: the rows a rank receives depend on the routing (an unbacked size)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        breaks = torch._dynamo.explain(model)(*batch).graph_break_count
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        got = _loss_and_grads(model, compiled, batch)
+    torch._dynamo.reset()
+    return breaks, _bitwise(eager, got)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense-tp2-cp2", "moe-ep2-tp2-cp2"])
+def test_the_example_model_compiles_full_graph_and_matches_eager(world, moe):
+    assert world(4).run(_run_compiled, moe, timeout=600) == [(0, True)] * 4
+
+
+class _OpLog(TorchDispatchMode):
+    """The fusedpar communication ops dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket._qualified_op_name in COMMUNICATION_OPS:
+            self.seen.append(func.overloadpacket._qualified_op_name)
+        return func(*args, **(kwargs or {}))
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, block, context_fn):
+        super().__init__()
+        self.block, self.context_fn = block, context_fn
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=False, context_fn=self.context_fn)
+
+
+def _run_checkpointed(moe):
+    model, batch = _build(moe)
+    blocks = list(model.blocks)
+    results = {}
+    for mode, context_fn in (("none", None), ("full", noop_context_fn),
+                             ("selective", fp.checkpoint_policy())):  # fmt: skip
+        for i, block in enumerate(blocks):
+            model.blocks[i] = block if context_fn is None else _Checkpointed(block, context_fn)
+        model.zero_grad(set_to_none=True)
+        loss = model(*batch)
+        for block in blocks:  # the recompute must not count its tokens again
+            block.mlp.last_stats = {"untouched": True}
+        with _OpLog() as log:
+            loss.backward()
+        grads = [loss.detach(), *(p.grad.to_local().clone() for p in model.parameters())]
+        untouched = all(block.mlp.last_stats == {"untouched": True} for block in blocks)
+        results[mode] = (grads, sorted(log.seen), untouched)
+    plain = results.pop("none")
+    return {mode: (_bitwise(plain[0], grads), seen, plain[1], untouched)
+            for mode, (grads, seen, untouched) in results.items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_activation_checkpointing_is_bitwise_and_the_policy_repeats_no_collective(world, moe):
+    """Communicating ops run in the backward: without checkpointing (the all-to-alls'
+    own backward), plus, under full checkpointing, the forward's again; the policy's
+    backward runs exactly those of no checkpointing."""
+    for results in world(4).run(_run_checkpointed, moe, timeout=600):
+        for mode, (equal, seen, plain, untouched) in results.items():
+            assert equal, f"{mode} checkpointing changed the loss or a gradient"
+            assert untouched, f"{mode} checkpointing's recompute touched MoE.last_stats"
+            if mode == "selective":
+                assert seen == plain, f"the policy's backward ran {seen}, not {plain}"
+            else:  # full recompute repeats the forward's collectives
+                repeated = {"fusedpar::ring_attn", "fusedpar::all_gather_matmul"}
+                repeated |= {"fusedpar::moe_dispatch"} if moe else set()
+                assert repeated <= set(seen) and len(seen) > len(plain), seen
