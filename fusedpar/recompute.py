@@ -72,11 +72,12 @@ def checkpoint_policy(save=SAVED_BY_DEFAULT, *, also=()):
 
 
 def is_recomputing() -> bool:
-    """Whether this forward is activation checkpointing's recompute: it runs inside the
-    backward (autograd's engine is executing a graph task). A layer skips its side
-    effects there (statistics, counters), so they count each forward once. Under
-    torch.compile the recompute is part of the compiled backward and never re-runs the
-    Python forward, so this is False while tracing."""
+    """Whether this forward runs inside autograd's engine (a graph task is executing),
+    which is where activation checkpointing's recompute runs; so does a module called
+    from a backward hook. A layer skips its side effects there (statistics, counters),
+    so they count each forward once. Under torch.compile the recompute is part of the
+    compiled backward and never re-runs the Python forward, so this is False while
+    tracing."""
     if torch.compiler.is_compiling():
         return False
     return torch._C._current_graph_task_id() != -1

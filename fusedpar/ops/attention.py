@@ -76,8 +76,8 @@ def _flash_attn_backward_op(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v:
 
 
 @_flash_attn_backward_op.register_fake
-def _(dout, dlse, q, k, v, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(dout, dlse, q, k, v, *args):  # fresh, contiguous (the kernels' layout), any inputs
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup(ctx, inputs, output):

@@ -153,15 +153,18 @@ def _asked(grads, needs) -> list:
 def _all_gather_matmul_op(x: Tensor, weights: list[Tensor], biases: list[Tensor],
                           has_bias: list[bool], group: str, chunks: int,
                           save_gathered: bool) -> tuple[list[Tensor], Tensor]:  # fmt: skip
-    """The outputs (T, ..., N_i) and the gathered x (T * rows, K), which the backward
-    keeps when `save_gathered` (`save_gathered_input`) and re-gathers otherwise. `biases`:
+    """The outputs (T, ..., N_i) and, when `save_gathered` (`save_gathered_input`), the
+    gathered x (T * rows, K) for the backward (else an empty tensor: it re-gathers). `biases`:
     those of the weights with ``has_bias`` (a list of optional tensors would not carry
     gradients through ``torch.library``'s autograd)."""
     pg = group_by_name(group)
     biases = _spread(biases, has_bias)
     outs, gathered = gather_matmuls(_flat(x), [w.t() for w in weights], biases, pg, chunks)
     lead = (group_size(pg) * x.shape[0], *x.shape[1:-1])
-    return [out.view(*lead, out.shape[1]) for out in outs], gathered
+    # Not kept: an empty tensor, so that nothing (selective checkpointing caches every
+    # output of this op) holds W times the input until the backward.
+    kept = gathered if save_gathered else x.new_empty(0)
+    return [out.view(*lead, out.shape[1]) for out in outs], kept
 
 
 @_all_gather_matmul_op.register_fake
@@ -169,7 +172,7 @@ def _(x, weights, biases, has_bias, group, chunks, save_gathered):
     size = group_size(group_by_name(group))
     lead = (size * x.shape[0], *x.shape[1:-1])
     outs = [x.new_empty((*lead, w.shape[0])) for w in weights]
-    return outs, x.new_empty((size * _flat(x).shape[0], x.shape[-1]))
+    return outs, x.new_empty((size * _flat(x).shape[0], x.shape[-1]) if save_gathered else 0)
 
 
 @torch.library.custom_op("fusedpar::all_gather_matmul_backward", mutates_args=())
@@ -199,8 +202,8 @@ def _all_gather_matmul_backward_op(
 
 @_all_gather_matmul_backward_op.register_fake
 def _(grads, x, gathered, weights, group, chunks, needs_x, needs_w, needs_b):
-    dx = torch.empty_like(x) if needs_x else x.new_empty(0)
-    dws = [torch.empty_like(w) if n else w.new_empty(0)
+    dx = x.new_empty(x.shape if needs_x else 0)  # fresh, contiguous: the real op's layout
+    dws = [w.new_empty(w.shape if n else 0)
            for w, n in zip(weights, needs_w, strict=True)]  # fmt: skip
     dbs = [w.new_empty(w.shape[0] if n else 0) for w, n in zip(weights, needs_b, strict=True)]
     return dx, dws, dbs
@@ -254,8 +257,8 @@ def _matmul_reduce_scatter_backward_op(dy: Tensor, x: Tensor, weight: Tensor, gr
 
 @_matmul_reduce_scatter_backward_op.register_fake
 def _(dy, x, weight, group, chunks, needs_x, needs_w, needs_b):
-    return (torch.empty_like(x) if needs_x else x.new_empty(0),
-            torch.empty_like(weight) if needs_w else weight.new_empty(0),
+    return (x.new_empty(x.shape if needs_x else 0),  # fresh, contiguous: the real op's layout
+            weight.new_empty(weight.shape if needs_w else 0),
             weight.new_empty(weight.shape[0] if needs_b else 0))  # fmt: skip
 
 

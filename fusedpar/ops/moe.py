@@ -113,7 +113,7 @@ def _expert_swiglu_backward_op(d_out: Tensor, x: Tensor, w1: Tensor, w3: Tensor,
 @_expert_swiglu_backward_op.register_fake
 def _(d_out, x, w1, w3, w2, counts, rows, reduce_pos, h13, needs):
     need_w13 = needs[1] or needs[2]
-    return list(torch.empty_like(t) if need else t.new_empty(0)
+    return list(t.new_empty(t.shape if need else 0)  # fresh, contiguous: the real layout
                  for t, need in zip((x, w1, w3, w2), (needs[0], need_w13, need_w13, needs[3]),
                                     strict=True))  # fmt: skip
 
@@ -200,8 +200,8 @@ def _combine_backward_op(dy: Tensor, out: Tensor, weight: Tensor, pos: Tensor, o
 
 @_combine_backward_op.register_fake
 def _(dy, out, weight, pos, order, need_out, need_weight):
-    return (torch.empty_like(out) if need_out else out.new_empty(0),
-            torch.empty_like(weight) if need_weight else weight.new_empty(0))  # fmt: skip
+    return (out.new_empty(out.shape if need_out else 0),
+            weight.new_empty(weight.shape if need_weight else 0))  # fmt: skip
 
 
 def _combine_setup(ctx, inputs, output):
@@ -247,8 +247,9 @@ def _(x, order, pos, counts, top_k, group):
     size = comm.group_size(comm.group_by_name(group))
     rows = torch.library.get_ctx().new_dynamic_size()
     index = order.new_empty(rows)
+    splits = torch.empty((2, size), dtype=torch.int64, device="cpu")
     return (x.new_empty((rows, x.shape[1])), counts.new_empty((size, counts.shape[0] // size)),
-            index, torch.empty_like(index), torch.empty((2, size), dtype=torch.int64))  # fmt: skip
+            index, torch.empty_like(index), splits)  # fmt: skip
 
 
 @torch.library.custom_op("fusedpar::moe_return", mutates_args=())

@@ -279,9 +279,9 @@ def _ring_attn_op(q: Tensor, k: Tensor, v: Tensor, group: str, causal: bool,
 
 
 @_ring_attn_op.register_fake
-def _(q, k, v, *args):
+def _(q, k, v, *args):  # fresh, contiguous (the kernels' layout), any inputs
     B, S, H, _ = q.shape
-    return torch.empty_like(q), q.new_empty((B, H, S), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((B, H, S), dtype=torch.float32)
 
 
 @torch.library.custom_op("fusedpar::ring_attn_backward", mutates_args=())
@@ -301,7 +301,7 @@ def _ring_attn_backward_op(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: 
 
 @_ring_attn_backward_op.register_fake
 def _(dout, dlse, q, k, v, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _masks(pg, q, causal, layout, window, cu_seqlens):

@@ -133,7 +133,9 @@ def sequence_positions(
     check_sequence_length(seq_len, size, layout, "sequence_positions")
     positions = torch.arange(seq_len, device=device)
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, seq_len)
+        # The values are read in eager mode only (a host sync); a compiled graph leaves
+        # them to the attention op that takes the same cu_seqlens.
+        check_cu_seqlens(cu_seqlens, seq_len, values=not torch.compiler.is_compiling())
         starts = cu_seqlens.to(positions.device, torch.int64)
         positions = positions - starts[torch.searchsorted(starts, positions, right=True) - 1]
     return positions if size == 1 else _shard(positions, rank, size, 0, layout)
