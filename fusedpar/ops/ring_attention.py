@@ -248,10 +248,8 @@ def ring_attention_forward(q, k, v, pg, *, causal, softmax_scale, layout, window
     """This rank's forward ring over `pg`: returns (out fp32, lse). `overlap` and
     `attend` as in `_forward`; `masks`: this rank's row of `ring_masks` (built here
     when not given)."""
-    size, rank = dist.get_world_size(pg), dist.get_rank(pg)
     if masks is None:
-        masks = ring_masks([rank], size, layout, q.shape[1], q.device, causal=causal,
-                           window=window, cu_seqlens=cu_seqlens)[0]  # fmt: skip
+        masks = _masks(pg, q, causal, layout, window, cu_seqlens)
     out, lse = _forward([q], [k], [v], _GroupRing(pg), [masks], softmax_scale=softmax_scale,
                         softcap=softcap, agreement=tuning_agreement(pg, q.device),
                         overlap=overlap, attend=attend)  # fmt: skip
