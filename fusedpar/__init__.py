@@ -10,6 +10,7 @@ from fusedpar.ops import (
     ring_attn,
     sequence_positions,
     shard_sequence,
+    ulysses_attn,
 )
 from fusedpar.parallel import ParallelDims
 from fusedpar.recompute import checkpoint_policy
@@ -33,5 +34,6 @@ __all__ = [
     "ring_attn",
     "sequence_positions",
     "shard_sequence",
+    "ulysses_attn",
     "testing",
 ]

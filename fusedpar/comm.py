@@ -102,6 +102,23 @@ def tuning_agreement(group: Group, device: torch.device) -> Agreement | None:
     return Agreement(f"group {name}", sum_times)
 
 
+def check_same_across_ranks(group: Group, values: Sequence[int], what: str, device) -> None:
+    """Raise the same ValueError on every rank of `group` unless all pass equal
+    `values` (shapes, say), for tensors on `device`. One tiny all-gather on CPU (gloo),
+    where a mismatch would otherwise crash the collective that follows; skipped on
+    GPUs, where it would cost a host sync per call (ranks must pass the same shapes
+    there, as for any collective)."""
+    pg = resolve_group(group)
+    if pg is None or dist.get_world_size(pg) == 1 or torch.device(device).type != "cpu":
+        return
+    mine = torch.tensor(list(values), dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(pg))]
+    dist.all_gather(everyone, mine, group=pg)
+    seen = {tuple(t.tolist()) for t in everyone}
+    if len(seen) > 1:
+        raise ValueError(f"{what}: ranks disagree: {sorted(seen)}")
+
+
 def check_dim0_divisible(x: torch.Tensor, size: int, what: str) -> None:
     if x.dim() == 0:
         raise ValueError(f"{what} needs a tensor with a dim 0, got a scalar")
@@ -363,6 +380,21 @@ def all_gather_async(x: torch.Tensor, group: Group, *, out: torch.Tensor | None 
         return Pending([], out.copy_(x))
     x = x.contiguous()
     works, stream = _issue(x.device, lambda: [_all_gather_tensor(out, x, group=pg, async_op=True)])
+    return Pending(works, out, stream)
+
+
+def all_to_all_async(x: torch.Tensor, group: Group) -> Pending:
+    """Start an even ``all_to_all(x)`` (no autograd): chunk s of dim 0 goes to rank s,
+    and ``.wait()`` returns the chunks received, rank r's as chunk r."""
+    pg = resolve_group(group)
+    check_dim0_divisible(x, group_size(pg), "all_to_all_async")
+    if pg is None:
+        return Pending([], x)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    works, stream = _issue(
+        x.device, lambda: [dist.all_to_all_single(out, x, group=pg, async_op=True)]
+    )
     return Pending(works, out, stream)
 
 

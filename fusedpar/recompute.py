@@ -15,11 +15,13 @@ never repeats a collective or re-routes a token:
 | ``fusedpar::matmul_reduce_scatter`` | its reduce-scatter ring                           |
 | ``fusedpar::ring_attn``             | the ring of K/V blocks (and all the attention)    |
 | ``fusedpar::moe_dispatch``, ``fusedpar::moe_return`` | the expert-parallel all-to-alls  |
+| ``fusedpar::scatter_heads``, ``fusedpar::gather_heads`` | Ulysses' head all-to-alls     |
 | ``aten::topk``                      | the routing: a recompute could break a near tie   |
 |                                     | the other way and send tokens elsewhere           |
 
 Everything else (norms, RoPE, the experts' GEMMs, single-device attention) is
-recomputed. Pass ``also=`` to keep more (``"fusedpar::flash_attn"``,
+recomputed: under Ulysses, the attention between the two exchanges too (from the kept
+exchanged q, k, v). Pass ``also=`` to keep more (``"fusedpar::flash_attn"``,
 ``"fusedpar::expert_swiglu"``), or ``save=`` for a list of your own.
 """
 
@@ -34,6 +36,8 @@ COMMUNICATION_OPS = (
     "fusedpar::ring_attn",
     "fusedpar::moe_dispatch",
     "fusedpar::moe_return",
+    "fusedpar::scatter_heads",
+    "fusedpar::gather_heads",
 )
 ROUTING_OPS = ("aten::topk",)
 SAVED_BY_DEFAULT = COMMUNICATION_OPS + ROUTING_OPS

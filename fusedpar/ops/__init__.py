@@ -4,6 +4,7 @@ from fusedpar.ops.attention import flash_attn, flash_attn_varlen
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.ring_attention import ring_attn, virtual_ring_attn
 from fusedpar.ops.sequence import gather_sequence, sequence_positions, shard_sequence
+from fusedpar.ops.ulysses import ulysses_attn
 
 __all__ = [
     "all_gather_matmul",
@@ -14,5 +15,6 @@ __all__ = [
     "ring_attn",
     "sequence_positions",
     "shard_sequence",
+    "ulysses_attn",
     "virtual_ring_attn",
 ]

@@ -173,3 +173,13 @@ def flash_attn_varlen(
     out, lse = _flash_attn_op(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
                               *window, softcap)  # fmt: skip
     return (out[0], lse[0]) if return_lse else out[0]
+
+
+def check_packed(q: torch.Tensor, cu_seqlens, total: int, what: str) -> None:
+    """A packed stream is one batch row whose documents `cu_seqlens` covers `total`."""
+    if cu_seqlens is None:
+        return
+    if q.shape[0] != 1:
+        raise ValueError(f"{what}: with cu_seqlens the documents are packed into one batch "
+                         f"row: q must be (1, T, H, D), got batch {q.shape[0]}")  # fmt: skip
+    check_cu_seqlens(cu_seqlens, total, values=False)  # the values: inside the op

@@ -40,6 +40,7 @@ from torch import Tensor
 from fusedpar.comm import (
     Group,
     Ring,
+    check_same_across_ranks,
     group_by_name,
     group_name,
     group_size,
@@ -60,11 +61,13 @@ from fusedpar.kernels.attention_mask import (
     intervals,
     window_sides,
 )
-from fusedpar.ops.attention import flash_attn, flash_attn_varlen
+from fusedpar.ops.attention import check_packed, flash_attn, flash_attn_varlen
+from fusedpar.ops.ulysses import check_heads, head_parallel
 from fusedpar.ops.sequence import (
     _chunks_of,
     _num_chunks,
     _shard,
+    check_crossing_groups,
     check_layout,
     check_sequence_length,
 )
@@ -267,7 +270,7 @@ def _ring_attn_op(q: Tensor, k: Tensor, v: Tensor, group: str, causal: bool,
                   window_right: int, softcap: float,
                   cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor]:  # fmt: skip
     pg = group_by_name(group)
-    _check_same_shapes_across_ranks(pg, q, k)
+    check_same_across_ranks(pg, [*q.shape, *k.shape], "ring_attn: q/k shapes", q.device)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, q.shape[1] * dist.get_world_size(pg))
     masks = _masks(pg, q, causal, layout, (window_left, window_right), cu_seqlens)
@@ -324,30 +327,6 @@ def _backward_op(ctx, dout, dlse):
 _ring_attn_op.register_autograd(_backward_op, setup_context=_setup)
 
 
-def _check_same_shapes_across_ranks(pg, q, k) -> None:  # inside the op: before its ring
-    """On CPU (gloo) a tiny all-gather of the shapes catches ranks that disagree, which
-    would otherwise crash the ring's transfers. Skipped on GPUs: it would cost a host
-    sync per call."""
-    if q.device.type != "cpu":
-        return
-    mine = torch.tensor([*q.shape, *k.shape], dtype=torch.int64)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(pg))]
-    dist.all_gather(everyone, mine, group=pg)
-    shapes = {tuple(t.tolist()) for t in everyone}
-    if len(shapes) > 1:
-        raise ValueError(f"ring_attn: ranks disagree on q/k shapes: {sorted(shapes)}")
-
-
-def check_packed(q: torch.Tensor, cu_seqlens, total: int, what: str) -> None:
-    """A packed stream is one batch row whose documents `cu_seqlens` covers `total`."""
-    if cu_seqlens is None:
-        return
-    if q.shape[0] != 1:
-        raise ValueError(f"{what}: with cu_seqlens the documents are packed into one batch "
-                         f"row: q must be (1, T, H, D), got batch {q.shape[0]}")  # fmt: skip
-    check_cu_seqlens(cu_seqlens, total, values=False)  # the values: inside the op
-
-
 def ring_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -361,6 +340,7 @@ def ring_attn(
     softcap: float = 0.0,
     cu_seqlens: torch.Tensor | None = None,
     return_lse: bool = False,
+    ulysses_group: Group = None,
 ):
     """Attention over a sequence sharded along dim 1 on `group` (context parallelism).
 
@@ -373,6 +353,12 @@ def ring_attn(
     q, k, v are then this rank's shard of it, (1, S_loc, H, D). Documents may span
     ranks and need no padding: only the total length must split into the layout's
     chunks. With ``group=None`` or one rank this is `flash_attn` (`flash_attn_varlen`).
+
+    ``ulysses_group``: the 2-D hybrid (USP). Heads are exchanged inside it (as in
+    `fusedpar.ulysses_attn`) and the ring runs over `group` on the exchanged tensors;
+    q, k, v are this rank's part of the layout of ``fp.shard_sequence(x, group,
+    layout=layout, ulysses_group=ulysses_group)``, and the head rules of `ulysses_attn`
+    apply over its size. The two groups must share this rank only.
     """
     check_attention_inputs(q, k, v)
     check_layout(layout)
@@ -380,20 +366,28 @@ def ring_attn(
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"ring_attn: q has {q.shape[1]} local tokens, k and v have "
                          f"{k.shape[1]}: they must be shards of one sequence")  # fmt: skip
-    pg = resolve_group(group)
-    size = group_size(pg)
-    check_packed(q, cu_seqlens, q.shape[1] * size, "ring_attn")
+    pg, ug = resolve_group(group), resolve_group(ulysses_group)
+    size, ulysses = group_size(pg), group_size(ug)
+    if ulysses > 1:
+        check_crossing_groups(pg, ug, "ring_attn")
+        check_heads(q.shape[2], k.shape[2], ulysses, "ring_attn over ulysses_group")
+    check_packed(q, cu_seqlens, q.shape[1] * size * ulysses, "ring_attn")
+    if layout == "zigzag" and size > 1 and q.shape[1] * ulysses % 2:
+        raise ValueError(
+            f"ring_attn: zigzag needs the full length divisible by 2W = {2 * size}, but "
+            f"this rank holds {q.shape[1]} tokens (full length {q.shape[1] * size * ulysses})"
+        )
+    options = dict(causal=causal, softmax_scale=softmax_scale, layout=layout, window=window,
+                   softcap=softcap, cu_seqlens=cu_seqlens)  # fmt: skip
+    if ulysses > 1:  # the ring (or, over one rank, flash_attn) on the exchanged heads
+        attend = lambda *qkv: ring_attn(*qkv, pg, **options, return_lse=True)  # noqa: E731
+        return head_parallel(q, k, v, ug, attend, return_lse=return_lse)
     mask = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap)
     if size == 1:
         if cu_seqlens is None:
             return flash_attn(q, k, v, **mask, return_lse=return_lse)
         out, lse = flash_attn_varlen(q[0], k[0], v[0], cu_seqlens, **mask, return_lse=True)
         return (out[None], lse[None]) if return_lse else out[None]
-    if layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError(
-            f"ring_attn: zigzag needs the full length divisible by 2W = {2 * size}, but "
-            f"this rank holds {q.shape[1]} tokens (full length {q.shape[1] * size})"
-        )
     out, lse = _ring_attn_op(q, k, v, group_name(pg), causal, softmax_scale, layout, *window,
                              softcap, cu_seqlens)  # fmt: skip
     return (out, lse) if return_lse else out

@@ -17,6 +17,16 @@ visible) paired with a late one (many keys visible). For W = 4 and S = 16:
 `shard_sequence` (full -> local) and `gather_sequence` (local -> full) are differentiable
 duals for a region that is replicated outside and sharded inside: the gradient of a
 shard is gathered (every rank gets the full gradient), that of a gather is sharded.
+
+With a Ulysses group as well (the 2-D hybrid, USP), each rank's share of the layout
+above is split again, contiguously, over its Ulysses group: Ulysses rank u of U holds
+part u of its ring rank's tokens. W = 2, U = 2, S = 16, zigzag:
+
+    positions     0-3 | 4-7 | 8-11 | 12-15
+    ring rank     0   | 1   | 1    | 0
+    ulysses rank  0   | 0   | 1    | 1
+
+`fusedpar.ulysses_attn` alone is the contiguous layout over its group.
 """
 
 import torch
@@ -50,6 +60,25 @@ def check_sequence_length(seq_len: int, size: int, layout: str, what: str = "seq
             f"{what}: the full length {seq_len} must be divisible by {chunks} "
             f"({'2W' if layout == 'zigzag' else 'W'} for layout {layout!r} with W={size})"
         )
+
+
+def check_crossing_groups(group: Group, ulysses_group: Group, what: str) -> None:
+    """Raise ValueError unless the ring group and the Ulysses group share this rank and
+    no other (on a mesh: two different axes). Local: no communication."""
+    pg, ug = resolve_group(group), resolve_group(ulysses_group)
+    if pg is None or ug is None:
+        return
+    shared = set(dist.get_process_group_ranks(pg)) & set(dist.get_process_group_ranks(ug))
+    if len(shared) > 1:
+        raise ValueError(f"{what}: the ring group and the Ulysses group overlap in ranks "
+                         f"{sorted(shared)}: they must be different axes of the mesh, sharing "
+                         f"only this rank")  # fmt: skip
+
+
+def _check_ulysses_split(local_len: int, ulysses: int, what: str) -> None:
+    if ulysses > 1 and local_len % ulysses:
+        raise ValueError(f"{what}: each ring rank's {local_len} tokens do not divide by the "
+                         f"Ulysses degree {ulysses}")  # fmt: skip
 
 
 def _shard(x: torch.Tensor, rank: int, size: int, dim: int, layout: str) -> torch.Tensor:
@@ -92,30 +121,42 @@ class _GatherSequence(torch.autograd.Function):
         return shard, None, None, None
 
 
-def shard_sequence(x: torch.Tensor, group: Group, *, dim: int = 1, layout: str = "zigzag"):
+def shard_sequence(x: torch.Tensor, group: Group, *, dim: int = 1, layout: str = "zigzag",
+                   ulysses_group: Group = None):  # fmt: skip
     """This rank's part of the full sequence `x` along `dim` (every rank passes the same
-    full `x`). Backward: the gradient is gathered, so each rank gets the full one."""
-    pg = resolve_group(group)
+    full `x`); with `ulysses_group`, its contiguous part of that over the Ulysses group
+    (the hybrid layout). Backward: the gradient is gathered, so each rank gets the full
+    one."""
+    pg, ug = resolve_group(group), resolve_group(ulysses_group)
     dim = dim % x.dim()
     check_sequence_length(x.shape[dim], group_size(pg), layout, "shard_sequence")
-    if group_size(pg) == 1:
-        return x
-    return _ShardSequence.apply(x, pg, dim, layout)
+    check_crossing_groups(pg, ug, "shard_sequence")
+    _check_ulysses_split(x.shape[dim] // group_size(pg), group_size(ug), "shard_sequence")
+    if group_size(pg) > 1:
+        x = _ShardSequence.apply(x, pg, dim, layout)
+    if group_size(ug) > 1:
+        x = _ShardSequence.apply(x, ug, dim, "contiguous")
+    return x
 
 
-def gather_sequence(x: torch.Tensor, group: Group, *, dim: int = 1, layout: str = "zigzag"):
-    """The full sequence from every rank's part `x` along `dim`, in order, on every rank.
-    Backward: each rank keeps its part of the gradient (the output is replicated)."""
-    pg = resolve_group(group)
+def gather_sequence(x: torch.Tensor, group: Group, *, dim: int = 1, layout: str = "zigzag",
+                    ulysses_group: Group = None):  # fmt: skip
+    """The full sequence from every rank's part `x` along `dim`, in order, on every rank
+    (the inverse of `shard_sequence` with the same groups). Backward: each rank keeps
+    its part of the gradient (the output is replicated)."""
+    pg, ug = resolve_group(group), resolve_group(ulysses_group)
     check_layout(layout)
+    check_crossing_groups(pg, ug, "gather_sequence")
     dim = dim % x.dim()
-    size = group_size(pg)
-    if size == 1:
-        return x
-    if layout == "zigzag" and x.shape[dim] % 2:
+    size, ulysses = group_size(pg), group_size(ug)
+    if size > 1 and layout == "zigzag" and x.shape[dim] * ulysses % 2:
         raise ValueError(f"gather_sequence: a zigzag shard holds two equal chunks, but its "
-                         f"length along dim {dim} is {x.shape[dim]}")  # fmt: skip
-    return _GatherSequence.apply(x, pg, dim, layout)
+                         f"length along dim {dim} is {x.shape[dim] * ulysses}")  # fmt: skip
+    if ulysses > 1:
+        x = _GatherSequence.apply(x, ug, dim, "contiguous")
+    if size > 1:
+        x = _GatherSequence.apply(x, pg, dim, layout)
+    return x
 
 
 def sequence_positions(
@@ -125,12 +166,17 @@ def sequence_positions(
     layout: str = "zigzag",
     device=None,
     cu_seqlens: torch.Tensor | None = None,
+    ulysses_group: Group = None,
 ) -> torch.Tensor:
     """Global positions (int64, (seq_len / W,)) of this rank's tokens, for RoPE. With
     ``cu_seqlens`` (the documents of a packed stream of length `seq_len`, as in
-    `fusedpar.flash_attn_varlen`) positions restart at 0 in every document."""
+    `fusedpar.flash_attn_varlen`) positions restart at 0 in every document. With
+    `ulysses_group`, this rank's part of the hybrid layout (see the module doc)."""
     size, rank = group_size(group), group_rank(group)
+    ulysses = group_size(ulysses_group)
     check_sequence_length(seq_len, size, layout, "sequence_positions")
+    check_crossing_groups(group, ulysses_group, "sequence_positions")
+    _check_ulysses_split(seq_len // size, ulysses, "sequence_positions")
     positions = torch.arange(seq_len, device=device)
     if cu_seqlens is not None:
         # The values are read in eager mode only (a host sync); a compiled graph leaves
@@ -138,4 +184,8 @@ def sequence_positions(
         check_cu_seqlens(cu_seqlens, seq_len, values=not torch.compiler.is_compiling())
         starts = cu_seqlens.to(positions.device, torch.int64)
         positions = positions - starts[torch.searchsorted(starts, positions, right=True) - 1]
-    return positions if size == 1 else _shard(positions, rank, size, 0, layout)
+    if size > 1:
+        positions = _shard(positions, rank, size, 0, layout)
+    if ulysses > 1:
+        positions = positions.chunk(ulysses)[group_rank(ulysses_group)]
+    return positions

@@ -1,0 +1,207 @@
+"""`ulysses_attn`: attention over a sequence sharded on a group by trading the sequence
+for heads (DeepSpeed-Ulysses), and the same exchange under ``ring_attn(...,
+ulysses_group=)``, the 2-D hybrid (USP).
+
+P ranks; rank r holds the contiguous tokens [r S/P, (r+1) S/P) of every head:
+
+| step       | op                                   | shape on a rank                     |
+| ---------- | ------------------------------------ | ----------------------------------- |
+| q, k, v in | ``scatter_heads([q, k, v], group)``  | (B, S/P, H, D) -> (B, S, H/P, D)    |
+| attention  | ``flash_attn`` (hybrid: the ring)    | (B, S, Hq/P, D), every token        |
+| out back   | ``gather_heads([out], group)``       | (B, S, Hq/P, D) -> (B, S/P, Hq, D)  |
+
+Each exchange is one all-to-all per tensor, posted together (q, k and v are in flight
+at once) on the group's side stream; the backward of one exchange is the other. Every
+rank sees the whole sequence for its heads, so no balancing is needed and a causal
+mask, window or packed documents apply exactly as on one device.
+
+GQA below the degree (Hkv < P, P % Hkv == 0): K and V heads are replicated to P
+(``repeat_interleave``) before the exchange, so rank j receives KV head j // (P/Hkv),
+the one its query heads use; the backward's exchange sums the replicas' gradients (in
+fp32, rounded once), which is exactly the GQA gradient. Hq must divide by P, and Hkv
+divide P or be divisible by it.
+
+Hybrid (``ring_attn(q, k, v, ring_group, ulysses_group=ug)``): the head exchange runs
+inside `ug`, the ring over `ring_group` on the exchanged tensors. The layout is USP's:
+the ring's layout over `ring_group` (zigzag by default), then each ring rank's tokens
+split contiguously over its Ulysses group (`fusedpar.shard_sequence(...,
+ulysses_group=)`), so the exchange gathers exactly the ring rank's shard.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fusedpar.comm import (
+    Group,
+    all_to_all_async,
+    check_same_across_ranks,
+    group_by_name,
+    group_name,
+    group_size,
+    resolve_group,
+)
+from fusedpar.kernels.attention import check_attention_inputs
+from fusedpar.kernels.attention_mask import check_softcap, check_window
+from fusedpar.ops.attention import _flash_attn_op, check_packed
+
+
+def check_heads(n_heads: int, n_kv_heads: int, size: int, what: str) -> int:
+    """The replication of each KV head for a head exchange over `size` ranks (1, or
+    P / Hkv when Hkv < P). ValueError, naming the counts, for heads that do not fit."""
+    if n_heads % size:
+        raise ValueError(f"{what}: the {n_heads} query heads do not divide by the Ulysses "
+                         f"degree {size}")  # fmt: skip
+    if n_kv_heads % size == 0:
+        return 1
+    if size % n_kv_heads == 0:
+        return size // n_kv_heads
+    raise ValueError(f"{what}: {n_kv_heads} KV heads and Ulysses degree {size}: the KV heads "
+                     f"must divide by {size}, or divide it (then each is replicated "
+                     f"{size} / Hkv times)")  # fmt: skip
+
+
+# --- the exchanges: fusedpar::scatter_heads and fusedpar::gather_heads ---------------------
+# x (B, s, H, D) on each of P ranks <-> (B, P s, H rep / P, D); each is the other's backward.
+
+
+def _heads_first(x: Tensor, size: int, replicas: int) -> Tensor:
+    """(B, s, H, D) -> the send buffer (P, B, s, H rep / P, D): chunk j for rank j."""
+    if replicas > 1:
+        x = x.repeat_interleave(replicas, dim=2)
+    return x.unflatten(2, (size, -1)).permute(2, 0, 1, 3, 4).contiguous()
+
+
+def _sequence_whole(received: Tensor) -> Tensor:
+    """(P, B, s, h, D), rank p's tokens at p -> (B, P s, h, D): a view when B = 1."""
+    P, B, s, h, D = received.shape
+    return received.transpose(0, 1).reshape(B, P * s, h, D)
+
+
+def _sequence_first(x: Tensor, size: int) -> Tensor:
+    """(B, S, h, D) -> the send buffer (P, B, S / P, h, D): rank j's tokens for rank j."""
+    return x.unflatten(1, (size, -1)).transpose(0, 1).contiguous()
+
+
+def _heads_whole(received: Tensor, replicas: int) -> Tensor:
+    """(P, B, s, h, D), rank p's heads at p -> (B, s, P h / rep, D), replicas summed."""
+    heads = received.permute(1, 2, 0, 3, 4).flatten(2, 3)  # (B, s, P h, D)
+    if replicas > 1:  # h = 1 here: heads j rep .. j rep + rep - 1 are KV head j's replicas
+        heads = heads.unflatten(2, (-1, replicas)).sum(3, dtype=torch.float32)
+    return heads.to(received.dtype).contiguous()
+
+
+def _check_exchange(xs, group, replicas, what):
+    if len(xs) != len(replicas):
+        raise ValueError(f"{what}: {len(xs)} tensors but {len(replicas)} replica counts")
+    pg = group_by_name(group)
+    check_same_across_ranks(pg, [v for x in xs for v in x.shape], f"{what}: shapes",
+                            xs[0].device)  # fmt: skip
+    return pg, dist.get_world_size(pg)
+
+
+@torch.library.custom_op("fusedpar::scatter_heads", mutates_args=())
+def _scatter_heads_op(xs: list[Tensor], group: str, replicas: list[int]) -> list[Tensor]:
+    pg, size = _check_exchange(xs, group, replicas, "scatter_heads")
+    pending = [all_to_all_async(_heads_first(x, size, r), pg)
+               for x, r in zip(xs, replicas, strict=True)]  # fmt: skip
+    return [_sequence_whole(p.wait()) for p in pending]
+
+
+@_scatter_heads_op.register_fake
+def _(xs, group, replicas):
+    size = dist.get_world_size(group_by_name(group))
+    return [x.new_empty((x.shape[0], x.shape[1] * size, x.shape[2] * r // size, x.shape[3]))
+            for x, r in zip(xs, replicas, strict=True)]  # fmt: skip
+
+
+@torch.library.custom_op("fusedpar::gather_heads", mutates_args=())
+def _gather_heads_op(xs: list[Tensor], group: str, replicas: list[int]) -> list[Tensor]:
+    pg, size = _check_exchange(xs, group, replicas, "gather_heads")
+    pending = [all_to_all_async(_sequence_first(x, size), pg) for x in xs]
+    return [_heads_whole(p.wait(), r) for p, r in zip(pending, replicas, strict=True)]
+
+
+@_gather_heads_op.register_fake
+def _(xs, group, replicas):
+    size = dist.get_world_size(group_by_name(group))
+    return [x.new_empty((x.shape[0], x.shape[1] // size, x.shape[2] * size // r, x.shape[3]))
+            for x, r in zip(xs, replicas, strict=True)]  # fmt: skip
+
+
+def _setup(ctx, inputs, output):
+    ctx.group, ctx.replicas = inputs[1], inputs[2]
+
+
+def _scatter_backward(ctx, grads):
+    return _gather_heads_op(list(grads), ctx.group, ctx.replicas), None, None
+
+
+def _gather_backward(ctx, grads):
+    return _scatter_heads_op(list(grads), ctx.group, ctx.replicas), None, None
+
+
+_scatter_heads_op.register_autograd(_scatter_backward, setup_context=_setup)
+_gather_heads_op.register_autograd(_gather_backward, setup_context=_setup)
+
+
+# --- attention over exchanged heads ----------------------------------------------------
+
+
+def head_parallel(q, k, v, group: dist.ProcessGroup, attend, *, return_lse: bool):
+    """``attend(q, k, v) -> (out, lse)`` over the whole sequence and this rank's heads,
+    between the two exchanges over `group` (heads already checked by `check_heads`)."""
+    size = dist.get_world_size(group)
+    replicas = check_heads(q.shape[2], k.shape[2], size, "head exchange")
+    name = group_name(group)
+    q, k, v = _scatter_heads_op([q, k, v], name, [1, replicas, replicas])
+    out, lse = attend(q, k, v)  # (B, S, Hq/P, D), (B, Hq/P, S)
+    if not return_lse:
+        return _gather_heads_op([out], name, [1])[0]
+    out, lse = _gather_heads_op([out, lse.transpose(1, 2)[..., None]], name, [1, 1])
+    return out, lse[..., 0].transpose(1, 2).contiguous()  # (B, Hq, S/P)
+
+
+def ulysses_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    cu_seqlens: torch.Tensor | None = None,
+    return_lse: bool = False,
+):
+    """Attention over a sequence sharded contiguously on `group` (Ulysses: all-to-all
+    over heads; see the module doc).
+
+    q (B, S/P, Hq, D), k and v (B, S/P, Hkv, D): rank r's tokens [r S/P, (r+1) S/P)
+    (``fp.shard_sequence(x, group, layout="contiguous")``). Returns this rank's tokens of
+    ``flash_attn`` on the whole sequence, (B, S/P, Hq, D), and with ``return_lse`` their
+    LSE (B, Hq, S/P) float32. `window`, `softcap` and `cu_seqlens` (int32, the documents
+    of the whole packed stream of S tokens, B = 1) as in `flash_attn` and
+    `flash_attn_varlen`. Hq must divide by P; Hkv must divide by P or divide P (KV heads
+    are then replicated, and their gradients summed). Differentiable. With
+    ``group=None`` or one rank this is `flash_attn`.
+    """
+    check_attention_inputs(q, k, v)
+    window, softcap = check_window(window), check_softcap(softcap)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"ulysses_attn: q has {q.shape[1]} local tokens, k and v have "
+                         f"{k.shape[1]}: they must be shards of one sequence")  # fmt: skip
+    pg = resolve_group(group)
+    size = group_size(pg)
+    check_heads(q.shape[2], k.shape[2], size, "ulysses_attn")
+    check_packed(q, cu_seqlens, q.shape[1] * size, "ulysses_attn")
+    options = (causal, softmax_scale, *window, softcap)
+
+    def attend(q, k, v):  # the whole sequence, this rank's heads
+        return _flash_attn_op(q, k, v, cu_seqlens, cu_seqlens, *options)
+
+    if size == 1:
+        out, lse = attend(q, k, v)
+        return (out, lse) if return_lse else out
+    return head_parallel(q, k, v, pg, attend, return_lse=return_lse)
