@@ -62,7 +62,6 @@ from fusedpar.kernels.attention_mask import (
     window_sides,
 )
 from fusedpar.ops.attention import check_packed, flash_attn, flash_attn_varlen
-from fusedpar.ops.ulysses import check_heads, head_parallel
 from fusedpar.ops.sequence import (
     _chunks_of,
     _num_chunks,
@@ -71,6 +70,7 @@ from fusedpar.ops.sequence import (
     check_layout,
     check_sequence_length,
 )
+from fusedpar.ops.ulysses import check_heads, head_parallel
 
 
 def _positions(rank: int, size: int, layout: str, s_local: int, device) -> torch.Tensor:
