@@ -166,7 +166,8 @@ class ParallelBlock(nn.Module):
         a = block.attn
         self.attn = fp.nn.ParallelAttention.from_dense(
             a.q, a.k, a.v, a.o, cfg.d_model, cfg.n_heads, cfg.n_kv_heads,
-            tp_group=groups["tp"], cp_group=groups["cp"], rope_theta=cfg.rope_theta,
+            tp_group=groups["tp"], cp_group=groups["cp"], ulysses_group=groups.get("ulysses"),
+            rope_theta=cfg.rope_theta,
         )  # fmt: skip
         if cfg.num_experts:
             m = block.mlp
@@ -201,9 +202,10 @@ class ParallelTransformer(nn.Module):
         self.head.load_state_dict(reference.head.state_dict())
 
     def local_tokens(self, t: torch.Tensor) -> torch.Tensor:
-        """(B, S) -> this rank's (S / CP / TP, B): the zigzag CP shard, sequence-first,
-        then this TP rank's rows."""
-        t = fp.shard_sequence(t, self.groups["cp"], dim=1).transpose(0, 1)
+        """(B, S) -> this rank's (S / CP / TP, B): the zigzag CP shard (split again over
+        the Ulysses group, if any), sequence-first, then this TP rank's rows."""
+        t = fp.shard_sequence(t, self.groups["cp"], dim=1, ulysses_group=self.groups.get("ulysses"))
+        t = t.transpose(0, 1)
         tp = self.groups["tp"]
         return t.chunk(fp.comm.group_size(tp))[fp.comm.group_rank(tp)]
 

@@ -1,17 +1,18 @@
 """Train the tiny Llama with TP x CP (x EP for the MoE variant) next to its reference.
 
     torchrun --nproc-per-node 4 examples/train.py --tp 2 --cp 2 [--moe]
+    torchrun --nproc-per-node 4 examples/train.py --tp 1 --cp 2 --ulysses 2
     torchrun --nproc-per-node 4 examples/train.py --steps 20 --save ckpt --save-every 10
     torchrun --nproc-per-node 4 examples/train.py --steps 30 --tp 4 --cp 1 --resume ckpt/step-20
 
 GPUs: NCCL and compiled Triton kernels. CPU: gloo and Triton's interpreter. Every
-parameter is a DTensor on the (dp, cp, tp) mesh (`fp.distribute`); data parallelism over
-the remaining ranks (dp = world / (tp * cp)) goes through PyTorch's FSDP2 on the "dp"
-axis of that mesh. Checkpoints (`--save`) hold the model and AdamW state through
-`torch.distributed.checkpoint` and resume at any layout (`--resume`). The text is this
-repository's own docs, read as bytes (nothing is fetched). Rank 0 trains the
-single-device reference on the same batches and ends with how far the two loss curves
-are apart.
+parameter is a DTensor on the (dp, cp, ulysses, tp) mesh (`fp.distribute`); data
+parallelism over the remaining ranks (dp = world / (tp * cp * ulysses)) goes through
+PyTorch's FSDP2 on the "dp" axis of that mesh. Checkpoints (`--save`) hold the model
+and AdamW state through `torch.distributed.checkpoint` and resume at any layout
+(`--resume`). The text is this repository's own docs, read as bytes (nothing is
+fetched). Rank 0 trains the single-device reference on the same batches and ends with
+how far the two loss curves are apart.
 """
 
 import argparse
@@ -32,6 +33,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree")
     parser.add_argument("--cp", type=int, default=2, help="context-parallel degree")
+    parser.add_argument("--ulysses", type=int, default=1,
+                        help="Ulysses degree (with --cp > 1: the hybrid)")  # fmt: skip
     parser.add_argument("--moe", action="store_true", help="MoE MLPs, experts over the tp axis")
     parser.add_argument("--experts", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
@@ -95,7 +98,8 @@ def main(argv=None) -> int:
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg = Config(d_model=args.d_model, d_hidden=2 * args.d_model,
                  num_experts=args.experts if args.moe else 0)  # fmt: skip
-    dims = fp.ParallelDims(dp=max(1, world // (args.tp * args.cp)), cp=args.cp, tp=args.tp,
+    dims = fp.ParallelDims(dp=max(1, world // (args.tp * args.cp * args.ulysses)), cp=args.cp,
+                           tp=args.tp, ulysses=args.ulysses,
                            ep="tp" if args.moe else None)  # fmt: skip
     try:  # no collective yet: every rank fails the same way, at once
         dims.validate(world, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
@@ -140,7 +144,8 @@ def main(argv=None) -> int:
     dp_rank = mesh["dp"].get_local_rank()
     tokens_per_step = dims.dp * args.batch * args.seq
     if rank == 0:
-        print(f"fusedpar demo: {world} ranks = dp {dims.dp} x cp {dims.cp} x tp {dims.tp}"
+        ulysses = f" x ulysses {dims.ulysses}" if dims.ulysses > 1 else ""
+        print(f"fusedpar demo: {world} ranks = dp {dims.dp} x cp {dims.cp}{ulysses} x tp {dims.tp}"
               f"{' (MoE, experts over tp)' if args.moe else ''}, {'NCCL' if cuda else 'gloo'}, "
               f"{tokens_per_step} tokens per step", flush=True)  # fmt: skip
     progress, losses, ref_losses = Progress(args.steps), [], []

@@ -2,8 +2,13 @@
 
     dims = fp.ParallelDims(dp=1, cp=2, tp=2, ep="tp")
     dims.validate(world_size, n_heads=8, n_kv_heads=4, num_experts=8, seq_len=256)
-    mesh = dims.build_mesh("cpu")        # init_device_mesh with axes ("dp", "cp", "tp")
-    groups = dims.groups(mesh)           # {"dp": ..., "cp": ..., "tp": ..., "ep": ...}
+    mesh = dims.build_mesh("cpu")        # axes ("dp", "cp", "ulysses", "tp")
+    groups = dims.groups(mesh)           # {"dp", "cp", "ulysses", "tp", "ep"}: groups
+
+Context parallelism has two axes: "cp", the ring (`fusedpar.ring_attn`), and "ulysses",
+the head all-to-all (`fusedpar.ulysses_attn`); both > 1 is the 2-D hybrid, Ulysses
+inside (its groups are neighbouring ranks, next to tp), the ring across. `cp_mode` names
+which of the three a configuration is.
 
 `validate` runs no collective: call it first, on every rank, and a bad configuration
 fails everywhere with a message naming the degree that does not fit.
@@ -11,10 +16,11 @@ fails everywhere with a message naming the degree that does not fit.
 With the model's parameters on the full mesh (`fusedpar.distribute`), `fully_shard`
 applies PyTorch's FSDP2 over the "dp" axis of that same mesh: on torch >= 2.12 with
 ``dp_mesh_dims`` (the parameters stay on the full mesh); on older torch (2.11 has no
-``dp_mesh_dims``) by moving them to the (cp, tp) mesh first, FSDP2's TP/EP path. EP runs over one
-named axis (``"tp"`` or ``"cp"``) or a pair flattened into one (``("cp", "tp")``), or not
-at all (``None``: every expert on every rank). Not over ``"dp"`` when dp > 1: data
-parallelism averages parameters over dp, and split experts differ there.
+``dp_mesh_dims``) by moving them to the mesh of the other axes first, FSDP2's TP/EP
+path. EP runs over one named axis (``"tp"``, ``"cp"``, ``"ulysses"``) or a run of them
+flattened into one (``("cp", "tp")``), or not at all (``None``: every expert on every
+rank). Not over ``"dp"`` when dp > 1: data parallelism averages parameters over dp, and
+split experts differ there.
 """
 
 from dataclasses import dataclass
@@ -26,8 +32,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
-AXES = ("dp", "cp", "tp")
-_meshes: dict[tuple, tuple] = {}  # (device type, dp, cp, tp) -> (default group, mesh)
+AXES = ("dp", "cp", "ulysses", "tp")
+_meshes: dict[tuple, tuple] = {}  # (device type, degrees) -> (default group, mesh)
 
 
 def _default_group():
@@ -40,6 +46,14 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     ep: str | tuple[str, ...] | None = None
+    ulysses: int = 1
+
+    @property
+    def cp_mode(self) -> str:
+        """How attention runs over the sequence's ranks: "ring", "ulysses" or "hybrid"."""
+        if self.ulysses > 1:
+            return "hybrid" if self.cp > 1 else "ulysses"
+        return "ring"
 
     @property
     def ep_axes(self) -> tuple[str, ...]:
@@ -61,10 +75,12 @@ class ParallelDims:
             degree = getattr(self, axis)
             if not isinstance(degree, int) or degree < 1:
                 raise ValueError(f"the {axis} degree must be a positive int, got {degree!r}")
-        if self.dp * self.cp * self.tp != world_size:
+        if self.dp * self.cp * self.ulysses * self.tp != world_size:
+            ulysses = f" x ulysses ({self.ulysses})" if self.ulysses > 1 else ""
             raise ValueError(
-                f"dp ({self.dp}) x cp ({self.cp}) x tp ({self.tp}) = "
-                f"{self.dp * self.cp * self.tp}, but the world has {world_size} ranks"
+                f"dp ({self.dp}) x cp ({self.cp}){ulysses} x tp ({self.tp}) = "
+                f"{self.dp * self.cp * self.ulysses * self.tp}, but the world has "
+                f"{world_size} ranks"
             )
         for axis in self.ep_axes:
             if axis not in AXES:
@@ -77,6 +93,18 @@ class ParallelDims:
         for name, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
             if heads is not None and heads % self.tp:
                 raise ValueError(f"{name} ({heads}) is not divisible by the tp degree ({self.tp})")
+        if n_heads is not None and (n_heads // self.tp) % self.ulysses:
+            raise ValueError(f"n_heads ({n_heads}) is not divisible by tp ({self.tp}) x "
+                             f"ulysses ({self.ulysses}): each Ulysses rank needs whole "
+                             f"query heads")  # fmt: skip
+        if n_kv_heads is not None and self.ulysses > 1:
+            per_tp = n_kv_heads // self.tp
+            if per_tp % self.ulysses and self.ulysses % per_tp:
+                raise ValueError(
+                    f"n_kv_heads ({n_kv_heads}) / tp ({self.tp}) = {per_tp} KV heads per tp "
+                    f"rank must divide by the ulysses degree ({self.ulysses}) or divide it "
+                    f"(then they are replicated)"
+                )
         if num_experts is not None and num_experts % self.ep_size:
             raise ValueError(f"num_experts ({num_experts}) is not divisible by the ep degree "
                              f"({self.ep_size}, over {'x'.join(self.ep_axes)})")  # fmt: skip
@@ -85,13 +113,18 @@ class ParallelDims:
             if seq_len % chunks:
                 raise ValueError(f"seq_len ({seq_len}) is not divisible by {chunks} (the cp "
                                  f"degree {self.cp} under the {cp_layout} layout)")  # fmt: skip
-            if (seq_len // self.cp) % self.tp:
-                per_cp = seq_len // self.cp
-                raise ValueError(f"each cp rank's {per_cp} tokens are not divisible by the tp "
-                                 f"degree ({self.tp}) for sequence parallelism")  # fmt: skip
+            per_cp = seq_len // self.cp
+            if per_cp % self.ulysses:
+                raise ValueError(f"each cp rank's {per_cp} tokens are not divisible by the "
+                                 f"ulysses degree ({self.ulysses})")  # fmt: skip
+            if (per_cp // self.ulysses) % self.tp:
+                per_rank = per_cp // self.ulysses
+                raise ValueError(f"each cp{' x ulysses' if self.ulysses > 1 else ''} rank's "
+                                 f"{per_rank} tokens are not divisible by the tp degree "
+                                 f"({self.tp}) for sequence parallelism")  # fmt: skip
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """``init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))``,
+        """``init_device_mesh(device_type, (dp, cp, ulysses, tp), mesh_dim_names=AXES)``,
         with the flattened meshes of its split axes (e.g. "cp_tp") made too.
 
         The same mesh object for the same degrees while the default process group lives:
@@ -99,11 +132,12 @@ class ParallelDims:
         operator cache hands out the specs of an equal mesh built earlier in the
         process (a second model built in a test pool or a notebook failed there)."""
         self.validate(dist.get_world_size())
-        key = (device_type, self.dp, self.cp, self.tp)
+        degrees = tuple(getattr(self, axis) for axis in AXES)
+        key = (device_type, *degrees)
         cached = _meshes.get(key)
         if cached is not None and cached[0] is _default_group():
             return cached[1]
-        mesh = init_device_mesh(device_type, (self.dp, self.cp, self.tp), mesh_dim_names=AXES)
+        mesh = init_device_mesh(device_type, degrees, mesh_dim_names=AXES)
         # DTensor sums a gradient partial over several axes (cp and tp, say) in one
         # collective, rather than one per axis, only where their flattened mesh exists.
         split = [axis for axis in AXES if getattr(self, axis) > 1]
@@ -132,7 +166,8 @@ class ParallelDims:
 
         ``dp_mesh_dims`` (default: when torch has it, >= 2.12): the parameters stay on the
         full mesh. Otherwise (torch 2.11) each parameter still on the full mesh moves to
-        the mesh of the other axes first, (cp, tp), where FSDP2's TP path takes it."""
+        the mesh of its other axes of more than one rank first, where FSDP2's TP path
+        takes it."""
         from torch.distributed import fsdp
 
         from fusedpar.storage import _reduce_grad
@@ -148,8 +183,13 @@ class ParallelDims:
                 )
             return fully_shard(module, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"),
                                **fsdp_kwargs)  # fmt: skip
-        rest = tuple(axis for axis in mesh.mesh_dim_names if axis != "dp")
-        dp = mesh.mesh_dim_names.index("dp")
+        # The other axes of more than one rank (FSDP2's TP path takes a 1-D or 2-D mesh;
+        # a parameter's placement on an axis of one rank is always Replicate).
+        names = mesh.mesh_dim_names
+        kept = [i for i, axis in enumerate(names) if axis != "dp" and mesh.size(i) > 1]
+        kept = kept or [len(names) - 1]
+        rest = tuple(names[i] for i in kept)
+        dp = names.index("dp")
         moved: dict[int, nn.Parameter] = {}
         for sub in module.modules():
             for name, param in sub._parameters.items():
@@ -157,7 +197,7 @@ class ParallelDims:
                 if not ours or param.placements[dp] != Replicate():
                     continue  # not distributed, or sharded by an earlier fully_shard
                 if id(param) not in moved:
-                    placements = param.placements[:dp] + param.placements[dp + 1 :]
+                    placements = tuple(param.placements[i] for i in kept)
                     local = DTensor.from_local(param.to_local().detach(), mesh[rest], placements,
                                                run_check=False)  # fmt: skip
                     new = nn.Parameter(local, requires_grad=param.requires_grad)

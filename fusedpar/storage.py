@@ -1,6 +1,6 @@
 """Parameters stored as DTensors on the full mesh, computed on as local tensors.
 
-    mesh = dims.build_mesh("cuda")          # axes ("dp", "cp", "tp")
+    mesh = dims.build_mesh("cuda")          # axes ("dp", "cp", "ulysses", "tp")
     fp.distribute(model, mesh)              # every parameter -> a DTensor on that mesh
     dims.fully_shard(model, mesh)           # optional: FSDP2 over "dp"
 
@@ -18,6 +18,8 @@ with its unsharded parameters) and a forward hook puts the DTensor back.
 | TP shard `q_weight`: (R, R, Shard(d))    | (Partial(avg), Partial, Shard(d))       |
 | `MoE` experts, ep over tp: (R, R, Shard(0)) | (Partial(avg), Partial, Shard(0))    |
 | whole (norm, embedding, router): (R, R, R) | (Partial(avg), Partial, Partial)      |
+
+(A "ulysses" axis, where the mesh has one of size > 1, is placed as cp is.)
 
 The gradient column is the mechanism that replaces a hand-written list of names: a
 parameter whole on every rank but used on only this rank's tokens gets a partial sum,
@@ -45,7 +47,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from fusedpar import comm
 
 DATA_AXES = ("dp",)  # averaged, as data parallelism does
-TOKEN_AXES = ("cp", "tp")  # where fusedpar's defaults split the tokens (CP, and TP's SP)
+TOKEN_AXES = ("cp", "ulysses", "tp")  # where fusedpar's defaults split the tokens (CP, SP)
 
 
 @dataclass(frozen=True)
@@ -157,9 +159,11 @@ def _reduce_grad(param: DTensor) -> None:
 
 def _check_token_axes(model: nn.Module, mesh: DeviceMesh, token_axes) -> None:
     """A fusedpar TP layer's sequence parallelism says whether the tokens between layers
-    are split over its axis, and a CP group always splits them: `token_axes` must agree."""
+    are split over its axis, and CP groups (ring and Ulysses) always split them:
+    `token_axes` must agree."""
     for name, module in model.named_modules():
         cp_axes = mesh_axes_of(getattr(module, "cp_group", None), mesh)
+        cp_axes += mesh_axes_of(getattr(module, "ulysses_group", None), mesh)
         if hasattr(module, "param_layouts") and any(a not in token_axes for a in cp_axes):
             what = name or type(module).__name__
             raise ValueError(f"{what} splits the sequence over {cp_axes}, but "
@@ -178,14 +182,15 @@ def _check_token_axes(model: nn.Module, mesh: DeviceMesh, token_axes) -> None:
             )
 
 
-def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=TOKEN_AXES) -> nn.Module:
+def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=None) -> nn.Module:
     """Store every parameter of `model` as a DTensor on `mesh`, in place; returns `model`.
 
     `mesh` is the full mesh (``ParallelDims.build_mesh``), with named axes. fusedpar
     layers place their parameters as ``param_layouts()`` says; every other parameter is
     whole (``Replicate`` on every axis). `token_axes` are the mesh axes the activations
-    between layers are split over (default: cp and tp, as fusedpar's sequence-parallel
-    layers and ring attention split them); a layer whose ``sequence_parallel`` disagrees
+    between layers are split over (default: those of cp, ulysses and tp the mesh has, as
+    fusedpar's sequence-parallel layers and context parallelism split them); a layer
+    whose ``sequence_parallel`` disagrees
     raises ValueError. Call it after moving the model to its device, before FSDP2 and
     before building the optimizer. Every check runs before any parameter changes. No
     communication: whole parameters must already be equal on every rank (as they are
@@ -193,6 +198,8 @@ def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=TOKEN_AXES) -> 
     """
     if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None:
         raise TypeError("distribute needs a DeviceMesh with named axes (ParallelDims.build_mesh)")
+    if token_axes is None:
+        token_axes = tuple(axis for axis in TOKEN_AXES if axis in mesh.mesh_dim_names)
     unknown = [axis for axis in token_axes if axis not in mesh.mesh_dim_names]
     if unknown:
         raise ValueError(f"token_axes {unknown} are not axes of the mesh {mesh.mesh_dim_names}")

@@ -1,5 +1,5 @@
-"""End to end at 4 ranks: the 2-layer fusedpar model (TP2 x CP2, EP2 for MoE; or DP2 x
-TP2 under FSDP2), its parameters on the full mesh (`fp.distribute`), trains like the
+"""End to end at 4 ranks: the 2-layer fusedpar model (TP2 x CP2, EP2 for MoE; DP2 x TP2
+under FSDP2; Ulysses 2 x TP2 and the hybrid CP2 x Ulysses 2), its parameters on the full mesh (`fp.distribute`), trains like the
 single-device reference: the same loss and every parameter gradient (the DTensor
 gradient's full tensor), within the tolerance rule; a few clipped AdamW steps keep the
 losses and gradient norms together; bad configurations fail at start, on every rank,
@@ -28,10 +28,12 @@ def _config(moe: bool) -> Config:
                   num_experts=4 if moe else 0, top_k=2)  # fmt: skip
 
 
-def _build(moe: bool, seed: int, dp: int = 1, fsdp: bool | None = None):
+def _build(moe: bool, seed: int, dp: int = 1, fsdp: bool | None = None, ulysses: int = 1,
+           tp: int = 2):  # fmt: skip
     """The models; `fsdp`: None without FSDP2, True by this torch's own path
     (dp_mesh_dims from 2.12), False by the torch 2.11 path."""
-    dims = fp.ParallelDims(dp=dp, cp=2 // dp, tp=2, ep="tp" if moe else None)
+    cp = 4 // (dp * ulysses * tp)
+    dims = fp.ParallelDims(dp=dp, cp=cp, tp=tp, ulysses=ulysses, ep="tp" if moe else None)
     cfg = _config(moe)
     dims.validate(dist.get_world_size(), n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                   num_experts=cfg.num_experts or None, seq_len=SEQ)  # fmt: skip
@@ -72,8 +74,8 @@ def _total_loss(loss, mesh):
     return total / mesh["dp"].size()
 
 
-def _run_one_step(moe, seed, dp, fsdp):
-    cfg, mesh, reference, reference64, model = _build(moe, seed, dp, fsdp)
+def _run_one_step(moe, seed, dp, fsdp, ulysses=1, tp=2):
+    cfg, mesh, reference, reference64, model = _build(moe, seed, dp, fsdp, ulysses, tp)
     inputs, labels = _batch(cfg, seed + 1)
     ref_loss = reference(inputs, labels)
     ref_loss.backward()
@@ -100,6 +102,13 @@ def _run_one_step(moe, seed, dp, fsdp):
                          ids=["dense", "moe", "dense-fsdp", "moe-fsdp-torch2.11-path"])  # fmt: skip
 def test_one_step_matches_the_reference(world, moe, dp, fsdp):
     assert all(world(4).run(_run_one_step, moe, 0, dp, fsdp))
+
+
+@pytest.mark.parametrize("moe, ulysses, tp", [(True, 2, 2), (False, 2, 1)],
+                         ids=["moe-ulysses2-tp2", "dense-hybrid-cp2-ulysses2"])  # fmt: skip
+def test_one_step_matches_the_reference_under_ulysses(world, moe, ulysses, tp):
+    """Ulysses 2 x TP 2 (1 KV head per TP rank: replicated to 2) and the hybrid."""
+    assert all(world(4).run(_run_one_step, moe, 1, 1, None, ulysses, tp))
 
 
 def _run_steps(moe, seed, steps):

@@ -1,15 +1,17 @@
 """`ParallelAttention`: GQA self-attention with heads split over TP and the sequence
-split over CP (ring attention), plus the rotary embedding it uses.
+split over CP (ring attention, Ulysses' head all-to-all, or both), plus the rotary
+embedding it uses.
 
 Activations are sequence-first, as in Megatron: x (S_loc, B, d_model), where S_loc is
-this rank's share of the sequence: S / CP tokens (in `cp_layout`), and under sequence
+this rank's share of the sequence: S / CP tokens (in `cp_layout`; over a Ulysses group
+too, S / (CP U) in the hybrid layout of `fusedpar.shard_sequence`), and under sequence
 parallelism a further 1 / TP of them (dim 0 split over TP).
 
 | step        | op                                        | shape on a rank               |
 | ----------- | ----------------------------------------- | ----------------------------- |
 | QKV         | `all_gather_matmul(x, [wq, wk, wv], tp)`  | (S/CP, B, (Hq+2Hkv)/TP * hd)  |
 | RoPE        | at `sequence_positions(S, cp)`            | q (B, S/CP, Hq/TP, hd)        |
-| attention   | `ring_attn(q, k, v, cp, causal)`          | (B, S/CP, Hq/TP, hd)          |
+| attention   | `ring_attn(q, k, v, cp, causal, ulysses_group=u)` | (B, S/CP, Hq/TP, hd)  |
 | projection  | `matmul_reduce_scatter(o, wo, tp)`        | (S/CP/TP, B, d_model)         |
 
 Options for today's open models: q/k/v biases (`bias`, Qwen2) and an o bias (`o_bias`),
@@ -18,6 +20,18 @@ of q and k before RoPE (`qk_norm`, Qwen3), and `rope`, a callable ``positions ->
 sin)`` for any rotary variant (Llama 3 scaling, YaRN, or the model's own rotary module),
 called at the global positions of this rank's tokens. `from_dense` reads each of these
 off the dense modules, and refuses what it cannot compute exactly.
+
+`cp_mode` says how attention crosses the sequence's ranks; it is read off the groups
+when not given, and checked against them when given:
+
+| cp_mode   | cp_group           | ulysses_group    | attention                           |
+| --------- | ------------------ | ---------------- | ----------------------------------- |
+| "ring"    | the ring           | None (or 1 rank) | `ring_attn` over cp_group           |
+| "ulysses" | None (or 1 rank)   | the all-to-all   | `ulysses_attn` over ulysses_group   |
+| "hybrid"  | the ring (across)  | the all-to-all   | both (USP); a group of one degrades |
+
+Ulysses needs the query heads on each TP rank (Hq / TP) to divide by its degree U, and
+the KV heads (Hkv / TP) to divide by U or divide it (then replicated).
 """
 
 from collections.abc import Callable
@@ -31,6 +45,7 @@ from fusedpar.nn.linear import linear_parts
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.ring_attention import ring_attn
 from fusedpar.ops.sequence import sequence_positions
+from fusedpar.ops.ulysses import check_heads
 from fusedpar.storage import ParamLayout, local_tensor
 
 
@@ -50,6 +65,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     c, s = cos[None, :, None, :], sin[None, :, None, :]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+CP_MODES = ("ring", "ulysses", "hybrid")
+
+
+def _check_cp_mode(cp_mode, cp_group, ulysses_group) -> str:
+    """`cp_mode` given or read off the groups (see the module doc); ValueError when the
+    groups do not fit it."""
+    ring, ulysses = comm.group_size(cp_group), comm.group_size(ulysses_group)
+    inferred = "hybrid" if ring > 1 and ulysses > 1 else "ulysses" if ulysses > 1 else "ring"
+    if cp_mode is None:
+        return inferred
+    if cp_mode not in CP_MODES:
+        raise ValueError(f"cp_mode must be one of {CP_MODES}, got {cp_mode!r}")
+    if cp_mode == "ring" and ulysses > 1:
+        raise ValueError(f"cp_mode='ring' with a ulysses_group of {ulysses} ranks: pass "
+                         f"cp_mode='hybrid' (or leave it out)")  # fmt: skip
+    if cp_mode == "ulysses" and ring > 1:
+        raise ValueError(f"cp_mode='ulysses' runs over ulysses_group, but cp_group (the ring) "
+                         f"has {ring} ranks: pass the all-to-all group as ulysses_group, and "
+                         f"cp_mode='hybrid' to keep a ring as well")  # fmt: skip
+    return cp_mode
 
 
 def _norm_weight(name: str, t) -> torch.Tensor:
@@ -94,7 +131,8 @@ class ParallelAttention(nn.Module):
                  o_bias=False, qk_norm=False, norm_eps=1e-6,
                  rope: Callable | None = None, sliding_window: int | None = None,
                  softcap: float | None = None, tp_group=None, cp_group=None, causal=True,
-                 sequence_parallel=True, cp_layout="zigzag", rope_theta=10000.0, device=None,
+                 sequence_parallel=True, cp_layout="zigzag", rope_theta=10000.0,
+                 ulysses_group=None, cp_mode: str | None = None, device=None,
                  dtype=None):  # fmt: skip
         super().__init__()
         if sliding_window is not None:
@@ -119,9 +157,15 @@ class ParallelAttention(nn.Module):
         for name, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
             if heads % tp:
                 raise ValueError(f"{name} ({heads}) is not divisible by the TP degree ({tp})")
+        self.cp_mode = _check_cp_mode(cp_mode, cp_group, ulysses_group)
+        ulysses = comm.group_size(ulysses_group)
+        if ulysses > 1:
+            check_heads(n_heads // tp, n_kv_heads // tp, ulysses,
+                        f"ParallelAttention (n_heads {n_heads}, n_kv_heads {n_kv_heads}, "
+                        f"TP {tp})")  # fmt: skip
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim, self.norm_eps, self.rope = head_dim, norm_eps, rope
-        self.tp_group, self.cp_group = tp_group, cp_group
+        self.tp_group, self.cp_group, self.ulysses_group = tp_group, cp_group, ulysses_group
         self.tp, self.tp_rank = tp, comm.group_rank(tp_group)
         self.causal, self.sequence_parallel = causal, sequence_parallel
         self.cp_layout, self.rope_theta = cp_layout, rope_theta
@@ -255,7 +299,8 @@ class ParallelAttention(nn.Module):
         if cu_seqlens is None and key in self._rope_tables:
             return self._rope_tables[key]
         positions = sequence_positions(full_len, self.cp_group, layout=self.cp_layout,
-                                       device=device, cu_seqlens=cu_seqlens)  # fmt: skip
+                                       device=device, cu_seqlens=cu_seqlens,
+                                       ulysses_group=self.ulysses_group)  # fmt: skip
         if self.rope is None:
             tables = rope_tables(positions, self.head_dim, self.rope_theta)
         else:
@@ -301,11 +346,12 @@ class ParallelAttention(nn.Module):
         if self.q_norm_weight is not None:
             q = head_rms_norm(q, self.q_norm_weight, self.norm_eps)
             k = head_rms_norm(k, self.k_norm_weight, self.norm_eps)
-        cos, sin = self._rope(seq * comm.group_size(self.cp_group), x.device, cu_seqlens)
+        full_len = seq * comm.group_size(self.cp_group) * comm.group_size(self.ulysses_group)
+        cos, sin = self._rope(full_len, x.device, cu_seqlens)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ring_attn(q, k, v, self.cp_group, causal=self.causal, layout=self.cp_layout,
                         window=self.window, softcap=self.softcap or 0.0,
-                        cu_seqlens=cu_seqlens)  # fmt: skip
+                        cu_seqlens=cu_seqlens, ulysses_group=self.ulysses_group)  # fmt: skip
         out = out.transpose(0, 1).reshape(seq, batch, -1)  # (S, B, Hq/TP * hd)
         if self.sequence_parallel:
             # Each rank adds the o bias to its own tokens: its gradient is summed over TP.
