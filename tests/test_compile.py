@@ -148,6 +148,11 @@ def _opcheck_cases(group: str):
         ),
         (ops.moe_dispatch, ep),
         (ops.moe_return, (recv.detach().requires_grad_(), splits, group, False)),
+        # Ulysses: q, k, v (strided, KV replicated W times) and the LSE's (B, S, H, 1) view
+        (ops.scatter_heads, ([qt, kt[:, :, :1], vt[:, :, :1]], group, [1, W, W])),
+        (ops.scatter_heads, ([q, k], group, [1, 1])),
+        (ops.gather_heads, ([_leaf(1, 8 * W, 2, 16), _leaf(1, 8 * W, 1, 16)], group, [1, W])),
+        (ops.gather_heads, ([_leaf(2, 2, 8 * W).transpose(1, 2)[..., None]], group, [1])),
     ]
 
 
