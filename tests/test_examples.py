@@ -1,9 +1,10 @@
 """End to end at 4 ranks: the 2-layer fusedpar model (TP2 x CP2, EP2 for MoE; DP2 x TP2
 under FSDP2; Ulysses 2 x TP2 and the hybrid CP2 x Ulysses 2), its parameters on the
-full mesh (`fp.distribute`), trains like the single-device reference: the same loss and every parameter gradient (the DTensor
-gradient's full tensor), within the tolerance rule; a few clipped AdamW steps keep the
-losses and gradient norms together; bad configurations fail at start, on every rank,
-naming the degree; the demo script trains, saves, and resumes exactly."""
+full mesh (`fp.distribute`), trains like the single-device reference: the same loss
+and every parameter gradient (the DTensor gradient's full tensor), within the tolerance
+rule; a few clipped AdamW steps keep the losses and gradient norms together; bad
+configurations fail at start, on every rank, naming the degree; the demo script trains,
+saves, and resumes exactly."""
 
 import re
 import sys
