@@ -3,7 +3,7 @@
 import importlib
 import sys
 
-FAMILIES = ["matmul", "attention", "linear", "ring_attention", "moe"]
+FAMILIES = ["matmul", "attention", "linear", "ring_attention", "context_parallel", "moe"]
 
 
 def main(argv: list[str]) -> None:

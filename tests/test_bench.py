@@ -398,3 +398,46 @@ def test_matmul_bench_graph_columns(monkeypatch):
     row = mm._graph_point(None, None, None, flops=1e9)
     assert row == {"fusedpar_graph_tflops": None, "torch_graph_tflops": 1e9 / 0.5 / 1e9,
                    "graph_note": "fusedpar: RuntimeError: capture failed"}  # fmt: skip
+
+
+# --- context parallelism: what each mode sends, counted from the code --------------------
+
+
+def test_the_context_parallel_counts_match_the_closed_forms():
+    """Per rank, fp32, B = 1, s = S/W tokens, W = 4: the ring sends K and V W - 1 times
+    forward; backward K, V W - 1 times and the fp32 dK, dV sums W times. Ulysses sends
+    (P - 1)/P of q, k, v (k, v replicated to P heads when Hkv < P) and out forward,
+    and of dout, dq, dk, dv backward. The hybrid does Ulysses' exchange over U, then
+    the ring over R on the exchanged tensors."""
+    from bench.context_parallel import cpu_modes
+
+    W, S, Hq, Hkv, D = 4, 32, 4, 1, 8
+    shape = dict(batch=1, seq_len=S, heads=Hq, kv_heads=Hkv, head_dim=D)
+    rows = {r["mode"]: r for r in cpu_modes(W, shape, reps=1)}
+    s, f32 = S // W, 4
+
+    def kib(n):
+        return n * f32 / 1024
+
+    ring, ulysses, hybrid = rows["ring 4"], rows["ulysses 4"], rows["hybrid 2x2"]
+    kv = s * Hkv * D  # one rank's K (or V) block
+    assert (ring["fwd_messages"], ring["fwd_kib"]) == (2 * (W - 1), kib(2 * (W - 1) * kv))
+    assert (ring["bwd_messages"], ring["bwd_kib"]) == (2 * (2 * W - 1), kib(2 * (2 * W - 1) * kv))
+    q_part, kv_part = s * Hq * D * (W - 1) // W, s * W * D * (W - 1) // W  # KV replicated to W
+    assert (ulysses["fwd_messages"], ulysses["fwd_kib"]) == (
+        4 * (W - 1),
+        kib(2 * q_part + 2 * kv_part),
+    )
+    assert (ulysses["bwd_messages"], ulysses["bwd_kib"]) == (
+        4 * (W - 1),
+        kib(2 * q_part + 2 * kv_part),
+    )
+    R = U = 2  # exchange over U (Hkv = 1 replicated to 2), then a ring of 2 on s U tokens
+    exchange = 2 * s * Hq * D // U + 2 * s * U * D // U
+    ring_kv = s * U * 1 * D
+    assert (hybrid["fwd_messages"], hybrid["fwd_kib"]) == (
+        4 * (U - 1) + 2 * (R - 1),
+        kib(exchange + 2 * (R - 1) * ring_kv),
+    )
+    assert hybrid["bwd_messages"] == 4 * (U - 1) + 2 * (2 * R - 1)
+    assert hybrid["bwd_kib"] == kib(exchange + 2 * (2 * R - 1) * ring_kv)
