@@ -74,8 +74,12 @@ class SentCounter:
 
             return call
 
-        patched = {"all_to_all_single": all_to_all_single, "batch_isend_irecv": batch_isend_irecv,
-                   "all_gather": counted("all_gather"), "all_reduce": counted("all_reduce")}  # fmt: skip
+        patched = {
+            "all_to_all_single": all_to_all_single,
+            "batch_isend_irecv": batch_isend_irecv,
+            "all_gather": counted("all_gather"),
+            "all_reduce": counted("all_reduce"),
+        }
         for name, fn in patched.items():
             setattr(dist, name, fn)
         try:
