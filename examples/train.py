@@ -6,7 +6,7 @@
     torchrun --nproc-per-node 4 examples/train.py --steps 30 --tp 4 --cp 1 --resume ckpt/step-20
 
 GPUs: NCCL and compiled Triton kernels. CPU: gloo and Triton's interpreter. Every
-parameter is a DTensor on the (dp, cp, ulysses, tp) mesh (`fp.distribute`); data
+parameter is a DTensor on the (dp, cp[, ulysses], tp) mesh (`fp.distribute`); data
 parallelism over the remaining ranks (dp = world / (tp * cp * ulysses)) goes through
 PyTorch's FSDP2 on the "dp" axis of that mesh. Checkpoints (`--save`) hold the model
 and AdamW state through `torch.distributed.checkpoint` and resume at any layout

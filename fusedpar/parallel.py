@@ -2,13 +2,14 @@
 
     dims = fp.ParallelDims(dp=1, cp=2, tp=2, ep="tp")
     dims.validate(world_size, n_heads=8, n_kv_heads=4, num_experts=8, seq_len=256)
-    mesh = dims.build_mesh("cpu")        # axes ("dp", "cp", "ulysses", "tp")
-    groups = dims.groups(mesh)           # {"dp", "cp", "ulysses", "tp", "ep"}: groups
+    mesh = dims.build_mesh("cpu")        # axes ("dp", "cp", "tp")
+    groups = dims.groups(mesh)           # {"dp", "cp", "tp", "ep"; "ulysses": None}
 
 Context parallelism has two axes: "cp", the ring (`fusedpar.ring_attn`), and "ulysses",
 the head all-to-all (`fusedpar.ulysses_attn`); both > 1 is the 2-D hybrid, Ulysses
 inside (its groups are neighbouring ranks, next to tp), the ring across. `cp_mode` names
-which of the three a configuration is.
+which of the three a configuration is. The mesh has the "ulysses" axis only with a
+Ulysses degree > 1 ((dp, cp, ulysses, tp)); otherwise it is (dp, cp, tp), as before.
 
 `validate` runs no collective: call it first, on every rank, and a bad configuration
 fails everywhere with a message naming the degree that does not fit.
@@ -32,7 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
-AXES = ("dp", "cp", "ulysses", "tp")
+AXES = ("dp", "cp", "ulysses", "tp")  # every axis a mesh may have, in mesh order
 _meshes: dict[tuple, tuple] = {}  # (device type, degrees) -> (default group, mesh)
 
 
@@ -47,6 +48,11 @@ class ParallelDims:
     tp: int = 1
     ep: str | tuple[str, ...] | None = None
     ulysses: int = 1
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        """The mesh's axes: "ulysses" only with a Ulysses degree > 1."""
+        return tuple(axis for axis in AXES if axis != "ulysses" or self.ulysses > 1)
 
     @property
     def cp_mode(self) -> str:
@@ -124,7 +130,7 @@ class ParallelDims:
                                  f"({self.tp}) for sequence parallelism")  # fmt: skip
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """``init_device_mesh(device_type, (dp, cp, ulysses, tp), mesh_dim_names=AXES)``,
+        """``init_device_mesh(device_type, degrees, mesh_dim_names=self.mesh_axes)``,
         with the flattened meshes of its split axes (e.g. "cp_tp") made too.
 
         The same mesh object for the same degrees while the default process group lives:
@@ -132,15 +138,15 @@ class ParallelDims:
         operator cache hands out the specs of an equal mesh built earlier in the
         process (a second model built in a test pool or a notebook failed there)."""
         self.validate(dist.get_world_size())
-        degrees = tuple(getattr(self, axis) for axis in AXES)
+        degrees = tuple(getattr(self, axis) for axis in self.mesh_axes)
         key = (device_type, *degrees)
         cached = _meshes.get(key)
         if cached is not None and cached[0] is _default_group():
             return cached[1]
-        mesh = init_device_mesh(device_type, degrees, mesh_dim_names=AXES)
+        mesh = init_device_mesh(device_type, degrees, mesh_dim_names=self.mesh_axes)
         # DTensor sums a gradient partial over several axes (cp and tp, say) in one
         # collective, rather than one per axis, only where their flattened mesh exists.
-        split = [axis for axis in AXES if getattr(self, axis) > 1]
+        split = [axis for axis in self.mesh_axes if getattr(self, axis) > 1]
         for count in range(2, len(split) + 1):
             for axes in combinations(split, count):
                 mesh[axes]._flatten("_".join(axes))
@@ -149,8 +155,11 @@ class ParallelDims:
 
     def groups(self, mesh: DeviceMesh) -> dict:
         """1-D meshes per axis, and "ep" (None without expert parallelism)."""
-        groups = {axis: mesh[axis] for axis in AXES}
-        if len(self.ep_axes) == 1:
+        names = mesh.mesh_dim_names
+        groups = {axis: mesh[axis] if axis in names else None for axis in AXES}
+        if any(axis not in names for axis in self.ep_axes):
+            groups["ep"] = None  # over an axis of one rank the mesh leaves out
+        elif len(self.ep_axes) == 1:
             groups["ep"] = mesh[self.ep_axes[0]]
         elif self.ep_axes:
             groups["ep"] = mesh[self.ep_axes]._flatten("_".join(self.ep_axes))
@@ -188,6 +197,10 @@ class ParallelDims:
         names = mesh.mesh_dim_names
         kept = [i for i, axis in enumerate(names) if axis != "dp" and mesh.size(i) > 1]
         kept = kept or [len(names) - 1]
+        if len(kept) > 2:
+            raise ValueError(f"FSDP2's TP path (torch < 2.12) takes parameters on at most two "
+                             f"mesh axes, but {[names[i] for i in kept]} all have more than "
+                             f"one rank: use torch >= 2.12 (dp_mesh_dims)")  # fmt: skip
         rest = tuple(names[i] for i in kept)
         dp = names.index("dp")
         moved: dict[int, nn.Parameter] = {}

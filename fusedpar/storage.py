@@ -1,6 +1,6 @@
 """Parameters stored as DTensors on the full mesh, computed on as local tensors.
 
-    mesh = dims.build_mesh("cuda")          # axes ("dp", "cp", "ulysses", "tp")
+    mesh = dims.build_mesh("cuda")          # axes ("dp", "cp", "tp")
     fp.distribute(model, mesh)              # every parameter -> a DTensor on that mesh
     dims.fully_shard(model, mesh)           # optional: FSDP2 over "dp"
 
@@ -19,7 +19,8 @@ with its unsharded parameters) and a forward hook puts the DTensor back.
 | `MoE` experts, ep over tp: (R, R, Shard(0)) | (Partial(avg), Partial, Shard(0))    |
 | whole (norm, embedding, router): (R, R, R) | (Partial(avg), Partial, Partial)      |
 
-(A "ulysses" axis, where the mesh has one of size > 1, is placed as cp is.)
+(With a Ulysses degree the mesh is (dp, cp, ulysses, tp), and "ulysses" is placed as cp
+is.)
 
 The gradient column is the mechanism that replaces a hand-written list of names: a
 parameter whole on every rank but used on only this rank's tokens gets a partial sum,

@@ -136,7 +136,7 @@ def _run_steps(moe, seed, steps):
 
 
 def test_a_few_clipped_adamw_steps_keep_the_losses_together(world):
-    assert all(world(4).run(_run_steps, True, 3, 3))
+    assert all(world(4).run(_run_steps, True, 3, 2))
 
 
 def _run_bad_config(kwargs, check):
@@ -171,25 +171,18 @@ def _torchrun(*args, timeout=600):
 
 
 def test_the_demo_script_trains_saves_and_resumes_exactly(tmp_path):
-    """Three steps, saving after the second; a run resumed from there repeats step 3
-    bit for bit (same layout, deterministic CPU kernels)."""
-    shape = ("--tp", "2", "--cp", "2", "--moe", "--steps", "3", "--seq", "16", "--batch", "2",
+    """Two steps, saving after the first; a run resumed from there repeats step 2 bit
+    for bit (same layout, deterministic CPU kernels). (Bad degrees fail on every rank in
+    `ParallelDims.validate`, tested above: the script only prints that error.)"""
+    shape = ("--tp", "2", "--cp", "2", "--moe", "--steps", "2", "--seq", "16", "--batch", "2",
              "--d-model", "32")  # fmt: skip
-    proc = _torchrun(*shape, "--save", str(tmp_path), "--save-every", "2")
+    proc = _torchrun(*shape, "--save", str(tmp_path), "--save-every", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert re.search(r"parity: .* over 3 steps; .*: OK", proc.stdout), proc.stdout
+    assert re.search(r"parity: .* over 2 steps; .*: OK", proc.stdout), proc.stdout
     losses = re.search(r"losses from step 1: (.*)", proc.stdout).group(1).split()
-    resumed = _torchrun(*shape, "--resume", str(tmp_path / "step-2"))
+    resumed = _torchrun(*shape, "--resume", str(tmp_path / "step-1"))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert re.search(r"losses from step 3: (.*)", resumed.stdout).group(1).split() == losses[2:]
-
-
-def test_the_demo_script_rejects_bad_degrees_on_every_rank():
-    proc = _torchrun("--tp", "3", "--cp", "2", "--steps", "1")
-    assert proc.returncode != 0
-    assert (
-        len(re.findall(r"bad configuration: dp \(1\) x cp \(2\) x tp \(3\) = 6", proc.stderr)) == 4
-    )
+    assert re.search(r"losses from step 2: (.*)", resumed.stdout).group(1).split() == losses[1:]
 
 
 def _run_ep_over_a_pair():

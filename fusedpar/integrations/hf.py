@@ -177,6 +177,7 @@ def parallelize(model: nn.Module, dims, mesh=None):
     config = model.config
     _check_config(config)
     if dims is not None:
+        _refuse(dims.ulysses > 1, f"Ulysses (ulysses={dims.ulysses})")
         world = dist.get_world_size() if dist.is_initialized() else 1
         experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
         dims.validate(world, n_heads=config.num_attention_heads,

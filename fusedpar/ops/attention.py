@@ -175,11 +175,12 @@ def flash_attn_varlen(
     return (out[0], lse[0]) if return_lse else out[0]
 
 
-def check_packed(q: torch.Tensor, cu_seqlens, total: int, what: str) -> None:
-    """A packed stream is one batch row whose documents `cu_seqlens` covers `total`."""
+def check_packed(q: torch.Tensor, cu_seqlens, total: int, what: str, *, values=False) -> None:
+    """A packed stream is one batch row whose documents `cu_seqlens` covers `total`; its
+    values are read here with `values` (else inside the op)."""
     if cu_seqlens is None:
         return
     if q.shape[0] != 1:
         raise ValueError(f"{what}: with cu_seqlens the documents are packed into one batch "
                          f"row: q must be (1, T, H, D), got batch {q.shape[0]}")  # fmt: skip
-    check_cu_seqlens(cu_seqlens, total, values=False)  # the values: inside the op
+    check_cu_seqlens(cu_seqlens, total, values=values)

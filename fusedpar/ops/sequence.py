@@ -168,7 +168,8 @@ def sequence_positions(
     cu_seqlens: torch.Tensor | None = None,
     ulysses_group: Group = None,
 ) -> torch.Tensor:
-    """Global positions (int64, (seq_len / W,)) of this rank's tokens, for RoPE. With
+    """Global positions (int64, (seq_len / (W U),), U the Ulysses degree, 1 without one)
+    of this rank's tokens, for RoPE. With
     ``cu_seqlens`` (the documents of a packed stream of length `seq_len`, as in
     `fusedpar.flash_attn_varlen`) positions restart at 0 in every document. With
     `ulysses_group`, this rank's part of the hybrid layout (see the module doc)."""

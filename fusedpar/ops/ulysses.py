@@ -6,7 +6,7 @@ P ranks; rank r holds the contiguous tokens [r S/P, (r+1) S/P) of every head:
 
 | step       | op                                   | shape on a rank                     |
 | ---------- | ------------------------------------ | ----------------------------------- |
-| q, k, v in | ``scatter_heads([q, k, v], group)``  | (B, S/P, H, D) -> (B, S, H/P, D)    |
+| q, k, v in | ``scatter_heads([q, k, v], group)``  | (B, S/P, H, D) -> (B, S, H r/P, D)  |
 | attention  | ``flash_attn`` (hybrid: the ring)    | (B, S, Hq/P, D), every token        |
 | out back   | ``gather_heads([out], group)``       | (B, S, Hq/P, D) -> (B, S/P, Hq, D)  |
 
@@ -17,9 +17,10 @@ mask, window or packed documents apply exactly as on one device.
 
 GQA below the degree (Hkv < P, P % Hkv == 0): K and V heads are replicated to P
 (``repeat_interleave``) before the exchange, so rank j receives KV head j // (P/Hkv),
-the one its query heads use; the backward's exchange sums the replicas' gradients (in
-fp32, rounded once), which is exactly the GQA gradient. Hq must divide by P, and Hkv
-divide P or be divisible by it.
+the one its query heads use; the backward's exchange sums the replicas' gradients (each
+rank's in the input dtype, their sum in fp32, rounded once): the GQA gradient. (r: the
+replication, 1 for q and when Hkv >= P.) Hq must divide by P, and Hkv divide P or be
+divisible by it.
 
 Hybrid (``ring_attn(q, k, v, ring_group, ulysses_group=ug)``): the head exchange runs
 inside `ug`, the ring over `ring_group` on the exchanged tensors. The layout is USP's:
@@ -195,7 +196,9 @@ def ulysses_attn(
     pg = resolve_group(group)
     size = group_size(pg)
     check_heads(q.shape[2], k.shape[2], size, "ulysses_attn")
-    check_packed(q, cu_seqlens, q.shape[1] * size, "ulysses_attn")
+    # the values too (in eager): the exchange comes before the attention op reads them
+    check_packed(q, cu_seqlens, q.shape[1] * size, "ulysses_attn",
+                 values=not torch.compiler.is_compiling())  # fmt: skip
     options = (causal, softmax_scale, *window, softcap)
 
     def attend(q, k, v):  # the whole sequence, this rank's heads
