@@ -92,8 +92,9 @@ class SentCounter:
 def _groups(ring: int, ulysses: int):
     import fusedpar as fp
 
-    mesh = fp.ParallelDims(cp=ring, ulysses=ulysses).build_mesh("cpu")
-    return mesh["cp"], mesh["ulysses"]
+    dims = fp.ParallelDims(cp=ring, ulysses=ulysses)
+    groups = dims.groups(dims.build_mesh("cpu"))
+    return groups["cp"], groups["ulysses"]
 
 
 def _cpu_rank(ring, ulysses, batch, seq_len, heads, kv_heads, head_dim, reps, causal=True):

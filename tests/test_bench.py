@@ -411,7 +411,7 @@ def test_the_context_parallel_counts_match_the_closed_forms():
     the ring over R on the exchanged tensors."""
     from bench.context_parallel import cpu_modes
 
-    W, S, Hq, Hkv, D = 4, 32, 4, 1, 8
+    W, S, Hq, Hkv, D = 4, 16, 4, 1, 8
     shape = dict(batch=1, seq_len=S, heads=Hq, kv_heads=Hkv, head_dim=D)
     rows = {r["mode"]: r for r in cpu_modes(W, shape, reps=1)}
     s, f32 = S // W, 4

@@ -207,20 +207,21 @@ def _run_compiled(moe):
     model, batch = _build(moe)
     eager = _loss_and_grads(model, model, batch)
     torch._dynamo.reset()
-    # EP > 1: the rows a rank receives depend on the routing (an unbacked size)
+    # EP > 1: the rows a rank receives depend on the routing (an unbacked size).
+    # fullgraph=True raises at any graph break (a torch._dynamo.explain count of 0 said
+    # the same, at a second trace's time).
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        breaks = torch._dynamo.explain(model)(*batch).graph_break_count
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
         got = _loss_and_grads(model, compiled, batch)
     torch._dynamo.reset()
-    return breaks, _bitwise(eager, got)
+    return _bitwise(eager, got)
 
 
 def test_the_example_model_compiles_full_graph_and_matches_eager(world):
     """The MoE model: its attention runs TP2 x CP2 (all_gather_matmul, ring_attn,
     matmul_reduce_scatter), its experts EP2 over tp. (The dense model, the same minus
     the experts, is one test's time more: 45 s on 2 cores.)"""
-    assert world(4).run(_run_compiled, True, timeout=600) == [(0, True)] * 4
+    assert world(4).run(_run_compiled, True, timeout=600) == [True] * 4
 
 
 class _OpLog(TorchDispatchMode):

@@ -24,8 +24,9 @@ WORLD = dist.group.WORLD
 
 def _mesh(ring: int, ulysses: int):
     """(ring group, Ulysses group) of a (ring, ulysses) mesh: Ulysses ranks neighbours."""
-    mesh = fp.ParallelDims(cp=ring, ulysses=ulysses).build_mesh("cpu")
-    return mesh["cp"], mesh["ulysses"]
+    dims = fp.ParallelDims(cp=ring, ulysses=ulysses)
+    groups = dims.groups(dims.build_mesh("cpu"))
+    return groups["cp"], groups["ulysses"]
 
 
 def _inputs(p, S):
