@@ -12,11 +12,11 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from fusedpar.kernels.attention import attention_reference
-from test_attention import attention_grads, torch_results  # noqa: I001 (a sibling test module)
+from test_attention import attention_grads  # noqa: I001 (sibling test modules)
+from test_ring_attention import check_sharded_attention, sequence_inputs
 
 import fusedpar as fp
-from fusedpar.testing import assert_close, exception_of
+from fusedpar.testing import exception_of
 from fusedpar.testing.strategies import randn
 
 WORLD = dist.group.WORLD
@@ -29,72 +29,17 @@ def _mesh(ring: int, ulysses: int):
     return groups["cp"], groups["ulysses"]
 
 
-def _inputs(p, S):
-    Hq = p["Hq"]
-    exact = {"exact_in": p["dtype"]}  # the oracle sees exactly what the ranks see
-    q = randn((p["B"], S, Hq, p["D"]), torch.float64, p["seed"], **exact)
-    k = randn((p["B"], S, p["Hkv"], p["D"]), torch.float64, p["seed"] + 1, **exact)
-    v = randn((p["B"], S, p["Hkv"], p["D"]), torch.float64, p["seed"] + 2, **exact)
-    dout = randn((p["B"], S, Hq, p["D"]), torch.float64, p["seed"] + 3, **exact)
-    dlse = randn((p["B"], Hq, S), torch.float64, p["seed"] + 4, exact_in=torch.float32)
-    return q, k, v, dout, dlse
-
-
-def _check_against_full_attention(p, ring_group, ulysses_group, layout):
-    """Run the op on this rank's shards and check every result against the references."""
-    ring, ulysses = fp.comm.group_size(ring_group), fp.comm.group_size(ulysses_group)
-    S = p["tokens"] * ring * ulysses
-    dtype, causal = p["dtype"], p["causal"]
-    q, k, v, dout, dlse = _inputs(p, S)
-    where = dict(layout=layout, ulysses_group=ulysses_group)
-
-    def shard(t, dim=1):
-        return fp.shard_sequence(t, ring_group, dim=dim, **where)
-
-    if ring > 1:  # the hybrid
-
-        def attend(*t):  # noqa: E306
-            return fp.ring_attn(*t, ring_group, causal=causal, return_lse=True, **where)
-    else:
-
-        def attend(*t):  # noqa: E306
-            return fp.ulysses_attn(*t, ulysses_group, causal=causal, return_lse=True)
-
-    local = [shard(t).to(dtype) for t in (q, k, v)]
-    got = attention_grads(attend, local, shard(dout), shard(dlse, dim=2))
-    full = [t.to(dtype) for t in (q, k, v)]
-    ref64 = attention_grads(lambda *t: attention_reference(*t, causal=causal), (q, k, v), dout,
-                            dlse)  # fmt: skip
-    same = torch_results(full, dout, dlse, ref64, causal)
-    single = attention_grads(
-        lambda *t: fp.flash_attn(*t, causal=causal, return_lse=True), full, dout, dlse
-    )
-
-    def shard_all(results):
-        return [shard(t, dim=2 if i == 1 else 1) for i, t in enumerate(results)]
-
-    expected = zip(*map(shard_all, (ref64, same, single)), strict=True)
-    for name, g, (r, t, s) in zip(("out", "lse", "dq", "dk", "dv"), got, expected, strict=True):
-        assert g.dtype == s.dtype and g.shape == s.shape, name
-        # dK, dV of a replicated head: P/Hkv more sums, over the replicas
-        assert_close(g, r, t, name=name, sum_length=p["D"] if name.startswith("d") else None)
-    gathered = fp.gather_sequence(got[0], ring_group, **where)
-    assert_close(gathered, ref64[0], same[0], name="gathered out")
-    positions = fp.sequence_positions(S, ring_group, **where)
-    assert torch.equal(positions, shard(torch.arange(S)[None])[0])
-    return single, shard, got
-
-
 def _run_ulysses(p):
     P = dist.get_world_size()
-    single, shard, got = _check_against_full_attention(p, None, WORLD, "contiguous")
+    single, shard, got = check_sharded_attention(p, None, WORLD, "contiguous")
     if p["Hkv"] < P:
         # the replicas' gradients sum exactly to the GQA one: single-device attention
         # with every KV head repeated P / Hkv times, its dK, dV summed over the copies,
         # is bitwise what the ranks return
         rep = P // p["Hkv"]
-        q, k, v, dout, dlse = (t.to(p["dtype"]) if i < 4 else t
-                               for i, t in enumerate(_inputs(p, p["tokens"] * P)))  # fmt: skip
+        full = sequence_inputs(p, p["tokens"] * P)
+        q, k, v, dout = (t.to(p["dtype"]) for t in full[:4])
+        dlse = full[4]
         repeated = [k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)]
         grads = attention_grads(lambda *t: fp.flash_attn(*t, causal=p["causal"], return_lse=True),
                                 [q, *repeated], dout, dlse)  # fmt: skip
@@ -123,7 +68,7 @@ def test_ulysses_attn_matches_full_attention(world, P, p):
 
 def _run_hybrid(p, layout):
     ring_group, ulysses_group = _mesh(2, 2)
-    _check_against_full_attention(p, ring_group, ulysses_group, layout)
+    check_sharded_attention(p, ring_group, ulysses_group, layout)
     return True
 
 

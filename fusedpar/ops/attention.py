@@ -175,6 +175,16 @@ def flash_attn_varlen(
     return (out[0], lse[0]) if return_lse else out[0]
 
 
+def check_shards(q, k, v, window, softcap, what: str) -> tuple[tuple[int, int], float]:
+    """The checks of a sharded attention's inputs (q, k, v one sequence's shards; the
+    window and softcap); returns the window and softcap normalized."""
+    check_attention_inputs(q, k, v)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"{what}: q has {q.shape[1]} local tokens, k and v have "
+                         f"{k.shape[1]}: they must be shards of one sequence")  # fmt: skip
+    return check_window(window), check_softcap(softcap)
+
+
 def check_packed(q: torch.Tensor, cu_seqlens, total: int, what: str, *, values=False) -> None:
     """A packed stream is one batch row whose documents `cu_seqlens` covers `total`; its
     values are read here with `values` (else inside the op)."""

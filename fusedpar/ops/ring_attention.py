@@ -61,7 +61,7 @@ from fusedpar.kernels.attention_mask import (
     intervals,
     window_sides,
 )
-from fusedpar.ops.attention import check_packed, flash_attn, flash_attn_varlen
+from fusedpar.ops.attention import check_packed, check_shards, flash_attn, flash_attn_varlen
 from fusedpar.ops.sequence import (
     _chunks_of,
     _num_chunks,
@@ -360,12 +360,8 @@ def ring_attn(
     layout=layout, ulysses_group=ulysses_group)``, and the head rules of `ulysses_attn`
     apply over its size. The two groups must share this rank only.
     """
-    check_attention_inputs(q, k, v)
     check_layout(layout)
-    window, softcap = check_window(window), check_softcap(softcap)
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"ring_attn: q has {q.shape[1]} local tokens, k and v have "
-                         f"{k.shape[1]}: they must be shards of one sequence")  # fmt: skip
+    window, softcap = check_shards(q, k, v, window, softcap, "ring_attn")
     pg, ug = resolve_group(group), resolve_group(ulysses_group)
     size, ulysses = group_size(pg), group_size(ug)
     if ulysses > 1:

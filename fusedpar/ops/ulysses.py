@@ -42,9 +42,7 @@ from fusedpar.comm import (
     group_size,
     resolve_group,
 )
-from fusedpar.kernels.attention import check_attention_inputs
-from fusedpar.kernels.attention_mask import check_softcap, check_window
-from fusedpar.ops.attention import _flash_attn_op, check_packed
+from fusedpar.ops.attention import _flash_attn_op, check_packed, check_shards
 
 
 def check_heads(n_heads: int, n_kv_heads: int, size: int, what: str) -> int:
@@ -188,11 +186,7 @@ def ulysses_attn(
     are then replicated, and their gradients summed). Differentiable. With
     ``group=None`` or one rank this is `flash_attn`.
     """
-    check_attention_inputs(q, k, v)
-    window, softcap = check_window(window), check_softcap(softcap)
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"ulysses_attn: q has {q.shape[1]} local tokens, k and v have "
-                         f"{k.shape[1]}: they must be shards of one sequence")  # fmt: skip
+    window, softcap = check_shards(q, k, v, window, softcap, "ulysses_attn")
     pg = resolve_group(group)
     size = group_size(pg)
     check_heads(q.shape[2], k.shape[2], size, "ulysses_attn")
