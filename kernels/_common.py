@@ -1,6 +1,7 @@
 """Checks shared by every launcher: dtypes, devices, and the interpreter/GPU split."""
 
 import contextlib
+import functools
 
 import torch
 
@@ -51,3 +52,47 @@ def device_guard(tensor: torch.Tensor):
     if tensor.device.type == "cuda":
         return torch.cuda.device(tensor.device)
     return contextlib.nullcontext()
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability(index)
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """Whether tiles of these (..., rows, D) tensors can be read and written through TMA
+    descriptors made in the kernel: a 16-byte aligned base and 16-byte multiples for
+    every stride but the last, which is 1. On CUDA, Hopper or newer (an A100 has no
+    TMA); CPU tensors qualify too, so the interpreter runs the TMA path of the kernels
+    (`tl.make_tensor_descriptor` works there) and the compile gate builds it."""
+    for t in tensors:
+        if t.stride(-1) != 1:
+            return False
+        if t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+            return False
+    device = tensors[0].device
+    return device.type == "cpu" or (device.type == "cuda" and _capability(device)[0] >= 9)
+
+
+def ensure_tma_allocator(device: torch.device) -> None:
+    """A kernel that makes TMA descriptors needs global scratch for them, which Triton
+    asks of the allocator set with `triton.set_allocator`. Unless the caller set one,
+    fusedpar sets one on PyTorch's caching allocator, once per thread (Triton keeps it
+    in a context variable: autograd's backward thread starts without)."""
+    if device.type != "cuda":
+        return
+    import triton
+    from triton.runtime import _allocation
+
+    current = getattr(_allocation, "_allocator", None)
+    if current is None or current.get() is getattr(_allocation, "_NULL_ALLOCATOR", None):
+        triton.set_allocator(_torch_scratch)
+
+
+def _torch_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")

@@ -35,14 +35,17 @@ from fusedpar.kernels._common import (
     check_float_dtype,
     check_launchable,
     device_guard,
+    ensure_tma_allocator,
     fp32_dot_precision,
     is_interpreted,
+    tma_compatible,
 )
 from fusedpar.kernels._tuning import Agreement, bucket
 from fusedpar.kernels.attention_mask import (
     Intervals,
     block_ranges,
     check_softcap,
+    check_softmax_scale,
     is_masked,
     load_intervals,
     scalar_bounds,
@@ -62,28 +65,46 @@ MAX_HEAD_DIM = 256
 INTERPRETER_MAX_BLOCK = 64
 
 
-def tile_configs(table: dict, head_dim: int, dtype: torch.dtype) -> list[triton.Config]:
+def tile_configs(table: dict, head_dim: int, dtype: torch.dtype,
+                 modes: frozenset = frozenset()) -> list[triton.Config]:  # fmt: skip
     """The configs of `table` ``{(padded head dim, "fp32" or "16-bit"): [(BLOCK_M, BLOCK_N,
-    num_stages, num_warps), ...]}`` for one head dim and dtype."""
+    num_stages, num_warps[, modes it is left out of]), ...]}`` for one head dim and dtype
+    and a call's `modes` (`kernel_modes`)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     size = "fp32" if dtype == torch.float32 else "16-bit"
     tiles = table[(max(64, block_d), size)]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=s, num_warps=w)
-            for bm, bn, s, w in tiles]  # fmt: skip
+            for bm, bn, s, w, *skip in tiles if not modes & set(*skip)]  # fmt: skip
+
+
+def kernel_modes(meta: dict) -> frozenset:
+    """What of a launch's specialisation a tile list may depend on: ``softcap`` (the
+    tanh on every score), ``pointer`` (tiles read through pointers, not TMA) and
+    ``accumulate`` (an fp32 output read back: a ring step's merge or added gradients).
+    A tile that spills or serializes in a mode is left out of it."""
+    return frozenset(mode for mode, on in (
+        ("softcap", meta["SOFTCAP"]),
+        ("pointer", not meta.get("TMA")),
+        ("accumulate", meta.get("ACCUMULATE") or meta.get("MERGE")),
+    ) if on)  # fmt: skip
 
 
 # Every tile here passes the resource gate (tests/test_compile_gate.py, docs/resources.md):
-# it fits an H100's shared memory, and in fp16/bf16 at head dim <= 128 it does not spill
-# (causal GQA, the heaviest specialisation, on triton 3.6 and 3.9). Measured drops:
-# 128x64 with 4 warps spills 40 B (D=64) and 440-544 B (D=128); 128x128x3 with 8 warps
-# spills 120 B at D=128 on triton 3.9 (none on 3.6). fp32 is the correctness path: its
-# full-precision dots are FMA loops (64x32 with 4 warps spills 7-10 KB at D >= 128 and
-# compiles in 14-48 s), so it gets one small 8-warp tile: no spill, about 2 s to build.
+# it fits an H100's shared memory; in fp16/bf16 its wgmma are not serialized and it does
+# not spill (causal GQA, the heaviest specialisation, triton 3.9). 128-key tiles halve
+# the per-key cost of the loop's bookkeeping: at D=128 with TMA, 128x128 runs 500
+# instructions per 128 keys on the unmasked path, 128x64 690, 64x64 748 (the Triton
+# tutorial's 128x128: 521). Measured drops: 128x128 with 4 warps serializes its wgmma
+# (C7511: too few registers for the pipeline); at D=256, 128x64 costs more per key
+# (900) than 64x64 (770); 32x32 at D=64 spills 8 B on the pointer path. fp32 is the
+# correctness path: its full-precision dots are FMA loops (64x32 with 4 warps spills
+# 7-10 KB at D >= 128 and compiles in 14-48 s), so it gets one small 8-warp tile: no
+# spill, about 2 s to build.
 _FORWARD_TILES = {
     (64, "16-bit"): [(128, 128, 3, 8), (128, 64, 3, 8), (64, 64, 4, 4), (64, 32, 3, 4),
-                     (32, 32, 2, 4)],
-    (128, "16-bit"): [(128, 64, 3, 8), (128, 64, 2, 8), (64, 64, 4, 4), (64, 32, 3, 4),
-                      (32, 32, 2, 4)],
+                     (32, 32, 2, 4, {"pointer"})],
+    (128, "16-bit"): [(128, 128, 2, 8), (128, 128, 3, 8), (128, 64, 3, 8), (64, 64, 4, 4),
+                      (64, 32, 3, 4), (32, 32, 2, 4)],
     (256, "16-bit"): [(64, 64, 2, 8), (128, 32, 2, 8), (64, 32, 2, 8), (32, 32, 2, 4)],
     (64, "fp32"): [(32, 32, 2, 8)],
     (128, "fp32"): [(32, 32, 2, 8)],
@@ -91,11 +112,12 @@ _FORWARD_TILES = {
 }  # fmt: skip
 
 
-def forward_configs(head_dim: int, dtype: torch.dtype) -> list[triton.Config]:
+def forward_configs(head_dim: int, dtype: torch.dtype,
+                    modes: frozenset = frozenset()) -> list[triton.Config]:  # fmt: skip
     """Forward tiles for the tuner at this head dim and dtype: 128-row query tiles feed
     Hopper's wgmma; the smallest (kept for short sequences by `_prune_configs`) fits an
     A100 too."""
-    return tile_configs(_FORWARD_TILES, head_dim, dtype)
+    return tile_configs(_FORWARD_TILES, head_dim, dtype, modes)
 
 
 def _prune_configs(configs, Sq: int, Skv: int):
@@ -137,38 +159,92 @@ def scores(qk, qk_scale, cap_in, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def load_rows(src, start, stride, d_mask, n, TMA: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows [start, start + BLOCK) of a (n, D) tile source: a TMA descriptor (rows and
+    columns past the tensor read as zeros, no mask code) or a block of pointers to
+    rows 0.. (masked by row < n and `d_mask`)."""
+    if TMA:
+        return src.load([start, 0])
+    else:
+        rows = start + tl.arange(0, BLOCK)
+        mask = d_mask[None, :] & (rows[:, None] < n)
+        return tl.load(src + start.to(tl.int64) * stride, mask=mask, other=0.0)
+
+
+@triton.jit
+def tile_source(ptr, n, stride_s, stride_d, HEAD_DIM: tl.constexpr, TMA: tl.constexpr,
+                BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """What `load_rows` reads from: a TMA descriptor of the (n, HEAD_DIM) matrix at
+    `ptr` (the launcher checked the alignment TMA needs: 16-byte base and row stride,
+    unit column stride), or pointers to its first BLOCK rows."""
+    if TMA:
+        return tl.make_tensor_descriptor(ptr, shape=[n, HEAD_DIM], strides=[stride_s, 1],
+                                         block_shape=[BLOCK, BLOCK_D])  # fmt: skip
+    else:
+        rows = tl.arange(0, BLOCK).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D).to(tl.int64)
+        return ptr + rows[:, None] * stride_s + cols[None, :] * stride_d
+
+
+@triton.jit
+def store_tile(ptr, x, start, rows, cols, stride_s, stride_d, mask, n, HEAD_DIM: tl.constexpr,
+                ACCUMULATE: tl.constexpr, TMA: tl.constexpr, BLOCK: tl.constexpr,
+                BLOCK_D: tl.constexpr):  # fmt: skip
+    """Store the (BLOCK, BLOCK_D) fp32 tile `x` at rows [start, start + BLOCK) of the (n,
+    HEAD_DIM) matrix at `ptr`, or with ACCUMULATE add it to what is there: through a TMA
+    descriptor (rows past n are dropped; a block no query sees adds its zeros), or
+    through pointers `rows` x `cols` under `mask`. The pointers of dK/dV's 128-key fp32
+    tile at D=128 took 64-bit registers enough to spill 120 B reading it back; TMA none."""
+    if TMA:
+        desc = tl.make_tensor_descriptor(ptr, shape=[n, HEAD_DIM], strides=[stride_s, 1],
+                                         block_shape=[BLOCK, BLOCK_D])  # fmt: skip
+        if ACCUMULATE:
+            x += desc.load([start, 0]).to(tl.float32)
+        desc.store([start, 0], x.to(ptr.dtype.element_ty))
+    else:
+        ptrs = ptr + rows[:, None] * stride_s + cols[None, :] * stride_d
+        if ACCUMULATE:
+            x += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ptrs, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q,
-    k_ptrs, v_ptrs, stride_ks, stride_vs,
-    d_mask, lo, hi, start, stop, Skv, qk_scale, cap_in,
-    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    k_src, v_src, stride_ks, stride_vs,
+    d_mask, lo, hi, start, mid_lo, mid_hi, end, Skv, qk_scale, cap_in,
+    SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Fold KV blocks [start, stop) into the running (acc, l_i, m_i). In MASKED blocks a
-    row sees keys [lo, hi) only (and none past Skv); the others it sees whole. Rows and
-    intervals are int32 (fewer registers); pointer offsets int64."""
-    for start_n in range(start, stop, BLOCK_N):
+    """Fold KV blocks [start, end) into the running (acc, l_i, m_i). Blocks outside
+    [mid_lo, mid_hi) are masked: there a row sees keys [lo, hi) only (and none past
+    Skv); the others it sees whole. One loop, the mask under a per-block branch: a
+    loop per kind of block put code between them that ptxas answered by serializing
+    every wgmma (C7515, a wait after each HGMMA). Rows and intervals are int32 (fewer
+    registers); pointer offsets int64."""
+    for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        kv_rows = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = d_mask[None, :]
-        if MASKED:
-            kv_mask = kv_mask & (kv_rows[:, None] < Skv)
-        k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_ks, mask=kv_mask, other=0.0)
-        qk, _ = scores(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION), qk_scale,
-                       cap_in, SOFTCAP)  # fmt: skip
-        if MASKED:
+        k = load_rows(k_src, start_n, stride_ks, d_mask, Skv, TMA, BLOCK_N)
+        v = load_rows(v_src, start_n, stride_vs, d_mask, Skv, TMA, BLOCK_N)
+        # t: the raw dots, or their tanh when soft-capped; the scores are t * qk_scale
+        _, t = scores(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION), qk_scale,
+                      cap_in, SOFTCAP)  # fmt: skip
+        if (start_n < mid_lo) | (start_n >= mid_hi):
+            kv_rows = start_n + tl.arange(0, BLOCK_N)
             visible = (kv_rows[None, :] >= lo[:, None]) & (kv_rows[None, :] < hi[:, None])
-            qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = m_new
-        if MASKED:  # a row may have seen nothing yet: keep exp2 away from -inf - -inf, but
-            # keep m_i at -inf (a stand-in max of 0 would scale later blocks' p towards
-            # fp16 underflow: a row whose keys start in a later block, e.g. a document's)
+            s = tl.where(visible, t * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row may have seen nothing yet: keep exp2 away from -inf - -inf, but keep
+            # m_i at -inf (a stand-in max of 0 would scale later blocks' p towards fp16
+            # underflow: a row whose keys start in a later block, e.g. a document's)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+        else:  # every row sees the whole block: the scale (> 0) goes into one FMA
+            m_new = tl.maximum(m_i, tl.max(t, 1) * qk_scale)
+            p = tl.math.exp2(t * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_vs, mask=kv_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -190,17 +266,18 @@ def _attn_fwd_kernel(
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INTERVALS: tl.constexpr,
     SOFTCAP: tl.constexpr, MERGE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, OUT_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # Grid (query blocks, B, Hq): batch and heads on their own axes (each up to 65535).
-    # Offsets are 64-bit: a strided view's sequence stride times its length (a KV view
-    # into a (S, B, H*D) projection, say) can pass 2**31.
-    pid_m = tl.program_id(0)
+    # Query blocks run last first: under a causal mask they see the most keys, and the
+    # longest programs starting first shorten the tail. Offsets are 64-bit: a strided
+    # view's sequence stride times its length (a KV view into a (S, B, H*D) projection,
+    # say) can pass 2**31.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
     h_kv = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     d_mask = offs_d < HEAD_DIM
     row_mask = offs_m < Sq
@@ -215,29 +292,20 @@ def _attn_fwd_kernel(
         lo, hi = scalar_intervals(rows, shift, left, right, Skv)
     start, mid_lo, mid_hi, end = block_ranges(lo, hi, row_mask, BLOCK_N)
 
-    q_ptrs = q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
-    q = tl.load(
-        q_ptrs + offs_d[None, :] * stride_qd, mask=row_mask[:, None] & d_mask[None, :], other=0.0
-    )
-    k_ptrs = (k_ptr + b * stride_kb + h_kv * stride_kh
-              + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd)  # fmt: skip
-    v_ptrs = (v_ptr + b * stride_vb + h_kv * stride_vh
-              + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd)  # fmt: skip
+    q_src = tile_source(q_ptr + b * stride_qb + h * stride_qh, Sq, stride_qs, stride_qd,
+                        HEAD_DIM, TMA, BLOCK_M, BLOCK_D)  # fmt: skip
+    q = load_rows(q_src, pid_m * BLOCK_M, stride_qs, d_mask, Sq, TMA, BLOCK_M)
+    k_src = tile_source(k_ptr + b * stride_kb + h_kv * stride_kh, Skv, stride_ks, stride_kd,
+                        HEAD_DIM, TMA, BLOCK_N, BLOCK_D)  # fmt: skip
+    v_src = tile_source(v_ptr + b * stride_vb + h_kv * stride_vh, Skv, stride_vs, stride_vd,
+                        HEAD_DIM, TMA, BLOCK_N, BLOCK_D)  # fmt: skip
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, d_mask, lo, hi,
-        start, mid_lo, Skv, qk_scale, cap_in, True, SOFTCAP, INPUT_PRECISION, BLOCK_N,
-    )  # fmt: skip
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, d_mask, lo, hi,
-        mid_lo, mid_hi, Skv, qk_scale, cap_in, False, SOFTCAP, INPUT_PRECISION, BLOCK_N,
-    )  # fmt: skip
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs, d_mask, lo, hi,
-        mid_hi, end, Skv, qk_scale, cap_in, True, SOFTCAP, INPUT_PRECISION, BLOCK_N,
+        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, d_mask, lo, hi, start, mid_lo,
+        mid_hi, end, Skv, qk_scale, cap_in, SOFTCAP, INPUT_PRECISION, TMA, BLOCK_N,
     )  # fmt: skip
 
     # A row that saw no key has l_i == 0: output 0 and LSE -inf, never 0/0.
@@ -245,19 +313,22 @@ def _attn_fwd_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # ln 2
-    o_ptrs = (o_ptr + b * stride_ob + h * stride_oh
-              + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od)  # fmt: skip
+    o_base = o_ptr + b * stride_ob + h * stride_oh
     lse_ptrs = lse_ptr + b * stride_lb + h * stride_lh + offs_m * stride_ls
     if MERGE:  # a ring step: fold this block into the running fp32 (out, lse) in place,
         # instead of writing a block partial that a second pass reads back (review P10);
         # a block that saw no key leaves them as they are
         row_mask = row_mask & (rows * 0 + start < end)  # (a vector: the interpreter's masks)
         o_mask = row_mask[:, None] & d_mask[None, :]
+        o_ptrs = o_base + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
         o_prev = tl.load(o_ptrs, mask=o_mask, other=0.0)
         lse_prev = tl.load(lse_ptrs, mask=row_mask, other=float("-inf"))
         o, lse = merge_partials(o_prev, lse_prev, o, lse)
-    o_mask = row_mask[:, None] & d_mask[None, :]
-    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=o_mask)
+        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        store_tile(o_base, o, pid_m * BLOCK_M, offs_m, offs_d, stride_os, stride_od,
+                   row_mask[:, None] & d_mask[None, :], Sq, HEAD_DIM, False, OUT_TMA, BLOCK_M,
+                   BLOCK_D)  # fmt: skip
     tl.store(lse_ptrs, lse, mask=row_mask)
 
 
@@ -314,6 +385,7 @@ def mask_arguments(q, k, *, causal, window, softcap, softmax_scale, intervals, s
     mode) they hold the whole mask: `causal` and `window` must be left unset."""
     (B, Sq, _, D), Skv = q.shape, k.shape[1]
     softcap = check_softcap(softcap)
+    check_softmax_scale(softmax_scale)
     shift, left, right = scalar_bounds(causal, window, Sq, Skv)
     scale = resolve_scale(softmax_scale, D)
     if softcap:
@@ -357,7 +429,8 @@ def launch(
     def candidates():
         if is_interpreted(kernel):
             return [triton.Config(interpreter_blocks(bucket(Sq), bucket(Skv)))]
-        return _prune_configs(configs(meta["HEAD_DIM"], args[0].dtype), bucket(Sq), bucket(Skv))
+        configs_here = configs(meta["HEAD_DIM"], args[0].dtype, kernel_modes(meta))
+        return _prune_configs(configs_here, bucket(Sq), bucket(Skv))
 
     def run(config):
         kernel[grid(config.kwargs)](*args, **meta, **config.all_kwargs())
@@ -436,7 +509,14 @@ def attention_forward(
 
     # A merging launch reads its output: tuning must put it back (scratch when tune_only).
     restore = [out, lse] if merge and not tune_only else []
-    launch(_attn_fwd_kernel, forward_configs, grid, args, {**meta, "MERGE": merge}, Sq, Skv,
+    # Q, K, V through TMA where they are 16-bit and aligned, and O where it is aligned
+    # (a merge reads it back row by row: through pointers)
+    tma = q.dtype != torch.float32 and tma_compatible(q, k, v)
+    out_tma = not merge and tma_compatible(out)
+    if tma or out_tma:
+        ensure_tma_allocator(q.device)
+    meta = {**meta, "MERGE": merge, "TMA": tma, "OUT_TMA": out_tma}
+    launch(_attn_fwd_kernel, forward_configs, grid, args, meta, Sq, Skv,
            restore=restore, agreement=agreement, tune_only=tune_only,
            key_extra=key)  # fmt: skip
     return None if tune_only else (out, lse)

@@ -23,18 +23,27 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels._common import check_launchable, device_guard, is_interpreted
+from fusedpar.kernels._common import (
+    check_launchable,
+    device_guard,
+    ensure_tma_allocator,
+    is_interpreted,
+    tma_compatible,
+)
 from fusedpar.kernels._tuning import Agreement
 from fusedpar.kernels.attention import (
     check_attention_inputs,
     check_buffer,
     interpreter_blocks,
     launch,
+    load_rows,
     mask_arguments,
     resolve_scale,
     scores,
+    store_tile,
     strides,
     tile_configs,
+    tile_source,
 )
 from fusedpar.kernels.attention_mask import (
     Intervals,
@@ -52,21 +61,24 @@ SPLIT_BELOW_PROGRAMS: int | None = None
 
 # Checked by the resource gate as the forward's tiles are (kernels/attention.py). BLOCK_M
 # is the query block and BLOCK_N the key block in both kernels; each program keeps its
-# own rows' tiles and accumulators in registers, and Hopper's wgmma needs 64 of them, so
-# the two kernels tune over different lists.
+# own rows' tiles and accumulators in registers, and Hopper's wgmma needs 64 of them per
+# warpgroup, so the two kernels tune over different lists.
 #
-# dK/dV: a program holds K, V, dK and dV of BLOCK_N keys, so the tiles shrink with the
-# head dim and take 8 warps: 64 queries at a time spill 8-64 B even at D=64; at D=128
-# every 4-warp tile of 32+ keys and queries spills (64x64: 824 B, 32x32: 112-160 B), and
-# so does 64x64 with 8 warps (336 B); the masks' intervals (three query loops) took
-# 32x64 with 4 warps at D=64 and 16x64 with 3 stages at D=128 to 40 B of spills (2
-# stages: none), and 16x32 with 4 warps at D=128 to 8 B with a window and soft-capping
-# (8 warps instead); at D=256 only 16x32 with 8 warps is free of spills
-# (32x32: 56-80 B, kept for the tuner to weigh; the review's 64x64 with 2 stages spills
-# 1 KB) and no tile reaches wgmma.
+# dK/dV: a program holds K, V, dK and dV of BLOCK_N keys and steps through the queries
+# BLOCK_M at a time (the Triton tutorial's layout). 128 keys with 8 warps give each
+# warpgroup 64 keys, so every wgmma is 64 x BLOCK_M or 64 x D: at D=128, 128x32 runs
+# 64x32 and 64x128 HGMMA in 237 registers (64-query steps spill 64 B; on the pointer
+# path 3 stages spill 8 B and 32x64 with 4 warps 96 B; at D=64, 32x32 spills 8 B with
+# soft-capping); the earlier
+# 16-query tiles ran 32 of their 34 HGMMA at 64x8, about 4.8x the instructions per
+# key-query pair. At D=256 no wgmma tile fits the registers (32x64 with 8 warps spills
+# 336 B, with 4 warps 1.1 KB and serializes): 16x32 and 32x32 with 8 warps run on mma.sync
+# without spills.
 _DKDV_TILES = {
-    (64, "16-bit"): [(32, 128, 3, 8), (32, 64, 3, 8), (32, 32, 2, 4)],
-    (128, "16-bit"): [(16, 64, 2, 8), (32, 32, 3, 8), (16, 32, 2, 8)],
+    (64, "16-bit"): [(64, 128, 3, 8), (32, 128, 3, 8), (64, 64, 3, 4), (32, 64, 3, 4),
+                     (32, 32, 2, 4, {"softcap"})],
+    (128, "16-bit"): [(32, 128, 2, 8), (32, 128, 3, 8, {"pointer"}), (32, 64, 2, 4, {"pointer"}),
+                      (16, 32, 2, 8)],
     (256, "16-bit"): [(16, 32, 2, 8), (32, 32, 2, 8)],
     # fp32's full-precision dots are FMA loops: 8 warps keep the small tiles unspilled
     # (32x32 with 4 warps spills 850-1050 B, 16x32 at D=256 1.3 KB).
@@ -74,26 +86,32 @@ _DKDV_TILES = {
     (128, "fp32"): [(16, 32, 2, 8)],
     (256, "fp32"): [(16, 32, 2, 8)],
 }  # fmt: skip
-# dQ: a program holds Q, dO and dQ of BLOCK_M queries: the forward's sizes fit.
+# dQ: a program holds Q, dO and dQ of BLOCK_M queries: the forward's sizes fit, with 128
+# rows for 8 warps (a 64-row tile over 8 warps splits each wgmma's N over the two
+# warpgroups, and ptxas serializes it: C7515). At D=128, 128x128 runs 454 instructions
+# per 128 keys (128x64: 600) but spills with soft-capping (72 B) or on the pointer path
+# (48 B).
 _DQ_TILES = {
-    (64, "16-bit"): [(128, 64, 3, 8), (64, 128, 3, 8), (64, 64, 3, 4), (32, 64, 3, 4),
+    (64, "16-bit"): [(128, 128, 3, 8), (128, 64, 3, 8), (64, 64, 3, 4), (32, 64, 3, 4),
                      (32, 32, 2, 4)],
-    (128, "16-bit"): [(128, 64, 3, 8), (128, 32, 3, 8), (64, 64, 3, 8), (64, 32, 3, 4),
-                      (32, 32, 2, 4)],
-    (256, "16-bit"): [(64, 32, 2, 8), (32, 64, 2, 8), (32, 32, 2, 8)],
+    (128, "16-bit"): [(128, 128, 2, 8, {"softcap", "pointer"}), (128, 64, 3, 8), (128, 32, 3, 8),
+                      (64, 64, 3, 4), (64, 32, 3, 4), (32, 32, 2, 4)],
+    (256, "16-bit"): [(128, 32, 2, 8), (32, 64, 2, 8), (32, 32, 2, 8)],
     **{key: tiles for key, tiles in _DKDV_TILES.items() if key[1] == "fp32"},
 }  # fmt: skip
 
 
-def backward_configs(head_dim: int, dtype: torch.dtype) -> list[triton.Config]:
+def backward_configs(head_dim: int, dtype: torch.dtype,
+                     modes: frozenset = frozenset()) -> list[triton.Config]:  # fmt: skip
     """dK/dV tiles at this head dim and dtype: few keys per program, as each holds four
     (BLOCK_N, D) tiles."""
-    return tile_configs(_DKDV_TILES, head_dim, dtype)
+    return tile_configs(_DKDV_TILES, head_dim, dtype, modes)
 
 
-def dq_configs(head_dim: int, dtype: torch.dtype) -> list[triton.Config]:
+def dq_configs(head_dim: int, dtype: torch.dtype,
+               modes: frozenset = frozenset()) -> list[triton.Config]:  # fmt: skip
     """dQ tiles at this head dim and dtype: 64 to 128 queries per program (wgmma)."""
-    return tile_configs(_DQ_TILES, head_dim, dtype)
+    return tile_configs(_DQ_TILES, head_dim, dtype, modes)
 
 
 # --- kernels --------------------------------------------------------------------------
@@ -133,26 +151,26 @@ def _load_row_stats(lse_ptrs, delta_ptrs, mask):
 
 @triton.jit
 def _bwd_dkdv_inner(
-    dk, dv, k, v, q_ptrs, do_ptrs, stride_qs, stride_dos, lse_ptr, delta_ptr, stride_ls,
-    d_mask, q_lo, q_hi, start, stop, Sq, qk_scale, cap_in,
-    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    dk, dv, k, v, q_src, do_src, stride_qs, stride_dos, lse_ptr, delta_ptr, stride_ls,
+    d_mask, q_lo, q_hi, start, mid_lo, mid_hi, end, Sq, qk_scale, cap_in,
+    SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    """Add query blocks [start, stop) into dK, dV of one KV block (transposed: rows are
-    keys). In MASKED blocks key n is seen by queries [q_lo[n], q_hi[n]) only. Rows and
-    intervals are int32, pointer offsets int64 (as in the forward)."""
-    for start_m in range(start, stop, BLOCK_M):
+    """Add query blocks [start, end) into dK, dV of one KV block (transposed: rows are
+    keys). Blocks outside [mid_lo, mid_hi) are masked, under a per-block branch (one
+    loop, as the forward's): there key n is seen by queries [q_lo[n], q_hi[n]) only.
+    Rows and intervals are int32, pointer offsets int64 (as in the forward)."""
+    for start_m in range(start, end, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + tl.arange(0, BLOCK_M)
-        row_mask = (rows < Sq)[:, None] & d_mask[None, :]
-        q = tl.load(q_ptrs + start_m.to(tl.int64) * stride_qs, mask=row_mask, other=0.0)
-        do = tl.load(do_ptrs + start_m.to(tl.int64) * stride_dos, mask=row_mask, other=0.0)
+        q = load_rows(q_src, start_m, stride_qs, d_mask, Sq, TMA, BLOCK_M)
+        do = load_rows(do_src, start_m, stride_dos, d_mask, Sq, TMA, BLOCK_M)
         rows64 = rows.to(tl.int64)
         lse2, delta = _load_row_stats(lse_ptr + rows64 * stride_ls, delta_ptr + rows64, rows < Sq)
         qk_t, t = scores(tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION), qk_scale,
                          cap_in, SOFTCAP)  # (N, M)  # fmt: skip
         p_t = tl.math.exp2(qk_t - lse2[None, :])
-        if MASKED:
+        if (start_m < mid_lo) | (start_m >= mid_hi):
             seen = (rows[None, :] >= q_lo[:, None]) & (rows[None, :] < q_hi[:, None])
             p_t = tl.where(seen, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
@@ -182,21 +200,22 @@ def _attn_bwd_dkdv_kernel(
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INTERVALS: tl.constexpr,
     SOFTCAP: tl.constexpr, ACCUMULATE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, OUT_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """One KV block of one KV head: loops over the query heads that read it (all GROUP
     of them, or its slice of the group when SPLIT > 1) and their query blocks, so dK/dV
     are summed in a fixed order, with no atomics. Output head ``pid_h``: the KV head, or
     with SPLIT > 1 the partial ``h_kv * SPLIT + slice`` of an (B, Skv, Hkv * SPLIT, D)
     buffer."""
-    pid_n = tl.program_id(0)  # grid (KV blocks, B, Hkv * SPLIT), 64-bit offsets as forward
+    # grid (KV blocks, B, Hkv * SPLIT), first block first (causal: it sees the most
+    # queries), 64-bit offsets as the forward's
+    pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pid_h = tl.program_id(2).to(tl.int64)
     h_kv = pid_h // SPLIT
     per_program = tl.cdiv(GROUP, SPLIT)
     g_lo = (pid_h % SPLIT) * per_program
     g_hi = tl.minimum(g_lo + per_program, GROUP)
-    offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     d_mask = offs_d < HEAD_DIM
@@ -221,61 +240,46 @@ def _attn_bwd_dkdv_kernel(
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     for g in range(g_lo, g_hi):
         h = h_kv * GROUP + g
-        q_ptrs = (q_ptr + b * stride_qb + h * stride_qh
-                  + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd)  # fmt: skip
-        do_ptrs = (do_ptr + b * stride_dob + h * stride_doh
-                   + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod)  # fmt: skip
-        row_lse = lse_ptr + b * stride_lb + h * stride_lh
-        row_delta = delta_ptr + (b * Hq + h) * Sq
+        q_src = tile_source(q_ptr + b * stride_qb + h * stride_qh, Sq, stride_qs, stride_qd,
+                            HEAD_DIM, TMA, BLOCK_M, BLOCK_D)  # fmt: skip
+        do_src = tile_source(do_ptr + b * stride_dob + h * stride_doh, Sq, stride_dos,
+                             stride_dod, HEAD_DIM, TMA, BLOCK_M, BLOCK_D)  # fmt: skip
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_ptrs, do_ptrs, stride_qs, stride_dos, row_lse, row_delta,
-            stride_ls, d_mask, q_lo, q_hi, start, mid_lo, Sq, qk_scale, cap_in,
-            True, SOFTCAP, INPUT_PRECISION, BLOCK_M,
-        )  # fmt: skip
-        dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_ptrs, do_ptrs, stride_qs, stride_dos, row_lse, row_delta,
-            stride_ls, d_mask, q_lo, q_hi, mid_lo, mid_hi, Sq, qk_scale, cap_in,
-            False, SOFTCAP, INPUT_PRECISION, BLOCK_M,
-        )  # fmt: skip
-        dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_ptrs, do_ptrs, stride_qs, stride_dos, row_lse, row_delta,
-            stride_ls, d_mask, q_lo, q_hi, mid_hi, end, Sq, qk_scale, cap_in,
-            True, SOFTCAP, INPUT_PRECISION, BLOCK_M,
+            dk, dv, k, v, q_src, do_src, stride_qs, stride_dos,
+            lse_ptr + b * stride_lb + h * stride_lh, delta_ptr + (b * Hq + h) * Sq, stride_ls,
+            d_mask, q_lo, q_hi, start, mid_lo, mid_hi, end, Sq, qk_scale, cap_in,
+            SOFTCAP, INPUT_PRECISION, TMA, BLOCK_M,
         )  # fmt: skip
 
-    dk = dk * sm_scale
-    dk_ptrs = (dk_ptr + b * stride_dkb + pid_h * stride_dkh
-               + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd)  # fmt: skip
-    dv_ptrs = (dv_ptr + b * stride_dvb + pid_h * stride_dvh
-               + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd)  # fmt: skip
     if ACCUMULATE:  # a block no query sees adds nothing: leave it alone
         kv_mask = kv_mask & (keys * 0 + start < end)[:, None]
-        dk += tl.load(dk_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-        dv += tl.load(dv_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-    tl.store(dk_ptrs, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+    dv_out = dv_ptr + b * stride_dvb + pid_h * stride_dvh
+    dk_out = dk_ptr + b * stride_dkb + pid_h * stride_dkh
+    store_tile(dv_out, dv, pid_n * BLOCK_N, offs_n, offs_d, stride_dvs, stride_dvd, kv_mask,
+                Skv, HEAD_DIM, ACCUMULATE, OUT_TMA, BLOCK_N, BLOCK_D)  # fmt: skip
+    store_tile(dk_out, dk * sm_scale, pid_n * BLOCK_N, offs_n, offs_d, stride_dks,
+                stride_dkd, kv_mask, Skv, HEAD_DIM, ACCUMULATE, OUT_TMA, BLOCK_N,
+                BLOCK_D)  # fmt: skip
 
 
 @triton.jit
 def _bwd_dq_inner(
-    dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs,
-    d_mask, lo, hi, start, stop, Skv, qk_scale, cap_in,
-    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs,
+    d_mask, lo, hi, start, mid_lo, mid_hi, end, Skv, qk_scale, cap_in,
+    SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Add KV blocks [start, stop) into dQ of one query block (masked as the forward)."""
-    for start_n in range(start, stop, BLOCK_N):
+    """Add KV blocks [start, end) into dQ of one query block; blocks outside [mid_lo,
+    mid_hi) are masked, under a per-block branch (one loop, as the forward's)."""
+    for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        kv_rows = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = d_mask[None, :]
-        if MASKED:
-            kv_mask = kv_mask & (kv_rows[:, None] < Skv)
-        k = tl.load(k_ptrs + start_n.to(tl.int64) * stride_ks, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs + start_n.to(tl.int64) * stride_vs, mask=kv_mask, other=0.0)
+        k = load_rows(k_src, start_n, stride_ks, d_mask, Skv, TMA, BLOCK_N)
+        v = load_rows(v_src, start_n, stride_vs, d_mask, Skv, TMA, BLOCK_N)
         qk, t = scores(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION), qk_scale,
                        cap_in, SOFTCAP)  # fmt: skip
         p = tl.math.exp2(qk - lse2[:, None])
-        if MASKED:
+        if (start_n < mid_lo) | (start_n >= mid_hi):
+            kv_rows = start_n + tl.arange(0, BLOCK_N)
             visible = (kv_rows[None, :] >= lo[:, None]) & (kv_rows[None, :] < hi[:, None])
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
@@ -303,14 +307,14 @@ def _attn_bwd_dq_kernel(
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INTERVALS: tl.constexpr,
     SOFTCAP: tl.constexpr, ACCUMULATE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)  # grid (query blocks, B, Hq), offsets 64-bit as in the forward
+    # grid (query blocks, B, Hq), last block first and 64-bit offsets, as the forward's
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
     h_kv = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     d_mask = offs_d < HEAD_DIM
     row_mask = (offs_m < Sq)[:, None] & d_mask[None, :]
@@ -331,23 +335,15 @@ def _attn_bwd_dq_kernel(
         delta_ptr + (b * Hq + h) * Sq + offs_m,
         offs_m < Sq,
     )
-    k_ptrs = (k_ptr + b * stride_kb + h_kv * stride_kh
-              + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd)  # fmt: skip
-    v_ptrs = (v_ptr + b * stride_vb + h_kv * stride_vh
-              + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd)  # fmt: skip
+    k_src = tile_source(k_ptr + b * stride_kb + h_kv * stride_kh, Skv, stride_ks, stride_kd,
+                        HEAD_DIM, TMA, BLOCK_N, BLOCK_D)  # fmt: skip
+    v_src = tile_source(v_ptr + b * stride_vb + h_kv * stride_vh, Skv, stride_vs, stride_vd,
+                        HEAD_DIM, TMA, BLOCK_N, BLOCK_D)  # fmt: skip
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     dq = _bwd_dq_inner(
-        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, d_mask, lo, hi,
-        start, mid_lo, Skv, qk_scale, cap_in, True, SOFTCAP, INPUT_PRECISION, BLOCK_N,
-    )  # fmt: skip
-    dq = _bwd_dq_inner(
-        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, d_mask, lo, hi,
-        mid_lo, mid_hi, Skv, qk_scale, cap_in, False, SOFTCAP, INPUT_PRECISION, BLOCK_N,
-    )  # fmt: skip
-    dq = _bwd_dq_inner(
-        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, d_mask, lo, hi,
-        mid_hi, end, Skv, qk_scale, cap_in, True, SOFTCAP, INPUT_PRECISION, BLOCK_N,
+        dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, d_mask, lo, hi, start,
+        mid_lo, mid_hi, end, Skv, qk_scale, cap_in, SOFTCAP, INPUT_PRECISION, TMA, BLOCK_N,
     )  # fmt: skip
     dq = dq * sm_scale
     dq_ptrs = (dq_ptr + b * stride_dqb + h * stride_dqh
@@ -486,7 +482,11 @@ def attention_backward_dkdv(
         shift, left, right,
     )  # fmt: skip
     adds = accumulate and split == 1  # the kernel reads its output back: tuning restores it
-    meta = {**meta, "ACCUMULATE": adds}
+    tma = q.dtype != torch.float32 and tma_compatible(q, dout)
+    out_tma = tma_compatible(out_k, out_v)
+    if tma or out_tma:
+        ensure_tma_allocator(q.device)
+    meta = {**meta, "ACCUMULATE": adds, "TMA": tma, "OUT_TMA": out_tma}
 
     def grid(meta):
         return (triton.cdiv(Skv, meta["BLOCK_N"]), B, Hkv * split)
@@ -546,7 +546,10 @@ def attention_backward_dq(
         tensors[2], Sq, Skv, Hq, Hq // Hkv, qk_scale, cap_in, resolve_scale(softmax_scale, D),
         shift, left, right,
     )  # fmt: skip
-    meta = {**meta, "ACCUMULATE": accumulate}
+    tma = q.dtype != torch.float32 and tma_compatible(k, v)
+    if tma:
+        ensure_tma_allocator(q.device)
+    meta = {**meta, "ACCUMULATE": accumulate, "TMA": tma}
 
     def grid(meta):
         return (triton.cdiv(Sq, meta["BLOCK_M"]), B, Hq)

@@ -65,6 +65,17 @@ def check_softcap(softcap) -> float:
     return float(softcap)
 
 
+def check_softmax_scale(softmax_scale) -> None:
+    """None (1 / sqrt(D)) or a positive finite number: the kernels fold the scale into
+    the row maximum (``max(s) * scale``), which needs it positive."""
+    if softmax_scale is None:
+        return
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a number or None, got {softmax_scale!r}")
+    if not 0 < softmax_scale < float("inf"):  # NaN too
+        raise ValueError(f"softmax_scale must be > 0 and finite, got {softmax_scale!r}")
+
+
 def window_sides(causal: bool, window) -> tuple[int | None, int | None]:
     """(left, right) with None for unbounded; causal clamps the right side to 0."""
     left, right = check_window(window)

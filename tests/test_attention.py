@@ -165,6 +165,20 @@ def test_default_scale_is_inverse_sqrt_head_dim():
 
 
 @pytest.mark.parametrize(
+    "scale, error", [(-0.5, ValueError), (0.0, ValueError), (float("nan"), ValueError),
+                     (float("inf"), ValueError), (True, TypeError), ("0.1", TypeError)],
+)  # fmt: skip
+def test_softmax_scale_must_be_positive_and_finite(scale, error):
+    """The kernels fold the scale into the row maximum, ``max(s) * scale``: only a
+    positive scale commutes with the maximum."""
+    q = torch.ones((1, 4, 2, 8))
+    for call in (lambda: fp.flash_attn(q, q, q, softmax_scale=scale),
+                 lambda: attention_forward(q, q, q, softmax_scale=scale)):  # fmt: skip
+        with pytest.raises(error, match="softmax_scale"):
+            call()
+
+
+@pytest.mark.parametrize(
     "shapes, dtypes, error, match",
     [
         (((2, 4, 2, 8), (2, 4, 2, 8), (2, 4, 2)), None, ValueError, r"v must be 4-D.*\(2, 4, 2\)"),
@@ -329,8 +343,8 @@ def test_ring_modes_match_float64(B, Sq, Skv, Hkv, group, D, causal, dtype, seed
      (1, 1000, 777, 4, 4, 64, False)],
 )  # fmt: skip
 def test_ring_modes_gpu(B, Sq, Skv, Hq, Hkv, D, causal, dtype):
-    """The default threshold (two waves of SMs) splits the first two: 48 and 64 dK/dV
-    programs of 64 keys (D = 128's largest key block) on an H100's 132 SMs."""
+    """The default threshold (two waves of SMs) splits the first two: 24 and 32 dK/dV
+    programs of 128 keys (D = 128's largest key block) on an H100's 132 SMs."""
     check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed=11, device="cuda")
 
 
@@ -339,11 +353,11 @@ def test_gqa_split_is_deterministic_and_needs_no_gpu_query(monkeypatch):
         raise AssertionError("the SM count is queried only for CUDA tensors")
 
     monkeypatch.setattr(backward_kernels, "_sm_count", no_query)
-    q = torch.empty((1, 1, 1, 128), dtype=torch.bfloat16)  # D = 128: key blocks of 64 at most
+    q = torch.empty((1, 1, 1, 128), dtype=torch.bfloat16)  # D = 128: key blocks of 128 at most
     assert gqa_split(1, 8192, 1, 32, q) == 1  # the interpreter never splits by default
     monkeypatch.setattr(backward_kernels, "SPLIT_BELOW_PROGRAMS", 264)  # 2 x an H100's SMs
-    # 128 programs of 64 keys: 3 slices of at most 11 query heads reach 264
-    assert gqa_split(1, 8192, 1, 32, q) == 3
+    # 64 programs of 128 keys: 5 slices of at most 7 query heads reach 264
+    assert gqa_split(1, 8192, 1, 32, q) == 5
     assert gqa_split(1, 8192, 1, 1, q) == 1  # no group to split
     assert gqa_split(4, 8192, 8, 4, q) == 1  # 4096 programs: enough
     assert gqa_split(1, 100, 1, 3, q) == 3  # at most one query head per slice
@@ -352,6 +366,43 @@ def test_gqa_split_is_deterministic_and_needs_no_gpu_query(monkeypatch):
     out, lse = attention_forward(q, k, v, causal=True)
     runs = [attention_backward(dout, q, k, v, lse, causal=True, out=out) for _ in range(2)]
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+@pytest.mark.parametrize("D", [40, 64])
+@pytest.mark.parametrize("mask", [{"causal": True}, {"window": (9, 3), "softcap": 5.0}])
+def test_tma_and_pointer_paths_agree_bitwise(monkeypatch, D, mask):
+    """16-bit K/V (forward, dQ) and Q/dO (dK/dV) are read through TMA descriptors where
+    their alignment allows (`tma_compatible`), through pointers otherwise: the same
+    numbers either way, bit for bit, with edges in every dimension (D=40: TMA's zero
+    fill past the head dim, 21 and 35 rows: past the sequences)."""
+    from fusedpar.kernels import attention as forward_kernels
+    from fusedpar.kernels._common import tma_compatible
+
+    q, k, v = (randn((2, s, h, D), torch.float16, i)
+               for i, (s, h) in enumerate(((21, 4), (35, 2), (35, 2))))  # fmt: skip
+    dout = randn(q.shape, torch.float16, 3)
+    assert tma_compatible(q, k, v, dout)
+
+    def run():
+        out, lse = attention_forward(q, k, v, **mask)
+        return out, lse, *attention_backward(dout, q, k, v, lse, out=out, **mask)
+
+    with_tma = run()
+    for module in (forward_kernels, backward_kernels):
+        monkeypatch.setattr(module, "tma_compatible", lambda *tensors: False)
+    for a, b in zip(with_tma, run(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_tma_needs_16_byte_alignment_and_a_unit_last_stride():
+    from fusedpar.kernels._common import tma_compatible
+
+    x = torch.empty((2, 64, 4, 72), dtype=torch.bfloat16)
+    assert tma_compatible(x) and tma_compatible(x[:, 3:], x[:, :, 1:]) and tma_compatible(x.float())
+    assert not tma_compatible(x[..., 1:])  # base 2 bytes past a 16-byte boundary
+    assert not tma_compatible(x[..., :36].transpose(1, 3))  # last stride not 1
+    odd = torch.empty((2, 64, 4, 76), dtype=torch.float16)[..., :72]  # rows 152 B apart
+    assert not tma_compatible(odd)
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,6 @@ rewrites it. Combinations left out, and why (each checked on a sample):
 """
 
 import contextlib
-import json
 import math
 import os
 from pathlib import Path
@@ -47,6 +46,8 @@ from fusedpar.kernels import attention_merge, matmul, moe, moe_permute
 from fusedpar.testing import compile_gate as gate
 
 RESOURCES_DOC = Path(__file__).resolve().parent.parent / "docs" / "resources.md"
+# The gate's cache: each build's results under its key (`compile_gate.build_key`).
+RESOURCES_CACHE = RESOURCES_DOC.with_suffix(".json")
 
 # --- scenarios: the launchers called as the library calls them -------------------------
 # They run in the gate's worker processes, on CPU tensors whose contents do not matter
@@ -77,22 +78,35 @@ def _mask(causal, window, softcap, intervals):
     return {"intervals": attn.Intervals(lo, hi, lo, hi), "softcap": softcap}
 
 
+@contextlib.contextmanager
+def _tma(allowed):
+    """With `allowed` False, the launchers find no input TMA can read: the kernels'
+    pointer path, as an A100 (or tiles TMA cannot address) gets it, on aligned tensors."""
+    saved = attn.tma_compatible, attn_bwd.tma_compatible
+    if not allowed:
+        attn.tma_compatible = attn_bwd.tma_compatible = lambda *tensors: False
+    try:
+        yield
+    finally:
+        attn.tma_compatible, attn_bwd.tma_compatible = saved
+
+
 def attention_forward(dtype, head_dim, causal=True, group=2, merge=False, precision="highest",
-                      window=(-1, -1), softcap=0.0, intervals=False):  # fmt: skip
+                      window=(-1, -1), softcap=0.0, intervals=False, tma=True):  # fmt: skip
     """The forward; with `merge`, a ring step: fp32 `out` and `lse` merged into in place."""
     q = _empty((2, 256, 2 * group, head_dim), dtype)
     k, v = (_empty((2, 256, 2, head_dim), dtype) for _ in range(2))
     buffers = {}
     if merge:
         buffers = {"out": _empty(q.shape, "float32"), "lse": _empty((2, 2 * group, 256), "float32")}
-    with _fp32_precision(precision):
+    with _fp32_precision(precision), _tma(tma):
         attn.attention_forward(q, k, v, merge=merge, **_mask(causal, window, softcap, intervals),
                                **buffers)  # fmt: skip
 
 
 def attention_backward(dtype, head_dim, causal=True, group=2, accumulate=False, split=False,
                        precision="highest", window=(-1, -1), softcap=0.0,
-                       intervals=False):  # fmt: skip
+                       intervals=False, tma=True):  # fmt: skip
     """Launches the delta, dK/dV and dQ kernels. `accumulate`: the ring's later steps (fp32
     gradient buffers added into); `split`: with a GQA group of 4, two slices of 2 heads
     (fp32 partials), as a grid of few programs gets on a GPU."""
@@ -106,7 +120,7 @@ def attention_backward(dtype, head_dim, causal=True, group=2, accumulate=False, 
     # 8 programs (2 KV blocks x B x Hkv) under 16: two slices per group
     attn_bwd.SPLIT_BELOW_PROGRAMS = 16 if split else saved
     try:
-        with _fp32_precision(precision):
+        with _fp32_precision(precision), _tma(tma):
             mask = _mask(causal, window, softcap, intervals)
             attn_bwd.attention_backward(dout, q, k, v, lse, out=out, accumulate=accumulate,
                                         **mask, **grads)  # fmt: skip
@@ -167,10 +181,10 @@ def moe_calls(dtype):
 
 CASES: dict[str, dict] = {}
 HEAD_DIMS = (64, 128, 256)
-ATTENTION = {  # kernel label: (kernel name, scenario, config function)
-    "fwd": ("_attn_fwd_kernel", attention_forward, attn.forward_configs),
-    "dkdv": ("_attn_bwd_dkdv_kernel", attention_backward, attn_bwd.backward_configs),
-    "dq": ("_attn_bwd_dq_kernel", attention_backward, attn_bwd.dq_configs),
+ATTENTION = {  # kernel label: (kernel name, scenario, config function, the loop's block)
+    "fwd": ("_attn_fwd_kernel", attention_forward, attn.forward_configs, "BLOCK_N"),
+    "dkdv": ("_attn_bwd_dkdv_kernel", attention_backward, attn_bwd.backward_configs, "BLOCK_M"),
+    "dq": ("_attn_bwd_dq_kernel", attention_backward, attn_bwd.dq_configs, "BLOCK_N"),
 }
 MOE_GEMM_MODES = {  # variant: (kernel, flags that pick its launch, config list)
     "gather-swiglu": ("_grouped_matmul_kernel", {"GATE_UP": True},
@@ -190,6 +204,10 @@ MOE_ROW_KERNELS = ("_gather_rows_kernel", "_combine_kernel", "_combine_weight_gr
 
 
 BLOCKS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
+# Kernels that read tiles through TMA descriptors where the launcher finds them usable
+# (`_common.tma_compatible`): always on the gate's aligned CPU tensors, never on an A100.
+TMA_KERNELS = {"_attn_fwd_kernel": ("TMA", "OUT_TMA"), "_attn_bwd_dq_kernel": ("TMA",),
+               "_attn_bwd_dkdv_kernel": ("TMA", "OUT_TMA")}  # fmt: skip
 
 
 def _tile(config) -> str:
@@ -211,20 +229,28 @@ def add(
     no_spill,
     wgmma=False,
     match=None,
+    loop_axis=None,
 ):
     """One case. `family`/`variant` group the report's rows; `no_spill` and `wgmma` say
-    which rules apply beyond compiling within the shared-memory limit; `match` picks,
-    among the scenario's launches of `kernel`, the first whose keyword arguments
-    (constexpr flags) have these values."""
+    which rules apply beyond compiling within the shared-memory limit (every 16-bit
+    sm_90 build also must not serialize its wgmma: ``no_serial``); `match` picks, among
+    the scenario's launches of `kernel`, the first whose keyword arguments (constexpr
+    flags) have these values; `loop_axis`: the config's block the hot loop advances by
+    (the report gives instructions per 128 rows of it)."""
     tile = _tile(config)
+    config = None if config is None else gate.config_kwargs(config)
+    if cap == 80 and kernel in TMA_KERNELS:  # an A100 has no TMA: the launcher says so
+        config = {**config, **dict.fromkeys(TMA_KERNELS[kernel], False)}
+    sixteen_bit = params.get("dtype") in ("bfloat16", "float16")
     name = f"{family}-{variant}-{tile.replace(' ', '-')}-sm{cap}"
     assert name not in CASES, name
     CASES[name] = {
         "name": name, "scenario": gate.scenario_name(scenario), "params": params,
         "kernel": kernel, "cap": cap,
-        "config": None if config is None else gate.config_kwargs(config),
+        "config": config,
         "family": family, "variant": variant, "tile": tile, "no_spill": no_spill,
-        "wgmma": wgmma, "match": match,
+        "no_serial": sixteen_bit and cap == 90, "wgmma": wgmma, "match": match,
+        "loop_step": config.get(loop_axis) if config and loop_axis else None,
     }  # fmt: skip
 
 
@@ -233,54 +259,60 @@ def _smallest(configs):
     return min(configs, key=lambda c: math.prod(c.kwargs.get(k, 1) for k in BLOCKS))
 
 
-def add_configs(family, variant, scenario, params, kernel, configs, *, no_spill, wgmma, match=None):
+def add_configs(family, variant, scenario, params, kernel, configs, *, no_spill, wgmma, match=None,
+                loop_axis="BLOCK_K"):  # fmt: skip
     """Every config for sm_90 (`wgmma`: the first, the largest, must use it)."""
     for i, config in enumerate(configs):
         add(family, variant, scenario, params, kernel, 90, config, no_spill=no_spill,
-            wgmma=wgmma and i == 0, match=match)  # fmt: skip
+            wgmma=wgmma and i == 0, match=match, loop_axis=loop_axis)  # fmt: skip
 
 
-for label, (kernel, scenario, configs_of) in ATTENTION.items():
+for label, (kernel, scenario, configs_of, axis) in ATTENTION.items():
     family = f"attention-{label}"
     for D in HEAD_DIMS:
         for dtype in ("bfloat16", "float16", "float32"):
             if dtype == "float16" and D > 128:
                 continue  # no rule applies; shared memory is bf16's (test_fp16_matches_bf16)
-            configs = configs_of(D, getattr(torch, dtype))
+            # fp32 reads through pointers (TMA only for 16-bit tiles)
+            tile_modes = frozenset({"pointer"} if dtype == "float32" else ())
+            configs = configs_of(D, getattr(torch, dtype), tile_modes)
             if dtype == "float16":  # the largest tile: it builds exactly as bf16 does
                 configs = configs[:1]
             # dK/dV at D=256 holds too much per key for the 64 keys wgmma needs
             matrix = dtype != "float32" and (label != "dkdv" or D < 256)
             add_configs(family, f"{dtype}-d{D}", scenario, {"dtype": dtype, "head_dim": D},
                         kernel, configs, no_spill=dtype != "float32" and D <= 128,
-                        wgmma=matrix)  # fmt: skip
+                        wgmma=matrix, loop_axis=axis)  # fmt: skip
     # TF32 needs more shared memory than the FMA build of fp32: at the largest head dim
-    fp32 = configs_of(256, torch.float32)
+    fp32 = configs_of(256, torch.float32, frozenset({"pointer"}))
     tf32 = {"dtype": "float32", "head_dim": 256, "precision": "high"}
-    add_configs(family, "tf32-d256", scenario, tf32, kernel, fp32, no_spill=False, wgmma=False)
+    add_configs(family, "tf32-d256", scenario, tf32, kernel, fp32, no_spill=False, wgmma=False,
+                loop_axis=axis)  # fmt: skip
     for dtype, params in (("bfloat16", {"dtype": "bfloat16", "head_dim": 256}), ("tf32", tf32)):
-        configs = configs_of(256, getattr(torch, params["dtype"]))
+        configs = configs_of(256, getattr(torch, params["dtype"]), frozenset({"pointer"}))
         add(family, f"{dtype}-d256-smallest", scenario, params, kernel, 80, _smallest(configs),
-            no_spill=False)  # fmt: skip
+            no_spill=False, loop_axis=axis)  # fmt: skip
     # The ring's modes, every 16-bit tile: a forward step merging into fp32 `out` and `lse`
     # (MHA, the mask as intervals), gradients added into fp32 buffers; the GQA split of
     # dK/dV; and the heaviest mask: causal GQA with a window and soft-capping.
+    # Each with the tile modes its launches have (`attention.kernel_modes`).
     ring = {"group": 1, "intervals": True}
     if label == "fwd":
-        modes = {"ring-merge": {**ring, "merge": True}}
+        modes = {"ring-merge": ({**ring, "merge": True}, {"accumulate"})}
     else:
-        modes = {"ring-accumulate": {**ring, "accumulate": True}}
-    modes["window-softcap"] = {"window": (100, 0), "softcap": 30.0}
+        modes = {"ring-accumulate": ({**ring, "accumulate": True}, {"accumulate"})}
+    modes["window-softcap"] = ({"window": (100, 0), "softcap": 30.0}, {"softcap"})
+    modes["pointer"] = ({"tma": False}, {"pointer"})  # on Hopper: inputs TMA cannot read
     if label == "dkdv":
-        modes["gqa-split"] = {"group": 4, "split": True}
-    for mode, extra in modes.items():
+        modes["gqa-split"] = ({"group": 4, "split": True}, set())
+    for mode, (extra, tile_modes) in modes.items():
         for D in (64, 128):  # where the no-spill rule applies
-            configs = configs_of(D, torch.bfloat16)
+            configs = configs_of(D, torch.bfloat16, frozenset(tile_modes))
             if mode.startswith("ring"):  # MHA: lighter than the cases above
                 configs = configs[:1]
             add_configs(family, f"{mode}-bfloat16-d{D}", scenario,
                         {"dtype": "bfloat16", "head_dim": D, **extra}, kernel, configs,
-                        no_spill=True, wgmma=True)  # fmt: skip
+                        no_spill=True, wgmma=True, loop_axis=axis)  # fmt: skip
 
 for cap in (90, 80):
     add(
@@ -338,7 +370,8 @@ for variant, (kernel, match, configs) in MOE_GEMM_MODES.items():
     family = "moe-" + kernel.strip("_").removesuffix("_kernel")
     params = {"dtype": "bfloat16"}
     add_configs(family, f"{variant}-bfloat16", moe_calls, params, kernel, configs,
-                no_spill=True, wgmma=True, match=match)  # fmt: skip
+                no_spill=True, wgmma=True, match=match,
+                loop_axis="BLOCK_M" if "weight_grad" in kernel else "BLOCK_K")  # fmt: skip
     add(family, f"{variant}-bfloat16-smallest", moe_calls, params, kernel, 80,
         _smallest(configs), no_spill=False, match=match)  # fmt: skip
 for cap in (90, 80):
@@ -352,8 +385,10 @@ for cap in (90, 80):
 
 @pytest.fixture(scope="module")
 def built():
+    """Every case's result: from the cache where its build is unchanged, else built."""
     cases = list(CASES.values())
-    return {c["name"]: r for c, r in zip(cases, gate.run_cases(cases), strict=True)}
+    results = gate.run_cases(cases, cache=gate.load_cache(RESOURCES_CACHE))
+    return {c["name"]: r for c, r in zip(cases, results, strict=True)}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -369,6 +404,13 @@ def test_config_fits(built, name):
         assert result["spill"] == 0, f"spills {result['spill']} B ({result['regs']} registers)"
     if case["wgmma"]:
         assert result["wgmma"], "the sm_90 PTX should use wgmma (Hopper's warpgroup MMA)"
+    if case["no_serial"] and result["wgmma"]:
+        assert not result["serialized"], (
+            f"ptxas serialized the wgmma ({', '.join(result['notes'])}): a wait after every "
+            f"HGMMA, {result['loop'] and result['loop']['wgmma_waits']} per iteration of the "
+            "hot loop"
+        )
+        assert result["spill"] == 0, f"a tensor-core build spills {result['spill']} B"
 
 
 def _twin(name):
@@ -399,7 +441,7 @@ def test_pruning_keeps_the_smallest_attention_tile(label, dtype):
     """The sm_80 cases build the smallest tile of each list: every sequence length's
     candidates must include it, so an A100 always has a config that fits."""
     for D in HEAD_DIMS:
-        configs = ATTENTION[label][2](D, dtype)
+        configs = ATTENTION[label][2](D, dtype, frozenset({"pointer"}))
         for n in (1, 16, 32, 64, 128, 1024):
             assert _smallest(configs) in attn._prune_configs(configs, n, n)
 
@@ -413,14 +455,19 @@ def test_pruning_keeps_the_smallest_matmul_tile():
 
 
 def test_resource_table_is_current(built):
-    """docs/resources.md lists every case. ``FUSEDPAR_WRITE_RESOURCES=1`` rewrites it
-    (``=path``: writes the table there instead, e.g. to compare two triton versions)."""
+    """docs/resources.md is the report of these results, and docs/resources.json holds
+    every build (so CI rebuilds nothing it need not). ``FUSEDPAR_WRITE_RESOURCES=1``
+    rewrites both (``=path``: writes the table there instead, e.g. to compare two
+    triton versions)."""
+    cases, results = list(CASES.values()), list(built.values())
+    table = gate.resource_table(cases, results)
     target = os.environ.get("FUSEDPAR_WRITE_RESOURCES")
-    if target:
-        path = RESOURCES_DOC if target == "1" else Path(target)
-        path.write_text(gate.resource_table(list(CASES.values()), list(built.values())))
-    listed = set(json.loads(RESOURCES_DOC.read_text().split("<!-- cases: ")[1].split(" -->")[0]))
-    assert listed == set(CASES), (
-        "docs/resources.md is stale: rerun with FUSEDPAR_WRITE_RESOURCES=1 "
-        f"(missing {sorted(set(CASES) - listed)[:5]}, gone {sorted(listed - set(CASES))[:5]})"
-    )
+    if target == "1":
+        RESOURCES_DOC.write_text(table)
+        gate.save_cache(RESOURCES_CACHE, results)
+    elif target:
+        Path(target).write_text(table)
+    stale = "stale: rerun with FUSEDPAR_WRITE_RESOURCES=1"
+    rebuilt = sorted(r["name"] for r in results if not r["cached"] and target != "1")
+    assert not rebuilt, f"docs/resources.json is {stale} (built anew: {rebuilt[:5]})"
+    assert RESOURCES_DOC.read_text() == table, f"docs/resources.md is {stale}"

@@ -23,6 +23,7 @@ from fusedpar.kernels.attention_backward import attention_backward, attention_de
 from fusedpar.kernels.attention_mask import (
     check_cu_seqlens,
     check_softcap,
+    check_softmax_scale,
     check_window,
     packed_intervals,
 )
@@ -124,6 +125,7 @@ def flash_attn(
     """
     check_attention_inputs(q, k, v)
     window, softcap = check_window(window), check_softcap(softcap)
+    check_softmax_scale(softmax_scale)
     out, lse = _flash_attn_op(q, k, v, None, None, causal, softmax_scale, *window, softcap)
     return (out, lse) if return_lse else out
 
@@ -164,6 +166,7 @@ def flash_attn_varlen(
     q, k, v = q[None], k[None], v[None]
     check_attention_inputs(q, k, v)
     window, softcap = check_window(window), check_softcap(softcap)
+    check_softmax_scale(softmax_scale)
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     check_cu_seqlens(cu_seqlens_q, q.shape[1], "cu_seqlens_q", values=False)
     check_cu_seqlens(cu_seqlens_k, k.shape[1], "cu_seqlens_k", values=False)
@@ -175,10 +178,12 @@ def flash_attn_varlen(
     return (out[0], lse[0]) if return_lse else out[0]
 
 
-def check_shards(q, k, v, window, softcap, what: str) -> tuple[tuple[int, int], float]:
+def check_shards(q, k, v, window, softcap, what: str,
+                 softmax_scale=None) -> tuple[tuple[int, int], float]:  # fmt: skip
     """The checks of a sharded attention's inputs (q, k, v one sequence's shards; the
-    window and softcap); returns the window and softcap normalized."""
+    window, softcap and scale); returns the window and softcap normalized."""
     check_attention_inputs(q, k, v)
+    check_softmax_scale(softmax_scale)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"{what}: q has {q.shape[1]} local tokens, k and v have "
                          f"{k.shape[1]}: they must be shards of one sequence")  # fmt: skip

@@ -57,6 +57,7 @@ from fusedpar.kernels.attention_backward import (
 from fusedpar.kernels.attention_mask import (
     check_cu_seqlens,
     check_softcap,
+    check_softmax_scale,
     check_window,
     intervals,
     window_sides,
@@ -361,7 +362,7 @@ def ring_attn(
     apply over its size. The two groups must share this rank only.
     """
     check_layout(layout)
-    window, softcap = check_shards(q, k, v, window, softcap, "ring_attn")
+    window, softcap = check_shards(q, k, v, window, softcap, "ring_attn", softmax_scale)
     pg, ug = resolve_group(group), resolve_group(ulysses_group)
     size, ulysses = group_size(pg), group_size(ug)
     if ulysses > 1:
@@ -466,6 +467,7 @@ def virtual_ring_attn(
     check_attention_inputs(q, k, v)
     check_layout(layout)
     window, softcap = check_window(window), check_softcap(softcap)
+    check_softmax_scale(softmax_scale)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"virtual_ring_attn: world_size must be an int >= 1, got {world_size!r}")
     if q.shape[1] != k.shape[1]:

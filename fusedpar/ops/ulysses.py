@@ -186,7 +186,7 @@ def ulysses_attn(
     are then replicated, and their gradients summed). Differentiable. With
     ``group=None`` or one rank this is `flash_attn`.
     """
-    window, softcap = check_shards(q, k, v, window, softcap, "ulysses_attn")
+    window, softcap = check_shards(q, k, v, window, softcap, "ulysses_attn", softmax_scale)
     pg = resolve_group(group)
     size = group_size(pg)
     check_heads(q.shape[2], k.shape[2], size, "ulysses_attn")

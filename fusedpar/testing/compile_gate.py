@@ -13,8 +13,18 @@ build uses:
 | shared memory     | ``compiled.metadata.shared`` (the dynamic part the launch asks for) |
 |                   | plus cuobjdump's static ``SHARED``                                 |
 
+| ptxas notes       | ``ptxas -v``'s log (``TRITON_DUMP_PTXAS_LOG``): ``C7515``, ``C7511``|
+|                   | ... mean the wgmma were serialized                                 |
+| hot loop          | the SASS (``cuobjdump -sass``), read by `machine_code.hot_loop`     |
+
 ``n_regs``/``n_spills`` of a compiled kernel are filled in only when a driver loads the
 binary (a GPU), in triton 3.6 and 3.9 alike, so they are not used here.
+
+**Results are cached by build.** A build's key is Triton's own cache key (the kernel's
+source and everything it calls, the specialisation, the options, the Triton and ptxas
+versions) plus the source of the readers here; `run_cases` takes the cached results
+(``docs/resources.json`` in this repository) and compiles only the cases whose key is
+not there, so a change rebuilds only what it touches.
 
 **Cases come from the launchers' own calls.** A case names a *scenario*: a function that
 calls a public launcher on small CPU tensors. The gate runs it with every
@@ -39,7 +49,9 @@ at decoration time), so `run_cases` compiles in a fresh process, with a pool of 
 """
 
 import contextlib
+import hashlib
 import importlib
+import io
 import json
 import os
 import pkgutil
@@ -49,6 +61,8 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+
+from fusedpar.testing import machine_code
 
 # Shared memory a block may use (the opt-in maximum, static + dynamic) on A100 and H100.
 SHARED_LIMIT = {80: 166912, 90: 232448}
@@ -104,10 +118,10 @@ def _accept_any(kernel, *tensors):
     return None
 
 
-def compile_launch(launch: Launch, cap: int, config: dict | None = None):
-    """Compile a recorded launch for ``sm_<cap>``, as ``JITFunction.run`` would on that GPU;
-    `config` (tile sizes, ``num_warps``, ``num_stages``...) replaces the recorded ones."""
-    import triton
+def _source(launch: Launch, cap: int, config: dict | None):
+    """What ``JITFunction.run`` would compile for this launch on ``sm_<cap>``: the
+    source, the target and the options; `config` (tile sizes, ``num_warps``,
+    ``num_stages``...) replaces the recorded ones."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -123,33 +137,77 @@ def compile_launch(launch: Launch, cap: int, config: dict | None = None):
     options, signature, constexprs, attrs = kernel._pack_args(
         backend, kwargs, bound, specialization, options
     )
-    src = ASTSource(kernel, signature, constexprs, attrs)
-    return triton.compile(src, target=target, options=options.__dict__)
+    return ASTSource(kernel, signature, constexprs, attrs), target, options.__dict__
+
+
+def _reader_source() -> str:
+    """The readers' own source: a change to how a build is read invalidates the cache."""
+    import inspect
+
+    with open(machine_code.__file__) as f:
+        readers = f.read() + inspect.getsource(_read_build)
+    return hashlib.sha256(readers.encode()).hexdigest()
+
+
+def build_key(src, target, options: dict) -> str:
+    """Triton's cache key of the build (sha256), extended with the readers' source."""
+    from triton.compiler import make_backend
+    from triton.compiler.compiler import get_cache_invalidating_env_vars
+    from triton.runtime.cache import get_cache_key
+
+    backend = make_backend(target)
+    key = get_cache_key(src, backend, backend.parse_options(options),
+                        get_cache_invalidating_env_vars())  # fmt: skip
+    return hashlib.sha256(f"{key}-{_reader_source()}".encode()).hexdigest()
+
+
+def compile_launch(launch: Launch, cap: int, config: dict | None = None):
+    """Compile a recorded launch for ``sm_<cap>``, as ``JITFunction.run`` would on that
+    GPU. Returns ``(compiled, ptxas log)``: Triton is made to compile even when its own
+    cache has the kernel, so ptxas always runs and its log is caught."""
+    import triton
+    from triton import knobs
+
+    src, target, options = _source(launch, cap, config)
+    log = io.StringIO()
+    with knobs.nvidia.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True
+        knobs.compilation.always_compile = True
+        compiled = triton.compile(src, target=target, options=options)
+    return compiled, log.getvalue()
 
 
 _USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
-def resource_usage(compiled) -> dict:
-    """Registers, spill bytes and shared memory of a compiled kernel, read from its cubin."""
+def _read_build(compiled, log: str) -> dict:
+    """Registers, spill bytes and shared memory of a compiled kernel (from its cubin),
+    whether its PTX uses wgmma, ptxas's coded notes and the SASS hot loop."""
     import triton
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        text = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True,
-                              text=True, check=True).stdout  # fmt: skip
-    match = _USAGE.search(text)
+
+        def cuobjdump(flag):
+            return subprocess.run([os.path.join(tools, "cuobjdump"), flag, path],
+                                  capture_output=True, text=True, check=True).stdout  # fmt: skip
+
+        usage, sass = cuobjdump("--dump-resource-usage"), cuobjdump("-sass")
+    match = _USAGE.search(usage)
     if match is None:
-        raise RuntimeError(f"no resource line in cuobjdump's output:\n{text}")
+        raise RuntimeError(f"no resource line in cuobjdump's output:\n{usage}")
     regs, stack, static_shared, local = map(int, match.groups())
     return {
         "regs": regs,
         "spill": stack + local,
         "shared": compiled.metadata.shared + static_shared,
         "wgmma": "wgmma" in compiled.asm["ptx"],
+        "notes": machine_code.ptxas_notes(log),
+        "serialized": machine_code.wgmma_serialized(log),
+        "loop": machine_code.hot_loop(machine_code.parse_sass(sass)),
     }
 
 
@@ -180,6 +238,20 @@ def _record(case: dict) -> list[Launch]:
     return _RECORDED[key]
 
 
+def _launch_of(case: dict) -> Launch:
+    kernel, match = case["kernel"], case.get("match") or {}
+    found = [x for x in _record(case) if x.kernel.__name__ == kernel
+             and all(x.kwargs.get(k) == v for k, v in match.items())]  # fmt: skip
+    if not found:
+        raise RuntimeError(f"the scenario launched no {kernel} with {match}")
+    return found[0]
+
+
+def case_key(case: dict) -> str:
+    """The case's `build_key` (recording its scenario once per process)."""
+    return build_key(*_source(_launch_of(case), case["cap"], case.get("config")))
+
+
 def _cpu_seconds() -> float:
     """CPU time of this process and its finished children (ptxas runs as one): unlike
     wall time, it does not grow when other jobs share the cores."""
@@ -193,21 +265,19 @@ def _cpu_seconds() -> float:
 
 
 def run_case(case: dict) -> dict:
-    """Record the case's scenario (once per process), compile the chosen launch, measure."""
+    """Record the case's scenario (once per process), compile the chosen launch, read it."""
     import traceback
 
-    result = {"name": case["name"], "ok": False, "error": "", "seconds": 0.0, "cpu_seconds": 0.0}
+    result = {"name": case["name"], "ok": False, "error": "", "seconds": 0.0,
+              "cpu_seconds": 0.0, "cached": False}  # fmt: skip
     try:
-        kernel, match = case["kernel"], case.get("match") or {}
-        found = [x for x in _record(case) if x.kernel.__name__ == kernel
-                 and all(x.kwargs.get(k) == v for k, v in match.items())]  # fmt: skip
-        if not found:
-            raise RuntimeError(f"the scenario launched no {kernel} with {match}")
+        launch = _launch_of(case)
+        result["key"] = case_key(case)
         start, cpu = time.perf_counter(), _cpu_seconds()
-        compiled = compile_launch(found[0], case["cap"], case.get("config"))
+        compiled, log = compile_launch(launch, case["cap"], case.get("config"))
         result["seconds"] = round(time.perf_counter() - start, 2)
         result["cpu_seconds"] = round(_cpu_seconds() - cpu, 2)
-        result.update(resource_usage(compiled), ok=True)
+        result.update(_read_build(compiled, log), ok=True)
     except Exception:
         result["error"] = traceback.format_exc()
     return result
@@ -218,16 +288,20 @@ def _worker_init(path: list[str]) -> None:
     sys.path[:] = path
 
 
-def run_cases(cases: list[dict], *, workers: int | None = None, timeout: float = 1800) -> list:
-    """Compile `cases` in a fresh process without the interpreter, on `workers` processes
-    (default: the CPUs this process may use, or ``FUSEDPAR_GATE_WORKERS``). Returns one
+def run_cases(cases: list[dict], *, cache: dict | None = None, workers: int | None = None,
+              timeout: float = 1800) -> list:  # fmt: skip
+    """Build `cases` in a fresh process without the interpreter, on `workers` processes
+    (default: the CPUs this process may use, or ``FUSEDPAR_GATE_WORKERS``); a case whose
+    `build_key` is in `cache` (key: result) takes the cached result instead. Returns one
     dict per case, in order: ``ok``, ``error`` (a traceback), ``regs``, ``spill`` and
-    ``shared`` (bytes), ``wgmma`` (the PTX uses Hopper's warpgroup MMA), ``seconds`` and
-    ``cpu_seconds`` (compile time; near 0 when Triton's cache had the kernel)."""
+    ``shared`` (bytes), ``wgmma`` (the PTX uses Hopper's warpgroup MMA), ``notes``
+    (ptxas's codes), ``serialized`` (the wgmma were), ``loop``
+    (`machine_code.hot_loop`), ``seconds`` and ``cpu_seconds`` (of the build, when it was
+    built), ``key`` and ``cached``."""
     if workers is None:
         workers = int(os.environ.get("FUSEDPAR_GATE_WORKERS", 0)) or len(os.sched_getaffinity(0))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    request = {"cases": cases, "workers": workers, "path": sys.path}
+    request = {"cases": cases, "workers": workers, "path": sys.path, "cache": cache or {}}
     proc = subprocess.run([sys.executable, "-m", "fusedpar.testing.compile_gate"],
                           input=json.dumps(request), capture_output=True, text=True, env=env,
                           timeout=timeout)  # fmt: skip
@@ -236,29 +310,85 @@ def run_cases(cases: list[dict], *, workers: int | None = None, timeout: float =
     return json.loads(proc.stdout)
 
 
+# The fields of a result that depend on the build alone (what the cache keeps).
+_BUILD_FIELDS = ("ok", "error", "regs", "spill", "shared", "wgmma", "notes", "serialized", "loop",
+                 "seconds", "cpu_seconds")  # fmt: skip
+
+
+def load_cache(path) -> dict:
+    """The cached results in `path` (key: result); empty when there is no such file."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)["builds"]
+
+
+def save_cache(path, results: list[dict]) -> None:
+    """Write the successful `results` as the cache (only these: older keys are dropped)."""
+    import triton
+
+    builds = {r["key"]: {k: r[k] for k in _BUILD_FIELDS if k in r}
+              for r in results if r["ok"]}  # fmt: skip
+    with open(path, "w") as f:
+        json.dump({"triton": triton.__version__, "builds": dict(sorted(builds.items()))}, f,
+                  indent=0, sort_keys=True)  # fmt: skip
+        f.write("\n")
+
+
 # --- the report -------------------------------------------------------------------------
+
+
+def _loop_columns(case: dict, r: dict) -> list[str]:
+    """The hot loop's columns: HGMMA per iteration by shape, wgmma waits, loads
+    (TMA / cp.async / LDG), local-memory accesses, instructions per iteration (shortest
+    path, and the longest when it differs) and, for a case with a ``loop_step`` (the
+    loop's rows per iteration), instructions per 128 of them."""
+    loop = r.get("loop")
+    if not loop:
+        return ["", "", "", "", "", ""]
+    mma = ", ".join(f"{n}x {shape}" for shape, n in loop["hgmma"].items())
+    loads = loop["loads"]
+    insts = str(loop["insts_min"])
+    if loop["insts_max"] != loop["insts_min"]:
+        insts += f"-{loop['insts_max']}"
+    step = case.get("loop_step")
+    per_128 = str(round(loop["insts_min"] * 128 / step)) if step else ""
+    return [mma, str(loop["wgmma_waits"]), f"{loads['tma']}/{loads['cp_async']}/{loads['global']}",
+            str(loop["local"]), insts, per_128]  # fmt: skip
+
+
+RULES = ("no_spill", "no_serial", "wgmma")
 
 
 def resource_table(cases: list[dict], results: list[dict]) -> str:
     """docs/resources.md: a Markdown table per kernel family of what each case uses, with
     the compile time per family. Cases carry ``family``, ``variant``, ``tile`` and the
-    rules that apply (``no_spill``, ``wgmma``); a list of the case names closes the page,
-    so a test can tell when the page no longer matches the cases."""
+    rules that apply (`RULES`), optionally ``loop_step``; a list of the case names closes
+    the page, so a test can tell when the page no longer matches the cases."""
     import triton
 
     lines = [
-        "# Resources of every tuning config",
+        "# Resources and machine code of every tuning config",
         "",
         "Generated by the resource gate (`tests/test_compile_gate.py`), not by hand: rerun",
         "`FUSEDPAR_WRITE_RESOURCES=1 pytest tests/test_compile_gate.py` after changing a",
-        "kernel or a config list. Built with triton "
-        f"{triton.__version__} for sm_90 (H100) and sm_80 (A100); nothing ran on a GPU.",
+        "kernel or a config list (it rewrites `docs/resources.json`, the gate's cache, too).",
+        f"Built with triton {triton.__version__} for sm_90 (H100) and sm_80 (A100); nothing",
+        "ran on a GPU.",
         "",
         "Columns: registers per thread; spilled bytes per thread (the stack frame);",
         "shared memory in KiB (static + dynamic, limits 227 KiB on sm_90 and 163 KiB on",
-        "sm_80); whether the PTX uses wgmma; the CPU seconds the build took here (0 when",
-        "Triton's cache had it); the rule the gate enforces beyond compiling within the",
-        "shared-memory limit (`no spill`, `wgmma`, or `report` when the row is only reported).",
+        "sm_80); whether the PTX uses wgmma; ptxas's coded notes (C7515, C7511...: the",
+        "wgmma were serialized, a wait after each). Then one iteration of the hot loop (the",
+        "innermost loop with the most tensor-core instructions; `fusedpar.testing.machine_code`):",
+        "its HGMMA (HMMA on sm_80) by shape; wgmma waits (`WARPGROUP.DEPBAR`); loads as",
+        "TMA / cp.async / plain global; local-memory (spill) accesses; instructions per",
+        "iteration, on the shortest path through the body (a masked block's extra code",
+        "skipped) and the longest where they differ; for attention, instructions per 128",
+        "keys (dK/dV: per 128 queries). Last, the CPU seconds the build took when it was",
+        "built, and the rules the gate enforces beyond compiling within the shared-memory",
+        "limit (`no spill`, `no serial`: wgmma not serialized and no spill, `wgmma`;",
+        "`report`: none).",
         "",
         "## Build time per family",
         "",
@@ -275,37 +405,58 @@ def resource_table(cases: list[dict], results: list[dict]) -> str:
     for family, rows in families.items():
         lines += ["", f"## {family}", "",
                   "| variant | tile (M x N, stages, warps) | sm | regs | spill B | shared KiB "
-                  "| wgmma | CPU s | rule |",
-                  "| --- | --- | --- | ---: | ---: | ---: | --- | ---: | --- |"]  # fmt: skip
+                  "| wgmma | ptxas | HGMMA / iter | waits | loads | local | insts / iter "
+                  "| per 128 | CPU s | rule |",
+                  "| --- | --- | --- | ---: | ---: | ---: | --- | --- | --- | ---: | --- | ---: "
+                  "| ---: | ---: | ---: | --- |"]  # fmt: skip
         for case, r in rows:
-            rule = ", ".join(k.replace("_", " ") for k in ("no_spill", "wgmma") if case.get(k))
+            rule = ", ".join(k.replace("_", " ") for k in RULES if case.get(k)) or "report"
             if not r["ok"]:
                 lines.append(f"| {case['variant']} | {case['tile']} | {case['cap']} | "
-                             "failed to build | | | | | |")  # fmt: skip
+                             "failed to build |" + " |" * 13)  # fmt: skip
                 continue
-            lines.append(
-                f"| {case['variant']} | {case['tile']} | {case['cap']} | {r['regs']} | "
-                f"{r['spill']} | {r['shared'] / 1024:.1f} | {'yes' if r['wgmma'] else 'no'} | "
-                f"{r['cpu_seconds']:.1f} | {rule or 'report'} |"
-            )
+            cells = [case["variant"], case["tile"], str(case["cap"]), str(r["regs"]),
+                     str(r["spill"]), f"{r['shared'] / 1024:.1f}",
+                     "yes" if r["wgmma"] else "no", " ".join(r["notes"]) or "-",
+                     *_loop_columns(case, r), f"{r['cpu_seconds']:.1f}", rule]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
     names = json.dumps(sorted(c["name"] for c in cases))
     return "\n".join(lines) + f"\n\n<!-- cases: {names} -->\n"
 
 
 def _main() -> None:
     import multiprocessing
+    import traceback
 
     request = json.load(sys.stdin)
     _worker_init(request["path"])
-    cases, workers = request["cases"], max(1, min(request["workers"], len(request["cases"])))
+    cases, cache = request["cases"], request["cache"]
+    results: list[dict | None] = [None] * len(cases)
+    missing: dict[str, list[int]] = {}  # key: the cases that need this build
+    for i, case in enumerate(cases):  # keys are cheap: the scenarios only record
+        try:
+            key = case_key(case)
+        except Exception:
+            results[i] = {"name": case["name"], "ok": False, "error": traceback.format_exc(),
+                          "seconds": 0.0, "cpu_seconds": 0.0, "cached": False}  # fmt: skip
+            continue
+        if key in cache:
+            results[i] = {**cache[key], "name": case["name"], "key": key, "cached": True}
+        else:
+            missing.setdefault(key, []).append(i)
+    firsts = [cases[same[0]] for same in missing.values()]  # two cases, one build: once
+    workers = max(1, min(request["workers"], len(firsts)))
     if workers == 1:
-        results = [run_case(case) for case in cases]
+        built = [run_case(case) for case in firsts]
     else:
         # spawn, not fork: each worker imports triton itself; imap hands out one case at a
         # time, so a slow build (an fp32 FMA tile) does not hold back a fixed share.
         context = multiprocessing.get_context("spawn")
         with context.Pool(workers, _worker_init, (request["path"],)) as pool:
-            results = list(pool.imap(run_case, cases, chunksize=1))
+            built = list(pool.imap(run_case, firsts, chunksize=1))
+    for same, result in zip(missing.values(), built, strict=True):
+        for i in same:
+            results[i] = {**result, "name": cases[i]["name"]}
     json.dump(results, sys.stdout)
 
 
