@@ -64,16 +64,31 @@ def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def sm_count(device: torch.device) -> int:
+    """The GPU's streaming multiprocessors (queried on first use, cached)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def tma_compatible(*tensors: torch.Tensor) -> bool:
-    """Whether tiles of these (..., rows, D) tensors can be read and written through TMA
-    descriptors made in the kernel: a 16-byte aligned base and 16-byte multiples for
-    every stride but the last, which is 1. On CUDA, Hopper or newer (an A100 has no
-    TMA); CPU tensors qualify too, so the interpreter runs the TMA path of the kernels
-    (`tl.make_tensor_descriptor` works there) and the compile gate builds it."""
+    """Whether tiles of these tensors can be read and written through TMA descriptors
+    made in the kernel: a 16-byte aligned base, and one unit stride (the last, or the
+    first of a 2-D matrix: a transposed view) with 16-byte multiples for the others. On
+    CUDA, Hopper or newer (an A100 has no TMA); CPU tensors qualify too, so the
+    interpreter runs the TMA path of the kernels (`tl.make_tensor_descriptor` works
+    there) and the compile gate builds it."""
     for t in tensors:
-        if t.stride(-1) != 1:
+        strides = list(t.stride())
+        if t.dim() == 2 and strides[-1] != 1 and strides[0] == 1:
+            strides.reverse()  # a transposed matrix: read over its rows
+        if strides[-1] != 1 or t.data_ptr() % 16:
             return False
-        if t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+        if any(s * t.element_size() % 16 for s in strides[:-1]):
             return False
     device = tensors[0].device
     return device.type == "cpu" or (device.type == "cuda" and _capability(device)[0] >= 9)

@@ -22,8 +22,11 @@ from fusedpar.kernels._common import (
     check_float_dtype,
     check_launchable,
     device_guard,
+    ensure_tma_allocator,
     fp32_dot_precision,
     is_interpreted,
+    sm_count,
+    tma_compatible,
 )
 from fusedpar.kernels._tuning import Agreement, bucket
 
@@ -84,6 +87,74 @@ def _prune_configs(configs, M: int, N: int):
 
 
 @triton.jit
+def _tile_of(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Tile `tile`'s (row block, column block) in grouped order: GROUP_M consecutive row
+    blocks walk the same column blocks, so the B tiles they share stay in L2."""
+    pids_per_group = GROUP_M * num_pid_n
+    first_pid_m = (tile // pids_per_group) * GROUP_M
+    group_rows = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile % pids_per_group) % group_rows
+    pid_n = (tile % pids_per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _operand_source(ptr, rows, cols, stride_r, TRANSPOSED: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_C: tl.constexpr):  # fmt: skip
+    """A TMA descriptor of the (rows, cols) operand at `ptr`, over its contiguous axis:
+    the columns (row stride `stride_r`), or with TRANSPOSED the rows (column stride
+    `stride_r`: a weight read as ``w.T``)."""
+    if TRANSPOSED:
+        return tl.make_tensor_descriptor(ptr, shape=[cols, rows], strides=[stride_r, 1],
+                                         block_shape=[BLOCK_C, BLOCK_R])  # fmt: skip
+    else:
+        return tl.make_tensor_descriptor(ptr, shape=[rows, cols], strides=[stride_r, 1],
+                                         block_shape=[BLOCK_R, BLOCK_C])  # fmt: skip
+
+
+@triton.jit
+def _load_operand(desc, start_r, start_c, TRANSPOSED: tl.constexpr):
+    """The tile at (start_r, start_c) of an `_operand_source` (zeros past the edges)."""
+    if TRANSPOSED:
+        return desc.load([start_c, start_r]).T
+    else:
+        return desc.load([start_r, start_c])
+
+
+@triton.jit
+def _store_half(c_desc, c_ptr, acc, start_m, start_n, ACCUMULATE: tl.constexpr):
+    if ACCUMULATE:
+        acc += c_desc.load([start_m, start_n]).to(tl.float32)
+    c_desc.store([start_m, start_n], acc.to(c_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _epilogue(acc, c_ptr, c_desc, bias_ptr, start_m, start_n, M, N, stride_cm, stride_cn,
+              stride_bias, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
+              C_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """``C = acc (+ bias) (+ C)`` for one tile, rounded once. Through a TMA descriptor
+    (edges clipped by it) C goes in two column halves, so the tile staged in shared
+    memory is half as large (the Triton tutorial's epilogue subtiling: 128x128 adding
+    into fp32 needed 257 KiB whole, over an H100's 227); else through masked pointers."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    if C_TMA:
+        left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        _store_half(c_desc, c_ptr, left, start_m, start_n, ACCUMULATE)
+        _store_half(c_desc, c_ptr, right, start_m, start_n + BLOCK_N // 2, ACCUMULATE)
+    else:
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        c_ptrs = (c_ptr + offs_m[:, None].to(tl.int64) * stride_cm
+                  + offs_n[None, :].to(tl.int64) * stride_cn)  # fmt: skip
+        c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        if ACCUMULATE:
+            acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
 def _matmul_kernel(
     # pointers
     a_ptr, b_ptr, c_ptr, bias_ptr,
@@ -96,55 +167,73 @@ def _matmul_kernel(
     ACCUMULATE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
+    TMA: tl.constexpr,
+    A_T: tl.constexpr,
+    B_T: tl.constexpr,
+    C_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    # Grouped launch order: GROUP_M consecutive row blocks walk the same column blocks, so
-    # the B tiles they share stay in L2.
-    pid = tl.program_id(0)
+    """Two schedules. With TMA (aligned 16-bit operands), persistent: each program
+    computes tiles ``pid, pid + programs, ...`` in grouped order (the grid is at most
+    the SM count on a GPU), A and B read through descriptors over their contiguous axes
+    (A_T: A is M-contiguous, B_T: B is K-contiguous, a weight read as ``w.T``), tiles
+    and their K loops flattened into one pipelined loop (the Triton tutorial 09's
+    schedule). Otherwise one tile per program through pointers advanced each K step.
+    C_TMA: C is written (and read back when adding) through a descriptor."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    pids_per_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // pids_per_group) * GROUP_M
-    group_rows = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % pids_per_group) % group_rows
-    pid_n = (pid % pids_per_group) // group_rows
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    # Rows and columns past the edge wrap onto valid ones, so the loads need no M/N mask;
-    # only the store is masked. Row and column offsets are 64-bit: M * stride_am or
-    # N * stride_bn can pass 2**31 (an LM head's weight read transposed, say).
-    rows_a = (offs_m % M).to(tl.int64)
-    cols_b = (offs_n % N).to(tl.int64)
-    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols_b[None, :] * stride_bn
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)
-        acc += bias.to(tl.float32)[None, :]
-    c_ptrs = (c_ptr + offs_m[:, None].to(tl.int64) * stride_cm
-              + offs_n[None, :].to(tl.int64) * stride_cn)  # fmt: skip
-    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    if ACCUMULATE:
-        acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    if C_TMA:
+        c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N // 2])  # fmt: skip
+    else:
+        c_desc = None
+    if TMA:
+        a_desc = _operand_source(a_ptr, M, K, stride_ak if A_T else stride_am, A_T, BLOCK_M,
+                                 BLOCK_K)  # fmt: skip
+        b_desc = _operand_source(b_ptr, K, N, stride_bn if B_T else stride_bk, B_T, BLOCK_K,
+                                 BLOCK_N)  # fmt: skip
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0),
+                             flatten=True):  # fmt: skip
+            pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
+            start_m, start_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(tl.cdiv(K, BLOCK_K)):
+                a = _load_operand(a_desc, start_m, ki * BLOCK_K, A_T)
+                b = _load_operand(b_desc, ki * BLOCK_K, start_n, B_T)
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            _epilogue(acc, c_ptr, c_desc, bias_ptr, start_m, start_n, M, N, stride_cm, stride_cn,
+                      stride_bias, HAS_BIAS, ACCUMULATE, C_TMA, BLOCK_M, BLOCK_N)  # fmt: skip
+    else:
+        pid_m, pid_n = _tile_of(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        # Rows and columns past the edge wrap onto valid ones, so the loads need no M/N
+        # mask; only the store is masked. Row and column offsets are 64-bit: M *
+        # stride_am or N * stride_bn can pass 2**31 (an LM head's weight read
+        # transposed, say).
+        rows_a = (offs_m % M).to(tl.int64)
+        cols_b = (offs_n % N).to(tl.int64)
+        a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols_b[None, :] * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_left = K - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        _epilogue(acc, c_ptr, c_desc, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
+                  stride_cm, stride_cn, stride_bias, HAS_BIAS, ACCUMULATE, C_TMA, BLOCK_M,
+                  BLOCK_N)  # fmt: skip
 
 
 def _candidates(M: int, N: int, interpreted: bool, dtype, accumulate) -> list[triton.Config]:
@@ -232,12 +321,20 @@ def matmul(
         bias.stride(0) if bias is not None else 0,
         M, N, K,
     )  # fmt: skip
+    tma = a.dtype != torch.float32 and tma_compatible(a, b)
+    c_tma = out.stride(1) == 1 and tma_compatible(out)  # the descriptor takes C row-major
+    if tma or c_tma:
+        ensure_tma_allocator(a.device)
     meta = dict(HAS_BIAS=bias is not None, ACCUMULATE=accumulate, INPUT_PRECISION=precision,
-                EVEN_K=K % BLOCK_K == 0, GROUP_M=GROUP_M)  # fmt: skip
+                EVEN_K=K % BLOCK_K == 0, TMA=tma, A_T=tma and a.stride(1) != 1,
+                B_T=tma and b.stride(1) != 1,
+                C_TMA=c_tma, GROUP_M=GROUP_M)  # fmt: skip
+    programs = sm_count(a.device) if a.device.type == "cuda" else None
 
     def launch(config):
         tiles = triton.cdiv(M, config.kwargs["BLOCK_M"]) * triton.cdiv(N, config.kwargs["BLOCK_N"])
-        _matmul_kernel[(tiles,)](*args, **meta, **config.all_kwargs())
+        grid = (tiles if programs is None or not tma else min(tiles, programs),)
+        _matmul_kernel[grid](*args, **meta, **config.all_kwargs())
 
     def candidates():
         return _candidates(bucket(M), N, is_interpreted(_matmul_kernel), a.dtype, accumulate)

@@ -82,13 +82,16 @@ def _mask(causal, window, softcap, intervals):
 def _tma(allowed):
     """With `allowed` False, the launchers find no input TMA can read: the kernels'
     pointer path, as an A100 (or tiles TMA cannot address) gets it, on aligned tensors."""
-    saved = attn.tma_compatible, attn_bwd.tma_compatible
+    modules = (attn, attn_bwd, matmul)
+    saved = [m.tma_compatible for m in modules]
     if not allowed:
-        attn.tma_compatible = attn_bwd.tma_compatible = lambda *tensors: False
+        for m in modules:
+            m.tma_compatible = lambda *tensors: False
     try:
         yield
     finally:
-        attn.tma_compatible, attn_bwd.tma_compatible = saved
+        for m, fn in zip(modules, saved, strict=True):
+            m.tma_compatible = fn
 
 
 def attention_forward(dtype, head_dim, causal=True, group=2, merge=False, precision="highest",
@@ -134,7 +137,7 @@ def attention_merge_call(head_dim):
     attention_merge.merge_attention(out, lse, block, block_lse)
 
 
-def matmul_call(dtype, accumulate=False, precision="highest", huge_stride=False):
+def matmul_call(dtype, accumulate=False, precision="highest", huge_stride=False, tma=True):
     """``x @ w.T + bias`` (a linear layer's forward), or with ``accumulate`` an fp32 C added
     into without bias (reduce-scatter partials, weight gradients). ``huge_stride``: rows
     of A 2**31 elements apart, so the strides are passed as i64 (4 GiB of address space
@@ -146,7 +149,7 @@ def matmul_call(dtype, accumulate=False, precision="highest", huge_stride=False)
     else:
         a = _empty((M, K), dtype)
     w = _empty((N, K), dtype)
-    with _fp32_precision(precision):
+    with _fp32_precision(precision), _tma(tma):
         if accumulate:
             matmul.matmul(a, w.T, out=_empty((M, N), "float32"), accumulate=True)
         else:
@@ -207,7 +210,8 @@ BLOCKS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 # Kernels that read tiles through TMA descriptors where the launcher finds them usable
 # (`_common.tma_compatible`): always on the gate's aligned CPU tensors, never on an A100.
 TMA_KERNELS = {"_attn_fwd_kernel": ("TMA", "OUT_TMA"), "_attn_bwd_dq_kernel": ("TMA",),
-               "_attn_bwd_dkdv_kernel": ("TMA", "OUT_TMA")}  # fmt: skip
+               "_attn_bwd_dkdv_kernel": ("TMA", "OUT_TMA"),
+               "_matmul_kernel": ("TMA", "A_T", "B_T", "C_TMA")}  # fmt: skip
 
 
 def _tile(config) -> str:
@@ -343,6 +347,9 @@ MATMUL_VARIANTS = {  # variant: scenario params
     "float16-accumulate-fp32": {"dtype": "float16", "accumulate": True},
     "ieee-bias": {"dtype": "float32"},
     "tf32-bias": {"dtype": "float32", "precision": "high"},
+    # on Hopper, operands TMA cannot read (and an A100's path)
+    "bfloat16-bias-pointer": {"dtype": "bfloat16", "tma": False},
+    "bfloat16-accumulate-fp32-pointer": {"dtype": "bfloat16", "accumulate": True, "tma": False},
 }
 for variant, params in MATMUL_VARIANTS.items():
     dtype = getattr(torch, params["dtype"])
@@ -356,7 +363,7 @@ add(
     "matmul",
     "bfloat16-i64-strides",
     matmul_call,
-    {"dtype": "bfloat16", "huge_stride": True},
+    {"dtype": "bfloat16", "huge_stride": True, "tma": False},
     "_matmul_kernel",
     90,
     matmul.matmul_configs(torch.bfloat16, False)[0],
