@@ -11,7 +11,8 @@ reach the host.
 | `dispatch_metadata`         | counts (E,), order (P,), pos (T, k) (-1: dropped)        |
 | `grouped_matmul`            | ``y[p] = x[rows[p]] @ w[e].T`` (the gather in the loads) |
 | `grouped_swiglu`            | ``a[p] = silu(h1[p]) * h3[p]``, ``h1, h3 = x[rows[p]] @  |
-|                             | w1[e].T, w3[e].T``: one gather of x for both             |
+|                             | w1[e].T, w3[e].T``: one gather of x, one product whose   |
+|                             | tiles take half their columns from each weight           |
 | `grouped_swiglu_backward`   | ``dh1, dh3`` from ``da = d_out[p] @ w2[e]`` and the saved |
 |                             | h1, h3; a again (for w2's gradient)                      |
 | `grouped_swiglu_input_grad` | ``dx[p] = dh1[p] @ w1[e] + dh3[p] @ w3[e]``              |
@@ -57,15 +58,17 @@ def grouped_matmul_configs(mode: str = "plain") -> list[triton.Config]:
     expert and N of a call.
 
     128-row tiles with 8 warps feed Hopper's wgmma; 64- and 32-row tiles serve experts
-    with few rows (decode, many experts). The fused gate/up GEMM keeps two accumulators
-    and loads two weight tiles per step, so its tiles are half as wide; the SwiGLU's
-    backward holds da, g and u in its epilogue: the full-width tiles and 128x64 with 4
-    warps spill there (464-5480 B, resource gate), so it takes half-width 8-warp ones.
+    with few rows (decode, many experts). The fused gate/up tile's BLOCK_N spans both
+    weights (half its columns from w1, half from w3: one wgmma 2x as wide), in the
+    shapes of vLLM's H100 entries for its fused w13: 128x256 with 8 warps for many rows
+    per expert, down to 16-row tiles for few. The SwiGLU's backward holds da, g and u in
+    its epilogue: the full-width tiles and 128x64 with 4 warps spill there (464-5480 B,
+    resource gate), so it takes half-width 8-warp ones.
     """
     tiles = {
         # BLOCK_M, BLOCK_N, num_stages, num_warps
-        "gate_up": [(128, 64, 3, 8), (128, 64, 4, 4), (64, 128, 3, 8), (64, 64, 4, 4),
-                    (32, 64, 4, 4)],
+        "gate_up": [(128, 256, 4, 8), (128, 128, 3, 8), (64, 128, 4, 4), (32, 128, 4, 4),
+                    (16, 64, 4, 4)],
         "swiglu_grad": [(128, 64, 3, 8), (128, 64, 4, 8), (64, 128, 3, 8), (64, 64, 4, 4),
                         (32, 64, 4, 4)],
     }.get(mode, [(128, 128, 3, 8), (128, 128, 4, 4), (128, 64, 4, 4), (64, 128, 4, 4),
@@ -95,10 +98,14 @@ def _prune(configs, m: int, n: int, m_key="BLOCK_M", n_key="BLOCK_N"):
 
 
 def _gemm_candidates(mode: str, rows_per_expert: int, N: int) -> list[triton.Config]:
+    """The tiles for a call. The gate/up tile spans both weights: BLOCK_N is 2x the
+    output columns it writes."""
+    width = 2 * N if mode == "gate_up" else N
     if is_interpreted(_grouped_matmul_kernel):  # one small tile: fast, and crosses edges
-        return [triton.Config({"BLOCK_M": _fit(rows_per_expert, 32), "BLOCK_N": _fit(N, 64),
+        block_n = 2 * _fit(N, 32) if mode == "gate_up" else _fit(N, 64)
+        return [triton.Config({"BLOCK_M": _fit(rows_per_expert, 32), "BLOCK_N": block_n,
                                "BLOCK_K": BLOCK_K})]  # fmt: skip
-    return _prune(grouped_matmul_configs(mode), rows_per_expert, N)
+    return _prune(grouped_matmul_configs(mode), rows_per_expert, width)
 
 
 def _weight_grad_candidates(N: int, K: int) -> list[triton.Config]:
@@ -149,11 +156,11 @@ def _offsets(counts: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _k_loop(
-    acc, acc2, x_ptrs, w_ptrs, v_ptrs, row_mask, n_mask, K, stride_xk, stride_wk, stride_vk,
-    TWO_WEIGHTS: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    acc, x_ptrs, w_ptrs, row_mask, n_mask, K, stride_xk, w_step_k,
+    EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """acc += x @ w over K (and acc2 += x @ v from the same x tiles with TWO_WEIGHTS)."""
+    """acc += x @ w over K; `w_step_k` is the weight tile's K stride (per column: the
+    fused gate/up tile takes its columns from two tensors)."""
     offs_k = tl.arange(0, BLOCK_K)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
@@ -166,13 +173,9 @@ def _k_loop(
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
         acc = tl.dot(x, tl.load(w_ptrs, mask=w_mask, other=0.0), acc,
                      input_precision=INPUT_PRECISION)  # fmt: skip
-        if TWO_WEIGHTS:
-            acc2 = tl.dot(x, tl.load(v_ptrs, mask=w_mask, other=0.0), acc2,
-                          input_precision=INPUT_PRECISION)  # fmt: skip
-            v_ptrs += BLOCK_K * stride_vk
         x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
-    return acc, acc2
+        w_ptrs += BLOCK_K * w_step_k
+    return acc
 
 
 @triton.jit
@@ -203,6 +206,7 @@ def _grouped_matmul_kernel(
     | ----------- | -------------------------- | ----------------------------------------- |
     | (none)      | x (R, K), w (E, N, K)      | y = acc                                   |
     | GATE_UP     | v (E, N, K): the up weight | y = silu(g) u; h = [g, u] if STORE_HIDDEN |
+    |             | (one product over both)    |                                           |
     | SWIGLU_GRAD | acc = da; h = [g, u]       | dh = [da u silu'(g), da silu(g)]; y = silu(g) u |
     | SECOND_K    | x (P, 2K), v (E, N, K)     | y = x[:, :K] @ w[e].T + x[:, K:] @ v[e].T |
 
@@ -210,10 +214,17 @@ def _grouped_matmul_kernel(
     count of BLOCK_M blocks per expert) is found from the program id; programs past the
     last block exit, so the grid may be an upper bound known without a host sync.
     """
+    # GATE_UP: each tile's BLOCK_N columns are OUT_N of w (g) then the same OUT_N of v
+    # (u): one wgmma twice as wide as two dots over the same x tile (x read from shared
+    # memory once per step, not twice), split in the epilogue.
+    if GATE_UP:
+        OUT_N: tl.constexpr = BLOCK_N // 2
+    else:
+        OUT_N: tl.constexpr = BLOCK_N
     # Grouped order (P7): GROUP_M row blocks walk the column blocks together, so a row
     # block's x tile is read from HBM once, not once per column block.
     pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_n = tl.cdiv(N, OUT_N)
     num_pid_m = tl.num_programs(0) // num_pid_n
     pids_per_group = GROUP_M * num_pid_n
     first_pid_m = (pid // pids_per_group) * GROUP_M
@@ -232,23 +243,33 @@ def _grouped_matmul_kernel(
     offs_m = row_start + tl.arange(0, BLOCK_M)  # int64: rows in expert order
     row_mask = offs_m < row_end
     src_rows = tl.load(rows_ptr + offs_m, mask=row_mask, other=0) if HAS_ROWS else offs_m
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * OUT_N + tl.arange(0, OUT_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + src_rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = (w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
-              + offs_k[:, None] * stride_wk)  # fmt: skip
-    v_ptrs = (v_ptr + e.to(tl.int64) * stride_ve + offs_n[None, :].to(tl.int64) * stride_vn
-              + offs_k[:, None] * stride_vk)  # fmt: skip
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    v_base = v_ptr + e.to(tl.int64) * stride_ve
+    if GATE_UP:
+        cols = tl.arange(0, BLOCK_N)
+        up = cols >= OUT_N
+        col_n = (pid_n * OUT_N + cols % OUT_N).to(tl.int64)
+        v_tile = v_base + col_n[None, :] * stride_vn + offs_k[:, None] * stride_vk
+        w_tile = w_base + col_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        w_ptrs = tl.where(up[None, :], v_tile, w_tile)
+        w_step_k = tl.where(up, stride_vk, stride_wk)[None, :]
+        w_mask = col_n < N
+    else:
+        w_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+        w_step_k = stride_wk
+        w_mask = n_mask
+    v_ptrs = v_base + offs_n[None, :].to(tl.int64) * stride_vn + offs_k[:, None] * stride_vk
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc, acc2 = _k_loop(acc, acc, x_ptrs, w_ptrs, v_ptrs, row_mask, n_mask, K, stride_xk,
-                        stride_wk, stride_vk, GATE_UP, EVEN_K, INPUT_PRECISION,
-                        BLOCK_K)  # fmt: skip
+    acc = _k_loop(acc, x_ptrs, w_ptrs, row_mask, w_mask, K, stride_xk, w_step_k, EVEN_K,
+                  INPUT_PRECISION, BLOCK_K)  # fmt: skip
     if SECOND_K:  # the columns K.. of x against v, into the same accumulator
-        acc, acc2 = _k_loop(acc, acc, x_ptrs + K * stride_xk, v_ptrs, v_ptrs, row_mask, n_mask,
-                            K, stride_xk, stride_vk, stride_vk, False, EVEN_K, INPUT_PRECISION,
-                            BLOCK_K)  # fmt: skip
+        acc = _k_loop(acc, x_ptrs + K * stride_xk, v_ptrs, row_mask, n_mask, K, stride_xk,
+                      stride_vk, EVEN_K, INPUT_PRECISION, BLOCK_K)  # fmt: skip
 
     out_dtype = y_ptr.dtype.element_ty
     mask = row_mask[:, None] & n_mask[None, :]
@@ -256,8 +277,9 @@ def _grouped_matmul_kernel(
     if GATE_UP:
         # g and u are rounded to the output dtype first, as PyTorch's h1 and h3 would be;
         # the backward recomputes a from these rounded values and gets the same bits.
-        g = acc.to(out_dtype)
-        u = acc2.to(out_dtype)
+        g, u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, OUT_N)), (0, 2, 1)))
+        g = g.to(out_dtype)
+        u = u.to(out_dtype)
         if STORE_HIDDEN:
             h_ptrs = h_ptr + rows64 * stride_hm + offs_n[None, :] * stride_hn
             tl.store(h_ptrs, g, mask=mask)
@@ -390,7 +412,8 @@ def _launch_gemm(mode, x, w, y, counts, rows, N, K, *, w_strides, v=None, v_stri
         bm = config.kwargs["BLOCK_M"]
         if bm not in block_offsets:
             block_offsets[bm] = _offsets((counts + bm - 1) // bm)
-        grid = ((triton.cdiv(P, bm) + E) * triton.cdiv(N, config.kwargs["BLOCK_N"]),)
+        out_n = config.kwargs["BLOCK_N"] // (2 if mode == "gate_up" else 1)
+        grid = ((triton.cdiv(P, bm) + E) * triton.cdiv(N, out_n),)
         _grouped_matmul_kernel[grid](*args, block_offsets[bm], *strides, N, K, E, **meta,
                                      **config.all_kwargs())  # fmt: skip
 
