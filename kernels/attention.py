@@ -229,21 +229,19 @@ def _fwd_inner(
         # t: the raw dots, or their tanh when soft-capped; the scores are t * qk_scale
         _, t = scores(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION), qk_scale,
                       cap_in, SOFTCAP)  # fmt: skip
-        if (start_n < mid_lo) | (start_n >= mid_hi):
+        if (start_n < mid_lo) | (start_n >= mid_hi):  # (qk_scale > 0: -inf stays -inf)
             kv_rows = start_n + tl.arange(0, BLOCK_N)
             visible = (kv_rows[None, :] >= lo[:, None]) & (kv_rows[None, :] < hi[:, None])
-            s = tl.where(visible, t * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # a row may have seen nothing yet: keep exp2 away from -inf - -inf, but keep
-            # m_i at -inf (a stand-in max of 0 would scale later blocks' p towards fp16
-            # underflow: a row whose keys start in a later block, e.g. a document's)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-        else:  # every row sees the whole block: the scale (> 0) goes into one FMA
-            m_new = tl.maximum(m_i, tl.max(t, 1) * qk_scale)
-            p = tl.math.exp2(t * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
+            t = tl.where(visible, t, float("-inf"))
+        # The scale goes into one FMA per score: max(t) * scale is max(s) as scale > 0.
+        m_new = tl.maximum(m_i, tl.max(t, 1) * qk_scale)
+        # A row may have seen nothing yet: keep exp2 away from -inf - -inf, but keep m_i
+        # at -inf (a stand-in max of 0 would scale later blocks' p towards fp16
+        # underflow: a row whose keys start in a later block, e.g. a document's). Per
+        # row, not per score: two selects a thread.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(t * qk_scale - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
         m_i = m_new

@@ -199,14 +199,26 @@ def test_bad_input_is_a_clear_error(shapes, dtypes, error, match):
         fp.flash_attn(q, k, v)
 
 
+def force_pointer_path(monkeypatch):
+    """The kernels' pointer path, as for inputs TMA cannot read (and on an A100)."""
+    from fusedpar.kernels import attention as forward_kernels
+
+    for module in (forward_kernels, backward_kernels):
+        monkeypatch.setattr(module, "tma_compatible", lambda *tensors: False)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["tma", "pointer"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     "B, S, Hq, Hkv, D, causal",
     [(2, 1024, 8, 2, 128, True), (1, 8192, 4, 2, 128, True), (1, 4096, 4, 4, 64, False),
      (1, 2048, 4, 1, 256, True)],
 )  # fmt: skip
-def test_flash_attn_gpu(B, S, Hq, Hkv, D, causal, dtype):
+def test_flash_attn_gpu(B, S, Hq, Hkv, D, causal, dtype, path, monkeypatch):
+    """Both read paths of the kernels (the GPU twin of the bitwise CPU test)."""
+    if path == "pointer":
+        force_pointer_path(monkeypatch)
     torch.manual_seed(0)
     q = torch.randn(B, S, Hq, D, device="cuda", dtype=dtype)
     k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype) for _ in range(2))
@@ -375,7 +387,6 @@ def test_tma_and_pointer_paths_agree_bitwise(monkeypatch, D, mask):
     their alignment allows (`tma_compatible`), through pointers otherwise: the same
     numbers either way, bit for bit, with edges in every dimension (D=40: TMA's zero
     fill past the head dim, 21 and 35 rows: past the sequences)."""
-    from fusedpar.kernels import attention as forward_kernels
     from fusedpar.kernels._common import tma_compatible
 
     q, k, v = (randn((2, s, h, D), torch.float16, i)
@@ -388,8 +399,7 @@ def test_tma_and_pointer_paths_agree_bitwise(monkeypatch, D, mask):
         return out, lse, *attention_backward(dout, q, k, v, lse, out=out, **mask)
 
     with_tma = run()
-    for module in (forward_kernels, backward_kernels):
-        monkeypatch.setattr(module, "tma_compatible", lambda *tensors: False)
+    force_pointer_path(monkeypatch)
     for a, b in zip(with_tma, run(), strict=True):
         assert torch.equal(a, b)
 

@@ -128,9 +128,15 @@ def test_bad_input_is_a_clear_error(args, kwargs, error, match):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["tma", "pointer"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("M, N, K", [(4096, 2048, 4096), (3000, 1792, 8192), (1, 14336, 4096)])
-def test_matmul_gpu(dtype, M, N, K):
+def test_matmul_gpu(dtype, M, N, K, path, monkeypatch):
+    """Both schedules (the GPU twin of the bitwise CPU test; fp32 reads through pointers)."""
+    if path == "pointer":
+        from fusedpar.kernels import matmul as matmul_kernels
+
+        monkeypatch.setattr(matmul_kernels, "tma_compatible", lambda *tensors: False)
     a = randn((M, K), dtype, 0).cuda()
     w = randn((N, K), dtype, 1).cuda()  # a weight, read transposed in place
     bias = randn((N,), dtype, 2).cuda()
