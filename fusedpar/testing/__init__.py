@@ -4,11 +4,12 @@
   ``world.run(exception_of, fn, *args)`` returns what each rank raised.
 - `assert_close`: the tolerance rule (twice PyTorch's own error against float64).
 - `strategies`: hypothesis profiles and strategies.
-- `compile_gate`: compile Triton kernels for sm_80/sm_90 without a GPU.
+- `compile_gate`: compile Triton kernels for sm_80/sm_90 without a GPU and read what
+  each build uses; `machine_code`: ptxas's notes and the SASS hot loop of a build.
 - `HostSyncs`: record the calls that would stall the host on a GPU, on any machine.
 """
 
-from fusedpar.testing import compile_gate, strategies
+from fusedpar.testing import compile_gate, machine_code, strategies
 from fusedpar.testing.host_syncs import HostSyncs
 from fusedpar.testing.tolerance import assert_close, tolerance
 from fusedpar.testing.world import World, WorldError, WorldTimeout, exception_of, shared_world
@@ -21,6 +22,7 @@ __all__ = [
     "assert_close",
     "compile_gate",
     "exception_of",
+    "machine_code",
     "shared_world",
     "strategies",
     "tolerance",
