@@ -96,7 +96,8 @@ def kernel_modes(meta: dict) -> frozenset:
 # instructions per 128 keys on the unmasked path, 128x64 690, 64x64 748 (the Triton
 # tutorial's 128x128: 521). Measured drops: 128x128 with 4 warps serializes its wgmma
 # (C7511: too few registers for the pipeline); at D=256, 128x64 costs more per key
-# (900) than 64x64 (770); 32x32 at D=64 spills 8 B on the pointer path. fp32 is the
+# (900) than 64x64 (770); 64x32 takes 4 warps (with 8, each of its wgmma is 64x16);
+# 32x32 at D=64 spills 8 B on the pointer path. fp32 is the
 # correctness path: its full-precision dots are FMA loops (64x32 with 4 warps spills
 # 7-10 KB at D >= 128 and compiles in 14-48 s), so it gets one small 8-warp tile: no
 # spill, about 2 s to build.
@@ -105,7 +106,7 @@ _FORWARD_TILES = {
                      (32, 32, 2, 4, {"pointer"})],
     (128, "16-bit"): [(128, 128, 2, 8), (128, 128, 3, 8), (128, 64, 3, 8), (64, 64, 4, 4),
                       (64, 32, 3, 4), (32, 32, 2, 4)],
-    (256, "16-bit"): [(64, 64, 2, 8), (128, 32, 2, 8), (64, 32, 2, 8), (32, 32, 2, 4)],
+    (256, "16-bit"): [(64, 64, 2, 8), (128, 32, 2, 8), (64, 32, 2, 4), (32, 32, 2, 4)],
     (64, "fp32"): [(32, 32, 2, 8)],
     (128, "fp32"): [(32, 32, 2, 8)],
     (256, "fp32"): [(32, 32, 2, 8)],
