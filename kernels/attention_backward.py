@@ -28,6 +28,7 @@ from fusedpar.kernels._common import (
     device_guard,
     ensure_tma_allocator,
     is_interpreted,
+    sm_count,
     tma_compatible,
 )
 from fusedpar.kernels._tuning import Agreement
@@ -376,11 +377,6 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@functools.cache
 def _largest_key_block(head_dim: int, dtype: torch.dtype) -> int:
     return max(c.kwargs["BLOCK_N"] for c in backward_configs(head_dim, dtype))
 
@@ -394,7 +390,7 @@ def gqa_split(B: int, Skv: int, Hkv: int, group: int, q: torch.Tensor) -> int:
     slices as fill that, at most one query head each."""
     below = SPLIT_BELOW_PROGRAMS
     if below is None:
-        below = 2 * _sm_count(q.device.index or 0) if q.device.type == "cuda" else 0
+        below = 2 * sm_count(q.device) if q.device.type == "cuda" else 0
     programs = max(1, triton.cdiv(Skv, _largest_key_block(q.shape[-1], q.dtype)) * B * Hkv)
     if group == 1 or programs >= below:
         return 1

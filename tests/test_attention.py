@@ -361,10 +361,10 @@ def test_ring_modes_gpu(B, Sq, Skv, Hq, Hkv, D, causal, dtype):
 
 
 def test_gqa_split_is_deterministic_and_needs_no_gpu_query(monkeypatch):
-    def no_query(index):
+    def no_query(device):
         raise AssertionError("the SM count is queried only for CUDA tensors")
 
-    monkeypatch.setattr(backward_kernels, "_sm_count", no_query)
+    monkeypatch.setattr(backward_kernels, "sm_count", no_query)
     q = torch.empty((1, 1, 1, 128), dtype=torch.bfloat16)  # D = 128: key blocks of 128 at most
     assert gqa_split(1, 8192, 1, 32, q) == 1  # the interpreter never splits by default
     monkeypatch.setattr(backward_kernels, "SPLIT_BELOW_PROGRAMS", 264)  # 2 x an H100's SMs
