@@ -7,7 +7,9 @@
 |                    | host launch cost; ``(None, reason)`` when capture fails                |
 | `host_ms`          | host wall time of issuing ``fn()`` (synchronized before and after)     |
 | `environment`      | device, versions, GPU clocks as found (``nvidia-smi``; None without)   |
-| `tuning_picks`     | the tiles fusedpar's tuner picked so far (`write_results` adds them)   |
+| `tuning_picks`     | the tiles fusedpar's tuner picked so far (`write_results` adds them),  |
+|                    | ``{"implementation": "torch"}`` where torch's won a key               |
+| `implementation`   | what ran fusedpar's ops (``FUSEDPAR_IMPL``; `write_results` adds it)  |
 """
 
 import json
@@ -210,11 +212,16 @@ def write_results(
 
     `plot`, if given, is ``plot(ax)`` drawing on a matplotlib axis. A missing value is
     None: null in the JSON, "n/a" in the table. The tuner's picks so far are added to the
-    meta as ``tuning_picks`` (a section of their own in the table).
+    meta as ``tuning_picks`` (a section of their own in the table), and what ran
+    fusedpar's ops as ``implementation``.
     """
     folder = results_folder()
     folder.mkdir(parents=True, exist_ok=True)
-    meta = {**meta, "tuning_picks": tuning_picks()}
+    import fusedpar as fp
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    meta = {**meta, "implementation": fp.implementation_summary(device_type),
+            "tuning_picks": tuning_picks()}  # fmt: skip
     text = json.dumps({"meta": meta, "rows": rows}, indent=2, allow_nan=False)
     (folder / f"{family}.json").write_text(text)
 

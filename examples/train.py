@@ -5,7 +5,9 @@
     torchrun --nproc-per-node 4 examples/train.py --steps 20 --save ckpt --save-every 10
     torchrun --nproc-per-node 4 examples/train.py --steps 30 --tp 4 --cp 1 --resume ckpt/step-20
 
-GPUs: NCCL and compiled Triton kernels. CPU: gloo and Triton's interpreter. Every
+GPUs: NCCL, and per shape the faster of fusedpar's Triton kernels and torch's (timed
+once). CPU: gloo and torch's ops, or with FUSEDPAR_IMPL=triton fusedpar's kernels in
+Triton's interpreter (a debugging tool: minutes, not seconds). Every
 parameter is a DTensor on the (dp, cp[, ulysses], tp) mesh (`fp.distribute`); data
 parallelism over the remaining ranks (dp = world / (tp * cp * ulysses)) goes through
 PyTorch's FSDP2 on the "dp" axis of that mesh. Checkpoints (`--save`) hold the model
@@ -84,8 +86,9 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks
     if torch.cuda.is_available() and not cuda and os.environ.get("LOCAL_RANK") == "0":
         print(f"{torch.cuda.device_count()} GPU(s) for {local_ranks} local ranks: running on "
-              "the CPU (gloo, Triton's interpreter) instead", flush=True)  # fmt: skip
-    if not cuda:  # before anything imports triton: CPU tensors run in its interpreter
+              "the CPU (gloo) instead", flush=True)  # fmt: skip
+    if not cuda and os.environ.get("FUSEDPAR_IMPL") == "triton":
+        # before anything imports triton: on a CPU the kernels run in its interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch.distributed as dist
     from tiny_llama import Config, ParallelTransformer, Transformer
@@ -147,7 +150,8 @@ def main(argv=None) -> int:
         ulysses = f" x ulysses {dims.ulysses}" if dims.ulysses > 1 else ""
         print(f"fusedpar demo: {world} ranks = dp {dims.dp} x cp {dims.cp}{ulysses} x tp {dims.tp}"
               f"{' (MoE, experts over tp)' if args.moe else ''}, {'NCCL' if cuda else 'gloo'}, "
-              f"{tokens_per_step} tokens per step", flush=True)  # fmt: skip
+              f"{fp.implementation_summary(device.type)}, {tokens_per_step} tokens per step",
+              flush=True)  # fmt: skip
     progress, losses, ref_losses = Progress(args.steps), [], []
     start = time.perf_counter()
     for step in range(first_step, args.steps + 1):

@@ -1,6 +1,8 @@
 """fusedpar: Triton kernels that fuse compute with communication for transformer training."""
 
 from fusedpar import checkpoint, comm, nn, ops, testing
+from fusedpar.kernels._impl import implementation
+from fusedpar.kernels._impl import summary as implementation_summary
 from fusedpar.ops import (
     all_gather_matmul,
     flash_attn,
@@ -28,6 +30,8 @@ __all__ = [
     "flash_attn",
     "flash_attn_varlen",
     "gather_sequence",
+    "implementation",
+    "implementation_summary",
     "matmul_reduce_scatter",
     "nn",
     "ops",

@@ -18,15 +18,18 @@ def is_interpreted(kernel) -> bool:
 
 
 def check_launchable(kernel, *tensors: torch.Tensor) -> None:
-    """Raise if `tensors` cannot run `kernel`: mixed devices, or CPU without the interpreter."""
+    """Raise if `tensors` cannot run `kernel`: mixed devices, or CPU without the interpreter
+    (reached only when Triton's kernels were asked for: ``auto`` runs torch on a CPU)."""
     devices = {t.device for t in tensors}
     if len(devices) > 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
     (device,) = devices
     if device.type == "cpu" and not is_interpreted(kernel):
         raise RuntimeError(
-            "CPU tensors run Triton kernels in Triton's interpreter: set TRITON_INTERPRET=1 "
-            "before anything imports triton (or move the tensors to a GPU)"
+            "Triton's kernels were asked for (FUSEDPAR_IMPL=triton or "
+            "fusedpar.implementation('triton')) on CPU tensors: on a CPU they run in "
+            "Triton's interpreter, so set TRITON_INTERPRET=1 before anything imports "
+            "triton, or use the torch implementation (FUSEDPAR_IMPL=auto or torch)"
         )
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"fusedpar kernels run on CUDA or CPU tensors, got {device}")

@@ -16,6 +16,8 @@ tuner returns the pick for that key, timing every candidate once on a miss:
 | ring and TP loops  | they tune with ``tune_only`` before the loop and run the loop inside |
 |                    | `frozen()`, where a miss raises instead of timing between transfers  |
 | failures           | a config that does not compile (shared memory, registers) is skipped |
+| implementations    | a candidate may be `_impl.Torch`: the torch implementation, timed    |
+|                    | beside the tiles (``FUSEDPAR_IMPL=auto`` on CUDA)                    |
 | tests              | `forced(name, config)` runs one config for every key, untimed, so   |
 |                    | each config of a list is checked for correctness in turn           |
 
@@ -44,6 +46,7 @@ from pathlib import Path
 
 import torch
 import triton
+from fusedpar.kernels import _impl
 
 _FROZEN = contextvars.ContextVar("fusedpar_tuning_frozen", default=None)
 _FORCED = contextvars.ContextVar("fusedpar_tuning_forced", default=None)
@@ -113,7 +116,9 @@ def _time_ms(fn: Callable[[], None], device: torch.device) -> float:
     return statistics.median(times)
 
 
-def _describe(config: triton.Config) -> dict:
+def _describe(config) -> dict:
+    if isinstance(config, _impl.Torch):
+        return {"implementation": config.name}
     return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps,
             "num_stages": config.num_stages}  # fmt: skip
 
@@ -121,6 +126,11 @@ def _describe(config: triton.Config) -> dict:
 def _verbose() -> bool:
     names = ("TRITON_PRINT_AUTOTUNING", "FUSEDPAR_PRINT_TUNING")
     return any(os.environ.get(name) == "1" for name in names)
+
+
+def _full_key(key: tuple) -> tuple:
+    """A launcher's key with the implementation asked for (its candidates depend on it)."""
+    return (*key, ("implementation", _impl.requested()))
 
 
 class Tuner:
@@ -135,7 +145,7 @@ class Tuner:
 
     def has(self, key: tuple, agreement: Agreement | None = None) -> bool:
         """Whether the pick for `key` is made (in `agreement`'s group, or locally)."""
-        return (agreement.name if agreement else None, key) in self.picks
+        return (agreement.name if agreement else None, _full_key(key)) in self.picks
 
     def run(
         self,
@@ -150,7 +160,10 @@ class Tuner:
     ) -> triton.Config:
         """Launch with the pick for `key` (timing the configs ``candidates()`` lists first
         on a miss: they are built only then, not on every launch). With `tune_only`, make
-        the pick if missing and launch nothing more."""
+        the pick if missing and launch nothing more. A candidate may be `_impl.Torch`
+        (``launch`` then runs the torch implementation); the implementation asked for
+        (`_impl.requested`) is part of the key."""
+        key = _full_key(key)
         config = (_FORCED.get() or {}).get(self.name)
         if config is not None:
             if not tune_only:

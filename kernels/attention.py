@@ -30,7 +30,7 @@ base 2 (``exp2`` with log2(e) folded into the scale); the LSE is natural at the 
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _tuning
+from fusedpar.kernels import _impl, _tuning, attention_torch
 from fusedpar.kernels._common import (
     check_float_dtype,
     check_launchable,
@@ -377,9 +377,10 @@ def kernel_meta(q: torch.Tensor, *, intervals: bool = False, softcap: bool = Fal
 
 def mask_arguments(q, k, *, causal, window, softcap, softmax_scale, intervals, side):
     """What every attention kernel takes for its mask and scores: ``(tensors, scalars,
-    meta, key)``. tensors: the intervals of `side` ("query": keys each query row sees;
-    "key": queries that see each key row) and their batch stride; scalars: ``(qk_scale,
-    cap_in, shift, left, right)``; key: for the tuner. With `intervals` (the tensor
+    meta, key, scores)``. tensors: the intervals of `side` ("query": keys each query row
+    sees; "key": queries that see each key row) and their batch stride; scalars:
+    ``(qk_scale, cap_in, shift, left, right)``; key: for the tuner; scores: the same for
+    the torch implementation (`attention_torch.Scores`). With `intervals` (the tensor
     mode) they hold the whole mask: `causal` and `window` must be left unset."""
     (B, Sq, _, D), Skv = q.shape, k.shape[1]
     softcap = check_softcap(softcap)
@@ -402,7 +403,8 @@ def mask_arguments(q, k, *, causal, window, softcap, softmax_scale, intervals, s
         tensors = (lo, hi, intervals.batch_stride(lo))
     meta = kernel_meta(q, intervals=intervals is not None, softcap=softcap > 0)
     key = (("masked", is_masked(causal, window)),)
-    return tensors, (qk_scale, cap_in, shift, left, right), meta, key
+    scores = attention_torch.Scores(scale, softcap, (shift, left, right), intervals)
+    return tensors, (qk_scale, cap_in, shift, left, right), meta, key, scores
 
 
 def interpreter_blocks(Sq: int, Skv: int) -> dict:
@@ -414,24 +416,30 @@ def interpreter_blocks(Sq: int, Skv: int) -> dict:
 
 def launch(
     kernel, configs, grid, args, meta, Sq, Skv, *, restore=(), agreement=None, tune_only=False,
-    key_extra=(),
+    key_extra=(), torch_run=None,
 ):  # fmt: skip
     """Launch `kernel` with the tile tuned for (Sq and Skv buckets, `meta`, the dtypes,
     `key_extra`): one sized to the problem in the interpreter, else the best of
     ``configs()``. `grid(tile)` builds the grid; `restore`: buffers the kernel reads
-    back (adds into, or merges with)."""
+    back (adds into, or merges with). `torch_run`: the torch implementation of the same
+    call, a candidate too where given (CUDA, ``FUSEDPAR_IMPL=auto``)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     key = (bucket(Sq), bucket(Skv), *sorted(meta.items()), *(str(t.dtype) for t in tensors),
            *key_extra)  # fmt: skip
 
     def candidates():
         if is_interpreted(kernel):
-            return [triton.Config(interpreter_blocks(bucket(Sq), bucket(Skv)))]
-        configs_here = configs(meta["HEAD_DIM"], args[0].dtype, kernel_modes(meta))
-        return _prune_configs(configs_here, bucket(Sq), bucket(Skv))
+            tiles = [triton.Config(interpreter_blocks(bucket(Sq), bucket(Skv)))]
+        else:
+            configs_here = configs(meta["HEAD_DIM"], args[0].dtype, kernel_modes(meta))
+            tiles = _prune_configs(configs_here, bucket(Sq), bucket(Skv))
+        return tiles + ([_impl.TORCH] if torch_run and _impl.tunes_torch() else [])
 
     def run(config):
-        kernel[grid(config.kwargs)](*args, **meta, **config.all_kwargs())
+        if isinstance(config, _impl.Torch):
+            torch_run()
+        else:
+            kernel[grid(config.kwargs)](*args, **meta, **config.all_kwargs())
 
     with device_guard(args[0]):
         _tuning.tuner(kernel.__name__).run(key, candidates, run, device=args[0].device,
@@ -474,7 +482,7 @@ def attention_forward(
     loop."""
     check_attention_inputs(q, k, v)
     (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
-    tensors, scalars, meta, key = mask_arguments(
+    tensors, scalars, meta, key, scores = mask_arguments(
         q, k, causal=causal, window=window, softcap=softcap, softmax_scale=softmax_scale,
         intervals=intervals, side="query",
     )  # fmt: skip
@@ -492,6 +500,14 @@ def attention_forward(
     if lse is None:
         lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     check_buffer("lse", lse, (B, Hq, Sq), (torch.float32,), q.device)
+
+    def torch_run():
+        attention_torch.forward(q, k, v, scores, out, lse, merge)
+
+    if _impl.runs_torch(q.device):
+        if not tune_only and B * Sq * Hq:
+            torch_run()
+        return None if tune_only else (out, lse)
     check_launchable(_attn_fwd_kernel, q, k, v, out, lse, *tensors[:2])
     if B * Sq * Hq == 0:
         return None if tune_only else (out, lse)
@@ -515,6 +531,6 @@ def attention_forward(
         ensure_tma_allocator(q.device)
     meta = {**meta, "MERGE": merge, "TMA": tma, "OUT_TMA": out_tma}
     launch(_attn_fwd_kernel, forward_configs, grid, args, meta, Sq, Skv,
-           restore=restore, agreement=agreement, tune_only=tune_only,
-           key_extra=key)  # fmt: skip
+           restore=restore, agreement=agreement, tune_only=tune_only, key_extra=key,
+           torch_run=torch_run if attention_torch.capable_on_cuda(q, k) else None)  # fmt: skip
     return None if tune_only else (out, lse)

@@ -23,6 +23,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from fusedpar.kernels import _impl, attention_torch
 from fusedpar.kernels._common import (
     check_launchable,
     device_guard,
@@ -363,6 +364,8 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"out and dout must be one (B, S, H, D) shape, got "
                          f"{tuple(out.shape)} and {tuple(dout.shape)}")  # fmt: skip
     B, Sq, Hq, D = out.shape
+    if _impl.runs_torch(out.device):
+        return attention_torch.delta(out, dout)
     delta = torch.empty((B, Hq, Sq), dtype=torch.float32, device=out.device)
     check_launchable(_bwd_delta_kernel, out, dout)
     if delta.numel() == 0:
@@ -457,10 +460,18 @@ def attention_backward_dkdv(
         raise ValueError("accumulate=True adds into dk and dv: both must be given")
     dk = _gradient_buffer("dk", dk, k, q, grad_dtype, tune_only)
     dv = _gradient_buffer("dv", dv, v, q, grad_dtype, tune_only)
-    tensors, scalars, meta, key = mask_arguments(
+    tensors, scalars, meta, key, scores = mask_arguments(
         q, k, causal=causal, window=window, softcap=softcap, softmax_scale=softmax_scale,
         intervals=intervals, side="key",
     )  # fmt: skip
+
+    def torch_run():
+        attention_torch.backward_dkdv(dout, q, k, v, lse, delta, scores, dk, dv, accumulate)
+
+    if _impl.runs_torch(q.device):
+        if not tune_only and B * Hkv * Skv:
+            torch_run()
+        return None if tune_only else (dk, dv)
     check_launchable(_attn_bwd_dkdv_kernel, dout, q, k, v, lse, delta, dk, dv, *tensors[:2])
     if B * Hkv * Skv == 0:  # with Sq == 0 the kernel writes zeros: no query, no gradient
         return None if tune_only else (dk, dv)
@@ -487,9 +498,12 @@ def attention_backward_dkdv(
     def grid(meta):
         return (triton.cdiv(Skv, meta["BLOCK_N"]), B, Hkv * split)
 
+    # (split > 1 writes partials, summed below: a torch pick would write dk, dv itself)
+    capable = split == 1 and attention_torch.capable_on_cuda(q, k)
     launch(_attn_bwd_dkdv_kernel, backward_configs, grid, args, meta, Sq, Skv,
            restore=[dk, dv] if adds and not tune_only else [], agreement=agreement,
-           tune_only=tune_only, key_extra=(*key, ("SPLIT", split)))  # fmt: skip
+           tune_only=tune_only, key_extra=(*key, ("SPLIT", split)),
+           torch_run=torch_run if capable else None)  # fmt: skip
     if tune_only:
         return None
     if split > 1:  # the slices of each group, summed in order (torch.sum: no atomics)
@@ -528,10 +542,18 @@ def attention_backward_dq(
     if accumulate and not tune_only and dq is None:
         raise ValueError("accumulate=True adds into dq: it must be given")
     dq = _gradient_buffer("dq", dq, q, q, grad_dtype, tune_only)
-    tensors, scalars, meta, key = mask_arguments(
+    tensors, scalars, meta, key, scores = mask_arguments(
         q, k, causal=causal, window=window, softcap=softcap, softmax_scale=softmax_scale,
         intervals=intervals, side="query",
     )  # fmt: skip
+
+    def torch_run():
+        attention_torch.backward_dq(dout, q, k, v, lse, delta, scores, dq, accumulate)
+
+    if _impl.runs_torch(q.device):
+        if not tune_only and B * Hq * Sq:
+            torch_run()
+        return None if tune_only else dq
     check_launchable(_attn_bwd_dq_kernel, dout, q, k, v, lse, delta, dq, *tensors[:2])
     if B * Hq * Sq == 0:
         return None if tune_only else dq
@@ -552,7 +574,8 @@ def attention_backward_dq(
 
     launch(_attn_bwd_dq_kernel, dq_configs, grid, args, meta, Sq, Skv,
            restore=[dq] if accumulate and not tune_only else [], agreement=agreement,
-           tune_only=tune_only, key_extra=key)  # fmt: skip
+           tune_only=tune_only, key_extra=key,
+           torch_run=torch_run if attention_torch.capable_on_cuda(q, k) else None)  # fmt: skip
     return None if tune_only else dq
 
 

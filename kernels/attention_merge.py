@@ -27,6 +27,7 @@ computed elsewhere (and as the isolated test of that math).
 import torch
 import triton
 import triton.language as tl
+from fusedpar.kernels import _impl, attention_torch
 from fusedpar.kernels._common import check_launchable, device_guard, is_interpreted
 
 # One program merges BLOCK_S rows of one (batch, head): rows are D-wide, so 64 rows keep
@@ -100,6 +101,9 @@ def merge_attention(
             )
     if out.dtype != torch.float32:
         raise TypeError(f"out accumulates in float32, got {out.dtype}")
+    if _impl.runs_torch(out.device):
+        attention_torch.merge(out, lse, block_out, block_lse)
+        return
     check_launchable(_merge_kernel, out, lse, block_out, block_lse)
     if out.numel() == 0:
         return

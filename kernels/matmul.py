@@ -17,7 +17,7 @@ fp32 buffer.
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _tuning
+from fusedpar.kernels import _impl, _tuning
 from fusedpar.kernels._common import (
     check_float_dtype,
     check_launchable,
@@ -298,10 +298,16 @@ def matmul(
     buffers, nothing written, returns None): the TP rings do so before their loops.
     """
     _check_operands(a, b, bias, out, accumulate and not tune_only, out_dtype)
-    tensors = [t for t in (a, b, bias, out) if t is not None]
-    check_launchable(_matmul_kernel, *tensors)
     (M, K), N = a.shape, b.shape[1]
     c_dtype = out.dtype if out is not None else out_dtype or a.dtype
+    if _impl.runs_torch(a.device):
+        if tune_only:
+            return None
+        out = torch.empty((M, N), dtype=c_dtype, device=a.device) if out is None else out
+        _matmul_torch(a, b, bias, out, accumulate)
+        return out
+    tensors = [t for t in (a, b, bias, out) if t is not None]
+    check_launchable(_matmul_kernel, *tensors)
     precision = fp32_dot_precision() if a.dtype == torch.float32 else "tf32"
     key = (bucket(M), N, K, str(a.dtype), str(c_dtype), bias is not None and str(bias.dtype),
            accumulate, precision)  # fmt: skip
@@ -332,17 +338,45 @@ def matmul(
     programs = sm_count(a.device) if a.device.type == "cuda" else None
 
     def launch(config):
+        if isinstance(config, _impl.Torch):
+            _matmul_torch(a, b, bias, out, accumulate)
+            return
         tiles = triton.cdiv(M, config.kwargs["BLOCK_M"]) * triton.cdiv(N, config.kwargs["BLOCK_N"])
         grid = (tiles if programs is None or not tma else min(tiles, programs),)
         _matmul_kernel[grid](*args, **meta, **config.all_kwargs())
 
+    # cuBLAS as a candidate where it computes the same contract in one call: C in A's
+    # dtype, nothing added into (it rounds the fp32 sum once, as the kernel does)
+    cublas = not accumulate and c_dtype == a.dtype and (bias is None or bias.dtype == a.dtype)
+
     def candidates():
-        return _candidates(bucket(M), N, is_interpreted(_matmul_kernel), a.dtype, accumulate)
+        tiles = _candidates(bucket(M), N, is_interpreted(_matmul_kernel), a.dtype, accumulate)
+        return tiles + ([_impl.TORCH] if cublas and _impl.tunes_torch() else [])
 
     with device_guard(a):
         tuner.run(key, candidates, launch, device=a.device, restore=[out] if accumulate else [],
                   agreement=agreement, tune_only=tune_only)  # fmt: skip
     return None if tune_only else out
+
+
+def _matmul_torch(a, b, bias, out, accumulate) -> None:
+    """`matmul`'s contract in torch, into `out`. On CUDA, one cuBLAS call (the tuner
+    offers it only where that is the contract: see `matmul`); elsewhere 16-bit operands
+    are widened to fp32 (their products are exact there) and summed in fp32, the bias
+    and an added C in fp32 too, and the result rounded once into `out`."""
+    if a.device.type == "cuda" and not accumulate and out.dtype == a.dtype:
+        if bias is None:
+            torch.mm(a, b, out=out)
+        else:
+            torch.addmm(bias, a, b, out=out)
+        return
+    wide = a.dtype != torch.float32
+    c = (a.float() @ b.float()) if wide else a @ b
+    if bias is not None:
+        c = c + bias.float()
+    if accumulate:
+        c = c + out.float()
+    out.copy_(c)
 
 
 def matmul_reference(

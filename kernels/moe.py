@@ -28,7 +28,7 @@ plain-PyTorch reference of each kernel closes the file.
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _tuning
+from fusedpar.kernels import _impl, _tuning, moe_torch
 from fusedpar.kernels._common import (
     check_float_dtype,
     check_launchable,
@@ -377,7 +377,8 @@ def _check_grouped(what, kernel, x, counts, rows, P, **weights):
         if w.dtype != x.dtype:
             raise TypeError(f"{what}: x is {x.dtype} but {name} is {w.dtype}")
     _check_index("rows", rows, P, x.device)
-    check_launchable(kernel, x, counts, *(w for w, _ in weights.values()))
+    if not _impl.runs_torch(x.device):
+        check_launchable(kernel, x, counts, *(w for w, _ in weights.values()))
     return E
 
 
@@ -442,6 +443,9 @@ def grouped_matmul(x, w, counts, rows=None, *, out_dtype=None, transpose_w=False
     _check_grouped("grouped_matmul", _grouped_matmul_kernel, x, counts, rows, P,
                    w=(w, (K, N) if transpose_w else (N, K)))  # fmt: skip
     y = _empty((P, N), out_dtype or x.dtype, x.device)
+    if _impl.runs_torch(x.device):
+        moe_torch.grouped_matmul(x, w, counts, rows, y, transpose_w)
+        return y
     _launch_gemm("plain", x, w, y, counts, rows, N, K, w_strides=_weight_strides(w, transpose_w))
     return y
 
@@ -463,6 +467,9 @@ def grouped_swiglu(x, w1, w3, counts, rows=None, *, save_hidden=True):
                    w1=(w1, (h, x.shape[-1])), w3=(w3, (h, x.shape[-1])))  # fmt: skip
     a = _empty((P, h), x.dtype, x.device)
     h13 = _empty((P, 2 * h), x.dtype, x.device) if save_hidden else None
+    if _impl.runs_torch(x.device):
+        moe_torch.grouped_swiglu(x, w1, w3, counts, rows, a, h13)
+        return a, h13
     _launch_gemm("gate_up", x, w1, a, counts, rows, h, d, w_strides=tuple(w1.stride()), v=w3,
                  v_strides=tuple(w3.stride()), h=h13)  # fmt: skip
     return a, h13
@@ -486,6 +493,9 @@ def grouped_swiglu_backward(d_out, w2, h13, counts):
                    w2=(w2, (d_out.shape[-1], h)))  # fmt: skip
     a = _empty((P, h), d_out.dtype, d_out.device)
     d_h13 = _empty((P, 2 * h), d_out.dtype, d_out.device)
+    if _impl.runs_torch(d_out.device):
+        moe_torch.grouped_swiglu_backward(d_out, w2, h13, counts, d_h13, a)
+        return d_h13, a
     _launch_gemm("swiglu_grad", d_out, w2, a, counts, None, h, d,
                  w_strides=_weight_strides(w2, True), h=h13, dh=d_h13)  # fmt: skip
     return d_h13, a
@@ -503,6 +513,9 @@ def grouped_swiglu_input_grad(d_h13, w1, w3, counts):
     _check_grouped("grouped_swiglu_input_grad", _grouped_matmul_kernel, d_h13, counts, None,
                    d_h13.shape[0], w1=(w1, (h, d)), w3=(w3, (h, d)))  # fmt: skip
     dx = _empty((d_h13.shape[0], d), d_h13.dtype, d_h13.device)
+    if _impl.runs_torch(dx.device):
+        moe_torch.grouped_swiglu_input_grad(d_h13, w1, w3, counts, dx)
+        return dx
     _launch_gemm("second_k", d_h13, w1, dx, counts, None, d, h,
                  w_strides=_weight_strides(w1, True), v=w3,
                  v_strides=_weight_strides(w3, True))  # fmt: skip
@@ -525,9 +538,12 @@ def grouped_weight_grad(dy, x, counts, rows=None, *, out_dtype=None, split=False
                          f"rows, got {tuple(x.shape)}")  # fmt: skip
     P, N = dy.shape[0], dy.shape[1] // (2 if split else 1)
     E = _check_grouped("grouped_weight_grad", _grouped_weight_grad_kernel, x, counts, rows, P)
-    check_launchable(_grouped_weight_grad_kernel, dy, x)
     K = x.shape[1]
     outs = [_empty((E, N, K), out_dtype or x.dtype, x.device) for _ in range(2 if split else 1)]
+    if _impl.runs_torch(x.device):
+        moe_torch.grouped_weight_grad(dy, x, counts, rows, outs)
+        return tuple(outs) if split else outs[0]
+    check_launchable(_grouped_weight_grad_kernel, dy, x)
     if outs[0].numel() == 0:
         return tuple(outs) if split else outs[0]
     offsets = _offsets(counts)

@@ -17,6 +17,7 @@ with no atomics. The plain-PyTorch reference closes the file.
 import torch
 import triton
 import triton.language as tl
+from fusedpar.kernels import _impl, moe_torch
 from fusedpar.kernels._common import check_launchable, device_guard, is_interpreted
 
 # Permute/combine: a program moves this many elements (4 rows of 2048 at d_model 2048),
@@ -171,8 +172,11 @@ def gather_rows(src, idx, scale=None, *, out_dtype=None):
         got = None if scale is None else (scale.dtype, tuple(scale.shape))
         raise ValueError(f"gather_rows takes src (R, D) and scale float32 ({P},) or None, got "
                          f"{tuple(src.shape)} and {got}")  # fmt: skip
-    check_launchable(_gather_rows_kernel, src, idx)
     out = _empty((P, D), out_dtype or src.dtype, src.device)
+    if _impl.runs_torch(src.device):
+        moe_torch.gather_rows(src, idx, scale, out)
+        return out
+    check_launchable(_gather_rows_kernel, src, idx)
     if out.numel():
         args = (src, idx, idx if scale is None else scale, out, *src.stride(), *out.stride(), P, D)
         _launch_rows(_gather_rows_kernel, P, D, args, dict(HAS_SCALE=scale is not None), src)
@@ -188,8 +192,11 @@ def combine(src, pos, weight=None, *, out_dtype=None):
                          f"{tuple(src.shape)}, {pos.dtype} {tuple(pos.shape)} and "
                          f"{weight if weight is None else tuple(weight.shape)}")  # fmt: skip
     (T, top_k), D = pos.shape, src.shape[1]
-    check_launchable(_combine_kernel, src, pos)
     y = _empty((T, D), out_dtype or src.dtype, src.device)
+    if _impl.runs_torch(src.device):
+        moe_torch.combine(src, pos, weight, y)
+        return y
+    check_launchable(_combine_kernel, src, pos)
     if y.numel():
         pos = pos.contiguous()
         weight = pos if weight is None else weight.float().contiguous()
@@ -204,8 +211,11 @@ def combine_weight_grad(dy, src, pos):
     if dy.dim() != 2 or src.dim() != 2 or dy.shape != (T, src.shape[1]):
         raise ValueError(f"combine_weight_grad: dy must be ({T}, D) for pos {tuple(pos.shape)} "
                          f"and src (P, D) {tuple(src.shape)}, got {tuple(dy.shape)}")  # fmt: skip
-    check_launchable(_combine_weight_grad_kernel, dy, src, pos)
     dw = _empty((T, top_k), torch.float32, dy.device)
+    if _impl.runs_torch(dy.device):
+        moe_torch.combine_weight_grad(dy, src, pos, dw)
+        return dw
+    check_launchable(_combine_weight_grad_kernel, dy, src, pos)
     if dw.numel():
         args = (dy, src, pos.contiguous(), dw, *dy.stride(), *src.stride(), T, dy.shape[1], top_k)
         _launch_rows(_combine_weight_grad_kernel, T, dy.shape[1], args, {}, dy)

@@ -2,6 +2,13 @@
 runs the GPU tier with compiled kernels. ``@triton.jit`` reads ``TRITON_INTERPRET`` when a
 kernel is decorated, so it is set here, before any test module imports triton; spawned
 ranks inherit it from this process's environment.
+
+Which implementation runs the ops (`fusedpar.implementation`): ``auto`` unless a test
+says otherwise, which on a CPU is torch's, at CPU speed: composition (rings, TP, EP,
+layers, checkpoints, compile, models) is tested that way. The kernels' own tests take
+the fixture `triton_kernels` (Triton's kernels, in the interpreter), their property
+tests `each_implementation` (both, each against float64), and a few end-to-end tests
+of the layers keep Triton's kernels too.
 """
 
 import os
@@ -41,6 +48,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def triton_kernels():
+    """The test's ops run fusedpar's Triton kernels (in the interpreter on a CPU), in
+    this process and on the ranks of `World.run`."""
+    import fusedpar as fp
+
+    with fp.implementation("triton"):
+        yield
+
+
+@pytest.fixture(params=["triton", "torch"])
+def each_implementation(request):
+    """The test runs once on each implementation of the ops; yields its name."""
+    import fusedpar as fp
+
+    with fp.implementation(request.param):
+        yield request.param
 
 
 @pytest.fixture(scope="session")

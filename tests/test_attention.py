@@ -28,6 +28,9 @@ from fusedpar.testing import assert_close
 from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
 
 HEAD_DIMS = [8, 16, 40, 64, 72, 96, 128, 256]
+# The kernels' tests: Triton's kernels (the interpreter here) unless a test takes
+# `each_implementation`, which runs it on the torch implementation too.
+pytestmark = pytest.mark.usefixtures("triton_kernels")
 
 
 def _inputs(B, Sq, Skv, Hq, Hkv, D, dtype, seed, layout):
@@ -133,17 +136,18 @@ def check_attention(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, layout="contigu
          layout="contiguous")  # Skv = 1, MQA  # fmt: skip
 @example(B=1, Sq=24, Skv=24, Hkv=1, group=2, D=256, causal=True, dtype=torch.float16, seed=3,
          layout="contiguous")  # the largest head dim  # fmt: skip
-def test_flash_attn_matches_float64(B, Sq, Skv, Hkv, group, D, causal, dtype, seed, layout):
+def test_flash_attn_matches_float64(B, Sq, Skv, Hkv, group, D, causal, dtype, seed, layout,
+                                    each_implementation):  # fmt: skip
     check_attention(B, Sq, Skv, Hkv * group, Hkv, D, causal, dtype, seed, layout)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-def test_fused_qkv_views_and_custom_scale(dtype, causal):
+def test_fused_qkv_views_and_custom_scale(dtype, causal, each_implementation):
     check_attention(2, 37, 37, 4, 2, 72, causal, dtype, seed=5, layout="fused-qkv", scale=0.3)
 
 
-def test_rows_that_see_no_key():
+def test_rows_that_see_no_key(each_implementation):
     q, k, v = (
         randn((1, s, 2, 16), torch.float32, i).requires_grad_() for i, s in enumerate((9, 4, 4))
     )
@@ -208,7 +212,7 @@ def force_pointer_path(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["tma", "pointer"])
+@pytest.mark.parametrize("path", ["tma", "pointer", "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     "B, S, Hq, Hkv, D, causal",
@@ -216,9 +220,15 @@ def force_pointer_path(monkeypatch):
      (1, 2048, 4, 1, 256, True)],
 )  # fmt: skip
 def test_flash_attn_gpu(B, S, Hq, Hkv, D, causal, dtype, path, monkeypatch):
-    """Both read paths of the kernels (the GPU twin of the bitwise CPU test)."""
+    """Both read paths of the kernels (the GPU twin of the bitwise CPU test), and the
+    torch implementation."""
     if path == "pointer":
         force_pointer_path(monkeypatch)
+    with fp.implementation("torch" if path == "torch" else "triton"):
+        check_flash_attn_gpu(B, S, Hq, Hkv, D, causal, dtype)
+
+
+def check_flash_attn_gpu(B, S, Hq, Hkv, D, causal, dtype):
     torch.manual_seed(0)
     q = torch.randn(B, S, Hq, D, device="cuda", dtype=dtype)
     k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype) for _ in range(2))
@@ -239,7 +249,7 @@ def test_flash_attn_gpu(B, S, Hq, Hkv, D, causal, dtype, path, monkeypatch):
 
 
 @pytest.mark.parametrize("Sq, Skv", [(0, 5), (5, 0), (0, 0)])
-def test_empty_sequences(Sq, Skv):
+def test_empty_sequences(Sq, Skv, each_implementation):
     q = randn((1, Sq, 2, 8), torch.float32, 0).requires_grad_()
     k, v = (randn((1, Skv, 1, 8), torch.float32, i).requires_grad_() for i in (1, 2))
     out, lse = fp.flash_attn(q, k, v, return_lse=True)
@@ -343,7 +353,8 @@ def check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, device="cpu", 
          split_below=10**6)  # fmt: skip
 @example(B=2, Sq=17, Skv=33, Hkv=2, group=3, D=40, causal=True, dtype=torch.float16, seed=7,
          split_below=10**6)  # fmt: skip
-def test_ring_modes_match_float64(B, Sq, Skv, Hkv, group, D, causal, dtype, seed, split_below):
+def test_ring_modes_match_float64(B, Sq, Skv, Hkv, group, D, causal, dtype, seed, split_below,
+                                  each_implementation):  # fmt: skip
     check_ring_modes(B, Sq, Skv, Hkv * group, Hkv, D, causal, dtype, seed, split_below=split_below)
 
 

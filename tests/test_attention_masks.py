@@ -19,6 +19,9 @@ import fusedpar as fp
 from fusedpar.testing import assert_close
 from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
 
+# Triton's kernels unless a test runs on each implementation (`each_implementation`).
+pytestmark = pytest.mark.usefixtures("triton_kernels")
+
 # window sides: -1 (unbounded), 0, 1, shorter than a block, longer than any sequence here
 SIDES = st.sampled_from([-1, 0, 1, 3, 17, 500])
 SOFTCAPS = st.sampled_from([0.0, 0.0, 0.5, 4.0])  # 0 (no cap) half the time
@@ -36,12 +39,12 @@ SOFTCAPS = st.sampled_from([0.0, 0.0, 0.5, 4.0])  # 0 (no cap) half the time
 @example(B=1, Sq=70, Skv=20, Hkv=1, group=3, D=8, causal=True, left=1, right=-1, softcap=0.5,
          dtype=torch.float32, seed=2)  # Sq > Skv: rows with no key  # fmt: skip
 def test_window_and_softcap_match_float64(B, Sq, Skv, Hkv, group, D, causal, left, right,
-                                          softcap, dtype, seed):  # fmt: skip
+                                          softcap, dtype, seed, each_implementation):  # fmt: skip
     check_attention(B, Sq, Skv, Hkv * group, Hkv, D, causal, dtype, seed,
                     window=(left, right), softcap=softcap)  # fmt: skip
 
 
-def test_a_window_longer_than_the_sequence_is_plain_causal():
+def test_a_window_longer_than_the_sequence_is_plain_causal(each_implementation):
     q, k, v = (randn((1, 40, 2, 16), torch.float32, i) for i in range(3))
     plain = fp.flash_attn(q, k, v, causal=True)
     assert torch.equal(fp.flash_attn(q, k, v, causal=True, window=(40, 0)), plain)
@@ -114,7 +117,8 @@ def documents(draw):
 @example(docs=([5, 0, 37, 1, 20],) * 2, Hkv=1, group=2, D=16, causal=True, left=-1, right=-1,
          softcap=0.0, dtype=torch.float32, seed=0)  # fmt: skip
 def test_varlen_matches_float64_and_a_loop_over_documents(docs, Hkv, group, D, causal, left,
-                                                          right, softcap, dtype, seed):  # fmt: skip
+                                                          right, softcap, dtype, seed,
+                                                          each_implementation):  # fmt: skip
     lengths, lengths_k = docs
     mask = dict(causal=causal, window=(left, right), softcap=softcap)
     got = check_varlen(lengths, lengths_k, Hkv * group, Hkv, D, dtype=dtype, seed=seed, **mask)
@@ -134,7 +138,7 @@ def test_max_seqlen_is_never_read():
                                             causal=True), expected)  # fmt: skip
 
 
-def test_rows_whose_keys_start_in_a_later_block_keep_their_scale():
+def test_rows_whose_keys_start_in_a_later_block_keep_their_scale(each_implementation):
     """A document starting inside a query block (rows 64..127, the second starting at
     100): its rows see nothing in the first key block visited (0..63), then scores far
     below 0. The running max must not stand in as 0 for them (p = e^-30 underflows fp16

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import bench.common as common
+import fusedpar as fp
 from bench.linear import gpu_points, layer_widths, make_case
 from bench.standin import PIECE_BYTES, Link, StandInRing, copy_plan, links_from_env, paced_copy
 from fusedpar.testing import assert_close
@@ -230,7 +231,7 @@ def test_gpu_grid_and_shapes(monkeypatch):
     assert len(list(gpu_points())) == 2 * 2 * 2 * 1 * 2
 
 
-def test_the_gpu_part_runs_end_to_end_on_cpu(monkeypatch, tmp_path):
+def test_the_gpu_part_runs_end_to_end_on_cpu(monkeypatch, tmp_path, triton_kernels):
     """`gpu_main` with tiny shapes and each timer replaced by one call of its function:
     every call a GPU run makes, the row assembly, the result files and the plot."""
     import bench.linear as linear
@@ -370,7 +371,7 @@ def test_gpu_clocks(monkeypatch, tmp_path):
     assert common.parse_csv_query("only a header\n") is None
 
 
-def test_write_results_records_nulls_and_tuner_picks(monkeypatch, tmp_path):
+def test_write_results_records_nulls_and_tuner_picks(monkeypatch, tmp_path, triton_kernels):
     from fusedpar.kernels.matmul import matmul
 
     matmul(torch.randn(5, 7), torch.randn(7, 3))  # makes (at least) one pick
@@ -383,6 +384,8 @@ def test_write_results_records_nulls_and_tuner_picks(monkeypatch, tmp_path):
     assert data["rows"] == rows and data["meta"]["k"] == 2
     picks = data["meta"]["tuning_picks"]
     assert picks == common.tuning_picks() and picks["matmul"]
+    assert data["meta"]["implementation"] == fp.implementation_summary("cpu")
+    assert "Triton kernels" in data["meta"]["implementation"]
     table = (folder / "fam.md").read_text()
     assert "| 1 | n/a | 0.123 |" in table
     assert "## Tuner picks" in table and "- matmul (" in table

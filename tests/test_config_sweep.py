@@ -21,6 +21,9 @@ import fusedpar as fp
 from fusedpar.testing import assert_close
 from fusedpar.testing.strategies import randn
 
+# The kernels' own tuning and tiles: Triton's kernels (the interpreter here).
+pytestmark = pytest.mark.usefixtures("triton_kernels")
+
 ATTENTION_LISTS = {
     "_attn_fwd_kernel": forward_configs,
     "_attn_bwd_dkdv_kernel": backward_configs,

@@ -105,6 +105,12 @@ def test_one_step_matches_the_reference(world, moe, dp, fsdp):
     assert all(world(4).run(_run_one_step, moe, 0, dp, fsdp))
 
 
+def test_one_step_on_triton_kernels(world, triton_kernels):
+    """The MoE model at TP 2 x CP 2 with fusedpar's Triton kernels (the interpreter
+    here): every kernel inside a whole model's step."""
+    assert all(world(4).run(_run_one_step, True, 0, 1, None))
+
+
 @pytest.mark.parametrize("moe, ulysses, tp", [(True, 2, 2), (False, 2, 1)],
                          ids=["moe-ulysses2-tp2", "dense-hybrid-cp2-ulysses2"])  # fmt: skip
 def test_one_step_matches_the_reference_under_ulysses(world, moe, ulysses, tp):

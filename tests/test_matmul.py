@@ -6,8 +6,12 @@ from fusedpar.kernels.matmul import matmul, matmul_reference
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+import fusedpar as fp
 from fusedpar.testing import assert_close
 from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
+
+# Triton's kernels unless a test runs on each implementation (`each_implementation`).
+pytestmark = pytest.mark.usefixtures("triton_kernels")
 
 
 def _operand(shape, dtype, seed, transposed):
@@ -28,7 +32,7 @@ def _operand(shape, dtype, seed, transposed):
          mode="accumulate-fp32")  # fmt: skip
 @example(M=7, N=70, K=64, dtype=torch.float32, seed=2, a_t=False, b_t=True, bias=False,
          mode="slice")  # fmt: skip
-def test_matmul_matches_float64(M, N, K, dtype, seed, a_t, b_t, bias, mode):
+def test_matmul_matches_float64(M, N, K, dtype, seed, a_t, b_t, bias, mode, each_implementation):
     a = _operand((M, K), dtype, seed, a_t)
     b = _operand((K, N), dtype, seed + 1, b_t)
     bias_t = randn((N,), dtype, seed + 2) if bias else None
@@ -58,7 +62,7 @@ def test_matmul_matches_float64(M, N, K, dtype, seed, a_t, b_t, bias, mode):
         assert torch.equal(big[mask], randn((M + 5, N + 7), dtype, seed + 3)[mask])  # rest intact
 
 
-def test_out_dtype_fp32_and_empty_sizes():
+def test_out_dtype_fp32_and_empty_sizes(each_implementation):
     a, b = randn((9, 5), torch.float16, 0), randn((5, 11), torch.float16, 1)
     c = matmul(a, b, out_dtype=torch.float32)
     assert c.dtype == torch.float32
@@ -128,15 +132,21 @@ def test_bad_input_is_a_clear_error(args, kwargs, error, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["tma", "pointer"])
+@pytest.mark.parametrize("path", ["tma", "pointer", "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("M, N, K", [(4096, 2048, 4096), (3000, 1792, 8192), (1, 14336, 4096)])
 def test_matmul_gpu(dtype, M, N, K, path, monkeypatch):
-    """Both schedules (the GPU twin of the bitwise CPU test; fp32 reads through pointers)."""
+    """Both schedules (the GPU twin of the bitwise CPU test; fp32 reads through
+    pointers), and the torch implementation."""
     if path == "pointer":
         from fusedpar.kernels import matmul as matmul_kernels
 
         monkeypatch.setattr(matmul_kernels, "tma_compatible", lambda *tensors: False)
+    with fp.implementation("torch" if path == "torch" else "triton"):
+        check_matmul_gpu(dtype, M, N, K)
+
+
+def check_matmul_gpu(dtype, M, N, K):
     a = randn((M, K), dtype, 0).cuda()
     w = randn((N, K), dtype, 1).cuda()  # a weight, read transposed in place
     bias = randn((N,), dtype, 2).cuda()

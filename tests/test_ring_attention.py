@@ -110,6 +110,14 @@ def test_ring_attn_matches_full_attention(world, world_size, **p):
     assert all(world(world_size).run(_run_ring, p))
 
 
+def test_the_ring_on_triton_kernels(world, triton_kernels):
+    """The first example with fusedpar's Triton kernels (the interpreter here) on every
+    rank: the ring's merge and accumulate modes of the kernels, inside the ring."""
+    p = dict(B=2, chunk=3, Hkv=1, group=2, D=16, causal=True, layout="zigzag",
+             dtype=torch.float32, seed=4)  # fmt: skip
+    assert all(world(4).run(_run_ring, p))
+
+
 def _run_no_key_rows_and_single_rank_equality(layout):
     """Rows with nothing to see never produce NaN; and a world of one is flash_attn."""
     q = randn((1, 8, 2, 16), torch.float32, 0)
@@ -290,8 +298,8 @@ def check_virtual_ring(W, B, chunk, Hkv, group, D, causal, layout, dtype, seed, 
          seed=0, split_below=10**6)  # MQA, split dK/dV  # fmt: skip
 @example(W=3, chunk=5, heads=(2, 2), D=40, causal=True, layout="contiguous",
          dtype=torch.float16, seed=1, split_below=None)  # hidden blocks  # fmt: skip
-def test_virtual_ring_matches_full_attention(W, chunk, heads, D, causal, layout, dtype, seed,
-                                             split_below):  # fmt: skip
+def test_virtual_ring_matches_full_attention(triton_kernels, W, chunk, heads, D, causal, layout,
+                                            dtype, seed, split_below):  # fmt: skip
     check_virtual_ring(W, 1, chunk, *heads, D, causal, layout, dtype, seed,
                        split_below=split_below)  # fmt: skip
 

@@ -183,7 +183,7 @@ def _run_layer(x, cu):
         return fp.gather_sequence(layer(local, cu_seqlens=cu), WORLD, dim=0)
 
 
-def test_layer_window_softcap_and_documents(world):
+def test_layer_window_softcap_and_documents(world, triton_kernels):
     """HF's sliding_window=W is window (W - 1, 0); documents restart RoPE. One process
     against the dense float64 math, then CP = 2 against one process."""
     cu = _cu(LENGTHS)

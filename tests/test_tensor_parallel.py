@@ -98,6 +98,17 @@ def test_all_gather_matmul(world, world_size, **p):
     assert all(world(world_size).run(_run_all_gather_matmul, p))
 
 
+def test_the_rings_on_triton_kernels(world, triton_kernels):
+    """A fused-QKV gather and a reduce-scatter with fusedpar's Triton GEMM (the
+    interpreter here) on every rank: its fp32 partials and slices inside the TP rings."""
+    p = dict(rows=3, K=33, Ns=[17, 5, 9], bias=True, chunks=2, dtype=torch.float16,
+             seq_first=True, batch=2, strided=True, save=True, seed=1)  # fmt: skip
+    assert all(world(2).run(_run_all_gather_matmul, p))
+    p = dict(rows=3, K=7, N=19, bias=True, chunks=3, dtype=torch.float16, seq_first=True,
+             batch=2, strided=True, seed=2)  # fmt: skip
+    assert all(world(2).run(_run_matmul_reduce_scatter, p))
+
+
 def _run_matmul_reduce_scatter(p):
     rank, size = dist.get_rank(), dist.get_world_size()
     n, k, N, dtype, seed = p["rows"], p["K"], p["N"], p["dtype"], p["seed"]

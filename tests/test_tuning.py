@@ -18,6 +18,9 @@ import fusedpar as fp
 from fusedpar.testing import WorldError
 from fusedpar.testing.strategies import randn
 
+# The kernels' own tuning and tiles: Triton's kernels (the interpreter here).
+pytestmark = pytest.mark.usefixtures("triton_kernels")
+
 CPU = torch.device("cpu")
 CONFIGS = [triton.Config({"BLOCK_M": 16}), triton.Config({"BLOCK_M": 32})]
 

@@ -80,12 +80,13 @@ class Launch:
 @contextlib.contextmanager
 def recording_launches():
     """Inside, Triton launches are recorded (yielded list) instead of run, and fusedpar's
-    launchers accept CPU tensors without the interpreter. The tuner takes its first
-    candidate (``FUSEDPAR_TUNING=first``): each launcher call launches once."""
+    launchers accept CPU tensors without the interpreter and take Triton's kernels
+    (`_impl.implementation("triton")`). The tuner takes its first candidate
+    (``FUSEDPAR_TUNING=first``): each launcher call launches once."""
     from triton.runtime.jit import JITFunction
 
     import fusedpar.kernels
-    from fusedpar.kernels import _common
+    from fusedpar.kernels import _common, _impl
 
     for info in pkgutil.iter_modules(fusedpar.kernels.__path__, "fusedpar.kernels."):
         importlib.import_module(info.name)
@@ -103,7 +104,8 @@ def recording_launches():
     for module in checked:
         module.check_launchable = _accept_any
     try:
-        yield launches
+        with _impl.implementation("triton"):
+            yield launches
     finally:
         JITFunction.run = saved_run
         for module in checked:

@@ -21,7 +21,10 @@ def register_profiles(ci_examples: int = 10, dev_examples: int = 25) -> str:
     """
     from hypothesis import HealthCheck, Phase, settings
 
-    slow_ok = [HealthCheck.too_slow, HealthCheck.data_too_large]
+    # function_scoped_fixture: a fixture that only sets a context for the test (which
+    # implementation runs, `fusedpar.implementation`) holds for every example alike
+    slow_ok = [HealthCheck.too_slow, HealthCheck.data_too_large,
+               HealthCheck.function_scoped_fixture]  # fmt: skip
     settings.register_profile(
         "ci",
         derandomize=True,

@@ -324,8 +324,13 @@ def _close_all() -> None:
 
 def _call_message(fn, args, kwargs) -> bytes:
     # The call is pickled on its own, so that a rank can take the driver's sys.path (where
-    # fn's module may have been added since the rank started) before unpickling fn.
-    return pickle.dumps(("call", (list(sys.path), pickle.dumps((fn, args, kwargs)))))
+    # fn's module may have been added since the rank started) before unpickling fn. The
+    # implementation asked for here travels with it: `with fp.implementation("triton"):
+    # world.run(fn)` runs fn's ops on Triton's kernels on every rank.
+    from fusedpar.kernels._impl import requested
+
+    call = pickle.dumps((fn, args, kwargs))
+    return pickle.dumps(("call", (list(sys.path), requested(), call)))
 
 
 # --- inside a rank ---------------------------------------------------------------------
@@ -389,10 +394,13 @@ def _rank_main(rank, world_size, backend, init_file, conn, dump_path, threads, p
             kind, payload = pickle.loads(message)
             if kind == "close":
                 break
-            path, call = payload
+            path, request, call = payload
             sys.path[:0] = [p for p in path if p not in sys.path]  # before fn is imported
             fn, args, kwargs = pickle.loads(call)
-            reply = ("ok", fn(*args, **kwargs))
+            from fusedpar.kernels._impl import implementation
+
+            with implementation(request):
+                reply = ("ok", fn(*args, **kwargs))
         except BaseException as e:
             reply = ("error", _describe(e))
         try:

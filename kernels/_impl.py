@@ -1,0 +1,98 @@
+"""Which implementation computes an op: fusedpar's Triton kernels or PyTorch's own.
+
+Every launcher in `fusedpar.kernels` has, beside its Triton kernel, a torch
+implementation of its whole contract (masks, soft-capping, the ring's fp32 partials and
+accumulation, the MoE modes): never a different answer, only a different speed.
+
+| request    | on CUDA                                                    | on CPU              |
+| ---------- | ---------------------------------------------------------- | ------------------- |
+| ``auto``   | the tuner times the capable candidates per key, Triton's    | torch               |
+|            | tiles and torch, and keeps the fastest (agreed over a group |                     |
+|            | like a tile, frozen inside ring and TP loops)               |                     |
+| ``triton`` | Triton's tiles only                                         | Triton's interpreter |
+| ``torch``  | torch only                                                  | torch               |
+
+The request comes from `implementation` (a context manager, for code) or else the
+``FUSEDPAR_IMPL`` environment variable, read when a launcher runs, never at import;
+``auto`` by default. On a CPU, Triton's kernels run only in its interpreter
+(``TRITON_INTERPRET=1`` before triton is imported): a debugging tool there, not a speed,
+which is why ``auto`` means torch on a CPU.
+"""
+
+import contextlib
+import contextvars
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+CHOICES = ("auto", "triton", "torch")
+_REQUEST: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "fusedpar_implementation", default=None
+)
+
+
+def _checked(name, where: str) -> str:
+    if name not in CHOICES:
+        raise ValueError(f"{where} must be one of {', '.join(CHOICES)}, got {name!r}")
+    return name
+
+
+def requested() -> str:
+    """The implementation asked for here: `implementation`'s, else ``FUSEDPAR_IMPL``'s,
+    else ``auto``."""
+    name = _REQUEST.get()
+    if name is not None:
+        return name
+    return _checked(os.environ.get("FUSEDPAR_IMPL", "auto") or "auto", "FUSEDPAR_IMPL")
+
+
+@contextlib.contextmanager
+def implementation(name: str):
+    """Inside, fusedpar's ops run `name`'s implementation: ``"auto"``, ``"triton"`` or
+    ``"torch"`` (see the module's table). `fusedpar.testing.World.run` carries the
+    request to its ranks."""
+    token = _REQUEST.set(_checked(name, "implementation"))
+    try:
+        yield
+    finally:
+        _REQUEST.reset(token)
+
+
+def runs_torch(device: torch.device) -> bool:
+    """Whether a launch on `device` runs the torch implementation outright (no tuning):
+    asked for, or ``auto`` off CUDA."""
+    name = requested()
+    return name == "torch" or (name == "auto" and device.type != "cuda")
+
+
+def tunes_torch() -> bool:
+    """Whether a CUDA launch's tuner also times the torch implementation (``auto``)."""
+    return requested() == "auto"
+
+
+def summary(device_type: str) -> str:
+    """What runs fusedpar's ops on `device_type`, in words (for a program's first line)."""
+    name = requested()
+    if name == "torch" or (name == "auto" and device_type != "cuda"):
+        return f"torch ops (FUSEDPAR_IMPL={name})"
+    if name == "triton":
+        where = "compiled" if device_type == "cuda" else "in Triton's interpreter"
+        return f"Triton kernels, {where} (FUSEDPAR_IMPL=triton)"
+    return "Triton kernels or torch per shape, timed (FUSEDPAR_IMPL=auto)"
+
+
+@dataclass(frozen=True)
+class Torch:
+    """A tuner candidate that runs the torch implementation instead of a Triton tile:
+    the tuner holds it beside the tiles, times it the same way and records it as a pick.
+    ``kwargs`` are empty, so code that reads a config's block sizes sees none."""
+
+    name: str = "torch"
+    kwargs: dict = field(default_factory=dict, compare=False)
+
+    def all_kwargs(self) -> dict:
+        return {}
+
+
+TORCH = Torch()

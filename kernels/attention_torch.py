@@ -1,0 +1,214 @@
+"""The attention launchers' torch implementation: the kernels' whole contract in PyTorch.
+
+`fusedpar.kernels.attention` and `attention_backward` call these when the torch
+implementation is chosen (`fusedpar.kernels._impl`): the same arguments, the same
+buffers written, the same masks (causal, windows, packed documents and ring blocks as
+key intervals), soft-capping, the ring's fp32 partials merged through the LSE and its
+gradients added into fp32 buffers. Scores are formed in fp32 (from fp16/bf16 inputs
+too) as one (Sq, Skv) matrix per head: memory grows with Sq * Skv, which is what a CPU
+run of a test or a small model needs, and what the tuner's capability check keeps a
+CUDA launch under.
+
+| function        | computes                                                          |
+| --------------- | ----------------------------------------------------------------- |
+| `forward`       | ``out, lse`` of ``softmax(S) V``, or merged into the given fp32   |
+| `backward_dq`   | ``dQ = scale * dS K`` (written, or added)                         |
+| `backward_dkdv` | ``dK = scale * dS^T Q``, ``dV = P^T dO``, summed over a GQA group |
+| `delta`         | ``rowsum(dO * O)``                                                |
+| `merge`         | ``merge_attention``: two partials through their LSE               |
+
+with ``S`` the scaled (and capped) scores, masked to -inf, ``P = exp(S - LSE)`` and
+``dS = P * (dO V^T - delta)`` (times ``1 - tanh^2`` when capped).
+"""
+
+from dataclasses import dataclass
+
+import torch
+from fusedpar.kernels.attention_mask import UNBOUNDED, Intervals
+
+# The largest (B * Hq * Sq * Skv) scores a CUDA launch may form in torch: 2**26 fp32
+# (256 MiB with the exp and the mask). Past it only Triton's kernels are candidates.
+CUDA_SCORES_LIMIT = 2**26
+
+
+def capable_on_cuda(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the torch implementation may be timed on a CUDA launch of these shapes."""
+    (B, Sq, Hq, _), Skv = q.shape, k.shape[1]
+    return B * Hq * Sq * Skv <= CUDA_SCORES_LIMIT
+
+
+def visible(Sq: int, Skv: int, bounds, intervals: Intervals | None, device) -> torch.Tensor:
+    """The mask as a dense (1 or B, Sq, Skv) boolean: query i sees keys [lo_i, hi_i),
+    from the scalar mode's ``bounds = (shift, left, right)`` or the tensor mode's
+    `intervals` (the kernels' two modes, `attention_mask`)."""
+    j = torch.arange(Skv, device=device)
+    if intervals is not None:
+        lo, hi = intervals.kv_lo.long(), intervals.kv_hi.long()  # (1 or B, Sq)
+    else:
+        shift, left, right = bounds
+        i = torch.arange(Sq, device=device, dtype=torch.int64)[None]
+        lo = i + shift - min(left, UNBOUNDED)
+        hi = i + shift + min(right, UNBOUNDED) + 1
+    lo, hi = lo.clamp(0, Skv), hi.clamp(0, Skv)
+    return (j >= lo[..., None]) & (j < hi[..., None])
+
+
+@dataclass(frozen=True)
+class Scores:
+    """How a call scores and masks: ``scale``, ``softcap`` (0: none), and the mask as
+    the kernels take it, the scalar mode's ``bounds`` or the tensor mode's `intervals`."""
+
+    scale: float
+    softcap: float
+    bounds: tuple[int, int, int]
+    intervals: Intervals | None
+
+    def of(self, q, k):
+        """``(S, t)``: S (B, Hkv, G, Sq, Skv) fp32 scores masked to -inf, and the tanh
+        of a capped score (None when not capped). q (B, Sq, Hq, D) reads KV head h // G."""
+        B, Sq, Hq, D = q.shape
+        Hkv, Skv = k.shape[2], k.shape[1]
+        qf = q.float().reshape(B, Sq, Hkv, Hq // Hkv, D)
+        s = torch.einsum("bqhgd,bkhd->bhgqk", qf, k.float()) * self.scale
+        t = None
+        if self.softcap:
+            t = torch.tanh(s / self.softcap)
+            s = self.softcap * t
+        mask = visible(Sq, Skv, self.bounds, self.intervals, q.device)
+        return s.masked_fill(~mask[:, None, None], float("-inf")), t
+
+
+def merge(out, lse, block_out, block_lse) -> None:
+    """Fold ``(block_out, block_lse)`` into the fp32 ``(out, lse)`` in place, around the
+    larger LSE: a side with LSE -inf drops out, two empty sides give 0 and -inf."""
+    m = torch.maximum(lse, block_lse)
+    m = torch.where(m == float("-inf"), 0.0, m)
+    w_a, w_b = torch.exp(lse - m), torch.exp(block_lse - m)
+    total = w_a + w_b
+    empty = total == 0
+    total = torch.where(empty, 1.0, total)
+
+    def rows(w):  # (B, H, S) -> (B, S, H, 1), out's layout
+        return w.transpose(1, 2)[..., None]
+
+    out.copy_((out * rows(w_a) + block_out.float() * rows(w_b)) / rows(total))
+    lse.copy_(torch.where(empty, float("-inf"), m + torch.log(total)))
+
+
+def _forward_fused_cpu(q, k, v, scores: Scores):
+    """``(out, lse)`` in fp32 through PyTorch's fused CPU attention (flash-style, no
+    (Sq, Skv) matrix in memory), which takes the mask as an additive one, or as
+    ``is_causal`` where ours is the same causal mask (Sq == Skv: both alignments agree).
+    fp32 inputs (16-bit ones widened exactly), so a ring's partials stay fp32; KV heads
+    repeated for GQA; rows that see no key get output 0 and LSE -inf."""
+    B, Sq, Hq, D = q.shape
+    Skv, Hkv = k.shape[1], k.shape[2]
+    kf, vf = k.float(), v.float()
+    if Hq != Hkv:
+        kf, vf = (t.repeat_interleave(Hq // Hkv, dim=2) for t in (kf, vf))
+    mask = visible(Sq, Skv, scores.bounds, scores.intervals, q.device)
+    causal = scores.intervals is None and scores.bounds == (0, UNBOUNDED, 0)
+    additive = None
+    if not causal and not bool(mask.all()):
+        additive = torch.zeros(mask.shape, dtype=torch.float32, device=q.device)
+        additive = additive.masked_fill(~mask, float("-inf"))[:, None]  # (1 or B, 1, Sq, Skv)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.float().transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2), is_causal=causal,
+        attn_mask=additive, scale=scores.scale,
+    )  # fmt: skip
+    seen = mask.any(-1)[:, None]  # (1 or B, 1, Sq)
+    lse = torch.where(seen, lse, float("-inf"))
+    out = torch.where(seen.transpose(1, 2)[..., None], out.transpose(1, 2), 0.0)
+    return out, lse
+
+
+def forward(q, k, v, scores: Scores, out, lse, merge_into: bool) -> None:
+    """Attention of q over k, v into `out` (B, Sq, Hq, D) and `lse` (B, Hq, Sq), or with
+    `merge_into` merged into what they hold (fp32 partials of a ring). Without capping,
+    on a CPU, through PyTorch's fused attention (`_forward_fused_cpu`); else the scores
+    as one matrix."""
+    B, Sq, Hq, D = q.shape
+    if k.shape[1] == 0:  # no key: output 0, LSE -inf (or nothing to merge)
+        block_out = q.new_zeros((B, Sq, Hq, D), dtype=torch.float32)
+        block_lse = q.new_full((B, Hq, Sq), float("-inf"), dtype=torch.float32)
+    elif q.device.type == "cpu" and not scores.softcap:
+        block_out, block_lse = _forward_fused_cpu(q, k, v, scores)
+    else:
+        s, _ = scores.of(q, k)
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isinf(m), 0.0, m)
+        e = torch.exp(s - m)
+        total = e.sum(-1, keepdim=True)
+        empty = total == 0
+        p = e / torch.where(empty, 1.0, total)
+        vf = v.float()
+        block_out = torch.einsum("bhgqk,bkhd->bqhgd", p, vf).reshape(B, Sq, Hq, D)
+        block_lse = torch.where(empty, float("-inf"), torch.log(torch.where(empty, 1.0, total))
+                                + m).reshape(B, Hq, Sq)  # fmt: skip
+    if merge_into:
+        merge(out, lse, block_out, block_lse)
+    else:
+        out.copy_(block_out)
+        lse.copy_(block_lse)
+
+
+def _probabilities(q, k, lse, scores: Scores):
+    """``(P, t)``: P = exp(S - LSE) (B, Hkv, G, Sq, Skv) fp32, 0 where masked or where a
+    row saw no key (LSE -inf); t as in `Scores.of`."""
+    B, Sq, Hq, _ = q.shape
+    Hkv = k.shape[2]
+    s, t = scores.of(q, k)
+    lse = lse.reshape(B, Hkv, Hq // Hkv, Sq, 1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse))
+    return torch.where(torch.isinf(lse) | torch.isinf(s), 0.0, p), t
+
+
+def _grad_scores(dout, q, k, v, lse, delta, scores: Scores):
+    """``(dS, P, dO)``: dS = P * (dO V^T - delta), times 1 - tanh^2 when capped."""
+    B, Sq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    p, t = _probabilities(q, k, lse, scores)
+    dof = dout.float().reshape(B, Sq, Hkv, Hq // Hkv, D)
+    dp = torch.einsum("bqhgd,bkhd->bhgqk", dof, v.float())
+    ds = p * (dp - delta.float().reshape(B, Hkv, Hq // Hkv, Sq, 1))
+    if t is not None:
+        ds = ds * (1 - t * t)
+    return ds, p, dof
+
+
+def _write(buf, value, accumulate: bool) -> None:
+    if accumulate:
+        buf.copy_(buf.float() + value)
+    else:
+        buf.copy_(value)
+
+
+def backward_dq(dout, q, k, v, lse, delta, scores: Scores, dq, accumulate) -> None:
+    """dQ (B, Sq, Hq, D) into `dq`, or added to it."""
+    if k.shape[1] == 0:
+        if not accumulate:
+            dq.zero_()
+        return
+    ds, _, _ = _grad_scores(dout, q, k, v, lse, delta, scores)
+    dq_new = torch.einsum("bhgqk,bkhd->bqhgd", ds, k.float()).reshape(q.shape)
+    _write(dq, dq_new * scores.scale, accumulate)
+
+
+def backward_dkdv(dout, q, k, v, lse, delta, scores: Scores, dk, dv, accumulate) -> None:
+    """dK, dV (B, Skv, Hkv, D), summed over each KV head's query heads, into `dk`,
+    `dv`, or added to them."""
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        if not accumulate:
+            dk.zero_()
+            dv.zero_()
+        return
+    ds, p, dof = _grad_scores(dout, q, k, v, lse, delta, scores)
+    B, Sq, Hq, D = q.shape
+    qf = q.float().reshape(B, Sq, k.shape[2], Hq // k.shape[2], D)
+    _write(dk, torch.einsum("bhgqk,bqhgd->bkhd", ds, qf) * scores.scale, accumulate)
+    _write(dv, torch.einsum("bhgqk,bqhgd->bkhd", p, dof), accumulate)
+
+
+def delta(out, dout) -> torch.Tensor:
+    """``rowsum(dO * O)``: (B, Hq, Sq) fp32, contiguous."""
+    return (out.float() * dout.float()).sum(-1).transpose(1, 2).contiguous()

@@ -1,0 +1,118 @@
+"""The MoE launchers' torch implementation: `fusedpar.kernels.moe` and `moe_permute`'s
+contracts in PyTorch, called when the torch implementation is chosen
+(`fusedpar.kernels._impl`).
+
+The same outputs as the kernels': products summed in fp32 and rounded once, g and u
+rounded to the activations' dtype before the SwiGLU (so the backward recomputes ``a``
+bit for bit from the saved h13), rows past ``counts.sum()`` left unwritten, empty
+experts' weight gradients zero, combine sums in slot order in fp32. The grouped GEMMs
+loop over the experts, reading the counts on the host: no host sync on a CPU, one on a
+GPU, where this implementation runs only when asked for (``FUSEDPAR_IMPL=torch``).
+"""
+
+import torch
+
+
+def _groups(counts):
+    """``(expert, rows)`` of every expert with rows, in expert order."""
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            yield e, slice(start, start + n)
+        start += n
+
+
+def _fp32(t):
+    return t.float() if t.dtype != torch.float32 else t
+
+
+def grouped_products(x, w, counts, rows=None, transpose_w=False):
+    """``(rows, x[rows[p]] @ w[e].T)`` per expert with rows, the product in fp32 (from
+    16-bit operands exactly: their products fit fp32)."""
+    for e, s in _groups(counts):
+        xs = x[s] if rows is None else x[rows[s]]
+        we = w[e] if transpose_w else w[e].T
+        yield s, _fp32(xs) @ _fp32(we)
+
+
+def grouped_matmul(x, w, counts, rows, y, transpose_w) -> None:
+    for s, prod in grouped_products(x, w, counts, rows, transpose_w):
+        y[s] = prod
+
+
+def _silu_mul(g, u):
+    return g * torch.sigmoid(g) * u
+
+
+def _wide(*ts):
+    """fp32, contiguous copies: torch's CPU elementwise ops round differently on strided
+    and contiguous inputs (vectorized or not), and the forward's a must equal the
+    backward's recomputed a bit for bit."""
+    return (t.to(torch.float32, memory_format=torch.contiguous_format, copy=True) for t in ts)
+
+
+def grouped_swiglu(x, w1, w3, counts, rows, a, h13) -> None:
+    h = w1.shape[1]
+    for (s, g), (_, u) in zip(grouped_products(x, w1, counts, rows),
+                              grouped_products(x, w3, counts, rows), strict=True):  # fmt: skip
+        g, u = g.to(x.dtype), u.to(x.dtype)  # as PyTorch's h1 and h3 would be
+        if h13 is not None:
+            h13[s, :h], h13[s, h:] = g, u
+        a[s] = _silu_mul(*_wide(g, u))
+
+
+def grouped_swiglu_backward(d_out, w2, h13, counts, d_h13, a) -> None:
+    h = h13.shape[1] // 2
+    for s, da in grouped_products(d_out, w2, counts, transpose_w=True):
+        g, u = _wide(h13[s, :h], h13[s, h:])
+        sig = torch.sigmoid(g)
+        d_h13[s, :h] = da * u * sig * (1.0 + g * (1.0 - sig))
+        d_h13[s, h:] = da * g * sig
+        a[s] = _silu_mul(g, u)
+
+
+def grouped_swiglu_input_grad(d_h13, w1, w3, counts, dx) -> None:
+    h = w1.shape[1]
+    for e, s in _groups(counts):
+        dh = _fp32(d_h13[s])
+        dx[s] = dh[:, :h] @ _fp32(w1[e]) + dh[:, h:] @ _fp32(w3[e])
+
+
+def grouped_weight_grad(dy, x, counts, rows, outs) -> None:
+    """``dw[e] = dy[p]^T x[rows[p]]`` over each expert's rows into `outs` (one, or two
+    for the halves of dy's columns), zero for an empty expert."""
+    N = outs[0].shape[1]
+    for out in outs:
+        out.zero_()
+    for e, s in _groups(counts):
+        xs = _fp32(x[s] if rows is None else x[rows[s]])
+        for half, out in enumerate(outs):
+            out[e] = _fp32(dy[s, half * N : (half + 1) * N]).T @ xs
+
+
+def gather_rows(src, idx, scale, out) -> None:
+    vals = src[idx]
+    if scale is not None:
+        vals = _fp32(vals) * scale[:, None]
+    out.copy_(vals)
+
+
+def combine(src, pos, weight, y) -> None:
+    """``y[t] = sum_j weight[t, j] * src[pos[t, j]]``, slots in order, in fp32."""
+    acc = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
+    for j in range(pos.shape[1]):
+        live = pos[:, j] >= 0  # a skipped slot reads nothing (rows past the kept ones are
+        # unspecified: where, not a product with 0, which would keep a NaN)
+        vals = torch.where(live[:, None], _fp32(src[pos[:, j].clamp(min=0)]), 0.0)
+        if weight is not None:
+            vals = vals * weight[:, j, None].float()
+        acc += vals
+    y.copy_(acc)
+
+
+def combine_weight_grad(dy, src, pos, dw) -> None:
+    """``dw[t, j] = <dy[t], src[pos[t, j]]>`` in fp32, 0 where pos is -1."""
+    dyf = _fp32(dy)
+    for j in range(pos.shape[1]):
+        live = pos[:, j] >= 0
+        dw[:, j] = torch.where(live, (dyf * _fp32(src[pos[:, j].clamp(min=0)])).sum(1), 0.0)
