@@ -95,7 +95,6 @@ def _run_ring(p):
     return True
 
 
-@settings(max_examples=3)  # the suite's time: tests/test_ring_masks.py covers the ring too
 @given(
     world_size=st.sampled_from([2, 4]), B=st.integers(1, 2), chunk=st.integers(1, 9),
     Hkv=st.integers(1, 2), group=st.integers(1, 3), D=st.sampled_from([8, 16, 40, 64]),
