@@ -263,6 +263,9 @@ def _picks_section(picks: dict) -> list[str]:
     lines = ["", "## Tuner picks", ""]
     for kernel, by_key in picks.items():
         for key, config in by_key.items():
+            if "implementation" in config:  # torch's implementation won this key
+                lines.append(f"- {kernel} {key}: {config['implementation']}")
+                continue
             tile = " ".join(f"{k}={v}" for k, v in config["kwargs"].items())
             lines.append(f"- {kernel} {key}: {tile}, {config['num_warps']} warps, "
                          f"{config['num_stages']} stages")  # fmt: skip

@@ -38,25 +38,38 @@ def _checked(name, where: str) -> str:
     return name
 
 
+# The requests active in any thread, innermost last: what a thread that never entered
+# `implementation` sees. Autograd runs a CUDA backward on threads of its own, which do
+# not inherit the caller's context variables: ``with fp.implementation("triton"):
+# loss.backward()`` must still reach the backward's launchers.
+_ACTIVE: list[tuple[object, str]] = []
+
+
 def requested() -> str:
-    """The implementation asked for here: `implementation`'s, else ``FUSEDPAR_IMPL``'s,
-    else ``auto``."""
+    """The implementation asked for here: this context's `implementation`, else the
+    innermost one active in any thread, else ``FUSEDPAR_IMPL``'s, else ``auto``."""
     name = _REQUEST.get()
     if name is not None:
         return name
+    if _ACTIVE:
+        return _ACTIVE[-1][1]
     return _checked(os.environ.get("FUSEDPAR_IMPL", "auto") or "auto", "FUSEDPAR_IMPL")
 
 
 @contextlib.contextmanager
 def implementation(name: str):
     """Inside, fusedpar's ops run `name`'s implementation: ``"auto"``, ``"triton"`` or
-    ``"torch"`` (see the module's table). `fusedpar.testing.World.run` carries the
-    request to its ranks."""
-    token = _REQUEST.set(_checked(name, "implementation"))
+    ``"torch"`` (see the module's table), the backward of what runs inside too (on the
+    autograd engine's threads). `fusedpar.testing.World.run` carries the request to its
+    ranks."""
+    entry = (object(), _checked(name, "implementation"))
+    token = _REQUEST.set(entry[1])
+    _ACTIVE.append(entry)
     try:
         yield
     finally:
         _REQUEST.reset(token)
+        _ACTIVE.remove(entry)
 
 
 def runs_torch(device: torch.device) -> bool:

@@ -206,6 +206,11 @@ class Tuner:
                     times.append(_time_ms(lambda c=config: launch(c), device))
                 except _compile_errors():
                     times.append(float("inf"))
+                except Exception:  # torch's implementation failed here (out of memory, a
+                    # shape it refuses): never picked, never the end of the tuning
+                    if not isinstance(config, _impl.Torch):
+                        raise
+                    times.append(float("inf"))
             for t, s in zip(restore, saved, strict=True):
                 t.copy_(s)
             if agreement is not None:

@@ -424,8 +424,10 @@ def launch(
     back (adds into, or merges with). `torch_run`: the torch implementation of the same
     call, a candidate too where given (CUDA, ``FUSEDPAR_IMPL=auto``)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    # whether torch's implementation may run is part of the key: it depends on the exact
+    # sizes (a memory bound), which the buckets do not hold
     key = (bucket(Sq), bucket(Skv), *sorted(meta.items()), *(str(t.dtype) for t in tensors),
-           *key_extra)  # fmt: skip
+           *key_extra, ("torch", torch_run is not None))  # fmt: skip
 
     def candidates():
         if is_interpreted(kernel):

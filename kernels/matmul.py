@@ -345,9 +345,7 @@ def matmul(
         grid = (tiles if programs is None or not tma else min(tiles, programs),)
         _matmul_kernel[grid](*args, **meta, **config.all_kwargs())
 
-    # cuBLAS as a candidate where it computes the same contract in one call: C in A's
-    # dtype, nothing added into (it rounds the fp32 sum once, as the kernel does)
-    cublas = not accumulate and c_dtype == a.dtype and (bias is None or bias.dtype == a.dtype)
+    cublas = _cublas_computes(a, bias, c_dtype, accumulate)
 
     def candidates():
         tiles = _candidates(bucket(M), N, is_interpreted(_matmul_kernel), a.dtype, accumulate)
@@ -359,12 +357,36 @@ def matmul(
     return None if tune_only else out
 
 
+def _cublas_computes(a, bias, c_dtype, accumulate) -> bool:
+    """Whether one cuBLAS call (`torch.mm` / `addmm`) computes `matmul`'s contract: C in
+    A's dtype and nothing added into, so the fp32 sum is rounded once, as the kernel
+    does; and for 16-bit operands, no reduced-precision reduction (PyTorch allows cuBLAS
+    to sum split-K partials in 16-bit by default: ``torch.backends.cuda.matmul.
+    allow_bf16_reduced_precision_reduction = False``, or the fp16 flag, makes it exact)."""
+    if accumulate or c_dtype != a.dtype or (bias is not None and bias.dtype != a.dtype):
+        return False
+    return a.dtype == torch.float32 or not _reduced_precision_sums(a.dtype)
+
+
+def _reduced_precision_sums(dtype: torch.dtype) -> bool:
+    """Whether PyTorch lets cuBLAS sum 16-bit products in less than fp32 (split-K
+    partials in 16-bit; for fp16 also accumulation in fp16)."""
+    flags = torch.backends.cuda.matmul
+    if dtype == torch.bfloat16:
+        return bool(flags.allow_bf16_reduced_precision_reduction)
+    try:
+        fp16_accumulation = bool(flags.allow_fp16_accumulation)
+    except AttributeError:  # older torch: no fp16 accumulation switch
+        fp16_accumulation = False
+    return bool(flags.allow_fp16_reduced_precision_reduction) or fp16_accumulation
+
+
 def _matmul_torch(a, b, bias, out, accumulate) -> None:
-    """`matmul`'s contract in torch, into `out`. On CUDA, one cuBLAS call (the tuner
-    offers it only where that is the contract: see `matmul`); elsewhere 16-bit operands
-    are widened to fp32 (their products are exact there) and summed in fp32, the bias
-    and an added C in fp32 too, and the result rounded once into `out`."""
-    if a.device.type == "cuda" and not accumulate and out.dtype == a.dtype:
+    """`matmul`'s contract in torch, into `out`. On CUDA, one cuBLAS call where that is
+    the contract (`_cublas_computes`); elsewhere 16-bit operands are widened to fp32
+    (their products are exact there) and summed in fp32, the bias and an added C in fp32
+    too, and the result rounded once into `out`."""
+    if a.device.type == "cuda" and _cublas_computes(a, bias, out.dtype, accumulate):
         if bias is None:
             torch.mm(a, b, out=out)
         else:

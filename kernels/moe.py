@@ -377,6 +377,10 @@ def _check_grouped(what, kernel, x, counts, rows, P, **weights):
         if w.dtype != x.dtype:
             raise TypeError(f"{what}: x is {x.dtype} but {name} is {w.dtype}")
     _check_index("rows", rows, P, x.device)
+    devices = {t.device for t in (x, counts, *(w for w, _ in weights.values()))}
+    if len(devices) > 1:
+        raise ValueError(f"{what}: all tensors must be on one device, got "
+                         f"{sorted(map(str, devices))}")  # fmt: skip
     if not _impl.runs_torch(x.device):
         check_launchable(kernel, x, counts, *(w for w, _ in weights.values()))
     return E

@@ -100,6 +100,9 @@ def gather_rows(src, idx, scale, out) -> None:
 def combine(src, pos, weight, y) -> None:
     """``y[t] = sum_j weight[t, j] * src[pos[t, j]]``, slots in order, in fp32."""
     acc = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
+    if src.shape[0] == 0:  # every slot is -1: nothing to read
+        y.zero_()
+        return
     for j in range(pos.shape[1]):
         live = pos[:, j] >= 0  # a skipped slot reads nothing (rows past the kept ones are
         # unspecified: where, not a product with 0, which would keep a NaN)
@@ -113,6 +116,9 @@ def combine(src, pos, weight, y) -> None:
 def combine_weight_grad(dy, src, pos, dw) -> None:
     """``dw[t, j] = <dy[t], src[pos[t, j]]>`` in fp32, 0 where pos is -1."""
     dyf = _fp32(dy)
+    if src.shape[0] == 0:  # every slot is -1
+        dw.zero_()
+        return
     for j in range(pos.shape[1]):
         live = pos[:, j] >= 0
         dw[:, j] = torch.where(live, (dyf * _fp32(src[pos[:, j].clamp(min=0)])).sum(1), 0.0)

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,74 @@ def test_a_cpu_needs_no_interpreter_and_triton_without_it_says_so():
     assert run.returncode == 0, run.stderr
     assert "ok torch ops (FUSEDPAR_IMPL=auto)" in run.stdout
     assert "set TRITON_INTERPRET=1 before anything imports triton" in run.stdout
+
+
+def test_a_thread_without_the_context_sees_the_active_request():
+    """Autograd runs a CUDA backward on its own threads, which start without the
+    caller's context variables: they see the innermost request active anywhere."""
+
+    def seen_in_a_thread():
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(_impl.requested()))
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    assert seen_in_a_thread() == "auto"
+    with fp.implementation("torch"):
+        assert seen_in_a_thread() == "torch"
+        with fp.implementation("triton"):
+            assert seen_in_a_thread() == "triton"
+        assert seen_in_a_thread() == "torch"
+    assert seen_in_a_thread() == "auto"
+
+
+def test_a_pick_of_torch_never_reaches_a_call_it_cannot_run(monkeypatch):
+    """Whether torch's attention may run depends on the exact sizes (a memory bound),
+    not on the tuner's buckets: the two kinds of call keep their own picks."""
+    from fusedpar.kernels import attention_torch
+
+    monkeypatch.setattr(_impl, "runs_torch", lambda device: False)
+    q, k, v = (randn((1, n, 2, 16), torch.float32, i) for i, n in enumerate((40, 60, 60)))
+    monkeypatch.setattr(attention_torch, "CUDA_SCORES_LIMIT", 2 * 40 * 40)
+    with fp.implementation("auto"):
+        attention_forward(q, k[:, :40], v[:, :40])  # capable: torch wins the key
+        attention_forward(q[:, :33], k, v)  # the same buckets (64, 64), over the bound
+    picks = list(_tuning.all_picks()["_attn_fwd_kernel"].values())
+    assert {"implementation": "torch"} in picks and any("kwargs" in p for p in picks)
+
+
+def test_cublas_is_a_candidate_only_where_it_rounds_once(monkeypatch):
+    from fusedpar.kernels import matmul as matmul_kernels
+    from fusedpar.kernels.matmul import _cublas_computes
+
+    a16, a32 = torch.empty(2, 2, dtype=torch.bfloat16), torch.empty(2, 2)
+    monkeypatch.setattr(matmul_kernels, "_reduced_precision_sums", lambda dtype: True)
+    assert not _cublas_computes(a16, None, torch.bfloat16, False)  # 16-bit split-K sums
+    monkeypatch.setattr(matmul_kernels, "_reduced_precision_sums", lambda dtype: False)
+    assert _cublas_computes(a16, None, torch.bfloat16, False)
+    assert not _cublas_computes(a16, a32[0], torch.bfloat16, False)  # an fp32 bias
+    assert not _cublas_computes(a16, None, torch.float32, False)  # an fp32 C
+    assert not _cublas_computes(a32, None, torch.float32, True)  # adding into C
+    assert _cublas_computes(a32, None, torch.float32, False)
+
+
+def test_bench_tables_name_a_torch_pick():
+    from bench.common import _picks_section
+
+    lines = _picks_section({"matmul": {"(1,)": {"implementation": "torch"}}})
+    assert "- matmul (1,): torch" in lines
+
+
+def test_torch_moe_edges(each_implementation):
+    """Every slot dropped with nothing to read; counts on another device than x."""
+    from fusedpar.kernels.moe import grouped_matmul
+    from fusedpar.kernels.moe_permute import combine, combine_weight_grad
+
+    pos = torch.full((3, 2), -1, dtype=torch.int64)
+    assert torch.equal(combine(torch.empty(0, 4), pos), torch.zeros(3, 4))
+    assert torch.equal(combine_weight_grad(torch.ones(3, 4), torch.empty(0, 4), pos),
+                       torch.zeros(3, 2))  # fmt: skip
+    counts = torch.ones(2, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="one device"):
+        grouped_matmul(torch.ones(4, 8), torch.ones(2, 3, 8), counts)
