@@ -17,8 +17,9 @@ with no atomics. The plain-PyTorch reference closes the file.
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _impl, moe_torch
+from fusedpar.kernels import _impl, _tuning, moe_torch
 from fusedpar.kernels._common import check_launchable, device_guard, is_interpreted
+from fusedpar.kernels._tuning import bucket
 
 # Permute/combine: a program moves this many elements (4 rows of 2048 at d_model 2048),
 # looping over the hidden size past MAX_BLOCK_D, and loads its indices once (P11).
@@ -154,12 +155,32 @@ def _combine_weight_grad_kernel(
 # --- launchers -------------------------------------------------------------------------
 
 
-def _launch_rows(kernel, n_rows, D, args, meta, device_tensor):
+def _launch_rows(kernel, n_rows, D, args, meta, device_tensor, torch_run):
+    """Launch a row kernel with its fixed tile, or on CUDA under ``FUSEDPAR_IMPL=auto``
+    whichever of that tile and `torch_run` (torch indexing) the tuner measured faster for
+    (kernel, rows bucket, D, dtypes). Gathering and combining sum in the same order
+    either way (the same bits); the combine's weight gradient, a dot over D, to
+    rounding. The ranks of an EP group pick on their own: each computes its own rows."""
     tile = row_tile(D, is_interpreted(kernel))
     num_warps = tile.pop("num_warps")
+    config = triton.Config(tile, num_warps=num_warps)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    key = (bucket(n_rows), D, *sorted(meta.items()), *(str(t.dtype) for t in tensors))
+
+    def candidates():
+        return [config, *([_impl.TORCH] if _impl.tunes_torch() else [])]
+
+    def launch(config):
+        if isinstance(config, _impl.Torch):
+            torch_run()
+        else:
+            kernel[(triton.cdiv(n_rows, config.kwargs["BLOCK_ROWS"]),)](
+                *args, **meta, **config.all_kwargs()
+            )
+
     with device_guard(device_tensor):
-        kernel[(triton.cdiv(n_rows, tile["BLOCK_ROWS"]),)](*args, **meta, **tile,
-                                                           num_warps=num_warps)  # fmt: skip
+        _tuning.tuner(kernel.__name__).run(key, candidates, launch,
+                                           device=device_tensor.device)  # fmt: skip
 
 
 def gather_rows(src, idx, scale=None, *, out_dtype=None):
@@ -179,7 +200,8 @@ def gather_rows(src, idx, scale=None, *, out_dtype=None):
     check_launchable(_gather_rows_kernel, src, idx)
     if out.numel():
         args = (src, idx, idx if scale is None else scale, out, *src.stride(), *out.stride(), P, D)
-        _launch_rows(_gather_rows_kernel, P, D, args, dict(HAS_SCALE=scale is not None), src)
+        _launch_rows(_gather_rows_kernel, P, D, args, dict(HAS_SCALE=scale is not None), src,
+                     lambda: moe_torch.gather_rows(src, idx, scale, out))  # fmt: skip
     return out
 
 
@@ -201,7 +223,15 @@ def combine(src, pos, weight=None, *, out_dtype=None):
         pos = pos.contiguous()
         weight = pos if weight is None else weight.float().contiguous()
         args = (src, pos, weight, y, *src.stride(), *y.stride(), T, D, top_k)
-        _launch_rows(_combine_kernel, T, D, args, dict(HAS_WEIGHT=weight is not pos), src)
+        _launch_rows(
+            _combine_kernel,
+            T,
+            D,
+            args,
+            dict(HAS_WEIGHT=weight is not pos),
+            src,
+            lambda: moe_torch.combine(src, pos, None if weight is pos else weight, y),
+        )
     return y
 
 
@@ -218,7 +248,15 @@ def combine_weight_grad(dy, src, pos):
     check_launchable(_combine_weight_grad_kernel, dy, src, pos)
     if dw.numel():
         args = (dy, src, pos.contiguous(), dw, *dy.stride(), *src.stride(), T, dy.shape[1], top_k)
-        _launch_rows(_combine_weight_grad_kernel, T, dy.shape[1], args, {}, dy)
+        _launch_rows(
+            _combine_weight_grad_kernel,
+            T,
+            dy.shape[1],
+            args,
+            {},
+            dy,
+            lambda: moe_torch.combine_weight_grad(dy, src, pos, dw),
+        )
     return dw
 
 

@@ -208,3 +208,36 @@ def test_torch_moe_edges(each_implementation):
     counts = torch.ones(2, dtype=torch.int64, device="meta")
     with pytest.raises(ValueError, match="one device"):
         grouped_matmul(torch.ones(4, 8), torch.ones(2, 3, 8), counts)
+
+
+def test_the_row_kernels_are_tuned_against_torch_indexing(monkeypatch):
+    """Permute and combine: on CUDA under ``auto``, their fixed tile and torch's indexing
+    are timed per key (here on the CPU, the tuner's path forced). Gathering and combining
+    sum in the same order either way, the same bits; the combine's weight gradient, a
+    dot over D, sums in another order (to rounding)."""
+    from fusedpar.kernels.moe_permute import combine, combine_weight_grad, gather_rows
+
+    src = randn((10, 24), torch.float32, 0)
+    idx = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    pos = torch.tensor([[0, 7], [-1, 2], [5, 4], [6, -1]])
+    weight, dy = randn((4, 2), torch.float32, 1), randn((4, 24), torch.float32, 2)
+
+    def run():
+        return (gather_rows(src, idx, weight.flatten()), combine(src, pos, weight),
+                combine_weight_grad(dy, src, pos))  # fmt: skip
+
+    with fp.implementation("torch"):
+        expected = run()
+    with fp.implementation("triton"):
+        gathered, combined, dw = run()
+    assert torch.equal(gathered, expected[0]) and torch.equal(combined, expected[1])
+    torch.testing.assert_close(dw, expected[2])
+    _tuning.forget_picks()
+    monkeypatch.setattr(_impl, "runs_torch", lambda device: False)
+    with fp.implementation("auto"):
+        tuned = run()
+    for got, want in zip(tuned, expected, strict=True):
+        assert torch.equal(got, want)
+    picks = _tuning.all_picks()
+    for kernel in ("_gather_rows_kernel", "_combine_kernel", "_combine_weight_grad_kernel"):
+        assert list(picks[kernel].values()) == [{"implementation": "torch"}]
