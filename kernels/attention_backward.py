@@ -71,11 +71,10 @@ SPLIT_BELOW_PROGRAMS: int | None = None
 # warpgroup 64 keys, so every wgmma is 64 x BLOCK_M or 64 x D: at D=128, 128x32 runs
 # 64x32 and 64x128 HGMMA in 237 registers (64-query steps spill 64 B; on the pointer
 # path 3 stages spill 8 B and 32x64 with 4 warps 96 B; at D=64, 32x32 spills 8 B with
-# soft-capping); the earlier
-# 16-query tiles ran 32 of their 34 HGMMA at 64x8, about 4.8x the instructions per
-# key-query pair. At D=256 no wgmma tile fits the registers (32x64 with 8 warps spills
-# 336 B, with 4 warps 1.1 KB and serializes): 16x32 and 32x32 with 8 warps run on mma.sync
-# without spills.
+# soft-capping); the earlier 16-query tiles ran 32 of their 34 HGMMA at 64x8, about 4.8x
+# the instructions per key-query pair. At D=256 no wgmma tile fits the registers (32x64
+# with 8 warps spills 336 B, with 4 warps 1.1 KB and serializes): 16x32 and 32x32 with 8
+# warps run on mma.sync without spills.
 _DKDV_TILES = {
     (64, "16-bit"): [(64, 128, 3, 8), (32, 128, 3, 8), (64, 64, 3, 4), (32, 64, 3, 4),
                      (32, 32, 2, 4, {"softcap"})],
