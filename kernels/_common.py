@@ -57,9 +57,12 @@ def device_guard(tensor: torch.Tensor):
     return contextlib.nullcontext()
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _capability(device: torch.device) -> tuple[int, int]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_capability(index)
+    return _cuda_capability(_index(device))
 
 
 @functools.cache
@@ -69,8 +72,7 @@ def _cuda_capability(index: int) -> tuple[int, int]:
 
 def sm_count(device: torch.device) -> int:
     """The GPU's streaming multiprocessors (queried on first use, cached)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _sm_count(index)
+    return _sm_count(_index(device))
 
 
 @functools.cache
@@ -95,6 +97,18 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
             return False
     device = tensors[0].device
     return device.type == "cpu" or (device.type == "cuda" and _capability(device)[0] >= 9)
+
+
+def tma_paths(inputs, outputs) -> tuple[bool, bool]:
+    """``(inputs through TMA, outputs through TMA)`` for a launch: inputs when they are
+    16-bit (fp32 is the FMA correctness path) and `tma_compatible`, outputs (any float
+    dtype; none: False) when `tma_compatible`. Sets Triton's allocator when either is."""
+    sixteen_bit = all(t.dtype in (torch.float16, torch.bfloat16) for t in inputs)
+    reads = sixteen_bit and tma_compatible(*inputs)
+    writes = bool(outputs) and tma_compatible(*outputs)
+    if reads or writes:
+        ensure_tma_allocator(inputs[0].device)
+    return reads, writes
 
 
 def ensure_tma_allocator(device: torch.device) -> None:

@@ -35,10 +35,9 @@ from fusedpar.kernels._common import (
     check_float_dtype,
     check_launchable,
     device_guard,
-    ensure_tma_allocator,
     fp32_dot_precision,
     is_interpreted,
-    tma_compatible,
+    tma_paths,
 )
 from fusedpar.kernels._tuning import Agreement, bucket
 from fusedpar.kernels.attention_mask import (
@@ -527,10 +526,7 @@ def attention_forward(
     restore = [out, lse] if merge and not tune_only else []
     # Q, K, V through TMA where they are 16-bit and aligned, and O where it is aligned
     # (a merge reads it back row by row: through pointers)
-    tma = q.dtype != torch.float32 and tma_compatible(q, k, v)
-    out_tma = not merge and tma_compatible(out)
-    if tma or out_tma:
-        ensure_tma_allocator(q.device)
+    tma, out_tma = tma_paths((q, k, v), () if merge else (out,))
     meta = {**meta, "MERGE": merge, "TMA": tma, "OUT_TMA": out_tma}
     launch(_attn_fwd_kernel, forward_configs, grid, args, meta, Sq, Skv,
            restore=restore, agreement=agreement, tune_only=tune_only, key_extra=key,

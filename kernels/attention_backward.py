@@ -27,10 +27,9 @@ from fusedpar.kernels import _impl, attention_torch
 from fusedpar.kernels._common import (
     check_launchable,
     device_guard,
-    ensure_tma_allocator,
     is_interpreted,
     sm_count,
-    tma_compatible,
+    tma_paths,
 )
 from fusedpar.kernels._tuning import Agreement
 from fusedpar.kernels.attention import (
@@ -488,10 +487,7 @@ def attention_backward_dkdv(
         shift, left, right,
     )  # fmt: skip
     adds = accumulate and split == 1  # the kernel reads its output back: tuning restores it
-    tma = q.dtype != torch.float32 and tma_compatible(q, dout)
-    out_tma = tma_compatible(out_k, out_v)
-    if tma or out_tma:
-        ensure_tma_allocator(q.device)
+    tma, out_tma = tma_paths((q, dout), (out_k, out_v))
     meta = {**meta, "ACCUMULATE": adds, "TMA": tma, "OUT_TMA": out_tma}
 
     def grid(meta):
@@ -563,9 +559,7 @@ def attention_backward_dq(
         tensors[2], Sq, Skv, Hq, Hq // Hkv, qk_scale, cap_in, resolve_scale(softmax_scale, D),
         shift, left, right,
     )  # fmt: skip
-    tma = q.dtype != torch.float32 and tma_compatible(k, v)
-    if tma:
-        ensure_tma_allocator(q.device)
+    tma, _ = tma_paths((k, v), ())
     meta = {**meta, "ACCUMULATE": accumulate, "TMA": tma}
 
     def grid(meta):

@@ -22,11 +22,10 @@ from fusedpar.kernels._common import (
     check_float_dtype,
     check_launchable,
     device_guard,
-    ensure_tma_allocator,
     fp32_dot_precision,
     is_interpreted,
     sm_count,
-    tma_compatible,
+    tma_paths,
 )
 from fusedpar.kernels._tuning import Agreement, bucket
 
@@ -87,7 +86,7 @@ def _prune_configs(configs, M: int, N: int):
 
 
 @triton.jit
-def _tile_of(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+def tile_of(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Tile `tile`'s (row block, column block) in grouped order: GROUP_M consecutive row
     blocks walk the same column blocks, so the B tiles they share stay in L2."""
     pids_per_group = GROUP_M * num_pid_n
@@ -197,7 +196,7 @@ def _matmul_kernel(
                                  BLOCK_N)  # fmt: skip
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0),
                              flatten=True):  # fmt: skip
-            pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
+            pid_m, pid_n = tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
             start_m, start_n = pid_m * BLOCK_M, pid_n * BLOCK_N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for ki in range(tl.cdiv(K, BLOCK_K)):
@@ -207,7 +206,7 @@ def _matmul_kernel(
             _epilogue(acc, c_ptr, c_desc, bias_ptr, start_m, start_n, M, N, stride_cm, stride_cn,
                       stride_bias, HAS_BIAS, ACCUMULATE, C_TMA, BLOCK_M, BLOCK_N)  # fmt: skip
     else:
-        pid_m, pid_n = _tile_of(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_of(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -327,10 +326,8 @@ def matmul(
         bias.stride(0) if bias is not None else 0,
         M, N, K,
     )  # fmt: skip
-    tma = a.dtype != torch.float32 and tma_compatible(a, b)
-    c_tma = out.stride(1) == 1 and tma_compatible(out)  # the descriptor takes C row-major
-    if tma or c_tma:
-        ensure_tma_allocator(a.device)
+    # (the descriptor takes C row-major)
+    tma, c_tma = tma_paths((a, b), (out,) if out.stride(1) == 1 else ())
     meta = dict(HAS_BIAS=bias is not None, ACCUMULATE=accumulate, INPUT_PRECISION=precision,
                 EVEN_K=K % BLOCK_K == 0, TMA=tma, A_T=tma and a.stride(1) != 1,
                 B_T=tma and b.stride(1) != 1,

@@ -37,6 +37,7 @@ from fusedpar.kernels._common import (
     is_interpreted,
 )
 from fusedpar.kernels._tuning import bucket
+from fusedpar.kernels.matmul import tile_of
 from fusedpar.kernels.moe_permute import _check_index, _empty, _fit
 
 # The K step of every grouped GEMM tile. Each output sums its K products in BLOCK_K
@@ -223,14 +224,8 @@ def _grouped_matmul_kernel(
         OUT_N: tl.constexpr = BLOCK_N
     # Grouped order (P7): GROUP_M row blocks walk the column blocks together, so a row
     # block's x tile is read from HBM once, not once per column block.
-    pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, OUT_N)
-    num_pid_m = tl.num_programs(0) // num_pid_n
-    pids_per_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // pids_per_group) * GROUP_M
-    group_rows = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % pids_per_group) % group_rows
-    pid_n = (pid % pids_per_group) // group_rows
+    pid_m, pid_n = tile_of(tl.program_id(0), tl.num_programs(0) // num_pid_n, num_pid_n, GROUP_M)
 
     experts = tl.arange(0, E_PAD)
     ends = tl.load(block_offsets_ptr + 1 + experts, mask=experts < E, other=2**31 - 1)
@@ -571,15 +566,11 @@ def grouped_weight_grad(dy, x, counts, rows=None, *, out_dtype=None, split=False
 # --- references (plain PyTorch, in the inputs' dtype: float64 in -> the oracle) -----------
 
 
-def _expert_slices(counts):
-    ends = torch.cumsum(counts, 0).tolist()
-    return [slice(end - c, end) for c, end in zip(counts.tolist(), ends, strict=True)]
-
-
 def grouped_matmul_reference(x, w, counts, rows=None, transpose_w=False):
     """`grouped_matmul` as a loop over experts; rows past ``counts.sum()`` are left out."""
     xs = x if rows is None else x[rows]
-    outs = [xs[s] @ (w[e] if transpose_w else w[e].T) for e, s in enumerate(_expert_slices(counts))]
+    slices = moe_torch.expert_slices(counts)
+    outs = [xs[s] @ (w[e] if transpose_w else w[e].T) for e, s in enumerate(slices)]
     return torch.cat(outs) if outs else xs.new_empty((0, w.shape[2 if transpose_w else 1]))
 
 
@@ -594,4 +585,4 @@ def expert_swiglu_reference(x, w1, w3, w2, counts, rows=None):
 def grouped_weight_grad_reference(dy, x, counts, rows=None):
     """`grouped_weight_grad` as a loop: (E, N, K), zeros for an empty expert."""
     xs = x if rows is None else x[rows]
-    return torch.stack([dy[s].T @ xs[s] for s in _expert_slices(counts)])
+    return torch.stack([dy[s].T @ xs[s] for s in moe_torch.expert_slices(counts)])

@@ -13,13 +13,16 @@ GPU, where this implementation runs only when asked for (``FUSEDPAR_IMPL=torch``
 import torch
 
 
+def expert_slices(counts) -> list[slice]:
+    """Each expert's rows in expert order, empty ones too (the counts read on the host;
+    the references loop with it as well)."""
+    ends = torch.cumsum(counts, 0).tolist()
+    return [slice(end - c, end) for c, end in zip(counts.tolist(), ends, strict=True)]
+
+
 def _groups(counts):
     """``(expert, rows)`` of every expert with rows, in expert order."""
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        if n:
-            yield e, slice(start, start + n)
-        start += n
+    return [(e, s) for e, s in enumerate(expert_slices(counts)) if s.stop > s.start]
 
 
 def _fp32(t):

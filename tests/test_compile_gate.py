@@ -39,9 +39,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from fusedpar.kernels import _common, attention_merge, matmul, moe, moe_permute
 from fusedpar.kernels import attention as attn
 from fusedpar.kernels import attention_backward as attn_bwd
-from fusedpar.kernels import attention_merge, matmul, moe, moe_permute
 
 from fusedpar.testing import compile_gate as gate
 
@@ -82,16 +82,13 @@ def _mask(causal, window, softcap, intervals):
 def _tma(allowed):
     """With `allowed` False, the launchers find no input TMA can read: the kernels'
     pointer path, as an A100 (or tiles TMA cannot address) gets it, on aligned tensors."""
-    modules = (attn, attn_bwd, matmul)
-    saved = [m.tma_compatible for m in modules]
+    saved = _common.tma_compatible
     if not allowed:
-        for m in modules:
-            m.tma_compatible = lambda *tensors: False
+        _common.tma_compatible = lambda *tensors: False
     try:
         yield
     finally:
-        for m, fn in zip(modules, saved, strict=True):
-            m.tma_compatible = fn
+        _common.tma_compatible = saved
 
 
 def attention_forward(dtype, head_dim, causal=True, group=2, merge=False, precision="highest",

@@ -81,12 +81,11 @@ def test_tma_and_pointer_paths_agree_bitwise(monkeypatch, a_t, b_t, mode):
     over their contiguous axis (``w.T`` too), and C is written through one where it is
     aligned: the same bits as the pointer path, with edges in M, N and K (72 x 40 x 88
     against 64-wide tiles)."""
-    from fusedpar.kernels import matmul as matmul_kernels
-    from fusedpar.kernels._common import tma_compatible
+    from fusedpar.kernels import _common
 
     M, N, K = 72, 40, 88
     a, b = _operand((M, K), torch.float16, 0, a_t), _operand((K, N), torch.float16, 1, b_t)
-    assert tma_compatible(a, b)
+    assert _common.tma_compatible(a, b)
 
     def run():
         if mode == "bias":
@@ -99,7 +98,7 @@ def test_tma_and_pointer_paths_agree_bitwise(monkeypatch, a_t, b_t, mode):
         return big
 
     with_tma = run()
-    monkeypatch.setattr(matmul_kernels, "tma_compatible", lambda *tensors: False)
+    monkeypatch.setattr(_common, "tma_compatible", lambda *tensors: False)
     assert torch.equal(with_tma, run())
 
 
@@ -139,9 +138,9 @@ def test_matmul_gpu(dtype, M, N, K, path, monkeypatch):
     """Both schedules (the GPU twin of the bitwise CPU test; fp32 reads through
     pointers), and the torch implementation."""
     if path == "pointer":
-        from fusedpar.kernels import matmul as matmul_kernels
+        from fusedpar.kernels import _common
 
-        monkeypatch.setattr(matmul_kernels, "tma_compatible", lambda *tensors: False)
+        monkeypatch.setattr(_common, "tma_compatible", lambda *tensors: False)
     with fp.implementation("torch" if path == "torch" else "triton"):
         check_matmul_gpu(dtype, M, N, K)
 
