@@ -119,6 +119,44 @@ def check_same_across_ranks(group: Group, values: Sequence[int], what: str, devi
         raise ValueError(f"{what}: ranks disagree: {sorted(seen)}")
 
 
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """(3,) int64 on t's device, equal for tensors of equal shape and bits: two weighted
+    sums of t's bits (integer sums wrap, and wrap the same in any order: no rounding
+    to differ between ranks) and its element count."""
+    flat = t.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    flat = flat.view(ints[flat.element_size()])
+    sums = torch.zeros(3, dtype=torch.int64, device=flat.device)
+    sums[2] = flat.numel()
+    step = 1 << 22  # int64 temporaries of 32 MiB, whatever the tensor's size
+    for start in range(0, flat.numel(), step):
+        bits = flat[start : start + step].to(torch.int64)
+        weights = torch.arange(start, start + len(bits), device=flat.device) % 65521 + 1
+        sums[0] += bits.sum()
+        sums[1] += (bits * weights).sum()
+    return sums
+
+
+def mesh_table(values: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Every rank's `values` (any shape V) at its coordinate of `mesh`: (*mesh.shape,
+    *V), the same on every rank. One all-gather over the mesh's ranks (the world's, when the
+    mesh spans it)."""
+    shape, values = values.shape, values.to(mesh.device_type).reshape(-1)
+    ranks = mesh.mesh.flatten()
+    if mesh.size() == dist.get_world_size():
+        pg = dist.group.WORLD
+    else:
+        pg = (mesh if mesh.ndim == 1 else mesh._flatten()).get_group()
+    gathered = values.new_empty(len(ranks) * len(values))
+    _all_gather_tensor(gathered, values, group=pg)
+    gathered = gathered.view(len(ranks), len(values))
+    if pg is dist.group.WORLD:
+        gathered = gathered[ranks]  # global rank order -> the mesh's order
+    return gathered.cpu().view(*mesh.shape, *shape)
+
+
 def check_dim0_divisible(x: torch.Tensor, size: int, what: str) -> None:
     if x.dim() == 0:
         raise ValueError(f"{what} needs a tensor with a dim 0, got a scalar")

@@ -36,6 +36,7 @@ fusedpar's layers declare their parameters with ``param_layouts()`` (`ParamLayou
 name); any other module's parameters are whole (`Replicate`) and need no edit.
 """
 
+import warnings
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -183,7 +184,76 @@ def _check_token_axes(model: nn.Module, mesh: DeviceMesh, token_axes) -> None:
             )
 
 
-def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=None) -> nn.Module:
+def _check_group_axes(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Each group a fusedpar layer holds is the mesh axis its name claims (``GROUP_AXES``:
+    ``tp_group`` on "tp", ...): groups passed swapped, or built by hand in another
+    order, would compute a different model with no error."""
+    for name, module in model.named_modules():
+        for attr, claimed in getattr(module, "GROUP_AXES", {}).items():
+            axes = mesh_axes_of(getattr(module, attr, None), mesh)
+            if axes and axes != claimed:
+                what = f"{name or type(module).__name__}.{attr}"
+                raise ValueError(f"{what} is the mesh's {'x'.join(axes)} axis, not "
+                                 f"{'x'.join(claimed)}: groups passed in the wrong places "
+                                 f"(tp for cp?) or from another mesh; take them from "
+                                 f"dims.groups(mesh)")  # fmt: skip
+
+
+def _check_replicas(plan, mesh: DeviceMesh) -> None:
+    """Each parameter equal on the ranks that hold it whole or hold the same shard (its
+    Replicate axes): one all-gather of a fingerprint per parameter, and the same
+    ValueError on every rank naming the first that differ (ranks seeded differently
+    before building the model, or loading different weights)."""
+    seen, names, prints = set(), [], []
+    for owner, module, placed in plan:
+        for name, where in placed.items():
+            param = module._parameters[name]
+            if id(param) in seen or param.device.type == "meta":
+                continue
+            seen.add(id(param))
+            names.append((f"{owner}.{name}" if owner else name, where))
+            prints.append(comm.fingerprint(param).to(mesh.device_type))
+    if not prints or mesh.size() == 1:
+        return
+    table = comm.mesh_table(torch.stack(prints), mesh)  # (*mesh.shape, P, 3)
+    for axis, axis_name in enumerate(mesh.mesh_dim_names):
+        if mesh.size(axis) == 1:
+            continue
+        differ = (table.amax(axis) != table.amin(axis)).any(-1)  # (*other axes, P)
+        differ = differ.flatten(0, -2).any(0) if differ.dim() > 1 else differ
+        bad = [name for (name, where), d in zip(names, differ.tolist(), strict=True)
+               if d and isinstance(where.placements[axis_name], Replicate)]  # fmt: skip
+        if bad:
+            listed = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+            raise ValueError(f"distribute: {listed} differ across the ranks of mesh axis "
+                             f"{axis_name!r}, which must hold them equal: build the model "
+                             "from the same seed on every rank (torch.manual_seed before "
+                             "building it) or load the same weights everywhere")  # fmt: skip
+
+
+_warned_undistributed = False
+
+
+def warn_if_undistributed(module: nn.Module, *groups) -> None:
+    """Once per process: a fusedpar layer over more than one rank trains (grad enabled)
+    without `distribute`, so the gradients of its whole parameters, and of shards used
+    on split tokens, stay this rank's partial sums (code that sums them by hand is
+    fine: this only warns)."""
+    global _warned_undistributed
+    if _warned_undistributed or hasattr(module, "_fusedpar_placed"):
+        return
+    if not torch.is_grad_enabled() or all(comm.group_size(g) == 1 for g in groups):
+        return
+    _warned_undistributed = True
+    warnings.warn(f"{type(module).__name__} runs over more than one rank, but its model was "
+                  "not passed to fusedpar.distribute(model, mesh): the gradients of whole "
+                  "parameters (norms, embeddings, a row bias) and of shards that saw only "
+                  "this rank's tokens stay partial sums unless you reduce them yourself",
+                  UserWarning, stacklevel=3)  # fmt: skip
+
+
+def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=None,
+               check_replicas: bool = True) -> nn.Module:  # fmt: skip
     """Store every parameter of `model` as a DTensor on `mesh`, in place; returns `model`.
 
     `mesh` is the full mesh (``ParallelDims.build_mesh``), with named axes. fusedpar
@@ -192,10 +262,15 @@ def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=None) -> nn.Mod
     between layers are split over (default: those of cp, ulysses and tp the mesh has, as
     fusedpar's sequence-parallel layers and context parallelism split them); a layer
     whose ``sequence_parallel`` disagrees
-    raises ValueError. Call it after moving the model to its device, before FSDP2 and
-    before building the optimizer. Every check runs before any parameter changes. No
-    communication: whole parameters must already be equal on every rank (as they are
-    when every rank builds the model from the same seed).
+    raises ValueError, and so does a layer whose groups are not the mesh axes they
+    claim (`tp_group` on "tp", `cp_group` on "cp": swapped groups). Call it after
+    moving the model to its device, before FSDP2 and before building the optimizer.
+
+    Every parameter must be equal on the ranks that hold it whole or hold the same
+    shard, as it is when every rank builds the model from the same seed:
+    ``check_replicas`` (default) checks it with one all-gather of a fingerprint per
+    parameter and raises ValueError on every rank naming those that differ. Every
+    check runs before any parameter changes.
     """
     if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None:
         raise TypeError("distribute needs a DeviceMesh with named axes (ParallelDims.build_mesh)")
@@ -205,7 +280,8 @@ def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=None) -> nn.Mod
     if unknown:
         raise ValueError(f"token_axes {unknown} are not axes of the mesh {mesh.mesh_dim_names}")
     _check_token_axes(model, mesh, token_axes)
-    plan = []  # (module, {name: _Placed}): every check passes before anything changes
+    _check_group_axes(model, mesh)
+    plan = []  # (owner, module, {name: _Placed}): every check passes before anything changes
     for owner, module in model.named_modules():
         if type(module) in _READS_CHILD_PARAMETERS:
             raise ValueError(f"{owner or 'the model'} is an nn.{type(module).__name__}, whose "
@@ -223,9 +299,11 @@ def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=None) -> nn.Mod
             if param is not None:
                 placed[name] = _place(layouts.get(name, WHOLE), mesh, token_axes)
         if placed:
-            plan.append((module, placed))
+            plan.append((owner, module, placed))
+    if check_replicas:
+        _check_replicas(plan, mesh)
     done: dict[int, nn.Parameter] = {}  # a tied parameter becomes one DTensor parameter
-    for module, placed in plan:
+    for _, module, placed in plan:
         for name, where in placed.items():
             param = module._parameters[name]
             if id(param) not in done:

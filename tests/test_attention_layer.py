@@ -1,6 +1,7 @@
 """`fp.nn.ParallelAttention` with the options of today's open models (q/k/v and o
-biases, a head dim other than d_model / n_heads, per-head q/k RMSNorm, a rotary
-callable in Hugging Face's layout) against a dense float64 module: the output, dx and
+biases, a head dim other than d_model / n_heads, per-head q/k RMSNorm with a softmax
+scale, a rotary callable in Hugging Face's layout; no RoPE, partial rotary, Conv1D
+modules and bare tensors with their biases) against a dense float64 module: the output, dx and
 every parameter gradient (DTensor parameters on the mesh, gathered), at TP2 x CP2 with
 and without sequence parallelism and on one rank; and `from_dense` refusing whatever it
 would not compute exactly."""
@@ -14,6 +15,9 @@ import fusedpar as fp
 from fusedpar.testing import assert_close
 
 D_MODEL, HEADS, KV_HEADS, HEAD_DIM, SEQ, BATCH = 32, 4, 2, 16, 16, 2
+# Gemma 3's query_pre_attn_scalar ** -0.5 beside its q/k norms (a scale folded into q's
+# weights would be undone by the q norm)
+GEMMA_SCALE = 24**-0.5
 
 
 def scaled_rope(positions):
@@ -51,7 +55,8 @@ class DenseAttention(nn.Module):
 
         q, k = rotate(q).transpose(1, 2), rotate(k).transpose(1, 2)
         v = self.v(x).view(B, S, KV_HEADS, HEAD_DIM).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                             scale=GEMMA_SCALE)  # fmt: skip
         return self.o(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -87,7 +92,7 @@ def _run_options(sequence_parallel, seed):
     layer = fp.nn.ParallelAttention.from_dense(
         dense.q, dense.k, dense.v, dense.o, D_MODEL, HEADS, KV_HEADS, q_norm=dense.q_norm,
         k_norm=dense.k_norm, rope=scaled_rope, tp_group=groups["tp"], cp_group=groups["cp"],
-        sequence_parallel=sequence_parallel,
+        sequence_parallel=sequence_parallel, softmax_scale=GEMMA_SCALE,
     )  # fmt: skip
     assert layer.head_dim == HEAD_DIM and layer.q_bias is not None and layer.o_bias is not None
     fp.distribute(layer, mesh, token_axes=("cp", "tp") if sequence_parallel else ("cp",))
@@ -164,7 +169,8 @@ def test_from_dense_refuses_what_it_would_not_compute(build, match):
 def test_a_bad_rope_table_is_refused():
     layer = fp.nn.ParallelAttention(D_MODEL, HEADS, KV_HEADS, head_dim=HEAD_DIM,
                                     rope=lambda pos: (torch.ones(len(pos), 3),) * 2)  # fmt: skip
-    with pytest.raises(ValueError, match=r"cos, sin of \(8, 8\) or \(8, 16\), got \(8, 3\)"):
+    match = r"cos, sin of \(8, 8\) or \(8, 16\) for rotary_dim 16, got \(8, 3\)"
+    with pytest.raises(ValueError, match=match):
         layer(torch.randn(8, 1, D_MODEL))
 
 
@@ -174,3 +180,192 @@ def test_swiglu_refuses_a_bias_it_has_no_place_for():
         fp.nn.ParallelSwiGLU.from_dense(gate, up, down, None, bias=False)
     with pytest.raises(ValueError, match=r"dense down has no bias .* bias=True"):
         fp.nn.ParallelSwiGLU.from_dense(gate, up, nn.Linear(16, 8, bias=False), None)
+
+
+# ---- layers for models that are not Llama-shaped: no RoPE, softmax_scale, partial rotary,
+# Conv1D modules and bare tensors with their biases
+
+ROTARY = HEAD_DIM // 2  # GPT-NeoX's rotary_pct 0.5
+
+
+def neox_rope(positions):
+    """GPT-NeoX's rotary module at rotary_pct 0.5: Hugging Face's layout of width
+    ROTARY, (1, S, ROTARY), the angles twice."""
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, ROTARY, 2, dtype=torch.float64) / ROTARY)
+    angles = positions.double()[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)[None]
+    return angles.cos(), angles.sin()
+
+
+class DenseVariant(nn.Module):
+    """q/k/v/o with biases, GQA, causal; rotary on the first `rotary_dim` dims of each
+    head (0: none), and a softmax scale."""
+
+    def __init__(self, rotary_dim, scale):
+        super().__init__()
+        self.rotary_dim, self.scale = rotary_dim, scale
+        self.q = nn.Linear(D_MODEL, HEADS * HEAD_DIM)
+        self.k = nn.Linear(D_MODEL, KV_HEADS * HEAD_DIM)
+        self.v = nn.Linear(D_MODEL, KV_HEADS * HEAD_DIM)
+        self.o = nn.Linear(HEADS * HEAD_DIM, D_MODEL)
+
+    def rotate(self, t):  # (B, S, H, hd): Hugging Face's rotate_half on the first r dims
+        r = self.rotary_dim
+        if r == 0:
+            return t
+        inv_freq = 1.0 / 10000.0 ** (torch.arange(0, r, 2, dtype=torch.float64) / r)
+        angles = torch.arange(t.shape[1], dtype=torch.float64)[:, None] * inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+        cos, sin = angles.cos().to(t.dtype), angles.sin().to(t.dtype)
+        rot, rest = t[..., :r], t[..., r:]
+        half = torch.cat([-rot[..., r // 2 :], rot[..., : r // 2]], dim=-1)
+        return torch.cat([rot * cos + half * sin, rest], dim=-1)
+
+    def forward(self, x):  # (B, S, d)
+        B, S, _ = x.shape
+        q = self.rotate(self.q(x).view(B, S, HEADS, HEAD_DIM)).transpose(1, 2)
+        k = self.rotate(self.k(x).view(B, S, KV_HEADS, HEAD_DIM)).transpose(1, 2)
+        v = self.v(x).view(B, S, KV_HEADS, HEAD_DIM).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                             scale=self.scale)  # fmt: skip
+        return self.o(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class Conv1D(nn.Module):
+    """Hugging Face's GPT-2 ``Conv1D`` (transformers.pytorch_utils): a linear layer with
+    its weight stored transposed, (in, out)."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.randn(nx, nf) / nx**0.5)
+        self.bias = nn.Parameter(torch.randn(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.flatten(0, -2), self.weight).view(*x.shape[:-1], self.nf)
+
+
+def as_conv1d(linear: nn.Linear) -> Conv1D:
+    conv = Conv1D(linear.out_features, linear.in_features)
+    with torch.no_grad():
+        conv.weight.copy_(linear.weight.t())
+        conv.bias.copy_(linear.bias)
+    return conv
+
+
+# (rotary_dim of the dense module, ParallelAttention options, how the dense parts are given)
+VARIANTS = {
+    "no-rope-scaled-tensors": (0, {"rope": None, "softmax_scale": 0.3}, "tensors"),
+    "partial-hf-table-conv1d": (ROTARY, {"rope": neox_rope, "rotary_dim": ROTARY}, "conv1d"),
+    "partial-default-tables": (ROTARY, {"rotary_dim": ROTARY, "softmax_scale": 0.2}, "linear"),
+}
+
+
+def _run_variants(seed):
+    world = torch.distributed.get_world_size()
+    dims = fp.ParallelDims(cp=2, tp=2) if world == 4 else fp.ParallelDims()
+    mesh = dims.build_mesh("cpu")
+    groups = dims.groups(mesh)
+    for name, (rotary_dim, options, given) in VARIANTS.items():
+        torch.manual_seed(seed)
+        dense = DenseVariant(rotary_dim, options.get("softmax_scale"))
+        x, g = torch.randn(BATCH, SEQ, D_MODEL), torch.randn(BATCH, SEQ, D_MODEL)
+        refs = {}
+        for dtype in (torch.float64, torch.float32):
+            module = DenseVariant(rotary_dim, dense.scale).to(dtype)
+            module.load_state_dict(dense.state_dict())
+            xd = x.to(dtype, copy=True).requires_grad_()
+            module(xd).backward(g.to(dtype))
+            y = module(xd.detach())
+            refs[dtype] = {"y": y.detach(), "dx": xd.grad,
+                           **{n: p.grad for n, p in module.named_parameters()}}  # fmt: skip
+        parts = (dense.q, dense.k, dense.v, dense.o)
+        if given == "tensors":
+            parts, options = [p.weight for p in parts], {**options, "bias": [p.bias for p in parts]}
+        elif given == "conv1d":
+            parts = [as_conv1d(p) for p in parts]
+        layer = fp.nn.ParallelAttention.from_dense(
+            *parts, D_MODEL, HEADS, KV_HEADS, tp_group=groups["tp"], cp_group=groups["cp"],
+            **options,
+        )  # fmt: skip
+        fp.distribute(layer, mesh)
+        x_local = _to_local(x, groups).requires_grad_()
+        y = layer(x_local)
+        y.backward(_to_local(g, groups))
+        for what, got in (("y", y), ("dx", x_local.grad)):
+            expected = [_to_local(refs[dtype][what], groups) for dtype in refs]
+            assert_close(got, *expected, name=f"{name}: {what}")
+        for pname, param in layer.named_parameters():
+            dense_name = pname.replace("_weight", ".weight").replace("_bias", ".bias")
+            assert_close(param.grad.full_tensor(), refs[torch.float64][dense_name],
+                         refs[torch.float32][dense_name], name=f"{name}: {pname}",
+                         sum_length=SEQ)  # fmt: skip
+    return True
+
+
+def test_layers_for_models_that_are_not_llama_shaped(world):
+    """rope=None (GPT-2's learned positions), softmax_scale, partial rotary with the
+    default tables or a Hugging Face half-width table, Conv1D modules and bare tensors
+    with bias=: output, dx and every gradient at TP2 x CP2 against float64."""
+    assert all(world(4).run(_run_variants, 3))
+
+
+def test_a_half_width_hf_table_is_never_taken_for_the_full_layout():
+    """GPT-NeoX at rotary_pct 0.5 with its own rotary module and no rotary_dim: the
+    table has the width of this layer's own full-rotary layout, but its halves repeat."""
+    layer = fp.nn.ParallelAttention(D_MODEL, HEADS, KV_HEADS, head_dim=HEAD_DIM, rope=neox_rope)
+    with pytest.raises(ValueError, match=r"Hugging Face's layout for rotary_dim 8.*"
+                                         r"pass rotary_dim=8"):  # fmt: skip
+        layer(torch.randn(8, 1, D_MODEL))
+    layer = fp.nn.ParallelAttention(D_MODEL, HEADS, KV_HEADS, head_dim=HEAD_DIM, rope=neox_rope,
+                                    rotary_dim=ROTARY)  # fmt: skip
+    assert layer(torch.randn(8, 1, D_MODEL)).shape == (8, 1, D_MODEL)
+
+
+@pytest.mark.parametrize("options, error, match", [
+    ({"rope": False}, TypeError, r"rope must be a callable .* None \(no rotary embedding\)"),
+    ({"rope": None, "rotary_dim": 8}, ValueError, r"rotary_dim=8 with rope=None"),
+    ({"rotary_dim": 6 + HEAD_DIM}, ValueError, r"rotary_dim \(22\) must be even and in \(0, "),
+    ({"rotary_dim": 5}, ValueError, r"rotary_dim \(5\) must be even"),
+    ({"softmax_scale": 0.0}, ValueError, r"softmax_scale must be > 0 and finite"),
+    ({"softmax_scale": float("inf")}, ValueError, r"softmax_scale must be > 0 and finite"),
+])  # fmt: skip
+def test_bad_layer_options_raise(options, error, match):
+    with pytest.raises(error, match=match):
+        fp.nn.ParallelAttention(D_MODEL, HEADS, KV_HEADS, head_dim=HEAD_DIM, **options)
+
+
+def test_biases_beside_tensors_are_checked():
+    torch.manual_seed(0)
+    dense = DenseVariant(0, None)
+    weights = [dense.q.weight, dense.k.weight, dense.v.weight, dense.o.weight]
+    biases = [dense.q.bias, dense.k.bias, dense.v.bias, dense.o.bias]
+    build = fp.nn.ParallelAttention.from_dense
+    layer = build(*weights, D_MODEL, HEADS, KV_HEADS, bias=biases)
+    assert layer.has_bias and torch.equal(layer.o_bias, dense.o.bias)
+    with pytest.raises(ValueError, match=r"one bias \(a tensor or None\) per dense weight, 4"):
+        build(*weights, D_MODEL, HEADS, KV_HEADS, bias=biases[:3])
+    with pytest.raises(ValueError, match=r"a bias given for dense q, a Linear that has its own"):
+        build(dense.q, *weights[1:], D_MODEL, HEADS, KV_HEADS, bias=biases)
+    with pytest.raises(ValueError, match=r"the bias of dense k must be a \(32,\) tensor"):
+        build(*weights, D_MODEL, HEADS, KV_HEADS, bias=[biases[0], biases[0], *biases[2:]])
+    with pytest.raises(ValueError, match=r"dense k has no bias .* bias=True"):
+        build(*weights, D_MODEL, HEADS, KV_HEADS, bias=[biases[0], None, *biases[2:]])
+
+
+def test_linears_take_conv1d_modules_and_tensors_with_biases():
+    """One rank: each form gives the dense layer's function exactly."""
+    torch.manual_seed(0)
+    linear = nn.Linear(12, 20)
+    x = torch.randn(5, 3, 12)
+    for cls in (fp.nn.ColumnParallelLinear, fp.nn.RowParallelLinear):
+        for dense, bias in ((as_conv1d(linear), None), (linear.weight, linear.bias)):
+            layer = cls.from_dense(dense, None, bias=bias)
+            torch.testing.assert_close(layer(x), linear(x), rtol=0, atol=1e-6)
+    gate, up, down = nn.Linear(12, 20), nn.Linear(12, 20), nn.Linear(20, 12)
+    expected = down(F.silu(gate(x)) * up(x))
+    convs = fp.nn.ParallelSwiGLU.from_dense(*map(as_conv1d, (gate, up, down)), None)
+    tensors = fp.nn.ParallelSwiGLU.from_dense(gate.weight, up.weight, down.weight, None,
+                                              bias=(gate.bias, up.bias, down.bias))  # fmt: skip
+    for mlp in (convs, tensors):
+        torch.testing.assert_close(mlp(x), expected, rtol=0, atol=1e-5)

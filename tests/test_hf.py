@@ -70,9 +70,11 @@ def _reference_grad(model, name: str) -> torch.Tensor:
     return model.get_parameter(name).grad  # embeddings, norms, head: unchanged names
 
 
-def _run_family(family, seed, changes=None):
+def _run_family(family, seed, changes=None, batch="full"):
     """At TP2 x CP2 on 4 ranks; in one process (no torch.distributed) with every group
-    None and plain parameters. `changes`: config fields over the family's."""
+    None and plain parameters. `changes`: config fields over the family's. `batch`:
+    "full", the model takes the whole batch and labels= (Hugging Face's way); "local",
+    this rank's tokens and a loss of the caller's."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     moe = family in ("mixtral", "qwen2_moe")
     dims = fp.ParallelDims(cp=2, tp=2, ep="tp" if moe else None) if world == 4 else None
@@ -88,15 +90,20 @@ def _run_family(family, seed, changes=None):
         loss.backward()
         out[dtype] = (logits.detach(), loss.detach().reshape(1))
 
-    mesh = hf.parallelize(model, dims)
+    mesh = hf.parallelize(model, dims, batch=batch)
     groups = dims.groups(mesh) if dims else dict.fromkeys(("cp", "tp"))
-    logits = model(input_ids=hf.local_tokens(ids, groups)).logits  # (B, S/CP/TP, V)
-    local = hf.local_tokens(labels, groups).flatten()
-    loss = F.cross_entropy(logits.flatten(0, 1), local, reduction="sum") / valid
-    loss.backward()
-    total = loss.detach().clone().reshape(1)
-    if world > 1:
-        dist.all_reduce(total)
+    if batch == "full":  # every rank: the whole batch, the original's loss
+        result = model(input_ids=ids, labels=ids)
+        logits, total = result.logits, result.loss.detach().reshape(1)
+        result.loss.backward()
+    else:
+        logits = model(input_ids=hf.local_tokens(ids, groups)).logits  # (B, S/CP/TP, V)
+        local = hf.local_tokens(labels, groups).flatten()
+        loss = F.cross_entropy(logits.flatten(0, 1), local, reduction="sum") / valid
+        loss.backward()
+        total = loss.detach().clone().reshape(1)
+        if world > 1:
+            dist.all_reduce(total)
     full = hf.full_logits(logits.detach(), groups)
     assert_close(full, out[torch.float64][0], out[torch.float32][0], name="logits")
     assert_close(total, out[torch.float64][1], out[torch.float32][1], name="loss")
@@ -114,6 +121,10 @@ def test_the_converted_model_trains_like_the_original(world, family):
     assert len(set(world(4).run(_run_family, family, 0))) == 1
 
 
+def test_the_caller_may_shard_the_batch_itself(world):
+    assert len(set(world(4).run(_run_family, "llama", 2, None, "local"))) == 1
+
+
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8}  # fmt: skip
 VARIANTS = [(family, None) for family in FAMILIES] + [
@@ -129,17 +140,74 @@ def test_one_process_with_every_group_none(family, changes):
     assert _run_family(family, 1, changes) > 0
 
 
-@pytest.mark.parametrize("call, match", [
-    (dict(attention_mask=torch.ones(BATCH, SEQ, dtype=torch.long)), r"attention_mask=None"),
-    (dict(position_ids=torch.arange(SEQ)[None]), r"no position_ids"),
-    (dict(labels=torch.zeros(BATCH, SEQ, dtype=torch.long)), r"labels= would shift"),
-    (dict(use_cache=True), r"keeps no KV cache"),
+PADDED = torch.ones(BATCH, SEQ, dtype=torch.long).index_fill_(1, torch.tensor([SEQ - 1]), 0)
+
+
+@pytest.mark.parametrize("batch, call, match", [
+    ("full", dict(attention_mask=PADDED), r"no padding \(attention_mask may be left out or"),
+    ("full", dict(position_ids=torch.arange(SEQ)[None] % 8), r"position_ids other than 0..S-1"),
+    ("full", dict(labels=torch.zeros(BATCH, SEQ - 1, dtype=torch.long)), r"labels must be"),
+    ("full", dict(use_cache=True), r"keeps no KV cache"),
+    ("local", dict(attention_mask=torch.ones(BATCH, SEQ, dtype=torch.long)),
+     r"attention_mask=None"),
+    ("local", dict(position_ids=torch.arange(SEQ)[None]), r"no position_ids"),
+    ("local", dict(labels=torch.zeros(BATCH, SEQ, dtype=torch.long)), r"labels= would shift"),
 ])  # fmt: skip
-def test_what_the_converted_model_would_get_wrong_is_refused(call, match):
+def test_what_the_converted_model_would_get_wrong_is_refused(batch, call, match):
     model = _model("llama", 0)
-    hf.parallelize(model, None)
+    hf.parallelize(model, None, batch=batch)
     with pytest.raises(ValueError, match=match):
         model(input_ids=torch.zeros(BATCH, SEQ, dtype=torch.long), **call)
+
+
+def test_a_tokenizers_all_ones_mask_and_positions_are_taken():
+    """batch="full": HF's own call, with the mask and positions of unpadded text, gives
+    the original's loss."""
+    model = _model("llama", 0)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    call = dict(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids),
+                position_ids=torch.arange(SEQ)[None])  # fmt: skip
+    expected = copy.deepcopy(model)(**call).loss
+    hf.parallelize(model, None)
+    torch.testing.assert_close(model(**call).loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def _run_wrong_batch(case):
+    """A batch that is not what the mode takes raises on every rank (TP2 x CP2)."""
+    dims = fp.ParallelDims(cp=2, tp=2)
+    model = _model("llama", 0)
+    mesh = hf.parallelize(model, dims, batch="local" if case.startswith("local") else "full")
+    groups = dims.groups(mesh)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    if case == "full: each rank its own shard":  # 4 x SEQ tokens: a shard that divides
+        ids = torch.randint(0, VOCAB, (BATCH, 4 * SEQ), generator=torch.Generator().manual_seed(0))
+        model(input_ids=hf.local_tokens(ids, groups))
+    elif case == "full: a length that does not split":
+        model(input_ids=ids[:, :-4])
+    elif case == "full: a contiguous shard":
+        rank = dist.get_rank()
+        model(input_ids=ids.chunk(4, dim=1)[rank].repeat(1, 4))
+    elif case == "full: a different batch per rank":
+        model(input_ids=(ids + dist.get_rank()) % VOCAB, labels=ids)
+    elif case == "local: the whole batch":
+        model(input_ids=ids)
+    elif case == "local: sharded over cp only":
+        model(input_ids=fp.shard_sequence(ids, groups["cp"], dim=1))
+
+
+@pytest.mark.parametrize("case, match", [
+    ("full: each rank its own shard", r"the ranks of a cp x tp group got different batches"),
+    ("full: a length that does not split", r"12 tokens do not split into the 8 chunks"),
+    ("full: a contiguous shard", r"got different batches"),
+    ("full: a different batch per rank", r"got different batches"),
+    ("local: the whole batch", r"batch='local': the ranks of mesh axis 'cp' hold the same"),
+    ("local: sharded over cp only", r"the ranks of mesh axis 'tp' hold the same tokens"),
+])  # fmt: skip
+def test_a_batch_the_mode_does_not_take_raises_on_every_rank(world, case, match):
+    import re
+
+    for e in world(4).run(exception_of, _run_wrong_batch, case):
+        assert isinstance(e, ValueError) and re.search(match, str(e)), repr(e)
 
 
 def _run_refusal(family, changes):

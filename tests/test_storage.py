@@ -191,6 +191,17 @@ def _run_misuse(case):
             fp.distribute(layer, mesh)
         elif case == "unknown axis":
             fp.distribute(nn.Linear(4, 4), mesh, token_axes=("sp",))
+        elif case == "tp and cp swapped":
+            attn = fp.nn.ParallelAttention(16, 2, tp_group=groups["cp"], cp_group=groups["tp"])
+            fp.distribute(attn, mesh)
+        elif case == "seeded per rank":  # the norm differs across all ranks, the shards over cp
+            torch.manual_seed(dist.get_rank())
+            model = nn.Sequential(nn.RMSNorm(8), fp.nn.ColumnParallelLinear(8, 8, groups["tp"]))
+            nn.init.uniform_(model[0].weight)
+            fp.distribute(model, mesh)
+        elif case == "shards differ over cp":  # the same seed within each cp rank only
+            torch.manual_seed(fp.comm.group_rank(groups["cp"]))
+            fp.distribute(fp.nn.ColumnParallelLinear(8, 8, groups["tp"]), mesh)
     except ValueError as e:
         return str(e)
     return None
@@ -203,7 +214,39 @@ def _run_misuse(case):
     ("multihead attention", r"0 is an nn.MultiheadAttention, whose forward reads its children"),
     ("twice", r"weight is already a DTensor"),
     ("unknown axis", r"token_axes \['sp'\] are not axes"),
+    ("tp and cp swapped", r"ParallelAttention.tp_group is the mesh's cp axis, not tp"),
+    ("seeded per rank", r"0.weight, 1.weight, 1.bias differ across the ranks of mesh axis 'cp'"),
+    ("shards differ over cp", r"^distribute: weight, bias differ across .* axis 'cp'.* same seed"),
 ])  # fmt: skip
 def test_misuse_raises_on_every_rank(world, case, match):
     messages = world(4).run(_run_misuse, case)
     assert all(m is not None and re.search(match, m) for m in messages), messages
+
+
+def _run_undistributed(distributed):
+    """A layer over 2 ranks trained without `distribute` warns once, naming it; after
+    `distribute`, or without grad, it does not."""
+    import warnings
+
+    import fusedpar.storage
+
+    fusedpar.storage._warned_undistributed = False
+    _, mesh, groups = _mesh(cp=1, tp=2)
+    torch.manual_seed(0)
+    layer = fp.nn.ColumnParallelLinear(8, 8, groups["tp"], sequence_parallel=False)
+    if distributed:
+        fp.distribute(layer, mesh, token_axes=())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            layer(torch.randn(2, 8))
+        layer(torch.randn(2, 8)).sum().backward()
+        layer(torch.randn(2, 8)).sum().backward()
+    return [str(w.message) for w in caught if "fusedpar.distribute" in str(w.message)]
+
+
+def test_training_without_distribute_warns_once(world):
+    warned = world(2).run(_run_undistributed, False)
+    assert all(len(w) == 1 and "ColumnParallelLinear runs over more than one rank" in w[0]
+               for w in warned), warned  # fmt: skip
+    assert world(2).run(_run_undistributed, True) == [[], []]

@@ -2,25 +2,40 @@
 
     dims = fp.ParallelDims(cp=2, tp=2, ep="tp")
     mesh = parallelize(model, dims)              # in place; returns the mesh
-    groups = dims.groups(mesh)
-    logits = model(input_ids=local_tokens(ids, groups)).logits    # (B, S/CP/TP, V)
-    labels = local_tokens(next_token_labels(ids), groups)
+    out = model(input_ids=ids, labels=ids)       # the whole batch, as for the original
+    out.loss.backward()                          # the original's loss, on every rank
+    out.logits                                   # this rank's tokens: (B, S/CP/TP, V)
 
 Each decoder layer's attention becomes a `ParallelAttention` (heads over tp, the
 sequence over cp, RoPE from the model's own rotary module at the global positions of the
 local tokens), its MLP a `ParallelSwiGLU` or, in MoE layers, a `MoE` (experts over the
 ep axes, the shared expert and its gate where the model has them). Embeddings, norms and
 the LM head stay as they are; then `fusedpar.distribute` puts every parameter on the
-mesh. The model takes this rank's share of the tokens, (B, S / CP / TP): the zigzag CP
-shard of the sequence, then its TP chunk; `full_logits` gathers the logits back.
+mesh.
+
+The batch (``batch=`` of `parallelize`):
+
+| batch     | the model takes                                  | loss                      |
+| --------- | ------------------------------------------------ | ------------------------- |
+| "full"    | `input_ids` / `inputs_embeds` (B, S), `labels`   | ``labels=``: Hugging      |
+| (default) | (B, S), the same on every rank of a cp x tp      | Face's, shifted over the  |
+|           | group (checked each call: one all-gather of a    | whole sequence; its value |
+|           | fingerprint); it takes this rank's share itself  | the global mean           |
+| "local"   | this rank's share, `local_tokens(ids, groups)`   | yours, from `local_tokens`|
+|           | (B, S/CP/TP): the zigzag CP shard, then its TP   | of `next_token_labels`    |
+|           | chunk (checked once: ranks holding the same tokens raise) |                  |
+
+Either way the logits are this rank's tokens', (B, S/CP/TP, V); `full_logits` gathers
+them. Under "full", ``position_ids`` may be left out or be ``0..S-1`` and
+``attention_mask`` may be left out or all ones (what a tokenizer returns for unpadded
+text); under "local" both are refused, as are ``labels``.
 
 Supported: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE (``model_type`` llama,
 mistral, qwen2, qwen3, mixtral, qwen2_moe), causal training over whole sequences.
 Anything the converted model would not compute exactly (sliding-window layers, attention
 dropout, router jitter, another activation, RoPE whose tables depend on the sequence
 length, a module of an unknown kind) raises ValueError naming it, on every rank, before
-any collective; so do, at call time, an attention mask, position_ids, labels (HF would
-shift them inside each shard) and use_cache.
+any collective; so do, at call time, padding, packed position_ids and use_cache.
 """
 
 import functools
@@ -33,6 +48,11 @@ from fusedpar import comm
 from fusedpar.nn import MoE, ParallelAttention, ParallelSwiGLU
 from fusedpar.ops.sequence import gather_sequence, shard_sequence
 from fusedpar.storage import distribute
+
+BATCHES = ("full", "local")
+# Hugging Face's causal-LM forward, positionally (the hooks read every argument by name)
+_FORWARD_ARGS = ("input_ids", "attention_mask", "position_ids", "past_key_values",
+                 "inputs_embeds", "labels", "use_cache", "logits_to_keep")  # fmt: skip
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe")
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu,
@@ -90,7 +110,8 @@ def _check_config(config) -> None:
     _refuse(getattr(config, "use_sliding_window", False), "use_sliding_window=True")
     window = getattr(config, "sliding_window", None)
     _refuse(config.model_type in ("mistral", "mixtral") and window is not None,
-            f"sliding_window={window} (windows are pending in the attention kernels)")  # fmt: skip
+            f"sliding_window={window} (ParallelAttention(sliding_window=) computes windows; "
+            "their conversion from Hugging Face configs is not done yet)")  # fmt: skip
     for name in ("attention_dropout", "router_jitter_noise", "hidden_dropout"):
         value = getattr(config, name, 0.0)
         _refuse(value not in (0, 0.0, None), f"{name}={value}")
@@ -165,15 +186,19 @@ def _mlp(mlp: nn.Module, config, groups) -> nn.Module:
                                        activation=act)  # fmt: skip
 
 
-def parallelize(model: nn.Module, dims, mesh=None):
+def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
     """Convert a Hugging Face causal LM of a supported family in place (see the module
     doc) and put its parameters on `mesh` (``dims.build_mesh`` on the model's device
-    type if None); returns the mesh. Checks everything before any collective.
+    type if None); returns the mesh. Checks everything before any collective. `batch`:
+    "full" (the model takes the whole batch on every rank) or "local" (this rank's
+    share), see the module doc.
 
     ``dims=None``: one process, every group None, plain parameters (no mesh, no
     ``torch.distributed``): the same layers, for tests and debugging; returns None."""
     import torch.distributed as dist
 
+    if batch not in BATCHES:
+        raise ValueError(f"parallelize: batch must be one of {BATCHES}, got {batch!r}")
     config = model.config
     _check_config(config)
     if dims is not None:
@@ -200,27 +225,142 @@ def parallelize(model: nn.Module, dims, mesh=None):
         layer.self_attn = _attention(layer.self_attn, config, groups, rope)
         layer.mlp = _mlp(layer.mlp, config, groups)
     config.use_cache = False  # training: the converted attention keeps no KV cache
-    model.register_forward_pre_hook(_no_padding_mask, with_kwargs=True)
+    model._fusedpar_batch = _Batch(batch, mesh, groups)
+    model.register_forward_pre_hook(_take_batch, with_kwargs=True)
+    model.register_forward_hook(_add_loss, with_kwargs=True, always_call=True)
     if dims is None:
         return None
     distribute(model, mesh)
     return mesh
 
 
-def _no_padding_mask(module, args, kwargs):
-    """What the converted model would ignore or get wrong: refused at call time."""
-    if kwargs.get("attention_mask") is not None or len(args) > 1 and args[1] is not None:
+class _Batch:
+    """How a converted model takes its batch, and the labels of the call in flight."""
+
+    def __init__(self, kind: str, mesh, groups: dict):
+        self.kind, self.mesh, self.groups = kind, mesh, groups
+        self.local_checked = False
+        self.pending: list = []  # (local shifted labels, num_items_in_batch) per call
+
+    def shards(self) -> int:
+        cp, tp = (comm.group_size(self.groups[axis]) for axis in ("cp", "tp"))
+        return 2 * cp * tp if cp > 1 else tp
+
+
+def _take_batch(module, args, kwargs):
+    """Forward pre-hook: refuse what the converted model would get wrong; under "full",
+    check the ranks got the same batch and keep this rank's share of it."""
+    kwargs = {**dict(zip(_FORWARD_ARGS, args, strict=False)), **kwargs}
+    state = module._fusedpar_batch
+    if kwargs.get("use_cache"):
+        raise ValueError("a model converted by fusedpar keeps no KV cache: use_cache=False")
+    if kwargs.get("past_key_values") is not None:
+        raise ValueError("a model converted by fusedpar keeps no KV cache: no past_key_values")
+    if kwargs.get("logits_to_keep", 0) not in (0, None):
+        raise ValueError("logits_to_keep: a converted model's logits are this rank's tokens")
+    tokens = kwargs.get("input_ids")
+    tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
+    if tokens is None or tokens.dim() < 2:
+        raise ValueError("a converted model takes input_ids (B, S) or inputs_embeds (B, S, d)")
+    if state.kind == "local":
+        _check_local(kwargs, tokens, state)
+        state.pending.append(None)
+        return (), kwargs
+    seq = tokens.shape[1]
+    if seq % state.shards():
+        raise ValueError(f"the batch's {seq} tokens do not split into the {state.shards()} "
+                         "chunks of its sharding (zigzag over cp: 2 x cp, then tp): pad or "
+                         "cut the sequences to a multiple")  # fmt: skip
+    mask, positions = kwargs.pop("attention_mask", None), kwargs.pop("position_ids", None)
+    if mask is not None and (tuple(mask.shape) != tuple(tokens.shape[:2]) or not bool(mask.all())):
+        raise ValueError("a model converted by fusedpar is causal over whole sequences: no "
+                         "padding (attention_mask may be left out or all ones)")  # fmt: skip
+    if positions is not None:
+        expected = torch.arange(seq, device=positions.device).expand(tokens.shape[0], seq)
+        if positions.shape[-1] != seq or not torch.equal(positions.expand_as(expected), expected):
+            raise ValueError("position_ids other than 0..S-1 (packed documents, offsets) are "
+                             "not supported by a converted model: leave them out")  # fmt: skip
+    labels, shifted = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
+    if labels is not None and shifted is not None:
+        raise ValueError("pass labels or shift_labels, not both")
+    if labels is not None:  # Hugging Face shifts inside the model: over the whole sequence
+        shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+    if shifted is not None and tuple(shifted.shape) != tuple(tokens.shape[:2]):
+        raise ValueError(f"labels must be (B, S) = {tuple(tokens.shape[:2])}, like the input, "
+                         f"got {tuple(shifted.shape)}")  # fmt: skip
+    if state.mesh is not None:
+        _check_same_batch([t for t in (tokens, shifted) if t is not None], state.mesh)
+    for name in ("input_ids", "inputs_embeds"):
+        if kwargs.get(name) is not None:
+            kwargs[name] = local_tokens(kwargs[name], state.groups)
+    local = None if shifted is None else local_tokens(shifted, state.groups)
+    state.pending.append((local, kwargs.pop("num_items_in_batch", None)) if local is not None
+                         else None)  # fmt: skip
+    return (), kwargs
+
+
+def _check_local(kwargs, tokens, state) -> None:
+    """batch="local": what only the caller can shard is refused; once, a batch that
+    looks unsharded (the same tokens on the ranks of tp, or of cp) raises."""
+    if kwargs.get("attention_mask") is not None:
         raise ValueError("a model converted by fusedpar is causal over whole sequences: "
-                         "pass attention_mask=None, even an all-ones one (no packing "
-                         "yet)")  # fmt: skip
+                         "pass attention_mask=None (batch='local')")  # fmt: skip
     if kwargs.get("position_ids") is not None:
         raise ValueError("a converted model takes no position_ids: RoPE is applied at the "
                          "global positions of the local tokens")  # fmt: skip
-    if kwargs.get("labels") is not None:
-        raise ValueError("labels= would shift within each rank's shard: compute the loss "
-                         "with next_token_labels and local_tokens (docs/dropin.md)")  # fmt: skip
-    if kwargs.get("use_cache"):
-        raise ValueError("a model converted by fusedpar keeps no KV cache: use_cache=False")
+    if kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None:
+        raise ValueError("labels= would shift within each rank's shard (batch='local'): "
+                         "compute the loss with next_token_labels and local_tokens, or "
+                         "parallelize with batch='full'")  # fmt: skip
+    if state.local_checked or state.mesh is None:
+        return
+    state.local_checked = True
+    table = comm.mesh_table(comm.fingerprint(tokens), state.mesh)  # (*mesh.shape, 3)
+    for axis, name in enumerate(state.mesh.mesh_dim_names):
+        if name == "dp" or state.mesh.size(axis) == 1:
+            continue
+        if bool((table.amax(axis) == table.amin(axis)).all(-1).any()):
+            raise ValueError(f"batch='local': the ranks of mesh axis {name!r} hold the "
+                                 "same tokens; each takes its own share, "
+                                 "local_tokens(input_ids, groups) (or parallelize with "
+                                 "batch='full' and pass the whole batch)")  # fmt: skip
+
+
+def _check_same_batch(tensors, mesh) -> None:
+    """The same ValueError on every rank unless the ranks of each cp x tp group (all but
+    dp) hold equal `tensors`: one all-gather of their fingerprints."""
+    table = comm.mesh_table(torch.stack([comm.fingerprint(t) for t in tensors]), mesh)
+    dp = mesh.mesh_dim_names.index("dp") if "dp" in mesh.mesh_dim_names else None
+    table = table.unsqueeze(0) if dp is None else table.movedim(dp, 0)
+    table = table.flatten(1, -3)  # (dp, ranks sharing a batch, tensors, 3)
+    if bool((table.amax(1) != table.amin(1)).any()):
+        raise ValueError("batch='full': the ranks of a cp x tp group got different batches; "
+                         "each takes the whole batch, the same on every rank of its group "
+                         "(the model shards it), or parallelize with batch='local' and "
+                         "pass local_tokens(input_ids, groups)")  # fmt: skip
+
+
+def _add_loss(module, args, kwargs, output):
+    """Forward hook: under "full" with labels, the loss over the whole sequence. Its
+    value is the global mean (Hugging Face's, or the sum over `num_items_in_batch`); its
+    gradient is this rank's tokens' share, which `distribute` sums over cp and tp."""
+    state = module._fusedpar_batch
+    pending = state.pending.pop() if state.pending else None
+    if pending is None or output is None:
+        return output
+    labels, num_items = pending
+    logits = output.logits if hasattr(output, "logits") else output[0]
+    local_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                ignore_index=-100, reduction="sum")  # fmt: skip
+    totals = torch.stack([local_sum.detach(), (labels != -100).sum().to(local_sum.dtype)])
+    for axis in ("tp", "cp"):
+        totals = comm.all_reduce(totals, state.groups[axis])
+    denominator = totals[1] if num_items is None else num_items
+    loss = (local_sum + (totals[0] - local_sum).detach()) / denominator
+    if hasattr(output, "logits"):
+        output.loss = loss
+        return output
+    return (loss, *output)
 
 
 def local_tokens(t: torch.Tensor, groups: dict) -> torch.Tensor:

@@ -16,10 +16,20 @@ parallelism a further 1 / TP of them (dim 0 split over TP).
 
 Options for today's open models: q/k/v biases (`bias`, Qwen2) and an o bias (`o_bias`),
 a head dim other than d_model / n_heads (`head_dim`, Qwen3, Gemma), a per-head RMSNorm
-of q and k before RoPE (`qk_norm`, Qwen3), and `rope`, a callable ``positions -> (cos,
-sin)`` for any rotary variant (Llama 3 scaling, YaRN, or the model's own rotary module),
-called at the global positions of this rank's tokens. `from_dense` reads each of these
-off the dense modules, and refuses what it cannot compute exactly.
+of q and k before RoPE (`qk_norm`, Qwen3), the softmax scale (`softmax_scale`, Gemma's
+``query_pre_attn_scalar ** -0.5``, GPT-2's per-layer scaling), and the positions:
+
+| `rope=`    | rotary embedding                                                      |
+| ---------- | --------------------------------------------------------------------- |
+| left out   | Llama's tables of `rope_theta`                                        |
+| ``None``   | none (the model adds its positions itself: GPT-2's learned ones)      |
+| a callable | ``positions -> (cos, sin)``: any variant (Llama 3, YaRN, the model's  |
+|            | own rotary module), called at the global positions of the local tokens |
+
+`rotary_dim` (GPT-NeoX's ``rotary_pct * head_dim``) rotates only the first rotary_dim
+dims of each head. `from_dense` reads these off the dense modules (``nn.Linear``,
+Hugging Face's ``Conv1D``, or weight tensors with ``bias=``), and refuses what it
+cannot compute exactly.
 
 `cp_mode` says how attention crosses the sequence's ranks; it is read off the groups
 when not given, and checked against them when given:
@@ -41,12 +51,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedpar import comm
-from fusedpar.nn.linear import linear_parts
+from fusedpar.nn.linear import bias_per_weight, linear_parts
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.ring_attention import ring_attn
 from fusedpar.ops.sequence import sequence_positions
 from fusedpar.ops.ulysses import check_heads
-from fusedpar.storage import ParamLayout, local_tensor
+from fusedpar.storage import ParamLayout, local_tensor, warn_if_undistributed
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
@@ -59,15 +69,20 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype=torc
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., i], x[..., i + hd/2]) of x (B, S, H, hd) by the angles of its
-    positions; cos, sin (S, hd/2). Computed in fp32, returned in x's dtype."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    """Rotate pairs (x[..., i], x[..., i + r/2]) of x (B, S, H, hd) by the angles of its
+    positions; cos, sin (S, r/2). The first r <= hd dims rotate (r < hd: partial rotary,
+    GPT-NeoX), the rest pass. Computed in fp32, returned in x's dtype."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
     c, s = cos[None, :, None, :], sin[None, :, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+    rotated = [x1 * c - x2 * s, x2 * c + x1 * s]
+    if 2 * half < x.shape[-1]:
+        rotated.append(x[..., 2 * half :].float())
+    return torch.cat(rotated, dim=-1).to(x.dtype)
 
 
 CP_MODES = ("ring", "ulysses", "hybrid")
+DEFAULT_ROPE = "default"  # `rope` left out: Llama's tables (None: no rotary embedding)
 
 
 def _check_cp_mode(cp_mode, cp_group, ulysses_group) -> str:
@@ -117,9 +132,12 @@ class ParallelAttention(nn.Module):
     | `o_bias`                         | (d,), whole         | ``o_bias=True`` |
     | `q_norm_weight`, `k_norm_weight` | (hd,), whole        | ``qk_norm=True`` |
 
-    ``rope(positions)`` returns cos, sin of shape (S, hd/2), or (S, hd) with equal
-    halves (Hugging Face's layout; leading dims of 1 are dropped); without it, the
-    default rotary tables of `rope_theta`.
+    ``rope(positions)`` returns cos, sin of shape (S, r/2), or (S, r) with equal halves
+    (Hugging Face's layout; leading dims of 1 are dropped), r = `rotary_dim` (default
+    head_dim). A table is recognised by its width, and a (S, r/2) table whose halves
+    are equal (Hugging Face's layout of a rotary_dim of r/2) is refused, never read as
+    the other layout. ``rope=None``: no rotary embedding; left out: the tables of
+    `rope_theta`. ``softmax_scale`` (> 0; default head_dim ** -0.5) multiplies q k^T.
 
     ``sliding_window=W`` has Hugging Face's meaning (Mistral, Gemma 2/3): a query sees
     itself and the W - 1 keys before it, i.e. ``window=(W - 1, 0)`` of `flash_attn`.
@@ -127,9 +145,12 @@ class ParallelAttention(nn.Module):
     packed documents (see `forward`).
     """
 
+    GROUP_AXES = {"tp_group": ("tp",), "cp_group": ("cp",), "ulysses_group": ("ulysses",)}
+
     def __init__(self, d_model, n_heads, n_kv_heads=None, *, head_dim=None, bias=False,
                  o_bias=False, qk_norm=False, norm_eps=1e-6,
-                 rope: Callable | None = None, sliding_window: int | None = None,
+                 rope: Callable | str | None = DEFAULT_ROPE, rotary_dim: int | None = None,
+                 softmax_scale: float | None = None, sliding_window: int | None = None,
                  softcap: float | None = None, tp_group=None, cp_group=None, causal=True,
                  sequence_parallel=True, cp_layout="zigzag", rope_theta=10000.0,
                  ulysses_group=None, cp_mode: str | None = None, device=None,
@@ -143,6 +164,12 @@ class ParallelAttention(nn.Module):
                                  f"window of W >= 1 keys (causal={causal})")  # fmt: skip
         if softcap is not None and not softcap > 0:
             raise ValueError(f"softcap must be > 0 (or None), got {softcap!r}")
+        if softmax_scale is not None and not 0 < softmax_scale < float("inf"):
+            raise ValueError(f"softmax_scale must be > 0 and finite (or None), got "
+                             f"{softmax_scale!r}")  # fmt: skip
+        if not (rope is None or rope == DEFAULT_ROPE or callable(rope)):
+            raise TypeError(f"rope must be a callable positions -> (cos, sin), None (no rotary "
+                            f"embedding) or left out (Llama's tables), got {rope!r}")  # fmt: skip
         n_kv_heads = n_kv_heads or n_heads
         tp = comm.group_size(tp_group)
         if head_dim is None:
@@ -150,8 +177,15 @@ class ParallelAttention(nn.Module):
                 raise ValueError(f"d_model ({d_model}) is not divisible by n_heads ({n_heads}): "
                                  "pass head_dim")  # fmt: skip
             head_dim = d_model // n_heads
-        if head_dim % 2:
-            raise ValueError(f"head_dim ({head_dim}) must be even for the rotary embedding")
+        if rope is None and rotary_dim is not None:
+            raise ValueError(f"rotary_dim={rotary_dim} with rope=None (no rotary embedding)")
+        if rope is not None and rotary_dim is None and head_dim % 2:
+            raise ValueError(f"head_dim ({head_dim}) must be even for the rotary embedding "
+                             f"(or pass rotary_dim, or rope=None)")  # fmt: skip
+        rotary_dim = head_dim if rotary_dim is None or rope is None else rotary_dim
+        if rope is not None and (rotary_dim % 2 or not 0 < rotary_dim <= head_dim):
+            raise ValueError(f"rotary_dim ({rotary_dim}) must be even and in (0, head_dim "
+                             f"{head_dim}] for the rotary embedding")  # fmt: skip
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         for name, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
@@ -165,6 +199,7 @@ class ParallelAttention(nn.Module):
                         f"TP {tp})")  # fmt: skip
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim, self.norm_eps, self.rope = head_dim, norm_eps, rope
+        self.rotary_dim, self.softmax_scale = rotary_dim, softmax_scale
         self.tp_group, self.cp_group, self.ulysses_group = tp_group, cp_group, ulysses_group
         self.tp, self.tp_rank = tp, comm.group_rank(tp_group)
         self.causal, self.sequence_parallel = causal, sequence_parallel
@@ -187,6 +222,7 @@ class ParallelAttention(nn.Module):
         self.o_bias = optional(o_bias, d_model)
         self.q_norm_weight, self.k_norm_weight = optional(qk_norm, hd), optional(qk_norm, hd)
         self._rope_tables: dict = {}  # (length, device) -> (cos, sin); not state
+        self._rope_layout_checked = False  # a callable's table layout: checked once
         if self.q_weight.device.type != "meta":
             self.reset_parameters()
 
@@ -208,18 +244,21 @@ class ParallelAttention(nn.Module):
             norms = {"q_norm": torch.ones(hd), "k_norm": torch.ones(hd)}
         self.load_dense(q, k, v, o, **norms)
 
-    def load_dense(self, q, k, v, o, *, q_norm=None, k_norm=None) -> None:
-        """Copy this rank's heads of dense projections: q, k, v, o as ``nn.Linear`` (with
-        biases where this layer has them) or weight tensors (q (Hq*hd, d), k and v
-        (Hkv*hd, d), o (d, Hq*hd)); q_norm, k_norm (hd,) with ``qk_norm``. Raises
-        ValueError for anything this layer would not compute: a bias it has no place
-        for, a missing one, a shape that does not fit."""
+    def load_dense(self, q, k, v, o, *, q_norm=None, k_norm=None, bias=None) -> None:
+        """Copy this rank's heads of dense projections: q, k, v, o as ``nn.Linear``s or
+        Hugging Face ``Conv1D``s (with biases where this layer has them), or weight
+        tensors in ``nn.Linear``'s layout (q (Hq*hd, d), k and v (Hkv*hd, d), o
+        (d, Hq*hd)) with their biases in ``bias=(q, k, v, o)`` (tensors or None);
+        q_norm, k_norm (hd,) with ``qk_norm``. Raises ValueError for anything this
+        layer would not compute: a bias it has no place for, a missing one, a shape
+        that does not fit."""
         d, hd = self.d_model, self.head_dim
         expected = {"q": (self.n_heads * hd, d), "k": (self.n_kv_heads * hd, d),
                     "v": (self.n_kv_heads * hd, d), "o": (d, self.n_heads * hd)}  # fmt: skip
+        biases = bias_per_weight("ParallelAttention", bias, 4)
         copies = []  # (parameter, full tensor, split dim or None)
-        for name, t in zip("qkvo", (q, k, v, o), strict=True):
-            weight, bias = linear_parts(name, t)
+        for name, t, given in zip("qkvo", (q, k, v, o), biases, strict=True):
+            weight, bias = linear_parts(name, t, given)
             if tuple(weight.shape) != expected[name]:
                 raise ValueError(f"dense {name} must be {expected[name]} (heads x head_dim "
                                  f"{hd}), got {tuple(weight.shape)}")  # fmt: skip
@@ -269,18 +308,22 @@ class ParallelAttention(nn.Module):
 
     @classmethod
     def from_dense(cls, q, k, v, o, d_model, n_heads, n_kv_heads=None, *, q_norm=None,
-                   k_norm=None, **kwargs):  # fmt: skip
-        """A layer holding this TP rank's heads of dense q, k, v, o (``nn.Linear`` or
-        weights) and optional q/k norms. `bias`, `o_bias`, `qk_norm` and `head_dim` are
-        read off the dense modules unless given (and then must agree)."""
-        weight, bias = linear_parts("q", q)
+                   k_norm=None, bias=None, **kwargs):  # fmt: skip
+        """A layer holding this TP rank's heads of dense q, k, v, o (``nn.Linear``s,
+        ``Conv1D``s, or weight tensors with ``bias=(q, k, v, o)`` beside them) and
+        optional q/k norms. The flags `bias` (True/False), `o_bias`, `qk_norm` and
+        `head_dim` are read off the dense parts unless given (and then must agree)."""
+        flag = bias if isinstance(bias, bool) else None
+        biases = None if isinstance(bias, bool) else bias
+        given = bias_per_weight("ParallelAttention.from_dense", biases, 4)
+        weight, q_bias = linear_parts("q", q, given[0])
         n_kv_heads = n_kv_heads or n_heads
         if weight.shape[0] % n_heads:
             raise ValueError(f"dense q has {weight.shape[0]} rows, not a multiple of n_heads "
                              f"({n_heads})")  # fmt: skip
         kwargs.setdefault("head_dim", weight.shape[0] // n_heads)
-        kwargs.setdefault("bias", bias is not None)
-        kwargs.setdefault("o_bias", linear_parts("o", o)[1] is not None)
+        kwargs["bias"] = q_bias is not None if flag is None else flag
+        kwargs.setdefault("o_bias", linear_parts("o", o, given[3])[1] is not None)
         kwargs.setdefault("qk_norm", q_norm is not None)
         kwargs.setdefault("dtype", weight.dtype)
         device = kwargs.pop("device", weight.device)
@@ -289,7 +332,7 @@ class ParallelAttention(nn.Module):
         norms = (
             {"q_norm": q_norm, "k_norm": k_norm} if q_norm is not None or k_norm is not None else {}
         )
-        layer.load_dense(q, k, v, o, **norms)
+        layer.load_dense(q, k, v, o, bias=biases, **norms)
         return layer
 
     def _rope(self, full_len: int, device: torch.device, cu_seqlens=None):
@@ -301,8 +344,8 @@ class ParallelAttention(nn.Module):
         positions = sequence_positions(full_len, self.cp_group, layout=self.cp_layout,
                                        device=device, cu_seqlens=cu_seqlens,
                                        ulysses_group=self.ulysses_group)  # fmt: skip
-        if self.rope is None:
-            tables = rope_tables(positions, self.head_dim, self.rope_theta)
+        if self.rope == DEFAULT_ROPE:
+            tables = rope_tables(positions, self.rotary_dim, self.rope_theta)
         else:
             tables = tuple(self._rope_table(t, len(positions)) for t in self.rope(positions))
         if cu_seqlens is None:
@@ -312,14 +355,29 @@ class ParallelAttention(nn.Module):
         return tables
 
     def _rope_table(self, t: torch.Tensor, length: int) -> torch.Tensor:
-        half = self.head_dim // 2
+        """One of a `rope` callable's tables as (S, r/2) fp32, r = rotary_dim."""
+        half = self.rotary_dim // 2
         while t.dim() > 2 and t.shape[0] == 1:
             t = t[0]
         if t.dim() == 2 and t.shape == (length, 2 * half):
             t = t[:, :half]  # Hugging Face's layout: the same angles twice
-        if t.shape != (length, half):
+        elif t.shape != (length, half):
             raise ValueError(f"rope(positions) must give cos, sin of ({length}, {half}) or "
-                             f"({length}, {2 * half}), got {tuple(t.shape)}")  # fmt: skip
+                             f"({length}, {2 * half}) for rotary_dim {2 * half}, got "
+                             f"{tuple(t.shape)}")  # fmt: skip
+        elif not self._rope_layout_checked and half % 2 == 0:
+            # Hugging Face's table of a rotary_dim of r/2 (GPT-NeoX's rotary_pct 0.5)
+            # has our width; its halves repeat, ours (distinct frequencies) do not.
+            # Checked once per layer (a host sync). Angles all 0 (position 0) tell nothing.
+            first, second = t[:, : half // 2], t[:, half // 2 :]
+            informative = bool((first != first.flatten()[0]).any())
+            if informative and torch.equal(first, second):
+                raise ValueError(
+                    f"rope(positions) gives ({length}, {half}) tables whose halves repeat: "
+                    f"Hugging Face's layout for rotary_dim {half}, not this layer's "
+                    f"rotary_dim {2 * half}: pass rotary_dim={half} (partial rotary)"
+                )
+            self._rope_layout_checked = informative
         return t.float()
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -327,6 +385,7 @@ class ParallelAttention(nn.Module):
         (int32, the same on every rank): the documents packed into the full sequence
         (B = 1), as in `fusedpar.flash_attn_varlen`; a token attends within its own
         document, and its RoPE position restarts at each document's start."""
+        warn_if_undistributed(self, self.tp_group, self.cp_group, self.ulysses_group)
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"ParallelAttention takes x (S_loc, B, d_model={self.d_model}), "
                              f"got {tuple(x.shape)}")  # fmt: skip
@@ -346,10 +405,12 @@ class ParallelAttention(nn.Module):
         if self.q_norm_weight is not None:
             q = head_rms_norm(q, self.q_norm_weight, self.norm_eps)
             k = head_rms_norm(k, self.k_norm_weight, self.norm_eps)
-        full_len = seq * comm.group_size(self.cp_group) * comm.group_size(self.ulysses_group)
-        cos, sin = self._rope(full_len, x.device, cu_seqlens)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rope is not None:
+            full_len = seq * comm.group_size(self.cp_group) * comm.group_size(self.ulysses_group)
+            cos, sin = self._rope(full_len, x.device, cu_seqlens)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ring_attn(q, k, v, self.cp_group, causal=self.causal, layout=self.cp_layout,
+                        softmax_scale=self.softmax_scale,
                         window=self.window, softcap=self.softcap or 0.0,
                         cu_seqlens=cu_seqlens, ulysses_group=self.ulysses_group)  # fmt: skip
         out = out.transpose(0, 1).reshape(seq, batch, -1)  # (S, B, Hq/TP * hd)

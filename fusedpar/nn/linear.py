@@ -24,7 +24,7 @@ from torch import nn
 
 from fusedpar import comm
 from fusedpar.ops.linear import DEFAULT_CHUNKS_PER_RANK, all_gather_matmul, matmul_reduce_scatter
-from fusedpar.storage import ParamLayout, local_tensor
+from fusedpar.storage import ParamLayout, local_tensor, warn_if_undistributed
 
 
 def _check_divisible(what: str, size: int, world: int) -> None:
@@ -43,19 +43,53 @@ def _dense_init(out_features: int, in_features: int, bias: bool):
     return weight, nn.init.uniform_(torch.empty(out_features), -bound, bound)
 
 
-def linear_parts(name: str, t) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias) of an ``nn.Linear``, or (t, None) of a weight tensor."""
-    if isinstance(t, nn.Linear):
-        return t.weight, t.bias
+def is_conv1d(t) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2 and its kin): a linear layer whose weight is
+    stored transposed, (in, out). Recognised without importing transformers."""
+    if not isinstance(t, nn.Module) or type(t).__name__ != "Conv1D":
+        return False
+    weight = getattr(t, "weight", None)
+    return weight is not None and tuple(weight.shape) == (getattr(t, "nx", -1), t.nf)
+
+
+def linear_parts(name: str, t, bias=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight (out, in), bias (out,) or None) of a dense linear: an ``nn.Linear``, a
+    Hugging Face ``Conv1D`` (its (in, out) weight transposed), or a weight tensor in
+    ``nn.Linear``'s (out, in) layout with its `bias` given beside it (a module carries
+    its own: a `bias` given for one is an error, never a silent choice)."""
     if isinstance(t, torch.Tensor):
-        return t, None
-    raise TypeError(f"dense {name} must be an nn.Linear or a weight tensor, got {type(t)}")
+        if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dim() != 1
+                                 or t.dim() != 2 or bias.shape[0] != t.shape[0]):  # fmt: skip
+            got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise ValueError(f"the bias of dense {name} must be a ({t.shape[0]},) tensor "
+                             f"(its {tuple(t.shape)} weight's outputs), got {got}")  # fmt: skip
+        return t, bias
+    if isinstance(t, nn.Linear) or is_conv1d(t):
+        if bias is not None:
+            raise ValueError(f"a bias given for dense {name}, a {type(t).__name__} that has "
+                             f"its own (bias={t.bias is not None}): pass biases only beside "
+                             f"weight tensors")  # fmt: skip
+        return (t.weight if isinstance(t, nn.Linear) else t.weight.t()), t.bias
+    raise TypeError(f"dense {name} must be an nn.Linear, a Hugging Face Conv1D or a weight "
+                    f"tensor (out, in), got {type(t).__name__}")  # fmt: skip
+
+
+def bias_per_weight(what: str, bias, count: int) -> tuple:
+    """`from_dense`'s ``bias=``: one bias (a tensor or None) per dense weight, or None
+    for none given beside them."""
+    if bias is None:
+        return (None,) * count
+    if isinstance(bias, torch.Tensor) or len(bias) != count:
+        raise ValueError(f"{what}: bias= takes one bias (a tensor or None) per dense weight, "
+                         f"{count} in all, beside weight tensors")  # fmt: skip
+    return tuple(bias)
 
 
 class _ParallelLinear(nn.Module):
     """Shared plumbing: group, sizes, parameter creation, `from_dense`."""
 
     split_dim: int  # 0: the output features are split (column); 1: the input ones (row)
+    GROUP_AXES = {"group": ("tp",)}  # checked by `fusedpar.distribute`
 
     def __init__(self, in_features, out_features, group, bias, sequence_parallel,
                  chunks_per_rank, device, dtype):  # fmt: skip
@@ -112,16 +146,19 @@ class _ParallelLinear(nn.Module):
         self.load_dense(*_dense_init(self.out_features, self.in_features, self.bias is not None))
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, group, **kwargs):
-        """Shard an ``nn.Linear``: the result computes exactly the dense layer's function."""
-        w = linear.weight
+    def from_dense(cls, linear, group, *, bias: torch.Tensor | None = None, **kwargs):
+        """Shard a dense linear: an ``nn.Linear``, a Hugging Face ``Conv1D``, or a weight
+        tensor (out, in) with its `bias` (out,) beside it. The result computes exactly
+        the dense layer's function."""
+        w, b = linear_parts("linear", linear, bias)
         kwargs.setdefault("device", w.device)
         kwargs.setdefault("dtype", w.dtype)
         device = kwargs.pop("device")
-        layer = cls(linear.in_features, linear.out_features, group,
-                    bias=linear.bias is not None, device="meta", **kwargs)  # fmt: skip
+        out_features, in_features = w.shape
+        layer = cls(in_features, out_features, group, bias=b is not None, device="meta",
+                    **kwargs)  # fmt: skip
         layer.to_empty(device=device)
-        layer.load_dense(w.detach(), None if linear.bias is None else linear.bias.detach())
+        layer.load_dense(w.detach(), None if b is None else b.detach())
         return layer
 
     def extra_repr(self) -> str:
@@ -149,6 +186,7 @@ class ColumnParallelLinear(_ParallelLinear):
                          chunks_per_rank, device, dtype)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        warn_if_undistributed(self, self.group)
         if self.sequence_parallel:
             y = all_gather_matmul(x, self.weight, self.group, bias=self.bias,
                                   chunks_per_rank=self.chunks_per_rank)  # fmt: skip
@@ -174,6 +212,7 @@ class RowParallelLinear(_ParallelLinear):
                          chunks_per_rank, device, dtype)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        warn_if_undistributed(self, self.group)
         if self.sequence_parallel:
             # Each rank adds the bias to its own tokens: its gradient is summed over ranks.
             bias = None if self.bias is None else comm.copy_to_region(self.bias, self.group)
@@ -192,6 +231,8 @@ class ParallelSwiGLU(nn.Module):
     and down_bias (d_model,) is whole, added once. Shapes: x (T/W, ..., d_model) with
     sequence parallelism, (T, ..., d_model) without; the output has x's shape.
     """
+
+    GROUP_AXES = {"group": ("tp",)}  # checked by `fusedpar.distribute`
 
     def __init__(self, d_model, d_hidden, group=None, *, bias=False, activation=F.silu,
                  sequence_parallel=True, chunks_per_rank=DEFAULT_CHUNKS_PER_RANK,
@@ -213,16 +254,18 @@ class ParallelSwiGLU(nn.Module):
         if self.gate_weight.device.type != "meta":
             self.reset_parameters()
 
-    def load_dense(self, w_gate, w_up, w_down) -> None:
+    def load_dense(self, w_gate, w_up, w_down, *, bias=None) -> None:
         """Copy this rank's part of full weights: gate, up (d_hidden, d_model); down
-        (d_model, d_hidden), as tensors or ``nn.Linear``s (with biases if and only if
-        this layer has them: a bias is never dropped)."""
+        (d_model, d_hidden), as tensors (their biases in ``bias=(gate, up, down)``),
+        ``nn.Linear``s or ``Conv1D``s; with biases if and only if this layer has them
+        (a bias is never dropped)."""
         hidden_first = (self.d_hidden, self.d_model)
         copies = []  # (parameter, this rank's part)
-        for name, dense, shape, dim in (("gate", w_gate, hidden_first, 0),
-                                        ("up", w_up, hidden_first, 0),
-                                        ("down", w_down, hidden_first[::-1], 1)):  # fmt: skip
-            weight, bias = linear_parts(name, dense)
+        biases = bias_per_weight("ParallelSwiGLU", bias, 3)
+        specs = (("gate", w_gate, hidden_first, 0), ("up", w_up, hidden_first, 0),
+                 ("down", w_down, hidden_first[::-1], 1))  # fmt: skip
+        for (name, dense, shape, dim), given in zip(specs, biases, strict=True):
+            weight, bias = linear_parts(name, dense, given)
             weight = weight.detach()
             if weight.shape != shape:
                 raise ValueError(f"w_{name} must be {shape}, got {tuple(weight.shape)}")
@@ -257,19 +300,26 @@ class ParallelSwiGLU(nn.Module):
                         nn.Linear(h, d, bias=bias))  # fmt: skip
 
     @classmethod
-    def from_dense(cls, w_gate, w_up, w_down, group, **kwargs):
-        """Shard dense weights (tensors or ``nn.Linear``s; `bias` read off them)."""
-        w_gate_t, gate_bias = linear_parts("gate", w_gate)
-        kwargs.setdefault("bias", gate_bias is not None)
+    def from_dense(cls, w_gate, w_up, w_down, group, *, bias=None, **kwargs):
+        """Shard dense weights: ``nn.Linear``s, ``Conv1D``s, or tensors with their biases
+        in ``bias=(gate, up, down)`` (tensors or None). ``bias=True/False`` is the
+        layer's own flag, read off the dense weights when left out (and then must
+        agree)."""
+        flag = bias if isinstance(bias, bool) else None
+        biases = None if isinstance(bias, bool) else bias
+        given = bias_per_weight("ParallelSwiGLU.from_dense", biases, 3)
+        w_gate_t, gate_bias = linear_parts("gate", w_gate, given[0])
+        kwargs["bias"] = gate_bias is not None if flag is None else flag
         kwargs.setdefault("dtype", w_gate_t.dtype)
         device = kwargs.pop("device", w_gate_t.device)
         d_hidden, d_model = w_gate_t.shape
         mlp = cls(d_model, d_hidden, group, device="meta", **kwargs)
         mlp.to_empty(device=device)
-        mlp.load_dense(w_gate, w_up, w_down)
+        mlp.load_dense(w_gate, w_up, w_down, bias=biases)
         return mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        warn_if_undistributed(self, self.group)
         weights, biases = [self.gate_weight, self.up_weight], [self.gate_bias, self.up_bias]
         if self.sequence_parallel:
             gate, up = all_gather_matmul(x, weights, self.group, bias=biases,

@@ -9,7 +9,7 @@ from torch import nn
 from fusedpar import comm
 from fusedpar.ops.moe import SCORES, aux_losses, capacity_mask, moe_dispatch_combine, route
 from fusedpar.recompute import is_recomputing
-from fusedpar.storage import ParamLayout, local_tensor
+from fusedpar.storage import ParamLayout, local_tensor, warn_if_undistributed
 
 
 class MoE(nn.Module):
@@ -192,6 +192,7 @@ class MoE(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor):
+        warn_if_undistributed(self, self.ep_group)
         if x.shape[-1] != self.d_model:
             raise ValueError(f"MoE: x must be (..., d_model={self.d_model}), got {tuple(x.shape)}")
         if x.dtype != self.w1.dtype:
