@@ -48,22 +48,28 @@ def attention_reference(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     visible: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same contract in plain, differentiable PyTorch, in q's dtype (float64 in ->
     the oracle). Returns ``(out, lse)``; rows that see no key give 0 and -inf, and their
     gradients are 0, not NaN. `visible`: a dense (Sq, Skv) mask instead of `causal` and
-    `window` (`attention_mask.visible_reference` of packed documents)."""
+    `window` (`attention_mask.visible_reference` of packed documents). `sinks` (Hq,):
+    one more logit per head in every row's softmax denominator, with no value (gpt-oss's
+    attention sinks): a row that sees no key gives 0 and LSE = its sink."""
     (B, Sq, Hq, _), Skv = q.shape, k.shape[1]
     s, _, v, _ = reference_scores(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                   window=window, softcap=softcap, visible=visible)  # fmt: skip
-    m = s.amax(-1, keepdim=True) if Skv else s.new_full((B, Hq, Sq, 1), float("-inf"))
+    if sinks is not None:  # an extra key column: its logit, no value
+        sink = sinks.to(s.dtype)[None, :, None, None].expand(B, Hq, Sq, 1)
+        s = torch.cat([s, sink], dim=-1)
+    m = s.amax(-1, keepdim=True) if s.shape[-1] else s.new_full((B, Hq, Sq, 1), float("-inf"))
     m = torch.where(torch.isinf(m), 0.0, m).detach()  # softmax is shift-invariant
     e = torch.exp(s - m)
     denom = e.sum(-1, keepdim=True)
     empty = denom == 0
     p = e / torch.where(empty, 1.0, denom)
     lse = torch.where(empty, float("-inf"), torch.log(torch.where(empty, 1.0, denom)) + m)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    out = torch.einsum("bhqk,bkhd->bqhd", p[..., :Skv], v)
     return out, lse.squeeze(-1)
 
 

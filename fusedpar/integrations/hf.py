@@ -321,9 +321,9 @@ def _check_local(kwargs, tokens, state) -> None:
             continue
         if bool((table.amax(axis) == table.amin(axis)).all(-1).any()):
             raise ValueError(f"batch='local': the ranks of mesh axis {name!r} hold the "
-                                 "same tokens; each takes its own share, "
-                                 "local_tokens(input_ids, groups) (or parallelize with "
-                                 "batch='full' and pass the whole batch)")  # fmt: skip
+                             "same tokens; each takes its own share, "
+                             "local_tokens(input_ids, groups) (or parallelize with "
+                             "batch='full' and pass the whole batch)")  # fmt: skip
 
 
 def _check_same_batch(tensors, mesh) -> None:

@@ -13,6 +13,18 @@ scores under ``softcap``): a gradient flowing into the returned LSE is folded in
 same backward pass. The varlen form runs the same kernels on the packed stream as one
 batch row, its documents given to the kernels as key intervals
 (`fusedpar.kernels.attention_mask`).
+
+Attention sinks (gpt-oss: a learned logit per head in every row's softmax denominator,
+with no value) are an exact epilogue on (out, lse), `apply_sinks`, shared by every
+entry point: with L = lse and s the head's sink,
+
+| output | value                              | gradient (autograd)                       |
+| ------ | ---------------------------------- | ----------------------------------------- |
+| out'   | ``out * sigmoid(L - s)``           | into out, and into L (the kernels' dLSE)  |
+| lse'   | ``logaddexp(L, s)``                | ``d s = -sum_rows P_sink rowsum(dO' O')`` |
+
+A row that sees no key (L = -inf) gives out' = 0 and lse' = s, never NaN. Under the
+ring the sink enters once, after the merge of every step.
 """
 
 import torch
@@ -96,6 +108,29 @@ def _backward(ctx, dout, dlse):
 _flash_attn_op.register_autograd(_backward, setup_context=_setup)
 
 
+def check_sinks(sinks, q: torch.Tensor, what: str) -> None:
+    """`sinks`: None, or a float32 (Hq,) tensor on q's device, Hq = q.shape[-2]."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"{what}: sinks must be a tensor (Hq,), got {type(sinks).__name__}")
+    heads = q.shape[-2]
+    if sinks.shape != (heads,) or sinks.dtype != torch.float32 or sinks.device != q.device:
+        raise ValueError(f"{what}: sinks must be float32 ({heads},) (one logit per query head) "
+                         f"on {q.device}, got {sinks.dtype} {tuple(sinks.shape)} on "
+                         f"{sinks.device}")  # fmt: skip
+
+
+def apply_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """out (..., S, H, D) and lse (..., H, S) of attention without sinks -> with one
+    more logit per head, `sinks` (H,), in every row's denominator (see the module doc).
+    Differentiable in all three; computed in fp32, out returned in its dtype."""
+    sink = sinks.float()[:, None]  # (H, 1) against lse (..., H, S)
+    new_lse = torch.logaddexp(lse, sink)
+    kept = torch.exp(lse - new_lse)  # sigmoid(L - s): the keys' share; 0 where L = -inf
+    return (out.float() * kept.transpose(-1, -2)[..., None]).to(out.dtype), new_lse
+
+
 def flash_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -105,6 +140,7 @@ def flash_attn(
     softmax_scale: float | None = None,
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
 ):
     """Scaled dot-product attention, flash-style: ``softmax(q k^T * scale) v``.
@@ -120,13 +156,18 @@ def flash_attn(
     the window are skipped, not masked. ``softcap > 0`` caps the scaled scores at
     ``softcap * tanh(s / softcap)`` (Gemma 2), before the mask. A row that sees no key
     returns 0 (LSE -inf, zero gradients). ``softmax_scale`` defaults to ``1 / sqrt(D)``.
-    Returns ``out`` (B, Sq, Hq, D), or ``(out, lse)`` with lse (B, Hq, Sq) float32 in
-    natural log when ``return_lse``.
+    ``sinks`` (Hq,) float32: attention sinks, a learned logit per query head in every
+    row's softmax denominator (gpt-oss), with their gradient; a row that sees no key
+    then returns 0 with LSE = its sink. Returns ``out`` (B, Sq, Hq, D), or
+    ``(out, lse)`` with lse (B, Hq, Sq) float32 in natural log when ``return_lse``.
     """
     check_attention_inputs(q, k, v)
     window, softcap = check_window(window), check_softcap(softcap)
     check_softmax_scale(softmax_scale)
+    check_sinks(sinks, q, "flash_attn")
     out, lse = _flash_attn_op(q, k, v, None, None, causal, softmax_scale, *window, softcap)
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -143,6 +184,7 @@ def flash_attn_varlen(
     softmax_scale: float | None = None,
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
 ):
     """`flash_attn` over packed documents (flash-attn's ``flash_attn_varlen_func``).
@@ -150,7 +192,7 @@ def flash_attn_varlen(
     q (Tq, Hq, D), k and v (Tk, Hkv, D): documents back to back, document b in rows
     ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32, B + 1 entries from 0 to the total;
     `cu_seqlens_k` defaults to `cu_seqlens_q`). A query sees keys of its own document
-    only, with `causal`, `window` and `softcap` as in `flash_attn`, aligned bottom-right
+    only, with `causal`, `window`, `softcap` and `sinks` as in `flash_attn`, aligned bottom-right
     within the document where its query and key lengths differ. Zero-length documents
     are legal. The kernels run over the packed stream and skip the blocks that share no
     document, so ``max_seqlen_q`` / ``max_seqlen_k`` are not needed (accepted for
@@ -167,6 +209,7 @@ def flash_attn_varlen(
     check_attention_inputs(q, k, v)
     window, softcap = check_window(window), check_softcap(softcap)
     check_softmax_scale(softmax_scale)
+    check_sinks(sinks, q, "flash_attn_varlen")
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     check_cu_seqlens(cu_seqlens_q, q.shape[1], "cu_seqlens_q", values=False)
     check_cu_seqlens(cu_seqlens_k, k.shape[1], "cu_seqlens_k", values=False)
@@ -175,6 +218,8 @@ def flash_attn_varlen(
                          f"and {cu_seqlens_k.numel() - 1} documents")  # fmt: skip
     out, lse = _flash_attn_op(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
                               *window, softcap)  # fmt: skip
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
     return (out[0], lse[0]) if return_lse else out[0]
 
 

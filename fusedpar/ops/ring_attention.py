@@ -62,7 +62,14 @@ from fusedpar.kernels.attention_mask import (
     intervals,
     window_sides,
 )
-from fusedpar.ops.attention import check_packed, check_shards, flash_attn, flash_attn_varlen
+from fusedpar.ops.attention import (
+    apply_sinks,
+    check_packed,
+    check_shards,
+    check_sinks,
+    flash_attn,
+    flash_attn_varlen,
+)
 from fusedpar.ops.sequence import (
     _chunks_of,
     _num_chunks,
@@ -340,6 +347,7 @@ def ring_attn(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     cu_seqlens: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
     ulysses_group: Group = None,
 ):
@@ -348,9 +356,10 @@ def ring_attn(
     q (B, S_loc, Hq, D), k and v (B, S_loc, Hkv, D): this rank's shards in `layout`
     ("zigzag" or "contiguous", see `fusedpar.ops.sequence`). The result is this rank's
     shard of ``flash_attn`` on the full sequence, (B, S_loc, Hq, D), and with
-    ``return_lse`` its LSE (B, Hq, S_loc) float32. `window` and `softcap` as in
-    `flash_attn`, in global positions. ``cu_seqlens`` (int32, the same on every rank):
-    the documents of a packed stream of length S_loc * W, as in `flash_attn_varlen`;
+    ``return_lse`` its LSE (B, Hq, S_loc) float32. `window`, `softcap` and `sinks` as in
+    `flash_attn`, in global positions (a sink enters each row once, after the merge).
+    ``cu_seqlens`` (int32, the same on every rank): the documents of a packed stream of
+    length S_loc * W, as in `flash_attn_varlen`;
     q, k, v are then this rank's shard of it, (1, S_loc, H, D). Documents may span
     ranks and need no padding: only the total length must split into the layout's
     chunks. With ``group=None`` or one rank this is `flash_attn` (`flash_attn_varlen`).
@@ -362,6 +371,14 @@ def ring_attn(
     apply over its size. The two groups must share this rank only.
     """
     check_layout(layout)
+    if sinks is not None:  # once, on the merged rows: see `apply_sinks`
+        check_sinks(sinks, q, "ring_attn")
+        out, lse = ring_attn(q, k, v, group, causal=causal, softmax_scale=softmax_scale,
+                             layout=layout, window=window, softcap=softcap,
+                             cu_seqlens=cu_seqlens, return_lse=True,
+                             ulysses_group=ulysses_group)  # fmt: skip
+        out, lse = apply_sinks(out, lse, sinks)
+        return (out, lse) if return_lse else out
     window, softcap = check_shards(q, k, v, window, softcap, "ring_attn", softmax_scale)
     pg, ug = resolve_group(group), resolve_group(ulysses_group)
     size, ulysses = group_size(pg), group_size(ug)

@@ -42,7 +42,13 @@ from fusedpar.comm import (
     group_size,
     resolve_group,
 )
-from fusedpar.ops.attention import _flash_attn_op, check_packed, check_shards
+from fusedpar.ops.attention import (
+    _flash_attn_op,
+    apply_sinks,
+    check_packed,
+    check_shards,
+    check_sinks,
+)
 
 
 def check_heads(n_heads: int, n_kv_heads: int, size: int, what: str) -> int:
@@ -172,6 +178,7 @@ def ulysses_attn(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     cu_seqlens: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     return_lse: bool = False,
 ):
     """Attention over a sequence sharded contiguously on `group` (Ulysses: all-to-all
@@ -180,13 +187,14 @@ def ulysses_attn(
     q (B, S/P, Hq, D), k and v (B, S/P, Hkv, D): rank r's tokens [r S/P, (r+1) S/P)
     (``fp.shard_sequence(x, group, layout="contiguous")``). Returns this rank's tokens of
     ``flash_attn`` on the whole sequence, (B, S/P, Hq, D), and with ``return_lse`` their
-    LSE (B, Hq, S/P) float32. `window`, `softcap` and `cu_seqlens` (int32, the documents
-    of the whole packed stream of S tokens, B = 1) as in `flash_attn` and
+    LSE (B, Hq, S/P) float32. `window`, `softcap`, `sinks` (Hq,) and `cu_seqlens` (int32,
+    the documents of the whole packed stream of S tokens, B = 1) as in `flash_attn` and
     `flash_attn_varlen`. Hq must divide by P; Hkv must divide by P or divide P (KV heads
     are then replicated, and their gradients summed). Differentiable. With
     ``group=None`` or one rank this is `flash_attn`.
     """
     window, softcap = check_shards(q, k, v, window, softcap, "ulysses_attn", softmax_scale)
+    check_sinks(sinks, q, "ulysses_attn")
     pg = resolve_group(group)
     size = group_size(pg)
     check_heads(q.shape[2], k.shape[2], size, "ulysses_attn")
@@ -198,7 +206,13 @@ def ulysses_attn(
     def attend(q, k, v):  # the whole sequence, this rank's heads
         return _flash_attn_op(q, k, v, cu_seqlens, cu_seqlens, *options)
 
+    with_lse = return_lse or sinks is not None  # else the LSE is never exchanged back
     if size == 1:
         out, lse = attend(q, k, v)
-        return (out, lse) if return_lse else out
-    return head_parallel(q, k, v, pg, attend, return_lse=return_lse)
+    elif with_lse:
+        out, lse = head_parallel(q, k, v, pg, attend, return_lse=True)
+    else:
+        return head_parallel(q, k, v, pg, attend, return_lse=False)
+    if sinks is not None:  # once per whole row, after the exchange back: see `apply_sinks`
+        out, lse = apply_sinks(out, lse, sinks)
+    return (out, lse) if return_lse else out
