@@ -151,7 +151,7 @@ def _dense_parts(**changes):
      r"dense k has no bias but this ParallelAttention was built with bias=True"),
     (lambda p: fp.nn.ParallelAttention.from_dense(*p.values(), D_MODEL, HEADS, KV_HEADS,
                                                   q_norm=torch.ones(HEAD_DIM)),
-     r"k_norm missing but this ParallelAttention was built with qk_norm=True"),
+     r"k_norm missing but this ParallelAttention was built with qk_norm='head'"),
     (lambda p: fp.nn.ParallelAttention.from_dense(*p.values(), D_MODEL, HEADS, KV_HEADS,
                                                   head_dim=8),
      r"dense q must be \(32, 32\) \(heads x head_dim 8\), got \(64, 32\)"),
@@ -197,17 +197,40 @@ def neox_rope(positions):
     return angles.cos(), angles.sin()
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the normalized values times (1 + weight), in fp32."""
+
+    def __init__(self, width, eps=1e-6):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.randn(width) / 4)
+
+    def forward(self, x):
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
+        return (normed * (1 + self.weight.float())).to(x.dtype)
+
+
 class DenseVariant(nn.Module):
     """q/k/v/o with biases, GQA, causal; rotary on the first `rotary_dim` dims of each
-    head (0: none), and a softmax scale."""
+    head (0: none), a softmax scale, and optionally q/k norms ("gemma": per head,
+    (1 + w); "olmo": over all heads' width) and attention sinks."""
 
-    def __init__(self, rotary_dim, scale):
+    def __init__(self, rotary_dim, scale, norm=None, sinks=False):
         super().__init__()
-        self.rotary_dim, self.scale = rotary_dim, scale
+        self.rotary_dim, self.scale, self.norm = rotary_dim, scale, norm
         self.q = nn.Linear(D_MODEL, HEADS * HEAD_DIM)
         self.k = nn.Linear(D_MODEL, KV_HEADS * HEAD_DIM)
         self.v = nn.Linear(D_MODEL, KV_HEADS * HEAD_DIM)
         self.o = nn.Linear(HEADS * HEAD_DIM, D_MODEL)
+        if norm == "gemma":
+            self.q_norm, self.k_norm = GemmaRMSNorm(HEAD_DIM), GemmaRMSNorm(HEAD_DIM)
+        elif norm == "olmo":
+            self.q_norm = nn.RMSNorm(HEADS * HEAD_DIM, eps=1e-6)
+            self.k_norm = nn.RMSNorm(KV_HEADS * HEAD_DIM, eps=1e-6)
+            with torch.no_grad():
+                self.q_norm.weight.uniform_(0.5, 1.5)
+                self.k_norm.weight.uniform_(0.5, 1.5)
+        self.sinks = nn.Parameter(torch.randn(HEADS)) if sinks else None
 
     def rotate(self, t):  # (B, S, H, hd): Hugging Face's rotate_half on the first r dims
         r = self.rotary_dim
@@ -223,11 +246,21 @@ class DenseVariant(nn.Module):
 
     def forward(self, x):  # (B, S, d)
         B, S, _ = x.shape
-        q = self.rotate(self.q(x).view(B, S, HEADS, HEAD_DIM)).transpose(1, 2)
-        k = self.rotate(self.k(x).view(B, S, KV_HEADS, HEAD_DIM)).transpose(1, 2)
+        q, k = self.q(x), self.k(x)
+        if self.norm == "olmo":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(B, S, HEADS, HEAD_DIM), k.view(B, S, KV_HEADS, HEAD_DIM)
+        if self.norm == "gemma":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotate(q).transpose(1, 2), self.rotate(k).transpose(1, 2)
         v = self.v(x).view(B, S, KV_HEADS, HEAD_DIM).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
-                                             scale=self.scale)  # fmt: skip
+        k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
+        scores = q @ k.transpose(-1, -2) * (self.scale or HEAD_DIM**-0.5)  # (B, H, S, S)
+        scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+        if self.sinks is not None:  # one more column in the softmax, with no value
+            sink = self.sinks.to(scores.dtype)[None, :, None, None].expand(B, HEADS, S, 1)
+            scores = torch.cat([scores, sink], dim=-1)
+        out = scores.softmax(-1)[..., :S] @ v
         return self.o(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -253,12 +286,17 @@ def as_conv1d(linear: nn.Linear) -> Conv1D:
     return conv
 
 
-# (rotary_dim of the dense module, ParallelAttention options, how the dense parts are given)
+# (the dense module's rotary_dim and norm, ParallelAttention options, how the dense parts
+# are given; sinks=True also gives the dense module sinks)
 VARIANTS = {
-    "no-rope-scaled-tensors": (0, {"rope": None, "softmax_scale": 0.3}, "tensors"),
-    "partial-hf-table-conv1d": (ROTARY, {"rope": neox_rope, "rotary_dim": ROTARY}, "conv1d"),
-    "partial-default-tables": (ROTARY, {"rotary_dim": ROTARY, "softmax_scale": 0.2}, "linear"),
-}
+    "no-rope-scaled-tensors": (0, None, {"rope": None, "softmax_scale": 0.3}, "tensors"),
+    "partial-hf-table-conv1d": (ROTARY, None, {"rope": neox_rope, "rotary_dim": ROTARY},
+                                "conv1d"),
+    "partial-default-tables": (ROTARY, None, {"rotary_dim": ROTARY, "softmax_scale": 0.2},
+                               "linear"),
+    "gemma-norms-sinks": (HEAD_DIM, "gemma", {"norm_offset": 1.0, "sinks": True}, "linear"),
+    "olmo-full-width-norms": (HEAD_DIM, "olmo", {}, "linear"),
+}  # fmt: skip
 
 
 def _run_variants(seed):
@@ -266,13 +304,14 @@ def _run_variants(seed):
     dims = fp.ParallelDims(cp=2, tp=2) if world == 4 else fp.ParallelDims()
     mesh = dims.build_mesh("cpu")
     groups = dims.groups(mesh)
-    for name, (rotary_dim, options, given) in VARIANTS.items():
+    for name, (rotary_dim, norm, options, given) in VARIANTS.items():
         torch.manual_seed(seed)
-        dense = DenseVariant(rotary_dim, options.get("softmax_scale"))
+        sinks = options.get("sinks", False)
+        dense = DenseVariant(rotary_dim, options.get("softmax_scale"), norm, sinks)
         x, g = torch.randn(BATCH, SEQ, D_MODEL), torch.randn(BATCH, SEQ, D_MODEL)
         refs = {}
         for dtype in (torch.float64, torch.float32):
-            module = DenseVariant(rotary_dim, dense.scale).to(dtype)
+            module = DenseVariant(rotary_dim, dense.scale, norm, sinks).to(dtype)
             module.load_state_dict(dense.state_dict())
             xd = x.to(dtype, copy=True).requires_grad_()
             module(xd).backward(g.to(dtype))
@@ -284,6 +323,10 @@ def _run_variants(seed):
             parts, options = [p.weight for p in parts], {**options, "bias": [p.bias for p in parts]}
         elif given == "conv1d":
             parts = [as_conv1d(p) for p in parts]
+        if norm is not None:
+            options = {**options, "q_norm": dense.q_norm, "k_norm": dense.k_norm}
+        if sinks:
+            options = {**options, "sinks": dense.sinks}
         layer = fp.nn.ParallelAttention.from_dense(
             *parts, D_MODEL, HEADS, KV_HEADS, tp_group=groups["tp"], cp_group=groups["cp"],
             **options,
@@ -306,7 +349,9 @@ def _run_variants(seed):
 def test_layers_for_models_that_are_not_llama_shaped(world):
     """rope=None (GPT-2's learned positions), softmax_scale, partial rotary with the
     default tables or a Hugging Face half-width table, Conv1D modules and bare tensors
-    with bias=: output, dx and every gradient at TP2 x CP2 against float64."""
+    with bias=, Gemma's (1 + w) q/k norms with attention sinks, OLMo 2's q/k norms over
+    the full width (statistics summed over TP): output, dx and every gradient at TP2 x
+    CP2 against float64."""
     assert all(world(4).run(_run_variants, 3))
 
 

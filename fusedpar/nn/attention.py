@@ -51,35 +51,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedpar import comm
+from fusedpar.nn.attention_parts import (  # noqa: F401 (rope_tables: public here too)
+    QK_NORMS,
+    apply_rope,
+    norm_weight,
+    qk_rms_norm,
+    rope_tables,
+)
 from fusedpar.nn.linear import bias_per_weight, linear_parts
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.ring_attention import ring_attn
 from fusedpar.ops.sequence import sequence_positions
 from fusedpar.ops.ulysses import check_heads
 from fusedpar.storage import ParamLayout, local_tensor, warn_if_undistributed
-
-
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
-    """cos, sin (len(positions), head_dim / 2) for rotary embeddings at `positions`, built
-    on positions' device (no host-to-device copy)."""
-    dims = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
-    inv_freq = 1.0 / theta ** (dims / head_dim)
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., i], x[..., i + r/2]) of x (B, S, H, hd) by the angles of its
-    positions; cos, sin (S, r/2). The first r <= hd dims rotate (r < hd: partial rotary,
-    GPT-NeoX), the rest pass. Computed in fp32, returned in x's dtype."""
-    half = cos.shape[-1]
-    x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-    rotated = [x1 * c - x2 * s, x2 * c + x1 * s]
-    if 2 * half < x.shape[-1]:
-        rotated.append(x[..., 2 * half :].float())
-    return torch.cat(rotated, dim=-1).to(x.dtype)
-
 
 CP_MODES = ("ring", "ulysses", "hybrid")
 DEFAULT_ROPE = "default"  # `rope` left out: Llama's tables (None: no rotary embedding)
@@ -104,22 +88,6 @@ def _check_cp_mode(cp_mode, cp_group, ulysses_group) -> str:
     return cp_mode
 
 
-def _norm_weight(name: str, t) -> torch.Tensor:
-    """The weight of an RMSNorm-like module (``.weight``), or a tensor."""
-    weight = getattr(t, "weight", t)
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"{name} must be a norm module with .weight or a tensor, got {type(t)}")
-    return weight
-
-
-def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of x (..., hd) in fp32, scaled by weight (hd,) in x's
-    dtype: the per-head q/k norm of Qwen3 (as Hugging Face computes it)."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
-
-
 class ParallelAttention(nn.Module):
     """GQA self-attention over TP (heads) and CP (sequence). See the module doc.
 
@@ -130,7 +98,13 @@ class ParallelAttention(nn.Module):
     | `o_weight`                       | (d, Hq/TP * hd)     | always         |
     | `q_bias`; `k_bias`, `v_bias`     | (Hq/TP * hd,); (Hkv/TP * hd,) | ``bias=True`` |
     | `o_bias`                         | (d,), whole         | ``o_bias=True`` |
-    | `q_norm_weight`, `k_norm_weight` | (hd,), whole        | ``qk_norm=True`` |
+    | `q_norm_weight`, `k_norm_weight` | (hd,), whole        | ``qk_norm="head"`` |
+    | `q_norm_weight`; `k_norm_weight` | (Hq/TP * hd,); (Hkv/TP * hd,) | ``qk_norm="full"`` |
+    | `sinks`                          | (Hq/TP,)            | ``sinks=True``  |
+
+    ``qk_norm`` (True is "head"; see `fusedpar.nn.attention_parts`) with ``norm_eps``
+    and ``norm_offset`` (1: Gemma's ``(1 + weight)``). ``sinks``: a learned logit per
+    query head in the softmax denominator (gpt-oss; `fusedpar.flash_attn`'s `sinks`).
 
     ``rope(positions)`` returns cos, sin of shape (S, r/2), or (S, r) with equal halves
     (Hugging Face's layout; leading dims of 1 are dropped), r = `rotary_dim` (default
@@ -148,7 +122,8 @@ class ParallelAttention(nn.Module):
     GROUP_AXES = {"tp_group": ("tp",), "cp_group": ("cp",), "ulysses_group": ("ulysses",)}
 
     def __init__(self, d_model, n_heads, n_kv_heads=None, *, head_dim=None, bias=False,
-                 o_bias=False, qk_norm=False, norm_eps=1e-6,
+                 o_bias=False, qk_norm: bool | str = False, norm_eps=1e-6, norm_offset=0.0,
+                 sinks: bool = False,
                  rope: Callable | str | None = DEFAULT_ROPE, rotary_dim: int | None = None,
                  softmax_scale: float | None = None, sliding_window: int | None = None,
                  softcap: float | None = None, tp_group=None, cp_group=None, causal=True,
@@ -170,6 +145,10 @@ class ParallelAttention(nn.Module):
         if not (rope is None or rope == DEFAULT_ROPE or callable(rope)):
             raise TypeError(f"rope must be a callable positions -> (cos, sin), None (no rotary "
                             f"embedding) or left out (Llama's tables), got {rope!r}")  # fmt: skip
+        qk_norm = "head" if qk_norm is True else qk_norm or None
+        if qk_norm is not None and qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm must be False, True (\"head\") or one of {QK_NORMS}, got "
+                             f"{qk_norm!r}")  # fmt: skip
         n_kv_heads = n_kv_heads or n_heads
         tp = comm.group_size(tp_group)
         if head_dim is None:
@@ -199,6 +178,7 @@ class ParallelAttention(nn.Module):
                         f"TP {tp})")  # fmt: skip
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim, self.norm_eps, self.rope = head_dim, norm_eps, rope
+        self.qk_norm, self.norm_offset = qk_norm, norm_offset
         self.rotary_dim, self.softmax_scale = rotary_dim, softmax_scale
         self.tp_group, self.cp_group, self.ulysses_group = tp_group, cp_group, ulysses_group
         self.tp, self.tp_rank = tp, comm.group_rank(tp_group)
@@ -220,7 +200,10 @@ class ParallelAttention(nn.Module):
         self.q_bias = optional(bias, q_rows)
         self.k_bias, self.v_bias = optional(bias, kv_rows), optional(bias, kv_rows)
         self.o_bias = optional(o_bias, d_model)
-        self.q_norm_weight, self.k_norm_weight = optional(qk_norm, hd), optional(qk_norm, hd)
+        full = qk_norm == "full"
+        self.q_norm_weight = optional(qk_norm, q_rows if full else hd)
+        self.k_norm_weight = optional(qk_norm, kv_rows if full else hd)
+        self.sinks = optional(sinks, n_heads // tp)
         self._rope_tables: dict = {}  # (length, device) -> (cos, sin); not state
         self._rope_layout_checked = False  # a callable's table layout: checked once
         if self.q_weight.device.type != "meta":
@@ -233,25 +216,30 @@ class ParallelAttention(nn.Module):
     def reset_parameters(self) -> None:
         """``nn.Linear`` initialization of the full projections and biases (float32, CPU,
         current RNG state: the same model for any TP degree), then this rank's heads;
-        norm weights 1."""
+        norm weights 1 (with their offset), sinks 0."""
         d, hd, bias = self.d_model, self.head_dim, self.has_bias
         q = nn.Linear(d, self.n_heads * hd, bias=bias)
         k = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
         v = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
         o = nn.Linear(self.n_heads * hd, d, bias=self.o_bias is not None)
-        norms = {}
-        if self.q_norm_weight is not None:
-            norms = {"q_norm": torch.ones(hd), "k_norm": torch.ones(hd)}
-        self.load_dense(q, k, v, o, **norms)
+        extras = {}
+        if self.qk_norm is not None:
+            full = self.qk_norm == "full"
+            for name, heads in (("q_norm", self.n_heads), ("k_norm", self.n_kv_heads)):
+                extras[name] = torch.full((heads * hd if full else hd,), 1.0 - self.norm_offset)
+        if self.sinks is not None:
+            extras["sinks"] = torch.zeros(self.n_heads)
+        self.load_dense(q, k, v, o, **extras)
 
-    def load_dense(self, q, k, v, o, *, q_norm=None, k_norm=None, bias=None) -> None:
+    def load_dense(self, q, k, v, o, *, q_norm=None, k_norm=None, sinks=None,
+                   bias=None) -> None:  # fmt: skip
         """Copy this rank's heads of dense projections: q, k, v, o as ``nn.Linear``s or
         Hugging Face ``Conv1D``s (with biases where this layer has them), or weight
         tensors in ``nn.Linear``'s layout (q (Hq*hd, d), k and v (Hkv*hd, d), o
         (d, Hq*hd)) with their biases in ``bias=(q, k, v, o)`` (tensors or None);
-        q_norm, k_norm (hd,) with ``qk_norm``. Raises ValueError for anything this
-        layer would not compute: a bias it has no place for, a missing one, a shape
-        that does not fit."""
+        q_norm, k_norm with ``qk_norm`` ((hd,); "full": (Hq*hd,), (Hkv*hd,)); sinks (Hq,)
+        with ``sinks``. Raises ValueError for anything this layer would not compute: a
+        bias it has no place for, a missing one, a shape that does not fit."""
         d, hd = self.d_model, self.head_dim
         expected = {"q": (self.n_heads * hd, d), "k": (self.n_kv_heads * hd, d),
                     "v": (self.n_kv_heads * hd, d), "o": (d, self.n_heads * hd)}  # fmt: skip
@@ -272,19 +260,27 @@ class ParallelAttention(nn.Module):
             copies.append((getattr(self, f"{name}_weight"), weight, 1 if name == "o" else 0))
             if bias is not None:
                 copies.append((param_bias, bias, None if name == "o" else 0))
-        for name, t in (("q_norm", q_norm), ("k_norm", k_norm)):
-            param = getattr(self, f"{name}_weight")
+        full = self.qk_norm == "full"
+        extras = (("q_norm", q_norm, self.n_heads), ("k_norm", k_norm, self.n_kv_heads),
+                  ("sinks", sinks, self.n_heads))  # fmt: skip
+        for name, t, heads in extras:
+            param = self.sinks if name == "sinks" else getattr(self, f"{name}_weight")
             if (t is None) != (param is None):
                 given = "given" if t is not None else "missing"
+                flag = (
+                    f"sinks={param is not None}" if name == "sinks" else f"qk_norm={self.qk_norm!r}"
+                )
                 raise ValueError(f"{name} {given} but this ParallelAttention was built with "
-                                 f"qk_norm={param is not None}")  # fmt: skip
-            if t is not None:
-                weight = _norm_weight(name, t)
-                if tuple(weight.shape) != (hd,):
-                    raise ValueError(
-                        f"{name} must be ({hd},) (one head), got {tuple(weight.shape)}"
-                    )
-                copies.append((param, weight, None))
+                                 f"{flag}")  # fmt: skip
+            if t is None:
+                continue
+            weight = norm_weight(name, t)
+            split = full or name == "sinks"  # per head: this rank's heads
+            shape = (heads,) if name == "sinks" else (heads * hd,) if full else (hd,)
+            if tuple(weight.shape) != shape:
+                what = "one per head" if name == "sinks" else f"qk_norm={self.qk_norm!r}"
+                raise ValueError(f"{name} must be {shape} ({what}), got {tuple(weight.shape)}")
+            copies.append((param, weight, 0 if split else None))
         with torch.no_grad():
             for param, full, dim in copies:
                 part = (
@@ -295,24 +291,26 @@ class ParallelAttention(nn.Module):
                 local_tensor(param).copy_(part)
 
     def param_layouts(self) -> dict:
-        """For `fusedpar.distribute`: the heads (and their biases) split over the TP group;
-        the o bias whole, summed over TP inside the layer; the q/k norm weights whole,
-        each TP rank's gradient a partial sum over its own heads."""
+        """For `fusedpar.distribute`: the heads (and their biases, "full" norm weights and
+        sinks) split over the TP group; the o bias whole, summed over TP inside the
+        layer; "head" norm weights whole, each TP rank's gradient a partial sum over its
+        own heads."""
         heads, o = ParamLayout(0, self.tp_group), ParamLayout(1, self.tp_group)
         tp = (self.tp_group,)
+        norm = heads if self.qk_norm == "full" else ParamLayout(partial_over=tp)
         return {"q_weight": heads, "k_weight": heads, "v_weight": heads, "o_weight": o,
                 "q_bias": heads, "k_bias": heads, "v_bias": heads,
                 "o_bias": ParamLayout(complete_over=tp),
-                "q_norm_weight": ParamLayout(partial_over=tp),
-                "k_norm_weight": ParamLayout(partial_over=tp)}  # fmt: skip
+                "q_norm_weight": norm, "k_norm_weight": norm, "sinks": heads}  # fmt: skip
 
     @classmethod
     def from_dense(cls, q, k, v, o, d_model, n_heads, n_kv_heads=None, *, q_norm=None,
-                   k_norm=None, bias=None, **kwargs):  # fmt: skip
+                   k_norm=None, sinks=None, bias=None, **kwargs):  # fmt: skip
         """A layer holding this TP rank's heads of dense q, k, v, o (``nn.Linear``s,
         ``Conv1D``s, or weight tensors with ``bias=(q, k, v, o)`` beside them) and
-        optional q/k norms. The flags `bias` (True/False), `o_bias`, `qk_norm` and
-        `head_dim` are read off the dense parts unless given (and then must agree)."""
+        optional q/k norms and sinks. The flags `bias` (True/False), `o_bias`, `qk_norm`
+        ("head" or "full" by the norm's width), `sinks` and `head_dim` are read off the
+        dense parts unless given (and then must agree)."""
         flag = bias if isinstance(bias, bool) else None
         biases = None if isinstance(bias, bool) else bias
         given = bias_per_weight("ParallelAttention.from_dense", biases, 4)
@@ -324,15 +322,16 @@ class ParallelAttention(nn.Module):
         kwargs.setdefault("head_dim", weight.shape[0] // n_heads)
         kwargs["bias"] = q_bias is not None if flag is None else flag
         kwargs.setdefault("o_bias", linear_parts("o", o, given[3])[1] is not None)
-        kwargs.setdefault("qk_norm", q_norm is not None)
+        if q_norm is not None:
+            width = norm_weight("q_norm", q_norm).numel()
+            kwargs.setdefault("qk_norm", "full" if width == weight.shape[0] != kwargs["head_dim"]
+                              else "head")  # fmt: skip
+        kwargs.setdefault("sinks", sinks is not None)
         kwargs.setdefault("dtype", weight.dtype)
         device = kwargs.pop("device", weight.device)
         layer = cls(d_model, n_heads, n_kv_heads, device="meta", **kwargs)
         layer.to_empty(device=device)
-        norms = (
-            {"q_norm": q_norm, "k_norm": k_norm} if q_norm is not None or k_norm is not None else {}
-        )
-        layer.load_dense(q, k, v, o, bias=biases, **norms)
+        layer.load_dense(q, k, v, o, q_norm=q_norm, k_norm=k_norm, sinks=sinks, bias=biases)
         return layer
 
     def _rope(self, full_len: int, device: torch.device, cu_seqlens=None):
@@ -402,15 +401,17 @@ class ParallelAttention(nn.Module):
         seq, batch, hd = q.shape[0], q.shape[1], self.head_dim
         # (S, B, H*hd) -> (B, S, H, hd): a strided view, read in place by the kernels
         q, k, v = (t.view(seq, batch, -1, hd).transpose(0, 1) for t in (q, k, v))
-        if self.q_norm_weight is not None:
-            q = head_rms_norm(q, self.q_norm_weight, self.norm_eps)
-            k = head_rms_norm(k, self.k_norm_weight, self.norm_eps)
+        if self.qk_norm is not None:
+            norm = dict(kind=self.qk_norm, offset=self.norm_offset, tp_group=self.tp_group)
+            q = qk_rms_norm(q, self.q_norm_weight, self.norm_eps, **norm)
+            k = qk_rms_norm(k, self.k_norm_weight, self.norm_eps, **norm)
         if self.rope is not None:
             full_len = seq * comm.group_size(self.cp_group) * comm.group_size(self.ulysses_group)
             cos, sin = self._rope(full_len, x.device, cu_seqlens)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ring_attn(q, k, v, self.cp_group, causal=self.causal, layout=self.cp_layout,
                         softmax_scale=self.softmax_scale,
+                        sinks=None if self.sinks is None else self.sinks.float(),
                         window=self.window, softcap=self.softcap or 0.0,
                         cu_seqlens=cu_seqlens, ulysses_group=self.ulysses_group)  # fmt: skip
         out = out.transpose(0, 1).reshape(seq, batch, -1)  # (S, B, Hq/TP * hd)

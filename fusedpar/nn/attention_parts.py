@@ -1,0 +1,76 @@
+"""The pieces of `ParallelAttention` that act on q and k one token at a time: the
+rotary embedding and the q/k norms.
+
+| `qk_norm` | statistics over                          | weight on a rank     | e.g.          |
+| --------- | ---------------------------------------- | -------------------- | ------------- |
+| "head"    | each head's hd dims                      | (hd,), whole         | Qwen3, Gemma 3 |
+| "full"    | all heads' dims (summed over TP ranks)   | (H/TP * hd,), split  | OLMo 2        |
+
+The weight scales the normalized values as ``weight`` or, with ``norm_offset=1``,
+``(1 + weight)`` (Gemma's RMSNorm).
+"""
+
+import torch
+
+from fusedpar import comm
+
+QK_NORMS = ("head", "full")
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
+    """cos, sin (len(positions), head_dim / 2) for rotary embeddings at `positions`, built
+    on positions' device (no host-to-device copy)."""
+    dims = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
+    inv_freq = 1.0 / theta ** (dims / head_dim)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., i], x[..., i + r/2]) of x (B, S, H, hd) by the angles of its
+    positions; cos, sin (S, r/2). The first r <= hd dims rotate (r < hd: partial rotary,
+    GPT-NeoX), the rest pass. Computed in fp32, returned in x's dtype."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    rotated = [x1 * c - x2 * s, x2 * c + x1 * s]
+    if 2 * half < x.shape[-1]:
+        rotated.append(x[..., 2 * half :].float())
+    return torch.cat(rotated, dim=-1).to(x.dtype)
+
+
+def norm_weight(name: str, t) -> torch.Tensor:
+    """The weight of an RMSNorm-like module (``.weight``), or a tensor."""
+    weight = getattr(t, "weight", t)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{name} must be a norm module with .weight or a tensor, got {type(t)}")
+    return weight
+
+
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x (..., hd) in fp32, scaled by weight (hd,) in x's
+    dtype: the per-head q/k norm of Qwen3 (as Hugging Face computes it)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def qk_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, kind: str,
+                offset: float = 0.0, tp_group=None) -> torch.Tensor:  # fmt: skip
+    """The q/k RMSNorm of `kind` (see the module doc) of x (B, S, H_loc, hd) in fp32,
+    returned in x's dtype. "head" with offset 0 rounds as Qwen3 does (normalized values
+    cast, then weighted); otherwise as Gemma and OLMo 2 (weighted in fp32, then cast).
+    "full" sums the squares over this rank's heads and all-reduces them over
+    `tp_group` (differentiable: each rank's gradient reaches the others' statistics)."""
+    x32 = x.float()
+    if kind == "head":
+        if not offset:
+            return head_rms_norm(x, weight, eps)
+        mean_square = x32.square().mean(-1, keepdim=True)
+        scale = weight.float() + offset  # (hd,)
+    else:
+        heads = x.shape[-2] * comm.group_size(tp_group)
+        squares = comm.all_reduce(x32.square().sum((-2, -1), keepdim=True), tp_group)
+        mean_square = squares / (heads * x.shape[-1])
+        scale = weight.float().view(x.shape[-2:]) + offset  # (H_loc, hd)
+    return (x32 * torch.rsqrt(mean_square + eps) * scale).to(x.dtype)
