@@ -23,9 +23,10 @@ hf = pytest.importorskip("fusedpar.integrations.hf")
 SEQ, BATCH, VOCAB = 16, 2, 64
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+WINDOWED = dict(num_hidden_layers=2, sliding_window=5)  # a window that bites at SEQ tokens
 FAMILIES = {  # family: (config class, model class, options that family exercises)
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),  # q/k norms, head dim
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
@@ -33,6 +34,18 @@ FAMILIES = {  # family: (config class, model class, options that family exercise
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                        shared_expert_intermediate_size=40)),  # shared expert + gate
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",  # sliding then global, soft-capping
+               dict(WINDOWED, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                    final_logit_softcapping=3.0)),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",  # (1 + w) q/k norms, two bases
+                    dict(WINDOWED, head_dim=16, query_pre_attn_scalar=24,
+                         layer_types=["sliding_attention", "full_attention"],
+                         rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                "rope_theta": 100.0},
+                                          "full_attention": {"rope_type": "default",
+                                                             "rope_theta": 10000.0}})),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=5, pad_token_id=0)),  # fused
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),  # full-width q/k norms, post-norms
 }  # fmt: skip
 
 
@@ -42,7 +55,11 @@ def _model(family: str, seed: int, **changes):
     config = getattr(transformers, config_cls)(**{**COMMON, **options, **changes},
                                                experts_implementation="eager")  # fmt: skip
     torch.manual_seed(seed)
-    return getattr(transformers, model_cls)(config).float()
+    model = getattr(transformers, model_cls)(config).float()
+    with torch.no_grad():  # Hugging Face's init zeroes biases and sets norms to 1: re-draw
+        for param in model.parameters():
+            param.normal_(0.0, 0.3)
+    return model
 
 
 def _reference_grad(model, name: str) -> torch.Tensor:
@@ -61,6 +78,14 @@ def _reference_grad(model, name: str) -> torch.Tensor:
              "shared_w2": "shared_expert.down_proj.weight",
              "shared_w3": "shared_expert.up_proj.weight",
              "shared_gate_weight": "shared_expert_gate.weight"}  # fmt: skip
+    fused_qkv = getattr(module, "qkv_proj", None)
+    if fused_qkv is not None and leaf[0] in "qkv" and leaf.endswith("_weight"):  # Phi-3
+        hd = module.head_dim
+        config = model.config
+        sizes = [config.num_attention_heads * hd] + [config.num_key_value_heads * hd] * 2
+        return fused_qkv.weight.grad.split(sizes)["qkv".index(leaf[0])]
+    if getattr(module, "gate_up_proj", None) is not None and leaf in ("gate_weight", "up_weight"):
+        return module.gate_up_proj.weight.grad.chunk(2)[leaf != "gate_weight"]
     if leaf in ("w1", "w3"):  # halves of the fused (E, 2h, d) gate_up_proj
         grad = module.get_parameter("experts.gate_up_proj").grad
         h = grad.shape[1] // 2
@@ -132,6 +157,9 @@ VARIANTS = [(family, None) for family in FAMILIES] + [
     ("qwen2_moe", dict(num_hidden_layers=2, mlp_only_layers=[1])),  # a dense layer among MoE
     ("mixtral", dict(norm_topk_prob=False, num_local_experts=4, num_experts_per_tok=2,
                      sliding_window=None)),  # Mixtral's router normalizes whatever this says
+    ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1,
+                   num_hidden_layers=2)),  # its second layer windowed
+    ("phi3", dict(partial_rotary_factor=0.5, pad_token_id=0)),  # partial rotary
 ]  # fmt: skip
 
 
@@ -215,12 +243,10 @@ def _run_refusal(family, changes):
 
 
 @pytest.mark.parametrize("family, changes, match", [
-    ("mistral", dict(sliding_window=8), r"sliding_window=8"),
     ("llama", dict(attention_dropout=0.1), r"attention_dropout=0.1"),
     ("llama", dict(hidden_act="relu"), r"hidden_act='relu'"),
     ("mixtral", dict(router_jitter_noise=0.1, sliding_window=None), r"router_jitter_noise=0.1"),
-    ("qwen2", dict(use_sliding_window=True, layer_types=["sliding_attention"]),
-     r"layer_types \['sliding_attention'\]"),
+    ("qwen2", dict(layer_types=["chunked_attention"]), r"layer_types \['chunked_attention'\]"),
     ("llama", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
      r"rope_type 'dynamic'"),
 ])  # fmt: skip

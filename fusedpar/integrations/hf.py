@@ -38,13 +38,13 @@ length, a module of an unknown kind) raises ValueError naming it, on every rank,
 any collective; so do, at call time, padding, packed position_ids and use_cache.
 """
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fusedpar import comm
+from fusedpar.integrations import hf_families as families
+from fusedpar.integrations.hf_families import refuse
 from fusedpar.nn import MoE, ParallelAttention, ParallelSwiGLU
 from fusedpar.ops.sequence import gather_sequence, shard_sequence
 from fusedpar.storage import distribute
@@ -53,10 +53,6 @@ BATCHES = ("full", "local")
 # Hugging Face's causal-LM forward, positionally (the hooks read every argument by name)
 _FORWARD_ARGS = ("input_ids", "attention_mask", "position_ids", "past_key_values",
                  "inputs_embeds", "labels", "use_cache", "logits_to_keep")  # fmt: skip
-
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe")
-ACTIVATIONS = {"silu": F.silu, "swish": F.silu,
-               "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}  # fmt: skip
 
 
 class HFParallelAttention(ParallelAttention):
@@ -86,104 +82,33 @@ class HFMoE(MoE):
         return y
 
 
-def _rope(rotary_emb: nn.Module, head_dim: int, positions: torch.Tensor):
-    """cos, sin of the model's own rotary module at `positions`: HF's (1, S, hd)."""
-    probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
-    cos, sin = rotary_emb(probe, positions[None])
-    if cos.shape[-1] != head_dim:  # a half-width table would pass for fusedpar's layout
-        raise ValueError(f"the model's rotary module gives tables of width {cos.shape[-1]}, "
-                         f"not head_dim {head_dim}")  # fmt: skip
-    return cos, sin
-
-
-def _refuse(condition: bool, what: str) -> None:
-    if condition:
-        raise ValueError(f"parallelize: {what} is not supported (the result would not compute "
-                         "what the model does)")  # fmt: skip
-
-
-def _check_config(config) -> None:
-    _refuse(config.model_type not in FAMILIES,
-            f"model_type {config.model_type!r} (supported: {', '.join(FAMILIES)})")  # fmt: skip
-    sliding = [t for t in getattr(config, "layer_types", None) or () if t != "full_attention"]
-    _refuse(bool(sliding), f"layer_types {sorted(set(sliding))}")
-    _refuse(getattr(config, "use_sliding_window", False), "use_sliding_window=True")
-    window = getattr(config, "sliding_window", None)
-    _refuse(config.model_type in ("mistral", "mixtral") and window is not None,
-            f"sliding_window={window} (ParallelAttention(sliding_window=) computes windows; "
-            "their conversion from Hugging Face configs is not done yet)")  # fmt: skip
-    for name in ("attention_dropout", "router_jitter_noise", "hidden_dropout"):
-        value = getattr(config, name, 0.0)
-        _refuse(value not in (0, 0.0, None), f"{name}={value}")
-    tp_slices = getattr(config, "pretraining_tp", 1)
-    _refuse(tp_slices != 1, f"pretraining_tp={tp_slices}")
-    _refuse(getattr(config, "output_router_logits", False), "output_router_logits=True")
-    _refuse(config.hidden_act not in ACTIVATIONS, f"hidden_act={config.hidden_act!r}")
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    rope_type = (rope or {}).get("rope_type")
-    # these tables depend on the whole sequence's length, which a CP rank's positions do
-    # not tell (zigzag: only rank 0 holds the last chunk)
-    _refuse(rope_type in ("dynamic", "longrope"), f"rope_type {rope_type!r}")
-    factor = getattr(config, "partial_rotary_factor", 1.0)
-    _refuse(factor != 1.0, f"partial_rotary_factor={factor}")
-
-
-def _check_layer(i: int, layer: nn.Module, config) -> None:
-    """Every refusal for decoder layer i, before anything is built."""
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    parts = ("q_proj", "k_proj", "v_proj", "o_proj")
-    _refuse(not all(isinstance(getattr(attn, p, None), nn.Linear) for p in parts),
-            f"layer {i}: attention {type(attn).__name__} without q/k/v/o_proj Linears")  # fmt: skip
-    head_dim = attn.q_proj.out_features // config.num_attention_heads
-    _refuse(abs(attn.scaling - head_dim**-0.5) > 1e-12, f"layer {i}: scaling {attn.scaling}")
-    _refuse(getattr(attn, "sliding_window", None) is not None, f"layer {i}: a sliding window")
-    if hasattr(mlp, "experts"):
-        _refuse(not hasattr(mlp.experts, "gate_up_proj") or not hasattr(mlp, "gate"),
-                f"layer {i}: experts of {type(mlp.experts).__name__}")  # fmt: skip
-        _refuse(ACTIVATIONS[config.hidden_act] is not F.silu,
-                f"layer {i}: MoE experts with hidden_act={config.hidden_act!r}")  # fmt: skip
-        shared = getattr(mlp, "shared_expert", None)
-        linears = () if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
-        gate = getattr(mlp, "shared_expert_gate", None)
-        _refuse(any(lin.bias is not None for lin in (*linears, *([gate] if gate else []))),
-                f"layer {i}: a shared expert (or its gate) with biases")  # fmt: skip
-        return
-    parts = ("gate_proj", "up_proj", "down_proj")
-    _refuse(not all(isinstance(getattr(mlp, p, None), nn.Linear) for p in parts),
-            f"layer {i}: MLP {type(mlp).__name__}")  # fmt: skip
-
-
-def _attention(attn: nn.Module, config, groups, rope) -> HFParallelAttention:
-    norms = {}
-    if getattr(attn, "q_norm", None) is not None:
-        norms = {"q_norm": attn.q_norm, "k_norm": attn.k_norm,
-                 "norm_eps": attn.q_norm.variance_epsilon}  # fmt: skip
+def _attention(i: int, attn: nn.Module, config, groups, rotary_emb) -> HFParallelAttention:
+    options = families.attention_options(i, attn, config, rotary_emb)
     return HFParallelAttention.from_dense(
-        attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, config.hidden_size,
-        config.num_attention_heads, config.num_key_value_heads, rope=rope,
-        tp_group=groups["tp"], cp_group=groups["cp"], **norms,
+        *options.pop("parts"), config.hidden_size, config.num_attention_heads,
+        config.num_key_value_heads, tp_group=groups["tp"], cp_group=groups["cp"], **options,
     )  # fmt: skip
 
 
 def _mlp(mlp: nn.Module, config, groups) -> nn.Module:
-    act = ACTIVATIONS[config.hidden_act]
-    if hasattr(mlp, "experts"):
-        experts, h = mlp.experts, mlp.experts.down_proj.shape[-1]
-        extra = {}
-        shared = getattr(mlp, "shared_expert", None)
-        if shared is not None:
-            extra["shared"] = (shared.gate_proj.weight, shared.down_proj.weight,
-                               shared.up_proj.weight)  # fmt: skip
-            if getattr(mlp, "shared_expert_gate", None) is not None:
-                extra["shared_gate_weight"] = mlp.shared_expert_gate.weight
-        up = experts.gate_up_proj  # (E, 2h, d): the gate rows, then the up rows
-        return HFMoE.from_dense(
-            mlp.gate.weight, up[:, :h], experts.down_proj, up[:, h:], groups["ep"],
-            top_k=config.num_experts_per_tok, aux_loss_coef=0.0,
-            norm_topk_prob=getattr(mlp.gate, "norm_topk_prob", True), **extra,  # Mixtral: always
-        )  # fmt: skip
-    return HFParallelSwiGLU.from_dense(mlp.gate_proj, mlp.up_proj, mlp.down_proj, groups["tp"],
-                                       activation=act)  # fmt: skip
+    if not hasattr(mlp, "experts"):
+        *parts, bias = families.mlp_parts(mlp)
+        act = families.ACTIVATIONS[families.activation_name(config)]
+        return HFParallelSwiGLU.from_dense(*parts, groups["tp"], bias=bias, activation=act)
+    experts, h = mlp.experts, mlp.experts.down_proj.shape[-1]
+    extra = {}
+    shared = getattr(mlp, "shared_expert", None)
+    if shared is not None:
+        extra["shared"] = (shared.gate_proj.weight, shared.down_proj.weight,
+                           shared.up_proj.weight)  # fmt: skip
+        if getattr(mlp, "shared_expert_gate", None) is not None:
+            extra["shared_gate_weight"] = mlp.shared_expert_gate.weight
+    up = experts.gate_up_proj  # (E, 2h, d): the gate rows, then the up rows
+    return HFMoE.from_dense(
+        mlp.gate.weight, up[:, :h], experts.down_proj, up[:, h:], groups["ep"],
+        top_k=config.num_experts_per_tok, aux_loss_coef=0.0,
+        norm_topk_prob=getattr(mlp.gate, "norm_topk_prob", True), **extra,  # Mixtral: always
+    )  # fmt: skip
 
 
 def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
@@ -200,29 +125,27 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
     if batch not in BATCHES:
         raise ValueError(f"parallelize: batch must be one of {BATCHES}, got {batch!r}")
     config = model.config
-    _check_config(config)
+    families.check_config(config)
     if dims is not None:
-        _refuse(dims.ulysses > 1, f"Ulysses (ulysses={dims.ulysses})")
+        refuse(dims.ulysses > 1, f"Ulysses (ulysses={dims.ulysses})")
         world = dist.get_world_size() if dist.is_initialized() else 1
         experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
         dims.validate(world, n_heads=config.num_attention_heads,
                       n_kv_heads=config.num_key_value_heads, num_experts=experts)  # fmt: skip
     decoder = getattr(model, "model", None)
-    _refuse(not hasattr(decoder, "layers") or not hasattr(decoder, "rotary_emb"),
-            f"{type(model).__name__} without .model.layers and .model.rotary_emb (pass the "
-            "ForCausalLM model)")  # fmt: skip
+    refuse(not hasattr(decoder, "layers") or not hasattr(decoder, "rotary_emb"),
+           f"{type(model).__name__} without .model.layers and .model.rotary_emb (pass the "
+           "ForCausalLM model)")  # fmt: skip
     for i, layer in enumerate(decoder.layers):
-        _check_layer(i, layer, config)
+        families.check_layer(i, layer, config)
     if dims is None:
-        _refuse(mesh is not None, "a mesh without dims")
+        refuse(mesh is not None, "a mesh without dims")
         groups = dict.fromkeys(("dp", "cp", "tp", "ep"))
     else:
         mesh = mesh if mesh is not None else dims.build_mesh(next(model.parameters()).device.type)
         groups = dims.groups(mesh)
-    head_dim = decoder.layers[0].self_attn.q_proj.out_features // config.num_attention_heads
-    rope = functools.partial(_rope, decoder.rotary_emb, head_dim)
-    for layer in decoder.layers:
-        layer.self_attn = _attention(layer.self_attn, config, groups, rope)
+    for i, layer in enumerate(decoder.layers):
+        layer.self_attn = _attention(i, layer.self_attn, config, groups, decoder.rotary_emb)
         layer.mlp = _mlp(layer.mlp, config, groups)
     config.use_cache = False  # training: the converted attention keeps no KV cache
     model._fusedpar_batch = _Batch(batch, mesh, groups)

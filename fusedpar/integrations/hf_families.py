@@ -1,0 +1,162 @@
+"""What `fusedpar.integrations.hf.parallelize` reads off each Hugging Face family: the
+refusals (checked for every layer before anything is built) and the conversion of one
+decoder layer's attention and MLP into fusedpar's layers.
+
+| family (`model_type`)       | attention options read off the model                      |
+| --------------------------- | --------------------------------------------------------- |
+| llama, qwen2, qwen3         | biases, head_dim, per-head q/k norms (qwen3)              |
+| mistral, mixtral, qwen2     | `sliding_window` (every layer, or the `layer_types` ones) |
+| gemma2                      | + `attn_logit_softcapping`, `query_pre_attn_scalar`       |
+| gemma3_text                 | + per-head (1 + w) q/k norms, RoPE per layer type         |
+| phi3                        | fused `qkv_proj` and `gate_up_proj`, split here           |
+| olmo2                       | q/k norms over the full width (statistics over TP)        |
+
+Hugging Face's ``sliding_window=W`` is the layer's own (a query sees itself and W - 1
+keys before it); layers are windowed by ``config.layer_types`` where the config has
+them, else all of them when ``sliding_window`` is set. Norms, embeddings (Gemma's
+scaling included), residual wiring and the LM head (with Gemma 2's final soft-capping)
+stay Hugging Face's own modules.
+"""
+
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "gemma2",
+            "gemma3_text", "phi3", "olmo2")  # fmt: skip
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu,
+               "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}  # fmt: skip
+NORM_OFFSET = {"gemma3_text": 1.0}  # Gemma's RMSNorm scales by (1 + weight)
+
+
+def refuse(condition: bool, what: str) -> None:
+    if condition:
+        raise ValueError(f"parallelize: {what} is not supported (the result would not compute "
+                         "what the model does)")  # fmt: skip
+
+
+def activation_name(config) -> str:
+    return getattr(config, "hidden_activation", None) or config.hidden_act
+
+
+def check_config(config) -> None:
+    refuse(config.model_type not in FAMILIES,
+           f"model_type {config.model_type!r} (supported: {', '.join(FAMILIES)})")  # fmt: skip
+    kinds = set(getattr(config, "layer_types", None) or ())
+    refuse(bool(kinds - {"full_attention", "sliding_attention"}), f"layer_types {sorted(kinds)}")
+    for name in ("attention_dropout", "router_jitter_noise", "hidden_dropout",
+                 "resid_pdrop", "embd_pdrop"):  # fmt: skip
+        value = getattr(config, name, 0.0)
+        refuse(value not in (0, 0.0, None), f"{name}={value}")
+    tp_slices = getattr(config, "pretraining_tp", 1)
+    refuse(tp_slices != 1, f"pretraining_tp={tp_slices}")
+    refuse(getattr(config, "output_router_logits", False), "output_router_logits=True")
+    act = activation_name(config)
+    refuse(act not in ACTIVATIONS, f"hidden_act={act!r}")
+    refuse(getattr(config, "use_bidirectional_attention", False), "bidirectional attention")
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    # per layer type (Gemma 3) or one set; these tables depend on the whole sequence's
+    # length, which a CP rank's positions do not tell (zigzag: rank 0 holds the end)
+    for rope in params.values() if "rope_type" not in (params or {"rope_type": 0}) else [params]:
+        rope_type = (rope or {}).get("rope_type") if isinstance(rope, dict) else None
+        refuse(rope_type in ("dynamic", "longrope"), f"rope_type {rope_type!r}")
+
+
+def layer_window(config, i: int) -> int | None:
+    """Hugging Face's sliding window of decoder layer i (None: full attention)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return window if types[i] == "sliding_attention" else None
+    return window
+
+
+def _fused_parts(attn, config):
+    """q, k, v (weight, bias) of a fused ``qkv_proj`` (Phi-3: q rows, then k, then v)."""
+    hd = attn.head_dim
+    sizes = [config.num_attention_heads * hd, *[config.num_key_value_heads * hd] * 2]
+    weights = attn.qkv_proj.weight.split(sizes)
+    biases = [None] * 3 if attn.qkv_proj.bias is None else attn.qkv_proj.bias.split(sizes)
+    return weights, biases
+
+
+def check_layer(i: int, layer: nn.Module, config) -> None:
+    """Every refusal for decoder layer i, before anything is built."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    fused = isinstance(getattr(attn, "qkv_proj", None), nn.Linear)
+    parts = ("qkv_proj", "o_proj") if fused else ("q_proj", "k_proj", "v_proj", "o_proj")
+    refuse(not all(isinstance(getattr(attn, p, None), nn.Linear) for p in parts),
+           f"layer {i}: attention {type(attn).__name__} without {'/'.join(parts)} "
+           "Linears")  # fmt: skip
+    refuse(getattr(attn, "sinks", None) is not None, f"layer {i}: attention sinks")
+    refuse(not getattr(attn, "is_causal", True), f"layer {i}: non-causal attention")
+    if hasattr(mlp, "experts"):
+        refuse(not hasattr(mlp.experts, "gate_up_proj") or not hasattr(mlp, "gate"),
+               f"layer {i}: experts of {type(mlp.experts).__name__}")  # fmt: skip
+        refuse(ACTIVATIONS[activation_name(config)] is not F.silu,
+               f"layer {i}: MoE experts with hidden_act={activation_name(config)!r}")  # fmt: skip
+        shared = getattr(mlp, "shared_expert", None)
+        linears = () if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
+        gate = getattr(mlp, "shared_expert_gate", None)
+        refuse(any(lin.bias is not None for lin in (*linears, *([gate] if gate else []))),
+               f"layer {i}: a shared expert (or its gate) with biases")  # fmt: skip
+        return
+    parts = ("gate_up_proj",) if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj")
+    refuse(not all(isinstance(getattr(mlp, p, None), nn.Linear) for p in (*parts, "down_proj")),
+           f"layer {i}: MLP {type(mlp).__name__}")  # fmt: skip
+
+
+def rope(rotary_emb: nn.Module, rotary_dim: int, layer_type, positions: torch.Tensor):
+    """cos, sin of the model's own rotary module at `positions`: HF's (1, S, rotary_dim),
+    of the layer's type where the module takes one (Gemma 3: local and global bases)."""
+    probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
+    by_type = "layer_type" in inspect.signature(rotary_emb.forward).parameters
+    args = (layer_type,) if by_type else ()
+    cos, sin = rotary_emb(probe, positions[None], *args)
+    if cos.shape[-1] != rotary_dim:  # a half-width table would pass for fusedpar's layout
+        raise ValueError(f"the model's rotary module gives tables of width {cos.shape[-1]}, "
+                         f"not the rotary dims {rotary_dim}")  # fmt: skip
+    return cos, sin
+
+
+def attention_options(i: int, attn: nn.Module, config, rotary_emb) -> dict:
+    """The `ParallelAttention.from_dense` arguments of layer i's attention."""
+    if hasattr(attn, "qkv_proj"):
+        weights, biases = _fused_parts(attn, config)
+        parts = [*weights, attn.o_proj]
+        options = {"bias": [*biases, None]} if biases[0] is not None else {}
+    else:
+        parts, options = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj], {}
+    head_dim = parts[0].weight.shape[0] if isinstance(parts[0], nn.Linear) else len(parts[0])
+    head_dim //= config.num_attention_heads
+    factor = getattr(config, "partial_rotary_factor", None)
+    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", factor)
+    rotary_dim = int(head_dim * (factor or 1.0))
+    types = getattr(config, "layer_types", None)
+    layer_type = types[i] if types else None
+    options |= dict(softmax_scale=attn.scaling, rotary_dim=rotary_dim,
+                    rope=functools.partial(rope, rotary_emb, rotary_dim, layer_type),
+                    sliding_window=layer_window(config, i),
+                    softcap=getattr(config, "attn_logit_softcapping", None) or None)  # fmt: skip
+    if getattr(attn, "q_norm", None) is not None:
+        norm = attn.q_norm
+        options |= dict(q_norm=attn.q_norm, k_norm=attn.k_norm,
+                        norm_eps=getattr(norm, "variance_epsilon", None) or norm.eps,
+                        norm_offset=NORM_OFFSET.get(config.model_type, 0.0))  # fmt: skip
+    return dict(parts=parts, **options)
+
+
+def mlp_parts(mlp: nn.Module):
+    """gate, up, down of a dense MLP (Phi-3's fused ``gate_up_proj``: gate rows first)."""
+    if hasattr(mlp, "gate_up_proj"):
+        fused = mlp.gate_up_proj
+        gate, up = fused.weight.chunk(2)
+        if fused.bias is None:
+            return gate, up, mlp.down_proj, None
+        bias_gate, bias_up = fused.bias.chunk(2)
+        down_bias = mlp.down_proj.bias
+        return gate, up, mlp.down_proj.weight, (bias_gate, bias_up, down_bias)
+    return mlp.gate_proj, mlp.up_proj, mlp.down_proj, None
