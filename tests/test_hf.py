@@ -46,13 +46,21 @@ FAMILIES = {  # family: (config class, model class, options that family exercise
                                                              "rope_theta": 10000.0}})),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=5, pad_token_id=0)),  # fused
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),  # full-width q/k norms, post-norms
+    # fused per-head qkv, partial rotary, parallel residual, LayerNorm and MLP biases
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5)),
+    # Conv1D, learned absolute positions, tied embeddings, per-layer scaling
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+             dict(scale_attn_by_inverse_layer_idx=True, num_hidden_layers=2, resid_pdrop=0.0,
+                  embd_pdrop=0.0, attn_pdrop=0.0)),
 }  # fmt: skip
+NO_GQA = ("gpt_neox", "gpt2")  # configs without num_key_value_heads
 
 
 def _model(family: str, seed: int, **changes):
     config_cls, model_cls, options = FAMILIES[family]
     # the eager expert loop: the default grouped GEMM has no float64 (the oracle's dtype)
-    config = getattr(transformers, config_cls)(**{**COMMON, **options, **changes},
+    common = {k: v for k, v in COMMON.items() if family not in NO_GQA or "key_value" not in k}
+    config = getattr(transformers, config_cls)(**{**common, **options, **changes},
                                                experts_implementation="eager")  # fmt: skip
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float()
@@ -78,12 +86,26 @@ def _reference_grad(model, name: str) -> torch.Tensor:
              "shared_w2": "shared_expert.down_proj.weight",
              "shared_w3": "shared_expert.up_proj.weight",
              "shared_gate_weight": "shared_expert_gate.weight"}  # fmt: skip
-    fused_qkv = getattr(module, "qkv_proj", None)
-    if fused_qkv is not None and leaf[0] in "qkv" and leaf.endswith("_weight"):  # Phi-3
-        hd = module.head_dim
-        config = model.config
-        sizes = [config.num_attention_heads * hd] + [config.num_key_value_heads * hd] * 2
-        return fused_qkv.weight.grad.split(sizes)["qkv".index(leaf[0])]
+    config = model.config
+    fused = next((getattr(module, n) for n in ("qkv_proj", "query_key_value", "c_attn")
+                  if hasattr(module, n)), None)  # fmt: skip
+    if fused is not None and leaf[:2] in ("q_", "k_", "v_"):  # Phi-3, GPT-NeoX, GPT-2
+        grad = fused.weight.grad if leaf.endswith("weight") else fused.bias.grad[:, None]
+        grad = grad.t() if type(fused).__name__ == "Conv1D" and leaf.endswith("weight") else grad
+        heads = config.num_attention_heads
+        if config.model_type == "gpt_neox":  # per head: (H, [q, k, v], hd)
+            grad = grad.view(heads, 3, -1, grad.shape[-1]).transpose(0, 1).flatten(0, 2)
+        kv = getattr(config, "num_key_value_heads", heads)
+        hd = grad.shape[0] // (heads + 2 * kv)
+        part = grad.split([heads * hd, kv * hd, kv * hd])["qkv".index(leaf[0])]
+        return part if leaf.endswith("weight") else part[:, 0]
+    if leaf.startswith("o_") and (hasattr(module, "dense") or hasattr(module, "c_attn")):
+        out = module.dense if hasattr(module, "dense") else module.c_proj
+        grad = out.weight.grad if leaf == "o_weight" else out.bias.grad
+        return grad.t() if leaf == "o_weight" and type(out).__name__ == "Conv1D" else grad
+    if type(module).__name__ == "Conv1D":  # GPT-2's MLP, stored (in, out)
+        grad = module.get_parameter(leaf).grad
+        return grad.t() if leaf == "weight" else grad
     if getattr(module, "gate_up_proj", None) is not None and leaf in ("gate_weight", "up_weight"):
         return module.gate_up_proj.weight.grad.chunk(2)[leaf != "gate_weight"]
     if leaf in ("w1", "w3"):  # halves of the fused (E, 2h, d) gate_up_proj
@@ -146,8 +168,9 @@ def test_the_converted_model_trains_like_the_original(world, family):
     assert len(set(world(4).run(_run_family, family, 0))) == 1
 
 
-def test_the_caller_may_shard_the_batch_itself(world):
-    assert len(set(world(4).run(_run_family, "llama", 2, None, "local"))) == 1
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # gpt2: positions from the shards
+def test_the_caller_may_shard_the_batch_itself(world, family):
+    assert len(set(world(4).run(_run_family, family, 2, None, "local"))) == 1
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -258,7 +281,8 @@ def test_unsupported_options_are_refused_on_every_rank(world, family, changes, m
 
 
 def test_another_family_is_refused():
-    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=VOCAB)
-    model = transformers.GPT2LMHeadModel(config)
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' \(supported: llama"):
+    config = transformers.GPTJConfig(n_embd=32, n_layer=1, n_head=4, vocab_size=VOCAB,
+                                     rotary_dim=4)  # fmt: skip
+    model = transformers.GPTJForCausalLM(config)
+    with pytest.raises(ValueError, match=r"model_type 'gptj' \(supported: llama"):
         hf.parallelize(model, fp.ParallelDims())

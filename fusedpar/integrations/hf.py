@@ -38,6 +38,8 @@ length, a module of an unknown kind) raises ValueError naming it, on every rank,
 any collective; so do, at call time, padding, packed position_ids and use_cache.
 """
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,14 +47,17 @@ from torch import nn
 from fusedpar import comm
 from fusedpar.integrations import hf_families as families
 from fusedpar.integrations.hf_families import refuse
-from fusedpar.nn import MoE, ParallelAttention, ParallelSwiGLU
+from fusedpar.nn import (
+    ColumnParallelLinear,
+    MoE,
+    ParallelAttention,
+    ParallelSwiGLU,
+    RowParallelLinear,
+)
 from fusedpar.ops.sequence import gather_sequence, shard_sequence
 from fusedpar.storage import distribute
 
 BATCHES = ("full", "local")
-# Hugging Face's causal-LM forward, positionally (the hooks read every argument by name)
-_FORWARD_ARGS = ("input_ids", "attention_mask", "position_ids", "past_key_values",
-                 "inputs_embeds", "labels", "use_cache", "logits_to_keep")  # fmt: skip
 
 
 class HFParallelAttention(ParallelAttention):
@@ -73,6 +78,23 @@ class HFParallelSwiGLU(ParallelSwiGLU):
         return super().forward(hidden_states.transpose(0, 1)).transpose(0, 1)
 
 
+class HFParallelMLP(nn.Module):
+    """A plain MLP, ``proj(act(fc(x)))`` (GPT-2, GPT-NeoX): fc column-parallel, proj
+    row-parallel, under the original's attribute names; batch-first (B, S_loc, d)."""
+
+    def __init__(self, mlp: nn.Module, names: tuple[str, str], group, activation):
+        super().__init__()
+        self.names, self.activation = names, activation
+        fc, proj = (getattr(mlp, name) for name in names)
+        setattr(self, names[0], ColumnParallelLinear.from_dense(fc, group))
+        setattr(self, names[1], RowParallelLinear.from_dense(proj, group))
+
+    def forward(self, hidden_states):
+        fc, proj = (getattr(self, name) for name in self.names)
+        x = hidden_states.transpose(0, 1)  # (S_loc, B, d): the layers' layout
+        return proj(self.activation(fc(x))).transpose(0, 1)
+
+
 class HFMoE(MoE):
     """`MoE` returning only y, as HF's sparse blocks do; its aux loss is kept in
     ``last_aux_loss`` (0 unless ``aux_loss_coef`` is set)."""
@@ -86,11 +108,14 @@ def _attention(i: int, attn: nn.Module, config, groups, rotary_emb) -> HFParalle
     options = families.attention_options(i, attn, config, rotary_emb)
     return HFParallelAttention.from_dense(
         *options.pop("parts"), config.hidden_size, config.num_attention_heads,
-        config.num_key_value_heads, tp_group=groups["tp"], cp_group=groups["cp"], **options,
+        families.kv_heads(config), tp_group=groups["tp"], cp_group=groups["cp"], **options,
     )  # fmt: skip
 
 
 def _mlp(mlp: nn.Module, config, groups) -> nn.Module:
+    if config.model_type in families.PLAIN_MLPS:
+        act = families.ACTIVATIONS[families.activation_name(config)]
+        return HFParallelMLP(mlp, families.PLAIN_MLPS[config.model_type], groups["tp"], act)
     if not hasattr(mlp, "experts"):
         *parts, bias = families.mlp_parts(mlp)
         act = families.ACTIVATIONS[families.activation_name(config)]
@@ -131,12 +156,9 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
         world = dist.get_world_size() if dist.is_initialized() else 1
         experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
         dims.validate(world, n_heads=config.num_attention_heads,
-                      n_kv_heads=config.num_key_value_heads, num_experts=experts)  # fmt: skip
-    decoder = getattr(model, "model", None)
-    refuse(not hasattr(decoder, "layers") or not hasattr(decoder, "rotary_emb"),
-           f"{type(model).__name__} without .model.layers and .model.rotary_emb (pass the "
-           "ForCausalLM model)")  # fmt: skip
-    for i, layer in enumerate(decoder.layers):
+                      n_kv_heads=families.kv_heads(config), num_experts=experts)  # fmt: skip
+    decoder, layers, attention = families.tree(model, config)
+    for i, layer in enumerate(layers):
         families.check_layer(i, layer, config)
     if dims is None:
         refuse(mesh is not None, "a mesh without dims")
@@ -144,11 +166,14 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
     else:
         mesh = mesh if mesh is not None else dims.build_mesh(next(model.parameters()).device.type)
         groups = dims.groups(mesh)
-    for i, layer in enumerate(decoder.layers):
-        layer.self_attn = _attention(i, layer.self_attn, config, groups, decoder.rotary_emb)
+    rotary_emb = getattr(decoder, "rotary_emb", None)  # None: learned absolute positions
+    for i, layer in enumerate(layers):
+        setattr(layer, attention, _attention(i, getattr(layer, attention), config, groups,
+                                             rotary_emb))  # fmt: skip
         layer.mlp = _mlp(layer.mlp, config, groups)
     config.use_cache = False  # training: the converted attention keeps no KV cache
-    model._fusedpar_batch = _Batch(batch, mesh, groups)
+    forward_args = list(inspect.signature(model.forward).parameters)
+    model._fusedpar_batch = _Batch(batch, mesh, groups, forward_args)
     model.register_forward_pre_hook(_take_batch, with_kwargs=True)
     model.register_forward_hook(_add_loss, with_kwargs=True, always_call=True)
     if dims is None:
@@ -160,8 +185,9 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
 class _Batch:
     """How a converted model takes its batch, and the labels of the call in flight."""
 
-    def __init__(self, kind: str, mesh, groups: dict):
+    def __init__(self, kind: str, mesh, groups: dict, forward_args: list):
         self.kind, self.mesh, self.groups = kind, mesh, groups
+        self.forward_args = forward_args  # the model's forward, positionally
         self.local_checked = False
         self.pending: list = []  # (local shifted labels, num_items_in_batch) per call
 
@@ -173,8 +199,8 @@ class _Batch:
 def _take_batch(module, args, kwargs):
     """Forward pre-hook: refuse what the converted model would get wrong; under "full",
     check the ranks got the same batch and keep this rank's share of it."""
-    kwargs = {**dict(zip(_FORWARD_ARGS, args, strict=False)), **kwargs}
     state = module._fusedpar_batch
+    kwargs = {**dict(zip(state.forward_args, args, strict=False)), **kwargs}
     if kwargs.get("use_cache"):
         raise ValueError("a model converted by fusedpar keeps no KV cache: use_cache=False")
     if kwargs.get("past_key_values") is not None:
@@ -185,8 +211,12 @@ def _take_batch(module, args, kwargs):
     tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
     if tokens is None or tokens.dim() < 2:
         raise ValueError("a converted model takes input_ids (B, S) or inputs_embeds (B, S, d)")
+    if kwargs.get("token_type_ids") is not None:
+        raise ValueError("token_type_ids are not sharded by a converted model: leave them out")
     if state.kind == "local":
         _check_local(kwargs, tokens, state)
+        ranks = comm.group_size(state.groups["cp"]) * comm.group_size(state.groups["tp"])
+        kwargs["position_ids"] = _positions(tokens.shape[1] * ranks, tokens, state)
         state.pending.append(None)
         return (), kwargs
     seq = tokens.shape[1]
@@ -216,10 +246,19 @@ def _take_batch(module, args, kwargs):
     for name in ("input_ids", "inputs_embeds"):
         if kwargs.get(name) is not None:
             kwargs[name] = local_tokens(kwargs[name], state.groups)
+    kwargs["position_ids"] = _positions(seq, tokens, state)
     local = None if shifted is None else local_tokens(shifted, state.groups)
     state.pending.append((local, kwargs.pop("num_items_in_batch", None)) if local is not None
                          else None)  # fmt: skip
     return (), kwargs
+
+
+def _positions(full_len: int, tokens, state) -> torch.Tensor:
+    """(1, S_loc): the global positions of this rank's tokens of a `full_len` sequence,
+    given to the model as its position_ids: learned absolute positions (GPT-2) are
+    looked up there; fusedpar's attention applies RoPE itself."""
+    positions = torch.arange(full_len, device=tokens.device)[None]
+    return local_tokens(positions, state.groups)
 
 
 def _check_local(kwargs, tokens, state) -> None:

@@ -10,6 +10,10 @@ decoder layer's attention and MLP into fusedpar's layers.
 | gemma3_text                 | + per-head (1 + w) q/k norms, RoPE per layer type         |
 | phi3                        | fused `qkv_proj` and `gate_up_proj`, split here           |
 | olmo2                       | q/k norms over the full width (statistics over TP)        |
+| gpt_neox                    | fused qkv in NeoX's per-head layout, partial rotary, a    |
+|                             | plain GELU MLP (`rotary_pct`; parallel residual as is)    |
+| gpt2                        | ``Conv1D`` q/k/v (fused) and o, no RoPE (learned absolute |
+|                             | positions at the global positions), a plain GELU MLP      |
 
 Hugging Face's ``sliding_window=W`` is the layer's own (a query sees itself and W - 1
 keys before it); layers are windowed by ``config.layer_types`` where the config has
@@ -25,10 +29,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusedpar.nn.linear import is_conv1d, linear_parts
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "gemma2",
-            "gemma3_text", "phi3", "olmo2")  # fmt: skip
-ACTIVATIONS = {"silu": F.silu, "swish": F.silu,
-               "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}  # fmt: skip
+            "gemma3_text", "phi3", "olmo2", "gpt_neox", "gpt2")  # fmt: skip
+_TANH_GELU = functools.partial(F.gelu, approximate="tanh")
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": _TANH_GELU,
+               "gelu_new": _TANH_GELU}  # fmt: skip
+# model_type: (the decoder's attribute, its layers', a layer's attention's); else Llama's
+TREES = {"gpt_neox": ("gpt_neox", "layers", "attention"), "gpt2": ("transformer", "h", "attn")}
+LLAMA_TREE = ("model", "layers", "self_attn")
+# a plain MLP's (fc, proj) attributes, by family
+PLAIN_MLPS = {"gpt_neox": ("dense_h_to_4h", "dense_4h_to_h"), "gpt2": ("c_fc", "c_proj")}
 NORM_OFFSET = {"gemma3_text": 1.0}  # Gemma's RMSNorm scales by (1 + weight)
 
 
@@ -39,7 +51,24 @@ def refuse(condition: bool, what: str) -> None:
 
 
 def activation_name(config) -> str:
-    return getattr(config, "hidden_activation", None) or config.hidden_act
+    for name in ("hidden_activation", "hidden_act", "activation_function"):
+        if getattr(config, name, None):
+            return getattr(config, name)
+    return "silu"
+
+
+def tree(model: nn.Module, config):
+    """(decoder, its list of layers, the attribute of a layer's attention)."""
+    decoder_name, layers_name, attention = TREES.get(config.model_type, LLAMA_TREE)
+    decoder = getattr(model, decoder_name, None)
+    layers = getattr(decoder, layers_name, None)
+    refuse(layers is None, f"{type(model).__name__} without .{decoder_name}.{layers_name} "
+                           "(pass the ForCausalLM model)")  # fmt: skip
+    return decoder, layers, attention
+
+
+def kv_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def check_config(config) -> None:
@@ -48,7 +77,7 @@ def check_config(config) -> None:
     kinds = set(getattr(config, "layer_types", None) or ())
     refuse(bool(kinds - {"full_attention", "sliding_attention"}), f"layer_types {sorted(kinds)}")
     for name in ("attention_dropout", "router_jitter_noise", "hidden_dropout",
-                 "resid_pdrop", "embd_pdrop"):  # fmt: skip
+                 "resid_pdrop", "embd_pdrop", "attn_pdrop"):  # fmt: skip
         value = getattr(config, name, 0.0)
         refuse(value not in (0, 0.0, None), f"{name}={value}")
     tp_slices = getattr(config, "pretraining_tp", 1)
@@ -57,6 +86,7 @@ def check_config(config) -> None:
     act = activation_name(config)
     refuse(act not in ACTIVATIONS, f"hidden_act={act!r}")
     refuse(getattr(config, "use_bidirectional_attention", False), "bidirectional attention")
+    refuse(getattr(config, "add_cross_attention", False), "cross-attention")
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     # per layer type (Gemma 3) or one set; these tables depend on the whole sequence's
     # length, which a CP rank's positions do not tell (zigzag: rank 0 holds the end)
@@ -74,21 +104,37 @@ def layer_window(config, i: int) -> int | None:
     return window
 
 
+# a fused q/k/v projection's attribute and output (o) projection's, by family
+FUSED_QKV = {"phi3": ("qkv_proj", "o_proj"), "gpt_neox": ("query_key_value", "dense"),
+             "gpt2": ("c_attn", "c_proj")}  # fmt: skip
+
+
 def _fused_parts(attn, config):
-    """q, k, v (weight, bias) of a fused ``qkv_proj`` (Phi-3: q rows, then k, then v)."""
-    hd = attn.head_dim
-    sizes = [config.num_attention_heads * hd, *[config.num_key_value_heads * hd] * 2]
-    weights = attn.qkv_proj.weight.split(sizes)
-    biases = [None] * 3 if attn.qkv_proj.bias is None else attn.qkv_proj.bias.split(sizes)
-    return weights, biases
+    """q, k, v weights (out, in) and biases of a fused projection: Phi-3's and GPT-2's
+    are q rows, then k, then v (GPT-2's a transposed ``Conv1D``); GPT-NeoX's are per
+    head, (H, [q, k, v], hd)."""
+    fused = getattr(attn, FUSED_QKV[config.model_type][0])
+    weight = linear_parts("qkv", fused)[0]
+    bias = fused.bias
+    heads, hd = config.num_attention_heads, weight.shape[0] // (config.num_attention_heads
+                                                                + 2 * kv_heads(config))  # fmt: skip
+    if config.model_type == "gpt_neox":
+        weight = weight.view(heads, 3, hd, -1).transpose(0, 1).reshape(3 * heads * hd, -1)
+        bias = None if bias is None else bias.view(heads, 3, hd).transpose(0, 1).reshape(-1)
+    sizes = [heads * hd, *[kv_heads(config) * hd] * 2]
+    return weight.split(sizes), [None] * 3 if bias is None else bias.split(sizes)
+
+
+def _linear_like(t) -> bool:
+    return isinstance(t, nn.Linear) or is_conv1d(t)
 
 
 def check_layer(i: int, layer: nn.Module, config) -> None:
     """Every refusal for decoder layer i, before anything is built."""
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    fused = isinstance(getattr(attn, "qkv_proj", None), nn.Linear)
-    parts = ("qkv_proj", "o_proj") if fused else ("q_proj", "k_proj", "v_proj", "o_proj")
-    refuse(not all(isinstance(getattr(attn, p, None), nn.Linear) for p in parts),
+    attn = getattr(layer, TREES.get(config.model_type, LLAMA_TREE)[2], None)
+    mlp = getattr(layer, "mlp", None)
+    parts = FUSED_QKV.get(config.model_type, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    refuse(not all(_linear_like(getattr(attn, p, None)) for p in parts),
            f"layer {i}: attention {type(attn).__name__} without {'/'.join(parts)} "
            "Linears")  # fmt: skip
     refuse(getattr(attn, "sinks", None) is not None, f"layer {i}: attention sinks")
@@ -104,8 +150,13 @@ def check_layer(i: int, layer: nn.Module, config) -> None:
         refuse(any(lin.bias is not None for lin in (*linears, *([gate] if gate else []))),
                f"layer {i}: a shared expert (or its gate) with biases")  # fmt: skip
         return
-    parts = ("gate_up_proj",) if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj")
-    refuse(not all(isinstance(getattr(mlp, p, None), nn.Linear) for p in (*parts, "down_proj")),
+    if config.model_type in PLAIN_MLPS:
+        parts = PLAIN_MLPS[config.model_type]
+    elif hasattr(mlp, "gate_up_proj"):
+        parts = ("gate_up_proj", "down_proj")
+    else:
+        parts = ("gate_proj", "up_proj", "down_proj")
+    refuse(not all(_linear_like(getattr(mlp, p, None)) for p in parts),
            f"layer {i}: MLP {type(mlp).__name__}")  # fmt: skip
 
 
@@ -124,21 +175,28 @@ def rope(rotary_emb: nn.Module, rotary_dim: int, layer_type, positions: torch.Te
 
 def attention_options(i: int, attn: nn.Module, config, rotary_emb) -> dict:
     """The `ParallelAttention.from_dense` arguments of layer i's attention."""
-    if hasattr(attn, "qkv_proj"):
+    if config.model_type in FUSED_QKV:
         weights, biases = _fused_parts(attn, config)
-        parts = [*weights, attn.o_proj]
+        o = getattr(attn, FUSED_QKV[config.model_type][1])
+        parts = [*weights, o]
         options = {"bias": [*biases, None]} if biases[0] is not None else {}
     else:
         parts, options = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj], {}
-    head_dim = parts[0].weight.shape[0] if isinstance(parts[0], nn.Linear) else len(parts[0])
-    head_dim //= config.num_attention_heads
+    head_dim = linear_parts("q", parts[0])[0].shape[0] // config.num_attention_heads
     factor = getattr(config, "partial_rotary_factor", None)
     factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", factor)
     rotary_dim = int(head_dim * (factor or 1.0))
     types = getattr(config, "layer_types", None)
     layer_type = types[i] if types else None
-    options |= dict(softmax_scale=attn.scaling, rotary_dim=rotary_dim,
-                    rope=functools.partial(rope, rotary_emb, rotary_dim, layer_type),
+    positions = (
+        {"rope": None}
+        if rotary_emb is None
+        else {  # learned: the model's own
+            "rotary_dim": rotary_dim,
+            "rope": functools.partial(rope, rotary_emb, rotary_dim, layer_type),
+        }
+    )
+    options |= dict(softmax_scale=attn.scaling, **positions,
                     sliding_window=layer_window(config, i),
                     softcap=getattr(config, "attn_logit_softcapping", None) or None)  # fmt: skip
     if getattr(attn, "q_norm", None) is not None:
@@ -150,7 +208,8 @@ def attention_options(i: int, attn: nn.Module, config, rotary_emb) -> dict:
 
 
 def mlp_parts(mlp: nn.Module):
-    """gate, up, down of a dense MLP (Phi-3's fused ``gate_up_proj``: gate rows first)."""
+    """gate, up, down and their biases (None: taken off the modules) of a gated MLP
+    (Phi-3's fused ``gate_up_proj``: gate rows first)."""
     if hasattr(mlp, "gate_up_proj"):
         fused = mlp.gate_up_proj
         gate, up = fused.weight.chunk(2)
