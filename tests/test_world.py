@@ -1,4 +1,5 @@
-"""fusedpar.testing.World: results, failures, hangs, respawns, no orphans."""
+"""fusedpar.testing.World: results, failures, hangs, respawns, no orphans; a failed call
+keeps the pool only when the ranks are still in step."""
 
 import os
 import subprocess
@@ -12,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fusedpar.testing import World, WorldError, WorldTimeout
+from fusedpar.testing import world as world_module
 from fusedpar.testing.strategies import randn, seeds
 
 # --- functions the ranks run (module level: World pickles them by name) -------------
@@ -40,6 +42,18 @@ def raise_on(rank):
 
 def raise_everywhere():
     raise ValueError(f"bad input seen on rank {dist.get_rank()}")
+
+
+def raise_the_same_everywhere():
+    raise ValueError("the same bad input on every rank")
+
+
+def raise_after_collective(rank):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if dist.get_rank() == rank:
+        raise ValueError(f"rank {rank} dislikes the sum")
+    return t.item()
 
 
 def sleep_on(rank, seconds):
@@ -85,12 +99,21 @@ def test_collectives_match_single_process(world, seed, rows, cols):
 
 @pytest.fixture(scope="module")
 def scratch_world():
-    """A pool of its own, so the failures below do not restart the shared ones."""
-    with World(2, timeout=60) as w:
+    """A pool of its own, so the failures below do not restart the shared ones. The check
+    after a failed call may take its time on a loaded machine: the tests below that keep
+    the pool pass it in milliseconds, and those that restart fail it at once."""
+    with pytest.MonkeyPatch.context() as patch, World(2, timeout=60) as w:
+        patch.setattr(world_module, "CHECK_TIMEOUT_S", 30.0)
         yield w
 
 
-def test_a_raising_rank_fails_the_call_with_every_traceback(scratch_world):
+def pids(world: World) -> list[int]:
+    return [pid for _, _, pid in world.run(whoami)]
+
+
+def test_a_raising_rank_fails_the_call_with_every_traceback(scratch_world, monkeypatch):
+    monkeypatch.setattr(world_module, "ERROR_GRACE_S", 1.0)  # rank 0 waits for ever
+    starts = scratch_world.starts
     with pytest.raises(WorldError) as info:
         scratch_world.run(raise_on, 1)
     err = info.value
@@ -101,19 +124,41 @@ def test_a_raising_rank_fails_the_call_with_every_traceback(scratch_world):
     assert "raise_on" in err.tracebacks[0] and "all_reduce" in err.tracebacks[0]
     assert "--- rank 0 ---" in str(err) and "--- rank 1 ---" in str(err)
     assert scratch_world.run(whoami)[1][:2] == (1, 2)  # respawned, usable
+    assert scratch_world.starts == starts + 1  # a rank stuck in a collective: out of step
 
 
-def test_every_rank_raising_fails_fast_and_restarts(scratch_world):
-    scratch_world.run(whoami)
-    starts = scratch_world.starts
+def test_every_rank_raising_fails_fast_and_keeps_the_pool(scratch_world):
+    before, starts = pids(scratch_world), scratch_world.starts
     t0 = time.monotonic()
     with pytest.raises(WorldError) as info:
         scratch_world.run(raise_everywhere)
     assert time.monotonic() - t0 < 5  # nobody waited out the error grace
     assert sorted(info.value.exceptions) == [0, 1]
     assert all(isinstance(e, ValueError) for e in info.value.exceptions.values())
-    assert scratch_world.run(whoami)[0][:2] == (0, 2)
-    assert scratch_world.starts == starts + 1  # any failure: a fresh group
+    assert "bad input seen on rank 0" in str(info.value)
+    assert "bad input seen on rank 1" in str(info.value)
+    assert scratch_world.run(gather_and_sum, 0, (2, 3))[1][0].shape == (4, 3)
+    assert pids(scratch_world) == before and scratch_world.starts == starts  # in step
+
+
+def test_each_distinct_traceback_is_shown_once(scratch_world):
+    with pytest.raises(WorldError) as info:
+        scratch_world.run(raise_the_same_everywhere)
+    message = str(info.value)
+    assert message.count("Traceback (most recent call last)") == 1
+    assert message.count("ValueError: the same bad input on every rank") == 1
+    assert "--- ranks 0, 1 ---" in message and "--- rank 0 ---" not in message
+    assert sorted(info.value.tracebacks) == sorted(info.value.exceptions) == [0, 1]
+    assert info.value.tracebacks[0] == info.value.tracebacks[1]
+
+
+def test_ranks_that_returned_beside_one_that_raised_keep_the_pool(scratch_world):
+    before = pids(scratch_world)
+    with pytest.raises(WorldError) as info:
+        scratch_world.run(raise_after_collective, 0)
+    assert set(info.value.exceptions) == {0} and set(info.value.tracebacks) == {0}
+    assert scratch_world.run(raise_after_collective, -1) == [2.0, 2.0]
+    assert pids(scratch_world) == before
 
 
 def send_then_raise():
@@ -122,19 +167,54 @@ def send_then_raise():
     raise ValueError("both ranks give up")
 
 
+def collective_on_one_rank_then_raise():
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(3), async_op=True)  # rank 1 never joins
+    raise ValueError("both ranks give up")
+
+
+def subgroup_on_one_rank_then_raise():
+    if dist.get_rank() == 0:
+        dist.new_group([0])  # rank 1 never makes it: the groups' names differ from now on
+    raise ValueError("both ranks give up")
+
+
+def ring_then_raise():
+    rank, size = dist.get_rank(), dist.get_world_size()
+    dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, torch.full((4,), 7.0), (rank + 1) % size),
+        dist.P2POp(dist.irecv, torch.empty(4), (rank - 1) % size),
+    ])  # fmt: skip
+    raise ValueError("both ranks give up before waiting for the exchange")
+
+
 def send_recv_once():
     t = torch.full((4,), float(dist.get_rank()))
     if dist.get_rank() == 0:
         dist.send(t, dst=1)
     else:
         dist.recv(t, src=0)
-    return t.tolist()
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return t.tolist(), total.item()
 
 
-def test_a_failure_never_leaks_into_the_next_call(scratch_world):
+@pytest.mark.parametrize(
+    "fn, kept",
+    [
+        (send_then_raise, False),
+        (collective_on_one_rank_then_raise, False),
+        (subgroup_on_one_rank_then_raise, False),
+        (ring_then_raise, True),  # every send has its receive: the check waits for them
+    ],
+)
+def test_a_failure_never_leaks_into_the_next_call(scratch_world, fn, kept):
+    before, starts = pids(scratch_world), scratch_world.starts
     with pytest.raises(WorldError):
-        scratch_world.run(send_then_raise)
-    assert scratch_world.run(send_recv_once, timeout=30) == [[0.0] * 4] * 2
+        scratch_world.run(fn)
+    assert scratch_world.run(send_recv_once, timeout=30) == [([0.0] * 4, 2.0)] * 2
+    assert (pids(scratch_world) == before) == kept
+    assert scratch_world.starts == starts + (not kept)
 
 
 class Unpicklable:

@@ -7,14 +7,24 @@ Each rank is a spawned process with the default process group initialized (gloo 
 NCCL on GPUs), reused for every call, so a property test pays the start-up once rather
 than per example. ``fn`` and its arguments are pickled, so ``fn`` must be defined at
 module level. A call fails as a whole: if any rank raises, `WorldError` carries every
-rank's traceback; if the call runs past its timeout, `WorldTimeout` carries every
-running rank's Python stack. After any failure the pool is killed and started afresh on
-the next call, so one failing test never leaves the next one a group out of step.
+rank's traceback (each distinct one once); if the call runs past its timeout,
+`WorldTimeout` carries every running rank's Python stack.
+
+One failing test never leaves the next one a group out of step. After a failed call that
+every rank answered (each raised or returned: none hung or died), the ranks check in a
+few milliseconds that they are still in step, and the pool is kept if they are: every
+rank is in the same process groups, issued as many collectives on each in the call and
+made as many groups; every point-to-point send of the call has its receive (same group,
+ranks and tag) and completes; then a barrier on each group completes within
+`CHECK_TIMEOUT_S` (gloo's barrier waits for the collectives still in flight). Otherwise (a
+rank hung or died, the call timed out or was interrupted, the check fails, or on NCCL)
+the pool is killed and started afresh on the next call, seconds per restart.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import faulthandler
 import multiprocessing as mp
@@ -33,6 +43,9 @@ from datetime import timedelta
 # After the first rank fails, how long the others get to finish before they are taken to
 # be stuck (typically in a collective that the failed rank never joined).
 ERROR_GRACE_S = 5.0
+# After a failed call, how long the ranks get to show they are still in step (milliseconds
+# when they are) before the pool is killed instead.
+CHECK_TIMEOUT_S = 2.0
 # How long a graceful shutdown may take before the ranks are killed.
 CLOSE_TIMEOUT_S = 10.0
 
@@ -141,7 +154,7 @@ class World:
         failed.update({r: "no reply" for r in range(self.world_size) if r not in replies})
         if failed:
             self._kill()
-            details = "\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(failed.items()))
+            details = "\n".join(_sections(failed))
             hint = ""
             if any(kind == "died" for kind, _ in replies.values()):
                 hint = (" (a script that makes a World needs an `if __name__ == '__main__':` "
@@ -187,18 +200,20 @@ class World:
         self._ensure_started()
         timeout = self.timeout if timeout is None else timeout
         try:
-            results, exceptions, texts, stuck = self._call(payload, timeout)
+            results, exceptions, texts, stuck, answered = self._call(payload, timeout)
+            # Even when every rank answered, a failed call may leave the group out of step
+            # (a send no one received, a collective one rank skipped): unless the ranks show
+            # that they are in step, start afresh.
+            if texts and not (answered and self._in_step()):
+                self._kill()
         except BaseException:  # interrupted: unread replies would answer the next call
             self._kill()
             raise
         if not texts:
             return results
-        # Even when every rank returned, a failed call may leave the group out of step
-        # (a send no one received, a collective one rank skipped): start afresh.
-        self._kill()
         what = "timed out" if set(texts) == set(stuck) else "failed"
         lines = [f"World({self.world_size}).run({getattr(fn, '__qualname__', fn)}) {what}:"]
-        lines += [f"--- rank {r} ---\n{texts[r]}" for r in sorted(texts)]
+        lines += _sections(texts)
         error = WorldTimeout if what == "timed out" else WorldError
         raise error("\n".join(lines), exceptions, texts)
 
@@ -220,7 +235,34 @@ class World:
         elapsed = time.monotonic() - start
         for rank, stack in self._dump_stacks(stuck).items():
             texts[rank] = f"still running after {elapsed:.1f} s; its stack:\n{stack}"
-        return results, exceptions, texts, stuck
+        # every rank read its whole reply off its pipe and is back waiting for the next call
+        answered = all(kind in ("ok", "error", "unreadable") for kind, _ in replies.values())
+        return results, exceptions, texts, stuck, answered and not stuck
+
+    def _in_step(self) -> bool:
+        """After a failed call that every rank answered: are the ranks still in step?
+
+        Each rank reports what the call did to its process groups (`_Ledger.state`); the
+        reports must agree (`_agree`). Then each rank waits for its point-to-point works of
+        the call and passes a barrier on each of its groups (`_Ledger.settle`), in time.
+        """
+        if self.backend != "gloo":  # NCCL: a collective left on a GPU is not proven gone
+            return False
+        states = self._ask_all("state")
+        return states is not None and _agree(states) and self._ask_all("sync") is not None
+
+    def _ask_all(self, request: str) -> dict | None:
+        """Every (idle) rank's answer to `request`, or None if one failed or was late."""
+        try:
+            for conn in self._conns:
+                conn.send_bytes(pickle.dumps((request, None)))
+        except OSError:  # a rank's pipe is closed
+            return None
+        deadline = time.monotonic() + CHECK_TIMEOUT_S
+        replies = self._collect(range(self.world_size), deadline, grace=0.0)
+        if len(replies) < self.world_size or any(k != "ok" for k, _ in replies.values()):
+            return None
+        return {rank: value for rank, (_, value) in replies.items()}
 
     def _collect(self, ranks, deadline: float, grace: float | None = None) -> dict:
         """Read one reply from each of `ranks` until `deadline` (or `grace` s after an error)."""
@@ -249,7 +291,7 @@ class World:
                     if conn in waiting and not conn.poll():
                         waiting.pop(conn)
                         replies[rank] = ("died", self._death_note(rank))
-            if grace is not None and any(kind != "ok" for kind, _ in replies.values()):
+            if grace is not None and any(k not in ("ok", "ready") for k, _ in replies.values()):
                 deadline = min(deadline, time.monotonic() + grace)
                 grace = None
         return replies
@@ -287,9 +329,11 @@ def exception_of(fn, *args, **kwargs) -> Exception | None:
     """``fn(*args, **kwargs)`` on a rank; the exception it raised (None if it returned).
 
     For testing errors that every rank must raise before any collective:
-    ``world.run(exception_of, fn, *args)`` returns them all and, no call having failed,
-    keeps the pool (a failed call restarts it, seconds per test). A rank that entered a
-    collective the others skipped still hangs the call into `WorldTimeout`.
+    ``world.run(exception_of, fn, *args)`` returns them all, in rank order, and the call
+    does not fail (a failed call in which every rank raised keeps the pool too, after a
+    check of a few milliseconds that the ranks are in step). A rank that entered a
+    collective the others skipped still hangs the call into `WorldTimeout`, and the pool
+    restarts.
     """
     try:
         fn(*args, **kwargs)
@@ -320,6 +364,42 @@ def shared_world(world_size: int, **kwargs) -> World:
 def _close_all() -> None:
     for world in list(_live_worlds):
         world.close()
+
+
+def _sections(texts: dict[int, str]) -> list[str]:
+    """Each distinct text once, headed by the ranks it came from ("--- ranks 0, 2 ---")."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank in sorted(texts):
+        ranks_of.setdefault(texts[rank], []).append(rank)
+    return [
+        f"--- rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} ---\n{text}"
+        for text, ranks in ranks_of.items()
+    ]
+
+
+def _agree(states: dict[int, dict | None]) -> bool:
+    """Whether the ranks' `_Ledger.state` reports show them in step: the same count of
+    groups made; each group reported by exactly its members, with the same number of
+    collectives issued in the call; as many sends as receives on each channel."""
+    if any(state is None for state in states.values()):
+        return False
+    if len({state["made"] for state in states.values()}) != 1:
+        return False
+    views: dict[str, set] = {}  # group name: the (members, collectives) its members report
+    members: dict[str, set] = {}  # group name: the ranks that report it
+    for rank, state in states.items():
+        for name, view in state["groups"].items():
+            views.setdefault(name, set()).add(view)
+            members.setdefault(name, set()).add(rank)
+    if not all(
+        len(seen) == 1 and set(next(iter(seen))[0]) == members[name] for name, seen in views.items()
+    ):
+        return False
+    unmatched = collections.Counter()  # channel: sends issued less receives issued
+    for state in states.values():
+        for (kind, *channel), n in state["p2p"].items():
+            unmatched[tuple(channel)] += n if kind == "send" else -n
+    return not any(unmatched.values())
 
 
 def _call_message(fn, args, kwargs) -> bytes:
@@ -355,6 +435,129 @@ def _revive(desc: dict) -> BaseException:
     return RuntimeError(f"{desc['type']}: {desc['message']}")
 
 
+class _Ledger:
+    """In a rank: what the current call did to the process groups, for the check after a
+    failed call (`World._in_step`).
+
+    Collectives are counted by torch (each group's sequence number counts every operation
+    issued on it). Point-to-point operations leave nothing a barrier could see: an
+    unmatched send waits, in its pair of ranks, for a receive with its tag in some later
+    call, and a receive whose work is dropped before it completes leaves its pair out of
+    step. So ProcessGroup's send and receives (which dist.send, isend, recv, irecv and
+    batch_isend_irecv call) are wrapped: each operation is counted by channel (group,
+    sending rank, receiving rank, tag, in the group's ranks), and its work is kept until
+    it has been waited for.
+    """
+
+    def __init__(self):
+        self.counting = self._wrap_p2p()
+        self.begin()
+
+    def begin(self) -> None:
+        # ("send" | "recv", *channel): operations in this call; None: one was not placed
+        self.p2p: collections.Counter | None = collections.Counter() if self.counting else None
+        self.unwaited: list = []  # this call's point-to-point works not yet waited for
+        self.prune_at = 64
+        self.ops_before = _operations()  # group name: operations issued before the call
+
+    def _wrap_p2p(self) -> bool:
+        import torch.distributed as dist
+
+        def counted(method, kind):
+            def call(pg, *args, **kwargs):
+                work = method(pg, *args, **kwargs)
+                self._note(pg, kind, args, kwargs, work)
+                return work
+
+            call.__name__, call.__doc__ = method.__name__, method.__doc__
+            return call
+
+        originals = {}
+        try:
+            for kind in ("send", "recv", "recv_anysource"):
+                originals[kind] = getattr(dist.ProcessGroup, kind)
+                setattr(dist.ProcessGroup, kind, counted(originals[kind], kind))
+        except (AttributeError, TypeError):  # this torch's class cannot be wrapped: no count
+            for kind, method in originals.items():
+                with contextlib.suppress(AttributeError, TypeError):
+                    setattr(dist.ProcessGroup, kind, method)
+            return False
+        return True
+
+    def _note(self, pg, kind: str, args: tuple, kwargs: dict, work) -> None:
+        # ProcessGroup.send(tensors, dstRank, tag), .recv(tensors, srcRank, tag)
+        import torch.distributed as dist
+
+        self.unwaited.append(work)
+        if len(self.unwaited) >= self.prune_at:  # the waited ones need no keeping
+            self.unwaited = [w for w in self.unwaited if not w.is_completed()]
+            self.prune_at = max(64, 2 * len(self.unwaited))
+        if self.p2p is None:
+            return
+        try:
+            if kind == "recv_anysource":  # from whom is known only once it arrives
+                raise LookupError(kind)
+            peer = args[1] if len(args) > 1 else kwargs["dstRank" if kind == "send" else "srcRank"]
+            tag = int(args[2] if len(args) > 2 else kwargs.get("tag", 0))
+            name, me, peer = dist.distributed_c10d._world.pg_names[pg], pg.rank(), int(peer)
+            channel = (name, me, peer, tag) if kind == "send" else (name, peer, me, tag)
+            self.p2p[(kind, *channel)] += 1
+        except Exception:  # noqa: BLE001 - an operation not placed: the call is not vouched for
+            self.p2p = None
+
+    def state(self) -> dict | None:
+        """This rank's process groups after a failed call, for `_agree`: each group's
+        members and the collectives issued on it in the call, how many groups were made,
+        and the point-to-point operations of the call by channel; None where the rank
+        cannot vouch for them (an operation not placed, no default group, a torch that
+        does not say)."""
+        import torch.distributed as dist
+
+        after, p2p = _operations(), self.p2p
+        if p2p is None or self.ops_before is None or after is None or not dist.is_initialized():
+            return None
+        try:
+            world = dist.distributed_c10d._world
+            groups = {}
+            for pg, name in world.pg_names.items():
+                own_p2p = sum(n for (_, group, *_), n in p2p.items() if group == name)
+                collectives = after[name] - self.ops_before.get(name, 0) - own_p2p
+                groups[name] = (tuple(dist.get_process_group_ranks(pg)), collectives)
+            return {"groups": groups, "made": world.group_count, "p2p": dict(p2p)}
+        except Exception:  # noqa: BLE001 - another torch's internals: restart instead
+            return None
+
+    def settle(self) -> None:
+        """Once the ranks' states agree: wait for the call's point-to-point works (each has
+        its match), then pass a barrier on each group, in the same order on every rank.
+        gloo's barrier waits for the collectives in flight before it: one that another rank
+        never matched keeps it from completing, and the driver's check times out."""
+        import torch.distributed as dist
+
+        for work in self.unwaited:
+            if not work.is_completed():  # (a gloo work waited twice waits for a second op)
+                work.wait()
+        self.unwaited = []
+        names = dist.distributed_c10d._world.pg_names
+        for pg in sorted(names, key=names.get):
+            dist.barrier(group=pg)
+
+
+_ledger: _Ledger | None = None  # in a rank, made once torch.distributed is imported
+
+
+def _operations() -> dict | None:
+    """Operations (collectives and point-to-point) issued so far on each of this rank's
+    process groups, by group name; None if this torch does not say."""
+    import torch.distributed as dist
+
+    try:
+        world = dist.distributed_c10d._world
+        return {name: pg._get_sequence_number_for_group() for pg, name in world.pg_names.items()}
+    except Exception:  # noqa: BLE001 - another torch's internals: restart instead
+        return None
+
+
 def _watch_parent(parent_pid: int) -> None:
     # A rank stuck in a collective never reads its pipe again; this thread still sees the
     # test process go away and ends the rank, so no process outlives the session.
@@ -365,6 +568,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _rank_main(rank, world_size, backend, init_file, conn, dump_path, threads, parent_pid):
+    global _ledger
     dump_file = open(dump_path, "w")  # noqa: SIM115 (stays open for faulthandler)
     faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
@@ -384,6 +588,7 @@ def _rank_main(rank, world_size, backend, init_file, conn, dump_path, threads, p
     except BaseException as e:
         conn.send_bytes(pickle.dumps(("init-error", _describe(e)["traceback"])))
         return
+    _ledger = _Ledger() if backend == "gloo" else None  # NCCL restarts after any failure
     conn.send_bytes(pickle.dumps(("ready", None)))
     while True:
         try:
@@ -394,13 +599,21 @@ def _rank_main(rank, world_size, backend, init_file, conn, dump_path, threads, p
             kind, payload = pickle.loads(message)
             if kind == "close":
                 break
-            path, request, call = payload
-            sys.path[:0] = [p for p in path if p not in sys.path]  # before fn is imported
-            fn, args, kwargs = pickle.loads(call)
-            from fusedpar.kernels._impl import implementation
+            if kind == "state":  # after a failed call: the driver checks the ranks agree
+                reply = ("ok", _ledger.state())
+            elif kind == "sync":  # ... and then that nothing is left in flight
+                _ledger.settle()
+                reply = ("ok", None)
+            else:
+                if _ledger is not None:
+                    _ledger.begin()
+                path, request, call = payload
+                sys.path[:0] = [p for p in path if p not in sys.path]  # before fn is imported
+                fn, args, kwargs = pickle.loads(call)
+                from fusedpar.kernels._impl import implementation
 
-            with implementation(request):
-                reply = ("ok", fn(*args, **kwargs))
+                with implementation(request):
+                    reply = ("ok", fn(*args, **kwargs))
         except BaseException as e:
             reply = ("error", _describe(e))
         try:
