@@ -25,3 +25,9 @@ def test_testing_guide_example(tmp_path, monkeypatch):
 def test_dropin_guide_example(tmp_path, monkeypatch):
     example = _load_example("docs/dropin.md", "dropin_guide_example", tmp_path, monkeypatch)
     example.test_converted_block_matches_the_dense_one()
+
+
+def test_dropin_gpt2_example(tmp_path, monkeypatch):
+    """docs/dropin.md's GPT-2 converted by hand: loss and every gradient at TP2 x CP2."""
+    example = _load_example("docs/dropin.md", "dropin_guide_example", tmp_path, monkeypatch)
+    example.test_gpt2_by_hand_matches_the_original()

@@ -117,14 +117,16 @@ def _reference_grad(model, name: str) -> torch.Tensor:
     return model.get_parameter(name).grad  # embeddings, norms, head: unchanged names
 
 
-def _run_family(family, seed, changes=None, batch="full"):
-    """At TP2 x CP2 on 4 ranks; in one process (no torch.distributed) with every group
-    None and plain parameters. `changes`: config fields over the family's. `batch`:
-    "full", the model takes the whole batch and labels= (Hugging Face's way); "local",
-    this rank's tokens and a loss of the caller's."""
+def _run_family(family, seed, changes=None, batch="full", degrees=None):
+    """At TP2 x CP2 on 4 ranks (or the `degrees` of ParallelDims given); in one process
+    (no torch.distributed) with every group None and plain parameters. `changes`: config
+    fields over the family's. `batch`: "full", the model takes the whole batch and
+    labels= (Hugging Face's way); "local", this rank's tokens and a loss of the
+    caller's."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     moe = family in ("mixtral", "qwen2_moe")
-    dims = fp.ParallelDims(cp=2, tp=2, ep="tp" if moe else None) if world == 4 else None
+    degrees = degrees or dict(cp=2, tp=2)
+    dims = fp.ParallelDims(**degrees, ep="tp" if moe else None) if world == 4 else None
     model = _model(family, seed, **(changes or {}))
     refs = {torch.float64: copy.deepcopy(model).double(), torch.float32: copy.deepcopy(model)}
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
@@ -138,7 +140,7 @@ def _run_family(family, seed, changes=None, batch="full"):
         out[dtype] = (logits.detach(), loss.detach().reshape(1))
 
     mesh = hf.parallelize(model, dims, batch=batch)
-    groups = dims.groups(mesh) if dims else dict.fromkeys(("cp", "tp"))
+    groups = dims.groups(mesh) if dims else dict.fromkeys(("cp", "ulysses", "tp"))
     if batch == "full":  # every rank: the whole batch, the original's loss
         result = model(input_ids=ids, labels=ids)
         logits, total = result.logits, result.loss.detach().reshape(1)
@@ -168,9 +170,22 @@ def test_the_converted_model_trains_like_the_original(world, family):
     assert len(set(world(4).run(_run_family, family, 0))) == 1
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])  # gpt2: positions from the shards
-def test_the_caller_may_shard_the_batch_itself(world, family):
-    assert len(set(world(4).run(_run_family, family, 2, None, "local"))) == 1
+@pytest.mark.parametrize("family, degrees", [
+    ("llama", None),
+    ("gpt2", None),  # learned positions looked up at the shards' global positions
+    ("gpt2", dict(cp=2, ulysses=2)),  # ... in the hybrid's layout
+])  # fmt: skip
+def test_the_caller_may_shard_the_batch_itself(world, family, degrees):
+    assert len(set(world(4).run(_run_family, family, 2, None, "local", degrees))) == 1
+
+
+@pytest.mark.parametrize("family, degrees", [
+    ("llama", dict(ulysses=2, tp=2)),  # one q head and one (shared) kv head per rank
+    ("gemma2", dict(cp=2, ulysses=2)),  # the hybrid: windows and soft-capping over both
+    ("mixtral", dict(ulysses=2, tp=2)),  # experts over tp
+])  # fmt: skip
+def test_ulysses_and_the_hybrid(world, family, degrees):
+    assert len(set(world(4).run(_run_family, family, 3, None, "full", degrees))) == 1
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -248,7 +263,7 @@ def _run_wrong_batch(case):
 
 @pytest.mark.parametrize("case, match", [
     ("full: each rank its own shard", r"the ranks of a cp x tp group got different batches"),
-    ("full: a length that does not split", r"12 tokens do not split into the 8 chunks"),
+    ("full: a length that does not split", r"12 tokens do not split.*multiple of 8"),
     ("full: a contiguous shard", r"got different batches"),
     ("full: a different batch per rank", r"got different batches"),
     ("local: the whole batch", r"batch='local': the ranks of mesh axis 'cp' hold the same"),

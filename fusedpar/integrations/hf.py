@@ -22,23 +22,27 @@ The batch (``batch=`` of `parallelize`):
 |           | group (checked each call: one all-gather of a    | whole sequence; its value |
 |           | fingerprint); it takes this rank's share itself  | the global mean           |
 | "local"   | this rank's share, `local_tokens(ids, groups)`   | yours, from `local_tokens`|
-|           | (B, S/CP/TP): the zigzag CP shard, then its TP   | of `next_token_labels`    |
-|           | chunk (checked once: ranks holding the same tokens raise) |                  |
+|           | (B, S/CP/U/TP): the zigzag CP shard, its Ulysses | of `next_token_labels`    |
+|           | part, then its TP chunk (checked once: ranks     |                           |
+|           | holding the same tokens raise)                   |                           |
 
-Either way the logits are this rank's tokens', (B, S/CP/TP, V); `full_logits` gathers
+Either way the logits are this rank's tokens', (B, S/CP/U/TP, V); `full_logits` gathers
 them. Under "full", ``position_ids`` may be left out or be ``0..S-1`` and
 ``attention_mask`` may be left out or all ones (what a tokenizer returns for unpadded
 text); under "local" both are refused, as are ``labels``.
 
-Supported: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE (``model_type`` llama,
-mistral, qwen2, qwen3, mixtral, qwen2_moe), causal training over whole sequences.
-Anything the converted model would not compute exactly (sliding-window layers, attention
-dropout, router jitter, another activation, RoPE whose tables depend on the sequence
-length, a module of an unknown kind) raises ValueError naming it, on every rank, before
-any collective; so do, at call time, padding, packed position_ids and use_cache.
+Supported: the families of `hf_families.FAMILIES` (Llama, Mistral, Qwen2/3, Mixtral,
+Qwen2-MoE, Gemma 2, Gemma 3 text, Phi-3, OLMo 2, GPT-NeoX, GPT-2), causal training over
+whole sequences, with any of ParallelDims' context-parallel modes (the ring over cp,
+Ulysses, the hybrid): the sequence is sharded zigzag over cp, then contiguously over
+ulysses, then over tp. Anything the converted model would not compute exactly
+(attention dropout, router jitter, another activation, RoPE whose tables depend on the
+sequence length, a module of an unknown kind) raises ValueError naming it, on every rank,
+before any collective; so do, at call time, padding, packed position_ids and use_cache.
 """
 
 import inspect
+import math
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +62,7 @@ from fusedpar.ops.sequence import gather_sequence, shard_sequence
 from fusedpar.storage import distribute
 
 BATCHES = ("full", "local")
+SEQUENCE_AXES = ("cp", "ulysses", "tp")  # the mesh axes a sequence is sharded over, in order
 
 
 class HFParallelAttention(ParallelAttention):
@@ -108,7 +113,8 @@ def _attention(i: int, attn: nn.Module, config, groups, rotary_emb) -> HFParalle
     options = families.attention_options(i, attn, config, rotary_emb)
     return HFParallelAttention.from_dense(
         *options.pop("parts"), config.hidden_size, config.num_attention_heads,
-        families.kv_heads(config), tp_group=groups["tp"], cp_group=groups["cp"], **options,
+        families.kv_heads(config), tp_group=groups["tp"], cp_group=groups["cp"],
+        ulysses_group=groups.get("ulysses"), **options,
     )  # fmt: skip
 
 
@@ -152,7 +158,6 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
     config = model.config
     families.check_config(config)
     if dims is not None:
-        refuse(dims.ulysses > 1, f"Ulysses (ulysses={dims.ulysses})")
         world = dist.get_world_size() if dist.is_initialized() else 1
         experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
         dims.validate(world, n_heads=config.num_attention_heads,
@@ -162,7 +167,7 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
         families.check_layer(i, layer, config)
     if dims is None:
         refuse(mesh is not None, "a mesh without dims")
-        groups = dict.fromkeys(("dp", "cp", "tp", "ep"))
+        groups = dict.fromkeys(("dp", "cp", "ulysses", "tp", "ep"))
     else:
         mesh = mesh if mesh is not None else dims.build_mesh(next(model.parameters()).device.type)
         groups = dims.groups(mesh)
@@ -191,9 +196,9 @@ class _Batch:
         self.local_checked = False
         self.pending: list = []  # (local shifted labels, num_items_in_batch) per call
 
-    def shards(self) -> int:
-        cp, tp = (comm.group_size(self.groups[axis]) for axis in ("cp", "tp"))
-        return 2 * cp * tp if cp > 1 else tp
+    def ranks(self) -> int:
+        """The ranks that share one sequence: cp x ulysses x tp."""
+        return math.prod(comm.group_size(self.groups.get(axis)) for axis in SEQUENCE_AXES)
 
 
 def _take_batch(module, args, kwargs):
@@ -215,15 +220,11 @@ def _take_batch(module, args, kwargs):
         raise ValueError("token_type_ids are not sharded by a converted model: leave them out")
     if state.kind == "local":
         _check_local(kwargs, tokens, state)
-        ranks = comm.group_size(state.groups["cp"]) * comm.group_size(state.groups["tp"])
-        kwargs["position_ids"] = _positions(tokens.shape[1] * ranks, tokens, state)
+        kwargs["position_ids"] = _positions(tokens.shape[1] * state.ranks(), tokens, state)
         state.pending.append(None)
         return (), kwargs
     seq = tokens.shape[1]
-    if seq % state.shards():
-        raise ValueError(f"the batch's {seq} tokens do not split into the {state.shards()} "
-                         "chunks of its sharding (zigzag over cp: 2 x cp, then tp): pad or "
-                         "cut the sequences to a multiple")  # fmt: skip
+    check_shards(seq, state.groups)
     mask, positions = kwargs.pop("attention_mask", None), kwargs.pop("position_ids", None)
     if mask is not None and (tuple(mask.shape) != tuple(tokens.shape[:2]) or not bool(mask.all())):
         raise ValueError("a model converted by fusedpar is causal over whole sequences: no "
@@ -315,8 +316,8 @@ def _add_loss(module, args, kwargs, output):
     local_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                 ignore_index=-100, reduction="sum")  # fmt: skip
     totals = torch.stack([local_sum.detach(), (labels != -100).sum().to(local_sum.dtype)])
-    for axis in ("tp", "cp"):
-        totals = comm.all_reduce(totals, state.groups[axis])
+    for axis in SEQUENCE_AXES:
+        totals = comm.all_reduce(totals, state.groups.get(axis))
     denominator = totals[1] if num_items is None else num_items
     loss = (local_sum + (totals[0] - local_sum).detach()) / denominator
     if hasattr(output, "logits"):
@@ -325,21 +326,34 @@ def _add_loss(module, args, kwargs, output):
     return (loss, *output)
 
 
+def check_shards(seq: int, groups: dict) -> None:
+    """ValueError unless a sequence of `seq` tokens splits into this sharding's chunks:
+    2 x CP (zigzag), each CP shard into ULYSSES parts, each of those into TP chunks."""
+    cp, ulysses, tp = (comm.group_size(groups.get(axis)) for axis in SEQUENCE_AXES)
+    chunks = 2 * cp if cp > 1 else 1
+    per_rank = seq // chunks // ulysses
+    if seq % chunks or (seq // chunks) % ulysses or per_rank % tp:
+        raise ValueError(f"the batch's {seq} tokens do not split into its shards: zigzag over "
+                         f"cp ({chunks} chunks), then ulysses ({ulysses}), then tp ({tp}); "
+                         f"pad or cut the sequences to a multiple of "
+                         f"{chunks * ulysses * tp}")  # fmt: skip
+
+
 def local_tokens(t: torch.Tensor, groups: dict) -> torch.Tensor:
-    """(B, S, ...) on every rank -> this rank's (B, S / CP / TP, ...): the zigzag CP shard
-    of the sequence, then this TP rank's chunk of it."""
-    t = shard_sequence(t, groups["cp"], dim=1)
+    """(B, S, ...) on every rank -> this rank's (B, S / CP / ULYSSES / TP, ...): the zigzag
+    CP shard of the sequence, its contiguous part over the Ulysses group (the hybrid
+    layout), then this TP rank's chunk of it."""
+    check_shards(t.shape[1], groups)
+    t = shard_sequence(t, groups["cp"], dim=1, ulysses_group=groups.get("ulysses"))
     tp = comm.group_size(groups["tp"])
-    if t.shape[1] % tp:
-        raise ValueError(f"each CP shard's {t.shape[1]} tokens do not divide by the TP "
-                         f"degree {tp} (sequence parallelism)")  # fmt: skip
     return t.chunk(tp, dim=1)[comm.group_rank(groups["tp"])]
 
 
 def full_logits(logits: torch.Tensor, groups: dict) -> torch.Tensor:
-    """The inverse of `local_tokens` (differentiable): (B, S / CP / TP, V) -> (B, S, V)."""
-    return gather_sequence(comm.gather_from_region(logits, groups["tp"], dim=1), groups["cp"],
-                           dim=1)  # fmt: skip
+    """The inverse of `local_tokens` (differentiable): (B, S / CP / ULYSSES / TP, V) ->
+    (B, S, V)."""
+    logits = comm.gather_from_region(logits, groups["tp"], dim=1)
+    return gather_sequence(logits, groups["cp"], dim=1, ulysses_group=groups.get("ulysses"))
 
 
 def next_token_labels(input_ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
