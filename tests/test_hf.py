@@ -6,6 +6,7 @@ logits, loss and every parameter gradient (gathered) within the tolerance rule; 
 each unsupported option is refused, on every rank, before any collective."""
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -206,12 +207,65 @@ def test_one_process_with_every_group_none(family, changes):
     assert _run_family(family, 1, changes) > 0
 
 
+DOCUMENTS = [0, 5, 11, 16]  # three packed documents of 5, 6 and 5 tokens
+SPANS = list(itertools.pairwise(DOCUMENTS))
+
+
+def _run_packed(family, seed, degrees=None):
+    """Documents packed into one sequence, as Hugging Face's flattening collator gives them
+    (position_ids restarting at 0, the labels of each document's first token -100),
+    against the original run on each document alone; TP2 x CP2 unless `degrees`."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dims = fp.ParallelDims(**(degrees or dict(cp=2, tp=2))) if world == 4 else None
+    model = _model(family, seed)
+    refs = {torch.float64: copy.deepcopy(model).double(), torch.float32: copy.deepcopy(model)}
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(seed))
+    positions = torch.cat([torch.arange(e - s) for s, e in SPANS])[None]
+    labels = ids.clone()
+    labels[0, DOCUMENTS[:-1]] = -100  # no document predicts the next one's first token
+    shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+    valid = int((shifted != -100).sum())
+    out = {}
+    for dtype, ref in refs.items():
+        logits = torch.cat([ref(input_ids=ids[:, s:e]).logits for s, e in SPANS], dim=1)
+        loss = F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), reduction="sum") / valid
+        loss.backward()
+        out[dtype] = (logits.detach(), loss.detach().reshape(1))
+    mesh = hf.parallelize(model, dims)
+    groups = dims.groups(mesh) if dims else dict.fromkeys(("cp", "ulysses", "tp"))
+    result = model(input_ids=ids, labels=labels, position_ids=positions)
+    result.loss.backward()
+    assert_close(hf.full_logits(result.logits.detach(), groups), out[torch.float64][0],
+                 out[torch.float32][0], name="logits")  # fmt: skip
+    assert_close(result.loss.detach().reshape(1), out[torch.float64][1], out[torch.float32][1],
+                 name="loss")  # fmt: skip
+    for name, param in model.named_parameters():
+        ref64, ref32 = (_reference_grad(refs[dtype], name) for dtype in refs)
+        grad = param.grad.full_tensor() if dims else param.grad
+        assert_close(grad, ref64, ref32, name=name, sum_length=SEQ)
+    return True
+
+
+@pytest.mark.parametrize("family, degrees", [
+    ("llama", None),  # RoPE restarting in each document
+    ("gpt2", None),  # learned positions restarting
+    ("gemma2", dict(cp=2, ulysses=2)),  # windows and soft-capping, the hybrid
+])  # fmt: skip
+def test_packed_documents_attend_within_their_own(world, family, degrees):
+    assert world(4).run(_run_packed, family, 4, degrees) == [True] * 4
+
+
+def test_packed_documents_in_one_process():
+    assert _run_packed("mistral", 5)
+
+
 PADDED = torch.ones(BATCH, SEQ, dtype=torch.long).index_fill_(1, torch.tensor([SEQ - 1]), 0)
 
 
 @pytest.mark.parametrize("batch, call, match", [
     ("full", dict(attention_mask=PADDED), r"no padding \(attention_mask may be left out or"),
-    ("full", dict(position_ids=torch.arange(SEQ)[None] % 8), r"position_ids other than 0..S-1"),
+    ("full", dict(position_ids=torch.arange(SEQ)[None] + 3), r"restart at 0 at each packed"),
+    ("full", dict(position_ids=torch.arange(SEQ)[None] % 8), r"take one sequence \(B = 1\)"),
     ("full", dict(labels=torch.zeros(BATCH, SEQ - 1, dtype=torch.long)), r"labels must be"),
     ("full", dict(use_cache=True), r"keeps no KV cache"),
     ("local", dict(attention_mask=torch.ones(BATCH, SEQ, dtype=torch.long)),

@@ -27,9 +27,12 @@ The batch (``batch=`` of `parallelize`):
 |           | holding the same tokens raise)                   |                           |
 
 Either way the logits are this rank's tokens', (B, S/CP/U/TP, V); `full_logits` gathers
-them. Under "full", ``position_ids`` may be left out or be ``0..S-1`` and
-``attention_mask`` may be left out or all ones (what a tokenizer returns for unpadded
-text); under "local" both are refused, as are ``labels``.
+them. Under "full", ``attention_mask`` may be left out or all ones (what a tokenizer
+returns for unpadded text) and ``position_ids`` left out, ``0..S-1``, or packed
+documents (B = 1, positions restarting at 0 at each document's start, as Hugging Face's
+``DataCollatorWithFlattening`` makes them): each token then attends within its own
+document, RoPE (or learned positions) restarting there; under "local" both are refused,
+as are ``labels``.
 
 Supported: the families of `hf_families.FAMILIES` (Llama, Mistral, Qwen2/3, Mixtral,
 Qwen2-MoE, Gemma 2, Gemma 3 text, Phi-3, OLMo 2, GPT-NeoX, GPT-2), causal training over
@@ -38,7 +41,8 @@ Ulysses, the hybrid): the sequence is sharded zigzag over cp, then contiguously 
 ulysses, then over tp. Anything the converted model would not compute exactly
 (attention dropout, router jitter, another activation, RoPE whose tables depend on the
 sequence length, a module of an unknown kind) raises ValueError naming it, on every rank,
-before any collective; so do, at call time, padding, packed position_ids and use_cache.
+before any collective; so do, at call time, padding, position_ids with offsets and
+use_cache.
 """
 
 import inspect
@@ -68,12 +72,16 @@ SEQUENCE_AXES = ("cp", "ulysses", "tp")  # the mesh axes a sequence is sharded o
 class HFParallelAttention(ParallelAttention):
     """`ParallelAttention` called as a Hugging Face attention module: hidden_states
     (B, S_loc, d) batch-first in, ``(output, None)`` out; HF's mask and position
-    embeddings are ignored (causal, RoPE at global positions inside)."""
+    embeddings are ignored (causal, RoPE at global positions inside; the documents of a
+    packed batch from the model's `_Batch`, set by `parallelize`)."""
 
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
         if past_key_values is not None:
             raise ValueError("fusedpar's attention keeps no KV cache: call with use_cache=False")
-        return super().forward(hidden_states.transpose(0, 1)).transpose(0, 1), None
+        batch = getattr(self, "_fusedpar_batch", None)
+        cu_seqlens = None if batch is None else batch.cu_seqlens
+        x = hidden_states.transpose(0, 1)  # (S_loc, B, d)
+        return super().forward(x, cu_seqlens=cu_seqlens).transpose(0, 1), None
 
 
 class HFParallelSwiGLU(ParallelSwiGLU):
@@ -172,13 +180,15 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
         mesh = mesh if mesh is not None else dims.build_mesh(next(model.parameters()).device.type)
         groups = dims.groups(mesh)
     rotary_emb = getattr(decoder, "rotary_emb", None)  # None: learned absolute positions
+    forward_args = list(inspect.signature(model.forward).parameters)
+    state = _Batch(batch, mesh, groups, forward_args)
     for i, layer in enumerate(layers):
-        setattr(layer, attention, _attention(i, getattr(layer, attention), config, groups,
-                                             rotary_emb))  # fmt: skip
+        attn = _attention(i, getattr(layer, attention), config, groups, rotary_emb)
+        attn._fusedpar_batch = state  # the call's packed documents
+        setattr(layer, attention, attn)
         layer.mlp = _mlp(layer.mlp, config, groups)
     config.use_cache = False  # training: the converted attention keeps no KV cache
-    forward_args = list(inspect.signature(model.forward).parameters)
-    model._fusedpar_batch = _Batch(batch, mesh, groups, forward_args)
+    model._fusedpar_batch = state
     model.register_forward_pre_hook(_take_batch, with_kwargs=True)
     model.register_forward_hook(_add_loss, with_kwargs=True, always_call=True)
     if dims is None:
@@ -195,6 +205,7 @@ class _Batch:
         self.forward_args = forward_args  # the model's forward, positionally
         self.local_checked = False
         self.pending: list = []  # (local shifted labels, num_items_in_batch) per call
+        self.cu_seqlens: torch.Tensor | None = None  # the call's packed documents (int32)
 
     def ranks(self) -> int:
         """The ranks that share one sequence: cp x ulysses x tp."""
@@ -205,6 +216,7 @@ def _take_batch(module, args, kwargs):
     """Forward pre-hook: refuse what the converted model would get wrong; under "full",
     check the ranks got the same batch and keep this rank's share of it."""
     state = module._fusedpar_batch
+    state.cu_seqlens = None
     kwargs = {**dict(zip(state.forward_args, args, strict=False)), **kwargs}
     if kwargs.get("use_cache"):
         raise ValueError("a model converted by fusedpar keeps no KV cache: use_cache=False")
@@ -230,10 +242,7 @@ def _take_batch(module, args, kwargs):
         raise ValueError("a model converted by fusedpar is causal over whole sequences: no "
                          "padding (attention_mask may be left out or all ones)")  # fmt: skip
     if positions is not None:
-        expected = torch.arange(seq, device=positions.device).expand(tokens.shape[0], seq)
-        if positions.shape[-1] != seq or not torch.equal(positions.expand_as(expected), expected):
-            raise ValueError("position_ids other than 0..S-1 (packed documents, offsets) are "
-                             "not supported by a converted model: leave them out")  # fmt: skip
+        state.cu_seqlens = packed_documents(positions, tokens)
     labels, shifted = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
     if labels is not None and shifted is not None:
         raise ValueError("pass labels or shift_labels, not both")
@@ -243,15 +252,46 @@ def _take_batch(module, args, kwargs):
         raise ValueError(f"labels must be (B, S) = {tuple(tokens.shape[:2])}, like the input, "
                          f"got {tuple(shifted.shape)}")  # fmt: skip
     if state.mesh is not None:
-        _check_same_batch([t for t in (tokens, shifted) if t is not None], state.mesh)
+        _check_same_batch([t for t in (tokens, shifted, positions) if t is not None], state.mesh)
     for name in ("input_ids", "inputs_embeds"):
         if kwargs.get(name) is not None:
             kwargs[name] = local_tokens(kwargs[name], state.groups)
-    kwargs["position_ids"] = _positions(seq, tokens, state)
+    if state.cu_seqlens is None:
+        kwargs["position_ids"] = _positions(seq, tokens, state)
+    else:  # positions restart in each document (learned positions are looked up there)
+        kwargs["position_ids"] = local_tokens(positions.expand(1, seq), state.groups)
     local = None if shifted is None else local_tokens(shifted, state.groups)
     state.pending.append((local, kwargs.pop("num_items_in_batch", None)) if local is not None
                          else None)  # fmt: skip
     return (), kwargs
+
+
+def packed_documents(positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
+    """The documents of a packed batch, as Hugging Face's packing collators give them
+    (``DataCollatorWithFlattening``): position_ids (1, S) that restart at 0 at each
+    document's start and rise by 1 within it. Returns cu_seqlens (int32; None for one
+    whole sequence, ``0..S-1``). Anything else (offsets, padding) raises."""
+    seq = tokens.shape[1]
+    if positions.shape[-1] != seq or positions.dim() > 2:
+        raise ValueError(f"position_ids must be (B, S) = {tuple(tokens.shape[:2])}, got "
+                         f"{tuple(positions.shape)}")  # fmt: skip
+    expected = torch.arange(seq, device=positions.device)
+    positions = positions.reshape(-1, seq)
+    if bool((positions == expected).all()):
+        return None
+    starts = positions == 0
+    rises = positions[:, 1:] == positions[:, :-1] + 1
+    if not bool(starts[:, 0].all()) or not bool((rises | starts[:, 1:]).all()):
+        raise ValueError("position_ids must be 0..S-1, or restart at 0 at each packed "
+                         "document's start and rise by 1 within it (no offsets, no "
+                         "padding)")  # fmt: skip
+    if positions.shape[0] != 1 or tokens.shape[0] != 1:
+        raise ValueError("packed documents (position_ids that restart) take one sequence "
+                         f"(B = 1), as Hugging Face's flattening collator makes; got B = "
+                         f"{tokens.shape[0]}")  # fmt: skip
+    p = positions[0]
+    bounds = torch.cat([starts[0].nonzero().flatten(), p.new_tensor([seq])])
+    return bounds.to(torch.int32)
 
 
 def _positions(full_len: int, tokens, state) -> torch.Tensor:
