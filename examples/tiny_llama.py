@@ -209,11 +209,21 @@ class ParallelTransformer(nn.Module):
         tp = self.groups["tp"]
         return t.chunk(fp.comm.group_size(tp))[fp.comm.group_rank(tp)]
 
-    def forward(self, tokens, labels):
-        x = self.embed(self.local_tokens(tokens))
+    def forward(self, tokens, labels=None):
+        """tokens (B, S) -> this rank's share of the mean loss over `labels` (B, S); its
+        logits (S / CP / TP, B, V) without labels. A pipeline stage (`fp.pipeline.split`)
+        that does not hold the embedding takes the hidden state (S / CP / TP, B, d) in
+        place of the tokens, and one without the head returns the hidden state."""
+        x = tokens if self.embed is None else self.embed(self.local_tokens(tokens))
         for block in self.blocks:
             x = block(x)
+        if self.head is None:
+            return x
         logits = self.head(self.norm(x))
+        return logits if labels is None else self.loss(logits, labels)
+
+    def loss(self, logits, labels):
+        """This rank's share of the mean cross-entropy of the batch `labels` (B, S)."""
         local = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                 self.local_tokens(labels).reshape(-1), reduction="sum")  # fmt: skip
         return local / labels.numel()

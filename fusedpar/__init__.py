@@ -1,6 +1,6 @@
 """fusedpar: Triton kernels that fuse compute with communication for transformer training."""
 
-from fusedpar import checkpoint, comm, nn, ops, testing
+from fusedpar import checkpoint, comm, nn, ops, pipeline, testing
 from fusedpar.kernels._impl import implementation
 from fusedpar.kernels._impl import summary as implementation_summary
 from fusedpar.ops import (
@@ -33,6 +33,7 @@ __all__ = [
     "implementation",
     "implementation_summary",
     "matmul_reduce_scatter",
+    "pipeline",
     "nn",
     "ops",
     "ring_attn",

@@ -11,6 +11,10 @@ inside (its groups are neighbouring ranks, next to tp), the ring across. `cp_mod
 which of the three a configuration is. The mesh has the "ulysses" axis only with a
 Ulysses degree > 1 ((dp, cp, ulysses, tp)); otherwise it is (dp, cp, tp), as before.
 
+Pipeline parallelism is the outermost axis, "pp" ((pp, dp, cp, tp), only with a degree
+> 1): a rank's groups are those of its stage, and `stage_mesh` is the sub-mesh its
+stage's parameters live on (`fusedpar.pipeline`).
+
 `validate` runs no collective: call it first, on every rank, and a bad configuration
 fails everywhere with a message naming the degree that does not fit.
 
@@ -33,8 +37,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
-AXES = ("dp", "cp", "ulysses", "tp")  # every axis a mesh may have, in mesh order
+AXES = ("pp", "dp", "cp", "ulysses", "tp")  # every axis a mesh may have, in mesh order
+_OPTIONAL = ("pp", "ulysses")  # axes a mesh has only with a degree > 1
 _meshes: dict[tuple, tuple] = {}  # (device type, degrees) -> (default group, mesh)
+_stage_meshes: dict[int, tuple] = {}  # id(mesh) -> (mesh, its stage's sub-mesh)
 
 
 def _default_group():
@@ -48,11 +54,17 @@ class ParallelDims:
     tp: int = 1
     ep: str | tuple[str, ...] | None = None
     ulysses: int = 1
+    pp: int = 1
 
     @property
     def mesh_axes(self) -> tuple[str, ...]:
-        """The mesh's axes: "ulysses" only with a Ulysses degree > 1."""
-        return tuple(axis for axis in AXES if axis != "ulysses" or self.ulysses > 1)
+        """The mesh's axes: "pp" and "ulysses" only with a degree > 1."""
+        return tuple(axis for axis in AXES if axis not in _OPTIONAL or getattr(self, axis) > 1)
+
+    @property
+    def stage_axes(self) -> tuple[str, ...]:
+        """The axes of one pipeline stage's sub-mesh: all but "pp"."""
+        return tuple(axis for axis in self.mesh_axes if axis != "pp")
 
     @property
     def cp_mode(self) -> str:
@@ -81,16 +93,20 @@ class ParallelDims:
             degree = getattr(self, axis)
             if not isinstance(degree, int) or degree < 1:
                 raise ValueError(f"the {axis} degree must be a positive int, got {degree!r}")
-        if self.dp * self.cp * self.ulysses * self.tp != world_size:
+        if self.pp * self.dp * self.cp * self.ulysses * self.tp != world_size:
+            pp = f"pp ({self.pp}) x " if self.pp > 1 else ""
             ulysses = f" x ulysses ({self.ulysses})" if self.ulysses > 1 else ""
             raise ValueError(
-                f"dp ({self.dp}) x cp ({self.cp}){ulysses} x tp ({self.tp}) = "
-                f"{self.dp * self.cp * self.ulysses * self.tp}, but the world has "
+                f"{pp}dp ({self.dp}) x cp ({self.cp}){ulysses} x tp ({self.tp}) = "
+                f"{self.pp * self.dp * self.cp * self.ulysses * self.tp}, but the world has "
                 f"{world_size} ranks"
             )
         for axis in self.ep_axes:
             if axis not in AXES:
                 raise ValueError(f"ep runs over mesh axes {AXES}, got {self.ep!r}")
+        if "pp" in self.ep_axes:
+            raise ValueError("ep over pp: the pipeline stages hold different layers, so their "
+                             "experts cannot be one layer's: run ep over cp and/or tp")  # fmt: skip
         if "dp" in self.ep_axes and self.dp > 1:
             # Data parallelism (FSDP/DDP over dp) averages every parameter over dp, but
             # experts split over dp differ from rank to rank there.
@@ -146,15 +162,28 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, degrees, mesh_dim_names=self.mesh_axes)
         # DTensor sums a gradient partial over several axes (cp and tp, say) in one
         # collective, rather than one per axis, only where their flattened mesh exists.
-        split = [axis for axis in self.mesh_axes if getattr(self, axis) > 1]
+        split = [axis for axis in self.stage_axes if getattr(self, axis) > 1]
         for count in range(2, len(split) + 1):
             for axes in combinations(split, count):
                 mesh[axes]._flatten("_".join(axes))
         _meshes[key] = (_default_group(), mesh)
         return mesh
 
+    def stage_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The sub-mesh of this rank's pipeline stage (`mesh` without "pp"): where
+        `fusedpar.distribute` and `fully_shard` put a stage's parameters. `mesh` itself
+        without pipeline parallelism. The same object for the same mesh, as `build_mesh`
+        (FSDP2 and DTensor's operator cache need one)."""
+        if "pp" not in mesh.mesh_dim_names:
+            return mesh
+        cached = _stage_meshes.get(id(mesh))
+        if cached is None or cached[0] is not mesh:
+            cached = _stage_meshes[id(mesh)] = (mesh, mesh[self.stage_axes])
+        return cached[1]
+
     def groups(self, mesh: DeviceMesh) -> dict:
-        """1-D meshes per axis, and "ep" (None without expert parallelism)."""
+        """1-D meshes per axis (this rank's: a stage's groups under pipeline parallelism),
+        and "ep" (None without expert parallelism)."""
         names = mesh.mesh_dim_names
         groups = {axis: mesh[axis] if axis in names else None for axis in AXES}
         if any(axis not in names for axis in self.ep_axes):

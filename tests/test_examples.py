@@ -156,7 +156,8 @@ def _run_bad_config(kwargs, check):
      ({"cp": 2, "tp": 2}, {"seq_len": 18}, r"seq_len \(18\).*cp\s+degree 2"),
      ({"cp": 2, "tp": 2, "ep": ("cp", "tp")}, {"num_experts": 6},
       r"num_experts \(6\).*ep degree \(4"),
-     ({"dp": 4, "ep": "pp"}, {}, "ep runs over"),
+     ({"dp": 4, "ep": "zz"}, {}, "ep runs over"),
+     ({"pp": 2, "dp": 2, "ep": "pp"}, {}, "ep over pp"),
      ({"dp": 2, "tp": 2, "ep": "dp"}, {}, r"ep over dp \(dp degree 2\)")],
 )  # fmt: skip
 def test_bad_configurations_fail_on_every_rank(world, kwargs, check, match):

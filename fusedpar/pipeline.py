@@ -1,0 +1,244 @@
+"""Pipeline parallelism: fusedpar's layers inside the stages of PyTorch's schedules.
+
+    dims = fp.ParallelDims(pp=2, tp=2)
+    mesh = dims.build_mesh("cpu")                # (pp, dp, cp, tp)
+    model = ParallelTransformer(reference, dims.groups(mesh))  # its stage's groups
+    pipe = fp.pipeline.split(model, dims, mesh, schedule="1F1B", microbatches=4,
+                             loss_fn=model.loss)
+    fp.distribute(pipe.model, dims.stage_mesh(mesh))   # this rank's part, its sub-mesh
+    optimizer = torch.optim.AdamW(pipe.model.parameters())
+    losses = pipe.step(tokens, target=labels)    # the last stage's ranks: a loss each
+
+fusedpar runs no pipeline of its own: `split` cuts a model whose blocks are a list into
+stages and hands them to ``torch.distributed.pipelining`` (its `PipelineStage`s and a
+schedule by name). What it asks of the model is torchtitan's contract:
+
+| the model has                          | in a stage that does not hold it           |
+| -------------------------------------- | ------------------------------------------ |
+| `layers` (default "blocks"): a list    | the block is a parameter-free pass-through |
+| `first` (default ("embed",)): modules  | None: the forward takes the hidden state   |
+| run before the blocks                  | in place of the tokens                     |
+| `last` (default ("norm", "head"))      | None: the forward returns the hidden state |
+
+So the model's forward skips what is None, and returns the last stage's output for
+`loss_fn(output, target)` (the example model's forward returns logits when given no
+labels). A stage module is a shallow copy of the model: its parameters are the model's
+own, under the unsplit model's names (``blocks.3.attn.q_weight`` on whichever stage
+holds block 3), so checkpoints load across pipeline layouts. `Pipeline.model` holds all
+of this rank's stages at once (several for the interleaved and V schedules): distribute
+it, build the optimizer on it, save and load it.
+
+| schedule                  | stages per pipeline rank | rank r holds stages       |
+| ------------------------- | ------------------------ | ------------------------- |
+| "GPipe", "1F1B"           | 1                        | r                         |
+| "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble" | 2 (`stages_per_rank`) | r, r + pp, ... |
+| "ZBVZeroBubble", "DualPipeV" | 2                     | r and 2 pp - 1 - r (a V)  |
+
+Only the hidden state crosses stages. The context-parallel positions (and packed
+documents) are derived from the batch on every stage; a MoE layer's auxiliary loss
+reaches the gradients where it arises (`fusedpar.nn.moe.with_aux_loss`), never sent.
+
+Microbatches: the batch (dim 0 of every input and of the target) is split into
+`microbatches` equal chunks; with ``loss_reduction="mean"`` the schedule divides the
+gradients by their number, so a loss that is a mean over its microbatch gives the
+gradient of the mean over the batch; with "sum", a sum gives the sum. Fewer
+microbatches than stages (a hang in the schedules), layers that do not divide into the
+stages and a batch that does not divide into the microbatches raise ValueError on
+every rank before any communication.
+"""
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fusedpar import comm
+
+SCHEDULES = {  # name: how its stages sit on the pipeline ranks
+    "GPipe": "single", "1F1B": "single",
+    "Interleaved1F1B": "loop", "LoopedBFS": "loop", "InterleavedZeroBubble": "loop",
+    "ZBVZeroBubble": "v", "DualPipeV": "v",
+}  # fmt: skip
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+class PassThrough(nn.Module):
+    """A block another stage holds: its input, unchanged (no parameters)."""
+
+    def forward(self, x, *args, **kwargs):
+        return x
+
+
+def stages_of(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """The stage indices pipeline rank `pp_rank` holds under `schedule`."""
+    style = SCHEDULES[schedule]
+    if style == "single":
+        return [pp_rank]
+    if style == "v":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(stages_per_rank)]
+
+
+def check_pipeline(schedule: str, pp: int, n_layers: int, microbatches: int,
+                   stages_per_rank: int = 2, loss_reduction: str = "mean") -> int:  # fmt: skip
+    """ValueError naming what does not fit; no communication. Returns the stage count."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
+    if loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got "
+                         f"{loss_reduction!r}")  # fmt: skip
+    style = SCHEDULES[schedule]
+    if style == "v" and stages_per_rank != 2:
+        raise ValueError(f"{schedule} holds two stages per pipeline rank (a V), not "
+                         f"{stages_per_rank}")  # fmt: skip
+    per_rank = 1 if style == "single" else stages_per_rank
+    if per_rank < 1 or (style == "loop" and per_rank < 2):
+        raise ValueError(f"{schedule} needs at least 2 stages per pipeline rank, got "
+                         f"{per_rank}")  # fmt: skip
+    stages = pp * per_rank
+    if n_layers < stages or n_layers % stages:
+        raise ValueError(f"{n_layers} layers do not divide into the {stages} stages of "
+                         f"{schedule} at pp {pp} ({per_rank} per pipeline rank): use a "
+                         f"multiple of {stages} layers")  # fmt: skip
+    if microbatches < stages:
+        raise ValueError(f"{microbatches} microbatches for {stages} pipeline stages: a "
+                         f"schedule needs at least one microbatch per stage ({schedule} at "
+                         f"pp {pp}; fewer would leave stages waiting for ever)")  # fmt: skip
+    if style == "loop" and schedule == "Interleaved1F1B" and microbatches % pp:
+        raise ValueError(f"Interleaved1F1B takes microbatches in rounds of pp ({pp}): "
+                         f"{microbatches} microbatches is not a multiple")  # fmt: skip
+    return stages
+
+
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    """The same submodules and parameters in a module of its own: its own slots and
+    hooks (FSDP2 registers hooks on a stage's root; they must not fire for another)."""
+    twin = copy.copy(module)
+    twin.__dict__ = {k: v.copy() if isinstance(v, dict) else v for k, v in module.__dict__.items()}
+    return twin
+
+
+def stage_module(model: nn.Module, stage: int, num_stages: int, layers: str, first, last):
+    """A shallow copy of `model` holding stage `stage`'s blocks (the others pass through),
+    the `first` modules in stage 0 and the `last` in the final stage (None elsewhere)."""
+    blocks = getattr(model, layers)
+    per_stage = len(blocks) // num_stages
+    mine = range(stage * per_stage, (stage + 1) * per_stage)
+    part = _shallow_copy(model)
+    part._modules[layers] = nn.ModuleList(
+        block if i in mine else PassThrough() for i, block in enumerate(blocks)
+    )
+    for names, holder in ((first, 0), (last, num_stages - 1)):
+        for name in names:
+            if stage != holder:
+                part._modules[name] = None
+    return part
+
+
+def _merged(parts: list[nn.Module], layers: str) -> nn.Module:
+    """One module holding every part (this rank's stages), the unsplit model's names."""
+    whole = _shallow_copy(parts[0])
+    merged = list(getattr(parts[0], layers))
+    for part in parts[1:]:
+        for i, block in enumerate(getattr(part, layers)):
+            if not isinstance(block, PassThrough):
+                merged[i] = block
+        for name, module in part._modules.items():
+            if name != layers and module is not None:
+                whole._modules[name] = module
+    whole._modules[layers] = nn.ModuleList(merged)
+    return whole
+
+
+@dataclass
+class Pipeline:
+    """This rank's stages and the schedule that runs them (see the module doc)."""
+
+    schedule: object  # a torch.distributed.pipelining schedule
+    stages: list  # this rank's PipelineStages
+    stage_modules: list[nn.Module]  # their modules, in stage order
+    model: nn.Module  # all of them in one module: distribute, optimize, checkpoint it
+    microbatches: int
+    num_stages: int
+    stage_ids: list[int] = field(default_factory=list)
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def step(self, *inputs, target=None) -> list | None:
+        """One forward and backward of the batch through the schedule: `inputs` go to the
+        first stage, `target` to `loss_fn` on the last (every rank passes the same batch;
+        each uses its part). Returns the microbatches' losses on the ranks of the last
+        stage, None elsewhere. Gradients accumulate in the parameters, as backward's do."""
+        for what, t in (*((f"input {i}", t) for i, t in enumerate(inputs)), ("target", target)):
+            if t is not None and (t.dim() == 0 or t.shape[0] % self.microbatches):
+                shape = tuple(t.shape)
+                raise ValueError(f"pipeline step: {what} {shape} does not split into "
+                                 f"{self.microbatches} microbatches along dim 0 (the "
+                                 "batch)")  # fmt: skip
+        losses = [] if self.has_last else None
+        args = inputs if self.has_first else ()
+        self.schedule.step(*args, target=target if self.has_last else None, losses=losses,
+                           return_outputs=False)  # fmt: skip
+        return losses
+
+
+def split(model: nn.Module, dims, mesh, *, schedule: str = "1F1B", microbatches=None,
+          loss_fn=None, loss_reduction: str = "mean", stages_per_rank: int = 2,
+          layers: str = "blocks", first=("embed",), last=("norm", "head")) -> Pipeline:  # fmt: skip
+    """Cut `model` into the stages of `schedule` over the "pp" axis of `mesh` and build
+    the schedule (see the module doc). `microbatches` defaults to the number of stages.
+    Every rank builds the whole model (with its stage's groups) and calls this."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleSingle,
+        get_schedule_class,
+    )
+
+    blocks = getattr(model, layers, None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError(f"split: {type(model).__name__}.{layers} must be an nn.ModuleList of "
+                         f"the blocks, got {type(blocks).__name__}")  # fmt: skip
+    for name in (*first, *last):
+        if not isinstance(getattr(model, name, None), nn.Module):
+            raise ValueError(f"split: {type(model).__name__} has no module {name!r}")
+    own = [name for name, p in model._parameters.items() if p is not None]
+    if own:
+        raise ValueError(f"split: {type(model).__name__} holds parameters of its own "
+                         f"({', '.join(own)}), which no one stage would hold: put them in a "
+                         "submodule of first or last")  # fmt: skip
+    pp_group = dims.groups(mesh)["pp"]
+    pp, pp_rank = comm.group_size(pp_group), comm.group_rank(pp_group)
+    per_rank = 1 if SCHEDULES.get(schedule) == "single" else stages_per_rank
+    microbatches = pp * per_rank if microbatches is None else microbatches
+    num_stages = check_pipeline(schedule, pp, len(blocks), microbatches, stages_per_rank,
+                                loss_reduction)  # fmt: skip
+    stage_ids = stages_of(schedule, pp_rank, pp, per_rank)
+    parts = [stage_module(model, s, num_stages, layers, first, last) for s in stage_ids]
+    device = next(model.parameters()).device
+    group = None if pp_group is None else pp_group.get_group()
+    stages = [PipelineStage(part, s, num_stages, device, group=group)
+              for part, s in zip(parts, stage_ids, strict=True)]  # fmt: skip
+    cls = get_schedule_class(schedule)
+    scale = loss_reduction == "mean"
+    if issubclass(cls, PipelineScheduleSingle):
+        runner = cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=scale)
+    else:
+        runner = cls(stages, microbatches, loss_fn=loss_fn, scale_grads=scale)
+    return Pipeline(runner, stages, parts, _merged(parts, layers), microbatches, num_stages,
+                    stage_ids)  # fmt: skip
+
+
+def stage_losses_total(losses: list | None, reduction: str = "mean", device=None):
+    """This rank's share of the batch loss from `Pipeline.step`'s losses (0 off the last
+    stage): their mean (or sum), to be summed over the ranks as the model's shares are."""
+    if not losses:
+        return torch.zeros((), device=device)
+    stacked = torch.stack([loss.detach().float() for loss in losses])
+    return stacked.mean() if reduction == "mean" else stacked.sum()

@@ -1,0 +1,147 @@
+"""Pipeline parallelism (`fp.pipeline`) at 4 ranks: the demo model cut into the stages of
+each schedule torch offers, with fusedpar's TP / CP / EP layers inside them and FSDP2
+over dp, trains one step like the single-device reference (the loss and every parameter
+gradient, within the tolerance rule); checkpoints reshard between PP2 x TP2 and
+PP1 x CP2 x TP2 bit for bit; bad configurations raise on every rank."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fusedpar as fp
+from fusedpar.pipeline import SCHEDULES, stage_losses_total
+from fusedpar.testing import assert_close, exception_of
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from tiny_llama import Config, ParallelTransformer, Transformer  # noqa: E402
+
+SEQ, BATCH = 8, 8
+
+
+def _config(moe: bool, layers: int) -> Config:
+    return Config(vocab=64, d_model=16, n_layers=layers, n_heads=2, n_kv_heads=2, d_hidden=16,
+                  num_experts=4 if moe else 0, top_k=2)  # fmt: skip
+
+
+def _reference_name(name: str) -> str:
+    pairs = [(f".attn.{p}_weight", f".attn.{p}.weight") for p in "qkvo"]
+    pairs += [(f".mlp.{p}_weight", f".mlp.{p}.weight") for p in ("gate", "up", "down")]
+    pairs.append((".mlp.router_weight", ".mlp.router"))
+    for ours, theirs in pairs:
+        if name.endswith(ours):
+            return name[: -len(ours)] + theirs
+    return name
+
+
+def _reference(cfg: Config, seed: int) -> Transformer:
+    torch.manual_seed(seed)
+    reference = Transformer(cfg)
+    with torch.no_grad():  # norms start at 1: re-drawn, so a dropped one would show
+        for name, param in reference.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+    return reference
+
+
+def _pipeline(degrees: dict, schedule: str, moe: bool, layers: int, fsdp: bool, seed: int,
+              microbatches=None):  # fmt: skip
+    dims = fp.ParallelDims(**degrees, ep="tp" if moe and degrees.get("tp", 1) > 1 else None)
+    mesh = dims.build_mesh("cpu")
+    cfg = _config(moe, layers)
+    reference = _reference(cfg, seed)
+    model = ParallelTransformer(reference, dims.groups(mesh))
+    pipe = fp.pipeline.split(model, dims, mesh, schedule=schedule, microbatches=microbatches,
+                             loss_fn=model.loss)  # fmt: skip
+    stage_mesh = dims.stage_mesh(mesh)
+    fp.distribute(pipe.model, stage_mesh)
+    if fsdp:
+        for part in pipe.stage_modules:
+            dims.fully_shard(part, stage_mesh)
+    return dims, mesh, cfg, reference, pipe
+
+
+def _batch(cfg, seed):
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, cfg.vocab, (BATCH, SEQ + 1), generator=gen)
+    return data[:, :-1], data[:, 1:]
+
+
+def _run_step(degrees, schedule, moe=False, layers=2, fsdp=False, seed=0):
+    dims, mesh, cfg, reference, pipe = _pipeline(degrees, schedule, moe, layers, fsdp, seed)
+    reference64 = Transformer(cfg).double()
+    reference64.load_state_dict(reference.state_dict())
+    inputs, labels = _batch(cfg, seed + 1)
+    refs = {}
+    for ref in (reference, reference64):
+        loss = ref(inputs, labels)
+        loss.backward()
+        refs[ref] = loss.detach().reshape(1)
+    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    mine = [t.chunk(dp)[dp_rank] for t in (inputs, labels)]
+    losses = pipe.step(mine[0], target=mine[1])
+    total = stage_losses_total(losses)
+    dist.all_reduce(total)  # every stage's ranks: the last stage's shares, 0 elsewhere
+    assert_close((total / dp).reshape(1), refs[reference64], refs[reference], name="loss")
+    ref32, ref64 = dict(reference.named_parameters()), dict(reference64.named_parameters())
+    names = []
+    for name, param in pipe.model.named_parameters():
+        theirs = _reference_name(name)
+        assert_close(param.grad.full_tensor(), ref64[theirs].grad, ref32[theirs].grad, name=name)
+        names.append(theirs)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, names)
+    assert set().union(*map(set, gathered)) == set(ref32)  # every parameter, on some stage
+    return True
+
+
+SINGLE = [name for name, style in SCHEDULES.items() if style == "single"]
+MULTI = [name for name, style in SCHEDULES.items() if style != "single"]
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_one_step_at_pp2_tp2_matches_the_reference(world, schedule):
+    layers = 2 if schedule in SINGLE else 4  # two stages per pipeline rank
+    assert all(world(4).run(_run_step, dict(pp=2, tp=2), schedule, False, layers))
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_one_step_at_pp2_cp2_moe_matches_the_reference(world, schedule):
+    layers = 2 if schedule in SINGLE else 4
+    assert all(world(4).run(_run_step, dict(pp=2, cp=2), schedule, True, layers))
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_one_step_at_pp2_dp2_under_fsdp_matches_the_reference(world, schedule):
+    layers = 2 if schedule in SINGLE else 4
+    assert all(world(4).run(_run_step, dict(pp=2, dp=2), schedule, False, layers, True))
+
+
+def _bad(case):
+    degrees, schedule, layers, microbatches, batch = case
+    dims = fp.ParallelDims(**degrees)
+    dims.validate(dist.get_world_size())
+    mesh = dims.build_mesh("cpu")
+    cfg = _config(False, layers)
+    model = ParallelTransformer(_reference(cfg, 0), dims.groups(mesh))
+    pipe = fp.pipeline.split(model, dims, mesh, schedule=schedule, microbatches=microbatches,
+                             loss_fn=model.loss)  # fmt: skip
+    tokens = torch.zeros(batch, SEQ, dtype=torch.long)
+    pipe.step(tokens, target=tokens)
+
+
+@pytest.mark.parametrize("case, match", [
+    ((dict(pp=3), "1F1B", 2, None, 4), r"pp \(3\) x dp \(1\) .* = 3, but the world has 4"),
+    ((dict(pp=2, tp=2), "1F1B", 3, None, 4), r"3 layers do not divide into the 2 stages"),
+    ((dict(pp=2, tp=2), "Interleaved1F1B", 2, None, 4), r"2 layers do not divide into the 4"),
+    ((dict(pp=2, tp=2), "1F1B", 2, 1, 4), r"1 microbatches for 2 pipeline stages"),
+    ((dict(pp=2, tp=2), "1F1B", 2, 2, 3), r"\(3, 8\) does not split into 2 microbatches"),
+    ((dict(pp=2, tp=2), "Zigzag", 2, 2, 4), r"schedule must be one of"),
+])  # fmt: skip
+def test_bad_configurations_raise_on_every_rank(world, case, match):
+    for e in world(4).run(exception_of, _bad, case):
+        assert isinstance(e, ValueError) and re.search(match, str(e)), repr(e)
