@@ -14,6 +14,11 @@ the checkpoint's metadata, on every rank and without communication, and raises
 ValueError naming the first that differs or is missing: a checkpoint of another model
 fails on every rank before anything is read, and nothing is half-loaded. `extra` is
 small picklable state (the step, a data-loader position), saved once.
+
+Under pipeline parallelism each rank saves and loads its stages' part of the model
+(`fusedpar.pipeline.Pipeline.model`), whose names are the unsplit model's: a checkpoint
+written at PP2 x TP2 loads at PP1 x CP2 x TP2 and back. `load` then refuses a tensor of
+the checkpoint only if no rank's part holds it.
 """
 
 import os
@@ -57,7 +62,9 @@ def _tensors(tree, prefix: str = ""):
             yield from _tensors(value, name + ".")
 
 
-def _compare(path, metadata, state: dict) -> None:
+def _compare(path, metadata, state: dict) -> list[str]:
+    """Raise for a tensor of `state` the checkpoint lacks or holds at another shape;
+    return the checkpoint's tensors (under the state's prefix) that `state` lacks."""
     names = set()
     for name, tensor in _tensors(state):
         names.add(name)
@@ -71,9 +78,13 @@ def _compare(path, metadata, state: dict) -> None:
             raise ValueError(f"{name} is {tuple(tensor.shape)} in the model but {got} in the "
                              f"checkpoint at {path}: a checkpoint of another model")  # fmt: skip
     prefix = next(iter(state)) + "."
-    unknown = sorted(k for k in metadata if k.startswith(prefix) and k not in names
-                     and isinstance(metadata[k], TensorStorageMetadata))  # fmt: skip
+    return sorted(k for k in metadata if k.startswith(prefix) and k not in names
+                  and isinstance(metadata[k], TensorStorageMetadata))  # fmt: skip
+
+
+def _refuse_unknown(path, unknown) -> None:
     if unknown:
+        unknown = sorted(unknown)
         raise ValueError(f"the checkpoint at {path} has {unknown[0]}, which the model does "
                          f"not ({len(unknown)} such tensors): a checkpoint of another "
                          "model")  # fmt: skip
@@ -83,35 +94,45 @@ def _metadata(path) -> dict:
     return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
 
 
-def check(path: str | os.PathLike, model: nn.Module, optimizer=None, *, metadata=None) -> None:
+def check(path: str | os.PathLike, model: nn.Module, optimizer=None, *, metadata=None,
+          part: bool = False) -> list[str]:  # fmt: skip
     """ValueError unless the checkpoint at `path` holds exactly the tensors of `model`
-    (and `optimizer`), with the same global shapes. Reads the metadata only (unless
-    given); no communication; leaves an optimizer without state without state."""
+    (and `optimizer`), with the same global shapes. ``part``: `model` is one part of the
+    model (a pipeline rank's stages, `fusedpar.pipeline`): the checkpoint's other
+    tensors are returned rather than refused. Reads the metadata only (unless given); no
+    communication; leaves an optimizer without state without state."""
     metadata = _metadata(path) if metadata is None else metadata
-    _compare(path, metadata, {"model": get_model_state_dict(model)})
-    if optimizer is None:
-        return
-    fresh = not optimizer.state
-    try:  # PyTorch's state-dict API gives a fresh optimizer state (zeros, step 1) to read
-        _compare(path, metadata, {"optim": get_optimizer_state_dict(model, optimizer)})
-    finally:
-        if fresh:
-            optimizer.state.clear()
+    unknown = _compare(path, metadata, {"model": get_model_state_dict(model)})
+    if optimizer is not None:
+        fresh = not optimizer.state
+        try:  # PyTorch's state-dict API gives a fresh optimizer state (zeros, step 1) to read
+            state = {"optim": get_optimizer_state_dict(model, optimizer)}
+            unknown += _compare(path, metadata, state)
+        finally:
+            if fresh:
+                optimizer.state.clear()
+    if not part:
+        _refuse_unknown(path, unknown)
+    return unknown
 
 
-def _agree(error: Exception | None) -> None:
+def _agree(path, error: Exception | None, unknown: list[str]) -> None:
     """Every rank raises if any rank failed its check (a rank that raised alone would
-    leave the others waiting in DCP's collectives)."""
+    leave the others waiting in DCP's collectives), or if a tensor of the checkpoint is
+    in no rank's part of the model (pipeline stages hold different tensors)."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
             raise error
+        _refuse_unknown(path, unknown)
         return
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
-    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    reports = [None] * dist.get_world_size()
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    dist.all_gather_object(reports, (message, unknown))
+    failed = [(rank, e) for rank, (e, _) in enumerate(reports) if e is not None]
     if failed:
         rank, message = failed[0]
         raise ValueError(f"cannot load (rank {rank}): {message}") from error
+    _refuse_unknown(path, set.intersection(*(set(names) for _, names in reports)))
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer=None) -> dict:
@@ -119,12 +140,13 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None) -> dict:
     layout; returns the saved `extra` dict. Collective: every rank calls it. If the
     checkpoint does not fit (or a rank cannot read it), every rank raises ValueError
     before anything is read."""
+    error, unknown, metadata = None, [], {}
     try:
         metadata = _metadata(path)
-        check(path, model, optimizer, metadata=metadata)
+        unknown = check(path, model, optimizer, metadata=metadata, part=True)
     except Exception as e:  # noqa: BLE001 - handed to every rank by _agree
-        _agree(e)
-    _agree(None)
+        error = e
+    _agree(path, error, unknown)
     state = _state(model, optimizer)
     extra = {key.removeprefix("extra."): None for key in metadata if key.startswith("extra.")}
     if extra:

@@ -145,3 +145,66 @@ def _bad(case):
 def test_bad_configurations_raise_on_every_rank(world, case, match):
     for e in world(4).run(exception_of, _bad, case):
         assert isinstance(e, ValueError) and re.search(match, str(e)), repr(e)
+
+
+def _gathered(model, optimizer) -> dict:
+    """This rank's parameters and AdamW moments, as full tensors (a stage's under PP)."""
+    out = {}
+    for name, param in model.named_parameters():
+        out[name] = param.full_tensor().clone()
+        for key, value in optimizer.state[param].items():
+            out[f"{name}.{key}"] = value.full_tensor() if key != "step" else value
+    return out
+
+
+def _save_or_load(degrees, save_to=None, load_from=None):
+    """The 2-layer model at `degrees` (PP through `fp.pipeline`, else the whole model on
+    the mesh): one AdamW step (or a checkpoint loaded), then saved; this rank's tensors."""
+    dims = fp.ParallelDims(**degrees)
+    mesh = dims.build_mesh("cpu")
+    cfg = _config(False, 2)
+    model = ParallelTransformer(_reference(cfg, 0), dims.groups(mesh))
+    if dims.pp > 1:
+        pipe = fp.pipeline.split(model, dims, mesh, loss_fn=model.loss)
+        model = fp.distribute(pipe.model, dims.stage_mesh(mesh))
+    else:
+        fp.distribute(model, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if load_from is None:
+        inputs, labels = _batch(cfg, 1)
+        if dims.pp > 1:
+            pipe.step(inputs, target=labels)
+        else:
+            model(inputs, labels).backward()
+        optimizer.step()
+    else:
+        fp.checkpoint.load(load_from, model, optimizer)
+    if save_to is not None:
+        fp.checkpoint.save(save_to, model, optimizer)
+    return _gathered(model, optimizer)
+
+
+def _union(results: list[dict]) -> dict:
+    union = {}
+    for tensors in results:
+        for name, tensor in tensors.items():
+            assert name not in union or torch.equal(union[name], tensor), name
+            union[name] = tensor
+    return union
+
+
+def _assert_equal(got: dict, expected: dict) -> None:
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_checkpoints_reshard_between_pipeline_layouts_bitwise(world, tmp_path):
+    """Saved at PP2 x TP2 (each pipeline rank its stage's tensors, under the unsplit
+    model's names), loaded at PP1 x CP2 x TP2, saved again and loaded at PP2 x TP2."""
+    pp2, pp1 = dict(pp=2, tp=2), dict(cp=2, tp=2)
+    first, second = str(tmp_path / "pp2"), str(tmp_path / "pp1")
+    trained = _union(world(4).run(_save_or_load, pp2, first))
+    assert any(".exp_avg" in name for name in trained)
+    _assert_equal(world(4).run(_save_or_load, pp1, second, first)[0], trained)
+    _assert_equal(_union(world(4).run(_save_or_load, pp2, None, second)), trained)
