@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 examples/train.py --tp 2 --cp 2 [--moe]
     torchrun --nproc-per-node 4 examples/train.py --tp 1 --cp 2 --ulysses 2
+    torchrun --nproc-per-node 4 examples/train.py --pp 2 --tp 2 [--schedule DualPipeV --layers 4]
     torchrun --nproc-per-node 4 examples/train.py --steps 20 --save ckpt --save-every 10
     torchrun --nproc-per-node 4 examples/train.py --steps 30 --tp 4 --cp 1 --resume ckpt/step-20
 
@@ -9,8 +10,10 @@ GPUs: NCCL, and per shape the faster of fusedpar's Triton kernels and torch's (t
 once). CPU: gloo and torch's ops, or with FUSEDPAR_IMPL=triton fusedpar's kernels in
 Triton's interpreter (a debugging tool: minutes, not seconds). Every
 parameter is a DTensor on the (dp, cp[, ulysses], tp) mesh (`fp.distribute`); data
-parallelism over the remaining ranks (dp = world / (tp * cp * ulysses)) goes through
-PyTorch's FSDP2 on the "dp" axis of that mesh. Checkpoints (`--save`) hold the model
+parallelism over the remaining ranks (dp = world / (pp * tp * cp * ulysses)) goes through
+PyTorch's FSDP2 on the "dp" axis of that mesh. With `--pp` the mesh is (pp, dp, cp, tp):
+`fp.pipeline.split` cuts the model into the stages of a torch.distributed.pipelining
+schedule, and each rank's stages live on its stage's sub-mesh. Checkpoints (`--save`) hold the model
 and AdamW state through `torch.distributed.checkpoint` and resume at any layout
 (`--resume`). The text is this repository's own docs, read as bytes (nothing is
 fetched). Rank 0 trains the single-device reference on the same batches and ends with
@@ -33,8 +36,15 @@ PARITY_TOLERANCE = 1e-3  # relative
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree")
-    parser.add_argument("--cp", type=int, default=2, help="context-parallel degree")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel degree")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    parser.add_argument("--schedule", default="1F1B", help="with --pp: 1F1B, GPipe, "
+                        "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or "
+                        "DualPipeV (the last five: two stages per pipeline rank)")  # fmt: skip
+    parser.add_argument("--microbatches", type=int, default=None, metavar="N",
+                        help="with --pp: per step (default: one per stage)")  # fmt: skip
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
     parser.add_argument("--ulysses", type=int, default=1,
                         help="Ulysses degree (with --cp > 1: the hybrid)")  # fmt: skip
     parser.add_argument("--moe", action="store_true", help="MoE MLPs, experts over the tp axis")
@@ -99,14 +109,21 @@ def main(argv=None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # torchrun's contract
     dist.init_process_group("nccl" if cuda else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    cfg = Config(d_model=args.d_model, d_hidden=2 * args.d_model,
+    cfg = Config(d_model=args.d_model, d_hidden=2 * args.d_model, n_layers=args.layers,
                  num_experts=args.experts if args.moe else 0)  # fmt: skip
-    dims = fp.ParallelDims(dp=max(1, world // (args.tp * args.cp * args.ulysses)), cp=args.cp,
-                           tp=args.tp, ulysses=args.ulysses,
-                           ep="tp" if args.moe else None)  # fmt: skip
+    others = args.pp * args.tp * args.cp * args.ulysses
+    dims = fp.ParallelDims(dp=max(1, world // others), cp=args.cp, tp=args.tp, pp=args.pp,
+                           ulysses=args.ulysses, ep="tp" if args.moe else None)  # fmt: skip
     try:  # no collective yet: every rank fails the same way, at once
         dims.validate(world, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                       num_experts=cfg.num_experts or None, seq_len=args.seq)  # fmt: skip
+        if args.pp > 1:
+            stages = fp.pipeline.check_pipeline(args.schedule, args.pp, args.layers,
+                                                args.microbatches)  # fmt: skip
+            microbatches = args.microbatches or stages
+            if args.batch % microbatches:
+                raise ValueError(f"--batch {args.batch} does not split into {microbatches} "
+                                 "microbatches")  # fmt: skip
     except ValueError as e:
         print(f"rank {rank}: bad configuration: {e}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
@@ -118,8 +135,16 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     reference = Transformer(cfg).to(device)
     model = ParallelTransformer(reference, groups).to(device)
-    fp.distribute(model, mesh)  # every parameter a DTensor on the full mesh
-    dims.fully_shard(model, mesh)  # FSDP2 over "dp"
+    pipe = None
+    if args.pp > 1:  # this rank's stages: their parameters on the stage's sub-mesh
+        pipe = fp.pipeline.split(model, dims, mesh, schedule=args.schedule,
+                                 microbatches=microbatches, loss_fn=model.loss)  # fmt: skip
+        model = fp.distribute(pipe.model, dims.stage_mesh(mesh))
+        for part in pipe.stage_modules:
+            dims.fully_shard(part, dims.stage_mesh(mesh))  # FSDP2 over "dp", per stage
+    else:
+        fp.distribute(model, mesh)  # every parameter a DTensor on the full mesh
+        dims.fully_shard(model, mesh)  # FSDP2 over "dp"
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr)
     first_step = 1
@@ -148,8 +173,13 @@ def main(argv=None) -> int:
     tokens_per_step = dims.dp * args.batch * args.seq
     if rank == 0:
         ulysses = f" x ulysses {dims.ulysses}" if dims.ulysses > 1 else ""
-        print(f"fusedpar demo: {world} ranks = dp {dims.dp} x cp {dims.cp}{ulysses} x tp {dims.tp}"
-              f"{' (MoE, experts over tp)' if args.moe else ''}, {'NCCL' if cuda else 'gloo'}, "
+        pp = f"pp {dims.pp} x " if pipe else ""
+        per_stage = args.layers // pipe.num_stages if pipe else 0
+        schedule = (f" ({args.schedule}: {pipe.num_stages} stages of {per_stage} layers, "
+                    f"{pipe.microbatches} microbatches)") if pipe else ""  # fmt: skip
+        print(f"fusedpar demo: {world} ranks = {pp}dp {dims.dp} x cp {dims.cp}{ulysses} x tp "
+              f"{dims.tp}{schedule}{' (MoE, experts over tp)' if args.moe else ''}, "
+              f"{'NCCL' if cuda else 'gloo'}, "
               f"{fp.implementation_summary(device.type)}, {tokens_per_step} tokens per step",
               flush=True)  # fmt: skip
     progress, losses, ref_losses = Progress(args.steps), [], []
@@ -161,11 +191,15 @@ def main(argv=None) -> int:
         )
         windows = torch.stack([corpus[s : s + args.seq + 1] for s in starts.tolist()]).to(device)
         mine = windows[dp_rank * args.batch : (dp_rank + 1) * args.batch]
-        loss = model(mine[:, :-1], mine[:, 1:])
-        loss.backward()
+        if pipe:  # the last stage's ranks get the microbatches' losses, the others none
+            losses_mb = pipe.step(mine[:, :-1], target=mine[:, 1:])
+            total = fp.pipeline.stage_losses_total(losses_mb, device=device)
+        else:
+            loss = model(mine[:, :-1], mine[:, 1:])
+            loss.backward()
+            total = loss.detach().clone()
         optimizer.step()
         optimizer.zero_grad()
-        total = loss.detach().clone()
         dist.all_reduce(total)  # sum of the shares of every (dp, cp, tp) rank ...
         losses.append(total.item() / dims.dp)  # ... averaged over the dp batches
         if rank == 0:

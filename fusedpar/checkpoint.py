@@ -29,17 +29,30 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 
+# The optimizer's param groups saved per parameter ("param_groups.<name>.lr"), not per
+# group index: pipeline ranks hold different parameters in their group 0, and DCP keeps
+# one rank's copy of a key. Checkpoints of the earlier, per-index form still load.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+BY_GROUP = StateDictOptions(flatten_optimizer_state_dict=False)
 
-def _state(model: nn.Module, optimizer) -> dict:
+
+def _options(metadata) -> StateDictOptions:
+    """The optimizer layout of a checkpoint (`FLAT` for a new one, None metadata)."""
+    legacy = metadata is not None and any(k.startswith("optim.param_groups.0.") for k in metadata)
+    return BY_GROUP if legacy else FLAT
+
+
+def _state(model: nn.Module, optimizer, options: StateDictOptions = FLAT) -> dict:
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
+        state["optim"] = get_optimizer_state_dict(model, optimizer, options=options)
     return state
 
 
@@ -106,7 +119,8 @@ def check(path: str | os.PathLike, model: nn.Module, optimizer=None, *, metadata
     if optimizer is not None:
         fresh = not optimizer.state
         try:  # PyTorch's state-dict API gives a fresh optimizer state (zeros, step 1) to read
-            state = {"optim": get_optimizer_state_dict(model, optimizer)}
+            options = _options(metadata)
+            state = {"optim": get_optimizer_state_dict(model, optimizer, options=options)}
             unknown += _compare(path, metadata, state)
         finally:
             if fresh:
@@ -147,12 +161,13 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None) -> dict:
     except Exception as e:  # noqa: BLE001 - handed to every rank by _agree
         error = e
     _agree(path, error, unknown)
-    state = _state(model, optimizer)
+    options = _options(metadata)
+    state = _state(model, optimizer, options)
     extra = {key.removeprefix("extra."): None for key in metadata if key.startswith("extra.")}
     if extra:
         state["extra"] = extra
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optim"])
+        set_optimizer_state_dict(model, optimizer, state["optim"], options=options)
     return state.get("extra", {})

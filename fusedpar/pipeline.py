@@ -80,23 +80,31 @@ def stages_of(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> lis
     return [pp_rank + i * pp for i in range(stages_per_rank)]
 
 
-def check_pipeline(schedule: str, pp: int, n_layers: int, microbatches: int,
-                   stages_per_rank: int = 2, loss_reduction: str = "mean") -> int:  # fmt: skip
-    """ValueError naming what does not fit; no communication. Returns the stage count."""
+def stage_count(schedule: str, pp: int, stages_per_rank: int = 2) -> int:
+    """The number of stages of `schedule` at `pp` pipeline ranks (ValueError for an
+    unknown schedule or a count it cannot hold per rank)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
-    if loss_reduction not in LOSS_REDUCTIONS:
-        raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got "
-                         f"{loss_reduction!r}")  # fmt: skip
     style = SCHEDULES[schedule]
     if style == "v" and stages_per_rank != 2:
         raise ValueError(f"{schedule} holds two stages per pipeline rank (a V), not "
                          f"{stages_per_rank}")  # fmt: skip
-    per_rank = 1 if style == "single" else stages_per_rank
-    if per_rank < 1 or (style == "loop" and per_rank < 2):
+    if style == "loop" and stages_per_rank < 2:
         raise ValueError(f"{schedule} needs at least 2 stages per pipeline rank, got "
-                         f"{per_rank}")  # fmt: skip
-    stages = pp * per_rank
+                         f"{stages_per_rank}")  # fmt: skip
+    return pp * (1 if style == "single" else stages_per_rank)
+
+
+def check_pipeline(schedule: str, pp: int, n_layers: int, microbatches: int | None = None,
+                   stages_per_rank: int = 2, loss_reduction: str = "mean") -> int:  # fmt: skip
+    """ValueError naming what does not fit; no communication. `microbatches` None: one
+    per stage. Returns the stage count."""
+    stages = stage_count(schedule, pp, stages_per_rank)
+    if loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got "
+                         f"{loss_reduction!r}")  # fmt: skip
+    per_rank = stages // pp
+    microbatches = stages if microbatches is None else microbatches
     if n_layers < stages or n_layers % stages:
         raise ValueError(f"{n_layers} layers do not divide into the {stages} stages of "
                          f"{schedule} at pp {pp} ({per_rank} per pipeline rank): use a "
@@ -105,7 +113,7 @@ def check_pipeline(schedule: str, pp: int, n_layers: int, microbatches: int,
         raise ValueError(f"{microbatches} microbatches for {stages} pipeline stages: a "
                          f"schedule needs at least one microbatch per stage ({schedule} at "
                          f"pp {pp}; fewer would leave stages waiting for ever)")  # fmt: skip
-    if style == "loop" and schedule == "Interleaved1F1B" and microbatches % pp:
+    if schedule == "Interleaved1F1B" and microbatches % pp:
         raise ValueError(f"Interleaved1F1B takes microbatches in rounds of pp ({pp}): "
                          f"{microbatches} microbatches is not a multiple")  # fmt: skip
     return stages
@@ -215,11 +223,11 @@ def split(model: nn.Module, dims, mesh, *, schedule: str = "1F1B", microbatches=
                          "submodule of first or last")  # fmt: skip
     pp_group = dims.groups(mesh)["pp"]
     pp, pp_rank = comm.group_size(pp_group), comm.group_rank(pp_group)
-    per_rank = 1 if SCHEDULES.get(schedule) == "single" else stages_per_rank
-    microbatches = pp * per_rank if microbatches is None else microbatches
-    num_stages = check_pipeline(schedule, pp, len(blocks), microbatches, stages_per_rank,
+    num_stages = stage_count(schedule, pp, stages_per_rank)
+    microbatches = num_stages if microbatches is None else microbatches
+    check_pipeline(schedule, pp, len(blocks), microbatches, stages_per_rank,
                                 loss_reduction)  # fmt: skip
-    stage_ids = stages_of(schedule, pp_rank, pp, per_rank)
+    stage_ids = stages_of(schedule, pp_rank, pp, num_stages // pp)
     parts = [stage_module(model, s, num_stages, layers, first, last) for s in stage_ids]
     device = next(model.parameters()).device
     group = None if pp_group is None else pp_group.get_group()

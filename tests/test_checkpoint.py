@@ -154,3 +154,27 @@ def test_a_checkpoint_of_another_model_fails_on_every_rank(world, saved, what, m
     for message, untouched in world(4).run(_run_load_wrong, path, what):
         assert message is not None and re.search(match, message), message
         assert untouched
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_with_param_groups_by_index_still_loads(tmp_path):
+    """Checkpoints written before the optimizer's groups were saved per parameter."""
+    import torch.distributed.checkpoint as dcp
+
+    from fusedpar.checkpoint import BY_GROUP, _state
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, betas=(0.8, 0.9))
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    dcp.save(_state(model, optimizer, BY_GROUP), checkpoint_id=str(tmp_path))
+    fresh = torch.nn.Linear(4, 3)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    fp.checkpoint.load(str(tmp_path), fresh, fresh_optimizer)
+    assert torch.equal(fresh.weight, model.weight)
+    assert fresh_optimizer.param_groups[0]["betas"] == (0.8, 0.9)
+    assert fresh_optimizer.param_groups[0]["lr"] == 0.5
+    for param, before in zip(fresh.parameters(), model.parameters(), strict=True):
+        saved = optimizer.state[before]["exp_avg"]
+        assert torch.equal(fresh_optimizer.state[param]["exp_avg"], saved)

@@ -179,6 +179,7 @@ def _save_or_load(degrees, save_to=None, load_from=None):
         optimizer.step()
     else:
         fp.checkpoint.load(load_from, model, optimizer)
+        assert all("betas" in group for group in optimizer.param_groups)  # the groups too
     if save_to is not None:
         fp.checkpoint.save(save_to, model, optimizer)
     return _gathered(model, optimizer)
@@ -201,10 +202,12 @@ def _assert_equal(got: dict, expected: dict) -> None:
 
 def test_checkpoints_reshard_between_pipeline_layouts_bitwise(world, tmp_path):
     """Saved at PP2 x TP2 (each pipeline rank its stage's tensors, under the unsplit
-    model's names), loaded at PP1 x CP2 x TP2, saved again and loaded at PP2 x TP2."""
+    model's names; the optimizer's param groups per parameter, as each stage's differ),
+    loaded there and at PP1 x CP2 x TP2, saved again and loaded at PP2 x TP2."""
     pp2, pp1 = dict(pp=2, tp=2), dict(cp=2, tp=2)
     first, second = str(tmp_path / "pp2"), str(tmp_path / "pp1")
     trained = _union(world(4).run(_save_or_load, pp2, first))
     assert any(".exp_avg" in name for name in trained)
+    _assert_equal(_union(world(4).run(_save_or_load, pp2, None, first)), trained)
     _assert_equal(world(4).run(_save_or_load, pp1, second, first)[0], trained)
     _assert_equal(_union(world(4).run(_save_or_load, pp2, None, second)), trained)
