@@ -37,6 +37,7 @@ class Config:
     num_experts: int = 0  # 0: dense SwiGLU MLPs
     top_k: int = 2
     rope_theta: float = 10000.0
+    aux_loss_coef: float = 0.0  # the parallel model's MoE load balancing (see Transformer)
 
     @property
     def head_dim(self) -> int:
@@ -134,9 +135,10 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """The single-device reference: tokens (B, S) -> mean next-token cross-entropy.
 
-    MoE layers are trained without the load-balancing loss here and in the parallel
-    model: that loss is a product of per-rank statistics, so it is defined per rank and
-    is not a function of the global batch (fp.nn.MoE returns it for real training)."""
+    MoE layers are trained without the load-balancing loss here, and in the parallel
+    model unless ``cfg.aux_loss_coef`` is set: that loss is a product of per-rank
+    statistics, so it is defined per rank and is not a function of the global batch
+    (the parallel model adds its gradient where it arises, `fp.nn.add_aux_loss`)."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -172,7 +174,8 @@ class ParallelBlock(nn.Module):
         if cfg.num_experts:
             m = block.mlp
             self.mlp = fp.nn.MoE.from_dense(m.router, m.w1, m.w2, m.w3, groups["ep"],
-                                            top_k=cfg.top_k, aux_loss_coef=0.0)  # fmt: skip
+                                            top_k=cfg.top_k,
+                                            aux_loss_coef=cfg.aux_loss_coef)  # fmt: skip
         else:
             m = block.mlp
             self.mlp = fp.nn.ParallelSwiGLU.from_dense(m.gate, m.up, m.down, groups["tp"])
@@ -180,7 +183,9 @@ class ParallelBlock(nn.Module):
     def forward(self, x):  # (S / CP / TP, B, d)
         x = x + self.attn(self.attn_norm(x))
         mlp = self.mlp(self.mlp_norm(x))
-        return x + (mlp[0] if isinstance(mlp, tuple) else mlp)
+        if isinstance(mlp, tuple):  # MoE: its auxiliary loss's gradient starts here, so
+            mlp = fp.nn.add_aux_loss(*mlp)  # no loss passes between pipeline stages
+        return x + mlp
 
 
 class ParallelTransformer(nn.Module):

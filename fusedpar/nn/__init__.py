@@ -1,6 +1,8 @@
-"""nn.Modules built from fusedpar.ops: parallel linears, attention, MoE."""
+"""nn.Modules built from fusedpar.ops: parallel linears, attention, MoE (and
+`add_aux_loss`, which carries a MoE layer's auxiliary loss to the gradients)."""
 
 from fusedpar.nn.attention import ParallelAttention
+from fusedpar.nn.aux_loss import add_aux_loss
 from fusedpar.nn.linear import ColumnParallelLinear, ParallelSwiGLU, RowParallelLinear
 from fusedpar.nn.moe import MoE
 
@@ -10,4 +12,5 @@ __all__ = [
     "ParallelAttention",
     "ParallelSwiGLU",
     "RowParallelLinear",
+    "add_aux_loss",
 ]
