@@ -9,14 +9,17 @@ reach the host.
 | function                    | computes                                                 |
 | --------------------------- | -------------------------------------------------------- |
 | `dispatch_metadata`         | counts (E,), order (P,), pos (T, k) (-1: dropped)        |
-| `grouped_matmul`            | ``y[p] = x[rows[p]] @ w[e].T`` (the gather in the loads) |
-| `grouped_swiglu`            | ``a[p] = silu(h1[p]) * h3[p]``, ``h1, h3 = x[rows[p]] @  |
-|                             | w1[e].T, w3[e].T``: one gather of x, one product whose   |
-|                             | tiles take half their columns from each weight           |
+| `grouped_matmul`            | ``y[p] = x[rows[p]] @ w[e].T (+ b[e])`` (the gather in   |
+|                             | the loads, the bias in the epilogue)                     |
+| `grouped_swiglu`            | ``a[p] = act(h1[p], h3[p])``, ``h1, h3 = x[rows[p]] @    |
+|                             | w1[e].T, w3[e].T (+ b1[e], b3[e])``: one gather of x, one |
+|                             | product whose tiles take half their columns from each    |
+|                             | weight; act is silu(h1) * h3 or gpt-oss's clamped SwiGLU |
 | `grouped_swiglu_backward`   | ``dh1, dh3`` from ``da = d_out[p] @ w2[e]`` and the saved |
 |                             | h1, h3; a again (for w2's gradient)                      |
 | `grouped_swiglu_input_grad` | ``dx[p] = dh1[p] @ w1[e] + dh3[p] @ w3[e]``              |
 | `grouped_weight_grad`       | ``dw[e] = sum_{p in e} dy[p]^T x[rows[p]]`` (0 if empty) |
+|                             | and, asked, the bias's ``db[e] = sum_{p in e} dy[p]``    |
 
 Permute and combine (`gather_rows`, `combine`, `combine_weight_grad`) live in
 `fusedpar.kernels.moe_permute`. Every sum runs in a fixed order inside one program: no
@@ -24,6 +27,8 @@ floating-point atomics, so results are bitwise reproducible, and they do not dep
 the tile the tuner picks (see `BLOCK_K`, `WGRAD_BLOCK_M`). Accumulation is fp32. A
 plain-PyTorch reference of each kernel closes the file.
 """
+
+import math
 
 import torch
 import triton
@@ -52,6 +57,27 @@ WGRAD_BLOCK_M = 64
 # Row blocks that walk the same column blocks together, so their x tiles and the
 # expert's weight tiles stay in L2 (the Triton tutorial's grouped order; P7).
 GROUP_M = 8
+
+
+# The experts' activations (`_swiglu`): SwiGLU, ``silu(g) * u``, and gpt-oss's clamped
+# SwiGLU, ``(u' + 1) * g' * sigmoid(alpha * g')`` with ``g' = min(g, limit)``,
+# ``u' = clamp(u, -limit, limit)``; alpha and limit default to gpt-oss's.
+ACTIVATIONS = ("silu", "clamped_swiglu")
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
+
+
+def check_activation(activation: str, alpha: float, limit: float) -> None:
+    """ValueError unless `activation` is one of `ACTIVATIONS` and alpha, limit are
+    positive finite numbers."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    for name, value in (("swiglu_alpha", alpha), ("swiglu_limit", limit)):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not (math.isfinite(value) and value > 0)
+        ):
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
 
 
 def grouped_matmul_configs(mode: str = "plain") -> list[triton.Config]:
@@ -180,23 +206,58 @@ def _k_loop(
 
 
 @triton.jit
-def _silu_mul(g, u):
-    """silu(g) * u in fp32; the forward and the backward's recompute share it, bit for bit."""
-    return g * tl.sigmoid(g) * u
+def _swiglu(g, u, alpha, limit, CLAMPED: tl.constexpr):
+    """The experts' activation in fp32; the forward and the backward's recompute share it,
+    bit for bit: ``silu(g) * u``, or with CLAMPED gpt-oss's ``g' sigmoid(alpha g') (u' +
+    1)``, ``g' = min(g, limit)``, ``u' = clamp(u, -limit, limit)``."""
+    if CLAMPED:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        a = g * tl.sigmoid(alpha * g) * (u + 1.0)
+    else:
+        a = g * tl.sigmoid(g) * u
+    return a
+
+
+@triton.jit
+def _swiglu_grad(da, g, u, alpha, limit, CLAMPED: tl.constexpr):
+    """``(dg, du)`` of `_swiglu` from ``da``. silu: ``d silu(g) / dg = s (1 + g (1 - s))``,
+    s = sigmoid(g). CLAMPED, with s = sigmoid(alpha g'): ``dg = da (u' + 1) s (1 + alpha
+    g' (1 - s))`` where g <= limit, ``du = da g' s`` where -limit <= u <= limit, 0
+    elsewhere (torch.clamp's convention: a value on a bound passes the gradient).
+
+    The clamps' masks go into two copies of da first, so g and u die before g', u' and s
+    are formed: the backward's epilogue holds da, g and u at once and sits at 255
+    registers; masking the products at the end spilled 16-48 B (resource gate)."""
+    if CLAMPED:
+        da_g = tl.where(g <= limit, da, 0.0)
+        da_u = tl.where((u >= -limit) & (u <= limit), da, 0.0)
+        g = tl.minimum(g, limit)
+        u1 = tl.minimum(tl.maximum(u, -limit), limit) + 1.0
+        s = tl.sigmoid(alpha * g)
+        dg = da_g * u1 * s * (1.0 + alpha * g * (1.0 - s))
+        du = da_u * g * s
+    else:
+        s = tl.sigmoid(g)
+        dg = da * u * s * (1.0 + g * (1.0 - s))
+        du = da * g * s
+    return dg, du
 
 
 @triton.jit
 def _grouped_matmul_kernel(
     # pointers
-    x_ptr, w_ptr, v_ptr, y_ptr, h_ptr, dh_ptr, rows_ptr, offsets_ptr, block_offsets_ptr,
+    x_ptr, w_ptr, v_ptr, y_ptr, h_ptr, dh_ptr, b_ptr, bv_ptr, rows_ptr, offsets_ptr,
+    block_offsets_ptr,
     # strides
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_ve, stride_vn, stride_vk,
     stride_ym, stride_yn, stride_hm, stride_hn, stride_dhm, stride_dhn,
-    # sizes
-    N, K, E,
+    # sizes, and the clamped SwiGLU's alpha and limit
+    N, K, E, alpha, limit,
     # meta-parameters
     HAS_ROWS: tl.constexpr, GATE_UP: tl.constexpr, STORE_HIDDEN: tl.constexpr,
-    SWIGLU_GRAD: tl.constexpr, SECOND_K: tl.constexpr, EVEN_K: tl.constexpr,
+    SWIGLU_GRAD: tl.constexpr, SECOND_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr, EVEN_K: tl.constexpr,
     E_PAD: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -206,10 +267,14 @@ def _grouped_matmul_kernel(
     | flag        | inputs                     | writes                                    |
     | ----------- | -------------------------- | ----------------------------------------- |
     | (none)      | x (R, K), w (E, N, K)      | y = acc                                   |
-    | GATE_UP     | v (E, N, K): the up weight | y = silu(g) u; h = [g, u] if STORE_HIDDEN |
+    | GATE_UP     | v (E, N, K): the up weight | y = act(g, u); h = [g, u] if STORE_HIDDEN |
     |             | (one product over both)    |                                           |
-    | SWIGLU_GRAD | acc = da; h = [g, u]       | dh = [da u silu'(g), da silu(g)]; y = silu(g) u |
+    | SWIGLU_GRAD | acc = da; h = [g, u]       | dh = [dg, du] (`_swiglu_grad`); y = act(g, u) |
     | SECOND_K    | x (P, 2K), v (E, N, K)     | y = x[:, :K] @ w[e].T + x[:, K:] @ v[e].T |
+
+    HAS_BIAS (with none or GATE_UP): ``acc += b[e]`` (b (E, N) contiguous; GATE_UP: g gets
+    b[e], u gets bv[e]) in fp32 before anything is rounded. act is `_swiglu`: silu(g) u,
+    or with CLAMPED gpt-oss's clamped SwiGLU (runtime `alpha`, `limit`).
 
     Row block m of the concatenated per-expert blocks (`block_offsets`: the cumulative
     count of BLOCK_M blocks per expert) is found from the program id; programs past the
@@ -265,6 +330,15 @@ def _grouped_matmul_kernel(
     if SECOND_K:  # the columns K.. of x against v, into the same accumulator
         acc = _k_loop(acc, x_ptrs + K * stride_xk, v_ptrs, row_mask, n_mask, K, stride_xk,
                       stride_vk, EVEN_K, INPUT_PRECISION, BLOCK_K)  # fmt: skip
+    if HAS_BIAS:  # b[e] in fp32, before any rounding (a gate/up tile: b[e] | bv[e])
+        bias_row = e.to(tl.int64) * N
+        if GATE_UP:
+            b_ptrs = tl.where(up, bv_ptr + bias_row + col_n, b_ptr + bias_row + col_n)
+            b_mask = col_n < N
+        else:
+            b_ptrs = b_ptr + bias_row + offs_n
+            b_mask = n_mask
+        acc += tl.load(b_ptrs, mask=b_mask, other=0.0).to(tl.float32)[None, :]
 
     out_dtype = y_ptr.dtype.element_ty
     mask = row_mask[:, None] & n_mask[None, :]
@@ -279,17 +353,17 @@ def _grouped_matmul_kernel(
             h_ptrs = h_ptr + rows64 * stride_hm + offs_n[None, :] * stride_hn
             tl.store(h_ptrs, g, mask=mask)
             tl.store(h_ptrs + N * stride_hn, u, mask=mask)
-        acc = _silu_mul(g.to(tl.float32), u.to(tl.float32))
-    if SWIGLU_GRAD:  # acc is da = d_out @ w2[e]; d silu(g) / dg = s (1 + g (1 - s))
+        acc = _swiglu(g.to(tl.float32), u.to(tl.float32), alpha, limit, CLAMPED)
+    if SWIGLU_GRAD:  # acc is da = d_out @ w2[e]
         h_ptrs = h_ptr + rows64 * stride_hm + offs_n[None, :] * stride_hn
         g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(h_ptrs + N * stride_hn, mask=mask, other=0.0).to(tl.float32)
-        s = tl.sigmoid(g)
+        dg, du = _swiglu_grad(acc, g, u, alpha, limit, CLAMPED)
         dh_ptrs = dh_ptr + rows64 * stride_dhm + offs_n[None, :] * stride_dhn
         dh_dtype = dh_ptr.dtype.element_ty
-        tl.store(dh_ptrs, (acc * u * s * (1.0 + g * (1.0 - s))).to(dh_dtype), mask=mask)
-        tl.store(dh_ptrs + N * stride_dhn, (acc * g * s).to(dh_dtype), mask=mask)
-        acc = _silu_mul(g, u)
+        tl.store(dh_ptrs, dg.to(dh_dtype), mask=mask)
+        tl.store(dh_ptrs + N * stride_dhn, du.to(dh_dtype), mask=mask)
+        acc = _swiglu(g, u, alpha, limit, CLAMPED)
     tl.store(y_ptr + rows64 * stride_ym + offs_n[None, :] * stride_yn, acc.to(out_dtype),
              mask=mask)  # fmt: skip
 
@@ -297,18 +371,22 @@ def _grouped_matmul_kernel(
 @triton.jit
 def _grouped_weight_grad_kernel(
     # pointers
-    dy_ptr, x_ptr, dw_ptr, dv_ptr, rows_ptr, offsets_ptr,
+    dy_ptr, x_ptr, dw_ptr, dv_ptr, db_ptr, dbv_ptr, rows_ptr, offsets_ptr,
     # strides
     stride_dym, stride_dyn, stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
     # sizes
     N, K,
     # meta-parameters
-    HAS_ROWS: tl.constexpr, SPLIT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HAS_ROWS: tl.constexpr, SPLIT: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    BIAS_BLOCK_M: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One (BLOCK_N, BLOCK_K) tile of ``dw[e] = sum_{p in e} dy[p]^T x[rows[p]]``, over
     the expert's rows in BLOCK_M steps. With SPLIT, dy is (P, 2N) and its columns N..
     give dv (the fused gate/up's two weight gradients in one launch, one gather of x).
+    With BIAS_GRAD the programs of the first K tile then also write the bias gradient
+    ``db[e] = sum_{p in e} dy[p]`` (dbv from the columns N.. with SPLIT), (E, N)
+    contiguous, after their own tile: the GEMM loop is the same with or without it.
 
     The expert is the slowest grid axis and the K tiles of one (expert, N tile) are
     adjacent (P8, scattermoe's grouped XtY): the programs running together share the
@@ -346,6 +424,30 @@ def _grouped_weight_grad_kernel(
     out_ptrs = (out_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
                 + offs_k[None, :] * stride_wk)  # fmt: skip
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
+    if BIAS_GRAD:  # noqa: SIM102 (a constexpr test alone: the code goes when it is off)
+        if pid_k == 0:
+            # dy^T times a block of ones: the tensor-core sums of dw (db is dw for an x
+            # column of ones), 16 rows per MMA step in order, fp32, no atomics: the
+            # bits depend on the tile no more than dw's do. BIAS_BLOCK_M rows per iteration:
+            # the same sum as BLOCK_M's (a row step is whole MMA steps), half the MMA
+            # of the GEMM loop's iteration. The expert's dy rows were just read by this
+            # program and its neighbours: mostly from L2.
+            ones = tl.full((BIAS_BLOCK_M, 16), 1.0, dy_ptr.dtype.element_ty)
+            acc_b = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+            for start in range(row_start, row_end, BIAS_BLOCK_M):
+                offs_m = start + tl.arange(0, BIAS_BLOCK_M)
+                row_mask = offs_m < row_end
+                dy_ptrs = (dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym
+                           + dy_cols[None, :] * stride_dyn)  # fmt: skip
+                dy = tl.load(dy_ptrs, mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+                acc_b = tl.dot(tl.trans(dy), ones, acc_b, input_precision=INPUT_PRECISION)
+            first = tl.arange(0, 16)[None, :] == 0
+            db = tl.sum(tl.where(first, acc_b, 0.0), 1)  # column 0 (the others are equal)
+            b_out = db_ptr
+            if SPLIT and half == 1:
+                b_out = dbv_ptr
+            tl.store(b_out + e.to(tl.int64) * N + offs_n, db.to(b_out.dtype.element_ty),
+                     mask=n_mask)  # fmt: skip
 
 
 # --- launchers -------------------------------------------------------------------------
@@ -387,17 +489,21 @@ def _weight_strides(w, transpose):
 
 
 def _launch_gemm(mode, x, w, y, counts, rows, N, K, *, w_strides, v=None, v_strides=None,
-                 h=None, dh=None):  # fmt: skip
-    """Tune (per mode, N, K, rows-per-expert bucket, dtypes) and launch the grouped GEMM.
-    The grid depends on BLOCK_M (blocks never straddle two experts), so each config
-    builds its own block offsets; its size is an upper bound, cdiv(P, BLOCK_M) + E row
-    blocks, so no count is read back to the host."""
+                 h=None, dh=None, bias=(), activation="silu", alpha=SWIGLU_ALPHA,
+                 limit=SWIGLU_LIMIT):  # fmt: skip
+    """Tune (per mode, N, K, rows-per-expert bucket, dtypes, bias, activation) and launch
+    the grouped GEMM. `bias`: () or the (E, N) bias of w (and of v: gate/up). The grid
+    depends on BLOCK_M (blocks never straddle two experts), so each config builds its
+    own block offsets; its size is an upper bound, cdiv(P, BLOCK_M) + E row blocks, so
+    no count is read back to the host."""
     P, E = y.shape[0], counts.shape[0]
     if P == 0 or N == 0:
         return
     offsets = _offsets(counts)
     block_offsets = {}
+    bias = tuple(b.contiguous() for b in bias)  # the kernel reads b[e, n] at e * N + n
     args = (x, w, w if v is None else v, y, y if h is None else h, y if dh is None else dh,
+            *(bias * 2 if len(bias) == 1 else bias or (y, y)),
             offsets if rows is None else rows, offsets)  # fmt: skip
     strides = (*x.stride(), *w_strides, *(v_strides or w_strides), *y.stride(),
                *(h.stride() if h is not None else (0, 0)),
@@ -405,8 +511,10 @@ def _launch_gemm(mode, x, w, y, counts, rows, N, K, *, w_strides, v=None, v_stri
     meta = dict(HAS_ROWS=rows is not None, GATE_UP=mode == "gate_up",
                 STORE_HIDDEN=mode == "gate_up" and h is not None,
                 SWIGLU_GRAD=mode == "swiglu_grad", SECOND_K=mode == "second_k",
+                HAS_BIAS=bool(bias), CLAMPED=activation == "clamped_swiglu",
                 EVEN_K=K % BLOCK_K == 0, E_PAD=triton.next_power_of_2(E + 1),
                 INPUT_PRECISION=_dot_precision(x.dtype), GROUP_M=GROUP_M)  # fmt: skip
+    scalars = (N, K, E, float(alpha), float(limit))
 
     def launch(config):
         bm = config.kwargs["BLOCK_M"]
@@ -414,74 +522,90 @@ def _launch_gemm(mode, x, w, y, counts, rows, N, K, *, w_strides, v=None, v_stri
             block_offsets[bm] = _offsets((counts + bm - 1) // bm)
         out_n = config.kwargs["BLOCK_N"] // (2 if mode == "gate_up" else 1)
         grid = ((triton.cdiv(P, bm) + E) * triton.cdiv(N, out_n),)
-        _grouped_matmul_kernel[grid](*args, block_offsets[bm], *strides, N, K, E, **meta,
+        _grouped_matmul_kernel[grid](*args, block_offsets[bm], *strides, *scalars, **meta,
                                      **config.all_kwargs())  # fmt: skip
 
     per_expert = triton.cdiv(P, max(E, 1))
-    key = (mode, meta["STORE_HIDDEN"], N, K, bucket(per_expert), str(x.dtype), str(y.dtype),
-           rows is not None, meta["INPUT_PRECISION"])  # fmt: skip
+    key = (mode, meta["STORE_HIDDEN"], meta["HAS_BIAS"], meta["CLAMPED"], N, K,
+           bucket(per_expert), str(x.dtype), str(y.dtype), rows is not None,
+           meta["INPUT_PRECISION"])  # fmt: skip
     with device_guard(x):
         _tuning.tuner("grouped_matmul").run(
             key, lambda: _gemm_candidates(mode, per_expert, N), launch, device=x.device
         )
 
 
-def grouped_matmul(x, w, counts, rows=None, *, out_dtype=None, transpose_w=False):
-    """``y[p] = x[rows[p]] @ w[e].T`` (``@ w[e]`` with `transpose_w`) over expert groups.
+def grouped_matmul(x, w, counts, rows=None, *, bias=None, out_dtype=None, transpose_w=False):
+    """``y[p] = x[rows[p]] @ w[e].T + bias[e]`` (``@ w[e]`` with `transpose_w`) over expert
+    groups.
 
-    x (R, K) any strides; w (E, N, K) (or (E, K, N) with `transpose_w`); counts (E,)
-    int64, summing to at most P; rows (P,) int64 or None (x is already in expert order,
-    P = R). Returns y (P, N) in `out_dtype` (x's by default), rows in expert order; rows
-    past ``counts.sum()`` are left unwritten.
+    x (R, K) any strides; w (E, N, K) (or (E, K, N) with `transpose_w`); bias (E, N) in
+    x's dtype or None, added in fp32 before the result is rounded; counts (E,) int64,
+    summing to at most P; rows (P,) int64 or None (x is already in expert order, P = R).
+    Returns y (P, N) in `out_dtype` (x's by default), rows in expert order; rows past
+    ``counts.sum()`` are left unwritten.
     """
     if w.dim() != 3:
         raise ValueError(f"grouped_matmul: w must be (E, N, K), got {tuple(w.shape)}")
     N = w.shape[2] if transpose_w else w.shape[1]
     K = x.shape[-1]
     P = x.shape[0] if rows is None else rows.shape[0]
+    biases = {} if bias is None else {"bias": (bias, (N,))}
     _check_grouped("grouped_matmul", _grouped_matmul_kernel, x, counts, rows, P,
-                   w=(w, (K, N) if transpose_w else (N, K)))  # fmt: skip
+                   w=(w, (K, N) if transpose_w else (N, K)), **biases)  # fmt: skip
     y = _empty((P, N), out_dtype or x.dtype, x.device)
     if _impl.runs_torch(x.device):
-        moe_torch.grouped_matmul(x, w, counts, rows, y, transpose_w)
+        moe_torch.grouped_matmul(x, w, counts, rows, y, transpose_w, bias)
         return y
-    _launch_gemm("plain", x, w, y, counts, rows, N, K, w_strides=_weight_strides(w, transpose_w))
+    _launch_gemm("plain", x, w, y, counts, rows, N, K, w_strides=_weight_strides(w, transpose_w),
+                 bias=() if bias is None else (bias,))  # fmt: skip
     return y
 
 
-def grouped_swiglu(x, w1, w3, counts, rows=None, *, save_hidden=True):
-    """The experts' gate and up projections as one grouped GEMM with the SwiGLU in its
-    epilogue: ``a[p] = silu(h1[p]) * h3[p]``, ``h1 = x[rows[p]] @ w1[e].T``, ``h3 = x[rows[p]]
-    @ w3[e].T``. Each x tile is gathered once for both weights.
+def grouped_swiglu(x, w1, w3, counts, rows=None, *, bias=None, activation="silu",
+                   alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT, save_hidden=True):  # fmt: skip
+    """The experts' gate and up projections as one grouped GEMM with the activation in
+    its epilogue: ``a[p] = act(h1[p], h3[p])``, ``h1 = x[rows[p]] @ w1[e].T + b1[e]``,
+    ``h3 = x[rows[p]] @ w3[e].T + b3[e]``. Each x tile is gathered once for both weights.
 
-    x (R, d); w1, w3 (E, h, d); counts, rows as in `grouped_matmul`. Returns ``(a, h13)``:
-    a (P, h) and, with `save_hidden`, h13 (P, 2h) = [h1 | h3] in x's dtype (what the
-    backward needs), else None. a is computed from h1 and h3 rounded to x's dtype, as
-    PyTorch's ``silu(h1) * h3`` would be, so `grouped_swiglu_backward` recomputes it
-    bit for bit.
+    x (R, d); w1, w3 (E, h, d); bias None or (b1, b3), each (E, h) in x's dtype, added in
+    fp32 before h1 and h3 are rounded; counts, rows as in `grouped_matmul`. act
+    (`activation`): ``"silu"``, ``silu(h1) * h3``, or ``"clamped_swiglu"`` (gpt-oss),
+    ``(u' + 1) * g' * sigmoid(alpha * g')`` with ``g' = min(h1, limit)``, ``u' =
+    clamp(h3, -limit, limit)``. Returns ``(a, h13)``: a (P, h) and, with `save_hidden`,
+    h13 (P, 2h) = [h1 | h3] in x's dtype (before the clamp: what the backward needs),
+    else None. a is computed from h1 and h3 rounded to x's dtype, as PyTorch's would be,
+    so `grouped_swiglu_backward` recomputes it bit for bit.
     """
+    check_activation(activation, alpha, limit)
     h, d = w1.shape[1:] if w1.dim() == 3 else (0, x.shape[-1])
     P = x.shape[0] if rows is None else rows.shape[0]
+    biases = {} if bias is None else {"b1": (bias[0], (h,)), "b3": (bias[1], (h,))}
     _check_grouped("grouped_swiglu", _grouped_matmul_kernel, x, counts, rows, P,
-                   w1=(w1, (h, x.shape[-1])), w3=(w3, (h, x.shape[-1])))  # fmt: skip
+                   w1=(w1, (h, x.shape[-1])), w3=(w3, (h, x.shape[-1])), **biases)  # fmt: skip
     a = _empty((P, h), x.dtype, x.device)
     h13 = _empty((P, 2 * h), x.dtype, x.device) if save_hidden else None
+    act = {"activation": activation, "alpha": alpha, "limit": limit}
     if _impl.runs_torch(x.device):
-        moe_torch.grouped_swiglu(x, w1, w3, counts, rows, a, h13)
+        moe_torch.grouped_swiglu(x, w1, w3, counts, rows, a, h13, bias, **act)
         return a, h13
     _launch_gemm("gate_up", x, w1, a, counts, rows, h, d, w_strides=tuple(w1.stride()), v=w3,
-                 v_strides=tuple(w3.stride()), h=h13)  # fmt: skip
+                 v_strides=tuple(w3.stride()), h=h13, bias=tuple(bias or ()), **act)  # fmt: skip
     return a, h13
 
 
-def grouped_swiglu_backward(d_out, w2, h13, counts):
+def grouped_swiglu_backward(d_out, w2, h13, counts, *, activation="silu", alpha=SWIGLU_ALPHA,
+                            limit=SWIGLU_LIMIT):  # fmt: skip
     """From the gradient of the experts' outputs, the gradients of h1 and h3, and a again.
 
-    d_out (P, d) in expert order; w2 (E, d, h); h13 (P, 2h) from `grouped_swiglu`.
-    Returns ``(d_h13, a)``: d_h13 (P, 2h) = [dh1 | dh3] with ``da = d_out[p] @ w2[e]``,
-    ``dh1 = da * h3 * silu'(h1)``, ``dh3 = da * silu(h1)``, and a (P, h) = silu(h1) * h3
-    (for w2's gradient), all in d_out's dtype, from one grouped GEMM.
+    d_out (P, d) in expert order; w2 (E, d, h); h13 (P, 2h) from `grouped_swiglu` (with
+    the same `activation`, alpha and limit). Returns ``(d_h13, a)``: d_h13 (P, 2h) =
+    [dh1 | dh3] with ``da = d_out[p] @ w2[e]``, for silu ``dh1 = da * h3 * silu'(h1)``,
+    ``dh3 = da * silu(h1)`` (for the clamped SwiGLU, zero where the clamp held h1 or h3:
+    torch.clamp's gradient, which passes on the bounds), and a (P, h) (for w2's
+    gradient), all in d_out's dtype, from one grouped GEMM.
     """
+    check_activation(activation, alpha, limit)
     d = w2.shape[1] if w2.dim() == 3 else -1
     P, h = d_out.shape[0], h13.shape[-1] // 2
     if h13.shape != (P, 2 * h) or h13.dtype != d_out.dtype:
@@ -492,11 +616,12 @@ def grouped_swiglu_backward(d_out, w2, h13, counts):
                    w2=(w2, (d_out.shape[-1], h)))  # fmt: skip
     a = _empty((P, h), d_out.dtype, d_out.device)
     d_h13 = _empty((P, 2 * h), d_out.dtype, d_out.device)
+    act = {"activation": activation, "alpha": alpha, "limit": limit}
     if _impl.runs_torch(d_out.device):
-        moe_torch.grouped_swiglu_backward(d_out, w2, h13, counts, d_h13, a)
+        moe_torch.grouped_swiglu_backward(d_out, w2, h13, counts, d_h13, a, **act)
         return d_h13, a
     _launch_gemm("swiglu_grad", d_out, w2, a, counts, None, h, d,
-                 w_strides=_weight_strides(w2, True), h=h13, dh=d_h13)  # fmt: skip
+                 w_strides=_weight_strides(w2, True), h=h13, dh=d_h13, **act)  # fmt: skip
     return d_h13, a
 
 
@@ -521,12 +646,16 @@ def grouped_swiglu_input_grad(d_h13, w1, w3, counts):
     return dx
 
 
-def grouped_weight_grad(dy, x, counts, rows=None, *, out_dtype=None, split=False):
+def grouped_weight_grad(dy, x, counts, rows=None, *, out_dtype=None, split=False,
+                        bias_grad=False):  # fmt: skip
     """``dw[e] = sum_{p in e} dy[p]^T x[rows[p]]``: (E, N, K), zero for an empty expert.
 
     dy (P, N) in expert order; x (R, K); counts (E,) int64; rows (P,) int64 or None (then
     R = P). With `split`, dy is (P, 2N) and the result is the pair ``(dw, dv)`` of
     (E, N, K) from its two column halves (the fused gate/up's weights), in one launch.
+    With `bias_grad`, the biases' gradients follow the weights': ``db[e] = sum_{p in e}
+    dy[p]`` (E, N) (``(dw, db)``, or ``(dw, dv, db, dbv)`` with `split`), summed in fp32
+    by the same launch, zero for an empty expert.
     """
     if dy.dim() != 2 or (split and dy.shape[1] % 2) or dy.dtype != x.dtype:
         shape = "(P, 2N)" if split else "(P, N)"
@@ -538,51 +667,83 @@ def grouped_weight_grad(dy, x, counts, rows=None, *, out_dtype=None, split=False
     P, N = dy.shape[0], dy.shape[1] // (2 if split else 1)
     E = _check_grouped("grouped_weight_grad", _grouped_weight_grad_kernel, x, counts, rows, P)
     K = x.shape[1]
-    outs = [_empty((E, N, K), out_dtype or x.dtype, x.device) for _ in range(2 if split else 1)]
+    if bias_grad and K == 0:  # the kernel's first K tile sums the biases: there is none
+        raise ValueError("grouped_weight_grad: bias_grad needs x with columns, got "
+                         f"{tuple(x.shape)}")  # fmt: skip
+    halves = 2 if split else 1
+    dtype = out_dtype or x.dtype
+    outs = [_empty((E, N, K), dtype, x.device) for _ in range(halves)]
+    bias_outs = [_empty((E, N), dtype, x.device) for _ in range(halves if bias_grad else 0)]
+
+    def result():
+        return (*outs, *bias_outs) if split or bias_grad else outs[0]
+
     if _impl.runs_torch(x.device):
-        moe_torch.grouped_weight_grad(dy, x, counts, rows, outs)
-        return tuple(outs) if split else outs[0]
+        moe_torch.grouped_weight_grad(dy, x, counts, rows, outs, bias_outs)
+        return result()
     check_launchable(_grouped_weight_grad_kernel, dy, x)
     if outs[0].numel() == 0:
-        return tuple(outs) if split else outs[0]
+        return result()
     offsets = _offsets(counts)
-    args = (dy, x, outs[0], outs[-1], offsets if rows is None else rows, offsets,
-            *dy.stride(), *x.stride(), *outs[0].stride(), N, K)  # fmt: skip
-    meta = dict(HAS_ROWS=rows is not None, SPLIT=split, INPUT_PRECISION=_dot_precision(x.dtype))
+    biases = bias_outs or [outs[0]]  # unused without bias_grad
+    args = (dy, x, outs[0], outs[-1], biases[0], biases[-1], offsets if rows is None else rows,
+            offsets, *dy.stride(), *x.stride(), *outs[0].stride(), N, K)  # fmt: skip
+    meta = dict(HAS_ROWS=rows is not None, SPLIT=split, BIAS_GRAD=bias_grad,
+                BIAS_BLOCK_M=WGRAD_BLOCK_M // 2,
+                INPUT_PRECISION=_dot_precision(x.dtype))  # fmt: skip
 
     def launch(config):
         tiles = triton.cdiv(N, config.kwargs["BLOCK_N"]) * triton.cdiv(K, config.kwargs["BLOCK_K"])
-        _grouped_weight_grad_kernel[(E * tiles * len(outs),)](*args, **meta, **config.all_kwargs())
+        _grouped_weight_grad_kernel[(E * tiles * halves,)](*args, **meta, **config.all_kwargs())
 
-    key = (split, N, K, bucket(triton.cdiv(P, E)), str(x.dtype), str(outs[0].dtype),
+    key = (split, bias_grad, N, K, bucket(triton.cdiv(P, E)), str(x.dtype), str(dtype),
            rows is not None, meta["INPUT_PRECISION"])  # fmt: skip
     with device_guard(x):
         _tuning.tuner("grouped_weight_grad").run(
             key, lambda: _weight_grad_candidates(N, K), launch, device=x.device
         )
-    return tuple(outs) if split else outs[0]
+    return result()
 
 
 # --- references (plain PyTorch, in the inputs' dtype: float64 in -> the oracle) -----------
 
 
-def grouped_matmul_reference(x, w, counts, rows=None, transpose_w=False):
+def swiglu_reference(g, u, activation="silu", alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT):
+    """The experts' activation in plain (differentiable) PyTorch, in the inputs' dtype:
+    ``silu(g) * u``, or ``"clamped_swiglu"`` as Hugging Face's GptOssExperts writes it."""
+    if activation == "silu":
+        return torch.nn.functional.silu(g) * u
+    g = g.clamp(max=limit)
+    u = u.clamp(min=-limit, max=limit)
+    return (u + 1) * (g * torch.sigmoid(g * alpha))
+
+
+def grouped_matmul_reference(x, w, counts, rows=None, transpose_w=False, bias=None):
     """`grouped_matmul` as a loop over experts; rows past ``counts.sum()`` are left out."""
     xs = x if rows is None else x[rows]
     slices = moe_torch.expert_slices(counts)
-    outs = [xs[s] @ (w[e] if transpose_w else w[e].T) for e, s in enumerate(slices)]
+    outs = [xs[s] @ (w[e] if transpose_w else w[e].T) + (0 if bias is None else bias[e])
+            for e, s in enumerate(slices)]  # fmt: skip
     return torch.cat(outs) if outs else xs.new_empty((0, w.shape[2 if transpose_w else 1]))
 
 
-def expert_swiglu_reference(x, w1, w3, w2, counts, rows=None):
-    """``w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))`` per expert (differentiable): the kept
-    rows, (counts.sum(), d)."""
-    h1 = grouped_matmul_reference(x, w1, counts, rows)
-    h3 = grouped_matmul_reference(x, w3, counts, rows)
-    return grouped_matmul_reference(torch.nn.functional.silu(h1) * h3, w2, counts)
+def expert_swiglu_reference(x, w1, w3, w2, counts, rows=None, *, bias=None, activation="silu",
+                            alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT):  # fmt: skip
+    """``w2[e] @ act(w1[e] @ x + b1[e], w3[e] @ x + b3[e]) + b2[e]`` per expert
+    (differentiable; `bias` None or (b1, b2, b3)): the kept rows, (counts.sum(), d)."""
+    b1, b2, b3 = bias or (None, None, None)
+    h1 = grouped_matmul_reference(x, w1, counts, rows, bias=b1)
+    h3 = grouped_matmul_reference(x, w3, counts, rows, bias=b3)
+    a = swiglu_reference(h1, h3, activation, alpha, limit)
+    return grouped_matmul_reference(a, w2, counts, bias=b2)
 
 
 def grouped_weight_grad_reference(dy, x, counts, rows=None):
     """`grouped_weight_grad` as a loop: (E, N, K), zeros for an empty expert."""
     xs = x if rows is None else x[rows]
     return torch.stack([dy[s].T @ xs[s] for s in moe_torch.expert_slices(counts)])
+
+
+def expert_sums_reference(dy, counts):
+    """`grouped_weight_grad`'s bias gradient as a loop: (E, N), zeros for an empty expert."""
+    return torch.stack([dy[s].sum(0) for s in moe_torch.expert_slices(counts)])

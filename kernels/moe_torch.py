@@ -2,10 +2,11 @@
 contracts in PyTorch, called when the torch implementation is chosen
 (`fusedpar.kernels._impl`).
 
-The same outputs as the kernels': products summed in fp32 and rounded once, g and u
-rounded to the activations' dtype before the SwiGLU (so the backward recomputes ``a``
-bit for bit from the saved h13), rows past ``counts.sum()`` left unwritten, empty
-experts' weight gradients zero, combine sums in slot order in fp32. The grouped GEMMs
+The same outputs as the kernels': products summed in fp32 (biases added there) and
+rounded once, g and u rounded to the activations' dtype before the activation (so the
+backward recomputes ``a`` bit for bit from the saved h13), rows past ``counts.sum()``
+left unwritten, empty experts' weight and bias gradients zero, combine sums in slot
+order in fp32. The grouped GEMMs
 loop over the experts, reading the counts on the host: no host sync on a CPU, one on a
 GPU, where this implementation runs only when asked for (``FUSEDPAR_IMPL=torch``).
 """
@@ -29,22 +30,39 @@ def _fp32(t):
     return t.float() if t.dtype != torch.float32 else t
 
 
-def grouped_products(x, w, counts, rows=None, transpose_w=False):
-    """``(rows, x[rows[p]] @ w[e].T)`` per expert with rows, the product in fp32 (from
-    16-bit operands exactly: their products fit fp32)."""
+def grouped_products(x, w, counts, rows=None, transpose_w=False, bias=None):
+    """``(rows, x[rows[p]] @ w[e].T + bias[e])`` per expert with rows, in fp32 (products
+    of 16-bit operands exactly: they fit fp32)."""
     for e, s in _groups(counts):
         xs = x[s] if rows is None else x[rows[s]]
         we = w[e] if transpose_w else w[e].T
-        yield s, _fp32(xs) @ _fp32(we)
+        prod = _fp32(xs) @ _fp32(we)
+        yield s, prod if bias is None else prod + _fp32(bias[e])
 
 
-def grouped_matmul(x, w, counts, rows, y, transpose_w) -> None:
-    for s, prod in grouped_products(x, w, counts, rows, transpose_w):
+def grouped_matmul(x, w, counts, rows, y, transpose_w, bias=None) -> None:
+    for s, prod in grouped_products(x, w, counts, rows, transpose_w, bias):
         y[s] = prod
 
 
-def _silu_mul(g, u):
-    return g * torch.sigmoid(g) * u
+def _swiglu(g, u, activation, alpha, limit):
+    """The kernels' `_swiglu` in fp32: silu(g) * u, or gpt-oss's clamped SwiGLU."""
+    if activation == "silu":
+        return g * torch.sigmoid(g) * u
+    g = g.clamp(max=limit)
+    return g * torch.sigmoid(alpha * g) * (u.clamp(-limit, limit) + 1.0)
+
+
+def _swiglu_grad(da, g, u, activation, alpha, limit):
+    """The kernels' `_swiglu_grad`: (dg, du) from da, in fp32."""
+    if activation == "silu":
+        sig = torch.sigmoid(g)
+        return da * u * sig * (1.0 + g * (1.0 - sig)), da * g * sig
+    gc, uc = g.clamp(max=limit), u.clamp(-limit, limit)
+    sig = torch.sigmoid(alpha * gc)
+    dg = torch.where(g <= limit, da * (uc + 1.0) * sig * (1.0 + alpha * gc * (1.0 - sig)), 0.0)
+    du = torch.where((u >= -limit) & (u <= limit), da * gc * sig, 0.0)
+    return dg, du
 
 
 def _wide(*ts):
@@ -54,24 +72,24 @@ def _wide(*ts):
     return (t.to(torch.float32, memory_format=torch.contiguous_format, copy=True) for t in ts)
 
 
-def grouped_swiglu(x, w1, w3, counts, rows, a, h13) -> None:
+def grouped_swiglu(x, w1, w3, counts, rows, a, h13, bias, activation, alpha, limit) -> None:
     h = w1.shape[1]
-    for (s, g), (_, u) in zip(grouped_products(x, w1, counts, rows),
-                              grouped_products(x, w3, counts, rows), strict=True):  # fmt: skip
+    b1, b3 = bias or (None, None)
+    for (s, g), (_, u) in zip(grouped_products(x, w1, counts, rows, bias=b1),
+                              grouped_products(x, w3, counts, rows, bias=b3),
+                              strict=True):  # fmt: skip
         g, u = g.to(x.dtype), u.to(x.dtype)  # as PyTorch's h1 and h3 would be
         if h13 is not None:
             h13[s, :h], h13[s, h:] = g, u
-        a[s] = _silu_mul(*_wide(g, u))
+        a[s] = _swiglu(*_wide(g, u), activation, alpha, limit)
 
 
-def grouped_swiglu_backward(d_out, w2, h13, counts, d_h13, a) -> None:
+def grouped_swiglu_backward(d_out, w2, h13, counts, d_h13, a, activation, alpha, limit) -> None:
     h = h13.shape[1] // 2
     for s, da in grouped_products(d_out, w2, counts, transpose_w=True):
         g, u = _wide(h13[s, :h], h13[s, h:])
-        sig = torch.sigmoid(g)
-        d_h13[s, :h] = da * u * sig * (1.0 + g * (1.0 - sig))
-        d_h13[s, h:] = da * g * sig
-        a[s] = _silu_mul(g, u)
+        d_h13[s, :h], d_h13[s, h:] = _swiglu_grad(da, g, u, activation, alpha, limit)
+        a[s] = _swiglu(g, u, activation, alpha, limit)
 
 
 def grouped_swiglu_input_grad(d_h13, w1, w3, counts, dx) -> None:
@@ -81,16 +99,20 @@ def grouped_swiglu_input_grad(d_h13, w1, w3, counts, dx) -> None:
         dx[s] = dh[:, :h] @ _fp32(w1[e]) + dh[:, h:] @ _fp32(w3[e])
 
 
-def grouped_weight_grad(dy, x, counts, rows, outs) -> None:
+def grouped_weight_grad(dy, x, counts, rows, outs, bias_outs=()) -> None:
     """``dw[e] = dy[p]^T x[rows[p]]`` over each expert's rows into `outs` (one, or two
-    for the halves of dy's columns), zero for an empty expert."""
+    for the halves of dy's columns), and ``db[e] = sum_p dy[p]`` (fp32) into `bias_outs`
+    (none, or one per half), zero for an empty expert."""
     N = outs[0].shape[1]
-    for out in outs:
+    for out in (*outs, *bias_outs):
         out.zero_()
     for e, s in _groups(counts):
         xs = _fp32(x[s] if rows is None else x[rows[s]])
         for half, out in enumerate(outs):
-            out[e] = _fp32(dy[s, half * N : (half + 1) * N]).T @ xs
+            dy_e = _fp32(dy[s, half * N : (half + 1) * N])
+            out[e] = dy_e.T @ xs
+            if bias_outs:
+                bias_outs[half][e] = dy_e.sum(0)
 
 
 def gather_rows(src, idx, scale, out) -> None:

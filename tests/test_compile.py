@@ -69,6 +69,9 @@ def _opcheck_cases(group: str):
     rows = order // top_k
     experts = (xm, ew1, ew3, ew2, counts, rows, pos)
     eout, h13 = ops.expert_swiglu(*experts, True)
+    # gpt-oss's experts: biases (b1, b3, b2) and the clamped SwiGLU
+    oss = (_leaf(E, h), _leaf(E, h), _leaf(E, d), "clamped_swiglu", 1.702, 7.0)
+    oss_out, oss_h13 = ops.expert_swiglu(*experts, True, *oss)
     ep = (xm, order, pos, counts, top_k, group)
     recv, *_, splits = ops.moe_dispatch(*ep)
     return [
@@ -139,6 +142,11 @@ def _opcheck_cases(group: str):
         ),
         (ops.expert_swiglu, (*experts, True)),
         (ops.expert_swiglu_backward, (torch.randn_like(eout), *experts, h13, [True] * 4)),
+        (ops.expert_swiglu, (*experts, True, *oss)),
+        (
+            ops.expert_swiglu_backward,
+            (torch.randn_like(oss_out), *experts, oss_h13, [True] * 7, *oss[3:]),
+        ),
         (ops.moe_permute, (xm, rows, pos)),
         (ops.moe_permute_backward, (torch.randn(T * top_k, d), pos)),
         (ops.moe_combine, (_leaf(T * top_k, d), wts, pos, order)),

@@ -30,6 +30,10 @@ rewrites it. Combinations left out, and why (each checked on a sample):
 - On sm_80 only D=256 is built: shared memory grows with the head dim.
 - fp32 attention is built at full precision (PyTorch's default, FMA dots: the slow and
   spilling builds) and, at D=256 only, in TF32 (the larger shared memory).
+- The MoE kernels' expert flags (biases, the clamped SwiGLU) are built, every tile, in
+  the two combinations a model uses: neither (the default) and both (gpt-oss), in the
+  modes they change; the gate/up's mixed two (bias with silu, clamp without bias, each
+  a part of gpt-oss's epilogue) at its largest tile only.
 """
 
 import contextlib
@@ -153,25 +157,29 @@ def matmul_call(dtype, accumulate=False, precision="highest", huge_stride=False,
             matmul.matmul(a, w.T, bias=_empty((N,), dtype))
 
 
-def moe_calls(dtype):
+def moe_calls(dtype, bias=False, activation="silu"):
     """The MoE kernels as the layer uses them (Qwen3-30B-A3B's widths: d 2048, h 768),
     each mode of the grouped GEMM once: the gathered gate/up with the SwiGLU epilogue, a
     plain gathered GEMM, the down projection, the SwiGLU's backward, the input gradient
     over both halves, the weight gradients (split over gate/up, and plain), permute,
-    combine and the combine's weight gradient."""
+    combine and the combine's weight gradient. `bias`: the experts' biases (in the
+    gate/up and down projections' epilogues, and their gradients from the weight
+    gradients' launches); `activation`: the SwiGLU's (gpt-oss: ``"clamped_swiglu"``)."""
     T, top_k, E, d, h = 256, 2, 8, 2048, 768
     ids = torch.arange(T * top_k).reshape(T, top_k) % E
     counts, order, pos = moe.dispatch_metadata(ids, E)
     rows, P = order // top_k, T * top_k
     x = _empty((T, d), dtype)
     w1, w3, w2 = _empty((E, h, d), dtype), _empty((E, h, d), dtype), _empty((E, d, h), dtype)
-    a, h13 = moe.grouped_swiglu(x, w1, w3, counts, rows)
+    b13 = (_empty((E, h), dtype), _empty((E, h), dtype)) if bias else None
+    b2 = _empty((E, d), dtype) if bias else None
+    a, h13 = moe.grouped_swiglu(x, w1, w3, counts, rows, bias=b13, activation=activation)
     moe.grouped_matmul(x, w1, counts, rows)
-    y = moe.grouped_matmul(a, w2, counts)
-    d_h13, a = moe.grouped_swiglu_backward(y, w2, h13, counts)
+    y = moe.grouped_matmul(a, w2, counts, bias=b2)
+    d_h13, a = moe.grouped_swiglu_backward(y, w2, h13, counts, activation=activation)
     moe.grouped_swiglu_input_grad(d_h13, w1, w3, counts)
-    moe.grouped_weight_grad(d_h13, x, counts, rows, split=True)
-    moe.grouped_weight_grad(y, a, counts)
+    moe.grouped_weight_grad(d_h13, x, counts, rows, split=True, bias_grad=bias)
+    moe.grouped_weight_grad(y, a, counts, bias_grad=bias)
     moe_permute.gather_rows(x, rows, _empty((P,), "float32"))
     moe_permute.combine(y, pos, _empty((T, top_k), "float32"))
     moe_permute.combine_weight_grad(_empty((T, d), dtype), y, pos)
@@ -186,20 +194,38 @@ ATTENTION = {  # kernel label: (kernel name, scenario, config function, the loop
     "dkdv": ("_attn_bwd_dkdv_kernel", attention_backward, attn_bwd.backward_configs, "BLOCK_M"),
     "dq": ("_attn_bwd_dq_kernel", attention_backward, attn_bwd.dq_configs, "BLOCK_N"),
 }
-MOE_GEMM_MODES = {  # variant: (kernel, flags that pick its launch, config list)
+MOE_PLAIN = {"HAS_ROWS": False, "GATE_UP": False, "SWIGLU_GRAD": False, "SECOND_K": False}
+GPT_OSS = {"bias": True, "activation": "clamped_swiglu"}  # moe_calls' gpt-oss experts
+MOE_GEMM_MODES = {  # variant: (kernel, flags that pick its launch, config list, scenario)
     "gather-swiglu": ("_grouped_matmul_kernel", {"GATE_UP": True},
-                      moe.grouped_matmul_configs("gate_up")),
+                      moe.grouped_matmul_configs("gate_up"), {}),
     "gather": ("_grouped_matmul_kernel", {"HAS_ROWS": True, "GATE_UP": False},
-               moe.grouped_matmul_configs()),
-    "plain": ("_grouped_matmul_kernel", {"HAS_ROWS": False, "GATE_UP": False,
-              "SWIGLU_GRAD": False, "SECOND_K": False}, moe.grouped_matmul_configs()),
+               moe.grouped_matmul_configs(), {}),
+    "plain": ("_grouped_matmul_kernel", MOE_PLAIN, moe.grouped_matmul_configs(), {}),
     "swiglu-backward": ("_grouped_matmul_kernel", {"SWIGLU_GRAD": True},
-                        moe.grouped_matmul_configs("swiglu_grad")),
-    "input-grad": ("_grouped_matmul_kernel", {"SECOND_K": True}, moe.grouped_matmul_configs()),
+                        moe.grouped_matmul_configs("swiglu_grad"), {}),
+    "input-grad": ("_grouped_matmul_kernel", {"SECOND_K": True}, moe.grouped_matmul_configs(),
+                   {}),
     "weight-grad-split": ("_grouped_weight_grad_kernel", {"SPLIT": True},
-                          moe.weight_grad_configs()),
-    "weight-grad": ("_grouped_weight_grad_kernel", {"SPLIT": False}, moe.weight_grad_configs()),
+                          moe.weight_grad_configs(), {}),
+    "weight-grad": ("_grouped_weight_grad_kernel", {"SPLIT": False}, moe.weight_grad_configs(),
+                    {}),
+    # gpt-oss's experts: the modes its flags change (the gathered GEMM and the input
+    # gradient take neither), every tile
+    "gather-swiglu-bias-clamped": ("_grouped_matmul_kernel", {"GATE_UP": True},
+                                   moe.grouped_matmul_configs("gate_up"), GPT_OSS),
+    "plain-bias": ("_grouped_matmul_kernel", MOE_PLAIN, moe.grouped_matmul_configs(), GPT_OSS),
+    "swiglu-backward-clamped": ("_grouped_matmul_kernel", {"SWIGLU_GRAD": True},
+                                moe.grouped_matmul_configs("swiglu_grad"), GPT_OSS),
+    "weight-grad-split-bias": ("_grouped_weight_grad_kernel", {"SPLIT": True},
+                               moe.weight_grad_configs(), GPT_OSS),
+    "weight-grad-bias": ("_grouped_weight_grad_kernel", {"SPLIT": False},
+                         moe.weight_grad_configs(), GPT_OSS),
 }  # fmt: skip
+# The gate/up's other two flag combinations (a bias with silu, the clamp without bias):
+# each a part of the gpt-oss build's epilogue, built at the largest tile only.
+MOE_GATE_UP_MIXED = {"gather-swiglu-bias": {"bias": True},
+                     "gather-swiglu-clamped": {"activation": "clamped_swiglu"}}  # fmt: skip
 MOE_ROW_KERNELS = ("_gather_rows_kernel", "_combine_kernel", "_combine_weight_grad_kernel")
 
 
@@ -370,14 +396,19 @@ add(
 # MoE: the grouped GEMM kernels run in several modes (constexpr flags) in one scenario,
 # each picked with `match`; the permute/combine kernels take their launcher's fixed tile
 # (no config: the recorded one is built).
-for variant, (kernel, match, configs) in MOE_GEMM_MODES.items():
+for variant, (kernel, match, configs, scenario) in MOE_GEMM_MODES.items():
     family = "moe-" + kernel.strip("_").removesuffix("_kernel")
-    params = {"dtype": "bfloat16"}
+    params = {"dtype": "bfloat16", **scenario}
     add_configs(family, f"{variant}-bfloat16", moe_calls, params, kernel, configs,
                 no_spill=True, wgmma=True, match=match,
                 loop_axis="BLOCK_M" if "weight_grad" in kernel else "BLOCK_K")  # fmt: skip
     add(family, f"{variant}-bfloat16-smallest", moe_calls, params, kernel, 80,
         _smallest(configs), no_spill=False, match=match)  # fmt: skip
+for variant, scenario in MOE_GATE_UP_MIXED.items():
+    add("moe-grouped_matmul", f"{variant}-bfloat16", moe_calls,
+        {"dtype": "bfloat16", **scenario}, "_grouped_matmul_kernel", 90,
+        moe.grouped_matmul_configs("gate_up")[0], no_spill=True, wgmma=True,
+        match={"GATE_UP": True}, loop_axis="BLOCK_K")  # fmt: skip
 for cap in (90, 80):
     for kernel in MOE_ROW_KERNELS:
         add("moe-" + kernel.strip("_").removesuffix("_kernel"), "bfloat16", moe_calls,

@@ -70,9 +70,10 @@ def _attention_layer_step(device, dtype):
     return lambda: layer(x).float().sum().backward()
 
 
-def _moe_step(device, dtype, capacity_factor):
+def _moe_step(device, dtype, capacity_factor, **options):
     torch.manual_seed(0)
-    layer = fp.nn.MoE(16, 12, 4, 2, capacity_factor=capacity_factor, device=device, dtype=dtype)
+    layer = fp.nn.MoE(16, 12, 4, 2, capacity_factor=capacity_factor, device=device, dtype=dtype,
+                      **options)  # fmt: skip
     x = torch.randn(11, 16, device=device, dtype=dtype) + 1.0  # skewed: drops happen
     x.requires_grad_()
 
@@ -88,6 +89,9 @@ STEPS = {
     "attention layer": _attention_layer_step,
     "moe": lambda device, dtype: _moe_step(device, dtype, None),
     "moe with capacity": lambda device, dtype: _moe_step(device, dtype, 0.5),
+    "moe gpt-oss": lambda device, dtype: _moe_step(
+        device, dtype, None, bias=True, router_bias=True, activation="clamped_swiglu"
+    ),
 }
 
 

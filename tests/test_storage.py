@@ -35,6 +35,8 @@ def _run_placements():
         "mlp": fp.nn.ParallelSwiGLU(16, 12, groups["tp"]),
         "attn": fp.nn.ParallelAttention(16, 2, tp_group=groups["tp"], cp_group=groups["cp"]),
         "moe": fp.nn.MoE(16, 6, 4, 2, groups["ep"]),
+        "oss": fp.nn.MoE(16, 6, 4, 2, groups["ep"], bias=True, router_bias=True,
+                         activation="clamped_swiglu"),
         "head": nn.Linear(16, 10, bias=False),
     })  # fmt: skip
     model["head"].weight = model["embed"].weight  # tied
@@ -53,6 +55,10 @@ def _run_placements():
         "moe.router_weight": ((R, R, R), (4, 16)),
         "moe.w1": ((R, R, S0), (4, 6, 16)), "moe.w2": ((R, R, S0), (4, 16, 6)),
         "moe.w3": ((R, R, S0), (4, 6, 16)),
+        "oss.router_weight": ((R, R, R), (4, 16)), "oss.router_bias": ((R, R, R), (4,)),
+        "oss.w1": ((R, R, S0), (4, 6, 16)), "oss.w2": ((R, R, S0), (4, 16, 6)),
+        "oss.w3": ((R, R, S0), (4, 6, 16)), "oss.b1": ((R, R, S0), (4, 6)),
+        "oss.b2": ((R, R, S0), (4, 16)), "oss.b3": ((R, R, S0), (4, 6)),
     }  # fmt: skip
     params = dict(model.named_parameters())
     assert sorted(params) == sorted(expected)  # the tied head is the embedding's parameter

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedpar import comm
+from fusedpar.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT, check_activation
 from fusedpar.ops.moe import SCORES, aux_losses, capacity_mask, moe_dispatch_combine, route
 from fusedpar.recompute import is_recomputing
 from fusedpar.storage import ParamLayout, local_tensor, warn_if_undistributed
@@ -17,13 +18,22 @@ class MoE(nn.Module):
 
     x (..., d_model): this rank's tokens (any leading shape, zero tokens allowed); y has
     x's shape. Experts ``[r*E/W, (r+1)*E/W)`` live on EP rank r; expert e computes
-    ``w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))``.
+    ``w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))``, or with ``bias=True`` and
+    ``activation="clamped_swiglu"`` (OpenAI's gpt-oss) ``w2[e] @ a + b2[e]`` with
+    ``g = w1[e] @ x + b1[e]``, ``u = w3[e] @ x + b3[e]``, ``g' = min(g, L)``, ``u' =
+    clamp(u, -L, L)``, ``a = (u' + 1) * g' * sigmoid(alpha * g')`` (alpha =
+    ``swiglu_alpha``, default 1.702; L = ``swiglu_limit``, default 7.0; both for that
+    activation only). ``router_bias=True`` adds a trainable bias to the router's logits
+    (gpt-oss's; with softmax scores and ``norm_topk_prob`` the weights are the softmax
+    of the k chosen logits, as gpt-oss's router computes them).
 
     | parameter       | shape on a rank        | notes                                  |
     | --------------- | ---------------------- | -------------------------------------- |
     | `router_weight` | (E, d_model)           | whole on every rank                    |
+    | `router_bias`   | (E,)                   | ``router_bias=True``; whole            |
     | `w1`, `w3`      | (E/W, d_hidden, d_model) | this rank's experts                  |
     | `w2`            | (E/W, d_model, d_hidden) |                                      |
+    | `b1`, `b3`; `b2` | (E/W, d_hidden); (E/W, d_model) | ``bias=True``; this rank's experts |
     | `expert_bias`   | (E,) buffer, sigmoid only | shifts selection, not the weights   |
     | `shared_w1`, `shared_w3`; `shared_w2` | (hs, d_model); (d_model, hs) | ``shared_hidden=hs`` |
     | `shared_gate_weight` | (1, d_model)      | ``shared_gate=True``                   |
@@ -46,20 +56,31 @@ class MoE(nn.Module):
     token where the forward did; `fusedpar.checkpoint_policy` saves the top-k and the
     all-to-alls' outputs outright.
 
-    The router, like every parameter not split over the EP group, gets the gradient of
-    this rank's tokens: the ranks of an EP group see different tokens. With the
-    parameters on the mesh (`fusedpar.distribute`) that gradient is declared a partial
-    sum and summed over them after backward, as for the rest of the model.
+    The router (and its bias), like every parameter not split over the EP group, gets
+    the gradient of this rank's tokens: the ranks of an EP group see different tokens.
+    With the parameters on the mesh (`fusedpar.distribute`) that gradient is declared a
+    partial sum and summed over them after backward, as for the rest of the model. The
+    expert biases, like the expert weights, get the gradient of every token routed to
+    this rank's experts, from every rank.
     """
 
     def __init__(self, d_model, d_hidden, num_experts, top_k, ep_group=None, *,
                  score="softmax", norm_topk_prob=True, capacity_factor=None,
                  aux_loss_coef=0.01, z_loss_coef=0.0, shared_hidden=0, shared_gate=False,
-                 device=None, dtype=None):  # fmt: skip
+                 bias=False, router_bias=False, activation="silu", swiglu_alpha=None,
+                 swiglu_limit=None, device=None, dtype=None):  # fmt: skip
         super().__init__()
         world = comm.group_size(ep_group)
         if shared_gate and not shared_hidden:
             raise ValueError("shared_gate needs a shared expert: pass shared_hidden > 0")
+        given = [n for n, v in (("swiglu_alpha", swiglu_alpha), ("swiglu_limit", swiglu_limit))
+                 if v is not None]  # fmt: skip
+        if given and activation != "clamped_swiglu":
+            raise ValueError(f"{' and '.join(given)} apply to activation='clamped_swiglu' "
+                             f"only, got activation={activation!r}")  # fmt: skip
+        swiglu_alpha = SWIGLU_ALPHA if swiglu_alpha is None else swiglu_alpha
+        swiglu_limit = SWIGLU_LIMIT if swiglu_limit is None else swiglu_limit
+        check_activation(activation, swiglu_alpha, swiglu_limit)
         if num_experts < 1 or num_experts % world:
             raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the "
                              f"EP group size ({world})")  # fmt: skip
@@ -82,11 +103,19 @@ class MoE(nn.Module):
             capacity_factor,
         )
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.activation = activation
+        self.swiglu_alpha, self.swiglu_limit = float(swiglu_alpha), float(swiglu_limit)
         local, factory = num_experts // world, {"device": device, "dtype": dtype}
         self.router_weight = nn.Parameter(torch.empty(num_experts, d_model, **factory))
         self.w1 = nn.Parameter(torch.empty(local, d_hidden, d_model, **factory))
         self.w3 = nn.Parameter(torch.empty(local, d_hidden, d_model, **factory))
         self.w2 = nn.Parameter(torch.empty(local, d_model, d_hidden, **factory))
+        for name, shape, on in (("router_bias", (num_experts,), router_bias),
+                                ("b1", (local, d_hidden), bias), ("b2", (local, d_model), bias),
+                                ("b3", (local, d_hidden), bias)):  # fmt: skip
+            self.register_parameter(
+                name, nn.Parameter(torch.empty(shape, **factory)) if on else None
+            )
         self.shared_hidden = shared_hidden
         shared = shared_hidden > 0
         for name, shape in (("shared_w1", (shared_hidden, d_model)),
@@ -104,27 +133,43 @@ class MoE(nn.Module):
             self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """``nn.Linear``'s initialization for the router and each full expert stack, drawn
-        in float32 on the CPU from the current RNG state: one seed, one model, any W."""
+        """``nn.Linear``'s initialization for the router and each full expert stack (and
+        their biases), drawn in float32 on the CPU from the current RNG state: one seed,
+        one model, any W."""
 
-        def linear_init(*shape):  # (..., out, in), bound 1/sqrt(in) as nn.Linear
-            return torch.empty(shape).uniform_(-1, 1) / math.sqrt(shape[-1])
+        def linear_init(*shape, fan_in=None):  # (..., out, in), bound 1/sqrt(in) as nn.Linear
+            return torch.empty(shape).uniform_(-1, 1) / math.sqrt(fan_in or shape[-1])
 
         E, d, h, hs = self.num_experts, self.d_model, self.d_hidden, self.shared_hidden
-        shared = {}
+        extras = {}
         if hs:
-            shared["shared"] = (linear_init(hs, d), linear_init(d, hs), linear_init(hs, d))
+            extras["shared"] = (linear_init(hs, d), linear_init(d, hs), linear_init(hs, d))
         if self.shared_gate_weight is not None:
-            shared["shared_gate_weight"] = linear_init(1, d)
-        self.load_dense(linear_init(E, d), linear_init(E, h, d), linear_init(E, d, h),
-                        linear_init(E, h, d), **shared)  # fmt: skip
+            extras["shared_gate_weight"] = linear_init(1, d)
+        stacks = (linear_init(E, d), linear_init(E, h, d), linear_init(E, d, h),
+                  linear_init(E, h, d))  # fmt: skip
+        if self.b1 is not None:  # drawn after the weights: a layer without them is unchanged
+            extras["bias"] = (linear_init(E, h, fan_in=d), linear_init(E, d, fan_in=h),
+                              linear_init(E, h, fan_in=d))  # fmt: skip
+        if self.router_bias is not None:
+            extras["router_bias"] = linear_init(E, fan_in=d)
+        self.load_dense(*stacks, **extras)
 
-    def load_dense(self, router_weight, w1, w2, w3, *, shared=None,
-                   shared_gate_weight=None) -> None:  # fmt: skip
+    def load_dense(self, router_weight, w1, w2, w3, *, shared=None, shared_gate_weight=None,
+                   bias=None, router_bias=None) -> None:  # fmt: skip
         """Copy the full (unsharded) router and expert stacks, keeping this rank's experts,
-        and the shared expert (w1, w2, w3) and its gate (1, d_model) where this layer has
-        them (and only there: nothing given is ignored)."""
+        the expert biases ``bias=(b1 (E, h), b2 (E, d), b3 (E, h))`` (this rank's too) and
+        the router's bias (E,), and the shared expert (w1, w2, w3) and its gate
+        (1, d_model) where this layer has them (and only there: nothing given is
+        ignored)."""
         E, d, h, hs = self.num_experts, self.d_model, self.d_hidden, self.shared_hidden
+        for what, value, param, option in (("expert biases", bias, self.b1, "bias"),
+                                           ("a router bias", router_bias, self.router_bias,
+                                            "router_bias")):  # fmt: skip
+            if (value is None) != (param is None):
+                given = "given" if value is not None else "missing"
+                raise ValueError(f"{what} {given} but this MoE was built with "
+                                 f"{option}={param is not None}")  # fmt: skip
         if (shared is None) != (hs == 0):
             raise ValueError(f"a shared expert {'given' if shared is not None else 'missing'} "
                              f"but this MoE was built with shared_hidden={hs}")  # fmt: skip
@@ -141,13 +186,22 @@ class MoE(nn.Module):
             checks += list(zip(names, shared, shapes, strict=True))
         if shared_gate_weight is not None:
             checks.append(("shared_gate_weight", shared_gate_weight, (1, d)))
+        if bias is not None:
+            checks += list(zip(("b1", "b2", "b3"), bias, ((E, h), (E, d), (E, h)), strict=True))
+        if router_bias is not None:
+            checks.append(("router_bias", router_bias, (E,)))
         for name, t, shape in checks:
             if tuple(t.shape) != shape:
                 raise ValueError(f"{name} must be {shape}, got {tuple(t.shape)}")
         mine = slice(self.rank * E // self.world, (self.rank + 1) * E // self.world)
+        experts = [(self.w1, w1), (self.w2, w2), (self.w3, w3)]
+        if bias is not None:
+            experts += zip((self.b1, self.b2, self.b3), bias, strict=True)
         with torch.no_grad():
             local_tensor(self.router_weight).copy_(router_weight)
-            for param, full in ((self.w1, w1), (self.w2, w2), (self.w3, w3)):
+            if router_bias is not None:
+                local_tensor(self.router_bias).copy_(router_bias)
+            for param, full in experts:
                 local_tensor(param).copy_(full[mine])
             for param, full in zip((self.shared_w1, self.shared_w2, self.shared_w3),
                                    shared or (), strict=False):  # fmt: skip
@@ -156,22 +210,30 @@ class MoE(nn.Module):
                 local_tensor(self.shared_gate_weight).copy_(shared_gate_weight)
 
     def param_layouts(self) -> dict:
-        """For `fusedpar.distribute`: the expert stacks split over the EP group; the
-        router whole (its gradient is this rank's tokens')."""
+        """For `fusedpar.distribute`: the expert stacks and their biases split over the EP
+        group; the router and its bias whole (their gradient is this rank's tokens')."""
         experts, whole = ParamLayout(0, self.ep_group), ParamLayout()
-        return {"router_weight": whole, "w1": experts, "w2": experts, "w3": experts,
+        return {"router_weight": whole, "router_bias": whole, "w1": experts, "w2": experts,
+                "w3": experts, "b1": experts, "b2": experts, "b3": experts,
                 "shared_w1": whole, "shared_w2": whole, "shared_w3": whole,
                 "shared_gate_weight": whole}  # fmt: skip
 
     @classmethod
     def from_dense(cls, router_weight, w1, w2, w3, ep_group=None, *, shared=None,
-                   shared_gate_weight=None, **kwargs):  # fmt: skip
+                   shared_gate_weight=None, bias=None, router_bias=None, **kwargs):  # fmt: skip
         """A layer holding this rank's share of full stacks: router_weight (E, d_model);
-        w1, w3 (E, d_hidden, d_model); w2 (E, d_model, d_hidden); optionally a shared
-        expert ``shared=(w1 (hs, d), w2 (d, hs), w3 (hs, d))`` and its gate
-        ``shared_gate_weight`` (1, d); ``shared_hidden``, ``shared_gate`` read off them."""
+        w1, w3 (E, d_hidden, d_model); w2 (E, d_model, d_hidden); optionally the experts'
+        biases ``bias=(b1 (E, d_hidden), b2 (E, d_model), b3 (E, d_hidden))``, the
+        router's ``router_bias`` (E,), a shared expert ``shared=(w1 (hs, d), w2 (d, hs),
+        w3 (hs, d))`` and its gate ``shared_gate_weight`` (1, d); ``bias``,
+        ``router_bias``, ``shared_hidden``, ``shared_gate`` read off them. gpt-oss:
+        ``from_dense(..., bias=..., router_bias=..., top_k=4,
+        activation="clamped_swiglu")`` with its gate_up_proj de-interleaved into w1, w3
+        (transposed to (E, h, d))."""
         kwargs.setdefault("shared_hidden", 0 if shared is None else shared[0].shape[0])
         kwargs.setdefault("shared_gate", shared_gate_weight is not None)
+        kwargs.setdefault("bias", bias is not None)
+        kwargs.setdefault("router_bias", router_bias is not None)
         if "top_k" not in kwargs:
             raise TypeError("MoE.from_dense needs top_k=...")
         num_experts, d_model = router_weight.shape
@@ -187,6 +249,10 @@ class MoE(nn.Module):
             extras["shared"] = tuple(t.detach() for t in shared)
         if shared_gate_weight is not None:
             extras["shared_gate_weight"] = shared_gate_weight.detach()
+        if bias is not None:
+            extras["bias"] = tuple(t.detach() for t in bias)
+        if router_bias is not None:
+            extras["router_bias"] = router_bias.detach()
         layer.load_dense(router_weight.detach(), w1.detach(), w2.detach(), w3.detach(),
                          **extras)  # fmt: skip
         return layer
@@ -199,12 +265,16 @@ class MoE(nn.Module):
             raise TypeError(f"MoE: x is {x.dtype} but the experts are {self.w1.dtype}")
         x2d = x.reshape(-1, self.d_model)
         weights, ids, probs, logits = route(x2d, self.router_weight, self.top_k, self.score,
-                                            self.norm_topk_prob, self.expert_bias)  # fmt: skip
+                                            self.norm_topk_prob, self.expert_bias,
+                                            self.router_bias)  # fmt: skip
         keep = None
         if self.capacity_factor is not None:
             keep = capacity_mask(ids, weights, self.num_experts, self.capacity_factor)
+        bias = None if self.b1 is None else (self.b1, self.b2, self.b3)
         y, counts = moe_dispatch_combine(x2d, weights, ids, keep, self.w1, self.w3, self.w2,
-                                         self.num_experts, self.ep_group)  # fmt: skip
+                                         self.num_experts, self.ep_group, bias=bias,
+                                         activation=self.activation, alpha=self.swiglu_alpha,
+                                         limit=self.swiglu_limit)  # fmt: skip
         if not is_recomputing():  # activation checkpointing's re-run counts nothing again
             dropped = ids.numel() - counts.sum()  # a device tensor: no host sync for the stats
             self.last_stats = {
@@ -221,6 +291,14 @@ class MoE(nn.Module):
         return y.view(x.shape), aux
 
     def extra_repr(self) -> str:
+        extra = ""
+        if self.b1 is not None:
+            extra += ", bias=True"
+        if self.router_bias is not None:
+            extra += ", router_bias=True"
+        if self.activation != "silu":
+            extra += (f", activation={self.activation}(alpha={self.swiglu_alpha}, "
+                      f"limit={self.swiglu_limit})")  # fmt: skip
         return (f"d_model={self.d_model}, d_hidden={self.d_hidden}, experts={self.num_experts}"
                 f" ({self.num_experts // self.world} here), top_k={self.top_k}, "
-                f"score={self.score}, capacity_factor={self.capacity_factor}")  # fmt: skip
+                f"score={self.score}, capacity_factor={self.capacity_factor}{extra}")  # fmt: skip

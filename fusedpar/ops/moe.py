@@ -12,7 +12,8 @@ Shapes on each of W expert-parallel ranks (T local tokens, k slots, E experts, E
 | back, and combine       | all_to_all: R -> P; y (T, d)            |
 
 Forward and backward of the differentiable pieces (``h1, h3 = x[rows[p]] @ w1[e].T,
-w3[e].T``; ``a = silu(h1) * h3``):
+w3[e].T`` (+ b1[e], b3[e] with expert biases); ``a = silu(h1) * h3``, or gpt-oss's
+clamped SwiGLU; ``out = a @ w2[e].T`` (+ b2[e])):
 
 | piece          | forward                               | backward                              |
 | -------------- | ------------------------------------- | ------------------------------------- |
@@ -21,6 +22,8 @@ w3[e].T``; ``a = silu(h1) * h3``):
 |                |                                       | ``dx[r] = sum_(p reads r) dh1 w1[e] + |
 |                |                                       | dh3 w3[e]``; ``dw1, dw3 = dh1_e^T x_e, |
 |                |                                       | dh3_e^T x_e``; ``dw2 = dout_e^T a_e`` |
+|                |                                       | ``db1, db3, db2``: per-expert sums of |
+|                |                                       | dh1, dh3, dout (same launches)        |
 | `PermuteRows`  | ``out[p] = src[idx[p]]``              | ``dsrc[r] = sum_(p reads r) dout[p]`` |
 | `Combine`      | ``y[t] = sum_j w[t,j] out[pos[t,j]]`` | ``dout[p] = w[t,j] dy[t]``            |
 |                |                                       | ``dw[t,j] = <dy[t], out[pos[t,j]]>``  |
@@ -39,6 +42,8 @@ from torch import Tensor
 
 from fusedpar import comm
 from fusedpar.kernels.moe import (
+    SWIGLU_ALPHA,
+    SWIGLU_LIMIT,
     dispatch_metadata,
     expert_counts,
     grouped_matmul,
@@ -46,6 +51,7 @@ from fusedpar.kernels.moe import (
     grouped_swiglu_backward,
     grouped_swiglu_input_grad,
     grouped_weight_grad,
+    swiglu_reference,
 )
 from fusedpar.kernels.moe_permute import combine, combine_weight_grad, gather_rows
 
@@ -67,25 +73,34 @@ def _asked(grads, needs) -> list:
 
 @torch.library.custom_op("fusedpar::expert_swiglu", mutates_args=())
 def _expert_swiglu_op(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, counts: Tensor,
-                      rows: Tensor | None, reduce_pos: Tensor | None,
-                      save_hidden: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``out[p] = w2[e] @ (silu(w1[e] @ x[rows[p]]) * (w3[e] @ x[rows[p]]))`` for the rows
-    p of expert e (rows None: x is in expert order), and h13 = [h1 | h3] (P, 2h) for the
-    backward (empty without `save_hidden`). `reduce_pos` (R, j) lists the rows p that
-    read each row of x (-1 for none): the backward sums dx through it.
+                      rows: Tensor | None, reduce_pos: Tensor | None, save_hidden: bool,
+                      b1: Tensor | None = None, b3: Tensor | None = None,
+                      b2: Tensor | None = None, activation: str = "silu",
+                      alpha: float = SWIGLU_ALPHA,
+                      limit: float = SWIGLU_LIMIT) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``out[p] = w2[e] @ act(w1[e] @ x[rows[p]] + b1[e], w3[e] @ x[rows[p]] + b3[e]) +
+    b2[e]`` for the rows p of expert e (rows None: x is in expert order; biases None:
+    none; act: `activation`, ``"silu"`` (silu(h1) * h3) or ``"clamped_swiglu"``
+    (gpt-oss's, with `alpha` and `limit`)), and h13 = [h1 | h3] (P, 2h) for the backward
+    (empty without `save_hidden`). `reduce_pos` (R, j) lists the rows p that read each
+    row of x (-1 for none): the backward sums dx through it.
 
-    Saved for the backward: h1 and h3 (P, 2h, in x's dtype), not a = silu(h1) * h3: the
-    backward's first GEMM (``da = dout w2[e]``) loads h1 and h3 in its epilogue anyway to
-    form dh1 and dh3, and writes a there for w2's gradient, bit for bit the forward's
-    (both round h1 and h3 first). Recomputing h1 and h3 instead would cost a second
-    gate/up GEMM, 2/3 of the experts' forward FLOPs; saving a as well would add half
-    again to the activations kept per layer."""
-    a, h13 = grouped_swiglu(x, w1, w3, counts, rows, save_hidden=save_hidden)
-    return grouped_matmul(a, w2, counts), x.new_empty(0) if h13 is None else h13
+    Saved for the backward: h1 and h3 (P, 2h, in x's dtype, biases added, before any
+    clamp), not a: the backward's first GEMM (``da = dout w2[e]``) loads h1 and h3 in its
+    epilogue anyway to form dh1 and dh3, and writes a there for w2's gradient, bit for
+    bit the forward's (both round h1 and h3 first). Recomputing h1 and h3 instead would
+    cost a second gate/up GEMM, 2/3 of the experts' forward FLOPs; saving a as well would
+    add half again to the activations kept per layer."""
+    act = {"activation": activation, "alpha": alpha, "limit": limit}
+    bias = None if b1 is None else (b1, b3)
+    a, h13 = grouped_swiglu(x, w1, w3, counts, rows, bias=bias, save_hidden=save_hidden, **act)
+    out = grouped_matmul(a, w2, counts, bias=b2)
+    return out, x.new_empty(0) if h13 is None else h13
 
 
 @_expert_swiglu_op.register_fake
-def _(x, w1, w3, w2, counts, rows, reduce_pos, save_hidden):
+def _(x, w1, w3, w2, counts, rows, reduce_pos, save_hidden, b1=None, b3=None, b2=None,
+      activation="silu", alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT):  # fmt: skip
     P = x.shape[0] if rows is None else rows.shape[0]
     h13 = x.new_empty((P, 2 * w1.shape[1]) if save_hidden else 0)
     return x.new_empty((P, w2.shape[1])), h13
@@ -94,49 +109,85 @@ def _(x, w1, w3, w2, counts, rows, reduce_pos, save_hidden):
 @torch.library.custom_op("fusedpar::expert_swiglu_backward", mutates_args=())
 def _expert_swiglu_backward_op(d_out: Tensor, x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
                                counts: Tensor, rows: Tensor | None, reduce_pos: Tensor | None,
-                               h13: Tensor, needs: list[bool]) -> list[Tensor]:  # fmt: skip
+                               h13: Tensor, needs: list[bool], activation: str = "silu",
+                               alpha: float = SWIGLU_ALPHA,
+                               limit: float = SWIGLU_LIMIT) -> list[Tensor]:  # fmt: skip
     """dx (summed over the rows p that read each row of x: `reduce_pos` (R, j), -1 for
-    none), dw1, dw3, dw2; `needs` says which (the others come back empty)."""
-    need_x, need_w1, need_w3, need_w2 = needs
-    d_h13, a = grouped_swiglu_backward(d_out, w2, h13, counts)
+    none), dw1, dw3, dw2, and the expert biases' db1, db3 (E, h), db2 (E, d); `needs`
+    says which (the others come back empty; the last three may be left out: no bias).
+    The bias gradients come from the weight gradients' launches (per-expert sums of dh1,
+    dh3 and d_out, fp32, no atomics): a bias asked for without its weight still runs
+    them."""
+    need_x, need_w1, need_w3, need_w2, need_b1, need_b3, need_b2 = _pad(needs)
+    act = {"activation": activation, "alpha": alpha, "limit": limit}
+    d_h13, a = grouped_swiglu_backward(d_out, w2, h13, counts, **act)
     dx, dw1, dw3, dw2 = (t.new_empty(0) for t in (x, w1, w3, w2))
+    db1, db3, db2 = (w.new_empty(0) for w in (w1, w3, w2))
     if need_x:
         d_rows = grouped_swiglu_input_grad(d_h13, w1, w3, counts)
         dx = d_rows if rows is None else combine(d_rows, reduce_pos, out_dtype=x.dtype)
-    if need_w1 or need_w3:
-        dw1, dw3 = grouped_weight_grad(d_h13, x, counts, rows, out_dtype=w1.dtype, split=True)
-    if need_w2:
-        dw2 = grouped_weight_grad(d_out, a, counts, out_dtype=w2.dtype)
-    return [dx, dw1, dw3, dw2]
+    if need_w1 or need_w3 or need_b1 or need_b3:
+        grads = grouped_weight_grad(d_h13, x, counts, rows, out_dtype=w1.dtype, split=True,
+                                    bias_grad=need_b1 or need_b3)  # fmt: skip
+        dw1, dw3, *b13 = grads
+        db1, db3 = b13 or (db1, db3)
+    if need_w2 or need_b2:
+        grads = grouped_weight_grad(d_out, a, counts, out_dtype=w2.dtype, bias_grad=need_b2)
+        dw2, db2 = grads if need_b2 else (grads, db2)
+    grads = [dx, dw1, dw3, dw2, db1, db3, db2]  # those not asked for empty, as the fake's
+    return [g if need else g.new_empty(0) for g, need in zip(grads, _pad(needs), strict=True)]
+
+
+def _pad(needs) -> list[bool]:
+    """`needs` for the 7 gradients (x, w1, w3, w2, b1, b3, b2): no bias, none asked."""
+    return [*needs, *[False] * (7 - len(needs))]
 
 
 @_expert_swiglu_backward_op.register_fake
-def _(d_out, x, w1, w3, w2, counts, rows, reduce_pos, h13, needs):
-    need_w13 = needs[1] or needs[2]
-    return list(t.new_empty(t.shape if need else 0)  # fresh, contiguous: the real layout
-                 for t, need in zip((x, w1, w3, w2), (needs[0], need_w13, need_w13, needs[3]),
-                                    strict=True))  # fmt: skip
+def _(d_out, x, w1, w3, w2, counts, rows, reduce_pos, h13, needs, activation="silu",
+      alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT):  # fmt: skip
+    shapes = (x.shape, w1.shape, w3.shape, w2.shape, w1.shape[:2], w3.shape[:2], w2.shape[:2])
+    sources = (x, w1, w3, w2, w1, w3, w2)
+    # fresh, contiguous: the real layout
+    return [
+        t.new_empty(shape if need else 0)
+        for t, shape, need in zip(sources, shapes, _pad(needs), strict=True)
+    ]
+
+
+_DEFAULTS = (None, None, None, "silu", SWIGLU_ALPHA, SWIGLU_LIMIT)  # b1 .. limit
 
 
 def _expert_swiglu_setup(ctx, inputs, output):
-    x, w1, w3, w2, counts, rows, reduce_pos, _ = inputs
-    ctx.needs = [t.requires_grad for t in (x, w1, w3, w2)]
+    x, w1, w3, w2, counts, rows, reduce_pos, _, *rest = inputs
+    b1, b3, b2, activation, alpha, limit = (*rest, *_DEFAULTS[len(rest) :])
+    ctx.needs = [t is not None and t.requires_grad for t in (x, w1, w3, w2, b1, b3, b2)]
+    ctx.act = (activation, alpha, limit)
     ctx.save_for_backward(x, w1, w3, w2, counts, rows, reduce_pos, output[1])
 
 
 def _expert_swiglu_backward(ctx, d_out, _):
     x, w1, w3, w2, counts, rows, reduce_pos, h13 = ctx.saved_tensors
     grads = _expert_swiglu_backward_op(d_out, x, w1, w3, w2, counts, rows, reduce_pos, h13,
-                                       ctx.needs)  # fmt: skip
-    return *_asked(grads, ctx.needs), None, None, None, None
+                                       ctx.needs, *ctx.act)  # fmt: skip
+    dx, dw1, dw3, dw2, db1, db3, db2 = _asked(grads, ctx.needs)
+    return dx, dw1, dw3, dw2, None, None, None, None, db1, db3, db2, None, None, None
 
 
-def expert_swiglu(x, w1, w3, w2, counts, rows, reduce_pos):
+def expert_swiglu(x, w1, w3, w2, counts, rows, reduce_pos, *, bias=None, activation="silu",
+                  alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT):  # fmt: skip
     """`fusedpar::expert_swiglu`'s output; `reduce_pos` (R, j) lists the rows p that read
-    each row of x (-1 for none), for summing dx back. Where no gradient is needed (no
-    grad mode, or nothing requires one) h1 and h3 are not stored."""
-    save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, w3, w2))
-    out, _ = _expert_swiglu_op(x, w1, w3, w2, counts, rows, reduce_pos, save)
+    each row of x (-1 for none), for summing dx back; `bias` None or the experts' (b1
+    (E, h), b2 (E, d), b3 (E, h)); `activation` ``"silu"`` or ``"clamped_swiglu"`` (with
+    `alpha`, `limit`). Where no gradient is needed (no grad mode, or nothing requires
+    one) h1 and h3 are not stored."""
+    b1, b2, b3 = bias or (None, None, None)
+    if bias is not None and any(b is None for b in bias):
+        raise ValueError("expert_swiglu: bias must be None or all of (b1, b2, b3)")
+    params = [t for t in (x, w1, w3, w2, b1, b2, b3) if t is not None]
+    save = torch.is_grad_enabled() and any(t.requires_grad for t in params)
+    out, _ = _expert_swiglu_op(x, w1, w3, w2, counts, rows, reduce_pos, save, b1, b3, b2,
+                               activation, alpha, limit)  # fmt: skip
     return out
 
 
@@ -298,14 +349,19 @@ _return_op.register_autograd(_return_backward, setup_context=_return_setup)
 # --- routing -------------------------------------------------------------------------------
 
 
-def route(x, router_weight, top_k, score, norm_topk_prob, expert_bias=None):
+def route(x, router_weight, top_k, score, norm_topk_prob, expert_bias=None, router_bias=None):
     """Router math in fp32. Returns (weights (T, k) fp32, ids (T, k), probs (T, E), logits).
 
-    softmax: probabilities over experts, top-k of them. sigmoid: independent scores;
+    ``logits = x @ router_weight.T + router_bias`` (`router_bias` (E,) or None: a
+    trainable bias, gpt-oss's, in the logits, so in the selection and the weights alike).
+    softmax: probabilities over experts, top-k of them (with ``norm_topk_prob``: the
+    softmax of the k chosen logits, gpt-oss's router). sigmoid: independent scores;
     `expert_bias` (E,) shifts the selection only (DeepSeek-V3's aux-loss-free balancing),
     never the weights. ``norm_topk_prob`` rescales the k weights to sum to 1.
     """
     logits = x.float() @ router_weight.float().T
+    if router_bias is not None:
+        logits = logits + router_bias.float()
     probs = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
     select = probs if expert_bias is None or score == "softmax" else probs + expert_bias.float()
     ids = select.detach().topk(top_k, dim=-1).indices
@@ -363,22 +419,27 @@ def _regroup_index(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
     return em_starts[block_of] + within
 
 
-def moe_dispatch_combine(x, weights, ids, keep, w1, w3, w2, num_experts, group):
+def moe_dispatch_combine(x, weights, ids, keep, w1, w3, w2, num_experts, group, *, bias=None,
+                         activation="silu", alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT):  # fmt: skip
     """Send the routed pairs to their experts (EP: all-to-all), run them, and combine.
 
-    x (T, d); weights, ids, keep (T, k); w1, w3 (E_loc, h, d); w2 (E_loc, d, h).
-    Returns y (T, d) and the local counts per expert (E,) after capacity.
+    x (T, d); weights, ids, keep (T, k); w1, w3 (E_loc, h, d); w2 (E_loc, d, h); `bias`
+    None or this rank's expert biases (b1 (E_loc, h), b2 (E_loc, d), b3 (E_loc, h));
+    `activation`, `alpha`, `limit` as in `expert_swiglu`. Returns y (T, d) and the local
+    counts per expert (E,) after capacity.
     """
     counts, order, pos = dispatch_metadata(ids, num_experts, keep)
     top_k = ids.shape[1]
     pg = comm.resolve_group(group)
+    experts = {"bias": bias, "activation": activation, "alpha": alpha, "limit": limit}
     if comm.group_size(pg) == 1:  # the gather is fused into the gate/up GEMM: no copy of x
-        out = expert_swiglu(x, w1, w3, w2, counts, order // top_k, pos)
+        out = expert_swiglu(x, w1, w3, w2, counts, order // top_k, pos, **experts)
         return _combine_op(out, weights, pos, order), counts
     name = comm.group_name(pg)
     x_recv, recv_counts, regroup, inverse, splits = _dispatch_op(x, order, pos, counts, top_k,
                                                                  name)  # fmt: skip
-    out = expert_swiglu(x_recv, w1, w3, w2, recv_counts.sum(0), regroup, inverse.view(-1, 1))
+    out = expert_swiglu(x_recv, w1, w3, w2, recv_counts.sum(0), regroup, inverse.view(-1, 1),
+                        **experts)  # fmt: skip
     out = _permute_op(out, inverse, regroup.view(-1, 1))  # back to source-major
     out = _return_op(out, splits, name, False)
     return _combine_op(out, weights, pos, order), counts
@@ -389,16 +450,23 @@ def moe_dispatch_combine(x, weights, ids, keep, w1, w3, w2, num_experts, group):
 
 def moe_reference(x, router_weight, w1, w2, w3, *, top_k, score="softmax",
                   norm_topk_prob=True, capacity_factor=None, expert_bias=None,
-                  aux_loss_coef=0.01, z_loss_coef=0.0, shared=None,
-                  shared_gate=None):  # fmt: skip
+                  aux_loss_coef=0.01, z_loss_coef=0.0, shared=None, shared_gate=None,
+                  router_bias=None, bias=None, activation="silu", swiglu_alpha=SWIGLU_ALPHA,
+                  swiglu_limit=SWIGLU_LIMIT):  # fmt: skip
     """The whole layer as a naive loop over tokens and experts, in x's dtype (float64 in ->
     the oracle; the router in at least fp32, as the layer's). Full (unsharded) stacks;
-    `shared` (w1 (hs, d), w2 (d, hs), w3 (hs, d)): a shared expert every token goes
-    through, scaled by ``sigmoid(x @ shared_gate.T)`` if given (1, d). Returns (y (T, d),
-    aux_loss)."""
+    `router_bias` (E,): added to the logits; `bias` (b1 (E, h), b2 (E, d), b3 (E, h)):
+    expert e computes ``w2[e] @ act(w1[e] @ x + b1[e], w3[e] @ x + b3[e]) + b2[e]``, act
+    ``silu(g) * u`` or, with ``activation="clamped_swiglu"``, gpt-oss's ``(u' + 1) * g' *
+    sigmoid(swiglu_alpha * g')`` (``g' = min(g, swiglu_limit)``, ``u' = clamp(u,
+    -swiglu_limit, swiglu_limit)``); `shared` (w1 (hs, d), w2 (d, hs), w3 (hs, d)): a
+    shared expert every token goes through, scaled by ``sigmoid(x @ shared_gate.T)`` if
+    given (1, d). Returns (y (T, d), aux_loss)."""
     T, E = x.shape[0], router_weight.shape[0]
     router_dtype = torch.promote_types(x.dtype, torch.float32)
     logits = x.to(router_dtype) @ router_weight.to(router_dtype).T
+    if router_bias is not None:
+        logits = logits + router_bias.to(router_dtype)
     probs = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
     select = probs if expert_bias is None or score == "softmax" else probs + expert_bias
     ids = select.detach().topk(top_k, dim=-1).indices
@@ -413,14 +481,18 @@ def moe_reference(x, router_weight, w1, w2, w3, *, top_k, score="softmax",
             pairs.sort(key=lambda tj: (-float(weights[tj].detach()), tj[0] * top_k + tj[1]))
             for t, j in pairs[capacity:]:
                 kept[t][j] = False
+    b1, b2, b3 = bias or (0, 0, 0)
     rows = []
     for t in range(T):
         y_t = x.new_zeros(x.shape[1])
         for j in range(top_k):
             if kept[t][j]:
                 e = int(ids[t, j])
-                hidden = torch.nn.functional.silu(w1[e] @ x[t]) * (w3[e] @ x[t])
-                y_t = y_t + weights[t, j].to(x.dtype) * (w2[e] @ hidden)
+                g = w1[e] @ x[t] + (b1[e] if bias else 0)
+                u = w3[e] @ x[t] + (b3[e] if bias else 0)
+                hidden = swiglu_reference(g, u, activation, swiglu_alpha, swiglu_limit)
+                out = w2[e] @ hidden + (b2[e] if bias else 0)
+                y_t = y_t + weights[t, j].to(x.dtype) * out
         rows.append(y_t)
     y = torch.stack(rows) if rows else x.new_zeros((0, x.shape[1]))
     if shared is not None:
