@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from fusedpar import comm
+from fusedpar.storage import deferred_grad_reduction
 
 SCHEDULES = {  # name: how its stages sit on the pipeline ranks
     "GPipe": "single", "1F1B": "single",
@@ -192,8 +193,11 @@ class Pipeline:
                                  "batch)")  # fmt: skip
         losses = [] if self.has_last else None
         args = inputs if self.has_first else ()
-        self.schedule.step(*args, target=target if self.has_last else None, losses=losses,
-                           return_outputs=False)  # fmt: skip
+        # the partial gradients of whole parameters are summed once, after the step, in
+        # one order on every rank (the split backwards accumulate in no fixed order)
+        with deferred_grad_reduction(self.model):
+            self.schedule.step(*args, target=target if self.has_last else None, losses=losses,
+                               return_outputs=False)  # fmt: skip
         return losses
 
 

@@ -50,7 +50,7 @@ def _reference(cfg: Config, seed: int) -> Transformer:
 
 def _pipeline(degrees: dict, schedule: str, moe: bool, layers: int, fsdp: bool, seed: int,
               microbatches=None):  # fmt: skip
-    dims = fp.ParallelDims(**degrees, ep="tp" if moe and degrees.get("tp", 1) > 1 else None)
+    dims = fp.ParallelDims(**degrees, ep="cp" if moe else None)
     mesh = dims.build_mesh("cpu")
     cfg = _config(moe, layers)
     reference = _reference(cfg, seed)
@@ -103,70 +103,21 @@ SINGLE = [name for name, style in SCHEDULES.items() if style == "single"]
 MULTI = [name for name, style in SCHEDULES.items() if style != "single"]
 
 
+LAYOUTS = {  # name: (degrees, MoE, FSDP2 over dp)
+    "pp2-tp2": (dict(pp=2, tp=2), False, False),
+    "pp2-cp2-moe-ep-over-cp": (dict(pp=2, cp=2), True, False),
+    "pp2-dp2-fsdp": (dict(pp=2, dp=2), False, True),
+}
+
+
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_one_step_at_pp2_tp2_matches_the_reference(world, schedule):
-    layers = 2 if schedule in SINGLE else 4  # two stages per pipeline rank
-    assert all(world(4).run(_run_step, dict(pp=2, tp=2), schedule, False, layers))
-
-
-@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
-def test_one_step_at_pp2_cp2_moe_matches_the_reference(world, schedule):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_one_step_matches_the_reference(world, layout, schedule):
+    """Every schedule torch offers, at each layout; two stages per pipeline rank (4
+    layers) for the interleaved and V schedules."""
+    degrees, moe, fsdp = LAYOUTS[layout]
     layers = 2 if schedule in SINGLE else 4
-    assert all(world(4).run(_run_step, dict(pp=2, cp=2), schedule, True, layers))
-
-
-@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
-def test_one_step_at_pp2_dp2_under_fsdp_matches_the_reference(world, schedule):
-    layers = 2 if schedule in SINGLE else 4
-    assert all(world(4).run(_run_step, dict(pp=2, dp=2), schedule, False, layers, True))
-
-
-def _run_aux_loss(schedule, layers):
-    """MoE with a load-balancing loss at PP2 x TP2 (EP over tp): each microbatch's
-    auxiliary loss reaches the routers' gradients in its own stage. Against the same
-    layers unpipelined on the stage's ranks, one microbatch at a time (their mean)."""
-    dims = fp.ParallelDims(pp=2, tp=2, ep="tp")
-    mesh = dims.build_mesh("cpu")
-    cfg = Config(**{**_config(True, layers).__dict__, "aux_loss_coef": 0.5})
-    reference = _reference(cfg, 2)
-    model = ParallelTransformer(reference, dims.groups(mesh))
-    whole = fp.distribute(ParallelTransformer(reference, dims.groups(mesh)), dims.stage_mesh(mesh))
-    pipe = fp.pipeline.split(model, dims, mesh, schedule=schedule, loss_fn=model.loss)
-    fp.distribute(pipe.model, dims.stage_mesh(mesh))
-    inputs, labels = _batch(cfg, 3)
-    pipe.step(inputs, target=labels)
-    for tokens, target in zip(inputs.chunk(pipe.microbatches), labels.chunk(pipe.microbatches),
-                              strict=True):  # fmt: skip
-        whole(tokens, target).backward()
-    count = pipe.microbatches
-    expected = {name: p.grad.full_tensor() / count for name, p in whole.named_parameters()}
-    routers = 0
-    for name, param in pipe.model.named_parameters():
-        torch.testing.assert_close(param.grad.full_tensor(), expected[name], rtol=1e-5, atol=1e-6)
-        routers += name.endswith("router_weight")
-    assert routers == layers // 2  # this rank's stages' MoE layers
-    return True
-
-
-def test_add_aux_loss_gives_the_gradient_of_adding_it_to_the_loss():
-    gen = torch.Generator().manual_seed(0)
-    x, w, g = (torch.randn(shape, generator=gen, dtype=torch.float64) for shape in
-               ((5, 3), (3,), (5, 3)))  # fmt: skip
-    grads = []
-    for inject in (True, False):
-        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y, aux = xi * wi, 0.3 * (wi**2).sum() + (xi**3).mean()  # aux reads y's inputs too
-        loss = (fp.nn.add_aux_loss(y, aux) * g).sum() if inject else (y * g).sum() + aux
-        loss.backward()
-        grads.append((xi.grad, wi.grad))
-    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=0)
-    y = torch.ones(2)
-    assert fp.nn.add_aux_loss(y, torch.zeros(())) is y  # nothing to carry
-
-
-@pytest.mark.parametrize("schedule", ["1F1B", "DualPipeV"])
-def test_moe_auxiliary_losses_reach_the_gradients_in_their_stage(world, schedule):
-    assert all(world(4).run(_run_aux_loss, schedule, 2 if schedule in SINGLE else 4))
+    assert all(world(4).run(_run_step, degrees, schedule, moe, layers, fsdp))
 
 
 def _bad(case):
