@@ -53,6 +53,12 @@ FAMILIES = {  # family: (config class, model class, options that family exercise
     "gpt2": ("GPT2Config", "GPT2LMHeadModel",
              dict(scale_attn_by_inverse_layer_idx=True, num_hidden_layers=2, resid_pdrop=0.0,
                   embd_pdrop=0.0, attn_pdrop=0.0)),
+    # attention sinks, alternating windows, YaRN; MoE with biases, clamped SwiGLU, router bias
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(WINDOWED, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 16,
+                                      "beta_fast": 32.0, "beta_slow": 1.0})),
 }  # fmt: skip
 NO_GQA = ("gpt_neox", "gpt2")  # configs without num_key_value_heads
 
@@ -109,6 +115,18 @@ def _reference_grad(model, name: str) -> torch.Tensor:
         return grad.t() if leaf == "weight" else grad
     if getattr(module, "gate_up_proj", None) is not None and leaf in ("gate_weight", "up_weight"):
         return module.gate_up_proj.weight.grad.chunk(2)[leaf != "gate_weight"]
+    if config.model_type == "gpt_oss" and leaf in ("w1", "w3", "w2", "b1", "b2", "b3"):
+        experts = module.experts  # gate, up interleaved in (E, d, 2h); stored (in, out)
+        half = slice(0, None, 2) if leaf in ("w1", "b1") else slice(1, None, 2)
+        if leaf == "w2":
+            return experts.down_proj.grad.transpose(1, 2)
+        if leaf == "b2":
+            return experts.down_proj_bias.grad
+        if leaf.startswith("w"):
+            return experts.gate_up_proj.grad[..., half].transpose(1, 2)
+        return experts.gate_up_proj_bias.grad[:, half]
+    if config.model_type == "gpt_oss" and leaf.startswith("router_"):
+        return module.router.get_parameter(leaf.removeprefix("router_")).grad
     if leaf in ("w1", "w3"):  # halves of the fused (E, 2h, d) gate_up_proj
         grad = module.get_parameter("experts.gate_up_proj").grad
         h = grad.shape[1] // 2
@@ -125,7 +143,7 @@ def _run_family(family, seed, changes=None, batch="full", degrees=None):
     labels= (Hugging Face's way); "local", this rank's tokens and a loss of the
     caller's."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    moe = family in ("mixtral", "qwen2_moe")
+    moe = family in ("mixtral", "qwen2_moe", "gpt_oss")
     degrees = degrees or dict(cp=2, tp=2)
     dims = fp.ParallelDims(**degrees, ep="tp" if moe else None) if world == 4 else None
     model = _model(family, seed, **(changes or {}))
@@ -184,6 +202,7 @@ def test_the_caller_may_shard_the_batch_itself(world, family, degrees):
     ("llama", dict(ulysses=2, tp=2)),  # one q head and one (shared) kv head per rank
     ("gemma2", dict(cp=2, ulysses=2)),  # the hybrid: windows and soft-capping over both
     ("mixtral", dict(ulysses=2, tp=2)),  # experts over tp
+    ("gpt_oss", dict(cp=2, ulysses=2)),  # sinks entering once, after the hybrid's merge
 ])  # fmt: skip
 def test_ulysses_and_the_hybrid(world, family, degrees):
     assert len(set(world(4).run(_run_family, family, 3, None, "full", degrees))) == 1

@@ -35,7 +35,7 @@ document, RoPE (or learned positions) restarting there; under "local" both are r
 as are ``labels``.
 
 Supported: the families of `hf_families.FAMILIES` (Llama, Mistral, Qwen2/3, Mixtral,
-Qwen2-MoE, Gemma 2, Gemma 3 text, Phi-3, OLMo 2, GPT-NeoX, GPT-2), causal training over
+Qwen2-MoE, Gemma 2, Gemma 3 text, Phi-3, OLMo 2, GPT-NeoX, GPT-2, gpt-oss), causal training over
 whole sequences, with any of ParallelDims' context-parallel modes (the ring over cp,
 Ulysses, the hybrid): the sequence is sharded zigzag over cp, then contiguously over
 ulysses, then over tp. Anything the converted model would not compute exactly
@@ -109,12 +109,15 @@ class HFParallelMLP(nn.Module):
 
 
 class HFMoE(MoE):
-    """`MoE` returning only y, as HF's sparse blocks do; its aux loss is kept in
+    """`MoE` returning only y, as HF's sparse blocks do (``(y, None)`` where the block
+    returns its router scores beside y: gpt-oss's); its aux loss is kept in
     ``last_aux_loss`` (0 unless ``aux_loss_coef`` is set)."""
+
+    returns_scores = False
 
     def forward(self, hidden_states):
         y, self.last_aux_loss = super().forward(hidden_states)
-        return y
+        return (y, None) if self.returns_scores else y
 
 
 def _attention(i: int, attn: nn.Module, config, groups, rotary_emb) -> HFParallelAttention:
@@ -134,6 +137,8 @@ def _mlp(mlp: nn.Module, config, groups) -> nn.Module:
         *parts, bias = families.mlp_parts(mlp)
         act = families.ACTIVATIONS[families.activation_name(config)]
         return HFParallelSwiGLU.from_dense(*parts, groups["tp"], bias=bias, activation=act)
+    if config.model_type == "gpt_oss":
+        return _gpt_oss_moe(mlp, config, groups)
     experts, h = mlp.experts, mlp.experts.down_proj.shape[-1]
     extra = {}
     shared = getattr(mlp, "shared_expert", None)
@@ -148,6 +153,25 @@ def _mlp(mlp: nn.Module, config, groups) -> nn.Module:
         top_k=config.num_experts_per_tok, aux_loss_coef=0.0,
         norm_topk_prob=getattr(mlp.gate, "norm_topk_prob", True), **extra,  # Mixtral: always
     )  # fmt: skip
+
+
+def _gpt_oss_moe(mlp: nn.Module, config, groups) -> "HFMoE":
+    """gpt-oss's experts: gate and up interleaved in one (E, d, 2h) tensor (gate the even
+    columns), weights stored (in, out), biases on every projection, the clamped SwiGLU;
+    its router has a bias and takes the softmax of the top-k logits (= the softmax over
+    all, top-k, renormalized)."""
+    experts, router = mlp.experts, mlp.router
+    gate_up, gate_up_bias = experts.gate_up_proj, experts.gate_up_proj_bias  # (E, d, 2h)
+    w1, w3 = gate_up[..., ::2].transpose(1, 2), gate_up[..., 1::2].transpose(1, 2)
+    bias = (gate_up_bias[:, ::2], experts.down_proj_bias, gate_up_bias[:, 1::2])
+    layer = HFMoE.from_dense(
+        router.weight, w1, experts.down_proj.transpose(1, 2), w3, groups["ep"],
+        top_k=config.num_experts_per_tok, aux_loss_coef=0.0, norm_topk_prob=True,
+        bias=bias, router_bias=router.bias, activation="clamped_swiglu",
+        swiglu_alpha=experts.alpha, swiglu_limit=experts.limit,
+    )  # fmt: skip
+    layer.returns_scores = True  # the decoder layer unpacks (hidden_states, router_scores)
+    return layer
 
 
 def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):

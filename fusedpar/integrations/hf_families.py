@@ -14,6 +14,8 @@ decoder layer's attention and MLP into fusedpar's layers.
 |                             | plain GELU MLP (`rotary_pct`; parallel residual as is)    |
 | gpt2                        | ``Conv1D`` q/k/v (fused) and o, no RoPE (learned absolute |
 |                             | positions at the global positions), a plain GELU MLP      |
+| gpt_oss                     | attention sinks, alternating windows, its half-width RoPE |
+|                             | table; MoE with biases, clamped SwiGLU, router bias       |
 
 Hugging Face's ``sliding_window=W`` is the layer's own (a query sees itself and W - 1
 keys before it); layers are windowed by ``config.layer_types`` where the config has
@@ -32,7 +34,7 @@ from torch import nn
 from fusedpar.nn.linear import is_conv1d, linear_parts
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "gemma2",
-            "gemma3_text", "phi3", "olmo2", "gpt_neox", "gpt2")  # fmt: skip
+            "gemma3_text", "phi3", "olmo2", "gpt_neox", "gpt2", "gpt_oss")  # fmt: skip
 _TANH_GELU = functools.partial(F.gelu, approximate="tanh")
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": _TANH_GELU,
                "gelu_new": _TANH_GELU}  # fmt: skip
@@ -137,10 +139,10 @@ def check_layer(i: int, layer: nn.Module, config) -> None:
     refuse(not all(_linear_like(getattr(attn, p, None)) for p in parts),
            f"layer {i}: attention {type(attn).__name__} without {'/'.join(parts)} "
            "Linears")  # fmt: skip
-    refuse(getattr(attn, "sinks", None) is not None, f"layer {i}: attention sinks")
     refuse(not getattr(attn, "is_causal", True), f"layer {i}: non-causal attention")
     if hasattr(mlp, "experts"):
-        refuse(not hasattr(mlp.experts, "gate_up_proj") or not hasattr(mlp, "gate"),
+        router = getattr(mlp, "router", getattr(mlp, "gate", None))  # gpt-oss: router
+        refuse(not hasattr(mlp.experts, "gate_up_proj") or router is None,
                f"layer {i}: experts of {type(mlp.experts).__name__}")  # fmt: skip
         refuse(ACTIVATIONS[activation_name(config)] is not F.silu,
                f"layer {i}: MoE experts with hidden_act={activation_name(config)!r}")  # fmt: skip
@@ -167,9 +169,12 @@ def rope(rotary_emb: nn.Module, rotary_dim: int, layer_type, positions: torch.Te
     by_type = "layer_type" in inspect.signature(rotary_emb.forward).parameters
     args = (layer_type,) if by_type else ()
     cos, sin = rotary_emb(probe, positions[None], *args)
-    if cos.shape[-1] != rotary_dim:  # a half-width table would pass for fusedpar's layout
+    # Hugging Face's layout repeats the angles (width rotary_dim); gpt-oss's module gives
+    # each angle once (rotary_dim / 2), fusedpar's own layout. The width tells them apart
+    # here, where the rotary dims are known.
+    if cos.shape[-1] not in (rotary_dim, rotary_dim // 2):
         raise ValueError(f"the model's rotary module gives tables of width {cos.shape[-1]}, "
-                         f"not the rotary dims {rotary_dim}")  # fmt: skip
+                         f"neither the rotary dims {rotary_dim} nor half of them")  # fmt: skip
     return cos, sin
 
 
@@ -199,6 +204,8 @@ def attention_options(i: int, attn: nn.Module, config, rotary_emb) -> dict:
     options |= dict(softmax_scale=attn.scaling, **positions,
                     sliding_window=layer_window(config, i),
                     softcap=getattr(config, "attn_logit_softcapping", None) or None)  # fmt: skip
+    if getattr(attn, "sinks", None) is not None:  # gpt-oss: a learned logit per head
+        options["sinks"] = attn.sinks
     if getattr(attn, "q_norm", None) is not None:
         norm = attn.q_norm
         options |= dict(q_norm=attn.q_norm, k_norm=attn.k_norm,
