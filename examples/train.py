@@ -116,10 +116,11 @@ def main(argv=None) -> int:
                            ulysses=args.ulysses, ep="tp" if args.moe else None)  # fmt: skip
     try:  # no collective yet: every rank fails the same way, at once
         dims.validate(world, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                      num_experts=cfg.num_experts or None, seq_len=args.seq)  # fmt: skip
+                      num_experts=cfg.num_experts or None, seq_len=args.seq,
+                      n_layers=args.layers, microbatches=args.microbatches,
+                      schedule=args.schedule)  # fmt: skip
         if args.pp > 1:
-            stages = fp.pipeline.check_pipeline(args.schedule, args.pp, args.layers,
-                                                args.microbatches)  # fmt: skip
+            stages = fp.pipeline.stage_count(args.schedule, args.pp)
             microbatches = args.microbatches or stages
             if args.batch % microbatches:
                 raise ValueError(f"--batch {args.batch} does not split into {microbatches} "

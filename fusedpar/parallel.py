@@ -87,8 +87,11 @@ class ParallelDims:
         return size
 
     def validate(self, world_size: int, *, n_heads=None, n_kv_heads=None, num_experts=None,
-                 seq_len=None, cp_layout="zigzag") -> None:  # fmt: skip
-        """Raise ValueError naming the offending degree. No communication."""
+                 seq_len=None, cp_layout="zigzag", n_layers=None, microbatches=None,
+                 schedule="1F1B") -> None:  # fmt: skip
+        """Raise ValueError naming the offending degree. No communication. With pp > 1
+        and `n_layers`: the pipeline too (`fusedpar.pipeline.check_pipeline`: the
+        schedule, layers per stage, microbatches; None: one per stage)."""
         for axis in AXES:
             degree = getattr(self, axis)
             if not isinstance(degree, int) or degree < 1:
@@ -127,6 +130,10 @@ class ParallelDims:
                     f"rank must divide by the ulysses degree ({self.ulysses}) or divide it "
                     f"(then they are replicated)"
                 )
+        if self.pp > 1 and n_layers is not None:
+            from fusedpar.pipeline import check_pipeline
+
+            check_pipeline(schedule, self.pp, n_layers, microbatches)
         if num_experts is not None and num_experts % self.ep_size:
             raise ValueError(f"num_experts ({num_experts}) is not divisible by the ep degree "
                              f"({self.ep_size}, over {'x'.join(self.ep_axes)})")  # fmt: skip

@@ -123,6 +123,9 @@ def test_one_step_matches_the_reference(world, layout, schedule):
 def _bad(case):
     degrees, schedule, layers, microbatches, batch = case
     dims = fp.ParallelDims(**degrees)
+    if batch is None:  # the degrees and the pipeline at once, as a script checks first
+        dims.validate(dist.get_world_size(), n_layers=layers, microbatches=microbatches,
+                      schedule=schedule)  # fmt: skip
     dims.validate(dist.get_world_size())
     mesh = dims.build_mesh("cpu")
     cfg = _config(False, layers)
@@ -140,6 +143,7 @@ def _bad(case):
     ((dict(pp=2, tp=2), "1F1B", 2, 1, 4), r"1 microbatches for 2 pipeline stages"),
     ((dict(pp=2, tp=2), "1F1B", 2, 2, 3), r"\(3, 8\) does not split into 2 microbatches"),
     ((dict(pp=2, tp=2), "Zigzag", 2, 2, 4), r"schedule must be one of"),
+    ((dict(pp=2, tp=2), "DualPipeV", 8, 3, None), r"3 microbatches for 4 pipeline stages"),
 ])  # fmt: skip
 def test_bad_configurations_raise_on_every_rank(world, case, match):
     for e in world(4).run(exception_of, _bad, case):
