@@ -36,7 +36,7 @@ it, build the optimizer on it, save and load it.
 
 Only the hidden state crosses stages. The context-parallel positions (and packed
 documents) are derived from the batch on every stage; a MoE layer's auxiliary loss
-reaches the gradients where it arises (`fusedpar.nn.moe.with_aux_loss`), never sent.
+reaches the gradients where it arises (`fusedpar.nn.add_aux_loss`), never sent.
 
 Microbatches: the batch (dim 0 of every input and of the target) is split into
 `microbatches` equal chunks; with ``loss_reduction="mean"`` the schedule divides the
