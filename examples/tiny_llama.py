@@ -156,6 +156,18 @@ class Transformer(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
 
 
+def reference_name(name: str) -> str:
+    """The reference's name of a `ParallelTransformer` parameter (``blocks.0.attn.q_weight``
+    -> ``blocks.0.attn.q.weight``): how its gradient is compared with the reference's."""
+    pairs = [(f".attn.{p}_weight", f".attn.{p}.weight") for p in "qkvo"]
+    pairs += [(f".mlp.{p}_weight", f".mlp.{p}.weight") for p in ("gate", "up", "down")]
+    pairs.append((".mlp.router_weight", ".mlp.router"))
+    for ours, theirs in pairs:
+        if name.endswith(ours):
+            return name[: -len(ours)] + theirs
+    return name
+
+
 # --- the parallel model ------------------------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ from fusedpar.testing import assert_close, exception_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from tiny_llama import Config, ParallelTransformer, Transformer  # noqa: E402
+from tiny_llama import Config, ParallelTransformer, Transformer, reference_name  # noqa: E402
 
 SEQ, BATCH = 16, 2
 
@@ -58,16 +58,6 @@ def _batch(cfg, seed, mesh=None):
     return data[:, :-1], data[:, 1:]
 
 
-def _reference_name(name: str) -> str:
-    pairs = [(f".attn.{p}_weight", f".attn.{p}.weight") for p in "qkvo"]
-    pairs += [(f".mlp.{p}_weight", f".mlp.{p}.weight") for p in ("gate", "up", "down")]
-    pairs.append((".mlp.router_weight", ".mlp.router"))
-    for ours, theirs in pairs:
-        if name.endswith(ours):
-            return name[: -len(ours)] + theirs
-    return name
-
-
 def _total_loss(loss, mesh):
     """The shares of every rank summed, averaged over the dp batches."""
     total = loss.detach().clone()
@@ -90,7 +80,7 @@ def _run_one_step(moe, seed, dp, fsdp, ulysses=1, tp=2):
     ref64_params = dict(reference64.named_parameters())
     checked = 0
     for name, param in model.named_parameters():
-        theirs = _reference_name(name)
+        theirs = reference_name(name)
         full = param.grad.full_tensor()  # no list of names: the parameters carry it
         assert_close(full, ref64_params[theirs].grad, ref_params[theirs].grad, name=name)
         checked += 1

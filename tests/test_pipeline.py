@@ -18,7 +18,7 @@ from fusedpar.testing import assert_close, exception_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from tiny_llama import Config, ParallelTransformer, Transformer  # noqa: E402
+from tiny_llama import Config, ParallelTransformer, Transformer, reference_name  # noqa: E402
 
 SEQ, BATCH = 8, 8
 
@@ -26,16 +26,6 @@ SEQ, BATCH = 8, 8
 def _config(moe: bool, layers: int) -> Config:
     return Config(vocab=64, d_model=16, n_layers=layers, n_heads=2, n_kv_heads=2, d_hidden=16,
                   num_experts=4 if moe else 0, top_k=2)  # fmt: skip
-
-
-def _reference_name(name: str) -> str:
-    pairs = [(f".attn.{p}_weight", f".attn.{p}.weight") for p in "qkvo"]
-    pairs += [(f".mlp.{p}_weight", f".mlp.{p}.weight") for p in ("gate", "up", "down")]
-    pairs.append((".mlp.router_weight", ".mlp.router"))
-    for ours, theirs in pairs:
-        if name.endswith(ours):
-            return name[: -len(ours)] + theirs
-    return name
 
 
 def _reference(cfg: Config, seed: int) -> Transformer:
@@ -90,7 +80,7 @@ def _run_step(degrees, schedule, moe=False, layers=2, fsdp=False, seed=0):
     ref32, ref64 = dict(reference.named_parameters()), dict(reference64.named_parameters())
     names = []
     for name, param in pipe.model.named_parameters():
-        theirs = _reference_name(name)
+        theirs = reference_name(name)
         assert_close(param.grad.full_tensor(), ref64[theirs].grad, ref32[theirs].grad, name=name)
         names.append(theirs)
     gathered = [None] * dist.get_world_size()
