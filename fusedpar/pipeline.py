@@ -22,9 +22,14 @@ schedule by name). What it asks of the model is torchtitan's contract:
 
 So the model's forward skips what is None, and returns the last stage's output for
 `loss_fn(output, target)` (the example model's forward returns logits when given no
-labels). A stage module is a shallow copy of the model: its parameters are the model's
-own, under the unsplit model's names (``blocks.3.attn.q_weight`` on whichever stage
-holds block 3), so checkpoints load across pipeline layouts. `Pipeline.model` holds all
+labels). Names may be dotted paths; a model's ``pipeline_layout`` (layers, first, last)
+gives the defaults. A Hugging Face model converted by `parallelize` is taken as it is
+(`fusedpar.integrations.hf_pipeline`). Parameters both ends hold (tied embeddings) get
+their gradients summed over pp after each step.
+
+A stage module is a shallow copy of the model: its parameters are the model's own,
+under the unsplit model's names (``blocks.3.attn.q_weight`` on whichever stage holds
+block 3), so checkpoints load across pipeline layouts. `Pipeline.model` holds all
 of this rank's stages at once (several for the interleaved and V schedules): distribute
 it, build the optimizer on it, save and load it.
 
@@ -62,6 +67,7 @@ SCHEDULES = {  # name: how its stages sit on the pipeline ranks
     "ZBVZeroBubble": "v", "DualPipeV": "v",
 }  # fmt: skip
 LOSS_REDUCTIONS = ("mean", "sum")
+DEFAULT_LAYOUT = ("blocks", ("embed",), ("norm", "head"))  # layers, first, last
 
 
 class PassThrough(nn.Module):
@@ -128,36 +134,63 @@ def _shallow_copy(module: nn.Module) -> nn.Module:
     return twin
 
 
+def module_at(root: nn.Module, path: str):
+    """The module at dotted `path` under `root` (None where a stage leaves it out)."""
+    module = root
+    for name in path.split("."):
+        module = module._modules.get(name) if module is not None else None
+    return module
+
+
+def _put(root: nn.Module, path: str, value, copies: dict) -> None:
+    """Set dotted `path` under `root` (a stage's own copy) to `value`, shallow-copying the
+    modules on the way (once each, kept in `copies`) so the model itself is untouched."""
+    *parents, leaf = path.split(".")
+    module, prefix = root, ""
+    for name in parents:
+        prefix = f"{prefix}.{name}" if prefix else name
+        if prefix not in copies:
+            copies[prefix] = module._modules[name] = _shallow_copy(module._modules[name])
+        module = copies[prefix]
+    module._modules[leaf] = value
+
+
 def stage_module(model: nn.Module, stage: int, num_stages: int, layers: str, first, last):
     """A shallow copy of `model` holding stage `stage`'s blocks (the others pass through),
-    the `first` modules in stage 0 and the `last` in the final stage (None elsewhere)."""
-    blocks = getattr(model, layers)
+    the `first` modules in stage 0 and the `last` in the final stage (None elsewhere).
+    Names may be dotted paths ("model.layers")."""
+    blocks = module_at(model, layers)
     per_stage = len(blocks) // num_stages
     mine = range(stage * per_stage, (stage + 1) * per_stage)
-    part = _shallow_copy(model)
-    part._modules[layers] = nn.ModuleList(
-        block if i in mine else PassThrough() for i, block in enumerate(blocks)
-    )
+    part, copies = _shallow_copy(model), {}
+    _put(part, layers, nn.ModuleList(block if i in mine else PassThrough()
+                                     for i, block in enumerate(blocks)), copies)  # fmt: skip
     for names, holder in ((first, 0), (last, num_stages - 1)):
         for name in names:
             if stage != holder:
-                part._modules[name] = None
+                _put(part, name, None, copies)
     return part
 
 
-def _merged(parts: list[nn.Module], layers: str) -> nn.Module:
+def _merged(parts: list[nn.Module], layers: str, paths) -> nn.Module:
     """One module holding every part (this rank's stages), the unsplit model's names."""
-    whole = _shallow_copy(parts[0])
-    merged = list(getattr(parts[0], layers))
+    whole, copies = _shallow_copy(parts[0]), {}
+    merged = list(module_at(parts[0], layers))
     for part in parts[1:]:
-        for i, block in enumerate(getattr(part, layers)):
+        for i, block in enumerate(module_at(part, layers)):
             if not isinstance(block, PassThrough):
                 merged[i] = block
-        for name, module in part._modules.items():
-            if name != layers and module is not None:
-                whole._modules[name] = module
-    whole._modules[layers] = nn.ModuleList(merged)
+        for path in paths:
+            if module_at(part, path) is not None:
+                _put(whole, path, module_at(part, path), copies)
+    _put(whole, layers, nn.ModuleList(merged), copies)
     return whole
+
+
+def _tied(model: nn.Module, first, last) -> list[nn.Parameter]:
+    """Parameters both a `first` and a `last` module hold (tied embeddings)."""
+    held = {id(p) for name in first for p in module_at(model, name).parameters()}
+    return [p for name in last for p in module_at(model, name).parameters() if id(p) in held]
 
 
 @dataclass
@@ -171,6 +204,8 @@ class Pipeline:
     microbatches: int
     num_stages: int
     stage_ids: list[int] = field(default_factory=list)
+    tied: list = field(default_factory=list)  # held by the first and last stage's ranks
+    pp_group: object = None
 
     @property
     def has_first(self) -> bool:
@@ -180,13 +215,16 @@ class Pipeline:
     def has_last(self) -> bool:
         return self.num_stages - 1 in self.stage_ids
 
-    def step(self, *inputs, target=None) -> list | None:
+    def step(self, *inputs, target=None, **kwargs) -> list | None:
         """One forward and backward of the batch through the schedule: `inputs` go to the
-        first stage, `target` to `loss_fn` on the last (every rank passes the same batch;
-        each uses its part). Returns the microbatches' losses on the ranks of the last
-        stage, None elsewhere. Gradients accumulate in the parameters, as backward's do."""
-        for what, t in (*((f"input {i}", t) for i, t in enumerate(inputs)), ("target", target)):
-            if t is not None and (t.dim() == 0 or t.shape[0] % self.microbatches):
+        first stage, `kwargs` to every stage (a packed batch's position_ids, say),
+        `target` to `loss_fn` on the last (every rank passes the same batch; each uses
+        its part). Returns the microbatches' losses on the ranks of the last stage, None
+        elsewhere. Gradients accumulate in the parameters, as backward's do."""
+        named = (*((f"input {i}", t) for i, t in enumerate(inputs)), *kwargs.items(),
+                 ("target", target))  # fmt: skip
+        for what, t in named:
+            if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] % self.microbatches):
                 shape = tuple(t.shape)
                 raise ValueError(f"pipeline step: {what} {shape} does not split into "
                                  f"{self.microbatches} microbatches along dim 0 (the "
@@ -197,28 +235,57 @@ class Pipeline:
         # one order on every rank (the split backwards accumulate in no fixed order)
         with deferred_grad_reduction(self.model):
             self.schedule.step(*args, target=target if self.has_last else None, losses=losses,
-                               return_outputs=False)  # fmt: skip
+                               return_outputs=False, **kwargs)  # fmt: skip
+        self._sum_tied_grads()
         return losses
+
+    def _sum_tied_grads(self) -> None:
+        """A tied embedding's gradient is the sum of the first stage's (embedding) and the
+        last's (head), which different pipeline ranks hold: one all-reduce over pp."""
+        import torch.distributed as dist
+
+        mine = {id(p) for p in self.model.parameters()}
+        for param in self.tied:
+            grad = param.grad
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            if local is None:
+                local = torch.zeros_like(param.to_local() if hasattr(param, "to_local") else param)
+            dist.all_reduce(local, group=self.pp_group)
+            if grad is None and id(param) in mine:
+                param.grad = local
 
 
 def split(model: nn.Module, dims, mesh, *, schedule: str = "1F1B", microbatches=None,
           loss_fn=None, loss_reduction: str = "mean", stages_per_rank: int = 2,
-          layers: str = "blocks", first=("embed",), last=("norm", "head")) -> Pipeline:  # fmt: skip
+          layers: str | None = None, first=None, last=None) -> Pipeline:  # fmt: skip
     """Cut `model` into the stages of `schedule` over the "pp" axis of `mesh` and build
     the schedule (see the module doc). `microbatches` defaults to the number of stages.
-    Every rank builds the whole model (with its stage's groups) and calls this."""
+    Every rank builds the whole model (with its stage's groups) and calls this.
+
+    `layers`, `first` and `last` (dotted paths allowed) default to the model's
+    ``pipeline_layout`` if it has one, else ("blocks", ("embed",), ("norm", "head")). A
+    model converted by `fusedpar.integrations.hf.parallelize` is taken as it is: its
+    decoder runs as `hf_pipeline.DecoderStages`, `loss_fn` defaulting to its loss."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import (
         PipelineScheduleSingle,
         get_schedule_class,
     )
 
-    blocks = getattr(model, layers, None)
+    if hasattr(model, "_fusedpar_batch"):  # a Hugging Face model, parallelize()d
+        from fusedpar.integrations.hf_pipeline import DecoderStages
+
+        model = DecoderStages(model)
+        loss_fn = model.loss if loss_fn is None else loss_fn
+    default = getattr(model, "pipeline_layout", DEFAULT_LAYOUT)
+    given = (layers, first, last)
+    layers, first, last = (g if g is not None else d for g, d in zip(given, default, strict=True))
+    blocks = module_at(model, layers)
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"split: {type(model).__name__}.{layers} must be an nn.ModuleList of "
                          f"the blocks, got {type(blocks).__name__}")  # fmt: skip
     for name in (*first, *last):
-        if not isinstance(getattr(model, name, None), nn.Module):
+        if not isinstance(module_at(model, name), nn.Module):
             raise ValueError(f"split: {type(model).__name__} has no module {name!r}")
     own = [name for name, p in model._parameters.items() if p is not None]
     if own:
@@ -229,9 +296,15 @@ def split(model: nn.Module, dims, mesh, *, schedule: str = "1F1B", microbatches=
     pp, pp_rank = comm.group_size(pp_group), comm.group_rank(pp_group)
     num_stages = stage_count(schedule, pp, stages_per_rank)
     microbatches = num_stages if microbatches is None else microbatches
-    check_pipeline(schedule, pp, len(blocks), microbatches, stages_per_rank,
-                                loss_reduction)  # fmt: skip
-    stage_ids = stages_of(schedule, pp_rank, pp, num_stages // pp)
+    check_pipeline(schedule, pp, len(blocks), microbatches, stages_per_rank, loss_reduction)
+    if SCHEDULES[schedule] == "v" and _tied(model, first, last):
+        # measured: the tied weight's gradient 5e-2 off (GPT-2, ZBVZeroBubble and DualPipeV)
+        raise ValueError(f"split: {schedule} puts the first and the last stage on one rank, "
+                         "and torch's split backward (input, then weight) gets a weight "
+                         "that two stages of a rank share wrong: untie the embeddings "
+                         "(tie_word_embeddings=False) or take another schedule")  # fmt: skip
+    per_rank = num_stages // pp
+    stage_ids = stages_of(schedule, pp_rank, pp, per_rank)
     parts = [stage_module(model, s, num_stages, layers, first, last) for s in stage_ids]
     device = next(model.parameters()).device
     group = None if pp_group is None else pp_group.get_group()
@@ -243,8 +316,11 @@ def split(model: nn.Module, dims, mesh, *, schedule: str = "1F1B", microbatches=
         runner = cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=scale)
     else:
         runner = cls(stages, microbatches, loss_fn=loss_fn, scale_grads=scale)
-    return Pipeline(runner, stages, parts, _merged(parts, layers), microbatches, num_stages,
-                    stage_ids)  # fmt: skip
+    tied = [] if pp == 1 else _tied(model, first, last)
+    if SCHEDULES[schedule] == "v":  # one rank holds both ends: its stages share the weight
+        tied = []
+    return Pipeline(runner, stages, parts, _merged(parts, layers, (*first, *last)),
+                    microbatches, num_stages, stage_ids, tied, group)  # fmt: skip
 
 
 def stage_losses_total(losses: list | None, reduction: str = "mean", device=None):

@@ -203,9 +203,10 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
     else:
         mesh = mesh if mesh is not None else dims.build_mesh(next(model.parameters()).device.type)
         groups = dims.groups(mesh)
+    stage_mesh = None if dims is None else dims.stage_mesh(mesh)  # mesh without "pp"
     rotary_emb = getattr(decoder, "rotary_emb", None)  # None: learned absolute positions
     forward_args = list(inspect.signature(model.forward).parameters)
-    state = _Batch(batch, mesh, groups, forward_args)
+    state = _Batch(batch, stage_mesh, groups, forward_args)
     for i, layer in enumerate(layers):
         attn = _attention(i, getattr(layer, attention), config, groups, rotary_emb)
         attn._fusedpar_batch = state  # the call's packed documents
@@ -217,7 +218,7 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
     model.register_forward_hook(_add_loss, with_kwargs=True, always_call=True)
     if dims is None:
         return None
-    distribute(model, mesh)
+    distribute(model, stage_mesh)  # a stage's parameters on its sub-mesh under pp
     return mesh
 
 
@@ -266,7 +267,7 @@ def _take_batch(module, args, kwargs):
         raise ValueError("a model converted by fusedpar is causal over whole sequences: no "
                          "padding (attention_mask may be left out or all ones)")  # fmt: skip
     if positions is not None:
-        state.cu_seqlens = packed_documents(positions, tokens)
+        state.cu_seqlens = packed_documents(positions, tokens.shape[:2])
     labels, shifted = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
     if labels is not None and shifted is not None:
         raise ValueError("pass labels or shift_labels, not both")
@@ -290,14 +291,15 @@ def _take_batch(module, args, kwargs):
     return (), kwargs
 
 
-def packed_documents(positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
+def packed_documents(positions: torch.Tensor, shape) -> torch.Tensor | None:
     """The documents of a packed batch, as Hugging Face's packing collators give them
     (``DataCollatorWithFlattening``): position_ids (1, S) that restart at 0 at each
     document's start and rise by 1 within it. Returns cu_seqlens (int32; None for one
-    whole sequence, ``0..S-1``). Anything else (offsets, padding) raises."""
-    seq = tokens.shape[1]
+    whole sequence, ``0..S-1``), for a batch of `shape` (B, S). Anything else (offsets,
+    padding) raises."""
+    batch, seq = shape
     if positions.shape[-1] != seq or positions.dim() > 2:
-        raise ValueError(f"position_ids must be (B, S) = {tuple(tokens.shape[:2])}, got "
+        raise ValueError(f"position_ids must be (B, S) = {(batch, seq)}, got "
                          f"{tuple(positions.shape)}")  # fmt: skip
     expected = torch.arange(seq, device=positions.device)
     positions = positions.reshape(-1, seq)
@@ -309,10 +311,10 @@ def packed_documents(positions: torch.Tensor, tokens: torch.Tensor) -> torch.Ten
         raise ValueError("position_ids must be 0..S-1, or restart at 0 at each packed "
                          "document's start and rise by 1 within it (no offsets, no "
                          "padding)")  # fmt: skip
-    if positions.shape[0] != 1 or tokens.shape[0] != 1:
+    if positions.shape[0] != 1 or batch != 1:
         raise ValueError("packed documents (position_ids that restart) take one sequence "
                          f"(B = 1), as Hugging Face's flattening collator makes; got B = "
-                         f"{tokens.shape[0]}")  # fmt: skip
+                         f"{batch}")  # fmt: skip
     p = positions[0]
     bounds = torch.cat([starts[0].nonzero().flatten(), p.new_tensor([seq])])
     return bounds.to(torch.int32)

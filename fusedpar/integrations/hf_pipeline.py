@@ -1,0 +1,106 @@
+"""A `parallelize`d Hugging Face decoder cut into pipeline stages.
+
+    dims = fp.ParallelDims(pp=2, tp=2)
+    mesh = parallelize(model, dims)             # each stage's parameters on its sub-mesh
+    pipe = fp.pipeline.split(model, dims, mesh, schedule="1F1B", microbatches=4)
+    losses = pipe.step(input_ids, target=input_ids)   # labels as Hugging Face takes them
+
+Hugging Face's forward runs every module it has, so `split` runs the decoder as
+`DecoderStages`: the model's own modules under their own names (a checkpoint is the
+same at any pipeline layout), and a forward that skips what a stage leaves out.
+
+| stage holds          | forward                                                    |
+| -------------------- | ---------------------------------------------------------- |
+| the embeddings       | input_ids (B, S), the whole microbatch -> this rank's      |
+| (first)              | tokens (`local_tokens`), embedded (+ learned positions)    |
+| blocks i..j          | hidden (B, S_loc, d) -> each decoder layer in turn         |
+| norm and head (last) | -> logits (B, S_loc, V), soft-capped where the model does  |
+
+``position_ids`` of a packed batch go to every stage (a keyword of `Pipeline.step`):
+each derives the documents from them, nothing but the hidden state is sent. The loss
+(`DecoderStages.loss`) takes Hugging Face's labels (B, S), shifts them over the whole
+sequence and returns this rank's tokens' share of the microbatch's mean: summed over
+the ranks of a stage it is the microbatch's loss. Only ``batch="full"`` is taken.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusedpar.integrations.hf import (
+    _check_same_batch,
+    _positions,
+    check_shards,
+    local_tokens,
+    packed_documents,
+)
+from fusedpar.pipeline import module_at
+
+LLAMA_TREE = ("model.embed_tokens", None, "model.layers", "model.norm", "lm_head")
+TREES = {  # model_type: (embeddings, learned positions, blocks, final norm, head)
+    "gpt2": ("transformer.wte", "transformer.wpe", "transformer.h", "transformer.ln_f",
+             "lm_head"),
+    "gpt_neox": ("gpt_neox.embed_in", None, "gpt_neox.layers", "gpt_neox.final_layer_norm",
+                 "lm_head"),
+}  # fmt: skip
+
+
+class DecoderStages(nn.Module):
+    """The modules of a converted causal LM `model`, under its names, run as a pipeline
+    stage (see the module doc); ``pipeline_layout`` tells `split` where they are."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self._modules.update(model._modules)  # the model's names: checkpoints agree
+        self.config, self.batch = model.config, model._fusedpar_batch
+        if self.batch.kind != "full":
+            raise ValueError("a pipelined Hugging Face model takes the whole batch: "
+                             "parallelize it with batch='full'")  # fmt: skip
+        tree = TREES.get(self.config.model_type, LLAMA_TREE)
+        self.embed, self.learned_positions, self.blocks, self.norm, self.head = tree
+        first = (self.embed,) if self.learned_positions is None else tree[:2]
+        self.pipeline_layout = (self.blocks, first, (self.norm, self.head))
+
+    def _part(self, path: str | None):
+        return None if path is None else module_at(self, path)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None):
+        """x: input_ids (B, S) in the first stage, else the hidden state (B, S_loc, d)."""
+        state, groups = self.batch, self.batch.groups
+        embed = self._part(self.embed)
+        if embed is not None and x.dim() != 2:
+            raise ValueError(f"the first stage takes input_ids (B, S), got {tuple(x.shape)}")
+        seq = x.shape[1] if embed is not None else x.shape[1] * state.ranks()
+        shape = (x.shape[0], seq)
+        state.cu_seqlens = None if position_ids is None else packed_documents(position_ids, shape)
+        if embed is not None:
+            check_shards(seq, groups)
+            if state.mesh is not None:  # the ranks of this stage got one microbatch
+                given = [x] if position_ids is None else [x, position_ids]
+                _check_same_batch(given, state.mesh)
+            x = embed(local_tokens(x, groups))  # (B, S_loc, d)
+            learned = self._part(self.learned_positions)
+            if learned is not None:
+                positions = (_positions(seq, x, state) if state.cu_seqlens is None
+                             else local_tokens(position_ids.expand(1, seq), groups))  # fmt: skip
+                x = x + learned(positions)
+        for layer in self._part(self.blocks):
+            out = layer(x)
+            x = out[0] if isinstance(out, tuple) else out
+        norm, head = self._part(self.norm), self._part(self.head)
+        if norm is not None:
+            x = norm(x)
+        if head is not None:
+            x = head(x)
+            cap = getattr(self.config, "final_logit_softcapping", None)
+            x = x if cap is None else torch.tanh(x / cap) * cap
+        return x
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the microbatch's mean loss: `labels` (B, S) as Hugging
+        Face takes them (shifted here, over the whole sequence), logits (B, S_loc, V)."""
+        shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+        mine = local_tokens(shifted, self.batch.groups)
+        total = F.cross_entropy(logits.flatten(0, 1).float(), mine.flatten(), ignore_index=-100,
+                                reduction="sum")  # fmt: skip
+        return total / (shifted != -100).sum().clamp(min=1)
