@@ -317,10 +317,16 @@ def split(model: nn.Module, dims, mesh, *, schedule: str = "1F1B", microbatches=
     else:
         runner = cls(stages, microbatches, loss_fn=loss_fn, scale_grads=scale)
     tied = [] if pp == 1 else _tied(model, first, last)
-    if SCHEDULES[schedule] == "v":  # one rank holds both ends: its stages share the weight
-        tied = []
-    return Pipeline(runner, stages, parts, _merged(parts, layers, (*first, *last)),
-                    microbatches, num_stages, stage_ids, tied, group)  # fmt: skip
+    merged = _merged(parts, layers, (*first, *last))
+    if tied and stage_ids[0] == num_stages - 1:
+        # the ranks of the last stage hold a tied weight under the first stage's name (the
+        # unsplit model's first), so the optimizer's state has one name in a checkpoint
+        ids = {id(p) for p in tied}
+        for name in first:
+            if any(id(p) in ids for p in module_at(model, name).parameters()):
+                _put(merged, name, module_at(model, name), {})
+    return Pipeline(runner, stages, parts, merged, microbatches, num_stages, stage_ids, tied,
+                    group)  # fmt: skip
 
 
 def stage_losses_total(losses: list | None, reduction: str = "mean", device=None):

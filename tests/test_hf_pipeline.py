@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from test_hf import DOCUMENTS, SEQ, SPANS, VOCAB, _model, _reference_grad
+from test_pipeline import _assert_equal, _gathered, _union
 
 import fusedpar as fp
 from fusedpar.pipeline import SCHEDULES, stage_losses_total
@@ -85,3 +86,38 @@ def _refused(family, schedule, batch):
 def test_what_a_pipeline_would_get_wrong_is_refused(world, family, schedule, batch, match):
     for e in world(4).run(exception_of, _refused, family, schedule, batch):
         assert isinstance(e, ValueError) and re.search(match, str(e)), repr(e)
+
+
+def _save_or_load(degrees, save_to=None, load_from=None):
+    """GPT-2 (tied embeddings) at `degrees`: one AdamW step, or a checkpoint loaded; then
+    saved. This rank's parameters and moments, as full tensors."""
+    dims = fp.ParallelDims(**degrees)
+    model = _model("gpt2", 0, num_hidden_layers=2)
+    mesh = hf.parallelize(model, dims)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    if dims.pp > 1:
+        pipe = fp.pipeline.split(model, dims, mesh)
+        model = pipe.model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if load_from is not None:
+        fp.checkpoint.load(load_from, model, optimizer)
+    elif dims.pp > 1:
+        pipe.step(ids, target=ids)
+    else:
+        model(input_ids=ids, labels=ids).loss.backward()
+    if load_from is None:
+        optimizer.step()
+    if save_to is not None:
+        fp.checkpoint.save(save_to, model, optimizer)
+    return _gathered(model, optimizer)
+
+
+def test_checkpoints_reshard_between_pipeline_layouts_bitwise(world, tmp_path):
+    """PP2 x TP2 -> CP2 x TP2 -> PP2 x TP2: the tied weight and its moments under the
+    unsplit model's one name, whichever stage's ranks save them."""
+    pp2, pp1 = dict(pp=2, tp=2), dict(cp=2, tp=2)
+    first, second = str(tmp_path / "pp2"), str(tmp_path / "pp1")
+    trained = _union(world(4).run(_save_or_load, pp2, first))
+    assert "transformer.wte.weight.exp_avg" in trained and "lm_head.weight" not in trained
+    _assert_equal(world(4).run(_save_or_load, pp1, second, first)[0], trained)
+    _assert_equal(_union(world(4).run(_save_or_load, pp2, None, second)), trained)
