@@ -3,7 +3,15 @@
 import importlib
 import sys
 
-FAMILIES = ["matmul", "attention", "linear", "ring_attention", "context_parallel", "moe"]
+FAMILIES = [
+    "matmul",
+    "attention",
+    "linear",
+    "ring_attention",
+    "context_parallel",
+    "moe",
+    "host_overhead",
+]
 
 
 def main(argv: list[str]) -> None:

@@ -126,7 +126,11 @@ def environment() -> dict:
     import fusedpar
 
     env = {
-        "device": torch.cuda.get_device_name(),
+        "device": (
+            torch.cuda.get_device_name()
+            if torch.cuda.is_available()
+            else f"CPU ({os.cpu_count()} cores)"
+        ),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,

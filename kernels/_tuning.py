@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 import triton
 from fusedpar.kernels import _impl
+from fusedpar.kernels._common import next_power_of_2
 
 _FROZEN = contextvars.ContextVar("fusedpar_tuning_frozen", default=None)
 _FORCED = contextvars.ContextVar("fusedpar_tuning_forced", default=None)
@@ -55,7 +56,7 @@ _TUNERS: dict[str, Tuner] = {}
 
 def bucket(n: int) -> int:
     """The tuning bucket of a length: the next power of two (0 stays 0)."""
-    return triton.next_power_of_2(n) if n > 0 else 0
+    return next_power_of_2(n) if n > 0 else 0
 
 
 @dataclass(frozen=True)

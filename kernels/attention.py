@@ -32,11 +32,13 @@ import triton
 import triton.language as tl
 from fusedpar.kernels import _impl, _tuning, attention_torch
 from fusedpar.kernels._common import (
+    cdiv,
     check_float_dtype,
     check_launchable,
     device_guard,
     fp32_dot_precision,
     is_interpreted,
+    next_power_of_2,
     tma_paths,
 )
 from fusedpar.kernels._tuning import Agreement, bucket
@@ -69,7 +71,7 @@ def tile_configs(table: dict, head_dim: int, dtype: torch.dtype,
     """The configs of `table` ``{(padded head dim, "fp32" or "16-bit"): [(BLOCK_M, BLOCK_N,
     num_stages, num_warps[, modes it is left out of]), ...]}`` for one head dim and dtype
     and a call's `modes` (`kernel_modes`)."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     size = "fp32" if dtype == torch.float32 else "16-bit"
     tiles = table[(max(64, block_d), size)]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=s, num_warps=w)
@@ -121,8 +123,8 @@ def forward_configs(head_dim: int, dtype: torch.dtype,
 
 def _prune_configs(configs, Sq: int, Skv: int):
     """Drop tiles far larger than the sequences; keep at least the smallest."""
-    limit_m = max(32, triton.next_power_of_2(Sq))
-    limit_n = max(32, triton.next_power_of_2(Skv))
+    limit_m = max(32, next_power_of_2(Sq))
+    limit_n = max(32, next_power_of_2(Skv))
     kept = [c for c in configs if c.kwargs["BLOCK_M"] <= limit_m and c.kwargs["BLOCK_N"] <= limit_n]
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
@@ -367,7 +369,7 @@ def kernel_meta(q: torch.Tensor, *, intervals: bool = False, softcap: bool = Fal
     D = q.shape[-1]
     return dict(
         HEAD_DIM=D,
-        BLOCK_D=max(16, triton.next_power_of_2(D)),  # tl.dot needs K >= 16
+        BLOCK_D=max(16, next_power_of_2(D)),  # tl.dot needs K >= 16
         INTERVALS=intervals,
         SOFTCAP=softcap,
         INPUT_PRECISION=fp32_dot_precision() if q.dtype == torch.float32 else "tf32",
@@ -408,7 +410,7 @@ def mask_arguments(q, k, *, causal, window, softcap, softmax_scale, intervals, s
 
 def interpreter_blocks(Sq: int, Skv: int) -> dict:
     def block(n):
-        return min(INTERPRETER_MAX_BLOCK, max(16, triton.next_power_of_2(n)))
+        return min(INTERPRETER_MAX_BLOCK, max(16, next_power_of_2(n)))
 
     return {"BLOCK_M": block(Sq), "BLOCK_N": block(Skv)}
 
@@ -520,7 +522,7 @@ def attention_forward(
     )  # fmt: skip
 
     def grid(meta):
-        return (triton.cdiv(Sq, meta["BLOCK_M"]), B, Hq)
+        return (cdiv(Sq, meta["BLOCK_M"]), B, Hq)
 
     # A merging launch reads its output: tuning must put it back (scratch when tune_only).
     restore = [out, lse] if merge and not tune_only else []

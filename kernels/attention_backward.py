@@ -25,9 +25,11 @@ import triton
 import triton.language as tl
 from fusedpar.kernels import _impl, attention_torch
 from fusedpar.kernels._common import (
+    cdiv,
     check_launchable,
     device_guard,
     is_interpreted,
+    next_power_of_2,
     sm_count,
     tma_paths,
 )
@@ -370,9 +372,9 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
         return delta
     block_m = 64 if not is_interpreted(_bwd_delta_kernel) else interpreter_blocks(Sq, 1)["BLOCK_M"]
     with device_guard(out):
-        _bwd_delta_kernel[(triton.cdiv(Sq, block_m), B, Hq)](
+        _bwd_delta_kernel[(cdiv(Sq, block_m), B, Hq)](
             out, dout, delta, *strides(out), *strides(dout), Sq, Hq,
-            HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m,
+            HEAD_DIM=D, BLOCK_D=max(16, next_power_of_2(D)), BLOCK_M=block_m,
         )  # fmt: skip
     return delta
 
@@ -392,11 +394,11 @@ def gqa_split(B: int, Skv: int, Hkv: int, group: int, q: torch.Tensor) -> int:
     below = SPLIT_BELOW_PROGRAMS
     if below is None:
         below = 2 * sm_count(q.device) if q.device.type == "cuda" else 0
-    programs = max(1, triton.cdiv(Skv, _largest_key_block(q.shape[-1], q.dtype)) * B * Hkv)
+    programs = max(1, cdiv(Skv, _largest_key_block(q.shape[-1], q.dtype)) * B * Hkv)
     if group == 1 or programs >= below:
         return 1
-    split = min(group, triton.cdiv(below, programs))
-    return triton.cdiv(group, triton.cdiv(group, split))  # no slice left without a head
+    split = min(group, cdiv(below, programs))
+    return cdiv(group, cdiv(group, split))  # no slice left without a head
 
 
 def _partials(shape, device: torch.device) -> torch.Tensor:
@@ -491,7 +493,7 @@ def attention_backward_dkdv(
     meta = {**meta, "ACCUMULATE": adds, "TMA": tma, "OUT_TMA": out_tma}
 
     def grid(meta):
-        return (triton.cdiv(Skv, meta["BLOCK_N"]), B, Hkv * split)
+        return (cdiv(Skv, meta["BLOCK_N"]), B, Hkv * split)
 
     # (split > 1 writes partials, summed below: a torch pick would write dk, dv itself)
     capable = split == 1 and attention_torch.capable_on_cuda(q, k)
@@ -563,7 +565,7 @@ def attention_backward_dq(
     meta = {**meta, "ACCUMULATE": accumulate, "TMA": tma}
 
     def grid(meta):
-        return (triton.cdiv(Sq, meta["BLOCK_M"]), B, Hq)
+        return (cdiv(Sq, meta["BLOCK_M"]), B, Hq)
 
     launch(_attn_bwd_dq_kernel, dq_configs, grid, args, meta, Sq, Skv,
            restore=[dq] if accumulate and not tune_only else [], agreement=agreement,

@@ -28,7 +28,13 @@ import torch
 import triton
 import triton.language as tl
 from fusedpar.kernels import _impl, attention_torch
-from fusedpar.kernels._common import check_launchable, device_guard, is_interpreted
+from fusedpar.kernels._common import (
+    cdiv,
+    check_launchable,
+    device_guard,
+    is_interpreted,
+    next_power_of_2,
+)
 
 # One program merges BLOCK_S rows of one (batch, head): rows are D-wide, so 64 rows keep
 # a (64, 256) fp32 tile at most in registers.
@@ -108,13 +114,11 @@ def merge_attention(
     if out.numel() == 0:
         return
     block_s = (
-        BLOCK_S
-        if not is_interpreted(_merge_kernel)
-        else min(BLOCK_S, max(16, triton.next_power_of_2(S)))
+        BLOCK_S if not is_interpreted(_merge_kernel) else min(BLOCK_S, max(16, next_power_of_2(S)))
     )
     with device_guard(out):
-        _merge_kernel[(triton.cdiv(S, block_s), B, H)](
+        _merge_kernel[(cdiv(S, block_s), B, H)](
             out, lse, block_out, block_lse,
             *out.stride(), *lse.stride(), *block_out.stride(), *block_lse.stride(),
-            S, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_S=block_s,
+            S, HEAD_DIM=D, BLOCK_D=max(16, next_power_of_2(D)), BLOCK_S=block_s,
         )  # fmt: skip

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from fusedpar.kernels import matmul as matmul_module
 from fusedpar.kernels.matmul import matmul, matmul_reference
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -99,7 +100,26 @@ def test_tma_and_pointer_paths_agree_bitwise(monkeypatch, a_t, b_t, mode):
 
     with_tma = run()
     monkeypatch.setattr(_common, "tma_compatible", lambda *tensors: False)
+    monkeypatch.setattr(matmul_module, "_PLANS", {})  # planned again, without TMA
     assert torch.equal(with_tma, run())
+
+
+def test_a_call_is_checked_and_planned_once_per_signature(monkeypatch, triton_kernels):
+    """The checks and launch parameters of a call are worked out on the first call of its
+    signature (shapes, strides, dtypes, alignment, flags) and looked up after; a call
+    that differs in any of them is checked and planned anew, and computes right."""
+    checks = []
+    check = matmul_module._check_operands
+    monkeypatch.setattr(matmul_module, "_check_operands", lambda *a: checks.append(1) or check(*a))
+    monkeypatch.setattr(matmul_module, "_PLANS", {})
+    a, b = randn((24, 40), torch.float32, 0), randn((40, 16), torch.float32, 1)
+    for operands in [(a, b), (a, b), (a, b.t().contiguous().t()), (a[:, 8:], b[8:]),
+                     (a.half(), b.half())]:  # fmt: skip
+        expected = matmul_reference(*(t.double() for t in operands))
+        assert_close(matmul(*operands).double(), expected, matmul_reference(*operands).double())
+    assert len(checks) == 4  # the second call was looked up
+    with pytest.raises(ValueError, match=r"\(24, 40\).*\(24, 16\)"):
+        matmul(a, a[:, :16])  # a new signature: checked, and refused
 
 
 @pytest.mark.parametrize(
@@ -141,6 +161,7 @@ def test_matmul_gpu(dtype, M, N, K, path, monkeypatch):
         from fusedpar.kernels import _common
 
         monkeypatch.setattr(_common, "tma_compatible", lambda *tensors: False)
+    monkeypatch.setattr(matmul_module, "_PLANS", {})  # the path is planned per signature
     with fp.implementation("torch" if path == "torch" else "triton"):
         check_matmul_gpu(dtype, M, N, K)
 

@@ -39,6 +39,7 @@ from fusedpar.kernels.attention_mask import (
     check_window,
     packed_intervals,
 )
+from fusedpar.ops.registration import autograd_op, direct_op
 
 # --- custom ops: fusedpar::flash_attn and its backward ---------------------------------
 # The mask crosses the op boundary as plain values: (causal, window) for one sequence,
@@ -101,11 +102,12 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = _flash_attn_backward_op(dout, dlse, q, k, v, out, lse, cu_q, cu_k, *ctx.options)
+    dq, dk, dv = _flash_attn_backward(dout, dlse, q, k, v, out, lse, cu_q, cu_k, *ctx.options)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
-_flash_attn_op.register_autograd(_backward, setup_context=_setup)
+_flash_attn_backward = direct_op(_flash_attn_backward_op)
+_flash_attn = autograd_op(_flash_attn_op, _backward, _setup)
 
 
 def check_sinks(sinks, q: torch.Tensor, what: str) -> None:
@@ -165,7 +167,7 @@ def flash_attn(
     window, softcap = check_window(window), check_softcap(softcap)
     check_softmax_scale(softmax_scale)
     check_sinks(sinks, q, "flash_attn")
-    out, lse = _flash_attn_op(q, k, v, None, None, causal, softmax_scale, *window, softcap)
+    out, lse = _flash_attn(q, k, v, None, None, causal, softmax_scale, *window, softcap)
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
@@ -216,7 +218,7 @@ def flash_attn_varlen(
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe {cu_seqlens_q.numel() - 1} "
                          f"and {cu_seqlens_k.numel() - 1} documents")  # fmt: skip
-    out, lse = _flash_attn_op(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
+    out, lse = _flash_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
                               *window, softcap)  # fmt: skip
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)

@@ -43,7 +43,7 @@ from fusedpar.comm import (
     resolve_group,
 )
 from fusedpar.ops.attention import (
-    _flash_attn_op,
+    _flash_attn,
     apply_sinks,
     check_packed,
     check_shards,
@@ -204,7 +204,7 @@ def ulysses_attn(
     options = (causal, softmax_scale, *window, softcap)
 
     def attend(q, k, v):  # the whole sequence, this rank's heads
-        return _flash_attn_op(q, k, v, cu_seqlens, cu_seqlens, *options)
+        return _flash_attn(q, k, v, cu_seqlens, cu_seqlens, *options)
 
     with_lse = return_lse or sinks is not None  # else the LSE is never exchanged back
     if size == 1:

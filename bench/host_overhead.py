@@ -1,0 +1,297 @@
+"""Host time per layer: fusedpar's own Python, Triton launches stubbed, beside the floors.
+
+A GPU runs ahead of Python only while the host enqueues faster than the GPU drains. This
+times what the host does for one forward and backward of each layer with every Triton
+launch replaced by a counter (the kernels' own launch path is Triton's, not ours), so it
+runs on any machine; the floors are measured in the same run:
+
+| row               | fusedpar (launches stubbed)       | floor beside it                   |
+| ----------------- | --------------------------------- | --------------------------------- |
+| dispatch          | an op with flash-attention's      | the same empty bodies as an       |
+|                   | signature, empty bodies, as       | ``autograd.Function``             |
+|                   | fusedpar registers it, and as     |                                   |
+|                   | ``torch.library`` dispatches it   |                                   |
+| flash_attn        | `fp.flash_attn`                   | SDPA (tiny CPU compute included)  |
+| ParallelAttention | one rank, groups None             | nn.Linear x4, RoPE, SDPA          |
+| ParallelSwiGLU    | one rank                          | nn.Linear x3, silu                |
+| MoE (EP 1)        | top-2 of 4 experts                | a loop over the experts in torch  |
+
+Columns: host µs (median of ``ROUNDS`` fwd+bwd, after warm-up), Triton launches and
+aten ops per call (the profiler's, inside custom ops included; an aten op called by
+another is not counted again), and the ratio to the floor. The floors compute at tiny
+sizes on the CPU, so their time is mostly host time too. Run ``python -m bench
+host_overhead`` on any machine, on its own (it sets ``TRITON_INTERPRET=1`` itself when
+triton is not imported yet).
+"""
+
+import gc
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROUNDS = 30
+S, B, D, HEADS, KV_HEADS, HIDDEN = 16, 2, 64, 4, 2, 128  # tiny: the floors' compute is small
+
+
+class _Stubbed:
+    """Triton's interpreter launches replaced by a counter while active."""
+
+    def __enter__(self):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self.launches, self._cls, self._run = 0, InterpretedFunction, InterpretedFunction.run
+
+        def run(fn, *args, **kwargs):
+            self.launches += 1
+
+        InterpretedFunction.run = run
+        return self
+
+    def __exit__(self, *exc):
+        self._cls.run = self._run
+
+
+def _aten_ops(step) -> int:
+    """The aten ops of ``step()`` called from outside another aten op, as PyTorch's
+    profiler records them (it sees inside custom ops' bodies; dispatch modes do not)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+
+    def aten(event) -> bool:
+        return event is not None and event.name.startswith("aten::")
+
+    return sum(aten(e) and not aten(e.cpu_parent) for e in prof.events())
+
+
+def host_us(step, rounds: int = ROUNDS) -> float:
+    """Median host µs of ``step()`` (a forward and backward), garbage collection off."""
+    for _ in range(3):
+        step()
+    times = []
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+    finally:
+        gc.enable()
+    return statistics.median(times) * 1e6
+
+
+def counts(step) -> tuple[int, int]:
+    """(Triton launches, aten ops) of one ``step()``."""
+    with _Stubbed() as stub:
+        step()
+        launches = stub.launches
+        ops = _aten_ops(step)
+    return launches, ops
+
+
+# --- the floors ---------------------------------------------------------------------------
+
+
+class _Empty(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return torch.empty_like(dout), torch.empty_like(dout), torch.empty_like(dout)
+
+
+@torch.library.custom_op("fusedpar_bench::empty_attention", mutates_args=())
+def _empty_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@_empty_op.register_fake
+def _(q, k, v):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def _empty_backward(ctx, dout, dlse):
+    return torch.empty_like(dout), torch.empty_like(dout), torch.empty_like(dout)
+
+
+def _fusedpar_empty_op():
+    """The empty op registered as fusedpar registers its ops (`ops.registration`)."""
+    from fusedpar.ops.registration import autograd_op
+
+    return autograd_op(_empty_op, _empty_backward, lambda ctx, inputs, output: None)
+
+
+def _rope(x, positions, theta=10000.0):  # (S, B, H, hd)
+    half = x.shape[-1] // 2
+    freqs = theta ** (-torch.arange(half, dtype=torch.float32) / half)
+    angles = positions[:, None].float() * freqs  # (S, half)
+    cos, sin = angles.cos()[:, None, None], angles.sin()[:, None, None]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+
+class PlainAttention(nn.Module):
+    """nn.Linear q/k/v/o, RoPE, SDPA (causal, GQA): the layer a user would write."""
+
+    def __init__(self):
+        super().__init__()
+        hd = D // HEADS
+        self.q, self.o = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
+        self.k, self.v = (nn.Linear(D, KV_HEADS * hd, bias=False) for _ in range(2))
+
+    def forward(self, x):  # (S, B, d)
+        s, b, _ = x.shape
+        hd, positions = D // HEADS, torch.arange(s)
+        q = _rope(self.q(x).view(s, b, HEADS, hd), positions)
+        k = _rope(self.k(x).view(s, b, KV_HEADS, hd), positions)
+        v = self.v(x).view(s, b, KV_HEADS, hd)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # (B, H, S, hd)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(out.permute(2, 0, 1, 3).reshape(s, b, D))
+
+
+class PlainSwiGLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up = nn.Linear(D, HIDDEN, bias=False), nn.Linear(D, HIDDEN, bias=False)
+        self.down = nn.Linear(HIDDEN, D, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class LoopMoE(nn.Module):
+    """Top-2 of 4 SwiGLU experts, a loop over the experts: what a user writes first."""
+
+    def __init__(self, experts=4, top_k=2):
+        super().__init__()
+        self.router = nn.Linear(D, experts, bias=False)
+        self.experts = nn.ModuleList(PlainSwiGLU() for _ in range(experts))
+        self.top_k = top_k
+
+    def forward(self, x):
+        flat = x.reshape(-1, D)
+        weights, chosen = self.router(flat).softmax(-1).topk(self.top_k, -1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            out.index_add_(0, rows, expert(flat[rows]) * weights[rows, slot, None])
+        return out.view_as(x)
+
+
+# --- the rows -----------------------------------------------------------------------------
+
+
+def _fwd_bwd(module, x):
+    def step():
+        out = module(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.sum().backward()
+
+    return step
+
+
+def cases():
+    """(name, fusedpar's step, floor name, floor step) per row."""
+    import fusedpar as fp
+
+    torch.manual_seed(0)
+    q = torch.randn(1, S, HEADS, D // HEADS, requires_grad=True)
+    k, v = (torch.randn(1, S, HEADS, D // HEADS, requires_grad=True) for _ in range(2))
+    x = torch.randn(S, B, D, requires_grad=True)
+
+    registered = _fusedpar_empty_op()
+
+    def op_step():
+        out, lse = registered(q, k, v)
+        out.sum().backward()
+
+    def library_step():
+        out, lse = _empty_op(q, k, v)  # torch.library's own dispatch, for comparison
+        out.sum().backward()
+
+    def function_step():
+        out, lse = _Empty.apply(q, k, v)
+        out.sum().backward()
+
+    def flash_step():
+        fp.flash_attn(q, k, v, causal=True).sum().backward()
+
+    def sdpa_step():
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).sum().backward()
+
+    attention = fp.nn.ParallelAttention(D, HEADS, KV_HEADS)
+    swiglu = fp.nn.ParallelSwiGLU(D, HIDDEN)
+    moe = fp.nn.MoE(D, HIDDEN, 4, 2)
+    return [
+        ("fusedpar op dispatch (empty)", op_step, "autograd.Function (empty)", function_step),
+        ("torch.library op (empty)", library_step, "autograd.Function (empty)", function_step),
+        ("fp.flash_attn", flash_step, "SDPA", sdpa_step),
+        ("ParallelAttention", _fwd_bwd(attention, x), "nn.Linear + RoPE + SDPA",
+         _fwd_bwd(PlainAttention(), x)),
+        ("ParallelSwiGLU", _fwd_bwd(swiglu, x), "nn.Linear x3 + silu", _fwd_bwd(PlainSwiGLU(), x)),
+        ("MoE (EP 1)", _fwd_bwd(moe, x), "a loop over the experts", _fwd_bwd(LoopMoE(), x)),
+    ]  # fmt: skip
+
+
+def measure(rounds: int = ROUNDS) -> list[dict]:
+    """One row per case: host µs and counts of fusedpar's (stubbed) and the floor's."""
+    import fusedpar as fp
+
+    rows = []
+    with fp.implementation("triton"):
+        for name, ours, floor_name, floor in cases():
+            launches, ops = counts(ours)
+            with _Stubbed():
+                us = host_us(ours, rounds)
+            floor_us = host_us(floor, rounds)
+            _, floor_ops = counts(floor)
+            rows.append({"layer": name, "host_us": us, "launches": launches, "aten_ops": ops,
+                         "floor": floor_name, "floor_us": floor_us, "floor_aten_ops": floor_ops,
+                         "ratio": us / floor_us})  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    from bench.common import environment, write_results
+
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        print("bench/host_overhead: triton was imported without TRITON_INTERPRET=1; run it "
+              "on its own (python -m bench host_overhead)")  # fmt: skip
+        return
+    os.environ["TRITON_INTERPRET"] = "1"  # launches are stubbed; only their Python runs
+    torch.set_num_threads(1)
+    rows = measure()
+    columns = ["layer", "host_us", "launches", "aten_ops", "floor", "floor_us",
+               "floor_aten_ops", "ratio"]  # fmt: skip
+
+    def plot(ax):
+        labels = [r["layer"] for r in rows]
+        xs = range(len(rows))
+        ax.bar([i - 0.2 for i in xs], [r["host_us"] for r in rows], 0.4, label="fusedpar")
+        ax.bar([i + 0.2 for i in xs], [r["floor_us"] for r in rows], 0.4, label="floor")
+        ax.set_xticks(list(xs), labels, rotation=15)
+        ax.set_ylabel("host µs per forward + backward")
+        ax.set_title("Host time per layer (Triton launches stubbed)")
+        ax.legend()
+
+    meta = {**environment(), "rounds": ROUNDS, "shape": f"S={S} B={B} d={D} heads={HEADS}/"
+            f"{KV_HEADS} hidden={HIDDEN}", "threads": 1, "gmean_ratio": math.exp(
+                statistics.fmean(math.log(r["ratio"]) for r in rows))}  # fmt: skip
+    write_results("host_overhead", rows, columns, meta, plot)
+    for r in rows:
+        print(f"{r['layer']:28s} {r['host_us']:8.0f} µs  {r['launches']:3d} launches "
+              f"{r['aten_ops']:4d} aten ops | {r['floor']:26s} {r['floor_us']:7.0f} µs "
+              f"{r['floor_aten_ops']:4d} ops | {r['ratio']:.2f}x")  # fmt: skip
