@@ -43,6 +43,7 @@ from fusedpar.comm import (
 )
 from fusedpar.kernels._tuning import frozen
 from fusedpar.kernels.matmul import matmul
+from fusedpar.ops.registration import autograd_op, direct_op
 
 DEFAULT_CHUNKS_PER_RANK = 1  # one ring message per rank and step, as in async-TP
 
@@ -62,6 +63,10 @@ def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None):
     `gemm` has `matmul`'s signature; `ring` replaces ``Ring(pg)`` (the benchmark injects
     a stand-in). The GEMMs are tuned before the first transfer, agreed over `pg`.
     """
+    if ring is None and group_size(pg) == 1:  # one rank: plain GEMMs, nothing to gather
+        outs = [gemm(x, op, bias=bias, out_dtype=x.dtype)
+                for op, bias in zip(operands, biases, strict=True)]  # fmt: skip
+        return outs, x
     ring = Ring(pg) if ring is None else ring
     size, rank = ring.size, ring.rank
     n, K = x.shape
@@ -95,6 +100,13 @@ def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul,
     passes it on; after W - 1 steps it holds its own sum. Returns (m, N) in `out_dtype`.
     `gemm` and `ring` as in `gather_matmuls`.
     """
+    if ring is None and group_size(pg) == 1:  # one rank: the fp32 sum, rounded once
+        if len(pairs) == 1:  # the GEMM's epilogue adds the bias in fp32 and rounds
+            return gemm(*pairs[0], bias=bias, out_dtype=out_dtype)
+        total = gemm(*pairs[0], out_dtype=torch.float32)
+        for A, B in pairs[1:]:
+            gemm(A, B, out=total, accumulate=True)
+        return (total if bias is None else total + bias.float()).to(out_dtype)
     ring = Ring(pg) if ring is None else ring
     size, rank = ring.size, ring.rank
     rows, N = pairs[0][0].shape[0] // size, pairs[0][1].shape[1]
@@ -163,7 +175,8 @@ def _all_gather_matmul_op(x: Tensor, weights: list[Tensor], biases: list[Tensor]
     lead = (group_size(pg) * x.shape[0], *x.shape[1:-1])
     # Not kept: an empty tensor, so that nothing (selective checkpointing caches every
     # output of this op) holds W times the input until the backward.
-    kept = gathered if save_gathered else x.new_empty(0)
+    # (one rank: x itself, which an op may not return; the backward takes x)
+    kept = gathered if save_gathered and group_size(pg) > 1 else x.new_empty(0)
     return [out.view(*lead, out.shape[1]) for out in outs], kept
 
 
@@ -172,7 +185,8 @@ def _(x, weights, biases, has_bias, group, chunks, save_gathered):
     size = group_size(group_by_name(group))
     lead = (size * x.shape[0], *x.shape[1:-1])
     outs = [x.new_empty((*lead, w.shape[0])) for w in weights]
-    return outs, x.new_empty((size * _flat(x).shape[0], x.shape[-1]) if save_gathered else 0)
+    kept = save_gathered and size > 1
+    return outs, x.new_empty((size * _flat(x).shape[0], x.shape[-1]) if kept else 0)
 
 
 @torch.library.custom_op("fusedpar::all_gather_matmul_backward", mutates_args=())
@@ -185,7 +199,9 @@ def _all_gather_matmul_backward_op(
     pg = group_by_name(group)
     dys = [_flat(g) for g in grads]
     regather = None
-    if gathered is None and any(needs_w):
+    if group_size(pg) == 1:
+        gathered = _flat(x)  # one rank: its rows are all there are
+    elif gathered is None and any(needs_w):
         regather = all_gather_async(_flat(x), pg)  # runs while dX is computed
     dx = x.new_empty(0)
     if needs_x:
@@ -218,9 +234,9 @@ def _all_gather_matmul_setup(ctx, inputs, output):
     ctx.save_for_backward(x, gathered, *weights)
 
 
-def _all_gather_matmul_backward(ctx, grads, _):
+def _all_gather_matmul_grads(ctx, grads, _):
     x, gathered, *weights = ctx.saved_tensors
-    dx, dws, dbs = _all_gather_matmul_backward_op(grads, x, gathered, weights, *ctx.options)
+    dx, dws, dbs = _all_gather_matmul_backward(grads, x, gathered, weights, *ctx.options)
     _, _, needs_x, needs_w, needs_b = ctx.options
     dbs = [db for db, has in zip(_asked(dbs, needs_b), ctx.has_bias, strict=True) if has]
     return (dx if needs_x else None, _asked(dws, needs_w), dbs, None, None, None, None)
@@ -269,16 +285,18 @@ def _matmul_reduce_scatter_setup(ctx, inputs, output):
     ctx.save_for_backward(x, weight)
 
 
-def _matmul_reduce_scatter_backward(ctx, dy):
+def _matmul_reduce_scatter_grads(ctx, dy):
     x, weight = ctx.saved_tensors
-    grads = _matmul_reduce_scatter_backward_op(dy, x, weight, *ctx.options)
+    grads = _matmul_reduce_scatter_backward(dy, x, weight, *ctx.options)
     return *_asked(grads, ctx.options[2:]), None, None
 
 
-_all_gather_matmul_op.register_autograd(_all_gather_matmul_backward,
-                                        setup_context=_all_gather_matmul_setup)  # fmt: skip
-_matmul_reduce_scatter_op.register_autograd(_matmul_reduce_scatter_backward,
-                                            setup_context=_matmul_reduce_scatter_setup)  # fmt: skip
+_all_gather_matmul_backward = direct_op(_all_gather_matmul_backward_op)
+_matmul_reduce_scatter_backward = direct_op(_matmul_reduce_scatter_backward_op)
+_all_gather_matmul = autograd_op(_all_gather_matmul_op, _all_gather_matmul_grads,
+                                 _all_gather_matmul_setup)  # fmt: skip
+_matmul_reduce_scatter = autograd_op(_matmul_reduce_scatter_op, _matmul_reduce_scatter_grads,
+                                     _matmul_reduce_scatter_setup)  # fmt: skip
 
 
 def _check_chunks(chunks: int) -> None:
@@ -341,7 +359,7 @@ def all_gather_matmul(
     pg = resolve_group(group)
     present = [b for b in biases if b is not None]
     has_bias = [b is not None for b in biases]
-    outs, _ = _all_gather_matmul_op(x, weights, present, has_bias, group_name(pg),
+    outs, _ = _all_gather_matmul(x, weights, present, has_bias, group_name(pg),
                                     chunks_per_rank, save_gathered_input)  # fmt: skip
     return list(outs) if many else outs[0]
 
@@ -371,4 +389,4 @@ def matmul_reduce_scatter(
             f"matmul_reduce_scatter: dim 0 of x (shape {tuple(x.shape)}) has {x.shape[0]} "
             f"tokens, not divisible by the group size {size}"
         )
-    return _matmul_reduce_scatter_op(x, weight, bias, group_name(pg), chunks_per_rank)
+    return _matmul_reduce_scatter(x, weight, bias, group_name(pg), chunks_per_rank)

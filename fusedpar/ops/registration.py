@@ -47,27 +47,80 @@ def direct_op(op):
     return call
 
 
+def _flatten(values) -> tuple[list, tuple]:
+    """Entries that are lists (an op's ``list[Tensor]``) spread out: autograd.Function
+    tracks only the tensors it is given directly."""
+    leaves, spec = [], []
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            spec.append(len(value))
+            leaves.extend(value)
+        else:
+            spec.append(None)
+            leaves.append(value)
+    return leaves, tuple(spec)
+
+
+def _unflatten(leaves, spec) -> list:
+    out, i = [], 0
+    for n in spec:
+        if n is None:
+            out.append(leaves[i])
+            i += 1
+        else:
+            out.append(list(leaves[i : i + n]))
+            i += n
+    return out
+
+
 def autograd_op(op, backward, setup_context):
     """Register `backward` and `setup_context` as `op`'s autograd (``torch.library``) and
     return the callable fusedpar calls: `op` where a tool looks at ops, else an
     ``autograd.Function`` running `op`'s body, `setup_context` and `backward` (see the
-    module doc). Arguments are positional, all of them (a custom op fills defaults)."""
+    module doc). Arguments are positional, all of them (a custom op fills defaults);
+    list arguments and outputs (``list[Tensor]``) are spread out for autograd and put
+    back together for the bodies, as ``torch.library`` does."""
     op.register_autograd(backward, setup_context=setup_context)
     body = op._init_fn
 
-    def forward(ctx, *args):
+    def forward(ctx, spec, output_spec, *leaves):
+        args = tuple(_unflatten(leaves, spec))
         output = body(*args)
         setup_context(ctx, args, output)
-        return output
+        ctx.input_spec = spec
+        if not isinstance(output, tuple):
+            ctx.output_spec = None
+            return output
+        flat, ctx.output_spec = _flatten(output)
+        output_spec.append(ctx.output_spec)  # for the caller, to put the lists back
+        return tuple(flat)
+
+    def backward_leaves(ctx, *grads):
+        if ctx.output_spec is not None:
+            grads = _unflatten(grads, ctx.output_spec)
+        given = backward(ctx, *grads)
+        given = given if isinstance(given, tuple) else (given,)
+        flat = []
+        for grad, n in zip(given, ctx.input_spec, strict=True):
+            if n is None:
+                flat.append(grad)
+            else:
+                flat.extend([None] * n if grad is None else grad)
+        return (None, None, *flat)
 
     # named after the op (its backward node: "<op>_eagerBackward" in a graph's grad_fn)
     Function = type(f"{op._name}_eager", (torch.autograd.Function,), {
         "forward": staticmethod(forward),
-        "backward": staticmethod(lambda ctx, *grads: backward(ctx, *grads)),
+        "backward": staticmethod(backward_leaves),
     })  # fmt: skip
 
     def call(*args):
-        return op(*args) if _op_wanted(args) else Function.apply(*args)
+        if _op_wanted(args):
+            return op(*args)
+        leaves, spec = _flatten(args)
+        output_spec = []
+        output = Function.apply(spec, output_spec, *leaves)
+        return tuple(_unflatten(output, output_spec[0])) if output_spec else output
 
     call.op = op
     return call
