@@ -88,16 +88,18 @@ def autograd_op(op, backward, setup_context):
         output = body(*args)
         setup_context(ctx, args, output)
         ctx.input_spec = spec
-        if not isinstance(output, tuple):
+        if isinstance(output, torch.Tensor):
             ctx.output_spec = None
             return output
-        flat, ctx.output_spec = _flatten(output)
-        output_spec.append(ctx.output_spec)  # for the caller, to put the lists back
+        # a tuple of outputs, or one list of them (returned as a list again)
+        ctx.one_list = isinstance(output, list)
+        flat, ctx.output_spec = _flatten((output,) if ctx.one_list else output)
+        output_spec.append((ctx.output_spec, ctx.one_list))  # for the caller: the lists
         return tuple(flat)
 
     def backward_leaves(ctx, *grads):
         if ctx.output_spec is not None:
-            grads = _unflatten(grads, ctx.output_spec)
+            grads = _unflatten(grads, ctx.output_spec)  # (a list for one list output)
         given = backward(ctx, *grads)
         given = given if isinstance(given, tuple) else (given,)
         flat = []
@@ -120,7 +122,11 @@ def autograd_op(op, backward, setup_context):
         leaves, spec = _flatten(args)
         output_spec = []
         output = Function.apply(spec, output_spec, *leaves)
-        return tuple(_unflatten(output, output_spec[0])) if output_spec else output
+        if not output_spec:
+            return output
+        spec, one_list = output_spec[0]
+        outputs = _unflatten(output, spec)
+        return outputs[0] if one_list else tuple(outputs)
 
     call.op = op
     return call

@@ -49,6 +49,7 @@ from fusedpar.ops.attention import (
     check_shards,
     check_sinks,
 )
+from fusedpar.ops.registration import autograd_op
 
 
 def check_heads(n_heads: int, n_kv_heads: int, size: int, what: str) -> int:
@@ -139,15 +140,15 @@ def _setup(ctx, inputs, output):
 
 
 def _scatter_backward(ctx, grads):
-    return _gather_heads_op(list(grads), ctx.group, ctx.replicas), None, None
+    return _gather_heads(list(grads), ctx.group, ctx.replicas), None, None
 
 
 def _gather_backward(ctx, grads):
-    return _scatter_heads_op(list(grads), ctx.group, ctx.replicas), None, None
+    return _scatter_heads(list(grads), ctx.group, ctx.replicas), None, None
 
 
-_scatter_heads_op.register_autograd(_scatter_backward, setup_context=_setup)
-_gather_heads_op.register_autograd(_gather_backward, setup_context=_setup)
+_scatter_heads = autograd_op(_scatter_heads_op, _scatter_backward, _setup)
+_gather_heads = autograd_op(_gather_heads_op, _gather_backward, _setup)
 
 
 # --- attention over exchanged heads ----------------------------------------------------
@@ -159,11 +160,11 @@ def head_parallel(q, k, v, group: dist.ProcessGroup, attend, *, return_lse: bool
     size = dist.get_world_size(group)
     replicas = check_heads(q.shape[2], k.shape[2], size, "head exchange")
     name = group_name(group)
-    q, k, v = _scatter_heads_op([q, k, v], name, [1, replicas, replicas])
+    q, k, v = _scatter_heads([q, k, v], name, [1, replicas, replicas])
     out, lse = attend(q, k, v)  # (B, S, Hq/P, D), (B, Hq/P, S)
     if not return_lse:
-        return _gather_heads_op([out], name, [1])[0]
-    out, lse = _gather_heads_op([out, lse.transpose(1, 2)[..., None]], name, [1, 1])
+        return _gather_heads([out], name, [1])[0]
+    out, lse = _gather_heads([out, lse.transpose(1, 2)[..., None]], name, [1, 1])
     return out, lse[..., 0].transpose(1, 2).contiguous()  # (B, Hq, S/P)
 
 
