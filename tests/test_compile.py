@@ -333,3 +333,60 @@ def test_cuda_graph_capture_of_the_dense_block_equals_eager():
     torch.cuda.synchronize()
     got = [static_y.detach(), static_x.grad, *(p.grad for p in block.parameters())]
     assert _bitwise(eager, got), "the replayed graph differs from eager"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe-ep1"])
+def test_cuda_graph_capture_of_a_whole_training_step_equals_eager(moe):
+    """A whole step of the example model on one GPU (groups of one; MoE at EP 1):
+    embedding, blocks, head, loss, backward and a capturable AdamW step, captured once
+    after a side-stream warm-up (where the tuner picks) and replayed for two steps:
+    the same parameters, bit for bit, as two eager steps from the same start. A host
+    sync or a data-dependent host branch in the step fails the capture."""
+    torch.manual_seed(0)
+    cfg = Config(vocab=256, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_hidden=256,
+                 num_experts=4 if moe else 0, top_k=2)  # fmt: skip
+    groups = {"tp": None, "cp": None, "ep": None}
+    tokens = torch.randint(0, cfg.vocab, (2, 64), device="cuda")
+    labels = torch.randint(0, cfg.vocab, (2, 64), device="cuda")
+
+    def fresh():
+        torch.manual_seed(1)
+        model = ParallelTransformer(Transformer(cfg), groups).cuda()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+        return model, optimizer
+
+    def step(model, optimizer):
+        optimizer.zero_grad(set_to_none=False)
+        model(tokens, labels).backward()
+        optimizer.step()
+
+    eager_model, eager_optimizer = fresh()
+    for _ in range(2):
+        step(eager_model, eager_optimizer)
+    model, optimizer = fresh()
+    for p in model.parameters():  # gradients allocated before capture, zeroed in place
+        p.grad = torch.zeros_like(p)
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: the tuner's picks, the optimizer's state
+        for _ in range(3):
+            step(model, optimizer)
+    torch.cuda.current_stream().wait_stream(side)
+    model.load_state_dict(snapshot)
+    for state in optimizer.state.values():  # back to the start: moments and step zeroed
+        for value in state.values():
+            value.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(model, optimizer)
+    model.load_state_dict(snapshot)
+    for state in optimizer.state.values():
+        for value in state.values():
+            value.zero_()
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    expected, got = list(eager_model.parameters()), list(model.parameters())
+    assert _bitwise(expected, got), "the replayed steps differ from eager"
