@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from fusedpar.kernels import _impl
 from fusedpar.kernels._tuning import Agreement
 
 Group = dist.ProcessGroup | DeviceMesh | None
@@ -102,12 +103,14 @@ def tuning_agreement(group: Group, device: torch.device) -> Agreement | None:
     return Agreement(f"group {name}", sum_times)
 
 
+@_impl.cpu_path  # its host work runs on CPUs only: no host sync on a GPU run
 def check_same_across_ranks(group: Group, values: Sequence[int], what: str, device) -> None:
     """Raise the same ValueError on every rank of `group` unless all pass equal
     `values` (shapes, say), for tensors on `device`. One tiny all-gather on CPU (gloo),
     where a mismatch would otherwise crash the collective that follows; skipped on
     GPUs, where it would cost a host sync per call (ranks must pass the same shapes
-    there, as for any collective)."""
+    there, as for any collective). Not cached: a rank that alone met new values would
+    wait in the all-gather the others skip."""
     pg = resolve_group(group)
     if pg is None or dist.get_world_size(pg) == 1 or torch.device(device).type != "cpu":
         return

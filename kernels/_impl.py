@@ -72,10 +72,11 @@ def implementation(name: str):
         _ACTIVE.remove(entry)
 
 
-# Code that runs only where a read of a tensor on the host reads host memory: a path the
-# torch implementation takes on a CPU (where ``auto`` runs it), never under ``auto`` on a
-# GPU. `fusedpar.testing.HostSyncs` does not count a read of a CPU tensor made inside one
-# (the same read of a GPU tensor, when the implementation is forced there, still counts).
+# Code that runs only on a CPU, where reading a tensor on the host reads host memory: a
+# path the torch implementation takes on a CPU (where ``auto`` runs it, never under
+# ``auto`` on a GPU), a check skipped on GPUs. `fusedpar.testing.HostSyncs` does not count
+# what such code does with CPU tensors (the same read of a GPU tensor, when the torch
+# implementation is forced there, still counts).
 CPU_PATHS: set = set()
 
 

@@ -28,10 +28,10 @@ the dispatch layer still sees the aten ops there, and a GPU run
 (``torch.cuda.set_sync_debug_mode``) sees all.
 
 Only calls made from the code under `packages` (fusedpar's by default) count: a user's own
-``.item()`` or the test's is not ours. Nor does a read of a CPU tensor inside a function
-marked `fusedpar.kernels._impl.cpu_path`: code that runs only on a CPU (the torch
-implementations' CPU paths, which ``auto`` never takes on a GPU), where it reads host
-memory. ``torch.tensor``/``torch.as_tensor`` of Python
+``.item()`` or the test's is not ours. Nor does a call on CPU tensors (or none) inside a
+function marked `fusedpar.kernels._impl.cpu_path`: code that runs only on a CPU (the
+torch implementations' CPU paths, which ``auto`` never takes on a GPU; checks skipped on
+GPUs), where it reads host memory. ``torch.tensor``/``torch.as_tensor`` of Python
 data count even with ``device=`` (a synchronous host-to-device copy on a GPU, and no
 CUDA-graph capture); other factory calls count without ``device=`` (built on the CPU,
 then copied on a GPU run).
@@ -75,8 +75,12 @@ def _why_function(func, args, kwargs) -> str | None:
     name = _name(func)
     if name in _HOST_COPIES:
         return f"copies to the host (.{name}())"
-    if name == "to" and any(str(a) == "cpu" for a in (*args[1:], kwargs.get("device"))):
-        return "copies to the host (.to('cpu'))"
+    if name == "to" and args and isinstance(args[0], torch.Tensor):
+        # (a tensor moved to its own device: no copy, and on a CPU run every device is one)
+        targets = (*args[1:], kwargs.get("device"))
+        devices = [torch.device(a).type for a in targets if isinstance(a, str | torch.device)]
+        if any(device != args[0].device.type for device in devices):
+            return "copies between the host and the device (.to)"
     if getattr(func, "__module__", None) not in ("torch", None):
         return None
     if name in _FROM_DATA and args and not isinstance(args[0], torch.Tensor):
@@ -127,8 +131,8 @@ def _python_body(func, args):
 
 
 def _on_host(args) -> bool:
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    return bool(tensors) and all(t.device.type == "cpu" for t in tensors)
+    """No tensor argument off the host (none at all: a factory, on the host there)."""
+    return all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
 
 
 def _in_cpu_path(frame) -> bool:
@@ -210,7 +214,7 @@ class HostSyncs:
 
     def _caller(self, args) -> str | None:
         """The first frame outside torch and this module, if it is in `packages` (and the
-        call is not a read of host memory on a CPU path: `fusedpar.kernels._impl.cpu_path`)."""
+        call is not host work on a CPU path: `fusedpar.kernels._impl.cpu_path`)."""
         frame = sys._getframe(2)
         if _on_host(args) and _in_cpu_path(frame):
             return None
