@@ -227,3 +227,49 @@ def _tp_linears():
 
 def test_tp_linears_have_no_host_sync(world):
     assert world(2).run(_tp_linears) == [None, None]
+
+
+# --- a whole training step of the example model ----------------------------------------
+
+
+def _training_step_syncs(moe: bool, parallel: bool) -> str | None:
+    """One step of the example model (forward, backward, AdamW) after a warm-up step:
+    at TP2 x CP2 on the full mesh (`fp.distribute`), or in one process with no groups.
+    MoE at EP = 1 (every expert on every rank): EP > 1 reads the token counts on the host
+    for its all-to-all, by design. The loss read-out is the caller's."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from tiny_llama import Config, ParallelTransformer, Transformer
+
+    cfg = Config(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_hidden=64,
+                 num_experts=4 if moe else 0, top_k=2)  # fmt: skip
+    torch.manual_seed(0)
+    reference = Transformer(cfg)
+    if parallel:
+        dims = fp.ParallelDims(cp=2, tp=2)
+        mesh = dims.build_mesh("cpu")
+        model = fp.distribute(ParallelTransformer(reference, dims.groups(mesh)), mesh)
+    else:
+        model = ParallelTransformer(reference, {"tp": None, "cp": None, "ep": None})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.randint(0, cfg.vocab, (2, 17), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        loss = model(data[:, :-1], data[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return _syncs_of(step)
+
+
+def _training_steps_syncs(parallel: bool) -> list:
+    return [_training_step_syncs(moe, parallel) for moe in (False, True)]
+
+
+def test_a_training_step_has_no_host_sync(world):
+    """Dense and MoE (EP 1), at TP2 x CP2 on every rank and in one process."""
+    assert _training_steps_syncs(False) == [None, None]
+    assert world(4).run(_training_steps_syncs, True) == [[None, None]] * 4
