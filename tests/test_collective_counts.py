@@ -3,9 +3,11 @@ example model at TP2 x CP2 x DP1 reduces its whole parameters' gradients in a fe
 bucketed all-reduces, not one per parameter (`fusedpar.testing.collectives`)."""
 
 import sys
+import warnings
 from pathlib import Path
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 import fusedpar as fp
 from fusedpar import comm
@@ -33,9 +35,11 @@ def test_no_collective_on_a_group_of_one(world):
     assert world(4).run(_on_a_group_of_one) == [{}] * 4
 
 
-def _step_counts(moe: bool) -> dict:
+def _step_counts(moe: bool, fully_shard: bool = False) -> dict:
     """The collectives of one training step (forward, backward, AdamW) of the example
-    model at TP2 x CP2 x DP1, after a warm-up step."""
+    model at TP2 x CP2 x DP1, after a warm-up step; with `fully_shard`, after
+    ``dims.fully_shard`` (skipped at dp 1: the module comes back as it was, with a
+    warning)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     from tiny_llama import Config, ParallelTransformer, Transformer
 
@@ -45,6 +49,12 @@ def _step_counts(moe: bool) -> dict:
     mesh = dims.build_mesh("cpu")
     torch.manual_seed(0)
     model = fp.distribute(ParallelTransformer(Transformer(cfg), dims.groups(mesh)), mesh)
+    if fully_shard:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert dims.fully_shard(model, mesh) is model
+        assert not isinstance(model, FSDPModule)
+        assert any("nothing to shard" in str(w.message) for w in caught), caught
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = torch.randint(0, cfg.vocab, (2, 17), generator=torch.Generator().manual_seed(1))
 
@@ -60,10 +70,16 @@ def _step_counts(moe: bool) -> dict:
 
 
 def _steps_counts():
-    return [_step_counts(moe) for moe in (False, True)]
+    return [_step_counts(False), _step_counts(True), _step_counts(False, fully_shard=True)]
 
 
-def test_a_training_step_runs_no_collective_on_one_rank(world):
-    for dense, moe in world(4).run(_steps_counts):
-        for counts in (dense, moe):
+def test_a_training_step_runs_no_collective_on_one_rank_and_few_all_reduces(world):
+    """The gradients of whole parameters (norms, embedding, head, routers) and of TP
+    shards used on CP-split tokens are partial sums: before, one all-reduce each per step
+    (dense 21, MoE 23; 21 too under FSDP2 at dp 1, which reduces each parameter alone);
+    now one per bucket: the shards over cp, the whole ones over cp x tp (the forward's
+    all-reduces are none: TP and CP run on rings)."""
+    for per_rank in world(4).run(_steps_counts):
+        for counts in per_rank:  # dense, MoE, dense after fully_shard at dp 1
             assert counts and not [key for key in counts if key[1] == 1], counts
+            assert counts.get(("all_reduce", 2)) == 1 and counts.get(("all_reduce", 4)) == 1
