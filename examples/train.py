@@ -141,11 +141,12 @@ def main(argv=None) -> int:
         pipe = fp.pipeline.split(model, dims, mesh, schedule=args.schedule,
                                  microbatches=microbatches, loss_fn=model.loss)  # fmt: skip
         model = fp.distribute(pipe.model, dims.stage_mesh(mesh))
-        for part in pipe.stage_modules:
+        for part in pipe.stage_modules if dims.dp > 1 else ():
             dims.fully_shard(part, dims.stage_mesh(mesh))  # FSDP2 over "dp", per stage
     else:
         fp.distribute(model, mesh)  # every parameter a DTensor on the full mesh
-        dims.fully_shard(model, mesh)  # FSDP2 over "dp"
+        if dims.dp > 1:  # (at dp 1 nothing to shard: fully_shard would skip it anyway)
+            dims.fully_shard(model, mesh)  # FSDP2 over "dp"
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr)
     first_step = 1

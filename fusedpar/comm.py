@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from fusedpar.kernels import _impl
 from fusedpar.kernels._tuning import Agreement
 
 Group = dist.ProcessGroup | DeviceMesh | None
@@ -59,6 +60,14 @@ def resolve_group(group: Group) -> dist.ProcessGroup | None:
             )
         return group.get_group()
     raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group)}")
+
+
+def active_group(group: Group) -> dist.ProcessGroup | None:
+    """The ``ProcessGroup`` behind `group` if it has more than one rank, else ``None``: a
+    group of one communicates nothing, so every collective over it is the identity and
+    runs none (as with ``group=None``)."""
+    pg = resolve_group(group)
+    return pg if pg is not None and dist.get_world_size(pg) > 1 else None
 
 
 def group_size(group: Group) -> int:
@@ -102,12 +111,14 @@ def tuning_agreement(group: Group, device: torch.device) -> Agreement | None:
     return Agreement(f"group {name}", sum_times)
 
 
+@_impl.cpu_path  # its host work runs on CPUs only: no host sync on a GPU run
 def check_same_across_ranks(group: Group, values: Sequence[int], what: str, device) -> None:
     """Raise the same ValueError on every rank of `group` unless all pass equal
     `values` (shapes, say), for tensors on `device`. One tiny all-gather on CPU (gloo),
     where a mismatch would otherwise crash the collective that follows; skipped on
     GPUs, where it would cost a host sync per call (ranks must pass the same shapes
-    there, as for any collective)."""
+    there, as for any collective). Not cached: a rank that alone met new values would
+    wait in the all-gather the others skip."""
     pg = resolve_group(group)
     if pg is None or dist.get_world_size(pg) == 1 or torch.device(device).type != "cpu":
         return
@@ -288,7 +299,7 @@ class _AllToAll(torch.autograd.Function):
 
 def all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Concatenate every rank's `x` along dim 0: (n, ...) -> (W*n, ...). Same n on all ranks."""
-    pg = resolve_group(group)
+    pg = active_group(group)
     if x.dim() == 0:
         raise ValueError("all_gather needs a tensor with a dim 0, got a scalar")
     return x if pg is None else _AllGather.apply(x, pg)
@@ -296,26 +307,26 @@ def all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def reduce_scatter(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum `x` over ranks and keep this rank's chunk of dim 0: (W*n, ...) -> (n, ...)."""
-    pg = resolve_group(group)
+    pg = active_group(group)
     check_dim0_divisible(x, group_size(pg), "reduce_scatter")
     return x if pg is None else _ReduceScatter.apply(x, pg)
 
 
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum `x` over ranks (out of place); the gradient is summed over ranks too."""
-    pg = resolve_group(group)
+    pg = active_group(group)
     return x if pg is None else _AllReduce.apply(x, pg)
 
 
 def copy_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Identity forward, all-reduce backward: enter a tensor-parallel region."""
-    pg = resolve_group(group)
+    pg = active_group(group)
     return x if pg is None else _CopyToRegion.apply(x, pg)
 
 
 def reduce_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-reduce forward, identity backward: leave a tensor-parallel region."""
-    pg = resolve_group(group)
+    pg = active_group(group)
     return x if pg is None else _ReduceFromRegion.apply(x, pg)
 
 
@@ -323,7 +334,7 @@ def gather_from_region(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Te
     """Concatenate every rank's `x` along `dim` (same shape on all ranks); the backward
     keeps this rank's chunk of the gradient: leave a region whose output is replicated
     (Megatron's ``gather_output`` of a column-parallel layer)."""
-    pg = resolve_group(group)
+    pg = active_group(group)
     if x.dim() == 0:
         raise ValueError("gather_from_region needs a tensor with at least one dim")
     return x if pg is None else _GatherFromRegion.apply(x, pg, dim % x.dim())
@@ -341,7 +352,7 @@ def all_to_all(
     Zero-size splits are fine: a rank with nothing to send still calls this, so every
     rank takes part in the collective and none waits forever.
     """
-    pg = resolve_group(group)
+    pg = active_group(group)
     size = group_size(pg)
     if x.dim() == 0:
         raise ValueError("all_to_all needs a tensor with a dim 0, got a scalar")
@@ -407,7 +418,7 @@ def _issue(device: torch.device, issue) -> tuple[list, torch.cuda.Stream | None]
 
 def all_gather_async(x: torch.Tensor, group: Group, *, out: torch.Tensor | None = None) -> Pending:
     """Start ``all_gather(x)`` (no autograd) into `out` (W*n, ...); ``.wait()`` returns it."""
-    pg = resolve_group(group)
+    pg = active_group(group)
     size = group_size(pg)
     shape = (size * x.shape[0], *x.shape[1:])
     if out is None:
@@ -424,7 +435,7 @@ def all_gather_async(x: torch.Tensor, group: Group, *, out: torch.Tensor | None 
 def all_to_all_async(x: torch.Tensor, group: Group) -> Pending:
     """Start an even ``all_to_all(x)`` (no autograd): chunk s of dim 0 goes to rank s,
     and ``.wait()`` returns the chunks received, rank r's as chunk r."""
-    pg = resolve_group(group)
+    pg = active_group(group)
     check_dim0_divisible(x, group_size(pg), "all_to_all_async")
     if pg is None:
         return Pending([], x)
@@ -438,7 +449,7 @@ def all_to_all_async(x: torch.Tensor, group: Group) -> Pending:
 
 def reduce_scatter_async(x: torch.Tensor, group: Group) -> Pending:
     """Start ``reduce_scatter(x)`` (no autograd); ``.wait()`` returns this rank's sum."""
-    pg = resolve_group(group)
+    pg = active_group(group)
     size = group_size(pg)
     check_dim0_divisible(x, size, "reduce_scatter_async")
     if pg is None:
@@ -453,7 +464,7 @@ def reduce_scatter_async(x: torch.Tensor, group: Group) -> Pending:
 
 def all_reduce_async(x: torch.Tensor, group: Group) -> Pending:
     """Start an out-of-place ``all_reduce(x)`` (no autograd); ``.wait()`` returns the sum."""
-    pg = resolve_group(group)
+    pg = active_group(group)
     if pg is None:
         return Pending([], x)
     out = x.clone(memory_format=torch.contiguous_format)

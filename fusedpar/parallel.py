@@ -28,6 +28,8 @@ rank). Not over ``"dp"`` when dp > 1: data parallelism averages parameters over 
 split experts differ there.
 """
 
+import math
+import warnings
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -41,6 +43,7 @@ AXES = ("pp", "dp", "cp", "ulysses", "tp")  # every axis a mesh may have, in mes
 _OPTIONAL = ("pp", "ulysses")  # axes a mesh has only with a degree > 1
 _meshes: dict[tuple, tuple] = {}  # (device type, degrees) -> (default group, mesh)
 _stage_meshes: dict[int, tuple] = {}  # id(mesh) -> (mesh, its stage's sub-mesh)
+_warned_dp1 = False  # `ParallelDims.fully_shard` skipped at dp = 1, said once
 
 
 def _default_group():
@@ -212,10 +215,26 @@ class ParallelDims:
         ``dp_mesh_dims`` (default: when torch has it, >= 2.12): the parameters stay on the
         full mesh. Otherwise (torch 2.11) each parameter still on the full mesh moves to
         the mesh of its other axes of more than one rank first, where FSDP2's TP path
-        takes it."""
+        takes it.
+
+        With one dp rank and no ``fsdp_kwargs`` there is nothing to shard: `module` comes
+        back unchanged (not an ``FSDPModule``), with a warning once per process, and its
+        gradients are reduced as without FSDP2 (`fusedpar.distribute`'s bucketed
+        all-reduces, where FSDP2 would redistribute each parameter's alone). With
+        ``fsdp_kwargs`` (a mixed-precision or offload policy changes the computation)
+        FSDP2 is applied at dp = 1 too."""
         from torch.distributed import fsdp
 
         from fusedpar.storage import _reduce_grad
+
+        if mesh.size(mesh.mesh_dim_names.index("dp")) == 1 and not fsdp_kwargs:
+            global _warned_dp1
+            if not _warned_dp1:
+                _warned_dp1 = True
+                warnings.warn("ParallelDims.fully_shard with one dp rank: nothing to shard, "
+                              "FSDP2 skipped (the module is returned unchanged)",
+                              UserWarning, stacklevel=2)  # fmt: skip
+            return module
 
         fully_shard = fsdp.fully_shard
         DataParallelMeshDims = getattr(fsdp, "DataParallelMeshDims", None)  # torch >= 2.12
@@ -252,6 +271,7 @@ class ParallelDims:
                     new = nn.Parameter(local, requires_grad=param.requires_grad)
                     if new.requires_grad:  # for what FSDP2 leaves alone (ignored_params)
                         new.register_post_accumulate_grad_hook(_reduce_grad)
+                        new._fusedpar_order = getattr(param, "_fusedpar_order", math.inf)
                     moved[id(param)] = new
                 sub._parameters[name] = moved[id(param)]
         return fully_shard(module, mesh=mesh["dp"], **fsdp_kwargs)

@@ -72,6 +72,20 @@ def implementation(name: str):
         _ACTIVE.remove(entry)
 
 
+# Code that runs only on a CPU, where reading a tensor on the host reads host memory: a
+# path the torch implementation takes on a CPU (where ``auto`` runs it, never under
+# ``auto`` on a GPU), a check skipped on GPUs. `fusedpar.testing.HostSyncs` does not count
+# what such code does with CPU tensors (the same read of a GPU tensor, when the torch
+# implementation is forced there, still counts).
+CPU_PATHS: set = set()
+
+
+def cpu_path(fn):
+    """Mark `fn` as one of the `CPU_PATHS` (unchanged, no cost at run time)."""
+    CPU_PATHS.add(fn.__code__)
+    return fn
+
+
 def runs_torch(device: torch.device) -> bool:
     """Whether a launch on `device` runs the torch implementation outright (no tuning):
     asked for, or ``auto`` off CUDA."""

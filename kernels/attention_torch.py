@@ -24,6 +24,7 @@ with ``S`` the scaled (and capped) scores, masked to -inf, ``P = exp(S - LSE)`` 
 from dataclasses import dataclass
 
 import torch
+from fusedpar.kernels import _impl
 from fusedpar.kernels.attention_mask import UNBOUNDED, Intervals
 
 # The largest (B * Hq * Sq * Skv) scores a CUDA launch may form in torch: 2**26 fp32
@@ -95,6 +96,7 @@ def merge(out, lse, block_out, block_lse) -> None:
     lse.copy_(torch.where(empty, float("-inf"), m + torch.log(total)))
 
 
+@_impl.cpu_path  # its host read (is a mask needed at all?) reads host memory
 def _forward_fused_cpu(q, k, v, scores: Scores):
     """``(out, lse)`` in fp32 through PyTorch's fused CPU attention (flash-style, no
     (Sq, Skv) matrix in memory), which takes the mask as an additive one, or as

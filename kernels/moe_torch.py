@@ -12,8 +12,10 @@ GPU, where this implementation runs only when asked for (``FUSEDPAR_IMPL=torch``
 """
 
 import torch
+from fusedpar.kernels import _impl
 
 
+@_impl.cpu_path  # on a GPU this runs only when asked for (FUSEDPAR_IMPL=torch): a sync there
 def expert_slices(counts) -> list[slice]:
     """Each expert's rows in expert order, empty ones too (the counts read on the host;
     the references loop with it as well)."""

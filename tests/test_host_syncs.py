@@ -8,6 +8,7 @@ once, by design), then is checked forward and backward. Modules are built outsid
 check: construction copies weights to the device.
 """
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,21 @@ def _no_sync_on_the_gpu(step) -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
+def _lines(syncs) -> dict[int, str]:
+    """Line (in this file) -> reasons found there."""
+    lines: dict[int, str] = {}
+    for why, where in syncs.found:
+        line = int(where.rsplit(":", 1)[1])
+        lines[line] = lines.get(line, "") + why
+    return lines
+
+
+def _line_of(fn, text: str) -> int:
+    """The line of `fn`'s source holding `text`."""
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
 def test_the_detector_sees_each_kind_of_sync():
     x = torch.arange(6.0, device="cpu")
     with HostSyncs(packages=(str(Path(__file__).parent),)) as syncs:
@@ -46,12 +62,100 @@ def test_the_detector_sees_each_kind_of_sync():
         torch.arange(3)
         repeats = torch.ones(6, dtype=torch.long, device=x.device)
         x.repeat_interleave(repeats)
+        x.tolist()
+        torch.tensor([1, 2], device=x.device)  # built on the host, copied over
         x.repeat_interleave(repeats, output_size=6)  # no sync
         torch.zeros(3, device=x.device)  # no sync
+        x.clone()[1] = 0.0  # no sync (a scalar written on the device)
     reasons = [why for why, _ in syncs.found]
-    assert len(reasons) == 6, syncs.report()
-    for word in ("item", "__bool__", "boolean-mask", "bincount", "arange", "repeat_interleave"):
+    assert len(reasons) == 8, syncs.report()
+    for word in ("item", "boolean-mask", "bincount", "arange", "repeat_interleave",
+                 "tolist", "torch.tensor"):  # fmt: skip
         assert any(word in r for r in reasons), (word, syncs.report())
+
+
+def test_only_the_packages_calls_count():
+    x = torch.arange(6.0)
+    with HostSyncs() as syncs:  # fusedpar's: this test's syncs are not ours
+        x.sum().item()
+        torch.arange(3)
+    assert not syncs.found, syncs.report()
+
+
+def test_a_read_of_host_memory_on_a_cpu_path_is_not_a_sync():
+    from fusedpar.kernels import _impl
+
+    @_impl.cpu_path
+    def cpu_only(t):
+        return t.sum().item()
+
+    def anywhere(t):
+        return t.sum().item()
+
+    x = torch.ones(3, device="cpu")
+    with HostSyncs(packages=(str(Path(__file__).parent),)) as syncs:
+        cpu_only(x)
+        anywhere(x)
+    assert [where.rsplit(":", 1)[1] for _, where in syncs.found] == [
+        str(_line_of(anywhere, ".item()"))
+    ], syncs.report()
+
+
+# A sync inside a custom op's body and inside backwards: a TorchFunctionMode alone sees
+# the op as one call (its body runs with the mode off) and `backward` as one call.
+
+
+def _syncs_inside_forward(x: torch.Tensor) -> torch.Tensor:
+    if x.sum().item() > 1e30:  # forward: a read
+        return x
+    return x * torch.arange(x.shape[-1])  # forward: a factory without device=
+
+
+_syncs_inside = torch.library.custom_op("fusedpar_test::syncs_inside", mutates_args=())(
+    _syncs_inside_forward
+)
+
+
+@_syncs_inside.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _syncs_inside_backward(ctx, grad):
+    grad[grad > 0].sum()  # backward: boolean-mask indexing
+    return grad * torch.tensor([1.0, 2.0, 3.0])  # backward: a tensor from Python data
+
+
+_syncs_inside.register_autograd(
+    _syncs_inside_backward, setup_context=lambda ctx, inputs, output: None
+)
+
+
+class _SyncsInFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad if bool(grad.abs().max() < 1e30) else grad.nonzero()  # backward: a read
+
+
+def test_the_detector_sees_inside_custom_ops_and_backward():
+    x = torch.randn(2, 3, requires_grad=True)
+    with HostSyncs(packages=(str(Path(__file__).parent),)) as syncs:
+        _syncs_inside(_SyncsInFunction.apply(x)).sum().backward()
+    lines = _lines(syncs)
+    expected = {
+        _line_of(_syncs_inside_forward, ".item()"): "item",
+        _line_of(_syncs_inside_forward, "torch.arange"): "arange",
+        _line_of(_syncs_inside_backward, "grad > 0"): "boolean-mask",
+        _line_of(_syncs_inside_backward, "torch.tensor"): "torch.tensor",
+        _line_of(_SyncsInFunction.backward, "bool("): "reads a device value",
+    }
+    for line, word in expected.items():
+        assert word in lines.get(line, ""), (line, word, syncs.report())
+    assert len(syncs.found) == len(expected), syncs.report()
 
 
 # --- the steps, on any device ----------------------------------------------------------
@@ -123,3 +227,49 @@ def _tp_linears():
 
 def test_tp_linears_have_no_host_sync(world):
     assert world(2).run(_tp_linears) == [None, None]
+
+
+# --- a whole training step of the example model ----------------------------------------
+
+
+def _training_step_syncs(moe: bool, parallel: bool) -> str | None:
+    """One step of the example model (forward, backward, AdamW) after a warm-up step:
+    at TP2 x CP2 on the full mesh (`fp.distribute`), or in one process with no groups.
+    MoE at EP = 1 (every expert on every rank): EP > 1 reads the token counts on the host
+    for its all-to-all, by design. The loss read-out is the caller's."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from tiny_llama import Config, ParallelTransformer, Transformer
+
+    cfg = Config(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_hidden=64,
+                 num_experts=4 if moe else 0, top_k=2)  # fmt: skip
+    torch.manual_seed(0)
+    reference = Transformer(cfg)
+    if parallel:
+        dims = fp.ParallelDims(cp=2, tp=2)
+        mesh = dims.build_mesh("cpu")
+        model = fp.distribute(ParallelTransformer(reference, dims.groups(mesh)), mesh)
+    else:
+        model = ParallelTransformer(reference, {"tp": None, "cp": None, "ep": None})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.randint(0, cfg.vocab, (2, 17), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        loss = model(data[:, :-1], data[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return _syncs_of(step)
+
+
+def _training_steps_syncs(parallel: bool) -> list:
+    return [_training_step_syncs(moe, parallel) for moe in (False, True)]
+
+
+def test_a_training_step_has_no_host_sync(world):
+    """Dense and MoE (EP 1), at TP2 x CP2 on every rank and in one process."""
+    assert _training_steps_syncs(False) == [None, None]
+    assert world(4).run(_training_steps_syncs, True) == [[None, None]] * 4

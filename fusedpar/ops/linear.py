@@ -34,11 +34,11 @@ from torch import Tensor
 from fusedpar.comm import (
     Group,
     Ring,
+    active_group,
     all_gather_async,
     group_by_name,
     group_name,
     group_size,
-    resolve_group,
     tuning_agreement,
 )
 from fusedpar.kernels._tuning import frozen
@@ -356,7 +356,7 @@ def all_gather_matmul(
     for w, b in zip(weights, biases, strict=True):
         _check_linear(x, w, b, "all_gather_matmul")
     _check_chunks(chunks_per_rank)
-    pg = resolve_group(group)
+    pg = active_group(group)  # a group of one: a plain GEMM, no collective
     present = [b for b in biases if b is not None]
     has_bias = [b is not None for b in biases]
     outs, _ = _all_gather_matmul(x, weights, present, has_bias, group_name(pg),
@@ -382,7 +382,7 @@ def matmul_reduce_scatter(
         raise ValueError(f"matmul_reduce_scatter: x must be (T, ..., K), got {tuple(x.shape)}")
     _check_linear(x, weight, bias, "matmul_reduce_scatter")
     _check_chunks(chunks_per_rank)
-    pg = resolve_group(group)
+    pg = active_group(group)  # a group of one: a plain GEMM, no collective
     size = group_size(pg)
     if x.shape[0] % size:
         raise ValueError(

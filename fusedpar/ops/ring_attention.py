@@ -55,6 +55,7 @@ from fusedpar.kernels.attention_backward import (
     attention_delta,
 )
 from fusedpar.kernels.attention_mask import (
+    Intervals,
     check_cu_seqlens,
     check_softcap,
     check_softmax_scale,
@@ -100,17 +101,42 @@ def _step_sees(rank: int, src: int, size: int, layout: str, s_local: int, causal
     return False
 
 
+def mask_row(rank, size, layout, s_local, device, *, causal, window, cu_seqlens=None):
+    """`rank`'s masks against every source rank j in one int32 tensor (W, 4, S_local)
+    on `device`: row j holds the `Intervals` (kv_lo, kv_hi, q_lo, q_hi) of the step
+    whose KV comes from j, zeros where `_step_sees` skips the step. Built by device ops
+    only (no tensor of Python data, nothing copied from the host), so one tensor serves
+    a ring call's forward and its backward (`ring_attn` saves it for the backward)."""
+    total = s_local * size
+    # one sequence: [0, total], made on the device
+    cu = torch.arange(2, device=device) * total if cu_seqlens is None else cu_seqlens.to(device)
+    mine = _positions(rank, size, layout, s_local, device)
+    row = torch.zeros((size, 4, s_local), dtype=torch.int32, device=device)
+    for src in range(size):
+        if _step_sees(rank, src, size, layout, s_local, causal, window):
+            cut = intervals(mine, _positions(src, size, layout, s_local, device), cu, cu,
+                            causal=causal, window=window)  # fmt: skip
+            row[src] = torch.cat([cut.kv_lo, cut.kv_hi, cut.q_lo, cut.q_hi])
+    return row
+
+
+def unpack_masks(row, rank, size, layout, *, causal, window):
+    """`mask_row`'s tensor as the loops take it: a list over source ranks j of
+    `Intervals` (views of `row`) or None for a skipped step."""
+    s_local = row.shape[-1]
+    return [Intervals(*row[src, :, None].unbind(0))
+            if _step_sees(rank, src, size, layout, s_local, causal, window) else None
+            for src in range(size)]  # fmt: skip
+
+
 def ring_masks(ranks, size, layout, s_local, device, *, causal, window, cu_seqlens=None):
     """For each rank in `ranks`, a list over source ranks j: the `Intervals` of the
     rank's queries against j's keys, or None when the step is skipped. `cu_seqlens`:
     the documents of the whole packed stream (None: one sequence)."""
-    total = s_local * size
-    cu = torch.tensor([0, total]) if cu_seqlens is None else cu_seqlens
-    cu = cu.to(device)
-    positions = [_positions(r, size, layout, s_local, device) for r in range(size)]
-    return [[intervals(positions[rank], positions[src], cu, cu, causal=causal, window=window)
-             if _step_sees(rank, src, size, layout, s_local, causal, window) else None
-             for src in range(size)] for rank in ranks]  # fmt: skip
+    mask = dict(causal=causal, window=window)
+    return [unpack_masks(mask_row(rank, size, layout, s_local, device, **mask,
+                                  cu_seqlens=cu_seqlens), rank, size, layout, **mask)
+            for rank in ranks]  # fmt: skip
 
 
 def _fresh(shape, device) -> torch.Tensor:
@@ -268,20 +294,23 @@ def ring_attention_forward(q, k, v, pg, *, causal, softmax_scale, layout, window
 
 
 # --- custom ops: fusedpar::ring_attn and its backward -------------------------------------
-# The group crosses the op boundary by name; the ring's masks are rebuilt from the same
-# values in the backward (a few small device ops) rather than carried across.
+# The group crosses the op boundary by name. The ring's masks (`mask_row`) are built once
+# per call, outside the ops, and saved for the backward: a (W, 4, S_local) int32 tensor,
+# 16 bytes a token per ring rank (less than one head of q), where rebuilding them in the
+# backward costs W searchsorted launches again. Passed ``masks=None`` (a direct call of
+# the op), each op builds them itself.
 
 
 @torch.library.custom_op("fusedpar::ring_attn", mutates_args=())
 def _ring_attn_op(q: Tensor, k: Tensor, v: Tensor, group: str, causal: bool,
                   softmax_scale: float | None, layout: str, window_left: int,
-                  window_right: int, softcap: float,
-                  cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor]:  # fmt: skip
+                  window_right: int, softcap: float, cu_seqlens: Tensor | None,
+                  masks: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     pg = group_by_name(group)
     check_same_across_ranks(pg, [*q.shape, *k.shape], "ring_attn: q/k shapes", q.device)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, q.shape[1] * dist.get_world_size(pg))
-    masks = _masks(pg, q, causal, layout, (window_left, window_right), cu_seqlens)
+    masks = _masks(pg, q, causal, layout, (window_left, window_right), cu_seqlens, masks)
     out, lse = ring_attention_forward(q, k, v, pg, causal=causal, softmax_scale=softmax_scale,
                                       layout=layout, softcap=softcap, masks=masks)  # fmt: skip
     return out.to(q.dtype), lse
@@ -297,10 +326,11 @@ def _(q, k, v, *args):  # fresh, contiguous (the kernels' layout), any inputs
 def _ring_attn_backward_op(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: Tensor,
                            out: Tensor, lse: Tensor, group: str, causal: bool,
                            softmax_scale: float | None, layout: str, window_left: int,
-                           window_right: int, softcap: float,
-                           cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+                           window_right: int, softcap: float, cu_seqlens: Tensor | None,
+                           masks: Tensor | None = None
+                           ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     pg = group_by_name(group)
-    masks = _masks(pg, q, causal, layout, (window_left, window_right), cu_seqlens)
+    masks = _masks(pg, q, causal, layout, (window_left, window_right), cu_seqlens, masks)
     rings = _GroupRing(pg), _GroupRing(pg, tag=1)
     dq, dk, dv = _backward([q], [k], [v], [dout], [lse], [_delta(out, dout, dlse)], *rings,
                            [masks], softmax_scale=softmax_scale, softcap=softcap,
@@ -313,23 +343,32 @@ def _(dout, dlse, q, k, v, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _masks(pg, q, causal, layout, window, cu_seqlens):
-    """This rank's row of `ring_masks`."""
+def _mask_row(pg, q, causal, layout, window, cu_seqlens):
+    """This rank's `mask_row` over `pg`."""
     rank, size = dist.get_rank(pg), dist.get_world_size(pg)
-    return ring_masks([rank], size, layout, q.shape[1], q.device, causal=causal,
-                      window=window, cu_seqlens=cu_seqlens)[0]  # fmt: skip
+    return mask_row(rank, size, layout, q.shape[1], q.device, causal=causal, window=window,
+                    cu_seqlens=cu_seqlens)  # fmt: skip
+
+
+def _masks(pg, q, causal, layout, window, cu_seqlens, row=None):
+    """This rank's row of `ring_masks` (from `row`, its `mask_row`, when given)."""
+    if row is None:
+        row = _mask_row(pg, q, causal, layout, window, cu_seqlens)
+    rank, size = dist.get_rank(pg), dist.get_world_size(pg)
+    return unpack_masks(row, rank, size, layout, causal=causal, window=window)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, *options = inputs
-    ctx.save_for_backward(q, k, v, *output, options[-1])
-    ctx.options = options[:-1]
+    q, k, v, *options, cu_seqlens, masks = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens, masks)
+    ctx.options = options
 
 
 def _backward_op(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    grads = _ring_attn_backward_op(dout, dlse, q, k, v, out, lse, *ctx.options, cu_seqlens)
-    return *grads, *[None] * 8
+    q, k, v, out, lse, cu_seqlens, masks = ctx.saved_tensors
+    grads = _ring_attn_backward_op(dout, dlse, q, k, v, out, lse, *ctx.options, cu_seqlens,
+                                   masks)  # fmt: skip
+    return *grads, *[None] * 9
 
 
 _ring_attn_op.register_autograd(_backward_op, setup_context=_setup)
@@ -404,8 +443,9 @@ def ring_attn(
             return flash_attn(q, k, v, **mask, return_lse=return_lse)
         out, lse = flash_attn_varlen(q[0], k[0], v[0], cu_seqlens, **mask, return_lse=True)
         return (out[None], lse[None]) if return_lse else out[None]
+    masks = _mask_row(pg, q, causal, layout, window, cu_seqlens)  # once, for both directions
     out, lse = _ring_attn_op(q, k, v, group_name(pg), causal, softmax_scale, layout, *window,
-                             softcap, cu_seqlens)  # fmt: skip
+                             softcap, cu_seqlens, masks)  # fmt: skip
     return (out, lse) if return_lse else out
 
 

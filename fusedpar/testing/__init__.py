@@ -7,14 +7,17 @@
 - `compile_gate`: compile Triton kernels for sm_80/sm_90 without a GPU and read what
   each build uses; `machine_code`: ptxas's notes and the SASS hot loop of a build.
 - `HostSyncs`: record the calls that would stall the host on a GPU, on any machine.
+- `Collectives`: count the collectives a piece of code runs, by kind and group size.
 """
 
 from fusedpar.testing import compile_gate, machine_code, strategies
+from fusedpar.testing.collectives import Collectives
 from fusedpar.testing.host_syncs import HostSyncs
 from fusedpar.testing.tolerance import assert_close, tolerance
 from fusedpar.testing.world import World, WorldError, WorldTimeout, exception_of, shared_world
 
 __all__ = [
+    "Collectives",
     "HostSyncs",
     "World",
     "WorldError",

@@ -5,12 +5,36 @@ an op whose output size depends on the data (``nonzero``, boolean indexing,
 ``bincount``, ``unique``, ``repeat_interleave`` without ``output_size``) or a tensor built
 on the CPU and copied over stalls the host until the GPU catches up: the CPU can no longer
 run ahead, CUDA graphs and ``fullgraph`` compiles break. On a CPU nothing stalls, so the
-same code looks fine. `HostSyncs` records these calls wherever they run, through a
-``TorchFunctionMode``, so a CPU test can fail when one appears.
+same code looks fine. `HostSyncs` records these calls wherever they run, so a CPU test
+can fail when one appears.
+
+Two layers, because neither sees everything alone (torch 2.13, measured):
+
+- a ``TorchDispatchMode`` sees the aten ops that sync (``aten._local_scalar_dense``
+  behind ``.item()``/``bool()``, ``aten.nonzero``, boolean ``aten.index``, ``lift_fresh``
+  of a tensor made from Python data, copies between devices, ...) everywhere: in
+  forward, in every backward (the autograd engine runs its nodes under it), in hooks;
+- a ``TorchFunctionMode`` sees what never reaches the dispatcher on a CPU (``.tolist()``,
+  ``.cpu()``, factory calls without ``device=``, ``torch.tensor`` of a Python scalar).
+
+A mode is switched off while it handles a call, so neither sees inside a call it
+intercepts: the function mode sees a ``torch.library.custom_op`` as one call (its body
+ran unseen) and ``Tensor.backward`` as one call; the dispatch mode sees a custom op as
+one aten-level call. So when the dispatch mode meets a custom op it runs the op's Python
+body itself with both modes back on: custom ops (fusedpar's, and a user's) are seen
+inside, forward and backward. What stays unseen is the function layer inside backward
+outside custom ops (a ``.tolist()`` in an ``autograd.Function.backward`` on a CPU);
+the dispatch layer still sees the aten ops there, and a GPU run
+(``torch.cuda.set_sync_debug_mode``) sees all.
 
 Only calls made from the code under `packages` (fusedpar's by default) count: a user's own
-``.item()`` or the test's is not ours. Factory calls (``torch.arange``, ``torch.tensor``,
-...) without a ``device=`` count too: on a GPU run they build on the CPU and copy.
+``.item()`` or the test's is not ours. Nor does a call on CPU tensors (or none) inside a
+function marked `fusedpar.kernels._impl.cpu_path`: code that runs only on a CPU (the
+torch implementations' CPU paths, which ``auto`` never takes on a GPU; checks skipped on
+GPUs), where it reads host memory. ``torch.tensor``/``torch.as_tensor`` of Python
+data count even with ``device=`` (a synchronous host-to-device copy on a GPU, and no
+CUDA-graph capture); other factory calls count without ``device=`` (built on the CPU,
+then copied on a GPU run).
 
     with HostSyncs() as syncs:
         fp.flash_attn(q, k, v).sum().backward()
@@ -24,14 +48,20 @@ from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-# Tensor methods that read device values on the host.
-_READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"}
-# Ops whose output size depends on the data: the host waits to learn it.
-_DATA_SIZED = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive",
-               "bincount"}  # fmt: skip
-_FACTORIES = {"arange", "tensor", "as_tensor", "zeros", "ones", "empty", "full", "rand",
-              "randn", "randint", "linspace", "eye"}  # fmt: skip
+# Python-level calls that never reach the dispatcher on a CPU.
+_HOST_COPIES = {"tolist", "numpy", "cpu"}
+_FACTORIES = {"arange", "zeros", "ones", "empty", "full", "rand", "randn", "randint",
+              "linspace", "eye"}  # fmt: skip
+_FROM_DATA = {"tensor", "as_tensor", "from_numpy"}
+# aten ops (overload packets) whose output size depends on the data: the host waits.
+_DATA_SIZED = {"nonzero", "argwhere", "masked_select", "_unique2", "unique_dim",
+               "unique_consecutive", "bincount", "masked_scatter_"}  # fmt: skip
+# aten ops that read a device value on the host (below autograd, as inside a custom op's
+# body, the composite ones arrive whole: item, is_nonzero, allclose).
+_READS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "allclose"}
+_MASK_INDEXED = {"index", "index_put", "index_put_", "_index_put_impl_"}
 _HERE = Path(__file__).resolve()
 _TORCH = str(Path(torch.__file__).resolve().parent)
 
@@ -40,36 +70,122 @@ def _name(func) -> str:
     return getattr(func, "__name__", None) or str(func)
 
 
-def _why(func, args, kwargs) -> str | None:
+def _why_function(func, args, kwargs) -> str | None:
+    """Python-level calls the dispatch layer cannot see on a CPU."""
     name = _name(func)
-    if name in _READS:
-        return f"reads a device value on the host ({name})"
-    if name in _DATA_SIZED:
-        return f"{name}: the output size depends on the data"
-    repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
-    sized = kwargs.get("output_size") is not None
-    if name == "repeat_interleave" and isinstance(repeats, torch.Tensor) and not sized:
-        return "repeat_interleave without output_size"
-    if name == "where" and len(args) + len(kwargs) == 1:
-        return "torch.where(cond): the output size depends on the data"
-    if name in ("__getitem__", "__setitem__", "index_put_", "index_put"):
-        index = args[1] if len(args) > 1 else None
-        parts = index if isinstance(index, tuple) else (index,)
-        if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
-            return "boolean-mask indexing (a nonzero inside)"
-    if name == "to" and any(str(a) == "cpu" for a in (*args[1:], kwargs.get("device"))):
-        return "copies to the host (.to('cpu'))"
-    if name in _FACTORIES and "device" not in kwargs and func.__module__ in ("torch", None):
+    if name in _HOST_COPIES:
+        return f"copies to the host (.{name}())"
+    if name == "to" and args and isinstance(args[0], torch.Tensor):
+        # (a tensor moved to its own device: no copy, and on a CPU run every device is one)
+        targets = (*args[1:], kwargs.get("device"))
+        devices = [torch.device(a).type for a in targets if isinstance(a, str | torch.device)]
+        if any(device != args[0].device.type for device in devices):
+            return "copies between the host and the device (.to)"
+    if getattr(func, "__module__", None) not in ("torch", None):
+        return None
+    if name in _FROM_DATA and args and not isinstance(args[0], torch.Tensor):
+        return f"torch.{name} of Python data: a host-to-device copy on a GPU run"
+    if name in _FACTORIES and "device" not in kwargs:
         return f"torch.{name} without device=: built on the CPU, then copied on a GPU run"
     return None
 
 
-class HostSyncs(TorchFunctionMode):
+def _is_mask(index) -> bool:
+    return isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+
+
+def _why_aten(func, args, kwargs) -> str | None:
+    """aten-level calls that sync (what ``torch.cuda.set_sync_debug_mode`` would catch)."""
+    name = func.overloadpacket.__name__
+    if name in _READS:
+        return f"reads a device value on the host (.item(), bool(), int(): aten.{name})"
+    if name in _DATA_SIZED or name == "where" and len(args) == 1:
+        return f"aten.{name}: the output size depends on the data"
+    repeats_on_device = func._overloadname in ("Tensor", "self_Tensor")
+    if name == "repeat_interleave" and repeats_on_device and kwargs.get("output_size") is None:
+        return "repeat_interleave without output_size"
+    if name in _MASK_INDEXED and len(args) > 1 and any(_is_mask(i) for i in args[1] or ()):
+        return f"boolean-mask indexing (aten.{name}: a nonzero inside)"
+    if name == "lift_fresh" and args[0].dim() > 0:  # (0-dim: also a[i] = scalar on a CPU)
+        return "a tensor made from Python data (torch.tensor): a host-to-device copy"
+    if name in ("_to_copy", "copy_"):
+        devices = {t.device.type for t in args if isinstance(t, torch.Tensor)}
+        if kwargs.get("device") is not None:
+            devices.add(torch.device(kwargs["device"]).type)
+        if "cpu" in devices and len(devices - {"meta"}) > 1:
+            return f"aten.{name} between the host and the device"
+    return None
+
+
+def _python_body(func, args):
+    """The Python implementation of a ``torch.library.custom_op`` for these arguments'
+    device (its kernels by device type, None: any), or None."""
+    try:
+        from torch._library.custom_ops import _maybe_get_opdef
+    except ImportError:  # pragma: no cover - a torch that moved it: bodies stay unseen
+        return None
+    opdef = _maybe_get_opdef(func) if func.namespace != "aten" else None
+    kernels = getattr(opdef, "_backend_fns", None) or {}
+    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
+    return kernels.get(device, kernels.get(None))
+
+
+def _on_host(args) -> bool:
+    """No tensor argument off the host (none at all: a factory, on the host there)."""
+    return all(a.device.type == "cpu" for a in args if isinstance(a, torch.Tensor))
+
+
+def _in_cpu_path(frame) -> bool:
+    from fusedpar.kernels._impl import CPU_PATHS
+
+    while frame is not None:
+        if frame.f_code in CPU_PATHS:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _Functions(TorchFunctionMode):
+    def __init__(self, owner: HostSyncs):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.owner._quiet:
+            why = _why_function(func, args, kwargs)
+            if why is not None and self.owner._record(why, args):
+                self.owner._quiet += 1  # the aten ops of a call recorded here: once
+                try:
+                    return func(*args, **kwargs)
+                finally:
+                    self.owner._quiet -= 1
+        return func(*args, **kwargs)
+
+
+class _Dispatches(TorchDispatchMode):
+    def __init__(self, owner: HostSyncs):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.owner._quiet:
+            why = _why_aten(func, args, kwargs)
+            if why is not None:
+                self.owner._record(why, args)
+        body = _python_body(func, args)
+        if body is None:
+            return func(*args, **kwargs)
+        with self.owner._functions, self:  # both modes back on inside the op's body
+            return body(*args, **kwargs)
+
+
+class HostSyncs:
     """Records the host syncs made by code under `packages` while active; ``found`` lists
     ``(reason, "file:line")``."""
 
     def __init__(self, packages: tuple[str, ...] | None = None):
-        super().__init__()
         if packages is None:
             import fusedpar
             import fusedpar.kernels
@@ -78,10 +194,30 @@ class HostSyncs(TorchFunctionMode):
                         str(Path(fusedpar.kernels.__file__).parent))  # fmt: skip
         self.packages = tuple(str(Path(p).resolve()) for p in packages)
         self.found: list[tuple[str, str]] = []
+        self._quiet = 0
+        self._functions, self._dispatches = _Functions(self), _Dispatches(self)
 
-    def _caller(self) -> str | None:
-        """The first frame outside torch and this module, if it is in `packages`."""
+    def __enter__(self) -> HostSyncs:
+        self._functions.__enter__()
+        try:
+            self._dispatches.__enter__()
+        except BaseException:
+            self._functions.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._dispatches.__exit__(*exc)
+        finally:
+            self._functions.__exit__(*exc)
+
+    def _caller(self, args) -> str | None:
+        """The first frame outside torch and this module, if it is in `packages` (and the
+        call is not host work on a CPU path: `fusedpar.kernels._impl.cpu_path`)."""
         frame = sys._getframe(2)
+        if _on_host(args) and _in_cpu_path(frame):
+            return None
         while frame is not None:
             file = str(Path(frame.f_code.co_filename).resolve())
             if file != str(_HERE) and not file.startswith(_TORCH):
@@ -95,14 +231,11 @@ class HostSyncs(TorchFunctionMode):
             return f"{file}:{frame.f_lineno}"
         return None
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        why = _why(func, args, kwargs)
-        if why is not None:
-            where = self._caller()
-            if where is not None:
-                self.found.append((why, where))
-        return func(*args, **kwargs)
+    def _record(self, why: str, args) -> bool:
+        where = self._caller(args)
+        if where is not None:
+            self.found.append((why, where))
+        return where is not None
 
     def report(self) -> str:
         return "\n".join(f"{where}: {why}" for why, where in self.found) or "no host sync"

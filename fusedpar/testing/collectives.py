@@ -1,0 +1,78 @@
+"""Count the collectives a piece of code runs, per kind and group size, on any machine.
+
+    with Collectives() as seen:
+        step()
+    seen.counts  # {("all_reduce", 4): 7, ("send", 2): 16, ...}
+
+A ``TorchDispatchMode`` sees each ``torch.distributed`` collective as the c10d op it
+dispatches (eager ``dist.*`` calls, DTensor's functional collectives, FSDP's), inside
+custom ops' bodies too (run with the mode on, as `HostSyncs` does). The kind is the op's
+name without c10d's decorations (``allreduce_`` -> ``all_reduce``; ``_allgather_base_``
+-> ``all_gather``), the size that of the group it runs on. ``wait_tensor`` and the
+autograd wrappers of functional collectives are not collectives and are not counted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fusedpar.testing.host_syncs import _python_body
+
+_KINDS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",
+          "allgather": "all_gather", "allgather_base": "all_gather",
+          "allgather_into_tensor_coalesced": "all_gather", "all_gather_into_tensor": "all_gather",
+          "all_gather_into_tensor_out": "all_gather",
+          "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+          "reduce_scatter_tensor_coalesced": "reduce_scatter",
+          "alltoall": "all_to_all", "alltoall_base": "all_to_all",
+          "all_to_all_single": "all_to_all", "broadcast": "broadcast", "barrier": "barrier",
+          "send": "send", "recv": "recv", "recv_any_source": "recv", "all_reduce": "all_reduce",
+          "all_reduce_coalesced": "all_reduce", "gather": "gather", "scatter": "scatter",
+          "reduce": "reduce"}  # fmt: skip
+
+
+def _size(args) -> int | None:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for a in args:
+        if isinstance(a, str):
+            try:
+                return dist.get_world_size(_resolve_process_group(a))
+            except (KeyError, ValueError, RuntimeError):
+                continue
+        if isinstance(a, dist.ProcessGroup):
+            return a.size()
+        if isinstance(a, torch.ScriptObject):  # c10d's ops carry the group boxed
+            try:
+                return dist.ProcessGroup.unbox(a).size()
+            except (RuntimeError, TypeError):
+                continue
+    return None
+
+
+class Collectives(TorchDispatchMode):
+    """Counts ``(kind, group size)`` of the collectives run while active (``counts``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace in ("c10d", "_c10d_functional"):
+            kind = _KINDS.get(func.overloadpacket.__name__.strip("_"))
+            if kind is not None:
+                self.counts[kind, _size((*args, *kwargs.values()))] += 1
+        body = _python_body(func, args)
+        if body is None:
+            return func(*args, **kwargs)
+        with self:  # inside a custom op's body too
+            return body(*args, **kwargs)
+
+    def of(self, kind: str) -> int:
+        """How many collectives of `kind`, over every group size."""
+        return sum(n for (k, _), n in self.counts.items() if k == kind)
