@@ -53,7 +53,7 @@ from fusedpar.kernels.moe import (
     grouped_weight_grad,
     swiglu_reference,
 )
-from fusedpar.kernels.moe_permute import combine, combine_weight_grad, gather_rows
+from fusedpar.kernels.moe_permute import combine, combine_weight_grad, gather_rows, index_dtype
 
 SCORES = ("softmax", "sigmoid")
 
@@ -289,7 +289,7 @@ def _dispatch_op(x: Tensor, order: Tensor, pos: Tensor, counts: Tensor, top_k: i
     x_recv = comm._exchange(gather_rows(x, kept // top_k), pg, recv_splits, send_splits)
     regroup = _regroup_index(recv_counts, sum(recv_splits))
     inverse = torch.empty_like(regroup)
-    inverse[regroup] = torch.arange(regroup.numel(), device=regroup.device)
+    inverse[regroup] = torch.arange(regroup.numel(), device=regroup.device, dtype=regroup.dtype)
     return x_recv, recv_counts, regroup, inverse, splits
 
 
@@ -297,7 +297,7 @@ def _dispatch_op(x: Tensor, order: Tensor, pos: Tensor, counts: Tensor, top_k: i
 def _(x, order, pos, counts, top_k, group):
     size = comm.group_size(comm.group_by_name(group))
     rows = torch.library.get_ctx().new_dynamic_size()
-    index = order.new_empty(rows)
+    index = torch.empty(rows, dtype=torch.int32, device=order.device)
     splits = torch.empty((2, size), dtype=torch.int64, device="cpu")
     return (x.new_empty((rows, x.shape[1])), counts.new_empty((size, counts.shape[0] // size)),
             index, torch.empty_like(index), splits)  # fmt: skip
@@ -349,6 +349,28 @@ _return_op.register_autograd(_return_backward, setup_context=_return_setup)
 # --- routing -------------------------------------------------------------------------------
 
 
+class _RouterLogits(torch.autograd.Function):
+    """``x.float() @ router_weight.float().T``, the same numbers as autograd gives that
+    expression, but saving x and the router weight as they are: in 16-bit training the
+    fp32 copies autograd would keep (T x d and E x d, twice the bytes of x) are made
+    again in the backward instead."""
+
+    @staticmethod
+    def forward(ctx, x, router_weight):
+        ctx.save_for_backward(x, router_weight)
+        return x.float() @ router_weight.float().T
+
+    @staticmethod
+    def backward(ctx, d_logits):
+        x, router_weight = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = (d_logits @ router_weight.float()).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = (x.float().T @ d_logits).T.to(router_weight.dtype)
+        return dx, dw
+
+
 def route(x, router_weight, top_k, score, norm_topk_prob, expert_bias=None, router_bias=None):
     """Router math in fp32. Returns (weights (T, k) fp32, ids (T, k), probs (T, E), logits).
 
@@ -359,7 +381,7 @@ def route(x, router_weight, top_k, score, norm_topk_prob, expert_bias=None, rout
     `expert_bias` (E,) shifts the selection only (DeepSeek-V3's aux-loss-free balancing),
     never the weights. ``norm_topk_prob`` rescales the k weights to sum to 1.
     """
-    logits = x.float() @ router_weight.float().T
+    logits = _RouterLogits.apply(x, router_weight)
     if router_bias is not None:
         logits = logits + router_bias.float()
     probs = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
@@ -416,7 +438,8 @@ def _regroup_index(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
                                        em_counts, output_size=total)  # fmt: skip
     em_offsets = torch.cumsum(em_counts, 0) - em_counts
     within = torch.arange(total, device=flat.device) - em_offsets[block_of]
-    return em_starts[block_of] + within
+    # int32 like the other saved row indices: 2**31 rows received would be terabytes
+    return (em_starts[block_of] + within).to(index_dtype(total))
 
 
 def moe_dispatch_combine(x, weights, ids, keep, w1, w3, w2, num_experts, group, *, bias=None,
