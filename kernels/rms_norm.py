@@ -12,14 +12,15 @@ RMSNorm; 1: Gemma's, whose weight starts at zero).
 The backward needs x and rstd only (one fp32 per row), not the normalized rows. The
 weight's gradient is summed without atomics: each backward program adds its rows'
 contributions in fp32 into its own row of a (programs, D) buffer, and the launcher sums
-that buffer's rows in a fixed order: two runs give the same bits. The torch
-implementation and the float64 reference close the file.
+that buffer's rows in a fixed order: two runs give the same bits. On CUDA under
+``FUSEDPAR_IMPL=auto`` the tuner times each kernel's fixed tile against the torch
+implementation, which with the float64 reference closes the file.
 """
 
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _impl
+from fusedpar.kernels import _impl, _tuning
 from fusedpar.kernels._common import (
     check_float_dtype,
     check_launchable,
@@ -27,6 +28,7 @@ from fusedpar.kernels._common import (
     is_interpreted,
     sm_count,
 )
+from fusedpar.kernels._tuning import bucket
 
 # A program holds whole rows (BLOCK_D = D rounded up to a power of two): one read of x
 # per pass. Past this width a row would not fit a program's registers.
@@ -133,6 +135,26 @@ def _rows(name: str, t: torch.Tensor, D: int) -> torch.Tensor:
     return t.reshape(-1, D)
 
 
+def _launch(kernel, grid, args, config, key, device_tensor, torch_run) -> None:
+    """Launch `kernel` with its fixed tile, or on CUDA under ``FUSEDPAR_IMPL=auto``
+    whichever of that tile and `torch_run` the tuner measured faster for (rows bucket, D,
+    dtypes); the ranks of a group pick on their own (each normalizes its own rows)."""
+    num_warps = config.pop("num_warps")
+    tile = triton.Config(config, num_warps=num_warps)
+
+    def candidates():
+        return [tile, *([_impl.TORCH] if _impl.tunes_torch() else [])]
+
+    def launch(config):
+        if isinstance(config, _impl.Torch):
+            torch_run()
+        else:
+            kernel[grid](*args, **config.all_kwargs())
+
+    with device_guard(device_tensor):
+        _tuning.tuner(kernel.__name__).run(key, candidates, launch, device=device_tensor.device)
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor) -> int:
     check_float_dtype("x", x)
     check_float_dtype("weight", weight)
@@ -161,11 +183,11 @@ def rms_norm(x, weight, eps: float = 1e-5, offset: float = 0.0):
     elif y.numel():
         check_launchable(_rms_norm_fwd_kernel, x, weight)
         config = row_config(D, is_interpreted(_rms_norm_fwd_kernel))
-        with device_guard(x):
-            _rms_norm_fwd_kernel[(triton.cdiv(M, config["BLOCK_ROWS"]),)](
-                x2d, weight, y, rstd, *x2d.stride(), *y.stride(), M, D, float(eps),
-                float(offset), **config,
-            )  # fmt: skip
+        grid = (triton.cdiv(M, config["BLOCK_ROWS"]),)
+        args = (x2d, weight, y, rstd, *x2d.stride(), *y.stride(), M, D, float(eps), float(offset))
+        key = (bucket(M), D, str(x.dtype), str(weight.dtype))
+        _launch(_rms_norm_fwd_kernel, grid, args, config, key, x,
+                lambda: rms_norm_torch(x2d, weight, eps, offset, y, rstd))  # fmt: skip
     return y.view(x.shape), rstd.view(x.shape[:-1])
 
 
@@ -201,12 +223,16 @@ def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, need_x=True, 
         programs = backward_programs(M, block, x.device, interpreted)
         per_program = triton.cdiv(triton.cdiv(M, programs), block) * block
         partial = torch.zeros((programs, D), dtype=torch.float32, device=x.device)
+
+        def torch_run():  # its weight gradient as the first partial row, the others 0
+            partial.zero_()
+            partial[0] = rms_norm_backward_torch(dy2d, x2d, weight, rstd, offset, dx)
+
         if M:
-            with device_guard(x):
-                _rms_norm_bwd_kernel[(programs,)](
-                    dy2d, x2d, weight, rstd, dx, partial, *dy2d.stride(), *x2d.stride(),
-                    *dx.stride(), M, D, float(offset), per_program, **config,
-                )  # fmt: skip
+            args = (dy2d, x2d, weight, rstd, dx, partial, *dy2d.stride(), *x2d.stride(),
+                    *dx.stride(), M, D, float(offset), per_program)  # fmt: skip
+            key = (bucket(M), D, str(x.dtype), str(weight.dtype), str(dy.dtype))
+            _launch(_rms_norm_bwd_kernel, (programs,), args, config, key, x, torch_run)
         dw = partial.sum(0)
     dx = dx.view(x.shape) if need_x else None
     return dx, dw.to(weight.dtype) if need_weight else None

@@ -114,3 +114,29 @@ def test_layer_is_a_drop_in_for_the_example_norm():
 def test_bad_input_is_named(x, weight, error, match):
     with pytest.raises(error, match=match):
         fp.rms_norm(x, weight)
+
+
+def test_the_kernels_are_tuned_against_torch(monkeypatch):
+    """On CUDA under ``auto`` each kernel's tile and the torch implementation are timed
+    per key (here on the CPU, the tuner's path forced): the interpreter loses, and the
+    results are the torch implementation's bits."""
+    from fusedpar.kernels import _impl, _tuning
+    from fusedpar.kernels.rms_norm import rms_norm
+
+    x, weight = randn((9, 40), torch.float16, 0), randn((40,), torch.float16, 1)
+    dy = randn((9, 40), torch.float16, 2)
+
+    def run():
+        y, rstd = rms_norm(x, weight, 1e-5, 1.0)
+        return (y, rstd, *rms_norm_backward(dy, x, weight, rstd, 1.0))
+
+    with fp.implementation("torch"):
+        expected = run()
+    _tuning.forget_picks()
+    monkeypatch.setattr(_impl, "runs_torch", lambda device: False)
+    with fp.implementation("auto"):
+        tuned = run()
+    assert all(torch.equal(a, b) for a, b in zip(tuned, expected, strict=True))
+    picks = _tuning.all_picks()
+    for kernel in ("_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel"):
+        assert list(picks[kernel].values()) == [{"implementation": "torch"}]
