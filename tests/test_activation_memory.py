@@ -27,7 +27,7 @@ their output; the MLP, act(gate) and the product.
 The MoE block (the same with ``fp.nn.MoE``: top-2 of 4 experts) has no such table here;
 it must keep no more than at that branch point (5020.4 B per token in fp32, 3108.4 in
 fp16), where the router kept fp32 copies of x and its weight, and the index bookkeeping
-was int64. Now: 4484.4 (fp32) and 2308.4 (fp16).
+was int64. Now: 4476.4 (fp32) and 2300.4 (fp16).
 """
 
 import sys

@@ -371,6 +371,23 @@ class _RouterLogits(torch.autograd.Function):
         return dx, dw
 
 
+class _PickColumns(torch.autograd.Function):
+    """``probs.gather(1, ids)`` keeping the ids (T, k) for the backward as int32, not
+    int64 (an expert id is below E); the gradient is gather's: scattered into zeros."""
+
+    @staticmethod
+    def forward(ctx, probs, ids):
+        ctx.save_for_backward(ids.to(torch.int32))
+        ctx.experts = probs.shape[1]
+        return probs.gather(1, ids)
+
+    @staticmethod
+    def backward(ctx, d_weights):
+        (ids,) = ctx.saved_tensors
+        d_probs = d_weights.new_zeros((d_weights.shape[0], ctx.experts))
+        return d_probs.scatter_add_(1, ids.long(), d_weights), None
+
+
 def route(x, router_weight, top_k, score, norm_topk_prob, expert_bias=None, router_bias=None):
     """Router math in fp32. Returns (weights (T, k) fp32, ids (T, k), probs (T, E), logits).
 
@@ -387,7 +404,7 @@ def route(x, router_weight, top_k, score, norm_topk_prob, expert_bias=None, rout
     probs = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
     select = probs if expert_bias is None or score == "softmax" else probs + expert_bias.float()
     ids = select.detach().topk(top_k, dim=-1).indices
-    weights = probs.gather(1, ids)
+    weights = _PickColumns.apply(probs, ids)
     if norm_topk_prob:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights, ids, probs, logits
