@@ -35,11 +35,24 @@ def _input(shape, dtype, seed, strided):
          weight_fp32=False, lead=(2,))  # fmt: skip
 def test_rms_norm_matches_float64(rows, D, dtype, seed, strided, offset, weight_fp32, lead,
                                   each_implementation):  # fmt: skip
-    x = _input((rows * (lead[0] if lead else 1), D), dtype, seed, strided)
+    _check_against_float64(rows, D, dtype, seed, strided, offset, weight_fp32, lead)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("D", [4096, 8192, 1000])
+def test_rms_norm_matches_float64_on_a_gpu(dtype, D):
+    """Compiled, bf16 included, at model widths (and an odd one), strided."""
+    _check_against_float64(300, D, dtype, 0, True, 0.0, False, (2,), device="cuda")
+
+
+def _check_against_float64(rows, D, dtype, seed, strided, offset, weight_fp32, lead,
+                           device="cpu"):  # fmt: skip
+    x = _input((rows * (lead[0] if lead else 1), D), dtype, seed, strided).to(device)
     x = x.reshape(*lead, rows, D) if lead else x
     w_dtype = torch.float32 if weight_fp32 else dtype
-    weight = randn((D,), w_dtype, seed + 1, scale=0.5) + 0.2
-    dy = randn(x.shape, dtype, seed + 2)
+    weight = (randn((D,), w_dtype, seed + 1, scale=0.5) + 0.2).to(device)
+    dy = randn(x.shape, dtype, seed + 2).to(device)
     eps = 1e-5
 
     x_ = x.detach().clone().requires_grad_()
