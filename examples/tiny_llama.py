@@ -7,6 +7,7 @@ weights, so both start from the same seed.
 | embedding  | nn.Embedding                    | the same, on this rank's tokens               |
 | attention  | q, k, v, o Linear; RoPE; GQA    | `fp.nn.ParallelAttention` (heads/TP, ring/CP) |
 | MLP        | SwiGLU, or a loop-over-experts MoE | `fp.nn.ParallelSwiGLU` (TP), `fp.nn.MoE` (EP) |
+| norms      | RMSNorm (plain PyTorch)         | `fp.nn.RMSNorm`, on this rank's tokens        |
 | head       | RMSNorm, Linear, cross-entropy  | the same, on this rank's tokens               |
 
 Activations of the parallel model are sequence-first, (S / CP / TP, B, d): each rank
@@ -171,12 +172,19 @@ def reference_name(name: str) -> str:
 # --- the parallel model ------------------------------------------------------------------------
 
 
+def _norm(norm: RMSNorm) -> fp.nn.RMSNorm:
+    """The reference's norm as fusedpar's (the same state_dict): it saves x and one fp32
+    per row for the backward, where the reference's autograd keeps x in fp32 and the
+    normalized x as well."""
+    ours = fp.nn.RMSNorm(norm.weight.shape[0], eps=norm.eps)
+    ours.load_state_dict(norm.state_dict())
+    return ours
+
+
 class ParallelBlock(nn.Module):
     def __init__(self, block: Block, cfg: Config, groups: dict):
         super().__init__()
-        self.attn_norm, self.mlp_norm = RMSNorm(cfg.d_model), RMSNorm(cfg.d_model)
-        self.attn_norm.load_state_dict(block.attn_norm.state_dict())
-        self.mlp_norm.load_state_dict(block.mlp_norm.state_dict())
+        self.attn_norm, self.mlp_norm = _norm(block.attn_norm), _norm(block.mlp_norm)
         a = block.attn
         self.attn = fp.nn.ParallelAttention.from_dense(
             a.q, a.k, a.v, a.o, cfg.d_model, cfg.n_heads, cfg.n_kv_heads,
@@ -213,8 +221,7 @@ class ParallelTransformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab, cfg.d_model)
         self.embed.load_state_dict(reference.embed.state_dict())
         self.blocks = nn.ModuleList(ParallelBlock(b, cfg, groups) for b in reference.blocks)
-        self.norm = RMSNorm(cfg.d_model)
-        self.norm.load_state_dict(reference.norm.state_dict())
+        self.norm = _norm(reference.norm)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         self.head.load_state_dict(reference.head.state_dict())
 

@@ -43,7 +43,7 @@ from fusedpar.kernels._common import (
 )
 from fusedpar.kernels._tuning import bucket
 from fusedpar.kernels.matmul import tile_of
-from fusedpar.kernels.moe_permute import _check_index, _empty, _fit
+from fusedpar.kernels.moe_permute import _check_index, _empty, _fit, index_dtype
 
 # The K step of every grouped GEMM tile. Each output sums its K products in BLOCK_K
 # chunks, in order; with one BLOCK_K for every config no pick changes the order of any
@@ -157,18 +157,18 @@ def dispatch_metadata(expert_ids: torch.Tensor, num_experts: int, keep: torch.Te
     """Counts per expert and the stable expert-major order of the (token, slot) pairs.
 
     expert_ids (T, k) int; keep (T, k) bool or None (all kept). Returns ``counts`` (E,)
-    int64 (kept pairs), ``order`` (T*k,) int64 (flat pair indices t * k + j, expert-major,
-    by pair index within an expert, the dropped pairs last) and ``pos`` (T, k) int64, each
-    pair's row in that order or -1 if dropped. No host sync: `order` keeps its full length
-    and the kernels stop at ``offsets[E] = counts.sum()`` on the device.
-    """
+    int64 (kept pairs), ``order`` (T*k,) (pair indices t * k + j, expert-major, by pair
+    index within an expert, the dropped last) and ``pos`` (T, k), each pair's row in that
+    order or -1 if dropped: kept for the backward, so int32 (`index_dtype`). No host
+    sync: `order` keeps its full length; kernels stop at ``offsets[E] = counts.sum()``."""
     flat = expert_ids.reshape(-1).to(torch.int64)
     if keep is not None:
         flat = torch.where(keep.reshape(-1), flat, num_experts)  # dropped pairs sort last
     counts = expert_counts(flat, num_experts + 1)[:num_experts]
-    order = torch.argsort(flat, stable=True)
-    pos = torch.empty_like(flat)
-    pos[order] = torch.arange(flat.numel(), device=flat.device)
+    index = index_dtype(flat.numel())
+    order = torch.argsort(flat, stable=True).to(index)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(flat.numel(), device=flat.device, dtype=index)
     if keep is not None:
         pos = torch.where(keep.reshape(-1), pos, -1)
     return counts, order, pos.view(expert_ids.shape)
@@ -459,7 +459,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _check_grouped(what, kernel, x, counts, rows, P, **weights):
     """x 2-D float; each weight ``name=(w, (N, K))`` is (E, N, K) in x's dtype, E =
-    len(counts); counts (E,) int64; rows (P,) int64 or None; one device. Returns E."""
+    len(counts); counts (E,) int64; rows (P,) int32/64 or None; one device. Returns E."""
     if x.dim() != 2:
         raise ValueError(f"{what}: x must be 2-D, got {tuple(x.shape)}")
     check_float_dtype("x", x)
@@ -541,7 +541,7 @@ def grouped_matmul(x, w, counts, rows=None, *, bias=None, out_dtype=None, transp
 
     x (R, K) any strides; w (E, N, K) (or (E, K, N) with `transpose_w`); bias (E, N) in
     x's dtype or None, added in fp32 before the result is rounded; counts (E,) int64,
-    summing to at most P; rows (P,) int64 or None (x is already in expert order, P = R).
+    summing to at most P; rows (P,) int32/64 or None (x is already in expert order, P = R).
     Returns y (P, N) in `out_dtype` (x's by default), rows in expert order; rows past
     ``counts.sum()`` are left unwritten.
     """
@@ -650,7 +650,7 @@ def grouped_weight_grad(dy, x, counts, rows=None, *, out_dtype=None, split=False
                         bias_grad=False):  # fmt: skip
     """``dw[e] = sum_{p in e} dy[p]^T x[rows[p]]``: (E, N, K), zero for an empty expert.
 
-    dy (P, N) in expert order; x (R, K); counts (E,) int64; rows (P,) int64 or None (then
+    dy (P, N) in expert order; x (R, K); counts (E,) int64; rows (P,) int32/64 or None (then
     R = P). With `split`, dy is (P, 2N) and the result is the pair ``(dw, dv)`` of
     (E, N, K) from its two column halves (the fused gate/up's weights), in one launch.
     With `bias_grad`, the biases' gradients follow the weights': ``db[e] = sum_{p in e}

@@ -28,6 +28,10 @@ MAX_BLOCK_D = 2048
 # The interpreter runs programs one by one in numpy: small tiles keep CPU tests fast and
 # make tiny shapes cross block edges (several row blocks, a loop over D).
 INTERPRETER_MAX_BLOCK = 64
+# Row indices (the order, rows and positions of the pairs, the EP regroup) are kept for
+# the backward: int32, half int64's bytes, wherever they count fewer than 2**31 rows
+# (`index_dtype`). The kernels widen them to int64 before any address arithmetic.
+INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def row_tile(D: int, interpreted: bool) -> dict:
@@ -50,11 +54,18 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def index_dtype(count: int) -> torch.dtype:
+    """The dtype of indices into `count` rows: int32, or int64 where int32 cannot count
+    them (2**31 pairs of any width are terabytes: int64 is kept for correctness only)."""
+    return torch.int32 if count < 2**31 else torch.int64
+
+
 def _check_index(name, index, count, device):
     if index is None:
         return
-    if index.dim() != 1 or index.shape[0] != count or index.dtype != torch.int64:
-        raise ValueError(f"{name} must be int64 ({count},), got {index.dtype} {tuple(index.shape)}")
+    if index.dim() != 1 or index.shape[0] != count or index.dtype not in INDEX_DTYPES:
+        raise ValueError(f"{name} must be int32 or int64 ({count},), got {index.dtype} "
+                         f"{tuple(index.shape)}")  # fmt: skip
     if index.device != device:
         raise ValueError(f"{name} is on {index.device}, the data on {device}")
 
@@ -184,7 +195,7 @@ def _launch_rows(kernel, n_rows, D, args, meta, device_tensor, torch_run):
 
 
 def gather_rows(src, idx, scale=None, *, out_dtype=None):
-    """``out[p] = src[idx[p]] (* scale[p])``: (P, D) from src (R, D), idx (P,) int64,
+    """``out[p] = src[idx[p]] (* scale[p])``: (P, D) from src (R, D), idx (P,) int32/64,
     scale (P,) float32 or None."""
     P, D = idx.shape[0], src.shape[-1]
     _check_index("idx", idx, P, src.device)
@@ -207,10 +218,11 @@ def gather_rows(src, idx, scale=None, *, out_dtype=None):
 
 def combine(src, pos, weight=None, *, out_dtype=None):
     """``y[t] = sum_j weight[t, j] * src[pos[t, j]]``: (T, D) from src (P, D), pos (T, k)
-    int64 (-1: skipped), weight (T, k) or None (all ones), summed in slot order in fp32."""
+    int32 or int64 (-1: skipped), weight (T, k) or None (all ones), summed in slot order
+    in fp32."""
     bad_weight = weight is not None and weight.shape != pos.shape
-    if src.dim() != 2 or pos.dim() != 2 or pos.dtype != torch.int64 or bad_weight:
-        raise ValueError(f"combine takes src (P, D), pos (T, k) int64 and weight (T, k), got "
+    if src.dim() != 2 or pos.dim() != 2 or pos.dtype not in INDEX_DTYPES or bad_weight:
+        raise ValueError(f"combine takes src (P, D), pos (T, k) int32/64 and weight (T, k), got "
                          f"{tuple(src.shape)}, {pos.dtype} {tuple(pos.shape)} and "
                          f"{weight if weight is None else tuple(weight.shape)}")  # fmt: skip
     (T, top_k), D = pos.shape, src.shape[1]

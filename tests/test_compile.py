@@ -154,6 +154,16 @@ def _opcheck_cases(group: str):
             ops.moe_combine_backward,
             (torch.randn(T, d), torch.randn(T * top_k, d), wts.detach(), pos, order, True, True),
         ),
+        (ops.rms_norm, (xt, _leaf(8), 1e-5, 0.0)),
+        (ops.rms_norm, (_leaf(5, 8, dtype=torch.float16), _leaf(8), 1e-6, 1.0)),
+        (
+            ops.rms_norm_backward,
+            (torch.randn(4, 3, 8), xt, _leaf(8), torch.rand(4, 3), 0.0, True, True),
+        ),
+        (
+            ops.rms_norm_backward,
+            (torch.randn(5, 8), _leaf(5, 8), _leaf(8), torch.rand(5), 1.0, False, True),
+        ),
         (ops.moe_dispatch, ep),
         (ops.moe_return, (recv.detach().requires_grad_(), splits, group, False)),
         # Ulysses: q, k, v (strided, KV replicated W times) and the LSE's (B, S, H, 1) view

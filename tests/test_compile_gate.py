@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fusedpar.kernels import _common, attention_merge, matmul, moe, moe_permute
+from fusedpar.kernels import _common, attention_merge, matmul, moe, moe_permute, rms_norm
 from fusedpar.kernels import attention as attn
 from fusedpar.kernels import attention_backward as attn_bwd
 
@@ -185,6 +185,13 @@ def moe_calls(dtype, bias=False, activation="silu"):
     moe_permute.gather_rows(x, rows, _empty((P,), "float32"))
     moe_permute.combine(y, pos, _empty((T, top_k), "float32"))
     moe_permute.combine_weight_grad(_empty((T, d), dtype), y, pos)
+
+
+def rms_norm_calls(dtype, dim):
+    """RMSNorm's forward and backward over 256 rows of `dim` features."""
+    x, weight = _empty((256, dim), dtype), _empty((dim,), dtype)
+    _, rstd = rms_norm.rms_norm(x, weight)
+    rms_norm.rms_norm_backward(_empty((256, dim), dtype), x, weight, rstd)
 
 
 # --- cases --------------------------------------------------------------------------------
@@ -415,6 +422,18 @@ for cap in (90, 80):
     for kernel in MOE_ROW_KERNELS:
         add("moe-" + kernel.strip("_").removesuffix("_kernel"), "bfloat16", moe_calls,
             {"dtype": "bfloat16"}, kernel, cap, no_spill=cap == 90)  # fmt: skip
+
+# RMSNorm: its launcher's fixed tile (whole rows), at Llama 8B's width in 16-bit (no spill
+# allowed, and on an A100), and reported at 70B's width and in fp32.
+RMS_NORM_KERNELS = ("_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel")
+for kernel in RMS_NORM_KERNELS:
+    family = "rms_norm-" + kernel.strip("_").removesuffix("_kernel").removeprefix("rms_norm_")
+    for cap in (90, 80):
+        add(family, "bfloat16-d4096", rms_norm_calls, {"dtype": "bfloat16", "dim": 4096}, kernel,
+            cap, no_spill=True)  # fmt: skip
+    for dtype, dim in (("bfloat16", 8192), ("float32", 4096)):
+        add(family, f"{dtype}-d{dim}", rms_norm_calls, {"dtype": dtype, "dim": dim}, kernel, 90,
+            no_spill=False)  # fmt: skip
 
 
 # --- tests ----------------------------------------------------------------------------------

@@ -1,16 +1,18 @@
-"""nn.Modules built from fusedpar.ops: parallel linears, attention, MoE (and
+"""nn.Modules built from fusedpar.ops: parallel linears, attention, MoE, RMSNorm (and
 `add_aux_loss`, which carries a MoE layer's auxiliary loss to the gradients)."""
 
 from fusedpar.nn.attention import ParallelAttention
 from fusedpar.nn.aux_loss import add_aux_loss
 from fusedpar.nn.linear import ColumnParallelLinear, ParallelSwiGLU, RowParallelLinear
 from fusedpar.nn.moe import MoE
+from fusedpar.nn.norm import RMSNorm
 
 __all__ = [
     "ColumnParallelLinear",
     "MoE",
     "ParallelAttention",
     "ParallelSwiGLU",
+    "RMSNorm",
     "RowParallelLinear",
     "add_aux_loss",
 ]

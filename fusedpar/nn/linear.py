@@ -23,7 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedpar import comm
-from fusedpar.ops.linear import DEFAULT_CHUNKS_PER_RANK, all_gather_matmul, matmul_reduce_scatter
+from fusedpar.ops.linear import (
+    DEFAULT_CHUNKS_PER_RANK,
+    all_gather_matmul,
+    gated_down,
+    matmul_reduce_scatter,
+)
 from fusedpar.storage import ParamLayout, local_tensor, warn_if_undistributed
 
 
@@ -230,6 +235,10 @@ class ParallelSwiGLU(nn.Module):
     With ``bias=True``, gate_bias and up_bias (d_hidden/W,) are split like their outputs
     and down_bias (d_model,) is whole, added once. Shapes: x (T/W, ..., d_model) with
     sequence parallelism, (T, ..., d_model) without; the output has x's shape.
+
+    Kept for the backward: x, gate and up; not ``act(gate)`` nor the product fed to
+    down, which the backward recomputes (`fusedpar.ops.linear.gated_down`), as the MoE
+    experts do.
     """
 
     GROUP_AXES = {"group": ("tp",)}  # checked by `fusedpar.distribute`
@@ -321,6 +330,7 @@ class ParallelSwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         warn_if_undistributed(self, self.group)
         weights, biases = [self.gate_weight, self.up_weight], [self.gate_bias, self.up_bias]
+        down = {"activation": self.activation, "chunks_per_rank": self.chunks_per_rank}
         if self.sequence_parallel:
             gate, up = all_gather_matmul(x, weights, self.group, bias=biases,
                                          chunks_per_rank=self.chunks_per_rank)  # fmt: skip
@@ -328,12 +338,10 @@ class ParallelSwiGLU(nn.Module):
             bias = (
                 None if self.down_bias is None else comm.copy_to_region(self.down_bias, self.group)
             )
-            hidden = self.activation(gate) * up
-            return matmul_reduce_scatter(hidden, self.down_weight, self.group, bias=bias,
-                                         chunks_per_rank=self.chunks_per_rank)  # fmt: skip
+            return gated_down(gate, up, self.down_weight, self.group, bias=bias, **down)
         x = comm.copy_to_region(x, self.group)
         gate, up = (F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
-        y = comm.reduce_from_region(
-            F.linear(self.activation(gate) * up, self.down_weight), self.group
-        )
+        partial = gated_down(gate, up, self.down_weight, self.group, sequence_parallel=False,
+                             **down)  # fmt: skip
+        y = comm.reduce_from_region(partial, self.group)
         return y if self.down_bias is None else y + self.down_bias

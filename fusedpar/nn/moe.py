@@ -8,6 +8,7 @@ from torch import nn
 
 from fusedpar import comm
 from fusedpar.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT, check_activation
+from fusedpar.ops.linear import gated_down
 from fusedpar.ops.moe import SCORES, aux_losses, capacity_mask, moe_dispatch_combine, route
 from fusedpar.recompute import is_recomputing
 from fusedpar.storage import ParamLayout, local_tensor, warn_if_undistributed
@@ -283,8 +284,10 @@ class MoE(nn.Module):
             }
         aux = aux_losses(probs, logits, ids, self.score, self.aux_loss_coef, self.z_loss_coef)
         if self.shared_w1 is not None:
-            hidden = F.silu(F.linear(x2d, self.shared_w1)) * F.linear(x2d, self.shared_w3)
-            shared = F.linear(hidden, self.shared_w2)
+            gate, up = F.linear(x2d, self.shared_w1), F.linear(x2d, self.shared_w3)
+            # saves gate and up, not silu(gate) nor the product (recomputed in the backward)
+            shared = gated_down(gate, up, self.shared_w2, None, activation=F.silu,
+                                sequence_parallel=False)  # fmt: skip
             if self.shared_gate_weight is not None:
                 shared = torch.sigmoid(F.linear(x2d, self.shared_gate_weight)) * shared
             y = y + shared

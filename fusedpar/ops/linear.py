@@ -293,6 +293,7 @@ def _matmul_reduce_scatter_grads(ctx, dy):
 
 _all_gather_matmul_backward = direct_op(_all_gather_matmul_backward_op)
 _matmul_reduce_scatter_backward = direct_op(_matmul_reduce_scatter_backward_op)
+_matmul_reduce_scatter_forward = direct_op(_matmul_reduce_scatter_op)  # inside _GatedDown
 _all_gather_matmul = autograd_op(_all_gather_matmul_op, _all_gather_matmul_grads,
                                  _all_gather_matmul_setup)  # fmt: skip
 _matmul_reduce_scatter = autograd_op(_matmul_reduce_scatter_op, _matmul_reduce_scatter_grads,
@@ -390,3 +391,65 @@ def matmul_reduce_scatter(
             f"tokens, not divisible by the group size {size}"
         )
     return _matmul_reduce_scatter(x, weight, bias, group_name(pg), chunks_per_rank)
+
+
+class _GatedDown(torch.autograd.Function):
+    """``down(act(gate) * up)`` saving gate and up only: the backward recomputes the
+    product (for the down weight's gradient) and its vjp (for dgate, dup) in one pass."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, activation, group, chunks):
+        hidden = activation(gate) * up
+        if group is None:  # a plain GEMM (classic TP: the caller all-reduces)
+            y = torch.nn.functional.linear(hidden, weight, bias)
+        else:
+            y = _matmul_reduce_scatter_forward(hidden, weight, bias, group, chunks)
+        ctx.options = (activation, group, chunks, bias is not None)
+        ctx.save_for_backward(gate, up, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up, weight = ctx.saved_tensors
+        activation, group, chunks, has_bias = ctx.options
+        needs_g, needs_u, needs_w, needs_b = ctx.needs_input_grad[:4]
+        hidden, vjp = torch.func.vjp(lambda g, u: activation(g) * u, gate, up)
+        if group is None:
+            dh = dy @ weight
+            dw = _flat(dy).t() @ _flat(hidden) if needs_w else None
+            db = _row_sum(_flat(dy), weight.dtype) if needs_b and has_bias else None
+        else:
+            dh, dw, db = _matmul_reduce_scatter_backward(
+                dy, hidden, weight, group, chunks, True, needs_w, needs_b and has_bias
+            )
+            dw, db = dw if needs_w else None, db if needs_b and has_bias else None
+        dgate, dup = vjp(dh) if needs_g or needs_u else (None, None)
+        return dgate, dup, dw, db, None, None, None
+
+
+def gated_down(gate, up, weight, group, *, activation, bias=None, sequence_parallel=True,
+               chunks_per_rank: int = DEFAULT_CHUNKS_PER_RANK) -> torch.Tensor:  # fmt: skip
+    """``down(activation(gate) * up)`` (+ bias): with `sequence_parallel` the down GEMM's
+    output reduce-scattered over `group` as in `matmul_reduce_scatter`, else this rank's
+    partial (T, ..., N), to be all-reduced by the caller. gate, up (T, ..., K_loc);
+    weight (N, K_loc); `activation` any differentiable elementwise function.
+
+    Saved for the backward: gate and up, not ``activation(gate)`` nor the product, which
+    the backward recomputes (one elementwise pass) for the down weight's gradient and the
+    gate's and up's."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gated_down: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    if gate.dim() < 2:
+        raise ValueError(f"gated_down: gate must be (T, ..., K), got {tuple(gate.shape)}")
+    _check_linear(gate, weight, bias, "gated_down")
+    _check_chunks(chunks_per_rank)
+    name = None
+    if sequence_parallel:
+        pg = active_group(group)
+        size = group_size(pg)
+        if gate.shape[0] % size:
+            raise ValueError(f"gated_down: dim 0 of gate (shape {tuple(gate.shape)}) has "
+                             f"{gate.shape[0]} tokens, not divisible by the group size "
+                             f"{size}")  # fmt: skip
+        name = group_name(pg)
+    return _GatedDown.apply(gate, up, weight, bias, activation, name, chunks_per_rank)

@@ -53,7 +53,8 @@ from fusedpar.kernels.moe import (
     grouped_weight_grad,
     swiglu_reference,
 )
-from fusedpar.kernels.moe_permute import combine, combine_weight_grad, gather_rows
+from fusedpar.kernels.moe_permute import combine, combine_weight_grad, gather_rows, index_dtype
+from fusedpar.ops.registration import autograd_op, direct_op
 
 SCORES = ("softmax", "sigmoid")
 
@@ -168,8 +169,8 @@ def _expert_swiglu_setup(ctx, inputs, output):
 
 def _expert_swiglu_backward(ctx, d_out, _):
     x, w1, w3, w2, counts, rows, reduce_pos, h13 = ctx.saved_tensors
-    grads = _expert_swiglu_backward_op(d_out, x, w1, w3, w2, counts, rows, reduce_pos, h13,
-                                       ctx.needs, *ctx.act)  # fmt: skip
+    grads = _expert_swiglu_backward_call(d_out, x, w1, w3, w2, counts, rows, reduce_pos,
+                                         h13, ctx.needs, *ctx.act)  # fmt: skip
     dx, dw1, dw3, dw2, db1, db3, db2 = _asked(grads, ctx.needs)
     return dx, dw1, dw3, dw2, None, None, None, None, db1, db3, db2, None, None, None
 
@@ -186,8 +187,8 @@ def expert_swiglu(x, w1, w3, w2, counts, rows, reduce_pos, *, bias=None, activat
         raise ValueError("expert_swiglu: bias must be None or all of (b1, b2, b3)")
     params = [t for t in (x, w1, w3, w2, b1, b2, b3) if t is not None]
     save = torch.is_grad_enabled() and any(t.requires_grad for t in params)
-    out, _ = _expert_swiglu_op(x, w1, w3, w2, counts, rows, reduce_pos, save, b1, b3, b2,
-                               activation, alpha, limit)  # fmt: skip
+    out, _ = _expert_swiglu(x, w1, w3, w2, counts, rows, reduce_pos, save, b1, b3, b2,
+                            activation, alpha, limit)  # fmt: skip
     return out
 
 
@@ -219,7 +220,7 @@ def _permute_setup(ctx, inputs, output):
 
 def _permute_backward(ctx, d_out):
     (reduce_pos,) = ctx.saved_tensors
-    return _permute_backward_op(d_out, reduce_pos), None, None
+    return _permute_backward_call(d_out, reduce_pos), None, None
 
 
 @torch.library.custom_op("fusedpar::moe_combine", mutates_args=())
@@ -263,7 +264,7 @@ def _combine_setup(ctx, inputs, output):
 
 def _combine_backward(ctx, dy):
     out, weight, pos, order = ctx.saved_tensors
-    grads = _combine_backward_op(dy, out, weight.detach(), pos, order, *ctx.needs)
+    grads = _combine_backward_call(dy, out, weight.detach(), pos, order, *ctx.needs)
     return *_asked(grads, ctx.needs), None, None
 
 
@@ -289,7 +290,7 @@ def _dispatch_op(x: Tensor, order: Tensor, pos: Tensor, counts: Tensor, top_k: i
     x_recv = comm._exchange(gather_rows(x, kept // top_k), pg, recv_splits, send_splits)
     regroup = _regroup_index(recv_counts, sum(recv_splits))
     inverse = torch.empty_like(regroup)
-    inverse[regroup] = torch.arange(regroup.numel(), device=regroup.device)
+    inverse[regroup] = torch.arange(regroup.numel(), device=regroup.device, dtype=regroup.dtype)
     return x_recv, recv_counts, regroup, inverse, splits
 
 
@@ -297,7 +298,7 @@ def _dispatch_op(x: Tensor, order: Tensor, pos: Tensor, counts: Tensor, top_k: i
 def _(x, order, pos, counts, top_k, group):
     size = comm.group_size(comm.group_by_name(group))
     rows = torch.library.get_ctx().new_dynamic_size()
-    index = order.new_empty(rows)
+    index = torch.empty(rows, dtype=torch.int32, device=order.device)
     splits = torch.empty((2, size), dtype=torch.int64, device="cpu")
     return (x.new_empty((rows, x.shape[1])), counts.new_empty((size, counts.shape[0] // size)),
             index, torch.empty_like(index), splits)  # fmt: skip
@@ -326,7 +327,7 @@ def _return_setup(ctx, inputs, output):
 
 def _return_backward(ctx, d_rows):
     (splits,) = ctx.saved_tensors
-    return _return_op(d_rows, splits, *ctx.options), None, None, None
+    return _return(d_rows, splits, *ctx.options), None, None, None
 
 
 def _dispatch_setup(ctx, inputs, output):
@@ -337,16 +338,59 @@ def _dispatch_setup(ctx, inputs, output):
 
 def _dispatch_backward(ctx, d_recv, *_):
     pos, splits = ctx.saved_tensors
-    d_send = _return_op(d_recv, splits, ctx.group, False)  # back to the sending ranks
-    return _permute_backward_op(d_send, pos), None, None, None, None, None
+    d_send = _return(d_recv, splits, ctx.group, False)  # back to the sending ranks
+    return _permute_backward_call(d_send, pos), None, None, None, None, None
 
 
-_expert_swiglu_op.register_autograd(_expert_swiglu_backward, setup_context=_expert_swiglu_setup)
-_permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
-_combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
-_dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
-_return_op.register_autograd(_return_backward, setup_context=_return_setup)
+# what the layer calls (`fusedpar.ops.registration`: the bodies in plain eager)
+_expert_swiglu_backward_call = direct_op(_expert_swiglu_backward_op)
+_permute_backward_call = direct_op(_permute_backward_op)
+_combine_backward_call = direct_op(_combine_backward_op)
+_expert_swiglu = autograd_op(_expert_swiglu_op, _expert_swiglu_backward, _expert_swiglu_setup)
+_permute = autograd_op(_permute_op, _permute_backward, _permute_setup)
+_combine = autograd_op(_combine_op, _combine_backward, _combine_setup)
+_dispatch = autograd_op(_dispatch_op, _dispatch_backward, _dispatch_setup)
+_return = autograd_op(_return_op, _return_backward, _return_setup)
 # --- routing -------------------------------------------------------------------------------
+
+
+class _RouterLogits(torch.autograd.Function):
+    """``x.float() @ router_weight.float().T``, the same numbers as autograd gives that
+    expression, but saving x and the router weight as they are: in 16-bit training the
+    fp32 copies autograd would keep (T x d and E x d, twice the bytes of x) are made
+    again in the backward instead."""
+
+    @staticmethod
+    def forward(ctx, x, router_weight):
+        ctx.save_for_backward(x, router_weight)
+        return x.float() @ router_weight.float().T
+
+    @staticmethod
+    def backward(ctx, d_logits):
+        x, router_weight = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = (d_logits @ router_weight.float()).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = (x.float().T @ d_logits).T.to(router_weight.dtype)
+        return dx, dw
+
+
+class _PickColumns(torch.autograd.Function):
+    """``probs.gather(1, ids)`` keeping the ids (T, k) for the backward as int32, not
+    int64 (an expert id is below E); the gradient is gather's: scattered into zeros."""
+
+    @staticmethod
+    def forward(ctx, probs, ids):
+        ctx.save_for_backward(ids.to(torch.int32))
+        ctx.experts = probs.shape[1]
+        return probs.gather(1, ids)
+
+    @staticmethod
+    def backward(ctx, d_weights):
+        (ids,) = ctx.saved_tensors
+        d_probs = d_weights.new_zeros((d_weights.shape[0], ctx.experts))
+        return d_probs.scatter_add_(1, ids.long(), d_weights), None
 
 
 def route(x, router_weight, top_k, score, norm_topk_prob, expert_bias=None, router_bias=None):
@@ -359,13 +403,13 @@ def route(x, router_weight, top_k, score, norm_topk_prob, expert_bias=None, rout
     `expert_bias` (E,) shifts the selection only (DeepSeek-V3's aux-loss-free balancing),
     never the weights. ``norm_topk_prob`` rescales the k weights to sum to 1.
     """
-    logits = x.float() @ router_weight.float().T
+    logits = _RouterLogits.apply(x, router_weight)
     if router_bias is not None:
         logits = logits + router_bias.float()
     probs = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
     select = probs if expert_bias is None or score == "softmax" else probs + expert_bias.float()
     ids = select.detach().topk(top_k, dim=-1).indices
-    weights = probs.gather(1, ids)
+    weights = _PickColumns.apply(probs, ids)
     if norm_topk_prob:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights, ids, probs, logits
@@ -416,7 +460,8 @@ def _regroup_index(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
                                        em_counts, output_size=total)  # fmt: skip
     em_offsets = torch.cumsum(em_counts, 0) - em_counts
     within = torch.arange(total, device=flat.device) - em_offsets[block_of]
-    return em_starts[block_of] + within
+    # int32 like the other saved row indices: 2**31 rows received would be terabytes
+    return (em_starts[block_of] + within).to(index_dtype(total))
 
 
 def moe_dispatch_combine(x, weights, ids, keep, w1, w3, w2, num_experts, group, *, bias=None,
@@ -434,15 +479,15 @@ def moe_dispatch_combine(x, weights, ids, keep, w1, w3, w2, num_experts, group, 
     experts = {"bias": bias, "activation": activation, "alpha": alpha, "limit": limit}
     if comm.group_size(pg) == 1:  # the gather is fused into the gate/up GEMM: no copy of x
         out = expert_swiglu(x, w1, w3, w2, counts, order // top_k, pos, **experts)
-        return _combine_op(out, weights, pos, order), counts
+        return _combine(out, weights, pos, order), counts
     name = comm.group_name(pg)
-    x_recv, recv_counts, regroup, inverse, splits = _dispatch_op(x, order, pos, counts, top_k,
-                                                                 name)  # fmt: skip
+    x_recv, recv_counts, regroup, inverse, splits = _dispatch(x, order, pos, counts, top_k,
+                                                              name)  # fmt: skip
     out = expert_swiglu(x_recv, w1, w3, w2, recv_counts.sum(0), regroup, inverse.view(-1, 1),
                         **experts)  # fmt: skip
-    out = _permute_op(out, inverse, regroup.view(-1, 1))  # back to source-major
-    out = _return_op(out, splits, name, False)
-    return _combine_op(out, weights, pos, order), counts
+    out = _permute(out, inverse, regroup.view(-1, 1))  # back to source-major
+    out = _return(out, splits, name, False)
+    return _combine(out, weights, pos, order), counts
 
 
 # --- reference -------------------------------------------------------------------------------

@@ -71,6 +71,7 @@ from fusedpar.ops.attention import (
     flash_attn,
     flash_attn_varlen,
 )
+from fusedpar.ops.registration import autograd_op, direct_op
 from fusedpar.ops.sequence import (
     _chunks_of,
     _num_chunks,
@@ -366,12 +367,13 @@ def _setup(ctx, inputs, output):
 
 def _backward_op(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens, masks = ctx.saved_tensors
-    grads = _ring_attn_backward_op(dout, dlse, q, k, v, out, lse, *ctx.options, cu_seqlens,
-                                   masks)  # fmt: skip
+    grads = _ring_attn_backward(dout, dlse, q, k, v, out, lse, *ctx.options, cu_seqlens,
+                                masks)  # fmt: skip
     return *grads, *[None] * 9
 
 
-_ring_attn_op.register_autograd(_backward_op, setup_context=_setup)
+_ring_attn_backward = direct_op(_ring_attn_backward_op)
+_ring_attn = autograd_op(_ring_attn_op, _backward_op, _setup)  # the bodies, in plain eager
 
 
 def ring_attn(
@@ -444,8 +446,8 @@ def ring_attn(
         out, lse = flash_attn_varlen(q[0], k[0], v[0], cu_seqlens, **mask, return_lse=True)
         return (out[None], lse[None]) if return_lse else out[None]
     masks = _mask_row(pg, q, causal, layout, window, cu_seqlens)  # once, for both directions
-    out, lse = _ring_attn_op(q, k, v, group_name(pg), causal, softmax_scale, layout, *window,
-                             softcap, cu_seqlens, masks)  # fmt: skip
+    out, lse = _ring_attn(q, k, v, group_name(pg), causal, softmax_scale, layout, *window,
+                          softcap, cu_seqlens, masks)  # fmt: skip
     return (out, lse) if return_lse else out
 
 

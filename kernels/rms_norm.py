@@ -1,0 +1,264 @@
+"""RMSNorm, forward and backward: a row kernel each, fp32 inside, no atomics.
+
+Rows are the last dim of x (..., D); ``w' = offset + weight`` (offset 0: Llama's
+RMSNorm; 1: Gemma's, whose weight starts at zero).
+
+| function               | computes                                                        |
+| ---------------------- | --------------------------------------------------------------- |
+| `rms_norm`             | ``y = x * rstd * w'``, ``rstd = 1 / sqrt(mean(x^2) + eps)`` (fp32) |
+| `rms_norm_backward`    | ``dx = rstd * (g - x * rstd^2 * mean(g * x))``, ``g = dy * w'``; |
+|                        | ``dweight = sum_rows dy * x * rstd``                            |
+
+The backward needs x and rstd only (one fp32 per row), not the normalized rows. The
+weight's gradient is summed without atomics: each backward program adds its rows'
+contributions in fp32 into its own row of a (programs, D) buffer, and the launcher sums
+that buffer's rows in a fixed order: two runs give the same bits. On CUDA under
+``FUSEDPAR_IMPL=auto`` the tuner times each kernel's fixed tile against the torch
+implementation, which with the float64 reference closes the file.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from fusedpar.kernels import _impl, _tuning
+from fusedpar.kernels._common import (
+    check_float_dtype,
+    check_launchable,
+    device_guard,
+    is_interpreted,
+    sm_count,
+)
+from fusedpar.kernels._tuning import bucket
+
+# A program holds whole rows (BLOCK_D = D rounded up to a power of two): one read of x
+# per pass. Past this width a row would not fit a program's registers.
+MAX_D = 65536
+# Elements a program holds per step (rows x BLOCK_D): the forward 4 rows of 4096 at
+# Llama 8B's width; the backward, with twice the live tensors (x, dy, their products and
+# the weight gradient's partial row), one (4 rows: 245 registers per thread on sm_90).
+ROW_TILE_ELEMENTS = {"forward": 16384, "backward": 4096}
+# Backward programs per SM: each keeps one fp32 partial row of the weight's gradient.
+PROGRAMS_PER_SM = 2
+# The interpreter runs programs one after another: few rows per step and a few programs,
+# so tiny shapes still cross row blocks and several partial sums.
+INTERPRETER_ROWS = 2
+INTERPRETER_PROGRAMS = 3
+
+
+def row_config(D: int, interpreted: bool, direction: str = "forward") -> dict:
+    """Rows per step and the row width of a program, and its warps: the whole row, and
+    as many rows as make ROW_TILE_ELEMENTS[direction] (at least 1); 16 elements of each
+    tensor per thread in the backward, up to 64 in the forward."""
+    block_d = triton.next_power_of_2(max(D, 1))
+    if interpreted:
+        return dict(BLOCK_ROWS=INTERPRETER_ROWS, BLOCK_D=block_d, num_warps=4)
+    rows = max(1, min(16, ROW_TILE_ELEMENTS[direction] // block_d))
+    per_thread = 16 if direction == "backward" else 64
+    warps = min(16, max(4, rows * block_d // (32 * per_thread)))
+    return dict(BLOCK_ROWS=rows, BLOCK_D=block_d, num_warps=warps)
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    # pointers
+    x_ptr, w_ptr, y_ptr, rstd_ptr,
+    # strides
+    stride_xm, stride_xd, stride_ym, stride_yd,
+    # sizes and scalars
+    M, D, eps, offset,
+    # meta-parameters
+    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """y[m] = x[m] * rstd[m] * (offset + w), rstd[m] = rsqrt(mean(x[m]^2) + eps), fp32."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    row_mask = rows < M
+    mask = row_mask[:, None] & (cols[None, :] < D)
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xd, mask=mask,
+                other=0.0).to(tl.float32)  # fmt: skip
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32) + offset
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :] * stride_yd,
+             y.to(y_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    # pointers
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
+    # strides
+    stride_dym, stride_dyd, stride_xm, stride_xd, stride_dxm, stride_dxd,
+    # sizes and scalars
+    M, D, offset, rows_per_program,
+    # meta-parameters
+    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """dx for rows [pid * rows_per_program, ...) (rows_per_program a multiple of
+    BLOCK_ROWS), and that range's sum of dy * x * rstd into row pid of dw_partial (D)."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_mask = cols < D
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    first = pid * rows_per_program
+    last = tl.minimum(first + rows_per_program, M)
+    for start in range(first, last, BLOCK_ROWS):
+        rows = start + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < last
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :] * stride_xd, mask=mask,
+                    other=0.0).to(tl.float32)  # fmt: skip
+        dy = tl.load(dy_ptr + rows64[:, None] * stride_dym + cols[None, :] * stride_dyd,
+                     mask=mask, other=0.0).to(tl.float32)  # fmt: skip
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        xhat = x * rstd[:, None]
+        g = dy * w[None, :]
+        c = tl.sum(g * xhat, 1) / D
+        dx = (g - xhat * c[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + rows64[:, None] * stride_dxm + cols[None, :] * stride_dxd,
+                 dx.to(dx_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        dw += tl.sum(dy * xhat, 0)
+    tl.store(dw_partial_ptr + pid.to(tl.int64) * D + cols, dw, mask=col_mask)
+
+
+# --- launchers -------------------------------------------------------------------------
+
+
+def _rows(name: str, t: torch.Tensor, D: int) -> torch.Tensor:
+    """t (..., D) as (M, D): a view where the leading dims flatten, else a copy."""
+    if t.shape[-1] != D:
+        raise ValueError(f"{name} must be (..., {D}), got {tuple(t.shape)}")
+    return t.reshape(-1, D)
+
+
+def _launch(kernel, grid, args, config, key, device_tensor, torch_run) -> None:
+    """Launch `kernel` with its fixed tile, or on CUDA under ``FUSEDPAR_IMPL=auto``
+    whichever of that tile and `torch_run` the tuner measured faster for (rows bucket, D,
+    dtypes); the ranks of a group pick on their own (each normalizes its own rows)."""
+    num_warps = config.pop("num_warps")
+    tile = triton.Config(config, num_warps=num_warps)
+
+    def candidates():
+        return [tile, *([_impl.TORCH] if _impl.tunes_torch() else [])]
+
+    def launch(config):
+        if isinstance(config, _impl.Torch):
+            torch_run()
+        else:
+            kernel[grid](*args, **config.all_kwargs())
+
+    with device_guard(device_tensor):
+        _tuning.tuner(kernel.__name__).run(key, candidates, launch, device=device_tensor.device)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> int:
+    check_float_dtype("x", x)
+    check_float_dtype("weight", weight)
+    if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"rms_norm: x (..., D) and weight (D,) must agree on D, got x "
+                         f"{tuple(x.shape)} and weight {tuple(weight.shape)}")  # fmt: skip
+    D = weight.shape[0]
+    if D > MAX_D:
+        raise ValueError(f"rms_norm: rows of {D} features, over the {MAX_D} a program holds")
+    if x.device != weight.device:
+        raise ValueError(f"rms_norm: x is on {x.device} but weight on {weight.device}")
+    return D
+
+
+def rms_norm(x, weight, eps: float = 1e-5, offset: float = 0.0):
+    """``(y, rstd)``: y (..., D) in x's dtype, ``x * rstd * (offset + weight)`` computed in
+    fp32 and rounded once; rstd (x.shape[:-1]) float32, ``1 / sqrt(mean(x^2) + eps)``.
+    x any float dtype and strides; weight (D,) any float dtype."""
+    D = _check(x, weight)
+    x2d = _rows("x", x, D)
+    M = x2d.shape[0]
+    y = torch.empty((M, D), dtype=x.dtype, device=x.device)
+    rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if _impl.runs_torch(x.device):
+        rms_norm_torch(x2d, weight, eps, offset, y, rstd)
+    elif y.numel():
+        check_launchable(_rms_norm_fwd_kernel, x, weight)
+        config = row_config(D, is_interpreted(_rms_norm_fwd_kernel))
+        grid = (triton.cdiv(M, config["BLOCK_ROWS"]),)
+        args = (x2d, weight, y, rstd, *x2d.stride(), *y.stride(), M, D, float(eps), float(offset))
+        key = (bucket(M), D, str(x.dtype), str(weight.dtype))
+        _launch(_rms_norm_fwd_kernel, grid, args, config, key, x,
+                lambda: rms_norm_torch(x2d, weight, eps, offset, y, rstd))  # fmt: skip
+    return y.view(x.shape), rstd.view(x.shape[:-1])
+
+
+def backward_programs(M: int, block_rows: int, device: torch.device, interpreted: bool) -> int:
+    """How many backward programs (and partial rows of the weight's gradient): enough to
+    fill the GPU, never more than there are row blocks."""
+    cuda = device.type == "cuda" and not interpreted
+    most = PROGRAMS_PER_SM * sm_count(device) if cuda else INTERPRETER_PROGRAMS
+    return max(1, min(most, triton.cdiv(M, block_rows)))
+
+
+def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, need_x=True, need_weight=True):
+    """``(dx, dweight)`` of `rms_norm` from dy (x's shape), x, weight and the forward's
+    rstd: dx in x's dtype, dweight (D,) in weight's (None where not asked for). The
+    weight's gradient sums per-program fp32 partial rows in a fixed order (no atomics)."""
+    D = _check(x, weight)
+    x2d, dy2d = _rows("x", x, D), _rows("dy", dy, D)
+    M = x2d.shape[0]
+    if dy2d.shape != x2d.shape or rstd.numel() != M:
+        raise ValueError(f"rms_norm_backward: dy {tuple(dy.shape)} and rstd {tuple(rstd.shape)} "
+                         f"must match x {tuple(x.shape)}")  # fmt: skip
+    if rstd.dtype != torch.float32:
+        raise TypeError(f"rms_norm_backward: rstd must be float32, got {rstd.dtype}")
+    rstd = rstd.reshape(M)
+    dx = torch.empty((M, D), dtype=x.dtype, device=x.device)
+    if _impl.runs_torch(x.device):
+        dw = rms_norm_backward_torch(dy2d, x2d, weight, rstd, offset, dx)
+    else:
+        check_launchable(_rms_norm_bwd_kernel, dy, x, weight, rstd)
+        interpreted = is_interpreted(_rms_norm_bwd_kernel)
+        config = row_config(D, interpreted, "backward")
+        block = config["BLOCK_ROWS"]
+        programs = backward_programs(M, block, x.device, interpreted)
+        per_program = triton.cdiv(triton.cdiv(M, programs), block) * block
+        partial = torch.zeros((programs, D), dtype=torch.float32, device=x.device)
+
+        def torch_run():  # its weight gradient as the first partial row, the others 0
+            partial.zero_()
+            partial[0] = rms_norm_backward_torch(dy2d, x2d, weight, rstd, offset, dx)
+
+        if M:
+            args = (dy2d, x2d, weight, rstd, dx, partial, *dy2d.stride(), *x2d.stride(),
+                    *dx.stride(), M, D, float(offset), per_program)  # fmt: skip
+            key = (bucket(M), D, str(x.dtype), str(weight.dtype), str(dy.dtype))
+            _launch(_rms_norm_bwd_kernel, (programs,), args, config, key, x, torch_run)
+        dw = partial.sum(0)
+    dx = dx.view(x.shape) if need_x else None
+    return dx, dw.to(weight.dtype) if need_weight else None
+
+
+# --- torch implementation and reference ------------------------------------------------
+
+
+def rms_norm_torch(x2d, weight, eps, offset, y, rstd) -> None:
+    """`rms_norm`'s contract in PyTorch, into y and rstd: fp32 inside, rounded once."""
+    xf = x2d.float()
+    rstd.copy_(torch.rsqrt(xf.square().mean(-1) + eps))
+    y.copy_(xf * rstd[:, None] * (weight.float() + offset))
+
+
+def rms_norm_backward_torch(dy2d, x2d, weight, rstd, offset, dx):
+    """`rms_norm_backward`'s contract in PyTorch: dx into `dx`; returns dweight in fp32."""
+    xhat = x2d.float() * rstd[:, None]
+    dyf = dy2d.float()
+    g = dyf * (weight.float() + offset)
+    c = (g * xhat).mean(-1, keepdim=True)
+    dx.copy_((g - xhat * c) * rstd[:, None])
+    return (dyf * xhat).sum(0)
+
+
+def rms_norm_reference(x, weight, eps: float = 1e-5, offset: float = 0.0):
+    """RMSNorm in x's dtype (float64 in: the oracle), differentiable by autograd."""
+    rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return x * rstd * (weight.to(x.dtype) + offset)
