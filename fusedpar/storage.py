@@ -172,16 +172,24 @@ def _reduce_grad(param: DTensor) -> None:
     placements in a few collectives, as FSDP2 does before its reduce-scatter. Where the
     ranks' backwards may accumulate different parameters (`deferred_grad_reduction`),
     the sums wait for the end of the step."""
+    global _queued_for
     if _deferred or not _needs_reduction(param):
         return
-    if not _pending:  # the first of this backward: reduce them all when it ends
-        torch.autograd.Variable._execution_engine.queue_callback(_reduce_pending)
     _pending[id(param)] = param
+    task = torch._C._current_graph_task_id()
+    if task != _queued_for:  # the first of this backward: reduce them all when it ends
+        _queued_for = task  # (one that raised before its end leaves its own to the next)
+        torch.autograd.Variable._execution_engine.queue_callback(_reduce_pending)
+
+
+_queued_for = -1  # the backward (autograd graph task) whose end reduces `_pending`
 
 
 def _reduce_pending() -> None:
+    global _queued_for
     params = list(_pending.values())
     _pending.clear()
+    _queued_for = -1
     _reduce_grads(params)
 
 
@@ -189,10 +197,10 @@ def _reduce_grads(params) -> None:
     """Reduce the partial gradients of `params` to their parameters' placements, bucketed:
     one collective per (mesh, partial axes, dtype) for all of them, not one per parameter.
     Each bucket concatenates the local gradients (in `distribute`'s parameter order, the
-    same on every rank: the collectives pair up), is reduced as one DTensor (the same
+    same on every rank: the collectives pair up) and is reduced as one DTensor (the same
     collective DTensor runs for each parameter alone: a sum, or an average over dp, over
-    the flattened partial axes), and is copied back into the gradients, which then carry
-    their parameters' placements."""
+    the flattened partial axes); each gradient becomes its part of the result, with its
+    parameter's placements."""
     buckets: dict[tuple, list] = {}
     seen = set()
     # (sorted is stable: parameters without an order keep the order they come in)
@@ -211,10 +219,12 @@ def _reduce_grads(params) -> None:
             flat = torch.cat([t.reshape(-1) for t in locals_])
             flat = DTensor.from_local(flat, mesh, partial, run_check=False)
             flat = flat.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
-            for param, local, part in zip(bucket, locals_, flat.split([t.numel() for t in locals_]),
-                                          strict=True):  # fmt: skip
-                local.copy_(part.view_as(local))
-                param.grad = DTensor.from_local(local, mesh, param.placements, run_check=False)
+            parts = flat.split([t.numel() for t in locals_])
+            for param, local, part in zip(bucket, locals_, parts, strict=True):
+                # the sums are views of the bucket: no copy back, and no write into a
+                # gradient the autograd graph may share
+                part = part.view(local.shape)
+                param.grad = DTensor.from_local(part, mesh, param.placements, run_check=False)
 
 
 @contextlib.contextmanager

@@ -83,3 +83,32 @@ def test_a_training_step_runs_no_collective_on_one_rank_and_few_all_reduces(worl
         for counts in per_rank:  # dense, MoE, dense after fully_shard at dp 1
             assert counts and not [key for key in counts if key[1] == 1], counts
             assert counts.get(("all_reduce", 2)) == 1 and counts.get(("all_reduce", 4)) == 1
+
+
+def _accumulated_grads_match():
+    """Two backwards before a step (gradient accumulation) give the gradients of one
+    backward of the summed losses: each backward's bucketed sums land in the
+    parameters' placements, and the next one accumulates onto them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from tiny_llama import Config, ParallelTransformer, Transformer
+
+    cfg = Config(vocab=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_hidden=64)
+    dims = fp.ParallelDims(cp=2, tp=2)
+    mesh = dims.build_mesh("cpu")
+    torch.manual_seed(0)
+    model = fp.distribute(ParallelTransformer(Transformer(cfg), dims.groups(mesh)), mesh)
+    gen = torch.Generator().manual_seed(1)
+    a, b = (torch.randint(0, cfg.vocab, (2, 17), generator=gen) for _ in range(2))
+    (model(a[:, :-1], a[:, 1:]) + model(b[:, :-1], b[:, 1:])).backward()
+    once = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    model.zero_grad()
+    model(a[:, :-1], a[:, 1:]).backward()
+    model(b[:, :-1], b[:, 1:]).backward()
+    for name, p in model.named_parameters():
+        assert p.grad.placements == p.placements, name
+        torch.testing.assert_close(p.grad.full_tensor(), once[name], rtol=1e-5, atol=1e-7)
+    return True
+
+
+def test_gradient_accumulation_over_backwards(world):
+    assert all(world(4).run(_accumulated_grads_match))
