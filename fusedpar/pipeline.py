@@ -229,6 +229,12 @@ class Pipeline:
                 raise ValueError(f"pipeline step: {what} {shape} does not split into "
                                  f"{self.microbatches} microbatches along dim 0 (the "
                                  "batch)")  # fmt: skip
+        # contiguous: torch 2.11's stages check each microbatch's strides against the
+        # first's (a sliced batch, tokens[:, :-1], failed there)
+        inputs = tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in inputs)
+        kwargs = {k: t.contiguous() if isinstance(t, torch.Tensor) else t
+                  for k, t in kwargs.items()}  # fmt: skip
+        target = target.contiguous() if isinstance(target, torch.Tensor) else target
         losses = [] if self.has_last else None
         args = inputs if self.has_first else ()
         # the partial gradients of whole parameters are summed once, after the step, in

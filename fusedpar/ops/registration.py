@@ -79,7 +79,9 @@ def autograd_op(op, backward, setup_context):
     ``autograd.Function`` running `op`'s body, `setup_context` and `backward` (see the
     module doc). Arguments are positional, all of them (a custom op fills defaults);
     list arguments and outputs (``list[Tensor]``) are spread out for autograd and put
-    back together for the bodies, as ``torch.library`` does."""
+    back together for the bodies, as ``torch.library`` does. So ``ctx.needs_input_grad``
+    is not per argument here: `setup_context` reads ``requires_grad`` off the inputs
+    (as fusedpar's do)."""
     op.register_autograd(backward, setup_context=setup_context)
     body = op._init_fn
 
