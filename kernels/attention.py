@@ -27,15 +27,18 @@ there from the LSE (no S x S storage). The kernels work in
 base 2 (``exp2`` with log2(e) folded into the scale); the LSE is natural at the boundary.
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _impl, _tuning, attention_torch
+from fusedpar.kernels import _common, _impl, _tuning, attention_torch
 from fusedpar.kernels._common import (
     cdiv,
     check_float_dtype,
     check_launchable,
     device_guard,
+    ensure_tma_allocator,
     fp32_dot_precision,
     is_interpreted,
     next_power_of_2,
@@ -417,18 +420,16 @@ def interpreter_blocks(Sq: int, Skv: int) -> dict:
 
 def launch(
     kernel, configs, grid, args, meta, Sq, Skv, *, restore=(), agreement=None, tune_only=False,
-    key_extra=(), torch_run=None,
+    key_extra=(), torch_run=None, key=None,
 ):  # fmt: skip
     """Launch `kernel` with the tile tuned for (Sq and Skv buckets, `meta`, the dtypes,
     `key_extra`): one sized to the problem in the interpreter, else the best of
     ``configs()``. `grid(tile)` builds the grid; `restore`: buffers the kernel reads
     back (adds into, or merges with). `torch_run`: the torch implementation of the same
-    call, a candidate too where given (CUDA, ``FUSEDPAR_IMPL=auto``)."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    # whether torch's implementation may run is part of the key: it depends on the exact
-    # sizes (a memory bound), which the buckets do not hold
-    key = (bucket(Sq), bucket(Skv), *sorted(meta.items()), *(str(t.dtype) for t in tensors),
-           *key_extra, ("torch", torch_run is not None))  # fmt: skip
+    call, a candidate too where given (CUDA, ``FUSEDPAR_IMPL=auto``). `key`: the tuner's
+    key as `launch_key` makes it, from a launcher's plan."""
+    if key is None:
+        key = launch_key(args, meta, Sq, Skv, key_extra, torch_run is not None)
 
     def candidates():
         if is_interpreted(kernel):
@@ -448,6 +449,73 @@ def launch(
         _tuning.tuner(kernel.__name__).run(key, candidates, run, device=args[0].device,
                                            restore=restore, agreement=agreement,
                                            tune_only=tune_only)  # fmt: skip
+
+
+def launch_key(args, meta, Sq, Skv, key_extra, torch_candidate: bool) -> tuple:
+    """The tuner's key of a launch: the buckets, the meta, the tensors' dtypes, and
+    whether torch's implementation may run (it depends on the exact sizes, a memory
+    bound, which the buckets do not hold)."""
+    dtypes = (str(a.dtype) for a in args if isinstance(a, torch.Tensor))
+    return (bucket(Sq), bucket(Skv), *sorted(meta.items()), *dtypes, *key_extra,
+            ("torch", torch_candidate))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _ForwardPlan:
+    """What `attention_forward` works out once per call signature (shapes, strides,
+    dtypes, alignment, the mask's scalars, flags): the inputs checked, the kernel's
+    scalars and meta, the tuner's key. Calls with the tensor mask (`intervals`), with
+    ``tune_only`` or on torch's implementation are not planned."""
+
+    out_shape: tuple
+    out_dtype: torch.dtype
+    scalars: tuple  # Sq, Skv, group, qk_scale, cap_in, shift, left, right
+    meta: dict
+    key: tuple
+    scores: object  # for torch's implementation, a candidate on CUDA
+    torch_candidate: bool
+
+
+_FORWARD_PLANS: dict[tuple, _ForwardPlan] = {}
+_MAX_PLANS = 4096  # a property test's many shapes: start over rather than grow
+
+
+def _forward_signature(q, k, v, causal, softmax_scale, window, softcap, out, lse, out_dtype,
+                       merge) -> tuple:  # fmt: skip
+    return (
+        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+        v.dtype, q.device, causal, softmax_scale, tuple(window), softcap, out_dtype, merge,
+        out is not None and (out.shape, out.stride(), out.dtype, out.data_ptr() % 16),
+        lse is not None and (lse.shape, lse.stride(), lse.dtype), q.data_ptr() % 16,
+        k.data_ptr() % 16, v.data_ptr() % 16, torch.get_float32_matmul_precision(),
+        _common.tma_compatible,  # the TMA rule in force (tests swap it for the pointer path)
+    )  # fmt: skip
+
+
+def _planned_forward(plan: _ForwardPlan, q, k, v, out, lse, merge, agreement):
+    """`attention_forward` from its plan: allocate, build the arguments, launch."""
+    if out is None:
+        out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=q.device)
+    if lse is None:
+        B, Sq, Hq, _ = plan.out_shape
+        lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    meta = plan.meta
+    if meta["TMA"] or meta["OUT_TMA"]:
+        ensure_tma_allocator(q.device)  # per thread: autograd's backward runs on its own
+    args = (q, k, v, out, lse, q, q, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            *lse.stride(), 0, *plan.scalars)  # fmt: skip
+    B, Sq, Hq, _ = plan.out_shape
+
+    def grid(tile):
+        return (cdiv(Sq, tile["BLOCK_M"]), B, Hq)
+
+    def torch_run():
+        attention_torch.forward(q, k, v, plan.scores, out, lse, merge)
+
+    launch(_attn_fwd_kernel, forward_configs, grid, args, meta, Sq, plan.scalars[1],
+           restore=[out, lse] if merge else [], agreement=agreement, key=plan.key,
+           torch_run=torch_run if plan.torch_candidate else None)  # fmt: skip
+    return out, lse
 
 
 def strides(t: torch.Tensor) -> tuple:
@@ -483,6 +551,14 @@ def attention_forward(
     them. `agreement`: the ranks that pick one tile together; ``tune_only``: make the
     pick for this call (on scratch buffers) and return None: the ring does so before its
     loop."""
+    planned = intervals is None and not tune_only and not _impl.runs_torch(q.device)
+    signature = None
+    if planned:
+        signature = _forward_signature(q, k, v, causal, softmax_scale, window, softcap, out,
+                                       lse, out_dtype, merge)  # fmt: skip
+        plan = _FORWARD_PLANS.get(signature)
+        if plan is not None:
+            return _planned_forward(plan, q, k, v, out, lse, merge, agreement)
     check_attention_inputs(q, k, v)
     (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
     tensors, scalars, meta, key, scores = mask_arguments(
@@ -530,7 +606,15 @@ def attention_forward(
     # (a merge reads it back row by row: through pointers)
     tma, out_tma = tma_paths((q, k, v), () if merge else (out,))
     meta = {**meta, "MERGE": merge, "TMA": tma, "OUT_TMA": out_tma}
+    torch_candidate = attention_torch.capable_on_cuda(q, k)
+    launch_key_ = launch_key(args, meta, Sq, Skv, key, torch_candidate)
+    if signature is not None:
+        if len(_FORWARD_PLANS) >= _MAX_PLANS:
+            _FORWARD_PLANS.clear()
+        _FORWARD_PLANS[signature] = _ForwardPlan(
+            (B, Sq, Hq, D), out.dtype, args[-8:], meta, launch_key_, scores, torch_candidate
+        )
     launch(_attn_fwd_kernel, forward_configs, grid, args, meta, Sq, Skv,
-           restore=restore, agreement=agreement, tune_only=tune_only, key_extra=key,
-           torch_run=torch_run if attention_torch.capable_on_cuda(q, k) else None)  # fmt: skip
+           restore=restore, agreement=agreement, tune_only=tune_only, key=launch_key_,
+           torch_run=torch_run if torch_candidate else None)  # fmt: skip
     return None if tune_only else (out, lse)

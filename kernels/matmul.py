@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _impl, _tuning
+from fusedpar.kernels import _common, _impl, _tuning
 from fusedpar.kernels._common import (
     cdiv,
     check_float_dtype,
@@ -309,6 +309,7 @@ def _signature(a, b, bias, out, accumulate, out_dtype, tune_only) -> tuple:
         out is not None and (out.shape, out.stride(), out.dtype, out.data_ptr() % 16),
         accumulate, out_dtype, tune_only, a.data_ptr() % 16, b.data_ptr() % 16,
         torch.get_float32_matmul_precision(),
+        _common.tma_compatible,  # the TMA rule in force (tests swap it for the pointer path)
     )  # fmt: skip
 
 

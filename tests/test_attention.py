@@ -511,3 +511,26 @@ def test_the_gqa_split_adds_no_host_sync(monkeypatch):
     with HostSyncs() as syncs:
         step()
     assert not syncs.found, syncs.report()
+
+
+def test_a_forward_is_checked_and_planned_once_per_signature(monkeypatch):
+    """The forward's checks and launch parameters are worked out on the first call of a
+    signature (shapes, strides, dtypes, alignment, mask, flags) and looked up after; a
+    call that differs in any of them is checked anew, and computes right."""
+    from fusedpar.kernels import attention as forward_kernels
+
+    checks = []
+    check = forward_kernels.check_attention_inputs
+    monkeypatch.setattr(forward_kernels, "check_attention_inputs",
+                        lambda *a: checks.append(1) or check(*a))  # fmt: skip
+    monkeypatch.setattr(forward_kernels, "_FORWARD_PLANS", {})
+    q, k, v = (randn((1, 24, h, 16), torch.float32, i) for i, h in enumerate((4, 2, 2)))
+    calls = [({}, (q, k, v)), ({}, (q, k, v)), ({"causal": True}, (q, k, v)),
+             ({"window": (5, 0)}, (q, k, v)), ({}, (q[:, 1:], k[:, 1:], v[:, 1:])),
+             ({}, (q.half(), k.half(), v.half()))]  # fmt: skip
+    for mask, inputs in calls:
+        out, _ = attention_forward(*inputs, **mask)
+        ref64, _ = attention_reference(*(t.double() for t in inputs), **mask)
+        ref, _ = attention_reference(*inputs, **mask)
+        assert_close(out, ref64, ref, name=str(mask))
+    assert len(checks) == 5  # the second call was looked up

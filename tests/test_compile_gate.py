@@ -89,12 +89,10 @@ def _tma(allowed):
     saved = _common.tma_compatible
     if not allowed:
         _common.tma_compatible = lambda *tensors: False
-    matmul._PLANS.clear()  # a GEMM's path is planned once per call signature
     try:
         yield
     finally:
         _common.tma_compatible = saved
-        matmul._PLANS.clear()
 
 
 def attention_forward(dtype, head_dim, causal=True, group=2, merge=False, precision="highest",
