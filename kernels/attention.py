@@ -27,12 +27,10 @@ there from the LSE (no S x S storage). The kernels work in
 base 2 (``exp2`` with log2(e) folded into the scale); the LSE is natural at the boundary.
 """
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _common, _impl, _tuning, attention_torch
+from fusedpar.kernels import _impl, _tuning, attention_torch
 from fusedpar.kernels._common import (
     cdiv,
     check_float_dtype,
@@ -56,6 +54,13 @@ from fusedpar.kernels.attention_mask import (
     scalar_intervals,
 )
 from fusedpar.kernels.attention_merge import merge_partials
+from fusedpar.kernels.attention_plan import (
+    FORWARD_PLANS,
+    MAX_PLANS,
+    ForwardPlan,
+    forward_signature,
+    launch_key,
+)
 from fusedpar.kernels.attention_reference import (  # the references, beside the kernels
     attention_reference,  # noqa: F401
     reference_scores,  # noqa: F401
@@ -451,48 +456,7 @@ def launch(
                                            tune_only=tune_only)  # fmt: skip
 
 
-def launch_key(args, meta, Sq, Skv, key_extra, torch_candidate: bool) -> tuple:
-    """The tuner's key of a launch: the buckets, the meta, the tensors' dtypes, and
-    whether torch's implementation may run (it depends on the exact sizes, a memory
-    bound, which the buckets do not hold)."""
-    dtypes = (str(a.dtype) for a in args if isinstance(a, torch.Tensor))
-    return (bucket(Sq), bucket(Skv), *sorted(meta.items()), *dtypes, *key_extra,
-            ("torch", torch_candidate))  # fmt: skip
-
-
-@dataclass(frozen=True)
-class _ForwardPlan:
-    """What `attention_forward` works out once per call signature (shapes, strides,
-    dtypes, alignment, the mask's scalars, flags): the inputs checked, the kernel's
-    scalars and meta, the tuner's key. Calls with the tensor mask (`intervals`), with
-    ``tune_only`` or on torch's implementation are not planned."""
-
-    out_shape: tuple
-    out_dtype: torch.dtype
-    scalars: tuple  # Sq, Skv, group, qk_scale, cap_in, shift, left, right
-    meta: dict
-    key: tuple
-    scores: object  # for torch's implementation, a candidate on CUDA
-    torch_candidate: bool
-
-
-_FORWARD_PLANS: dict[tuple, _ForwardPlan] = {}
-_MAX_PLANS = 4096  # a property test's many shapes: start over rather than grow
-
-
-def _forward_signature(q, k, v, causal, softmax_scale, window, softcap, out, lse, out_dtype,
-                       merge) -> tuple:  # fmt: skip
-    return (
-        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
-        v.dtype, q.device, causal, softmax_scale, tuple(window), softcap, out_dtype, merge,
-        out is not None and (out.shape, out.stride(), out.dtype, out.data_ptr() % 16),
-        lse is not None and (lse.shape, lse.stride(), lse.dtype), q.data_ptr() % 16,
-        k.data_ptr() % 16, v.data_ptr() % 16, torch.get_float32_matmul_precision(),
-        _common.tma_compatible,  # the TMA rule in force (tests swap it for the pointer path)
-    )  # fmt: skip
-
-
-def _planned_forward(plan: _ForwardPlan, q, k, v, out, lse, merge, agreement):
+def _planned_forward(plan: ForwardPlan, q, k, v, out, lse, merge, agreement):
     """`attention_forward` from its plan: allocate, build the arguments, launch."""
     if out is None:
         out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=q.device)
@@ -554,9 +518,9 @@ def attention_forward(
     planned = intervals is None and not tune_only and not _impl.runs_torch(q.device)
     signature = None
     if planned:
-        signature = _forward_signature(q, k, v, causal, softmax_scale, window, softcap, out,
+        signature = forward_signature(q, k, v, causal, softmax_scale, window, softcap, out,
                                        lse, out_dtype, merge)  # fmt: skip
-        plan = _FORWARD_PLANS.get(signature)
+        plan = FORWARD_PLANS.get(signature)
         if plan is not None:
             return _planned_forward(plan, q, k, v, out, lse, merge, agreement)
     check_attention_inputs(q, k, v)
@@ -609,9 +573,9 @@ def attention_forward(
     torch_candidate = attention_torch.capable_on_cuda(q, k)
     launch_key_ = launch_key(args, meta, Sq, Skv, key, torch_candidate)
     if signature is not None:
-        if len(_FORWARD_PLANS) >= _MAX_PLANS:
-            _FORWARD_PLANS.clear()
-        _FORWARD_PLANS[signature] = _ForwardPlan(
+        if len(FORWARD_PLANS) >= MAX_PLANS:
+            FORWARD_PLANS.clear()
+        FORWARD_PLANS[signature] = ForwardPlan(
             (B, Sq, Hq, D), out.dtype, args[-8:], meta, launch_key_, scores, torch_candidate
         )
     launch(_attn_fwd_kernel, forward_configs, grid, args, meta, Sq, Skv,

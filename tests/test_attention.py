@@ -523,7 +523,7 @@ def test_a_forward_is_checked_and_planned_once_per_signature(monkeypatch):
     check = forward_kernels.check_attention_inputs
     monkeypatch.setattr(forward_kernels, "check_attention_inputs",
                         lambda *a: checks.append(1) or check(*a))  # fmt: skip
-    monkeypatch.setattr(forward_kernels, "_FORWARD_PLANS", {})
+    monkeypatch.setattr(forward_kernels, "FORWARD_PLANS", {})
     q, k, v = (randn((1, 24, h, 16), torch.float32, i) for i, h in enumerate((4, 2, 2)))
     calls = [({}, (q, k, v)), ({}, (q, k, v)), ({"causal": True}, (q, k, v)),
              ({"window": (5, 0)}, (q, k, v)), ({}, (q[:, 1:], k[:, 1:], v[:, 1:])),
