@@ -22,16 +22,24 @@ The numbers are the same either way: the same functions run.
 """
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["autograd_op", "direct_op"]
+
+
+def _first_tensor(args):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            return a[0]  # an op's list[Tensor] (the Ulysses exchanges take only lists)
+    return None
 
 
 def _op_wanted(args) -> bool:
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return True
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    first = _first_tensor(args)
     return first is not None and (first.is_meta or isinstance(first, FakeTensor))
 
 
