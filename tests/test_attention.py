@@ -338,8 +338,12 @@ def check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, device="cpu", 
     for name, f, a, s0, r, t in zip(("dq", "dk", "dv"), fresh, added, start, ref[2:], same[2:],
                                     strict=True):  # fmt: skip
         assert f.dtype == a.dtype == torch.float32
-        assert_close(f, r, t, name=f"{name} fresh", sum_length=D)
-        assert_close(a - s0, r, t, name=f"{name} accumulated", sum_length=D)
+        # held in fp32 for the ring's sums, judged in the inputs' dtype, as the gradients
+        # of flash_attn are: from 16-bit inputs the kernels' dots take 16-bit operands
+        # (dS, P), and an fp32 floor failed 1 example in a few thousand (0.00019 against
+        # 0.00019 allowed: fp16, Sq=1, Skv=2, D=64)
+        assert_close(f.to(dtype), r, t, name=f"{name} fresh", sum_length=D)
+        assert_close((a - s0).to(dtype), r, t, name=f"{name} accumulated", sum_length=D)
 
 
 @given(
