@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 import triton
 from fusedpar.kernels import _impl
-from fusedpar.kernels._common import next_power_of_2
+from fusedpar.kernels._common import device_guard, next_power_of_2
 
 _FROZEN = contextvars.ContextVar("fusedpar_tuning_frozen", default=None)
 _FORCED = contextvars.ContextVar("fusedpar_tuning_forced", default=None)
@@ -259,6 +259,28 @@ def tuner(name: str) -> Tuner:
     if name not in _TUNERS:
         _TUNERS[name] = Tuner(name)
     return _TUNERS[name]
+
+
+def run_tile_or_torch(kernel, tile: dict, grid, args, meta, key, device_tensor, torch_run):
+    """Launch `kernel` with its one fixed tile (`tile`: the meta-parameters and
+    "num_warps"), or on CUDA under ``FUSEDPAR_IMPL=auto`` whichever of that tile and
+    `torch_run` the tuner measured faster for `key`: the row kernels (MoE permute and
+    combine, RMSNorm), whose ranks each pick on their own. ``grid(tile)`` builds the
+    grid from the tile's meta-parameters."""
+    tile = dict(tile)
+    config = triton.Config(tile, num_warps=tile.pop("num_warps"))
+
+    def candidates():
+        return [config, *([_impl.TORCH] if _impl.tunes_torch() else [])]
+
+    def launch(choice):
+        if isinstance(choice, _impl.Torch):
+            torch_run()
+        else:
+            kernel[grid(choice.kwargs)](*args, **meta, **choice.all_kwargs())
+
+    with device_guard(device_tensor):
+        tuner(kernel.__name__).run(key, candidates, launch, device=device_tensor.device)
 
 
 def all_picks() -> dict[str, dict[str, dict]]:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 from fusedpar.kernels import _impl, _tuning, moe_torch
-from fusedpar.kernels._common import check_launchable, device_guard, is_interpreted
+from fusedpar.kernels._common import check_launchable, is_interpreted
 from fusedpar.kernels._tuning import bucket
 
 # Permute/combine: a program moves this many elements (4 rows of 2048 at d_model 2048),
@@ -172,26 +172,14 @@ def _launch_rows(kernel, n_rows, D, args, meta, device_tensor, torch_run):
     (kernel, rows bucket, D, dtypes). Gathering and combining sum in the same order
     either way (the same bits); the combine's weight gradient, a dot over D, to
     rounding. The ranks of an EP group pick on their own: each computes its own rows."""
-    tile = row_tile(D, is_interpreted(kernel))
-    num_warps = tile.pop("num_warps")
-    config = triton.Config(tile, num_warps=num_warps)
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     key = (bucket(n_rows), D, *sorted(meta.items()), *(str(t.dtype) for t in tensors))
 
-    def candidates():
-        return [config, *([_impl.TORCH] if _impl.tunes_torch() else [])]
+    def grid(tile):
+        return (triton.cdiv(n_rows, tile["BLOCK_ROWS"]),)
 
-    def launch(config):
-        if isinstance(config, _impl.Torch):
-            torch_run()
-        else:
-            kernel[(triton.cdiv(n_rows, config.kwargs["BLOCK_ROWS"]),)](
-                *args, **meta, **config.all_kwargs()
-            )
-
-    with device_guard(device_tensor):
-        _tuning.tuner(kernel.__name__).run(key, candidates, launch,
-                                           device=device_tensor.device)  # fmt: skip
+    _tuning.run_tile_or_torch(kernel, row_tile(D, is_interpreted(kernel)), grid, args, meta, key,
+                              device_tensor, torch_run)  # fmt: skip
 
 
 def gather_rows(src, idx, scale=None, *, out_dtype=None):

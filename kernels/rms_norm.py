@@ -24,7 +24,6 @@ from fusedpar.kernels import _impl, _tuning
 from fusedpar.kernels._common import (
     check_float_dtype,
     check_launchable,
-    device_guard,
     is_interpreted,
     sm_count,
 )
@@ -135,26 +134,6 @@ def _rows(name: str, t: torch.Tensor, D: int) -> torch.Tensor:
     return t.reshape(-1, D)
 
 
-def _launch(kernel, grid, args, config, key, device_tensor, torch_run) -> None:
-    """Launch `kernel` with its fixed tile, or on CUDA under ``FUSEDPAR_IMPL=auto``
-    whichever of that tile and `torch_run` the tuner measured faster for (rows bucket, D,
-    dtypes); the ranks of a group pick on their own (each normalizes its own rows)."""
-    num_warps = config.pop("num_warps")
-    tile = triton.Config(config, num_warps=num_warps)
-
-    def candidates():
-        return [tile, *([_impl.TORCH] if _impl.tunes_torch() else [])]
-
-    def launch(config):
-        if isinstance(config, _impl.Torch):
-            torch_run()
-        else:
-            kernel[grid](*args, **config.all_kwargs())
-
-    with device_guard(device_tensor):
-        _tuning.tuner(kernel.__name__).run(key, candidates, launch, device=device_tensor.device)
-
-
 def _check(x: torch.Tensor, weight: torch.Tensor) -> int:
     check_float_dtype("x", x)
     check_float_dtype("weight", weight)
@@ -186,8 +165,9 @@ def rms_norm(x, weight, eps: float = 1e-5, offset: float = 0.0):
         grid = (triton.cdiv(M, config["BLOCK_ROWS"]),)
         args = (x2d, weight, y, rstd, *x2d.stride(), *y.stride(), M, D, float(eps), float(offset))
         key = (bucket(M), D, str(x.dtype), str(weight.dtype))
-        _launch(_rms_norm_fwd_kernel, grid, args, config, key, x,
-                lambda: rms_norm_torch(x2d, weight, eps, offset, y, rstd))  # fmt: skip
+        run_torch = lambda: rms_norm_torch(x2d, weight, eps, offset, y, rstd)  # noqa: E731
+        _tuning.run_tile_or_torch(_rms_norm_fwd_kernel, config, lambda _: grid, args, {}, key, x,
+                                  run_torch)  # fmt: skip
     return y.view(x.shape), rstd.view(x.shape[:-1])
 
 
@@ -232,7 +212,8 @@ def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, need_x=True, 
             args = (dy2d, x2d, weight, rstd, dx, partial, *dy2d.stride(), *x2d.stride(),
                     *dx.stride(), M, D, float(offset), per_program)  # fmt: skip
             key = (bucket(M), D, str(x.dtype), str(weight.dtype), str(dy.dtype))
-            _launch(_rms_norm_bwd_kernel, (programs,), args, config, key, x, torch_run)
+            _tuning.run_tile_or_torch(_rms_norm_bwd_kernel, config, lambda _: (programs,), args,
+                                      {}, key, x, torch_run)  # fmt: skip
         dw = partial.sum(0)
     dx = dx.view(x.shape) if need_x else None
     return dx, dw.to(weight.dtype) if need_weight else None
