@@ -303,7 +303,8 @@ def split(model: nn.Module, dims, mesh, *, schedule: str = "1F1B", microbatches=
     num_stages = stage_count(schedule, pp, stages_per_rank)
     microbatches = num_stages if microbatches is None else microbatches
     check_pipeline(schedule, pp, len(blocks), microbatches, stages_per_rank, loss_reduction)
-    if SCHEDULES[schedule] == "v" and _tied(model, first, last):
+    tied = [] if pp == 1 else _tied(model, first, last)
+    if SCHEDULES[schedule] == "v" and tied:
         # measured: the tied weight's gradient 5e-2 off (GPT-2, ZBVZeroBubble and DualPipeV)
         raise ValueError(f"split: {schedule} puts the first and the last stage on one rank, "
                          "and torch's split backward (input, then weight) gets a weight "
@@ -322,9 +323,8 @@ def split(model: nn.Module, dims, mesh, *, schedule: str = "1F1B", microbatches=
         runner = cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=scale)
     else:
         runner = cls(stages, microbatches, loss_fn=loss_fn, scale_grads=scale)
-    tied = [] if pp == 1 else _tied(model, first, last)
     merged = _merged(parts, layers, (*first, *last))
-    if tied and stage_ids[0] == num_stages - 1:
+    if tied and num_stages - 1 in stage_ids and 0 not in stage_ids:
         # the ranks of the last stage hold a tied weight under the first stage's name (the
         # unsplit model's first), so the optimizer's state has one name in a checkpoint
         ids = {id(p) for p in tied}

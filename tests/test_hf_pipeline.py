@@ -88,15 +88,16 @@ def test_what_a_pipeline_would_get_wrong_is_refused(world, family, schedule, bat
         assert isinstance(e, ValueError) and re.search(match, str(e)), repr(e)
 
 
-def _save_or_load(degrees, save_to=None, load_from=None):
+def _save_or_load(degrees, save_to=None, load_from=None, schedule="1F1B"):
     """GPT-2 (tied embeddings) at `degrees`: one AdamW step, or a checkpoint loaded; then
     saved. This rank's parameters and moments, as full tensors."""
     dims = fp.ParallelDims(**degrees)
-    model = _model("gpt2", 0, num_hidden_layers=2)
+    stages = 2 if SCHEDULES[schedule] == "single" else 4
+    model = _model("gpt2", 0, num_hidden_layers=stages)
     mesh = hf.parallelize(model, dims)
-    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, VOCAB, (stages, SEQ), generator=torch.Generator().manual_seed(1))
     if dims.pp > 1:
-        pipe = fp.pipeline.split(model, dims, mesh)
+        pipe = fp.pipeline.split(model, dims, mesh, schedule=schedule)
         model = pipe.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if load_from is not None:
@@ -112,12 +113,14 @@ def _save_or_load(degrees, save_to=None, load_from=None):
     return _gathered(model, optimizer)
 
 
-def test_checkpoints_reshard_between_pipeline_layouts_bitwise(world, tmp_path):
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_checkpoints_reshard_between_pipeline_layouts_bitwise(world, tmp_path, schedule):
     """PP2 x TP2 -> CP2 x TP2 -> PP2 x TP2: the tied weight and its moments under the
-    unsplit model's one name, whichever stage's ranks save them."""
+    unsplit model's one name, whichever stage's ranks save them (under Interleaved1F1B
+    the last stage's rank also holds a middle one)."""
     pp2, pp1 = dict(pp=2, tp=2), dict(cp=2, tp=2)
     first, second = str(tmp_path / "pp2"), str(tmp_path / "pp1")
-    trained = _union(world(4).run(_save_or_load, pp2, first))
+    trained = _union(world(4).run(_save_or_load, pp2, first, None, schedule))
     assert "transformer.wte.weight.exp_avg" in trained and "lm_head.weight" not in trained
-    _assert_equal(world(4).run(_save_or_load, pp1, second, first)[0], trained)
-    _assert_equal(_union(world(4).run(_save_or_load, pp2, None, second)), trained)
+    _assert_equal(world(4).run(_save_or_load, pp1, second, first, schedule)[0], trained)
+    _assert_equal(_union(world(4).run(_save_or_load, pp2, None, second, schedule)), trained)
