@@ -3,7 +3,8 @@
 A GPU runs ahead of Python only while the host enqueues faster than the GPU drains. This
 times what the host does for one forward and backward of each layer with every Triton
 launch replaced by a counter (the kernels' own launch path is Triton's, not ours), so it
-runs on any machine; the floors are measured in the same run:
+runs on any machine (denormals flushed to zero: a stubbed kernel's output is whatever its
+memory held); the floors are measured in the same run:
 
 | row               | fusedpar (launches stubbed)       | floor beside it                   |
 | ----------------- | --------------------------------- | --------------------------------- |
@@ -273,6 +274,11 @@ def main() -> None:
         return
     os.environ["TRITON_INTERPRET"] = "1"  # launches are stubbed; only their Python runs
     torch.set_num_threads(1)
+    # Stubbed launches leave their outputs as they were allocated: whatever memory held,
+    # denormals among it. The CPU computes on denormals up to ~100x slower (measured: an
+    # F.silu over a stubbed GEMM's (32, 128) output took a third of ParallelSwiGLU's
+    # forward), which no GPU run would see: flushed to zero for every row, floors too.
+    torch.set_flush_denormal(True)
     rows = measure()
     columns = ["layer", "host_us", "launches", "aten_ops", "floor", "floor_us",
                "floor_aten_ops", "ratio"]  # fmt: skip

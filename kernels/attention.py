@@ -56,10 +56,10 @@ from fusedpar.kernels.attention_mask import (
 from fusedpar.kernels.attention_merge import merge_partials
 from fusedpar.kernels.attention_plan import (
     FORWARD_PLANS,
-    MAX_PLANS,
     ForwardPlan,
     forward_signature,
     launch_key,
+    remember,
 )
 from fusedpar.kernels.attention_reference import (  # the references, beside the kernels
     attention_reference,  # noqa: F401
@@ -573,11 +573,9 @@ def attention_forward(
     torch_candidate = attention_torch.capable_on_cuda(q, k)
     launch_key_ = launch_key(args, meta, Sq, Skv, key, torch_candidate)
     if signature is not None:
-        if len(FORWARD_PLANS) >= MAX_PLANS:
-            FORWARD_PLANS.clear()
-        FORWARD_PLANS[signature] = ForwardPlan(
-            (B, Sq, Hq, D), out.dtype, args[-8:], meta, launch_key_, scores, torch_candidate
-        )
+        plan = ForwardPlan((B, Sq, Hq, D), out.dtype, args[-8:], meta, launch_key_, scores,
+                           torch_candidate)  # fmt: skip
+        remember(FORWARD_PLANS, signature, plan)
     launch(_attn_fwd_kernel, forward_configs, grid, args, meta, Sq, Skv,
            restore=restore, agreement=agreement, tune_only=tune_only, key=launch_key_,
            torch_run=torch_run if torch_candidate else None)  # fmt: skip

@@ -31,22 +31,23 @@ from fusedpar.kernels._common import (
     is_interpreted,
     next_power_of_2,
     sm_count,
-    tma_paths,
 )
 from fusedpar.kernels._tuning import Agreement
 from fusedpar.kernels.attention import (
-    check_attention_inputs,
-    check_buffer,
     interpreter_blocks,
     launch,
     load_rows,
-    mask_arguments,
-    resolve_scale,
     scores,
     store_tile,
     strides,
     tile_configs,
     tile_source,
+)
+from fusedpar.kernels.attention_backward_plan import (
+    check_backward_inputs,
+    gradient_buffer,
+    plan_backward,
+    torch_backward,
 )
 from fusedpar.kernels.attention_mask import (
     Intervals,
@@ -407,27 +408,10 @@ def _partials(shape, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
-def _check_backward_inputs(dout, q, k, v, lse, delta):
-    """Raise for anything the backward kernels cannot take; returns delta contiguous."""
-    check_attention_inputs(q, k, v)
-    (B, Sq, Hq, _) = q.shape
-    if dout.shape != q.shape:
-        raise ValueError(f"dout must be q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
-    check_buffer("lse", lse, (B, Hq, Sq), (torch.float32,), q.device)
-    if delta is None:
-        return None
-    check_buffer("delta", delta, (B, Hq, Sq), (torch.float32,), q.device)
-    return delta.contiguous()
-
-
-def _gradient_buffer(name, buf, like, q, grad_dtype, tune_only):
-    """The caller's buffer, checked; a new one; or, for ``tune_only``, scratch of the
-    dtype the call would write (nothing of the caller's is touched)."""
-    dtype = (grad_dtype or q.dtype) if buf is None else buf.dtype
-    if buf is None or tune_only:
-        buf = torch.empty(like.shape, dtype=dtype, device=q.device)
-    check_buffer(name, buf, like.shape, (q.dtype, torch.float32), q.device)
-    return buf
+def _contiguous_delta(delta):
+    if not isinstance(delta, torch.Tensor):
+        raise TypeError(f"delta must be a (B, Hq, Sq) float32 tensor, got {type(delta).__name__}")
+    return delta.contiguous()  # the kernels index it as (B, Hq, Sq) contiguous
 
 
 def attention_backward_dkdv(
@@ -453,54 +437,44 @@ def attention_backward_dkdv(
     """``(dk, dv)`` (B, Skv, Hkv, D) of one attention block; arguments as in
     `attention_backward` (``delta`` required). Writes fresh values, or adds into `dk`
     and `dv` with ``accumulate``. Under GQA with a small grid the group is split
-    (`gqa_split`): fp32 partials, then a fixed-order sum into `dk`, `dv`."""
-    delta = _check_backward_inputs(dout, q, k, v, lse, delta)
-    (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
-    if accumulate and not tune_only and (dk is None or dv is None):
-        raise ValueError("accumulate=True adds into dk and dv: both must be given")
-    dk = _gradient_buffer("dk", dk, k, q, grad_dtype, tune_only)
-    dv = _gradient_buffer("dv", dv, v, q, grad_dtype, tune_only)
-    tensors, scalars, meta, key, scores = mask_arguments(
-        q, k, causal=causal, window=window, softcap=softcap, softmax_scale=softmax_scale,
-        intervals=intervals, side="key",
-    )  # fmt: skip
-
-    def torch_run():
-        attention_torch.backward_dkdv(dout, q, k, v, lse, delta, scores, dk, dv, accumulate)
-
+    (`gqa_split`): fp32 partials, then a fixed-order sum into `dk`, `dv`. Checked and
+    planned once per call signature (`attention_backward_plan.BackwardPlan`)."""
+    mask = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                intervals=intervals)  # fmt: skip
     if _impl.runs_torch(q.device):
-        if not tune_only and B * Hkv * Skv:
-            torch_run()
-        return None if tune_only else (dk, dv)
-    check_launchable(_attn_bwd_dkdv_kernel, dout, q, k, v, lse, delta, dk, dv, *tensors[:2])
+        return torch_backward("dkdv", dout, q, k, v, lse, delta, (dk, dv), mask, accumulate,
+                               grad_dtype, tune_only)  # fmt: skip
+    delta = _contiguous_delta(delta)
+
+    def split_of():
+        return gqa_split(*k.shape[:3], q.shape[2] // k.shape[2], q)
+
+    plan, (lo, hi, batch_stride) = plan_backward(
+        "dkdv", _attn_bwd_dkdv_kernel, split_of, SPLIT_BELOW_PROGRAMS, dout, q, k, v, lse,
+        delta, (dk, dv), mask, accumulate, grad_dtype, tune_only)  # fmt: skip
+    dk, dv = (
+        gradient_buffer(g, like, plan.grad_dtype, tune_only) for g, like in ((dk, k), (dv, v))
+    )
+    (B, Skv, Hkv, D), split = k.shape, plan.split
     if B * Hkv * Skv == 0:  # with Sq == 0 the kernel writes zeros: no query, no gradient
         return None if tune_only else (dk, dv)
-    group = Hq // Hkv
-    split = gqa_split(B, Skv, Hkv, group, q)
     out_k, out_v = dk, dv
     if split > 1:
         out_k, out_v = (_partials((B, Skv, Hkv * split, D), q.device) for _ in range(2))
-    qk_scale, cap_in, shift, left, right = scalars
-    args = (
-        q, k, v, dout, lse, delta, out_k, out_v, *tensors[:2],
-        *strides(q), *strides(k), *strides(v), *strides(dout), *strides(lse),
-        *strides(out_k), *strides(out_v), tensors[2],
-        Sq, Skv, Hq, group, split, qk_scale, cap_in, resolve_scale(softmax_scale, D),
-        shift, left, right,
-    )  # fmt: skip
-    adds = accumulate and split == 1  # the kernel reads its output back: tuning restores it
-    tma, out_tma = tma_paths((q, dout), (out_k, out_v))
-    meta = {**meta, "ACCUMULATE": adds, "TMA": tma, "OUT_TMA": out_tma}
+    args = (q, k, v, dout, lse, delta, out_k, out_v, lo, hi, *plan.strides, batch_stride,
+            *plan.scalars)  # fmt: skip
+    adds = plan.meta["ACCUMULATE"]  # the kernel reads its output back: tuning restores it
 
-    def grid(meta):
-        return (cdiv(Skv, meta["BLOCK_N"]), B, Hkv * split)
+    def grid(tile):
+        return (cdiv(Skv, tile["BLOCK_N"]), B, Hkv * split)
 
-    # (split > 1 writes partials, summed below: a torch pick would write dk, dv itself)
-    capable = split == 1 and attention_torch.capable_on_cuda(q, k)
-    launch(_attn_bwd_dkdv_kernel, backward_configs, grid, args, meta, Sq, Skv,
+    def torch_run():
+        attention_torch.backward_dkdv(dout, q, k, v, lse, delta, plan.scores, dk, dv, accumulate)
+
+    launch(_attn_bwd_dkdv_kernel, backward_configs, grid, args, plan.meta, q.shape[1], Skv,
            restore=[dk, dv] if adds and not tune_only else [], agreement=agreement,
-           tune_only=tune_only, key_extra=(*key, ("SPLIT", split)),
-           torch_run=torch_run if capable else None)  # fmt: skip
+           tune_only=tune_only, key=plan.key,
+           torch_run=torch_run if plan.torch_candidate else None)  # fmt: skip
     if tune_only:
         return None
     if split > 1:  # the slices of each group, summed in order (torch.sum: no atomics)
@@ -533,44 +507,33 @@ def attention_backward_dq(
     tune_only: bool = False,
 ) -> torch.Tensor | None:
     """``dq`` (B, Sq, Hq, D) of one attention block; arguments as in `attention_backward`
-    (``delta`` required). Writes fresh values, or adds into `dq` with ``accumulate``."""
-    delta = _check_backward_inputs(dout, q, k, v, lse, delta)
-    (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
-    if accumulate and not tune_only and dq is None:
-        raise ValueError("accumulate=True adds into dq: it must be given")
-    dq = _gradient_buffer("dq", dq, q, q, grad_dtype, tune_only)
-    tensors, scalars, meta, key, scores = mask_arguments(
-        q, k, causal=causal, window=window, softcap=softcap, softmax_scale=softmax_scale,
-        intervals=intervals, side="query",
-    )  # fmt: skip
-
-    def torch_run():
-        attention_torch.backward_dq(dout, q, k, v, lse, delta, scores, dq, accumulate)
-
+    (``delta`` required). Writes fresh values, or adds into `dq` with ``accumulate``.
+    Checked and planned once per call signature."""
+    mask = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                intervals=intervals)  # fmt: skip
     if _impl.runs_torch(q.device):
-        if not tune_only and B * Hq * Sq:
-            torch_run()
-        return None if tune_only else dq
-    check_launchable(_attn_bwd_dq_kernel, dout, q, k, v, lse, delta, dq, *tensors[:2])
+        return torch_backward("dq", dout, q, k, v, lse, delta, (dq,), mask, accumulate,
+                               grad_dtype, tune_only)  # fmt: skip
+    delta = _contiguous_delta(delta)
+    plan, (lo, hi, batch_stride) = plan_backward(
+        "dq", _attn_bwd_dq_kernel, None, None, dout, q, k, v, lse, delta, (dq,), mask,
+        accumulate, grad_dtype, tune_only)  # fmt: skip
+    dq = gradient_buffer(dq, q, plan.grad_dtype, tune_only)
+    B, Sq, Hq, _ = q.shape
     if B * Hq * Sq == 0:
         return None if tune_only else dq
-    qk_scale, cap_in, shift, left, right = scalars
-    args = (
-        q, k, v, dout, lse, delta, dq, *tensors[:2],
-        *strides(q), *strides(k), *strides(v), *strides(dout), *strides(lse), *strides(dq),
-        tensors[2], Sq, Skv, Hq, Hq // Hkv, qk_scale, cap_in, resolve_scale(softmax_scale, D),
-        shift, left, right,
-    )  # fmt: skip
-    tma, _ = tma_paths((k, v), ())
-    meta = {**meta, "ACCUMULATE": accumulate, "TMA": tma}
+    args = (q, k, v, dout, lse, delta, dq, lo, hi, *plan.strides, batch_stride, *plan.scalars)
 
-    def grid(meta):
-        return (cdiv(Sq, meta["BLOCK_M"]), B, Hq)
+    def grid(tile):
+        return (cdiv(Sq, tile["BLOCK_M"]), B, Hq)
 
-    launch(_attn_bwd_dq_kernel, dq_configs, grid, args, meta, Sq, Skv,
+    def torch_run():
+        attention_torch.backward_dq(dout, q, k, v, lse, delta, plan.scores, dq, accumulate)
+
+    launch(_attn_bwd_dq_kernel, dq_configs, grid, args, plan.meta, Sq, k.shape[1],
            restore=[dq] if accumulate and not tune_only else [], agreement=agreement,
-           tune_only=tune_only, key_extra=key,
-           torch_run=torch_run if attention_torch.capable_on_cuda(q, k) else None)  # fmt: skip
+           tune_only=tune_only, key=plan.key,
+           torch_run=torch_run if plan.torch_candidate else None)  # fmt: skip
     return None if tune_only else dq
 
 
@@ -608,7 +571,7 @@ def attention_backward(
     every step but writes a block's dK/dV fresh at its first.
     """
     if delta is None:
-        _check_backward_inputs(dout, q, k, v, lse, None)
+        check_backward_inputs(dout, q, k, v, lse, None)
         if out is None:
             raise ValueError("attention_backward needs `out` or a precomputed `delta`")
         delta = attention_delta(out, dout)

@@ -538,3 +538,47 @@ def test_a_forward_is_checked_and_planned_once_per_signature(monkeypatch):
         ref, _ = attention_reference(*inputs, **mask)
         assert_close(out, ref64, ref, name=str(mask))
     assert len(checks) == 5  # the second call was looked up
+
+
+def test_a_backward_is_checked_and_planned_once_per_signature(monkeypatch):
+    """dK/dV and dQ work out their checks and launch parameters on the first call of a
+    signature and look them up after; a call that differs in shape, stride, dtype, mask,
+    buffers or the GQA split is checked anew, and its gradients are right."""
+    from fusedpar.kernels import attention_backward_plan as plans
+
+    checks = []
+    check = plans.check_backward_inputs
+    monkeypatch.setattr(plans, "check_backward_inputs",
+                        lambda *a: checks.append(1) or check(*a))  # fmt: skip
+    monkeypatch.setattr(plans, "BACKWARD_PLANS", {})
+    q, k, v = (randn((1, 24, h, 16), torch.float32, i) for i, h in enumerate((4, 2, 2)))
+
+    def grads(inputs, mask, split_below=None, given=False):
+        monkeypatch.setattr(backward_kernels, "SPLIT_BELOW_PROGRAMS", split_below)
+        q, k, v = inputs
+        dout = randn(q.shape, q.dtype, 7)
+        out, lse = attention_forward(q, k, v, **mask)
+        delta = attention_delta(out, dout)
+        nan_buffers = {n: torch.full(t.shape, float("nan"))
+                    for n, t in zip(("dq", "dk", "dv"), (q, k, v), strict=True)}  # fmt: skip
+        given = nan_buffers if given else {}
+        dq = attention_backward_dq(dout, q, k, v, lse, delta, **mask, dq=given.get("dq"))
+        dk, dv = attention_backward_dkdv(dout, q, k, v, lse, delta, **mask, dk=given.get("dk"),
+                                         dv=given.get("dv"))  # fmt: skip
+        no_dlse = torch.zeros(lse.shape)
+        ref64, ref = (attention_grads(lambda *t: attention_reference(*t, **mask), ts, dout, no_dlse)
+                      for ts in ((t.double() for t in inputs), inputs))  # fmt: skip
+        for name, g, r64, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref64[2:], ref[2:],
+                                   strict=True):  # fmt: skip
+            assert_close(g, r64, r, name=f"{name} {mask}")
+
+    calls = [((q, k, v), {}), ((q, k, v), {}), ((q, k, v), {"causal": True}),
+             ((q, k, v), {"window": (5, 0)}), ((q[:, 1:], k[:, 1:], v[:, 1:]), {}),
+             ((q.half(), k.half(), v.half()), {})]  # fmt: skip
+    for inputs, mask in calls:
+        grads(inputs, mask)
+    assert len(checks) == 2 * 5  # dQ's and dK/dV's: the second call was looked up
+    grads((q, k, v), {}, split_below=10**6)  # dK/dV's GQA split: planned anew (dQ has none)
+    grads((q, k, v), {}, given=True)  # the caller's buffers: planned anew
+    grads((q, k, v), {}, given=True)
+    assert len(checks) == 2 * 5 + 1 + 2

@@ -1,0 +1,157 @@
+"""The attention backward launchers' host side: their checks, the torch implementation's
+entry, and the plans (`BackwardPlan`) that a dK/dV or dQ call works out once per call
+signature and later calls with the same shapes, strides, dtypes, alignment, mask scalars
+and flags look up (host time per call at bench/host_overhead.py's shapes: dK/dV 41 ->
+?? µs, dQ 30 -> ?? µs). The kernels and their launchers are in `attention_backward`."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from fusedpar.kernels import _common, attention_torch
+from fusedpar.kernels._common import check_launchable, tma_paths
+from fusedpar.kernels.attention import check_attention_inputs, check_buffer, mask_arguments
+from fusedpar.kernels.attention_plan import launch_key, remember
+from fusedpar.kernels.attention_reference import resolve_scale
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """What `attention_backward_dkdv` or `attention_backward_dq` works out once per call
+    signature: the inputs checked, the kernel's strides (every tensor argument's, in the
+    kernel's order), its scalars after the mask's batch stride, meta and tuner key, and
+    the dtype of new gradients. ``split``: dK/dV's programs per KV head (1 for dQ)."""
+
+    grad_dtype: torch.dtype
+    split: int
+    strides: tuple
+    scalars: tuple
+    meta: dict
+    key: tuple
+    scores: object  # for torch's implementation, a candidate on CUDA
+    torch_candidate: bool
+
+
+BACKWARD_PLANS: dict[tuple, BackwardPlan] = {}
+
+
+def _layout(t: torch.Tensor | None):
+    return t is not None and (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+
+
+def backward_signature(kind, dout, q, k, v, lse, delta, grads, mask: dict, accumulate,
+                       grad_dtype, split_below) -> tuple:  # fmt: skip
+    """`kind` ("dkdv" or "dq"), the tensors' layouts, the caller's gradient buffers (or
+    None), the mask's scalars (``intervals`` None), the flags and what decides the GQA
+    split and TMA."""
+    return (
+        kind, *(_layout(t) for t in (dout, q, k, v, lse, delta, *grads)),
+        mask["causal"], mask["softmax_scale"], tuple(mask["window"]), mask["softcap"],
+        accumulate, grad_dtype, split_below, torch.get_float32_matmul_precision(),
+        _common.tma_compatible,
+    )  # fmt: skip
+
+
+def check_backward_inputs(dout, q, k, v, lse, delta):
+    """Raise for anything the backward kernels cannot take."""
+    check_attention_inputs(q, k, v)
+    (B, Sq, Hq, _) = q.shape
+    if dout.shape != q.shape:
+        raise ValueError(f"dout must be q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
+    check_buffer("lse", lse, (B, Hq, Sq), (torch.float32,), q.device)
+    if delta is not None:
+        check_buffer("delta", delta, (B, Hq, Sq), (torch.float32,), q.device)
+
+
+def gradient_buffer(buf, like, dtype, tune_only):
+    """The caller's buffer; a new one; or, for ``tune_only``, scratch of the dtype the
+    call would write (nothing of the caller's is touched)."""
+    if buf is None or tune_only:
+        return torch.empty(like.shape, dtype=dtype if buf is None else buf.dtype,
+                           device=like.device)  # fmt: skip
+    return buf
+
+
+_GRADIENTS = {"dkdv": ("dk", "dv"), "dq": ("dq",)}
+
+
+def checked_buffers(kind, dout, q, k, v, lse, delta, grads, accumulate, grad_dtype,
+                     tune_only) -> list:  # fmt: skip
+    """Check a dK/dV (`kind` "dkdv", `grads` (dk, dv)) or dQ ("dq", (dq,)) call; returns
+    the gradient buffers it writes (`gradient_buffer`)."""
+    check_backward_inputs(dout, q, k, v, lse, delta)
+    names = _GRADIENTS[kind]
+    if accumulate and not tune_only and any(g is None for g in grads):
+        raise ValueError(f"accumulate=True adds into {' and '.join(names)}: give "
+                         f"{'both' if len(names) > 1 else 'it'}")  # fmt: skip
+    buffers = []
+    for name, g, like in zip(names, grads, (k, v) if kind == "dkdv" else (q,), strict=True):
+        g = gradient_buffer(g, like, grad_dtype or q.dtype, tune_only)
+        check_buffer(name, g, like.shape, (q.dtype, torch.float32), q.device)
+        buffers.append(g)
+    return buffers
+
+
+def torch_backward(kind, dout, q, k, v, lse, delta, grads, mask, accumulate, grad_dtype,
+                    tune_only):  # fmt: skip
+    """A dK/dV or dQ call on torch's implementation, checked as the kernels' are."""
+    grads = checked_buffers(kind, dout, q, k, v, lse, delta, grads, accumulate, grad_dtype,
+                             tune_only)  # fmt: skip
+    side = "key" if kind == "dkdv" else "query"
+    scores = mask_arguments(q, k, side=side, **mask)[-1]
+    if tune_only:
+        return None
+    if kind == "dq":
+        if q.numel():
+            attention_torch.backward_dq(dout, q, k, v, lse, delta, scores, *grads, accumulate)
+        return grads[0]
+    if k.numel():
+        attention_torch.backward_dkdv(dout, q, k, v, lse, delta, scores, *grads, accumulate)
+    return tuple(grads)
+
+
+def plan_backward(kind, kernel, split_of: Callable[[], int], split_below, dout, q, k, v, lse,
+                  delta, grads, mask, accumulate, grad_dtype, tune_only):  # fmt: skip
+    """Check a dK/dV or dQ call (`checked_buffers`) and work out its `BackwardPlan`, kept
+    per signature unless the mask is in tensors or the call only tunes. `kernel`: the
+    kernel it launches; ``split_of()``: dK/dV's GQA split (called once the inputs are
+    checked), which `split_below` decides. Returns (plan, the mask's tensors: lo, hi and
+    their batch stride)."""
+    cached = mask["intervals"] is None and not tune_only
+    if cached:
+        signature = backward_signature(kind, dout, q, k, v, lse, delta, grads, mask,
+                                       accumulate, grad_dtype, split_below)  # fmt: skip
+        plan = BACKWARD_PLANS.get(signature)
+        if plan is not None:
+            return plan, (q, q, 0)
+    grads = checked_buffers(kind, dout, q, k, v, lse, delta, grads, accumulate, grad_dtype,
+                            tune_only)  # fmt: skip
+    (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
+    side = "key" if kind == "dkdv" else "query"
+    tensors, (qk_scale, cap_in, shift, left, right), meta, key, scores = mask_arguments(
+        q, k, side=side, **mask)  # fmt: skip
+    check_launchable(kernel, dout, q, k, v, lse, delta, *grads, *tensors[:2])
+    split = split_of() if kind == "dkdv" else 1
+    if split > 1:  # the kernel writes fp32 partials (contiguous), summed after it
+        grads = [torch.empty((B, Skv, Hkv * split, D), dtype=torch.float32, device=q.device)
+                 for _ in range(2)]  # fmt: skip
+    scale = resolve_scale(mask["softmax_scale"], D)
+    if kind == "dkdv":
+        tma, out_tma = tma_paths((q, dout), grads)
+        meta = {**meta, "ACCUMULATE": accumulate and split == 1, "TMA": tma,
+                "OUT_TMA": out_tma}  # fmt: skip
+        key = (*key, ("SPLIT", split))
+        scalars = (Sq, Skv, Hq, Hq // Hkv, split, qk_scale, cap_in, scale, shift, left, right)
+    else:
+        meta = {**meta, "ACCUMULATE": accumulate, "TMA": tma_paths((k, v), ())[0]}
+        scalars = (Sq, Skv, Hq, Hq // Hkv, qk_scale, cap_in, scale, shift, left, right)
+    strides = tuple(s for t in (q, k, v, dout, lse, *grads) for s in t.stride())
+    # (split > 1 writes partials, summed after: a torch pick would write dk, dv itself)
+    torch_candidate = split == 1 and attention_torch.capable_on_cuda(q, k)
+    args = (q, k, v, dout, lse, delta, *grads, *tensors[:2])
+    plan = BackwardPlan(grad_dtype or q.dtype, split, strides, scalars, meta,
+                        launch_key(args, meta, Sq, Skv, key, torch_candidate), scores,
+                        torch_candidate)  # fmt: skip
+    if cached:
+        remember(BACKWARD_PLANS, signature, plan)
+    return plan, tensors
