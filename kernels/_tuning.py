@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import os
 import statistics
@@ -261,14 +262,20 @@ def tuner(name: str) -> Tuner:
     return _TUNERS[name]
 
 
+@functools.cache
+def _fixed_config(tile: tuple) -> triton.Config:
+    """A row kernel's fixed tile as a ``triton.Config``, made once (~2 µs a call)."""
+    tile = dict(tile)
+    return triton.Config(tile, num_warps=tile.pop("num_warps"))
+
+
 def run_tile_or_torch(kernel, tile: dict, grid, args, meta, key, device_tensor, torch_run):
     """Launch `kernel` with its one fixed tile (`tile`: the meta-parameters and
     "num_warps"), or on CUDA under ``FUSEDPAR_IMPL=auto`` whichever of that tile and
     `torch_run` the tuner measured faster for `key`: the row kernels (MoE permute and
     combine, RMSNorm), whose ranks each pick on their own. ``grid(tile)`` builds the
     grid from the tile's meta-parameters."""
-    tile = dict(tile)
-    config = triton.Config(tile, num_warps=tile.pop("num_warps"))
+    config = _fixed_config(tuple(tile.items()))
 
     def candidates():
         return [config, *([_impl.TORCH] if _impl.tunes_torch() else [])]

@@ -2,7 +2,7 @@
 entry, and the plans (`BackwardPlan`) that a dK/dV or dQ call works out once per call
 signature and later calls with the same shapes, strides, dtypes, alignment, mask scalars
 and flags look up (host time per call at bench/host_overhead.py's shapes: dK/dV 41 ->
-?? µs, dQ 30 -> ?? µs). The kernels and their launchers are in `attention_backward`."""
+18 µs, dQ 30 -> 15 µs). The kernels and their launchers are in `attention_backward`."""
 
 from collections.abc import Callable
 from dataclasses import dataclass

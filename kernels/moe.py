@@ -33,7 +33,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _impl, _tuning, moe_torch
+from fusedpar.kernels import _common, _impl, _tuning, moe_torch
 from fusedpar.kernels._common import (
     check_float_dtype,
     check_launchable,
@@ -512,7 +512,7 @@ def _launch_gemm(mode, x, w, y, counts, rows, N, K, *, w_strides, v=None, v_stri
                 STORE_HIDDEN=mode == "gate_up" and h is not None,
                 SWIGLU_GRAD=mode == "swiglu_grad", SECOND_K=mode == "second_k",
                 HAS_BIAS=bool(bias), CLAMPED=activation == "clamped_swiglu",
-                EVEN_K=K % BLOCK_K == 0, E_PAD=triton.next_power_of_2(E + 1),
+                EVEN_K=K % BLOCK_K == 0, E_PAD=_common.next_power_of_2(E + 1),
                 INPUT_PRECISION=_dot_precision(x.dtype), GROUP_M=GROUP_M)  # fmt: skip
     scalars = (N, K, E, float(alpha), float(limit))
 
@@ -521,11 +521,11 @@ def _launch_gemm(mode, x, w, y, counts, rows, N, K, *, w_strides, v=None, v_stri
         if bm not in block_offsets:
             block_offsets[bm] = _offsets((counts + bm - 1) // bm)
         out_n = config.kwargs["BLOCK_N"] // (2 if mode == "gate_up" else 1)
-        grid = ((triton.cdiv(P, bm) + E) * triton.cdiv(N, out_n),)
+        grid = ((_common.cdiv(P, bm) + E) * _common.cdiv(N, out_n),)
         _grouped_matmul_kernel[grid](*args, block_offsets[bm], *strides, *scalars, **meta,
                                      **config.all_kwargs())  # fmt: skip
 
-    per_expert = triton.cdiv(P, max(E, 1))
+    per_expert = _common.cdiv(P, max(E, 1))
     key = (mode, meta["STORE_HIDDEN"], meta["HAS_BIAS"], meta["CLAMPED"], N, K,
            bucket(per_expert), str(x.dtype), str(y.dtype), rows is not None,
            meta["INPUT_PRECISION"])  # fmt: skip
@@ -693,10 +693,12 @@ def grouped_weight_grad(dy, x, counts, rows=None, *, out_dtype=None, split=False
                 INPUT_PRECISION=_dot_precision(x.dtype))  # fmt: skip
 
     def launch(config):
-        tiles = triton.cdiv(N, config.kwargs["BLOCK_N"]) * triton.cdiv(K, config.kwargs["BLOCK_K"])
+        tiles = _common.cdiv(N, config.kwargs["BLOCK_N"]) * _common.cdiv(
+            K, config.kwargs["BLOCK_K"]
+        )
         _grouped_weight_grad_kernel[(E * tiles * halves,)](*args, **meta, **config.all_kwargs())
 
-    key = (split, bias_grad, N, K, bucket(triton.cdiv(P, E)), str(x.dtype), str(dtype),
+    key = (split, bias_grad, N, K, bucket(_common.cdiv(P, E)), str(x.dtype), str(dtype),
            rows is not None, meta["INPUT_PRECISION"])  # fmt: skip
     with device_guard(x):
         _tuning.tuner("grouped_weight_grad").run(

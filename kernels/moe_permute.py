@@ -17,7 +17,7 @@ with no atomics. The plain-PyTorch reference closes the file.
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _impl, _tuning, moe_torch
+from fusedpar.kernels import _common, _impl, _tuning, moe_torch
 from fusedpar.kernels._common import check_launchable, is_interpreted
 from fusedpar.kernels._tuning import bucket
 
@@ -45,7 +45,7 @@ def row_tile(D: int, interpreted: bool) -> dict:
 
 
 def _fit(n: int, limit: int) -> int:
-    return min(limit, max(16, triton.next_power_of_2(n)))
+    return min(limit, max(16, _common.next_power_of_2(n)))
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -176,7 +176,7 @@ def _launch_rows(kernel, n_rows, D, args, meta, device_tensor, torch_run):
     key = (bucket(n_rows), D, *sorted(meta.items()), *(str(t.dtype) for t in tensors))
 
     def grid(tile):
-        return (triton.cdiv(n_rows, tile["BLOCK_ROWS"]),)
+        return (_common.cdiv(n_rows, tile["BLOCK_ROWS"]),)
 
     _tuning.run_tile_or_torch(kernel, row_tile(D, is_interpreted(kernel)), grid, args, meta, key,
                               device_tensor, torch_run)  # fmt: skip

@@ -20,7 +20,7 @@ implementation, which with the float64 reference closes the file.
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _impl, _tuning
+from fusedpar.kernels import _common, _impl, _tuning
 from fusedpar.kernels._common import (
     check_float_dtype,
     check_launchable,
@@ -48,7 +48,7 @@ def row_config(D: int, interpreted: bool, direction: str = "forward") -> dict:
     """Rows per step and the row width of a program, and its warps: the whole row, and
     as many rows as make ROW_TILE_ELEMENTS[direction] (at least 1); 16 elements of each
     tensor per thread in the backward, up to 64 in the forward."""
-    block_d = triton.next_power_of_2(max(D, 1))
+    block_d = _common.next_power_of_2(max(D, 1))
     if interpreted:
         return dict(BLOCK_ROWS=INTERPRETER_ROWS, BLOCK_D=block_d, num_warps=4)
     rows = max(1, min(16, ROW_TILE_ELEMENTS[direction] // block_d))
@@ -162,7 +162,7 @@ def rms_norm(x, weight, eps: float = 1e-5, offset: float = 0.0):
     elif y.numel():
         check_launchable(_rms_norm_fwd_kernel, x, weight)
         config = row_config(D, is_interpreted(_rms_norm_fwd_kernel))
-        grid = (triton.cdiv(M, config["BLOCK_ROWS"]),)
+        grid = (_common.cdiv(M, config["BLOCK_ROWS"]),)
         args = (x2d, weight, y, rstd, *x2d.stride(), *y.stride(), M, D, float(eps), float(offset))
         key = (bucket(M), D, str(x.dtype), str(weight.dtype))
         run_torch = lambda: rms_norm_torch(x2d, weight, eps, offset, y, rstd)  # noqa: E731
@@ -176,7 +176,7 @@ def backward_programs(M: int, block_rows: int, device: torch.device, interpreted
     fill the GPU, never more than there are row blocks."""
     cuda = device.type == "cuda" and not interpreted
     most = PROGRAMS_PER_SM * sm_count(device) if cuda else INTERPRETER_PROGRAMS
-    return max(1, min(most, triton.cdiv(M, block_rows)))
+    return max(1, min(most, _common.cdiv(M, block_rows)))
 
 
 def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, need_x=True, need_weight=True):
@@ -201,7 +201,7 @@ def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, need_x=True, 
         config = row_config(D, interpreted, "backward")
         block = config["BLOCK_ROWS"]
         programs = backward_programs(M, block, x.device, interpreted)
-        per_program = triton.cdiv(triton.cdiv(M, programs), block) * block
+        per_program = _common.cdiv(_common.cdiv(M, programs), block) * block
         partial = torch.zeros((programs, D), dtype=torch.float32, device=x.device)
 
         def torch_run():  # its weight gradient as the first partial row, the others 0

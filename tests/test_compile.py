@@ -164,6 +164,14 @@ def _opcheck_cases(group: str):
             ops.rms_norm_backward,
             (torch.randn(5, 8), _leaf(5, 8), _leaf(8), torch.rand(5), 1.0, False, True),
         ),
+        # the gated activation (no autograd of its own: `_GatedDown` holds it): strided
+        # (a fused gate/up's halves), each activation
+        (ops.gated, (torch.randn(4, 16)[:, :8], torch.randn(4, 16)[:, 8:], "silu")),
+        (ops.gated, (torch.randn(3, 5).half(), torch.randn(3, 5).half(), "gelu")),
+        (
+            ops.gated_backward,
+            (torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8), "gelu_tanh"),
+        ),
         (ops.moe_dispatch, ep),
         (ops.moe_return, (recv.detach().requires_grad_(), splits, group, False)),
         # Ulysses: q, k, v (strided, KV replicated W times) and the LSE's (B, S, H, 1) view

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fusedpar.kernels import _common, attention_merge, matmul, moe, moe_permute, rms_norm
+from fusedpar.kernels import _common, attention_merge, gated, matmul, moe, moe_permute, rms_norm
 from fusedpar.kernels import attention as attn
 from fusedpar.kernels import attention_backward as attn_bwd
 
@@ -190,6 +190,14 @@ def rms_norm_calls(dtype, dim):
     x, weight = _empty((256, dim), dtype), _empty((dim,), dtype)
     _, rstd = rms_norm.rms_norm(x, weight)
     rms_norm.rms_norm_backward(_empty((256, dim), dtype), x, weight, rstd)
+
+
+def gated_calls(dtype, activation):
+    """The dense MLP's gated activation, forward and backward, over 256 rows of a
+    14336-wide hidden layer (Llama 8B's)."""
+    gate, up = _empty((256, 14336), dtype), _empty((256, 14336), dtype)
+    gated.gated(gate, up, activation)
+    gated.gated_backward(_empty((256, 14336), dtype), gate, up, activation)
 
 
 # --- cases --------------------------------------------------------------------------------
@@ -432,6 +440,18 @@ for kernel in RMS_NORM_KERNELS:
     for dtype, dim in (("bfloat16", 8192), ("float32", 4096)):
         add(family, f"{dtype}-d{dim}", rms_norm_calls, {"dtype": dtype, "dim": dim}, kernel, 90,
             no_spill=False)  # fmt: skip
+
+
+# The gated activation: its launcher's fixed tile, each activation and direction, in
+# 16-bit (no spill, and on an A100) and reported in fp32.
+for activation in gated.ACTIVATIONS:
+    for backward in (False, True):
+        family = "gated-" + ("backward" if backward else "forward")
+        match = {"ACTIVATION": activation, "BACKWARD": backward}
+        for dtype, cap in (("bfloat16", 90), ("bfloat16", 80), ("float32", 90)):
+            add(family, f"{activation}-{dtype}", gated_calls,
+                {"dtype": dtype, "activation": activation}, "_gated_kernel", cap,
+                no_spill=dtype == "bfloat16", match=match)  # fmt: skip
 
 
 # --- tests ----------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ its share, and checks its own outputs and gradients against the dense math in fl
 (and in the op's dtype, for the tolerance rule's PyTorch term).
 """
 
+import functools
 import re
 
 import pytest
@@ -158,8 +159,8 @@ def test_matmul_reduce_scatter(world, world_size, **p):
 
 
 def _activation(kind):
-    if kind == "geglu-bias":
-        return lambda h: nn.functional.gelu(h, approximate="tanh")  # Gemma's MLP
+    if kind == "geglu-bias":  # Gemma's MLP (fusedpar.kernels.gated's "gelu_tanh")
+        return functools.partial(nn.functional.gelu, approximate="tanh")
     return nn.functional.silu
 
 

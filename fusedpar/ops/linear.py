@@ -26,10 +26,13 @@ output; the reduce-scatter computes the partial bound for one rank while the pre
 partial travels, adds in fp32, and rounds once at the end (the bias after the sum).
 """
 
+import functools
+import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 from fusedpar.comm import (
     Group,
@@ -41,6 +44,7 @@ from fusedpar.comm import (
     group_size,
     tuning_agreement,
 )
+from fusedpar.kernels import gated as gated_kernels
 from fusedpar.kernels._tuning import frozen
 from fusedpar.kernels.matmul import matmul
 from fusedpar.ops.registration import autograd_op, direct_op
@@ -393,10 +397,66 @@ def matmul_reduce_scatter(
     return _matmul_reduce_scatter(x, weight, bias, group_name(pg), chunks_per_rank)
 
 
+# --- custom ops: fusedpar::gated and its backward (inside _GatedDown) -------------------
+
+
+@torch.library.custom_op("fusedpar::gated", mutates_args=())
+def _gated_op(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    return gated_kernels.gated(gate, up, activation)
+
+
+@_gated_op.register_fake
+def _(gate, up, activation):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("fusedpar::gated_backward", mutates_args=())
+def _gated_backward_op(dh: Tensor, gate: Tensor, up: Tensor,
+                       activation: str) -> tuple[Tensor, Tensor]:  # fmt: skip
+    return gated_kernels.gated_backward(dh, gate, up, activation)
+
+
+@_gated_backward_op.register_fake
+def _(dh, gate, up, activation):
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+
+
+_gated = direct_op(_gated_op)
+_gated_backward = direct_op(_gated_backward_op)
+
+
+_WITHOUT_KERNEL: set[str] = set()  # the activations said to have no kernel
+
+
+def kernel_activation(activation) -> str | None:
+    """The fused kernel's name for `activation` (`fusedpar.kernels.gated.ACTIVATIONS`):
+    ``F.silu``, ``F.gelu`` and ``gelu(approximate="tanh")``, as functions, partials or
+    ``nn.SiLU``/``nn.GELU`` modules. None for any other (it runs through autograd, with
+    one warning per activation)."""
+    if activation is F.silu or isinstance(activation, torch.nn.SiLU):
+        return "silu"
+    approximate = None
+    if activation is F.gelu:
+        approximate = "none"
+    elif isinstance(activation, torch.nn.GELU):
+        approximate = activation.approximate
+    elif (isinstance(activation, functools.partial) and activation.func is F.gelu
+          and not activation.args and set(activation.keywords) <= {"approximate"}):  # fmt: skip
+        approximate = activation.keywords.get("approximate", "none")
+    name = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
+    if name is None and repr(activation) not in _WITHOUT_KERNEL:
+        _WITHOUT_KERNEL.add(repr(activation))
+        warnings.warn(f"gated_down: no fused kernel for activation {activation!r} (there is "
+                      f"one for silu, gelu and gelu tanh): act(gate) * up and its gradient "
+                      f"run through autograd", stacklevel=3)  # fmt: skip
+    return name
+
+
 def _product_vjp(activation, gate, up):
-    """``activation(gate) * up`` and its vjp. In eager through autograd (about 3x less
-    host time than ``torch.func.vjp``: 34 against 108 µs at (32, 64)), which a compiled
-    backward does not trace; there ``torch.func.vjp``."""
+    """``activation(gate) * up`` and its vjp, for an activation with no fused kernel. In
+    eager through autograd (about 3x less host time than ``torch.func.vjp``: 34 against
+    108 µs at (32, 64)), which a compiled backward does not trace; there
+    ``torch.func.vjp``."""
     if torch.compiler.is_compiling():
         return torch.func.vjp(lambda g, u: activation(g) * u, gate, up)
     with torch.enable_grad():
@@ -407,25 +467,30 @@ def _product_vjp(activation, gate, up):
 
 class _GatedDown(torch.autograd.Function):
     """``down(act(gate) * up)`` saving gate and up only: the backward recomputes the
-    product (for the down weight's gradient) and its vjp (for dgate, dup) in one pass."""
+    product (for the down weight's gradient), then dgate and dup in one pass
+    (`fusedpar.kernels.gated`; through autograd for an activation with no kernel)."""
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, activation, group, chunks):
-        hidden = activation(gate) * up
+        name = kernel_activation(activation)
+        hidden = _gated(gate, up, name) if name else activation(gate) * up
         if group is None:  # a plain GEMM (classic TP: the caller all-reduces)
             y = torch.nn.functional.linear(hidden, weight, bias)
         else:
             y = _matmul_reduce_scatter_forward(hidden, weight, bias, group, chunks)
-        ctx.options = (activation, group, chunks, bias is not None)
+        ctx.options = (activation, name, group, chunks, bias is not None)
         ctx.save_for_backward(gate, up, weight)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         gate, up, weight = ctx.saved_tensors
-        activation, group, chunks, has_bias = ctx.options
+        activation, name, group, chunks, has_bias = ctx.options
         needs_g, needs_u, needs_w, needs_b = ctx.needs_input_grad[:4]
-        hidden, vjp = _product_vjp(activation, gate, up)
+        if name:
+            hidden = _gated(gate, up, name)
+        else:
+            hidden, vjp = _product_vjp(activation, gate, up)
         if group is None:
             dh = dy @ weight
             dw = _flat(dy).t() @ _flat(hidden) if needs_w else None
@@ -435,7 +500,9 @@ class _GatedDown(torch.autograd.Function):
                 dy, hidden, weight, group, chunks, True, needs_w, needs_b and has_bias
             )
             dw, db = dw if needs_w else None, db if needs_b and has_bias else None
-        dgate, dup = vjp(dh) if needs_g or needs_u else (None, None)
+        dgate = dup = None
+        if needs_g or needs_u:
+            dgate, dup = _gated_backward(dh, gate, up, name) if name else vjp(dh)
         return dgate, dup, dw, db, None, None, None
 
 

@@ -1,0 +1,217 @@
+"""The gated activation of a dense SwiGLU or GeGLU MLP, one elementwise pass each way.
+
+gate, up, h (..., N) share a shape; ``act`` is `ACTIVATIONS`' (computed in fp32, each
+output rounded once):
+
+| function         | reads        | writes     | computes                                        |
+| ---------------- | ------------ | ---------- | ----------------------------------------------- |
+| `gated`          | gate, up     | h          | ``h = act(gate) * up``                          |
+| `gated_backward` | gate, up, dh | dgate, dup | ``dgate = dh * up * act'(gate)``,               |
+|                  |              |            | ``dup = dh * act(gate)``                        |
+
+So a layer saves gate and up, never act(gate) nor h: its backward recomputes h with
+`gated` (the down GEMM's weight gradient needs it before dh exists) and then takes one
+pass for both gradients, where autograd's recompute and backward are five kernels (the
+activation and its backward, three products). The
+MoE experts fuse the same activation into their grouped GEMMs (`moe._swiglu`). On CUDA
+under ``FUSEDPAR_IMPL=auto`` the tuner times each kernel's fixed tile against the torch
+implementation, which closes the file with the float64 reference.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from fusedpar.kernels import _impl, _tuning
+from fusedpar.kernels._common import cdiv, check_float_dtype, is_interpreted, next_power_of_2
+from fusedpar.kernels._tuning import bucket
+from fusedpar.kernels.attention import _tanh
+
+# silu(g) = g sigmoid(g); gelu: the erf form; gelu_tanh: its tanh approximation (Gemma).
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+# Elements a program holds per tensor: 16 per thread at 8 warps, as a bandwidth-bound
+# row kernel wants (the backward keeps gate, up, dh and three results live).
+TILE_ELEMENTS = 4096
+
+
+def tile(N: int, interpreted: bool) -> dict:
+    """Rows x columns of a program and its warps. The interpreter runs programs one at a
+    time: 2 x 16 tiles, so tiny shapes cross row and column blocks."""
+    if interpreted:
+        return dict(BLOCK_M=2, BLOCK_N=16, num_warps=4)
+    block_n = min(1024, next_power_of_2(max(N, 1)))
+    return dict(BLOCK_M=max(1, TILE_ELEMENTS // block_n), BLOCK_N=block_n, num_warps=8)
+
+
+@triton.jit
+def _activation(g, ACTIVATION: tl.constexpr):
+    """``(act(g), act'(g))`` in fp32."""
+    if ACTIVATION == "silu":
+        s = tl.sigmoid(g)
+        a = g * s
+        slope = s * (1.0 + g * (1.0 - s))
+    elif ACTIVATION == "gelu":
+        cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))  # 1 / sqrt(2)
+        a = g * cdf
+        slope = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327  # 1 / sqrt(2 pi)
+    else:  # gelu_tanh: 0.5 g (1 + tanh(k (g + c g^3))), k = sqrt(2 / pi), c = 0.044715
+        t = _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))
+        a = 0.5 * g * (1.0 + t)
+        slope = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (
+            1.0 + 0.134145 * g * g
+        )
+    return a, slope
+
+
+@triton.jit
+def _gated_kernel(
+    # pointers
+    g_ptr, u_ptr, dh_ptr, h_ptr, dg_ptr, du_ptr,
+    # strides (rows, columns) of each
+    stride_gm, stride_gn, stride_um, stride_un, stride_dhm, stride_dhn,
+    stride_hm, stride_hn, stride_dgm, stride_dgn, stride_dum, stride_dun,
+    # sizes
+    M, N,
+    # meta-parameters
+    ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One (BLOCK_M, BLOCK_N) tile: h = act(g) * u, or with BACKWARD dgate and dup from
+    dh (the module doc's table). The pointers a mode does not use are never read."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)[None, :]
+    mask = (rows < M) & (cols < N)
+    g = tl.load(g_ptr + rows * stride_gm + cols * stride_gn, mask=mask, other=0.0)
+    u = tl.load(u_ptr + rows * stride_um + cols * stride_un, mask=mask, other=0.0)
+    a, slope = _activation(g.to(tl.float32), ACTIVATION)
+    u = u.to(tl.float32)
+    if not BACKWARD:
+        tl.store(h_ptr + rows * stride_hm + cols * stride_hn, (a * u).to(h_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
+    else:
+        dh = tl.load(dh_ptr + rows * stride_dhm + cols * stride_dhn, mask=mask, other=0.0)
+        dh = dh.to(tl.float32)
+        tl.store(du_ptr + rows * stride_dum + cols * stride_dun,
+                 (dh * a).to(du_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        tl.store(dg_ptr + rows * stride_dgm + cols * stride_dgn,
+                 (dh * u * slope).to(dg_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+
+
+# --- launchers -------------------------------------------------------------------------
+
+
+def check_gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> None:
+    """ValueError/TypeError naming the sizes for inputs the kernel cannot take."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if gate.shape != up.shape or gate.dim() < 1:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must share a shape")
+    check_float_dtype("gate", gate)
+    if up.dtype != gate.dtype or up.device != gate.device:
+        raise TypeError(f"gate is {gate.dtype} on {gate.device}, up {up.dtype} on {up.device}")
+
+
+# (shapes, strides, dtype, device, activation, direction) -> (tile, grid, tuner key)
+_PLANS: dict[tuple, tuple] = {}
+
+
+def _launch(activation: str, g, u, dh, outputs) -> None:
+    """The kernel over (M, N) views, or under ``FUSEDPAR_IMPL=auto`` on CUDA whichever of
+    its tile and the torch implementation the tuner measured faster. Its tile, grid and
+    key are worked out once per call signature."""
+    M, N = g.shape
+    if M * N == 0:
+        return
+    backward = dh is not None
+    # the pointers a mode does not use: any tensor of the call (never read)
+    dh, h, dg, du = (dh, g, *outputs) if backward else (g, outputs[0], g, g)
+    # (the outputs are new and contiguous: their strides follow from the shape)
+    signature = (g.shape, g.stride(), u.stride(), dh.stride(), g.dtype, g.device, activation,
+                 backward)  # fmt: skip
+    plan = _PLANS.get(signature)
+    if plan is None:
+        config = tile(N, is_interpreted(_gated_kernel))
+        grid = (cdiv(M, config["BLOCK_M"]), cdiv(N, config["BLOCK_N"]))
+        if len(_PLANS) >= 4096:  # a property test's many shapes: start over
+            _PLANS.clear()
+        plan = _PLANS[signature] = (config, grid, (bucket(M), N, str(g.dtype), activation,
+                                                    backward))  # fmt: skip
+    config, grid, key = plan
+    args = (g, u, dh, h, dg, du, *g.stride(), *u.stride(), *dh.stride(), *h.stride(),
+            *dg.stride(), *du.stride(), M, N)  # fmt: skip
+
+    def torch_run():
+        gated_torch(activation, g, u, dh if backward else None, outputs)
+
+    _tuning.run_tile_or_torch(_gated_kernel, config, lambda _: grid, args,
+                              {"ACTIVATION": activation, "BACKWARD": backward}, key, g,
+                              torch_run)  # fmt: skip
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``act(gate) * up`` in gate's shape and dtype, computed in fp32, rounded once.
+    gate, up (..., N): any float dtype (the same), any strides."""
+    check_gated(gate, up, activation)
+    N = gate.shape[-1]
+    g, u = gate.reshape(-1, N), up.reshape(-1, N)
+    h = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
+    if _impl.runs_torch(gate.device):
+        gated_torch(activation, g, u, None, (h,))
+    else:
+        _launch(activation, g, u, None, (h,))
+    return h.view(gate.shape)
+
+
+def gated_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                   activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(dgate, dup)`` of `gated` from dh (gate's shape), each in gate's dtype."""
+    check_gated(gate, up, activation)
+    if dh.shape != gate.shape:
+        raise ValueError(f"dh {tuple(dh.shape)} must be gate's shape {tuple(gate.shape)}")
+    N = gate.shape[-1]
+    g, u, d = gate.reshape(-1, N), up.reshape(-1, N), dh.reshape(-1, N)
+    outputs = tuple(torch.empty(g.shape, dtype=gate.dtype, device=gate.device) for _ in range(2))
+    if _impl.runs_torch(gate.device):
+        gated_torch(activation, g, u, d, outputs)
+    else:
+        _launch(activation, g, u, d, outputs)
+    return tuple(t.view(gate.shape) for t in outputs)
+
+
+# --- torch implementation and reference ------------------------------------------------
+
+
+def _activation_torch(activation: str, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(act(g), act'(g))`` as `_activation` computes them (g in fp32 or float64)."""
+    if activation == "silu":
+        s = torch.sigmoid(g)
+        return g * s, s * (1 + g * (1 - s))
+    if activation == "gelu":
+        cdf = 0.5 * (1 + torch.erf(g * math.sqrt(0.5)))
+        return g * cdf, cdf + g * torch.exp(-0.5 * g * g) / math.sqrt(2 * math.pi)
+    k = math.sqrt(2 / math.pi)
+    t = torch.tanh(k * (g + 0.044715 * g**3))
+    return 0.5 * g * (1 + t), 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * k * (1 + 3 * 0.044715 * g * g)
+
+
+def gated_torch(activation: str, g, u, dh, outputs) -> None:
+    """The kernel's contract in PyTorch, into `outputs` ((h,), or (dgate, dup) with dh):
+    fp32 inside, each result rounded once."""
+    wide = torch.float64 if g.dtype == torch.float64 else torch.float32
+    a, slope = _activation_torch(activation, g.to(wide))
+    uf = u.to(wide)
+    if dh is None:
+        outputs[0].copy_(a * uf)
+        return
+    dhf = dh.to(wide)
+    outputs[0].copy_(dhf * uf * slope)
+    outputs[1].copy_(dhf * a)
+
+
+def gated_reference(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu"):
+    """``act(gate) * up`` with PyTorch's own activation, in gate's dtype (float64 in: the
+    oracle), differentiable by autograd."""
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
+    return getattr(torch.nn.functional, activation)(gate) * up
