@@ -94,12 +94,11 @@ def _grouped_mm_or_reason(fn):
 
 def _point(E, d, h, skewed, copy_gbps):
     from fusedpar.kernels.moe import (
-        dispatch_metadata,
         grouped_matmul,
         grouped_swiglu,
         grouped_weight_grad,
     )
-    from fusedpar.kernels.moe_permute import combine, gather_rows
+    from fusedpar.kernels.moe_permute import combine, dispatch_metadata, gather_rows
 
     gen = torch.Generator().manual_seed(0)
     ids = _routing(E, skewed, gen)

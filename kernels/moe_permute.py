@@ -9,10 +9,15 @@ pairs a capacity limit drops last (``pos`` -1).
 | `combine`             | ``y[t] = sum_j w[t, j] * src[pos[t, j]]`` (pos -1 skipped) |
 | `combine_weight_grad` | ``dw[t, j] = <dy[t], src[pos[t, j]]>``                     |
 
+The dispatch's metadata comes first: `expert_counts`, `dispatch_metadata` (the
+expert-major order) and `offsets` (where each expert's rows start).
+
 They are bandwidth-bound: a program moves several full rows (up to 2048 columns at a
 time, looping past that) and loads its indices once. Sums run in slot order in fp32,
 with no atomics. The plain-PyTorch reference closes the file.
 """
+
+import weakref
 
 import torch
 import triton
@@ -58,6 +63,69 @@ def index_dtype(count: int) -> torch.dtype:
     """The dtype of indices into `count` rows: int32, or int64 where int32 cannot count
     them (2**31 pairs of any width are terabytes: int64 is kept for correctness only)."""
     return torch.int32 if count < 2**31 else torch.int64
+
+
+# --- metadata ------------------------------------------------------------------------
+
+
+def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many entries of `ids` (any shape, values in [0, num_experts)) name each expert:
+    (num_experts,) int64. A scatter-add, not `torch.bincount`, which reads the largest id
+    back to the host on CUDA (a sync); integer adds are exact, so atomics do not matter."""
+    flat = ids.reshape(-1).to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def dispatch_metadata(expert_ids: torch.Tensor, num_experts: int, keep: torch.Tensor | None = None):
+    """Counts per expert and the stable expert-major order of the (token, slot) pairs.
+
+    expert_ids (T, k) int; keep (T, k) bool or None (all kept). Returns ``counts`` (E,)
+    int64 (kept pairs), ``order`` (T*k,) (pair indices t * k + j, expert-major, by pair
+    index within an expert, the dropped last) and ``pos`` (T, k), each pair's row in that
+    order or -1 if dropped: kept for the backward, so int32 (`index_dtype`). No host
+    sync: `order` keeps its full length; kernels stop at ``offsets[E] = counts.sum()``."""
+    flat = expert_ids.reshape(-1).to(torch.int64)
+    if keep is not None:
+        flat = torch.where(keep.reshape(-1), flat, num_experts)  # dropped pairs sort last
+    counts = expert_counts(flat, num_experts + 1)[:num_experts]
+    index = index_dtype(flat.numel())
+    order = torch.argsort(flat, stable=True).to(index)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(flat.numel(), device=flat.device, dtype=index)
+    if keep is not None:
+        pos = torch.where(keep.reshape(-1), pos, -1)
+    return counts, order, pos.view(expert_ids.shape)
+
+
+# A counts tensor's offsets, made once: {id(counts): (a weak reference to counts, {(its
+# version, block): offsets})}, an entry dropped when its counts is. One MoE step launches
+# up to five grouped GEMMs with the same counts, forward and backward, and each rebuilt
+# them (2-4 small ops and GPU kernels a launch, ~10% of the layer's host time at
+# bench/host_overhead.py's shapes). (torch's WeakTensorKeyDictionary costs ~4 µs a look.)
+_OFFSETS: dict[int, tuple] = {}
+
+
+def _forgetter(name: int):
+    return lambda _: _OFFSETS.pop(name, None)
+
+
+def offsets(counts: torch.Tensor, block: int = 1) -> torch.Tensor:
+    """``[0, cumsum(ceil(counts / block))]`` (E + 1,) int64: where each expert's rows
+    (`block` 1) or blocks of `block` rows start. Made once per counts tensor and block
+    (an in-place change to counts, a new version, makes them anew)."""
+    name = id(counts)
+    entry = _OFFSETS.get(name)
+    if entry is None:
+        entry = _OFFSETS[name] = (weakref.ref(counts, _forgetter(name)), {})
+    memo = entry[1]
+    key = (counts._version, block)
+    found = memo.get(key)
+    if found is None:
+        blocks = counts if block == 1 else torch.div(counts + (block - 1), block,
+                                                     rounding_mode="floor")  # fmt: skip
+        found = memo[key] = torch.nn.functional.pad(torch.cumsum(blocks, 0), (1, 0))
+    return found
 
 
 def _check_index(name, index, count, device):

@@ -63,7 +63,7 @@ def _opcheck_cases(group: str):
     T, E, top_k, d, h = 5, 4, 2, 8, 6
     xm = _leaf(T, d)
     ids = torch.stack([torch.randperm(E)[:top_k] for _ in range(T)])
-    counts, order, pos = fp.kernels.moe.dispatch_metadata(ids, E)
+    counts, order, pos = fp.kernels.moe_permute.dispatch_metadata(ids, E)
     wts = torch.rand(T, top_k).requires_grad_()
     ew1, ew3, ew2 = _leaf(E, h, d), _leaf(E, h, d), _leaf(E, d, h)
     rows = order // top_k

@@ -167,7 +167,7 @@ def moe_calls(dtype, bias=False, activation="silu"):
     gradients' launches); `activation`: the SwiGLU's (gpt-oss: ``"clamped_swiglu"``)."""
     T, top_k, E, d, h = 256, 2, 8, 2048, 768
     ids = torch.arange(T * top_k).reshape(T, top_k) % E
-    counts, order, pos = moe.dispatch_metadata(ids, E)
+    counts, order, pos = moe_permute.dispatch_metadata(ids, E)
     rows, P = order // top_k, T * top_k
     x = _empty((T, d), dtype)
     w1, w3, w2 = _empty((E, h, d), dtype), _empty((E, h, d), dtype), _empty((E, d, h), dtype)

@@ -282,7 +282,9 @@ class MoE(nn.Module):
                 "tokens_per_expert": counts.detach(),
                 "dropped_fraction": dropped.float() / max(1, ids.numel()),
             }
-        aux = aux_losses(probs, logits, ids, self.score, self.aux_loss_coef, self.z_loss_coef)
+        counted = counts if keep is None else None  # (after a capacity's drops: not these)
+        aux = aux_losses(probs, logits, ids, self.score, self.aux_loss_coef, self.z_loss_coef,
+                         counts=counted)  # fmt: skip
         if self.shared_w1 is not None:
             gate, up = F.linear(x2d, self.shared_w1), F.linear(x2d, self.shared_w3)
             # saves gate and up, not silu(gate) nor the product (recomputed in the backward)

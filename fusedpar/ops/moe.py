@@ -44,8 +44,6 @@ from fusedpar import comm
 from fusedpar.kernels.moe import (
     SWIGLU_ALPHA,
     SWIGLU_LIMIT,
-    dispatch_metadata,
-    expert_counts,
     grouped_matmul,
     grouped_swiglu,
     grouped_swiglu_backward,
@@ -53,7 +51,14 @@ from fusedpar.kernels.moe import (
     grouped_weight_grad,
     swiglu_reference,
 )
-from fusedpar.kernels.moe_permute import combine, combine_weight_grad, gather_rows, index_dtype
+from fusedpar.kernels.moe_permute import (
+    combine,
+    combine_weight_grad,
+    dispatch_metadata,
+    expert_counts,
+    gather_rows,
+    index_dtype,
+)
 from fusedpar.ops.registration import autograd_op, direct_op
 
 SCORES = ("softmax", "sigmoid")
@@ -287,7 +292,8 @@ def _dispatch_op(x: Tensor, order: Tensor, pos: Tensor, counts: Tensor, top_k: i
     splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).cpu()
     send_splits, recv_splits = splits.tolist()
     kept = order[: sum(send_splits)]  # the dropped pairs sort last
-    x_recv = comm._exchange(gather_rows(x, kept // top_k), pg, recv_splits, send_splits)
+    tokens = torch.div(kept, top_k, rounding_mode="floor")
+    x_recv = comm._exchange(gather_rows(x, tokens), pg, recv_splits, send_splits)
     regroup = _regroup_index(recv_counts, sum(recv_splits))
     inverse = torch.empty_like(regroup)
     inverse[regroup] = torch.arange(regroup.numel(), device=regroup.device, dtype=regroup.dtype)
@@ -409,6 +415,12 @@ def route(x, router_weight, top_k, score, norm_topk_prob, expert_bias=None, rout
     probs = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
     select = probs if expert_bias is None or score == "softmax" else probs + expert_bias.float()
     ids = select.detach().topk(top_k, dim=-1).indices
+    if score == "softmax" and norm_topk_prob:
+        # The softmax of the chosen logits: the chosen probabilities renormalized, without
+        # that form's backward, whose two terms of size 1/p cancel (at top-1 the weight is
+        # 1 and its gradient 0, which the renormalized form missed by 6x PyTorch's own
+        # error in an fp32 router gradient: a small chosen p amplifies the rounding).
+        return _PickColumns.apply(logits, ids).softmax(-1), ids, probs, logits
     weights = _PickColumns.apply(probs, ids)
     if norm_topk_prob:
         weights = weights / weights.sum(-1, keepdim=True)
@@ -431,14 +443,15 @@ def capacity_mask(ids, weights, num_experts: int, capacity_factor: float):
     return keep.view(T, top_k)
 
 
-def aux_losses(probs, logits, ids, score, aux_loss_coef, z_loss_coef):
+def aux_losses(probs, logits, ids, score, aux_loss_coef, z_loss_coef, counts=None):
     """Switch load balancing ``coef * E * sum_e f_e P_e`` (f_e: share of the k*T routed
     slots taken by e; P_e: mean router probability of e, sigmoid scores normalized per
-    token) plus the z-loss ``coef * mean(logsumexp(logits)^2)``. fp32; 0 with no token."""
+    token) plus the z-loss ``coef * mean(logsumexp(logits)^2)``. fp32; 0 with no token.
+    `counts`: ``expert_counts(ids, E)`` where the caller has them."""
     T, E = probs.shape
     if T == 0:
         return probs.new_zeros(())
-    f = expert_counts(ids, E).float() / ids.numel()
+    f = (expert_counts(ids, E) if counts is None else counts).float() / ids.numel()
     p = probs if score == "softmax" else probs / probs.sum(-1, keepdim=True)
     loss = aux_loss_coef * E * (f * p.mean(0)).sum()
     if z_loss_coef:
@@ -478,7 +491,8 @@ def moe_dispatch_combine(x, weights, ids, keep, w1, w3, w2, num_experts, group, 
     pg = comm.resolve_group(group)
     experts = {"bias": bias, "activation": activation, "alpha": alpha, "limit": limit}
     if comm.group_size(pg) == 1:  # the gather is fused into the gate/up GEMM: no copy of x
-        out = expert_swiglu(x, w1, w3, w2, counts, order // top_k, pos, **experts)
+        rows = torch.div(order, top_k, rounding_mode="floor")  # (the token of each pair)
+        out = expert_swiglu(x, w1, w3, w2, counts, rows, pos, **experts)
         return _combine(out, weights, pos, order), counts
     name = comm.group_name(pg)
     x_recv, recv_counts, regroup, inverse, splits = _dispatch(x, order, pos, counts, top_k,
