@@ -172,6 +172,12 @@ def _opcheck_cases(group: str):
             ops.gated_backward,
             (torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8), "gelu_tanh"),
         ),
+        # RoPE: a strided head range of a projection, whole and partial rotary
+        (ops.rope, (_leaf(2, 5, 7, 16)[:, :, 1:4], torch.randn(5, 8), torch.randn(5, 8), False)),
+        (
+            ops.rope,
+            (_leaf(1, 3, 2, 16, dtype=torch.float16), torch.randn(3, 4), torch.randn(3, 4), True),
+        ),  # fmt: skip
         (ops.moe_dispatch, ep),
         (ops.moe_return, (recv.detach().requires_grad_(), splits, group, False)),
         # Ulysses: q, k, v (strided, KV replicated W times) and the LSE's (B, S, H, 1) view

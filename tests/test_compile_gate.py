@@ -43,7 +43,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from fusedpar.kernels import _common, attention_merge, gated, matmul, moe, moe_permute, rms_norm
+from fusedpar.kernels import (
+    _common,
+    attention_merge,
+    gated,
+    matmul,
+    moe,
+    moe_permute,
+    rms_norm,
+    rope,
+)
 from fusedpar.kernels import attention as attn
 from fusedpar.kernels import attention_backward as attn_bwd
 
@@ -198,6 +207,15 @@ def gated_calls(dtype, activation):
     gate, up = _empty((256, 14336), dtype), _empty((256, 14336), dtype)
     gated.gated(gate, up, activation)
     gated.gated_backward(_empty((256, 14336), dtype), gate, up, activation)
+
+
+def rope_calls(dtype, rotary):
+    """Rotary embeddings of q at Llama 8B's shapes (32 heads of 128, 512 positions) as a
+    strided view of a fused QKV projection, forward and backward; `rotary` dims rotate."""
+    q = _empty((1, 512, 48, 128), dtype)[:, :, :32]
+    cos, sin = _empty((512, rotary // 2), "float32"), _empty((512, rotary // 2), "float32")
+    rope.rope(q, cos, sin)
+    rope.rope(q, cos, sin, inverse=True)
 
 
 # --- cases --------------------------------------------------------------------------------
@@ -452,6 +470,17 @@ for activation in gated.ACTIVATIONS:
             add(family, f"{activation}-{dtype}", gated_calls,
                 {"dtype": dtype, "activation": activation}, "_gated_kernel", cap,
                 no_spill=dtype == "bfloat16", match=match)  # fmt: skip
+
+
+# RoPE: its launcher's fixed tile, each direction, whole and partial (GPT-NeoX's quarter)
+# rotary, in 16-bit (no spill, and on an A100) and reported in fp32.
+for inverse in (False, True):
+    family = "rope-" + ("backward" if inverse else "forward")
+    for rotary, dtype, cap in ((128, "bfloat16", 90), (128, "bfloat16", 80), (32, "bfloat16", 90),
+                               (128, "float32", 90)):  # fmt: skip
+        add(family, f"r{rotary}-{dtype}", rope_calls, {"dtype": dtype, "rotary": rotary},
+            "_rope_kernel", cap, no_spill=dtype == "bfloat16",
+            match={"INVERSE": inverse})  # fmt: skip
 
 
 # --- tests ----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ The weight scales the normalized values as ``weight`` or, with ``norm_offset=1``
 import torch
 
 from fusedpar import comm
+from fusedpar.ops.attention import rope
 
 QK_NORMS = ("head", "full")
 
@@ -29,14 +30,19 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype=torc
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[..., i], x[..., i + r/2]) of x (B, S, H, hd) by the angles of its
     positions; cos, sin (S, r/2). The first r <= hd dims rotate (r < hd: partial rotary,
-    GPT-NeoX), the rest pass. Computed in fp32, returned in x's dtype."""
-    half = cos.shape[-1]
-    x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-    rotated = [x1 * c - x2 * s, x2 * c + x1 * s]
-    if 2 * half < x.shape[-1]:
-        rotated.append(x[..., 2 * half :].float())
-    return torch.cat(rotated, dim=-1).to(x.dtype)
+    GPT-NeoX), the rest pass. Computed in fp32, returned in x's dtype: one kernel each
+    way (`fusedpar.ops.attention.rope`), or the PyTorch formula where the tables need a
+    gradient or are not fp32, or x is float64 (a reference model: computed in float64)."""
+    formula = cos.requires_grad or sin.requires_grad or cos.dtype != torch.float32
+    if formula or x.dtype == torch.float64:
+        half, wide = cos.shape[-1], torch.promote_types(x.dtype, torch.float32)
+        x1, x2 = x[..., :half].to(wide), x[..., half : 2 * half].to(wide)
+        c, s = cos[None, :, None, :].to(wide), sin[None, :, None, :].to(wide)
+        rotated = [x1 * c - x2 * s, x2 * c + x1 * s]
+        if 2 * half < x.shape[-1]:
+            rotated.append(x[..., 2 * half :].to(wide))
+        return torch.cat(rotated, dim=-1).to(x.dtype)
+    return rope(x, cos, sin)
 
 
 def norm_weight(name: str, t) -> torch.Tensor:

@@ -30,6 +30,7 @@ ring the sink enters once, after the merge of every step.
 import torch
 from torch import Tensor
 
+from fusedpar.kernels import rope as rope_kernels
 from fusedpar.kernels.attention import attention_forward, check_attention_inputs
 from fusedpar.kernels.attention_backward import attention_backward, attention_delta
 from fusedpar.kernels.attention_mask import (
@@ -108,6 +109,43 @@ def _backward(ctx, dout, dlse):
 
 _flash_attn_backward = direct_op(_flash_attn_backward_op)
 _flash_attn = autograd_op(_flash_attn_op, _backward, _setup)
+
+
+# --- custom op: fusedpar::rope (its backward is itself, by -angle) -----------------------
+
+
+@torch.library.custom_op("fusedpar::rope", mutates_args=())
+def _rope_op(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
+    return rope_kernels.rope(x, cos, sin, inverse)
+
+
+@_rope_op.register_fake
+def _(x, cos, sin, inverse):  # new and contiguous, as the kernel's
+    return x.new_empty(x.shape)
+
+
+def _rope_setup(ctx, inputs, output):
+    _, cos, sin, inverse = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.inverse = inverse
+
+
+def _rope_backward(ctx, dy):
+    cos, sin = ctx.saved_tensors
+    return _rope_again(dy, cos, sin, not ctx.inverse), None, None, None
+
+
+_rope_again = direct_op(_rope_op)  # inside the backward: no graph of its own
+_rope = autograd_op(_rope_op, _rope_backward, _rope_setup)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embeddings of x (B, S, H, hd), any strides, by cos, sin (S, r/2) fp32 (r <=
+    hd rotated; the rest passes), in fp32, into a new tensor of x's dtype
+    (`fusedpar.kernels.rope`). The tables take no gradient: pass ones that need it to
+    the PyTorch formula (`fusedpar.nn.attention_parts.apply_rope` does)."""
+    rope_kernels.check_rope(x, cos, sin)
+    return _rope(x, cos, sin, False)
 
 
 def check_sinks(sinks, q: torch.Tensor, what: str) -> None:

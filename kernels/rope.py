@@ -1,0 +1,147 @@
+"""Rotary position embeddings, forward and backward: one row kernel, fp32 inside.
+
+x (B, S, H, hd) any strides; cos, sin (S, r/2) fp32 with r <= hd the rotated dims
+(r < hd: partial rotary, GPT-NeoX: the last hd - r dims pass); x1, x2 = x[..., :r/2],
+x[..., r/2:r]:
+
+| call                     | computes                                                |
+| ------------------------ | ------------------------------------------------------- |
+| `rope(x, cos, sin)`      | ``(x1 cos - x2 sin, x2 cos + x1 sin, x[..., r:])``      |
+| `rope(dy, cos, sin,`     | the backward, the rotation's transpose: ``(dy1 cos +``  |
+| ``inverse=True)``        | ``dy2 sin, dy2 cos - dy1 sin, dy[..., r:])``            |
+
+Each result is rounded once to x's dtype, in a new contiguous (B, S, H, hd) tensor. One
+program rotates every head of BLOCK_H at one position: cos and sin are loaded once per
+position, where the PyTorch formula is a dozen elementwise kernels each way (slices,
+casts, four products, a concatenation). On CUDA under ``FUSEDPAR_IMPL=auto`` the tuner
+times the kernel's fixed tile against the torch implementation, which closes the file.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from fusedpar.kernels import _impl, _tuning
+from fusedpar.kernels._common import cdiv, check_float_dtype, is_interpreted, next_power_of_2
+from fusedpar.kernels._tuning import bucket
+
+# Elements of each half a program rotates (heads x r/2): 32 heads of 64 at Llama's
+# head dim, 16 per thread at 4 warps.
+TILE_ELEMENTS = 2048
+
+
+def tile(heads: int, half: int, rest: int, interpreted: bool) -> dict:
+    """Heads per program, the blocks of a half and of the passing dims, and warps. The
+    interpreter runs programs one at a time: 2 heads a program, so tiny shapes cross head
+    blocks."""
+    block_half, block_rest = next_power_of_2(max(half, 1)), next_power_of_2(rest) if rest else 0
+    if interpreted:
+        return dict(BLOCK_H=2, BLOCK_HALF=block_half, BLOCK_REST=block_rest, num_warps=4)
+    block_h = max(1, min(next_power_of_2(heads), TILE_ELEMENTS // block_half))
+    return dict(BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_REST=block_rest, num_warps=4)
+
+
+@triton.jit
+def _rope_kernel(
+    # pointers
+    x_ptr, cos_ptr, sin_ptr, y_ptr,
+    # strides
+    stride_xb, stride_xs, stride_xh, stride_xd, stride_yb, stride_ys, stride_yh, stride_yd,
+    stride_cs, stride_cd, stride_ss, stride_sd,
+    # sizes
+    S, H, HALF, HEAD_DIM,
+    # meta-parameters
+    INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_REST: tl.constexpr,
+):  # fmt: skip
+    """Heads [pid_h * BLOCK_H, ...) of position (b, s) = divmod(pid_row, S): the rotation
+    (by -angle with INVERSE) of their first 2 * HALF dims, the rest copied."""
+    row = tl.program_id(0).to(tl.int64)
+    b, s = row // S, row % S
+    heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)[:, None]
+    i = tl.arange(0, BLOCK_HALF)
+    c = tl.load(cos_ptr + s * stride_cs + i * stride_cd, mask=i < HALF, other=0.0)[None, :]
+    sn = tl.load(sin_ptr + s * stride_ss + i * stride_sd, mask=i < HALF, other=0.0)[None, :]
+    if INVERSE:
+        sn = -sn
+    x_row = x_ptr + b * stride_xb + s * stride_xs + heads * stride_xh
+    y_row = y_ptr + b * stride_yb + s * stride_ys + heads * stride_yh
+    mask = (heads < H) & (i < HALF)[None, :]
+    x1 = tl.load(x_row + i[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + (i + HALF)[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    out_ty = y_ptr.dtype.element_ty
+    tl.store(y_row + i[None, :] * stride_yd, (x1 * c - x2 * sn).to(out_ty), mask=mask)
+    tl.store(y_row + (i + HALF)[None, :] * stride_yd, (x2 * c + x1 * sn).to(out_ty), mask=mask)
+    if BLOCK_REST > 0:  # partial rotary: the dims past 2 * HALF pass
+        j = 2 * HALF + tl.arange(0, BLOCK_REST)
+        rest = (heads < H) & (j < HEAD_DIM)[None, :]
+        passing = tl.load(x_row + j[None, :] * stride_xd, mask=rest, other=0.0)
+        tl.store(y_row + j[None, :] * stride_yd, passing, mask=rest)
+
+
+# --- launcher ---------------------------------------------------------------------------
+
+
+def check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """ValueError/TypeError naming the sizes for inputs the kernel cannot take."""
+    if x.dim() != 4:
+        raise ValueError(f"rope: x must be (B, S, H, hd), got {tuple(x.shape)}")
+    check_float_dtype("x", x)
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != x.shape[1]:
+        raise ValueError(f"rope: cos and sin must be (S={x.shape[1]}, r/2), got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")  # fmt: skip
+    if 2 * cos.shape[1] > x.shape[3]:
+        raise ValueError(f"rope: {2 * cos.shape[1]} rotated dims, over the head dim {x.shape[3]}")
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise TypeError(f"rope: cos and sin must be float32, got {cos.dtype} and {sin.dtype}")
+    if not x.device == cos.device == sin.device:
+        raise ValueError(f"rope: x, cos, sin on {x.device}, {cos.device}, {sin.device}")
+
+
+# (shapes, strides, dtype, device, direction) -> (tile, grid, tuner key)
+_PLANS: dict[tuple, tuple] = {}
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False):
+    """The rotation of x (the module doc's table) into a new (B, S, H, hd) tensor of x's
+    dtype; ``inverse``: by -angle, the backward. Checked and planned once per call
+    signature."""
+    signature = (x.shape, x.stride(), x.dtype, x.device, cos.shape, cos.stride(), cos.dtype,
+                 cos.device, sin.stride(), sin.dtype, sin.device, inverse)  # fmt: skip
+    plan = _PLANS.get(signature)
+    if plan is None:
+        check_rope(x, cos, sin)
+        B, S, H, hd = x.shape
+        half = cos.shape[1]
+        config = tile(H, half, hd - 2 * half, is_interpreted(_rope_kernel))
+        grid = (B * S, cdiv(H, config["BLOCK_H"]))
+        if len(_PLANS) >= 4096:  # a property test's many shapes: start over
+            _PLANS.clear()
+        plan = _PLANS[signature] = (config, grid, (bucket(B * S), H, half, hd, str(x.dtype),
+                                                   inverse))  # fmt: skip
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if _impl.runs_torch(x.device):
+        rope_torch(x, cos, sin, inverse, y)
+        return y
+    config, grid, key = plan
+    if y.numel() == 0:
+        return y
+    args = (x, cos, sin, y, *x.stride(), *y.stride(), *cos.stride(), *sin.stride(), x.shape[1],
+            x.shape[2], cos.shape[1], x.shape[3])  # fmt: skip
+    _tuning.run_tile_or_torch(_rope_kernel, config, lambda _: grid, args, {"INVERSE": inverse},
+                              key, x, lambda: rope_torch(x, cos, sin, inverse, y))  # fmt: skip
+    return y
+
+
+# --- torch implementation --------------------------------------------------------------
+
+
+def rope_torch(x, cos, sin, inverse: bool, out: torch.Tensor) -> None:
+    """`rope`'s contract in PyTorch, into `out`: fp32 inside, rounded once."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    if inverse:
+        s = -s
+    out[..., :half] = x1 * c - x2 * s
+    out[..., half : 2 * half] = x2 * c + x1 * s
+    out[..., 2 * half :] = x[..., 2 * half :]
