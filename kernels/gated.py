@@ -3,15 +3,16 @@
 gate, up, h (..., N) share a shape; ``act`` is `ACTIVATIONS`' (computed in fp32, each
 output rounded once):
 
-| function         | reads        | writes     | computes                                        |
-| ---------------- | ------------ | ---------- | ----------------------------------------------- |
-| `gated`          | gate, up     | h          | ``h = act(gate) * up``                          |
-| `gated_backward` | gate, up, dh | dgate, dup | ``dgate = dh * up * act'(gate)``,               |
-|                  |              |            | ``dup = dh * act(gate)``                        |
+| function         | reads        | writes        | computes                                     |
+| ---------------- | ------------ | ------------- | -------------------------------------------- |
+| `gated`          | gate, up     | h             | ``h = act(gate) * up``                       |
+| `gated_backward` | gate, up, dh | dgate, dup    | ``dgate = dh * up * act'(gate)``,            |
+|                  |              | (and h)       | ``dup = dh * act(gate)`` (and h again)       |
 
-So a layer saves gate and up, never act(gate) nor h: its backward recomputes h with
-`gated` (the down GEMM's weight gradient needs it before dh exists) and then takes one
-pass for both gradients, where autograd's recompute and backward are five kernels (the
+So a layer saves gate and up, never act(gate) nor h, and recomputes h in its backward:
+with the gradients in one pass where dh comes first (`fusedpar.ops.mlp`), or with
+`gated` where h is needed before dh (the tensor-parallel down GEMM's ring,
+`fusedpar.ops.linear`). Autograd's recompute and backward are five kernels (the
 activation and its backward, three products). The
 MoE experts fuse the same activation into their grouped GEMMs (`moe._swiglu`). On CUDA
 under ``FUSEDPAR_IMPL=auto`` the tuner times each kernel's fixed tile against the torch
@@ -74,11 +75,12 @@ def _gated_kernel(
     # sizes
     M, N,
     # meta-parameters
-    ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr, STORE_H: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """One (BLOCK_M, BLOCK_N) tile: h = act(g) * u, or with BACKWARD dgate and dup from
-    dh (the module doc's table). The pointers a mode does not use are never read."""
+    """One (BLOCK_M, BLOCK_N) tile: with STORE_H h = act(g) * u, with BACKWARD dgate and
+    dup from dh (the module doc's table). The pointers a mode does not use are never
+    read."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
     cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)[None, :]
     mask = (rows < M) & (cols < N)
@@ -86,10 +88,10 @@ def _gated_kernel(
     u = tl.load(u_ptr + rows * stride_um + cols * stride_un, mask=mask, other=0.0)
     a, slope = _activation(g.to(tl.float32), ACTIVATION)
     u = u.to(tl.float32)
-    if not BACKWARD:
+    if STORE_H:
         tl.store(h_ptr + rows * stride_hm + cols * stride_hn, (a * u).to(h_ptr.dtype.element_ty),
                  mask=mask)  # fmt: skip
-    else:
+    if BACKWARD:
         dh = tl.load(dh_ptr + rows * stride_dhm + cols * stride_dhn, mask=mask, other=0.0)
         dh = dh.to(tl.float32)
         tl.store(du_ptr + rows * stride_dum + cols * stride_dun,
@@ -112,40 +114,40 @@ def check_gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> None:
         raise TypeError(f"gate is {gate.dtype} on {gate.device}, up {up.dtype} on {up.device}")
 
 
-# (shapes, strides, dtype, device, activation, direction) -> (tile, grid, tuner key)
+# (layouts, dtype, device, activation, what is written) -> (tile, grid, tuner key)
 _PLANS: dict[tuple, tuple] = {}
 
 
-def _launch(activation: str, g, u, dh, outputs) -> None:
-    """The kernel over (M, N) views, or under ``FUSEDPAR_IMPL=auto`` on CUDA whichever of
-    its tile and the torch implementation the tuner measured faster. Its tile, grid and
-    key are worked out once per call signature."""
+def _launch(activation: str, g, u, dh, h, dg, du) -> None:
+    """The kernel over (M, N) views writing h (if given) and, from dh (if given), dg and
+    du; or under ``FUSEDPAR_IMPL=auto`` on CUDA whichever of its tile and the torch
+    implementation the tuner measured faster. Its tile, grid and key are worked out once
+    per call signature."""
     M, N = g.shape
     if M * N == 0:
         return
-    backward = dh is not None
-    # the pointers a mode does not use: any tensor of the call (never read)
-    dh, h, dg, du = (dh, g, *outputs) if backward else (g, outputs[0], g, g)
-    # (the outputs are new and contiguous: their strides follow from the shape)
-    signature = (g.shape, g.stride(), u.stride(), dh.stride(), g.dtype, g.device, activation,
-                 backward)  # fmt: skip
+    backward, store_h = dh is not None, h is not None
+    # the pointers a mode does not use: any tensor of the call (never read or written)
+    dh_, h_, dg_, du_ = (t if t is not None else g for t in (dh, h, dg, du))
+    signature = (g.shape, g.stride(), u.stride(), dh_.stride(), h_.stride(), dg_.stride(),
+                 du_.stride(), g.dtype, g.device, activation, backward, store_h)  # fmt: skip
     plan = _PLANS.get(signature)
     if plan is None:
         config = tile(N, is_interpreted(_gated_kernel))
         grid = (cdiv(M, config["BLOCK_M"]), cdiv(N, config["BLOCK_N"]))
         if len(_PLANS) >= 4096:  # a property test's many shapes: start over
             _PLANS.clear()
-        plan = _PLANS[signature] = (config, grid, (bucket(M), N, str(g.dtype), activation,
-                                                    backward))  # fmt: skip
+        key = (bucket(M), N, str(g.dtype), activation, backward, store_h)
+        plan = _PLANS[signature] = (config, grid, key)
     config, grid, key = plan
-    args = (g, u, dh, h, dg, du, *g.stride(), *u.stride(), *dh.stride(), *h.stride(),
-            *dg.stride(), *du.stride(), M, N)  # fmt: skip
+    args = (g, u, dh_, h_, dg_, du_, *g.stride(), *u.stride(), *dh_.stride(), *h_.stride(),
+            *dg_.stride(), *du_.stride(), M, N)  # fmt: skip
 
     def torch_run():
-        gated_torch(activation, g, u, dh if backward else None, outputs)
+        gated_torch(activation, g, u, dh, h, dg, du)
 
-    _tuning.run_tile_or_torch(_gated_kernel, config, lambda _: grid, args,
-                              {"ACTIVATION": activation, "BACKWARD": backward}, key, g,
+    meta = {"ACTIVATION": activation, "BACKWARD": backward, "STORE_H": store_h}
+    _tuning.run_tile_or_torch(_gated_kernel, config, lambda _: grid, args, meta, key, g,
                               torch_run)  # fmt: skip
 
 
@@ -156,26 +158,36 @@ def gated(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> tor
     N = gate.shape[-1]
     g, u = gate.reshape(-1, N), up.reshape(-1, N)
     h = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
-    if _impl.runs_torch(gate.device):
-        gated_torch(activation, g, u, None, (h,))
-    else:
-        _launch(activation, g, u, None, (h,))
+    run = gated_torch if _impl.runs_torch(gate.device) else _launch
+    run(activation, g, u, None, h, None, None)
     return h.view(gate.shape)
 
 
 def gated_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                   activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(dgate, dup)`` of `gated` from dh (gate's shape), each in gate's dtype."""
+                   activation: str = "silu", *, hidden: bool = False,
+                   stacked: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """``(dgate, dup)`` of `gated` from dh (gate's shape), each in gate's dtype; with
+    `hidden` ``(dgate, dup, h)``, h again from the same pass. With `stacked` (gate 2-D
+    (M, N)) ``([dgate | dup],)`` or ``([dgate | dup], h)``: both in one (M, 2N) tensor,
+    so one GEMM takes both weights' gradients."""
     check_gated(gate, up, activation)
     if dh.shape != gate.shape:
         raise ValueError(f"dh {tuple(dh.shape)} must be gate's shape {tuple(gate.shape)}")
     N = gate.shape[-1]
     g, u, d = gate.reshape(-1, N), up.reshape(-1, N), dh.reshape(-1, N)
-    outputs = tuple(torch.empty(g.shape, dtype=gate.dtype, device=gate.device) for _ in range(2))
-    if _impl.runs_torch(gate.device):
-        gated_torch(activation, g, u, d, outputs)
+    if stacked:
+        if gate.dim() != 2:
+            raise ValueError(f"gated_backward: stacked takes 2-D gate, got {tuple(gate.shape)}")
+        both = torch.empty((g.shape[0], 2 * N), dtype=gate.dtype, device=gate.device)
+        dg, du = both[:, :N], both[:, N:]
     else:
-        _launch(activation, g, u, d, outputs)
+        dg, du = (torch.empty(g.shape, dtype=gate.dtype, device=gate.device) for _ in range(2))
+    h = torch.empty(g.shape, dtype=gate.dtype, device=gate.device) if hidden else None
+    run = gated_torch if _impl.runs_torch(gate.device) else _launch
+    run(activation, g, u, d, h, dg, du)
+    if stacked:
+        return (both,) if h is None else (both, h)
+    outputs = (dg, du) if h is None else (dg, du, h)
     return tuple(t.view(gate.shape) for t in outputs)
 
 
@@ -195,18 +207,18 @@ def _activation_torch(activation: str, g: torch.Tensor) -> tuple[torch.Tensor, t
     return 0.5 * g * (1 + t), 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * k * (1 + 3 * 0.044715 * g * g)
 
 
-def gated_torch(activation: str, g, u, dh, outputs) -> None:
-    """The kernel's contract in PyTorch, into `outputs` ((h,), or (dgate, dup) with dh):
-    fp32 inside, each result rounded once."""
+def gated_torch(activation: str, g, u, dh, h, dg, du) -> None:
+    """The kernel's contract in PyTorch, into h (if given) and, from dh, dg and du: fp32
+    inside, each result rounded once."""
     wide = torch.float64 if g.dtype == torch.float64 else torch.float32
     a, slope = _activation_torch(activation, g.to(wide))
     uf = u.to(wide)
-    if dh is None:
-        outputs[0].copy_(a * uf)
-        return
-    dhf = dh.to(wide)
-    outputs[0].copy_(dhf * uf * slope)
-    outputs[1].copy_(dhf * a)
+    if h is not None:
+        h.copy_(a * uf)
+    if dh is not None:
+        dhf = dh.to(wide)
+        dg.copy_(dhf * uf * slope)
+        du.copy_(dhf * a)
 
 
 def gated_reference(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu"):

@@ -178,6 +178,33 @@ def _opcheck_cases(group: str):
             ops.rope,
             (_leaf(1, 3, 2, 16, dtype=torch.float16), torch.randn(3, 4), torch.randn(3, 4), True),
         ),  # fmt: skip
+        # the one-rank gated MLP, with and without biases, some gradients not asked for
+        (ops.gated_mlp, (xt, _leaf(5, 8), _leaf(5, 8), _leaf(8, 5), [], "silu")),
+        (
+            ops.gated_mlp,
+            (
+                _leaf(3, 8),
+                _leaf(5, 8),
+                _leaf(5, 8),
+                _leaf(8, 5),
+                [_leaf(5), _leaf(5), _leaf(8)],
+                "gelu_tanh",
+            ),
+        ),  # fmt: skip
+        (
+            ops.gated_mlp_backward,
+            (
+                torch.randn(4, 3, 8),
+                xt,
+                torch.randn(4, 3, 5),
+                torch.randn(4, 3, 5),
+                torch.randn(5, 8),
+                torch.randn(5, 8),
+                torch.randn(8, 5),
+                "silu",
+                [True, False, True, True],
+            ),
+        ),  # fmt: skip
         (ops.moe_dispatch, ep),
         (ops.moe_return, (recv.detach().requires_grad_(), splits, group, False)),
         # Ulysses: q, k, v (strided, KV replicated W times) and the LSE's (B, S, H, 1) view

@@ -207,6 +207,8 @@ def gated_calls(dtype, activation):
     gate, up = _empty((256, 14336), dtype), _empty((256, 14336), dtype)
     gated.gated(gate, up, activation)
     gated.gated_backward(_empty((256, 14336), dtype), gate, up, activation)
+    gated.gated_backward(_empty((256, 14336), dtype), gate, up, activation, hidden=True,
+                         stacked=True)  # fmt: skip
 
 
 def rope_calls(dtype, rotary):
@@ -460,12 +462,13 @@ for kernel in RMS_NORM_KERNELS:
             no_spill=False)  # fmt: skip
 
 
-# The gated activation: its launcher's fixed tile, each activation and direction, in
-# 16-bit (no spill, and on an A100) and reported in fp32.
+# The gated activation: its launcher's fixed tile, each activation and mode (forward;
+# backward; backward writing h again, the one-rank MLP's), in 16-bit (no spill, and on an
+# A100) and reported in fp32.
 for activation in gated.ACTIVATIONS:
-    for backward in (False, True):
-        family = "gated-" + ("backward" if backward else "forward")
-        match = {"ACTIVATION": activation, "BACKWARD": backward}
+    for backward, store_h in ((False, True), (True, False), (True, True)):
+        family = "gated-" + ("backward" if backward else "forward") + ("-h" * backward * store_h)
+        match = {"ACTIVATION": activation, "BACKWARD": backward, "STORE_H": store_h}
         for dtype, cap in (("bfloat16", 90), ("bfloat16", 80), ("float32", 90)):
             add(family, f"{activation}-{dtype}", gated_calls,
                 {"dtype": dtype, "activation": activation}, "_gated_kernel", cap,

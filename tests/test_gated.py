@@ -11,6 +11,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from torch.nn import functional as F
 
+import fusedpar as fp
 from fusedpar.ops.linear import gated_down, kernel_activation
 from fusedpar.testing import assert_close
 from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
@@ -89,3 +90,50 @@ def test_bad_input_is_named(gate, up, activation, error, match):
     dtype = torch.float16 if error is TypeError else torch.float32
     with pytest.raises(error, match=match):
         gated(torch.zeros(gate), torch.zeros(up, dtype=dtype), activation)
+
+
+@given(
+    T=st.integers(1, 7), d=st.integers(1, 12), h=st.integers(1, 20), bias=st.booleans(),
+    activation=st.sampled_from(ACTIVATIONS), dtype=cpu_dtypes(), seed=seeds(),
+    frozen=st.sampled_from([(), ("x",), ("up_weight",), ("gate_weight", "up_weight"),
+                            ("down_weight",), ("x", "gate_weight", "down_weight")]),
+)  # fmt: skip
+@example(T=5, d=9, h=13, bias=True, activation="gelu_tanh", dtype=torch.float16, seed=0,
+         frozen=("gate_weight",))  # fmt: skip
+def test_one_rank_swiglu_is_one_op_and_matches_float64(T, d, h, bias, activation, dtype, seed,
+                                                       frozen, each_implementation):  # fmt: skip
+    """`ParallelSwiGLU` on one rank (`fusedpar::gated_mlp`) against the dense MLP in
+    float64: output and every gradient asked for, with biases re-drawn (never zero) and
+    some inputs frozen (their gradients not asked for)."""
+    act = {"silu": F.silu, "gelu": F.gelu,
+           "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}[activation]  # fmt: skip
+    layer = fp.nn.ParallelSwiGLU(d, h, bias=bias, activation=act, dtype=dtype)
+    with torch.no_grad():
+        for i, p in enumerate(layer.parameters()):
+            p.copy_(randn(p.shape, dtype, seed + 1 + i))
+    x = randn((T, 2, d), dtype, seed).requires_grad_("x" not in frozen)
+    for name in frozen:
+        if name != "x":
+            getattr(layer, name).requires_grad_(False)
+    dy = randn((T, 2, d), dtype, seed + 9)
+    y = layer(x)
+    y.backward(dy)
+    names = [n for n, p in layer.named_parameters() if p.requires_grad]
+    got = [y] + ([] if "x" in frozen else [x.grad]) + [layer.get_parameter(n).grad for n in names]
+    refs = []
+    for dt in (torch.float64, dtype):  # the oracle, then PyTorch's own error in dtype
+        params = {n: p.detach().to(dt).requires_grad_(p.requires_grad)
+                  for n, p in layer.named_parameters()}  # fmt: skip
+        xr = x.detach().to(dt).requires_grad_(x.requires_grad)
+        bg, bu, bd = (params.get(f"{n}_bias") for n in ("gate", "up", "down"))
+        gate, up = F.linear(xr, params["gate_weight"], bg), F.linear(xr, params["up_weight"], bu)
+        hidden = act(gate) * up
+        out = F.linear(hidden, params["down_weight"], bd)
+        out.backward(dy.to(dt))
+        grads = [] if "x" in frozen else [xr.grad]
+        refs.append([out.detach(), *grads, *(params[n].grad for n in names)])
+    labels = ["y"] + ([] if "x" in frozen else ["dx"]) + [f"d {n}" for n in names]
+    for label, g, r64, r in zip(labels, got, *refs, strict=True):
+        # dots: y over h, dx over h, the weights' over the 2T tokens
+        length = 2 * T if label.startswith("d ") else h
+        assert_close(g, r64, r, name=f"{label} ({activation})", sum_length=length)

@@ -27,8 +27,10 @@ from fusedpar.ops.linear import (
     DEFAULT_CHUNKS_PER_RANK,
     all_gather_matmul,
     gated_down,
+    kernel_activation,
     matmul_reduce_scatter,
 )
+from fusedpar.ops.mlp import gated_mlp
 from fusedpar.storage import ParamLayout, local_tensor, warn_if_undistributed
 
 
@@ -329,6 +331,17 @@ class ParallelSwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         warn_if_undistributed(self, self.group)
+        if comm.active_group(self.group) is None and x.dtype != torch.float64:
+            activation = kernel_activation(self.activation)
+            if activation is not None:  # one rank: the whole MLP as one op
+                if x.shape[-1] != self.d_model or x.dtype != self.gate_weight.dtype:
+                    raise ValueError(f"ParallelSwiGLU: x must be (..., {self.d_model}) "
+                                     f"{self.gate_weight.dtype}, got {x.dtype} "
+                                     f"{tuple(x.shape)}")  # fmt: skip
+                biases = () if self.gate_bias is None else (self.gate_bias, self.up_bias,
+                                                            self.down_bias)  # fmt: skip
+                return gated_mlp(x, self.gate_weight, self.up_weight, self.down_weight, biases,
+                                 activation=activation)  # fmt: skip
         weights, biases = [self.gate_weight, self.up_weight], [self.gate_bias, self.up_bias]
         down = {"activation": self.activation, "chunks_per_rank": self.chunks_per_rank}
         if self.sequence_parallel:

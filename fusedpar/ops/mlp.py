@@ -1,0 +1,140 @@
+"""A gated MLP on one rank as one op: ``fusedpar::gated_mlp``.
+
+Shapes: x (..., d); gate and up weights (h, d); down (d, h); biases (h,), (h,), (d,).
+
+| direction | computes                                                                   |
+| --------- | -------------------------------------------------------------------------- |
+| forward   | ``gate = x Wg^T + bg``, ``up = x Wu^T + bu``, ``y = act(gate) * up Wd^T + bd`` |
+| backward  | ``dh = dy Wd``; dgate, dup and h again in one pass (`fusedpar.kernels.gated`); |
+|           | ``dWd = dy^T h``, ``dx = dgate Wg + dup Wu`` (fp32 sum, rounded once),      |
+|           | ``[dWg; dWu] = [dgate | dup]^T x`` (one GEMM), the biases' row sums         |
+
+Saved for the backward: x, gate and up, as the tensor-parallel path saves them. The
+math is that path's at one rank (`fusedpar.ops.linear`'s `all_gather_matmul` into
+`gated_down`), computed by the same GEMM helpers; as one op it is one
+``autograd.Function`` a layer instead of two and their list plumbing: `ParallelSwiGLU`
+takes it when its group has one rank (TP 1: data, context or pipeline parallelism only)
+and its activation has a kernel (host time: bench/host_overhead.py).
+"""
+
+import torch
+from torch import Tensor
+
+from fusedpar.kernels import gated as gated_kernels
+from fusedpar.kernels.matmul import matmul
+from fusedpar.ops.linear import gather_matmuls, matmuls_reduce_scatter
+from fusedpar.ops.registration import autograd_op, direct_op
+
+
+def _flat(t: Tensor) -> Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _row_sum(dy2d: Tensor, dtype) -> Tensor:
+    return dy2d.sum(0, dtype=torch.float32).to(dtype)
+
+
+@torch.library.custom_op("fusedpar::gated_mlp", mutates_args=())
+def _gated_mlp_op(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: Tensor,
+                  biases: list[Tensor],
+                  activation: str) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(y (x's shape), gate, up (x.shape[:-1], h): kept for the backward). `biases`:
+    none, or (bg, bu, bd)."""
+    bg, bu, bd = biases or (None, None, None)
+    x2d = _flat(x)
+    (gate, up), _ = gather_matmuls(x2d, [gate_weight.t(), up_weight.t()], [bg, bu], None, 1)
+    hidden = gated_kernels.gated(gate, up, activation)
+    y = matmul(hidden, down_weight.t(), bias=bd)
+    lead = x.shape[:-1]
+    return y.view(*lead, y.shape[1]), gate.view(*lead, -1), up.view(*lead, -1)
+
+
+@_gated_mlp_op.register_fake
+def _(x, gate_weight, up_weight, down_weight, biases, activation):
+    lead = x.shape[:-1]
+    hidden = (*lead, gate_weight.shape[0])
+    return x.new_empty((*lead, down_weight.shape[0])), x.new_empty(hidden), x.new_empty(hidden)
+
+
+@torch.library.custom_op("fusedpar::gated_mlp_backward", mutates_args=())
+def _gated_mlp_backward_op(dy: Tensor, x: Tensor, gate: Tensor, up: Tensor, gate_weight: Tensor,
+                           up_weight: Tensor, down_weight: Tensor, activation: str,
+                           needs: list[bool]) -> list[Tensor]:  # fmt: skip
+    """[dx, dW, dWd, db, dbd], `needs` the flags of (x, Wg, Wu, Wd, bg, bu, bd) (the
+    biases' may be left out: none). dW: [dWg; dWu] (2h, d) when both are asked for (one
+    GEMM), the one asked for (h, d), or empty; db likewise [dbg; dbu] (2h,) if either
+    is. An op's outputs may not alias one another: the caller splits them."""
+    x_, wg, wu, wd, bg, bu, bd = [*needs, *[False] * (7 - len(needs))]
+    dy2d, gate2d, up2d = _flat(dy), _flat(gate), _flat(up)
+    h = gate_weight.shape[0]
+    dx, dw, dwd, db, dbd = (t.new_empty(0) for t in (x, gate_weight, down_weight, x, x))
+    hidden = None
+    if x_ or wg or wu or bg or bu:
+        # dh first, then dgate, dup and (for the down weight) the product in one pass
+        dh = matmul(dy2d, down_weight)
+        both, *rest = gated_kernels.gated_backward(dh, gate2d, up2d, activation, hidden=wd,
+                                                   stacked=True)  # fmt: skip
+        hidden = rest[0] if rest else None
+        dgate, dup = both[:, :h], both[:, h:]
+        if x_:  # the fp32 sum of both products, rounded once
+            pairs = [(dgate, gate_weight), (dup, up_weight)]
+            dx = matmuls_reduce_scatter(pairs, None, 1, x.dtype).view(x.shape)
+        if wg or wu:  # [dWg; dWu] in one GEMM, or the one asked for
+            dw = matmul((both if wg and wu else dgate if wg else dup).t(), _flat(x))
+        if bg or bu:
+            db = _row_sum(both, gate_weight.dtype)
+    if wd:
+        if hidden is None:
+            hidden = gated_kernels.gated(gate2d, up2d, activation)
+        dwd = matmul(dy2d.t(), hidden)
+    if bd:
+        dbd = _row_sum(dy2d, down_weight.dtype)
+    return [dx, dw, dwd, db, dbd]
+
+
+@_gated_mlp_backward_op.register_fake
+def _(dy, x, gate, up, gate_weight, up_weight, down_weight, activation, needs):
+    x_, wg, wu, wd, bg, bu, bd = [*needs, *[False] * (7 - len(needs))]
+    h, d = gate_weight.shape
+    return [x.new_empty(x.shape if x_ else 0),
+            gate_weight.new_empty(((wg + wu) * h, d) if wg or wu else 0),
+            down_weight.new_empty(down_weight.shape if wd else 0),
+            gate_weight.new_empty(2 * h if bg or bu else 0),
+            down_weight.new_empty(d if bd else 0)]  # fmt: skip
+
+
+def _setup(ctx, inputs, output):
+    x, gate_weight, up_weight, down_weight, biases, activation = inputs
+    ctx.needs = [t.requires_grad for t in (x, gate_weight, up_weight, down_weight, *biases)]
+    ctx.activation = activation
+    ctx.save_for_backward(x, output[1], output[2], gate_weight, up_weight, down_weight)
+
+
+def _backward(ctx, dy, _gate, _up):
+    x, gate, up, *weights = ctx.saved_tensors
+    dx, dw, dwd, db, dbd = _gated_mlp_backward(dy, x, gate, up, *weights, ctx.activation,
+                                               ctx.needs)  # fmt: skip
+    x_, wg, wu, wd, *biases = ctx.needs
+    h = weights[0].shape[0]
+    dwg = dw[:h] if wg else None
+    dwu = (dw[h:] if wg else dw) if wu else None
+    grads = [dx if x_ else None, dwg, dwu, dwd if wd else None]
+    if biases:  # (bg, bu, bd)
+        bg, bu, bd = biases
+        grads.append([db[:h] if bg else None, db[h:] if bu else None, dbd if bd else None])
+    else:
+        grads.append([])
+    return *grads, None
+
+
+_gated_mlp_backward = direct_op(_gated_mlp_backward_op)
+_gated_mlp = autograd_op(_gated_mlp_op, _backward, _setup)
+
+
+def gated_mlp(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: Tensor,
+              biases=(), *, activation: str) -> Tensor:  # fmt: skip
+    """``down(act(gate(x)) * up(x))`` on one rank (the module doc's table); `biases`:
+    () or (bg, bu, bd); `activation` one of `fusedpar.kernels.gated.ACTIVATIONS`. The
+    caller (`ParallelSwiGLU`) has checked the shapes."""
+    y, _, _ = _gated_mlp(x, gate_weight, up_weight, down_weight, list(biases), activation)
+    return y
