@@ -17,7 +17,8 @@ memory held); the floors are measured in the same run:
 | ParallelSwiGLU    | one rank                          | nn.Linear x3, silu                |
 | MoE (EP 1)        | top-2 of 4 experts                | a loop over the experts in torch  |
 
-Columns: host µs (median of ``ROUNDS`` fwd+bwd, after warm-up), Triton launches and
+Columns: host µs (the median over ``SLICES`` slices, alternating with the floor's, of
+the median of ``ROUNDS / SLICES`` fwd+bwd each, after warm-up), Triton launches and
 aten ops per call (the profiler's, inside custom ops included; an aten op called by
 another is not counted again), and the ratio to the floor. The floors compute at tiny
 sizes on the CPU, so their time is mostly host time too. Run ``python -m bench
@@ -36,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROUNDS = 30
+ROUNDS = 60
+SLICES = 6  # ROUNDS timed in this many alternating slices of ours and the floor's
 S, B, D, HEADS, KV_HEADS, HIDDEN = 16, 2, 64, 4, 2, 128  # tiny: the floors' compute is small
 
 
@@ -255,9 +257,14 @@ def measure(rounds: int = ROUNDS) -> list[dict]:
     with fp.implementation("triton"):
         for name, ours, floor_name, floor in cases():
             launches, ops = counts(ours)
-            with _Stubbed():
-                us = host_us(ours, rounds)
-            floor_us = host_us(floor, rounds)
+            # in alternating slices, so that the machine's drift (10-20% between runs,
+            # more while other work runs) falls on both sides of the ratio alike
+            ours_us, floor_times = [], []
+            for _ in range(SLICES):
+                with _Stubbed():
+                    ours_us.append(host_us(ours, max(1, rounds // SLICES)))
+                floor_times.append(host_us(floor, max(1, rounds // SLICES)))
+            us, floor_us = statistics.median(ours_us), statistics.median(floor_times)
             _, floor_ops = counts(floor)
             rows.append({"layer": name, "host_us": us, "launches": launches, "aten_ops": ops,
                          "floor": floor_name, "floor_us": floor_us, "floor_aten_ops": floor_ops,

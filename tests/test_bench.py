@@ -444,3 +444,17 @@ def test_the_context_parallel_counts_match_the_closed_forms():
     )
     assert hybrid["bwd_messages"] == 4 * (U - 1) + 2 * (2 * R - 1)
     assert hybrid["bwd_kib"] == kib(exchange + 2 * (2 * R - 1) * ring_kv)
+
+
+def test_the_host_overhead_bench_measures_every_row():
+    """`python -m bench host_overhead` at one round per slice: every row timed beside its
+    floor, the layers' launches counted (stubbed), nothing launched for real."""
+    from bench import host_overhead
+
+    rows = host_overhead.measure(rounds=host_overhead.SLICES)
+    assert [r["layer"] for r in rows][:2] == ["fusedpar op dispatch (empty)",
+                                               "torch.library op (empty)"]  # fmt: skip
+    assert len(rows) == 6 and all(r["host_us"] > 0 and r["floor_us"] > 0 for r in rows)
+    launches = {r["layer"]: r["launches"] for r in rows}
+    assert launches["fusedpar op dispatch (empty)"] == 0 and launches["ParallelSwiGLU"] > 0
+    assert all(r["aten_ops"] > 0 for r in rows)
