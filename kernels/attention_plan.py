@@ -1,8 +1,8 @@
-"""The attention launchers' plans: what a call works out once per call signature (its
+"""The attention forward's plan: what a call works out once per call signature (its
 checks, the kernel's scalars and meta, the tuner's key), looked up by later calls with
-the same shapes, strides, dtypes, alignment, mask scalars and flags (host time per
-call, bench/host_overhead.py's shapes: forward 37 -> 15 µs, dK/dV 41 -> 18 µs, dQ 30
--> 15 µs)."""
+the same shapes, strides, dtypes, devices, alignment, mask scalars and flags (host time
+per call at bench/host_overhead.py's shapes: 37 -> 15 µs); and the tuner key and the
+bounded store every attention plan uses (the backward's: `attention_backward_plan`)."""
 
 from dataclasses import dataclass
 
