@@ -125,15 +125,17 @@ def _options(p) -> dict:
     return options
 
 
-def _reference(p, stacks, xs, dys, dtype):
-    """Naive loop over every rank's tokens: y and aux per rank, grads of the summed loss."""
+def _reference(p, stacks, xs, dys, dtype, batched=False):
+    """Naive loop over every rank's tokens: y and aux per rank, grads of the summed loss
+    (`batched`: `moe_reference`'s)."""
     params = {n: t.to(dtype, copy=True).requires_grad_() for n, t in stacks.items()}
     xr = [t.to(dtype, copy=True).requires_grad_() for t in xs]
     kwargs = _options(p)
     if "activation" in kwargs:
         kwargs["swiglu_alpha"], kwargs["swiglu_limit"] = 1.702, 7.0
     outs = [moe_reference(x, *(params[n] for n in ("router_weight", "w1", "w2", "w3")),
-                          **kwargs, **_extras(params, "reference")) for x in xr]  # fmt: skip
+                          **kwargs, **_extras(params, "reference"), batched=batched)
+            for x in xr]  # fmt: skip
     loss = sum((y * dy.to(dtype)).sum() + aux for (y, aux), dy in zip(outs, dys, strict=True))
     if loss.requires_grad:
         loss.backward()
@@ -142,6 +144,13 @@ def _reference(p, stacks, xs, dys, dtype):
         return torch.zeros_like(t) if t.grad is None else t.grad
 
     return outs, [grad(x) for x in xr], {n: grad(t) for n, t in params.items()}
+
+
+def _worse(ref, routes):
+    """Of fp32 routes to one value, the one farther from the float64 `ref`."""
+    if ref.numel() == 0:
+        return routes[0]
+    return max(routes, key=lambda t: (t.double() - ref.double()).abs().max().item())
 
 
 def _extras(stacks, to="layer") -> dict:
@@ -172,23 +181,30 @@ def _run_moe(p):
         ((y * dys[rank].to(dtype)).sum() + aux).backward()
 
     ref = _reference(p, stacks, xs, dys, torch.float64)
-    same = _reference(p, stacks, xs, dys, dtype)
+    # PyTorch's own error: the worse of two routes, a token at a time and each expert's
+    # projections batched (the attention tests take the worse of two routes alike). With
+    # gpt-oss's 5x weights and biases a gate's dot can cancel (terms of +-13 to 0.17),
+    # the clamped SwiGLU's slope amplifies its rounding, and one route can be lucky:
+    # twice its error then fails an equally valid order (a d b1 once, 5x)
+    routes = [_reference(p, stacks, xs, dys, dtype, batched) for batched in (False, True)]
     mine = slice(rank * p["E"] // size, (rank + 1) * p["E"] // size)
     checks = [
-        ("y", y, ref[0][rank][0], same[0][rank][0]),
-        ("aux", aux.reshape(1), ref[0][rank][1].reshape(1), same[0][rank][1].reshape(1)),
-        ("dx", x.grad, ref[1][rank], same[1][rank]),
-    ]
+        ("y", y, ref[0][rank][0], [s[0][rank][0] for s in routes]),
+        ("aux", aux.reshape(1), ref[0][rank][1].reshape(1),
+         [s[0][rank][1].reshape(1) for s in routes]),
+        ("dx", x.grad, ref[1][rank], [s[1][rank] for s in routes]),
+    ]  # fmt: skip
     for name in stacks:
         grad = getattr(layer, name).grad.clone()
         if name in EXPERTS:  # this rank's experts: every rank's tokens routed to them
-            checks.append((f"d {name}", grad, ref[2][name][mine], same[2][name][mine]))
+            checks.append((f"d {name}", grad, ref[2][name][mine],
+                           [s[2][name][mine] for s in routes]))  # fmt: skip
             continue
         if size > 1:  # whole on every rank: the sum data parallelism takes over EP ranks
             dist.all_reduce(grad)
-        checks.append((f"d {name}", grad, ref[2][name], same[2][name]))
-    for name, got, r, t in checks:
-        assert_close(got, r, t, name=name)
+        checks.append((f"d {name}", grad, ref[2][name], [s[2][name] for s in routes]))
+    for name, got, r, same in checks:
+        assert_close(got, r, _worse(r, same), name=name)
     return float(layer.last_stats["dropped_fraction"])
 
 
@@ -229,6 +245,10 @@ GPT_OSS = {**BASE, "world_size": 2, "E": 6, "d": 9, "h": 7, "tokens": [5, 7], "g
 # (1.04e-5 off, 6x PyTorch's own fp32 error)
 @example(p={**BASE, "world_size": 4, "k": 1, "d": 9, "h": 3, "tokens": [0, 0, 0, 4],
             "gpt_oss": True, "seed": 147})  # fmt: skip
+# a gate's dot cancelling (+-13 to 0.17) under gpt-oss's clamped SwiGLU: the layer's
+# rounding is a batched model's, which the token-at-a-time route alone misjudged
+@example(p={**BASE, "world_size": 4, "E": 8, "d": 12, "h": 7, "tokens": [0, 0, 0, 2],
+            "score": "sigmoid", "skew": 2.0, "gpt_oss": True, "seed": 304992189})  # fmt: skip
 @example(p={**GPT_OSS, "tokens": [0, 6], "dtype": torch.float16, "capacity": 1.0})
 @example(p={**BASE, "world_size": 2, "tokens": [6, 4], "capacity": 0.5, "skew": 2.0,
             "score": "sigmoid", "z_loss": 1e-3, "dtype": torch.float16})  # dropping  # fmt: skip

@@ -511,7 +511,7 @@ def moe_reference(x, router_weight, w1, w2, w3, *, top_k, score="softmax",
                   norm_topk_prob=True, capacity_factor=None, expert_bias=None,
                   aux_loss_coef=0.01, z_loss_coef=0.0, shared=None, shared_gate=None,
                   router_bias=None, bias=None, activation="silu", swiglu_alpha=SWIGLU_ALPHA,
-                  swiglu_limit=SWIGLU_LIMIT):  # fmt: skip
+                  swiglu_limit=SWIGLU_LIMIT, batched=False):  # fmt: skip
     """The whole layer as a naive loop over tokens and experts, in x's dtype (float64 in ->
     the oracle; the router in at least fp32, as the layer's). Full (unsharded) stacks;
     `router_bias` (E,): added to the logits; `bias` (b1 (E, h), b2 (E, d), b3 (E, h)):
@@ -520,7 +520,10 @@ def moe_reference(x, router_weight, w1, w2, w3, *, top_k, score="softmax",
     sigmoid(swiglu_alpha * g')`` (``g' = min(g, swiglu_limit)``, ``u' = clamp(u,
     -swiglu_limit, swiglu_limit)``); `shared` (w1 (hs, d), w2 (d, hs), w3 (hs, d)): a
     shared expert every token goes through, scaled by ``sigmoid(x @ shared_gate.T)`` if
-    given (1, d). Returns (y (T, d), aux_loss)."""
+    given (1, d). Returns (y (T, d), aux_loss). ``batched``: each expert's gate and up
+    projections of every token as one matmul, ``x @ w1[e].T + b1[e]`` (the order a
+    batched model sums in), not a token at a time: in fp32 another, equally valid
+    rounding of the same math."""
     T, E = x.shape[0], router_weight.shape[0]
     router_dtype = torch.promote_types(x.dtype, torch.float32)
     logits = x.to(router_dtype) @ router_weight.to(router_dtype).T
@@ -541,14 +544,24 @@ def moe_reference(x, router_weight, w1, w2, w3, *, top_k, score="softmax",
             for t, j in pairs[capacity:]:
                 kept[t][j] = False
     b1, b2, b3 = bias or (0, 0, 0)
+
+    every = {}  # batched: expert e's (G, U) (T, h), made once
+
+    def projections(e, t):  # (g, u) of token t by expert e
+        if batched:
+            if e not in every:
+                pairs = ((w1, b1), (w3, b3))
+                every[e] = tuple(x @ w[e].T + (b[e] if bias else 0) for w, b in pairs)
+            return every[e][0][t], every[e][1][t]
+        return w1[e] @ x[t] + (b1[e] if bias else 0), w3[e] @ x[t] + (b3[e] if bias else 0)
+
     rows = []
     for t in range(T):
         y_t = x.new_zeros(x.shape[1])
         for j in range(top_k):
             if kept[t][j]:
                 e = int(ids[t, j])
-                g = w1[e] @ x[t] + (b1[e] if bias else 0)
-                u = w3[e] @ x[t] + (b3[e] if bias else 0)
+                g, u = projections(e, t)
                 hidden = swiglu_reference(g, u, activation, swiglu_alpha, swiglu_limit)
                 out = w2[e] @ hidden + (b2[e] if bias else 0)
                 y_t = y_t + weights[t, j].to(x.dtype) * out
