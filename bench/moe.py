@@ -93,12 +93,9 @@ def _grouped_mm_or_reason(fn):
 
 
 def _point(E, d, h, skewed, copy_gbps):
-    from fusedpar.kernels.moe import (
-        grouped_matmul,
-        grouped_swiglu,
-        grouped_weight_grad,
-    )
+    from fusedpar.kernels.moe import grouped_matmul, grouped_swiglu
     from fusedpar.kernels.moe_permute import combine, dispatch_metadata, gather_rows
+    from fusedpar.kernels.moe_weight_grad import grouped_weight_grad
 
     gen = torch.Generator().manual_seed(0)
     ids = _routing(E, skewed, gen)

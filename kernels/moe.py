@@ -8,7 +8,6 @@ reach the host.
 
 | function                    | computes                                                 |
 | --------------------------- | -------------------------------------------------------- |
-| `dispatch_metadata`         | counts (E,), order (P,), pos (T, k) (-1: dropped)        |
 | `grouped_matmul`            | ``y[p] = x[rows[p]] @ w[e].T (+ b[e])`` (the gather in   |
 |                             | the loads, the bias in the epilogue)                     |
 | `grouped_swiglu`            | ``a[p] = act(h1[p], h3[p])``, ``h1, h3 = x[rows[p]] @    |
@@ -18,14 +17,13 @@ reach the host.
 | `grouped_swiglu_backward`   | ``dh1, dh3`` from ``da = d_out[p] @ w2[e]`` and the saved |
 |                             | h1, h3; a again (for w2's gradient)                      |
 | `grouped_swiglu_input_grad` | ``dx[p] = dh1[p] @ w1[e] + dh3[p] @ w3[e]``              |
-| `grouped_weight_grad`       | ``dw[e] = sum_{p in e} dy[p]^T x[rows[p]]`` (0 if empty) |
-|                             | and, asked, the bias's ``db[e] = sum_{p in e} dy[p]``    |
 
-Permute and combine (`gather_rows`, `combine`, `combine_weight_grad`) live in
-`fusedpar.kernels.moe_permute`. Every sum runs in a fixed order inside one program: no
-floating-point atomics, so results are bitwise reproducible, and they do not depend on
-the tile the tuner picks (see `BLOCK_K`, `WGRAD_BLOCK_M`). Accumulation is fp32. A
-plain-PyTorch reference of each kernel closes the file.
+The weights' gradients (`grouped_weight_grad`) live in `fusedpar.kernels.moe_weight_grad`;
+the metadata (`dispatch_metadata`, `offsets`), permute and combine (`gather_rows`,
+`combine`, `combine_weight_grad`) in `fusedpar.kernels.moe_permute`. Every sum runs in a
+fixed order inside one program: no floating-point atomics, so results are bitwise
+reproducible, and they do not depend on the tile the tuner picks (see `BLOCK_K`).
+Accumulation is fp32. A plain-PyTorch reference of each kernel closes the file.
 """
 
 import math
@@ -51,9 +49,6 @@ from fusedpar.kernels.moe_permute import _check_index, _empty, _fit, offsets
 # the bits; unverified until the first GPU run). Each expert runs on one EP rank, so the
 # ranks tune on their own: no agreement collective.
 BLOCK_K = 64
-# The weight gradient sums over an expert's rows in chunks of this many: fixed for the
-# same reason. 64 with a 128 x 128 output tile is the review's prediction (P8), unmeasured.
-WGRAD_BLOCK_M = 64
 # Row blocks that walk the same column blocks together, so their x tiles and the
 # expert's weight tiles stay in L2 (the Triton tutorial's grouped order; P7).
 GROUP_M = 8
@@ -106,17 +101,6 @@ def grouped_matmul_configs(mode: str = "plain") -> list[triton.Config]:
     ]
 
 
-def weight_grad_configs() -> list[triton.Config]:
-    """Output tiles (N x K) of the weight gradient; the row step is `WGRAD_BLOCK_M`."""
-    tiles = [(128, 128, 3, 8), (128, 128, 4, 4), (128, 64, 4, 4), (64, 128, 4, 4), (64, 64, 4, 4)]
-    return [
-        triton.Config(
-            {"BLOCK_M": WGRAD_BLOCK_M, "BLOCK_N": bn, "BLOCK_K": bk}, num_stages=s, num_warps=w
-        )  # fmt: skip
-        for bn, bk, s, w in tiles
-    ]
-
-
 def _prune(configs, m: int, n: int, m_key="BLOCK_M", n_key="BLOCK_N"):
     """Drop tiles larger than the problem (m x n; they only waste lanes); keep at least one."""
     limit_m, limit_n = max(32, bucket(m)), max(32, bucket(n))
@@ -133,12 +117,6 @@ def _gemm_candidates(mode: str, rows_per_expert: int, N: int) -> list[triton.Con
         return [triton.Config({"BLOCK_M": _fit(rows_per_expert, 32), "BLOCK_N": block_n,
                                "BLOCK_K": BLOCK_K})]  # fmt: skip
     return _prune(grouped_matmul_configs(mode), rows_per_expert, width)
-
-
-def _weight_grad_candidates(N: int, K: int) -> list[triton.Config]:
-    if is_interpreted(_grouped_weight_grad_kernel):
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": _fit(N, 64), "BLOCK_K": _fit(K, 64)})]
-    return _prune(weight_grad_configs(), N, K, "BLOCK_N", "BLOCK_K")
 
 
 # --- grouped GEMMs ----------------------------------------------------------------------
@@ -329,88 +307,6 @@ def _grouped_matmul_kernel(
         acc = _swiglu(g, u, alpha, limit, CLAMPED)
     tl.store(y_ptr + rows64 * stride_ym + offs_n[None, :] * stride_yn, acc.to(out_dtype),
              mask=mask)  # fmt: skip
-
-
-@triton.jit
-def _grouped_weight_grad_kernel(
-    # pointers
-    dy_ptr, x_ptr, dw_ptr, dv_ptr, db_ptr, dbv_ptr, rows_ptr, offsets_ptr,
-    # strides
-    stride_dym, stride_dyn, stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
-    # sizes
-    N, K,
-    # meta-parameters
-    HAS_ROWS: tl.constexpr, SPLIT: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    BIAS_BLOCK_M: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """One (BLOCK_N, BLOCK_K) tile of ``dw[e] = sum_{p in e} dy[p]^T x[rows[p]]``, over
-    the expert's rows in BLOCK_M steps. With SPLIT, dy is (P, 2N) and its columns N..
-    give dv (the fused gate/up's two weight gradients in one launch, one gather of x).
-    With BIAS_GRAD the programs of the first K tile then also write the bias gradient
-    ``db[e] = sum_{p in e} dy[p]`` (dbv from the columns N.. with SPLIT), (E, N)
-    contiguous, after their own tile: the GEMM loop is the same with or without it.
-
-    The expert is the slowest grid axis and the K tiles of one (expert, N tile) are
-    adjacent (P8, scattermoe's grouped XtY): the programs running together share the
-    expert's dy and x rows in L2 instead of streaming them once per tile.
-    """
-    pid = tl.program_id(0)
-    tiles_k = tl.cdiv(K, BLOCK_K)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_expert = tiles_k * tiles_n * (2 if SPLIT else 1)
-    e = pid // per_expert
-    pid_n = (pid % per_expert) // tiles_k
-    pid_k = pid % tiles_k
-    half = pid_n // tiles_n  # 1: the dv half of a SPLIT launch
-    offs_n = (pid_n - half * tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
-    k_mask = offs_k < K
-    dy_cols = (half * N + offs_n).to(tl.int64)  # 64-bit: a transposed dy or x has long
-    x_cols = offs_k.to(tl.int64)  # column strides
-    row_start = tl.load(offsets_ptr + e)
-    row_end = tl.load(offsets_ptr + e + 1)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for start in range(row_start, row_end, BLOCK_M):
-        offs_m = start + tl.arange(0, BLOCK_M)
-        row_mask = offs_m < row_end
-        src_rows = tl.load(rows_ptr + offs_m, mask=row_mask, other=0) if HAS_ROWS else offs_m
-        dy_ptrs = dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym + dy_cols[None, :] * stride_dyn
-        dy = tl.load(dy_ptrs, mask=row_mask[:, None] & n_mask[None, :], other=0.0)
-        x_ptrs = x_ptr + src_rows.to(tl.int64)[:, None] * stride_xm + x_cols[None, :] * stride_xk
-        x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(tl.trans(dy), x, acc, input_precision=INPUT_PRECISION)
-    out_ptr = dw_ptr
-    if SPLIT and half == 1:
-        out_ptr = dv_ptr
-    out_ptrs = (out_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
-                + offs_k[None, :] * stride_wk)  # fmt: skip
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
-    if BIAS_GRAD:  # noqa: SIM102 (a constexpr test alone: the code goes when it is off)
-        if pid_k == 0:
-            # dy^T times a block of ones: the tensor-core sums of dw (db is dw for an x
-            # column of ones), 16 rows per MMA step in order, fp32, no atomics: the
-            # bits depend on the tile no more than dw's do. BIAS_BLOCK_M rows per iteration:
-            # the same sum as BLOCK_M's (a row step is whole MMA steps), half the MMA
-            # of the GEMM loop's iteration. The expert's dy rows were just read by this
-            # program and its neighbours: mostly from L2.
-            ones = tl.full((BIAS_BLOCK_M, 16), 1.0, dy_ptr.dtype.element_ty)
-            acc_b = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-            for start in range(row_start, row_end, BIAS_BLOCK_M):
-                offs_m = start + tl.arange(0, BIAS_BLOCK_M)
-                row_mask = offs_m < row_end
-                dy_ptrs = (dy_ptr + offs_m.to(tl.int64)[:, None] * stride_dym
-                           + dy_cols[None, :] * stride_dyn)  # fmt: skip
-                dy = tl.load(dy_ptrs, mask=row_mask[:, None] & n_mask[None, :], other=0.0)
-                acc_b = tl.dot(tl.trans(dy), ones, acc_b, input_precision=INPUT_PRECISION)
-            first = tl.arange(0, 16)[None, :] == 0
-            db = tl.sum(tl.where(first, acc_b, 0.0), 1)  # column 0 (the others are equal)
-            b_out = db_ptr
-            if SPLIT and half == 1:
-                b_out = dbv_ptr
-            tl.store(b_out + e.to(tl.int64) * N + offs_n, db.to(b_out.dtype.element_ty),
-                     mask=n_mask)  # fmt: skip
 
 
 # --- launchers -------------------------------------------------------------------------
@@ -628,68 +524,6 @@ def grouped_swiglu_input_grad(d_h13, w1, w3, counts):
     return dx
 
 
-def grouped_weight_grad(dy, x, counts, rows=None, *, out_dtype=None, split=False,
-                        bias_grad=False):  # fmt: skip
-    """``dw[e] = sum_{p in e} dy[p]^T x[rows[p]]``: (E, N, K), zero for an empty expert.
-
-    dy (P, N) in expert order; x (R, K); counts (E,) int64; rows (P,) int32/64 or None (then
-    R = P). With `split`, dy is (P, 2N) and the result is the pair ``(dw, dv)`` of
-    (E, N, K) from its two column halves (the fused gate/up's weights), in one launch.
-    With `bias_grad`, the biases' gradients follow the weights': ``db[e] = sum_{p in e}
-    dy[p]`` (E, N) (``(dw, db)``, or ``(dw, dv, db, dbv)`` with `split`), summed in fp32
-    by the same launch, zero for an empty expert.
-    """
-    if dy.dim() != 2 or (split and dy.shape[1] % 2) or dy.dtype != x.dtype:
-        shape = "(P, 2N)" if split else "(P, N)"
-        raise ValueError(f"grouped_weight_grad: dy must be {x.dtype} {shape}, got {dy.dtype} "
-                         f"{tuple(dy.shape)}")  # fmt: skip
-    if rows is None and x.shape[0] != dy.shape[0]:
-        raise ValueError(f"grouped_weight_grad: without rows x must have dy's {dy.shape[0]} "
-                         f"rows, got {tuple(x.shape)}")  # fmt: skip
-    P, N = dy.shape[0], dy.shape[1] // (2 if split else 1)
-    E = _check_grouped("grouped_weight_grad", _grouped_weight_grad_kernel, x, counts, rows, P)
-    K = x.shape[1]
-    if bias_grad and K == 0:  # the kernel's first K tile sums the biases: there is none
-        raise ValueError("grouped_weight_grad: bias_grad needs x with columns, got "
-                         f"{tuple(x.shape)}")  # fmt: skip
-    halves = 2 if split else 1
-    dtype = out_dtype or x.dtype
-    outs = [_empty((E, N, K), dtype, x.device) for _ in range(halves)]
-    bias_outs = [_empty((E, N), dtype, x.device) for _ in range(halves if bias_grad else 0)]
-
-    def result():
-        return (*outs, *bias_outs) if split or bias_grad else outs[0]
-
-    if _impl.runs_torch(x.device):
-        moe_torch.grouped_weight_grad(dy, x, counts, rows, outs, bias_outs)
-        return result()
-    check_launchable(_grouped_weight_grad_kernel, dy, x)
-    if outs[0].numel() == 0:
-        return result()
-    expert_starts = offsets(counts)
-    biases = bias_outs or [outs[0]]  # unused without bias_grad
-    args = (dy, x, outs[0], outs[-1], biases[0], biases[-1],
-            expert_starts if rows is None else rows, expert_starts, *dy.stride(), *x.stride(),
-            *outs[0].stride(), N, K)  # fmt: skip
-    meta = dict(HAS_ROWS=rows is not None, SPLIT=split, BIAS_GRAD=bias_grad,
-                BIAS_BLOCK_M=WGRAD_BLOCK_M // 2,
-                INPUT_PRECISION=_dot_precision(x.dtype))  # fmt: skip
-
-    def launch(config):
-        tiles = _common.cdiv(N, config.kwargs["BLOCK_N"]) * _common.cdiv(
-            K, config.kwargs["BLOCK_K"]
-        )
-        _grouped_weight_grad_kernel[(E * tiles * halves,)](*args, **meta, **config.all_kwargs())
-
-    key = (split, bias_grad, N, K, bucket(_common.cdiv(P, E)), str(x.dtype), str(dtype),
-           rows is not None, meta["INPUT_PRECISION"])  # fmt: skip
-    with device_guard(x):
-        _tuning.tuner("grouped_weight_grad").run(
-            key, lambda: _weight_grad_candidates(N, K), launch, device=x.device
-        )
-    return result()
-
-
 # --- references (plain PyTorch, in the inputs' dtype: float64 in -> the oracle) -----------
 
 
@@ -721,14 +555,3 @@ def expert_swiglu_reference(x, w1, w3, w2, counts, rows=None, *, bias=None, acti
     h3 = grouped_matmul_reference(x, w3, counts, rows, bias=b3)
     a = swiglu_reference(h1, h3, activation, alpha, limit)
     return grouped_matmul_reference(a, w2, counts, bias=b2)
-
-
-def grouped_weight_grad_reference(dy, x, counts, rows=None):
-    """`grouped_weight_grad` as a loop: (E, N, K), zeros for an empty expert."""
-    xs = x if rows is None else x[rows]
-    return torch.stack([dy[s].T @ xs[s] for s in moe_torch.expert_slices(counts)])
-
-
-def expert_sums_reference(dy, counts):
-    """`grouped_weight_grad`'s bias gradient as a loop: (E, N), zeros for an empty expert."""
-    return torch.stack([dy[s].sum(0) for s in moe_torch.expert_slices(counts)])

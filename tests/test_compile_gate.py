@@ -50,6 +50,7 @@ from fusedpar.kernels import (
     matmul,
     moe,
     moe_permute,
+    moe_weight_grad,
     rms_norm,
     rope,
 )
@@ -187,8 +188,8 @@ def moe_calls(dtype, bias=False, activation="silu"):
     y = moe.grouped_matmul(a, w2, counts, bias=b2)
     d_h13, a = moe.grouped_swiglu_backward(y, w2, h13, counts, activation=activation)
     moe.grouped_swiglu_input_grad(d_h13, w1, w3, counts)
-    moe.grouped_weight_grad(d_h13, x, counts, rows, split=True, bias_grad=bias)
-    moe.grouped_weight_grad(y, a, counts, bias_grad=bias)
+    moe_weight_grad.grouped_weight_grad(d_h13, x, counts, rows, split=True, bias_grad=bias)
+    moe_weight_grad.grouped_weight_grad(y, a, counts, bias_grad=bias)
     moe_permute.gather_rows(x, rows, _empty((P,), "float32"))
     moe_permute.combine(y, pos, _empty((T, top_k), "float32"))
     moe_permute.combine_weight_grad(_empty((T, d), dtype), y, pos)
@@ -242,9 +243,9 @@ MOE_GEMM_MODES = {  # variant: (kernel, flags that pick its launch, config list,
     "input-grad": ("_grouped_matmul_kernel", {"SECOND_K": True}, moe.grouped_matmul_configs(),
                    {}),
     "weight-grad-split": ("_grouped_weight_grad_kernel", {"SPLIT": True},
-                          moe.weight_grad_configs(), {}),
-    "weight-grad": ("_grouped_weight_grad_kernel", {"SPLIT": False}, moe.weight_grad_configs(),
-                    {}),
+                          moe_weight_grad.weight_grad_configs(), {}),
+    "weight-grad": ("_grouped_weight_grad_kernel", {"SPLIT": False},
+                    moe_weight_grad.weight_grad_configs(), {}),
     # gpt-oss's experts: the modes its flags change (the gathered GEMM and the input
     # gradient take neither), every tile
     "gather-swiglu-bias-clamped": ("_grouped_matmul_kernel", {"GATE_UP": True},
@@ -253,9 +254,9 @@ MOE_GEMM_MODES = {  # variant: (kernel, flags that pick its launch, config list,
     "swiglu-backward-clamped": ("_grouped_matmul_kernel", {"SWIGLU_GRAD": True},
                                 moe.grouped_matmul_configs("swiglu_grad"), GPT_OSS),
     "weight-grad-split-bias": ("_grouped_weight_grad_kernel", {"SPLIT": True},
-                               moe.weight_grad_configs(), GPT_OSS),
+                               moe_weight_grad.weight_grad_configs(), GPT_OSS),
     "weight-grad-bias": ("_grouped_weight_grad_kernel", {"SPLIT": False},
-                         moe.weight_grad_configs(), GPT_OSS),
+                         moe_weight_grad.weight_grad_configs(), GPT_OSS),
 }  # fmt: skip
 # The gate/up's other two flag combinations (a bias with silu, the clamp without bias):
 # each a part of the gpt-oss build's epilogue, built at the largest tile only.

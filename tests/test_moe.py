@@ -21,18 +21,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import triton
-from fusedpar.kernels import _tuning, moe_permute
+from fusedpar.kernels import _tuning, moe_permute, moe_weight_grad
 from fusedpar.kernels import moe as moe_kernels
 from fusedpar.kernels.moe import (
-    expert_sums_reference,
     expert_swiglu_reference,
     grouped_matmul,
     grouped_matmul_reference,
     grouped_swiglu,
     grouped_swiglu_backward,
     grouped_swiglu_input_grad,
-    grouped_weight_grad,
-    grouped_weight_grad_reference,
 )
 from fusedpar.kernels.moe_permute import (
     combine,
@@ -40,6 +37,11 @@ from fusedpar.kernels.moe_permute import (
     combine_weight_grad,
     dispatch_metadata,
     gather_rows,
+)
+from fusedpar.kernels.moe_weight_grad import (
+    expert_sums_reference,
+    grouped_weight_grad,
+    grouped_weight_grad_reference,
 )
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -55,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @contextlib.contextmanager
 def poisoned_outputs():
     """Every output the MoE kernels' launchers allocate starts as NaN while inside."""
-    modules = (moe_kernels, moe_permute)
+    modules = (moe_kernels, moe_permute, moe_weight_grad)
     real = [module._empty for module in modules]
 
     def nan_empty(shape, dtype, device):
@@ -796,19 +798,21 @@ def check_tile_independence(p, device, gemm_configs, wgrad_configs, exact=False)
         grads = grouped_weight_grad(q["dh13"], x, counts, rows, split=True, bias_grad=True)
         return torch.cat([t.flatten() for t in grads])
 
-    real = moe_kernels._gemm_candidates, moe_kernels._weight_grad_candidates
+    real = moe_kernels._gemm_candidates, moe_weight_grad._weight_grad_candidates
     try:
-        for name, configs, run in (("_gemm_candidates", gemm_configs, gemm),
-                                   ("_weight_grad_candidates", wgrad_configs, wgrad)):  # fmt: skip
+        for module, name, configs, run in (
+            (moe_kernels, "_gemm_candidates", gemm_configs, gemm),
+            (moe_weight_grad, "_weight_grad_candidates", wgrad_configs, wgrad),
+        ):  # fmt: skip
             outs = []
             for config in configs:
-                setattr(moe_kernels, name, lambda *_, c=config: [c])
+                setattr(module, name, lambda *_, c=config: [c])
                 _tuning.forget_picks()
                 outs.append((config, run()))
             for config, out in outs[1:]:
                 assert torch.equal(out, outs[0][1]), f"{config} differs from {outs[0][0]}"
     finally:
-        moe_kernels._gemm_candidates, moe_kernels._weight_grad_candidates = real
+        moe_kernels._gemm_candidates, moe_weight_grad._weight_grad_candidates = real
         _tuning.forget_picks()
 
 
@@ -829,7 +833,7 @@ def test_gemm_bits_do_not_depend_on_the_tile_gpu(dtype, triton_kernels):
     """The GPU tiles: 128- and 64-row wgmma ones and the 32-row mma ones alike."""
     p = {**GPU_PROBLEMS["E8-d512-drop"], "dtype": dtype, "seed": 1}
     check_tile_independence(p, torch.device("cuda"), moe_kernels.grouped_matmul_configs(),
-                            moe_kernels.weight_grad_configs())  # fmt: skip
+                            moe_weight_grad.weight_grad_configs())  # fmt: skip
 
 
 def _f(*shape, dtype=torch.float32):

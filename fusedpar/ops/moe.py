@@ -48,7 +48,6 @@ from fusedpar.kernels.moe import (
     grouped_swiglu,
     grouped_swiglu_backward,
     grouped_swiglu_input_grad,
-    grouped_weight_grad,
     swiglu_reference,
 )
 from fusedpar.kernels.moe_permute import (
@@ -59,6 +58,7 @@ from fusedpar.kernels.moe_permute import (
     gather_rows,
     index_dtype,
 )
+from fusedpar.kernels.moe_weight_grad import grouped_weight_grad
 from fusedpar.ops.registration import autograd_op, direct_op
 
 SCORES = ("softmax", "sigmoid")
