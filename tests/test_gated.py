@@ -137,3 +137,11 @@ def test_one_rank_swiglu_is_one_op_and_matches_float64(T, d, h, bias, activation
         # dots: y over h, dx over h, the weights' over the 2T tokens
         length = 2 * T if label.startswith("d ") else h
         assert_close(g, r64, r, name=f"{label} ({activation})", sum_length=length)
+
+
+def test_one_rank_swiglu_names_bad_input():
+    layer = fp.nn.ParallelSwiGLU(6, 8)
+    with pytest.raises(ValueError, match=r"x must be \(\.\.\., 6\), got \(3, 5\)"):
+        layer(torch.zeros(3, 5))
+    with pytest.raises(TypeError, match="x is torch.float16 but the weights are torch.float32"):
+        layer(torch.zeros(3, 6, dtype=torch.float16))

@@ -334,10 +334,12 @@ class ParallelSwiGLU(nn.Module):
         if comm.active_group(self.group) is None and x.dtype != torch.float64:
             activation = kernel_activation(self.activation)
             if activation is not None:  # one rank: the whole MLP as one op
-                if x.shape[-1] != self.d_model or x.dtype != self.gate_weight.dtype:
-                    raise ValueError(f"ParallelSwiGLU: x must be (..., {self.d_model}) "
-                                     f"{self.gate_weight.dtype}, got {x.dtype} "
+                if x.shape[-1] != self.d_model:
+                    raise ValueError(f"ParallelSwiGLU: x must be (..., {self.d_model}), got "
                                      f"{tuple(x.shape)}")  # fmt: skip
+                if x.dtype != self.gate_weight.dtype:
+                    raise TypeError(f"ParallelSwiGLU: x is {x.dtype} but the weights are "
+                                    f"{self.gate_weight.dtype}")  # fmt: skip
                 biases = () if self.gate_bias is None else (self.gate_bias, self.up_bias,
                                                             self.down_bias)  # fmt: skip
                 return gated_mlp(x, self.gate_weight, self.up_weight, self.down_weight, biases,
