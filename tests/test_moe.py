@@ -243,10 +243,14 @@ GPT_OSS = {**BASE, "world_size": 2, "E": 6, "d": 9, "h": 7, "tokens": [5, 7], "g
 @example(p={**BASE, "world_size": 1, "E": 3, "k": 3, "tokens": [5]})  # top_k = E
 @example(p=GPT_OSS)
 # gpt-oss's top-1 at EP 4, three ranks with no tokens: its weight is 1 and gives the
-# router no gradient; renormalized chosen probabilities gave it rounding amplified by 1/p
-# (1.04e-5 off, 6x PyTorch's own fp32 error)
+# router no gradient; the renormalized chosen probability gave it rounding amplified by
+# 1/p (1.04e-5 off, 6x PyTorch's own fp32 error)
 @example(p={**BASE, "world_size": 4, "k": 1, "d": 9, "h": 3, "tokens": [0, 0, 0, 4],
             "gpt_oss": True, "seed": 147})  # fmt: skip
+# ... and at top_k = E, where a softmax over the chosen logits would lose the dominant
+# weight's gradient to its own cancellation: the renormalized form is kept for k > 1
+@example(p={**BASE, "world_size": 1, "E": 2, "k": 2, "d": 12, "h": 1, "tokens": [1],
+            "skew": 0.5, "gpt_oss": True, "seed": 3})  # fmt: skip
 # a gate's dot cancelling (+-13 to 0.17) under gpt-oss's clamped SwiGLU: the layer's
 # rounding is a batched model's, which the token-at-a-time route alone misjudged
 @example(p={**BASE, "world_size": 4, "E": 8, "d": 12, "h": 7, "tokens": [0, 0, 0, 2],

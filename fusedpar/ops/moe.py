@@ -415,13 +415,15 @@ def route(x, router_weight, top_k, score, norm_topk_prob, expert_bias=None, rout
     probs = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
     select = probs if expert_bias is None or score == "softmax" else probs + expert_bias.float()
     ids = select.detach().topk(top_k, dim=-1).indices
-    if score == "softmax" and norm_topk_prob:
-        # The softmax of the chosen logits: the chosen probabilities renormalized, without
-        # that form's backward, whose two terms of size 1/p cancel (at top-1 the weight is
-        # 1 and its gradient 0, which the renormalized form missed by 6x PyTorch's own
-        # error in an fp32 router gradient: a small chosen p amplifies the rounding).
-        return _PickColumns.apply(logits, ids).softmax(-1), ids, probs, logits
     weights = _PickColumns.apply(probs, ids)
+    if norm_topk_prob and top_k == 1:
+        # The one weight renormalized is 1, exactly, and its gradient exactly 0: the
+        # division's backward would subtract two terms of size 1/p, whose rounding (a
+        # small p amplifies it) gave the router a gradient 6x PyTorch's own fp32 error.
+        # `where` keeps the graph (every rank's router gets a gradient, zeros on a rank
+        # with no token, as the other ranks' reductions expect) and passes 0, never 0 * g.
+        ones = weights.new_ones((), dtype=torch.bool)
+        return torch.where(ones, 1.0, weights), ids, probs, logits
     if norm_topk_prob:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights, ids, probs, logits
