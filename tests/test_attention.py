@@ -517,16 +517,20 @@ def test_the_gqa_split_adds_no_host_sync(monkeypatch):
     assert not syncs.found, syncs.report()
 
 
+def _counted(monkeypatch, module, name) -> list:
+    """`module.name` wrapped to record each call (one entry per call) in the list returned."""
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 def test_a_forward_is_checked_and_planned_once_per_signature(monkeypatch):
     """The forward's checks and launch parameters are worked out on the first call of a
     signature (shapes, strides, dtypes, alignment, mask, flags) and looked up after; a
     call that differs in any of them is checked anew, and computes right."""
     from fusedpar.kernels import attention as forward_kernels
 
-    checks = []
-    check = forward_kernels.check_attention_inputs
-    monkeypatch.setattr(forward_kernels, "check_attention_inputs",
-                        lambda *a: checks.append(1) or check(*a))  # fmt: skip
+    checks = _counted(monkeypatch, forward_kernels, "check_attention_inputs")
     monkeypatch.setattr(forward_kernels, "FORWARD_PLANS", {})
     q, k, v = (randn((1, 24, h, 16), torch.float32, i) for i, h in enumerate((4, 2, 2)))
     calls = [({}, (q, k, v)), ({}, (q, k, v)), ({"causal": True}, (q, k, v)),
@@ -546,10 +550,7 @@ def test_a_backward_is_checked_and_planned_once_per_signature(monkeypatch):
     buffers or the GQA split is checked anew, and its gradients are right."""
     from fusedpar.kernels import attention_backward_plan as plans
 
-    checks = []
-    check = plans.check_backward_inputs
-    monkeypatch.setattr(plans, "check_backward_inputs",
-                        lambda *a: checks.append(1) or check(*a))  # fmt: skip
+    checks = _counted(monkeypatch, plans, "check_backward_inputs")
     monkeypatch.setattr(plans, "BACKWARD_PLANS", {})
     q, k, v = (randn((1, 24, h, 16), torch.float32, i) for i, h in enumerate((4, 2, 2)))
 

@@ -22,16 +22,8 @@ from torch import Tensor
 
 from fusedpar.kernels import gated as gated_kernels
 from fusedpar.kernels.matmul import matmul
-from fusedpar.ops.linear import gather_matmuls, matmuls_reduce_scatter
+from fusedpar.ops.linear import _flat, _row_sum, gather_matmuls, matmuls_reduce_scatter
 from fusedpar.ops.registration import autograd_op, direct_op
-
-
-def _flat(t: Tensor) -> Tensor:
-    return t.reshape(-1, t.shape[-1])
-
-
-def _row_sum(dy2d: Tensor, dtype) -> Tensor:
-    return dy2d.sum(0, dtype=torch.float32).to(dtype)
 
 
 @torch.library.custom_op("fusedpar::gated_mlp", mutates_args=())
@@ -67,7 +59,9 @@ def _gated_mlp_backward_op(dy: Tensor, x: Tensor, gate: Tensor, up: Tensor, gate
     x_, wg, wu, wd, bg, bu, bd = [*needs, *[False] * (7 - len(needs))]
     dy2d, gate2d, up2d = _flat(dy), _flat(gate), _flat(up)
     h = gate_weight.shape[0]
-    dx, dw, dwd, db, dbd = (t.new_empty(0) for t in (x, gate_weight, down_weight, x, x))
+    dx, dw, dwd, db, dbd = (
+        t.new_empty(0) for t in (x, gate_weight, down_weight, gate_weight, down_weight)
+    )  # the fake's dtypes
     hidden = None
     if x_ or wg or wu or bg or bu:
         # dh first, then dgate, dup and (for the down weight) the product in one pass
