@@ -367,6 +367,10 @@ def test_cuda_graph_capture_of_the_dense_block_equals_eager():
     eager_y = block(eager_x)
     eager_y.backward(dy)
     eager = [eager_y.detach(), eager_x.grad, *(p.grad.clone() for p in block.parameters())]
+    # Drop the eager graph: while it lives, the parameters' AccumulateGrad nodes keep the
+    # default stream they were made on, and the captured backward would sync with it
+    # (seen on an H100: cudaErrorStreamCaptureImplicit).
+    del eager_y
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
