@@ -31,10 +31,12 @@ def is_interpreted(kernel) -> bool:
 def check_launchable(kernel, *tensors: torch.Tensor) -> None:
     """Raise if `tensors` cannot run `kernel`: mixed devices, or CPU without the interpreter
     (reached only when Triton's kernels were asked for: ``auto`` runs torch on a CPU)."""
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    (device,) = devices
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):
+        devices = sorted({str(t.device) for t in tensors})
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+    if device.type == "cuda":
+        return
     if device.type == "cpu" and not is_interpreted(kernel):
         raise RuntimeError(
             "Triton's kernels were asked for (FUSEDPAR_IMPL=triton or "

@@ -138,16 +138,17 @@ def _launch(activation: str, g, u, dh, h, dg, du) -> None:
         if len(_PLANS) >= 4096:  # a property test's many shapes: start over
             _PLANS.clear()
         key = (bucket(M), N, str(g.dtype), activation, backward, store_h)
-        plan = _PLANS[signature] = (config, grid, key)
-    config, grid, key = plan
-    args = (g, u, dh_, h_, dg_, du_, *g.stride(), *u.stride(), *dh_.stride(), *h_.stride(),
-            *dg_.stride(), *du_.stride(), M, N)  # fmt: skip
+        scalars = (*signature[1], *signature[2], *signature[3], *signature[4], *signature[5],
+                   *signature[6], M, N)  # the six strides, then the sizes  # fmt: skip
+        meta = {"ACTIVATION": activation, "BACKWARD": backward, "STORE_H": store_h}
+        plan = _PLANS[signature] = (config, grid, key, scalars, meta)
+    config, grid, key, scalars, meta = plan
 
     def torch_run():
         gated_torch(activation, g, u, dh, h, dg, du)
 
-    meta = {"ACTIVATION": activation, "BACKWARD": backward, "STORE_H": store_h}
-    _tuning.run_tile_or_torch(_gated_kernel, config, lambda _: grid, args, meta, key, g,
+    _tuning.run_tile_or_torch(_gated_kernel, config, lambda _: grid,
+                              (g, u, dh_, h_, dg_, du_, *scalars), meta, key, g,
                               torch_run)  # fmt: skip
 
 
@@ -155,12 +156,16 @@ def gated(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> tor
     """``act(gate) * up`` in gate's shape and dtype, computed in fp32, rounded once.
     gate, up (..., N): any float dtype (the same), any strides."""
     check_gated(gate, up, activation)
-    N = gate.shape[-1]
-    g, u = gate.reshape(-1, N), up.reshape(-1, N)
+    g, u = _rows(gate), _rows(up)
     h = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
     run = gated_torch if _impl.runs_torch(gate.device) else _launch
     run(activation, g, u, None, h, None, None)
-    return h.view(gate.shape)
+    return h if gate.dim() == 2 else h.view(gate.shape)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(M, N) rows of `t` (..., N): itself when 2-D (a view costs ~1 µs of host time)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 def gated_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
@@ -174,7 +179,7 @@ def gated_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     if dh.shape != gate.shape:
         raise ValueError(f"dh {tuple(dh.shape)} must be gate's shape {tuple(gate.shape)}")
     N = gate.shape[-1]
-    g, u, d = gate.reshape(-1, N), up.reshape(-1, N), dh.reshape(-1, N)
+    g, u, d = _rows(gate), _rows(up), _rows(dh)
     if stacked:
         if gate.dim() != 2:
             raise ValueError(f"gated_backward: stacked takes 2-D gate, got {tuple(gate.shape)}")
@@ -188,7 +193,7 @@ def gated_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     if stacked:
         return (both,) if h is None else (both, h)
     outputs = (dg, du) if h is None else (dg, du, h)
-    return tuple(t.view(gate.shape) for t in outputs)
+    return outputs if gate.dim() == 2 else tuple(t.view(gate.shape) for t in outputs)
 
 
 # --- torch implementation and reference ------------------------------------------------

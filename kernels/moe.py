@@ -27,6 +27,7 @@ Accumulation is fp32. A plain-PyTorch reference of each kernel closes the file.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -333,12 +334,12 @@ def _check_grouped(what, kernel, x, counts, rows, P, **weights):
         if w.dtype != x.dtype:
             raise TypeError(f"{what}: x is {x.dtype} but {name} is {w.dtype}")
     _check_index("rows", rows, P, x.device)
-    devices = {t.device for t in (x, counts, *(w for w, _ in weights.values()))}
-    if len(devices) > 1:
+    tensors = (x, counts, *(w for w, _ in weights.values()))
+    if any(t.device != x.device for t in tensors):
         raise ValueError(f"{what}: all tensors must be on one device, got "
-                         f"{sorted(map(str, devices))}")  # fmt: skip
+                         f"{sorted({str(t.device) for t in tensors})}")  # fmt: skip
     if not _impl.runs_torch(x.device):
-        check_launchable(kernel, x, counts, *(w for w, _ in weights.values()))
+        check_launchable(kernel, x)  # one device: checked above
     return E
 
 
@@ -347,9 +348,28 @@ def _weight_strides(w, transpose):
     return (w.stride(0), w.stride(2), w.stride(1)) if transpose else tuple(w.stride())
 
 
-# (mode, layouts, sizes, flags) -> (strides, meta, scalars, tuner key, rows per expert):
-# worked out on a launch's first call (~5 µs of a grouped GEMM launch's ~20 on the host)
-_GEMM_PLANS: dict[tuple, tuple] = {}
+@dataclass
+class _GemmPlan:
+    """What a grouped GEMM launch works out on its signature's first call (~5 µs of a
+    launch's ~20 on the host), and once the tuner's pick is settled the launch's grid
+    and keywords for it."""
+
+    strides: tuple
+    meta: dict
+    scalars: tuple  # N, K, E, alpha, limit
+    key: tuple  # the tuner's
+    per_expert: int  # rows per expert, rounded up
+    settled: tuple | None = None  # (the pick, its grid, its keywords)
+
+    def launch_arguments(self, config, P: int, out_split: int) -> tuple[tuple, dict]:
+        N, E = self.scalars[0], self.scalars[2]
+        bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"] // out_split
+        grid = ((_common.cdiv(P, bm) + E) * _common.cdiv(N, bn),)
+        return grid, {**self.meta, **config.all_kwargs()}
+
+
+# (mode, layouts, sizes, flags) -> its plan
+_GEMM_PLANS: dict[tuple, _GemmPlan] = {}
 
 
 def _gemm_plan(mode, x, w_strides, v_strides, y, h, dh, E, N, K, has_rows, has_bias,
@@ -375,8 +395,9 @@ def _gemm_plan(mode, x, w_strides, v_strides, y, h, dh, E, N, K, has_rows, has_b
            str(x.dtype), str(y.dtype), has_rows, meta["INPUT_PRECISION"])  # fmt: skip
     if len(_GEMM_PLANS) >= 4096:  # a property test's many shapes: start over
         _GEMM_PLANS.clear()
-    plan = _GEMM_PLANS[signature] = (strides, meta, (N, K, E, float(alpha), float(limit)), key,
-                                     per_expert)  # fmt: skip
+    plan = _GEMM_PLANS[signature] = _GemmPlan(strides, meta,
+                                              (N, K, E, float(alpha), float(limit)), key,
+                                              per_expert)  # fmt: skip
     return plan
 
 
@@ -391,26 +412,30 @@ def _launch_gemm(mode, x, w, y, counts, rows, N, K, *, w_strides, v=None, v_stri
     P, E = y.shape[0], counts.shape[0]
     if P == 0 or N == 0:
         return
-    strides, meta, scalars, key, per_expert = _gemm_plan(
-        mode, x, w_strides, v_strides, y, h, dh, E, N, K, rows is not None, bool(bias),
-        activation, alpha, limit)  # fmt: skip
+    plan = _gemm_plan(mode, x, w_strides, v_strides, y, h, dh, E, N, K, rows is not None,
+                      bool(bias), activation, alpha, limit)  # fmt: skip
     expert_starts = offsets(counts)
     bias = tuple(b.contiguous() for b in bias)  # the kernel reads b[e, n] at e * N + n
     args = (x, w, w if v is None else v, y, y if h is None else h, y if dh is None else dh,
             *(bias * 2 if len(bias) == 1 else bias or (y, y)),
             expert_starts if rows is None else rows, expert_starts)  # fmt: skip
     out_split = 2 if mode == "gate_up" else 1
+    tuner = _tuning.tuner("grouped_matmul")
 
-    def launch(config):
-        bm = config.kwargs["BLOCK_M"]
-        grid = ((_common.cdiv(P, bm) + E) * _common.cdiv(N, config.kwargs["BLOCK_N"] // out_split),)
-        _grouped_matmul_kernel[grid](*args, offsets(counts, bm), *strides, *scalars, **meta,
-                                     **config.all_kwargs())  # fmt: skip
+    def launch(config, grid=None, kwargs=None):
+        if grid is None:
+            grid, kwargs = plan.launch_arguments(config, P, out_split)
+        _grouped_matmul_kernel[grid](*args, offsets(counts, config.kwargs["BLOCK_M"]),
+                                     *plan.strides, *plan.scalars, **kwargs)  # fmt: skip
 
+    settled = plan.settled
     with device_guard(x):
-        _tuning.tuner("grouped_matmul").run(
-            key, lambda: _gemm_candidates(mode, per_expert, N), launch, device=x.device
-        )
+        if settled is not None and tuner.settled(plan.key) is settled[0]:
+            launch(*settled)  # the pick made: launch with its kept grid and keywords
+            return
+        config = tuner.run(plan.key, lambda: _gemm_candidates(mode, plan.per_expert, N), launch,
+                           device=x.device)  # fmt: skip
+    plan.settled = (config, *plan.launch_arguments(config, P, out_split))
 
 
 def grouped_matmul(x, w, counts, rows=None, *, bias=None, out_dtype=None, transpose_w=False):

@@ -175,19 +175,30 @@ def grouped_weight_grad(dy, x, counts, rows=None, *, out_dtype=None, split=False
                 BIAS_BLOCK_M=WGRAD_BLOCK_M // 2,
                 INPUT_PRECISION=_dot_precision(x.dtype))  # fmt: skip
 
-    def launch(config):
+    def launch(config, kwargs=None):
         tiles = _common.cdiv(N, config.kwargs["BLOCK_N"]) * _common.cdiv(
             K, config.kwargs["BLOCK_K"]
         )
-        _grouped_weight_grad_kernel[(E * tiles * halves,)](*args, **meta, **config.all_kwargs())
+        kwargs = kwargs or {**meta, **config.all_kwargs()}
+        _grouped_weight_grad_kernel[(E * tiles * halves,)](*args, **kwargs)
 
+    # the key holds every flag of `meta`: a settled pick's keywords serve the whole key
     key = (split, bias_grad, N, K, bucket(_common.cdiv(P, E)), str(x.dtype), str(dtype),
            rows is not None, meta["INPUT_PRECISION"])  # fmt: skip
+    tuner, settled = _tuning.tuner("grouped_weight_grad"), _SETTLED.get(key)
     with device_guard(x):
-        _tuning.tuner("grouped_weight_grad").run(
-            key, lambda: _weight_grad_candidates(N, K), launch, device=x.device
-        )
+        if settled is not None and tuner.settled(key) is settled[0]:
+            launch(*settled)  # the pick made: its keywords kept
+            return result()
+        config = tuner.run(key, lambda: _weight_grad_candidates(N, K), launch, device=x.device)
+    if len(_SETTLED) >= 4096:
+        _SETTLED.clear()
+    _SETTLED[key] = (config, {**meta, **config.all_kwargs()})
     return result()
+
+
+# the tuner's key -> (its settled pick, the launch's keywords for it)
+_SETTLED: dict[tuple, tuple] = {}
 
 
 # --- references (plain PyTorch, in the inputs' dtype: float64 in -> the oracle) -----------

@@ -183,3 +183,52 @@ def test_a_forced_config_runs_without_timing_or_caching():
     with _tuning.forced("t", CONFIGS[1]):
         assert tuner.run(("k",), candidates, launch, device=CPU) is CONFIGS[1]
     assert calls == [32] and not tuner.picks and tuner.tuned == 0
+
+
+def _launchers():
+    """(tuner name, a call of its launcher) for each way a settled pick is kept: a GEMM
+    plan, a row kernel's fixed tile, a grouped GEMM plan, the weights' gradient."""
+    from fusedpar.kernels.gated import gated
+    from fusedpar.kernels.moe import grouped_matmul
+    from fusedpar.kernels.moe_weight_grad import grouped_weight_grad
+
+    a, b = randn((9, 12), torch.float32, 0), randn((12, 7), torch.float32, 1)
+    counts = torch.tensor([4, 0, 5])
+    w = randn((3, 7, 12), torch.float32, 2)
+    dy, up = randn((9, 7), torch.float32, 3), randn((9, 12), torch.float32, 4)
+    return {
+        "matmul": lambda: matmul(a, b),
+        "_gated_kernel": lambda: gated(a, up, "silu"),
+        "grouped_matmul": lambda: grouped_matmul(a, w, counts),
+        "grouped_weight_grad": lambda: grouped_weight_grad(dy, a, counts),
+    }
+
+
+@pytest.mark.parametrize(
+    "name", ["matmul", "_gated_kernel", "grouped_matmul", "grouped_weight_grad"]
+)
+def test_a_settled_pick_skips_the_tuner_until_overridden(monkeypatch, name):
+    """Once a key's pick is made, a planned launch reuses its grid and keywords and skips
+    `Tuner.run`; a forced config, a frozen loop or forgotten picks send it back there."""
+    runs = []
+    original = _tuning.Tuner.run
+
+    def spy(self, *args, **kwargs):
+        runs.append(self.name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(_tuning.Tuner, "run", spy)
+    call = _launchers()[name]
+    first = call()
+    assert runs == [name]
+    again = call()
+    assert runs == [name], "a settled pick went through the tuner again"
+    assert torch.equal(first, again)
+    (pick,) = _tuning.tuner(name).picks.values()
+    with _tuning.forced(name, pick):
+        call()
+    with _tuning.frozen("a test loop", None):
+        call()
+    _tuning.forget_picks()
+    assert torch.equal(call(), first)
+    assert runs == [name] * 4

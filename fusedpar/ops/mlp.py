@@ -9,8 +9,8 @@ Shapes: x (..., d); gate and up weights (h, d); down (d, h); biases (h,), (h,), 
 |           | ``dWd = dy^T h``, ``dx = dgate Wg + dup Wu`` (fp32 sum, rounded once),      |
 |           | ``[dWg; dWu] = [dgate | dup]^T x`` (one GEMM), the biases' row sums         |
 
-Saved for the backward: x, gate and up, as the tensor-parallel path saves them. The
-math is that path's at one rank (`fusedpar.ops.linear`'s `all_gather_matmul` into
+Saved for the backward: x, gate and up (tokens, h), as the tensor-parallel path saves
+them. The math is that path's at one rank (`fusedpar.ops.linear`'s `all_gather_matmul` into
 `gated_down`), computed by the same GEMM helpers; as one op it is one
 ``autograd.Function`` a layer instead of two and their list plumbing: `ParallelSwiGLU`
 takes it when its group has one rank (TP 1: data, context or pipeline parallelism only)
@@ -30,22 +30,23 @@ from fusedpar.ops.registration import autograd_op, direct_op
 def _gated_mlp_op(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: Tensor,
                   biases: list[Tensor],
                   activation: str) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """(y (x's shape), gate, up (x.shape[:-1], h): kept for the backward). `biases`:
-    none, or (bg, bu, bd)."""
+    """(y (x's shape), gate, up (tokens, h): kept for the backward). `biases`: none, or
+    (bg, bu, bd)."""
     bg, bu, bd = biases or (None, None, None)
-    x2d = _flat(x)
-    (gate, up), _ = gather_matmuls(x2d, [gate_weight.t(), up_weight.t()], [bg, bu], None, 1)
+    (gate, up), _ = gather_matmuls(_flat(x), [gate_weight.t(), up_weight.t()], [bg, bu], None, 1)
     hidden = gated_kernels.gated(gate, up, activation)
     y = matmul(hidden, down_weight.t(), bias=bd)
-    lead = x.shape[:-1]
-    return y.view(*lead, y.shape[1]), gate.view(*lead, -1), up.view(*lead, -1)
+    return y.view(*x.shape[:-1], y.shape[1]), gate, up
 
 
 @_gated_mlp_op.register_fake
 def _(x, gate_weight, up_weight, down_weight, biases, activation):
-    lead = x.shape[:-1]
-    hidden = (*lead, gate_weight.shape[0])
-    return x.new_empty((*lead, down_weight.shape[0])), x.new_empty(hidden), x.new_empty(hidden)
+    hidden = (x.shape[:-1].numel(), gate_weight.shape[0])
+    return (
+        x.new_empty((*x.shape[:-1], down_weight.shape[0])),
+        x.new_empty(hidden),
+        x.new_empty(hidden),
+    )
 
 
 @torch.library.custom_op("fusedpar::gated_mlp_backward", mutates_args=())
@@ -57,16 +58,13 @@ def _gated_mlp_backward_op(dy: Tensor, x: Tensor, gate: Tensor, up: Tensor, gate
     GEMM), the one asked for (h, d), or empty; db likewise [dbg; dbu] (2h,) if either
     is. An op's outputs may not alias one another: the caller splits them."""
     x_, wg, wu, wd, bg, bu, bd = [*needs, *[False] * (7 - len(needs))]
-    dy2d, gate2d, up2d = _flat(dy), _flat(gate), _flat(up)
+    dy2d, gate, up = _flat(dy), _flat(gate), _flat(up)
     h = gate_weight.shape[0]
-    dx, dw, dwd, db, dbd = (
-        t.new_empty(0) for t in (x, gate_weight, down_weight, gate_weight, down_weight)
-    )  # the fake's dtypes
-    hidden = None
+    dx = dw = dwd = db = dbd = hidden = None
     if x_ or wg or wu or bg or bu:
         # dh first, then dgate, dup and (for the down weight) the product in one pass
         dh = matmul(dy2d, down_weight)
-        both, *rest = gated_kernels.gated_backward(dh, gate2d, up2d, activation, hidden=wd,
+        both, *rest = gated_kernels.gated_backward(dh, gate, up, activation, hidden=wd,
                                                    stacked=True)  # fmt: skip
         hidden = rest[0] if rest else None
         dgate, dup = both[:, :h], both[:, h:]
@@ -79,11 +77,15 @@ def _gated_mlp_backward_op(dy: Tensor, x: Tensor, gate: Tensor, up: Tensor, gate
             db = _row_sum(both, gate_weight.dtype)
     if wd:
         if hidden is None:
-            hidden = gated_kernels.gated(gate2d, up2d, activation)
+            hidden = gated_kernels.gated(gate, up, activation)
         dwd = matmul(dy2d.t(), hidden)
     if bd:
         dbd = _row_sum(dy2d, down_weight.dtype)
-    return [dx, dw, dwd, db, dbd]
+    grads = [dx, dw, dwd, db, dbd]
+    if any(g is None for g in grads):  # empty for those not asked for, in the fake's dtypes
+        like = (x, gate_weight, down_weight, gate_weight, down_weight)
+        grads = [t.new_empty(0) if g is None else g for g, t in zip(grads, like, strict=True)]
+    return grads
 
 
 @_gated_mlp_backward_op.register_fake
