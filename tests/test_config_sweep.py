@@ -6,7 +6,7 @@ that computes a wrong answer would only show on the shapes where it wins. Here e
 config runs on shapes no tile divides (masked edges in every dimension). On the GPU tier
 these are also the first builds of every config; the CPU tier runs the 16-bit lists in
 the interpreter on tiny shapes in fp16 (the interpreter ignores warps and stages, so it
-checks the tile sizes and masks). The MoE kernels' configs are swept in test_moe.py.
+checks the tile sizes and masks). The MoE kernels' configs are swept in test_moe_kernels.py.
 """
 
 import pytest

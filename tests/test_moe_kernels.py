@@ -1,0 +1,427 @@
+"""Each MoE kernel against its plain-PyTorch reference (`tests/test_moe.py` tests the
+layer).
+
+The kernel checks (`KERNEL_CHECKS`) are plain functions of a problem dict and a device:
+the CPU tier runs them on hypothesis-drawn tiny fp32/fp16 problems in the interpreter,
+the GPU tier (``pytest -m gpu``) on realistic bf16/fp16 shapes. Every output a kernel
+allocates starts as NaN (`poisoned_outputs`), so an element it should write and does not,
+or a row past the kept pairs that something reads, fails the comparison.
+"""
+
+import contextlib
+
+import pytest
+import torch
+import triton
+from fusedpar.kernels import _tuning, moe_permute, moe_weight_grad
+from fusedpar.kernels import moe as moe_kernels
+from fusedpar.kernels.moe import (
+    expert_swiglu_reference,
+    grouped_matmul,
+    grouped_matmul_reference,
+    grouped_swiglu,
+    grouped_swiglu_backward,
+    grouped_swiglu_input_grad,
+)
+from fusedpar.kernels.moe_permute import (
+    combine,
+    combine_reference,
+    combine_weight_grad,
+    dispatch_metadata,
+    gather_rows,
+)
+from fusedpar.kernels.moe_weight_grad import (
+    expert_sums_reference,
+    grouped_weight_grad,
+    grouped_weight_grad_reference,
+)
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from fusedpar.ops.moe import expert_swiglu
+from fusedpar.testing import assert_close
+from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Every output the MoE kernels' launchers allocate starts as NaN while inside."""
+    modules = (moe_kernels, moe_permute, moe_weight_grad)
+    real = [module._empty for module in modules]
+
+    def nan_empty(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    for module in modules:
+        module._empty = nan_empty
+    try:
+        yield
+    finally:
+        for module, empty in zip(modules, real, strict=True):
+            module._empty = empty
+
+
+# --- the kernels on their own: checks shared by the CPU and GPU tiers ----------------------
+
+
+def _operand(shape, dtype, seed, device, strided, scale=1.0):
+    """Random data; `strided`: a transposed view of the last two dims (no unit stride
+    where a contiguous tensor has one)."""
+    if not strided:
+        return randn(shape, dtype, seed, scale=scale).to(device)
+    flipped = (*shape[:-2], shape[-1], shape[-2])
+    return randn(flipped, dtype, seed, scale=scale).to(device).transpose(-1, -2)
+
+
+def _kernel_problem(p, device):
+    """Routing of T tokens to k of E experts (skewed popularity, `empty` experts never
+    chosen, a random `drop` mask) and the operands of the experts' SwiGLU: with
+    ``p["bias"]`` random biases (b1, b2, b3), with ``p["act"] == "clamped_swiglu"``
+    gate and up weights and biases 5x larger, so the clamp at 7 bites."""
+    T, k, E, d, h, dtype, seed = (p[n] for n in ("T", "k", "E", "d", "h", "dtype", "seed"))
+    gen = torch.Generator().manual_seed(seed)
+    popularity = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** p["skew"]
+    popularity[E - p["empty"] :] = 0.0  # the last `empty` experts get no pair
+    ids = torch.multinomial(popularity, max(T * k, 1), replacement=True, generator=gen)
+    ids = ids[: T * k].view(T, k)
+    keep = torch.rand(T, k, generator=gen) > 0.3 if p["drop"] else None
+    counts, order, pos = dispatch_metadata(
+        ids.to(device), E, None if keep is None else keep.to(device)
+    )
+    strided, act = p["strided"], p.get("act", "silu")
+    big = 5.0 if act == "clamped_swiglu" else 1.0
+    biases = [_operand((E, n), dtype, seed + 7 + i, device, strided, scale)
+              for i, (n, scale) in enumerate(((h, big), (d, 1.0), (h, big)))]  # fmt: skip
+    return dict(
+        counts=counts, order=order, pos=pos, rows=order // k, kept=int(counts.sum()),
+        x=_operand((T, d), dtype, seed + 1, device, strided),
+        w1=_operand((E, h, d), dtype, seed + 2, device, strided, big * d**-0.5),
+        w3=_operand((E, h, d), dtype, seed + 3, device, strided, big * d**-0.5),
+        w2=_operand((E, d, h), dtype, seed + 4, device, strided, h**-0.5),
+        dy=_operand((T * k, d), dtype, seed + 5, device, strided),
+        dh13=_operand((T * k, 2 * h), dtype, seed + 6, device, strided),
+        b1=biases[0], b2=biases[1], b3=biases[2],
+        bias=tuple(biases) if p.get("bias") else None, act={"activation": act},
+    )  # fmt: skip
+
+
+def _unwritten(t, kept, name):
+    """Rows past the kept pairs stay as poisoned: no kernel writes there."""
+    assert t[kept:].isnan().all(), f"{name}: a row past the kept pairs was written"
+
+
+def check_grouped_matmul(p, device):
+    """grouped_matmul gathering from x, and on rows already in expert order with the
+    weight read transposed (the backward's use)."""
+    q = _kernel_problem(p, device)
+    x, w, counts, rows, n = q["x"], q["w1"], q["counts"], q["rows"], q["kept"]
+    b = None if q["bias"] is None else q["b1"]
+    with poisoned_outputs():
+        y = grouped_matmul(x, w, counts, rows, bias=b)
+        dx = grouped_matmul(q["dy"], q["w2"], counts, transpose_w=True)
+    _unwritten(y, n, "gathered y")
+    b64 = None if b is None else b.double()
+    ref = grouped_matmul_reference(x.double(), w.double(), counts, rows, bias=b64)
+    same = grouped_matmul_reference(x, w, counts, rows, bias=b)
+    assert_close(y[:n], ref, same, name="gathered y")
+    args = (q["dy"], q["w2"], counts, None, True)
+    ref = grouped_matmul_reference(*(t.double() for t in args[:2]), *args[2:])
+    assert_close(dx[:n], ref, grouped_matmul_reference(*args), name="transposed w")
+
+
+def check_expert_swiglu(p, device):
+    """The fused gate/up kernel, then `expert_swiglu` forward and every gradient against
+    the loop over experts; the backward's recomputed a equals the forward's bit for bit."""
+    q = _kernel_problem(p, device)
+    counts, rows, pos, n, act = q["counts"], q["rows"], q["pos"], q["kept"], q["act"]
+    b13 = None if q["bias"] is None else (q["b1"], q["b3"])
+    with poisoned_outputs():
+        a, h13 = grouped_swiglu(q["x"], q["w1"], q["w3"], counts, rows, bias=b13, **act)
+        _, a_again = grouped_swiglu_backward(q["dy"], q["w2"], h13, counts, **act)
+    for t, name in ((a, "a"), (h13, "h13"), (a_again, "a again")):
+        _unwritten(t, n, name)
+    assert torch.equal(a[:n], a_again[:n]), "the backward's a differs from the forward's"
+
+    def run(operands, fused):
+        x, w1, w3, w2, *bias = (t.detach().requires_grad_() for t in operands)
+        bias = tuple(bias) or None  # (b1, b2, b3)
+        if fused:
+            with poisoned_outputs():
+                out = expert_swiglu(x, w1, w3, w2, counts, rows, pos, bias=bias, **act)
+                _unwritten(out, n, "expert outputs")
+                (out[:n] * q["dy"][:n]).sum().backward()
+            out = out[:n]
+        else:
+            out = expert_swiglu_reference(x, w1, w3, w2, counts, rows, bias=bias, **act)
+            if out.requires_grad:
+                (out * q["dy"][:n].to(out.dtype)).sum().backward()
+        leaves = (x, w1, w3, w2, *(bias or ()))
+        return [out, *(torch.zeros_like(t) if t.grad is None else t.grad for t in leaves)]
+
+    names = ["x", "w1", "w3", "w2"] + (["b1", "b2", "b3"] if q["bias"] else [])
+    operands = [q[n_] for n_ in names]
+    got = run(operands, True)
+    ref = run([t.double() for t in operands], False)
+    same = run(operands, False)
+    for name, g, r, t in zip(["out"] + [f"d{n_}" for n_ in names], got, ref, same, strict=True):
+        assert_close(g, r, t, name=name)
+
+
+def test_the_clamp_passes_the_gradient_on_its_bounds(each_implementation):
+    """torch.clamp's convention, which both implementations follow: where h1 = 7 or
+    h3 = -7 or 7 exactly, the gradient passes (integer data, and biases that put one
+    token's value of each column on a bound, exactly)."""
+    gen = torch.Generator().manual_seed(0)
+    T, E, d, h = 12, 2, 3, 8
+
+    def ints(*shape):
+        return torch.randint(-2, 3, shape, generator=gen).double()
+
+    x, w1, w3 = ints(T, d), ints(E, h, d), ints(E, h, d)
+    w2, dy = torch.randn(E, d, h, generator=gen, dtype=torch.float64), ints(T, d)
+    counts, order, pos = dispatch_metadata(torch.arange(T).view(T, 1) % E, E)
+    b1, b3, b2 = ints(E, h), ints(E, h), ints(E, d)
+    for e in range(E):
+        for j in range(h):  # token e's h1 on the upper bound, token e + E's h3 on one
+            b1[e, j] = 7.0 - x[e] @ w1[e, j]
+            b3[e, j] = (7.0 if j % 2 else -7.0) - x[e + E] @ w3[e, j]
+    h1 = torch.einsum("td,ehd->teh", x, w1) + b1
+    h3 = torch.einsum("td,ehd->teh", x, w3) + b3
+    assert (h1 == 7).sum() >= E * h and (h3 == 7).any() and (h3 == -7).any()
+    operands = [x, w1, w3, w2, b1, b2, b3]
+
+    def run(operands, fused):
+        x, w1, w3, w2, *bias = (t.detach().requires_grad_() for t in operands)
+        fn = expert_swiglu if fused else expert_swiglu_reference
+        extra = (pos,) if fused else ()
+        out = fn(x, w1, w3, w2, counts, order, *extra, bias=tuple(bias),
+                 activation="clamped_swiglu")  # fmt: skip
+        (out * dy[order].to(out.dtype)).sum().backward()
+        return [out] + [t.grad for t in (x, w1, w3, w2, *bias)]
+
+    got = run([t.float() for t in operands], True)
+    ref = run(operands, False)
+    same = run([t.float() for t in operands], False)
+    names = ["out", "dx", "dw1", "dw3", "dw2", "db1", "db2", "db3"]
+    for name, g, r, t in zip(names, got, ref, same, strict=True):
+        assert_close(g, r, t, name=name)
+
+
+def check_weight_grad(p, device):
+    """grouped_weight_grad gathering x (both halves of a split dy) and on rows in order."""
+    q = _kernel_problem(p, device)
+    x, counts, rows, dh, h = q["x"], q["counts"], q["rows"], q["dh13"], p["h"]
+    bias = q["bias"] is not None  # the bias gradients too, from the same launches
+    with poisoned_outputs():
+        dw1, dw3, *db13 = grouped_weight_grad(dh, x, counts, rows, split=True, bias_grad=bias)
+        dw2 = grouped_weight_grad(q["dy"], dh[:, :h], counts, bias_grad=bias)
+    dw2, *db2 = dw2 if bias else (dw2,)
+    cases = [("dw1", dw1, dh[:, :h], x, rows), ("dw3", dw3, dh[:, h:], x, rows),
+             ("dw2", dw2, q["dy"], dh[:, :h], None)]  # fmt: skip
+    for name, got, dy, src, r in cases:
+        ref = grouped_weight_grad_reference(dy.double(), src.double(), counts, r)
+        assert_close(got, ref, grouped_weight_grad_reference(dy, src, counts, r), name=name)
+        assert (got[counts == 0] == 0).all(), f"{name}: an empty expert's gradient is not 0"
+    for (name, _, dy, _, _), got in zip(cases, [*db13, *db2], strict=False):
+        name = "db" + name[2:]
+        ref = expert_sums_reference(dy.double(), counts)
+        assert_close(got, ref, expert_sums_reference(dy, counts), name=name)
+        assert (got[counts == 0] == 0).all(), f"{name}: an empty expert's gradient is not 0"
+
+
+def check_permute_combine(p, device):
+    """gather_rows (plain and scaled), combine (weighted, dropped slots skipped) and the
+    combine's weight gradient."""
+    q = _kernel_problem(p, device)
+    x, rows, pos, dy = q["x"], q["rows"], q["pos"], q["dy"]
+    T, k = pos.shape
+    weight = torch.rand(T, k, generator=torch.Generator().manual_seed(p["seed"])).to(device)
+    scale = weight.reshape(-1)[q["order"]]
+    with poisoned_outputs():
+        permuted = gather_rows(x, rows)
+        scaled = gather_rows(x, rows, scale)
+        y = combine(dy, pos, weight)
+        dw = combine_weight_grad(y, dy, pos)
+    assert torch.equal(permuted, x[rows]), "gather_rows must copy rows exactly"
+    ref = x.double()[rows] * scale.double()[:, None]
+    assert_close(scaled, ref, (x[rows].float() * scale[:, None]).to(x.dtype), name="scaled")
+    ref = combine_reference(dy.double(), pos, weight.double())
+    assert_close(y, ref, combine_reference(dy, pos, weight), name="combine")
+
+    def dw_reference(yy, src):
+        live = pos >= 0
+        return (yy[:, None, :] * src[pos.clamp(min=0)]).sum(-1) * live
+
+    ref = dw_reference(y.double(), dy.double())
+    assert_close(dw, ref, dw_reference(y.float(), dy.float()), name="combine weight grad")
+
+
+KERNEL_CHECKS = [check_grouped_matmul, check_expert_swiglu, check_weight_grad,
+                 check_permute_combine]  # fmt: skip
+
+
+@st.composite
+def kernel_problems(draw):
+    E = draw(st.integers(1, 5))
+    return dict(
+        T=draw(st.integers(0, 24)), k=draw(st.integers(1, 3)), E=E, d=draw(st.integers(1, 40)),
+        h=draw(st.integers(1, 40)), empty=draw(st.integers(0, E - 1)),
+        skew=draw(st.sampled_from([0.0, 1.0, 3.0])), drop=draw(st.booleans()),
+        strided=draw(st.booleans()), bias=draw(st.booleans()),
+        act=draw(st.sampled_from(["silu", "clamped_swiglu"])), dtype=draw(cpu_dtypes()),
+        seed=draw(seeds()),
+    )  # fmt: skip
+
+
+SMALL = dict(T=9, k=2, E=4, d=10, h=7, empty=1, skew=1.0, drop=True, strided=False,
+             dtype=torch.float32, seed=0)  # fmt: skip
+# gpt-oss's experts: biases and the clamped SwiGLU, strided, an empty expert, drops
+GPT_OSS_KERNEL = dict(T=20, bias=True, act="clamped_swiglu", strided=True)
+
+
+@pytest.mark.parametrize("check", KERNEL_CHECKS, ids=lambda c: c.__name__[6:])
+@given(p=kernel_problems())
+@example(p={**SMALL, "T": 0})  # no token
+@example(p={**SMALL, "d": 70, "h": 67, "strided": True, "dtype": torch.float16})  # loops over D, K
+@example(p={**SMALL, "T": 40, "k": 1, "E": 2, "empty": 0, "drop": False})  # many blocks/expert
+@example(p={**SMALL, **GPT_OSS_KERNEL})
+@example(p={**SMALL, **GPT_OSS_KERNEL, "dtype": torch.float16, "d": 70, "h": 67})
+@example(p={**SMALL, "T": 1, "k": 2, "E": 1, "d": 1, "h": 1, "empty": 0, "drop": True,
+            "seed": 230})  # a dropped slot: its unwritten (poisoned) row is never read  # fmt: skip
+def test_kernels_match_references(check, p, each_implementation):
+    check(p, torch.device("cpu"))
+
+
+GPU_PROBLEMS = {
+    # fine-grained experts, top-8, 4 of 64 experts empty
+    "E64-d2048": dict(T=2048, k=8, E=64, d=2048, h=768, empty=4, skew=1.0, drop=False,
+                      strided=False),
+    # few large experts, a capacity drop, strided operands, h not a multiple of 64
+    "E8-d512-drop": dict(T=3000, k=2, E=8, d=512, h=1400, empty=1, skew=1.0, drop=True,
+                         strided=True),
+    # d past one permute tile (2048): the D loop; uneven experts
+    "E16-d2560": dict(T=1000, k=4, E=16, d=2560, h=1000, empty=2, skew=2.0, drop=False,
+                      strided=False),
+    # gpt-oss-20b's experts: biases, the clamped SwiGLU, d = h = 2880 (not a multiple of 64)
+    "E32-gpt-oss": dict(T=1024, k=4, E=32, d=2880, h=2880, empty=2, skew=1.0, drop=False,
+                        strided=False, bias=True, act="clamped_swiglu"),
+}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("problem", list(GPU_PROBLEMS))
+@pytest.mark.parametrize("check", KERNEL_CHECKS, ids=lambda c: c.__name__[6:])
+def test_kernels_match_references_gpu(check, problem, dtype, each_implementation):
+    check({**GPU_PROBLEMS[problem], "dtype": dtype, "seed": 0}, torch.device("cuda"))
+
+
+def check_tile_independence(p, device, gemm_configs, wgrad_configs, exact=False):
+    """Every config sums in the same order (one BLOCK_K, one row step for the weight
+    gradient), so forcing each in turn must give the same bits. `exact`: integer-valued
+    operands, whose sums are exact in any order (the interpreter's numpy dot orders its
+    sums by tile shape, so on CPU only the forcing and the per-config grids are tested)."""
+    q = _kernel_problem(p, device)
+    if exact:
+        q.update({n_: (q[n_] * 2).round() for n_ in ("x", "w1", "dh13")})
+    x, counts, rows, n = q["x"], q["counts"], q["rows"], q["kept"]
+
+    def gemm():
+        return grouped_matmul(x, q["w1"], counts, rows)[:n]
+
+    def wgrad():  # dw1, dw3 and the biases' db1, db3
+        grads = grouped_weight_grad(q["dh13"], x, counts, rows, split=True, bias_grad=True)
+        return torch.cat([t.flatten() for t in grads])
+
+    real = moe_kernels._gemm_candidates, moe_weight_grad._weight_grad_candidates
+    try:
+        for module, name, configs, run in (
+            (moe_kernels, "_gemm_candidates", gemm_configs, gemm),
+            (moe_weight_grad, "_weight_grad_candidates", wgrad_configs, wgrad),
+        ):  # fmt: skip
+            outs = []
+            for config in configs:
+                setattr(module, name, lambda *_, c=config: [c])
+                _tuning.forget_picks()
+                outs.append((config, run()))
+            for config, out in outs[1:]:
+                assert torch.equal(out, outs[0][1]), f"{config} differs from {outs[0][0]}"
+    finally:
+        moe_kernels._gemm_candidates, moe_weight_grad._weight_grad_candidates = real
+        _tuning.forget_picks()
+
+
+def test_gemm_bits_do_not_depend_on_the_tile(triton_kernels):
+    def tiles(m_key, n_key, k_key, k):
+        return [
+            triton.Config({m_key: a, n_key: b, k_key: k}) for a, b in ((16, 64), (32, 16), (64, 32))
+        ]
+
+    p = {**SMALL, "T": 30, "d": 70, "h": 40, "E": 3, "empty": 0, "strided": True}
+    check_tile_independence(p, torch.device("cpu"), tiles("BLOCK_M", "BLOCK_N", "BLOCK_K", 64),
+                            tiles("BLOCK_N", "BLOCK_K", "BLOCK_M", 16), exact=True)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gemm_bits_do_not_depend_on_the_tile_gpu(dtype, triton_kernels):
+    """The GPU tiles: 128- and 64-row wgmma ones and the 32-row mma ones alike."""
+    p = {**GPU_PROBLEMS["E8-d512-drop"], "dtype": dtype, "seed": 1}
+    check_tile_independence(p, torch.device("cuda"), moe_kernels.grouped_matmul_configs(),
+                            moe_weight_grad.weight_grad_configs())  # fmt: skip
+
+
+def _f(*shape, dtype=torch.float32):
+    return torch.ones(shape, dtype=dtype)
+
+
+def _i(*shape, dtype=torch.int64):
+    return torch.ones(shape, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "fn, args, error, match",
+    [
+        (grouped_matmul, (_f(4, 3), _f(2, 5, 4), _i(2)), ValueError, r"w must be \(2, 5, 3\)"),
+        (grouped_matmul, (_f(4, 3), _f(2, 5, 3), _i(3)), ValueError, r"\(3, 5, 3\).*3 experts"),
+        (grouped_matmul, (_f(4, 3), _f(2, 5, 3, dtype=torch.float16), _i(2)), TypeError,
+         "float16"),
+        (grouped_matmul, (_f(4, 3), _f(2, 5, 3), _f(2)), ValueError, "counts must be int64"),
+        (grouped_swiglu, (_f(4, 3), _f(2, 5, 3), _f(2, 6, 3), _i(2)), ValueError,
+         r"w3 must be \(2, 5, 3\)"),
+        (grouped_swiglu, (_f(4, 3), _f(2, 5, 3), _f(2, 5, 3), _i(2), _i(3, dtype=torch.int16)),
+         ValueError, r"rows must be int32 or int64 \(3,\)"),
+        (grouped_swiglu_backward, (_f(4, 3), _f(2, 3, 5), _f(4, 9), _i(2)), ValueError,
+         r"\(4, 2h\)"),
+        (grouped_swiglu_input_grad, (_f(4, 8), _f(2, 5, 3), _f(2, 5, 3), _i(2)), ValueError,
+         r"\(2, 4, 3\)"),
+        (grouped_weight_grad, (_f(4, 5), _f(3, 2), _i(2)), ValueError, "dy's 4 rows"),
+        (gather_rows, (_f(4, 3), _i(2), _f(3)), ValueError, r"float32 \(2,\)"),
+        (combine, (_f(4, 3), _i(2, 2), _f(2, 3)), ValueError, r"\(2, 3\)"),
+        (combine_weight_grad, (_f(2, 4), _f(4, 3), _i(2, 2)), ValueError, r"\(2, D\)"),
+    ],
+)  # fmt: skip
+def test_kernel_bad_input_is_a_clear_error(fn, args, error, match):
+    with pytest.raises(error, match=match):
+        fn(*args)
+
+
+@pytest.mark.parametrize(
+    "fn, args, kwargs, match",
+    [
+        (grouped_matmul, (_f(4, 3), _f(2, 5, 3), _i(2)), {"bias": _f(2, 4)},
+         r"bias must be \(2, 5\)"),
+        (grouped_swiglu, (_f(4, 3), _f(2, 5, 3), _f(2, 5, 3), _i(2)),
+         {"bias": (_f(2, 5), _f(5, 2))}, r"b3 must be \(2, 5\)"),
+        (grouped_swiglu, (_f(4, 3), _f(2, 5, 3), _f(2, 5, 3), _i(2)), {"activation": "gelu"},
+         r"activation must be one of \('silu', 'clamped_swiglu'\), got 'gelu'"),
+        (grouped_swiglu_backward, (_f(4, 3), _f(2, 3, 5), _f(4, 10), _i(2)),
+         {"activation": "clamped_swiglu", "limit": 0.0},
+         "swiglu_limit must be a positive finite number, got 0.0"),
+        (grouped_weight_grad, (_f(4, 5), _f(4, 0), _i(2)), {"bias_grad": True},
+         r"bias_grad needs x with columns, got \(4, 0\)"),
+    ],
+)  # fmt: skip
+def test_kernel_bias_and_activation_errors(fn, args, kwargs, match, each_implementation):
+    with pytest.raises(ValueError, match=match):
+        fn(*args, **kwargs)
