@@ -11,6 +11,7 @@ FAMILIES = [
     "context_parallel",
     "moe",
     "host_overhead",
+    "step_time",
 ]
 
 

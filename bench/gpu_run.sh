@@ -4,7 +4,7 @@
 #   bash bench/gpu_run.sh STEP      (STEP 1-4, on a fresh lent GPU machine, with $OUT set)
 #
 # 1: the GPU tier in fp16/bf16        3: GEMM, MoE and ring benchmarks
-# 2: the attention benchmark          4: the TP benchmark and the fp32 GPU tier
+# 2: the attention benchmark          4: the TP and step-time benchmarks, the fp32 GPU tier
 #
 # Each step installs fusedpar, records the device, runs its parts under their own time
 # limits (summing to under 9 minutes, so the tarball is always written) and leaves at most
@@ -52,8 +52,9 @@ case $step in
   3) part matmul 170 "${bench[@]}" matmul
      part moe 230 "${bench[@]}" moe
      part ring_attention 130 "${bench[@]}" ring_attention ;;
-  4) part linear 250 "${bench[@]}" linear
-     part gpu_tier_fp32 280 env FUSEDPAR_TUNING=first "${tier[@]}" -k float32 ;;
+  4) part linear 150 "${bench[@]}" linear
+     part step_time 200 "${bench[@]}" step_time
+     part gpu_tier_fp32 180 env FUSEDPAR_TUNING=first "${tier[@]}" -k float32 ;;
   *) echo "unknown step $step: 1-4" >&2; exit 2 ;;
 esac
 tar -czf "$out/results.tgz" -C "$results" .

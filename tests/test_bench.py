@@ -458,3 +458,18 @@ def test_the_host_overhead_bench_measures_every_row():
     launches = {r["layer"]: r["launches"] for r in rows}
     assert launches["fusedpar op dispatch (empty)"] == 0 and launches["ParallelSwiGLU"] > 0
     assert all(r["aten_ops"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_the_step_time_bench_builds_a_training_step(moe, capsys):
+    """`bench/step_time.py`'s step on the CPU (its torch implementations): a step moves
+    the parameters; without a GPU the bench says so and measures nothing."""
+    from bench import step_time
+
+    step, model = step_time.build(moe, ("tiny", 32, 4, 2, 64, 8), torch.device("cpu"),
+                                  torch.float32)  # fmt: skip
+    before = [p.detach().clone() for p in model.parameters()]
+    step()
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    step_time.main()
+    assert "no CUDA device" in capsys.readouterr().out
