@@ -16,7 +16,7 @@ never repeats a collective or re-routes a token:
 | ``fusedpar::ring_attn``             | the ring of K/V blocks (and all the attention)    |
 | ``fusedpar::moe_dispatch``, ``fusedpar::moe_return`` | the expert-parallel all-to-alls  |
 | ``fusedpar::scatter_heads``, ``fusedpar::gather_heads`` | Ulysses' head all-to-alls     |
-| ``aten::topk``                      | the routing: a recompute could break a near tie   |
+| ``fusedpar::moe_route``             | the routing: a recompute could break a near tie   |
 |                                     | the other way and send tokens elsewhere           |
 
 Everything else (norms, RoPE, the experts' GEMMs, single-device attention) is
@@ -39,7 +39,7 @@ COMMUNICATION_OPS = (
     "fusedpar::scatter_heads",
     "fusedpar::gather_heads",
 )
-ROUTING_OPS = ("aten::topk",)
+ROUTING_OPS = ("fusedpar::moe_route",)
 SAVED_BY_DEFAULT = COMMUNICATION_OPS + ROUTING_OPS
 
 

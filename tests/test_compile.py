@@ -74,6 +74,7 @@ def _opcheck_cases(group: str):
     oss_out, oss_h13 = ops.expert_swiglu(*experts, True, *oss)
     ep = (xm, order, pos, counts, top_k, group)
     recv, *_, splits = ops.moe_dispatch(*ep)
+    _, route_ids, route_probs = ops.moe_route(torch.randn(T, 5), None, 2, "softmax", True)
     return [
         (ops.flash_attn, (q, k, v, None, None, *opts)),
         (ops.flash_attn, (q[0, None], k[0, None], v[0, None], cu, cu, *opts)),
@@ -153,6 +154,17 @@ def _opcheck_cases(group: str):
         (
             ops.moe_combine_backward,
             (torch.randn(T, d), torch.randn(T * top_k, d), wts.detach(), pos, order, True, True),
+        ),
+        # the routing: softmax and sigmoid (with the selection's bias), some gradients absent
+        (ops.moe_route, (_leaf(T, 5), None, 2, "softmax", True)),
+        (ops.moe_route, (_leaf(T, 6), torch.randn(6), 3, "sigmoid", False)),
+        (
+            ops.moe_route_backward,
+            (torch.randn(T, 2), torch.randn(T, 5), route_probs, route_ids, "softmax", True),
+        ),
+        (
+            ops.moe_route_backward,
+            (None, torch.randn(T, 5), route_probs, route_ids, "sigmoid", False),
         ),
         (ops.rms_norm, (xt, _leaf(8), 1e-5, 0.0)),
         (ops.rms_norm, (_leaf(5, 8, dtype=torch.float16), _leaf(8), 1e-6, 1.0)),

@@ -50,6 +50,7 @@ from fusedpar.kernels import (
     matmul,
     moe,
     moe_permute,
+    moe_route,
     moe_weight_grad,
     rms_norm,
     rope,
@@ -193,6 +194,14 @@ def moe_calls(dtype, bias=False, activation="silu"):
     moe_permute.gather_rows(x, rows, _empty((P,), "float32"))
     moe_permute.combine(y, pos, _empty((T, top_k), "float32"))
     moe_permute.combine_weight_grad(_empty((T, d), dtype), y, pos)
+
+
+def route_calls(experts, top_k, score):
+    """The MoE router's top-k of 4096 tokens, forward and backward (both gradients)."""
+    logits = _empty((4096, experts), "float32")
+    bias = _empty((experts,), "float32") if score == "sigmoid" else None
+    weights, ids, probs = moe_route.route_top_k(logits, top_k, score, True, bias)
+    moe_route.route_top_k_backward(weights, probs, probs, ids, score, True)
 
 
 def rms_norm_calls(dtype, dim):
@@ -449,6 +458,17 @@ for cap in (90, 80):
     for kernel in MOE_ROW_KERNELS:
         add("moe-" + kernel.strip("_").removesuffix("_kernel"), "bfloat16", moe_calls,
             {"dtype": "bfloat16"}, kernel, cap, no_spill=cap == 90)  # fmt: skip
+
+# The MoE routing: its launcher's fixed tile (whole rows), at Qwen3-MoE's 128 experts
+# (no spill allowed, and on an A100) and DeepSeek-V3's 256 (sigmoid, the selection's
+# bias), and reported at the most a program holds.
+for kernel in ("_route_fwd_kernel", "_route_bwd_kernel"):
+    family = "moe-route-" + ("forward" if "fwd" in kernel else "backward")
+    for experts, score, cap in ((128, "softmax", 90), (128, "softmax", 80), (256, "sigmoid", 90),
+                                (1024, "softmax", 90)):  # fmt: skip
+        add(family, f"E{experts}-k8-{score}", route_calls,
+            {"experts": experts, "top_k": 8, "score": score}, kernel, cap,
+            no_spill=experts <= 256)  # fmt: skip
 
 # RMSNorm: its launcher's fixed tile (whole rows), at Llama 8B's width in 16-bit (no spill
 # allowed, and on an A100), and reported at 70B's width and in fp32.

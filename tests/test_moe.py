@@ -23,6 +23,7 @@ from test_moe_kernels import GPT_OSS_KERNEL, SMALL, _kernel_problem, poisoned_ou
 
 import fusedpar as fp
 from fusedpar.ops.moe import moe_reference
+from fusedpar.ops.moe_routing import _RouterLogits
 from fusedpar.testing import assert_close, exception_of
 from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
 
@@ -485,6 +486,20 @@ def test_expert_bias_steers_selection_only():
     layer.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 10.0]))
     layer(x)
     assert layer.last_stats["tokens_per_expert"].tolist() == [0, 0, 0, 8]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_the_router_logits_are_autograds_bits(dtype):
+    """The logits' Function saves x and the router weight as they are, not fp32 copies:
+    its logits and both gradients are the bits autograd gives the upcast expression."""
+    x, weight = randn((37, 65), dtype, 0), randn((9, 65), dtype, 1)
+    d_logits = randn((37, 9), torch.float32, 2)
+    outputs = []
+    for logits_of in (lambda a, b: a.float() @ b.float().T, _RouterLogits.apply):
+        a, b = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        logits = logits_of(a, b)
+        outputs.append((logits, *torch.autograd.grad(logits, (a, b), d_logits)))
+    assert all(torch.equal(p, q) for p, q in zip(*outputs, strict=True))
 
 
 # --- the benchmark's peers, on CPU -----------------------------------------------------------

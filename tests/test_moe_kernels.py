@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 import triton
-from fusedpar.kernels import _tuning, moe_permute, moe_weight_grad
+from fusedpar.kernels import _tuning, moe_permute, moe_route, moe_weight_grad
 from fusedpar.kernels import moe as moe_kernels
 from fusedpar.kernels.moe import (
     expert_swiglu_reference,
@@ -30,6 +30,7 @@ from fusedpar.kernels.moe_permute import (
     dispatch_metadata,
     gather_rows,
 )
+from fusedpar.kernels.moe_route import SCORES, route_reference, route_top_k, route_top_k_backward
 from fusedpar.kernels.moe_weight_grad import (
     expert_sums_reference,
     grouped_weight_grad,
@@ -46,11 +47,12 @@ from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
 @contextlib.contextmanager
 def poisoned_outputs():
     """Every output the MoE kernels' launchers allocate starts as NaN while inside."""
-    modules = (moe_kernels, moe_permute, moe_weight_grad)
+    modules = (moe_kernels, moe_permute, moe_weight_grad, moe_route)
     real = [module._empty for module in modules]
 
-    def nan_empty(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    def nan_empty(shape, dtype, device):  # (integers: -1, an index out of range)
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype,
+                          device=device)  # fmt: skip
 
     for module in modules:
         module._empty = nan_empty
@@ -399,6 +401,13 @@ def _i(*shape, dtype=torch.int64):
         (gather_rows, (_f(4, 3), _i(2), _f(3)), ValueError, r"float32 \(2,\)"),
         (combine, (_f(4, 3), _i(2, 2), _f(2, 3)), ValueError, r"\(2, 3\)"),
         (combine_weight_grad, (_f(2, 4), _f(4, 3), _i(2, 2)), ValueError, r"\(2, D\)"),
+        (route_top_k, (_f(3, 4, dtype=torch.float16), 2), ValueError, r"\(T, E\) float32"),
+        (route_top_k, (_f(3, 4), 5), ValueError, r"top_k \(5\) must be between 1 and E \(4\)"),
+        (route_top_k, (_f(3, 4), 2, "relu"), ValueError, "score must be one of"),
+        (route_top_k, (_f(3, 4), 2, "sigmoid", True, _f(5)), ValueError, r"bias must be \(4,\)"),
+        (route_top_k, (_f(3, 1025), 2), ValueError, "1025 experts"),
+        (route_top_k_backward, (_f(3, 3), None, _f(3, 4), _i(3, 2, dtype=torch.int32)),
+         ValueError, r"d_weights must be \(3, 2\) float32"),
     ],
 )  # fmt: skip
 def test_kernel_bad_input_is_a_clear_error(fn, args, error, match):
@@ -425,3 +434,51 @@ def test_kernel_bad_input_is_a_clear_error(fn, args, error, match):
 def test_kernel_bias_and_activation_errors(fn, args, kwargs, match, each_implementation):
     with pytest.raises(ValueError, match=match):
         fn(*args, **kwargs)
+
+
+# --- the routing --------------------------------------------------------------------------
+
+
+@given(T=st.integers(0, 9), E=st.integers(1, 40), k_share=st.floats(0, 1),
+       score=st.sampled_from(SCORES), norm=st.booleans(), bias=st.booleans(),
+       grads=st.sampled_from(["both", "weights", "probs"]), strided=st.booleans(),
+       seed=seeds())  # fmt: skip
+@example(T=5, E=1, k_share=1, score="softmax", norm=True, bias=False, grads="both",
+         strided=False, seed=0)  # one expert: the weight is 1, its gradient 0  # fmt: skip
+@example(T=3, E=8, k_share=1, score="softmax", norm=True, bias=False, grads="weights",
+         strided=True, seed=1)  # k = E: the renormalized weights are the probabilities  # fmt: skip
+@example(T=9, E=33, k_share=0.1, score="sigmoid", norm=True, bias=True, grads="both",
+         strided=False, seed=2)  # a row past 32 experts; the selection's bias  # fmt: skip
+def test_routing_matches_float64(T, E, k_share, score, norm, bias, grads, strided, seed,
+                                 each_implementation):  # fmt: skip
+    """probs, the top-k ids (exactly torch.topk's: no near tie in random logits) and the
+    weights, and the logits' gradient from either output's or both, against autograd
+    through `route_reference` in float64 (the fp32 logits upcast: the same inputs)."""
+    k = max(1, round(k_share * E))
+    logits = randn((E, T) if strided else (T, E), torch.float32, seed, scale=3.0)
+    logits = logits.T if strided else logits  # (T, E), the experts' stride not 1
+    expert_bias = randn((E,), torch.float32, seed + 1, scale=0.1) if bias else None
+    d_weights = randn((T, k), torch.float32, seed + 2) if grads != "probs" else None
+    d_probs = randn((T, E), torch.float32, seed + 3) if grads != "weights" else None
+
+    def reference(dtype):
+        leaf = logits.to(dtype).requires_grad_()
+        b = None if expert_bias is None else expert_bias.to(dtype)
+        weights, ids, probs = route_reference(leaf, k, score, norm, b)
+        loss = sum(
+            (out * g.to(dtype)).sum()
+            for out, g in ((weights, d_weights), (probs, d_probs))
+            if g is not None
+        )
+        (d_logits,) = torch.autograd.grad(loss, leaf) if T else (torch.zeros_like(leaf),)
+        return weights, ids, probs, d_logits
+
+    ref, fp32 = reference(torch.float64), reference(torch.float32)
+    with poisoned_outputs():
+        weights, ids, probs = route_top_k(logits, k, score, norm, expert_bias)
+        d_logits = route_top_k_backward(d_weights, d_probs, probs, ids, score, norm)
+    assert ids.dtype == torch.int32 and torch.equal(ids.long(), ref[1])
+    for name, out, i in (("weights", weights, 0), ("probs", probs, 2), ("d_logits", d_logits, 3)):
+        assert_close(out, ref[i], fp32[i], name=name, sum_length=E)
+    if norm and k == 1:  # exactly 1, and no gradient through it
+        assert torch.equal(weights, torch.ones_like(weights))

@@ -9,7 +9,8 @@ from torch import nn
 from fusedpar import comm
 from fusedpar.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT, check_activation
 from fusedpar.ops.linear import gated_down
-from fusedpar.ops.moe import SCORES, aux_losses, capacity_mask, moe_dispatch_combine, route
+from fusedpar.ops.moe import moe_dispatch_combine
+from fusedpar.ops.moe_routing import SCORES, aux_losses, capacity_mask, route
 from fusedpar.recompute import is_recomputing
 from fusedpar.storage import ParamLayout, local_tensor, warn_if_undistributed
 
@@ -277,11 +278,11 @@ class MoE(nn.Module):
                                          activation=self.activation, alpha=self.swiglu_alpha,
                                          limit=self.swiglu_limit)  # fmt: skip
         if not is_recomputing():  # activation checkpointing's re-run counts nothing again
-            dropped = ids.numel() - counts.sum()  # a device tensor: no host sync for the stats
-            self.last_stats = {
-                "tokens_per_expert": counts.detach(),
-                "dropped_fraction": dropped.float() / max(1, ids.numel()),
-            }
+            if keep is None:  # dropless: none dropped
+                dropped = counts.new_zeros((), dtype=torch.float32)
+            else:  # a device tensor: no host sync for the stats
+                dropped = (ids.numel() - counts.sum()).float() / max(1, ids.numel())
+            self.last_stats = {"tokens_per_expert": counts.detach(), "dropped_fraction": dropped}
         counted = counts if keep is None else None  # (after a capacity's drops: not these)
         aux = aux_losses(probs, logits, ids, self.score, self.aux_loss_coef, self.z_loss_coef,
                          counts=counted)  # fmt: skip

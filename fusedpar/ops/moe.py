@@ -1,5 +1,5 @@
-"""Mixture of experts: routing, dispatch, grouped expert SwiGLU, combine, and the
-all-to-alls of expert parallelism.
+"""Mixture of experts: dispatch, grouped expert SwiGLU, combine, and the all-to-alls of
+expert parallelism (the routing before them: `fusedpar.ops.moe_routing`).
 
 Shapes on each of W expert-parallel ranks (T local tokens, k slots, E experts, E/W local):
 
@@ -54,15 +54,12 @@ from fusedpar.kernels.moe_permute import (
     combine,
     combine_weight_grad,
     dispatch_metadata,
-    expert_counts,
     gather_rows,
     index_dtype,
 )
 from fusedpar.kernels.moe_weight_grad import grouped_weight_grad
+from fusedpar.ops.moe_routing import aux_losses
 from fusedpar.ops.registration import autograd_op, direct_op
-
-SCORES = ("softmax", "sigmoid")
-
 
 # --- custom ops: the differentiable pieces --------------------------------------------------
 # Every kernel launch and collective of the layer sits inside a ``fusedpar::`` op, with a
@@ -127,8 +124,7 @@ def _expert_swiglu_backward_op(d_out: Tensor, x: Tensor, w1: Tensor, w3: Tensor,
     need_x, need_w1, need_w3, need_w2, need_b1, need_b3, need_b2 = _pad(needs)
     act = {"activation": activation, "alpha": alpha, "limit": limit}
     d_h13, a = grouped_swiglu_backward(d_out, w2, h13, counts, **act)
-    dx, dw1, dw3, dw2 = (t.new_empty(0) for t in (x, w1, w3, w2))
-    db1, db3, db2 = (w.new_empty(0) for w in (w1, w3, w2))
+    dx = dw1 = dw3 = dw2 = db1 = db3 = db2 = None
     if need_x:
         d_rows = grouped_swiglu_input_grad(d_h13, w1, w3, counts)
         dx = d_rows if rows is None else combine(d_rows, reduce_pos, out_dtype=x.dtype)
@@ -136,12 +132,14 @@ def _expert_swiglu_backward_op(d_out: Tensor, x: Tensor, w1: Tensor, w3: Tensor,
         grads = grouped_weight_grad(d_h13, x, counts, rows, out_dtype=w1.dtype, split=True,
                                     bias_grad=need_b1 or need_b3)  # fmt: skip
         dw1, dw3, *b13 = grads
-        db1, db3 = b13 or (db1, db3)
+        db1, db3 = b13 or (None, None)
     if need_w2 or need_b2:
         grads = grouped_weight_grad(d_out, a, counts, out_dtype=w2.dtype, bias_grad=need_b2)
-        dw2, db2 = grads if need_b2 else (grads, db2)
+        dw2, db2 = grads if need_b2 else (grads, None)
     grads = [dx, dw1, dw3, dw2, db1, db3, db2]  # those not asked for empty, as the fake's
-    return [g if need else g.new_empty(0) for g, need in zip(grads, _pad(needs), strict=True)]
+    sources = (x, w1, w3, w2, w1, w3, w2)
+    return [g if need else t.new_empty(0) for g, need, t in zip(grads, _pad(needs), sources,
+                                                                 strict=True)]  # fmt: skip
 
 
 def _pad(needs) -> list[bool]:
@@ -245,14 +243,17 @@ def _combine_backward_op(dy: Tensor, out: Tensor, weight: Tensor, pos: Tensor, o
                          need_out: bool, need_weight: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``dout[p] = w[t, j] dy[t]`` for the pair (t, j) of row p; ``dw[t, j] = <dy[t],
     out[pos[t, j]]>``."""
-    d_out, d_weight = out.new_empty(0), weight.new_empty(0)
+    d_out = d_weight = None
     if need_out:
         pairs = order[: out.shape[0]]
-        scale = weight.reshape(-1)[pairs].float()
+        scale = weight.reshape(-1)[pairs]
+        scale = scale if scale.dtype == torch.float32 else scale.float()
         d_out = gather_rows(dy, pairs // pos.shape[1], scale, out_dtype=out.dtype)
     if need_weight:
-        d_weight = combine_weight_grad(dy, out, pos).to(weight.dtype)
-    return d_out, d_weight
+        d_weight = combine_weight_grad(dy, out, pos)
+        d_weight = d_weight if d_weight.dtype == weight.dtype else d_weight.to(weight.dtype)
+    return (out.new_empty(0) if d_out is None else d_out,
+            weight.new_empty(0) if d_weight is None else d_weight)  # fmt: skip
 
 
 @_combine_backward_op.register_fake
@@ -357,110 +358,6 @@ _permute = autograd_op(_permute_op, _permute_backward, _permute_setup)
 _combine = autograd_op(_combine_op, _combine_backward, _combine_setup)
 _dispatch = autograd_op(_dispatch_op, _dispatch_backward, _dispatch_setup)
 _return = autograd_op(_return_op, _return_backward, _return_setup)
-# --- routing -------------------------------------------------------------------------------
-
-
-class _RouterLogits(torch.autograd.Function):
-    """``x.float() @ router_weight.float().T``, the same numbers as autograd gives that
-    expression, but saving x and the router weight as they are: in 16-bit training the
-    fp32 copies autograd would keep (T x d and E x d, twice the bytes of x) are made
-    again in the backward instead."""
-
-    @staticmethod
-    def forward(ctx, x, router_weight):
-        ctx.save_for_backward(x, router_weight)
-        return x.float() @ router_weight.float().T
-
-    @staticmethod
-    def backward(ctx, d_logits):
-        x, router_weight = ctx.saved_tensors
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = (d_logits @ router_weight.float()).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = (x.float().T @ d_logits).T.to(router_weight.dtype)
-        return dx, dw
-
-
-class _PickColumns(torch.autograd.Function):
-    """``probs.gather(1, ids)`` keeping the ids (T, k) for the backward as int32, not
-    int64 (an expert id is below E); the gradient is gather's: scattered into zeros."""
-
-    @staticmethod
-    def forward(ctx, probs, ids):
-        ctx.save_for_backward(ids.to(torch.int32))
-        ctx.experts = probs.shape[1]
-        return probs.gather(1, ids)
-
-    @staticmethod
-    def backward(ctx, d_weights):
-        (ids,) = ctx.saved_tensors
-        d_probs = d_weights.new_zeros((d_weights.shape[0], ctx.experts))
-        return d_probs.scatter_add_(1, ids.long(), d_weights), None
-
-
-def route(x, router_weight, top_k, score, norm_topk_prob, expert_bias=None, router_bias=None):
-    """Router math in fp32. Returns (weights (T, k) fp32, ids (T, k), probs (T, E), logits).
-
-    ``logits = x @ router_weight.T + router_bias`` (`router_bias` (E,) or None: a
-    trainable bias, gpt-oss's, in the logits, so in the selection and the weights alike).
-    softmax: probabilities over experts, top-k of them (with ``norm_topk_prob``: the
-    softmax of the k chosen logits, gpt-oss's router). sigmoid: independent scores;
-    `expert_bias` (E,) shifts the selection only (DeepSeek-V3's aux-loss-free balancing),
-    never the weights. ``norm_topk_prob`` rescales the k weights to sum to 1.
-    """
-    logits = _RouterLogits.apply(x, router_weight)
-    if router_bias is not None:
-        logits = logits + router_bias.float()
-    probs = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
-    select = probs if expert_bias is None or score == "softmax" else probs + expert_bias.float()
-    ids = select.detach().topk(top_k, dim=-1).indices
-    weights = _PickColumns.apply(probs, ids)
-    if norm_topk_prob and top_k == 1:
-        # The one weight renormalized is 1, exactly, and its gradient exactly 0: the
-        # division's backward would subtract two terms of size 1/p, whose rounding (a
-        # small p amplifies it) gave the router a gradient 6x PyTorch's own fp32 error.
-        # `where` keeps the graph (every rank's router gets a gradient, zeros on a rank
-        # with no token, as the other ranks' reductions expect) and passes 0, never 0 * g.
-        ones = weights.new_ones((), dtype=torch.bool)
-        return torch.where(ones, 1.0, weights), ids, probs, logits
-    if norm_topk_prob:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights, ids, probs, logits
-
-
-def capacity_mask(ids, weights, num_experts: int, capacity_factor: float):
-    """Keep at most ``ceil(capacity_factor * T * k / E)`` pairs per expert: its
-    highest-weighted ones (ties: the lower pair index). Returns keep (T, k) bool."""
-    T, top_k = ids.shape
-    capacity = math.ceil(capacity_factor * T * top_k / num_experts)
-    flat_e, flat_w = ids.reshape(-1), weights.detach().reshape(-1)
-    by_weight = torch.argsort(-flat_w, stable=True)
-    order = by_weight[torch.argsort(flat_e[by_weight], stable=True)]
-    counts = expert_counts(flat_e, num_experts)
-    starts = torch.cumsum(counts, 0) - counts
-    rank_in_expert = torch.arange(order.numel(), device=ids.device) - starts[flat_e[order]]
-    keep = torch.empty_like(flat_e, dtype=torch.bool)
-    keep[order] = rank_in_expert < capacity
-    return keep.view(T, top_k)
-
-
-def aux_losses(probs, logits, ids, score, aux_loss_coef, z_loss_coef, counts=None):
-    """Switch load balancing ``coef * E * sum_e f_e P_e`` (f_e: share of the k*T routed
-    slots taken by e; P_e: mean router probability of e, sigmoid scores normalized per
-    token) plus the z-loss ``coef * mean(logsumexp(logits)^2)``. fp32; 0 with no token.
-    `counts`: ``expert_counts(ids, E)`` where the caller has them."""
-    T, E = probs.shape
-    if T == 0:
-        return probs.new_zeros(())
-    f = (expert_counts(ids, E) if counts is None else counts).float() / ids.numel()
-    p = probs if score == "softmax" else probs / probs.sum(-1, keepdim=True)
-    loss = aux_loss_coef * E * (f * p.mean(0)).sum()
-    if z_loss_coef:
-        loss = loss + z_loss_coef * torch.logsumexp(logits, -1).square().mean()
-    return loss
-
-
 # --- experts and dispatch ----------------------------------------------------------------------
 
 

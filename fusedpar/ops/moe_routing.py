@@ -1,0 +1,153 @@
+"""MoE routing: the router's logits, the top-k choice and its weights, capacity, and the
+auxiliary losses. Router math is fp32.
+
+| piece            | forward                                 | backward                       |
+| ---------------- | --------------------------------------- | ------------------------------ |
+| `_RouterLogits`  | ``logits = x @ router_weight.T`` (fp32) | dx, dw in fp32, rounded once   |
+| `moe_route`      | probs, the top-k ids and their weights: | dlogits from dweights and      |
+|                  | one row kernel                          | dprobs: one row kernel         |
+| `capacity_mask`  | which pairs an expert's capacity keeps  | (no gradient)                  |
+| `aux_losses`     | Switch load balancing + z-loss          | autograd                       |
+
+``fusedpar::moe_route`` is the op `fusedpar.checkpoint_policy` saves by default: a
+recompute never re-routes a token (a near tie could break the other way).
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fusedpar.kernels.moe_permute import expert_counts
+from fusedpar.kernels.moe_route import SCORES, route_top_k, route_top_k_backward
+from fusedpar.ops.registration import autograd_op, direct_op
+
+__all__ = ["SCORES", "aux_losses", "capacity_mask", "route"]
+
+
+class _RouterLogits(torch.autograd.Function):
+    """``x.float() @ router_weight.float().T``, the same numbers as autograd gives that
+    expression, but saving x and the router weight as they are: in 16-bit training the
+    fp32 copies autograd would keep (T x d and E x d, twice the bytes of x) are made
+    again in the backward instead."""
+
+    @staticmethod
+    def forward(ctx, x, router_weight):
+        ctx.save_for_backward(x, router_weight)
+        return F.linear(_cast(x), _cast(router_weight))
+
+    @staticmethod
+    def backward(ctx, d_logits):
+        x, router_weight = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _cast(d_logits @ _cast(router_weight), x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _cast(d_logits.T @ _cast(x), router_weight.dtype)
+        return dx, dw
+
+
+def _cast(t: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)  # (a no-op `.to` is still an aten op)
+
+
+@torch.library.custom_op("fusedpar::moe_route", mutates_args=())
+def _route_op(logits: Tensor, bias: Tensor | None, top_k: int, score: str,
+              norm: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(weights (T, k) fp32, ids (T, k) int32, probs (T, E) fp32) of logits (T, E) fp32:
+    `fusedpar.kernels.moe_route.route_top_k`."""
+    return route_top_k(logits, top_k, score, norm, bias)
+
+
+@_route_op.register_fake
+def _(logits, bias, top_k, score, norm):
+    T, E = logits.shape
+    return (logits.new_empty((T, top_k)), logits.new_empty((T, top_k), dtype=torch.int32),
+            logits.new_empty((T, E)))  # fmt: skip
+
+
+@torch.library.custom_op("fusedpar::moe_route_backward", mutates_args=())
+def _route_backward_op(d_weights: Tensor | None, d_probs: Tensor | None, probs: Tensor,
+                       ids: Tensor, score: str, norm: bool) -> Tensor:  # fmt: skip
+    """dlogits (T, E) fp32; a gradient that did not flow is None."""
+    return route_top_k_backward(d_weights, d_probs, probs, ids, score, norm)
+
+
+@_route_backward_op.register_fake
+def _(d_weights, d_probs, probs, ids, score, norm):
+    return probs.new_empty(probs.shape)
+
+
+def _route_setup(ctx, inputs, output):
+    _, _, _, score, norm = inputs
+    ctx.options = (score, norm)
+    ctx.set_materialize_grads(False)  # an output's gradient that did not flow stays None
+    ctx.save_for_backward(output[2], output[1])
+
+
+def _route_backward(ctx, d_weights, _, d_probs):
+    probs, ids = ctx.saved_tensors
+    d_logits = None
+    if d_weights is not None or d_probs is not None:
+        d_logits = _route_backward_call(d_weights, d_probs, probs, ids, *ctx.options)
+    return d_logits, None, None, None, None
+
+
+_route_backward_call = direct_op(_route_backward_op)
+_route = autograd_op(_route_op, _route_backward, _route_setup)
+
+
+def route(x, router_weight, top_k, score, norm_topk_prob, expert_bias=None, router_bias=None):
+    """Router math in fp32. Returns (weights (T, k) fp32, ids (T, k) int32, probs (T, E),
+    logits).
+
+    ``logits = x @ router_weight.T + router_bias`` (`router_bias` (E,) or None: a
+    trainable bias, gpt-oss's, in the logits, so in the selection and the weights alike).
+    softmax: probabilities over experts, top-k of them (with ``norm_topk_prob``: the
+    softmax of the k chosen logits, gpt-oss's router). sigmoid: independent scores;
+    `expert_bias` (E,) shifts the selection only (DeepSeek-V3's aux-loss-free balancing),
+    never the weights. ``norm_topk_prob`` rescales the k weights to sum to 1: at top-1
+    the weight is 1, exactly, with gradient exactly 0 (the division's backward would
+    subtract two terms of size 1/p, whose rounding a small p amplifies), and the router
+    still takes a gradient on every rank (zeros on a rank with no token, as the other
+    ranks' reductions expect).
+    """
+    logits = _RouterLogits.apply(x, router_weight)
+    if router_bias is not None:
+        logits = logits + _cast(router_bias)
+    bias = None if expert_bias is None or score != "sigmoid" else _cast(expert_bias)
+    weights, ids, probs = _route(logits, bias, top_k, score, bool(norm_topk_prob))
+    return weights, ids, probs, logits
+
+
+def capacity_mask(ids, weights, num_experts: int, capacity_factor: float):
+    """Keep at most ``ceil(capacity_factor * T * k / E)`` pairs per expert: its
+    highest-weighted ones (ties: the lower pair index). Returns keep (T, k) bool."""
+    T, top_k = ids.shape
+    capacity = math.ceil(capacity_factor * T * top_k / num_experts)
+    flat_e, flat_w = ids.reshape(-1), weights.detach().reshape(-1)
+    by_weight = torch.argsort(-flat_w, stable=True)
+    order = by_weight[torch.argsort(flat_e[by_weight], stable=True)]
+    counts = expert_counts(flat_e, num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in_expert = torch.arange(order.numel(), device=ids.device) - starts[flat_e[order]]
+    keep = torch.empty_like(flat_e, dtype=torch.bool)
+    keep[order] = rank_in_expert < capacity
+    return keep.view(T, top_k)
+
+
+def aux_losses(probs, logits, ids, score, aux_loss_coef, z_loss_coef, counts=None):
+    """Switch load balancing ``coef * E * sum_e f_e P_e`` (f_e: share of the k*T routed
+    slots taken by e; P_e: mean router probability of e, sigmoid scores normalized per
+    token) plus the z-loss ``coef * mean(logsumexp(logits)^2)``. fp32; 0 with no token.
+    `counts`: ``expert_counts(ids, E)`` where the caller has them."""
+    T, E = probs.shape
+    if T == 0:
+        return probs.new_zeros(())
+    counts = expert_counts(ids, E) if counts is None else counts
+    p = probs if score == "softmax" else probs / probs.sum(-1, keepdim=True)
+    loss = (counts.float() * p.mean(0)).sum() * (aux_loss_coef * E / ids.numel())
+    if z_loss_coef:
+        loss = loss + z_loss_coef * torch.logsumexp(logits, -1).square().mean()
+    return loss

@@ -1,0 +1,289 @@
+"""MoE routing, forward and backward: one row kernel each, fp32, from the router's logits.
+
+A program holds whole rows of the logits (T, E): the scores, the top-k and the weights
+of a token come from one read of its row, in place of PyTorch's softmax, topk, gather
+and renormalizing sum and division (and their backwards: a scatter, the division's,
+the softmax's), each an op of its own (host time) and a pass over (T, E) (GPU time).
+
+| function               | computes                                                       |
+| ---------------------- | -------------------------------------------------------------- |
+| `route_top_k`          | ``probs = softmax(logits)`` or ``sigmoid(logits)`` (T, E);     |
+|                        | ``ids`` (T, k) int32: the k largest of ``probs`` (``+ bias``,  |
+|                        | sigmoid only), largest first, the lower expert on a tie;       |
+|                        | ``weights = probs[ids]`` (T, k), renormalized to sum to 1 with |
+|                        | ``norm`` (top-1: exactly 1, whose gradient is exactly 0)       |
+| `route_top_k_backward` | ``dlogits`` from ``dweights`` (T, k) and ``dprobs`` (T, E),    |
+|                        | either absent: the chain rule as autograd runs it, in the same |
+|                        | order (renormalization, scatter, softmax's or sigmoid's)       |
+
+On CUDA under ``FUSEDPAR_IMPL=auto`` the tuner times each kernel's fixed tile against
+the torch implementation, which with the float64 reference closes the file.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from fusedpar.kernels import _common, _impl, _tuning
+from fusedpar.kernels._common import check_launchable, is_interpreted
+from fusedpar.kernels._tuning import bucket
+
+SCORES = ("softmax", "sigmoid")
+# A program holds whole rows: 1024 experts is 4x DeepSeek-V3's 256.
+MAX_EXPERTS = 1024
+# Elements of (rows x BLOCK_E) a program holds: 32 tokens of 128 experts; the backward
+# keeps four such tiles live (probs, their gradient, the scatter's mask, the product).
+ROW_TILE_ELEMENTS = 4096
+# The interpreter runs programs one after another: two rows each, so tiny shapes still
+# cross row blocks.
+INTERPRETER_ROWS = 2
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Every output of this module is allocated here (tests fill it with NaN first)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def row_config(E: int, interpreted: bool) -> dict:
+    """Rows of a program (ROW_TILE_ELEMENTS over the row width, 1 to 64) and its warps."""
+    block_e = max(16, _common.next_power_of_2(E))
+    if interpreted:
+        return dict(BLOCK_ROWS=INTERPRETER_ROWS, BLOCK_E=block_e, num_warps=4)
+    rows = max(1, min(64, ROW_TILE_ELEMENTS // block_e))
+    return dict(BLOCK_ROWS=rows, BLOCK_E=block_e, num_warps=4)
+
+
+@triton.jit
+def _route_fwd_kernel(
+    # pointers
+    logits_ptr, bias_ptr, probs_ptr, weights_ptr, ids_ptr,
+    # strides (probs, weights and ids are contiguous)
+    stride_lt, stride_le,
+    # sizes
+    T, E,
+    # meta-parameters
+    TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """probs, then the top-k of probs (+ bias) by repeated argmax, and their weights."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_E)
+    slots = tl.arange(0, BLOCK_K)
+    row_mask, col_mask = rows < T, cols < E
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(logits_ptr + rows64[:, None] * stride_lt + cols[None, :] * stride_le,
+                mask=mask, other=0.0)  # fmt: skip
+    if SOFTMAX:
+        x = tl.where(col_mask[None, :], x, float("-inf"))  # padding columns weigh 0
+        e = tl.exp(x - tl.max(x, 1)[:, None])
+        p = e / tl.sum(e, 1)[:, None]
+    else:
+        p = tl.sigmoid(x)
+    tl.store(probs_ptr + rows64[:, None] * E + cols[None, :], p, mask=mask)
+    select = p
+    if HAS_BIAS:
+        select += tl.load(bias_ptr + cols, mask=col_mask, other=0.0)[None, :]
+    select = tl.where(col_mask[None, :], select, float("-inf"))
+    ids = tl.zeros((BLOCK_ROWS, BLOCK_K), dtype=tl.int32)
+    picked = tl.zeros((BLOCK_ROWS, BLOCK_K), dtype=tl.float32)
+    for j in range(TOP_K):
+        best = tl.argmax(select, 1, tie_break_left=True)  # (BLOCK_ROWS,)
+        hit = cols[None, :] == best[:, None]
+        slot = slots[None, :] == j
+        ids = tl.where(slot, best[:, None], ids)
+        picked = tl.where(slot, tl.sum(tl.where(hit, p, 0.0), 1)[:, None], picked)
+        select = tl.where(hit, float("-inf"), select)
+    weights = picked
+    if NORM:
+        if TOP_K == 1:
+            weights = tl.full((BLOCK_ROWS, BLOCK_K), 1.0, tl.float32)
+        else:
+            weights = picked / tl.sum(picked, 1)[:, None]
+    out_mask = row_mask[:, None] & (slots[None, :] < TOP_K)
+    out = rows64[:, None] * TOP_K + slots[None, :]
+    tl.store(weights_ptr + out, weights, mask=out_mask)
+    tl.store(ids_ptr + out, ids, mask=out_mask)
+
+
+@triton.jit
+def _route_bwd_kernel(
+    # pointers
+    probs_ptr, ids_ptr, d_weights_ptr, d_probs_ptr, d_logits_ptr,
+    # strides (probs, ids and d_logits are contiguous)
+    stride_dwt, stride_dwk, stride_dpt, stride_dpe,
+    # sizes
+    T, E,
+    # meta-parameters
+    TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, NORM: tl.constexpr,
+    HAS_D_WEIGHTS: tl.constexpr, HAS_D_PROBS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """dprobs += the weights' gradient scattered to the chosen experts; then dlogits."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_E)
+    slots = tl.arange(0, BLOCK_K)
+    row_mask, col_mask = rows < T, cols < E
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)
+    p = tl.load(probs_ptr + rows64[:, None] * E + cols[None, :], mask=mask, other=0.0)
+    if HAS_D_PROBS:
+        dp = tl.load(d_probs_ptr + rows64[:, None] * stride_dpt + cols[None, :] * stride_dpe,
+                     mask=mask, other=0.0)  # fmt: skip
+    else:
+        dp = tl.zeros((BLOCK_ROWS, BLOCK_E), dtype=tl.float32)
+    if HAS_D_WEIGHTS and not (NORM and TOP_K == 1):  # (top-1 renormalized: a constant 1)
+        slot_mask = row_mask[:, None] & (slots[None, :] < TOP_K)
+        ids = tl.load(ids_ptr + rows64[:, None] * TOP_K + slots[None, :], mask=slot_mask,
+                      other=-1)  # fmt: skip
+        dw = tl.load(d_weights_ptr + rows64[:, None] * stride_dwt + slots[None, :] * stride_dwk,
+                     mask=slot_mask, other=0.0)  # fmt: skip
+        d_picked = dw
+        if NORM:  # w = a / s, s = sum(a): da_j = dw_j / s - sum_l(dw_l a_l / s^2)
+            picked = tl.zeros((BLOCK_ROWS, BLOCK_K), dtype=tl.float32)
+            for j in range(TOP_K):
+                slot = slots[None, :] == j
+                best = tl.sum(tl.where(slot, ids, 0), 1)
+                value = tl.sum(tl.where(cols[None, :] == best[:, None], p, 0.0), 1)
+                picked = tl.where(slot, value[:, None], picked)
+            s = tl.where(row_mask, tl.sum(picked, 1), 1.0)  # (rows past T: no 0 / 0)
+            d_sum = tl.sum(-dw * picked / (s * s)[:, None], 1)
+            d_picked = dw / s[:, None] + d_sum[:, None]
+        for j in range(TOP_K):
+            slot = slots[None, :] == j
+            best = tl.sum(tl.where(slot, ids, 0), 1)
+            d_j = tl.sum(tl.where(slot, d_picked, 0.0), 1)
+            dp += tl.where(cols[None, :] == best[:, None], d_j[:, None], 0.0)
+    dl = p * (dp - tl.sum(dp * p, 1)[:, None]) if SOFTMAX else dp * (1.0 - p) * p
+    tl.store(d_logits_ptr + rows64[:, None] * E + cols[None, :], dl, mask=mask)
+
+
+# --- launchers ---------------------------------------------------------------------------
+
+
+def check_route(logits: torch.Tensor, top_k: int, score: str, bias) -> None:
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"route_top_k: logits must be (T, E) float32, got {logits.dtype} "
+                         f"{tuple(logits.shape)}")  # fmt: skip
+    E = logits.shape[1]
+    if not 1 <= E <= MAX_EXPERTS:
+        raise ValueError(f"route_top_k: {E} experts, outside the 1 to {MAX_EXPERTS} a row "
+                         f"program holds")  # fmt: skip
+    if not 1 <= top_k <= E:
+        raise ValueError(f"route_top_k: top_k ({top_k}) must be between 1 and E ({E})")
+    if score not in SCORES:
+        raise ValueError(f"route_top_k: score must be one of {SCORES}, got {score!r}")
+    if bias is not None and (bias.shape != (E,) or bias.dtype != torch.float32):
+        raise ValueError(f"route_top_k: bias must be ({E},) float32, got {bias.dtype} "
+                         f"{tuple(bias.shape)}")  # fmt: skip
+
+
+def route_top_k(logits, top_k: int, score: str = "softmax", norm: bool = True, bias=None):
+    """``(weights (T, k) fp32, ids (T, k) int32, probs (T, E) fp32)`` from the router's
+    logits (T, E) fp32 (see the module doc); `bias` (E,) fp32 or None shifts a sigmoid
+    router's selection only (DeepSeek-V3's aux-loss-free balancing)."""
+    check_route(logits, top_k, score, bias)
+    T, E = logits.shape
+    device = logits.device
+    probs = _empty((T, E), torch.float32, device)
+    weights = _empty((T, top_k), torch.float32, device)
+    ids = _empty((T, top_k), torch.int32, device)
+    use_bias = bias is not None and score == "sigmoid"
+
+    def run_torch():
+        route_top_k_torch(logits, top_k, score, norm, bias if use_bias else None, weights,
+                          ids, probs)  # fmt: skip
+
+    if _impl.runs_torch(device):
+        run_torch()
+    elif T:
+        check_launchable(_route_fwd_kernel, logits, *([bias] if use_bias else []))
+        config = row_config(E, is_interpreted(_route_fwd_kernel))
+        grid = (_common.cdiv(T, config["BLOCK_ROWS"]),)
+        args = (logits, bias if use_bias else probs, probs, weights, ids, *logits.stride(), T, E)
+        meta = dict(TOP_K=top_k, SOFTMAX=score == "softmax", NORM=bool(norm), HAS_BIAS=use_bias,
+                    BLOCK_K=_common.next_power_of_2(top_k))  # fmt: skip
+        key = (bucket(T), E, top_k, score, bool(norm), use_bias)
+        _tuning.run_tile_or_torch(_route_fwd_kernel, config, lambda _: grid, args, meta, key,
+                                  logits, run_torch)  # fmt: skip
+    return weights, ids, probs
+
+
+def route_top_k_backward(d_weights, d_probs, probs, ids, score: str = "softmax",
+                         norm: bool = True):  # fmt: skip
+    """``dlogits`` (T, E) fp32 of `route_top_k` from the gradients of its weights (T, k)
+    and probs (T, E) (fp32; None for a gradient that did not flow) and its probs and
+    ids."""
+    T, E = probs.shape
+    top_k = ids.shape[1]
+    for name, g, shape in (("d_weights", d_weights, (T, top_k)), ("d_probs", d_probs, (T, E))):
+        if g is not None and (tuple(g.shape) != shape or g.dtype != torch.float32):
+            raise ValueError(f"route_top_k_backward: {name} must be {shape} float32, got "
+                             f"{g.dtype} {tuple(g.shape)}")  # fmt: skip
+    d_logits = _empty((T, E), torch.float32, probs.device)
+
+    def run_torch():
+        route_top_k_backward_torch(d_weights, d_probs, probs, ids, score, norm, d_logits)
+
+    if _impl.runs_torch(probs.device):
+        run_torch()
+    elif T:
+        given = [g for g in (d_weights, d_probs) if g is not None]
+        check_launchable(_route_bwd_kernel, probs, ids, *given)
+        config = row_config(E, is_interpreted(_route_bwd_kernel))
+        grid = (_common.cdiv(T, config["BLOCK_ROWS"]),)
+        dw = probs if d_weights is None else d_weights  # (not read: a pointer to pass)
+        dp = probs if d_probs is None else d_probs
+        args = (probs, ids, dw, dp, d_logits, *dw.stride(), *dp.stride(), T, E)
+        meta = dict(TOP_K=top_k, SOFTMAX=score == "softmax", NORM=bool(norm),
+                    HAS_D_WEIGHTS=d_weights is not None, HAS_D_PROBS=d_probs is not None,
+                    BLOCK_K=_common.next_power_of_2(top_k))  # fmt: skip
+        key = (bucket(T), E, top_k, *meta.values())
+        _tuning.run_tile_or_torch(_route_bwd_kernel, config, lambda _: grid, args, meta, key,
+                                  probs, run_torch)  # fmt: skip
+    return d_logits
+
+
+# --- torch implementation and reference ----------------------------------------------------
+
+
+def route_top_k_torch(logits, top_k, score, norm, bias, weights, ids, probs) -> None:
+    """`route_top_k`'s contract in PyTorch, into weights, ids and probs."""
+    probs.copy_(logits.softmax(-1) if score == "softmax" else logits.sigmoid())
+    select = probs if bias is None else probs + bias
+    chosen = select.topk(top_k, dim=-1).indices
+    ids.copy_(chosen)
+    picked = probs.gather(1, chosen)
+    if norm and top_k == 1:
+        weights.fill_(1.0)
+    else:
+        weights.copy_(picked / picked.sum(-1, keepdim=True) if norm else picked)
+
+
+def route_top_k_backward_torch(d_weights, d_probs, probs, ids, score, norm, d_logits) -> None:
+    """`route_top_k_backward`'s contract in PyTorch, into d_logits."""
+    dp = torch.zeros_like(probs) if d_probs is None else d_probs.clone()
+    top_k = ids.shape[1]
+    if d_weights is not None and not (norm and top_k == 1):
+        index = ids.long()
+        d_picked = d_weights
+        if norm:
+            picked = probs.gather(1, index)
+            s = picked.sum(-1, keepdim=True)
+            d_picked = d_weights / s + (-d_weights * picked / (s * s)).sum(-1, keepdim=True)
+        dp.scatter_add_(1, index, d_picked)
+    if score == "softmax":
+        d_logits.copy_(probs * (dp - (dp * probs).sum(-1, keepdim=True)))
+    else:
+        d_logits.copy_(dp * (1 - probs) * probs)
+
+
+def route_reference(logits, top_k: int, score: str = "softmax", norm: bool = True, bias=None):
+    """``(weights, ids, probs)`` in logits' dtype (float64 in: the oracle), differentiable
+    by autograd; ids int64 (torch.topk's)."""
+    probs = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
+    select = probs if bias is None or score == "softmax" else probs + bias.to(probs.dtype)
+    ids = select.detach().topk(top_k, dim=-1).indices
+    weights = probs.gather(1, ids)
+    if norm:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids, probs
