@@ -439,27 +439,16 @@ def test_kernel_bias_and_activation_errors(fn, args, kwargs, match, each_impleme
 # --- the routing --------------------------------------------------------------------------
 
 
-@given(T=st.integers(0, 9), E=st.integers(1, 40), k_share=st.floats(0, 1),
-       score=st.sampled_from(SCORES), norm=st.booleans(), bias=st.booleans(),
-       grads=st.sampled_from(["both", "weights", "probs"]), strided=st.booleans(),
-       seed=seeds())  # fmt: skip
-@example(T=5, E=1, k_share=1, score="softmax", norm=True, bias=False, grads="both",
-         strided=False, seed=0)  # one expert: the weight is 1, its gradient 0  # fmt: skip
-@example(T=3, E=8, k_share=1, score="softmax", norm=True, bias=False, grads="weights",
-         strided=True, seed=1)  # k = E: the renormalized weights are the probabilities  # fmt: skip
-@example(T=9, E=33, k_share=0.1, score="sigmoid", norm=True, bias=True, grads="both",
-         strided=False, seed=2)  # a row past 32 experts; the selection's bias  # fmt: skip
-def test_routing_matches_float64(T, E, k_share, score, norm, bias, grads, strided, seed,
-                                 each_implementation):  # fmt: skip
-    """probs, the top-k ids (exactly torch.topk's: no near tie in random logits) and the
-    weights, and the logits' gradient from either output's or both, against autograd
-    through `route_reference` in float64 (the fp32 logits upcast: the same inputs)."""
-    k = max(1, round(k_share * E))
-    logits = randn((E, T) if strided else (T, E), torch.float32, seed, scale=3.0)
+def check_routing(T, E, k, score, norm, bias, grads, strided, seed, device):
+    """probs, the top-k ids (exactly torch.topk's: random logits have no near tie, two
+    scores within fp32's rounding, at these sizes) and the weights, and the logits'
+    gradient from either output's or both, against autograd through `route_reference`
+    in float64 (the fp32 logits upcast: the same inputs)."""
+    logits = randn((E, T) if strided else (T, E), torch.float32, seed, scale=3.0).to(device)
     logits = logits.T if strided else logits  # (T, E), the experts' stride not 1
-    expert_bias = randn((E,), torch.float32, seed + 1, scale=0.1) if bias else None
-    d_weights = randn((T, k), torch.float32, seed + 2) if grads != "probs" else None
-    d_probs = randn((T, E), torch.float32, seed + 3) if grads != "weights" else None
+    expert_bias = randn((E,), torch.float32, seed + 1, scale=0.1).to(device) if bias else None
+    d_weights = randn((T, k), torch.float32, seed + 2).to(device) if grads != "probs" else None
+    d_probs = randn((T, E), torch.float32, seed + 3).to(device) if grads != "weights" else None
 
     def reference(dtype):
         leaf = logits.to(dtype).requires_grad_()
@@ -477,8 +466,37 @@ def test_routing_matches_float64(T, E, k_share, score, norm, bias, grads, stride
     with poisoned_outputs():
         weights, ids, probs = route_top_k(logits, k, score, norm, expert_bias)
         d_logits = route_top_k_backward(d_weights, d_probs, probs, ids, score, norm)
-    assert ids.dtype == torch.int32 and torch.equal(ids.long(), ref[1])
+    assert ids.dtype == torch.int32 and torch.equal(ids.long().cpu(), ref[1].cpu())
     for name, out, i in (("weights", weights, 0), ("probs", probs, 2), ("d_logits", d_logits, 3)):
         assert_close(out, ref[i], fp32[i], name=name, sum_length=E)
     if norm and k == 1:  # exactly 1, and no gradient through it
         assert torch.equal(weights, torch.ones_like(weights))
+
+
+@given(T=st.integers(0, 9), E=st.integers(1, 40), k_share=st.floats(0, 1),
+       score=st.sampled_from(SCORES), norm=st.booleans(), bias=st.booleans(),
+       grads=st.sampled_from(["both", "weights", "probs"]), strided=st.booleans(),
+       seed=seeds())  # fmt: skip
+@example(T=5, E=1, k_share=1, score="softmax", norm=True, bias=False, grads="both",
+         strided=False, seed=0)  # one expert: the weight is 1, its gradient 0  # fmt: skip
+@example(T=3, E=8, k_share=1, score="softmax", norm=True, bias=False, grads="weights",
+         strided=True, seed=1)  # k = E: the renormalized weights are the probabilities  # fmt: skip
+@example(T=9, E=33, k_share=0.1, score="sigmoid", norm=True, bias=True, grads="both",
+         strided=False, seed=2)  # a row past 32 experts; the selection's bias  # fmt: skip
+def test_routing_matches_float64(T, E, k_share, score, norm, bias, grads, strided, seed,
+                                 each_implementation):  # fmt: skip
+    check_routing(T, E, max(1, round(k_share * E)), score, norm, bias, grads, strided, seed,
+                  torch.device("cpu"))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "problem",
+    [
+        (1024, 128, 8, "softmax", True, False),  # Qwen3-MoE
+        (1024, 256, 8, "sigmoid", True, True),  # DeepSeek-V3
+        (512, 1024, 4, "softmax", False, False),  # the most experts a program holds
+    ],
+)
+def test_routing_matches_float64_gpu(problem, each_implementation):
+    check_routing(*problem, "both", False, 0, torch.device("cuda"))
