@@ -53,6 +53,16 @@ def row_config(E: int, interpreted: bool) -> dict:
 
 
 @triton.jit
+def _row_block(T, E, BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's rows (int64), the expert columns and top-k slots, and the masks."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_E)
+    row_mask, col_mask = rows < T, cols < E
+    mask = row_mask[:, None] & col_mask[None, :]
+    return rows.to(tl.int64), cols, tl.arange(0, BLOCK_K), row_mask, col_mask, mask
+
+
+@triton.jit
 def _route_fwd_kernel(
     # pointers
     logits_ptr, bias_ptr, probs_ptr, weights_ptr, ids_ptr,
@@ -65,12 +75,7 @@ def _route_fwd_kernel(
     BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """probs, then the top-k of probs (+ bias) by repeated argmax, and their weights."""
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = tl.arange(0, BLOCK_E)
-    slots = tl.arange(0, BLOCK_K)
-    row_mask, col_mask = rows < T, cols < E
-    mask = row_mask[:, None] & col_mask[None, :]
-    rows64 = rows.to(tl.int64)
+    rows64, cols, slots, row_mask, col_mask, mask = _row_block(T, E, BLOCK_ROWS, BLOCK_E, BLOCK_K)
     x = tl.load(logits_ptr + rows64[:, None] * stride_lt + cols[None, :] * stride_le,
                 mask=mask, other=0.0)  # fmt: skip
     if SOFTMAX:
@@ -119,12 +124,7 @@ def _route_bwd_kernel(
     BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """dprobs += the weights' gradient scattered to the chosen experts; then dlogits."""
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = tl.arange(0, BLOCK_E)
-    slots = tl.arange(0, BLOCK_K)
-    row_mask, col_mask = rows < T, cols < E
-    mask = row_mask[:, None] & col_mask[None, :]
-    rows64 = rows.to(tl.int64)
+    rows64, cols, slots, row_mask, col_mask, mask = _row_block(T, E, BLOCK_ROWS, BLOCK_E, BLOCK_K)
     p = tl.load(probs_ptr + rows64[:, None] * E + cols[None, :], mask=mask, other=0.0)
     if HAS_D_PROBS:
         dp = tl.load(d_probs_ptr + rows64[:, None] * stride_dpt + cols[None, :] * stride_dpe,
