@@ -44,10 +44,10 @@ from fusedpar.kernels.attention import (
     tile_source,
 )
 from fusedpar.kernels.attention_backward_plan import (
-    check_backward_inputs,
     gradient_buffer,
     plan_backward,
     torch_backward,
+    write_delta,
 )
 from fusedpar.kernels.attention_mask import (
     Intervals,
@@ -144,12 +144,16 @@ def _bwd_delta_kernel(
 
 
 @triton.jit
-def _load_row_stats(lse_ptrs, delta_ptrs, mask):
-    """LSE (to base 2) and delta of some rows. A row that saw no key has LSE -inf; it
-    becomes +inf so that exp2(S - LSE) is 0 there rather than NaN."""
+def _load_row_stats(lse_ptrs, delta_ptrs, mask, LOAD_DELTA: tl.constexpr = True):
+    """LSE (to base 2) and delta of some rows (delta 0 without LOAD_DELTA). A row that
+    saw no key has LSE -inf; it becomes +inf so that exp2(S - LSE) is 0 there rather
+    than NaN."""
     lse = tl.load(lse_ptrs, mask=mask, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # log2(e)
-    return lse2, tl.load(delta_ptrs, mask=mask, other=0.0)
+    delta = tl.zeros_like(lse)
+    if LOAD_DELTA:
+        delta = tl.load(delta_ptrs, mask=mask, other=0.0)
+    return lse2, delta
 
 
 @triton.jit
@@ -297,6 +301,7 @@ def _bwd_dq_inner(
 def _attn_bwd_dq_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, kv_lo_ptr, kv_hi_ptr,
+    o_ptr, dlse_ptr,
     # strides
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -304,14 +309,20 @@ def _attn_bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh, stride_dod,
     stride_lb, stride_lh, stride_ls,
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_dlb, stride_dlh, stride_dls,
     stride_ib,
     # sizes
     Sq, Skv, Hq, GROUP, qk_scale, cap_in, sm_scale, shift, left, right,
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INTERVALS: tl.constexpr,
     SOFTCAP: tl.constexpr, ACCUMULATE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, DELTA: tl.constexpr, DLSE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    """dQ of one query block. With DELTA it first makes the block's delta, ``rowsum(dO *
+    O)`` (minus dLSE with DLSE), from the O rows it loads once, and stores it for the
+    dK/dV launch after it: the separate delta launch and pass are gone."""
     # grid (query blocks, B, Hq), last block first and 64-bit offsets, as the forward's
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -333,11 +344,19 @@ def _attn_bwd_dq_kernel(
                 + offs_d[None, :] * stride_qd, mask=row_mask, other=0.0)  # fmt: skip
     do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos
                  + offs_d[None, :] * stride_dod, mask=row_mask, other=0.0)  # fmt: skip
-    lse2, delta = _load_row_stats(
-        lse_ptr + b * stride_lb + h * stride_lh + offs_m * stride_ls,
-        delta_ptr + (b * Hq + h) * Sq + offs_m,
-        offs_m < Sq,
-    )
+    lse_ptrs = lse_ptr + b * stride_lb + h * stride_lh + offs_m * stride_ls
+    delta_ptrs = delta_ptr + (b * Hq + h) * Sq + offs_m
+    if DELTA:
+        o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os
+                    + offs_d[None, :] * stride_od, mask=row_mask, other=0.0)  # fmt: skip
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        if DLSE:  # d(LSE_i)/d(S_ij) = P_ij: the LSE's gradient folds into delta
+            delta -= tl.load(dlse_ptr + b * stride_dlb + h * stride_dlh + offs_m * stride_dls,
+                             mask=offs_m < Sq, other=0.0)  # fmt: skip
+        tl.store(delta_ptrs, delta, mask=offs_m < Sq)
+        lse2, _ = _load_row_stats(lse_ptrs, delta_ptrs, offs_m < Sq, False)
+    else:
+        lse2, delta = _load_row_stats(lse_ptrs, delta_ptrs, offs_m < Sq)
     k_src = tile_source(k_ptr + b * stride_kb + h_kv * stride_kh, Skv, stride_ks, stride_kd,
                         HEAD_DIM, TMA, BLOCK_N, BLOCK_D)  # fmt: skip
     v_src = tile_source(v_ptr + b * stride_vb + h_kv * stride_vh, Skv, stride_vs, stride_vd,
@@ -505,29 +524,38 @@ def attention_backward_dq(
     grad_dtype: torch.dtype | None = None,
     agreement: Agreement | None = None,
     tune_only: bool = False,
+    out: torch.Tensor | None = None,
+    dlse: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """``dq`` (B, Sq, Hq, D) of one attention block; arguments as in `attention_backward`
-    (``delta`` required). Writes fresh values, or adds into `dq` with ``accumulate``.
-    Checked and planned once per call signature."""
+    """``dq`` (B, Sq, Hq, D) of one attention block; arguments as in `attention_backward`.
+    Writes fresh values, or adds into `dq` with ``accumulate``. With `out` (and `dlse`,
+    or None) the kernel makes ``delta = rowsum(dO * O) - dLSE`` itself and writes it into
+    `delta` (a (B, Hq, Sq) fp32 buffer), for a dK/dV call after it; without, it reads
+    `delta`. Checked and planned once per call signature."""
     mask = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
                 intervals=intervals)  # fmt: skip
+    sources = (out, dlse if out is not None else None)
     if _impl.runs_torch(q.device):
         return torch_backward("dq", dout, q, k, v, lse, delta, (dq,), mask, accumulate,
-                               grad_dtype, tune_only)  # fmt: skip
+                               grad_dtype, tune_only, sources)  # fmt: skip
     delta = _contiguous_delta(delta)
     plan, (lo, hi, batch_stride) = plan_backward(
         "dq", _attn_bwd_dq_kernel, None, None, dout, q, k, v, lse, delta, (dq,), mask,
-        accumulate, grad_dtype, tune_only)  # fmt: skip
+        accumulate, grad_dtype, tune_only, sources)  # fmt: skip
     dq = gradient_buffer(dq, q, plan.grad_dtype, tune_only)
     B, Sq, Hq, _ = q.shape
     if B * Hq * Sq == 0:
         return None if tune_only else dq
-    args = (q, k, v, dout, lse, delta, dq, lo, hi, *plan.strides, batch_stride, *plan.scalars)
+    args = (q, k, v, dout, lse, delta, dq, lo, hi, q if out is None else out,
+            lse if sources[1] is None else sources[1], *plan.strides, batch_stride,
+            *plan.scalars)  # fmt: skip
 
     def grid(tile):
         return (cdiv(Sq, tile["BLOCK_M"]), B, Hq)
 
     def torch_run():
+        if out is not None:
+            write_delta(delta, dout, *sources)
         attention_torch.backward_dq(dout, q, k, v, lse, delta, plan.scores, dq, accumulate)
 
     launch(_attn_bwd_dq_kernel, dq_configs, grid, args, plan.meta, Sq, k.shape[1],
@@ -550,6 +578,7 @@ def attention_backward(
     softcap: float = 0.0,
     intervals: Intervals | None = None,
     out: torch.Tensor | None = None,
+    dlse: torch.Tensor | None = None,
     delta: torch.Tensor | None = None,
     dq: torch.Tensor | None = None,
     dk: torch.Tensor | None = None,
@@ -562,7 +591,9 @@ def attention_backward(
     """Returns ``(dq, dk, dv)`` from dO, the inputs and the forward's LSE.
 
     `delta` (B, Hq, Sq) fp32 is ``rowsum(dO * O)`` (minus dLSE when the LSE has a
-    gradient); computed from `out` when not given. ``accumulate=True`` adds into the
+    gradient); when not given, the dQ kernel makes it from `out` and `dlse` (None: 0) as
+    it starts, and the dK/dV launch after it reads it (one launch and one pass over O
+    and dO fewer than a delta kernel of its own). ``accumulate=True`` adds into the
     given `dq`, `dk`, `dv` (any strides) instead of overwriting them. New gradients are
     in `grad_dtype` (q's unless given: q's or fp32). `agreement` and ``tune_only`` as in
     `attention_forward` (scratch gradients); the mask and `softcap` as there. The ring
@@ -570,14 +601,16 @@ def attention_backward(
     it adds into dQ at
     every step but writes a block's dK/dV fresh at its first.
     """
+    sources = {}
     if delta is None:
-        check_backward_inputs(dout, q, k, v, lse, None)
         if out is None:
             raise ValueError("attention_backward needs `out` or a precomputed `delta`")
-        delta = attention_delta(out, dout)
+        # dQ writes it (lse's shape, which dQ checks before any launch)
+        delta = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
+        sources = {"out": out, "dlse": dlse}
     common = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
                   intervals=intervals, accumulate=accumulate, grad_dtype=grad_dtype,
                   agreement=agreement, tune_only=tune_only)  # fmt: skip
+    grad_q = attention_backward_dq(dout, q, k, v, lse, delta, dq=dq, **common, **sources)
     grads_kv = attention_backward_dkdv(dout, q, k, v, lse, delta, dk=dk, dv=dv, **common)
-    grad_q = attention_backward_dq(dout, q, k, v, lse, delta, dq=dq, **common)
     return None if tune_only else (grad_q, *grads_kv)

@@ -40,20 +40,21 @@ def _layout(t: torch.Tensor | None):
 
 
 def backward_signature(kind, dout, q, k, v, lse, delta, grads, mask: dict, accumulate,
-                       grad_dtype, split_below) -> tuple:  # fmt: skip
+                       grad_dtype, split_below, sources=(None, None)) -> tuple:  # fmt: skip
     """`kind` ("dkdv" or "dq"), the tensors' layouts, the caller's gradient buffers (or
-    None), the mask's scalars (``intervals`` None), the flags and what decides the GQA
-    split and TMA."""
+    None), dQ's delta `sources` (out, dlse; or None), the mask's scalars (``intervals``
+    None), the flags and what decides the GQA split and TMA."""
     return (
-        kind, *(_layout(t) for t in (dout, q, k, v, lse, delta, *grads)),
+        kind, *(_layout(t) for t in (dout, q, k, v, lse, delta, *grads, *sources)),
         mask["causal"], mask["softmax_scale"], tuple(mask["window"]), mask["softcap"],
         accumulate, grad_dtype, split_below, torch.get_float32_matmul_precision(),
         _common.tma_compatible,
     )  # fmt: skip
 
 
-def check_backward_inputs(dout, q, k, v, lse, delta):
-    """Raise for anything the backward kernels cannot take."""
+def check_backward_inputs(dout, q, k, v, lse, delta, sources=(None, None)):
+    """Raise for anything the backward kernels cannot take (`sources`: delta's out and
+    dlse, either None)."""
     check_attention_inputs(q, k, v)
     (B, Sq, Hq, _) = q.shape
     if dout.shape != q.shape:
@@ -61,6 +62,18 @@ def check_backward_inputs(dout, q, k, v, lse, delta):
     check_buffer("lse", lse, (B, Hq, Sq), (torch.float32,), q.device)
     if delta is not None:
         check_buffer("delta", delta, (B, Hq, Sq), (torch.float32,), q.device)
+    out, dlse = sources
+    if out is not None:
+        check_buffer("out", out, q.shape, (q.dtype, torch.float32), q.device)
+    if dlse is not None:
+        check_buffer("dlse", dlse, (B, Hq, Sq), (torch.float32,), q.device)
+
+
+def write_delta(delta, dout, out, dlse) -> None:
+    """``delta = rowsum(dO * O) - dLSE`` (dlse None: 0) into `delta` (B, Hq, Sq), as
+    dQ's kernel makes it."""
+    made = attention_torch.delta(out, dout)
+    delta.copy_(made if dlse is None else made - dlse)
 
 
 def gradient_buffer(buf, like, dtype, tune_only):
@@ -76,10 +89,10 @@ _GRADIENTS = {"dkdv": ("dk", "dv"), "dq": ("dq",)}
 
 
 def checked_buffers(kind, dout, q, k, v, lse, delta, grads, accumulate, grad_dtype,
-                     tune_only) -> list:  # fmt: skip
+                     tune_only, sources=(None, None)) -> list:  # fmt: skip
     """Check a dK/dV (`kind` "dkdv", `grads` (dk, dv)) or dQ ("dq", (dq,)) call; returns
     the gradient buffers it writes (`gradient_buffer`)."""
-    check_backward_inputs(dout, q, k, v, lse, delta)
+    check_backward_inputs(dout, q, k, v, lse, delta, sources)
     names = _GRADIENTS[kind]
     if accumulate and not tune_only and any(g is None for g in grads):
         raise ValueError(f"accumulate=True adds into {' and '.join(names)}: give "
@@ -93,14 +106,17 @@ def checked_buffers(kind, dout, q, k, v, lse, delta, grads, accumulate, grad_dty
 
 
 def torch_backward(kind, dout, q, k, v, lse, delta, grads, mask, accumulate, grad_dtype,
-                    tune_only):  # fmt: skip
-    """A dK/dV or dQ call on torch's implementation, checked as the kernels' are."""
+                    tune_only, sources=(None, None)):  # fmt: skip
+    """A dK/dV or dQ call on torch's implementation, checked as the kernels' are (dQ
+    with delta's `sources` writes delta from them first, as its kernel does)."""
     grads = checked_buffers(kind, dout, q, k, v, lse, delta, grads, accumulate, grad_dtype,
-                             tune_only)  # fmt: skip
+                             tune_only, sources)  # fmt: skip
     side = "key" if kind == "dkdv" else "query"
     scores = mask_arguments(q, k, side=side, **mask)[-1]
     if tune_only:
         return None
+    if sources[0] is not None:
+        write_delta(delta, dout, *sources)
     if kind == "dq":
         if q.numel():
             attention_torch.backward_dq(dout, q, k, v, lse, delta, scores, *grads, accumulate)
@@ -111,26 +127,29 @@ def torch_backward(kind, dout, q, k, v, lse, delta, grads, mask, accumulate, gra
 
 
 def plan_backward(kind, kernel, split_of: Callable[[], int], split_below, dout, q, k, v, lse,
-                  delta, grads, mask, accumulate, grad_dtype, tune_only):  # fmt: skip
+                  delta, grads, mask, accumulate, grad_dtype, tune_only,
+                  sources=(None, None)):  # fmt: skip
     """Check a dK/dV or dQ call (`checked_buffers`) and work out its `BackwardPlan`, kept
     per signature unless the mask is in tensors or the call only tunes. `kernel`: the
     kernel it launches; ``split_of()``: dK/dV's GQA split (called once the inputs are
-    checked), which `split_below` decides. Returns (plan, the mask's tensors: lo, hi and
-    their batch stride)."""
+    checked), which `split_below` decides; `sources`: dQ's (out, dlse) when it makes
+    delta itself (out None: it reads delta). Returns (plan, the mask's tensors: lo, hi
+    and their batch stride)."""
     cached = mask["intervals"] is None and not tune_only
     if cached:
         signature = backward_signature(kind, dout, q, k, v, lse, delta, grads, mask,
-                                       accumulate, grad_dtype, split_below)  # fmt: skip
+                                       accumulate, grad_dtype, split_below, sources)  # fmt: skip
         plan = BACKWARD_PLANS.get(signature)
         if plan is not None:
             return plan, (q, q, 0)
     grads = checked_buffers(kind, dout, q, k, v, lse, delta, grads, accumulate, grad_dtype,
-                            tune_only)  # fmt: skip
+                            tune_only, sources)  # fmt: skip
     (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
     side = "key" if kind == "dkdv" else "query"
     tensors, (qk_scale, cap_in, shift, left, right), meta, key, scores = mask_arguments(
         q, k, side=side, **mask)  # fmt: skip
-    check_launchable(kernel, dout, q, k, v, lse, delta, *grads, *tensors[:2])
+    given = [t for t in sources if t is not None]
+    check_launchable(kernel, dout, q, k, v, lse, delta, *grads, *tensors[:2], *given)
     split = split_of() if kind == "dkdv" else 1
     if split > 1:  # the kernel writes fp32 partials (contiguous), summed after it
         grads = [torch.empty((B, Skv, Hkv * split, D), dtype=torch.float32, device=q.device)
@@ -143,9 +162,14 @@ def plan_backward(kind, kernel, split_of: Callable[[], int], split_below, dout, 
         key = (*key, ("SPLIT", split))
         scalars = (Sq, Skv, Hq, Hq // Hkv, split, qk_scale, cap_in, scale, shift, left, right)
     else:
-        meta = {**meta, "ACCUMULATE": accumulate, "TMA": tma_paths((k, v), ())[0]}
+        out, dlse = sources
+        meta = {**meta, "ACCUMULATE": accumulate, "TMA": tma_paths((k, v), ())[0],
+                "DELTA": out is not None, "DLSE": dlse is not None}  # fmt: skip
         scalars = (Sq, Skv, Hq, Hq // Hkv, qk_scale, cap_in, scale, shift, left, right)
     strides = tuple(s for t in (q, k, v, dout, lse, *grads) for s in t.stride())
+    if kind == "dq":  # out's and dlse's, zeros for those absent (not read)
+        strides += (*(out.stride() if out is not None else (0,) * 4),
+                    *(dlse.stride() if dlse is not None else (0,) * 3))  # fmt: skip
     # (split > 1 writes partials, summed after: a torch pick would write dk, dv itself)
     torch_candidate = split == 1 and attention_torch.capable_on_cuda(q, k)
     args = (q, k, v, dout, lse, delta, *grads, *tensors[:2])

@@ -297,8 +297,10 @@ def check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, device="cpu", 
       then keys [s1, Skv) merged into them in the epilogue (``merge=True``); with
       ``causal`` the first part is visible to every row (a ring's earlier block), and
       s1 = 0 merges into an empty partial (LSE -inf); Sq > Skv leaves rows with no key;
-    - backward: dQ and dK/dV halves written fresh into NaN-poisoned fp32 buffers, and
-      `attention_backward` adding into random fp32 buffers (``accumulate``);
+    - backward: dQ and dK/dV halves written fresh into NaN-poisoned fp32 buffers,
+      `attention_backward` adding into random fp32 buffers (``accumulate``), and
+      `attention_backward` from `out` and dLSE (dQ's kernel makes delta) into poisoned
+      buffers;
     - both with the GQA split forced (``split_below``) or not.
     """
 
@@ -325,7 +327,8 @@ def check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, device="cpu", 
     with pytest.MonkeyPatch.context() as mp:
         force_split(mp, split_below)
         o, saved_lse = attention_forward(q, k, v, causal=causal)  # what flash_attn saves
-        delta = attention_delta(o, dout) - torch.where(torch.isfinite(saved_lse), dlse, 0)
+        seen_dlse = torch.where(torch.isfinite(saved_lse), dlse, 0)
+        delta = attention_delta(o, dout) - seen_dlse
         saved = (dout, q, k, v, saved_lse, delta)
         fresh = [poisoned(t.shape, device) for t in (q, k, v)]
         attention_backward_dq(*saved, causal=causal, dq=fresh[0])
@@ -335,8 +338,11 @@ def check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, device="cpu", 
         added = [t.clone() for t in start]
         attention_backward(dout, q, k, v, saved_lse, causal=causal, delta=delta, dq=added[0],
                            dk=added[1], dv=added[2], accumulate=True)  # fmt: skip
-    for name, f, a, s0, r, t in zip(("dq", "dk", "dv"), fresh, added, start, ref[2:], same[2:],
-                                    strict=True):  # fmt: skip
+        made = [poisoned(t.shape, device) for t in (q, k, v)]  # delta made by dQ's kernel
+        attention_backward(dout, q, k, v, saved_lse, causal=causal, out=o, dlse=seen_dlse,
+                           dq=made[0], dk=made[1], dv=made[2])  # fmt: skip
+    for name, f, a, m, s0, r, t in zip(("dq", "dk", "dv"), fresh, added, made, start, ref[2:],
+                                       same[2:], strict=True):  # fmt: skip
         assert f.dtype == a.dtype == torch.float32
         # held in fp32 for the ring's sums, judged in the inputs' dtype, as the gradients
         # of flash_attn are: from 16-bit inputs the kernels' dots take 16-bit operands
@@ -344,6 +350,7 @@ def check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, device="cpu", 
         # 0.00019 allowed: fp16, Sq=1, Skv=2, D=64)
         assert_close(f.to(dtype), r, t, name=f"{name} fresh", sum_length=D)
         assert_close((a - s0).to(dtype), r, t, name=f"{name} accumulated", sum_length=D)
+        assert_close(m.to(dtype), r, t, name=f"{name} (delta made by dQ)", sum_length=D)
 
 
 @given(

@@ -122,7 +122,8 @@ def attention_forward(dtype, head_dim, causal=True, group=2, merge=False, precis
 def attention_backward(dtype, head_dim, causal=True, group=2, accumulate=False, split=False,
                        precision="highest", window=(-1, -1), softcap=0.0,
                        intervals=False, tma=True):  # fmt: skip
-    """Launches the delta, dK/dV and dQ kernels. `accumulate`: the ring's later steps (fp32
+    """Launches dQ (making delta from out) and dK/dV, as `flash_attn`'s backward does.
+    `accumulate`: the ring's later steps instead (the delta kernel once, then fp32
     gradient buffers added into); `split`: with a GQA group of 4, two slices of 2 heads
     (fp32 partials), as a grid of few programs gets on a GPU."""
     q, dout, out = (_empty((2, 256, 2 * group, head_dim), dtype) for _ in range(3))
@@ -137,8 +138,9 @@ def attention_backward(dtype, head_dim, causal=True, group=2, accumulate=False, 
     try:
         with _fp32_precision(precision), _tma(tma):
             mask = _mask(causal, window, softcap, intervals)
+            delta = {"delta": attn_bwd.attention_delta(out, dout)} if accumulate else {}
             attn_bwd.attention_backward(dout, q, k, v, lse, out=out, accumulate=accumulate,
-                                        **mask, **grads)  # fmt: skip
+                                        **mask, **grads, **delta)  # fmt: skip
     finally:
         attn_bwd.SPLIT_BELOW_PROGRAMS = saved
 
@@ -391,7 +393,7 @@ for cap in (90, 80):
         "attention-delta",
         "bfloat16-d256",
         attention_backward,
-        {"dtype": "bfloat16", "head_dim": 256},
+        {"dtype": "bfloat16", "head_dim": 256, "accumulate": True},  # (the ring's)
         "_bwd_delta_kernel",
         cap,
         no_spill=True,

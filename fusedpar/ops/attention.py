@@ -32,7 +32,7 @@ from torch import Tensor
 
 from fusedpar.kernels import rope as rope_kernels
 from fusedpar.kernels.attention import attention_forward, check_attention_inputs
-from fusedpar.kernels.attention_backward import attention_backward, attention_delta
+from fusedpar.kernels.attention_backward import attention_backward
 from fusedpar.kernels.attention_mask import (
     check_cu_seqlens,
     check_softcap,
@@ -82,12 +82,12 @@ def _flash_attn_backward_op(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v:
                             cu_seqlens_k: Tensor | None, causal: bool,
                             softmax_scale: float | None, window_left: int, window_right: int,
                             softcap: float) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    # d(LSE_i)/d(S_ij) = P_ij: a gradient of the LSE folds into delta (0 when unused).
-    delta = attention_delta(out, dout) - dlse
+    # d(LSE_i)/d(S_ij) = P_ij: a gradient of the LSE folds into delta (0 when unused),
+    # which the dQ kernel makes from out and dlse as it starts
     mask = _mask(q, k, cu_seqlens_q, cu_seqlens_k, causal, (window_left, window_right),
                  check=False)  # fmt: skip
-    return attention_backward(dout, q, k, v, lse, delta=delta, softmax_scale=softmax_scale,
-                              softcap=softcap, **mask)  # fmt: skip
+    return attention_backward(dout, q, k, v, lse, out=out, dlse=dlse,
+                              softmax_scale=softmax_scale, softcap=softcap, **mask)  # fmt: skip
 
 
 @_flash_attn_backward_op.register_fake
