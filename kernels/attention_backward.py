@@ -534,7 +534,10 @@ def attention_backward_dq(
     `delta`. Checked and planned once per call signature."""
     mask = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
                 intervals=intervals)  # fmt: skip
-    sources = (out, dlse if out is not None else None)
+    if dlse is not None and out is None:
+        raise ValueError("attention_backward_dq: dlse folds into the delta made from `out`: "
+                         "give out too, or subtract it from a precomputed delta")  # fmt: skip
+    sources = (out, dlse)
     if _impl.runs_torch(q.device):
         return torch_backward("dq", dout, q, k, v, lse, delta, (dq,), mask, accumulate,
                                grad_dtype, tune_only, sources)  # fmt: skip
@@ -602,6 +605,9 @@ def attention_backward(
     every step but writes a block's dK/dV fresh at its first.
     """
     sources = {}
+    if delta is not None and dlse is not None:
+        raise ValueError("attention_backward: dlse folds into delta: give it with `out`, or "
+                         "subtract it from the precomputed delta yourself")  # fmt: skip
     if delta is None:
         if out is None:
             raise ValueError("attention_backward needs `out` or a precomputed `delta`")

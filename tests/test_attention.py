@@ -444,7 +444,13 @@ def test_tma_needs_16_byte_alignment_and_a_unit_last_stride():
      (lambda q: attention_backward_dq(q, q, q, q, torch.empty(1, 2, 4), torch.empty(1, 2, 4),
                                       accumulate=True), ValueError, "adds into dq"),
      (lambda q: attention_backward_dkdv(q, q, q, q, torch.empty(1, 2, 4), torch.empty(1, 2, 5)),
-      ValueError, r"delta must be \(1, 2, 4\)")],
+      ValueError, r"delta must be \(1, 2, 4\)"),
+     (lambda q: attention_backward(q, q, q, q, torch.empty(1, 2, 4), dlse=torch.empty(1, 2, 4),
+                                   delta=torch.empty(1, 2, 4)), ValueError, "dlse folds into"),
+     (lambda q: attention_backward_dq(q, q, q, q, torch.empty(1, 2, 4), torch.empty(1, 2, 4),
+                                      dlse=torch.empty(1, 2, 4)), ValueError, "give out too"),
+     (lambda q: attention_backward(q, q, q, q, torch.empty(1, 2, 4), out=q[..., :4]), ValueError,
+      r"out must be \(1, 4, 2, 8\)")],
 )  # fmt: skip
 def test_ring_mode_bad_input(call, error, match):
     with pytest.raises(error, match=match):
