@@ -213,7 +213,13 @@ def route_top_k_backward(d_weights, d_probs, probs, ids, score: str = "softmax",
     """``dlogits`` (T, E) fp32 of `route_top_k` from the gradients of its weights (T, k)
     and probs (T, E) (fp32; None for a gradient that did not flow) and its probs and
     ids."""
+    if probs.dim() != 2 or probs.dtype != torch.float32 or not probs.is_contiguous():
+        raise ValueError(f"route_top_k_backward: probs must be contiguous (T, E) float32 (the "
+                         f"forward's), got {probs.dtype} {tuple(probs.shape)}")  # fmt: skip
     T, E = probs.shape
+    if ids.dim() != 2 or ids.shape[0] != T or ids.dtype != torch.int32 or not ids.is_contiguous():
+        raise ValueError(f"route_top_k_backward: ids must be contiguous ({T}, k) int32 (the "
+                         f"forward's), got {ids.dtype} {tuple(ids.shape)}")  # fmt: skip
     top_k = ids.shape[1]
     for name, g, shape in (("d_weights", d_weights, (T, top_k)), ("d_probs", d_probs, (T, E))):
         if g is not None and (tuple(g.shape) != shape or g.dtype != torch.float32):

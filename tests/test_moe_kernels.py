@@ -408,6 +408,10 @@ def _i(*shape, dtype=torch.int64):
         (route_top_k, (_f(3, 1025), 2), ValueError, "1025 experts"),
         (route_top_k_backward, (_f(3, 3), None, _f(3, 4), _i(3, 2, dtype=torch.int32)),
          ValueError, r"d_weights must be \(3, 2\) float32"),
+        (route_top_k_backward, (None, None, _f(4, 3).T, _i(3, 2, dtype=torch.int32)),
+         ValueError, r"probs must be contiguous \(T, E\) float32"),
+        (route_top_k_backward, (None, None, _f(3, 4), _i(3, 2)), ValueError,
+         r"ids must be contiguous \(3, k\) int32"),
     ],
 )  # fmt: skip
 def test_kernel_bad_input_is_a_clear_error(fn, args, error, match):
