@@ -468,7 +468,7 @@ def test_the_attention_benchmark_runs_on_cpu(monkeypatch, tmp_path):
     from bench.common import results_folder
 
     monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
-    monkeypatch.setenv("BENCH_PEERS", "sdpa-flash,fusedpar,sdpa-mask,flash-attn")
+    monkeypatch.setenv("BENCH_PEERS", "sdpa-flash,fusedpar,fusedpar-prebuilt,sdpa-mask,flash-attn")
     monkeypatch.setattr(bench, "DTYPE", torch.float32)
     monkeypatch.setattr(bench, "TOKENS", 32)
     monkeypatch.setattr(bench, "points", lambda: [(16, True, 16, 2, 2), (16, False, 32, 4, 1)])
@@ -487,7 +487,7 @@ def test_the_attention_benchmark_runs_on_cpu(monkeypatch, tmp_path):
     ]
     fwd = rows[0]
     assert fwd["fusedpar"] == pytest.approx(4 * 2 * 2 * 16 * 16 * 16 * 0.5 / 1e9)
-    assert result["meta"]["peers"] == "fusedpar,sdpa-flash,sdpa-mask,flash-attn"
+    assert result["meta"]["peers"] == "fusedpar,sdpa-flash,fusedpar-prebuilt,sdpa-mask,flash-attn"
     if fwd["sdpa-flash"] is None:  # no flash backend on CPU: recorded, the rest measured
         assert "sdpa-flash D=16 S=16" in result["meta"]["missing"]
     docs, window = rows[6], rows[9]
@@ -496,6 +496,11 @@ def test_the_attention_benchmark_runs_on_cpu(monkeypatch, tmp_path):
         assert row["fusedpar"] == pytest.approx(4 * Hq * 16 * pairs[kind] / 1e9)
         assert row["sdpa-mask"] == pytest.approx(row["fusedpar"])  # timers faked: equal
         assert "sdpa-flash" not in row  # the masked points compare their own peers
+        if kind == "documents":  # the kernel alone, forward only (no autograd)
+            assert row["fusedpar-prebuilt"] == pytest.approx(row["fusedpar"])
+            assert rows[7]["fusedpar-prebuilt"] is None  # its backward: missing
+        else:
+            assert row["fusedpar-prebuilt"] is None and "documents point only" in row["note"]
         if row["flash-attn"] is None and "note" in row:  # not installed: noted, not missing
             assert "flash-attn: not importable" in row["note"]
             assert "flash-attn" not in result["meta"]["missing"]
@@ -508,6 +513,9 @@ def test_the_attention_benchmark_runs_on_cpu(monkeypatch, tmp_path):
         got = ours(q, k, v) if point[0] == "documents" else ours(q[None], k[None], v[None])[0]
         want = sdpa(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0].transpose(0, 1)
         torch.testing.assert_close(got, want)
+        if point[0] == "documents":
+            prebuilt = bench.make_masked_peer("fusedpar-prebuilt", point, "cpu")[1]
+            torch.testing.assert_close(prebuilt(q, k, v), want)
     assert "_attn_fwd_kernel" in result["meta"]["tuning_picks"]
     monkeypatch.setenv("BENCH_PEERS", "fusedpar,sdpa")
     with pytest.raises(ValueError, match="unknown peers \\['sdpa'\\]"):
