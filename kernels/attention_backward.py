@@ -427,6 +427,12 @@ def _partials(shape, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
+def delta_buffer(shape, device: torch.device) -> torch.Tensor:
+    """The fp32 (B, Hq, Sq) buffer the dQ kernel makes delta in, for the dK/dV launches
+    after it (every element written first; tests poison it through this function)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
 def _contiguous_delta(delta):
     if not isinstance(delta, torch.Tensor):
         raise TypeError(f"delta must be a (B, Hq, Sq) float32 tensor, got {type(delta).__name__}")
@@ -612,7 +618,7 @@ def attention_backward(
         if out is None:
             raise ValueError("attention_backward needs `out` or a precomputed `delta`")
         # dQ writes it (lse's shape, which dQ checks before any launch)
-        delta = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
+        delta = delta_buffer(lse.shape, lse.device)
         sources = {"out": out, "dlse": dlse}
     common = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
                   intervals=intervals, accumulate=accumulate, grad_dtype=grad_dtype,

@@ -283,10 +283,11 @@ def poisoned(shape, device, dtype=torch.float32, pad=1):
 
 def force_split(mp, split_below):
     """Set the GQA split threshold (None: the default, no split on CPU) and poison the
-    split's partials with NaN."""
+    split's partials and the delta that dQ's kernel makes with NaN."""
     mp.setattr(backward_kernels, "SPLIT_BELOW_PROGRAMS", split_below)
-    nan_partials = lambda shape, device: torch.full(shape, float("nan"), device=device)  # noqa: E731
-    mp.setattr(backward_kernels, "_partials", nan_partials)
+    nan_buffer = lambda shape, device: torch.full(shape, float("nan"), device=device)  # noqa: E731
+    mp.setattr(backward_kernels, "_partials", nan_buffer)
+    mp.setattr(backward_kernels, "delta_buffer", nan_buffer)
 
 
 def check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, device="cpu", split_below=None,

@@ -53,6 +53,7 @@ from fusedpar.kernels.attention_backward import (
     attention_backward_dkdv,
     attention_backward_dq,
     attention_delta,
+    delta_buffer,
 )
 from fusedpar.kernels.attention_mask import (
     Intervals,
@@ -233,17 +234,29 @@ def _forward(q, k, v, ring, masks, *, softmax_scale, softcap=0.0, agreement=None
 
 
 def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_scale,
-              softcap=0.0, agreement=None):  # fmt: skip
+              softcap=0.0, agreement=None, sources=None):  # fmt: skip
     """The backward schedule: lists (one per rank of the rings) of dQ and of the dK, dV
-    of the rank's own KV (fp32), back home after W steps."""
+    of the rank's own KV (fp32), back home after W steps. `delta`: each rank's, or None
+    with `sources`, each rank's (out, dlse): the first dQ launch, on the rank's own
+    block, makes delta from them (as `attention_backward` does) for every launch after
+    it."""
     size = kv_ring.size
     f32 = dict(softmax_scale=softmax_scale, softcap=softcap, grad_dtype=torch.float32,
                agreement=agreement)  # fmt: skip
+    made = [{} for _ in q]  # per rank: the first dQ launch's out and dlse, where it makes delta
+    if delta is None:
+        delta = [delta_buffer(t.shape, t.device) for t in lse]
+        for i, rank in enumerate(kv_ring.ranks):
+            out, dlse = sources[i]
+            if masks[i][rank] is None:  # no own block to start on (never at step 0 today)
+                delta[i].copy_(_delta(out, dout[i], dlse))
+            else:
+                made[i] = {"out": out, "dlse": dlse}
     own = (dout[0], q[0], k[0], v[0], lse[0], delta[0])
     for first in _tuned_launches(size):
         tuning = {**f32, "intervals": masks[0][kv_ring.ranks[0]], "accumulate": not first,
                   "tune_only": True}  # fmt: skip
-        attention_backward_dq(*own, **tuning)
+        attention_backward_dq(*own, **tuning, **(made[0] if first else {}))
         attention_backward_dkdv(*own, **tuning)
     dq = [_fresh(t.shape, t.device) for t in q]
     kv = [[k_i.contiguous(), v_i.contiguous()] for k_i, v_i in zip(k, v, strict=True)]
@@ -258,7 +271,7 @@ def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_s
                     inputs = (dout[i], q[i], kv[i][0], kv[i][1], lse[i], delta[i])
                     work.append((i, {**f32, "intervals": mask, "accumulate": step > 0}, inputs))
             for i, kw, inputs in work:  # dQ needs no transfer: launched first
-                attention_backward_dq(*inputs, dq=dq[i], **kw)
+                attention_backward_dq(*inputs, dq=dq[i], **kw, **(made[i] if step == 0 else {}))
             if step == 0:  # each owner starts its block's sums: written fresh, no zero fill
                 grads = [[_fresh(t.shape, t.device) for t in pair] for pair in kv]
             else:  # the sums from the ranks the held blocks visited before, added to here
@@ -333,9 +346,11 @@ def _ring_attn_backward_op(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: 
     pg = group_by_name(group)
     masks = _masks(pg, q, causal, layout, (window_left, window_right), cu_seqlens, masks)
     rings = _GroupRing(pg), _GroupRing(pg, tag=1)
-    dq, dk, dv = _backward([q], [k], [v], [dout], [lse], [_delta(out, dout, dlse)], *rings,
-                           [masks], softmax_scale=softmax_scale, softcap=softcap,
-                           agreement=tuning_agreement(pg, q.device))  # fmt: skip
+    # delta = rowsum(dO * O) - dLSE: made by the first dQ launch (the own block's)
+    dq, dk, dv = _backward([q], [k], [v], [dout], [lse], None, *rings, [masks],
+                           softmax_scale=softmax_scale, softcap=softcap,
+                           agreement=tuning_agreement(pg, q.device),
+                           sources=[(out, dlse)])  # fmt: skip
     return dq[0].to(q.dtype), dk[0].to(k.dtype), dv[0].to(v.dtype)
 
 
