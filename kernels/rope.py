@@ -42,30 +42,45 @@ def tile(heads: int, half: int, rest: int, interpreted: bool) -> dict:
 
 @triton.jit
 def _rope_kernel(
-    # pointers
-    x_ptr, cos_ptr, sin_ptr, y_ptr,
+    # pointers (x2, y2: the second tensor of a pair)
+    x_ptr, cos_ptr, sin_ptr, y_ptr, x2_ptr, y2_ptr,
     # strides
     stride_xb, stride_xs, stride_xh, stride_xd, stride_yb, stride_ys, stride_yh, stride_yd,
     stride_cs, stride_cd, stride_ss, stride_sd,
+    stride_x2b, stride_x2s, stride_x2h, stride_x2d,
+    stride_y2b, stride_y2s, stride_y2h, stride_y2d,
     # sizes
-    S, H, HALF, HEAD_DIM,
+    S, H, H2, HALF, HEAD_DIM,
     # meta-parameters
-    INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_REST: tl.constexpr,
+    INVERSE: tl.constexpr, PAIR: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
 ):  # fmt: skip
     """Heads [pid_h * BLOCK_H, ...) of position (b, s) = divmod(pid_row, S): the rotation
-    (by -angle with INVERSE) of their first 2 * HALF dims, the rest copied."""
+    (by -angle with INVERSE) of their first 2 * HALF dims, the rest copied. With PAIR the
+    head blocks past x's are the second tensor's (q and k in one launch)."""
     row = tl.program_id(0).to(tl.int64)
     b, s = row // S, row % S
-    heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)[:, None]
+    block = tl.program_id(1)
+    x_row = x_ptr + b * stride_xb + s * stride_xs
+    y_row = y_ptr + b * stride_yb + s * stride_ys
+    heads_here, sxh, sxd, syh, syd = H, stride_xh, stride_xd, stride_yh, stride_yd
+    if PAIR:
+        first_blocks = tl.cdiv(H, BLOCK_H)
+        if block >= first_blocks:
+            block -= first_blocks
+            x_row = x2_ptr + b * stride_x2b + s * stride_x2s
+            y_row = y2_ptr + b * stride_y2b + s * stride_y2s
+            heads_here, sxh, sxd, syh, syd = H2, stride_x2h, stride_x2d, stride_y2h, stride_y2d
+    heads = (block * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)[:, None]
     i = tl.arange(0, BLOCK_HALF)
     c = tl.load(cos_ptr + s * stride_cs + i * stride_cd, mask=i < HALF, other=0.0)[None, :]
     sn = tl.load(sin_ptr + s * stride_ss + i * stride_sd, mask=i < HALF, other=0.0)[None, :]
     if INVERSE:
         sn = -sn
-    x_row = x_ptr + b * stride_xb + s * stride_xs + heads * stride_xh
-    y_row = y_ptr + b * stride_yb + s * stride_ys + heads * stride_yh
-    mask = (heads < H) & (i < HALF)[None, :]
+    x_row += heads * sxh
+    y_row += heads * syh
+    stride_xd, stride_yd = sxd, syd
+    mask = (heads < heads_here) & (i < HALF)[None, :]
     x1 = tl.load(x_row + i[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + (i + HALF)[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
     out_ty = y_ptr.dtype.element_ty
@@ -73,7 +88,7 @@ def _rope_kernel(
     tl.store(y_row + (i + HALF)[None, :] * stride_yd, (x2 * c + x1 * sn).to(out_ty), mask=mask)
     if BLOCK_REST > 0:  # partial rotary: the dims past 2 * HALF pass
         j = 2 * HALF + tl.arange(0, BLOCK_REST)
-        rest = (heads < H) & (j < HEAD_DIM)[None, :]
+        rest = (heads < heads_here) & (j < HEAD_DIM)[None, :]
         passing = tl.load(x_row + j[None, :] * stride_xd, mask=rest, other=0.0)
         tl.store(y_row + j[None, :] * stride_yd, passing, mask=rest)
 
@@ -105,31 +120,65 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     """The rotation of x (the module doc's table) into a new (B, S, H, hd) tensor of x's
     dtype; ``inverse``: by -angle, the backward. Checked and planned once per call
     signature."""
-    signature = (x.shape, x.stride(), x.dtype, x.device, cos.shape, cos.stride(), cos.dtype,
-                 cos.device, sin.stride(), sin.dtype, sin.device, inverse)  # fmt: skip
+    return _rotate([x], cos, sin, inverse)[0]
+
+
+def rope_pair(x, x2, cos, sin, inverse: bool = False):
+    """`rope` of two tensors at the same positions in one launch (q and k: their heads
+    may differ in number and strides; B, S, hd and the dtype must match)."""
+    return tuple(_rotate([x, x2], cos, sin, inverse))
+
+
+def _check_pair(x, x2) -> None:
+    B, S, _, hd = x.shape
+    if x2.dim() != 4 or (x2.shape[0], x2.shape[1], x2.shape[3]) != (B, S, hd):
+        raise ValueError(f"rope_pair: the second tensor must be ({B}, {S}, H2, {hd}) as the "
+                         f"first {tuple(x.shape)}, got {tuple(x2.shape)}")  # fmt: skip
+    if x2.dtype != x.dtype or x2.device != x.device:
+        raise ValueError(f"rope_pair: both tensors one dtype and device, got {x.dtype} on "
+                         f"{x.device} and {x2.dtype} on {x2.device}")  # fmt: skip
+
+
+def _rotate(xs: list, cos, sin, inverse: bool) -> list:
+    signature = (*((x.shape, x.stride()) for x in xs), xs[0].dtype, xs[0].device, cos.shape,
+                 cos.stride(), cos.dtype, cos.device, sin.stride(), sin.dtype, sin.device,
+                 inverse)  # fmt: skip
     plan = _PLANS.get(signature)
     if plan is None:
-        check_rope(x, cos, sin)
-        B, S, H, hd = x.shape
+        check_rope(xs[0], cos, sin)
+        if len(xs) == 2:
+            _check_pair(*xs)
+        B, S, H, hd = xs[0].shape
+        heads = [x.shape[2] for x in xs]
         half = cos.shape[1]
-        config = tile(H, half, hd - 2 * half, is_interpreted(_rope_kernel))
-        grid = (B * S, cdiv(H, config["BLOCK_H"]))
+        config = tile(max(heads), half, hd - 2 * half, is_interpreted(_rope_kernel))
+        grid = (B * S, sum(cdiv(h, config["BLOCK_H"]) for h in heads))
         if len(_PLANS) >= 4096:  # a property test's many shapes: start over
             _PLANS.clear()
-        plan = _PLANS[signature] = (config, grid, (bucket(B * S), H, half, hd, str(x.dtype),
-                                                   inverse))  # fmt: skip
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if _impl.runs_torch(x.device):
-        rope_torch(x, cos, sin, inverse, y)
-        return y
+        key = (bucket(B * S), *heads, half, hd, str(xs[0].dtype), inverse)
+        plan = _PLANS[signature] = (config, grid, key)
+    ys = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
+    if _impl.runs_torch(xs[0].device):
+        for x, y in zip(xs, ys, strict=True):
+            rope_torch(x, cos, sin, inverse, y)
+        return ys
     config, grid, key = plan
-    if y.numel() == 0:
-        return y
-    args = (x, cos, sin, y, *x.stride(), *y.stride(), *cos.stride(), *sin.stride(), x.shape[1],
-            x.shape[2], cos.shape[1], x.shape[3])  # fmt: skip
-    _tuning.run_tile_or_torch(_rope_kernel, config, lambda _: grid, args, {"INVERSE": inverse},
-                              key, x, lambda: rope_torch(x, cos, sin, inverse, y))  # fmt: skip
-    return y
+    if grid[0] * grid[1] == 0 or ys[0].shape[3] == 0:
+        return ys
+    x, y = xs[0], ys[0]
+    x2, y2 = (xs[1], ys[1]) if len(xs) == 2 else (x, y)  # (a single tensor: not read)
+    args = (x, cos, sin, y, x2, y2, *x.stride(), *y.stride(), *cos.stride(), *sin.stride(),
+            *x2.stride(), *y2.stride(), x.shape[1], x.shape[2], x2.shape[2], cos.shape[1],
+            x.shape[3])  # fmt: skip
+
+    def run_torch():
+        for x_i, y_i in zip(xs, ys, strict=True):
+            rope_torch(x_i, cos, sin, inverse, y_i)
+
+    _tuning.run_tile_or_torch(_rope_kernel, config, lambda _: grid, args,
+                              {"INVERSE": inverse, "PAIR": len(xs) == 2}, key, x,
+                              run_torch)  # fmt: skip
+    return ys
 
 
 # --- torch implementation --------------------------------------------------------------

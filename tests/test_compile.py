@@ -184,11 +184,20 @@ def _opcheck_cases(group: str):
             ops.gated_backward,
             (torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8), "gelu_tanh"),
         ),
-        # RoPE: a strided head range of a projection, whole and partial rotary
-        (ops.rope, (_leaf(2, 5, 7, 16)[:, :, 1:4], torch.randn(5, 8), torch.randn(5, 8), False)),
+        # RoPE: a strided head range of a projection, whole and partial rotary; q and k
+        (ops.rope, ([_leaf(2, 5, 7, 16)[:, :, 1:4]], torch.randn(5, 8), torch.randn(5, 8), False)),
         (
             ops.rope,
-            (_leaf(1, 3, 2, 16, dtype=torch.float16), torch.randn(3, 4), torch.randn(3, 4), True),
+            ([_leaf(1, 3, 2, 16, dtype=torch.float16)], torch.randn(3, 4), torch.randn(3, 4), True),
+        ),  # fmt: skip
+        (
+            ops.rope,
+            (
+                [_leaf(2, 5, 7, 16)[:, :, :4], _leaf(2, 5, 7, 16)[:, :, 4:6]],
+                torch.randn(5, 6),
+                torch.randn(5, 6),
+                False,
+            ),
         ),  # fmt: skip
         # the one-rank gated MLP, with and without biases, some gradients not asked for
         (ops.gated_mlp, (xt, _leaf(5, 8), _leaf(5, 8), _leaf(8, 5), [], "silu")),

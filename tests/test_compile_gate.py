@@ -223,13 +223,18 @@ def gated_calls(dtype, activation):
                          stacked=True)  # fmt: skip
 
 
-def rope_calls(dtype, rotary):
+def rope_calls(dtype, rotary, pair=False):
     """Rotary embeddings of q at Llama 8B's shapes (32 heads of 128, 512 positions) as a
-    strided view of a fused QKV projection, forward and backward; `rotary` dims rotate."""
-    q = _empty((1, 512, 48, 128), dtype)[:, :, :32]
+    strided view of a fused QKV projection, forward and backward; `rotary` dims rotate;
+    `pair`: q and k (its 8 KV heads) in one launch each way."""
+    qkv = _empty((1, 512, 48, 128), dtype)
+    q, k = qkv[:, :, :32], qkv[:, :, 32:40]
     cos, sin = _empty((512, rotary // 2), "float32"), _empty((512, rotary // 2), "float32")
-    rope.rope(q, cos, sin)
-    rope.rope(q, cos, sin, inverse=True)
+    for inverse in (False, True):
+        if pair:
+            rope.rope_pair(q, k, cos, sin, inverse=inverse)
+        else:
+            rope.rope(q, cos, sin, inverse=inverse)
 
 
 # --- cases --------------------------------------------------------------------------------
@@ -506,7 +511,11 @@ for inverse in (False, True):
                                (128, "float32", 90)):  # fmt: skip
         add(family, f"r{rotary}-{dtype}", rope_calls, {"dtype": dtype, "rotary": rotary},
             "_rope_kernel", cap, no_spill=dtype == "bfloat16",
-            match={"INVERSE": inverse})  # fmt: skip
+            match={"INVERSE": inverse, "PAIR": False})  # fmt: skip
+    for cap in (90, 80):  # q and k in one launch, as ParallelAttention rotates them
+        add(family, "pair-r128-bfloat16", rope_calls,
+            {"dtype": "bfloat16", "rotary": 128, "pair": True}, "_rope_kernel", cap,
+            no_spill=True, match={"INVERSE": inverse, "PAIR": True})  # fmt: skip
 
 
 # --- tests ----------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from fusedpar import comm
 from fusedpar.nn.attention_parts import (  # noqa: F401 (rope_tables: public here too)
     QK_NORMS,
     apply_rope,
+    apply_rope_qk,
     norm_weight,
     qk_rms_norm,
     rope_tables,
@@ -408,7 +409,7 @@ class ParallelAttention(nn.Module):
         if self.rope is not None:
             full_len = seq * comm.group_size(self.cp_group) * comm.group_size(self.ulysses_group)
             cos, sin = self._rope(full_len, x.device, cu_seqlens)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope_qk(q, k, cos, sin)  # one launch for both, each way
         out = ring_attn(q, k, v, self.cp_group, causal=self.causal, layout=self.cp_layout,
                         softmax_scale=self.softmax_scale,
                         sinks=None if self.sinks is None else self.sinks.float(),

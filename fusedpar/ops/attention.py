@@ -112,27 +112,33 @@ _flash_attn = autograd_op(_flash_attn_op, _backward, _setup)
 
 
 # --- custom op: fusedpar::rope (its backward is itself, by -angle) -----------------------
+# One tensor, or two at the same positions (q and k) in one launch each way.
 
 
 @torch.library.custom_op("fusedpar::rope", mutates_args=())
-def _rope_op(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
-    return rope_kernels.rope(x, cos, sin, inverse)
+def _rope_op(xs: list[Tensor], cos: Tensor, sin: Tensor, inverse: bool) -> list[Tensor]:
+    if len(xs) == 1:
+        return [rope_kernels.rope(xs[0], cos, sin, inverse)]
+    return list(rope_kernels.rope_pair(*xs, cos, sin, inverse))
 
 
 @_rope_op.register_fake
-def _(x, cos, sin, inverse):  # new and contiguous, as the kernel's
-    return x.new_empty(x.shape)
+def _(xs, cos, sin, inverse):  # new and contiguous, as the kernel's
+    return [x.new_empty(x.shape) for x in xs]
 
 
 def _rope_setup(ctx, inputs, output):
-    _, cos, sin, inverse = inputs
+    xs, cos, sin, inverse = inputs
     ctx.save_for_backward(cos, sin)
     ctx.inverse = inverse
+    ctx.outputs = [(x.shape, x.dtype) for x in xs]
 
 
-def _rope_backward(ctx, dy):
+def _rope_backward(ctx, dys):
     cos, sin = ctx.saved_tensors
-    return _rope_again(dy, cos, sin, not ctx.inverse), None, None, None
+    dys = [torch.zeros(shape, dtype=dtype, device=cos.device) if dy is None else dy
+           for dy, (shape, dtype) in zip(dys, ctx.outputs, strict=True)]  # fmt: skip
+    return _rope_again(dys, cos, sin, not ctx.inverse), None, None, None
 
 
 _rope_again = direct_op(_rope_op)  # inside the backward: no graph of its own
@@ -145,7 +151,16 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     (`fusedpar.kernels.rope`). The tables take no gradient: pass ones that need it to
     the PyTorch formula (`fusedpar.nn.attention_parts.apply_rope` does)."""
     rope_kernels.check_rope(x, cos, sin)
-    return _rope(x, cos, sin, False)
+    return _rope([x], cos, sin, False)[0]
+
+
+def rope_pair(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """`rope` of q (B, S, Hq, hd) and k (B, S, Hkv, hd) at the same positions, one launch
+    each way (two with `rope` each)."""
+    rope_kernels.check_rope(q, cos, sin)
+    rope_kernels.check_rope(k, cos, sin)
+    q, k = _rope([q, k], cos, sin, False)
+    return q, k
 
 
 def check_sinks(sinks, q: torch.Tensor, what: str) -> None:
