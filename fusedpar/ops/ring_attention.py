@@ -503,11 +503,13 @@ class VirtualRingAttnFunction(torch.autograd.Function):
         size, layout = ctx.size, ctx.layout
         if dout is None:
             dout = torch.zeros_like(out)
-        delta = _delta(out, dout, dlse)
         per_rank = [_shards(t, size, layout) for t in (q, k, v, dout)]
-        per_rank += [_shards(t, size, layout, dim=2) for t in (lse, delta)]
-        grads = _backward(*per_rank, VirtualRing(size), VirtualRing(size), ctx.masks,
-                          **ctx.common)  # fmt: skip
+        per_rank.append(_shards(lse, size, layout, dim=2))
+        # delta made by each rank's first dQ launch, as ring_attn's
+        dlses = [None] * size if dlse is None else _shards(dlse, size, layout, dim=2)
+        sources = list(zip(_shards(out, size, layout), dlses, strict=True))
+        grads = _backward(*per_rank, None, VirtualRing(size), VirtualRing(size), ctx.masks,
+                          **ctx.common, sources=sources)  # fmt: skip
         dq, dk, dv = (_unshard(g, size, layout).to(t.dtype)
                       for g, t in zip(grads, (q, k, v), strict=True))  # fmt: skip
         return dq, dk, dv, *[None] * 7
