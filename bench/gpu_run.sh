@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU run plan of bench/NOTES.md, one self-contained command per step:
 #
-#   bash bench/gpu_run.sh STEP      (STEP 1-4, on a fresh lent GPU machine, with $OUT set)
+#   bash bench/gpu_run.sh STEP      (STEP 0-4, on a fresh lent GPU machine, with $OUT set)
 #
+# 0: what is new since the last run, for a 15-minute budget: its GPU tests and step_time
 # 1: the GPU tier in fp16/bf16        3: GEMM, MoE and ring benchmarks
 # 2: the attention benchmark          4: the TP and step-time benchmarks, the fp32 GPU tier
 #
@@ -11,7 +12,7 @@
 # 8 files in $OUT: install.log, device.txt, summary.txt, one log per part, results.tgz
 # (every bench's JSON, table and plot, and the tuner's picks).
 set -uo pipefail
-step=${1:?usage: bash bench/gpu_run.sh 1|2|3|4}
+step=${1:?usage: bash bench/gpu_run.sh 0|1|2|3|4}
 out=${OUT:?set OUT to a folder that comes back}
 results=/tmp/fusedpar-results
 mkdir -p "$results"
@@ -46,7 +47,12 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 tier=(python -m pytest -m gpu -n 4 -q -p no:cacheprovider --timeout 300)
 bench=(env BENCH_QUICK=1 TRITON_PRINT_AUTOTUNING=1 FUSEDPAR_TUNING_CACHE=$results/picks.json
        python -m bench)
+# Step 0's tests: the routing kernel, the attention backward (delta made in dQ) on both
+# read paths, the ring modes and virtual ring, the whole-step captures.
+new_tests="routing or flash_attn_gpu or ring_modes_gpu or virtual_ring_gpu or cuda_graph or no_host_sync_gpu"
 case $step in
+  0) part gpu_tier_new 300 env FUSEDPAR_TUNING=first "${tier[@]}" -k "$new_tests"
+     part step_time 200 "${bench[@]}" step_time ;;
   1) part gpu_tier 520 env FUSEDPAR_TUNING=first "${tier[@]}" -k "not float32" ;;
   2) part attention 530 "${bench[@]}" attention ;;
   3) part matmul 170 "${bench[@]}" matmul
@@ -55,7 +61,7 @@ case $step in
   4) part linear 150 "${bench[@]}" linear
      part step_time 200 "${bench[@]}" step_time
      part gpu_tier_fp32 180 env FUSEDPAR_TUNING=first "${tier[@]}" -k float32 ;;
-  *) echo "unknown step $step: 1-4" >&2; exit 2 ;;
+  *) echo "unknown step $step: 0-4" >&2; exit 2 ;;
 esac
 tar -czf "$out/results.tgz" -C "$results" .
 for log in "$out"/*.log; do echo "== $log"; tail -n 15 "$log"; done
