@@ -49,7 +49,7 @@ bench=(env BENCH_QUICK=1 TRITON_PRINT_AUTOTUNING=1 FUSEDPAR_TUNING_CACHE=$result
        python -m bench)
 # Step 0's tests: the routing kernel, the attention backward (delta made in dQ) on both
 # read paths, the ring modes and virtual ring, the whole-step captures.
-new_tests="routing or flash_attn_gpu or ring_modes_gpu or virtual_ring_gpu or cuda_graph or no_host_sync_gpu"
+new_tests="routing or nan_logits or flash_attn_gpu or ring_modes_gpu or virtual_ring_gpu or cuda_graph or no_host_sync_gpu"
 case $step in
   0) part gpu_tier_new 300 env FUSEDPAR_TUNING=first "${tier[@]}" -k "$new_tests"
      part step_time 200 "${bench[@]}" step_time ;;

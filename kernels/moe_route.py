@@ -92,7 +92,9 @@ def _route_fwd_kernel(
     ids = tl.zeros((BLOCK_ROWS, BLOCK_K), dtype=tl.int32)
     picked = tl.zeros((BLOCK_ROWS, BLOCK_K), dtype=tl.float32)
     for j in range(TOP_K):
-        best = tl.argmax(select, 1, tie_break_left=True)  # (BLOCK_ROWS,)
+        # (a row of NaN logits from a diverged step compares false everywhere: its
+        # argmax may name a padding column, which the dispatch would index with)
+        best = tl.minimum(tl.argmax(select, 1, tie_break_left=True), E - 1)  # (BLOCK_ROWS,)
         hit = cols[None, :] == best[:, None]
         slot = slots[None, :] == j
         ids = tl.where(slot, best[:, None], ids)

@@ -504,3 +504,23 @@ def test_routing_matches_float64(T, E, k_share, score, norm, bias, grads, stride
 )
 def test_routing_matches_float64_gpu(problem, each_implementation):
     check_routing(*problem, "both", False, 0, torch.device("cuda"))
+
+
+def check_nan_logits_stay_in_range(device):
+    """A diverged step's NaN logits: every id still names an expert (the dispatch indexes
+    with them; an argmax over NaN compares false everywhere)."""
+    logits = randn((9, 6), torch.float32, 0).to(device)
+    logits[1], logits[4, 2], logits[7] = float("nan"), float("nan"), float("inf")
+    for score in SCORES:
+        _, ids, _ = route_top_k(logits, 3, score, True)
+        assert ((ids >= 0) & (ids < 6)).all(), ids
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the interpreter's inf - inf
+def test_nan_logits_route_within_range(each_implementation):
+    check_nan_logits_stay_in_range(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_nan_logits_route_within_range_gpu(each_implementation):
+    check_nan_logits_stay_in_range(torch.device("cuda"))
