@@ -79,18 +79,17 @@ def _rope_kernel(
         sn = -sn
     x_row += heads * sxh
     y_row += heads * syh
-    stride_xd, stride_yd = sxd, syd
     mask = (heads < heads_here) & (i < HALF)[None, :]
-    x1 = tl.load(x_row + i[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + (i + HALF)[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(x_row + i[None, :] * sxd, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + (i + HALF)[None, :] * sxd, mask=mask, other=0.0).to(tl.float32)
     out_ty = y_ptr.dtype.element_ty
-    tl.store(y_row + i[None, :] * stride_yd, (x1 * c - x2 * sn).to(out_ty), mask=mask)
-    tl.store(y_row + (i + HALF)[None, :] * stride_yd, (x2 * c + x1 * sn).to(out_ty), mask=mask)
+    tl.store(y_row + i[None, :] * syd, (x1 * c - x2 * sn).to(out_ty), mask=mask)
+    tl.store(y_row + (i + HALF)[None, :] * syd, (x2 * c + x1 * sn).to(out_ty), mask=mask)
     if BLOCK_REST > 0:  # partial rotary: the dims past 2 * HALF pass
         j = 2 * HALF + tl.arange(0, BLOCK_REST)
         rest = (heads < heads_here) & (j < HEAD_DIM)[None, :]
-        passing = tl.load(x_row + j[None, :] * stride_xd, mask=rest, other=0.0)
-        tl.store(y_row + j[None, :] * stride_yd, passing, mask=rest)
+        passing = tl.load(x_row + j[None, :] * sxd, mask=rest, other=0.0)
+        tl.store(y_row + j[None, :] * syd, passing, mask=rest)
 
 
 # --- launcher ---------------------------------------------------------------------------
@@ -140,7 +139,7 @@ def _check_pair(x, x2) -> None:
 
 
 def _rotate(xs: list, cos, sin, inverse: bool) -> list:
-    signature = (*((x.shape, x.stride()) for x in xs), xs[0].dtype, xs[0].device, cos.shape,
+    signature = (*((x.shape, x.stride(), x.dtype, x.device) for x in xs), cos.shape,
                  cos.stride(), cos.dtype, cos.device, sin.stride(), sin.dtype, sin.device,
                  inverse)  # fmt: skip
     plan = _PLANS.get(signature)

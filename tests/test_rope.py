@@ -91,5 +91,6 @@ def test_a_bad_pair_is_named():
     table = torch.zeros(4, 4)
     with pytest.raises(ValueError, match=r"second tensor must be \(1, 4, H2, 8\)"):
         rope_pair(torch.zeros(1, 4, 2, 8), torch.zeros(1, 3, 2, 8), table, table)
-    with pytest.raises(ValueError, match="one dtype and device"):
+    rope_pair(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 1, 8), table, table)  # planned
+    with pytest.raises(ValueError, match="one dtype and device"):  # not the plan's: checked
         rope_pair(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 1, 8).half(), table, table)
