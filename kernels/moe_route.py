@@ -255,16 +255,16 @@ def route_top_k_backward(d_weights, d_probs, probs, ids, score: str = "softmax",
 
 
 def route_top_k_torch(logits, top_k, score, norm, bias, weights, ids, probs) -> None:
-    """`route_top_k`'s contract in PyTorch, into weights, ids and probs."""
-    probs.copy_(logits.softmax(-1) if score == "softmax" else logits.sigmoid())
-    select = probs if bias is None else probs + bias
-    chosen = select.topk(top_k, dim=-1).indices
+    """`route_top_k`'s contract in PyTorch, into weights, ids and probs: the reference's
+    math, with a renormalized top-1 weight exactly 1 (p / p would be 0 / 0 at p = 0)."""
+    one = norm and top_k == 1
+    picked, chosen, scores = route_reference(logits, top_k, score, norm and not one, bias)
+    probs.copy_(scores)
     ids.copy_(chosen)
-    picked = probs.gather(1, chosen)
-    if norm and top_k == 1:
+    if one:
         weights.fill_(1.0)
     else:
-        weights.copy_(picked / picked.sum(-1, keepdim=True) if norm else picked)
+        weights.copy_(picked)
 
 
 def route_top_k_backward_torch(d_weights, d_probs, probs, ids, score, norm, d_logits) -> None:
