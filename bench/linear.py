@@ -63,10 +63,12 @@ SIDES = ("ag", "rs")
 
 
 def torch_gemm(
-    a, b, *, out=None, bias=None, accumulate=False, out_dtype=None, agreement=None, tune_only=False
-):
+    a, b, *, out=None, bias=None, accumulate=False, out_dtype=None, rope=None, agreement=None,
+    tune_only=False,
+):  # fmt: skip
     """The GEMM callback of the ring pipelines, done by torch (for the CPU comparison):
-    `matmul`'s signature, with nothing to tune."""
+    `matmul`'s signature, with nothing to tune (and no rotation: the bench asks none)."""
+    assert rope is None
     if tune_only:
         return None
     if accumulate:

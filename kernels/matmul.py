@@ -1,4 +1,5 @@
-"""Tiled GEMM with strided operands: ``C = A @ B (+ bias)`` or ``C += A @ B (+ bias)``.
+"""Tiled GEMM with strided operands: ``C = A @ B (+ bias)`` or ``C += A @ B (+ bias)``,
+optionally with C's heads rotated (RoPE) in the epilogue.
 
 | tensor | shape  | dtype                          | strides   |
 | ------ | ------ | ------------------------------ | --------- |
@@ -12,9 +13,15 @@ slice of a larger buffer (a chunk's rows of an all-gathered output). Products ac
 in fp32 and are rounded once; with ``accumulate=True`` the old C is added in fp32 before
 that rounding, which is how reduce-scatter partials and weight gradients build up in an
 fp32 buffer.
+
+``rope=RowRotation(cos, sin, ...)`` rotates each head of C (hd = 2 * cos.shape[1] columns)
+by its row's angles before that rounding: a q or k projection leaves the GEMM with its
+rotary embedding applied, one rounding instead of two and no pass of its own (the
+tile then spans whole heads: `rope_epilogue_fits`).
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -33,6 +40,7 @@ from fusedpar.kernels._common import (
     tma_paths,
 )
 from fusedpar.kernels._tuning import Agreement, bucket
+from fusedpar.kernels.matmul_torch import cublas_computes, matmul_torch
 
 # Row blocks that share one column of B tiles in L2 (the Triton tutorial's grouped order).
 GROUP_M = 8
@@ -54,6 +62,10 @@ _TILES_16BIT = [
     (32, 32, 4, 2),
 ]  # fmt: skip
 _SPILL_WHEN_ACCUMULATING = {(128, 256, 3, 8), (256, 128, 3, 8), (128, 128, 3, 4)}
+# Rotating heads in the epilogue (`_rotate_heads`) holds the tables' rows beside the
+# accumulator: the same three tiles then spill 80-472 B (hd 64-256; 128x256 at hd 64 is
+# at 252 registers), so a rotating GEMM leaves them out too.
+_SPILL_WHEN_ROTATING = _SPILL_WHEN_ACCUMULATING
 # fp32 runs as FMA loops at full precision (PyTorch's default) and through TF32 wgmma
 # otherwise; these tiles serve both. 128x256 and 128x128x4 in fp32 need 256-288 KB of
 # shared memory (over an H100's 227 KB), and 128x128 with 4 warps as FMA spills over
@@ -61,9 +73,10 @@ _SPILL_WHEN_ACCUMULATING = {(128, 256, 3, 8), (256, 128, 3, 8), (128, 128, 3, 4)
 _TILES_FP32 = [(128, 64, 3, 8), (64, 64, 3, 8), (64, 64, 4, 4), (32, 32, 3, 4)]
 
 
-def matmul_configs(dtype: torch.dtype, accumulate: bool) -> list[triton.Config]:
-    """Tiles the tuner tries on a GPU for A's dtype, and whether C is added into
-    (pruned for small problems by `_prune_configs`).
+def matmul_configs(dtype: torch.dtype, accumulate: bool, head_dim: int = 0) -> list[triton.Config]:
+    """Tiles the tuner tries on a GPU for A's dtype, whether C is added into, and the
+    heads a rotating epilogue turns (`head_dim`: the tiles whose columns hold whole
+    heads, 0: no rotation), pruned for small problems by `_prune_configs`.
 
     Large tiles with 8 warps feed Hopper's wgmma; the small ones serve thin TP shards and
     decode-sized M. Every tile has the same BLOCK_K, so each output sums its K products in
@@ -74,10 +87,36 @@ def matmul_configs(dtype: torch.dtype, accumulate: bool) -> list[triton.Config]:
         tiles = _TILES_FP32
     else:
         tiles = [t for t in _TILES_16BIT if not (accumulate and t in _SPILL_WHEN_ACCUMULATING)]
+    if head_dim:
+        tiles = [t for t in tiles if t[1] % head_dim == 0 and t not in _SPILL_WHEN_ROTATING]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK_K}, num_stages=s, num_warps=w)
         for bm, bn, s, w in tiles
     ]
+
+
+class RowRotation(NamedTuple):
+    """The rotary embedding `matmul` applies to C in its epilogue. C's row m is at
+    position ``(first_row + m) // rows_per_position`` of the tables cos, sin (P, hd/2)
+    fp32 (rows in (S, B) order have ``rows_per_position = B``; a chunk of them starts at
+    ``first_row``); every hd = 2 * cos.shape[1] columns of C are one head, whose pairs
+    (i, i + hd/2) turn by the position's angles (full rotary: `fusedpar.kernels.rope`)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rows_per_position: int = 1
+    first_row: int = 0
+
+
+def rope_epilogue_fits(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `matmul` can rotate heads of `head_dim` in its epilogue for A of `dtype`:
+    a power of 2 that some tile's columns hold whole (16-bit: up to 128, fp32: up to
+    64; 256 only in the tiles that spill rotating). Otherwise a caller rotates after the
+    GEMM (`fusedpar.kernels.rope`)."""
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    power_of_2 = head_dim >= 2 and head_dim & (head_dim - 1) == 0
+    return power_of_2 and bool(matmul_configs(dtype, False, head_dim))
 
 
 def _prune_configs(configs, M: int, N: int):
@@ -133,17 +172,45 @@ def _store_half(c_desc, c_ptr, acc, start_m, start_n, ACCUMULATE: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, c_ptr, c_desc, bias_ptr, start_m, start_n, M, N, stride_cm, stride_cn,
-              stride_bias, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
-              C_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """``C = acc (+ bias) (+ C)`` for one tile, rounded once. Through a TMA descriptor
-    (edges clipped by it) C goes in two column halves, so the tile staged in shared
-    memory is half as large (the Triton tutorial's epilogue subtiling: 128x128 adding
-    into fp32 needed 257 KiB whole, over an H100's 227); else through masked pointers."""
+def _rotate_heads(acc, cos_ptr, sin_ptr, start_m, M, rope_first_row, rope_rows_per_position,
+                  stride_cos, stride_sin, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):  # fmt: skip
+    """The tile's heads (2 * HALF columns each, whole in it) rotated by their rows'
+    angles: each pair (i, i + HALF) of a head as `fusedpar.kernels.rope` turns it. The
+    halves are split in registers (a thread holds columns c and c + HALF alike, as in the
+    C_TMA split below); the tables' rows are read once a tile."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    position = (rope_first_row + offs_m.to(tl.int64)) // rope_rows_per_position
+    i = tl.arange(0, HALF)
+    in_rows = (offs_m < M)[:, None]
+    c = tl.load(cos_ptr + position[:, None] * stride_cos + i[None, :], mask=in_rows, other=0.0)
+    s = tl.load(sin_ptr + position[:, None] * stride_sin + i[None, :], mask=in_rows, other=0.0)
+    c, s = c[:, None, :], s[:, None, :]  # (BLOCK_M, 1, HALF): one row for every head
+    heads = tl.reshape(acc, (BLOCK_M, BLOCK_N // (2 * HALF), 2, HALF))
+    x1, x2 = tl.split(tl.permute(heads, (0, 1, 3, 2)))  # (BLOCK_M, heads, HALF) each
+    rotated = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)
+    return tl.reshape(tl.permute(rotated, (0, 1, 3, 2)), (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def _epilogue(acc, c_ptr, c_desc, bias_ptr, cos_ptr, sin_ptr, start_m, start_n, M, N,
+              stride_cm, stride_cn, stride_bias, stride_cos, stride_sin, rope_first_row,
+              rope_rows_per_position, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
+              C_TMA: tl.constexpr, ROPE_HALF: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):  # fmt: skip
+    """``C = rope(acc (+ bias)) (+ C)`` for one tile, rounded once (ROPE_HALF > 0: the
+    heads rotated, `_rotate_heads`). Through a TMA descriptor (edges clipped by it) C
+    goes in two column halves, so the tile staged in shared memory is half as large (the
+    Triton tutorial's epilogue subtiling: 128x128 adding into fp32 needed 257 KiB whole,
+    over an H100's 227); else through masked pointers."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)
         acc += bias.to(tl.float32)[None, :]
+    if ROPE_HALF > 0:
+        acc = _rotate_heads(acc, cos_ptr, sin_ptr, start_m, M, rope_first_row,
+                            rope_rows_per_position, stride_cos, stride_sin, ROPE_HALF,
+                            BLOCK_M, BLOCK_N)  # fmt: skip
     if C_TMA:
         left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
         _store_half(c_desc, c_ptr, left, start_m, start_n, ACCUMULATE)
@@ -161,14 +228,16 @@ def _epilogue(acc, c_ptr, c_desc, bias_ptr, start_m, start_n, M, N, stride_cm, s
 @triton.jit
 def _matmul_kernel(
     # pointers
-    a_ptr, b_ptr, c_ptr, bias_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, cos_ptr, sin_ptr,
     # strides
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+    stride_cos, stride_sin,
     # sizes
-    M, N, K,
+    M, N, K, rope_rows_per_position, rope_first_row,
     # meta-parameters
     HAS_BIAS: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    ROPE_HALF: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
     TMA: tl.constexpr,
@@ -186,7 +255,8 @@ def _matmul_kernel(
     (A_T: A is M-contiguous, B_T: B is K-contiguous, a weight read as ``w.T``), tiles
     and their K loops flattened into one pipelined loop (the Triton tutorial 09's
     schedule). Otherwise one tile per program through pointers advanced each K step.
-    C_TMA: C is written (and read back when adding) through a descriptor."""
+    C_TMA: C is written (and read back when adding) through a descriptor. ROPE_HALF > 0:
+    C's heads of 2 * ROPE_HALF columns are rotated in the epilogue."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if C_TMA:
@@ -208,8 +278,10 @@ def _matmul_kernel(
                 a = _load_operand(a_desc, start_m, ki * BLOCK_K, A_T)
                 b = _load_operand(b_desc, ki * BLOCK_K, start_n, B_T)
                 acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-            _epilogue(acc, c_ptr, c_desc, bias_ptr, start_m, start_n, M, N, stride_cm, stride_cn,
-                      stride_bias, HAS_BIAS, ACCUMULATE, C_TMA, BLOCK_M, BLOCK_N)  # fmt: skip
+            _epilogue(acc, c_ptr, c_desc, bias_ptr, cos_ptr, sin_ptr, start_m, start_n, M, N,
+                      stride_cm, stride_cn, stride_bias, stride_cos, stride_sin, rope_first_row,
+                      rope_rows_per_position, HAS_BIAS, ACCUMULATE, C_TMA, ROPE_HALF, BLOCK_M,
+                      BLOCK_N)  # fmt: skip
     else:
         pid_m, pid_n = tile_of(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -235,16 +307,19 @@ def _matmul_kernel(
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
-        _epilogue(acc, c_ptr, c_desc, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
-                  stride_cm, stride_cn, stride_bias, HAS_BIAS, ACCUMULATE, C_TMA, BLOCK_M,
-                  BLOCK_N)  # fmt: skip
+        _epilogue(acc, c_ptr, c_desc, bias_ptr, cos_ptr, sin_ptr, pid_m * BLOCK_M,
+                  pid_n * BLOCK_N, M, N, stride_cm, stride_cn, stride_bias, stride_cos,
+                  stride_sin, rope_first_row, rope_rows_per_position, HAS_BIAS, ACCUMULATE,
+                  C_TMA, ROPE_HALF, BLOCK_M, BLOCK_N)  # fmt: skip
 
 
-def _candidates(M: int, N: int, interpreted: bool, dtype, accumulate) -> list[triton.Config]:
+def _candidates(M: int, N: int, interpreted: bool, dtype, accumulate,
+                head_dim: int = 0) -> list[triton.Config]:  # fmt: skip
+    """The tiles to try; with `head_dim` (a rotating epilogue), those holding whole heads."""
     if interpreted:
-        block_m, block_n = _interpreter_block(M), _interpreter_block(N)
+        block_m, block_n = _interpreter_block(M), max(_interpreter_block(N), head_dim)
         return [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": BLOCK_K})]
-    return _prune_configs(matmul_configs(dtype, accumulate), M, N)
+    return _prune_configs(matmul_configs(dtype, accumulate, head_dim), M, N)
 
 
 def _interpreter_block(size: int) -> int:
@@ -281,6 +356,37 @@ def _check_operands(a, b, bias, out, accumulate, out_dtype):
         raise TypeError(f"out_dtype must be A's dtype ({a.dtype}) or float32, got {out_dtype}")
 
 
+def _check_rope(a, b, rope: RowRotation, accumulate) -> None:
+    cos, sin, per_position = rope.cos, rope.sin, rope.rows_per_position
+    if cos.dim() != 2 or cos.shape != sin.shape:
+        raise ValueError(f"rope: cos and sin must be (positions, hd/2), got {tuple(cos.shape)} "
+                         f"and {tuple(sin.shape)}")  # fmt: skip
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise TypeError(f"rope: cos and sin must be float32, got {cos.dtype} and {sin.dtype}")
+    if cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError(f"rope: the tables' rows must be contiguous, got strides "
+                         f"{cos.stride()} and {sin.stride()}")  # fmt: skip
+    head_dim, N = 2 * cos.shape[1], b.shape[1]
+    if not rope_epilogue_fits(a.dtype, head_dim) or N % head_dim:
+        raise ValueError(f"rope: heads of {head_dim} (2 * cos.shape[1]) must be a power of 2 "
+                         f"the {a.dtype} tiles hold whole, dividing N = {N}")  # fmt: skip
+    if accumulate:
+        raise ValueError("rope: a rotated C is written, not added into (accumulate=True)")
+    if not isinstance(per_position, int) or per_position < 1:
+        raise ValueError(f"rope: rows_per_position must be a positive int, got {per_position!r}")
+    if not a.device == cos.device == sin.device:
+        raise ValueError(f"rope: A and the tables on {a.device}, {cos.device}, {sin.device}")
+
+
+def _check_rope_rows(M: int, rope: RowRotation) -> None:
+    """Every row's position inside the tables (a call's rows may start anywhere)."""
+    if rope.first_row < 0 or (M and (rope.first_row + M - 1) // rope.rows_per_position
+                              >= rope.cos.shape[0]):  # fmt: skip
+        raise ValueError(f"rope: rows {rope.first_row}..{rope.first_row + M - 1} at "
+                         f"{rope.rows_per_position} a position pass the tables' "
+                         f"{rope.cos.shape[0]} positions")  # fmt: skip
+
+
 @dataclass
 class _Plan:
     """What `matmul` works out once per call signature (shapes, strides, dtypes, flags,
@@ -294,7 +400,7 @@ class _Plan:
     K: int
     c_dtype: torch.dtype
     key: tuple
-    scalars: tuple  # the kernel's strides and sizes
+    scalars: tuple  # the kernel's strides and sizes (all but the rotation's first row)
     meta: dict  # its constexprs
     programs: int | None  # SMs (a persistent TMA grid), None in the interpreter
     settled: tuple | None = None  # (the pick, its grid, its keywords) once launched
@@ -310,8 +416,9 @@ _PLANS: dict[tuple, _Plan] = {}
 _MAX_PLANS = 4096  # a property test's many shapes: start over rather than grow
 
 
-def _signature(a, b, bias, out, accumulate, out_dtype, tune_only) -> tuple:
-    # alignment decides TMA; the fp32 precision decides the dot's
+def _signature(a, b, bias, out, accumulate, out_dtype, tune_only, rope) -> tuple:
+    # alignment decides TMA; the fp32 precision decides the dot's; a rotation's first row
+    # is an argument of each launch
     return (
         a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.device,
         bias is not None and (bias.shape, bias.stride(), bias.dtype),
@@ -319,24 +426,31 @@ def _signature(a, b, bias, out, accumulate, out_dtype, tune_only) -> tuple:
         accumulate, out_dtype, tune_only, a.data_ptr() % 16, b.data_ptr() % 16,
         torch.get_float32_matmul_precision(),
         _common.tma_compatible,  # the TMA rule in force (tests swap it for the pointer path)
+        rope is not None and (rope.cos.shape, rope.cos.stride(), rope.sin.shape,
+                              rope.sin.stride(), rope.cos.dtype, rope.sin.dtype,
+                              rope.cos.device, rope.sin.device, rope.rows_per_position),
     )  # fmt: skip
 
 
-def _plan(a, b, bias, out, accumulate, out_dtype, tune_only) -> _Plan:
+def _plan(a, b, bias, out, accumulate, out_dtype, tune_only, rope) -> _Plan:
     """The call's plan, checked and made on the first call of its signature. Raises
     ValueError/TypeError naming the sizes for operands the kernel cannot take."""
-    signature = _signature(a, b, bias, out, accumulate, out_dtype, tune_only)
+    signature = _signature(a, b, bias, out, accumulate, out_dtype, tune_only, rope)
     plan = _PLANS.get(signature)
     if plan is not None:
         return plan
     _check_operands(a, b, bias, out, accumulate and not tune_only, out_dtype)
-    check_launchable(_matmul_kernel, *(t for t in (a, b, bias, out) if t is not None))
+    if rope is not None:
+        _check_rope(a, b, rope, accumulate)
+    tables = () if rope is None else (rope.cos, rope.sin)
+    check_launchable(_matmul_kernel, *(t for t in (a, b, bias, out, *tables) if t is not None))
     (M, K), N = a.shape, b.shape[1]
     c_dtype = out.dtype if out is not None else out_dtype or a.dtype
     out = None if tune_only else out  # tuning writes a scratch C of its own
     precision = fp32_dot_precision() if a.dtype == torch.float32 else "tf32"
+    head_dim = 0 if rope is None else 2 * rope.cos.shape[1]
     key = (bucket(M), N, K, str(a.dtype), str(c_dtype), bias is not None and str(bias.dtype),
-           accumulate, precision)  # fmt: skip
+           accumulate, precision, head_dim)  # fmt: skip
     # a new C is (M, N) row-major (the descriptor takes C row-major)
     c_strides = out.stride() if out is not None else (N, 1)
     c_probe = out if out is not None else torch.empty((min(M, 1), N), dtype=c_dtype,
@@ -344,9 +458,11 @@ def _plan(a, b, bias, out, accumulate, out_dtype, tune_only) -> _Plan:
     tma, c_tma = tma_paths((a, b), (c_probe,) if c_strides[1] == 1 else ())
     meta = dict(HAS_BIAS=bias is not None, ACCUMULATE=accumulate, INPUT_PRECISION=precision,
                 EVEN_K=K % BLOCK_K == 0, TMA=tma, A_T=tma and a.stride(1) != 1,
-                B_T=tma and b.stride(1) != 1, C_TMA=c_tma, GROUP_M=GROUP_M)  # fmt: skip
+                B_T=tma and b.stride(1) != 1, C_TMA=c_tma, GROUP_M=GROUP_M,
+                ROPE_HALF=head_dim // 2)  # fmt: skip
+    table_strides = (0, 0) if rope is None else (rope.cos.stride(0), rope.sin.stride(0))
     scalars = (*a.stride(), *b.stride(), *c_strides, bias.stride(0) if bias is not None else 0,
-               M, N, K)  # fmt: skip
+               *table_strides, M, N, K, 1 if rope is None else rope.rows_per_position)  # fmt: skip
     programs = sm_count(a.device) if a.device.type == "cuda" and tma else None
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
@@ -362,10 +478,13 @@ def matmul(
     out: torch.Tensor | None = None,
     accumulate: bool = False,
     out_dtype: torch.dtype | None = None,
+    rope: RowRotation | None = None,
     agreement: Agreement | None = None,
     tune_only: bool = False,
 ) -> torch.Tensor | None:
-    """``C = A @ B (+ bias)``, or ``C += A @ B (+ bias)`` with ``accumulate=True``.
+    """``C = A @ B (+ bias)``, or ``C += A @ B (+ bias)`` with ``accumulate=True``; with
+    `rope`, C's heads rotated at their rows' positions before C is rounded
+    (`RowRotation`; not with ``accumulate``).
 
     a (M, K), b (K, N), bias (N,), out (M, N): any strides, no copies. ``out`` defaults to
     a new tensor of ``out_dtype`` (A's dtype unless given: A's or float32). Returns C.
@@ -376,6 +495,9 @@ def matmul(
     """
     if _impl.runs_torch(a.device):
         _check_operands(a, b, bias, out, accumulate and not tune_only, out_dtype)
+        if rope is not None:
+            _check_rope(a, b, rope, accumulate)
+            _check_rope_rows(a.shape[0], rope)
         if tune_only:
             return None
         c_dtype = out.dtype if out is not None else out_dtype or a.dtype
@@ -384,10 +506,14 @@ def matmul(
             if out is None
             else out
         )
-        _matmul_torch(a, b, bias, out, accumulate)
+        matmul_torch(a, b, bias, out, accumulate, rope)
         return out
-    plan = _plan(a, b, bias, out, accumulate, out_dtype, tune_only)
+    plan = _plan(a, b, bias, out, accumulate, out_dtype, tune_only, rope)
     M, N, key, meta = plan.M, plan.N, plan.key, plan.meta
+    first_row = 0
+    if rope is not None:
+        _check_rope_rows(M, rope)
+        first_row = rope.first_row
     tuner = _tuning.tuner("matmul")
     settled = plan.settled
     if (
@@ -397,7 +523,7 @@ def matmul(
         and tuner.settled(key) is settled[0]
     ):
         out = torch.empty((M, N), dtype=plan.c_dtype, device=a.device) if out is None else out
-        _launch_settled(plan, a, b, bias, out, *settled[1:])
+        _launch_settled(plan, _arguments(plan, a, b, bias, out, rope, first_row), *settled[1:])
         return out
     if tune_only:
         if M == 0 or N == 0 or tuner.has(key, agreement):
@@ -409,18 +535,19 @@ def matmul(
         return out
     if meta["TMA"] or meta["C_TMA"]:
         ensure_tma_allocator(a.device)  # per thread: autograd's backward runs on its own
-    args = (a, b, out, bias if bias is not None else out, *plan.scalars)  # bias_ptr: unused
+    args = _arguments(plan, a, b, bias, out, rope, first_row)
 
     def launch(config):
         if isinstance(config, _impl.Torch):
-            _matmul_torch(a, b, bias, out, accumulate)
+            matmul_torch(a, b, bias, out, accumulate, rope)
             return
         grid, kwargs = plan.launch_arguments(config)
         _matmul_kernel[grid](*args, **kwargs)
 
     def candidates():
-        cublas = _cublas_computes(a, bias, plan.c_dtype, accumulate)
-        tiles = _candidates(bucket(M), N, is_interpreted(_matmul_kernel), a.dtype, accumulate)
+        cublas = cublas_computes(a, bias, plan.c_dtype, accumulate, rope)
+        tiles = _candidates(bucket(M), N, is_interpreted(_matmul_kernel), a.dtype, accumulate,
+                            meta["ROPE_HALF"] * 2)  # fmt: skip
         return tiles + ([_impl.TORCH] if cublas and _impl.tunes_torch() else [])
 
     with device_guard(a):
@@ -432,79 +559,18 @@ def matmul(
     return None if tune_only else out
 
 
-def _launch_settled(plan: _Plan, a, b, bias, out, grid, kwargs) -> None:
+def _arguments(plan: _Plan, a, b, bias, out, rope, first_row) -> tuple:
+    """The kernel's positional arguments (a pointer not used: C's, never read)."""
+    cos, sin = (out, out) if rope is None else (rope.cos, rope.sin)
+    return (a, b, out, bias if bias is not None else out, cos, sin, *plan.scalars, first_row)
+
+
+def _launch_settled(plan: _Plan, args, grid, kwargs) -> None:
     """A planned call's launch once its pick is settled: no tuner, nothing rebuilt."""
-    args = (a, b, out, bias if bias is not None else out, *plan.scalars)
-    if a.device.type != "cuda":  # the interpreter
+    if args[0].device.type != "cuda":  # the interpreter
         _matmul_kernel[grid](*args, **kwargs)
         return
     if plan.meta["TMA"] or plan.meta["C_TMA"]:
-        ensure_tma_allocator(a.device)  # per thread: autograd's backward runs on its own
-    with device_guard(a):
+        ensure_tma_allocator(args[0].device)  # per thread: autograd's backward runs on its own
+    with device_guard(args[0]):
         _matmul_kernel[grid](*args, **kwargs)
-
-
-def _cublas_computes(a, bias, c_dtype, accumulate) -> bool:
-    """Whether one cuBLAS call (`torch.mm` / `addmm`) computes `matmul`'s contract: C in
-    A's dtype and nothing added into, so the fp32 sum is rounded once, as the kernel
-    does; and for 16-bit operands, no reduced-precision reduction (PyTorch allows cuBLAS
-    to sum split-K partials in 16-bit by default: ``torch.backends.cuda.matmul.
-    allow_bf16_reduced_precision_reduction = False``, or the fp16 flag, makes it exact)."""
-    if accumulate or c_dtype != a.dtype or (bias is not None and bias.dtype != a.dtype):
-        return False
-    return a.dtype == torch.float32 or not _reduced_precision_sums(a.dtype)
-
-
-def _reduced_precision_sums(dtype: torch.dtype) -> bool:
-    """Whether PyTorch lets cuBLAS sum 16-bit products in less than fp32 (split-K
-    partials in 16-bit; for fp16 also accumulation in fp16)."""
-    flags = torch.backends.cuda.matmul
-    if dtype == torch.bfloat16:
-        return bool(flags.allow_bf16_reduced_precision_reduction)
-    try:
-        fp16_accumulation = bool(flags.allow_fp16_accumulation)
-    except AttributeError:  # older torch: no fp16 accumulation switch
-        fp16_accumulation = False
-    return bool(flags.allow_fp16_reduced_precision_reduction) or fp16_accumulation
-
-
-def _matmul_torch(a, b, bias, out, accumulate) -> None:
-    """`matmul`'s contract in torch, into `out`. On CUDA, one cuBLAS call where that is
-    the contract (`_cublas_computes`); elsewhere 16-bit operands are widened to fp32
-    (their products are exact there) and summed in fp32, the bias and an added C in fp32
-    too, and the result rounded once into `out`."""
-    if a.device.type == "cuda" and _cublas_computes(a, bias, out.dtype, accumulate):
-        if bias is None:
-            torch.mm(a, b, out=out)
-        else:
-            torch.addmm(bias, a, b, out=out)
-        return
-    wide = a.dtype != torch.float32
-    c = (a.float() @ b.float()) if wide else a @ b
-    if bias is not None:
-        c = c + bias.float()
-    if accumulate:
-        c = c + out.float()
-    out.copy_(c)
-
-
-def matmul_reference(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    accumulate: bool = False,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """`matmul`'s contract in plain PyTorch, computed in A's dtype (float64 in -> the oracle).
-
-    Returns a new tensor; ``out`` is read (for ``accumulate``), never written.
-    """
-    c = a @ b
-    if bias is not None:
-        c = c + bias.to(c.dtype)
-    if accumulate:
-        c = out.to(c.dtype) + c
-    dtype = out.dtype if out is not None else out_dtype
-    return c if dtype is None or c.dtype == torch.float64 else c.to(dtype)

@@ -10,7 +10,8 @@ x[..., r/2:r]:
 | `rope(dy, cos, sin,`     | the backward, the rotation's transpose: ``(dy1 cos +``  |
 | ``inverse=True)``        | ``dy2 sin, dy2 cos - dy1 sin, dy[..., r:])``            |
 
-Each result is rounded once to x's dtype, in a new contiguous (B, S, H, hd) tensor. One
+Each result is rounded once to x's dtype, in a new contiguous (B, S, H, hd) tensor (or
+into given ones of x's shape, which may be the inputs themselves: in place). One
 program rotates every head of BLOCK_H at one position: cos and sin are loaded once per
 position, where the PyTorch formula is a dozen elementwise kernels each way (slices,
 casts, four products, a concatenation). On CUDA under ``FUSEDPAR_IMPL=auto`` the tuner
@@ -115,17 +116,19 @@ def check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 _PLANS: dict[tuple, tuple] = {}
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False):
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+         out: torch.Tensor | None = None):  # fmt: skip
     """The rotation of x (the module doc's table) into a new (B, S, H, hd) tensor of x's
-    dtype; ``inverse``: by -angle, the backward. Checked and planned once per call
-    signature."""
-    return _rotate([x], cos, sin, inverse)[0]
+    dtype, or into `out` (x's shape and dtype, any strides; x itself: in place);
+    ``inverse``: by -angle, the backward. Checked and planned once per call signature."""
+    return _rotate([x], cos, sin, inverse, None if out is None else [out])[0]
 
 
-def rope_pair(x, x2, cos, sin, inverse: bool = False):
+def rope_pair(x, x2, cos, sin, inverse: bool = False, outs=None):
     """`rope` of two tensors at the same positions in one launch (q and k: their heads
-    may differ in number and strides; B, S, hd and the dtype must match)."""
-    return tuple(_rotate([x, x2], cos, sin, inverse))
+    may differ in number and strides; B, S, hd and the dtype must match), into `outs`
+    (a pair, as `rope`'s `out`) if given."""
+    return tuple(_rotate([x, x2], cos, sin, inverse, outs))
 
 
 def _check_pair(x, x2) -> None:
@@ -138,15 +141,26 @@ def _check_pair(x, x2) -> None:
                          f"{x.device} and {x2.dtype} on {x2.device}")  # fmt: skip
 
 
-def _rotate(xs: list, cos, sin, inverse: bool) -> list:
+def _check_outs(xs, outs) -> None:
+    for x, y in zip(xs, outs, strict=True):
+        if y.shape != x.shape or y.dtype != x.dtype or y.device != x.device:
+            raise ValueError(f"rope: out must be {tuple(x.shape)} {x.dtype} on {x.device} "
+                             f"as its input, got {tuple(y.shape)} {y.dtype} on "
+                             f"{y.device}")  # fmt: skip
+
+
+def _rotate(xs: list, cos, sin, inverse: bool, outs=None) -> list:
+    given = outs is not None and tuple((y.shape, y.dtype, y.device) for y in outs)
     signature = (*((x.shape, x.stride(), x.dtype, x.device) for x in xs), cos.shape,
                  cos.stride(), cos.dtype, cos.device, sin.stride(), sin.dtype, sin.device,
-                 inverse)  # fmt: skip
+                 inverse, given)  # fmt: skip
     plan = _PLANS.get(signature)
     if plan is None:
         check_rope(xs[0], cos, sin)
         if len(xs) == 2:
             _check_pair(*xs)
+        if outs is not None:
+            _check_outs(xs, outs)
         B, S, H, hd = xs[0].shape
         heads = [x.shape[2] for x in xs]
         half = cos.shape[1]
@@ -156,7 +170,11 @@ def _rotate(xs: list, cos, sin, inverse: bool) -> list:
             _PLANS.clear()
         key = (bucket(B * S), *heads, half, hd, str(xs[0].dtype), inverse)
         plan = _PLANS[signature] = (config, grid, key)
-    ys = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
+    ys = (
+        [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in xs]
+        if outs is None
+        else list(outs)
+    )
     if _impl.runs_torch(xs[0].device):
         for x, y in zip(xs, ys, strict=True):
             rope_torch(x, cos, sin, inverse, y)
@@ -184,12 +202,15 @@ def _rotate(xs: list, cos, sin, inverse: bool) -> list:
 
 
 def rope_torch(x, cos, sin, inverse: bool, out: torch.Tensor) -> None:
-    """`rope`'s contract in PyTorch, into `out`: fp32 inside, rounded once."""
+    """`rope`'s contract in PyTorch, into `out` (x itself: in place): fp32 inside,
+    rounded once."""
     half = cos.shape[-1]
     x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
     c, s = cos[None, :, None, :], sin[None, :, None, :]
     if inverse:
         s = -s
-    out[..., :half] = x1 * c - x2 * s
-    out[..., half : 2 * half] = x2 * c + x1 * s
-    out[..., 2 * half :] = x[..., 2 * half :]
+    y1, y2 = x1 * c - x2 * s, x2 * c + x1 * s  # both before either is written
+    out[..., :half] = y1
+    out[..., half : 2 * half] = y2
+    if out.data_ptr() != x.data_ptr():
+        out[..., 2 * half :] = x[..., 2 * half :]

@@ -367,6 +367,32 @@ def test_a_half_width_hf_table_is_never_taken_for_the_full_layout():
     assert layer(torch.randn(8, 1, D_MODEL)).shape == (8, 1, D_MODEL)
 
 
+@pytest.mark.parametrize("options, joined", [
+    ({}, True), ({"rotary_dim": 8}, True),  # in the GEMMs' epilogue; partial: after them
+    ({"qk_norm": "head"}, False), ({"sequence_parallel": False}, False),
+])  # fmt: skip
+def test_rope_joins_the_qkv_projection_where_nothing_comes_between(monkeypatch, options, joined,
+                                                                   triton_kernels):  # fmt: skip
+    """Under SP with no q/k norm, q and k leave `all_gather_matmul` turned (its GEMMs'
+    epilogue, or one launch after them for partial rotary) and the layer rotates nothing
+    itself; the output is the one the separate rotation gives."""
+    from fusedpar.nn import attention
+
+    x = torch.randn(8, 2, D_MODEL)
+    layer = fp.nn.ParallelAttention(D_MODEL, HEADS, KV_HEADS, head_dim=HEAD_DIM, **options)
+    expected = layer(x)
+    calls = []
+    rotate = attention.apply_rope_qk
+    monkeypatch.setattr(attention, "apply_rope_qk", lambda *a: calls.append(1) or rotate(*a))
+    monkeypatch.setattr(attention, "rotates_by_formula", lambda *a: True)  # never joined
+    torch.testing.assert_close(layer(x), expected, atol=2e-5, rtol=1e-5)
+    assert len(calls) == 1
+    monkeypatch.undo()
+    monkeypatch.setattr(attention, "apply_rope_qk", lambda *a: calls.append(1) or rotate(*a))
+    layer(x)
+    assert len(calls) == (1 if joined else 2)
+
+
 @pytest.mark.parametrize("options, error, match", [
     ({"rope": False}, TypeError, r"rope must be a callable .* None \(no rotary embedding\)"),
     ({"rope": None, "rotary_dim": 8}, ValueError, r"rotary_dim=8 with rope=None"),

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 import fusedpar as fp
 from fusedpar.comm import group_name
+from fusedpar.nn.attention_parts import rope_tables
 from fusedpar.recompute import COMMUNICATION_OPS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -59,6 +60,8 @@ def _opcheck_cases(group: str):
     out_t, lse_t = ops.flash_attn(qt, kt, vt, None, None, *opts)
     xt = _leaf(3, 4, 8).transpose(0, 1)  # (4, 3, 8), strided
     x, w1, w2, b1 = _leaf(4, 3, 8), _leaf(6, 8), _leaf(5, 8), _leaf(6)
+    wr = _leaf(8, 8)  # a head of 8 turned by RoPE
+    tables8, tables6 = (list(rope_tables(torch.arange(4 * W), hd, 100.0)) for hd in (8, 6))
     y = torch.randn(4 * W, 3, 6)
     T, E, top_k, d, h = 5, 4, 2, 8, 6
     xm = _leaf(T, d)
@@ -110,11 +113,24 @@ def _opcheck_cases(group: str):
                 *opts,
             ),
         ),
-        (ops.all_gather_matmul, (xt, [w1], [b1], [True], group, 1, True)),
+        (ops.all_gather_matmul, (xt, [w1], [b1], [True], group, 1, True, [], [False], 0)),
         (
             ops.all_gather_matmul_backward,
-            ([torch.randn(4 * W, 3, 6)], xt, None, [w1], group, 1, True, [True], [True]),
-        ),
+            (
+                [torch.randn(4 * W, 3, 6)],
+                xt,
+                None,
+                [w1],
+                group,
+                1,
+                True,
+                [True],
+                [True],
+                [],
+                [False],
+                0,
+            ),
+        ),  # fmt: skip
         (
             ops.matmul_reduce_scatter_backward,
             (
@@ -130,11 +146,50 @@ def _opcheck_cases(group: str):
         ),
         (ops.ring_attn, (q, k, v, *ring_opts, torch.tensor([0, 5, 16], dtype=torch.int32))),
         (ops.ring_attn_backward, (dout, dlse, q, k, v, ring_out, ring_lse, *ring_opts, None)),
-        (ops.all_gather_matmul, (x, [w1, w2], [b1], [True, False], group, 2, False)),
-        (ops.all_gather_matmul, (x, [w1], [], [False], group, 1, True)),
+        (
+            ops.all_gather_matmul,
+            (x, [w1, w2], [b1], [True, False], group, 2, False, [], [False] * 2, 0),
+        ),
+        (ops.all_gather_matmul, (x, [w1], [], [False], group, 1, True, [], [False], 0)),
+        # RoPE: heads of 8 in the GEMM's epilogue; of 6 (not a power of 2) after the ring
+        (
+            ops.all_gather_matmul,
+            (x, [wr, w1], [b1], [False, True], group, 2, False, tables8, [True, False], 8),
+        ),
+        (ops.all_gather_matmul, (xt, [w1], [b1], [True], group, 1, True, tables6, [True], 6)),
         (
             ops.all_gather_matmul_backward,
-            ([torch.randn(4 * W, 3, 6)], x, None, [w1], group, 1, True, [True], [False]),
+            (
+                [torch.randn(4 * W, 3, 6)],
+                x,
+                None,
+                [w1],
+                group,
+                1,
+                True,
+                [True],
+                [False],
+                [],
+                [False],
+                0,
+            ),
+        ),
+        (
+            ops.all_gather_matmul_backward,
+            (
+                [torch.randn(4 * W, 3, 8)],
+                x,
+                None,
+                [wr],
+                group,
+                1,
+                True,
+                [True],
+                [False],
+                tables8,
+                [True],
+                8,
+            ),
         ),
         (ops.matmul_reduce_scatter, (_leaf(4 * W, 3, 6), _leaf(8, 6), _leaf(8), group, 1)),
         (

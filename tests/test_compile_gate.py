@@ -151,11 +151,13 @@ def attention_merge_call(head_dim):
     attention_merge.merge_attention(out, lse, block, block_lse)
 
 
-def matmul_call(dtype, accumulate=False, precision="highest", huge_stride=False, tma=True):
+def matmul_call(dtype, accumulate=False, precision="highest", huge_stride=False, tma=True,
+                rope=0):  # fmt: skip
     """``x @ w.T + bias`` (a linear layer's forward), or with ``accumulate`` an fp32 C added
     into without bias (reduce-scatter partials, weight gradients). ``huge_stride``: rows
     of A 2**31 elements apart, so the strides are passed as i64 (4 GiB of address space
-    is reserved, never touched)."""
+    is reserved, never touched). ``rope``: heads of that size rotated in the epilogue (a
+    q or k projection, rows in (S, B) order with B = 2)."""
     M, N, K = 256, 512, 256
     if huge_stride:
         M = 2
@@ -166,6 +168,10 @@ def matmul_call(dtype, accumulate=False, precision="highest", huge_stride=False,
     with _fp32_precision(precision), _tma(tma):
         if accumulate:
             matmul.matmul(a, w.T, out=_empty((M, N), "float32"), accumulate=True)
+        elif rope:
+            cos, sin = (_empty((M // 2, rope // 2), "float32") for _ in range(2))
+            matmul.matmul(a, w.T, bias=_empty((N,), dtype),
+                          rope=matmul.RowRotation(cos, sin, rows_per_position=2))  # fmt: skip
         else:
             matmul.matmul(a, w.T, bias=_empty((N,), dtype))
 
@@ -425,10 +431,15 @@ MATMUL_VARIANTS = {  # variant: scenario params
     # on Hopper, operands TMA cannot read (and an A100's path)
     "bfloat16-bias-pointer": {"dtype": "bfloat16", "tma": False},
     "bfloat16-accumulate-fp32-pointer": {"dtype": "bfloat16", "accumulate": True, "tma": False},
+    # a q/k projection with its rotary embedding in the epilogue (Llama's heads of 128)
+    "bfloat16-rope128": {"dtype": "bfloat16", "rope": 128},
+    "bfloat16-rope64": {"dtype": "bfloat16", "rope": 64},
+    "bfloat16-rope128-pointer": {"dtype": "bfloat16", "rope": 128, "tma": False},
+    "tf32-rope64": {"dtype": "float32", "precision": "high", "rope": 64},
 }
 for variant, params in MATMUL_VARIANTS.items():
     dtype = getattr(torch, params["dtype"])
-    configs = matmul.matmul_configs(dtype, params.get("accumulate", False))
+    configs = matmul.matmul_configs(dtype, params.get("accumulate", False), params.get("rope", 0))
     add_configs("matmul", variant, matmul_call, params, "_matmul_kernel", configs,
                 no_spill=dtype != torch.float32, wgmma=variant != "ieee-bias")  # fmt: skip
     if variant.startswith(("bfloat16", "tf32")):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch.nn import functional as F
 
 import fusedpar as fp
-from fusedpar.ops.linear import gated_down, kernel_activation
+from fusedpar.ops.gated_down import gated_down, kernel_activation
 from fusedpar.testing import assert_close
 from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
 

@@ -175,18 +175,21 @@ def test_a_pick_of_torch_never_reaches_a_call_it_cannot_run(monkeypatch):
 
 
 def test_cublas_is_a_candidate_only_where_it_rounds_once(monkeypatch):
-    from fusedpar.kernels import matmul as matmul_kernels
-    from fusedpar.kernels.matmul import _cublas_computes
+    from fusedpar.kernels import matmul_torch as matmul_kernels
+    from fusedpar.kernels.matmul import RowRotation
+    from fusedpar.kernels.matmul_torch import cublas_computes
 
     a16, a32 = torch.empty(2, 2, dtype=torch.bfloat16), torch.empty(2, 2)
     monkeypatch.setattr(matmul_kernels, "_reduced_precision_sums", lambda dtype: True)
-    assert not _cublas_computes(a16, None, torch.bfloat16, False)  # 16-bit split-K sums
+    assert not cublas_computes(a16, None, torch.bfloat16, False)  # 16-bit split-K sums
     monkeypatch.setattr(matmul_kernels, "_reduced_precision_sums", lambda dtype: False)
-    assert _cublas_computes(a16, None, torch.bfloat16, False)
-    assert not _cublas_computes(a16, a32[0], torch.bfloat16, False)  # an fp32 bias
-    assert not _cublas_computes(a16, None, torch.float32, False)  # an fp32 C
-    assert not _cublas_computes(a32, None, torch.float32, True)  # adding into C
-    assert _cublas_computes(a32, None, torch.float32, False)
+    assert cublas_computes(a16, None, torch.bfloat16, False)
+    assert not cublas_computes(a16, a32[0], torch.bfloat16, False)  # an fp32 bias
+    assert not cublas_computes(a16, None, torch.float32, False)  # an fp32 C
+    assert not cublas_computes(a32, None, torch.float32, True)  # adding into C
+    assert cublas_computes(a32, None, torch.float32, False)
+    rotation = RowRotation(torch.ones(2, 1), torch.zeros(2, 1))
+    assert not cublas_computes(a32, None, torch.float32, False, rotation)  # heads turned
 
 
 def test_bench_tables_name_a_torch_pick():

@@ -1,13 +1,16 @@
-"""fusedpar.kernels.matmul against float64, with odd sizes, strides, slices and accumulation."""
+"""fusedpar.kernels.matmul against float64, with odd sizes, strides, slices, accumulation
+and heads rotated in the epilogue."""
 
 import pytest
 import torch
 from fusedpar.kernels import matmul as matmul_module
-from fusedpar.kernels.matmul import matmul, matmul_reference
+from fusedpar.kernels.matmul import RowRotation, matmul
+from fusedpar.kernels.matmul_torch import matmul_reference
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 import fusedpar as fp
+from fusedpar.nn.attention_parts import apply_rope, rope_tables
 from fusedpar.testing import assert_close
 from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
 
@@ -63,6 +66,48 @@ def test_matmul_matches_float64(M, N, K, dtype, seed, a_t, b_t, bias, mode, each
         assert torch.equal(big[mask], randn((M + 5, N + 7), dtype, seed + 3)[mask])  # rest intact
 
 
+def _rotated(c, rope: RowRotation, head_dim):
+    """The oracle of a rotating epilogue: c (M, N) as one sequence of M positions' heads,
+    turned by `apply_rope` (the PyTorch formula in float64) with each row's table row."""
+    M, N = c.shape
+    positions = (rope.first_row + torch.arange(M)) // rope.rows_per_position
+    heads = c.view(1, M, N // head_dim, head_dim)
+    return apply_rope(heads, rope.cos[positions], rope.sin[positions]).view(M, N)
+
+
+@given(
+    M=st.integers(1, 40), K=st.integers(1, 40), heads=st.integers(1, 3),
+    head_dim=st.sampled_from([2, 8, 16, 64]), per_position=st.integers(1, 3),
+    first_row=st.integers(0, 5), dtype=cpu_dtypes(), seed=seeds(), b_t=st.booleans(),
+    bias=st.booleans(), into_slice=st.booleans(),
+)  # fmt: skip
+@example(M=70, K=33, heads=2, head_dim=64, per_position=2, first_row=3, dtype=torch.float16,
+         seed=0, b_t=True, bias=True, into_slice=True)  # fmt: skip
+def test_rotating_epilogue_matches_float64(M, K, heads, head_dim, per_position, first_row, dtype,
+                                           seed, b_t, bias, into_slice,
+                                           each_implementation):  # fmt: skip
+    """``rope=RowRotation(...)``: C's heads turned at their rows' positions (a chunk of a
+    TP ring's (S, B) rows: `first_row`, B = `per_position`), one rounding, against the
+    float64 product turned by the formula; elementwise after the product, so C's
+    tolerance is the GEMM's."""
+    N = heads * head_dim
+    a, b = randn((M, K), dtype, seed), _operand((K, N), dtype, seed + 1, b_t)
+    bias_t = randn((N,), dtype, seed + 2) if bias else None
+    cos, sin = rope_tables(torch.arange((first_row + M - 1) // per_position + 1) * 3 + 1,
+                           head_dim, 10000.0)  # fmt: skip
+    rope = RowRotation(cos, sin, per_position, first_row)
+    out = randn((M + 2, N + 8), dtype, seed + 3)[1 : M + 1, 8:] if into_slice else None
+    c = matmul(a, b, bias=bias_t, out=out, rope=rope)
+    ref = _rotated(matmul_reference(a.double(), b.double(),
+                                    bias=None if bias_t is None else bias_t.double()), rope,
+                   head_dim)  # fmt: skip
+    same = _rotated(matmul_reference(a.float(), b.float(),
+                                     bias=None if bias_t is None else bias_t.float()), rope,
+                    head_dim).to(dtype)  # fmt: skip
+    assert_close(c, ref, same, name="C")
+    assert out is None or c.data_ptr() == out.data_ptr()
+
+
 def test_out_dtype_fp32_and_empty_sizes(each_implementation):
     a, b = randn((9, 5), torch.float16, 0), randn((5, 11), torch.float16, 1)
     c = matmul(a, b, out_dtype=torch.float32)
@@ -76,12 +121,12 @@ def test_out_dtype_fp32_and_empty_sizes(each_implementation):
 
 
 @pytest.mark.parametrize("a_t, b_t", [(False, True), (True, False), (False, False)])
-@pytest.mark.parametrize("mode", ["bias", "accumulate-fp32", "slice"])
+@pytest.mark.parametrize("mode", ["bias", "accumulate-fp32", "slice", "rope"])
 def test_tma_and_pointer_paths_agree_bitwise(monkeypatch, a_t, b_t, mode):
     """16-bit operands with 16-byte aligned strides are read through TMA descriptors
     over their contiguous axis (``w.T`` too), and C is written through one where it is
     aligned: the same bits as the pointer path, with edges in M, N and K (72 x 40 x 88
-    against 64-wide tiles)."""
+    against 64-wide tiles; "rope": 5 heads of 8 turned in the epilogue)."""
     from fusedpar.kernels import _common
 
     M, N, K = 72, 40, 88
@@ -94,6 +139,9 @@ def test_tma_and_pointer_paths_agree_bitwise(monkeypatch, a_t, b_t, mode):
         if mode == "accumulate-fp32":
             out = randn((M, N), torch.float32, 3)
             return matmul(a, b, out=out, accumulate=True)
+        if mode == "rope":
+            cos, sin = rope_tables(torch.arange(M // 2), 8, 100.0)
+            return matmul(a, b, rope=RowRotation(cos, sin, rows_per_position=2))
         big = randn((M + 8, N + 8), torch.float16, 3)  # rows 96 B apart: C through TMA
         matmul(a, b, out=big[4 : 4 + M, 8:])
         return big
@@ -149,6 +197,27 @@ def test_bad_input_is_a_clear_error(args, kwargs, error, match):
         matmul(*args, **kwargs)
 
 
+def _rotation(positions=4, half=4, dtype=torch.float32, **kwargs):
+    cos, sin = rope_tables(torch.arange(positions), 2 * half, 100.0)
+    return RowRotation(cos.to(dtype), sin.to(dtype), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "n, rope, kwargs, error, match",
+    [(16, _rotation(half=3), {}, ValueError, "power of 2"),  # heads of 6
+     (12, _rotation(), {}, ValueError, "dividing N = 12"),
+     (16, _rotation(dtype=torch.float64), {}, TypeError, "float32"),
+     (16, _rotation(rows_per_position=0), {}, ValueError, "rows_per_position"),
+     (16, _rotation(first_row=1), {}, ValueError, r"rows 1\.\.4 .* 4 positions"),
+     (16, _rotation(), {"accumulate": True, "out": torch.zeros(4, 16)}, ValueError, "added"),
+     (16, RowRotation(*(t.t().contiguous().t() for t in rope_tables(torch.arange(4), 8, 1.0))),
+      {}, ValueError, "contiguous")],
+)  # fmt: skip
+def test_a_bad_rotation_is_a_clear_error(n, rope, kwargs, error, match, each_implementation):
+    with pytest.raises(error, match=match):
+        matmul(torch.ones(4, 3), torch.ones(3, n), rope=rope, **kwargs)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["tma", "pointer", "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -179,3 +248,29 @@ def check_matmul_gpu(dtype, M, N, K):
     matmul(a, w.T, out=acc, accumulate=True)
     expected = before.double() + a.double() @ w.T.double()
     assert_close(acc, expected, before + (a @ w.T).float(), sum_length=K)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["tma", "pointer", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotating_epilogue_gpu(dtype, head_dim, path, monkeypatch):
+    """A q projection of 4096 positions x B = 2 (Llama's widths at TP 8: 4 heads) turned
+    in the epilogue, on both schedules and the torch implementation, from a chunk's first
+    row as a TP ring's GEMM is called."""
+    if path == "pointer":
+        from fusedpar.kernels import _common
+
+        monkeypatch.setattr(_common, "tma_compatible", lambda *tensors: False)
+    M, K, N, first_row = 8192, 4096, 4 * head_dim, 4096
+    a, w = randn((M, K), dtype, 0).cuda(), randn((N, K), dtype, 1).cuda()
+    bias = randn((N,), dtype, 2).cuda()
+    cos, sin = (t.cuda() for t in rope_tables(torch.arange(6144), head_dim, 500000.0))
+    rope = RowRotation(cos, sin, rows_per_position=2, first_row=first_row)
+    with fp.implementation("torch" if path == "torch" else "triton"):
+        c = matmul(a, w.T, bias=bias, rope=rope)
+    product = a.double() @ w.T.double() + bias.double()
+    ref = _rotated(product.cpu(), rope._replace(cos=cos.cpu(), sin=sin.cpu()), head_dim)
+    same = _rotated((a.float() @ w.T.float() + bias.float()).cpu(),
+                    rope._replace(cos=cos.cpu(), sin=sin.cpu()), head_dim).to(dtype)  # fmt: skip
+    assert_close(c.cpu(), ref, same, sum_length=K)

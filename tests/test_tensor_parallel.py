@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fusedpar as fp
+from fusedpar.nn.attention_parts import apply_rope, rope_tables
 from fusedpar.testing import assert_close, exception_of
 from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
 
@@ -101,13 +102,85 @@ def test_all_gather_matmul(world, world_size, **p):
 
 def test_the_rings_on_triton_kernels(world, triton_kernels):
     """A fused-QKV gather and a reduce-scatter with fusedpar's Triton GEMM (the
-    interpreter here) on every rank: its fp32 partials and slices inside the TP rings."""
+    interpreter here) on every rank: its fp32 partials and slices inside the TP rings,
+    and q and k turned in its epilogue."""
     p = dict(rows=3, K=33, Ns=[17, 5, 9], bias=True, chunks=2, dtype=torch.float16,
              seq_first=True, batch=2, strided=True, save=True, seed=1)  # fmt: skip
     assert all(world(2).run(_run_all_gather_matmul, p))
+    p = dict(rows=2, K=9, heads=[2, 1, 1], head_dim=16, rotary=16, chunks=3, batch=2,
+             dtype=torch.float16, seed=0)  # fmt: skip
+    assert all(world(2).run(_run_all_gather_matmul_rope, p))
     p = dict(rows=3, K=7, N=19, bias=True, chunks=3, dtype=torch.float16, seq_first=True,
              batch=2, strided=True, seed=2)  # fmt: skip
     assert all(world(2).run(_run_matmul_reduce_scatter, p))
+
+
+def _turned(y, cos, sin, head_dim):
+    """y (T, ..., N) with its heads turned at the positions of dim 0: `apply_rope` (the
+    PyTorch formula, in y's dtype) on its (B, T, H, hd) view."""
+    heads = y.reshape(*y.shape[:2], y.shape[-1] // head_dim, head_dim).transpose(0, 1)
+    return apply_rope(heads, cos, sin).transpose(0, 1).reshape(y.shape)
+
+
+def _run_all_gather_matmul_rope(p):
+    """Q, K, V projections with q and k turned (`rope=`), every gradient, against the
+    dense float64 math through autograd: every rank's weights (a shard of the heads each)
+    feed the dense dX."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    n, K, hd, dtype, seed = p["rows"], p["K"], p["head_dim"], p["dtype"], p["seed"]
+    T, lead = n * size, (n * size, p["batch"])
+    Ns = [hd * h for h in p["heads"]]
+    X = randn((*lead, K), torch.float64, seed, exact_in=dtype)
+
+    def draw(shape_of, offset):  # [rank][weight] -> a float64 tensor
+        return [[randn(shape_of(N), torch.float64, seed + 100 * s + offset + i, exact_in=dtype)
+                 for i, N in enumerate(Ns)] for s in range(size)]  # fmt: skip
+
+    Ws, bs, dYs = draw(lambda N: (N, K), 1), draw(lambda N: (N,), 5), draw(lambda N: (*lead, N), 9)
+    cos, sin = rope_tables(torch.arange(T) * 2 + 1, p["rotary"], 1000.0)
+    rotate = [True, True, False][: len(Ns)]
+
+    def run(dt, ours):  # this rank's outputs and the gradients of (x, *ws, *bs)
+        x = X[rank * n : (rank + 1) * n] if ours else X
+        x = x.detach().to(dt).requires_grad_()
+        for s in [rank] if ours else range(size):  # dense: X's gradient from every shard
+            params = [t.detach().to(dt).requires_grad_() for t in (*Ws[s], *bs[s])]
+            ws, b = params[: len(Ns)], params[len(Ns) :]
+            if ours:
+                ys = fp.all_gather_matmul(x, ws, WORLD, bias=b, chunks_per_rank=p["chunks"],
+                                          rope=(cos, sin), rotate=rotate, head_dim=hd)  # fmt: skip
+            else:
+                ys = [x @ w.T + bias for w, bias in zip(ws, b, strict=True)]
+                ys = [_turned(y, cos, sin, hd) if r else y
+                      for y, r in zip(ys, rotate, strict=True)]  # fmt: skip
+            torch.autograd.backward(ys, [dy.to(dt) for dy in dYs[s]])
+            if s == rank:
+                mine = ys, [t.grad for t in params]
+        return mine[0], [x.grad if ours else x.grad[rank * n : (rank + 1) * n], *mine[1]]
+
+    (ys, grads), ref, same = run(dtype, True), run(torch.float64, False), run(dtype, False)
+    names = ["dx", *(f"dw{i}" for i in range(len(Ns))), *(f"db{i}" for i in range(len(Ns)))]
+    checks = [(f"y{i}", *c) for i, c in enumerate(zip(ys, ref[0], same[0], strict=True))]
+    checks += list(zip(names, grads, ref[1], same[1], strict=True))
+    return _check_all(checks)
+
+
+@given(
+    world_size=st.sampled_from([2, 4]), rows=st.integers(1, 3), K=st.integers(1, 20),
+    heads=st.lists(st.integers(1, 3), min_size=2, max_size=3),
+    shape=st.sampled_from([(8, 8), (16, 16), (16, 8), (12, 12)]), chunks=st.integers(1, 3),
+    batch=st.integers(1, 2), dtype=cpu_dtypes(), seed=seeds(),
+)  # fmt: skip
+@example(world_size=2, rows=2, K=9, heads=[2, 1, 1], shape=(16, 16), chunks=3, batch=2,
+         dtype=torch.float16, seed=0)  # chunks starting mid-position  # fmt: skip
+@example(world_size=2, rows=0, K=3, heads=[1, 1], shape=(12, 12), chunks=1, batch=2,
+         dtype=torch.float32, seed=0)  # no tokens, turned after the ring  # fmt: skip
+def test_all_gather_matmul_turns_q_and_k(world, world_size, shape, **p):
+    """`rope=`: heads of 8 or 16 turned in the GEMMs' epilogue (chunks of the ring start at
+    any row, not only at a position's first), partial rotary (16, 8) and heads of 12 turned
+    after the ring; q and k turned, v not."""
+    p.update(head_dim=shape[0], rotary=shape[1])
+    assert all(world(world_size).run(_run_all_gather_matmul_rope, p))
 
 
 def _run_matmul_reduce_scatter(p):

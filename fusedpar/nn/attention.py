@@ -58,6 +58,7 @@ from fusedpar.nn.attention_parts import (  # noqa: F401 (rope_tables: public her
     norm_weight,
     qk_rms_norm,
     rope_tables,
+    rotates_by_formula,
 )
 from fusedpar.nn.linear import bias_per_weight, linear_parts
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
@@ -394,21 +395,29 @@ class ParallelAttention(nn.Module):
                              f"sequence, x (S_loc, 1, d); got batch {x.shape[1]}")  # fmt: skip
         weights = [self.q_weight, self.k_weight, self.v_weight]
         biases = [self.q_bias, self.k_bias, self.v_bias]
+        hd, rotary = self.head_dim, self.rope is not None
+        if rotary:
+            seq = x.shape[0] * (comm.group_size(self.tp_group) if self.sequence_parallel else 1)
+            full_len = seq * comm.group_size(self.cp_group) * comm.group_size(self.ulysses_group)
+            cos, sin = self._rope(full_len, x.device, cu_seqlens)
+        # RoPE joins the QKV GEMMs (their epilogue, or one launch after their ring) where
+        # no q/k norm comes between
+        joined = (rotary and self.sequence_parallel and self.qk_norm is None
+                  and not rotates_by_formula(x, cos, sin))  # fmt: skip
         if self.sequence_parallel:
-            q, k, v = all_gather_matmul(x, weights, self.tp_group, bias=biases)
+            rope = dict(rope=(cos, sin), rotate=[True, True, False], head_dim=hd) if joined else {}
+            q, k, v = all_gather_matmul(x, weights, self.tp_group, bias=biases, **rope)
         else:
             x = comm.copy_to_region(x, self.tp_group)
             q, k, v = (F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
-        seq, batch, hd = q.shape[0], q.shape[1], self.head_dim
+        seq, batch = q.shape[0], q.shape[1]
         # (S, B, H*hd) -> (B, S, H, hd): a strided view, read in place by the kernels
         q, k, v = (t.view(seq, batch, -1, hd).transpose(0, 1) for t in (q, k, v))
         if self.qk_norm is not None:
             norm = dict(kind=self.qk_norm, offset=self.norm_offset, tp_group=self.tp_group)
             q = qk_rms_norm(q, self.q_norm_weight, self.norm_eps, **norm)
             k = qk_rms_norm(k, self.k_norm_weight, self.norm_eps, **norm)
-        if self.rope is not None:
-            full_len = seq * comm.group_size(self.cp_group) * comm.group_size(self.ulysses_group)
-            cos, sin = self._rope(full_len, x.device, cu_seqlens)
+        if rotary and not joined:
             q, k = apply_rope_qk(q, k, cos, sin)  # one launch for both, each way
         out = ring_attn(q, k, v, self.cp_group, causal=self.causal, layout=self.cp_layout,
                         softmax_scale=self.softmax_scale,

@@ -27,8 +27,9 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype=torc
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def _formula(x, cos, sin) -> bool:
-    """Whether the rotation runs as the PyTorch formula rather than the kernel."""
+def rotates_by_formula(x, cos, sin) -> bool:
+    """Whether the rotation runs as the PyTorch formula rather than a kernel (one in its
+    own launch, or the QKV GEMMs' epilogue)."""
     tables = cos.requires_grad or sin.requires_grad or cos.dtype != torch.float32
     return tables or x.dtype == torch.float64
 
@@ -39,7 +40,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     GPT-NeoX), the rest pass. Computed in fp32, returned in x's dtype: one kernel each
     way (`fusedpar.ops.attention.rope`), or the PyTorch formula where the tables need a
     gradient or are not fp32, or x is float64 (a reference model: computed in float64)."""
-    if _formula(x, cos, sin):
+    if rotates_by_formula(x, cos, sin):
         half, wide = cos.shape[-1], torch.promote_types(x.dtype, torch.float32)
         x1, x2 = x[..., :half].to(wide), x[..., half : 2 * half].to(wide)
         c, s = cos[None, :, None, :].to(wide), sin[None, :, None, :].to(wide)
@@ -53,7 +54,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """`apply_rope` of q and k at the same positions: one kernel launch each way for both
     where the kernel runs (q and k of one dtype), else `apply_rope` of each."""
-    if _formula(q, cos, sin) or q.dtype != k.dtype:
+    if rotates_by_formula(q, cos, sin) or q.dtype != k.dtype:
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     return rope_pair(q, k, cos, sin)
 

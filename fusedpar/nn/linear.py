@@ -23,13 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedpar import comm
-from fusedpar.ops.linear import (
-    DEFAULT_CHUNKS_PER_RANK,
-    all_gather_matmul,
-    gated_down,
-    kernel_activation,
-    matmul_reduce_scatter,
-)
+from fusedpar.ops.gated_down import gated_down, kernel_activation
+from fusedpar.ops.linear import DEFAULT_CHUNKS_PER_RANK, all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.mlp import gated_mlp
 from fusedpar.storage import ParamLayout, local_tensor, warn_if_undistributed
 
@@ -239,7 +234,7 @@ class ParallelSwiGLU(nn.Module):
     sequence parallelism, (T, ..., d_model) without; the output has x's shape.
 
     Kept for the backward: x, gate and up; not ``act(gate)`` nor the product fed to
-    down, which the backward recomputes (`fusedpar.ops.linear.gated_down`), as the MoE
+    down, which the backward recomputes (`fusedpar.ops.gated_down`), as the MoE
     experts do.
     """
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from fusedpar import comm
 from fusedpar.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT, check_activation
-from fusedpar.ops.linear import gated_down
+from fusedpar.ops.gated_down import gated_down
 from fusedpar.ops.moe import moe_dispatch_combine
 from fusedpar.ops.moe_routing import SCORES, aux_losses, capacity_mask, route
 from fusedpar.recompute import is_recomputing

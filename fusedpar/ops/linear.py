@@ -26,13 +26,11 @@ output; the reduce-scatter computes the partial bound for one rank while the pre
 partial travels, adds in fp32, and rounds once at the end (the bias after the sum).
 """
 
-import functools
-import warnings
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-from torch.nn import functional as F
 
 from fusedpar.comm import (
     Group,
@@ -44,9 +42,9 @@ from fusedpar.comm import (
     group_size,
     tuning_agreement,
 )
-from fusedpar.kernels import gated as gated_kernels
+from fusedpar.kernels import rope as rope_kernels
 from fusedpar.kernels._tuning import frozen
-from fusedpar.kernels.matmul import matmul
+from fusedpar.kernels.matmul import RowRotation, matmul, rope_epilogue_fits
 from fusedpar.ops.registration import autograd_op, direct_op
 
 DEFAULT_CHUNKS_PER_RANK = 1  # one ring message per rank and step, as in async-TP
@@ -58,18 +56,21 @@ def _pieces(rows: int, chunks: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
 
 
-def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None):
+def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None, rotations=None):
     """``gather(x) @ operand + bias`` for each operand, one ring all-gather for all.
 
     x (n, K) this rank's rows; operands [(K, N_i)]; biases [(N_i,) or None]. Returns the
     outputs [(W*n, N_i)] and the gathered x (W*n, K). Step s multiplies the rows of rank
     r - s while those of rank r - s - 1 arrive (received straight into their place).
-    `gemm` has `matmul`'s signature; `ring` replaces ``Ring(pg)`` (the benchmark injects
-    a stand-in). The GEMMs are tuned before the first transfer, agreed over `pg`.
+    `rotations`: per operand, None or the `RowRotation` of its whole output's rows, which
+    each chunk's GEMM applies in its epilogue from the chunk's first row. `gemm` has
+    `matmul`'s signature; `ring` replaces ``Ring(pg)`` (the benchmark injects a stand-in).
+    The GEMMs are tuned before the first transfer, agreed over `pg`.
     """
+    rotations = rotations or [None] * len(operands)
     if ring is None and group_size(pg) == 1:  # one rank: plain GEMMs, nothing to gather
-        outs = [gemm(x, op, bias=bias, out_dtype=x.dtype)
-                for op, bias in zip(operands, biases, strict=True)]  # fmt: skip
+        outs = [gemm(x, op, bias=bias, out_dtype=x.dtype, rope=rope)
+                for op, bias, rope in zip(operands, biases, rotations, strict=True)]  # fmt: skip
         return outs, x
     ring = Ring(pg) if ring is None else ring
     size, rank = ring.size, ring.rank
@@ -78,9 +79,11 @@ def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None):
     gathered[rank * n : (rank + 1) * n].copy_(x)
     outs = [x.new_empty((size * n, op.shape[1])) for op in operands]
     agreement = tuning_agreement(pg, x.device)
+    gemms = list(zip(outs, operands, biases, rotations, strict=True))
     for a, b in _pieces(n, chunks):  # the loop's GEMM shapes, picked before it starts
-        for op, bias in zip(operands, biases, strict=True):
-            gemm(x[a:b], op, bias=bias, out_dtype=x.dtype, agreement=agreement, tune_only=True)
+        for _, op, bias, rope in gemms:
+            gemm(x[a:b], op, bias=bias, out_dtype=x.dtype, rope=rope, agreement=agreement,
+                 tune_only=True)  # fmt: skip
     with frozen("the all-gather ring", agreement):
         for step in range(size):
             src, incoming = (rank - step) % size, (rank - step - 1) % size
@@ -89,8 +92,10 @@ def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None):
                 if step + 1 < size:
                     arriving = gathered[incoming * n + a : incoming * n + b]
                     ring.send_recv(gathered[rows], out=arriving)
-                for out, op, bias in zip(outs, operands, biases, strict=True):
-                    gemm(gathered[rows], op, out=out[rows], bias=bias, agreement=agreement)
+                for out, op, bias, rope in gemms:
+                    rope = None if rope is None else rope._replace(first_row=rows.start)
+                    gemm(gathered[rows], op, out=out[rows], bias=bias, rope=rope,
+                         agreement=agreement)  # fmt: skip
                 if step + 1 < size:
                     ring.wait()
     return outs, gathered
@@ -166,27 +171,62 @@ def _asked(grads, needs) -> list:
 # asked for comes back from a backward op as an empty (0,) tensor: ops return tensors.
 
 
+def _heads(t: Tensor, head_dim: int) -> Tensor:
+    """t (T, ..., N) as (B, T, N / head_dim, head_dim), B the dims between (a view: the
+    layout `fusedpar.kernels.rope` takes, positions along T)."""
+    between = math.prod(t.shape[1:-1])  # (not -1: a rank may have no tokens)
+    return t.view(t.shape[0], between, t.shape[-1] // head_dim, head_dim).transpose(0, 1)
+
+
+def _rotate_outputs(ts: list[Tensor], rope: list[Tensor], head_dim: int, inverse: bool,
+                    outs: list[Tensor]) -> None:  # fmt: skip
+    """`fusedpar.kernels.rope` of the (T, ..., N) tensors `ts` into `outs` (in place where
+    they are `ts`), two at a time (q and k in one launch)."""
+    cos, sin = rope
+    for i in range(0, len(ts), 2):
+        pair = [_heads(t, head_dim) for t in ts[i : i + 2]]
+        into = [_heads(t, head_dim) for t in outs[i : i + 2]]
+        if len(pair) == 2:
+            rope_kernels.rope_pair(*pair, cos, sin, inverse, outs=into)
+        else:
+            rope_kernels.rope(pair[0], cos, sin, inverse, out=into[0])
+
+
 @torch.library.custom_op("fusedpar::all_gather_matmul", mutates_args=())
 def _all_gather_matmul_op(x: Tensor, weights: list[Tensor], biases: list[Tensor],
-                          has_bias: list[bool], group: str, chunks: int,
-                          save_gathered: bool) -> tuple[list[Tensor], Tensor]:  # fmt: skip
+                          has_bias: list[bool], group: str, chunks: int, save_gathered: bool,
+                          rope: list[Tensor], rotate: list[bool],
+                          head_dim: int) -> tuple[list[Tensor], Tensor]:  # fmt: skip
     """The outputs (T, ..., N_i) and, when `save_gathered` (`save_gathered_input`), the
     gathered x (T * rows, K) for the backward (else an empty tensor: it re-gathers). `biases`:
     those of the weights with ``has_bias`` (a list of optional tensors would not carry
-    gradients through ``torch.library``'s autograd)."""
+    gradients through ``torch.library``'s autograd). `rope`: none, or the tables cos, sin
+    (T, r/2) that turn the outputs flagged in `rotate`, heads of `head_dim`: in the GEMMs'
+    epilogue where it fits (`rope_epilogue_fits`, full rotary), else in place after."""
     pg = group_by_name(group)
     biases = _spread(biases, has_bias)
-    outs, gathered = gather_matmuls(_flat(x), [w.t() for w in weights], biases, pg, chunks)
+    full = bool(rope) and 2 * rope[0].shape[1] == head_dim
+    fused = full and rope_epilogue_fits(x.dtype, head_dim)
+    rotations = None
+    if fused:  # rows in (T, ...) order: the dims between share a position
+        rotation = RowRotation(*rope, rows_per_position=max(1, math.prod(x.shape[1:-1])))
+        rotations = [rotation if r else None for r in rotate]
+    outs, gathered = gather_matmuls(_flat(x), [w.t() for w in weights], biases, pg, chunks,
+                                    rotations=rotations)  # fmt: skip
     lead = (group_size(pg) * x.shape[0], *x.shape[1:-1])
+    outs = [out.view(*lead, out.shape[1]) for out in outs]
+    if rope and not fused:
+        turned = [out for out, r in zip(outs, rotate, strict=True) if r]
+        _rotate_outputs(turned, rope, head_dim, False, turned)
     # Not kept: an empty tensor, so that nothing (selective checkpointing caches every
     # output of this op) holds W times the input until the backward.
     # (one rank: x itself, which an op may not return; the backward takes x)
     kept = gathered if save_gathered and group_size(pg) > 1 else x.new_empty(0)
-    return [out.view(*lead, out.shape[1]) for out in outs], kept
+    return outs, kept
 
 
 @_all_gather_matmul_op.register_fake
-def _(x, weights, biases, has_bias, group, chunks, save_gathered):
+def _(x, weights, biases, has_bias, group, chunks, save_gathered, rope, rotate, head_dim):
     size = group_size(group_by_name(group))
     lead = (size * x.shape[0], *x.shape[1:-1])
     outs = [x.new_empty((*lead, w.shape[0])) for w in weights]
@@ -197,11 +237,20 @@ def _(x, weights, biases, has_bias, group, chunks, save_gathered):
 @torch.library.custom_op("fusedpar::all_gather_matmul_backward", mutates_args=())
 def _all_gather_matmul_backward_op(
     grads: list[Tensor], x: Tensor, gathered: Tensor | None, weights: list[Tensor], group: str,
-    chunks: int, needs_x: bool, needs_w: list[bool], needs_b: list[bool],
+    chunks: int, needs_x: bool, needs_w: list[bool], needs_b: list[bool], rope: list[Tensor],
+    rotate: list[bool], head_dim: int,
 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:  # fmt: skip
     """dX (reduce-scattered, pipelined), each weight's gradient, and each bias's (needs_b:
-    one per weight, False where it has none)."""
+    one per weight, False where it has none). The gradients of rotated outputs are turned
+    back first (the rotation's transpose), into new (T, ..., N) buffers whose rows the
+    GEMMs read flat."""
     pg = group_by_name(group)
+    if rope:
+        turned = [g for g, r in zip(grads, rotate, strict=True) if r]
+        back = [torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in turned]
+        _rotate_outputs(turned, rope, head_dim, True, back)
+        unturned = iter(back)
+        grads = [next(unturned) if r else g for g, r in zip(grads, rotate, strict=True)]
     dys = [_flat(g) for g in grads]
     regather = None
     if group_size(pg) == 1:
@@ -222,7 +271,8 @@ def _all_gather_matmul_backward_op(
 
 
 @_all_gather_matmul_backward_op.register_fake
-def _(grads, x, gathered, weights, group, chunks, needs_x, needs_w, needs_b):
+def _(grads, x, gathered, weights, group, chunks, needs_x, needs_w, needs_b, rope, rotate,
+      head_dim):  # fmt: skip
     dx = x.new_empty(x.shape if needs_x else 0)  # fresh, contiguous: the real op's layout
     dws = [w.new_empty(w.shape if n else 0)
            for w, n in zip(weights, needs_w, strict=True)]  # fmt: skip
@@ -231,20 +281,23 @@ def _(grads, x, gathered, weights, group, chunks, needs_x, needs_w, needs_b):
 
 
 def _all_gather_matmul_setup(ctx, inputs, output):
-    x, weights, biases, has_bias, group, chunks, save_gathered = inputs
+    x, weights, biases, has_bias, group, chunks, save_gathered, rope, rotate, head_dim = inputs
     needs_b = [b is not None and b.requires_grad for b in _spread(biases, has_bias)]
     ctx.options = (group, chunks, x.requires_grad, [w.requires_grad for w in weights], needs_b)
-    ctx.has_bias = has_bias
+    ctx.has_bias, ctx.rotation = has_bias, (rotate, head_dim)
     gathered = output[1] if save_gathered else None
-    ctx.save_for_backward(x, gathered, *weights)
+    ctx.save_for_backward(x, gathered, *rope, *weights)
 
 
 def _all_gather_matmul_grads(ctx, grads, _):
-    x, gathered, *weights = ctx.saved_tensors
-    dx, dws, dbs = _all_gather_matmul_backward(grads, x, gathered, weights, *ctx.options)
+    x, gathered, *rest = ctx.saved_tensors
+    rope, weights = rest[: len(rest) - len(ctx.has_bias)], rest[len(rest) - len(ctx.has_bias) :]
+    dx, dws, dbs = _all_gather_matmul_backward(grads, x, gathered, weights, *ctx.options,
+                                               rope, *ctx.rotation)  # fmt: skip
     _, _, needs_x, needs_w, needs_b = ctx.options
     dbs = [db for db, has in zip(_asked(dbs, needs_b), ctx.has_bias, strict=True) if has]
-    return (dx if needs_x else None, _asked(dws, needs_w), dbs, None, None, None, None)
+    return (dx if needs_x else None, _asked(dws, needs_w), dbs, None, None, None, None,
+            [None] * len(rope), None, None)  # fmt: skip
 
 
 @torch.library.custom_op("fusedpar::matmul_reduce_scatter", mutates_args=())
@@ -329,6 +382,42 @@ def _check_linear(x, weight, bias, what, k_dim=-1):
             raise TypeError(f"{what}: x is {x.dtype} but bias is {bias.dtype}")
 
 
+def _check_rope(x, weights, rope, rotate, head_dim, size) -> tuple[list, list, int]:
+    """`all_gather_matmul`'s rotary arguments as its op takes them: [cos, sin] (or []),
+    a flag per weight, the head dim (0: none)."""
+    if rope is None:
+        if rotate is not None or head_dim is not None:
+            raise ValueError("all_gather_matmul: rotate and head_dim go with rope=(cos, sin)")
+        return [], [False] * len(weights), 0
+    cos, sin = rope
+    tokens = size * x.shape[0]
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != tokens:
+        raise ValueError(f"all_gather_matmul: rope's cos and sin must be (T={tokens}, r/2), "
+                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")  # fmt: skip
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise TypeError(f"all_gather_matmul: rope's tables must be float32, got {cos.dtype} "
+                        f"and {sin.dtype}")  # fmt: skip
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError("all_gather_matmul: rope's tables take no gradient here (for "
+                         "that, turn q and k with `fusedpar.nn.attention.apply_rope`)")  # fmt: skip
+    if cos.device != x.device or sin.device != x.device:
+        raise ValueError(f"all_gather_matmul: x on {x.device}, rope's tables on {cos.device} "
+                         f"and {sin.device}")  # fmt: skip
+    head_dim = 2 * cos.shape[1] if head_dim is None else head_dim
+    rotate = [True] * len(weights) if rotate is None else [bool(r) for r in rotate]
+    if len(rotate) != len(weights):
+        raise ValueError(f"all_gather_matmul: {len(weights)} weights but {len(rotate)} rotate "
+                         f"flags")  # fmt: skip
+    if not (0 < 2 * cos.shape[1] <= head_dim):
+        raise ValueError(f"all_gather_matmul: {2 * cos.shape[1]} rotated dims (2 * "
+                         f"cos.shape[1]) in heads of head_dim={head_dim}")  # fmt: skip
+    for w, r in zip(weights, rotate, strict=True):
+        if r and w.shape[0] % head_dim:
+            raise ValueError(f"all_gather_matmul: a rotated output of {w.shape[0]} features "
+                             f"is not whole heads of head_dim={head_dim}")  # fmt: skip
+    return [cos.contiguous(), sin.contiguous()], rotate, head_dim
+
+
 def all_gather_matmul(
     x: torch.Tensor,
     weight: torch.Tensor | Sequence[torch.Tensor],
@@ -337,6 +426,9 @@ def all_gather_matmul(
     bias: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
     chunks_per_rank: int = DEFAULT_CHUNKS_PER_RANK,
     save_gathered_input: bool = False,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rotate: Sequence[bool] | None = None,
+    head_dim: int | None = None,
 ):
     """``all_gather(x, dim 0) @ weight.T (+ bias)``, pipelined around the ring.
 
@@ -346,6 +438,15 @@ def all_gather_matmul(
     re-gathers x while it computes dX, unless ``save_gathered_input`` keeps the gathered
     copy from the forward (memory for one all-gather less). ``chunks_per_rank`` cuts each
     rank's rows into that many ring messages. With ``group=None`` this is a plain GEMM.
+
+    ``rope=(cos, sin)``: tables (T, r/2) fp32 (no gradient) at the positions of the
+    outputs' dim 0; the outputs flagged in ``rotate`` (default: all) come back with their
+    heads of ``head_dim`` (default r) turned as `fusedpar.nn.apply_rope` turns them (q and
+    k of a QKV projection: ``rotate=[True, True, False]``). With full rotary (r =
+    head_dim) and heads the GEMM's tiles hold whole (`fusedpar.kernels.matmul.
+    rope_epilogue_fits`: 16-bit up to 128, fp32 up to 64) the rotation is the GEMMs'
+    epilogue, rounded once with the product; otherwise one launch after the ring turns
+    them in place. The backward turns their gradients back first.
     """
     many = isinstance(weight, (list, tuple))
     weights = list(weight) if many else [weight]
@@ -363,10 +464,12 @@ def all_gather_matmul(
         _check_linear(x, w, b, "all_gather_matmul")
     _check_chunks(chunks_per_rank)
     pg = active_group(group)  # a group of one: a plain GEMM, no collective
+    tables, flags, head_dim = _check_rope(x, weights, rope, rotate, head_dim, group_size(pg))
     present = [b for b in biases if b is not None]
     has_bias = [b is not None for b in biases]
     outs, _ = _all_gather_matmul(x, weights, present, has_bias, group_name(pg),
-                                    chunks_per_rank, save_gathered_input)  # fmt: skip
+                                 chunks_per_rank, save_gathered_input, tables, flags,
+                                 head_dim)  # fmt: skip
     return list(outs) if many else outs[0]
 
 
@@ -396,141 +499,3 @@ def matmul_reduce_scatter(
             f"tokens, not divisible by the group size {size}"
         )
     return _matmul_reduce_scatter(x, weight, bias, group_name(pg), chunks_per_rank)
-
-
-# --- custom ops: fusedpar::gated and its backward (inside _GatedDown) -------------------
-
-
-@torch.library.custom_op("fusedpar::gated", mutates_args=())
-def _gated_op(gate: Tensor, up: Tensor, activation: str) -> Tensor:
-    return gated_kernels.gated(gate, up, activation)
-
-
-@_gated_op.register_fake
-def _(gate, up, activation):
-    return gate.new_empty(gate.shape)
-
-
-@torch.library.custom_op("fusedpar::gated_backward", mutates_args=())
-def _gated_backward_op(dh: Tensor, gate: Tensor, up: Tensor,
-                       activation: str) -> tuple[Tensor, Tensor]:  # fmt: skip
-    return gated_kernels.gated_backward(dh, gate, up, activation)
-
-
-@_gated_backward_op.register_fake
-def _(dh, gate, up, activation):
-    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
-
-
-_gated = direct_op(_gated_op)
-_gated_backward = direct_op(_gated_backward_op)
-
-
-_WITHOUT_KERNEL: set[str] = set()  # the activations said to have no kernel
-
-
-def kernel_activation(activation) -> str | None:
-    """The fused kernel's name for `activation` (`fusedpar.kernels.gated.ACTIVATIONS`):
-    ``F.silu``, ``F.gelu`` and ``gelu(approximate="tanh")``, as functions, partials or
-    ``nn.SiLU``/``nn.GELU`` modules. None for any other (it runs through autograd, with
-    one warning per activation)."""
-    if activation is F.silu or isinstance(activation, torch.nn.SiLU):
-        return "silu"
-    approximate = None
-    if activation is F.gelu:
-        approximate = "none"
-    elif isinstance(activation, torch.nn.GELU):
-        approximate = activation.approximate
-    elif (isinstance(activation, functools.partial) and activation.func is F.gelu
-          and not activation.args and set(activation.keywords) <= {"approximate"}):  # fmt: skip
-        approximate = activation.keywords.get("approximate", "none")
-    name = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
-    if name is None and repr(activation) not in _WITHOUT_KERNEL:
-        _WITHOUT_KERNEL.add(repr(activation))
-        warnings.warn(f"gated_down: no fused kernel for activation {activation!r} (there is "
-                      f"one for silu, gelu and gelu tanh): act(gate) * up and its gradient "
-                      f"run through autograd", stacklevel=3)  # fmt: skip
-    return name
-
-
-def _product_vjp(activation, gate, up):
-    """``activation(gate) * up`` and its vjp, for an activation with no fused kernel. In
-    eager through autograd (about 3x less host time than ``torch.func.vjp``: 34 against
-    108 µs at (32, 64)), which a compiled backward does not trace; there
-    ``torch.func.vjp``."""
-    if torch.compiler.is_compiling():
-        return torch.func.vjp(lambda g, u: activation(g) * u, gate, up)
-    with torch.enable_grad():
-        g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
-        product = activation(g) * u
-    return product.detach(), lambda d: torch.autograd.grad(product, (g, u), d)
-
-
-class _GatedDown(torch.autograd.Function):
-    """``down(act(gate) * up)`` saving gate and up only: the backward recomputes the
-    product (for the down weight's gradient), then dgate and dup in one pass
-    (`fusedpar.kernels.gated`; through autograd for an activation with no kernel)."""
-
-    @staticmethod
-    def forward(ctx, gate, up, weight, bias, activation, group, chunks):
-        # (float64, a reference model's dtype, has no kernel: autograd's path is exact)
-        name = kernel_activation(activation) if gate.dtype != torch.float64 else None
-        hidden = _gated(gate, up, name) if name else activation(gate) * up
-        if group is None:  # a plain GEMM (classic TP: the caller all-reduces)
-            y = torch.nn.functional.linear(hidden, weight, bias)
-        else:
-            y = _matmul_reduce_scatter_forward(hidden, weight, bias, group, chunks)
-        ctx.options = (activation, name, group, chunks, bias is not None)
-        ctx.save_for_backward(gate, up, weight)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        gate, up, weight = ctx.saved_tensors
-        activation, name, group, chunks, has_bias = ctx.options
-        needs_g, needs_u, needs_w, needs_b = ctx.needs_input_grad[:4]
-        if name:
-            hidden = _gated(gate, up, name)
-        else:
-            hidden, vjp = _product_vjp(activation, gate, up)
-        if group is None:
-            dh = dy @ weight
-            dw = _flat(dy).t() @ _flat(hidden) if needs_w else None
-            db = _row_sum(_flat(dy), weight.dtype) if needs_b and has_bias else None
-        else:
-            dh, dw, db = _matmul_reduce_scatter_backward(
-                dy, hidden, weight, group, chunks, True, needs_w, needs_b and has_bias
-            )
-            dw, db = dw if needs_w else None, db if needs_b and has_bias else None
-        dgate = dup = None
-        if needs_g or needs_u:
-            dgate, dup = _gated_backward(dh, gate, up, name) if name else vjp(dh)
-        return dgate, dup, dw, db, None, None, None
-
-
-def gated_down(gate, up, weight, group, *, activation, bias=None, sequence_parallel=True,
-               chunks_per_rank: int = DEFAULT_CHUNKS_PER_RANK) -> torch.Tensor:  # fmt: skip
-    """``down(activation(gate) * up)`` (+ bias): with `sequence_parallel` the down GEMM's
-    output reduce-scattered over `group` as in `matmul_reduce_scatter`, else this rank's
-    partial (T, ..., N), to be all-reduced by the caller. gate, up (T, ..., K_loc);
-    weight (N, K_loc); `activation` any differentiable elementwise function.
-
-    Saved for the backward: gate and up, not ``activation(gate)`` nor the product, which
-    the backward recomputes (one elementwise pass) for the down weight's gradient and the
-    gate's and up's."""
-    if gate.shape != up.shape:
-        raise ValueError(f"gated_down: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
-    if gate.dim() < 2:
-        raise ValueError(f"gated_down: gate must be (T, ..., K), got {tuple(gate.shape)}")
-    _check_linear(gate, weight, bias, "gated_down")
-    _check_chunks(chunks_per_rank)
-    name = None
-    if sequence_parallel:
-        pg = active_group(group)
-        size = group_size(pg)
-        if gate.shape[0] % size:
-            raise ValueError(f"gated_down: dim 0 of gate (shape {tuple(gate.shape)}) has "
-                             f"{gate.shape[0]} tokens, not divisible by the group size "
-                             f"{size}")  # fmt: skip
-        name = group_name(pg)
-    return _GatedDown.apply(gate, up, weight, bias, activation, name, chunks_per_rank)

@@ -10,8 +10,8 @@ Shapes: x (..., d); gate and up weights (h, d); down (d, h); biases (h,), (h,), 
 |           | ``[dWg; dWu] = [dgate | dup]^T x`` (one GEMM), the biases' row sums         |
 
 Saved for the backward: x, gate and up (tokens, h), as the tensor-parallel path saves
-them. The math is that path's at one rank (`fusedpar.ops.linear`'s `all_gather_matmul` into
-`gated_down`), computed by the same GEMM helpers; as one op it is one
+them. The math is that path's at one rank (`fusedpar.ops.linear`'s `all_gather_matmul`
+into `fusedpar.ops.gated_down`), computed by the same GEMM helpers; as one op it is one
 ``autograd.Function`` a layer instead of two and their list plumbing: `ParallelSwiGLU`
 takes it when its group has one rank (TP 1: data, context or pipeline parallelism only)
 and its activation has a kernel (host time: bench/host_overhead.py).

@@ -1,0 +1,97 @@
+"""`fusedpar.kernels.matmul`'s contract in PyTorch: the torch implementation its tuner
+may pick (one cuBLAS call where that computes the contract, else fp32 sums rounded once),
+the rotation of C's heads (`RowRotation`) as a formula, and the reference the tests
+hold the kernel to."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # the launcher's module imports this one
+    from fusedpar.kernels.matmul import RowRotation
+
+
+def cublas_computes(a, bias, c_dtype, accumulate, rope=None) -> bool:
+    """Whether one cuBLAS call (`torch.mm` / `addmm`) computes `matmul`'s contract: C in
+    A's dtype, nothing added into and no rotation, so the fp32 sum is rounded once, as
+    the kernel does; and for 16-bit operands, no reduced-precision reduction (PyTorch
+    allows cuBLAS to sum split-K partials in 16-bit by default: ``torch.backends.cuda.
+    matmul.allow_bf16_reduced_precision_reduction = False``, or the fp16 flag, makes it
+    exact)."""
+    if accumulate or rope is not None or c_dtype != a.dtype:
+        return False
+    if bias is not None and bias.dtype != a.dtype:
+        return False
+    return a.dtype == torch.float32 or not _reduced_precision_sums(a.dtype)
+
+
+def _reduced_precision_sums(dtype: torch.dtype) -> bool:
+    """Whether PyTorch lets cuBLAS sum 16-bit products in less than fp32 (split-K
+    partials in 16-bit; for fp16 also accumulation in fp16)."""
+    flags = torch.backends.cuda.matmul
+    if dtype == torch.bfloat16:
+        return bool(flags.allow_bf16_reduced_precision_reduction)
+    try:
+        fp16_accumulation = bool(flags.allow_fp16_accumulation)
+    except AttributeError:  # older torch: no fp16 accumulation switch
+        fp16_accumulation = False
+    return bool(flags.allow_fp16_reduced_precision_reduction) or fp16_accumulation
+
+
+def matmul_torch(a, b, bias, out, accumulate, rope=None) -> None:
+    """`matmul`'s contract in torch, into `out`. On CUDA, one cuBLAS call where that is
+    the contract (`_cublas_computes`); elsewhere 16-bit operands are widened to fp32
+    (their products are exact there) and summed in fp32, the bias, the rotation and an
+    added C in fp32 too, and the result rounded once into `out`."""
+    if a.device.type == "cuda" and cublas_computes(a, bias, out.dtype, accumulate, rope):
+        if bias is None:
+            torch.mm(a, b, out=out)
+        else:
+            torch.addmm(bias, a, b, out=out)
+        return
+    wide = a.dtype != torch.float32
+    c = (a.float() @ b.float()) if wide else a @ b
+    if bias is not None:
+        c = c + bias.float()
+    if rope is not None:
+        c = rotate_rows(c, rope)
+    if accumulate:
+        c = c + out.float()
+    out.copy_(c)
+
+
+def rotate_rows(c: torch.Tensor, rope: RowRotation) -> torch.Tensor:
+    """`RowRotation` of c (M, N) in plain PyTorch, in c's dtype (a new tensor)."""
+    M, N = c.shape
+    half = rope.cos.shape[1]
+    positions = (rope.first_row + torch.arange(M, device=c.device)) // rope.rows_per_position
+    cos, sin = (t[positions].to(c.dtype)[:, None, :] for t in (rope.cos, rope.sin))
+    x1, x2 = c.reshape(M, N // (2 * half), 2, half).unbind(2)
+    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], 2).reshape(M, N)
+
+
+def matmul_reference(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    out_dtype: torch.dtype | None = None,
+    rope: RowRotation | None = None,
+) -> torch.Tensor:
+    """`matmul`'s contract in plain PyTorch, computed in A's dtype (float64 in -> the oracle).
+
+    Returns a new tensor; ``out`` is read (for ``accumulate``), never written.
+    """
+    c = a @ b
+    if bias is not None:
+        c = c + bias.to(c.dtype)
+    if rope is not None:
+        c = rotate_rows(c, rope)
+    if accumulate:
+        c = out.to(c.dtype) + c
+    dtype = out.dtype if out is not None else out_dtype
+    return c if dtype is None or c.dtype == torch.float64 else c.to(dtype)
