@@ -5,6 +5,10 @@ them: QKV and gate/up column-parallel (N split), output and down row-parallel (K
 at M = 2k..16k tokens, bf16, ``x @ weight.T`` with an ``nn.Linear``-layout weight.
 Target: >= 0.95x cuBLAS. ``BENCH_QUICK=1``: TP = 8 at M = 4k and 16k only.
 
+The gate/up rows also time a dense SwiGLU's first projection three ways (ms): fused
+(`gated_matmul`: both GEMMs and silu(gate) * up in one launch), unfused (fusedpar's GEMM
+twice and `fusedpar.kernels.gated`), and torch (cuBLAS twice, ``F.silu(g) * u``).
+
 The small points (TP = 8, M <= 4k: down to about 20 us of GPU time, predicted) are also
 timed replaying a CUDA graph of the same call (`time_ms_graph`): ``*_graph_tflops``
 beside ``*_tflops`` shows how much of the eager number is host launch overhead rather
@@ -29,7 +33,8 @@ MODELS = {"llama3-8b": (4096, 14336, 4096 + 2 * 1024), "llama3-70b": (8192, 2867
 TP_SIZES = (2, 4, 8)
 TOKENS = (2048, 4096, 8192, 16384)
 COLUMNS = ["model", "tp", "proj", "M", "N", "K", "fusedpar_tflops", "torch_tflops", "ratio",
-           "fusedpar_graph_tflops", "torch_graph_tflops", "graph_note"]  # fmt: skip
+           "fusedpar_graph_tflops", "torch_graph_tflops", "graph_note", "gated_fused_ms",
+           "gated_unfused_ms", "gated_torch_ms"]  # fmt: skip
 # Points whose eager time can be launch-bound: timed through a CUDA graph as well.
 GRAPH_TP, GRAPH_MAX_M = 8, 4096
 
@@ -59,6 +64,20 @@ def _graph_point(matmul, x, weight, flops) -> dict:
                 graph_note="; ".join(notes) or None)  # fmt: skip
 
 
+def _gated_point(x, N: int, K: int) -> dict:
+    """ms of a SwiGLU's gate and up (each N wide) and silu(gate) * up, three ways."""
+    from fusedpar.kernels.gated import gated
+    from fusedpar.kernels.matmul import gated_matmul, matmul
+    from torch.nn import functional as F
+
+    wg, wu = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5 for _ in "gu")
+    return dict(
+        gated_fused_ms=time_ms(lambda: gated_matmul(x, wg.T, wu.T, activation="silu")),
+        gated_unfused_ms=time_ms(lambda: gated(matmul(x, wg.T), matmul(x, wu.T), "silu")),
+        gated_torch_ms=time_ms(lambda: F.silu(x @ wg.T) * (x @ wu.T)),
+    )
+
+
 def main() -> None:
     if not require_gpu("matmul"):
         return
@@ -77,6 +96,8 @@ def main() -> None:
             row.update(fusedpar_tflops=ours, torch_tflops=cublas, ratio=ours / cublas)
             if graph_timed(tp, M):
                 row.update(_graph_point(matmul, x, weight, flops))
+            if proj == "gate_up":
+                row.update(_gated_point(x, N // 2, K))
             rows.append(row)
             write_results("matmul", rows, COLUMNS, {**env, "partial": True}, announce=False)
             print(f"{model} tp{tp} {proj:8s} M={M:6d} N={N:6d} K={K:6d}: fusedpar {ours:6.1f}"

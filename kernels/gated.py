@@ -55,9 +55,10 @@ def _tanh_terms(x):
     a = tl.abs(x)
     e = tl.exp(-2.0 * a)
     r = 1.0 / (1.0 + e)
-    x2 = x * x
-    t = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
     small = a < 0.1
+    xs = tl.where(small, x, 0.0)  # (the series of a large x would overflow, unused)
+    x2 = xs * xs
+    t = xs * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
     one_plus = tl.where(small, 1.0 + t, tl.where(x < 0, 2.0 * e * r, 2.0 * r))
     sech2 = tl.where(small, 1.0 - t * t, 4.0 * e * r * r)
     return one_plus, sech2

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from fusedpar.kernels.gated import gated_torch
 
 if TYPE_CHECKING:  # the launcher's module imports this one
     from fusedpar.kernels.matmul import RowRotation
@@ -60,6 +61,17 @@ def matmul_torch(a, b, bias, out, accumulate, rope=None) -> None:
     if accumulate:
         c = c + out.float()
     out.copy_(c)
+
+
+def gated_matmul_torch(a, b, b2, bias, bias2, activation):
+    """`gated_matmul`'s contract in torch: `matmul`'s twice, then the gated activation
+    from the rounded gate and up (`fusedpar.kernels.gated`)."""
+    gate, up, h = (torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+                   for _ in range(3))  # fmt: skip
+    matmul_torch(a, b, bias, gate, False)
+    matmul_torch(a, b2, bias2, up, False)
+    gated_torch(activation, gate, up, None, h, None, None)
+    return gate, up, h
 
 
 def rotate_rows(c: torch.Tensor, rope: RowRotation) -> torch.Tensor:

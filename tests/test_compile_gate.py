@@ -152,12 +152,13 @@ def attention_merge_call(head_dim):
 
 
 def matmul_call(dtype, accumulate=False, precision="highest", huge_stride=False, tma=True,
-                rope=0):  # fmt: skip
+                rope=0, gated=""):  # fmt: skip
     """``x @ w.T + bias`` (a linear layer's forward), or with ``accumulate`` an fp32 C added
     into without bias (reduce-scatter partials, weight gradients). ``huge_stride``: rows
     of A 2**31 elements apart, so the strides are passed as i64 (4 GiB of address space
     is reserved, never touched). ``rope``: heads of that size rotated in the epilogue (a
-    q or k projection, rows in (S, B) order with B = 2)."""
+    q or k projection, rows in (S, B) order with B = 2). ``gated``: a dense gated MLP's
+    gate and up projections with this activation (`gated_matmul`)."""
     M, N, K = 256, 512, 256
     if huge_stride:
         M = 2
@@ -168,6 +169,9 @@ def matmul_call(dtype, accumulate=False, precision="highest", huge_stride=False,
     with _fp32_precision(precision), _tma(tma):
         if accumulate:
             matmul.matmul(a, w.T, out=_empty((M, N), "float32"), accumulate=True)
+        elif gated:
+            matmul.gated_matmul(a, w.T, _empty((N, K), dtype).T, bias=_empty((N,), dtype),
+                                bias2=_empty((N,), dtype), activation=gated)  # fmt: skip
         elif rope:
             cos, sin = (_empty((M // 2, rope // 2), "float32") for _ in range(2))
             matmul.matmul(a, w.T, bias=_empty((N,), dtype),
@@ -436,10 +440,16 @@ MATMUL_VARIANTS = {  # variant: scenario params
     "bfloat16-rope64": {"dtype": "bfloat16", "rope": 64},
     "bfloat16-rope128-pointer": {"dtype": "bfloat16", "rope": 128, "tma": False},
     "tf32-rope64": {"dtype": "float32", "precision": "high", "rope": 64},
+    # a dense gated MLP's gate and up GEMMs in one, act(gate) * up in the epilogue (read
+    # through pointers: from TMA, ptxas serialized the two accumulators' wgmma)
+    "bfloat16-gated-silu": {"dtype": "bfloat16", "gated": "silu"},
+    "bfloat16-gated-gelu_tanh": {"dtype": "bfloat16", "gated": "gelu_tanh"},
+    "tf32-gated-silu": {"dtype": "float32", "precision": "high", "gated": "silu"},
 }
 for variant, params in MATMUL_VARIANTS.items():
     dtype = getattr(torch, params["dtype"])
-    configs = matmul.matmul_configs(dtype, params.get("accumulate", False), params.get("rope", 0))
+    configs = matmul.matmul_configs(dtype, params.get("accumulate", False), params.get("rope", 0),
+                                    bool(params.get("gated")))  # fmt: skip
     add_configs("matmul", variant, matmul_call, params, "_matmul_kernel", configs,
                 no_spill=dtype != torch.float32, wgmma=variant != "ieee-bias")  # fmt: skip
     if variant.startswith(("bfloat16", "tf32")):

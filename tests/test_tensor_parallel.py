@@ -183,6 +183,26 @@ def test_all_gather_matmul_turns_q_and_k(world, world_size, shape, **p):
     assert all(world(world_size).run(_run_all_gather_matmul_rope, p))
 
 
+def _tables(tokens=4, half=4, **changes):
+    cos, sin = rope_tables(torch.arange(tokens), 2 * half, 100.0)
+    return cos.to(**changes), sin.to(**changes)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"rope": _tables(tokens=5)}, ValueError, r"\(T=4, r/2\)"),
+    ({"rope": _tables(dtype=torch.float64)}, TypeError, "float32"),
+    ({"rope": tuple(t.requires_grad_() for t in _tables())}, ValueError, "no gradient"),
+    ({"rope": _tables(), "rotate": [True]}, ValueError, "2 weights but 1 rotate"),
+    ({"rope": _tables(), "head_dim": 6}, ValueError, "8 rotated dims"),
+    ({"rope": _tables(half=2), "head_dim": 16}, ValueError, "not whole heads of head_dim=16"),
+    ({"rotate": [True, False]}, ValueError, "go with rope"),
+])  # fmt: skip
+def test_a_bad_rotation_is_refused_before_any_transfer(kwargs, error, match):
+    x, weights = torch.ones(4, 3), [torch.ones(8, 3), torch.ones(24, 3)]
+    with pytest.raises(error, match=match):
+        fp.all_gather_matmul(x, weights, None, **kwargs)
+
+
 def _run_matmul_reduce_scatter(p):
     rank, size = dist.get_rank(), dist.get_world_size()
     n, k, N, dtype, seed = p["rows"], p["K"], p["N"], p["dtype"], p["seed"]

@@ -379,7 +379,7 @@ class ParallelAttention(nn.Module):
                     f"rotary_dim {2 * half}: pass rotary_dim={half} (partial rotary)"
                 )
             self._rope_layout_checked = informative
-        return t.float()
+        return t.float().contiguous()  # (HF's half a row: the GEMM epilogue reads rows)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """x (S_loc, B, d_model) -> the same shape (see the module doc). `cu_seqlens`

@@ -1,0 +1,157 @@
+"""`fusedpar.kernels.matmul`'s plan: its operands' checks (the GEMM's, a rotating
+epilogue's, a gated GEMM's), worked out on the first call of a signature (shapes,
+strides, dtypes, alignment, flags) with the launch parameters and looked up by later
+calls (host time a GEMM call, launch stubbed: 24 -> 10 -> 8 µs); and `RowRotation`,
+what a rotating epilogue is given."""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+from fusedpar.kernels import _common
+from fusedpar.kernels._common import cdiv, check_float_dtype
+from fusedpar.kernels.gated import ACTIVATIONS
+
+
+class RowRotation(NamedTuple):
+    """The rotary embedding `matmul` applies to C in its epilogue. C's row m is at
+    position ``(first_row + m) // rows_per_position`` of the tables cos, sin (P, hd/2)
+    fp32 (rows in (S, B) order have ``rows_per_position = B``; a chunk of them starts at
+    ``first_row``); every hd = 2 * cos.shape[1] columns of C are one head, whose pairs
+    (i, i + hd/2) turn by the position's angles (full rotary: `fusedpar.kernels.rope`)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rows_per_position: int = 1
+    first_row: int = 0
+
+
+def check_operands(a, b, bias, out, accumulate, out_dtype):
+    """ValueError/TypeError naming the sizes for operands `matmul` cannot take."""
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(
+            f"matmul takes 2-D A (M, K) and B (K, N), got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    (M, K), (K_b, N) = a.shape, b.shape
+    if K_b != K:
+        raise ValueError(
+            f"inner sizes differ: A is (M, K) = {tuple(a.shape)}, B is (K, N) = {tuple(b.shape)}"
+        )
+    check_float_dtype("A", a)
+    if b.dtype != a.dtype:
+        raise TypeError(f"A and B must share a dtype, got {a.dtype} and {b.dtype}")
+    out_dtypes = (a.dtype, torch.float32)
+    if bias is not None:
+        if bias.shape != (N,):
+            raise ValueError(f"bias must be (N,) = ({N},), got {tuple(bias.shape)}")
+        check_float_dtype("bias", bias, out_dtypes)
+    if accumulate and out is None:
+        raise ValueError("accumulate=True adds into `out`, so `out` must be given")
+    if out is not None:
+        if out.shape != (M, N):
+            raise ValueError(f"out must be (M, N) = ({M}, {N}), got {tuple(out.shape)}")
+        check_float_dtype("out", out, out_dtypes)
+        if out_dtype is not None and out_dtype != out.dtype:
+            raise TypeError(f"out_dtype={out_dtype} contradicts out.dtype={out.dtype}")
+    elif out_dtype is not None and out_dtype not in out_dtypes:
+        raise TypeError(f"out_dtype must be A's dtype ({a.dtype}) or float32, got {out_dtype}")
+
+
+def check_rope(a, b, rope: RowRotation, accumulate, fits: bool) -> None:
+    """ValueError/TypeError for a rotation the epilogue cannot apply; `fits`:
+    `rope_epilogue_fits` of A's dtype and the head dim."""
+    cos, sin, per_position = rope.cos, rope.sin, rope.rows_per_position
+    if cos.dim() != 2 or cos.shape != sin.shape:
+        raise ValueError(f"rope: cos and sin must be (positions, hd/2), got {tuple(cos.shape)} "
+                         f"and {tuple(sin.shape)}")  # fmt: skip
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise TypeError(f"rope: cos and sin must be float32, got {cos.dtype} and {sin.dtype}")
+    if cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError(f"rope: the tables' rows must be contiguous, got strides "
+                         f"{cos.stride()} and {sin.stride()}")  # fmt: skip
+    head_dim, N = 2 * cos.shape[1], b.shape[1]
+    if not fits or N % head_dim:
+        raise ValueError(f"rope: heads of {head_dim} (2 * cos.shape[1]) must be a power of 2 "
+                         f"the {a.dtype} tiles hold whole, dividing N = {N}")  # fmt: skip
+    if accumulate:
+        raise ValueError("rope: a rotated C is written, not added into (accumulate=True)")
+    if not isinstance(per_position, int) or per_position < 1:
+        raise ValueError(f"rope: rows_per_position must be a positive int, got {per_position!r}")
+    if not a.device == cos.device == sin.device:
+        raise ValueError(f"rope: A and the tables on {a.device}, {cos.device}, {sin.device}")
+
+
+def check_gated(b, bias, b2, bias2, activation) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"gated_matmul: activation must be one of {ACTIVATIONS}, got "
+                         f"{activation!r}")  # fmt: skip
+    if b2.shape != b.shape or b2.stride() != b.stride() or b2.dtype != b.dtype:
+        raise ValueError(f"gated_matmul: the up operand must be {tuple(b.shape)} {b.dtype} "
+                         f"with strides {b.stride()} as the gate's, got {tuple(b2.shape)} "
+                         f"{b2.dtype} {b2.stride()}")  # fmt: skip
+    if (bias is None) != (bias2 is None):
+        raise ValueError("gated_matmul: both biases or neither")
+    if bias is not None and (bias2.shape != bias.shape or bias2.stride() != bias.stride()
+                             or bias2.dtype != bias.dtype):  # fmt: skip
+        raise ValueError(f"gated_matmul: the up bias must be {tuple(bias.shape)} "
+                         f"{bias.dtype} as the gate's, got {tuple(bias2.shape)} "
+                         f"{bias2.dtype}")  # fmt: skip
+
+
+def check_rope_rows(M: int, rope: RowRotation) -> None:
+    """Every row's position inside the tables (a call's rows may start anywhere)."""
+    if rope.first_row < 0 or (M and (rope.first_row + M - 1) // rope.rows_per_position
+                              >= rope.cos.shape[0]):  # fmt: skip
+        raise ValueError(f"rope: rows {rope.first_row}..{rope.first_row + M - 1} at "
+                         f"{rope.rows_per_position} a position pass the tables' "
+                         f"{rope.cos.shape[0]} positions")  # fmt: skip
+
+
+@dataclass
+class Plan:
+    """What `matmul` works out once per call signature (shapes, strides, dtypes, flags,
+    alignment): the operands checked, the tuner's key and the launch's meta. A later
+    call with the same signature only looks it up, and once the tuner's pick is settled
+    launches with the grid and keywords kept for it (host time a call, launch stubbed:
+    24 -> 10 -> 8 µs)."""
+
+    M: int
+    N: int
+    K: int
+    c_dtype: torch.dtype
+    key: tuple
+    scalars: tuple  # the kernel's strides and sizes (all but the rotation's first row)
+    meta: dict  # its constexprs
+    programs: int | None  # SMs (a persistent TMA grid), None in the interpreter
+    settled: tuple | None = None  # (the pick, its grid, its keywords) once launched
+
+    def launch_arguments(self, config: triton.Config) -> tuple[tuple, dict]:
+        """The grid and keyword arguments of a launch with `config`."""
+        tiles = cdiv(self.M, config.kwargs["BLOCK_M"]) * cdiv(self.N, config.kwargs["BLOCK_N"])
+        grid = (tiles if self.programs is None else min(tiles, self.programs),)
+        return grid, {**self.meta, **config.all_kwargs()}
+
+
+PLANS: dict[tuple, Plan] = {}
+MAX_PLANS = 4096  # a property test's many shapes: start over rather than grow
+
+
+def signature(a, b, bias, out, accumulate, out_dtype, tune_only, rope, gated) -> tuple:
+    # alignment decides TMA; the fp32 precision decides the dot's; a rotation's first row
+    # is an argument of each launch
+    return (
+        a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.device,
+        bias is not None and (bias.shape, bias.stride(), bias.dtype),
+        out is not None and (out.shape, out.stride(), out.dtype, out.data_ptr() % 16),
+        accumulate, out_dtype, tune_only, a.data_ptr() % 16, b.data_ptr() % 16,
+        torch.get_float32_matmul_precision(),
+        _common.tma_compatible,  # the TMA rule in force (tests swap it for the pointer path)
+        rope is not None and (rope.cos.shape, rope.cos.stride(), rope.sin.shape,
+                              rope.sin.stride(), rope.cos.dtype, rope.sin.dtype,
+                              rope.cos.device, rope.sin.device, rope.rows_per_position),
+        gated is not None and (gated[0].shape, gated[0].stride(), gated[0].dtype,
+                               gated[0].device, gated[0].data_ptr() % 16,
+                               gated[1] is not None and (gated[1].shape, gated[1].stride(),
+                                                         gated[1].dtype), gated[2]),
+    )  # fmt: skip
