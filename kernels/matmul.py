@@ -322,7 +322,7 @@ def _plan(a, b, bias, out, accumulate, out_dtype, tune_only, rope, gated=None) -
         return plan
     check_operands(a, b, bias, out, accumulate and not tune_only, out_dtype)
     if rope is not None:
-        check_rope(a, b, rope, accumulate, rope_epilogue_fits(a.dtype, 2 * rope.cos.shape[1]))
+        check_rope(a, b, rope, accumulate, rope_epilogue_fits)
     if gated is not None:
         check_gated(b, bias, *gated)
     tables = () if rope is None else (rope.cos, rope.sin)
@@ -385,7 +385,7 @@ def matmul(
     if _impl.runs_torch(a.device):
         check_operands(a, b, bias, out, accumulate and not tune_only, out_dtype)
         if rope is not None:
-            check_rope(a, b, rope, accumulate, rope_epilogue_fits(a.dtype, 2 * rope.cos.shape[1]))
+            check_rope(a, b, rope, accumulate, rope_epilogue_fits)
             check_rope_rows(a.shape[0], rope)
         if tune_only:
             return None

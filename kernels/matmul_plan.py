@@ -58,9 +58,9 @@ def check_operands(a, b, bias, out, accumulate, out_dtype):
         raise TypeError(f"out_dtype must be A's dtype ({a.dtype}) or float32, got {out_dtype}")
 
 
-def check_rope(a, b, rope: RowRotation, accumulate, fits: bool) -> None:
+def check_rope(a, b, rope: RowRotation, accumulate, fits) -> None:
     """ValueError/TypeError for a rotation the epilogue cannot apply; `fits`:
-    `rope_epilogue_fits` of A's dtype and the head dim."""
+    `rope_epilogue_fits` (dtype, head dim -> bool)."""
     cos, sin, per_position = rope.cos, rope.sin, rope.rows_per_position
     if cos.dim() != 2 or cos.shape != sin.shape:
         raise ValueError(f"rope: cos and sin must be (positions, hd/2), got {tuple(cos.shape)} "
@@ -71,7 +71,7 @@ def check_rope(a, b, rope: RowRotation, accumulate, fits: bool) -> None:
         raise ValueError(f"rope: the tables' rows must be contiguous, got strides "
                          f"{cos.stride()} and {sin.stride()}")  # fmt: skip
     head_dim, N = 2 * cos.shape[1], b.shape[1]
-    if not fits or N % head_dim:
+    if not fits(a.dtype, head_dim) or N % head_dim:
         raise ValueError(f"rope: heads of {head_dim} (2 * cos.shape[1]) must be a power of 2 "
                          f"the {a.dtype} tiles hold whole, dividing N = {N}")  # fmt: skip
     if accumulate:

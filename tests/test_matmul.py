@@ -242,6 +242,7 @@ def _rotation(positions=4, half=4, dtype=torch.float32, **kwargs):
     [(16, _rotation(half=3), {}, ValueError, "power of 2"),  # heads of 6
      (12, _rotation(), {}, ValueError, "dividing N = 12"),
      (16, _rotation(dtype=torch.float64), {}, TypeError, "float32"),
+     (16, RowRotation(torch.ones(4), torch.ones(4)), {}, ValueError, r"\(positions, hd/2\)"),
      (16, _rotation(rows_per_position=0), {}, ValueError, "rows_per_position"),
      (16, _rotation(first_row=1), {}, ValueError, r"rows 1\.\.4 .* 4 positions"),
      (16, _rotation(), {"accumulate": True, "out": torch.zeros(4, 16)}, ValueError, "added"),
