@@ -204,10 +204,11 @@ def _matmul_kernel(
     schedule). Otherwise one tile per program through pointers advanced each K step.
     C_TMA: C is written (and read back when adding) through a descriptor. ROPE_HALF > 0:
     C's heads of 2 * ROPE_HALF columns are rotated in the epilogue. ACTIVATION (a gated
-    GEMM): a second B (b2, the up weight, B's strides) against the same A tiles into a
-    second accumulator, and `_gated_epilogue` writes gate, up and act(gate) * up (C, c2
-    and h, C's strides)."""
+    GEMM, pointer schedule only): a second B (b2, the up weight, B's strides) against the
+    same A tiles into a second accumulator, and `gated_epilogue` writes gate, up and
+    act(gate) * up (C, c2 and h, C's strides)."""
     GATED: tl.constexpr = ACTIVATION != ""
+    tl.static_assert(not (TMA and GATED), "a gated GEMM reads through pointers (see _plan)")
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if C_TMA:
@@ -223,33 +224,19 @@ def _matmul_kernel(
                                  BLOCK_K)  # fmt: skip
         b_desc = _operand_source(b_ptr, K, N, stride_bn if B_T else stride_bk, B_T, BLOCK_K,
                                  BLOCK_N)  # fmt: skip
-        if GATED:
-            b2_desc = _operand_source(b2_ptr, K, N, stride_bn if B_T else stride_bk, B_T,
-                                      BLOCK_K, BLOCK_N)  # fmt: skip
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0),
                              flatten=True):  # fmt: skip
             pid_m, pid_n = tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
             start_m, start_n = pid_m * BLOCK_M, pid_n * BLOCK_N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if GATED:
-                acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for ki in range(tl.cdiv(K, BLOCK_K)):
                 a = _load_operand(a_desc, start_m, ki * BLOCK_K, A_T)
                 b = _load_operand(b_desc, ki * BLOCK_K, start_n, B_T)
                 acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-                if GATED:
-                    b2 = _load_operand(b2_desc, ki * BLOCK_K, start_n, B_T)
-                    acc2 = tl.dot(a, b2, acc2, input_precision=INPUT_PRECISION)
-            if GATED:
-                gated_epilogue(acc, acc2, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc,
-                                bias_ptr, bias2_ptr, start_m, start_n, M, N, stride_cm,
-                                stride_cn, stride_bias, ACTIVATION, HAS_BIAS, C_TMA, BLOCK_M,
-                                BLOCK_N)  # fmt: skip
-            else:
-                epilogue(acc, c_ptr, c_desc, bias_ptr, cos_ptr, sin_ptr, start_m, start_n, M,
-                          N, stride_cm, stride_cn, stride_bias, stride_cos, stride_sin,
-                          rope_first_row, rope_rows_per_position, HAS_BIAS, ACCUMULATE, C_TMA,
-                          ROPE_HALF, BLOCK_M, BLOCK_N)  # fmt: skip
+            epilogue(acc, c_ptr, c_desc, bias_ptr, cos_ptr, sin_ptr, start_m, start_n, M, N,
+                     stride_cm, stride_cn, stride_bias, stride_cos, stride_sin, rope_first_row,
+                     rope_rows_per_position, HAS_BIAS, ACCUMULATE, C_TMA, ROPE_HALF, BLOCK_M,
+                     BLOCK_N)  # fmt: skip
     else:
         pid_m, pid_n = tile_of(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -289,13 +276,13 @@ def _matmul_kernel(
         start_m, start_n = pid_m * BLOCK_M, pid_n * BLOCK_N
         if GATED:
             gated_epilogue(acc, acc2, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, bias_ptr,
-                            bias2_ptr, start_m, start_n, M, N, stride_cm, stride_cn,
-                            stride_bias, ACTIVATION, HAS_BIAS, C_TMA, BLOCK_M, BLOCK_N)  # fmt: skip
+                           bias2_ptr, start_m, start_n, M, N, stride_cm, stride_cn,
+                           stride_bias, ACTIVATION, HAS_BIAS, C_TMA, BLOCK_M, BLOCK_N)  # fmt: skip
         else:
             epilogue(acc, c_ptr, c_desc, bias_ptr, cos_ptr, sin_ptr, start_m, start_n, M, N,
-                      stride_cm, stride_cn, stride_bias, stride_cos, stride_sin, rope_first_row,
-                      rope_rows_per_position, HAS_BIAS, ACCUMULATE, C_TMA, ROPE_HALF, BLOCK_M,
-                      BLOCK_N)  # fmt: skip
+                     stride_cm, stride_cn, stride_bias, stride_cos, stride_sin, rope_first_row,
+                     rope_rows_per_position, HAS_BIAS, ACCUMULATE, C_TMA, ROPE_HALF, BLOCK_M,
+                     BLOCK_N)  # fmt: skip
 
 
 def _candidates(M: int, N: int, interpreted: bool, dtype, accumulate, head_dim: int = 0,

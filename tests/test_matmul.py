@@ -110,7 +110,7 @@ def test_rotating_epilogue_matches_float64(M, K, heads, head_dim, per_position, 
 
 
 @given(
-    M=st.integers(1, 70), N=st.integers(1, 70), K=st.integers(1, 70), dtype=cpu_dtypes(),
+    M=st.integers(1, 40), N=st.integers(1, 40), K=st.integers(1, 40), dtype=cpu_dtypes(),
     seed=seeds(), w_t=st.booleans(), bias=st.booleans(), activation=st.sampled_from(ACTIVATIONS),
 )  # fmt: skip
 @example(M=65, N=33, K=70, dtype=torch.float16, seed=0, w_t=True, bias=True,
