@@ -4,8 +4,7 @@ Shapes: x (..., d); gate and up weights (h, d); down (d, h); biases (h,), (h,), 
 
 | direction | computes                                                                   |
 | --------- | -------------------------------------------------------------------------- |
-| forward   | ``gate = x Wg^T + bg``, ``up = x Wu^T + bu`` and ``h = act(gate) * up`` in one |
-|           | launch (`gated_matmul`), ``y = h Wd^T + bd``                                 |
+| forward   | ``gate = x Wg^T + bg``, ``up = x Wu^T + bu``, ``y = act(gate) * up Wd^T + bd`` |
 | backward  | ``dh = dy Wd``; dgate, dup and h again in one pass (`fusedpar.kernels.gated`); |
 |           | ``dWd = dy^T h``, ``dx = dgate Wg + dup Wu`` (fp32 sum, rounded once),      |
 |           | ``[dWg; dWu] = [dgate | dup]^T x`` (one GEMM), the biases' row sums         |
@@ -18,13 +17,11 @@ takes it when its group has one rank (TP 1: data, context or pipeline parallelis
 and its activation has a kernel (host time: bench/host_overhead.py).
 """
 
-import warnings
-
 import torch
 from torch import Tensor
 
 from fusedpar.kernels import gated as gated_kernels
-from fusedpar.kernels.matmul import gated_matmul, matmul
+from fusedpar.kernels.matmul import matmul
 from fusedpar.ops.linear import _flat, _row_sum, gather_matmuls, matmuls_reduce_scatter
 from fusedpar.ops.registration import autograd_op, direct_op
 
@@ -36,25 +33,13 @@ def _gated_mlp_op(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight
     """(y (x's shape), gate, up (tokens, h): kept for the backward). `biases`: none, or
     (bg, bu, bd)."""
     bg, bu, bd = biases or (None, None, None)
-    x2d, wg, wu = _flat(x), gate_weight.t(), up_weight.t()
-    if wg.stride() == wu.stride() and (bg is None or bg.stride() == bu.stride()):
-        gate, up, hidden = gated_matmul(x2d, wg, wu, bias=bg, bias2=bu, activation=activation)
-    else:  # weights of two layouts: the GEMMs apart (the same numbers, two launches more)
-        _say_once("gate and up weights of different strides")
-        (gate, up), _ = gather_matmuls(x2d, [wg, wu], [bg, bu], None, 1)
-        hidden = gated_kernels.gated(gate, up, activation)
+    # The GEMMs apart, each on the TMA schedule, then the activation: `gated_matmul` would
+    # be one launch, but on the pointer schedule (TMA serialized its wgmma), untimed on a
+    # GPU against these (`bench matmul`'s gate/up rows will say which is faster).
+    (gate, up), _ = gather_matmuls(_flat(x), [gate_weight.t(), up_weight.t()], [bg, bu], None, 1)
+    hidden = gated_kernels.gated(gate, up, activation)
     y = matmul(hidden, down_weight.t(), bias=bd)
     return y.view(*x.shape[:-1], y.shape[1]), gate, up
-
-
-_SAID: set[str] = set()
-
-
-def _say_once(why: str) -> None:
-    if why not in _SAID:
-        _SAID.add(why)
-        warnings.warn(f"gated_mlp: {why}: gate and up run as two GEMMs and the activation "
-                      f"as its own launch, not `gated_matmul`'s one", stacklevel=3)  # fmt: skip
 
 
 @_gated_mlp_op.register_fake
