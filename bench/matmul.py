@@ -5,6 +5,8 @@ them: QKV and gate/up column-parallel (N split), output and down row-parallel (K
 at M = 2k..16k tokens, bf16, ``x @ weight.T`` with an ``nn.Linear``-layout weight.
 Target: >= 0.95x cuBLAS. ``BENCH_QUICK=1``: TP = 8 at M = 4k and 16k only.
 
+The qkv rows also time q and k (heads of 128) with RoPE two ways (ms): turned in the
+GEMM's epilogue (`rope=RowRotation`) and the GEMM then `fusedpar.kernels.rope`.
 The gate/up rows also time a dense SwiGLU's first projection three ways (ms): fused
 (`gated_matmul`: both GEMMs and silu(gate) * up in one launch), unfused (fusedpar's GEMM
 twice and `fusedpar.kernels.gated`), and torch (cuBLAS twice, ``F.silu(g) * u``).
@@ -33,8 +35,8 @@ MODELS = {"llama3-8b": (4096, 14336, 4096 + 2 * 1024), "llama3-70b": (8192, 2867
 TP_SIZES = (2, 4, 8)
 TOKENS = (2048, 4096, 8192, 16384)
 COLUMNS = ["model", "tp", "proj", "M", "N", "K", "fusedpar_tflops", "torch_tflops", "ratio",
-           "fusedpar_graph_tflops", "torch_graph_tflops", "graph_note", "gated_fused_ms",
-           "gated_unfused_ms", "gated_torch_ms"]  # fmt: skip
+           "fusedpar_graph_tflops", "torch_graph_tflops", "graph_note", "rope_fused_ms",
+           "rope_apart_ms", "gated_fused_ms", "gated_unfused_ms", "gated_torch_ms"]  # fmt: skip
 # Points whose eager time can be launch-bound: timed through a CUDA graph as well.
 GRAPH_TP, GRAPH_MAX_M = 8, 4096
 
@@ -62,6 +64,25 @@ def _graph_point(matmul, x, weight, flops) -> dict:
     return dict(fusedpar_graph_tflops=None if ours_ms is None else flops / ours_ms / 1e9,
                 torch_graph_tflops=None if torch_ms is None else flops / torch_ms / 1e9,
                 graph_note="; ".join(notes) or None)  # fmt: skip
+
+
+def _rope_point(x, N: int, K: int, head_dim: int = 128) -> dict:
+    """ms of q and k (N wide, whole heads) with RoPE, in the epilogue and apart."""
+    from fusedpar.kernels.matmul import RowRotation, matmul
+    from fusedpar.kernels.rope import rope
+
+    from fusedpar.nn.attention_parts import rope_tables
+
+    M, N = x.shape[0], N - N % head_dim
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
+    cos, sin = rope_tables(torch.arange(M, device="cuda"), head_dim, 500000.0)
+
+    def apart():
+        y = matmul(x, w.T)
+        return rope(y.view(1, M, N // head_dim, head_dim), cos, sin)
+
+    return dict(rope_fused_ms=time_ms(lambda: matmul(x, w.T, rope=RowRotation(cos, sin))),
+                rope_apart_ms=time_ms(apart))  # fmt: skip
 
 
 def _gated_point(x, N: int, K: int) -> dict:
@@ -96,6 +117,9 @@ def main() -> None:
             row.update(fusedpar_tflops=ours, torch_tflops=cublas, ratio=ours / cublas)
             if graph_timed(tp, M):
                 row.update(_graph_point(matmul, x, weight, flops))
+            if proj == "qkv":  # q and k: the width less v's (kv = (qkv - d) / 2)
+                d, _, qkv = MODELS[model]
+                row.update(_rope_point(x, (qkv - (qkv - d) // 2) // tp, K))
             if proj == "gate_up":
                 row.update(_gated_point(x, N // 2, K))
             rows.append(row)

@@ -75,9 +75,13 @@ _TILES_16BIT = [
 ]  # fmt: skip
 _SPILL_WHEN_ACCUMULATING = {(128, 256, 3, 8), (256, 128, 3, 8), (128, 128, 3, 4)}
 # Rotating heads in the epilogue (`_rotate_heads`) holds the tables' rows beside the
-# accumulator: the same three tiles then spill 80-472 B (hd 64-256; 128x256 at hd 64 is
-# at 252 registers), so a rotating GEMM leaves them out too.
-_SPILL_WHEN_ROTATING = _SPILL_WHEN_ACCUMULATING
+# accumulator: 256x128 with 8 warps and 128x128 with 4 warps then spill 136-472 B (hd
+# 64-256), so a rotating GEMM leaves them out. 128x256 holds heads of 64 (216-252
+# registers, no spill, triton 3.6 and 3.9, C through TMA or pointers); heads of 128 spill
+# 160 B (3.9) or 104 B (3.6, 3 local accesses an iteration).
+_SPILL_WHEN_ROTATING = {(256, 128, 3, 8), (128, 128, 3, 4)}
+_WIDEST_HEAD_ROTATED = {(128, 256, 3, 8): 64}
+
 # A gated GEMM (`gated_matmul`, read through pointers: see `_plan`) holds two
 # accumulators, each a tile of the width: the same three tiles spill 528-1048 B;
 # 128x128 with 8 warps stays at 255 registers with its epilogue taken column half by
@@ -92,9 +96,10 @@ _TILES_FP32 = [(128, 64, 3, 8), (64, 64, 3, 8), (64, 64, 4, 4), (32, 32, 3, 4)]
 
 def matmul_configs(dtype: torch.dtype, accumulate: bool, head_dim: int = 0,
                    gated: bool = False) -> list[triton.Config]:  # fmt: skip
-    """Tiles the tuner tries on a GPU for A's dtype, whether C is added into, and the
-    heads a rotating epilogue turns (`head_dim`: the tiles whose columns hold whole
-    heads, 0: no rotation), pruned for small problems by `_prune_configs`.
+    """Tiles the tuner tries on a GPU for A's dtype, whether C is added into, the heads a
+    rotating epilogue turns (`head_dim`: the tiles whose columns hold whole heads, 0: no
+    rotation), and a gated GEMM's two accumulators, pruned for small problems by
+    `_prune_configs`.
 
     Large tiles with 8 warps feed Hopper's wgmma; the small ones serve thin TP shards and
     decode-sized M. Every tile has the same BLOCK_K, so each output sums its K products in
@@ -106,7 +111,8 @@ def matmul_configs(dtype: torch.dtype, accumulate: bool, head_dim: int = 0,
     else:
         tiles = [t for t in _TILES_16BIT if not (accumulate and t in _SPILL_WHEN_ACCUMULATING)]
     if head_dim:
-        tiles = [t for t in tiles if t[1] % head_dim == 0 and t not in _SPILL_WHEN_ROTATING]
+        tiles = [t for t in tiles if t[1] % head_dim == 0 and t not in _SPILL_WHEN_ROTATING
+                 and head_dim <= _WIDEST_HEAD_ROTATED.get(t, head_dim)]  # fmt: skip
     if gated:
         tiles = [t for t in tiles if t not in _SPILL_WHEN_GATED]
     return [
