@@ -25,6 +25,8 @@ them. The epilogues are `fusedpar.kernels.matmul_epilogue`; the checks and per-c
 `matmul_plan`; the torch implementation and the reference `matmul_torch`.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -121,6 +123,7 @@ def matmul_configs(dtype: torch.dtype, accumulate: bool, head_dim: int = 0,
     ]
 
 
+@functools.cache  # asked by every QKV projection's forward: the tiles are built once
 def rope_epilogue_fits(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether `matmul` can rotate heads of `head_dim` in its epilogue for A of `dtype`:
     a power of 2 that some tile's columns hold whole (16-bit: up to 128, fp32: up to

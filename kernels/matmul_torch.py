@@ -1,17 +1,11 @@
 """`fusedpar.kernels.matmul`'s contract in PyTorch: the torch implementation its tuner
-may pick (one cuBLAS call where that computes the contract, else fp32 sums rounded once),
-the rotation of C's heads (`RowRotation`) as a formula, and the reference the tests
-hold the kernel to."""
-
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
+may pick (one cuBLAS call where that computes the contract, else fp32 sums rounded once,
+C's heads turned by `fusedpar.kernels.rope`'s formula), and the reference the tests hold
+the kernel to."""
 
 import torch
 from fusedpar.kernels.gated import gated_torch
-
-if TYPE_CHECKING:  # the launcher's module imports this one
-    from fusedpar.kernels.matmul import RowRotation
+from fusedpar.kernels.rope import rope_torch
 
 
 def cublas_computes(a, bias, c_dtype, accumulate, rope=None) -> bool:
@@ -56,8 +50,11 @@ def matmul_torch(a, b, bias, out, accumulate, rope=None) -> None:
     c = (a.float() @ b.float()) if wide else a @ b
     if bias is not None:
         c = c + bias.float()
-    if rope is not None:
-        c = rotate_rows(c, rope)
+    if rope is not None:  # c (M, N) as one sequence of M positions' heads, turned in place
+        M, head_dim = c.shape[0], 2 * rope.cos.shape[1]
+        heads = c.view(1, M, c.shape[1] // head_dim, head_dim)
+        positions = (rope.first_row + torch.arange(M, device=c.device)) // rope.rows_per_position
+        rope_torch(heads, rope.cos[positions], rope.sin[positions], False, heads)
     if accumulate:
         c = c + out.float()
     out.copy_(c)
@@ -74,16 +71,6 @@ def gated_matmul_torch(a, b, b2, bias, bias2, activation):
     return gate, up, h
 
 
-def rotate_rows(c: torch.Tensor, rope: RowRotation) -> torch.Tensor:
-    """`RowRotation` of c (M, N) in plain PyTorch, in c's dtype (a new tensor)."""
-    M, N = c.shape
-    half = rope.cos.shape[1]
-    positions = (rope.first_row + torch.arange(M, device=c.device)) // rope.rows_per_position
-    cos, sin = (t[positions].to(c.dtype)[:, None, :] for t in (rope.cos, rope.sin))
-    x1, x2 = c.reshape(M, N // (2 * half), 2, half).unbind(2)
-    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], 2).reshape(M, N)
-
-
 def matmul_reference(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -92,7 +79,6 @@ def matmul_reference(
     out: torch.Tensor | None = None,
     accumulate: bool = False,
     out_dtype: torch.dtype | None = None,
-    rope: RowRotation | None = None,
 ) -> torch.Tensor:
     """`matmul`'s contract in plain PyTorch, computed in A's dtype (float64 in -> the oracle).
 
@@ -101,8 +87,6 @@ def matmul_reference(
     c = a @ b
     if bias is not None:
         c = c + bias.to(c.dtype)
-    if rope is not None:
-        c = rotate_rows(c, rope)
     if accumulate:
         c = out.to(c.dtype) + c
     dtype = out.dtype if out is not None else out_dtype
