@@ -47,16 +47,16 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 tier=(python -m pytest -m gpu -n 4 -q -p no:cacheprovider --timeout 300)
 bench=(env BENCH_QUICK=1 TRITON_PRINT_AUTOTUNING=1 FUSEDPAR_TUNING_CACHE=$results/picks.json
        python -m bench)
-# Step 0's tests: RoPE and the gated activation in the GEMM's epilogue, the routing
+# Step 0's tests: RoPE, the gated activation and its gradient in the GEMM's epilogue, the routing
 # kernel, the attention backward (delta made in dQ) on both read paths, the ring modes and
 # virtual ring, the whole-step captures.
-new_tests="rotating_epilogue_gpu or gated_matmul_gpu or routing or nan_logits or flash_attn_gpu or ring_modes_gpu or virtual_ring_gpu or cuda_graph or no_host_sync_gpu"
+new_tests="rotating_epilogue_gpu or gated_matmul_gpu or gated_grad_matmul_gpu or routing or nan_logits or flash_attn_gpu or ring_modes_gpu or virtual_ring_gpu or cuda_graph or no_host_sync_gpu"
 case $step in
   0) part gpu_tier_new 300 env FUSEDPAR_TUNING=first "${tier[@]}" -k "$new_tests"
      part step_time 200 "${bench[@]}" step_time ;;
   1) part gpu_tier 520 env FUSEDPAR_TUNING=first "${tier[@]}" -k "not float32" ;;
   2) part attention 530 "${bench[@]}" attention ;;
-  3) part matmul 170 "${bench[@]}" matmul
+  3) part matmul 190 "${bench[@]}" matmul
      part moe 230 "${bench[@]}" moe
      part ring_attention 130 "${bench[@]}" ring_attention ;;
   4) part linear 150 "${bench[@]}" linear

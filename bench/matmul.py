@@ -10,6 +10,9 @@ GEMM's epilogue (`rope=RowRotation`) and the GEMM then `fusedpar.kernels.rope`.
 The gate/up rows also time a dense SwiGLU's first projection three ways (ms): fused
 (`gated_matmul`: both GEMMs and silu(gate) * up in one launch), unfused (fusedpar's GEMM
 twice and `fusedpar.kernels.gated`), and torch (cuBLAS twice, ``F.silu(g) * u``).
+The down rows also time its backward's hidden gradient three ways (ms): fused
+(`gated_grad_matmul`: dh's GEMM ending in dgate, dup and h), apart (the GEMM, then
+`fusedpar.kernels.gated.gated_backward`), and torch (cuBLAS, then eager elementwise ops).
 
 The small points (TP = 8, M <= 4k: down to about 20 us of GPU time, predicted) are also
 timed replaying a CUDA graph of the same call (`time_ms_graph`): ``*_graph_tflops``
@@ -36,7 +39,8 @@ TP_SIZES = (2, 4, 8)
 TOKENS = (2048, 4096, 8192, 16384)
 COLUMNS = ["model", "tp", "proj", "M", "N", "K", "fusedpar_tflops", "torch_tflops", "ratio",
            "fusedpar_graph_tflops", "torch_graph_tflops", "graph_note", "rope_fused_ms",
-           "rope_apart_ms", "gated_fused_ms", "gated_unfused_ms", "gated_torch_ms"]  # fmt: skip
+           "rope_apart_ms", "gated_fused_ms", "gated_unfused_ms", "gated_torch_ms",
+           "gated_grad_fused_ms", "gated_grad_apart_ms", "gated_grad_torch_ms"]  # fmt: skip
 # Points whose eager time can be launch-bound: timed through a CUDA graph as well.
 GRAPH_TP, GRAPH_MAX_M = 8, 4096
 
@@ -88,7 +92,8 @@ def _rope_point(x, N: int, K: int, head_dim: int = 128) -> dict:
 def _gated_point(x, N: int, K: int) -> dict:
     """ms of a SwiGLU's gate and up (each N wide) and silu(gate) * up, three ways."""
     from fusedpar.kernels.gated import gated
-    from fusedpar.kernels.matmul import gated_matmul, matmul
+    from fusedpar.kernels.matmul import matmul
+    from fusedpar.kernels.matmul_gated import gated_matmul
     from torch.nn import functional as F
 
     wg, wu = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5 for _ in "gu")
@@ -96,6 +101,34 @@ def _gated_point(x, N: int, K: int) -> dict:
         gated_fused_ms=time_ms(lambda: gated_matmul(x, wg.T, wu.T, activation="silu")),
         gated_unfused_ms=time_ms(lambda: gated(matmul(x, wg.T), matmul(x, wu.T), "silu")),
         gated_torch_ms=time_ms(lambda: F.silu(x @ wg.T) * (x @ wu.T)),
+    )
+
+
+def _gated_grad_point(M: int, N: int, K: int) -> dict:
+    """ms of a SwiGLU's dgate, dup and h from dy (M, N) and the down weight (N, K) as
+    stored, three ways."""
+    from fusedpar.kernels.gated import gated_backward
+    from fusedpar.kernels.matmul import matmul
+    from fusedpar.kernels.matmul_gated import gated_grad_matmul
+
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    w_down = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / N**0.5
+    gate, up = (torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in "gu")
+
+    def apart():
+        return gated_backward(matmul(dy, w_down), gate, up, "silu", hidden=True, stacked=True)
+
+    def eager():  # what autograd's recompute and backward of silu(gate) * up run
+        dh, s = dy @ w_down, torch.sigmoid(gate)
+        a = gate * s
+        return dh * up * (s * (1 + gate * (1 - s))), dh * a, a * up
+
+    return dict(
+        gated_grad_fused_ms=time_ms(
+            lambda: gated_grad_matmul(dy, w_down, gate, up, activation="silu", hidden=True)
+        ),
+        gated_grad_apart_ms=time_ms(apart),
+        gated_grad_torch_ms=time_ms(eager),
     )
 
 
@@ -122,6 +155,8 @@ def main() -> None:
                 row.update(_rope_point(x, (qkv - (qkv - d) // 2) // tp, K))
             if proj == "gate_up":
                 row.update(_gated_point(x, N // 2, K))
+            if proj == "down":
+                row.update(_gated_grad_point(M, N, K))
             rows.append(row)
             write_results("matmul", rows, COLUMNS, {**env, "partial": True}, announce=False)
             print(f"{model} tp{tp} {proj:8s} M={M:6d} N={N:6d} K={K:6d}: fusedpar {ours:6.1f}"

@@ -19,10 +19,12 @@ by its row's angles before that rounding: a q or k projection leaves the GEMM wi
 rotary embedding applied, one rounding instead of two and no pass of its own (the
 tile then spans whole heads: `rope_epilogue_fits`).
 
-`gated_matmul` is a dense gated MLP's first projection in one launch: two B operands
-(gate and up weights) against the same A tiles, and ``act(gate) * up`` written beside
-them. The epilogues are `fusedpar.kernels.matmul_epilogue`; the checks and per-call plan
-`matmul_plan`; the torch implementation and the reference `matmul_torch`.
+A dense gated MLP's GEMMs run the same kernel with the activation in their epilogues:
+the forward's gate and up GEMMs as one (two B operands against the same A tiles) and the
+backward's dh GEMM ending in dgate and dup (``gated_grad=GatedGrad(...)``); their
+launchers are `fusedpar.kernels.matmul_gated`. The epilogues are `matmul_epilogue`; the
+checks and per-call plan `matmul_plan`; the torch implementation and the reference
+`matmul_torch`.
 """
 
 import functools
@@ -42,19 +44,26 @@ from fusedpar.kernels._common import (
     tma_paths,
 )
 from fusedpar.kernels._tuning import Agreement, bucket
-from fusedpar.kernels.matmul_epilogue import epilogue, gated_epilogue, output_target
+from fusedpar.kernels.matmul_epilogue import (
+    epilogue,
+    gated_epilogue,
+    gated_grad_epilogue,
+    output_target,
+)
 from fusedpar.kernels.matmul_plan import (
     MAX_PLANS,
     PLANS,
+    GatedGrad,
     Plan,
     RowRotation,
     check_gated,
+    check_gated_grad,
     check_operands,
     check_rope,
     check_rope_rows,
     signature,
 )
-from fusedpar.kernels.matmul_torch import cublas_computes, gated_matmul_torch, matmul_torch
+from fusedpar.kernels.matmul_torch import cublas_computes, matmul_torch
 
 # Row blocks that share one column of B tiles in L2 (the Triton tutorial's grouped order).
 GROUP_M = 8
@@ -89,6 +98,10 @@ _WIDEST_HEAD_ROTATED = {(128, 256, 3, 8): 64}
 # 128x128 with 8 warps stays at 255 registers with its epilogue taken column half by
 # column half (whole, 64 B spilled).
 _SPILL_WHEN_GATED = _SPILL_WHEN_ACCUMULATING
+# A gated gradient (`gated_grad_epilogue`) loads the saved gate and up beside dh: the
+# same three tiles spill 192-600 B (silu, gelu_tanh; TMA or pointers); 128x128 with 8
+# warps holds it in 174-182 registers.
+_SPILL_WHEN_GATED_GRAD = _SPILL_WHEN_ACCUMULATING
 # fp32 runs as FMA loops at full precision (PyTorch's default) and through TF32 wgmma
 # otherwise; these tiles serve both. 128x256 and 128x128x4 in fp32 need 256-288 KB of
 # shared memory (over an H100's 227 KB), and 128x128 with 4 warps as FMA spills over
@@ -97,10 +110,11 @@ _TILES_FP32 = [(128, 64, 3, 8), (64, 64, 3, 8), (64, 64, 4, 4), (32, 32, 3, 4)]
 
 
 def matmul_configs(dtype: torch.dtype, accumulate: bool, head_dim: int = 0,
-                   gated: bool = False) -> list[triton.Config]:  # fmt: skip
+                   gated: str = "") -> list[triton.Config]:  # fmt: skip
     """Tiles the tuner tries on a GPU for A's dtype, whether C is added into, the heads a
     rotating epilogue turns (`head_dim`: the tiles whose columns hold whole heads, 0: no
-    rotation), and a gated GEMM's two accumulators, pruned for small problems by
+    rotation), and a gated epilogue (`gated`: "forward", a gated GEMM's two
+    accumulators; "backward", a gated gradient's), pruned for small problems by
     `_prune_configs`.
 
     Large tiles with 8 warps feed Hopper's wgmma; the small ones serve thin TP shards and
@@ -116,7 +130,8 @@ def matmul_configs(dtype: torch.dtype, accumulate: bool, head_dim: int = 0,
         tiles = [t for t in tiles if t[1] % head_dim == 0 and t not in _SPILL_WHEN_ROTATING
                  and head_dim <= _WIDEST_HEAD_ROTATED.get(t, head_dim)]  # fmt: skip
     if gated:
-        tiles = [t for t in tiles if t not in _SPILL_WHEN_GATED]
+        spill = _SPILL_WHEN_GATED if gated == "forward" else _SPILL_WHEN_GATED_GRAD
+        tiles = [t for t in tiles if t not in spill]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK_K}, num_stages=s, num_warps=w)
         for bm, bn, s, w in tiles
@@ -182,18 +197,22 @@ def _load_operand(desc, start_r, start_c, TRANSPOSED: tl.constexpr):
 
 @triton.jit
 def _matmul_kernel(
-    # pointers (b2, bias2: a gated GEMM's up weight and bias; c2, h: its up and product)
-    a_ptr, b_ptr, c_ptr, bias_ptr, cos_ptr, sin_ptr, b2_ptr, bias2_ptr, c2_ptr, h_ptr,
+    # pointers (b2, bias2: a gated GEMM's up weight and bias; c2, h: its up and product,
+    # or a gated gradient's dup and product; g, u: that gradient's saved gate and up)
+    a_ptr, b_ptr, c_ptr, bias_ptr, cos_ptr, sin_ptr, b2_ptr, bias2_ptr, c2_ptr, h_ptr, g_ptr,
+    u_ptr,
     # strides
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
-    stride_cos, stride_sin,
+    stride_cos, stride_sin, stride_gm, stride_gn,
     # sizes
     M, N, K, rope_rows_per_position, rope_first_row,
     # meta-parameters
     HAS_BIAS: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     ROPE_HALF: tl.constexpr,
+    GATED: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    STORE_H: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
     TMA: tl.constexpr,
@@ -212,18 +231,21 @@ def _matmul_kernel(
     and their K loops flattened into one pipelined loop (the Triton tutorial 09's
     schedule). Otherwise one tile per program through pointers advanced each K step.
     C_TMA: C is written (and read back when adding) through a descriptor. ROPE_HALF > 0:
-    C's heads of 2 * ROPE_HALF columns are rotated in the epilogue. ACTIVATION (a gated
-    GEMM, pointer schedule only): a second B (b2, the up weight, B's strides) against the
-    same A tiles into a second accumulator, and `gated_epilogue` writes gate, up and
-    act(gate) * up (C, c2 and h, C's strides)."""
-    GATED: tl.constexpr = ACTIVATION != ""
-    tl.static_assert(not (TMA and GATED), "a gated GEMM reads through pointers (see _plan)")
+    C's heads of 2 * ROPE_HALF columns are rotated in the epilogue. GATED "forward" (a
+    gated GEMM, pointer schedule only): a second B (b2, the up weight, B's strides)
+    against the same A tiles into a second accumulator, and `gated_epilogue` writes gate,
+    up and act(gate) * up (C, c2 and h, C's strides). GATED "backward": the product is
+    dh, and `gated_grad_epilogue` writes dgate, dup and (STORE_H) h from it and the saved
+    gate and up (g, u). ACTIVATION: theirs."""
+    FORWARD: tl.constexpr = GATED == "forward"
+    BACKWARD: tl.constexpr = GATED == "backward"
+    tl.static_assert(not (TMA and FORWARD), "a gated GEMM reads through pointers (see _plan)")
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if C_TMA:
         c_desc = output_target(c_ptr, M, N, stride_cm, BLOCK_M, BLOCK_N)
-        c2_desc = output_target(c2_ptr, M, N, stride_cm, BLOCK_M, BLOCK_N) if GATED else None
-        h_desc = output_target(h_ptr, M, N, stride_cm, BLOCK_M, BLOCK_N) if GATED else None
+        c2_desc = output_target(c2_ptr, M, N, stride_cm, BLOCK_M, BLOCK_N) if GATED != "" else None
+        h_desc = output_target(h_ptr, M, N, stride_cm, BLOCK_M, BLOCK_N) if STORE_H else None
     else:
         c_desc = None
         c2_desc = None
@@ -242,10 +264,16 @@ def _matmul_kernel(
                 a = _load_operand(a_desc, start_m, ki * BLOCK_K, A_T)
                 b = _load_operand(b_desc, ki * BLOCK_K, start_n, B_T)
                 acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-            epilogue(acc, c_ptr, c_desc, bias_ptr, cos_ptr, sin_ptr, start_m, start_n, M, N,
-                     stride_cm, stride_cn, stride_bias, stride_cos, stride_sin, rope_first_row,
-                     rope_rows_per_position, HAS_BIAS, ACCUMULATE, C_TMA, ROPE_HALF, BLOCK_M,
-                     BLOCK_N)  # fmt: skip
+            if BACKWARD:
+                gated_grad_epilogue(acc, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, g_ptr,
+                                    u_ptr, start_m, start_n, M, N, stride_cm, stride_cn,
+                                    stride_gm, stride_gn, ACTIVATION, STORE_H, C_TMA, BLOCK_M,
+                                    BLOCK_N)  # fmt: skip
+            else:
+                epilogue(acc, c_ptr, c_desc, bias_ptr, cos_ptr, sin_ptr, start_m, start_n, M,
+                         N, stride_cm, stride_cn, stride_bias, stride_cos, stride_sin,
+                         rope_first_row, rope_rows_per_position, HAS_BIAS, ACCUMULATE, C_TMA,
+                         ROPE_HALF, BLOCK_M, BLOCK_N)  # fmt: skip
     else:
         pid_m, pid_n = tile_of(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -261,7 +289,7 @@ def _matmul_kernel(
         b_offsets = offs_k[:, None] * stride_bk + cols_b[None, :] * stride_bn
         b_ptrs = b_ptr + b_offsets
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if GATED:
+        if FORWARD:
             b2_ptrs = b2_ptr + b_offsets
             acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -273,7 +301,7 @@ def _matmul_kernel(
                 a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-            if GATED:
+            if FORWARD:
                 if EVEN_K:
                     b2 = tl.load(b2_ptrs)
                 else:
@@ -283,10 +311,15 @@ def _matmul_kernel(
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
         start_m, start_n = pid_m * BLOCK_M, pid_n * BLOCK_N
-        if GATED:
+        if FORWARD:
             gated_epilogue(acc, acc2, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, bias_ptr,
                            bias2_ptr, start_m, start_n, M, N, stride_cm, stride_cn,
                            stride_bias, ACTIVATION, HAS_BIAS, C_TMA, BLOCK_M, BLOCK_N)  # fmt: skip
+        elif BACKWARD:
+            gated_grad_epilogue(acc, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, g_ptr, u_ptr,
+                                start_m, start_n, M, N, stride_cm, stride_cn, stride_gm,
+                                stride_gn, ACTIVATION, STORE_H, C_TMA, BLOCK_M,
+                                BLOCK_N)  # fmt: skip
         else:
             epilogue(acc, c_ptr, c_desc, bias_ptr, cos_ptr, sin_ptr, start_m, start_n, M, N,
                      stride_cm, stride_cn, stride_bias, stride_cos, stride_sin, rope_first_row,
@@ -295,9 +328,9 @@ def _matmul_kernel(
 
 
 def _candidates(M: int, N: int, interpreted: bool, dtype, accumulate, head_dim: int = 0,
-                gated: bool = False) -> list[triton.Config]:  # fmt: skip
+                gated: str = "") -> list[triton.Config]:  # fmt: skip
     """The tiles to try; with `head_dim` (a rotating epilogue), those holding whole heads;
-    `gated`: those with room for two accumulators."""
+    `gated`: those with room for its epilogue (`matmul_configs`)."""
     if interpreted:
         block_m, block_n = _interpreter_block(M), max(_interpreter_block(N), head_dim)
         return [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": BLOCK_K})]
@@ -308,11 +341,12 @@ def _interpreter_block(size: int) -> int:
     return min(INTERPRETER_MAX_BLOCK, max(16, next_power_of_2(size)))
 
 
-def _plan(a, b, bias, out, accumulate, out_dtype, tune_only, rope, gated=None) -> Plan:
+def _plan(a, b, bias, out, accumulate, out_dtype, tune_only, rope, gated=None,
+          grad: GatedGrad | None = None) -> Plan:  # fmt: skip
     """The call's plan, checked and made on the first call of its signature. Raises
     ValueError/TypeError naming the sizes for operands the kernel cannot take. `gated`:
-    (b2, bias2, activation) of `gated_matmul`."""
-    key_of_call = signature(a, b, bias, out, accumulate, out_dtype, tune_only, rope, gated)
+    (b2, bias2, activation) of `gated_matmul`; `grad`: a gated gradient's epilogue."""
+    key_of_call = signature(a, b, bias, out, accumulate, out_dtype, tune_only, rope, gated, grad)
     plan = PLANS.get(key_of_call)
     if plan is not None:
         return plan
@@ -321,33 +355,44 @@ def _plan(a, b, bias, out, accumulate, out_dtype, tune_only, rope, gated=None) -
         check_rope(a, b, rope, accumulate, rope_epilogue_fits)
     if gated is not None:
         check_gated(b, bias, *gated)
+    if grad is not None:
+        check_gated_grad(a, b, out, bias, accumulate, grad)
     tables = () if rope is None else (rope.cos, rope.sin)
     up = () if gated is None else gated[:2]
-    check_launchable(_matmul_kernel,
-                     *(t for t in (a, b, bias, out, *tables, *up) if t is not None))  # fmt: skip
+    grad_tensors = () if grad is None else grad[:4]
+    check_launchable(_matmul_kernel, *(t for t in (a, b, bias, out, *tables, *up, *grad_tensors)
+                                       if t is not None))  # fmt: skip
     (M, K), N = a.shape, b.shape[1]
     c_dtype = out.dtype if out is not None else out_dtype or a.dtype
-    out = None if tune_only else out  # tuning writes a scratch C of its own
+    # tuning writes a scratch C of its own; a gated gradient's, the C its outputs stride as
+    out = None if tune_only and grad is None else out
     precision = fp32_dot_precision() if a.dtype == torch.float32 else "tf32"
     head_dim = 0 if rope is None else 2 * rope.cos.shape[1]
-    activation = "" if gated is None else gated[2]
+    mode = "forward" if gated is not None else "backward" if grad is not None else ""
+    activation = gated[2] if gated is not None else grad.activation if grad is not None else ""
+    store_h = gated is not None or (grad is not None and grad.hidden is not None)
     key = (bucket(M), N, K, str(a.dtype), str(c_dtype), bias is not None and str(bias.dtype),
-           accumulate, precision, head_dim, activation)  # fmt: skip
+           accumulate, precision, head_dim, mode, activation, store_h)  # fmt: skip
     # a new C is (M, N) row-major (the descriptor takes C row-major)
     c_strides = out.stride() if out is not None else (N, 1)
     c_probe = out if out is not None else torch.empty((min(M, 1), N), dtype=c_dtype,
                                                       device=a.device)  # fmt: skip
-    tma, c_tma = tma_paths((a, b, *up[:1]), (c_probe,) if c_strides[1] == 1 else ())
+    # a gated gradient's outputs go through descriptors too (theirs are C's strides)
+    outputs = (c_probe, *(t for t in grad_tensors[2:] if t is not None))
+    tma, c_tma = tma_paths((a, b, *up[:1]), outputs if c_strides[1] == 1 else ())
     # Two accumulators fed from TMA: ptxas serialized the wgmma (C7515, a wait after each
     # of the 8 HGMMA an iteration, every gated tile); fed through pointers, it does not.
     tma = tma and gated is None
     meta = dict(HAS_BIAS=bias is not None, ACCUMULATE=accumulate, INPUT_PRECISION=precision,
                 EVEN_K=K % BLOCK_K == 0, TMA=tma, A_T=tma and a.stride(1) != 1,
                 B_T=tma and b.stride(1) != 1, C_TMA=c_tma, GROUP_M=GROUP_M,
-                ROPE_HALF=head_dim // 2, ACTIVATION=activation)  # fmt: skip
+                ROPE_HALF=head_dim // 2, GATED=mode, ACTIVATION=activation,
+                STORE_H=store_h)  # fmt: skip
     table_strides = (0, 0) if rope is None else (rope.cos.stride(0), rope.sin.stride(0))
+    saved_strides = (0, 0) if grad is None else grad.gate.stride()
     scalars = (*a.stride(), *b.stride(), *c_strides, bias.stride(0) if bias is not None else 0,
-               *table_strides, M, N, K, 1 if rope is None else rope.rows_per_position)  # fmt: skip
+               *table_strides, *saved_strides, M, N, K,
+               1 if rope is None else rope.rows_per_position)  # fmt: skip
     programs = sm_count(a.device) if a.device.type == "cuda" and tma else None
     if len(PLANS) >= MAX_PLANS:
         PLANS.clear()
@@ -364,25 +409,31 @@ def matmul(
     accumulate: bool = False,
     out_dtype: torch.dtype | None = None,
     rope: RowRotation | None = None,
+    gated_grad: GatedGrad | None = None,
     agreement: Agreement | None = None,
     tune_only: bool = False,
 ) -> torch.Tensor | None:
     """``C = A @ B (+ bias)``, or ``C += A @ B (+ bias)`` with ``accumulate=True``; with
     `rope`, C's heads rotated at their rows' positions before C is rounded
-    (`RowRotation`; not with ``accumulate``).
+    (`RowRotation`; not with ``accumulate``); with `gated_grad`, A @ B is a gated MLP's
+    dh and C its dgate (`GatedGrad`; `fusedpar.kernels.matmul_gated.gated_grad_matmul`
+    allocates its outputs).
 
     a (M, K), b (K, N), bias (N,), out (M, N): any strides, no copies. ``out`` defaults to
     a new tensor of ``out_dtype`` (A's dtype unless given: A's or float32). Returns C.
 
     The tile is tuned per (M bucket, N, K, dtypes, flags); `agreement` makes the ranks
     of a group pick the same one, and ``tune_only`` only makes the pick (on scratch
-    buffers, nothing written, returns None): the TP rings do so before their loops.
+    buffers, nothing written, returns None; a gated gradient writes its given outputs,
+    which the call that follows writes again): the TP rings do so before their loops.
     """
     if _impl.runs_torch(a.device):
         check_operands(a, b, bias, out, accumulate and not tune_only, out_dtype)
         if rope is not None:
             check_rope(a, b, rope, accumulate, rope_epilogue_fits)
             check_rope_rows(a.shape[0], rope)
+        if gated_grad is not None:
+            check_gated_grad(a, b, out, bias, accumulate, gated_grad)
         if tune_only:
             return None
         c_dtype = out.dtype if out is not None else out_dtype or a.dtype
@@ -391,9 +442,9 @@ def matmul(
             if out is None
             else out
         )
-        matmul_torch(a, b, bias, out, accumulate, rope)
+        matmul_torch(a, b, bias, out, accumulate, rope, gated_grad)
         return out
-    plan = _plan(a, b, bias, out, accumulate, out_dtype, tune_only, rope)
+    plan = _plan(a, b, bias, out, accumulate, out_dtype, tune_only, rope, None, gated_grad)
     M, N, key, meta = plan.M, plan.N, plan.key, plan.meta
     first_row = 0
     if rope is not None:
@@ -408,23 +459,25 @@ def matmul(
         and tuner.settled(key) is settled[0]
     ):
         out = torch.empty((M, N), dtype=plan.c_dtype, device=a.device) if out is None else out
-        _launch_settled(plan, _arguments(plan, a, b, bias, out, rope, first_row), *settled[1:])
+        args = _arguments(plan, a, b, bias, out, rope, first_row, grad=gated_grad)
+        _launch_settled(plan, args, *settled[1:])
         return out
     if tune_only:
         if M == 0 or N == 0 or tuner.has(key, agreement):
             return None
-        out = torch.zeros((M, N), dtype=plan.c_dtype, device=a.device)  # scratch
+        if gated_grad is None:
+            out = torch.zeros((M, N), dtype=plan.c_dtype, device=a.device)  # scratch
     elif out is None:
         out = torch.empty((M, N), dtype=plan.c_dtype, device=a.device)
     if M == 0 or N == 0:
         return out
     if meta["TMA"] or meta["C_TMA"]:
         ensure_tma_allocator(a.device)  # per thread: autograd's backward runs on its own
-    args = _arguments(plan, a, b, bias, out, rope, first_row)
+    args = _arguments(plan, a, b, bias, out, rope, first_row, grad=gated_grad)
 
     def launch(config):
         if isinstance(config, _impl.Torch):
-            matmul_torch(a, b, bias, out, accumulate, rope)
+            matmul_torch(a, b, bias, out, accumulate, rope, gated_grad)
             return
         grid, kwargs = plan.launch_arguments(config)
         _matmul_kernel[grid](*args, **kwargs)
@@ -432,7 +485,7 @@ def matmul(
     def candidates():
         cublas = cublas_computes(a, bias, plan.c_dtype, accumulate, rope)
         tiles = _candidates(bucket(M), N, is_interpreted(_matmul_kernel), a.dtype, accumulate,
-                            meta["ROPE_HALF"] * 2)  # fmt: skip
+                            meta["ROPE_HALF"] * 2, meta["GATED"])  # fmt: skip
         return tiles + ([_impl.TORCH] if cublas and _impl.tunes_torch() else [])
 
     with device_guard(a):
@@ -444,55 +497,18 @@ def matmul(
     return None if tune_only else out
 
 
-def gated_matmul(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor, *,
-                 bias: torch.Tensor | None = None, bias2: torch.Tensor | None = None,
-                 activation: str = "silu") -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """(gate, up, h) (M, N) in A's dtype: ``gate = A @ B (+ bias)`` and ``up = A @ B2
-    (+ bias2)``, each rounded once, and ``h = act(gate) * up`` from those rounded values
-    (`fusedpar.kernels.gated`'s `ACTIVATIONS`), in one launch: every A tile feeds both
-    products, and h costs no pass of its own. The same bits as `matmul` twice and
-    `fusedpar.kernels.gated.gated` (the interpreter's; a GPU's may contract differently).
-    B2 has B's shape, dtype and strides; the biases are both given or neither."""
-    M, N = a.shape[0], b.shape[1] if b.dim() == 2 else 0
-    if _impl.runs_torch(a.device):
-        check_operands(a, b, bias, None, False, None)
-        check_gated(b, bias, b2, bias2, activation)
-        return gated_matmul_torch(a, b, b2, bias, bias2, activation)
-    plan = _plan(a, b, bias, None, False, None, False, None, (b2, bias2, activation))
-    gate, up, h = (torch.empty((M, N), dtype=a.dtype, device=a.device) for _ in range(3))
-    if M == 0 or N == 0:
-        return gate, up, h
-    if plan.meta["TMA"] or plan.meta["C_TMA"]:
-        ensure_tma_allocator(a.device)
-    args = _arguments(plan, a, b, bias, gate, None, 0, (b2, bias2, up, h))
-
-    def launch(config):
-        if isinstance(config, _impl.Torch):
-            results = gated_matmul_torch(a, b, b2, bias, bias2, activation)
-            for out, result in zip((gate, up, h), results, strict=True):
-                out.copy_(result)
-            return
-        grid, kwargs = plan.launch_arguments(config)
-        _matmul_kernel[grid](*args, **kwargs)
-
-    def candidates():
-        tiles = _candidates(bucket(M), N, is_interpreted(_matmul_kernel), a.dtype, False,
-                            gated=True)  # fmt: skip
-        cublas = cublas_computes(a, bias, a.dtype, False)
-        return tiles + ([_impl.TORCH] if cublas and _impl.tunes_torch() else [])
-
-    with device_guard(a):
-        _tuning.tuner("matmul").run(plan.key, candidates, launch, device=a.device)
-    return gate, up, h
-
-
-def _arguments(plan: Plan, a, b, bias, out, rope, first_row, gated=()) -> tuple:
+def _arguments(plan: Plan, a, b, bias, out, rope, first_row, gated=(),
+               grad: GatedGrad | None = None) -> tuple:  # fmt: skip
     """The kernel's positional arguments (a pointer not used: C's, never read). `gated`:
-    b2, bias2, c2, h of `gated_matmul`."""
+    b2, bias2, c2, h of `gated_matmul`; `grad`: a gated gradient's tensors."""
     cos, sin = (out, out) if rope is None else (rope.cos, rope.sin)
     b2, bias2, c2, h = gated or (out,) * 4
+    g = u = out
+    if grad is not None:
+        g, u, c2, h = grad.gate, grad.up, grad.up_grad, grad.hidden
     return (a, b, out, bias if bias is not None else out, cos, sin, b2,
-            bias2 if bias2 is not None else out, c2, h, *plan.scalars, first_row)  # fmt: skip
+            bias2 if bias2 is not None else out, c2, out if h is None else h, g, u,
+            *plan.scalars, first_row)  # fmt: skip
 
 
 def _launch_settled(plan: Plan, args, grid, kwargs) -> None:

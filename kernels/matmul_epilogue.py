@@ -5,6 +5,7 @@ accumulator before C is written. Every one rounds once.
 | ----------------- | --------------------------------------------------------------- |
 | `epilogue`        | ``C = rope(acc (+ bias)) (+ C)``: bias, heads turned (RoPE), C added |
 | `gated_epilogue`  | gate, up (two accumulators, biases) and ``act(gate) * up``      |
+| `gated_grad_epilogue` | from dh and the saved gate, up: dgate, dup (and h again)    |
 
 C goes through a TMA descriptor (`output_target`, two column halves: the staged tile is
 half as large) or through masked pointers.
@@ -132,14 +133,71 @@ def _gated_half(g, u, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, bias_ptr, b
     u = u.to(out_ty)
     a, _ = _activation(g.to(tl.float32), ACTIVATION)
     h = (a * u.to(tl.float32)).to(out_ty)
+    _store_halves(g, u, h, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, start_m, start_n, M,
+                  N, stride_cm, stride_cn, True, C_TMA, BLOCK_M, WIDTH)  # fmt: skip
+
+
+@triton.jit
+def gated_grad_epilogue(acc, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, g_ptr, u_ptr,
+                        start_m, start_n, M, N, stride_cm, stride_cn, stride_gm, stride_gn,
+                        ACTIVATION: tl.constexpr, STORE_H: tl.constexpr, C_TMA: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """acc is dh: rounded to C's dtype (as `matmul` would store it), then with the saved
+    gate and up tiles ``dgate = dh * up * act'(gate)`` (into C), ``dup = dh * act(gate)``
+    (c2) and with STORE_H ``h = act(gate) * up`` (h), as `fusedpar.kernels.gated`
+    computes them from a stored dh: a dense gated MLP's hidden gradient with no pass of
+    its own. Column half by column half, as `gated_epilogue`."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+    _gated_grad_half(left, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, g_ptr, u_ptr, start_m,
+                     start_n, M, N, stride_cm, stride_cn, stride_gm, stride_gn, ACTIVATION,
+                     STORE_H, C_TMA, BLOCK_M, HALF)  # fmt: skip
+    _gated_grad_half(right, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, g_ptr, u_ptr,
+                     start_m, start_n + HALF, M, N, stride_cm, stride_cn, stride_gm, stride_gn,
+                     ACTIVATION, STORE_H, C_TMA, BLOCK_M, HALF)  # fmt: skip
+
+
+@triton.jit
+def _gated_grad_half(dh, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, g_ptr, u_ptr, start_m,
+                     start_n, M, N, stride_cm, stride_cn, stride_gm, stride_gn,
+                     ACTIVATION: tl.constexpr, STORE_H: tl.constexpr, C_TMA: tl.constexpr,
+                     BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):  # fmt: skip
+    """`gated_grad_epilogue` of the WIDTH columns from start_n (a half of the tile)."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = start_n + tl.arange(0, WIDTH)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    at = offs_m[:, None].to(tl.int64) * stride_gm + offs_n[None, :].to(tl.int64) * stride_gn
+    g = tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    out_ty = c_ptr.dtype.element_ty
+    dh = dh.to(out_ty).to(tl.float32)
+    a, slope = _activation(g, ACTIVATION)
+    dup = (dh * a).to(out_ty)
+    dgate = (dh * u * slope).to(out_ty)
+    h = dup  # (not stored without STORE_H)
+    if STORE_H:
+        h = (a * u).to(out_ty)
+    _store_halves(dgate, dup, h, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, start_m,
+                  start_n, M, N, stride_cm, stride_cn, STORE_H, C_TMA, BLOCK_M, WIDTH)  # fmt: skip
+
+
+@triton.jit
+def _store_halves(first, second, h, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, start_m,
+                  start_n, M, N, stride_cm, stride_cn, STORE_H: tl.constexpr,
+                  C_TMA: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):  # fmt: skip
+    """Three (BLOCK_M, WIDTH) tiles of C's strides at (start_m, start_n): C, c2 and (with
+    STORE_H) h, through their descriptors or masked pointers."""
     if C_TMA:
-        c_desc.store([start_m, start_n], g)
-        c2_desc.store([start_m, start_n], u)
-        h_desc.store([start_m, start_n], h)
+        c_desc.store([start_m, start_n], first)
+        c2_desc.store([start_m, start_n], second)
+        if STORE_H:
+            h_desc.store([start_m, start_n], h)
     else:
         offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_n = start_n + tl.arange(0, WIDTH)
         at = offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.store(c_ptr + at, g, mask=mask)
-        tl.store(c2_ptr + at, u, mask=mask)
-        tl.store(h_ptr + at, h, mask=mask)
+        tl.store(c_ptr + at, first, mask=mask)
+        tl.store(c2_ptr + at, second, mask=mask)
+        if STORE_H:
+            tl.store(h_ptr + at, h, mask=mask)

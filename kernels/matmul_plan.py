@@ -1,8 +1,8 @@
 """`fusedpar.kernels.matmul`'s plan: its operands' checks (the GEMM's, a rotating
-epilogue's, a gated GEMM's), worked out on the first call of a signature (shapes,
-strides, dtypes, alignment, flags) with the launch parameters and looked up by later
-calls (host time a GEMM call, launch stubbed: 24 -> 10 -> 8 µs); and `RowRotation`,
-what a rotating epilogue is given."""
+epilogue's, a gated GEMM's and a gated gradient's), worked out on the first call of a
+signature (shapes, strides, dtypes, alignment, flags) with the launch parameters and
+looked up by later calls (host time a GEMM call, launch stubbed: 24 -> 10 -> 8 µs); and
+what the epilogues are given: `RowRotation` (RoPE) and `GatedGrad`."""
 
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -25,6 +25,22 @@ class RowRotation(NamedTuple):
     sin: torch.Tensor
     rows_per_position: int = 1
     first_row: int = 0
+
+
+class GatedGrad(NamedTuple):
+    """What `matmul` needs to end a dense gated MLP's hidden gradient in its epilogue:
+    C = A @ B is dh, rounded to C's dtype as `matmul` would store it, and from it and the
+    forward's saved gate and up (M, N) the epilogue writes ``dgate = dh * up * act'(gate)``
+    into C and ``dup = dh * act(gate)`` into `up_grad`, and with `hidden` ``h = act(gate)
+    * up`` again (the down weight's gradient needs it), as `fusedpar.kernels.gated.
+    gated_backward` does from a stored dh. up_grad and hidden have C's strides; gate and
+    up share theirs."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    up_grad: torch.Tensor
+    hidden: torch.Tensor | None
+    activation: str
 
 
 def check_operands(a, b, bias, out, accumulate, out_dtype):
@@ -99,6 +115,32 @@ def check_gated(b, bias, b2, bias2, activation) -> None:
                          f"{bias2.dtype}")  # fmt: skip
 
 
+def check_gated_grad(a, b, out, bias, accumulate, grad: GatedGrad) -> None:
+    """ValueError/TypeError for a gated gradient the epilogue cannot write."""
+    if grad.activation not in ACTIVATIONS:
+        raise ValueError(f"gated_grad: activation must be one of {ACTIVATIONS}, got "
+                         f"{grad.activation!r}")  # fmt: skip
+    if out is None or bias is not None or accumulate:
+        raise ValueError("gated_grad: C (dgate) is given as `out`, with no bias, not added into")
+    shape = (a.shape[0], b.shape[1])
+    if grad.gate.shape != shape or grad.up.shape != shape:
+        raise ValueError(f"gated_grad: gate and up must be (M, N) = {shape}, got "
+                         f"{tuple(grad.gate.shape)} and {tuple(grad.up.shape)}")  # fmt: skip
+    if grad.up.stride() != grad.gate.stride():
+        raise ValueError(f"gated_grad: gate and up must share strides, got "
+                         f"{grad.gate.stride()} and {grad.up.stride()}")  # fmt: skip
+    outputs = [grad.up_grad] + ([] if grad.hidden is None else [grad.hidden])
+    for t in outputs:
+        if t.shape != shape or t.stride() != out.stride():
+            raise ValueError(f"gated_grad: up_grad and hidden must be (M, N) = {shape} with "
+                             f"C's strides {out.stride()}, got {tuple(t.shape)} "
+                             f"{t.stride()}")  # fmt: skip
+    for t in (grad.gate, grad.up, out, *outputs):
+        if t.dtype != a.dtype or t.device != a.device:
+            raise TypeError(f"gated_grad: gate, up and the gradients must be A's {a.dtype} on "
+                            f"{a.device}, got {t.dtype} on {t.device}")  # fmt: skip
+
+
 def check_rope_rows(M: int, rope: RowRotation) -> None:
     """Every row's position inside the tables (a call's rows may start anywhere)."""
     if rope.first_row < 0 or (M and (rope.first_row + M - 1) // rope.rows_per_position
@@ -137,7 +179,7 @@ PLANS: dict[tuple, Plan] = {}
 MAX_PLANS = 4096  # a property test's many shapes: start over rather than grow
 
 
-def signature(a, b, bias, out, accumulate, out_dtype, tune_only, rope, gated) -> tuple:
+def signature(a, b, bias, out, accumulate, out_dtype, tune_only, rope, gated, grad) -> tuple:
     # alignment decides TMA; the fp32 precision decides the dot's; a rotation's first row
     # is an argument of each launch
     return (
@@ -154,4 +196,12 @@ def signature(a, b, bias, out, accumulate, out_dtype, tune_only, rope, gated) ->
                                gated[0].device, gated[0].data_ptr() % 16,
                                gated[1] is not None and (gated[1].shape, gated[1].stride(),
                                                          gated[1].dtype), gated[2]),
+        grad is not None and (grad.gate.shape, grad.gate.stride(), grad.gate.dtype,
+                              grad.gate.device, grad.up.shape, grad.up.stride(), grad.up.dtype,
+                              grad.up.device, grad.up_grad.shape,
+                              grad.up_grad.stride(), grad.up_grad.dtype, grad.up_grad.device,
+                              grad.up_grad.data_ptr() % 16, grad.hidden is not None
+                              and (grad.hidden.shape, grad.hidden.stride(), grad.hidden.dtype,
+                                   grad.hidden.device, grad.hidden.data_ptr() % 16),
+                              grad.activation),
     )  # fmt: skip

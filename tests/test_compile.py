@@ -235,10 +235,47 @@ def _opcheck_cases(group: str):
         # (a fused gate/up's halves), each activation
         (ops.gated, (torch.randn(4, 16)[:, :8], torch.randn(4, 16)[:, 8:], "silu")),
         (ops.gated, (torch.randn(3, 5).half(), torch.randn(3, 5).half(), "gelu")),
+        # the TP path's backward: the ring's dh GEMMs ending in dgate, dup, h (and classic
+        # TP's plain GEMM: group ""), some gradients not asked for
         (
-            ops.gated_backward,
-            (torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8), "gelu_tanh"),
-        ),
+            ops.gated_down_backward,
+            (
+                torch.randn(3, 2, 8),
+                torch.randn(3 * W, 2, 5),
+                torch.randn(3 * W, 2, 5),
+                torch.randn(8, 5),
+                "gelu_tanh",
+                group,
+                1,
+                [True, True, True],
+            ),
+        ),  # fmt: skip
+        (
+            ops.gated_down_backward,
+            (
+                torch.randn(4, 8),
+                torch.randn(4, 5),
+                torch.randn(4, 5),
+                torch.randn(8, 5),
+                "silu",
+                "",
+                1,
+                [True, False, False],
+            ),
+        ),  # fmt: skip
+        (
+            ops.gated_down_backward,
+            (
+                torch.randn(2, 8),
+                torch.randn(2 * W, 5),
+                torch.randn(2 * W, 5),
+                torch.randn(8, 5),
+                "silu",
+                group,
+                2,
+                [False, True, True],
+            ),
+        ),  # fmt: skip
         # RoPE: a strided head range of a projection, whole and partial rotary; q and k
         (ops.rope, ([_leaf(2, 5, 7, 16)[:, :, 1:4]], torch.randn(5, 8), torch.randn(5, 8), False)),
         (

@@ -48,6 +48,7 @@ from fusedpar.kernels import (
     attention_merge,
     gated,
     matmul,
+    matmul_gated,
     moe,
     moe_permute,
     moe_route,
@@ -152,13 +153,15 @@ def attention_merge_call(head_dim):
 
 
 def matmul_call(dtype, accumulate=False, precision="highest", huge_stride=False, tma=True,
-                rope=0, gated=""):  # fmt: skip
+                rope=0, gated="", gated_grad=""):  # fmt: skip
     """``x @ w.T + bias`` (a linear layer's forward), or with ``accumulate`` an fp32 C added
     into without bias (reduce-scatter partials, weight gradients). ``huge_stride``: rows
     of A 2**31 elements apart, so the strides are passed as i64 (4 GiB of address space
     is reserved, never touched). ``rope``: heads of that size rotated in the epilogue (a
     q or k projection, rows in (S, B) order with B = 2). ``gated``: a dense gated MLP's
-    gate and up projections with this activation (`gated_matmul`)."""
+    gate and up projections with this activation (`gated_matmul`); ``gated_grad``: its
+    hidden gradient, dh's GEMM (the down weight read as stored) ending in dgate, dup and
+    h (`gated_grad_matmul`)."""
     M, N, K = 256, 512, 256
     if huge_stride:
         M = 2
@@ -169,8 +172,12 @@ def matmul_call(dtype, accumulate=False, precision="highest", huge_stride=False,
     with _fp32_precision(precision), _tma(tma):
         if accumulate:
             matmul.matmul(a, w.T, out=_empty((M, N), "float32"), accumulate=True)
+        elif gated_grad:
+            gate, up = _empty((M, N), dtype), _empty((M, N), dtype)
+            matmul_gated.gated_grad_matmul(a, _empty((K, N), dtype), gate, up,
+                                           activation=gated_grad, hidden=True)  # fmt: skip
         elif gated:
-            matmul.gated_matmul(a, w.T, _empty((N, K), dtype).T, bias=_empty((N,), dtype),
+            matmul_gated.gated_matmul(a, w.T, _empty((N, K), dtype).T, bias=_empty((N,), dtype),
                                 bias2=_empty((N,), dtype), activation=gated)  # fmt: skip
         elif rope:
             cos, sin = (_empty((M // 2, rope // 2), "float32") for _ in range(2))
@@ -445,11 +452,17 @@ MATMUL_VARIANTS = {  # variant: scenario params
     "bfloat16-gated-silu": {"dtype": "bfloat16", "gated": "silu"},
     "bfloat16-gated-gelu_tanh": {"dtype": "bfloat16", "gated": "gelu_tanh"},
     "tf32-gated-silu": {"dtype": "float32", "precision": "high", "gated": "silu"},
+    # its hidden gradient: dh's GEMM ending in dgate, dup and h (the K loop is matmul's)
+    "bfloat16-gated-grad-silu": {"dtype": "bfloat16", "gated_grad": "silu"},
+    "bfloat16-gated-grad-gelu_tanh": {"dtype": "bfloat16", "gated_grad": "gelu_tanh"},
+    "bfloat16-gated-grad-silu-pointer": {"dtype": "bfloat16", "gated_grad": "silu", "tma": False},
+    "tf32-gated-grad-silu": {"dtype": "float32", "precision": "high", "gated_grad": "silu"},
 }
 for variant, params in MATMUL_VARIANTS.items():
     dtype = getattr(torch, params["dtype"])
+    mode = "forward" if params.get("gated") else "backward" if params.get("gated_grad") else ""
     configs = matmul.matmul_configs(dtype, params.get("accumulate", False), params.get("rope", 0),
-                                    bool(params.get("gated")))  # fmt: skip
+                                    mode)  # fmt: skip
     add_configs("matmul", variant, matmul_call, params, "_matmul_kernel", configs,
                 no_spill=dtype != torch.float32, wgmma=variant != "ieee-bias")  # fmt: skip
     if variant.startswith(("bfloat16", "tf32")):

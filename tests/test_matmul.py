@@ -1,11 +1,12 @@
-"""fusedpar.kernels.matmul against float64, with odd sizes, strides, slices, accumulation
-and heads rotated in the epilogue."""
+"""fusedpar.kernels.matmul against float64, with odd sizes, strides, slices, accumulation,
+heads rotated in the epilogue and the gated MLP's GEMMs (`matmul_gated`)."""
 
 import pytest
 import torch
 from fusedpar.kernels import matmul as matmul_module
-from fusedpar.kernels.gated import ACTIVATIONS, gated
-from fusedpar.kernels.matmul import RowRotation, gated_matmul, matmul
+from fusedpar.kernels.gated import ACTIVATIONS, gated, gated_backward, gated_torch
+from fusedpar.kernels.matmul import RowRotation, matmul
+from fusedpar.kernels.matmul_gated import gated_grad_matmul, gated_matmul
 from fusedpar.kernels.matmul_torch import matmul_reference
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -141,6 +142,68 @@ def test_gated_matmul_names_bad_input(up, biases, activation, match, each_implem
     with pytest.raises(ValueError, match=match):
         gated_matmul(torch.ones(4, 3), torch.ones(3, 8), up_operand, bias=biases[0],
                      bias2=biases[1], activation=activation)  # fmt: skip
+
+
+def _gated_grad_oracle(dh, gate, up, activation):
+    """(dgate | dup, h) of `fusedpar.kernels.gated`'s contract, computed in dh's dtype
+    (float64 in: the oracle)."""
+    M, N = gate.shape
+    grads, h = (torch.empty((M, n), dtype=dh.dtype, device=dh.device) for n in (2 * N, N))
+    gated_torch(activation, gate.to(dh.dtype), up.to(dh.dtype), dh, h, grads[:, :N],
+                grads[:, N:])  # fmt: skip
+    return grads, h
+
+
+@given(
+    M=st.integers(1, 40), N=st.integers(1, 40), K=st.integers(1, 40), dtype=cpu_dtypes(),
+    seed=seeds(), w_t=st.booleans(), hidden=st.booleans(), strided=st.booleans(),
+    activation=st.sampled_from(ACTIVATIONS),
+)  # fmt: skip
+@example(M=65, N=33, K=70, dtype=torch.float16, seed=0, w_t=True, hidden=True, strided=True,
+         activation="gelu_tanh")  # fmt: skip
+def test_gated_grad_matmul_is_the_gemm_and_the_activations_backward(
+    M, N, K, dtype, seed, w_t, hidden, strided, activation, each_implementation
+):
+    """`gated_grad_matmul` is `matmul` (dh, rounded) then `gated_backward` bit for bit, in
+    one launch, with the down weight read as stored or transposed and gate and up
+    slices of wider rows; dgate, dup and h against float64 too."""
+    dy = randn((M, K), dtype, seed)
+    w_down = _operand((K, N), dtype, seed + 1, w_t)
+    if strided:  # the forward's gate and up as column slices of one (M, 2N + 3) buffer
+        saved = randn((M, 2 * N + 3), dtype, seed + 2)
+        gate, up = saved[:, 1 : N + 1], saved[:, N + 3 :]
+    else:
+        gate, up = randn((M, N), dtype, seed + 2), randn((M, N), dtype, seed + 3)
+    grads, h = gated_grad_matmul(dy, w_down, gate, up, activation=activation, hidden=hidden)
+    unfused = gated_backward(matmul(dy, w_down), gate, up, activation, hidden=hidden,
+                             stacked=True)  # fmt: skip
+    assert torch.equal(grads, unfused[0])
+    assert (h is None) if not hidden else torch.equal(h, unfused[1])
+    ref_grads, ref_h = _gated_grad_oracle(dy.double() @ w_down.double(), gate, up, activation)
+    same_grads, same_h = _gated_grad_oracle(matmul_reference(dy, w_down).float(), gate, up,
+                                            activation)  # fmt: skip
+    assert_close(grads, ref_grads, same_grads.to(dtype), name="dgate | dup", sum_length=K)
+    if hidden:
+        assert_close(h, ref_h, same_h.to(dtype), name="h")
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"activation": "relu"}, "activation must be one of"),
+    ({"gate": (5, 8)}, r"gate and up must be \(M, N\) = \(4, 8\)"),
+    ({"up": "t"}, "share strides"),
+    ({"up": torch.float64}, "A's torch.float32"),
+])  # fmt: skip
+def test_gated_grad_matmul_names_bad_input(change, match, each_implementation):
+    gate, up = torch.ones(4, 8), torch.ones(4, 8)
+    if "gate" in change:
+        gate = torch.ones(change["gate"])
+    if change.get("up") == "t":
+        up = torch.ones(8, 4).t()
+    elif "up" in change:
+        up = up.to(change["up"])
+    with pytest.raises((ValueError, TypeError), match=match):
+        gated_grad_matmul(torch.ones(4, 3), torch.ones(3, 8), gate, up,
+                          activation=change.get("activation", "silu"))  # fmt: skip
 
 
 def test_out_dtype_fp32_and_empty_sizes(each_implementation):
@@ -336,3 +399,25 @@ def test_gated_matmul_gpu(activation, path, monkeypatch):
         "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh"),
     }[activation]
     assert_close(h, act(gate.double()) * up.double(), act(gate) * up)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["tma", "pointer", "torch"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_grad_matmul_gpu(activation, path, monkeypatch):
+    """A dense SwiGLU's hidden gradient at TP 1 (Llama-8B: d 4096, h 14336) for 4096
+    tokens, the down weight read as stored, against float64, on both schedules and the
+    torch implementation."""
+    if path == "pointer":
+        from fusedpar.kernels import _common
+
+        monkeypatch.setattr(_common, "tma_compatible", lambda *tensors: False)
+    M, K, N, dtype = 4096, 4096, 14336, torch.bfloat16
+    dy, w_down = randn((M, K), dtype, 0).cuda(), randn((K, N), dtype, 1).cuda()
+    gate, up = (randn((M, N), dtype, i).cuda() for i in (2, 3))
+    with fp.implementation("torch" if path == "torch" else "triton"):
+        grads, h = gated_grad_matmul(dy, w_down, gate, up, activation=activation, hidden=True)
+    ref_grads, ref_h = _gated_grad_oracle(dy.double() @ w_down.double(), gate, up, activation)
+    same_grads, same_h = _gated_grad_oracle((dy @ w_down).float(), gate, up, activation)
+    assert_close(grads, ref_grads, same_grads.to(dtype), name="dgate | dup", sum_length=K)
+    assert_close(h, ref_h, same_h.to(dtype), name="h")

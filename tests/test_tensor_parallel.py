@@ -103,7 +103,7 @@ def test_all_gather_matmul(world, world_size, **p):
 def test_the_rings_on_triton_kernels(world, triton_kernels):
     """A fused-QKV gather and a reduce-scatter with fusedpar's Triton GEMM (the
     interpreter here) on every rank: its fp32 partials and slices inside the TP rings,
-    and q and k turned in its epilogue."""
+    q and k turned in its epilogue, and a gated MLP's gradient in it."""
     p = dict(rows=3, K=33, Ns=[17, 5, 9], bias=True, chunks=2, dtype=torch.float16,
              seq_first=True, batch=2, strided=True, save=True, seed=1)  # fmt: skip
     assert all(world(2).run(_run_all_gather_matmul, p))
@@ -113,6 +113,10 @@ def test_the_rings_on_triton_kernels(world, triton_kernels):
     p = dict(rows=3, K=7, N=19, bias=True, chunks=3, dtype=torch.float16, seq_first=True,
              batch=2, strided=True, seed=2)  # fmt: skip
     assert all(world(2).run(_run_matmul_reduce_scatter, p))
+    # the SwiGLU's backward: the ring's dh GEMMs (two chunks of 3 rows) ending in dgate,
+    # dup and h; and classic TP's plain GEMM ending in them
+    assert all(world(2).run(_run_layers, "geglu-bias", True, False, torch.float16, 3, 2))
+    assert all(world(2).run(_run_layers, "swiglu", False, False, torch.float32, 4))
 
 
 def _turned(y, cos, sin, head_dim):
@@ -276,8 +280,9 @@ def _dense_model(kind, d_in, d_hidden, seed):
     return model, [model.weight, model.bias], [0, 0] if kind == "column" else [1, None]
 
 
-def _run_layers(kind, sequence_parallel, gather_output, dtype, seed):
-    """A layer made with from_dense against the dense module, forward and backward."""
+def _run_layers(kind, sequence_parallel, gather_output, dtype, seed, chunks=1):
+    """A layer made with from_dense against the dense module, forward and backward
+    (`chunks`: the SwiGLU's ring chunks per rank)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     T, d_in, d_hidden = 3 * size, 6, 4 * size
     model, dense_params, split = _dense_model(kind, d_in, d_hidden, seed)
@@ -286,12 +291,14 @@ def _run_layers(kind, sequence_parallel, gather_output, dtype, seed):
             param.copy_(param.to(dtype))
     if kind == "swiglu":
         layer = fp.nn.ParallelSwiGLU.from_dense(*(p.to(dtype) for p in dense_params), WORLD,
-                                                sequence_parallel=sequence_parallel)  # fmt: skip
+                                                sequence_parallel=sequence_parallel,
+                                                chunks_per_rank=chunks)  # fmt: skip
         layer_params = [layer.gate_weight, layer.up_weight, layer.down_weight]
     elif kind == "geglu-bias":  # from the nn.Linear modules: biases read off them
         layer = fp.nn.ParallelSwiGLU.from_dense(
             *(model[n].to(dtype) for n in ("gate", "up", "down")), WORLD,
-            activation=_activation(kind), sequence_parallel=sequence_parallel)  # fmt: skip
+            activation=_activation(kind), sequence_parallel=sequence_parallel,
+            chunks_per_rank=chunks)  # fmt: skip
         model.double()
         layer_params = [getattr(layer, f"{n}_{p}") for p in ("weight", "bias")
                         for n in ("gate", "up", "down")]  # fmt: skip

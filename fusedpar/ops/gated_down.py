@@ -5,9 +5,11 @@ with the product recomputed in the backward, its down GEMM the row-parallel ring
 | direction | computes                                                                     |
 | --------- | ---------------------------------------------------------------------------- |
 | forward   | ``h = act(gate) * up`` (`fusedpar.kernels.gated`), ``y = rs(h @ W^T) + b``     |
-| backward  | h again, ``dh = g(dy) @ W``, ``dW = g(dy)^T @ h``; dgate, dup in one pass      |
+| backward  | ``dh = g(dy) @ W``, each chunk's GEMM ending in dgate, dup and h again         |
+|           | (`GatedGrad`: dh never stored), then ``dW = g(dy)^T @ h``                     |
 
-Saved: gate and up only. An activation with no kernel runs through autograd.
+Saved: gate and up only. An activation with no kernel runs through autograd: h again,
+dh, then the product's vjp.
 """
 
 import functools
@@ -17,8 +19,9 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from fusedpar.comm import active_group, group_name, group_size
+from fusedpar.comm import active_group, group_by_name, group_name, group_size
 from fusedpar.kernels import gated as gated_kernels
+from fusedpar.kernels.matmul import GatedGrad, matmul
 from fusedpar.ops.linear import (
     DEFAULT_CHUNKS_PER_RANK,
     _check_chunks,
@@ -27,10 +30,11 @@ from fusedpar.ops.linear import (
     _matmul_reduce_scatter_backward,
     _matmul_reduce_scatter_forward,
     _row_sum,
+    gather_matmuls,
 )
 from fusedpar.ops.registration import direct_op
 
-# --- custom ops: fusedpar::gated and its backward (inside _GatedDown) -------------------
+# --- custom ops: fusedpar::gated and the backward (inside _GatedDown) -------------------
 
 
 @torch.library.custom_op("fusedpar::gated", mutates_args=())
@@ -43,19 +47,54 @@ def _(gate, up, activation):
     return gate.new_empty(gate.shape)
 
 
-@torch.library.custom_op("fusedpar::gated_backward", mutates_args=())
-def _gated_backward_op(dh: Tensor, gate: Tensor, up: Tensor,
-                       activation: str) -> tuple[Tensor, Tensor]:  # fmt: skip
-    return gated_kernels.gated_backward(dh, gate, up, activation)
+@torch.library.custom_op("fusedpar::gated_down_backward", mutates_args=())
+def _gated_down_backward_op(dy: Tensor, gate: Tensor, up: Tensor, weight: Tensor,
+                            activation: str, group: str, chunks: int,
+                            needs: list[bool]) -> list[Tensor]:  # fmt: skip
+    """[[dgate | dup] (T, ..., 2K_loc), dW, db], each empty when `needs` (gate or up,
+    weight, bias) does not ask for it: dh's GEMMs (those of the all-gather ring of dy
+    under `group`; "": the plain GEMM of classic TP) end in dgate, dup and, for dW, h
+    (`GatedGrad`), and ``dW = g(dy)^T @ h``. One buffer holds [dgate | dup | h], so no
+    op output aliases another: the caller splits [dgate | dup]."""
+    needs_gu, needs_w, needs_b = needs
+    pg = group_by_name(group) if group else None
+    dy2d, gate2d, up2d = _flat(dy), _flat(gate), _flat(up)
+    if up2d.stride() != gate2d.stride():  # the epilogue reads both with one set of strides
+        gate2d, up2d = gate2d.contiguous(), up2d.contiguous()
+    M, K = gate2d.shape
+    dy_full, hidden, grads = dy2d, None, gate.new_empty(0)
+    if needs_gu:
+        buffer = gate.new_empty((M, (3 if needs_w else 2) * K))
+        hidden = buffer[:, 2 * K :] if needs_w else None
+        grad = GatedGrad(gate2d, up2d, buffer[:, K : 2 * K], hidden, activation)
+        if pg is None:
+            matmul(dy2d, weight, out=buffer[:, :K], gated_grad=grad)
+        else:
+            _, dy_full = gather_matmuls(dy2d, [weight], [None], pg, chunks, epilogues=[grad],
+                                        outs=[buffer[:, :K]])  # fmt: skip
+        grads = buffer[:, : 2 * K].view(*gate.shape[:-1], 2 * K)
+    elif needs_w:  # h alone; under SP, dy's rows gathered with no GEMM
+        hidden = gated_kernels.gated(gate2d, up2d, activation)
+        if pg is not None:
+            _, dy_full = gather_matmuls(dy2d, [], [], pg, chunks)
+    dw = matmul(dy_full.t(), hidden) if needs_w else weight.new_empty(0)
+    db = _row_sum(dy2d, weight.dtype) if needs_b else weight.new_empty(0)
+    return [grads, dw, db]
 
 
-@_gated_backward_op.register_fake
-def _(dh, gate, up, activation):
-    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+@_gated_down_backward_op.register_fake
+def _(dy, gate, up, weight, activation, group, chunks, needs):
+    needs_gu, needs_w, needs_b = needs
+    K = gate.shape[-1]
+    grads = gate.new_empty(0)
+    if needs_gu:  # [dgate | dup] of a [dgate | dup | h] buffer with needs_w: the real layout
+        grads = gate.new_empty((*gate.shape[:-1], (3 if needs_w else 2) * K))[..., : 2 * K]
+    return [grads, weight.new_empty(weight.shape if needs_w else 0),
+            weight.new_empty(weight.shape[0] if needs_b else 0)]  # fmt: skip
 
 
 _gated = direct_op(_gated_op)
-_gated_backward = direct_op(_gated_backward_op)
+_gated_down_backward = direct_op(_gated_down_backward_op)
 
 
 _WITHOUT_KERNEL: set[str] = set()  # the activations said to have no kernel
@@ -99,9 +138,9 @@ def _product_vjp(activation, gate, up):
 
 
 class _GatedDown(torch.autograd.Function):
-    """``down(act(gate) * up)`` saving gate and up only: the backward recomputes the
-    product (for the down weight's gradient), then dgate and dup in one pass
-    (`fusedpar.kernels.gated`; through autograd for an activation with no kernel)."""
+    """``down(act(gate) * up)`` saving gate and up only: the backward's dh GEMMs end in
+    dgate, dup and the product again (for the down weight's gradient); through autograd
+    for an activation with no kernel."""
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, activation, group, chunks):
@@ -121,22 +160,24 @@ class _GatedDown(torch.autograd.Function):
         gate, up, weight = ctx.saved_tensors
         activation, name, group, chunks, has_bias = ctx.options
         needs_g, needs_u, needs_w, needs_b = ctx.needs_input_grad[:4]
-        if name:
-            hidden = _gated(gate, up, name)
-        else:
-            hidden, vjp = _product_vjp(activation, gate, up)
+        needs_b = needs_b and has_bias
+        if name:  # dh's GEMMs end in dgate, dup and h (`_gated_down_backward_op`)
+            needs = [needs_g or needs_u, needs_w, needs_b]
+            grads, dw, db = _gated_down_backward(dy, gate, up, weight, name, group or "", chunks,
+                                                 needs)  # fmt: skip
+            K = gate.shape[-1]
+            dgate, dup = (grads[..., :K], grads[..., K:]) if needs[0] else (None, None)
+            return dgate, dup, dw if needs_w else None, db if needs_b else None, None, None, None
+        hidden, vjp = _product_vjp(activation, gate, up)
         if group is None:
             dh = dy @ weight
             dw = _flat(dy).t() @ _flat(hidden) if needs_w else None
-            db = _row_sum(_flat(dy), weight.dtype) if needs_b and has_bias else None
+            db = _row_sum(_flat(dy), weight.dtype) if needs_b else None
         else:
-            dh, dw, db = _matmul_reduce_scatter_backward(
-                dy, hidden, weight, group, chunks, True, needs_w, needs_b and has_bias
-            )
-            dw, db = dw if needs_w else None, db if needs_b and has_bias else None
-        dgate = dup = None
-        if needs_g or needs_u:
-            dgate, dup = _gated_backward(dh, gate, up, name) if name else vjp(dh)
+            dh, dw, db = _matmul_reduce_scatter_backward(dy, hidden, weight, group, chunks, True,
+                                                         needs_w, needs_b)  # fmt: skip
+            dw, db = dw if needs_w else None, db if needs_b else None
+        dgate, dup = vjp(dh) if needs_g or needs_u else (None, None)
         return dgate, dup, dw, db, None, None, None
 
 

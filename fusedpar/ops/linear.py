@@ -44,7 +44,7 @@ from fusedpar.comm import (
 )
 from fusedpar.kernels import rope as rope_kernels
 from fusedpar.kernels._tuning import frozen
-from fusedpar.kernels.matmul import RowRotation, matmul, rope_epilogue_fits
+from fusedpar.kernels.matmul import GatedGrad, RowRotation, matmul, rope_epilogue_fits
 from fusedpar.ops.registration import autograd_op, direct_op
 
 DEFAULT_CHUNKS_PER_RANK = 1  # one ring message per rank and step, as in async-TP
@@ -56,34 +56,41 @@ def _pieces(rows: int, chunks: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
 
 
-def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None, rotations=None):
+def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None, epilogues=None,
+                   outs=None):  # fmt: skip
     """``gather(x) @ operand + bias`` for each operand, one ring all-gather for all.
 
     x (n, K) this rank's rows; operands [(K, N_i)]; biases [(N_i,) or None]. Returns the
-    outputs [(W*n, N_i)] and the gathered x (W*n, K). Step s multiplies the rows of rank
-    r - s while those of rank r - s - 1 arrive (received straight into their place).
-    `rotations`: per operand, None or the `RowRotation` of its whole output's rows, which
-    each chunk's GEMM applies in its epilogue from the chunk's first row. `gemm` has
+    outputs [(W*n, N_i)] (new, or `outs` written) and the gathered x (W*n, K). Step s
+    multiplies the rows of rank r - s while those of rank r - s - 1 arrive (received
+    straight into their place). `epilogues`: per operand, None or what its GEMM's
+    epilogue applies over its whole output's rows, a `RowRotation` or a `GatedGrad`, of
+    which each chunk's GEMM takes its rows' share (`_chunk_epilogue`). `gemm` has
     `matmul`'s signature; `ring` replaces ``Ring(pg)`` (the benchmark injects a stand-in).
     The GEMMs are tuned before the first transfer, agreed over `pg`.
     """
-    rotations = rotations or [None] * len(operands)
+    epilogues = epilogues or [None] * len(operands)
+    n, K = x.shape
     if ring is None and group_size(pg) == 1:  # one rank: plain GEMMs, nothing to gather
-        outs = [gemm(x, op, bias=bias, out_dtype=x.dtype, rope=rope)
-                for op, bias, rope in zip(operands, biases, rotations, strict=True)]  # fmt: skip
+        outs = outs or [None] * len(operands)
+        outs = [gemm(x, op, bias=bias, out=out, out_dtype=x.dtype,
+                     **_chunk_epilogue(epilogue, slice(0, n)))
+                for op, bias, epilogue, out in zip(operands, biases, epilogues, outs,
+                                                   strict=True)]  # fmt: skip
         return outs, x
     ring = Ring(pg) if ring is None else ring
     size, rank = ring.size, ring.rank
-    n, K = x.shape
     gathered = x.new_empty((size * n, K))
     gathered[rank * n : (rank + 1) * n].copy_(x)
-    outs = [x.new_empty((size * n, op.shape[1])) for op in operands]
+    outs = outs or [x.new_empty((size * n, op.shape[1])) for op in operands]
     agreement = tuning_agreement(pg, x.device)
-    gemms = list(zip(outs, operands, biases, rotations, strict=True))
+    gemms = list(zip(outs, operands, biases, epilogues, strict=True))
     for a, b in _pieces(n, chunks):  # the loop's GEMM shapes, picked before it starts
-        for _, op, bias, rope in gemms:
-            gemm(x[a:b], op, bias=bias, out_dtype=x.dtype, rope=rope, agreement=agreement,
-                 tune_only=True)  # fmt: skip
+        for out, op, bias, epilogue in gemms:
+            # (a gated gradient's tuning writes rows the ring writes again)
+            gemm(x[a:b], op, bias=bias, out=out[a:b] if isinstance(epilogue, GatedGrad) else None,
+                 out_dtype=x.dtype, agreement=agreement, tune_only=True,
+                 **_chunk_epilogue(epilogue, slice(a, b)))  # fmt: skip
     with frozen("the all-gather ring", agreement):
         for step in range(size):
             src, incoming = (rank - step) % size, (rank - step - 1) % size
@@ -92,13 +99,25 @@ def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None, rota
                 if step + 1 < size:
                     arriving = gathered[incoming * n + a : incoming * n + b]
                     ring.send_recv(gathered[rows], out=arriving)
-                for out, op, bias, rope in gemms:
-                    rope = None if rope is None else rope._replace(first_row=rows.start)
-                    gemm(gathered[rows], op, out=out[rows], bias=bias, rope=rope,
-                         agreement=agreement)  # fmt: skip
+                for out, op, bias, epilogue in gemms:
+                    gemm(gathered[rows], op, out=out[rows], bias=bias, agreement=agreement,
+                         **_chunk_epilogue(epilogue, rows))  # fmt: skip
                 if step + 1 < size:
                     ring.wait()
     return outs, gathered
+
+
+def _chunk_epilogue(epilogue, rows: slice) -> dict:
+    """The `matmul` keyword of a GEMM writing `rows` of an output whose epilogue is
+    `epilogue` over all its rows: a rotation from the chunk's first row, a gated
+    gradient's tensors cut to the chunk's rows."""
+    if epilogue is None:
+        return {}
+    if isinstance(epilogue, RowRotation):
+        return {"rope": epilogue._replace(first_row=rows.start)}
+    gate, up, up_grad, hidden, activation = epilogue
+    hidden = None if hidden is None else hidden[rows]
+    return {"gated_grad": GatedGrad(gate[rows], up[rows], up_grad[rows], hidden, activation)}
 
 
 def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul, ring=None):
@@ -212,7 +231,7 @@ def _all_gather_matmul_op(x: Tensor, weights: list[Tensor], biases: list[Tensor]
         rotation = RowRotation(*rope, rows_per_position=max(1, math.prod(x.shape[1:-1])))
         rotations = [rotation if r else None for r in rotate]
     outs, gathered = gather_matmuls(_flat(x), [w.t() for w in weights], biases, pg, chunks,
-                                    rotations=rotations)  # fmt: skip
+                                    epilogues=rotations)  # fmt: skip
     lead = (group_size(pg) * x.shape[0], *x.shape[1:-1])
     outs = [out.view(*lead, out.shape[1]) for out in outs]
     if rope and not fused:
