@@ -7,9 +7,11 @@ Target: >= 0.95x cuBLAS. ``BENCH_QUICK=1``: TP = 8 at M = 4k and 16k only.
 
 The qkv rows also time q and k (heads of 128) with RoPE two ways (ms): turned in the
 GEMM's epilogue (`rope=RowRotation`) and the GEMM then `fusedpar.kernels.rope`.
-The gate/up rows also time a dense SwiGLU's first projection three ways (ms): fused
-(`gated_matmul`: both GEMMs and silu(gate) * up in one launch), unfused (fusedpar's GEMM
-twice and `fusedpar.kernels.gated`), and torch (cuBLAS twice, ``F.silu(g) * u``).
+The gate/up rows also time a dense SwiGLU's first projection four ways (ms): fused
+(`gated_matmul`: both GEMMs and silu(gate) * up in one launch), product (the gate GEMM,
+then the up GEMM ending in the product, `gated_up_matmul`: what the one-rank layer
+runs), unfused (fusedpar's GEMM twice and `fusedpar.kernels.gated`), and torch (cuBLAS
+twice, ``F.silu(g) * u``).
 The down rows also time its backward's hidden gradient three ways (ms): fused
 (`gated_grad_matmul`: dh's GEMM ending in dgate, dup and h), apart (the GEMM, then
 `fusedpar.kernels.gated.gated_backward`), and torch (cuBLAS, then eager elementwise ops).
@@ -39,7 +41,8 @@ TP_SIZES = (2, 4, 8)
 TOKENS = (2048, 4096, 8192, 16384)
 COLUMNS = ["model", "tp", "proj", "M", "N", "K", "fusedpar_tflops", "torch_tflops", "ratio",
            "fusedpar_graph_tflops", "torch_graph_tflops", "graph_note", "rope_fused_ms",
-           "rope_apart_ms", "gated_fused_ms", "gated_unfused_ms", "gated_torch_ms",
+           "rope_apart_ms", "gated_fused_ms", "gated_product_ms", "gated_unfused_ms",
+           "gated_torch_ms",
            "gated_grad_fused_ms", "gated_grad_apart_ms", "gated_grad_torch_ms"]  # fmt: skip
 # Points whose eager time can be launch-bound: timed through a CUDA graph as well.
 GRAPH_TP, GRAPH_MAX_M = 8, 4096
@@ -90,15 +93,18 @@ def _rope_point(x, N: int, K: int, head_dim: int = 128) -> dict:
 
 
 def _gated_point(x, N: int, K: int) -> dict:
-    """ms of a SwiGLU's gate and up (each N wide) and silu(gate) * up, three ways."""
+    """ms of a SwiGLU's gate and up (each N wide) and silu(gate) * up, four ways."""
     from fusedpar.kernels.gated import gated
     from fusedpar.kernels.matmul import matmul
-    from fusedpar.kernels.matmul_gated import gated_matmul
+    from fusedpar.kernels.matmul_gated import gated_matmul, gated_up_matmul
     from torch.nn import functional as F
 
     wg, wu = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5 for _ in "gu")
     return dict(
         gated_fused_ms=time_ms(lambda: gated_matmul(x, wg.T, wu.T, activation="silu")),
+        gated_product_ms=time_ms(
+            lambda: gated_up_matmul(x, wu.T, matmul(x, wg.T), activation="silu")
+        ),
         gated_unfused_ms=time_ms(lambda: gated(matmul(x, wg.T), matmul(x, wu.T), "silu")),
         gated_torch_ms=time_ms(lambda: F.silu(x @ wg.T) * (x @ wu.T)),
     )

@@ -19,10 +19,11 @@ by its row's angles before that rounding: a q or k projection leaves the GEMM wi
 rotary embedding applied, one rounding instead of two and no pass of its own (the
 tile then spans whole heads: `rope_epilogue_fits`).
 
-A dense gated MLP's GEMMs run the same kernel with the activation in their epilogues:
-the forward's gate and up GEMMs as one (two B operands against the same A tiles) and the
-backward's dh GEMM ending in dgate and dup (``gated_grad=GatedGrad(...)``); their
-launchers are `fusedpar.kernels.matmul_gated`. The epilogues are `matmul_epilogue`; the
+A dense gated MLP's GEMMs run the same kernel with the activation in their epilogues
+(``gated=``): the up GEMM writing ``act(gate) * up`` beside up (`GatedProduct`), the
+backward's dh GEMM ending in dgate and dup (`GatedGrad`), and the gate and up GEMMs as one
+(two B operands against the same A tiles); their launchers are
+`fusedpar.kernels.matmul_gated`. The epilogues are `matmul_epilogue`; the
 checks and per-call plan `matmul_plan`; the torch implementation and the reference
 `matmul_torch`.
 """
@@ -44,23 +45,20 @@ from fusedpar.kernels._common import (
     tma_paths,
 )
 from fusedpar.kernels._tuning import Agreement, bucket
-from fusedpar.kernels.matmul_epilogue import (
-    epilogue,
-    gated_epilogue,
-    gated_grad_epilogue,
-    output_target,
-)
+from fusedpar.kernels.matmul_epilogue import epilogue, gated_epilogue, output_target
 from fusedpar.kernels.matmul_plan import (
     MAX_PLANS,
     PLANS,
     GatedGrad,
+    GatedProduct,
     Plan,
     RowRotation,
     check_gated,
-    check_gated_grad,
+    check_gated_epilogue,
     check_operands,
     check_rope,
     check_rope_rows,
+    gated_tensors,
     signature,
 )
 from fusedpar.kernels.matmul_torch import cublas_computes, matmul_torch
@@ -98,10 +96,13 @@ _WIDEST_HEAD_ROTATED = {(128, 256, 3, 8): 64}
 # 128x128 with 8 warps stays at 255 registers with its epilogue taken column half by
 # column half (whole, 64 B spilled).
 _SPILL_WHEN_GATED = _SPILL_WHEN_ACCUMULATING
-# A gated gradient (`gated_grad_epilogue`) loads the saved gate and up beside dh: the
-# same three tiles spill 192-600 B (silu, gelu_tanh; TMA or pointers); 128x128 with 8
-# warps holds it in 174-182 registers.
+# A gated gradient ("backward") loads the saved gate and up beside dh: the same three
+# tiles spill 192-600 B (silu, gelu_tanh; TMA or pointers); 128x128 with 8 warps holds
+# it in 173-212 registers. The product ("product") loads the gate beside up: every tile
+# holds it fed from TMA (128x256: 240-254 registers), while through pointers the same
+# three spill 16 B.
 _SPILL_WHEN_GATED_GRAD = _SPILL_WHEN_ACCUMULATING
+_SPILL_WHEN_PRODUCT = {True: set(), False: _SPILL_WHEN_ACCUMULATING}  # by TMA
 # fp32 runs as FMA loops at full precision (PyTorch's default) and through TF32 wgmma
 # otherwise; these tiles serve both. 128x256 and 128x128x4 in fp32 need 256-288 KB of
 # shared memory (over an H100's 227 KB), and 128x128 with 4 warps as FMA spills over
@@ -110,11 +111,12 @@ _TILES_FP32 = [(128, 64, 3, 8), (64, 64, 3, 8), (64, 64, 4, 4), (32, 32, 3, 4)]
 
 
 def matmul_configs(dtype: torch.dtype, accumulate: bool, head_dim: int = 0,
-                   gated: str = "") -> list[triton.Config]:  # fmt: skip
+                   gated: str = "", tma: bool = True) -> list[triton.Config]:  # fmt: skip
     """Tiles the tuner tries on a GPU for A's dtype, whether C is added into, the heads a
     rotating epilogue turns (`head_dim`: the tiles whose columns hold whole heads, 0: no
     rotation), and a gated epilogue (`gated`: "forward", a gated GEMM's two
-    accumulators; "backward", a gated gradient's), pruned for small problems by
+    accumulators; "product", the up GEMM writing the product, whose tiles depend on the
+    schedule, `tma`; "backward", a gated gradient's), pruned for small problems by
     `_prune_configs`.
 
     Large tiles with 8 warps feed Hopper's wgmma; the small ones serve thin TP shards and
@@ -130,7 +132,8 @@ def matmul_configs(dtype: torch.dtype, accumulate: bool, head_dim: int = 0,
         tiles = [t for t in tiles if t[1] % head_dim == 0 and t not in _SPILL_WHEN_ROTATING
                  and head_dim <= _WIDEST_HEAD_ROTATED.get(t, head_dim)]  # fmt: skip
     if gated:
-        spill = _SPILL_WHEN_GATED if gated == "forward" else _SPILL_WHEN_GATED_GRAD
+        spill = {"forward": _SPILL_WHEN_GATED, "product": _SPILL_WHEN_PRODUCT[tma],
+                 "backward": _SPILL_WHEN_GATED_GRAD}[gated]  # fmt: skip
         tiles = [t for t in tiles if t not in spill]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": BLOCK_K}, num_stages=s, num_warps=w)
@@ -198,7 +201,7 @@ def _load_operand(desc, start_r, start_c, TRANSPOSED: tl.constexpr):
 @triton.jit
 def _matmul_kernel(
     # pointers (b2, bias2: a gated GEMM's up weight and bias; c2, h: its up and product,
-    # or a gated gradient's dup and product; g, u: that gradient's saved gate and up)
+    # or a gated gradient's dup and product; g, u: the stored gate and up it reads)
     a_ptr, b_ptr, c_ptr, bias_ptr, cos_ptr, sin_ptr, b2_ptr, bias2_ptr, c2_ptr, h_ptr, g_ptr,
     u_ptr,
     # strides
@@ -231,14 +234,11 @@ def _matmul_kernel(
     and their K loops flattened into one pipelined loop (the Triton tutorial 09's
     schedule). Otherwise one tile per program through pointers advanced each K step.
     C_TMA: C is written (and read back when adding) through a descriptor. ROPE_HALF > 0:
-    C's heads of 2 * ROPE_HALF columns are rotated in the epilogue. GATED "forward" (a
-    gated GEMM, pointer schedule only): a second B (b2, the up weight, B's strides)
-    against the same A tiles into a second accumulator, and `gated_epilogue` writes gate,
-    up and act(gate) * up (C, c2 and h, C's strides). GATED "backward": the product is
-    dh, and `gated_grad_epilogue` writes dgate, dup and (STORE_H) h from it and the saved
-    gate and up (g, u). ACTIVATION: theirs."""
+    C's heads of 2 * ROPE_HALF columns are rotated in the epilogue. GATED (with its
+    ACTIVATION): `gated_epilogue`'s mode. "forward" (a gated GEMM, pointer schedule
+    only) multiplies a second B (b2, the up weight, B's strides) against the same A tiles
+    into a second accumulator; "product" and "backward" have one."""
     FORWARD: tl.constexpr = GATED == "forward"
-    BACKWARD: tl.constexpr = GATED == "backward"
     tl.static_assert(not (TMA and FORWARD), "a gated GEMM reads through pointers (see _plan)")
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -264,11 +264,11 @@ def _matmul_kernel(
                 a = _load_operand(a_desc, start_m, ki * BLOCK_K, A_T)
                 b = _load_operand(b_desc, ki * BLOCK_K, start_n, B_T)
                 acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-            if BACKWARD:
-                gated_grad_epilogue(acc, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, g_ptr,
-                                    u_ptr, start_m, start_n, M, N, stride_cm, stride_cn,
-                                    stride_gm, stride_gn, ACTIVATION, STORE_H, C_TMA, BLOCK_M,
-                                    BLOCK_N)  # fmt: skip
+            if GATED != "":
+                gated_epilogue(acc, acc, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, g_ptr,
+                               u_ptr, bias_ptr, bias_ptr, start_m, start_n, M, N, stride_cm,
+                               stride_cn, stride_gm, stride_gn, stride_bias, GATED, ACTIVATION,
+                               HAS_BIAS, STORE_H, C_TMA, BLOCK_M, BLOCK_N)  # fmt: skip
             else:
                 epilogue(acc, c_ptr, c_desc, bias_ptr, cos_ptr, sin_ptr, start_m, start_n, M,
                          N, stride_cm, stride_cn, stride_bias, stride_cos, stride_sin,
@@ -289,6 +289,7 @@ def _matmul_kernel(
         b_offsets = offs_k[:, None] * stride_bk + cols_b[None, :] * stride_bn
         b_ptrs = b_ptr + b_offsets
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc2 = acc  # (a second accumulator for "forward" only)
         if FORWARD:
             b2_ptrs = b2_ptr + b_offsets
             acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -311,15 +312,11 @@ def _matmul_kernel(
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
         start_m, start_n = pid_m * BLOCK_M, pid_n * BLOCK_N
-        if FORWARD:
-            gated_epilogue(acc, acc2, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, bias_ptr,
-                           bias2_ptr, start_m, start_n, M, N, stride_cm, stride_cn,
-                           stride_bias, ACTIVATION, HAS_BIAS, C_TMA, BLOCK_M, BLOCK_N)  # fmt: skip
-        elif BACKWARD:
-            gated_grad_epilogue(acc, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, g_ptr, u_ptr,
-                                start_m, start_n, M, N, stride_cm, stride_cn, stride_gm,
-                                stride_gn, ACTIVATION, STORE_H, C_TMA, BLOCK_M,
-                                BLOCK_N)  # fmt: skip
+        if GATED != "":
+            gated_epilogue(acc, acc2, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, g_ptr, u_ptr,
+                           bias_ptr, bias2_ptr, start_m, start_n, M, N, stride_cm, stride_cn,
+                           stride_gm, stride_gn, stride_bias, GATED, ACTIVATION, HAS_BIAS,
+                           STORE_H, C_TMA, BLOCK_M, BLOCK_N)  # fmt: skip
         else:
             epilogue(acc, c_ptr, c_desc, bias_ptr, cos_ptr, sin_ptr, start_m, start_n, M, N,
                      stride_cm, stride_cn, stride_bias, stride_cos, stride_sin, rope_first_row,
@@ -328,68 +325,72 @@ def _matmul_kernel(
 
 
 def _candidates(M: int, N: int, interpreted: bool, dtype, accumulate, head_dim: int = 0,
-                gated: str = "") -> list[triton.Config]:  # fmt: skip
+                gated: str = "", tma: bool = True) -> list[triton.Config]:  # fmt: skip
     """The tiles to try; with `head_dim` (a rotating epilogue), those holding whole heads;
     `gated`: those with room for its epilogue (`matmul_configs`)."""
     if interpreted:
         block_m, block_n = _interpreter_block(M), max(_interpreter_block(N), head_dim)
         return [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": BLOCK_K})]
-    return _prune_configs(matmul_configs(dtype, accumulate, head_dim, gated), M, N)
+    return _prune_configs(matmul_configs(dtype, accumulate, head_dim, gated, tma), M, N)
 
 
 def _interpreter_block(size: int) -> int:
     return min(INTERPRETER_MAX_BLOCK, max(16, next_power_of_2(size)))
 
 
-def _plan(a, b, bias, out, accumulate, out_dtype, tune_only, rope, gated=None,
-          grad: GatedGrad | None = None) -> Plan:  # fmt: skip
+def _plan(a, b, bias, out, accumulate, out_dtype, tune_only, rope, second=None,
+          gated: GatedProduct | GatedGrad | None = None) -> Plan:  # fmt: skip
     """The call's plan, checked and made on the first call of its signature. Raises
-    ValueError/TypeError naming the sizes for operands the kernel cannot take. `gated`:
-    (b2, bias2, activation) of `gated_matmul`; `grad`: a gated gradient's epilogue."""
-    key_of_call = signature(a, b, bias, out, accumulate, out_dtype, tune_only, rope, gated, grad)
+    ValueError/TypeError naming the sizes for operands the kernel cannot take. `second`:
+    (b2, bias2, activation) of `gated_matmul`; `gated`: a gated epilogue's tensors."""
+    key_of_call = signature(a, b, bias, out, accumulate, out_dtype, tune_only, rope, second,
+                            gated)  # fmt: skip
     plan = PLANS.get(key_of_call)
     if plan is not None:
         return plan
     check_operands(a, b, bias, out, accumulate and not tune_only, out_dtype)
     if rope is not None:
         check_rope(a, b, rope, accumulate, rope_epilogue_fits)
+    if second is not None:
+        check_gated(b, bias, *second)
     if gated is not None:
-        check_gated(b, bias, *gated)
-    if grad is not None:
-        check_gated_grad(a, b, out, bias, accumulate, grad)
+        check_gated_epilogue(a, b, out, bias, accumulate, gated)
     tables = () if rope is None else (rope.cos, rope.sin)
-    up = () if gated is None else gated[:2]
-    grad_tensors = () if grad is None else grad[:4]
-    check_launchable(_matmul_kernel, *(t for t in (a, b, bias, out, *tables, *up, *grad_tensors)
+    up = () if second is None else second[:2]
+    gated_parts = () if gated is None else gated_tensors(gated)
+    check_launchable(_matmul_kernel, *(t for t in (a, b, bias, out, *tables, *up, *gated_parts)
                                        if t is not None))  # fmt: skip
     (M, K), N = a.shape, b.shape[1]
     c_dtype = out.dtype if out is not None else out_dtype or a.dtype
-    # tuning writes a scratch C of its own; a gated gradient's, the C its outputs stride as
-    out = None if tune_only and grad is None else out
+    # tuning writes a scratch C of its own; a gated epilogue's, the C its outputs stride as
+    out = None if tune_only and gated is None else out
     precision = fp32_dot_precision() if a.dtype == torch.float32 else "tf32"
     head_dim = 0 if rope is None else 2 * rope.cos.shape[1]
-    mode = "forward" if gated is not None else "backward" if grad is not None else ""
-    activation = gated[2] if gated is not None else grad.activation if grad is not None else ""
-    store_h = gated is not None or (grad is not None and grad.hidden is not None)
+    mode, activation, store_h = "", "", second is not None
+    if second is not None:
+        mode, activation = "forward", second[2]
+    elif gated is not None:
+        mode = "backward" if isinstance(gated, GatedGrad) else "product"
+        activation, store_h = gated.activation, gated_parts[3] is not None
     key = (bucket(M), N, K, str(a.dtype), str(c_dtype), bias is not None and str(bias.dtype),
            accumulate, precision, head_dim, mode, activation, store_h)  # fmt: skip
     # a new C is (M, N) row-major (the descriptor takes C row-major)
     c_strides = out.stride() if out is not None else (N, 1)
     c_probe = out if out is not None else torch.empty((min(M, 1), N), dtype=c_dtype,
                                                       device=a.device)  # fmt: skip
-    # a gated gradient's outputs go through descriptors too (theirs are C's strides)
-    outputs = (c_probe, *(t for t in grad_tensors[2:] if t is not None))
+    # a gated epilogue's outputs go through descriptors too (theirs are C's strides)
+    outputs = (c_probe, *(t for t in gated_parts[2:] if t is not None))
     tma, c_tma = tma_paths((a, b, *up[:1]), outputs if c_strides[1] == 1 else ())
     # Two accumulators fed from TMA: ptxas serialized the wgmma (C7515, a wait after each
     # of the 8 HGMMA an iteration, every gated tile); fed through pointers, it does not.
-    tma = tma and gated is None
+    tma = tma and second is None
     meta = dict(HAS_BIAS=bias is not None, ACCUMULATE=accumulate, INPUT_PRECISION=precision,
                 EVEN_K=K % BLOCK_K == 0, TMA=tma, A_T=tma and a.stride(1) != 1,
                 B_T=tma and b.stride(1) != 1, C_TMA=c_tma, GROUP_M=GROUP_M,
                 ROPE_HALF=head_dim // 2, GATED=mode, ACTIVATION=activation,
                 STORE_H=store_h)  # fmt: skip
     table_strides = (0, 0) if rope is None else (rope.cos.stride(0), rope.sin.stride(0))
-    saved_strides = (0, 0) if grad is None else grad.gate.stride()
+    saved_strides = (0, 0) if gated is None else gated.gate.stride()
     scalars = (*a.stride(), *b.stride(), *c_strides, bias.stride(0) if bias is not None else 0,
                *table_strides, *saved_strides, M, N, K,
                1 if rope is None else rope.rows_per_position)  # fmt: skip
@@ -409,22 +410,22 @@ def matmul(
     accumulate: bool = False,
     out_dtype: torch.dtype | None = None,
     rope: RowRotation | None = None,
-    gated_grad: GatedGrad | None = None,
+    gated: GatedProduct | GatedGrad | None = None,
     agreement: Agreement | None = None,
     tune_only: bool = False,
 ) -> torch.Tensor | None:
     """``C = A @ B (+ bias)``, or ``C += A @ B (+ bias)`` with ``accumulate=True``; with
     `rope`, C's heads rotated at their rows' positions before C is rounded
-    (`RowRotation`; not with ``accumulate``); with `gated_grad`, A @ B is a gated MLP's
-    dh and C its dgate (`GatedGrad`; `fusedpar.kernels.matmul_gated.gated_grad_matmul`
-    allocates its outputs).
+    (`RowRotation`; not with ``accumulate``); with `gated`, C is a gated MLP's up and the
+    product is written beside it (`GatedProduct`), or A @ B is its dh and C its dgate
+    (`GatedGrad`; `fusedpar.kernels.matmul_gated` allocates their outputs).
 
     a (M, K), b (K, N), bias (N,), out (M, N): any strides, no copies. ``out`` defaults to
     a new tensor of ``out_dtype`` (A's dtype unless given: A's or float32). Returns C.
 
     The tile is tuned per (M bucket, N, K, dtypes, flags); `agreement` makes the ranks
     of a group pick the same one, and ``tune_only`` only makes the pick (on scratch
-    buffers, nothing written, returns None; a gated gradient writes its given outputs,
+    buffers, nothing written, returns None; a gated epilogue writes its given outputs,
     which the call that follows writes again): the TP rings do so before their loops.
     """
     if _impl.runs_torch(a.device):
@@ -432,8 +433,8 @@ def matmul(
         if rope is not None:
             check_rope(a, b, rope, accumulate, rope_epilogue_fits)
             check_rope_rows(a.shape[0], rope)
-        if gated_grad is not None:
-            check_gated_grad(a, b, out, bias, accumulate, gated_grad)
+        if gated is not None:
+            check_gated_epilogue(a, b, out, bias, accumulate, gated)
         if tune_only:
             return None
         c_dtype = out.dtype if out is not None else out_dtype or a.dtype
@@ -442,9 +443,9 @@ def matmul(
             if out is None
             else out
         )
-        matmul_torch(a, b, bias, out, accumulate, rope, gated_grad)
+        matmul_torch(a, b, bias, out, accumulate, rope, gated)
         return out
-    plan = _plan(a, b, bias, out, accumulate, out_dtype, tune_only, rope, None, gated_grad)
+    plan = _plan(a, b, bias, out, accumulate, out_dtype, tune_only, rope, None, gated)
     M, N, key, meta = plan.M, plan.N, plan.key, plan.meta
     first_row = 0
     if rope is not None:
@@ -459,13 +460,13 @@ def matmul(
         and tuner.settled(key) is settled[0]
     ):
         out = torch.empty((M, N), dtype=plan.c_dtype, device=a.device) if out is None else out
-        args = _arguments(plan, a, b, bias, out, rope, first_row, grad=gated_grad)
+        args = _arguments(plan, a, b, bias, out, rope, first_row, gated=gated)
         _launch_settled(plan, args, *settled[1:])
         return out
     if tune_only:
         if M == 0 or N == 0 or tuner.has(key, agreement):
             return None
-        if gated_grad is None:
+        if gated is None:
             out = torch.zeros((M, N), dtype=plan.c_dtype, device=a.device)  # scratch
     elif out is None:
         out = torch.empty((M, N), dtype=plan.c_dtype, device=a.device)
@@ -473,11 +474,11 @@ def matmul(
         return out
     if meta["TMA"] or meta["C_TMA"]:
         ensure_tma_allocator(a.device)  # per thread: autograd's backward runs on its own
-    args = _arguments(plan, a, b, bias, out, rope, first_row, grad=gated_grad)
+    args = _arguments(plan, a, b, bias, out, rope, first_row, gated=gated)
 
     def launch(config):
         if isinstance(config, _impl.Torch):
-            matmul_torch(a, b, bias, out, accumulate, rope, gated_grad)
+            matmul_torch(a, b, bias, out, accumulate, rope, gated)
             return
         grid, kwargs = plan.launch_arguments(config)
         _matmul_kernel[grid](*args, **kwargs)
@@ -485,7 +486,7 @@ def matmul(
     def candidates():
         cublas = cublas_computes(a, bias, plan.c_dtype, accumulate, rope)
         tiles = _candidates(bucket(M), N, is_interpreted(_matmul_kernel), a.dtype, accumulate,
-                            meta["ROPE_HALF"] * 2, meta["GATED"])  # fmt: skip
+                            meta["ROPE_HALF"] * 2, meta["GATED"], meta["TMA"])  # fmt: skip
         return tiles + ([_impl.TORCH] if cublas and _impl.tunes_torch() else [])
 
     with device_guard(a):
@@ -497,18 +498,18 @@ def matmul(
     return None if tune_only else out
 
 
-def _arguments(plan: Plan, a, b, bias, out, rope, first_row, gated=(),
-               grad: GatedGrad | None = None) -> tuple:  # fmt: skip
-    """The kernel's positional arguments (a pointer not used: C's, never read). `gated`:
-    b2, bias2, c2, h of `gated_matmul`; `grad`: a gated gradient's tensors."""
+def _arguments(plan: Plan, a, b, bias, out, rope, first_row, second=(),
+               gated: GatedProduct | GatedGrad | None = None) -> tuple:  # fmt: skip
+    """The kernel's positional arguments (a pointer not used: C's, never read). `second`:
+    b2, bias2, c2, h of `gated_matmul`; `gated`: a gated epilogue's tensors."""
     cos, sin = (out, out) if rope is None else (rope.cos, rope.sin)
-    b2, bias2, c2, h = gated or (out,) * 4
+    b2, bias2, c2, h = second or (out,) * 4
     g = u = out
-    if grad is not None:
-        g, u, c2, h = grad.gate, grad.up, grad.up_grad, grad.hidden
+    if gated is not None:
+        g, u, c2, h = gated_tensors(gated)
     return (a, b, out, bias if bias is not None else out, cos, sin, b2,
-            bias2 if bias2 is not None else out, c2, out if h is None else h, g, u,
-            *plan.scalars, first_row)  # fmt: skip
+            out if bias2 is None else bias2, out if c2 is None else c2, out if h is None else h,
+            g, out if u is None else u, *plan.scalars, first_row)  # fmt: skip
 
 
 def _launch_settled(plan: Plan, args, grid, kwargs) -> None:

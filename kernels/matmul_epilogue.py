@@ -4,8 +4,9 @@ accumulator before C is written. Every one rounds once.
 | epilogue          | writes                                                          |
 | ----------------- | --------------------------------------------------------------- |
 | `epilogue`        | ``C = rope(acc (+ bias)) (+ C)``: bias, heads turned (RoPE), C added |
-| `gated_epilogue`  | gate, up (two accumulators, biases) and ``act(gate) * up``      |
-| `gated_grad_epilogue` | from dh and the saved gate, up: dgate, dup (and h again)    |
+| `gated_epilogue`  | a gated MLP's: gate, up (two accumulators) and ``act(gate) * up``; |
+|                   | up and the product (the gate read); or from dh and the saved gate |
+|                   | and up, dgate, dup (and the product again)                     |
 
 C goes through a TMA descriptor (`output_target`, two column halves: the staged tile is
 half as large) or through masked pointers.
@@ -95,109 +96,93 @@ def _store_tile(acc, c_ptr, c_desc, start_m, start_n, M, N, stride_cm, stride_cn
 
 
 @triton.jit
-def gated_epilogue(g, u, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, bias_ptr, bias2_ptr,
-                    start_m, start_n, M, N, stride_cm, stride_cn, stride_bias,
-                    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, C_TMA: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """gate = g (+ bias), up = u (+ bias2), each rounded to C's dtype as the two GEMMs
-    would store them, and ``h = act(gate) * up`` from those rounded values, as
-    `fusedpar.kernels.gated` computes it: the three tiles of a dense gated MLP's first
-    projection, with no pass of their own for h. Column half by column half, so only
-    half of each temporary is live beside the two accumulators (whole, 128x128 tiles
-    spilled 16-64 B with gelu_tanh or through pointers)."""
-    HALF: tl.constexpr = BLOCK_N // 2
-    g_left, g_right = tl.split(tl.permute(tl.reshape(g, (BLOCK_M, 2, HALF)), (0, 2, 1)))
-    u_left, u_right = tl.split(tl.permute(tl.reshape(u, (BLOCK_M, 2, HALF)), (0, 2, 1)))
-    _gated_half(g_left, u_left, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, bias_ptr,
-                bias2_ptr, start_m, start_n, M, N, stride_cm, stride_cn, stride_bias,
-                ACTIVATION, HAS_BIAS, C_TMA, BLOCK_M, HALF)  # fmt: skip
-    _gated_half(g_right, u_right, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, bias_ptr,
-                bias2_ptr, start_m, start_n + HALF, M, N, stride_cm, stride_cn, stride_bias,
-                ACTIVATION, HAS_BIAS, C_TMA, BLOCK_M, HALF)  # fmt: skip
+def gated_epilogue(acc, acc2, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, g_ptr, u_ptr,
+                   bias_ptr, bias2_ptr, start_m, start_n, M, N, stride_cm, stride_cn, stride_gm,
+                   stride_gn, stride_bias, GATED: tl.constexpr, ACTIVATION: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, C_TMA: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """A dense gated MLP's tiles, h = act(gate) * up, each rounded to C's dtype as a GEMM
+    would store it and computed from the rounded values, as `fusedpar.kernels.gated` does
+    (the module doc's table; g, u: the stored gate and up, C's dtype; c2, h: C's strides):
 
+    - "forward": acc (+ bias) is gate and acc2 (+ bias2) up: C, c2 and h written;
+    - "product": acc (+ bias) is up, the gate is read from g: C and h written;
+    - "backward": acc is dh, gate and up are read from g and u: ``dgate = dh * up *
+      act'(gate)`` into C, ``dup = dh * act(gate)`` into c2 and with STORE_H h again.
 
-@triton.jit
-def _gated_half(g, u, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, bias_ptr, bias2_ptr,
-                start_m, start_n, M, N, stride_cm, stride_cn, stride_bias,
-                ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, C_TMA: tl.constexpr,
-                BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):  # fmt: skip
-    """`gated_epilogue` of the WIDTH columns from start_n (a half of the tile)."""
-    offs_n = start_n + tl.arange(0, WIDTH)
-    if HAS_BIAS:
-        g += tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0).to(
-            tl.float32)[None, :]  # fmt: skip
-        u += tl.load(bias2_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0).to(
-            tl.float32)[None, :]  # fmt: skip
-    out_ty = c_ptr.dtype.element_ty
-    g = g.to(out_ty)
-    u = u.to(out_ty)
-    a, _ = _activation(g.to(tl.float32), ACTIVATION)
-    h = (a * u.to(tl.float32)).to(out_ty)
-    _store_halves(g, u, h, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, start_m, start_n, M,
-                  N, stride_cm, stride_cn, True, C_TMA, BLOCK_M, WIDTH)  # fmt: skip
-
-
-@triton.jit
-def gated_grad_epilogue(acc, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, g_ptr, u_ptr,
-                        start_m, start_n, M, N, stride_cm, stride_cn, stride_gm, stride_gn,
-                        ACTIVATION: tl.constexpr, STORE_H: tl.constexpr, C_TMA: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """acc is dh: rounded to C's dtype (as `matmul` would store it), then with the saved
-    gate and up tiles ``dgate = dh * up * act'(gate)`` (into C), ``dup = dh * act(gate)``
-    (c2) and with STORE_H ``h = act(gate) * up`` (h), as `fusedpar.kernels.gated`
-    computes them from a stored dh: a dense gated MLP's hidden gradient with no pass of
-    its own. Column half by column half, as `gated_epilogue`."""
+    Column half by column half, so only half of each temporary is live beside the
+    accumulators (whole, 128x128 tiles with two accumulators spilled 16-64 B)."""
     HALF: tl.constexpr = BLOCK_N // 2
     left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
-    _gated_grad_half(left, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, g_ptr, u_ptr, start_m,
-                     start_n, M, N, stride_cm, stride_cn, stride_gm, stride_gn, ACTIVATION,
-                     STORE_H, C_TMA, BLOCK_M, HALF)  # fmt: skip
-    _gated_grad_half(right, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, g_ptr, u_ptr,
-                     start_m, start_n + HALF, M, N, stride_cm, stride_cn, stride_gm, stride_gn,
-                     ACTIVATION, STORE_H, C_TMA, BLOCK_M, HALF)  # fmt: skip
+    left2, right2 = left, right  # (acc2 is read by "forward" only)
+    if GATED == "forward":
+        left2, right2 = tl.split(tl.permute(tl.reshape(acc2, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+    _gated_half(left, left2, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, g_ptr, u_ptr,
+                bias_ptr, bias2_ptr, start_m, start_n, M, N, stride_cm, stride_cn, stride_gm,
+                stride_gn, stride_bias, GATED, ACTIVATION, HAS_BIAS, STORE_H, C_TMA, BLOCK_M,
+                HALF)  # fmt: skip
+    _gated_half(right, right2, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, g_ptr, u_ptr,
+                bias_ptr, bias2_ptr, start_m, start_n + HALF, M, N, stride_cm, stride_cn,
+                stride_gm, stride_gn, stride_bias, GATED, ACTIVATION, HAS_BIAS, STORE_H, C_TMA,
+                BLOCK_M, HALF)  # fmt: skip
 
 
 @triton.jit
-def _gated_grad_half(dh, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, g_ptr, u_ptr, start_m,
-                     start_n, M, N, stride_cm, stride_cn, stride_gm, stride_gn,
-                     ACTIVATION: tl.constexpr, STORE_H: tl.constexpr, C_TMA: tl.constexpr,
-                     BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):  # fmt: skip
-    """`gated_grad_epilogue` of the WIDTH columns from start_n (a half of the tile)."""
+def _gated_half(x, x2, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, g_ptr, u_ptr, bias_ptr,
+                bias2_ptr, start_m, start_n, M, N, stride_cm, stride_cn, stride_gm, stride_gn,
+                stride_bias, GATED: tl.constexpr, ACTIVATION: tl.constexpr,
+                HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, C_TMA: tl.constexpr,
+                BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):  # fmt: skip
+    """`gated_epilogue` of the WIDTH columns from start_n (a half of the tile)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, WIDTH)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    at = offs_m[:, None].to(tl.int64) * stride_gm + offs_n[None, :].to(tl.int64) * stride_gn
-    g = tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    saved = offs_m[:, None].to(tl.int64) * stride_gm + offs_n[None, :].to(tl.int64) * stride_gn
     out_ty = c_ptr.dtype.element_ty
-    dh = dh.to(out_ty).to(tl.float32)
-    a, slope = _activation(g, ACTIVATION)
-    dup = (dh * a).to(out_ty)
-    dgate = (dh * u * slope).to(out_ty)
-    h = dup  # (not stored without STORE_H)
+    if GATED == "backward":
+        g = tl.load(g_ptr + saved, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + saved, mask=mask, other=0.0).to(tl.float32)
+        dh = x.to(out_ty).to(tl.float32)
+        a, slope = _activation(g, ACTIVATION)
+        _store_part((dh * u * slope).to(out_ty), c_ptr, c_desc, start_m, start_n, M, N,
+                    stride_cm, stride_cn, C_TMA, BLOCK_M, WIDTH)  # fmt: skip
+        _store_part((dh * a).to(out_ty), c2_ptr, c2_desc, start_m, start_n, M, N, stride_cm,
+                    stride_cn, C_TMA, BLOCK_M, WIDTH)  # fmt: skip
+    else:
+        if HAS_BIAS:
+            x += tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0).to(
+                tl.float32)[None, :]  # fmt: skip
+        if GATED == "forward":  # x: gate, x2: up
+            if HAS_BIAS:
+                x2 += tl.load(bias2_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0).to(
+                    tl.float32)[None, :]  # fmt: skip
+            g = x.to(out_ty)
+            u = x2.to(out_ty)
+            _store_part(g, c_ptr, c_desc, start_m, start_n, M, N, stride_cm, stride_cn, C_TMA,
+                        BLOCK_M, WIDTH)  # fmt: skip
+            _store_part(u, c2_ptr, c2_desc, start_m, start_n, M, N, stride_cm, stride_cn,
+                        C_TMA, BLOCK_M, WIDTH)  # fmt: skip
+        else:  # "product", x: up
+            u = x.to(out_ty)
+            _store_part(u, c_ptr, c_desc, start_m, start_n, M, N, stride_cm, stride_cn, C_TMA,
+                        BLOCK_M, WIDTH)  # fmt: skip
+            g = tl.load(g_ptr + saved, mask=mask, other=0.0)
+        a, _ = _activation(g.to(tl.float32), ACTIVATION)
+        u = u.to(tl.float32)
     if STORE_H:
-        h = (a * u).to(out_ty)
-    _store_halves(dgate, dup, h, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, start_m,
-                  start_n, M, N, stride_cm, stride_cn, STORE_H, C_TMA, BLOCK_M, WIDTH)  # fmt: skip
+        _store_part((a * u).to(out_ty), h_ptr, h_desc, start_m, start_n, M, N, stride_cm,
+                    stride_cn, C_TMA, BLOCK_M, WIDTH)  # fmt: skip
 
 
 @triton.jit
-def _store_halves(first, second, h, c_ptr, c_desc, c2_ptr, c2_desc, h_ptr, h_desc, start_m,
-                  start_n, M, N, stride_cm, stride_cn, STORE_H: tl.constexpr,
-                  C_TMA: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):  # fmt: skip
-    """Three (BLOCK_M, WIDTH) tiles of C's strides at (start_m, start_n): C, c2 and (with
-    STORE_H) h, through their descriptors or masked pointers."""
+def _store_part(x, ptr, desc, start_m, start_n, M, N, stride_m, stride_n, C_TMA: tl.constexpr,
+                BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):  # fmt: skip
+    """A (BLOCK_M, WIDTH) tile at (start_m, start_n) of an output of C's strides, through
+    its descriptor or masked pointers."""
     if C_TMA:
-        c_desc.store([start_m, start_n], first)
-        c2_desc.store([start_m, start_n], second)
-        if STORE_H:
-            h_desc.store([start_m, start_n], h)
+        desc.store([start_m, start_n], x)
     else:
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_n = start_n + tl.arange(0, WIDTH)
-        at = offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.store(c_ptr + at, first, mask=mask)
-        tl.store(c2_ptr + at, second, mask=mask)
-        if STORE_H:
-            tl.store(h_ptr + at, h, mask=mask)
+        at = offs_m[:, None].to(tl.int64) * stride_m + offs_n[None, :].to(tl.int64) * stride_n
+        tl.store(ptr + at, x, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))

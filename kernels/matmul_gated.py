@@ -3,14 +3,17 @@
 
 | launcher            | computes                                                            |
 | ------------------- | ------------------------------------------------------------------- |
-| `gated_matmul`      | ``gate = A Bg (+ bg)``, ``up = A Bu (+ bu)``, ``h = act(gate) * up`` |
+| `gated_up_matmul`   | ``up = A Bu (+ bu)``, ``h = act(gate) * up`` (gate: stored, read)     |
 | `gated_grad_matmul` | ``dh = dY Wd``; ``dgate = dh * up * act'(gate)``, ``dup = dh * act(gate)`` |
 |                     | (and h again, for the down weight's gradient)                       |
+| `gated_matmul`      | ``gate = A Bg (+ bg)``, ``up = A Bu (+ bu)``, ``h = act(gate) * up`` |
 
 Each writes what the unfused launches would (`matmul`, then `fusedpar.kernels.gated`),
-the same bits in the interpreter, with no elementwise pass of its own. `gated_matmul`
-reads through pointers (fed from TMA, ptxas serialized its two accumulators' wgmma);
-`gated_grad_matmul` keeps the GEMM's K loop, TMA included, and grows only its epilogue.
+the same bits in the interpreter, with no elementwise pass of its own. The first two
+keep the GEMM's K loop, TMA included, and grow only its epilogue (`matmul`'s ``gated=``:
+`GatedProduct`, `GatedGrad`); the layers take them. `gated_matmul` feeds two
+accumulators from each A tile and reads through pointers (fed from TMA, ptxas
+serialized their wgmma); no layer takes it.
 """
 
 import torch
@@ -19,7 +22,7 @@ from fusedpar.kernels._common import device_guard, ensure_tma_allocator, is_inte
 from fusedpar.kernels._tuning import bucket
 from fusedpar.kernels.gated import ACTIVATIONS
 from fusedpar.kernels.matmul import _arguments, _candidates, _matmul_kernel, _plan, matmul
-from fusedpar.kernels.matmul_plan import GatedGrad, check_gated, check_operands
+from fusedpar.kernels.matmul_plan import GatedGrad, GatedProduct, check_gated, check_operands
 from fusedpar.kernels.matmul_torch import cublas_computes, gated_matmul_torch
 
 
@@ -65,6 +68,24 @@ def gated_matmul(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor, *,
     return gate, up, h
 
 
+def gated_up_matmul(a: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, *,
+                    bias: torch.Tensor | None = None,
+                    activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(up, h) (M, N) in A's dtype: ``up = A @ B (+ bias)`` rounded once, and ``h =
+    act(gate) * up`` from it and the gate projection's stored output `gate` (M, N), in one
+    launch: what `matmul` then `fusedpar.kernels.gated.gated` return, with no pass of its
+    own for h. The K loop is `matmul`'s (TMA included); only its epilogue reads the gate.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"gated_up_matmul: activation must be one of {ACTIVATIONS}, got "
+                         f"{activation!r}")  # fmt: skip
+    M = a.shape[0] if a.dim() == 2 else 0
+    N = b.shape[1] if b.dim() == 2 else 0
+    up, h = (torch.empty((M, N), dtype=a.dtype, device=a.device) for _ in range(2))
+    matmul(a, b, bias=bias, out=up, gated=GatedProduct(gate, h, activation))
+    return up, h
+
+
 def gated_grad_matmul(
     dy: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *,
     activation: str = "silu", hidden: bool = False,
@@ -87,5 +108,5 @@ def gated_grad_matmul(
     buffer = torch.empty((M, (3 if hidden else 2) * N), dtype=dy.dtype, device=dy.device)
     grads, h = buffer[:, : 2 * N], buffer[:, 2 * N :] if hidden else None
     grad = GatedGrad(gate, up, buffer[:, N : 2 * N], h, activation)
-    matmul(dy, w_down, out=buffer[:, :N], gated_grad=grad)
+    matmul(dy, w_down, out=buffer[:, :N], gated=grad)
     return grads, h

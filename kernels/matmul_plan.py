@@ -2,7 +2,8 @@
 epilogue's, a gated GEMM's and a gated gradient's), worked out on the first call of a
 signature (shapes, strides, dtypes, alignment, flags) with the launch parameters and
 looked up by later calls (host time a GEMM call, launch stubbed: 24 -> 10 -> 8 µs); and
-what the epilogues are given: `RowRotation` (RoPE) and `GatedGrad`."""
+what the epilogues are given: `RowRotation` (RoPE), `GatedProduct` and `GatedGrad` (a
+gated MLP's activation and its gradient)."""
 
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -25,6 +26,18 @@ class RowRotation(NamedTuple):
     sin: torch.Tensor
     rows_per_position: int = 1
     first_row: int = 0
+
+
+class GatedProduct(NamedTuple):
+    """What `matmul` needs to end a dense gated MLP's up projection with its activation:
+    C = A @ B (+ bias) is up, rounded to C's dtype, and the epilogue also writes ``hidden
+    = act(gate) * up`` from it and the gate projection's stored output (M, N), as
+    `fusedpar.kernels.gated.gated` computes it: the product with no pass of its own.
+    hidden has C's strides."""
+
+    gate: torch.Tensor
+    hidden: torch.Tensor
+    activation: str
 
 
 class GatedGrad(NamedTuple):
@@ -115,29 +128,42 @@ def check_gated(b, bias, b2, bias2, activation) -> None:
                          f"{bias2.dtype}")  # fmt: skip
 
 
-def check_gated_grad(a, b, out, bias, accumulate, grad: GatedGrad) -> None:
-    """ValueError/TypeError for a gated gradient the epilogue cannot write."""
-    if grad.activation not in ACTIVATIONS:
-        raise ValueError(f"gated_grad: activation must be one of {ACTIVATIONS}, got "
-                         f"{grad.activation!r}")  # fmt: skip
-    if out is None or bias is not None or accumulate:
-        raise ValueError("gated_grad: C (dgate) is given as `out`, with no bias, not added into")
+def gated_tensors(gated: GatedProduct | GatedGrad) -> tuple:
+    """(gate, up, c2, hidden) as the kernel reads and writes them: the saved gate and up,
+    the second output (dup) and the product; None where the epilogue has none."""
+    if isinstance(gated, GatedGrad):
+        return gated.gate, gated.up, gated.up_grad, gated.hidden
+    return gated.gate, None, None, gated.hidden
+
+
+def check_gated_epilogue(a, b, out, bias, accumulate, gated) -> None:
+    """ValueError/TypeError for a `GatedProduct` or `GatedGrad` the epilogue cannot
+    write."""
+    what = type(gated).__name__
+    grad = isinstance(gated, GatedGrad)
+    if gated.activation not in ACTIVATIONS:
+        raise ValueError(f"{what}: activation must be one of {ACTIVATIONS}, got "
+                         f"{gated.activation!r}")  # fmt: skip
+    if out is None or accumulate or (grad and bias is not None):
+        raise ValueError(f"{what}: C is given as `out`, not added into"
+                         + (", with no bias" if grad else ""))  # fmt: skip
+    gate, up, second, hidden = gated_tensors(gated)
+    saved = [t for t in (gate, up) if t is not None]
+    outputs = [t for t in (second, hidden) if t is not None]
     shape = (a.shape[0], b.shape[1])
-    if grad.gate.shape != shape or grad.up.shape != shape:
-        raise ValueError(f"gated_grad: gate and up must be (M, N) = {shape}, got "
-                         f"{tuple(grad.gate.shape)} and {tuple(grad.up.shape)}")  # fmt: skip
-    if grad.up.stride() != grad.gate.stride():
-        raise ValueError(f"gated_grad: gate and up must share strides, got "
-                         f"{grad.gate.stride()} and {grad.up.stride()}")  # fmt: skip
-    outputs = [grad.up_grad] + ([] if grad.hidden is None else [grad.hidden])
+    if any(t.shape != shape for t in saved):
+        raise ValueError(f"{what}: gate and up must be (M, N) = {shape}, got "
+                         f"{[tuple(t.shape) for t in saved]}")  # fmt: skip
+    if any(t.stride() != gate.stride() for t in saved):
+        raise ValueError(f"{what}: gate and up must share strides, got "
+                         f"{[t.stride() for t in saved]}")  # fmt: skip
     for t in outputs:
         if t.shape != shape or t.stride() != out.stride():
-            raise ValueError(f"gated_grad: up_grad and hidden must be (M, N) = {shape} with "
-                             f"C's strides {out.stride()}, got {tuple(t.shape)} "
-                             f"{t.stride()}")  # fmt: skip
-    for t in (grad.gate, grad.up, out, *outputs):
+            raise ValueError(f"{what}: its outputs must be (M, N) = {shape} with C's strides "
+                             f"{out.stride()}, got {tuple(t.shape)} {t.stride()}")  # fmt: skip
+    for t in (*saved, out, *outputs):
         if t.dtype != a.dtype or t.device != a.device:
-            raise TypeError(f"gated_grad: gate, up and the gradients must be A's {a.dtype} on "
+            raise TypeError(f"{what}: the saved and written tensors must be A's {a.dtype} on "
                             f"{a.device}, got {t.dtype} on {t.device}")  # fmt: skip
 
 
@@ -179,7 +205,7 @@ PLANS: dict[tuple, Plan] = {}
 MAX_PLANS = 4096  # a property test's many shapes: start over rather than grow
 
 
-def signature(a, b, bias, out, accumulate, out_dtype, tune_only, rope, gated, grad) -> tuple:
+def signature(a, b, bias, out, accumulate, out_dtype, tune_only, rope, second, gated) -> tuple:
     # alignment decides TMA; the fp32 precision decides the dot's; a rotation's first row
     # is an argument of each launch
     return (
@@ -192,16 +218,12 @@ def signature(a, b, bias, out, accumulate, out_dtype, tune_only, rope, gated, gr
         rope is not None and (rope.cos.shape, rope.cos.stride(), rope.sin.shape,
                               rope.sin.stride(), rope.cos.dtype, rope.sin.dtype,
                               rope.cos.device, rope.sin.device, rope.rows_per_position),
-        gated is not None and (gated[0].shape, gated[0].stride(), gated[0].dtype,
-                               gated[0].device, gated[0].data_ptr() % 16,
-                               gated[1] is not None and (gated[1].shape, gated[1].stride(),
-                                                         gated[1].dtype), gated[2]),
-        grad is not None and (grad.gate.shape, grad.gate.stride(), grad.gate.dtype,
-                              grad.gate.device, grad.up.shape, grad.up.stride(), grad.up.dtype,
-                              grad.up.device, grad.up_grad.shape,
-                              grad.up_grad.stride(), grad.up_grad.dtype, grad.up_grad.device,
-                              grad.up_grad.data_ptr() % 16, grad.hidden is not None
-                              and (grad.hidden.shape, grad.hidden.stride(), grad.hidden.dtype,
-                                   grad.hidden.device, grad.hidden.data_ptr() % 16),
-                              grad.activation),
+        second is not None and (second[0].shape, second[0].stride(), second[0].dtype,
+                                second[0].device, second[0].data_ptr() % 16,
+                                second[1] is not None and (second[1].shape, second[1].stride(),
+                                                           second[1].dtype), second[2]),
+        gated is not None and (type(gated), gated.activation,
+                               *(t is not None and (t.shape, t.stride(), t.dtype, t.device,
+                                                    t.data_ptr() % 16)
+                                 for t in gated_tensors(gated))),
     )  # fmt: skip

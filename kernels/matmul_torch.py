@@ -5,6 +5,7 @@ the kernel to."""
 
 import torch
 from fusedpar.kernels.gated import gated_torch
+from fusedpar.kernels.matmul_plan import GatedGrad
 from fusedpar.kernels.rope import rope_torch
 
 
@@ -35,17 +36,21 @@ def _reduced_precision_sums(dtype: torch.dtype) -> bool:
     return bool(flags.allow_fp16_reduced_precision_reduction) or fp16_accumulation
 
 
-def matmul_torch(a, b, bias, out, accumulate, rope=None, gated_grad=None) -> None:
+def matmul_torch(a, b, bias, out, accumulate, rope=None, gated=None) -> None:
     """`matmul`'s contract in torch, into `out`. On CUDA, one cuBLAS call where that is
     the contract (`_cublas_computes`); elsewhere 16-bit operands are widened to fp32
     (their products are exact there) and summed in fp32, the bias, the rotation and an
-    added C in fp32 too, and the result rounded once into `out`. A gated gradient: dh so,
-    then the gated activation's backward from it (`fusedpar.kernels.gated`)."""
-    if gated_grad is not None:
+    added C in fp32 too, and the result rounded once into `out`. A gated epilogue: C (up)
+    or dh so, then the gated activation or its backward from it (`fusedpar.kernels.gated`)."""
+    if isinstance(gated, GatedGrad):
         dh = torch.empty_like(out)
         matmul_torch(a, b, bias, dh, accumulate)
-        gate, up, up_grad, hidden, activation = gated_grad
+        gate, up, up_grad, hidden, activation = gated
         gated_torch(activation, gate, up, dh, hidden, out, up_grad)
+        return
+    if gated is not None:  # GatedProduct: C is up
+        matmul_torch(a, b, bias, out, accumulate)
+        gated_torch(gated.activation, gated.gate, out, None, gated.hidden, None, None)
         return
     if a.device.type == "cuda" and cublas_computes(a, bias, out.dtype, accumulate, rope):
         if bias is None:

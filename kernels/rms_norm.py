@@ -9,7 +9,10 @@ RMSNorm; 1: Gemma's, whose weight starts at zero).
 | `rms_norm_backward`    | ``dx = rstd * (g - x * rstd^2 * mean(g * x))``, ``g = dy * w'``; |
 |                        | ``dweight = sum_rows dy * x * rstd``                            |
 
-The backward needs x and rstd only (one fp32 per row), not the normalized rows. The
+The backward needs x and rstd only (one fp32 per row), not the normalized rows, and eps:
+with D = 1 the bracket is ``g * (1 - xhat^2) = g * eps * rstd^2``, which the general form
+would reach by cancelling ``1 - xhat^2`` in fp32 (up to ~50 ulps of dx where x^2 >> eps;
+PyTorch's autograd cancels alike, and CI's random draws caught ours at 3.7x its error). The
 weight's gradient is summed without atomics: each backward program adds its rows'
 contributions in fp32 into its own row of a (programs, D) buffer, and the launcher sums
 that buffer's rows in a fixed order: two runs give the same bits. On CUDA under
@@ -91,12 +94,13 @@ def _rms_norm_bwd_kernel(
     # strides
     stride_dym, stride_dyd, stride_xm, stride_xd, stride_dxm, stride_dxd,
     # sizes and scalars
-    M, D, offset, rows_per_program,
+    M, D, eps, offset, rows_per_program,
     # meta-parameters
     BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """dx for rows [pid * rows_per_program, ...) (rows_per_program a multiple of
     BLOCK_ROWS), and that range's sum of dy * x * rstd into row pid of dw_partial (D)."""
+    one_feature = D == 1  # the bracket is g * eps * rstd^2 (the module doc)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < D
@@ -117,7 +121,8 @@ def _rms_norm_bwd_kernel(
         xhat = x * rstd[:, None]
         g = dy * w[None, :]
         c = tl.sum(g * xhat, 1) / D
-        dx = (g - xhat * c[:, None]) * rstd[:, None]
+        bracket = tl.where(one_feature, g * (eps * rstd * rstd)[:, None], g - xhat * c[:, None])
+        dx = bracket * rstd[:, None]
         tl.store(dx_ptr + rows64[:, None] * stride_dxm + cols[None, :] * stride_dxd,
                  dx.to(dx_ptr.dtype.element_ty), mask=mask)  # fmt: skip
         dw += tl.sum(dy * xhat, 0)
@@ -179,10 +184,12 @@ def backward_programs(M: int, block_rows: int, device: torch.device, interpreted
     return max(1, min(most, _common.cdiv(M, block_rows)))
 
 
-def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, need_x=True, need_weight=True):
-    """``(dx, dweight)`` of `rms_norm` from dy (x's shape), x, weight and the forward's
-    rstd: dx in x's dtype, dweight (D,) in weight's (None where not asked for). The
-    weight's gradient sums per-program fp32 partial rows in a fixed order (no atomics)."""
+def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, eps: float, need_x=True,
+                      need_weight=True):  # fmt: skip
+    """``(dx, dweight)`` of `rms_norm` from dy (x's shape), x, weight, the forward's rstd
+    and its eps: dx in x's dtype, dweight (D,) in weight's (None where not asked for).
+    The weight's gradient sums per-program fp32 partial rows in a fixed order (no
+    atomics)."""
     D = _check(x, weight)
     x2d, dy2d = _rows("x", x, D), _rows("dy", dy, D)
     M = x2d.shape[0]
@@ -194,7 +201,7 @@ def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, need_x=True, 
     rstd = rstd.reshape(M)
     dx = torch.empty((M, D), dtype=x.dtype, device=x.device)
     if _impl.runs_torch(x.device):
-        dw = rms_norm_backward_torch(dy2d, x2d, weight, rstd, offset, dx)
+        dw = rms_norm_backward_torch(dy2d, x2d, weight, rstd, eps, offset, dx)
     else:
         check_launchable(_rms_norm_bwd_kernel, dy, x, weight, rstd)
         interpreted = is_interpreted(_rms_norm_bwd_kernel)
@@ -206,11 +213,11 @@ def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, need_x=True, 
 
         def torch_run():  # its weight gradient as the first partial row, the others 0
             partial.zero_()
-            partial[0] = rms_norm_backward_torch(dy2d, x2d, weight, rstd, offset, dx)
+            partial[0] = rms_norm_backward_torch(dy2d, x2d, weight, rstd, eps, offset, dx)
 
         if M:
             args = (dy2d, x2d, weight, rstd, dx, partial, *dy2d.stride(), *x2d.stride(),
-                    *dx.stride(), M, D, float(offset), per_program)  # fmt: skip
+                    *dx.stride(), M, D, float(eps), float(offset), per_program)  # fmt: skip
             key = (bucket(M), D, str(x.dtype), str(weight.dtype), str(dy.dtype))
             _tuning.run_tile_or_torch(_rms_norm_bwd_kernel, config, lambda _: (programs,), args,
                                       {}, key, x, torch_run)  # fmt: skip
@@ -229,13 +236,16 @@ def rms_norm_torch(x2d, weight, eps, offset, y, rstd) -> None:
     y.copy_(xf * rstd[:, None] * (weight.float() + offset))
 
 
-def rms_norm_backward_torch(dy2d, x2d, weight, rstd, offset, dx):
+def rms_norm_backward_torch(dy2d, x2d, weight, rstd, eps, offset, dx):
     """`rms_norm_backward`'s contract in PyTorch: dx into `dx`; returns dweight in fp32."""
     xhat = x2d.float() * rstd[:, None]
     dyf = dy2d.float()
     g = dyf * (weight.float() + offset)
-    c = (g * xhat).mean(-1, keepdim=True)
-    dx.copy_((g - xhat * c) * rstd[:, None])
+    if x2d.shape[1] == 1:  # the bracket without cancelling (the module doc)
+        bracket = g * (eps * rstd * rstd)[:, None]
+    else:
+        bracket = g - xhat * (g * xhat).mean(-1, keepdim=True)
+    dx.copy_(bracket * rstd[:, None])
     return (dyf * xhat).sum(0)
 
 

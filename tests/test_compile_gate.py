@@ -153,15 +153,16 @@ def attention_merge_call(head_dim):
 
 
 def matmul_call(dtype, accumulate=False, precision="highest", huge_stride=False, tma=True,
-                rope=0, gated="", gated_grad=""):  # fmt: skip
+                rope=0, gated="", gated_grad="", gated_up=""):  # fmt: skip
     """``x @ w.T + bias`` (a linear layer's forward), or with ``accumulate`` an fp32 C added
     into without bias (reduce-scatter partials, weight gradients). ``huge_stride``: rows
     of A 2**31 elements apart, so the strides are passed as i64 (4 GiB of address space
     is reserved, never touched). ``rope``: heads of that size rotated in the epilogue (a
     q or k projection, rows in (S, B) order with B = 2). ``gated``: a dense gated MLP's
-    gate and up projections with this activation (`gated_matmul`); ``gated_grad``: its
-    hidden gradient, dh's GEMM (the down weight read as stored) ending in dgate, dup and
-    h (`gated_grad_matmul`)."""
+    gate and up projections with this activation (`gated_matmul`); ``gated_up``: its up
+    projection ending in the product, the gate read (`gated_up_matmul`); ``gated_grad``:
+    its hidden gradient, dh's GEMM (the down weight read as stored) ending in dgate, dup
+    and h (`gated_grad_matmul`)."""
     M, N, K = 256, 512, 256
     if huge_stride:
         M = 2
@@ -172,6 +173,9 @@ def matmul_call(dtype, accumulate=False, precision="highest", huge_stride=False,
     with _fp32_precision(precision), _tma(tma):
         if accumulate:
             matmul.matmul(a, w.T, out=_empty((M, N), "float32"), accumulate=True)
+        elif gated_up:
+            matmul_gated.gated_up_matmul(a, w.T, _empty((M, N), dtype), bias=_empty((N,), dtype),
+                                         activation=gated_up)  # fmt: skip
         elif gated_grad:
             gate, up = _empty((M, N), dtype), _empty((M, N), dtype)
             matmul_gated.gated_grad_matmul(a, _empty((K, N), dtype), gate, up,
@@ -227,7 +231,7 @@ def rms_norm_calls(dtype, dim):
     """RMSNorm's forward and backward over 256 rows of `dim` features."""
     x, weight = _empty((256, dim), dtype), _empty((dim,), dtype)
     _, rstd = rms_norm.rms_norm(x, weight)
-    rms_norm.rms_norm_backward(_empty((256, dim), dtype), x, weight, rstd)
+    rms_norm.rms_norm_backward(_empty((256, dim), dtype), x, weight, rstd, eps=1e-5)
 
 
 def gated_calls(dtype, activation):
@@ -452,6 +456,11 @@ MATMUL_VARIANTS = {  # variant: scenario params
     "bfloat16-gated-silu": {"dtype": "bfloat16", "gated": "silu"},
     "bfloat16-gated-gelu_tanh": {"dtype": "bfloat16", "gated": "gelu_tanh"},
     "tf32-gated-silu": {"dtype": "float32", "precision": "high", "gated": "silu"},
+    # its up GEMM ending in act(gate) * up, the gate read (the K loop is matmul's)
+    "bfloat16-gated-up-silu": {"dtype": "bfloat16", "gated_up": "silu"},
+    "bfloat16-gated-up-gelu_tanh": {"dtype": "bfloat16", "gated_up": "gelu_tanh"},
+    "bfloat16-gated-up-silu-pointer": {"dtype": "bfloat16", "gated_up": "silu", "tma": False},
+    "tf32-gated-up-silu": {"dtype": "float32", "precision": "high", "gated_up": "silu"},
     # its hidden gradient: dh's GEMM ending in dgate, dup and h (the K loop is matmul's)
     "bfloat16-gated-grad-silu": {"dtype": "bfloat16", "gated_grad": "silu"},
     "bfloat16-gated-grad-gelu_tanh": {"dtype": "bfloat16", "gated_grad": "gelu_tanh"},
@@ -460,9 +469,10 @@ MATMUL_VARIANTS = {  # variant: scenario params
 }
 for variant, params in MATMUL_VARIANTS.items():
     dtype = getattr(torch, params["dtype"])
-    mode = "forward" if params.get("gated") else "backward" if params.get("gated_grad") else ""
+    mode = ("forward" if params.get("gated") else "product" if params.get("gated_up")
+            else "backward" if params.get("gated_grad") else "")  # fmt: skip
     configs = matmul.matmul_configs(dtype, params.get("accumulate", False), params.get("rope", 0),
-                                    mode)  # fmt: skip
+                                    mode, params.get("tma", True))  # fmt: skip
     add_configs("matmul", variant, matmul_call, params, "_matmul_kernel", configs,
                 no_spill=dtype != torch.float32, wgmma=variant != "ieee-bias")  # fmt: skip
     if variant.startswith(("bfloat16", "tf32")):

@@ -33,6 +33,9 @@ def _input(shape, dtype, seed, strided):
          weight_fp32=False, lead=())  # fmt: skip
 @example(rows=33, D=67, dtype=torch.float16, seed=1, strided=True, offset=1.0,
          weight_fp32=False, lead=(2,))  # fmt: skip
+# one feature, x^2 >> eps: dx's bracket 1 - xhat^2 cancelled to 3.7x PyTorch's error (CI)
+@example(rows=29, D=1, dtype=torch.float32, seed=36524, strided=False, offset=1.0,
+         weight_fp32=False, lead=())  # fmt: skip
 def test_rms_norm_matches_float64(rows, D, dtype, seed, strided, offset, weight_fp32, lead,
                                   each_implementation):  # fmt: skip
     _check_against_float64(rows, D, dtype, seed, strided, offset, weight_fp32, lead)
@@ -82,10 +85,10 @@ def test_weight_gradient_is_deterministic_and_rstd_is_one_per_row(each_implement
     dy = randn((37, 24), torch.float16, 2)
     y, rstd = fp.kernels.rms_norm.rms_norm(x, weight)
     assert rstd.shape == (37,) and rstd.dtype == torch.float32
-    first = rms_norm_backward(dy, x, weight, rstd)
-    second = rms_norm_backward(dy, x, weight, rstd)
+    first = rms_norm_backward(dy, x, weight, rstd, eps=1e-5)
+    second = rms_norm_backward(dy, x, weight, rstd, eps=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
-    dx, dw = rms_norm_backward(dy, x, weight, rstd, need_x=False)
+    dx, dw = rms_norm_backward(dy, x, weight, rstd, eps=1e-5, need_x=False)
     assert dx is None and torch.equal(dw, first[1])
 
 
@@ -141,7 +144,7 @@ def test_the_kernels_are_tuned_against_torch(monkeypatch):
 
     def run():
         y, rstd = rms_norm(x, weight, 1e-5, 1.0)
-        return (y, rstd, *rms_norm_backward(dy, x, weight, rstd, 1.0))
+        return (y, rstd, *rms_norm_backward(dy, x, weight, rstd, 1.0, eps=1e-5))
 
     with fp.implementation("torch"):
         expected = run()

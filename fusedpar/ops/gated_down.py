@@ -68,7 +68,7 @@ def _gated_down_backward_op(dy: Tensor, gate: Tensor, up: Tensor, weight: Tensor
         hidden = buffer[:, 2 * K :] if needs_w else None
         grad = GatedGrad(gate2d, up2d, buffer[:, K : 2 * K], hidden, activation)
         if pg is None:
-            matmul(dy2d, weight, out=buffer[:, :K], gated_grad=grad)
+            matmul(dy2d, weight, out=buffer[:, :K], gated=grad)
         else:
             _, dy_full = gather_matmuls(dy2d, [weight], [None], pg, chunks, epilogues=[grad],
                                         outs=[buffer[:, :K]])  # fmt: skip

@@ -44,7 +44,7 @@ from fusedpar.comm import (
 )
 from fusedpar.kernels import rope as rope_kernels
 from fusedpar.kernels._tuning import frozen
-from fusedpar.kernels.matmul import GatedGrad, RowRotation, matmul, rope_epilogue_fits
+from fusedpar.kernels.matmul import RowRotation, matmul, rope_epilogue_fits
 from fusedpar.ops.registration import autograd_op, direct_op
 
 DEFAULT_CHUNKS_PER_RANK = 1  # one ring message per rank and step, as in async-TP
@@ -64,8 +64,10 @@ def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None, epil
     outputs [(W*n, N_i)] (new, or `outs` written) and the gathered x (W*n, K). Step s
     multiplies the rows of rank r - s while those of rank r - s - 1 arrive (received
     straight into their place). `epilogues`: per operand, None or what its GEMM's
-    epilogue applies over its whole output's rows, a `RowRotation` or a `GatedGrad`, of
-    which each chunk's GEMM takes its rows' share (`_chunk_epilogue`). `gemm` has
+    epilogue applies over its whole output's rows, a `RowRotation`, `GatedProduct` or
+    `GatedGrad` (whose tensors' rows match the output's: an operand's GEMM may read the
+    rows an earlier operand's wrote in the same chunk), of which each chunk's GEMM takes
+    its rows' share (`_chunk_epilogue`). `gemm` has
     `matmul`'s signature; `ring` replaces ``Ring(pg)`` (the benchmark injects a stand-in).
     The GEMMs are tuned before the first transfer, agreed over `pg`.
     """
@@ -87,8 +89,9 @@ def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None, epil
     gemms = list(zip(outs, operands, biases, epilogues, strict=True))
     for a, b in _pieces(n, chunks):  # the loop's GEMM shapes, picked before it starts
         for out, op, bias, epilogue in gemms:
-            # (a gated gradient's tuning writes rows the ring writes again)
-            gemm(x[a:b], op, bias=bias, out=out[a:b] if isinstance(epilogue, GatedGrad) else None,
+            # (a gated epilogue's tuning writes rows the ring writes again)
+            gated = epilogue is not None and not isinstance(epilogue, RowRotation)
+            gemm(x[a:b], op, bias=bias, out=out[a:b] if gated else None,
                  out_dtype=x.dtype, agreement=agreement, tune_only=True,
                  **_chunk_epilogue(epilogue, slice(a, b)))  # fmt: skip
     with frozen("the all-gather ring", agreement):
@@ -110,14 +113,13 @@ def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None, epil
 def _chunk_epilogue(epilogue, rows: slice) -> dict:
     """The `matmul` keyword of a GEMM writing `rows` of an output whose epilogue is
     `epilogue` over all its rows: a rotation from the chunk's first row, a gated
-    gradient's tensors cut to the chunk's rows."""
+    epilogue's tensors cut to the chunk's rows."""
     if epilogue is None:
         return {}
     if isinstance(epilogue, RowRotation):
         return {"rope": epilogue._replace(first_row=rows.start)}
-    gate, up, up_grad, hidden, activation = epilogue
-    hidden = None if hidden is None else hidden[rows]
-    return {"gated_grad": GatedGrad(gate[rows], up[rows], up_grad[rows], hidden, activation)}
+    return {"gated": type(epilogue)(*(t[rows] if isinstance(t, Tensor) else t
+                                      for t in epilogue))}  # fmt: skip
 
 
 def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul, ring=None):

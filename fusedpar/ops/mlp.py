@@ -4,7 +4,8 @@ Shapes: x (..., d); gate and up weights (h, d); down (d, h); biases (h,), (h,), 
 
 | direction | computes                                                                   |
 | --------- | -------------------------------------------------------------------------- |
-| forward   | ``gate = x Wg^T + bg``, ``up = x Wu^T + bu``, ``y = act(gate) * up Wd^T + bd`` |
+| forward   | ``gate = x Wg^T + bg``, ``up = x Wu^T + bu`` ending in ``h = act(gate) * up``  |
+|           | (`gated_up_matmul`), ``y = h Wd^T + bd``                                     |
 | backward  | ``dh = dy Wd`` ending in dgate, dup and h again (`gated_grad_matmul`);      |
 |           | ``dWd = dy^T h``, ``dx = dgate Wg + dup Wu`` (fp32 sum, rounded once),      |
 |           | ``[dWg; dWu] = [dgate | dup]^T x`` (one GEMM), the biases' row sums         |
@@ -22,8 +23,8 @@ from torch import Tensor
 
 from fusedpar.kernels import gated as gated_kernels
 from fusedpar.kernels.matmul import matmul
-from fusedpar.kernels.matmul_gated import gated_grad_matmul
-from fusedpar.ops.linear import _flat, _row_sum, gather_matmuls, matmuls_reduce_scatter
+from fusedpar.kernels.matmul_gated import gated_grad_matmul, gated_up_matmul
+from fusedpar.ops.linear import _flat, _row_sum, matmuls_reduce_scatter
 from fusedpar.ops.registration import autograd_op, direct_op
 
 
@@ -34,11 +35,12 @@ def _gated_mlp_op(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight
     """(y (x's shape), gate, up (tokens, h): kept for the backward). `biases`: none, or
     (bg, bu, bd)."""
     bg, bu, bd = biases or (None, None, None)
-    # The GEMMs apart, each on the TMA schedule, then the activation: `gated_matmul` would
-    # be one launch, but on the pointer schedule (TMA serialized its wgmma), untimed on a
-    # GPU against these (`bench matmul`'s gate/up rows will say which is faster).
-    (gate, up), _ = gather_matmuls(_flat(x), [gate_weight.t(), up_weight.t()], [bg, bu], None, 1)
-    hidden = gated_kernels.gated(gate, up, activation)
+    # The gate GEMM, then the up GEMM ending in the product (reading the gate it wrote):
+    # each on the TMA schedule, and the product with no pass of its own. (`gated_matmul`
+    # would be one launch, but on the pointer schedule: TMA serialized its wgmma.)
+    x2d = _flat(x)
+    gate = matmul(x2d, gate_weight.t(), bias=bg)
+    up, hidden = gated_up_matmul(x2d, up_weight.t(), gate, bias=bu, activation=activation)
     y = matmul(hidden, down_weight.t(), bias=bd)
     return y.view(*x.shape[:-1], y.shape[1]), gate, up
 

@@ -30,30 +30,31 @@ def _(x, weight, eps, offset):
 
 
 @torch.library.custom_op("fusedpar::rms_norm_backward", mutates_args=())
-def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, offset: float,
-                          need_x: bool, need_weight: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
+def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, eps: float,
+                          offset: float, need_x: bool,
+                          need_weight: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(dx, dweight); a gradient not asked for comes back as an empty (0,) tensor."""
-    dx, dw = kernels.rms_norm_backward(dy, x, weight, rstd, offset, need_x=need_x,
+    dx, dw = kernels.rms_norm_backward(dy, x, weight, rstd, offset, eps=eps, need_x=need_x,
                                        need_weight=need_weight)  # fmt: skip
     return (x.new_empty(0) if dx is None else dx, weight.new_empty(0) if dw is None else dw)
 
 
 @_rms_norm_backward_op.register_fake
-def _(dy, x, weight, rstd, offset, need_x, need_weight):
+def _(dy, x, weight, rstd, eps, offset, need_x, need_weight):
     return (x.new_empty(x.shape if need_x else 0),
             weight.new_empty(weight.shape if need_weight else 0))  # fmt: skip
 
 
 def _setup(ctx, inputs, output):
-    x, weight, _, offset = inputs
-    ctx.options = (offset, x.requires_grad, weight.requires_grad)
+    x, weight, eps, offset = inputs
+    ctx.options = (eps, offset, x.requires_grad, weight.requires_grad)
     ctx.save_for_backward(x, weight, output[1])
 
 
 def _backward(ctx, dy, _):
     x, weight, rstd = ctx.saved_tensors
-    offset, need_x, need_weight = ctx.options
-    dx, dw = _rms_norm_backward(dy, x, weight, rstd, offset, need_x, need_weight)
+    eps, offset, need_x, need_weight = ctx.options
+    dx, dw = _rms_norm_backward(dy, x, weight, rstd, eps, offset, need_x, need_weight)
     return (dx if need_x else None), (dw if need_weight else None), None, None
 
 
