@@ -14,6 +14,8 @@ memory held); the floors are measured in the same run:
 |                   | ``torch.library`` dispatches it   |                                   |
 | flash_attn        | `fp.flash_attn`                   | SDPA (tiny CPU compute included)  |
 | ParallelAttention | one rank, groups None             | nn.Linear x4, RoPE, SDPA          |
+| ... + q/k norm    | the same with Qwen3's per-head    | the same with ``nn.RMSNorm(hd)``  |
+|                   | q/k RMSNorm (``qk_norm=True``)    | on q and k before RoPE            |
 | ParallelSwiGLU    | one rank                          | nn.Linear x3, silu                |
 | MoE (EP 1)        | top-2 of 4 experts                | a loop over the experts in torch  |
 
@@ -151,19 +153,21 @@ def _rope(x, positions, theta=10000.0):  # (S, B, H, hd)
 
 
 class PlainAttention(nn.Module):
-    """nn.Linear q/k/v/o, RoPE, SDPA (causal, GQA): the layer a user would write."""
+    """nn.Linear q/k/v/o, RoPE, SDPA (causal, GQA): the layer a user would write; with
+    `qk_norm`, Qwen3's ``nn.RMSNorm(hd)`` on q and k before RoPE."""
 
-    def __init__(self):
+    def __init__(self, qk_norm: bool = False):
         super().__init__()
         hd = D // HEADS
         self.q, self.o = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
         self.k, self.v = (nn.Linear(D, KV_HEADS * hd, bias=False) for _ in range(2))
+        self.q_norm, self.k_norm = (nn.RMSNorm(hd) if qk_norm else nn.Identity() for _ in "qk")
 
     def forward(self, x):  # (S, B, d)
         s, b, _ = x.shape
         hd, positions = D // HEADS, torch.arange(s)
-        q = _rope(self.q(x).view(s, b, HEADS, hd), positions)
-        k = _rope(self.k(x).view(s, b, KV_HEADS, hd), positions)
+        q = _rope(self.q_norm(self.q(x).view(s, b, HEADS, hd)), positions)
+        k = _rope(self.k_norm(self.k(x).view(s, b, KV_HEADS, hd)), positions)
         v = self.v(x).view(s, b, KV_HEADS, hd)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # (B, H, S, hd)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -242,6 +246,7 @@ def cases():
         F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).sum().backward()
 
     attention = fp.nn.ParallelAttention(D, HEADS, KV_HEADS)
+    normed = fp.nn.ParallelAttention(D, HEADS, KV_HEADS, qk_norm=True)
     swiglu = fp.nn.ParallelSwiGLU(D, HIDDEN)
     moe = fp.nn.MoE(D, HIDDEN, 4, 2)
     return [
@@ -250,6 +255,8 @@ def cases():
         ("fp.flash_attn", flash_step, "SDPA", sdpa_step),
         ("ParallelAttention", _fwd_bwd(attention, x), "nn.Linear + RoPE + SDPA",
          _fwd_bwd(PlainAttention(), x)),
+        ("ParallelAttention + q/k norm", _fwd_bwd(normed, x), "the same + nn.RMSNorm(hd)",
+         _fwd_bwd(PlainAttention(qk_norm=True), x)),
         ("ParallelSwiGLU", _fwd_bwd(swiglu, x), "nn.Linear x3 + silu", _fwd_bwd(PlainSwiGLU(), x)),
         ("MoE (EP 1)", _fwd_bwd(moe, x), "a loop over the experts", _fwd_bwd(LoopMoE(), x)),
     ]  # fmt: skip

@@ -123,3 +123,22 @@ def test_dense_block_saves_the_minimum_at_tp2(world):
 def test_moe_block_saves_no_more_than_before(dtype):
     got = _per_token(True, dtype, ONE_DEVICE)
     assert got <= MOE_BRANCH_POINT[dtype], f"{got} B per token, {MOE_BRANCH_POINT[dtype]} before"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_a_head_norm_keeps_its_input_and_one_fp32_per_head(dtype, offset):
+    """Qwen3's and Gemma 3's per-head q/k RMSNorm (``qk_norm=True``, ``norm_offset``)
+    adds to attention's saved bytes exactly q and k before it and one fp32 rstd per head
+    and token: ``(Hq + Hkv) (hd e + 4)`` (the PyTorch formula kept fp32 copies and the
+    normalized values besides: 2058 against 1674 B per token in fp16)."""
+    cfg = _config(False)
+    e, hd = torch.finfo(dtype).bits // 8, cfg.head_dim
+    x = torch.randn(SEQ, BATCH, cfg.d_model, dtype=dtype, requires_grad=True)
+    saved = []
+    for qk_norm in (False, True):
+        torch.manual_seed(0)
+        options = dict(qk_norm=qk_norm, norm_offset=offset, dtype=dtype)
+        layer = fp.nn.ParallelAttention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, **options)
+        saved.append(saved_bytes(layer, x) / (SEQ * BATCH))
+    assert saved[1] - saved[0] == (cfg.n_heads + cfg.n_kv_heads) * (hd * e + 4)

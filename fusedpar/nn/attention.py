@@ -411,12 +411,13 @@ class ParallelAttention(nn.Module):
             x = comm.copy_to_region(x, self.tp_group)
             q, k, v = (F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
         seq, batch = q.shape[0], q.shape[1]
-        # (S, B, H*hd) -> (B, S, H, hd): a strided view, read in place by the kernels
-        q, k, v = (t.view(seq, batch, -1, hd).transpose(0, 1) for t in (q, k, v))
-        if self.qk_norm is not None:
+        q, k, v = (t.view(seq, batch, -1, hd) for t in (q, k, v))  # (S, B, H, hd)
+        if self.qk_norm is not None:  # (on rows that flatten: the norm kernel reads them in place)
             norm = dict(kind=self.qk_norm, offset=self.norm_offset, tp_group=self.tp_group)
             q = qk_rms_norm(q, self.q_norm_weight, self.norm_eps, **norm)
             k = qk_rms_norm(k, self.k_norm_weight, self.norm_eps, **norm)
+        # (S, B, H, hd) -> (B, S, H, hd): a strided view, read in place by the kernels
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         if rotary and not joined:
             q, k = apply_rope_qk(q, k, cos, sin)  # one launch for both, each way
         out = ring_attn(q, k, v, self.cp_group, causal=self.causal, layout=self.cp_layout,

@@ -7,13 +7,16 @@ rotary embedding and the q/k norms.
 | "full"    | all heads' dims (summed over TP ranks)   | (H/TP * hd,), split  | OLMo 2        |
 
 The weight scales the normalized values as ``weight`` or, with ``norm_offset=1``,
-``(1 + weight)`` (Gemma's RMSNorm).
+``(1 + weight)`` (Gemma's RMSNorm). A "head" norm is `fusedpar.rms_norm` over each head
+(one Triton launch each way, saving x and one fp32 per head); "full" sums its statistics
+over TP in PyTorch.
 """
 
 import torch
 
 from fusedpar import comm
 from fusedpar.ops.attention import rope, rope_pair
+from fusedpar.ops.norm import rms_norm
 
 QK_NORMS = ("head", "full")
 
@@ -67,25 +70,18 @@ def norm_weight(name: str, t) -> torch.Tensor:
     return weight
 
 
-def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of x (..., hd) in fp32, scaled by weight (hd,) in x's
-    dtype: the per-head q/k norm of Qwen3 (as Hugging Face computes it)."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
-
-
 def qk_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, kind: str,
                 offset: float = 0.0, tp_group=None) -> torch.Tensor:  # fmt: skip
-    """The q/k RMSNorm of `kind` (see the module doc) of x (B, S, H_loc, hd) in fp32,
-    returned in x's dtype. "head" with offset 0 rounds as Qwen3 does (normalized values
-    cast, then weighted); otherwise as Gemma and OLMo 2 (weighted in fp32, then cast).
-    "full" sums the squares over this rank's heads and all-reduces them over
+    """The q/k RMSNorm of `kind` (see the module doc) of x (..., H_loc, hd) in fp32,
+    returned in x's dtype, weighted in fp32 and rounded once (as Gemma and OLMo 2 do;
+    Qwen3 rounds the normalized values before weighting them, one rounding more). "head"
+    is `fusedpar.rms_norm` over each head (float64, a reference model's dtype: the
+    formula); "full" sums the squares over this rank's heads and all-reduces them over
     `tp_group` (differentiable: each rank's gradient reaches the others' statistics)."""
+    if kind == "head" and x.dtype != torch.float64:
+        return rms_norm(x, weight, eps, offset=offset)
     x32 = x.float()
     if kind == "head":
-        if not offset:
-            return head_rms_norm(x, weight, eps)
         mean_square = x32.square().mean(-1, keepdim=True)
         scale = weight.float() + offset  # (hd,)
     else:
