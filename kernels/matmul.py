@@ -239,12 +239,13 @@ def _matmul_kernel(
     only) multiplies a second B (b2, the up weight, B's strides) against the same A tiles
     into a second accumulator; "product" and "backward" have one."""
     FORWARD: tl.constexpr = GATED == "forward"
+    TWO_OUT: tl.constexpr = FORWARD or GATED == "backward"  # c2 written: up, or dup
     tl.static_assert(not (TMA and FORWARD), "a gated GEMM reads through pointers (see _plan)")
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if C_TMA:
         c_desc = output_target(c_ptr, M, N, stride_cm, BLOCK_M, BLOCK_N)
-        c2_desc = output_target(c2_ptr, M, N, stride_cm, BLOCK_M, BLOCK_N) if GATED != "" else None
+        c2_desc = output_target(c2_ptr, M, N, stride_cm, BLOCK_M, BLOCK_N) if TWO_OUT else None
         h_desc = output_target(h_ptr, M, N, stride_cm, BLOCK_M, BLOCK_N) if STORE_H else None
     else:
         c_desc = None
