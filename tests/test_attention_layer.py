@@ -369,13 +369,14 @@ def test_a_half_width_hf_table_is_never_taken_for_the_full_layout():
 
 @pytest.mark.parametrize("options, joined", [
     ({}, True), ({"rotary_dim": 8}, True),  # in the GEMMs' epilogue; partial: after them
-    ({"qk_norm": "head"}, False), ({"sequence_parallel": False}, False),
+    ({"qk_norm": "head"}, False), ({"sequence_parallel": False}, True),  # classic TP too
 ])  # fmt: skip
 def test_rope_joins_the_qkv_projection_where_nothing_comes_between(monkeypatch, options, joined,
                                                                    triton_kernels):  # fmt: skip
-    """Under SP with no q/k norm, q and k leave `all_gather_matmul` turned (its GEMMs'
-    epilogue, or one launch after them for partial rotary) and the layer rotates nothing
-    itself; the output is the one the separate rotation gives."""
+    """With no q/k norm, q and k leave `all_gather_matmul` turned (its GEMMs' epilogue,
+    or one launch after them for partial rotary; classic TP's GEMMs gather nothing) and
+    the layer rotates nothing itself; the output is the one the separate rotation
+    gives."""
     from fusedpar.nn import attention
 
     x = torch.randn(8, 2, D_MODEL)

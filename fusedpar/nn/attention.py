@@ -400,16 +400,15 @@ class ParallelAttention(nn.Module):
             seq = x.shape[0] * (comm.group_size(self.tp_group) if self.sequence_parallel else 1)
             full_len = seq * comm.group_size(self.cp_group) * comm.group_size(self.ulysses_group)
             cos, sin = self._rope(full_len, x.device, cu_seqlens)
-        # RoPE joins the QKV GEMMs (their epilogue, or one launch after their ring) where
-        # no q/k norm comes between
-        joined = (rotary and self.sequence_parallel and self.qk_norm is None
-                  and not rotates_by_formula(x, cos, sin))  # fmt: skip
+        # RoPE joins the QKV GEMMs (their epilogue, or one launch after them) where no q/k
+        # norm comes between
+        joined = rotary and self.qk_norm is None and not rotates_by_formula(x, cos, sin)
+        rope = dict(rope=(cos, sin), rotate=[True, True, False], head_dim=hd) if joined else {}
         if self.sequence_parallel:
-            rope = dict(rope=(cos, sin), rotate=[True, True, False], head_dim=hd) if joined else {}
             q, k, v = all_gather_matmul(x, weights, self.tp_group, bias=biases, **rope)
-        else:
+        else:  # classic TP: every rank holds x whole, so the GEMMs gather nothing
             x = comm.copy_to_region(x, self.tp_group)
-            q, k, v = (F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
+            q, k, v = all_gather_matmul(x, weights, None, bias=biases, **rope)
         seq, batch = q.shape[0], q.shape[1]
         q, k, v = (t.view(seq, batch, -1, hd) for t in (q, k, v))  # (S, B, H, hd)
         if self.qk_norm is not None:  # (on rows that flatten: the norm kernel reads them in place)
