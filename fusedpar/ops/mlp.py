@@ -69,7 +69,7 @@ def _gated_mlp_backward_op(dy: Tensor, x: Tensor, gate: Tensor, up: Tensor, gate
     dx = dw = dwd = db = dbd = hidden = None
     if x_ or wg or wu or bg or bu:
         # dh's GEMM ends in dgate, dup and (for the down weight) the product again: dh is
-        # never stored (`gated_grad_matmul`; 10 -> 9 launches a step)
+        # never stored (`gated_grad_matmul`)
         both, hidden = gated_grad_matmul(dy2d, down_weight, gate, up, activation=activation,
                                          hidden=wd)  # fmt: skip
         dgate, dup = both[:, :h], both[:, h:]
