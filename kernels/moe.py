@@ -552,13 +552,21 @@ def grouped_swiglu_input_grad(d_h13, w1, w3, counts):
 # --- references (plain PyTorch, in the inputs' dtype: float64 in -> the oracle) -----------
 
 
-def swiglu_reference(g, u, activation="silu", alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT):
+def swiglu_reference(g, u, activation="silu", alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT,
+                     passes=None):  # fmt: skip
     """The experts' activation in plain (differentiable) PyTorch, in the inputs' dtype:
-    ``silu(g) * u``, or ``"clamped_swiglu"`` as Hugging Face's GptOssExperts writes it."""
+    ``silu(g) * u``, or ``"clamped_swiglu"`` as Hugging Face's GptOssExperts writes it.
+    `passes`: None, or (g's, u's) masks of where the clamps let the value through, a
+    low-precision run's own decisions: within its rounding of a bound the two sides'
+    gradients differ by a whole term, so a float64 oracle follows them there."""
     if activation == "silu":
         return torch.nn.functional.silu(g) * u
-    g = g.clamp(max=limit)
-    u = u.clamp(min=-limit, max=limit)
+    if passes is None:
+        g = g.clamp(max=limit)
+        u = u.clamp(min=-limit, max=limit)
+    else:  # (a clamped value is the bound: no gradient)
+        g = torch.where(passes[0], g, limit)
+        u = torch.where(passes[1], u, u.detach().clamp(min=-limit, max=limit))
     return (u + 1) * (g * torch.sigmoid(g * alpha))
 
 
@@ -572,11 +580,12 @@ def grouped_matmul_reference(x, w, counts, rows=None, transpose_w=False, bias=No
 
 
 def expert_swiglu_reference(x, w1, w3, w2, counts, rows=None, *, bias=None, activation="silu",
-                            alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT):  # fmt: skip
+                            alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT, passes=None):  # fmt: skip
     """``w2[e] @ act(w1[e] @ x + b1[e], w3[e] @ x + b3[e]) + b2[e]`` per expert
-    (differentiable; `bias` None or (b1, b2, b3)): the kept rows, (counts.sum(), d)."""
+    (differentiable; `bias` None or (b1, b2, b3); `passes` as `swiglu_reference`'s, in
+    expert order): the kept rows, (counts.sum(), d)."""
     b1, b2, b3 = bias or (None, None, None)
     h1 = grouped_matmul_reference(x, w1, counts, rows, bias=b1)
     h3 = grouped_matmul_reference(x, w3, counts, rows, bias=b3)
-    a = swiglu_reference(h1, h3, activation, alpha, limit)
+    a = swiglu_reference(h1, h3, activation, alpha, limit, passes)
     return grouped_matmul_reference(a, w2, counts, bias=b2)
