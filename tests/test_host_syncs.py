@@ -158,6 +158,23 @@ def test_the_detector_sees_inside_custom_ops_and_backward():
     assert len(syncs.found) == len(expected), syncs.report()
 
 
+def test_a_torch_without_the_custom_op_lookup_says_the_bodies_go_unseen(monkeypatch):
+    """The custom ops' bodies are found through a private torch function; a torch without
+    it leaves them unseen and says so, once, instead of passing in silence."""
+    from torch._library import custom_ops
+
+    from fusedpar.testing import host_syncs
+
+    monkeypatch.delattr(custom_ops, "_maybe_get_opdef")
+    monkeypatch.setattr(host_syncs, "_BODIES_UNSEEN_SAID", False)
+    x = torch.randn(2, 3)
+    here = (str(Path(__file__).parent),)
+    with pytest.warns(UserWarning, match="bodies go unseen") as said, HostSyncs(here) as syncs:
+        _syncs_inside(x)
+        _syncs_inside(x)
+    assert len(said) == 1 and syncs.found == []  # (the body's two syncs, unseen)
+
+
 # --- the steps, on any device ----------------------------------------------------------
 
 

@@ -44,11 +44,14 @@ then copied on a GPU run).
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+_BODIES_UNSEEN_SAID = False  # the warning of `_python_body`, given once
 
 # Python-level calls that never reach the dispatcher on a CPU.
 _HOST_COPIES = {"tolist", "numpy", "cpu"}
@@ -119,10 +122,17 @@ def _why_aten(func, args, kwargs) -> str | None:
 
 def _python_body(func, args):
     """The Python implementation of a ``torch.library.custom_op`` for these arguments'
-    device (its kernels by device type, None: any), or None."""
+    device (its kernels by device type, None: any), or None. (torch has no public way to
+    it: a torch that moved the private one leaves the bodies unseen, said once.)"""
     try:
         from torch._library.custom_ops import _maybe_get_opdef
-    except ImportError:  # pragma: no cover - a torch that moved it: bodies stay unseen
+    except ImportError:
+        global _BODIES_UNSEEN_SAID
+        if not _BODIES_UNSEEN_SAID:
+            _BODIES_UNSEEN_SAID = True
+            warnings.warn(f"HostSyncs: torch {torch.__version__} has no torch._library."
+                          f"custom_ops._maybe_get_opdef: custom ops' bodies go unseen "
+                          f"(only their aten-level calls are checked)", stacklevel=2)  # fmt: skip
         return None
     opdef = _maybe_get_opdef(func) if func.namespace != "aten" else None
     kernels = getattr(opdef, "_backend_fns", None) or {}
