@@ -20,7 +20,6 @@ import torch
 from fusedpar.kernels import _impl, _tuning
 from fusedpar.kernels._common import device_guard, ensure_tma_allocator, is_interpreted
 from fusedpar.kernels._tuning import bucket
-from fusedpar.kernels.gated import ACTIVATIONS
 from fusedpar.kernels.matmul import _arguments, _candidates, _matmul_kernel, _plan, matmul
 from fusedpar.kernels.matmul_plan import GatedGrad, GatedProduct, check_gated, check_operands
 from fusedpar.kernels.matmul_torch import cublas_computes, gated_matmul_torch
@@ -76,9 +75,6 @@ def gated_up_matmul(a: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, *,
     launch: what `matmul` then `fusedpar.kernels.gated.gated` return, with no pass of its
     own for h. The K loop is `matmul`'s (TMA included); only its epilogue reads the gate.
     """
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"gated_up_matmul: activation must be one of {ACTIVATIONS}, got "
-                         f"{activation!r}")  # fmt: skip
     M = a.shape[0] if a.dim() == 2 else 0
     N = b.shape[1] if b.dim() == 2 else 0
     up, h = (torch.empty((M, N), dtype=a.dtype, device=a.device) for _ in range(2))
@@ -100,9 +96,6 @@ def gated_grad_matmul(
     dy (M, d); w_down (d, N) (the down weight: read as it is stored); gate, up (M, N)
     with shared strides, all of dy's dtype. dgate and dup are one (M, 2N) view, so one
     GEMM takes both weights' gradients; h sits beside them in the same buffer."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"gated_grad_matmul: activation must be one of {ACTIVATIONS}, got "
-                         f"{activation!r}")  # fmt: skip
     M = dy.shape[0] if dy.dim() == 2 else 0
     N = w_down.shape[1] if w_down.dim() == 2 else 0
     buffer = torch.empty((M, (3 if hidden else 2) * N), dtype=dy.dtype, device=dy.device)
