@@ -232,7 +232,9 @@ def write_results(
     def cell(v):
         if v is None:
             return "n/a"
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
+        if not isinstance(v, float):
+            return str(v)
+        return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.3g}"  # 3 figures, never "1e+03"
 
     lines = [f"# {family} on {meta.get('device', '?')}", ""]
     lines += [f"- {k}: {cell(v)}" for k, v in meta.items() if k not in ("device", "tuning_picks")]

@@ -8,6 +8,15 @@ RMSNorm; 1: Gemma's, whose weight starts at zero).
 | `rms_norm`             | ``y = x * rstd * w'``, ``rstd = 1 / sqrt(mean(x^2) + eps)`` (fp32) |
 | `rms_norm_backward`    | ``dx = rstd * (g - x * rstd^2 * mean(g * x))``, ``g = dy * w'``; |
 |                        | ``dweight = sum_rows dy * x * rstd``                            |
+| ``rope=(cos, sin)``    | the forward rotates y (`fusedpar.kernels.rope`'s pairs ``i``,    |
+|                        | ``i + r/2``) before storing it; the backward rotates dy back     |
+|                        | first (the transpose): x (S, ..., D), cos, sin (S, r/2) fp32      |
+
+The rotation is the q/k head norm's (Qwen3, Gemma 3): RoPE follows it, and joined they
+are one pass over q (or k) each way where apart they were two, with one rounding. A dim
+turns with its partner (``i +- r/2``, itself past r), which the program reads again from
+the row it has just read (a cache hit, no extra pass): ``y' = y cos + partner(y) sin``
+with sin negated on the first half, and ``dy = dy' cos - partner(dy') sin``.
 
 The backward needs x and rstd only (one fp32 per row), not the normalized rows, and eps:
 with D = 1 the bracket is ``g * (1 - xhat^2) = g * eps * rstd^2``, which the general form
@@ -19,6 +28,8 @@ that buffer's rows in a fixed order: two runs give the same bits. On CUDA under
 ``FUSEDPAR_IMPL=auto`` the tuner times each kernel's fixed tile against the torch
 implementation, which with the float64 reference closes the file.
 """
+
+import math
 
 import torch
 import triton
@@ -61,17 +72,39 @@ def row_config(D: int, interpreted: bool, direction: str = "forward") -> dict:
 
 
 @triton.jit
+def _partner(cols, HALF):
+    """The dim each dim of a row turns with under RoPE: i + HALF in the first half, i -
+    HALF in the second, itself past the rotated 2 * HALF."""
+    return tl.where(cols < HALF, cols + HALF, tl.where(cols < 2 * HALF, cols - HALF, cols))
+
+
+@triton.jit
+def _angles(cos_ptr, sin_ptr, stride_cs, stride_cd, stride_ss, stride_sd, rows, row_mask, cols,
+            HALF, rows_per_position):  # fmt: skip
+    """(BLOCK_ROWS, BLOCK_D) cos and signed sin of each row's position and dim, so that
+    ``y' = y * cos + partner(y) * sin``: sin negated on the first half; 1 and 0 past the
+    rotated dims."""
+    position = (rows // rows_per_position).to(tl.int64)[:, None]
+    rotated = row_mask[:, None] & (cols < 2 * HALF)[None, :]
+    j = tl.where(cols < HALF, cols, cols - HALF)[None, :]
+    c = tl.load(cos_ptr + position * stride_cs + j * stride_cd, mask=rotated, other=1.0)
+    sn = tl.load(sin_ptr + position * stride_ss + j * stride_sd, mask=rotated, other=0.0)
+    return c, tl.where((cols < HALF)[None, :], -sn, sn)
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(
-    # pointers
-    x_ptr, w_ptr, y_ptr, rstd_ptr,
+    # pointers (cos, sin: read with ROTARY only)
+    x_ptr, w_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr,
     # strides
-    stride_xm, stride_xd, stride_ym, stride_yd,
+    stride_xm, stride_xd, stride_ym, stride_yd, stride_cs, stride_cd, stride_ss, stride_sd,
     # sizes and scalars
-    M, D, eps, offset,
+    M, D, HALF, rows_per_position, eps, offset,
     # meta-parameters
-    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY: tl.constexpr,
 ):  # fmt: skip
-    """y[m] = x[m] * rstd[m] * (offset + w), rstd[m] = rsqrt(mean(x[m]^2) + eps), fp32."""
+    """y[m] = x[m] * rstd[m] * (offset + w), rstd[m] = rsqrt(mean(x[m]^2) + eps), fp32;
+    with ROTARY, y[m] rotated by the angles of position m // rows_per_position."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
     row_mask = rows < M
@@ -82,6 +115,14 @@ def _rms_norm_fwd_kernel(
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32) + offset
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
     y = x * rstd[:, None] * w[None, :]
+    if ROTARY:
+        partner = _partner(cols, HALF)
+        x_partner = tl.load(x_ptr + rows64[:, None] * stride_xm + partner[None, :] * stride_xd,
+                            mask=mask, other=0.0).to(tl.float32)  # fmt: skip
+        w_partner = tl.load(w_ptr + partner, mask=cols < D, other=0.0).to(tl.float32) + offset
+        cos, sin = _angles(cos_ptr, sin_ptr, stride_cs, stride_cd, stride_ss, stride_sd, rows,
+                           row_mask, cols, HALF, rows_per_position)  # fmt: skip
+        y = y * cos + x_partner * rstd[:, None] * w_partner[None, :] * sin
     tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :] * stride_yd,
              y.to(y_ptr.dtype.element_ty), mask=mask)  # fmt: skip
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
@@ -89,17 +130,19 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    # pointers
-    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
+    # pointers (cos, sin: read with ROTARY only)
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, cos_ptr, sin_ptr,
     # strides
     stride_dym, stride_dyd, stride_xm, stride_xd, stride_dxm, stride_dxd,
+    stride_cs, stride_cd, stride_ss, stride_sd,
     # sizes and scalars
-    M, D, eps, offset, rows_per_program,
+    M, D, HALF, rows_per_position, eps, offset, rows_per_program,
     # meta-parameters
-    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY: tl.constexpr,
 ):  # fmt: skip
     """dx for rows [pid * rows_per_program, ...) (rows_per_program a multiple of
-    BLOCK_ROWS), and that range's sum of dy * x * rstd into row pid of dw_partial (D)."""
+    BLOCK_ROWS), and that range's sum of dy * x * rstd into row pid of dw_partial (D);
+    with ROTARY, dy is first rotated back by the angles of its rows' positions."""
     one_feature = D == 1  # the bracket is g * eps * rstd^2 (the module doc)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -117,6 +160,14 @@ def _rms_norm_bwd_kernel(
                     other=0.0).to(tl.float32)  # fmt: skip
         dy = tl.load(dy_ptr + rows64[:, None] * stride_dym + cols[None, :] * stride_dyd,
                      mask=mask, other=0.0).to(tl.float32)  # fmt: skip
+        if ROTARY:
+            partner = _partner(cols, HALF)
+            dy_partner = tl.load(dy_ptr + rows64[:, None] * stride_dym
+                                 + partner[None, :] * stride_dyd, mask=mask,
+                                 other=0.0).to(tl.float32)  # fmt: skip
+            cos, sin = _angles(cos_ptr, sin_ptr, stride_cs, stride_cd, stride_ss, stride_sd,
+                               rows, row_mask, cols, HALF, rows_per_position)  # fmt: skip
+            dy = dy * cos - dy_partner * sin
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
         xhat = x * rstd[:, None]
         g = dy * w[None, :]
@@ -153,26 +204,56 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> int:
     return D
 
 
-def rms_norm(x, weight, eps: float = 1e-5, offset: float = 0.0):
+def check_rope(x: torch.Tensor, rope) -> int:
+    """For ``rope=(cos, sin)``: ValueError/TypeError naming the sizes unless x is (S, ...,
+    D) and cos, sin (S, r/2) float32 on x's device with r <= D; the rows per position."""
+    cos, sin = rope
+    if cos.dim() != 2 or cos.shape != sin.shape or x.dim() < 2 or cos.shape[0] != x.shape[0]:
+        raise ValueError(f"rms_norm: rope's cos and sin must be (S={x.shape[0]}, r/2) for x "
+                         f"{tuple(x.shape)} (S, ..., D), got {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")  # fmt: skip
+    if 2 * cos.shape[1] > x.shape[-1]:
+        raise ValueError(f"rms_norm: {2 * cos.shape[1]} rotated dims, over the {x.shape[-1]} "
+                         f"features of a row")  # fmt: skip
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise TypeError(f"rms_norm: rope's cos and sin must be float32, got {cos.dtype} and "
+                        f"{sin.dtype}")  # fmt: skip
+    if not x.device == cos.device == sin.device:
+        raise ValueError(f"rms_norm: x, cos, sin on {x.device}, {cos.device}, {sin.device}")
+    return math.prod(x.shape[1:-1])  # (no aten op: x[0] would be one)
+
+
+def _tables(rope, x2d: torch.Tensor) -> tuple:
+    """The kernels' (cos, sin), their strides and HALF; without rope, x stands for the
+    tables (never read) and HALF is 0."""
+    cos, sin = rope if rope is not None else (x2d, x2d)
+    return (cos, sin), (*cos.stride(), *sin.stride()), cos.shape[1] if rope is not None else 0
+
+
+def rms_norm(x, weight, eps: float = 1e-5, offset: float = 0.0, rope=None):
     """``(y, rstd)``: y (..., D) in x's dtype, ``x * rstd * (offset + weight)`` computed in
     fp32 and rounded once; rstd (x.shape[:-1]) float32, ``1 / sqrt(mean(x^2) + eps)``.
-    x any float dtype and strides; weight (D,) any float dtype."""
+    x any float dtype and strides; weight (D,) any float dtype. ``rope=(cos, sin)``: y
+    rotated (the module doc) before it is rounded, x (S, ..., D)."""
     D = _check(x, weight)
+    per_position = check_rope(x, rope) if rope is not None else 1
     x2d = _rows("x", x, D)
     M = x2d.shape[0]
     y = torch.empty((M, D), dtype=x.dtype, device=x.device)
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    run_torch = lambda: rms_norm_torch(x2d, weight, eps, offset, y, rstd, rope, per_position)  # noqa: E731
     if _impl.runs_torch(x.device):
-        rms_norm_torch(x2d, weight, eps, offset, y, rstd)
+        run_torch()
     elif y.numel():
         check_launchable(_rms_norm_fwd_kernel, x, weight)
         config = row_config(D, is_interpreted(_rms_norm_fwd_kernel))
         grid = (_common.cdiv(M, config["BLOCK_ROWS"]),)
-        args = (x2d, weight, y, rstd, *x2d.stride(), *y.stride(), M, D, float(eps), float(offset))
-        key = (bucket(M), D, str(x.dtype), str(weight.dtype))
-        run_torch = lambda: rms_norm_torch(x2d, weight, eps, offset, y, rstd)  # noqa: E731
-        _tuning.run_tile_or_torch(_rms_norm_fwd_kernel, config, lambda _: grid, args, {}, key, x,
-                                  run_torch)  # fmt: skip
+        tables, table_strides, half = _tables(rope, x2d)
+        args = (x2d, weight, y, rstd, *tables, *x2d.stride(), *y.stride(), *table_strides, M, D,
+                half, per_position, float(eps), float(offset))  # fmt: skip
+        key = (bucket(M), D, half, str(x.dtype), str(weight.dtype))
+        _tuning.run_tile_or_torch(_rms_norm_fwd_kernel, config, lambda _: grid, args,
+                                  {"ROTARY": rope is not None}, key, x, run_torch)  # fmt: skip
     return y.view(x.shape), rstd.view(x.shape[:-1])
 
 
@@ -185,12 +266,13 @@ def backward_programs(M: int, block_rows: int, device: torch.device, interpreted
 
 
 def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, eps: float, need_x=True,
-                      need_weight=True):  # fmt: skip
-    """``(dx, dweight)`` of `rms_norm` from dy (x's shape), x, weight, the forward's rstd
-    and its eps: dx in x's dtype, dweight (D,) in weight's (None where not asked for).
+                      need_weight=True, rope=None):  # fmt: skip
+    """``(dx, dweight)`` of `rms_norm` from dy (x's shape), x, weight, the forward's rstd,
+    eps and rope: dx in x's dtype, dweight (D,) in weight's (None where not asked for).
     The weight's gradient sums per-program fp32 partial rows in a fixed order (no
     atomics)."""
     D = _check(x, weight)
+    per_position = check_rope(x, rope) if rope is not None else 1
     x2d, dy2d = _rows("x", x, D), _rows("dy", dy, D)
     M = x2d.shape[0]
     if dy2d.shape != x2d.shape or rstd.numel() != M:
@@ -200,8 +282,9 @@ def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, eps: float, n
         raise TypeError(f"rms_norm_backward: rstd must be float32, got {rstd.dtype}")
     rstd = rstd.reshape(M)
     dx = torch.empty((M, D), dtype=x.dtype, device=x.device)
+    torch_args = (dy2d, x2d, weight, rstd, eps, offset, dx, rope, per_position)
     if _impl.runs_torch(x.device):
-        dw = rms_norm_backward_torch(dy2d, x2d, weight, rstd, eps, offset, dx)
+        dw = rms_norm_backward_torch(*torch_args)
     else:
         check_launchable(_rms_norm_bwd_kernel, dy, x, weight, rstd)
         interpreted = is_interpreted(_rms_norm_bwd_kernel)
@@ -213,14 +296,17 @@ def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, eps: float, n
 
         def torch_run():  # its weight gradient as the first partial row, the others 0
             partial.zero_()
-            partial[0] = rms_norm_backward_torch(dy2d, x2d, weight, rstd, eps, offset, dx)
+            partial[0] = rms_norm_backward_torch(*torch_args)
 
         if M:
-            args = (dy2d, x2d, weight, rstd, dx, partial, *dy2d.stride(), *x2d.stride(),
-                    *dx.stride(), M, D, float(eps), float(offset), per_program)  # fmt: skip
-            key = (bucket(M), D, str(x.dtype), str(weight.dtype), str(dy.dtype))
+            tables, table_strides, half = _tables(rope, x2d)
+            args = (dy2d, x2d, weight, rstd, dx, partial, *tables, *dy2d.stride(), *x2d.stride(),
+                    *dx.stride(), *table_strides, M, D, half, per_position, float(eps),
+                    float(offset), per_program)  # fmt: skip
+            key = (bucket(M), D, half, str(x.dtype), str(weight.dtype), str(dy.dtype))
             _tuning.run_tile_or_torch(_rms_norm_bwd_kernel, config, lambda _: (programs,), args,
-                                      {}, key, x, torch_run)  # fmt: skip
+                                      {"ROTARY": rope is not None}, key, x,
+                                      torch_run)  # fmt: skip
         dw = partial.sum(0)
     dx = dx.view(x.shape) if need_x else None
     return dx, dw.to(weight.dtype) if need_weight else None
@@ -229,17 +315,33 @@ def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, eps: float, n
 # --- torch implementation and reference ------------------------------------------------
 
 
-def rms_norm_torch(x2d, weight, eps, offset, y, rstd) -> None:
+def rotate_rows(t, rope, rows_per_position: int, inverse: bool = False):
+    """t (M, D) fp32 rotated by the angles of row m's position m // rows_per_position
+    (`fusedpar.kernels.rope`'s pairs; by -angle with `inverse`): a new tensor."""
+    cos, sin = rope
+    half = cos.shape[1]
+    c = cos.repeat_interleave(rows_per_position, 0)[: t.shape[0]]
+    s = sin.repeat_interleave(rows_per_position, 0)[: t.shape[0]]
+    s = -s if inverse else s
+    t1, t2 = t[:, :half], t[:, half : 2 * half]
+    return torch.cat([t1 * c - t2 * s, t2 * c + t1 * s, t[:, 2 * half :]], dim=1)
+
+
+def rms_norm_torch(x2d, weight, eps, offset, y, rstd, rope=None, rows_per_position=1) -> None:
     """`rms_norm`'s contract in PyTorch, into y and rstd: fp32 inside, rounded once."""
     xf = x2d.float()
     rstd.copy_(torch.rsqrt(xf.square().mean(-1) + eps))
-    y.copy_(xf * rstd[:, None] * (weight.float() + offset))
+    normed = xf * rstd[:, None] * (weight.float() + offset)
+    y.copy_(normed if rope is None else rotate_rows(normed, rope, rows_per_position))
 
 
-def rms_norm_backward_torch(dy2d, x2d, weight, rstd, eps, offset, dx):
+def rms_norm_backward_torch(dy2d, x2d, weight, rstd, eps, offset, dx, rope=None,
+                            rows_per_position=1):  # fmt: skip
     """`rms_norm_backward`'s contract in PyTorch: dx into `dx`; returns dweight in fp32."""
     xhat = x2d.float() * rstd[:, None]
     dyf = dy2d.float()
+    if rope is not None:
+        dyf = rotate_rows(dyf, rope, rows_per_position, inverse=True)
     g = dyf * (weight.float() + offset)
     if x2d.shape[1] == 1:  # the bracket without cancelling (the module doc)
         bracket = g * (eps * rstd * rstd)[:, None]
@@ -249,7 +351,15 @@ def rms_norm_backward_torch(dy2d, x2d, weight, rstd, eps, offset, dx):
     return (dyf * xhat).sum(0)
 
 
-def rms_norm_reference(x, weight, eps: float = 1e-5, offset: float = 0.0):
-    """RMSNorm in x's dtype (float64 in: the oracle), differentiable by autograd."""
+def rms_norm_reference(x, weight, eps: float = 1e-5, offset: float = 0.0, rope=None):
+    """RMSNorm in x's dtype (float64 in: the oracle), then the rotation of ``rope=(cos,
+    sin)`` (x (S, ..., D)), differentiable by autograd."""
     rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
-    return x * rstd * (weight.to(x.dtype) + offset)
+    y = x * rstd * (weight.to(x.dtype) + offset)
+    if rope is None:
+        return y
+    broadcast = (x.shape[0], *[1] * (x.dim() - 2), -1)  # (S, 1, ..., r/2)
+    c, s = (t.to(x.dtype).reshape(broadcast) for t in rope)
+    half = c.shape[-1]
+    y1, y2 = y[..., :half], y[..., half : 2 * half]
+    return torch.cat([y1 * c - y2 * s, y2 * c + y1 * s, y[..., 2 * half :]], dim=-1)

@@ -367,15 +367,16 @@ def test_a_half_width_hf_table_is_never_taken_for_the_full_layout():
     assert layer(torch.randn(8, 1, D_MODEL)).shape == (8, 1, D_MODEL)
 
 
-@pytest.mark.parametrize("options, joined", [
-    ({}, True), ({"rotary_dim": 8}, True),  # in the GEMMs' epilogue; partial: after them
-    ({"qk_norm": "head"}, False), ({"sequence_parallel": False}, True),  # classic TP too
+@pytest.mark.parametrize("options", [
+    {}, {"rotary_dim": 8},  # in the GEMMs' epilogue; partial: one launch after them
+    {"qk_norm": "head"}, {"qk_norm": "head", "rotary_dim": 8},  # in the norm's kernel
+    {"sequence_parallel": False},  # classic TP's GEMMs too
 ])  # fmt: skip
-def test_rope_joins_the_qkv_projection_where_nothing_comes_between(monkeypatch, options, joined,
-                                                                   triton_kernels):  # fmt: skip
+def test_rope_joins_the_qkv_projection_or_the_head_norm(monkeypatch, options, triton_kernels):
     """With no q/k norm, q and k leave `all_gather_matmul` turned (its GEMMs' epilogue,
-    or one launch after them for partial rotary; classic TP's GEMMs gather nothing) and
-    the layer rotates nothing itself; the output is the one the separate rotation
+    or one launch after them for partial rotary; classic TP's GEMMs gather nothing); with
+    a per-head q/k norm, its kernel turns them (`rms_norm`'s ``rope=``). Either way the
+    layer rotates nothing itself, and the output is the one the separate rotation
     gives."""
     from fusedpar.nn import attention
 
@@ -386,12 +387,13 @@ def test_rope_joins_the_qkv_projection_where_nothing_comes_between(monkeypatch, 
     rotate = attention.apply_rope_qk
     monkeypatch.setattr(attention, "apply_rope_qk", lambda *a: calls.append(1) or rotate(*a))
     monkeypatch.setattr(attention, "rotates_by_formula", lambda *a: True)  # never joined
+    monkeypatch.setattr(attention, "joins_rope", lambda *a: False)
     torch.testing.assert_close(layer(x), expected, atol=2e-5, rtol=1e-5)
     assert len(calls) == 1
     monkeypatch.undo()
     monkeypatch.setattr(attention, "apply_rope_qk", lambda *a: calls.append(1) or rotate(*a))
     layer(x)
-    assert len(calls) == (1 if joined else 2)
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("options, error, match", [

@@ -376,7 +376,7 @@ def test_write_results_records_nulls_and_tuner_picks(monkeypatch, tmp_path, trit
 
     matmul(torch.randn(5, 7), torch.randn(7, 3))  # makes (at least) one pick
     monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
-    rows = [{"a": 1, "b": None, "c": 0.123456}]
+    rows = [{"a": 1, "b": None, "c": 0.123456}, {"a": 2, "b": 1001.4, "c": 98765.4}]
     folder = common.write_results("fam", rows, ["a", "b", "c"], {"device": "dev", "k": 2},
                                   announce=False)  # fmt: skip
     assert folder == tmp_path / common.device_slug()
@@ -388,6 +388,7 @@ def test_write_results_records_nulls_and_tuner_picks(monkeypatch, tmp_path, trit
     assert "Triton kernels" in data["meta"]["implementation"]
     table = (folder / "fam.md").read_text()
     assert "| 1 | n/a | 0.123 |" in table
+    assert "| 2 | 1001 | 98765 |" in table  # three figures, but never "1e+03"
     assert "## Tuner picks" in table and "- matmul (" in table
     assert "tuning_picks:" not in table
 

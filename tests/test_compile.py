@@ -62,6 +62,9 @@ def _opcheck_cases(group: str):
     x, w1, w2, b1 = _leaf(4, 3, 8), _leaf(6, 8), _leaf(5, 8), _leaf(6)
     wr = _leaf(8, 8)  # a head of 8 turned by RoPE
     tables8, tables6 = (list(rope_tables(torch.arange(4 * W), hd, 100.0)) for hd in (8, 6))
+    norm_rope = rope_tables(torch.arange(4), 6, 100.0)  # xt's 4 positions, 6 of 8 dims turned
+    dy_t, rstd_t = torch.randn(4, 3, 8), torch.rand(4, 3)  # xt's gradient and rstd
+    dy5, rstd5 = torch.randn(5, 8), torch.rand(5)
     y = torch.randn(4 * W, 3, 6)
     T, E, top_k, d, h = 5, 4, 2, 8, 6
     xm = _leaf(T, d)
@@ -221,15 +224,14 @@ def _opcheck_cases(group: str):
             ops.moe_route_backward,
             (None, torch.randn(T, 5), route_probs, route_ids, "sigmoid", False),
         ),
-        (ops.rms_norm, (xt, _leaf(8), 1e-5, 0.0)),
-        (ops.rms_norm, (_leaf(5, 8, dtype=torch.float16), _leaf(8), 1e-6, 1.0)),
+        (ops.rms_norm, (xt, _leaf(8), 1e-5, 0.0, None, None)),
+        (ops.rms_norm, (_leaf(5, 8, dtype=torch.float16), _leaf(8), 1e-6, 1.0, None, None)),
+        (ops.rms_norm, (xt, _leaf(8), 1e-5, 0.0, *norm_rope)),  # a q/k norm joined by RoPE
+        (ops.rms_norm_backward, (dy_t, xt, _leaf(8), rstd_t, 1e-5, 0.0, None, None, True, True)),
+        (ops.rms_norm_backward, (dy_t, xt, _leaf(8), rstd_t, 1e-5, 0.0, *norm_rope, True, True)),
         (
             ops.rms_norm_backward,
-            (torch.randn(4, 3, 8), xt, _leaf(8), torch.rand(4, 3), 1e-5, 0.0, True, True),
-        ),
-        (
-            ops.rms_norm_backward,
-            (torch.randn(5, 8), _leaf(5, 8), _leaf(8), torch.rand(5), 1e-6, 1.0, False, True),
+            (dy5, _leaf(5, 8), _leaf(8), rstd5, 1e-6, 1.0, None, None, False, True),
         ),
         # the gated activation (no autograd of its own: `_GatedDown` holds it): strided
         # (a fused gate/up's halves), each activation

@@ -227,11 +227,16 @@ def route_calls(experts, top_k, score):
     moe_route.route_top_k_backward(weights, probs, probs, ids, score, True)
 
 
-def rms_norm_calls(dtype, dim):
-    """RMSNorm's forward and backward over 256 rows of `dim` features."""
+def rms_norm_calls(dtype, dim, rotary=0):
+    """RMSNorm's forward and backward over 256 rows of `dim` features; with `rotary`, a
+    q/k head norm whose kernel turns that many dims by RoPE (32 positions of 8 heads)."""
     x, weight = _empty((256, dim), dtype), _empty((dim,), dtype)
-    _, rstd = rms_norm.rms_norm(x, weight)
-    rms_norm.rms_norm_backward(_empty((256, dim), dtype), x, weight, rstd, eps=1e-5)
+    rope = None
+    if rotary:
+        x = x.view(32, 8, dim)
+        rope = tuple(_empty((32, rotary // 2), "float32") for _ in range(2))
+    _, rstd = rms_norm.rms_norm(x, weight, rope=rope)
+    rms_norm.rms_norm_backward(_empty(x.shape, dtype), x, weight, rstd, eps=1e-5, rope=rope)
 
 
 def gated_calls(dtype, activation):
@@ -522,7 +527,8 @@ for kernel in ("_route_fwd_kernel", "_route_bwd_kernel"):
             no_spill=experts <= 256)  # fmt: skip
 
 # RMSNorm: its launcher's fixed tile (whole rows), at Llama 8B's width in 16-bit (no spill
-# allowed, and on an A100), and reported at 70B's width and in fp32.
+# allowed, and on an A100), and reported at 70B's width and in fp32; as a q/k head norm
+# turning its output by RoPE, no spill allowed.
 RMS_NORM_KERNELS = ("_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel")
 for kernel in RMS_NORM_KERNELS:
     family = "rms_norm-" + kernel.strip("_").removesuffix("_kernel").removeprefix("rms_norm_")
@@ -532,6 +538,11 @@ for kernel in RMS_NORM_KERNELS:
     for dtype, dim in (("bfloat16", 8192), ("float32", 4096)):
         add(family, f"{dtype}-d{dim}", rms_norm_calls, {"dtype": dtype, "dim": dim}, kernel, 90,
             no_spill=False)  # fmt: skip
+    # a q/k head norm joined by RoPE: heads of 128, all turned (and on an A100) or half
+    for rotary, cap in ((128, 90), (128, 80), (64, 90)):
+        add(family, f"bfloat16-d128-rope{rotary}", rms_norm_calls,
+            {"dtype": "bfloat16", "dim": 128, "rotary": rotary}, kernel, cap,
+            no_spill=True)  # fmt: skip
 
 
 # The gated activation: its launcher's fixed tile, each activation and mode (forward;

@@ -1,6 +1,7 @@
-"""fusedpar.kernels.rms_norm (forward and backward) and `fp.nn.RMSNorm` against float64:
-odd widths, strided inputs, fp32 and fp16, random weights, Gemma's offset; the weight's
-gradient the same bits on every run; bad input named."""
+"""fusedpar.kernels.rms_norm (forward and backward, with and without RoPE after it) and
+`fp.nn.RMSNorm` against float64: odd widths, strided inputs, fp32 and fp16, random
+weights, Gemma's offset, partial rotary; the weight's gradient the same bits on every run;
+bad input named."""
 
 import pytest
 import torch
@@ -55,27 +56,80 @@ def _check_against_float64(rows, D, dtype, seed, strided, offset, weight_fp32, l
     x = x.reshape(*lead, rows, D) if lead else x
     w_dtype = torch.float32 if weight_fp32 else dtype
     weight = (randn((D,), w_dtype, seed + 1, scale=0.5) + 0.2).to(device)
-    dy = randn(x.shape, dtype, seed + 2).to(device)
-    eps = 1e-5
+    _check_norm(x, weight, offset, seed)
 
+
+def _check_norm(x, weight, offset, seed, rope=None):
+    """fp.rms_norm's y, dx and dweight (with `rope`'s rotation) against float64."""
+    dtype, D, eps = x.dtype, x.shape[-1], 1e-5
+    dy = randn(x.shape, dtype, seed + 2).to(x.device)
     x_ = x.detach().clone().requires_grad_()
     w_ = weight.clone().requires_grad_()
-    y = fp.rms_norm(x_, w_, eps, offset=offset)
+    y = fp.rms_norm(x_, w_, eps, offset=offset, rope=rope)
     y.backward(dy)
 
     grads = []
     for dt in (torch.float64, dtype):  # the oracle, then PyTorch's own error in dtype
         xr = x.detach().to(dt).requires_grad_()
         wr = weight.to(dt).requires_grad_()
-        out = rms_norm_reference(xr, wr, eps, offset)
+        out = rms_norm_reference(xr, wr, eps, offset, rope)
         out.backward(dy.to(dt))
         grads.append((out.detach(), xr.grad, wr.grad))
     (ref, dx_ref, dw_ref), (ref_t, dx_t, dw_t) = grads
     assert y.dtype == dtype and y.shape == x.shape
     assert_close(y, ref, ref_t, name="y")
     assert_close(x_.grad, dx_ref, dx_t, name="dx", sum_length=D)
-    assert w_.grad.dtype == w_dtype
+    assert w_.grad.dtype == weight.dtype
     assert_close(w_.grad.to(dtype), dw_ref, dw_t, name="dweight", sum_length=x.numel() // D)
+
+
+@given(
+    S=st.integers(1, 9), B=st.integers(1, 2), H=st.integers(1, 3), D=st.integers(2, 40),
+    rotated=st.floats(0.0, 1.0), dtype=cpu_dtypes(), seed=seeds(), batch_first=st.booleans(),
+    offset=st.sampled_from([0.0, 1.0]),
+)  # fmt: skip
+@example(S=5, B=2, H=3, D=16, rotated=1.0, dtype=torch.float16, seed=0, batch_first=True,
+         offset=0.0)  # fmt: skip
+@example(S=3, B=1, H=2, D=13, rotated=0.5, dtype=torch.float32, seed=1, batch_first=False,
+         offset=1.0)  # fmt: skip
+def test_rms_norm_with_rope_matches_float64(S, B, H, D, rotated, dtype, seed, batch_first,
+                                            offset, each_implementation):  # fmt: skip
+    """A q/k head norm with RoPE after it (``rope=``): x (S, B, H, hd) as attention's
+    projection gives it, or a transposed view of a batch-first one (rows that do not
+    flatten: copied); the first r = 2 * half <= hd dims rotate, the rest pass."""
+    half = max(1, round(rotated * (D // 2)))
+    angles = randn((S, half), torch.float32, seed + 3, scale=3.0)
+    rope = (angles.cos(), angles.sin())
+    shape = (B, S, H, D) if batch_first else (S, B, H, D)
+    x = randn(shape, dtype, seed)
+    x = x.transpose(0, 1) if batch_first else x
+    weight = randn((D,), dtype, seed + 1, scale=0.5) + 0.2
+    _check_norm(x, weight, offset, seed, rope)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rotary", [128, 64])
+def test_head_norm_with_rope_on_a_gpu(dtype, rotary):
+    """Compiled: a q/k head norm of Llama's heads (hd 128) turned by RoPE, all or half of
+    each head, over a (S, B, H, hd) projection."""
+    S, B, H, hd = 300, 2, 8, 128
+    angles = randn((S, rotary // 2), torch.float32, 3, scale=3.0).cuda()
+    x = randn((S, B, H, hd), dtype, 0).cuda()
+    weight = (randn((hd,), dtype, 1, scale=0.5) + 0.2).cuda()
+    _check_norm(x, weight, 0.0, 0, (angles.cos(), angles.sin()))
+
+
+def test_rope_without_a_position_dim_first_is_named():
+    x, weight = torch.ones(4, 3, 8), torch.ones(8)
+    with pytest.raises(ValueError, match=r"\(S=4, r/2\).*\(3, 2\)"):
+        fp.rms_norm(x, weight, rope=(torch.ones(3, 2), torch.ones(3, 2)))
+    with pytest.raises(ValueError, match="10 rotated dims, over the 8 features"):
+        fp.rms_norm(x, weight, rope=(torch.ones(4, 5), torch.ones(4, 5)))
+    with pytest.raises(TypeError, match="float32"):
+        fp.rms_norm(x, weight, rope=(torch.ones(4, 2).double(), torch.ones(4, 2).double()))
+    with pytest.raises(ValueError, match="no gradient"):
+        fp.rms_norm(x, weight, rope=(torch.ones(4, 2, requires_grad=True), torch.ones(4, 2)))
 
 
 def test_weight_gradient_is_deterministic_and_rstd_is_one_per_row(each_implementation):

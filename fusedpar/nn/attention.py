@@ -55,6 +55,7 @@ from fusedpar.nn.attention_parts import (  # noqa: F401 (rope_tables: public her
     QK_NORMS,
     apply_rope,
     apply_rope_qk,
+    joins_rope,
     norm_weight,
     qk_rms_norm,
     rope_tables,
@@ -411,13 +412,16 @@ class ParallelAttention(nn.Module):
             q, k, v = all_gather_matmul(x, weights, None, bias=biases, **rope)
         seq, batch = q.shape[0], q.shape[1]
         q, k, v = (t.view(seq, batch, -1, hd) for t in (q, k, v))  # (S, B, H, hd)
+        # ... or the q/k head norm's kernel rotates its output (one launch each way for q)
+        normed = rotary and not joined and joins_rope(self.qk_norm, q, cos, sin)
         if self.qk_norm is not None:  # (on rows that flatten: the norm kernel reads them in place)
-            norm = dict(kind=self.qk_norm, offset=self.norm_offset, tp_group=self.tp_group)
+            norm = dict(kind=self.qk_norm, offset=self.norm_offset, tp_group=self.tp_group,
+                        rope=(cos, sin) if normed else None)  # fmt: skip
             q = qk_rms_norm(q, self.q_norm_weight, self.norm_eps, **norm)
             k = qk_rms_norm(k, self.k_norm_weight, self.norm_eps, **norm)
         # (S, B, H, hd) -> (B, S, H, hd): a strided view, read in place by the kernels
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-        if rotary and not joined:
+        if rotary and not joined and not normed:
             q, k = apply_rope_qk(q, k, cos, sin)  # one launch for both, each way
         out = ring_attn(q, k, v, self.cp_group, causal=self.causal, layout=self.cp_layout,
                         softmax_scale=self.softmax_scale,

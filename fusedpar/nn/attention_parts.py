@@ -8,8 +8,9 @@ rotary embedding and the q/k norms.
 
 The weight scales the normalized values as ``weight`` or, with ``norm_offset=1``,
 ``(1 + weight)`` (Gemma's RMSNorm). A "head" norm is `fusedpar.rms_norm` over each head
-(one Triton launch each way, saving x and one fp32 per head); "full" sums its statistics
-over TP in PyTorch.
+(one Triton launch each way, saving x and one fp32 per head) that RoPE joins (the same
+launch rotates its output: `fusedpar.ops.norm.rms_norm`'s ``rope=``); "full" sums its
+statistics over TP in PyTorch.
 """
 
 import torch
@@ -70,16 +71,26 @@ def norm_weight(name: str, t) -> torch.Tensor:
     return weight
 
 
+def joins_rope(kind: str | None, x, cos, sin) -> bool:
+    """Whether a q/k norm of `kind` rotates its output itself (`qk_rms_norm`'s ``rope=``):
+    a "head" norm in the kernel, with tables the rotation kernel takes."""
+    return kind == "head" and not rotates_by_formula(x, cos, sin)
+
+
 def qk_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, kind: str,
-                offset: float = 0.0, tp_group=None) -> torch.Tensor:  # fmt: skip
+                offset: float = 0.0, tp_group=None, rope=None) -> torch.Tensor:  # fmt: skip
     """The q/k RMSNorm of `kind` (see the module doc) of x (..., H_loc, hd) in fp32,
     returned in x's dtype, weighted in fp32 and rounded once (as Gemma and OLMo 2 do;
     Qwen3 rounds the normalized values before weighting them, one rounding more). "head"
     is `fusedpar.rms_norm` over each head (float64, a reference model's dtype: the
     formula); "full" sums the squares over this rank's heads and all-reduces them over
-    `tp_group` (differentiable: each rank's gradient reaches the others' statistics)."""
+    `tp_group` (differentiable: each rank's gradient reaches the others' statistics).
+    ``rope=(cos, sin)`` (where `joins_rope`; x (S, B, H_loc, hd)): the result rotated
+    in the same kernel, before its one rounding."""
+    if rope is not None and not joins_rope(kind, x, *rope):
+        raise ValueError(f"qk_rms_norm: a {kind!r} norm of {x.dtype} does not rotate (rope=)")
     if kind == "head" and x.dtype != torch.float64:
-        return rms_norm(x, weight, eps, offset=offset)
+        return rms_norm(x, weight, eps, offset=offset, rope=rope)
     x32 = x.float()
     if kind == "head":
         mean_square = x32.square().mean(-1, keepdim=True)
