@@ -412,7 +412,7 @@ class ParallelAttention(nn.Module):
             q, k, v = all_gather_matmul(x, weights, None, bias=biases, **rope)
         seq, batch = q.shape[0], q.shape[1]
         q, k, v = (t.view(seq, batch, -1, hd) for t in (q, k, v))  # (S, B, H, hd)
-        # ... or the q/k head norm's kernel rotates its output (one launch each way for q)
+        # ... or the q/k head norm's kernel rotates its output (one launch each way per tensor)
         normed = rotary and not joined and joins_rope(self.qk_norm, q, cos, sin)
         if self.qk_norm is not None:  # (on rows that flatten: the norm kernel reads them in place)
             norm = dict(kind=self.qk_norm, offset=self.norm_offset, tp_group=self.tp_group,
