@@ -42,6 +42,7 @@ from fusedpar.kernels._common import (
     sm_count,
 )
 from fusedpar.kernels._tuning import bucket
+from fusedpar.kernels.rope import check_tables, rope_torch
 
 # A program holds whole rows (BLOCK_D = D rounded up to a power of two): one read of x
 # per pass. Past this width a row would not fit a program's registers.
@@ -207,19 +208,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> int:
 def check_rope(x: torch.Tensor, rope) -> int:
     """For ``rope=(cos, sin)``: ValueError/TypeError naming the sizes unless x is (S, ...,
     D) and cos, sin (S, r/2) float32 on x's device with r <= D; the rows per position."""
-    cos, sin = rope
-    if cos.dim() != 2 or cos.shape != sin.shape or x.dim() < 2 or cos.shape[0] != x.shape[0]:
-        raise ValueError(f"rms_norm: rope's cos and sin must be (S={x.shape[0]}, r/2) for x "
-                         f"{tuple(x.shape)} (S, ..., D), got {tuple(cos.shape)} and "
-                         f"{tuple(sin.shape)}")  # fmt: skip
-    if 2 * cos.shape[1] > x.shape[-1]:
-        raise ValueError(f"rms_norm: {2 * cos.shape[1]} rotated dims, over the {x.shape[-1]} "
-                         f"features of a row")  # fmt: skip
-    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
-        raise TypeError(f"rms_norm: rope's cos and sin must be float32, got {cos.dtype} and "
-                        f"{sin.dtype}")  # fmt: skip
-    if not x.device == cos.device == sin.device:
-        raise ValueError(f"rms_norm: x, cos, sin on {x.device}, {cos.device}, {sin.device}")
+    if x.dim() < 2:
+        raise ValueError(f"rms_norm: rope= takes x (S, ..., D), got {tuple(x.shape)}")
+    check_tables("rms_norm", *rope, x.shape[0], x.shape[-1], x.device)
     return math.prod(x.shape[1:-1])  # (no aten op: x[0] would be one)
 
 
@@ -315,16 +306,10 @@ def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, eps: float, n
 # --- torch implementation and reference ------------------------------------------------
 
 
-def rotate_rows(t, rope, rows_per_position: int, inverse: bool = False):
-    """t (M, D) fp32 rotated by the angles of row m's position m // rows_per_position
-    (`fusedpar.kernels.rope`'s pairs; by -angle with `inverse`): a new tensor."""
-    cos, sin = rope
-    half = cos.shape[1]
-    c = cos.repeat_interleave(rows_per_position, 0)[: t.shape[0]]
-    s = sin.repeat_interleave(rows_per_position, 0)[: t.shape[0]]
-    s = -s if inverse else s
-    t1, t2 = t[:, :half], t[:, half : 2 * half]
-    return torch.cat([t1 * c - t2 * s, t2 * c + t1 * s, t[:, 2 * half :]], dim=1)
+def _by_position(t2d, rows_per_position: int):
+    """(M, D) rows as `fusedpar.kernels.rope`'s (1, S, rows a position, D): a view of a
+    contiguous t2d (one written into), else a copy (one only read)."""
+    return t2d.reshape(1, -1, rows_per_position, t2d.shape[1])
 
 
 def rms_norm_torch(x2d, weight, eps, offset, y, rstd, rope=None, rows_per_position=1) -> None:
@@ -332,7 +317,11 @@ def rms_norm_torch(x2d, weight, eps, offset, y, rstd, rope=None, rows_per_positi
     xf = x2d.float()
     rstd.copy_(torch.rsqrt(xf.square().mean(-1) + eps))
     normed = xf * rstd[:, None] * (weight.float() + offset)
-    y.copy_(normed if rope is None else rotate_rows(normed, rope, rows_per_position))
+    if rope is None:
+        y.copy_(normed)
+    else:  # rope's rows (1, S, rows a position, D): rotated into y, rounded once
+        rope_torch(_by_position(normed, rows_per_position), *rope, False,
+                   _by_position(y, rows_per_position))  # fmt: skip
 
 
 def rms_norm_backward_torch(dy2d, x2d, weight, rstd, eps, offset, dx, rope=None,
@@ -340,8 +329,10 @@ def rms_norm_backward_torch(dy2d, x2d, weight, rstd, eps, offset, dx, rope=None,
     """`rms_norm_backward`'s contract in PyTorch: dx into `dx`; returns dweight in fp32."""
     xhat = x2d.float() * rstd[:, None]
     dyf = dy2d.float()
-    if rope is not None:
-        dyf = rotate_rows(dyf, rope, rows_per_position, inverse=True)
+    if rope is not None:  # turned back in place, in a contiguous fp32 copy of dy
+        dyf = dy2d.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        rope_torch(_by_position(dyf, rows_per_position), *rope, True,
+                   _by_position(dyf, rows_per_position))  # fmt: skip
     g = dyf * (weight.float() + offset)
     if x2d.shape[1] == 1:  # the bracket without cancelling (the module doc)
         bracket = g * (eps * rstd * rstd)[:, None]

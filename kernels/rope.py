@@ -96,20 +96,27 @@ def _rope_kernel(
 # --- launcher ---------------------------------------------------------------------------
 
 
+def check_tables(who: str, cos, sin, positions: int, width: int, device) -> None:
+    """ValueError/TypeError naming the sizes unless cos and sin are (positions, r/2)
+    float32 on `device` with r <= width, the head dim (the features of a row they turn:
+    this kernel's and `fusedpar.kernels.rms_norm`'s ``rope=``)."""
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != positions:
+        raise ValueError(f"{who}: cos and sin must be (S={positions}, r/2), got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")  # fmt: skip
+    if 2 * cos.shape[1] > width:
+        raise ValueError(f"{who}: {2 * cos.shape[1]} rotated dims, over the head dim {width}")
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise TypeError(f"{who}: cos and sin must be float32, got {cos.dtype} and {sin.dtype}")
+    if not device == cos.device == sin.device:
+        raise ValueError(f"{who}: x, cos, sin on {device}, {cos.device}, {sin.device}")
+
+
 def check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """ValueError/TypeError naming the sizes for inputs the kernel cannot take."""
     if x.dim() != 4:
         raise ValueError(f"rope: x must be (B, S, H, hd), got {tuple(x.shape)}")
     check_float_dtype("x", x)
-    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != x.shape[1]:
-        raise ValueError(f"rope: cos and sin must be (S={x.shape[1]}, r/2), got "
-                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")  # fmt: skip
-    if 2 * cos.shape[1] > x.shape[3]:
-        raise ValueError(f"rope: {2 * cos.shape[1]} rotated dims, over the head dim {x.shape[3]}")
-    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
-        raise TypeError(f"rope: cos and sin must be float32, got {cos.dtype} and {sin.dtype}")
-    if not x.device == cos.device == sin.device:
-        raise ValueError(f"rope: x, cos, sin on {x.device}, {cos.device}, {sin.device}")
+    check_tables("rope", cos, sin, x.shape[1], x.shape[3], x.device)
 
 
 # (shapes, strides, dtype, device, direction) -> (tile, grid, tuner key)

@@ -124,7 +124,7 @@ def test_rope_without_a_position_dim_first_is_named():
     x, weight = torch.ones(4, 3, 8), torch.ones(8)
     with pytest.raises(ValueError, match=r"\(S=4, r/2\).*\(3, 2\)"):
         fp.rms_norm(x, weight, rope=(torch.ones(3, 2), torch.ones(3, 2)))
-    with pytest.raises(ValueError, match="10 rotated dims, over the 8 features"):
+    with pytest.raises(ValueError, match="10 rotated dims, over the head dim 8"):
         fp.rms_norm(x, weight, rope=(torch.ones(4, 5), torch.ones(4, 5)))
     with pytest.raises(TypeError, match="float32"):
         fp.rms_norm(x, weight, rope=(torch.ones(4, 2).double(), torch.ones(4, 2).double()))
