@@ -134,16 +134,18 @@ def test_loads_bitwise_at_another_layout(world, saved, layout, fsdp):
 
 
 WRONG = {"d_model": {"d_model": 64}, "experts": {"experts": 8}, "layers": {"n_layers": 0},
-         "path on rank 3": {}, "interrupted": {}}  # fmt: skip
+         "path on rank 3": {}, "interrupted": {}, "another save on rank 3": {}}  # fmt: skip
 
 
-def _run_load_wrong(path, what):
-    """Load a checkpoint of another model (or, on one rank, a path that is not there):
-    the error, and whether anything changed."""
+def _run_load_wrong(path, what, other=None):
+    """Load a checkpoint of another model (or, on one rank, a path that is not there, or
+    `other`): the error, and whether anything changed."""
     mesh, model, optimizer = _build((1, 1, 4), moe=True, fsdp=None, **WRONG[what])
     before = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
     if what == "path on rank 3" and dist.get_rank() == 3:
         path += "-typo"
+    if other is not None and dist.get_rank() == 3:
+        path = other
     try:
         fp.checkpoint.load(path, model, optimizer)
     except ValueError as e:
@@ -161,6 +163,8 @@ def _run_load_wrong(path, what):
     ("path on rank 3", r"cannot load \(rank 3\): FileNotFoundError: no checkpoint at .*-typo"),
     ("interrupted", r"cannot load \(rank 0\): ValueError: .* an interrupted save: it has no "
                     r"complete\.json"),
+    ("another save on rank 3", r"cannot load .*: the ranks found different saves there \(rank "
+                               r"0: [0-9a-f]+, rank 3: 0bad\)"),
 ])  # fmt: skip
 def test_a_checkpoint_of_another_model_fails_on_every_rank(world, saved, what, match, tmp_path):
     """...before any rank reads it, and every rank: none is left waiting in DCP. An
@@ -169,10 +173,16 @@ def test_a_checkpoint_of_another_model_fails_on_every_rank(world, saved, what, m
     kind, path = saved[:2]
     if kind != "moe":
         pytest.skip("the MoE checkpoint has both")
+    other = None
     if what == "interrupted":
         path = shutil.copytree(path, tmp_path / "step-2")
         (path / fp.checkpoint.RECORD).unlink()
-    for message, untouched in world(4).run(_run_load_wrong, str(path), what):
+    if what == "another save on rank 3":  # (a stale view of a shared directory, say)
+        other = shutil.copytree(path, tmp_path / "step-2")
+        record = json.loads((other / fp.checkpoint.RECORD).read_text())
+        (other / fp.checkpoint.RECORD).write_text(json.dumps({**record, "id": "0bad"}))
+        other = str(other)
+    for message, untouched in world(4).run(_run_load_wrong, str(path), what, other):
         assert message is not None and re.search(match, message), message
         assert untouched
 
