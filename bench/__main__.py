@@ -12,6 +12,7 @@ FAMILIES = [
     "moe",
     "host_overhead",
     "step_time",
+    "checkpoint_save",
 ]
 
 

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 4 examples/train.py --tp 1 --cp 2 --ulysses 2
     torchrun --nproc-per-node 4 examples/train.py --pp 2 --tp 2 [--schedule DualPipeV --layers 4]
     torchrun --nproc-per-node 4 examples/train.py --steps 20 --save ckpt --save-every 10
-    torchrun --nproc-per-node 4 examples/train.py --steps 30 --tp 4 --cp 1 --resume ckpt/step-20
+    torchrun --nproc-per-node 4 examples/train.py --steps 30 --tp 4 --cp 1 --resume ckpt
 
 GPUs: NCCL, and per shape the faster of fusedpar's Triton kernels and torch's (timed
 once). CPU: gloo and torch's ops, or with FUSEDPAR_IMPL=triton fusedpar's kernels in
@@ -13,9 +13,10 @@ parameter is a DTensor on the (dp, cp[, ulysses], tp) mesh (`fp.distribute`); da
 parallelism over the remaining ranks (dp = world / (pp * tp * cp * ulysses)) goes through
 PyTorch's FSDP2 on the "dp" axis of that mesh. With `--pp` the mesh is (pp, dp, cp, tp):
 `fp.pipeline.split` cuts the model into the stages of a torch.distributed.pipelining
-schedule, and each rank's stages live on its stage's sub-mesh. Checkpoints (`--save`) hold the model
-and AdamW state through `torch.distributed.checkpoint` and resume at any layout
-(`--resume`). The text is this repository's own docs, read as bytes (nothing is
+schedule, and each rank's stages live on its stage's sub-mesh. Checkpoints (`--save`)
+hold the model and AdamW state through `torch.distributed.checkpoint`, are complete or
+invisible (a run killed while saving leaves the last complete one), and resume at any
+layout (`--resume`). The text is this repository's own docs, read as bytes (nothing is
 fetched). Rank 0 trains the single-device reference on the same batches and ends with
 how far the two loss curves are apart.
 """
@@ -58,8 +59,13 @@ def parse_args(argv=None):
     parser.add_argument("--save", metavar="DIR", help="write checkpoints to DIR/step-N")
     parser.add_argument("--save-every", type=int, default=0, metavar="N",
                         help="with --save: every N steps as well as at the end")  # fmt: skip
-    parser.add_argument("--resume", metavar="CKPT", help="continue from DIR/step-N, at any "
-                        "tp/cp/dp layout; --steps counts from the start")  # fmt: skip
+    parser.add_argument("--overwrite", action="store_true",
+                        help="with --save: replace checkpoints already in DIR")  # fmt: skip
+    parser.add_argument("--async-save", action="store_true",
+                        help="with --save: write checkpoints while training goes on")  # fmt: skip
+    parser.add_argument("--resume", metavar="CKPT", help="continue from DIR/step-N, or from "
+                        "DIR's latest complete step-N, at any tp/cp/dp layout; --steps counts "
+                        "from the start")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -150,25 +156,31 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr)
     first_step = 1
-    if args.resume:
-        try:  # the shapes are checked on every rank before anything is read
-            first_step = fp.checkpoint.load(args.resume, model, optimizer)["step"] + 1
+    if args.resume:  # a directory of checkpoints: its newest complete one
+        resume = fp.checkpoint.latest(args.resume) or args.resume
+        try:  # complete, and the shapes, checked on every rank before anything is read
+            first_step = fp.checkpoint.load(resume, model, optimizer)["step"] + 1
         except ValueError as e:
             print(f"rank {rank}: cannot resume: {e}", file=sys.stderr, flush=True)
             dist.destroy_process_group()
             return 2
         if rank == 0:
-            saved = torch.load(Path(args.resume) / "reference.pt", map_location=device)
+            print(f"resuming from {resume} (step {first_step - 1})", flush=True)
+            where = Path(fp.checkpoint.resolve(resume))  # (an overwrite's old copy, if cut)
+            saved = torch.load(where / "reference.pt", map_location=device)
             reference.load_state_dict(saved["model"])
             ref_optimizer.load_state_dict(saved["optimizer"])
 
+    pending = None  # the asynchronous save in flight
+
     def save(step: int) -> None:
-        path = Path(args.save) / f"step-{step}"
-        fp.checkpoint.save(path, model, optimizer, extra={"step": step})
-        if rank == 0:
-            torch.save({"model": reference.state_dict(), "optimizer": ref_optimizer.state_dict()},
-                       path / "reference.pt")  # fmt: skip
-        dist.barrier()
+        nonlocal pending
+        reference_state = {"model": reference.state_dict(),
+                           "optimizer": ref_optimizer.state_dict()}  # fmt: skip
+        pending = fp.checkpoint.save(Path(args.save) / f"step-{step}", model, optimizer,
+                                     extra={"step": step}, overwrite=args.overwrite,
+                                     files={"reference.pt": reference_state} if rank == 0
+                                     else None, async_save=args.async_save)  # fmt: skip
 
     corpus = load_corpus()
     dp_rank = mesh["dp"].get_local_rank()
@@ -214,7 +226,15 @@ def main(argv=None) -> int:
             progress.update(step, f"loss {losses[-1]:.4f} (reference {ref_losses[-1]:.4f}) "
                                   f"{rate:,.0f} tokens/s")  # fmt: skip
         if args.save and (step == args.steps or args.save_every and step % args.save_every == 0):
-            save(step)
+            try:
+                save(step)
+            except FileExistsError as e:  # on every rank, before anything is written
+                print(f"rank {rank}: cannot save: {e} (--overwrite does)", file=sys.stderr,
+                      flush=True)  # fmt: skip
+                dist.destroy_process_group()
+                return 2
+    if pending is not None:
+        pending.wait()  # the last checkpoint complete before the group goes
     ok = True
     if rank == 0 and losses:
         if args.save or args.resume:  # every digit, to compare a resumed run with its original

@@ -1,11 +1,17 @@
 """Distributed checkpoints (`fp.checkpoint`) of the demo model on the full mesh: saved
-at one layout, loaded at another, every parameter and AdamW moment equals the gathered
-original bit for bit, and training goes on with the uninterrupted run's losses; a
-checkpoint of another model fails on every rank, naming the tensor, with nothing loaded.
+at one layout (blocking, or asynchronously while training goes on), loaded at another,
+every parameter and AdamW moment equals the gathered original bit for bit, and training
+goes on with the uninterrupted run's losses; a checkpoint of another model, or an
+interrupted save, fails on every rank, naming it, with nothing loaded. Then, in one
+process: `latest`, overwriting, files saved beside the state, damage found. (Ranks
+killed in the middle of saves: tests/test_checkpoint_kill.py.)
 """
 
+import json
 import re
+import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -69,12 +75,18 @@ def _gathered(model, optimizer) -> dict:
     return out
 
 
-def _run_save(path, layout, moe, fsdp, steps_on):
+def _run_save(path, layout, moe, fsdp, steps_on, async_save):
+    """Trained, saved, trained on (``async_save``: while the save is written, waited
+    for after): the state saved, gathered, and the losses after it."""
     mesh, model, optimizer = _build(layout, moe, fsdp)
     _train(mesh, model, optimizer, range(SAVED_AT))
-    fp.checkpoint.save(path, model, optimizer, extra={"step": SAVED_AT})
+    pending = fp.checkpoint.save(path, model, optimizer, extra={"step": SAVED_AT},
+                                 async_save=async_save)  # fmt: skip
     gathered = _gathered(model, optimizer)
-    return gathered, _train(mesh, model, optimizer, steps_on)
+    losses = _train(mesh, model, optimizer, steps_on)  # changes the parameters in place
+    if async_save:
+        assert pending.wait() == path
+    return gathered, losses
 
 
 def _run_load(path, layout, moe, fsdp, steps_on):
@@ -86,13 +98,15 @@ def _run_load(path, layout, moe, fsdp, steps_on):
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def saved(request, world, tmp_path_factory):
     """Trained SAVED_AT steps and saved at (dp=2, tp=2) (experts over tp: EP=2; MoE
-    through FSDP2's torch 2.11 path), then trained on (dense; the MoE checkpoint is
-    checked bitwise only, a step costs seconds in the interpreter): (kind, path,
-    tensors, steps trained on, their losses)."""
+    through FSDP2's torch 2.11 path), then trained on (dense, saved asynchronously: the
+    steps run while it is written; the MoE checkpoint is checked bitwise only, a step
+    costs seconds in the interpreter): (kind, path, tensors, steps trained on, their
+    losses)."""
     moe = request.param == "moe"
-    path = str(tmp_path_factory.mktemp(request.param))
+    path = str(tmp_path_factory.mktemp(request.param) / "step-2")
     steps_on = [] if moe else [SAVED_AT, SAVED_AT + 1]
-    gathered, losses = world(4).run(_run_save, path, (2, 1, 2), moe, not moe, steps_on)[0]
+    gathered, losses = world(4).run(_run_save, path, (2, 1, 2), moe, not moe, steps_on,
+                                    not moe)[0]  # fmt: skip
     return request.param, path, gathered, steps_on, losses
 
 
@@ -120,16 +134,18 @@ def test_loads_bitwise_at_another_layout(world, saved, layout, fsdp):
 
 
 WRONG = {"d_model": {"d_model": 64}, "experts": {"experts": 8}, "layers": {"n_layers": 0},
-         "path on rank 3": {}}  # fmt: skip
+         "path on rank 3": {}, "interrupted": {}, "another save on rank 3": {}}  # fmt: skip
 
 
-def _run_load_wrong(path, what):
-    """Load a checkpoint of another model (or, on one rank, a path that is not there):
-    the error, and whether anything changed."""
+def _run_load_wrong(path, what, other=None):
+    """Load a checkpoint of another model (or, on one rank, a path that is not there, or
+    `other`): the error, and whether anything changed."""
     mesh, model, optimizer = _build((1, 1, 4), moe=True, fsdp=None, **WRONG[what])
     before = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
     if what == "path on rank 3" and dist.get_rank() == 3:
         path += "-typo"
+    if other is not None and dist.get_rank() == 3:
+        path = other
     try:
         fp.checkpoint.load(path, model, optimizer)
     except ValueError as e:
@@ -144,14 +160,29 @@ def _run_load_wrong(path, what):
     ("d_model", r"model\.embed\.weight is \(64, 64\) in the model but \(64, 32\)"),
     ("experts", r"router_weight is \(8, 32\) in the model but \(4, 32\)"),
     ("layers", r"has model\.blocks\.0\..*, which the model does not \(\d+ such"),
-    ("path on rank 3", r"cannot load \(rank 3\): FileNotFoundError"),
+    ("path on rank 3", r"cannot load \(rank 3\): FileNotFoundError: no checkpoint at .*-typo"),
+    ("interrupted", r"cannot load \(rank 0\): ValueError: .* an interrupted save: it has no "
+                    r"complete\.json"),
+    ("another save on rank 3", r"cannot load .*: the ranks found different saves there \(rank "
+                               r"0: [0-9a-f]+, rank 3: 0bad\)"),
 ])  # fmt: skip
-def test_a_checkpoint_of_another_model_fails_on_every_rank(world, saved, what, match):
-    """...before any rank reads it, and every rank: none is left waiting in DCP."""
+def test_a_checkpoint_of_another_model_fails_on_every_rank(world, saved, what, match, tmp_path):
+    """...before any rank reads it, and every rank: none is left waiting in DCP. An
+    interrupted save: DCP's files without the record (as DCP itself, writing in place,
+    or an older fusedpar left them)."""
     kind, path = saved[:2]
     if kind != "moe":
         pytest.skip("the MoE checkpoint has both")
-    for message, untouched in world(4).run(_run_load_wrong, path, what):
+    other = None
+    if what == "interrupted":
+        path = shutil.copytree(path, tmp_path / "step-2")
+        (path / fp.checkpoint.RECORD).unlink()
+    if what == "another save on rank 3":  # (a stale view of a shared directory, say)
+        other = shutil.copytree(path, tmp_path / "step-2")
+        record = json.loads((other / fp.checkpoint.RECORD).read_text())
+        (other / fp.checkpoint.RECORD).write_text(json.dumps({**record, "id": "0bad"}))
+        other = str(other)
+    for message, untouched in world(4).run(_run_load_wrong, str(path), what, other):
         assert message is not None and re.search(match, message), message
         assert untouched
 
@@ -171,10 +202,84 @@ def test_a_checkpoint_with_param_groups_by_index_still_loads(tmp_path):
     dcp.save(_state(model, optimizer, BY_GROUP), checkpoint_id=str(tmp_path))
     fresh = torch.nn.Linear(4, 3)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters())
-    fp.checkpoint.load(str(tmp_path), fresh, fresh_optimizer)
+    with pytest.raises(ValueError, match=r"no complete\.json.* require_record=False"):
+        fp.checkpoint.load(str(tmp_path), fresh, fresh_optimizer)  # no record: DCP's own
+    fp.checkpoint.load(str(tmp_path), fresh, fresh_optimizer, require_record=False)
     assert torch.equal(fresh.weight, model.weight)
     assert fresh_optimizer.param_groups[0]["betas"] == (0.8, 0.9)
     assert fresh_optimizer.param_groups[0]["lr"] == 0.5
     for param, before in zip(fresh.parameters(), model.parameters(), strict=True):
         saved = optimizer.state[before]["exp_avg"]
         assert torch.equal(fresh_optimizer.state[param]["exp_avg"], saved)
+
+
+# --- one process: latest, overwrite, files, damage ------------------------------------
+
+
+def _linear(seed: int):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(4, 3)
+
+
+def _weight_of(path) -> torch.Tensor:
+    model = torch.nn.Linear(4, 3)
+    fp.checkpoint.load(path, model)
+    return model.weight.detach()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_latest_overwrite_files_and_damage_in_one_process(tmp_path):
+    assert fp.checkpoint.latest(tmp_path / "none") is None
+    assert fp.checkpoint.latest(tmp_path) is None
+    for step in (2, 10, 9):  # newest by N, not by name or time
+        fp.checkpoint.save(tmp_path / f"step-{step}", _linear(step), extra={"step": step},
+                           files={"notes.pt": {"step": step}})  # fmt: skip
+    fp.checkpoint.save(tmp_path / "final", _linear(0))  # other names: not considered
+    assert fp.checkpoint.latest(tmp_path) == str(tmp_path / "step-10")
+    assert torch.load(tmp_path / "step-10" / "notes.pt") == {"step": 10}
+    record = json.loads((tmp_path / "step-10" / fp.checkpoint.RECORD).read_text())
+    assert record["step"] == 10 and record["world_size"] == 1
+    assert set(record["files"]) == {".metadata", "__0_0.distcp", "notes.pt"}
+    # a step-N without a record (DCP's own save) is skipped, and said so
+    shutil.copytree(tmp_path / "step-10", tmp_path / "step-11")
+    (tmp_path / "step-11" / fp.checkpoint.RECORD).unlink()
+    with pytest.warns(UserWarning, match=r"latest\(.*\): no complete checkpoint among step-11"):
+        assert fp.checkpoint.latest(tmp_path) == str(tmp_path / "step-10")
+
+    # an existing checkpoint: refused, or replaced with overwrite=True, nothing left beside
+    with pytest.raises(FileExistsError, match="a checkpoint exists at .*step-2: pass overwrite"):
+        fp.checkpoint.save(tmp_path / "step-2", _linear(7))
+    assert torch.equal(_weight_of(tmp_path / "step-2"), _linear(2).weight)
+    fp.checkpoint.save(tmp_path / "step-2", _linear(7), overwrite=True)
+    assert torch.equal(_weight_of(tmp_path / "step-2"), _linear(7).weight)
+    assert not (tmp_path / "step-2" / "notes.pt").exists()
+    assert not list(tmp_path.glob(".step-2.*"))
+
+    # files: plain names of their own only, refused before anything is written
+    for name in ("../x.pt", ".hidden", fp.checkpoint.RECORD, "__0_0.distcp", ""):
+        with pytest.raises(ValueError, match="not a plain file name"):
+            fp.checkpoint.save(tmp_path / "step-20", _linear(0), files={name: 1})
+    assert not list(tmp_path.glob("*step-20*"))
+
+    # damage after the save: a file shorter than its record says, or missing
+    with open(tmp_path / "step-9" / "notes.pt", "ab") as f:
+        f.write(b"x")
+    with pytest.raises(ValueError, match=r"step-9 is damaged: notes\.pt is \d+ bytes, its "):
+        _weight_of(tmp_path / "step-9")
+    (tmp_path / "step-9" / "notes.pt").unlink()
+    with pytest.raises(ValueError, match=r"step-9 is incomplete: notes\.pt, listed in its"):
+        fp.checkpoint.load(tmp_path / "step-9", torch.nn.Linear(4, 3))
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint in .*: it holds neither"):
+        (tmp_path / "empty").mkdir()
+        fp.checkpoint.load(tmp_path / "empty", torch.nn.Linear(4, 3))
+
+    # asynchronous, one process: the state when called, whatever happens after
+    model = _linear(3)
+    pending = fp.checkpoint.save(tmp_path / "step-30", model, async_save=True)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert pending.wait() == str(tmp_path / "step-30") and pending.done()
+    assert torch.equal(_weight_of(tmp_path / "step-30"), _linear(3).weight)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # step-11 is skipped: the newest wins
+        assert fp.checkpoint.latest(tmp_path) == str(tmp_path / "step-30")

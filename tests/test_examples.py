@@ -168,13 +168,14 @@ def _torchrun(*args, timeout=600):
 
 
 def test_the_demo_script_trains_saves_and_resumes_exactly(tmp_path):
-    """Two steps, saving after the first; a run resumed from there repeats step 2 bit
-    for bit (same layout, deterministic CPU kernels). (Bad degrees fail on every rank in
+    """Two steps, saving after each (asynchronously: step 2 runs while step 1's is
+    written); a run resumed from step-1 repeats step 2 bit for bit (same layout,
+    deterministic CPU kernels). (Bad degrees fail on every rank in
     `ParallelDims.validate`, tested above: the script only prints that error.)"""
     # dense: the MoE's state saves and loads bitwise in tests/test_checkpoint.py
     shape = ("--tp", "2", "--cp", "2", "--steps", "2", "--seq", "16", "--batch", "2",
              "--d-model", "32")  # fmt: skip
-    proc = _torchrun(*shape, "--save", str(tmp_path), "--save-every", "1")
+    proc = _torchrun(*shape, "--save", str(tmp_path), "--save-every", "1", "--async-save")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.search(r"parity: .* over 2 steps; .*: OK", proc.stdout), proc.stdout
     losses = re.search(r"losses from step 1: (.*)", proc.stdout).group(1).split()
@@ -185,15 +186,20 @@ def test_the_demo_script_trains_saves_and_resumes_exactly(tmp_path):
 
 def test_the_demo_pipelines_saves_and_resumes_without_pipelining(tmp_path):
     """--pp 2 --tp 2 (1F1B, 2 microbatches) at parity; resumed at CP 2 x TP 2 from its
-    checkpoint, the losses go on as the pipelined run's."""
+    directory of checkpoints, whose step-2 is made what a run killed while saving it
+    leaves (a temporary directory, no record): from step-1, the losses go on as the
+    pipelined run's."""
     shape = ("--steps", "2", "--seq", "16", "--batch", "2", "--d-model", "32")
     proc = _torchrun("--pp", "2", "--tp", "2", *shape, "--save", str(tmp_path), "--save-every", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "pp 2 x dp 1 x cp 1 x tp 2 (1F1B: 2 stages of 1 layers, 2 microbatches)" in proc.stdout
     assert re.search(r"parity: .* over 2 steps; .*: OK", proc.stdout), proc.stdout
     losses = re.search(r"losses from step 1: (.*)", proc.stdout).group(1).split()
-    resumed = _torchrun("--cp", "2", "--tp", "2", *shape, "--resume", str(tmp_path / "step-1"))
+    (tmp_path / "step-2" / "complete.json").unlink()
+    (tmp_path / "step-2").rename(tmp_path / ".step-2.tmp-0badcafe")
+    resumed = _torchrun("--cp", "2", "--tp", "2", *shape, "--resume", str(tmp_path))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resuming from {tmp_path / 'step-1'} (step 1)" in resumed.stdout, resumed.stdout
     again = re.search(r"losses from step 2: (.*)", resumed.stdout).group(1).split()
     torch.testing.assert_close([float(x) for x in again], [float(x) for x in losses[1:]],
                                rtol=1e-6, atol=0)  # fmt: skip

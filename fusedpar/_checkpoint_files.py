@@ -1,0 +1,287 @@
+"""The directory a checkpoint save becomes, atomically (`fusedpar.checkpoint`'s
+machinery; no DCP in here).
+
+    PARENT/NAME             the checkpoint, complete: its files and RECORD
+    PARENT/.NAME.tmp-ID     a save being written (ID: the save's, agreed by the ranks)
+    PARENT/.NAME.old-ID     the checkpoint an overwrite replaces, between its two renames
+
+A save: `begin` (every rank agrees on the ID, or on refusing: one collective), DCP
+writes into the temporary directory, `commit` (every rank's files written: one
+collective; rank 0 writes RECORD, renames; every rank learns the outcome: one more).
+Only rank 0 touches names; every rank reads the same directory (a shared file system).
+"""
+
+import builtins
+import io
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+RECORD = "complete.json"  # the completion record, written last, inside the checkpoint
+FORMAT = 1  # the record's format
+DCP_METADATA = ".metadata"  # DCP's own index, written by its coordinator last
+STEP = re.compile(r"step-(\d+)")
+
+
+def at(point: str) -> None:
+    """Where a save stands; does nothing (tests/test_checkpoint_kill.py kills a rank
+    here). "written": this rank's files are written, on its way to the barrier;
+    "recorded": rank 0 wrote the record, nothing is renamed; "aside": rank 0, overwriting,
+    renamed the old checkpoint aside, the new one is not in place; "renamed": the new one
+    is in place, the old one not yet removed."""
+
+
+# --- communication: the world (all ranks), skipped on a world of one --------------------
+
+
+def world(group=None) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size(group)
+
+
+def gather(obj, group) -> list:
+    """Every rank's `obj`, in rank order (one all_gather_object; none on one rank)."""
+    if world(group)[1] == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast(obj, group):
+    """Rank 0's `obj` on every rank."""
+    if world(group)[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def first_failure(reports: list, what: str) -> None:
+    """Raise, on every rank, the first rank's (type name, message) in `reports`."""
+    failed = [(rank, r) for rank, r in enumerate(reports) if r is not None]
+    if not failed:
+        return
+    rank, (kind, message) = failed[0]
+    error = getattr(builtins, kind, None)
+    if not (isinstance(error, type) and issubclass(error, Exception)):
+        error = RuntimeError
+    where = f" (rank {rank})" if len(reports) > 1 and rank != 0 else ""
+    raise error(f"{what}{where}: {message}" if what else f"{message}{where}")
+
+
+def report(error: BaseException) -> tuple[str, str]:
+    return type(error).__name__, str(error)
+
+
+# --- the directory layout: path, .NAME.tmp-ID (being written), .NAME.old-ID (set aside) --
+
+
+def beside(target: Path, kind: str) -> list[Path]:
+    prefix = f".{target.name}.{kind}-"
+    try:
+        entries = list(target.parent.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(p for p in entries if p.name.startswith(prefix) and p.is_dir())
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make the names just created or renamed in `directory` durable (POSIX)."""
+    if os.name != "posix":
+        return  # no directory fsync there: said in docs/checkpointing.md
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_record(directory: Path) -> dict:
+    """The completion record of `directory`, its files checked against it (present, at
+    the recorded sizes). FileNotFoundError when `directory` holds no checkpoint at all,
+    ValueError when it holds an incomplete or damaged one."""
+    try:
+        text = (directory / RECORD).read_text()
+    except FileNotFoundError:
+        names = [p.name for p in directory.iterdir()]
+        if DCP_METADATA not in names and not any(n.endswith(".distcp") for n in names):
+            raise FileNotFoundError(f"no checkpoint in {directory}: it holds neither a "
+                                    f"{RECORD} nor DCP's files") from None  # fmt: skip
+        raise ValueError(
+            f"{directory} is an incomplete checkpoint, an interrupted save: it has no "
+            f"{RECORD}, which a save writes once every rank has written its files. (A "
+            "checkpoint written by DCP itself or by fusedpar before its records has none "
+            "either: if you know it is whole, load it with require_record=False.)"
+        ) from None
+    try:
+        record = json.loads(text)
+        files = dict(record["files"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{directory}/{RECORD} is not a completion record ({e})") from None
+    for name, size in files.items():
+        try:
+            found = (directory / name).stat().st_size
+        except FileNotFoundError:
+            raise ValueError(f"{directory} is incomplete: {name}, listed in its {RECORD}, "
+                             "is missing") from None  # fmt: skip
+        if found != size:
+            raise ValueError(f"{directory} is damaged: {name} is {found} bytes, its {RECORD} "
+                             f"says {size}")  # fmt: skip
+    return record
+
+
+def locate(path, require_record: bool = True) -> tuple[Path, dict | None]:
+    """(the directory holding the checkpoint saved at `path`, its record): `path`, or,
+    after an overwrite interrupted between its two renames, the old one set aside."""
+    target = Path(path)
+    if target.is_dir():
+        if not require_record and not (target / RECORD).exists():
+            if not (target / DCP_METADATA).is_file():
+                raise FileNotFoundError(f"no checkpoint in {target}: no DCP {DCP_METADATA}")
+            return target, None
+        return target, read_record(target)
+    if target.exists():
+        raise ValueError(f"{target} is not a directory, not a checkpoint")
+    asides = []
+    for aside in beside(target, "old"):
+        try:
+            asides.append((read_record(aside).get("time", 0), aside))
+        except (OSError, ValueError):
+            continue
+    if asides:
+        aside = max(asides)[1]
+        warnings.warn(f"an overwrite of {target} was interrupted between its two renames: "
+                      f"using the checkpoint it replaced, set aside as {aside} (the next "
+                      f"save to {target} puts a new one in place)", stacklevel=3)  # fmt: skip
+        return aside, read_record(aside)
+    temps = beside(target, "tmp")
+    if temps:
+        state = ("written in full but not renamed" if (temps[-1] / RECORD).is_file()
+                 else "partly written")  # fmt: skip
+        raise FileNotFoundError(
+            f"no checkpoint at {target}: a save into it was interrupted before it "
+            f"completed ({temps[-1].name}, {state}, is left beside it; the next save to "
+            f"{target} removes it)"
+        )
+    raise FileNotFoundError(f"no checkpoint at {target}")
+
+
+def steps(root: Path) -> list[int]:
+    """The N of every ``root/step-N``, and of every ``root/.step-N.old-ID`` (an overwrite
+    interrupted between its renames), largest first."""
+    try:
+        names = [p.name for p in root.iterdir()]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = set()
+    for name in names:
+        match = STEP.fullmatch(name) or re.fullmatch(r"\.step-(\d+)\.old-\w+", name)
+        if match:
+            found.add(int(match[1]))
+    return sorted(found, reverse=True)
+
+
+def serialize(files) -> dict[str, bytes]:
+    """`files` ({name: object}) as torch.save's bytes, now: training may change them."""
+    blobs = {}
+    for name, obj in (files or {}).items():
+        plain = isinstance(name, str) and name and Path(name).name == name
+        if not plain or name[0] in "._" or name == RECORD or name.endswith(".distcp"):
+            raise ValueError(f"files: {name!r} is not a plain file name of its own (no "
+                             f"directories, not {RECORD}, *.distcp or starting with '.' "
+                             "or '_')")  # fmt: skip
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        blobs[name] = buffer.getvalue()
+    return blobs
+
+
+def begin(target: Path, overwrite: bool, group, error) -> str:
+    """The save's id, agreed by every rank (one collective); every rank raises instead
+    if any rank's input was bad (`error`) or rank 0 refuses the target."""
+    token = None
+    if world(group)[0] == 0 and error is None:
+        try:
+            taken = target.exists() or beside(target, "old")
+            if target.exists() and not target.is_dir():
+                raise FileExistsError(f"{target} exists and is not a directory")
+            if taken and not overwrite:
+                aside = "" if target.exists() else " (set aside by an interrupted overwrite)"
+                raise FileExistsError(
+                    f"a checkpoint exists at {target}{aside}: pass overwrite=True to replace "
+                    "it (atomically: it stays loadable until the new one is complete)"
+                )
+            target.parent.mkdir(parents=True, exist_ok=True)
+            token = secrets.token_hex(4)
+        except OSError as e:
+            error = report(e)
+    reports = gather((token, error), group)
+    first_failure([e for _, e in reports], "")
+    return reports[0][0]
+
+
+def write_record(tmp: Path, record: dict) -> None:
+    """Rank 0, once every rank's files are written: the record, atomically (a temporary
+    name renamed), listing every file of the checkpoint with its size."""
+    if not (tmp / DCP_METADATA).is_file():
+        raise FileNotFoundError(f"DCP wrote no {DCP_METADATA} into {tmp}")
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    record = {**record, "time": time.time(), "files": files}
+    part = tmp / f".{RECORD}.part"
+    with open(part, "w") as f:
+        json.dump(record, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, tmp / RECORD)
+    fsync_dir(tmp)
+
+
+def swap_in(tmp: Path, target: Path, token: str) -> None:
+    """Rank 0: `tmp` becomes `target` (the old one renamed aside first, removed after)."""
+    if target.exists():
+        os.rename(target, target.parent / f".{target.name}.old-{token}")
+        at("aside")
+    os.rename(tmp, target)
+    fsync_dir(target.parent)
+    at("renamed")
+    for leftover in beside(target, "old") + beside(target, "tmp"):
+        shutil.rmtree(leftover, ignore_errors=True)
+        if leftover.exists():
+            warnings.warn(f"could not remove {leftover} (it is never loaded)", stacklevel=3)
+
+
+def commit(tmp: Path, target: Path, group, record: dict, blobs: dict) -> str:
+    """Every rank: write this rank's `blobs`, agree that every rank's files are written;
+    rank 0 writes the record and renames; every rank learns the outcome."""
+    at("written")
+    error = None
+    try:
+        for name, blob in blobs.items():
+            with open(tmp / name, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+    except Exception as e:  # noqa: BLE001 - raised on every rank just below
+        error = report(e)
+    # the barrier: DCP's files and these are written on every rank
+    first_failure(gather(error, group), f"checkpoint {target} not saved (nothing renamed)")
+    outcome = None
+    if world(group)[0] == 0:
+        try:
+            write_record(tmp, record)
+            at("recorded")
+            swap_in(tmp, target, record["id"])
+        except Exception as e:  # noqa: BLE001 - raised on every rank just below
+            outcome = report(e)
+    first_failure([broadcast(outcome, group)], f"checkpoint {target} not committed")
+    return str(target)
