@@ -34,17 +34,24 @@ documents (B = 1, positions restarting at 0 at each document's start, as Hugging
 document, RoPE (or learned positions) restarting there; under "local" both are refused,
 as are ``labels``.
 
+Besides causal LMs, `*ForSequenceClassification` (logits pooled at each row's last real
+token, (B, num_labels) on every rank; Hugging Face's own loss) and
+`*ForTokenClassification` (unshifted labels) are taken, the two with right padding: see
+`hf_heads`.
+
 Supported: the families of `hf_families.FAMILIES` (Llama, Mistral, Qwen2/3, Mixtral,
-Qwen2-MoE, Gemma 2, Gemma 3 text, Phi-3, OLMo 2, GPT-NeoX, GPT-2, gpt-oss), causal training over
-whole sequences, with any of ParallelDims' context-parallel modes (the ring over cp,
-Ulysses, the hybrid): the sequence is sharded zigzag over cp, then contiguously over
-ulysses, then over tp. Anything the converted model would not compute exactly
-(attention dropout, router jitter, another activation, RoPE whose tables depend on the
-sequence length, a module of an unknown kind) raises ValueError naming it, on every rank,
-before any collective; so do, at call time, padding, position_ids with offsets and
-use_cache.
+Qwen2-MoE, Gemma 2, Gemma 3 text, Phi-3, OLMo 2, GPT-NeoX, GPT-2, gpt-oss) with the
+heads of `hf_heads.HEADS`, training over whole sequences, with any of ParallelDims'
+context-parallel modes (the ring over cp, Ulysses, the hybrid): the sequence is sharded
+zigzag over cp, then contiguously over ulysses, then over tp. Anything the converted
+model would not compute exactly (attention dropout, router jitter, another activation,
+RoPE whose tables depend on the sequence length, a module of an unknown kind, another
+head) raises ValueError naming it, on every rank, before any collective; so do, at
+call time, padding (but a classification head's right padding), position_ids with
+offsets and use_cache.
 """
 
+import functools
 import inspect
 import math
 
@@ -54,6 +61,7 @@ from torch import nn
 
 from fusedpar import comm
 from fusedpar.integrations import hf_families as families
+from fusedpar.integrations import hf_heads as heads
 from fusedpar.integrations.hf_families import refuse
 from fusedpar.nn import (
     ColumnParallelLinear,
@@ -175,11 +183,11 @@ def _gpt_oss_moe(mlp: nn.Module, config, groups) -> "HFMoE":
 
 
 def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
-    """Convert a Hugging Face causal LM of a supported family in place (see the module
-    doc) and put its parameters on `mesh` (``dims.build_mesh`` on the model's device
-    type if None); returns the mesh. Checks everything before any collective. `batch`:
-    "full" (the model takes the whole batch on every rank) or "local" (this rank's
-    share), see the module doc.
+    """Convert a Hugging Face causal LM, sequence or token classifier of a supported
+    family in place (see the module doc and `hf_heads`) and put its parameters on `mesh`
+    (``dims.build_mesh`` on the model's device type if None); returns the mesh. Checks
+    everything before any collective. `batch`: "full" (the model takes the whole batch
+    on every rank) or "local" (this rank's share), see the module doc.
 
     ``dims=None``: one process, every group None, plain parameters (no mesh, no
     ``torch.distributed``): the same layers, for tests and debugging; returns None."""
@@ -189,6 +197,8 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
         raise ValueError(f"parallelize: batch must be one of {BATCHES}, got {batch!r}")
     config = model.config
     families.check_config(config)
+    head = heads.head_of(model)
+    heads.check_head(model, head, batch, 1 if dims is None else dims.pp)
     if dims is not None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
@@ -206,7 +216,11 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
     stage_mesh = None if dims is None else dims.stage_mesh(mesh)  # mesh without "pp"
     rotary_emb = getattr(decoder, "rotary_emb", None)  # None: learned absolute positions
     forward_args = list(inspect.signature(model.forward).parameters)
-    state = _Batch(batch, stage_mesh, groups, forward_args)
+    state = _Batch(batch, stage_mesh, groups, forward_args, head)
+    if head == "sequence":
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        state.pad_token_id = text.pad_token_id
+        model.score.register_forward_hook(functools.partial(_pool, state))
     for i, layer in enumerate(layers):
         attn = _attention(i, getattr(layer, attention), config, groups, rotary_emb)
         attn._fusedpar_batch = state  # the call's packed documents
@@ -225,12 +239,16 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
 class _Batch:
     """How a converted model takes its batch, and the labels of the call in flight."""
 
-    def __init__(self, kind: str, mesh, groups: dict, forward_args: list):
-        self.kind, self.mesh, self.groups = kind, mesh, groups
+    def __init__(self, kind: str, mesh, groups: dict, forward_args: list, head="causal"):
+        self.kind, self.mesh, self.groups, self.head = kind, mesh, groups, head
         self.forward_args = forward_args  # the model's forward, positionally
         self.local_checked = False
-        self.pending: list = []  # (local shifted labels, num_items_in_batch) per call
+        self.pending: list = []  # (local labels (shifted: causal), num_items_in_batch) per call
         self.cu_seqlens: torch.Tensor | None = None  # the call's packed documents (int32)
+        # sequence classification: each row's pooled position, this rank's tokens' positions
+        self.pad_token_id = None
+        self.pooled: torch.Tensor | None = None  # (B,) int64
+        self.token_positions: torch.Tensor | None = None  # (1, S_loc) int64
 
     def ranks(self) -> int:
         """The ranks that share one sequence: cp x ulysses x tp."""
@@ -263,31 +281,48 @@ def _take_batch(module, args, kwargs):
     seq = tokens.shape[1]
     check_shards(seq, state.groups)
     mask, positions = kwargs.pop("attention_mask", None), kwargs.pop("position_ids", None)
-    if mask is not None and (tuple(mask.shape) != tuple(tokens.shape[:2]) or not bool(mask.all())):
-        raise ValueError("a model converted by fusedpar is causal over whole sequences: no "
-                         "padding (attention_mask may be left out or all ones)")  # fmt: skip
     if positions is not None:
         state.cu_seqlens = packed_documents(positions, tokens.shape[:2])
-    labels, shifted = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
+    # sequence classification: Hugging Face's own loss of the pooled logits takes labels
+    pooled_labels = kwargs.get("labels") if state.head == "sequence" else None
+    labels = None if state.head == "sequence" else kwargs.pop("labels", None)
+    shifted = kwargs.pop("shift_labels", None)
+    if shifted is not None and state.head != "causal":
+        raise ValueError("shift_labels are a causal LM's: pass labels")
     if labels is not None and shifted is not None:
         raise ValueError("pass labels or shift_labels, not both")
-    if labels is not None:  # Hugging Face shifts inside the model: over the whole sequence
-        shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+    if labels is not None:  # Hugging Face shifts inside a causal LM: over the whole sequence
+        shifted = F.pad(labels[:, 1:], (0, 1), value=-100) if state.head == "causal" else labels
     if shifted is not None and tuple(shifted.shape) != tuple(tokens.shape[:2]):
         raise ValueError(f"labels must be (B, S) = {tuple(tokens.shape[:2])}, like the input, "
                          f"got {tuple(shifted.shape)}")  # fmt: skip
+    if pooled_labels is not None and (pooled_labels.dim() == 0
+                                      or pooled_labels.shape[0] != tokens.shape[0]):  # fmt: skip
+        raise ValueError(f"sequence classification labels must be one per row, (B,) or "
+                         f"(B, num_labels) with B = {tokens.shape[0]}, got "
+                         f"{tuple(pooled_labels.shape)}")  # fmt: skip
+    if state.head == "sequence":
+        state.pooled = heads.pooled_positions(kwargs.get("input_ids"), tokens, state.pad_token_id)
+    if mask is not None:
+        heads.check_padding(mask, tokens.shape[:2], state.head, labels=shifted,
+                            pooled=state.pooled if state.head == "sequence" else None,
+                            packed=state.cu_seqlens is not None)  # fmt: skip
     if state.mesh is not None:
-        _check_same_batch([t for t in (tokens, shifted, positions) if t is not None], state.mesh)
+        given = (tokens, shifted, positions, pooled_labels)
+        _check_same_batch([t for t in given if t is not None], state.mesh)
     for name in ("input_ids", "inputs_embeds"):
         if kwargs.get(name) is not None:
             kwargs[name] = local_tokens(kwargs[name], state.groups)
+    state.token_positions = _positions(seq, tokens, state)
     if state.cu_seqlens is None:
-        kwargs["position_ids"] = _positions(seq, tokens, state)
+        kwargs["position_ids"] = state.token_positions
     else:  # positions restart in each document (learned positions are looked up there)
         kwargs["position_ids"] = local_tokens(positions.expand(1, seq), state.groups)
     local = None if shifted is None else local_tokens(shifted, state.groups)
-    state.pending.append((local, kwargs.pop("num_items_in_batch", None)) if local is not None
-                         else None)  # fmt: skip
+    # Hugging Face's classifiers take the mean, whatever num_items_in_batch says
+    items = kwargs.pop("num_items_in_batch", None) if state.head == "causal" else None
+    kwargs.pop("num_items_in_batch", None)
+    state.pending.append((local, items) if local is not None else None)
     return (), kwargs
 
 
@@ -338,6 +373,10 @@ def _check_local(kwargs, tokens, state) -> None:
         raise ValueError("a converted model takes no position_ids: RoPE is applied at the "
                          "global positions of the local tokens")  # fmt: skip
     if kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None:
+        if state.head == "token":
+            raise ValueError("labels= under batch='local': compute the loss of the logits "
+                             "with local_tokens(labels, groups), or parallelize with "
+                             "batch='full'")  # fmt: skip
         raise ValueError("labels= would shift within each rank's shard (batch='local'): "
                          "compute the loss with next_token_labels and local_tokens, or "
                          "parallelize with batch='full'")  # fmt: skip
@@ -369,10 +408,26 @@ def _check_same_batch(tensors, mesh) -> None:
                          "pass local_tokens(input_ids, groups)")  # fmt: skip
 
 
+def _pool(state, module, args, output):
+    """Forward hook on a sequence classifier's score: its logits (B, S_loc, L) of this
+    rank's tokens -> each row's logits at its pooled token (`_Batch.pooled`), wherever
+    that token lives, the same on every rank; returned repeated over the S_loc positions,
+    where Hugging Face's forward picks one of them per row. The sum over the ranks enters
+    detached: the gradient reaches the owner's token only, once."""
+    mine = state.token_positions == state.pooled[:, None]  # (B, S_loc): at most one per row
+    local = torch.where(mine[..., None], output, output.new_zeros(())).sum(1)  # (B, L)
+    total = local.detach()
+    for axis in SEQUENCE_AXES:  # one rank holds the token, the others add zeros: exact
+        total = comm.all_reduce(total, state.groups.get(axis))
+    pooled = total + (local - local.detach())  # the value: total's; the gradient: local's
+    return pooled[:, None].expand_as(output)
+
+
 def _add_loss(module, args, kwargs, output):
-    """Forward hook: under "full" with labels, the loss over the whole sequence. Its
-    value is the global mean (Hugging Face's, or the sum over `num_items_in_batch`); its
-    gradient is this rank's tokens' share, which `distribute` sums over cp and tp."""
+    """Forward hook: under "full" with labels (a causal LM's, or a token classifier's),
+    the loss over the whole sequence. Its value is the global mean (Hugging Face's, or the
+    sum over `num_items_in_batch`); its gradient is this rank's tokens' share, which
+    `distribute` sums over cp and tp."""
     state = module._fusedpar_batch
     pending = state.pending.pop() if state.pending else None
     if pending is None or output is None:
@@ -385,7 +440,9 @@ def _add_loss(module, args, kwargs, output):
     for axis in SEQUENCE_AXES:
         totals = comm.all_reduce(totals, state.groups.get(axis))
     denominator = totals[1] if num_items is None else num_items
-    loss = (local_sum + (totals[0] - local_sum).detach()) / denominator
+    # the total's value on every rank, bit for bit (x - x is 0: local + (total - local)
+    # would round differently per rank); the gradient this rank's tokens'
+    loss = (totals[0] + (local_sum - local_sum.detach())) / denominator
     if hasattr(output, "logits"):
         output.loss = loss
         return output

@@ -65,7 +65,7 @@ def tree(model: nn.Module, config):
     decoder = getattr(model, decoder_name, None)
     layers = getattr(decoder, layers_name, None)
     refuse(layers is None, f"{type(model).__name__} without .{decoder_name}.{layers_name} "
-                           "(pass the ForCausalLM model)")  # fmt: skip
+                           "(pass the model with its head, e.g. ForCausalLM)")  # fmt: skip
     return decoder, layers, attention
 
 

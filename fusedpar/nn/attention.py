@@ -29,7 +29,11 @@ of q and k before RoPE (`qk_norm`, Qwen3), the softmax scale (`softmax_scale`, G
 `rotary_dim` (GPT-NeoX's ``rotary_pct * head_dim``) rotates only the first rotary_dim
 dims of each head. `from_dense` reads these off the dense modules (``nn.Linear``,
 Hugging Face's ``Conv1D``, or weight tensors with ``bias=``), and refuses what it
-cannot compute exactly.
+cannot compute exactly. RoPE pairs dims (i, i + r/2) of each head (Hugging Face's
+layout); ``from_dense(..., rope_layout="interleaved")`` takes a checkpoint that pairs
+(2i, 2i + 1) (Meta's, torchtitan's), permuting its q and k rows (biases and norm
+weights too) into this layer's layout, where its parameters then stay
+(`half_to_interleaved` maps them, or their gradients, back).
 
 `cp_mode` says how attention crosses the sequence's ranks; it is read off the groups
 when not given, and checked against them when given:
@@ -53,8 +57,11 @@ from torch import nn
 from fusedpar import comm
 from fusedpar.nn.attention_parts import (  # noqa: F401 (rope_tables: public here too)
     QK_NORMS,
+    ROPE_LAYOUTS,
     apply_rope,
     apply_rope_qk,
+    half_to_interleaved,
+    interleaved_to_half,
     joins_rope,
     norm_weight,
     qk_rms_norm,
@@ -235,15 +242,28 @@ class ParallelAttention(nn.Module):
         self.load_dense(q, k, v, o, **extras)
 
     def load_dense(self, q, k, v, o, *, q_norm=None, k_norm=None, sinks=None,
-                   bias=None) -> None:  # fmt: skip
+                   bias=None, rope_layout: str = "half") -> None:  # fmt: skip
         """Copy this rank's heads of dense projections: q, k, v, o as ``nn.Linear``s or
         Hugging Face ``Conv1D``s (with biases where this layer has them), or weight
         tensors in ``nn.Linear``'s layout (q (Hq*hd, d), k and v (Hkv*hd, d), o
         (d, Hq*hd)) with their biases in ``bias=(q, k, v, o)`` (tensors or None);
         q_norm, k_norm with ``qk_norm`` ((hd,); "full": (Hq*hd,), (Hkv*hd,)); sinks (Hq,)
-        with ``sinks``. Raises ValueError for anything this layer would not compute: a
-        bias it has no place for, a missing one, a shape that does not fit."""
+        with ``sinks``. `rope_layout`: "half" (the dense rows pair dims (i, i + r/2), as
+        this layer and Hugging Face do) or "interleaved" (pairs (2i, 2i + 1), Meta's and
+        torchtitan's): q's and k's rows, biases and norm weights are then permuted into
+        this layer's layout (`interleaved_to_half`), which leaves every score unchanged.
+        Raises ValueError for anything this layer would not compute: a bias it has no
+        place for, a missing one, a shape that does not fit."""
+        if rope_layout not in ROPE_LAYOUTS:
+            raise ValueError(f"rope_layout must be one of {ROPE_LAYOUTS}, got {rope_layout!r}")
+        if rope_layout == "interleaved" and self.rope is None:
+            raise ValueError("rope_layout='interleaved' with rope=None: a layer without a rotary "
+                             "embedding has no rotary pairs to reorder")  # fmt: skip
         d, hd = self.d_model, self.head_dim
+
+        def permute(t):  # the dense q/k rows (or norm weights) in this layer's layout
+            return interleaved_to_half(t, hd, self.rotary_dim) if rope_layout != "half" else t
+
         expected = {"q": (self.n_heads * hd, d), "k": (self.n_kv_heads * hd, d),
                     "v": (self.n_kv_heads * hd, d), "o": (d, self.n_heads * hd)}  # fmt: skip
         biases = bias_per_weight("ParallelAttention", bias, 4)
@@ -260,6 +280,8 @@ class ParallelAttention(nn.Module):
                     f"dense {name} has {'a' if bias is not None else 'no'} bias but this "
                     f"ParallelAttention was built with {flag}={param_bias is not None}"
                 )
+            if name in "qk":
+                weight, bias = permute(weight), None if bias is None else permute(bias)
             copies.append((getattr(self, f"{name}_weight"), weight, 1 if name == "o" else 0))
             if bias is not None:
                 copies.append((param_bias, bias, None if name == "o" else 0))
@@ -283,6 +305,7 @@ class ParallelAttention(nn.Module):
             if tuple(weight.shape) != shape:
                 what = "one per head" if name == "sinks" else f"qk_norm={self.qk_norm!r}"
                 raise ValueError(f"{name} must be {shape} ({what}), got {tuple(weight.shape)}")
+            weight = weight if name == "sinks" else permute(weight)  # sinks: one per head
             copies.append((param, weight, 0 if split else None))
         with torch.no_grad():
             for param, full, dim in copies:
@@ -308,12 +331,19 @@ class ParallelAttention(nn.Module):
 
     @classmethod
     def from_dense(cls, q, k, v, o, d_model, n_heads, n_kv_heads=None, *, q_norm=None,
-                   k_norm=None, sinks=None, bias=None, **kwargs):  # fmt: skip
+                   k_norm=None, sinks=None, bias=None, rope_layout: str = "half",
+                   **kwargs):  # fmt: skip
         """A layer holding this TP rank's heads of dense q, k, v, o (``nn.Linear``s,
         ``Conv1D``s, or weight tensors with ``bias=(q, k, v, o)`` beside them) and
         optional q/k norms and sinks. The flags `bias` (True/False), `o_bias`, `qk_norm`
         ("head" or "full" by the norm's width), `sinks` and `head_dim` are read off the
-        dense parts unless given (and then must agree)."""
+        dense parts unless given (and then must agree). ``rope_layout="interleaved"``:
+        the dense q and k pair their rotary dims (2i, 2i + 1) (Meta's and torchtitan's
+        checkpoints), permuted here into this layer's (i, i + r/2) (see `load_dense`).
+        Pass ``rope_theta`` (default 10000) or ``rope``: the layer builds its own
+        tables, and a model of another base would be silently off."""
+        if rope_layout not in ROPE_LAYOUTS:
+            raise ValueError(f"rope_layout must be one of {ROPE_LAYOUTS}, got {rope_layout!r}")
         flag = bias if isinstance(bias, bool) else None
         biases = None if isinstance(bias, bool) else bias
         given = bias_per_weight("ParallelAttention.from_dense", biases, 4)
@@ -334,7 +364,8 @@ class ParallelAttention(nn.Module):
         device = kwargs.pop("device", weight.device)
         layer = cls(d_model, n_heads, n_kv_heads, device="meta", **kwargs)
         layer.to_empty(device=device)
-        layer.load_dense(q, k, v, o, q_norm=q_norm, k_norm=k_norm, sinks=sinks, bias=biases)
+        layer.load_dense(q, k, v, o, q_norm=q_norm, k_norm=k_norm, sinks=sinks, bias=biases,
+                         rope_layout=rope_layout)  # fmt: skip
         return layer
 
     def _rope(self, full_len: int, device: torch.device, cu_seqlens=None):
@@ -362,6 +393,19 @@ class ParallelAttention(nn.Module):
         while t.dim() > 2 and t.shape[0] == 1:
             t = t[0]
         if t.dim() == 2 and t.shape == (length, 2 * half):
+            if not self._rope_layout_checked:  # once per layer (a host sync), as below
+                # a table of width r is Hugging Face's, each angle in both halves; one
+                # with each angle twice in a row (GPT-J's, Meta's repeat_interleave)
+                # would pass for it, its first half read as the angles: refused
+                informative = bool((t != t.flatten()[0]).any())
+                if informative and not torch.equal(t[:, :half], t[:, half:]):
+                    raise ValueError(
+                        f"rope(positions) gives ({length}, {2 * half}) tables whose halves "
+                        f"differ: the width of rotary_dim {2 * half} is taken in Hugging "
+                        f"Face's layout (each angle in both halves); give each pair's angle "
+                        f"once, ({length}, {half}) (an interleaved table t: t[:, ::2])"
+                    )
+                self._rope_layout_checked = informative
             t = t[:, :half]  # Hugging Face's layout: the same angles twice
         elif t.shape != (length, half):
             raise ValueError(f"rope(positions) must give cos, sin of ({length}, {half}) or "

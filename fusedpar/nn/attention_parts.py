@@ -11,6 +11,13 @@ The weight scales the normalized values as ``weight`` or, with ``norm_offset=1``
 (one Triton launch each way, saving x and one fp32 per head) that RoPE joins (the same
 launch rotates its output: `fusedpar.ops.norm.rms_norm`'s ``rope=``); "full" sums its
 statistics over TP in PyTorch.
+
+RoPE rotates pairs (i, i + r/2) of each head's first r dims (Hugging Face's
+"rotate-half" layout). Meta's and torchtitan's checkpoints rotate adjacent pairs
+(2i, 2i + 1) instead (the "interleaved" layout, a complex multiplication):
+`interleaved_to_half` permutes the q and k rows of each head from theirs to ours (the
+permutation Hugging Face's Llama conversion applies), which leaves every q . k score
+unchanged; `half_to_interleaved` is its inverse.
 """
 
 import torch
@@ -20,6 +27,7 @@ from fusedpar.ops.attention import rope, rope_pair
 from fusedpar.ops.norm import rms_norm
 
 QK_NORMS = ("head", "full")
+ROPE_LAYOUTS = ("half", "interleaved")  # how dense q/k rows pair their rotary dims
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
@@ -29,6 +37,36 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype=torc
     inv_freq = 1.0 / theta ** (dims / head_dim)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rope_order(t: torch.Tensor, head_dim: int, rotary_dim: int | None) -> torch.Tensor:
+    """Per head, the interleaved dim each half-layout dim takes: 0, 2, .., r-2, then
+    1, 3, .., r-1, then the dims past r (unrotated) in place."""
+    r = head_dim if rotary_dim is None else rotary_dim
+    if t.dim() == 0 or t.shape[0] % head_dim:
+        raise ValueError(f"a RoPE layout permutes whole heads: dim 0 of {tuple(t.shape)} is not "
+                         f"a multiple of head_dim {head_dim}")  # fmt: skip
+    if r % 2 or not 0 < r <= head_dim:
+        raise ValueError(f"rotary_dim ({r}) must be even and in (0, head_dim {head_dim}]")
+    device = t.device
+    return torch.cat([torch.arange(0, r, 2, device=device), torch.arange(1, r, 2, device=device),
+                      torch.arange(r, head_dim, device=device)])  # fmt: skip
+
+
+def interleaved_to_half(t: torch.Tensor, head_dim: int, rotary_dim: int | None = None):
+    """Rows of q or k from the interleaved RoPE layout (pairs (2i, 2i + 1) of each head's
+    first `rotary_dim` dims, default head_dim) to the half layout (pairs (i, i + r/2));
+    dim 0 of `t` is whole heads: a weight (H * hd, d), a bias (H * hd,), a per-head norm
+    weight (hd,) or one over all heads (H * hd,). A new tensor."""
+    order = _rope_order(t, head_dim, rotary_dim)
+    return t.reshape(-1, head_dim, *t.shape[1:])[:, order].reshape(t.shape)
+
+
+def half_to_interleaved(t: torch.Tensor, head_dim: int, rotary_dim: int | None = None):
+    """The inverse of `interleaved_to_half`: a layer's q/k rows (or their gradients) in
+    the layout of an interleaved checkpoint."""
+    order = _rope_order(t, head_dim, rotary_dim).argsort()
+    return t.reshape(-1, head_dim, *t.shape[1:])[:, order].reshape(t.shape)
 
 
 def rotates_by_formula(x, cos, sin) -> bool:
