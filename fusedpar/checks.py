@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 
 from fusedpar import comm
+from fusedpar.recompute import is_recomputing
+from fusedpar.storage import warn_if_undistributed
 
 MODES = ("first", "all")
 _MODE: ContextVar[str | None] = ContextVar("fusedpar_checks", default=None)
@@ -72,8 +74,6 @@ def skipped(*tensors) -> bool:
         return True
     from torch._subclasses.fake_tensor import is_fake
 
-    from fusedpar.recompute import is_recomputing
-
     return is_recomputing() or any(t.device.type == "meta" or is_fake(t) for t in tensors)
 
 
@@ -94,8 +94,6 @@ def first_call(module, x: torch.Tensor, groups: dict, fields: dict) -> None:
     False: once per process, the warning of a layer trained without `distribute`; once
     per layer (every call under "all"), `agree` on `fields` over `groups` (attribute
     name -> group). The layer is done when both are settled."""
-    from fusedpar.storage import warn_if_undistributed
-
     if skipped(x):
         return
     settled = warn_if_undistributed(module, *groups.values())
