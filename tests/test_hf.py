@@ -396,5 +396,6 @@ def test_the_batch_check_runs_at_the_first_call_and_never_on_one_rank(world):
     """batch="full": the same-batch check all-gathers at the first call only (it ran at
     every step), and not at all where one rank holds the whole sequence (dp 4: it
     all-gathered over the world at every step, to compare nothing)."""
-    assert world(4).run(_batch_check_gathers, dict(cp=2, tp=2)) == [[1, 0]] * 4
+    names = {"dp": "data", "cp": "context", "tp": "tensor"}  # a mesh by other names too
+    assert world(4).run(_batch_check_gathers, dict(cp=2, tp=2, names=names)) == [[1, 0]] * 4
     assert world(4).run(_batch_check_gathers, dict(dp=4)) == [[0, 0]] * 4

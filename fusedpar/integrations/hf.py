@@ -218,7 +218,7 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
     model.register_forward_hook(_add_loss, with_kwargs=True, always_call=True)
     if dims is None:
         return None
-    distribute(model, stage_mesh)  # a stage's parameters on its sub-mesh under pp
+    distribute(model, stage_mesh, names=dims.names)  # a stage's parameters: its sub-mesh under pp
     return mesh
 
 
