@@ -65,11 +65,13 @@ def _names_of(names) -> tuple[tuple[str, str], ...]:
     return pairs
 
 
-def resolve_axes(mesh: DeviceMesh, names=None) -> dict[str, str]:
+def resolve_axes(mesh: DeviceMesh, names=None, expected=None) -> dict[str, str]:
     """{fusedpar's axis: the mesh's name} for each axis of `mesh`, in mesh order, where
     `names` maps fusedpar's axes to the mesh's (``ParallelDims.names``; an axis left out
     keeps its own name). ValueError naming the mesh's axes, fusedpar's and the mapping to
-    pass when a name is neither. No communication: the same answer on every rank."""
+    pass when a name is neither (read off `expected`, the axes the mesh should have in
+    order, where their count is the mesh's). No communication: the same answer on every
+    rank."""
     if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None:
         raise TypeError(f"a DeviceMesh with named axes is needed (ParallelDims.build_mesh), "
                         f"got {type(mesh).__name__}")  # fmt: skip
@@ -79,12 +81,15 @@ def resolve_axes(mesh: DeviceMesh, names=None) -> dict[str, str]:
     unknown = [name for name in found if name not in to_axis]
     if unknown:
         mapped = {axis: name for axis, name in to_mesh.items() if axis != name}
+        expected = expected or tuple(axis for axis in AXES if axis not in _OPTIONAL)
+        guess = ({axis: name for axis, name in zip(expected, found, strict=True) if axis != name}
+                 if len(expected) == len(found) else {"dp": "data", "tp": "tensor"})  # fmt: skip
         raise ValueError(
             f"the mesh's axes {found} include {tuple(unknown)}, which are not fusedpar's axes "
             f"{AXES}" + (f" nor mapped to them (names={mapped})" if mapped else "") + ": name "
-            "the mesh's axes so, or map them, e.g. ParallelDims(..., names={'dp': 'data', "
-            "'cp': 'context', 'tp': 'tensor'}) and fusedpar.distribute(model, mesh, "
-            "names=dims.names)"
+            f"the mesh's axes so, or map them: ParallelDims(..., names={guess}) (for a mesh "
+            f"of axes {tuple(expected)} in that order), and pass names=dims.names to "
+            "fusedpar.distribute"
         )
     return {to_axis[name]: name for name in found}
 
@@ -114,7 +119,8 @@ class ParallelDims:
         these degrees: an axis of the mesh whose size is not its degree, or an axis of
         more than one rank the mesh leaves out, raises ValueError. `stage`: `mesh` may be
         a pipeline stage's sub-mesh (no "pp")."""
-        axes = resolve_axes(mesh, self.names)
+        whole = len(mesh.mesh_dim_names or ()) == len(self.mesh_axes) or not stage
+        axes = resolve_axes(mesh, self.names, self.mesh_axes if whole else self.stage_axes)
         for axis, name in axes.items():
             size = mesh.size(mesh.mesh_dim_names.index(name))
             if size != getattr(self, axis):
