@@ -48,6 +48,7 @@ def _layer_cases() -> dict:
     }
     out = {name: exception_of(case) for name, case in cases.items()}
     col = fp.nn.ColumnParallelLinear(32, 16, g["tp"])
+    before = os.environ.get("FUSEDPAR_CHECKS")
     os.environ["FUSEDPAR_CHECKS"] = "all"  # read at call time
     try:
         col(x)  # agreed: checked again at the next call
@@ -55,7 +56,9 @@ def _layer_cases() -> dict:
         os.environ["FUSEDPAR_CHECKS"] = "every"
         out["unknown mode"] = exception_of(fp.nn.ColumnParallelLinear(32, 16, g["tp"]), x)
     finally:
-        del os.environ["FUSEDPAR_CHECKS"]
+        os.environ.pop("FUSEDPAR_CHECKS")
+        if before is not None:
+            os.environ["FUSEDPAR_CHECKS"] = before
     return {name: e and (type(e).__name__, str(e)) for name, e in out.items()}
 
 
