@@ -1,6 +1,6 @@
 """fusedpar: Triton kernels that fuse compute with communication for transformer training."""
 
-from fusedpar import checkpoint, comm, nn, ops, pipeline, testing
+from fusedpar import checkpoint, checks, comm, nn, ops, pipeline, testing
 from fusedpar.kernels._impl import implementation
 from fusedpar.kernels._impl import summary as implementation_summary
 from fusedpar.ops import (
@@ -26,6 +26,7 @@ __all__ = [
     "all_gather_matmul",
     "checkpoint",
     "checkpoint_policy",
+    "checks",
     "comm",
     "distribute",
     "flash_attn",

@@ -50,14 +50,90 @@ def _default_group():
     return dist.group.WORLD
 
 
+def _names_of(names) -> tuple[tuple[str, str], ...]:
+    """`names` (a dict or pairs: fusedpar's axis -> the mesh's name) as sorted pairs,
+    checked: known axes, distinct string names."""
+    pairs = tuple(sorted(dict(names or {}).items()))
+    for axis, name in pairs:
+        if axis not in AXES:
+            raise ValueError(f"names: {axis!r} is not one of fusedpar's axes {AXES}")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"names: the mesh's name of {axis!r} must be a string, got {name!r}")
+    given = [name for _, name in pairs]
+    if len(set(given)) != len(given):
+        raise ValueError(f"names: two axes share a mesh name in {dict(pairs)}")
+    return pairs
+
+
+def resolve_axes(mesh: DeviceMesh, names=None, expected=None) -> dict[str, str]:
+    """{fusedpar's axis: the mesh's name} for each axis of `mesh`, in mesh order, where
+    `names` maps fusedpar's axes to the mesh's (``ParallelDims.names``; an axis left out
+    keeps its own name). ValueError naming the mesh's axes, fusedpar's and the mapping to
+    pass when a name is neither (read off `expected`, the axes the mesh should have in
+    order, where their count is the mesh's). No communication: the same answer on every
+    rank."""
+    if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None:
+        raise TypeError(f"a DeviceMesh with named axes is needed (ParallelDims.build_mesh), "
+                        f"got {type(mesh).__name__}")  # fmt: skip
+    to_mesh = {axis: axis for axis in AXES} | dict(_names_of(names))
+    to_axis = {name: axis for axis, name in to_mesh.items()}
+    found = tuple(mesh.mesh_dim_names)
+    unknown = [name for name in found if name not in to_axis]
+    if unknown:
+        mapped = {axis: name for axis, name in to_mesh.items() if axis != name}
+        expected = expected or tuple(axis for axis in AXES if axis not in _OPTIONAL)
+        guess = ({axis: name for axis, name in zip(expected, found, strict=True) if axis != name}
+                 if len(expected) == len(found) else {"dp": "data", "tp": "tensor"})  # fmt: skip
+        raise ValueError(
+            f"the mesh's axes {found} include {tuple(unknown)}, which are not fusedpar's axes "
+            f"{AXES}" + (f" nor mapped to them (names={mapped})" if mapped else "") + ": name "
+            f"the mesh's axes so, or map them: ParallelDims(..., names={guess}) (for a mesh "
+            f"of axes {tuple(expected)} in that order), and pass names=dims.names to "
+            "fusedpar.distribute"
+        )
+    return {to_axis[name]: name for name in found}
+
+
 @dataclass(frozen=True)
 class ParallelDims:
+    """Parallel degrees (see the module doc). ``names``: fusedpar's axes -> the mesh's
+    names (a dict; kept as sorted pairs, so ParallelDims stays hashable)."""
+
     dp: int = 1
     cp: int = 1
     tp: int = 1
     ep: str | tuple[str, ...] | None = None
     ulysses: int = 1
     pp: int = 1
+    names: tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "names", _names_of(self.names))
+
+    def mesh_name(self, axis: str) -> str:
+        """The mesh's name of fusedpar's `axis` ("tp" unless ``names`` maps it)."""
+        return dict(self.names).get(axis, axis)
+
+    def axes_of(self, mesh: DeviceMesh, *, stage: bool = False) -> dict[str, str]:
+        """{fusedpar's axis: the mesh's name} for `mesh` (`resolve_axes`), checked against
+        these degrees: an axis of the mesh whose size is not its degree, or an axis of
+        more than one rank the mesh leaves out, raises ValueError. `stage`: `mesh` may be
+        a pipeline stage's sub-mesh (no "pp")."""
+        whole = len(mesh.mesh_dim_names or ()) == len(self.mesh_axes) or not stage
+        axes = resolve_axes(mesh, self.names, self.mesh_axes if whole else self.stage_axes)
+        for axis, name in axes.items():
+            size = mesh.size(mesh.mesh_dim_names.index(name))
+            if size != getattr(self, axis):
+                raise ValueError(f"the mesh's axis {name!r} ({axis}) has {size} ranks, but "
+                                 f"{axis} = {getattr(self, axis)}: build the mesh from these "
+                                 "degrees (dims.build_mesh)")  # fmt: skip
+        missing = [axis for axis in AXES if axis not in axes and getattr(self, axis) > 1
+                   and not (stage and axis == "pp")]  # fmt: skip
+        if missing:
+            raise ValueError(f"the mesh's axes {tuple(mesh.mesh_dim_names)} leave out "
+                             f"{', '.join(f'{a} ({getattr(self, a)} ranks)' for a in missing)}"
+                             ": build the mesh from these degrees (dims.build_mesh)")  # fmt: skip
+        return axes
 
     @property
     def mesh_axes(self) -> tuple[str, ...]:
@@ -156,8 +232,9 @@ class ParallelDims:
                                  f"({self.tp}) for sequence parallelism")  # fmt: skip
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """``init_device_mesh(device_type, degrees, mesh_dim_names=self.mesh_axes)``,
-        with the flattened meshes of its split axes (e.g. "cp_tp") made too.
+        """``init_device_mesh(device_type, degrees, mesh_dim_names=...)``: the axes
+        `mesh_axes` under their mesh names (``names``), with the flattened meshes of its
+        split axes (e.g. "cp_tp") made too.
 
         The same mesh object for the same degrees while the default process group lives:
         FSDP2 requires the parameters' mesh to *be* the mesh it is given, and DTensor's
@@ -165,14 +242,15 @@ class ParallelDims:
         process (a second model built in a test pool or a notebook failed there)."""
         self.validate(dist.get_world_size())
         degrees = tuple(getattr(self, axis) for axis in self.mesh_axes)
-        key = (device_type, *degrees)
+        names = tuple(self.mesh_name(axis) for axis in self.mesh_axes)
+        key = (device_type, *degrees, *names)
         cached = _meshes.get(key)
         if cached is not None and cached[0] is _default_group():
             return cached[1]
-        mesh = init_device_mesh(device_type, degrees, mesh_dim_names=self.mesh_axes)
+        mesh = init_device_mesh(device_type, degrees, mesh_dim_names=names)
         # DTensor sums a gradient partial over several axes (cp and tp, say) in one
         # collective, rather than one per axis, only where their flattened mesh exists.
-        split = [axis for axis in self.stage_axes if getattr(self, axis) > 1]
+        split = [self.mesh_name(axis) for axis in self.stage_axes if getattr(self, axis) > 1]
         for count in range(2, len(split) + 1):
             for axes in combinations(split, count):
                 mesh[axes]._flatten("_".join(axes))
@@ -184,24 +262,29 @@ class ParallelDims:
         `fusedpar.distribute` and `fully_shard` put a stage's parameters. `mesh` itself
         without pipeline parallelism. The same object for the same mesh, as `build_mesh`
         (FSDP2 and DTensor's operator cache need one)."""
-        if "pp" not in mesh.mesh_dim_names:
+        axes = self.axes_of(mesh, stage=True)
+        if "pp" not in axes:
             return mesh
         cached = _stage_meshes.get(id(mesh))
         if cached is None or cached[0] is not mesh:
-            cached = _stage_meshes[id(mesh)] = (mesh, mesh[self.stage_axes])
+            rest = tuple(name for axis, name in axes.items() if axis != "pp")
+            cached = _stage_meshes[id(mesh)] = (mesh, mesh[rest])
         return cached[1]
 
     def groups(self, mesh: DeviceMesh) -> dict:
-        """1-D meshes per axis (this rank's: a stage's groups under pipeline parallelism),
-        and "ep" (None without expert parallelism)."""
-        names = mesh.mesh_dim_names
-        groups = {axis: mesh[axis] if axis in names else None for axis in AXES}
-        if any(axis not in names for axis in self.ep_axes):
+        """1-D meshes per axis, by fusedpar's names (this rank's: a stage's groups under
+        pipeline parallelism), and "ep" (None without expert parallelism); None for an
+        axis of one rank the mesh leaves out. The mesh's axes are checked first
+        (`axes_of`): unknown names or sizes other than the degrees raise ValueError."""
+        axes = self.axes_of(mesh)
+        groups = {axis: mesh[axes[axis]] if axis in axes else None for axis in AXES}
+        ep = tuple(axes.get(axis) for axis in self.ep_axes)
+        if None in ep:
             groups["ep"] = None  # over an axis of one rank the mesh leaves out
-        elif len(self.ep_axes) == 1:
-            groups["ep"] = mesh[self.ep_axes[0]]
-        elif self.ep_axes:
-            groups["ep"] = mesh[self.ep_axes]._flatten("_".join(self.ep_axes))
+        elif len(ep) == 1:
+            groups["ep"] = mesh[ep[0]]
+        elif ep:
+            groups["ep"] = mesh[ep]._flatten("_".join(ep))
         else:
             groups["ep"] = None
         return groups
@@ -227,7 +310,15 @@ class ParallelDims:
 
         from fusedpar.storage import _reduce_grad
 
-        if mesh.size(mesh.mesh_dim_names.index("dp")) == 1 and not fsdp_kwargs:
+        axes = self.axes_of(mesh, stage=True)
+        if "dp" not in axes:
+            if fsdp_kwargs:
+                raise ValueError(f"fully_shard: the mesh's axes {tuple(mesh.mesh_dim_names)} "
+                                 "have no dp axis for FSDP2 to run over")  # fmt: skip
+            mesh_dp = 1
+        else:
+            mesh_dp = mesh.size(mesh.mesh_dim_names.index(axes["dp"]))
+        if mesh_dp == 1 and not fsdp_kwargs:
             global _warned_dp1
             if not _warned_dp1:
                 _warned_dp1 = True
@@ -245,19 +336,20 @@ class ParallelDims:
                 raise RuntimeError(
                     f"dp_mesh_dims needs torch >= 2.12 (this is {torch.__version__})"
                 )
-            return fully_shard(module, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"),
+            return fully_shard(module, mesh=mesh,
+                               dp_mesh_dims=DataParallelMeshDims(shard=axes["dp"]),
                                **fsdp_kwargs)  # fmt: skip
         # The other axes of more than one rank (FSDP2's TP path takes a 1-D or 2-D mesh;
         # a parameter's placement on an axis of one rank is always Replicate).
         names = mesh.mesh_dim_names
-        kept = [i for i, axis in enumerate(names) if axis != "dp" and mesh.size(i) > 1]
+        kept = [i for i, axis in enumerate(names) if axis != axes["dp"] and mesh.size(i) > 1]
         kept = kept or [len(names) - 1]
         if len(kept) > 2:
             raise ValueError(f"FSDP2's TP path (torch < 2.12) takes parameters on at most two "
                              f"mesh axes, but {[names[i] for i in kept]} all have more than "
                              f"one rank: use torch >= 2.12 (dp_mesh_dims)")  # fmt: skip
         rest = tuple(names[i] for i in kept)
-        dp = names.index("dp")
+        dp = names.index(axes["dp"])
         moved: dict[int, nn.Parameter] = {}
         for sub in module.modules():
             for name, param in sub._parameters.items():
@@ -274,4 +366,4 @@ class ParallelDims:
                         new._fusedpar_order = getattr(param, "_fusedpar_order", math.inf)
                     moved[id(param)] = new
                 sub._parameters[name] = moved[id(param)]
-        return fully_shard(module, mesh=mesh["dp"], **fsdp_kwargs)
+        return fully_shard(module, mesh=mesh[axes["dp"]], **fsdp_kwargs)

@@ -49,7 +49,12 @@ gradients by their number, so a loss that is a mean over its microbatch gives th
 gradient of the mean over the batch; with "sum", a sum gives the sum. Fewer
 microbatches than stages (a hang in the schedules), layers that do not divide into the
 stages and a batch that does not divide into the microbatches raise ValueError on
-every rank before any communication.
+every rank before any communication. At the first step (every step under
+``FUSEDPAR_CHECKS=all``, `fusedpar.checks`) the ranks of a pipeline (its stages, and
+each stage's cp, ulysses and tp ranks) also agree on the batch's size and its split in
+one small all-gather per group, so that a rank given another batch (or, under torch's
+convention, a first stage alone given the inputs, that do not split) raises on every
+rank, naming it, where the others would wait in the schedule.
 """
 
 import copy
@@ -58,7 +63,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fusedpar import comm
+from fusedpar import checks, comm
 from fusedpar.storage import deferred_grad_reduction
 
 SCHEDULES = {  # name: how its stages sit on the pipeline ranks
@@ -206,6 +211,7 @@ class Pipeline:
     stage_ids: list[int] = field(default_factory=list)
     tied: list = field(default_factory=list)  # held by the first and last stage's ranks
     pp_group: object = None
+    check_groups: list = field(default_factory=list)  # pp, cp, ulysses, tp: one batch
 
     @property
     def has_first(self) -> bool:
@@ -223,12 +229,13 @@ class Pipeline:
         elsewhere. Gradients accumulate in the parameters, as backward's do."""
         named = (*((f"input {i}", t) for i, t in enumerate(inputs)), *kwargs.items(),
                  ("target", target))  # fmt: skip
-        for what, t in named:
-            if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] % self.microbatches):
-                shape = tuple(t.shape)
-                raise ValueError(f"pipeline step: {what} {shape} does not split into "
-                                 f"{self.microbatches} microbatches along dim 0 (the "
-                                 "batch)")  # fmt: skip
+        tensors = [(what, t) for what, t in named if isinstance(t, torch.Tensor)]
+        problem = self._batch_problem(tensors)
+        if checks.due(self, *(t for _, t in tensors)):
+            self._agree_on_batch(tensors, problem)  # raises on every rank of the pipeline
+            checks.passed(self)
+        elif problem:
+            raise ValueError(problem)
         # contiguous: torch 2.11's stages check each microbatch's strides against the
         # first's (a sliced batch, tokens[:, :-1], failed there)
         inputs = tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in inputs)
@@ -244,6 +251,49 @@ class Pipeline:
                                return_outputs=False, **kwargs)  # fmt: skip
         self._sum_tied_grads()
         return losses
+
+    def _batch_problem(self, tensors) -> str | None:
+        """What this rank alone can see is wrong with its batch: a tensor whose dim 0 does
+        not split into the microbatches, or tensors of different batch sizes."""
+        for what, t in tensors:
+            if t.dim() == 0 or t.shape[0] % self.microbatches:
+                return (f"pipeline step: {what} {tuple(t.shape)} does not split into "
+                        f"{self.microbatches} microbatches along dim 0 (the batch)")  # fmt: skip
+        sizes = {what: t.shape[0] for what, t in tensors}
+        if len(set(sizes.values())) > 1:
+            return f"pipeline step: the batch sizes (dim 0) differ: {sizes}"
+        return None
+
+    def _agree_on_batch(self, tensors, problem: str | None) -> None:
+        """The first step's check (`fusedpar.checks`): the ranks of the pipeline gather
+        their microbatch count, batch size (-1: none given, as the middle stages under
+        torch's convention) and whether they refused it; then every rank raises the same
+        ValueError naming the ranks at fault (a rank that refused raises its own)."""
+        batch = tensors[0][1].shape[0] if tensors and not problem else -1
+        device = self.stages[0].device if self.stages else "cpu"
+        table = checks.gather(self.check_groups, [self.microbatches, batch, bool(problem)],
+                              device)  # fmt: skip
+        if problem:
+            raise ValueError(problem)
+        refused = [rank for rank, (_, _, bad) in table.items() if bad]
+        if refused:
+            raise ValueError(f"pipeline step: {checks.ranks_text(refused)} of this pipeline "
+                             f"refused {'their' if len(refused) > 1 else 'its'} batch (see "
+                             "there): every rank of a pipeline takes a batch of one size, "
+                             f"split into {self.microbatches} microbatches")  # fmt: skip
+        # (the microbatch count of every rank; the batch size of those given one)
+        for index, what in ((0, "microbatch counts"), (1, "batch sizes")):
+            seen: dict[int, list] = {}
+            for rank, row in table.items():
+                if row[index] >= 0:
+                    seen.setdefault(row[index], []).append(rank)
+            if len(seen) > 1:
+                listed = "; ".join(f"{checks.ranks_text(ranks)}: {value}"
+                                   for value, ranks in seen.items())  # fmt: skip
+                raise ValueError(f"pipeline step: the ranks of this pipeline have different "
+                                 f"{what} ({listed}): every rank of a pipeline (its stages, "
+                                 "and their cp and tp ranks) takes a batch of one size, split "
+                                 "alike")  # fmt: skip
 
     def _sum_tied_grads(self) -> None:
         """A tied embedding's gradient is the sum of the first stage's (embedding) and the
@@ -298,7 +348,8 @@ def split(model: nn.Module, dims, mesh, *, schedule: str = "1F1B", microbatches=
         raise ValueError(f"split: {type(model).__name__} holds parameters of its own "
                          f"({', '.join(own)}), which no one stage would hold: put them in a "
                          "submodule of first or last")  # fmt: skip
-    pp_group = dims.groups(mesh)["pp"]
+    groups = dims.groups(mesh)
+    pp_group = groups["pp"]
     pp, pp_rank = comm.group_size(pp_group), comm.group_rank(pp_group)
     num_stages = stage_count(schedule, pp, stages_per_rank)
     microbatches = num_stages if microbatches is None else microbatches
@@ -331,8 +382,9 @@ def split(model: nn.Module, dims, mesh, *, schedule: str = "1F1B", microbatches=
         for name in first:
             if any(id(p) in ids for p in module_at(model, name).parameters()):
                 _put(merged, name, module_at(model, name), {})
+    check_groups = [groups[axis] for axis in ("pp", "cp", "ulysses", "tp")]
     return Pipeline(runner, stages, parts, merged, microbatches, num_stages, stage_ids, tied,
-                    group)  # fmt: skip
+                    group, check_groups)  # fmt: skip
 
 
 def stage_losses_total(losses: list | None, reduction: str = "mean", device=None):

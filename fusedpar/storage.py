@@ -114,7 +114,9 @@ class _Placed:
         return tuple(self.grad_placements[name] for name in mesh.mesh_dim_names)
 
 
-def _place(layout: ParamLayout, mesh: DeviceMesh, token_axes) -> _Placed:
+def _place(layout: ParamLayout, mesh: DeviceMesh, token_axes, axis_of: dict) -> _Placed:
+    """`layout` on `mesh`; `axis_of` maps the mesh's axis names to fusedpar's (token and
+    data axes are fusedpar's names)."""
     split = mesh_axes_of(layout.group, mesh) if layout.dim is not None else ()
     complete, partial = set(split), set()
     for group in layout.complete_over:
@@ -129,9 +131,9 @@ def _place(layout: ParamLayout, mesh: DeviceMesh, token_axes) -> _Placed:
         # where "cp_tp" is flattened: it averages over cp and tp.
         if name in complete or mesh.size(i) == 1:
             grads[name] = placements[name]
-        elif name in token_axes or name in partial:
+        elif axis_of[name] in token_axes or name in partial:
             grads[name] = Partial("sum")
-        elif name in DATA_AXES:
+        elif axis_of[name] in DATA_AXES:
             grads[name] = Partial("avg")
         else:
             grads[name] = Replicate()
@@ -248,13 +250,17 @@ def deferred_grad_reduction(module: nn.Module):
         _reduce_grads(list(module.parameters()))
 
 
-def _check_token_axes(model: nn.Module, mesh: DeviceMesh, token_axes) -> None:
+def _check_token_axes(model: nn.Module, mesh: DeviceMesh, token_axes, axis_of: dict) -> None:
     """A fusedpar TP layer's sequence parallelism says whether the tokens between layers
     are split over its axis, and CP groups (ring and Ulysses) always split them:
-    `token_axes` must agree."""
+    `token_axes` (fusedpar's names; `axis_of` maps the mesh's to them) must agree."""
+
+    def axes_of(group):
+        return tuple(axis_of[name] for name in mesh_axes_of(group, mesh))
+
     for name, module in model.named_modules():
-        cp_axes = mesh_axes_of(getattr(module, "cp_group", None), mesh)
-        cp_axes += mesh_axes_of(getattr(module, "ulysses_group", None), mesh)
+        cp_axes = axes_of(getattr(module, "cp_group", None))
+        cp_axes += axes_of(getattr(module, "ulysses_group", None))
         if hasattr(module, "param_layouts") and any(a not in token_axes for a in cp_axes):
             what = name or type(module).__name__
             raise ValueError(f"{what} splits the sequence over {cp_axes}, but "
@@ -263,7 +269,7 @@ def _check_token_axes(model: nn.Module, mesh: DeviceMesh, token_axes) -> None:
         if not hasattr(module, "param_layouts") or sequence_parallel is None:
             continue
         group = getattr(module, "group", getattr(module, "tp_group", None))
-        axes = mesh_axes_of(group, mesh)
+        axes = axes_of(group)
         if axes and sequence_parallel != all(axis in token_axes for axis in axes):
             raise ValueError(
                 f"{name or type(module).__name__} runs with sequence_parallel="
@@ -273,16 +279,19 @@ def _check_token_axes(model: nn.Module, mesh: DeviceMesh, token_axes) -> None:
             )
 
 
-def _check_group_axes(model: nn.Module, mesh: DeviceMesh) -> None:
+def _check_group_axes(model: nn.Module, mesh: DeviceMesh, axis_of: dict) -> None:
     """Each group a fusedpar layer holds is the mesh axis its name claims (``GROUP_AXES``:
-    ``tp_group`` on "tp", ...): groups passed swapped, or built by hand in another
-    order, would compute a different model with no error."""
+    ``tp_group`` on "tp", ...; `axis_of` maps the mesh's names to fusedpar's): groups
+    passed swapped, or built by hand in another order, would compute a different model
+    with no error."""
     for name, module in model.named_modules():
         for attr, claimed in getattr(module, "GROUP_AXES", {}).items():
-            axes = mesh_axes_of(getattr(module, attr, None), mesh)
+            names = mesh_axes_of(getattr(module, attr, None), mesh)
+            axes = tuple(axis_of[n] for n in names)
             if axes and axes != claimed:
                 what = f"{name or type(module).__name__}.{attr}"
-                raise ValueError(f"{what} is the mesh's {'x'.join(axes)} axis, not "
+                shown = "x".join(names) + (f" ({'x'.join(axes)})" if axes != names else "")
+                raise ValueError(f"{what} is the mesh's {shown} axis, not "
                                  f"{'x'.join(claimed)}: groups passed in the wrong places "
                                  f"(tp for cp?) or from another mesh; take them from "
                                  f"dims.groups(mesh)")  # fmt: skip
@@ -323,33 +332,40 @@ def _check_replicas(plan, mesh: DeviceMesh) -> None:
 _warned_undistributed = False
 
 
-def warn_if_undistributed(module: nn.Module, *groups) -> None:
+def warn_if_undistributed(module: nn.Module, *groups) -> bool:
     """Once per process: a fusedpar layer over more than one rank trains (grad enabled)
     without `distribute`, so the gradients of its whole parameters, and of shards used
     on split tokens, stay this rank's partial sums (code that sums them by hand is
-    fine: this only warns)."""
+    fine: this only warns). Called at a layer's first calls (`fusedpar.checks`), never
+    in traced code. Returns whether `module` is settled (warned, distributed, on groups
+    of one, or the warning given already); False while grad is off, to ask again."""
     global _warned_undistributed
     if _warned_undistributed or hasattr(module, "_fusedpar_placed"):
-        return
-    if not torch.is_grad_enabled() or all(comm.group_size(g) == 1 for g in groups):
-        return
+        return True
+    if all(comm.group_size(g) == 1 for g in groups):
+        return True
+    if not torch.is_grad_enabled():
+        return False
     _warned_undistributed = True
     warnings.warn(f"{type(module).__name__} runs over more than one rank, but its model was "
                   "not passed to fusedpar.distribute(model, mesh): the gradients of whole "
                   "parameters (norms, embeddings, a row bias) and of shards that saw only "
                   "this rank's tokens stay partial sums unless you reduce them yourself",
-                  UserWarning, stacklevel=3)  # fmt: skip
+                  UserWarning, stacklevel=6)  # fmt: skip
+    return True
 
 
 def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=None,
-               check_replicas: bool = True) -> nn.Module:  # fmt: skip
+               check_replicas: bool = True, names=None) -> nn.Module:  # fmt: skip
     """Store every parameter of `model` as a DTensor on `mesh`, in place; returns `model`.
 
-    `mesh` is the full mesh (``ParallelDims.build_mesh``), with named axes. fusedpar
-    layers place their parameters as ``param_layouts()`` says; every other parameter is
-    whole (``Replicate`` on every axis). `token_axes` are the mesh axes the activations
-    between layers are split over (default: those of cp, ulysses and tp the mesh has, as
-    fusedpar's sequence-parallel layers and context parallelism split them); a layer
+    `mesh` is the full mesh (``ParallelDims.build_mesh``), with named axes: fusedpar's
+    names, or others mapped to them by `names` (``dims.names``; a name neither raises
+    ValueError, `fusedpar.parallel.resolve_axes`). fusedpar layers place their
+    parameters as ``param_layouts()`` says; every other parameter is whole
+    (``Replicate`` on every axis). `token_axes` are the axes (fusedpar's names) the
+    activations between layers are split over (default: those of cp, ulysses and tp the
+    mesh has, as fusedpar's sequence-parallel layers and context parallelism split them); a layer
     whose ``sequence_parallel`` disagrees
     raises ValueError, and so does a layer whose groups are not the mesh axes they
     claim (`tp_group` on "tp", `cp_group` on "cp": swapped groups). Call it after
@@ -361,15 +377,20 @@ def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=None,
     parameter and raises ValueError on every rank naming those that differ. Every
     check runs before any parameter changes.
     """
+    from fusedpar.parallel import resolve_axes
+
     if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None:
         raise TypeError("distribute needs a DeviceMesh with named axes (ParallelDims.build_mesh)")
+    axis_of = {name: axis for axis, name in resolve_axes(mesh, names).items()}
+    present = tuple(axis_of.values())
     if token_axes is None:
-        token_axes = tuple(axis for axis in TOKEN_AXES if axis in mesh.mesh_dim_names)
-    unknown = [axis for axis in token_axes if axis not in mesh.mesh_dim_names]
+        token_axes = tuple(axis for axis in TOKEN_AXES if axis in present)
+    unknown = [axis for axis in token_axes if axis not in present]
     if unknown:
-        raise ValueError(f"token_axes {unknown} are not axes of the mesh {mesh.mesh_dim_names}")
-    _check_token_axes(model, mesh, token_axes)
-    _check_group_axes(model, mesh)
+        raise ValueError(f"token_axes {unknown} are not axes of the mesh {mesh.mesh_dim_names} "
+                         f"(fusedpar's names: {present})")  # fmt: skip
+    _check_token_axes(model, mesh, token_axes, axis_of)
+    _check_group_axes(model, mesh, axis_of)
     plan = []  # (owner, module, {name: _Placed}): every check passes before anything changes
     for owner, module in model.named_modules():
         if type(module) in _READS_CHILD_PARAMETERS:
@@ -386,7 +407,7 @@ def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=None,
             if param is not None and declared and name not in layouts:
                 raise ValueError(f"{where} is not in {type(module).__name__}.param_layouts()")
             if param is not None:
-                placed[name] = _place(layouts.get(name, WHOLE), mesh, token_axes)
+                placed[name] = _place(layouts.get(name, WHOLE), mesh, token_axes, axis_of)
         if placed:
             plan.append((owner, module, placed))
     if check_replicas:

@@ -2,6 +2,7 @@
 example model at TP2 x CP2 x DP1 reduces its whole parameters' gradients in a few
 bucketed all-reduces, not one per parameter (`fusedpar.testing.collectives`)."""
 
+import contextlib
 import sys
 import warnings
 from pathlib import Path
@@ -27,6 +28,12 @@ def _on_a_group_of_one():
         asyncs = (comm.all_gather_async, comm.all_reduce_async, comm.reduce_scatter_async,
                   comm.all_to_all_async)  # fmt: skip
         outs += [start(x, one).wait() for start in asyncs]
+        # the layers' first calls (their cross-rank checks: none on a group of one)
+        h = torch.randn(4, 2, 16, requires_grad=True)
+        layers = [fp.nn.ColumnParallelLinear(16, 8, one), fp.nn.ParallelSwiGLU(16, 12, one),
+                  fp.nn.ParallelAttention(16, 2, tp_group=one, cp_group=one)]  # fmt: skip
+        outs += [layer(h) for layer in layers] + [fp.nn.MoE(16, 6, 4, 2, one)(h)[0]]
+        outs.append(fp.nn.RowParallelLinear(8, 4, one)(outs[-4]))
         sum(o.sum() for o in outs).backward()
     return dict(seen.counts)
 
@@ -113,3 +120,30 @@ def _accumulated_grads_match():
 
 def test_gradient_accumulation_over_backwards(world):
     assert all(world(4).run(_accumulated_grads_match))
+
+
+def _check_counts() -> list:
+    """The collectives of a ColumnParallelLinear's first call, its second, and its
+    second under FUSEDPAR_CHECKS=all (`fusedpar.checks`), on a TP group of 2."""
+    mesh = fp.ParallelDims(cp=2, tp=2).build_mesh("cpu")
+    x = torch.randn(4, 2, 8)
+    out = []
+    for every_call in (False, True):
+        torch.manual_seed(0)
+        layer = fp.nn.ColumnParallelLinear(8, 8, mesh["tp"])
+        with fp.checks.every_call() if every_call else contextlib.nullcontext():
+            for _ in range(2):
+                with Collectives() as seen:
+                    layer(x)
+                out.append(dict(seen.counts))
+    return out
+
+
+def test_the_cross_rank_checks_run_at_the_first_call_only(world):
+    """One all-gather over the group at the first call; none after it, unless
+    FUSEDPAR_CHECKS=all; the layer's own collectives alike in every call."""
+    for first, second, first_all, second_all in world(4).run(_check_counts):
+        assert first_all == first and second_all == first, (first, first_all, second_all)
+        extra = dict(first)
+        extra[("all_gather", 2)] -= 1
+        assert second == {k: n for k, n in extra.items() if n}, (first, second)

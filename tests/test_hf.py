@@ -374,3 +374,28 @@ def test_another_family_is_refused():
     model = transformers.GPTJForCausalLM(config)
     with pytest.raises(ValueError, match=r"model_type 'gptj' \(supported: llama"):
         hf.parallelize(model, fp.ParallelDims())
+
+
+def _batch_check_gathers(degrees: dict) -> list:
+    """The all-gathers over the world (the batch check's: the layers' run on their
+    groups of 2) of two forward calls of a converted Llama."""
+    from fusedpar.testing.collectives import Collectives
+
+    model = _model("llama", 0)
+    hf.parallelize(model, fp.ParallelDims(**degrees))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    counts = []
+    for _ in range(2):
+        with Collectives() as seen:
+            model(input_ids=ids, labels=ids)
+        counts.append(seen.counts.get(("all_gather", 4), 0))
+    return counts
+
+
+def test_the_batch_check_runs_at_the_first_call_and_never_on_one_rank(world):
+    """batch="full": the same-batch check all-gathers at the first call only (it ran at
+    every step), and not at all where one rank holds the whole sequence (dp 4: it
+    all-gathered over the world at every step, to compare nothing)."""
+    names = {"dp": "data", "cp": "context", "tp": "tensor"}  # a mesh by other names too
+    assert world(4).run(_batch_check_gathers, dict(cp=2, tp=2, names=names)) == [[1, 0]] * 4
+    assert world(4).run(_batch_check_gathers, dict(dp=4)) == [[0, 0]] * 4

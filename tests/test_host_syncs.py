@@ -8,6 +8,7 @@ once, by design), then is checked forward and backward. Modules are built outsid
 check: construction copies weights to the device.
 """
 
+import contextlib
 import inspect
 from pathlib import Path
 
@@ -290,3 +291,29 @@ def test_a_training_step_has_no_host_sync(world):
     """Dense and MoE (EP 1), at TP2 x CP2 on every rank and in one process."""
     assert _training_steps_syncs(False) == [None, None]
     assert world(4).run(_training_steps_syncs, True) == [[None, None]] * 4
+
+
+def _check_syncs() -> list:
+    """A ColumnParallelLinear on a TP group of 2: the host syncs of its first call, of
+    its second, and of its second under FUSEDPAR_CHECKS=all (`fusedpar.checks`)."""
+    mesh = fp.ParallelDims(cp=2, tp=2).build_mesh("cpu")
+    x = torch.randn(4, 2, 8)
+    out = []
+    for every_call in (False, True):
+        torch.manual_seed(0)
+        layer = fp.nn.ColumnParallelLinear(8, 8, mesh["tp"])
+        with fp.checks.every_call() if every_call else contextlib.nullcontext():
+            for _ in range(2):
+                with HostSyncs() as syncs:
+                    layer(x)
+                out.append(sorted({where.rsplit("/", 1)[-1].split(":")[0]
+                                   for _, where in syncs.found}))  # fmt: skip
+    return out
+
+
+def test_the_cross_rank_checks_sync_at_the_first_call_only(world):
+    """The check reads its table on the host once (a GPU's one sync), none after it;
+    every call under FUSEDPAR_CHECKS=all, by design."""
+    for first, second, first_all, second_all in world(4).run(_check_syncs):
+        assert first == first_all == second_all == ["checks.py"], (first, first_all, second_all)
+        assert second == [], second

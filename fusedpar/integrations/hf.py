@@ -19,12 +19,12 @@ The batch (``batch=`` of `parallelize`):
 | --------- | ------------------------------------------------ | ------------------------- |
 | "full"    | `input_ids` / `inputs_embeds` (B, S), `labels`   | ``labels=``: Hugging      |
 | (default) | (B, S), the same on every rank of a cp x tp      | Face's, shifted over the  |
-|           | group (checked each call: one all-gather of a    | whole sequence; its value |
-|           | fingerprint); it takes this rank's share itself  | the global mean           |
+|           | group (checked at the first call: one all-gather | whole sequence; its value |
+|           | of a fingerprint); it takes this rank's share    | the global mean           |
 | "local"   | this rank's share, `local_tokens(ids, groups)`   | yours, from `local_tokens`|
 |           | (B, S/CP/U/TP): the zigzag CP shard, its Ulysses | of `next_token_labels`    |
-|           | part, then its TP chunk (checked once: ranks     |                           |
-|           | holding the same tokens raise)                   |                           |
+|           | part, then its TP chunk (checked at the first    |                           |
+|           | call: ranks holding the same tokens raise)       |                           |
 
 Either way the logits are this rank's tokens', (B, S/CP/U/TP, V); `full_logits` gathers
 them. Under "full", ``attention_mask`` may be left out or all ones (what a tokenizer
@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusedpar import comm
+from fusedpar import checks, comm
 from fusedpar.integrations import hf_families as families
 from fusedpar.integrations import hf_heads as heads
 from fusedpar.integrations.hf_families import refuse
@@ -232,7 +232,7 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
     model.register_forward_hook(_add_loss, with_kwargs=True, always_call=True)
     if dims is None:
         return None
-    distribute(model, stage_mesh)  # a stage's parameters on its sub-mesh under pp
+    distribute(model, stage_mesh, names=dims.names)  # a stage's parameters: its sub-mesh under pp
     return mesh
 
 
@@ -242,7 +242,6 @@ class _Batch:
     def __init__(self, kind: str, mesh, groups: dict, forward_args: list, head="causal"):
         self.kind, self.mesh, self.groups, self.head = kind, mesh, groups, head
         self.forward_args = forward_args  # the model's forward, positionally
-        self.local_checked = False
         self.pending: list = []  # (local labels (shifted: causal), num_items_in_batch) per call
         self.cu_seqlens: torch.Tensor | None = None  # the call's packed documents (int32)
         # sequence classification: each row's pooled position, this rank's tokens' positions
@@ -307,9 +306,8 @@ def _take_batch(module, args, kwargs):
         heads.check_padding(mask, tokens.shape[:2], state.head, labels=shifted,
                             pooled=state.pooled if state.head == "sequence" else None,
                             packed=state.cu_seqlens is not None)  # fmt: skip
-    if state.mesh is not None:
-        given = (tokens, shifted, positions, pooled_labels)
-        _check_same_batch([t for t in given if t is not None], state.mesh)
+    given = (tokens, shifted, positions, pooled_labels)
+    _check_same_batch([t for t in given if t is not None], state)
     for name in ("input_ids", "inputs_embeds"):
         if kwargs.get(name) is not None:
             kwargs[name] = local_tokens(kwargs[name], state.groups)
@@ -364,8 +362,9 @@ def _positions(full_len: int, tokens, state) -> torch.Tensor:
 
 
 def _check_local(kwargs, tokens, state) -> None:
-    """batch="local": what only the caller can shard is refused; once, a batch that
-    looks unsharded (the same tokens on the ranks of tp, or of cp) raises."""
+    """batch="local": what only the caller can shard is refused; at the first call (every
+    call under FUSEDPAR_CHECKS=all), a batch that looks unsharded (the same tokens on the
+    ranks of tp, or of cp) raises; nothing to compare where one rank holds the sequence."""
     if kwargs.get("attention_mask") is not None:
         raise ValueError("a model converted by fusedpar is causal over whole sequences: "
                          "pass attention_mask=None (batch='local')")  # fmt: skip
@@ -380,25 +379,39 @@ def _check_local(kwargs, tokens, state) -> None:
         raise ValueError("labels= would shift within each rank's shard (batch='local'): "
                          "compute the loss with next_token_labels and local_tokens, or "
                          "parallelize with batch='full'")  # fmt: skip
-    if state.local_checked or state.mesh is None:
+    if state.mesh is None or state.ranks() == 1 or not checks.due(state, tokens):
         return
-    state.local_checked = True
     table = comm.mesh_table(comm.fingerprint(tokens), state.mesh)  # (*mesh.shape, 3)
+    dp = _dp_axis(state)
     for axis, name in enumerate(state.mesh.mesh_dim_names):
-        if name == "dp" or state.mesh.size(axis) == 1:
+        if axis == dp or state.mesh.size(axis) == 1:
             continue
         if bool((table.amax(axis) == table.amin(axis)).all(-1).any()):
             raise ValueError(f"batch='local': the ranks of mesh axis {name!r} hold the "
                              "same tokens; each takes its own share, "
                              "local_tokens(input_ids, groups) (or parallelize with "
                              "batch='full' and pass the whole batch)")  # fmt: skip
+    checks.passed(state)
 
 
-def _check_same_batch(tensors, mesh) -> None:
+def _dp_axis(state) -> int | None:
+    """The index of the mesh's dp axis (whatever its name), None without one."""
+    from fusedpar.storage import mesh_axes_of
+
+    names = mesh_axes_of(state.groups.get("dp"), state.mesh)
+    return state.mesh.mesh_dim_names.index(names[0]) if names else None
+
+
+def _check_same_batch(tensors, state) -> None:
     """The same ValueError on every rank unless the ranks of each cp x tp group (all but
-    dp) hold equal `tensors`: one all-gather of their fingerprints."""
+    dp) hold equal `tensors`: one all-gather of their fingerprints, at the first call
+    (every call under FUSEDPAR_CHECKS=all, `fusedpar.checks`); none where one rank holds
+    the whole sequence. Called after the checks a rank makes alone."""
+    if state.mesh is None or state.ranks() == 1 or not checks.due(state, *tensors):
+        return
+    mesh = state.mesh
     table = comm.mesh_table(torch.stack([comm.fingerprint(t) for t in tensors]), mesh)
-    dp = mesh.mesh_dim_names.index("dp") if "dp" in mesh.mesh_dim_names else None
+    dp = _dp_axis(state)
     table = table.unsqueeze(0) if dp is None else table.movedim(dp, 0)
     table = table.flatten(1, -3)  # (dp, ranks sharing a batch, tensors, 3)
     if bool((table.amax(1) != table.amin(1)).any()):
@@ -406,6 +419,7 @@ def _check_same_batch(tensors, mesh) -> None:
                          "each takes the whole batch, the same on every rank of its group "
                          "(the model shards it), or parallelize with batch='local' and "
                          "pass local_tokens(input_ids, groups)")  # fmt: skip
+    checks.passed(state)
 
 
 def _pool(state, module, args, output):

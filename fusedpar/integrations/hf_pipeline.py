@@ -75,9 +75,8 @@ class DecoderStages(nn.Module):
         state.cu_seqlens = None if position_ids is None else packed_documents(position_ids, shape)
         if embed is not None:
             check_shards(seq, groups)
-            if state.mesh is not None:  # the ranks of this stage got one microbatch
-                given = [x] if position_ids is None else [x, position_ids]
-                _check_same_batch(given, state.mesh)
+            # the ranks of this stage got one microbatch (at the first call)
+            _check_same_batch([x] if position_ids is None else [x, position_ids], state)
             x = embed(local_tokens(x, groups))  # (B, S_loc, d)
             learned = self._part(self.learned_positions)
             if learned is not None:

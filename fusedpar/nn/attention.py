@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusedpar import comm
+from fusedpar import checks, comm
 from fusedpar.nn.attention_parts import (  # noqa: F401 (rope_tables: public here too)
     QK_NORMS,
     ROPE_LAYOUTS,
@@ -73,7 +73,7 @@ from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.ring_attention import ring_attn
 from fusedpar.ops.sequence import sequence_positions
 from fusedpar.ops.ulysses import check_heads
-from fusedpar.storage import ParamLayout, local_tensor, warn_if_undistributed
+from fusedpar.storage import ParamLayout, local_tensor
 
 CP_MODES = ("ring", "ulysses", "hybrid")
 DEFAULT_ROPE = "default"  # `rope` left out: Llama's tables (None: no rotary embedding)
@@ -130,6 +130,7 @@ class ParallelAttention(nn.Module):
     """
 
     GROUP_AXES = {"tp_group": ("tp",), "cp_group": ("cp",), "ulysses_group": ("ulysses",)}
+    _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 
     def __init__(self, d_model, n_heads, n_kv_heads=None, *, head_dim=None, bias=False,
                  o_bias=False, qk_norm: bool | str = False, norm_eps=1e-6, norm_offset=0.0,
@@ -411,10 +412,11 @@ class ParallelAttention(nn.Module):
             raise ValueError(f"rope(positions) must give cos, sin of ({length}, {half}) or "
                              f"({length}, {2 * half}) for rotary_dim {2 * half}, got "
                              f"{tuple(t.shape)}")  # fmt: skip
-        elif not self._rope_layout_checked and half % 2 == 0:
+        elif not self._rope_layout_checked and half % 2 == 0 and not checks.skipped(t):
             # Hugging Face's table of a rotary_dim of r/2 (GPT-NeoX's rotary_pct 0.5)
             # has our width; its halves repeat, ours (distinct frequencies) do not.
-            # Checked once per layer (a host sync). Angles all 0 (position 0) tell nothing.
+            # Checked once per layer (a host sync), in eager calls only (a data-dependent
+            # branch breaks a compiled graph). Angles all 0 (position 0) tell nothing.
             first, second = t[:, : half // 2], t[:, half // 2 :]
             informative = bool((first != first.flatten()[0]).any())
             if informative and torch.equal(first, second):
@@ -431,7 +433,12 @@ class ParallelAttention(nn.Module):
         (int32, the same on every rank): the documents packed into the full sequence
         (B = 1), as in `fusedpar.flash_attn_varlen`; a token attends within its own
         document, and its RoPE position restarts at each document's start."""
-        warn_if_undistributed(self, self.tp_group, self.cp_group, self.ulysses_group)
+        if not self._fusedpar_checked:  # x and weights alike over tp, cp, ulysses
+            groups = {"tp_group": self.tp_group, "cp_group": self.cp_group,
+                      "ulysses_group": self.ulysses_group}  # fmt: skip
+            packed = -1 if cu_seqlens is None else cu_seqlens.numel()
+            fields = checks.alike(x, self.q_weight) | {"cu_seqlens length": packed}
+            checks.first_call(self, x, groups, fields)
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"ParallelAttention takes x (S_loc, B, d_model={self.d_model}), "
                              f"got {tuple(x.shape)}")  # fmt: skip

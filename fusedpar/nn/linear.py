@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusedpar import comm
+from fusedpar import checks, comm
 from fusedpar.ops.gated_down import gated_down, kernel_activation
 from fusedpar.ops.linear import DEFAULT_CHUNKS_PER_RANK, all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.mlp import gated_mlp
-from fusedpar.storage import ParamLayout, local_tensor, warn_if_undistributed
+from fusedpar.storage import ParamLayout, local_tensor
 
 
 def _check_divisible(what: str, size: int, world: int) -> None:
@@ -92,6 +92,7 @@ class _ParallelLinear(nn.Module):
 
     split_dim: int  # 0: the output features are split (column); 1: the input ones (row)
     GROUP_AXES = {"group": ("tp",)}  # checked by `fusedpar.distribute`
+    _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 
     def __init__(self, in_features, out_features, group, bias, sequence_parallel,
                  chunks_per_rank, device, dtype):  # fmt: skip
@@ -163,6 +164,11 @@ class _ParallelLinear(nn.Module):
         layer.load_dense(w.detach(), None if b is None else b.detach())
         return layer
 
+    def _first_call(self, x: torch.Tensor) -> None:
+        """Every rank of the group has x of one shape and dtype, and its weight in one
+        dtype (`fusedpar.checks`)."""
+        checks.first_call(self, x, {"group": self.group}, checks.alike(x, self.weight))
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"world={self.world}, bias={self.bias is not None}, "
@@ -188,7 +194,8 @@ class ColumnParallelLinear(_ParallelLinear):
                          chunks_per_rank, device, dtype)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        warn_if_undistributed(self, self.group)
+        if not self._fusedpar_checked:
+            self._first_call(x)
         if self.sequence_parallel:
             y = all_gather_matmul(x, self.weight, self.group, bias=self.bias,
                                   chunks_per_rank=self.chunks_per_rank)  # fmt: skip
@@ -214,7 +221,8 @@ class RowParallelLinear(_ParallelLinear):
                          chunks_per_rank, device, dtype)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        warn_if_undistributed(self, self.group)
+        if not self._fusedpar_checked:
+            self._first_call(x)
         if self.sequence_parallel:
             # Each rank adds the bias to its own tokens: its gradient is summed over ranks.
             bias = None if self.bias is None else comm.copy_to_region(self.bias, self.group)
@@ -239,6 +247,7 @@ class ParallelSwiGLU(nn.Module):
     """
 
     GROUP_AXES = {"group": ("tp",)}  # checked by `fusedpar.distribute`
+    _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 
     def __init__(self, d_model, d_hidden, group=None, *, bias=False, activation=F.silu,
                  sequence_parallel=True, chunks_per_rank=DEFAULT_CHUNKS_PER_RANK,
@@ -325,7 +334,8 @@ class ParallelSwiGLU(nn.Module):
         return mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        warn_if_undistributed(self, self.group)
+        if not self._fusedpar_checked:  # one shape and dtype over the group (fusedpar.checks)
+            checks.first_call(self, x, {"group": self.group}, checks.alike(x, self.gate_weight))
         if comm.active_group(self.group) is None and x.dtype != torch.float64:
             activation = kernel_activation(self.activation)
             if activation is not None:  # one rank: the whole MLP as one op

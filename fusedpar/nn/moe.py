@@ -6,13 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusedpar import comm
+from fusedpar import checks, comm
 from fusedpar.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT, check_activation
 from fusedpar.ops.gated_down import gated_down
 from fusedpar.ops.moe import moe_dispatch_combine
 from fusedpar.ops.moe_routing import SCORES, aux_losses, capacity_mask, route
 from fusedpar.recompute import is_recomputing
-from fusedpar.storage import ParamLayout, local_tensor, warn_if_undistributed
+from fusedpar.storage import ParamLayout, local_tensor
 
 
 class MoE(nn.Module):
@@ -65,6 +65,8 @@ class MoE(nn.Module):
     expert biases, like the expert weights, get the gradient of every token routed to
     this rank's experts, from every rank.
     """
+
+    _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 
     def __init__(self, d_model, d_hidden, num_experts, top_k, ep_group=None, *,
                  score="softmax", norm_topk_prob=True, capacity_factor=None,
@@ -260,7 +262,10 @@ class MoE(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor):
-        warn_if_undistributed(self, self.ep_group)
+        if not self._fusedpar_checked:  # tokens per rank may differ; their features may not
+            checks.first_call(self, x, {"ep_group": self.ep_group}, {
+                "x features": x.shape[-1] if x.dim() else -1, "x dtype": x.dtype,
+                "expert dtype": self.w1.dtype})  # fmt: skip
         if x.shape[-1] != self.d_model:
             raise ValueError(f"MoE: x must be (..., d_model={self.d_model}), got {tuple(x.shape)}")
         if x.dtype != self.w1.dtype:

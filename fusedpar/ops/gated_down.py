@@ -116,7 +116,9 @@ def kernel_activation(activation) -> str | None:
           and not activation.args and set(activation.keywords) <= {"approximate"}):  # fmt: skip
         approximate = activation.keywords.get("approximate", "none")
     name = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
-    if name is None and repr(activation) not in _WITHOUT_KERNEL:
+    # (said in an eager call: a warning inside a compiled graph is a graph break)
+    quiet = torch.compiler.is_compiling() or repr(activation) in _WITHOUT_KERNEL
+    if name is None and not quiet:
         _WITHOUT_KERNEL.add(repr(activation))
         warnings.warn(f"gated_down: no fused kernel for activation {activation!r} (there is "
                       f"one for silu, gelu and gelu tanh): act(gate) * up and its gradient "
