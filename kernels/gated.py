@@ -177,7 +177,7 @@ def gated(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> tor
     check_gated(gate, up, activation)
     g, u = _rows(gate), _rows(up)
     h = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
-    run = gated_torch if _impl.runs_torch(gate.device) else _launch
+    run = gated_torch if _impl.runs_torch(gate) else _launch
     run(activation, g, u, None, h, None, None)
     return h if gate.dim() == 2 else h.view(gate.shape)
 
@@ -207,7 +207,7 @@ def gated_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     else:
         dg, du = (torch.empty(g.shape, dtype=gate.dtype, device=gate.device) for _ in range(2))
     h = torch.empty(g.shape, dtype=gate.dtype, device=gate.device) if hidden else None
-    run = gated_torch if _impl.runs_torch(gate.device) else _launch
+    run = gated_torch if _impl.runs_torch(gate) else _launch
     run(activation, g, u, d, h, dg, du)
     if stacked:
         return (both,) if h is None else (both, h)

@@ -326,7 +326,7 @@ class ParallelSwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         warn_if_undistributed(self, self.group)
-        if comm.active_group(self.group) is None and x.dtype != torch.float64:
+        if comm.active_group(self.group) is None:
             activation = kernel_activation(self.activation)
             if activation is not None:  # one rank: the whole MLP as one op
                 if x.shape[-1] != self.d_model:
