@@ -49,7 +49,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     where the tables need a gradient or are not of the kernels' dtype
     (`rotates_by_formula`)."""
     if rotates_by_formula(x, cos, sin):
-        half, wide = cos.shape[-1], torch.promote_types(x.dtype, torch.float32)
+        half, wide = cos.shape[-1], accumulator(x.dtype)
         x1, x2 = x[..., :half].to(wide), x[..., half : 2 * half].to(wide)
         c, s = cos[None, :, None, :].to(wide), sin[None, :, None, :].to(wide)
         rotated = [x1 * c - x2 * s, x2 * c + x1 * s]
