@@ -73,6 +73,10 @@ def check_ops(device):
     _compare(lambda *t: fp.flash_attn(*t, causal=True, return_lse=True, **mask),
              lambda *t: attention_reference(*t, causal=True, **mask),
              (q[:, :7], k, v), 5, "flash_attn window softcap")  # fmt: skip
+    qs, ks, vs = r((1, 12, 4, 8), 21), r((1, 12, 2, 8), 22), r((1, 12, 2, 8), 23)
+    _compare(lambda *t: fp.ops.virtual_ring_attn(*t, 3, causal=True, return_lse=True),
+             lambda *t: attention_reference(*t, causal=True), (qs, ks, vs), 24,
+             "virtual_ring_attn")  # fmt: skip
     cu = torch.tensor([0, 5, 5, 12, 17], dtype=torch.int32, device=device)
 
     def by_document(q, k, v):  # each document alone
