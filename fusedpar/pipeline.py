@@ -64,6 +64,7 @@ import torch
 from torch import nn
 
 from fusedpar import checks, comm
+from fusedpar.kernels._common import accumulator
 from fusedpar.storage import deferred_grad_reduction
 
 SCHEDULES = {  # name: how its stages sit on the pipeline ranks
@@ -392,5 +393,5 @@ def stage_losses_total(losses: list | None, reduction: str = "mean", device=None
     stage): their mean (or sum), to be summed over the ranks as the model's shares are."""
     if not losses:
         return torch.zeros((), device=device)
-    stacked = torch.stack([loss.detach().float() for loss in losses])
+    stacked = torch.stack([loss.detach().to(accumulator(loss.dtype)) for loss in losses])
     return stacked.mean() if reduction == "mean" else stacked.sum()

@@ -4,8 +4,19 @@ import contextlib
 import functools
 
 import torch
+from fusedpar.kernels import _impl
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# What the ops take: Triton's kernels' dtypes (`_impl.KERNEL_DTYPES`), and float64 on
+# torch's implementation only (`_impl.runs_torch`).
+FLOAT_DTYPES = (*_impl.KERNEL_DTYPES, torch.float64)
+
+
+def accumulator(dtype: torch.dtype) -> torch.dtype:
+    """What the contract keeps in "fp32" for inputs of `dtype` (accumulators, LSEs, ring
+    partials, reduce-scatter sums, rstd, RoPE tables, the router's math): float32 for
+    fp16, bf16 and fp32; float64 for float64, which is computed in float64 throughout
+    (nothing rounds it to fp32). ``torch.promote_types(dtype, torch.float32)``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def cdiv(a: int, b: int) -> int:
@@ -49,9 +60,13 @@ def check_launchable(kernel, *tensors: torch.Tensor) -> None:
 
 
 def check_float_dtype(name: str, tensor: torch.Tensor, allowed=FLOAT_DTYPES) -> None:
+    """TypeError unless `tensor`'s dtype is `allowed`; float64 also under an explicit
+    ``triton`` request (`_impl.refuse_float64`: its kernels do not take it)."""
     if tensor.dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
         raise TypeError(f"{name} must be one of {names}, got {tensor.dtype}")
+    if tensor.dtype == torch.float64 and _impl.requested() == "triton":
+        _impl.refuse_float64(name)
 
 
 def fp32_dot_precision() -> str:

@@ -17,6 +17,15 @@ The request comes from `implementation` (a context manager, for code) or else th
 ``auto`` by default. On a CPU, Triton's kernels run only in its interpreter
 (``TRITON_INTERPRET=1`` before triton is imported): a debugging tool there, not a speed,
 which is why ``auto`` means torch on a CPU.
+
+float64 (a reference model's dtype, a property test's) runs on torch's implementation
+only, on a CPU and on CUDA alike: Triton's kernels take fp16, bf16 and fp32
+(`KERNEL_DTYPES`), so under ``auto`` they are no candidates for it (nothing is timed),
+and an explicit ``triton`` request with float64 is a TypeError (`refuse_float64`), never
+a silent switch. The torch implementation computes float64 in float64 throughout: what
+the contract keeps in fp32 for the other dtypes (LSEs, ring partials, reduce-scatter
+sums, rstd, RoPE tables, the router) is float64 for it
+(`fusedpar.kernels._common.accumulator`).
 """
 
 import contextlib
@@ -86,11 +95,31 @@ def cpu_path(fn):
     return fn
 
 
-def runs_torch(device: torch.device) -> bool:
-    """Whether a launch on `device` runs the torch implementation outright (no tuning):
-    asked for, or ``auto`` off CUDA."""
+# What Triton's kernels take; float64 runs on torch's implementation only.
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def refuse_float64(what: str) -> None:
+    """The TypeError for float64 under an explicit ``triton`` request; `what` names the
+    tensor ("q", "x (4, 8)")."""
+    raise TypeError(
+        f"{what} is float64: fusedpar's Triton kernels take float16, bfloat16 and float32, "
+        f"and FUSEDPAR_IMPL=triton (or fusedpar.implementation('triton')) asks for them. "
+        f"torch's implementation runs float64 (computed in float64 throughout): use "
+        f"'auto' (the default) or 'torch' for it"
+    )
+
+
+def runs_torch(t: torch.Tensor) -> bool:
+    """Whether a launch on `t` (its device and dtype) runs the torch implementation
+    outright (no tuning): float64 always (a TypeError under ``triton``,
+    `refuse_float64`), else asked for, or ``auto`` off CUDA."""
     name = requested()
-    return name == "torch" or (name == "auto" and device.type != "cuda")
+    if t.dtype == torch.float64:
+        if name == "triton":
+            refuse_float64(f"a tensor {tuple(t.shape)}")
+        return True
+    return name == "torch" or (name == "auto" and t.device.type != "cuda")
 
 
 def tunes_torch() -> bool:

@@ -30,7 +30,7 @@ base 2 (``exp2`` with log2(e) folded into the scale); the LSE is natural at the 
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _impl, _tuning, attention_torch
+from fusedpar.kernels import _common, _impl, _tuning, attention_torch
 from fusedpar.kernels._common import (
     cdiv,
     check_float_dtype,
@@ -505,6 +505,8 @@ def attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Returns ``(out, lse)``: out (B, Sq, Hq, D) in `out_dtype` (q's, or fp32 for ring
     partials), lse (B, Hq, Sq) fp32. `out` and `lse` may be given, with any strides.
+    (fp32 here is ``accumulator(q.dtype)``: float64 for float64 q, which runs on torch's
+    implementation only.)
 
     The mask: `causal` and `window` (see `fusedpar.kernels.attention_mask`), or
     `intervals` (packed documents, ring blocks: the whole mask in tensors). ``softcap``
@@ -515,7 +517,7 @@ def attention_forward(
     them. `agreement`: the ranks that pick one tile together; ``tune_only``: make the
     pick for this call (on scratch buffers) and return None: the ring does so before its
     loop."""
-    planned = intervals is None and not tune_only and not _impl.runs_torch(q.device)
+    planned = intervals is None and not tune_only and not _impl.runs_torch(q)
     signature = None
     if planned:
         signature = forward_signature(q, k, v, causal, softmax_scale, window, softcap, out,
@@ -529,7 +531,7 @@ def attention_forward(
         q, k, causal=causal, window=window, softcap=softcap, softmax_scale=softmax_scale,
         intervals=intervals, side="query",
     )  # fmt: skip
-    allowed = (q.dtype, torch.float32)
+    wide = _common.accumulator(q.dtype)  # fp32, float64 for float64 q
     if merge and not tune_only and (out is None or lse is None):
         raise ValueError("merge=True folds the result into `out` and `lse`: give both")
     if tune_only:  # the key depends on the dtypes only: write nothing of the caller's
@@ -537,17 +539,17 @@ def attention_forward(
         out = lse = None
     if out is None:
         out = torch.empty((B, Sq, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
-    check_buffer("out", out, (B, Sq, Hq, D), allowed, q.device)
-    if merge and out.dtype != torch.float32:
-        raise TypeError(f"merge=True accumulates in float32: out is {out.dtype}")
+    check_buffer("out", out, (B, Sq, Hq, D), (q.dtype, wide), q.device)
+    if merge and out.dtype != wide:
+        raise TypeError(f"merge=True accumulates in {wide}: out is {out.dtype}")
     if lse is None:
-        lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
-    check_buffer("lse", lse, (B, Hq, Sq), (torch.float32,), q.device)
+        lse = torch.empty((B, Hq, Sq), dtype=wide, device=q.device)
+    check_buffer("lse", lse, (B, Hq, Sq), (wide,), q.device)
 
     def torch_run():
         attention_torch.forward(q, k, v, scores, out, lse, merge)
 
-    if _impl.runs_torch(q.device):
+    if _impl.runs_torch(q):
         if not tune_only and B * Sq * Hq:
             torch_run()
         return None if tune_only else (out, lse)

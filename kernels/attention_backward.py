@@ -379,12 +379,12 @@ def _attn_bwd_dq_kernel(
 
 
 def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
-    """``delta = rowsum(dO * O)``: (B, Hq, Sq) fp32, contiguous."""
+    """``delta = rowsum(dO * O)``: (B, Hq, Sq) fp32 (float64 for float64 dO), contiguous."""
     if out.shape != dout.shape or out.dim() != 4:
         raise ValueError(f"out and dout must be one (B, S, H, D) shape, got "
                          f"{tuple(out.shape)} and {tuple(dout.shape)}")  # fmt: skip
     B, Sq, Hq, D = out.shape
-    if _impl.runs_torch(out.device):
+    if _impl.runs_torch(out):
         return attention_torch.delta(out, dout)
     delta = torch.empty((B, Hq, Sq), dtype=torch.float32, device=out.device)
     check_launchable(_bwd_delta_kernel, out, dout)
@@ -427,10 +427,11 @@ def _partials(shape, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
-def delta_buffer(shape, device: torch.device) -> torch.Tensor:
+def delta_buffer(shape, device: torch.device, dtype=torch.float32) -> torch.Tensor:
     """The fp32 (B, Hq, Sq) buffer the dQ kernel makes delta in, for the dK/dV launches
-    after it (every element written first; tests poison it through this function)."""
-    return torch.empty(shape, dtype=torch.float32, device=device)
+    after it (every element written first; tests poison it through this function);
+    `dtype`: the LSE's (float64 for float64 q)."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _contiguous_delta(delta):
@@ -466,7 +467,7 @@ def attention_backward_dkdv(
     planned once per call signature (`attention_backward_plan.BackwardPlan`)."""
     mask = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
                 intervals=intervals)  # fmt: skip
-    if _impl.runs_torch(q.device):
+    if _impl.runs_torch(q):
         return torch_backward("dkdv", dout, q, k, v, lse, delta, (dk, dv), mask, accumulate,
                                grad_dtype, tune_only)  # fmt: skip
     delta = _contiguous_delta(delta)
@@ -544,7 +545,7 @@ def attention_backward_dq(
         raise ValueError("attention_backward_dq: dlse folds into the delta made from `out`: "
                          "give out too, or subtract it from a precomputed delta")  # fmt: skip
     sources = (out, dlse)
-    if _impl.runs_torch(q.device):
+    if _impl.runs_torch(q):
         return torch_backward("dq", dout, q, k, v, lse, delta, (dq,), mask, accumulate,
                                grad_dtype, tune_only, sources)  # fmt: skip
     delta = _contiguous_delta(delta)
@@ -618,7 +619,7 @@ def attention_backward(
         if out is None:
             raise ValueError("attention_backward needs `out` or a precomputed `delta`")
         # dQ writes it (lse's shape, which dQ checks before any launch)
-        delta = delta_buffer(lse.shape, lse.device)
+        delta = delta_buffer(lse.shape, lse.device, lse.dtype)
         sources = {"out": out, "dlse": dlse}
     common = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
                   intervals=intervals, accumulate=accumulate, grad_dtype=grad_dtype,

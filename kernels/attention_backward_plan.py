@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 from fusedpar.kernels import _common, attention_torch
-from fusedpar.kernels._common import check_launchable, tma_paths
+from fusedpar.kernels._common import accumulator, check_launchable, tma_paths
 from fusedpar.kernels.attention import check_attention_inputs, check_buffer, mask_arguments
 from fusedpar.kernels.attention_plan import launch_key, remember
 from fusedpar.kernels.attention_reference import resolve_scale
@@ -54,19 +54,21 @@ def backward_signature(kind, dout, q, k, v, lse, delta, grads, mask: dict, accum
 
 def check_backward_inputs(dout, q, k, v, lse, delta, sources=(None, None)):
     """Raise for anything the backward kernels cannot take (`sources`: delta's out and
-    dlse, either None)."""
+    dlse, either None). The LSE, delta and dLSE are fp32 (float64 for float64 q:
+    `accumulator`)."""
     check_attention_inputs(q, k, v)
     (B, Sq, Hq, _) = q.shape
     if dout.shape != q.shape:
         raise ValueError(f"dout must be q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
-    check_buffer("lse", lse, (B, Hq, Sq), (torch.float32,), q.device)
+    wide = accumulator(q.dtype)
+    check_buffer("lse", lse, (B, Hq, Sq), (wide,), q.device)
     if delta is not None:
-        check_buffer("delta", delta, (B, Hq, Sq), (torch.float32,), q.device)
+        check_buffer("delta", delta, (B, Hq, Sq), (wide,), q.device)
     out, dlse = sources
     if out is not None:
-        check_buffer("out", out, q.shape, (q.dtype, torch.float32), q.device)
+        check_buffer("out", out, q.shape, (q.dtype, wide), q.device)
     if dlse is not None:
-        check_buffer("dlse", dlse, (B, Hq, Sq), (torch.float32,), q.device)
+        check_buffer("dlse", dlse, (B, Hq, Sq), (wide,), q.device)
 
 
 def write_delta(delta, dout, out, dlse) -> None:
@@ -100,7 +102,7 @@ def checked_buffers(kind, dout, q, k, v, lse, delta, grads, accumulate, grad_dty
     buffers = []
     for name, g, like in zip(names, grads, (k, v) if kind == "dkdv" else (q,), strict=True):
         g = gradient_buffer(g, like, grad_dtype or q.dtype, tune_only)
-        check_buffer(name, g, like.shape, (q.dtype, torch.float32), q.device)
+        check_buffer(name, g, like.shape, (q.dtype, accumulator(q.dtype)), q.device)
         buffers.append(g)
     return buffers
 

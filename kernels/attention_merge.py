@@ -27,7 +27,7 @@ computed elsewhere (and as the isolated test of that math).
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _impl, attention_torch
+from fusedpar.kernels import _common, _impl, attention_torch
 from fusedpar.kernels._common import (
     cdiv,
     check_launchable,
@@ -95,19 +95,22 @@ def _merge_kernel(
 def merge_attention(
     out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
 ) -> None:
-    """Fold ``(block_out, block_lse)`` into ``(out, lse)``, in place (see the module doc)."""
+    """Fold ``(block_out, block_lse)`` into ``(out, lse)``, in place (see the module doc).
+    float64 partials (block_out float64) merge on torch's implementation, out and the
+    LSEs float64 then (`fusedpar.kernels._common.accumulator`)."""
     if out.dim() != 4 or block_out.shape != out.shape:
         raise ValueError(f"out and block_out must be one (B, S, H, D) shape, got "
                          f"{tuple(out.shape)} and {tuple(block_out.shape)}")  # fmt: skip
     B, S, H, D = out.shape
+    wide = _common.accumulator(block_out.dtype)
     for name, t in (("lse", lse), ("block_lse", block_lse)):
-        if t.shape != (B, H, S) or t.dtype != torch.float32:
+        if t.shape != (B, H, S) or t.dtype != wide:
             raise ValueError(
-                f"{name} must be float32 ({B}, {H}, {S}), got {t.dtype} {tuple(t.shape)}"
+                f"{name} must be {wide} ({B}, {H}, {S}), got {t.dtype} {tuple(t.shape)}"
             )
-    if out.dtype != torch.float32:
-        raise TypeError(f"out accumulates in float32, got {out.dtype}")
-    if _impl.runs_torch(out.device):
+    if out.dtype != wide:
+        raise TypeError(f"out accumulates in {wide}, got {out.dtype}")
+    if _impl.runs_torch(out):
         attention_torch.merge(out, lse, block_out, block_lse)
         return
     check_launchable(_merge_kernel, out, lse, block_out, block_lse)

@@ -7,7 +7,9 @@ key intervals), soft-capping, the ring's fp32 partials merged through the LSE an
 gradients added into fp32 buffers. Scores are formed in fp32 (from fp16/bf16 inputs
 too) as one (Sq, Skv) matrix per head: memory grows with Sq * Skv, which is what a CPU
 run of a test or a small model needs, and what the tuner's capability check keeps a
-CUDA launch under.
+CUDA launch under. float64 inputs (this implementation's alone) are computed in float64
+throughout: every fp32 above (scores, LSE, partials, delta) is float64 for them
+(`fusedpar.kernels._common.accumulator`).
 
 | function        | computes                                                          |
 | --------------- | ----------------------------------------------------------------- |
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from fusedpar.kernels import _impl
+from fusedpar.kernels._common import accumulator
 from fusedpar.kernels.attention_mask import UNBOUNDED, Intervals
 
 # The largest (B * Hq * Sq * Skv) scores a CUDA launch may form in torch: 2**26 fp32
@@ -65,12 +68,14 @@ class Scores:
     intervals: Intervals | None
 
     def of(self, q, k):
-        """``(S, t)``: S (B, Hkv, G, Sq, Skv) fp32 scores masked to -inf, and the tanh
-        of a capped score (None when not capped). q (B, Sq, Hq, D) reads KV head h // G."""
+        """``(S, t)``: S (B, Hkv, G, Sq, Skv) fp32 (float64 for float64 q) scores masked
+        to -inf, and the tanh of a capped score (None when not capped). q (B, Sq, Hq, D)
+        reads KV head h // G."""
         B, Sq, Hq, D = q.shape
         Hkv, Skv = k.shape[2], k.shape[1]
-        qf = q.float().reshape(B, Sq, Hkv, Hq // Hkv, D)
-        s = torch.einsum("bqhgd,bkhd->bhgqk", qf, k.float()) * self.scale
+        wide = accumulator(q.dtype)
+        qf = q.to(wide).reshape(B, Sq, Hkv, Hq // Hkv, D)
+        s = torch.einsum("bqhgd,bkhd->bhgqk", qf, k.to(wide)) * self.scale
         t = None
         if self.softcap:
             t = torch.tanh(s / self.softcap)
@@ -80,8 +85,8 @@ class Scores:
 
 
 def merge(out, lse, block_out, block_lse) -> None:
-    """Fold ``(block_out, block_lse)`` into the fp32 ``(out, lse)`` in place, around the
-    larger LSE: a side with LSE -inf drops out, two empty sides give 0 and -inf."""
+    """Fold ``(block_out, block_lse)`` into the fp32 (float64) ``(out, lse)`` in place,
+    around the larger LSE: a side with LSE -inf drops out, two empty sides give 0 and -inf."""
     m = torch.maximum(lse, block_lse)
     m = torch.where(m == float("-inf"), 0.0, m)
     w_a, w_b = torch.exp(lse - m), torch.exp(block_lse - m)
@@ -92,30 +97,32 @@ def merge(out, lse, block_out, block_lse) -> None:
     def rows(w):  # (B, H, S) -> (B, S, H, 1), out's layout
         return w.transpose(1, 2)[..., None]
 
-    out.copy_((out * rows(w_a) + block_out.float() * rows(w_b)) / rows(total))
+    out.copy_((out * rows(w_a) + block_out.to(out.dtype) * rows(w_b)) / rows(total))
     lse.copy_(torch.where(empty, float("-inf"), m + torch.log(total)))
 
 
 @_impl.cpu_path  # its host read (is a mask needed at all?) reads host memory
 def _forward_fused_cpu(q, k, v, scores: Scores):
-    """``(out, lse)`` in fp32 through PyTorch's fused CPU attention (flash-style, no
-    (Sq, Skv) matrix in memory), which takes the mask as an additive one, or as
-    ``is_causal`` where ours is the same causal mask (Sq == Skv: both alignments agree).
-    fp32 inputs (16-bit ones widened exactly), so a ring's partials stay fp32; KV heads
-    repeated for GQA; rows that see no key get output 0 and LSE -inf."""
+    """``(out, lse)`` in fp32 (float64 for float64 q) through PyTorch's fused CPU
+    attention (flash-style, no (Sq, Skv) matrix in memory), which takes the mask as an
+    additive one, or as ``is_causal`` where ours is the same causal mask (Sq == Skv: both
+    alignments agree). fp32 inputs (16-bit ones widened exactly), so a ring's partials
+    stay fp32; KV heads repeated for GQA; rows that see no key get output 0 and LSE
+    -inf."""
     B, Sq, Hq, D = q.shape
     Skv, Hkv = k.shape[1], k.shape[2]
-    kf, vf = k.float(), v.float()
+    wide = accumulator(q.dtype)
+    kf, vf = k.to(wide), v.to(wide)
     if Hq != Hkv:
         kf, vf = (t.repeat_interleave(Hq // Hkv, dim=2) for t in (kf, vf))
     mask = visible(Sq, Skv, scores.bounds, scores.intervals, q.device)
     causal = scores.intervals is None and scores.bounds == (0, UNBOUNDED, 0)
     additive = None
     if not causal and not bool(mask.all()):
-        additive = torch.zeros(mask.shape, dtype=torch.float32, device=q.device)
+        additive = torch.zeros(mask.shape, dtype=wide, device=q.device)
         additive = additive.masked_fill(~mask, float("-inf"))[:, None]  # (1 or B, 1, Sq, Skv)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.float().transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2), is_causal=causal,
+        q.to(wide).transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2), is_causal=causal,
         attn_mask=additive, scale=scores.scale,
     )  # fmt: skip
     seen = mask.any(-1)[:, None]  # (1 or B, 1, Sq)
@@ -130,9 +137,10 @@ def forward(q, k, v, scores: Scores, out, lse, merge_into: bool) -> None:
     on a CPU, through PyTorch's fused attention (`_forward_fused_cpu`); else the scores
     as one matrix."""
     B, Sq, Hq, D = q.shape
+    wide = accumulator(q.dtype)
     if k.shape[1] == 0:  # no key: output 0, LSE -inf (or nothing to merge)
-        block_out = q.new_zeros((B, Sq, Hq, D), dtype=torch.float32)
-        block_lse = q.new_full((B, Hq, Sq), float("-inf"), dtype=torch.float32)
+        block_out = q.new_zeros((B, Sq, Hq, D), dtype=wide)
+        block_lse = q.new_full((B, Hq, Sq), float("-inf"), dtype=wide)
     elif q.device.type == "cpu" and not scores.softcap:
         block_out, block_lse = _forward_fused_cpu(q, k, v, scores)
     else:
@@ -143,7 +151,7 @@ def forward(q, k, v, scores: Scores, out, lse, merge_into: bool) -> None:
         total = e.sum(-1, keepdim=True)
         empty = total == 0
         p = e / torch.where(empty, 1.0, total)
-        vf = v.float()
+        vf = v.to(wide)
         block_out = torch.einsum("bhgqk,bkhd->bqhgd", p, vf).reshape(B, Sq, Hq, D)
         block_lse = torch.where(empty, float("-inf"), torch.log(torch.where(empty, 1.0, total))
                                 + m).reshape(B, Hq, Sq)  # fmt: skip
@@ -155,7 +163,7 @@ def forward(q, k, v, scores: Scores, out, lse, merge_into: bool) -> None:
 
 
 def _probabilities(q, k, lse, scores: Scores):
-    """``(P, t)``: P = exp(S - LSE) (B, Hkv, G, Sq, Skv) fp32, 0 where masked or where a
+    """``(P, t)``: P = exp(S - LSE) (B, Hkv, G, Sq, Skv) as S, 0 where masked or where a
     row saw no key (LSE -inf); t as in `Scores.of`."""
     B, Sq, Hq, _ = q.shape
     Hkv = k.shape[2]
@@ -170,9 +178,10 @@ def _grad_scores(dout, q, k, v, lse, delta, scores: Scores):
     B, Sq, Hq, D = q.shape
     Hkv = k.shape[2]
     p, t = _probabilities(q, k, lse, scores)
-    dof = dout.float().reshape(B, Sq, Hkv, Hq // Hkv, D)
-    dp = torch.einsum("bqhgd,bkhd->bhgqk", dof, v.float())
-    ds = p * (dp - delta.float().reshape(B, Hkv, Hq // Hkv, Sq, 1))
+    wide = p.dtype
+    dof = dout.to(wide).reshape(B, Sq, Hkv, Hq // Hkv, D)
+    dp = torch.einsum("bqhgd,bkhd->bhgqk", dof, v.to(wide))
+    ds = p * (dp - delta.to(wide).reshape(B, Hkv, Hq // Hkv, Sq, 1))
     if t is not None:
         ds = ds * (1 - t * t)
     return ds, p, dof
@@ -180,7 +189,7 @@ def _grad_scores(dout, q, k, v, lse, delta, scores: Scores):
 
 def _write(buf, value, accumulate: bool) -> None:
     if accumulate:
-        buf.copy_(buf.float() + value)
+        buf.copy_(buf.to(value.dtype) + value)
     else:
         buf.copy_(value)
 
@@ -192,7 +201,7 @@ def backward_dq(dout, q, k, v, lse, delta, scores: Scores, dq, accumulate) -> No
             dq.zero_()
         return
     ds, _, _ = _grad_scores(dout, q, k, v, lse, delta, scores)
-    dq_new = torch.einsum("bhgqk,bkhd->bqhgd", ds, k.float()).reshape(q.shape)
+    dq_new = torch.einsum("bhgqk,bkhd->bqhgd", ds, k.to(ds.dtype)).reshape(q.shape)
     _write(dq, dq_new * scores.scale, accumulate)
 
 
@@ -206,11 +215,12 @@ def backward_dkdv(dout, q, k, v, lse, delta, scores: Scores, dk, dv, accumulate)
         return
     ds, p, dof = _grad_scores(dout, q, k, v, lse, delta, scores)
     B, Sq, Hq, D = q.shape
-    qf = q.float().reshape(B, Sq, k.shape[2], Hq // k.shape[2], D)
+    qf = q.to(ds.dtype).reshape(B, Sq, k.shape[2], Hq // k.shape[2], D)
     _write(dk, torch.einsum("bhgqk,bqhgd->bkhd", ds, qf) * scores.scale, accumulate)
     _write(dv, torch.einsum("bhgqk,bqhgd->bkhd", p, dof), accumulate)
 
 
 def delta(out, dout) -> torch.Tensor:
-    """``rowsum(dO * O)``: (B, Hq, Sq) fp32, contiguous."""
-    return (out.float() * dout.float()).sum(-1).transpose(1, 2).contiguous()
+    """``rowsum(dO * O)``: (B, Hq, Sq) fp32 (float64 for float64 dO), contiguous."""
+    wide = accumulator(dout.dtype)
+    return (out.to(wide) * dout.to(wide)).sum(-1).transpose(1, 2).contiguous()

@@ -429,7 +429,7 @@ def matmul(
     buffers, nothing written, returns None; a gated epilogue writes its given outputs,
     which the call that follows writes again): the TP rings do so before their loops.
     """
-    if _impl.runs_torch(a.device):
+    if _impl.runs_torch(a):
         check_operands(a, b, bias, out, accumulate and not tune_only, out_dtype)
         if rope is not None:
             check_rope(a, b, rope, accumulate, rope_epilogue_fits)

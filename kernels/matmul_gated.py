@@ -35,7 +35,7 @@ def gated_matmul(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor, *,
     `fusedpar.kernels.gated.gated` (the interpreter's; a GPU's may contract differently).
     B2 has B's shape, dtype and strides; the biases are both given or neither."""
     M, N = a.shape[0], b.shape[1] if b.dim() == 2 else 0
-    if _impl.runs_torch(a.device):
+    if _impl.runs_torch(a):
         check_operands(a, b, bias, None, False, None)
         check_gated(b, bias, b2, bias2, activation)
         return gated_matmul_torch(a, b, b2, bias, bias2, activation)

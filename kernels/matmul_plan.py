@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import triton
 from fusedpar.kernels import _common
-from fusedpar.kernels._common import cdiv, check_float_dtype
+from fusedpar.kernels._common import accumulator, cdiv, check_float_dtype
 from fusedpar.kernels.gated import ACTIVATIONS
 
 
@@ -70,7 +70,7 @@ def check_operands(a, b, bias, out, accumulate, out_dtype):
     check_float_dtype("A", a)
     if b.dtype != a.dtype:
         raise TypeError(f"A and B must share a dtype, got {a.dtype} and {b.dtype}")
-    out_dtypes = (a.dtype, torch.float32)
+    out_dtypes = (a.dtype, accumulator(a.dtype))  # fp32 partials; float64 for float64
     if bias is not None:
         if bias.shape != (N,):
             raise ValueError(f"bias must be (N,) = ({N},), got {tuple(bias.shape)}")

@@ -1,9 +1,10 @@
 """`fusedpar.kernels.matmul`'s contract in PyTorch: the torch implementation its tuner
 may pick (one cuBLAS call where that computes the contract, else fp32 sums rounded once,
 C's heads turned by `fusedpar.kernels.rope`'s formula), and the reference the tests hold
-the kernel to."""
+the kernel to. float64 operands (this implementation's alone) are summed in float64."""
 
 import torch
+from fusedpar.kernels._common import accumulator
 from fusedpar.kernels.gated import gated_torch
 from fusedpar.kernels.matmul_plan import GatedGrad
 from fusedpar.kernels.rope import rope_torch
@@ -20,7 +21,7 @@ def cublas_computes(a, bias, c_dtype, accumulate, rope=None) -> bool:
         return False
     if bias is not None and bias.dtype != a.dtype:
         return False
-    return a.dtype == torch.float32 or not _reduced_precision_sums(a.dtype)
+    return a.dtype in (torch.float32, torch.float64) or not _reduced_precision_sums(a.dtype)
 
 
 def _reduced_precision_sums(dtype: torch.dtype) -> bool:
@@ -41,7 +42,8 @@ def matmul_torch(a, b, bias, out, accumulate, rope=None, gated=None) -> None:
     the contract (`_cublas_computes`); elsewhere 16-bit operands are widened to fp32
     (their products are exact there) and summed in fp32, the bias, the rotation and an
     added C in fp32 too, and the result rounded once into `out`. A gated epilogue: C (up)
-    or dh so, then the gated activation or its backward from it (`fusedpar.kernels.gated`)."""
+    or dh so, then the gated activation or its backward from it (`fusedpar.kernels.gated`).
+    float64 operands: all of it in float64."""
     if isinstance(gated, GatedGrad):
         dh = torch.empty_like(out)
         matmul_torch(a, b, bias, dh, accumulate)
@@ -58,17 +60,17 @@ def matmul_torch(a, b, bias, out, accumulate, rope=None, gated=None) -> None:
         else:
             torch.addmm(bias, a, b, out=out)
         return
-    wide = a.dtype != torch.float32
-    c = (a.float() @ b.float()) if wide else a @ b
+    wide = accumulator(a.dtype)
+    c = a @ b if a.dtype == wide else a.to(wide) @ b.to(wide)
     if bias is not None:
-        c = c + bias.float()
+        c = c + bias.to(wide)
     if rope is not None:  # c (M, N) as one sequence of M positions' heads, turned in place
         M, head_dim = c.shape[0], 2 * rope.cos.shape[1]
         heads = c.view(1, M, c.shape[1] // head_dim, head_dim)
         positions = (rope.first_row + torch.arange(M, device=c.device)) // rope.rows_per_position
         rope_torch(heads, rope.cos[positions], rope.sin[positions], False, heads)
     if accumulate:
-        c = c + out.float()
+        c = c + out.to(wide)
     out.copy_(c)
 
 

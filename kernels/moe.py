@@ -338,7 +338,7 @@ def _check_grouped(what, kernel, x, counts, rows, P, **weights):
     if any(t.device != x.device for t in tensors):
         raise ValueError(f"{what}: all tensors must be on one device, got "
                          f"{sorted({str(t.device) for t in tensors})}")  # fmt: skip
-    if not _impl.runs_torch(x.device):
+    if not _impl.runs_torch(x):
         check_launchable(kernel, x)  # one device: checked above
     return E
 
@@ -457,7 +457,7 @@ def grouped_matmul(x, w, counts, rows=None, *, bias=None, out_dtype=None, transp
     _check_grouped("grouped_matmul", _grouped_matmul_kernel, x, counts, rows, P,
                    w=(w, (K, N) if transpose_w else (N, K)), **biases)  # fmt: skip
     y = _empty((P, N), out_dtype or x.dtype, x.device)
-    if _impl.runs_torch(x.device):
+    if _impl.runs_torch(x):
         moe_torch.grouped_matmul(x, w, counts, rows, y, transpose_w, bias)
         return y
     _launch_gemm("plain", x, w, y, counts, rows, N, K, w_strides=_weight_strides(w, transpose_w),
@@ -489,7 +489,7 @@ def grouped_swiglu(x, w1, w3, counts, rows=None, *, bias=None, activation="silu"
     a = _empty((P, h), x.dtype, x.device)
     h13 = _empty((P, 2 * h), x.dtype, x.device) if save_hidden else None
     act = {"activation": activation, "alpha": alpha, "limit": limit}
-    if _impl.runs_torch(x.device):
+    if _impl.runs_torch(x):
         moe_torch.grouped_swiglu(x, w1, w3, counts, rows, a, h13, bias, **act)
         return a, h13
     _launch_gemm("gate_up", x, w1, a, counts, rows, h, d, w_strides=tuple(w1.stride()), v=w3,
@@ -520,7 +520,7 @@ def grouped_swiglu_backward(d_out, w2, h13, counts, *, activation="silu", alpha=
     a = _empty((P, h), d_out.dtype, d_out.device)
     d_h13 = _empty((P, 2 * h), d_out.dtype, d_out.device)
     act = {"activation": activation, "alpha": alpha, "limit": limit}
-    if _impl.runs_torch(d_out.device):
+    if _impl.runs_torch(d_out):
         moe_torch.grouped_swiglu_backward(d_out, w2, h13, counts, d_h13, a, **act)
         return d_h13, a
     _launch_gemm("swiglu_grad", d_out, w2, a, counts, None, h, d,
@@ -540,7 +540,7 @@ def grouped_swiglu_input_grad(d_h13, w1, w3, counts):
     _check_grouped("grouped_swiglu_input_grad", _grouped_matmul_kernel, d_h13, counts, None,
                    d_h13.shape[0], w1=(w1, (h, d)), w3=(w3, (h, d)))  # fmt: skip
     dx = _empty((d_h13.shape[0], d), d_h13.dtype, d_h13.device)
-    if _impl.runs_torch(dx.device):
+    if _impl.runs_torch(dx):
         moe_torch.grouped_swiglu_input_grad(d_h13, w1, w3, counts, dx)
         return dx
     _launch_gemm("second_k", d_h13, w1, dx, counts, None, d, h,

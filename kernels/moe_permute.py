@@ -252,16 +252,18 @@ def _launch_rows(kernel, n_rows, D, args, meta, device_tensor, torch_run):
 
 def gather_rows(src, idx, scale=None, *, out_dtype=None):
     """``out[p] = src[idx[p]] (* scale[p])``: (P, D) from src (R, D), idx (P,) int32/64,
-    scale (P,) float32 or None."""
+    scale (P,) float32 (float64 for float64 src) or None."""
     P, D = idx.shape[0], src.shape[-1]
     _check_index("idx", idx, P, src.device)
-    bad_scale = scale is not None and (scale.shape != (P,) or scale.dtype != torch.float32)
+    wide = _common.accumulator(src.dtype)
+    bad_scale = scale is not None and (scale.shape != (P,) or scale.dtype != wide)
     if src.dim() != 2 or bad_scale:
         got = None if scale is None else (scale.dtype, tuple(scale.shape))
-        raise ValueError(f"gather_rows takes src (R, D) and scale float32 ({P},) or None, got "
+        name = str(wide).removeprefix("torch.")
+        raise ValueError(f"gather_rows takes src (R, D) and scale {name} ({P},) or None, got "
                          f"{tuple(src.shape)} and {got}")  # fmt: skip
     out = _empty((P, D), out_dtype or src.dtype, src.device)
-    if _impl.runs_torch(src.device):
+    if _impl.runs_torch(src):
         moe_torch.gather_rows(src, idx, scale, out)
         return out
     check_launchable(_gather_rows_kernel, src, idx)
@@ -275,7 +277,7 @@ def gather_rows(src, idx, scale=None, *, out_dtype=None):
 def combine(src, pos, weight=None, *, out_dtype=None):
     """``y[t] = sum_j weight[t, j] * src[pos[t, j]]``: (T, D) from src (P, D), pos (T, k)
     int32 or int64 (-1: skipped), weight (T, k) or None (all ones), summed in slot order
-    in fp32."""
+    in fp32 (float64 for float64 src)."""
     bad_weight = weight is not None and weight.shape != pos.shape
     if src.dim() != 2 or pos.dim() != 2 or pos.dtype not in INDEX_DTYPES or bad_weight:
         raise ValueError(f"combine takes src (P, D), pos (T, k) int32/64 and weight (T, k), got "
@@ -283,7 +285,7 @@ def combine(src, pos, weight=None, *, out_dtype=None):
                          f"{weight if weight is None else tuple(weight.shape)}")  # fmt: skip
     (T, top_k), D = pos.shape, src.shape[1]
     y = _empty((T, D), out_dtype or src.dtype, src.device)
-    if _impl.runs_torch(src.device):
+    if _impl.runs_torch(src):
         moe_torch.combine(src, pos, weight, y)
         return y
     check_launchable(_combine_kernel, src, pos)
@@ -304,13 +306,14 @@ def combine(src, pos, weight=None, *, out_dtype=None):
 
 
 def combine_weight_grad(dy, src, pos):
-    """``dw[t, j] = <dy[t], src[pos[t, j]]>`` (0 where pos is -1): (T, k) float32."""
+    """``dw[t, j] = <dy[t], src[pos[t, j]]>`` (0 where pos is -1): (T, k) float32 (float64
+    for float64 dy)."""
     T, top_k = pos.shape
     if dy.dim() != 2 or src.dim() != 2 or dy.shape != (T, src.shape[1]):
         raise ValueError(f"combine_weight_grad: dy must be ({T}, D) for pos {tuple(pos.shape)} "
                          f"and src (P, D) {tuple(src.shape)}, got {tuple(dy.shape)}")  # fmt: skip
-    dw = _empty((T, top_k), torch.float32, dy.device)
-    if _impl.runs_torch(dy.device):
+    dw = _empty((T, top_k), _common.accumulator(dy.dtype), dy.device)
+    if _impl.runs_torch(dy):
         moe_torch.combine_weight_grad(dy, src, pos, dw)
         return dw
     check_launchable(_combine_weight_grad_kernel, dy, src, pos)

@@ -162,10 +162,15 @@ def _route_bwd_kernel(
 # --- launchers ---------------------------------------------------------------------------
 
 
+# A float64 model routes from float64 logits (`fusedpar.kernels._common.accumulator`):
+# torch's implementation alone, every fp32 of the launchers below float64 then.
+ROUTER_DTYPES = (torch.float32, torch.float64)
+
+
 def check_route(logits: torch.Tensor, top_k: int, score: str, bias) -> None:
-    if logits.dim() != 2 or logits.dtype != torch.float32:
-        raise ValueError(f"route_top_k: logits must be (T, E) float32, got {logits.dtype} "
-                         f"{tuple(logits.shape)}")  # fmt: skip
+    if logits.dim() != 2 or logits.dtype not in ROUTER_DTYPES:
+        raise ValueError(f"route_top_k: logits must be (T, E) float32 (or float64), got "
+                         f"{logits.dtype} {tuple(logits.shape)}")  # fmt: skip
     E = logits.shape[1]
     if not 1 <= E <= MAX_EXPERTS:
         raise ValueError(f"route_top_k: {E} experts, outside the 1 to {MAX_EXPERTS} a row "
@@ -174,20 +179,21 @@ def check_route(logits: torch.Tensor, top_k: int, score: str, bias) -> None:
         raise ValueError(f"route_top_k: top_k ({top_k}) must be between 1 and E ({E})")
     if score not in SCORES:
         raise ValueError(f"route_top_k: score must be one of {SCORES}, got {score!r}")
-    if bias is not None and (bias.shape != (E,) or bias.dtype != torch.float32):
-        raise ValueError(f"route_top_k: bias must be ({E},) float32, got {bias.dtype} "
-                         f"{tuple(bias.shape)}")  # fmt: skip
+    if bias is not None and (bias.shape != (E,) or bias.dtype != logits.dtype):
+        raise ValueError(f"route_top_k: bias must be ({E},) {logits.dtype} (the logits'), got "
+                         f"{bias.dtype} {tuple(bias.shape)}")  # fmt: skip
 
 
 def route_top_k(logits, top_k: int, score: str = "softmax", norm: bool = True, bias=None):
     """``(weights (T, k) fp32, ids (T, k) int32, probs (T, E) fp32)`` from the router's
     logits (T, E) fp32 (see the module doc); `bias` (E,) fp32 or None shifts a sigmoid
-    router's selection only (DeepSeek-V3's aux-loss-free balancing)."""
+    router's selection only (DeepSeek-V3's aux-loss-free balancing). (float64 logits:
+    float64 for every fp32 here, on torch's implementation.)"""
     check_route(logits, top_k, score, bias)
     T, E = logits.shape
     device = logits.device
-    probs = _empty((T, E), torch.float32, device)
-    weights = _empty((T, top_k), torch.float32, device)
+    probs = _empty((T, E), logits.dtype, device)
+    weights = _empty((T, top_k), logits.dtype, device)
     ids = _empty((T, top_k), torch.int32, device)
     use_bias = bias is not None and score == "sigmoid"
 
@@ -195,7 +201,7 @@ def route_top_k(logits, top_k: int, score: str = "softmax", norm: bool = True, b
         route_top_k_torch(logits, top_k, score, norm, bias if use_bias else None, weights,
                           ids, probs)  # fmt: skip
 
-    if _impl.runs_torch(device):
+    if _impl.runs_torch(logits):
         run_torch()
     elif T:
         check_launchable(_route_fwd_kernel, logits, *([bias] if use_bias else []))
@@ -213,9 +219,9 @@ def route_top_k(logits, top_k: int, score: str = "softmax", norm: bool = True, b
 def route_top_k_backward(d_weights, d_probs, probs, ids, score: str = "softmax",
                          norm: bool = True):  # fmt: skip
     """``dlogits`` (T, E) fp32 of `route_top_k` from the gradients of its weights (T, k)
-    and probs (T, E) (fp32; None for a gradient that did not flow) and its probs and
-    ids."""
-    if probs.dim() != 2 or probs.dtype != torch.float32 or not probs.is_contiguous():
+    and probs (T, E) (fp32, float64 for float64 probs; None for a gradient that did not
+    flow) and its probs and ids."""
+    if probs.dim() != 2 or probs.dtype not in ROUTER_DTYPES or not probs.is_contiguous():
         raise ValueError(f"route_top_k_backward: probs must be contiguous (T, E) float32 (the "
                          f"forward's), got {probs.dtype} {tuple(probs.shape)}")  # fmt: skip
     T, E = probs.shape
@@ -224,15 +230,16 @@ def route_top_k_backward(d_weights, d_probs, probs, ids, score: str = "softmax",
                          f"forward's), got {ids.dtype} {tuple(ids.shape)}")  # fmt: skip
     top_k = ids.shape[1]
     for name, g, shape in (("d_weights", d_weights, (T, top_k)), ("d_probs", d_probs, (T, E))):
-        if g is not None and (tuple(g.shape) != shape or g.dtype != torch.float32):
-            raise ValueError(f"route_top_k_backward: {name} must be {shape} float32, got "
+        if g is not None and (tuple(g.shape) != shape or g.dtype != probs.dtype):
+            wide = str(probs.dtype).removeprefix("torch.")
+            raise ValueError(f"route_top_k_backward: {name} must be {shape} {wide}, got "
                              f"{g.dtype} {tuple(g.shape)}")  # fmt: skip
-    d_logits = _empty((T, E), torch.float32, probs.device)
+    d_logits = _empty((T, E), probs.dtype, probs.device)
 
     def run_torch():
         route_top_k_backward_torch(d_weights, d_probs, probs, ids, score, norm, d_logits)
 
-    if _impl.runs_torch(probs.device):
+    if _impl.runs_torch(probs):
         run_torch()
     elif T:
         given = [g for g in (d_weights, d_probs) if g is not None]

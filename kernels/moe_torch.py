@@ -6,13 +6,15 @@ The same outputs as the kernels': products summed in fp32 (biases added there) a
 rounded once, g and u rounded to the activations' dtype before the activation (so the
 backward recomputes ``a`` bit for bit from the saved h13), rows past ``counts.sum()``
 left unwritten, empty experts' weight and bias gradients zero, combine sums in slot
-order in fp32. The grouped GEMMs
+order in fp32. float64 inputs (this implementation's alone) are computed in float64:
+every fp32 here is ``accumulator(dtype)`` (`fusedpar.kernels._common`). The grouped GEMMs
 loop over the experts, reading the counts on the host: no host sync on a CPU, one on a
 GPU, where this implementation runs only when asked for (``FUSEDPAR_IMPL=torch``).
 """
 
 import torch
 from fusedpar.kernels import _impl
+from fusedpar.kernels._common import accumulator
 
 
 @_impl.cpu_path  # on a GPU this runs only when asked for (FUSEDPAR_IMPL=torch): a sync there
@@ -29,7 +31,8 @@ def _groups(counts):
 
 
 def _fp32(t):
-    return t.float() if t.dtype != torch.float32 else t
+    """t in fp32 (16-bit values widened exactly), float64 as it is."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def grouped_products(x, w, counts, rows=None, transpose_w=False, bias=None):
@@ -68,10 +71,11 @@ def _swiglu_grad(da, g, u, activation, alpha, limit):
 
 
 def _wide(*ts):
-    """fp32, contiguous copies: torch's CPU elementwise ops round differently on strided
-    and contiguous inputs (vectorized or not), and the forward's a must equal the
-    backward's recomputed a bit for bit."""
-    return (t.to(torch.float32, memory_format=torch.contiguous_format, copy=True) for t in ts)
+    """fp32 (float64 for float64), contiguous copies: torch's CPU elementwise ops round
+    differently on strided and contiguous inputs (vectorized or not), and the forward's a
+    must equal the backward's recomputed a bit for bit."""
+    return (t.to(accumulator(t.dtype), memory_format=torch.contiguous_format, copy=True)
+            for t in ts)  # fmt: skip
 
 
 def grouped_swiglu(x, w1, w3, counts, rows, a, h13, bias, activation, alpha, limit) -> None:
@@ -125,8 +129,9 @@ def gather_rows(src, idx, scale, out) -> None:
 
 
 def combine(src, pos, weight, y) -> None:
-    """``y[t] = sum_j weight[t, j] * src[pos[t, j]]``, slots in order, in fp32."""
-    acc = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
+    """``y[t] = sum_j weight[t, j] * src[pos[t, j]]``, slots in order, in fp32 (float64
+    for float64 src)."""
+    acc = torch.zeros(y.shape, dtype=accumulator(src.dtype), device=y.device)
     if src.shape[0] == 0:  # every slot is -1: nothing to read
         y.zero_()
         return
@@ -135,7 +140,7 @@ def combine(src, pos, weight, y) -> None:
         # unspecified: where, not a product with 0, which would keep a NaN)
         vals = torch.where(live[:, None], _fp32(src[pos[:, j].clamp(min=0)]), 0.0)
         if weight is not None:
-            vals = vals * weight[:, j, None].float()
+            vals = vals * weight[:, j, None].to(acc.dtype)
         acc += vals
     y.copy_(acc)
 

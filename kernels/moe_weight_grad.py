@@ -160,7 +160,7 @@ def grouped_weight_grad(dy, x, counts, rows=None, *, out_dtype=None, split=False
     def result():
         return (*outs, *bias_outs) if split or bias_grad else outs[0]
 
-    if _impl.runs_torch(x.device):
+    if _impl.runs_torch(x):
         moe_torch.grouped_weight_grad(dy, x, counts, rows, outs, bias_outs)
         return result()
     check_launchable(_grouped_weight_grad_kernel, dy, x)

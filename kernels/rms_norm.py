@@ -192,8 +192,13 @@ def _rows(name: str, t: torch.Tensor, D: int) -> torch.Tensor:
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """The checks of `rms_norm` (and its backward); returns D. float64 x runs on the
+    torch implementation alone, computed in float64: its rstd, weight gradient and RoPE
+    tables are float64 where they are fp32 for the other dtypes
+    (`fusedpar.kernels._common.accumulator`); a float64 weight goes with float64 x only."""
     check_float_dtype("x", x)
-    check_float_dtype("weight", weight)
+    check_float_dtype("weight", weight, _common.FLOAT_DTYPES if x.dtype == torch.float64
+                      else _impl.KERNEL_DTYPES)  # fmt: skip
     if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"rms_norm: x (..., D) and weight (D,) must agree on D, got x "
                          f"{tuple(x.shape)} and weight {tuple(weight.shape)}")  # fmt: skip
@@ -210,7 +215,7 @@ def check_rope(x: torch.Tensor, rope) -> int:
     D) and cos, sin (S, r/2) float32 on x's device with r <= D; the rows per position."""
     if x.dim() < 2:
         raise ValueError(f"rms_norm: rope= takes x (S, ..., D), got {tuple(x.shape)}")
-    check_tables("rms_norm", *rope, x.shape[0], x.shape[-1], x.device)
+    check_tables("rms_norm", *rope, x.shape[0], x.shape[-1], x.device, x.dtype)
     return math.prod(x.shape[1:-1])  # (no aten op: x[0] would be one)
 
 
@@ -223,7 +228,8 @@ def _tables(rope, x2d: torch.Tensor) -> tuple:
 
 def rms_norm(x, weight, eps: float = 1e-5, offset: float = 0.0, rope=None):
     """``(y, rstd)``: y (..., D) in x's dtype, ``x * rstd * (offset + weight)`` computed in
-    fp32 and rounded once; rstd (x.shape[:-1]) float32, ``1 / sqrt(mean(x^2) + eps)``.
+    fp32 and rounded once; rstd (x.shape[:-1]) float32, ``1 / sqrt(mean(x^2) + eps)``
+    (float64 x: computed in float64, rstd float64).
     x any float dtype and strides; weight (D,) any float dtype. ``rope=(cos, sin)``: y
     rotated (the module doc) before it is rounded, x (S, ..., D)."""
     D = _check(x, weight)
@@ -231,9 +237,9 @@ def rms_norm(x, weight, eps: float = 1e-5, offset: float = 0.0, rope=None):
     x2d = _rows("x", x, D)
     M = x2d.shape[0]
     y = torch.empty((M, D), dtype=x.dtype, device=x.device)
-    rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((M,), dtype=_common.accumulator(x.dtype), device=x.device)
     run_torch = lambda: rms_norm_torch(x2d, weight, eps, offset, y, rstd, rope, per_position)  # noqa: E731
-    if _impl.runs_torch(x.device):
+    if _impl.runs_torch(x):
         run_torch()
     elif y.numel():
         check_launchable(_rms_norm_fwd_kernel, x, weight)
@@ -269,12 +275,13 @@ def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, eps: float, n
     if dy2d.shape != x2d.shape or rstd.numel() != M:
         raise ValueError(f"rms_norm_backward: dy {tuple(dy.shape)} and rstd {tuple(rstd.shape)} "
                          f"must match x {tuple(x.shape)}")  # fmt: skip
-    if rstd.dtype != torch.float32:
-        raise TypeError(f"rms_norm_backward: rstd must be float32, got {rstd.dtype}")
+    if rstd.dtype != _common.accumulator(x.dtype):
+        raise TypeError(f"rms_norm_backward: rstd must be {_common.accumulator(x.dtype)} for "
+                        f"{x.dtype} x, got {rstd.dtype}")  # fmt: skip
     rstd = rstd.reshape(M)
     dx = torch.empty((M, D), dtype=x.dtype, device=x.device)
     torch_args = (dy2d, x2d, weight, rstd, eps, offset, dx, rope, per_position)
-    if _impl.runs_torch(x.device):
+    if _impl.runs_torch(x):
         dw = rms_norm_backward_torch(*torch_args)
     else:
         check_launchable(_rms_norm_bwd_kernel, dy, x, weight, rstd)
@@ -313,10 +320,11 @@ def _by_position(t2d, rows_per_position: int):
 
 
 def rms_norm_torch(x2d, weight, eps, offset, y, rstd, rope=None, rows_per_position=1) -> None:
-    """`rms_norm`'s contract in PyTorch, into y and rstd: fp32 inside, rounded once."""
-    xf = x2d.float()
+    """`rms_norm`'s contract in PyTorch, into y and rstd: fp32 inside (rstd's dtype:
+    float64 for float64 x), rounded once."""
+    xf = x2d.to(rstd.dtype)
     rstd.copy_(torch.rsqrt(xf.square().mean(-1) + eps))
-    normed = xf * rstd[:, None] * (weight.float() + offset)
+    normed = xf * rstd[:, None] * (weight.to(rstd.dtype) + offset)
     if rope is None:
         y.copy_(normed)
     else:  # rope's rows (1, S, rows a position, D): rotated into y, rounded once
@@ -326,14 +334,16 @@ def rms_norm_torch(x2d, weight, eps, offset, y, rstd, rope=None, rows_per_positi
 
 def rms_norm_backward_torch(dy2d, x2d, weight, rstd, eps, offset, dx, rope=None,
                             rows_per_position=1):  # fmt: skip
-    """`rms_norm_backward`'s contract in PyTorch: dx into `dx`; returns dweight in fp32."""
-    xhat = x2d.float() * rstd[:, None]
-    dyf = dy2d.float()
+    """`rms_norm_backward`'s contract in PyTorch: dx into `dx`; returns dweight in fp32
+    (rstd's dtype: float64 for float64 x)."""
+    wide = rstd.dtype
+    xhat = x2d.to(wide) * rstd[:, None]
+    dyf = dy2d.to(wide)
     if rope is not None:  # turned back in place, in a contiguous fp32 copy of dy
-        dyf = dy2d.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        dyf = dy2d.to(wide, memory_format=torch.contiguous_format, copy=True)
         rope_torch(_by_position(dyf, rows_per_position), *rope, True,
                    _by_position(dyf, rows_per_position))  # fmt: skip
-    g = dyf * (weight.float() + offset)
+    g = dyf * (weight.to(wide) + offset)
     if x2d.shape[1] == 1:  # the bracket without cancelling (the module doc)
         bracket = g * (eps * rstd * rstd)[:, None]
     else:

@@ -21,7 +21,7 @@ times the kernel's fixed tile against the torch implementation, which closes the
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _impl, _tuning
+from fusedpar.kernels import _common, _impl, _tuning
 from fusedpar.kernels._common import cdiv, check_float_dtype, is_interpreted, next_power_of_2
 from fusedpar.kernels._tuning import bucket
 
@@ -96,17 +96,22 @@ def _rope_kernel(
 # --- launcher ---------------------------------------------------------------------------
 
 
-def check_tables(who: str, cos, sin, positions: int, width: int, device) -> None:
+def check_tables(who: str, cos, sin, positions: int, width: int, device, dtype) -> None:
     """ValueError/TypeError naming the sizes unless cos and sin are (positions, r/2)
     float32 on `device` with r <= width, the head dim (the features of a row they turn:
-    this kernel's and `fusedpar.kernels.rms_norm`'s ``rope=``)."""
+    this kernel's and `fusedpar.kernels.rms_norm`'s ``rope=``). float64 x (torch's
+    implementation only) takes float64 tables and rotates in float64 (the tables' dtype
+    is ``accumulator(x.dtype)``, `fusedpar.kernels._common`): a float64 model's rotation
+    is not rounded through fp32 angles."""
     if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != positions:
         raise ValueError(f"{who}: cos and sin must be (S={positions}, r/2), got "
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")  # fmt: skip
     if 2 * cos.shape[1] > width:
         raise ValueError(f"{who}: {2 * cos.shape[1]} rotated dims, over the head dim {width}")
-    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
-        raise TypeError(f"{who}: cos and sin must be float32, got {cos.dtype} and {sin.dtype}")
+    wide = _common.accumulator(dtype)
+    if cos.dtype != wide or sin.dtype != wide:
+        raise TypeError(f"{who}: cos and sin must be {str(wide).removeprefix('torch.')} for "
+                        f"{dtype} x, got {cos.dtype} and {sin.dtype}")  # fmt: skip
     if not device == cos.device == sin.device:
         raise ValueError(f"{who}: x, cos, sin on {device}, {cos.device}, {sin.device}")
 
@@ -116,7 +121,7 @@ def check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     if x.dim() != 4:
         raise ValueError(f"rope: x must be (B, S, H, hd), got {tuple(x.shape)}")
     check_float_dtype("x", x)
-    check_tables("rope", cos, sin, x.shape[1], x.shape[3], x.device)
+    check_tables("rope", cos, sin, x.shape[1], x.shape[3], x.device, x.dtype)
 
 
 # (shapes, strides, dtype, device, direction) -> (tile, grid, tuner key)
@@ -182,7 +187,7 @@ def _rotate(xs: list, cos, sin, inverse: bool, outs=None) -> list:
         if outs is None
         else list(outs)
     )
-    if _impl.runs_torch(xs[0].device):
+    if _impl.runs_torch(xs[0]):
         for x, y in zip(xs, ys, strict=True):
             rope_torch(x, cos, sin, inverse, y)
         return ys
@@ -209,10 +214,10 @@ def _rotate(xs: list, cos, sin, inverse: bool, outs=None) -> list:
 
 
 def rope_torch(x, cos, sin, inverse: bool, out: torch.Tensor) -> None:
-    """`rope`'s contract in PyTorch, into `out` (x itself: in place): fp32 inside,
-    rounded once."""
-    half = cos.shape[-1]
-    x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
+    """`rope`'s contract in PyTorch, into `out` (x itself: in place): fp32 inside (float64
+    for float64 x: the tables' dtype, `check_tables`), rounded once."""
+    half, wide = cos.shape[-1], _common.accumulator(x.dtype)
+    x1, x2 = x[..., :half].to(wide), x[..., half : 2 * half].to(wide)
     c, s = cos[None, :, None, :], sin[None, :, None, :]
     if inverse:
         s = -s

@@ -284,8 +284,11 @@ def poisoned(shape, device, dtype=torch.float32, pad=1):
 def force_split(mp, split_below):
     """Set the GQA split threshold (None: the default, no split on CPU) and poison the
     split's partials and the delta that dQ's kernel makes with NaN."""
+
+    def nan_buffer(shape, device, dtype=torch.float32):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
     mp.setattr(backward_kernels, "SPLIT_BELOW_PROGRAMS", split_below)
-    nan_buffer = lambda shape, device: torch.full(shape, float("nan"), device=device)  # noqa: E731
     mp.setattr(backward_kernels, "_partials", nan_buffer)
     mp.setattr(backward_kernels, "delta_buffer", nan_buffer)
 

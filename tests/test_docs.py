@@ -22,6 +22,12 @@ def test_testing_guide_example(tmp_path, monkeypatch):
     example.test_tensor_parallel_mlp_matches_dense()
 
 
+def test_testing_guide_float64_example(tmp_path, monkeypatch):
+    """docs/testing.md's float64 block at TP2 x CP2 against its dense twin, to 16 ulps."""
+    example = _load_example("docs/testing.md", "testing_guide_example", tmp_path, monkeypatch)
+    example.test_float64_block_matches_its_dense_twin()
+
+
 def test_dropin_guide_example(tmp_path, monkeypatch):
     example = _load_example("docs/dropin.md", "dropin_guide_example", tmp_path, monkeypatch)
     example.test_converted_block_matches_the_dense_one()

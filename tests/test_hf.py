@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fusedpar as fp
-from fusedpar.testing import assert_close, exception_of
+from fusedpar.testing import assert_close, assert_ulps, exception_of
 
 transformers = pytest.importorskip(
     "transformers", reason="the [test] extra installs transformers; absent on purpose here"
@@ -187,6 +187,36 @@ def _run_family(family, seed, changes=None, batch="full", degrees=None):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_converted_model_trains_like_the_original(world, family):
     assert len(set(world(4).run(_run_family, family, 0))) == 1
+
+
+def _run_float64(family, seed):
+    """The model in float64 at TP2 x CP2 (`labels=`, Hugging Face's way) against the
+    original in float64: logits, loss and every gathered gradient to a few ulps (both
+    in float64 throughout, but for the fp32 casts inside Hugging Face's own modules,
+    which both sides share: its norms, its rotary tables)."""
+    dims = fp.ParallelDims(cp=2, tp=2)
+    model = _model(family, seed).double()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+    labels = hf.next_token_labels(ids)
+    logits = ref(input_ids=ids).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    loss = loss / (labels != -100).sum()
+    loss.backward()
+    mesh = hf.parallelize(model, dims)
+    result = model(input_ids=ids, labels=ids)
+    result.loss.backward()
+    full = hf.full_logits(result.logits.detach(), dims.groups(mesh))
+    assert full.dtype == result.loss.dtype == torch.float64
+    assert_ulps(full, logits.detach(), name="logits")
+    assert_ulps(result.loss.detach().reshape(1), loss.detach().reshape(1), name="loss")
+    for name, param in model.named_parameters():
+        assert_ulps(param.grad.full_tensor(), _reference_grad(ref, name), name=name)
+    return True
+
+
+def test_a_float64_model_matches_the_original_to_a_few_ulps(world):
+    assert all(world(4).run(_run_float64, "llama", 4))
 
 
 @pytest.mark.parametrize("family, degrees", [

@@ -267,8 +267,11 @@ def check_virtual_ring(W, B, chunk, Hkv, group, D, causal, layout, dtype, seed, 
     q, k, v = strided((B, S, Hq, D), 0), strided((B, S, Hkv, D), 1), strided((B, S, Hkv, D), 2)
     dout = randn((B, S, Hq, D), dtype, seed + 3).to(device)
     dlse = randn((B, Hq, S), torch.float32, seed + 4).to(device)
+
+    def nan_fresh(shape, device, dtype=torch.float32):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
     with pytest.MonkeyPatch.context() as mp:
-        nan_fresh = lambda shape, device: torch.full(shape, float("nan"), device=device)  # noqa: E731
         mp.setattr(ring_attention, "_fresh", nan_fresh)
         force_split(mp, split_below)
 

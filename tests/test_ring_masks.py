@@ -162,13 +162,16 @@ def _layer(cp_group):
 
 def _dense_packed(layer, x, cu):
     """The layer's math in plain float64: RoPE positions restarting per document, and
-    Hugging Face's sliding window (key j visible to query i when i - W < j <= i)."""
+    Hugging Face's sliding window (key j visible to query i when i - W < j <= i). (Its
+    float64 rotation runs on torch's implementation, whatever the caller asked for:
+    Triton's kernels refuse float64.)"""
     T, hd, x = x.shape[0], layer.head_dim, x.double()
     q, k, v = (torch.nn.functional.linear(x[:, 0], w.double()).view(T, -1, hd)
                for w in (layer.q_weight, layer.k_weight, layer.v_weight))  # fmt: skip
     positions = fp.sequence_positions(T, None, cu_seqlens=cu)
     cos, sin = fp.nn.attention.rope_tables(positions, hd, layer.rope_theta, torch.float64)
-    q, k = (fp.nn.attention.apply_rope(t[None], cos, sin) for t in (q, k))
+    with fp.implementation("torch"):
+        q, k = (fp.nn.attention.apply_rope(t[None], cos, sin) for t in (q, k))
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
     doc = torch.searchsorted(cu.long(), torch.arange(T), right=True)
     visible = (doc[:, None] == doc[None, :]) & (j <= i) & (j > i - WINDOW)

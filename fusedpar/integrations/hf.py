@@ -63,6 +63,7 @@ from fusedpar import checks, comm
 from fusedpar.integrations import hf_families as families
 from fusedpar.integrations import hf_heads as heads
 from fusedpar.integrations.hf_families import refuse
+from fusedpar.kernels._common import accumulator
 from fusedpar.nn import (
     ColumnParallelLinear,
     MoE,
@@ -448,7 +449,8 @@ def _add_loss(module, args, kwargs, output):
         return output
     labels, num_items = pending
     logits = output.logits if hasattr(output, "logits") else output[0]
-    local_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+    wide = accumulator(logits.dtype)  # fp32 (Hugging Face's upcast); float64 stays float64
+    local_sum = F.cross_entropy(logits.flatten(0, 1).to(wide), labels.flatten(),
                                 ignore_index=-100, reduction="sum")  # fmt: skip
     totals = torch.stack([local_sum.detach(), (labels != -100).sum().to(local_sum.dtype)])
     for axis in SEQUENCE_AXES:

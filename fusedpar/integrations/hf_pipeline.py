@@ -34,6 +34,7 @@ from fusedpar.integrations.hf import (
     local_tokens,
     packed_documents,
 )
+from fusedpar.kernels._common import accumulator
 from fusedpar.pipeline import module_at
 
 LLAMA_TREE = ("model.embed_tokens", None, "model.layers", "model.norm", "lm_head")
@@ -100,6 +101,6 @@ class DecoderStages(nn.Module):
         Face takes them (shifted here, over the whole sequence), logits (B, S_loc, V)."""
         shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
         mine = local_tokens(shifted, self.batch.groups)
-        total = F.cross_entropy(logits.flatten(0, 1).float(), mine.flatten(), ignore_index=-100,
-                                reduction="sum")  # fmt: skip
+        total = F.cross_entropy(logits.flatten(0, 1).to(accumulator(logits.dtype)),
+                                mine.flatten(), ignore_index=-100, reduction="sum")  # fmt: skip
         return total / (shifted != -100).sum().clamp(min=1)

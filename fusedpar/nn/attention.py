@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedpar import checks, comm
+from fusedpar.kernels._common import accumulator
 from fusedpar.nn.attention_parts import (  # noqa: F401 (rope_tables: public here too)
     QK_NORMS,
     ROPE_LAYOUTS,
@@ -369,27 +370,30 @@ class ParallelAttention(nn.Module):
                          rope_layout=rope_layout)  # fmt: skip
         return layer
 
-    def _rope(self, full_len: int, device: torch.device, cu_seqlens=None):
-        """cos, sin (S_loc, hd/2) at this rank's positions: global ones, kept per length;
-        with packed documents, restarting in each (built per call)."""
-        key = (full_len, device)
+    def _rope(self, full_len: int, device: torch.device, cu_seqlens=None,
+              dtype=torch.float32):  # fmt: skip
+        """cos, sin (S_loc, hd/2) of `dtype` (fp32; float64 for a float64 x) at this rank's
+        positions: global ones, kept per length; with packed documents, restarting in
+        each (built per call)."""
+        key = (full_len, device, dtype)
         if cu_seqlens is None and key in self._rope_tables:
             return self._rope_tables[key]
         positions = sequence_positions(full_len, self.cp_group, layout=self.cp_layout,
                                        device=device, cu_seqlens=cu_seqlens,
                                        ulysses_group=self.ulysses_group)  # fmt: skip
         if self.rope == DEFAULT_ROPE:
-            tables = rope_tables(positions, self.rotary_dim, self.rope_theta)
+            tables = rope_tables(positions, self.rotary_dim, self.rope_theta, dtype)
         else:
-            tables = tuple(self._rope_table(t, len(positions)) for t in self.rope(positions))
+            tables = tuple(self._rope_table(t, len(positions), dtype)
+                           for t in self.rope(positions))  # fmt: skip
         if cu_seqlens is None:
             if len(self._rope_tables) >= 4:  # lengths that vary (evaluation): keep a few
                 self._rope_tables.clear()
             self._rope_tables[key] = tables
         return tables
 
-    def _rope_table(self, t: torch.Tensor, length: int) -> torch.Tensor:
-        """One of a `rope` callable's tables as (S, r/2) fp32, r = rotary_dim."""
+    def _rope_table(self, t: torch.Tensor, length: int, dtype) -> torch.Tensor:
+        """One of a `rope` callable's tables as (S, r/2) of `dtype`, r = rotary_dim."""
         half = self.rotary_dim // 2
         while t.dim() > 2 and t.shape[0] == 1:
             t = t[0]
@@ -426,7 +430,7 @@ class ParallelAttention(nn.Module):
                     f"rotary_dim {2 * half}: pass rotary_dim={half} (partial rotary)"
                 )
             self._rope_layout_checked = informative
-        return t.float().contiguous()  # (HF's half a row: the GEMM epilogue reads rows)
+        return t.to(dtype).contiguous()  # (HF's half a row: the GEMM epilogue reads rows)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """x (S_loc, B, d_model) -> the same shape (see the module doc). `cu_seqlens`
@@ -451,7 +455,7 @@ class ParallelAttention(nn.Module):
         if rotary:
             seq = x.shape[0] * (comm.group_size(self.tp_group) if self.sequence_parallel else 1)
             full_len = seq * comm.group_size(self.cp_group) * comm.group_size(self.ulysses_group)
-            cos, sin = self._rope(full_len, x.device, cu_seqlens)
+            cos, sin = self._rope(full_len, x.device, cu_seqlens, accumulator(x.dtype))
         # RoPE joins the QKV GEMMs (their epilogue, or one launch after them) where no q/k
         # norm comes between
         joined = rotary and self.qk_norm is None and not rotates_by_formula(x, cos, sin)
@@ -476,7 +480,7 @@ class ParallelAttention(nn.Module):
             q, k = apply_rope_qk(q, k, cos, sin)  # one launch for both, each way
         out = ring_attn(q, k, v, self.cp_group, causal=self.causal, layout=self.cp_layout,
                         softmax_scale=self.softmax_scale,
-                        sinks=None if self.sinks is None else self.sinks.float(),
+                        sinks=None if self.sinks is None else self.sinks.to(accumulator(x.dtype)),
                         window=self.window, softcap=self.softcap or 0.0,
                         cu_seqlens=cu_seqlens, ulysses_group=self.ulysses_group)  # fmt: skip
         out = out.transpose(0, 1).reshape(seq, batch, -1)  # (S, B, Hq/TP * hd)

@@ -23,6 +23,7 @@ unchanged; `half_to_interleaved` is its inverse.
 import torch
 
 from fusedpar import comm
+from fusedpar.kernels._common import accumulator
 from fusedpar.ops.attention import rope, rope_pair
 from fusedpar.ops.norm import rms_norm
 
@@ -32,7 +33,8 @@ ROPE_LAYOUTS = ("half", "interleaved")  # how dense q/k rows pair their rotary d
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
     """cos, sin (len(positions), head_dim / 2) for rotary embeddings at `positions`, built
-    on positions' device (no host-to-device copy)."""
+    on positions' device (no host-to-device copy): computed in float64, then rounded to
+    `dtype` (fp32, the kernels' tables for fp16/bf16/fp32 x; float64 for float64 x)."""
     dims = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
     inv_freq = 1.0 / theta ** (dims / head_dim)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
@@ -71,19 +73,21 @@ def half_to_interleaved(t: torch.Tensor, head_dim: int, rotary_dim: int | None =
 
 def rotates_by_formula(x, cos, sin) -> bool:
     """Whether the rotation runs as the PyTorch formula rather than a kernel (one in its
-    own launch, or the QKV GEMMs' epilogue)."""
-    tables = cos.requires_grad or sin.requires_grad or cos.dtype != torch.float32
-    return tables or x.dtype == torch.float64
+    own launch, or the QKV GEMMs' epilogue): tables that need a gradient, or not of the
+    dtype the kernels take for x (fp32; float64 for float64 x)."""
+    wide = accumulator(x.dtype)
+    return cos.requires_grad or sin.requires_grad or cos.dtype != wide or sin.dtype != wide
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[..., i], x[..., i + r/2]) of x (B, S, H, hd) by the angles of its
     positions; cos, sin (S, r/2). The first r <= hd dims rotate (r < hd: partial rotary,
-    GPT-NeoX), the rest pass. Computed in fp32, returned in x's dtype: one kernel each
-    way (`fusedpar.ops.attention.rope`), or the PyTorch formula where the tables need a
-    gradient or are not fp32, or x is float64 (a reference model: computed in float64)."""
+    GPT-NeoX), the rest pass. Computed in fp32 (float64 for float64 x), returned in x's
+    dtype: one kernel each way (`fusedpar.ops.attention.rope`), or the PyTorch formula
+    where the tables need a gradient or are not of the kernels' dtype
+    (`rotates_by_formula`)."""
     if rotates_by_formula(x, cos, sin):
-        half, wide = cos.shape[-1], torch.promote_types(x.dtype, torch.float32)
+        half, wide = cos.shape[-1], accumulator(x.dtype)
         x1, x2 = x[..., :half].to(wide), x[..., half : 2 * half].to(wide)
         c, s = cos[None, :, None, :].to(wide), sin[None, :, None, :].to(wide)
         rotated = [x1 * c - x2 * s, x2 * c + x1 * s]
@@ -120,22 +124,19 @@ def qk_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, kind: str,
     """The q/k RMSNorm of `kind` (see the module doc) of x (..., H_loc, hd) in fp32,
     returned in x's dtype, weighted in fp32 and rounded once (as Gemma and OLMo 2 do;
     Qwen3 rounds the normalized values before weighting them, one rounding more). "head"
-    is `fusedpar.rms_norm` over each head (float64, a reference model's dtype: the
-    formula); "full" sums the squares over this rank's heads and all-reduces them over
-    `tp_group` (differentiable: each rank's gradient reaches the others' statistics).
+    is `fusedpar.rms_norm` over each head; "full" sums the squares over this rank's
+    heads and all-reduces them over `tp_group` (differentiable: each rank's gradient
+    reaches the others' statistics). float64 x: computed in float64.
     ``rope=(cos, sin)`` (where `joins_rope`; x (S, B, H_loc, hd)): the result rotated
     in the same kernel, before its one rounding."""
     if rope is not None and not joins_rope(kind, x, *rope):
         raise ValueError(f"qk_rms_norm: a {kind!r} norm of {x.dtype} does not rotate (rope=)")
-    if kind == "head" and x.dtype != torch.float64:
-        return rms_norm(x, weight, eps, offset=offset, rope=rope)
-    x32 = x.float()
     if kind == "head":
-        mean_square = x32.square().mean(-1, keepdim=True)
-        scale = weight.float() + offset  # (hd,)
-    else:
-        heads = x.shape[-2] * comm.group_size(tp_group)
-        squares = comm.all_reduce(x32.square().sum((-2, -1), keepdim=True), tp_group)
-        mean_square = squares / (heads * x.shape[-1])
-        scale = weight.float().view(x.shape[-2:]) + offset  # (H_loc, hd)
+        return rms_norm(x, weight, eps, offset=offset, rope=rope)
+    wide = accumulator(x.dtype)
+    x32 = x.to(wide)
+    heads = x.shape[-2] * comm.group_size(tp_group)
+    squares = comm.all_reduce(x32.square().sum((-2, -1), keepdim=True), tp_group)
+    mean_square = squares / (heads * x.shape[-1])
+    scale = weight.to(wide).view(x.shape[-2:]) + offset  # (H_loc, hd)
     return (x32 * torch.rsqrt(mean_square + eps) * scale).to(x.dtype)

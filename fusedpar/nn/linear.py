@@ -336,7 +336,7 @@ class ParallelSwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._fusedpar_checked:  # one shape and dtype over the group (fusedpar.checks)
             checks.first_call(self, x, {"group": self.group}, checks.alike(x, self.gate_weight))
-        if comm.active_group(self.group) is None and x.dtype != torch.float64:
+        if comm.active_group(self.group) is None:
             activation = kernel_activation(self.activation)
             if activation is not None:  # one rank: the whole MLP as one op
                 if x.shape[-1] != self.d_model:

@@ -25,12 +25,17 @@ entry point: with L = lse and s the head's sink,
 
 A row that sees no key (L = -inf) gives out' = 0 and lse' = s, never NaN. Under the
 ring the sink enters once, after the merge of every step.
+
+float64 q, k, v run on torch's implementation (`fusedpar.kernels._impl`), computed in
+float64 throughout: the LSE and the sinks are then float64 where they are float32 for
+the other dtypes (`fusedpar.kernels._common.accumulator`).
 """
 
 import torch
 from torch import Tensor
 
 from fusedpar.kernels import rope as rope_kernels
+from fusedpar.kernels._common import accumulator
 from fusedpar.kernels.attention import attention_forward, check_attention_inputs
 from fusedpar.kernels.attention_backward import attention_backward
 from fusedpar.kernels.attention_mask import (
@@ -73,7 +78,7 @@ def _flash_attn_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None,
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_left, window_right,
       softcap):  # fmt: skip
     B, Sq, Hq, D = q.shape
-    return q.new_empty((B, Sq, Hq, D)), q.new_empty((B, Hq, Sq), dtype=torch.float32)
+    return q.new_empty((B, Sq, Hq, D)), q.new_empty((B, Hq, Sq), dtype=accumulator(q.dtype))
 
 
 @torch.library.custom_op("fusedpar::flash_attn_backward", mutates_args=())
@@ -147,7 +152,8 @@ _rope = autograd_op(_rope_op, _rope_backward, _rope_setup)
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotary embeddings of x (B, S, H, hd), any strides, by cos, sin (S, r/2) fp32 (r <=
-    hd rotated; the rest passes), in fp32, into a new tensor of x's dtype
+    hd rotated; the rest passes), in fp32, into a new tensor of x's dtype (float64 x:
+    float64 tables, computed in float64)
     (`fusedpar.kernels.rope`). The tables take no gradient: pass ones that need it to
     the PyTorch formula (`fusedpar.nn.attention_parts.apply_rope` does)."""
     rope_kernels.check_rope(x, cos, sin)
@@ -164,14 +170,16 @@ def rope_pair(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, T
 
 
 def check_sinks(sinks, q: torch.Tensor, what: str) -> None:
-    """`sinks`: None, or a float32 (Hq,) tensor on q's device, Hq = q.shape[-2]."""
+    """`sinks`: None, or a float32 (Hq,) tensor on q's device, Hq = q.shape[-2] (float64
+    for float64 q)."""
     if sinks is None:
         return
     if not isinstance(sinks, torch.Tensor):
         raise TypeError(f"{what}: sinks must be a tensor (Hq,), got {type(sinks).__name__}")
-    heads = q.shape[-2]
-    if sinks.shape != (heads,) or sinks.dtype != torch.float32 or sinks.device != q.device:
-        raise ValueError(f"{what}: sinks must be float32 ({heads},) (one logit per query head) "
+    heads, wide = q.shape[-2], accumulator(q.dtype)
+    if sinks.shape != (heads,) or sinks.dtype != wide or sinks.device != q.device:
+        name = str(wide).removeprefix("torch.")
+        raise ValueError(f"{what}: sinks must be {name} ({heads},) (one logit per query head) "
                          f"on {q.device}, got {sinks.dtype} {tuple(sinks.shape)} on "
                          f"{sinks.device}")  # fmt: skip
 
@@ -179,11 +187,12 @@ def check_sinks(sinks, q: torch.Tensor, what: str) -> None:
 def apply_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
     """out (..., S, H, D) and lse (..., H, S) of attention without sinks -> with one
     more logit per head, `sinks` (H,), in every row's denominator (see the module doc).
-    Differentiable in all three; computed in fp32, out returned in its dtype."""
-    sink = sinks.float()[:, None]  # (H, 1) against lse (..., H, S)
+    Differentiable in all three; computed in fp32 (the LSE's dtype: float64 for a float64
+    out), out returned in its dtype."""
+    sink = sinks.to(lse.dtype)[:, None]  # (H, 1) against lse (..., H, S)
     new_lse = torch.logaddexp(lse, sink)
     kept = torch.exp(lse - new_lse)  # sigmoid(L - s): the keys' share; 0 where L = -inf
-    return (out.float() * kept.transpose(-1, -2)[..., None]).to(out.dtype), new_lse
+    return (out.to(lse.dtype) * kept.transpose(-1, -2)[..., None]).to(out.dtype), new_lse
 
 
 def flash_attn(
@@ -201,8 +210,9 @@ def flash_attn(
     """Scaled dot-product attention, flash-style: ``softmax(q k^T * scale) v``.
 
     q (B, Sq, Hq, D); k, v (B, Skv, Hkv, D) with Hq a multiple of Hkv (GQA/MQA: KV is
-    read in place, never repeated); D a multiple of 8 up to 256; fp16, bf16 or fp32; any
-    strides (views into a fused QKV projection are read without copies).
+    read in place, never repeated); D a multiple of 8 up to 256; fp16, bf16 or fp32, or
+    float64 on torch's implementation (computed in float64, its LSE and sinks float64);
+    any strides (views into a fused QKV projection are read without copies).
 
     The mask is aligned bottom-right: query i sits at key position ``i + Skv - Sq``.
     ``causal``: it sees keys up to there. ``window=(left, right)`` (flash-attn's): keys

@@ -146,8 +146,7 @@ class _GatedDown(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, activation, group, chunks):
-        # (float64, a reference model's dtype, has no kernel: autograd's path is exact)
-        name = kernel_activation(activation) if gate.dtype != torch.float64 else None
+        name = kernel_activation(activation)
         hidden = _gated(gate, up, name) if name else activation(gate) * up
         if group is None:  # a plain GEMM (classic TP: the caller all-reduces)
             y = torch.nn.functional.linear(hidden, weight, bias)

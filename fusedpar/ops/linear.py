@@ -24,6 +24,8 @@ The ring order is that of PyTorch async-TP and Flux: the all-gather multiplies t
 chunk first while the next arrives, each GEMM writing straight into its rows of the
 output; the reduce-scatter computes the partial bound for one rank while the previous
 partial travels, adds in fp32, and rounds once at the end (the bias after the sum).
+float64 (torch's implementation) sums its partials in float64: nothing rounds it to fp32
+(`fusedpar.kernels._common.accumulator`).
 """
 
 import math
@@ -43,6 +45,7 @@ from fusedpar.comm import (
     tuning_agreement,
 )
 from fusedpar.kernels import rope as rope_kernels
+from fusedpar.kernels._common import accumulator, check_float_dtype
 from fusedpar.kernels._tuning import frozen
 from fusedpar.kernels.matmul import RowRotation, matmul, rope_epilogue_fits
 from fusedpar.ops.registration import autograd_op, direct_op
@@ -128,15 +131,16 @@ def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul,
     pairs [(A_i (W*m, K_i), B_i (K_i, N))]. At step s rank r computes its fp32 partial for
     rank r - s - 1 while the running sum for that rank arrives from r - 1, adds it, and
     passes it on; after W - 1 steps it holds its own sum. Returns (m, N) in `out_dtype`.
-    `gemm` and `ring` as in `gather_matmuls`.
+    `gemm` and `ring` as in `gather_matmuls`. (fp32: float64 for float64 A.)
     """
+    wide = accumulator(pairs[0][0].dtype)
     if ring is None and group_size(pg) == 1:  # one rank: the fp32 sum, rounded once
         if len(pairs) == 1:  # the GEMM's epilogue adds the bias in fp32 and rounds
             return gemm(*pairs[0], bias=bias, out_dtype=out_dtype)
-        total = gemm(*pairs[0], out_dtype=torch.float32)
+        total = gemm(*pairs[0], out_dtype=wide)
         for A, B in pairs[1:]:
             gemm(A, B, out=total, accumulate=True)
-        return (total if bias is None else total + bias.float()).to(out_dtype)
+        return (total if bias is None else total + bias.to(wide)).to(out_dtype)
     ring = Ring(pg) if ring is None else ring
     size, rank = ring.size, ring.rank
     rows, N = pairs[0][0].shape[0] // size, pairs[0][1].shape[1]
@@ -146,13 +150,13 @@ def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul,
     agreement = tuning_agreement(pg, device)
     for a, b in _pieces(rows, chunks):  # the loop's GEMM shapes, picked before it starts
         for i, (A, B) in enumerate(pairs):
-            gemm(A[a:b], B, out_dtype=torch.float32, accumulate=i > 0, agreement=agreement,
+            gemm(A[a:b], B, out_dtype=wide, accumulate=i > 0, agreement=agreement,
                  tune_only=True)  # fmt: skip
     with frozen("the reduce-scatter ring", agreement):
         for step in range(size):
             dest = (rank - step - 1) % size
             for a, b in _pieces(rows, chunks):
-                partial = torch.empty((b - a, N), dtype=torch.float32, device=device)
+                partial = torch.empty((b - a, N), dtype=wide, device=device)
                 if step > 0:
                     ring.send_recv(running[a])  # the sum for rank dest - 1 goes on
                 for i, (A, B) in enumerate(pairs):
@@ -162,7 +166,7 @@ def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul,
                     partial += ring.wait()  # the sum for `dest` so far, from rank - 1
                 running[a] = partial
     for a, b in _pieces(rows, chunks):
-        out[a:b] = running[a] if bias is None else running[a] + bias.float()  # rounded once
+        out[a:b] = running[a] if bias is None else running[a] + bias.to(wide)  # rounded once
     return out
 
 
@@ -172,7 +176,8 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _row_sum(dy2d: torch.Tensor, dtype) -> torch.Tensor:
-    return dy2d.sum(0, dtype=torch.float32).to(dtype)
+    """A bias's gradient: dy's rows summed in fp32 (float64 for float64), rounded once."""
+    return dy2d.sum(0, dtype=accumulator(dy2d.dtype)).to(dtype)
 
 
 def _spread(present: list, has: list[bool]) -> list:
@@ -385,6 +390,7 @@ def _check_chunks(chunks: int) -> None:
 
 
 def _check_linear(x, weight, bias, what, k_dim=-1):
+    check_float_dtype(f"{what}: x", x)  # (float64 under FUSEDPAR_IMPL=triton: refused here)
     if weight.dim() != 2:
         raise ValueError(f"{what}: weight must be 2-D (N, K), got {tuple(weight.shape)}")
     if weight.shape[1] != x.shape[k_dim]:
@@ -415,9 +421,10 @@ def _check_rope(x, weights, rope, rotate, head_dim, size) -> tuple[list, list, i
     if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != tokens:
         raise ValueError(f"all_gather_matmul: rope's cos and sin must be (T={tokens}, r/2), "
                          f"got {tuple(cos.shape)} and {tuple(sin.shape)}")  # fmt: skip
-    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
-        raise TypeError(f"all_gather_matmul: rope's tables must be float32, got {cos.dtype} "
-                        f"and {sin.dtype}")  # fmt: skip
+    wide = accumulator(x.dtype)  # float64 tables for float64 x
+    if cos.dtype != wide or sin.dtype != wide:
+        raise TypeError(f"all_gather_matmul: rope's tables must be {wide} for {x.dtype} x, "
+                        f"got {cos.dtype} and {sin.dtype}")  # fmt: skip
     if cos.requires_grad or sin.requires_grad:
         raise ValueError("all_gather_matmul: rope's tables take no gradient here (for "
                          "that, turn q and k with `fusedpar.nn.attention.apply_rope`)")  # fmt: skip
@@ -460,10 +467,11 @@ def all_gather_matmul(
     copy from the forward (memory for one all-gather less). ``chunks_per_rank`` cuts each
     rank's rows into that many ring messages. With ``group=None`` this is a plain GEMM.
 
-    ``rope=(cos, sin)``: tables (T, r/2) fp32 (no gradient) at the positions of the
-    outputs' dim 0; the outputs flagged in ``rotate`` (default: all) come back with their
-    heads of ``head_dim`` (default r) turned as `fusedpar.nn.apply_rope` turns them (q and
-    k of a QKV projection: ``rotate=[True, True, False]``). With full rotary (r =
+    ``rope=(cos, sin)``: tables (T, r/2) fp32 (float64 for float64 x; no gradient) at the
+    positions of the outputs' dim 0; the outputs flagged in ``rotate`` (default: all)
+    come back with their heads of ``head_dim`` (default r) turned as
+    `fusedpar.nn.apply_rope` turns them (q and k of a QKV projection: ``rotate=[True,
+    True, False]``). With full rotary (r =
     head_dim) and heads the GEMM's tiles hold whole (`fusedpar.kernels.matmul.
     rope_epilogue_fits`: 16-bit up to 128, fp32 up to 64) the rotation is the GEMMs'
     epilogue, rounded once with the product; otherwise one launch after the ring turns
@@ -506,7 +514,8 @@ def matmul_reduce_scatter(
 
     x (T, ..., K_loc): every token, this rank's slice of the features; weight (N, K_loc);
     bias (N,), added once after the sum. Returns this rank's tokens (T/W, ..., N). Partial
-    sums travel in fp32 and are rounded once. With ``group=None`` this is a plain GEMM.
+    sums travel in fp32 (float64 for float64 x) and are rounded once. With ``group=None``
+    this is a plain GEMM.
     """
     if x.dim() < 2:
         raise ValueError(f"matmul_reduce_scatter: x must be (T, ..., K), got {tuple(x.shape)}")

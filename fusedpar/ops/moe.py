@@ -31,7 +31,9 @@ clamped SwiGLU; ``out = a @ w2[e].T`` (+ b2[e])):
 "sum over p that read r" runs through the combine kernel in a fixed order (no atomics):
 two runs give bitwise-equal outputs and gradients. At EP = 1 nothing here reads a count
 back to the host: pairs dropped by a capacity limit sit past ``counts.sum()`` in the
-full-length order, and no kernel touches those rows.
+full-length order, and no kernel touches those rows. A float64 layer runs on torch's
+implementation, computed in float64: its router, expert sums, combine weights and sums
+are float64 where they are fp32 for the other dtypes.
 """
 
 import math
@@ -41,6 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fusedpar import comm
+from fusedpar.kernels._common import accumulator
 from fusedpar.kernels.moe import (
     SWIGLU_ALPHA,
     SWIGLU_LIMIT,
@@ -247,7 +250,8 @@ def _combine_backward_op(dy: Tensor, out: Tensor, weight: Tensor, pos: Tensor, o
     if need_out:
         pairs = order[: out.shape[0]]
         scale = weight.reshape(-1)[pairs]
-        scale = scale if scale.dtype == torch.float32 else scale.float()
+        wide = accumulator(out.dtype)  # fp32, float64 for float64
+        scale = scale if scale.dtype == wide else scale.to(wide)
         d_out = gather_rows(dy, pairs // pos.shape[1], scale, out_dtype=out.dtype)
     if need_weight:
         d_weight = combine_weight_grad(dy, out, pos)
@@ -424,7 +428,7 @@ def moe_reference(x, router_weight, w1, w2, w3, *, top_k, score="softmax",
     batched model sums in), not a token at a time: in fp32 another, equally valid
     rounding of the same math."""
     T, E = x.shape[0], router_weight.shape[0]
-    router_dtype = torch.promote_types(x.dtype, torch.float32)
+    router_dtype = accumulator(x.dtype)
     logits = x.to(router_dtype) @ router_weight.to(router_dtype).T
     if router_bias is not None:
         logits = logits + router_bias.to(router_dtype)

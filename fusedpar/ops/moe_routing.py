@@ -1,5 +1,6 @@
 """MoE routing: the router's logits, the top-k choice and its weights, capacity, and the
-auxiliary losses. Router math is fp32.
+auxiliary losses. Router math is fp32 (float64 for a float64 model: torch's
+implementation, `fusedpar.kernels._common.accumulator`).
 
 | piece            | forward                                 | backward                       |
 | ---------------- | --------------------------------------- | ------------------------------ |
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fusedpar.kernels._common import accumulator
 from fusedpar.kernels.moe_permute import expert_counts
 from fusedpar.kernels.moe_route import SCORES, route_top_k, route_top_k_backward
 from fusedpar.ops.registration import autograd_op, direct_op
@@ -30,33 +32,35 @@ class _RouterLogits(torch.autograd.Function):
     """``x.float() @ router_weight.float().T``, the same numbers as autograd gives that
     expression, but saving x and the router weight as they are: in 16-bit training the
     fp32 copies autograd would keep (T x d and E x d, twice the bytes of x) are made
-    again in the backward instead."""
+    again in the backward instead. (float64 x: all of it in float64.)"""
 
     @staticmethod
     def forward(ctx, x, router_weight):
         ctx.save_for_backward(x, router_weight)
-        return F.linear(_cast(x), _cast(router_weight))
+        wide = accumulator(x.dtype)
+        return F.linear(_cast(x, wide), _cast(router_weight, wide))
 
     @staticmethod
     def backward(ctx, d_logits):
         x, router_weight = ctx.saved_tensors
+        wide = d_logits.dtype
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _cast(d_logits @ _cast(router_weight), x.dtype)
+            dx = _cast(d_logits @ _cast(router_weight, wide), x.dtype)
         if ctx.needs_input_grad[1]:
-            dw = _cast(d_logits.T @ _cast(x), router_weight.dtype)
+            dw = _cast(d_logits.T @ _cast(x, wide), router_weight.dtype)
         return dx, dw
 
 
-def _cast(t: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)  # (a no-op `.to` is still an aten op)
 
 
 @torch.library.custom_op("fusedpar::moe_route", mutates_args=())
 def _route_op(logits: Tensor, bias: Tensor | None, top_k: int, score: str,
               norm: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """(weights (T, k) fp32, ids (T, k) int32, probs (T, E) fp32) of logits (T, E) fp32:
-    `fusedpar.kernels.moe_route.route_top_k`."""
+    """(weights (T, k) fp32, ids (T, k) int32, probs (T, E) fp32) of logits (T, E) fp32
+    (float64 logits: float64 for each fp32): `fusedpar.kernels.moe_route.route_top_k`."""
     return route_top_k(logits, top_k, score, norm, bias)
 
 
@@ -70,7 +74,8 @@ def _(logits, bias, top_k, score, norm):
 @torch.library.custom_op("fusedpar::moe_route_backward", mutates_args=())
 def _route_backward_op(d_weights: Tensor | None, d_probs: Tensor | None, probs: Tensor,
                        ids: Tensor, score: str, norm: bool) -> Tensor:  # fmt: skip
-    """dlogits (T, E) fp32; a gradient that did not flow is None."""
+    """dlogits (T, E) in probs' dtype (fp32, or float64); a gradient that did not flow is
+    None."""
     return route_top_k_backward(d_weights, d_probs, probs, ids, score, norm)
 
 
@@ -99,8 +104,8 @@ _route = autograd_op(_route_op, _route_backward, _route_setup)
 
 
 def route(x, router_weight, top_k, score, norm_topk_prob, expert_bias=None, router_bias=None):
-    """Router math in fp32. Returns (weights (T, k) fp32, ids (T, k) int32, probs (T, E),
-    logits).
+    """Router math in fp32 (float64 for float64 x). Returns (weights (T, k) fp32, ids (T,
+    k) int32, probs (T, E), logits).
 
     ``logits = x @ router_weight.T + router_bias`` (`router_bias` (E,) or None: a
     trainable bias, gpt-oss's, in the logits, so in the selection and the weights alike).
@@ -115,8 +120,8 @@ def route(x, router_weight, top_k, score, norm_topk_prob, expert_bias=None, rout
     """
     logits = _RouterLogits.apply(x, router_weight)
     if router_bias is not None:
-        logits = logits + _cast(router_bias)
-    bias = None if expert_bias is None or score != "sigmoid" else _cast(expert_bias)
+        logits = logits + _cast(router_bias, logits.dtype)
+    bias = None if expert_bias is None or score != "sigmoid" else _cast(expert_bias, logits.dtype)
     weights, ids, probs = _route(logits, bias, top_k, score, bool(norm_topk_prob))
     return weights, ids, probs, logits
 
@@ -140,14 +145,15 @@ def capacity_mask(ids, weights, num_experts: int, capacity_factor: float):
 def aux_losses(probs, logits, ids, score, aux_loss_coef, z_loss_coef, counts=None):
     """Switch load balancing ``coef * E * sum_e f_e P_e`` (f_e: share of the k*T routed
     slots taken by e; P_e: mean router probability of e, sigmoid scores normalized per
-    token) plus the z-loss ``coef * mean(logsumexp(logits)^2)``. fp32; 0 with no token.
+    token) plus the z-loss ``coef * mean(logsumexp(logits)^2)``. In probs' dtype (fp32,
+    or float64); 0 with no token.
     `counts`: ``expert_counts(ids, E)`` where the caller has them."""
     T, E = probs.shape
     if T == 0:
         return probs.new_zeros(())
     counts = expert_counts(ids, E) if counts is None else counts
     p = probs if score == "softmax" else probs / probs.sum(-1, keepdim=True)
-    loss = (counts.float() * p.mean(0)).sum() * (aux_loss_coef * E / ids.numel())
+    loss = (counts.to(p.dtype) * p.mean(0)).sum() * (aux_loss_coef * E / ids.numel())
     if z_loss_coef:
         loss = loss + z_loss_coef * torch.logsumexp(logits, -1).square().mean()
     return loss

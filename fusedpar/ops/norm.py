@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from fusedpar.kernels import rms_norm as kernels
+from fusedpar.kernels._common import accumulator
 from fusedpar.ops.registration import autograd_op, direct_op
 
 
@@ -26,14 +27,14 @@ def _rope(cos: Tensor | None, sin: Tensor | None):
 @torch.library.custom_op("fusedpar::rms_norm", mutates_args=())
 def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, offset: float, cos: Tensor | None,
                  sin: Tensor | None) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """(y (x's shape and dtype), rstd (x.shape[:-1]) float32); y rotated by cos, sin where
-    given."""
+    """(y (x's shape and dtype), rstd (x.shape[:-1]) float32, float64 for float64 x); y
+    rotated by cos, sin where given."""
     return kernels.rms_norm(x, weight, eps, offset, _rope(cos, sin))
 
 
 @_rms_norm_op.register_fake
 def _(x, weight, eps, offset, cos, sin):
-    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=accumulator(x.dtype))
 
 
 @torch.library.custom_op("fusedpar::rms_norm_backward", mutates_args=())
@@ -74,12 +75,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-5, *, offset: float = 0.
     """``x / sqrt(mean(x^2, -1) + eps) * (offset + weight)``: x (..., D) any float dtype
     and strides; weight (D,); the result in x's dtype, computed in fp32 and rounded once.
     ``offset=1.0`` is Gemma's RMSNorm (its weight starts at zero). Saves x and one fp32
-    per row for the backward.
+    per row for the backward. float64 x (torch's implementation): all of it in float64.
 
-    ``rope=(cos, sin)`` (S, r/2) float32, x (S, ..., D): the result rotated as
-    `fusedpar.ops.attention.rope` rotates (pairs i, i + r/2 of a row at position s by
-    the angles of row s, the last D - r dims passing), before its one rounding: a q/k
-    head norm and RoPE in one launch each way. The tables take no gradient."""
+    ``rope=(cos, sin)`` (S, r/2) float32 (float64 for float64 x), x (S, ..., D): the
+    result rotated as `fusedpar.ops.attention.rope` rotates (pairs i, i + r/2 of a row
+    at position s by the angles of row s, the last D - r dims passing), before its one
+    rounding: a q/k head norm and RoPE in one launch each way. The tables take no
+    gradient."""
     kernels._check(x, weight)
     if rope is not None:
         kernels.check_rope(x, rope)

@@ -27,6 +27,10 @@ block's dK, dV (fp32) travel a second ring with it: written fresh by the block's
 at step 0, then added to in place by every rank the block visits, arriving back at the
 owner after W steps. Every step uses the final LSE and ``delta = rowsum(dO * O) - dLSE``.
 
+float64 q, k, v (torch's implementation): every fp32 above is float64 (the running
+output and LSE, their merge, dQ and the dK, dV that travel), so nothing rounds a
+float64 ring to fp32 (`fusedpar.kernels._common.accumulator`).
+
 The loops take a transport: `_GroupRing` (this rank's side of a `fusedpar.comm.Ring`)
 or `VirtualRing` (every rank in this process, transfers replaced by copies, all ranks'
 step s run before step s + 1). `virtual_ring_attn` runs the real loops over a
@@ -47,6 +51,7 @@ from fusedpar.comm import (
     resolve_group,
     tuning_agreement,
 )
+from fusedpar.kernels._common import accumulator
 from fusedpar.kernels._tuning import frozen
 from fusedpar.kernels.attention import attention_forward, check_attention_inputs
 from fusedpar.kernels.attention_backward import (
@@ -141,10 +146,11 @@ def ring_masks(ranks, size, layout, s_local, device, *, causal, window, cu_seqle
             for rank in ranks]  # fmt: skip
 
 
-def _fresh(shape, device) -> torch.Tensor:
-    """A buffer the loops write completely before reading (fp32). Tests poison it with
-    NaN through this function, so an element a step fails to write shows."""
-    return torch.empty(shape, dtype=torch.float32, device=device)
+def _fresh(shape, device, dtype=torch.float32) -> torch.Tensor:
+    """A buffer the loops write completely before reading (fp32; `dtype`: float64 for a
+    float64 ring). Tests poison it with NaN through this function, so an element a step
+    fails to write shows."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _tuned_launches(size: int) -> tuple[bool, ...]:
@@ -211,11 +217,12 @@ def _forward(q, k, v, ring, masks, *, softmax_scale, softcap=0.0, agreement=None
     torch one)."""
     size = ring.size
     block = dict(softmax_scale=softmax_scale, softcap=softcap, agreement=agreement)
+    wide = accumulator(q[0].dtype)  # the running output and LSE: fp32, float64 for float64
     for first in _tuned_launches(size):
-        attend(q[0], k[0], v[0], intervals=masks[0][ring.ranks[0]], out_dtype=torch.float32,
+        attend(q[0], k[0], v[0], intervals=masks[0][ring.ranks[0]], out_dtype=wide,
                merge=not first, tune_only=True, **block)  # fmt: skip
-    out = [_fresh(t.shape, t.device) for t in q]
-    lse = [_fresh((t.shape[0], t.shape[2], t.shape[1]), t.device) for t in q]
+    out = [_fresh(t.shape, t.device, wide) for t in q]
+    lse = [_fresh((t.shape[0], t.shape[2], t.shape[1]), t.device, wide) for t in q]
     kv = [[k_i.contiguous(), v_i.contiguous()] for k_i, v_i in zip(k, v, strict=True)]
     with frozen("the ring attention forward", agreement):
         for step in range(size):
@@ -241,11 +248,12 @@ def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_s
     block, makes delta from them (as `attention_backward` does) for every launch after
     it."""
     size = kv_ring.size
-    f32 = dict(softmax_scale=softmax_scale, softcap=softcap, grad_dtype=torch.float32,
+    wide = accumulator(q[0].dtype)  # dQ, dK, dV sums and delta: fp32, float64 for float64
+    f32 = dict(softmax_scale=softmax_scale, softcap=softcap, grad_dtype=wide,
                agreement=agreement)  # fmt: skip
     made = [{} for _ in q]  # per rank: the first dQ launch's out and dlse, where it makes delta
     if delta is None:
-        delta = [delta_buffer(t.shape, t.device) for t in lse]
+        delta = [delta_buffer(t.shape, t.device, wide) for t in lse]
         for i, rank in enumerate(kv_ring.ranks):
             out, dlse = sources[i]
             if masks[i][rank] is None:  # no own block to start on (never at step 0 today)
@@ -258,7 +266,7 @@ def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_s
                   "tune_only": True}  # fmt: skip
         attention_backward_dq(*own, **tuning, **(made[0] if first else {}))
         attention_backward_dkdv(*own, **tuning)
-    dq = [_fresh(t.shape, t.device) for t in q]
+    dq = [_fresh(t.shape, t.device, wide) for t in q]
     kv = [[k_i.contiguous(), v_i.contiguous()] for k_i, v_i in zip(k, v, strict=True)]
     with frozen("the ring attention backward", agreement):
         for step in range(size):
@@ -273,7 +281,7 @@ def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_s
             for i, kw, inputs in work:  # dQ needs no transfer: launched first
                 attention_backward_dq(*inputs, dq=dq[i], **kw, **(made[i] if step == 0 else {}))
             if step == 0:  # each owner starts its block's sums: written fresh, no zero fill
-                grads = [[_fresh(t.shape, t.device) for t in pair] for pair in kv]
+                grads = [[_fresh(t.shape, t.device, wide) for t in pair] for pair in kv]
             else:  # the sums from the ranks the held blocks visited before, added to here
                 grads = grad_ring.wait()
             for i, kw, inputs in work:
@@ -333,7 +341,7 @@ def _ring_attn_op(q: Tensor, k: Tensor, v: Tensor, group: str, causal: bool,
 @_ring_attn_op.register_fake
 def _(q, k, v, *args):  # fresh, contiguous (the kernels' layout), any inputs
     B, S, H, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((B, H, S), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((B, H, S), dtype=accumulator(q.dtype))
 
 
 @torch.library.custom_op("fusedpar::ring_attn_backward", mutates_args=())
@@ -412,8 +420,10 @@ def ring_attn(
     q (B, S_loc, Hq, D), k and v (B, S_loc, Hkv, D): this rank's shards in `layout`
     ("zigzag" or "contiguous", see `fusedpar.ops.sequence`). The result is this rank's
     shard of ``flash_attn`` on the full sequence, (B, S_loc, Hq, D), and with
-    ``return_lse`` its LSE (B, Hq, S_loc) float32. `window`, `softcap` and `sinks` as in
-    `flash_attn`, in global positions (a sink enters each row once, after the merge).
+    ``return_lse`` its LSE (B, Hq, S_loc) float32 (float64 for float64 q: the ring's
+    partials, merge and gradients are then float64 throughout). `window`, `softcap` and
+    `sinks` as in `flash_attn`, in global positions (a sink enters each row once, after
+    the merge).
     ``cu_seqlens`` (int32, the same on every rank): the documents of a packed stream of
     length S_loc * W, as in `flash_attn_varlen`;
     q, k, v are then this rank's shard of it, (1, S_loc, H, D). Documents may span

@@ -18,9 +18,9 @@ mask, window or packed documents apply exactly as on one device.
 GQA below the degree (Hkv < P, P % Hkv == 0): K and V heads are replicated to P
 (``repeat_interleave``) before the exchange, so rank j receives KV head j // (P/Hkv),
 the one its query heads use; the backward's exchange sums the replicas' gradients (each
-rank's in the input dtype, their sum in fp32, rounded once): the GQA gradient. (r: the
-replication, 1 for q and when Hkv >= P.) Hq must divide by P, and Hkv divide P or be
-divisible by it.
+rank's in the input dtype, their sum in fp32 (float64 for float64), rounded once): the
+GQA gradient. (r: the replication, 1 for q and when Hkv >= P.) Hq must divide by P,
+and Hkv divide P or be divisible by it.
 
 Hybrid (``ring_attn(q, k, v, ring_group, ulysses_group=ug)``): the head exchange runs
 inside `ug`, the ring over `ring_group` on the exchanged tensors. The layout is USP's:
@@ -42,6 +42,7 @@ from fusedpar.comm import (
     group_size,
     resolve_group,
 )
+from fusedpar.kernels._common import accumulator
 from fusedpar.ops.attention import (
     _flash_attn,
     apply_sinks,
@@ -93,7 +94,7 @@ def _heads_whole(received: Tensor, replicas: int) -> Tensor:
     """(P, B, s, h, D), rank p's heads at p -> (B, s, P h / rep, D), replicas summed."""
     heads = received.permute(1, 2, 0, 3, 4).flatten(2, 3)  # (B, s, P h, D)
     if replicas > 1:  # h = 1 here: heads j rep .. j rep + rep - 1 are KV head j's replicas
-        heads = heads.unflatten(2, (-1, replicas)).sum(3, dtype=torch.float32)
+        heads = heads.unflatten(2, (-1, replicas)).sum(3, dtype=accumulator(heads.dtype))
     return heads.to(received.dtype).contiguous()
 
 
@@ -188,11 +189,11 @@ def ulysses_attn(
     q (B, S/P, Hq, D), k and v (B, S/P, Hkv, D): rank r's tokens [r S/P, (r+1) S/P)
     (``fp.shard_sequence(x, group, layout="contiguous")``). Returns this rank's tokens of
     ``flash_attn`` on the whole sequence, (B, S/P, Hq, D), and with ``return_lse`` their
-    LSE (B, Hq, S/P) float32. `window`, `softcap`, `sinks` (Hq,) and `cu_seqlens` (int32,
-    the documents of the whole packed stream of S tokens, B = 1) as in `flash_attn` and
-    `flash_attn_varlen`. Hq must divide by P; Hkv must divide by P or divide P (KV heads
-    are then replicated, and their gradients summed). Differentiable. With
-    ``group=None`` or one rank this is `flash_attn`.
+    LSE (B, Hq, S/P) float32 (float64 for float64 q). `window`, `softcap`, `sinks` (Hq,)
+    and `cu_seqlens` (int32, the documents of the whole packed stream of S tokens, B = 1)
+    as in `flash_attn` and `flash_attn_varlen`. Hq must divide by P; Hkv must divide by P
+    or divide P (KV heads are then replicated, and their gradients summed).
+    Differentiable. With ``group=None`` or one rank this is `flash_attn`.
     """
     window, softcap = check_shards(q, k, v, window, softcap, "ulysses_attn", softmax_scale)
     check_sinks(sinks, q, "ulysses_attn")

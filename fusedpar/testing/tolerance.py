@@ -6,6 +6,10 @@ dtype (FlashAttention's "twice PyTorch's own error" rule). ``floor`` absorbs the
 where PyTorch happens to be exact: a few units of the dtype's precision at the
 reference's scale (``FLOOR[dtype] * max(1, max|ref|)``).
 
+A float64 result against a float64 reference (a parallel model against its dense twin,
+both in float64: `assert_ulps`) has no "PyTorch's own error" to scale by: it must agree to
+a few units in the last place, ``max|out - ref| <= ulps * eps * max|ref|``.
+
 In fp32 the rounding of a length-n dot grows like sqrt(n), and where an op amplifies it
 (attention: exp of S, and dP - delta) a fixed floor is too tight for long dots: such an
 op passes its dot length as `sum_length`, and the fp32 floor grows as
@@ -78,3 +82,25 @@ def assert_close(
             f"{name}: max error {err:.3g} > allowed {allowed:.3g} "
             f"(2 x PyTorch's {dtype} error + floor), shape {tuple(out.shape)}"
         )
+
+
+def assert_ulps(out: torch.Tensor, ref: torch.Tensor, *, ulps: float = 16,
+                name: str = "output") -> None:  # fmt: skip
+    """Assert ``max|out - ref| <= ulps * eps * max|ref|`` (eps of out's dtype: 2.2e-16 in
+    float64), non-finite values equal: for a float64 result against a float64 reference
+    of the same math (a parallel model against its dense twin), where the only
+    difference may be the order of rounded sums."""
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        raise AssertionError(f"{name}: {out.dtype} {tuple(out.shape)} against the reference's "
+                             f"{ref.dtype} {tuple(ref.shape)}")  # fmt: skip
+    finite = torch.isfinite(ref)
+    if not torch.equal(torch.isfinite(out), finite) or not torch.equal(out[~finite], ref[~finite]):
+        bad = (torch.isfinite(out) != finite).sum().item()
+        raise AssertionError(f"{name}: non-finite values differ from the reference at {bad} places")
+    if not finite.any():
+        return
+    err = (out[finite] - ref[finite]).abs().max().item()
+    unit = torch.finfo(out.dtype).eps * ref[finite].abs().max().item()
+    if not err <= ulps * unit:
+        raise AssertionError(f"{name}: max error {err:.3g} is {err / unit:.1f} ulps of max|ref|, "
+                             f"over the {ulps} allowed, shape {tuple(out.shape)}")  # fmt: skip
