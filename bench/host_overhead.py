@@ -13,7 +13,8 @@ memory held); the floors are measured in the same run:
 |                   | fusedpar registers it, and as     |                                   |
 |                   | ``torch.library`` dispatches it   |                                   |
 | flash_attn        | `fp.flash_attn`                   | SDPA (tiny CPU compute included)  |
-| ParallelAttention | one rank, groups None             | nn.Linear x4, RoPE, SDPA          |
+| ParallelAttention | one rank, groups None             | nn.Linear x4, RoPE (HF's rotation;|
+|                   |                                   | tables made once), SDPA           |
 | ... + q/k norm    | the same with Qwen3's per-head    | the same with ``nn.RMSNorm(hd)``  |
 |                   | q/k RMSNorm (``qk_norm=True``)    | on q and k before RoPE            |
 | ParallelSwiGLU    | one rank                          | nn.Linear x3, silu                |
@@ -22,8 +23,9 @@ memory held); the floors are measured in the same run:
 Columns: host µs (the median over ``SLICES`` slices, alternating with the floor's, of
 the median of ``ROUNDS / SLICES`` fwd+bwd each, after warm-up), Triton launches and
 aten ops per call (the profiler's, inside custom ops included; an aten op called by
-another is not counted again), and the ratio to the floor. The floors compute at tiny
-sizes on the CPU, so their time is mostly host time too. Run ``python -m bench
+another is not counted again), and the ratio to the floor; at one thread (a GPU job's
+host thread) and at torch's default count. The floors compute at tiny sizes on the CPU
+(one batch row), so their time is mostly host time too. Run ``python -m bench
 host_overhead`` on any machine, on its own (it sets ``TRITON_INTERPRET=1`` itself when
 triton is not imported yet).
 """
@@ -42,7 +44,9 @@ from torch import nn
 
 ROUNDS = 60
 SLICES = 6  # ROUNDS timed in this many alternating slices of ours and the floor's
-S, B, D, HEADS, KV_HEADS, HIDDEN = 16, 2, 64, 4, 2, 128  # tiny: the floors' compute is small
+# Tiny, and one batch row: the floors compute on the CPU while fusedpar's launches are
+# stubbed, so every row of compute the floors do hides host time of theirs behind it.
+S, B, D, HEADS, KV_HEADS, HIDDEN = 16, 1, 64, 4, 2, 128
 
 
 class _Stubbed:
@@ -143,18 +147,29 @@ def _fusedpar_empty_op():
     return autograd_op(_empty_op, _empty_backward, lambda ctx, inputs, output: None)
 
 
-def _rope(x, positions, theta=10000.0):  # (S, B, H, hd)
-    half = x.shape[-1] // 2
-    freqs = theta ** (-torch.arange(half, dtype=torch.float32) / half)
-    angles = positions[:, None].float() * freqs  # (S, half)
-    cos, sin = angles.cos()[:, None, None], angles.sin()[:, None, None]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+def rope_tables(seq: int, hd: int, theta: float = 10000.0):
+    """cos, sin (S, 1, 1, hd): Hugging Face's layout (each angle in both halves), made once
+    per model forward for every layer (its rotary embedding module), not per layer."""
+    freqs = theta ** (-torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+    angles = torch.arange(seq, dtype=torch.float32)[:, None] * freqs  # (S, hd/2)
+    angles = torch.cat([angles, angles], -1)[:, None, None]
+    return angles.cos(), angles.sin()
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat([-x2, x1], -1)
+
+
+def _rope(x, cos, sin):  # (S, B, H, hd): Hugging Face's apply_rotary_pos_emb
+    return x * cos + _rotate_half(x) * sin
 
 
 class PlainAttention(nn.Module):
     """nn.Linear q/k/v/o, RoPE, SDPA (causal, GQA): the layer a user would write; with
-    `qk_norm`, Qwen3's ``nn.RMSNorm(hd)`` on q and k before RoPE."""
+    `qk_norm`, Qwen3's ``nn.RMSNorm(hd)`` on q and k before RoPE. Its RoPE tables are
+    made once (Hugging Face's models make them once per forward for all layers), as
+    fusedpar's layer keeps its own per sequence length."""
 
     def __init__(self, qk_norm: bool = False):
         super().__init__()
@@ -162,12 +177,13 @@ class PlainAttention(nn.Module):
         self.q, self.o = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
         self.k, self.v = (nn.Linear(D, KV_HEADS * hd, bias=False) for _ in range(2))
         self.q_norm, self.k_norm = (nn.RMSNorm(hd) if qk_norm else nn.Identity() for _ in "qk")
+        self.cos, self.sin = rope_tables(S, hd)
 
     def forward(self, x):  # (S, B, d)
         s, b, _ = x.shape
-        hd, positions = D // HEADS, torch.arange(s)
-        q = _rope(self.q_norm(self.q(x).view(s, b, HEADS, hd)), positions)
-        k = _rope(self.k_norm(self.k(x).view(s, b, KV_HEADS, hd)), positions)
+        hd = D // HEADS
+        q = _rope(self.q_norm(self.q(x).view(s, b, HEADS, hd)), self.cos, self.sin)
+        k = _rope(self.k_norm(self.k(x).view(s, b, KV_HEADS, hd)), self.cos, self.sin)
         v = self.v(x).view(s, b, KV_HEADS, hd)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # (B, H, S, hd)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -262,11 +278,13 @@ def cases():
     ]  # fmt: skip
 
 
-def measure(rounds: int = ROUNDS) -> list[dict]:
-    """One row per case: host µs and counts of fusedpar's (stubbed) and the floor's."""
+def measure(rounds: int = ROUNDS, threads: int = 1) -> list[dict]:
+    """One row per case: host µs and counts of fusedpar's (stubbed) and the floor's, with
+    torch on `threads` threads."""
     import fusedpar as fp
 
-    rows = []
+    rows, before = [], torch.get_num_threads()
+    torch.set_num_threads(threads)
     with fp.implementation("triton"):
         for name, ours, floor_name, floor in cases():
             launches, ops = counts(ours)
@@ -279,9 +297,10 @@ def measure(rounds: int = ROUNDS) -> list[dict]:
                 floor_times.append(host_us(floor, max(1, rounds // SLICES)))
             us, floor_us = statistics.median(ours_us), statistics.median(floor_times)
             _, floor_ops = counts(floor)
-            rows.append({"layer": name, "host_us": us, "launches": launches, "aten_ops": ops,
-                         "floor": floor_name, "floor_us": floor_us, "floor_aten_ops": floor_ops,
-                         "ratio": us / floor_us})  # fmt: skip
+            rows.append({"layer": name, "threads": threads, "host_us": us, "launches": launches,
+                         "aten_ops": ops, "floor": floor_name, "floor_us": floor_us,
+                         "floor_aten_ops": floor_ops, "ratio": us / floor_us})  # fmt: skip
+    torch.set_num_threads(before)
     return rows
 
 
@@ -293,34 +312,41 @@ def main() -> None:
               "on its own (python -m bench host_overhead)")  # fmt: skip
         return
     os.environ["TRITON_INTERPRET"] = "1"  # launches are stubbed; only their Python runs
-    torch.set_num_threads(1)
     # Stubbed launches leave their outputs as they were allocated: whatever memory held,
     # denormals among it. The CPU computes on denormals up to ~100x slower (measured: an
     # F.silu over a stubbed GEMM's (32, 128) output took a third of ParallelSwiGLU's
     # forward), which no GPU run would see: flushed to zero for every row, floors too.
     torch.set_flush_denormal(True)
-    rows = measure()
-    columns = ["layer", "host_us", "launches", "aten_ops", "floor", "floor_us",
+    # one thread (a GPU job's host thread) and torch's default (the machine's cores): a
+    # floor's tiny CPU compute may or may not gain from a second thread
+    thread_counts = sorted({1, torch.get_num_threads()})
+    rows = [row for threads in thread_counts for row in measure(threads=threads)]
+    columns = ["layer", "threads", "host_us", "launches", "aten_ops", "floor", "floor_us",
                "floor_aten_ops", "ratio"]  # fmt: skip
 
     def plot(ax):
-        labels = [r["layer"] for r in rows]
-        xs = range(len(rows))
-        ax.bar([i - 0.2 for i in xs], [r["host_us"] for r in rows], 0.4, label="fusedpar")
-        ax.bar([i + 0.2 for i in xs], [r["floor_us"] for r in rows], 0.4, label="floor")
+        one = [r for r in rows if r["threads"] == 1]
+        labels = [r["layer"] for r in one]
+        xs = range(len(one))
+        ax.bar([i - 0.2 for i in xs], [r["host_us"] for r in one], 0.4, label="fusedpar")
+        ax.bar([i + 0.2 for i in xs], [r["floor_us"] for r in one], 0.4, label="floor")
         ax.set_xticks(list(xs), labels, rotation=15)
         ax.set_ylabel("host µs per forward + backward")
-        ax.set_title("Host time per layer (Triton launches stubbed)")
+        ax.set_title("Host time per layer (Triton launches stubbed, one thread)")
         ax.legend()
 
     meta = {**environment(), "rounds": ROUNDS, "shape": f"S={S} B={B} d={D} heads={HEADS}/"
-            f"{KV_HEADS} hidden={HIDDEN}", "threads": 1, "gmean_ratio": math.exp(
-                statistics.fmean(math.log(r["ratio"]) for r in rows))}  # fmt: skip
+            f"{KV_HEADS} hidden={HIDDEN}", "threads": thread_counts}  # fmt: skip
+    for threads in thread_counts:
+        ratios = [math.log(r["ratio"]) for r in rows if r["threads"] == threads]
+        meta[f"gmean_ratio_{threads}_thread{'s' if threads > 1 else ''}"] = math.exp(
+            statistics.fmean(ratios))
     import fusedpar as fp
 
     with fp.implementation("triton"):  # what fusedpar's rows ran (launches stubbed)
         write_results("host_overhead", rows, columns, meta, plot)
     for r in rows:
-        print(f"{r['layer']:28s} {r['host_us']:8.0f} µs  {r['launches']:3d} launches "
+        print(f"{r['layer']:28s} {r['threads']}t {r['host_us']:8.0f} µs  {r['launches']:3d} "
+              f"launches "
               f"{r['aten_ops']:4d} aten ops | {r['floor']:26s} {r['floor_us']:7.0f} µs "
               f"{r['floor_aten_ops']:4d} ops | {r['ratio']:.2f}x")  # fmt: skip

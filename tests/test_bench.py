@@ -452,7 +452,9 @@ def test_the_host_overhead_bench_measures_every_row():
     floor, the layers' launches counted (stubbed), nothing launched for real."""
     from bench import host_overhead
 
-    rows = host_overhead.measure(rounds=host_overhead.SLICES)
+    threads = torch.get_num_threads()
+    rows = host_overhead.measure(rounds=host_overhead.SLICES, threads=1)
+    assert torch.get_num_threads() == threads and all(r["threads"] == 1 for r in rows)
     assert [r["layer"] for r in rows][:2] == ["fusedpar op dispatch (empty)",
                                                "torch.library op (empty)"]  # fmt: skip
     assert len(rows) == 7 and all(r["host_us"] > 0 and r["floor_us"] > 0 for r in rows)
