@@ -50,8 +50,8 @@ bench=(env BENCH_QUICK=1 TRITON_PRINT_AUTOTUNING=1 FUSEDPAR_TUNING_CACHE=$result
 # Step 0's tests: RoPE (in the GEMM's epilogue and in the q/k head norm), the gated
 # activation and its gradient in the GEMM's epilogue, the routing kernel, the attention
 # backward (delta made in dQ) on both read paths, the ring modes and virtual ring, the
-# whole-step captures.
-new_tests="rotating_epilogue_gpu or head_norm_with_rope_on_a_gpu or gated_matmul_gpu or gated_grad_matmul_gpu or routing or nan_logits or flash_attn_gpu or ring_modes_gpu or virtual_ring_gpu or cuda_graph or no_host_sync_gpu"
+# whole-step captures, float64 on CUDA (torch's implementation, no tile timed).
+new_tests="rotating_epilogue_gpu or head_norm_with_rope_on_a_gpu or gated_matmul_gpu or gated_grad_matmul_gpu or routing or nan_logits or flash_attn_gpu or ring_modes_gpu or virtual_ring_gpu or cuda_graph or no_host_sync_gpu or float64_on_cuda"
 case $step in
   0) part gpu_tier_new 300 env FUSEDPAR_TUNING=first "${tier[@]}" -k "$new_tests"
      part step_time 200 "${bench[@]}" step_time ;;
