@@ -429,7 +429,8 @@ def matmul(
     buffers, nothing written, returns None; a gated epilogue writes its given outputs,
     which the call that follows writes again): the TP rings do so before their loops.
     """
-    if _impl.runs_torch(a):
+    request = _impl.requested()
+    if _impl.runs_torch(a, request):
         check_operands(a, b, bias, out, accumulate and not tune_only, out_dtype)
         if rope is not None:
             check_rope(a, b, rope, accumulate, rope_epilogue_fits)
@@ -453,16 +454,17 @@ def matmul(
         check_rope_rows(M, rope)
         first_row = rope.first_row
     tuner = _tuning.tuner("matmul")
-    settled = plan.settled
+    settled = plan.settled.get(request)
     if (
         settled is not None
         and agreement is None
         and not tune_only
-        and tuner.settled(key) is settled[0]
+        and tuner.kept(settled.scope) is settled.config
     ):
-        out = torch.empty((M, N), dtype=plan.c_dtype, device=a.device) if out is None else out
-        args = _arguments(plan, a, b, bias, out, rope, first_row, gated=gated)
-        _launch_settled(plan, args, *settled[1:])
+        if out is None:
+            out = torch.empty((M, N), dtype=plan.c_dtype, device=a.device)
+        _launch_settled(plan, settled, _arguments(plan, a, b, bias, out, rope, first_row,
+                                                  gated=gated))  # fmt: skip
         return out
     if tune_only:
         if M == 0 or N == 0 or tuner.has(key, agreement):
@@ -495,7 +497,10 @@ def matmul(
                            restore=[out] if accumulate else [], agreement=agreement,
                            tune_only=tune_only)  # fmt: skip
     if not tune_only and agreement is None and not isinstance(config, _impl.Torch):
-        plan.settled = (config, *plan.launch_arguments(config))
+        grid, kwargs = plan.launch_arguments(config)
+        scope = _tuning.local_scope(key, request)
+        plan.settled[request] = _tuning.Settled.of(_matmul_kernel, config, scope, grid, kwargs,
+                                                   len(args))  # fmt: skip
     return None if tune_only else out
 
 
@@ -513,12 +518,15 @@ def _arguments(plan: Plan, a, b, bias, out, rope, first_row, second=(),
             g, out if u is None else u, *plan.scalars, first_row)  # fmt: skip
 
 
-def _launch_settled(plan: Plan, args, grid, kwargs) -> None:
-    """A planned call's launch once its pick is settled: no tuner, nothing rebuilt."""
-    if args[0].device.type != "cuda":  # the interpreter
-        _matmul_kernel[grid](*args, **kwargs)
+def _launch_settled(plan: Plan, settled: _tuning.Settled, args: tuple) -> None:
+    """A planned call's launch once its pick is settled: no tuner, nothing rebuilt; the
+    call's `_arguments` and the kept constexprs, passed positionally."""
+    if not args[0].is_cuda:  # the interpreter
+        _matmul_kernel.run(*args, *settled.tail, grid=settled.grid, warmup=False,
+                           **settled.options)  # fmt: skip
         return
     if plan.meta["TMA"] or plan.meta["C_TMA"]:
         ensure_tma_allocator(args[0].device)  # per thread: autograd's backward runs on its own
     with device_guard(args[0]):
-        _matmul_kernel[grid](*args, **kwargs)
+        _matmul_kernel.run(*args, *settled.tail, grid=settled.grid, warmup=False,
+                           **settled.options)  # fmt: skip

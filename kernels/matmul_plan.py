@@ -5,7 +5,7 @@ looked up by later calls (host time a GEMM call, launch stubbed: 24 -> 10 -> 8 Â
 what the epilogues are given: `RowRotation` (RoPE), `GatedProduct` and `GatedGrad` (a
 gated MLP's activation and its gradient)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -192,7 +192,8 @@ class Plan:
     scalars: tuple  # the kernel's strides and sizes (all but the rotation's first row)
     meta: dict  # its constexprs
     programs: int | None  # SMs (a persistent TMA grid), None in the interpreter
-    settled: tuple | None = None  # (the pick, its grid, its keywords) once launched
+    # per implementation asked for, the pick and its launch once launched (`_tuning.Settled`)
+    settled: dict = field(default_factory=dict)
 
     def launch_arguments(self, config: triton.Config) -> tuple[tuple, dict]:
         """The grid and keyword arguments of a launch with `config`."""
