@@ -63,7 +63,7 @@ def bucket(n: int) -> int:
 @dataclass(frozen=True, slots=True)
 class Settled:
     """A planned launch's settled pick and what launching it takes, kept beside its plan:
-    `config` the pick, valid while ``tuner.kept(scope) is config``; `grid`; `tail` the
+    `config` the pick, valid while ``kept(tuner name, scope) is config``; `grid`; `tail` the
     kernel's parameters after those a call passes (its constexprs, in the kernel's
     order), and `options` Triton's (num_warps, num_stages, ...). A launch passes them
     positionally to the kernel's ``run``: binding 19 keywords and a grid lambda cost a
@@ -186,14 +186,7 @@ class Tuner:
         first: the pick, when it is made and no forced config or frozen loop is in
         force; else None (then `run` it). A planned launcher that kept its arguments
         for that pick launches with them directly (host time: bench/host_overhead.py)."""
-        return self.kept(local_scope(key, _impl.requested()))
-
-    def kept(self, scope: tuple) -> triton.Config | None:
-        """`settled` for a `local_scope` a planned launcher keeps beside its arguments
-        (the implementation asked for is part of it: one attribute read less a call)."""
-        if _FORCED.get() is not None or _FROZEN.get() is not None:
-            return None
-        return self.picks.get(scope)
+        return kept(self.name, local_scope(key, _impl.requested()))
 
     def run(
         self,
@@ -299,6 +292,16 @@ class Tuner:
         data = json.loads(file.read_text()) if file.exists() else {}
         data.setdefault(self.name, {})[repr(key)] = _describe(config)
         file.write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+def kept(name: str, scope: tuple) -> triton.Config | None:
+    """`Tuner.settled` of tuner `name` for a `local_scope` that a planned launcher keeps
+    beside its arguments (`Settled`): the pick, while no forced config or frozen loop is
+    in force; else None."""
+    if _FORCED.get() is not None or _FROZEN.get() is not None:
+        return None
+    found = _TUNERS.get(name)
+    return None if found is None else found.picks.get(scope)
 
 
 def tuner(name: str) -> Tuner:
