@@ -278,29 +278,37 @@ def cases():
     ]  # fmt: skip
 
 
-def measure(rounds: int = ROUNDS, threads: int = 1) -> list[dict]:
-    """One row per case: host µs and counts of fusedpar's (stubbed) and the floor's, with
-    torch on `threads` threads."""
+def measure(rounds: int = ROUNDS, threads: int | tuple[int, ...] = 1) -> list[dict]:
+    """One row per case and thread count: host µs of fusedpar's (stubbed) and the floor's
+    with torch on that many `threads`, and their counts. Every row is timed before any is
+    counted: a profiler session leaves every later op slower (torch 2.13: an empty
+    ``autograd.Function``'s forward and backward 45 -> 103 µs after one), which would
+    add the same time to both sides and pull every ratio towards 1."""
     import fusedpar as fp
 
     rows, before = [], torch.get_num_threads()
-    torch.set_num_threads(threads)
     with fp.implementation("triton"):
-        for name, ours, floor_name, floor in cases():
-            launches, ops = counts(ours)
-            # in alternating slices, so that the machine's drift (10-20% between runs,
-            # more while other work runs) falls on both sides of the ratio alike
-            ours_us, floor_times = [], []
-            for _ in range(SLICES):
-                with _Stubbed():
-                    ours_us.append(host_us(ours, max(1, rounds // SLICES)))
-                floor_times.append(host_us(floor, max(1, rounds // SLICES)))
-            us, floor_us = statistics.median(ours_us), statistics.median(floor_times)
-            _, floor_ops = counts(floor)
-            rows.append({"layer": name, "threads": threads, "host_us": us, "launches": launches,
-                         "aten_ops": ops, "floor": floor_name, "floor_us": floor_us,
-                         "floor_aten_ops": floor_ops, "ratio": us / floor_us})  # fmt: skip
-    torch.set_num_threads(before)
+        for n in (threads,) if isinstance(threads, int) else threads:
+            torch.set_num_threads(n)
+            for name, ours, floor_name, floor in cases():
+                # in alternating slices, so that the machine's drift (10-20% between runs,
+                # more while other work runs) falls on both sides of the ratio alike
+                ours_us, floor_times = [], []
+                for _ in range(SLICES):
+                    with _Stubbed():
+                        ours_us.append(host_us(ours, max(1, rounds // SLICES)))
+                    floor_times.append(host_us(floor, max(1, rounds // SLICES)))
+                us, floor_us = statistics.median(ours_us), statistics.median(floor_times)
+                rows.append({"layer": name, "threads": n, "host_us": us, "floor": floor_name,
+                             "floor_us": floor_us, "ratio": us / floor_us,
+                             "steps": (ours, floor)})  # fmt: skip
+        torch.set_num_threads(before)
+        counted = {}
+        for row in rows:
+            ours, floor = row.pop("steps")
+            if row["layer"] not in counted:
+                counted[row["layer"]] = (*counts(ours), counts(floor)[1])
+            row["launches"], row["aten_ops"], row["floor_aten_ops"] = counted[row["layer"]]
     return rows
 
 
@@ -320,7 +328,7 @@ def main() -> None:
     # one thread (a GPU job's host thread) and torch's default (the machine's cores): a
     # floor's tiny CPU compute may or may not gain from a second thread
     thread_counts = sorted({1, torch.get_num_threads()})
-    rows = [row for threads in thread_counts for row in measure(threads=threads)]
+    rows = measure(threads=tuple(thread_counts))
     columns = ["layer", "threads", "host_us", "launches", "aten_ops", "floor", "floor_us",
                "floor_aten_ops", "ratio"]  # fmt: skip
 

@@ -110,11 +110,12 @@ def refuse_float64(what: str) -> None:
     )
 
 
-def runs_torch(t: torch.Tensor) -> bool:
+def runs_torch(t: torch.Tensor, name: str | None = None) -> bool:
     """Whether a launch on `t` (its device and dtype) runs the torch implementation
     outright (no tuning): float64 always (a TypeError under ``triton``,
-    `refuse_float64`), else asked for, or ``auto`` off CUDA."""
-    name = requested()
+    `refuse_float64`), else asked for, or ``auto`` off CUDA. `name`: `requested()`, where
+    the caller has read it already."""
+    name = requested() if name is None else name
     if t.dtype == torch.float64:
         if name == "triton":
             refuse_float64(f"a tensor {tuple(t.shape)}")

@@ -60,6 +60,32 @@ def bucket(n: int) -> int:
     return next_power_of_2(n) if n > 0 else 0
 
 
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """A planned launch's settled pick and what launching it takes, kept beside its plan:
+    `config` the pick, valid while ``kept(tuner name, scope) is config``; `grid`; `tail` the
+    kernel's parameters after those a call passes (its constexprs, in the kernel's
+    order), and `options` Triton's (num_warps, num_stages, ...). A launch passes them
+    positionally to the kernel's ``run``: binding 19 keywords and a grid lambda cost a
+    GEMM call about 2.5 µs of host time (the interpreter's launch; Triton's binder on a
+    GPU binds positional arguments too)."""
+
+    config: object
+    scope: tuple
+    grid: tuple
+    tail: tuple
+    options: dict
+
+    @staticmethod
+    def of(kernel, config, scope: tuple, grid: tuple, kwargs: dict, given: int) -> Settled:
+        """`kwargs` (a launch's keywords) split after the kernel's first `given`
+        parameters (those the call passes)."""
+        names = kernel.arg_names[given:]
+        tail = tuple(kwargs[name] for name in names)
+        options = {k: v for k, v in kwargs.items() if k not in names}
+        return Settled(config, scope, grid, tail, options)
+
+
 @dataclass(frozen=True)
 class Agreement:
     """Ranks that must pick the same configs. `name` names the group (its picks are kept
@@ -135,6 +161,12 @@ def _full_key(key: tuple) -> tuple:
     return (*key, ("implementation", _impl.requested()))
 
 
+def local_scope(key: tuple, request: str) -> tuple:
+    """Where `Tuner.picks` keeps the pick made for `key` with no agreement, under the
+    implementation `request` (`_impl.requested`)."""
+    return None, (*key, ("implementation", request))
+
+
 class Tuner:
     """The picks of one kernel: ``{(group name or None, key): config}``."""
 
@@ -154,9 +186,7 @@ class Tuner:
         first: the pick, when it is made and no forced config or frozen loop is in
         force; else None (then `run` it). A planned launcher that kept its arguments
         for that pick launches with them directly (host time: bench/host_overhead.py)."""
-        if _FORCED.get() is not None or _FROZEN.get() is not None:
-            return None
-        return self.picks.get((None, _full_key(key)))
+        return kept(self.name, local_scope(key, _impl.requested()))
 
     def run(
         self,
@@ -262,6 +292,16 @@ class Tuner:
         data = json.loads(file.read_text()) if file.exists() else {}
         data.setdefault(self.name, {})[repr(key)] = _describe(config)
         file.write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+def kept(name: str, scope: tuple) -> triton.Config | None:
+    """`Tuner.settled` of tuner `name` for a `local_scope` that a planned launcher keeps
+    beside its arguments (`Settled`): the pick, while no forced config or frozen loop is
+    in force; else None."""
+    if _FORCED.get() is not None or _FROZEN.get() is not None:
+        return None
+    found = _TUNERS.get(name)
+    return None if found is None else found.picks.get(scope)
 
 
 def tuner(name: str) -> Tuner:

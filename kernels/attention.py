@@ -425,14 +425,28 @@ def interpreter_blocks(Sq: int, Skv: int) -> dict:
 
 def launch(
     kernel, configs, grid, args, meta, Sq, Skv, *, restore=(), agreement=None, tune_only=False,
-    key_extra=(), torch_run=None, key=None,
+    key_extra=(), torch_run=None, key=None, settled=None,
 ):  # fmt: skip
     """Launch `kernel` with the tile tuned for (Sq and Skv buckets, `meta`, the dtypes,
     `key_extra`): one sized to the problem in the interpreter, else the best of
     ``configs()``. `grid(tile)` builds the grid; `restore`: buffers the kernel reads
     back (adds into, or merges with). `torch_run`: the torch implementation of the same
     call, a candidate too where given (CUDA, ``FUSEDPAR_IMPL=auto``). `key`: the tuner's
-    key as `launch_key` makes it, from a launcher's plan."""
+    key as `launch_key` makes it, from a launcher's plan; `settled`: that plan's
+    `_tuning.Settled` per implementation asked for, launched past the tuner once the
+    pick is made (and kept there after it)."""
+    name = kernel.__name__
+    request = None
+    if settled is not None and agreement is None and not tune_only:
+        request = _impl.requested()
+        kept = settled.get(request)
+        if kept is not None and _tuning.kept(name, kept.scope) is kept.config:
+            if not args[0].is_cuda:  # the interpreter
+                kernel.run(*args, *kept.tail, grid=kept.grid, warmup=False, **kept.options)
+                return
+            with device_guard(args[0]):
+                kernel.run(*args, *kept.tail, grid=kept.grid, warmup=False, **kept.options)
+            return
     if key is None:
         key = launch_key(args, meta, Sq, Skv, key_extra, torch_run is not None)
 
@@ -451,9 +465,15 @@ def launch(
             kernel[grid(config.kwargs)](*args, **meta, **config.all_kwargs())
 
     with device_guard(args[0]):
-        _tuning.tuner(kernel.__name__).run(key, candidates, run, device=args[0].device,
-                                           restore=restore, agreement=agreement,
-                                           tune_only=tune_only)  # fmt: skip
+        config = _tuning.tuner(name).run(key, candidates, run, device=args[0].device,
+                                         restore=restore, agreement=agreement,
+                                         tune_only=tune_only)  # fmt: skip
+    if request is not None and not isinstance(config, _impl.Torch):
+        scope = _tuning.local_scope(key, request)
+        if _tuning.kept(name, scope) is config:  # the pick (not a forced config)
+            kwargs = {**meta, **config.all_kwargs()}
+            settled[request] = _tuning.Settled.of(kernel, config, scope, grid(config.kwargs),
+                                                  kwargs, len(args))  # fmt: skip
 
 
 def _planned_forward(plan: ForwardPlan, q, k, v, out, lse, merge, agreement):
@@ -478,7 +498,8 @@ def _planned_forward(plan: ForwardPlan, q, k, v, out, lse, merge, agreement):
 
     launch(_attn_fwd_kernel, forward_configs, grid, args, meta, Sq, plan.scalars[1],
            restore=[out, lse] if merge else [], agreement=agreement, key=plan.key,
-           torch_run=torch_run if plan.torch_candidate else None)  # fmt: skip
+           torch_run=torch_run if plan.torch_candidate else None,
+           settled=plan.settled)  # fmt: skip
     return out, lse
 
 

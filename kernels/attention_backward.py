@@ -500,7 +500,8 @@ def attention_backward_dkdv(
     launch(_attn_bwd_dkdv_kernel, backward_configs, grid, args, plan.meta, q.shape[1], Skv,
            restore=[dk, dv] if adds and not tune_only else [], agreement=agreement,
            tune_only=tune_only, key=plan.key,
-           torch_run=torch_run if plan.torch_candidate else None)  # fmt: skip
+           torch_run=torch_run if plan.torch_candidate else None,
+           settled=plan.settled)  # fmt: skip
     if tune_only:
         return None
     if split > 1:  # the slices of each group, summed in order (torch.sum: no atomics)
@@ -571,7 +572,8 @@ def attention_backward_dq(
     launch(_attn_bwd_dq_kernel, dq_configs, grid, args, plan.meta, Sq, k.shape[1],
            restore=[dq] if accumulate and not tune_only else [], agreement=agreement,
            tune_only=tune_only, key=plan.key,
-           torch_run=torch_run if plan.torch_candidate else None)  # fmt: skip
+           torch_run=torch_run if plan.torch_candidate else None,
+           settled=plan.settled)  # fmt: skip
     return None if tune_only else dq
 
 

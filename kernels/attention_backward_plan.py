@@ -5,7 +5,7 @@ and flags look up (host time per call at bench/host_overhead.py's shapes: dK/dV 
 18 µs, dQ 30 -> 15 µs). The kernels and their launchers are in `attention_backward`."""
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from fusedpar.kernels import _common, attention_torch
@@ -30,6 +30,8 @@ class BackwardPlan:
     key: tuple
     scores: object  # for torch's implementation, a candidate on CUDA
     torch_candidate: bool
+    # per implementation asked for, the pick and its launch once made (`_tuning.Settled`)
+    settled: dict = field(default_factory=dict, compare=False)
 
 
 BACKWARD_PLANS: dict[tuple, BackwardPlan] = {}

@@ -4,7 +4,7 @@ the same shapes, strides, dtypes, devices, alignment, mask scalars and flags (ho
 per call at bench/host_overhead.py's shapes: 37 -> 15 µs); and the tuner key and the
 bounded store every attention plan uses (the backward's: `attention_backward_plan`)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from fusedpar.kernels import _common
@@ -34,6 +34,8 @@ class ForwardPlan:
     key: tuple
     scores: object  # for torch's implementation, a candidate on CUDA
     torch_candidate: bool
+    # per implementation asked for, the pick and its launch once made (`_tuning.Settled`)
+    settled: dict = field(default_factory=dict, compare=False)
 
 
 FORWARD_PLANS: dict[tuple, ForwardPlan] = {}

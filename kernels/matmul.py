@@ -398,7 +398,7 @@ def _plan(a, b, bias, out, accumulate, out_dtype, tune_only, rope, second=None,
     programs = sm_count(a.device) if a.device.type == "cuda" and tma else None
     if len(PLANS) >= MAX_PLANS:
         PLANS.clear()
-    plan = PLANS[key_of_call] = Plan(M, N, K, c_dtype, key, scalars, meta, programs)
+    plan = PLANS[key_of_call] = Plan(M, N, K, c_dtype, a.device, key, scalars, meta, programs)
     return plan
 
 
@@ -429,7 +429,9 @@ def matmul(
     buffers, nothing written, returns None; a gated epilogue writes its given outputs,
     which the call that follows writes again): the TP rings do so before their loops.
     """
-    if _impl.runs_torch(a):
+    request = _impl.requested()
+    # (an explicit "triton" request of a kernel dtype runs the kernels: no call to decide it)
+    if (request != "triton" or a.dtype == torch.float64) and _impl.runs_torch(a, request):
         check_operands(a, b, bias, out, accumulate and not tune_only, out_dtype)
         if rope is not None:
             check_rope(a, b, rope, accumulate, rope_epilogue_fits)
@@ -447,23 +449,16 @@ def matmul(
         matmul_torch(a, b, bias, out, accumulate, rope, gated)
         return out
     plan = _plan(a, b, bias, out, accumulate, out_dtype, tune_only, rope, None, gated)
+    if agreement is None and not tune_only:
+        done = launch_planned(plan, request, a, b, bias, out, rope, gated)
+        if done is not None:
+            return done
     M, N, key, meta = plan.M, plan.N, plan.key, plan.meta
     first_row = 0
     if rope is not None:
         check_rope_rows(M, rope)
         first_row = rope.first_row
     tuner = _tuning.tuner("matmul")
-    settled = plan.settled
-    if (
-        settled is not None
-        and agreement is None
-        and not tune_only
-        and tuner.settled(key) is settled[0]
-    ):
-        out = torch.empty((M, N), dtype=plan.c_dtype, device=a.device) if out is None else out
-        args = _arguments(plan, a, b, bias, out, rope, first_row, gated=gated)
-        _launch_settled(plan, args, *settled[1:])
-        return out
     if tune_only:
         if M == 0 or N == 0 or tuner.has(key, agreement):
             return None
@@ -495,14 +490,43 @@ def matmul(
                            restore=[out] if accumulate else [], agreement=agreement,
                            tune_only=tune_only)  # fmt: skip
     if not tune_only and agreement is None and not isinstance(config, _impl.Torch):
-        plan.settled = (config, *plan.launch_arguments(config))
+        grid, kwargs = plan.launch_arguments(config)
+        scope = _tuning.local_scope(key, request)
+        plan.settled[request] = _tuning.Settled.of(_matmul_kernel, config, scope, grid, kwargs,
+                                                   len(args))  # fmt: skip
     return None if tune_only else out
 
 
-def _arguments(plan: Plan, a, b, bias, out, rope, first_row, second=(),
+def launch_planned(plan: Plan, request: str, a, b, bias=None, out=None, rope=None,
+                   gated=None) -> torch.Tensor | None:  # fmt: skip
+    """`matmul`'s call with these operands (no agreement, not ``tune_only``), whose
+    `plan` it is, launched once the pick for the implementation `request` is settled
+    (`_tuning.Settled`: no tuner, nothing rebuilt): C (`out`, or a new one). None where
+    no pick is settled (the first call, a forced config, a frozen loop): `matmul` then
+    runs the call."""
+    settled = plan.settled.get(request)
+    if settled is None or _tuning.kept("matmul", settled.scope) is not settled.config:
+        return None
+    first_row = 0
+    if rope is not None:
+        check_rope_rows(plan.M, rope)
+        first_row = rope.first_row
+    if out is None:
+        out = torch.empty(plan.shape, dtype=plan.c_dtype, device=plan.device)
+    _launch_settled(plan, settled, _arguments(plan, a, b, bias, out, rope, first_row,
+                                              settled.tail, gated=gated))  # fmt: skip
+    return out
+
+
+def _arguments(plan: Plan, a, b, bias, out, rope, first_row, tail=(), second=(),
                gated: GatedProduct | GatedGrad | None = None) -> tuple:  # fmt: skip
-    """The kernel's positional arguments (a pointer not used: C's, never read). `second`:
-    b2, bias2, c2, h of `gated_matmul`; `gated`: a gated epilogue's tensors."""
+    """The kernel's positional arguments (a pointer not used: C's, never read), then
+    `tail` (a settled launch's constexprs). `second`: b2, bias2, c2, h of
+    `gated_matmul`; `gated`: a gated epilogue's tensors."""
+    if gated is None and not second:
+        cos, sin = (out, out) if rope is None else (rope.cos, rope.sin)
+        return (a, b, out, out if bias is None else bias, cos, sin, out, out, out, out, out, out,
+                *plan.scalars, first_row, *tail)  # fmt: skip
     cos, sin = (out, out) if rope is None else (rope.cos, rope.sin)
     b2, bias2, c2, h = second or (out,) * 4
     g = u = out
@@ -510,15 +534,16 @@ def _arguments(plan: Plan, a, b, bias, out, rope, first_row, second=(),
         g, u, c2, h = gated_tensors(gated)
     return (a, b, out, bias if bias is not None else out, cos, sin, b2,
             out if bias2 is None else bias2, out if c2 is None else c2, out if h is None else h,
-            g, out if u is None else u, *plan.scalars, first_row)  # fmt: skip
+            g, out if u is None else u, *plan.scalars, first_row, *tail)  # fmt: skip
 
 
-def _launch_settled(plan: Plan, args, grid, kwargs) -> None:
-    """A planned call's launch once its pick is settled: no tuner, nothing rebuilt."""
-    if args[0].device.type != "cuda":  # the interpreter
-        _matmul_kernel[grid](*args, **kwargs)
+def _launch_settled(plan: Plan, settled: _tuning.Settled, args: tuple) -> None:
+    """A planned call's launch once its pick is settled: no tuner, nothing rebuilt; the
+    call's `_arguments` with the kept constexprs, passed positionally."""
+    if not args[0].is_cuda:  # the interpreter
+        _matmul_kernel.run(*args, grid=settled.grid, warmup=False, **settled.options)
         return
     if plan.meta["TMA"] or plan.meta["C_TMA"]:
         ensure_tma_allocator(args[0].device)  # per thread: autograd's backward runs on its own
     with device_guard(args[0]):
-        _matmul_kernel[grid](*args, **kwargs)
+        _matmul_kernel.run(*args, grid=settled.grid, warmup=False, **settled.options)

@@ -45,7 +45,7 @@ def gated_matmul(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor, *,
         return gate, up, h
     if plan.meta["TMA"] or plan.meta["C_TMA"]:
         ensure_tma_allocator(a.device)
-    args = _arguments(plan, a, b, bias, gate, None, 0, (b2, bias2, up, h))
+    args = _arguments(plan, a, b, bias, gate, None, 0, second=(b2, bias2, up, h))
 
     def launch(config):
         if isinstance(config, _impl.Torch):
@@ -68,23 +68,24 @@ def gated_matmul(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor, *,
 
 
 def gated_up_matmul(a: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, *,
-                    bias: torch.Tensor | None = None,
-                    activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                    bias: torch.Tensor | None = None, activation: str = "silu",
+                    gemm=matmul) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(up, h) (M, N) in A's dtype: ``up = A @ B (+ bias)`` rounded once, and ``h =
     act(gate) * up`` from it and the gate projection's stored output `gate` (M, N), in one
     launch: what `matmul` then `fusedpar.kernels.gated.gated` return, with no pass of its
     own for h. The K loop is `matmul`'s (TMA included); only its epilogue reads the gate.
+    `gemm`: `matmul`, or an op's `matmul_sequence.GemmSequence`.
     """
     M = a.shape[0] if a.dim() == 2 else 0
     N = b.shape[1] if b.dim() == 2 else 0
     up, h = (torch.empty((M, N), dtype=a.dtype, device=a.device) for _ in range(2))
-    matmul(a, b, bias=bias, out=up, gated=GatedProduct(gate, h, activation))
+    gemm(a, b, bias=bias, out=up, gated=GatedProduct(gate, h, activation))
     return up, h
 
 
 def gated_grad_matmul(
     dy: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *,
-    activation: str = "silu", hidden: bool = False,
+    activation: str = "silu", hidden: bool = False, gemm=matmul,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """``([dgate | dup], h)`` of a dense gated MLP's backward in one launch: ``dh = dy @
     w_down`` (rounded to dy's dtype, as `matmul` stores it) and from it and the forward's
@@ -95,11 +96,12 @@ def gated_grad_matmul(
 
     dy (M, d); w_down (d, N) (the down weight: read as it is stored); gate, up (M, N)
     with shared strides, all of dy's dtype. dgate and dup are one (M, 2N) view, so one
-    GEMM takes both weights' gradients; h sits beside them in the same buffer."""
+    GEMM takes both weights' gradients; h sits beside them in the same buffer. `gemm` as
+    in `gated_up_matmul`."""
     M = dy.shape[0] if dy.dim() == 2 else 0
     N = w_down.shape[1] if w_down.dim() == 2 else 0
     buffer = torch.empty((M, (3 if hidden else 2) * N), dtype=dy.dtype, device=dy.device)
-    grads, h = buffer[:, : 2 * N], buffer[:, 2 * N :] if hidden else None
-    grad = GatedGrad(gate, up, buffer[:, N : 2 * N], h, activation)
-    matmul(dy, w_down, out=buffer[:, :N], gated=grad)
-    return grads, h
+    dgate, dup, *h = buffer.chunk(3 if hidden else 2, 1)  # (one call: a third of 3 narrows)
+    h = h[0] if hidden else None
+    gemm(dy, w_down, out=dgate, gated=GatedGrad(gate, up, dup, h, activation))
+    return buffer.narrow(1, 0, 2 * N), h

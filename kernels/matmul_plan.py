@@ -5,7 +5,7 @@ looked up by later calls (host time a GEMM call, launch stubbed: 24 -> 10 -> 8 Â
 what the epilogues are given: `RowRotation` (RoPE), `GatedProduct` and `GatedGrad` (a
 gated MLP's activation and its gradient)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -188,11 +188,16 @@ class Plan:
     N: int
     K: int
     c_dtype: torch.dtype
+    device: torch.device
     key: tuple
     scalars: tuple  # the kernel's strides and sizes (all but the rotation's first row)
     meta: dict  # its constexprs
     programs: int | None  # SMs (a persistent TMA grid), None in the interpreter
-    settled: tuple | None = None  # (the pick, its grid, its keywords) once launched
+    # per implementation asked for, the pick and its launch once launched (`_tuning.Settled`)
+    settled: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.shape = (self.M, self.N)  # a new C's
 
     def launch_arguments(self, config: triton.Config) -> tuple[tuple, dict]:
         """The grid and keyword arguments of a launch with `config`."""
@@ -205,16 +210,31 @@ PLANS: dict[tuple, Plan] = {}
 MAX_PLANS = 4096  # a property test's many shapes: start over rather than grow
 
 
+def _layout(t) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16
+
+
 def signature(a, b, bias, out, accumulate, out_dtype, tune_only, rope, second, gated) -> tuple:
-    # alignment decides TMA; the fp32 precision decides the dot's; a rotation's first row
-    # is an argument of each launch
+    # alignment decides TMA; the fp32 precision decides fp32's dot (read for fp32 only);
+    # a rotation's first row is an argument of each launch. A call with none of the
+    # optional operands (most of them) has the short key: fewer reads, a cheaper hash.
+    dtype = a.dtype
+    common = (
+        a.shape, a.stride(), b.shape, b.stride(), dtype, b.dtype, a.device, a.data_ptr() % 16,
+        b.data_ptr() % 16, accumulate, out_dtype, tune_only,
+        dtype == torch.float32 and torch.get_float32_matmul_precision(),
+        _common.tma_compatible,  # the TMA rule in force (tests swap it for the pointer path)
+    )  # fmt: skip
+    if bias is None and out is None and rope is None and second is None and gated is None:
+        return common
+    if gated is not None:
+        g, u, c2, h = gated_tensors(gated)
+        gated = (type(gated), gated.activation, _layout(g), u is not None and _layout(u),
+                 c2 is not None and _layout(c2), h is not None and _layout(h))  # fmt: skip
     return (
-        a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.device,
+        common,
         bias is not None and (bias.shape, bias.stride(), bias.dtype),
         out is not None and (out.shape, out.stride(), out.dtype, out.data_ptr() % 16),
-        accumulate, out_dtype, tune_only, a.data_ptr() % 16, b.data_ptr() % 16,
-        torch.get_float32_matmul_precision(),
-        _common.tma_compatible,  # the TMA rule in force (tests swap it for the pointer path)
         rope is not None and (rope.cos.shape, rope.cos.stride(), rope.sin.shape,
                               rope.sin.stride(), rope.cos.dtype, rope.sin.dtype,
                               rope.cos.device, rope.sin.device, rope.rows_per_position),
@@ -222,8 +242,5 @@ def signature(a, b, bias, out, accumulate, out_dtype, tune_only, rope, second, g
                                 second[0].device, second[0].data_ptr() % 16,
                                 second[1] is not None and (second[1].shape, second[1].stride(),
                                                            second[1].dtype), second[2]),
-        gated is not None and (type(gated), gated.activation,
-                               *(t is not None and (t.shape, t.stride(), t.dtype, t.device,
-                                                    t.data_ptr() % 16)
-                                 for t in gated_tensors(gated))),
+        gated,
     )  # fmt: skip

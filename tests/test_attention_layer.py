@@ -443,3 +443,52 @@ def test_linears_take_conv1d_modules_and_tensors_with_biases():
                                               bias=(gate.bias, up.bias, down.bias))  # fmt: skip
     for mlp in (convs, tensors):
         torch.testing.assert_close(mlp(x), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("options, frozen, packed", [
+    ({}, (), False),
+    ({"bias": True, "o_bias": True, "rotary_dim": 8}, ("x", "q_weight", "k_bias"), False),
+    ({"qk_norm": "head", "norm_offset": 1.0, "rotary_dim": 8}, ("k_norm_weight",), False),
+    ({"rope": None, "sliding_window": 3, "softcap": 5.0, "softmax_scale": 0.3}, (), False),
+    ({"qk_norm": "head", "dtype": torch.float16}, ("o_weight",), True),
+])  # fmt: skip
+def test_one_rank_is_one_op_with_the_composed_paths_bits(monkeypatch, options, frozen, packed,
+                                                          each_implementation):  # fmt: skip
+    """On one rank the layer is one op (`fusedpar::attention_layer`): the output and every
+    gradient asked for are bit for bit those of the composed path (`all_gather_matmul`,
+    the head norms, `flash_attn`, `matmul_reduce_scatter`), with biases, partial rotary,
+    head norms (Gemma's offset), no RoPE with a window, softcap and scale, packed
+    documents in fp16, and some gradients not asked for."""
+    from fusedpar.nn import attention
+
+    dtype = options.get("dtype", torch.float32)
+    layer = fp.nn.ParallelAttention(D_MODEL, HEADS, KV_HEADS, head_dim=HEAD_DIM, **options)
+    with torch.no_grad():
+        for i, p in enumerate(layer.parameters()):  # re-drawn: biases and norms never trivial
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.3)
+    for name in frozen:
+        if name != "x":
+            layer.get_parameter(name).requires_grad_(False)
+    batch = 1 if packed else BATCH
+    cu = torch.tensor([0, 5, 5, 12], dtype=torch.int32) if packed else None
+    x, dy = (torch.randn(12, batch, D_MODEL).to(dtype) for _ in range(2))
+    ops = []
+    attention_layer = attention.attention_layer
+    monkeypatch.setattr(attention, "attention_layer",
+                        lambda *a, **k: ops.append(1) or attention_layer(*a, **k))  # fmt: skip
+
+    def run():
+        xr = x.clone().requires_grad_("x" not in frozen)
+        y = layer(xr, cu)
+        y.backward(dy)
+        grads = [p.grad for p in layer.parameters() if p.requires_grad]
+        layer.zero_grad(set_to_none=True)
+        return [y, *([] if "x" in frozen else [xr.grad]), *grads]
+
+    one_op = run()
+    assert ops == [1]
+    monkeypatch.setattr(attention, "takes_one_op", lambda *a: False)
+    composed = run()
+    assert ops == [1] and len(one_op) == len(composed)
+    for got, expected in zip(one_op, composed, strict=True):
+        assert torch.equal(got, expected)

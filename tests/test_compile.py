@@ -81,6 +81,19 @@ def _opcheck_cases(group: str):
     ep = (xm, order, pos, counts, top_k, group)
     recv, *_, splits = ops.moe_dispatch(*ep)
     _, route_ids, route_probs = ops.moe_route(torch.randn(T, 5), None, 2, "softmax", True)
+    # the one-rank attention layer (x (4, 2, 16), heads 2/1 of 8): RoPE in the GEMMs; biases,
+    # head norms turning 6 of 8 dims; packed documents with a window and softcap, no RoPE
+    xa, wa = _leaf(4, 2, 16), [_leaf(16, 16), _leaf(8, 16), _leaf(8, 16), _leaf(16, 16)]
+    mask = (True, None, -1, -1, 0.0)
+    layer_cases = [
+        (xa, wa, [], [False] * 4, [], list(rope_tables(torch.arange(4), 8, 100.0)), None, 8,
+         *mask, 1e-6, 0.0),
+        (xa, wa, [_leaf(16), _leaf(8), _leaf(8), _leaf(16)], [True] * 4, [_leaf(8), _leaf(8)],
+         list(rope_tables(torch.arange(4), 6, 100.0)), None, 8, *mask, 1e-6, 1.0),
+        (_leaf(7, 1, 16), wa, [_leaf(16)], [False, False, False, True], [], [],
+         torch.tensor([0, 3, 3, 7], dtype=torch.int32), 8, True, 0.5, 2, 0, 3.0, 1e-6, 0.0),
+    ]  # fmt: skip
+    layer_saved = ops.attention_layer(*layer_cases[1])[1]
     return [
         (ops.flash_attn, (q, k, v, None, None, *opts)),
         (ops.flash_attn, (q[0, None], k[0, None], v[0, None], cu, cu, *opts)),
@@ -318,6 +331,21 @@ def _opcheck_cases(group: str):
                 torch.randn(8, 5),
                 "silu",
                 [True, False, True, True],
+            ),
+        ),  # fmt: skip
+        *((ops.attention_layer, args) for args in layer_cases),
+        (
+            ops.attention_layer_backward,
+            (
+                torch.randn(4, 2, 16),
+                xa,
+                layer_saved,
+                wa,
+                layer_cases[1][4],
+                layer_cases[1][5],
+                None,
+                *layer_cases[1][7:],
+                [True, False, True, True, True, True, False, True, True, True, False],
             ),
         ),  # fmt: skip
         (ops.moe_dispatch, ep),

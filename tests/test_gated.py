@@ -100,6 +100,10 @@ def test_bad_input_is_named(gate, up, activation, error, match):
 )  # fmt: skip
 @example(T=5, d=9, h=13, bias=True, activation="gelu_tanh", dtype=torch.float16, seed=0,
          frozen=("gate_weight",))  # fmt: skip
+@example(T=3, d=4, h=5, bias=True, activation="silu", dtype=torch.float32, seed=1,
+         frozen=("up_bias",))  # the bias gradients split apart: one of them asked for
+@example(T=3, d=4, h=5, bias=True, activation="silu", dtype=torch.float32, seed=2,
+         frozen=("gate_bias", "up_weight", "down_bias"))  # fmt: skip
 def test_one_rank_swiglu_is_one_op_and_matches_float64(T, d, h, bias, activation, dtype, seed,
                                                        frozen, each_implementation):  # fmt: skip
     """`ParallelSwiGLU` on one rank (`fusedpar::gated_mlp`) against the dense MLP in

@@ -81,7 +81,7 @@ def test_the_tuner_chooses_between_tiles_and_torch(monkeypatch):
     faster (torch: the interpreter runs programs one by one in Python) and records it
     as a pick; under ``triton`` it is no candidate, and the two requests keep their own
     picks."""
-    monkeypatch.setattr(_impl, "runs_torch", lambda device: False)
+    monkeypatch.setattr(_impl, "runs_torch", lambda t, name=None: False)
     auto = _tuned_picks("auto")
     for kernel in ("_attn_fwd_kernel", "matmul"):
         (pick,) = auto[kernel].values()
@@ -96,7 +96,7 @@ def test_the_tuner_chooses_between_tiles_and_torch(monkeypatch):
 def test_cuda_matmul_offers_cublas_only_for_its_contract(monkeypatch):
     """Adding into C, or an fp32 C of 16-bit operands, is not one cuBLAS call: there torch
     is no candidate (never a different answer, only a different speed)."""
-    monkeypatch.setattr(_impl, "runs_torch", lambda device: False)
+    monkeypatch.setattr(_impl, "runs_torch", lambda t, name=None: False)
     a, b = randn((16, 32), torch.float16, 0), randn((32, 16), torch.float16, 1)
     with fp.implementation("auto"):
         matmul(a, b, out=torch.zeros(16, 16), accumulate=True)
@@ -164,7 +164,7 @@ def test_a_pick_of_torch_never_reaches_a_call_it_cannot_run(monkeypatch):
     not on the tuner's buckets: the two kinds of call keep their own picks."""
     from fusedpar.kernels import attention_torch
 
-    monkeypatch.setattr(_impl, "runs_torch", lambda device: False)
+    monkeypatch.setattr(_impl, "runs_torch", lambda t, name=None: False)
     q, k, v = (randn((1, n, 2, 16), torch.float32, i) for i, n in enumerate((40, 60, 60)))
     monkeypatch.setattr(attention_torch, "CUDA_SCORES_LIMIT", 2 * 40 * 40)
     with fp.implementation("auto"):
@@ -236,7 +236,7 @@ def test_the_row_kernels_are_tuned_against_torch_indexing(monkeypatch):
     assert torch.equal(gathered, expected[0]) and torch.equal(combined, expected[1])
     torch.testing.assert_close(dw, expected[2])
     _tuning.forget_picks()
-    monkeypatch.setattr(_impl, "runs_torch", lambda device: False)
+    monkeypatch.setattr(_impl, "runs_torch", lambda t, name=None: False)
     with fp.implementation("auto"):
         tuned = run()
     for got, want in zip(tuned, expected, strict=True):

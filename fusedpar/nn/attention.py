@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedpar import checks, comm
-from fusedpar.kernels._common import accumulator
+from fusedpar.kernels._common import accumulator, check_float_dtype
 from fusedpar.nn.attention_parts import (  # noqa: F401 (rope_tables: public here too)
     QK_NORMS,
     ROPE_LAYOUTS,
@@ -70,6 +70,7 @@ from fusedpar.nn.attention_parts import (  # noqa: F401 (rope_tables: public her
     rotates_by_formula,
 )
 from fusedpar.nn.linear import bias_per_weight, linear_parts
+from fusedpar.ops.attention_layer import attention_layer
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.ring_attention import ring_attn
 from fusedpar.ops.sequence import sequence_positions
@@ -456,6 +457,8 @@ class ParallelAttention(nn.Module):
             seq = x.shape[0] * (comm.group_size(self.tp_group) if self.sequence_parallel else 1)
             full_len = seq * comm.group_size(self.cp_group) * comm.group_size(self.ulysses_group)
             cos, sin = self._rope(full_len, x.device, cu_seqlens, accumulator(x.dtype))
+        if takes_one_op(self, x, cos if rotary else None, sin if rotary else None):
+            return self._one_op(x, (cos, sin) if rotary else (), cu_seqlens)
         # RoPE joins the QKV GEMMs (their epilogue, or one launch after them) where no q/k
         # norm comes between
         joined = rotary and self.qk_norm is None and not rotates_by_formula(x, cos, sin)
@@ -490,3 +493,30 @@ class ParallelAttention(nn.Module):
             return matmul_reduce_scatter(out, self.o_weight, self.tp_group, bias=bias)
         y = comm.reduce_from_region(F.linear(out, self.o_weight), self.tp_group)
         return y if self.o_bias is None else y + self.o_bias
+
+    def _one_op(self, x, tables, cu_seqlens):
+        """The forward on one rank as one op (`fusedpar.ops.attention_layer`)."""
+        check_float_dtype("ParallelAttention: x", x)
+        if x.dtype != self.q_weight.dtype or x.device != self.q_weight.device:
+            raise TypeError(f"ParallelAttention: x is {x.dtype} on {x.device} but the weights "
+                            f"are {self.q_weight.dtype} on {self.q_weight.device}")  # fmt: skip
+        norms = () if self.qk_norm is None else (self.q_norm_weight, self.k_norm_weight)
+        weights = (self.q_weight, self.k_weight, self.v_weight, self.o_weight)
+        biases = (self.q_bias, self.k_bias, self.v_bias, self.o_bias)
+        return attention_layer(x, weights, biases, norms, tables, cu_seqlens,
+                               head_dim=self.head_dim, causal=self.causal,
+                               softmax_scale=self.softmax_scale, window=self.window,
+                               softcap=self.softcap or 0.0, norm_eps=self.norm_eps,
+                               norm_offset=self.norm_offset)  # fmt: skip
+
+
+def takes_one_op(layer: ParallelAttention, x, cos, sin) -> bool:
+    """Whether `layer`'s forward runs as one op (`fusedpar.ops.attention_layer`): on one
+    rank (no tp, cp or Ulysses group of more than one), with sequence parallelism (classic
+    TP's o projection is ``F.linear``), no sinks, no q/k norm or a "head" one, and RoPE
+    tables (cos, sin; None: no RoPE) the kernels take."""
+    one_rank = all(comm.group_size(g) == 1
+                   for g in (layer.tp_group, layer.cp_group, layer.ulysses_group))  # fmt: skip
+    return (one_rank and layer.sequence_parallel and layer.sinks is None
+            and layer.qk_norm in (None, "head")
+            and (cos is None or not rotates_by_formula(x, cos, sin)))  # fmt: skip

@@ -140,7 +140,8 @@ def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul,
         total = gemm(*pairs[0], out_dtype=wide)
         for A, B in pairs[1:]:
             gemm(A, B, out=total, accumulate=True)
-        return (total if bias is None else total + bias.to(wide)).to(out_dtype)
+        total = total if bias is None else total + bias.to(wide)
+        return total if total.dtype == out_dtype else total.to(out_dtype)  # (a no-op .to costs)
     ring = Ring(pg) if ring is None else ring
     size, rank = ring.size, ring.rank
     rows, N = pairs[0][0].shape[0] // size, pairs[0][1].shape[1]

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from fusedpar.kernels import gated as gated_kernels
-from fusedpar.kernels.matmul import matmul
 from fusedpar.kernels.matmul_gated import gated_grad_matmul, gated_up_matmul
+from fusedpar.kernels.matmul_sequence import GemmSequence, layout, state
 from fusedpar.ops.linear import _flat, _row_sum, matmuls_reduce_scatter
 from fusedpar.ops.registration import autograd_op, direct_op
 
@@ -35,13 +35,17 @@ def _gated_mlp_op(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight
     """(y (x's shape), gate, up (tokens, h): kept for the backward). `biases`: none, or
     (bg, bu, bd)."""
     bg, bu, bd = biases or (None, None, None)
+    gemm = GemmSequence(("gated_mlp", layout(x), *map(layout, (gate_weight, up_weight,
+                         down_weight, *biases)), activation, *state()))  # fmt: skip
     # The gate GEMM, then the up GEMM ending in the product (reading the gate it wrote):
     # each on the TMA schedule, and the product with no pass of its own. (`gated_matmul`
     # would be one launch, but on the pointer schedule: TMA serialized its wgmma.)
     x2d = _flat(x)
-    gate = matmul(x2d, gate_weight.t(), bias=bg)
-    up, hidden = gated_up_matmul(x2d, up_weight.t(), gate, bias=bu, activation=activation)
-    y = matmul(hidden, down_weight.t(), bias=bd)
+    gate = gemm(x2d, gate_weight.t(), bias=bg)
+    up, hidden = gated_up_matmul(x2d, up_weight.t(), gate, bias=bu, activation=activation,
+                                 gemm=gemm)  # fmt: skip
+    y = gemm(hidden, down_weight.t(), bias=bd)
+    gemm.close()
     return y.view(*x.shape[:-1], y.shape[1]), gate, up
 
 
@@ -64,26 +68,28 @@ def _gated_mlp_backward_op(dy: Tensor, x: Tensor, gate: Tensor, up: Tensor, gate
     GEMM), the one asked for (h, d), or empty; db likewise [dbg; dbu] (2h,) if either
     is. An op's outputs may not alias one another: the caller splits them."""
     x_, wg, wu, wd, bg, bu, bd = [*needs, *[False] * (7 - len(needs))]
+    gemm = GemmSequence(("gated_mlp_backward", *map(layout, (dy, x, gate, up, gate_weight,
+                         up_weight, down_weight)), activation, *needs, *state()))  # fmt: skip
     dy2d, gate, up = _flat(dy), _flat(gate), _flat(up)
-    h = gate_weight.shape[0]
     dx = dw = dwd = db = dbd = hidden = None
     if x_ or wg or wu or bg or bu:
         # dh's GEMM ends in dgate, dup and (for the down weight) the product again: dh is
         # never stored (`gated_grad_matmul`)
         both, hidden = gated_grad_matmul(dy2d, down_weight, gate, up, activation=activation,
-                                         hidden=wd)  # fmt: skip
-        dgate, dup = both[:, :h], both[:, h:]
+                                         hidden=wd, gemm=gemm)  # fmt: skip
+        dgate, dup = both.chunk(2, 1)
         if x_:  # the fp32 sum of both products, rounded once
             pairs = [(dgate, gate_weight), (dup, up_weight)]
-            dx = matmuls_reduce_scatter(pairs, None, 1, x.dtype).view(x.shape)
+            dx = matmuls_reduce_scatter(pairs, None, 1, x.dtype, gemm=gemm).view(x.shape)
         if wg or wu:  # [dWg; dWu] in one GEMM, or the one asked for
-            dw = matmul((both if wg and wu else dgate if wg else dup).t(), _flat(x))
+            dw = gemm((both if wg and wu else dgate if wg else dup).t(), _flat(x))
         if bg or bu:
             db = _row_sum(both, gate_weight.dtype)
     if wd:
         if hidden is None:
             hidden = gated_kernels.gated(gate, up, activation)
-        dwd = matmul(dy2d.t(), hidden)
+        dwd = gemm(dy2d.t(), hidden)
+    gemm.close()
     if bd:
         dbd = _row_sum(dy2d, down_weight.dtype)
     grads = [dx, dw, dwd, db, dbd]
@@ -108,21 +114,24 @@ def _setup(ctx, inputs, output):
     x, gate_weight, up_weight, down_weight, biases, activation = inputs
     ctx.needs = [t.requires_grad for t in (x, gate_weight, up_weight, down_weight, *biases)]
     ctx.activation = activation
+    ctx.set_materialize_grads(False)  # gate and up take no gradient: no zeros made for them
     ctx.save_for_backward(x, output[1], output[2], gate_weight, up_weight, down_weight)
 
 
 def _backward(ctx, dy, _gate, _up):
     x, gate, up, *weights = ctx.saved_tensors
+    if dy is None:  # (only gate or up was used, which the layer never returns)
+        dy = x.new_zeros((*x.shape[:-1], weights[2].shape[0]))
     dx, dw, dwd, db, dbd = _gated_mlp_backward(dy, x, gate, up, *weights, ctx.activation,
                                                ctx.needs)  # fmt: skip
     x_, wg, wu, wd, *biases = ctx.needs
-    h = weights[0].shape[0]
-    dwg = dw[:h] if wg else None
-    dwu = (dw[h:] if wg else dw) if wu else None
+    # [dWg; dWu] and [dbg; dbu] split in one call each (`_gated_mlp_backward_op`)
+    dwg, dwu = dw.chunk(2) if wg and wu else (dw if wg else None, dw if wu else None)
     grads = [dx if x_ else None, dwg, dwu, dwd if wd else None]
     if biases:  # (bg, bu, bd)
         bg, bu, bd = biases
-        grads.append([db[:h] if bg else None, db[h:] if bu else None, dbd if bd else None])
+        dbg, dbu = db.chunk(2) if bg or bu else (None, None)  # (2h,) if either
+        grads.append([dbg if bg else None, dbu if bu else None, dbd if bd else None])
     else:
         grads.append([])
     return *grads, None

@@ -1,0 +1,249 @@
+"""`ParallelAttention` on one rank as one op: ``fusedpar::attention_layer``.
+
+Shapes: x (S, B, d); weights q (Hq hd, d), k and v (Hkv hd, d), o (d, Hq hd); biases
+q, k, v and o, each present or not; "head" q/k norm weights (hd,); RoPE tables cos, sin
+(S, r/2).
+
+| direction | computes                                                                    |
+| --------- | --------------------------------------------------------------------------- |
+| forward   | ``q, k, v = x W^T + b``, RoPE turning q and k in the GEMMs' epilogue (or one |
+|           | launch after them: partial rotary), or the head norms turning them in their |
+|           | kernel; ``out = attention(q, k, v)`` written in (S, B) row order, so that   |
+|           | ``y = out Wo^T + bo`` reads it flat, without a copy                         |
+| backward  | ``dO = dy Wo``, ``dWo = dy^T out``; attention's dq, dk, dv written in (S, B) |
+|           | row order and turned back in place (or through the norms' backward);       |
+|           | ``dx = dq Wq + dk Wk + dv Wv`` (fp32 sum, rounded once), each ``dW = d^T x``, |
+|           | the biases' row sums                                                        |
+
+The math, the kernels and the order of every sum are those of the layer's composed
+path (`all_gather_matmul`, `qk_rms_norm`, `flash_attn`, `matmul_reduce_scatter` over a
+group of one): the same bits. Saved for the backward: x, q, k (as attention reads them),
+v, out and its LSE, and with the norms their inputs and rstd; what the composed path
+saves. As one op it is one ``autograd.Function`` a layer where the composed path is
+three, with their checks, list plumbing and six autograd views between them: host
+time (bench/host_overhead.py). `ParallelAttention` takes it on one rank (no tp, cp or
+Ulysses group of more than one) with sequence parallelism (its default; classic TP's
+o projection is ``F.linear``), no sinks, no q/k norm or a "head" one, and RoPE tables
+the kernels take (`fusedpar.nn.attention_parts.rotates_by_formula`); else the
+composed path.
+"""
+
+import torch
+from torch import Tensor
+
+from fusedpar.kernels import rms_norm as norm_kernels
+from fusedpar.kernels import rope as rope_kernels
+from fusedpar.kernels._common import accumulator
+from fusedpar.kernels.attention import attention_forward
+from fusedpar.kernels.attention_backward import attention_backward
+from fusedpar.kernels.matmul import RowRotation, rope_epilogue_fits
+from fusedpar.kernels.matmul_sequence import GemmSequence, layout, state
+from fusedpar.ops.attention import _mask
+from fusedpar.ops.linear import _asked, _flat, _row_sum, _spread, matmuls_reduce_scatter
+from fusedpar.ops.registration import autograd_op, direct_op
+
+
+def _rotation(x2d, tables, head_dim: int, batch: int, normed: bool) -> RowRotation | None:
+    """The QKV GEMMs' epilogue rotation (full rotary whose heads the tiles hold, no norm
+    between), else None (`all_gather_matmul`'s rule)."""
+    if not tables or normed or 2 * tables[0].shape[1] != head_dim:
+        return None
+    if not rope_epilogue_fits(x2d.dtype, head_dim):
+        return None
+    return RowRotation(*tables, rows_per_position=max(1, batch))
+
+
+def _by_position(t: Tensor, S: int, B: int, N: int, hd: int) -> Tensor:
+    """A row-major tensor holding (S, B, N) (a GEMM's (S B, N) output, the norms' (S, B,
+    H, hd)) as the kernels' (B, S, N / hd, hd): one strided view (a view and a transpose
+    cost twice its host time)."""
+    return t.as_strided((B, S, N // hd, hd), (N, B * N, hd, 1))
+
+
+def _rows(t: Tensor, S: int, B: int, N: int) -> Tensor:
+    """The (S B, N) rows of a `_by_position` view (or of a row-major (S, B, H, hd))."""
+    return t.as_strided((S * B, N), (N, 1))
+
+
+@torch.library.custom_op("fusedpar::attention_layer", mutates_args=())
+def _attention_layer_op(x: Tensor, weights: list[Tensor], biases: list[Tensor],
+                        has_bias: list[bool], norm_weights: list[Tensor], tables: list[Tensor],
+                        cu_seqlens: Tensor | None, head_dim: int, causal: bool,
+                        softmax_scale: float | None, window_left: int, window_right: int,
+                        softcap: float, norm_eps: float,
+                        norm_offset: float) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+    """(y (S, B, d), saved): saved is [q, k, v, out (B, S, H, hd) as attention reads and
+    writes them, rows in (S, B) order in memory; lse (B, Hq, S)], then with the norms
+    [their inputs q, k (S, B, H, hd), rstd of q, of k]. `biases`: those flagged in
+    `has_bias` (q, k, v, o); `norm_weights`: none, or the "head" norms' (q, k); `tables`:
+    none, or cos, sin."""
+    S, B, d = x.shape
+    hd = head_dim
+    wq, wk, wv, wo = weights
+    bq, bk, bv, bo = _spread(biases, has_bias)
+    # the GEMMs' signatures follow from x, the weights, biases and tables (`GemmSequence`)
+    gemm = GemmSequence(("attention_layer", *map(layout, (x, *weights, *biases, *tables)),
+                         *has_bias, len(norm_weights), hd, *state()))  # fmt: skip
+    x2d = _flat(x)
+    rotation = _rotation(x2d, tables, hd, B, bool(norm_weights))
+    q, k, v = (gemm(x2d, w.t(), bias=b, out_dtype=x.dtype, rope=r)
+               for w, b, r in ((wq, bq, rotation), (wk, bk, rotation), (wv, bv, None)))  # fmt: skip
+    normed = []
+    if norm_weights:  # the head norms, turning their output where there are tables
+        rope = (tables[0], tables[1]) if tables else None
+        q, k = (t.view(S, B, -1, hd) for t in (q, k))
+        (qn, rq), (kn, rk) = (norm_kernels.rms_norm(t, w, norm_eps, norm_offset, rope)
+                              for t, w in ((q, norm_weights[0]), (k, norm_weights[1])))  # fmt: skip
+        normed = [q, k, rq, rk]
+        q, k = qn, kn
+    widths = [w.shape[0] for w in weights[:3]]
+    q, k, v = (_by_position(t, S, B, n, hd) for t, n in zip((q, k, v), widths, strict=True))
+    if tables and not norm_weights and rotation is None:  # one launch after the GEMMs
+        rope_kernels.rope_pair(q, k, *tables, outs=(q, k))  # in place
+    out = torch.empty((S * B, widths[0]), dtype=x.dtype, device=x.device)
+    out_b = _by_position(out, S, B, widths[0], hd)
+    mask = _mask(q, k, cu_seqlens, cu_seqlens, causal, (window_left, window_right), check=True)
+    _, lse = attention_forward(q, k, v, softmax_scale=softmax_scale, softcap=softcap,
+                               out=out_b, **mask)  # fmt: skip
+    y = gemm(out, wo.t(), bias=bo, out_dtype=x.dtype)
+    gemm.close()
+    return y.view(S, B, y.shape[1]), [q, k, v, out_b, lse, *normed]
+
+
+@_attention_layer_op.register_fake
+def _(x, weights, biases, has_bias, norm_weights, tables, cu_seqlens, head_dim, causal,
+      softmax_scale, window_left, window_right, softcap, norm_eps, norm_offset):  # fmt: skip
+    S, B, _ = x.shape
+    widths = [w.shape[0] for w in weights[:3]]
+    q, k, v = (_by_position(x.new_empty((S * B, n)), S, B, n, head_dim) for n in widths)
+    saved = [q, k, v, _by_position(x.new_empty((S * B, widths[0])), S, B, widths[0], head_dim),
+             x.new_empty((B, q.shape[2], S), dtype=accumulator(x.dtype))]  # fmt: skip
+    if norm_weights:
+        wide = accumulator(x.dtype)
+        heads = (S, B, q.shape[2], head_dim), (S, B, k.shape[2], head_dim)
+        saved += [*(x.new_empty(h) for h in heads),
+                  *(x.new_empty(h[:-1], dtype=wide) for h in heads)]
+    return x.new_empty((S, B, weights[3].shape[0])), saved
+
+
+@torch.library.custom_op("fusedpar::attention_layer_backward", mutates_args=())
+def _attention_layer_backward_op(dy: Tensor, x: Tensor, saved: list[Tensor],
+                                 weights: list[Tensor], norm_weights: list[Tensor],
+                                 tables: list[Tensor], cu_seqlens: Tensor | None, head_dim: int,
+                                 causal: bool, softmax_scale: float | None, window_left: int,
+                                 window_right: int, softcap: float, norm_eps: float,
+                                 norm_offset: float,
+                                 needs: list[bool]) -> list[Tensor]:  # fmt: skip
+    """[dx, dWq, dWk, dWv, dWo, dbq, dbk, dbv, dbo, dnq, dnk], `needs` the flags of (x, the
+    four weights, the four biases, the two norm weights): an empty (0,) tensor for each
+    not asked for (an op's outputs may not be None)."""
+    need_x, *need_w = needs[:5]
+    need_b, need_n = needs[5:9], [*needs[9:], False, False][:2]
+    q, k, v, out, lse, *normed = saved
+    S, B, d = x.shape
+    hd = head_dim
+    wq, wk, wv, wo = weights
+    # the GEMMs' signatures follow from dy, x, the weights and where out's rows start (the
+    # rest is new: dO, dq, dk, dv, the norms' dx)
+    gemm = GemmSequence(("attention_layer_backward", *map(layout, (dy, x, *weights)),
+                         out.dtype, out.data_ptr() % 16, len(normed), hd, *needs,
+                         *state()))  # fmt: skip
+    dy2d = _flat(dy)
+    grads = [None] * 11
+    if need_w[3]:
+        grads[4] = gemm(dy2d.t(), _rows(out, S, B, wo.shape[1]))
+    if need_b[3]:
+        grads[8] = _row_sum(dy2d, wo.dtype)
+    if need_x or any(need_w[:3]) or any(need_b[:3]) or any(need_n):
+        dout = _by_position(gemm(dy2d, wo, out_dtype=dy.dtype), S, B, wo.shape[1], hd)
+        # dq, dk, dv with rows in (S, B) order: the GEMMs below read them flat
+        widths = [w.shape[0] for w in weights[:3]]
+        dys = [torch.empty((S * B, n), dtype=q.dtype, device=q.device) for n in widths]
+        dq, dk, dv = (_by_position(t, S, B, n, hd) for t, n in zip(dys, widths, strict=True))
+        mask = _mask(q, k, cu_seqlens, cu_seqlens, causal, (window_left, window_right),
+                     check=False)  # fmt: skip
+        attention_backward(dout, q, k, v, lse, out=out, softmax_scale=softmax_scale,
+                           softcap=softcap, dq=dq, dk=dk, dv=dv, **mask)  # fmt: skip
+        rope = (tables[0], tables[1]) if tables else None
+        if normed:  # through the head norms (which turn dq, dk back first)
+            q_in, k_in, rq, rk = normed
+            (dq, grads[9]), (dk, grads[10]) = (
+                norm_kernels.rms_norm_backward(g.view(t.shape), t, w, r, norm_offset,
+                                               eps=norm_eps, need_weight=n, rope=rope)
+                for g, t, w, r, n in ((dys[0], q_in, norm_weights[0], rq, need_n[0]),
+                                      (dys[1], k_in, norm_weights[1], rk, need_n[1])))  # fmt: skip
+            dys[:2] = [_rows(t, S, B, n) for t, n in zip((dq, dk), widths[:2], strict=True)]
+        elif rope is not None:  # turned back in place
+            rope_kernels.rope_pair(dq, dk, *rope, True, outs=(dq, dk))
+        if need_x:
+            pairs = list(zip(dys, weights[:3], strict=True))
+            grads[0] = matmuls_reduce_scatter(pairs, None, 1, x.dtype, gemm=gemm).view(x.shape)
+        x2d = _flat(x)
+        for i, (g, w) in enumerate(zip(dys, weights[:3], strict=True)):
+            if need_w[i]:
+                grads[1 + i] = gemm(g.t(), x2d)
+            if need_b[i]:
+                grads[5 + i] = _row_sum(g, w.dtype)
+    gemm.close()
+    like = (x, *weights, *weights, *(norm_weights or weights[:2]))
+    return [t.new_empty(0) if g is None else g for g, t in zip(grads, like, strict=True)]
+
+
+@_attention_layer_backward_op.register_fake
+def _(dy, x, saved, weights, norm_weights, tables, cu_seqlens, head_dim, causal, softmax_scale,
+      window_left, window_right, softcap, norm_eps, norm_offset, needs):  # fmt: skip
+    flags = [*needs, False, False][:11]
+    like = (x, *weights, *weights, *(norm_weights or weights[:2]))
+    shapes = (x.shape, *(w.shape for w in weights), *((w.shape[0],) for w in weights),
+              *(t.shape for t in norm_weights or weights[:2]))  # fmt: skip
+    return [t.new_empty(shape if flag else 0)
+            for t, shape, flag in zip(like, shapes, flags, strict=True)]  # fmt: skip
+
+
+def _setup(ctx, inputs, output):
+    x, weights, biases, has_bias, norm_weights, tables, cu_seqlens, *options = inputs
+    present = _spread(biases, has_bias)
+    ctx.needs = [x.requires_grad, *(w.requires_grad for w in weights),
+                 *(b is not None and b.requires_grad for b in present),
+                 *(w.requires_grad for w in norm_weights)]  # fmt: skip
+    ctx.has_bias, ctx.options = has_bias, options
+    ctx.counts = (len(output[1]), len(norm_weights), len(tables))
+    ctx.set_materialize_grads(False)  # the saved outputs take no gradient: no zeros made
+    ctx.save_for_backward(x, *output[1], *weights, *norm_weights, *tables, cu_seqlens)
+
+
+def _backward(ctx, dy, _saved):
+    x, *rest = ctx.saved_tensors
+    n_saved, n_norm, n_tables = ctx.counts
+    saved, weights = rest[:n_saved], rest[n_saved : n_saved + 4]
+    norm_weights = rest[n_saved + 4 : n_saved + 4 + n_norm]
+    tables, cu_seqlens = rest[n_saved + 4 + n_norm : -1], rest[-1]
+    if dy is None:  # (only a saved output was used, which the layer never returns)
+        dy = x.new_zeros((*x.shape[:-1], weights[3].shape[0]))
+    grads = _asked(_attention_layer_backward(dy, x, saved, weights, norm_weights, tables,
+                                             cu_seqlens, *ctx.options, ctx.needs),
+                   [*ctx.needs, False, False][:11])  # fmt: skip
+    biases = [g for g, has in zip(grads[5:9], ctx.has_bias, strict=True) if has]
+    return (grads[0], grads[1:5], biases, None, grads[9 : 9 + n_norm], [None] * n_tables,
+            None, *[None] * len(ctx.options))  # fmt: skip
+
+
+_attention_layer_backward = direct_op(_attention_layer_backward_op)
+_attention_layer = autograd_op(_attention_layer_op, _backward, _setup)
+
+
+def attention_layer(x: Tensor, weights, biases, norm_weights, tables, cu_seqlens, *,
+                    head_dim: int, causal: bool, softmax_scale: float | None,
+                    window: tuple[int, int], softcap: float, norm_eps: float,
+                    norm_offset: float) -> Tensor:  # fmt: skip
+    """`ParallelAttention`'s forward on one rank (the module doc): x (S, B, d) -> (S, B,
+    d). `weights` (q, k, v, o); `biases` (q, k, v, o), None where absent; `norm_weights`
+    () or the "head" norms' (q, k); `tables` () or (cos, sin) (S, r/2) in the kernels'
+    dtype, needing no gradient; `cu_seqlens` None or packed documents (B = 1). The
+    caller (`ParallelAttention`) has checked the shapes and options."""
+    has_bias = [b is not None for b in biases]
+    y, _ = _attention_layer(x, list(weights), [b for b in biases if b is not None], has_bias,
+                            list(norm_weights), list(tables), cu_seqlens, head_dim, causal,
+                            softmax_scale, window[0], window[1], softcap, float(norm_eps),
+                            float(norm_offset))  # fmt: skip
+    return y
