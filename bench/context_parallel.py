@@ -135,13 +135,16 @@ def _cpu_rank(ring, ulysses, batch, seq_len, heads, kv_heads, head_dim, reps, ca
     return row
 
 
-def cpu_modes(world: int = WORLD, shape=None, reps: int = CPU_REPS) -> list[dict]:
-    """One row per mode: rank 0's counts, the slowest rank's time."""
+def cpu_modes(world: int = WORLD, shape=None, reps: int = CPU_REPS, pool=None) -> list[dict]:
+    """One row per mode: rank 0's counts, the slowest rank's time. `pool`: a running
+    `World` of `world` ranks to use (a test's), else one is started and closed here."""
     from fusedpar.testing import World
 
+    if pool is not None and pool.world_size != world:
+        raise ValueError(f"cpu_modes: the pool has {pool.world_size} ranks, not {world}")
     shape = shape or CPU_SHAPE
     rows = []
-    with World(world) as pool:
+    with contextlib.nullcontext(pool) if pool is not None else World(world) as pool:
         for mode, (ring, ulysses) in modes(world).items():
             per_rank = pool.run(_cpu_rank, ring, ulysses, **shape, reps=reps)
             row = dict(mode=mode, ring=ring, ulysses=ulysses, **per_rank[0])

@@ -407,7 +407,7 @@ def test_matmul_bench_graph_columns(monkeypatch):
 # --- context parallelism: what each mode sends, counted from the code --------------------
 
 
-def test_the_context_parallel_counts_match_the_closed_forms():
+def test_the_context_parallel_counts_match_the_closed_forms(world):
     """Per rank, fp32, B = 1, s = S/W tokens, W = 4: the ring sends K and V W - 1 times
     forward; backward K, V W - 1 times and the fp32 dK, dV sums W times. Ulysses sends
     (P - 1)/P of q, k, v (k, v replicated to P heads when Hkv < P) and out forward,
@@ -417,7 +417,7 @@ def test_the_context_parallel_counts_match_the_closed_forms():
 
     W, S, Hq, Hkv, D = 4, 16, 4, 1, 8
     shape = dict(batch=1, seq_len=S, heads=Hq, kv_heads=Hkv, head_dim=D)
-    rows = {r["mode"]: r for r in cpu_modes(W, shape, reps=1)}
+    rows = {r["mode"]: r for r in cpu_modes(W, shape, reps=1, pool=world(W))}  # the session's
     s, f32 = S // W, 4
 
     def kib(n):
