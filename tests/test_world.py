@@ -1,6 +1,7 @@
 """fusedpar.testing.World: results, failures, hangs, respawns, no orphans; a failed call
 keeps the pool only when the ranks are still in step."""
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fusedpar.testing import World, WorldError, WorldTimeout
+from fusedpar.testing import World, WorldError, WorldTimeout, shared_world
 from fusedpar.testing import world as world_module
 from fusedpar.testing.strategies import randn, seeds
 
@@ -256,6 +257,20 @@ def test_a_failing_start_fails_fast(monkeypatch):
         World(2, timeout=60).run(whoami)
     assert time.monotonic() - t0 < 30
     assert "no-such-interface" in str(info.value) and "__main__" not in str(info.value)
+
+
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(),
+                    reason="spawned ranks import triton again")
+def test_another_triton_interpret_fails_the_start_saying_so(monkeypatch):
+    """The ranks' process server imported triton's kernels under this session's
+    TRITON_INTERPRET: a World started with another value is refused, not run on the
+    server's."""
+    shared_world(1).run(whoami)  # the server is running (the session's first World may be later)
+    other = "0" if os.environ.get("TRITON_INTERPRET") == "1" else "1"
+    monkeypatch.setenv("TRITON_INTERPRET", other)
+    with pytest.raises(WorldError, match="failed to start") as info:
+        World(2, timeout=60).run(whoami)
+    assert f"TRITON_INTERPRET='{other}'" in str(info.value), str(info.value)
 
 
 def test_a_dying_rank_fails_the_call(scratch_world):

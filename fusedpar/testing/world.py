@@ -3,12 +3,14 @@
     with World(4) as world:
         results = world.run(fn, *args)   # fn(*args) on every rank, results in rank order
 
-Each rank is a spawned process with the default process group initialized (gloo on CPU,
-NCCL on GPUs), reused for every call, so a property test pays the start-up once rather
-than per example. ``fn`` and its arguments are pickled, so ``fn`` must be defined at
-module level. A call fails as a whole: if any rank raises, `WorldError` carries every
-rank's traceback (each distinct one once); if the call runs past its timeout,
-`WorldTimeout` carries every running rank's Python stack.
+Each rank is a process with the default process group initialized (gloo on CPU, NCCL on
+GPUs), reused for every call, so a property test pays the start-up once rather than per
+example; ranks are forked from a process server that imported torch and fusedpar once
+(`_rank_context`), so a restart costs a fork, not the imports. ``fn`` and its arguments
+are pickled, so ``fn`` must be defined at module level. A call fails as a whole: if any
+rank raises, `WorldError` carries every rank's traceback (each distinct one once); if
+the call runs past its timeout, `WorldTimeout` carries every running rank's Python
+stack.
 
 One failing test never leaves the next one a group out of step. After a failed call that
 every rank answered (each raised or returned: none hung or died), the ranks check in a
@@ -125,7 +127,7 @@ class World:
             if self.alive:
                 return
             self._kill()
-        ctx = mp.get_context("spawn")
+        ctx = _rank_context()
         self._tmpdir = tempfile.mkdtemp(prefix="fusedpar-world-")
         init_file = os.path.join(self._tmpdir, "init")
         for rank in range(self.world_size):
@@ -133,7 +135,7 @@ class World:
             proc = ctx.Process(
                 target=rank_main,
                 args=(rank, self.world_size, self.backend, init_file, child_conn,
-                      self._dump_path(rank), self.threads_per_rank, os.getpid()),
+                      self._dump_path(rank), self.threads_per_rank, dict(os.environ)),
                 name=f"fusedpar-rank{rank}",
                 daemon=True,
             )  # fmt: skip
@@ -157,7 +159,7 @@ class World:
             hint = ""
             if any(kind == "died" for kind, _ in replies.values()):
                 hint = (" (a script that makes a World needs an `if __name__ == '__main__':` "
-                        "guard: ranks are spawned and import it)")  # fmt: skip
+                        "guard: the ranks' process server imports it)")  # fmt: skip
             raise WorldError(
                 f"World({self.world_size}) failed to start{hint}\n{details}", {}, failed
             )
@@ -340,6 +342,21 @@ def exception_of(fn, *args, **kwargs) -> Exception | None:
     except Exception as e:  # noqa: BLE001 - returned to the test, which checks it
         return e
     return None
+
+
+def _rank_context():
+    """Where ranks come from: forked from a process server (multiprocessing's
+    "forkserver") that imported the main module, torch and fusedpar once, so a start or a
+    restart after a failure costs a fork and ``init_process_group`` (about 0.5 s for 2
+    ranks on the 2-core machine) where a spawned rank imported them again (5-6 s). The
+    server is this process's, started with the first World; a rank takes this process's
+    environment as it is at the World's start (`world_rank.rank_main`). Spawned where
+    the platform has no fork server."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", "fusedpar.testing.world_rank"])  # (once started: no-op)
+    return ctx
 
 
 # --- pool sharing ----------------------------------------------------------------------

@@ -150,21 +150,42 @@ def _operations() -> dict | None:
         return None
 
 
+# TRITON_INTERPRET as this process imported triton (a fork server's import serves every
+# rank forked from it): read when a kernel is decorated, so a rank cannot change it
+_INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET")
+
+
 def _watch_parent(parent_pid: int) -> None:
-    # A rank stuck in a collective never reads its pipe again; this thread still sees the
-    # test process go away and ends the rank, so no process outlives the session.
+    # A rank stuck in a collective never reads its pipe again; this thread still sees its
+    # parent go away (the test process, or the fork server, which ends with it) and ends
+    # the rank, so no process outlives the session.
     while True:
         time.sleep(1.0)
         if os.getppid() != parent_pid:
             os._exit(1)
 
 
-def rank_main(rank, world_size, backend, init_file, conn, dump_path, threads, parent_pid):
+def _take_environment(env: dict) -> None:
+    """The World's process's environment, as it was at the World's start (a forked rank
+    has its server's, from the first start)."""
+    os.environ.clear()
+    os.environ.update(env)
+    wanted = env.get("TRITON_INTERPRET")
+    if "triton" in sys.modules and wanted != _INTERPRET_AT_IMPORT:
+        raise RuntimeError(
+            f"this World's process has TRITON_INTERPRET={wanted!r}, but its ranks' process "
+            f"server imported triton with TRITON_INTERPRET={_INTERPRET_AT_IMPORT!r} (at the "
+            "first World's start): set it before the first World starts"
+        )
+
+
+def rank_main(rank, world_size, backend, init_file, conn, dump_path, threads, env):
     global _ledger
     dump_file = open(dump_path, "w")  # noqa: SIM115 (stays open for faulthandler)
     faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     try:
+        _take_environment(env)
         import torch
         import torch.distributed as dist
 
