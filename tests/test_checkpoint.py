@@ -111,13 +111,14 @@ def saved(request, world, tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout, fsdp", [((1, 1, 4), True), ((1, 2, 2), None), ((4, 1, 1), True),
-                                          ((1, 1, 1), None)],
-                         ids=["dp1-tp4", "tp2-cp2-no-fsdp", "dp4-tp1", "one-rank"])  # fmt: skip
+                                          ((1, 1, 1), None), ((2, 1, 2), True)],
+                         ids=["dp1-tp4", "tp2-cp2-no-fsdp", "dp4-tp1", "one-rank",
+                              "the-same-layout"])  # fmt: skip
 def test_loads_bitwise_at_another_layout(world, saved, layout, fsdp):
     kind, path, expected, steps_on, losses = saved
     if (
         kind == "moe"
-        and layout in ((1, 2, 2), (1, 1, 1))
+        and layout in ((1, 2, 2), (1, 1, 1), (2, 1, 2))
         or kind == "dense"
         and layout == (4, 1, 1)
     ):
@@ -129,6 +130,8 @@ def test_loads_bitwise_at_another_layout(world, saved, layout, fsdp):
     assert sorted(loaded) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(loaded[name], tensor), name
+    if layout == (2, 1, 2):  # where it was saved: training goes on bit for bit
+        assert resumed == losses
     # the same parameters, another reduction order: rounding apart, grown by one AdamW step
     torch.testing.assert_close(resumed, losses, rtol=1e-5, atol=0)
 
