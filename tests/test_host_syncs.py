@@ -229,12 +229,12 @@ def test_no_host_sync_gpu(monkeypatch, name):
     _no_sync_on_the_gpu(STEPS[name]("cuda", torch.bfloat16))
 
 
-def _tp_linears():
+def _tp_linears(overlap):
     torch.manual_seed(0)
     group = dist.group.WORLD
-    mlp = fp.nn.ParallelSwiGLU(16, 24, group)
-    column = fp.nn.ColumnParallelLinear(16, 8, group)
-    row = fp.nn.RowParallelLinear(8, 16, group)
+    mlp = fp.nn.ParallelSwiGLU(16, 24, group, overlap=overlap)
+    column = fp.nn.ColumnParallelLinear(16, 8, group, overlap=overlap)
+    row = fp.nn.RowParallelLinear(8, 16, group, overlap=overlap)
     x = torch.randn(6, 16, requires_grad=True)
 
     def step():
@@ -243,8 +243,9 @@ def _tp_linears():
     return _syncs_of(step)
 
 
-def test_tp_linears_have_no_host_sync(world):
-    assert world(2).run(_tp_linears) == [None, None]
+@pytest.mark.parametrize("overlap", ["ring", "serial"])
+def test_tp_linears_have_no_host_sync(world, overlap):
+    assert world(2).run(_tp_linears, overlap) == [None, None]
 
 
 # --- a whole training step of the example model ----------------------------------------

@@ -23,6 +23,12 @@ from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
 WORLD = dist.group.WORLD  # read inside the ranks, after init_process_group
 
 
+
+def _schedule(chunks: int) -> dict:
+    """The ops' and layers' keywords for a drawn `chunks`: 0 is the serial schedule (one
+    collective, one GEMM), n > 0 the ring with n chunks per rank."""
+    return {"chunks_per_rank": max(1, chunks), "overlap": "serial" if chunks == 0 else "ring"}
+
 def _tokens_shape(p, tokens):
     """(tokens, K) flat, or sequence-first (tokens, B, K)."""
     return (tokens, p["batch"]) if p["seq_first"] else (tokens,)
@@ -60,8 +66,8 @@ def _run_all_gather_matmul(p):
     x = _maybe_strided(X[rank * n : (rank + 1) * n].to(dtype), p["strided"]).requires_grad_()
     ws = [w.to(dtype).requires_grad_() for w in Ws[rank]]
     b_in = [None if b is None else b.to(dtype).requires_grad_() for b in bs[rank]]
-    ys = fp.all_gather_matmul(x, ws, WORLD, bias=b_in, chunks_per_rank=p["chunks"],
-                              save_gathered_input=p["save"])  # fmt: skip
+    ys = fp.all_gather_matmul(x, ws, WORLD, bias=b_in, save_gathered_input=p["save"],
+                              **_schedule(p["chunks"]))  # fmt: skip
     torch.autograd.backward(ys, [dy.to(dtype) for dy in dYs[rank]])
 
     def dense(X, Ws, bs, dYs, dt):  # outputs, dX rows of this rank, dWs, dbs
@@ -89,13 +95,15 @@ def _run_all_gather_matmul(p):
 @given(
     world_size=st.sampled_from([2, 4]), rows=st.integers(1, 4), K=st.integers(1, 20),
     Ns=st.lists(st.integers(1, 12), min_size=1, max_size=3), bias=st.booleans(),
-    chunks=st.integers(1, 3), dtype=cpu_dtypes(), seq_first=st.booleans(),
+    chunks=st.integers(0, 3), dtype=cpu_dtypes(), seq_first=st.booleans(),
     batch=st.integers(1, 2), strided=st.booleans(), save=st.booleans(), seed=seeds(),
 )  # fmt: skip
 @example(world_size=4, rows=0, K=5, Ns=[3], bias=True, chunks=1, dtype=torch.float32,
          seq_first=False, batch=1, strided=False, save=False, seed=0)  # no tokens  # fmt: skip
 @example(world_size=2, rows=3, K=33, Ns=[17, 5, 9], bias=True, chunks=2, dtype=torch.float16,
          seq_first=True, batch=2, strided=True, save=True, seed=1)  # fused QKV  # fmt: skip
+@example(world_size=4, rows=2, K=6, Ns=[5, 3], bias=True, chunks=0, dtype=torch.float16,
+         seq_first=True, batch=2, strided=True, save=False, seed=2)  # serial  # fmt: skip
 def test_all_gather_matmul(world, world_size, **p):
     assert all(world(world_size).run(_run_all_gather_matmul, p))
 
@@ -151,8 +159,8 @@ def _run_all_gather_matmul_rope(p):
             params = [t.detach().to(dt).requires_grad_() for t in (*Ws[s], *bs[s])]
             ws, b = params[: len(Ns)], params[len(Ns) :]
             if ours:
-                ys = fp.all_gather_matmul(x, ws, WORLD, bias=b, chunks_per_rank=p["chunks"],
-                                          rope=(cos, sin), rotate=rotate, head_dim=hd)  # fmt: skip
+                ys = fp.all_gather_matmul(x, ws, WORLD, bias=b, rope=(cos, sin), rotate=rotate,
+                                          head_dim=hd, **_schedule(p["chunks"]))  # fmt: skip
             else:
                 ys = [x @ w.T + bias for w, bias in zip(ws, b, strict=True)]
                 ys = [_turned(y, cos, sin, hd) if r else y
@@ -172,13 +180,15 @@ def _run_all_gather_matmul_rope(p):
 @given(
     world_size=st.sampled_from([2, 4]), rows=st.integers(1, 3), K=st.integers(1, 20),
     heads=st.lists(st.integers(1, 3), min_size=2, max_size=3),
-    shape=st.sampled_from([(8, 8), (16, 16), (16, 8), (12, 12)]), chunks=st.integers(1, 3),
+    shape=st.sampled_from([(8, 8), (16, 16), (16, 8), (12, 12)]), chunks=st.integers(0, 3),
     batch=st.integers(1, 2), dtype=cpu_dtypes(), seed=seeds(),
 )  # fmt: skip
 @example(world_size=2, rows=2, K=9, heads=[2, 1, 1], shape=(16, 16), chunks=3, batch=2,
          dtype=torch.float16, seed=0)  # chunks starting mid-position  # fmt: skip
 @example(world_size=2, rows=0, K=3, heads=[1, 1], shape=(12, 12), chunks=1, batch=2,
          dtype=torch.float32, seed=0)  # no tokens, turned after the ring  # fmt: skip
+@example(world_size=4, rows=1, K=5, heads=[2, 1, 1], shape=(16, 8), chunks=0, batch=2,
+         dtype=torch.float16, seed=3)  # serial, partial rotary  # fmt: skip
 def test_all_gather_matmul_turns_q_and_k(world, world_size, shape, **p):
     """`rope=`: heads of 8 or 16 turned in the GEMMs' epilogue (chunks of the ring start at
     any row, not only at a position's first), partial rotary (16, 8) and heads of 12 turned
@@ -221,7 +231,7 @@ def _run_matmul_reduce_scatter(p):
     x = _maybe_strided(X[..., cols].to(dtype), p["strided"]).requires_grad_()
     w = Wt[:, cols].to(dtype).requires_grad_()
     b_in = None if b is None else b.to(dtype).requires_grad_()
-    y = fp.matmul_reduce_scatter(x, w, WORLD, bias=b_in, chunks_per_rank=p["chunks"])
+    y = fp.matmul_reduce_scatter(x, w, WORLD, bias=b_in, **_schedule(p["chunks"]))
     y.backward(dYs[rank].to(dtype))
 
     def dense(dt):
@@ -241,13 +251,15 @@ def _run_matmul_reduce_scatter(p):
 
 @given(
     world_size=st.sampled_from([2, 4]), rows=st.integers(1, 4), K=st.integers(1, 9),
-    N=st.integers(1, 20), bias=st.booleans(), chunks=st.integers(1, 3), dtype=cpu_dtypes(),
+    N=st.integers(1, 20), bias=st.booleans(), chunks=st.integers(0, 3), dtype=cpu_dtypes(),
     seq_first=st.booleans(), batch=st.integers(1, 2), strided=st.booleans(), seed=seeds(),
 )  # fmt: skip
 @example(world_size=2, rows=0, K=3, N=4, bias=True, chunks=2, dtype=torch.float32,
          seq_first=False, batch=1, strided=False, seed=0)  # no tokens  # fmt: skip
 @example(world_size=4, rows=3, K=7, N=19, bias=True, chunks=3, dtype=torch.float16,
          seq_first=True, batch=2, strided=True, seed=1)  # fmt: skip
+@example(world_size=4, rows=2, K=5, N=7, bias=True, chunks=0, dtype=torch.float16,
+         seq_first=False, batch=2, strided=True, seed=4)  # serial  # fmt: skip
 def test_matmul_reduce_scatter(world, world_size, **p):
     assert all(world(world_size).run(_run_matmul_reduce_scatter, p))
 
@@ -282,7 +294,7 @@ def _dense_model(kind, d_in, d_hidden, seed):
 
 def _run_layers(kind, sequence_parallel, gather_output, dtype, seed, chunks=1):
     """A layer made with from_dense against the dense module, forward and backward
-    (`chunks`: the SwiGLU's ring chunks per rank)."""
+    (`chunks`: the ring's chunks per rank, 0 for the serial schedule: `_schedule`)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     T, d_in, d_hidden = 3 * size, 6, 4 * size
     model, dense_params, split = _dense_model(kind, d_in, d_hidden, seed)
@@ -292,13 +304,13 @@ def _run_layers(kind, sequence_parallel, gather_output, dtype, seed, chunks=1):
     if kind == "swiglu":
         layer = fp.nn.ParallelSwiGLU.from_dense(*(p.to(dtype) for p in dense_params), WORLD,
                                                 sequence_parallel=sequence_parallel,
-                                                chunks_per_rank=chunks)  # fmt: skip
+                                                **_schedule(chunks))  # fmt: skip
         layer_params = [layer.gate_weight, layer.up_weight, layer.down_weight]
     elif kind == "geglu-bias":  # from the nn.Linear modules: biases read off them
         layer = fp.nn.ParallelSwiGLU.from_dense(
             *(model[n].to(dtype) for n in ("gate", "up", "down")), WORLD,
             activation=_activation(kind), sequence_parallel=sequence_parallel,
-            chunks_per_rank=chunks)  # fmt: skip
+            **_schedule(chunks))  # fmt: skip
         model.double()
         layer_params = [getattr(layer, f"{n}_{p}") for p in ("weight", "bias")
                         for n in ("gate", "up", "down")]  # fmt: skip
@@ -306,7 +318,8 @@ def _run_layers(kind, sequence_parallel, gather_output, dtype, seed, chunks=1):
         cls = fp.nn.ColumnParallelLinear if kind == "column" else fp.nn.RowParallelLinear
         kwargs = {"gather_output": gather_output} if kind == "column" else {}
         layer = cls.from_dense(
-            model.to(dtype), WORLD, sequence_parallel=sequence_parallel, **kwargs
+            model.to(dtype), WORLD, sequence_parallel=sequence_parallel, **kwargs,
+            **_schedule(chunks)
         )
         model.double()
         layer_params = [layer.weight, layer.bias]
@@ -351,9 +364,10 @@ def _run_layers(kind, sequence_parallel, gather_output, dtype, seed, chunks=1):
      ("geglu-bias", False, False)],
 )  # fmt: skip
 def test_layers_equal_dense(world, world_size, kind, sequence_parallel, gather_output):
-    for dtype, seed in ((torch.float32, 0), (torch.float16, 1)):
+    """fp32 on the ring, fp16 in the serial schedule."""
+    for dtype, seed, chunks in ((torch.float32, 0, 1), (torch.float16, 1, 0)):
         assert all(world(world_size).run(
-            _run_layers, kind, sequence_parallel, gather_output, dtype, seed))  # fmt: skip
+            _run_layers, kind, sequence_parallel, gather_output, dtype, seed, chunks))  # fmt: skip
 
 
 def _run_init(seed):

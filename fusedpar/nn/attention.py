@@ -71,7 +71,7 @@ from fusedpar.nn.attention_parts import (  # noqa: F401 (rope_tables: public her
 )
 from fusedpar.nn.linear import bias_per_weight, linear_parts
 from fusedpar.ops.attention_layer import attention_layer
-from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
+from fusedpar.ops.linear import all_gather_matmul, check_overlap, matmul_reduce_scatter
 from fusedpar.ops.ring_attention import ring_attn
 from fusedpar.ops.sequence import sequence_positions
 from fusedpar.ops.ulysses import check_heads
@@ -128,7 +128,8 @@ class ParallelAttention(nn.Module):
     ``sliding_window=W`` has Hugging Face's meaning (Mistral, Gemma 2/3): a query sees
     itself and the W - 1 keys before it, i.e. ``window=(W - 1, 0)`` of `flash_attn`.
     ``softcap``: Gemma 2's ``attn_logit_softcapping``. ``forward(x, cu_seqlens)`` takes
-    packed documents (see `forward`).
+    packed documents (see `forward`). ``overlap``: the schedule of the sequence-parallel
+    projections over TP (`fusedpar.ops.linear`; None: ``FUSEDPAR_OVERLAP``, else "auto").
     """
 
     GROUP_AXES = {"tp_group": ("tp",), "cp_group": ("cp",), "ulysses_group": ("ulysses",)}
@@ -141,9 +142,10 @@ class ParallelAttention(nn.Module):
                  softmax_scale: float | None = None, sliding_window: int | None = None,
                  softcap: float | None = None, tp_group=None, cp_group=None, causal=True,
                  sequence_parallel=True, cp_layout="zigzag", rope_theta=10000.0,
-                 ulysses_group=None, cp_mode: str | None = None, device=None,
+                 ulysses_group=None, cp_mode: str | None = None, overlap=None, device=None,
                  dtype=None):  # fmt: skip
         super().__init__()
+        self.overlap = check_overlap(overlap)  # the TP projections' schedule
         if sliding_window is not None:
             if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
                 raise TypeError(f"sliding_window must be an int, got {sliding_window!r}")
@@ -464,7 +466,8 @@ class ParallelAttention(nn.Module):
         joined = rotary and self.qk_norm is None and not rotates_by_formula(x, cos, sin)
         rope = dict(rope=(cos, sin), rotate=[True, True, False], head_dim=hd) if joined else {}
         if self.sequence_parallel:
-            q, k, v = all_gather_matmul(x, weights, self.tp_group, bias=biases, **rope)
+            q, k, v = all_gather_matmul(x, weights, self.tp_group, bias=biases,
+                                        overlap=self.overlap, **rope)  # fmt: skip
         else:  # classic TP: every rank holds x whole, so the GEMMs gather nothing
             x = comm.copy_to_region(x, self.tp_group)
             q, k, v = all_gather_matmul(x, weights, None, bias=biases, **rope)
@@ -490,7 +493,8 @@ class ParallelAttention(nn.Module):
         if self.sequence_parallel:
             # Each rank adds the o bias to its own tokens: its gradient is summed over TP.
             bias = None if self.o_bias is None else comm.copy_to_region(self.o_bias, self.tp_group)
-            return matmul_reduce_scatter(out, self.o_weight, self.tp_group, bias=bias)
+            return matmul_reduce_scatter(out, self.o_weight, self.tp_group, bias=bias,
+                                         overlap=self.overlap)  # fmt: skip
         y = comm.reduce_from_region(F.linear(out, self.o_weight), self.tp_group)
         return y if self.o_bias is None else y + self.o_bias
 

@@ -10,7 +10,8 @@ Without sequence parallelism (classic TP) every T/W above is T: the column side 
 the full, replicated x and the row side returns the full, all-reduced y.
 
 With sequence parallelism the column side all-gathers its input and the row side
-reduce-scatters its output, both overlapped with the GEMMs (`fusedpar.ops.linear`).
+reduce-scatters its output, in the schedule ``overlap=`` names (None: ``FUSEDPAR_OVERLAP``,
+else "auto"; "serial", "ring": `fusedpar.ops.linear`).
 Without it (classic TP) the column side is the identity forward and all-reduces dX
 backward; the row side all-reduces its output. A column-parallel bias is split like the
 output features; a row-parallel bias is whole on every rank and added after the sum.
@@ -24,7 +25,12 @@ from torch import nn
 
 from fusedpar import checks, comm
 from fusedpar.ops.gated_down import gated_down, kernel_activation
-from fusedpar.ops.linear import DEFAULT_CHUNKS_PER_RANK, all_gather_matmul, matmul_reduce_scatter
+from fusedpar.ops.linear import (
+    DEFAULT_CHUNKS_PER_RANK,
+    all_gather_matmul,
+    check_overlap,
+    matmul_reduce_scatter,
+)
 from fusedpar.ops.mlp import gated_mlp
 from fusedpar.storage import ParamLayout, local_tensor
 
@@ -95,7 +101,7 @@ class _ParallelLinear(nn.Module):
     _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 
     def __init__(self, in_features, out_features, group, bias, sequence_parallel,
-                 chunks_per_rank, device, dtype):  # fmt: skip
+                 chunks_per_rank, overlap, device, dtype):  # fmt: skip
         super().__init__()
         self.group = group
         self.world = comm.group_size(group)
@@ -106,7 +112,7 @@ class _ParallelLinear(nn.Module):
         )
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel = sequence_parallel
-        self.chunks_per_rank = chunks_per_rank
+        self.chunks_per_rank, self.overlap = chunks_per_rank, check_overlap(overlap)
         shape = [out_features, in_features]
         shape[self.split_dim] //= self.world
         factory = {"device": device, "dtype": dtype}
@@ -188,17 +194,19 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features, out_features, group=None, *, bias=True,
                  sequence_parallel=True, gather_output=False,
-                 chunks_per_rank=DEFAULT_CHUNKS_PER_RANK, device=None, dtype=None):  # fmt: skip
+                 chunks_per_rank=DEFAULT_CHUNKS_PER_RANK, overlap=None, device=None,
+                 dtype=None):  # fmt: skip
         self.gather_output = gather_output
         super().__init__(in_features, out_features, group, bias, sequence_parallel,
-                         chunks_per_rank, device, dtype)  # fmt: skip
+                         chunks_per_rank, overlap, device, dtype)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._fusedpar_checked:
             self._first_call(x)
         if self.sequence_parallel:
             y = all_gather_matmul(x, self.weight, self.group, bias=self.bias,
-                                  chunks_per_rank=self.chunks_per_rank)  # fmt: skip
+                                  chunks_per_rank=self.chunks_per_rank,
+                                  overlap=self.overlap)  # fmt: skip
         else:
             y = F.linear(comm.copy_to_region(x, self.group), self.weight, self.bias)
         return comm.gather_from_region(y, self.group, dim=-1) if self.gather_output else y
@@ -216,9 +224,9 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features, out_features, group=None, *, bias=True,
                  sequence_parallel=True, chunks_per_rank=DEFAULT_CHUNKS_PER_RANK,
-                 device=None, dtype=None):  # fmt: skip
+                 overlap=None, device=None, dtype=None):  # fmt: skip
         super().__init__(in_features, out_features, group, bias, sequence_parallel,
-                         chunks_per_rank, device, dtype)  # fmt: skip
+                         chunks_per_rank, overlap, device, dtype)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._fusedpar_checked:
@@ -227,7 +235,8 @@ class RowParallelLinear(_ParallelLinear):
             # Each rank adds the bias to its own tokens: its gradient is summed over ranks.
             bias = None if self.bias is None else comm.copy_to_region(self.bias, self.group)
             return matmul_reduce_scatter(x, self.weight, self.group, bias=bias,
-                                         chunks_per_rank=self.chunks_per_rank)  # fmt: skip
+                                         chunks_per_rank=self.chunks_per_rank,
+                                         overlap=self.overlap)  # fmt: skip
         y = comm.reduce_from_region(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
@@ -251,9 +260,10 @@ class ParallelSwiGLU(nn.Module):
 
     def __init__(self, d_model, d_hidden, group=None, *, bias=False, activation=F.silu,
                  sequence_parallel=True, chunks_per_rank=DEFAULT_CHUNKS_PER_RANK,
-                 device=None, dtype=None):  # fmt: skip
+                 overlap=None, device=None, dtype=None):  # fmt: skip
         super().__init__()
         self.group, self.activation = group, activation
+        self.overlap = check_overlap(overlap)
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
         _check_divisible("d_hidden", d_hidden, self.world)
         self.d_model, self.d_hidden = d_model, d_hidden
@@ -350,10 +360,12 @@ class ParallelSwiGLU(nn.Module):
                 return gated_mlp(x, self.gate_weight, self.up_weight, self.down_weight, biases,
                                  activation=activation)  # fmt: skip
         weights, biases = [self.gate_weight, self.up_weight], [self.gate_bias, self.up_bias]
-        down = {"activation": self.activation, "chunks_per_rank": self.chunks_per_rank}
+        down = {"activation": self.activation, "chunks_per_rank": self.chunks_per_rank,
+                "overlap": self.overlap}
         if self.sequence_parallel:
             gate, up = all_gather_matmul(x, weights, self.group, bias=biases,
-                                         chunks_per_rank=self.chunks_per_rank)  # fmt: skip
+                                         chunks_per_rank=self.chunks_per_rank,
+                                         overlap=self.overlap)  # fmt: skip
             # Each rank adds the down bias to its own tokens: its gradient is summed.
             bias = (
                 None if self.down_bias is None else comm.copy_to_region(self.down_bias, self.group)

@@ -29,6 +29,7 @@ from fusedpar.ops.linear import (
     _flat,
     _matmul_reduce_scatter_backward,
     _matmul_reduce_scatter_forward,
+    _ring_chunks,
     _row_sum,
     gather_matmuls,
 )
@@ -183,7 +184,8 @@ class _GatedDown(torch.autograd.Function):
 
 
 def gated_down(gate, up, weight, group, *, activation, bias=None, sequence_parallel=True,
-               chunks_per_rank: int = DEFAULT_CHUNKS_PER_RANK) -> torch.Tensor:  # fmt: skip
+               chunks_per_rank: int = DEFAULT_CHUNKS_PER_RANK,
+               overlap: str | None = None) -> torch.Tensor:  # fmt: skip
     """``down(activation(gate) * up)`` (+ bias): with `sequence_parallel` the down GEMM's
     output reduce-scattered over `group` as in `matmul_reduce_scatter`, else this rank's
     partial (T, ..., N), to be all-reduced by the caller. gate, up (T, ..., K_loc);
@@ -191,14 +193,14 @@ def gated_down(gate, up, weight, group, *, activation, bias=None, sequence_paral
 
     Saved for the backward: gate and up, not ``activation(gate)`` nor the product, which
     the backward recomputes (one elementwise pass) for the down weight's gradient and the
-    gate's and up's."""
+    gate's and up's. ``overlap``: the schedule, as in `fusedpar.ops.linear`."""
     if gate.shape != up.shape:
         raise ValueError(f"gated_down: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     if gate.dim() < 2:
         raise ValueError(f"gated_down: gate must be (T, ..., K), got {tuple(gate.shape)}")
     _check_linear(gate, weight, bias, "gated_down")
     _check_chunks(chunks_per_rank)
-    name = None
+    name, chunks = None, chunks_per_rank
     if sequence_parallel:
         pg = active_group(group)
         size = group_size(pg)
@@ -206,5 +208,5 @@ def gated_down(gate, up, weight, group, *, activation, bias=None, sequence_paral
             raise ValueError(f"gated_down: dim 0 of gate (shape {tuple(gate.shape)}) has "
                              f"{gate.shape[0]} tokens, not divisible by the group size "
                              f"{size}")  # fmt: skip
-        name = group_name(pg)
-    return _GatedDown.apply(gate, up, weight, bias, activation, name, chunks_per_rank)
+        name, chunks = group_name(pg), _ring_chunks(overlap, pg, chunks_per_rank)
+    return _GatedDown.apply(gate, up, weight, bias, activation, name, chunks)

@@ -26,12 +26,28 @@ output; the reduce-scatter computes the partial bound for one rank while the pre
 partial travels, adds in fp32, and rounds once at the end (the bias after the sum).
 float64 (torch's implementation) sums its partials in float64: nothing rounds it to fp32
 (`fusedpar.kernels._common.accumulator`).
+
+Each op runs one of these schedules, chosen with ``overlap=`` (or ``FUSEDPAR_OVERLAP``,
+read at the call; `resolve_overlap`):
+
+| overlap    | runs                                                                      |
+| ---------- | ------------------------------------------------------------------------- |
+| ``serial`` | one collective (all-gather / reduce-scatter of fp32 partials), one GEMM   |
+| ``ring``   | the pipelined ring above                                                  |
+| ``fused``  | not available yet: refused, naming why                                    |
+| ``auto``   | the rule: ``ring`` on gloo (CPU: 1.01-1.36x serial, bench linear's cpu    |
+|            | rows), ``serial`` elsewhere (the first H100 run: the ring lost to serial  |
+|            | at 14 of 16 points and won by at most 3%)                                 |
+
+Inside the ops a schedule is the ring's chunks per rank, 0 for ``serial``.
 """
 
 import math
+import os
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from fusedpar.comm import (
@@ -42,6 +58,7 @@ from fusedpar.comm import (
     group_by_name,
     group_name,
     group_size,
+    reduce_scatter_async,
     tuning_agreement,
 )
 from fusedpar.kernels import rope as rope_kernels
@@ -51,6 +68,49 @@ from fusedpar.kernels.matmul import RowRotation, matmul, rope_epilogue_fits
 from fusedpar.ops.registration import autograd_op, direct_op
 
 DEFAULT_CHUNKS_PER_RANK = 1  # one ring message per rank and step, as in async-TP
+SERIAL = 0  # the ops' chunks for the serial schedule (one collective, one GEMM)
+OVERLAPS = ("auto", "serial", "ring", "fused")
+
+
+@torch.compiler.assume_constant_result
+def resolve_overlap(overlap: str | None, pg: dist.ProcessGroup | None) -> str:
+    """The schedule ("serial" or "ring") a call over `pg` runs: `overlap`, or where it
+    is None ``FUSEDPAR_OVERLAP`` (read here, at the call), or "auto"; "auto" by the rule
+    in the module doc. "fused" raises a ValueError saying why it cannot run, the same on
+    every rank and before any collective. A constant to torch.compile."""
+    name = overlap
+    if name is None:
+        name = os.environ.get("FUSEDPAR_OVERLAP", "auto") or "auto"
+    if name not in OVERLAPS:
+        where = "overlap" if overlap is not None else "FUSEDPAR_OVERLAP"
+        raise ValueError(f"{where} must be one of {', '.join(map(repr, OVERLAPS))}, got "
+                         f"{name!r}")  # fmt: skip
+    backend = None if pg is None else dist.get_backend(pg)
+    if name == "fused":
+        raise ValueError(
+            "overlap='fused' (one persistent GEMM waiting on chunks that symmetric memory's "
+            "copy engine delivers) is not available in this version of fusedpar"
+            + (f"; it needs CUDA tensors on an NCCL group, this group is {backend}"
+               if backend not in (None, "nccl") else "")
+            + ": use 'serial' or 'ring'"
+        )  # fmt: skip
+    if name == "auto":
+        return "ring" if backend == "gloo" else "serial"
+    return name
+
+
+def check_overlap(overlap: str | None) -> str | None:
+    """`overlap` as a layer keeps it (None, or one of `OVERLAPS`): a typo fails when the
+    layer is built, not at its first call."""
+    if overlap is not None and overlap not in OVERLAPS:
+        raise ValueError(f"overlap must be None or one of {', '.join(map(repr, OVERLAPS))}, "
+                         f"got {overlap!r}")  # fmt: skip
+    return overlap
+
+
+def _ring_chunks(overlap: str | None, pg, chunks_per_rank: int) -> int:
+    """The ops' `chunks`: `chunks_per_rank` for the ring, `SERIAL` for serial."""
+    return SERIAL if resolve_overlap(overlap, pg) == "serial" else chunks_per_rank
 
 
 def _pieces(rows: int, chunks: int) -> list[tuple[int, int]]:
@@ -72,17 +132,20 @@ def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None, epil
     rows an earlier operand's wrote in the same chunk), of which each chunk's GEMM takes
     its rows' share (`_chunk_epilogue`). `gemm` has
     `matmul`'s signature; `ring` replaces ``Ring(pg)`` (the benchmark injects a stand-in).
-    The GEMMs are tuned before the first transfer, agreed over `pg`.
+    The GEMMs are tuned before the first transfer, agreed over `pg`. `chunks` `SERIAL`:
+    one all-gather, then each operand's GEMM over all rows.
     """
     epilogues = epilogues or [None] * len(operands)
     n, K = x.shape
-    if ring is None and group_size(pg) == 1:  # one rank: plain GEMMs, nothing to gather
+    if ring is None and (group_size(pg) == 1 or chunks == SERIAL):
+        # one rank: plain GEMMs, nothing to gather; serial: one all-gather, then GEMMs
+        full = x if group_size(pg) == 1 else all_gather_async(x, pg).wait()
         outs = outs or [None] * len(operands)
-        outs = [gemm(x, op, bias=bias, out=out, out_dtype=x.dtype,
-                     **_chunk_epilogue(epilogue, slice(0, n)))
+        outs = [gemm(full, op, bias=bias, out=out, out_dtype=x.dtype,
+                     **_chunk_epilogue(epilogue, slice(0, full.shape[0])))
                 for op, bias, epilogue, out in zip(operands, biases, epilogues, outs,
                                                    strict=True)]  # fmt: skip
-        return outs, x
+        return outs, full
     ring = Ring(pg) if ring is None else ring
     size, rank = ring.size, ring.rank
     gathered = x.new_empty((size * n, K))
@@ -131,7 +194,8 @@ def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul,
     pairs [(A_i (W*m, K_i), B_i (K_i, N))]. At step s rank r computes its fp32 partial for
     rank r - s - 1 while the running sum for that rank arrives from r - 1, adds it, and
     passes it on; after W - 1 steps it holds its own sum. Returns (m, N) in `out_dtype`.
-    `gemm` and `ring` as in `gather_matmuls`. (fp32: float64 for float64 A.)
+    `gemm` and `ring` as in `gather_matmuls`. (fp32: float64 for float64 A.) `chunks`
+    `SERIAL`: every row's partial, then one reduce-scatter of them.
     """
     wide = accumulator(pairs[0][0].dtype)
     if ring is None and group_size(pg) == 1:  # one rank: the fp32 sum, rounded once
@@ -142,6 +206,12 @@ def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul,
             gemm(A, B, out=total, accumulate=True)
         total = total if bias is None else total + bias.to(wide)
         return total if total.dtype == out_dtype else total.to(out_dtype)  # (a no-op .to costs)
+    if ring is None and chunks == SERIAL:  # every row's fp32 partial, one reduce-scatter
+        total = gemm(*pairs[0], out_dtype=wide)
+        for A, B in pairs[1:]:
+            gemm(A, B, out=total, accumulate=True)
+        mine = reduce_scatter_async(total, pg).wait()
+        return (mine if bias is None else mine + bias.to(wide)).to(out_dtype)  # rounded once
     ring = Ring(pg) if ring is None else ring
     size, rank = ring.size, ring.rank
     rows, N = pairs[0][0].shape[0] // size, pairs[0][1].shape[1]
@@ -458,6 +528,7 @@ def all_gather_matmul(
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     rotate: Sequence[bool] | None = None,
     head_dim: int | None = None,
+    overlap: str | None = None,
 ):
     """``all_gather(x, dim 0) @ weight.T (+ bias)``, pipelined around the ring.
 
@@ -477,6 +548,9 @@ def all_gather_matmul(
     rope_epilogue_fits`: 16-bit up to 128, fp32 up to 64) the rotation is the GEMMs'
     epilogue, rounded once with the product; otherwise one launch after the ring turns
     them in place. The backward turns their gradients back first.
+
+    ``overlap``: the schedule, forward and backward ("auto", "serial", "ring"; None:
+    ``FUSEDPAR_OVERLAP``, else "auto"; the module doc); ``chunks_per_rank`` is the ring's.
     """
     many = isinstance(weight, (list, tuple))
     weights = list(weight) if many else [weight]
@@ -497,9 +571,9 @@ def all_gather_matmul(
     tables, flags, head_dim = _check_rope(x, weights, rope, rotate, head_dim, group_size(pg))
     present = [b for b in biases if b is not None]
     has_bias = [b is not None for b in biases]
-    outs, _ = _all_gather_matmul(x, weights, present, has_bias, group_name(pg),
-                                 chunks_per_rank, save_gathered_input, tables, flags,
-                                 head_dim)  # fmt: skip
+    chunks = _ring_chunks(overlap, pg, chunks_per_rank)
+    outs, _ = _all_gather_matmul(x, weights, present, has_bias, group_name(pg), chunks,
+                                 save_gathered_input, tables, flags, head_dim)  # fmt: skip
     return list(outs) if many else outs[0]
 
 
@@ -510,13 +584,14 @@ def matmul_reduce_scatter(
     *,
     bias: torch.Tensor | None = None,
     chunks_per_rank: int = DEFAULT_CHUNKS_PER_RANK,
+    overlap: str | None = None,
 ) -> torch.Tensor:
     """``reduce_scatter(x @ weight.T, dim 0) (+ bias)``, pipelined around the ring.
 
     x (T, ..., K_loc): every token, this rank's slice of the features; weight (N, K_loc);
     bias (N,), added once after the sum. Returns this rank's tokens (T/W, ..., N). Partial
     sums travel in fp32 (float64 for float64 x) and are rounded once. With ``group=None``
-    this is a plain GEMM.
+    this is a plain GEMM. ``overlap`` as in `all_gather_matmul`.
     """
     if x.dim() < 2:
         raise ValueError(f"matmul_reduce_scatter: x must be (T, ..., K), got {tuple(x.shape)}")
@@ -529,4 +604,5 @@ def matmul_reduce_scatter(
             f"matmul_reduce_scatter: dim 0 of x (shape {tuple(x.shape)}) has {x.shape[0]} "
             f"tokens, not divisible by the group size {size}"
         )
-    return _matmul_reduce_scatter(x, weight, bias, group_name(pg), chunks_per_rank)
+    chunks = _ring_chunks(overlap, pg, chunks_per_rank)
+    return _matmul_reduce_scatter(x, weight, bias, group_name(pg), chunks)

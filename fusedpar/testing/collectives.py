@@ -27,6 +27,7 @@ _KINDS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",
           "allgather_into_tensor_coalesced": "all_gather", "all_gather_into_tensor": "all_gather",
           "all_gather_into_tensor_out": "all_gather",
           "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+          "reduce_scatter_base": "reduce_scatter",  # gloo's reduce_scatter_tensor
           "reduce_scatter_tensor_coalesced": "reduce_scatter",
           "alltoall": "all_to_all", "alltoall_base": "all_to_all",
           "all_to_all_single": "all_to_all", "broadcast": "broadcast", "barrier": "barrier",
