@@ -10,7 +10,9 @@ a copy kernel on ``ctas`` CTAs that moves the message's bytes through HBM at a s
 bandwidth and holds its SMs for the whole transfer, as NCCL's kernels do. Llama-3 8B and
 70B QKV (three GEMMs per step) and gate/up (two) at TP = 2, 4, 8 and 4k-16k tokens,
 bf16; side ``ag`` is the column-parallel forward, side ``rs`` its backward dX (fp32
-running sums travel, as the library sends them). docs/tensor_parallel.md has the link
+running sums travel, as the library sends them by default; ``rs-bf16``, at TP 8: the
+partials travel in bf16, ``reduce_dtype=torch.bfloat16``). A row's ``reduce_dtype``
+names what its ring and its serial peer both send. docs/tensor_parallel.md has the link
 model's sources and reads the columns:
 
 | column (GPU rows)   | meaning                                                          |
@@ -23,6 +25,10 @@ model's sources and reads the columns:
 | ``nocomm_ms``       | the real loop with a ring that moves nothing                      |
 | ``serial_cublas_ms``| one cuBLAS GEMM (weights concatenated), then the collective's     |
 |                     | bytes over the same link (``speedup`` = it / ``ring_ms``)         |
+| ``serial_ms``       | fusedpar's serial schedule: its tuned GEMMs over all rows, then   |
+|                     | the same bytes over the same link                                 |
+| ``auto``, ``auto_ms``| the schedule ``overlap="auto"`` picks on NCCL and its time;     |
+|                     | ``auto_speedup`` = ``serial_cublas_ms`` / it (target >= 1.0)      |
 | ``ring_graph_ms``   | the loop replayed from a CUDA graph (null + ``graph_note``)       |
 | ``host_us_step``    | host time to issue the loop / W; ``gpu_us_step`` = graph time / W |
 | ``chunking_cost``   | ``gemm_ms`` / the same GEMMs unchunked (wave quantization, P4)    |
@@ -59,7 +65,7 @@ CPU_REPS = 7
 # name: (d_model, d_ffn, q width, k (= v) width); per rank each width is split TP ways
 MODELS = {"llama3-8b": (4096, 14336, 4096, 1024), "llama3-70b": (8192, 28672, 8192, 1024)}
 PROJECTIONS = ("qkv", "gate_up")
-SIDES = ("ag", "rs")
+SIDES = ("ag", "rs")  # and "rs-bf16" at TP 8 (`gpu_points`)
 
 
 def torch_gemm(
@@ -140,7 +146,7 @@ def gpu_points():
         for proj in PROJECTIONS:
             for tp in tps:
                 for tokens in token_counts:
-                    for side in SIDES:
+                    for side in (*SIDES, "rs-bf16") if tp == 8 else SIDES:
                         yield model, proj, tp, tokens, side
 
 
@@ -163,9 +169,12 @@ class Case:
     peer_message: torch.Tensor  # what NCCL's collective would move per step for the peer
 
 
-def make_case(side: str, d: int, widths: list[int], tp: int, tokens: int, device) -> Case:
+def make_case(side: str, d: int, widths: list[int], tp: int, tokens: int, device,
+              reduce_dtype=None) -> Case:  # fmt: skip
     """The tensors and calls of one point: bf16 on a GPU, fp32 on CPU (the interpreter has
-    no bf16 dot); weights scaled by 1 / sqrt(d) so sums stay near 1."""
+    no bf16 dot); weights scaled by 1 / sqrt(d) so sums stay near 1. `reduce_dtype`
+    (side "rs"): what the partial sums travel in, on the ring and for the peer (None:
+    fp32)."""
     from fusedpar.kernels.matmul import matmul
 
     from fusedpar.ops.linear import gather_matmuls, matmuls_reduce_scatter
@@ -210,15 +219,22 @@ def make_case(side: str, d: int, widths: list[int], tp: int, tokens: int, device
         for i, (a, b) in enumerate(pairs):
             matmul(a, b, out=full, accumulate=i > 0)
 
-    return Case(loop=lambda ring: matmuls_reduce_scatter(pairs, None, 1, dtype, ring=ring),
+    wire = torch.float32 if reduce_dtype is None else reduce_dtype
+    sent = torch.empty(n, d, device=device, dtype=wire)  # the peer's collective: the same bytes
+    return Case(loop=lambda ring: matmuls_reduce_scatter(pairs, None, 1, dtype, ring=ring,
+                                                         reduce_dtype=reduce_dtype),
                 gemms=gemms, unchunked=unchunked, cublas=lambda: dy_cat @ w_cat,
-                message=partial, peer_message=torch.empty(n, d, **kw))  # fmt: skip
+                message=sent, peer_message=sent)  # fmt: skip
 
 
 def _gpu_point(model, proj, tp, tokens, side, link, device="cuda") -> dict:
     """One point's row (on CPU, where tests run it, the copies are unpaced)."""
+    from fusedpar.ops.linear import auto_overlap
+
     d, widths = layer_widths(model, proj, tp)
-    case = make_case(side, d, widths, tp, tokens, device)
+    side, _, wire = side.partition("-")
+    reduce_dtype = torch.bfloat16 if wire == "bf16" else None
+    case = make_case(side, d, widths, tp, tokens, device, reduce_dtype)
     ring, silent = StandInRing(tp, link, device=device), StandInRing(tp, None, device=device)
     recv, peer_recv = torch.empty_like(case.message), torch.empty_like(case.peer_message)
     pace = torch.device(device).type == "cuda"
@@ -232,6 +248,11 @@ def _gpu_point(model, proj, tp, tokens, side, link, device="cuda") -> dict:
         for _ in range(tp - 1):
             paced_copy(case.peer_message, peer_recv, link, pace=pace)
 
+    def serial_ours():  # overlap="serial": the tuned GEMMs, then the same collective
+        case.unchunked()
+        for _ in range(tp - 1):
+            paced_copy(case.peer_message, peer_recv, link, pace=pace)
+
     for fn in (lambda: case.loop(ring), lambda: case.loop(silent), case.gemms, case.unchunked):
         fn()  # tuning picks and compiles happen here, outside every timing
     gemm_ms, comm_ms = time_ms(case.gemms), time_ms(comm)
@@ -241,7 +262,12 @@ def _gpu_point(model, proj, tp, tokens, side, link, device="cuda") -> dict:
     gpu_us_step = None if graph_ms is None else graph_ms * 1e3 / tp
     nominal = (tp - 1) * link.nominal_ms(case.message.nbytes)
     serial_ms, unchunked_ms = time_ms(serial_cublas), time_ms(case.unchunked)
+    ours_serial_ms, auto = time_ms(serial_ours), auto_overlap("nccl")
+    auto_ms = ours_serial_ms if auto == "serial" else ring_ms
     return dict(side=side, model=model, proj=proj, world=tp, tokens=tokens, N=sum(widths), K=d,
+                reduce_dtype=None if side == "ag" else str(reduce_dtype or torch.float32),
+                serial_ms=ours_serial_ms, auto=auto, auto_ms=auto_ms,
+                auto_speedup=serial_ms / auto_ms,
                 msg_mb=case.message.nbytes / 2**20, link_gbps=link.gbps,
                 cublas_ms=time_ms(case.cublas), fusedpar_ms=unchunked_ms,
                 gemm_ms=gemm_ms, comm_ms=comm_ms, comm_nominal_ms=nominal,
@@ -308,10 +334,11 @@ def nccl_p2p_issue_us(nbytes: int = 4 << 20, reps: int = 20) -> tuple[float | No
             dist.destroy_process_group()
 
 
-GPU_COLUMNS = ["part", "side", "model", "proj", "world", "tokens", "link_gbps", "msg_mb",
-               "gemm_ms", "comm_ms", "comm_vs_nominal", "serialized_ms", "ring_ms", "vs_max",
-               "nocomm_ms", "serial_cublas_ms", "speedup", "ring_graph_ms", "host_us_step",
-               "gpu_us_step", "host_bound", "chunking_cost", "unpaced_ms"]  # fmt: skip
+GPU_COLUMNS = ["part", "side", "reduce_dtype", "model", "proj", "world", "tokens", "link_gbps",
+               "msg_mb", "gemm_ms", "comm_ms", "comm_vs_nominal", "serialized_ms", "ring_ms",
+               "vs_max", "nocomm_ms", "serial_cublas_ms", "speedup", "serial_ms", "auto",
+               "auto_ms", "auto_speedup", "ring_graph_ms", "host_us_step", "gpu_us_step",
+               "host_bound", "chunking_cost", "unpaced_ms"]  # fmt: skip
 
 
 def gpu_overlap(meta: dict, device="cuda") -> list[dict]:

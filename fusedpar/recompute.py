@@ -19,6 +19,9 @@ never repeats a collective or re-routes a token:
 | ``fusedpar::moe_route``             | the routing: a recompute could break a near tie   |
 |                                     | the other way and send tokens elsewhere           |
 
+A layer that runs on one rank as one op (`ParallelAttention`: ``fusedpar::attention_layer``;
+`ParallelSwiGLU`: ``fusedpar::gated_mlp``) is kept when an op its composed path runs is
+(by default: its projections'), so a policy means on one rank what it means on many.
 Everything else (norms, RoPE, the experts' GEMMs, single-device attention) is
 recomputed: under Ulysses, the attention between the two exchanges too (from the kept
 exchanged q, k, v). Pass ``also=`` to keep more (``"fusedpar::flash_attn"``,
@@ -41,6 +44,14 @@ COMMUNICATION_OPS = (
 )
 ROUTING_OPS = ("fusedpar::moe_route",)
 SAVED_BY_DEFAULT = COMMUNICATION_OPS + ROUTING_OPS
+# A layer that runs on one rank as one op is kept when an op its composed path runs
+# elsewhere is kept: a policy names the ops of the parallel model, the same on one rank.
+ONE_RANK_OPS = {
+    "fusedpar::attention_layer": ("fusedpar::all_gather_matmul", "fusedpar::matmul_reduce_scatter",
+                                  "fusedpar::flash_attn", "fusedpar::rms_norm", "fusedpar::rope"),
+    "fusedpar::gated_mlp": ("fusedpar::all_gather_matmul", "fusedpar::matmul_reduce_scatter",
+                            "fusedpar::gated"),
+}  # fmt: skip
 
 
 def _packet(op) -> torch._ops.OpOverloadPacket:
@@ -65,7 +76,10 @@ def checkpoint_policy(save=SAVED_BY_DEFAULT, *, also=()):
     that saves the outputs of the ops in `save` (plus `also`) and recomputes the rest.
     Ops are "namespace::name" strings or ``torch.ops`` objects; an unknown name raises
     here, not in the backward."""
-    kept = frozenset(_packet(op) for op in (*save, *also))
+    kept = {_packet(op) for op in (*save, *also)}
+    kept |= {_packet(layer) for layer, parts in ONE_RANK_OPS.items()
+             if any(_packet(part) in kept for part in parts)}  # fmt: skip
+    kept = frozenset(kept)
 
     def policy(ctx, op, *args, **kwargs):
         if op.overloadpacket in kept:

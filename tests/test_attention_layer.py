@@ -492,3 +492,12 @@ def test_one_rank_is_one_op_with_the_composed_paths_bits(monkeypatch, options, f
     assert ops == [1] and len(one_op) == len(composed)
     for got, expected in zip(one_op, composed, strict=True):
         assert torch.equal(got, expected)
+
+
+def test_one_rank_refuses_a_parameter_of_another_dtype_naming_it():
+    """The one-op path checks every parameter against x, as the composed path's ops do,
+    before any work."""
+    layer = fp.nn.ParallelAttention(D_MODEL, HEADS, KV_HEADS, head_dim=HEAD_DIM, bias=True)
+    layer.k_bias.data = layer.k_bias.data.double()
+    with pytest.raises(TypeError, match="x is torch.float32 on cpu but k_bias is torch.float64"):
+        layer(torch.randn(4, 2, D_MODEL))

@@ -225,10 +225,12 @@ def test_gpu_grid_and_shapes(monkeypatch):
     assert layer_widths("llama3-70b", "gate_up", 2) == (8192, [14336, 14336])
     monkeypatch.delenv("BENCH_QUICK", raising=False)
     points = list(gpu_points())
-    assert len(points) == 2 * 2 * 3 * 3 * 2 and len(set(points)) == len(points)
+    # two sides per point, and the reduce-scatter with bf16 partials at TP 8
+    assert len(points) == 2 * 2 * 3 * (2 + 2 + 3) and len(set(points)) == len(points)
     assert {p[3] for p in points} == {4096, 8192, 16384}
+    assert {p[2] for p in points if p[4] == "rs-bf16"} == {8}
     monkeypatch.setenv("BENCH_QUICK", "1")
-    assert len(list(gpu_points())) == 2 * 2 * 2 * 1 * 2
+    assert len(list(gpu_points())) == 2 * 2 * 1 * (2 + 3)
 
 
 def test_the_gpu_part_runs_end_to_end_on_cpu(monkeypatch, tmp_path, triton_kernels):
@@ -237,7 +239,8 @@ def test_the_gpu_part_runs_end_to_end_on_cpu(monkeypatch, tmp_path, triton_kerne
     import bench.linear as linear
 
     monkeypatch.setattr(linear, "MODELS", {"tiny": (32, 48, 32, 16)})
-    points = [("tiny", "gate_up", 4, 16, "rs")]  # the "ag" calls: test_a_gpu_point_...
+    # the "ag" calls: test_a_gpu_point_...; "rs-bf16": the partials travel in bf16
+    points = [("tiny", "gate_up", 4, 16, "rs"), ("tiny", "gate_up", 4, 16, "rs-bf16")]
     monkeypatch.setattr(linear, "gpu_points", lambda: iter(points))
     monkeypatch.setattr(linear, "STANDIN_SIZES_MB", (1,))
     monkeypatch.setattr(linear, "time_ms", lambda fn, **kw: (fn(), 1.0)[1])
@@ -254,13 +257,16 @@ def test_the_gpu_part_runs_end_to_end_on_cpu(monkeypatch, tmp_path, triton_kerne
     standin, *gpu = data["rows"]
     assert standin["part"] == "standin" and standin["msg_mb"] == 1.0
     assert math.isclose(standin["comm_nominal_ms"], Link().nominal_ms(MiB))
-    assert [(r["side"], r["world"], r["N"], r["K"]) for r in gpu] == [("rs", 4, 24, 32)]
-    for r, tp in zip(gpu, (4,), strict=True):
+    assert [(r["side"], r["world"], r["N"], r["K"]) for r in gpu] == [("rs", 4, 24, 32)] * 2
+    for r, tp, wire in zip(gpu, (4, 4), (torch.float32, torch.bfloat16), strict=True):
         assert r["part"] == "gpu" and set(linear.GPU_COLUMNS) - {"unpaced_ms"} <= set(r)
         assert r["vs_max"] == 1.0 and r["serialized_ms"] == 2.0 and r["speedup"] == 1.0
         assert (r["host_us_step"], r["gpu_us_step"]) == (250 / tp, 500 / tp)
         assert r["host_bound"] is False and r["graph_note"] is None
-        assert math.isclose(r["comm_nominal_ms"], (tp - 1) * Link().nominal_ms(16 // tp * 32 * 4))
+        assert r["reduce_dtype"] == str(wire) and r["auto"] == "serial"  # the rule on NCCL
+        assert r["serial_ms"] == r["auto_ms"] == 1.0 and r["auto_speedup"] == 1.0
+        nbytes = 16 // tp * 32 * wire.itemsize  # the ring and its peer send the same bytes
+        assert math.isclose(r["comm_nominal_ms"], (tp - 1) * Link().nominal_ms(nbytes))
     meta = data["meta"]
     assert meta["nccl_p2p_issue_us"] is None and meta["nccl_p2p_issue_note"] == "no NCCL here"
     assert meta["links"] == [vars(Link())] and meta["worst_vs_max"] == 1.0

@@ -129,7 +129,7 @@ def _opcheck_cases(group: str):
                 *opts,
             ),
         ),
-        (ops.all_gather_matmul, (xt, [w1], [b1], [True], group, 1, True, [], [False], 0)),
+        (ops.all_gather_matmul, (xt, [w1], [b1], [True], group, 1, True, [], [False], 0, None)),
         (
             ops.all_gather_matmul_backward,
             (
@@ -145,6 +145,7 @@ def _opcheck_cases(group: str):
                 [],
                 [False],
                 0,
+                None,
             ),
         ),  # fmt: skip
         (
@@ -164,15 +165,17 @@ def _opcheck_cases(group: str):
         (ops.ring_attn_backward, (dout, dlse, q, k, v, ring_out, ring_lse, *ring_opts, None)),
         (
             ops.all_gather_matmul,
-            (x, [w1, w2], [b1], [True, False], group, 2, False, [], [False] * 2, 0),
+            (x, [w1, w2], [b1], [True, False], group, 2, False, [], [False] * 2, 0, None),
         ),
-        (ops.all_gather_matmul, (x, [w1], [], [False], group, 1, True, [], [False], 0)),
+        (ops.all_gather_matmul, (x, [w1], [], [False], group, 1, True, [], [False], 0, None)),
         # RoPE: heads of 8 in the GEMM's epilogue; of 6 (not a power of 2) after the ring
         (
             ops.all_gather_matmul,
-            (x, [wr, w1], [b1], [False, True], group, 2, False, tables8, [True, False], 8),
+            (x, [wr, w1], [b1], [False, True], group, 0, False, tables8, [True, False], 8,
+             torch.bfloat16),  # serial (chunks 0), dX's partials in bf16
         ),
-        (ops.all_gather_matmul, (xt, [w1], [b1], [True], group, 1, True, tables6, [True], 6)),
+        (ops.all_gather_matmul, (xt, [w1], [b1], [True], group, 1, True, tables6, [True], 6,
+                                  None)),
         (
             ops.all_gather_matmul_backward,
             (
@@ -188,6 +191,7 @@ def _opcheck_cases(group: str):
                 [],
                 [False],
                 0,
+                torch.float16,
             ),
         ),
         (
@@ -205,9 +209,11 @@ def _opcheck_cases(group: str):
                 tables8,
                 [True],
                 8,
+                None,
             ),
         ),
-        (ops.matmul_reduce_scatter, (_leaf(4 * W, 3, 6), _leaf(8, 6), _leaf(8), group, 1)),
+        (ops.matmul_reduce_scatter, (_leaf(4 * W, 3, 6), _leaf(8, 6), _leaf(8), group, 1,
+                                     torch.float16)),
         (
             ops.matmul_reduce_scatter_backward,
             (torch.randn(4, 3, 8), y, torch.randn(8, 6), group, 1, True, True, True),
@@ -598,3 +604,21 @@ def test_cuda_graph_capture_of_a_whole_training_step_equals_eager(moe):
     torch.cuda.synchronize()
     expected, got = list(eager_model.parameters()), list(model.parameters())
     assert _bitwise(expected, got), "the replayed steps differ from eager"
+
+
+def test_the_policy_keeps_a_one_rank_layer_when_its_composed_path_is_kept():
+    """On one rank `ParallelAttention` and `ParallelSwiGLU` are one op each: a policy
+    keeps it when it keeps an op the layer's composed path runs on many ranks."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def decide(context_fn, op):
+        return context_fn.args[0](None, op)  # the policy inside checkpoint_policy's partial
+
+    layer, mlp = _ops().attention_layer.default, _ops().gated_mlp.default
+    saved, recomputed = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    default = fp.checkpoint_policy()  # the projections (communicating ops elsewhere)
+    assert decide(default, layer) == decide(default, mlp) == saved
+    nothing = fp.checkpoint_policy(save=())
+    assert decide(nothing, layer) == decide(nothing, mlp) == recomputed
+    attention = fp.checkpoint_policy(save=(), also=("fusedpar::flash_attn",))
+    assert (decide(attention, layer), decide(attention, mlp)) == (saved, recomputed)

@@ -93,3 +93,57 @@ def test_layers_refuse_a_typo_when_built_and_one_rank_resolves_anything():
     layer = fp.nn.RowParallelLinear(4, 3, overlap="serial")
     x = torch.randn(2, 4)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+# --- reduce_dtype: the partial sums travel in it -------------------------------------------
+
+
+def _reduced(overlap, reduce_dtype):
+    """matmul_reduce_scatter's output and all_gather_matmul's dX (its backward's
+    reduce-scatter) with fp32 operands and the partials travelling in `reduce_dtype`,
+    against float64: each within (W + 1) roundings to `reduce_dtype` of the sum of the
+    ranks' |partials| (a partial or running sum is rounded once per hop), and not equal
+    to the fp32 reduction's result (the option took effect)."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(7)
+    T, K, N, D = 4 * W, 6, 5, 7
+    X, Wt = torch.randn(T, K * W, generator=gen), torch.randn(N, K * W, generator=gen)
+    b = torch.randn(N, generator=gen)
+    Xc, W2, dY = (torch.randn(T, D, generator=gen), torch.randn(K * W, D, generator=gen),
+                  torch.randn(T, K * W, generator=gen))  # fmt: skip
+    cols, rows = slice(rank * K, (rank + 1) * K), slice(rank * 4, (rank + 1) * 4)
+    results = {}
+    for rd in (None, reduce_dtype):
+        y = fp.matmul_reduce_scatter(X[:, cols].clone(), Wt[:, cols].clone(), WORLD, bias=b,
+                                     overlap=overlap, reduce_dtype=rd)  # fmt: skip
+        xs = Xc[rows].clone().requires_grad_()
+        out = fp.all_gather_matmul(xs, W2[cols].clone(), WORLD, overlap=overlap,
+                                   reduce_dtype=rd)  # fmt: skip
+        out.backward(dY[:, cols])
+        results[rd] = (y, xs.grad)
+    each = [slice(r * K, (r + 1) * K) for r in range(W)]
+    parts = [X[:, c].double() @ Wt[:, c].double().T for c in each]
+    dparts = [dY[:, c].double() @ W2[c].double() for c in each]
+    eps, ok = torch.finfo(reduce_dtype).eps, []
+    for got, ref, ps in ((results[reduce_dtype][0], sum(parts)[rows] + b.double(), parts),
+                         (results[reduce_dtype][1], sum(dparts)[rows], dparts)):  # fmt: skip
+        scale = sum(p.abs() for p in ps)[rows]
+        ok.append(bool(((got.double() - ref).abs() <= (W + 1) * eps * scale + 1e-5).all()))
+    ok += [not torch.equal(results[None][i], results[reduce_dtype][i]) for i in (0, 1)]
+    return ok
+
+
+@pytest.mark.parametrize("overlap", ["serial", "ring"])
+@pytest.mark.parametrize("reduce_dtype", [torch.bfloat16, torch.float16])
+def test_partial_sums_travel_in_reduce_dtype(world, overlap, reduce_dtype):
+    for ok in world(4).run(_reduced, overlap, reduce_dtype):
+        assert ok == [True] * 4
+
+
+def test_a_bad_reduce_dtype_is_a_type_error():
+    x, w = torch.randn(3, 4), torch.randn(2, 4)
+    for bad in (torch.int32, "bfloat16"):
+        with pytest.raises(TypeError, match="reduce_dtype must be None or a floating"):
+            fp.matmul_reduce_scatter(x, w, None, reduce_dtype=bad)
+        with pytest.raises(TypeError, match="reduce_dtype must be None or a floating"):
+            fp.nn.RowParallelLinear(4, 2, reduce_dtype=bad)

@@ -71,7 +71,12 @@ from fusedpar.nn.attention_parts import (  # noqa: F401 (rope_tables: public her
 )
 from fusedpar.nn.linear import bias_per_weight, linear_parts
 from fusedpar.ops.attention_layer import attention_layer
-from fusedpar.ops.linear import all_gather_matmul, check_overlap, matmul_reduce_scatter
+from fusedpar.ops.linear import (
+    all_gather_matmul,
+    check_overlap,
+    check_reduce_dtype,
+    matmul_reduce_scatter,
+)
 from fusedpar.ops.ring_attention import ring_attn
 from fusedpar.ops.sequence import sequence_positions
 from fusedpar.ops.ulysses import check_heads
@@ -129,7 +134,8 @@ class ParallelAttention(nn.Module):
     itself and the W - 1 keys before it, i.e. ``window=(W - 1, 0)`` of `flash_attn`.
     ``softcap``: Gemma 2's ``attn_logit_softcapping``. ``forward(x, cu_seqlens)`` takes
     packed documents (see `forward`). ``overlap``: the schedule of the sequence-parallel
-    projections over TP (`fusedpar.ops.linear`; None: ``FUSEDPAR_OVERLAP``, else "auto").
+    projections over TP (`fusedpar.ops.linear`; None: ``FUSEDPAR_OVERLAP``, else "auto");
+    ``reduce_dtype``: the dtype their reduce-scatters' partial sums travel in (None: fp32).
     """
 
     GROUP_AXES = {"tp_group": ("tp",), "cp_group": ("cp",), "ulysses_group": ("ulysses",)}
@@ -142,10 +148,11 @@ class ParallelAttention(nn.Module):
                  softmax_scale: float | None = None, sliding_window: int | None = None,
                  softcap: float | None = None, tp_group=None, cp_group=None, causal=True,
                  sequence_parallel=True, cp_layout="zigzag", rope_theta=10000.0,
-                 ulysses_group=None, cp_mode: str | None = None, overlap=None, device=None,
-                 dtype=None):  # fmt: skip
+                 ulysses_group=None, cp_mode: str | None = None, overlap=None,
+                 reduce_dtype=None, device=None, dtype=None):  # fmt: skip
         super().__init__()
-        self.overlap = check_overlap(overlap)  # the TP projections' schedule
+        # the TP projections' schedule and the dtype their partial sums travel in
+        self.overlap, self.reduce_dtype = check_overlap(overlap), check_reduce_dtype(reduce_dtype)
         if sliding_window is not None:
             if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
                 raise TypeError(f"sliding_window must be an int, got {sliding_window!r}")
@@ -467,7 +474,8 @@ class ParallelAttention(nn.Module):
         rope = dict(rope=(cos, sin), rotate=[True, True, False], head_dim=hd) if joined else {}
         if self.sequence_parallel:
             q, k, v = all_gather_matmul(x, weights, self.tp_group, bias=biases,
-                                        overlap=self.overlap, **rope)  # fmt: skip
+                                        overlap=self.overlap, reduce_dtype=self.reduce_dtype,
+                                        **rope)  # fmt: skip
         else:  # classic TP: every rank holds x whole, so the GEMMs gather nothing
             x = comm.copy_to_region(x, self.tp_group)
             q, k, v = all_gather_matmul(x, weights, None, bias=biases, **rope)
@@ -494,19 +502,22 @@ class ParallelAttention(nn.Module):
             # Each rank adds the o bias to its own tokens: its gradient is summed over TP.
             bias = None if self.o_bias is None else comm.copy_to_region(self.o_bias, self.tp_group)
             return matmul_reduce_scatter(out, self.o_weight, self.tp_group, bias=bias,
-                                         overlap=self.overlap)  # fmt: skip
+                                         overlap=self.overlap,
+                                         reduce_dtype=self.reduce_dtype)  # fmt: skip
         y = comm.reduce_from_region(F.linear(out, self.o_weight), self.tp_group)
         return y if self.o_bias is None else y + self.o_bias
 
     def _one_op(self, x, tables, cu_seqlens):
         """The forward on one rank as one op (`fusedpar.ops.attention_layer`)."""
         check_float_dtype("ParallelAttention: x", x)
-        if x.dtype != self.q_weight.dtype or x.device != self.q_weight.device:
-            raise TypeError(f"ParallelAttention: x is {x.dtype} on {x.device} but the weights "
-                            f"are {self.q_weight.dtype} on {self.q_weight.device}")  # fmt: skip
         norms = () if self.qk_norm is None else (self.q_norm_weight, self.k_norm_weight)
         weights = (self.q_weight, self.k_weight, self.v_weight, self.o_weight)
         biases = (self.q_bias, self.k_bias, self.v_bias, self.o_bias)
+        for t in (*weights, *biases, *norms):  # what the composed path's ops each check
+            if t is not None and (t.dtype != x.dtype or t.device != x.device):
+                name = next(n for n, p in self.named_parameters() if p is t)
+                raise TypeError(f"ParallelAttention: x is {x.dtype} on {x.device} but "
+                                f"{name} is {t.dtype} on {t.device}")  # fmt: skip
         return attention_layer(x, weights, biases, norms, tables, cu_seqlens,
                                head_dim=self.head_dim, causal=self.causal,
                                softmax_scale=self.softmax_scale, window=self.window,

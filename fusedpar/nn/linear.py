@@ -11,7 +11,8 @@ the full, replicated x and the row side returns the full, all-reduced y.
 
 With sequence parallelism the column side all-gathers its input and the row side
 reduce-scatters its output, in the schedule ``overlap=`` names (None: ``FUSEDPAR_OVERLAP``,
-else "auto"; "serial", "ring": `fusedpar.ops.linear`).
+else "auto"; "serial", "ring": `fusedpar.ops.linear`), the partial sums travelling in
+``reduce_dtype`` (None: fp32).
 Without it (classic TP) the column side is the identity forward and all-reduces dX
 backward; the row side all-reduces its output. A column-parallel bias is split like the
 output features; a row-parallel bias is whole on every rank and added after the sum.
@@ -29,6 +30,7 @@ from fusedpar.ops.linear import (
     DEFAULT_CHUNKS_PER_RANK,
     all_gather_matmul,
     check_overlap,
+    check_reduce_dtype,
     matmul_reduce_scatter,
 )
 from fusedpar.ops.mlp import gated_mlp
@@ -101,7 +103,7 @@ class _ParallelLinear(nn.Module):
     _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 
     def __init__(self, in_features, out_features, group, bias, sequence_parallel,
-                 chunks_per_rank, overlap, device, dtype):  # fmt: skip
+                 chunks_per_rank, overlap, reduce_dtype, device, dtype):  # fmt: skip
         super().__init__()
         self.group = group
         self.world = comm.group_size(group)
@@ -113,6 +115,7 @@ class _ParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel = sequence_parallel
         self.chunks_per_rank, self.overlap = chunks_per_rank, check_overlap(overlap)
+        self.reduce_dtype = check_reduce_dtype(reduce_dtype)
         shape = [out_features, in_features]
         shape[self.split_dim] //= self.world
         factory = {"device": device, "dtype": dtype}
@@ -194,19 +197,19 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features, out_features, group=None, *, bias=True,
                  sequence_parallel=True, gather_output=False,
-                 chunks_per_rank=DEFAULT_CHUNKS_PER_RANK, overlap=None, device=None,
-                 dtype=None):  # fmt: skip
+                 chunks_per_rank=DEFAULT_CHUNKS_PER_RANK, overlap=None, reduce_dtype=None,
+                 device=None, dtype=None):  # fmt: skip
         self.gather_output = gather_output
         super().__init__(in_features, out_features, group, bias, sequence_parallel,
-                         chunks_per_rank, overlap, device, dtype)  # fmt: skip
+                         chunks_per_rank, overlap, reduce_dtype, device, dtype)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._fusedpar_checked:
             self._first_call(x)
         if self.sequence_parallel:
             y = all_gather_matmul(x, self.weight, self.group, bias=self.bias,
-                                  chunks_per_rank=self.chunks_per_rank,
-                                  overlap=self.overlap)  # fmt: skip
+                                  chunks_per_rank=self.chunks_per_rank, overlap=self.overlap,
+                                  reduce_dtype=self.reduce_dtype)  # fmt: skip
         else:
             y = F.linear(comm.copy_to_region(x, self.group), self.weight, self.bias)
         return comm.gather_from_region(y, self.group, dim=-1) if self.gather_output else y
@@ -224,9 +227,9 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features, out_features, group=None, *, bias=True,
                  sequence_parallel=True, chunks_per_rank=DEFAULT_CHUNKS_PER_RANK,
-                 overlap=None, device=None, dtype=None):  # fmt: skip
+                 overlap=None, reduce_dtype=None, device=None, dtype=None):  # fmt: skip
         super().__init__(in_features, out_features, group, bias, sequence_parallel,
-                         chunks_per_rank, overlap, device, dtype)  # fmt: skip
+                         chunks_per_rank, overlap, reduce_dtype, device, dtype)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._fusedpar_checked:
@@ -236,7 +239,8 @@ class RowParallelLinear(_ParallelLinear):
             bias = None if self.bias is None else comm.copy_to_region(self.bias, self.group)
             return matmul_reduce_scatter(x, self.weight, self.group, bias=bias,
                                          chunks_per_rank=self.chunks_per_rank,
-                                         overlap=self.overlap)  # fmt: skip
+                                         overlap=self.overlap,
+                                         reduce_dtype=self.reduce_dtype)  # fmt: skip
         y = comm.reduce_from_region(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
@@ -260,10 +264,10 @@ class ParallelSwiGLU(nn.Module):
 
     def __init__(self, d_model, d_hidden, group=None, *, bias=False, activation=F.silu,
                  sequence_parallel=True, chunks_per_rank=DEFAULT_CHUNKS_PER_RANK,
-                 overlap=None, device=None, dtype=None):  # fmt: skip
+                 overlap=None, reduce_dtype=None, device=None, dtype=None):  # fmt: skip
         super().__init__()
         self.group, self.activation = group, activation
-        self.overlap = check_overlap(overlap)
+        self.overlap, self.reduce_dtype = check_overlap(overlap), check_reduce_dtype(reduce_dtype)
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
         _check_divisible("d_hidden", d_hidden, self.world)
         self.d_model, self.d_hidden = d_model, d_hidden
@@ -361,11 +365,12 @@ class ParallelSwiGLU(nn.Module):
                                  activation=activation)  # fmt: skip
         weights, biases = [self.gate_weight, self.up_weight], [self.gate_bias, self.up_bias]
         down = {"activation": self.activation, "chunks_per_rank": self.chunks_per_rank,
-                "overlap": self.overlap}
+                "overlap": self.overlap, "reduce_dtype": self.reduce_dtype}
         if self.sequence_parallel:
             gate, up = all_gather_matmul(x, weights, self.group, bias=biases,
                                          chunks_per_rank=self.chunks_per_rank,
-                                         overlap=self.overlap)  # fmt: skip
+                                         overlap=self.overlap,
+                                         reduce_dtype=self.reduce_dtype)  # fmt: skip
             # Each rank adds the down bias to its own tokens: its gradient is summed.
             bias = (
                 None if self.down_bias is None else comm.copy_to_region(self.down_bias, self.group)

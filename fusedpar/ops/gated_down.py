@@ -26,6 +26,7 @@ from fusedpar.ops.linear import (
     DEFAULT_CHUNKS_PER_RANK,
     _check_chunks,
     _check_linear,
+    _check_reduce_dtype,
     _flat,
     _matmul_reduce_scatter_backward,
     _matmul_reduce_scatter_forward,
@@ -146,13 +147,13 @@ class _GatedDown(torch.autograd.Function):
     for an activation with no kernel."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, bias, activation, group, chunks):
+    def forward(ctx, gate, up, weight, bias, activation, group, chunks, reduce_dtype):
         name = kernel_activation(activation)
         hidden = _gated(gate, up, name) if name else activation(gate) * up
         if group is None:  # a plain GEMM (classic TP: the caller all-reduces)
             y = torch.nn.functional.linear(hidden, weight, bias)
         else:
-            y = _matmul_reduce_scatter_forward(hidden, weight, bias, group, chunks)
+            y = _matmul_reduce_scatter_forward(hidden, weight, bias, group, chunks, reduce_dtype)
         ctx.options = (activation, name, group, chunks, bias is not None)
         ctx.save_for_backward(gate, up, weight)
         return y
@@ -169,7 +170,8 @@ class _GatedDown(torch.autograd.Function):
                                                  needs)  # fmt: skip
             K = gate.shape[-1]
             dgate, dup = (grads[..., :K], grads[..., K:]) if needs[0] else (None, None)
-            return dgate, dup, dw if needs_w else None, db if needs_b else None, None, None, None
+            return (dgate, dup, dw if needs_w else None, db if needs_b else None, None, None,
+                    None, None)  # fmt: skip
         hidden, vjp = _product_vjp(activation, gate, up)
         if group is None:
             dh = dy @ weight
@@ -180,12 +182,12 @@ class _GatedDown(torch.autograd.Function):
                                                          needs_w, needs_b)  # fmt: skip
             dw, db = dw if needs_w else None, db if needs_b else None
         dgate, dup = vjp(dh) if needs_g or needs_u else (None, None)
-        return dgate, dup, dw, db, None, None, None
+        return dgate, dup, dw, db, None, None, None, None
 
 
 def gated_down(gate, up, weight, group, *, activation, bias=None, sequence_parallel=True,
-               chunks_per_rank: int = DEFAULT_CHUNKS_PER_RANK,
-               overlap: str | None = None) -> torch.Tensor:  # fmt: skip
+               chunks_per_rank: int = DEFAULT_CHUNKS_PER_RANK, overlap: str | None = None,
+               reduce_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     """``down(activation(gate) * up)`` (+ bias): with `sequence_parallel` the down GEMM's
     output reduce-scattered over `group` as in `matmul_reduce_scatter`, else this rank's
     partial (T, ..., N), to be all-reduced by the caller. gate, up (T, ..., K_loc);
@@ -193,13 +195,15 @@ def gated_down(gate, up, weight, group, *, activation, bias=None, sequence_paral
 
     Saved for the backward: gate and up, not ``activation(gate)`` nor the product, which
     the backward recomputes (one elementwise pass) for the down weight's gradient and the
-    gate's and up's. ``overlap``: the schedule, as in `fusedpar.ops.linear`."""
+    gate's and up's. ``overlap`` and ``reduce_dtype`` (the reduce-scatter's partials'
+    dtype) as in `fusedpar.ops.linear.matmul_reduce_scatter`."""
     if gate.shape != up.shape:
         raise ValueError(f"gated_down: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     if gate.dim() < 2:
         raise ValueError(f"gated_down: gate must be (T, ..., K), got {tuple(gate.shape)}")
     _check_linear(gate, weight, bias, "gated_down")
     _check_chunks(chunks_per_rank)
+    _check_reduce_dtype(reduce_dtype, "gated_down")
     name, chunks = None, chunks_per_rank
     if sequence_parallel:
         pg = active_group(group)
@@ -209,4 +213,4 @@ def gated_down(gate, up, weight, group, *, activation, bias=None, sequence_paral
                              f"{gate.shape[0]} tokens, not divisible by the group size "
                              f"{size}")  # fmt: skip
         name, chunks = group_name(pg), _ring_chunks(overlap, pg, chunks_per_rank)
-    return _GatedDown.apply(gate, up, weight, bias, activation, name, chunks)
+    return _GatedDown.apply(gate, up, weight, bias, activation, name, chunks, reduce_dtype)

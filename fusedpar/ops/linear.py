@@ -94,9 +94,12 @@ def resolve_overlap(overlap: str | None, pg: dist.ProcessGroup | None) -> str:
                if backend not in (None, "nccl") else "")
             + ": use 'serial' or 'ring'"
         )  # fmt: skip
-    if name == "auto":
-        return "ring" if backend == "gloo" else "serial"
-    return name
+    return auto_overlap(backend) if name == "auto" else name
+
+
+def auto_overlap(backend: str | None) -> str:
+    """The schedule "auto" runs on a group of `backend` (the module doc's rule)."""
+    return "ring" if backend == "gloo" else "serial"
 
 
 def check_overlap(overlap: str | None) -> str | None:
@@ -188,14 +191,18 @@ def _chunk_epilogue(epilogue, rows: slice) -> dict:
                                       for t in epilogue))}  # fmt: skip
 
 
-def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul, ring=None):
+def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul, ring=None,
+                           reduce_dtype=None):  # fmt: skip
     """This rank's rows of ``sum_ranks sum_i A_i @ B_i`` (+ bias), by a ring reduce-scatter.
 
     pairs [(A_i (W*m, K_i), B_i (K_i, N))]. At step s rank r computes its fp32 partial for
     rank r - s - 1 while the running sum for that rank arrives from r - 1, adds it, and
     passes it on; after W - 1 steps it holds its own sum. Returns (m, N) in `out_dtype`.
     `gemm` and `ring` as in `gather_matmuls`. (fp32: float64 for float64 A.) `chunks`
-    `SERIAL`: every row's partial, then one reduce-scatter of them.
+    `SERIAL`: every row's partial, then one reduce-scatter of them. `reduce_dtype`: the
+    dtype the partials travel in (None: fp32); the ring adds each arriving sum to its own
+    fp32 partial and rounds it to `reduce_dtype` to pass it on, the serial schedule's
+    collective sums in it. Either way the result is rounded once more, after the bias.
     """
     wide = accumulator(pairs[0][0].dtype)
     if ring is None and group_size(pg) == 1:  # one rank: the fp32 sum, rounded once
@@ -210,7 +217,8 @@ def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul,
         total = gemm(*pairs[0], out_dtype=wide)
         for A, B in pairs[1:]:
             gemm(A, B, out=total, accumulate=True)
-        mine = reduce_scatter_async(total, pg).wait()
+        sent = total if reduce_dtype is None else total.to(reduce_dtype)
+        mine = reduce_scatter_async(sent, pg).wait().to(wide)
         return (mine if bias is None else mine + bias.to(wide)).to(out_dtype)  # rounded once
     ring = Ring(pg) if ring is None else ring
     size, rank = ring.size, ring.rank
@@ -228,8 +236,9 @@ def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul,
             dest = (rank - step - 1) % size
             for a, b in _pieces(rows, chunks):
                 partial = torch.empty((b - a, N), dtype=wide, device=device)
-                if step > 0:
-                    ring.send_recv(running[a])  # the sum for rank dest - 1 goes on
+                if step > 0:  # the sum for rank dest - 1 goes on (in reduce_dtype if given)
+                    sent = running[a] if reduce_dtype is None else running[a].to(reduce_dtype)
+                    ring.send_recv(sent)
                 for i, (A, B) in enumerate(pairs):
                     gemm(A[dest * rows + a : dest * rows + b], B, out=partial, accumulate=i > 0,
                          agreement=agreement)  # fmt: skip
@@ -292,14 +301,16 @@ def _rotate_outputs(ts: list[Tensor], rope: list[Tensor], head_dim: int, inverse
 @torch.library.custom_op("fusedpar::all_gather_matmul", mutates_args=())
 def _all_gather_matmul_op(x: Tensor, weights: list[Tensor], biases: list[Tensor],
                           has_bias: list[bool], group: str, chunks: int, save_gathered: bool,
-                          rope: list[Tensor], rotate: list[bool],
-                          head_dim: int) -> tuple[list[Tensor], Tensor]:  # fmt: skip
+                          rope: list[Tensor], rotate: list[bool], head_dim: int,
+                          reduce_dtype: torch.dtype | None,
+                          ) -> tuple[list[Tensor], Tensor]:  # fmt: skip
     """The outputs (T, ..., N_i) and, when `save_gathered` (`save_gathered_input`), the
     gathered x (T * rows, K) for the backward (else an empty tensor: it re-gathers). `biases`:
     those of the weights with ``has_bias`` (a list of optional tensors would not carry
     gradients through ``torch.library``'s autograd). `rope`: none, or the tables cos, sin
     (T, r/2) that turn the outputs flagged in `rotate`, heads of `head_dim`: in the GEMMs'
-    epilogue where it fits (`rope_epilogue_fits`, full rotary), else in place after."""
+    epilogue where it fits (`rope_epilogue_fits`, full rotary), else in place after.
+    `reduce_dtype`: the backward's (its dX reduce-scatter's partials)."""
     pg = group_by_name(group)
     biases = _spread(biases, has_bias)
     full = bool(rope) and 2 * rope[0].shape[1] == head_dim
@@ -323,7 +334,8 @@ def _all_gather_matmul_op(x: Tensor, weights: list[Tensor], biases: list[Tensor]
 
 
 @_all_gather_matmul_op.register_fake
-def _(x, weights, biases, has_bias, group, chunks, save_gathered, rope, rotate, head_dim):
+def _(x, weights, biases, has_bias, group, chunks, save_gathered, rope, rotate, head_dim,
+      reduce_dtype):  # fmt: skip
     size = group_size(group_by_name(group))
     lead = (size * x.shape[0], *x.shape[1:-1])
     outs = [x.new_empty((*lead, w.shape[0])) for w in weights]
@@ -335,7 +347,7 @@ def _(x, weights, biases, has_bias, group, chunks, save_gathered, rope, rotate, 
 def _all_gather_matmul_backward_op(
     grads: list[Tensor], x: Tensor, gathered: Tensor | None, weights: list[Tensor], group: str,
     chunks: int, needs_x: bool, needs_w: list[bool], needs_b: list[bool], rope: list[Tensor],
-    rotate: list[bool], head_dim: int,
+    rotate: list[bool], head_dim: int, reduce_dtype: torch.dtype | None,
 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:  # fmt: skip
     """dX (reduce-scattered, pipelined), each weight's gradient, and each bias's (needs_b:
     one per weight, False where it has none). The gradients of rotated outputs are turned
@@ -357,7 +369,8 @@ def _all_gather_matmul_backward_op(
     dx = x.new_empty(0)
     if needs_x:
         pairs = list(zip(dys, weights, strict=True))
-        dx = matmuls_reduce_scatter(pairs, pg, chunks, x.dtype).view(x.shape)
+        dx = matmuls_reduce_scatter(pairs, pg, chunks, x.dtype,
+                                    reduce_dtype=reduce_dtype).view(x.shape)  # fmt: skip
     if regather is not None:
         gathered = regather.wait()
     dws = [matmul(dy.t(), gathered) if need else w.new_empty(0)
@@ -369,7 +382,7 @@ def _all_gather_matmul_backward_op(
 
 @_all_gather_matmul_backward_op.register_fake
 def _(grads, x, gathered, weights, group, chunks, needs_x, needs_w, needs_b, rope, rotate,
-      head_dim):  # fmt: skip
+      head_dim, reduce_dtype):  # fmt: skip
     dx = x.new_empty(x.shape if needs_x else 0)  # fresh, contiguous: the real op's layout
     dws = [w.new_empty(w.shape if n else 0)
            for w, n in zip(weights, needs_w, strict=True)]  # fmt: skip
@@ -378,10 +391,10 @@ def _(grads, x, gathered, weights, group, chunks, needs_x, needs_w, needs_b, rop
 
 
 def _all_gather_matmul_setup(ctx, inputs, output):
-    x, weights, biases, has_bias, group, chunks, save_gathered, rope, rotate, head_dim = inputs
+    x, weights, biases, has_bias, group, chunks, save_gathered, rope, rotate, head_dim, rd = inputs
     needs_b = [b is not None and b.requires_grad for b in _spread(biases, has_bias)]
     ctx.options = (group, chunks, x.requires_grad, [w.requires_grad for w in weights], needs_b)
-    ctx.has_bias, ctx.rotation = has_bias, (rotate, head_dim)
+    ctx.has_bias, ctx.rotation = has_bias, (rotate, head_dim, rd)  # (rd: the dX partials')
     gathered = output[1] if save_gathered else None
     ctx.save_for_backward(x, gathered, *rope, *weights)
 
@@ -394,19 +407,20 @@ def _all_gather_matmul_grads(ctx, grads, _):
     _, _, needs_x, needs_w, needs_b = ctx.options
     dbs = [db for db, has in zip(_asked(dbs, needs_b), ctx.has_bias, strict=True) if has]
     return (dx if needs_x else None, _asked(dws, needs_w), dbs, None, None, None, None,
-            [None] * len(rope), None, None)  # fmt: skip
+            [None] * len(rope), None, None, None)  # fmt: skip
 
 
 @torch.library.custom_op("fusedpar::matmul_reduce_scatter", mutates_args=())
 def _matmul_reduce_scatter_op(x: Tensor, weight: Tensor, bias: Tensor | None, group: str,
-                              chunks: int) -> Tensor:  # fmt: skip
+                              chunks: int, reduce_dtype: torch.dtype | None) -> Tensor:  # fmt: skip
     pg = group_by_name(group)
-    y = matmuls_reduce_scatter([(_flat(x), weight.t())], pg, chunks, x.dtype, bias)
+    y = matmuls_reduce_scatter([(_flat(x), weight.t())], pg, chunks, x.dtype, bias,
+                               reduce_dtype=reduce_dtype)  # fmt: skip
     return y.view(x.shape[0] // group_size(pg), *x.shape[1:-1], weight.shape[0])
 
 
 @_matmul_reduce_scatter_op.register_fake
-def _(x, weight, bias, group, chunks):
+def _(x, weight, bias, group, chunks, reduce_dtype):
     size = group_size(group_by_name(group))
     return x.new_empty((x.shape[0] // size, *x.shape[1:-1], weight.shape[0]))
 
@@ -434,7 +448,7 @@ def _(dy, x, weight, group, chunks, needs_x, needs_w, needs_b):
 
 
 def _matmul_reduce_scatter_setup(ctx, inputs, output):
-    x, weight, bias, group, chunks = inputs
+    x, weight, bias, group, chunks, _ = inputs  # (reduce_dtype: the forward's only)
     ctx.options = (group, chunks, x.requires_grad, weight.requires_grad,
                    bias is not None and bias.requires_grad)  # fmt: skip
     ctx.save_for_backward(x, weight)
@@ -443,7 +457,7 @@ def _matmul_reduce_scatter_setup(ctx, inputs, output):
 def _matmul_reduce_scatter_grads(ctx, dy):
     x, weight = ctx.saved_tensors
     grads = _matmul_reduce_scatter_backward(dy, x, weight, *ctx.options)
-    return *_asked(grads, ctx.options[2:]), None, None
+    return *_asked(grads, ctx.options[2:]), None, None, None
 
 
 _all_gather_matmul_backward = direct_op(_all_gather_matmul_backward_op)
@@ -458,6 +472,19 @@ _matmul_reduce_scatter = autograd_op(_matmul_reduce_scatter_op, _matmul_reduce_s
 def _check_chunks(chunks: int) -> None:
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks_per_rank must be a positive int, got {chunks!r}")
+
+
+def _check_reduce_dtype(reduce_dtype, what: str) -> None:
+    if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype)
+                                         and reduce_dtype.is_floating_point):  # fmt: skip
+        raise TypeError(f"{what}: reduce_dtype must be None or a floating torch.dtype, got "
+                        f"{reduce_dtype!r}")  # fmt: skip
+
+
+def check_reduce_dtype(reduce_dtype):
+    """`reduce_dtype` as a layer keeps it (None, or a floating dtype)."""
+    _check_reduce_dtype(reduce_dtype, "reduce_dtype")
+    return reduce_dtype
 
 
 def _check_linear(x, weight, bias, what, k_dim=-1):
@@ -529,6 +556,7 @@ def all_gather_matmul(
     rotate: Sequence[bool] | None = None,
     head_dim: int | None = None,
     overlap: str | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ):
     """``all_gather(x, dim 0) @ weight.T (+ bias)``, pipelined around the ring.
 
@@ -551,6 +579,8 @@ def all_gather_matmul(
 
     ``overlap``: the schedule, forward and backward ("auto", "serial", "ring"; None:
     ``FUSEDPAR_OVERLAP``, else "auto"; the module doc); ``chunks_per_rank`` is the ring's.
+    ``reduce_dtype`` (e.g. torch.bfloat16, as Megatron reduces): the dtype the backward's
+    dX partials travel in (None: fp32; `matmuls_reduce_scatter`).
     """
     many = isinstance(weight, (list, tuple))
     weights = list(weight) if many else [weight]
@@ -571,9 +601,11 @@ def all_gather_matmul(
     tables, flags, head_dim = _check_rope(x, weights, rope, rotate, head_dim, group_size(pg))
     present = [b for b in biases if b is not None]
     has_bias = [b is not None for b in biases]
+    _check_reduce_dtype(reduce_dtype, "all_gather_matmul")
     chunks = _ring_chunks(overlap, pg, chunks_per_rank)
     outs, _ = _all_gather_matmul(x, weights, present, has_bias, group_name(pg), chunks,
-                                 save_gathered_input, tables, flags, head_dim)  # fmt: skip
+                                 save_gathered_input, tables, flags, head_dim,
+                                 reduce_dtype)  # fmt: skip
     return list(outs) if many else outs[0]
 
 
@@ -585,13 +617,15 @@ def matmul_reduce_scatter(
     bias: torch.Tensor | None = None,
     chunks_per_rank: int = DEFAULT_CHUNKS_PER_RANK,
     overlap: str | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``reduce_scatter(x @ weight.T, dim 0) (+ bias)``, pipelined around the ring.
 
     x (T, ..., K_loc): every token, this rank's slice of the features; weight (N, K_loc);
     bias (N,), added once after the sum. Returns this rank's tokens (T/W, ..., N). Partial
     sums travel in fp32 (float64 for float64 x) and are rounded once. With ``group=None``
-    this is a plain GEMM. ``overlap`` as in `all_gather_matmul`.
+    this is a plain GEMM. ``overlap`` as in `all_gather_matmul`; ``reduce_dtype``: the
+    dtype the partial sums travel in (None: fp32; e.g. torch.bfloat16 halves the bytes).
     """
     if x.dim() < 2:
         raise ValueError(f"matmul_reduce_scatter: x must be (T, ..., K), got {tuple(x.shape)}")
@@ -604,5 +638,6 @@ def matmul_reduce_scatter(
             f"matmul_reduce_scatter: dim 0 of x (shape {tuple(x.shape)}) has {x.shape[0]} "
             f"tokens, not divisible by the group size {size}"
         )
+    _check_reduce_dtype(reduce_dtype, "matmul_reduce_scatter")
     chunks = _ring_chunks(overlap, pg, chunks_per_rank)
-    return _matmul_reduce_scatter(x, weight, bias, group_name(pg), chunks)
+    return _matmul_reduce_scatter(x, weight, bias, group_name(pg), chunks, reduce_dtype)

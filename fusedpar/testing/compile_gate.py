@@ -96,7 +96,11 @@ def recording_launches():
     launches: list[Launch] = []
 
     def record(self, *args, grid, warmup, **kwargs):
-        launches.append(Launch(self, args, kwargs))
+        # a settled launch (`_tuning.Settled`) passes the constexprs positionally: keyword
+        # them, as ``kernel[grid](...)`` does, so that a case's `match` and `config` see them
+        first = next((i for i, p in enumerate(self.params) if p.is_constexpr), len(args))
+        kwargs = {**dict(zip(self.arg_names[first:len(args)], args[first:], strict=True)), **kwargs}
+        launches.append(Launch(self, args[:first], kwargs))
 
     saved_run, saved_tuning = JITFunction.run, os.environ.get("FUSEDPAR_TUNING")
     JITFunction.run = record

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 
 from fusedpar.testing.world_rank import rank_main
 
@@ -106,6 +107,7 @@ class World:
         self.threads_per_rank = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
         self._procs: list = []
         self._conns: list = []
+        self._alive: list = []  # the write ends of the ranks' liveness pipes
         self._tmpdir: str | None = None
         self.starts = 0  # how many times the pool was (re)started; tests read it
 
@@ -132,17 +134,22 @@ class World:
         init_file = os.path.join(self._tmpdir, "init")
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe(duplex=True)
+            # the rank's liveness pipe: only this process holds the write end, so the rank
+            # reads EOF once this process is gone, however it ended (`_watch_owner`)
+            alive_r, alive_w = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=rank_main,
                 args=(rank, self.world_size, self.backend, init_file, child_conn,
-                      self._dump_path(rank), self.threads_per_rank, dict(os.environ)),
+                      self._dump_path(rank), self.threads_per_rank, alive_r),
                 name=f"fusedpar-rank{rank}",
                 daemon=True,
             )  # fmt: skip
             proc.start()
             child_conn.close()
+            alive_r.close()
             self._procs.append(proc)
             self._conns.append(parent_conn)
+            self._alive.append(alive_w)
         self.starts += 1
         _live_worlds.add(self)
         try:
@@ -179,9 +186,9 @@ class World:
             if proc.is_alive():
                 proc.kill()
             proc.join()
-        for conn in self._conns:
+        for conn in (*self._conns, *self._alive):
             conn.close()
-        self._procs, self._conns = [], []
+        self._procs, self._conns, self._alive = [], [], []
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
@@ -344,19 +351,40 @@ def exception_of(fn, *args, **kwargs) -> Exception | None:
     return None
 
 
+_server_environment: dict | None = None  # this process's, when it started the fork server
+_said_spawned = False
+# set per test by pytest, read by no import: a change of it alone keeps the fork server
+_VOLATILE = ("PYTEST_CURRENT_TEST",)
+
+
 def _rank_context():
     """Where ranks come from: forked from a process server (multiprocessing's
-    "forkserver") that imported the main module, torch and fusedpar once, so a start or a
-    restart after a failure costs a fork and ``init_process_group`` (about 0.5 s for 2
-    ranks on the 2-core machine) where a spawned rank imported them again (5-6 s). The
-    server is this process's, started with the first World; a rank takes this process's
-    environment as it is at the World's start (`world_rank.rank_main`). Spawned where
-    the platform has no fork server."""
+    "forkserver") that imported torch and fusedpar once, so a start or a restart after a
+    failure costs a fork and ``init_process_group`` (about 0.5 s for 2 ranks on the 2-core
+    machine) where a spawned rank imported them again (5-6 s). The server is this
+    process's, started with the first World, and its imports read the environment of
+    that moment (TRITON_INTERPRET, TORCH_LOGS, TORCHINDUCTOR_*, OMP_*...): a World started
+    while the environment differs from it is spawned instead, as is every World where the
+    platform has no fork server (said once)."""
+    global _server_environment, _said_spawned
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["__main__", "fusedpar.testing.world_rank"])  # (once started: no-op)
-    return ctx
+    environment = {k: v for k, v in os.environ.items() if k not in _VOLATILE}
+    if _server_environment is None:
+        _server_environment = environment
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["fusedpar.testing.world_rank"])
+        return ctx
+    if environment == _server_environment:
+        return mp.get_context("forkserver")
+    if not _said_spawned:
+        _said_spawned = True
+        changed = sorted(k for k in {*environment, *_server_environment}
+                         if environment.get(k) != _server_environment.get(k))  # fmt: skip
+        warnings.warn(f"World: the environment differs from the one its process server "
+                      f"started with ({', '.join(changed[:5])}): such Worlds' ranks are "
+                      f"spawned, 5-6 s a start instead of 0.5 s", stacklevel=3)  # fmt: skip
+    return mp.get_context("spawn")
 
 
 # --- pool sharing ----------------------------------------------------------------------

@@ -12,7 +12,6 @@ import pickle
 import signal
 import sys
 import threading
-import time
 import traceback
 from datetime import timedelta
 
@@ -150,42 +149,23 @@ def _operations() -> dict | None:
         return None
 
 
-# TRITON_INTERPRET as this process imported triton (a fork server's import serves every
-# rank forked from it): read when a kernel is decorated, so a rank cannot change it
-_INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET")
+def _watch_owner(alive) -> None:
+    # A rank stuck in a collective never reads its pipe again; this thread still sees the
+    # World's process go away (its liveness pipe's only writer: EOF, however it ended) and
+    # ends the rank, so no process outlives the session.
+    with contextlib.suppress(EOFError, OSError):
+        alive.recv_bytes()
+    os._exit(1)
 
 
-def _watch_parent(parent_pid: int) -> None:
-    # A rank stuck in a collective never reads its pipe again; this thread still sees its
-    # parent go away (the test process, or the fork server, which ends with it) and ends
-    # the rank, so no process outlives the session.
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-
-def _take_environment(env: dict) -> None:
-    """The World's process's environment, as it was at the World's start (a forked rank
-    has its server's, from the first start)."""
-    os.environ.clear()
-    os.environ.update(env)
-    wanted = env.get("TRITON_INTERPRET")
-    if "triton" in sys.modules and wanted != _INTERPRET_AT_IMPORT:
-        raise RuntimeError(
-            f"this World's process has TRITON_INTERPRET={wanted!r}, but its ranks' process "
-            f"server imported triton with TRITON_INTERPRET={_INTERPRET_AT_IMPORT!r} (at the "
-            "first World's start): set it before the first World starts"
-        )
-
-
-def rank_main(rank, world_size, backend, init_file, conn, dump_path, threads, env):
+def rank_main(rank, world_size, backend, init_file, conn, dump_path, threads, alive):
     global _ledger
     dump_file = open(dump_path, "w")  # noqa: SIM115 (stays open for faulthandler)
     faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True)
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_watch_owner, args=(alive,), daemon=True).start()
+    if "numpy" in sys.modules:  # forked: numpy's global generator is the server's state
+        sys.modules["numpy"].random.seed()
     try:
-        _take_environment(env)
         import torch
         import torch.distributed as dist
 
