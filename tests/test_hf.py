@@ -136,12 +136,12 @@ def _reference_grad(model, name: str) -> torch.Tensor:
     return model.get_parameter(name).grad  # embeddings, norms, head: unchanged names
 
 
-def _run_family(family, seed, changes=None, batch="full", degrees=None):
+def _run_family(family, seed, changes=None, batch="full", degrees=None, overlap=None):
     """At TP2 x CP2 on 4 ranks (or the `degrees` of ParallelDims given); in one process
     (no torch.distributed) with every group None and plain parameters. `changes`: config
     fields over the family's. `batch`: "full", the model takes the whole batch and
     labels= (Hugging Face's way); "local", this rank's tokens and a loss of the
-    caller's."""
+    caller's. `overlap`: the TP projections' schedule (`parallelize`'s)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     moe = family in ("mixtral", "qwen2_moe", "gpt_oss")
     degrees = degrees or dict(cp=2, tp=2)
@@ -158,7 +158,9 @@ def _run_family(family, seed, changes=None, batch="full", degrees=None):
         loss.backward()
         out[dtype] = (logits.detach(), loss.detach().reshape(1))
 
-    mesh = hf.parallelize(model, dims, batch=batch)
+    mesh = hf.parallelize(model, dims, batch=batch, overlap=overlap)
+    scheduled = [m.overlap for m in model.modules() if hasattr(m, "overlap")]
+    assert scheduled and set(scheduled) == {overlap}  # every TP projection takes it
     groups = dims.groups(mesh) if dims else dict.fromkeys(("cp", "ulysses", "tp"))
     if batch == "full":  # every rank: the whole batch, the original's loss
         result = model(input_ids=ids, labels=ids)
@@ -187,6 +189,13 @@ def _run_family(family, seed, changes=None, batch="full", degrees=None):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_converted_model_trains_like_the_original(world, family):
     assert len(set(world(4).run(_run_family, family, 0))) == 1
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # SwiGLU; column and row linears
+def test_a_converted_model_in_the_serial_schedule(world, family):
+    """`parallelize(..., overlap="serial")`: one collective, then one GEMM, in every TP
+    projection (the ring is gloo's "auto")."""
+    assert len(set(world(4).run(_run_family, family, 5, None, "full", None, "serial"))) == 1
 
 
 def _run_float64(family, seed):

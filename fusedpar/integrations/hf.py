@@ -71,6 +71,7 @@ from fusedpar.nn import (
     ParallelSwiGLU,
     RowParallelLinear,
 )
+from fusedpar.ops.linear import check_overlap, check_reduce_dtype
 from fusedpar.ops.sequence import gather_sequence, shard_sequence
 from fusedpar.storage import distribute
 
@@ -104,12 +105,12 @@ class HFParallelMLP(nn.Module):
     """A plain MLP, ``proj(act(fc(x)))`` (GPT-2, GPT-NeoX): fc column-parallel, proj
     row-parallel, under the original's attribute names; batch-first (B, S_loc, d)."""
 
-    def __init__(self, mlp: nn.Module, names: tuple[str, str], group, activation):
+    def __init__(self, mlp: nn.Module, names: tuple[str, str], group, activation, tp: dict):
         super().__init__()
         self.names, self.activation = names, activation
         fc, proj = (getattr(mlp, name) for name in names)
-        setattr(self, names[0], ColumnParallelLinear.from_dense(fc, group))
-        setattr(self, names[1], RowParallelLinear.from_dense(proj, group))
+        setattr(self, names[0], ColumnParallelLinear.from_dense(fc, group, **tp))
+        setattr(self, names[1], RowParallelLinear.from_dense(proj, group, **tp))
 
     def forward(self, hidden_states):
         fc, proj = (getattr(self, name) for name in self.names)
@@ -129,23 +130,25 @@ class HFMoE(MoE):
         return (y, None) if self.returns_scores else y
 
 
-def _attention(i: int, attn: nn.Module, config, groups, rotary_emb) -> HFParallelAttention:
+def _attention(i: int, attn: nn.Module, config, groups, rotary_emb,
+               tp: dict) -> HFParallelAttention:  # fmt: skip
     options = families.attention_options(i, attn, config, rotary_emb)
     return HFParallelAttention.from_dense(
         *options.pop("parts"), config.hidden_size, config.num_attention_heads,
         families.kv_heads(config), tp_group=groups["tp"], cp_group=groups["cp"],
-        ulysses_group=groups.get("ulysses"), **options,
+        ulysses_group=groups.get("ulysses"), **options, **tp,
     )  # fmt: skip
 
 
-def _mlp(mlp: nn.Module, config, groups) -> nn.Module:
+def _mlp(mlp: nn.Module, config, groups, tp: dict) -> nn.Module:
     if config.model_type in families.PLAIN_MLPS:
         act = families.ACTIVATIONS[families.activation_name(config)]
-        return HFParallelMLP(mlp, families.PLAIN_MLPS[config.model_type], groups["tp"], act)
+        return HFParallelMLP(mlp, families.PLAIN_MLPS[config.model_type], groups["tp"], act, tp)
     if not hasattr(mlp, "experts"):
         *parts, bias = families.mlp_parts(mlp)
         act = families.ACTIVATIONS[families.activation_name(config)]
-        return HFParallelSwiGLU.from_dense(*parts, groups["tp"], bias=bias, activation=act)
+        return HFParallelSwiGLU.from_dense(*parts, groups["tp"], bias=bias, activation=act,
+                                           **tp)  # fmt: skip
     if config.model_type == "gpt_oss":
         return _gpt_oss_moe(mlp, config, groups)
     experts, h = mlp.experts, mlp.experts.down_proj.shape[-1]
@@ -183,12 +186,15 @@ def _gpt_oss_moe(mlp: nn.Module, config, groups) -> "HFMoE":
     return layer
 
 
-def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
+def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full", overlap=None,
+                reduce_dtype=None):  # fmt: skip
     """Convert a Hugging Face causal LM, sequence or token classifier of a supported
     family in place (see the module doc and `hf_heads`) and put its parameters on `mesh`
     (``dims.build_mesh`` on the model's device type if None); returns the mesh. Checks
     everything before any collective. `batch`: "full" (the model takes the whole batch
-    on every rank) or "local" (this rank's share), see the module doc.
+    on every rank) or "local" (this rank's share), see the module doc. `overlap` and
+    `reduce_dtype`: the tensor-parallel projections' schedule and the dtype their partial
+    sums travel in (`fusedpar.ops.linear`; None: ``FUSEDPAR_OVERLAP`` or "auto", fp32).
 
     ``dims=None``: one process, every group None, plain parameters (no mesh, no
     ``torch.distributed``): the same layers, for tests and debugging; returns None."""
@@ -196,6 +202,7 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
 
     if batch not in BATCHES:
         raise ValueError(f"parallelize: batch must be one of {BATCHES}, got {batch!r}")
+    tp = {"overlap": check_overlap(overlap), "reduce_dtype": check_reduce_dtype(reduce_dtype)}
     config = model.config
     families.check_config(config)
     head = heads.head_of(model)
@@ -223,10 +230,10 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full"):
         state.pad_token_id = text.pad_token_id
         model.score.register_forward_hook(functools.partial(_pool, state))
     for i, layer in enumerate(layers):
-        attn = _attention(i, getattr(layer, attention), config, groups, rotary_emb)
+        attn = _attention(i, getattr(layer, attention), config, groups, rotary_emb, tp)
         attn._fusedpar_batch = state  # the call's packed documents
         setattr(layer, attention, attn)
-        layer.mlp = _mlp(layer.mlp, config, groups)
+        layer.mlp = _mlp(layer.mlp, config, groups, tp)
     config.use_cache = False  # training: the converted attention keeps no KV cache
     model._fusedpar_batch = state
     model.register_forward_pre_hook(_take_batch, with_kwargs=True)
