@@ -250,6 +250,7 @@ def test_a_hanging_rank_times_out_with_its_stack(scratch_world):
     assert scratch_world.starts == starts + 1
 
 
+@pytest.mark.filterwarnings("ignore:World. the environment differs")  # (spawned: it does)
 def test_a_failing_start_fails_fast(monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-interface")  # init_process_group fails
     t0 = time.monotonic()
