@@ -276,8 +276,8 @@ def test_a_world_started_in_another_environment_is_spawned_and_sees_it(monkeypat
     monkeypatch.setattr(world_module, "_said_spawned", False)
     monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")
     with pytest.warns(UserWarning, match="TORCHINDUCTOR_MAX_AUTOTUNE.*spawned"), \
-            World(2, timeout=60) as w:  # fmt: skip
-        assert w.run(_environment_seen, "TORCHINDUCTOR_MAX_AUTOTUNE") == [("1", True)] * 2
+            World(1, timeout=60) as w:  # fmt: skip
+        assert w.run(_environment_seen, "TORCHINDUCTOR_MAX_AUTOTUNE") == [("1", True)]
 
 
 def test_a_dying_rank_fails_the_call(scratch_world):
@@ -318,28 +318,40 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc (Linux)")
-@pytest.mark.parametrize("how", ["exit", "killed", "killed-while-busy"])
-def test_ranks_do_not_outlive_the_test_process(tmp_path, how):
-    """Ranks end when the process that owns the World ends, even by SIGKILL."""
-    script = tmp_path / "owner.py"
-    script.write_text(
-        "import os, signal, sys\n"
-        "from fusedpar.testing import World\n"
-        "from test_world import sleep_on, whoami\n"
-        "if __name__ == '__main__':\n"
-        "    w = World(2)\n"
-        "    print(' '.join(str(r[2]) for r in w.run(whoami)), flush=True)\n"
-        f"    if {how == 'killed'}: os.kill(os.getpid(), signal.SIGKILL)\n"
-        f"    if {how == 'killed-while-busy'}:  # rank 0 never reads its pipe again\n"
-        "        import threading\n"
-        "        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()\n"
-        "        w.run(sleep_on, 0, 600)\n"
-    )
+def test_ranks_do_not_outlive_the_test_process(tmp_path):
+    """Ranks end when the process that owns the World ends: by exiting, by SIGKILL, and by
+    SIGKILL in the middle of a call (rank 0 never reads its pipe again). The three owners
+    run at once (each imports torch and fusedpar: seconds)."""
+    hows = ["exit", "killed", "killed-while-busy"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
-    pids = [int(p) for p in proc.stdout.split()]
-    assert len(pids) == 2, proc.stderr
+    owners = {}
+    for how in hows:
+        script = tmp_path / f"owner_{how}.py"
+        script.write_text(
+            "import os, signal, sys\n"
+            "from fusedpar.testing import World\n"
+            "from test_world import sleep_on, whoami\n"
+            "if __name__ == '__main__':\n"
+            "    w = World(2)\n"
+            "    print(' '.join(str(r[2]) for r in w.run(whoami)), flush=True)\n"
+            f"    if {how == 'killed'}: os.kill(os.getpid(), signal.SIGKILL)\n"
+            f"    if {how == 'killed-while-busy'}:\n"
+            "        import threading\n"
+            "        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()\n"
+            "        w.run(sleep_on, 0, 600)\n"
+        )
+        owners[how] = subprocess.Popen([sys.executable, str(script)], env=env, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    pids = {}
+    for how, owner in owners.items():
+        try:  # (the pipes close when the ranks, which hold them too, have ended)
+            out, err = owner.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            owner.kill()
+            pytest.fail(f"{how}: the owner's ranks held its output open for 2 minutes")
+        pids[how] = [int(p) for p in out.split()]
+        assert len(pids[how]) == 2, (how, err)
     deadline = time.monotonic() + 10
-    while any(map(_running, pids)) and time.monotonic() < deadline:
+    while any(_running(p) for ps in pids.values() for p in ps) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(map(_running, pids))
+    assert not [how for how, ps in pids.items() if any(map(_running, ps))]
