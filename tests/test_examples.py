@@ -156,36 +156,36 @@ def test_bad_configurations_fail_on_every_rank(world, kwargs, check, match):
         assert isinstance(e, ValueError) and re.search(match, str(e)), repr(e)
 
 
-def _torchrun(*args, timeout=600):
+def _torchrun(*args, ranks=4, timeout=600):
     import os
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           str(root / "examples" / "train.py"), *args]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(ranks), str(root / "examples" / "train.py"), *args]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script sets it
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU tier stays on CPU (gloo) on a GPU machine too
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_the_demo_pipelines_saves_and_resumes_at_another_layout(tmp_path):
-    """--pp 2 --tp 2 (1F1B, 2 microbatches) at parity, saving after each step
+    """--pp 2 on 2 ranks (1F1B, 2 microbatches) at parity, saving after each step
     asynchronously (step 2 runs while step 1's is written). Its step-2 is then made what a
     run killed while saving it leaves (a temporary directory, no record), and a run at
-    CP 2 x TP 2 resumed from the directory takes step-1: its losses go on as the pipelined
-    run's, at parity. (Two torchrun launches, seconds each: loads bit for bit at one
-    layout and across layouts are tests/test_checkpoint.py's, bad degrees
-    `ParallelDims.validate`'s above.)"""
-    shape = ("--tp", "2", "--steps", "2", "--seq", "16", "--batch", "2", "--d-model", "32")
+    TP 2 resumed from the directory takes step-1: its losses go on as the pipelined run's,
+    at parity. (Two torchrun launches of 2 ranks, seconds each: pipelines with TP, loads
+    bit for bit at one layout and across layouts are tests/test_pipeline.py's and
+    tests/test_checkpoint.py's, bad degrees `ParallelDims.validate`'s above.)"""
+    shape = ("--steps", "2", "--seq", "16", "--batch", "2", "--d-model", "32")
     proc = _torchrun("--pp", "2", *shape, "--save", str(tmp_path), "--save-every", "1",
-                     "--async-save")  # fmt: skip
+                     "--async-save", ranks=2)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "pp 2 x dp 1 x cp 1 x tp 2 (1F1B: 2 stages of 1 layers, 2 microbatches)" in proc.stdout
+    assert "pp 2 x dp 1 x cp 1 x tp 1 (1F1B: 2 stages of 1 layers, 2 microbatches)" in proc.stdout
     assert re.search(r"parity: .* over 2 steps; .*: OK", proc.stdout), proc.stdout
     losses = re.search(r"losses from step 1: (.*)", proc.stdout).group(1).split()
     (tmp_path / "step-2" / "complete.json").unlink()
     (tmp_path / "step-2").rename(tmp_path / ".step-2.tmp-0badcafe")
-    resumed = _torchrun("--cp", "2", *shape, "--resume", str(tmp_path))
+    resumed = _torchrun("--tp", "2", *shape, "--resume", str(tmp_path), ranks=2)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"resuming from {tmp_path / 'step-1'} (step 1)" in resumed.stdout, resumed.stdout
     assert re.search(r"parity: .* over 1 steps; .*: OK", resumed.stdout), resumed.stdout
