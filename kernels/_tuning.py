@@ -85,6 +85,14 @@ class Settled:
         options = {k: v for k, v in kwargs.items() if k not in names}
         return Settled(config, scope, grid, tail, options)
 
+    def launch(self, kernel, args: tuple) -> None:
+        """`kernel` on a call's own arguments `args` and the kept constexprs."""
+        if not args[0].is_cuda:  # the interpreter
+            kernel.run(*args, *self.tail, grid=self.grid, warmup=False, **self.options)
+            return
+        with device_guard(args[0]):
+            kernel.run(*args, *self.tail, grid=self.grid, warmup=False, **self.options)
+
 
 @dataclass(frozen=True)
 class Agreement:

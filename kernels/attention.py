@@ -441,11 +441,7 @@ def launch(
         request = _impl.requested()
         kept = settled.get(request)
         if kept is not None and _tuning.kept(name, kept.scope) is kept.config:
-            if not args[0].is_cuda:  # the interpreter
-                kernel.run(*args, *kept.tail, grid=kept.grid, warmup=False, **kept.options)
-                return
-            with device_guard(args[0]):
-                kernel.run(*args, *kept.tail, grid=kept.grid, warmup=False, **kept.options)
+            kept.launch(kernel, args)
             return
     if key is None:
         key = launch_key(args, meta, Sq, Skv, key_extra, torch_run is not None)

@@ -513,20 +513,20 @@ def launch_planned(plan: Plan, request: str, a, b, bias=None, out=None, rope=Non
         first_row = rope.first_row
     if out is None:
         out = torch.empty(plan.shape, dtype=plan.c_dtype, device=plan.device)
-    _launch_settled(plan, settled, _arguments(plan, a, b, bias, out, rope, first_row,
-                                              settled.tail, gated=gated))  # fmt: skip
+    if a.is_cuda and (plan.meta["TMA"] or plan.meta["C_TMA"]):
+        ensure_tma_allocator(a.device)  # per thread: autograd's backward runs on its own
+    settled.launch(_matmul_kernel, _arguments(plan, a, b, bias, out, rope, first_row, gated=gated))
     return out
 
 
-def _arguments(plan: Plan, a, b, bias, out, rope, first_row, tail=(), second=(),
+def _arguments(plan: Plan, a, b, bias, out, rope, first_row, second=(),
                gated: GatedProduct | GatedGrad | None = None) -> tuple:  # fmt: skip
-    """The kernel's positional arguments (a pointer not used: C's, never read), then
-    `tail` (a settled launch's constexprs). `second`: b2, bias2, c2, h of
-    `gated_matmul`; `gated`: a gated epilogue's tensors."""
-    if gated is None and not second:
+    """The kernel's positional arguments (a pointer not used: C's, never read). `second`:
+    b2, bias2, c2, h of `gated_matmul`; `gated`: a gated epilogue's tensors."""
+    if gated is None and not second:  # (most calls: fewer steps)
         cos, sin = (out, out) if rope is None else (rope.cos, rope.sin)
         return (a, b, out, out if bias is None else bias, cos, sin, out, out, out, out, out, out,
-                *plan.scalars, first_row, *tail)  # fmt: skip
+                *plan.scalars, first_row)  # fmt: skip
     cos, sin = (out, out) if rope is None else (rope.cos, rope.sin)
     b2, bias2, c2, h = second or (out,) * 4
     g = u = out
@@ -534,16 +534,4 @@ def _arguments(plan: Plan, a, b, bias, out, rope, first_row, tail=(), second=(),
         g, u, c2, h = gated_tensors(gated)
     return (a, b, out, bias if bias is not None else out, cos, sin, b2,
             out if bias2 is None else bias2, out if c2 is None else c2, out if h is None else h,
-            g, out if u is None else u, *plan.scalars, first_row, *tail)  # fmt: skip
-
-
-def _launch_settled(plan: Plan, settled: _tuning.Settled, args: tuple) -> None:
-    """A planned call's launch once its pick is settled: no tuner, nothing rebuilt; the
-    call's `_arguments` with the kept constexprs, passed positionally."""
-    if not args[0].is_cuda:  # the interpreter
-        _matmul_kernel.run(*args, grid=settled.grid, warmup=False, **settled.options)
-        return
-    if plan.meta["TMA"] or plan.meta["C_TMA"]:
-        ensure_tma_allocator(args[0].device)  # per thread: autograd's backward runs on its own
-    with device_guard(args[0]):
-        _matmul_kernel.run(*args, grid=settled.grid, warmup=False, **settled.options)
+            g, out if u is None else u, *plan.scalars, first_row)  # fmt: skip

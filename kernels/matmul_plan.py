@@ -210,8 +210,10 @@ PLANS: dict[tuple, Plan] = {}
 MAX_PLANS = 4096  # a property test's many shapes: start over rather than grow
 
 
-def _layout(t) -> tuple:
-    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16
+def layout(t: torch.Tensor | None) -> tuple | None:
+    """What a key holds of a tensor: shape, strides, dtype, device and 16-byte alignment
+    (None for none)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
 
 
 def signature(a, b, bias, out, accumulate, out_dtype, tune_only, rope, second, gated) -> tuple:
@@ -229,8 +231,7 @@ def signature(a, b, bias, out, accumulate, out_dtype, tune_only, rope, second, g
         return common
     if gated is not None:
         g, u, c2, h = gated_tensors(gated)
-        gated = (type(gated), gated.activation, _layout(g), u is not None and _layout(u),
-                 c2 is not None and _layout(c2), h is not None and _layout(h))  # fmt: skip
+        gated = (type(gated), gated.activation, layout(g), layout(u), layout(c2), layout(h))
     return (
         common,
         bias is not None and (bias.shape, bias.stride(), bias.dtype),

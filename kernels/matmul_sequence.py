@@ -16,17 +16,10 @@ arguments and picks: the same bits. Host time: bench/host_overhead.py.
 import torch
 from fusedpar.kernels import _common, _impl
 from fusedpar.kernels.matmul import PLANS, launch_planned, matmul
-from fusedpar.kernels.matmul_plan import signature
+from fusedpar.kernels.matmul_plan import layout, signature  # noqa: F401 (layout: the ops')
 
 _SEQUENCES: dict[tuple, list] = {}
 MAX_SEQUENCES = 4096  # a property test's many shapes: start over rather than grow
-
-
-def layout(t: torch.Tensor | None) -> tuple | None:
-    """What an op's key holds of an input tensor (None for none)."""
-    if t is None:
-        return None
-    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16
 
 
 def state() -> tuple:

@@ -78,13 +78,11 @@ def resolve_overlap(overlap: str | None, pg: dist.ProcessGroup | None) -> str:
     is None ``FUSEDPAR_OVERLAP`` (read here, at the call), or "auto"; "auto" by the rule
     in the module doc. "fused" raises a ValueError saying why it cannot run, the same on
     every rank and before any collective. A constant to torch.compile."""
-    name = overlap
-    if name is None:
-        name = os.environ.get("FUSEDPAR_OVERLAP", "auto") or "auto"
-    if name not in OVERLAPS:
-        where = "overlap" if overlap is not None else "FUSEDPAR_OVERLAP"
-        raise ValueError(f"{where} must be one of {', '.join(map(repr, OVERLAPS))}, got "
-                         f"{name!r}")  # fmt: skip
+    if overlap is None:
+        variable = os.environ.get("FUSEDPAR_OVERLAP", "auto") or "auto"
+        name = _known(variable, "FUSEDPAR_OVERLAP must be")
+    else:
+        name = _known(overlap, "overlap must be")
     backend = None if pg is None else dist.get_backend(pg)
     if name == "fused":
         raise ValueError(
@@ -102,13 +100,17 @@ def auto_overlap(backend: str | None) -> str:
     return "ring" if backend == "gloo" else "serial"
 
 
+def _known(name: str, must: str) -> str:
+    """`name` if it is one of `OVERLAPS`, else a ValueError ("`must` one of ...")."""
+    if name not in OVERLAPS:
+        raise ValueError(f"{must} one of {', '.join(map(repr, OVERLAPS))}, got {name!r}")
+    return name
+
+
 def check_overlap(overlap: str | None) -> str | None:
     """`overlap` as a layer keeps it (None, or one of `OVERLAPS`): a typo fails when the
     layer is built, not at its first call."""
-    if overlap is not None and overlap not in OVERLAPS:
-        raise ValueError(f"overlap must be None or one of {', '.join(map(repr, OVERLAPS))}, "
-                         f"got {overlap!r}")  # fmt: skip
-    return overlap
+    return None if overlap is None else _known(overlap, "overlap must be None or")
 
 
 def _ring_chunks(overlap: str | None, pg, chunks_per_rank: int) -> int:
@@ -205,18 +207,21 @@ def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul,
     collective sums in it. Either way the result is rounded once more, after the bias.
     """
     wide = accumulator(pairs[0][0].dtype)
+
+    def summed():  # sum_i A_i @ B_i over every row, in fp32
+        total = gemm(*pairs[0], out_dtype=wide)
+        for A, B in pairs[1:]:
+            gemm(A, B, out=total, accumulate=True)
+        return total
+
     if ring is None and group_size(pg) == 1:  # one rank: the fp32 sum, rounded once
         if len(pairs) == 1:  # the GEMM's epilogue adds the bias in fp32 and rounds
             return gemm(*pairs[0], bias=bias, out_dtype=out_dtype)
-        total = gemm(*pairs[0], out_dtype=wide)
-        for A, B in pairs[1:]:
-            gemm(A, B, out=total, accumulate=True)
+        total = summed()
         total = total if bias is None else total + bias.to(wide)
         return total if total.dtype == out_dtype else total.to(out_dtype)  # (a no-op .to costs)
     if ring is None and chunks == SERIAL:  # every row's fp32 partial, one reduce-scatter
-        total = gemm(*pairs[0], out_dtype=wide)
-        for A, B in pairs[1:]:
-            gemm(A, B, out=total, accumulate=True)
+        total = summed()
         sent = total if reduce_dtype is None else total.to(reduce_dtype)
         mine = reduce_scatter_async(sent, pg).wait().to(wide)
         return (mine if bias is None else mine + bias.to(wide)).to(out_dtype)  # rounded once
