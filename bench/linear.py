@@ -229,7 +229,7 @@ def make_case(side: str, d: int, widths: list[int], tp: int, tokens: int, device
 
 def _gpu_point(model, proj, tp, tokens, side, link, device="cuda") -> dict:
     """One point's row (on CPU, where tests run it, the copies are unpaced)."""
-    from fusedpar.ops.linear import auto_overlap
+    from fusedpar.ops.overlap import auto_overlap
 
     d, widths = layer_widths(model, proj, tp)
     side, _, wire = side.partition("-")

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import fusedpar as fp
-from fusedpar.ops.linear import resolve_overlap
+from fusedpar.ops.overlap import resolve_overlap
 from fusedpar.testing import Collectives, exception_of
 
 WORLD = dist.group.WORLD
@@ -70,7 +70,7 @@ def _refused(overlap, env):
 
 
 @pytest.mark.parametrize("overlap, env, match", [
-    ("fused", None, r"overlap='fused' .* not available .* this group is gloo"),
+    ("fused", None, r"overlap='fused' .* cannot run here: .* this group is gloo"),
     (None, "fused", r"overlap='fused'"),
     ("rings", None, r"overlap must be one of 'auto', 'serial', 'ring', 'fused', got 'rings'"),
     (None, "Serial", r"FUSEDPAR_OVERLAP must be one of .* got 'Serial'"),

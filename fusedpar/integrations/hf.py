@@ -71,7 +71,8 @@ from fusedpar.nn import (
     ParallelSwiGLU,
     RowParallelLinear,
 )
-from fusedpar.ops.linear import check_overlap, check_reduce_dtype
+from fusedpar.ops.linear import check_reduce_dtype
+from fusedpar.ops.overlap import check_overlap
 from fusedpar.ops.sequence import gather_sequence, shard_sequence
 from fusedpar.storage import distribute
 

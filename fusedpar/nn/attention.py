@@ -73,10 +73,10 @@ from fusedpar.nn.linear import bias_per_weight, linear_parts
 from fusedpar.ops.attention_layer import attention_layer
 from fusedpar.ops.linear import (
     all_gather_matmul,
-    check_overlap,
     check_reduce_dtype,
     matmul_reduce_scatter,
 )
+from fusedpar.ops.overlap import check_overlap
 from fusedpar.ops.ring_attention import ring_attn
 from fusedpar.ops.sequence import sequence_positions
 from fusedpar.ops.ulysses import check_heads

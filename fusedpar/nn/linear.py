@@ -29,11 +29,11 @@ from fusedpar.ops.gated_down import gated_down, kernel_activation
 from fusedpar.ops.linear import (
     DEFAULT_CHUNKS_PER_RANK,
     all_gather_matmul,
-    check_overlap,
     check_reduce_dtype,
     matmul_reduce_scatter,
 )
 from fusedpar.ops.mlp import gated_mlp
+from fusedpar.ops.overlap import check_overlap
 from fusedpar.storage import ParamLayout, local_tensor
 
 

@@ -30,10 +30,10 @@ from fusedpar.ops.linear import (
     _flat,
     _matmul_reduce_scatter_backward,
     _matmul_reduce_scatter_forward,
-    _ring_chunks,
     _row_sum,
     gather_matmuls,
 )
+from fusedpar.ops.overlap import ring_chunks
 from fusedpar.ops.registration import direct_op
 
 # --- custom ops: fusedpar::gated and the backward (inside _GatedDown) -------------------
@@ -212,5 +212,5 @@ def gated_down(gate, up, weight, group, *, activation, bias=None, sequence_paral
             raise ValueError(f"gated_down: dim 0 of gate (shape {tuple(gate.shape)}) has "
                              f"{gate.shape[0]} tokens, not divisible by the group size "
                              f"{size}")  # fmt: skip
-        name, chunks = group_name(pg), _ring_chunks(overlap, pg, chunks_per_rank)
+        name, chunks = group_name(pg), ring_chunks(overlap, pg, chunks_per_rank)
     return _GatedDown.apply(gate, up, weight, bias, activation, name, chunks, reduce_dtype)

@@ -34,20 +34,20 @@ read at the call; `resolve_overlap`):
 | ---------- | ------------------------------------------------------------------------- |
 | ``serial`` | one collective (all-gather / reduce-scatter of fp32 partials), one GEMM   |
 | ``ring``   | the pipelined ring above                                                  |
-| ``fused``  | not available yet: refused, naming why                                    |
+| ``fused``  | one persistent GEMM taking chunks as the copy engine lands them           |
+|            | (`fusedpar.ops.linear_fused`); NCCL groups only, refused elsewhere        |
 | ``auto``   | the rule: ``ring`` on gloo (CPU: 1.01-1.36x serial, bench linear's cpu    |
 |            | rows), ``serial`` elsewhere (the first H100 run: the ring lost to serial  |
 |            | at 14 of 16 points and won by at most 3%)                                 |
 
-Inside the ops a schedule is the ring's chunks per rank, 0 for ``serial``.
+Inside the ops a schedule is the ring's chunks per rank, 0 for ``serial`` and -1 for
+``fused`` (`fusedpar.ops.overlap`).
 """
 
 import math
-import os
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from fusedpar.comm import (
@@ -65,57 +65,11 @@ from fusedpar.kernels import rope as rope_kernels
 from fusedpar.kernels._common import accumulator, check_float_dtype
 from fusedpar.kernels._tuning import frozen
 from fusedpar.kernels.matmul import RowRotation, matmul, rope_epilogue_fits
+from fusedpar.ops.linear_fused import gather_matmuls_fused, matmuls_reduce_scatter_fused
+from fusedpar.ops.overlap import FUSED, SERIAL, ring_chunks
 from fusedpar.ops.registration import autograd_op, direct_op
 
 DEFAULT_CHUNKS_PER_RANK = 1  # one ring message per rank and step, as in async-TP
-SERIAL = 0  # the ops' chunks for the serial schedule (one collective, one GEMM)
-OVERLAPS = ("auto", "serial", "ring", "fused")
-
-
-@torch.compiler.assume_constant_result
-def resolve_overlap(overlap: str | None, pg: dist.ProcessGroup | None) -> str:
-    """The schedule ("serial" or "ring") a call over `pg` runs: `overlap`, or where it
-    is None ``FUSEDPAR_OVERLAP`` (read here, at the call), or "auto"; "auto" by the rule
-    in the module doc. "fused" raises a ValueError saying why it cannot run, the same on
-    every rank and before any collective. A constant to torch.compile."""
-    if overlap is None:
-        variable = os.environ.get("FUSEDPAR_OVERLAP", "auto") or "auto"
-        name = _known(variable, "FUSEDPAR_OVERLAP must be")
-    else:
-        name = _known(overlap, "overlap must be")
-    backend = None if pg is None else dist.get_backend(pg)
-    if name == "fused":
-        raise ValueError(
-            "overlap='fused' (one persistent GEMM waiting on chunks that symmetric memory's "
-            "copy engine delivers) is not available in this version of fusedpar"
-            + (f"; it needs CUDA tensors on an NCCL group, this group is {backend}"
-               if backend not in (None, "nccl") else "")
-            + ": use 'serial' or 'ring'"
-        )  # fmt: skip
-    return auto_overlap(backend) if name == "auto" else name
-
-
-def auto_overlap(backend: str | None) -> str:
-    """The schedule "auto" runs on a group of `backend` (the module doc's rule)."""
-    return "ring" if backend == "gloo" else "serial"
-
-
-def _known(name: str, must: str) -> str:
-    """`name` if it is one of `OVERLAPS`, else a ValueError ("`must` one of ...")."""
-    if name not in OVERLAPS:
-        raise ValueError(f"{must} one of {', '.join(map(repr, OVERLAPS))}, got {name!r}")
-    return name
-
-
-def check_overlap(overlap: str | None) -> str | None:
-    """`overlap` as a layer keeps it (None, or one of `OVERLAPS`): a typo fails when the
-    layer is built, not at its first call."""
-    return None if overlap is None else _known(overlap, "overlap must be None or")
-
-
-def _ring_chunks(overlap: str | None, pg, chunks_per_rank: int) -> int:
-    """The ops' `chunks`: `chunks_per_rank` for the ring, `SERIAL` for serial."""
-    return SERIAL if resolve_overlap(overlap, pg) == "serial" else chunks_per_rank
 
 
 def _pieces(rows: int, chunks: int) -> list[tuple[int, int]]:
@@ -142,6 +96,8 @@ def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None, epil
     """
     epilogues = epilogues or [None] * len(operands)
     n, K = x.shape
+    if ring is None and chunks == FUSED and group_size(pg) > 1:
+        return gather_matmuls_fused(x, operands, biases, pg, gemm, epilogues)
     if ring is None and (group_size(pg) == 1 or chunks == SERIAL):
         # one rank: plain GEMMs, nothing to gather; serial: one all-gather, then GEMMs
         full = x if group_size(pg) == 1 else all_gather_async(x, pg).wait()
@@ -220,6 +176,8 @@ def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul,
         total = summed()
         total = total if bias is None else total + bias.to(wide)
         return total if total.dtype == out_dtype else total.to(out_dtype)  # (a no-op .to costs)
+    if ring is None and chunks == FUSED:
+        return matmuls_reduce_scatter_fused(pairs, pg, out_dtype, bias, reduce_dtype)
     if ring is None and chunks == SERIAL:  # every row's fp32 partial, one reduce-scatter
         total = summed()
         sent = total if reduce_dtype is None else total.to(reduce_dtype)
@@ -319,7 +277,8 @@ def _all_gather_matmul_op(x: Tensor, weights: list[Tensor], biases: list[Tensor]
     pg = group_by_name(group)
     biases = _spread(biases, has_bias)
     full = bool(rope) and 2 * rope[0].shape[1] == head_dim
-    fused = full and rope_epilogue_fits(x.dtype, head_dim)
+    # (the fused schedule's GEMM has no rotating epilogue: it rotates after)
+    fused = full and rope_epilogue_fits(x.dtype, head_dim) and chunks != FUSED
     rotations = None
     if fused:  # rows in (T, ...) order: the dims between share a position
         rotation = RowRotation(*rope, rows_per_position=max(1, math.prod(x.shape[1:-1])))
@@ -607,7 +566,7 @@ def all_gather_matmul(
     present = [b for b in biases if b is not None]
     has_bias = [b is not None for b in biases]
     _check_reduce_dtype(reduce_dtype, "all_gather_matmul")
-    chunks = _ring_chunks(overlap, pg, chunks_per_rank)
+    chunks = ring_chunks(overlap, pg, chunks_per_rank)
     outs, _ = _all_gather_matmul(x, weights, present, has_bias, group_name(pg), chunks,
                                  save_gathered_input, tables, flags, head_dim,
                                  reduce_dtype)  # fmt: skip
@@ -644,5 +603,5 @@ def matmul_reduce_scatter(
             f"tokens, not divisible by the group size {size}"
         )
     _check_reduce_dtype(reduce_dtype, "matmul_reduce_scatter")
-    chunks = _ring_chunks(overlap, pg, chunks_per_rank)
+    chunks = ring_chunks(overlap, pg, chunks_per_rank)
     return _matmul_reduce_scatter(x, weight, bias, group_name(pg), chunks, reduce_dtype)

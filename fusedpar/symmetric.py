@@ -1,0 +1,232 @@
+"""The fused schedule's transport (``overlap="fused"``): symmetric-memory buffers, copies
+by the copy engine, and a flag written after each.
+
+| side           | before the GEMM                 | during it (side stream, high priority)  |
+| -------------- | ------------------------------- | --------------------------------------- |
+| all-gather     | x into this rank's symmetric    | rank + 1, rank + 2, ...: pull the peer's |
+|                | shard; own rows into place,     | shard into its rows of the gathered     |
+|                | ``flags[rank] = 1``; barrier    | buffer, then ``flags[src] = 1``          |
+| reduce-scatter | flags and counts zeroed;        | per destination d (rank + 1 first): wait |
+|                | barrier                         | for its tiles' count, copy them into d's |
+|                |                                 | ``received[rank]``, ``d.flags[rank] = 1`` |
+
+The persistent GEMM (`fusedpar.kernels.matmul_fused`) waits on the flags or raises the
+counts; a last kernel sums the received partials. Flags are reset in the stream, flag
+writes are stream memory ops (``cuStreamWriteValue32``; a memset while a CUDA graph is
+captured), so a step captures and replays. The all-gather ends with a barrier (no peer
+still reads this rank's shard when the next call overwrites it).
+
+The count waits on the side stream are one-program kernels, so the reduce-scatter's
+GEMM leaves one SM free for them: with every SM held by a persistent tile loop, a wait
+queued behind it could hold back that SM's own tiles, the ones it waits for.
+
+A wait longer than ``FUSEDPAR_WAIT_S`` (default 30 s, read at each call) stops the
+kernel; the record it leaves in pinned memory is reported by `Watchdog`, which ends
+the process with the message, as NCCL's watchdog does on a timed-out collective.
+
+Buffers are made once per (group, shape, dtype) and reused (`transport`)."""
+
+import atexit
+import os
+import sys
+import threading
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from fusedpar.kernels import matmul_fused
+
+DEFAULT_WAIT_S = 30.0
+
+
+def wait_seconds() -> float:
+    """``FUSEDPAR_WAIT_S`` (read at the call), else 30 s: how long a fused kernel waits
+    for a chunk before it stops."""
+    text = os.environ.get("FUSEDPAR_WAIT_S", "")
+    try:
+        value = float(text) if text else DEFAULT_WAIT_S
+    except ValueError:
+        raise ValueError(f"FUSEDPAR_WAIT_S must be a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise ValueError(f"FUSEDPAR_WAIT_S must be positive, got {text!r}")
+    return value
+
+
+def unavailable(pg: dist.ProcessGroup | None) -> str | None:
+    """Why the fused schedule cannot run over `pg` (None: it can). The same answer on
+    every rank (it reads the backend and this torch, nothing rank-local)."""
+    backend = None if pg is None else dist.get_backend(pg)
+    if backend != "nccl":
+        return f"it needs CUDA tensors on an NCCL group, this group is {backend}"
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError:
+        return f"torch {torch.__version__} has no symmetric memory"
+    return None
+
+
+def signal(flags: torch.Tensor, index: int) -> None:
+    """``flags[index] = 1`` (int32) on the current stream, after its earlier work: a
+    stream write (no kernel), or a one-word memset while a graph is captured."""
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    if torch.cuda.is_current_stream_capturing():
+        _SymmetricMemory.memset32(flags, offset=index, val=1, count=1)
+    else:
+        _SymmetricMemory.stream_write_value32(flags, index, 1)
+
+
+class Watchdog:
+    """Reports a fused kernel's stopped wait: the kernels write (op, rank, chunk) into
+    `status` (pinned host memory) before they trap. A thread reads it every 0.1 s, and at
+    exit it is read once more; a record ends the process with the message (the CUDA
+    context is lost after the trap, so nothing could go on)."""
+
+    _instances: dict[torch.device, "Watchdog"] = {}
+
+    def __init__(self):
+        self.status = torch.zeros(3, dtype=torch.int32).pin_memory()
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, name="fusedpar-watchdog", daemon=True).start()
+        atexit.register(self._report)
+
+    @classmethod
+    def of(cls, device: torch.device) -> "Watchdog":
+        if device not in cls._instances:
+            cls._instances[device] = cls()
+        return cls._instances[device]
+
+    def message(self) -> str | None:
+        op, rank, chunk = (int(v) for v in self.status)
+        if op == 0:
+            return None
+        name = matmul_fused.OPS[op - 1]
+        return (f"fusedpar: {name} (overlap='fused') on rank {rank} waited more than "
+                f"FUSEDPAR_WAIT_S = {wait_seconds():g} s for chunk {chunk} (the rows of rank "
+                f"{chunk}); the kernel stopped. A peer did not deliver: it failed, or it "
+                "called a different op")  # fmt: skip
+
+    def _watch(self):
+        while not self._stop.wait(0.1):
+            if self._report():
+                os._exit(1)
+
+    def _report(self) -> bool:
+        text = self.message()
+        if text is not None:
+            print(text, file=sys.stderr, flush=True)
+        return text is not None
+
+
+_WARNED: set[str] = set()
+
+
+def say_once(what: str) -> None:
+    """A fused call that runs part of its work unfused says so, once per kind."""
+    if what not in _WARNED:
+        _WARNED.add(what)
+        warnings.warn(f"overlap='fused': {what}", stacklevel=3)
+
+
+class _Transport:
+    def __init__(self, pg: dist.ProcessGroup, device: torch.device):
+        self.pg, self.device = pg, device
+        self.rank, self.world = dist.get_rank(pg), dist.get_world_size(pg)
+        self.stream = torch.cuda.Stream(device=device, priority=-1)
+        self.status = Watchdog.of(device).status
+
+
+class Gather(_Transport):
+    """The all-gather side for x of one (m, K) shape and dtype."""
+
+    def __init__(self, pg, shape: tuple[int, int], dtype: torch.dtype, device):
+        super().__init__(pg, device)
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.shard = symm_mem.empty(shape, dtype=dtype, device=device)
+        self.handle = symm_mem.rendezvous(self.shard, pg.group_name)  # collective, once
+        self.peers = [self.handle.get_buffer(r, shape, dtype) for r in range(self.world)]
+        self.flags = torch.zeros(self.world, dtype=torch.int32, device=device)
+
+    def start(self, x: torch.Tensor) -> torch.Tensor:
+        """The gathered (W*m, K) buffer, filling: own rows now, the peers' from the side
+        stream in rank-rotated order, each chunk's flag set after it (`flags`)."""
+        m, rank, world = x.shape[0], self.rank, self.world
+        current = torch.cuda.current_stream(self.device)
+        self.shard.copy_(x)
+        self.flags.zero_()
+        gathered = x.new_empty((world * m, x.shape[1]))
+        gathered[rank * m : (rank + 1) * m].copy_(x)
+        signal(self.flags, rank)
+        self.handle.barrier(channel=0)  # every rank's shard is written
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            for step in range(1, world):
+                src = (rank + step) % world
+                gathered[src * m : (src + 1) * m].copy_(self.peers[src])  # copy engine
+                signal(self.flags, src)
+        return gathered
+
+    def finish(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.handle.barrier(channel=0)  # no peer reads this rank's shard any more
+
+
+class Scatter(_Transport):
+    """The reduce-scatter side for partials of (W*m, N) in `dtype` (the reduce dtype)."""
+
+    def __init__(self, pg, rows: int, N: int, dtype: torch.dtype, device):
+        super().__init__(pg, device)
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        world = self.world
+        self.received = symm_mem.empty((world, rows, N), dtype=dtype, device=device)
+        self.handle = symm_mem.rendezvous(self.received, pg.group_name)
+        self.peer_received = [self.handle.get_buffer(r, (world, rows, N), dtype)
+                              for r in range(world)]  # fmt: skip
+        self.flags = symm_mem.empty((world,), dtype=torch.int32, device=device)
+        self.flag_handle = symm_mem.rendezvous(self.flags, pg.group_name)
+        self.peer_flags = [self.flag_handle.get_buffer(r, (world,), torch.int32)
+                           for r in range(world)]  # fmt: skip
+        self.counts = torch.zeros(world, dtype=torch.int32, device=device)
+        self.rows, self.dtype = rows, dtype
+
+    def run(self, pairs, out_dtype: torch.dtype, bias, tiles: int, gemm) -> torch.Tensor:
+        """This rank's (m, N) rows of ``sum_ranks sum_i A_i @ B_i`` + bias: ``gemm(P,
+        counts)`` writes the partials P (W*m, N) counting `tiles` per chunk, each chunk
+        leaves as soon as counted."""
+        m, rank, world = self.rows, self.rank, self.world
+        current = torch.cuda.current_stream(self.device)
+        wait_s = wait_seconds()
+        self.flags.zero_()
+        self.counts.zero_()
+        self.handle.barrier(channel=0)  # every rank reset its flags: peers may write them
+        partials = torch.empty((world * m, self.received.shape[2]), dtype=self.dtype,
+                               device=self.device)  # fmt: skip
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            for step in range(1, world):
+                dest = (rank + step) % world
+                matmul_fused.wait_count(self.counts, dest, tiles, rank, status=self.status,
+                                        wait_s=wait_s)  # fmt: skip
+                self.peer_received[dest][rank].copy_(partials[dest * m : (dest + 1) * m])
+                signal(self.peer_flags[dest], rank)
+        gemm(partials, self.counts)
+        out = matmul_fused.sum_partials(partials[rank * m : (rank + 1) * m], self.received,
+                                        self.flags, rank, out_dtype, bias, status=self.status,
+                                        wait_s=wait_s)  # fmt: skip
+        current.wait_stream(self.stream)
+        return out
+
+
+_TRANSPORTS: dict[tuple, _Transport] = {}
+
+
+def transport(kind: type, pg: dist.ProcessGroup, *key) -> _Transport:
+    """The `Gather` or `Scatter` for `pg` and this shape (made on first use: a collective
+    every rank reaches with the same shapes, as the op's call is)."""
+    full = (kind, pg.group_name, *key)
+    if full not in _TRANSPORTS:
+        _TRANSPORTS[full] = kind(pg, *key)
+    return _TRANSPORTS[full]
