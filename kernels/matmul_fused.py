@@ -38,7 +38,7 @@ GPU-only (``ON_GPU``).
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _tuning
+from fusedpar.kernels import _common, _tuning
 from fusedpar.kernels._common import (
     accumulator,
     check_float_dtype,
@@ -49,7 +49,6 @@ from fusedpar.kernels._common import (
     is_interpreted,
     next_power_of_2,
     sm_count,
-    tma_compatible,
 )
 from fusedpar.kernels._tuning import Agreement, bucket
 from fusedpar.kernels.matmul import (
@@ -167,6 +166,12 @@ def _store(acc, c_ptr, bias_ptr, chunk, row, start_n, m, N, stride_cm, HAS_BIAS:
 
 
 @triton.jit
+def _pick(i, x0, x1, x2):
+    """x0, x1 or x2 by the runtime index i (pointers, strides, sizes)."""
+    return tl.where(i == 0, x0, tl.where(i == 1, x1, x2))
+
+
+@triton.jit
 def _fused_matmul_kernel(
     # pointers (operand i: A_i, B_i, bias_i, C_i; the gather has one A, the scatter one C)
     a0_ptr, a1_ptr, a2_ptr, b0_ptr, b1_ptr, b2_ptr, bias0_ptr, bias1_ptr, bias2_ptr,
@@ -179,9 +184,7 @@ def _fused_matmul_kernel(
     # meta-parameters
     GATHER: tl.constexpr,
     OPERANDS: tl.constexpr,
-    HAS_BIAS0: tl.constexpr,
-    HAS_BIAS1: tl.constexpr,
-    HAS_BIAS2: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     TMA: tl.constexpr,
     B_T: tl.constexpr,
     ON_GPU: tl.constexpr,
@@ -199,8 +202,13 @@ def _fused_matmul_kernel(
     GATHER: C_i = A0 @ B_i + bias_i, the column blocks those of B_0, B_1, B_2 in turn
     (one weight's per tile); the tile first waits for ``signal[chunk] >= 1``.
     Scatter: C0 = sum_i A_i @ B_i over the N0 columns; after the tile,
-    ``signal[chunk] += 1``. TRACE: ``trace[p * slots + j]`` = the j-th tile of program
-    p (tests read the order)."""
+    ``signal[chunk] += 1``. HAS_BIAS: every bias is read (the launcher passes zeros for
+    a weight without one: adding 0 in fp32 changes nothing). TRACE: ``trace[p * tiles
+    + j]`` = the j-th tile of program p (tests read the order).
+
+    One K loop serves every operand: with several, a tile makes its operands'
+    descriptors from the picked pointers (a K loop per operand, one in each branch,
+    kept three pipelines' shared memory: 433 KiB at 128x256, over an H100's 227)."""
     tiles_m = tl.cdiv(m, BLOCK_M)
     blocks0 = tl.cdiv(N0, BLOCK_N)
     if GATHER:
@@ -212,21 +220,12 @@ def _fused_matmul_kernel(
     tiles_n = blocks0 + blocks1 + blocks2
     per_chunk = tiles_m * tiles_n
     first = 0 if GATHER else 1
-    if TMA:
-        a0_desc = _chunk_source(a0_ptr, W, m, K0, stride_a0m, TMA, BLOCK_M, BLOCK_K)
-        a1_desc = _chunk_source(a1_ptr, W, m, K1, stride_a1m, TMA, BLOCK_M, BLOCK_K) if not GATHER and OPERANDS > 1 else None  # noqa: E501
-        a2_desc = _chunk_source(a2_ptr, W, m, K2, stride_a2m, TMA, BLOCK_M, BLOCK_K) if not GATHER and OPERANDS > 2 else None  # noqa: E501
-        b0_desc = _operand_source(b0_ptr, K0, N0, stride_b0n if B_T else stride_b0k, B_T,
-                                  BLOCK_K, BLOCK_N)  # fmt: skip
-        b1_desc = _operand_source(b1_ptr, K1, N1, stride_b1n if B_T else stride_b1k, B_T, BLOCK_K, BLOCK_N) if OPERANDS > 1 else None  # noqa: E501
-        b2_desc = _operand_source(b2_ptr, K2, N2, stride_b2n if B_T else stride_b2k, B_T, BLOCK_K, BLOCK_N) if OPERANDS > 2 else None  # noqa: E501
-    else:
-        a0_desc = None
-        a1_desc = None
-        a2_desc = None
-        b0_desc = None
-        b1_desc = None
-        b2_desc = None
+    a_desc = None
+    b_desc = None
+    if TMA and OPERANDS == 1:  # made once
+        a_desc = _chunk_source(a0_ptr, W, m, K0, stride_a0m, TMA, BLOCK_M, BLOCK_K)
+        b_desc = _operand_source(b0_ptr, K0, N0, stride_b0n if B_T else stride_b0k, B_T,
+                                 BLOCK_K, BLOCK_N)  # fmt: skip
     j = 0
     for tile in range(tl.program_id(0), W * per_chunk, tl.num_programs(0)):
         chunk = (rank + first + tile // per_chunk) % W
@@ -236,44 +235,40 @@ def _fused_matmul_kernel(
             tl.store(trace_ptr + tl.program_id(0) * W * per_chunk + j, chunk * per_chunk
                      + pid_m * tiles_n + pid_n)  # fmt: skip
             j += 1
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if GATHER:
+        if GATHER:  # this tile's weight, and its first column
             wait_flag(signal_ptr + chunk, 1, wait_ns, status_ptr, 1, rank, chunk, "gpu", ON_GPU)
-            if pid_n < blocks0:
-                acc = _product(acc, a0_ptr, a0_desc, b0_ptr, b0_desc, chunk, row, pid_n * BLOCK_N,
-                               m, K0, N0, stride_a0m, stride_ak, stride_b0k, stride_b0n, TMA,
-                               B_T, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-                _store(acc, c0_ptr, bias0_ptr, chunk, row, pid_n * BLOCK_N, m, N0, stride_c0m,
-                       HAS_BIAS0, BLOCK_M, BLOCK_N)  # fmt: skip
-            elif pid_n < blocks0 + blocks1:
-                start_n = (pid_n - blocks0) * BLOCK_N
-                acc = _product(acc, a0_ptr, a0_desc, b1_ptr, b1_desc, chunk, row, start_n, m,
-                               K1, N1, stride_a0m, stride_ak, stride_b1k, stride_b1n, TMA, B_T,
-                               INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-                _store(acc, c1_ptr, bias1_ptr, chunk, row, start_n, m, N1, stride_c1m, HAS_BIAS1,
-                       BLOCK_M, BLOCK_N)  # fmt: skip
-            else:
-                start_n = (pid_n - blocks0 - blocks1) * BLOCK_N
-                acc = _product(acc, a0_ptr, a0_desc, b2_ptr, b2_desc, chunk, row, start_n, m,
-                               K2, N2, stride_a0m, stride_ak, stride_b2k, stride_b2n, TMA, B_T,
-                               INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-                _store(acc, c2_ptr, bias2_ptr, chunk, row, start_n, m, N2, stride_c2m, HAS_BIAS2,
-                       BLOCK_M, BLOCK_N)  # fmt: skip
+            op = (pid_n >= blocks0).to(tl.int32) + (pid_n >= blocks0 + blocks1).to(tl.int32)
+            start_n = (pid_n - _pick(op, 0, blocks0, blocks0 + blocks1)) * BLOCK_N
+            ops_end = op + 1
         else:
+            op = 0
             start_n = pid_n * BLOCK_N
-            acc = _product(acc, a0_ptr, a0_desc, b0_ptr, b0_desc, chunk, row, start_n, m, K0,
-                           N0, stride_a0m, stride_ak, stride_b0k, stride_b0n, TMA, B_T,
+            ops_end = OPERANDS
+        N = _pick(op, N0, N1, N2)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for i in range(op, ops_end):
+            a_ptr = a0_ptr if GATHER else _pick(i, a0_ptr, a1_ptr, a2_ptr)
+            stride_am = stride_a0m if GATHER else _pick(i, stride_a0m, stride_a1m, stride_a2m)
+            b_ptr = _pick(i, b0_ptr, b1_ptr, b2_ptr)
+            stride_bk = _pick(i, stride_b0k, stride_b1k, stride_b2k)
+            stride_bn = _pick(i, stride_b0n, stride_b1n, stride_b2n)
+            K = _pick(i, K0, K1, K2)
+            if TMA and OPERANDS > 1:
+                a_src = _chunk_source(a_ptr, W, m, K, stride_am, TMA, BLOCK_M, BLOCK_K)
+                b_src = _operand_source(b_ptr, K, N, stride_bn if B_T else stride_bk, B_T,
+                                        BLOCK_K, BLOCK_N)  # fmt: skip
+            else:
+                a_src = a_desc
+                b_src = b_desc
+            acc = _product(acc, a_ptr, a_src, b_ptr, b_src, chunk, row, start_n, m, K, N,
+                           stride_am, stride_ak, stride_bk, stride_bn, TMA, B_T,
                            INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-            if OPERANDS > 1:
-                acc = _product(acc, a1_ptr, a1_desc, b1_ptr, b1_desc, chunk, row, start_n, m,
-                               K1, N0, stride_a1m, stride_ak, stride_b1k, stride_b1n, TMA, B_T,
-                               INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-            if OPERANDS > 2:
-                acc = _product(acc, a2_ptr, a2_desc, b2_ptr, b2_desc, chunk, row, start_n, m,
-                               K2, N0, stride_a2m, stride_ak, stride_b2k, stride_b2n, TMA, B_T,
-                               INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-            _store(acc, c0_ptr, bias0_ptr, chunk, row, start_n, m, N0, stride_c0m, False,
-                   BLOCK_M, BLOCK_N)  # fmt: skip
+        c_ptr = _pick(op, c0_ptr, c1_ptr, c2_ptr)
+        bias_ptr = _pick(op, bias0_ptr, bias1_ptr, bias2_ptr)
+        stride_cm = _pick(op, stride_c0m, stride_c1m, stride_c2m)
+        _store(acc, c_ptr, bias_ptr, chunk, row, start_n, m, N, stride_cm, HAS_BIAS and GATHER,
+               BLOCK_M, BLOCK_N)  # fmt: skip
+        if not GATHER:
             tl.debug_barrier()  # every thread's stores, before the count is released
             tl.atomic_add(signal_ptr + chunk, 1, sem="release", scope="gpu")
 
@@ -359,7 +354,7 @@ def _operand_layout(operands) -> tuple[bool, bool]:
     same way (B_T: K-contiguous, a weight read as ``w.T``)."""
     b_t = {b.stride(0) == 1 and b.stride(1) != 1 for _, b in operands}
     aligned = all(a.dtype in (torch.float16, torch.bfloat16) and a.stride(-1) == 1
-                  and tma_compatible(a, b) for a, b in operands)  # fmt: skip
+                  and _common.tma_compatible(a, b) for a, b in operands)  # fmt: skip
     tma = aligned and len(b_t) == 1
     return tma, tma and b_t.pop()
 
@@ -378,7 +373,16 @@ def _launch(name: str, key: tuple, operands, outs, biases, signal, rank: int, wo
     pad = lambda ts, fill: list(ts) + [fill] * (MAX_OPERANDS - len(ts))  # noqa: E731
     a_s = pad([a for a, _ in operands], a0)
     b_s = pad([b for _, b in operands], operands[0][1])
-    bias_s = pad([b if b is not None else outs[0] for b in biases], outs[0])
+    # One bias pointer type for every operand: biases of mixed dtypes go as fp32, where
+    # they are added anyway (exact), and a weight without one gets zeros.
+    given = [b for b in biases if b is not None]
+    has_bias = bool(given)
+    bias_dtype = given[0].dtype if len({b.dtype for b in given}) == 1 else torch.float32
+    zeros = None
+    if has_bias and len(given) < len(biases):
+        zeros = torch.zeros(max(B.shape[1] for _, B in operands), dtype=bias_dtype, device=device)
+    bias_s = pad([zeros if b is None else b.to(bias_dtype) for b in biases] if has_bias
+                 else [outs[0]] * len(biases), outs[0])  # fmt: skip
     c_s = pad(outs, outs[0])
     K_s = pad([a.shape[1] if not gather else a0.shape[1] for a, _ in operands], 0)
     N_s = pad([b.shape[1] for _, b in operands], 0)
@@ -388,13 +392,11 @@ def _launch(name: str, key: tuple, operands, outs, biases, signal, rank: int, wo
             *(a.stride(0) for a in a_s), a0.stride(1),
             *(s for b in b_s for s in b.stride()), *(c.stride(0) for c in c_s),
             rows, world, rank, *K_s, *N_s, _wait_ns(wait_s))  # fmt: skip
-    has_bias = pad([b is not None for b in biases], False)
-    meta = dict(GATHER=gather, OPERANDS=len(operands), HAS_BIAS0=has_bias[0],
-                HAS_BIAS1=has_bias[1], HAS_BIAS2=has_bias[2], TMA=tma, B_T=b_t,
+    meta = dict(GATHER=gather, OPERANDS=len(operands), HAS_BIAS=has_bias, TMA=tma, B_T=b_t,
                 ON_GPU=not interpreted, TRACE=trace is not None, INPUT_PRECISION=precision,
                 GROUP_M=GROUP_M)  # fmt: skip
     key = (*key, bucket(rows), world, tuple(K_s), tuple(N_s), str(a0.dtype), str(outs[0].dtype),
-           tuple(has_bias), precision, tma, b_t)  # fmt: skip
+           has_bias, precision, tma, b_t)  # fmt: skip
     widest = sum(N_s) if gather else N_s[0]
     tiles_n = lambda c: sum(-(-n // c.kwargs["BLOCK_N"]) for n in N_s if n)  # noqa: E731
     if programs is None:
