@@ -233,3 +233,49 @@ class StandInRing:
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return recv
+
+
+class CopyEngineGather:
+    """`fusedpar.symmetric.Gather`'s interface on one device, taking no SM: this is rank
+    `rank` of ``len(peers)``, whose other ranks' shards are `peers` (on this device).
+    ``start(x)`` puts x in its rows, flags them, and on a high-priority side stream
+    copies each peer's shard into its rows (a device-to-device copy: the copy engine) in
+    rank-rotated order, each after a wait of the link's time for it (``torch.cuda._sleep``,
+    ``delays_us`` extra per chunk if given: the tests' random producers) and followed by
+    its flag (a stream write). ``link=None``: no pacing (the copies' own time only)."""
+
+    def __init__(self, peers: list[torch.Tensor], rank: int, link: Link | None, *,
+                 delays_us: list[float] | None = None):  # fmt: skip
+        from fusedpar import symmetric
+
+        self.peers, self.rank, self.world, self.link = peers, rank, len(peers), link
+        self.device = peers[0].device
+        self.stream = torch.cuda.Stream(self.device, priority=-1)
+        self.flags = torch.zeros(self.world, dtype=torch.int32, device=self.device)
+        self.status = symmetric.Watchdog.of(self.device).status
+        self.delays_us = delays_us or [0.0] * self.world
+        self._cycles_per_us = torch.cuda.get_device_properties(self.device).clock_rate / 1e3
+
+    def start(self, x: torch.Tensor) -> torch.Tensor:
+        from fusedpar import symmetric
+
+        m, rank, world = x.shape[0], self.rank, self.world
+        self.flags.zero_()
+        gathered = x.new_empty((world * m, x.shape[1]))
+        gathered[rank * m : (rank + 1) * m].copy_(x)
+        symmetric.signal(self.flags, rank)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for step in range(1, world):
+                src = (rank + step) % world
+                wait_us = self.delays_us[src]
+                if self.link is not None:
+                    wait_us += self.link.nominal_ms(self.peers[src].nbytes) * 1e3
+                if wait_us > 0:
+                    torch.cuda._sleep(int(wait_us * self._cycles_per_us))
+                gathered[src * m : (src + 1) * m].copy_(self.peers[src])
+                symmetric.signal(self.flags, src)
+        return gathered
+
+    def finish(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)

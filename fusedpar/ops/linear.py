@@ -541,7 +541,7 @@ def all_gather_matmul(
     epilogue, rounded once with the product; otherwise one launch after the ring turns
     them in place. The backward turns their gradients back first.
 
-    ``overlap``: the schedule, forward and backward ("auto", "serial", "ring"; None:
+    ``overlap``: the schedule, forward and backward ("auto", "serial", "ring", "fused"; None:
     ``FUSEDPAR_OVERLAP``, else "auto"; the module doc); ``chunks_per_rank`` is the ring's.
     ``reduce_dtype`` (e.g. torch.bfloat16, as Megatron reduces): the dtype the backward's
     dX partials travel in (None: fp32; `matmuls_reduce_scatter`).

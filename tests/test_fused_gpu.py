@@ -1,0 +1,146 @@
+"""The fused schedule's GPU tier: its persistent GEMM waiting while the data lands, on one
+GPU against the copy-engine stand-in (`bench.standin.CopyEngineGather`: chunks copied
+on a side stream, each flagged by a stream write), the watchdog's stop in a subprocess,
+and a capture replayed bit for bit. W ranks' chunks are those of one process: the
+kernel sees what it would on rank `rank` of W."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from fusedpar.kernels import matmul_fused as mf
+
+from bench.standin import CopyEngineGather
+from fusedpar import symmetric
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]  # fmt: skip
+
+
+def _operands(W, m=512, K=1024, Ns=(512, 128, 128), dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shards = [torch.randn(m, K, device="cuda", dtype=dtype, generator=gen) for _ in range(W)]
+    weights = [torch.randn(n, K, device="cuda", dtype=dtype, generator=gen) / 32 for n in Ns]
+    biases = [torch.randn(n, device="cuda", dtype=dtype, generator=gen) for n in Ns]
+    return shards, weights, biases
+
+
+def _fused(side, shard, weights, biases):
+    gathered = side.start(shard)
+    outs = mf.gathered_matmuls(gathered, [w.t() for w in weights], biases, side.flags, side.rank,
+                               side.world, status=side.status)  # fmt: skip
+    side.finish()
+    return outs
+
+
+@pytest.mark.parametrize("W", [2, 4, 8])
+def test_fused_gather_with_random_producer_delays_matches_float64(W):
+    shards, weights, biases = _operands(W)
+    full = torch.cat(shards)
+    ref = [full.double() @ w.double().t() + b.double()
+           for w, b in zip(weights, biases, strict=True)]  # fmt: skip
+    plain = None
+    for rank in range(W):
+        delays = torch.rand(W, generator=torch.Generator().manual_seed(rank)) * 200
+        side = CopyEngineGather(shards, rank, None, delays_us=delays.tolist())
+        outs = _fused(side, shards[rank], weights, biases)
+        torch.cuda.synchronize()
+        if plain is None:  # the same tiles with every flag set before the launch
+            ones = torch.ones(W, dtype=torch.int32, device="cuda")
+            plain = mf.gathered_matmuls(full, [w.t() for w in weights], biases, ones, rank, W)
+        for out, p, r in zip(outs, plain, ref, strict=True):
+            assert torch.equal(out, p)  # arrival order changes nothing
+            err = (out.double() - r).abs().max().item()
+            assert err <= 2 ** -7 * r.abs().max().item(), err
+
+
+def test_kernel_waits_for_flags_set_from_the_host_after_a_delay():
+    W = 4
+    shards, weights, biases = _operands(W)
+    full = torch.cat(shards)
+    flags = torch.zeros(W, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        outs = mf.gathered_matmuls(full, [w.t() for w in weights], biases, flags, 1, W)
+    time.sleep(0.2)
+    assert not side.query(), "the kernel ran before its chunks were flagged"
+    flags.copy_(torch.ones(W, dtype=torch.int32).pin_memory(), non_blocking=True)
+    side.synchronize()
+    ones = torch.ones(W, dtype=torch.int32, device="cuda")
+    plain = mf.gathered_matmuls(full, [w.t() for w in weights], biases, ones, 1, W)
+    assert all(torch.equal(o, p) for o, p in zip(outs, plain, strict=True))
+
+
+def test_capture_and_replay_bit_for_bit():
+    W = 4
+    shards, weights, biases = _operands(W)
+    side = CopyEngineGather(shards, 2, None)
+    eager = _fused(side, shards[2], weights, biases)  # compiles and tunes outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _fused(side, shards[2], weights, biases)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(c, e) for c, e in zip(captured, eager, strict=True))
+
+
+_STOPPED = """
+import torch
+from fusedpar import symmetric
+from fusedpar.kernels import matmul_fused as mf
+x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
+w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+flags = torch.tensor([1, 0], dtype=torch.int32, device="cuda")  # chunk 1 never comes
+status = symmetric.Watchdog.of(x.device).status
+mf.gathered_matmuls(x, [w], [None], flags, 0, 2, status=status, wait_s=symmetric.wait_seconds())
+torch.cuda.synchronize()
+"""
+
+
+def test_a_wait_past_the_bound_stops_naming_rank_chunk_and_op():
+    env = {**os.environ, "FUSEDPAR_WAIT_S": "1", "FUSEDPAR_TUNING": "first"}
+    proc = subprocess.run([sys.executable, "-c", _STOPPED], capture_output=True, text=True,
+                          env=env, timeout=120)  # fmt: skip
+    assert proc.returncode != 0
+    assert "all_gather_matmul (overlap='fused') on rank 0 waited more than" in proc.stderr
+    assert "for chunk 1" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_reduce_scatter_pieces_count_wait_and_sum():
+    """partial_matmuls counts every tile of each chunk; a count wait on a side stream
+    releases each chunk's copy; sum_partials waits on flags set as the copies land."""
+    W, m, N, K = 4, 256, 1024, 512
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(W * m, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) / 16
+    config = mf.partial_matmuls([(x, w.t())], torch.zeros(W, dtype=torch.int32, device="cuda"),
+                                1, W, tune_only=True)  # fmt: skip
+    tiles = mf.partial_tiles(config, m, N)
+    counts = torch.zeros(W, dtype=torch.int32, device="cuda")
+    partials = torch.empty(W * m, N, device="cuda")
+    received = torch.randn(W, m, N, device="cuda", generator=gen)
+    landed = torch.zeros(W, m, N, device="cuda")
+    flags = torch.zeros(W, dtype=torch.int32, device="cuda")
+    copy = torch.cuda.Stream(priority=-1)
+    copy.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(copy):
+        for d in (2, 3, 0):  # rank 1's destinations, in its order
+            mf.wait_count(counts, d, tiles, 1)
+            landed[d].copy_(partials[d * m : (d + 1) * m])  # where rank d would receive it
+            symmetric.signal(flags, d)
+    programs = torch.cuda.get_device_properties(0).multi_processor_count - 1
+    mf.partial_matmuls([(x, w.t())], counts, 1, W, out=partials, programs=programs)
+    out = mf.sum_partials(partials[m : 2 * m], received, flags, 1, torch.bfloat16)
+    torch.cuda.current_stream().wait_stream(copy)
+    torch.cuda.synchronize()
+    assert counts.tolist() == [tiles] * W
+    exact = (x.double() @ w.double().t()).view(W, m, N)
+    assert (landed[[0, 2, 3]] - exact[[0, 2, 3]]).abs().max() < 1e-2 * exact.abs().max()
+    total = received.double().clone()
+    total[1] = partials[m : 2 * m].double()
+    assert (out.double() - total.sum(0)).abs().max() <= 2 ** -7 * total.sum(0).abs().max()
