@@ -172,11 +172,22 @@ class _LoopbackScatter:
 
 
 def _fused_layers(dtype, reduce_dtype):
+    """`_check_fused_layers` with symmetric memory replaced by the loopback, put back after
+    (the ranks serve other tests, which expect "fused" refused on gloo)."""
+    saved = symmetric.unavailable, symmetric.Gather, symmetric.Scatter
+    symmetric.unavailable = lambda pg: None
+    symmetric.Gather, symmetric.Scatter = _LoopbackGather, _LoopbackScatter
+    try:
+        return _check_fused_layers(dtype, reduce_dtype)
+    finally:
+        symmetric.unavailable, symmetric.Gather, symmetric.Scatter = saved
+        symmetric._TRANSPORTS.clear()
+
+
+def _check_fused_layers(dtype, reduce_dtype):
     """A column GEMM of three weights (QKV) and a row GEMM, fused, with every gradient,
     against float64 within twice the serial schedule's error in the same dtypes (each
     rank checks its own shards)."""
-    symmetric.unavailable = lambda pg: None
-    symmetric.Gather, symmetric.Scatter = _LoopbackGather, _LoopbackScatter
     rank, W = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(11)
     T, K, Ns, N2 = 6 * W, 24, (16, 8, 8), 20
