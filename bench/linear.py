@@ -27,6 +27,12 @@ model's sources and reads the columns:
 |                     | bytes over the same link (``speedup`` = it / ``ring_ms``)         |
 | ``serial_ms``       | fusedpar's serial schedule: its tuned GEMMs over all rows, then   |
 |                     | the same bytes over the same link                                 |
+| ``fused_ms``        | the fused schedule (one persistent GEMM) against the copy-engine  |
+|                     | stand-in (`CopyEngineGather` / `CopyEngineScatter`: copies off    |
+|                     | the SMs after the link's time); ``fused_speedup`` =               |
+|                     | ``serial_cublas_ms`` / it; ``fused_vs_max`` = it / max(the link's |
+|                     | nominal time, the unchunked GEMMs): target <= 1.1                 |
+| ``symm_mem_ms``     | PyTorch's symm_mem fused ops: n/a on one process (the note says)  |
 | ``auto``, ``auto_ms``| the schedule ``overlap="auto"`` picks on NCCL and its time;     |
 |                     | ``auto_speedup`` = ``serial_cublas_ms`` / it (target >= 1.0)      |
 | ``ring_graph_ms``   | the loop replayed from a CUDA graph (null + ``graph_note``)       |
@@ -162,6 +168,7 @@ class Case:
     """One point's work: ``loop(ring)`` is the real ring loop; the rest its parts and peer."""
 
     loop: object  # loop(ring): gather_matmuls or matmuls_reduce_scatter with `ring`
+    fused: object  # fused(link): the fused schedule against the copy-engine stand-in
     gemms: object  # the loop's chunk GEMMs alone, the same calls
     unchunked: object  # the same GEMMs over all rows at once
     cublas: object  # one cuBLAS GEMM over the concatenated weights
@@ -177,7 +184,9 @@ def make_case(side: str, d: int, widths: list[int], tp: int, tokens: int, device
     fp32)."""
     from fusedpar.kernels.matmul import matmul
 
+    from bench.standin import CopyEngineGather, CopyEngineScatter
     from fusedpar.ops.linear import gather_matmuls, matmuls_reduce_scatter
+    from fusedpar.ops.linear_fused import gather_matmuls_fused, matmuls_reduce_scatter_fused
 
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     kw = dict(device=device, dtype=dtype)
@@ -199,8 +208,14 @@ def make_case(side: str, d: int, widths: list[int], tp: int, tokens: int, device
             for out, op in zip(outs, ops, strict=True):
                 matmul(x_full, op, out=out)
 
+        peers = list(x_full.view(tp, n, d))  # rank 0's view: x is its own shard
+
+        def fused(link):
+            return gather_matmuls_fused(peers[0], ops, [None] * len(ops), None,
+                                        side=CopyEngineGather(peers, 0, link))  # fmt: skip
+
         return Case(loop=lambda ring: gather_matmuls(x, ops, [None] * len(ops), None, 1,
-                                                     ring=ring),
+                                                     ring=ring), fused=fused,
                     gemms=gemms, unchunked=unchunked, cublas=lambda: x_full @ w_cat.T,
                     message=x, peer_message=x)  # fmt: skip
     # "rs": its backward dX = rs(sum_i dY_i @ W_i), fp32 running sums on the ring
@@ -221,8 +236,14 @@ def make_case(side: str, d: int, widths: list[int], tp: int, tokens: int, device
 
     wire = torch.float32 if reduce_dtype is None else reduce_dtype
     sent = torch.empty(n, d, device=device, dtype=wire)  # the peer's collective: the same bytes
+    incoming = torch.randn(tp, n, d, device=device).to(wire)  # the peers' partials for rank 0
+
+    def fused(link):
+        return matmuls_reduce_scatter_fused(pairs, None, dtype, reduce_dtype=reduce_dtype,
+                                            side=CopyEngineScatter(incoming, 0, link))  # fmt: skip
+
     return Case(loop=lambda ring: matmuls_reduce_scatter(pairs, None, 1, dtype, ring=ring,
-                                                         reduce_dtype=reduce_dtype),
+                                                         reduce_dtype=reduce_dtype), fused=fused,
                 gemms=gemms, unchunked=unchunked, cublas=lambda: dy_cat @ w_cat,
                 message=sent, peer_message=sent)  # fmt: skip
 
@@ -253,7 +274,8 @@ def _gpu_point(model, proj, tp, tokens, side, link, device="cuda") -> dict:
         for _ in range(tp - 1):
             paced_copy(case.peer_message, peer_recv, link, pace=pace)
 
-    for fn in (lambda: case.loop(ring), lambda: case.loop(silent), case.gemms, case.unchunked):
+    for fn in (lambda: case.loop(ring), lambda: case.loop(silent), case.gemms, case.unchunked,
+               lambda: case.fused(link)):  # fmt: skip
         fn()  # tuning picks and compiles happen here, outside every timing
     gemm_ms, comm_ms = time_ms(case.gemms), time_ms(comm)
     ring_ms = time_ms(lambda: case.loop(ring))
@@ -263,7 +285,8 @@ def _gpu_point(model, proj, tp, tokens, side, link, device="cuda") -> dict:
     nominal = (tp - 1) * link.nominal_ms(case.message.nbytes)
     serial_ms, unchunked_ms = time_ms(serial_cublas), time_ms(case.unchunked)
     ours_serial_ms, auto = time_ms(serial_ours), auto_overlap("nccl")
-    auto_ms = ours_serial_ms if auto == "serial" else ring_ms
+    fused_ms = time_ms(lambda: case.fused(link))
+    auto_ms = {"serial": ours_serial_ms, "ring": ring_ms, "fused": fused_ms}[auto]
     return dict(side=side, model=model, proj=proj, world=tp, tokens=tokens, N=sum(widths), K=d,
                 reduce_dtype=None if side == "ag" else str(reduce_dtype or torch.float32),
                 serial_ms=ours_serial_ms, auto=auto, auto_ms=auto_ms,
@@ -273,6 +296,9 @@ def _gpu_point(model, proj, tp, tokens, side, link, device="cuda") -> dict:
                 gemm_ms=gemm_ms, comm_ms=comm_ms, comm_nominal_ms=nominal,
                 comm_vs_nominal=comm_ms / nominal, serialized_ms=gemm_ms + comm_ms,
                 ring_ms=ring_ms, vs_max=ring_ms / max(comm_ms, gemm_ms),
+                fused_ms=fused_ms, fused_speedup=serial_ms / fused_ms,
+                fused_vs_max=fused_ms / max(nominal, unchunked_ms),
+                symm_mem_ms=None, symm_mem_note=SYMM_MEM_NOTE,
                 nocomm_ms=time_ms(lambda: case.loop(silent)), serial_cublas_ms=serial_ms,
                 speedup=serial_ms / ring_ms, ring_graph_ms=graph_ms, graph_note=graph_note,
                 host_us_step=host_us_step, gpu_us_step=gpu_us_step,
@@ -280,6 +306,11 @@ def _gpu_point(model, proj, tp, tokens, side, link, device="cuda") -> dict:
                 chunking_cost=gemm_ms / unchunked_ms)  # fmt: skip
 
 
+# PyTorch's torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter, the
+# peer of the fused schedule, rendezvous over a group of W processes on W GPUs
+# (TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES lets several share one, but the bench is one
+# process): recorded as n/a.
+SYMM_MEM_NOTE = "n/a: symm_mem's fused ops need W ranks (processes); this bench is one"
 STANDIN_SIZES_MB = (1, 4, 16, 64)  # the ring's messages span about 1 to 64 MiB
 
 
@@ -336,8 +367,9 @@ def nccl_p2p_issue_us(nbytes: int = 4 << 20, reps: int = 20) -> tuple[float | No
 
 GPU_COLUMNS = ["part", "side", "reduce_dtype", "model", "proj", "world", "tokens", "link_gbps",
                "msg_mb", "gemm_ms", "comm_ms", "comm_vs_nominal", "serialized_ms", "ring_ms",
-               "vs_max", "nocomm_ms", "serial_cublas_ms", "speedup", "serial_ms", "auto",
-               "auto_ms", "auto_speedup", "ring_graph_ms", "host_us_step", "gpu_us_step",
+               "vs_max", "nocomm_ms", "serial_cublas_ms", "speedup", "serial_ms", "fused_ms",
+               "fused_speedup", "fused_vs_max", "symm_mem_ms", "auto", "auto_ms", "auto_speedup",
+               "ring_graph_ms", "host_us_step", "gpu_us_step",
                "host_bound", "chunking_cost", "unpaced_ms"]  # fmt: skip
 
 

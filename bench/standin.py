@@ -235,7 +235,43 @@ class StandInRing:
         return recv
 
 
-class CopyEngineGather:
+class _CopyEngine:
+    """What both copy-engine stand-ins share: a high-priority side stream, flags written
+    by stream writes, sleeps for the link's time (on CPU: none of it, the copies at once,
+    for the tests)."""
+
+    def __init__(self, world: int, rank: int, link: Link | None, device, delays_us):
+        self.world, self.rank, self.link = world, rank, link
+        self.device = torch.device(device)
+        self.gpu = self.device.type == "cuda"
+        self.delays_us = list(delays_us or [0.0] * world)
+        self.flags = torch.zeros(world, dtype=torch.int32, device=self.device)
+        self.status = None
+        if self.gpu:
+            from fusedpar import symmetric
+
+            self.stream = torch.cuda.Stream(self.device, priority=-1)
+            self.status = symmetric.Watchdog.of(self.device).status
+            self._cycles_per_us = torch.cuda.get_device_properties(self.device).clock_rate / 1e3
+
+    def _signal(self, flags: torch.Tensor, index: int) -> None:
+        if self.gpu:
+            from fusedpar import symmetric
+
+            symmetric.signal(flags, index)
+        else:
+            flags[index] = 1
+
+    def _travel(self, nbytes: int, peer: int) -> None:
+        """Queue the link's time for `nbytes` (and peer's extra delay) on this stream."""
+        wait_us = self.delays_us[peer]
+        if self.link is not None:
+            wait_us += self.link.nominal_ms(nbytes) * 1e3
+        if self.gpu and wait_us > 0:
+            torch.cuda._sleep(int(wait_us * self._cycles_per_us))
+
+
+class CopyEngineGather(_CopyEngine):
     """`fusedpar.symmetric.Gather`'s interface on one device, taking no SM: this is rank
     `rank` of ``len(peers)``, whose other ranks' shards are `peers` (on this device).
     ``start(x)`` puts x in its rows, flags them, and on a high-priority side stream
@@ -246,36 +282,97 @@ class CopyEngineGather:
 
     def __init__(self, peers: list[torch.Tensor], rank: int, link: Link | None, *,
                  delays_us: list[float] | None = None):  # fmt: skip
-        from fusedpar import symmetric
-
-        self.peers, self.rank, self.world, self.link = peers, rank, len(peers), link
-        self.device = peers[0].device
-        self.stream = torch.cuda.Stream(self.device, priority=-1)
-        self.flags = torch.zeros(self.world, dtype=torch.int32, device=self.device)
-        self.status = symmetric.Watchdog.of(self.device).status
-        self.delays_us = delays_us or [0.0] * self.world
-        self._cycles_per_us = torch.cuda.get_device_properties(self.device).clock_rate / 1e3
+        super().__init__(len(peers), rank, link, peers[0].device, delays_us)
+        self.peers = peers
 
     def start(self, x: torch.Tensor) -> torch.Tensor:
-        from fusedpar import symmetric
-
         m, rank, world = x.shape[0], self.rank, self.world
         self.flags.zero_()
         gathered = x.new_empty((world * m, x.shape[1]))
         gathered[rank * m : (rank + 1) * m].copy_(x)
-        symmetric.signal(self.flags, rank)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        self._signal(self.flags, rank)
+        if self.gpu:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream) if self.gpu else _nothing():
             for step in range(1, world):
                 src = (rank + step) % world
-                wait_us = self.delays_us[src]
-                if self.link is not None:
-                    wait_us += self.link.nominal_ms(self.peers[src].nbytes) * 1e3
-                if wait_us > 0:
-                    torch.cuda._sleep(int(wait_us * self._cycles_per_us))
+                self._travel(self.peers[src].nbytes, src)
                 gathered[src * m : (src + 1) * m].copy_(self.peers[src])
-                symmetric.signal(self.flags, src)
+                self._signal(self.flags, src)
         return gathered
 
     def finish(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        if self.gpu:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+class CopyEngineScatter(_CopyEngine):
+    """`fusedpar.symmetric.Scatter`'s interface on one device: rank `rank` of W, whose
+    peers' partials for it are ``incoming`` (W, m, N) (slot `rank` unused). ``run``
+    queues, on one side stream, each destination's count wait and the copy of its rows
+    (into a local buffer standing for the peer's memory: the copy engine, after the
+    link's time); on another, each peer's partial arriving (its copy into ``received``
+    after the link's time, then its flag), released as this rank's GEMM finishes the
+    same step's chunk (peers run the same GEMM at the same pace); then the GEMM and the
+    sum. On CPU: the GEMM, then every copy, then the sum."""
+
+    def __init__(self, incoming: torch.Tensor, rank: int, link: Link | None, *,
+                 delays_us: list[float] | None = None):  # fmt: skip
+        world, m, N = incoming.shape
+        super().__init__(world, rank, link, incoming.device, delays_us)
+        self.incoming, self.rows = incoming, m
+        self.received = torch.zeros_like(incoming)
+        self.sink = torch.zeros_like(incoming)
+        self.counts = torch.zeros(world, dtype=torch.int32, device=self.device)
+        if self.gpu:
+            self.arrivals = torch.cuda.Stream(self.device, priority=-1)
+
+    def run(self, pairs, out_dtype, bias, tiles: int, gemm) -> torch.Tensor:
+        from fusedpar.kernels import matmul_fused
+
+        m, rank, world = self.rows, self.rank, self.world
+        self.flags.zero_()
+        self.counts.zero_()
+        partials = torch.empty((world * m, self.incoming.shape[2]), dtype=self.incoming.dtype,
+                               device=self.device)  # fmt: skip
+        chunk_bytes = self.incoming[0].nbytes
+
+        def sends():
+            for step in range(1, world):
+                dest = (rank + step) % world
+                matmul_fused.wait_count(self.counts, dest, tiles, rank, status=self.status)
+                self._travel(chunk_bytes, dest)
+                self.sink[dest].copy_(partials[dest * m : (dest + 1) * m])
+
+        def arrivals():
+            for step in range(1, world):
+                src, mine = (rank - step) % world, (rank + step) % world
+                matmul_fused.wait_count(self.counts, mine, tiles, rank, status=self.status)
+                self._travel(chunk_bytes, src)
+                self.received[src].copy_(self.incoming[src])
+                self._signal(self.flags, src)
+
+        if not self.gpu:
+            gemm(partials, self.counts)
+            sends()
+            arrivals()
+        else:
+            current = torch.cuda.current_stream(self.device)
+            for stream, queue in ((self.stream, sends), (self.arrivals, arrivals)):
+                stream.wait_stream(current)
+                with torch.cuda.stream(stream):
+                    queue()
+            gemm(partials, self.counts)
+        out = matmul_fused.sum_partials(partials[rank * m : (rank + 1) * m], self.received,
+                                        self.flags, rank, out_dtype, bias,
+                                        status=self.status)  # fmt: skip
+        if self.gpu:
+            current.wait_stream(self.stream)
+            current.wait_stream(self.arrivals)
+        return out
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()

@@ -331,12 +331,14 @@ def _status(device: torch.device, status: torch.Tensor | None) -> torch.Tensor:
     return _STATUS[device]
 
 
-def _check_signal(name: str, signal: torch.Tensor, world: int, device, must_be_set: bool) -> None:
+def _check_signal(name: str, signal: torch.Tensor, world: int, device, must_be_set: bool,
+                  unread: int = -1) -> None:  # fmt: skip
     if signal.dtype != torch.int32 or signal.shape != (world,) or signal.device != device:
         raise ValueError(f"{name} must be int32 ({world},) on {device}, got {signal.dtype} "
                          f"{tuple(signal.shape)} on {signal.device}")  # fmt: skip
-    if must_be_set and device.type != "cuda" and bool((signal < 1).any()):
-        missing = (signal < 1).nonzero().flatten().tolist()
+    missing = [] if not must_be_set or device.type == "cuda" else [
+        i for i, v in enumerate(signal.tolist()) if v < 1 and i != unread]  # fmt: skip
+    if missing:
         raise ValueError(
             f"{name} {missing} are not set: in Triton's interpreter (one program at a time) "
             "nothing can set them while the kernel waits, so set every flag before the launch"
@@ -526,7 +528,7 @@ def sum_partials(own: torch.Tensor, received: torch.Tensor, flags: torch.Tensor,
     if bias is not None and bias.shape != (N,):
         raise ValueError(f"bias must be ({N},), got {tuple(bias.shape)}")
     check_launchable(_sum_partials_kernel, own, received, flags)
-    _check_signal("flags", flags, world, own.device, must_be_set=True)
+    _check_signal("flags", flags, world, own.device, must_be_set=True, unread=rank)
     out = torch.empty((m, N), dtype=out_dtype, device=own.device)
     if m == 0 or N == 0:
         return out
@@ -547,5 +549,5 @@ def wait_count(counts: torch.Tensor, chunk: int, target: int, rank: int, *,
     """Queue a wait for ``counts[chunk] >= target`` on the current stream (one program)."""
     with device_guard(counts):
         _wait_count_kernel[(1,)](counts, _status(counts.device, status), chunk, target, rank,
-                                 _wait_ns(wait_s),
-                                 ON_GPU=not is_interpreted(_wait_count_kernel))  # fmt: skip
+                                 _wait_ns(wait_s), ON_GPU=not is_interpreted(_wait_count_kernel),
+                                 num_warps=1)  # fmt: skip

@@ -193,6 +193,37 @@ def test_stand_in_ring_drives_the_reduce_scatter_loop():
     assert ring.sent_bytes == (world - 1) * rows * n * 4  # fp32 running sums
 
 
+def test_copy_engine_stand_ins_drive_the_fused_schedule(triton_kernels):
+    """The fused schedule's two sides against the copy-engine stand-ins (on CPU: copies at
+    once, the kernels in the interpreter): the gather equals the plain GEMMs over the
+    peers' rows; the reduce-scatter is this rank's partial plus the peers' incoming ones."""
+    from bench.standin import CopyEngineGather, CopyEngineScatter
+    from fusedpar.ops.linear_fused import gather_matmuls_fused, matmuls_reduce_scatter_fused
+
+    gen = torch.Generator().manual_seed(5)
+    world, m, k, widths = 3, 7, 24, (17, 9)
+    peers = [torch.randn(m, k, generator=gen) for _ in range(world)]
+    weights = [torch.randn(w, k, generator=gen) for w in widths]
+    side = CopyEngineGather(peers, 1, Link())
+    outs, gathered = gather_matmuls_fused(peers[1], [w.T for w in weights], [None, None], None,
+                                          side=side)  # fmt: skip
+    assert torch.equal(gathered, torch.cat(peers)) and side.flags.tolist() == [1] * world
+    for out, w in zip(outs, weights, strict=True):
+        assert_close(out, gathered.double() @ w.double().T, gathered @ w.T, name="fused gather")
+    pairs = [(torch.randn(world * m, kk, generator=gen), torch.randn(kk, 19, generator=gen))
+             for kk in (13, 6)]  # fmt: skip
+    incoming = torch.randn(world, m, 19, generator=gen)
+    side = CopyEngineScatter(incoming, 2, Link())
+    out = matmuls_reduce_scatter_fused(pairs, None, torch.float32, side=side)
+    own = sum(a.double() @ b.double() for a, b in pairs)[2 * m :]
+    ref = own + incoming.double()[:2].sum(0)
+    assert_close(out, ref, (own + incoming.double()[:2].sum(0)).float(), name="fused rs")
+    assert side.counts.tolist() == [side.counts[0].item()] * world  # every chunk counted
+    exact = sum(a.double() @ b.double() for a, b in pairs).view(world, m, 19)
+    sent = (side.sink[:2].double() - exact[:2]).abs().max()  # rank 2's partials for 0 and 1
+    assert sent <= 1e-5 * exact.abs().max()
+
+
 def test_stand_in_ring_without_a_link_moves_nothing():
     ring = StandInRing(2, None, device="cpu")
     sent = torch.randn(4, 4)
@@ -265,6 +296,8 @@ def test_the_gpu_part_runs_end_to_end_on_cpu(monkeypatch, tmp_path, triton_kerne
         assert r["host_bound"] is False and r["graph_note"] is None
         assert r["reduce_dtype"] == str(wire) and r["auto"] == "serial"  # the rule on NCCL
         assert r["serial_ms"] == r["auto_ms"] == 1.0 and r["auto_speedup"] == 1.0
+        assert r["fused_ms"] == r["fused_speedup"] == 1.0 and r["symm_mem_ms"] is None
+        assert r["symm_mem_note"].startswith("n/a")
         nbytes = 16 // tp * 32 * wire.itemsize  # the ring and its peer send the same bytes
         assert math.isclose(r["comm_nominal_ms"], (tp - 1) * Link().nominal_ms(nbytes))
     meta = data["meta"]

@@ -27,16 +27,19 @@ from fusedpar.kernels.matmul import matmul
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def gather_matmuls_fused(x: Tensor, operands, biases, pg, gemm=matmul, epilogues=None):
+def gather_matmuls_fused(x: Tensor, operands, biases, pg, gemm=matmul, epilogues=None,
+                         side=None):  # fmt: skip
     """`fusedpar.ops.linear.gather_matmuls`'s result ([outs], gathered) by the fused
-    schedule."""
+    schedule. `side` replaces the symmetric-memory `symmetric.Gather` (the benchmark's
+    copy-engine stand-in, `bench.standin.CopyEngineGather`)."""
     epilogues = epilogues or [None] * len(operands)
     if x.dtype not in KERNEL_DTYPES:
         symmetric.say_once(f"{x.dtype} runs the serial schedule (the kernels take 16-bit and fp32)")
         full = all_gather_async(x, pg).wait()
         return [gemm(full, op, bias=b, out_dtype=x.dtype) for op, b in zip(operands, biases,
                                                                             strict=True)], full
-    side = symmetric.transport(symmetric.Gather, pg, tuple(x.shape), x.dtype, x.device)
+    if side is None:
+        side = symmetric.transport(symmetric.Gather, pg, tuple(x.shape), x.dtype, x.device)
     plain = [i for i, e in enumerate(epilogues) if e is None]
     groups = [plain[i : i + matmul_fused.MAX_OPERANDS]
               for i in range(0, len(plain), matmul_fused.MAX_OPERANDS)]  # fmt: skip
@@ -69,8 +72,10 @@ def gather_matmuls_fused(x: Tensor, operands, biases, pg, gemm=matmul, epilogues
     return outs, gathered
 
 
-def matmuls_reduce_scatter_fused(pairs, pg, out_dtype, bias=None, reduce_dtype=None):
-    """`fusedpar.ops.linear.matmuls_reduce_scatter`'s result by the fused schedule."""
+def matmuls_reduce_scatter_fused(pairs, pg, out_dtype, bias=None, reduce_dtype=None,
+                                 side=None):  # fmt: skip
+    """`fusedpar.ops.linear.matmuls_reduce_scatter`'s result by the fused schedule. `side`
+    replaces `symmetric.Scatter` (`bench.standin.CopyEngineScatter`)."""
     A0 = pairs[0][0]
     wide = accumulator(A0.dtype)
     if A0.dtype not in KERNEL_DTYPES or len(pairs) > matmul_fused.MAX_OPERANDS:
@@ -81,10 +86,11 @@ def matmuls_reduce_scatter_fused(pairs, pg, out_dtype, bias=None, reduce_dtype=N
         sent = total if reduce_dtype is None else total.to(reduce_dtype)
         mine = reduce_scatter_async(sent, pg).wait().to(wide)
         return (mine if bias is None else mine + bias.to(wide)).to(out_dtype)
-    world = pg.size()
+    world = pg.size() if side is None else side.world
     rows, N = A0.shape[0] // world, pairs[0][1].shape[1]
     dtype = reduce_dtype or wide
-    side = symmetric.transport(symmetric.Scatter, pg, rows, N, dtype, A0.device)
+    if side is None:
+        side = symmetric.transport(symmetric.Scatter, pg, rows, N, dtype, A0.device)
     agreement = tuning_agreement(pg, A0.device)
     # one SM for the copy stream's waits (the interpreter's grid is the launcher's own)
     programs = sm_count(A0.device) - 1 if A0.is_cuda else None
