@@ -294,7 +294,7 @@ def test_the_gpu_part_runs_end_to_end_on_cpu(monkeypatch, tmp_path, triton_kerne
         assert r["vs_max"] == 1.0 and r["serialized_ms"] == 2.0 and r["speedup"] == 1.0
         assert (r["host_us_step"], r["gpu_us_step"]) == (250 / tp, 500 / tp)
         assert r["host_bound"] is False and r["graph_note"] is None
-        assert r["reduce_dtype"] == str(wire) and r["auto"] == "serial"  # the rule on NCCL
+        assert r["reduce_dtype"] == str(wire) and r["auto"] == "serial"  # the first of equals
         assert r["serial_ms"] == r["auto_ms"] == 1.0 and r["auto_speedup"] == 1.0
         assert r["fused_ms"] == r["fused_speedup"] == 1.0 and r["symm_mem_ms"] is None
         assert r["symm_mem_note"].startswith("n/a")

@@ -147,3 +147,51 @@ def test_a_bad_reduce_dtype_is_a_type_error():
             fp.matmul_reduce_scatter(x, w, None, reduce_dtype=bad)
         with pytest.raises(TypeError, match="reduce_dtype must be None or a floating"):
             fp.nn.RowParallelLinear(4, 2, reduce_dtype=bad)
+
+
+# --- "auto" measured per shape ----------------------------------------------------------
+
+
+def _auto_measured():
+    """Two calls of an all-gather GEMM under "auto" with the measuring switched on (it
+    times only on GPUs): the pick made on the first call, agreed, and the collectives of
+    the second (the picked schedule's alone)."""
+    from fusedpar.kernels import _tuning
+
+    from fusedpar.ops import overlap
+
+    saved, overlap.measures = overlap.measures, lambda device: True
+    try:
+        rank, W = dist.get_rank(), dist.get_world_size()
+        gen = torch.Generator().manual_seed(3)
+        X, w = torch.randn(13 * W, 12, generator=gen), torch.randn(7, 12, generator=gen)
+        x = X[13 * rank : 13 * (rank + 1)]
+        with Collectives() as first:
+            y = fp.all_gather_matmul(x, w, WORLD, overlap="auto")
+        picks = {key: c.kwargs["overlap"] for (_, key), c in
+                 _tuning.tuner("tp_schedule").picks.items()
+                 if key[:3] == ("all_gather_matmul", W, 16) and key[3] == 12}  # fmt: skip
+        with Collectives() as second:
+            again = fp.all_gather_matmul(x, w, WORLD, overlap="auto")
+        torch.testing.assert_close(y.double(), X.double() @ w.double().T, rtol=1e-5, atol=1e-5)
+        assert torch.equal(y, again)
+        return list(picks.values()), dict(first.counts), dict(second.counts)
+    finally:
+        overlap.measures = saved
+
+
+def test_auto_times_each_candidate_once_per_shape_and_agrees(world):
+    from fusedpar.ops.overlap import AUTO_CANDIDATES, measures
+
+    assert not measures(torch.device("cpu"))  # CPU ranks take the rule (the test above)
+    results = world(2).run(_auto_measured)
+    picks = [r[0] for r in results]
+    assert len(picks[0]) == 1 and picks[0][0] in AUTO_CANDIDATES and picks[0] == picks[1]
+    first, second = results[0][1], results[0][2]
+    if picks[0][0] == "serial":
+        assert second == {("all_gather", 2): 1}
+    else:
+        assert second == {("send", 2): 1, ("recv", 2): 1}
+    # the first call: each candidate 1 + 3 times, the sum of times, then the pick
+    assert first[("all_gather", 2)] >= 4 + (picks[0][0] == "serial")
+    assert first[("send", 2)] >= 4 and ("all_reduce", 2) in first

@@ -36,9 +36,7 @@ read at the call; `resolve_overlap`):
 | ``ring``   | the pipelined ring above                                                  |
 | ``fused``  | one persistent GEMM taking chunks as the copy engine lands them           |
 |            | (`fusedpar.ops.linear_fused`); NCCL groups only, refused elsewhere        |
-| ``auto``   | the rule: ``ring`` on gloo (CPU: 1.01-1.36x serial, bench linear's cpu    |
-|            | rows), ``serial`` elsewhere (the first H100 run: the ring lost to serial  |
-|            | at 14 of 16 points and won by at most 3%)                                 |
+| ``auto``   | measured per shape on a GPU, else a rule (`fusedpar.ops.overlap`)         |
 
 Inside the ops a schedule is the ring's chunks per rank, 0 for ``serial`` and -1 for
 ``fused`` (`fusedpar.ops.overlap`).
@@ -63,10 +61,10 @@ from fusedpar.comm import (
 )
 from fusedpar.kernels import rope as rope_kernels
 from fusedpar.kernels._common import accumulator, check_float_dtype
-from fusedpar.kernels._tuning import frozen
+from fusedpar.kernels._tuning import bucket, frozen
 from fusedpar.kernels.matmul import RowRotation, matmul, rope_epilogue_fits
 from fusedpar.ops.linear_fused import gather_matmuls_fused, matmuls_reduce_scatter_fused
-from fusedpar.ops.overlap import FUSED, SERIAL, ring_chunks
+from fusedpar.ops.overlap import AUTO, FUSED, SERIAL, measured_chunks, ring_chunks
 from fusedpar.ops.registration import autograd_op, direct_op
 
 DEFAULT_CHUNKS_PER_RANK = 1  # one ring message per rank and step, as in async-TP
@@ -96,6 +94,12 @@ def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None, epil
     """
     epilogues = epilogues or [None] * len(operands)
     n, K = x.shape
+    if chunks == AUTO:
+        key = (bucket(n), K, tuple(op.shape[1] for op in operands), str(x.dtype),
+               tuple(e is not None for e in epilogues))  # fmt: skip
+        chunks = measured_chunks("all_gather_matmul", key, pg, x.device,
+                                 lambda c: gather_matmuls(x, operands, biases, pg, c, gemm,
+                                                          ring, epilogues))  # fmt: skip
     if ring is None and chunks == FUSED and group_size(pg) > 1:
         return gather_matmuls_fused(x, operands, biases, pg, gemm, epilogues)
     if ring is None and (group_size(pg) == 1 or chunks == SERIAL):
@@ -163,6 +167,14 @@ def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul,
     collective sums in it. Either way the result is rounded once more, after the bias.
     """
     wide = accumulator(pairs[0][0].dtype)
+    if chunks == AUTO:
+        key = (bucket(pairs[0][0].shape[0]), pairs[0][1].shape[1],
+               tuple(A.shape[1] for A, _ in pairs), str(pairs[0][0].dtype), str(out_dtype),
+               str(reduce_dtype))  # fmt: skip
+        def run(c):
+            return matmuls_reduce_scatter(pairs, pg, c, out_dtype, bias, gemm, ring, reduce_dtype)
+
+        chunks = measured_chunks("matmul_reduce_scatter", key, pg, pairs[0][0].device, run)
 
     def summed():  # sum_i A_i @ B_i over every row, in fp32
         total = gemm(*pairs[0], out_dtype=wide)

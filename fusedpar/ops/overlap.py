@@ -1,24 +1,40 @@
 """Which schedule a TP GEMM runs (``overlap=``, or ``FUSEDPAR_OVERLAP`` read at the call):
 the table is `fusedpar.ops.linear`'s module doc. Inside the ops a schedule is the ring's
 chunks per rank: `SERIAL` (0) for one collective and one GEMM, `FUSED` (-1) for the
-persistent GEMM of `fusedpar.ops.linear_fused`.
+persistent GEMM of `fusedpar.ops.linear_fused`, `AUTO` (-2) for "auto" over a group.
 
-``auto`` is a rule for now: ``ring`` on gloo (CPU: 1.01-1.36x serial, bench linear's
-cpu rows), ``serial`` elsewhere (the first H100 run: the ring lost to serial at 14 of 16
-points and won by at most 3%). ``fused`` has not yet run on a GPU, so ``auto`` does not
-pick it until a GPU run has measured it (bench/NOTES.md).
+**"auto"** is measured per shape on a GPU (`measured_chunks`): the first call of a key
+(the op's side, the world size, the rows' bucket, the widths, dtypes) times each of
+`AUTO_CANDIDATES` (one run to compile and tune, three timed), sums the times over the
+group and keeps the fastest, agreed, in the tuner "tp_schedule" (`fusedpar.kernels.
+_tuning.all_picks` records it with the tiles). Where nothing is timed (CPU ranks, whose
+times say nothing of a deployment; ``FUSEDPAR_TUNING=first``; a CUDA-graph capture or a
+torch.compile trace before the pick), **the rule** stands in: ``ring`` on gloo (CPU:
+1.01-1.36x serial, bench linear's cpu rows), ``serial`` elsewhere (the first H100 run:
+the ring lost to serial at 14 of 16 points and won by at most 3%). ``fused`` is not a
+candidate yet: it has not run on a GPU (bench/NOTES.md, step 0 of the next run).
 """
 
 import os
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import triton
 
 from fusedpar import symmetric
+from fusedpar.comm import tuning_agreement
+from fusedpar.kernels import _tuning
 
 SERIAL = 0  # the ops' chunks for the serial schedule (one collective, one GEMM)
 FUSED = -1  # the ops' chunks for the fused schedule
+AUTO = -2  # the ops' chunks for "auto" over a group: measured per shape, else the rule
 OVERLAPS = ("auto", "serial", "ring", "fused")
+AUTO_CANDIDATES = ("serial", "ring")  # ("fused" joins once a GPU run has measured it)
+AUTO_RING_CHUNKS = 1  # the ring's messages per rank and step when "auto" picks it
+TIMED_RUNS = 3  # a fixed count: every rank runs the same collectives
 
 
 @torch.compiler.assume_constant_result
@@ -64,7 +80,68 @@ def check_overlap(overlap: str | None) -> str | None:
     return None if overlap is None else _known(overlap, "overlap must be None or")
 
 
+@torch.compiler.assume_constant_result
 def ring_chunks(overlap: str | None, pg, chunks_per_rank: int) -> int:
-    """The ops' `chunks`: `chunks_per_rank` for the ring, `SERIAL`, or `FUSED`."""
+    """The ops' `chunks`: `chunks_per_rank` for the ring, `SERIAL`, `FUSED`, or `AUTO`
+    ("auto" over a group, decided per shape in the op: `measured_chunks`)."""
     schedule = resolve_overlap(overlap, pg)
+    if pg is not None and _asked(overlap) == "auto":
+        return AUTO
     return {"serial": SERIAL, "fused": FUSED}.get(schedule, chunks_per_rank)
+
+
+def _asked(overlap: str | None) -> str:
+    return overlap or os.environ.get("FUSEDPAR_OVERLAP", "auto") or "auto"
+
+
+_CHUNKS = {"serial": SERIAL, "ring": AUTO_RING_CHUNKS, "fused": FUSED}
+
+
+def measures(device: torch.device) -> bool:
+    """Whether "auto" times its candidates on `device` (a GPU, unless
+    ``FUSEDPAR_TUNING=first``, a capture or a trace) or takes the rule."""
+    if device.type != "cuda" or os.environ.get("FUSEDPAR_TUNING") == "first":
+        return False
+    return not (torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling())
+
+
+def measured_chunks(side: str, key: tuple, pg: dist.ProcessGroup, device: torch.device,
+                    run: Callable[[int], object]) -> int:  # fmt: skip
+    """The chunks "auto" runs for a call of the op `side` whose shape is `key`: the pick
+    kept for it, or, on its first call where `measures` (every rank of `pg` reaching it
+    with the same key, as a collective op's call does), each candidate run once (its
+    tiles tuned) and `TIMED_RUNS` times by ``run(chunks)``, the times summed over the
+    group and the fastest kept; elsewhere the rule."""
+    rule = _CHUNKS[auto_overlap(dist.get_backend(pg))]
+    if not measures(device):
+        return rule
+    tuner = _tuning.tuner("tp_schedule")
+    agreement = tuning_agreement(pg, device)
+    scope = (agreement.name, (side, dist.get_world_size(pg), *key))
+    pick = tuner.picks.get(scope)
+    if pick is None:
+        times = [_time_runs(lambda c=_CHUNKS[name]: run(c), device) for name in AUTO_CANDIDATES]
+        times = agreement.sum_times(times)
+        best = min(range(len(times)), key=times.__getitem__)
+        pick = tuner.picks[scope] = triton.Config({"overlap": AUTO_CANDIDATES[best]})
+        tuner.timings[scope], tuner.tuned = times, tuner.tuned + 1
+        if os.environ.get("FUSEDPAR_PRINT_TUNING") == "1":
+            print(f"fusedpar tuning: tp_schedule {scope} -> {AUTO_CANDIDATES[best]} "
+                  f"({', '.join(f'{t:.4f}' for t in times)} ms summed over the group)")  # fmt: skip
+    return _CHUNKS[pick.kwargs["overlap"]]
+
+
+def _time_runs(fn: Callable[[], object], device: torch.device) -> float:
+    """Median ms of `TIMED_RUNS` calls after one untimed (a fixed count, unlike
+    ``do_bench``: each call is a collective every rank must make as often)."""
+    fn()
+    times = []
+    for _ in range(TIMED_RUNS):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
