@@ -54,10 +54,10 @@ bench=(env BENCH_QUICK=1 TRITON_PRINT_AUTOTUNING=1 FUSEDPAR_TUNING_CACHE=$result
 # whole-step captures, float64 on CUDA (torch's implementation, no tile timed).
 new_tests="rotating_epilogue_gpu or head_norm_with_rope_on_a_gpu or gated_matmul_gpu or gated_grad_matmul_gpu or routing or nan_logits or flash_attn_gpu or ring_modes_gpu or virtual_ring_gpu or cuda_graph or no_host_sync_gpu or float64_on_cuda"
 case $step in
-  0) part fused_gpu 120 python -m pytest -m gpu -q -p no:cacheprovider --timeout 100 \
+  0) part fused_gpu 180 python -m pytest -m gpu -q -p no:cacheprovider --timeout 150 -rs \
        tests/test_fused_gpu.py
      part linear 150 "${bench[@]}" linear
-     part gpu_tier_new 180 env FUSEDPAR_TUNING=first "${tier[@]}" -k "$new_tests" ;;
+     part gpu_tier_new 150 env FUSEDPAR_TUNING=first "${tier[@]}" -k "$new_tests" ;;
   1) part gpu_tier 520 env FUSEDPAR_TUNING=first "${tier[@]}" -k "not float32" ;;
   2) part attention 530 "${bench[@]}" attention ;;
   3) part matmul 190 "${bench[@]}" matmul
