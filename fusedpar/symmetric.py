@@ -123,10 +123,11 @@ _WARNED: set[str] = set()
 
 
 def say_once(what: str) -> None:
-    """A fused call that runs part of its work unfused says so, once per kind."""
+    """A schedule's choice that the caller did not see (part of a fused call run unfused,
+    a candidate left out of "auto"), said once per message."""
     if what not in _WARNED:
         _WARNED.add(what)
-        warnings.warn(f"overlap='fused': {what}", stacklevel=3)
+        warnings.warn(f"fusedpar: {what}", stacklevel=3)
 
 
 class _Transport:

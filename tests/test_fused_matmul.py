@@ -237,3 +237,56 @@ def _check_fused_layers(dtype, reduce_dtype):
 ])  # fmt: skip
 def test_fused_ops_match_float64_every_gradient(world, W, dtype, reduce_dtype):
     assert all(world(W).run(_fused_layers, dtype, reduce_dtype))
+
+
+class _StaleGather(_LoopbackGather):
+    """A transport whose last chunk is read before it landed (zeros): what a missing
+    fence would do."""
+
+    def start(self, x):
+        gathered = super().start(x)
+        gathered[-x.shape[0] :] = 0
+        return gathered
+
+
+def _auto_with_fused(stale):
+    """"auto" measured (switched on) with "fused" a candidate, through the loopback (or a
+    transport that reads a chunk too early): the pick per key, and every warning."""
+    import warnings
+
+    from fusedpar.kernels import _tuning
+
+    from fusedpar.ops import overlap
+
+    saved = (symmetric.unavailable, symmetric.Gather, symmetric.Scatter, overlap.measures)
+    symmetric.unavailable, overlap.measures = (lambda pg: None), (lambda device: True)
+    symmetric.Gather = _StaleGather if stale else _LoopbackGather
+    symmetric.Scatter = _LoopbackScatter
+    symmetric._WARNED.clear()
+    try:
+        rank, W = dist.get_rank(), dist.get_world_size()
+        gen = torch.Generator().manual_seed(4)
+        X, w = torch.randn(9 * W, 40, generator=gen), torch.randn(24, 40, generator=gen)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y = fp.all_gather_matmul(X[9 * rank : 9 * (rank + 1)], w, WORLD, overlap="auto")
+        torch.testing.assert_close(y.double(), X.double() @ w.double().T, rtol=1e-5, atol=1e-5)
+        timings = {key: times for (_, key), times in _tuning.tuner("tp_schedule").timings.items()
+                   if key[:4] == ("all_gather_matmul", W, 16, 40)}  # fmt: skip
+        picks = {key: c.kwargs["overlap"] for (_, key), c in
+                 _tuning.tuner("tp_schedule").picks.items() if key in timings}  # fmt: skip
+        return list(picks.values()), list(timings.values()), [str(c.message) for c in caught]
+    finally:
+        symmetric.unavailable, symmetric.Gather, symmetric.Scatter, overlap.measures = saved
+        symmetric._TRANSPORTS.clear()
+        _tuning.tuner("tp_schedule").picks.clear()
+
+
+def test_auto_measures_fused_and_leaves_out_a_wrong_one(world):
+    for picks, timings, warned in world(2).run(_auto_with_fused, False):
+        assert len(picks) == 1 and picks[0] in ("serial", "ring", "fused")
+        assert len(timings[0]) == 3 and all(t < float("inf") for t in timings[0])
+        assert not any("left 'fused' out" in w for w in warned)
+    for picks, timings, warned in world(2).run(_auto_with_fused, True):
+        assert picks[0] != "fused" and timings[0][2] == float("inf")
+        assert any("'auto' left 'fused' out for all_gather_matmul" in w for w in warned), warned

@@ -34,7 +34,7 @@ def gather_matmuls_fused(x: Tensor, operands, biases, pg, gemm=matmul, epilogues
     copy-engine stand-in, `bench.standin.CopyEngineGather`)."""
     epilogues = epilogues or [None] * len(operands)
     if x.dtype not in KERNEL_DTYPES:
-        symmetric.say_once(f"{x.dtype} runs the serial schedule (the kernels take 16-bit and fp32)")
+        symmetric.say_once(f"overlap='fused': {x.dtype} runs the serial schedule")
         full = all_gather_async(x, pg).wait()
         return [gemm(full, op, bias=b, out_dtype=x.dtype) for op, b in zip(operands, biases,
                                                                             strict=True)], full
@@ -66,7 +66,7 @@ def gather_matmuls_fused(x: Tensor, operands, biases, pg, gemm=matmul, epilogues
 
     for i, epilogue in enumerate(epilogues):
         if epilogue is not None:
-            symmetric.say_once("a GEMM with an epilogue (rotation, gated) runs after the gather")
+            symmetric.say_once("overlap='fused': a GEMM with an epilogue runs after the gather")
             outs[i] = gemm(gathered, operands[i], bias=biases[i], out_dtype=x.dtype,
                            **_chunk_epilogue(epilogue, slice(0, gathered.shape[0])))  # fmt: skip
     return outs, gathered
@@ -79,7 +79,7 @@ def matmuls_reduce_scatter_fused(pairs, pg, out_dtype, bias=None, reduce_dtype=N
     A0 = pairs[0][0]
     wide = accumulator(A0.dtype)
     if A0.dtype not in KERNEL_DTYPES or len(pairs) > matmul_fused.MAX_OPERANDS:
-        symmetric.say_once(f"{A0.dtype} or {len(pairs)} pairs run the serial schedule")
+        symmetric.say_once(f"overlap='fused': {A0.dtype} or {len(pairs)} pairs run serial")
         total = matmul(*pairs[0], out_dtype=wide)
         for A, B in pairs[1:]:
             matmul(A, B, out=total, accumulate=True)
