@@ -97,7 +97,7 @@ def _cpu_rank(tokens, k, n, reps):
     import torch.distributed as dist
 
     from fusedpar.comm import all_gather, reduce_scatter
-    from fusedpar.ops.linear import gather_matmuls, matmuls_reduce_scatter
+    from fusedpar.ops.tp_schedules import gather_matmuls, matmuls_reduce_scatter
 
     pg, size = dist.group.WORLD, dist.get_world_size()
     torch.manual_seed(dist.get_rank())
@@ -186,8 +186,8 @@ def make_case(side: str, d: int, widths: list[int], tp: int, tokens: int, device
     from fusedpar.kernels.matmul import matmul
 
     from bench.standin import CopyEngineGather, CopyEngineScatter
-    from fusedpar.ops.linear import gather_matmuls, matmuls_reduce_scatter
     from fusedpar.ops.linear_fused import gather_matmuls_fused, matmuls_reduce_scatter_fused
+    from fusedpar.ops.tp_schedules import gather_matmuls, matmuls_reduce_scatter
 
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     kw = dict(device=device, dtype=dtype)

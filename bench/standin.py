@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from fusedpar.kernels._common import sm_count
 
 # The link the stand-in imitates: NCCL between H100 SXM GPUs over NVLink 4 (450 GB/s line
 # rate each way). NCCL's maintainers put the effective NVLink bandwidth after protocol
@@ -284,11 +285,13 @@ class CopyEngineGather(_CopyEngine):
                  delays_us: list[float] | None = None):  # fmt: skip
         super().__init__(len(peers), rank, link, peers[0].device, delays_us)
         self.peers = peers
+        # The pacing sleeps are kernels: the fused GEMM leaves them an SM (the real
+        # transport's copies and flag writes need none).
+        self.programs = sm_count(self.device) - 1 if self.gpu else None
 
-    def start(self, x: torch.Tensor) -> torch.Tensor:
+    def start(self, x: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
         m, rank, world = x.shape[0], self.rank, self.world
         self.flags.zero_()
-        gathered = x.new_empty((world * m, x.shape[1]))
         gathered[rank * m : (rank + 1) * m].copy_(x)
         self._signal(self.flags, rank)
         if self.gpu:
@@ -363,13 +366,13 @@ class CopyEngineScatter(_CopyEngine):
                 with torch.cuda.stream(stream):
                     queue()
             gemm(partials, self.counts)
-        out = matmul_fused.sum_partials(partials[rank * m : (rank + 1) * m], self.received,
-                                        self.flags, rank, out_dtype, bias,
-                                        status=self.status)  # fmt: skip
-        if self.gpu:
+            # (the sends and arrivals before the sum, whose spinning CTAs could hold every
+            # SM: `fusedpar.symmetric.Scatter.run`)
             current.wait_stream(self.stream)
             current.wait_stream(self.arrivals)
-        return out
+        return matmul_fused.sum_partials(partials[rank * m : (rank + 1) * m], self.received,
+                                         self.flags, rank, out_dtype, bias,
+                                         status=self.status)  # fmt: skip
 
 
 def _nothing():

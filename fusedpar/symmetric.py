@@ -27,7 +27,9 @@ the process with the message, as NCCL's watchdog does on a timed-out collective.
 Buffers are made once per (group, shape, dtype) and reused (`transport`)."""
 
 import atexit
+import contextlib
 import os
+import socket
 import sys
 import threading
 import warnings
@@ -71,10 +73,11 @@ def signal(flags: torch.Tensor, index: int) -> None:
     stream write (no kernel), or a one-word memset while a graph is captured."""
     from torch._C._distributed_c10d import _SymmetricMemory
 
+    words = flags.view(torch.uint32)  # (the stream ops take flat uint32 tensors only)
     if torch.cuda.is_current_stream_capturing():
-        _SymmetricMemory.memset32(flags, offset=index, val=1, count=1)
+        _SymmetricMemory.memset32(words, offset=index, val=1, count=1)
     else:
-        _SymmetricMemory.stream_write_value32(flags, index, 1)
+        _SymmetricMemory.stream_write_value32(words, index, 1)
 
 
 class Watchdog:
@@ -139,25 +142,29 @@ class _Transport:
 
 
 class Gather(_Transport):
-    """The all-gather side for x of one (m, K) shape and dtype."""
+    """The all-gather side for x of up to `rows` rows, K columns, one dtype."""
 
-    def __init__(self, pg, shape: tuple[int, int], dtype: torch.dtype, device):
+    def __init__(self, pg, rows: int, K: int, dtype: torch.dtype, device):
         super().__init__(pg, device)
         from torch.distributed import _symmetric_memory as symm_mem
 
+        shape = (rows, K)
         self.shard = symm_mem.empty(shape, dtype=dtype, device=device)
         self.handle = symm_mem.rendezvous(self.shard, pg.group_name)  # collective, once
         self.peers = [self.handle.get_buffer(r, shape, dtype) for r in range(self.world)]
         self.flags = torch.zeros(self.world, dtype=torch.int32, device=device)
 
-    def start(self, x: torch.Tensor) -> torch.Tensor:
-        """The gathered (W*m, K) buffer, filling: own rows now, the peers' from the side
-        stream in rank-rotated order, each chunk's flag set after it (`flags`)."""
+    def start(self, x: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+        """`gathered` (W*m, K), filling: own rows now, the peers' from the side stream in
+        rank-rotated order, each chunk's flag set after it (`flags`). Under `poisoned`,
+        NaN first: a chunk read before it lands shows."""
         m, rank, world = x.shape[0], self.rank, self.world
         current = torch.cuda.current_stream(self.device)
-        self.shard.copy_(x)
+        shard = self.shard[:m]
+        shard.copy_(x)
         self.flags.zero_()
-        gathered = x.new_empty((world * m, x.shape[1]))
+        if POISON:
+            gathered.fill_(float("nan"))
         gathered[rank * m : (rank + 1) * m].copy_(x)
         signal(self.flags, rank)
         self.handle.barrier(channel=0)  # every rank's shard is written
@@ -165,7 +172,7 @@ class Gather(_Transport):
         with torch.cuda.stream(self.stream):
             for step in range(1, world):
                 src = (rank + step) % world
-                gathered[src * m : (src + 1) * m].copy_(self.peers[src])  # copy engine
+                gathered[src * m : (src + 1) * m].copy_(self.peers[src][:m])  # copy engine
                 signal(self.flags, src)
         return gathered
 
@@ -175,7 +182,8 @@ class Gather(_Transport):
 
 
 class Scatter(_Transport):
-    """The reduce-scatter side for partials of (W*m, N) in `dtype` (the reduce dtype)."""
+    """The reduce-scatter side for partials of up to `rows` rows a rank, N columns, in
+    `dtype` (the reduce dtype)."""
 
     def __init__(self, pg, rows: int, N: int, dtype: torch.dtype, device):
         super().__init__(pg, device)
@@ -197,11 +205,14 @@ class Scatter(_Transport):
         """This rank's (m, N) rows of ``sum_ranks sum_i A_i @ B_i`` + bias: ``gemm(P,
         counts)`` writes the partials P (W*m, N) counting `tiles` per chunk, each chunk
         leaves as soon as counted."""
-        m, rank, world = self.rows, self.rank, self.world
+        m, rank, world = pairs[0][0].shape[0] // self.world, self.rank, self.world
+        received = self.received[:, :m]
         current = torch.cuda.current_stream(self.device)
         wait_s = wait_seconds()
         self.flags.zero_()
         self.counts.zero_()
+        if POISON:
+            received.fill_(float("nan"))
         self.handle.barrier(channel=0)  # every rank reset its flags: peers may write them
         partials = torch.empty((world * m, self.received.shape[2]), dtype=self.dtype,
                                device=self.device)  # fmt: skip
@@ -211,23 +222,51 @@ class Scatter(_Transport):
                 dest = (rank + step) % world
                 matmul_fused.wait_count(self.counts, dest, tiles, rank, status=self.status,
                                         wait_s=wait_s)  # fmt: skip
-                self.peer_received[dest][rank].copy_(partials[dest * m : (dest + 1) * m])
+                self.peer_received[dest][rank, :m].copy_(partials[dest * m : (dest + 1) * m])
                 signal(self.peer_flags[dest], rank)
         gemm(partials, self.counts)
-        out = matmul_fused.sum_partials(partials[rank * m : (rank + 1) * m], self.received,
-                                        self.flags, rank, out_dtype, bias, status=self.status,
-                                        wait_s=wait_s)  # fmt: skip
+        # The sends first: the sum's CTAs spin on the peers' flags, and enough of them
+        # could hold every SM while this rank's count waits (one-program kernels on the
+        # side stream) still need one, so no rank would send.
         current.wait_stream(self.stream)
-        return out
+        return matmul_fused.sum_partials(partials[rank * m : (rank + 1) * m], received,
+                                         self.flags, rank, out_dtype, bias, status=self.status,
+                                         wait_s=wait_s)  # fmt: skip
 
 
 _TRANSPORTS: dict[tuple, _Transport] = {}
+POISON = False  # NaN in the landing buffers before each call (`poisoned`)
 
 
-def transport(kind: type, pg: dist.ProcessGroup, *key) -> _Transport:
-    """The `Gather` or `Scatter` for `pg` and this shape (made on first use: a collective
-    every rank reaches with the same shapes, as the op's call is)."""
-    full = (kind, pg.group_name, *key)
+@contextlib.contextmanager
+def poisoned():
+    """Inside, the transports fill their landing buffers with NaN before each call: a
+    chunk read before it landed shows in the result ("auto"'s check of its candidates)."""
+    global POISON
+    saved, POISON = POISON, True
+    try:
+        yield
+    finally:
+        POISON = saved
+
+
+def transport(kind: type, pg: dist.ProcessGroup, rows: int, *key) -> _Transport:
+    """The `Gather` or `Scatter` for `pg` holding `rows` rows a rank (the next power of
+    two: growing lengths reuse it; a call takes views) and this `key` (widths, dtype,
+    device). Made on first use: a collective every rank reaches with the same shapes, as
+    the op's call is, which first checks that the group's ranks share one host (symmetric
+    memory maps peers' memory: a ValueError on every rank otherwise)."""
+    capacity = 1 << max(rows - 1, 0).bit_length()
+    full = (kind, pg.group_name, capacity, *key)
     if full not in _TRANSPORTS:
-        _TRANSPORTS[full] = kind(pg, *key)
+        _check_one_host(pg)
+        _TRANSPORTS[full] = kind(pg, capacity, *key)
     return _TRANSPORTS[full]
+
+
+def _check_one_host(pg: dist.ProcessGroup) -> None:
+    hosts = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(hosts, socket.gethostname(), group=pg)
+    if len(set(hosts)) > 1:
+        raise ValueError(f"overlap='fused' maps peers' GPU memory, so its group must be on one "
+                         f"host; this one spans {sorted(set(hosts))}: use 'serial' or 'ring'")

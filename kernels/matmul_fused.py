@@ -83,9 +83,12 @@ def _now():
 
 @triton.jit
 def _stop(status_ptr, op, rank, chunk):
-    """Record (op, rank, chunk) in the pinned status for the host, then trap."""
+    """Record (op, rank, chunk) in the pinned status for the host, then trap. The op is
+    stored last, after a system fence: the host reads it as the record's presence."""
     tl.store(status_ptr + 1, rank)
     tl.store(status_ptr + 2, chunk)
+    tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
     tl.store(status_ptr, op)
     tl.inline_asm_elementwise("fence.sc.sys; trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
                               is_pure=False, pack=1)  # fmt: skip
@@ -365,11 +368,29 @@ def _launch(name: str, key: tuple, operands, outs, biases, signal, rank: int, wo
             rows: int, gather: bool, status, wait_s: float, agreement, tune_only: bool,
             trace, programs: int | None) -> triton.Config:  # fmt: skip
     """Tune (or look up) and launch `_fused_matmul_kernel` for 1-3 (A, B) operands;
-    returns the config (with `tune_only`, launches nothing after the tuning)."""
+    returns the config. With `tune_only`, the pick is made on scratch (the gather's
+    rows zeros and every flag set; the counts zeroed) and nothing else is launched; a
+    pick already made returns at once, allocating nothing."""
     a0 = operands[0][0]
     device = a0.device
     interpreted = is_interpreted(_fused_matmul_kernel)
     tma, b_t = _operand_layout(operands)
+    K_s = [a.shape[1] if not gather else a0.shape[1] for a, _ in operands]
+    N_s = [b.shape[1] for _, b in operands]
+    precision = fp32_dot_precision() if a0.dtype == torch.float32 else "tf32"
+    has_bias = any(b is not None for b in biases)
+    key = (*key, bucket(rows), world, tuple(K_s), tuple(N_s), str(a0.dtype), str(outs[0].dtype),
+           has_bias, precision, tma, b_t)  # fmt: skip
+    if tune_only:
+        scope = (agreement.name if agreement else None, _tuning._full_key(key))
+        if scope in _tuning.tuner(name).picks:
+            return _tuning.tuner(name).picks[scope]
+        if gather:
+            operands = [(torch.zeros_like(a0), b) for _, b in operands]
+            a0, signal = operands[0][0], torch.ones_like(signal)
+        else:
+            signal = torch.zeros_like(signal)
+        outs = [o.new_empty((world * rows, o.shape[1])) for o in outs]
     if tma:
         ensure_tma_allocator(device)
     pad = lambda ts, fill: list(ts) + [fill] * (MAX_OPERANDS - len(ts))  # noqa: E731
@@ -378,7 +399,6 @@ def _launch(name: str, key: tuple, operands, outs, biases, signal, rank: int, wo
     # One bias pointer type for every operand: biases of mixed dtypes go as fp32, where
     # they are added anyway (exact), and a weight without one gets zeros.
     given = [b for b in biases if b is not None]
-    has_bias = bool(given)
     bias_dtype = given[0].dtype if len({b.dtype for b in given}) == 1 else torch.float32
     zeros = None
     if has_bias and len(given) < len(biases):
@@ -386,9 +406,7 @@ def _launch(name: str, key: tuple, operands, outs, biases, signal, rank: int, wo
     bias_s = pad([zeros if b is None else b.to(bias_dtype) for b in biases] if has_bias
                  else [outs[0]] * len(biases), outs[0])  # fmt: skip
     c_s = pad(outs, outs[0])
-    K_s = pad([a.shape[1] if not gather else a0.shape[1] for a, _ in operands], 0)
-    N_s = pad([b.shape[1] for _, b in operands], 0)
-    precision = fp32_dot_precision() if a0.dtype == torch.float32 else "tf32"
+    K_s, N_s = pad(K_s, 0), pad(N_s, 0)
     status = _status(device, status)
     args = (*a_s, *b_s, *bias_s, *c_s, signal, status, trace if trace is not None else signal,
             *(a.stride(0) for a in a_s), a0.stride(1),
@@ -397,8 +415,6 @@ def _launch(name: str, key: tuple, operands, outs, biases, signal, rank: int, wo
     meta = dict(GATHER=gather, OPERANDS=len(operands), HAS_BIAS=has_bias, TMA=tma, B_T=b_t,
                 ON_GPU=not interpreted, TRACE=trace is not None, INPUT_PRECISION=precision,
                 GROUP_M=GROUP_M)  # fmt: skip
-    key = (*key, bucket(rows), world, tuple(K_s), tuple(N_s), str(a0.dtype), str(outs[0].dtype),
-           has_bias, precision, tma, b_t)  # fmt: skip
     widest = sum(N_s) if gather else N_s[0]
     tiles_n = lambda c: sum(-(-n // c.kwargs["BLOCK_N"]) for n in N_s if n)  # noqa: E731
     if programs is None:
@@ -455,11 +471,8 @@ def gathered_matmuls(gathered: torch.Tensor, weights, biases, flags: torch.Tenso
         raise ValueError(f"rank must be in [0, {world}), got {rank}")
     check_launchable(_fused_matmul_kernel, gathered, *weights, flags,
                      *(b for b in biases if b is not None))  # fmt: skip
-    if tune_only:
-        gathered = torch.zeros_like(gathered)
-        flags = torch.ones_like(flags)
-    _check_signal("flags", flags, world, gathered.device, must_be_set=True)
-    outs = [gathered.new_empty((T, b.shape[1])) for b in weights]
+    _check_signal("flags", flags, world, gathered.device, must_be_set=not tune_only)
+    outs = [gathered.new_empty((0 if tune_only else T, b.shape[1])) for b in weights]
     _launch("fused_all_gather_matmul", (), [(gathered, b) for b in weights], outs, biases, flags,
             rank, world, T // world, True, status, wait_s, agreement, tune_only, trace,
             programs)  # fmt: skip
@@ -494,15 +507,13 @@ def partial_matmuls(pairs, counts: torch.Tensor, rank: int, world: int, *,
     if not 0 <= rank < world:
         raise ValueError(f"rank must be in [0, {world}), got {rank}")
     out_dtype = out.dtype if out is not None else out_dtype or accumulator(a0.dtype)
-    if out is None or tune_only:
-        out = torch.empty((T, N), dtype=out_dtype, device=a0.device)
+    if out is None:  # (with tune_only: a shape for the key, the scratch is made if needed)
+        out = torch.empty((T, N) if not tune_only else (0, N), dtype=out_dtype, device=a0.device)
     elif out.shape != (T, N) or out.stride(1) != 1:
         raise ValueError(f"out must be ({T}, {N}) with unit column stride, got "
                          f"{tuple(out.shape)} {out.stride()}")  # fmt: skip
     check_launchable(_fused_matmul_kernel, a0, out, counts, *(t for p in pairs for t in p))
     _check_signal("counts", counts, world, a0.device, must_be_set=False)
-    if tune_only:
-        counts = torch.zeros_like(counts)
     config = _launch("fused_matmul_reduce_scatter", (), list(pairs), [out], [None] * len(pairs),
                      counts, rank, world, T // world, False, None, 30.0, agreement, tune_only,
                      trace, programs)  # fmt: skip

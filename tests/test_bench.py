@@ -159,7 +159,7 @@ def test_paced_copy_rejects_bad_input():
 
 
 def test_stand_in_ring_drives_the_all_gather_loop():
-    from fusedpar.ops.linear import gather_matmuls
+    from fusedpar.ops.tp_schedules import gather_matmuls
 
     torch.manual_seed(0)
     world, n, k, widths = 3, 5, 24, (17, 9)
@@ -176,7 +176,7 @@ def test_stand_in_ring_drives_the_all_gather_loop():
 
 
 def test_stand_in_ring_drives_the_reduce_scatter_loop():
-    from fusedpar.ops.linear import matmuls_reduce_scatter
+    from fusedpar.ops.tp_schedules import matmuls_reduce_scatter
 
     torch.manual_seed(1)
     world, rows, n = 4, 3, 19

@@ -5,6 +5,8 @@ needs NCCL): every gradient against float64 at W = 2 and 4. The copy engine, the
 while data lands, the watchdog and CUDA graphs are the GPU tier's (tests/test_fused_gpu.py).
 """
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -135,12 +137,11 @@ def test_wait_seconds_reads_the_variable(monkeypatch):
 class _LoopbackGather:
     """`symmetric.Gather`'s interface: every chunk there (and flagged) at `start`."""
 
-    def __init__(self, pg, shape, dtype, device):
+    def __init__(self, pg, rows, K, dtype, device):
         self.pg, self.rank, self.world = pg, dist.get_rank(pg), dist.get_world_size(pg)
         self.flags, self.status = torch.zeros(self.world, dtype=torch.int32), None
 
-    def start(self, x):
-        gathered = x.new_empty((self.world * x.shape[0], x.shape[1]))
+    def start(self, x, gathered):
         dist.all_gather_into_tensor(gathered, x.contiguous(), group=self.pg)
         self.flags.fill_(1)
         return gathered
@@ -155,11 +156,11 @@ class _LoopbackScatter:
 
     def __init__(self, pg, rows, N, dtype, device):
         self.pg, self.rank, self.world = pg, dist.get_rank(pg), dist.get_world_size(pg)
-        self.rows, self.N, self.dtype = rows, N, dtype
+        self.N, self.dtype = N, dtype
         self.counts = torch.zeros(self.world, dtype=torch.int32)
 
     def run(self, pairs, out_dtype, bias, tiles, gemm):
-        m, W = self.rows, self.world
+        m, W = pairs[0][0].shape[0] // self.world, self.world
         partials = torch.empty((W * m, self.N), dtype=self.dtype)
         self.counts.zero_()
         gemm(partials, self.counts)
@@ -243,8 +244,8 @@ class _StaleGather(_LoopbackGather):
     """A transport whose last chunk is read before it landed (zeros): what a missing
     fence would do."""
 
-    def start(self, x):
-        gathered = super().start(x)
+    def start(self, x, gathered):
+        super().start(x, gathered)
         gathered[-x.shape[0] :] = 0
         return gathered
 
@@ -258,8 +259,10 @@ def _auto_with_fused(stale):
 
     from fusedpar.ops import overlap
 
-    saved = (symmetric.unavailable, symmetric.Gather, symmetric.Scatter, overlap.measures)
+    saved = (symmetric.unavailable, symmetric.Gather, symmetric.Scatter, overlap.measures,
+             overlap.AUTO_CANDIDATES)  # fmt: skip
     symmetric.unavailable, overlap.measures = (lambda pg: None), (lambda device: True)
+    overlap.AUTO_CANDIDATES = ("serial", "ring", "fused")  # (not yet by default)
     symmetric.Gather = _StaleGather if stale else _LoopbackGather
     symmetric.Scatter = _LoopbackScatter
     symmetric._WARNED.clear()
@@ -277,7 +280,8 @@ def _auto_with_fused(stale):
                  _tuning.tuner("tp_schedule").picks.items() if key in timings}  # fmt: skip
         return list(picks.values()), list(timings.values()), [str(c.message) for c in caught]
     finally:
-        symmetric.unavailable, symmetric.Gather, symmetric.Scatter, overlap.measures = saved
+        (symmetric.unavailable, symmetric.Gather, symmetric.Scatter, overlap.measures,
+         overlap.AUTO_CANDIDATES) = saved  # fmt: skip
         symmetric._TRANSPORTS.clear()
         _tuning.tuner("tp_schedule").picks.clear()
 
@@ -290,3 +294,43 @@ def test_auto_measures_fused_and_leaves_out_a_wrong_one(world):
     for picks, timings, warned in world(2).run(_auto_with_fused, True):
         assert picks[0] != "fused" and timings[0][2] == float("inf")
         assert any("'auto' left 'fused' out for all_gather_matmul" in w for w in warned), warned
+
+
+def _fused_swiglu():
+    """ParallelSwiGLU (gate/up one launch; its down projection's backward, a gated
+    epilogue's GEMM on the gathered rows, written into the layer's buffer) fused against
+    serial, output and every gradient."""
+    saved = symmetric.unavailable, symmetric.Gather, symmetric.Scatter
+    symmetric.unavailable = lambda pg: None
+    symmetric.Gather, symmetric.Scatter = _LoopbackGather, _LoopbackScatter
+    try:
+        rank = dist.get_rank()
+        results = {}
+        for overlap in ("fused", "serial"):
+            torch.manual_seed(0)
+            layer = fp.nn.ParallelSwiGLU(16, 48, WORLD, bias=True, overlap=overlap)
+            with torch.no_grad():
+                for p in layer.parameters():
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
+            x = torch.randn(5, 16, generator=torch.Generator().manual_seed(rank),
+                            requires_grad=True)  # fmt: skip
+            symmetric._WARNED.clear()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                y = layer(x)
+                y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(9 + rank)))
+            results[overlap] = [y.detach(), x.grad, *[p.grad for p in layer.parameters()]]
+            results[overlap + " warned"] = [str(c.message) for c in caught]
+        for got, ref in zip(results["fused"], results["serial"], strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        return len(results["fused"]), results["fused warned"]
+    finally:
+        symmetric.unavailable, symmetric.Gather, symmetric.Scatter = saved
+        symmetric._TRANSPORTS.clear()
+
+
+def test_fused_gated_mlp_matches_serial_every_gradient(world):
+    for n, warned in world(2).run(_fused_swiglu):
+        assert n >= 5  # y, dx and the parameters' gradients
+        # the down projection's backward took the fused gather and its epilogue GEMM
+        assert any("a GEMM with an epilogue runs after the gather" in w for w in warned)

@@ -39,8 +39,9 @@ from fusedpar.kernels.attention_backward import attention_backward
 from fusedpar.kernels.matmul import RowRotation, rope_epilogue_fits
 from fusedpar.kernels.matmul_sequence import GemmSequence, layout, state
 from fusedpar.ops.attention import _mask
-from fusedpar.ops.linear import _asked, _flat, _row_sum, _spread, matmuls_reduce_scatter
+from fusedpar.ops.linear import _asked, _flat, _row_sum, _spread
 from fusedpar.ops.registration import autograd_op, direct_op
+from fusedpar.ops.tp_schedules import matmuls_reduce_scatter
 
 
 def _rotation(x2d, tables, head_dim: int, batch: int, normed: bool) -> RowRotation | None:

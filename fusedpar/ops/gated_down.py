@@ -31,10 +31,10 @@ from fusedpar.ops.linear import (
     _matmul_reduce_scatter_backward,
     _matmul_reduce_scatter_forward,
     _row_sum,
-    gather_matmuls,
 )
 from fusedpar.ops.overlap import ring_chunks
 from fusedpar.ops.registration import direct_op
+from fusedpar.ops.tp_schedules import gather_matmuls
 
 # --- custom ops: fusedpar::gated and the backward (inside _GatedDown) -------------------
 

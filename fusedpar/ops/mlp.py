@@ -24,8 +24,9 @@ from torch import Tensor
 from fusedpar.kernels import gated as gated_kernels
 from fusedpar.kernels.matmul_gated import gated_grad_matmul, gated_up_matmul
 from fusedpar.kernels.matmul_sequence import GemmSequence, layout, state
-from fusedpar.ops.linear import _flat, _row_sum, matmuls_reduce_scatter
+from fusedpar.ops.linear import _flat, _row_sum
 from fusedpar.ops.registration import autograd_op, direct_op
+from fusedpar.ops.tp_schedules import matmuls_reduce_scatter
 
 
 @torch.library.custom_op("fusedpar::gated_mlp", mutates_args=())

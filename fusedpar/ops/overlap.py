@@ -11,12 +11,11 @@ _tuning.all_picks` records it with the tiles). Where nothing is timed (CPU ranks
 times say nothing of a deployment; ``FUSEDPAR_TUNING=first``; a CUDA-graph capture or a
 torch.compile trace before the pick), **the rule** stands in: ``ring`` on gloo (CPU:
 1.01-1.36x serial, bench linear's cpu rows), ``serial`` elsewhere (the first H100 run:
-the ring lost to serial at 14 of 16 points and won by at most 3%). ``fused`` is one of
-the candidates where the group can run it (`symmetric.unavailable`), and every
-candidate's result is checked during the measurement against the serial schedule's:
-one that differs by more than a few roundings (a chunk read before it landed would, by
-O(1)) is never picked, on any rank, and said so once. (``fused`` has not run on a GPU
-yet: bench/NOTES.md, step 0 of the next run.)
+the ring lost to serial at 14 of 16 points and won by at most 3%). Every candidate's
+result is checked during the measurement against the serial schedule's (one more run,
+the transports' landing buffers filled with NaN first: `symmetric.poisoned`): one that
+differs by more than a few roundings is never picked, on any rank, and said so once.
+``fused`` is not a candidate until a GPU run has passed its tests (bench/NOTES.md).
 """
 
 import os
@@ -36,7 +35,9 @@ SERIAL = 0  # the ops' chunks for the serial schedule (one collective, one GEMM)
 FUSED = -1  # the ops' chunks for the fused schedule
 AUTO = -2  # the ops' chunks for "auto" over a group: measured per shape, else the rule
 OVERLAPS = ("auto", "serial", "ring", "fused")
-AUTO_CANDIDATES = ("serial", "ring", "fused")  # "fused" where the group can run it
+# "fused" joins once a GPU run has passed its tests (bench/NOTES.md): until then it
+# runs where asked for only. (Where a group cannot run it, it is never tried.)
+AUTO_CANDIDATES = ("serial", "ring")
 AUTO_RING_CHUNKS = 1  # the ring's messages per rank and step when "auto" picks it
 TIMED_RUNS = 3  # a fixed count: every rank runs the same collectives
 
@@ -129,7 +130,8 @@ def measured_chunks(side: str, key: tuple, pg: dist.ProcessGroup, device: torch.
         times = []
         for name in names:
             times.append(_time_runs(lambda c=_CHUNKS[name]: run(c), device))
-            error = _disagreement(_tensors(run(_CHUNKS[name])), reference)
+            with symmetric.poisoned():
+                error = _disagreement(_tensors(run(_CHUNKS[name])), reference)
             if error is not None:  # never picked, on any rank (the sum is inf)
                 times[-1] = float("inf")
                 symmetric.say_once(f"'auto' left {name!r} out for {side}: its result "
@@ -157,13 +159,14 @@ def _disagreement(got: list[torch.Tensor], reference: list[torch.Tensor]) -> flo
     """The relative error (to the largest value) of `got` against the serial schedule's
     `reference` where it is more than the schedules' orders of summation explain (8
     roundings of the dtype, at least 1e-4: 0.06 in bf16, 0.008 in fp16), else None. A
-    chunk read before it landed is off by O(1)."""
+    chunk read before it landed (NaN under `symmetric.poisoned`) is off by far more."""
     worst = 0.0
     for g, r in zip(got, reference, strict=True):
         if r.numel() == 0:
             continue
         scale = r.double().abs().max().item() or 1.0
-        worst = max(worst, (g.double() - r.double()).abs().max().item() / scale)
+        diff = (g.double() - r.double()).abs().nan_to_num(float("inf"))
+        worst = max(worst, diff.max().item() / scale)
     bound = max(8 * torch.finfo(reference[0].dtype).eps, 1e-4)
     return worst if not worst <= bound else None
 
