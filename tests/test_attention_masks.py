@@ -250,3 +250,42 @@ def test_varlen_shapes_and_document_counts():
 def test_positions_restart_in_every_document():
     cu = cu_of([3, 0, 4, 1])
     assert fp.sequence_positions(8, None, cu_seqlens=cu).tolist() == [0, 1, 2, 0, 1, 2, 3, 0]
+
+
+def test_packed_masks_are_built_once_per_cu_seqlens(monkeypatch):
+    """A model's layers pass the same cu_seqlens forward and backward: the values are read
+    (a host sync on a GPU) and the intervals built once for them. A tensor written in
+    place, or a new one, builds anew; the results are those of a fresh build."""
+    import fusedpar.ops.attention as ops
+
+    calls = {"built": 0, "checked": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += kwargs.get("values", True)  # (the values' reads: the shapes' are free)
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(ops, "packed_intervals", counted("built", ops.packed_intervals))
+    monkeypatch.setattr(ops, "check_cu_seqlens", counted("checked", ops.check_cu_seqlens))
+    monkeypatch.setattr(ops, "_PACKED", ops._PackedMasks())
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(20, 2, 16, generator=gen, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+
+    def run(cu_seqlens):
+        out = fp.flash_attn_varlen(q, k, v, cu_seqlens, causal=True)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        return out.detach(), grads
+
+    first = run(cu)
+    assert calls == {"built": 1, "checked": 2}  # forward; the backward took the same
+    again = run(cu)
+    assert calls == {"built": 1, "checked": 2} and torch.equal(first[0], again[0])
+    cu.copy_(torch.tensor([0, 12, 20], dtype=torch.int32))  # written in place: built anew
+    moved = run(cu)
+    assert calls == {"built": 2, "checked": 4} and not torch.equal(moved[0], first[0])
+    fresh = run(torch.tensor([0, 12, 20], dtype=torch.int32))  # a new tensor: built anew
+    assert calls["built"] == 3 and torch.equal(fresh[0], moved[0])
+    assert all(torch.equal(a, b) for a, b in zip(fresh[1], moved[1], strict=True))

@@ -31,6 +31,8 @@ float64 throughout: the LSE and the sinks are then float64 where they are float3
 the other dtypes (`fusedpar.kernels._common.accumulator`).
 """
 
+import weakref
+
 import torch
 from torch import Tensor
 
@@ -54,14 +56,56 @@ from fusedpar.ops.registration import autograd_op, direct_op
 
 
 def _mask(q, k, cu_q, cu_k, causal, window, *, check: bool) -> dict:
+    """The kernels' mask arguments. Packed documents' intervals are built (and with
+    `check` the cu_seqlens' values read: a host sync) once per cu_seqlens tensors: the
+    layers of a model, forward and backward, pass the same ones (`_PackedMasks`)."""
     if cu_q is None:
         return dict(causal=causal, window=window)
-    if check:
-        check_cu_seqlens(cu_q, q.shape[1], "cu_seqlens_q")
-        check_cu_seqlens(cu_k, k.shape[1], "cu_seqlens_k")
-    intervals = packed_intervals(cu_q.to(q.device), cu_k.to(q.device), q.shape[1], k.shape[1],
-                                 causal=causal, window=window)  # fmt: skip
+    intervals = _PACKED.get(q, k, cu_q, cu_k, causal, window, check)
+    if intervals is None:
+        if check:
+            check_cu_seqlens(cu_q, q.shape[1], "cu_seqlens_q")
+            check_cu_seqlens(cu_k, k.shape[1], "cu_seqlens_k")
+        intervals = packed_intervals(cu_q.to(q.device), cu_k.to(q.device), q.shape[1],
+                                     k.shape[1], causal=causal, window=window)  # fmt: skip
+        _PACKED.put(q, k, cu_q, cu_k, causal, window, check, intervals)
     return dict(intervals=intervals)
+
+
+class _PackedMasks:
+    """The last few packed masks, each kept for the very cu_seqlens tensors it was built
+    from (the same objects, alive, not written since: their version counters) and the
+    call's lengths, mask and device. A new tensor, even with equal values, builds anew;
+    so does one written in place. An entry made without the values' check serves only
+    calls that do not ask for it."""
+
+    SIZE = 8
+
+    def __init__(self):
+        self.entries: dict[tuple, tuple] = {}
+
+    @staticmethod
+    def _key(q, k, cu_q, cu_k, causal, window):
+        return (id(cu_q), id(cu_k), q.shape[1], k.shape[1], causal, tuple(window), q.device)
+
+    def get(self, q, k, cu_q, cu_k, causal, window, check):
+        entry = self.entries.get(self._key(q, k, cu_q, cu_k, causal, window))
+        if entry is None:
+            return None
+        ref_q, ref_k, versions, checked, intervals = entry
+        fresh = (ref_q() is cu_q and ref_k() is cu_k
+                 and versions == (cu_q._version, cu_k._version))  # fmt: skip
+        return intervals if fresh and (checked or not check) else None
+
+    def put(self, q, k, cu_q, cu_k, causal, window, checked, intervals):
+        if len(self.entries) >= self.SIZE:
+            self.entries.pop(next(iter(self.entries)))
+        self.entries[self._key(q, k, cu_q, cu_k, causal, window)] = (
+            weakref.ref(cu_q), weakref.ref(cu_k), (cu_q._version, cu_k._version), checked,
+            intervals)  # fmt: skip
+
+
+_PACKED = _PackedMasks()
 
 
 @torch.library.custom_op("fusedpar::flash_attn", mutates_args=())
