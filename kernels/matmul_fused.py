@@ -19,13 +19,13 @@ reduce-scatter's from rank + 1's rows to this rank's own last, so the first part
 leave while the rest are computed. A tile's chunk is read through 3-D descriptors
 (W, m, K) that end at the chunk's last row: a tile never reads rows of another chunk.
 
-**Waits.** A wait is one acquire load of the flag per tile, before its K loop (never
-inside it); a tile whose chunk is not there spins on it. A spin that outlasts
-``wait_ns`` (the GPU's global timer) writes (op, rank, chunk) into `status`, pinned host
-memory the host's watchdog reads (`fusedpar.symmetric`), and stops the kernel with a
-trap: the message names the rank, the chunk and the op, and nothing goes on with a
-missing chunk. **Counts** are released after a CTA barrier, so a reader that acquires
-``counts[c] == n`` sees every tile of chunk c.
+**Waits.** A wait is one acquire load of the flag per tile (``ld.acquire``, every
+thread), before its K loop (never inside it); a tile whose chunk is not there spins. A
+spin that outlasts ``wait_ns`` (the GPU's global timer) writes (op, rank, chunk) into
+`status`, pinned host memory the host's watchdog reads (`fusedpar.symmetric`), and stops
+the kernel with a trap: the message names the rank, the chunk and the op, and nothing
+goes on with a missing chunk. **Counts** are released after a CTA barrier, so a reader
+that acquires ``counts[c] == n`` sees every tile of chunk c.
 
 The persistent loop is not flattened: with tiles and K steps as one pipelined loop
 (matmul's schedule) the pipeliner would issue a tile's first loads before its wait.
@@ -98,20 +98,35 @@ def _stop(status_ptr, op, rank, chunk):
 def wait_flag(flag_ptr, target, wait_ns, status_ptr, op, rank, chunk, SCOPE: tl.constexpr,
               ON_GPU: tl.constexpr):  # fmt: skip
     """Return once ``*flag_ptr >= target`` (acquire at SCOPE: "gpu" for a flag this GPU's
-    copy engine writes, "sys" for one a peer writes); past `wait_ns`, `_stop`."""
-    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
+    copy engine writes, "sys" for one a peer writes); past `wait_ns`, `_stop`. On a GPU
+    every thread loads the flag with ``ld.acquire`` (no read-modify-write on the flag's
+    line while it spins, and each thread's own acquire orders its reads after it)."""
     if ON_GPU:
+        seen = _load_acquire(flag_ptr, SCOPE)
         if seen < target:
             start = _now()
             waited = start - start
             while (seen < target) & (waited < wait_ns):
-                seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
+                seen = _load_acquire(flag_ptr, SCOPE)
                 waited = _now() - start
             if seen < target:
                 _stop(status_ptr, op, rank, chunk)
         # The chunk was written by the copy engine; TMA reads through the async proxy.
         tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],
                                   dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+    else:  # the interpreter: the flags are set before the launch
+        tl.atomic_add(flag_ptr, 0, sem="acquire", scope=SCOPE)
+
+
+@triton.jit
+def _load_acquire(ptr, SCOPE: tl.constexpr):
+    """``*ptr`` (int32) loaded with acquire semantics at SCOPE ("gpu" or "sys")."""
+    if SCOPE == "sys":
+        return tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptr],
+                                         dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+    else:
+        return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr],
+                                         dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
 @triton.jit
