@@ -253,7 +253,10 @@ class _CopyEngine:
 
             self.stream = torch.cuda.Stream(self.device, priority=-1)
             self.status = symmetric.Watchdog.of(self.device).status
-            self._cycles_per_us = torch.cuda.get_device_properties(self.device).clock_rate / 1e3
+            # SM cycles a µs for the sleeps: the device's clock (kHz; older torch lacks the
+            # field: an H100's 1.98 GHz)
+            props = torch.cuda.get_device_properties(self.device)
+            self._cycles_per_us = (getattr(props, "clock_rate", 0) or 1_980_000) / 1e3
 
     def _signal(self, flags: torch.Tensor, index: int) -> None:
         if self.gpu:
