@@ -35,9 +35,8 @@ def _tiles(trace: torch.Tensor, per_chunk: int, programs: int) -> list[list[int]
     return [[int(t) for t in row if t >= 0] for row in rows]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("W", [2, 3, 4])
-def test_gathered_matmuls_equal_the_plain_gemm_bitwise_in_arrival_order(dtype, W):
+@pytest.mark.parametrize("W, dtype", [(3, torch.float32), (4, torch.float16)])  # (the pointer
+def test_gathered_matmuls_equal_the_plain_gemm_bitwise_in_arrival_order(dtype, W):  # and TMA reads)
     gen = torch.Generator().manual_seed(W)
     m, K, Ns = 20, 72, (40, 24, 8)  # a chunk not a tile's multiple, K not BLOCK_K's
     gathered = torch.randn(W * m, K, generator=gen).to(dtype)
@@ -234,7 +233,7 @@ def _check_fused_layers(dtype, reduce_dtype):
 
 
 @pytest.mark.parametrize("W, dtype, reduce_dtype", [
-    (2, torch.float32, None), (4, torch.float16, None), (2, torch.float32, torch.float16),
+    (4, torch.float16, None), (2, torch.float32, torch.float16),
 ])  # fmt: skip
 def test_fused_ops_match_float64_every_gradient(world, W, dtype, reduce_dtype):
     assert all(world(W).run(_fused_layers, dtype, reduce_dtype))
