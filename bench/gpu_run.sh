@@ -57,7 +57,7 @@ case $step in
   0) part fused_gpu 180 python -m pytest -m gpu -q -p no:cacheprovider --timeout 150 -rs \
        tests/test_fused_gpu.py
      part linear 150 "${bench[@]}" linear
-     part gpu_tier_new 150 env FUSEDPAR_TUNING=first "${tier[@]}" -k "$new_tests" ;;
+     part gpu_tier_new 120 env FUSEDPAR_TUNING=first "${tier[@]}" -k "$new_tests" ;;
   1) part gpu_tier 520 env FUSEDPAR_TUNING=first "${tier[@]}" -k "not float32" ;;
   2) part attention 530 "${bench[@]}" attention ;;
   3) part matmul 190 "${bench[@]}" matmul
