@@ -5,6 +5,7 @@ its SMs for the whole transfer, as NCCL's kernels do. bench/linear.py drives the
 ring loops with it; docs/tensor_parallel.md gives the link model's sources.
 """
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -299,7 +300,7 @@ class CopyEngineGather(_CopyEngine):
         self._signal(self.flags, rank)
         if self.gpu:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream) if self.gpu else _nothing():
+        with torch.cuda.stream(self.stream) if self.gpu else contextlib.nullcontext():
             for step in range(1, world):
                 src = (rank + step) % world
                 self._travel(self.peers[src].nbytes, src)
@@ -376,9 +377,3 @@ class CopyEngineScatter(_CopyEngine):
         return matmul_fused.sum_partials(partials[rank * m : (rank + 1) * m], self.received,
                                          self.flags, rank, out_dtype, bias,
                                          status=self.status)  # fmt: skip
-
-
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()

@@ -32,12 +32,14 @@ import os
 import socket
 import sys
 import threading
+import time
 import warnings
 
 import torch
 import torch.distributed as dist
 
 from fusedpar.kernels import matmul_fused
+from fusedpar.kernels._common import next_power_of_2
 
 DEFAULT_WAIT_S = 30.0
 
@@ -90,7 +92,6 @@ class Watchdog:
 
     def __init__(self):
         self.status = torch.zeros(3, dtype=torch.int32).pin_memory()
-        self._stop = threading.Event()
         threading.Thread(target=self._watch, name="fusedpar-watchdog", daemon=True).start()
         atexit.register(self._report)
 
@@ -111,7 +112,8 @@ class Watchdog:
                 "called a different op")  # fmt: skip
 
     def _watch(self):
-        while not self._stop.wait(0.1):
+        while True:
+            time.sleep(0.1)
             if self._report():
                 os._exit(1)
 
@@ -256,7 +258,7 @@ def transport(kind: type, pg: dist.ProcessGroup, rows: int, *key) -> _Transport:
     device). Made on first use: a collective every rank reaches with the same shapes, as
     the op's call is, which first checks that the group's ranks share one host (symmetric
     memory maps peers' memory: a ValueError on every rank otherwise)."""
-    capacity = 1 << max(rows - 1, 0).bit_length()
+    capacity = max(1, next_power_of_2(rows))
     full = (kind, pg.group_name, capacity, *key)
     if full not in _TRANSPORTS:
         _check_one_host(pg)

@@ -38,9 +38,10 @@ GPU-only (``ON_GPU``).
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _common, _tuning
+from fusedpar.kernels import _common, _impl, _tuning
 from fusedpar.kernels._common import (
     accumulator,
+    cdiv,
     check_float_dtype,
     check_launchable,
     device_guard,
@@ -430,14 +431,13 @@ def _launch(name: str, key: tuple, operands, outs, biases, signal, rank: int, wo
     meta = dict(GATHER=gather, OPERANDS=len(operands), HAS_BIAS=has_bias, TMA=tma, B_T=b_t,
                 ON_GPU=not interpreted, TRACE=trace is not None, INPUT_PRECISION=precision,
                 GROUP_M=GROUP_M)  # fmt: skip
-    widest = sum(N_s) if gather else N_s[0]
-    tiles_n = lambda c: sum(-(-n // c.kwargs["BLOCK_N"]) for n in N_s if n)  # noqa: E731
+    widths = [n for n in N_s if n] if gather else N_s[:1]  # (the scatter's pairs share N)
+    widest = sum(widths)
     if programs is None:
         programs = 2 if interpreted else sm_count(device)
 
     def launch(config):
-        tiles = world * -(-rows // config.kwargs["BLOCK_M"]) * (tiles_n(config) if gather else
-                                                                  -(-N_s[0] // config.kwargs["BLOCK_N"]))  # noqa: E501
+        tiles = world * _chunk_tiles(config, rows, widths)
         _fused_matmul_kernel[(min(tiles, programs),)](*args, **meta, **config.all_kwargs())
 
     def candidates():
@@ -470,7 +470,7 @@ def gathered_matmuls(gathered: torch.Tensor, weights, biases, flags: torch.Tenso
     if not 1 <= len(weights) <= MAX_OPERANDS or len(biases) != len(weights):
         raise ValueError(f"gathered_matmuls takes 1 to {MAX_OPERANDS} weights with a bias (or "
                          f"None) each, got {len(weights)} and {len(biases)}")  # fmt: skip
-    check_float_dtype("gathered", gathered, (torch.float16, torch.bfloat16, torch.float32))
+    check_float_dtype("gathered", gathered, _impl.KERNEL_DTYPES)
     T, K = gathered.shape
     if T % world or not gathered.is_contiguous():
         raise ValueError(f"gathered must be contiguous with rows divisible by world = {world}, "
@@ -509,7 +509,7 @@ def partial_matmuls(pairs, counts: torch.Tensor, rank: int, world: int, *,
         raise ValueError(f"partial_matmuls takes 1 to {MAX_OPERANDS} pairs, got {len(pairs)}")
     a0, b0 = pairs[0]
     T, N = a0.shape[0], b0.shape[1]
-    check_float_dtype("A", a0, (torch.float16, torch.bfloat16, torch.float32))
+    check_float_dtype("A", a0, _impl.KERNEL_DTYPES)
     for i, (a, b) in enumerate(pairs):
         if (a.dim() != 2 or b.dim() != 2 or a.shape[0] != T or b.shape != (a.shape[1], N)
                 or a.dtype != a0.dtype or b.dtype != a0.dtype or a.stride(1) != a0.stride(1)):
@@ -537,7 +537,13 @@ def partial_matmuls(pairs, counts: torch.Tensor, rank: int, world: int, *,
 
 def partial_tiles(config: triton.Config, rows: int, N: int) -> int:
     """How many tiles of one chunk `partial_matmuls` counts with `config`."""
-    return -(-rows // config.kwargs["BLOCK_M"]) * -(-N // config.kwargs["BLOCK_N"])
+    return _chunk_tiles(config, rows, [N])
+
+
+def _chunk_tiles(config: triton.Config, rows: int, widths) -> int:
+    """The tiles of one chunk of `rows` rows whose outputs have `widths` columns."""
+    block_n = config.kwargs["BLOCK_N"]
+    return cdiv(rows, config.kwargs["BLOCK_M"]) * sum(cdiv(n, block_n) for n in widths)
 
 
 def sum_partials(own: torch.Tensor, received: torch.Tensor, flags: torch.Tensor, rank: int,
@@ -558,7 +564,7 @@ def sum_partials(own: torch.Tensor, received: torch.Tensor, flags: torch.Tensor,
     out = torch.empty((m, N), dtype=out_dtype, device=own.device)
     if m == 0 or N == 0:
         return out
-    grid = (-(-m // SUM_BLOCK_M), -(-N // SUM_BLOCK_N))
+    grid = (cdiv(m, SUM_BLOCK_M), cdiv(N, SUM_BLOCK_N))
     with device_guard(own):
         _sum_partials_kernel[grid](
             own, received, bias if bias is not None else own, out, flags,

@@ -19,18 +19,16 @@ from torch import Tensor
 
 from fusedpar import symmetric
 from fusedpar.comm import tuning_agreement
-from fusedpar.kernels import matmul_fused
+from fusedpar.kernels import _impl, matmul_fused
 from fusedpar.kernels._common import accumulator, sm_count
 from fusedpar.kernels._tuning import frozen
 from fusedpar.kernels.matmul import matmul
-
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def fused_takes(dtype: torch.dtype, pairs: int = 1) -> bool:
     """Whether the fused kernels take operands of `dtype` (and `pairs` reduce-scatter
     pairs); else the caller runs the serial schedule and says so once."""
-    if dtype in KERNEL_DTYPES and pairs <= matmul_fused.MAX_OPERANDS:
+    if dtype in _impl.KERNEL_DTYPES and pairs <= matmul_fused.MAX_OPERANDS:
         return True
     symmetric.say_once(f"overlap='fused': {dtype} operands or {pairs} summed pairs run the "
                        "serial schedule (the fused kernels take 16-bit and fp32, 1-3 pairs)")
