@@ -11,7 +11,10 @@ forward (x0.5 causal), backward 2.5x forward. Targets (H100, D = 128, S >= 4k): 
 above the best peer everywhere (`vs_best_peer` >= 1), and the forward at >= 0.75 of the
 measured bf16 matmul ceiling (`vs_matmul`). A pass a peer cannot run is null in the JSON
 and listed under `missing`. The tiles the tuner picked are in the results' meta
-(`bench.common.write_results` adds them).
+(`bench.common.write_results` adds them). ``fusedpar`` is what a user gets: its backward
+the tuner's pick of the fused and the split one (`fusedpar.kernels.attention_backward_fused`),
+whose times per key are in the meta (``backward_fused_split_ms``); ``fusedpar-split`` is the
+deterministic (split) backward alone, not a peer.
 
 Masked points (`masked_points`, causal, one packed stream, B = 1, D = 128, 16 heads and
 GQA 32 over 8): documents of `DOC_LENGTHS` (16k tokens) and a sliding window of `WINDOW`
@@ -51,7 +54,7 @@ D_MODEL = 2048
 GQA_HEADS = 32
 GQA_KV_HEADS = (8, 1)
 PASSES = ("fwd", "bwd", "fwd+bwd")
-PEERS = ("fusedpar", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+PEERS = ("fusedpar", "fusedpar-split", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 DOC_LENGTHS = (4096, 2048, 1000, 7000, 2240)  # fixed: 16384 tokens, ragged against tiles
 WINDOW, WINDOW_TOKENS = 4096, 32768
 MASKED_HEADS = ((16, 16), (32, 8))  # (Hq, Hkv) at D = 128; BENCH_QUICK keeps the first
@@ -73,10 +76,20 @@ def selected_peers() -> list[str]:
     return [n for n in ALL_PEERS if n in wanted]
 
 
-def _fusedpar(causal, gqa):
+def _fusedpar(causal, gqa, deterministic=False):
     import fusedpar as fp
 
-    return "bshd", lambda q, k, v: fp.flash_attn(q, k, v, causal=causal)
+    return "bshd", lambda q, k, v: fp.flash_attn(q, k, v, causal=causal,
+                                                 deterministic=deterministic)
+
+
+def backward_times() -> dict:
+    """Per key the tuner timed, the fused and the split backward's times (ms, in that
+    order): what ``fusedpar`` chose between (``fusedpar-split`` is the split alone)."""
+    from fusedpar.kernels import _tuning
+
+    timed = _tuning.tuner("attention_backward").timings
+    return {repr(key): [round(t, 4) for t in times] for (_, key), times in timed.items()}
 
 
 def _sdpa(backend, causal, gqa):
@@ -118,8 +131,8 @@ def _flex(causal, gqa, S, device):
 
 def make_peer(name, causal, S, gqa, device="cuda"):
     """(layout, fn(q, k, v)) of the peer called `name`."""
-    if name == "fusedpar":
-        return _fusedpar(causal, gqa)
+    if name in ("fusedpar", "fusedpar-split"):
+        return _fusedpar(causal, gqa, deterministic=name == "fusedpar-split")
     if name == "flex":
         return _flex(causal, gqa, S, device)
     backend = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION",
@@ -355,6 +368,7 @@ def main(device: str = "cuda") -> None:
         both = table[point]["fwd+bwd"][name]
         print(f"{where}: fwd+bwd TFLOP/s {both if both is None else round(both)}")
         meta["missing"] = "; ".join(f"{why} at {', '.join(at)}" for why, at in failures.items())
+        meta["backward_fused_split_ms"] = backward_times()
         rows = [r for per_pass in table.values() for r in per_pass.values()]
         write_results("attention", rows, columns, meta, announce=False)  # kept if cut short
 

@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # The GPU run plan of bench/NOTES.md, one self-contained command per step:
 #
-#   bash bench/gpu_run.sh STEP      (STEP 0-4, on a fresh lent GPU machine, with $OUT set)
+#   bash bench/gpu_run.sh STEP      (STEP 0-5, on a fresh lent GPU machine, with $OUT set)
 #
 # 0: what is new since the last run, for a 15-minute budget: the fused schedule's GPU tests,
 #    bench linear, and the other new GPU tests
 # 1: the GPU tier in fp16/bf16        3: GEMM, MoE and ring benchmarks
 # 2: the attention benchmark          4: the TP and step-time benchmarks, the fp32 GPU tier
+# 5: the fused attention backward: its GPU tests and every fused tile, then bench attention
+#    (fusedpar, its split backward alone, cuDNN)
 #
 # Each step installs fusedpar, records the device, runs its parts under their own time
 # limits (summing to under 9 minutes, so the tarball is always written) and leaves at most
 # 8 files in $OUT: install.log, device.txt, summary.txt, one log per part, results.tgz
 # (every bench's JSON, table and plot, and the tuner's picks).
 set -uo pipefail
-step=${1:?usage: bash bench/gpu_run.sh 0|1|2|3|4}
+step=${1:?usage: bash bench/gpu_run.sh 0|1|2|3|4|5}
 out=${OUT:?set OUT to a folder that comes back}
 results=/tmp/fusedpar-results
 mkdir -p "$results"
@@ -66,7 +68,11 @@ case $step in
   4) part linear 150 "${bench[@]}" linear
      part step_time 200 "${bench[@]}" step_time
      part gpu_tier_fp32 180 env FUSEDPAR_TUNING=first "${tier[@]}" -k float32 ;;
-  *) echo "unknown step $step: 0-4" >&2; exit 2 ;;
+  5) part fused_attention_gpu 170 env FUSEDPAR_TUNING=first python -m pytest -m gpu -n 2 -q \
+       -p no:cacheprovider --timeout 150 -rxXs tests/test_attention_fused.py tests/test_config_sweep.py \
+       -k "fused_backward_gpu or (every_attention_config_gpu and fused)"
+     part attention 300 env BENCH_PEERS=fusedpar,fusedpar-split,sdpa-cudnn "${bench[@]}" attention ;;
+  *) echo "unknown step $step: 0-5" >&2; exit 2 ;;
 esac
 tar -czf "$out/results.tgz" -C "$results" .
 for log in "$out"/*.log; do echo "== $log"; tail -n 15 "$log"; done

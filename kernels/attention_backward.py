@@ -19,6 +19,7 @@ FlashAttention's ``mha_bwd``, which sums per-query-head dK/dV over the group lik
 """
 
 import functools
+import re
 
 import torch
 import triton
@@ -89,6 +90,20 @@ _DKDV_TILES = {
     (128, "fp32"): [(16, 32, 2, 8)],
     (256, "fp32"): [(16, 32, 2, 8)],
 }  # fmt: skip
+# The fused backward (dK/dV adding dQ): dQ's GEMM runs on wgmma only where BLOCK_M is
+# 64 per warpgroup (32 queries run it as 16x8 mma.sync), so its tiles are the dK/dV
+# kernel's with 64 queries. Per 128 queries and 128 keys at D=128 (causal GQA, TMA):
+# 64x128 runs 1116 instructions, all five GEMMs on wgmma, against 1610 for the split
+# kernels' best pair (dK/dV 32x128: 1156, dQ 128x128: 454); 32x128 1628. At D=64,
+# 930 against 1186. 64x128 at D=128 keeps 255 registers: it spills 136 B outside the
+# loop under GQA (none with one head per group), 264 B into the loop with soft-capping
+# and 480 B on the pointer path, which take 32x128 instead.
+_FUSED_TILES = {
+    (64, "16-bit"): [(64, 128, 2, 8), (64, 64, 3, 4, {"pointer"}), (32, 128, 3, 8),
+                     (32, 32, 2, 4)],
+    (128, "16-bit"): [(64, 128, 2, 8, {"softcap", "pointer"}), (32, 128, 2, 8), (16, 32, 2, 8)],
+    **{key: tiles for key, tiles in _DKDV_TILES.items() if key[0] == 256 or key[1] == "fp32"},
+}  # fmt: skip
 # dQ: a program holds Q, dO and dQ of BLOCK_M queries: the forward's sizes fit, with 128
 # rows for 8 warps (a 64-row tile over 8 warps splits each wgmma's N over the two
 # warpgroups, and ptxas serializes it: C7515). At D=128, 128x128 runs 454 instructions
@@ -104,11 +119,30 @@ _DQ_TILES = {
 }  # fmt: skip
 
 
+def transposed_dot_miscompiles(version: str = triton.__version__) -> bool:
+    """Whether this Triton is one that miscompiles ``tl.dot(tl.trans(ds), x)`` on Hopper
+    when ``ds`` comes from a wgmma accumulator and the tile is 64 wide (wrong results,
+    no error: fla-org/flash-linear-attention #640, #826, #983; 3.4 to 3.7.0, fixed in
+    3.7.1). The fused backward's dQ is that dot; under these versions its tiles with a
+    64-wide block are left out (`fused_configs`)."""
+    return (3, 4) <= tuple(int(p) for p in re.findall(r"\d+", version)[:3]) < (3, 7, 1)
+
+
 def backward_configs(head_dim: int, dtype: torch.dtype,
                      modes: frozenset = frozenset()) -> list[triton.Config]:  # fmt: skip
     """dK/dV tiles at this head dim and dtype: few keys per program, as each holds four
     (BLOCK_N, D) tiles."""
     return tile_configs(_DKDV_TILES, head_dim, dtype, modes)
+
+
+def fused_configs(head_dim: int, dtype: torch.dtype, modes: frozenset = frozenset(),
+                  version: str = triton.__version__) -> list[triton.Config]:  # fmt: skip
+    """The fused backward's tiles, less the 64-wide ones under a Triton that
+    miscompiles its dQ dot (`transposed_dot_miscompiles`; `version`: Triton's)."""
+    configs = tile_configs(_FUSED_TILES, head_dim, dtype, modes)
+    if transposed_dot_miscompiles(version):
+        configs = [c for c in configs if 64 not in (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"])]
+    return configs
 
 
 def dq_configs(head_dim: int, dtype: torch.dtype,
@@ -122,13 +156,15 @@ def dq_configs(head_dim: int, dtype: torch.dtype,
 
 @triton.jit
 def _bwd_delta_kernel(
-    o_ptr, do_ptr, delta_ptr,
+    o_ptr, do_ptr, dlse_ptr, delta_ptr,
     stride_ob, stride_os, stride_oh, stride_od,
     stride_db, stride_ds, stride_dh, stride_dd,
+    stride_dlb, stride_dlh, stride_dls,
     Sq, Hq,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DLSE: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    """delta[b, h, i] = sum_d dO * O, in fp32; written contiguous (B, Hq, Sq)."""
+    """delta[b, h, i] = sum_d dO * O (minus dLSE with DLSE), in fp32; written contiguous
+    (B, Hq, Sq)."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -140,6 +176,9 @@ def _bwd_delta_kernel(
     do = tl.load(do_ptr + b * stride_db + h * stride_dh + offs_m[:, None] * stride_ds
                  + offs_d[None, :] * stride_dd, mask=mask, other=0.0)  # fmt: skip
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if DLSE:
+        delta -= tl.load(dlse_ptr + b * stride_dlb + h * stride_dlh + offs_m * stride_dls,
+                         mask=offs_m < Sq, other=0.0)  # fmt: skip
     tl.store(delta_ptr + (b * Hq + h) * Sq + offs_m, delta, mask=offs_m < Sq)
 
 
@@ -160,13 +199,16 @@ def _load_row_stats(lse_ptrs, delta_ptrs, mask, LOAD_DELTA: tl.constexpr = True)
 def _bwd_dkdv_inner(
     dk, dv, k, v, q_src, do_src, stride_qs, stride_dos, lse_ptr, delta_ptr, stride_ls,
     d_mask, q_lo, q_hi, start, mid_lo, mid_hi, end, Sq, qk_scale, cap_in,
+    dq_dst, stride_dqs, sm_scale,
     SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    DQ: tl.constexpr, DQ_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     """Add query blocks [start, end) into dK, dV of one KV block (transposed: rows are
     keys). Blocks outside [mid_lo, mid_hi) are masked, under a per-block branch (one
     loop, as the forward's): there key n is seen by queries [q_lo[n], q_hi[n]) only.
-    Rows and intervals are int32, pointer offsets int64 (as in the forward)."""
+    Rows and intervals are int32, pointer offsets int64 (as in the forward). With DQ,
+    each query block's ``scale * dS K`` is also added into the fp32 dQ at `dq_dst`
+    (`add_rows`): the fifth GEMM, where the split backward recomputes S and dP."""
     for start_m in range(start, end, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + tl.arange(0, BLOCK_M)
@@ -185,14 +227,34 @@ def _bwd_dkdv_inner(
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:  # through s = softcap * tanh(raw / softcap): times 1 - tanh^2
             ds_t = ds_t * (1.0 - t * t)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+        if DQ:  # the scale goes in here, for dK and dQ alike (no multiply of dQ's tile)
+            ds_t = ds_t * sm_scale
+        ds_t = ds_t.to(q.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision=INPUT_PRECISION)
+        if DQ:  # (M, D): this key block's share of the query block's dQ
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=INPUT_PRECISION)
+            add_rows(dq_dst, dq, start_m, stride_dqs, d_mask, Sq, DQ_TMA, BLOCK_M)
     return dk, dv
+
+
+@triton.jit
+def add_rows(dst, x, start, stride, d_mask, n, TMA: tl.constexpr, BLOCK: tl.constexpr):
+    """Atomically add the fp32 tile `x` to rows [start, start + BLOCK) of an (n, D)
+    matrix: through a TMA descriptor, one bulk reduce-add (rows past n dropped), or
+    per element at pointers to its row 0 (`tile_source`), rows below n and `d_mask`."""
+    if TMA:
+        dst.atomic_add([start, 0], x)
+    else:
+        rows = start + tl.arange(0, BLOCK)
+        mask = d_mask[None, :] & (rows[:, None] < n)
+        tl.atomic_add(dst + start.to(tl.int64) * stride, x, mask=mask, sem="relaxed")
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, q_lo_ptr, q_hi_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, q_lo_ptr,
+    q_hi_ptr,
     # strides
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -201,19 +263,22 @@ def _attn_bwd_dkdv_kernel(
     stride_lb, stride_lh, stride_ls,
     stride_dkb, stride_dks, stride_dkh, stride_dkd,
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     stride_ib,
     # sizes
     Sq, Skv, Hq, GROUP, SPLIT, qk_scale, cap_in, sm_scale, shift, left, right,
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INTERVALS: tl.constexpr,
     SOFTCAP: tl.constexpr, ACCUMULATE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, OUT_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, OUT_TMA: tl.constexpr, DQ: tl.constexpr, DQ_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """One KV block of one KV head: loops over the query heads that read it (all GROUP
     of them, or its slice of the group when SPLIT > 1) and their query blocks, so dK/dV
     are summed in a fixed order, with no atomics. Output head ``pid_h``: the KV head, or
     with SPLIT > 1 the partial ``h_kv * SPLIT + slice`` of an (B, Skv, Hkv * SPLIT, D)
-    buffer."""
+    buffer. With DQ (the fused backward) it also adds every query block's dQ share into
+    the fp32 (B, Sq, Hq, D) `dq_ptr` (atomics: dQ's sum order is not fixed)."""
     # grid (KV blocks, B, Hkv * SPLIT), first block first (causal: it sees the most
     # queries), 64-bit offsets as the forward's
     pid_n = tl.program_id(0)
@@ -251,11 +316,15 @@ def _attn_bwd_dkdv_kernel(
                             HEAD_DIM, TMA, BLOCK_M, BLOCK_D)  # fmt: skip
         do_src = tile_source(do_ptr + b * stride_dob + h * stride_doh, Sq, stride_dos,
                              stride_dod, HEAD_DIM, TMA, BLOCK_M, BLOCK_D)  # fmt: skip
+        dq_dst = dq_ptr
+        if DQ:
+            dq_dst = tile_source(dq_ptr + b * stride_dqb + h * stride_dqh, Sq, stride_dqs,
+                                 stride_dqd, HEAD_DIM, DQ_TMA, BLOCK_M, BLOCK_D)  # fmt: skip
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_src, do_src, stride_qs, stride_dos,
             lse_ptr + b * stride_lb + h * stride_lh, delta_ptr + (b * Hq + h) * Sq, stride_ls,
             d_mask, q_lo, q_hi, start, mid_lo, mid_hi, end, Sq, qk_scale, cap_in,
-            SOFTCAP, INPUT_PRECISION, TMA, BLOCK_M,
+            dq_dst, stride_dqs, sm_scale, SOFTCAP, INPUT_PRECISION, TMA, DQ, DQ_TMA, BLOCK_M,
         )  # fmt: skip
 
     if ACCUMULATE:  # a block no query sees adds nothing: leave it alone
@@ -264,7 +333,9 @@ def _attn_bwd_dkdv_kernel(
     dk_out = dk_ptr + b * stride_dkb + pid_h * stride_dkh
     store_tile(dv_out, dv, pid_n * BLOCK_N, offs_n, offs_d, stride_dvs, stride_dvd, kv_mask,
                 Skv, HEAD_DIM, ACCUMULATE, OUT_TMA, BLOCK_N, BLOCK_D)  # fmt: skip
-    store_tile(dk_out, dk * sm_scale, pid_n * BLOCK_N, offs_n, offs_d, stride_dks,
+    if not DQ:  # (the fused kernel scaled dS already)
+        dk = dk * sm_scale
+    store_tile(dk_out, dk, pid_n * BLOCK_N, offs_n, offs_d, stride_dks,
                 stride_dkd, kv_mask, Skv, HEAD_DIM, ACCUMULATE, OUT_TMA, BLOCK_N,
                 BLOCK_D)  # fmt: skip
 
@@ -378,23 +449,32 @@ def _attn_bwd_dq_kernel(
 # --- launchers ---
 
 
-def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
-    """``delta = rowsum(dO * O)``: (B, Hq, Sq) fp32 (float64 for float64 dO), contiguous."""
+def attention_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None,
+                    delta: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """``delta = rowsum(dO * O) - dLSE`` (`dlse` None: 0): (B, Hq, Sq) fp32 (float64 for
+    float64 dO), contiguous; into `delta` when given (a contiguous buffer of that shape)."""
     if out.shape != dout.shape or out.dim() != 4:
         raise ValueError(f"out and dout must be one (B, S, H, D) shape, got "
                          f"{tuple(out.shape)} and {tuple(dout.shape)}")  # fmt: skip
     B, Sq, Hq, D = out.shape
+    if dlse is not None and tuple(dlse.shape) != (B, Hq, Sq):
+        raise ValueError(f"dlse must be (B, Hq, Sq) = {(B, Hq, Sq)}, got {tuple(dlse.shape)}")
     if _impl.runs_torch(out):
-        return attention_torch.delta(out, dout)
-    delta = torch.empty((B, Hq, Sq), dtype=torch.float32, device=out.device)
-    check_launchable(_bwd_delta_kernel, out, dout)
+        made = attention_torch.delta(out, dout)
+        made = made if dlse is None else made - dlse
+        return made if delta is None else delta.copy_(made)
+    if delta is None:
+        delta = torch.empty((B, Hq, Sq), dtype=torch.float32, device=out.device)
+    check_launchable(_bwd_delta_kernel, out, dout, delta)
     if delta.numel() == 0:
         return delta
     block_m = 64 if not is_interpreted(_bwd_delta_kernel) else interpreter_blocks(Sq, 1)["BLOCK_M"]
     with device_guard(out):
         _bwd_delta_kernel[(cdiv(Sq, block_m), B, Hq)](
-            out, dout, delta, *strides(out), *strides(dout), Sq, Hq,
-            HEAD_DIM=D, BLOCK_D=max(16, next_power_of_2(D)), BLOCK_M=block_m,
+            out, dout, out if dlse is None else dlse, delta, *strides(out), *strides(dout),
+            *(strides(dlse) if dlse is not None else (0, 0, 0)), Sq, Hq,
+            HEAD_DIM=D, BLOCK_D=max(16, next_power_of_2(D)), DLSE=dlse is not None,
+            BLOCK_M=block_m,
         )  # fmt: skip
     return delta
 
@@ -421,7 +501,7 @@ def gqa_split(B: int, Skv: int, Hkv: int, group: int, q: torch.Tensor) -> int:
     return cdiv(group, cdiv(group, split))  # no slice left without a head
 
 
-def _partials(shape, device: torch.device) -> torch.Tensor:
+def partials(shape, device: torch.device) -> torch.Tensor:
     """The fp32 per-slice dK or dV of a split group (every element is written; tests
     poison it through this function)."""
     return torch.empty(shape, dtype=torch.float32, device=device)
@@ -486,8 +566,8 @@ def attention_backward_dkdv(
         return None if tune_only else (dk, dv)
     out_k, out_v = dk, dv
     if split > 1:
-        out_k, out_v = (_partials((B, Skv, Hkv * split, D), q.device) for _ in range(2))
-    args = (q, k, v, dout, lse, delta, out_k, out_v, lo, hi, *plan.strides, batch_stride,
+        out_k, out_v = (partials((B, Skv, Hkv * split, D), q.device) for _ in range(2))
+    args = (q, k, v, dout, lse, delta, out_k, out_v, q, lo, hi, *plan.strides, batch_stride,
             *plan.scalars)  # fmt: skip
     adds = plan.meta["ACCUMULATE"]  # the kernel reads its output back: tuning restores it
 
@@ -504,14 +584,20 @@ def attention_backward_dkdv(
            settled=plan.settled)  # fmt: skip
     if tune_only:
         return None
-    if split > 1:  # the slices of each group, summed in order (torch.sum: no atomics)
-        for final, part in ((dk, out_k), (dv, out_v)):
-            summed = part.unflatten(2, (Hkv, split)).sum(3)
-            if accumulate:
-                final.add_(summed)
-            else:
-                final.copy_(summed)
+    if split > 1:
+        sum_slices((dk, dv), (out_k, out_v), split, accumulate)
     return dk, dv
+
+
+def sum_slices(grads, parts, split: int, accumulate: bool) -> None:
+    """Each group's `split` fp32 slices (B, Skv, Hkv * split, D) summed in order (torch.sum:
+    no atomics) into `grads` (B, Skv, Hkv, D), or added to them with `accumulate`."""
+    for final, part in zip(grads, parts, strict=True):
+        summed = part.unflatten(2, (final.shape[2], split)).sum(3)
+        if accumulate:
+            final.add_(summed)
+        else:
+            final.copy_(summed)
 
 
 def attention_backward_dq(
@@ -575,57 +661,3 @@ def attention_backward_dq(
            torch_run=torch_run if plan.torch_candidate else None,
            settled=plan.settled)  # fmt: skip
     return None if tune_only else dq
-
-
-def attention_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    window: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    intervals: Intervals | None = None,
-    out: torch.Tensor | None = None,
-    dlse: torch.Tensor | None = None,
-    delta: torch.Tensor | None = None,
-    dq: torch.Tensor | None = None,
-    dk: torch.Tensor | None = None,
-    dv: torch.Tensor | None = None,
-    accumulate: bool = False,
-    grad_dtype: torch.dtype | None = None,
-    agreement: Agreement | None = None,
-    tune_only: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Returns ``(dq, dk, dv)`` from dO, the inputs and the forward's LSE.
-
-    `delta` (B, Hq, Sq) fp32 is ``rowsum(dO * O)`` (minus dLSE when the LSE has a
-    gradient); when not given, the dQ kernel makes it from `out` and `dlse` (None: 0) as
-    it starts, and the dK/dV launch after it reads it (one launch and one pass over O
-    and dO fewer than a delta kernel of its own). ``accumulate=True`` adds into the
-    given `dq`, `dk`, `dv` (any strides) instead of overwriting them. New gradients are
-    in `grad_dtype` (q's unless given: q's or fp32). `agreement` and ``tune_only`` as in
-    `attention_forward` (scratch gradients); the mask and `softcap` as there. The ring
-    calls the two halves, `attention_backward_dq` and `attention_backward_dkdv`, itself:
-    it adds into dQ at
-    every step but writes a block's dK/dV fresh at its first.
-    """
-    sources = {}
-    if delta is not None and dlse is not None:
-        raise ValueError("attention_backward: dlse folds into delta: give it with `out`, or "
-                         "subtract it from the precomputed delta yourself")  # fmt: skip
-    if delta is None:
-        if out is None:
-            raise ValueError("attention_backward needs `out` or a precomputed `delta`")
-        # dQ writes it (lse's shape, which dQ checks before any launch)
-        delta = delta_buffer(lse.shape, lse.device, lse.dtype)
-        sources = {"out": out, "dlse": dlse}
-    common = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
-                  intervals=intervals, accumulate=accumulate, grad_dtype=grad_dtype,
-                  agreement=agreement, tune_only=tune_only)  # fmt: skip
-    grad_q = attention_backward_dq(dout, q, k, v, lse, delta, dq=dq, **common, **sources)
-    grads_kv = attention_backward_dkdv(dout, q, k, v, lse, delta, dk=dk, dv=dv, **common)
-    return None if tune_only else (grad_q, *grads_kv)

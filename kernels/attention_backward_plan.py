@@ -20,10 +20,13 @@ class BackwardPlan:
     """What `attention_backward_dkdv` or `attention_backward_dq` works out once per call
     signature: the inputs checked, the kernel's strides (every tensor argument's, in the
     kernel's order), its scalars after the mask's batch stride, meta and tuner key, and
-    the dtype of new gradients. ``split``: dK/dV's programs per KV head (1 for dQ)."""
+    the dtype of new gradients. ``split``: dK/dV's programs per KV head (1 for dQ).
+    ``dq_direct``: the fused backward adds dQ straight into the caller's fp32 buffer
+    (else into fp32 scratch, converted after)."""
 
     grad_dtype: torch.dtype
     split: int
+    dq_direct: bool
     strides: tuple
     scalars: tuple
     meta: dict
@@ -89,20 +92,21 @@ def gradient_buffer(buf, like, dtype, tune_only):
     return buf
 
 
-_GRADIENTS = {"dkdv": ("dk", "dv"), "dq": ("dq",)}
+_GRADIENTS = {"dkdv": ("dk", "dv"), "dq": ("dq",), "fused": ("dk", "dv", "dq")}
 
 
 def checked_buffers(kind, dout, q, k, v, lse, delta, grads, accumulate, grad_dtype,
                      tune_only, sources=(None, None)) -> list:  # fmt: skip
-    """Check a dK/dV (`kind` "dkdv", `grads` (dk, dv)) or dQ ("dq", (dq,)) call; returns
-    the gradient buffers it writes (`gradient_buffer`)."""
+    """Check a dK/dV (`kind` "dkdv", `grads` (dk, dv)), dQ ("dq", (dq,)) or fused ("fused",
+    (dk, dv, dq)) call; returns the gradient buffers it writes (`gradient_buffer`)."""
     check_backward_inputs(dout, q, k, v, lse, delta, sources)
     names = _GRADIENTS[kind]
     if accumulate and not tune_only and any(g is None for g in grads):
         raise ValueError(f"accumulate=True adds into {' and '.join(names)}: give "
                          f"{'both' if len(names) > 1 else 'it'}")  # fmt: skip
     buffers = []
-    for name, g, like in zip(names, grads, (k, v) if kind == "dkdv" else (q,), strict=True):
+    likes = {"dkdv": (k, v), "dq": (q,), "fused": (k, v, q)}[kind]
+    for name, g, like in zip(names, grads, likes, strict=True):
         g = gradient_buffer(g, like, grad_dtype or q.dtype, tune_only)
         check_buffer(name, g, like.shape, (q.dtype, accumulator(q.dtype)), q.device)
         buffers.append(g)
@@ -115,7 +119,7 @@ def torch_backward(kind, dout, q, k, v, lse, delta, grads, mask, accumulate, gra
     with delta's `sources` writes delta from them first, as its kernel does)."""
     grads = checked_buffers(kind, dout, q, k, v, lse, delta, grads, accumulate, grad_dtype,
                              tune_only, sources)  # fmt: skip
-    side = "key" if kind == "dkdv" else "query"
+    side = "query" if kind == "dq" else "key"
     scores = mask_arguments(q, k, side=side, **mask)[-1]
     if tune_only:
         return None
@@ -149,20 +153,26 @@ def plan_backward(kind, kernel, split_of: Callable[[], int], split_below, dout, 
     grads = checked_buffers(kind, dout, q, k, v, lse, delta, grads, accumulate, grad_dtype,
                             tune_only, sources)  # fmt: skip
     (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
-    side = "key" if kind == "dkdv" else "query"
+    side = "query" if kind == "dq" else "key"
     tensors, (qk_scale, cap_in, shift, left, right), meta, key, scores = mask_arguments(
         q, k, side=side, **mask)  # fmt: skip
     given = [t for t in sources if t is not None]
     check_launchable(kernel, dout, q, k, v, lse, delta, *grads, *tensors[:2], *given)
-    split = split_of() if kind == "dkdv" else 1
+    split = split_of() if kind != "dq" else 1
     if split > 1:  # the kernel writes fp32 partials (contiguous), summed after it
-        grads = [torch.empty((B, Skv, Hkv * split, D), dtype=torch.float32, device=q.device)
-                 for _ in range(2)]  # fmt: skip
+        grads[:2] = [torch.empty((B, Skv, Hkv * split, D), dtype=torch.float32,
+                                 device=q.device) for _ in range(2)]  # fmt: skip
+    dq_direct = kind == "fused" and grads[2].dtype == accumulator(q.dtype)
+    if kind == "fused" and not dq_direct:  # fp32 scratch: contiguous, made per call
+        grads[2] = torch.empty(q.shape, dtype=accumulator(q.dtype), device=q.device)
     scale = resolve_scale(mask["softmax_scale"], D)
-    if kind == "dkdv":
-        tma, out_tma = tma_paths((q, dout), grads)
+    if kind != "dq":
+        tma, out_tma = tma_paths((q, dout), grads[:2])
+        # dQ's reduce-add through TMA on a GPU (the interpreter has no descriptor atomics)
+        dq_tma = (kind == "fused" and not _common.is_interpreted(kernel)
+                  and _common.tma_compatible(grads[2]))  # fmt: skip
         meta = {**meta, "ACCUMULATE": accumulate and split == 1, "TMA": tma,
-                "OUT_TMA": out_tma}  # fmt: skip
+                "OUT_TMA": out_tma, "DQ": kind == "fused", "DQ_TMA": dq_tma}  # fmt: skip
         key = (*key, ("SPLIT", split))
         scalars = (Sq, Skv, Hq, Hq // Hkv, split, qk_scale, cap_in, scale, shift, left, right)
     else:
@@ -171,13 +181,16 @@ def plan_backward(kind, kernel, split_of: Callable[[], int], split_below, dout, 
                 "DELTA": out is not None, "DLSE": dlse is not None}  # fmt: skip
         scalars = (Sq, Skv, Hq, Hq // Hkv, qk_scale, cap_in, scale, shift, left, right)
     strides = tuple(s for t in (q, k, v, dout, lse, *grads) for s in t.stride())
+    if kind == "dkdv":  # no dQ: its strides are zeros (not read)
+        strides += (0,) * 4
     if kind == "dq":  # out's and dlse's, zeros for those absent (not read)
         strides += (*(out.stride() if out is not None else (0,) * 4),
                     *(dlse.stride() if dlse is not None else (0,) * 3))  # fmt: skip
     # (split > 1 writes partials, summed after: a torch pick would write dk, dv itself)
-    torch_candidate = split == 1 and attention_torch.capable_on_cuda(q, k)
+    # (the fused kernel's alternative is the split backward, torch's among its candidates)
+    torch_candidate = split == 1 and kind != "fused" and attention_torch.capable_on_cuda(q, k)
     args = (q, k, v, dout, lse, delta, *grads, *tensors[:2])
-    plan = BackwardPlan(grad_dtype or q.dtype, split, strides, scalars, meta,
+    plan = BackwardPlan(grad_dtype or q.dtype, split, dq_direct, strides, scalars, meta,
                         launch_key(args, meta, Sq, Skv, key, torch_candidate), scores,
                         torch_candidate)  # fmt: skip
     if cached:

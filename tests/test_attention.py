@@ -13,13 +13,13 @@ import torch
 from fusedpar.kernels import attention_backward as backward_kernels
 from fusedpar.kernels.attention import attention_forward, attention_reference
 from fusedpar.kernels.attention_backward import (
-    attention_backward,
     attention_backward_dkdv,
     attention_backward_dq,
     attention_backward_reference,
     attention_delta,
     gqa_split,
 )
+from fusedpar.kernels.attention_backward_fused import attention_backward
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -289,7 +289,7 @@ def force_split(mp, split_below):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
     mp.setattr(backward_kernels, "SPLIT_BELOW_PROGRAMS", split_below)
-    mp.setattr(backward_kernels, "_partials", nan_buffer)
+    mp.setattr(backward_kernels, "partials", nan_buffer)
     mp.setattr(backward_kernels, "delta_buffer", nan_buffer)
 
 

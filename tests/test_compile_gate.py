@@ -59,6 +59,7 @@ from fusedpar.kernels import (
 )
 from fusedpar.kernels import attention as attn
 from fusedpar.kernels import attention_backward as attn_bwd
+from fusedpar.kernels import attention_backward_fused as attn_bwd_fused
 
 from fusedpar.testing import compile_gate as gate
 
@@ -123,8 +124,9 @@ def attention_forward(dtype, head_dim, causal=True, group=2, merge=False, precis
 
 def attention_backward(dtype, head_dim, causal=True, group=2, accumulate=False, split=False,
                        precision="highest", window=(-1, -1), softcap=0.0,
-                       intervals=False, tma=True):  # fmt: skip
-    """Launches dQ (making delta from out) and dK/dV, as `flash_attn`'s backward does.
+                       intervals=False, tma=True, fused=False):  # fmt: skip
+    """Launches dQ (making delta from out) and dK/dV, as `flash_attn`'s deterministic
+    backward does; `fused`: the delta kernel and the fused dK/dV/dQ kernel instead.
     `accumulate`: the ring's later steps instead (the delta kernel once, then fp32
     gradient buffers added into); `split`: with a GQA group of 4, two slices of 2 heads
     (fp32 partials), as a grid of few programs gets on a GPU."""
@@ -141,10 +143,16 @@ def attention_backward(dtype, head_dim, causal=True, group=2, accumulate=False, 
         with _fp32_precision(precision), _tma(tma):
             mask = _mask(causal, window, softcap, intervals)
             delta = {"delta": attn_bwd.attention_delta(out, dout)} if accumulate else {}
-            attn_bwd.attention_backward(dout, q, k, v, lse, out=out, accumulate=accumulate,
-                                        **mask, **grads, **delta)  # fmt: skip
+            attn_bwd_fused.attention_backward(dout, q, k, v, lse, out=out, accumulate=accumulate,
+                                              deterministic=not fused, **mask, **grads,
+                                              **delta)  # fmt: skip
     finally:
         attn_bwd.SPLIT_BELOW_PROGRAMS = saved
+
+
+def attention_backward_fused(**params):
+    """`attention_backward` through the fused kernel."""
+    attention_backward(**params, fused=True)
 
 
 def attention_merge_call(head_dim):
@@ -292,6 +300,8 @@ ATTENTION = {  # kernel label: (kernel name, scenario, config function, the loop
     "fwd": ("_attn_fwd_kernel", attention_forward, attn.forward_configs, "BLOCK_N"),
     "dkdv": ("_attn_bwd_dkdv_kernel", attention_backward, attn_bwd.backward_configs, "BLOCK_M"),
     "dq": ("_attn_bwd_dq_kernel", attention_backward, attn_bwd.dq_configs, "BLOCK_N"),
+    "fused": ("_attn_bwd_dkdv_kernel", attention_backward_fused, attn_bwd.fused_configs,
+              "BLOCK_M"),
 }
 MOE_PLAIN = {"HAS_ROWS": False, "GATE_UP": False, "SWIGLU_GRAD": False, "SECOND_K": False}
 GPT_OSS = {"bias": True, "activation": "clamped_swiglu"}  # moe_calls' gpt-oss experts
@@ -332,7 +342,7 @@ BLOCKS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 # Kernels that read tiles through TMA descriptors where the launcher finds them usable
 # (`_common.tma_compatible`): always on the gate's aligned CPU tensors, never on an A100.
 TMA_KERNELS = {"_attn_fwd_kernel": ("TMA", "OUT_TMA"), "_attn_bwd_dq_kernel": ("TMA",),
-               "_attn_bwd_dkdv_kernel": ("TMA", "OUT_TMA"),
+               "_attn_bwd_dkdv_kernel": ("TMA", "OUT_TMA", "DQ_TMA"),
                "_matmul_kernel": ("TMA", "A_T", "B_T", "C_TMA")}  # fmt: skip
 
 
@@ -356,13 +366,15 @@ def add(
     wgmma=False,
     match=None,
     loop_axis=None,
+    loop_spill_only=False,
 ):
     """One case. `family`/`variant` group the report's rows; `no_spill` and `wgmma` say
     which rules apply beyond compiling within the shared-memory limit (every 16-bit
     sm_90 build also must not serialize its wgmma: ``no_serial``); `match` picks, among
     the scenario's launches of `kernel`, the first whose keyword arguments (constexpr
     flags) have these values; `loop_axis`: the config's block the hot loop advances by
-    (the report gives instructions per 128 rows of it)."""
+    (the report gives instructions per 128 rows of it); ``loop_spill_only``: `no_spill`
+    (and no_serial's spill check) hold for the hot loop only, the rest is reported."""
     tile = _tile(config)
     config = None if config is None else gate.config_kwargs(config)
     if cap == 80 and kernel in TMA_KERNELS:  # an A100 has no TMA: the launcher says so
@@ -374,7 +386,8 @@ def add(
         "name": name, "scenario": gate.scenario_name(scenario), "params": params,
         "kernel": kernel, "cap": cap,
         "config": config,
-        "family": family, "variant": variant, "tile": tile, "no_spill": no_spill,
+        "family": family, "variant": variant, "tile": tile,
+        "no_spill": no_spill and not loop_spill_only, "no_loop_spill": no_spill and loop_spill_only,
         "no_serial": sixteen_bit and cap == 90, "wgmma": wgmma, "match": match,
         "loop_step": config.get(loop_axis) if config and loop_axis else None,
     }  # fmt: skip
@@ -386,11 +399,12 @@ def _smallest(configs):
 
 
 def add_configs(family, variant, scenario, params, kernel, configs, *, no_spill, wgmma, match=None,
-                loop_axis="BLOCK_K"):  # fmt: skip
+                loop_axis="BLOCK_K", loop_spill_only=False):  # fmt: skip
     """Every config for sm_90 (`wgmma`: the first, the largest, must use it)."""
     for i, config in enumerate(configs):
         add(family, variant, scenario, params, kernel, 90, config, no_spill=no_spill,
-            wgmma=wgmma and i == 0, match=match, loop_axis=loop_axis)  # fmt: skip
+            wgmma=wgmma and i == 0, match=match, loop_axis=loop_axis,
+            loop_spill_only=loop_spill_only)  # fmt: skip
 
 
 for label, (kernel, scenario, configs_of, axis) in ATTENTION.items():
@@ -405,10 +419,10 @@ for label, (kernel, scenario, configs_of, axis) in ATTENTION.items():
             if dtype == "float16":  # the largest tile: it builds exactly as bf16 does
                 configs = configs[:1]
             # dK/dV at D=256 holds too much per key for the 64 keys wgmma needs
-            matrix = dtype != "float32" and (label != "dkdv" or D < 256)
+            matrix = dtype != "float32" and (label not in ("dkdv", "fused") or D < 256)
             add_configs(family, f"{dtype}-d{D}", scenario, {"dtype": dtype, "head_dim": D},
                         kernel, configs, no_spill=dtype != "float32" and D <= 128,
-                        wgmma=matrix, loop_axis=axis)  # fmt: skip
+                        wgmma=matrix, loop_axis=axis, loop_spill_only=label == "fused")  # fmt: skip
     # TF32 needs more shared memory than the FMA build of fp32: at the largest head dim
     fp32 = configs_of(256, torch.float32, frozenset({"pointer"}))
     tf32 = {"dtype": "float32", "head_dim": 256, "precision": "high"}
@@ -429,7 +443,7 @@ for label, (kernel, scenario, configs_of, axis) in ATTENTION.items():
         modes = {"ring-accumulate": ({**ring, "accumulate": True}, {"accumulate"})}
     modes["window-softcap"] = ({"window": (100, 0), "softcap": 30.0}, {"softcap"})
     modes["pointer"] = ({"tma": False}, {"pointer"})  # on Hopper: inputs TMA cannot read
-    if label == "dkdv":
+    if label in ("dkdv", "fused"):
         modes["gqa-split"] = ({"group": 4, "split": True}, set())
     for mode, (extra, tile_modes) in modes.items():
         for D in (64, 128):  # where the no-spill rule applies
@@ -438,7 +452,8 @@ for label, (kernel, scenario, configs_of, axis) in ATTENTION.items():
                 configs = configs[:1]
             add_configs(family, f"{mode}-bfloat16-d{D}", scenario,
                         {"dtype": "bfloat16", "head_dim": D, **extra}, kernel, configs,
-                        no_spill=True, wgmma=True, loop_axis=axis)  # fmt: skip
+                        no_spill=True, wgmma=True, loop_axis=axis,
+                        loop_spill_only=label == "fused")  # fmt: skip
 
 for cap in (90, 80):
     add(
@@ -637,6 +652,9 @@ def test_config_fits(built, name):
     )
     if case["no_spill"]:
         assert result["spill"] == 0, f"spills {result['spill']} B ({result['regs']} registers)"
+    loop = result["loop"] or {}
+    if case.get("no_loop_spill"):
+        assert loop.get("local", 0) == 0, f"{loop['local']} local accesses in the hot loop"
     if case["wgmma"]:
         assert result["wgmma"], "the sm_90 PTX should use wgmma (Hopper's warpgroup MMA)"
     if case["no_serial"] and result["wgmma"]:
@@ -645,7 +663,8 @@ def test_config_fits(built, name):
             f"HGMMA, {result['loop'] and result['loop']['wgmma_waits']} per iteration of the "
             "hot loop"
         )
-        assert result["spill"] == 0, f"a tensor-core build spills {result['spill']} B"
+        if not case.get("no_loop_spill"):
+            assert result["spill"] == 0, f"a tensor-core build spills {result['spill']} B"
 
 
 def _twin(name):
@@ -705,6 +724,41 @@ def test_fused_k_loop_is_the_plain_gemms(built, variant):
         assert ours["loads"]["tma"] == theirs["loads"]["tma"] > 0 and ours["local"] == 0
         excess = ours["insts_min"] / theirs["insts_min"] - 1
         assert excess <= FUSED_K_LOOP_EXCESS, (name, ours["insts_min"], theirs["insts_min"])
+
+
+def _macs_per_iteration(loop: dict, num_warps: int) -> int:
+    """Multiply-adds one iteration of a hot loop issues: wgmma shapes (MxNxK) per
+    warpgroup, mma.sync (16816: m16 n8 k16) per warp."""
+    macs = 0
+    for shape, count in loop["hgmma"].items():
+        if shape == "16816":
+            macs += 16 * 8 * 16 * count * num_warps
+        else:
+            m, n, k = map(int, shape.split("x"))
+            macs += m * n * k * count * (num_warps // 4)
+    return macs
+
+
+def test_the_fused_backward_issues_five_gemms_per_block_pair(built):
+    """Per (key block, query block) the fused backward's hot loop issues the tensor-core
+    work of 5 GEMMs (S, dP, dV, dK, dQ), where the split backward's two kernels issue 7
+    (dK/dV 4: S, dP, dV, dK; dQ 3: S, dP, dQ); at every 16-bit sm_90 wgmma tile, and with
+    TMA reads dQ's share leaves through one TMA reduce-add per iteration. (Tiles without
+    wgmma are left out: with 8 warps over 16 or 32 rows, warps repeat each other's
+    mma.sync.)"""
+    gemms = {"attention-fused": 5, "attention-dkdv": 4, "attention-dq": 3}
+    checked = 0
+    for name, case in CASES.items():
+        if case["family"] not in gemms or not case["no_serial"] or not built[name]["wgmma"]:
+            continue
+        loop, config = built[name]["loop"], case["config"]
+        D = case["params"]["head_dim"]
+        pair = config["BLOCK_M"] * config["BLOCK_N"] * D
+        assert _macs_per_iteration(loop, config["num_warps"]) == gemms[case["family"]] * pair, name
+        if case["family"] == "attention-fused" and case["params"].get("tma", True):
+            assert loop["tma_reduces"] == 1, name
+        checked += 1
+    assert checked > 60
 
 
 def test_resource_table_is_current(built):

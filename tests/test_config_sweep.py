@@ -13,7 +13,12 @@ import pytest
 import torch
 from fusedpar.kernels import _tuning
 from fusedpar.kernels.attention import attention_reference, forward_configs
-from fusedpar.kernels.attention_backward import backward_configs, dq_configs
+from fusedpar.kernels.attention_backward import (
+    backward_configs,
+    dq_configs,
+    fused_configs,
+    transposed_dot_miscompiles,
+)
 from fusedpar.kernels.matmul import matmul, matmul_configs
 from test_attention import attention_grads, torch_results  # noqa: I001 (a sibling test module)
 
@@ -24,10 +29,18 @@ from fusedpar.testing.strategies import randn
 # The kernels' own tuning and tiles: Triton's kernels (the interpreter here).
 pytestmark = pytest.mark.usefixtures("triton_kernels")
 
+
+def every_fused_config(head_dim, dtype):
+    """The fused backward's tiles, those a miscompiling Triton leaves out included."""
+    return fused_configs(head_dim, dtype, version="3.7.1")
+
+
+# kernel (or "fused": the dK/dV kernel adding dQ, the backward that is not deterministic)
 ATTENTION_LISTS = {
     "_attn_fwd_kernel": forward_configs,
     "_attn_bwd_dkdv_kernel": backward_configs,
     "_attn_bwd_dq_kernel": dq_configs,
+    "fused": every_fused_config,
 }
 
 
@@ -59,9 +72,13 @@ def check_matmul_config(index, dtype, accumulate, M, N, K, device):
 
 def check_attention_config(kernel, index, D, dtype, B, S, Hq, Hkv, device):
     """flash_attn forward and backward with `kernel`'s config `index` and the first
-    config of the other two kernels."""
+    config of the other kernels: the split backward for dK/dV's and dQ's lists, the
+    fused one for its own."""
     chosen = {name: configs(D, dtype)[0] for name, configs in ATTENTION_LISTS.items()}
     chosen[kernel] = ATTENTION_LISTS[kernel](D, dtype)[index]
+    fused = kernel == "fused"
+    if fused:  # the fused backward launches the dK/dV kernel with its tile
+        chosen["_attn_bwd_dkdv_kernel"] = chosen["fused"]
     q = randn((B, S, Hq, D), dtype, 0).to(device)
     k, v = (randn((B, S, Hkv, D), dtype, i).to(device) for i in (1, 2))
     dout = randn((B, S, Hq, D), dtype, 3).to(device)
@@ -71,7 +88,8 @@ def check_attention_config(kernel, index, D, dtype, B, S, Hq, Hkv, device):
         _tuning.forced("_attn_bwd_dkdv_kernel", chosen["_attn_bwd_dkdv_kernel"]),
         _tuning.forced("_attn_bwd_dq_kernel", chosen["_attn_bwd_dq_kernel"]),
     ):
-        got = attention_grads(lambda *t: fp.flash_attn(*t, causal=True, return_lse=True),
+        got = attention_grads(lambda *t: fp.flash_attn(*t, causal=True, return_lse=True,
+                                                       deterministic=not fused),
                               (q, k, v), dout, dlse)  # fmt: skip
     ref = attention_grads(lambda *t: attention_reference(*t, causal=True),
                           [t.double() for t in (q, k, v)], dout, dlse)  # fmt: skip
@@ -91,9 +109,18 @@ def _matmul_params(dtypes):
 
 
 def _attention_params(dtypes, head_dims):
-    return [pytest.param(kernel, i, D, dtype, id=f"{kernel}-{dtype}-d{D}-{_describe(c)}")
+    return [pytest.param(kernel, i, D, dtype, id=f"{kernel}-{dtype}-d{D}-{_describe(c)}",
+                         marks=_miscompiled(kernel, c))
             for dtype in dtypes for D in head_dims for kernel, configs in ATTENTION_LISTS.items()
             for i, c in enumerate(configs(D, dtype))]  # fmt: skip
+
+
+def _miscompiled(kernel, config):
+    """A fused tile that this Triton's miscompile may break is swept anyway, to learn
+    whether it does (the library leaves it out: `transposed_dot_miscompiles`)."""
+    left_out = kernel == "fused" and 64 in (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"])
+    return [pytest.mark.xfail(left_out and transposed_dot_miscompiles(), strict=False,
+                              reason="left out under this Triton (a known miscompile)")]
 
 
 @pytest.mark.parametrize("index, accumulate, dtype", _matmul_params([torch.float16]))

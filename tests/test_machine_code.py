@@ -36,6 +36,7 @@ def test_hot_loop_takes_the_fast_path_through_the_body():
         "hgmma": {"64x128x16": 1},
         "wgmma_waits": 1,
         "loads": {"tma": 1, "cp_async": 0, "global": 0},
+        "tma_reduces": 0,
         "local": 1,
         "int64": 1,
         "insts_min": 8,  # 0x30-0x60, then 0xa0-0xd0

@@ -39,7 +39,7 @@ from torch import Tensor
 from fusedpar.kernels import rope as rope_kernels
 from fusedpar.kernels._common import accumulator
 from fusedpar.kernels.attention import attention_forward, check_attention_inputs
-from fusedpar.kernels.attention_backward import attention_backward
+from fusedpar.kernels.attention_backward_fused import attention_backward
 from fusedpar.kernels.attention_mask import (
     check_cu_seqlens,
     check_softcap,
@@ -111,8 +111,9 @@ _PACKED = _PackedMasks()
 @torch.library.custom_op("fusedpar::flash_attn", mutates_args=())
 def _flash_attn_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None,
                    cu_seqlens_k: Tensor | None, causal: bool, softmax_scale: float | None,
-                   window_left: int, window_right: int,
-                   softcap: float) -> tuple[Tensor, Tensor]:  # fmt: skip
+                   window_left: int, window_right: int, softcap: float,
+                   deterministic: bool = False) -> tuple[Tensor, Tensor]:  # fmt: skip
+    # (`deterministic` is the backward's: it travels in the op's options)
     mask = _mask(q, k, cu_seqlens_q, cu_seqlens_k, causal, (window_left, window_right),
                  check=True)  # fmt: skip
     return attention_forward(q, k, v, softmax_scale=softmax_scale, softcap=softcap, **mask)
@@ -120,7 +121,7 @@ def _flash_attn_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None,
 
 @_flash_attn_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_left, window_right,
-      softcap):  # fmt: skip
+      softcap, deterministic=False):  # fmt: skip
     B, Sq, Hq, D = q.shape
     return q.new_empty((B, Sq, Hq, D)), q.new_empty((B, Hq, Sq), dtype=accumulator(q.dtype))
 
@@ -130,13 +131,15 @@ def _flash_attn_backward_op(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v:
                             out: Tensor, lse: Tensor, cu_seqlens_q: Tensor | None,
                             cu_seqlens_k: Tensor | None, causal: bool,
                             softmax_scale: float | None, window_left: int, window_right: int,
-                            softcap: float) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+                            softcap: float, deterministic: bool = False,
+                            ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     # d(LSE_i)/d(S_ij) = P_ij: a gradient of the LSE folds into delta (0 when unused),
-    # which the dQ kernel makes from out and dlse as it starts
+    # made from out and dlse as the backward starts
     mask = _mask(q, k, cu_seqlens_q, cu_seqlens_k, causal, (window_left, window_right),
                  check=False)  # fmt: skip
     return attention_backward(dout, q, k, v, lse, out=out, dlse=dlse,
-                              softmax_scale=softmax_scale, softcap=softcap, **mask)  # fmt: skip
+                              softmax_scale=softmax_scale, softcap=softcap,
+                              deterministic=deterministic, **mask)  # fmt: skip
 
 
 @_flash_attn_backward_op.register_fake
@@ -153,7 +156,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv = _flash_attn_backward(dout, dlse, q, k, v, out, lse, cu_q, cu_k, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, *[None] * (len(ctx.options) + 2)
 
 
 _flash_attn_backward = direct_op(_flash_attn_backward_op)
@@ -250,6 +253,7 @@ def flash_attn(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    deterministic: bool = False,
 ):
     """Scaled dot-product attention, flash-style: ``softmax(q k^T * scale) v``.
 
@@ -269,12 +273,16 @@ def flash_attn(
     row's softmax denominator (gpt-oss), with their gradient; a row that sees no key
     then returns 0 with LSE = its sink. Returns ``out`` (B, Sq, Hq, D), or
     ``(out, lse)`` with lse (B, Hq, Sq) float32 in natural log when ``return_lse``.
+    ``deterministic`` (or ``torch.use_deterministic_algorithms(True)``): the backward
+    whose every sum has a fixed order (otherwise dQ's last bits may vary from run to
+    run: `fusedpar.kernels.attention_backward_fused`).
     """
     check_attention_inputs(q, k, v)
     window, softcap = check_window(window), check_softcap(softcap)
     check_softmax_scale(softmax_scale)
     check_sinks(sinks, q, "flash_attn")
-    out, lse = _flash_attn(q, k, v, None, None, causal, softmax_scale, *window, softcap)
+    out, lse = _flash_attn(q, k, v, None, None, causal, softmax_scale, *window, softcap,
+                           deterministic)  # fmt: skip
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
@@ -295,13 +303,15 @@ def flash_attn_varlen(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    deterministic: bool = False,
 ):
     """`flash_attn` over packed documents (flash-attn's ``flash_attn_varlen_func``).
 
     q (Tq, Hq, D), k and v (Tk, Hkv, D): documents back to back, document b in rows
     ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32, B + 1 entries from 0 to the total;
     `cu_seqlens_k` defaults to `cu_seqlens_q`). A query sees keys of its own document
-    only, with `causal`, `window`, `softcap` and `sinks` as in `flash_attn`, aligned bottom-right
+    only, with `causal`, `window`, `softcap`, `sinks` and `deterministic` as in
+    `flash_attn`, aligned bottom-right
     within the document where its query and key lengths differ. Zero-length documents
     are legal. The kernels run over the packed stream and skip the blocks that share no
     document, so ``max_seqlen_q`` / ``max_seqlen_k`` are not needed (accepted for
@@ -326,7 +336,7 @@ def flash_attn_varlen(
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe {cu_seqlens_q.numel() - 1} "
                          f"and {cu_seqlens_k.numel() - 1} documents")  # fmt: skip
     out, lse = _flash_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
-                              *window, softcap)  # fmt: skip
+                           *window, softcap, deterministic)  # fmt: skip
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
     return (out[0], lse[0]) if return_lse else out[0]

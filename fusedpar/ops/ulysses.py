@@ -182,6 +182,7 @@ def ulysses_attn(
     cu_seqlens: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    deterministic: bool = False,
 ):
     """Attention over a sequence sharded contiguously on `group` (Ulysses: all-to-all
     over heads; see the module doc).
@@ -189,10 +190,11 @@ def ulysses_attn(
     q (B, S/P, Hq, D), k and v (B, S/P, Hkv, D): rank r's tokens [r S/P, (r+1) S/P)
     (``fp.shard_sequence(x, group, layout="contiguous")``). Returns this rank's tokens of
     ``flash_attn`` on the whole sequence, (B, S/P, Hq, D), and with ``return_lse`` their
-    LSE (B, Hq, S/P) float32 (float64 for float64 q). `window`, `softcap`, `sinks` (Hq,)
-    and `cu_seqlens` (int32, the documents of the whole packed stream of S tokens, B = 1)
-    as in `flash_attn` and `flash_attn_varlen`. Hq must divide by P; Hkv must divide by P
-    or divide P (KV heads are then replicated, and their gradients summed).
+    LSE (B, Hq, S/P) float32 (float64 for float64 q). `window`, `softcap`, `sinks` (Hq,),
+    `deterministic` and `cu_seqlens` (int32, the documents of the whole packed stream of
+    S tokens, B = 1) as in `flash_attn` and `flash_attn_varlen`. Hq must divide by P;
+    Hkv must divide by P or divide P (KV heads are then replicated, and their gradients
+    summed).
     Differentiable. With ``group=None`` or one rank this is `flash_attn`.
     """
     window, softcap = check_shards(q, k, v, window, softcap, "ulysses_attn", softmax_scale)
@@ -203,7 +205,7 @@ def ulysses_attn(
     # the values too (in eager): the exchange comes before the attention op reads them
     check_packed(q, cu_seqlens, q.shape[1] * size, "ulysses_attn",
                  values=not torch.compiler.is_compiling())  # fmt: skip
-    options = (causal, softmax_scale, *window, softcap)
+    options = (causal, softmax_scale, *window, softcap, deterministic)
 
     def attend(q, k, v):  # the whole sequence, this rank's heads
         return _flash_attn(q, k, v, cu_seqlens, cu_seqlens, *options)

@@ -133,7 +133,8 @@ def hot_loop(insts: list[Instruction]) -> dict | None:
     instructions (ties: the fewest instructions), or None when no loop has any.
 
     ``hgmma`` {shape: count} (``HMMA`` on sm_80), ``wgmma_waits`` (``WARPGROUP.DEPBAR``),
-    ``loads`` {``tma``: UTMALDG, ``cp_async``: LDGSTS, ``global``: LDG}, ``local``
+    ``loads`` {``tma``: UTMALDG, ``cp_async``: LDGSTS, ``global``: LDG},
+    ``tma_reduces`` (UTMAREDG: a tile added into global memory by TMA), ``local``
     (LDL/STL: spill traffic), ``insts_min``/``insts_max`` (the shortest and longest path
     through the body), ``int64`` (64-bit integer adds and wide multiplies: address
     arithmetic), all along the shortest path but the last two."""
@@ -161,6 +162,7 @@ def hot_loop(insts: list[Instruction]) -> dict | None:
             "cp_async": sum(op.startswith("LDGSTS") for op in ops),
             "global": sum(op.split(".")[0] == "LDG" for op in ops),
         },
+        "tma_reduces": sum(op.startswith("UTMAREDG") for op in ops),
         "local": sum(op.split(".")[0] in ("LDL", "STL") for op in ops),
         "int64": sum(_is_int64(inst) for inst in body),
         "insts_min": len(body),

@@ -1,0 +1,239 @@
+"""The attention backward as one call: the fused kernel, the split one, and the choice.
+
+| backward | launches                                 | GEMMs per block pair | dQ's sum          |
+| -------- | ---------------------------------------- | -------------------- | ----------------- |
+| split    | dQ (makes delta), dK/dV                  | 7: S, dP twice       | fixed order       |
+| fused    | delta, dK/dV adding dQ, (dQ's conversion) | 5                    | atomics, any order |
+
+The fused backward is `attention_backward`'s dK/dV kernel with ``DQ``: each program
+adds every query block's ``scale * dS K`` into an fp32 dQ (on Hopper one TMA
+reduce-add per block, FlashAttention-3's scheme), which is converted to dQ's dtype
+after (or added into the caller's fp32 dQ directly). The order of those additions is
+the order programs reach them, so dQ's last bits may differ from run to run; dK and dV
+are summed in a fixed order as before. The split backward is the deterministic path:
+`attention_backward` runs it under ``deterministic=True`` or
+``torch.use_deterministic_algorithms(True)``, and otherwise lets the tuner time both
+(tuner ``attention_backward``; in the interpreter and under ``FUSEDPAR_TUNING=first``
+the fused one runs untimed).
+"""
+
+import torch
+import triton
+from fusedpar.kernels import _common, _impl, _tuning
+from fusedpar.kernels import attention_backward as split_backward
+from fusedpar.kernels._common import cdiv, ensure_tma_allocator
+from fusedpar.kernels._tuning import Agreement, bucket
+from fusedpar.kernels.attention import launch
+from fusedpar.kernels.attention_backward import (
+    _attn_bwd_dkdv_kernel,
+    attention_backward_dkdv,
+    attention_backward_dq,
+    attention_delta,
+    fused_configs,
+    gqa_split,
+    sum_slices,
+)
+from fusedpar.kernels.attention_backward_plan import gradient_buffer, plan_backward
+from fusedpar.kernels.attention_mask import Intervals, is_masked
+
+# The two candidates of tuner "attention_backward" (their kwargs name them in its file).
+FUSED = triton.Config({"backward": "fused"})
+SPLIT = triton.Config({"backward": "split"})
+
+
+def attention_backward_fused(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    intervals: Intervals | None = None,
+    dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+    accumulate: bool = False,
+    grad_dtype: torch.dtype | None = None,
+    agreement: Agreement | None = None,
+    tune_only: bool = False,
+    out: torch.Tensor | None = None,
+    dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(dq, dk, dv)`` of one attention block in one kernel; arguments as in
+    `attention_backward`. With `out` (and `dlse`, or None) ``delta = rowsum(dO * O) -
+    dLSE`` is first written into `delta` (a (B, Hq, Sq) fp32 buffer), after the checks;
+    without, `delta` is read. dQ is summed in fp32: in the caller's buffer when it is
+    fp32 (zeroed first unless ``accumulate``), else in scratch converted (or added)
+    after. On torch's implementation: the split halves."""
+    mask = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                intervals=intervals)  # fmt: skip
+    common = dict(**mask, accumulate=accumulate, grad_dtype=grad_dtype, agreement=agreement,
+                  tune_only=tune_only)  # fmt: skip
+    if dlse is not None and out is None:
+        raise ValueError("attention_backward_fused: dlse folds into the delta made from "
+                         "`out`: give out too, or subtract it from a precomputed "
+                         "delta")  # fmt: skip
+    if _impl.runs_torch(q):
+        grad_q = attention_backward_dq(dout, q, k, v, lse, delta, dq=dq, **common, out=out,
+                                       dlse=dlse)  # fmt: skip
+        grads_kv = attention_backward_dkdv(dout, q, k, v, lse, delta, dk=dk, dv=dv, **common)
+        return None if tune_only else (grad_q, *grads_kv)
+    if not isinstance(delta, torch.Tensor):
+        raise TypeError(f"delta must be a (B, Hq, Sq) float32 tensor, got {type(delta).__name__}")
+    delta = delta.contiguous()  # indexed as (B, Hq, Sq) contiguous
+
+    def split_of():
+        return gqa_split(*k.shape[:3], q.shape[2] // k.shape[2], q)
+
+    plan, (lo, hi, batch_stride) = plan_backward(
+        "fused", _attn_bwd_dkdv_kernel, split_of, split_backward.SPLIT_BELOW_PROGRAMS, dout,
+        q, k, v, lse, delta, [dk, dv, dq], mask, accumulate, grad_dtype, tune_only,
+        (out, dlse))  # fmt: skip
+    dk, dv, dq = (gradient_buffer(g, like, plan.grad_dtype, tune_only)
+                  for g, like in ((dk, k), (dv, v), (dq, q)))  # fmt: skip
+    (B, Sq, _, _), (_, Skv, Hkv, D), split = q.shape, k.shape, plan.split
+    if out is not None and not tune_only:
+        attention_delta(out, dout, dlse, delta)
+    if B * Hkv * Skv == 0:  # no key: dQ is 0 (with Sq == 0 the kernel writes dK, dV zeros)
+        if not tune_only and not accumulate:
+            dq.zero_()
+        return None if tune_only else (dq, dk, dv)
+    if plan.dq_direct:  # the caller's fp32 dQ takes the sums itself
+        dq_sums = dq if accumulate or tune_only else dq.zero_()
+    else:
+        dq_sums = torch.zeros(q.shape, dtype=_common.accumulator(q.dtype), device=q.device)
+    out_k, out_v = dk, dv
+    if split > 1:
+        out_k, out_v = (split_backward.partials((B, Skv, Hkv * split, D), q.device)
+                        for _ in range(2))  # fmt: skip
+    meta = plan.meta
+    if meta["TMA"] or meta["OUT_TMA"] or meta["DQ_TMA"]:
+        ensure_tma_allocator(q.device)  # per thread: autograd's backward runs on its own
+    args = (q, k, v, dout, lse, delta, out_k, out_v, dq_sums, lo, hi, *plan.strides,
+            batch_stride, *plan.scalars)  # fmt: skip
+
+    def grid(tile):
+        return (cdiv(Skv, tile["BLOCK_N"]), B, Hkv * split)
+
+    # every launch adds into dQ's sums (and with ACCUMULATE into dK, dV): tuning restores them
+    restore = [] if tune_only else [dq_sums, *([dk, dv] if meta["ACCUMULATE"] else [])]
+    launch(_attn_bwd_dkdv_kernel, fused_configs, grid, args, meta, Sq, Skv,
+           restore=restore, agreement=agreement, tune_only=tune_only, key=plan.key,
+           settled=plan.settled)  # fmt: skip
+    if tune_only:
+        return None
+    if split > 1:
+        sum_slices((dk, dv), (out_k, out_v), split, accumulate)
+    if dq_sums is not dq and accumulate:
+        dq.add_(dq_sums)
+    elif dq_sums is not dq:
+        dq.copy_(dq_sums)
+    return dq, dk, dv
+
+
+def _backward_key(q, k, causal, window, softcap, intervals, accumulate, grads) -> tuple:
+    """Tuner ``attention_backward``'s key: what the two backwards' relative speed depends
+    on (the lengths bucketed as the kernels' tiles are)."""
+    (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
+    return (str(q.dtype), D, bucket(B), bucket(Sq), bucket(Skv), Hq, Hkv,
+            intervals is not None or is_masked(causal, window), softcap > 0, accumulate,
+            *(str(g.dtype) for g in grads))  # fmt: skip
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    intervals: Intervals | None = None,
+    out: torch.Tensor | None = None,
+    dlse: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None,
+    dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+    accumulate: bool = False,
+    grad_dtype: torch.dtype | None = None,
+    agreement: Agreement | None = None,
+    tune_only: bool = False,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Returns ``(dq, dk, dv)`` from dO, the inputs and the forward's LSE.
+
+    `delta` (B, Hq, Sq) fp32 is ``rowsum(dO * O)`` (minus dLSE when the LSE has a
+    gradient); when not given it is made from `out` and `dlse` (None: 0): by the split
+    backward's dQ kernel as it starts, or by the delta kernel before the fused one.
+    ``accumulate=True`` adds into the given `dq`, `dk`, `dv` (any strides) instead of
+    overwriting them. New gradients are in `grad_dtype` (q's unless given: q's or
+    fp32). `agreement` and ``tune_only`` as in `attention_forward` (scratch gradients);
+    the mask and `softcap` as there. ``deterministic`` (or PyTorch's
+    `torch.use_deterministic_algorithms`) runs the split backward, whose every sum has a
+    fixed order; otherwise the faster of it and the fused one for these sizes (module
+    docstring). The ring calls the split halves, `attention_backward_dq` and
+    `attention_backward_dkdv`, itself: it adds into dQ at every step but writes a
+    block's dK/dV fresh at its first.
+    """
+    if delta is not None and dlse is not None:
+        raise ValueError("attention_backward: dlse folds into delta: give it with `out`, or "
+                         "subtract it from the precomputed delta yourself")  # fmt: skip
+    if delta is None and out is None:
+        raise ValueError("attention_backward needs `out` or a precomputed `delta`")
+    common = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                  intervals=intervals, accumulate=accumulate, grad_dtype=grad_dtype,
+                  agreement=agreement)  # fmt: skip
+
+    def split(grads, tune_only):
+        dq, dk, dv = grads
+        given, sources = delta, {}
+        if given is None:  # dQ writes it (lse's shape, which dQ checks before any launch)
+            given = split_backward.delta_buffer(lse.shape, lse.device, lse.dtype)
+            sources = {"out": out, "dlse": dlse}
+        grad_q = attention_backward_dq(dout, q, k, v, lse, given, dq=dq, **common,
+                                       tune_only=tune_only, **sources)  # fmt: skip
+        grads_kv = attention_backward_dkdv(dout, q, k, v, lse, given, dk=dk, dv=dv, **common,
+                                           tune_only=tune_only)  # fmt: skip
+        return None if tune_only else (grad_q, *grads_kv)
+
+    if deterministic or torch.are_deterministic_algorithms_enabled() or _impl.runs_torch(q):
+        return split((dq, dk, dv), tune_only)
+
+    def fused(grads, tune_only):
+        given, sources = delta, {}
+        if given is None:  # written by the launcher, after its checks
+            given = split_backward.delta_buffer(lse.shape, lse.device, lse.dtype)
+            sources = {"out": out, "dlse": dlse}
+        return attention_backward_fused(dout, q, k, v, lse, given, dq=grads[0], dk=grads[1],
+                                        dv=grads[2], **common, tune_only=tune_only,
+                                        **sources)  # fmt: skip
+
+    # Both write into the same buffers, so the tuner can time one after the other: the
+    # caller's, or new ones (scratch when only tuning; the launchers check them all).
+    if accumulate and not tune_only and None in (dq, dk, dv):
+        raise ValueError("accumulate=True adds into dq, dk and dv: give all three")
+    grads = [gradient_buffer(g, like, grad_dtype or q.dtype, tune_only)
+             for g, like in ((dq, q), (dk, k), (dv, v))]  # fmt: skip
+    ran = []
+
+    def run(config):
+        ran.append((fused if config is FUSED else split)(grads, False))
+
+    def candidates():
+        return [FUSED] if _common.is_interpreted(_attn_bwd_dkdv_kernel) else [FUSED, SPLIT]
+
+    key = _backward_key(q, k, causal, window, softcap, intervals, accumulate, grads)
+    restore = grads if accumulate and not tune_only else []
+    _tuning.tuner("attention_backward").run(key, candidates, run, device=q.device,
+                                            restore=restore, agreement=agreement,
+                                            tune_only=tune_only)  # fmt: skip
+    return None if tune_only else ran[-1]
