@@ -30,7 +30,7 @@ base 2 (``exp2`` with log2(e) folded into the scale); the LSE is natural at the 
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _common, _impl, _tuning, attention_torch
+from fusedpar.kernels import _common, _impl, _tuning, attention_platform, attention_torch
 from fusedpar.kernels._common import (
     cdiv,
     check_float_dtype,
@@ -422,7 +422,7 @@ def interpreter_blocks(Sq: int, Skv: int) -> dict:
 
 def launch(
     kernel, configs, grid, args, meta, Sq, Skv, *, restore=(), agreement=None, tune_only=False,
-    key_extra=(), torch_run=None, key=None, settled=None,
+    key_extra=(), torch_run=None, key=None, settled=None, platform=None,
 ):  # fmt: skip
     """Launch `kernel` with the tile tuned for (Sq and Skv buckets, `meta`, the dtypes,
     `key_extra`): one sized to the problem in the interpreter, else the best of
@@ -431,7 +431,9 @@ def launch(
     call, a candidate too where given (CUDA, ``FUSEDPAR_IMPL=auto``). `key`: the tuner's
     key as `launch_key` makes it, from a launcher's plan; `settled`: that plan's
     `_tuning.Settled` per implementation asked for, launched past the tuner once the
-    pick is made (and kept there after it)."""
+    pick is made (and kept there after it). `platform`: ``platform()`` gives ``{candidate:
+    run()}`` of PyTorch's own kernels for this call (`attention_platform`), candidates
+    too where torch's is; the key must name them."""
     name = kernel.__name__
     request = None
     if settled is not None and agreement is None and not tune_only:
@@ -449,11 +451,20 @@ def launch(
         else:
             configs_here = configs(meta["HEAD_DIM"], args[0].dtype, kernel_modes(meta))
             tiles = _prune_configs(configs_here, bucket(Sq), bucket(Skv))
-        return tiles + ([_impl.TORCH] if torch_run and _impl.tunes_torch() else [])
+        if not _impl.tunes_torch():
+            return tiles
+        return tiles + ([_impl.TORCH] if torch_run else []) + list(platform_runs())
+
+    runs = {}
+
+    def platform_runs():  # built once per call, when first needed
+        if platform is not None and not runs:
+            runs.update(platform())
+        return runs
 
     def run(config):
         if isinstance(config, _impl.Torch):
-            torch_run()
+            platform_runs().get(config, torch_run)()
         else:
             kernel[grid(config.kwargs)](*args, **meta, **config.all_kwargs())
 
@@ -489,10 +500,13 @@ def _planned_forward(plan: ForwardPlan, q, k, v, out, lse, merge, agreement):
     def torch_run():
         attention_torch.forward(q, k, v, plan.scores, out, lse, merge)
 
+    def platform():
+        return attention_platform.forward_candidates(q, k, v, plan.scores, out, lse, merge)
+
     launch(_attn_fwd_kernel, forward_configs, grid, args, meta, Sq, plan.scalars[1],
            restore=[out, lse] if merge else [], agreement=agreement, key=plan.key,
            torch_run=torch_run if plan.torch_candidate else None,
-           settled=plan.settled)  # fmt: skip
+           settled=plan.settled, platform=platform)  # fmt: skip
     return out, lse
 
 
@@ -587,6 +601,12 @@ def attention_forward(
     tma, out_tma = tma_paths((q, k, v), () if merge else (out,))
     meta = {**meta, "MERGE": merge, "TMA": tma, "OUT_TMA": out_tma}
     torch_candidate = attention_torch.capable_on_cuda(q, k)
+
+    def platform():
+        return attention_platform.forward_candidates(q, k, v, scores, out, lse, merge)
+
+    if q.device.type == "cuda":  # which of PyTorch's kernels compute this call: in the key
+        key = (*key, ("platform", tuple(c.name for c in platform())))
     launch_key_ = launch_key(args, meta, Sq, Skv, key, torch_candidate)
     if signature is not None:
         plan = ForwardPlan((B, Sq, Hq, D), out.dtype, args[-8:], meta, launch_key_, scores,
@@ -594,5 +614,5 @@ def attention_forward(
         remember(FORWARD_PLANS, signature, plan)
     launch(_attn_fwd_kernel, forward_configs, grid, args, meta, Sq, Skv,
            restore=restore, agreement=agreement, tune_only=tune_only, key=launch_key_,
-           torch_run=torch_run if torch_candidate else None)  # fmt: skip
+           torch_run=torch_run if torch_candidate else None, platform=platform)  # fmt: skip
     return None if tune_only else (out, lse)

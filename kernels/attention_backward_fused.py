@@ -19,7 +19,7 @@ the fused one runs untimed).
 
 import torch
 import triton
-from fusedpar.kernels import _common, _impl, _tuning
+from fusedpar.kernels import _common, _impl, _tuning, attention_platform
 from fusedpar.kernels import attention_backward as split_backward
 from fusedpar.kernels._common import cdiv, ensure_tma_allocator
 from fusedpar.kernels._tuning import Agreement, bucket
@@ -34,7 +34,9 @@ from fusedpar.kernels.attention_backward import (
     sum_slices,
 )
 from fusedpar.kernels.attention_backward_plan import gradient_buffer, plan_backward
-from fusedpar.kernels.attention_mask import Intervals, is_masked
+from fusedpar.kernels.attention_mask import Intervals, is_masked, scalar_bounds
+from fusedpar.kernels.attention_reference import resolve_scale
+from fusedpar.kernels.attention_torch import Scores
 
 # The two candidates of tuner "attention_backward" (their kwargs name them in its file).
 FUSED = triton.Config({"backward": "fused"})
@@ -179,10 +181,11 @@ def attention_backward(
     fp32). `agreement` and ``tune_only`` as in `attention_forward` (scratch gradients);
     the mask and `softcap` as there. ``deterministic`` (or PyTorch's
     `torch.use_deterministic_algorithms`) runs the split backward, whose every sum has a
-    fixed order; otherwise the faster of it and the fused one for these sizes (module
-    docstring). The ring calls the split halves, `attention_backward_dq` and
-    `attention_backward_dkdv`, itself: it adds into dQ at every step but writes a
-    block's dK/dV fresh at its first.
+    fixed order; otherwise the fastest of it, the fused one and, on CUDA under
+    ``FUSEDPAR_IMPL=auto``, PyTorch's own backwards where they compute the call
+    (`attention_platform`; no `dlse` among them) for these sizes (module docstring). The
+    ring calls the split halves, `attention_backward_dq` and `attention_backward_dkdv`,
+    itself: it adds into dQ at every step but writes a block's dK/dV fresh at its first.
     """
     if delta is not None and dlse is not None:
         raise ValueError("attention_backward: dlse folds into delta: give it with `out`, or "
@@ -223,15 +226,28 @@ def attention_backward(
         raise ValueError("accumulate=True adds into dq, dk and dv: give all three")
     grads = [gradient_buffer(g, like, grad_dtype or q.dtype, tune_only)
              for g, like in ((dq, q), (dk, k), (dv, v))]  # fmt: skip
+    platform = {}  # PyTorch's own backwards, where they compute this call (not deterministic)
+    if q.device.type == "cuda" and intervals is None and _impl.tunes_torch():
+        bounds = scalar_bounds(causal, window, q.shape[1], k.shape[1])
+        scores = Scores(resolve_scale(softmax_scale, q.shape[-1]), softcap, bounds, None)
+        platform = attention_platform.backward_candidates(
+            dout, q, k, v, out, lse, scores, grads, dlse, accumulate)  # fmt: skip
     ran = []
 
     def run(config):
-        ran.append((fused if config is FUSED else split)(grads, False))
+        if config is FUSED or config is SPLIT:
+            ran.append((fused if config is FUSED else split)(grads, False))
+        else:
+            platform[config]()
+            ran.append(tuple(grads))
 
     def candidates():
-        return [FUSED] if _common.is_interpreted(_attn_bwd_dkdv_kernel) else [FUSED, SPLIT]
+        if _common.is_interpreted(_attn_bwd_dkdv_kernel):
+            return [FUSED]
+        return [FUSED, SPLIT, *platform]
 
-    key = _backward_key(q, k, causal, window, softcap, intervals, accumulate, grads)
+    key = (*_backward_key(q, k, causal, window, softcap, intervals, accumulate, grads),
+           ("platform", tuple(c.name for c in platform)))  # fmt: skip
     restore = grads if accumulate and not tune_only else []
     _tuning.tuner("attention_backward").run(key, candidates, run, device=q.device,
                                             restore=restore, agreement=agreement,

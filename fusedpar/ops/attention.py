@@ -127,14 +127,14 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_left, w
 
 
 @torch.library.custom_op("fusedpar::flash_attn_backward", mutates_args=())
-def _flash_attn_backward_op(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: Tensor,
+def _flash_attn_backward_op(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
                             out: Tensor, lse: Tensor, cu_seqlens_q: Tensor | None,
                             cu_seqlens_k: Tensor | None, causal: bool,
                             softmax_scale: float | None, window_left: int, window_right: int,
                             softcap: float, deterministic: bool = False,
                             ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    # d(LSE_i)/d(S_ij) = P_ij: a gradient of the LSE folds into delta (0 when unused),
-    # made from out and dlse as the backward starts
+    # d(LSE_i)/d(S_ij) = P_ij: a gradient of the LSE folds into delta (None when the
+    # LSE is unused), made from out and dlse as the backward starts
     mask = _mask(q, k, cu_seqlens_q, cu_seqlens_k, causal, (window_left, window_right),
                  check=False)  # fmt: skip
     return attention_backward(dout, q, k, v, lse, out=out, dlse=dlse,
@@ -151,10 +151,15 @@ def _setup(ctx, inputs, output):
     q, k, v, cu_q, cu_k, *options = inputs
     ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
     ctx.options = options
+    # an unused output's gradient comes as None, not zeros: with no LSE gradient the
+    # backward may run PyTorch's own kernels (`fusedpar.kernels.attention_platform`)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    if dout is None:  # only the LSE was used
+        dout = torch.zeros_like(out)
     dq, dk, dv = _flash_attn_backward(dout, dlse, q, k, v, out, lse, cu_q, cu_k, *ctx.options)
     return dq, dk, dv, *[None] * (len(ctx.options) + 2)
 
