@@ -7,8 +7,9 @@
 #    bench linear, and the other new GPU tests
 # 1: the GPU tier in fp16/bf16        3: GEMM, MoE and ring benchmarks
 # 2: the attention benchmark          4: the TP and step-time benchmarks, the fp32 GPU tier
-# 5: the fused attention backward and PyTorch's kernels as candidates: their GPU tests and
-#    every fused tile, then bench attention (fusedpar, its split backward alone, cuDNN)
+# 5: the fused attention backward and PyTorch's kernels as candidates (SDPA, _grouped_mm):
+#    their GPU tests and every fused tile, then bench attention (fusedpar, its split
+#    backward alone, cuDNN)
 #
 # Each step installs fusedpar, records the device, runs its parts under their own time
 # limits (summing to under 9 minutes, so the tarball is always written) and leaves at most
@@ -70,8 +71,8 @@ case $step in
      part gpu_tier_fp32 180 env FUSEDPAR_TUNING=first "${tier[@]}" -k float32 ;;
   5) part fused_attention_gpu 170 env FUSEDPAR_TUNING=first python -m pytest -m gpu -n 2 -q \
        -p no:cacheprovider --timeout 150 -rxXs tests/test_attention_fused.py tests/test_config_sweep.py \
-       tests/test_attention_platform.py \
-       -k "fused_backward_gpu or platform_candidates_gpu or (every_attention_config_gpu and fused)"
+       tests/test_attention_platform.py tests/test_moe_kernels.py \
+       -k "fused_backward_gpu or platform_candidates_gpu or grouped_mm_candidate_gpu or (every_attention_config_gpu and fused)"
      part attention 300 env BENCH_PEERS=fusedpar,fusedpar-split,sdpa-cudnn "${bench[@]}" attention ;;
   *) echo "unknown step $step: 0-5" >&2; exit 2 ;;
 esac

@@ -403,12 +403,14 @@ def _gemm_plan(mode, x, w_strides, v_strides, y, h, dh, E, N, K, has_rows, has_b
 
 def _launch_gemm(mode, x, w, y, counts, rows, N, K, *, w_strides, v=None, v_strides=None,
                  h=None, dh=None, bias=(), activation="silu", alpha=SWIGLU_ALPHA,
-                 limit=SWIGLU_LIMIT):  # fmt: skip
+                 limit=SWIGLU_LIMIT, grouped_mm=None):  # fmt: skip
     """Tune (per mode, N, K, rows-per-expert bucket, dtypes, bias, activation) and launch
     the grouped GEMM. `bias`: () or the (E, N) bias of w (and of v: gate/up). The grid
     depends on BLOCK_M (blocks never straddle two experts), so each config builds its
     own block offsets; its size is an upper bound, cdiv(P, BLOCK_M) + E row blocks, so
-    no count is read back to the host."""
+    no count is read back to the host. `grouped_mm`: ``torch._grouped_mm``'s run of the
+    same call (`moe_torch.grouped_mm_run`), a candidate too under ``FUSEDPAR_IMPL=auto``
+    (whether there is one is part of the key)."""
     P, E = y.shape[0], counts.shape[0]
     if P == 0 or N == 0:
         return
@@ -421,21 +423,29 @@ def _launch_gemm(mode, x, w, y, counts, rows, N, K, *, w_strides, v=None, v_stri
             expert_starts if rows is None else rows, expert_starts)  # fmt: skip
     out_split = 2 if mode == "gate_up" else 1
     tuner = _tuning.tuner("grouped_matmul")
+    key = plan.key if grouped_mm is None else (*plan.key, "grouped_mm")
 
     def launch(config, grid=None, kwargs=None):
+        if isinstance(config, _impl.Torch):
+            grouped_mm()
+            return
         if grid is None:
             grid, kwargs = plan.launch_arguments(config, P, out_split)
         _grouped_matmul_kernel[grid](*args, offsets(counts, config.kwargs["BLOCK_M"]),
                                      *plan.strides, *plan.scalars, **kwargs)  # fmt: skip
 
+    def candidates():
+        torch_ops = [moe_torch.GROUPED_MM] if grouped_mm and _impl.tunes_torch() else []
+        return _gemm_candidates(mode, plan.per_expert, N) + torch_ops
+
     settled = plan.settled
     with device_guard(x):
-        if settled is not None and tuner.settled(plan.key) is settled[0]:
+        if settled is not None and tuner.settled(key) is settled[0]:
             launch(*settled)  # the pick made: launch with its kept grid and keywords
             return
-        config = tuner.run(plan.key, lambda: _gemm_candidates(mode, plan.per_expert, N), launch,
-                           device=x.device)  # fmt: skip
-    plan.settled = (config, *plan.launch_arguments(config, P, out_split))
+        config = tuner.run(key, candidates, launch, device=x.device)
+    if not isinstance(config, _impl.Torch):
+        plan.settled = (config, *plan.launch_arguments(config, P, out_split))
 
 
 def grouped_matmul(x, w, counts, rows=None, *, bias=None, out_dtype=None, transpose_w=False):
@@ -446,7 +456,9 @@ def grouped_matmul(x, w, counts, rows=None, *, bias=None, out_dtype=None, transp
     x's dtype or None, added in fp32 before the result is rounded; counts (E,) int64,
     summing to at most P; rows (P,) int32/64 or None (x is already in expert order, P = R).
     Returns y (P, N) in `out_dtype` (x's by default), rows in expert order; rows past
-    ``counts.sum()`` are left unwritten.
+    ``counts.sum()`` are left unwritten by the kernel (where the tuner picked
+    ``torch._grouped_mm``, a candidate on CUDA under ``FUSEDPAR_IMPL=auto``, they hold
+    what that op leaves there).
     """
     if w.dim() != 3:
         raise ValueError(f"grouped_matmul: w must be (E, N, K), got {tuple(w.shape)}")
@@ -460,8 +472,11 @@ def grouped_matmul(x, w, counts, rows=None, *, bias=None, out_dtype=None, transp
     if _impl.runs_torch(x):
         moe_torch.grouped_matmul(x, w, counts, rows, y, transpose_w, bias)
         return y
+    run = None
+    if x.device.type == "cuda":  # torch's grouped GEMM, where its rules hold
+        run = moe_torch.grouped_mm_run(x, w, counts, rows, bias, y, transpose_w)
     _launch_gemm("plain", x, w, y, counts, rows, N, K, w_strides=_weight_strides(w, transpose_w),
-                 bias=() if bias is None else (bias,))  # fmt: skip
+                 bias=() if bias is None else (bias,), grouped_mm=run)  # fmt: skip
     return y
 
 

@@ -50,6 +50,32 @@ def grouped_matmul(x, w, counts, rows, y, transpose_w, bias=None) -> None:
         y[s] = prod
 
 
+GROUPED_MM = _impl.Torch("grouped_mm")  # a tuner candidate of the grouped GEMM
+
+
+def grouped_mm_run(x, w, counts, rows, bias, y, transpose_w):
+    """``run()`` writing `fusedpar.kernels.moe.grouped_matmul`'s y through
+    ``torch._grouped_mm`` where that op's rules hold (its meta registration in torch):
+    bf16 x, w and y; x in expert order (no rows) and row-major, w read as (E, K, N)
+    column-major, every stride and both bases multiples of 16 bytes; no bias (it takes
+    none). None elsewhere. The same sums as the kernel's (fp32, rounded once); rows past
+    ``counts.sum()`` get what the op leaves there. The offsets are made on the device:
+    no host sync."""
+    b = w if transpose_w else w.transpose(1, 2)  # (E, K, N)
+    if rows is not None or bias is not None or {x.dtype, w.dtype, y.dtype} != {torch.bfloat16}:
+        return None
+    if x.stride(-1) != 1 or b.stride(1) != 1 or (x.data_ptr() | b.data_ptr()) % 16:
+        return None
+    if any(stride % 8 for stride in (x.stride(0), b.stride(0), b.stride(2))):  # 16 bytes
+        return None
+
+    def run():
+        ends = torch.cumsum(counts, 0, dtype=torch.int32)
+        y.copy_(torch._grouped_mm(x, b, offs=ends))
+
+    return run
+
+
 def _swiglu(g, u, activation, alpha, limit):
     """The kernels' `_swiglu` in fp32: silu(g) * u, or gpt-oss's clamped SwiGLU."""
     if activation == "silu":

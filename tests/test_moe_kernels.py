@@ -40,6 +40,7 @@ from fusedpar.kernels.moe_weight_grad import (
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+import fusedpar as fp
 from fusedpar.ops.moe import expert_swiglu
 from fusedpar.testing import assert_close
 from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
@@ -536,3 +537,44 @@ def test_nan_logits_route_within_range(each_implementation):
 @pytest.mark.gpu
 def test_nan_logits_route_within_range_gpu(each_implementation):
     check_nan_logits_stay_in_range(torch.device("cuda"))
+
+
+# --- torch._grouped_mm as a candidate of the grouped GEMM ------------------------------
+
+
+def _down_projection(P, counts, dtype=torch.bfloat16, device="cpu"):
+    x = randn((P, 64), dtype, 0).to(device)  # (P, K), in expert order
+    w = randn((len(counts), 40, 64), dtype, 1).to(device)  # (E, N, K)
+    return x, w, torch.tensor(counts, device=device), torch.empty((P, 40), dtype=dtype,
+                                                                  device=device)  # fmt: skip
+
+
+def test_grouped_mm_computes_the_plain_grouped_gemm():
+    """Where its rules hold, torch._grouped_mm's run writes what the kernel would (against
+    float64; an expert with no rows among them); elsewhere there is none to time."""
+    from fusedpar.kernels import moe_torch
+
+    x, w, counts, y = _down_projection(29, [7, 0, 13, 9])
+    moe_torch.grouped_mm_run(x, w, counts, None, None, y, False)()
+    ref = grouped_matmul_reference(x.double(), w.double(), counts)
+    assert_close(y, ref, grouped_matmul_reference(x, w, counts), name="grouped_mm")
+    wt = w.transpose(1, 2).contiguous()  # w given as (E, K, N): read in place, transposed
+    assert moe_torch.grouped_mm_run(x, wt, counts, None, None, y, True) is None  # row-major
+    rows, bias = torch.arange(29), torch.zeros(4, 40, dtype=torch.bfloat16)
+    half = [t.half() for t in (x, w, y)]
+    for refused in ((x, w, counts, rows, None, y, False), (x, w, counts, None, bias, y, False),
+                    (half[0], half[1], counts, None, None, half[2], False),
+                    (x[:, 1:], w[..., 1:], counts, None, None, y, False)):  # fmt: skip
+        assert moe_torch.grouped_mm_run(*refused) is None
+
+
+@pytest.mark.gpu
+def test_grouped_mm_candidate_gpu():
+    """Forced as the grouped GEMM's pick, through grouped_matmul, against float64."""
+    from fusedpar.kernels import moe_torch
+
+    x, w, counts, _ = _down_projection(3000, [700, 0, 1300, 900, 100], device="cuda")
+    with fp.implementation("auto"), _tuning.forced("grouped_matmul", moe_torch.GROUPED_MM):
+        y = moe_kernels.grouped_matmul(x, w, counts)
+    ref = grouped_matmul_reference(x.double(), w.double(), counts)
+    assert_close(y, ref, grouped_matmul_reference(x, w, counts), name="grouped_mm")
