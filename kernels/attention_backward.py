@@ -19,7 +19,6 @@ FlashAttention's ``mha_bwd``, which sums per-query-head dK/dV over the group lik
 """
 
 import functools
-import re
 
 import torch
 import triton
@@ -27,20 +26,13 @@ import triton.language as tl
 from fusedpar.kernels import _impl, attention_torch
 from fusedpar.kernels._common import (
     cdiv,
-    check_launchable,
-    device_guard,
-    is_interpreted,
-    next_power_of_2,
     sm_count,
 )
 from fusedpar.kernels._tuning import Agreement
 from fusedpar.kernels.attention import (
-    interpreter_blocks,
-    launch,
     load_rows,
     scores,
     store_tile,
-    strides,
     tile_configs,
     tile_source,
 )
@@ -50,6 +42,7 @@ from fusedpar.kernels.attention_backward_plan import (
     torch_backward,
     write_delta,
 )
+from fusedpar.kernels.attention_launch import launch
 from fusedpar.kernels.attention_mask import (
     Intervals,
     block_ranges,
@@ -78,7 +71,7 @@ SPLIT_BELOW_PROGRAMS: int | None = None
 # the instructions per key-query pair. At D=256 no wgmma tile fits the registers (32x64
 # with 8 warps spills 336 B, with 4 warps 1.1 KB and serializes): 16x32 and 32x32 with 8
 # warps run on mma.sync without spills.
-_DKDV_TILES = {
+DKDV_TILES = {
     (64, "16-bit"): [(64, 128, 3, 8), (32, 128, 3, 8), (64, 64, 3, 4), (32, 64, 3, 4),
                      (32, 32, 2, 4, {"softcap"})],
     (128, "16-bit"): [(32, 128, 2, 8), (32, 128, 3, 8, {"pointer"}), (32, 64, 2, 4, {"pointer"}),
@@ -89,20 +82,6 @@ _DKDV_TILES = {
     (64, "fp32"): [(32, 32, 2, 8)],
     (128, "fp32"): [(16, 32, 2, 8)],
     (256, "fp32"): [(16, 32, 2, 8)],
-}  # fmt: skip
-# The fused backward (dK/dV adding dQ): dQ's GEMM runs on wgmma only where BLOCK_M is
-# 64 per warpgroup (32 queries run it as 16x8 mma.sync), so its tiles are the dK/dV
-# kernel's with 64 queries. Per 128 queries and 128 keys at D=128 (causal GQA, TMA):
-# 64x128 runs 1116 instructions, all five GEMMs on wgmma, against 1610 for the split
-# kernels' best pair (dK/dV 32x128: 1156, dQ 128x128: 454); 32x128 1628. At D=64,
-# 930 against 1186. 64x128 at D=128 keeps 255 registers: it spills 136 B outside the
-# loop under GQA (none with one head per group), 264 B into the loop with soft-capping
-# and 480 B on the pointer path, which take 32x128 instead.
-_FUSED_TILES = {
-    (64, "16-bit"): [(64, 128, 2, 8), (64, 64, 3, 4, {"pointer"}), (32, 128, 3, 8),
-                     (32, 32, 2, 4)],
-    (128, "16-bit"): [(64, 128, 2, 8, {"softcap", "pointer"}), (32, 128, 2, 8), (16, 32, 2, 8)],
-    **{key: tiles for key, tiles in _DKDV_TILES.items() if key[0] == 256 or key[1] == "fp32"},
 }  # fmt: skip
 # dQ: a program holds Q, dO and dQ of BLOCK_M queries: the forward's sizes fit, with 128
 # rows for 8 warps (a 64-row tile over 8 warps splits each wgmma's N over the two
@@ -115,34 +94,15 @@ _DQ_TILES = {
     (128, "16-bit"): [(128, 128, 2, 8, {"softcap", "pointer"}), (128, 64, 3, 8), (128, 32, 3, 8),
                       (64, 64, 3, 4), (64, 32, 3, 4), (32, 32, 2, 4)],
     (256, "16-bit"): [(128, 32, 2, 8), (32, 64, 2, 8), (32, 32, 2, 8)],
-    **{key: tiles for key, tiles in _DKDV_TILES.items() if key[1] == "fp32"},
+    **{key: tiles for key, tiles in DKDV_TILES.items() if key[1] == "fp32"},
 }  # fmt: skip
-
-
-def transposed_dot_miscompiles(version: str = triton.__version__) -> bool:
-    """Whether this Triton is one that miscompiles ``tl.dot(tl.trans(ds), x)`` on Hopper
-    when ``ds`` comes from a wgmma accumulator and the tile is 64 wide (wrong results,
-    no error: fla-org/flash-linear-attention #640, #826, #983; 3.4 to 3.7.0, fixed in
-    3.7.1). The fused backward's dQ is that dot; under these versions its tiles with a
-    64-wide block are left out (`fused_configs`)."""
-    return (3, 4) <= tuple(int(p) for p in re.findall(r"\d+", version)[:3]) < (3, 7, 1)
 
 
 def backward_configs(head_dim: int, dtype: torch.dtype,
                      modes: frozenset = frozenset()) -> list[triton.Config]:  # fmt: skip
     """dK/dV tiles at this head dim and dtype: few keys per program, as each holds four
     (BLOCK_N, D) tiles."""
-    return tile_configs(_DKDV_TILES, head_dim, dtype, modes)
-
-
-def fused_configs(head_dim: int, dtype: torch.dtype, modes: frozenset = frozenset(),
-                  version: str = triton.__version__) -> list[triton.Config]:  # fmt: skip
-    """The fused backward's tiles, less the 64-wide ones under a Triton that
-    miscompiles its dQ dot (`transposed_dot_miscompiles`; `version`: Triton's)."""
-    configs = tile_configs(_FUSED_TILES, head_dim, dtype, modes)
-    if transposed_dot_miscompiles(version):
-        configs = [c for c in configs if 64 not in (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"])]
-    return configs
+    return tile_configs(DKDV_TILES, head_dim, dtype, modes)
 
 
 def dq_configs(head_dim: int, dtype: torch.dtype,
@@ -152,34 +112,6 @@ def dq_configs(head_dim: int, dtype: torch.dtype,
 
 
 # --- kernels --------------------------------------------------------------------------
-
-
-@triton.jit
-def _bwd_delta_kernel(
-    o_ptr, do_ptr, dlse_ptr, delta_ptr,
-    stride_ob, stride_os, stride_oh, stride_od,
-    stride_db, stride_ds, stride_dh, stride_dd,
-    stride_dlb, stride_dlh, stride_dls,
-    Sq, Hq,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DLSE: tl.constexpr, BLOCK_M: tl.constexpr,
-):  # fmt: skip
-    """delta[b, h, i] = sum_d dO * O (minus dLSE with DLSE), in fp32; written contiguous
-    (B, Hq, Sq)."""
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
-    mask = (offs_m[:, None] < Sq) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os
-                + offs_d[None, :] * stride_od, mask=mask, other=0.0)  # fmt: skip
-    do = tl.load(do_ptr + b * stride_db + h * stride_dh + offs_m[:, None] * stride_ds
-                 + offs_d[None, :] * stride_dd, mask=mask, other=0.0)  # fmt: skip
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    if DLSE:
-        delta -= tl.load(dlse_ptr + b * stride_dlb + h * stride_dlh + offs_m * stride_dls,
-                         mask=offs_m < Sq, other=0.0)  # fmt: skip
-    tl.store(delta_ptr + (b * Hq + h) * Sq + offs_m, delta, mask=offs_m < Sq)
 
 
 @triton.jit
@@ -447,36 +379,6 @@ def _attn_bwd_dq_kernel(
 
 
 # --- launchers ---
-
-
-def attention_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None = None,
-                    delta: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """``delta = rowsum(dO * O) - dLSE`` (`dlse` None: 0): (B, Hq, Sq) fp32 (float64 for
-    float64 dO), contiguous; into `delta` when given (a contiguous buffer of that shape)."""
-    if out.shape != dout.shape or out.dim() != 4:
-        raise ValueError(f"out and dout must be one (B, S, H, D) shape, got "
-                         f"{tuple(out.shape)} and {tuple(dout.shape)}")  # fmt: skip
-    B, Sq, Hq, D = out.shape
-    if dlse is not None and tuple(dlse.shape) != (B, Hq, Sq):
-        raise ValueError(f"dlse must be (B, Hq, Sq) = {(B, Hq, Sq)}, got {tuple(dlse.shape)}")
-    if _impl.runs_torch(out):
-        made = attention_torch.delta(out, dout)
-        made = made if dlse is None else made - dlse
-        return made if delta is None else delta.copy_(made)
-    if delta is None:
-        delta = torch.empty((B, Hq, Sq), dtype=torch.float32, device=out.device)
-    check_launchable(_bwd_delta_kernel, out, dout, delta)
-    if delta.numel() == 0:
-        return delta
-    block_m = 64 if not is_interpreted(_bwd_delta_kernel) else interpreter_blocks(Sq, 1)["BLOCK_M"]
-    with device_guard(out):
-        _bwd_delta_kernel[(cdiv(Sq, block_m), B, Hq)](
-            out, dout, out if dlse is None else dlse, delta, *strides(out), *strides(dout),
-            *(strides(dlse) if dlse is not None else (0, 0, 0)), Sq, Hq,
-            HEAD_DIM=D, BLOCK_D=max(16, next_power_of_2(D)), DLSE=dlse is not None,
-            BLOCK_M=block_m,
-        )  # fmt: skip
-    return delta
 
 
 @functools.cache

@@ -17,26 +17,62 @@ are summed in a fixed order as before. The split backward is the deterministic p
 the fused one runs untimed).
 """
 
+import re
+
 import torch
 import triton
 from fusedpar.kernels import _common, _impl, _tuning, attention_platform
 from fusedpar.kernels import attention_backward as split_backward
 from fusedpar.kernels._common import cdiv, ensure_tma_allocator
 from fusedpar.kernels._tuning import Agreement, bucket
-from fusedpar.kernels.attention import launch
+from fusedpar.kernels.attention import tile_configs
 from fusedpar.kernels.attention_backward import (
+    DKDV_TILES,
     _attn_bwd_dkdv_kernel,
     attention_backward_dkdv,
     attention_backward_dq,
-    attention_delta,
-    fused_configs,
     gqa_split,
     sum_slices,
 )
 from fusedpar.kernels.attention_backward_plan import gradient_buffer, plan_backward
+from fusedpar.kernels.attention_delta import attention_delta
+from fusedpar.kernels.attention_launch import launch
 from fusedpar.kernels.attention_mask import Intervals, is_masked, scalar_bounds
 from fusedpar.kernels.attention_reference import resolve_scale
 from fusedpar.kernels.attention_torch import Scores
+
+# The fused backward (dK/dV adding dQ): dQ's GEMM runs on wgmma only where BLOCK_M is
+# 64 per warpgroup (32 queries run it as 16x8 mma.sync), so its tiles are the dK/dV
+# kernel's with 64 queries. Per 128 queries and 128 keys at D=128 (causal GQA, TMA):
+# 64x128 runs 1116 instructions, all five GEMMs on wgmma, against 1610 for the split
+# kernels' best pair (dK/dV 32x128: 1156, dQ 128x128: 454); 32x128 1628. At D=64,
+# 930 against 1186. 64x128 at D=128 keeps 255 registers: it spills 136 B outside the
+# loop under GQA (none with one head per group), 264 B into the loop with soft-capping
+# and 480 B on the pointer path, which take 32x128 instead.
+_FUSED_TILES = {
+    (64, "16-bit"): [(64, 128, 2, 8), (64, 64, 3, 4, {"pointer"}), (32, 128, 3, 8),
+                     (32, 32, 2, 4)],
+    (128, "16-bit"): [(64, 128, 2, 8, {"softcap", "pointer"}), (32, 128, 2, 8), (16, 32, 2, 8)],
+    **{key: tiles for key, tiles in DKDV_TILES.items() if key[0] == 256 or key[1] == "fp32"},
+}  # fmt: skip
+def transposed_dot_miscompiles(version: str = triton.__version__) -> bool:
+    """Whether this Triton is one that miscompiles ``tl.dot(tl.trans(ds), x)`` on Hopper
+    when ``ds`` comes from a wgmma accumulator and the tile is 64 wide (wrong results,
+    no error: fla-org/flash-linear-attention #640, #826, #983; 3.4 to 3.7.0, fixed in
+    3.7.1). The fused backward's dQ is that dot; under these versions its tiles with a
+    64-wide block are left out (`fused_configs`)."""
+    return (3, 4) <= tuple(int(p) for p in re.findall(r"\d+", version)[:3]) < (3, 7, 1)
+
+
+def fused_configs(head_dim: int, dtype: torch.dtype, modes: frozenset = frozenset(),
+                  version: str = triton.__version__) -> list[triton.Config]:  # fmt: skip
+    """The fused backward's tiles, less the 64-wide ones under a Triton that
+    miscompiles its dQ dot (`transposed_dot_miscompiles`; `version`: Triton's)."""
+    configs = tile_configs(_FUSED_TILES, head_dim, dtype, modes)
+    if transposed_dot_miscompiles(version):
+        configs = [c for c in configs if 64 not in (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"])]
+    return configs
+
 
 # The two candidates of tuner "attention_backward" (their kwargs name them in its file).
 FUSED = triton.Config({"backward": "fused"})
@@ -170,7 +206,7 @@ def attention_backward(
     agreement: Agreement | None = None,
     tune_only: bool = False,
     deterministic: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | triton.Config | _impl.Torch:
     """Returns ``(dq, dk, dv)`` from dO, the inputs and the forward's LSE.
 
     `delta` (B, Hq, Sq) fp32 is ``rowsum(dO * O)`` (minus dLSE when the LSE has a
@@ -178,14 +214,15 @@ def attention_backward(
     backward's dQ kernel as it starts, or by the delta kernel before the fused one.
     ``accumulate=True`` adds into the given `dq`, `dk`, `dv` (any strides) instead of
     overwriting them. New gradients are in `grad_dtype` (q's unless given: q's or
-    fp32). `agreement` and ``tune_only`` as in `attention_forward` (scratch gradients);
-    the mask and `softcap` as there. ``deterministic`` (or PyTorch's
-    `torch.use_deterministic_algorithms`) runs the split backward, whose every sum has a
-    fixed order; otherwise the fastest of it, the fused one and, on CUDA under
-    ``FUSEDPAR_IMPL=auto``, PyTorch's own backwards where they compute the call
-    (`attention_platform`; no `dlse` among them) for these sizes (module docstring). The
-    ring calls the split halves, `attention_backward_dq` and `attention_backward_dkdv`,
-    itself: it adds into dQ at every step but writes a block's dK/dV fresh at its first.
+    fp32). `agreement` as in `attention_forward`; ``tune_only`` makes the pick on scratch
+    gradients and returns it (`FUSED`, `SPLIT` or one of `attention_platform`'s), as the
+    ring does before its loop. The mask and `softcap` as in `attention_forward`.
+    ``deterministic`` (or PyTorch's `torch.use_deterministic_algorithms`) runs the split
+    backward, whose every sum has a fixed order; otherwise the fastest of it, the fused
+    one and, on CUDA under ``FUSEDPAR_IMPL=auto``, PyTorch's own backwards where they
+    compute the call (`attention_platform`; no `dlse` among them) for these sizes (module
+    docstring). The ring launches the fused kernel or the split halves itself, by this
+    pick for its own block.
     """
     if delta is not None and dlse is not None:
         raise ValueError("attention_backward: dlse folds into delta: give it with `out`, or "
@@ -209,7 +246,8 @@ def attention_backward(
         return None if tune_only else (grad_q, *grads_kv)
 
     if deterministic or torch.are_deterministic_algorithms_enabled() or _impl.runs_torch(q):
-        return split((dq, dk, dv), tune_only)
+        ran = split((dq, dk, dv), tune_only)
+        return SPLIT if tune_only else ran
 
     def fused(grads, tune_only):
         given, sources = delta, {}
@@ -249,7 +287,7 @@ def attention_backward(
     key = (*_backward_key(q, k, causal, window, softcap, intervals, accumulate, grads),
            ("platform", tuple(c.name for c in platform)))  # fmt: skip
     restore = grads if accumulate and not tune_only else []
-    _tuning.tuner("attention_backward").run(key, candidates, run, device=q.device,
-                                            restore=restore, agreement=agreement,
-                                            tune_only=tune_only)  # fmt: skip
-    return None if tune_only else ran[-1]
+    pick = _tuning.tuner("attention_backward").run(key, candidates, run, device=q.device,
+                                                   restore=restore, agreement=agreement,
+                                                   tune_only=tune_only)  # fmt: skip
+    return pick if tune_only else ran[-1]

@@ -16,10 +16,10 @@ from fusedpar.kernels.attention_backward import (
     attention_backward_dkdv,
     attention_backward_dq,
     attention_backward_reference,
-    attention_delta,
     gqa_split,
 )
 from fusedpar.kernels.attention_backward_fused import attention_backward
+from fusedpar.kernels.attention_delta import attention_delta
 from hypothesis import example, given
 from hypothesis import strategies as st
 

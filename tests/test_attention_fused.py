@@ -10,7 +10,8 @@ from fusedpar.kernels import _tuning
 from fusedpar.kernels import attention_backward as split_kernels
 from fusedpar.kernels import attention_backward_fused as backwards
 from fusedpar.kernels.attention import attention_forward, attention_reference
-from fusedpar.kernels.attention_backward import fused_configs, transposed_dot_miscompiles
+from fusedpar.kernels.attention_backward_fused import fused_configs, transposed_dot_miscompiles
+from fusedpar.kernels.attention_delta import attention_delta
 from fusedpar.kernels.attention_mask import packed_intervals, visible_reference
 from hypothesis import given
 from hypothesis import strategies as st
@@ -62,7 +63,7 @@ def check_fused(B, S, Hkv, group, D, kind, dtype, seed, split_below, device="cpu
         start = [randn(t.shape, torch.float32, seed + 5 + i).to(device)
                  for i, t in enumerate((q, k, v))]  # fmt: skip
         added = [t.clone() for t in start]
-        delta = split_kernels.attention_delta(out, dout, dlse)
+        delta = attention_delta(out, dout, dlse)
         backwards.attention_backward_fused(dout, q, k, v, lse, delta, **mask, dq=added[0],
                                            dk=added[1], dv=added[2], accumulate=True)  # fmt: skip
     for name, m, a, s0, r, t in zip(("dq", "dk", "dv"), made, added, start, ref[2:], same[2:],

@@ -52,7 +52,7 @@ def _opcheck_cases(group: str):
     cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
     opts = (True, None, -1, -1, 0.0)
     out, lse = ops.flash_attn(q, k, v, None, None, *opts)
-    ring_opts = (group, True, None, "zigzag", -1, -1, 0.0)
+    ring_opts = (group, True, None, "zigzag", -1, -1, 0.0, False)
     ring_out, ring_lse = ops.ring_attn(q, k, v, *ring_opts, None)
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     # the layer's layout: (S, B, H, D) projections viewed as (B, S, H, D), not contiguous

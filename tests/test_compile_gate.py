@@ -45,6 +45,8 @@ import pytest
 import torch
 from fusedpar.kernels import (
     _common,
+    attention_delta,
+    attention_launch,
     attention_merge,
     gated,
     matmul,
@@ -142,7 +144,7 @@ def attention_backward(dtype, head_dim, causal=True, group=2, accumulate=False, 
     try:
         with _fp32_precision(precision), _tma(tma):
             mask = _mask(causal, window, softcap, intervals)
-            delta = {"delta": attn_bwd.attention_delta(out, dout)} if accumulate else {}
+            delta = {"delta": attention_delta.attention_delta(out, dout)} if accumulate else {}
             attn_bwd_fused.attention_backward(dout, q, k, v, lse, out=out, accumulate=accumulate,
                                               deterministic=not fused, **mask, **grads,
                                               **delta)  # fmt: skip
@@ -300,7 +302,7 @@ ATTENTION = {  # kernel label: (kernel name, scenario, config function, the loop
     "fwd": ("_attn_fwd_kernel", attention_forward, attn.forward_configs, "BLOCK_N"),
     "dkdv": ("_attn_bwd_dkdv_kernel", attention_backward, attn_bwd.backward_configs, "BLOCK_M"),
     "dq": ("_attn_bwd_dq_kernel", attention_backward, attn_bwd.dq_configs, "BLOCK_N"),
-    "fused": ("_attn_bwd_dkdv_kernel", attention_backward_fused, attn_bwd.fused_configs,
+    "fused": ("_attn_bwd_dkdv_kernel", attention_backward_fused, attn_bwd_fused.fused_configs,
               "BLOCK_M"),
 }
 MOE_PLAIN = {"HAS_ROWS": False, "GATE_UP": False, "SWIGLU_GRAD": False, "SECOND_K": False}
@@ -435,7 +437,7 @@ for label, (kernel, scenario, configs_of, axis) in ATTENTION.items():
     # The ring's modes, every 16-bit tile: a forward step merging into fp32 `out` and `lse`
     # (MHA, the mask as intervals), gradients added into fp32 buffers; the GQA split of
     # dK/dV; and the heaviest mask: causal GQA with a window and soft-capping.
-    # Each with the tile modes its launches have (`attention.kernel_modes`).
+    # Each with the tile modes its launches have (`attention_launch.kernel_modes`).
     ring = {"group": 1, "intervals": True}
     if label == "fwd":
         modes = {"ring-merge": ({**ring, "merge": True}, {"accumulate"})}
@@ -697,7 +699,7 @@ def test_pruning_keeps_the_smallest_attention_tile(label, dtype):
     for D in HEAD_DIMS:
         configs = ATTENTION[label][2](D, dtype, frozenset({"pointer"}))
         for n in (1, 16, 32, 64, 128, 1024):
-            assert _smallest(configs) in attn._prune_configs(configs, n, n)
+            assert _smallest(configs) in attention_launch._prune_configs(configs, n, n)
 
 
 def test_pruning_keeps_the_smallest_matmul_tile():

@@ -13,12 +13,8 @@ import pytest
 import torch
 from fusedpar.kernels import _tuning
 from fusedpar.kernels.attention import attention_reference, forward_configs
-from fusedpar.kernels.attention_backward import (
-    backward_configs,
-    dq_configs,
-    fused_configs,
-    transposed_dot_miscompiles,
-)
+from fusedpar.kernels.attention_backward import backward_configs, dq_configs
+from fusedpar.kernels.attention_backward_fused import fused_configs, transposed_dot_miscompiles
 from fusedpar.kernels.matmul import matmul, matmul_configs
 from test_attention import attention_grads, torch_results  # noqa: I001 (a sibling test module)
 

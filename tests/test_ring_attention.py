@@ -57,7 +57,8 @@ def check_sharded_attention(p, ring_group, ulysses_group, layout):
     if ring > 1:  # the hybrid
 
         def attend(*t):  # noqa: E306
-            return fp.ring_attn(*t, ring_group, causal=causal, return_lse=True, **where)
+            return fp.ring_attn(*t, ring_group, causal=causal, return_lse=True, **where,
+                                deterministic=p.get("deterministic", False))  # fmt: skip
     else:
 
         def attend(*t):  # noqa: E306
@@ -109,11 +110,13 @@ def test_ring_attn_matches_full_attention(world, world_size, **p):
     assert all(world(world_size).run(_run_ring, p))
 
 
-def test_the_ring_on_triton_kernels(world, triton_kernels):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_ring_on_triton_kernels(world, triton_kernels, deterministic):
     """The first example with fusedpar's Triton kernels (the interpreter here) on every
-    rank: the ring's merge and accumulate modes of the kernels, inside the ring."""
+    rank: the ring's merge and accumulate modes of the kernels, inside the ring; its
+    backward fused (the interpreter's pick) or, deterministic, split."""
     p = dict(B=2, chunk=3, Hkv=1, group=2, D=16, causal=True, layout="zigzag",
-             dtype=torch.float32, seed=4)  # fmt: skip
+             dtype=torch.float32, seed=4, deterministic=deterministic)  # fmt: skip
     assert all(world(4).run(_run_ring, p))
 
 

@@ -57,9 +57,14 @@ from fusedpar.kernels.attention import attention_forward, check_attention_inputs
 from fusedpar.kernels.attention_backward import (
     attention_backward_dkdv,
     attention_backward_dq,
-    attention_delta,
     delta_buffer,
 )
+from fusedpar.kernels.attention_backward_fused import (
+    FUSED,
+    attention_backward,
+    attention_backward_fused,
+)
+from fusedpar.kernels.attention_delta import attention_delta
 from fusedpar.kernels.attention_mask import (
     Intervals,
     check_cu_seqlens,
@@ -241,12 +246,16 @@ def _forward(q, k, v, ring, masks, *, softmax_scale, softcap=0.0, agreement=None
 
 
 def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_scale,
-              softcap=0.0, agreement=None, sources=None):  # fmt: skip
+              softcap=0.0, agreement=None, sources=None, deterministic=False):  # fmt: skip
     """The backward schedule: lists (one per rank of the rings) of dQ and of the dK, dV
     of the rank's own KV (fp32), back home after W steps. `delta`: each rank's, or None
-    with `sources`, each rank's (out, dlse): the first dQ launch, on the rank's own
-    block, makes delta from them (as `attention_backward` does) for every launch after
-    it."""
+    with `sources`, each rank's (out, dlse): the first launch, on the rank's own block,
+    makes delta from them (as `attention_backward` does) for every launch after it.
+
+    Each step runs the fused backward (one kernel: dK, dV and dQ) or the split one (dQ,
+    launched before the gradients arrive, then dK/dV), as the tuner picks for the own
+    block (`attention_backward`'s pick, agreed over the group; the split one when
+    `deterministic`)."""
     size = kv_ring.size
     wide = accumulator(q[0].dtype)  # dQ, dK, dV sums and delta: fp32, float64 for float64
     f32 = dict(softmax_scale=softmax_scale, softcap=softcap, grad_dtype=wide,
@@ -257,13 +266,19 @@ def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_s
         for i, rank in enumerate(kv_ring.ranks):
             out, dlse = sources[i]
             if masks[i][rank] is None:  # no own block to start on (never at step 0 today)
-                delta[i].copy_(_delta(out, dout[i], dlse))
+                attention_delta(out, dout[i], dlse, delta[i])
             else:
                 made[i] = {"out": out, "dlse": dlse}
     own = (dout[0], q[0], k[0], v[0], lse[0], delta[0])
+    pick = attention_backward(*own[:5], delta=own[5], **f32, intervals=masks[0][kv_ring.ranks[0]],
+                              accumulate=True, tune_only=True, deterministic=deterministic)
+    fused = pick is FUSED  # (a ring step adds into fp32: no platform kernel is a candidate)
     for first in _tuned_launches(size):
         tuning = {**f32, "intervals": masks[0][kv_ring.ranks[0]], "accumulate": not first,
                   "tune_only": True}  # fmt: skip
+        if fused:
+            attention_backward_fused(*own, **tuning, **(made[0] if first else {}))
+            continue
         attention_backward_dq(*own, **tuning, **(made[0] if first else {}))
         attention_backward_dkdv(*own, **tuning)
     dq = [_fresh(t.shape, t.device, wide) for t in q]
@@ -279,23 +294,23 @@ def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_s
                     inputs = (dout[i], q[i], kv[i][0], kv[i][1], lse[i], delta[i])
                     work.append((i, {**f32, "intervals": mask, "accumulate": step > 0}, inputs))
             for i, kw, inputs in work:  # dQ needs no transfer: launched first
-                attention_backward_dq(*inputs, dq=dq[i], **kw, **(made[i] if step == 0 else {}))
+                if not fused:
+                    attention_backward_dq(*inputs, dq=dq[i], **kw, **(made[i] if step == 0 else {}))
             if step == 0:  # each owner starts its block's sums: written fresh, no zero fill
                 grads = [[_fresh(t.shape, t.device, wide) for t in pair] for pair in kv]
             else:  # the sums from the ranks the held blocks visited before, added to here
                 grads = grad_ring.wait()
             for i, kw, inputs in work:
-                attention_backward_dkdv(*inputs, dk=grads[i][0], dv=grads[i][1], **kw)
+                if fused:
+                    attention_backward_fused(*inputs, dq=dq[i], dk=grads[i][0], dv=grads[i][1],
+                                             **kw, **(made[i] if step == 0 else {}))  # fmt: skip
+                else:
+                    attention_backward_dkdv(*inputs, dk=grads[i][0], dv=grads[i][1], **kw)
             if step + 1 < size:
                 kv = kv_ring.wait()
             grad_ring.send_recv(grads)  # on to the blocks' next holders (last: the owners)
         home = grad_ring.wait()
     return dq, [g[0] for g in home], [g[1] for g in home]
-
-
-def _delta(out, dout, dlse):
-    delta = attention_delta(out, dout)
-    return delta if dlse is None else delta - dlse
 
 
 # --- over a process group ------------------------------------------------------------
@@ -326,7 +341,8 @@ def ring_attention_forward(q, k, v, pg, *, causal, softmax_scale, layout, window
 @torch.library.custom_op("fusedpar::ring_attn", mutates_args=())
 def _ring_attn_op(q: Tensor, k: Tensor, v: Tensor, group: str, causal: bool,
                   softmax_scale: float | None, layout: str, window_left: int,
-                  window_right: int, softcap: float, cu_seqlens: Tensor | None,
+                  window_right: int, softcap: float, deterministic: bool,
+                  cu_seqlens: Tensor | None,
                   masks: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     pg = group_by_name(group)
     check_same_across_ranks(pg, [*q.shape, *k.shape], "ring_attn: q/k shapes", q.device)
@@ -348,17 +364,17 @@ def _(q, k, v, *args):  # fresh, contiguous (the kernels' layout), any inputs
 def _ring_attn_backward_op(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: Tensor,
                            out: Tensor, lse: Tensor, group: str, causal: bool,
                            softmax_scale: float | None, layout: str, window_left: int,
-                           window_right: int, softcap: float, cu_seqlens: Tensor | None,
-                           masks: Tensor | None = None
+                           window_right: int, softcap: float, deterministic: bool,
+                           cu_seqlens: Tensor | None, masks: Tensor | None = None
                            ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     pg = group_by_name(group)
     masks = _masks(pg, q, causal, layout, (window_left, window_right), cu_seqlens, masks)
     rings = _GroupRing(pg), _GroupRing(pg, tag=1)
-    # delta = rowsum(dO * O) - dLSE: made by the first dQ launch (the own block's)
+    # delta = rowsum(dO * O) - dLSE: made by the first launch (the own block's)
     dq, dk, dv = _backward([q], [k], [v], [dout], [lse], None, *rings, [masks],
                            softmax_scale=softmax_scale, softcap=softcap,
                            agreement=tuning_agreement(pg, q.device),
-                           sources=[(out, dlse)])  # fmt: skip
+                           sources=[(out, dlse)], deterministic=deterministic)  # fmt: skip
     return dq[0].to(q.dtype), dk[0].to(k.dtype), dv[0].to(v.dtype)
 
 
@@ -392,7 +408,7 @@ def _backward_op(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens, masks = ctx.saved_tensors
     grads = _ring_attn_backward(dout, dlse, q, k, v, out, lse, *ctx.options, cu_seqlens,
                                 masks)  # fmt: skip
-    return *grads, *[None] * 9
+    return *grads, *[None] * (len(ctx.options) + 2)
 
 
 _ring_attn_backward = direct_op(_ring_attn_backward_op)
@@ -414,6 +430,7 @@ def ring_attn(
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
     ulysses_group: Group = None,
+    deterministic: bool = False,
 ):
     """Attention over a sequence sharded along dim 1 on `group` (context parallelism).
 
@@ -421,9 +438,9 @@ def ring_attn(
     ("zigzag" or "contiguous", see `fusedpar.ops.sequence`). The result is this rank's
     shard of ``flash_attn`` on the full sequence, (B, S_loc, Hq, D), and with
     ``return_lse`` its LSE (B, Hq, S_loc) float32 (float64 for float64 q: the ring's
-    partials, merge and gradients are then float64 throughout). `window`, `softcap` and
-    `sinks` as in `flash_attn`, in global positions (a sink enters each row once, after
-    the merge).
+    partials, merge and gradients are then float64 throughout). `window`, `softcap`,
+    `sinks` and `deterministic` as in `flash_attn`, in global positions (a sink enters
+    each row once, after the merge).
     ``cu_seqlens`` (int32, the same on every rank): the documents of a packed stream of
     length S_loc * W, as in `flash_attn_varlen`;
     q, k, v are then this rank's shard of it, (1, S_loc, H, D). Documents may span
@@ -442,7 +459,7 @@ def ring_attn(
         out, lse = ring_attn(q, k, v, group, causal=causal, softmax_scale=softmax_scale,
                              layout=layout, window=window, softcap=softcap,
                              cu_seqlens=cu_seqlens, return_lse=True,
-                             ulysses_group=ulysses_group)  # fmt: skip
+                             ulysses_group=ulysses_group, deterministic=deterministic)  # fmt: skip
         out, lse = apply_sinks(out, lse, sinks)
         return (out, lse) if return_lse else out
     window, softcap = check_shards(q, k, v, window, softcap, "ring_attn", softmax_scale)
@@ -460,11 +477,12 @@ def ring_attn(
             f"this rank holds {q.shape[1]} tokens (full length {q.shape[1] * size * ulysses})"
         )
     options = dict(causal=causal, softmax_scale=softmax_scale, layout=layout, window=window,
-                   softcap=softcap, cu_seqlens=cu_seqlens)  # fmt: skip
+                   softcap=softcap, cu_seqlens=cu_seqlens, deterministic=deterministic)  # fmt: skip
     if ulysses > 1:  # the ring (or, over one rank, flash_attn) on the exchanged heads
         attend = lambda *qkv: ring_attn(*qkv, pg, **options, return_lse=True)  # noqa: E731
         return head_parallel(q, k, v, ug, attend, return_lse=return_lse)
-    mask = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap)
+    mask = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                deterministic=deterministic)  # fmt: skip
     if size == 1:
         if cu_seqlens is None:
             return flash_attn(q, k, v, **mask, return_lse=return_lse)
@@ -472,7 +490,7 @@ def ring_attn(
         return (out[None], lse[None]) if return_lse else out[None]
     masks = _mask_row(pg, q, causal, layout, window, cu_seqlens)  # once, for both directions
     out, lse = _ring_attn(q, k, v, group_name(pg), causal, softmax_scale, layout, *window,
-                          softcap, cu_seqlens, masks)  # fmt: skip
+                          softcap, deterministic, cu_seqlens, masks)  # fmt: skip
     return (out, lse) if return_lse else out
 
 
