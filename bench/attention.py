@@ -11,10 +11,12 @@ forward (x0.5 causal), backward 2.5x forward. Targets (H100, D = 128, S >= 4k): 
 above the best peer everywhere (`vs_best_peer` >= 1), and the forward at >= 0.75 of the
 measured bf16 matmul ceiling (`vs_matmul`). A pass a peer cannot run is null in the JSON
 and listed under `missing`. The tiles the tuner picked are in the results' meta
-(`bench.common.write_results` adds them). ``fusedpar`` is what a user gets: its backward
-the tuner's pick of the fused and the split one (`fusedpar.kernels.attention_backward_fused`),
-whose times per key are in the meta (``backward_fused_split_ms``); ``fusedpar-split`` is the
-deterministic (split) backward alone, not a peer.
+(`bench.common.write_results` adds them). ``fusedpar`` is what a user gets: per key the
+tuner's pick of our tiles and, under ``FUSEDPAR_IMPL=auto``, SDPA's own kernels where they
+compute the call (the picks say which ran); its backward the pick of the fused, the split
+and those (`fusedpar.kernels.attention_backward_fused`), whose times per key are in the
+meta (``backward_fused_split_ms``); ``fusedpar-split`` is the deterministic (split)
+backward alone, not a peer.
 
 Masked points (`masked_points`, causal, one packed stream, B = 1, D = 128, 16 heads and
 GQA 32 over 8): documents of `DOC_LENGTHS` (16k tokens) and a sliding window of `WINDOW`
@@ -84,8 +86,8 @@ def _fusedpar(causal, gqa, deterministic=False):
 
 
 def backward_times() -> dict:
-    """Per key the tuner timed, the fused and the split backward's times (ms, in that
-    order): what ``fusedpar`` chose between (``fusedpar-split`` is the split alone)."""
+    """Per key the tuner timed, the backwards' times (ms: fused, split, then SDPA's where
+    they apply): what ``fusedpar`` chose between (``fusedpar-split`` is the split alone)."""
     from fusedpar.kernels import _tuning
 
     timed = _tuning.tuner("attention_backward").timings

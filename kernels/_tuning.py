@@ -129,11 +129,17 @@ def forced(name: str, config: triton.Config):
         _FORCED.reset(token)
 
 
+class NoConfigCompiles(RuntimeError):
+    """No candidate of a key compiled. A candidate that is itself a tuned launch (the
+    fused attention backward, one candidate of tuner ``attention_backward``) that raises
+    it is skipped as one that does not compile."""
+
+
 def _compile_errors() -> tuple[type[BaseException], ...]:
     from triton.compiler.errors import CompileTimeAssertionFailure
     from triton.runtime import errors
 
-    found = [CompileTimeAssertionFailure, errors.OutOfResources]
+    found = [CompileTimeAssertionFailure, errors.OutOfResources, NoConfigCompiles]
     if hasattr(errors, "PTXASError"):
         found.append(errors.PTXASError)
     return tuple(found)
@@ -266,7 +272,7 @@ class Tuner:
                 times = agreement.sum_times(times)
         best = min(range(len(candidates)), key=lambda i: times[i])
         if times[best] == float("inf"):
-            raise RuntimeError(f"{self.name}: no candidate config compiles for key {scope[1]}")
+            raise NoConfigCompiles(f"{self.name}: no candidate config compiles for key {scope[1]}")
         config = candidates[best]
         self.picks[scope] = config
         self.timings[scope] = times

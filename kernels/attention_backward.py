@@ -235,6 +235,12 @@ def _attn_bwd_dkdv_kernel(
     else:
         q_lo, q_hi = scalar_intervals(keys, -shift, right, left, Sq)
     start, mid_lo, mid_hi, end = block_ranges(q_lo, q_hi, keys < Skv, BLOCK_M)
+    if DQ:  # keys past Skv (zeros) still score, exp(-LSE): where that overflows, its dS
+        # times their zero K rows would put NaN in dQ. They get no query, and a partial
+        # last block runs masked throughout (its stored dK/dV rows never held them).
+        q_hi = tl.where(keys < Skv, q_hi, q_lo)
+        if (pid_n + 1) * BLOCK_N > Skv:
+            mid_hi = mid_lo
 
     k = tl.load(k_ptr + b * stride_kb + h_kv * stride_kh + offs_n[:, None] * stride_ks
                 + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # fmt: skip

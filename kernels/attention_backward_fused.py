@@ -44,9 +44,9 @@ from fusedpar.kernels.attention_torch import Scores
 # The fused backward (dK/dV adding dQ): dQ's GEMM runs on wgmma only where BLOCK_M is
 # 64 per warpgroup (32 queries run it as 16x8 mma.sync), so its tiles are the dK/dV
 # kernel's with 64 queries. Per 128 queries and 128 keys at D=128 (causal GQA, TMA):
-# 64x128 runs 1116 instructions, all five GEMMs on wgmma, against 1610 for the split
+# 64x128 runs 1118 instructions, all five GEMMs on wgmma, against 1610 for the split
 # kernels' best pair (dK/dV 32x128: 1156, dQ 128x128: 454); 32x128 1628. At D=64,
-# 930 against 1186. 64x128 at D=128 keeps 255 registers: it spills 136 B outside the
+# 962 against 1186. 64x128 at D=128 keeps 255 registers: it spills 128 B outside the
 # loop under GQA (none with one head per group), 264 B into the loop with soft-capping
 # and 480 B on the pointer path, which take 32x128 instead.
 _FUSED_TILES = {

@@ -294,7 +294,7 @@ def force_split(mp, split_below):
 
 
 def check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, device="cpu", split_below=None,
-                     first_keys=None):  # fmt: skip
+                     first_keys=None, deterministic=False):  # fmt: skip
     """The kernels as the ring drives them, against float64 full attention:
 
     - forward: keys [0, s1) written as an fp32 partial into NaN-poisoned strided buffers,
@@ -303,8 +303,8 @@ def check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, device="cpu", 
       s1 = 0 merges into an empty partial (LSE -inf); Sq > Skv leaves rows with no key;
     - backward: dQ and dK/dV halves written fresh into NaN-poisoned fp32 buffers,
       `attention_backward` adding into random fp32 buffers (``accumulate``), and
-      `attention_backward` from `out` and dLSE (dQ's kernel makes delta) into poisoned
-      buffers;
+      `attention_backward` from `out` and dLSE (delta made first) into poisoned
+      buffers, fused or, with ``deterministic``, split (dQ's kernel makes delta);
     - both with the GQA split forced (``split_below``) or not.
     """
 
@@ -341,9 +341,11 @@ def check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, device="cpu", 
                  for i, t in enumerate((q, k, v))]  # fmt: skip
         added = [t.clone() for t in start]
         attention_backward(dout, q, k, v, saved_lse, causal=causal, delta=delta, dq=added[0],
-                           dk=added[1], dv=added[2], accumulate=True)  # fmt: skip
+                           dk=added[1], dv=added[2], accumulate=True,
+                           deterministic=deterministic)  # fmt: skip
         made = [poisoned(t.shape, device) for t in (q, k, v)]  # delta made by dQ's kernel
         attention_backward(dout, q, k, v, saved_lse, causal=causal, out=o, dlse=seen_dlse,
+                           deterministic=deterministic,
                            dq=made[0], dk=made[1], dv=made[2])  # fmt: skip
     for name, f, a, m, s0, r, t in zip(("dq", "dk", "dv"), fresh, added, made, start, ref[2:],
                                        same[2:], strict=True):  # fmt: skip
@@ -361,15 +363,17 @@ def check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, device="cpu", 
     B=st.integers(1, 2), Sq=st.integers(1, 40), Skv=st.integers(1, 40), Hkv=st.integers(1, 2),
     group=st.integers(1, 3), D=st.sampled_from([8, 16, 40, 64]), causal=st.booleans(),
     dtype=cpu_dtypes(), seed=seeds(), split_below=st.sampled_from([None, 4, 10**6]),
+    deterministic=st.booleans(),
 )  # fmt: skip
 # Sq > Skv: 24 rows see no key, merged into an empty partial (s1 = 0)
 @example(B=1, Sq=37, Skv=13, Hkv=1, group=3, D=16, causal=True, dtype=torch.float32, seed=0,
-         split_below=10**6)  # fmt: skip
+         split_below=10**6, deterministic=False)  # fmt: skip
 @example(B=2, Sq=17, Skv=33, Hkv=2, group=3, D=40, causal=True, dtype=torch.float16, seed=7,
-         split_below=10**6)  # fmt: skip
+         split_below=10**6, deterministic=True)  # fmt: skip
 def test_ring_modes_match_float64(B, Sq, Skv, Hkv, group, D, causal, dtype, seed, split_below,
-                                  each_implementation):  # fmt: skip
-    check_ring_modes(B, Sq, Skv, Hkv * group, Hkv, D, causal, dtype, seed, split_below=split_below)
+                                  deterministic, each_implementation):  # fmt: skip
+    check_ring_modes(B, Sq, Skv, Hkv * group, Hkv, D, causal, dtype, seed, split_below=split_below,
+                     deterministic=deterministic)  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -401,17 +405,20 @@ def test_gqa_split_is_deterministic_and_needs_no_gpu_query(monkeypatch):
     q, k, v = (randn((1, 21, h, 16), torch.float32, i) for i, h in enumerate((6, 1, 1)))
     dout = randn(q.shape, torch.float32, 3)
     out, lse = attention_forward(q, k, v, causal=True)
-    runs = [attention_backward(dout, q, k, v, lse, causal=True, out=out) for _ in range(2)]
+    runs = [attention_backward(dout, q, k, v, lse, causal=True, out=out, deterministic=True)
+            for _ in range(2)]  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
 @pytest.mark.parametrize("D", [40, 64])
 @pytest.mark.parametrize("mask", [{"causal": True}, {"window": (9, 3), "softcap": 5.0}])
-def test_tma_and_pointer_paths_agree_bitwise(monkeypatch, D, mask):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "split"])
+def test_tma_and_pointer_paths_agree_bitwise(monkeypatch, D, mask, deterministic):
     """16-bit K/V (forward, dQ) and Q/dO (dK/dV) are read through TMA descriptors where
     their alignment allows (`tma_compatible`), through pointers otherwise: the same
     numbers either way, bit for bit, with edges in every dimension (D=40: TMA's zero
-    fill past the head dim, 21 and 35 rows: past the sequences)."""
+    fill past the head dim, 21 and 35 rows: past the sequences); the fused backward and
+    the split one."""
     from fusedpar.kernels._common import tma_compatible
 
     q, k, v = (randn((2, s, h, D), torch.float16, i)
@@ -421,7 +428,8 @@ def test_tma_and_pointer_paths_agree_bitwise(monkeypatch, D, mask):
 
     def run():
         out, lse = attention_forward(q, k, v, **mask)
-        return out, lse, *attention_backward(dout, q, k, v, lse, out=out, **mask)
+        return out, lse, *attention_backward(dout, q, k, v, lse, out=out, **mask,
+                                             deterministic=deterministic)  # fmt: skip
 
     with_tma = run()
     force_pointer_path(monkeypatch)

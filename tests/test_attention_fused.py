@@ -90,6 +90,26 @@ def test_fused_backward_gpu(kind, D, dtype):
     check_fused(2, 1537, 2, 4, D, kind, dtype, 0, 10**6 if D == 128 else None, "cuda")
 
 
+# (the interpreter's numpy warns of the overflow in elements the masks then drop)
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype, q_scale", [(torch.float16, 4.0), (torch.float32, 30.0)],
+                         ids=str)  # fmt: skip
+def test_keys_past_the_end_add_nothing_to_dq(dtype, q_scale):
+    """Rows whose every score is far below 0 (LSE -13 in fp16, -116 in fp32) against a
+    partial last key block, unmasked: the zero-filled keys past Skv score 0, exp(-LSE)
+    overflows there, and dQ must not take inf x 0 (NaN) from them."""
+    q = q_scale * torch.ones(1, 16, 1, 16).to(dtype)
+    k = (randn((1, 20, 1, 16), torch.float32, 1) * 0.1 - 1).to(dtype)
+    v, dout = randn((1, 20, 1, 16), dtype, 2), randn((1, 16, 1, 16), dtype, 3)
+    out, lse = attention_forward(q, k, v)
+    assert lse.max() < -12
+    fused = backwards.attention_backward(dout, q, k, v, lse, out=out)
+    split = backwards.attention_backward(dout, q, k, v, lse, out=out, deterministic=True)
+    for name, f, s in zip(("dq", "dk", "dv"), fused, split, strict=True):
+        assert torch.isfinite(f).all(), name
+        torch.testing.assert_close(f, s, msg=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_fused_and_split_agree_into_every_kind_of_buffer(dtype):
     """New gradients, the caller's in q's dtype (dQ summed in fp32 scratch, then written

@@ -14,7 +14,12 @@ import torch
 from fusedpar.kernels import _tuning
 from fusedpar.kernels.attention import attention_reference, forward_configs
 from fusedpar.kernels.attention_backward import backward_configs, dq_configs
-from fusedpar.kernels.attention_backward_fused import fused_configs, transposed_dot_miscompiles
+from fusedpar.kernels.attention_backward_fused import (
+    FUSED,
+    SPLIT,
+    fused_configs,
+    transposed_dot_miscompiles,
+)
 from fusedpar.kernels.matmul import matmul, matmul_configs
 from test_attention import attention_grads, torch_results  # noqa: I001 (a sibling test module)
 
@@ -83,6 +88,7 @@ def check_attention_config(kernel, index, D, dtype, B, S, Hq, Hkv, device):
         _tuning.forced("_attn_fwd_kernel", chosen["_attn_fwd_kernel"]),
         _tuning.forced("_attn_bwd_dkdv_kernel", chosen["_attn_bwd_dkdv_kernel"]),
         _tuning.forced("_attn_bwd_dq_kernel", chosen["_attn_bwd_dq_kernel"]),
+        _tuning.forced("attention_backward", FUSED if fused else SPLIT),
     ):
         got = attention_grads(lambda *t: fp.flash_attn(*t, causal=True, return_lse=True,
                                                        deterministic=not fused),

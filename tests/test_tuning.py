@@ -56,6 +56,26 @@ def test_times_every_candidate_once_then_reuses_the_pick():
     assert calls == [32]  # no timing: the real launch only
 
 
+def test_a_candidate_whose_own_tiles_do_not_compile_is_skipped():
+    """A candidate that is itself a tuned launch (the fused attention backward) and
+    finds no tile that compiles loses to the others, as a tile that does not compile
+    does; when none is left, the error says so."""
+    tuner, inner = _tuning.Tuner("outer"), _tuning.Tuner("inner")
+
+    def out_of_resources(config):
+        from triton.runtime.errors import OutOfResources
+
+        raise OutOfResources(1 << 20, 1 << 18, "shared memory")
+
+    def launch(config):
+        if config.kwargs["BLOCK_M"] == 16:  # its inner tuner has nothing that builds
+            inner.run(("k",), candidates, out_of_resources, device=CPU)
+
+    assert tuner.run(("k",), candidates, launch, device=CPU).kwargs["BLOCK_M"] == 32
+    with pytest.raises(_tuning.NoConfigCompiles, match="no candidate config compiles"):
+        tuner.run(("k2",), lambda: CONFIGS[:1] * 2, launch, device=CPU)
+
+
 def test_restores_what_the_kernel_adds_into_after_timing():
     tuner, acc = _tuning.Tuner("t"), torch.zeros(3)
 
