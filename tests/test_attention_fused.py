@@ -90,8 +90,10 @@ def test_fused_backward_gpu(kind, D, dtype):
     check_fused(2, 1537, 2, 4, D, kind, dtype, 0, 10**6 if D == 128 else None, "cuda")
 
 
-# (the interpreter's numpy warns of the overflow in elements the masks then drop)
+# (the interpreter's numpy warns of the overflow in elements the masks then drop, and of
+# the split kernel's NaN in key rows past Skv, which its store drops)
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("dtype, q_scale", [(torch.float16, 4.0), (torch.float32, 30.0)],
                          ids=str)  # fmt: skip
 def test_keys_past_the_end_add_nothing_to_dq(dtype, q_scale):
