@@ -5,16 +5,18 @@
 | split    | dQ (makes delta), dK/dV                  | 7: S, dP twice       | fixed order       |
 | fused    | delta, dK/dV adding dQ, (dQ's conversion) | 5                    | atomics, any order |
 
-The fused backward is `attention_backward`'s dK/dV kernel with ``DQ``: each program
+The fused backward is the dK/dV kernel of `fusedpar.kernels.attention_backward` with
+``DQ``: each program
 adds every query block's ``scale * dS K`` into an fp32 dQ (on Hopper one TMA
 reduce-add per block, FlashAttention-3's scheme), which is converted to dQ's dtype
 after (or added into the caller's fp32 dQ directly). The order of those additions is
 the order programs reach them, so dQ's last bits may differ from run to run; dK and dV
 are summed in a fixed order as before. The split backward is the deterministic path:
 `attention_backward` runs it under ``deterministic=True`` or
-``torch.use_deterministic_algorithms(True)``, and otherwise lets the tuner time both
-(tuner ``attention_backward``; in the interpreter and under ``FUSEDPAR_TUNING=first``
-the fused one runs untimed).
+``torch.use_deterministic_algorithms(True)``, and otherwise lets the tuner time both,
+with SDPA's own backwards where they compute the call (`attention_platform`; tuner
+``attention_backward``; in the interpreter and under ``FUSEDPAR_TUNING=first`` the
+fused one runs untimed).
 """
 
 import re
