@@ -26,6 +26,7 @@ import triton.language as tl
 from fusedpar.kernels import _impl, attention_torch
 from fusedpar.kernels._common import (
     cdiv,
+    ensure_tma_allocator,
     sm_count,
 )
 from fusedpar.kernels._tuning import Agreement
@@ -422,7 +423,7 @@ def delta_buffer(shape, device: torch.device, dtype=torch.float32) -> torch.Tens
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _contiguous_delta(delta):
+def contiguous_delta(delta):
     if not isinstance(delta, torch.Tensor):
         raise TypeError(f"delta must be a (B, Hq, Sq) float32 tensor, got {type(delta).__name__}")
     return delta.contiguous()  # the kernels index it as (B, Hq, Sq) contiguous
@@ -458,43 +459,58 @@ def attention_backward_dkdv(
     if _impl.runs_torch(q):
         return torch_backward("dkdv", dout, q, k, v, lse, delta, (dk, dv), mask, accumulate,
                                grad_dtype, tune_only)  # fmt: skip
-    delta = _contiguous_delta(delta)
-
-    def split_of():
-        return gqa_split(*k.shape[:3], q.shape[2] // k.shape[2], q)
-
+    delta = contiguous_delta(delta)
     plan, (lo, hi, batch_stride) = plan_backward(
-        "dkdv", _attn_bwd_dkdv_kernel, split_of, SPLIT_BELOW_PROGRAMS, dout, q, k, v, lse,
-        delta, (dk, dv), mask, accumulate, grad_dtype, tune_only)  # fmt: skip
+        "dkdv", _attn_bwd_dkdv_kernel, functools.partial(group_split, q, k),
+        SPLIT_BELOW_PROGRAMS, dout, q, k, v, lse, delta, (dk, dv), mask, accumulate,
+        grad_dtype, tune_only)  # fmt: skip
     dk, dv = (
         gradient_buffer(g, like, plan.grad_dtype, tune_only) for g, like in ((dk, k), (dv, v))
     )
-    (B, Skv, Hkv, D), split = k.shape, plan.split
+    B, Skv, Hkv, _ = k.shape
     if B * Hkv * Skv == 0:  # with Sq == 0 the kernel writes zeros: no query, no gradient
         return None if tune_only else (dk, dv)
-    out_k, out_v = dk, dv
-    if split > 1:
-        out_k, out_v = (partials((B, Skv, Hkv * split, D), q.device) for _ in range(2))
-    args = (q, k, v, dout, lse, delta, out_k, out_v, q, lo, hi, *plan.strides, batch_stride,
-            *plan.scalars)  # fmt: skip
-    adds = plan.meta["ACCUMULATE"]  # the kernel reads its output back: tuning restores it
-
-    def grid(tile):
-        return (cdiv(Skv, tile["BLOCK_N"]), B, Hkv * split)
 
     def torch_run():
         attention_torch.backward_dkdv(dout, q, k, v, lse, delta, plan.scores, dk, dv, accumulate)
 
-    launch(_attn_bwd_dkdv_kernel, backward_configs, grid, args, plan.meta, q.shape[1], Skv,
-           restore=[dk, dv] if adds and not tune_only else [], agreement=agreement,
-           tune_only=tune_only, key=plan.key,
-           torch_run=torch_run if plan.torch_candidate else None,
-           settled=plan.settled)  # fmt: skip
-    if tune_only:
-        return None
+    launch_dkdv(plan, lo, hi, batch_stride, backward_configs, dout, q, k, v, lse, delta, dk,
+                dv, accumulate=accumulate, agreement=agreement, tune_only=tune_only,
+                torch_run=torch_run if plan.torch_candidate else None)  # fmt: skip
+    return None if tune_only else (dk, dv)
+
+
+def group_split(q: torch.Tensor, k: torch.Tensor) -> int:
+    """`gqa_split` of a dK/dV launch over q's heads and k's."""
+    return gqa_split(*k.shape[:3], q.shape[2] // k.shape[2], q)
+
+
+def launch_dkdv(plan, lo, hi, batch_stride, configs, dout, q, k, v, lse, delta, dk, dv,
+                dq_sums=None, *, accumulate, agreement, tune_only, restore=(),
+                torch_run=None) -> None:  # fmt: skip
+    """The dK/dV kernel as `plan` has it (`plan_backward`), into `dk` and `dv`, or under
+    the GQA split into fp32 partials summed into them after, in order; with the fused
+    backward's fp32 `dq_sums` (plan kind "fused") it adds dQ there too. `restore`: what
+    else the kernel adds into (tuning puts it back; dk and dv are added when the plan
+    accumulates into them)."""
+    (B, Skv, Hkv, D), split, meta = k.shape, plan.split, plan.meta
+    out_k, out_v = dk, dv
     if split > 1:
+        out_k, out_v = (partials((B, Skv, Hkv * split, D), q.device) for _ in range(2))
+    if meta["TMA"] or meta["OUT_TMA"] or meta["DQ_TMA"]:
+        ensure_tma_allocator(q.device)  # per thread: autograd's backward runs on its own
+    args = (q, k, v, dout, lse, delta, out_k, out_v, q if dq_sums is None else dq_sums, lo, hi,
+            *plan.strides, batch_stride, *plan.scalars)  # fmt: skip
+
+    def grid(tile):
+        return (cdiv(Skv, tile["BLOCK_N"]), B, Hkv * split)
+
+    restore = [] if tune_only else [*restore, *([dk, dv] if meta["ACCUMULATE"] else [])]
+    launch(_attn_bwd_dkdv_kernel, configs, grid, args, meta, q.shape[1], Skv, restore=restore,
+           agreement=agreement, tune_only=tune_only, key=plan.key, torch_run=torch_run,
+           settled=plan.settled)  # fmt: skip
+    if split > 1 and not tune_only:
         sum_slices((dk, dv), (out_k, out_v), split, accumulate)
-    return dk, dv
 
 
 def sum_slices(grads, parts, split: int, accumulate: bool) -> None:
@@ -543,7 +559,7 @@ def attention_backward_dq(
     if _impl.runs_torch(q):
         return torch_backward("dq", dout, q, k, v, lse, delta, (dq,), mask, accumulate,
                                grad_dtype, tune_only, sources)  # fmt: skip
-    delta = _contiguous_delta(delta)
+    delta = contiguous_delta(delta)
     plan, (lo, hi, batch_stride) = plan_backward(
         "dq", _attn_bwd_dq_kernel, None, None, dout, q, k, v, lse, delta, (dq,), mask,
         accumulate, grad_dtype, tune_only, sources)  # fmt: skip

@@ -19,13 +19,13 @@ with SDPA's own backwards where they compute the call (`attention_platform`; tun
 fused one runs untimed).
 """
 
+import functools
 import re
 
 import torch
 import triton
 from fusedpar.kernels import _common, _impl, _tuning, attention_platform
 from fusedpar.kernels import attention_backward as split_backward
-from fusedpar.kernels._common import cdiv, ensure_tma_allocator
 from fusedpar.kernels._tuning import Agreement, bucket
 from fusedpar.kernels.attention import tile_configs
 from fusedpar.kernels.attention_backward import (
@@ -33,12 +33,12 @@ from fusedpar.kernels.attention_backward import (
     _attn_bwd_dkdv_kernel,
     attention_backward_dkdv,
     attention_backward_dq,
-    gqa_split,
-    sum_slices,
+    contiguous_delta,
+    group_split,
+    launch_dkdv,
 )
 from fusedpar.kernels.attention_backward_plan import gradient_buffer, plan_backward
 from fusedpar.kernels.attention_delta import attention_delta
-from fusedpar.kernels.attention_launch import launch
 from fusedpar.kernels.attention_mask import Intervals, is_masked, scalar_bounds
 from fusedpar.kernels.attention_reference import resolve_scale
 from fusedpar.kernels.attention_torch import Scores
@@ -123,20 +123,14 @@ def attention_backward_fused(
                                        dlse=dlse)  # fmt: skip
         grads_kv = attention_backward_dkdv(dout, q, k, v, lse, delta, dk=dk, dv=dv, **common)
         return None if tune_only else (grad_q, *grads_kv)
-    if not isinstance(delta, torch.Tensor):
-        raise TypeError(f"delta must be a (B, Hq, Sq) float32 tensor, got {type(delta).__name__}")
-    delta = delta.contiguous()  # indexed as (B, Hq, Sq) contiguous
-
-    def split_of():
-        return gqa_split(*k.shape[:3], q.shape[2] // k.shape[2], q)
-
+    delta = contiguous_delta(delta)
     plan, (lo, hi, batch_stride) = plan_backward(
-        "fused", _attn_bwd_dkdv_kernel, split_of, split_backward.SPLIT_BELOW_PROGRAMS, dout,
-        q, k, v, lse, delta, [dk, dv, dq], mask, accumulate, grad_dtype, tune_only,
-        (out, dlse))  # fmt: skip
+        "fused", _attn_bwd_dkdv_kernel, functools.partial(group_split, q, k),
+        split_backward.SPLIT_BELOW_PROGRAMS, dout, q, k, v, lse, delta, [dk, dv, dq], mask,
+        accumulate, grad_dtype, tune_only, (out, dlse))  # fmt: skip
     dk, dv, dq = (gradient_buffer(g, like, plan.grad_dtype, tune_only)
                   for g, like in ((dk, k), (dv, v), (dq, q)))  # fmt: skip
-    (B, Sq, _, _), (_, Skv, Hkv, D), split = q.shape, k.shape, plan.split
+    B, Skv, Hkv, _ = k.shape
     if out is not None and not tune_only:
         attention_delta(out, dout, dlse, delta)
     if B * Hkv * Skv == 0:  # no key: dQ is 0 (with Sq == 0 the kernel writes dK, dV zeros)
@@ -147,28 +141,12 @@ def attention_backward_fused(
         dq_sums = dq if accumulate or tune_only else dq.zero_()
     else:
         dq_sums = torch.zeros(q.shape, dtype=_common.accumulator(q.dtype), device=q.device)
-    out_k, out_v = dk, dv
-    if split > 1:
-        out_k, out_v = (split_backward.partials((B, Skv, Hkv * split, D), q.device)
-                        for _ in range(2))  # fmt: skip
-    meta = plan.meta
-    if meta["TMA"] or meta["OUT_TMA"] or meta["DQ_TMA"]:
-        ensure_tma_allocator(q.device)  # per thread: autograd's backward runs on its own
-    args = (q, k, v, dout, lse, delta, out_k, out_v, dq_sums, lo, hi, *plan.strides,
-            batch_stride, *plan.scalars)  # fmt: skip
-
-    def grid(tile):
-        return (cdiv(Skv, tile["BLOCK_N"]), B, Hkv * split)
-
-    # every launch adds into dQ's sums (and with ACCUMULATE into dK, dV): tuning restores them
-    restore = [] if tune_only else [dq_sums, *([dk, dv] if meta["ACCUMULATE"] else [])]
-    launch(_attn_bwd_dkdv_kernel, fused_configs, grid, args, meta, Sq, Skv,
-           restore=restore, agreement=agreement, tune_only=tune_only, key=plan.key,
-           settled=plan.settled)  # fmt: skip
+    # every launch adds into dQ's sums: tuning restores them
+    launch_dkdv(plan, lo, hi, batch_stride, fused_configs, dout, q, k, v, lse, delta, dk, dv,
+                dq_sums, accumulate=accumulate, agreement=agreement, tune_only=tune_only,
+                restore=[dq_sums])  # fmt: skip
     if tune_only:
         return None
-    if split > 1:
-        sum_slices((dk, dv), (out_k, out_v), split, accumulate)
     if dq_sums is not dq and accumulate:
         dq.add_(dq_sums)
     elif dq_sums is not dq:
