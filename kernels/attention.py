@@ -43,6 +43,7 @@ from fusedpar.kernels._common import (
 from fusedpar.kernels._tuning import Agreement
 from fusedpar.kernels.attention_launch import launch
 from fusedpar.kernels.attention_mask import (
+    ORDER_CHUNK,
     Intervals,
     block_ranges,
     check_softcap,
@@ -118,6 +119,13 @@ def forward_configs(head_dim: int, dtype: torch.dtype,
 # --- forward ---------------------------------------------------------------------------
 
 
+# The forward's QUERY_ORDER chunk (`attention_mask.query_order`)
+QUERY_CHUNK: tl.constexpr = tl.constexpr(ORDER_CHUNK)
+# SOFTCAP's values (`softcap_mode`); 0: scores not capped
+SOFTCAP_EXACT: tl.constexpr = tl.constexpr(1)
+SOFTCAP_APPROX: tl.constexpr = tl.constexpr(2)
+
+
 @triton.jit
 def _tanh(x):
     """tanh in fp32 as ``1 - 2 / (2^(2 x log2 e) + 1)``: one fast exp2 and one fast
@@ -128,13 +136,26 @@ def _tanh(x):
 
 
 @triton.jit
+def _tanh_approx(x):
+    """tanh in fp32 by the SFU's ``tanh.approx.f32`` (one MUFU.TANH; relative error
+    about 2^-11, as FlashAttention's and FlexAttention's soft-capping), compiled builds
+    only: the interpreter has no PTX."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x],
+                                     dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
+
+
+@triton.jit
 def scores(qk, qk_scale, cap_in, SOFTCAP: tl.constexpr):
     """Base-2 scores from raw dots ``qk = q . k``: ``qk * scale * log2(e)``, or soft-capped
     ``softcap * tanh(qk * scale / softcap) * log2(e)`` (``qk_scale`` holds softcap *
-    log2(e) and ``cap_in`` scale / softcap). Also returns the tanh, for the backward's
-    ``1 - tanh^2`` (the raw dots when not capped)."""
+    log2(e) and ``cap_in`` scale / softcap; SOFTCAP: which tanh, `softcap_mode`).
+    Also returns the tanh, for the backward's ``1 - tanh^2`` (the raw dots when not
+    capped)."""
     t = qk
-    if SOFTCAP:
+    if SOFTCAP == SOFTCAP_APPROX:
+        t = _tanh_approx(qk * cap_in)
+        s = t * qk_scale
+    elif SOFTCAP:
         t = _tanh(qk * cap_in)
         s = t * qk_scale
     else:
@@ -235,7 +256,7 @@ def _fwd_inner(
 @triton.jit
 def _attn_fwd_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, kv_lo_ptr, kv_hi_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, kv_lo_ptr, kv_hi_ptr, order_ptr,
     # strides
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -247,15 +268,23 @@ def _attn_fwd_kernel(
     Sq, Skv, GROUP, qk_scale, cap_in, shift, left, right,
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INTERVALS: tl.constexpr,
-    SOFTCAP: tl.constexpr, MERGE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, OUT_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, MERGE: tl.constexpr, QUERY_ORDER: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, OUT_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # Grid (query blocks, B, Hq): batch and heads on their own axes (each up to 65535).
     # Query blocks run last first: under a causal mask they see the most keys, and the
-    # longest programs starting first shorten the tail. Offsets are 64-bit: a strided
-    # view's sequence stride times its length (a KV view into a (S, B, H*D) projection,
-    # say) can pass 2**31.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    # longest programs starting first shorten the tail. With QUERY_ORDER (packed
+    # documents) the widest first: chunk `order[i]` of QUERY_CHUNK rows (`query_order`),
+    # each chunk's blocks last first; a chunk past Sq's end has programs that write
+    # nothing. Offsets are 64-bit: a strided view's sequence stride times its length (a
+    # KV view into a (S, B, H*D) projection, say) can pass 2**31.
+    if QUERY_ORDER:
+        per_chunk: tl.constexpr = QUERY_CHUNK // BLOCK_M
+        chunk = tl.load(order_ptr + tl.program_id(0) // per_chunk)
+        pid_m = chunk * per_chunk + per_chunk - 1 - tl.program_id(0) % per_chunk
+    else:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
     h_kv = h // GROUP
@@ -348,13 +377,27 @@ def check_buffer(name, t, shape, dtypes, device):
         raise ValueError(f"{name} is on {t.device}, the inputs on {device}")
 
 
-def kernel_meta(q: torch.Tensor, *, intervals: bool = False, softcap: bool = False) -> dict:
+def softcap_mode(dtype: torch.dtype, softcap: float, interpreted: bool) -> int:
+    """The kernels' SOFTCAP: 0 (no capping), SOFTCAP_EXACT (`_tanh`) or SOFTCAP_APPROX
+    (`_tanh_approx`: 627 instructions per 128 keys in the forward's loop at D=128 against
+    the exact formula's 1076 and 499 uncapped, `docs/resources.md`).
+    The approximation is taken for bf16 inputs in compiled kernels only: its relative
+    error on a capped score (2^-11) is an eighth of the rounding bf16 itself puts on one
+    (2^-8), which the numerics contract already allows (PyTorch's bf16 scores carry
+    it). fp16 rounds a score to 2^-11, the approximation's own size, and fp32 far
+    finer: both keep the exact formula, as the interpreter does (it has no PTX)."""
+    if not softcap:
+        return 0
+    return SOFTCAP_APPROX if dtype == torch.bfloat16 and not interpreted else SOFTCAP_EXACT
+
+
+def kernel_meta(q: torch.Tensor, *, intervals: bool = False, softcap: float = 0.0) -> dict:
     D = q.shape[-1]
     return dict(
         HEAD_DIM=D,
         BLOCK_D=max(16, next_power_of_2(D)),  # tl.dot needs K >= 16
         INTERVALS=intervals,
-        SOFTCAP=softcap,
+        SOFTCAP=softcap_mode(q.dtype, softcap, _common.is_interpreted(_attn_fwd_kernel)),
         INPUT_PRECISION=fp32_dot_precision() if q.dtype == torch.float32 else "tf32",
     )
 
@@ -385,7 +428,7 @@ def mask_arguments(q, k, *, causal, window, softcap, softmax_scale, intervals, s
         lo, hi = ((intervals.kv_lo, intervals.kv_hi) if side == "query"
                   else (intervals.q_lo, intervals.q_hi))  # fmt: skip
         tensors = (lo, hi, intervals.batch_stride(lo))
-    meta = kernel_meta(q, intervals=intervals is not None, softcap=softcap > 0)
+    meta = kernel_meta(q, intervals=intervals is not None, softcap=softcap)
     key = (("masked", is_masked(causal, window)),)
     scores = attention_torch.Scores(scale, softcap, (shift, left, right), intervals)
     return tensors, (qk_scale, cap_in, shift, left, right), meta, key, scores
@@ -401,8 +444,8 @@ def _planned_forward(plan: ForwardPlan, q, k, v, out, lse, merge, agreement):
     meta = plan.meta
     if meta["TMA"] or meta["OUT_TMA"]:
         ensure_tma_allocator(q.device)  # per thread: autograd's backward runs on its own
-    args = (q, k, v, out, lse, q, q, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            *lse.stride(), 0, *plan.scalars)  # fmt: skip
+    args = (q, k, v, out, lse, q, q, q, *q.stride(), *k.stride(), *v.stride(),
+            *out.stride(), *lse.stride(), 0, *plan.scalars)  # fmt: skip
     B, Sq, Hq, _ = plan.out_shape
 
     def grid(tile):
@@ -496,21 +539,25 @@ def attention_forward(
     if B * Sq * Hq == 0:
         return None if tune_only else (out, lse)
     qk_scale, cap_in, shift, left, right = scalars
+    order = None if intervals is None else intervals.q_order
     args = (
-        q, k, v, out, lse, *tensors[:2],
+        q, k, v, out, lse, *tensors[:2], q if order is None else order,
         *strides(q), *strides(k), *strides(v), *strides(out), *strides(lse), tensors[2],
         Sq, Skv, Hq // Hkv, qk_scale, cap_in, shift, left, right,
     )  # fmt: skip
 
     def grid(meta):
-        return (cdiv(Sq, meta["BLOCK_M"]), B, Hq)
+        if order is None:
+            return (cdiv(Sq, meta["BLOCK_M"]), B, Hq)
+        return (order.numel() * (ORDER_CHUNK // meta["BLOCK_M"]), B, Hq)
 
     # A merging launch reads its output: tuning must put it back (scratch when tune_only).
     restore = [out, lse] if merge and not tune_only else []
     # Q, K, V through TMA where they are 16-bit and aligned, and O where it is aligned
     # (a merge reads it back row by row: through pointers)
     tma, out_tma = tma_paths((q, k, v), () if merge else (out,))
-    meta = {**meta, "MERGE": merge, "TMA": tma, "OUT_TMA": out_tma}
+    meta = {**meta, "MERGE": merge, "QUERY_ORDER": order is not None, "TMA": tma,
+            "OUT_TMA": out_tma}  # fmt: skip
     torch_candidate = attention_torch.capable_on_cuda(q, k)
 
     def platform():

@@ -31,7 +31,7 @@ blocks inside every interval run unmasked, the rest are masked element by elemen
 way (document ids by repetition), for the float64 references.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -133,6 +133,10 @@ def block_ranges(lo, hi, valid, BLOCK: tl.constexpr):
 
 # --- the host's side ---------------------------------------------------------------------
 
+# Query rows per entry of `Intervals.q_order`: the forward's largest BLOCK_M, so each
+# tile's blocks split a chunk evenly.
+ORDER_CHUNK = 128
+
 
 @dataclass(frozen=True)
 class Intervals:
@@ -145,6 +149,9 @@ class Intervals:
     kv_hi: torch.Tensor
     q_lo: torch.Tensor
     q_hi: torch.Tensor
+    # the forward's order over chunks of ORDER_CHUNK query rows (`query_order`); None:
+    # last rows first, the causal order
+    q_order: torch.Tensor | None = None
 
     def check(self, B: int, Sq: int, Skv: int, device) -> None:
         for name, t, n in (("kv_lo", self.kv_lo, Sq), ("kv_hi", self.kv_hi, Sq),
@@ -158,6 +165,13 @@ class Intervals:
         for lo, hi in ((self.kv_lo, self.kv_hi), (self.q_lo, self.q_hi)):  # one batch stride
             if lo.shape != hi.shape or lo.stride() != hi.stride():
                 raise ValueError("Intervals: each lo/hi pair must share its shape and strides")
+        chunks = -(-Sq // ORDER_CHUNK)
+        order = self.q_order
+        if order is not None and (order.shape != (chunks,) or order.dtype != torch.int32
+                                  or order.device != device or order.stride(0) != 1):  # fmt: skip
+            raise ValueError(f"Intervals.q_order must be contiguous int32 ({chunks},) on "
+                             f"{device}, got {order.dtype} {tuple(order.shape)} on "
+                             f"{order.device}")  # fmt: skip
 
     def batch_stride(self, t: torch.Tensor) -> int:
         return 0 if t.shape[0] == 1 else t.stride(0)
@@ -219,10 +233,30 @@ def intervals(q_pos, k_pos, cu_q, cu_k, *, causal: bool, window) -> Intervals:
 
 
 def packed_intervals(cu_q, cu_k, Tq: int, Tk: int, *, causal: bool, window) -> Intervals:
-    """`Intervals` of a whole packed stream against itself (local rows are global)."""
+    """`Intervals` of a whole packed stream against itself (local rows are global), with
+    the forward's longest-first order (`query_order`)."""
     device = cu_q.device
-    return intervals(torch.arange(Tq, device=device), torch.arange(Tk, device=device),
-                     cu_q, cu_k, causal=causal, window=window)  # fmt: skip
+    packed = intervals(torch.arange(Tq, device=device), torch.arange(Tk, device=device),
+                       cu_q, cu_k, causal=causal, window=window)  # fmt: skip
+    return replace(packed, q_order=query_order(packed.kv_lo, packed.kv_hi))
+
+
+def query_order(kv_lo: torch.Tensor, kv_hi: torch.Tensor) -> torch.Tensor:
+    """Chunks of ORDER_CHUNK query rows, the widest first: a chunk's width is the key
+    span its rows see together (the key blocks a forward program over them visits),
+    summed over batch rows. The forward runs its query blocks in this order, so a long
+    document's last blocks start first instead of making the tail (packed documents
+    otherwise run last rows first, which puts a first document's widest blocks late).
+    int32 (ceil(Sq / ORDER_CHUNK),) by device ops only (no host sync)."""
+    B, Sq = kv_lo.shape
+    pad = (-Sq) % ORDER_CHUNK
+    seen = kv_hi > kv_lo  # a row that sees nothing widens nothing
+    lo = torch.nn.functional.pad(torch.where(seen, kv_lo, torch.iinfo(torch.int32).max),
+                                 (0, pad), value=torch.iinfo(torch.int32).max)  # fmt: skip
+    hi = torch.nn.functional.pad(torch.where(seen, kv_hi, 0), (0, pad))
+    lo, hi = lo.view(B, -1, ORDER_CHUNK).amin(-1), hi.view(B, -1, ORDER_CHUNK).amax(-1)
+    width = (hi.long() - lo.long()).clamp_min(0).sum(0)
+    return torch.argsort(width, descending=True, stable=True).to(torch.int32)
 
 
 def visible_reference(cu_q, cu_k, *, causal: bool, window) -> torch.Tensor:

@@ -247,6 +247,49 @@ def check_flash_attn_gpu(B, S, Hq, Hkv, D, causal, dtype):
         assert_close(g, r, t, name=name, sum_length=D if name.startswith("d") else None)
 
 
+def test_soft_capping_approximates_tanh_only_in_compiled_bf16():
+    """`tanh.approx.f32` (relative error about 2^-11) for bf16 in compiled kernels, whose
+    scores bf16 rounds to 2^-8 anyway; the exact formula for fp16 and fp32 (which round
+    a score to 2^-11 or finer) and in the interpreter (no PTX)."""
+    from fusedpar.kernels.attention import SOFTCAP_APPROX, SOFTCAP_EXACT, softcap_mode
+
+    assert softcap_mode(torch.bfloat16, 30.0, interpreted=False) == SOFTCAP_APPROX
+    for dtype, interpreted in ((torch.float16, False), (torch.float32, False),
+                               (torch.bfloat16, True)):  # fmt: skip
+        assert softcap_mode(dtype, 30.0, interpreted) == SOFTCAP_EXACT
+    assert softcap_mode(torch.bfloat16, 0.0, interpreted=False) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("softcap", [5.0, 50.0])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_approximate_soft_capping_gpu(softcap, deterministic):
+    """bf16 soft-capping through `tanh.approx.f32`, scores driven onto the cap (raw
+    scores of standard deviation 0.75 * softcap), forward and both backwards, under the
+    contract's rule: the approximation moves a score by at most |s| * 2^-11, an eighth of
+    what PyTorch's bf16 scores are rounded by, so "twice PyTorch's own error" holds it.
+    The split backward, and the tuner's pick (the fused kernel itself:
+    test_attention_fused)."""
+    torch.manual_seed(0)
+    B, S, Hq, Hkv, D = 2, 1000, 4, 2, 128
+    q = torch.randn(B, S, Hq, D, device="cuda") * (0.75 * softcap)
+    q = q.to(torch.bfloat16)
+    k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dout, dlse = torch.randn_like(q), torch.randn(B, Hq, S, device="cuda")
+    mask = {"causal": True, "softcap": softcap}
+    with fp.implementation("triton"):
+        got = attention_grads(
+            lambda *t: fp.flash_attn(*t, **mask, return_lse=True,
+                                     deterministic=deterministic),
+            (q, k, v), dout, dlse,
+        )  # fmt: skip
+    ref = attention_grads(lambda *t: attention_reference(*t, **mask),
+                          [t.double() for t in (q, k, v)], dout, dlse)  # fmt: skip
+    same = torch_results((q, k, v), dout, dlse, ref, **mask)
+    for name, g, r, t in zip(("out", "lse", "dq", "dk", "dv"), got, ref, same, strict=True):
+        assert_close(g, r, t, name=name, sum_length=D if name.startswith("d") else None)
+
+
 @pytest.mark.parametrize("Sq, Skv", [(0, 5), (5, 0), (0, 0)])
 def test_empty_sequences(Sq, Skv, each_implementation):
     q = randn((1, Sq, 2, 8), torch.float32, 0).requires_grad_()

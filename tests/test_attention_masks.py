@@ -289,3 +289,44 @@ def test_packed_masks_are_built_once_per_cu_seqlens(monkeypatch):
     fresh = run(torch.tensor([0, 12, 20], dtype=torch.int32))  # a new tensor: built anew
     assert calls["built"] == 3 and torch.equal(fresh[0], moved[0])
     assert all(torch.equal(a, b) for a, b in zip(fresh[1], moved[1], strict=True))
+
+
+def test_the_widest_query_chunks_run_first():
+    """`query_order` over 128-row chunks of a stream whose first document is the longest:
+    the chunk that ends it (and straddles two more) sees the widest key span, the first
+    chunk less, the last chunk (a short document) least. The forward gives bitwise the
+    same in that order, last rows first (no order) and any other (each program writes
+    only its own rows); with the interpreter's 64-row tiles a chunk is 2 programs, and
+    the last chunk's second (rows 448 to 511) writes nothing."""
+    import dataclasses
+
+    from fusedpar.kernels.attention import attention_forward
+    from fusedpar.kernels.attention_mask import packed_intervals
+
+    cu = torch.tensor([0, 300, 340, 400], dtype=torch.int32)
+    packed = packed_intervals(cu, cu, 400, 400, causal=True, window=(-1, -1))
+    # widths: rows 0-127 see keys [0, 128); 128-255 [0, 256); 256-383 [0, 384); 384-399 [340, 400)
+    assert packed.q_order.tolist() == [2, 1, 0, 3]
+    q, k, v = (randn((1, 400, 2, 16), torch.float32, i) for i in range(3))
+    results = [attention_forward(q, k, v, intervals=dataclasses.replace(packed, q_order=order))
+               for order in (packed.q_order, None, torch.tensor([3, 0, 2, 1], dtype=torch.int32))]
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+    bad = dataclasses.replace(packed, q_order=packed.q_order[:3])
+    with pytest.raises(ValueError, match=r"q_order must be contiguous int32 \(4,\)"):
+        attention_forward(q, k, v, intervals=bad)
+
+
+def test_every_forward_tile_splits_an_order_chunk():
+    """The forward maps a program to a chunk of ORDER_CHUNK rows and a block in it:
+    every tile's BLOCK_M must divide the chunk."""
+    from fusedpar.kernels.attention import forward_configs
+    from fusedpar.kernels.attention_launch import INTERPRETER_MAX_BLOCK
+    from fusedpar.kernels.attention_mask import ORDER_CHUNK
+
+    for D in (64, 128, 256):
+        for dtype in (torch.bfloat16, torch.float32):
+            for modes in (frozenset(), frozenset({"pointer", "softcap"})):
+                for config in forward_configs(D, dtype, modes):
+                    assert ORDER_CHUNK % config.kwargs["BLOCK_M"] == 0, (D, dtype, config)
+    assert ORDER_CHUNK % INTERPRETER_MAX_BLOCK == 0
