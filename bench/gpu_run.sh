@@ -72,7 +72,7 @@ case $step in
   5) part fused_attention_gpu 170 env FUSEDPAR_TUNING=first python -m pytest -m gpu -n 2 -q \
        -p no:cacheprovider --timeout 150 -rxXs tests/test_attention_fused.py tests/test_config_sweep.py \
        tests/test_attention_platform.py tests/test_moe_kernels.py tests/test_attention.py \
-       -k "fused_backward_gpu or platform_candidates_gpu or grouped_mm_candidate_gpu or (every_attention_config_gpu and fused) or approximate_soft_capping_gpu"
+       -k "fused_backward_gpu or platform_candidates_gpu or grouped_mm_candidate_gpu or (every_attention_config_gpu and fused) or approximate_soft_capping_gpu or head_dim_pairs_gpu"
      part attention 300 env BENCH_PEERS=fusedpar,fusedpar-split,sdpa-cudnn "${bench[@]}" attention ;;
   *) echo "unknown step $step: 0-5" >&2; exit 2 ;;
 esac

@@ -2,10 +2,11 @@
 
 | tensor     | shape            | dtype                               |
 | ---------- | ---------------- | ----------------------------------- |
-| q          | (B, Sq, Hq, D)   | fp16, bf16 or fp32, any strides     |
-| k, v       | (B, Skv, Hkv, D) | q's; Hq % Hkv == 0 (GQA / MQA)      |
-| o          | (B, Sq, Hq, D)   | q's or fp32 (ring partials)         |
-| lse        | (B, Hq, Sq)      | fp32, natural log                   |
+| q          | (B, Sq, Hq, D)    | fp16, bf16 or fp32, any strides    |
+| k          | (B, Skv, Hkv, D)  | q's; Hq % Hkv == 0 (GQA / MQA)     |
+| v          | (B, Skv, Hkv, Dv) | q's; Dv may differ from D (MLA)    |
+| o          | (B, Sq, Hq, Dv)   | q's or fp32 (ring partials)        |
+| lse        | (B, Hq, Sq)       | fp32, natural log                  |
 
 Query head h reads KV head ``h // (Hq / Hkv)``; KV is never repeated. The mask (causal,
 a sliding window, packed documents) is one key interval per query row, in global
@@ -73,14 +74,18 @@ MAX_HEAD_DIM = 256
 
 
 
-def tile_configs(table: dict, head_dim: int, dtype: torch.dtype,
-                 modes: frozenset = frozenset()) -> list[triton.Config]:  # fmt: skip
-    """The configs of `table` ``{(padded head dim, "fp32" or "16-bit"): [(BLOCK_M, BLOCK_N,
-    num_stages, num_warps[, modes it is left out of]), ...]}`` for one head dim and dtype
-    and a call's `modes` (`kernel_modes`)."""
-    block_d = max(16, next_power_of_2(head_dim))
+def tile_configs(table: dict, head_dim: int, dtype: torch.dtype, modes: frozenset = frozenset(),
+                 v_dim: int | None = None) -> list[triton.Config]:  # fmt: skip
+    """The configs of `table` ``{(padded head dim, "fp32" or "16-bit"[, padded V head
+    dim]): [(BLOCK_M, BLOCK_N, num_stages, num_warps[, modes it is left out of]), ...]}``
+    for one head dim and dtype and a call's `modes` (`kernel_modes`). V of another head
+    dim (`v_dim`) takes the list of its pair where the table has one, else the wider
+    dim's."""
+    v_dim = v_dim or head_dim
+    block_d = max(64, next_power_of_2(max(head_dim, v_dim)))
     size = "fp32" if dtype == torch.float32 else "16-bit"
-    tiles = table[(max(64, block_d), size)]
+    pair = (block_d, size, max(64, next_power_of_2(v_dim)))
+    tiles = table[pair] if v_dim != head_dim and pair in table else table[(block_d, size)]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=s, num_warps=w)
             for bm, bn, s, w, *skip in tiles if not modes & set(*skip)]  # fmt: skip
 
@@ -102,18 +107,23 @@ _FORWARD_TILES = {
     (128, "16-bit"): [(128, 128, 2, 8), (128, 128, 3, 8), (128, 64, 3, 8), (64, 64, 4, 4),
                       (64, 32, 3, 4), (32, 32, 2, 4)],
     (256, "16-bit"): [(64, 64, 2, 8), (128, 32, 2, 8), (64, 32, 2, 4), (32, 32, 2, 4)],
+    # MLA's (192, 128): Q and K 256 wide in registers, O 128: 128x64 fits where D=256's
+    # does not (150 registers, 393 instructions per 128 x 64 pair against 64x64's 353
+    # per 64 x 64: 1.8x fewer per pair)
+    (256, "16-bit", 128): [(128, 64, 2, 8), (128, 64, 3, 8), (64, 64, 2, 8), (64, 32, 2, 4),
+                           (32, 32, 2, 4)],
     (64, "fp32"): [(32, 32, 2, 8)],
     (128, "fp32"): [(32, 32, 2, 8)],
     (256, "fp32"): [(32, 32, 2, 8)],
 }  # fmt: skip
 
 
-def forward_configs(head_dim: int, dtype: torch.dtype,
-                    modes: frozenset = frozenset()) -> list[triton.Config]:  # fmt: skip
-    """Forward tiles for the tuner at this head dim and dtype: 128-row query tiles feed
-    Hopper's wgmma; the smallest (kept for short sequences by `_prune_configs`) fits an
-    A100 too."""
-    return tile_configs(_FORWARD_TILES, head_dim, dtype, modes)
+def forward_configs(head_dim: int, dtype: torch.dtype, modes: frozenset = frozenset(),
+                    v_dim: int | None = None) -> list[triton.Config]:  # fmt: skip
+    """Forward tiles for the tuner at this head dim (and V's) and dtype: 128-row query
+    tiles feed Hopper's wgmma; the smallest (kept for short sequences by
+    `_prune_configs`) fits an A100 too."""
+    return tile_configs(_FORWARD_TILES, head_dim, dtype, modes, v_dim)
 
 
 # --- forward ---------------------------------------------------------------------------
@@ -217,7 +227,7 @@ def store_tile(ptr, x, start, rows, cols, stride_s, stride_d, mask, n, HEAD_DIM:
 def _fwd_inner(
     acc, l_i, m_i, q,
     k_src, v_src, stride_ks, stride_vs,
-    d_mask, lo, hi, start, mid_lo, mid_hi, end, Skv, qk_scale, cap_in,
+    d_mask, dv_mask, lo, hi, start, mid_lo, mid_hi, end, Skv, qk_scale, cap_in,
     SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -230,7 +240,7 @@ def _fwd_inner(
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = load_rows(k_src, start_n, stride_ks, d_mask, Skv, TMA, BLOCK_N)
-        v = load_rows(v_src, start_n, stride_vs, d_mask, Skv, TMA, BLOCK_N)
+        v = load_rows(v_src, start_n, stride_vs, dv_mask, Skv, TMA, BLOCK_N)
         # t: the raw dots, or their tanh when soft-capped; the scores are t * qk_scale
         _, t = scores(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION), qk_scale,
                       cap_in, SOFTCAP)  # fmt: skip
@@ -267,7 +277,8 @@ def _attn_fwd_kernel(
     # sizes
     Sq, Skv, GROUP, qk_scale, cap_in, shift, left, right,
     # meta-parameters
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INTERVALS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, INTERVALS: tl.constexpr,
     SOFTCAP: tl.constexpr, MERGE: tl.constexpr, QUERY_ORDER: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, OUT_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -291,6 +302,8 @@ def _attn_fwd_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     d_mask = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV).to(tl.int64)  # V's and O's columns (Dv may differ)
+    dv_mask = offs_dv < HEAD_DIM_V
     row_mask = offs_m < Sq
 
     # Each row's visible keys [lo, hi) (attention_mask), and the key blocks they give:
@@ -309,14 +322,14 @@ def _attn_fwd_kernel(
     k_src = tile_source(k_ptr + b * stride_kb + h_kv * stride_kh, Skv, stride_ks, stride_kd,
                         HEAD_DIM, TMA, BLOCK_N, BLOCK_D)  # fmt: skip
     v_src = tile_source(v_ptr + b * stride_vb + h_kv * stride_vh, Skv, stride_vs, stride_vd,
-                        HEAD_DIM, TMA, BLOCK_N, BLOCK_D)  # fmt: skip
+                        HEAD_DIM_V, TMA, BLOCK_N, BLOCK_DV)  # fmt: skip
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, d_mask, lo, hi, start, mid_lo,
-        mid_hi, end, Skv, qk_scale, cap_in, SOFTCAP, INPUT_PRECISION, TMA, BLOCK_N,
+        acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, d_mask, dv_mask, lo, hi, start,
+        mid_lo, mid_hi, end, Skv, qk_scale, cap_in, SOFTCAP, INPUT_PRECISION, TMA, BLOCK_N,
     )  # fmt: skip
 
     # A row that saw no key has l_i == 0: output 0 and LSE -inf, never 0/0.
@@ -330,16 +343,16 @@ def _attn_fwd_kernel(
         # instead of writing a block partial that a second pass reads back (review P10);
         # a block that saw no key leaves them as they are
         row_mask = row_mask & (rows * 0 + start < end)  # (a vector: the interpreter's masks)
-        o_mask = row_mask[:, None] & d_mask[None, :]
-        o_ptrs = o_base + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
+        o_mask = row_mask[:, None] & dv_mask[None, :]
+        o_ptrs = o_base + offs_m[:, None] * stride_os + offs_dv[None, :] * stride_od
         o_prev = tl.load(o_ptrs, mask=o_mask, other=0.0)
         lse_prev = tl.load(lse_ptrs, mask=row_mask, other=float("-inf"))
         o, lse = merge_partials(o_prev, lse_prev, o, lse)
         tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=o_mask)
     else:
-        store_tile(o_base, o, pid_m * BLOCK_M, offs_m, offs_d, stride_os, stride_od,
-                   row_mask[:, None] & d_mask[None, :], Sq, HEAD_DIM, False, OUT_TMA, BLOCK_M,
-                   BLOCK_D)  # fmt: skip
+        store_tile(o_base, o, pid_m * BLOCK_M, offs_m, offs_dv, stride_os, stride_od,
+                   row_mask[:, None] & dv_mask[None, :], Sq, HEAD_DIM_V, False, OUT_TMA,
+                   BLOCK_M, BLOCK_DV)  # fmt: skip
     tl.store(lse_ptrs, lse, mask=row_mask)
 
 
@@ -351,13 +364,14 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (B, S, H, D), got shape {tuple(t.shape)}")
-    (B, _, Hq, D), (B_kv, _, Hkv, D_kv) = q.shape, k.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    (B, _, Hq, D), (B_kv, _, Hkv, D_kv), Dv = q.shape, k.shape, v.shape[-1]
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have one (B, S, H), got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")  # fmt: skip
     if B_kv != B:
         raise ValueError(f"batch sizes differ: q has B={B}, k and v have B={B_kv}")
     if D_kv != D:
-        raise ValueError(f"head dims differ: q has D={D}, k and v have D={D_kv}")
+        raise ValueError(f"head dims differ: q has D={D}, k has D={D_kv}")
     check_float_dtype("q", q)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -365,8 +379,10 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"query heads (Hq={Hq}) must be a multiple of KV heads (Hkv={Hkv})")
-    if D == 0 or D % 8 or D > MAX_HEAD_DIM:
-        raise ValueError(f"head dim D={D} must be a positive multiple of 8, at most {MAX_HEAD_DIM}")
+    for name, d in (("D", D), ("v's head dim Dv", Dv)):
+        if d == 0 or d % 8 or d > MAX_HEAD_DIM:
+            raise ValueError(f"{name}={d} must be a positive multiple of 8, at most "
+                             f"{MAX_HEAD_DIM}")  # fmt: skip
 
 
 def check_buffer(name, t, shape, dtypes, device):
@@ -391,18 +407,21 @@ def softcap_mode(dtype: torch.dtype, softcap: float, interpreted: bool) -> int:
     return SOFTCAP_APPROX if dtype == torch.bfloat16 and not interpreted else SOFTCAP_EXACT
 
 
-def kernel_meta(q: torch.Tensor, *, intervals: bool = False, softcap: float = 0.0) -> dict:
-    D = q.shape[-1]
+def kernel_meta(q: torch.Tensor, v: torch.Tensor, *, intervals: bool = False,
+                softcap: float = 0.0) -> dict:  # fmt: skip
+    D, Dv = q.shape[-1], v.shape[-1]
     return dict(
         HEAD_DIM=D,
         BLOCK_D=max(16, next_power_of_2(D)),  # tl.dot needs K >= 16
+        HEAD_DIM_V=Dv,  # V's, O's and dO's (DeepSeek's MLA: 192 for Q and K, 128 for V)
+        BLOCK_DV=max(16, next_power_of_2(Dv)),
         INTERVALS=intervals,
         SOFTCAP=softcap_mode(q.dtype, softcap, _common.is_interpreted(_attn_fwd_kernel)),
         INPUT_PRECISION=fp32_dot_precision() if q.dtype == torch.float32 else "tf32",
     )
 
 
-def mask_arguments(q, k, *, causal, window, softcap, softmax_scale, intervals, side):
+def mask_arguments(q, k, v, *, causal, window, softcap, softmax_scale, intervals, side):
     """What every attention kernel takes for its mask and scores: ``(tensors, scalars,
     meta, key, scores)``. tensors: the intervals of `side` ("query": keys each query row
     sees; "key": queries that see each key row) and their batch stride; scalars:
@@ -428,7 +447,7 @@ def mask_arguments(q, k, *, causal, window, softcap, softmax_scale, intervals, s
         lo, hi = ((intervals.kv_lo, intervals.kv_hi) if side == "query"
                   else (intervals.q_lo, intervals.q_hi))  # fmt: skip
         tensors = (lo, hi, intervals.batch_stride(lo))
-    meta = kernel_meta(q, intervals=intervals is not None, softcap=softcap)
+    meta = kernel_meta(q, v, intervals=intervals is not None, softcap=softcap)
     key = (("masked", is_masked(causal, window)),)
     scores = attention_torch.Scores(scale, softcap, (shift, left, right), intervals)
     return tensors, (qk_scale, cap_in, shift, left, right), meta, key, scores
@@ -485,7 +504,7 @@ def attention_forward(
     agreement: Agreement | None = None,
     tune_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Returns ``(out, lse)``: out (B, Sq, Hq, D) in `out_dtype` (q's, or fp32 for ring
+    """Returns ``(out, lse)``: out (B, Sq, Hq, Dv) in `out_dtype` (q's, or fp32 for ring
     partials), lse (B, Hq, Sq) fp32. `out` and `lse` may be given, with any strides.
     (fp32 here is ``accumulator(q.dtype)``: float64 for float64 q, which runs on torch's
     implementation only.)
@@ -508,9 +527,9 @@ def attention_forward(
         if plan is not None:
             return _planned_forward(plan, q, k, v, out, lse, merge, agreement)
     check_attention_inputs(q, k, v)
-    (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
+    (B, Sq, Hq, _), (_, Skv, Hkv, _), Dv = q.shape, k.shape, v.shape[-1]
     tensors, scalars, meta, key, scores = mask_arguments(
-        q, k, causal=causal, window=window, softcap=softcap, softmax_scale=softmax_scale,
+        q, k, v, causal=causal, window=window, softcap=softcap, softmax_scale=softmax_scale,
         intervals=intervals, side="query",
     )  # fmt: skip
     wide = _common.accumulator(q.dtype)  # fp32, float64 for float64 q
@@ -520,8 +539,8 @@ def attention_forward(
         out_dtype = out.dtype if out is not None else out_dtype
         out = lse = None
     if out is None:
-        out = torch.empty((B, Sq, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
-    check_buffer("out", out, (B, Sq, Hq, D), (q.dtype, wide), q.device)
+        out = torch.empty((B, Sq, Hq, Dv), dtype=out_dtype or q.dtype, device=q.device)
+    check_buffer("out", out, (B, Sq, Hq, Dv), (q.dtype, wide), q.device)
     if merge and out.dtype != wide:
         raise TypeError(f"merge=True accumulates in {wide}: out is {out.dtype}")
     if lse is None:
@@ -567,7 +586,7 @@ def attention_forward(
         key = (*key, ("platform", tuple(c.name for c in platform())))
     launch_key_ = launch_key(args, meta, Sq, Skv, key, torch_candidate)
     if signature is not None:
-        plan = ForwardPlan((B, Sq, Hq, D), out.dtype, args[-8:], meta, launch_key_, scores,
+        plan = ForwardPlan((B, Sq, Hq, Dv), out.dtype, args[-8:], meta, launch_key_, scores,
                            torch_candidate)  # fmt: skip
         remember(FORWARD_PLANS, signature, plan)
     launch(_attn_fwd_kernel, forward_configs, grid, args, meta, Sq, Skv,

@@ -95,21 +95,25 @@ _DQ_TILES = {
     (128, "16-bit"): [(128, 128, 2, 8, {"softcap", "pointer"}), (128, 64, 3, 8), (128, 32, 3, 8),
                       (64, 64, 3, 4), (64, 32, 3, 4), (32, 32, 2, 4)],
     (256, "16-bit"): [(128, 32, 2, 8), (32, 64, 2, 8), (32, 32, 2, 8)],
+    # MLA's (192, 128): 128x64 holds Q, dQ (256 wide) and dO (128) in 232 registers, no
+    # spill: 342 instructions per 128 x 64 pair against 128x32's 264 per 128 x 32
+    (256, "16-bit", 128): [(128, 64, 2, 8), (128, 32, 2, 8), (32, 64, 2, 8), (32, 32, 2, 8)],
     **{key: tiles for key, tiles in DKDV_TILES.items() if key[1] == "fp32"},
 }  # fmt: skip
 
 
-def backward_configs(head_dim: int, dtype: torch.dtype,
-                     modes: frozenset = frozenset()) -> list[triton.Config]:  # fmt: skip
-    """dK/dV tiles at this head dim and dtype: few keys per program, as each holds four
-    (BLOCK_N, D) tiles."""
-    return tile_configs(DKDV_TILES, head_dim, dtype, modes)
+def backward_configs(head_dim: int, dtype: torch.dtype, modes: frozenset = frozenset(),
+                     v_dim: int | None = None) -> list[triton.Config]:  # fmt: skip
+    """dK/dV tiles at this head dim (and V's) and dtype: few keys per program, as each
+    holds four (BLOCK_N, D) tiles."""
+    return tile_configs(DKDV_TILES, head_dim, dtype, modes, v_dim)
 
 
-def dq_configs(head_dim: int, dtype: torch.dtype,
-               modes: frozenset = frozenset()) -> list[triton.Config]:  # fmt: skip
-    """dQ tiles at this head dim and dtype: 64 to 128 queries per program (wgmma)."""
-    return tile_configs(_DQ_TILES, head_dim, dtype, modes)
+def dq_configs(head_dim: int, dtype: torch.dtype, modes: frozenset = frozenset(),
+               v_dim: int | None = None) -> list[triton.Config]:  # fmt: skip
+    """dQ tiles at this head dim (and V's) and dtype: 64 to 128 queries per program
+    (wgmma)."""
+    return tile_configs(_DQ_TILES, head_dim, dtype, modes, v_dim)
 
 
 # --- kernels --------------------------------------------------------------------------
@@ -131,7 +135,7 @@ def _load_row_stats(lse_ptrs, delta_ptrs, mask, LOAD_DELTA: tl.constexpr = True)
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v, q_src, do_src, stride_qs, stride_dos, lse_ptr, delta_ptr, stride_ls,
-    d_mask, q_lo, q_hi, start, mid_lo, mid_hi, end, Sq, qk_scale, cap_in,
+    d_mask, dv_mask, q_lo, q_hi, start, mid_lo, mid_hi, end, Sq, qk_scale, cap_in,
     dq_dst, stride_dqs, sm_scale,
     SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     DQ: tl.constexpr, DQ_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -146,7 +150,7 @@ def _bwd_dkdv_inner(
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + tl.arange(0, BLOCK_M)
         q = load_rows(q_src, start_m, stride_qs, d_mask, Sq, TMA, BLOCK_M)
-        do = load_rows(do_src, start_m, stride_dos, d_mask, Sq, TMA, BLOCK_M)
+        do = load_rows(do_src, start_m, stride_dos, dv_mask, Sq, TMA, BLOCK_M)
         rows64 = rows.to(tl.int64)
         lse2, delta = _load_row_stats(lse_ptr + rows64 * stride_ls, delta_ptr + rows64, rows < Sq)
         qk_t, t = scores(tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION), qk_scale,
@@ -201,7 +205,8 @@ def _attn_bwd_dkdv_kernel(
     # sizes
     Sq, Skv, Hq, GROUP, SPLIT, qk_scale, cap_in, sm_scale, shift, left, right,
     # meta-parameters
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INTERVALS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, INTERVALS: tl.constexpr,
     SOFTCAP: tl.constexpr, ACCUMULATE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     TMA: tl.constexpr, OUT_TMA: tl.constexpr, DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -224,7 +229,10 @@ def _attn_bwd_dkdv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     d_mask = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV).to(tl.int64)  # V's, dO's and dV's columns
+    dv_mask = offs_dv < HEAD_DIM_V
     kv_mask = (offs_n < Skv)[:, None] & d_mask[None, :]
+    v_mask = (offs_n < Skv)[:, None] & dv_mask[None, :]
 
     # The queries [q_lo, q_hi) that see each key (attention_mask), and the query blocks
     # they give (the forward's ranges, from the key side). Rows past Sq and keys past
@@ -246,15 +254,15 @@ def _attn_bwd_dkdv_kernel(
     k = tl.load(k_ptr + b * stride_kb + h_kv * stride_kh + offs_n[:, None] * stride_ks
                 + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # fmt: skip
     v = tl.load(v_ptr + b * stride_vb + h_kv * stride_vh + offs_n[:, None] * stride_vs
-                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # fmt: skip
+                + offs_dv[None, :] * stride_vd, mask=v_mask, other=0.0)  # fmt: skip
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
     for g in range(g_lo, g_hi):
         h = h_kv * GROUP + g
         q_src = tile_source(q_ptr + b * stride_qb + h * stride_qh, Sq, stride_qs, stride_qd,
                             HEAD_DIM, TMA, BLOCK_M, BLOCK_D)  # fmt: skip
         do_src = tile_source(do_ptr + b * stride_dob + h * stride_doh, Sq, stride_dos,
-                             stride_dod, HEAD_DIM, TMA, BLOCK_M, BLOCK_D)  # fmt: skip
+                             stride_dod, HEAD_DIM_V, TMA, BLOCK_M, BLOCK_DV)  # fmt: skip
         dq_dst = dq_ptr
         if DQ:
             dq_dst = tile_source(dq_ptr + b * stride_dqb + h * stride_dqh, Sq, stride_dqs,
@@ -262,16 +270,17 @@ def _attn_bwd_dkdv_kernel(
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_src, do_src, stride_qs, stride_dos,
             lse_ptr + b * stride_lb + h * stride_lh, delta_ptr + (b * Hq + h) * Sq, stride_ls,
-            d_mask, q_lo, q_hi, start, mid_lo, mid_hi, end, Sq, qk_scale, cap_in,
+            d_mask, dv_mask, q_lo, q_hi, start, mid_lo, mid_hi, end, Sq, qk_scale, cap_in,
             dq_dst, stride_dqs, sm_scale, SOFTCAP, INPUT_PRECISION, TMA, DQ, DQ_TMA, BLOCK_M,
         )  # fmt: skip
 
     if ACCUMULATE:  # a block no query sees adds nothing: leave it alone
         kv_mask = kv_mask & (keys * 0 + start < end)[:, None]
+        v_mask = v_mask & (keys * 0 + start < end)[:, None]
     dv_out = dv_ptr + b * stride_dvb + pid_h * stride_dvh
     dk_out = dk_ptr + b * stride_dkb + pid_h * stride_dkh
-    store_tile(dv_out, dv, pid_n * BLOCK_N, offs_n, offs_d, stride_dvs, stride_dvd, kv_mask,
-                Skv, HEAD_DIM, ACCUMULATE, OUT_TMA, BLOCK_N, BLOCK_D)  # fmt: skip
+    store_tile(dv_out, dv, pid_n * BLOCK_N, offs_n, offs_dv, stride_dvs, stride_dvd, v_mask,
+                Skv, HEAD_DIM_V, ACCUMULATE, OUT_TMA, BLOCK_N, BLOCK_DV)  # fmt: skip
     if not DQ:  # (the fused kernel scaled dS already)
         dk = dk * sm_scale
     store_tile(dk_out, dk, pid_n * BLOCK_N, offs_n, offs_d, stride_dks,
@@ -282,7 +291,7 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_inner(
     dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs,
-    d_mask, lo, hi, start, mid_lo, mid_hi, end, Skv, qk_scale, cap_in,
+    d_mask, dv_mask, lo, hi, start, mid_lo, mid_hi, end, Skv, qk_scale, cap_in,
     SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -291,7 +300,7 @@ def _bwd_dq_inner(
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = load_rows(k_src, start_n, stride_ks, d_mask, Skv, TMA, BLOCK_N)
-        v = load_rows(v_src, start_n, stride_vs, d_mask, Skv, TMA, BLOCK_N)
+        v = load_rows(v_src, start_n, stride_vs, dv_mask, Skv, TMA, BLOCK_N)
         qk, t = scores(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION), qk_scale,
                        cap_in, SOFTCAP)  # fmt: skip
         p = tl.math.exp2(qk - lse2[:, None])
@@ -325,7 +334,8 @@ def _attn_bwd_dq_kernel(
     # sizes
     Sq, Skv, Hq, GROUP, qk_scale, cap_in, sm_scale, shift, left, right,
     # meta-parameters
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, INTERVALS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, INTERVALS: tl.constexpr,
     SOFTCAP: tl.constexpr, ACCUMULATE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     TMA: tl.constexpr, DELTA: tl.constexpr, DLSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -342,6 +352,9 @@ def _attn_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     d_mask = offs_d < HEAD_DIM
     row_mask = (offs_m < Sq)[:, None] & d_mask[None, :]
+    offs_dv = tl.arange(0, BLOCK_DV).to(tl.int64)  # dO's, O's and V's columns
+    dv_mask = offs_dv < HEAD_DIM_V
+    row_mask_v = (offs_m < Sq)[:, None] & dv_mask[None, :]
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if INTERVALS:  # the forward's key ranges
         lo, hi = load_intervals(kv_lo_ptr + b * stride_ib, kv_hi_ptr + b * stride_ib, rows,
@@ -353,12 +366,12 @@ def _attn_bwd_dq_kernel(
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
                 + offs_d[None, :] * stride_qd, mask=row_mask, other=0.0)  # fmt: skip
     do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos
-                 + offs_d[None, :] * stride_dod, mask=row_mask, other=0.0)  # fmt: skip
+                 + offs_dv[None, :] * stride_dod, mask=row_mask_v, other=0.0)  # fmt: skip
     lse_ptrs = lse_ptr + b * stride_lb + h * stride_lh + offs_m * stride_ls
     delta_ptrs = delta_ptr + (b * Hq + h) * Sq + offs_m
     if DELTA:
         o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os
-                    + offs_d[None, :] * stride_od, mask=row_mask, other=0.0)  # fmt: skip
+                    + offs_dv[None, :] * stride_od, mask=row_mask_v, other=0.0)  # fmt: skip
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         if DLSE:  # d(LSE_i)/d(S_ij) = P_ij: the LSE's gradient folds into delta
             delta -= tl.load(dlse_ptr + b * stride_dlb + h * stride_dlh + offs_m * stride_dls,
@@ -370,12 +383,13 @@ def _attn_bwd_dq_kernel(
     k_src = tile_source(k_ptr + b * stride_kb + h_kv * stride_kh, Skv, stride_ks, stride_kd,
                         HEAD_DIM, TMA, BLOCK_N, BLOCK_D)  # fmt: skip
     v_src = tile_source(v_ptr + b * stride_vb + h_kv * stride_vh, Skv, stride_vs, stride_vd,
-                        HEAD_DIM, TMA, BLOCK_N, BLOCK_D)  # fmt: skip
+                        HEAD_DIM_V, TMA, BLOCK_N, BLOCK_DV)  # fmt: skip
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     dq = _bwd_dq_inner(
-        dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, d_mask, lo, hi, start,
-        mid_lo, mid_hi, end, Skv, qk_scale, cap_in, SOFTCAP, INPUT_PRECISION, TMA, BLOCK_N,
+        dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, d_mask, dv_mask, lo, hi,
+        start, mid_lo, mid_hi, end, Skv, qk_scale, cap_in, SOFTCAP, INPUT_PRECISION, TMA,
+        BLOCK_N,
     )  # fmt: skip
     dq = dq * sm_scale
     dq_ptrs = (dq_ptr + b * stride_dqb + h * stride_dqh
@@ -449,7 +463,7 @@ def attention_backward_dkdv(
     agreement: Agreement | None = None,
     tune_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(dk, dv)`` (B, Skv, Hkv, D) of one attention block; arguments as in
+    """``(dk, dv)`` (B, Skv, Hkv, D) and (B, Skv, Hkv, Dv) of one attention block; arguments as in
     `attention_backward` (``delta`` required). Writes fresh values, or adds into `dk`
     and `dv` with ``accumulate``. Under GQA with a small grid the group is split
     (`gqa_split`): fp32 partials, then a fixed-order sum into `dk`, `dv`. Checked and
@@ -493,10 +507,10 @@ def launch_dkdv(plan, lo, hi, batch_stride, configs, dout, q, k, v, lse, delta, 
     backward's fp32 `dq_sums` (plan kind "fused") it adds dQ there too. `restore`: what
     else the kernel adds into (tuning puts it back; dk and dv are added when the plan
     accumulates into them)."""
-    (B, Skv, Hkv, D), split, meta = k.shape, plan.split, plan.meta
+    (B, Skv, Hkv, D), Dv, split, meta = k.shape, v.shape[-1], plan.split, plan.meta
     out_k, out_v = dk, dv
     if split > 1:
-        out_k, out_v = (partials((B, Skv, Hkv * split, D), q.device) for _ in range(2))
+        out_k, out_v = (partials((B, Skv, Hkv * split, d), q.device) for d in (D, Dv))
     if meta["TMA"] or meta["OUT_TMA"] or meta["DQ_TMA"]:
         ensure_tma_allocator(q.device)  # per thread: autograd's backward runs on its own
     args = (q, k, v, dout, lse, delta, out_k, out_v, q if dq_sums is None else dq_sums, lo, hi,
@@ -514,8 +528,9 @@ def launch_dkdv(plan, lo, hi, batch_stride, configs, dout, q, k, v, lse, delta, 
 
 
 def sum_slices(grads, parts, split: int, accumulate: bool) -> None:
-    """Each group's `split` fp32 slices (B, Skv, Hkv * split, D) summed in order (torch.sum:
-    no atomics) into `grads` (B, Skv, Hkv, D), or added to them with `accumulate`."""
+    """Each group's `split` fp32 slices (B, Skv, Hkv * split, D or Dv) summed in order
+    (torch.sum: no atomics) into `grads` (B, Skv, Hkv, D or Dv), or added to them with
+    `accumulate`."""
     for final, part in zip(grads, parts, strict=True):
         summed = part.unflatten(2, (final.shape[2], split)).sum(3)
         if accumulate:

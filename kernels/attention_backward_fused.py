@@ -67,10 +67,12 @@ def transposed_dot_miscompiles(version: str = triton.__version__) -> bool:
 
 
 def fused_configs(head_dim: int, dtype: torch.dtype, modes: frozenset = frozenset(),
+                  v_dim: int | None = None,
                   version: str = triton.__version__) -> list[triton.Config]:  # fmt: skip
-    """The fused backward's tiles, less the 64-wide ones under a Triton that
-    miscompiles its dQ dot (`transposed_dot_miscompiles`; `version`: Triton's)."""
-    configs = tile_configs(_FUSED_TILES, head_dim, dtype, modes)
+    """The fused backward's tiles (at this head dim and V's), less the 64-wide ones
+    under a Triton that miscompiles its dQ dot (`transposed_dot_miscompiles`;
+    `version`: Triton's)."""
+    configs = tile_configs(_FUSED_TILES, head_dim, dtype, modes, v_dim)
     if transposed_dot_miscompiles(version):
         configs = [c for c in configs if 64 not in (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"])]
     return configs
@@ -154,11 +156,11 @@ def attention_backward_fused(
     return dq, dk, dv
 
 
-def _backward_key(q, k, causal, window, softcap, intervals, accumulate, grads) -> tuple:
+def _backward_key(q, k, v, causal, window, softcap, intervals, accumulate, grads) -> tuple:
     """Tuner ``attention_backward``'s key: what the two backwards' relative speed depends
     on (the lengths bucketed as the kernels' tiles are)."""
     (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
-    return (str(q.dtype), D, bucket(B), bucket(Sq), bucket(Skv), Hq, Hkv,
+    return (str(q.dtype), D, v.shape[-1], bucket(B), bucket(Sq), bucket(Skv), Hq, Hkv,
             intervals is not None or is_masked(causal, window), softcap > 0, accumulate,
             *(str(g.dtype) for g in grads))  # fmt: skip
 
@@ -264,7 +266,7 @@ def attention_backward(
             return [FUSED]
         return [FUSED, SPLIT, *platform]
 
-    key = (*_backward_key(q, k, causal, window, softcap, intervals, accumulate, grads),
+    key = (*_backward_key(q, k, v, causal, window, softcap, intervals, accumulate, grads),
            ("platform", tuple(c.name for c in platform)))  # fmt: skip
     restore = grads if accumulate and not tune_only else []
     pick = _tuning.tuner("attention_backward").run(key, candidates, run, device=q.device,

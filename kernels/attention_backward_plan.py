@@ -63,15 +63,16 @@ def check_backward_inputs(dout, q, k, v, lse, delta, sources=(None, None)):
     `accumulator`)."""
     check_attention_inputs(q, k, v)
     (B, Sq, Hq, _) = q.shape
-    if dout.shape != q.shape:
-        raise ValueError(f"dout must be q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
+    out_shape = (B, Sq, Hq, v.shape[-1])  # out's and dout's: V's head dim
+    if tuple(dout.shape) != out_shape:
+        raise ValueError(f"dout must be out's shape {out_shape}, got {tuple(dout.shape)}")
     wide = accumulator(q.dtype)
     check_buffer("lse", lse, (B, Hq, Sq), (wide,), q.device)
     if delta is not None:
         check_buffer("delta", delta, (B, Hq, Sq), (wide,), q.device)
     out, dlse = sources
     if out is not None:
-        check_buffer("out", out, q.shape, (q.dtype, wide), q.device)
+        check_buffer("out", out, out_shape, (q.dtype, wide), q.device)
     if dlse is not None:
         check_buffer("dlse", dlse, (B, Hq, Sq), (wide,), q.device)
 
@@ -120,7 +121,7 @@ def torch_backward(kind, dout, q, k, v, lse, delta, grads, mask, accumulate, gra
     grads = checked_buffers(kind, dout, q, k, v, lse, delta, grads, accumulate, grad_dtype,
                              tune_only, sources)  # fmt: skip
     side = "query" if kind == "dq" else "key"
-    scores = mask_arguments(q, k, side=side, **mask)[-1]
+    scores = mask_arguments(q, k, v, side=side, **mask)[-1]
     if tune_only:
         return None
     if sources[0] is not None:
@@ -152,16 +153,16 @@ def plan_backward(kind, kernel, split_of: Callable[[], int], split_below, dout, 
             return plan, (q, q, 0)
     grads = checked_buffers(kind, dout, q, k, v, lse, delta, grads, accumulate, grad_dtype,
                             tune_only, sources)  # fmt: skip
-    (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
+    (B, Sq, Hq, D), (_, Skv, Hkv, _), Dv = q.shape, k.shape, v.shape[-1]
     side = "query" if kind == "dq" else "key"
     tensors, (qk_scale, cap_in, shift, left, right), meta, key, scores = mask_arguments(
-        q, k, side=side, **mask)  # fmt: skip
+        q, k, v, side=side, **mask)  # fmt: skip
     given = [t for t in sources if t is not None]
     check_launchable(kernel, dout, q, k, v, lse, delta, *grads, *tensors[:2], *given)
     split = split_of() if kind != "dq" else 1
     if split > 1:  # the kernel writes fp32 partials (contiguous), summed after it
-        grads[:2] = [torch.empty((B, Skv, Hkv * split, D), dtype=torch.float32,
-                                 device=q.device) for _ in range(2)]  # fmt: skip
+        grads[:2] = [torch.empty((B, Skv, Hkv * split, d), dtype=torch.float32,
+                                 device=q.device) for d in (D, Dv)]  # fmt: skip
     dq_direct = kind == "fused" and grads[2].dtype == accumulator(q.dtype)
     if kind == "fused" and not dq_direct:  # fp32 scratch: contiguous, made per call
         grads[2] = torch.empty(q.shape, dtype=accumulator(q.dtype), device=q.device)

@@ -70,7 +70,8 @@ def launch(
         if is_interpreted(kernel):
             tiles = [triton.Config(interpreter_blocks(bucket(Sq), bucket(Skv)))]
         else:
-            configs_here = configs(meta["HEAD_DIM"], args[0].dtype, kernel_modes(meta))
+            configs_here = configs(meta["HEAD_DIM"], args[0].dtype, kernel_modes(meta),
+                                   v_dim=meta["HEAD_DIM_V"])  # fmt: skip
             tiles = _prune_configs(configs_here, bucket(Sq), bucket(Skv))
         if not _impl.tunes_torch():
             return tiles

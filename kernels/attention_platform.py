@@ -43,8 +43,10 @@ def _causal(q, k, scores) -> bool | None:
     return True if right == 0 and shift == 0 else None
 
 
-def _ops(q, k) -> list:
+def _ops(q, k, v) -> list:
     (_, _, Hq, D), Hkv = q.shape, k.shape[2]
+    if v.shape[-1] != D:  # neither takes V of another head dim (FlashAttention-2 does not)
+        return []
     found = [FLASH] if D <= 256 and Hq % Hkv == 0 else []
     return found + ([CUDNN] if D <= 128 and Hq == Hkv else [])
 
@@ -74,7 +76,7 @@ def forward_candidates(q, k, v, scores, out, lse, merge: bool) -> dict:
         lse.copy_(m.reshape(lse.shape))
 
     runs = {FLASH: flash, CUDNN: cudnn}
-    return {name: runs[name] for name in _ops(q, k)}
+    return {name: runs[name] for name in _ops(q, k, v)}
 
 
 def backward_candidates(dout, q, k, v, out, lse, scores, grads, dlse, accumulate) -> dict:
@@ -107,4 +109,4 @@ def backward_candidates(dout, q, k, v, out, lse, scores, grads, dlse, accumulate
             Skv, 0.0, causal, scale=scores.scale))  # fmt: skip
 
     runs = {FLASH: flash, CUDNN: cudnn}
-    return {name: runs[name] for name in _ops(q, k)}
+    return {name: runs[name] for name in _ops(q, k, v)}

@@ -132,16 +132,16 @@ def _forward_fused_cpu(q, k, v, scores: Scores):
 
 
 def forward(q, k, v, scores: Scores, out, lse, merge_into: bool) -> None:
-    """Attention of q over k, v into `out` (B, Sq, Hq, D) and `lse` (B, Hq, Sq), or with
+    """Attention of q over k, v into `out` (B, Sq, Hq, Dv) and `lse` (B, Hq, Sq), or with
     `merge_into` merged into what they hold (fp32 partials of a ring). Without capping,
-    on a CPU, through PyTorch's fused attention (`_forward_fused_cpu`); else the scores
-    as one matrix."""
-    B, Sq, Hq, D = q.shape
+    on a CPU, through PyTorch's fused attention (`_forward_fused_cpu`; it takes V of Q's
+    head dim only); else the scores as one matrix."""
+    (B, Sq, Hq, D), Dv = q.shape, v.shape[-1]
     wide = accumulator(q.dtype)
     if k.shape[1] == 0:  # no key: output 0, LSE -inf (or nothing to merge)
-        block_out = q.new_zeros((B, Sq, Hq, D), dtype=wide)
+        block_out = q.new_zeros((B, Sq, Hq, Dv), dtype=wide)
         block_lse = q.new_full((B, Hq, Sq), float("-inf"), dtype=wide)
-    elif q.device.type == "cpu" and not scores.softcap:
+    elif q.device.type == "cpu" and not scores.softcap and Dv == D:
         block_out, block_lse = _forward_fused_cpu(q, k, v, scores)
     else:
         s, _ = scores.of(q, k)
@@ -152,7 +152,7 @@ def forward(q, k, v, scores: Scores, out, lse, merge_into: bool) -> None:
         empty = total == 0
         p = e / torch.where(empty, 1.0, total)
         vf = v.to(wide)
-        block_out = torch.einsum("bhgqk,bkhd->bqhgd", p, vf).reshape(B, Sq, Hq, D)
+        block_out = torch.einsum("bhgqk,bkhd->bqhgd", p, vf).reshape(B, Sq, Hq, Dv)
         block_lse = torch.where(empty, float("-inf"), torch.log(torch.where(empty, 1.0, total))
                                 + m).reshape(B, Hq, Sq)  # fmt: skip
     if merge_into:
@@ -175,11 +175,11 @@ def _probabilities(q, k, lse, scores: Scores):
 
 def _grad_scores(dout, q, k, v, lse, delta, scores: Scores):
     """``(dS, P, dO)``: dS = P * (dO V^T - delta), times 1 - tanh^2 when capped."""
-    B, Sq, Hq, D = q.shape
+    B, Sq, Hq, _ = q.shape
     Hkv = k.shape[2]
     p, t = _probabilities(q, k, lse, scores)
     wide = p.dtype
-    dof = dout.to(wide).reshape(B, Sq, Hkv, Hq // Hkv, D)
+    dof = dout.to(wide).reshape(B, Sq, Hkv, Hq // Hkv, dout.shape[-1])  # (dO: V's head dim)
     dp = torch.einsum("bqhgd,bkhd->bhgqk", dof, v.to(wide))
     ds = p * (dp - delta.to(wide).reshape(B, Hkv, Hq // Hkv, Sq, 1))
     if t is not None:
@@ -206,8 +206,8 @@ def backward_dq(dout, q, k, v, lse, delta, scores: Scores, dq, accumulate) -> No
 
 
 def backward_dkdv(dout, q, k, v, lse, delta, scores: Scores, dk, dv, accumulate) -> None:
-    """dK, dV (B, Skv, Hkv, D), summed over each KV head's query heads, into `dk`,
-    `dv`, or added to them."""
+    """dK (B, Skv, Hkv, D) and dV (B, Skv, Hkv, Dv), summed over each KV head's query
+    heads, into `dk`, `dv`, or added to them."""
     if q.shape[1] == 0 or k.shape[1] == 0:
         if not accumulate:
             dk.zero_()

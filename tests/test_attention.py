@@ -28,22 +28,26 @@ from fusedpar.testing import assert_close
 from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
 
 HEAD_DIMS = [8, 16, 40, 64, 72, 96, 128, 256]
+# V's head dim: Q/K's (None) half the time, else one of its own (MLA's V is narrower)
+V_HEAD_DIMS = st.sampled_from([None, None, 8, 24, 64])
 # The kernels' tests: Triton's kernels (the interpreter here) unless a test takes
 # `each_implementation`, which runs it on the torch implementation too.
 pytestmark = pytest.mark.usefixtures("triton_kernels")
 
 
-def _inputs(B, Sq, Skv, Hq, Hkv, D, dtype, seed, layout):
+def _inputs(B, Sq, Skv, Hq, Hkv, D, dtype, seed, layout, Dv=None):
     """q, k, v in one of three layouts: contiguous, slices of a fused QKV projection
-    (strided heads), or windows of a longer sequence (strided sequence)."""
+    (strided heads), or windows of a longer sequence (strided sequence); v of head dim
+    `Dv` (None: D)."""
+    Dv = D if Dv is None else Dv
     if layout == "fused-qkv":
-        assert Sq == Skv
+        assert Sq == Skv and Dv == D
         qkv = randn((B, Sq, Hq + 2 * Hkv, D), dtype, seed)
         return qkv[:, :, :Hq], qkv[:, :, Hq : Hq + Hkv], qkv[:, :, Hq + Hkv :]
     pad = 3 if layout == "seq-window" else 0
     q = randn((B, Sq + pad, Hq, D), dtype, seed)[:, pad:]
     k = randn((B, Skv + pad, Hkv, D), dtype, seed + 1)[:, :Skv]
-    v = randn((B, Skv + 2 * pad, Hkv, D), dtype, seed + 2)[:, pad : pad + Skv]
+    v = randn((B, Skv + 2 * pad, Hkv, Dv), dtype, seed + 2)[:, pad : pad + Skv]
     return q, k, v
 
 
@@ -99,10 +103,11 @@ def torch_results(inputs, dout, dlse, ref, causal=False, scale=None, **mask):
 
 
 def check_attention(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, layout="contiguous", scale=None,
-                    **mask):  # fmt: skip
-    """`mask`: window and softcap, as `flash_attn` takes them."""
-    q, k, v = _inputs(B, Sq, Skv, Hq, Hkv, D, dtype, seed, layout)
-    dout = randn((B, Sq, Hq, D), dtype, seed + 3)
+                    Dv=None, **mask):  # fmt: skip
+    """`mask`: window and softcap, as `flash_attn` takes them; `Dv`: V's head dim (None:
+    D)."""
+    q, k, v = _inputs(B, Sq, Skv, Hq, Hkv, D, dtype, seed, layout, Dv)
+    dout = randn((B, Sq, Hq, v.shape[-1]), dtype, seed + 3)
     dlse = randn((B, Hq, Sq), torch.float32, seed + 4)
 
     def ours(q, k, v):
@@ -118,27 +123,32 @@ def check_attention(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, layout="contigu
         ("out", "lse", "dq", "dk", "dv"), got, ref, torch_same_dtype, strict=True
     ):
         assert g.dtype == (torch.float32 if name == "lse" else dtype), name
-        # S and dP are dots of length D, their rounding amplified by exp and dP - delta
-        assert_close(g, r, t, name=name, sum_length=D if name.startswith("d") else None)
+        # S and dP are dots of length D and Dv, their rounding amplified by exp and dP - delta
+        length = max(D, v.shape[-1])
+        assert_close(g, r, t, name=name, sum_length=length if name.startswith("d") else None)
 
 
 @given(
     B=st.integers(1, 2), Sq=st.integers(1, 70), Skv=st.integers(1, 70),
     Hkv=st.integers(1, 2), group=st.integers(1, 3), D=st.sampled_from(HEAD_DIMS),
     causal=st.booleans(), dtype=cpu_dtypes(), seed=seeds(),
-    layout=st.sampled_from(["contiguous", "seq-window"]),
+    layout=st.sampled_from(["contiguous", "seq-window"]), Dv=V_HEAD_DIMS,
 )  # fmt: skip
 @example(B=1, Sq=1, Skv=33, Hkv=1, group=2, D=64, causal=True, dtype=torch.float32, seed=0,
-         layout="contiguous")  # Sq = 1: a decoding step  # fmt: skip
+         layout="contiguous", Dv=None)  # Sq = 1: a decoding step  # fmt: skip
 @example(B=2, Sq=40, Skv=13, Hkv=2, group=1, D=16, causal=True, dtype=torch.float16, seed=1,
-         layout="seq-window")  # Sq > Skv causal: 27 rows see no key  # fmt: skip
+         layout="seq-window", Dv=None)  # Sq > Skv causal: 27 rows see no key  # fmt: skip
 @example(B=1, Sq=19, Skv=1, Hkv=1, group=4, D=40, causal=False, dtype=torch.float32, seed=2,
-         layout="contiguous")  # Skv = 1, MQA  # fmt: skip
+         layout="contiguous", Dv=None)  # Skv = 1, MQA  # fmt: skip
 @example(B=1, Sq=24, Skv=24, Hkv=1, group=2, D=256, causal=True, dtype=torch.float16, seed=3,
-         layout="contiguous")  # the largest head dim  # fmt: skip
-def test_flash_attn_matches_float64(B, Sq, Skv, Hkv, group, D, causal, dtype, seed, layout,
+         layout="contiguous", Dv=None)  # the largest head dim  # fmt: skip
+@example(B=1, Sq=21, Skv=21, Hkv=1, group=2, D=192, causal=True, dtype=torch.float16, seed=4,
+         layout="seq-window", Dv=128)  # MLA's (192, 128)  # fmt: skip
+@example(B=2, Sq=9, Skv=30, Hkv=2, group=2, D=128, causal=False, dtype=torch.float32, seed=5,
+         layout="contiguous", Dv=64)  # fmt: skip
+def test_flash_attn_matches_float64(B, Sq, Skv, Hkv, group, D, causal, dtype, seed, layout, Dv,
                                     each_implementation):  # fmt: skip
-    check_attention(B, Sq, Skv, Hkv * group, Hkv, D, causal, dtype, seed, layout)
+    check_attention(B, Sq, Skv, Hkv * group, Hkv, D, causal, dtype, seed, layout, Dv=Dv)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -188,7 +198,8 @@ def test_softmax_scale_must_be_positive_and_finite(scale, error):
         (((2, 4, 2, 8), (2, 4, 2, 8), (2, 4, 2)), None, ValueError, r"v must be 4-D.*\(2, 4, 2\)"),
         (((2, 4, 2, 8), (3, 4, 2, 8), (3, 4, 2, 8)), None, ValueError, "B=2.*B=3"),
         (((2, 4, 2, 8), (2, 4, 2, 16), (2, 4, 2, 16)), None, ValueError, "D=8.*D=16"),
-        (((2, 4, 2, 8), (2, 5, 2, 8), (2, 4, 2, 8)), None, ValueError, "one shape"),
+        (((2, 4, 2, 8), (2, 5, 2, 8), (2, 4, 2, 8)), None, ValueError, r"one \(B, S, H\)"),
+        (((1, 4, 2, 16), (1, 4, 2, 16), (1, 4, 2, 12)), None, ValueError, "Dv=12"),
         (((1, 4, 3, 8), (1, 4, 2, 8), (1, 4, 2, 8)), None, ValueError, "Hq=3.*Hkv=2"),
         (((1, 4, 2, 12), (1, 4, 2, 12), (1, 4, 2, 12)), None, ValueError, "D=12"),
         (((1, 4, 2, 264), (1, 4, 2, 264), (1, 4, 2, 264)), None, ValueError, "D=264"),
@@ -227,11 +238,12 @@ def test_flash_attn_gpu(B, S, Hq, Hkv, D, causal, dtype, path, monkeypatch):
         check_flash_attn_gpu(B, S, Hq, Hkv, D, causal, dtype)
 
 
-def check_flash_attn_gpu(B, S, Hq, Hkv, D, causal, dtype):
+def check_flash_attn_gpu(B, S, Hq, Hkv, D, causal, dtype, Dv=None):
     torch.manual_seed(0)
     q = torch.randn(B, S, Hq, D, device="cuda", dtype=dtype)
-    k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype) for _ in range(2))
-    dout = torch.randn_like(q)
+    k = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype)
+    v = torch.randn(B, S, Hkv, D if Dv is None else Dv, device="cuda", dtype=dtype)
+    dout = torch.randn(B, S, Hq, v.shape[-1], device="cuda", dtype=dtype)
     dlse = torch.zeros(B, Hq, S, device="cuda")
     got = attention_grads(
         lambda *t: fp.flash_attn(*t, causal=causal, return_lse=True), (q, k, v), dout, dlse
@@ -290,6 +302,23 @@ def test_approximate_soft_capping_gpu(softcap, deterministic):
         assert_close(g, r, t, name=name, sum_length=D if name.startswith("d") else None)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["tma", "pointer"])
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("D, Dv", [(192, 128), (128, 64)])
+def test_head_dim_pairs_gpu(D, Dv, deterministic, path, monkeypatch):
+    """V's head dim apart from Q/K's (DeepSeek's MLA: 192 and 128), bf16 causal GQA,
+    both backwards and read paths, V never padded."""
+    if path == "pointer":
+        force_pointer_path(monkeypatch)
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    try:
+        with fp.implementation("triton"):
+            check_flash_attn_gpu(1, 2048, 16, 4, D, True, torch.bfloat16, Dv)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 @pytest.mark.parametrize("Sq, Skv", [(0, 5), (5, 0), (0, 0)])
 def test_empty_sequences(Sq, Skv, each_implementation):
     q = randn((1, Sq, 2, 8), torch.float32, 0).requires_grad_()
@@ -337,7 +366,7 @@ def force_split(mp, split_below):
 
 
 def check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, device="cpu", split_below=None,
-                     first_keys=None, deterministic=False):  # fmt: skip
+                     first_keys=None, deterministic=False, Dv=None):  # fmt: skip
     """The kernels as the ring drives them, against float64 full attention:
 
     - forward: keys [0, s1) written as an fp32 partial into NaN-poisoned strided buffers,
@@ -348,20 +377,23 @@ def check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, device="cpu", 
       `attention_backward` adding into random fp32 buffers (``accumulate``), and
       `attention_backward` from `out` and dLSE (delta made first) into poisoned
       buffers, fused or, with ``deterministic``, split (dQ's kernel makes delta);
-    - both with the GQA split forced (``split_below``) or not.
+    - both with the GQA split forced (``split_below``) or not; v of head dim `Dv`
+      (None: D).
     """
+    Dv = D if Dv is None else Dv
 
     def strided(shape, offset):
         return randn((shape[0], shape[1] + 3, *shape[2:]), dtype, seed + offset).to(device)[:, 3:]
 
-    q, k, v = strided((B, Sq, Hq, D), 0), strided((B, Skv, Hkv, D), 1), strided((B, Skv, Hkv, D), 2)
-    dout = randn((B, Sq, Hq, D), dtype, seed + 3).to(device)
+    q, k = strided((B, Sq, Hq, D), 0), strided((B, Skv, Hkv, D), 1)
+    v = strided((B, Skv, Hkv, Dv), 2)
+    dout = randn((B, Sq, Hq, Dv), dtype, seed + 3).to(device)
     dlse = randn((B, Hq, Sq), torch.float32, seed + 4).to(device)
     q64, k64, v64 = (t.double() for t in (q, k, v))
     visible_to_all = max(0, Skv - Sq + 1) if causal else Skv
     s1 = first_keys if first_keys is not None else seed % (visible_to_all + 1)
 
-    out, lse = poisoned((B, Sq, Hq, D), device), poisoned((B, Hq, Sq + 1), device)[..., 1:]
+    out, lse = poisoned((B, Sq, Hq, Dv), device), poisoned((B, Hq, Sq + 1), device)[..., 1:]
     attention_forward(q, k[:, :s1], v[:, :s1], out=out, lse=lse)
     attention_forward(q, k[:, s1:], v[:, s1:], causal=causal, out=out, lse=lse, merge=True)
     ref = attention_grads(lambda *t: attention_reference(*t, causal=causal), (q64, k64, v64),
@@ -397,26 +429,27 @@ def check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, device="cpu", 
         # of flash_attn are: from 16-bit inputs the kernels' dots take 16-bit operands
         # (dS, P), and an fp32 floor failed 1 example in a few thousand (0.00019 against
         # 0.00019 allowed: fp16, Sq=1, Skv=2, D=64)
-        assert_close(f.to(dtype), r, t, name=f"{name} fresh", sum_length=D)
-        assert_close((a - s0).to(dtype), r, t, name=f"{name} accumulated", sum_length=D)
-        assert_close(m.to(dtype), r, t, name=f"{name} (delta made by dQ)", sum_length=D)
+        length = max(D, Dv)
+        assert_close(f.to(dtype), r, t, name=f"{name} fresh", sum_length=length)
+        assert_close((a - s0).to(dtype), r, t, name=f"{name} accumulated", sum_length=length)
+        assert_close(m.to(dtype), r, t, name=f"{name} (delta made by dQ)", sum_length=length)
 
 
 @given(
     B=st.integers(1, 2), Sq=st.integers(1, 40), Skv=st.integers(1, 40), Hkv=st.integers(1, 2),
     group=st.integers(1, 3), D=st.sampled_from([8, 16, 40, 64]), causal=st.booleans(),
     dtype=cpu_dtypes(), seed=seeds(), split_below=st.sampled_from([None, 4, 10**6]),
-    deterministic=st.booleans(),
+    deterministic=st.booleans(), Dv=V_HEAD_DIMS,
 )  # fmt: skip
 # Sq > Skv: 24 rows see no key, merged into an empty partial (s1 = 0)
 @example(B=1, Sq=37, Skv=13, Hkv=1, group=3, D=16, causal=True, dtype=torch.float32, seed=0,
-         split_below=10**6, deterministic=False)  # fmt: skip
+         split_below=10**6, deterministic=False, Dv=None)  # fmt: skip
 @example(B=2, Sq=17, Skv=33, Hkv=2, group=3, D=40, causal=True, dtype=torch.float16, seed=7,
-         split_below=10**6, deterministic=True)  # fmt: skip
+         split_below=10**6, deterministic=True, Dv=24)  # V narrower, the GQA split  # fmt: skip
 def test_ring_modes_match_float64(B, Sq, Skv, Hkv, group, D, causal, dtype, seed, split_below,
-                                  deterministic, each_implementation):  # fmt: skip
+                                  deterministic, Dv, each_implementation):  # fmt: skip
     check_ring_modes(B, Sq, Skv, Hkv * group, Hkv, D, causal, dtype, seed, split_below=split_below,
-                     deterministic=deterministic)  # fmt: skip
+                     deterministic=deterministic, Dv=Dv)  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -39,14 +39,17 @@ def _mask(kind, S, seed, device):
             {"visible": visible_reference(cu, cu, **mask)})  # fmt: skip
 
 
-def check_fused(B, S, Hkv, group, D, kind, dtype, seed, split_below, device="cpu"):
+def check_fused(B, S, Hkv, group, D, kind, dtype, seed, split_below, device="cpu", Dv=None):
     """The fused backward against float64: fresh gradients (from out and dLSE, into
     NaN-poisoned strided buffers of q's dtype) and fp32 gradients added into (the ring's
-    mode), with the GQA split forced (`split_below`) or not."""
+    mode), with the GQA split forced (`split_below`) or not; v of head dim `Dv` (None:
+    D)."""
     B = 1 if kind == "packed" else B
+    Dv = D if Dv is None else Dv
     q = randn((B, S, Hkv * group, D), dtype, seed).to(device)
-    k, v = (randn((B, S, Hkv, D), dtype, seed + i).to(device) for i in (1, 2))
-    dout = randn(q.shape, dtype, seed + 3).to(device)
+    k = randn((B, S, Hkv, D), dtype, seed + 1).to(device)
+    v = randn((B, S, Hkv, Dv), dtype, seed + 2).to(device)
+    dout = randn((*q.shape[:3], Dv), dtype, seed + 3).to(device)
     mask, ref_mask = _mask(kind, S, seed, device)
     out, lse = attention_forward(q, k, v, **mask)
     dlse = randn(lse.shape, torch.float32, seed + 4).to(device)
@@ -68,17 +71,19 @@ def check_fused(B, S, Hkv, group, D, kind, dtype, seed, split_below, device="cpu
                                            dk=added[1], dv=added[2], accumulate=True)  # fmt: skip
     for name, m, a, s0, r, t in zip(("dq", "dk", "dv"), made, added, start, ref[2:], same[2:],
                                     strict=True):  # fmt: skip
-        assert_close(m, r, t, name=f"{name} fused", sum_length=D)
-        assert_close((a - s0).to(dtype), r, t, name=f"{name} fused, added", sum_length=D)
+        assert_close(m, r, t, name=f"{name} fused", sum_length=max(D, Dv))
+        assert_close((a - s0).to(dtype), r, t, name=f"{name} fused, added",
+                     sum_length=max(D, Dv))  # fmt: skip
 
 
 @given(
     B=st.integers(1, 2), S=st.integers(5, 40), Hkv=st.integers(1, 2), group=st.integers(1, 3),
     D=st.sampled_from([8, 16, 40]), kind=st.sampled_from(["causal", "window-softcap", "packed"]),
     dtype=cpu_dtypes(), seed=seeds(), split_below=st.sampled_from([None, 10**6]),
+    Dv=st.sampled_from([None, None, 8, 24]),
 )  # fmt: skip
-def test_fused_backward_matches_float64(B, S, Hkv, group, D, kind, dtype, seed, split_below):
-    check_fused(B, S, Hkv, group, D, kind, dtype, seed, split_below)
+def test_fused_backward_matches_float64(B, S, Hkv, group, D, kind, dtype, seed, split_below, Dv):
+    check_fused(B, S, Hkv, group, D, kind, dtype, seed, split_below, Dv=Dv)
 
 
 @pytest.mark.gpu

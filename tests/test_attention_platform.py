@@ -15,10 +15,10 @@ from fusedpar.testing import assert_close
 from fusedpar.testing.strategies import randn
 
 
-def _scores(q, k, **mask):
-    return mask_arguments(q, k, side="query", **{"causal": False, "window": (-1, -1),
-                                                  "softcap": 0.0, "softmax_scale": None,
-                                                  "intervals": None, **mask})[-1]  # fmt: skip
+def _scores(q, k, v=None, **mask):
+    mask = {"causal": False, "window": (-1, -1), "softcap": 0.0, "softmax_scale": None,
+            "intervals": None, **mask}  # fmt: skip
+    return mask_arguments(q, k, k if v is None else v, side="query", **mask)[-1]
 
 
 def _meta(shape, dtype=torch.bfloat16):
@@ -54,6 +54,17 @@ def test_which_calls_are_offered(mask, Sq, Skv, Hkv, D, dtype, offered):
     assert not platform.backward_candidates(out, q, k, v, out, lse, scores, wide, None, False)
     cpu = torch.empty(q.shape, dtype=dtype)
     assert not platform.forward_candidates(cpu, cpu, cpu, scores, cpu, lse, merge=False)
+
+
+def test_none_is_offered_for_v_of_its_own_head_dim():
+    """V narrower than Q and K (MLA): neither SDPA kernel computes it unpadded."""
+    q, k = _meta((2, 64, 4, 128)), _meta((2, 64, 4, 128))
+    v, out = _meta((2, 64, 4, 64)), _meta((2, 64, 4, 64))
+    lse = _meta((2, 4, 64), torch.float32)
+    scores = _scores(q, k, v)
+    assert not platform.forward_candidates(q, k, v, scores, out, lse, merge=False)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    assert not platform.backward_candidates(out, q, k, v, out, lse, scores, grads, None, False)
 
 
 @pytest.mark.parametrize("causal", [False, True])

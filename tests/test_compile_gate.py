@@ -112,13 +112,17 @@ def _tma(allowed):
 
 
 def attention_forward(dtype, head_dim, causal=True, group=2, merge=False, precision="highest",
-                      window=(-1, -1), softcap=0.0, intervals=False, tma=True):  # fmt: skip
-    """The forward; with `merge`, a ring step: fp32 `out` and `lse` merged into in place."""
+                      window=(-1, -1), softcap=0.0, intervals=False, tma=True,
+                      v_dim=None):  # fmt: skip
+    """The forward; with `merge`, a ring step: fp32 `out` and `lse` merged into in place;
+    `v_dim`: V's head dim (None: head_dim)."""
     q = _empty((2, 256, 2 * group, head_dim), dtype)
-    k, v = (_empty((2, 256, 2, head_dim), dtype) for _ in range(2))
+    k = _empty((2, 256, 2, head_dim), dtype)
+    v = _empty((2, 256, 2, v_dim or head_dim), dtype)
     buffers = {}
     if merge:
-        buffers = {"out": _empty(q.shape, "float32"), "lse": _empty((2, 2 * group, 256), "float32")}
+        buffers = {"out": _empty((*q.shape[:3], v.shape[-1]), "float32"),
+                   "lse": _empty((2, 2 * group, 256), "float32")}  # fmt: skip
     with _fp32_precision(precision), _tma(tma):
         attn.attention_forward(q, k, v, merge=merge, **_mask(causal, window, softcap, intervals),
                                **buffers)  # fmt: skip
@@ -126,14 +130,17 @@ def attention_forward(dtype, head_dim, causal=True, group=2, merge=False, precis
 
 def attention_backward(dtype, head_dim, causal=True, group=2, accumulate=False, split=False,
                        precision="highest", window=(-1, -1), softcap=0.0,
-                       intervals=False, tma=True, fused=False):  # fmt: skip
+                       intervals=False, tma=True, fused=False, v_dim=None):  # fmt: skip
     """Launches dQ (making delta from out) and dK/dV, as `flash_attn`'s deterministic
     backward does; `fused`: the delta kernel and the fused dK/dV/dQ kernel instead.
     `accumulate`: the ring's later steps instead (the delta kernel once, then fp32
     gradient buffers added into); `split`: with a GQA group of 4, two slices of 2 heads
-    (fp32 partials), as a grid of few programs gets on a GPU."""
-    q, dout, out = (_empty((2, 256, 2 * group, head_dim), dtype) for _ in range(3))
-    k, v = (_empty((2, 256, 2, head_dim), dtype) for _ in range(2))
+    (fp32 partials), as a grid of few programs gets on a GPU. `v_dim`: V's, O's and dO's
+    head dim (None: head_dim)."""
+    q = _empty((2, 256, 2 * group, head_dim), dtype)
+    dout, out = (_empty((2, 256, 2 * group, v_dim or head_dim), dtype) for _ in range(2))
+    k = _empty((2, 256, 2, head_dim), dtype)
+    v = _empty((2, 256, 2, v_dim or head_dim), dtype)
     lse = _empty((2, 2 * group, 256), "float32")
     grads = {}
     if accumulate:
@@ -456,6 +463,14 @@ for label, (kernel, scenario, configs_of, axis) in ATTENTION.items():
                         {"dtype": "bfloat16", "head_dim": D, **extra}, kernel, configs,
                         no_spill=True, wgmma=True, loop_axis=axis,
                         loop_spill_only=label == "fused")  # fmt: skip
+    # V narrower than Q and K, every tile of the pair's list: DeepSeek's MLA (192, 128:
+    # BLOCK_D 256, BLOCK_DV 128), and (128, 64)
+    for D, Dv in ((192, 128), (128, 64)):
+        configs = configs_of(D, torch.bfloat16, frozenset(), v_dim=Dv)
+        add_configs(family, f"v{Dv}-bfloat16-d{D}", scenario,
+                    {"dtype": "bfloat16", "head_dim": D, "v_dim": Dv}, kernel, configs,
+                    no_spill=True, wgmma=label not in ("dkdv", "fused") or D <= 128,
+                    loop_axis=axis, loop_spill_only=label == "fused")  # fmt: skip
 
 for cap in (90, 80):
     add(
@@ -746,18 +761,22 @@ def test_the_fused_backward_issues_five_gemms_per_block_pair(built):
     """Per (key block, query block) the fused backward's hot loop issues the tensor-core
     work of 5 GEMMs (S, dP, dV, dK, dQ), where the split backward's two kernels issue 7
     (dK/dV 4: S, dP, dV, dK; dQ 3: S, dP, dQ); at every 16-bit sm_90 wgmma tile, and with
-    TMA reads dQ's share leaves through one TMA reduce-add per iteration. (Tiles without
-    wgmma are left out: with 8 warps over 16 or 32 rows, warps repeat each other's
-    mma.sync.)"""
-    gemms = {"attention-fused": 5, "attention-dkdv": 4, "attention-dq": 3}
+    TMA reads dQ's share leaves through one TMA reduce-add per iteration. S, dK and dQ
+    run over Q/K's head dim, dP and dV over V's, each padded to a power of two (MLA's 192:
+    256). (Tiles without wgmma are left out: with 8 warps over 16 or 32 rows, warps
+    repeat each other's mma.sync.)"""
+    # (GEMMs over D, GEMMs over Dv)
+    gemms = {"attention-fused": (3, 2), "attention-dkdv": (2, 2), "attention-dq": (2, 1)}
     checked = 0
     for name, case in CASES.items():
         if case["family"] not in gemms or not case["no_serial"] or not built[name]["wgmma"]:
             continue
         loop, config = built[name]["loop"], case["config"]
-        D = case["params"]["head_dim"]
-        pair = config["BLOCK_M"] * config["BLOCK_N"] * D
-        assert _macs_per_iteration(loop, config["num_warps"]) == gemms[case["family"]] * pair, name
+        D = _common.next_power_of_2(case["params"]["head_dim"])
+        Dv = _common.next_power_of_2(case["params"].get("v_dim") or D)
+        over_d, over_dv = gemms[case["family"]]
+        macs = config["BLOCK_M"] * config["BLOCK_N"] * (over_d * D + over_dv * Dv)
+        assert _macs_per_iteration(loop, config["num_warps"]) == macs, name
         if case["family"] == "attention-fused" and case["params"].get("tma", True):
             assert loop["tma_reduces"] == 1, name
         checked += 1

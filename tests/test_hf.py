@@ -35,6 +35,10 @@ FAMILIES = {  # family: (config class, model class, options that family exercise
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                        shared_expert_intermediate_size=40)),  # shared expert + gate
+    # Qwen3's q/k norms and head dim, no shared expert; layers 0 and 2 MoE, 1 dense
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                       norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1])),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",  # sliding then global, soft-capping
                dict(WINDOWED, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
                     final_logit_softcapping=3.0)),
@@ -61,6 +65,7 @@ FAMILIES = {  # family: (config class, model class, options that family exercise
                                       "beta_fast": 32.0, "beta_slow": 1.0})),
 }  # fmt: skip
 NO_GQA = ("gpt_neox", "gpt2")  # configs without num_key_value_heads
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")  # experts over ep = tp
 
 
 def _model(family: str, seed: int, **changes):
@@ -143,7 +148,7 @@ def _run_family(family, seed, changes=None, batch="full", degrees=None, overlap=
     labels= (Hugging Face's way); "local", this rank's tokens and a loss of the
     caller's. `overlap`: the TP projections' schedule (`parallelize`'s)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    moe = family in ("mixtral", "qwen2_moe", "gpt_oss")
+    moe = family in MOE
     degrees = degrees or dict(cp=2, tp=2)
     dims = fp.ParallelDims(**degrees, ep="tp" if moe else None) if world == 4 else None
     model = _model(family, seed, **(changes or {}))
@@ -252,6 +257,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
 VARIANTS = [(family, None) for family in FAMILIES] + [
     ("llama", dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)),  # scaled, tied
     ("qwen2_moe", dict(num_hidden_layers=2, mlp_only_layers=[1])),  # a dense layer among MoE
+    # MoE every second layer, the top-k weights not renormalized
+    ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False)),
     ("mixtral", dict(norm_topk_prob=False, num_local_experts=4, num_experts_per_tok=2,
                      sliding_window=None)),  # Mixtral's router normalizes whatever this says
     ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1,

@@ -20,7 +20,7 @@ transformers = pytest.importorskip(
 )
 hf = pytest.importorskip("fusedpar.integrations.hf")
 
-from test_hf import COMMON, FAMILIES, NO_GQA, SEQ, VOCAB, _reference_grad  # noqa: E402, I001
+from test_hf import COMMON, FAMILIES, MOE, NO_GQA, SEQ, VOCAB, _reference_grad  # noqa: E402, I001
 
 PAD = 0
 # real tokens per row: at TP2 x CP2 (zigzag chunks of 4 tokens, then TP halves) the rows'
@@ -76,7 +76,7 @@ def _run_head(head: str, family: str, seed: int, problem: str | None = None, deg
     """At TP2 x CP2 on 4 ranks (or `degrees`); in one process with every group None.
     Returns what must be the same on every rank: the loss and the pooled logits."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    moe = family in ("mixtral", "qwen2_moe", "gpt_oss")
+    moe = family in MOE
     dims = fp.ParallelDims(**(degrees or dict(cp=2, tp=2)), ep="tp" if moe else None)
     dims = dims if world == 4 else None
     num_labels, problem_type = PROBLEMS[problem] if head == "sequence" else (5, None)

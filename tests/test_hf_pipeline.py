@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_hf import DOCUMENTS, SEQ, SPANS, VOCAB, _model, _reference_grad
+from test_hf import DOCUMENTS, MOE, SEQ, SPANS, VOCAB, _model, _reference_grad
 from test_pipeline import _assert_equal, _gathered, _union
 
 import fusedpar as fp
@@ -22,7 +22,7 @@ hf = pytest.importorskip("fusedpar.integrations.hf")
 
 
 def _run(family: str, schedule: str, packed: bool = False, seed: int = 0):
-    moe = family in ("mixtral", "qwen2_moe", "gpt_oss")
+    moe = family in MOE
     dims = fp.ParallelDims(pp=2, tp=2, ep="tp" if moe else None)
     layers = 2 if SCHEDULES[schedule] == "single" else 4  # a stage a layer
     microbatches = layers  # one sequence each, one per stage
@@ -66,6 +66,7 @@ def _run(family: str, schedule: str, packed: bool = False, seed: int = 0):
     ("gpt2", "1F1B", True),  # tied embeddings across the pipeline, learned positions
     ("gemma2", "InterleavedZeroBubble", False),  # tied, split backward, soft-capped logits
     ("mixtral", "GPipe", False),  # MoE, EP over tp
+    ("qwen3_moe", "1F1B", True),  # MoE and dense layers, q/k norms, packed documents
     ("gpt_neox", "DualPipeV", False),  # its own tree; fused qkv, parallel residual
 ])  # fmt: skip
 def test_a_converted_model_pipelines_like_the_original(world, family, schedule, packed):

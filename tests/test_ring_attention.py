@@ -33,8 +33,9 @@ def sequence_inputs(p, S):
     exact = {"exact_in": p["dtype"]}  # the oracle sees exactly what the ranks see
     q = randn((p["B"], S, Hq, p["D"]), torch.float64, p["seed"], **exact)
     k = randn((p["B"], S, p["Hkv"], p["D"]), torch.float64, p["seed"] + 1, **exact)
-    v = randn((p["B"], S, p["Hkv"], p["D"]), torch.float64, p["seed"] + 2, **exact)
-    dout = randn((p["B"], S, Hq, p["D"]), torch.float64, p["seed"] + 3, **exact)
+    Dv = p.get("Dv") or p["D"]  # V's head dim (None or absent: D)
+    v = randn((p["B"], S, p["Hkv"], Dv), torch.float64, p["seed"] + 2, **exact)
+    dout = randn((p["B"], S, Hq, Dv), torch.float64, p["seed"] + 3, **exact)
     dlse = randn((p["B"], Hq, S), torch.float64, p["seed"] + 4, exact_in=torch.float32)
     return q, k, v, dout, dlse
 
@@ -81,7 +82,8 @@ def check_sharded_attention(p, ring_group, ulysses_group, layout):
     for name, g, (r, t, s) in zip(("out", "lse", "dq", "dk", "dv"), got, expected, strict=True):
         assert g.dtype == s.dtype and g.shape == s.shape, name
         # dK, dV of a replicated head: P/Hkv more sums, over the replicas
-        assert_close(g, r, t, name=name, sum_length=p["D"] if name.startswith("d") else None)
+        length = max(p["D"], v.shape[-1])
+        assert_close(g, r, t, name=name, sum_length=length if name.startswith("d") else None)
     gathered = fp.gather_sequence(got[0], ring_group, **where)
     assert_close(gathered, ref64[0], same[0], name="gathered out")
     positions = fp.sequence_positions(S, ring_group, **where)
@@ -100,12 +102,12 @@ def _run_ring(p):
     world_size=st.sampled_from([2, 4]), B=st.integers(1, 2), chunk=st.integers(1, 9),
     Hkv=st.integers(1, 2), group=st.integers(1, 3), D=st.sampled_from([8, 16, 40, 64]),
     causal=st.booleans(), layout=st.sampled_from(["zigzag", "contiguous"]),
-    dtype=cpu_dtypes(), seed=seeds(),
+    dtype=cpu_dtypes(), seed=seeds(), Dv=st.sampled_from([None, None, 8, 24]),
 )  # fmt: skip
 @example(world_size=4, B=1, chunk=1, Hkv=1, group=4, D=16, causal=True, layout="zigzag",
-         dtype=torch.float32, seed=0)  # one token per chunk, MQA  # fmt: skip
+         dtype=torch.float32, seed=0, Dv=None)  # one token per chunk, MQA  # fmt: skip
 @example(world_size=2, B=2, chunk=7, Hkv=2, group=2, D=40, causal=True, layout="contiguous",
-         dtype=torch.float16, seed=1)  # fmt: skip
+         dtype=torch.float16, seed=1, Dv=24)  # V narrower than Q and K  # fmt: skip
 def test_ring_attn_matches_full_attention(world, world_size, **p):
     assert all(world(world_size).run(_run_ring, p))
 
@@ -114,9 +116,10 @@ def test_ring_attn_matches_full_attention(world, world_size, **p):
 def test_the_ring_on_triton_kernels(world, triton_kernels, deterministic):
     """The first example with fusedpar's Triton kernels (the interpreter here) on every
     rank: the ring's merge and accumulate modes of the kernels, inside the ring; its
-    backward fused (the interpreter's pick) or, deterministic, split."""
+    backward fused (the interpreter's pick) or, deterministic, split; V narrower than Q
+    and K (the kernels' HEAD_DIM_V)."""
     p = dict(B=2, chunk=3, Hkv=1, group=2, D=16, causal=True, layout="zigzag",
-             dtype=torch.float32, seed=4, deterministic=deterministic)  # fmt: skip
+             dtype=torch.float32, seed=4, deterministic=deterministic, Dv=8)  # fmt: skip
     assert all(world(4).run(_run_ring, p))
 
 
@@ -256,7 +259,7 @@ def test_merge_gpu(block_dtype):
 
 
 def check_virtual_ring(W, B, chunk, Hkv, group, D, causal, layout, dtype, seed, device="cpu",
-                       split_below=None):  # fmt: skip
+                       split_below=None, Dv=None):  # fmt: skip
     """virtual_ring_attn against float64 full attention: output, LSE, every gradient,
     with the loops' own buffers (and the GQA split's partials) poisoned with NaN first.
     Inputs are strided windows of longer sequences."""
@@ -267,8 +270,9 @@ def check_virtual_ring(W, B, chunk, Hkv, group, D, causal, layout, dtype, seed, 
         full = randn((shape[0], shape[1] + 2, *shape[2:]), dtype, seed + offset)
         return full.to(device)[:, 2:]
 
-    q, k, v = strided((B, S, Hq, D), 0), strided((B, S, Hkv, D), 1), strided((B, S, Hkv, D), 2)
-    dout = randn((B, S, Hq, D), dtype, seed + 3).to(device)
+    Dv = D if Dv is None else Dv
+    q, k, v = strided((B, S, Hq, D), 0), strided((B, S, Hkv, D), 1), strided((B, S, Hkv, Dv), 2)
+    dout = randn((B, S, Hq, Dv), dtype, seed + 3).to(device)
     dlse = randn((B, Hq, S), torch.float32, seed + 4).to(device)
 
     def nan_fresh(shape, device, dtype=torch.float32):
@@ -287,7 +291,8 @@ def check_virtual_ring(W, B, chunk, Hkv, group, D, causal, layout, dtype, seed, 
     same = torch_results((q, k, v), dout, dlse, ref, causal)
     for name, g, r, t in zip(("out", "lse", "dq", "dk", "dv"), got, ref, same, strict=True):
         assert g.dtype == (torch.float32 if name == "lse" else dtype), name
-        assert_close(g, r, t, name=name, sum_length=D if name.startswith("d") else None)
+        length = max(D, Dv)
+        assert_close(g, r, t, name=name, sum_length=length if name.startswith("d") else None)
 
 
 # The interpreter runs a ring's W * W blocks x 3 kernels program by program (about 30 ms
@@ -297,16 +302,16 @@ def check_virtual_ring(W, B, chunk, Hkv, group, D, causal, layout, dtype, seed, 
     W=st.integers(2, 4), chunk=st.integers(1, 7),
     heads=st.sampled_from([(1, 1), (1, 2), (1, 3), (2, 2)]), D=st.sampled_from([8, 16, 40]),
     causal=st.booleans(), layout=st.sampled_from(["zigzag", "contiguous"]), dtype=cpu_dtypes(),
-    seed=seeds(), split_below=st.sampled_from([None, 10**6]),
+    seed=seeds(), split_below=st.sampled_from([None, 10**6]), Dv=st.sampled_from([None, 8]),
 )  # fmt: skip
 @example(W=4, chunk=3, heads=(1, 3), D=16, causal=True, layout="zigzag", dtype=torch.float32,
-         seed=0, split_below=10**6)  # MQA, split dK/dV  # fmt: skip
+         seed=0, split_below=10**6, Dv=8)  # MQA, split dK/dV, V narrower  # fmt: skip
 @example(W=3, chunk=5, heads=(2, 2), D=40, causal=True, layout="contiguous",
-         dtype=torch.float16, seed=1, split_below=None)  # hidden blocks  # fmt: skip
+         dtype=torch.float16, seed=1, split_below=None, Dv=None)  # hidden blocks  # fmt: skip
 def test_virtual_ring_matches_full_attention(triton_kernels, W, chunk, heads, D, causal, layout,
-                                            dtype, seed, split_below):  # fmt: skip
+                                            dtype, seed, split_below, Dv):  # fmt: skip
     check_virtual_ring(W, 1, chunk, *heads, D, causal, layout, dtype, seed,
-                       split_below=split_below)  # fmt: skip
+                       split_below=split_below, Dv=Dv)  # fmt: skip
 
 
 def test_virtual_ring_batches():

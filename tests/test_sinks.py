@@ -16,13 +16,15 @@ from fusedpar.testing import assert_close
 from fusedpar.testing.strategies import randn
 
 
-def _inputs(B, Sq, Skv, Hq, Hkv, D, dtype, seed):
-    """Float64 q, k, v, dout, dlse exact in `dtype`, and float32 sinks."""
+def _inputs(B, Sq, Skv, Hq, Hkv, D, dtype, seed, Dv=None):
+    """Float64 q, k, v (of head dim `Dv`, None: D), dout, dlse exact in `dtype`, and
+    float32 sinks."""
     exact = {"exact_in": dtype}
+    Dv = D if Dv is None else Dv
     q = randn((B, Sq, Hq, D), torch.float64, seed, **exact)
     k = randn((B, Skv, Hkv, D), torch.float64, seed + 1, **exact)
-    v = randn((B, Skv, Hkv, D), torch.float64, seed + 2, **exact)
-    dout = randn((B, Sq, Hq, D), torch.float64, seed + 3, **exact)
+    v = randn((B, Skv, Hkv, Dv), torch.float64, seed + 2, **exact)
+    dout = randn((B, Sq, Hq, Dv), torch.float64, seed + 3, **exact)
     dlse = randn((B, Hq, Sq), torch.float64, seed + 4, exact_in=torch.float32)
     sinks = 2 * randn((Hq,), torch.float32, seed + 5)
     return q, k, v, dout, dlse, sinks
@@ -55,13 +57,13 @@ def _expected(inputs, dtype, **mask):
     return ref64, same
 
 
-@pytest.mark.parametrize("Sq, Skv, causal, window, dtype", [
-    (13, 13, True, (-1, -1), torch.float32),
-    (9, 17, False, (3, 2), torch.float16),
-    (11, 5, True, (-1, -1), torch.float32),  # bottom-right: the first 6 rows see no key
+@pytest.mark.parametrize("Sq, Skv, causal, window, dtype, Dv", [
+    (13, 13, True, (-1, -1), torch.float32, None),
+    (9, 17, False, (3, 2), torch.float16, 8),  # V narrower than Q and K
+    (11, 5, True, (-1, -1), torch.float32, None),  # bottom-right: the first 6 rows see no key
 ])  # fmt: skip
-def test_flash_attn_sinks_match_float64(each_implementation, Sq, Skv, causal, window, dtype):
-    inputs = _inputs(2, Sq, Skv, 4, 2, 16, dtype, seed=Sq + Skv)
+def test_flash_attn_sinks_match_float64(each_implementation, Sq, Skv, causal, window, dtype, Dv):
+    inputs = _inputs(2, Sq, Skv, 4, 2, 16, dtype, seed=Sq + Skv, Dv=Dv)
     q, k, v, dout, dlse, sinks = inputs
     mask = dict(causal=causal, window=window)
     got = _grads(lambda *t: fp.flash_attn(*t[:3], sinks=t[3], return_lse=True, **mask),

@@ -4,7 +4,9 @@ decoder layer's attention and MLP into fusedpar's layers.
 
 | family (`model_type`)       | attention options read off the model                      |
 | --------------------------- | --------------------------------------------------------- |
-| llama, qwen2, qwen3         | biases, head_dim, per-head q/k norms (qwen3)              |
+| llama, qwen2, qwen3         | biases, head_dim, per-head q/k norms (qwen3, qwen3_moe)   |
+| mixtral, qwen2/3_moe        | MoE where the layer has experts (`decoder_sparse_step`,   |
+|                             | `mlp_only_layers`), `norm_topk_prob`, a shared expert     |
 | mistral, mixtral, qwen2     | `sliding_window` (every layer, or the `layer_types` ones) |
 | gemma2                      | + `attn_logit_softcapping`, `query_pre_attn_scalar`       |
 | gemma3_text                 | + per-head (1 + w) q/k norms, RoPE per layer type         |
@@ -33,8 +35,8 @@ from torch import nn
 
 from fusedpar.nn.linear import is_conv1d, linear_parts
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "gemma2",
-            "gemma3_text", "phi3", "olmo2", "gpt_neox", "gpt2", "gpt_oss")  # fmt: skip
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
+            "gemma2", "gemma3_text", "phi3", "olmo2", "gpt_neox", "gpt2", "gpt_oss")  # fmt: skip
 _TANH_GELU = functools.partial(F.gelu, approximate="tanh")
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": _TANH_GELU,
                "gelu_new": _TANH_GELU}  # fmt: skip

@@ -122,8 +122,9 @@ def _flash_attn_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None,
 @_flash_attn_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_left, window_right,
       softcap, deterministic=False):  # fmt: skip
-    B, Sq, Hq, D = q.shape
-    return q.new_empty((B, Sq, Hq, D)), q.new_empty((B, Hq, Sq), dtype=accumulator(q.dtype))
+    B, Sq, Hq, _ = q.shape
+    return (q.new_empty((B, Sq, Hq, v.shape[-1])),
+            q.new_empty((B, Hq, Sq), dtype=accumulator(q.dtype)))  # fmt: skip
 
 
 @torch.library.custom_op("fusedpar::flash_attn_backward", mutates_args=())
@@ -262,8 +263,9 @@ def flash_attn(
 ):
     """Scaled dot-product attention, flash-style: ``softmax(q k^T * scale) v``.
 
-    q (B, Sq, Hq, D); k, v (B, Skv, Hkv, D) with Hq a multiple of Hkv (GQA/MQA: KV is
-    read in place, never repeated); D a multiple of 8 up to 256; fp16, bf16 or fp32, or
+    q (B, Sq, Hq, D); k (B, Skv, Hkv, D) and v (B, Skv, Hkv, Dv) with Hq a multiple of
+    Hkv (GQA/MQA: KV is read in place, never repeated); D and Dv multiples of 8 up to 256,
+    Dv may differ from D (DeepSeek's MLA: 192 and 128; V is not padded); fp16, bf16 or fp32, or
     float64 on torch's implementation (computed in float64, its LSE and sinks float64);
     any strides (views into a fused QKV projection are read without copies).
 
@@ -276,7 +278,7 @@ def flash_attn(
     returns 0 (LSE -inf, zero gradients). ``softmax_scale`` defaults to ``1 / sqrt(D)``.
     ``sinks`` (Hq,) float32: attention sinks, a learned logit per query head in every
     row's softmax denominator (gpt-oss), with their gradient; a row that sees no key
-    then returns 0 with LSE = its sink. Returns ``out`` (B, Sq, Hq, D), or
+    then returns 0 with LSE = its sink. Returns ``out`` (B, Sq, Hq, Dv), or
     ``(out, lse)`` with lse (B, Hq, Sq) float32 in natural log when ``return_lse``.
     ``deterministic`` (or ``torch.use_deterministic_algorithms(True)``): the backward
     whose every sum has a fixed order (otherwise dQ's last bits may vary from run to
@@ -312,7 +314,7 @@ def flash_attn_varlen(
 ):
     """`flash_attn` over packed documents (flash-attn's ``flash_attn_varlen_func``).
 
-    q (Tq, Hq, D), k and v (Tk, Hkv, D): documents back to back, document b in rows
+    q (Tq, Hq, D), k (Tk, Hkv, D) and v (Tk, Hkv, Dv): documents back to back, document b in rows
     ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32, B + 1 entries from 0 to the total;
     `cu_seqlens_k` defaults to `cu_seqlens_q`). A query sees keys of its own document
     only, with `causal`, `window`, `softcap`, `sinks` and `deterministic` as in
@@ -323,7 +325,7 @@ def flash_attn_varlen(
     flash-attn's signature, and never read). The values of the cu_seqlens are checked,
     which reads them: a host sync when they are on a GPU.
 
-    Returns out (Tq, Hq, D), or ``(out, lse)`` with lse (Hq, Tq) float32.
+    Returns out (Tq, Hq, Dv), or ``(out, lse)`` with lse (Hq, Tq) float32.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:

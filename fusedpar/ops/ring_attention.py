@@ -226,7 +226,8 @@ def _forward(q, k, v, ring, masks, *, softmax_scale, softcap=0.0, agreement=None
     for first in _tuned_launches(size):
         attend(q[0], k[0], v[0], intervals=masks[0][ring.ranks[0]], out_dtype=wide,
                merge=not first, tune_only=True, **block)  # fmt: skip
-    out = [_fresh(t.shape, t.device, wide) for t in q]
+    out = [_fresh((*t.shape[:3], v_i.shape[-1]), t.device, wide)  # (B, S, Hq, Dv)
+           for t, v_i in zip(q, v, strict=True)]  # fmt: skip
     lse = [_fresh((t.shape[0], t.shape[2], t.shape[1]), t.device, wide) for t in q]
     kv = [[k_i.contiguous(), v_i.contiguous()] for k_i, v_i in zip(k, v, strict=True)]
     with frozen("the ring attention forward", agreement):
@@ -345,7 +346,8 @@ def _ring_attn_op(q: Tensor, k: Tensor, v: Tensor, group: str, causal: bool,
                   cu_seqlens: Tensor | None,
                   masks: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     pg = group_by_name(group)
-    check_same_across_ranks(pg, [*q.shape, *k.shape], "ring_attn: q/k shapes", q.device)
+    check_same_across_ranks(pg, [*q.shape, *k.shape, v.shape[-1]], "ring_attn: q/k/v shapes",
+                            q.device)  # fmt: skip
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, q.shape[1] * dist.get_world_size(pg))
     masks = _masks(pg, q, causal, layout, (window_left, window_right), cu_seqlens, masks)
@@ -357,7 +359,7 @@ def _ring_attn_op(q: Tensor, k: Tensor, v: Tensor, group: str, causal: bool,
 @_ring_attn_op.register_fake
 def _(q, k, v, *args):  # fresh, contiguous (the kernels' layout), any inputs
     B, S, H, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((B, H, S), dtype=accumulator(q.dtype))
+    return q.new_empty((B, S, H, v.shape[-1])), q.new_empty((B, H, S), dtype=accumulator(q.dtype))
 
 
 @torch.library.custom_op("fusedpar::ring_attn_backward", mutates_args=())
