@@ -9,7 +9,9 @@ the softmax's), each an op of its own (host time) and a pass over (T, E) (GPU ti
 | ---------------------- | -------------------------------------------------------------- |
 | `route_top_k`          | ``probs = softmax(logits)`` or ``sigmoid(logits)`` (T, E);     |
 |                        | ``ids`` (T, k) int32: the k largest of ``probs`` (``+ bias``,  |
-|                        | sigmoid only), largest first, the lower expert on a tie;       |
+|                        | sigmoid only), largest first, the lower expert on a tie; with  |
+|                        | ``groups=(n, m)`` among the m of n expert groups whose two     |
+|                        | best selection scores sum highest (DeepSeek-V3's);             |
 |                        | ``weights = probs[ids]`` (T, k), renormalized to sum to 1 with |
 |                        | ``norm`` (top-1: exactly 1, whose gradient is exactly 0)       |
 | `route_top_k_backward` | ``dlogits`` from ``dweights`` (T, k) and ``dprobs`` (T, E),    |
@@ -43,13 +45,15 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def row_config(E: int, interpreted: bool) -> dict:
-    """Rows of a program (ROW_TILE_ELEMENTS over the row width, 1 to 64) and its warps."""
+def row_config(E: int, interpreted: bool, grouped: bool = False) -> dict:
+    """Rows of a program (ROW_TILE_ELEMENTS over the row width, 1 to 64) and its warps:
+    8 for group-limited routing, whose group scores and masks keep more tiles live (4
+    warps spilled 184 B at 256 experts)."""
     block_e = max(16, _common.next_power_of_2(E))
     if interpreted:
         return dict(BLOCK_ROWS=INTERPRETER_ROWS, BLOCK_E=block_e, num_warps=4)
     rows = max(1, min(64, ROW_TILE_ELEMENTS // block_e))
-    return dict(BLOCK_ROWS=rows, BLOCK_E=block_e, num_warps=4)
+    return dict(BLOCK_ROWS=rows, BLOCK_E=block_e, num_warps=8 if grouped else 4)
 
 
 @triton.jit
@@ -63,6 +67,33 @@ def _row_block(T, E, BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: t
 
 
 @triton.jit
+def _keep_best_groups(select, cols, group_size, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                      BLOCK_G: tl.constexpr):  # fmt: skip
+    """`select` (rows, BLOCK_E) with every expert outside its row's TOPK_GROUP best groups
+    at -inf: N_GROUP groups of `group_size` consecutive experts, a group scored by the
+    sum of its two largest entries (Hugging Face's DeepSeek-V3 and GLM-4.5 routers)."""
+    group_of = cols // group_size
+    gcols = tl.arange(0, BLOCK_G)
+    gscore = tl.full((select.shape[0], BLOCK_G), float("-inf"), tl.float32)
+    for g in tl.static_range(N_GROUP):
+        s = tl.where(group_of[None, :] == g, select, float("-inf"))
+        first = tl.argmax(s, 1, tie_break_left=True)
+        second = tl.max(tl.where(cols[None, :] == first[:, None], float("-inf"), s), 1)
+        gscore = tl.where(gcols[None, :] == g, (tl.max(s, 1) + second)[:, None], gscore)
+    kept = tl.zeros((select.shape[0], BLOCK_G), dtype=tl.int32)
+    for _ in tl.static_range(TOPK_GROUP):
+        best = tl.argmax(gscore, 1, tie_break_left=True)
+        hit = gcols[None, :] == best[:, None]
+        kept = tl.where(hit, 1, kept)
+        gscore = tl.where(hit, float("-inf"), gscore)
+    keep = tl.zeros(select.shape, dtype=tl.int32)
+    for g in tl.static_range(N_GROUP):
+        kept_g = tl.sum(tl.where(gcols[None, :] == g, kept, 0), 1)  # (rows,) 0 or 1
+        keep = tl.where(group_of[None, :] == g, kept_g[:, None], keep)
+    return tl.where(keep > 0, select, float("-inf"))
+
+
+@triton.jit
 def _route_fwd_kernel(
     # pointers
     logits_ptr, bias_ptr, probs_ptr, weights_ptr, ids_ptr,
@@ -72,9 +103,12 @@ def _route_fwd_kernel(
     T, E,
     # meta-parameters
     TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr,
 ):  # fmt: skip
-    """probs, then the top-k of probs (+ bias) by repeated argmax, and their weights."""
+    """probs, then the top-k of probs (+ bias) by repeated argmax (among the kept groups'
+    experts with N_GROUP > 1), and their weights."""
     rows64, cols, slots, row_mask, col_mask, mask = _row_block(T, E, BLOCK_ROWS, BLOCK_E, BLOCK_K)
     x = tl.load(logits_ptr + rows64[:, None] * stride_lt + cols[None, :] * stride_le,
                 mask=mask, other=0.0)  # fmt: skip
@@ -89,6 +123,8 @@ def _route_fwd_kernel(
     if HAS_BIAS:
         select += tl.load(bias_ptr + cols, mask=col_mask, other=0.0)[None, :]
     select = tl.where(col_mask[None, :], select, float("-inf"))
+    if N_GROUP > 1:
+        select = _keep_best_groups(select, cols, E // N_GROUP, N_GROUP, TOPK_GROUP, BLOCK_G)
     ids = tl.zeros((BLOCK_ROWS, BLOCK_K), dtype=tl.int32)
     picked = tl.zeros((BLOCK_ROWS, BLOCK_K), dtype=tl.float32)
     for j in range(TOP_K):
@@ -167,7 +203,7 @@ def _route_bwd_kernel(
 ROUTER_DTYPES = (torch.float32, torch.float64)
 
 
-def check_route(logits: torch.Tensor, top_k: int, score: str, bias) -> None:
+def check_route(logits: torch.Tensor, top_k: int, score: str, bias, groups=(1, 1)) -> None:
     if logits.dim() != 2 or logits.dtype not in ROUTER_DTYPES:
         raise ValueError(f"route_top_k: logits must be (T, E) float32 (or float64), got "
                          f"{logits.dtype} {tuple(logits.shape)}")  # fmt: skip
@@ -182,14 +218,31 @@ def check_route(logits: torch.Tensor, top_k: int, score: str, bias) -> None:
     if bias is not None and (bias.shape != (E,) or bias.dtype != logits.dtype):
         raise ValueError(f"route_top_k: bias must be ({E},) {logits.dtype} (the logits'), got "
                          f"{bias.dtype} {tuple(bias.shape)}")  # fmt: skip
+    check_groups(E, top_k, *groups)
 
 
-def route_top_k(logits, top_k: int, score: str = "softmax", norm: bool = True, bias=None):
+def check_groups(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+    """Group-limited routing's sizes: n_group groups of at least 2 experts (a group
+    scores by its two best), topk_group of them kept, holding at least top_k experts."""
+    if n_group == 1 and topk_group == 1:
+        return
+    size = num_experts // n_group if n_group > 0 else 0
+    if n_group < 1 or num_experts % n_group or size < 2:
+        raise ValueError(f"route_top_k: {num_experts} experts do not split into n_group="
+                         f"{n_group} groups of 2 or more")  # fmt: skip
+    if not 1 <= topk_group <= n_group or topk_group * size < top_k:
+        raise ValueError(f"route_top_k: topk_group={topk_group} of {n_group} groups of {size} "
+                         f"experts cannot hold top_k={top_k}")  # fmt: skip
+
+
+def route_top_k(logits, top_k: int, score: str = "softmax", norm: bool = True, bias=None,
+                groups: tuple[int, int] = (1, 1)):  # fmt: skip
     """``(weights (T, k) fp32, ids (T, k) int32, probs (T, E) fp32)`` from the router's
     logits (T, E) fp32 (see the module doc); `bias` (E,) fp32 or None shifts a sigmoid
-    router's selection only (DeepSeek-V3's aux-loss-free balancing). (float64 logits:
+    router's selection only (DeepSeek-V3's aux-loss-free balancing); ``groups=(n_group,
+    topk_group)`` limits it to the best groups (`check_groups`). (float64 logits:
     float64 for every fp32 here, on torch's implementation.)"""
-    check_route(logits, top_k, score, bias)
+    check_route(logits, top_k, score, bias, groups)
     T, E = logits.shape
     device = logits.device
     probs = _empty((T, E), logits.dtype, device)
@@ -199,18 +252,20 @@ def route_top_k(logits, top_k: int, score: str = "softmax", norm: bool = True, b
 
     def run_torch():
         route_top_k_torch(logits, top_k, score, norm, bias if use_bias else None, weights,
-                          ids, probs)  # fmt: skip
+                          ids, probs, groups)  # fmt: skip
 
     if _impl.runs_torch(logits):
         run_torch()
     elif T:
         check_launchable(_route_fwd_kernel, logits, *([bias] if use_bias else []))
-        config = row_config(E, is_interpreted(_route_fwd_kernel))
+        config = row_config(E, is_interpreted(_route_fwd_kernel), groups[0] > 1)
         grid = (_common.cdiv(T, config["BLOCK_ROWS"]),)
         args = (logits, bias if use_bias else probs, probs, weights, ids, *logits.stride(), T, E)
         meta = dict(TOP_K=top_k, SOFTMAX=score == "softmax", NORM=bool(norm), HAS_BIAS=use_bias,
-                    BLOCK_K=_common.next_power_of_2(top_k))  # fmt: skip
-        key = (bucket(T), E, top_k, score, bool(norm), use_bias)
+                    N_GROUP=groups[0], TOPK_GROUP=groups[1],
+                    BLOCK_K=_common.next_power_of_2(top_k),
+                    BLOCK_G=_common.next_power_of_2(groups[0]))  # fmt: skip
+        key = (bucket(T), E, top_k, score, bool(norm), use_bias, tuple(groups))
         _tuning.run_tile_or_torch(_route_fwd_kernel, config, lambda _: grid, args, meta, key,
                                   logits, run_torch)  # fmt: skip
     return weights, ids, probs
@@ -261,11 +316,13 @@ def route_top_k_backward(d_weights, d_probs, probs, ids, score: str = "softmax",
 # --- torch implementation and reference ----------------------------------------------------
 
 
-def route_top_k_torch(logits, top_k, score, norm, bias, weights, ids, probs) -> None:
+def route_top_k_torch(logits, top_k, score, norm, bias, weights, ids, probs,
+                      groups=(1, 1)) -> None:  # fmt: skip
     """`route_top_k`'s contract in PyTorch, into weights, ids and probs: the reference's
     math, with a renormalized top-1 weight exactly 1 (p / p would be 0 / 0 at p = 0)."""
     one = norm and top_k == 1
-    picked, chosen, scores = route_reference(logits, top_k, score, norm and not one, bias)
+    picked, chosen, scores = route_reference(logits, top_k, score, norm and not one, bias,
+                                             groups)  # fmt: skip
     probs.copy_(scores)
     ids.copy_(chosen)
     if one:
@@ -292,12 +349,22 @@ def route_top_k_backward_torch(d_weights, d_probs, probs, ids, score, norm, d_lo
         d_logits.copy_(dp * (1 - probs) * probs)
 
 
-def route_reference(logits, top_k: int, score: str = "softmax", norm: bool = True, bias=None):
+def route_reference(logits, top_k: int, score: str = "softmax", norm: bool = True, bias=None,
+                    groups: tuple[int, int] = (1, 1)):  # fmt: skip
     """``(weights, ids, probs)`` in logits' dtype (float64 in: the oracle), differentiable
-    by autograd; ids int64 (torch.topk's)."""
+    by autograd; ids int64 (torch.topk's). `groups`: as Hugging Face's DeepSeek-V3 router
+    keeps them (the rest of the experts at -inf for the choice)."""
     probs = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
     select = probs if bias is None or score == "softmax" else probs + bias.to(probs.dtype)
-    ids = select.detach().topk(top_k, dim=-1).indices
+    select = select.detach()
+    n_group, topk_group = groups
+    if n_group > 1:
+        T, E = select.shape
+        by_group = select.view(T, n_group, E // n_group)
+        best = by_group.topk(2, dim=-1).values.sum(-1).topk(topk_group, dim=-1).indices
+        kept = torch.zeros_like(by_group[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        select = select.masked_fill(~kept.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    ids = select.topk(top_k, dim=-1).indices
     weights = probs.gather(1, ids)
     if norm:
         weights = weights / weights.sum(-1, keepdim=True)

@@ -257,11 +257,12 @@ def moe_calls(dtype, bias=False, activation="silu"):
     moe_permute.combine_weight_grad(_empty((T, d), dtype), y, pos)
 
 
-def route_calls(experts, top_k, score):
-    """The MoE router's top-k of 4096 tokens, forward and backward (both gradients)."""
+def route_calls(experts, top_k, score, groups=(1, 1)):
+    """The MoE router's top-k of 4096 tokens, forward and backward (both gradients);
+    `groups`: group-limited (DeepSeek-V3's 4 of 8)."""
     logits = _empty((4096, experts), "float32")
     bias = _empty((experts,), "float32") if score == "sigmoid" else None
-    weights, ids, probs = moe_route.route_top_k(logits, top_k, score, True, bias)
+    weights, ids, probs = moe_route.route_top_k(logits, top_k, score, True, bias, tuple(groups))
     moe_route.route_top_k_backward(weights, probs, probs, ids, score, True)
 
 
@@ -600,6 +601,10 @@ for kernel in ("_route_fwd_kernel", "_route_bwd_kernel"):
         add(family, f"E{experts}-k8-{score}", route_calls,
             {"experts": experts, "top_k": 8, "score": score}, kernel, cap,
             no_spill=experts <= 256)  # fmt: skip
+# DeepSeek-V3's router whole: 4 of 8 groups (the forward's group scores and masks)
+add("moe-route-forward", "E256-k8-sigmoid-groups8-4", route_calls,
+    {"experts": 256, "top_k": 8, "score": "sigmoid", "groups": [8, 4]}, "_route_fwd_kernel", 90,
+    no_spill=True, match={"N_GROUP": 8})  # fmt: skip
 
 # RMSNorm: its launcher's fixed tile (whole rows), at Llama 8B's width in 16-bit (no spill
 # allowed, and on an A100), and reported at 70B's width and in fp32; as a q/k head norm

@@ -39,6 +39,17 @@ FAMILIES = {  # family: (config class, model class, options that family exercise
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                        norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1])),
+    # DeepSeek-V3's router (sigmoid, correction bias, 1 of 2 groups, scaled), ungated
+    # shared expert, a dense first layer; q/k/v biases, per-head q/k norms, half rotary
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(head_dim=16, attention_bias=True, use_qk_norm=True, num_hidden_layers=2,
+                      first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=24, n_shared_experts=1, n_group=2, topk_group=1,
+                      routed_scaling_factor=2.5, norm_topk_prob=True)),
+    # full-width q/k norms, partial RoPE by rotary_dim, a sigmoid router with its bias
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
+                   dict(head_dim=16, rotary_dim=8, num_local_experts=8, num_experts_per_tok=2,
+                        intermediate_size=24)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",  # sliding then global, soft-capping
                dict(WINDOWED, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
                     final_logit_softcapping=3.0)),
@@ -51,6 +62,18 @@ FAMILIES = {  # family: (config class, model class, options that family exercise
                                                              "rope_theta": 10000.0}})),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=5, pad_token_id=0)),  # fused
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),  # full-width q/k norms, post-norms
+    # OLMo 2's attention with sliding and full layers, each with its own RoPE base
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM",
+              dict(WINDOWED, layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": 100.0},
+                                    "full_attention": {"rope_type": "default",
+                                                       "rope_theta": 10000.0}})),
+    # NoPE on the second layer (no_rope_layers: 1 = RoPE), a window on the first
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
+                dict(num_hidden_layers=2, no_rope_layers=[1, 0], use_sliding_window=True,
+                     sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+                     pad_token_id=0)),
     # fused per-head qkv, partial rotary, parallel residual, LayerNorm and MLP biases
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5)),
     # Conv1D, learned absolute positions, tied embeddings, per-layer scaling
@@ -65,7 +88,7 @@ FAMILIES = {  # family: (config class, model class, options that family exercise
                                       "beta_fast": 32.0, "beta_slow": 1.0})),
 }  # fmt: skip
 NO_GQA = ("gpt_neox", "gpt2")  # configs without num_key_value_heads
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")  # experts over ep = tp
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "gpt_oss")  # ep = tp
 
 
 def _model(family: str, seed: int, **changes):
@@ -79,6 +102,9 @@ def _model(family: str, seed: int, **changes):
     with torch.no_grad():  # Hugging Face's init zeroes biases and sets norms to 1: re-draw
         for param in model.parameters():
             param.normal_(0.0, 0.3)
+        for name, buffer in model.named_buffers():  # the routers' choice bias: it must bite
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.3)
     return model
 
 
@@ -98,6 +124,8 @@ def _reference_grad(model, name: str) -> torch.Tensor:
              "shared_w2": "shared_expert.down_proj.weight",
              "shared_w3": "shared_expert.up_proj.weight",
              "shared_gate_weight": "shared_expert_gate.weight"}  # fmt: skip
+    if hasattr(module, "shared_experts"):  # GLM-4.5's and DeepSeek-V3's name
+        plain = {k: v.replace("shared_expert.", "shared_experts.") for k, v in plain.items()}
     config = model.config
     fused = next((getattr(module, n) for n in ("qkv_proj", "query_key_value", "c_attn")
                   if hasattr(module, n)), None)  # fmt: skip

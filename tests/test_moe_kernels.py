@@ -456,11 +456,11 @@ def test_kernel_bias_and_activation_errors(fn, args, kwargs, match, each_impleme
 # --- the routing --------------------------------------------------------------------------
 
 
-def check_routing(T, E, k, score, norm, bias, grads, strided, seed, device):
+def check_routing(T, E, k, score, norm, bias, grads, strided, seed, device, groups=(1, 1)):
     """probs, the top-k ids (exactly torch.topk's: random logits have no near tie, two
     scores within fp32's rounding, at these sizes) and the weights, and the logits'
     gradient from either output's or both, against autograd through `route_reference`
-    in float64 (the fp32 logits upcast: the same inputs)."""
+    in float64 (the fp32 logits upcast: the same inputs); `groups`: group-limited."""
     logits = randn((E, T) if strided else (T, E), torch.float32, seed, scale=3.0).to(device)
     logits = logits.T if strided else logits  # (T, E), the experts' stride not 1
     expert_bias = randn((E,), torch.float32, seed + 1, scale=0.1).to(device) if bias else None
@@ -470,7 +470,7 @@ def check_routing(T, E, k, score, norm, bias, grads, strided, seed, device):
     def reference(dtype):
         leaf = logits.to(dtype).requires_grad_()
         b = None if expert_bias is None else expert_bias.to(dtype)
-        weights, ids, probs = route_reference(leaf, k, score, norm, b)
+        weights, ids, probs = route_reference(leaf, k, score, norm, b, groups)
         loss = sum(
             (out * g.to(dtype)).sum()
             for out, g in ((weights, d_weights), (probs, d_probs))
@@ -481,7 +481,7 @@ def check_routing(T, E, k, score, norm, bias, grads, strided, seed, device):
 
     ref, fp32 = reference(torch.float64), reference(torch.float32)
     with poisoned_outputs():
-        weights, ids, probs = route_top_k(logits, k, score, norm, expert_bias)
+        weights, ids, probs = route_top_k(logits, k, score, norm, expert_bias, groups)
         d_logits = route_top_k_backward(d_weights, d_probs, probs, ids, score, norm)
     assert ids.dtype == torch.int32 and torch.equal(ids.long().cpu(), ref[1].cpu())
     for name, out, i in (("weights", weights, 0), ("probs", probs, 2), ("d_logits", d_logits, 3)):
@@ -506,17 +506,39 @@ def test_routing_matches_float64(T, E, k_share, score, norm, bias, grads, stride
                   torch.device("cpu"))  # fmt: skip
 
 
+@pytest.mark.parametrize("T, E, k, score, groups", [
+    (9, 16, 3, "sigmoid", (4, 2)),  # 2 of 4 groups of 4
+    (7, 32, 8, "sigmoid", (8, 4)),  # DeepSeek-V3's shape, scaled down: 4 of 8 groups
+    (6, 12, 2, "softmax", (3, 1)),  # one group kept
+    (5, 10, 4, "sigmoid", (5, 2)),  # groups of 2 (the fewest a group scores with)
+])  # fmt: skip
+def test_group_limited_routing_matches_float64(T, E, k, score, groups, each_implementation):
+    """DeepSeek-V3's router: the choice among the experts of the best groups (each
+    scored by its two best selection scores, the correction bias included)."""
+    check_routing(T, E, k, score, True, True, "both", False, E + k, torch.device("cpu"), groups)
+
+
+@pytest.mark.parametrize("E, k, groups, match", [
+    (16, 2, (3, 1), "do not split"), (16, 2, (16, 1), "do not split"),
+    (16, 9, (4, 2), "cannot hold top_k=9"), (16, 2, (4, 5), "topk_group=5"),
+])  # fmt: skip
+def test_bad_groups_are_refused(E, k, groups, match):
+    with pytest.raises(ValueError, match=match):
+        route_top_k(torch.zeros(3, E), k, "sigmoid", True, None, groups)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "problem",
+    "problem, groups",
     [
-        (1024, 128, 8, "softmax", True, False),  # Qwen3-MoE
-        (1024, 256, 8, "sigmoid", True, True),  # DeepSeek-V3
-        (512, 1024, 4, "softmax", False, False),  # the most experts a program holds
+        ((1024, 128, 8, "softmax", True, False), (1, 1)),  # Qwen3-MoE
+        ((1024, 256, 8, "sigmoid", True, True), (8, 4)),  # DeepSeek-V3
+        ((1024, 160, 8, "sigmoid", True, True), (1, 1)),  # GLM-4.5 (one group)
+        ((512, 1024, 4, "softmax", False, False), (1, 1)),  # the most experts a program holds
     ],
 )
-def test_routing_matches_float64_gpu(problem, each_implementation):
-    check_routing(*problem, "both", False, 0, torch.device("cuda"))
+def test_routing_matches_float64_gpu(problem, groups, each_implementation):
+    check_routing(*problem, "both", False, 0, torch.device("cuda"), groups)
 
 
 def check_nan_logits_stay_in_range(device):

@@ -153,8 +153,8 @@ def _mlp(mlp: nn.Module, config, groups, tp: dict) -> nn.Module:
     if config.model_type == "gpt_oss":
         return _gpt_oss_moe(mlp, config, groups)
     experts, h = mlp.experts, mlp.experts.down_proj.shape[-1]
-    extra = {}
-    shared = getattr(mlp, "shared_expert", None)
+    extra = families.router_options(mlp)
+    shared = families.shared_expert(mlp)
     if shared is not None:
         extra["shared"] = (shared.gate_proj.weight, shared.down_proj.weight,
                            shared.up_proj.weight)  # fmt: skip
@@ -163,8 +163,7 @@ def _mlp(mlp: nn.Module, config, groups, tp: dict) -> nn.Module:
     up = experts.gate_up_proj  # (E, 2h, d): the gate rows, then the up rows
     return HFMoE.from_dense(
         mlp.gate.weight, up[:, :h], experts.down_proj, up[:, h:], groups["ep"],
-        top_k=config.num_experts_per_tok, aux_loss_coef=0.0,
-        norm_topk_prob=getattr(mlp.gate, "norm_topk_prob", True), **extra,  # Mixtral: always
+        top_k=config.num_experts_per_tok, aux_loss_coef=0.0, **extra,
     )  # fmt: skip
 
 

@@ -7,11 +7,19 @@ decoder layer's attention and MLP into fusedpar's layers.
 | llama, qwen2, qwen3         | biases, head_dim, per-head q/k norms (qwen3, qwen3_moe)   |
 | mixtral, qwen2/3_moe        | MoE where the layer has experts (`decoder_sparse_step`,   |
 |                             | `mlp_only_layers`), `norm_topk_prob`, a shared expert     |
+| glm4_moe                    | GQA with biases, half rotary, optional per-head q/k norms;|
+|                             | sigmoid router with `e_score_correction_bias`, groups and |
+|                             | `routed_scaling_factor`; ungated shared experts; dense    |
+|                             | layers first (`first_k_dense_replace`)                    |
+| minimax_m2                  | full-width q/k norms, partial RoPE (`rotary_dim`); sigmoid|
+|                             | router, its correction bias on the block                  |
 | mistral, mixtral, qwen2     | `sliding_window` (every layer, or the `layer_types` ones) |
 | gemma2                      | + `attn_logit_softcapping`, `query_pre_attn_scalar`       |
 | gemma3_text                 | + per-head (1 + w) q/k norms, RoPE per layer type         |
 | phi3                        | fused `qkv_proj` and `gate_up_proj`, split here           |
 | olmo2                       | q/k norms over the full width (statistics over TP)        |
+| olmo3                       | + sliding layers and RoPE per layer type (`layer_types`)  |
+| smollm3                     | as Llama; no RoPE on the layers `no_rope_layers` marks 0  |
 | gpt_neox                    | fused qkv in NeoX's per-head layout, partial rotary, a    |
 |                             | plain GELU MLP (`rotary_pct`; parallel residual as is)    |
 | gpt2                        | ``Conv1D`` q/k/v (fused) and o, no RoPE (learned absolute |
@@ -36,7 +44,8 @@ from torch import nn
 from fusedpar.nn.linear import is_conv1d, linear_parts
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-            "gemma2", "gemma3_text", "phi3", "olmo2", "gpt_neox", "gpt2", "gpt_oss")  # fmt: skip
+            "glm4_moe", "minimax_m2", "gemma2", "gemma3_text", "phi3", "olmo2", "olmo3",
+            "smollm3", "gpt_neox", "gpt2", "gpt_oss")  # fmt: skip
 _TANH_GELU = functools.partial(F.gelu, approximate="tanh")
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": _TANH_GELU,
                "gelu_new": _TANH_GELU}  # fmt: skip
@@ -133,6 +142,29 @@ def _linear_like(t) -> bool:
     return isinstance(t, nn.Linear) or is_conv1d(t)
 
 
+def shared_expert(mlp: nn.Module) -> nn.Module | None:
+    """An MoE block's shared expert: Qwen2-MoE's (gated), GLM-4.5's and DeepSeek-V3's
+    (ungated, `n_shared_experts` wide), or None."""
+    return getattr(mlp, "shared_expert", None) or getattr(mlp, "shared_experts", None)
+
+
+def router_options(mlp: nn.Module) -> dict:
+    """`MoE.from_dense`'s router options of a Hugging Face MoE block: a sigmoid router
+    where it has a selection bias (`e_score_correction_bias`, on the gate in GLM-4.5 and
+    DeepSeek-V3, on the block in MiniMax-M2), its groups and scaling; `norm_topk_prob`
+    where the router says (MiniMax-M2's always renormalizes; Mixtral's too)."""
+    gate = mlp.gate
+    correction = getattr(gate, "e_score_correction_bias", None)
+    correction = getattr(mlp, "e_score_correction_bias", None) if correction is None else correction
+    options = dict(norm_topk_prob=getattr(gate, "norm_topk_prob", True))
+    if correction is not None:
+        groups = getattr(gate, "num_group", None) or getattr(gate, "n_group", 1)
+        options |= dict(score="sigmoid", expert_bias=correction, n_group=groups,
+                        topk_group=getattr(gate, "topk_group", 1),
+                        routed_scaling_factor=getattr(gate, "routed_scaling_factor", 1.0))
+    return options
+
+
 def check_layer(i: int, layer: nn.Module, config) -> None:
     """Every refusal for decoder layer i, before anything is built."""
     attn = getattr(layer, TREES.get(config.model_type, LLAMA_TREE)[2], None)
@@ -148,7 +180,7 @@ def check_layer(i: int, layer: nn.Module, config) -> None:
                f"layer {i}: experts of {type(mlp.experts).__name__}")  # fmt: skip
         refuse(ACTIVATIONS[activation_name(config)] is not F.silu,
                f"layer {i}: MoE experts with hidden_act={activation_name(config)!r}")  # fmt: skip
-        shared = getattr(mlp, "shared_expert", None)
+        shared = shared_expert(mlp)
         linears = () if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
         gate = getattr(mlp, "shared_expert_gate", None)
         refuse(any(lin.bias is not None for lin in (*linears, *([gate] if gate else []))),
@@ -196,9 +228,9 @@ def attention_options(i: int, attn: nn.Module, config, rotary_emb) -> dict:
     types = getattr(config, "layer_types", None)
     layer_type = types[i] if types else None
     positions = (
-        {"rope": None}
-        if rotary_emb is None
-        else {  # learned: the model's own
+        {"rope": None}  # learned positions (GPT-2), or a NoPE layer (SmolLM3's use_rope)
+        if rotary_emb is None or not getattr(attn, "use_rope", True)
+        else {
             "rotary_dim": rotary_dim,
             "rope": functools.partial(rope, rotary_emb, rotary_dim, layer_type),
         }

@@ -8,6 +8,7 @@ from torch import nn
 
 from fusedpar import checks, comm
 from fusedpar.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT, check_activation
+from fusedpar.kernels.moe_route import check_groups
 from fusedpar.ops.gated_down import gated_down
 from fusedpar.ops.moe import moe_dispatch_combine
 from fusedpar.ops.moe_routing import SCORES, aux_losses, capacity_mask, route
@@ -27,7 +28,11 @@ class MoE(nn.Module):
     ``swiglu_alpha``, default 1.702; L = ``swiglu_limit``, default 7.0; both for that
     activation only). ``router_bias=True`` adds a trainable bias to the router's logits
     (gpt-oss's; with softmax scores and ``norm_topk_prob`` the weights are the softmax
-    of the k chosen logits, as gpt-oss's router computes them).
+    of the k chosen logits, as gpt-oss's router computes them). ``n_group`` and
+    ``topk_group``: the choice among the experts of the ``topk_group`` best of
+    ``n_group`` groups, a group scored by its two best selection scores (DeepSeek-V3's
+    router); ``routed_scaling_factor`` multiplies the routed weights (after any
+    renormalization; DeepSeek-V3 2.5, GLM-4.5 1.0 to 2.5).
 
     | parameter       | shape on a rank        | notes                                  |
     | --------------- | ---------------------- | -------------------------------------- |
@@ -72,7 +77,8 @@ class MoE(nn.Module):
                  score="softmax", norm_topk_prob=True, capacity_factor=None,
                  aux_loss_coef=0.01, z_loss_coef=0.0, shared_hidden=0, shared_gate=False,
                  bias=False, router_bias=False, activation="silu", swiglu_alpha=None,
-                 swiglu_limit=None, device=None, dtype=None):  # fmt: skip
+                 swiglu_limit=None, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                 device=None, dtype=None):  # fmt: skip
         super().__init__()
         world = comm.group_size(ep_group)
         if shared_gate and not shared_hidden:
@@ -94,6 +100,12 @@ class MoE(nn.Module):
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
+        check_groups(num_experts, top_k, n_group, topk_group)
+        if not 0 < routed_scaling_factor < math.inf:
+            raise ValueError(f"routed_scaling_factor must be positive and finite, got "
+                             f"{routed_scaling_factor}")  # fmt: skip
+        self.groups = (n_group, topk_group)
+        self.routed_scaling_factor = float(routed_scaling_factor)
         self.d_model, self.d_hidden, self.num_experts, self.top_k = (
             d_model,
             d_hidden,
@@ -160,13 +172,22 @@ class MoE(nn.Module):
         self.load_dense(*stacks, **extras)
 
     def load_dense(self, router_weight, w1, w2, w3, *, shared=None, shared_gate_weight=None,
-                   bias=None, router_bias=None) -> None:  # fmt: skip
+                   bias=None, router_bias=None, expert_bias=None) -> None:  # fmt: skip
         """Copy the full (unsharded) router and expert stacks, keeping this rank's experts,
         the expert biases ``bias=(b1 (E, h), b2 (E, d), b3 (E, h))`` (this rank's too) and
         the router's bias (E,), and the shared expert (w1, w2, w3) and its gate
         (1, d_model) where this layer has them (and only there: nothing given is
-        ignored)."""
+        ignored); `expert_bias` (E,): the sigmoid router's selection bias (DeepSeek-V3's
+        ``e_score_correction_bias``)."""
         E, d, h, hs = self.num_experts, self.d_model, self.d_hidden, self.shared_hidden
+        if expert_bias is not None:
+            if self.expert_bias is None:
+                raise ValueError("expert_bias given but this MoE scores by softmax: it shifts "
+                                 "a sigmoid router's choice only")  # fmt: skip
+            if tuple(expert_bias.shape) != (E,):
+                raise ValueError(f"expert_bias must be ({E},), got {tuple(expert_bias.shape)}")
+            with torch.no_grad():
+                self.expert_bias.copy_(expert_bias)
         for what, value, param, option in (("expert biases", bias, self.b1, "bias"),
                                            ("a router bias", router_bias, self.router_bias,
                                             "router_bias")):  # fmt: skip
@@ -224,7 +245,8 @@ class MoE(nn.Module):
 
     @classmethod
     def from_dense(cls, router_weight, w1, w2, w3, ep_group=None, *, shared=None,
-                   shared_gate_weight=None, bias=None, router_bias=None, **kwargs):  # fmt: skip
+                   shared_gate_weight=None, bias=None, router_bias=None, expert_bias=None,
+                   **kwargs):  # fmt: skip
         """A layer holding this rank's share of full stacks: router_weight (E, d_model);
         w1, w3 (E, d_hidden, d_model); w2 (E, d_model, d_hidden); optionally the experts'
         biases ``bias=(b1 (E, d_hidden), b2 (E, d_model), b3 (E, d_hidden))``, the
@@ -257,6 +279,8 @@ class MoE(nn.Module):
             extras["bias"] = tuple(t.detach() for t in bias)
         if router_bias is not None:
             extras["router_bias"] = router_bias.detach()
+        if expert_bias is not None:
+            extras["expert_bias"] = expert_bias.detach()
         layer.load_dense(router_weight.detach(), w1.detach(), w2.detach(), w3.detach(),
                          **extras)  # fmt: skip
         return layer
@@ -273,7 +297,8 @@ class MoE(nn.Module):
         x2d = x.reshape(-1, self.d_model)
         weights, ids, probs, logits = route(x2d, self.router_weight, self.top_k, self.score,
                                             self.norm_topk_prob, self.expert_bias,
-                                            self.router_bias)  # fmt: skip
+                                            self.router_bias, self.groups,
+                                            self.routed_scaling_factor)  # fmt: skip
         keep = None
         if self.capacity_factor is not None:
             keep = capacity_mask(ids, weights, self.num_experts, self.capacity_factor)
@@ -307,6 +332,10 @@ class MoE(nn.Module):
             extra += ", bias=True"
         if self.router_bias is not None:
             extra += ", router_bias=True"
+        if self.groups != (1, 1):
+            extra += f", groups={self.groups[1]} of {self.groups[0]}"
+        if self.routed_scaling_factor != 1.0:
+            extra += f", routed_scaling_factor={self.routed_scaling_factor}"
         if self.activation != "silu":
             extra += (f", activation={self.activation}(alpha={self.swiglu_alpha}, "
                       f"limit={self.swiglu_limit})")  # fmt: skip

@@ -57,15 +57,15 @@ def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 @torch.library.custom_op("fusedpar::moe_route", mutates_args=())
-def _route_op(logits: Tensor, bias: Tensor | None, top_k: int, score: str,
-              norm: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def _route_op(logits: Tensor, bias: Tensor | None, top_k: int, score: str, norm: bool,
+              n_group: int = 1, topk_group: int = 1) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(weights (T, k) fp32, ids (T, k) int32, probs (T, E) fp32) of logits (T, E) fp32
     (float64 logits: float64 for each fp32): `fusedpar.kernels.moe_route.route_top_k`."""
-    return route_top_k(logits, top_k, score, norm, bias)
+    return route_top_k(logits, top_k, score, norm, bias, (n_group, topk_group))
 
 
 @_route_op.register_fake
-def _(logits, bias, top_k, score, norm):
+def _(logits, bias, top_k, score, norm, n_group=1, topk_group=1):
     T, E = logits.shape
     return (logits.new_empty((T, top_k)), logits.new_empty((T, top_k), dtype=torch.int32),
             logits.new_empty((T, E)))  # fmt: skip
@@ -85,7 +85,7 @@ def _(d_weights, d_probs, probs, ids, score, norm):
 
 
 def _route_setup(ctx, inputs, output):
-    _, _, _, score, norm = inputs
+    score, norm = inputs[3:5]
     ctx.options = (score, norm)
     ctx.set_materialize_grads(False)  # an output's gradient that did not flow stays None
     ctx.save_for_backward(output[2], output[1])
@@ -96,14 +96,15 @@ def _route_backward(ctx, d_weights, _, d_probs):
     d_logits = None
     if d_weights is not None or d_probs is not None:
         d_logits = _route_backward_call(d_weights, d_probs, probs, ids, *ctx.options)
-    return d_logits, None, None, None, None
+    return d_logits, None, None, None, None, None, None
 
 
 _route_backward_call = direct_op(_route_backward_op)
 _route = autograd_op(_route_op, _route_backward, _route_setup)
 
 
-def route(x, router_weight, top_k, score, norm_topk_prob, expert_bias=None, router_bias=None):
+def route(x, router_weight, top_k, score, norm_topk_prob, expert_bias=None, router_bias=None,
+          groups=(1, 1), scaling=1.0):  # fmt: skip
     """Router math in fp32 (float64 for float64 x). Returns (weights (T, k) fp32, ids (T,
     k) int32, probs (T, E), logits).
 
@@ -116,13 +117,17 @@ def route(x, router_weight, top_k, score, norm_topk_prob, expert_bias=None, rout
     the weight is 1, exactly, with gradient exactly 0 (the division's backward would
     subtract two terms of size 1/p, whose rounding a small p amplifies), and the router
     still takes a gradient on every rank (zeros on a rank with no token, as the other
-    ranks' reductions expect).
+    ranks' reductions expect). ``groups=(n_group, topk_group)``: the choice among the
+    experts of the topk_group best of n_group groups (DeepSeek-V3's); ``scaling``: the
+    weights times it, after any renormalization (its ``routed_scaling_factor``).
     """
     logits = _RouterLogits.apply(x, router_weight)
     if router_bias is not None:
         logits = logits + _cast(router_bias, logits.dtype)
     bias = None if expert_bias is None or score != "sigmoid" else _cast(expert_bias, logits.dtype)
-    weights, ids, probs = _route(logits, bias, top_k, score, bool(norm_topk_prob))
+    weights, ids, probs = _route(logits, bias, top_k, score, bool(norm_topk_prob), *groups)
+    if scaling != 1.0:
+        weights = weights * scaling
     return weights, ids, probs, logits
 
 
