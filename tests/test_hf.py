@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fusedpar as fp
+from fusedpar.nn.mla import layer_rows
 from fusedpar.testing import assert_close, assert_ulps, exception_of
 
 transformers = pytest.importorskip(
@@ -50,6 +51,18 @@ FAMILIES = {  # family: (config class, model class, options that family exercise
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
                    dict(head_dim=16, rotary_dim=8, num_local_experts=8, num_experts_per_tok=2,
                         intermediate_size=24)),
+    # latent attention (q's latent, interleaved rotary pairs, V narrower than Q/K) with
+    # YaRN's mscale in its scale; the grouped router, a shared expert, a dense first layer
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(num_key_value_heads=4, num_hidden_layers=2, q_lora_rank=16,
+                         kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=8,
+                         rope_interleave=True, n_routed_experts=8, num_experts_per_tok=2,
+                         n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
+                         moe_intermediate_size=24, routed_scaling_factor=2.5,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                          "factor": 4.0, "original_max_position_embeddings": 16,
+                                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                                          "mscale_all_dim": 0.8})),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",  # sliding then global, soft-capping
                dict(WINDOWED, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
                     final_logit_softcapping=3.0)),
@@ -88,7 +101,14 @@ FAMILIES = {  # family: (config class, model class, options that family exercise
                                       "beta_fast": 32.0, "beta_slow": 1.0})),
 }  # fmt: skip
 NO_GQA = ("gpt_neox", "gpt2")  # configs without num_key_value_heads
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "gpt_oss")  # ep = tp
+# ParallelMLA's parameters -> Hugging Face's (o_proj's: as every family's)
+MLA_NAMES = {"q_a_weight": "q_a_proj.weight", "q_a_bias": "q_a_proj.bias",
+             "q_a_norm_weight": "q_a_layernorm.weight", "q_b_weight": "q_b_proj.weight",
+             "q_weight": "q_proj.weight", "kv_a_weight": "kv_a_proj_with_mqa.weight",
+             "kv_a_bias": "kv_a_proj_with_mqa.bias", "kv_a_norm_weight": "kv_a_layernorm.weight",
+             "kv_b_weight": "kv_b_proj.weight"}  # fmt: skip
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "deepseek_v3",
+       "gpt_oss")  # experts over ep = tp
 
 
 def _model(family: str, seed: int, **changes):
@@ -127,6 +147,10 @@ def _reference_grad(model, name: str) -> torch.Tensor:
     if hasattr(module, "shared_experts"):  # GLM-4.5's and DeepSeek-V3's name
         plain = {k: v.replace("shared_expert.", "shared_experts.") for k, v in plain.items()}
     config = model.config
+    if hasattr(module, "kv_a_proj_with_mqa"):  # latent attention: HF's rows in the layer's layout
+        grad = module.get_parameter(MLA_NAMES.get(leaf, plain.get(leaf))).grad
+        return layer_rows(leaf, grad, nope=config.qk_nope_head_dim, rope=config.qk_rope_head_dim,
+                          kv_lora_rank=config.kv_lora_rank, rope_interleave=config.rope_interleave)
     fused = next((getattr(module, n) for n in ("qkv_proj", "query_key_value", "c_attn")
                   if hasattr(module, n)), None)  # fmt: skip
     if fused is not None and leaf[:2] in ("q_", "k_", "v_"):  # Phi-3, GPT-NeoX, GPT-2
@@ -275,6 +299,7 @@ def test_the_caller_may_shard_the_batch_itself(world, family, degrees):
     ("gemma2", dict(cp=2, ulysses=2)),  # the hybrid: windows and soft-capping over both
     ("mixtral", dict(ulysses=2, tp=2)),  # experts over tp
     ("gpt_oss", dict(cp=2, ulysses=2)),  # sinks entering once, after the hybrid's merge
+    ("deepseek_v3", dict(cp=2, ulysses=2)),  # latent attention's expanded heads over both
 ])  # fmt: skip
 def test_ulysses_and_the_hybrid(world, family, degrees):
     assert len(set(world(4).run(_run_family, family, 3, None, "full", degrees))) == 1
@@ -343,6 +368,7 @@ def _run_packed(family, seed, degrees=None):
     ("llama", None),  # RoPE restarting in each document
     ("gpt2", None),  # learned positions restarting
     ("gemma2", dict(cp=2, ulysses=2)),  # windows and soft-capping, the hybrid
+    ("deepseek_v3", None),  # latent attention, its rotary dims restarting
 ])  # fmt: skip
 def test_packed_documents_attend_within_their_own(world, family, degrees):
     assert world(4).run(_run_packed, family, 4, degrees) == [True] * 4

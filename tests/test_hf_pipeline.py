@@ -67,6 +67,7 @@ def _run(family: str, schedule: str, packed: bool = False, seed: int = 0):
     ("gemma2", "InterleavedZeroBubble", False),  # tied, split backward, soft-capped logits
     ("mixtral", "GPipe", False),  # MoE, EP over tp
     ("qwen3_moe", "1F1B", True),  # MoE and dense layers, q/k norms, packed documents
+    ("deepseek_v3", "Interleaved1F1B", False),  # latent attention, the grouped router
     ("gpt_neox", "DualPipeV", False),  # its own tree; fused qkv, parallel residual
 ])  # fmt: skip
 def test_a_converted_model_pipelines_like_the_original(world, family, schedule, packed):
@@ -89,12 +90,12 @@ def test_what_a_pipeline_would_get_wrong_is_refused(world, family, schedule, bat
         assert isinstance(e, ValueError) and re.search(match, str(e)), repr(e)
 
 
-def _save_or_load(degrees, save_to=None, load_from=None, schedule="1F1B"):
-    """GPT-2 (tied embeddings) at `degrees`: one AdamW step, or a checkpoint loaded; then
-    saved. This rank's parameters and moments, as full tensors."""
-    dims = fp.ParallelDims(**degrees)
+def _save_or_load(degrees, save_to=None, load_from=None, schedule="1F1B", family="gpt2"):
+    """`family` (GPT-2: tied embeddings) at `degrees`: one AdamW step, or a checkpoint
+    loaded; then saved. This rank's parameters and moments, as full tensors."""
+    dims = fp.ParallelDims(**degrees, ep="tp" if family in MOE else None)
     stages = 2 if SCHEDULES[schedule] == "single" else 4
-    model = _model("gpt2", 0, num_hidden_layers=stages)
+    model = _model(family, 0, num_hidden_layers=stages)
     mesh = hf.parallelize(model, dims)
     ids = torch.randint(0, VOCAB, (stages, SEQ), generator=torch.Generator().manual_seed(1))
     if dims.pp > 1:
@@ -125,3 +126,15 @@ def test_checkpoints_reshard_between_pipeline_layouts_bitwise(world, tmp_path, s
     assert "transformer.wte.weight.exp_avg" in trained and "lm_head.weight" not in trained
     _assert_equal(world(4).run(_save_or_load, pp1, second, first, schedule)[0], trained)
     _assert_equal(_union(world(4).run(_save_or_load, pp2, None, second, schedule)), trained)
+
+
+def test_a_deepseek_v3_checkpoint_reshards_bitwise(world, tmp_path):
+    """DeepSeek-V3 from PP2 x TP2 to CP2 x TP2, experts over tp: the latent attention's
+    projections (whole latents, heads split) and the experts, with their moments, under
+    the converted model's names whatever the layout."""
+    first, second = str(tmp_path / "pp2"), str(tmp_path / "cp2")
+    trained = _union(world(4).run(_save_or_load, dict(pp=2, tp=2), first, None, "1F1B",
+                                  "deepseek_v3"))  # fmt: skip
+    assert any(name.endswith("kv_a_weight.exp_avg") for name in trained)
+    _assert_equal(world(4).run(_save_or_load, dict(cp=2, tp=2), second, first, "1F1B",
+                               "deepseek_v3")[0], trained)  # fmt: skip

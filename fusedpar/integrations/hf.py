@@ -68,6 +68,7 @@ from fusedpar.nn import (
     ColumnParallelLinear,
     MoE,
     ParallelAttention,
+    ParallelMLA,
     ParallelSwiGLU,
     RowParallelLinear,
 )
@@ -80,11 +81,11 @@ BATCHES = ("full", "local")
 SEQUENCE_AXES = ("cp", "ulysses", "tp")  # the mesh axes a sequence is sharded over, in order
 
 
-class HFParallelAttention(ParallelAttention):
-    """`ParallelAttention` called as a Hugging Face attention module: hidden_states
-    (B, S_loc, d) batch-first in, ``(output, None)`` out; HF's mask and position
-    embeddings are ignored (causal, RoPE at global positions inside; the documents of a
-    packed batch from the model's `_Batch`, set by `parallelize`)."""
+class _HFAttentionCall:
+    """Called as a Hugging Face attention module: hidden_states (B, S_loc, d)
+    batch-first in, ``(output, None)`` out; HF's mask and position embeddings are
+    ignored (causal, RoPE at global positions inside; the documents of a packed batch
+    from the model's `_Batch`, set by `parallelize`)."""
 
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
         if past_key_values is not None:
@@ -93,6 +94,14 @@ class HFParallelAttention(ParallelAttention):
         cu_seqlens = None if batch is None else batch.cu_seqlens
         x = hidden_states.transpose(0, 1)  # (S_loc, B, d)
         return super().forward(x, cu_seqlens=cu_seqlens).transpose(0, 1), None
+
+
+class HFParallelAttention(_HFAttentionCall, ParallelAttention):
+    """`ParallelAttention` as a Hugging Face attention module (`_HFAttentionCall`)."""
+
+
+class HFParallelMLA(_HFAttentionCall, ParallelMLA):
+    """`ParallelMLA` as a Hugging Face attention module (DeepSeek-V3's)."""
 
 
 class HFParallelSwiGLU(ParallelSwiGLU):
@@ -131,8 +140,13 @@ class HFMoE(MoE):
         return (y, None) if self.returns_scores else y
 
 
-def _attention(i: int, attn: nn.Module, config, groups, rotary_emb,
-               tp: dict) -> HFParallelAttention:  # fmt: skip
+def _attention(i: int, attn: nn.Module, config, groups, rotary_emb, tp: dict) -> nn.Module:
+    cp = dict(tp_group=groups["tp"], cp_group=groups["cp"], ulysses_group=groups.get("ulysses"))
+    if families.is_mla(attn):
+        options = families.mla_options(attn, config, rotary_emb)
+        parts = options.pop("parts")
+        return HFParallelMLA.from_dense(*parts, config.hidden_size, config.num_attention_heads,
+                                        **cp, **options, **tp)  # fmt: skip
     options = families.attention_options(i, attn, config, rotary_emb)
     return HFParallelAttention.from_dense(
         *options.pop("parts"), config.hidden_size, config.num_attention_heads,

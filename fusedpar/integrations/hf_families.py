@@ -13,6 +13,9 @@ decoder layer's attention and MLP into fusedpar's layers.
 |                             | layers first (`first_k_dense_replace`)                    |
 | minimax_m2                  | full-width q/k norms, partial RoPE (`rotary_dim`); sigmoid|
 |                             | router, its correction bias on the block                  |
+| deepseek_v3                 | multi-head latent attention (`fp.nn.ParallelMLA`: q and   |
+|                             | kv latents, `rope_interleave`, the scale with YaRN's      |
+|                             | mscale); GLM-4.5's router and shared experts              |
 | mistral, mixtral, qwen2     | `sliding_window` (every layer, or the `layer_types` ones) |
 | gemma2                      | + `attn_logit_softcapping`, `query_pre_attn_scalar`       |
 | gemma3_text                 | + per-head (1 + w) q/k norms, RoPE per layer type         |
@@ -44,8 +47,8 @@ from torch import nn
 from fusedpar.nn.linear import is_conv1d, linear_parts
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-            "glm4_moe", "minimax_m2", "gemma2", "gemma3_text", "phi3", "olmo2", "olmo3",
-            "smollm3", "gpt_neox", "gpt2", "gpt_oss")  # fmt: skip
+            "glm4_moe", "minimax_m2", "deepseek_v3", "gemma2", "gemma3_text", "phi3", "olmo2",
+            "olmo3", "smollm3", "gpt_neox", "gpt2", "gpt_oss")  # fmt: skip
 _TANH_GELU = functools.partial(F.gelu, approximate="tanh")
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": _TANH_GELU,
                "gelu_new": _TANH_GELU}  # fmt: skip
@@ -165,11 +168,41 @@ def router_options(mlp: nn.Module) -> dict:
     return options
 
 
+def is_mla(attn: nn.Module) -> bool:
+    """DeepSeek-V2/V3's multi-head latent attention (a KV latent with a shared k_rope)."""
+    return hasattr(attn, "kv_a_proj_with_mqa")
+
+
+def mla_options(attn: nn.Module, config, rotary_emb) -> dict:
+    """`ParallelMLA.from_dense` arguments of an MLA module: the projections (q's latent
+    pair, or q_proj), its norms, head dims, scale (YaRN's mscale squared included, as the
+    module computed it) and the model's rotary tables over the rotary dims."""
+    lora = getattr(attn, "q_a_proj", None) is not None
+    q = (attn.q_a_proj, attn.q_b_proj) if lora else attn.q_proj
+    norm = attn.kv_a_layernorm
+    rope_dim = config.qk_rope_head_dim
+    return dict(parts=[q, attn.kv_a_proj_with_mqa, attn.kv_b_proj, attn.o_proj],
+                q_a_norm=attn.q_a_layernorm if lora else None, kv_a_norm=norm,
+                qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=rope_dim,
+                v_head_dim=config.v_head_dim, softmax_scale=attn.scaling,
+                norm_eps=getattr(norm, "variance_epsilon", None) or norm.eps,
+                rope=functools.partial(rope, rotary_emb, rope_dim, None),
+                rope_interleave=bool(getattr(config, "rope_interleave", False)))  # fmt: skip
+
+
 def check_layer(i: int, layer: nn.Module, config) -> None:
     """Every refusal for decoder layer i, before anything is built."""
     attn = getattr(layer, TREES.get(config.model_type, LLAMA_TREE)[2], None)
     mlp = getattr(layer, "mlp", None)
     parts = FUSED_QKV.get(config.model_type, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    if is_mla(attn):
+        lora = getattr(attn, "q_a_proj", None) is not None
+        parts = (("q_a_proj", "q_b_proj") if lora else ("q_proj",)) + (
+            "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")  # fmt: skip
+        refuse(lora and getattr(attn.q_b_proj, "bias", None) is not None,
+               f"layer {i}: a q_b_proj with a bias")  # fmt: skip
+        refuse(attn.kv_b_proj.bias is not None, f"layer {i}: a kv_b_proj with a bias")
+        refuse(layer_window(config, i) is not None, f"layer {i}: a window on latent attention")
     refuse(not all(_linear_like(getattr(attn, p, None)) for p in parts),
            f"layer {i}: attention {type(attn).__name__} without {'/'.join(parts)} "
            "Linears")  # fmt: skip

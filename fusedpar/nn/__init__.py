@@ -1,9 +1,11 @@
-"""nn.Modules built from fusedpar.ops: parallel linears, attention, MoE, RMSNorm (and
+"""nn.Modules built from fusedpar.ops: parallel linears, attention (and DeepSeek's latent
+attention), MoE, RMSNorm (and
 `add_aux_loss`, which carries a MoE layer's auxiliary loss to the gradients)."""
 
 from fusedpar.nn.attention import ParallelAttention
 from fusedpar.nn.aux_loss import add_aux_loss
 from fusedpar.nn.linear import ColumnParallelLinear, ParallelSwiGLU, RowParallelLinear
+from fusedpar.nn.mla import ParallelMLA
 from fusedpar.nn.moe import MoE
 from fusedpar.nn.norm import RMSNorm
 
@@ -11,6 +13,7 @@ __all__ = [
     "ColumnParallelLinear",
     "MoE",
     "ParallelAttention",
+    "ParallelMLA",
     "ParallelSwiGLU",
     "RMSNorm",
     "RowParallelLinear",

@@ -105,7 +105,74 @@ def _check_cp_mode(cp_mode, cp_group, ulysses_group) -> str:
     return cp_mode
 
 
-class ParallelAttention(nn.Module):
+class RotaryPositions:
+    """The rotary tables of a layer's local tokens (`_rope`), for layers that set
+    ``rope`` (`DEFAULT_ROPE` or a callable), ``rotary_dim``, ``rope_theta``, the CP
+    groups and layout, and start ``_rope_tables = {}``, ``_rope_layout_checked = False``."""
+
+    def _rope(self, full_len: int, device: torch.device, cu_seqlens=None,
+              dtype=torch.float32):  # fmt: skip
+        """cos, sin (S_loc, hd/2) of `dtype` (fp32; float64 for a float64 x) at this rank's
+        positions: global ones, kept per length; with packed documents, restarting in
+        each (built per call)."""
+        key = (full_len, device, dtype)
+        if cu_seqlens is None and key in self._rope_tables:
+            return self._rope_tables[key]
+        positions = sequence_positions(full_len, self.cp_group, layout=self.cp_layout,
+                                       device=device, cu_seqlens=cu_seqlens,
+                                       ulysses_group=self.ulysses_group)  # fmt: skip
+        if self.rope == DEFAULT_ROPE:
+            tables = rope_tables(positions, self.rotary_dim, self.rope_theta, dtype)
+        else:
+            tables = tuple(self._rope_table(t, len(positions), dtype)
+                           for t in self.rope(positions))  # fmt: skip
+        if cu_seqlens is None:
+            if len(self._rope_tables) >= 4:  # lengths that vary (evaluation): keep a few
+                self._rope_tables.clear()
+            self._rope_tables[key] = tables
+        return tables
+
+    def _rope_table(self, t: torch.Tensor, length: int, dtype) -> torch.Tensor:
+        """One of a `rope` callable's tables as (S, r/2) of `dtype`, r = rotary_dim."""
+        half = self.rotary_dim // 2
+        while t.dim() > 2 and t.shape[0] == 1:
+            t = t[0]
+        if t.dim() == 2 and t.shape == (length, 2 * half):
+            if not self._rope_layout_checked:  # once per layer (a host sync), as below
+                # a table of width r is Hugging Face's, each angle in both halves; one
+                # with each angle twice in a row (GPT-J's, Meta's repeat_interleave)
+                # would pass for it, its first half read as the angles: refused
+                informative = bool((t != t.flatten()[0]).any())
+                if informative and not torch.equal(t[:, :half], t[:, half:]):
+                    raise ValueError(
+                        f"rope(positions) gives ({length}, {2 * half}) tables whose halves "
+                        f"differ: the width of rotary_dim {2 * half} is taken in Hugging "
+                        f"Face's layout (each angle in both halves); give each pair's angle "
+                        f"once, ({length}, {half}) (an interleaved table t: t[:, ::2])"
+                    )
+                self._rope_layout_checked = informative
+            t = t[:, :half]  # Hugging Face's layout: the same angles twice
+        elif t.shape != (length, half):
+            raise ValueError(f"rope(positions) must give cos, sin of ({length}, {half}) or "
+                             f"({length}, {2 * half}) for rotary_dim {2 * half}, got "
+                             f"{tuple(t.shape)}")  # fmt: skip
+        elif not self._rope_layout_checked and half % 2 == 0 and not checks.skipped(t):
+            # Hugging Face's table of a rotary_dim of r/2 (GPT-NeoX's rotary_pct 0.5)
+            # has our width; its halves repeat, ours (distinct frequencies) do not.
+            # Checked once per layer (a host sync), in eager calls only (a data-dependent
+            # branch breaks a compiled graph). Angles all 0 (position 0) tell nothing.
+            first, second = t[:, : half // 2], t[:, half // 2 :]
+            informative = bool((first != first.flatten()[0]).any())
+            if informative and torch.equal(first, second):
+                raise ValueError(
+                    f"rope(positions) gives ({length}, {half}) tables whose halves repeat: "
+                    f"Hugging Face's layout for rotary_dim {half}, not this layer's "
+                    f"rotary_dim {2 * half}: pass rotary_dim={half} (partial rotary)"
+                )
+            self._rope_layout_checked = informative
+        return t.to(dtype).contiguous()  # (HF's half a row: the GEMM epilogue reads rows)
+
+class ParallelAttention(RotaryPositions, nn.Module):
     """GQA self-attention over TP (heads) and CP (sequence). See the module doc.
 
     | parameter                        | shape on a rank     | with           |
@@ -379,68 +446,6 @@ class ParallelAttention(nn.Module):
         layer.load_dense(q, k, v, o, q_norm=q_norm, k_norm=k_norm, sinks=sinks, bias=biases,
                          rope_layout=rope_layout)  # fmt: skip
         return layer
-
-    def _rope(self, full_len: int, device: torch.device, cu_seqlens=None,
-              dtype=torch.float32):  # fmt: skip
-        """cos, sin (S_loc, hd/2) of `dtype` (fp32; float64 for a float64 x) at this rank's
-        positions: global ones, kept per length; with packed documents, restarting in
-        each (built per call)."""
-        key = (full_len, device, dtype)
-        if cu_seqlens is None and key in self._rope_tables:
-            return self._rope_tables[key]
-        positions = sequence_positions(full_len, self.cp_group, layout=self.cp_layout,
-                                       device=device, cu_seqlens=cu_seqlens,
-                                       ulysses_group=self.ulysses_group)  # fmt: skip
-        if self.rope == DEFAULT_ROPE:
-            tables = rope_tables(positions, self.rotary_dim, self.rope_theta, dtype)
-        else:
-            tables = tuple(self._rope_table(t, len(positions), dtype)
-                           for t in self.rope(positions))  # fmt: skip
-        if cu_seqlens is None:
-            if len(self._rope_tables) >= 4:  # lengths that vary (evaluation): keep a few
-                self._rope_tables.clear()
-            self._rope_tables[key] = tables
-        return tables
-
-    def _rope_table(self, t: torch.Tensor, length: int, dtype) -> torch.Tensor:
-        """One of a `rope` callable's tables as (S, r/2) of `dtype`, r = rotary_dim."""
-        half = self.rotary_dim // 2
-        while t.dim() > 2 and t.shape[0] == 1:
-            t = t[0]
-        if t.dim() == 2 and t.shape == (length, 2 * half):
-            if not self._rope_layout_checked:  # once per layer (a host sync), as below
-                # a table of width r is Hugging Face's, each angle in both halves; one
-                # with each angle twice in a row (GPT-J's, Meta's repeat_interleave)
-                # would pass for it, its first half read as the angles: refused
-                informative = bool((t != t.flatten()[0]).any())
-                if informative and not torch.equal(t[:, :half], t[:, half:]):
-                    raise ValueError(
-                        f"rope(positions) gives ({length}, {2 * half}) tables whose halves "
-                        f"differ: the width of rotary_dim {2 * half} is taken in Hugging "
-                        f"Face's layout (each angle in both halves); give each pair's angle "
-                        f"once, ({length}, {half}) (an interleaved table t: t[:, ::2])"
-                    )
-                self._rope_layout_checked = informative
-            t = t[:, :half]  # Hugging Face's layout: the same angles twice
-        elif t.shape != (length, half):
-            raise ValueError(f"rope(positions) must give cos, sin of ({length}, {half}) or "
-                             f"({length}, {2 * half}) for rotary_dim {2 * half}, got "
-                             f"{tuple(t.shape)}")  # fmt: skip
-        elif not self._rope_layout_checked and half % 2 == 0 and not checks.skipped(t):
-            # Hugging Face's table of a rotary_dim of r/2 (GPT-NeoX's rotary_pct 0.5)
-            # has our width; its halves repeat, ours (distinct frequencies) do not.
-            # Checked once per layer (a host sync), in eager calls only (a data-dependent
-            # branch breaks a compiled graph). Angles all 0 (position 0) tell nothing.
-            first, second = t[:, : half // 2], t[:, half // 2 :]
-            informative = bool((first != first.flatten()[0]).any())
-            if informative and torch.equal(first, second):
-                raise ValueError(
-                    f"rope(positions) gives ({length}, {half}) tables whose halves repeat: "
-                    f"Hugging Face's layout for rotary_dim {half}, not this layer's "
-                    f"rotary_dim {2 * half}: pass rotary_dim={half} (partial rotary)"
-                )
-            self._rope_layout_checked = informative
-        return t.to(dtype).contiguous()  # (HF's half a row: the GEMM epilogue reads rows)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """x (S_loc, B, d_model) -> the same shape (see the module doc). `cu_seqlens`
