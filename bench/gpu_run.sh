@@ -72,9 +72,16 @@ case $step in
   5) part fused_attention_gpu 170 env FUSEDPAR_TUNING=first python -m pytest -m gpu -n 2 -q \
        -p no:cacheprovider --timeout 150 -rxXs tests/test_attention_fused.py tests/test_config_sweep.py \
        tests/test_attention_platform.py tests/test_moe_kernels.py tests/test_attention.py \
-       -k "fused_backward_gpu or platform_candidates_gpu or grouped_mm_candidate_gpu or (every_attention_config_gpu and fused) or approximate_soft_capping_gpu or head_dim_pairs_gpu"
+       -k "fused_backward_gpu or platform_candidates_gpu or grouped_mm_candidate_gpu or (every_attention_config_gpu and fused) or approximate_soft_capping_gpu"
      part attention 300 env BENCH_PEERS=fusedpar,fusedpar-split,sdpa-cudnn "${bench[@]}" attention ;;
-  *) echo "unknown step $step: 0-5" >&2; exit 2 ;;
+  # #43: attention with V of its own head dim (MLA's (192, 128), (128, 64)) on both
+  # backwards and read paths, ParallelMLA compiled, the grouped routers (DeepSeek-V3,
+  # GLM-4.5); then the attention bench's quick points again (the tiles' lists moved)
+  6) part mla_gpu 200 env FUSEDPAR_TUNING=first python -m pytest -m gpu -n 2 -q \
+       -p no:cacheprovider --timeout 150 -rs tests/test_attention.py tests/test_mla.py \
+       tests/test_moe_kernels.py -k "head_dim_pairs_gpu or mla_gpu or routing_matches_float64_gpu"
+     part attention 260 env BENCH_PEERS=fusedpar,sdpa-cudnn "${bench[@]}" attention ;;
+  *) echo "unknown step $step: 0-6" >&2; exit 2 ;;
 esac
 tar -czf "$out/results.tgz" -C "$results" .
 for log in "$out"/*.log; do echo "== $log"; tail -n 15 "$log"; done

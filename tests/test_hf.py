@@ -300,6 +300,9 @@ def test_the_caller_may_shard_the_batch_itself(world, family, degrees):
     ("mixtral", dict(ulysses=2, tp=2)),  # experts over tp
     ("gpt_oss", dict(cp=2, ulysses=2)),  # sinks entering once, after the hybrid's merge
     ("deepseek_v3", dict(cp=2, ulysses=2)),  # latent attention's expanded heads over both
+    # #43's other families, the hybrid each
+    *((family, dict(cp=2, ulysses=2))
+      for family in ("qwen3_moe", "glm4_moe", "minimax_m2", "olmo3", "smollm3")),
 ])  # fmt: skip
 def test_ulysses_and_the_hybrid(world, family, degrees):
     assert len(set(world(4).run(_run_family, family, 3, None, "full", degrees))) == 1

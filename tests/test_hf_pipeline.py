@@ -68,6 +68,10 @@ def _run(family: str, schedule: str, packed: bool = False, seed: int = 0):
     ("mixtral", "GPipe", False),  # MoE, EP over tp
     ("qwen3_moe", "1F1B", True),  # MoE and dense layers, q/k norms, packed documents
     ("deepseek_v3", "Interleaved1F1B", False),  # latent attention, the grouped router
+    ("glm4_moe", "1F1B", False),  # a dense stage, then the grouped router's
+    ("minimax_m2", "GPipe", False),  # full-width q/k norms, the block's correction bias
+    ("olmo3", "1F1B", False),  # windows and RoPE per layer type across stages
+    ("smollm3", "1F1B", True),  # a NoPE stage, packed documents
     ("gpt_neox", "DualPipeV", False),  # its own tree; fused qkv, parallel residual
 ])  # fmt: skip
 def test_a_converted_model_pipelines_like_the_original(world, family, schedule, packed):

@@ -85,10 +85,22 @@ NAMES = {"q_a_weight": "q_a", "q_a_bias": "q_a_b", "q_a_norm_weight": "q_a_norm"
     (16, True, False, "triton"),  # the attention kernels with Dv != Dqk (the interpreter)
 ])  # fmt: skip
 def test_mla_matches_float64(q_lora, bias, interleaved, implementation):
+    check_mla(q_lora, bias, interleaved, implementation, 11, "cpu", torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_mla_gpu(interleaved):
+    """The layer's kernels compiled (bf16), a longer sequence."""
+    check_mla(16, True, interleaved, "triton", 300, "cuda", torch.bfloat16)
+
+
+def check_mla(q_lora, bias, interleaved, implementation, S, device, dtype):
     dense = _dense(q_lora, bias, seed=3)
     scale = 0.7 * (NOPE + ROPE) ** -0.5  # (a YaRN mscale^2 stand-in)
-    x = randn((11, 2, D_MODEL), torch.float64, 0, exact_in=torch.float32)
-    dy = randn((11, 2, D_MODEL), torch.float64, 1)
+    x = randn((S, 2, D_MODEL), torch.float64, 0, exact_in=dtype)
+    dy = randn((S, 2, D_MODEL), torch.float64, 1, exact_in=dtype)
+    dense = {n: t.to(dtype).double() for n, t in dense.items()}  # exact in dtype
 
     def reference(dtype):
         p = {n: t.to(dtype).clone().requires_grad_() for n, t in dense.items()}
@@ -96,20 +108,20 @@ def test_mla_matches_float64(q_lora, bias, interleaved, implementation):
         (y * dy.to(dtype)).sum().backward()
         return y.detach(), {n: t.grad for n, t in p.items()}
 
-    ref64, ref32 = reference(torch.float64), reference(torch.float32)
+    ref64, ref32 = reference(torch.float64), reference(dtype)
     q = tuple(_linear(dense, n) for n in ("q_a", "q_b")) if q_lora else _linear(dense, "q")
     layer = ParallelMLA.from_dense(
         q, _linear(dense, "kv_a"), _linear(dense, "kv_b"), _linear(dense, "o"), D_MODEL, HEADS,
         q_a_norm=dense.get("q_a_norm"), kv_a_norm=dense["kv_a_norm"], kv_lora_rank=KV_LORA,
         qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V_DIM, softmax_scale=scale,
-        norm_eps=EPS, rope_interleave=interleaved, dtype=torch.float32,
+        norm_eps=EPS, rope_interleave=interleaved, dtype=dtype, device=device,
     )  # fmt: skip
     with fp.implementation(implementation):
-        y = layer(x.float())
-        (y * dy.float()).sum().backward()
-    assert_close(y, ref64[0], ref32[0], name="output", sum_length=D_MODEL)
+        y = layer(x.to(device, dtype))
+        (y * dy.to(device, dtype)).sum().backward()
+    assert_close(y.cpu(), ref64[0], ref32[0], name="output", sum_length=D_MODEL)
     for name, param in layer.named_parameters():
-        grad = layer.dense_rows(name, param.grad, interleaved)
+        grad = layer.dense_rows(name, param.grad.cpu(), interleaved)
         assert_close(grad, ref64[1][NAMES[name]], ref32[1][NAMES[name]], name=name,
                      sum_length=D_MODEL)  # fmt: skip
 
