@@ -147,3 +147,51 @@ def test_bad_configurations_are_refused():
     layer = ParallelMLA(32, 4, **common)
     with pytest.raises(ValueError, match="takes x \\(S_loc, B, d_model=32\\)"):
         layer(torch.zeros(3, 1, 16))
+
+
+def _run_ring(cp_ring, seed):
+    """This rank's ParallelMLA over a ring of the world (zigzag): its output shard, every
+    gradient summed over the ring (each rank's is its own tokens' share), whether the
+    latent travels, and the bytes the ring's sends moved."""
+    import torch.distributed as dist
+
+    from fusedpar.testing import Collectives
+
+    dense = _dense(16, True, seed)
+    group = dist.group.WORLD
+    q = tuple(_linear(dense, n) for n in ("q_a", "q_b"))
+    layer = ParallelMLA.from_dense(
+        q, _linear(dense, "kv_a"), _linear(dense, "kv_b"), _linear(dense, "o"), D_MODEL, HEADS,
+        q_a_norm=dense["q_a_norm"], kv_a_norm=dense["kv_a_norm"], qk_nope_head_dim=NOPE,
+        qk_rope_head_dim=ROPE, v_head_dim=V_DIM, norm_eps=EPS, rope_interleave=True,
+        cp_group=group, cp_ring=cp_ring, dtype=torch.float32,
+    )  # fmt: skip
+    x, dy = (fp.shard_sequence(randn((16, 2, D_MODEL), torch.float32, seed + i), group, dim=0)
+             for i in (10, 11))  # fmt: skip
+    with Collectives() as seen:
+        y = layer(x)
+        (y * dy).sum().backward()
+    grads = {}
+    for name, param in layer.named_parameters():
+        grads[name] = param.grad.clone()
+        dist.all_reduce(grads[name])
+    sent = sum(n for (kind, _), n in seen.bytes.items() if kind == "send")
+    return y.detach(), grads, layer.latent_ring(x), sent
+
+
+def test_the_latent_ring_computes_the_expanded_rings_numbers(world):
+    """The latent ring (DeepSeek-V3's latent and shared rotary head travel, each step
+    expands them) against the ring of expanded heads on 4 ranks: the same output and
+    summed gradients (fp32, the same math: only the GEMMs' blocking differs), at a
+    quarter of the bytes here (a token's latent, 24 + 8 values, against its 4 heads'
+    K and V, 4 x (24 + 8)). On a CPU `cp_ring="auto"` keeps the expanded heads (measured
+    faster there: ParallelMLA's comment)."""
+    latent = world(4).run(_run_ring, "latent", 5)
+    expanded = world(4).run(_run_ring, "auto", 5)
+    for (y, grads, took_latent, sent), (y_ref, grads_ref, took_ref, sent_ref) in zip(
+            latent, expanded, strict=True):  # fmt: skip
+        assert took_latent and not took_ref
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, grads_ref[name], rtol=1e-5, atol=1e-5, msg=name)
+        assert sent * HEADS == sent_ref > 0

@@ -31,9 +31,10 @@ float64 q, k, v (torch's implementation): every fp32 above is float64 (the runni
 output and LSE, their merge, dQ and the dK, dV that travel), so nothing rounds a
 float64 ring to fp32 (`fusedpar.kernels._common.accumulator`).
 
-The loops take a transport: `_GroupRing` (this rank's side of a `fusedpar.comm.Ring`)
-or `VirtualRing` (every rank in this process, transfers replaced by copies, all ranks'
-step s run before step s + 1). `virtual_ring_attn` runs the real loops over a
+The loops take a transport (`fusedpar.ops.ring_transport`): `GroupRing` (this rank's
+side of a `fusedpar.comm.Ring`) or `VirtualRing` (every rank in this process, transfers
+replaced by copies, all ranks' step s run before step s + 1). `virtual_ring_attn`
+runs the real loops over a
 `VirtualRing`: the ring's exact launches, checkable and measurable on one device.
 """
 
@@ -43,7 +44,6 @@ from torch import Tensor
 
 from fusedpar.comm import (
     Group,
-    Ring,
     check_same_across_ranks,
     group_by_name,
     group_name,
@@ -83,6 +83,7 @@ from fusedpar.ops.attention import (
     flash_attn_varlen,
 )
 from fusedpar.ops.registration import autograd_op, direct_op
+from fusedpar.ops.ring_transport import GroupRing, VirtualRing
 from fusedpar.ops.sequence import (
     _chunks_of,
     _num_chunks,
@@ -165,71 +166,42 @@ def _tuned_launches(size: int) -> tuple[bool, ...]:
     return (True, False) if size > 1 else (True,)
 
 
-# --- transports ----------------------------------------------------------------------
-
-
-class _GroupRing:
-    """This rank's side of a ring over a process group: lists of one rank's tensors."""
-
-    def __init__(self, pg, *, tag: int = 0):
-        self._ring = Ring(pg, tag=tag)
-        self.size = self._ring.size
-        self.ranks = [self._ring.rank]
-
-    def send_recv(self, per_rank):
-        return [self._ring.send_recv(per_rank[0])]
-
-    def wait(self):
-        return [self._ring.wait()]
-
-
-class VirtualRing:
-    """`size` ranks in one process: rank r's send arrives at rank r + 1 as a copy.
-
-    ``send_recv(per_rank)`` takes one list of tensors per rank (``ranks`` order) and
-    copies them along the ring at once (the copies stand in for the transfers); ``wait``
-    returns what each rank received. Misuse raises as `fusedpar.comm.Ring` does."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.ranks = list(range(size))
-        self._in_flight = None
-
-    def send_recv(self, per_rank):
-        if self._in_flight is not None:
-            raise RuntimeError("VirtualRing.send_recv called again before wait()")
-        if len(per_rank) != self.size:
-            raise ValueError(f"VirtualRing: {len(per_rank)} ranks' tensors for {self.size} ranks")
-        self._in_flight = [[t.clone() for t in per_rank[(r - 1) % self.size]] for r in self.ranks]
-        return self._in_flight
-
-    def wait(self):
-        if self._in_flight is None:
-            raise RuntimeError("VirtualRing.wait called with no send_recv in flight")
-        received, self._in_flight = self._in_flight, None
-        return received
-
-
 # --- the loops (one list entry per rank the transport plays) --------------------------
 
 
+class KVBlocks:
+    """What travels the rings and how a step gets K and V from it: here K and V
+    themselves (contiguous), and their gradients back. `fusedpar.ops.mla_ring` passes
+    a latent instead, expanded at each step and its gradient absorbed."""
+
+    absorbs = False  # the dK/dV kernels add into the travelling gradients themselves
+
+    def payloads(self, k, v) -> list:
+        return [[k_i.contiguous(), v_i.contiguous()] for k_i, v_i in zip(k, v, strict=True)]
+
+    def expand(self, payload):
+        return payload[0], payload[1]
+
+
 def _forward(q, k, v, ring, masks, *, softmax_scale, softcap=0.0, agreement=None, overlap=True,
-             attend=attention_forward):  # fmt: skip
+             attend=attention_forward, blocks=None):  # fmt: skip
     """The forward schedule over `ring`; q, k, v: one shard per rank of ``ring.ranks``;
     `masks` from `ring_masks`. Returns lists of out (fp32) and lse. ``overlap=False``
     waits for each transfer before computing (the benchmark's baseline); `attend`
     computes one block (``attention_forward``'s signature; the CPU benchmark passes a
-    torch one)."""
+    torch one); `blocks`: what travels (`KVBlocks`: K and V; k and v are then its
+    inputs)."""
     size = ring.size
+    blocks = blocks or KVBlocks()
     block = dict(softmax_scale=softmax_scale, softcap=softcap, agreement=agreement)
     wide = accumulator(q[0].dtype)  # the running output and LSE: fp32, float64 for float64
+    kv = blocks.payloads(k, v)
+    own_k, own_v = blocks.expand(kv[0])
     for first in _tuned_launches(size):
-        attend(q[0], k[0], v[0], intervals=masks[0][ring.ranks[0]], out_dtype=wide,
+        attend(q[0], own_k, own_v, intervals=masks[0][ring.ranks[0]], out_dtype=wide,
                merge=not first, tune_only=True, **block)  # fmt: skip
-    out = [_fresh((*t.shape[:3], v_i.shape[-1]), t.device, wide)  # (B, S, Hq, Dv)
-           for t, v_i in zip(q, v, strict=True)]  # fmt: skip
+    out = [_fresh((*t.shape[:3], own_v.shape[-1]), t.device, wide) for t in q]  # (B, S, Hq, Dv)
     lse = [_fresh((t.shape[0], t.shape[2], t.shape[1]), t.device, wide) for t in q]
-    kv = [[k_i.contiguous(), v_i.contiguous()] for k_i, v_i in zip(k, v, strict=True)]
     with frozen("the ring attention forward", agreement):
         for step in range(size):
             if step + 1 < size:
@@ -239,25 +211,31 @@ def _forward(q, k, v, ring, masks, *, softmax_scale, softcap=0.0, agreement=None
             for i, rank in enumerate(ring.ranks):
                 mask = masks[i][(rank - step) % size]
                 if mask is not None:  # step 0 (every row sees itself) writes fresh
-                    attend(q[i], kv[i][0], kv[i][1], intervals=mask, out=out[i], lse=lse[i],
-                           merge=step > 0, **block)  # fmt: skip
+                    attend(q[i], *blocks.expand(kv[i]), intervals=mask, out=out[i],
+                           lse=lse[i], merge=step > 0, **block)  # fmt: skip
             if step + 1 < size:
                 kv = ring.wait() if overlap else incoming
     return out, lse
 
 
 def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_scale,
-              softcap=0.0, agreement=None, sources=None, deterministic=False):  # fmt: skip
+              softcap=0.0, agreement=None, sources=None, deterministic=False,
+              blocks=None):  # fmt: skip
     """The backward schedule: lists (one per rank of the rings) of dQ and of the dK, dV
-    of the rank's own KV (fp32), back home after W steps. `delta`: each rank's, or None
+    of the rank's own KV (fp32; each of the payload's gradients with `blocks`), back
+    home after W steps. `delta`: each rank's, or None
     with `sources`, each rank's (out, dlse): the first launch, on the rank's own block,
     makes delta from them (as `attention_backward` does) for every launch after it.
 
     Each step runs the fused backward (one kernel: dK, dV and dQ) or the split one (dQ,
     launched before the gradients arrive, then dK/dV), as the tuner picks for the own
     block (`attention_backward`'s pick, agreed over the group; the split one when
-    `deterministic`)."""
+    `deterministic`). `blocks` as in `_forward`: where it `absorbs`, each step's dK, dV
+    go into fp32 scratch and `blocks.absorb` turns them into the travelling payload's
+    gradient."""
     size = kv_ring.size
+    blocks = blocks or KVBlocks()
+    kv = blocks.payloads(k, v)
     wide = accumulator(q[0].dtype)  # dQ, dK, dV sums and delta: fp32, float64 for float64
     f32 = dict(softmax_scale=softmax_scale, softcap=softcap, grad_dtype=wide,
                agreement=agreement)  # fmt: skip
@@ -270,7 +248,7 @@ def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_s
                 attention_delta(out, dout[i], dlse, delta[i])
             else:
                 made[i] = {"out": out, "dlse": dlse}
-    own = (dout[0], q[0], k[0], v[0], lse[0], delta[0])
+    own = (dout[0], q[0], *blocks.expand(kv[0]), lse[0], delta[0])
     pick = attention_backward(*own[:5], delta=own[5], **f32, intervals=masks[0][kv_ring.ranks[0]],
                               accumulate=True, tune_only=True, deterministic=deterministic)
     fused = pick is FUSED  # (a ring step adds into fp32: no platform kernel is a candidate)
@@ -283,7 +261,6 @@ def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_s
         attention_backward_dq(*own, **tuning, **(made[0] if first else {}))
         attention_backward_dkdv(*own, **tuning)
     dq = [_fresh(t.shape, t.device, wide) for t in q]
-    kv = [[k_i.contiguous(), v_i.contiguous()] for k_i, v_i in zip(k, v, strict=True)]
     with frozen("the ring attention backward", agreement):
         for step in range(size):
             if step + 1 < size:
@@ -292,7 +269,7 @@ def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_s
             for i, rank in enumerate(kv_ring.ranks):
                 mask = masks[i][(rank - step) % size]
                 if mask is not None:
-                    inputs = (dout[i], q[i], kv[i][0], kv[i][1], lse[i], delta[i])
+                    inputs = (dout[i], q[i], *blocks.expand(kv[i]), lse[i], delta[i])
                     work.append((i, {**f32, "intervals": mask, "accumulate": step > 0}, inputs))
             for i, kw, inputs in work:  # dQ needs no transfer: launched first
                 if not fused:
@@ -302,16 +279,23 @@ def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_s
             else:  # the sums from the ranks the held blocks visited before, added to here
                 grads = grad_ring.wait()
             for i, kw, inputs in work:
-                if fused:
-                    attention_backward_fused(*inputs, dq=dq[i], dk=grads[i][0], dv=grads[i][1],
-                                             **kw, **(made[i] if step == 0 else {}))  # fmt: skip
+                if blocks.absorbs:  # (zeros: added into from step 1 on, as dQ is)
+                    dk, dv = (torch.zeros(t.shape, dtype=wide, device=t.device)
+                              for t in inputs[2:4])  # fmt: skip
                 else:
-                    attention_backward_dkdv(*inputs, dk=grads[i][0], dv=grads[i][1], **kw)
+                    dk, dv = grads[i]
+                if fused:
+                    attention_backward_fused(*inputs, dq=dq[i], dk=dk, dv=dv, **kw,
+                                             **(made[i] if step == 0 else {}))  # fmt: skip
+                else:
+                    attention_backward_dkdv(*inputs, dk=dk, dv=dv, **kw)
+                if blocks.absorbs:
+                    blocks.absorb(kv[i], dk, dv, grads[i], first=step == 0)
             if step + 1 < size:
                 kv = kv_ring.wait()
             grad_ring.send_recv(grads)  # on to the blocks' next holders (last: the owners)
         home = grad_ring.wait()
-    return dq, [g[0] for g in home], [g[1] for g in home]
+    return dq, *([g[j] for g in home] for j in range(len(home[0])))
 
 
 # --- over a process group ------------------------------------------------------------
@@ -325,7 +309,7 @@ def ring_attention_forward(q, k, v, pg, *, causal, softmax_scale, layout, window
     when not given)."""
     if masks is None:
         masks = _masks(pg, q, causal, layout, window, cu_seqlens)
-    out, lse = _forward([q], [k], [v], _GroupRing(pg), [masks], softmax_scale=softmax_scale,
+    out, lse = _forward([q], [k], [v], GroupRing(pg), [masks], softmax_scale=softmax_scale,
                         softcap=softcap, agreement=tuning_agreement(pg, q.device),
                         overlap=overlap, attend=attend)  # fmt: skip
     return out[0], lse[0]
@@ -371,7 +355,7 @@ def _ring_attn_backward_op(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: 
                            ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     pg = group_by_name(group)
     masks = _masks(pg, q, causal, layout, (window_left, window_right), cu_seqlens, masks)
-    rings = _GroupRing(pg), _GroupRing(pg, tag=1)
+    rings = GroupRing(pg), GroupRing(pg, tag=1)
     # delta = rowsum(dO * O) - dLSE: made by the first launch (the own block's)
     dq, dk, dv = _backward([q], [k], [v], [dout], [lse], None, *rings, [masks],
                            softmax_scale=softmax_scale, softcap=softcap,

@@ -3,6 +3,7 @@
     with Collectives() as seen:
         step()
     seen.counts  # {("all_reduce", 4): 7, ("send", 2): 16, ...}
+    seen.bytes  # the same keys: the bytes of the tensors each kind was given
 
 A ``TorchDispatchMode`` sees each ``torch.distributed`` collective as the c10d op it
 dispatches (eager ``dist.*`` calls, DTensor's functional collectives, FSDP's), inside
@@ -36,6 +37,15 @@ _KINDS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",
           "reduce": "reduce"}  # fmt: skip
 
 
+def _tensors(args):
+    """The tensors among a collective's arguments (c10d's take lists of them)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from _tensors(a)
+
+
 def _size(args) -> int | None:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -61,13 +71,16 @@ class Collectives(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.counts: Counter = Counter()
+        self.bytes: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace in ("c10d", "_c10d_functional"):
             kind = _KINDS.get(func.overloadpacket.__name__.strip("_"))
             if kind is not None:
-                self.counts[kind, _size((*args, *kwargs.values()))] += 1
+                key = kind, _size((*args, *kwargs.values()))
+                self.counts[key] += 1
+                self.bytes[key] += sum(t.nbytes for t in _tensors((*args, *kwargs.values())))
         body = _python_body(func, args)
         if body is None:
             return func(*args, **kwargs)
