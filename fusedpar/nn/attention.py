@@ -106,9 +106,34 @@ def _check_cp_mode(cp_mode, cp_group, ulysses_group) -> str:
 
 
 class RotaryPositions:
-    """The rotary tables of a layer's local tokens (`_rope`), for layers that set
-    ``rope`` (`DEFAULT_ROPE` or a callable), ``rotary_dim``, ``rope_theta``, the CP
-    groups and layout, and start ``_rope_tables = {}``, ``_rope_layout_checked = False``."""
+    """A sequence-first attention layer's call: its checks and the rotary tables of its
+    local tokens (`_start_call`), for layers that set ``d_model``, ``rope``
+    (`DEFAULT_ROPE`, a callable or None), ``rotary_dim``, ``rope_theta``, the TP and CP
+    groups, layout and ``sequence_parallel``, and start ``_rope_tables = {}``,
+    ``_rope_layout_checked = False``."""
+
+    def _start_call(self, x: torch.Tensor, cu_seqlens, weight: torch.Tensor):
+        """Check x (S_loc, B, d_model) and `cu_seqlens` (and on the first call, x and
+        `weight` alike over the groups); returns (cos, sin) at this call's local tokens'
+        positions, or None without a rotary embedding."""
+        name = type(self).__name__
+        if not self._fusedpar_checked:  # x and weights alike over tp, cp, ulysses
+            groups = {"tp_group": self.tp_group, "cp_group": self.cp_group,
+                      "ulysses_group": self.ulysses_group}  # fmt: skip
+            packed = -1 if cu_seqlens is None else cu_seqlens.numel()
+            fields = checks.alike(x, weight) | {"cu_seqlens length": packed}
+            checks.first_call(self, x, groups, fields)
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"{name} takes x (S_loc, B, d_model={self.d_model}), "
+                             f"got {tuple(x.shape)}")  # fmt: skip
+        if cu_seqlens is not None and x.shape[1] != 1:
+            raise ValueError(f"{name}: packed documents (cu_seqlens) take one sequence, x "
+                             f"(S_loc, 1, d); got batch {x.shape[1]}")  # fmt: skip
+        if self.rope is None:
+            return None
+        seq = x.shape[0] * (comm.group_size(self.tp_group) if self.sequence_parallel else 1)
+        full_len = seq * comm.group_size(self.cp_group) * comm.group_size(self.ulysses_group)
+        return self._rope(full_len, x.device, cu_seqlens, accumulator(x.dtype))
 
     def _rope(self, full_len: int, device: torch.device, cu_seqlens=None,
               dtype=torch.float32):  # fmt: skip
@@ -452,26 +477,12 @@ class ParallelAttention(RotaryPositions, nn.Module):
         (int32, the same on every rank): the documents packed into the full sequence
         (B = 1), as in `fusedpar.flash_attn_varlen`; a token attends within its own
         document, and its RoPE position restarts at each document's start."""
-        if not self._fusedpar_checked:  # x and weights alike over tp, cp, ulysses
-            groups = {"tp_group": self.tp_group, "cp_group": self.cp_group,
-                      "ulysses_group": self.ulysses_group}  # fmt: skip
-            packed = -1 if cu_seqlens is None else cu_seqlens.numel()
-            fields = checks.alike(x, self.q_weight) | {"cu_seqlens length": packed}
-            checks.first_call(self, x, groups, fields)
-        if x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"ParallelAttention takes x (S_loc, B, d_model={self.d_model}), "
-                             f"got {tuple(x.shape)}")  # fmt: skip
-        if cu_seqlens is not None and x.shape[1] != 1:
-            raise ValueError(f"ParallelAttention: packed documents (cu_seqlens) take one "
-                             f"sequence, x (S_loc, 1, d); got batch {x.shape[1]}")  # fmt: skip
+        tables = self._start_call(x, cu_seqlens, self.q_weight)
         weights = [self.q_weight, self.k_weight, self.v_weight]
         biases = [self.q_bias, self.k_bias, self.v_bias]
-        hd, rotary = self.head_dim, self.rope is not None
-        if rotary:
-            seq = x.shape[0] * (comm.group_size(self.tp_group) if self.sequence_parallel else 1)
-            full_len = seq * comm.group_size(self.cp_group) * comm.group_size(self.ulysses_group)
-            cos, sin = self._rope(full_len, x.device, cu_seqlens, accumulator(x.dtype))
-        if takes_one_op(self, x, cos if rotary else None, sin if rotary else None):
+        hd, rotary = self.head_dim, tables is not None
+        cos, sin = tables if rotary else (None, None)
+        if takes_one_op(self, x, cos, sin):
             return self._one_op(x, (cos, sin) if rotary else (), cu_seqlens)
         # RoPE joins the QKV GEMMs (their epilogue, or one launch after them) where no q/k
         # norm comes between

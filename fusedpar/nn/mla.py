@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusedpar import checks, comm
-from fusedpar.kernels._common import accumulator
+from fusedpar import comm
 from fusedpar.nn.attention import DEFAULT_ROPE, RotaryPositions, _check_cp_mode
 from fusedpar.nn.attention_parts import apply_rope, norm_weight
 from fusedpar.nn.linear import linear_parts
@@ -282,22 +281,7 @@ class ParallelMLA(RotaryPositions, nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """x (S_loc, B, d_model) -> the same shape; `cu_seqlens` as `ParallelAttention`'s."""
-        if not self._fusedpar_checked:
-            groups = {"tp_group": self.tp_group, "cp_group": self.cp_group,
-                      "ulysses_group": self.ulysses_group}  # fmt: skip
-            packed = -1 if cu_seqlens is None else cu_seqlens.numel()
-            fields = checks.alike(x, self.kv_a_weight) | {"cu_seqlens length": packed}
-            checks.first_call(self, x, groups, fields)
-        if x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"ParallelMLA takes x (S_loc, B, d_model={self.d_model}), got "
-                             f"{tuple(x.shape)}")  # fmt: skip
-        if cu_seqlens is not None and x.shape[1] != 1:
-            raise ValueError(f"ParallelMLA: packed documents (cu_seqlens) take one sequence, "
-                             f"x (S_loc, 1, d); got batch {x.shape[1]}")  # fmt: skip
-        tp = comm.group_size(self.tp_group)
-        seq = x.shape[0] * (tp if self.sequence_parallel else 1)
-        full_len = seq * comm.group_size(self.cp_group) * comm.group_size(self.ulysses_group)
-        cos, sin = self._rope(full_len, x.device, cu_seqlens, accumulator(x.dtype))
+        cos, sin = self._start_call(x, cu_seqlens, self.kv_a_weight)
         group = self.tp_group if self.sequence_parallel else None
         if not self.sequence_parallel:  # every rank holds x whole: its gradient is summed
             x = comm.copy_to_region(x, self.tp_group)
