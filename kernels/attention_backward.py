@@ -407,17 +407,19 @@ def _largest_key_block(head_dim: int, dtype: torch.dtype) -> int:
     return max(c.kwargs["BLOCK_N"] for c in backward_configs(head_dim, dtype))
 
 
-def gqa_split(B: int, Skv: int, Hkv: int, group: int, q: torch.Tensor) -> int:
+def gqa_split(B: int, Skv: int, Hkv: int, group: int, q: torch.Tensor,
+              head_dim: int | None = None) -> int:  # fmt: skip
     """How many programs share the query heads of one KV head's dK/dV (1: no split).
 
     Split when the grid ``cdiv(Skv, BLOCK_N) * B * Hkv`` (BLOCK_N: the largest key block
-    of q's dK/dV tiles, i.e. the fewest programs) is below `SPLIT_BELOW_PROGRAMS` (two
-    waves of SMs by default; queried when first needed, never at import), into as many
-    slices as fill that, at most one query head each."""
+    of the dK/dV tiles at `head_dim`, default q's, i.e. the fewest programs) is below
+    `SPLIT_BELOW_PROGRAMS` (two waves of SMs by default; queried when first needed, never
+    at import), into as many slices as fill that, at most one query head each."""
+    head_dim = q.shape[-1] if head_dim is None else head_dim
     below = SPLIT_BELOW_PROGRAMS
     if below is None:
         below = 2 * sm_count(q.device) if q.device.type == "cuda" else 0
-    programs = max(1, cdiv(Skv, _largest_key_block(q.shape[-1], q.dtype)) * B * Hkv)
+    programs = max(1, cdiv(Skv, _largest_key_block(head_dim, q.dtype)) * B * Hkv)
     if group == 1 or programs >= below:
         return 1
     split = min(group, cdiv(below, programs))
@@ -475,7 +477,7 @@ def attention_backward_dkdv(
                                grad_dtype, tune_only)  # fmt: skip
     delta = contiguous_delta(delta)
     plan, (lo, hi, batch_stride) = plan_backward(
-        "dkdv", _attn_bwd_dkdv_kernel, functools.partial(group_split, q, k),
+        "dkdv", _attn_bwd_dkdv_kernel, functools.partial(group_split, q, k, v),
         SPLIT_BELOW_PROGRAMS, dout, q, k, v, lse, delta, (dk, dv), mask, accumulate,
         grad_dtype, tune_only)  # fmt: skip
     dk, dv = (
@@ -494,9 +496,10 @@ def attention_backward_dkdv(
     return None if tune_only else (dk, dv)
 
 
-def group_split(q: torch.Tensor, k: torch.Tensor) -> int:
-    """`gqa_split` of a dK/dV launch over q's heads and k's."""
-    return gqa_split(*k.shape[:3], q.shape[2] // k.shape[2], q)
+def group_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """`gqa_split` of a dK/dV launch over q's heads and k's (tiles of the wider of D and
+    Dv)."""
+    return gqa_split(*k.shape[:3], q.shape[2] // k.shape[2], q, max(q.shape[-1], v.shape[-1]))
 
 
 def launch_dkdv(plan, lo, hi, batch_stride, configs, dout, q, k, v, lse, delta, dk, dv,

@@ -127,7 +127,7 @@ def attention_backward_fused(
         return None if tune_only else (grad_q, *grads_kv)
     delta = contiguous_delta(delta)
     plan, (lo, hi, batch_stride) = plan_backward(
-        "fused", _attn_bwd_dkdv_kernel, functools.partial(group_split, q, k),
+        "fused", _attn_bwd_dkdv_kernel, functools.partial(group_split, q, k, v),
         split_backward.SPLIT_BELOW_PROGRAMS, dout, q, k, v, lse, delta, [dk, dv, dq], mask,
         accumulate, grad_dtype, tune_only, (out, dlse))  # fmt: skip
     dk, dv, dq = (gradient_buffer(g, like, plan.grad_dtype, tune_only)

@@ -195,3 +195,22 @@ def test_the_latent_ring_computes_the_expanded_rings_numbers(world):
         for name, grad in grads.items():
             torch.testing.assert_close(grad, grads_ref[name], rtol=1e-5, atol=1e-5, msg=name)
         assert sent * HEADS == sent_ref > 0
+
+
+def _odd_ring():
+    """A zigzag ring over a sequence its 2W chunks do not split (3 tokens a rank)."""
+    import torch.distributed as dist
+
+    from fusedpar.ops.mla_ring import mla_ring_attn
+
+    q = torch.zeros(1, 3, HEADS, NOPE + ROPE)
+    latent, w = torch.zeros(1, 3, KV_LORA + ROPE), torch.zeros(HEADS * (NOPE + V_DIM), KV_LORA)
+    mla_ring_attn(q, latent, w, dist.group.WORLD, qk_nope_head_dim=NOPE, v_head_dim=V_DIM,
+                  softmax_scale=0.1)  # fmt: skip
+
+
+def test_the_latent_ring_refuses_what_it_cannot_split_on_every_rank(world):
+    from fusedpar.testing import exception_of
+
+    for e in world(2).run(exception_of, _odd_ring):
+        assert isinstance(e, ValueError) and "must be divisible by 4" in str(e), repr(e)

@@ -197,6 +197,7 @@ class RotaryPositions:
             self._rope_layout_checked = informative
         return t.to(dtype).contiguous()  # (HF's half a row: the GEMM epilogue reads rows)
 
+
 class ParallelAttention(RotaryPositions, nn.Module):
     """GQA self-attention over TP (heads) and CP (sequence). See the module doc.
 

@@ -103,9 +103,10 @@ class ParallelMLA(RotaryPositions, nn.Module):
         if rope is None or not (rope == DEFAULT_ROPE or callable(rope)):
             raise TypeError(f"ParallelMLA: rope must be a callable positions -> (cos, sin) or "
                             f"left out (the tables of rope_theta), got {rope!r}")  # fmt: skip
-        for name, value in (("kv_lora_rank", kv_lora_rank), ("qk_nope_head_dim", qk_nope_head_dim),
-                            ("qk_rope_head_dim", qk_rope_head_dim), ("v_head_dim", v_head_dim),
-                            ("q_lora_rank", q_lora_rank or 1)):  # fmt: skip
+        sizes = {"kv_lora_rank": kv_lora_rank, "qk_nope_head_dim": qk_nope_head_dim,
+                 "qk_rope_head_dim": qk_rope_head_dim, "v_head_dim": v_head_dim,
+                 "q_lora_rank": 1 if q_lora_rank is None else q_lora_rank}  # fmt: skip
+        for name, value in sizes.items():
             if value < 1:
                 raise ValueError(f"ParallelMLA: {name} must be positive, got {value}")
         if qk_rope_head_dim % 2:

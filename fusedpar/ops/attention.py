@@ -2,10 +2,11 @@
 backward op and autograd registered through ``torch.library``) over the flash-attention
 kernels.
 
-| input   | shape            | gradient                                      |
-| ------- | ---------------- | --------------------------------------------- |
-| q       | (B, Sq, Hq, D)   | ``dQ = scale * dS K``                         |
-| k, v    | (B, Skv, Hkv, D) | ``dK = scale * dS^T Q``, ``dV = P^T dO``      |
+| input   | shape             | gradient                                     |
+| ------- | ----------------- | -------------------------------------------- |
+| q       | (B, Sq, Hq, D)    | ``dQ = scale * dS K``                        |
+| k       | (B, Skv, Hkv, D)  | ``dK = scale * dS^T Q``                      |
+| v       | (B, Skv, Hkv, Dv) | ``dV = P^T dO`` (out and dO: (B, Sq, Hq, Dv)) |
 
 summed over the query heads of each GQA group, with
 ``dS = P * (dO V^T - rowsum(dO * O) + dLSE)`` (times ``1 - tanh^2`` of the capped

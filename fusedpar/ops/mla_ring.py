@@ -27,9 +27,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from fusedpar.comm import Group, resolve_group, tuning_agreement
+from fusedpar.comm import Group, check_same_across_ranks, resolve_group, tuning_agreement
+from fusedpar.ops.attention import check_packed
 from fusedpar.ops.ring_attention import _backward, _forward, _masks
 from fusedpar.ops.ring_transport import GroupRing
+from fusedpar.ops.sequence import check_sequence_length
 
 
 class LatentBlocks:
@@ -121,6 +123,12 @@ def mla_ring_attn(q: Tensor, latent: Tensor, w_kvb: Tensor, group: Group, *,
     if latent.shape[:2] != q.shape[:2] or latent.dtype != q.dtype:
         raise ValueError(f"mla_ring_attn: latent {tuple(latent.shape)} {latent.dtype} must share "
                          f"q's (B, S_loc) {tuple(q.shape[:2])} and dtype {q.dtype}")  # fmt: skip
+    # what no rank sees alone: one collective, as ring_attn checks
+    check_same_across_ranks(pg, [*q.shape, *latent.shape, *w_kvb.shape],
+                            "mla_ring_attn: q/latent/w_kvb shapes", q.device)  # fmt: skip
+    size = dist.get_world_size(pg)
+    check_sequence_length(q.shape[1] * size, size, layout, "mla_ring_attn")
+    check_packed(q, cu_seqlens, q.shape[1] * size, "mla_ring_attn", values=True)
     return _LatentRing.apply(q, latent, w_kvb, pg, layout, softmax_scale, qk_nope_head_dim,
                              v_head_dim, cu_seqlens, deterministic)  # fmt: skip
 

@@ -211,8 +211,9 @@ def _forward(q, k, v, ring, masks, *, softmax_scale, softcap=0.0, agreement=None
             for i, rank in enumerate(ring.ranks):
                 mask = masks[i][(rank - step) % size]
                 if mask is not None:  # step 0 (every row sees itself) writes fresh
-                    attend(q[i], *blocks.expand(kv[i]), intervals=mask, out=out[i],
-                           lse=lse[i], merge=step > 0, **block)  # fmt: skip
+                    kv_i = (own_k, own_v) if step == 0 and i == 0 else blocks.expand(kv[i])
+                    attend(q[i], *kv_i, intervals=mask, out=out[i], lse=lse[i],
+                           merge=step > 0, **block)  # fmt: skip
             if step + 1 < size:
                 kv = ring.wait() if overlap else incoming
     return out, lse
@@ -268,8 +269,9 @@ def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_s
             work = []  # (rank index, kernel kwargs, block inputs)
             for i, rank in enumerate(kv_ring.ranks):
                 mask = masks[i][(rank - step) % size]
-                if mask is not None:
-                    inputs = (dout[i], q[i], *blocks.expand(kv[i]), lse[i], delta[i])
+                if mask is not None:  # (the own block's K, V: expanded for the tuning)
+                    kv_i = own[2:4] if step == 0 and i == 0 else blocks.expand(kv[i])
+                    inputs = (dout[i], q[i], *kv_i, lse[i], delta[i])
                     work.append((i, {**f32, "intervals": mask, "accumulate": step > 0}, inputs))
             for i, kw, inputs in work:  # dQ needs no transfer: launched first
                 if not fused:
@@ -420,9 +422,10 @@ def ring_attn(
 ):
     """Attention over a sequence sharded along dim 1 on `group` (context parallelism).
 
-    q (B, S_loc, Hq, D), k and v (B, S_loc, Hkv, D): this rank's shards in `layout`
-    ("zigzag" or "contiguous", see `fusedpar.ops.sequence`). The result is this rank's
-    shard of ``flash_attn`` on the full sequence, (B, S_loc, Hq, D), and with
+    q (B, S_loc, Hq, D), k (B, S_loc, Hkv, D) and v (B, S_loc, Hkv, Dv): this rank's
+    shards in `layout` ("zigzag" or "contiguous", see `fusedpar.ops.sequence`). The
+    result is this rank's shard of ``flash_attn`` on the full sequence, (B, S_loc, Hq,
+    Dv), and with
     ``return_lse`` its LSE (B, Hq, S_loc) float32 (float64 for float64 q: the ring's
     partials, merge and gradients are then float64 throughout). `window`, `softcap`,
     `sinks` and `deterministic` as in `flash_attn`, in global positions (a sink enters
@@ -545,10 +548,11 @@ def virtual_ring_attn(
 ):
     """`ring_attn`'s schedule over `world_size` simulated ranks on one device.
 
-    q (B, S, Hq, D), k and v (B, S, Hkv, D) are the FULL sequence (B = 1 for a packed
-    stream with `cu_seqlens`). They are sharded in `layout`, the ring's forward and
-    backward loops run for every rank (step s of all ranks before step s + 1; transfers
-    are copies), and the result is gathered back: the same (B, S, Hq, D) output (and
+    q (B, S, Hq, D), k (B, S, Hkv, D) and v (B, S, Hkv, Dv) are the FULL sequence (B =
+    1 for a packed stream with `cu_seqlens`). They are sharded in `layout`, the ring's
+    forward and backward loops run for every rank (step s of all ranks before step s +
+    1; transfers are copies), and the result is gathered back: the same (B, S, Hq, Dv)
+    output (and
     LSE) as `flash_attn` (`flash_attn_varlen`) with the same mask, up to the order of
     the fp32 sums. Differentiable. For tests of the ring on one device (CPU too) and
     for the one-GPU ring benchmark; S must split into the layout's chunks (2W for

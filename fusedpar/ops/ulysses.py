@@ -187,9 +187,10 @@ def ulysses_attn(
     """Attention over a sequence sharded contiguously on `group` (Ulysses: all-to-all
     over heads; see the module doc).
 
-    q (B, S/P, Hq, D), k and v (B, S/P, Hkv, D): rank r's tokens [r S/P, (r+1) S/P)
-    (``fp.shard_sequence(x, group, layout="contiguous")``). Returns this rank's tokens of
-    ``flash_attn`` on the whole sequence, (B, S/P, Hq, D), and with ``return_lse`` their
+    q (B, S/P, Hq, D), k (B, S/P, Hkv, D), v (B, S/P, Hkv, Dv): rank r's tokens [r S/P,
+    (r+1) S/P) (``fp.shard_sequence(x, group, layout="contiguous")``). Returns this
+    rank's tokens of ``flash_attn`` on the whole sequence, (B, S/P, Hq, Dv), and with
+    ``return_lse`` their
     LSE (B, Hq, S/P) float32 (float64 for float64 q). `window`, `softcap`, `sinks` (Hq,),
     `deterministic` and `cu_seqlens` (int32, the documents of the whole packed stream of
     S tokens, B = 1) as in `flash_attn` and `flash_attn_varlen`. Hq must divide by P;
