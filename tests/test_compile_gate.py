@@ -91,11 +91,13 @@ def _fp32_precision(precision):
 
 def _mask(causal, window, softcap, intervals):
     """The mask arguments: the scalar mode (causal, window), or with `intervals` the
-    tensor mode the ring and packed documents use (int32, one row for every batch)."""
+    tensor mode the ring and packed documents use (int32, one row for every batch);
+    "ordered": packed documents' with the forward's query order (`query_order`)."""
     if not intervals:
         return {"causal": causal, "window": window, "softcap": softcap}
     lo, hi = (torch.empty((1, 256), dtype=torch.int32) for _ in range(2))
-    return {"intervals": attn.Intervals(lo, hi, lo, hi), "softcap": softcap}
+    order = torch.empty(2, dtype=torch.int32) if intervals == "ordered" else None
+    return {"intervals": attn.Intervals(lo, hi, lo, hi, q_order=order), "softcap": softcap}
 
 
 @contextlib.contextmanager
@@ -448,7 +450,8 @@ for label, (kernel, scenario, configs_of, axis) in ATTENTION.items():
     # Each with the tile modes its launches have (`attention_launch.kernel_modes`).
     ring = {"group": 1, "intervals": True}
     if label == "fwd":
-        modes = {"ring-merge": ({**ring, "merge": True}, {"accumulate"})}
+        modes = {"ring-merge": ({**ring, "merge": True}, {"accumulate"}),
+                 "packed": ({"intervals": "ordered"}, set())}  # its query order's mapping
     else:
         modes = {"ring-accumulate": ({**ring, "accumulate": True}, {"accumulate"})}
     modes["window-softcap"] = ({"window": (100, 0), "softcap": 30.0}, {"softcap"})
