@@ -132,8 +132,8 @@ def forward_configs(head_dim: int, dtype: torch.dtype, modes: frozenset = frozen
 # The forward's QUERY_ORDER chunk (`attention_mask.query_order`)
 QUERY_CHUNK: tl.constexpr = tl.constexpr(ORDER_CHUNK)
 # SOFTCAP's values (`softcap_mode`); 0: scores not capped
-SOFTCAP_EXACT: tl.constexpr = tl.constexpr(1)
-SOFTCAP_APPROX: tl.constexpr = tl.constexpr(2)
+SOFTCAP_EXACT, SOFTCAP_APPROX = 1, 2  # (plain ints in the host's meta and keys)
+_TANH_APPROX: tl.constexpr = tl.constexpr(SOFTCAP_APPROX)
 
 
 @triton.jit
@@ -162,7 +162,7 @@ def scores(qk, qk_scale, cap_in, SOFTCAP: tl.constexpr):
     Also returns the tanh, for the backward's ``1 - tanh^2`` (the raw dots when not
     capped)."""
     t = qk
-    if SOFTCAP == SOFTCAP_APPROX:
+    if SOFTCAP == _TANH_APPROX:
         t = _tanh_approx(qk * cap_in)
         s = t * qk_scale
     elif SOFTCAP:
@@ -577,7 +577,8 @@ def attention_forward(
     tma, out_tma = tma_paths((q, k, v), () if merge else (out,))
     meta = {**meta, "MERGE": merge, "QUERY_ORDER": order is not None, "TMA": tma,
             "OUT_TMA": out_tma}  # fmt: skip
-    torch_candidate = attention_torch.capable_on_cuda(q, k)
+    # (not beside the approximate tanh: a forward and backward of two tanh would disagree)
+    torch_candidate = attention_torch.capable_on_cuda(q, k) and meta["SOFTCAP"] != SOFTCAP_APPROX
 
     def platform():
         return attention_platform.forward_candidates(q, k, v, scores, out, lse, merge)

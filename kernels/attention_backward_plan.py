@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 import torch
 from fusedpar.kernels import _common, attention_torch
 from fusedpar.kernels._common import accumulator, check_launchable, tma_paths
-from fusedpar.kernels.attention import check_attention_inputs, check_buffer, mask_arguments
+from fusedpar.kernels.attention import (
+    SOFTCAP_APPROX,
+    check_attention_inputs,
+    check_buffer,
+    mask_arguments,
+)
 from fusedpar.kernels.attention_plan import launch_key, remember
 from fusedpar.kernels.attention_reference import resolve_scale
 
@@ -189,7 +194,9 @@ def plan_backward(kind, kernel, split_of: Callable[[], int], split_below, dout, 
                     *(dlse.stride() if dlse is not None else (0,) * 3))  # fmt: skip
     # (split > 1 writes partials, summed after: a torch pick would write dk, dv itself)
     # (the fused kernel's alternative is the split backward, torch's among its candidates)
-    torch_candidate = split == 1 and kind != "fused" and attention_torch.capable_on_cuda(q, k)
+    # (torch's exact tanh would not recompute the P of a forward on the approximate one)
+    torch_candidate = (split == 1 and kind != "fused" and attention_torch.capable_on_cuda(q, k)
+                       and meta["SOFTCAP"] != SOFTCAP_APPROX)  # fmt: skip
     args = (q, k, v, dout, lse, delta, *grads, *tensors[:2])
     plan = BackwardPlan(grad_dtype or q.dtype, split, dq_direct, strides, scalars, meta,
                         launch_key(args, meta, Sq, Skv, key, torch_candidate), scores,
