@@ -1,0 +1,229 @@
+"""What fusedpar's layers hold and save, per rank, from their sizes: the description the
+planner's memory is computed from, and that tests/test_plan.py holds equal to what a
+real step allocates and saves.
+
+Sizes of one rank for one microbatch of B sequences of S tokens, on a layout of degrees
+cp (ring), u (Ulysses), t (tensor), ep (experts), with e bytes per activation:
+
+| tokens              | where                                                    |
+| ------------------- | -------------------------------------------------------- |
+| n = S B / (c u t)   | the sequence-parallel stream: norms, residuals, MoE      |
+| m = S B / (c u)     | TP's gathered tokens: projections' outputs, the MLP      |
+| a = S B / c         | attention's tokens (heads Hq / (t u), KV heads per rank) |
+
+Saved for the backward, per layer (no checkpointing), bytes:
+
+| layer                  | saves                                                        |
+| ---------------------- | ------------------------------------------------------------ |
+| `fp.nn.RMSNorm`        | x, its output (n d e each), rstd (4 n)                       |
+| `ParallelAttention`    | q, k, v after RoPE, the output (a e per head and dim), the   |
+|                        | LSE (4 a per head); RoPE's cos and sin (4 hd S / (c u));     |
+|                        | the ring's masks (16 S) with cp > 1; the gathered output     |
+|                        | o-proj takes (m Hq hd / t e) under Ulysses                   |
+| `ParallelSwiGLU`       | gate and up (m h / t e each)                                 |
+| `MoE` (one EP rank)    | probs (4 n E), ids, weights (4 n k each), counts, the        |
+|                        | expert inputs' order (4 R) twice, gate||up (2 h e R), the    |
+|                        | expert output rows (d e R), R = n k rows                     |
+| `MoE` (EP over ep)     | + the received rows (d e R') and their bookkeeping, R' rows  |
+|                        | received (n k when routing is balanced), the splits          |
+| embedding, head, loss  | the token ids (8 m); the final norm; fp32 log-probs (4 n V), |
+|                        | the labels (8 n), the loss's count (4)                       |
+
+Under ``fp.checkpoint_policy()`` ("selective") a block keeps its input (n d e) and the
+outputs of the ops the policy saves (the projections whose gather or reduce-scatter it
+would repeat, the ring's and Ulysses' exchanges, the routing and the all-to-alls); under
+"full" only its input. The MoE's rows depend on the routing: the planner takes it
+balanced (R' = n k), which the tests hold exact summed over an EP group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fusedpar.plan.model import ModelSpec
+
+POLICIES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Local:
+    """One rank's sizes for one microbatch (see the module doc)."""
+
+    seq: int  # S
+    batch: int  # B: sequences per microbatch
+    cp: int = 1
+    ulysses: int = 1
+    tp: int = 1
+    ep: int = 1
+    e: int = 2  # bytes per activation element
+
+    @property
+    def n(self) -> int:  # the sequence-parallel stream's tokens
+        return self.seq * self.batch // (self.cp * self.ulysses * self.tp)
+
+    @property
+    def m(self) -> int:  # TP's gathered tokens
+        return self.seq * self.batch // (self.cp * self.ulysses)
+
+    @property
+    def a(self) -> int:  # attention's tokens
+        return self.seq * self.batch // self.cp
+
+    def heads(self, spec: ModelSpec) -> tuple[int, int]:
+        """(query heads, KV heads) one rank's attention runs: KV heads fewer than the
+        Ulysses degree are replicated, one a rank."""
+        kv = spec.n_kv_heads // self.tp
+        return spec.n_heads // (self.tp * self.ulysses), max(kv // self.ulysses, 1)
+
+
+# --- parameters ----------------------------------------------------------------------------
+
+
+def layer_tensors(spec: ModelSpec, layer: int, tp: int = 1, ep: int = 1) -> list[tuple]:
+    """(local shape, kind) of each parameter of block `layer` on one rank; kind is "expert"
+    for the routed experts' (split over ep), "whole" for those every rank of the block
+    holds whole (norms, routers, shared experts), "tp" for TP shards."""
+    d, hd, hv, t = spec.d_model, spec.head_dim, spec.v_dim, tp
+    out = [((d,), "whole"), ((d,), "whole")]  # the two norms
+    if spec.mla:
+        hq = spec.n_heads // t
+        if spec.q_lora_rank:
+            out += [((spec.q_lora_rank, d), "whole"), ((spec.q_lora_rank,), "whole"),
+                    ((hq * hd, spec.q_lora_rank), "tp")]  # fmt: skip
+        else:
+            out.append(((hq * hd, d), "tp"))
+        out += [((spec.kv_lora_rank + spec.rope_dim, d), "whole"), ((spec.kv_lora_rank,), "whole"),
+                ((hq * (hd - spec.rope_dim + hv), spec.kv_lora_rank), "tp"),
+                ((d, hq * hv), "tp")]  # fmt: skip
+    else:
+        q, kv = spec.n_heads // t * hd, spec.n_kv_heads // t * hd
+        out += [((q, d), "tp"), ((kv, d), "tp"), ((kv, d), "tp"), ((d, q), "tp")]
+        if spec.attention_bias:
+            out += [((q,), "tp"), ((kv,), "tp"), ((kv,), "tp")]
+        if spec.qk_norm:
+            out += [((hd,), "whole"), ((hd,), "whole")]
+    if spec.is_moe(layer):
+        E, h = spec.num_experts, spec.expert_hidden
+        out += [((E, d), "whole")] + [((E // ep, *s), "expert") for s in ((h, d), (h, d), (d, h))]
+        if spec.shared_hidden:
+            hs = spec.shared_hidden
+            out += [((hs, d), "whole"), ((d, hs), "whole"), ((hs, d), "whole")]
+    else:
+        h = spec.d_hidden // t
+        out += [((h, d), "tp"), ((h, d), "tp"), ((d, h), "tp")]
+    return [(shape, kind) for shape, kind in out]
+
+
+def model_end_tensors(spec: ModelSpec, *, first: bool, last: bool) -> list[tuple[int, str]]:
+    """(numel, kind) of the embedding (`first`), the final norm and the head (`last`):
+    whole on every rank of their stage; a tied head is the embedding's tensor."""
+    out = []
+    if first:
+        out.append((spec.vocab * spec.d_model, "whole"))
+    if last:
+        out.append((spec.d_model, "whole"))
+        if not (spec.tied and first):
+            out.append((spec.vocab * spec.d_model, "whole"))
+    return out
+
+
+def fsdp_numel(shape: tuple, dp: int) -> int:
+    """Elements FSDP2 keeps of a tensor on each of dp ranks: dim 0 padded to a multiple of
+    dp and split (the largest rank's share; all of it at dp = 1)."""
+    rest = math.prod(shape[1:])
+    return math.ceil(shape[0] / dp) * rest if dp > 1 else math.prod(shape)
+
+
+# --- saved activations ---------------------------------------------------------------------
+
+
+def attention_saved(spec: ModelSpec, z: Local, policy: str = "none") -> int:
+    """Bytes one attention layer saves, its input norm included (the module doc's table);
+    under a checkpointing policy, the outputs the policy keeps."""
+    e, d, hd, hv = z.e, spec.d_model, spec.head_dim, spec.v_dim
+    hq, hkv = z.heads(spec)
+    q_k_v = z.a * (hq * hd + hkv * (hd + hv)) * e
+    out_lse = z.a * hq * hv * e + 4 * z.a * hq
+    gathered_out = z.m * spec.n_heads // z.tp * hv * e  # o-proj's input under Ulysses
+    if policy == "full":
+        return 0
+    if policy == "selective":
+        if z.tp == 1 and z.cp == 1 and z.ulysses == 1:  # one rank: the layer is one op
+            return z.n * d * e + q_k_v + out_lse
+        projections = z.m * (spec.n_heads * hd + spec.n_kv_heads * (hd + hv)) // z.tp * e
+        kept = projections + z.n * d * e  # + o-proj's reduce-scattered output
+        if z.cp > 1:
+            kept += out_lse  # the ring's output
+        if z.ulysses > 1:  # the exchanged q, k, v and the gathered output
+            kept += q_k_v + gathered_out
+        return kept
+    saved = z.n * (2 * d * e + 4)  # its norm: x, rstd, the output
+    saved += q_k_v + out_lse
+    saved += 4 * hd * (z.seq // (z.cp * z.ulysses))  # RoPE's cos and sin, fp32
+    if z.cp > 1:
+        saved += 16 * z.seq  # the ring's masks: (cp, 4, S / cp) int32
+    if z.ulysses > 1:
+        saved += gathered_out
+    return saved
+
+
+def mlp_saved(spec: ModelSpec, z: Local, moe: bool, policy: str = "none", received=None) -> int:
+    """Bytes one MLP saves, its input norm included. `received`: the rows this EP rank's
+    experts get (None: balanced, n k)."""
+    e, d = z.e, spec.d_model
+    if policy == "full":
+        return 0
+    if not moe:
+        h = spec.d_hidden // z.tp
+        gate_up = 2 * z.m * h * e
+        if policy == "selective":
+            return gate_up + z.n * d * e  # + the down projection's output
+        return z.n * (2 * d * e + 4) + gate_up
+    E, k, h, n = spec.num_experts, spec.top_k, spec.expert_hidden, z.n
+    rows = n * k if received is None else received
+    routing = 4 * n * E + 8 * n * k  # probs (fp32), ids (int32), weights (fp32)
+    if policy == "selective":
+        kept = routing
+        if z.ep > 1:  # the dispatched rows, their order, the splits; the returned rows
+            kept += rows * (d * e + 8) + 16 * z.ep * z.ep + n * k * d * e
+        return kept
+    saved = z.n * (d * e + 4)  # its norm: x, rstd (the output is the router's input)
+    saved += n * d * e  # the router's input
+    if z.ep == 1:
+        saved += routing + 4 * n * k + 8 * (E + 1) + 4 * E + n * k * (8 + (2 * h + d) * e)
+    else:
+        local = E // z.ep
+        saved += routing + 8 * n * k + 8 * z.ep * z.ep + 8 * local + 4 * E + n * k * d * e
+        saved += rows * (8 + (d + 2 * h) * e)
+    if spec.shared_hidden:
+        saved += 2 * n * spec.shared_hidden * e
+    return saved
+
+
+def block_saved(spec: ModelSpec, layer: int, z: Local, policy: str = "none", received=None) -> int:
+    """Bytes block `layer` keeps for its backward, per microbatch: its layers' saved
+    tensors, or under checkpointing its input and what the policy keeps."""
+    if policy not in POLICIES:
+        raise ValueError(f"checkpointing must be one of {POLICIES}, got {policy!r}")
+    saved = attention_saved(spec, z, policy) + mlp_saved(spec, z, spec.is_moe(layer), policy,
+                                                         received)  # fmt: skip
+    if policy != "none":
+        saved += z.n * spec.d_model * z.e  # the block's input, kept by the checkpoint
+    return saved
+
+
+def ends_saved(spec: ModelSpec, z: Local, *, first: bool, last: bool) -> int:
+    """Bytes the embedding (`first`) and the final norm, head and loss (`last`) save."""
+    saved = 8 * z.m if first else 0  # the token ids (TP's rows are a view of them)
+    if last:
+        saved += z.n * (2 * spec.d_model * z.e + 4)  # the final norm
+        saved += z.n * (4 * spec.vocab + 8) + 4  # fp32 log-probs, labels, the count
+    return saved
+
+
+def stage_saved(spec: ModelSpec, layers, z: Local, policy: str, *, first: bool, last: bool) -> int:
+    """Bytes one microbatch leaves saved on a rank holding blocks `layers` (and the
+    embedding / the head when `first` / `last`)."""
+    blocks = sum(block_saved(spec, i, z, policy) for i in layers)
+    return blocks + ends_saved(spec, z, first=first, last=last)

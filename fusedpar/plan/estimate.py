@@ -1,0 +1,380 @@
+"""One layout's estimate: memory by part (from `accounting`, which the tests hold equal to
+the code), traffic and collectives per mesh axis, and the step time.
+
+The time model, per rank and microbatch, for each block of its stages:
+
+| term         | model                                                                |
+| ------------ | -------------------------------------------------------------------- |
+| GEMMs        | 2 x rows x out x in FLOPs each (backward 2x the forward), at the     |
+|              | TFLOP/s of the nearest shape in bench/results/<device>/matmul.json,  |
+|              | else a stated fraction of peak (`devices`)                           |
+| attention    | 4 S_visible hd per query and head (backward 2.5x: FA2's recompute),  |
+|              | at the measured fwd+bwd rate of the nearest (S, D)                   |
+| element-wise | each saved byte written and read once forward, twice backward, at    |
+|              | HBM bandwidth (norms, RoPE, the activation, the routing)             |
+| recompute    | "full": the forward again; "selective": the element-wise part (and   |
+|              | attention where no exchange keeps it)                                |
+| TP           | all-gather / reduce-scatter chunks overlapped with their GEMM (ring  |
+|              | or fused schedule): exposed = max(0, comm - GEMM) + one chunk        |
+| CP ring      | each step's K/V (and dK/dV, fp32) overlapped with the step's blocks  |
+| Ulysses, EP  | all-to-alls exposed in full (fusedpar does not overlap them)         |
+| FSDP         | each block's all-gather prefetched under the previous block, its     |
+|              | reduce-scatter under the next backward: the excess is exposed        |
+| pipeline     | torch's action lists, simulated (`schedule.simulate`): the bubble    |
+| optimizer    | AdamW reads and writes 7 words a parameter at HBM bandwidth          |
+
+Collectives take bytes x (W - 1) / W (all-reduce twice that) over the axis's link
+(NVLink when the axis's ranks share a node: mesh order (pp, dp, cp, ulysses, tp), tp
+innermost) plus a latency each. See docs/plan.md for where it misses, and by how much.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from fusedpar.parallel import ParallelDims
+from fusedpar.pipeline import stage_count, stages_of
+from fusedpar.plan import accounting as acc
+from fusedpar.plan import devices
+from fusedpar.plan.model import ModelSpec, model_spec
+
+LATENCY_S = {"nvlink": 10e-6, "network": 25e-6}  # per collective
+AXES = ("pp", "dp", "cp", "ulysses", "tp")
+
+
+@dataclass
+class Estimate:
+    """One layout (see the module doc). Bytes are per rank, the largest rank's."""
+
+    model: str
+    dims: ParallelDims
+    seq_len: int
+    micro_batch: int
+    microbatches: int
+    schedule: str | None
+    checkpointing: str
+    memory: dict = field(default_factory=dict)
+    traffic: dict = field(default_factory=dict)  # axis -> bytes sent per step
+    collectives: dict = field(default_factory=dict)  # axis -> calls per step
+    links: dict = field(default_factory=dict)  # axis -> "nvlink" | "network"
+    times: dict = field(default_factory=dict)  # seconds per step, by term
+    step_time_s: float = 0.0
+    tokens_per_s_per_gpu: float = 0.0
+    mfu: float = 0.0
+    fits: bool = True
+    notes: list = field(default_factory=list)
+
+    @property
+    def gpus(self) -> int:
+        d = self.dims
+        return d.pp * d.dp * d.cp * d.ulysses * d.tp
+
+    def layout(self) -> str:
+        d = self.dims
+        parts = [f"{a}{getattr(d, a)}" for a in AXES if getattr(d, a) > 1]
+        if d.ep_size > 1:
+            parts.append(f"ep{d.ep_size}({'x'.join(d.ep_axes)})")
+        return " ".join(parts) or "one GPU"
+
+    def as_dict(self) -> dict:
+        d = self.dims
+        return {"model": self.model, "layout": self.layout(), "gpus": self.gpus,
+                "dims": {a: getattr(d, a) for a in AXES} | {"ep": list(d.ep_axes)},
+                "seq_len": self.seq_len, "micro_batch": self.micro_batch,
+                "microbatches": self.microbatches, "schedule": self.schedule,
+                "checkpointing": self.checkpointing, "memory": self.memory,
+                "traffic": self.traffic, "collectives": self.collectives, "links": self.links,
+                "times": self.times, "step_time_s": self.step_time_s,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
+                "fits": self.fits, "notes": self.notes}  # fmt: skip
+
+
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+def rank_stages(spec: ModelSpec, dims: ParallelDims, schedule: str | None, per_rank: int = 2):
+    """Per pipeline rank: (its layers, holds the embedding, holds the head, its stages)."""
+    if dims.pp == 1:
+        return [(list(range(spec.n_layers)), True, True, 1)]
+    num = stage_count(schedule, dims.pp, per_rank)
+    per_stage = spec.n_layers // num
+    out = []
+    for rank in range(dims.pp):
+        stages = stages_of(schedule, rank, dims.pp, num // dims.pp)
+        layers = [i for s in stages for i in range(s * per_stage, (s + 1) * per_stage)]
+        out.append((layers, 0 in stages, num - 1 in stages, len(stages)))
+    return out
+
+
+def state_bytes(spec, dims, layers, first, last, *, param_dtype, optimizer) -> dict:
+    """Parameters, gradients and optimizer state of a rank holding `layers` (FSDP2 over
+    dp: each tensor's dim 0 padded and split)."""
+    shapes = [s for i in layers for s, _ in acc.layer_tensors(spec, i, dims.tp, dims.ep_size)]
+    numel = sum(acc.fsdp_numel(s, dims.dp) for s in shapes)
+    ends = acc.model_end_tensors(spec, first=first, last=last)
+    numel += sum(acc.fsdp_numel((n // spec.d_model, spec.d_model) if n > spec.d_model else (n,),
+                                dims.dp) for n, _ in ends)  # fmt: skip
+    tensors = len(shapes) + len(ends)
+    p = _bytes(param_dtype)
+    states = {"adamw": 2 * numel * p + 4 * tensors, "sgd": 0}
+    if optimizer not in states:
+        raise ValueError(f"optimizer must be one of {list(states)}, got {optimizer!r}")
+    return {"parameters": numel * p, "gradients": numel * p, "optimizer": states[optimizer],
+            "numel": numel}  # fmt: skip
+
+
+def link_of(dims: ParallelDims, axis: str, gpus_per_node: int) -> str:
+    """ "nvlink" when the ranks of `axis` share a node (mesh order, tp innermost)."""
+    span = 1
+    for a in reversed(AXES):
+        span *= getattr(dims, a)
+        if a == axis:
+            break
+    return "nvlink" if span <= gpus_per_node else "network"
+
+
+class _Clock:
+    """Adds up a rank's time and traffic while the block terms are walked."""
+
+    def __init__(self, dev, dims, gpn):
+        self.dev, self.dims, self.gpn = dev, dims, gpn
+        self.traffic, self.calls = {}, {}
+
+    def comm(self, axis: str, nbytes: float, calls: int = 1, kind: str = "ring") -> float:
+        """Seconds for `calls` collectives moving `nbytes` in all over `axis`; counted."""
+        size = self.dims.ep_size if axis == "ep" else getattr(self.dims, axis)
+        if size <= 1 or nbytes <= 0:
+            return 0.0
+        link_axis = self.dims.ep_axes[0] if axis == "ep" else axis
+        link = link_of(self.dims, link_axis, self.gpn)
+        sent = nbytes * (size - 1) / size * (2 if kind == "all_reduce" else 1)
+        if kind == "p2p":
+            sent = nbytes
+        self.traffic[axis] = self.traffic.get(axis, 0) + sent
+        self.calls[axis] = self.calls.get(axis, 0) + calls
+        bw = (self.dev.nvlink_gbps if link == "nvlink" else self.dev.network_gbps) * 1e9
+        return sent / bw + calls * LATENCY_S[link]
+
+
+def _gemm_s(dev, rows, out, inner) -> float:
+    if rows <= 0:
+        return 0.0
+    tflops, _ = devices.gemm_tflops(dev, rows, out, inner)
+    return 2 * rows * out * inner / (tflops * 1e12)
+
+
+def block_times(spec, layer, z: acc.Local, dev, clock: _Clock, policy, overlap) -> tuple:
+    """(forward s, backward s, GEMM+attention FLOPs fwd) of one block, one microbatch,
+    exposed communication included; traffic counted on `clock`."""
+    d, hd, hv, e = spec.d_model, spec.head_dim, spec.v_dim, z.e
+    hq, hkv = z.heads(spec)
+    moe = spec.is_moe(layer)
+    # GEMMs: the attention projections over TP's gathered tokens, the MLP's
+    proj_flops_in = (spec.n_heads * hd + 2 * spec.n_kv_heads * hd) // z.tp
+    qkv = _gemm_s(dev, z.m, proj_flops_in, d)
+    o = _gemm_s(dev, z.m, d, spec.n_heads * hv // z.tp)
+    flops = 2 * z.m * d * (proj_flops_in + spec.n_heads * hv // z.tp)
+    if moe:
+        h, rows = spec.expert_hidden, z.n * spec.top_k
+        mlp_in = _gemm_s(dev, rows, 2 * h, d) + _gemm_s(dev, z.n, spec.num_experts, d)
+        mlp_out = _gemm_s(dev, rows, d, h)
+        flops += 2 * rows * 3 * h * d + 2 * z.n * spec.num_experts * d
+        if spec.shared_hidden:
+            mlp_in += _gemm_s(dev, z.n, 2 * spec.shared_hidden, d)
+            mlp_out += _gemm_s(dev, z.n, d, spec.shared_hidden)
+            flops += 2 * z.n * 3 * spec.shared_hidden * d
+    else:
+        h = spec.d_hidden // z.tp
+        mlp_in, mlp_out = _gemm_s(dev, z.m, 2 * h, d), _gemm_s(dev, z.m, d, h)
+        flops += 2 * z.m * 3 * h * d
+    gemm = qkv + o + mlp_in + mlp_out
+    # attention: causal, zigzag-balanced: each query sees S / 2 keys on average
+    att_flops = 2 * z.a * (z.seq / 2) * hq * (hd + hv)
+    att_rate, _ = devices.attention_tflops(dev, z.seq, hd, True)
+    attention = 3.5 * att_flops / (att_rate * 1e12)  # fwd + bwd, at the fwd+bwd rate
+    att_f, att_b = attention / 3.5, attention * 2.5 / 3.5
+    flops += att_flops
+    elementwise = 2 * acc.block_saved(spec, layer, z, "none") / (dev.hbm_tbps * 1e12)
+    fwd = gemm + att_f + elementwise
+    bwd = 2 * gemm + att_b + 2 * elementwise
+    if policy == "full":
+        bwd += fwd
+    elif policy == "selective":
+        bwd += elementwise + (att_f if z.tp > 1 and z.cp == 1 and z.ulysses == 1 else 0.0)
+    # TP: x gathered into the projections, outputs reduce-scattered; the backward
+    # re-gathers x for the weights' gradients
+    if z.tp > 1:
+        volume = z.m * d * e  # the gathered tensor; each GEMM's input or output
+        gathers = ((qkv, True), (o, False)) + (() if moe else ((mlp_in, True), (mlp_out, False)))
+        for gemm_s, gathered_input in gathers:
+            t_f = clock.comm("tp", volume)
+            t_b = clock.comm("tp", volume * (2 if gathered_input else 1), calls=1 + gathered_input)
+            if overlap == "serial":
+                fwd, bwd = fwd + t_f, bwd + t_b
+            else:
+                fwd += max(0.0, t_f - gemm_s) + t_f / z.tp
+                bwd += max(0.0, t_b - 2 * gemm_s) + t_b / z.tp
+    if z.cp > 1:  # the ring: K/V blocks; backward K/V and dK/dV (fp32)
+        kv = z.a * hkv * (hd + hv) * e
+        steps = z.cp - 1
+        step_f = clock.comm("cp", kv * steps, calls=steps, kind="p2p") / steps
+        step_b = clock.comm("cp", (kv + kv * 4 / e) * steps, calls=2 * steps, kind="p2p") / steps
+        fwd += steps * max(0.0, step_f - att_f / z.cp)
+        bwd += steps * max(0.0, step_b - att_b / z.cp)
+    if z.ulysses > 1:  # q, k, v out and the output back, forward and backward
+        moved = z.m * (spec.n_heads * (hd + hv) + 2 * hkv * z.ulysses * z.tp * hd) // z.tp * e
+        t = clock.comm("ulysses", moved, calls=4, kind="all_to_all")
+        fwd, bwd = fwd + t, bwd + clock.comm("ulysses", moved, calls=4, kind="all_to_all")
+    if moe and z.ep > 1:  # dispatch and return (and their counts), both passes
+        rows_bytes = z.n * spec.top_k * d * e
+        fwd += clock.comm("ep", 2 * rows_bytes, calls=3, kind="all_to_all")
+        bwd += clock.comm("ep", 2 * rows_bytes, calls=2, kind="all_to_all")
+    return fwd, bwd, flops
+
+
+def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
+             microbatches: int = 1, schedule: str | None = None, dtype=torch.bfloat16,
+             param_dtype=torch.float32, checkpointing: str = "none", optimizer: str = "adamw",
+             device="h100", gpus_per_node: int = 8, overlap: str = "ring",
+             stages_per_rank: int = 2, memory_margin: float = 0.9) -> Estimate:  # fmt: skip
+    """One layout's estimate (see the module doc and `Estimate`). `dims` as the layers
+    take them (`fp.ParallelDims`); `micro_batch` sequences of `seq_len` tokens per
+    microbatch, `microbatches` per step (the pipeline's, or gradient accumulation). A
+    layout fits when its peak is at most `memory_margin` of the device's memory."""
+    spec = model_spec(model)
+    dev = devices.device(device)
+    if dims.pp > 1 and schedule is None:
+        schedule = "1F1B"
+    dims.validate(dims.pp * dims.dp * dims.cp * dims.ulysses * dims.tp, n_heads=spec.n_heads,
+                  n_kv_heads=spec.n_kv_heads, num_experts=spec.num_experts or None,
+                  seq_len=seq_len, n_layers=spec.n_layers if dims.pp > 1 else None,
+                  microbatches=microbatches, schedule=schedule or "1F1B")  # fmt: skip
+    z = acc.Local(seq_len, micro_batch, dims.cp, dims.ulysses, dims.tp, dims.ep_size,
+                  _bytes(dtype))  # fmt: skip
+    est = Estimate(spec.name, dims, seq_len, micro_batch, microbatches, schedule, checkpointing)
+    ranks = rank_stages(spec, dims, schedule, stages_per_rank)
+    held = _held(schedule, dims.pp, microbatches, stages_per_rank)
+    best = None
+    for rank, (layers, first, last, n_stages) in enumerate(ranks):
+        mem = state_bytes(spec, dims, layers, first, last, param_dtype=param_dtype,
+                          optimizer=optimizer)  # fmt: skip
+        per_mb = acc.stage_saved(spec, layers, z, checkpointing, first=first, last=last)
+        mem["activations"] = per_mb
+        # the pipeline's: held stage-microbatches beyond this rank's one of each stage
+        mem["in_flight"] = max(0, held[rank] - n_stages) * per_mb // n_stages
+        mem["buffers"] = _buffers(spec, dims, z, layers, last, param_dtype)
+        recompute = 0
+        if checkpointing != "none" and layers:
+            recompute = max(acc.block_saved(spec, i, z) for i in layers)
+        mem["peak"] = (mem["parameters"] + mem["gradients"] + mem["optimizer"] + per_mb
+                       + mem["in_flight"] + mem["buffers"] + recompute)  # fmt: skip
+        mem.pop("numel")
+        if best is None or mem["peak"] > best["peak"]:
+            best = mem
+    est.memory = best
+    est.fits = best["peak"] <= memory_margin * dev.memory_bytes
+    if not est.fits:
+        short = best["peak"] - memory_margin * dev.memory_bytes
+        est.notes.append(f"out of memory by {short / 1e9:.1f} GB "
+                         f"(peak {best['peak'] / 1e9:.1f} GB, {memory_margin:.0%} of "
+                         f"{dev.memory_gb:g} GB usable)")  # fmt: skip
+    _time(est, spec, dims, z, dev, ranks, gpus_per_node, overlap, stages_per_rank, param_dtype)
+    for axis in list(est.traffic):
+        est.links[axis] = link_of(dims, dims.ep_axes[0] if axis == "ep" else axis, gpus_per_node)
+    return est
+
+
+def _held(schedule, pp, microbatches, per_rank) -> list[int]:
+    if pp == 1:
+        return [1]
+    from fusedpar.plan.schedule import in_flight
+
+    held = in_flight(schedule, pp, microbatches, per_rank)
+    return [held[r] for r in range(pp)]
+
+
+def _buffers(spec, dims, z, layers, last, param_dtype) -> int:
+    """Transient buffers (an estimate, not held exact by a test): FSDP's gathered block
+    (this one and the prefetched next, in the compute dtype) and its unsharded gradient;
+    TP's gathered input; the ring's K/V blocks in flight; the head's logits."""
+    out = 0
+    if dims.dp > 1 and layers:
+        block = max(sum(math.prod(s) for s, _ in acc.layer_tensors(spec, i, dims.tp, dims.ep_size))
+                    for i in layers)  # fmt: skip
+        out += block * (2 * z.e + _bytes(param_dtype))
+    if dims.tp > 1:
+        out += z.m * spec.d_model * z.e
+    if dims.cp > 1:
+        hq, hkv = z.heads(spec)
+        out += 2 * z.a * hkv * (spec.head_dim + spec.v_dim) * (z.e + 4)
+    if last:
+        out += z.n * spec.vocab * (z.e + 4)
+    return out
+
+
+def _time(est, spec, dims, z, dev, ranks, gpn, overlap, per_rank, param_dtype) -> None:
+    """Fills est.times, traffic, collectives, step time, tokens/s, MFU."""
+    clocks, fb, flops_rank = [], [], []
+    for layers, _first, last, n_stages in ranks:
+        clock = _Clock(dev, dims, gpn)
+        f = b = flops = 0.0
+        for i in layers:
+            bf, bb, fl = block_times(spec, i, z, dev, clock, est.checkpointing, overlap)
+            f, b, flops = f + bf, b + bb, flops + fl
+        if last:
+            head = _gemm_s(dev, z.n, spec.vocab, spec.d_model)
+            f, b, flops = f + head, b + 2 * head, flops + 2 * z.n * spec.vocab * spec.d_model
+        clocks.append(clock)
+        fb.append((f / n_stages, b / n_stages))
+        flops_rank.append(flops)
+    m = est.microbatches
+    worst = max(range(len(ranks)), key=lambda r: sum(fb[r]))
+    clock = clocks[worst]
+    for axis in list(clock.traffic):  # per microbatch so far
+        clock.traffic[axis] *= m
+        clock.calls[axis] *= m
+    f, b = fb[worst]
+    if dims.pp > 1:
+        from fusedpar.plan.schedule import simulate
+
+        send = clock.comm("pp", z.n * spec.d_model * z.e, calls=1, kind="p2p")
+        clock.traffic["pp"] *= 2 * m * ranks[worst][3]
+        clock.calls["pp"] *= 2 * m * ranks[worst][3]
+        timing = simulate(est.schedule, dims.pp, m, forward_s=f, backward_s=b, send_s=send,
+                          stages_per_rank=per_rank)  # fmt: skip
+        pipeline = timing.step_s
+        est.times["bubble"] = timing.bubble
+    else:
+        pipeline = m * (f + b) * ranks[0][3]
+    layers, first, last, _ = ranks[worst]
+    state = state_bytes(spec, dims, layers, first, last, param_dtype=param_dtype, optimizer="adamw")
+    exposed = 0.0
+    if dims.dp > 1:  # FSDP: gathers per microbatch (both passes), one reduce-scatter a step
+        gathered = state["numel"] * dims.dp * z.e
+        ag = clock.comm("dp", 2 * m * gathered, calls=2 * m * max(len(layers), 1))
+        rs = clock.comm("dp", state["numel"] * dims.dp * 4, calls=max(len(layers), 1))
+        per_block = pipeline / max(1, 3 * m * max(len(layers), 1))
+        blocks = max(len(layers), 1)
+        exposed = max(0.0, ag / (2 * m * blocks) - per_block) * 2 * m * blocks + (
+            ag + rs
+        ) / blocks / (2 * m)  # the first gather, the last scatter
+    whole = sum(math.prod(s) for i in layers for s, k in acc.layer_tensors(spec, i) if k == "whole")
+    replicated = dims.cp * dims.ulysses * dims.tp
+    if replicated > 1:  # the partial gradients of whole parameters, one bucketed all-reduce
+        axis = "tp" if dims.tp > 1 else ("ulysses" if dims.ulysses > 1 else "cp")
+        exposed += clock.comm(axis, whole * 4, calls=1, kind="all_reduce")
+    optimizer_s = 7 * 4 * state["numel"] / (dev.hbm_tbps * 1e12)
+    est.step_time_s = pipeline + exposed + optimizer_s
+    est.times.update({"forward_per_microbatch": f, "backward_per_microbatch": b,
+                      "pipeline": pipeline, "exposed_dp": exposed,
+                      "optimizer": optimizer_s})  # fmt: skip
+    est.traffic, est.collectives = dict(clock.traffic), dict(clock.calls)
+    tokens = est.seq_len * est.micro_batch * m * dims.dp
+    gpus = est.gpus
+    est.tokens_per_s_per_gpu = tokens / est.step_time_s / gpus
+    model_flops = 3 * sum(flops_rank) * m * dims.dp * dims.cp * dims.ulysses * dims.tp
+    est.mfu = model_flops / (est.step_time_s * gpus * dev.peak_tflops * 1e12)

@@ -1,0 +1,185 @@
+"""What the planner knows of a model: its sizes, read off a Hugging Face config, the
+example model's `Config`, or a named preset (the published configs).
+
+| field                          | Hugging Face config's name(s)                           |
+| ------------------------------ | ------------------------------------------------------- |
+| vocab, d_model, n_layers       | vocab_size, hidden_size, num_hidden_layers              |
+| n_heads, n_kv_heads, head_dim  | num_attention_heads, num_key_value_heads, head_dim      |
+| d_hidden (dense MLPs)          | intermediate_size                                       |
+| num_experts, top_k, moe_hidden | num_local_experts / num_experts / n_routed_experts,     |
+|                                | num_experts_per_tok, moe_intermediate_size              |
+| shared_hidden                  | n_shared_experts x moe_intermediate_size,               |
+|                                | shared_expert_intermediate_size                         |
+| dense_layers_first             | first_k_dense_replace (DeepSeek-V3, GLM-4.5)            |
+| q_lora_rank, kv_lora_rank,     | multi-head latent attention (DeepSeek-V3); qk_nope +    |
+| rope_dim, v_head_dim           | qk_rope = the Q/K head dim                              |
+| qk_norm                        | qwen3, qwen3_moe, olmo2/3, gemma3 (per-head q/k norms)  |
+| tied                           | tie_word_embeddings                                     |
+
+MTP layers (DeepSeek-V3's 62nd) are left out, as Hugging Face leaves them out on load.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3_text")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer's sizes (see the module doc)."""
+
+    name: str
+    vocab: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_hidden: int  # the dense MLP's hidden width
+    v_head_dim: int = 0  # 0: head_dim
+    num_experts: int = 0  # 0: every MLP dense
+    top_k: int = 1
+    moe_hidden: int = 0  # one expert's hidden width (0: d_hidden)
+    shared_hidden: int = 0  # the shared experts' hidden width, all of them together
+    dense_layers_first: int = 0  # MLPs dense in the first layers, MoE after
+    moe_every: int = 1  # every n-th layer's MLP is MoE (Qwen2-MoE's decoder_sparse_step)
+    q_lora_rank: int = 0  # MLA: 0 with kv_lora_rank > 0 is q_proj straight from d_model
+    kv_lora_rank: int = 0  # MLA when > 0
+    rope_dim: int = 0  # MLA's rotary part of the Q/K head
+    qk_norm: bool = False
+    attention_bias: bool = False
+    tied: bool = False
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.moe_hidden or self.d_hidden
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts."""
+        if not self.num_experts or layer < self.dense_layers_first:
+            return False
+        return (layer + 1) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe(i) for i in range(self.n_layers))
+
+    def parameter_count(self, *, active: bool = False) -> int:
+        """Parameters of the whole model (`active`: those one token runs through: top_k
+        experts of each MoE layer)."""
+        from fusedpar.plan.accounting import layer_tensors, model_end_tensors
+
+        total = sum(n for n, _ in model_end_tensors(self, first=True, last=True))
+        for i in range(self.n_layers):
+            for numel, kind in layer_tensors(self, i):
+                if kind == "expert" and active:
+                    numel = numel * self.top_k // self.num_experts
+                total += numel
+        return total
+
+
+def _get(config, *names, default=None):
+    for name in names:
+        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def from_hf_config(config, name: str | None = None) -> ModelSpec:
+    """A ModelSpec from a Hugging Face config: a ``PretrainedConfig``, its dict, or the path
+    of a ``config.json`` (or of the folder holding one)."""
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        config = json.loads(path.read_text())
+    model_type = _get(config, "model_type", default="llama")
+    text = _get(config, "text_config")
+    if text is not None and _get(config, "hidden_size") is None:
+        return from_hf_config(text, name)
+    d, heads = _get(config, "hidden_size", "n_embd"), _get(config, "num_attention_heads", "n_head")
+    kv_lora = _get(config, "kv_lora_rank", default=0) or 0
+    if kv_lora:
+        nope, rope = _get(config, "qk_nope_head_dim"), _get(config, "qk_rope_head_dim")
+        head_dim, v_head = nope + rope, _get(config, "v_head_dim")
+        kv_heads = heads
+    else:
+        head_dim = _get(config, "head_dim") or d // heads
+        v_head, rope = 0, 0
+        kv_heads = _get(config, "num_key_value_heads", default=heads)
+    experts = _get(config, "num_local_experts", "num_experts", "n_routed_experts", default=0)
+    moe_hidden = _get(config, "moe_intermediate_size", default=0) or 0
+    shared = _get(config, "shared_expert_intermediate_size", default=0) or 0
+    if not shared and _get(config, "n_shared_experts"):
+        shared = _get(config, "n_shared_experts") * moe_hidden
+    return ModelSpec(
+        name=name or _get(config, "_name_or_path", default="") or model_type,
+        vocab=_get(config, "vocab_size"), d_model=d,
+        n_layers=_get(config, "num_hidden_layers", "n_layer"),
+        n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=v_head or 0,
+        d_hidden=_get(config, "intermediate_size", "n_inner", default=4 * d),
+        num_experts=experts or 0, top_k=_get(config, "num_experts_per_tok", default=1),
+        moe_hidden=moe_hidden, shared_hidden=shared,
+        dense_layers_first=_get(config, "first_k_dense_replace", default=0) or 0,
+        moe_every=_get(config, "decoder_sparse_step", default=1) or 1,
+        q_lora_rank=_get(config, "q_lora_rank", default=0) or 0, kv_lora_rank=kv_lora,
+        rope_dim=rope or 0, qk_norm=model_type in QK_NORM_FAMILIES,
+        attention_bias=bool(_get(config, "attention_bias", "qkv_bias", default=False)),
+        tied=bool(_get(config, "tie_word_embeddings", default=False)),
+    )  # fmt: skip
+
+
+def from_example_config(cfg) -> ModelSpec:
+    """A ModelSpec of examples/tiny_llama.py's ``Config``."""
+    return ModelSpec(name="tiny_llama", vocab=cfg.vocab, d_model=cfg.d_model,
+                     n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                     head_dim=cfg.head_dim, d_hidden=cfg.d_hidden, num_experts=cfg.num_experts,
+                     top_k=cfg.top_k)  # fmt: skip
+
+
+# The published configs (their config.json on the Hugging Face hub), MTP layers left out.
+PRESETS = {
+    "llama3-8b": ModelSpec("Llama-3 8B", 128256, 4096, 32, 32, 8, 128, 14336),
+    "llama3-70b": ModelSpec("Llama-3 70B", 128256, 8192, 80, 64, 8, 128, 28672),
+    "llama3-405b": ModelSpec("Llama-3 405B", 128256, 16384, 126, 128, 8, 128, 53248),
+    "qwen3-235b-a22b": ModelSpec("Qwen3-235B-A22B", 151936, 4096, 94, 64, 4, 128, 12288,
+                                 num_experts=128, top_k=8, moe_hidden=1536, qk_norm=True),
+    "mixtral-8x22b": ModelSpec("Mixtral 8x22B", 32768, 6144, 56, 48, 8, 128, 16384,
+                               num_experts=8, top_k=2),
+    "deepseek-v3": ModelSpec("DeepSeek-V3", 129280, 7168, 61, 128, 128, 192, 18432,
+                             v_head_dim=128, num_experts=256, top_k=8, moe_hidden=2048,
+                             shared_hidden=2048, dense_layers_first=3, q_lora_rank=1536,
+                             kv_lora_rank=512, rope_dim=64),
+}  # fmt: skip
+
+
+def model_spec(model) -> ModelSpec:
+    """A ModelSpec from any of: a ModelSpec, a preset's name, a Hugging Face config (object,
+    dict or path), or the example model's Config."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, str) and model.lower() in PRESETS:
+        return PRESETS[model.lower()]
+    if isinstance(model, (str, Path)) and not Path(model).exists():
+        raise ValueError(f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a path "
+                         "to a config.json")  # fmt: skip
+    if hasattr(model, "head_dim") and hasattr(model, "d_model"):
+        return from_example_config(model)
+    return from_hf_config(model)
+
+
+def with_layers(spec: ModelSpec, n_layers: int) -> ModelSpec:
+    """`spec` with another depth (a quick what-if)."""
+    return replace(spec, n_layers=n_layers)

@@ -1,0 +1,200 @@
+"""`fusedpar.plan` against the code: what the planner says a rank holds and saves equals,
+exactly, what the example model's real step allocates and saves, at one process and on 4
+gloo ranks at TP2 x DP2, TP2 x CP2, CP2 x Ulysses 2 and TP2 x CP2 with EP over tp.
+
+- parameters, gradients and AdamW's state: the bytes of the real tensors (AdamW's
+  ``step`` is one fp32 scalar a parameter);
+  (FSDP2 over dp at DP2 x TP2; a pipeline rank's stages at PP2 x TP2, 1F1B and
+  Interleaved1F1B);
+- saved activations of one forward, under each checkpointing policy: the distinct
+  storages ``saved_tensors_hooks`` packs plus those selective checkpointing keeps (its
+  cache), parameters left out. A MoE rank's rows depend on the routing: the planner takes
+  it balanced, so an EP group's sum is what is held equal.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import fusedpar as fp
+from fusedpar import plan
+from fusedpar.plan.accounting import POLICIES
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from tiny_llama import Config, ParallelTransformer, Transformer  # noqa: E402
+
+SEQ, BATCH = 32, 2
+
+
+def _config(moe: bool) -> Config:
+    return Config(vocab=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_hidden=96,
+                  num_experts=4 if moe else 0, top_k=2)  # fmt: skip
+
+
+class Checkpointed(torch.nn.Module):
+    """A block run under ``torch.utils.checkpoint`` with `context_fn`."""
+
+    def __init__(self, block, context_fn):
+        super().__init__()
+        self.block, self.context_fn = block, context_fn
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=False, context_fn=self.context_fn)
+
+
+def saved_in_forward(model, tokens, labels, policy: str) -> int:
+    """Bytes of the distinct storages one forward keeps for its backward under `policy`:
+    those saved_tensors_hooks packs, and the outputs selective checkpointing caches."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def keep(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+
+    contexts = []
+    policy_fn = fp.checkpoint_policy()
+
+    def context_fn():
+        contexts.append(policy_fn())
+        return contexts[-1]
+
+    blocks = model.blocks
+    if policy != "none":
+        wrap = context_fn if policy == "selective" else None
+        model.blocks = torch.nn.ModuleList(
+            Checkpointed(b, wrap) if wrap else Checkpointed(b, _noop) for b in blocks
+        )
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: keep(t) or t, lambda t: t):
+            loss = model(tokens, labels)
+    finally:
+        model.blocks = blocks
+    for forward_context, _ in contexts:
+        for outputs in forward_context.storage.values():
+            for out in outputs.values():
+                for leaf in torch.utils._pytree.tree_leaves(
+                    out, is_leaf=lambda x: hasattr(x, "val")
+                ):  # fmt: skip
+                    value = getattr(leaf, "val", None)
+                    if isinstance(value, torch.Tensor):
+                        keep(value)
+    del loss
+    return sum(storages.values())
+
+
+def _noop():
+    from torch.utils.checkpoint import noop_context_fn
+
+    return noop_context_fn()
+
+
+def _measure(kw: dict, moe: bool, ep=None, dtype=torch.float16) -> dict:
+    """On each rank: the planner's numbers and the real ones, for the example model at
+    the degrees `kw` (one process when empty)."""
+    cfg = _config(moe)
+    dims = fp.ParallelDims(ep=ep, **kw)
+    groups = dims.groups(dims.build_mesh("cpu")) if kw else {"tp": None, "cp": None, "ep": None}
+    torch.manual_seed(0)
+    model = ParallelTransformer(Transformer(cfg), groups).to(dtype)
+    data = torch.randint(0, cfg.vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    got = {policy: saved_in_forward(model, tokens, labels, policy) for policy in POLICIES}
+    spec = plan.model_spec(cfg)
+    want = {policy: plan.activation_bytes(spec, dims, seq_len=SEQ, micro_batch=BATCH,
+                                          dtype=dtype, checkpointing=policy)
+            for policy in POLICIES}  # fmt: skip
+    return {"saved": got, "planned": want}
+
+
+LAYOUTS = [({"tp": 2, "dp": 2}, False, None), ({"cp": 2, "tp": 2}, False, None),
+           ({"cp": 2, "ulysses": 2}, False, None), ({"cp": 2, "tp": 2}, True, "tp")]  # fmt: skip
+
+
+def _all_layouts():
+    return [_measure(*layout) for layout in LAYOUTS]
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_saved_activations_at_one_process(moe, dtype):
+    result = _measure({}, moe, dtype=dtype)
+    assert result["saved"] == result["planned"]
+
+
+def test_saved_activations_on_four_ranks(world):
+    per_rank = world(4).run(_all_layouts)
+    for i, (kw, moe, ep) in enumerate(LAYOUTS):
+        results = [rank[i] for rank in per_rank]
+        if ep is None:
+            for result in results:
+                assert result["saved"] == result["planned"], (kw, moe)
+        else:  # a rank's rows follow the routing: an EP group's sum is exact
+            for policy in POLICIES:
+                for group in ((0, 1), (2, 3)):
+                    got = sum(results[r]["saved"][policy] for r in group)
+                    want = sum(results[r]["planned"][policy] for r in group)
+                    assert got == want, (kw, policy, group)
+
+
+def _local_bytes(tensors) -> int:
+    return sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in tensors)
+
+
+def _state(kw: dict, moe: bool, ep=None, schedule=None) -> dict:
+    """On each rank: parameters, gradients and AdamW state after a step, real and planned."""
+    from fusedpar.plan.estimate import rank_stages, state_bytes
+
+    cfg = _config(moe)
+    cfg.n_layers = 4
+    dims = fp.ParallelDims(ep=ep, **kw)
+    mesh = dims.build_mesh("cpu")
+    torch.manual_seed(0)
+    model = ParallelTransformer(Transformer(cfg), dims.groups(mesh))
+    data = torch.randint(0, cfg.vocab, (4, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    pp_rank = 0
+    if dims.pp > 1:
+        pipe = fp.pipeline.split(model, dims, mesh, schedule=schedule, microbatches=4,
+                                 loss_fn=model.loss)  # fmt: skip
+        model = fp.distribute(pipe.model, dims.stage_mesh(mesh))
+        pipe.step(tokens, target=labels)
+        pp_rank = fp.comm.group_rank(dims.groups(mesh)["pp"])
+    else:
+        model = fp.distribute(model, mesh)
+        if dims.dp > 1:
+            dims.fully_shard(model, mesh)
+        model(tokens, labels).backward()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer.step()
+    params = list(model.parameters())
+    state = [t for s in optimizer.state.values() for t in s.values()]
+    got = {"parameters": _local_bytes(params), "gradients": _local_bytes(p.grad for p in params),
+           "optimizer": _local_bytes(state)}  # fmt: skip
+    spec = plan.model_spec(cfg)
+    layers, first, last, _ = rank_stages(spec, dims, schedule)[pp_rank]
+    want = state_bytes(spec, dims, layers, first, last, param_dtype=torch.float32,
+                       optimizer="adamw")  # fmt: skip
+    want.pop("numel")
+    return {"real": got, "planned": want}
+
+
+STATE_LAYOUTS = [({"tp": 2, "dp": 2}, False, None, None), ({"cp": 2, "tp": 2}, True, "tp", None),
+                 ({"cp": 2, "ulysses": 2}, False, None, None),
+                 ({"pp": 2, "tp": 2}, False, None, "1F1B"),
+                 ({"pp": 2, "tp": 2}, True, "tp", "Interleaved1F1B")]  # fmt: skip
+
+
+def _all_states():
+    return [_state(*layout) for layout in STATE_LAYOUTS]
+
+
+def test_parameters_gradients_and_optimizer_state(world):
+    for rank in world(4).run(_all_states):
+        for layout, result in zip(STATE_LAYOUTS, rank, strict=True):
+            assert result["real"] == result["planned"], layout
