@@ -12,10 +12,13 @@ from the same accounting the tests hold equal to what the code allocates and sen
 import torch
 
 from fusedpar.plan.accounting import POLICIES, Local, stage_saved
+from fusedpar.plan.devices import DEVICES, Device
+from fusedpar.plan.estimate import Estimate, estimate
 from fusedpar.plan.model import PRESETS, ModelSpec, from_hf_config, model_spec
+from fusedpar.plan.search import SearchResult, search
 
-__all__ = ["POLICIES", "PRESETS", "ModelSpec", "activation_bytes", "from_hf_config",
-           "model_spec"]  # fmt: skip
+__all__ = ["DEVICES", "POLICIES", "PRESETS", "Device", "Estimate", "ModelSpec", "SearchResult",
+           "activation_bytes", "estimate", "from_hf_config", "model_spec", "search"]  # fmt: skip
 
 
 def _local(dims, seq_len: int, micro_batch: int, dtype) -> Local:

@@ -111,7 +111,7 @@ def layer_tensors(spec: ModelSpec, layer: int, tp: int = 1, ep: int = 1) -> list
             out += [((hs, d), "whole"), ((d, hs), "whole"), ((hs, d), "whole")]
     else:
         h = spec.d_hidden // t
-        out += [((h, d), "tp"), ((h, d), "tp"), ((d, h), "tp")]
+        out += [((h, d), "tp"), ((h, d), "tp"), ((d, h), "tp")][1 - spec.gated :]
     return [(shape, kind) for shape, kind in out]
 
 
@@ -225,5 +225,9 @@ def ends_saved(spec: ModelSpec, z: Local, *, first: bool, last: bool) -> int:
 def stage_saved(spec: ModelSpec, layers, z: Local, policy: str, *, first: bool, last: bool) -> int:
     """Bytes one microbatch leaves saved on a rank holding blocks `layers` (and the
     embedding / the head when `first` / `last`)."""
-    blocks = sum(block_saved(spec, i, z, policy) for i in layers)
+    kinds: dict[bool, int] = {}
+    for i in layers:  # blocks of one kind save alike
+        kinds[spec.is_moe(i)] = kinds.get(spec.is_moe(i), 0) + 1
+    blocks = sum(count * block_saved(spec, next(i for i in layers if spec.is_moe(i) == moe), z,
+                                     policy) for moe, count in kinds.items())  # fmt: skip
     return blocks + ends_saved(spec, z, first=first, last=last)

@@ -84,6 +84,7 @@ def _nearest(rows, key, point):
     return best
 
 
+@cache
 def gemm_tflops(dev: Device, m: int, n: int, k: int) -> tuple[float, str]:
     """(TFLOP/s, where from) of an (m, k) x (k, n) bf16 GEMM on `dev`: the nearest shape
     of its bench table (the faster of fusedpar and torch, as `auto` picks), or the
@@ -94,6 +95,7 @@ def gemm_tflops(dev: Device, m: int, n: int, k: int) -> tuple[float, str]:
     return dev.peak_tflops * dev.gemm_efficiency, "fraction"
 
 
+@cache
 def attention_tflops(dev: Device, seq: int, head_dim: int, causal: bool) -> tuple[float, str]:
     """(TFLOP/s, where from) of attention's forward and backward together on `dev`."""
 

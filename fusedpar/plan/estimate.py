@@ -31,7 +31,9 @@ innermost) plus a latency each. See docs/plan.md for where it misses, and by how
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
@@ -42,6 +44,7 @@ from fusedpar.plan import devices
 from fusedpar.plan.model import ModelSpec, model_spec
 
 LATENCY_S = {"nvlink": 10e-6, "network": 25e-6}  # per collective
+DP_SHARDING = ("zero3", "zero2", "zero1")
 AXES = ("pp", "dp", "cp", "ulysses", "tp")
 
 
@@ -113,12 +116,16 @@ def rank_stages(spec: ModelSpec, dims: ParallelDims, schedule: str | None, per_r
 def state_bytes(spec, dims, layers, first, last, *, param_dtype, optimizer) -> dict:
     """Parameters, gradients and optimizer state of a rank holding `layers` (FSDP2 over
     dp: each tensor's dim 0 padded and split)."""
-    shapes = [s for i in layers for s, _ in acc.layer_tensors(spec, i, dims.tp, dims.ep_size)]
-    numel = sum(acc.fsdp_numel(s, dims.dp) for s in shapes)
+    numel = tensors = 0
+    for moe, count in Counter(spec.is_moe(i) for i in layers).items():  # alike by kind
+        layer = next(i for i in layers if spec.is_moe(i) == moe)
+        shapes = [s for s, _ in acc.layer_tensors(spec, layer, dims.tp, dims.ep_size)]
+        numel += count * sum(acc.fsdp_numel(s, dims.dp) for s in shapes)
+        tensors += count * len(shapes)
     ends = acc.model_end_tensors(spec, first=first, last=last)
     numel += sum(acc.fsdp_numel((n // spec.d_model, spec.d_model) if n > spec.d_model else (n,),
                                 dims.dp) for n, _ in ends)  # fmt: skip
-    tensors = len(shapes) + len(ends)
+    tensors += len(ends)
     p = _bytes(param_dtype)
     states = {"adamw": 2 * numel * p + 4 * tensors, "sgd": 0}
     if optimizer not in states:
@@ -167,7 +174,7 @@ def _gemm_s(dev, rows, out, inner) -> float:
     return 2 * rows * out * inner / (tflops * 1e12)
 
 
-def block_times(spec, layer, z: acc.Local, dev, clock: _Clock, policy, overlap) -> tuple:
+def block_times(spec, layer, z: acc.Local, dev, clock: _Clock, policy, knobs) -> tuple:
     """(forward s, backward s, GEMM+attention FLOPs fwd) of one block, one microbatch,
     exposed communication included; traffic counted on `clock`."""
     d, hd, hv, e = spec.d_model, spec.head_dim, spec.v_dim, z.e
@@ -188,9 +195,9 @@ def block_times(spec, layer, z: acc.Local, dev, clock: _Clock, policy, overlap) 
             mlp_out += _gemm_s(dev, z.n, d, spec.shared_hidden)
             flops += 2 * z.n * 3 * spec.shared_hidden * d
     else:
-        h = spec.d_hidden // z.tp
-        mlp_in, mlp_out = _gemm_s(dev, z.m, 2 * h, d), _gemm_s(dev, z.m, d, h)
-        flops += 2 * z.m * 3 * h * d
+        h, inputs = spec.d_hidden // z.tp, 1 + spec.gated  # gate and up, or fc
+        mlp_in, mlp_out = _gemm_s(dev, z.m, inputs * h, d), _gemm_s(dev, z.m, d, h)
+        flops += 2 * z.m * (inputs + 1) * h * d
     gemm = qkv + o + mlp_in + mlp_out
     # attention: causal, zigzag-balanced: each query sees S / 2 keys on average
     att_flops = 2 * z.a * (z.seq / 2) * hq * (hd + hv)
@@ -198,7 +205,8 @@ def block_times(spec, layer, z: acc.Local, dev, clock: _Clock, policy, overlap) 
     attention = 3.5 * att_flops / (att_rate * 1e12)  # fwd + bwd, at the fwd+bwd rate
     att_f, att_b = attention / 3.5, attention * 2.5 / 3.5
     flops += att_flops
-    elementwise = 2 * acc.block_saved(spec, layer, z, "none") / (dev.hbm_tbps * 1e12)
+    saved = acc.block_saved(spec, layer, z, "none")
+    elementwise = knobs["passes"] * saved / (dev.hbm_tbps * 1e12)
     fwd = gemm + att_f + elementwise
     bwd = 2 * gemm + att_b + 2 * elementwise
     if policy == "full":
@@ -213,7 +221,7 @@ def block_times(spec, layer, z: acc.Local, dev, clock: _Clock, policy, overlap) 
         for gemm_s, gathered_input in gathers:
             t_f = clock.comm("tp", volume)
             t_b = clock.comm("tp", volume * (2 if gathered_input else 1), calls=1 + gathered_input)
-            if overlap == "serial":
+            if knobs["overlap"] == "serial":
                 fwd, bwd = fwd + t_f, bwd + t_b
             else:
                 fwd += max(0.0, t_f - gemm_s) + t_f / z.tp
@@ -240,11 +248,23 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
              microbatches: int = 1, schedule: str | None = None, dtype=torch.bfloat16,
              param_dtype=torch.float32, checkpointing: str = "none", optimizer: str = "adamw",
              device="h100", gpus_per_node: int = 8, overlap: str = "ring",
-             stages_per_rank: int = 2, memory_margin: float = 0.9) -> Estimate:  # fmt: skip
+             stages_per_rank: int = 2, memory_margin: float = 0.9, dp_sharding: str = "zero3",
+             elementwise_passes: float = 4.0) -> Estimate:  # fmt: skip
     """One layout's estimate (see the module doc and `Estimate`). `dims` as the layers
     take them (`fp.ParallelDims`); `micro_batch` sequences of `seq_len` tokens per
     microbatch, `microbatches` per step (the pipeline's, or gradient accumulation). A
-    layout fits when its peak is at most `memory_margin` of the device's memory."""
+    layout fits when its peak is at most `memory_margin` of the device's memory.
+
+    `dp_sharding`: "zero3" (FSDP2's default: parameters gathered in each microbatch's
+    forward and backward), "zero2" (``reshard_after_forward=False``: gathered once a
+    microbatch, held to its backward), "zero1" (gathered once a step and held, gradients
+    unsharded until one reduce-scatter a step: Megatron's distributed optimizer).
+    `elementwise_passes`: how many times the element-wise ops move each saved byte in a
+    forward: 4 for fused kernels (fusedpar's, Megatron's), fitted on Megatron's published
+    points; eager PyTorch's norms, RoPE and activations move about 12 (torchtitan's
+    points without torch.compile): docs/plan.md."""
+    if dp_sharding not in DP_SHARDING:
+        raise ValueError(f"dp_sharding must be one of {DP_SHARDING}, got {dp_sharding!r}")
     spec = model_spec(model)
     dev = devices.device(device)
     if dims.pp > 1 and schedule is None:
@@ -267,6 +287,11 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
         # the pipeline's: held stage-microbatches beyond this rank's one of each stage
         mem["in_flight"] = max(0, held[rank] - n_stages) * per_mb // n_stages
         mem["buffers"] = _buffers(spec, dims, z, layers, last, param_dtype)
+        if dims.dp > 1 and dp_sharding != "zero3":  # unsharded parameters (and gradients)
+            whole = mem["numel"] * dims.dp
+            mem["buffers"] += whole * z.e
+            if dp_sharding == "zero1":
+                mem["gradients"] = whole * 4
         recompute = 0
         if checkpointing != "none" and layers:
             recompute = max(acc.block_saved(spec, i, z) for i in layers)
@@ -282,19 +307,57 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
         est.notes.append(f"out of memory by {short / 1e9:.1f} GB "
                          f"(peak {best['peak'] / 1e9:.1f} GB, {memory_margin:.0%} of "
                          f"{dev.memory_gb:g} GB usable)")  # fmt: skip
-    _time(est, spec, dims, z, dev, ranks, gpus_per_node, overlap, stages_per_rank, param_dtype)
+    knobs = {"overlap": overlap, "dp_sharding": dp_sharding, "passes": elementwise_passes}
+    _time(est, spec, dims, z, dev, ranks, gpus_per_node, knobs, stages_per_rank, param_dtype)
     for axis in list(est.traffic):
         est.links[axis] = link_of(dims, dims.ep_axes[0] if axis == "ep" else axis, gpus_per_node)
     return est
 
 
+def _round(x: float) -> float:
+    """`x` to 3 significant digits: pipeline timings are cached by their ratios."""
+    return float(f"{x:.3g}")
+
+
+SIMULATED_MICROBATCHES = 32  # beyond: the steady state's, extrapolated (1F1B-like schedules)
+
+
+def _simulated(schedule, pp, microbatches, per_rank) -> int:
+    """The microbatch count simulated for `microbatches`: itself up to
+    SIMULATED_MICROBATCHES (or 4 per stage), else the largest valid count below."""
+    stages = stage_count(schedule, pp, per_rank)
+    cap = max(SIMULATED_MICROBATCHES, 4 * stages)
+    if microbatches <= cap or schedule == "GPipe":
+        return microbatches
+    step = pp if schedule == "Interleaved1F1B" else 1
+    return cap - cap % step
+
+
+@lru_cache(maxsize=4096)
+def _pipeline(schedule, pp, microbatches, per_rank, backward, send) -> tuple[float, float]:
+    """(step / forward, bubble) of the schedule at these ratios to the forward's time
+    (`schedule.simulate`; a step's time scales with the three). Past the simulated count
+    each microbatch adds its stages' forward and backward to the step."""
+    from fusedpar.plan.schedule import simulate
+
+    simulated = _simulated(schedule, pp, microbatches, per_rank)
+    per_rank_stages = stage_count(schedule, pp, per_rank) // pp
+    timing = simulate(schedule, pp, simulated, forward_s=1.0, backward_s=backward,
+                      send_s=send, stages_per_rank=per_rank)  # fmt: skip
+    extra = (microbatches - simulated) * per_rank_stages * (1.0 + backward)
+    step = timing.step_s + extra
+    busy = max(timing.busy_s.values()) + extra
+    return step, 1 - busy / step
+
+
+@lru_cache(maxsize=4096)
 def _held(schedule, pp, microbatches, per_rank) -> list[int]:
     if pp == 1:
-        return [1]
+        return (1,)
     from fusedpar.plan.schedule import in_flight
 
-    held = in_flight(schedule, pp, microbatches, per_rank)
-    return [held[r] for r in range(pp)]
+    held = in_flight(schedule, pp, _simulated(schedule, pp, microbatches, per_rank), per_rank)
+    return tuple(held[r] for r in range(pp))
 
 
 def _buffers(spec, dims, z, layers, last, param_dtype) -> int:
@@ -304,7 +367,7 @@ def _buffers(spec, dims, z, layers, last, param_dtype) -> int:
     out = 0
     if dims.dp > 1 and layers:
         block = max(sum(math.prod(s) for s, _ in acc.layer_tensors(spec, i, dims.tp, dims.ep_size))
-                    for i in layers)  # fmt: skip
+                    for i in {spec.is_moe(i): i for i in layers}.values())  # fmt: skip
         out += block * (2 * z.e + _bytes(param_dtype))
     if dims.tp > 1:
         out += z.m * spec.d_model * z.e
@@ -316,15 +379,20 @@ def _buffers(spec, dims, z, layers, last, param_dtype) -> int:
     return out
 
 
-def _time(est, spec, dims, z, dev, ranks, gpn, overlap, per_rank, param_dtype) -> None:
+def _time(est, spec, dims, z, dev, ranks, gpn, knobs, per_rank, param_dtype) -> None:
     """Fills est.times, traffic, collectives, step time, tokens/s, MFU."""
     clocks, fb, flops_rank = [], [], []
     for layers, _first, last, n_stages in ranks:
         clock = _Clock(dev, dims, gpn)
         f = b = flops = 0.0
-        for i in layers:
-            bf, bb, fl = block_times(spec, i, z, dev, clock, est.checkpointing, overlap)
-            f, b, flops = f + bf, b + bb, flops + fl
+        for moe, count in Counter(spec.is_moe(i) for i in layers).items():
+            one = _Clock(dev, dims, gpn)  # one block of the kind, scaled by their count
+            layer = next(i for i in layers if spec.is_moe(i) == moe)
+            bf, bb, fl = block_times(spec, layer, z, dev, one, est.checkpointing, knobs)
+            f, b, flops = f + count * bf, b + count * bb, flops + count * fl
+            for axis in one.traffic:
+                clock.traffic[axis] = clock.traffic.get(axis, 0) + count * one.traffic[axis]
+                clock.calls[axis] = clock.calls.get(axis, 0) + count * one.calls[axis]
         if last:
             head = _gemm_s(dev, z.n, spec.vocab, spec.d_model)
             f, b, flops = f + head, b + 2 * head, flops + 2 * z.n * spec.vocab * spec.d_model
@@ -339,30 +407,33 @@ def _time(est, spec, dims, z, dev, ranks, gpn, overlap, per_rank, param_dtype) -
         clock.calls[axis] *= m
     f, b = fb[worst]
     if dims.pp > 1:
-        from fusedpar.plan.schedule import simulate
-
         send = clock.comm("pp", z.n * spec.d_model * z.e, calls=1, kind="p2p")
         clock.traffic["pp"] *= 2 * m * ranks[worst][3]
         clock.calls["pp"] *= 2 * m * ranks[worst][3]
-        timing = simulate(est.schedule, dims.pp, m, forward_s=f, backward_s=b, send_s=send,
-                          stages_per_rank=per_rank)  # fmt: skip
-        pipeline = timing.step_s
-        est.times["bubble"] = timing.bubble
+        relative, bubble = _pipeline(est.schedule, dims.pp, m, per_rank, _round(b / f),
+                                     _round(send / f))  # fmt: skip
+        pipeline = relative * f
+        est.times["bubble"] = bubble
     else:
         pipeline = m * (f + b) * ranks[0][3]
     layers, first, last, _ = ranks[worst]
     state = state_bytes(spec, dims, layers, first, last, param_dtype=param_dtype, optimizer="adamw")
     exposed = 0.0
-    if dims.dp > 1:  # FSDP: gathers per microbatch (both passes), one reduce-scatter a step
-        gathered = state["numel"] * dims.dp * z.e
-        ag = clock.comm("dp", 2 * m * gathered, calls=2 * m * max(len(layers), 1))
-        rs = clock.comm("dp", state["numel"] * dims.dp * 4, calls=max(len(layers), 1))
-        per_block = pipeline / max(1, 3 * m * max(len(layers), 1))
+    if dims.dp > 1:  # FSDP2: the parameters gathered, the gradients reduce-scattered
+        sharding = knobs["dp_sharding"]
+        gathers = {"zero3": 2 * m, "zero2": m, "zero1": 1}[sharding]
+        scatters = 1 if sharding == "zero1" else m
         blocks = max(len(layers), 1)
-        exposed = max(0.0, ag / (2 * m * blocks) - per_block) * 2 * m * blocks + (
-            ag + rs
-        ) / blocks / (2 * m)  # the first gather, the last scatter
-    whole = sum(math.prod(s) for i in layers for s, k in acc.layer_tensors(spec, i) if k == "whole")
+        unsharded = state["numel"] * dims.dp
+        ag = clock.comm("dp", gathers * unsharded * z.e, calls=gathers * blocks)
+        rs = clock.comm("dp", scatters * unsharded * 4, calls=scatters * blocks)
+        # each block's share hides under a block's compute; the first and last do not
+        per_block = pipeline / (blocks * m)
+        exposed = (max(0.0, (ag + rs) / (blocks * m) - per_block) * blocks * m
+                   + (ag / gathers + rs / scatters) / blocks)  # fmt: skip
+    kinds = {spec.is_moe(i): i for i in layers}
+    whole = sum(n * math.prod(s) for moe, n in Counter(spec.is_moe(i) for i in layers).items()
+                for s, k in acc.layer_tensors(spec, kinds[moe]) if k == "whole")  # fmt: skip
     replicated = dims.cp * dims.ulysses * dims.tp
     if replicated > 1:  # the partial gradients of whole parameters, one bucketed all-reduce
         axis = "tp" if dims.tp > 1 else ("ulysses" if dims.ulysses > 1 else "cp")

@@ -53,6 +53,7 @@ class ModelSpec:
     qk_norm: bool = False
     attention_bias: bool = False
     tied: bool = False
+    gated: bool = True  # SwiGLU (gate, up, down); False: a plain MLP (fc, proj)
 
     @property
     def v_dim(self) -> int:
@@ -138,6 +139,7 @@ def from_hf_config(config, name: str | None = None) -> ModelSpec:
         rope_dim=rope or 0, qk_norm=model_type in QK_NORM_FAMILIES,
         attention_bias=bool(_get(config, "attention_bias", "qkv_bias", default=False)),
         tied=bool(_get(config, "tie_word_embeddings", default=False)),
+        gated=model_type not in ("gpt2", "gpt_neox"),
     )  # fmt: skip
 
 

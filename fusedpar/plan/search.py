@@ -1,0 +1,127 @@
+"""Every layout of N GPUs, estimated and ranked: `search`.
+
+A layout is degrees (pp, dp, cp, ulysses, tp) whose product is the GPU count, and for
+a MoE model an EP run of the (cp, ulysses, tp) axes (fusedpar runs no EP over dp). For
+each, the search keeps the fastest of: microbatch sizes, the pipeline schedules, and the
+checkpointing policies from the cheapest ("none") to "full", the first that fits. A
+layout none of whose choices is possible is ruled out with the reason: a degree that
+does not divide the heads, the experts, the layers or the batch, or the memory it lacks
+at its best.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import combinations
+
+import torch
+
+from fusedpar.parallel import ParallelDims
+from fusedpar.plan.accounting import POLICIES
+from fusedpar.plan.estimate import Estimate, estimate
+from fusedpar.plan.model import model_spec
+
+SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
+MIN_TOKENS_PER_CP_RANK = 512  # shorter shards leave the ring's steps all latency
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Estimate] = field(default_factory=list)  # fits, fastest first
+    out_of_memory: list[Estimate] = field(default_factory=list)  # the best try of each
+    ruled_out: list[tuple[str, str]] = field(default_factory=list)  # (layout, why)
+
+    @property
+    def best(self) -> Estimate | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(spec, gpus: int, gpus_per_node: int, seq_len: int):
+    """Candidate ParallelDims (EP variants included) for `gpus`."""
+    for tp in _divisors(min(gpus, gpus_per_node)):
+        for ulysses in _divisors(gpus // tp):
+            for cp in _divisors(gpus // (tp * ulysses)):
+                if cp * ulysses > 1 and seq_len // (cp * ulysses) < MIN_TOKENS_PER_CP_RANK:
+                    continue
+                for pp in _divisors(gpus // (tp * ulysses * cp)):
+                    if pp > spec.n_layers:
+                        continue
+                    dp = gpus // (tp * ulysses * cp * pp)
+                    for ep in _ep_options(spec, cp, ulysses, tp):
+                        yield ParallelDims(dp=dp, cp=cp, tp=tp, ulysses=ulysses, pp=pp, ep=ep)
+
+
+def _ep_options(spec, cp, ulysses, tp):
+    if not spec.num_experts:
+        yield None
+        return
+    axes = [a for a, n in (("cp", cp), ("ulysses", ulysses), ("tp", tp)) if n > 1]
+    yield None
+    for count in range(1, len(axes) + 1):
+        for run in combinations(axes, count):
+            yield run[0] if count == 1 else run
+
+
+def _label(dims: ParallelDims) -> str:
+    return Estimate("", dims, 0, 0, 0, None, "").layout()
+
+
+def search(model, *, gpus: int, seq_len: int, global_batch_tokens: int,
+           gpus_per_node: int = 8, device="h100", dtype=torch.bfloat16,
+           checkpointing=None, schedules=SCHEDULES, micro_batches=(1, 2, 4, 8),
+           **options) -> SearchResult:  # fmt: skip
+    """Every layout of `gpus`, its best choices estimated (see the module doc). `checkpointing`:
+    one policy, or None for the first of POLICIES that fits. `options` go to `estimate`."""
+    spec = model_spec(model)
+    if global_batch_tokens % seq_len:
+        raise ValueError(f"global_batch_tokens ({global_batch_tokens}) is not a multiple of "
+                         f"seq_len ({seq_len})")  # fmt: skip
+    sequences = global_batch_tokens // seq_len
+    policies = POLICIES if checkpointing is None else (checkpointing,)
+    result = SearchResult()
+    for dims in layouts(spec, gpus, gpus_per_node, seq_len):
+        try:
+            dims.validate(gpus, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
+                          num_experts=spec.num_experts or None, seq_len=seq_len)  # fmt: skip
+        except ValueError as e:
+            result.ruled_out.append((_label(dims), str(e)))
+            continue
+        if sequences % dims.dp:
+            result.ruled_out.append((_label(dims), f"{sequences} sequences a step do not split "
+                                                   f"over dp {dims.dp}"))  # fmt: skip
+            continue
+        best, tried, why = None, None, None
+        for mb in micro_batches:
+            per_dp = sequences // dims.dp
+            if per_dp % mb:
+                continue
+            for schedule in (schedules if dims.pp > 1 else (None,)):
+                for policy in policies:
+                    try:
+                        est = estimate(spec, dims, seq_len=seq_len, micro_batch=mb,
+                                       microbatches=per_dp // mb, schedule=schedule,
+                                       dtype=dtype, checkpointing=policy, device=device,
+                                       gpus_per_node=gpus_per_node, **options)  # fmt: skip
+                    except ValueError as e:
+                        why = why or str(e)  # the first schedule's reason
+                        break
+                    if est.fits:
+                        if best is None or est.step_time_s < best.step_time_s:
+                            best = est
+                        break  # a costlier policy is no faster
+                    if tried is None or est.memory["peak"] < tried.memory["peak"]:
+                        tried = est
+        if best is not None:
+            result.ranked.append(best)
+        elif tried is not None:
+            result.out_of_memory.append(tried)
+            result.ruled_out.append((_label(dims), tried.notes[-1]))
+        else:
+            result.ruled_out.append((_label(dims), why or "no microbatch size divides the "
+                                     f"{sequences // dims.dp} sequences per dp rank"))  # fmt: skip
+    result.ranked.sort(key=lambda e: e.step_time_s)
+    return result

@@ -1,0 +1,77 @@
+"""`fusedpar.plan`'s time model against published runs, its search and its command line.
+
+Every published point (`fusedpar.plan.published`: torchtitan, Megatron-LM, Korthikanti
+et al., Llama 3) is reproduced within ±20% of its tokens/s per GPU, or is one of the
+misses docs/plan.md explains (MISSES: the reason, and the ratio it is held to)."""
+
+import json
+
+import pytest
+
+import fusedpar as fp
+from fusedpar import plan
+from fusedpar.plan import published, report
+from fusedpar.plan.__main__ import main
+from fusedpar.plan.search import search
+
+# torchtitan's 405B of 2024 on 128 GPUs: TP by DTensor without AsyncTP, eager, and
+# whether torch.compile ran is not stated; the model's unhidden TP and eager passes still
+# leave it 1.27x fast (docs/plan.md)
+MISSES = {"torchtitan-405b-128": (1.2, 1.35)}
+
+
+def test_published_points_are_reproduced():
+    rows = published.reproduce()
+    assert len(rows) >= 6
+    for row in rows:
+        low, high = MISSES.get(row["point"], (0.8, 1.2))
+        assert low <= row["ratio"] <= high, row
+    assert sum(row["point"] not in MISSES for row in rows) >= 6
+
+
+def test_the_search_rules_out_with_reasons():
+    result = search("llama3-8b", gpus=24, seq_len=4096, global_batch_tokens=3 * 2**20)
+    assert result.ranked and all(e.fits for e in result.ranked)
+    times = [e.step_time_s for e in result.ranked]
+    assert times == sorted(times)
+    reasons = " ".join(why for _, why in result.ruled_out)
+    assert "32 layers do not divide into the 3 stages of 1F1B" in reasons
+    assert "n_heads (32) is not divisible by tp (1) x ulysses (3)" in reasons
+    assert "seq_len (4096) is not divisible by 6 (the cp degree 3" in reasons
+
+
+def test_an_estimate_refuses_a_layout_that_does_not_divide():
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        plan.estimate("llama3-70b", fp.ParallelDims(tp=16), seq_len=8192)
+    with pytest.raises(ValueError, match="dp_sharding"):
+        plan.estimate("llama3-8b", fp.ParallelDims(dp=2), seq_len=8192, dp_sharding="zero4")
+
+
+def test_the_command_line_writes_the_three_outputs(tmp_path, capsys):
+    main(["qwen3-235b-a22b", "--gpus", "64", "--seq-len", "4096", "--global-batch-tokens",
+          "1M", "--out", str(tmp_path), "--top", "5"])  # fmt: skip
+    table = capsys.readouterr().out
+    assert "| 1 |" in table and "torchrun --nnodes 8 --nproc-per-node 8" in table
+    data = json.loads((tmp_path / "plan.json").read_text())
+    best = data["ranked"][0]
+    assert best["memory"]["peak"] <= 0.9 * 80e9 and best["tokens_per_s_per_gpu"] > 0
+    assert (tmp_path / "plan.md").read_text().startswith("# Qwen3-235B-A22B on 64")
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "plan.png").stat().st_size > 0
+
+
+def test_one_layout_from_the_command_line(capsys):
+    code = main(["deepseek-v3", "--gpus", "512", "--seq-len", "4096", "--layout",
+                 "dp=32,cp=2,tp=8,ep=cp+tp",
+                 "--checkpointing", "full"])  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"] == "dp32 cp2 tp8 ep16(cpxtp)" and out["memory"]["activations"] > 0
+    assert code == (0 if out["fits"] else 1)
+
+
+def test_the_frontier_and_the_dims_call():
+    result = search("llama3-8b", gpus=8, seq_len=8192, global_batch_tokens=2**19)
+    edge = report.frontier(result.ranked)
+    assert edge[0].memory["peak"] == min(e.memory["peak"] for e in result.ranked)
+    assert edge[-1].step_time_s == result.best.step_time_s
+    assert report.dims_call(result.best).startswith("fp.ParallelDims(")
