@@ -6,6 +6,8 @@ gloo ranks at TP2 x DP2, TP2 x CP2, CP2 x Ulysses 2 and TP2 x CP2 with EP over t
   ``step`` is one fp32 scalar a parameter);
   (FSDP2 over dp at DP2 x TP2; a pipeline rank's stages at PP2 x TP2, 1F1B and
   Interleaved1F1B);
+- the collectives of a training step and the bytes of their tensors, as
+  ``fusedpar.testing.Collectives`` counts them (the CPU's shape checks included);
 - saved activations of one forward, under each checkpointing policy: the distinct
   storages ``saved_tensors_hooks`` packs plus those selective checkpointing keeps (its
   cache), parameters left out. A MoE rank's rows depend on the routing: the planner takes
@@ -146,9 +148,13 @@ def _local_bytes(tensors) -> int:
     return sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in tensors)
 
 
-def _state(kw: dict, moe: bool, ep=None, schedule=None) -> dict:
-    """On each rank: parameters, gradients and AdamW state after a step, real and planned."""
+def _step(kw: dict, moe: bool, ep=None, schedule=None) -> dict:
+    """On each rank, after two training steps: the parameters, gradients and AdamW state
+    it holds, and the collectives of the second step (`Collectives`), real and planned."""
+    from fusedpar.pipeline import stages_of
+    from fusedpar.plan import traffic
     from fusedpar.plan.estimate import rank_stages, state_bytes
+    from fusedpar.testing.collectives import Collectives
 
     cfg = _config(moe)
     cfg.n_layers = 4
@@ -156,45 +162,80 @@ def _state(kw: dict, moe: bool, ep=None, schedule=None) -> dict:
     mesh = dims.build_mesh("cpu")
     torch.manual_seed(0)
     model = ParallelTransformer(Transformer(cfg), dims.groups(mesh))
+    microbatches = 4 if dims.pp > 1 else 1
     data = torch.randint(0, cfg.vocab, (4, SEQ + 1), generator=torch.Generator().manual_seed(1))
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     pp_rank = 0
     if dims.pp > 1:
-        pipe = fp.pipeline.split(model, dims, mesh, schedule=schedule, microbatches=4,
-                                 loss_fn=model.loss)  # fmt: skip
+        pipe = fp.pipeline.split(model, dims, mesh, schedule=schedule,
+                                 microbatches=microbatches, loss_fn=model.loss)  # fmt: skip
         model = fp.distribute(pipe.model, dims.stage_mesh(mesh))
-        pipe.step(tokens, target=labels)
         pp_rank = fp.comm.group_rank(dims.groups(mesh)["pp"])
+
+        def forward_backward():
+            pipe.step(tokens, target=labels)
     else:
         model = fp.distribute(model, mesh)
-        if dims.dp > 1:
+        if dims.dp > 1:  # each block a unit, the root another
+            for block in model.blocks:
+                dims.fully_shard(block, mesh)
             dims.fully_shard(model, mesh)
-        model(tokens, labels).backward()
+
+        def forward_backward():
+            model(tokens, labels).backward()
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    optimizer.step()
-    params = list(model.parameters())
-    state = [t for s in optimizer.state.values() for t in s.values()]
-    got = {"parameters": _local_bytes(params), "gradients": _local_bytes(p.grad for p in params),
-           "optimizer": _local_bytes(state)}  # fmt: skip
+    for _ in range(2):  # the second step is counted
+        with Collectives() as seen:
+            forward_backward()
+            optimizer.step()
+            held = [model.parameters(), (p.grad for p in model.parameters()),
+                    (t for s in optimizer.state.values() for t in s.values())]  # fmt: skip
+            real_state = dict(zip(("parameters", "gradients", "optimizer"),
+                                  map(_local_bytes, held), strict=True))  # fmt: skip
+            optimizer.zero_grad()
     spec = plan.model_spec(cfg)
+    # (every dp rank takes this batch of 4 here)
+    z = plan.Local(SEQ, 4 // microbatches, dims.cp, dims.ulysses, dims.tp, dims.ep_size, 4)
     layers, first, last, _ = rank_stages(spec, dims, schedule)[pp_rank]
-    want = state_bytes(spec, dims, layers, first, last, param_dtype=torch.float32,
-                       optimizer="adamw")  # fmt: skip
-    want.pop("numel")
-    return {"real": got, "planned": want}
+    stage_ranks = None
+    if dims.pp > 1:
+        stage_ranks = {s: r for r in range(dims.pp) for s in stages_of(schedule, r, dims.pp, 2)}
+    stages = stages_of(schedule, pp_rank, dims.pp, 2) if dims.pp > 1 else None
+    ledger = traffic.step(spec, dims, z, layers, first, last, microbatches, stages=stages,
+                          stage_ranks=stage_ranks, cpu_checks=True)  # fmt: skip
+    counts, nbytes = ledger.by_group_size()
+    state = state_bytes(spec, dims, layers, first, last, param_dtype=torch.float32,
+                        optimizer="adamw")  # fmt: skip
+    state.pop("numel")
+    return {"real": (dict(seen.counts), dict(seen.bytes)), "planned": (counts, nbytes),
+            "real_state": real_state, "planned_state": state}  # fmt: skip
 
 
-STATE_LAYOUTS = [({"tp": 2, "dp": 2}, False, None, None), ({"cp": 2, "tp": 2}, True, "tp", None),
-                 ({"cp": 2, "ulysses": 2}, False, None, None),
-                 ({"pp": 2, "tp": 2}, False, None, "1F1B"),
-                 ({"pp": 2, "tp": 2}, True, "tp", "Interleaved1F1B")]  # fmt: skip
+STEP_LAYOUTS = [({"tp": 2, "dp": 2}, False, None, None), ({"cp": 2, "tp": 2}, False, None, None),
+                   ({"cp": 2, "ulysses": 2}, False, None, None),
+                   ({"cp": 2, "tp": 2}, True, "tp", None),
+                   ({"pp": 2, "tp": 2}, False, None, "1F1B"),
+                   ({"pp": 2, "tp": 2}, True, "tp", "Interleaved1F1B")]  # fmt: skip
 
 
-def _all_states():
-    return [_state(*layout) for layout in STATE_LAYOUTS]
+def _all_steps():
+    return [_step(*layout) for layout in STEP_LAYOUTS]
 
 
-def test_parameters_gradients_and_optimizer_state(world):
-    for rank in world(4).run(_all_states):
-        for layout, result in zip(STATE_LAYOUTS, rank, strict=True):
-            assert result["real"] == result["planned"], layout
+def test_held_state_collectives_and_bytes_of_a_step(world):
+    """Parameters, gradients, AdamW state, collectives: per rank, exactly; with EP, the
+    all-to-alls' bytes (the routed rows) summed over the ranks (balanced routing is the
+    planner's)."""
+    per_rank = world(4).run(_all_steps)
+    for i, layout in enumerate(STEP_LAYOUTS):
+        results = [rank[i] for rank in per_rank]
+        for result in results:
+            assert result["real_state"] == result["planned_state"], layout
+            assert result["real"][0] == result["planned"][0], layout
+            if layout[2] is None:
+                assert result["real"][1] == result["planned"][1], layout
+        if layout[2] is not None:
+            for key in results[0]["real"][1]:
+                got = sum(r["real"][1].get(key, 0) for r in results)
+                assert got == sum(r["planned"][1].get(key, 0) for r in results), (layout, key)

@@ -17,8 +17,9 @@ from fusedpar.plan.estimate import Estimate, estimate
 from fusedpar.plan.model import PRESETS, ModelSpec, from_hf_config, model_spec
 from fusedpar.plan.search import SearchResult, search
 
-__all__ = ["DEVICES", "POLICIES", "PRESETS", "Device", "Estimate", "ModelSpec", "SearchResult",
-           "activation_bytes", "estimate", "from_hf_config", "model_spec", "search"]  # fmt: skip
+__all__ = ["DEVICES", "Local", "POLICIES", "PRESETS", "Device", "Estimate", "ModelSpec",
+           "SearchResult", "activation_bytes", "estimate", "from_hf_config", "model_spec",
+           "search"]  # fmt: skip
 
 
 def _local(dims, seq_len: int, micro_batch: int, dtype) -> Local:

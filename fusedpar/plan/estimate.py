@@ -309,9 +309,28 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
                          f"{dev.memory_gb:g} GB usable)")  # fmt: skip
     knobs = {"overlap": overlap, "dp_sharding": dp_sharding, "passes": elementwise_passes}
     _time(est, spec, dims, z, dev, ranks, gpus_per_node, knobs, stages_per_rank, param_dtype)
-    for axis in list(est.traffic):
-        est.links[axis] = link_of(dims, dims.ep_axes[0] if axis == "ep" else axis, gpus_per_node)
+    for group in est.traffic:  # the link of its outermost axis
+        names = group.split(" x ")
+        axes = [a for name in names for a in (dims.ep_axes if name == "ep" else (name,))]
+        est.links[group] = link_of(dims, min(axes, key=AXES.index), gpus_per_node)
     return est
+
+
+def _ledger(spec, dims, z, ranks, rank, m, *, schedule, per_rank, param_dtype, sharding):
+    """(bytes sent, calls) per mesh group of one step on a rank (`traffic.step`, the
+    ledger tests/test_plan.py holds equal to a real step's)."""
+    from fusedpar.plan import traffic
+
+    layers, first, last, _ = ranks[rank]
+    stages = stage_ranks = None
+    if dims.pp > 1:
+        per = stage_count(schedule, dims.pp, per_rank) // dims.pp
+        stage_ranks = {s: r for r in range(dims.pp) for s in stages_of(schedule, r, dims.pp, per)}
+        stages = [s for s, r in stage_ranks.items() if r == rank]
+    ledger = traffic.step(spec, dims, z, layers, first, last, m, stages=stages,
+                          stage_ranks=stage_ranks, grad_bytes=_bytes(param_dtype),
+                          fsdp=dims.dp > 1 and sharding == "zero3")  # fmt: skip
+    return ledger.sent()
 
 
 def _round(x: float) -> float:
@@ -443,7 +462,9 @@ def _time(est, spec, dims, z, dev, ranks, gpn, knobs, per_rank, param_dtype) -> 
     est.times.update({"forward_per_microbatch": f, "backward_per_microbatch": b,
                       "pipeline": pipeline, "exposed_dp": exposed,
                       "optimizer": optimizer_s})  # fmt: skip
-    est.traffic, est.collectives = dict(clock.traffic), dict(clock.calls)
+    est.traffic, est.collectives = _ledger(spec, dims, z, ranks, worst, m, schedule=est.schedule,
+                                           per_rank=per_rank, param_dtype=param_dtype,
+                                           sharding=knobs["dp_sharding"])  # fmt: skip
     tokens = est.seq_len * est.micro_batch * m * dims.dp
     gpus = est.gpus
     est.tokens_per_s_per_gpu = tokens / est.step_time_s / gpus

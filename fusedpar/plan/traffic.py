@@ -1,0 +1,184 @@
+"""The collectives one rank runs in a training step, each with the bytes of the tensors it
+is given (as `fusedpar.testing.Collectives` counts them), from the layers' sizes; held
+equal to a real step's by tests/test_plan.py.
+
+Per block and microbatch (n, m, a as in `accounting`; e the activations' bytes, 4 for
+the fp32 partial sums TP's reduce-scatters and the ring's dK/dV carry):
+
+| op                        | forward                     | backward                          |
+| ------------------------- | --------------------------- | --------------------------------- |
+| TP, ring schedule (t > 1) | each of the 4 projections   | the same 4 x (t - 1) sends, and   |
+|                           | (2 in a MoE block): t - 1   | one all-gather of x per gathered  |
+|                           | sends of n d (e, or 4 for a | input (re-gathered for the        |
+|                           | reduce-scatter's partials)  | weights' gradient)                |
+| ring attention (c > 1)    | K, V: 2 (c - 1) sends       | K, V: 2 (c - 1); dK, dV: 2 c (fp32)|
+| Ulysses (u > 1)           | q, k, v out, the output     | the same 4 all-to-alls            |
+|                           | back: 4 all-to-alls         |                                   |
+| EP (ep > 1, MoE block)    | the counts; rows out, back  | rows out, back                    |
+| pipeline (pp > 1)         | the activation to the next  | its gradient to the previous      |
+|                           | stage's rank                | stage's rank                      |
+
+Once a step: the partial gradients of parameters that saw only this rank's tokens, one
+all-reduce per group they are partial over (whole ones over cp x ulysses x tp, TP shards
+over cp x ulysses, experts over those axes EP does not run on); under FSDP2 each such
+parameter alone, and per FSDP unit (each block, and the root) an all-gather in the
+forward (and the backward, but for the root) and a reduce-scatter, per microbatch.
+
+On a CPU (gloo) the ring and Ulysses' exchanges add a small all-gather per call that
+checks the ranks agree on shapes (`cpu_checks`); on GPUs they do not.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from fusedpar.plan import accounting as acc
+
+ACCUMULATE = 4  # fp32 partial sums
+
+
+class Ledger:
+    """Counts and bytes by (kind, axes), axes a tuple of mesh axes (their product the
+    group)."""
+
+    def __init__(self, dims):
+        self.dims = dims
+        self.counts: Counter = Counter()
+        self.bytes: Counter = Counter()
+
+    def add(self, kind, axes, nbytes, count=1):
+        axes = tuple(a for a in axes if self.size(a) > 1)
+        if not axes or count <= 0:
+            return
+        self.counts[kind, axes] += count
+        self.bytes[kind, axes] += nbytes * count
+
+    def size(self, axis) -> int:
+        return self.dims.ep_size if axis == "ep" else getattr(self.dims, axis)
+
+    def group_size(self, axes) -> int:
+        return math.prod(self.size(a) for a in axes)
+
+    def sent(self) -> tuple[dict, dict]:
+        """(bytes sent, calls) per group ("cp x tp", say): what each collective puts on
+        the wire from one rank (ring algorithms: an all-gather or reduce-scatter sends
+        W - 1 of its W shards; an all-reduce twice that; an all-to-all all but its own
+        share; a send its tensor)."""
+        sent, calls = Counter(), Counter()
+        for (kind, axes), given in self.bytes.items():
+            w, name = self.group_size(axes), " x ".join(axes)
+            share = {"all_gather": (w - 1) / (w + 1), "reduce_scatter": (w - 1) / (w + 1),
+                     "all_reduce": 2 * (w - 1) / w, "all_to_all": (w - 1) / (2 * w),
+                     "send": 1.0, "recv": 0.0}[kind]  # fmt: skip
+            sent[name] += given * share
+            if kind != "recv":
+                calls[name] += self.counts[kind, axes]
+        return dict(sent), dict(calls)
+
+    def by_group_size(self) -> tuple[dict, dict]:
+        """(counts, bytes) keyed (kind, group size), as `Collectives` keys them."""
+        counts, nbytes = Counter(), Counter()
+        for (kind, axes), n in self.counts.items():
+            counts[kind, self.group_size(axes)] += n
+            nbytes[kind, self.group_size(axes)] += self.bytes[kind, axes]
+        return dict(counts), dict(nbytes)
+
+
+def _p2p(ledger, axis, nbytes, count):
+    ledger.add("send", (axis,), nbytes, count)
+    ledger.add("recv", (axis,), nbytes, count)
+
+
+def block(ledger: Ledger, spec, layer: int, z: acc.Local, *, cpu_checks: bool) -> None:
+    """One block's collectives for one microbatch, forward and backward."""
+    d, e, hd, hv = spec.d_model, z.e, spec.head_dim, spec.v_dim
+    moe = spec.is_moe(layer)
+    t, c, u = z.tp, z.cp, z.ulysses
+    if t > 1:  # rings: (gathered input?) per projection
+        projections = (True, False) if moe else (True, False, True, False)
+        for gathered in projections:
+            wire = e if gathered else ACCUMULATE  # x's chunks, or fp32 partials
+            _p2p(ledger, "tp", z.n * d * wire, t - 1)  # forward
+            _p2p(ledger, "tp", z.n * d * (ACCUMULATE if gathered else e), t - 1)  # dX or dY
+            if gathered:  # x re-gathered for the weights' gradient: output + input
+                ledger.add("all_gather", ("tp",), (z.m + z.n) * d * e)
+    hq, hkv = z.heads(spec)
+    if c > 1:
+        k, v = z.a * hkv * hd, z.a * hkv * hv
+        for size in (k, v):
+            _p2p(ledger, "cp", size * e, 2 * (c - 1))  # the blocks, both passes
+            _p2p(ledger, "cp", size * ACCUMULATE, c)  # their gradients, home after c steps
+        if cpu_checks:  # q, k shapes and v's head dim
+            ledger.add("all_gather", ("cp",), (c + 1) * 9 * 8)
+    if u > 1:
+        q = z.m * spec.n_heads // t * hd * e  # TP's gathered tokens, this rank's heads
+        kv = z.m * spec.n_kv_heads // t * hd * e
+        out = z.m * spec.n_heads // t * hv * e
+        for size in (q, kv, kv, out):
+            ledger.add("all_to_all", ("ulysses",), 2 * size, 2)  # output + input, both passes
+        if cpu_checks:  # scatter's 3 shapes and gather's 1, each pass
+            ledger.add("all_gather", ("ulysses",), (u + 1) * 8 * 12, 2)
+            ledger.add("all_gather", ("ulysses",), (u + 1) * 8 * 4, 2)
+    if moe and z.ep > 1:
+        ep = ("ep",)
+        ledger.add("all_to_all", ep, 2 * 8 * spec.num_experts)  # the counts
+        rows = z.n * spec.top_k * d * e  # balanced routing: as many rows back as out
+        ledger.add("all_to_all", ep, 2 * rows, 4)  # dispatch, return; their backwards
+
+
+def _partial_groups(spec, dims, layers, first, last) -> dict:
+    """{axes a gradient is partial over: [numel of each such parameter]} for one rank."""
+    split = tuple(a for a in ("cp", "ulysses", "tp") if getattr(dims, a) > 1)
+    of_kind = {"whole": split, "tp": tuple(a for a in split if a != "tp"),
+               "expert": tuple(a for a in split if a not in dims.ep_axes)}  # fmt: skip
+    groups: dict = {}
+    for i in layers:
+        for shape, kind in acc.layer_tensors(spec, i, dims.tp, dims.ep_size):
+            groups.setdefault(of_kind[kind], []).append(math.prod(shape))
+    for numel, _ in acc.model_end_tensors(spec, first=first, last=last):
+        groups.setdefault(split, []).append(numel)
+    return {axes: sizes for axes, sizes in groups.items() if axes}
+
+
+def step(spec, dims, z: acc.Local, layers, first: bool, last: bool, microbatches: int, *,
+         stages=None, stage_ranks=None, grad_bytes: int = 4, cpu_checks: bool = False,
+         fsdp: bool | None = None) -> Ledger:  # fmt: skip
+    """One rank's collectives in a step: `microbatches` of its blocks `layers` (and the
+    embedding / head), the pipeline's sends between its `stages` (`stage_ranks`: each
+    stage's pipeline rank), the gradients' reductions. `fsdp`: FSDP2 over dp, each
+    block a unit and the root another (default: when dp > 1)."""
+    ledger = Ledger(dims)
+    fsdp = dims.dp > 1 if fsdp is None else fsdp
+    kinds = Counter(spec.is_moe(i) for i in layers)
+    for moe, count in kinds.items():
+        one = Ledger(dims)
+        block(one, spec, next(i for i in layers if spec.is_moe(i) == moe), z,
+              cpu_checks=cpu_checks)  # fmt: skip
+        for key in one.counts:
+            ledger.counts[key] += one.counts[key] * count * microbatches
+            ledger.bytes[key] += one.bytes[key] * count * microbatches
+    if dims.pp > 1 and stages:
+        me, last_stage = stage_ranks[stages[0]], len(stage_ranks) - 1
+        hidden = z.n * spec.d_model * z.e
+        for s in stages:
+            for neighbour in (s - 1, s + 1):
+                if 0 <= neighbour <= last_stage and stage_ranks[neighbour] != me:
+                    _p2p(ledger, "pp", hidden, microbatches)  # activation or its gradient
+    for axes, sizes in _partial_groups(spec, dims, layers, first, last).items():
+        if fsdp:
+            for numel in sizes:
+                ledger.add("all_reduce", axes, numel * grad_bytes)
+        else:
+            ledger.add("all_reduce", axes, sum(sizes) * grad_bytes)
+    if fsdp:
+        units = [[s for s, _ in acc.layer_tensors(spec, i, dims.tp, dims.ep_size)]
+                 for i in layers]  # fmt: skip
+        ends = acc.model_end_tensors(spec, first=first, last=last)
+        root = [(n // spec.d_model, spec.d_model) if n > spec.d_model else (n,) for n, _ in ends]
+        for shapes, gathers in [(u, 2) for u in units] + [(root, 1)]:
+            shard = sum(acc.fsdp_numel(s, dims.dp) for s in shapes) * grad_bytes
+            if shard:
+                ledger.add("all_gather", ("dp",), shard * (dims.dp + 1), gathers * microbatches)
+                ledger.add("reduce_scatter", ("dp",), shard * (dims.dp + 1), microbatches)
+    return ledger
