@@ -57,7 +57,9 @@ def parse_args(argv=None):
         p.add_argument(f"--{name}", type=float, help="override the device's")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--checkpointing", choices=POLICIES, help="default: the cheapest that fits")
-    p.add_argument("--dp-sharding", choices=DP_SHARDING, default="zero3")
+    p.add_argument("--dp-sharding", choices=DP_SHARDING,
+                   help="FSDP2's resharding (default: zero3 with --layout; a search tries "
+                        "zero3 and zero1)")  # fmt: skip
     p.add_argument("--layout", type=layout, help="estimate this layout only: dp=8,tp=8,...")
     p.add_argument("--micro-batch", type=int, default=1, help="with --layout")
     p.add_argument("--schedule", help="with --layout and pp > 1")
@@ -72,8 +74,7 @@ def main(argv=None) -> int:
     dev = device(args.device, peak_tflops=args.peak_tflops, memory_gb=args.memory_gb,
                  hbm_tbps=args.hbm_tbps, nvlink_gbps=args.nvlink_gbps,
                  network_gbps=args.network_gbps)  # fmt: skip
-    common = dict(device=dev, dtype=DTYPES[args.dtype], gpus_per_node=args.gpus_per_node,
-                  dp_sharding=args.dp_sharding)  # fmt: skip
+    common = dict(device=dev, dtype=DTYPES[args.dtype], gpus_per_node=args.gpus_per_node)
     title = (f"{spec.name} on {args.gpus} x {dev.name}, sequences of {args.seq_len}, "
              f"{args.global_batch_tokens:,} tokens a step")  # fmt: skip
     if args.layout is not None:
@@ -82,12 +83,14 @@ def main(argv=None) -> int:
         microbatches = sequences // dims.dp // args.micro_batch
         est = estimate(spec, dims, seq_len=args.seq_len, micro_batch=args.micro_batch,
                        microbatches=microbatches, schedule=args.schedule,
-                       checkpointing=args.checkpointing or "none", **common)  # fmt: skip
+                       checkpointing=args.checkpointing or "none",
+                       dp_sharding=args.dp_sharding or "zero3", **common)  # fmt: skip
         print(json.dumps(est.as_dict(), indent=1, default=str))
         return 0 if est.fits else 1
     result = search(spec, gpus=args.gpus, seq_len=args.seq_len,
                     global_batch_tokens=args.global_batch_tokens,
-                    checkpointing=args.checkpointing, **common)  # fmt: skip
+                    checkpointing=args.checkpointing, **common,
+                    **({"dp_shardings": (args.dp_sharding,)} if args.dp_sharding else {}))  # fmt: skip
     if args.out:
         paths = report.write(result, args.out, title=title, gpus_per_node=args.gpus_per_node,
                              top=args.top)  # fmt: skip

@@ -59,6 +59,7 @@ class Estimate:
     microbatches: int
     schedule: str | None
     checkpointing: str
+    dp_sharding: str = "zero3"
     memory: dict = field(default_factory=dict)
     traffic: dict = field(default_factory=dict)  # axis -> bytes sent per step
     collectives: dict = field(default_factory=dict)  # axis -> calls per step
@@ -88,7 +89,8 @@ class Estimate:
                 "dims": {a: getattr(d, a) for a in AXES} | {"ep": list(d.ep_axes)},
                 "seq_len": self.seq_len, "micro_batch": self.micro_batch,
                 "microbatches": self.microbatches, "schedule": self.schedule,
-                "checkpointing": self.checkpointing, "memory": self.memory,
+                "checkpointing": self.checkpointing, "dp_sharding": self.dp_sharding,
+                "memory": self.memory,
                 "traffic": self.traffic, "collectives": self.collectives, "links": self.links,
                 "times": self.times, "step_time_s": self.step_time_s,
                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
@@ -275,7 +277,8 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
                   microbatches=microbatches, schedule=schedule or "1F1B")  # fmt: skip
     z = acc.Local(seq_len, micro_batch, dims.cp, dims.ulysses, dims.tp, dims.ep_size,
                   _bytes(dtype))  # fmt: skip
-    est = Estimate(spec.name, dims, seq_len, micro_batch, microbatches, schedule, checkpointing)
+    est = Estimate(spec.name, dims, seq_len, micro_batch, microbatches, schedule, checkpointing,
+                   dp_sharding)  # fmt: skip
     ranks = rank_stages(spec, dims, schedule, stages_per_rank)
     held = _held(schedule, dims.pp, microbatches, stages_per_rank)
     best = None
@@ -329,7 +332,7 @@ def _ledger(spec, dims, z, ranks, rank, m, *, schedule, per_rank, param_dtype, s
         stages = [s for s, r in stage_ranks.items() if r == rank]
     ledger = traffic.step(spec, dims, z, layers, first, last, m, stages=stages,
                           stage_ranks=stage_ranks, grad_bytes=_bytes(param_dtype),
-                          fsdp=dims.dp > 1 and sharding == "zero3")  # fmt: skip
+                          dp_sharding=sharding)  # fmt: skip
     return ledger.sent()
 
 

@@ -9,6 +9,10 @@ from pathlib import Path
 from fusedpar.plan.estimate import Estimate
 
 GB = 1e9
+SHARDING_NOTE = {"zero3": "fully_shard's defaults",
+                 "zero2": "reshard_after_forward=False",
+                 "zero1": "reshard_after_forward=False, set_reshard_after_backward(False), "
+                          "no gradient sync but in the last microbatch"}  # fmt: skip
 
 
 def dims_call(est: Estimate) -> str:
@@ -41,7 +45,8 @@ def _row(rank: int, est: Estimate) -> str:
     mem = est.memory
     exposed = est.times.get("exposed_dp", 0.0)
     bubble = est.times.get("bubble")
-    return (f"| {rank} | {est.layout()} | {est.checkpointing} | {est.micro_batch} x "
+    return (f"| {rank} | {est.layout()} | {est.checkpointing} | {est.dp_sharding} | "
+            f"{est.micro_batch} x "
             f"{est.microbatches} | {est.schedule or '-'} | {mem['peak'] / GB:.1f} | "
             f"{(mem['activations'] + mem['in_flight']) / GB:.1f} | {est.step_time_s:.3f} | "
             f"{est.tokens_per_s_per_gpu:,.0f} | {est.mfu:.1%} | "
@@ -52,14 +57,15 @@ def markdown(result, *, top: int = 15, title: str = "", gpus_per_node: int = 8) 
     """The ranked layouts (the `top` fastest that fit), the best try of each layout that
     does not, and why every other one is ruled out."""
     lines = [f"# {title}", ""] if title else []
-    head = ("| # | layout | checkpointing | batch x microbatches | schedule | peak GB | "
+    head = ("| # | layout | checkpointing | FSDP | batch x microbatches | schedule | peak GB | "
             "activations GB | step s | tokens/s/GPU | MFU | bubble | exposed DP s |")  # fmt: skip
-    lines += [head, "|" + " --- |" * 12]
+    lines += [head, "|" + " --- |" * 13]
     lines += [_row(i + 1, est) for i, est in enumerate(result.ranked[:top])]
     if result.best is not None:
         best = result.best
         lines += ["", f"Top pick: {best.layout()} ({best.checkpointing} checkpointing), "
-                  f"{best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU:", "", "```",
+                  f"{best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU (FSDP2: "
+                  f"{SHARDING_NOTE[best.dp_sharding]}):", "", "```",
                   command(best, gpus_per_node), dims_call(best), "```"]  # fmt: skip
         traffic = ", ".join(f"{axis} {best.traffic[axis] / GB:.1f} GB in "
                             f"{best.collectives[axis]} calls over {best.links.get(axis, '?')}"

@@ -3,7 +3,9 @@
 A layout is degrees (pp, dp, cp, ulysses, tp) whose product is the GPU count, and for
 a MoE model an EP run of the (cp, ulysses, tp) axes (fusedpar runs no EP over dp). For
 each, the search keeps the fastest of: microbatch sizes, the pipeline schedules, and the
-checkpointing policies from the cheapest ("none") to "full", the first that fits. A
+checkpointing policies from the cheapest ("none") to "full", the first that fits, and
+FSDP2 resharding every microbatch ("zero3") or holding the gathered parameters through
+a step ("zero1"). A
 layout none of whose choices is possible is ruled out with the reason: a degree that
 does not divide the heads, the experts, the layers or the batch, or the memory it lacks
 at its best.
@@ -12,7 +14,7 @@ at its best.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import combinations
+from itertools import combinations, product
 
 import torch
 
@@ -73,9 +75,11 @@ def _label(dims: ParallelDims) -> str:
 def search(model, *, gpus: int, seq_len: int, global_batch_tokens: int,
            gpus_per_node: int = 8, device="h100", dtype=torch.bfloat16,
            checkpointing=None, schedules=SCHEDULES, micro_batches=(1, 2, 4, 8),
-           **options) -> SearchResult:  # fmt: skip
+           dp_shardings=("zero3", "zero1"), **options) -> SearchResult:  # fmt: skip
     """Every layout of `gpus`, its best choices estimated (see the module doc). `checkpointing`:
-    one policy, or None for the first of POLICIES that fits. `options` go to `estimate`."""
+    one policy, or None for the first of POLICIES that fits. `dp_shardings`: FSDP2's
+    modes tried where a dp rank runs several microbatches (`estimate`'s `dp_sharding`).
+    `options` go to `estimate`."""
     spec = model_spec(model)
     if global_batch_tokens % seq_len:
         raise ValueError(f"global_batch_tokens ({global_batch_tokens}) is not a multiple of "
@@ -99,13 +103,16 @@ def search(model, *, gpus: int, seq_len: int, global_batch_tokens: int,
             per_dp = sequences // dims.dp
             if per_dp % mb:
                 continue
-            for schedule in (schedules if dims.pp > 1 else (None,)):
+            # held parameters pay off only where a step has several microbatches
+            shardings = dp_shardings if dims.dp > 1 and per_dp > mb else dp_shardings[:1]
+            for schedule, sharding in product(schedules if dims.pp > 1 else (None,), shardings):
                 for policy in policies:
                     try:
                         est = estimate(spec, dims, seq_len=seq_len, micro_batch=mb,
                                        microbatches=per_dp // mb, schedule=schedule,
                                        dtype=dtype, checkpointing=policy, device=device,
-                                       gpus_per_node=gpus_per_node, **options)  # fmt: skip
+                                       gpus_per_node=gpus_per_node, dp_sharding=sharding,
+                                       **options)  # fmt: skip
                     except ValueError as e:
                         why = why or str(e)  # the first schedule's reason
                         break

@@ -143,13 +143,13 @@ def _partial_groups(spec, dims, layers, first, last) -> dict:
 
 def step(spec, dims, z: acc.Local, layers, first: bool, last: bool, microbatches: int, *,
          stages=None, stage_ranks=None, grad_bytes: int = 4, cpu_checks: bool = False,
-         fsdp: bool | None = None) -> Ledger:  # fmt: skip
+         dp_sharding: str = "zero3") -> Ledger:  # fmt: skip
     """One rank's collectives in a step: `microbatches` of its blocks `layers` (and the
     embedding / head), the pipeline's sends between its `stages` (`stage_ranks`: each
-    stage's pipeline rank), the gradients' reductions. `fsdp`: FSDP2 over dp, each
-    block a unit and the root another (default: when dp > 1)."""
+    stage's pipeline rank), the gradients' reductions. With dp > 1, FSDP2 over dp, each
+    block a unit and the root another, resharding as `dp_sharding` says (`estimate`)."""
     ledger = Ledger(dims)
-    fsdp = dims.dp > 1 if fsdp is None else fsdp
+    fsdp = dims.dp > 1
     kinds = Counter(spec.is_moe(i) for i in layers)
     for moe, count in kinds.items():
         one = Ledger(dims)
@@ -175,10 +175,16 @@ def step(spec, dims, z: acc.Local, layers, first: bool, last: bool, microbatches
         units = [[s for s, _ in acc.layer_tensors(spec, i, dims.tp, dims.ep_size)]
                  for i in layers]  # fmt: skip
         ends = acc.model_end_tensors(spec, first=first, last=last)
-        root = [(n // spec.d_model, spec.d_model) if n > spec.d_model else (n,) for n, _ in ends]
-        for shapes, gathers in [(u, 2) for u in units] + [(root, 1)]:
+        root_shapes = [(n // spec.d_model, spec.d_model) if n > spec.d_model else (n,)
+                       for n, _ in ends]  # fmt: skip
+        per_step = {"zero3": (2 * microbatches, microbatches), "zero2": (microbatches,) * 2,
+                    "zero1": (1, 1)}[dp_sharding]  # (a block's gathers, its scatters)
+        for shapes, root in [(u, False) for u in units] + [(root_shapes, True)]:
             shard = sum(acc.fsdp_numel(s, dims.dp) for s in shapes) * grad_bytes
+            gathers, scatters = per_step
+            if root and dp_sharding == "zero3":  # the root is not resharded after forward
+                gathers = microbatches
             if shard:
-                ledger.add("all_gather", ("dp",), shard * (dims.dp + 1), gathers * microbatches)
-                ledger.add("reduce_scatter", ("dp",), shard * (dims.dp + 1), microbatches)
+                ledger.add("all_gather", ("dp",), shard * (dims.dp + 1), gathers)
+                ledger.add("reduce_scatter", ("dp",), shard * (dims.dp + 1), scatters)
     return ledger
