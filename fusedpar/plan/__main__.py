@@ -87,10 +87,10 @@ def main(argv=None) -> int:
                        dp_sharding=args.dp_sharding or "zero3", **common)  # fmt: skip
         print(json.dumps(est.as_dict(), indent=1, default=str))
         return 0 if est.fits else 1
+    shardings = {"dp_shardings": (args.dp_sharding,)} if args.dp_sharding else {}
     result = search(spec, gpus=args.gpus, seq_len=args.seq_len,
                     global_batch_tokens=args.global_batch_tokens,
-                    checkpointing=args.checkpointing, **common,
-                    **({"dp_shardings": (args.dp_sharding,)} if args.dp_sharding else {}))  # fmt: skip
+                    checkpointing=args.checkpointing, **common, **shardings)  # fmt: skip
     if args.out:
         paths = report.write(result, args.out, title=title, gpus_per_node=args.gpus_per_node,
                              top=args.top)  # fmt: skip
