@@ -337,8 +337,8 @@ def _ledger(spec, dims, z, ranks, rank, m, *, schedule, per_rank, param_dtype, s
 
 
 def _round(x: float) -> float:
-    """`x` to 3 significant digits: pipeline timings are cached by their ratios."""
-    return float(f"{x:.3g}")
+    """`x` to 2 significant digits: pipeline bubbles are cached by these ratios."""
+    return float(f"{x:.2g}")
 
 
 SIMULATED_MICROBATCHES = 32  # beyond: the steady state's, extrapolated (1F1B-like schedules)
@@ -432,9 +432,11 @@ def _time(est, spec, dims, z, dev, ranks, gpn, knobs, per_rank, param_dtype) -> 
         send = clock.comm("pp", z.n * spec.d_model * z.e, calls=1, kind="p2p")
         clock.traffic["pp"] *= 2 * m * ranks[worst][3]
         clock.calls["pp"] *= 2 * m * ranks[worst][3]
-        relative, bubble = _pipeline(est.schedule, dims.pp, m, per_rank, _round(b / f),
-                                     _round(send / f))  # fmt: skip
-        pipeline = relative * f
+        _, bubble = _pipeline(est.schedule, dims.pp, m, per_rank, _round(b / f),
+                              _round(send / f))  # fmt: skip
+        # the worst rank's own work, stretched by the simulated bubble (rounding the
+        # ratios moves the bubble a little, never the work)
+        pipeline = m * ranks[worst][3] * (f + b) / (1 - bubble)
         est.times["bubble"] = bubble
     else:
         pipeline = m * (f + b) * ranks[0][3]
