@@ -75,3 +75,15 @@ def test_the_frontier_and_the_dims_call():
     assert edge[0].memory["peak"] == min(e.memory["peak"] for e in result.ranked)
     assert edge[-1].step_time_s == result.best.step_time_s
     assert report.dims_call(result.best).startswith("fp.ParallelDims(")
+
+
+@pytest.mark.parametrize("name, total, active", [
+    ("llama3-8b", 8.03e9, None), ("llama3-70b", 70.55e9, None), ("llama3-405b", 405.85e9, None),
+    ("qwen3-235b-a22b", 235e9, 22e9), ("mixtral-8x22b", 141e9, 39e9),
+    ("deepseek-v3", 671e9, 37e9)])  # fmt: skip
+def test_presets_have_their_published_sizes(name, total, active):
+    """The presets' parameter counts (the model cards': 8B ... 671B, 37B active) within 1%."""
+    spec = plan.model_spec(name)
+    assert spec.parameter_count() == pytest.approx(total, rel=0.01)
+    if active:
+        assert spec.parameter_count(active=True) == pytest.approx(active, rel=0.03)

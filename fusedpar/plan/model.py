@@ -22,6 +22,7 @@ MTP layers (DeepSeek-V3's 62nd) are left out, as Hugging Face leaves them out on
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -84,7 +85,8 @@ class ModelSpec:
 
         total = sum(n for n, _ in model_end_tensors(self, first=True, last=True))
         for i in range(self.n_layers):
-            for numel, kind in layer_tensors(self, i):
+            for shape, kind in layer_tensors(self, i):
+                numel = math.prod(shape)
                 if kind == "expert" and active:
                     numel = numel * self.top_k // self.num_experts
                 total += numel
