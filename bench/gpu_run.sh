@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU run plan of bench/NOTES.md, one self-contained command per step:
 #
-#   bash bench/gpu_run.sh STEP      (STEP 0-5, on a fresh lent GPU machine, with $OUT set)
+#   bash bench/gpu_run.sh STEP      (STEP 0-7, on a fresh lent GPU machine, with $OUT set)
 #
 # 0: what is new since the last run, for a 15-minute budget: the fused schedule's GPU tests,
 #    bench linear, and the other new GPU tests
@@ -10,13 +10,15 @@
 # 5: the fused attention backward and PyTorch's kernels as candidates (SDPA, _grouped_mm):
 #    their GPU tests and every fused tile, then bench attention (fusedpar, its split
 #    backward alone, cuDNN)
+# 6: MLA and the 2026 families' GPU tests, then a quick attention bench
+# 7: the example model's training step on one GPU against `fusedpar.plan`'s estimate (#44)
 #
 # Each step installs fusedpar, records the device, runs its parts under their own time
 # limits (summing to under 9 minutes, so the tarball is always written) and leaves at most
 # 8 files in $OUT: install.log, device.txt, summary.txt, one log per part, results.tgz
 # (every bench's JSON, table and plot, and the tuner's picks).
 set -uo pipefail
-step=${1:?usage: bash bench/gpu_run.sh 0|1|2|3|4|5}
+step=${1:?usage: bash bench/gpu_run.sh 0|1|2|3|4|5|6|7}
 out=${OUT:?set OUT to a folder that comes back}
 results=/tmp/fusedpar-results
 mkdir -p "$results"
@@ -81,7 +83,8 @@ case $step in
        -p no:cacheprovider --timeout 150 -rs tests/test_attention.py tests/test_mla.py \
        tests/test_moe_kernels.py -k "head_dim_pairs_gpu or mla_gpu or routing_matches_float64_gpu"
      part attention 260 env BENCH_PEERS=fusedpar,sdpa-cudnn "${bench[@]}" attention ;;
-  *) echo "unknown step $step: 0-6" >&2; exit 2 ;;
+  7) part step_time 300 env TRITON_PRINT_AUTOTUNING=1 python -m bench step_time ;;  # #44: vs_plan
+  *) echo "unknown step $step: 0-7" >&2; exit 2 ;;
 esac
 tar -czf "$out/results.tgz" -C "$results" .
 for log in "$out"/*.log; do echo "== $log"; tail -n 15 "$log"; done

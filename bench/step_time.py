@@ -11,8 +11,11 @@ the eager step's time shows it, and the graph's replay does not.
 |                     | capturable AdamW step, bf16                                          |
 
 Columns: ``eager_ms`` (`time_ms` of the step: the GPU's time, gaps where it waited on
-the host included), ``graph_ms`` (the step captured once after a side-stream warm-up,
-as `tests/test_compile.py` captures it, and replayed), ``host_ms`` (issuing one eager
+the host included), ``plan_ms`` (`fusedpar.plan.estimate`'s step time for the same
+model on one GPU of this kind, and ``vs_plan``: eager over it; the planner's time model
+has no host time and takes tuned tiles, so the medium size is its check), ``graph_ms``
+(the step captured once after a side-stream warm-up, as `tests/test_compile.py`
+captures it, and replayed), ``host_ms`` (issuing one eager
 step), ``graph_speedup`` (eager over graph). The tiles are the tuner's first candidates
 (``FUSEDPAR_TUNING=first`` while this runs): the point is the launch path, not the tile.
 """
@@ -96,6 +99,25 @@ def _first_tiles():
             os.environ["FUSEDPAR_TUNING"] = old
 
 
+def planned_ms(moe: bool, size: tuple) -> float | None:
+    """`fusedpar.plan`'s estimate of the step `build` makes, on this GPU's kind (None on
+    a GPU the planner has no entry for)."""
+    import fusedpar as fp
+    from fusedpar import plan
+
+    name = torch.cuda.get_device_name().lower()
+    kind = next((k for k in plan.DEVICES if k in name), None)
+    if kind is None:
+        return None
+    _, d, heads, kv_heads, hidden, seq = size
+    spec = plan.ModelSpec("example", VOCAB, d, LAYERS, heads, kv_heads, d // heads,
+                          hidden // 4 if moe else hidden, num_experts=EXPERTS if moe else 0,
+                          top_k=TOP_K)  # fmt: skip
+    est = plan.estimate(spec, fp.ParallelDims(), seq_len=seq, micro_batch=BATCH,
+                        device=kind, memory_margin=10.0)  # fmt: skip
+    return est.step_time_s * 1e3
+
+
 def measure(device) -> list[dict]:
     rows = []
     sizes = SIZES[:1] if quick() else SIZES
@@ -106,7 +128,9 @@ def measure(device) -> list[dict]:
             eager = time_ms(step, warmup=3, rep=20)
             host = host_ms(step, reps=5)
             graphed, note = graph_ms(step)
-            rows.append({"model": "moe-ep1" if moe else "dense", "size": size[0],
+            estimate = planned_ms(moe, size)
+            rows.append({"plan_ms": estimate, "vs_plan": eager / estimate if estimate else None,
+                         "model": "moe-ep1" if moe else "dense", "size": size[0],
                          "d_model": size[1], "tokens": BATCH * size[5], "eager_ms": eager,
                          "graph_ms": graphed, "host_ms": host,
                          "graph_speedup": eager / graphed if graphed else None,
@@ -124,8 +148,8 @@ def main() -> None:
         return
     with _first_tiles():
         rows = measure(torch.device("cuda"))
-    columns = ["model", "size", "d_model", "tokens", "eager_ms", "graph_ms", "host_ms",
-               "graph_speedup", "note"]  # fmt: skip
+    columns = ["model", "size", "d_model", "tokens", "eager_ms", "plan_ms", "vs_plan",
+               "graph_ms", "host_ms", "graph_speedup", "note"]  # fmt: skip
 
     def plot(ax):
         labels = [f"{r['model']} {r['size']}" for r in rows]
