@@ -28,6 +28,15 @@ Saved for the backward, per layer (no checkpointing), bytes:
 |                        | received (n k when routing is balanced), the splits          |
 | embedding, head, loss  | the token ids (8 m); the final norm; fp32 log-probs (4 n V), |
 |                        | the labels (8 n), the loss's count (4)                       |
+| q/k norms (per head)   | their inputs (m e per head and dim) and rstd (4 m per head)  |
+| `ParallelMLA`          | see `mla_saved`                                              |
+
+A Hugging Face model converted by `fusedpar.integrations.hf.parallelize` (``spec.hf``,
+set by `from_hf_config`) keeps its own RMSNorm, which saves x in fp32, rstd, the
+normalized x and the output (4 n d + 4 n + 2 n d e), and its loss divides by the count
+(+ 8: the (sum, count) pair); the rest is fusedpar's layers. Qwen2-MoE's shared-expert
+gate saves its sigmoid's output and the shared output (n (d + 1) e); a sigmoid router
+(DeepSeek-V3's) the scores' sum (4 n).
 
 Under ``fp.checkpoint_policy()`` ("selective") a block keeps its input (n d e) and the
 outputs of the ops the policy saves (the projections whose gather or reduce-scatter it
@@ -96,6 +105,9 @@ def layer_tensors(spec: ModelSpec, layer: int, tp: int = 1, ep: int = 1) -> list
         out += [((spec.kv_lora_rank + spec.rope_dim, d), "whole"), ((spec.kv_lora_rank,), "whole"),
                 ((hq * (hd - spec.rope_dim + hv), spec.kv_lora_rank), "tp"),
                 ((d, hq * hv), "tp")]  # fmt: skip
+        if spec.attention_bias:  # q_a's (q_proj's has none) and kv_a's
+            out += [((spec.q_lora_rank,), "whole")] if spec.q_lora_rank else []
+            out.append(((spec.kv_lora_rank + spec.rope_dim,), "whole"))
     else:
         q, kv = spec.n_heads // t * hd, spec.n_kv_heads // t * hd
         out += [((q, d), "tp"), ((kv, d), "tp"), ((kv, d), "tp"), ((d, q), "tp")]
@@ -103,15 +115,21 @@ def layer_tensors(spec: ModelSpec, layer: int, tp: int = 1, ep: int = 1) -> list
             out += [((q,), "tp"), ((kv,), "tp"), ((kv,), "tp")]
         if spec.qk_norm:
             out += [((hd,), "whole"), ((hd,), "whole")]
+    if spec.o_bias:  # added after the reduction: whole
+        out.append(((d,), "whole"))
     if spec.is_moe(layer):
         E, h = spec.num_experts, spec.expert_hidden
         out += [((E, d), "whole")] + [((E // ep, *s), "expert") for s in ((h, d), (h, d), (d, h))]
         if spec.shared_hidden:
             hs = spec.shared_hidden
             out += [((hs, d), "whole"), ((d, hs), "whole"), ((hs, d), "whole")]
+        if spec.shared_gate:
+            out.append(((1, d), "whole"))
     else:
         h = spec.d_hidden // t
         out += [((h, d), "tp"), ((h, d), "tp"), ((d, h), "tp")][1 - spec.gated :]
+        if spec.mlp_bias:  # gate's and up's (fc's) split like their rows; down's whole
+            out += [((h,), "tp"), ((h,), "tp"), ((d,), "whole")][1 - spec.gated :]
     return [(shape, kind) for shape, kind in out]
 
 
@@ -138,6 +156,35 @@ def fsdp_numel(shape: tuple, dp: int) -> int:
 # --- saved activations ---------------------------------------------------------------------
 
 
+def norm_saved(spec: ModelSpec, z: Local) -> int:
+    """Bytes an RMSNorm over the stream saves, its output included (the next layer's
+    input): fusedpar's x, the output (n d e each), rstd (4 n); Hugging Face's x in fp32
+    (4 n d, the input itself in fp32), rstd, the normalized x before the weight and the
+    output (n d e each)."""
+    d, e = spec.d_model, z.e
+    return z.n * ((4 + 2 * e) * d + 4) if spec.hf else z.n * (2 * d * e + 4)
+
+
+def mla_saved(spec: ModelSpec, z: Local) -> int:
+    """Bytes one `ParallelMLA` saves with no checkpointing, its input norm included: the
+    latents' norms (inputs: q_a's output, kv_a's (r + dr wide, the latent a view of it);
+    rstd; outputs), q and k after RoPE, kv_b's output (v a view of it), the output and
+    its LSE, RoPE's tables over the rotary dims; with cp > 1 the ring's masks. Held exact
+    without Ulysses and with the ring moving the expanded K/V; the ring that moves the
+    latent (``cp_ring="latent"``, or "auto" on a GPU where it moves less) saves its own."""
+    e, hd, hv, dr, r = z.e, spec.head_dim, spec.v_dim, spec.rope_dim, spec.kv_lora_rank
+    hq = spec.n_heads // (z.tp * z.ulysses)
+    saved = norm_saved(spec, z)
+    if spec.q_lora_rank:
+        saved += z.m * (2 * spec.q_lora_rank * e + 4)
+    saved += z.m * ((2 * r + dr) * e + 4)
+    saved += 4 * dr * (z.seq // (z.cp * z.ulysses))  # RoPE's cos and sin, fp32
+    saved += 2 * z.a * hq * hd * e + z.m * spec.n_heads // z.tp * (hd - dr + hv) * e
+    if z.cp > 1:
+        saved += 16 * z.seq  # the ring's masks: (cp, 4, S / cp) int32
+    return saved + z.a * hq * hv * e + 4 * z.a * hq
+
+
 def attention_saved(spec: ModelSpec, z: Local, policy: str = "none") -> int:
     """Bytes one attention layer saves, its input norm included (the module doc's table);
     under a checkpointing policy, the outputs the policy keeps."""
@@ -158,9 +205,13 @@ def attention_saved(spec: ModelSpec, z: Local, policy: str = "none") -> int:
         if z.ulysses > 1:  # the exchanged q, k, v and the gathered output
             kept += q_k_v + gathered_out
         return kept
-    saved = z.n * (2 * d * e + 4)  # its norm: x, rstd, the output
+    if spec.mla:
+        return mla_saved(spec, z)
+    saved = norm_saved(spec, z)  # its norm: x, rstd, the output
     saved += q_k_v + out_lse
-    saved += 4 * hd * (z.seq // (z.cp * z.ulysses))  # RoPE's cos and sin, fp32
+    if spec.qk_norm:  # per-head norms of q and k: their inputs and rstd
+        saved += z.m * (spec.n_heads + spec.n_kv_heads) // z.tp * (hd * e + 4)
+    saved += 4 * (spec.rope_dim or hd) * (z.seq // (z.cp * z.ulysses))  # RoPE's cos, sin
     if z.cp > 1:
         saved += 16 * z.seq  # the ring's masks: (cp, 4, S / cp) int32
     if z.ulysses > 1:
@@ -179,7 +230,7 @@ def mlp_saved(spec: ModelSpec, z: Local, moe: bool, policy: str = "none", receiv
         gate_up = 2 * z.m * h * e
         if policy == "selective":
             return gate_up + z.n * d * e  # + the down projection's output
-        return z.n * (2 * d * e + 4) + gate_up
+        return norm_saved(spec, z) + gate_up
     E, k, h, n = spec.num_experts, spec.top_k, spec.expert_hidden, z.n
     rows = n * k if received is None else received
     routing = 4 * n * E + 8 * n * k  # probs (fp32), ids (int32), weights (fp32)
@@ -188,8 +239,9 @@ def mlp_saved(spec: ModelSpec, z: Local, moe: bool, policy: str = "none", receiv
         if z.ep > 1:  # the dispatched rows, their order, the splits; the returned rows
             kept += rows * (d * e + 8) + 16 * z.ep * z.ep + n * k * d * e
         return kept
-    saved = z.n * (d * e + 4)  # its norm: x, rstd (the output is the router's input)
-    saved += n * d * e  # the router's input
+    saved = norm_saved(spec, z)  # its norm, the output the router's input
+    if spec.router == "sigmoid":  # the scores' sum, their normalization (the aux loss's)
+        saved += 4 * n
     if z.ep == 1:
         saved += routing + 4 * n * k + 8 * (E + 1) + 4 * E + n * k * (8 + (2 * h + d) * e)
     else:
@@ -198,6 +250,8 @@ def mlp_saved(spec: ModelSpec, z: Local, moe: bool, policy: str = "none", receiv
         saved += rows * (8 + (d + 2 * h) * e)
     if spec.shared_hidden:
         saved += 2 * n * spec.shared_hidden * e
+    if spec.shared_gate:  # its sigmoid's output and the shared experts' it scales
+        saved += n * (d + 1) * e
     return saved
 
 
@@ -217,8 +271,10 @@ def ends_saved(spec: ModelSpec, z: Local, *, first: bool, last: bool) -> int:
     """Bytes the embedding (`first`) and the final norm, head and loss (`last`) save."""
     saved = 8 * z.m if first else 0  # the token ids (TP's rows are a view of them)
     if last:
-        saved += z.n * (2 * spec.d_model * z.e + 4)  # the final norm
+        saved += norm_saved(spec, z)  # the final norm
         saved += z.n * (4 * spec.vocab + 8) + 4  # fp32 log-probs, labels, the count
+        if spec.hf:  # `parallelize`'s loss divides by the count: a view of (sum, count)
+            saved += 8
     return saved
 
 

@@ -12,9 +12,16 @@ example model's `Config`, or a named preset (the published configs).
 |                                | shared_expert_intermediate_size                         |
 | dense_layers_first             | first_k_dense_replace (DeepSeek-V3, GLM-4.5)            |
 | q_lora_rank, kv_lora_rank,     | multi-head latent attention (DeepSeek-V3); qk_nope +    |
-| rope_dim, v_head_dim           | qk_rope = the Q/K head dim                              |
-| qk_norm                        | qwen3, qwen3_moe, olmo2/3, gemma3 (per-head q/k norms)  |
+| rope_dim, v_head_dim           | qk_rope = the Q/K head dim; partial_rotary_factor       |
+| qk_norm                        | qwen3, qwen3_moe, olmo2/3, gemma3 (per-head q/k norms), |
+|                                | use_qk_norm (GLM-4.5)                                   |
+| attention_bias, o_bias         | attention_bias (q/k/v's, MLA's q_a/kv_a's; o's but in   |
+|                                | GLM-4.5); qwen2: q/k/v always, qwen2_moe: qkv_bias      |
+| mlp_bias                       | mlp_bias (Llama, SmolLM3)                               |
+| shared_gate                    | Qwen2-MoE's shared_expert_gate                          |
+| router                         | "sigmoid": deepseek_v3, glm4_moe, minimax_m2            |
 | tied                           | tie_word_embeddings                                     |
+| hf                             | True: norms, embedding, head and loss Hugging Face's    |
 
 MTP layers (DeepSeek-V3's 62nd) are left out, as Hugging Face leaves them out on load.
 """
@@ -27,6 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3_text")
+SIGMOID_ROUTERS = ("deepseek_v3", "glm4_moe", "minimax_m2")  # a score-correction bias
 
 
 @dataclass(frozen=True)
@@ -50,11 +58,17 @@ class ModelSpec:
     moe_every: int = 1  # every n-th layer's MLP is MoE (Qwen2-MoE's decoder_sparse_step)
     q_lora_rank: int = 0  # MLA: 0 with kv_lora_rank > 0 is q_proj straight from d_model
     kv_lora_rank: int = 0  # MLA when > 0
-    rope_dim: int = 0  # MLA's rotary part of the Q/K head
+    rope_dim: int = 0  # the rotary part of the Q/K head (MLA's; else 0: all of it)
     qk_norm: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q, k, v biases (MLA: q_a's and kv_a's)
+    o_bias: bool = False  # the output projection's bias
+    mlp_bias: bool = False  # the dense MLPs' biases
+    shared_gate: bool = False  # a (1, d) gate on the shared experts (Qwen2-MoE)
+    router: str = "softmax"  # "sigmoid": scores normalized over the top k (DeepSeek-V3)
     tied: bool = False
     gated: bool = True  # SwiGLU (gate, up, down); False: a plain MLP (fc, proj)
+    hf: bool = False  # a Hugging Face model converted by `parallelize`: its own norms,
+    # embedding, residuals, LM head and loss (their saved tensors differ from fusedpar's)
 
     @property
     def v_dim(self) -> int:
@@ -120,13 +134,17 @@ def from_hf_config(config, name: str | None = None) -> ModelSpec:
         kv_heads = heads
     else:
         head_dim = _get(config, "head_dim") or d // heads
-        v_head, rope = 0, 0
+        factor = _get(config, "partial_rotary_factor") or _get(
+            _get(config, "rope_parameters", default={}), "partial_rotary_factor", default=1.0)
+        v_head, rope = 0, (int(head_dim * factor) if factor != 1.0 else 0)
         kv_heads = _get(config, "num_key_value_heads", default=heads)
     experts = _get(config, "num_local_experts", "num_experts", "n_routed_experts", default=0)
     moe_hidden = _get(config, "moe_intermediate_size", default=0) or 0
     shared = _get(config, "shared_expert_intermediate_size", default=0) or 0
     if not shared and _get(config, "n_shared_experts"):
         shared = _get(config, "n_shared_experts") * moe_hidden
+    bias = bool(_get(config, "attention_bias", "qkv_bias", default=False))
+    qkv_bias = {"qwen2": True, "qwen2_moe": bool(_get(config, "qkv_bias", default=True))}
     return ModelSpec(
         name=name or _get(config, "_name_or_path", default="") or model_type,
         vocab=_get(config, "vocab_size"), d_model=d,
@@ -138,10 +156,15 @@ def from_hf_config(config, name: str | None = None) -> ModelSpec:
         dense_layers_first=_get(config, "first_k_dense_replace", default=0) or 0,
         moe_every=_get(config, "decoder_sparse_step", default=1) or 1,
         q_lora_rank=_get(config, "q_lora_rank", default=0) or 0, kv_lora_rank=kv_lora,
-        rope_dim=rope or 0, qk_norm=model_type in QK_NORM_FAMILIES,
-        attention_bias=bool(_get(config, "attention_bias", "qkv_bias", default=False)),
+        rope_dim=rope or 0,
+        qk_norm=model_type in QK_NORM_FAMILIES or bool(_get(config, "use_qk_norm")),
+        attention_bias=qkv_bias.get(model_type, bias),
+        o_bias=bias and model_type not in ("qwen2", "qwen2_moe", "glm4_moe"),
+        mlp_bias=bool(_get(config, "mlp_bias", default=False)),
+        shared_gate=model_type == "qwen2_moe" and bool(shared),
+        router="sigmoid" if model_type in SIGMOID_ROUTERS else "softmax",
         tied=bool(_get(config, "tie_word_embeddings", default=False)),
-        gated=model_type not in ("gpt2", "gpt_neox"),
+        gated=model_type not in ("gpt2", "gpt_neox"), hf=True,
     )  # fmt: skip
 
 
@@ -165,7 +188,7 @@ PRESETS = {
     "deepseek-v3": ModelSpec("DeepSeek-V3", 129280, 7168, 61, 128, 128, 192, 18432,
                              v_head_dim=128, num_experts=256, top_k=8, moe_hidden=2048,
                              shared_hidden=2048, dense_layers_first=3, q_lora_rank=1536,
-                             kv_lora_rank=512, rope_dim=64),
+                             kv_lora_rank=512, rope_dim=64, router="sigmoid"),
 }  # fmt: skip
 
 
