@@ -157,7 +157,7 @@ def _step(kw: dict, moe: bool, ep=None, schedule=None) -> dict:
     from fusedpar.testing.collectives import Collectives
 
     cfg = _config(moe)
-    cfg.n_layers = 4
+    cfg.n_layers = 4 if schedule == "Interleaved1F1B" else 2  # one block per stage
     dims = fp.ParallelDims(ep=ep, **kw)
     mesh = dims.build_mesh("cpu")
     torch.manual_seed(0)
