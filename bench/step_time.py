@@ -114,7 +114,7 @@ def planned_ms(moe: bool, size: tuple) -> float | None:
                           hidden // 4 if moe else hidden, num_experts=EXPERTS if moe else 0,
                           top_k=TOP_K)  # fmt: skip
     est = plan.estimate(spec, fp.ParallelDims(), seq_len=seq, micro_batch=BATCH,
-                        device=kind, memory_margin=10.0)  # fmt: skip
+                        param_dtype=torch.bfloat16, device=kind, memory_margin=10.0)  # fmt: skip
     return est.step_time_s * 1e3
 
 

@@ -2,7 +2,7 @@
 
     python -m fusedpar.plan llama3-70b --gpus 256 --seq-len 8192 --global-batch-tokens 4M
     python -m fusedpar.plan path/to/config.json --gpus 64 --device h200 --out plans/
-    python -m fusedpar.plan deepseek-v3 --gpus 1024 --layout dp=16,tp=8,pp=8,ep=tp
+    python -m fusedpar.plan deepseek-v3 --gpus 1024 --seq-len 4096 --layout dp=16,cp=8,tp=8,ep=cp+tp
 
 Prints the ranked table (markdown); ``--out DIR`` also writes plan.md, plan.json and
 plan.png there. ``--layout`` estimates one layout instead of searching.
@@ -44,6 +44,12 @@ def layout(text: str) -> ParallelDims:
     return ParallelDims(**kwargs)
 
 
+def text_of(dims: ParallelDims) -> str:
+    """ParallelDims(dp=16, tp=8) -> "dp=16,tp=8"."""
+    axes = ("pp", "dp", "cp", "ulysses", "tp")
+    return ",".join(f"{a}={getattr(dims, a)}" for a in axes if getattr(dims, a) > 1) or "dp=1"
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m fusedpar.plan", description=__doc__.split("\n")[0])
     p.add_argument("model", help=f"a preset ({', '.join(PRESETS)}) or a config.json path")
@@ -81,10 +87,17 @@ def main(argv=None) -> int:
         dims = args.layout
         sequences = args.global_batch_tokens // args.seq_len
         microbatches = sequences // dims.dp // args.micro_batch
-        est = estimate(spec, dims, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                       microbatches=microbatches, schedule=args.schedule,
-                       checkpointing=args.checkpointing or "none",
-                       dp_sharding=args.dp_sharding or "zero3", **common)  # fmt: skip
+        try:
+            ranks = dims.pp * dims.dp * dims.cp * dims.ulysses * dims.tp
+            if ranks != args.gpus:
+                raise ValueError(f"--layout {text_of(dims)} has {ranks} ranks, --gpus {args.gpus}")
+            est = estimate(spec, dims, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                           microbatches=microbatches, schedule=args.schedule,
+                           checkpointing=args.checkpointing or "none",
+                           dp_sharding=args.dp_sharding or "zero3", **common)  # fmt: skip
+        except ValueError as e:
+            print(f"python -m fusedpar.plan: {e}", file=sys.stderr)
+            return 2
         print(json.dumps(est.as_dict(), indent=1, default=str))
         return 0 if est.fits else 1
     shardings = {"dp_shardings": (args.dp_sharding,)} if args.dp_sharding else {}

@@ -38,13 +38,16 @@ from functools import lru_cache
 import torch
 
 from fusedpar.parallel import ParallelDims
-from fusedpar.pipeline import stage_count, stages_of
+from fusedpar.pipeline import check_pipeline, stage_count, stages_of
 from fusedpar.plan import accounting as acc
 from fusedpar.plan import devices
 from fusedpar.plan.model import ModelSpec, model_spec
 
 LATENCY_S = {"nvlink": 10e-6, "network": 25e-6}  # per collective
 DP_SHARDING = ("zero3", "zero2", "zero1")
+# FSDP2 as torchtitan runs it: MixedPrecisionPolicy(param_dtype=the compute dtype,
+# reduce_dtype=float32): parameters gathered in the compute dtype, gradients reduced fp32
+REDUCE_BYTES = 4
 AXES = ("pp", "dp", "cp", "ulysses", "tp")
 
 
@@ -143,12 +146,13 @@ def link_of(dims: ParallelDims, axis: str, gpus_per_node: int) -> str:
         span *= getattr(dims, a)
         if a == axis:
             break
-    return "nvlink" if span <= gpus_per_node else "network"
+    return "nvlink" if gpus_per_node % span == 0 else "network"
 
 
 class _Clock:
-    """The time collectives take on a layout's links (the bytes of the step's
-    collectives themselves are `traffic.step`'s, which tests hold exact)."""
+    """The time collectives take on a layout's links. The gradients' all-reduces are
+    timed from `traffic.step`'s ledger (`group_comm`); the per-block terms follow the
+    same formulas for the bytes that overlap with compute."""
 
     def __init__(self, dev, dims, gpn):
         self.dev, self.dims, self.gpn = dev, dims, gpn
@@ -158,13 +162,25 @@ class _Clock:
         size = self.dims.ep_size if axis == "ep" else getattr(self.dims, axis)
         if size <= 1 or nbytes <= 0:
             return 0.0
-        link_axis = self.dims.ep_axes[0] if axis == "ep" else axis
+        link_axis = min(self.dims.ep_axes, key=AXES.index) if axis == "ep" else axis
         link = link_of(self.dims, link_axis, self.gpn)
         sent = nbytes * (size - 1) / size * (2 if kind == "all_reduce" else 1)
         if kind == "p2p":
             sent = nbytes
         bw = (self.dev.nvlink_gbps if link == "nvlink" else self.dev.network_gbps) * 1e9
         return sent / bw + calls * LATENCY_S[link]
+
+
+    def group_comm(self, axes: tuple, given: float, calls: int) -> float:
+        """Seconds for an all-reduce of `given` bytes in all over the group of `axes`,
+        on the link of its outermost axis."""
+        axes = [a for name in axes for a in (self.dims.ep_axes if name == "ep" else (name,))]
+        size = math.prod(getattr(self.dims, a) for a in axes)
+        if size <= 1:
+            return 0.0
+        link = link_of(self.dims, min(axes, key=AXES.index), self.gpn)
+        bw = (self.dev.nvlink_gbps if link == "nvlink" else self.dev.network_gbps) * 1e9
+        return given * 2 * (size - 1) / size / bw + calls * LATENCY_S[link]
 
 
 def _gemm_s(dev, rows, out, inner) -> float:
@@ -209,18 +225,20 @@ def block_times(spec, layer, z: acc.Local, dev, clock: _Clock, policy, knobs) ->
     elementwise = knobs["passes"] * saved / (dev.hbm_tbps * 1e12)
     fwd = gemm + att_f + elementwise
     bwd = 2 * gemm + att_b + 2 * elementwise
-    if policy == "full":
-        bwd += fwd
-    elif policy == "selective":
-        bwd += elementwise + (att_f if z.tp > 1 and z.cp == 1 and z.ulysses == 1 else 0.0)
+    if policy == "selective":  # what `fp.checkpoint_policy` recomputes (recompute.py)
+        bwd += elementwise + (mlp_in + mlp_out if moe else 0.0)  # the experts' GEMMs
+        if (z.tp > 1 and z.cp == 1) or z.ulysses > 1:  # attention no exchange keeps
+            bwd += att_f
     # TP: x gathered into the projections, outputs reduce-scattered; the backward
     # re-gathers x for the weights' gradients
     if z.tp > 1:
         volume = z.m * d * e  # the gathered tensor; each GEMM's input or output
         gathers = ((qkv, True), (o, False)) + (() if moe else ((mlp_in, True), (mlp_out, False)))
         for gemm_s, gathered_input in gathers:
-            t_f = clock.comm("tp", volume)
-            t_b = clock.comm("tp", volume * (2 if gathered_input else 1), calls=1 + gathered_input)
+            # x's chunks, or the fp32 partials a reduce-scatter carries (traffic.py)
+            t_f = clock.comm("tp", volume * (1 if gathered_input else 4 / e))
+            t_b = clock.comm("tp", volume * (1 + 4 / e if gathered_input else 1),
+                             calls=1 + gathered_input)  # fmt: skip
             if knobs["overlap"] == "serial":
                 fwd, bwd = fwd + t_f, bwd + t_b
             else:
@@ -234,13 +252,15 @@ def block_times(spec, layer, z: acc.Local, dev, clock: _Clock, policy, knobs) ->
         fwd += steps * max(0.0, step_f - att_f / z.cp)
         bwd += steps * max(0.0, step_b - att_b / z.cp)
     if z.ulysses > 1:  # q, k, v out and the output back, forward and backward
-        moved = z.m * (spec.n_heads * (hd + hv) + 2 * hkv * z.ulysses * z.tp * hd) // z.tp * e
+        moved = z.m * (spec.n_heads * (hd + hv) + spec.n_kv_heads * (hd + hv)) // z.tp * e
         t = clock.comm("ulysses", moved, calls=4, kind="all_to_all")
         fwd, bwd = fwd + t, bwd + clock.comm("ulysses", moved, calls=4, kind="all_to_all")
     if moe and z.ep > 1:  # dispatch and return (and their counts), both passes
         rows_bytes = z.n * spec.top_k * d * e
         fwd += clock.comm("ep", 2 * rows_bytes, calls=3, kind="all_to_all")
         bwd += clock.comm("ep", 2 * rows_bytes, calls=2, kind="all_to_all")
+    if policy == "full":  # the whole forward again, its collectives too
+        bwd += fwd
     return fwd, bwd, flops
 
 
@@ -273,6 +293,11 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
                   n_kv_heads=spec.n_kv_heads, num_experts=spec.num_experts or None,
                   seq_len=seq_len, n_layers=spec.n_layers if dims.pp > 1 else None,
                   microbatches=microbatches, schedule=schedule or "1F1B")  # fmt: skip
+    if dims.pp > 1:
+        check_pipeline(schedule, dims.pp, spec.n_layers, microbatches, stages_per_rank)
+    if microbatches < 1 or micro_batch < 1:
+        raise ValueError(f"micro_batch ({micro_batch}) and microbatches ({microbatches}) must "
+                         "be at least 1")  # fmt: skip
     z = acc.Local(seq_len, micro_batch, dims.cp, dims.ulysses, dims.tp, dims.ep_size,
                   _bytes(dtype))  # fmt: skip
     est = Estimate(spec.name, dims, seq_len, micro_batch, microbatches, schedule, checkpointing,
@@ -317,9 +342,10 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
     return est
 
 
-def _ledger(spec, dims, z, ranks, rank, m, *, schedule, per_rank, param_dtype, sharding):
-    """(bytes sent, calls) per mesh group of one step on a rank (`traffic.step`, the
-    ledger tests/test_plan.py holds equal to a real step's)."""
+def _ledger(spec, dims, z, ranks, rank, m, *, schedule, per_rank, param_dtype, sharding,
+            policy):  # fmt: skip
+    """The collectives of one step on pipeline rank `rank` (`traffic.step`, the ledger
+    tests/test_plan.py holds equal to a real step's)."""
     from fusedpar.plan import traffic
 
     layers, first, last, _ = ranks[rank]
@@ -329,9 +355,9 @@ def _ledger(spec, dims, z, ranks, rank, m, *, schedule, per_rank, param_dtype, s
         stage_ranks = {s: r for r in range(dims.pp) for s in stages_of(schedule, r, dims.pp, per)}
         stages = [s for s, r in stage_ranks.items() if r == rank]
     ledger = traffic.step(spec, dims, z, layers, first, last, m, stages=stages,
-                          stage_ranks=stage_ranks, grad_bytes=_bytes(param_dtype),
-                          dp_sharding=sharding)  # fmt: skip
-    return ledger.sent()
+                          stage_ranks=stage_ranks, grad_bytes=REDUCE_BYTES,
+                          gather_bytes=z.e, dp_sharding=sharding, policy=policy)  # fmt: skip
+    return ledger
 
 
 def _round(x: float) -> float:
@@ -347,7 +373,7 @@ def _simulated(schedule, pp, microbatches, per_rank) -> int:
     SIMULATED_MICROBATCHES (or 4 per stage), else the largest valid count below."""
     stages = stage_count(schedule, pp, per_rank)
     cap = max(SIMULATED_MICROBATCHES, 4 * stages)
-    if microbatches <= cap or schedule == "GPipe":
+    if microbatches <= cap or schedule in ("GPipe", "LoopedBFS"):  # they hold them all
         return microbatches
     step = pp if schedule == "Interleaved1F1B" else 1
     return cap - cap % step
@@ -382,13 +408,14 @@ def _held(schedule, pp, microbatches, per_rank) -> list[int]:
 
 def _buffers(spec, dims, z, layers, last, param_dtype) -> int:
     """Transient buffers (an estimate, not held exact by a test): FSDP's gathered block
-    (this one and the prefetched next, in the compute dtype) and its unsharded gradient;
+    (this one and the prefetched next, in the compute dtype: `REDUCE_BYTES`'s note) and
+    its unsharded fp32 gradient;
     TP's gathered input; the ring's K/V blocks in flight; the head's logits."""
     out = 0
     if dims.dp > 1 and layers:
         block = max(sum(math.prod(s) for s, _ in acc.layer_tensors(spec, i, dims.tp, dims.ep_size))
                     for i in {spec.is_moe(i): i for i in layers}.values())  # fmt: skip
-        out += block * (2 * z.e + _bytes(param_dtype))
+        out += block * (2 * z.e + REDUCE_BYTES)  # two gathered blocks, one's gradient
     if dims.tp > 1:
         out += z.m * spec.d_model * z.e
     if dims.cp > 1:
@@ -429,6 +456,9 @@ def _time(est, spec, dims, z, dev, ranks, gpn, knobs, per_rank, param_dtype) -> 
         pipeline = m * (f + b) * ranks[0][3]
     layers, first, last, _ = ranks[worst]
     state = state_bytes(spec, dims, layers, first, last, param_dtype=param_dtype, optimizer="adamw")
+    ledger = _ledger(spec, dims, z, ranks, worst, m, schedule=est.schedule, per_rank=per_rank,
+                     param_dtype=param_dtype, sharding=knobs["dp_sharding"],
+                     policy=est.checkpointing)  # fmt: skip
     exposed = 0.0
     if dims.dp > 1:  # FSDP2: the parameters gathered, the gradients reduce-scattered
         sharding = knobs["dp_sharding"]
@@ -437,26 +467,21 @@ def _time(est, spec, dims, z, dev, ranks, gpn, knobs, per_rank, param_dtype) -> 
         blocks = max(len(layers), 1)
         unsharded = state["numel"] * dims.dp
         ag = clock.comm("dp", gathers * unsharded * z.e, calls=gathers * blocks)
-        rs = clock.comm("dp", scatters * unsharded * 4, calls=scatters * blocks)
+        rs = clock.comm("dp", scatters * unsharded * REDUCE_BYTES, calls=scatters * blocks)
         # each block's share hides under a block's compute; the first and last do not
         per_block = pipeline / (blocks * m)
         exposed = (max(0.0, (ag + rs) / (blocks * m) - per_block) * blocks * m
                    + (ag / gathers + rs / scatters) / blocks)  # fmt: skip
-    kinds = {spec.is_moe(i): i for i in layers}
-    whole = sum(n * math.prod(s) for moe, n in Counter(spec.is_moe(i) for i in layers).items()
-                for s, k in acc.layer_tensors(spec, kinds[moe]) if k == "whole")  # fmt: skip
-    replicated = dims.cp * dims.ulysses * dims.tp
-    if replicated > 1:  # the partial gradients of whole parameters, one bucketed all-reduce
-        axis = "tp" if dims.tp > 1 else ("ulysses" if dims.ulysses > 1 else "cp")
-        exposed += clock.comm(axis, whole * 4, calls=1, kind="all_reduce")
-    optimizer_s = 7 * 4 * state["numel"] / (dev.hbm_tbps * 1e12)
-    est.step_time_s = pipeline + exposed + optimizer_s
+    # the partial gradients' all-reduces (the ledger's, each on its group's link), after
+    # the step's last backward
+    reduce_s = sum(clock.group_comm(axes, ledger.bytes[kind, axes], ledger.counts[kind, axes])
+                   for kind, axes in ledger.bytes if kind == "all_reduce")  # fmt: skip
+    optimizer_s = 7 * _bytes(param_dtype) * state["numel"] / (dev.hbm_tbps * 1e12)
+    est.step_time_s = pipeline + exposed + reduce_s + optimizer_s
     est.times.update({"forward_per_microbatch": f, "backward_per_microbatch": b,
                       "pipeline": pipeline, "exposed_dp": exposed,
-                      "optimizer": optimizer_s})  # fmt: skip
-    est.traffic, est.collectives = _ledger(spec, dims, z, ranks, worst, m, schedule=est.schedule,
-                                           per_rank=per_rank, param_dtype=param_dtype,
-                                           sharding=knobs["dp_sharding"])  # fmt: skip
+                      "gradient_all_reduce": reduce_s, "optimizer": optimizer_s})  # fmt: skip
+    est.traffic, est.collectives = ledger.sent()
     tokens = est.seq_len * est.micro_batch * m * dims.dp
     gpus = est.gpus
     est.tokens_per_s_per_gpu = tokens / est.step_time_s / gpus

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3_text")
@@ -134,9 +134,11 @@ def from_hf_config(config, name: str | None = None) -> ModelSpec:
         kv_heads = heads
     else:
         head_dim = _get(config, "head_dim") or d // heads
-        factor = _get(config, "partial_rotary_factor") or _get(
-            _get(config, "rope_parameters", default={}), "partial_rotary_factor", default=1.0)
-        v_head, rope = 0, (int(head_dim * factor) if factor != 1.0 else 0)
+        factor = (_get(config, "partial_rotary_factor", "rotary_pct")
+                  or _get(_get(config, "rope_parameters", default={}), "partial_rotary_factor",
+                          default=1.0))  # fmt: skip
+        rope = _get(config, "rotary_dim") or (int(head_dim * factor) if factor != 1.0 else 0)
+        v_head = 0
         kv_heads = _get(config, "num_key_value_heads", default=heads)
     experts = _get(config, "num_local_experts", "num_experts", "n_routed_experts", default=0)
     moe_hidden = _get(config, "moe_intermediate_size", default=0) or 0
@@ -163,7 +165,7 @@ def from_hf_config(config, name: str | None = None) -> ModelSpec:
         mlp_bias=bool(_get(config, "mlp_bias", default=False)),
         shared_gate=model_type == "qwen2_moe" and bool(shared),
         router="sigmoid" if model_type in SIGMOID_ROUTERS else "softmax",
-        tied=bool(_get(config, "tie_word_embeddings", default=False)),
+        tied=bool(_get(config, "tie_word_embeddings", default=True)),  # PretrainedConfig's
         gated=model_type not in ("gpt2", "gpt_neox"), hf=True,
     )  # fmt: skip
 
@@ -205,8 +207,3 @@ def model_spec(model) -> ModelSpec:
     if hasattr(model, "head_dim") and hasattr(model, "d_model"):
         return from_example_config(model)
     return from_hf_config(model)
-
-
-def with_layers(spec: ModelSpec, n_layers: int) -> ModelSpec:
-    """`spec` with another depth (a quick what-if)."""
-    return replace(spec, n_layers=n_layers)

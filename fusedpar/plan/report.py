@@ -4,6 +4,7 @@ its frontier, and the command line that runs the top pick."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from fusedpar.plan.estimate import Estimate
@@ -26,17 +27,23 @@ def dims_call(est: Estimate) -> str:
 
 
 def command(est: Estimate, gpus_per_node: int = 8, script: str = "examples/train.py") -> str:
-    """The ``torchrun`` line that runs `est`'s layout with the example's flags (a model of
-    your own takes the same degrees: `dims_call`)."""
+    """The ``torchrun`` line that runs `est`'s layout on the demo model
+    (examples/train.py: its own small model, at these degrees, schedule and batch; a
+    model of your own takes the same degrees: `dims_call`)."""
+    from fusedpar.pipeline import stage_count
+
     d = est.dims
-    nodes = max(1, est.gpus // gpus_per_node)
-    per_node = min(est.gpus, gpus_per_node)
+    nodes = -(-est.gpus // gpus_per_node)
+    per_node = est.gpus // nodes
     launch = f"torchrun --nnodes {nodes} --nproc-per-node {per_node}"
     if nodes > 1:
         launch += " --rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500"
     flags = [f"--{a} {getattr(d, a)}" for a in ("tp", "cp", "ulysses", "pp") if getattr(d, a) > 1]
-    if d.pp > 1:
-        flags += [f"--schedule {est.schedule}", f"--microbatches {est.microbatches}"]
+    if d.pp > 1:  # the demo's blocks, one a stage
+        flags += [f"--schedule {est.schedule}", f"--microbatches {est.microbatches}",
+                  f"--layers {stage_count(est.schedule, d.pp)}"]  # fmt: skip
+    if d.ep_axes:  # the demo runs its experts over tp
+        flags.append("--moe")
     flags += [f"--seq {est.seq_len}", f"--batch {est.micro_batch * est.microbatches}"]
     return " ".join([launch, script, *flags])
 
@@ -66,7 +73,8 @@ def markdown(result, *, top: int = 15, title: str = "", gpus_per_node: int = 8) 
         lines += ["", f"Top pick: {best.layout()} ({best.checkpointing} checkpointing), "
                   f"{best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU (FSDP2: "
                   f"{SHARDING_NOTE[best.dp_sharding]}):", "", "```",
-                  command(best, gpus_per_node), dims_call(best), "```"]  # fmt: skip
+                  f"# the demo model at this layout:\n{command(best, gpus_per_node)}",
+                  f"# your model's degrees:\n{dims_call(best)}", "```"]  # fmt: skip
         traffic = ", ".join(f"{axis} {best.traffic[axis] / GB:.1f} GB in "
                             f"{best.collectives[axis]} calls over {best.links.get(axis, '?')}"
                             for axis in best.traffic)  # fmt: skip
@@ -105,7 +113,8 @@ def plot(result, path, *, title: str = "") -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]')",
+              file=sys.stderr)
         return False
     fig, ax = plt.subplots(figsize=(8, 5))
     for group, color, label in ((result.out_of_memory, "0.7", "out of memory (best try)"),

@@ -13,6 +13,7 @@ at its best.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from itertools import combinations, product
 
@@ -42,17 +43,25 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(spec, gpus: int, gpus_per_node: int, seq_len: int):
-    """Candidate ParallelDims (EP variants included) for `gpus`."""
-    for tp in _divisors(min(gpus, gpus_per_node)):
+def layouts(spec, gpus: int, gpus_per_node: int, seq_len: int, skipped=None):
+    """Candidate ParallelDims (EP variants included) for `gpus`; those not worth an
+    estimate go to `skipped` as (layout, why)."""
+    for tp in _divisors(math.gcd(gpus, gpus_per_node)):  # TP inside a node
         for ulysses in _divisors(gpus // tp):
             for cp in _divisors(gpus // (tp * ulysses)):
-                if cp * ulysses > 1 and seq_len // (cp * ulysses) < MIN_TOKENS_PER_CP_RANK:
-                    continue
                 for pp in _divisors(gpus // (tp * ulysses * cp)):
-                    if pp > spec.n_layers:
-                        continue
                     dp = gpus // (tp * ulysses * cp * pp)
+                    dims = ParallelDims(dp=dp, cp=cp, tp=tp, ulysses=ulysses, pp=pp)
+                    why = None
+                    if cp * ulysses > 1 and seq_len // (cp * ulysses) < MIN_TOKENS_PER_CP_RANK:
+                        why = (f"{seq_len // (cp * ulysses)} tokens a cp x ulysses rank, under "
+                               f"{MIN_TOKENS_PER_CP_RANK}: the exchanges would be all latency")
+                    elif pp > spec.n_layers:
+                        why = f"pp {pp} is more stages than the {spec.n_layers} layers"
+                    if why:
+                        if skipped is not None:
+                            skipped.append((_label(dims), why))
+                        continue
                     for ep in _ep_options(spec, cp, ulysses, tp):
                         yield ParallelDims(dp=dp, cp=cp, tp=tp, ulysses=ulysses, pp=pp, ep=ep)
 
@@ -87,7 +96,7 @@ def search(model, *, gpus: int, seq_len: int, global_batch_tokens: int,
     sequences = global_batch_tokens // seq_len
     policies = POLICIES if checkpointing is None else (checkpointing,)
     result = SearchResult()
-    for dims in layouts(spec, gpus, gpus_per_node, seq_len):
+    for dims in layouts(spec, gpus, gpus_per_node, seq_len, result.ruled_out):
         try:
             dims.validate(gpus, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
                           num_experts=spec.num_experts or None, seq_len=seq_len)  # fmt: skip
@@ -113,7 +122,7 @@ def search(model, *, gpus: int, seq_len: int, global_batch_tokens: int,
                                        dtype=dtype, checkpointing=policy, device=device,
                                        gpus_per_node=gpus_per_node, dp_sharding=sharding,
                                        **options)  # fmt: skip
-                    except ValueError as e:
+                    except (ValueError, RuntimeError) as e:
                         why = why or str(e)  # the first schedule's reason
                         break
                     if est.fits:

@@ -12,6 +12,7 @@ the fp32 partial sums TP's reduce-scatters and the ring's dK/dV carry):
 |                           | sends of n d (e, or 4 for a | input (re-gathered for the        |
 |                           | reduce-scatter's partials)  | weights' gradient)                |
 | ring attention (c > 1)    | K, V: 2 (c - 1) sends       | K, V: 2 (c - 1); dK, dV: 2 c (fp32)|
+|                           | (again in a "full" recompute: every forward collective) |         |
 | Ulysses (u > 1)           | q, k, v out, the output     | the same 4 all-to-alls            |
 |                           | back: 4 all-to-alls         |                                   |
 | EP (ep > 1, MoE block)    | the counts; rows out, back  | rows out, back                    |
@@ -90,16 +91,27 @@ def _p2p(ledger, axis, nbytes, count):
     ledger.add("recv", (axis,), nbytes, count)
 
 
-def block(ledger: Ledger, spec, layer: int, z: acc.Local, *, cpu_checks: bool) -> None:
-    """One block's collectives for one microbatch, forward and backward."""
+def block(ledger: Ledger, spec, layer: int, z: acc.Local, *, cpu_checks: bool,
+          policy: str = "none") -> None:  # fmt: skip
+    """One block's collectives for one microbatch, forward and backward. Under "full"
+    checkpointing the forward's run twice (its recompute); `fp.checkpoint_policy()`
+    keeps every communicating op's output, so "selective" repeats none."""
+    for _ in range(2 if policy == "full" else 1):
+        _block(ledger, spec, layer, z, cpu_checks=cpu_checks, forward=True)
+    _block(ledger, spec, layer, z, cpu_checks=cpu_checks, forward=False)
+
+
+def _block(ledger, spec, layer, z, *, cpu_checks: bool, forward: bool) -> None:
+    """One block's forward (`forward`) or backward collectives for one microbatch."""
     d, e, hd, hv = spec.d_model, z.e, spec.head_dim, spec.v_dim
     moe = spec.is_moe(layer)
     t, c, u = z.tp, z.cp, z.ulysses
     if t > 1:  # rings: (gathered input?) per projection
         projections = (True, False) if moe else (True, False, True, False)
         for gathered in projections:
-            wire = e if gathered else ACCUMULATE  # x's chunks, or fp32 partials
-            _p2p(ledger, "tp", z.n * d * wire, t - 1)  # forward
+            if forward:  # x's chunks, or fp32 partials
+                _p2p(ledger, "tp", z.n * d * (e if gathered else ACCUMULATE), t - 1)
+                continue
             _p2p(ledger, "tp", z.n * d * (ACCUMULATE if gathered else e), t - 1)  # dX or dY
             if gathered:  # x re-gathered for the weights' gradient: output + input
                 ledger.add("all_gather", ("tp",), (z.m + z.n) * d * e)
@@ -107,24 +119,27 @@ def block(ledger: Ledger, spec, layer: int, z: acc.Local, *, cpu_checks: bool) -
     if c > 1:
         k, v = z.a * hkv * hd, z.a * hkv * hv
         for size in (k, v):
-            _p2p(ledger, "cp", size * e, 2 * (c - 1))  # the blocks, both passes
-            _p2p(ledger, "cp", size * ACCUMULATE, c)  # their gradients, home after c steps
-        if cpu_checks:  # q, k shapes and v's head dim
+            _p2p(ledger, "cp", size * e, c - 1)  # the blocks
+            if not forward:
+                _p2p(ledger, "cp", size * ACCUMULATE, c)  # their gradients, home after c steps
+        if cpu_checks and forward:  # q, k shapes and v's head dim
             ledger.add("all_gather", ("cp",), (c + 1) * 9 * 8)
     if u > 1:
         q = z.m * spec.n_heads // t * hd * e  # TP's gathered tokens, this rank's heads
-        kv = z.m * spec.n_kv_heads // t * hd * e
+        k = z.m * spec.n_kv_heads // t * hd * e
+        v = z.m * spec.n_kv_heads // t * hv * e
         out = z.m * spec.n_heads // t * hv * e
-        for size in (q, kv, kv, out):
-            ledger.add("all_to_all", ("ulysses",), 2 * size, 2)  # output + input, both passes
-        if cpu_checks:  # scatter's 3 shapes and gather's 1, each pass
-            ledger.add("all_gather", ("ulysses",), (u + 1) * 8 * 12, 2)
-            ledger.add("all_gather", ("ulysses",), (u + 1) * 8 * 4, 2)
+        for size in (q, k, v, out):
+            ledger.add("all_to_all", ("ulysses",), 2 * size)  # output + input
+        if cpu_checks:  # scatter's 3 shapes and gather's 1
+            ledger.add("all_gather", ("ulysses",), (u + 1) * 8 * 12)
+            ledger.add("all_gather", ("ulysses",), (u + 1) * 8 * 4)
     if moe and z.ep > 1:
         ep = ("ep",)
-        ledger.add("all_to_all", ep, 2 * 8 * spec.num_experts)  # the counts
+        if forward:
+            ledger.add("all_to_all", ep, 2 * 8 * spec.num_experts)  # the counts
         rows = z.n * spec.top_k * d * e  # balanced routing: as many rows back as out
-        ledger.add("all_to_all", ep, 2 * rows, 4)  # dispatch, return; their backwards
+        ledger.add("all_to_all", ep, 2 * rows, 2)  # dispatch and return (or their grads)
 
 
 def _partial_groups(spec, dims, layers, first, last) -> dict:
@@ -142,19 +157,22 @@ def _partial_groups(spec, dims, layers, first, last) -> dict:
 
 
 def step(spec, dims, z: acc.Local, layers, first: bool, last: bool, microbatches: int, *,
-         stages=None, stage_ranks=None, grad_bytes: int = 4, cpu_checks: bool = False,
-         dp_sharding: str = "zero3") -> Ledger:  # fmt: skip
+         stages=None, stage_ranks=None, grad_bytes: int = 4, gather_bytes: int | None = None,
+         cpu_checks: bool = False, dp_sharding: str = "zero3",
+         policy: str = "none") -> Ledger:  # fmt: skip
     """One rank's collectives in a step: `microbatches` of its blocks `layers` (and the
     embedding / head), the pipeline's sends between its `stages` (`stage_ranks`: each
     stage's pipeline rank), the gradients' reductions. With dp > 1, FSDP2 over dp, each
-    block a unit and the root another, resharding as `dp_sharding` says (`estimate`)."""
+    block a unit and the root another, resharding as `dp_sharding` says (`estimate`),
+    gathering `gather_bytes` an element (a MixedPrecisionPolicy's param_dtype; default
+    `grad_bytes`: the parameters as held) and reducing `grad_bytes`."""
     ledger = Ledger(dims)
     fsdp = dims.dp > 1
     kinds = Counter(spec.is_moe(i) for i in layers)
     for moe, count in kinds.items():
         one = Ledger(dims)
         block(one, spec, next(i for i in layers if spec.is_moe(i) == moe), z,
-              cpu_checks=cpu_checks)  # fmt: skip
+              cpu_checks=cpu_checks, policy=policy)  # fmt: skip
         for key in one.counts:
             ledger.counts[key] += one.counts[key] * count * microbatches
             ledger.bytes[key] += one.bytes[key] * count * microbatches
@@ -180,11 +198,13 @@ def step(spec, dims, z: acc.Local, layers, first: bool, last: bool, microbatches
         per_step = {"zero3": (2 * microbatches, microbatches), "zero2": (microbatches,) * 2,
                     "zero1": (1, 1)}[dp_sharding]  # (a block's gathers, its scatters)
         for shapes, root in [(u, False) for u in units] + [(root_shapes, True)]:
-            shard = sum(acc.fsdp_numel(s, dims.dp) for s in shapes) * grad_bytes
+            shard = sum(acc.fsdp_numel(s, dims.dp) for s in shapes)
             gathers, scatters = per_step
             if root and dp_sharding == "zero3":  # the root is not resharded after forward
                 gathers = microbatches
             if shard:
-                ledger.add("all_gather", ("dp",), shard * (dims.dp + 1), gathers)
-                ledger.add("reduce_scatter", ("dp",), shard * (dims.dp + 1), scatters)
+                gathered = shard * (dims.dp + 1) * (gather_bytes or grad_bytes)
+                ledger.add("all_gather", ("dp",), gathered, gathers)
+                ledger.add("reduce_scatter", ("dp",), shard * (dims.dp + 1) * grad_bytes,
+                           scatters)  # fmt: skip
     return ledger
