@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 import fusedpar as fp
+from fusedpar.testing import SavedActivations
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -55,19 +56,10 @@ def _config(moe: bool) -> Config:
 def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
     """Bytes of the distinct storages `module(x)` saves for its backward, parameters'
     storages left out."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    storages = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedActivations(module.parameters()) as saved:
         out = module(x)
     del out
-    return sum(storages.values())
+    return saved.nbytes
 
 
 def dense_minimum(cfg: Config, dtype: torch.dtype, world: int = 1) -> float:

@@ -1,17 +1,21 @@
-"""`fusedpar.plan` against the code: what the planner says a rank holds and saves equals,
-exactly, what the example model's real step allocates and saves, at one process and on 4
-gloo ranks at TP2 x DP2, TP2 x CP2, CP2 x Ulysses 2 and TP2 x CP2 with EP over tp.
+"""`fusedpar.plan` against the code: what the planner says a rank holds, saves and sends
+equals, exactly, what the example model's real step allocates, saves and sends, at one
+process and on 4 gloo ranks at TP2 x DP2, TP2 x CP2, CP2 x Ulysses 2, TP2 x CP2 with EP
+over tp (and, for saved activations, over cp x tp: EP 4), PP2 x TP2 (1F1B; and
+Interleaved1F1B with EP over tp).
 
 - parameters, gradients and AdamW's state: the bytes of the real tensors (AdamW's
-  ``step`` is one fp32 scalar a parameter);
-  (FSDP2 over dp at DP2 x TP2; a pipeline rank's stages at PP2 x TP2, 1F1B and
-  Interleaved1F1B);
+  ``step`` is one fp32 scalar a parameter; FSDP2 over dp at DP2 x TP2, a pipeline rank's
+  stages at PP2 x TP2);
 - the collectives of a training step and the bytes of their tensors, as
   ``fusedpar.testing.Collectives`` counts them (the CPU's shape checks included);
 - saved activations of one forward, under each checkpointing policy: the distinct
   storages ``saved_tensors_hooks`` packs plus those selective checkpointing keeps (its
-  cache), parameters left out. A MoE rank's rows depend on the routing: the planner takes
-  it balanced, so an EP group's sum is what is held equal.
+  cache), parameters left out (`fusedpar.testing.SavedActivations`). A MoE rank's rows
+  depend on the routing: the planner takes it balanced, so an EP group's sum is what is
+  held equal;
+- the most saved bytes a rank holds at once in a training step (`check_peaks`): one
+  microbatch's without a pipeline, its in-flight microbatches' in one.
 """
 
 import sys
@@ -19,11 +23,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 import fusedpar as fp
 from fusedpar import plan
 from fusedpar.plan.accounting import POLICIES
+from fusedpar.testing import SavedActivations
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -51,49 +56,18 @@ class Checkpointed(torch.nn.Module):
 def saved_in_forward(model, tokens, labels, policy: str) -> int:
     """Bytes of the distinct storages one forward keeps for its backward under `policy`:
     those saved_tensors_hooks packs, and the outputs selective checkpointing caches."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def keep(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-
-    contexts = []
-    policy_fn = fp.checkpoint_policy()
-
-    def context_fn():
-        contexts.append(policy_fn())
-        return contexts[-1]
-
+    saved = SavedActivations(model.parameters())
     blocks = model.blocks
     if policy != "none":
-        wrap = context_fn if policy == "selective" else None
-        model.blocks = torch.nn.ModuleList(
-            Checkpointed(b, wrap) if wrap else Checkpointed(b, _noop) for b in blocks
-        )
+        wrap = saved.recorded(fp.checkpoint_policy()) if policy == "selective" else noop_context_fn
+        model.blocks = torch.nn.ModuleList(Checkpointed(b, wrap) for b in blocks)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: keep(t) or t, lambda t: t):
+        with saved:
             loss = model(tokens, labels)
     finally:
         model.blocks = blocks
-    for forward_context, _ in contexts:
-        for outputs in forward_context.storage.values():
-            for out in outputs.values():
-                for leaf in torch.utils._pytree.tree_leaves(
-                    out, is_leaf=lambda x: hasattr(x, "val")
-                ):  # fmt: skip
-                    value = getattr(leaf, "val", None)
-                    if isinstance(value, torch.Tensor):
-                        keep(value)
     del loss
-    return sum(storages.values())
-
-
-def _noop():
-    from torch.utils.checkpoint import noop_context_fn
-
-    return noop_context_fn()
+    return saved.nbytes
 
 
 def _measure(kw: dict, moe: bool, ep=None, dtype=torch.float16) -> dict:
@@ -115,7 +89,9 @@ def _measure(kw: dict, moe: bool, ep=None, dtype=torch.float16) -> dict:
 
 
 LAYOUTS = [({"tp": 2, "dp": 2}, False, None), ({"cp": 2, "tp": 2}, False, None),
-           ({"cp": 2, "ulysses": 2}, False, None), ({"cp": 2, "tp": 2}, True, "tp")]  # fmt: skip
+           ({"cp": 2, "ulysses": 2}, False, None), ({"cp": 2, "tp": 2}, True, "tp"),
+           ({"cp": 2, "tp": 2}, True, ("cp", "tp"))]  # EP 4: one expert a rank  # fmt: skip
+EP_GROUPS = {"tp": ((0, 1), (2, 3)), ("cp", "tp"): ((0, 1, 2, 3),)}
 
 
 def _all_layouts():
@@ -138,7 +114,7 @@ def test_saved_activations_on_four_ranks(world):
                 assert result["saved"] == result["planned"], (kw, moe)
         else:  # a rank's rows follow the routing: an EP group's sum is exact
             for policy in POLICIES:
-                for group in ((0, 1), (2, 3)):
+                for group in EP_GROUPS[ep]:
                     got = sum(results[r]["saved"][policy] for r in group)
                     want = sum(results[r]["planned"][policy] for r in group)
                     assert got == want, (kw, policy, group)
@@ -153,7 +129,7 @@ def _step(kw: dict, moe: bool, ep=None, schedule=None) -> dict:
     it holds, and the collectives of the second step (`Collectives`), real and planned."""
     from fusedpar.pipeline import stages_of
     from fusedpar.plan import traffic
-    from fusedpar.plan.estimate import rank_stages, state_bytes
+    from fusedpar.plan.estimate import rank_stages, saved_peaks, state_bytes
     from fusedpar.testing.collectives import Collectives
 
     cfg = _config(moe)
@@ -186,7 +162,8 @@ def _step(kw: dict, moe: bool, ep=None, schedule=None) -> dict:
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(2):  # the second step is counted
-        with Collectives() as seen:
+        saved = SavedActivations(model.parameters())
+        with Collectives() as seen, saved:
             forward_backward()
             optimizer.step()
             held = [model.parameters(), (p.grad for p in model.parameters()),
@@ -198,6 +175,11 @@ def _step(kw: dict, moe: bool, ep=None, schedule=None) -> dict:
     # (every dp rank takes this batch of 4 here)
     z = plan.Local(SEQ, 4 // microbatches, dims.cp, dims.ulysses, dims.tp, dims.ep_size, 4)
     layers, first, last, _ = rank_stages(spec, dims, schedule)[pp_rank]
+    peak = None  # FSDP2 saves its gathered weights too; EP in a pipeline: `check_peaks`
+    if dims.dp == 1 and not (dims.pp > 1 and dims.ep_size > 1):
+        views = tokens.nbytes + labels.nbytes if dims.pp > 1 else 0  # the ids and labels (int64)
+        peak = (saved.peak, saved_peaks(spec, dims, z, "none", schedule, microbatches)[pp_rank],
+                views)  # fmt: skip
     stage_ranks = None
     if dims.pp > 1:
         stage_ranks = {s: r for r in range(dims.pp) for s in stages_of(schedule, r, dims.pp, 2)}
@@ -208,8 +190,22 @@ def _step(kw: dict, moe: bool, ep=None, schedule=None) -> dict:
     state = state_bytes(spec, dims, layers, first, last, param_dtype=torch.float32,
                         optimizer="adamw")  # fmt: skip
     state.pop("numel")
-    return {"real": (dict(seen.counts), dict(seen.bytes)), "planned": (counts, nbytes),
+    return {"peak": peak,
+            "real": (dict(seen.counts), dict(seen.bytes)), "planned": (counts, nbytes),
             "real_state": real_state, "planned_state": state}  # fmt: skip
+
+
+def check_peaks(results: list, where, summed: bool) -> None:
+    """The most bytes of saved activations each rank held at once in its step (`peak`:
+    real, planned, slack), or their sum over the ranks (`summed`: with EP, a rank's rows
+    follow the routing), equal the planner's. Slack: in a pipeline the microbatches'
+    token ids and labels are views of the whole batch's (int64) storages, which the
+    real count holds whole and the planner counts per microbatch. (Not with EP in a
+    pipeline: a rank's peak is the most its routed microbatches hold at once, above the
+    balanced one's, and a sum of peaks is not the peak of a sum.)"""
+    for group in [results] if summed else [[r] for r in results]:
+        real, planned, slack = (sum(r["peak"][i] for r in group) for i in range(3))
+        assert 0 <= real - planned <= slack, (where, real, planned, slack)
 
 
 STEP_LAYOUTS = [({"tp": 2, "dp": 2}, False, None, None), ({"cp": 2, "tp": 2}, False, None, None),
@@ -224,9 +220,10 @@ def _all_steps():
 
 
 def test_held_state_collectives_and_bytes_of_a_step(world):
-    """Parameters, gradients, AdamW state, collectives: per rank, exactly; with EP, the
-    all-to-alls' bytes (the routed rows) summed over the ranks (balanced routing is the
-    planner's)."""
+    """Parameters, gradients, AdamW state, collectives: per rank, exactly; with EP the
+    all-to-alls' bytes (the routed rows) summed over the ranks (the planner's routing is
+    balanced). The most saved bytes a rank held at once: `check_peaks` (not under FSDP2,
+    whose gathered weights are saved too, nor with EP in a pipeline)."""
     per_rank = world(4).run(_all_steps)
     for i, layout in enumerate(STEP_LAYOUTS):
         results = [rank[i] for rank in per_rank]
@@ -235,6 +232,8 @@ def test_held_state_collectives_and_bytes_of_a_step(world):
             assert result["real"][0] == result["planned"][0], layout
             if layout[2] is None:
                 assert result["real"][1] == result["planned"][1], layout
+        if results[0]["peak"] is not None:
+            check_peaks(results, layout, summed=layout[2] is not None)
         if layout[2] is not None:
             for key in results[0]["real"][1]:
                 got = sum(r["real"][1].get(key, 0) for r in results)

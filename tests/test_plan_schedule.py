@@ -153,3 +153,14 @@ def test_refuses_what_the_pipeline_refuses():
         actions("DualPipeV", 2, 3)
     with pytest.raises(ValueError, match="schedule must be one of"):
         in_flight("Zigzag", 2, 4)
+
+
+def test_in_flight_in_bytes_counts_what_microbatches_share_once():
+    """Stage bytes (each microbatch's, shared): a rank's peak weighs its held pairs; what a
+    stage's microbatches share is held once while any is in flight."""
+    counts = in_flight("Interleaved1F1B", 2, 4)
+    unit = {s: (1, 0) for s in range(4)}
+    assert in_flight("Interleaved1F1B", 2, 4, stage_bytes=unit) == counts
+    shared = {s: (10, 100) for s in range(4)}
+    for rank, peak in in_flight("Interleaved1F1B", 2, 4, stage_bytes=shared).items():
+        assert peak == 10 * counts[rank] + 100 * 2  # both of its stages hold at the peak

@@ -85,3 +85,21 @@ def test_presets_have_their_published_sizes(name, total, active):
     assert spec.parameter_count() == pytest.approx(total, rel=0.01)
     if active:
         assert spec.parameter_count(active=True) == pytest.approx(active, rel=0.03)
+
+
+def test_packed_documents_and_the_optimizer_change_what_they_should():
+    """Documents of 1K tokens in 8K sequences: attention an eighth of the FLOPs (at the
+    1K rate), the rest unchanged; SGD: no optimizer state and a cheaper step than AdamW's;
+    both from the command line too."""
+    dims = fp.ParallelDims(tp=8)
+    whole = plan.estimate("llama3-8b", dims, seq_len=8192)
+    packed = plan.estimate("llama3-8b", dims, seq_len=8192, document_len=1024)
+    sgd = plan.estimate("llama3-8b", dims, seq_len=8192, optimizer="sgd")
+    assert packed.times["forward_per_microbatch"] < whole.times["forward_per_microbatch"]
+    assert packed.memory["activations"] == whole.memory["activations"]
+    assert sgd.memory["optimizer"] == 0 < whole.memory["optimizer"]
+    assert sgd.times["optimizer"] == pytest.approx(whole.times["optimizer"] * 3 / 7)
+    with pytest.raises(ValueError, match="document_len"):
+        plan.estimate("llama3-8b", dims, seq_len=8192, document_len=16384)
+    assert main(["llama3-8b", "--gpus", "8", "--seq-len", "8192", "--layout", "tp=8",
+                 "--optimizer", "sgd", "--document-len", "1024"]) == 0  # fmt: skip

@@ -63,6 +63,10 @@ def parse_args(argv=None):
         p.add_argument(f"--{name}", type=float, help="override the device's")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--checkpointing", choices=POLICIES, help="default: the cheapest that fits")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                   help="AdamW: fp32 master weights and two moments")
+    p.add_argument("--document-len", type=int,
+                   help="packed documents of this many tokens (default: one per sequence)")
     p.add_argument("--dp-sharding", choices=DP_SHARDING,
                    help="FSDP2's resharding (default: zero3 with --layout; a search tries "
                         "zero3 and zero1)")  # fmt: skip
@@ -80,7 +84,8 @@ def main(argv=None) -> int:
     dev = device(args.device, peak_tflops=args.peak_tflops, memory_gb=args.memory_gb,
                  hbm_tbps=args.hbm_tbps, nvlink_gbps=args.nvlink_gbps,
                  network_gbps=args.network_gbps)  # fmt: skip
-    common = dict(device=dev, dtype=DTYPES[args.dtype], gpus_per_node=args.gpus_per_node)
+    common = dict(device=dev, dtype=DTYPES[args.dtype], gpus_per_node=args.gpus_per_node,
+                  optimizer=args.optimizer, document_len=args.document_len)
     title = (f"{spec.name} on {args.gpus} x {dev.name}, sequences of {args.seq_len}, "
              f"{args.global_batch_tokens:,} tokens a step")  # fmt: skip
     if args.layout is not None:

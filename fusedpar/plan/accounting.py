@@ -25,7 +25,7 @@ Saved for the backward, per layer (no checkpointing), bytes:
 |                        | expert inputs' order (4 R) twice, gate||up (2 h e R), the    |
 |                        | expert output rows (d e R), R = n k rows                     |
 | `MoE` (EP over ep)     | + the received rows (d e R') and their bookkeeping, R' rows  |
-|                        | received (n k when routing is balanced), the splits          |
+|                        | received (n k when routing is balanced), the splits (2, ep)  |
 | embedding, head, loss  | the token ids (8 m); the final norm; fp32 log-probs (4 n V), |
 |                        | the labels (8 n), the loss's count (4)                       |
 | q/k norms (per head)   | their inputs (m e per head and dim) and rstd (4 m per head)  |
@@ -40,9 +40,11 @@ gate saves its sigmoid's output and the shared output (n (d + 1) e); a sigmoid r
 
 Under ``fp.checkpoint_policy()`` ("selective") a block keeps its input (n d e) and the
 outputs of the ops the policy saves (the projections whose gather or reduce-scatter it
-would repeat, the ring's and Ulysses' exchanges, the routing and the all-to-alls); under
-"full" only its input. The MoE's rows depend on the routing: the planner takes it
-balanced (R' = n k), which the tests hold exact summed over an EP group.
+would repeat, the ring's and Ulysses' exchanges, the routing and the all-to-alls; MLA's
+the latents' gathered projections, q_a's and kv_a's outputs; on one rank a layer that is
+one op keeps that op's outputs); under "full" only its input. The MoE's rows depend on
+the routing: the planner takes it balanced (R' = n k), which the tests hold exact summed
+over an EP group.
 """
 
 from __future__ import annotations
@@ -92,7 +94,9 @@ class Local:
 def layer_tensors(spec: ModelSpec, layer: int, tp: int = 1, ep: int = 1) -> list[tuple]:
     """(local shape, kind) of each parameter of block `layer` on one rank; kind is "expert"
     for the routed experts' (split over ep), "whole" for those every rank of the block
-    holds whole (norms, routers, shared experts), "tp" for TP shards."""
+    holds whole (norms, routers, shared experts), "tp" for TP shards, "summed" for the
+    biases added after a TP reduction (whole; `comm.copy_to_region` sums their gradient
+    over tp in the layer's backward)."""
     d, hd, hv, t = spec.d_model, spec.head_dim, spec.v_dim, tp
     out = [((d,), "whole"), ((d,), "whole")]  # the two norms
     if spec.mla:
@@ -115,8 +119,8 @@ def layer_tensors(spec: ModelSpec, layer: int, tp: int = 1, ep: int = 1) -> list
             out += [((q,), "tp"), ((kv,), "tp"), ((kv,), "tp")]
         if spec.qk_norm:
             out += [((hd,), "whole"), ((hd,), "whole")]
-    if spec.o_bias:  # added after the reduction: whole
-        out.append(((d,), "whole"))
+    if spec.o_bias:  # added after the reduction
+        out.append(((d,), "summed"))
     if spec.is_moe(layer):
         E, h = spec.num_experts, spec.expert_hidden
         out += [((E, d), "whole")] + [((E // ep, *s), "expert") for s in ((h, d), (h, d), (d, h))]
@@ -128,8 +132,8 @@ def layer_tensors(spec: ModelSpec, layer: int, tp: int = 1, ep: int = 1) -> list
     else:
         h = spec.d_hidden // t
         out += [((h, d), "tp"), ((h, d), "tp"), ((d, h), "tp")][1 - spec.gated :]
-        if spec.mlp_bias:  # gate's and up's (fc's) split like their rows; down's whole
-            out += [((h,), "tp"), ((h,), "tp"), ((d,), "whole")][1 - spec.gated :]
+        if spec.mlp_bias:  # gate's and up's (fc's) split like their rows; down's summed
+            out += [((h,), "tp"), ((h,), "tp"), ((d,), "summed")][1 - spec.gated :]
     return [(shape, kind) for shape, kind in out]
 
 
@@ -165,6 +169,13 @@ def norm_saved(spec: ModelSpec, z: Local) -> int:
     return z.n * ((4 + 2 * e) * d + 4) if spec.hf else z.n * (2 * d * e + 4)
 
 
+def rope_tables(spec: ModelSpec, z: Local) -> int:
+    """Bytes of RoPE's cos and sin (fp32, over the rotary dims) one attention layer saves:
+    the same tensors for every microbatch of a sequence length (cached per layer), so the
+    microbatches a pipeline holds in flight share them."""
+    return 4 * (spec.rope_dim or spec.head_dim) * (z.seq // (z.cp * z.ulysses))
+
+
 def mla_saved(spec: ModelSpec, z: Local) -> int:
     """Bytes one `ParallelMLA` saves with no checkpointing, its input norm included: the
     latents' norms (inputs: q_a's output, kv_a's (r + dr wide, the latent a view of it);
@@ -178,7 +189,7 @@ def mla_saved(spec: ModelSpec, z: Local) -> int:
     if spec.q_lora_rank:
         saved += z.m * (2 * spec.q_lora_rank * e + 4)
     saved += z.m * ((2 * r + dr) * e + 4)
-    saved += 4 * dr * (z.seq // (z.cp * z.ulysses))  # RoPE's cos and sin, fp32
+    saved += rope_tables(spec, z)
     saved += 2 * z.a * hq * hd * e + z.m * spec.n_heads // z.tp * (hd - dr + hv) * e
     if z.cp > 1:
         saved += 16 * z.seq  # the ring's masks: (cp, 4, S / cp) int32
@@ -193,11 +204,17 @@ def attention_saved(spec: ModelSpec, z: Local, policy: str = "none") -> int:
     q_k_v = z.a * (hq * hd + hkv * (hd + hv)) * e
     out_lse = z.a * hq * hv * e + 4 * z.a * hq
     gathered_out = z.m * spec.n_heads // z.tp * hv * e  # o-proj's input under Ulysses
+    qk_norms = 0  # per-head norms of q and k: their inputs and rstd
+    if spec.qk_norm and not spec.mla:
+        qk_norms = z.m * (spec.n_heads + spec.n_kv_heads) // z.tp * (hd * e + 4)
     if policy == "full":
         return 0
+    if policy == "selective" and spec.mla:  # the latents' gathered projections, o-proj's
+        kept = z.m * (spec.q_lora_rank + spec.kv_lora_rank + spec.rope_dim) * e + z.n * d * e
+        return kept + (out_lse if z.cp > 1 else 0)  # + the ring's output
     if policy == "selective":
         if z.tp == 1 and z.cp == 1 and z.ulysses == 1:  # one rank: the layer is one op
-            return z.n * d * e + q_k_v + out_lse
+            return z.n * d * e + q_k_v + out_lse + qk_norms
         projections = z.m * (spec.n_heads * hd + spec.n_kv_heads * (hd + hv)) // z.tp * e
         kept = projections + z.n * d * e  # + o-proj's reduce-scattered output
         if z.cp > 1:
@@ -208,10 +225,8 @@ def attention_saved(spec: ModelSpec, z: Local, policy: str = "none") -> int:
     if spec.mla:
         return mla_saved(spec, z)
     saved = norm_saved(spec, z)  # its norm: x, rstd, the output
-    saved += q_k_v + out_lse
-    if spec.qk_norm:  # per-head norms of q and k: their inputs and rstd
-        saved += z.m * (spec.n_heads + spec.n_kv_heads) // z.tp * (hd * e + 4)
-    saved += 4 * (spec.rope_dim or hd) * (z.seq // (z.cp * z.ulysses))  # RoPE's cos, sin
+    saved += q_k_v + out_lse + qk_norms
+    saved += rope_tables(spec, z)
     if z.cp > 1:
         saved += 16 * z.seq  # the ring's masks: (cp, 4, S / cp) int32
     if z.ulysses > 1:
@@ -236,8 +251,9 @@ def mlp_saved(spec: ModelSpec, z: Local, moe: bool, policy: str = "none", receiv
     routing = 4 * n * E + 8 * n * k  # probs (fp32), ids (int32), weights (fp32)
     if policy == "selective":
         kept = routing
-        if z.ep > 1:  # the dispatched rows, their order, the splits; the returned rows
-            kept += rows * (d * e + 8) + 16 * z.ep * z.ep + n * k * d * e
+        if z.ep > 1:  # the dispatched rows, their order, the counts received (ep, E / ep)
+            # and the splits (2, ep), int64; the returned rows
+            kept += rows * (d * e + 8) + 8 * E + 16 * z.ep + n * k * d * e
         return kept
     saved = norm_saved(spec, z)  # its norm, the output the router's input
     if spec.router == "sigmoid":  # the scores' sum, their normalization (the aux loss's)
@@ -246,7 +262,7 @@ def mlp_saved(spec: ModelSpec, z: Local, moe: bool, policy: str = "none", receiv
         saved += routing + 4 * n * k + 8 * (E + 1) + 4 * E + n * k * (8 + (2 * h + d) * e)
     else:
         local = E // z.ep
-        saved += routing + 8 * n * k + 8 * z.ep * z.ep + 8 * local + 4 * E + n * k * d * e
+        saved += routing + 8 * n * k + 16 * z.ep + 8 * local + 4 * E + n * k * d * e
         saved += rows * (8 + (d + 2 * h) * e)
     if spec.shared_hidden:
         saved += 2 * n * spec.shared_hidden * e
@@ -276,6 +292,12 @@ def ends_saved(spec: ModelSpec, z: Local, *, first: bool, last: bool) -> int:
         if spec.hf:  # `parallelize`'s loss divides by the count: a view of (sum, count)
             saved += 8
     return saved
+
+
+def stage_shared(spec: ModelSpec, layers, z: Local, policy: str) -> int:
+    """Bytes of `stage_saved` that every microbatch of a stage shares (RoPE's tables,
+    saved with no checkpointing: a checkpointed block recomputes them)."""
+    return len(layers) * rope_tables(spec, z) if policy == "none" else 0
 
 
 def stage_saved(spec: ModelSpec, layers, z: Local, policy: str, *, first: bool, last: bool) -> int:

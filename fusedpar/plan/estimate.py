@@ -21,7 +21,7 @@ The time model, per rank and microbatch, for each block of its stages:
 | FSDP         | each block's all-gather prefetched under the previous block, its     |
 |              | reduce-scatter under the next backward: the excess is exposed        |
 | pipeline     | torch's action lists, simulated (`schedule.simulate`): the bubble    |
-| optimizer    | AdamW reads and writes 7 words a parameter at HBM bandwidth          |
+| optimizer    | AdamW reads and writes 7 words a parameter at HBM bandwidth (SGD 3)  |
 
 Collectives take bytes x (W - 1) / W (all-reduce twice that) over the axis's link
 (NVLink when the axis's ranks share a node: mesh order (pp, dp, cp, ulysses, tp), tp
@@ -215,9 +215,10 @@ def block_times(spec, layer, z: acc.Local, dev, clock: _Clock, policy, knobs) ->
         mlp_in, mlp_out = _gemm_s(dev, z.m, inputs * h, d), _gemm_s(dev, z.m, d, h)
         flops += 2 * z.m * (inputs + 1) * h * d
     gemm = qkv + o + mlp_in + mlp_out
-    # attention: causal, zigzag-balanced: each query sees S / 2 keys on average
-    att_flops = 2 * z.a * (z.seq / 2) * hq * (hd + hv)
-    att_rate, _ = devices.attention_tflops(dev, z.seq, hd, True)
+    # attention: causal, zigzag-balanced: each query sees half its document on average
+    document = min(knobs.get("document_len") or z.seq, z.seq)
+    att_flops = 2 * z.a * (document / 2) * hq * (hd + hv)
+    att_rate, _ = devices.attention_tflops(dev, document, hd, True)
     attention = 3.5 * att_flops / (att_rate * 1e12)  # fwd + bwd, at the fwd+bwd rate
     att_f, att_b = attention / 3.5, attention * 2.5 / 3.5
     flops += att_flops
@@ -269,7 +270,8 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
              param_dtype=torch.float32, checkpointing: str = "none", optimizer: str = "adamw",
              device="h100", gpus_per_node: int = 8, overlap: str = "ring",
              stages_per_rank: int = 2, memory_margin: float = 0.9, dp_sharding: str = "zero3",
-             elementwise_passes: float = 4.0) -> Estimate:  # fmt: skip
+             elementwise_passes: float = 4.0,
+             document_len: int | None = None) -> Estimate:  # fmt: skip
     """One layout's estimate (see the module doc and `Estimate`). `dims` as the layers
     take them (`fp.ParallelDims`); `micro_batch` sequences of `seq_len` tokens per
     microbatch, `microbatches` per step (the pipeline's, or gradient accumulation). A
@@ -282,7 +284,10 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
     `elementwise_passes`: how many times the element-wise ops move each saved byte in a
     forward: 4 for fused kernels (fusedpar's, Megatron's), fitted on Megatron's published
     points; eager PyTorch's norms, RoPE and activations move about 12 (torchtitan's
-    points without torch.compile): docs/plan.md."""
+    points without torch.compile): docs/plan.md. `document_len`: packed documents of this
+    many tokens (None: each sequence one document): attention sees its own document only
+    (FLOPs, and the rate measured at that length), and RoPE's tables, which positions
+    restarting per document make each microbatch's own, are not shared in flight."""
     if dp_sharding not in DP_SHARDING:
         raise ValueError(f"dp_sharding must be one of {DP_SHARDING}, got {dp_sharding!r}")
     spec = model_spec(model)
@@ -295,6 +300,8 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
                   microbatches=microbatches, schedule=schedule or "1F1B")  # fmt: skip
     if dims.pp > 1:
         check_pipeline(schedule, dims.pp, spec.n_layers, microbatches, stages_per_rank)
+    if document_len is not None and not 0 < document_len <= seq_len:
+        raise ValueError(f"document_len ({document_len}) must be in 1..seq_len ({seq_len})")
     if microbatches < 1 or micro_batch < 1:
         raise ValueError(f"micro_batch ({micro_batch}) and microbatches ({microbatches}) must "
                          "be at least 1")  # fmt: skip
@@ -303,15 +310,16 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
     est = Estimate(spec.name, dims, seq_len, micro_batch, microbatches, schedule, checkpointing,
                    dp_sharding)  # fmt: skip
     ranks = rank_stages(spec, dims, schedule, stages_per_rank)
-    held = _held(schedule, dims.pp, microbatches, stages_per_rank)
+    peaks = saved_peaks(spec, dims, z, checkpointing, schedule, microbatches, stages_per_rank,
+                        packed=document_len is not None)  # fmt: skip
     best = None
-    for rank, (layers, first, last, n_stages) in enumerate(ranks):
+    for rank, (layers, first, last, _) in enumerate(ranks):
         mem = state_bytes(spec, dims, layers, first, last, param_dtype=param_dtype,
                           optimizer=optimizer)  # fmt: skip
         per_mb = acc.stage_saved(spec, layers, z, checkpointing, first=first, last=last)
         mem["activations"] = per_mb
         # the pipeline's: held stage-microbatches beyond this rank's one of each stage
-        mem["in_flight"] = max(0, held[rank] - n_stages) * per_mb // n_stages
+        mem["in_flight"] = max(0, peaks[rank] - per_mb)
         mem["buffers"] = _buffers(spec, dims, z, layers, last, param_dtype)
         if dims.dp > 1 and dp_sharding != "zero3":  # unsharded parameters (and gradients)
             whole = mem["numel"] * dims.dp
@@ -333,7 +341,8 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
         est.notes.append(f"out of memory by {short / 1e9:.1f} GB "
                          f"(peak {best['peak'] / 1e9:.1f} GB, {memory_margin:.0%} of "
                          f"{dev.memory_gb:g} GB usable)")  # fmt: skip
-    knobs = {"overlap": overlap, "dp_sharding": dp_sharding, "passes": elementwise_passes}
+    knobs = {"overlap": overlap, "dp_sharding": dp_sharding, "passes": elementwise_passes,
+             "optimizer": optimizer, "document_len": document_len or seq_len}  # fmt: skip
     _time(est, spec, dims, z, dev, ranks, gpus_per_node, knobs, stages_per_rank, param_dtype)
     for group in est.traffic:  # the link of its outermost axis
         names = group.split(" x ")
@@ -365,6 +374,9 @@ def _round(x: float) -> float:
     return float(f"{x:.2g}")
 
 
+# words an optimizer step reads and writes a parameter: AdamW p, g, m, v in and p, m, v
+# out; plain SGD p, g in and p out
+OPTIMIZER_WORDS = {"adamw": 7, "sgd": 3}
 SIMULATED_MICROBATCHES = 32  # beyond: the steady state's, extrapolated (1F1B-like schedules)
 
 
@@ -396,14 +408,28 @@ def _pipeline(schedule, pp, microbatches, per_rank, backward, send) -> tuple[flo
     return step, 1 - busy / step
 
 
-@lru_cache(maxsize=4096)
-def _held(schedule, pp, microbatches, per_rank) -> list[int]:
-    if pp == 1:
-        return (1,)
+def saved_peaks(spec, dims, z, policy, schedule, microbatches, per_rank=2, *,
+                packed: bool = False) -> list[int]:  # fmt: skip
+    """Per pipeline rank: the most bytes of saved activations it holds at once in a step,
+    the (stage, microbatch) pairs its schedule keeps in flight each counted at its stage's
+    `stage_saved`, what they share (`stage_shared`; nothing when `packed` documents give
+    each microbatch its own positions) once; one microbatch's without a pipeline (each
+    microbatch's backward frees what its forward saved before the next one runs)."""
+    if dims.pp == 1:
+        return [acc.stage_saved(spec, range(spec.n_layers), z, policy, first=True, last=True)]
     from fusedpar.plan.schedule import in_flight
 
-    held = in_flight(schedule, pp, _simulated(schedule, pp, microbatches, per_rank), per_rank)
-    return tuple(held[r] for r in range(pp))
+    num = stage_count(schedule, dims.pp, per_rank)
+    size = spec.n_layers // num
+    stage_bytes = {}
+    for s in range(num):
+        layers = range(s * size, (s + 1) * size)
+        saved = acc.stage_saved(spec, layers, z, policy, first=s == 0, last=s == num - 1)
+        shared = 0 if packed else acc.stage_shared(spec, layers, z, policy)
+        stage_bytes[s] = (saved - shared, shared)
+    simulated = _simulated(schedule, dims.pp, microbatches, per_rank)
+    peaks = in_flight(schedule, dims.pp, simulated, per_rank, stage_bytes)
+    return [peaks[r] for r in range(dims.pp)]
 
 
 def _buffers(spec, dims, z, layers, last, param_dtype) -> int:
@@ -455,7 +481,8 @@ def _time(est, spec, dims, z, dev, ranks, gpn, knobs, per_rank, param_dtype) -> 
     else:
         pipeline = m * (f + b) * ranks[0][3]
     layers, first, last, _ = ranks[worst]
-    state = state_bytes(spec, dims, layers, first, last, param_dtype=param_dtype, optimizer="adamw")
+    state = state_bytes(spec, dims, layers, first, last, param_dtype=param_dtype,
+                        optimizer=knobs["optimizer"])  # fmt: skip
     ledger = _ledger(spec, dims, z, ranks, worst, m, schedule=est.schedule, per_rank=per_rank,
                      param_dtype=param_dtype, sharding=knobs["dp_sharding"],
                      policy=est.checkpointing)  # fmt: skip
@@ -476,7 +503,8 @@ def _time(est, spec, dims, z, dev, ranks, gpn, knobs, per_rank, param_dtype) -> 
     # the step's last backward
     reduce_s = sum(clock.group_comm(axes, ledger.bytes[kind, axes], ledger.counts[kind, axes])
                    for kind, axes in ledger.bytes if kind == "all_reduce")  # fmt: skip
-    optimizer_s = 7 * _bytes(param_dtype) * state["numel"] / (dev.hbm_tbps * 1e12)
+    words = OPTIMIZER_WORDS[knobs["optimizer"]]
+    optimizer_s = words * _bytes(param_dtype) * state["numel"] / (dev.hbm_tbps * 1e12)
     est.step_time_s = pipeline + exposed + reduce_s + optimizer_s
     est.times.update({"forward_per_microbatch": f, "backward_per_microbatch": b,
                       "pipeline": pipeline, "exposed_dp": exposed,

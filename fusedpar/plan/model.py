@@ -11,6 +11,7 @@ example model's `Config`, or a named preset (the published configs).
 | shared_hidden                  | n_shared_experts x moe_intermediate_size,               |
 |                                | shared_expert_intermediate_size                         |
 | dense_layers_first             | first_k_dense_replace (DeepSeek-V3, GLM-4.5)            |
+| moe_every, dense_layers        | decoder_sparse_step, mlp_only_layers (Qwen2/3-MoE)      |
 | q_lora_rank, kv_lora_rank,     | multi-head latent attention (DeepSeek-V3); qk_nope +    |
 | rope_dim, v_head_dim           | qk_rope = the Q/K head dim; partial_rotary_factor       |
 | qk_norm                        | qwen3, qwen3_moe, olmo2/3, gemma3 (per-head q/k norms), |
@@ -56,6 +57,7 @@ class ModelSpec:
     shared_hidden: int = 0  # the shared experts' hidden width, all of them together
     dense_layers_first: int = 0  # MLPs dense in the first layers, MoE after
     moe_every: int = 1  # every n-th layer's MLP is MoE (Qwen2-MoE's decoder_sparse_step)
+    dense_layers: tuple[int, ...] = ()  # and these dense (Qwen2/3-MoE's mlp_only_layers)
     q_lora_rank: int = 0  # MLA: 0 with kv_lora_rank > 0 is q_proj straight from d_model
     kv_lora_rank: int = 0  # MLA when > 0
     rope_dim: int = 0  # the rotary part of the Q/K head (MLA's; else 0: all of it)
@@ -84,7 +86,7 @@ class ModelSpec:
 
     def is_moe(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts."""
-        if not self.num_experts or layer < self.dense_layers_first:
+        if not self.num_experts or layer < self.dense_layers_first or layer in self.dense_layers:
             return False
         return (layer + 1) % self.moe_every == 0
 
@@ -157,6 +159,7 @@ def from_hf_config(config, name: str | None = None) -> ModelSpec:
         moe_hidden=moe_hidden, shared_hidden=shared,
         dense_layers_first=_get(config, "first_k_dense_replace", default=0) or 0,
         moe_every=_get(config, "decoder_sparse_step", default=1) or 1,
+        dense_layers=tuple(_get(config, "mlp_only_layers", default=()) or ()),
         q_lora_rank=_get(config, "q_lora_rank", default=0) or 0, kv_lora_rank=kv_lora,
         rope_dim=rope or 0,
         qk_norm=model_type in QK_NORM_FAMILIES or bool(_get(config, "use_qk_norm")),

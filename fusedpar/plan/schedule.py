@@ -16,8 +16,8 @@ drawing that drives nothing: the same compute order, but torch 2.13 numbers the 
 rank's 1F1B forwards from 1).
 
 `in_flight` counts, per rank, the (stage, microbatch) pairs whose forward has run and whose
-backward has not finished, at its peak: in units of one stage-chunk's activations for one
-microbatch. At pp = 4, 8 microbatches (2 stages per rank but for GPipe and 1F1B):
+backward has not finished, at its peak (or, given each stage's bytes, the most bytes they
+hold at once). At pp = 4, 8 microbatches (2 stages per rank but for GPipe and 1F1B):
 
 | schedule                | rank 0..3      | schedule                | rank 0..3      |
 | ----------------------- | -------------- | ----------------------- | -------------- |
@@ -30,6 +30,7 @@ microbatch. At pp = 4, 8 microbatches (2 stages per rank but for GPipe and 1F1B)
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -105,22 +106,29 @@ def actions(schedule: str, pp: int, microbatches: int,
             enumerate(_actions(schedule, pp, microbatches, stages_per_rank))}  # fmt: skip
 
 
-def in_flight(schedule: str, pp: int, microbatches: int,
-              stages_per_rank: int = 2) -> dict[int, int]:  # fmt: skip
+def in_flight(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 2,
+              stage_bytes: dict | None = None) -> dict[int, int]:  # fmt: skip
     """Per pipeline rank: the most (stage, microbatch) pairs whose forward has run and whose
     backward has not finished, at any point of its action list. A split backward finishes
     at W, not I: until W the stage keeps what the weights' gradient needs (its inputs and
-    the graph's saved tensors, torch's ``backward_state``), so an I frees little. Multiply
-    by one stage-chunk's activations for one microbatch for the memory."""
+    the graph's saved tensors, torch's ``backward_state``), so an I frees little.
+    `stage_bytes` ({stage: (the bytes each microbatch of it saves, those its microbatches
+    share)}): the most bytes those pairs hold at once, instead of their number."""
+    weights = stage_bytes or {}
     out = {}
     for rank, acts in actions(schedule, pp, microbatches, stages_per_rank).items():
-        held, peak = set(), 0
+        held, per_stage, total, peak = set(), Counter(), 0, 0
         for kind, stage, mb in acts:
+            each, shared = weights.get(stage, (1, 0))
             if kind == "F":
+                total += each + (0 if per_stage[stage] else shared)
                 held.add((stage, mb))
-                peak = max(peak, len(held))
-            elif kind in ("B", "W"):
-                held.discard((stage, mb))
+                per_stage[stage] += 1
+                peak = max(peak, total)
+            elif kind in ("B", "W") and (stage, mb) in held:
+                held.remove((stage, mb))
+                per_stage[stage] -= 1
+                total -= each + (0 if per_stage[stage] else shared)
         out[rank] = peak
     return out
 

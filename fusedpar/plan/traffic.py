@@ -18,12 +18,18 @@ the fp32 partial sums TP's reduce-scatters and the ring's dK/dV carry):
 | EP (ep > 1, MoE block)    | the counts; rows out, back  | rows out, back                    |
 | pipeline (pp > 1)         | the activation to the next  | its gradient to the previous      |
 |                           | stage's rank                | stage's rank                      |
+| biases after a TP         |                             | one all-reduce over tp each       |
+| reduction (o's, down's)   |                             | (`copy_to_region`), d e           |
+
+A Hugging Face model's loss (`parallelize`'s, without a pipeline) all-reduces its (sum,
+count) over each of cp, ulysses and tp, per microbatch.
 
 Once a step: the partial gradients of parameters that saw only this rank's tokens, one
 all-reduce per group they are partial over (whole ones over cp x ulysses x tp, TP shards
-over cp x ulysses, experts over those axes EP does not run on); under FSDP2 each such
-parameter alone, and per FSDP unit (each block, and the root) an all-gather in the
-forward (and the backward, but for the root) and a reduce-scatter, per microbatch.
+and the biases summed over tp over cp x ulysses, experts over those axes EP does not run
+on); under FSDP2 each such parameter alone, and per FSDP unit (each block, and the root)
+an all-gather in the forward (and the backward, but for the root) and a reduce-scatter,
+per microbatch.
 
 On a CPU (gloo) the ring and Ulysses' exchanges add a small all-gather per call that
 checks the ranks agree on shapes (`cpu_checks`); on GPUs they do not.
@@ -134,6 +140,10 @@ def _block(ledger, spec, layer, z, *, cpu_checks: bool, forward: bool) -> None:
         if cpu_checks:  # scatter's 3 shapes and gather's 1
             ledger.add("all_gather", ("ulysses",), (u + 1) * 8 * 12)
             ledger.add("all_gather", ("ulysses",), (u + 1) * 8 * 4)
+    if t > 1 and not forward:  # `copy_to_region`: a bias added after a reduction
+        for shape, kind in acc.layer_tensors(spec, layer):
+            if kind == "summed":
+                ledger.add("all_reduce", ("tp",), math.prod(shape) * e)
     if moe and z.ep > 1:
         ep = ("ep",)
         if forward:
@@ -145,7 +155,8 @@ def _block(ledger, spec, layer, z, *, cpu_checks: bool, forward: bool) -> None:
 def _partial_groups(spec, dims, layers, first, last) -> dict:
     """{axes a gradient is partial over: [numel of each such parameter]} for one rank."""
     split = tuple(a for a in ("cp", "ulysses", "tp") if getattr(dims, a) > 1)
-    of_kind = {"whole": split, "tp": tuple(a for a in split if a != "tp"),
+    without_tp = tuple(a for a in split if a != "tp")
+    of_kind = {"whole": split, "tp": without_tp, "summed": without_tp,
                "expert": tuple(a for a in split if a not in dims.ep_axes)}  # fmt: skip
     groups: dict = {}
     for i in layers:
@@ -183,6 +194,9 @@ def step(spec, dims, z: acc.Local, layers, first: bool, last: bool, microbatches
             for neighbour in (s - 1, s + 1):
                 if 0 <= neighbour <= last_stage and stage_ranks[neighbour] != me:
                     _p2p(ledger, "pp", hidden, microbatches)  # activation or its gradient
+    if spec.hf and last and dims.pp == 1:  # `parallelize`'s loss: (sum, count) in fp32
+        for axis in ("cp", "ulysses", "tp"):
+            ledger.add("all_reduce", (axis,), 8, microbatches)
     for axes, sizes in _partial_groups(spec, dims, layers, first, last).items():
         if fsdp:
             for numel in sizes:

@@ -9,17 +9,20 @@
   each build uses; `machine_code`: ptxas's notes and the SASS hot loop of a build.
 - `HostSyncs`: record the calls that would stall the host on a GPU, on any machine.
 - `Collectives`: count the collectives a piece of code runs, by kind and group size.
+- `SavedActivations`: the bytes a forward keeps for its backward (checkpointing's too).
 """
 
 from fusedpar.testing import compile_gate, machine_code, strategies
 from fusedpar.testing.collectives import Collectives
 from fusedpar.testing.host_syncs import HostSyncs
+from fusedpar.testing.saved import SavedActivations
 from fusedpar.testing.tolerance import assert_close, assert_ulps, tolerance
 from fusedpar.testing.world import World, WorldError, WorldTimeout, exception_of, shared_world
 
 __all__ = [
     "Collectives",
     "HostSyncs",
+    "SavedActivations",
     "World",
     "WorldError",
     "WorldTimeout",
