@@ -1,8 +1,8 @@
 """`fusedpar.plan` against the code: what the planner says a rank holds, saves and sends
 equals, exactly, what the example model's real step allocates, saves and sends, at one
 process and on 4 gloo ranks at TP2 x DP2, TP2 x CP2, CP2 x Ulysses 2, TP2 x CP2 with EP
-over tp (and, for saved activations, over cp x tp: EP 4), PP2 x TP2 (1F1B; and
-Interleaved1F1B with EP over tp).
+over tp (and, for saved activations, over cp x tp: EP 4), PP2 x TP2 (1F1B under
+selective checkpointing; and Interleaved1F1B with EP over tp).
 
 - parameters, gradients and AdamW's state: the bytes of the real tensors (AdamW's
   ``step`` is one fp32 scalar a parameter; FSDP2 over dp at DP2 x TP2, a pipeline rank's
@@ -124,9 +124,10 @@ def _local_bytes(tensors) -> int:
     return sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in tensors)
 
 
-def _step(kw: dict, moe: bool, ep=None, schedule=None) -> dict:
-    """On each rank, after two training steps: the parameters, gradients and AdamW state
-    it holds, and the collectives of the second step (`Collectives`), real and planned."""
+def _step(kw: dict, moe: bool, ep=None, schedule=None, policy="none") -> dict:
+    """On each rank, after two training steps (the blocks checkpointed under `policy`):
+    the parameters, gradients and AdamW state it holds, the collectives of the second
+    step (`Collectives`) and the most saved bytes it held at once, real and planned."""
     from fusedpar.pipeline import stages_of
     from fusedpar.plan import traffic
     from fusedpar.plan.estimate import rank_stages, saved_peaks, state_bytes
@@ -141,6 +142,14 @@ def _step(kw: dict, moe: bool, ep=None, schedule=None) -> dict:
     microbatches = 4 if dims.pp > 1 else 1
     data = torch.randint(0, cfg.vocab, (4, SEQ + 1), generator=torch.Generator().manual_seed(1))
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+    def context_fn():  # selective checkpointing's cache followed by the step's `saved`
+        if policy == "selective":
+            return saved.recorded(fp.checkpoint_policy())()
+        return noop_context_fn()
+
+    if policy != "none":
+        model.blocks = torch.nn.ModuleList(Checkpointed(b, context_fn) for b in model.blocks)
     pp_rank = 0
     if dims.pp > 1:
         pipe = fp.pipeline.split(model, dims, mesh, schedule=schedule,
@@ -178,14 +187,14 @@ def _step(kw: dict, moe: bool, ep=None, schedule=None) -> dict:
     peak = None  # FSDP2 saves its gathered weights too; EP in a pipeline: `check_peaks`
     if dims.dp == 1 and not (dims.pp > 1 and dims.ep_size > 1):
         views = tokens.nbytes + labels.nbytes if dims.pp > 1 else 0  # the ids and labels (int64)
-        peak = (saved.peak, saved_peaks(spec, dims, z, "none", schedule, microbatches)[pp_rank],
+        peak = (saved.peak, saved_peaks(spec, dims, z, policy, schedule, microbatches)[pp_rank],
                 views)  # fmt: skip
     stage_ranks = None
     if dims.pp > 1:
         stage_ranks = {s: r for r in range(dims.pp) for s in stages_of(schedule, r, dims.pp, 2)}
     stages = stages_of(schedule, pp_rank, dims.pp, 2) if dims.pp > 1 else None
     ledger = traffic.step(spec, dims, z, layers, first, last, microbatches, stages=stages,
-                          stage_ranks=stage_ranks, cpu_checks=True)  # fmt: skip
+                          stage_ranks=stage_ranks, cpu_checks=True, policy=policy)  # fmt: skip
     counts, nbytes = ledger.by_group_size()
     state = state_bytes(spec, dims, layers, first, last, param_dtype=torch.float32,
                         optimizer="adamw")  # fmt: skip
@@ -211,7 +220,7 @@ def check_peaks(results: list, where, summed: bool) -> None:
 STEP_LAYOUTS = [({"tp": 2, "dp": 2}, False, None, None), ({"cp": 2, "tp": 2}, False, None, None),
                    ({"cp": 2, "ulysses": 2}, False, None, None),
                    ({"cp": 2, "tp": 2}, True, "tp", None),
-                   ({"pp": 2, "tp": 2}, False, None, "1F1B"),
+                   ({"pp": 2, "tp": 2}, False, None, "1F1B", "selective"),
                    ({"pp": 2, "tp": 2}, True, "tp", "Interleaved1F1B")]  # fmt: skip
 
 

@@ -7,28 +7,29 @@ attention with q's latent, a dense first layer, then MoE with a shared expert an
 sigmoid router); at one process also qwen3, qwen2_moe, glm4_moe and qwen3_moe with a
 dense first layer (`mlp_only_layers`).
 
-- saved activations of one forward under each checkpointing policy (none; selective,
-  ``fp.checkpoint_policy()``; full), the decoder layers checkpointed by Hugging Face's
-  own ``activation_checkpointing_enable``: the distinct storages ``SavedActivations``
-  counts, parameters left out, against ``plan.activation_bytes`` (Hugging Face's own
-  RMSNorm, embedding, LM head and `parallelize`'s loss included); fp32 and fp16 at one
-  process, fp32 on 4 gloo ranks at DP2 x TP2, CP2 x TP2, CP2 x Ulysses 2 (llama,
-  qwen3_moe with EP over ulysses), CP2 x TP2 with EP over tp (qwen3_moe, deepseek_v3:
-  the CPU's ring moves MLA's expanded K/V). A MoE rank's rows depend on the routing: the
-  planner takes it balanced, so an EP group's sum is what is held equal;
-- parameters, gradients and AdamW's state after a step (AdamW's ``step`` one fp32
-  scalar a parameter), the collectives of a training step with the bytes of their
-  tensors (`Collectives`), and the most saved bytes a rank holds at once in it
-  (`test_plan.check_peaks`), per rank, at DP2 x TP2 (FSDP2, each decoder layer a unit),
-  CP2 x TP2, CP2 x Ulysses 2, CP2 x TP2 with EP over tp (qwen3_moe, deepseek_v3),
-  PP2 x TP2 1F1B and Interleaved1F1B (llama), and Interleaved1F1B with EP over tp
-  (qwen3_moe); 4 layers where two stages a rank take one each.
+- at one process, fp32 and fp16: saved activations of one forward under each
+  checkpointing policy (none; selective, ``fp.checkpoint_policy()``; full), the decoder
+  layers checkpointed by Hugging Face's own ``activation_checkpointing_enable``: the
+  distinct storages ``SavedActivations`` counts, parameters left out, against
+  ``plan.activation_bytes`` (Hugging Face's own RMSNorm, embedding, LM head and
+  `parallelize`'s loss included); parameters, gradients and AdamW's state after a step
+  (AdamW's ``step`` one fp32 scalar a parameter);
+- on 4 gloo ranks, fp32, per rank: the same state after a training step (a pipeline's
+  second), the collectives of that step with the bytes of their tensors (`Collectives`),
+  the most saved bytes the rank held at once in it (`test_plan.check_peaks`) and, without
+  a pipeline, the saved activations of one forward under each policy; at DP2 x TP2
+  (FSDP2, each decoder layer a unit), CP2 x TP2, CP2 x Ulysses 2 (llama; deepseek_v3
+  with EP over ulysses), CP2 x TP2 with EP over tp (qwen3_moe, deepseek_v3: the CPU's
+  ring moves MLA's expanded K/V), PP2 x TP2 1F1B (llama) and Interleaved1F1B (llama
+  under full checkpointing; qwen3_moe with EP over tp under selective; 4 layers, a stage
+  each). A MoE rank's rows depend on the routing: the planner takes it balanced, so an
+  EP group's sum is what is held equal.
 """
 
-import dataclasses
 
 import pytest
 import torch
+from torch.utils.checkpoint import noop_context_fn
 
 import fusedpar as fp
 from fusedpar import plan
@@ -53,16 +54,6 @@ CASES = {  # name: (family, config changes over test_hf's)
     "glm4_moe": ("glm4_moe", {}),
     "deepseek_v3": ("deepseek_v3", {}),  # first_k_dense_replace=1: one dense, one MoE
 }
-LAYOUTS = [  # on 4 ranks: (case, degrees, EP over)
-    ("llama", dict(dp=2, tp=2), None),
-    ("llama", dict(cp=2, tp=2), None),
-    ("llama", dict(cp=2, ulysses=2), None),
-    ("qwen3_moe", dict(cp=2, ulysses=2), "ulysses"),
-    ("qwen3_moe", dict(cp=2, tp=2), "tp"),
-    ("deepseek_v3", dict(cp=2, tp=2), "tp"),
-]
-
-
 def _local_bytes(tensors) -> int:
     return sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in tensors)
 
@@ -86,15 +77,15 @@ def _saved_in_forward(model, ids, policy: str) -> int:
     return saved.nbytes
 
 
-def _measure(case: str, dtype=torch.float32, degrees=None, ep=None) -> dict:
-    """On this rank (one process unless `degrees`): the bytes one forward saves under
-    each policy; after a backward and one AdamW step the bytes of parameters, gradients
-    and AdamW's state; the planner's beside them."""
+def _measure(case: str, dtype) -> dict:
+    """At one process: the bytes one forward saves under each policy; after a backward
+    and one AdamW step the bytes of parameters, gradients and AdamW's state; the
+    planner's beside them."""
     family, changes = CASES[case]
-    dims = fp.ParallelDims(ep=ep, **(degrees or {}))
+    dims = fp.ParallelDims()
     model = _model(family, 0, **changes).to(dtype)
     spec = plan.from_hf_config(model.config)
-    hf.parallelize(model, dims if degrees else None)
+    hf.parallelize(model, None)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     got = {policy: _saved_in_forward(model, ids, policy) for policy in POLICIES}
     want = {policy: plan.activation_bytes(spec, dims, seq_len=SEQ, micro_batch=BATCH,
@@ -107,8 +98,7 @@ def _measure(case: str, dtype=torch.float32, degrees=None, ep=None) -> dict:
             (t for s in optimizer.state.values() for t in s.values())]  # fmt: skip
     state = dict(zip(("parameters", "gradients", "optimizer"), map(_local_bytes, held),
                      strict=True))  # fmt: skip
-    replicated = dataclasses.replace(dims, dp=1)  # dp replicates here: no FSDP
-    planned = state_bytes(spec, replicated, range(spec.n_layers), True, True, param_dtype=dtype,
+    planned = state_bytes(spec, dims, range(spec.n_layers), True, True, param_dtype=dtype,
                           optimizer="adamw")  # fmt: skip
     planned.pop("numel")
     return {"saved": got, "planned": want, "state": state, "planned_state": planned}
@@ -123,34 +113,13 @@ def test_one_process(case, dtype):
     assert result["state"] == result["planned_state"]
 
 
-def _all_layouts() -> list:
-    return [_measure(case, degrees=degrees, ep=ep) for case, degrees, ep in LAYOUTS]
-
-
-def test_on_four_ranks(world):
-    """Parameters, gradients, AdamW state per rank exactly (dp replicating); saved
-    activations per rank exactly, or with EP summed over each EP group (the pairs (0, 1),
-    (2, 3))."""
-    per_rank = world(4).run(_all_layouts)
-    for i, layout in enumerate(LAYOUTS):
-        results = [rank[i] for rank in per_rank]
-        for result in results:
-            assert result["state"] == result["planned_state"], layout
-        if layout[2] is None:
-            for result in results:
-                assert result["saved"] == result["planned"], layout
-            continue
-        for policy in POLICIES:
-            for group in ((0, 1), (2, 3)):
-                got = sum(results[r]["saved"][policy] for r in group)
-                want = sum(results[r]["planned"][policy] for r in group)
-                assert got == want, (layout, policy, group)
-
-
-def _step(case: str, degrees: dict, ep=None, schedule=None) -> dict:
-    """On this rank, after two training steps of a batch of 4 (the same on every rank):
-    the parameters, gradients and AdamW state it holds and the collectives of the second
-    step, real and planned. (The first step holds `parallelize`'s once-only checks.)"""
+def _step(case: str, degrees: dict, ep=None, schedule=None, policy="none") -> dict:
+    """On this rank, a batch of 4 (the same on every rank): without a pipeline the bytes
+    one forward saves under each policy, then a training step; in a pipeline two, the
+    decoder layers checkpointed under `policy`. After them the parameters, gradients and
+    AdamW state it holds, the collectives of the last step and the most saved bytes it
+    held at once in it; real and planned. (The first call holds `parallelize`'s
+    once-only checks, the pipeline's first step its shape inference.)"""
     from fusedpar.pipeline import stages_of
     from fusedpar.plan import traffic
     from fusedpar.plan.estimate import rank_stages, saved_peaks
@@ -164,6 +133,21 @@ def _step(case: str, degrees: dict, ep=None, schedule=None) -> dict:
     mesh = hf.parallelize(model, dims)
     microbatches = 4 if dims.pp > 1 else 1
     ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(1))
+    forward_saved = None
+    if dims.pp == 1:  # before FSDP2 wraps the layers
+        forward_saved = ({p: _saved_in_forward(model, ids, p) for p in POLICIES},
+                         {p: plan.activation_bytes(spec, dims, seq_len=SEQ, micro_batch=4,
+                                                   dtype=torch.float32, checkpointing=p)
+                          for p in POLICIES})  # fmt: skip
+    elif policy != "none":
+
+        def context_fn():  # selective checkpointing's cache followed by the step's `saved`
+            if policy == "selective":
+                return saved.recorded(fp.checkpoint_policy())()
+            return noop_context_fn()
+
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn})
     pp_rank, stages, stage_ranks = 0, None, None
     if dims.pp > 1:
         pipe = fp.pipeline.split(model, dims, mesh, schedule=schedule, microbatches=microbatches)
@@ -184,7 +168,7 @@ def _step(case: str, degrees: dict, ep=None, schedule=None) -> dict:
             model(input_ids=ids, labels=ids).loss.backward()
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(2):  # the second step is counted
+    for _ in range(2 if dims.pp > 1 else 1):  # the last step is counted
         saved = SavedActivations(model.parameters())
         with Collectives() as seen, saved:
             forward_backward()
@@ -199,50 +183,60 @@ def _step(case: str, degrees: dict, ep=None, schedule=None) -> dict:
     peak = None  # FSDP2 saves its gathered weights too; EP in a pipeline: `check_peaks`
     if dims.dp == 1 and not (dims.pp > 1 and dims.ep_size > 1):
         views = 2 * ids.nbytes if dims.pp > 1 else 0  # the ids and labels (int64)
-        peak = (saved.peak, saved_peaks(spec, dims, z, "none", schedule, microbatches)[pp_rank],
+        peak = (saved.peak, saved_peaks(spec, dims, z, policy, schedule, microbatches)[pp_rank],
                 views)  # fmt: skip
     ledger = traffic.step(spec, dims, z, layers, first, last, microbatches, stages=stages,
-                          stage_ranks=stage_ranks, cpu_checks=True)  # fmt: skip
+                          stage_ranks=stage_ranks, cpu_checks=True, policy=policy)  # fmt: skip
     state = state_bytes(spec, dims, layers, first, last, param_dtype=torch.float32,
                         optimizer="adamw")  # fmt: skip
     state.pop("numel")
-    return {"peak": peak,
+    return {"peak": peak, "saved": forward_saved,
             "real": (dict(seen.counts), dict(seen.bytes)), "planned": ledger.by_group_size(),
             "real_state": real_state, "planned_state": state}  # fmt: skip
 
 
-STEP_LAYOUTS = [  # (case, degrees, EP over, schedule)
+LAYOUTS = [  # on 4 ranks: (case, degrees, EP over, schedule, a pipeline's checkpointing)
     ("llama", dict(dp=2, tp=2), None, None),
     ("llama", dict(cp=2, tp=2), None, None),
     ("llama", dict(cp=2, ulysses=2), None, None),
     ("qwen3_moe", dict(cp=2, tp=2), "tp", None),
     ("deepseek_v3", dict(cp=2, tp=2), "tp", None),
+    ("deepseek_v3", dict(cp=2, ulysses=2), "ulysses", None),
     ("llama", dict(pp=2, tp=2), None, "1F1B"),
-    ("llama", dict(pp=2, tp=2), None, "Interleaved1F1B"),
-    ("qwen3_moe", dict(pp=2, tp=2), "tp", "Interleaved1F1B"),
+    ("llama", dict(pp=2, tp=2), None, "Interleaved1F1B", "full"),
+    ("qwen3_moe", dict(pp=2, tp=2), "tp", "Interleaved1F1B", "selective"),
 ]
 
 
-def _all_steps() -> list:
-    return [_step(*layout) for layout in STEP_LAYOUTS]
+def _all_layouts() -> list:
+    return [_step(*layout) for layout in LAYOUTS]
 
 
-def test_held_state_collectives_and_bytes_of_a_step(world):
-    """Parameters, gradients, AdamW state, collectives: per rank, exactly; with EP the
-    all-to-alls' bytes (the routed rows) summed over the ranks (the planner's routing is
-    balanced). The most saved bytes a rank held at once: `check_peaks` (not under FSDP2,
-    whose gathered weights are saved too, nor with EP in a pipeline)."""
-    per_rank = world(4).run(_all_steps)
-    for i, layout in enumerate(STEP_LAYOUTS):
+def test_on_four_ranks(world):
+    """Per rank, exactly: parameters, gradients, AdamW state, collectives; without a
+    pipeline the saved activations under each policy; the most saved bytes held at once
+    (`check_peaks`: not under FSDP2, whose gathered weights are saved too, nor with EP in
+    a pipeline). With EP (the planner's routing is balanced) the all-to-alls' bytes summed
+    over the ranks, the saved activations over each EP group (the pairs (0, 1), (2, 3))."""
+    per_rank = world(4).run(_all_layouts)
+    for i, layout in enumerate(LAYOUTS):
         results = [rank[i] for rank in per_rank]
+        ep = layout[2]
         for result in results:
             assert result["real_state"] == result["planned_state"], layout
             assert result["real"][0] == result["planned"][0], layout
-            if layout[2] is None:
+            if ep is None:
                 assert result["real"][1] == result["planned"][1], layout
         if results[0]["peak"] is not None:
-            check_peaks(results, layout, summed=layout[2] is not None)
-        if layout[2] is not None:
+            check_peaks(results, layout, summed=ep is not None)
+        if ep is not None:
             for key in results[0]["real"][1]:
                 got = sum(r["real"][1].get(key, 0) for r in results)
                 assert got == sum(r["planned"][1].get(key, 0) for r in results), (layout, key)
+        if results[0]["saved"] is None:
+            continue
+        for group in ((0, 1), (2, 3)) if ep else ((r,) for r in range(4)):
+            for policy in POLICIES:
+                got = sum(results[r]["saved"][0][policy] for r in group)
+                want = sum(results[r]["saved"][1][policy] for r in group)
+                assert got == want, (layout, policy, group)

@@ -181,8 +181,10 @@ def mla_saved(spec: ModelSpec, z: Local) -> int:
     latents' norms (inputs: q_a's output, kv_a's (r + dr wide, the latent a view of it);
     rstd; outputs), q and k after RoPE, kv_b's output (v a view of it), the output and
     its LSE, RoPE's tables over the rotary dims; with cp > 1 the ring's masks. Held exact
-    without Ulysses and with the ring moving the expanded K/V; the ring that moves the
-    latent (``cp_ring="latent"``, or "auto" on a GPU where it moves less) saves its own."""
+    with the ring (and Ulysses) moving the expanded K/V; the ring that moves the
+    latent (``cp_ring="latent"``, or "auto" on a GPU where it moves less) saves its own.
+    Under Ulysses v is exchanged (kv_b's output is then not kept) and o-proj takes the
+    gathered output."""
     e, hd, hv, dr, r = z.e, spec.head_dim, spec.v_dim, spec.rope_dim, spec.kv_lora_rank
     hq = spec.n_heads // (z.tp * z.ulysses)
     saved = norm_saved(spec, z)
@@ -190,7 +192,11 @@ def mla_saved(spec: ModelSpec, z: Local) -> int:
         saved += z.m * (2 * spec.q_lora_rank * e + 4)
     saved += z.m * ((2 * r + dr) * e + 4)
     saved += rope_tables(spec, z)
-    saved += 2 * z.a * hq * hd * e + z.m * spec.n_heads // z.tp * (hd - dr + hv) * e
+    saved += 2 * z.a * hq * hd * e  # q and k after RoPE
+    if z.ulysses > 1:  # v exchanged (kv_b's output not kept); o-proj's gathered input
+        saved += z.a * hq * hv * e + z.m * spec.n_heads // z.tp * hv * e
+    else:  # kv_b's output, v a view of it
+        saved += z.m * spec.n_heads // z.tp * (hd - dr + hv) * e
     if z.cp > 1:
         saved += 16 * z.seq  # the ring's masks: (cp, 4, S / cp) int32
     return saved + z.a * hq * hv * e + 4 * z.a * hq
@@ -211,7 +217,11 @@ def attention_saved(spec: ModelSpec, z: Local, policy: str = "none") -> int:
         return 0
     if policy == "selective" and spec.mla:  # the latents' gathered projections, o-proj's
         kept = z.m * (spec.q_lora_rank + spec.kv_lora_rank + spec.rope_dim) * e + z.n * d * e
-        return kept + (out_lse if z.cp > 1 else 0)  # + the ring's output
+        if z.cp > 1:
+            kept += out_lse  # the ring's output
+        if z.ulysses > 1:  # the exchanged q, k, v and the gathered output
+            kept += q_k_v + gathered_out
+        return kept
     if policy == "selective":
         if z.tp == 1 and z.cp == 1 and z.ulysses == 1:  # one rank: the layer is one op
             return z.n * d * e + q_k_v + out_lse + qk_norms

@@ -13,11 +13,12 @@ outputs a selective-checkpointing context made by `recorded` keeps for the backw
 recompute. Under ``torch.utils.checkpoint`` (non-reentrant) what a checkpointed region
 saves inside is not packed by an outer hook: its inputs are, which is what it holds.
 
-`peak` follows what autograd still holds of the packed tensors (selective
-checkpointing's cache is not followed): one counts until its graph lets it go, after
-that node's backward; so around a pipeline's whole step `peak` is the most its
-in-flight microbatches hold at once (`nbytes`, for one forward, would there count a
-storage freed and reused as one).
+`peak` follows what is still held: a packed tensor until its graph lets it go (after
+that node's backward), a cached output until the recompute takes it; so around a
+pipeline's whole step `peak` is the most its in-flight microbatches hold at once
+(`nbytes`, for one forward, would there count a storage freed and reused as one). The
+cache is followed through torch's selective-checkpointing contexts' ``storage``
+({op: {call index: entry}}, torch 2.13): another layout raises.
 
 `tests/test_activation_memory.py` and the planner's tests (`tests/test_plan*.py`) hold
 the layers' and `fusedpar.plan`'s accounting to these counts.
@@ -26,7 +27,7 @@ the layers' and `fusedpar.plan`'s accounting to these counts.
 from __future__ import annotations
 
 import weakref
-from collections import Counter
+from collections import Counter, defaultdict
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -45,15 +46,35 @@ class _Packed:
         self.tensor = tensor
 
 
+class _Cache(dict):
+    """One op's entries in a selective-checkpointing cache ({call index: entry}): an
+    entry's tensors are held from when it is stored to when the recompute replaces it
+    (with a marker)."""
+
+    def __init__(self, owner: SavedActivations):
+        super().__init__()
+        self.owner = owner
+
+    def __setitem__(self, index, entry):
+        if index in self:
+            self.owner._drop_entry(self[index])
+        self.owner._hold_entry(entry)
+        super().__setitem__(index, entry)
+
+
+def _tensors_of(entry) -> list[torch.Tensor]:
+    leaves = tree_leaves(entry, is_leaf=lambda x: hasattr(x, "val"))
+    return [x.val for x in leaves if isinstance(getattr(x, "val", None), torch.Tensor)]
+
+
 class SavedActivations:
     """Counts the storages a forward saves for its backward (see the module doc)."""
 
     def __init__(self, parameters=()):
         self._parameters = {_local(p).untyped_storage().data_ptr() for p in parameters}
         self.storages: dict[int, int] = {}  # data_ptr -> bytes
-        self._contexts: list = []
         self._hooks = None
-        self._holders: Counter = Counter()  # data_ptr -> packed tensors autograd holds
+        self._holders: Counter = Counter()  # data_ptr -> saved tensors holding it
         self._held = 0  # bytes of the storages held now
         self.peak = 0
 
@@ -61,8 +82,15 @@ class SavedActivations:
         """`context_fn` (``fp.checkpoint_policy()``, say) whose caches are counted."""
 
         def recording():
-            self._contexts.append(context_fn())
-            return self._contexts[-1]
+            forward, recompute = context_fn()
+            storage = getattr(forward, "storage", None)
+            if not (isinstance(storage, defaultdict) and storage.default_factory is dict
+                    and getattr(recompute, "storage", None) is storage):  # fmt: skip
+                raise RuntimeError("SavedActivations.recorded: this torch's selective "
+                                   "checkpointing keeps its cache otherwise than torch 2.13's "
+                                   "{op: {call index: entry}}")  # fmt: skip
+            forward.storage = recompute.storage = defaultdict(lambda: _Cache(self))
+            return forward, recompute
 
         return recording
 
@@ -74,22 +102,37 @@ class SavedActivations:
         self.storages[storage.data_ptr()] = storage.nbytes()
         return storage.data_ptr()
 
-    def _pack(self, t: torch.Tensor):
+    def _hold(self, t: torch.Tensor) -> int | None:
         ptr = self._keep(t)
-        if ptr is None:
-            return t
-        packed = _Packed(t)
-        if not self._holders[ptr]:
-            self._held += self.storages[ptr]
-            self.peak = max(self.peak, self._held)
-        self._holders[ptr] += 1
-        weakref.finalize(packed, self._release, ptr, self.storages[ptr])
-        return packed
+        if ptr is not None:
+            if not self._holders[ptr]:
+                self._held += self.storages[ptr]
+                self.peak = max(self.peak, self._held)
+            self._holders[ptr] += 1
+        return ptr
 
     def _release(self, ptr: int, nbytes: int) -> None:
         self._holders[ptr] -= 1
         if not self._holders[ptr]:
             self._held -= nbytes
+
+    def _hold_entry(self, entry) -> None:
+        for t in _tensors_of(entry):
+            self._hold(t)
+
+    def _drop_entry(self, entry) -> None:
+        for t in _tensors_of(entry):
+            ptr = _local(t).untyped_storage().data_ptr()
+            if ptr not in self._parameters:
+                self._release(ptr, self.storages[ptr])
+
+    def _pack(self, t: torch.Tensor):
+        ptr = self._hold(t)
+        if ptr is None:
+            return t
+        packed = _Packed(t)
+        weakref.finalize(packed, self._release, ptr, self.storages[ptr])
+        return packed
 
     @staticmethod
     def _unpack(packed):
@@ -102,13 +145,6 @@ class SavedActivations:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
-        for forward_context, _ in self._contexts:  # selective checkpointing's cache
-            for outputs in forward_context.storage.values():
-                leaves = tree_leaves(list(outputs.values()), is_leaf=lambda x: hasattr(x, "val"))
-                for leaf in leaves:
-                    value = getattr(leaf, "val", None)
-                    if isinstance(value, torch.Tensor):
-                        self._keep(value)
 
     @property
     def nbytes(self) -> int:
