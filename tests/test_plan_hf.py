@@ -4,8 +4,8 @@ equals, exactly, what the converted model allocates, saves and sends. Tiny rando
 models, 2 layers each (test_hf's configs): "llama" (dense GQA, q/k/v/o and MLP biases;
 tied embeddings too), "qwen3_moe" (per-head q/k norms, MoE) and "deepseek_v3" (latent
 attention with q's latent, a dense first layer, then MoE with a shared expert and the
-sigmoid router); at one process also qwen3, qwen2_moe, glm4_moe and qwen3_moe with a
-dense first layer (`mlp_only_layers`).
+sigmoid router); at one process also mistral, qwen2, qwen3, phi3, mixtral, qwen2_moe,
+glm4_moe and qwen3_moe with a dense first layer (`mlp_only_layers`).
 
 - at one process, fp32 and fp16: saved activations of one forward under each
   checkpointing policy (none; selective, ``fp.checkpoint_policy()``; full), the decoder
@@ -17,12 +17,13 @@ dense first layer (`mlp_only_layers`).
 - on 4 gloo ranks, fp32, per rank: the same state after a training step (a pipeline's
   second), the collectives of that step with the bytes of their tensors (`Collectives`),
   the most saved bytes the rank held at once in it (`test_plan.check_peaks`) and, without
-  a pipeline, the saved activations of one forward under each policy; at DP2 x TP2
-  (FSDP2, each decoder layer a unit), CP2 x TP2, CP2 x Ulysses 2 (llama; deepseek_v3
-  with EP over ulysses), CP2 x TP2 with EP over tp (qwen3_moe, deepseek_v3: the CPU's
-  ring moves MLA's expanded K/V), PP2 x TP2 1F1B (llama) and Interleaved1F1B (llama
-  under full checkpointing; qwen3_moe with EP over tp under selective; 4 layers, a stage
-  each). A MoE rank's rows depend on the routing: the planner takes it balanced, so an
+  a pipeline, the saved activations of one forward under each policy; each of llama,
+  qwen3_moe and deepseek_v3 at DP2 x TP2 (FSDP2, each decoder layer a unit), CP2 x TP2,
+  CP2 x Ulysses 2, PP2 x TP2 1F1B and Interleaved1F1B (4 layers, a stage each), the MoE
+  families with EP over tp (over ulysses at CP2 x Ulysses 2); pipelines' steps under
+  full or selective checkpointing as LAYOUTS says; deepseek_v3's ring moving MLA's
+  expanded K/V (the CPU's choice) and, at CP2 x TP2 again, the latent, as "auto" does on
+  a GPU. A MoE rank's rows depend on the routing: the planner takes it balanced, so an
   EP group's sum is what is held equal.
 """
 
@@ -47,6 +48,10 @@ CASES = {  # name: (family, config changes over test_hf's)
     "llama": ("llama", dict(num_hidden_layers=2)),
     "llama-tied": ("llama", dict(num_hidden_layers=2, tie_word_embeddings=True)),
     "qwen3": ("qwen3", dict(num_hidden_layers=2)),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),  # q/k/v biases
+    "phi3": ("phi3", {}),  # fused qkv and gate_up
+    "mixtral": ("mixtral", {}),
     "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=2, mlp_only_layers=[])),
     "qwen3_moe-dense-first": ("qwen3_moe", dict(num_hidden_layers=2, mlp_only_layers=[0])),
     "qwen2_moe": ("qwen2_moe", dict(num_hidden_layers=2)),  # q/k/v biases, a gated shared expert
@@ -113,16 +118,18 @@ def test_one_process(case, dtype):
     assert result["state"] == result["planned_state"]
 
 
-def _step(case: str, degrees: dict, ep=None, schedule=None, policy="none") -> dict:
+def _step(case: str, degrees: dict, ep=None, schedule=None, policy="none",
+          cp_ring="expanded") -> dict:  # fmt: skip
     """On this rank, a batch of 4 (the same on every rank): without a pipeline the bytes
-    one forward saves under each policy, then a training step; in a pipeline two, the
-    decoder layers checkpointed under `policy`. After them the parameters, gradients and
+    one forward saves under each policy, then a training step (in a pipeline two), the
+    decoder layers checkpointed under `policy`; MLA's ring `cp_ring` (a CPU's choice:
+    "expanded"). After them the parameters, gradients and
     AdamW state it holds, the collectives of the last step and the most saved bytes it
     held at once in it; real and planned. (The first call holds `parallelize`'s
     once-only checks, the pipeline's first step its shape inference.)"""
     from fusedpar.pipeline import stages_of
     from fusedpar.plan import traffic
-    from fusedpar.plan.estimate import rank_stages, saved_peaks
+    from fusedpar.plan.estimate import latent_ring, rank_stages, saved_peaks
 
     family, changes = CASES[case]
     if schedule == "Interleaved1F1B":  # two stages a rank, a layer each
@@ -131,15 +138,19 @@ def _step(case: str, degrees: dict, ep=None, schedule=None, policy="none") -> di
     model = _model(family, 0, **changes)
     spec = plan.from_hf_config(model.config)
     mesh = hf.parallelize(model, dims)
+    for module in model.modules():
+        if isinstance(module, fp.nn.ParallelMLA):
+            module.cp_ring = cp_ring
     microbatches = 4 if dims.pp > 1 else 1
     ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(1))
     forward_saved = None
     if dims.pp == 1:  # before FSDP2 wraps the layers
         forward_saved = ({p: _saved_in_forward(model, ids, p) for p in POLICIES},
                          {p: plan.activation_bytes(spec, dims, seq_len=SEQ, micro_batch=4,
-                                                   dtype=torch.float32, checkpointing=p)
+                                                   dtype=torch.float32, checkpointing=p,
+                                                   cp_ring=cp_ring)
                           for p in POLICIES})  # fmt: skip
-    elif policy != "none":
+    if policy != "none":
 
         def context_fn():  # selective checkpointing's cache followed by the step's `saved`
             if policy == "selective":
@@ -178,7 +189,8 @@ def _step(case: str, degrees: dict, ep=None, schedule=None, policy="none") -> di
         real_state = dict(zip(("parameters", "gradients", "optimizer"), map(_local_bytes, held),
                               strict=True))  # fmt: skip
         optimizer.zero_grad()
-    z = plan.Local(SEQ, 4 // microbatches, dims.cp, dims.ulysses, dims.tp, dims.ep_size, 4)
+    z = plan.Local(SEQ, 4 // microbatches, dims.cp, dims.ulysses, dims.tp, dims.ep_size, 4,
+                   latent_ring=latent_ring(spec, dims, cp_ring))  # fmt: skip
     layers, first, last, _ = rank_stages(spec, dims, schedule)[pp_rank]
     peak = None  # FSDP2 saves its gathered weights too; EP in a pipeline: `check_peaks`
     if dims.dp == 1 and not (dims.pp > 1 and dims.ep_size > 1):
@@ -195,16 +207,24 @@ def _step(case: str, degrees: dict, ep=None, schedule=None, policy="none") -> di
             "real_state": real_state, "planned_state": state}  # fmt: skip
 
 
-LAYOUTS = [  # on 4 ranks: (case, degrees, EP over, schedule, a pipeline's checkpointing)
+LAYOUTS = [  # on 4 ranks: (case, degrees, EP over, schedule, the step's checkpointing,
+    # MLA's ring); each family at each layout
     ("llama", dict(dp=2, tp=2), None, None),
     ("llama", dict(cp=2, tp=2), None, None),
     ("llama", dict(cp=2, ulysses=2), None, None),
-    ("qwen3_moe", dict(cp=2, tp=2), "tp", None),
-    ("deepseek_v3", dict(cp=2, tp=2), "tp", None),
-    ("deepseek_v3", dict(cp=2, ulysses=2), "ulysses", None),
     ("llama", dict(pp=2, tp=2), None, "1F1B"),
     ("llama", dict(pp=2, tp=2), None, "Interleaved1F1B", "full"),
+    ("qwen3_moe", dict(dp=2, tp=2), "tp", None),
+    ("qwen3_moe", dict(cp=2, tp=2), "tp", None),
+    ("qwen3_moe", dict(cp=2, ulysses=2), "ulysses", None),
+    ("qwen3_moe", dict(pp=2, tp=2), "tp", "1F1B", "full"),
     ("qwen3_moe", dict(pp=2, tp=2), "tp", "Interleaved1F1B", "selective"),
+    ("deepseek_v3", dict(dp=2, tp=2), "tp", None),
+    ("deepseek_v3", dict(cp=2, tp=2), "tp", None),
+    ("deepseek_v3", dict(cp=2, tp=2), "tp", None, "selective", "latent"),
+    ("deepseek_v3", dict(cp=2, ulysses=2), "ulysses", None),
+    ("deepseek_v3", dict(pp=2, tp=2), "tp", "1F1B", "selective"),
+    ("deepseek_v3", dict(pp=2, tp=2), "tp", "Interleaved1F1B"),
 ]
 
 

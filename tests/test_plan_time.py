@@ -103,3 +103,27 @@ def test_packed_documents_and_the_optimizer_change_what_they_should():
         plan.estimate("llama3-8b", dims, seq_len=8192, document_len=16384)
     assert main(["llama3-8b", "--gpus", "8", "--seq-len", "8192", "--layout", "tp=8",
                  "--optimizer", "sgd", "--document-len", "1024"]) == 0  # fmt: skip
+
+
+def test_mla_rings_move_the_latent_where_it_is_less():
+    """DeepSeek-V3 at CP8 x TP8: "auto" (a GPU's choice) moves the latent and k_rope, 576
+    values a token, not 16 heads x 320: the ring's bytes about 9x fewer; Ulysses moves
+    expanded heads whatever `cp_ring` says."""
+    from fusedpar.plan import traffic
+
+    dims = fp.ParallelDims(dp=8, cp=8, tp=8, ep=("cp", "tp"))
+    spec, sent = plan.model_spec("deepseek-v3"), {}
+    for latent in (False, True):  # one block's ring
+        ledger = traffic.Ledger(dims)
+        traffic.block(ledger, spec, 3, plan.Local(32768, 1, 8, 1, 8, 64, latent_ring=latent),
+                      cpu_checks=False)  # fmt: skip
+        sent[latent] = ledger.bytes["send", ("cp",)]
+    assert 8 < sent[False] / sent[True] < 10
+    auto, expanded = (plan.estimate("deepseek-v3", dims, seq_len=32768, checkpointing="full",
+                                    cp_ring=ring) for ring in ("auto", "expanded"))  # fmt: skip
+    assert auto.traffic["cp"] < expanded.traffic["cp"]  # (less the gradients' all-reduces)
+    hybrid = fp.ParallelDims(dp=8, cp=4, ulysses=2, tp=8, ep=("cp", "ulysses", "tp"))
+    assert len({plan.estimate("deepseek-v3", hybrid, seq_len=32768, checkpointing="full",
+                              cp_ring=ring).traffic["cp"] for ring in ("auto", "expanded")}) == 1
+    with pytest.raises(ValueError, match="cp_ring"):
+        plan.estimate("deepseek-v3", dims, seq_len=32768, cp_ring="compressed")

@@ -13,7 +13,7 @@ import torch
 
 from fusedpar.plan.accounting import POLICIES, Local, stage_saved
 from fusedpar.plan.devices import DEVICES, Device
-from fusedpar.plan.estimate import Estimate, estimate
+from fusedpar.plan.estimate import Estimate, estimate, latent_ring
 from fusedpar.plan.model import PRESETS, ModelSpec, from_hf_config, model_spec
 from fusedpar.plan.search import SearchResult, search
 
@@ -22,17 +22,16 @@ __all__ = ["DEVICES", "Local", "POLICIES", "PRESETS", "Device", "Estimate", "Mod
            "search"]  # fmt: skip
 
 
-def _local(dims, seq_len: int, micro_batch: int, dtype) -> Local:
-    e = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else dtype.itemsize
-    return Local(seq_len, micro_batch, dims.cp, dims.ulysses, dims.tp, dims.ep_size, e)
-
-
 def activation_bytes(model, dims, *, seq_len: int, micro_batch: int = 1,
-                     dtype=torch.bfloat16, checkpointing: str = "none", stage=None) -> int:
+                     dtype=torch.bfloat16, checkpointing: str = "none", stage=None,
+                     cp_ring: str = "auto") -> int:  # fmt: skip
     """Bytes one microbatch leaves saved for the backward on a rank of `dims` (the whole
-    model without pipeline parallelism; `stage`: (first layer, layers, first, last))."""
+    model without pipeline parallelism; `stage`: (first layer, layers, first, last)).
+    `cp_ring`: MLA's ring, as `estimate` takes it ("auto": a GPU's choice)."""
     spec = model_spec(model)
-    z = _local(dims, seq_len, micro_batch, dtype)
+    e = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else dtype.itemsize
+    z = Local(seq_len, micro_batch, dims.cp, dims.ulysses, dims.tp, dims.ep_size, e,
+              latent_ring=latent_ring(spec, dims, cp_ring))  # fmt: skip
     if stage is None:
         stage = (0, spec.n_layers, True, True)
     start, count, first, last = stage

@@ -65,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--checkpointing", choices=POLICIES, help="default: the cheapest that fits")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                    help="AdamW: fp32 master weights and two moments")
+    p.add_argument("--cp-ring", choices=("auto", "latent", "expanded"), default="auto",
+                   help="MLA's ring (auto: the latent where it moves less, as on a GPU)")
     p.add_argument("--document-len", type=int,
                    help="packed documents of this many tokens (default: one per sequence)")
     p.add_argument("--dp-sharding", choices=DP_SHARDING,
@@ -85,7 +87,8 @@ def main(argv=None) -> int:
                  hbm_tbps=args.hbm_tbps, nvlink_gbps=args.nvlink_gbps,
                  network_gbps=args.network_gbps)  # fmt: skip
     common = dict(device=dev, dtype=DTYPES[args.dtype], gpus_per_node=args.gpus_per_node,
-                  optimizer=args.optimizer, document_len=args.document_len)
+                  optimizer=args.optimizer, document_len=args.document_len,
+                  cp_ring=args.cp_ring)
     title = (f"{spec.name} on {args.gpus} x {dev.name}, sequences of {args.seq_len}, "
              f"{args.global_batch_tokens:,} tokens a step")  # fmt: skip
     if args.layout is not None:

@@ -68,6 +68,7 @@ class Local:
     tp: int = 1
     ep: int = 1
     e: int = 2  # bytes per activation element
+    latent_ring: bool = False  # MLA's ring moves the latent (`ParallelMLA`'s cp_ring)
 
     @property
     def n(self) -> int:  # the sequence-parallel stream's tokens
@@ -181,8 +182,9 @@ def mla_saved(spec: ModelSpec, z: Local) -> int:
     latents' norms (inputs: q_a's output, kv_a's (r + dr wide, the latent a view of it);
     rstd; outputs), q and k after RoPE, kv_b's output (v a view of it), the output and
     its LSE, RoPE's tables over the rotary dims; with cp > 1 the ring's masks. Held exact
-    with the ring (and Ulysses) moving the expanded K/V; the ring that moves the
-    latent (``cp_ring="latent"``, or "auto" on a GPU where it moves less) saves its own.
+    with the ring (and Ulysses) moving the expanded K/V, and with the ring that moves the
+    latent (``z.latent_ring``: ``cp_ring="latent"``, or "auto" on a GPU where it moves
+    less), which saves q, what travels, the output and its LSE.
     Under Ulysses v is exchanged (kv_b's output is then not kept) and o-proj takes the
     gathered output."""
     e, hd, hv, dr, r = z.e, spec.head_dim, spec.v_dim, spec.rope_dim, spec.kv_lora_rank
@@ -192,6 +194,9 @@ def mla_saved(spec: ModelSpec, z: Local) -> int:
         saved += z.m * (2 * spec.q_lora_rank * e + 4)
     saved += z.m * ((2 * r + dr) * e + 4)
     saved += rope_tables(spec, z)
+    if z.latent_ring and z.cp > 1:  # q; what travels: the latent beside k_rope (B, S / c,
+        # r + dr); no K, no kv_b output, the latent's norm output not kept, masks not saved
+        return saved - z.m * r * e + z.a * (hq * hd + r + dr) * e + z.a * hq * (hv * e + 4)
     saved += 2 * z.a * hq * hd * e  # q and k after RoPE
     if z.ulysses > 1:  # v exchanged (kv_b's output not kept); o-proj's gathered input
         saved += z.a * hq * hv * e + z.m * spec.n_heads // z.tp * hv * e
@@ -217,8 +222,8 @@ def attention_saved(spec: ModelSpec, z: Local, policy: str = "none") -> int:
         return 0
     if policy == "selective" and spec.mla:  # the latents' gathered projections, o-proj's
         kept = z.m * (spec.q_lora_rank + spec.kv_lora_rank + spec.rope_dim) * e + z.n * d * e
-        if z.cp > 1:
-            kept += out_lse  # the ring's output
+        if z.cp > 1 and not z.latent_ring:  # the ring's output (the latent ring's is
+            kept += out_lse  # no op the policy names: recomputed, its sends repeated)
         if z.ulysses > 1:  # the exchanged q, k, v and the gathered output
             kept += q_k_v + gathered_out
         return kept

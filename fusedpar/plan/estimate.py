@@ -16,7 +16,8 @@ The time model, per rank and microbatch, for each block of its stages:
 |              | attention where no exchange keeps it)                                |
 | TP           | all-gather / reduce-scatter chunks overlapped with their GEMM (ring  |
 |              | or fused schedule): exposed = max(0, comm - GEMM) + one chunk        |
-| CP ring      | each step's K/V (and dK/dV, fp32) overlapped with the step's blocks  |
+| CP ring      | each step's K/V (and dK/dV, fp32) overlapped with the step's blocks; |
+|              | MLA's latent ring moves the latent and k_rope, plus its expansions   |
 | Ulysses, EP  | all-to-alls exposed in full (fusedpar does not overlap them)         |
 | FSDP         | each block's all-gather prefetched under the previous block, its     |
 |              | reduce-scatter under the next backward: the excess is exposed        |
@@ -247,6 +248,15 @@ def block_times(spec, layer, z: acc.Local, dev, clock: _Clock, policy, knobs) ->
                 bwd += max(0.0, t_b - 2 * gemm_s) + t_b / z.tp
     if z.cp > 1:  # the ring: K/V blocks; backward K/V and dK/dV (fp32)
         kv = z.a * hkv * (hd + hv) * e
+        if z.latent_ring and spec.mla:  # the latent and k_rope travel
+            kv = z.a * (spec.kv_lora_rank + spec.rope_dim) * e
+            # each step expands its block (kv_b's GEMM, over all a tokens in all); the
+            # backward expands again and makes the latent's and kv_b's gradients
+            expand = _gemm_s(dev, z.a, spec.n_heads // z.tp * (hd - spec.rope_dim + hv),
+                             spec.kv_lora_rank)  # fmt: skip
+            fwd, bwd = fwd + expand, bwd + 3 * expand
+            if policy == "selective":  # no op the policy names: recomputed
+                bwd += expand + att_f
         steps = z.cp - 1
         step_f = clock.comm("cp", kv * steps, calls=steps, kind="p2p") / steps
         step_b = clock.comm("cp", (kv + kv * 4 / e) * steps, calls=2 * steps, kind="p2p") / steps
@@ -270,8 +280,8 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
              param_dtype=torch.float32, checkpointing: str = "none", optimizer: str = "adamw",
              device="h100", gpus_per_node: int = 8, overlap: str = "ring",
              stages_per_rank: int = 2, memory_margin: float = 0.9, dp_sharding: str = "zero3",
-             elementwise_passes: float = 4.0,
-             document_len: int | None = None) -> Estimate:  # fmt: skip
+             elementwise_passes: float = 4.0, document_len: int | None = None,
+             cp_ring: str = "auto") -> Estimate:  # fmt: skip
     """One layout's estimate (see the module doc and `Estimate`). `dims` as the layers
     take them (`fp.ParallelDims`); `micro_batch` sequences of `seq_len` tokens per
     microbatch, `microbatches` per step (the pipeline's, or gradient accumulation). A
@@ -287,7 +297,10 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
     points without torch.compile): docs/plan.md. `document_len`: packed documents of this
     many tokens (None: each sequence one document): attention sees its own document only
     (FLOPs, and the rate measured at that length), and RoPE's tables, which positions
-    restarting per document make each microbatch's own, are not shared in flight."""
+    restarting per document make each microbatch's own, are not shared in flight.
+    `cp_ring`: MLA's ring (`fp.nn.ParallelMLA`'s): "expanded", "latent", or "auto", which
+    moves the latent where it moves fewer values than the expanded heads, as on a GPU
+    (the ring alone: Ulysses moves expanded heads)."""
     if dp_sharding not in DP_SHARDING:
         raise ValueError(f"dp_sharding must be one of {DP_SHARDING}, got {dp_sharding!r}")
     spec = model_spec(model)
@@ -306,7 +319,7 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
         raise ValueError(f"micro_batch ({micro_batch}) and microbatches ({microbatches}) must "
                          "be at least 1")  # fmt: skip
     z = acc.Local(seq_len, micro_batch, dims.cp, dims.ulysses, dims.tp, dims.ep_size,
-                  _bytes(dtype))  # fmt: skip
+                  _bytes(dtype), latent_ring=latent_ring(spec, dims, cp_ring))  # fmt: skip
     est = Estimate(spec.name, dims, seq_len, micro_batch, microbatches, schedule, checkpointing,
                    dp_sharding)  # fmt: skip
     ranks = rank_stages(spec, dims, schedule, stages_per_rank)
@@ -406,6 +419,16 @@ def _pipeline(schedule, pp, microbatches, per_rank, backward, send) -> tuple[flo
     step = timing.step_s + extra
     busy = max(timing.busy_s.values()) + extra
     return step, 1 - busy / step
+
+
+def latent_ring(spec, dims, cp_ring: str = "auto") -> bool:
+    """Whether MLA's ring moves the latent (`ParallelMLA`'s choice on a GPU)."""
+    if cp_ring not in ("auto", "latent", "expanded"):
+        raise ValueError(f"cp_ring must be 'auto', 'latent' or 'expanded', got {cp_ring!r}")
+    if not spec.mla or dims.cp == 1 or dims.ulysses > 1 or cp_ring == "expanded":
+        return False
+    expanded = spec.n_heads // dims.tp * (spec.head_dim + spec.v_dim)
+    return cp_ring == "latent" or spec.kv_lora_rank + spec.rope_dim < expanded
 
 
 def saved_peaks(spec, dims, z, policy, schedule, microbatches, per_rank=2, *,

@@ -13,6 +13,9 @@ the fp32 partial sums TP's reduce-scatters and the ring's dK/dV carry):
 |                           | reduce-scatter's partials)  | weights' gradient)                |
 | ring attention (c > 1)    | K, V: 2 (c - 1) sends       | K, V: 2 (c - 1); dK, dV: 2 c (fp32)|
 |                           | (again in a "full" recompute: every forward collective) |         |
+| MLA's latent ring (c > 1) | the latent and k_rope       | the same; its gradient c (fp32);  |
+|                           | (r + dr): c - 1 sends       | under "selective" the forward's   |
+|                           |                             | sends again (no op kept)          |
 | Ulysses (u > 1)           | q, k, v out, the output     | the same 4 all-to-alls            |
 |                           | back: 4 all-to-alls         |                                   |
 | EP (ep > 1, MoE block)    | the counts; rows out, back  | rows out, back                    |
@@ -104,7 +107,31 @@ def block(ledger: Ledger, spec, layer: int, z: acc.Local, *, cpu_checks: bool,
     keeps every communicating op's output, so "selective" repeats none."""
     for _ in range(2 if policy == "full" else 1):
         _block(ledger, spec, layer, z, cpu_checks=cpu_checks, forward=True)
+    if policy == "selective" and _latent(spec, z):  # the policy names no latent-ring op
+        _ring(ledger, spec, z, cpu_checks=cpu_checks, forward=True)
     _block(ledger, spec, layer, z, cpu_checks=cpu_checks, forward=False)
+
+
+def _latent(spec, z) -> bool:
+    return spec.mla and z.latent_ring and z.cp > 1
+
+
+def _ring(ledger, spec, z, *, cpu_checks: bool, forward: bool) -> None:
+    """The ring's sends for one block (cp > 1): K and V blocks (c - 1 each way, the
+    backward's dK and dV home in c steps, fp32), or MLA's latent with k_rope; on a CPU
+    a shape check per forward."""
+    c, e = z.cp, z.e
+    if _latent(spec, z):
+        sizes = (z.a * (spec.kv_lora_rank + spec.rope_dim),)
+    else:
+        _, hkv = z.heads(spec)
+        sizes = (z.a * hkv * spec.head_dim, z.a * hkv * spec.v_dim)
+    for size in sizes:
+        _p2p(ledger, "cp", size * e, c - 1)  # the blocks
+        if not forward:
+            _p2p(ledger, "cp", size * ACCUMULATE, c)  # their gradients, home after c steps
+    if cpu_checks and forward:  # q's, k's (the latent's) and v's (w's) shapes
+        ledger.add("all_gather", ("cp",), (c + 1) * 9 * 8)
 
 
 def _block(ledger, spec, layer, z, *, cpu_checks: bool, forward: bool) -> None:
@@ -121,15 +148,8 @@ def _block(ledger, spec, layer, z, *, cpu_checks: bool, forward: bool) -> None:
             _p2p(ledger, "tp", z.n * d * (ACCUMULATE if gathered else e), t - 1)  # dX or dY
             if gathered:  # x re-gathered for the weights' gradient: output + input
                 ledger.add("all_gather", ("tp",), (z.m + z.n) * d * e)
-    hq, hkv = z.heads(spec)
     if c > 1:
-        k, v = z.a * hkv * hd, z.a * hkv * hv
-        for size in (k, v):
-            _p2p(ledger, "cp", size * e, c - 1)  # the blocks
-            if not forward:
-                _p2p(ledger, "cp", size * ACCUMULATE, c)  # their gradients, home after c steps
-        if cpu_checks and forward:  # q, k shapes and v's head dim
-            ledger.add("all_gather", ("cp",), (c + 1) * 9 * 8)
+        _ring(ledger, spec, z, cpu_checks=cpu_checks, forward=forward)
     if u > 1:
         q = z.m * spec.n_heads // t * hd * e  # TP's gathered tokens, this rank's heads
         k = z.m * spec.n_kv_heads // t * hd * e
