@@ -122,11 +122,11 @@ def _step(case: str, degrees: dict, ep=None, schedule=None, policy="none",
           cp_ring="expanded") -> dict:  # fmt: skip
     """On this rank, a batch of 4 (the same on every rank): without a pipeline the bytes
     one forward saves under each policy, then a training step (in a pipeline two), the
-    decoder layers checkpointed under `policy`; MLA's ring `cp_ring` (a CPU's choice:
-    "expanded"). After them the parameters, gradients and
-    AdamW state it holds, the collectives of the last step and the most saved bytes it
-    held at once in it; real and planned. (The first call holds `parallelize`'s
-    once-only checks, the pipeline's first step its shape inference.)"""
+    decoder layers checkpointed under `policy`, MLA's ring `cp_ring` (a CPU's choice:
+    "expanded"). After them: the parameters, gradients and AdamW state this rank holds,
+    the collectives of the last step and the most saved bytes it held at once in it;
+    real and planned. (The first call holds `parallelize`'s once-only checks, a
+    pipeline's first step its shape inference.)"""
     from fusedpar.pipeline import stages_of
     from fusedpar.plan import traffic
     from fusedpar.plan.estimate import latent_ring, rank_stages, saved_peaks
