@@ -120,8 +120,14 @@ def test_saved_activations_on_four_ranks(world):
                     assert got == want, (kw, policy, group)
 
 
-def _local_bytes(tensors) -> int:
-    return sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in tensors)
+def held_state(model, optimizer) -> dict:
+    """Bytes of the parameters, gradients and optimizer state this rank holds (local
+    shards of DTensors)."""
+    held = [model.parameters(), (p.grad for p in model.parameters()),
+            (t for s in optimizer.state.values() for t in s.values())]  # fmt: skip
+    local = (sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in ts)
+             for ts in held)  # fmt: skip
+    return dict(zip(("parameters", "gradients", "optimizer"), local, strict=True))
 
 
 def _step(kw: dict, moe: bool, ep=None, schedule=None, policy="none") -> dict:
@@ -175,10 +181,7 @@ def _step(kw: dict, moe: bool, ep=None, schedule=None, policy="none") -> dict:
         with Collectives() as seen, saved:
             forward_backward()
             optimizer.step()
-            held = [model.parameters(), (p.grad for p in model.parameters()),
-                    (t for s in optimizer.state.values() for t in s.values())]  # fmt: skip
-            real_state = dict(zip(("parameters", "gradients", "optimizer"),
-                                  map(_local_bytes, held), strict=True))  # fmt: skip
+            real_state = held_state(model, optimizer)
             optimizer.zero_grad()
     spec = plan.model_spec(cfg)
     # (every dp rank takes this batch of 4 here)

@@ -42,7 +42,7 @@ pytest.importorskip("transformers", reason="the [test] extra installs transforme
 hf = pytest.importorskip("fusedpar.integrations.hf")
 
 from test_hf import BATCH, SEQ, VOCAB, _model  # noqa: E402
-from test_plan import check_peaks  # noqa: E402
+from test_plan import check_peaks, held_state  # noqa: E402
 
 CASES = {  # name: (family, config changes over test_hf's)
     "llama": ("llama", dict(num_hidden_layers=2)),
@@ -59,10 +59,6 @@ CASES = {  # name: (family, config changes over test_hf's)
     "glm4_moe": ("glm4_moe", {}),
     "deepseek_v3": ("deepseek_v3", {}),  # first_k_dense_replace=1: one dense, one MoE
 }
-def _local_bytes(tensors) -> int:
-    return sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in tensors)
-
-
 def _saved_in_forward(model, ids, policy: str) -> int:
     """Bytes of the distinct storages one forward keeps for its backward under `policy`
     (parameters left out), its decoder layers checkpointed as Hugging Face does it."""
@@ -99,10 +95,7 @@ def _measure(case: str, dtype) -> dict:
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     optimizer.step()
-    held = [model.parameters(), (p.grad for p in model.parameters()),
-            (t for s in optimizer.state.values() for t in s.values())]  # fmt: skip
-    state = dict(zip(("parameters", "gradients", "optimizer"), map(_local_bytes, held),
-                     strict=True))  # fmt: skip
+    state = held_state(model, optimizer)
     planned = state_bytes(spec, dims, range(spec.n_layers), True, True, param_dtype=dtype,
                           optimizer="adamw")  # fmt: skip
     planned.pop("numel")
@@ -184,10 +177,7 @@ def _step(case: str, degrees: dict, ep=None, schedule=None, policy="none",
         with Collectives() as seen, saved:
             forward_backward()
             optimizer.step()
-        held = [model.parameters(), (p.grad for p in model.parameters()),
-                (t for s in optimizer.state.values() for t in s.values())]  # fmt: skip
-        real_state = dict(zip(("parameters", "gradients", "optimizer"), map(_local_bytes, held),
-                              strict=True))  # fmt: skip
+        real_state = held_state(model, optimizer)
         optimizer.zero_grad()
     z = plan.Local(SEQ, 4 // microbatches, dims.cp, dims.ulysses, dims.tp, dims.ep_size, 4,
                    latent_ring=latent_ring(spec, dims, cp_ring))  # fmt: skip
