@@ -67,6 +67,13 @@ def layer_rows(name: str, t: torch.Tensor, *, nope: int, rope: int, kv_lora_rank
     return t
 
 
+def latent_moves_less(heads: int, nope: int, rope: int, v_dim: int, kv_lora_rank: int) -> bool:
+    """Whether the latent and k_rope (r + dr values a token) are fewer than a rank's
+    `heads` expanded K and V: what ``cp_ring="auto"`` decides on a GPU (and
+    `fusedpar.plan` with it)."""
+    return kv_lora_rank + rope < heads * (nope + rope + v_dim)
+
+
 class ParallelMLA(RotaryPositions, nn.Module):
     """Multi-head latent attention over TP (heads) and CP (sequence). See the module doc.
 
@@ -126,9 +133,9 @@ class ParallelMLA(RotaryPositions, nn.Module):
         # ring (measured faster over gloo, 2 cores, 4 ranks, S = 1k: 0.41 s against 0.45
         # at 4 heads a rank, 1.09 against 1.45 at 16: each step's expansion, twice in the
         # backward, costs more there than the bytes it saves, 2.2x and 8.9x fewer)
-        expanded = n_heads // tp * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)
         self.cp_ring = cp_ring
-        self._latent_moves_less = kv_lora_rank + qk_rope_head_dim < expanded
+        self._latent_moves_less = latent_moves_less(n_heads // tp, qk_nope_head_dim,
+                                                    qk_rope_head_dim, v_head_dim, kv_lora_rank)
         if comm.group_size(ulysses_group) > 1:
             check_heads(n_heads // tp, n_heads // tp, comm.group_size(ulysses_group),
                         f"ParallelMLA (n_heads {n_heads}, TP {tp})")  # fmt: skip

@@ -427,8 +427,11 @@ def latent_ring(spec, dims, cp_ring: str = "auto") -> bool:
         raise ValueError(f"cp_ring must be 'auto', 'latent' or 'expanded', got {cp_ring!r}")
     if not spec.mla or dims.cp == 1 or dims.ulysses > 1 or cp_ring == "expanded":
         return False
-    expanded = spec.n_heads // dims.tp * (spec.head_dim + spec.v_dim)
-    return cp_ring == "latent" or spec.kv_lora_rank + spec.rope_dim < expanded
+    from fusedpar.nn.mla import latent_moves_less
+
+    return cp_ring == "latent" or latent_moves_less(
+        spec.n_heads // dims.tp, spec.head_dim - spec.rope_dim, spec.rope_dim, spec.v_dim,
+        spec.kv_lora_rank)  # fmt: skip
 
 
 def saved_peaks(spec, dims, z, policy, schedule, microbatches, per_rank=2, *,

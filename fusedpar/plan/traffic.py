@@ -104,7 +104,8 @@ def block(ledger: Ledger, spec, layer: int, z: acc.Local, *, cpu_checks: bool,
           policy: str = "none") -> None:  # fmt: skip
     """One block's collectives for one microbatch, forward and backward. Under "full"
     checkpointing the forward's run twice (its recompute); `fp.checkpoint_policy()`
-    keeps every communicating op's output, so "selective" repeats none."""
+    keeps every communicating op's output, so "selective" repeats none but MLA's latent
+    ring's (no op the policy names)."""
     for _ in range(2 if policy == "full" else 1):
         _block(ledger, spec, layer, z, cpu_checks=cpu_checks, forward=True)
     if policy == "selective" and _latent(spec, z):  # the policy names no latent-ring op
