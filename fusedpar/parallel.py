@@ -39,6 +39,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from fusedpar.storage import _reduce_grad, retire_replaced
+
 AXES = ("pp", "dp", "cp", "ulysses", "tp")  # every axis a mesh may have, in mesh order
 _OPTIONAL = ("pp", "ulysses")  # axes a mesh has only with a degree > 1
 _meshes: dict[tuple, tuple] = {}  # (device type, degrees) -> (default group, mesh)
@@ -305,10 +307,12 @@ class ParallelDims:
         gradients are reduced as without FSDP2 (`fusedpar.distribute`'s bucketed
         all-reduces, where FSDP2 would redistribute each parameter's alone). With
         ``fsdp_kwargs`` (a mixed-precision or offload policy changes the computation)
-        FSDP2 is applied at dp = 1 too."""
-        from torch.distributed import fsdp
+        FSDP2 is applied at dp = 1 too.
 
-        from fusedpar.storage import _reduce_grad
+        FSDP2 puts new parameters in the place of `module`'s: those are retired
+        (`fusedpar.storage.retire`), and an optimizer built before raises at its first
+        step ("build the optimizer after fully_shard") where it would train nothing."""
+        from torch.distributed import fsdp
 
         axes = self.axes_of(mesh, stage=True)
         if "dp" not in axes:
@@ -326,7 +330,14 @@ class ParallelDims:
                               "FSDP2 skipped (the module is returned unchanged)",
                               UserWarning, stacklevel=2)  # fmt: skip
             return module
+        before = dict(module.named_parameters())  # replaced by FSDP2's: retired after
+        sharded = self._fully_shard(module, mesh, axes, dp_mesh_dims, fsdp, fsdp_kwargs)
+        retire_replaced(module, before, "fully_shard")
+        return sharded
 
+    @staticmethod
+    def _fully_shard(module, mesh, axes, dp_mesh_dims, fsdp, fsdp_kwargs):
+        """`fully_shard`'s FSDP2 call: over the full mesh, or the TP path (torch < 2.12)."""
         fully_shard = fsdp.fully_shard
         DataParallelMeshDims = getattr(fsdp, "DataParallelMeshDims", None)  # torch >= 2.12
         if dp_mesh_dims is None:

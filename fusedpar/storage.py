@@ -32,7 +32,14 @@ autograd engine), they are reduced together: one collective per (partial axes, d
 not one per parameter. Data-parallel axes average (``Partial("avg")``), as FSDP does; the axes
 the tokens are split over (`token_axes`: cp, and tp under sequence parallelism) sum.
 Axes over which a layer already completes the gradient itself (the TP all-gather of its
-input, the EP all-to-all of its tokens) stay as the parameter's own placement.
+input, the EP all-to-all of its tokens) stay as the parameter's own placement. Which
+axes those are is read off the layer's groups (`param_layouts`), never assumed from
+the axes' names (the rule: `_place`); a layer that splits or completes a parameter over
+dp (experts over dp, whose gradient would sum the dp ranks' batches) is refused until
+fusedpar supports it.
+
+Parameters `distribute` replaces are retired: an optimizer built before it holds the
+old ones, which the model no longer uses, and raises at its first step (`retire`).
 
 fusedpar's layers declare their parameters with ``param_layouts()`` (`ParamLayout` per
 name); any other module's parameters are whole (`Replicate`) and need no edit.
@@ -42,6 +49,7 @@ import contextlib
 import itertools
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -50,6 +58,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fusedpar import comm
 
@@ -75,6 +84,67 @@ WHOLE = ParamLayout()
 # Stock modules whose forward uses their children's parameters directly (the hooks swap
 # each module's own parameters for its own forward): refused by name.
 _READS_CHILD_PARAMETERS = (nn.MultiheadAttention,)
+
+
+# Parameters replaced by new ones (`retire`): an optimizer built before the replacement
+# holds the old ones, which the model no longer uses, and would train nothing with no
+# error. id -> (weakref, what replaced it, its name); an entry leaves with its tensor.
+_retired: dict[int, tuple] = {}
+_retirements = 0  # bumped by each `retire`: an optimizer checked before is checked again
+_checked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> its key
+_hook = None  # the global optimizer step pre-hook, registered at the first `retire`
+
+
+def retire(params: dict, by: str) -> None:
+    """Mark the parameters of `params` (name -> Parameter) as replaced by `by` ("distribute",
+    "parallelize", "fully_shard"): from then on an optimizer step over a param group that
+    holds one raises ValueError ("build the optimizer after {by}"). Marking one again
+    relabels it (parallelize calls distribute). Registers the check, a global optimizer
+    step pre-hook, at the first call (never at import)."""
+    global _retirements, _hook
+    if not params:
+        return
+    for name, param in params.items():
+        key = id(param)  # the callback runs when the tensor dies, before its id is reused
+        _retired[key] = (weakref.ref(param, lambda _, key=key: _retired.pop(key, None)), by, name)
+    _retirements += 1
+    if _hook is None:
+        _hook = register_optimizer_step_pre_hook(_refuse_retired)
+
+
+def retire_replaced(model: nn.Module, before: dict, by: str) -> None:
+    """`retire` each parameter of `before` (name -> Parameter, `model`'s earlier) that
+    `model` no longer holds."""
+    kept = {id(p) for p in model.parameters()}
+    retire({name: p for name, p in before.items() if id(p) not in kept}, by)
+
+
+def _refuse_retired(optimizer, args, kwargs) -> None:
+    """Global optimizer step pre-hook: ValueError if `optimizer` holds a retired parameter.
+
+    Its cost on every step of every optimizer: nothing while no retired parameter is
+    alive (they die with the modules that held them, unless an optimizer built before
+    keeps them: the case to catch); otherwise a dictionary lookup and the sizes of the
+    param groups, the parameters themselves scanned only when the optimizer is new to
+    the check, its groups changed size, or parameters were retired since it passed.
+    Every rank built its optimizer the same way, so every rank raises at the same step
+    (no collective). Skipped inside a compiled optimizer step (Dynamo would trace it)."""
+    if not _retired or torch.compiler.is_compiling():
+        return
+    key = (_retirements, tuple(len(group["params"]) for group in optimizer.param_groups))
+    if _checked.get(optimizer) == key:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            found = _retired.get(id(param))
+            if found is not None and found[0]() is param:
+                _, by, name = found
+                raise ValueError(
+                    f"{type(optimizer).__name__}.step: the optimizer holds {name}, a parameter "
+                    f"that {by} replaced (the model holds a new one in its place, so this step "
+                    f"would train nothing): build the optimizer after {by}"
+                )
+    _checked[optimizer] = key
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -114,15 +184,48 @@ class _Placed:
         return tuple(self.grad_placements[name] for name in mesh.mesh_dim_names)
 
 
-def _place(layout: ParamLayout, mesh: DeviceMesh, token_axes, axis_of: dict) -> _Placed:
+def _place(layout: ParamLayout, mesh: DeviceMesh, token_axes, axis_of: dict, where: str) -> _Placed:
     """`layout` on `mesh`; `axis_of` maps the mesh's axis names to fusedpar's (token and
-    data axes are fusedpar's names)."""
+    data axes are fusedpar's names); `where` names the parameter in errors.
+
+    A parameter's reduction groups come from the layer that owns it, never from an axis's
+    name: the mesh axes of the group it is split over and of the groups it is completed
+    over or partial over (`mesh_axes_of` of `layout`'s groups). On each axis of more
+    than one rank, the gradient from forward is, in this order:
+
+    1. split there (`layout.group`): ``Shard(dim)``, complete (the layer's own
+       collectives, the TP all-gather or the EP all-to-all, brought it every rank's
+       tokens); `complete_over`: the parameter's own placement, likewise;
+    2. `partial_over`: a partial sum, whatever the tokens;
+    3. otherwise by the activations' layout: a token axis (`token_axes`, split tokens)
+       sums; a data axis (`DATA_AXES`) averages, as FSDP2 does; any other axis holds the
+       same gradient on each rank (``Replicate``).
+
+    Steps 1 and 2 on a data axis of more than one rank are refused (ValueError): the
+    average step 3 takes there presumes each rank's gradient is its own batch's, but a
+    layer that splits or completes a parameter over dp (experts over dp: their
+    all-to-all brings them every dp rank's tokens) already sums the batches, dp times
+    the data-parallel gradient, and nothing averages it. The verdict reads only the
+    layer's groups and the mesh: the same on every rank whose layer holds a group of
+    the same axes, as a collective over that group needs of its members."""
     split = mesh_axes_of(layout.group, mesh) if layout.dim is not None else ()
     complete, partial = set(split), set()
     for group in layout.complete_over:
         complete.update(mesh_axes_of(group, mesh))
     for group in layout.partial_over:
         partial.update(mesh_axes_of(group, mesh))
+    for name in mesh.mesh_dim_names:  # (mesh_axes_of leaves out axes of one rank)
+        if axis_of[name] in DATA_AXES and name in complete | partial:
+            how = "split" if name in split else "completed" if name in complete else "partial"
+            raise ValueError(
+                f"distribute: {where} is {how} over the mesh's data-parallel axis {name!r} "
+                f"({mesh.size(mesh.mesh_dim_names.index(name))} ranks) by its layer's groups: "
+                "its gradient would sum every dp rank's batch where data parallelism "
+                "averages them (dp times too large). A layer over dp is not supported yet; "
+                "for experts run ep over another axis: dims = fp.ParallelDims(..., "
+                'ep="tp") (or "cp", "ulysses", ("cp", "tp")) and fp.nn.MoE(..., '
+                'ep_group=dims.groups(mesh)["ep"])'
+            )
     placements, grads = {}, {}
     for i, name in enumerate(mesh.mesh_dim_names):
         placements[name] = Shard(layout.dim) if name in split else Replicate()
@@ -375,7 +478,13 @@ def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=None,
     shard, as it is when every rank builds the model from the same seed:
     ``check_replicas`` (default) checks it with one all-gather of a fingerprint per
     parameter and raises ValueError on every rank naming those that differ. Every
-    check runs before any parameter changes.
+    check runs before any parameter changes. A parameter that a layer splits, completes
+    or declares partial over the data-parallel axis (dp of more than one rank: experts
+    over dp) raises ValueError on every rank, naming the layout to use (`_place`).
+
+    The plain parameters it replaces are retired (`retire`): an optimizer built before
+    ``distribute`` raises at its first step, on every rank ("build the optimizer after
+    distribute"), where it would train nothing.
     """
     from fusedpar.parallel import resolve_axes
 
@@ -407,16 +516,19 @@ def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=None,
             if param is not None and declared and name not in layouts:
                 raise ValueError(f"{where} is not in {type(module).__name__}.param_layouts()")
             if param is not None:
-                placed[name] = _place(layouts.get(name, WHOLE), mesh, token_axes, axis_of)
+                layout, what = layouts.get(name, WHOLE), f"{where} ({type(module).__name__})"
+                placed[name] = _place(layout, mesh, token_axes, axis_of, what)
         if placed:
             plan.append((owner, module, placed))
     if check_replicas:
         _check_replicas(plan, mesh)
     done: dict[int, nn.Parameter] = {}  # a tied parameter becomes one DTensor parameter
-    for _, module, placed in plan:
+    replaced = {}  # name -> the plain parameter, retired: an optimizer built before fails
+    for owner, module, placed in plan:
         for name, where in placed.items():
             param = module._parameters[name]
             if id(param) not in done:
+                replaced[f"{owner}.{name}" if owner else name] = param
                 placements = tuple(where.placements.values())
                 tensor = DTensor.from_local(param.detach(), mesh, placements, run_check=False)
                 new = nn.Parameter(tensor, requires_grad=param.requires_grad)
@@ -428,4 +540,5 @@ def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=None,
         module._fusedpar_placed, module._fusedpar_saved = placed, []
         module.register_forward_pre_hook(_swap_in_locals)
         module.register_forward_hook(_swap_back, always_call=True)
+    retire(replaced, "distribute")
     return model

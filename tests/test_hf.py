@@ -502,3 +502,62 @@ def test_the_batch_check_runs_at_the_first_call_and_never_on_one_rank(world):
     names = {"dp": "data", "cp": "context", "tp": "tensor"}  # a mesh by other names too
     assert world(4).run(_batch_check_gathers, dict(cp=2, tp=2, names=names)) == [[1, 0]] * 4
     assert world(4).run(_batch_check_gathers, dict(dp=4)) == [[0, 0]] * 4
+
+
+def test_an_optimizer_built_before_parallelize_raises_and_generate_is_refused():
+    """Issue 53, items 4 and 10, in one process (``dims=None`` converts the layers too):
+    AdamW and SGD built before `parallelize` raise at their first step (they held the
+    replaced attention and MLP weights and trained nothing); built after, they train;
+    ``generate`` is refused at the call, pointing to the export."""
+    model = _model("llama", 0)
+    early = [torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.SGD(model.parameters())]
+    hf.parallelize(model, None)
+    for opt in early:
+        with pytest.raises(
+            ValueError,
+            match=r"^\w+\.step: the optimizer holds model\.layers\.0\.self_attn\.q_proj\.weight, "
+            r"a parameter that parallelize replaced .*: build the optimizer after parallelize$",
+        ):
+            opt.step()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    q = model.model.layers[0].self_attn.q_weight
+    for opt in (
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        torch.optim.SGD(model.parameters()),
+    ):
+        before = q.detach().clone()
+        opt.step()
+        assert not torch.equal(q, before), type(opt).__name__
+    assert model(input_ids=ids, labels=ids).loss < loss
+    with pytest.raises(
+        ValueError,
+        match=r"^generate\(\) is not supported on a parallelized model .*"
+        r"fusedpar\.integrations\.hf\.save_pretrained\(model, dir\)",
+    ):
+        model.generate(input_ids=ids, max_new_tokens=2)
+
+
+def test_cp_ring_sets_latent_attentions_ring():
+    """Issue 53, item 15: the converted DeepSeek-V3's `ParallelMLA` layers carry the ring
+    `parallelize` was given; another value, and "latent" on a model without latent
+    attention, raise ValueError before anything changes."""
+    for ring in ("latent", "expanded"):
+        model = _model("deepseek_v3", 0)
+        hf.parallelize(model, None, cp_ring=ring)
+        rings = [m.cp_ring for m in model.modules() if isinstance(m, fp.nn.ParallelMLA)]
+        assert rings == [ring] * model.config.num_hidden_layers
+    with pytest.raises(
+        ValueError,
+        match=r"cp_ring must be one of \('auto', 'latent', 'expanded'\), got 'compressed'",
+    ):
+        hf.parallelize(_model("deepseek_v3", 0), None, cp_ring="compressed")
+    llama = _model("llama", 0)
+    with pytest.raises(
+        ValueError,
+        match=r"cp_ring='latent' is latent attention's ring, and llama has none",
+    ):
+        hf.parallelize(llama, None, cp_ring="latent")
+    assert not any(isinstance(m, fp.nn.ParallelAttention) for m in llama.modules())
+    hf.parallelize(llama, None, cp_ring="expanded")  # what a ring of its heads moves

@@ -130,10 +130,7 @@ def _step(case: str, degrees: dict, ep=None, schedule=None, policy="none",
     dims = fp.ParallelDims(ep=ep, **degrees)
     model = _model(family, 0, **changes)
     spec = plan.from_hf_config(model.config)
-    mesh = hf.parallelize(model, dims)
-    for module in model.modules():
-        if isinstance(module, fp.nn.ParallelMLA):
-            module.cp_ring = cp_ring
+    mesh = hf.parallelize(model, dims, cp_ring=cp_ring)
     microbatches = 4 if dims.pp > 1 else 1
     ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(1))
     forward_saved = None

@@ -256,3 +256,79 @@ def test_training_without_distribute_warns_once(world):
     assert all(len(w) == 1 and "ColumnParallelLinear runs over more than one rank" in w[0]
                for w in warned), warned  # fmt: skip
     assert world(2).run(_run_undistributed, True) == [[], []]
+
+
+def _run_data_axis_and_retired():
+    """On (dp=2, tp=2): experts split over dp are refused on every rank, before anything
+    changes, naming the layout to use; experts over tp (the supported layout) are placed.
+    Optimizers (AdamW, SGD) built before `distribute`, or before `fully_shard`, raise at
+    their first step; built after, they step unchanged."""
+    from fusedpar.storage import _checked
+
+    dims, mesh, groups = _mesh(dp=2, cp=1, tp=2, ep="tp")
+    out = {}
+    torch.manual_seed(0)
+    for name, group in (("dp", mesh["dp"].get_group()), ("dp x tp", mesh["dp", "tp"]._flatten())):
+        moe = fp.nn.MoE(8, 6, 4, 2, group)
+        try:
+            fp.distribute(moe, mesh)
+        except ValueError as e:
+            out[name] = str(e)
+        out[f"{name} unchanged"] = not any(isinstance(p, DTensor) for p in moe.parameters())
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"norm": nn.RMSNorm(8), "moe": fp.nn.MoE(8, 6, 4, 2, groups["ep"])})
+    early = [torch.optim.AdamW(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters())]
+    fp.distribute(model, mesh)
+    out["experts"] = model["moe"].w1.placements  # (dp, cp, tp)
+    for opt in early:
+        try:
+            opt.step()
+        except ValueError as e:
+            out[type(opt).__name__] = str(e)
+    late = [torch.optim.AdamW(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters())]
+    x = torch.randn(4, 8)
+    before = model["moe"].w1.to_local().clone()
+    for opt in late:
+        y, aux = model["moe"](model["norm"](x))
+        (y.square().mean() + aux).backward()
+        opt.step()
+        opt.step()  # a second step: the optimizer's verdict is kept (`_checked`)
+        opt.zero_grad()
+    out["trained"] = not torch.equal(model["moe"].w1.to_local(), before)
+    out["checked once"] = all(opt in _checked for opt in late)
+
+    layer = fp.distribute(nn.Linear(4, 4), mesh)
+    early = torch.optim.SGD(layer.parameters())
+    dims.fully_shard(layer, mesh)
+    try:
+        early.step()
+    except ValueError as e:
+        out["fully_shard"] = str(e)
+    torch.optim.SGD(layer.parameters()).step()
+    return out
+
+
+def test_experts_over_dp_are_refused_and_early_optimizers_raise(world):
+    """Experts over dp trained with gradients dp times too large (issue 53, item 3);
+    an optimizer built before distribute trained nothing (item 4)."""
+    R, S0 = Replicate(), Shard(0)
+    for out in world(4).run(_run_data_axis_and_retired):
+        for name in ("dp", "dp x tp"):
+            assert re.search(
+                r"w1 \(MoE\) is split over the mesh's data-parallel axis 'dp' "
+                r"\(2 ranks\).*dp times too large.*ParallelDims\(\.\.\., "
+                r'ep="tp"\).*ep_group=dims\.groups\(mesh\)\["ep"\]',
+                out[name],
+            ), out
+            assert out[f"{name} unchanged"]
+        assert out["experts"] == (R, R, S0)
+        for kind in ("AdamW", "SGD"):
+            assert re.search(
+                rf"^{kind}\.step: the optimizer holds (norm|moe)\.\w+, a parameter "
+                r"that distribute replaced.*build the optimizer after "
+                r"distribute$",
+                out[kind],
+            ), out[kind]
+        assert out["trained"] and out["checked once"]
+        assert out["fully_shard"].endswith("build the optimizer after fully_shard"), out

@@ -72,10 +72,11 @@ from fusedpar.nn import (
     ParallelSwiGLU,
     RowParallelLinear,
 )
+from fusedpar.nn.mla import CP_RINGS
 from fusedpar.ops.linear import check_reduce_dtype
 from fusedpar.ops.overlap import check_overlap
 from fusedpar.ops.sequence import gather_sequence, shard_sequence
-from fusedpar.storage import distribute
+from fusedpar.storage import distribute, retire_replaced
 
 BATCHES = ("full", "local")
 SEQUENCE_AXES = ("cp", "ulysses", "tp")  # the mesh axes a sequence is sharded over, in order
@@ -140,13 +141,22 @@ class HFMoE(MoE):
         return (y, None) if self.returns_scores else y
 
 
-def _attention(i: int, attn: nn.Module, config, groups, rotary_emb, tp: dict) -> nn.Module:
+def _attention(
+    i: int, attn: nn.Module, config, groups, rotary_emb, tp: dict, cp_ring: str
+) -> nn.Module:
     cp = dict(tp_group=groups["tp"], cp_group=groups["cp"], ulysses_group=groups.get("ulysses"))
     if families.is_mla(attn):
         options = families.mla_options(attn, config, rotary_emb)
         parts = options.pop("parts")
-        return HFParallelMLA.from_dense(*parts, config.hidden_size, config.num_attention_heads,
-                                        **cp, **options, **tp)  # fmt: skip
+        return HFParallelMLA.from_dense(
+            *parts,
+            config.hidden_size,
+            config.num_attention_heads,
+            **cp,
+            **options,
+            **tp,
+            cp_ring=cp_ring,
+        )
     options = families.attention_options(i, attn, config, rotary_emb)
     return HFParallelAttention.from_dense(
         *options.pop("parts"), config.hidden_size, config.num_attention_heads,
@@ -200,8 +210,16 @@ def _gpt_oss_moe(mlp: nn.Module, config, groups) -> "HFMoE":
     return layer
 
 
-def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full", overlap=None,
-                reduce_dtype=None):  # fmt: skip
+def parallelize(
+    model: nn.Module,
+    dims,
+    mesh=None,
+    *,
+    batch: str = "full",
+    overlap=None,
+    reduce_dtype=None,
+    cp_ring: str = "auto",
+):
     """Convert a Hugging Face causal LM, sequence or token classifier of a supported
     family in place (see the module doc and `hf_heads`) and put its parameters on `mesh`
     (``dims.build_mesh`` on the model's device type if None); returns the mesh. Checks
@@ -209,6 +227,17 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full", overl
     on every rank) or "local" (this rank's share), see the module doc. `overlap` and
     `reduce_dtype`: the tensor-parallel projections' schedule and the dtype their partial
     sums travel in (`fusedpar.ops.linear`; None: ``FUSEDPAR_OVERLAP`` or "auto", fp32).
+    `cp_ring`: what latent attention's (DeepSeek-V3's MLA) ring over cp moves,
+    `ParallelMLA`'s ``cp_ring``: "auto" (the latent where it is fewer values a token than
+    the expanded heads, on a GPU), "latent" (the ring alone: refused with Ulysses) or
+    "expanded" (each rank's heads' K and V). A family without latent attention takes
+    "auto" and "expanded" (what its ring moves) and refuses "latent".
+
+    The model's parameters that converted layers copy, and those `distribute` puts on
+    the mesh, are replaced: an optimizer built before raises at its first step, on every
+    rank ("build the optimizer after parallelize"; `fusedpar.storage.retire`).
+    ``model.generate`` raises ValueError at the call (generation needs the Hugging Face
+    model back: `save_pretrained`).
 
     ``dims=None``: one process, every group None, plain parameters (no mesh, no
     ``torch.distributed``): the same layers, for tests and debugging; returns None."""
@@ -216,6 +245,8 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full", overl
 
     if batch not in BATCHES:
         raise ValueError(f"parallelize: batch must be one of {BATCHES}, got {batch!r}")
+    if cp_ring not in CP_RINGS:
+        raise ValueError(f"parallelize: cp_ring must be one of {CP_RINGS}, got {cp_ring!r}")
     tp = {"overlap": check_overlap(overlap), "reduce_dtype": check_reduce_dtype(reduce_dtype)}
     config = model.config
     families.check_config(config)
@@ -229,6 +260,8 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full", overl
     decoder, layers, attention = families.tree(model, config)
     for i, layer in enumerate(layers):
         families.check_layer(i, layer, config)
+    _check_cp_ring(cp_ring, dims, [getattr(layer, attention) for layer in layers], config)
+    before = dict(model.named_parameters())  # those replaced are retired
     if dims is None:
         refuse(mesh is not None, "a mesh without dims")
         groups = dict.fromkeys(("dp", "cp", "ulysses", "tp", "ep"))
@@ -244,7 +277,7 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full", overl
         state.pad_token_id = text.pad_token_id
         model.score.register_forward_hook(functools.partial(_pool, state))
     for i, layer in enumerate(layers):
-        attn = _attention(i, getattr(layer, attention), config, groups, rotary_emb, tp)
+        attn = _attention(i, getattr(layer, attention), config, groups, rotary_emb, tp, cp_ring)
         attn._fusedpar_batch = state  # the call's packed documents
         setattr(layer, attention, attn)
         layer.mlp = _mlp(layer.mlp, config, groups, tp)
@@ -252,10 +285,41 @@ def parallelize(model: nn.Module, dims, mesh=None, *, batch: str = "full", overl
     model._fusedpar_batch = state
     model.register_forward_pre_hook(_take_batch, with_kwargs=True)
     model.register_forward_hook(_add_loss, with_kwargs=True, always_call=True)
+    if hasattr(model, "generate"):
+        model.generate = _no_generation
+    retire_replaced(model, before, "parallelize")
     if dims is None:
         return None
     distribute(model, stage_mesh, names=dims.names)  # a stage's parameters: its sub-mesh under pp
+    retire_replaced(model, before, "parallelize")  # distribute's too, under parallelize's name
     return mesh
+
+
+def _check_cp_ring(cp_ring: str, dims, attentions: list, config) -> None:
+    """`parallelize`'s `cp_ring`: "latent" needs latent attention and a plain ring."""
+    if cp_ring != "latent":
+        return
+    if not any(families.is_mla(attn) for attn in attentions):
+        raise ValueError(
+            f"parallelize: cp_ring='latent' is latent attention's ring, and "
+            f"{config.model_type} has none: leave cp_ring out ('auto')"
+        )
+    if dims is not None and dims.ulysses > 1:
+        raise ValueError(
+            f"parallelize: cp_ring='latent' moves the latent around the cp ring "
+            f"alone, but ulysses = {dims.ulysses}: use 'auto' or 'expanded'"
+        )
+
+
+def _no_generation(*args, **kwargs):
+    """A converted model's ``generate``: refused at the call, on every rank."""
+    raise ValueError(
+        "generate() is not supported on a parallelized model (converted by "
+        "fusedpar.integrations.hf.parallelize: its attention keeps no KV cache "
+        "and its logits are each rank's tokens'): export it with "
+        "fusedpar.integrations.hf.save_pretrained(model, dir) and generate with "
+        "the Hugging Face model loaded from dir"
+    )
 
 
 class _Batch:
