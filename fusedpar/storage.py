@@ -91,7 +91,7 @@ _READS_CHILD_PARAMETERS = (nn.MultiheadAttention,)
 # error. id -> (weakref, what replaced it, its name); an entry leaves with its tensor.
 _retired: dict[int, tuple] = {}
 _retirements = 0  # bumped by each `retire`: an optimizer checked before is checked again
-_checked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> its key
+_checked = weakref.WeakKeyDictionary()  # optimizer -> the key it passed the check at
 _hook = None  # the global optimizer step pre-hook, registered at the first `retire`
 
 
