@@ -21,7 +21,9 @@ never repeats a collective or re-routes a token:
 
 A layer that runs on one rank as one op (`ParallelAttention`: ``fusedpar::attention_layer``;
 `ParallelSwiGLU`: ``fusedpar::gated_mlp``) is kept when an op its composed path runs is
-(by default: its projections'), so a policy means on one rank what it means on many.
+(by default: its projections'), so a policy means on one rank what it means on many:
+there the default recomputes only the norms, keeping more than torchtitan's op-level
+policy, which recomputes every other GEMM (docs/plan.md compares the two).
 Everything else (norms, RoPE, the experts' GEMMs, single-device attention) is
 recomputed: under Ulysses, the attention between the two exchanges too (from the kept
 exchanged q, k, v). Pass ``also=`` to keep more (``"fusedpar::flash_attn"``,

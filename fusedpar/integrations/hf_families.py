@@ -44,33 +44,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusedpar.integrations.hf_config import (  # noqa: F401  (re-exported: hf.py's names)
+    ACTIVATION_NAMES,
+    FAMILIES,
+    activation_name,
+    check_config,
+    refuse,
+)
 from fusedpar.nn.linear import is_conv1d, linear_parts
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-            "glm4_moe", "minimax_m2", "deepseek_v3", "gemma2", "gemma3_text", "phi3", "olmo2",
-            "olmo3", "smollm3", "gpt_neox", "gpt2", "gpt_oss")  # fmt: skip
 _TANH_GELU = functools.partial(F.gelu, approximate="tanh")
-ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": _TANH_GELU,
-               "gelu_new": _TANH_GELU}  # fmt: skip
+# hf_config.ACTIVATION_NAMES, each with its function
+ACTIVATIONS = dict(
+    zip(ACTIVATION_NAMES, (F.silu, F.silu, F.gelu, _TANH_GELU, _TANH_GELU), strict=True)
+)
 # model_type: (the decoder's attribute, its layers', a layer's attention's); else Llama's
 TREES = {"gpt_neox": ("gpt_neox", "layers", "attention"), "gpt2": ("transformer", "h", "attn")}
 LLAMA_TREE = ("model", "layers", "self_attn")
 # a plain MLP's (fc, proj) attributes, by family
 PLAIN_MLPS = {"gpt_neox": ("dense_h_to_4h", "dense_4h_to_h"), "gpt2": ("c_fc", "c_proj")}
 NORM_OFFSET = {"gemma3_text": 1.0}  # Gemma's RMSNorm scales by (1 + weight)
-
-
-def refuse(condition: bool, what: str) -> None:
-    if condition:
-        raise ValueError(f"parallelize: {what} is not supported (the result would not compute "
-                         "what the model does)")  # fmt: skip
-
-
-def activation_name(config) -> str:
-    for name in ("hidden_activation", "hidden_act", "activation_function"):
-        if getattr(config, name, None):
-            return getattr(config, name)
-    return "silu"
 
 
 def tree(model: nn.Module, config):
@@ -85,30 +78,6 @@ def tree(model: nn.Module, config):
 
 def kv_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
-def check_config(config) -> None:
-    refuse(config.model_type not in FAMILIES,
-           f"model_type {config.model_type!r} (supported: {', '.join(FAMILIES)})")  # fmt: skip
-    kinds = set(getattr(config, "layer_types", None) or ())
-    refuse(bool(kinds - {"full_attention", "sliding_attention"}), f"layer_types {sorted(kinds)}")
-    for name in ("attention_dropout", "router_jitter_noise", "hidden_dropout",
-                 "resid_pdrop", "embd_pdrop", "attn_pdrop"):  # fmt: skip
-        value = getattr(config, name, 0.0)
-        refuse(value not in (0, 0.0, None), f"{name}={value}")
-    tp_slices = getattr(config, "pretraining_tp", 1)
-    refuse(tp_slices != 1, f"pretraining_tp={tp_slices}")
-    refuse(getattr(config, "output_router_logits", False), "output_router_logits=True")
-    act = activation_name(config)
-    refuse(act not in ACTIVATIONS, f"hidden_act={act!r}")
-    refuse(getattr(config, "use_bidirectional_attention", False), "bidirectional attention")
-    refuse(getattr(config, "add_cross_attention", False), "cross-attention")
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    # per layer type (Gemma 3) or one set; these tables depend on the whole sequence's
-    # length, which a CP rank's positions do not tell (zigzag: rank 0 holds the end)
-    for rope in params.values() if "rope_type" not in (params or {"rope_type": 0}) else [params]:
-        rope_type = (rope or {}).get("rope_type") if isinstance(rope, dict) else None
-        refuse(rope_type in ("dynamic", "longrope"), f"rope_type {rope_type!r}")
 
 
 def layer_window(config, i: int) -> int | None:

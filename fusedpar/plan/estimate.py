@@ -74,6 +74,8 @@ class Estimate:
     mfu: float = 0.0
     fits: bool = True
     notes: list = field(default_factory=list)
+    experts: int = 0  # the model's routed experts (0: dense)
+    stages_per_rank: int = 2  # a multi-stage schedule's stages on each pipeline rank
 
     @property
     def gpus(self) -> int:
@@ -322,6 +324,7 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
                   _bytes(dtype), latent_ring=latent_ring(spec, dims, cp_ring))  # fmt: skip
     est = Estimate(spec.name, dims, seq_len, micro_batch, microbatches, schedule, checkpointing,
                    dp_sharding)  # fmt: skip
+    est.experts, est.stages_per_rank = spec.num_experts, stages_per_rank
     ranks = rank_stages(spec, dims, schedule, stages_per_rank)
     peaks = saved_peaks(spec, dims, z, checkpointing, schedule, microbatches, stages_per_rank,
                         packed=document_len is not None)  # fmt: skip
@@ -541,3 +544,8 @@ def _time(est, spec, dims, z, dev, ranks, gpn, knobs, per_rank, param_dtype) -> 
     est.tokens_per_s_per_gpu = tokens / est.step_time_s / gpus
     model_flops = 3 * sum(flops_rank) * m * dims.dp * dims.cp * dims.ulysses * dims.tp
     est.mfu = model_flops / (est.step_time_s * gpus * dev.peak_tflops * 1e12)
+    if est.mfu > 1.0:  # every FLOP is timed at a rate at most the peak: a bug if not
+        raise AssertionError(
+            f"{est.layout()}: MFU {est.mfu:.1%} on {dev.name} ({dev.peak_tflops:g} TFLOP/s): "
+            "the time model ran some FLOPs faster than the peak (a Device efficiency above 1?)"
+        )

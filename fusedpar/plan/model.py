@@ -34,6 +34,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from fusedpar.integrations.hf_config import check_config
+
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3_text")
 SIGMOID_ROUTERS = ("deepseek_v3", "glm4_moe", "minimax_m2")  # a score-correction bias
 
@@ -119,15 +121,26 @@ def _get(config, *names, default=None):
 
 def from_hf_config(config, name: str | None = None) -> ModelSpec:
     """A ModelSpec from a Hugging Face config: a ``PretrainedConfig``, its dict, or the path
-    of a ``config.json`` (or of the folder holding one)."""
+    of a ``config.json`` (or of the folder holding one). A config `parallelize` would
+    refuse (another family, dropout, ...: `fusedpar.integrations.hf_config.check_config`)
+    raises its ValueError here, with its message."""
     if isinstance(config, (str, Path)):
         path = Path(config)
         path = path / "config.json" if path.is_dir() else path
-        config = json.loads(path.read_text())
-    model_type = _get(config, "model_type", default="llama")
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not a JSON config: {e}") from None
+    check_config(config)
+    return _spec(config, name)
+
+
+def _spec(config, name: str | None) -> ModelSpec:
+    """`from_hf_config`'s ModelSpec of a config `check_config` passed."""
+    model_type = _get(config, "model_type")
     text = _get(config, "text_config")
     if text is not None and _get(config, "hidden_size") is None:
-        return from_hf_config(text, name)
+        return _spec(text, name)
     d, heads = _get(config, "hidden_size", "n_embd"), _get(config, "num_attention_heads", "n_head")
     kv_lora = _get(config, "kv_lora_rank", default=0) or 0
     if kv_lora:

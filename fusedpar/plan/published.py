@@ -1,6 +1,9 @@
 """Published training throughput, each with the layout it ran, and the planner's estimate
 of it: the time model's check (docs/plan.md lists the sources; tests/test_plan_time.py
-holds every point within ±20% or to its stated reason).
+holds every point within ±20% or to its stated reason). A point counts as reproduced
+when the estimate is within ±20% and fusedpar would fit in the point's memory at that
+layout (the planner's own verdict, `Estimate.fits`); one it says would not fit is
+reported as such, whatever its throughput.
 
 Each point is bf16 (no FP8 point: the planner models bf16 GEMMs). The sources' metric is
 turned into tokens/s per GPU where they publish another (Megatron's TFLOP/s and MFU,
@@ -46,6 +49,7 @@ class Point:
     derived: str = ""  # how the published metric became tokens/s per GPU
     scale: float = 1.0  # estimated at another depth fusedpar's pipeline takes: times this
     options: dict = field(default_factory=dict)
+    memory_gib: float | None = None  # the memory the source reports (torchtitan's reading)
 
 
 H100, A100 = DEVICES["h100"], DEVICES["a100"]
@@ -60,10 +64,10 @@ MEGATRON_2022 = {"overlap": "serial"}
 POINTS = [
     Point("torchtitan-8b-8", "torchtitan benchmarks/llama3_h100_202412 Table 1 (bf16 eager)",
           PRESETS["llama3-8b"], TITAN_H100, ParallelDims(dp=8), 8192, 2, 1, "selective", 5762,
-          options=EAGER),
+          options=EAGER, memory_gib=82.4),
     Point("torchtitan-8b-128", "torchtitan benchmarks/llama3_h100_202412 Table 3 (bf16 eager)",
           PRESETS["llama3-8b"], TITAN_H100, ParallelDims(dp=128), 8192, 2, 1, "selective",
-          5605, options=EAGER),
+          5605, options=EAGER, memory_gib=67.0),
     Point("torchtitan-8b-a100", "torchtitan docs/performance.md @4d88a8a (A100, op SAC)",
           PRESETS["llama3-8b"], A100, ParallelDims(dp=64), 8192, 1, 1, "selective", 2973,
           options=EAGER),
@@ -106,19 +110,46 @@ POINTS = [
 ]  # fmt: skip
 
 
+TOLERANCE = (0.8, 1.2)  # the estimate over the published tokens/s
+
+
 def reproduce(points=POINTS) -> list[dict]:
-    """Each point: published and estimated tokens/s per GPU, and their ratio."""
+    """Each point: published and estimated tokens/s per GPU and their ratio, the peak the
+    planner puts on a rank, whether it fits the point's GPUs (`fits`), and `reproduced`:
+    it fits and the ratio is within `TOLERANCE`."""
     from fusedpar.plan.estimate import estimate
 
     rows = []
     for p in points:
-        est = estimate(p.model, p.dims, seq_len=p.seq_len, micro_batch=p.micro_batch,
-                       microbatches=p.microbatches, schedule=p.schedule, device=p.device,
-                       checkpointing=p.checkpointing, stages_per_rank=p.stages_per_rank,
-                       memory_margin=10.0, **p.options)  # fmt: skip
+        est = estimate(
+            p.model,
+            p.dims,
+            seq_len=p.seq_len,
+            micro_batch=p.micro_batch,
+            microbatches=p.microbatches,
+            schedule=p.schedule,
+            device=p.device,
+            checkpointing=p.checkpointing,
+            stages_per_rank=p.stages_per_rank,
+            **p.options,
+        )
         got = est.tokens_per_s_per_gpu * p.scale
-        rows.append({"point": p.key, "source": p.source, "layout": est.layout(),
-                     "published": p.tokens_per_s_per_gpu, "estimated": got,
-                     "ratio": got / p.tokens_per_s_per_gpu, "mfu": est.mfu,
-                     "peak_gb": est.memory["peak"] / 1e9})  # fmt: skip
+        ratio = got / p.tokens_per_s_per_gpu
+        rows.append(
+            {
+                "point": p.key,
+                "source": p.source,
+                "layout": est.layout(),
+                "published": p.tokens_per_s_per_gpu,
+                "estimated": got,
+                "ratio": ratio,
+                "mfu": est.mfu,
+                "peak_gb": est.memory["peak"] / 1e9,
+                "memory_gb": p.device.memory_gb,
+                "published_memory_gib": p.memory_gib,
+                "fits": est.fits,
+                "reproduced": est.fits and TOLERANCE[0] <= ratio <= TOLERANCE[1],
+                "notes": est.notes,
+            }
+        )
     return rows

@@ -1,5 +1,6 @@
 """A search's outputs: the ranked table (markdown), JSON, the memory/step-time plot with
-its frontier, and the command line that runs the top pick."""
+its frontier, and the command line that runs the top pick's layout on the demo model
+(or what the demo cannot run of it)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from fusedpar.parallel import ParallelDims
+from fusedpar.pipeline import SCHEDULES, stage_count
 from fusedpar.plan.estimate import Estimate
 
 GB = 1e9
@@ -26,26 +29,105 @@ def dims_call(est: Estimate) -> str:
     return f"fp.ParallelDims({', '.join(args)})"
 
 
-def command(est: Estimate, gpus_per_node: int = 8, script: str = "examples/train.py") -> str:
-    """The ``torchrun`` line that runs `est`'s layout on the demo model
-    (examples/train.py: its own small model, at these degrees, schedule and batch; a
-    model of your own takes the same degrees: `dims_call`)."""
-    from fusedpar.pipeline import stage_count
+# examples/train.py's model (examples/tiny_llama.py's Config) and its defaults: what the
+# demo's flags leave fixed (tests/test_plan_time.py holds them to the example's)
+DEMO_HEADS, DEMO_KV_HEADS, DEMO_EXPERTS = 4, 2, 4
 
+
+def demo(est: Estimate, gpus_per_node: int = 8, script: str = "examples/train.py"):
+    """(the ``torchrun`` line that runs `est`'s layout on the demo model, or None; notes).
+
+    The demo (examples/train.py: its own small model) takes the degrees (--tp, --cp,
+    --ulysses, --pp; dp is the rest), a pipeline's schedule and microbatches, experts over
+    tp (--moe), the sequence length and the global batch (--batch: sequences a step, split
+    over dp). What it cannot run is a note instead of a command: experts over another
+    axis (or none while tp > 1), microbatches without a pipeline (no gradient
+    accumulation), FSDP2 holding parameters through the step (zero1, zero2: the demo
+    reshards after each forward), degrees its 4 heads and 2 KV heads do not split into,
+    or GPUs torchrun cannot spread evenly over nodes. A note beside a command says what
+    it runs otherwise (no activation checkpointing). A model of your own takes the
+    layout's degrees: `dims_call`."""
     d = est.dims
     nodes = -(-est.gpus // gpus_per_node)
     per_node = est.gpus // nodes
+    missing, notes = [], []
+    if nodes * per_node != est.gpus:
+        missing.append(
+            f"{est.gpus} GPUs do not spread evenly over {nodes} nodes of at most {gpus_per_node}"
+        )
+    flags = [f"--{a} {getattr(d, a)}" for a in ("tp", "cp", "ulysses", "pp") if getattr(d, a) > 1]
+    layers = microbatches = None
+    if d.pp > 1:  # the demo's blocks, one a stage
+        try:
+            layers = stage_count(est.schedule, d.pp, est.stages_per_rank)
+        except ValueError as e:
+            missing.append(str(e))
+        if est.stages_per_rank != 2 and SCHEDULES.get(est.schedule) != "single":
+            missing.append(
+                f"{est.stages_per_rank} stages a pipeline rank (the demo's schedules hold 2)"
+            )
+        microbatches = est.microbatches
+        flags += [
+            f"--schedule {est.schedule}",
+            f"--microbatches {microbatches}",
+            f"--layers {layers}",
+        ]
+    elif est.microbatches > 1:
+        missing.append(
+            f"{est.microbatches} microbatches of {est.micro_batch} a dp rank (the demo has no "
+            "gradient accumulation: without a pipeline it runs a dp rank's batch at once)"
+        )
+    experts = 0
+    if est.experts:
+        if d.ep_axes not in (("tp",), ()):
+            missing.append(f"experts over {' x '.join(d.ep_axes)} (the demo's --moe: over tp)")
+        elif not d.ep_axes and d.tp > 1:
+            missing.append(f"every expert on each of tp {d.tp} (the demo's --moe: over tp)")
+        experts = d.tp * -(-DEMO_EXPERTS // d.tp)  # a multiple of the EP degree
+        flags.append("--moe")
+        if experts != DEMO_EXPERTS:
+            flags.append(f"--experts {experts}")
+    elif d.ep_axes:
+        missing.append("experts over a dense model")
+    if d.dp > 1 and est.dp_sharding != "zero3":
+        missing.append(
+            f"FSDP2's {est.dp_sharding} ({SHARDING_NOTE[est.dp_sharding]}; the "
+            "demo reshards after each forward, zero3)"
+        )
+    try:  # what the demo itself checks first
+        ParallelDims(
+            dp=d.dp, cp=d.cp, tp=d.tp, ulysses=d.ulysses, pp=d.pp, ep="tp" if experts else None
+        ).validate(
+            est.gpus,
+            n_heads=DEMO_HEADS,
+            n_kv_heads=DEMO_KV_HEADS,
+            num_experts=experts or None,
+            seq_len=est.seq_len,
+            n_layers=layers or 2,
+            microbatches=microbatches,
+            schedule=est.schedule or "1F1B",
+        )
+    except ValueError as e:
+        missing.append(f"the demo model ({DEMO_HEADS} heads, {DEMO_KV_HEADS} KV heads): {e}")
+    if missing:
+        return None, missing
+    if est.checkpointing != "none":
+        notes.append(f"the demo checkpoints no activations (the plan: {est.checkpointing})")
     launch = f"torchrun --nnodes {nodes} --nproc-per-node {per_node}"
     if nodes > 1:
         launch += " --rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500"
-    flags = [f"--{a} {getattr(d, a)}" for a in ("tp", "cp", "ulysses", "pp") if getattr(d, a) > 1]
-    if d.pp > 1:  # the demo's blocks, one a stage
-        flags += [f"--schedule {est.schedule}", f"--microbatches {est.microbatches}",
-                  f"--layers {stage_count(est.schedule, d.pp)}"]  # fmt: skip
-    if d.ep_axes:  # the demo runs its experts over tp
-        flags.append("--moe")
-    flags += [f"--seq {est.seq_len}", f"--batch {est.micro_batch * est.microbatches}"]
-    return " ".join([launch, script, *flags])
+    batch = d.dp * est.micro_batch * est.microbatches  # sequences a step, over dp
+    flags += [f"--seq {est.seq_len}", f"--batch {batch}"]
+    return " ".join([launch, script, *flags]), notes
+
+
+def demo_lines(est: Estimate, gpus_per_node: int = 8) -> list[str]:
+    """The top pick's demo, as comment and command lines: the command and what it runs
+    otherwise, or why the demo cannot run the layout."""
+    line, notes = demo(est, gpus_per_node)
+    if line is None:
+        return ["# the demo model (examples/train.py) cannot run this layout: " + "; ".join(notes)]
+    return ["# the demo model at this layout:", line] + [f"# ({note})" for note in notes]
 
 
 def _row(rank: int, est: Estimate) -> str:
@@ -73,8 +155,8 @@ def markdown(result, *, top: int = 15, title: str = "", gpus_per_node: int = 8) 
         lines += ["", f"Top pick: {best.layout()} ({best.checkpointing} checkpointing), "
                   f"{best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU (FSDP2: "
                   f"{SHARDING_NOTE[best.dp_sharding]}):", "", "```",
-                  f"# the demo model at this layout:\n{command(best, gpus_per_node)}",
-                  f"# your model's degrees:\n{dims_call(best)}", "```"]  # fmt: skip
+                  *demo_lines(best, gpus_per_node), "# your model's degrees:",
+                  dims_call(best), "```"]  # fmt: skip
         traffic = ", ".join(f"{axis} {best.traffic[axis] / GB:.1f} GB in "
                             f"{best.collectives[axis]} calls over {best.links.get(axis, '?')}"
                             for axis in best.traffic)  # fmt: skip
