@@ -49,6 +49,10 @@ RoPE whose tables depend on the sequence length, a module of an unknown kind, an
 head) raises ValueError naming it, on every rank, before any collective; so do, at
 call time, padding (but a classification head's right padding), position_ids with
 offsets and use_cache.
+
+Back to Hugging Face: `save_pretrained(model, dir)` (`hf_export`; ``model.save_pretrained``
+calls it), on every rank, writes the converted model as the original's checkpoint, for
+``AutoModelForCausalLM.from_pretrained(dir)``.
 """
 
 import functools

@@ -8,22 +8,22 @@ class) on any machine, with or without fusedpar.
     model.save_pretrained("out/")                 # the same (set by parallelize)
     save_pretrained(model, "out/", pipeline=pipe) # under pp: the stages' parameters
 
-Every rank calls it (a rank alone: the first collective, a monitored barrier, fails
-after ``FUSEDPAR_CHECKPOINT_TIMEOUT_S``, default 120 s, saying so). Each rank takes the
+Every rank calls it (a rank alone: the first collective, a monitored barrier on gloo,
+fails after ``FUSEDPAR_CHECKPOINT_TIMEOUT_S``, default 120 s, saying so). Each rank takes the
 full tensors of what it holds (``DTensor.full_tensor()``: TP, EP and FSDP2 shards
 alike), and the converted layers' parameters are turned back into Hugging Face's, each
 by the inverse that sits beside its conversion in `hf_families`:
 
-| converted layer                 | written back as                                         |
-| ------------------------------- | ------------------------------------------------------- |
-| `ParallelAttention`             | q/k/v/o projections, biases, q/k norms, sinks; Phi-3's, |
-|                                 | GPT-NeoX's (per head) and GPT-2's (``Conv1D``) fused qkv |
-| `ParallelMLA`                   | DeepSeek-V3's projections and latent norms, their rows  |
-|                                 | in Hugging Face's (nope, rope) and interleaved order    |
-| `ParallelSwiGLU`, plain MLPs    | gate/up/down (Phi-3's gate_up fused), fc/proj           |
-| `MoE`                           | router (and gpt-oss's bias), the fused expert stacks    |
-|                                 | (gpt-oss's interleaved), shared expert and its gate,    |
-|                                 | the router's selection bias (``e_score_correction_bias``)|
+| converted layer              | written back as                                            |
+| ---------------------------- | ---------------------------------------------------------- |
+| `ParallelAttention`          | q/k/v/o projections, biases, q/k norms, sinks; Phi-3's,    |
+|                              | GPT-NeoX's (per head) and GPT-2's (``Conv1D``) fused qkv   |
+| `ParallelMLA`                | DeepSeek-V3's projections and latent norms, their rows in  |
+|                              | Hugging Face's (nope, rope) and interleaved order          |
+| `ParallelSwiGLU`, plain MLPs | gate/up/down (Phi-3's gate_up fused), fc/proj              |
+| `MoE`                        | router (and gpt-oss's bias), the fused expert stacks       |
+|                              | (gpt-oss's interleaved), shared expert and its gate, the   |
+|                              | router's selection bias (``e_score_correction_bias``)      |
 
 Everything else (embeddings, norms, heads) keeps its name. Under pipeline parallelism
 each stage's parameters come from the ranks that hold that stage (``pipeline=`` the
@@ -131,8 +131,10 @@ def save_pretrained(
     rank = dist.get_rank() if dist.is_initialized() else 0
     _enter(save_directory)
     skeleton = _skeleton(model, original)
+    # the ranks that keep full tensors: rank 0; under pp the lowest rank of each stage
     mesh = getattr(getattr(model, "_fusedpar_batch", None), "mesh", None)
-    keep = rank == 0 or (pipeline is not None and int(mesh.mesh.min()) == rank)
+    lowest = None if mesh is None or pipeline is None else int(mesh.mesh.min())
+    keep = rank in (0, lowest)
     state = _held_state(model if pipeline is None else pipeline.model, skeleton, model.config, keep)
     if pipeline is not None:
         state = _collect(state, keep, _device_of(model))
@@ -170,21 +172,21 @@ def _check_pipeline(model: nn.Module, original: Original, pipeline) -> None:
 def _enter(save_directory) -> None:
     """The first collective: a monitored barrier, so that a rank calling alone (the
     single-process habit, ``if rank == 0: model.save_pretrained(dir)``) raises, naming
-    the ranks that did not come, where a plain collective would wait for ever."""
+    the ranks that did not come, where a plain collective would wait for ever. torch has
+    it on gloo only: on another backend (NCCL) it is skipped, said once."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    if dist.get_backend() != "gloo":
+        _warn_once(
+            f"save_pretrained: no monitored barrier on the {dist.get_backend()} "
+            "backend (torch has it on gloo only): a rank that calls it alone waits "
+            "for the process group's timeout"
+        )
         return
     seconds = float(os.environ.get(TIMEOUT_VARIABLE, DEFAULT_TIMEOUT_S))
     try:
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=seconds), wait_all_ranks=True)
     except RuntimeError as e:
-        if "GLOO" in str(e) and "support" in str(e):  # a group without gloo: NCCL alone
-            _warn_once(
-                "save_pretrained: the process group has no gloo backend for a "
-                "monitored barrier; a rank that calls it alone waits for the "
-                "group's timeout"
-            )
-            dist.barrier()
-            return
         raise RuntimeError(
             f"save_pretrained({str(save_directory)!r}) is collective: every "
             f"rank must call it (rank 0 writes); the ranks did not all enter "
