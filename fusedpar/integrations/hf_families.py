@@ -1,6 +1,8 @@
 """What `fusedpar.integrations.hf.parallelize` reads off each Hugging Face family: the
 refusals (checked for every layer before anything is built) and the conversion of one
-decoder layer's attention and MLP into fusedpar's layers.
+decoder layer's attention and MLP into fusedpar's layers; beside each conversion its
+inverse (`dense_attention`, `dense_mla`, `dense_mlp`, `dense_experts`: a converted
+layer's full parameters as the Hugging Face module holds them), which `hf_export` writes.
 
 | family (`model_type`)       | attention options read off the model                      |
 | --------------------------- | --------------------------------------------------------- |
@@ -178,7 +180,7 @@ def router_options(mlp: nn.Module) -> dict:
     DeepSeek-V3, on the block in MiniMax-M2), its groups and scaling; `norm_topk_prob`
     where the router says (MiniMax-M2's always renormalizes; Mixtral's too)."""
     gate, where = mlp.gate, _correction_name(mlp)
-    correction = None if where is None else mlp.get_buffer(where)
+    correction = None if where is None else functools.reduce(getattr, where.split("."), mlp)
     options = dict(norm_topk_prob=getattr(gate, "norm_topk_prob", True))
     if correction is not None:
         groups = getattr(gate, "num_group", None) or getattr(gate, "n_group", 1)
