@@ -168,3 +168,18 @@ def test_a_rank_calling_alone_raises_instead_of_waiting(world, tmp_path):
     error = raised.value.exceptions[0]
     assert re.search(r"is collective: every rank must call it .* within 1 s", str(error)), error
     assert not (tmp_path / "out").exists()
+
+
+def _into_a_file(path: str) -> None:
+    model = tiny_model("llama", 0)
+    hf.parallelize(model, fp.ParallelDims(dp=2, tp=2))
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            f.write("not a directory")
+    hf.save_pretrained(model, path)
+
+
+def test_what_fails_on_rank_0_raises_on_every_rank(world, tmp_path):
+    """Rank 0 alone writes: its error (here the target is a file) on every rank."""
+    for e in world(4).run(exception_of, _into_a_file, str(tmp_path / "file")):
+        assert isinstance(e, ValueError) and re.search(r"rank 0: .* is a file", str(e)), repr(e)
