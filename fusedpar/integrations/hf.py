@@ -49,6 +49,10 @@ RoPE whose tables depend on the sequence length, a module of an unknown kind, an
 head) raises ValueError naming it, on every rank, before any collective; so do, at
 call time, padding (but a classification head's right padding), position_ids with
 offsets and use_cache.
+
+Back to Hugging Face: `save_pretrained(model, dir)` (`hf_export`; ``model.save_pretrained``
+calls it), on every rank, writes the converted model as the original's checkpoint, for
+``AutoModelForCausalLM.from_pretrained(dir)``.
 """
 
 import functools
@@ -60,8 +64,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedpar import checks, comm
+from fusedpar.integrations import hf_export
 from fusedpar.integrations import hf_families as families
 from fusedpar.integrations import hf_heads as heads
+from fusedpar.integrations.hf_export import save_pretrained  # noqa: F401 (public here)
 from fusedpar.integrations.hf_families import refuse
 from fusedpar.kernels._common import accumulator
 from fusedpar.nn import (
@@ -176,7 +182,6 @@ def _mlp(mlp: nn.Module, config, groups, tp: dict) -> nn.Module:
                                            **tp)  # fmt: skip
     if config.model_type == "gpt_oss":
         return _gpt_oss_moe(mlp, config, groups)
-    experts, h = mlp.experts, mlp.experts.down_proj.shape[-1]
     extra = families.router_options(mlp)
     shared = families.shared_expert(mlp)
     if shared is not None:
@@ -184,11 +189,10 @@ def _mlp(mlp: nn.Module, config, groups, tp: dict) -> nn.Module:
                            shared.up_proj.weight)  # fmt: skip
         if getattr(mlp, "shared_expert_gate", None) is not None:
             extra["shared_gate_weight"] = mlp.shared_expert_gate.weight
-    up = experts.gate_up_proj  # (E, 2h, d): the gate rows, then the up rows
+    stacks, _, _ = families.expert_stacks(mlp, config)  # (E, 2h, d): gate rows, then up
     return HFMoE.from_dense(
-        mlp.gate.weight, up[:, :h], experts.down_proj, up[:, h:], groups["ep"],
-        top_k=config.num_experts_per_tok, aux_loss_coef=0.0, **extra,
-    )  # fmt: skip
+        *stacks, groups["ep"], top_k=config.num_experts_per_tok, aux_loss_coef=0.0, **extra
+    )
 
 
 def _gpt_oss_moe(mlp: nn.Module, config, groups) -> "HFMoE":
@@ -196,14 +200,11 @@ def _gpt_oss_moe(mlp: nn.Module, config, groups) -> "HFMoE":
     columns), weights stored (in, out), biases on every projection, the clamped SwiGLU;
     its router has a bias and takes the softmax of the top-k logits (= the softmax over
     all, top-k, renormalized)."""
-    experts, router = mlp.experts, mlp.router
-    gate_up, gate_up_bias = experts.gate_up_proj, experts.gate_up_proj_bias  # (E, d, 2h)
-    w1, w3 = gate_up[..., ::2].transpose(1, 2), gate_up[..., 1::2].transpose(1, 2)
-    bias = (gate_up_bias[:, ::2], experts.down_proj_bias, gate_up_bias[:, 1::2])
+    experts = mlp.experts
+    stacks, bias, router_bias = families.expert_stacks(mlp, config)
     layer = HFMoE.from_dense(
-        router.weight, w1, experts.down_proj.transpose(1, 2), w3, groups["ep"],
-        top_k=config.num_experts_per_tok, aux_loss_coef=0.0, norm_topk_prob=True,
-        bias=bias, router_bias=router.bias, activation="clamped_swiglu",
+        *stacks, groups["ep"], top_k=config.num_experts_per_tok, aux_loss_coef=0.0,
+        norm_topk_prob=True, bias=bias, router_bias=router_bias, activation="clamped_swiglu",
         swiglu_alpha=experts.alpha, swiglu_limit=experts.limit,
     )  # fmt: skip
     layer.returns_scores = True  # the decoder layer unpacks (hidden_states, router_scores)
@@ -281,6 +282,7 @@ def parallelize(
         attn._fusedpar_batch = state  # the call's packed documents
         setattr(layer, attention, attn)
         layer.mlp = _mlp(layer.mlp, config, groups, tp)
+    hf_export.install(model, dims)  # model.save_pretrained: the original's checkpoint
     config.use_cache = False  # training: the converted attention keeps no KV cache
     model._fusedpar_batch = state
     model.register_forward_pre_hook(_take_batch, with_kwargs=True)

@@ -1,6 +1,8 @@
 """What `fusedpar.integrations.hf.parallelize` reads off each Hugging Face family: the
 refusals (checked for every layer before anything is built) and the conversion of one
-decoder layer's attention and MLP into fusedpar's layers.
+decoder layer's attention and MLP into fusedpar's layers; beside each conversion its
+inverse (`dense_attention`, `dense_mla`, `dense_mlp`, `dense_experts`: a converted
+layer's full parameters as the Hugging Face module holds them), which `hf_export` writes.
 
 | family (`model_type`)       | attention options read off the model                      |
 | --------------------------- | --------------------------------------------------------- |
@@ -51,7 +53,7 @@ from fusedpar.integrations.hf_config import (  # noqa: F401  (re-exported: hf.py
     check_config,
     refuse,
 )
-from fusedpar.nn.linear import is_conv1d, linear_parts
+from fusedpar.nn.linear import is_conv1d, linear_parts, linear_weight
 
 _TANH_GELU = functools.partial(F.gelu, approximate="tanh")
 # hf_config.ACTIVATION_NAMES, each with its function
@@ -94,18 +96,24 @@ FUSED_QKV = {"phi3": ("qkv_proj", "o_proj"), "gpt_neox": ("query_key_value", "de
              "gpt2": ("c_attn", "c_proj")}  # fmt: skip
 
 
+def _qkv_rows(t: torch.Tensor, config, inverse: bool = False) -> torch.Tensor:
+    """A fused projection's rows (a weight (out, in) or a bias) in the order q, k, v;
+    GPT-NeoX's per-head (H, [q, k, v], hd) regrouped so, or back with `inverse`."""
+    if config.model_type != "gpt_neox" or t is None:
+        return t
+    heads = config.num_attention_heads
+    shape = (3, heads) if inverse else (heads, 3)
+    return t.reshape(*shape, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
 def _fused_parts(attn, config):
     """q, k, v weights (out, in) and biases of a fused projection: Phi-3's and GPT-2's
     are q rows, then k, then v (GPT-2's a transposed ``Conv1D``); GPT-NeoX's are per
-    head, (H, [q, k, v], hd)."""
+    head, (H, [q, k, v], hd). `dense_attention` is the inverse."""
     fused = getattr(attn, FUSED_QKV[config.model_type][0])
-    weight = linear_parts("qkv", fused)[0]
-    bias = fused.bias
+    weight, bias = (_qkv_rows(t, config) for t in linear_parts("qkv", fused))
     heads, hd = config.num_attention_heads, weight.shape[0] // (config.num_attention_heads
                                                                 + 2 * kv_heads(config))  # fmt: skip
-    if config.model_type == "gpt_neox":
-        weight = weight.view(heads, 3, hd, -1).transpose(0, 1).reshape(3 * heads * hd, -1)
-        bias = None if bias is None else bias.view(heads, 3, hd).transpose(0, 1).reshape(-1)
     sizes = [heads * hd, *[kv_heads(config) * hd] * 2]
     return weight.split(sizes), [None] * 3 if bias is None else bias.split(sizes)
 
@@ -114,10 +122,25 @@ def _linear_like(t) -> bool:
     return isinstance(t, nn.Linear) or is_conv1d(t)
 
 
+SHARED_EXPERTS = ("shared_expert", "shared_experts")  # Qwen2-MoE's; GLM-4.5's, DeepSeek-V3's
+
+
+def _shared_name(mlp: nn.Module) -> str | None:
+    return next((name for name in SHARED_EXPERTS if getattr(mlp, name, None) is not None), None)
+
+
 def shared_expert(mlp: nn.Module) -> nn.Module | None:
     """An MoE block's shared expert: Qwen2-MoE's (gated), GLM-4.5's and DeepSeek-V3's
     (ungated, `n_shared_experts` wide), or None."""
-    return getattr(mlp, "shared_expert", None) or getattr(mlp, "shared_experts", None)
+    name = _shared_name(mlp)
+    return None if name is None else getattr(mlp, name)
+
+
+def _correction_name(mlp: nn.Module) -> str | None:
+    """Where an MoE block keeps its sigmoid router's selection bias (None: none)."""
+    if getattr(mlp.gate, "e_score_correction_bias", None) is not None:
+        return "gate.e_score_correction_bias"  # GLM-4.5, DeepSeek-V3
+    return "e_score_correction_bias" if hasattr(mlp, "e_score_correction_bias") else None
 
 
 def router_options(mlp: nn.Module) -> dict:
@@ -125,9 +148,8 @@ def router_options(mlp: nn.Module) -> dict:
     where it has a selection bias (`e_score_correction_bias`, on the gate in GLM-4.5 and
     DeepSeek-V3, on the block in MiniMax-M2), its groups and scaling; `norm_topk_prob`
     where the router says (MiniMax-M2's always renormalizes; Mixtral's too)."""
-    gate = mlp.gate
-    correction = getattr(gate, "e_score_correction_bias", None)
-    correction = getattr(mlp, "e_score_correction_bias", None) if correction is None else correction
+    gate, where = mlp.gate, _correction_name(mlp)
+    correction = None if where is None else functools.reduce(getattr, where.split("."), mlp)
     options = dict(norm_topk_prob=getattr(gate, "norm_topk_prob", True))
     if correction is not None:
         groups = getattr(gate, "num_group", None) or getattr(gate, "n_group", 1)
@@ -156,7 +178,37 @@ def mla_options(attn: nn.Module, config, rotary_emb) -> dict:
                 v_head_dim=config.v_head_dim, softmax_scale=attn.scaling,
                 norm_eps=getattr(norm, "variance_epsilon", None) or norm.eps,
                 rope=functools.partial(rope, rotary_emb, rope_dim, None),
-                rope_interleave=bool(getattr(config, "rope_interleave", False)))  # fmt: skip
+                rope_interleave=_rope_interleave(config))  # fmt: skip
+
+
+def _rope_interleave(config) -> bool:
+    return bool(getattr(config, "rope_interleave", False))
+
+
+# a converted `ParallelMLA`'s parameters -> Hugging Face's (relative to the attention)
+MLA_NAMES = {
+    "q_a_weight": "q_a_proj.weight",
+    "q_a_bias": "q_a_proj.bias",
+    "q_a_norm_weight": "q_a_layernorm.weight",
+    "q_b_weight": "q_b_proj.weight",
+    "q_weight": "q_proj.weight",
+    "kv_a_weight": "kv_a_proj_with_mqa.weight",
+    "kv_a_bias": "kv_a_proj_with_mqa.bias",
+    "kv_a_norm_weight": "kv_a_layernorm.weight",
+    "kv_b_weight": "kv_b_proj.weight",
+    "o_weight": "o_proj.weight",
+    "o_bias": "o_proj.bias",
+}
+
+
+def dense_mla(layer, config, params: dict) -> dict:
+    """The inverse of `mla_options` (and `ParallelMLA.load_dense`'s row permutations):
+    the full parameters `params` of the converted `layer` (its names) under the Hugging
+    Face module's names, in its layout (`ParallelMLA.dense_rows`)."""
+    return {
+        MLA_NAMES[name]: layer.dense_rows(name, t, rope_interleave=_rope_interleave(config))
+        for name, t in params.items()
+    }
 
 
 def check_layer(i: int, layer: nn.Module, config) -> None:
@@ -250,6 +302,38 @@ def attention_options(i: int, attn: nn.Module, config, rotary_emb) -> dict:
     return dict(parts=parts, **options)
 
 
+def dense_attention(attn: nn.Module, config, params: dict) -> dict:
+    """The inverse of `attention_options`: the full parameters `params` of a converted
+    `ParallelAttention` (its names: q_weight, q_bias, .., q_norm_weight, sinks) as the
+    Hugging Face attention `attn` holds them (names relative to it; `attn` may be on the
+    meta device: only its modules' kinds are read). Fused projections are fused again
+    (`_qkv_rows` back to GPT-NeoX's per-head rows), ``Conv1D`` weights transposed back."""
+    fused = FUSED_QKV.get(config.model_type)
+    out = {}
+    if fused is not None:
+        qkv = [params[f"{p}_weight"] for p in "qkv"]
+        weight = _qkv_rows(torch.cat(qkv), config, inverse=True)
+        out[f"{fused[0]}.weight"] = linear_weight(getattr(attn, fused[0]), weight)
+        if "q_bias" in params:
+            bias = torch.cat([params[f"{p}_bias"] for p in "qkv"])
+            out[f"{fused[0]}.bias"] = _qkv_rows(bias, config, inverse=True)
+        projections = {"o": fused[1]}
+    else:
+        projections = {p: f"{p}_proj" for p in "qkvo"}
+    for p, name in projections.items():
+        out[f"{name}.weight"] = linear_weight(getattr(attn, name), params[f"{p}_weight"])
+        if f"{p}_bias" in params:
+            out[f"{name}.bias"] = params[f"{p}_bias"]
+    for ours, theirs in (
+        ("q_norm_weight", "q_norm.weight"),
+        ("k_norm_weight", "k_norm.weight"),
+        ("sinks", "sinks"),
+    ):
+        if ours in params:
+            out[theirs] = params[ours]
+    return out
+
+
 def mlp_parts(mlp: nn.Module):
     """gate, up, down and their biases (None: taken off the modules) of a gated MLP
     (Phi-3's fused ``gate_up_proj``: gate rows first)."""
@@ -262,3 +346,83 @@ def mlp_parts(mlp: nn.Module):
         down_bias = mlp.down_proj.bias
         return gate, up, mlp.down_proj.weight, (bias_gate, bias_up, down_bias)
     return mlp.gate_proj, mlp.up_proj, mlp.down_proj, None
+
+
+def dense_mlp(mlp: nn.Module, config, params: dict) -> dict:
+    """The inverse of `mlp_parts` (a `ParallelSwiGLU`'s full parameters, its names, as
+    the Hugging Face MLP `mlp` holds them: Phi-3's gate and up fused again) and of a
+    plain MLP's conversion (`PLAIN_MLPS`: each linear under its own name, ``Conv1D``
+    weights transposed back)."""
+    if config.model_type in PLAIN_MLPS:
+        out = {}
+        for name in PLAIN_MLPS[config.model_type]:
+            out[f"{name}.weight"] = linear_weight(getattr(mlp, name), params[f"{name}.weight"])
+            if f"{name}.bias" in params:
+                out[f"{name}.bias"] = params[f"{name}.bias"]
+        return out
+    if hasattr(mlp, "gate_up_proj"):
+        out = {
+            "gate_up_proj.weight": torch.cat([params["gate_weight"], params["up_weight"]]),
+            "down_proj.weight": params["down_weight"],
+        }
+        if "gate_bias" in params:
+            out["gate_up_proj.bias"] = torch.cat([params["gate_bias"], params["up_bias"]])
+            out["down_proj.bias"] = params["down_bias"]
+        return out
+    return {
+        f"{part}_proj.{kind}": params[f"{part}_{kind}"]
+        for part in ("gate", "up", "down")
+        for kind in ("weight", "bias")
+        if f"{part}_{kind}" in params
+    }
+
+
+def expert_stacks(mlp: nn.Module, config):
+    """An MoE block's router and experts in `MoE.from_dense`'s layout: ((router_weight
+    (E, d), w1 (E, h, d), w2 (E, d, h), w3 (E, h, d)), the experts' biases (b1, b2, b3)
+    or None, the router's bias or None). Hugging Face's experts hold gate and up in one
+    (E, 2h, d) ``gate_up_proj`` (the gate rows, then the up rows); gpt-oss's in one
+    (E, d, 2h), stored (in, out), gate and up interleaved (gate the even columns), with
+    biases and a router with a bias. `dense_experts` is the inverse."""
+    experts = mlp.experts
+    if config.model_type == "gpt_oss":
+        gate_up, gate_up_bias = experts.gate_up_proj, experts.gate_up_proj_bias  # (E, d, 2h)
+        w1, w3 = gate_up[..., ::2].transpose(1, 2), gate_up[..., 1::2].transpose(1, 2)
+        bias = (gate_up_bias[:, ::2], experts.down_proj_bias, gate_up_bias[:, 1::2])
+        stacks = (mlp.router.weight, w1, experts.down_proj.transpose(1, 2), w3)
+        return stacks, bias, mlp.router.bias
+    h = experts.down_proj.shape[-1]
+    up = experts.gate_up_proj  # (E, 2h, d)
+    return (mlp.gate.weight, up[:, :h], experts.down_proj, up[:, h:]), None, None
+
+
+def dense_experts(mlp: nn.Module, config, params: dict) -> dict:
+    """The inverse of `expert_stacks`, of the shared expert's and its gate's reading and
+    of `router_options`' selection bias: a converted `MoE`'s full parameters and its
+    ``expert_bias`` buffer (its names) as the Hugging Face block `mlp` holds them (names
+    relative to it)."""
+    w1, w2, w3 = params["w1"], params["w2"], params["w3"]
+    if config.model_type == "gpt_oss":  # (E, h, d) -> (E, d, h), gate and up interleaved
+        out = {
+            "router.weight": params["router_weight"],
+            "router.bias": params["router_bias"],
+            "experts.gate_up_proj": torch.stack([w1, w3], -1).transpose(1, 2).flatten(-2),
+            "experts.gate_up_proj_bias": torch.stack([params["b1"], params["b3"]], -1).flatten(-2),
+            "experts.down_proj": w2.transpose(1, 2),
+            "experts.down_proj_bias": params["b2"],
+        }
+    else:
+        out = {
+            "gate.weight": params["router_weight"],
+            "experts.gate_up_proj": torch.cat([w1, w3], dim=1),
+            "experts.down_proj": w2,
+        }
+    shared = _shared_name(mlp)
+    if shared is not None:
+        for part, ours in (("gate", "shared_w1"), ("down", "shared_w2"), ("up", "shared_w3")):
+            out[f"{shared}.{part}_proj.weight"] = params[ours]
+    if "shared_gate_weight" in params:
+        out["shared_expert_gate.weight"] = params["shared_gate_weight"]
+    if "expert_bias" in params:
+        out[_correction_name(mlp)] = params["expert_bias"]
+    return out

@@ -84,6 +84,12 @@ def linear_parts(name: str, t, bias=None) -> tuple[torch.Tensor, torch.Tensor | 
                     f"tensor (out, in), got {type(t).__name__}")  # fmt: skip
 
 
+def linear_weight(module, weight: torch.Tensor) -> torch.Tensor:
+    """The inverse of `linear_parts`' weight: `weight` (out, in) as `module` (an
+    ``nn.Linear``, or a ``Conv1D`` that stores it (in, out)) holds it."""
+    return weight.t() if is_conv1d(module) else weight
+
+
 def bias_per_weight(what: str, bias, count: int) -> tuple:
     """`from_dense`'s ``bias=``: one bias (a tensor or None) per dense weight, or None
     for none given beside them."""

@@ -1,0 +1,185 @@
+"""`fusedpar.integrations.hf.save_pretrained` (and ``model.save_pretrained`` of a
+converted model): a `parallelize`d Hugging Face model written back as the original's
+checkpoint. ``from_pretrained`` of it gives the original's every tensor and logits bit
+for bit in fp32: for every family in one process; at TP2 x CP2 with experts over tp, at
+DP2 x TP2 under FSDP2 and at PP2 x TP2 (each rank's stages' parameters, rank 0 writing)
+on 4 gloo ranks, there after every parameter the ranks hold was doubled (so that a stale
+copy, a shard taken twice or an unsharded leftover shows). What it cannot take is
+refused, on every rank where ranks are involved."""
+
+import copy
+import os
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fusedpar as fp
+from fusedpar.testing import WorldError, exception_of
+
+transformers = pytest.importorskip(
+    "transformers", reason="the [test] extra installs transformers; absent on purpose here"
+)
+hf = pytest.importorskip("fusedpar.integrations.hf")
+
+from support.hf_models import FAMILIES, MOE, SEQ, VOCAB, tiny_model  # noqa: E402
+
+# the loader's choice, not the checkpoint's (as attn_implementation): the reference's
+LOAD = dict(experts_implementation="eager")
+
+
+def _doubled(model):
+    """A copy of `model` with every parameter doubled (buffers as they are)."""
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in twin.parameters():
+            param.mul_(2)
+    return twin
+
+
+def _check_export(directory, expected, auto="AutoModelForCausalLM") -> bool:
+    """The checkpoint in `directory` loads as `expected`'s class and config (use_cache
+    as the original's), every tensor equal, and gives its logits bit for bit."""
+    loaded = getattr(transformers, auto).from_pretrained(directory, **LOAD)
+    assert type(loaded) is type(expected)
+    assert loaded.config.use_cache == expected.config.use_cache
+    got, want = loaded.state_dict(), expected.state_dict()
+    assert sorted(got) == sorted(want)
+    unequal = [name for name in want if not torch.equal(got[name], want[name])]
+    assert not unequal, unequal
+    ids = torch.randint(1, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():  # (both in eval mode: a classifier's dropout)
+        assert torch.equal(loaded(input_ids=ids).logits, expected.eval()(input_ids=ids).logits)
+    return True
+
+
+VARIANTS = [(family, {}) for family in FAMILIES] + [
+    ("llama", dict(tie_word_embeddings=True, use_cache=False)),  # tied; use_cache kept False
+]
+
+
+@pytest.mark.parametrize("family, changes", VARIANTS)
+def test_a_converted_family_exports_bit_for_bit_in_one_process(tmp_path, family, changes):
+    model = tiny_model(family, 0, **changes)
+    original = copy.deepcopy(model)
+    hf.parallelize(model, None)
+    assert model.config.use_cache is False  # parallelize's, for training
+    model.save_pretrained(tmp_path / "out")  # the method parallelize installed
+    assert _check_export(tmp_path / "out", original)
+
+
+@pytest.mark.parametrize("family, head, auto", [
+    ("llama", "ForSequenceClassification", "AutoModelForSequenceClassification"),
+    ("qwen2_moe", "ForTokenClassification", "AutoModelForTokenClassification"),
+])  # fmt: skip
+def test_the_classification_heads_export(tmp_path, family, head, auto):
+    model = tiny_model(family, 0, head, pad_token_id=0, num_labels=3)
+    original = copy.deepcopy(model)
+    hf.parallelize(model, None)
+    hf.save_pretrained(model, tmp_path / "out")
+    assert _check_export(tmp_path / "out", original, auto)
+
+
+def test_shards_and_a_second_save_into_the_same_directory(tmp_path):
+    """``max_shard_size`` shards it (an index beside); a second save into the directory
+    replaces the first's shards, none left behind."""
+    model = tiny_model("qwen3", 0)
+    original = copy.deepcopy(model)
+    hf.parallelize(model, None)
+    target = tmp_path / "out"
+    hf.save_pretrained(model, target, max_shard_size="8KB")
+    first = sorted(p.name for p in target.iterdir())
+    assert "model.safetensors.index.json" in first and len(first) > 4
+    assert _check_export(target, original)
+    model.save_pretrained(target)  # one file now
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "generation_config.json",
+                                                        "model.safetensors"]  # fmt: skip
+    assert _check_export(target, original)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (dict(state_dict={}), TypeError, r"not state_dict \(it gathers the weights itself"),
+    (dict(push_to_hub=True), TypeError, r"not push_to_hub"),
+    (dict(safe_serialization=False), ValueError, r"writes safetensors only"),
+])  # fmt: skip
+def test_what_the_method_does_not_take_is_refused(tmp_path, call, error, match):
+    model = tiny_model("llama", 0)
+    hf.parallelize(model, None)
+    with pytest.raises(error, match=match):
+        model.save_pretrained(tmp_path / "out", **call)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unconverted_model_is_refused(tmp_path):
+    with pytest.raises(TypeError, match=r"converted by fusedpar.integrations.hf.parallelize"):
+        hf.save_pretrained(tiny_model("llama", 0), tmp_path / "out")
+
+
+def _export(family: str, degrees: dict, directory: str, fsdp: bool = False) -> bool:
+    """`family` at `degrees` (experts over tp for the MoE families; FSDP2 over dp with
+    `fsdp`; under pp the pipeline of `fp.pipeline.split`), every parameter a rank holds
+    doubled in place, then exported; rank 0 checks the checkpoint against the original
+    doubled. Under pp, first: the model alone (no pipeline=) is refused on every rank."""
+    dims = fp.ParallelDims(**degrees, ep="tp" if family in MOE else None)
+    model = tiny_model(family, 0, num_hidden_layers=2)
+    expected = _doubled(model)
+    mesh = hf.parallelize(model, dims)
+    held, pipeline = model, None
+    if dims.pp > 1:
+        pipeline = fp.pipeline.split(model, dims, mesh, schedule="1F1B")
+        held = pipeline.model
+        error = exception_of(hf.save_pretrained, model, directory)
+        assert isinstance(error, ValueError) and "pipeline=pipe" in str(error), repr(error)
+    if fsdp:
+        for layer in model.model.layers:
+            dims.fully_shard(layer, mesh)
+        dims.fully_shard(model, mesh)
+    with torch.no_grad():
+        for param in held.parameters():
+            param.to_local().mul_(2)  # this rank's part: shards, replicas, its stages only
+    hf.save_pretrained(model, directory, pipeline=pipeline)
+    assert os.path.isfile(os.path.join(directory, "config.json"))  # on every rank, once back
+    return dist.get_rank() != 0 or _check_export(directory, expected)
+
+
+@pytest.mark.parametrize("family, degrees, fsdp", [
+    ("deepseek_v3", dict(cp=2, tp=2), False),  # latent attention, experts over tp
+    ("gpt_oss", dict(dp=2, tp=2), True),  # FSDP2 over dp: sinks, interleaved experts
+    ("gpt2", dict(pp=2, tp=2), False),  # stages; the embeddings tied across them, Conv1D
+])  # fmt: skip
+def test_every_rank_contributes_and_rank_0_writes(world, tmp_path, family, degrees, fsdp):
+    assert world(4).run(_export, family, degrees, str(tmp_path / "out"), fsdp) == [True] * 4
+
+
+def _alone(directory: str) -> None:
+    """Rank 0 alone calls it (the single-process habit): its monitored barrier fails."""
+    os.environ["FUSEDPAR_CHECKPOINT_TIMEOUT_S"] = "1"
+    model = tiny_model("llama", 0)
+    hf.parallelize(model, fp.ParallelDims(dp=2, tp=2))
+    if dist.get_rank() == 0:
+        model.save_pretrained(directory)
+
+
+def test_a_rank_calling_alone_raises_instead_of_waiting(world, tmp_path):
+    with pytest.raises(WorldError) as raised:
+        world(4).run(_alone, str(tmp_path / "out"))
+    error = raised.value.exceptions[0]
+    assert re.search(r"is collective: every rank must call it .* within 1 s", str(error)), error
+    assert not (tmp_path / "out").exists()
+
+
+def _into_a_file(path: str) -> None:
+    model = tiny_model("llama", 0)
+    hf.parallelize(model, fp.ParallelDims(dp=2, tp=2))
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            f.write("not a directory")
+    hf.save_pretrained(model, path)
+
+
+def test_what_fails_on_rank_0_raises_on_every_rank(world, tmp_path):
+    """Rank 0 alone writes: its error (here the target is a file) on every rank."""
+    for e in world(4).run(exception_of, _into_a_file, str(tmp_path / "file")):
+        assert isinstance(e, ValueError) and re.search(r"rank 0: .* is a file", str(e)), repr(e)
