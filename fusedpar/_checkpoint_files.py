@@ -106,8 +106,10 @@ def timeout_s() -> float:
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0 (default "
-                         f"{DEFAULT_TIMEOUT_S:g}), got {text!r}")  # fmt: skip
+        raise ValueError(
+            f"{TIMEOUT_ENV} must be a number of seconds > 0 (default "
+            f"{DEFAULT_TIMEOUT_S:g}), got {text!r}"
+        )
     return value
 
 
@@ -155,9 +157,11 @@ def enter(call: str) -> None:
     calls = [value.decode() for value in store.multi_get(keys)]
     if len(set(calls)) > 1:
         other = next(r for r, c in enumerate(calls) if c != calls[0])
-        raise ValueError(f"the ranks made different checkpoint calls at once (rank 0: "
-                         f"fp.checkpoint.{calls[0]}, rank {other}: fp.checkpoint."
-                         f"{calls[other]}): every rank must make the same one")  # fmt: skip
+        raise ValueError(
+            f"the ranks made different checkpoint calls at once (rank 0: "
+            f"fp.checkpoint.{calls[0]}, rank {other}: fp.checkpoint."
+            f"{calls[other]}): every rank must make the same one"
+        )
 
 
 # --- the directory layout: path, .NAME.tmp-ID (being written), .NAME.old-ID (set aside) --

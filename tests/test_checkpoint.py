@@ -339,20 +339,25 @@ def test_a_save_or_load_called_on_one_rank_fails_naming_the_others(world, tmp_pa
     alone = results[0]
     assert alone["written"] == []
     assert alone["loaded alone"] is False
-    for error, call, what in zip(alone["errors"], ["save", "save", "load"],
-                                 ["written", "written", "read"], strict=True):  # fmt: skip
+    for error, call, what in zip(
+        alone["errors"], ["save", "save", "load"], ["written", "written", "read"], strict=True
+    ):
         assert isinstance(error, TimeoutError), repr(error)
         assert re.fullmatch(
             rf"fp\.checkpoint\.{call} is collective: ranks 1, 2, 3 of 4 did not call it "
             rf"within 0\.5 s \({TIMEOUT_ENV}\)\. Every rank must call it \(not rank 0 alone, "
-            rf"as on one GPU\); nothing was {what}", str(error)), str(error)  # fmt: skip
+            rf"as on one GPU\); nothing was {what}",
+            str(error),
+        ), str(error)
     for rank, out in enumerate(results):
         assert out["loaded"], rank
         assert isinstance(out["mixed"], ValueError) and re.fullmatch(
             r"the ranks made different checkpoint calls at once \(rank 0: fp\.checkpoint\."
             r"save, rank 1: fp\.checkpoint\.load\): every rank must make the same one",
-            str(out["mixed"])), repr(out["mixed"])  # fmt: skip
+            str(out["mixed"]),
+        ), repr(out["mixed"])
         assert isinstance(out["bad timeout"], ValueError) and re.fullmatch(
             rf"{TIMEOUT_ENV} must be a number of seconds > 0 \(default 120\), got 'soon'",
-            str(out["bad timeout"])), repr(out["bad timeout"])  # fmt: skip
+            str(out["bad timeout"]),
+        ), repr(out["bad timeout"])
         assert out["listing"] == ["step-1"], out["listing"]
