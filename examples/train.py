@@ -3,8 +3,8 @@
     torchrun --nproc-per-node 4 examples/train.py --tp 2 --cp 2 [--moe]
     torchrun --nproc-per-node 4 examples/train.py --tp 1 --cp 2 --ulysses 2
     torchrun --nproc-per-node 4 examples/train.py --pp 2 --tp 2 [--schedule DualPipeV --layers 4]
-    torchrun --nproc-per-node 4 examples/train.py --steps 20 --save ckpt --save-every 10
-    torchrun --nproc-per-node 4 examples/train.py --steps 30 --tp 4 --cp 1 --resume ckpt
+    torchrun --nproc-per-node 4 examples/train.py --steps 10 --save ckpt --save-every 5
+    torchrun --nproc-per-node 4 examples/train.py --steps 15 --tp 2 --cp 2 --resume ckpt
 
 GPUs: NCCL, and per shape the faster of fusedpar's Triton kernels and torch's (timed
 once). CPU: gloo and torch's ops, or with FUSEDPAR_IMPL=triton fusedpar's kernels in
@@ -17,8 +17,13 @@ schedule, and each rank's stages live on its stage's sub-mesh. Checkpoints (`--s
 hold the model and AdamW state through `torch.distributed.checkpoint`, are complete or
 invisible (a run killed while saving leaves the last complete one), and resume at any
 layout (`--resume`). The text is this repository's own docs, read as bytes (nothing is
-fetched). Rank 0 trains the single-device reference on the same batches and ends with
-how far the two loss curves are apart.
+fetched). `--batch` is the global batch, split over the dp ranks: step N's sequences are
+drawn from (--seed, N, --batch) alone, so a run resumed at another dp degree trains on
+the batches the uninterrupted run would have. Rank 0 trains the single-device reference
+on the same batches and ends with how far the two loss curves are apart.
+
+`main` makes the process group (torchrun's environment), or runs in one already made
+(a `fusedpar.testing.World`'s, in the tests) and leaves it.
 """
 
 import argparse
@@ -51,7 +56,12 @@ def parse_args(argv=None):
     parser.add_argument("--moe", action="store_true", help="MoE MLPs, experts over the tp axis")
     parser.add_argument("--experts", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per data-parallel rank")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=4,
+        help="sequences per step (the global batch), split over the data-parallel ranks",
+    )
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -67,6 +77,56 @@ def parse_args(argv=None):
                         "DIR's latest complete step-N, at any tp/cp/dp layout; --steps counts "
                         "from the start")  # fmt: skip
     return parser.parse_args(argv)
+
+
+def configure(args, world: int):
+    """(the model's Config, the ParallelDims, microbatches or None) of `args` on `world`
+    ranks, or ValueError naming what does not fit. No communication: every rank fails
+    the same way, at once."""
+    from tiny_llama import Config
+
+    import fusedpar as fp
+
+    cfg = Config(
+        d_model=args.d_model,
+        d_hidden=2 * args.d_model,
+        n_layers=args.layers,
+        num_experts=args.experts if args.moe else 0,
+    )
+    others = args.pp * args.tp * args.cp * args.ulysses
+    dims = fp.ParallelDims(
+        dp=max(1, world // others),
+        cp=args.cp,
+        tp=args.tp,
+        pp=args.pp,
+        ulysses=args.ulysses,
+        ep="tp" if args.moe else None,
+    )
+    dims.validate(
+        world,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        num_experts=cfg.num_experts or None,
+        seq_len=args.seq,
+        n_layers=args.layers,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+    )
+    if args.batch < 1 or args.batch % dims.dp:
+        raise ValueError(
+            f"--batch {args.batch} (the global batch) does not split over the "
+            f"{dims.dp} data-parallel ranks: give a multiple of {dims.dp}"
+        )
+    microbatches = None
+    if args.pp > 1:
+        microbatches = args.microbatches or fp.pipeline.stage_count(args.schedule, args.pp)
+        if (args.batch // dims.dp) % microbatches:
+            raise ValueError(
+                f"--batch {args.batch} over {dims.dp} data-parallel ranks is "
+                f"{args.batch // dims.dp} sequences a rank, which do not split "
+                f"into {microbatches} microbatches"
+            )
+    return cfg, dims, microbatches
 
 
 def load_corpus():
@@ -107,33 +167,34 @@ def main(argv=None) -> int:
         # before anything imports triton: on a CPU the kernels run in its interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch.distributed as dist
-    from tiny_llama import Config, ParallelTransformer, Transformer
+
+    owned = not dist.is_initialized()  # torchrun's ranks: ours to make and to end
+    if not owned:  # a group made before (a World's, in the tests): its backend decides
+        cuda = dist.get_backend() == "nccl"
+    else:
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # torchrun's contract
+        dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        return train(args, cuda)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def train(args, cuda: bool) -> int:
+    """The demo on the default process group: 0 at parity, 1 if not, 2 if refused."""
+    import torch
+    import torch.distributed as dist
+    from tiny_llama import ParallelTransformer, Transformer
 
     import fusedpar as fp
 
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # torchrun's contract
-    dist.init_process_group("nccl" if cuda else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    cfg = Config(d_model=args.d_model, d_hidden=2 * args.d_model, n_layers=args.layers,
-                 num_experts=args.experts if args.moe else 0)  # fmt: skip
-    others = args.pp * args.tp * args.cp * args.ulysses
-    dims = fp.ParallelDims(dp=max(1, world // others), cp=args.cp, tp=args.tp, pp=args.pp,
-                           ulysses=args.ulysses, ep="tp" if args.moe else None)  # fmt: skip
-    try:  # no collective yet: every rank fails the same way, at once
-        dims.validate(world, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                      num_experts=cfg.num_experts or None, seq_len=args.seq,
-                      n_layers=args.layers, microbatches=args.microbatches,
-                      schedule=args.schedule)  # fmt: skip
-        if args.pp > 1:
-            stages = fp.pipeline.stage_count(args.schedule, args.pp)
-            microbatches = args.microbatches or stages
-            if args.batch % microbatches:
-                raise ValueError(f"--batch {args.batch} does not split into {microbatches} "
-                                 "microbatches")  # fmt: skip
+    try:
+        cfg, dims, microbatches = configure(args, world)
     except ValueError as e:
         print(f"rank {rank}: bad configuration: {e}", file=sys.stderr, flush=True)
-        dist.destroy_process_group()
         return 2
     mesh = dims.build_mesh("cuda" if cuda else "cpu")
     groups = dims.groups(mesh)
@@ -162,7 +223,6 @@ def main(argv=None) -> int:
             first_step = fp.checkpoint.load(resume, model, optimizer)["step"] + 1
         except ValueError as e:
             print(f"rank {rank}: cannot resume: {e}", file=sys.stderr, flush=True)
-            dist.destroy_process_group()
             return 2
         if rank == 0:
             print(f"resuming from {resume} (step {first_step - 1})", flush=True)
@@ -183,8 +243,8 @@ def main(argv=None) -> int:
                                      else None, async_save=args.async_save)  # fmt: skip
 
     corpus = load_corpus()
-    dp_rank = mesh["dp"].get_local_rank()
-    tokens_per_step = dims.dp * args.batch * args.seq
+    dp_rank, local = mesh["dp"].get_local_rank(), args.batch // dims.dp
+    tokens_per_step = args.batch * args.seq
     if rank == 0:
         ulysses = f" x ulysses {dims.ulysses}" if dims.ulysses > 1 else ""
         pp = f"pp {dims.pp} x " if pipe else ""
@@ -199,12 +259,12 @@ def main(argv=None) -> int:
     progress, losses, ref_losses = Progress(args.steps), [], []
     start = time.perf_counter()
     for step in range(first_step, args.steps + 1):
-        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # resumable batches
-        starts = torch.randint(
-            0, corpus.numel() - args.seq - 1, (dims.dp * args.batch,), generator=gen
-        )
+        # the step's global batch, a function of (seed, step, batch) alone: the same at any
+        # layout, so a run resumed at another dp degree goes on with the same batches
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+        starts = torch.randint(0, corpus.numel() - args.seq - 1, (args.batch,), generator=gen)
         windows = torch.stack([corpus[s : s + args.seq + 1] for s in starts.tolist()]).to(device)
-        mine = windows[dp_rank * args.batch : (dp_rank + 1) * args.batch]
+        mine = windows[dp_rank * local : (dp_rank + 1) * local]  # this dp rank's share
         if pipe:  # the last stage's ranks get the microbatches' losses, the others none
             losses_mb = pipe.step(mine[:, :-1], target=mine[:, 1:])
             total = fp.pipeline.stage_losses_total(losses_mb, device=device)
@@ -231,7 +291,6 @@ def main(argv=None) -> int:
             except FileExistsError as e:  # on every rank, before anything is written
                 print(f"rank {rank}: cannot save: {e} (--overwrite does)", file=sys.stderr,
                       flush=True)  # fmt: skip
-                dist.destroy_process_group()
                 return 2
     if pending is not None:
         pending.wait()  # the last checkpoint complete before the group goes
@@ -247,7 +306,6 @@ def main(argv=None) -> int:
               f"max |loss - reference| = {gaps[worst]:.2e} at step {first_step + worst} "
               f"({relative:.1e} relative, tolerance {PARITY_TOLERANCE:.0e}): "
               f"{'OK' if ok else 'MISMATCH'}", flush=True)  # fmt: skip
-    dist.destroy_process_group()
     return 0 if ok else 1
 
 

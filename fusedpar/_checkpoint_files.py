@@ -5,21 +5,25 @@ machinery; no DCP in here).
     PARENT/.NAME.tmp-ID     a save being written (ID: the save's, agreed by the ranks)
     PARENT/.NAME.old-ID     the checkpoint an overwrite replaces, between its two renames
 
-A save: `begin` (every rank agrees on the ID, or on refusing: one collective), DCP
-writes into the temporary directory, `commit` (every rank's files written: one
-collective; rank 0 writes RECORD, renames; every rank learns the outcome: one more).
-Only rank 0 touches names; every rank reads the same directory (a shared file system).
+A save: `enter` (every rank called it, within ``FUSEDPAR_CHECKPOINT_TIMEOUT_S``: the
+default group's store, no collective), `begin` (every rank agrees on the ID, or on
+refusing: one collective), DCP writes into the temporary directory, `commit` (every
+rank's files written: one collective; rank 0 writes RECORD, renames; every rank learns
+the outcome: one more). A load starts with `enter` too. Only rank 0 touches names; every
+rank reads the same directory (a shared file system).
 """
 
 import builtins
 import io
 import json
+import math
 import os
 import re
 import secrets
 import shutil
 import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -81,6 +85,83 @@ def first_failure(reports: list, what: str) -> None:
 
 def report(error: BaseException) -> tuple[str, str]:
     return type(error).__name__, str(error)
+
+
+# --- every rank enters: a barrier with a timeout, on the default group's store ----------
+
+TIMEOUT_ENV = "FUSEDPAR_CHECKPOINT_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 120.0
+_KEY = "fusedpar/checkpoint/{n}/{rank}"
+_entered = None  # (the default group, how many save/load calls this rank passed `enter` in)
+
+
+def timeout_s() -> float:
+    """``FUSEDPAR_CHECKPOINT_TIMEOUT_S`` (read at each call; default 120): how long a save
+    or load waits for every rank to call it. ValueError unless a number of seconds > 0."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"{TIMEOUT_ENV} must be a number of seconds > 0 (default "
+            f"{DEFAULT_TIMEOUT_S:g}), got {text!r}"
+        )
+    return value
+
+
+def enter(call: str) -> None:
+    """The first step of a collective save or load (`call`: "save" or "load"): wait until
+    every rank has called it, at most ``FUSEDPAR_CHECKPOINT_TIMEOUT_S``, then TimeoutError
+    naming the ranks that did not, before anything is written or read.
+
+    On the default group's store, not a collective: a rank that calls save alone (the
+    habit of one GPU: ``if rank == 0: save(...)``) would otherwise wait forever in the
+    first collective, and the others, which never call it, could not be told. gloo's
+    `monitored_barrier` names the missing ranks too, but NCCL has none, and a gloo side
+    group for it is itself made by a collective (one rank alone would hang making it).
+    Each rank sets ``fusedpar/checkpoint/N/RANK`` (N: its count of such calls) to `call`
+    and waits for every rank's key N. A rank that gives up withdraws its key and keeps
+    its count, so the group stays in step for the next call made by every rank. Ranks
+    that entered different calls (one save, one load) raise ValueError on every rank.
+    Keys N - 1 are deleted once N is passed: by then every rank is past N - 1."""
+    global _entered
+    timeout = timeout_s()  # validated on every rank, even alone
+    rank, size = world()
+    if size == 1:
+        return
+    group = dist.group.WORLD
+    n = _entered[1] if _entered is not None and _entered[0] is group else 0
+    store = dist.distributed_c10d._get_default_store()
+    keys = [_KEY.format(n=n, rank=r) for r in range(size)]
+    store.set(keys[rank], call)
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except RuntimeError:  # the store's timeout (DistStoreError on a TCPStore)
+        missing = [r for r in range(size) if not store.check([keys[r]])]
+        if missing:
+            store.delete_key(keys[rank])  # withdrawn: a late rank times out too, naming us
+            ranks = ", ".join(map(str, missing))
+            raise TimeoutError(
+                f"fp.checkpoint.{call} is collective: rank{'s' if len(missing) > 1 else ''} "
+                f"{ranks} of {size} did not call it within {timeout:g} s ({TIMEOUT_ENV}). "
+                f"Every rank must call it (not rank 0 alone, as on one GPU); nothing was "
+                f"{'written' if call == 'save' else 'read'}"
+            ) from None
+    _entered = (group, n + 1)
+    if n > 0:
+        store.delete_key(_KEY.format(n=n - 1, rank=rank))
+    calls = [value.decode() for value in store.multi_get(keys)]
+    if len(set(calls)) > 1:
+        other = next(r for r, c in enumerate(calls) if c != calls[0])
+        raise ValueError(
+            f"the ranks made different checkpoint calls at once (rank 0: "
+            f"fp.checkpoint.{calls[0]}, rank {other}: fp.checkpoint."
+            f"{calls[other]}): every rank must make the same one"
+        )
 
 
 # --- the directory layout: path, .NAME.tmp-ID (being written), .NAME.old-ID (set aside) --

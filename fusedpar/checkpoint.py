@@ -29,6 +29,12 @@ ValueError naming the first that differs or is missing: a checkpoint of another 
 fails on every rank before anything is read, and nothing is half-loaded. `extra` is
 small picklable state (the step, a data-loader position), saved once.
 
+`save` and `load` are collective: every rank calls them. Each first waits until every
+rank has (``FUSEDPAR_CHECKPOINT_TIMEOUT_S``, default 120 s, read at each call; on the
+default group's store, so NCCL and gloo alike), and otherwise raises TimeoutError naming
+the ranks that did not, before anything is written or read: a save called on rank 0
+alone fails there instead of hanging every rank (`_checkpoint_files.enter`).
+
 Under pipeline parallelism each rank saves and loads its stages' part of the model
 (`fusedpar.pipeline.Pipeline.model`), whose names are the unsplit model's: a checkpoint
 written at PP2 x TP2 loads at PP1 x CP2 x TP2 and back. `load` then refuses a tensor of
@@ -214,7 +220,10 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, *, extra=Non
     complete); without it an existing `path` raises FileExistsError on every rank.
     ``async_save``: stage the state in host memory (DCP's async_save) and return; the
     files are written and the checkpoint committed in the background. Errors are raised
-    on every rank; a save that fails leaves `path` as it was."""
+    on every rank; a save that fails leaves `path` as it was. A rank that calls it alone
+    raises TimeoutError after ``FUSEDPAR_CHECKPOINT_TIMEOUT_S`` (default 120 s), naming
+    the ranks that did not call it, with nothing written (not even `path`'s parent)."""
+    atomic.enter("save")  # before anything is written or any collective
     _finish_pending()
     target = Path(path)
     state, blobs, error = _state(model, optimizer), {}, None
@@ -353,7 +362,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, *,
     fit, or a rank cannot read it or finds another save there, every rank raises
     ValueError before anything is read. ``require_record=False`` also loads a DCP
     checkpoint without a record (DCP's own, or fusedpar's before records): nothing then says
-    whether it is whole."""
+    whether it is whole. A rank that calls it alone raises TimeoutError after
+    ``FUSEDPAR_CHECKPOINT_TIMEOUT_S`` (default 120 s), naming the ranks that did not."""
+    atomic.enter("load")  # before anything is read or any collective
     _finish_pending()
     error, unknown, metadata, where, save_id = None, [], {}, None, None
     try:

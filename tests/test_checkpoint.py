@@ -8,6 +8,7 @@ killed in the middle of saves: tests/test_checkpoint_kill.py.)
 """
 
 import json
+import os
 import re
 import shutil
 import sys
@@ -19,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 import fusedpar as fp
+from fusedpar._checkpoint_files import TIMEOUT_ENV
+from fusedpar.testing import exception_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -286,3 +289,75 @@ def test_latest_overwrite_files_and_damage_in_one_process(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # step-11 is skipped: the newest wins
         assert fp.checkpoint.latest(tmp_path) == str(tmp_path / "step-30")
+
+
+# --- a rank that calls save or load alone: a clear error, not a hang -------------------
+
+
+def _run_called_alone(root: str) -> dict:
+    """Rank 0 calls save (blocking, then asynchronously) and load alone, the others wait
+    in a barrier: its errors, and whether anything was written or loaded. Then every
+    rank's save and load go through (the ranks still in step), a save on rank 0 meets a
+    load on the others, and a bad timeout is refused by every rank."""
+    os.environ[TIMEOUT_ENV] = "0.5"
+    try:
+        rank, root = dist.get_rank(), Path(root)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        out = {"errors": []}
+        path = root / "ckpts" / "step-1"
+        if rank == 0:
+            for kwargs in ({}, {"async_save": True}):
+                out["errors"].append(exception_of(fp.checkpoint.save, path, model, **kwargs))
+            out["written"] = sorted(p.name for p in root.iterdir())
+        dist.barrier()
+        fp.checkpoint.save(path, model)
+        saved = model.weight.detach().clone()
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        if rank == 0:
+            out["errors"].append(exception_of(fp.checkpoint.load, path, model))
+            out["loaded alone"] = not torch.equal(model.weight, saved + 1.0)
+        dist.barrier()
+        fp.checkpoint.load(path, model)
+        out["loaded"] = torch.equal(model.weight, saved)
+        call = fp.checkpoint.save if rank == 0 else fp.checkpoint.load
+        out["mixed"] = exception_of(call, root / "ckpts" / "step-2", model)
+        os.environ[TIMEOUT_ENV] = "soon"
+        out["bad timeout"] = exception_of(fp.checkpoint.save, root / "ckpts" / "step-3", model)
+        out["listing"] = sorted(p.name for p in (root / "ckpts").iterdir())
+        return out
+    finally:
+        del os.environ[TIMEOUT_ENV]
+
+
+def test_a_save_or_load_called_on_one_rank_fails_naming_the_others(world, tmp_path):
+    """The habit of one GPU (``if rank == 0: save(...)``): rank 0 raises TimeoutError
+    after FUSEDPAR_CHECKPOINT_TIMEOUT_S, naming ranks 1-3, with nothing written (not even
+    the parent directory) or loaded; the others, which called nothing, return."""
+    results = world(4).run(_run_called_alone, str(tmp_path))
+    alone = results[0]
+    assert alone["written"] == []
+    assert alone["loaded alone"] is False
+    for error, call, what in zip(
+        alone["errors"], ["save", "save", "load"], ["written", "written", "read"], strict=True
+    ):
+        assert isinstance(error, TimeoutError), repr(error)
+        assert re.fullmatch(
+            rf"fp\.checkpoint\.{call} is collective: ranks 1, 2, 3 of 4 did not call it "
+            rf"within 0\.5 s \({TIMEOUT_ENV}\)\. Every rank must call it \(not rank 0 alone, "
+            rf"as on one GPU\); nothing was {what}",
+            str(error),
+        ), str(error)
+    for rank, out in enumerate(results):
+        assert out["loaded"], rank
+        assert isinstance(out["mixed"], ValueError) and re.fullmatch(
+            r"the ranks made different checkpoint calls at once \(rank 0: fp\.checkpoint\."
+            r"save, rank 1: fp\.checkpoint\.load\): every rank must make the same one",
+            str(out["mixed"]),
+        ), repr(out["mixed"])
+        assert isinstance(out["bad timeout"], ValueError) and re.fullmatch(
+            rf"{TIMEOUT_ENV} must be a number of seconds > 0 \(default 120\), got 'soon'",
+            str(out["bad timeout"]),
+        ), repr(out["bad timeout"])
+        assert out["listing"] == ["step-1"], out["listing"]

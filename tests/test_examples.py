@@ -4,7 +4,8 @@ full mesh (`fp.distribute`), trains like the single-device reference: the same l
 and every parameter gradient (the DTensor gradient's full tensor), within the tolerance
 rule; a few clipped AdamW steps keep the losses and gradient norms together; bad
 configurations fail at start, on every rank, naming the degree; the demo script trains
-pipelined, saves, and resumes at another layout."""
+pipelined, saves, and resumes at another layout; resumed at another dp degree, it goes
+on with the uninterrupted run's batches and losses."""
 
 import re
 import sys
@@ -17,8 +18,10 @@ import torch.distributed as dist
 import fusedpar as fp
 from fusedpar.testing import assert_close, exception_of
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+import _demo  # noqa: E402
 from tiny_llama import Config, ParallelTransformer, Transformer, reference_name  # noqa: E402
 
 SEQ, BATCH = 16, 2
@@ -168,14 +171,20 @@ def _torchrun(*args, ranks=4, timeout=600):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_the_demo_pipelines_saves_and_resumes_at_another_layout(tmp_path):
+def _losses(stdout: str, step: int) -> list[float]:
+    """The demo's "losses from step N: ..." line (every digit), as floats."""
+    return [float(x) for x in re.search(rf"losses from step {step}: (.*)", stdout)[1].split()]
+
+
+def test_the_demo_pipelines_saves_and_resumes_at_another_layout(world, tmp_path):
     """--pp 2 on 2 ranks (1F1B, 2 microbatches) at parity, saving after each step
     asynchronously (step 2 runs while step 1's is written). Its step-2 is then made what a
     run killed while saving it leaves (a temporary directory, no record), and a run at
     TP 2 resumed from the directory takes step-1: its losses go on as the pipelined run's,
-    at parity. (Two torchrun launches of 2 ranks, seconds each: pipelines with TP, loads
-    bit for bit at one layout and across layouts are tests/test_pipeline.py's and
-    tests/test_checkpoint.py's, bad degrees `ParallelDims.validate`'s above.)"""
+    at parity. (One torchrun launch of 2 ranks, seconds, the resumed run on a World's
+    ranks: pipelines with TP, loads bit for bit at one layout and across layouts are
+    tests/test_pipeline.py's and tests/test_checkpoint.py's, bad degrees
+    `ParallelDims.validate`'s above.)"""
     shape = ("--steps", "2", "--seq", "16", "--batch", "2", "--d-model", "32")
     proc = _torchrun("--pp", "2", *shape, "--save", str(tmp_path), "--save-every", "1",
                      "--async-save", ranks=2)  # fmt: skip
@@ -185,13 +194,45 @@ def test_the_demo_pipelines_saves_and_resumes_at_another_layout(tmp_path):
     losses = re.search(r"losses from step 1: (.*)", proc.stdout).group(1).split()
     (tmp_path / "step-2" / "complete.json").unlink()
     (tmp_path / "step-2").rename(tmp_path / ".step-2.tmp-0badcafe")
-    resumed = _torchrun("--tp", "2", *shape, "--resume", str(tmp_path), ranks=2)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert f"resuming from {tmp_path / 'step-1'} (step 1)" in resumed.stdout, resumed.stdout
-    assert re.search(r"parity: .* over 1 steps; .*: OK", resumed.stdout), resumed.stdout
-    again = re.search(r"losses from step 2: (.*)", resumed.stdout).group(1).split()
-    torch.testing.assert_close([float(x) for x in again], [float(x) for x in losses[1:]],
+    resumed = world(2).run(
+        _demo.run, [["--tp", "2", *shape, "--resume", str(tmp_path)]], str(tmp_path)
+    )[0][0]
+    code, stdout, stderr = resumed
+    assert code == 0, stdout + stderr
+    assert f"resuming from {tmp_path / 'step-1'} (step 1)" in stdout, stdout
+    assert re.search(r"parity: .* over 1 steps; .*: OK", stdout), stdout
+    torch.testing.assert_close(_losses(stdout, 2), [float(x) for x in losses[1:]],
                                rtol=1e-6, atol=0)  # fmt: skip
+
+
+def test_the_demo_resumed_at_another_dp_degree_goes_on_with_the_same_batches(world, tmp_path):
+    """`--batch` is the global batch: 4 sequences a step at dp 4 (one a rank), saved after
+    each step, resumed from step-1 at dp 2 x tp 2 (two a rank): steps 2 and 3 train on
+    the same batches, so their losses are the uninterrupted run's. Not bit for bit: the
+    gradient's sums over dp and tp run in another order, and the loss of step 3 follows
+    an AdamW step from those gradients: measured 2e-7 relative (two fp32 ulps of a loss
+    near 5); 1e-5 allows a hundred, where a batch of other sequences moves the loss by
+    1e-2 or more. A --batch that does not split over dp is refused on every rank."""
+    shape = ["--steps", "3", "--seq", "16", "--batch", "4", "--d-model", "32"]
+    runs = [
+        [*shape, "--save", "ckpt", "--save-every", "1"],
+        [*shape, "--tp", "2", "--resume", "ckpt/step-1"],
+        [*shape, "--batch", "6"],
+    ]
+    results = world(4).run(_demo.run, runs, str(tmp_path))
+    (code, saved, err), (resumed_code, resumed, resumed_err), _ = results[0]
+    assert code == 0 and "dp 4 x cp 1 x tp 1" in saved, saved + err
+    assert resumed_code == 0 and "dp 2 x cp 1 x tp 2" in resumed, resumed + resumed_err
+    assert "resuming from ckpt/step-1 (step 1)" in resumed, resumed
+    uninterrupted, again = _losses(saved, 1), _losses(resumed, 2)
+    assert len(uninterrupted) == 3 and len(again) == 2
+    torch.testing.assert_close(again, uninterrupted[1:], rtol=1e-5, atol=0)
+    for rank, (*_, (refused, _, err)) in enumerate(results):
+        assert refused == 2 and re.search(
+            rf"rank {rank}: bad configuration: --batch 6 \(the global batch\) does not split "
+            r"over the 4 data-parallel ranks: give a multiple of 4",
+            err,
+        ), err
 
 
 def _run_ep_over_a_pair():
