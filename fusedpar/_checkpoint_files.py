@@ -113,10 +113,11 @@ def timeout_s() -> float:
     return value
 
 
-def enter(call: str) -> None:
-    """The first step of a collective save or load (`call`: "save" or "load"): wait until
-    every rank has called it, at most ``FUSEDPAR_CHECKPOINT_TIMEOUT_S``, then TimeoutError
-    naming the ranks that did not, before anything is written or read.
+def enter(call: str, undone: str) -> None:
+    """The first step of a collective save or load (`call`: its name in messages,
+    "fp.checkpoint.save", "save_pretrained"; `undone`: what did not happen, "written"):
+    wait until every rank has called it, at most ``FUSEDPAR_CHECKPOINT_TIMEOUT_S``, then
+    TimeoutError naming the ranks that did not, before anything is written or read.
 
     On the default group's store, not a collective: a rank that calls save alone (the
     habit of one GPU: ``if rank == 0: save(...)``) would otherwise wait forever in the
@@ -146,10 +147,10 @@ def enter(call: str) -> None:
             store.delete_key(keys[rank])  # withdrawn: a late rank times out too, naming us
             ranks = ", ".join(map(str, missing))
             raise TimeoutError(
-                f"fp.checkpoint.{call} is collective: rank{'s' if len(missing) > 1 else ''} "
+                f"{call} is collective: rank{'s' if len(missing) > 1 else ''} "
                 f"{ranks} of {size} did not call it within {timeout:g} s ({TIMEOUT_ENV}). "
                 f"Every rank must call it (not rank 0 alone, as on one GPU); nothing was "
-                f"{'written' if call == 'save' else 'read'}"
+                f"{undone}"
             ) from None
     _entered = (group, n + 1)
     if n > 0:
@@ -158,9 +159,8 @@ def enter(call: str) -> None:
     if len(set(calls)) > 1:
         other = next(r for r, c in enumerate(calls) if c != calls[0])
         raise ValueError(
-            f"the ranks made different checkpoint calls at once (rank 0: "
-            f"fp.checkpoint.{calls[0]}, rank {other}: fp.checkpoint."
-            f"{calls[other]}): every rank must make the same one"
+            f"the ranks made different checkpoint calls at once (rank 0: {calls[0]}, "
+            f"rank {other}: {calls[other]}): every rank must make the same one"
         )
 
 

@@ -205,6 +205,16 @@ def _async_save(state: dict, tmp: Path, group) -> Future:
     return getattr(response, "upload_completion", response)
 
 
+def enter(call: str, undone: str = "written") -> None:
+    """Wait until every rank has called `call` (its name in the message), at most
+    ``FUSEDPAR_CHECKPOINT_TIMEOUT_S`` (default 120), else TimeoutError naming the ranks
+    that did not and saying that nothing was `undone`. No collective (the default
+    group's store): the first step of `save`, `load` and
+    `fusedpar.integrations.hf.save_pretrained`, where a rank calling alone would wait
+    for ever in the first collective."""
+    atomic.enter(call, undone)
+
+
 def save(path: str | os.PathLike, model: nn.Module, optimizer=None, *, extra=None,
          files: dict | None = None, overwrite: bool = False,
          async_save: bool = False) -> AsyncSave | None:  # fmt: skip
@@ -223,7 +233,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, *, extra=Non
     on every rank; a save that fails leaves `path` as it was. A rank that calls it alone
     raises TimeoutError after ``FUSEDPAR_CHECKPOINT_TIMEOUT_S`` (default 120 s), naming
     the ranks that did not call it, with nothing written (not even `path`'s parent)."""
-    atomic.enter("save")  # before anything is written or any collective
+    atomic.enter("fp.checkpoint.save", "written")  # before anything written, any collective
     _finish_pending()
     target = Path(path)
     state, blobs, error = _state(model, optimizer), {}, None
@@ -364,7 +374,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, *,
     checkpoint without a record (DCP's own, or fusedpar's before records): nothing then says
     whether it is whole. A rank that calls it alone raises TimeoutError after
     ``FUSEDPAR_CHECKPOINT_TIMEOUT_S`` (default 120 s), naming the ranks that did not."""
-    atomic.enter("load")  # before anything is read or any collective
+    atomic.enter("fp.checkpoint.load", "read")  # before anything read, any collective
     _finish_pending()
     error, unknown, metadata, where, save_id = None, [], {}, None, None
     try:

@@ -8,11 +8,12 @@ class) on any machine, with or without fusedpar.
     model.save_pretrained("out/")                 # the same (set by parallelize)
     save_pretrained(model, "out/", pipeline=pipe) # under pp: the stages' parameters
 
-Every rank calls it (a rank alone: the first collective, a monitored barrier on gloo,
-fails after ``FUSEDPAR_CHECKPOINT_TIMEOUT_S``, default 120 s, saying so). Each rank takes the
-full tensors of what it holds (``DTensor.full_tensor()``: TP, EP and FSDP2 shards
-alike), and the converted layers' parameters are turned back into Hugging Face's, each
-by the inverse that sits beside its conversion in `hf_families`:
+Every rank calls it (a rank alone fails after ``FUSEDPAR_CHECKPOINT_TIMEOUT_S``,
+default 120 s, naming the ranks that did not: `fusedpar.checkpoint.enter`, before any
+collective). Each rank takes the full tensors of what it holds
+(``DTensor.full_tensor()``: TP, EP and FSDP2 shards alike), and the converted layers'
+parameters are turned back into Hugging Face's, each by the inverse that sits beside
+its conversion in `hf_families`:
 
 | converted layer              | written back as                                            |
 | ---------------------------- | ---------------------------------------------------------- |
@@ -41,12 +42,10 @@ Every rank returns once it is written, or raises rank 0's error. Right after
 """
 
 import copy
-import datetime
 import os
 import secrets
 import shutil
 import types
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,12 +54,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fusedpar import checkpoint
 from fusedpar.integrations import hf_families as families
 from fusedpar.nn import MoE, ParallelAttention, ParallelMLA
 from fusedpar.pipeline import PassThrough, module_at
 
-TIMEOUT_VARIABLE = "FUSEDPAR_CHECKPOINT_TIMEOUT_S"  # fp.checkpoint's too
-DEFAULT_TIMEOUT_S = 120.0
 # `model.save_pretrained`'s keywords taken (Hugging Face's others are refused by name)
 METHOD_KEYWORDS = ("max_shard_size", "safe_serialization", "is_main_process", "pipeline")
 CONFIG_FILES = ("config.json", "generation_config.json")  # moved into place last
@@ -129,7 +127,7 @@ def save_pretrained(
         )
     _check_pipeline(model, original, pipeline)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    _enter(save_directory)
+    checkpoint.enter(f"save_pretrained({str(save_directory)!r})", "written")
     skeleton = _skeleton(model, original)
     # the ranks that keep full tensors: rank 0; under pp the lowest rank of each stage
     mesh = getattr(getattr(model, "_fusedpar_batch", None), "mesh", None)
@@ -167,40 +165,6 @@ def _check_pipeline(model: nn.Module, original: Original, pipeline) -> None:
             "save_pretrained: the pipeline's parameters are not the model's: "
             "pass the Pipeline that fp.pipeline.split made of this model"
         )
-
-
-def _enter(save_directory) -> None:
-    """The first collective: a monitored barrier, so that a rank calling alone (the
-    single-process habit, ``if rank == 0: model.save_pretrained(dir)``) raises, naming
-    the ranks that did not come, where a plain collective would wait for ever. torch has
-    it on gloo only: on another backend (NCCL) it is skipped, said once."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    if dist.get_backend() != "gloo":
-        _warn_once(
-            f"save_pretrained: no monitored barrier on the {dist.get_backend()} "
-            "backend (torch has it on gloo only): a rank that calls it alone waits "
-            "for the process group's timeout"
-        )
-        return
-    seconds = float(os.environ.get(TIMEOUT_VARIABLE, DEFAULT_TIMEOUT_S))
-    try:
-        dist.monitored_barrier(timeout=datetime.timedelta(seconds=seconds), wait_all_ranks=True)
-    except RuntimeError as e:
-        raise RuntimeError(
-            f"save_pretrained({str(save_directory)!r}) is collective: every "
-            f"rank must call it (rank 0 writes); the ranks did not all enter "
-            f"within {seconds:g} s ({TIMEOUT_VARIABLE}): {e}"
-        ) from None
-
-
-_warned: set = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _skeleton(model: nn.Module, original: Original) -> nn.Module:
