@@ -66,8 +66,8 @@ LLAMA3_8B = {
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "examples"))
 
-import _demo  # noqa: E402
 import train  # noqa: E402
+from support import demo  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -355,7 +355,7 @@ def test_the_demo_commands_of_the_docs_run(world, tmp_path):
     for (doc, ranks), argvs in runs.items():
         cwd = tmp_path / doc.replace("/", "-")
         cwd.mkdir()
-        results = world(ranks).run(_demo.run, argvs, str(cwd))
+        results = world(ranks).run(demo.run, argvs, str(cwd))
         for rank, outcomes in enumerate(results):
             for argv, (code, stdout, stderr) in zip(argvs, outcomes, strict=True):
                 assert code == 0, f"{doc}: {' '.join(argv)} (rank {rank}):\n{stdout}{stderr}"

@@ -21,7 +21,7 @@ from fusedpar.testing import assert_close, exception_of
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-import _demo  # noqa: E402
+from support import demo  # noqa: E402
 from tiny_llama import Config, ParallelTransformer, Transformer, reference_name  # noqa: E402
 
 SEQ, BATCH = 16, 2
@@ -195,7 +195,7 @@ def test_the_demo_pipelines_saves_and_resumes_at_another_layout(world, tmp_path)
     (tmp_path / "step-2" / "complete.json").unlink()
     (tmp_path / "step-2").rename(tmp_path / ".step-2.tmp-0badcafe")
     resumed = world(2).run(
-        _demo.run, [["--tp", "2", *shape, "--resume", str(tmp_path)]], str(tmp_path)
+        demo.run, [["--tp", "2", *shape, "--resume", str(tmp_path)]], str(tmp_path)
     )[0][0]
     code, stdout, stderr = resumed
     assert code == 0, stdout + stderr
@@ -219,7 +219,7 @@ def test_the_demo_resumed_at_another_dp_degree_goes_on_with_the_same_batches(wor
         [*shape, "--tp", "2", "--resume", "ckpt/step-1"],
         [*shape, "--batch", "6"],
     ]
-    results = world(4).run(_demo.run, runs, str(tmp_path))
+    results = world(4).run(demo.run, runs, str(tmp_path))
     (code, saved, err), (resumed_code, resumed, resumed_err), _ = results[0]
     assert code == 0 and "dp 4 x cp 1 x tp 1" in saved, saved + err
     assert resumed_code == 0 and "dp 2 x cp 1 x tp 2" in resumed, resumed + resumed_err

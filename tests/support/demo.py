@@ -1,6 +1,6 @@
 """examples/train.py run on the ranks of a `fusedpar.testing.World` (its process group),
 as torchrun would run it, without torchrun's start: tests/test_examples.py and
-tests/test_docs.py call `run` through `World.run`."""
+tests/test_doc_commands.py call `run` through `World.run`."""
 
 import contextlib
 import io
