@@ -63,6 +63,7 @@ from fusedpar import checks, comm
 from fusedpar.integrations import hf_families as families
 from fusedpar.integrations import hf_heads as heads
 from fusedpar.integrations.hf_families import refuse
+from fusedpar.integrations.hf_trainer import ParallelTrainerMixin, Trainer  # noqa: F401 (hf.Trainer)
 from fusedpar.kernels._common import accumulator
 from fusedpar.nn import (
     ColumnParallelLinear,
