@@ -164,9 +164,19 @@ def _same_weights(model, other) -> bool:
     )
 
 
+def _refusal(model, out, data) -> str:
+    """What building the Trainer on `model` raised (the same on every rank: no collective)."""
+    try:
+        hf.Trainer(model=model, args=_arguments(out), train_dataset=data)
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
 def _run_tp_cp():
-    """TP2 x CP2: the whole batches in order on every rank; the Trainer refused where
-    accelerate sees one process (no torchrun environment) or a pipeline."""
+    """TP2 x CP2: the whole batches in order on every rank. Refused: the Trainer where
+    accelerate sees one process (no torchrun environment), a model converted for one
+    process, a pipeline, a parameter added after parallelize."""
     dims = fp.ParallelDims(cp=2, tp=2)
     data = _rows(BATCH * STEPS, masked=False)
     reference = _model()
@@ -177,12 +187,15 @@ def _run_tp_cp():
     losses, norms = _manual(reference, batches, dims.groups(mesh)["dp"])
     model = _model()
     hf.parallelize(model, dims)
+    alone, staged = _model(), _model()
+    hf.parallelize(alone, None)  # one process's model under 4
+    hf.parallelize(staged, fp.ParallelDims(pp=2, tp=2))
     with tempfile.TemporaryDirectory() as out:
-        refused = []
-        try:  # no torchrun variables: accelerate sees one process
-            hf.Trainer(model=model, args=_arguments(out), train_dataset=data)
-        except ValueError as e:
-            refused.append(str(e))
+        refused = [_refusal(model, out, data), _refusal(alone, out, data)]
+        refused.append(_refusal(staged, out, data))
+        model.extra = torch.nn.Parameter(torch.ones(2))  # not on the mesh
+        refused.append(_refusal(model, out, data))
+        del model.extra
         with _torchrun_environment():
             got, got_norms, seen, tokens = _train(
                 model, data, out, train_sampling_strategy="sequential"
@@ -191,9 +204,11 @@ def _run_tp_cp():
     assert _same_weights(model, reference)
     assert all(torch.equal(s, b["input_ids"]) for s, b in zip(seen, batches, strict=True))
     assert tokens == STEPS * BATCH * SEQ  # counted once per batch, not per rank
-    assert (
-        refused and "sees 1 process(es)" in refused[0] and "torch.distributed has 4" in refused[0]
-    )
+    # no torchrun variables: accelerate sees one process
+    assert "sees 1 process(es)" in refused[0] and "torch.distributed has 4" in refused[0]
+    assert "dims=None under 4 processes" in refused[1]
+    assert "a pipeline (2 stages)" in refused[2]
+    assert "parameters that are not on the mesh (extra)" in refused[3]
     return tuple(got)
 
 

@@ -19,8 +19,10 @@ would get wrong on a converted model, and what this one does instead:
 - **Each rank its tokens.** accelerate's batch sampler deals the batches out over every
   process; the ranks of a cp x ulysses x tp group must take the same whole batch (the
   model shards it) and each dp rank its own. The sampler's share is made the dp rank's:
-  batch ``i`` of the (seeded, identical on every rank) order goes to dp rank ``i % dp``,
-  as DDP over the dp ranks alone would deal them.
+  batch ``i`` of the order (seeded by the Trainer alike on every rank, or sequential)
+  goes to dp rank ``i % dp``, as DDP over the dp ranks alone would deal them. The
+  model's own check (at its first call, `_check_same_batch`) still raises on every rank
+  if a group's ranks got different batches.
 - **Counting.** The Trainer divides its token count (``num_items_in_batch``, summed over
   every process) and its global batch size by the ranks that hold the same batch, which
   it reads from `get_tp_size`: here cp x ulysses x tp. The loss's denominator is then the
@@ -30,14 +32,22 @@ would get wrong on a converted model, and what this one does instead:
   mesh): the norm of the whole model's gradient, the same on every rank, as the manual
   loop computes it.
 
+Activation checkpointing (``activation_checkpointing=True``, Hugging Face's own) and
+FSDP2 over dp (``dims.fully_shard`` before the Trainer; under gradient accumulation its
+reduce-scatter waits for the last microbatch) are taken as they are.
+
 What cannot work is refused when the Trainer is built, with the reason (`check_trainer`):
-a model not converted by `parallelize`, ``batch="local"``, a pipeline, a Trainer that sees
-another number of processes than torch.distributed has, DeepSpeed, FSDP and accelerate's
-parallelism config, fp16 (its GradScaler decides alone on each rank whether to skip a
-step), a loss or metrics computed from the logits (they are this rank's tokens), an
-iterable dataset, a sampler other than the seeded random one, and checkpoints of the
-Trainer (they would hold one rank's shard of the optimizer; `fusedpar.checkpoint` saves
-a resumable one). ``train(resume_from_checkpoint=...)`` raises for the same reason.
+a model not converted by `parallelize`, ``batch="local"``, a pipeline, ``model_init``, a
+parameter added after `parallelize`, a Trainer that sees another number of processes
+than torch.distributed has, DeepSpeed, the Trainer's FSDP and accelerate's parallelism
+config, fp16 (its GradScaler decides alone on each rank whether to skip a step), a loss
+or metrics computed from the logits (they are this rank's tokens), token counts per
+process (``average_tokens_across_devices=False``), an iterable dataset, samplers other
+than the random and the sequential one, accelerate's dispatched or split batches,
+evaluation (``evaluate`` and ``predict`` raise too) and checkpoints of the Trainer (they
+would hold one rank's shard of the optimizer; `fusedpar.checkpoint` saves a resumable
+one; ``train(resume_from_checkpoint=...)`` raises). ``save_model`` calls the model's
+``save_pretrained`` on every rank.
 """
 
 import contextlib
@@ -165,7 +175,8 @@ def check_trainer(trainer) -> None:
     _refuse(
         args.train_sampling_strategy not in ("random", "sequential"),
         f"train_sampling_strategy={args.train_sampling_strategy!r}",
-        "the ranks of a batch must draw the same order: 'random' (accelerate's seeded sampler)",
+        "the ranks of a batch must draw the same order: 'random' (seeded alike on every "
+        "rank) or 'sequential'",
     )
     config = args.accelerator_config
     _refuse(
