@@ -336,3 +336,16 @@ def test_models_data_and_calls_the_trainer_cannot_take(tmp_path):
     ):
         with pytest.raises(ValueError, match=match):
             call()
+
+
+def test_save_model_calls_the_models_save_pretrained_on_every_rank(tmp_path):
+    """``trainer.save_model(dir)``: the model's own ``save_pretrained(dir)`` with no state
+    dict (a converted model's gathers its weights on every rank), and the arguments."""
+    model = _model()
+    hf.parallelize(model, None)
+    calls = []
+    model.save_pretrained = lambda *args, **kwargs: calls.append((args, kwargs))
+    trainer = hf.Trainer(model=model, args=_arguments(str(tmp_path)), train_dataset=[])
+    trainer.save_model(str(tmp_path / "out"))
+    assert calls == [((str(tmp_path / "out"),), {})]
+    assert (tmp_path / "out" / "training_args.bin").exists()

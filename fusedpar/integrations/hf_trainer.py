@@ -46,16 +46,19 @@ process (``average_tokens_across_devices=False``), an iterable dataset, samplers
 than the random and the sequential one, accelerate's dispatched or split batches,
 evaluation (``evaluate`` and ``predict`` raise too) and checkpoints of the Trainer (they
 would hold one rank's shard of the optimizer; `fusedpar.checkpoint` saves a resumable
-one; ``train(resume_from_checkpoint=...)`` raises). ``save_model`` calls the model's
-``save_pretrained`` on every rank.
+one; ``train(resume_from_checkpoint=...)`` raises). ``save_model(dir)`` calls the
+model's ``save_pretrained(dir)`` on every rank, with no state dict (a converted model's
+gathers its weights), and the writing rank adds the tokenizer and the arguments.
 """
 
 import contextlib
+import os
 
 import torch
 import torch.distributed as dist
 import transformers
 from torch.distributed.tensor import DTensor
+from transformers.trainer import TRAINING_ARGS_NAME
 
 from fusedpar import comm
 
@@ -284,6 +287,27 @@ class ParallelTrainerMixin:
         parameters = [p for p in model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(parameters, self.args.max_grad_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def _save(self, output_dir=None, state_dict=None):
+        """``save_model``'s write, on every rank: the model's own ``save_pretrained(dir)``
+        (a converted model's gathers its weights from every rank: it takes no state dict),
+        then, from the writing rank, the tokenizer and the arguments beside it."""
+        _refuse(
+            state_dict is not None,
+            "a state dict to save",
+            "the converted model's save_pretrained gathers its own weights",
+        )
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        self.model.save_pretrained(output_dir)
+        if not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        tokenizer = self.processing_class  # (a tokenizer's truth is its length: no `or`)
+        if tokenizer is None:
+            tokenizer = getattr(self.data_collator, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         _refuse(
