@@ -84,6 +84,18 @@ from fusedpar.ops.overlap import check_overlap
 from fusedpar.ops.sequence import gather_sequence, shard_sequence
 from fusedpar.storage import distribute, retire_replaced
 
+
+def __getattr__(name: str):
+    """``hf.Trainer`` and ``hf.ParallelTrainerMixin`` (`hf_trainer`), imported at first
+    use: Hugging Face's Trainer takes a second to import and needs accelerate, which
+    `parallelize` does not."""
+    if name in ("Trainer", "ParallelTrainerMixin"):
+        from fusedpar.integrations import hf_trainer
+
+        return getattr(hf_trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 BATCHES = ("full", "local")
 SEQUENCE_AXES = ("cp", "ulysses", "tp")  # the mesh axes a sequence is sharded over, in order
 

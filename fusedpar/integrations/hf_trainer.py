@@ -1,0 +1,323 @@
+"""Hugging Face's Trainer on a model `parallelize` converted: `Trainer`.
+
+    parallelize(model, fp.ParallelDims(cp=2, tp=2))       # every rank, before the Trainer
+    args = TrainingArguments(out, save_strategy="no", use_cpu=True)   # use_cpu: CPU only
+    Trainer(model=model, args=args, train_dataset=data).train()       # under torchrun
+
+A drop-in for ``transformers.Trainer`` (`ParallelTrainerMixin` first in the bases puts
+the same changes on another subclass of it, such as TRL's). What the stock Trainer
+would get wrong on a converted model, and what this one does instead:
+
+- **No DDP.** accelerate wraps the model in DDP when it sees several processes, and DDP
+  over DTensor parameters fails ("mixed torch.Tensor and DTensor", or accelerate's own
+  refusal). The gradients need no wrapper: the mechanism `fusedpar.distribute` put on
+  every parameter sums them over cp, ulysses and tp and averages them over dp at the end
+  of each backward. So the Trainer takes its own path for a model that owns its
+  placement and gradient reduction (``is_distributed_loading_by_transformers``):
+  accelerate prepares the optimizer and autocast, never a wrapper, and the model stays
+  where it is.
+- **Each rank its tokens.** accelerate's batch sampler deals the batches out over every
+  process; the ranks of a cp x ulysses x tp group must take the same whole batch (the
+  model shards it) and each dp rank its own. The sampler's share is made the dp rank's:
+  batch ``i`` of the order (seeded by the Trainer alike on every rank, or sequential)
+  goes to dp rank ``i % dp``, as DDP over the dp ranks alone would deal them. The
+  model's own check (at its first call, `_check_same_batch`) still raises on every rank
+  if a group's ranks got different batches.
+- **Counting.** The Trainer divides its token count (``num_items_in_batch``, summed over
+  every process) and its global batch size by the ranks that hold the same batch, which
+  it reads from `get_tp_size`: here cp x ulysses x tp. The loss's denominator is then the
+  tokens of all dp ranks' batches, and the loss is scaled by dp, which the average over
+  dp undoes, as under DDP.
+- **Clipping.** ``torch.nn.utils.clip_grad_norm_`` over the DTensor gradients (one
+  mesh): the norm of the whole model's gradient, the same on every rank, as the manual
+  loop computes it.
+
+Activation checkpointing (``activation_checkpointing=True``, Hugging Face's own) and
+FSDP2 over dp (``dims.fully_shard`` before the Trainer; under gradient accumulation its
+reduce-scatter waits for the last microbatch) are taken as they are.
+
+What cannot work is refused when the Trainer is built, with the reason (`check_trainer`):
+a model not converted by `parallelize`, ``batch="local"``, a pipeline, ``model_init``, a
+parameter added after `parallelize`, a Trainer that sees another number of processes
+than torch.distributed has, DeepSpeed, the Trainer's FSDP and accelerate's parallelism
+config, fp16 (its GradScaler decides alone on each rank whether to skip a step), a loss
+or metrics computed from the logits (they are this rank's tokens), token counts per
+process (``average_tokens_across_devices=False``), an iterable dataset, samplers other
+than the random and the sequential one, accelerate's dispatched or split batches,
+evaluation (``evaluate`` and ``predict`` raise too) and checkpoints of the Trainer (they
+would hold one rank's shard of the optimizer; `fusedpar.checkpoint` saves a resumable
+one; ``train(resume_from_checkpoint=...)`` raises). ``save_model(dir)`` calls the
+model's ``save_pretrained(dir)`` on every rank, with no state dict (a converted model's
+gathers its weights), and the writing rank adds the tokenizer and the arguments.
+"""
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.tensor import DTensor
+from transformers.trainer import TRAINING_ARGS_NAME
+
+from fusedpar import comm
+
+_NO_EVALUATION = (
+    "the Trainer's evaluation gathers losses and logits over every process "
+    "as if each held its own samples (the ranks of a cp x tp group hold one "
+    "batch, and the logits are this rank's tokens): evaluate with "
+    "model(input_ids=..., labels=...).loss under torch.no_grad()"
+)
+
+
+def _refuse(condition: bool, what: str, why: str) -> None:
+    if condition:
+        raise ValueError(f"fusedpar's Trainer: {what}: {why}")
+
+
+def _value(option) -> str:
+    """An argument as the user wrote it (TrainingArguments turns strings into enums)."""
+    return getattr(option, "value", option)
+
+
+def _state(model):
+    """The model's `_Batch` (how it takes its batch, its mesh and groups)."""
+    state = getattr(model, "_fusedpar_batch", None)
+    if state is None:
+        raise TypeError(
+            "fusedpar's Trainer trains a model converted by "
+            "fusedpar.integrations.hf.parallelize: convert it first (an "
+            "unconverted model trains with transformers.Trainer)"
+        )
+    return state
+
+
+def check_trainer(trainer) -> None:
+    """ValueError (TypeError for an unconverted model) naming what a Trainer on a
+    converted model cannot do, and why. The same on every rank: it reads the arguments
+    and the model, which every rank holds alike."""
+    args, model = trainer.args, trainer.model
+    state = _state(model)
+    _refuse(
+        state.kind != "full",
+        "batch='local'",
+        "the Trainer feeds whole batches with labels: parallelize with batch='full'",
+    )
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if state.mesh is None:
+        _refuse(
+            world > 1,
+            f"a model converted with dims=None under {world} processes",
+            "it would train alone on each rank: pass ParallelDims",
+        )
+    else:
+        _refuse(
+            state.mesh.size() != world,
+            f"a pipeline ({world // state.mesh.size()} stages)",
+            "the Trainer runs the whole model on every rank: use fp.pipeline.split "
+            "and its schedule",
+        )
+        plain = [
+            name
+            for name, p in model.named_parameters()
+            if p.requires_grad and not isinstance(p, DTensor)
+        ]
+        _refuse(
+            bool(plain),
+            f"parameters that are not on the mesh ({', '.join(plain[:3])})",
+            "added after parallelize (an adapter?), their gradients would be averaged "
+            "over every rank; add them before parallelize",
+        )
+    _refuse(
+        args.world_size != world or args.process_index != (dist.get_rank() if world > 1 else 0),
+        f"the Trainer sees {args.world_size} process(es) (accelerate's "
+        f"{args.distributed_state.distributed_type if args.distributed_state else None}) "
+        f"but torch.distributed has {world}",
+        "launch with torchrun (accelerate reads RANK, WORLD_SIZE and LOCAL_RANK) and "
+        "pass use_cpu=True on a CPU",
+    )
+    _refuse(bool(args.deepspeed), "deepspeed", "the parameters are DTensors on fusedpar's mesh")
+    _refuse(bool(args.fsdp), "fsdp", "shard over dp with dims.fully_shard before the Trainer")
+    _refuse(
+        getattr(args, "parallelism_config", None) is not None,
+        "parallelism_config",
+        "the layout is parallelize's ParallelDims",
+    )
+    _refuse(
+        bool(args.fp16),
+        "fp16",
+        "its GradScaler finds infs in this rank's shards and would skip the step on "
+        "some ranks only; use bf16 (no scaler) or fp32",
+    )
+    _refuse(
+        args.label_smoothing_factor != 0,
+        "label_smoothing_factor",
+        "it is computed from the logits, which are this rank's tokens",
+    )
+    for name in ("compute_loss_func", "compute_metrics", "preprocess_logits_for_metrics"):
+        _refuse(
+            getattr(trainer, name, None) is not None,
+            name,
+            "the logits are this rank's tokens (full_logits gathers them): the "
+            "model's own loss is the global one",
+        )
+    _refuse(
+        isinstance(trainer.train_dataset, torch.utils.data.IterableDataset),
+        "an iterable train_dataset",
+        "the ranks of a cp x tp group must read the same "
+        "batches and each dp rank its own: pass a map-style dataset",
+    )
+    _refuse(
+        args.eval_strategy != "no", f"eval_strategy={_value(args.eval_strategy)!r}", _NO_EVALUATION
+    )
+    _refuse(
+        not args.average_tokens_across_devices,
+        "average_tokens_across_devices=False",
+        "the Trainer would divide this rank's token count by the ranks sharing its batch",
+    )
+    _refuse(
+        args.train_sampling_strategy not in ("random", "sequential"),
+        f"train_sampling_strategy={args.train_sampling_strategy!r}",
+        "the ranks of a batch must draw the same order: 'random' (seeded alike on every "
+        "rank) or 'sequential'",
+    )
+    config = args.accelerator_config
+    _refuse(
+        bool(config.dispatch_batches) or bool(config.split_batches),
+        "dispatch_batches or split_batches",
+        "each dp rank takes whole batches of its own",
+    )
+    _refuse(
+        args.save_strategy != "no",
+        f"save_strategy={_value(args.save_strategy)!r}",
+        "the Trainer's checkpoints would hold one rank's shard of the optimizer: pass "
+        "save_strategy='no' and save with fusedpar.checkpoint.save on every rank",
+    )
+
+
+def dp_share(model) -> tuple[int, int]:
+    """(dp degree, this rank's dp index): how many different batches a step takes, and
+    which is this rank's. The other axes (cp, ulysses, tp) share one batch."""
+    state = _state(model)
+    group = state.groups.get("dp")
+    return comm.group_size(group), comm.group_rank(group)
+
+
+class ParallelTrainerMixin:
+    """The changes of this module to a ``transformers.Trainer`` subclass (list it first in
+    the bases: ``class T(ParallelTrainerMixin, SomeTrainer)``)."""
+
+    def __init__(self, *args, **kwargs):
+        if kwargs.get("model_init") is not None:
+            raise ValueError(
+                "fusedpar's Trainer: model_init: pass model=, converted once "
+                "by parallelize on every rank"
+            )
+        super().__init__(*args, **kwargs)
+        check_trainer(self)
+        # The Trainer's path for a model that owns its placement and gradient reduction:
+        # accelerate prepares the optimizer (and autocast), never a DDP wrapper.
+        if not hasattr(self, "is_distributed_loading_by_transformers"):
+            raise RuntimeError(
+                "fusedpar's Trainer: this transformers has no "
+                "is_distributed_loading_by_transformers path (5.23 has)"
+            )
+        self.is_distributed_loading_by_transformers = True
+
+    def _move_model_to_device(self, model, device):
+        """The model is on its mesh's device already (a DTensor moves with its mesh):
+        check the type, move nothing."""
+        have = next(model.parameters()).device.type
+        _refuse(
+            have != torch.device(device).type,
+            f"a model on {have}",
+            f"the Trainer runs on {device} (use_cpu=True on a CPU)",
+        )
+
+    def get_tp_size(self) -> int:
+        """The ranks that hold the same batch (cp x ulysses x tp): the Trainer divides its
+        token count and its data-parallel world by this."""
+        state = _state(self.model)
+        return state.ranks()
+
+    def _dp_share(self, loader):
+        """accelerate's loader, dealt over the dp ranks instead of every process."""
+        if self.args.world_size == 1:
+            return loader
+        sampler = getattr(loader, "batch_sampler", None)
+        if not (hasattr(sampler, "num_processes") and hasattr(sampler, "process_index")):
+            raise ValueError(
+                f"fusedpar's Trainer: accelerate's loader holds a "
+                f"{type(sampler).__name__}, not its batch sampler shard: "
+                "its share cannot be made the dp rank's"
+            )
+        sampler.num_processes, sampler.process_index = dp_share(self.model)
+        return loader
+
+    def get_train_dataloader(self):
+        return self._dp_share(super().get_train_dataloader())
+
+    def _track_num_input_tokens(self, inputs):
+        """The Trainer sums each process's count: the ranks of a batch counted it alike."""
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        added = self.state.num_input_tokens_seen - before
+        self.state.num_input_tokens_seen = before + added // self.get_tp_size()
+
+    def evaluate(self, *args, **kwargs):
+        raise ValueError(f"fusedpar's Trainer: evaluate: {_NO_EVALUATION}")
+
+    def predict(self, *args, **kwargs):
+        raise ValueError(f"fusedpar's Trainer: predict: {_NO_EVALUATION}")
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        """FSDP2 over dp (``dims.fully_shard``) under gradient accumulation: its
+        reduce-scatter waits for the last microbatch (the Trainer's own reads a config
+        that `parallelize` does not set)."""
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def _clip_grad_norm(self, model):
+        """The whole model's gradient norm, clipped to max_grad_norm: one mesh, so
+        ``clip_grad_norm_`` reduces each sharded gradient's square sum over its mesh."""
+        parameters = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(parameters, self.args.max_grad_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def _save(self, output_dir=None, state_dict=None):
+        """``save_model``'s write, on every rank: the model's own ``save_pretrained(dir)``
+        (a converted model's gathers its weights from every rank: it takes no state dict),
+        then, from the writing rank, the tokenizer and the arguments beside it."""
+        _refuse(
+            state_dict is not None,
+            "a state dict to save",
+            "the converted model's save_pretrained gathers its own weights",
+        )
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        self.model.save_pretrained(output_dir)
+        if not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        tokenizer = self.processing_class  # (a tokenizer's truth is its length: no `or`)
+        if tokenizer is None:
+            tokenizer = getattr(self.data_collator, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        _refuse(
+            bool(resume_from_checkpoint),
+            "resume_from_checkpoint",
+            "the Trainer's checkpoints hold one rank's shards; resume with "
+            "fusedpar.checkpoint.load",
+        )
+        return super().train(None, *args, **kwargs)
+
+
+class Trainer(ParallelTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` for a model converted by `parallelize` (the module doc)."""
