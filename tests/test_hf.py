@@ -7,6 +7,7 @@ each unsupported option is refused, on every rank, before any collective."""
 
 import copy
 import itertools
+import re
 
 import pytest
 import torch
@@ -438,10 +439,11 @@ def _run_wrong_batch(case):
 
 
 @pytest.mark.parametrize("case, match", [
-    ("full: each rank its own shard", r"the ranks of a cp x tp group got different batches"),
-    ("full: a length that does not split", r"12 tokens do not split.*multiple of 8"),
+    ("full: each rank its own shard", r"^batch='full': the ranks disagree: rank 1 has tokens "
+     r"\(2, 16\) #[0-9a-f]{6} where rank 0 has .*The ranks of a cp x tp group got different"),
+    ("full: a length that does not split", r"^the batch's 12 tokens do not split.*multiple of 8$"),
     ("full: a contiguous shard", r"got different batches"),
-    ("full: a different batch per rank", r"got different batches"),
+    ("full: a different batch per rank", r"rank 1 has tokens \(2, 16\) #[0-9a-f]{6} where "),
     ("local: the whole batch", r"batch='local': the ranks of mesh axis 'cp' hold the same"),
     ("local: sharded over cp only", r"the ranks of mesh axis 'tp' hold the same tokens"),
 ])  # fmt: skip
@@ -450,6 +452,92 @@ def test_a_batch_the_mode_does_not_take_raises_on_every_rank(world, case, match)
 
     for e in world(4).run(exception_of, _run_wrong_batch, case):
         assert isinstance(e, ValueError) and re.search(match, str(e)), repr(e)
+
+
+def _one_rank_cases() -> dict:
+    """One rank's call refused by a check it makes alone, or its batch unlike its group's,
+    at the first call: TP2 x CP2 under "full" and "local", dp 4 under "full"; {case: (the
+    exception's type, its message), None where the call returned}."""
+    rank, out = dist.get_rank(), {}
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    model = _model("llama", 0)
+    dims = fp.ParallelDims(cp=2, tp=2)
+    groups = dims.groups(hf.parallelize(model, dims))
+    short = ids[:, :-1]  # 15 tokens
+    full = {
+        "full: a length that does not split": dict(input_ids=ids[:, : 12 if rank == 2 else SEQ]),
+        "full: labels of another shape": dict(input_ids=ids, labels=short if rank == 1 else ids),
+        "full: two ranks refuse": dict(input_ids=ids, use_cache=rank in (0, 3)),
+        "full: other labels": dict(input_ids=ids, labels=(ids + (rank == 3)) % VOCAB),
+        "full: a valid call after them": dict(input_ids=ids, labels=ids),
+    }
+    for case, call in full.items():
+        out[case] = exception_of(model, **call)
+    model = _model("llama", 0)
+    hf.parallelize(model, dims, batch="local")
+    share = hf.local_tokens(ids, groups)  # (B, 4)
+    local = {
+        "local: a share that does not split": dict(input_ids=share[:, : 3 if rank == 2 else 4]),
+        "local: labels on one rank": dict(input_ids=share, labels=share if rank == 1 else None),
+        "local: a share of another length": dict(input_ids=share.repeat(1, 1 + (rank == 2))),
+    }
+    for case, call in local.items():
+        out[case] = exception_of(model, **call)
+    model = _model("llama", 0)
+    hf.parallelize(model, fp.ParallelDims(dp=4))
+    out["dp 4: labels of another shape"] = exception_of(
+        model, input_ids=ids, labels=short if rank == 3 else ids
+    )
+    return {case: e and (type(e).__name__, str(e)) for case, e in out.items()}
+
+
+PASSED = r" \((ranks [0-9, ]+) passed their checks; every rank raises this\)$"
+HASH = r"#[0-9a-f]{6}"  # a tensor's fingerprint, shown
+ONE_RANK_CASES = {  # case: the message on every rank (None: none raised)
+    "full: a length that does not split": (
+        r"^rank 2: the batch's 12 tokens do not split into its shards: .* multiple of 8" + PASSED
+    ),
+    "full: labels of another shape": (
+        r"^rank 1: labels must be \(B, S\) = \(2, 16\), like the input, got \(2, 15\)" + PASSED
+    ),
+    "full: two ranks refuse": (
+        r"^ranks 0, 3: a model converted by fusedpar keeps no KV cache: use_cache=False" + PASSED
+    ),
+    "full: other labels": (
+        rf"^batch='full': the ranks disagree: rank 3 has labels \(2, 16\) {HASH} where ranks "
+        rf"0, 1, 2 have labels \(2, 16\) {HASH}\. The ranks of a cp x tp group got different"
+    ),
+    "full: a valid call after them": None,
+    "local: a share that does not split": (
+        r"^rank 2: batch='local': this rank's 3 tokens \(x 4 ranks = 12\) do not split into "
+        r"its shards: .*of 8" + PASSED
+    ),
+    "local: labels on one rank": (
+        r"^rank 1: labels= would shift within each rank's shard \(batch='local'\): .*" + PASSED
+    ),
+    "local: a share of another length": (
+        r"^batch='local': the ranks disagree: rank 2 has tokens \(2, 8\) where ranks 0, 1, 3 "
+        r"have tokens \(2, 4\)"
+    ),
+    "dp 4: labels of another shape": (
+        r"^rank 3: labels must be \(B, S\) = \(2, 16\), like the input, got \(2, 15\)" + PASSED
+    ),
+}
+
+
+def test_one_ranks_refusal_is_the_same_error_on_every_rank(world):
+    """A check that one rank fails alone (a length that does not split, labels of another
+    shape, use_cache) or a batch unlike its group's, at the first call: the same
+    ValueError on every rank, naming the ranks and the value, where the other ranks
+    waited in the batch check's all-gather (a short timeout: a wait fails here)."""
+    results = world(4).run(_one_rank_cases, timeout=240)
+    for case, match in ONE_RANK_CASES.items():
+        assert len({out[case] for out in results}) == 1, (case, [out[case] for out in results])
+        if match is None:
+            assert results[0][case] is None, (case, results[0][case])
+            continue
+        kind, message = results[0][case]
+        assert kind == "ValueError" and re.search(match, message), (case, message)
 
 
 def _run_refusal(family, changes):
@@ -495,10 +583,9 @@ def _batch_check_gathers(degrees: dict) -> list:
     return counts
 
 
-def test_the_batch_check_runs_at_the_first_call_and_never_on_one_rank(world):
+def test_the_batch_check_runs_at_the_first_call_only(world):
     """batch="full": the same-batch check all-gathers at the first call only (it ran at
-    every step), and not at all where one rank holds the whole sequence (dp 4: it
-    all-gathered over the world at every step, to compare nothing)."""
+    every step), dp 4 too (a rank's refusal stops every rank; nothing else to compare)."""
     names = {"dp": "data", "cp": "context", "tp": "tensor"}  # a mesh by other names too
     assert world(4).run(_batch_check_gathers, dict(cp=2, tp=2, names=names)) == [[1, 0]] * 4
-    assert world(4).run(_batch_check_gathers, dict(dp=4)) == [[0, 0]] * 4
+    assert world(4).run(_batch_check_gathers, dict(dp=4)) == [[1, 0]] * 4
