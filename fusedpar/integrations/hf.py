@@ -355,6 +355,9 @@ def _read_full(kwargs, state) -> dict:
     seq = tokens.shape[1]
     check_shards(seq, state.groups)
     mask, positions = kwargs.pop("attention_mask", None), kwargs.pop("position_ids", None)
+    if torch.compiler.is_compiling():  # no host read in a graph: asserted inside it
+        _assert_whole(mask, positions, tokens.shape[:2])
+        mask = positions = None
     if positions is not None:
         state.cu_seqlens = packed_documents(positions, tokens.shape[:2])
     # sequence classification: Hugging Face's own loss of the pooled logits takes labels
@@ -389,6 +392,35 @@ def _read_full(kwargs, state) -> dict:
         )
     given = (tokens, shifted, positions, mask, pooled_labels)
     return dict(zip(BATCH_TENSORS, given, strict=True))
+
+
+def _assert_whole(mask, positions, shape) -> None:
+    """While torch.compile traces: the mask and positions a compiled call takes, those of
+    whole sequences (a tokenizer's all-ones mask, position_ids 0..S-1), asserted inside
+    the graph (a RuntimeError when it runs otherwise), as reading them on the host (the
+    eager checks) would break the graph: padding and packed documents need eager calls."""
+    batch, seq = shape
+    if mask is not None:
+        if tuple(mask.shape) != (batch, seq):
+            raise ValueError(
+                f"attention_mask must be (B, S) = {(batch, seq)}, got {tuple(mask.shape)}"
+            )
+        torch._assert_async(
+            (mask == 1).all(),
+            "a compiled model converted by fusedpar "
+            "takes no padding: attention_mask all ones, or left out",
+        )
+    if positions is not None:
+        if positions.shape[-1] != seq or positions.dim() > 2:
+            raise ValueError(
+                f"position_ids must be (B, S) = {(batch, seq)}, got {tuple(positions.shape)}"
+            )
+        whole = (positions == torch.arange(seq, device=positions.device)).all()
+        torch._assert_async(
+            whole,
+            "a compiled model converted by fusedpar takes "
+            "position_ids 0..S-1, or none: packed documents need eager calls",
+        )
 
 
 def _check_same_batch(taken: dict | None, state, verdict) -> None:
