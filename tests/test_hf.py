@@ -605,6 +605,8 @@ def _compiled_and_eager(family: str, degrees: dict | None, tokenizer: bool = Fal
     mask's compiled call is appended: its error's message, or None."""
     model = _model(family, 0, **COMPILED[family])
     hf.parallelize(model, None if degrees is None else fp.ParallelDims(**degrees))
+    layouts = [m._rope_layout_checked for m in model.modules() if hasattr(m, "rope")]
+    assert layouts and all(layouts)  # checked at conversion: a compiled call skips it
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     call = dict(input_ids=ids, labels=ids)
     if tokenizer:

@@ -87,6 +87,17 @@ class _HFAttentionCall:
     ignored (causal, RoPE at global positions inside; the documents of a packed batch
     from the model's `_Batch`, set by `parallelize`)."""
 
+    @classmethod
+    def from_dense(cls, *args, **kwargs):
+        """The layer, its RoPE tables' layout checked now (on its weights' device, the
+        model's rotary module's), not only at its first eager call, which a model
+        compiled before any eager call skips."""
+        layer = super().from_dense(*args, **kwargs)
+        device = next(layer.parameters()).device
+        if device.type != "meta":
+            layer.check_rope_layout(device)
+        return layer
+
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
         if past_key_values is not None:
             raise ValueError("fusedpar's attention keeps no KV cache: call with use_cache=False")
@@ -141,17 +152,6 @@ class HFMoE(MoE):
 
 
 def _attention(i: int, attn: nn.Module, config, groups, rotary_emb, tp: dict) -> nn.Module:
-    """Layer i's attention, converted; its RoPE tables' layout checked now (on the
-    rotary module's device), not only at its first eager call: a model compiled before
-    any eager call skips that check."""
-    layer = _convert_attention(i, attn, config, groups, rotary_emb, tp)
-    device = next(attn.parameters()).device
-    if device.type != "meta":
-        layer.check_rope_layout(device)
-    return layer
-
-
-def _convert_attention(i: int, attn: nn.Module, config, groups, rotary_emb, tp: dict):
     cp = dict(tp_group=groups["tp"], cp_group=groups["cp"], ulysses_group=groups.get("ulysses"))
     if families.is_mla(attn):
         options = families.mla_options(attn, config, rotary_emb)
