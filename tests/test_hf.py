@@ -2,8 +2,10 @@
 supported family (built from their configs, nothing downloaded, fp32): at TP2 x CP2 (EP
 over tp for the MoE families) and in one process with every group None, the converted
 model gives the original's
-logits, loss and every parameter gradient (gathered) within the tolerance rule; and
-each unsupported option is refused, on every rank, before any collective."""
+logits, loss and every parameter gradient (gathered) within the tolerance rule; each
+unsupported option is refused, on every rank, before any collective; a call one rank
+refuses alone is the same ValueError on every rank; and the converted model compiles
+full-graph (Llama, Qwen3-MoE), before and after an eager call, bit for bit eager's."""
 
 import copy
 import itertools
