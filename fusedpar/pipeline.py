@@ -58,6 +58,7 @@ rank, naming it, where the others would wait in the schedule.
 """
 
 import copy
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -231,12 +232,12 @@ class Pipeline:
         named = (*((f"input {i}", t) for i, t in enumerate(inputs)), *kwargs.items(),
                  ("target", target))  # fmt: skip
         tensors = [(what, t) for what, t in named if isinstance(t, torch.Tensor)]
-        problem = self._batch_problem(tensors)
+        verdict = checks.Verdict()
+        verdict.run(self._check_batch, tensors)
         if checks.due(self, *(t for _, t in tensors)):
-            self._agree_on_batch(tensors, problem)  # raises on every rank of the pipeline
+            self._agree_on_batch(tensors, verdict)  # raises on every rank of the pipeline
             checks.passed(self)
-        elif problem:
-            raise ValueError(problem)
+        verdict.reraise()
         # contiguous: torch 2.11's stages check each microbatch's strides against the
         # first's (a sliced batch, tokens[:, :-1], failed there)
         inputs = tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in inputs)
@@ -253,35 +254,30 @@ class Pipeline:
         self._sum_tied_grads()
         return losses
 
-    def _batch_problem(self, tensors) -> str | None:
+    def _check_batch(self, tensors) -> None:
         """What this rank alone can see is wrong with its batch: a tensor whose dim 0 does
         not split into the microbatches, or tensors of different batch sizes."""
         for what, t in tensors:
             if t.dim() == 0 or t.shape[0] % self.microbatches:
-                return (f"pipeline step: {what} {tuple(t.shape)} does not split into "
-                        f"{self.microbatches} microbatches along dim 0 (the batch)")  # fmt: skip
+                raise ValueError(
+                    f"pipeline step: {what} {tuple(t.shape)} does not split into "
+                    f"{self.microbatches} microbatches along dim 0 (the batch)"
+                )
         sizes = {what: t.shape[0] for what, t in tensors}
         if len(set(sizes.values())) > 1:
-            return f"pipeline step: the batch sizes (dim 0) differ: {sizes}"
-        return None
+            raise ValueError(f"pipeline step: the batch sizes (dim 0) differ: {sizes}")
 
-    def _agree_on_batch(self, tensors, problem: str | None) -> None:
+    def _agree_on_batch(self, tensors, verdict) -> None:
         """The first step's check (`fusedpar.checks`): the ranks of the pipeline gather
         their microbatch count, batch size (-1: none given, as the middle stages under
-        torch's convention) and whether they refused it; then every rank raises the same
-        ValueError naming the ranks at fault (a rank that refused raises its own)."""
-        batch = tensors[0][1].shape[0] if tensors and not problem else -1
+        torch's convention) and the verdict of their own checks (`_check_batch`); then
+        every rank raises the same ValueError: a rank's refusal, naming it (`settle`), or
+        the ranks whose counts or sizes differ."""
+        batch = tensors[0][1].shape[0] if tensors and verdict.error is None else -1
         device = self.stages[0].device if self.stages else "cpu"
-        table = checks.gather(self.check_groups, [self.microbatches, batch, bool(problem)],
-                              device)  # fmt: skip
-        if problem:
-            raise ValueError(problem)
-        refused = [rank for rank, (_, _, bad) in table.items() if bad]
-        if refused:
-            raise ValueError(f"pipeline step: {checks.ranks_text(refused)} of this pipeline "
-                             f"refused {'their' if len(refused) > 1 else 'its'} batch (see "
-                             "there): every rank of a pipeline takes a batch of one size, "
-                             f"split into {self.microbatches} microbatches")  # fmt: skip
+        exchange = functools.partial(checks.gather, self.check_groups, device=device)
+        table = exchange([self.microbatches, batch, *verdict.codes()])
+        checks.settle(verdict, {rank: row[2:] for rank, row in table.items()}, exchange)
         # (the microbatch count of every rank; the batch size of those given one)
         for index, what in ((0, "microbatch counts"), (1, "batch sizes")):
             seen: dict[int, list] = {}
@@ -289,12 +285,14 @@ class Pipeline:
                 if row[index] >= 0:
                     seen.setdefault(row[index], []).append(rank)
             if len(seen) > 1:
-                listed = "; ".join(f"{checks.ranks_text(ranks)}: {value}"
-                                   for value, ranks in seen.items())  # fmt: skip
-                raise ValueError(f"pipeline step: the ranks of this pipeline have different "
-                                 f"{what} ({listed}): every rank of a pipeline (its stages, "
-                                 "and their cp and tp ranks) takes a batch of one size, split "
-                                 "alike")  # fmt: skip
+                listed = "; ".join(
+                    f"{checks.ranks_text(ranks)}: {value}" for value, ranks in seen.items()
+                )
+                raise ValueError(
+                    f"pipeline step: the ranks of this pipeline have different {what} "
+                    f"({listed}): every rank of a pipeline (its stages, and their cp and tp "
+                    "ranks) takes a batch of one size, split alike"
+                )
 
     def _sum_tied_grads(self) -> None:
         """A tied embedding's gradient is the sum of the first stage's (embedding) and the

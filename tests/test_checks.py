@@ -1,9 +1,11 @@
 """Mistakes no rank sees alone (`fusedpar.checks`), at 4 ranks: one rank given a shorter
 sequence, its activations in fp16, its model cast after `distribute`, a pipeline stage
 given another batch: each is a ValueError on every rank of the groups involved, naming
-the rank and the values, where gloo aborted or the other ranks waited; FUSEDPAR_CHECKS=all
-catches a mismatch at a later call. And no graph break from the checks: undistributed
-layers (whose warning used to be raised inside forward) compile full-graph."""
+the rank and the values, where gloo aborted or the other ranks waited; a check one rank
+fails alone (attention's cu_seqlens, a pipeline batch that does not split) is that rank's
+message on every rank; FUSEDPAR_CHECKS=all catches a mismatch at a later call. And no
+graph break from the checks: undistributed layers (whose warning used to be raised inside
+forward) compile full-graph."""
 
 import os
 import re
@@ -47,6 +49,16 @@ def _layer_cases() -> dict:
         "moe in fp16": lambda: moe(x.half() if rank == 0 else x),
     }
     out = {name: exception_of(case) for name, case in cases.items()}
+    # packed documents: 16 tokens, (4, 1, 32) on each rank; cu_seqlens the same on all
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    documents = {
+        "cu_seqlens refused on one rank": [0, 5, 15],
+        "other documents on one rank": [0, 7, 16],
+    }
+    for name, mine in documents.items():
+        layer = fp.nn.ParallelAttention(32, 4, 2, tp_group=g["tp"], cp_group=g["cp"])
+        given = torch.tensor(mine, dtype=torch.int32) if rank == 2 else cu
+        out[name] = exception_of(layer, x[:, :1], cu_seqlens=given)
     col = fp.nn.ColumnParallelLinear(32, 16, g["tp"])
     before = os.environ.get("FUSEDPAR_CHECKS")
     os.environ["FUSEDPAR_CHECKS"] = "all"  # read at call time
@@ -81,11 +93,17 @@ LAYER_CASES = {  # case: (the ranks that raise, what their message says)
     "later call, FUSEDPAR_CHECKS=all": ((2, 3), r"rank 3 has x \(3, 2, 32\) where rank 2"),
     "unknown mode": (range(4), r"FUSEDPAR_CHECKS must be one of \('first', 'all'\), got "
                      r"'every'"),
+    # a check that one rank fails alone, before the gather: its message on every rank
+    "cu_seqlens refused on one rank": (range(4), r"^rank 2: cu_seqlens must end at the total "
+                                       r"length 16, got 15 \(ranks 0, 1, 3 passed their "
+                                       r"checks; every rank raises this\)$"),
+    "other documents on one rank": (range(4), r"rank 2 has cu_seqlens \(3,\) #[0-9a-f]{6} "
+                                    r"where ranks 0, 1, 3 have cu_seqlens \(3,\) #[0-9a-f]{6}"),
 }  # fmt: skip
 
 
 def test_what_ranks_disagree_on_is_named_on_every_rank(world):
-    results = world(4).run(_layer_cases)
+    results = world(4).run(_layer_cases, timeout=180)  # (a rank left waiting: fails here)
     for case, (raising, match) in LAYER_CASES.items():
         for rank, out in enumerate(results):
             if rank not in raising:
@@ -93,6 +111,7 @@ def test_what_ranks_disagree_on_is_named_on_every_rank(world):
                 continue
             assert out[case] is not None and out[case][0] == "ValueError", (case, rank, out)
             assert re.search(match, out[case][1]), (case, rank, out[case][1])
+        assert len({out[case] for out in results if out[case] is not None}) <= 1, case
 
 
 def _pipeline_cases() -> dict:
@@ -114,18 +133,19 @@ def _pipeline_cases() -> dict:
 
 
 def test_a_pipeline_stage_given_another_batch_raises_on_every_rank(world):
-    """Before: the first stage raised, the last waited in the schedule (gloo's error)."""
+    """Before: the first stage raised, the last waited in the schedule (gloo's error).
+    The same ValueError on every rank, the refusing ranks' message included."""
     expected = {
-        "does not split": ({0, 1}, r"input 0 \(3, 8\) does not split into 2 microbatches",
-                           r"ranks 0, 1 of this pipeline refused their batch"),
-        "another batch": ({0, 1}, r"different batch sizes \(ranks 0, 1: 2; ranks 2, 3: 4\)",
-                          r"different batch sizes \(ranks 0, 1: 2; ranks 2, 3: 4\)"),
+        "does not split": r"^ranks 0, 1: pipeline step: input 0 \(3, 8\) does not split into "
+                          r"2 microbatches .* \(ranks 2, 3 passed their checks; every rank "
+                          r"raises this\)$",
+        "another batch": r"different batch sizes \(ranks 0, 1: 2; ranks 2, 3: 4\)",
     }  # fmt: skip
-    for rank, out in enumerate(world(4).run(_pipeline_cases)):
-        for case, (first, mine, others) in expected.items():
-            kind, message = out[case]
-            assert kind == "ValueError", (case, rank, message)
-            assert re.search(mine if rank in first else others, message), (case, rank, message)
+    results = world(4).run(_pipeline_cases, timeout=180)
+    for case, match in expected.items():
+        assert len({out[case] for out in results}) == 1, (case, results)
+        kind, message = results[0][case]
+        assert kind == "ValueError" and re.search(match, message), (case, message)
 
 
 # --- no graph break from the checks --------------------------------------------------------

@@ -2,11 +2,14 @@
 supported family (built from their configs, nothing downloaded, fp32): at TP2 x CP2 (EP
 over tp for the MoE families) and in one process with every group None, the converted
 model gives the original's
-logits, loss and every parameter gradient (gathered) within the tolerance rule; and
-each unsupported option is refused, on every rank, before any collective."""
+logits, loss and every parameter gradient (gathered) within the tolerance rule; each
+unsupported option is refused, on every rank, before any collective; a call one rank
+refuses alone is the same ValueError on every rank; and the converted model compiles
+full-graph (Llama, Qwen3-MoE), before and after an eager call, bit for bit eager's."""
 
 import copy
 import itertools
+import re
 
 import pytest
 import torch
@@ -352,10 +355,11 @@ def _run_wrong_batch(case):
 
 
 @pytest.mark.parametrize("case, match", [
-    ("full: each rank its own shard", r"the ranks of a cp x tp group got different batches"),
-    ("full: a length that does not split", r"12 tokens do not split.*multiple of 8"),
+    ("full: each rank its own shard", r"^batch='full': the ranks disagree: rank 1 has tokens "
+     r"\(2, 16\) #[0-9a-f]{6} where rank 0 has .*The ranks of a cp x tp group got different"),
+    ("full: a length that does not split", r"^the batch's 12 tokens do not split.*multiple of 8$"),
     ("full: a contiguous shard", r"got different batches"),
-    ("full: a different batch per rank", r"got different batches"),
+    ("full: a different batch per rank", r"rank 1 has tokens \(2, 16\) #[0-9a-f]{6} where "),
     ("local: the whole batch", r"batch='local': the ranks of mesh axis 'cp' hold the same"),
     ("local: sharded over cp only", r"the ranks of mesh axis 'tp' hold the same tokens"),
 ])  # fmt: skip
@@ -364,6 +368,92 @@ def test_a_batch_the_mode_does_not_take_raises_on_every_rank(world, case, match)
 
     for e in world(4).run(exception_of, _run_wrong_batch, case):
         assert isinstance(e, ValueError) and re.search(match, str(e)), repr(e)
+
+
+def _one_rank_cases() -> dict:
+    """One rank's call refused by a check it makes alone, or its batch unlike its group's,
+    at the first call: TP2 x CP2 under "full" and "local", dp 4 under "full"; {case: (the
+    exception's type, its message), None where the call returned}."""
+    rank, out = dist.get_rank(), {}
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    model = _model("llama", 0)
+    dims = fp.ParallelDims(cp=2, tp=2)
+    groups = dims.groups(hf.parallelize(model, dims))
+    short = ids[:, :-1]  # 15 tokens
+    full = {
+        "full: a length that does not split": dict(input_ids=ids[:, : 12 if rank == 2 else SEQ]),
+        "full: labels of another shape": dict(input_ids=ids, labels=short if rank == 1 else ids),
+        "full: two ranks refuse": dict(input_ids=ids, use_cache=rank in (0, 3)),
+        "full: other labels": dict(input_ids=ids, labels=(ids + (rank == 3)) % VOCAB),
+        "full: a valid call after them": dict(input_ids=ids, labels=ids),
+    }
+    for case, call in full.items():
+        out[case] = exception_of(model, **call)
+    model = _model("llama", 0)
+    hf.parallelize(model, dims, batch="local")
+    share = hf.local_tokens(ids, groups)  # (B, 4)
+    local = {
+        "local: a share that does not split": dict(input_ids=share[:, : 3 if rank == 2 else 4]),
+        "local: labels on one rank": dict(input_ids=share, labels=share if rank == 1 else None),
+        "local: a share of another length": dict(input_ids=share.repeat(1, 1 + (rank == 2))),
+    }
+    for case, call in local.items():
+        out[case] = exception_of(model, **call)
+    model = _model("llama", 0)
+    hf.parallelize(model, fp.ParallelDims(dp=4))
+    out["dp 4: labels of another shape"] = exception_of(
+        model, input_ids=ids, labels=short if rank == 3 else ids
+    )
+    return {case: e and (type(e).__name__, str(e)) for case, e in out.items()}
+
+
+PASSED = r" \((ranks [0-9, ]+) passed their checks; every rank raises this\)$"
+HASH = r"#[0-9a-f]{6}"  # a tensor's fingerprint, shown
+ONE_RANK_CASES = {  # case: the message on every rank (None: none raised)
+    "full: a length that does not split": (
+        r"^rank 2: the batch's 12 tokens do not split into its shards: .* multiple of 8" + PASSED
+    ),
+    "full: labels of another shape": (
+        r"^rank 1: labels must be \(B, S\) = \(2, 16\), like the input, got \(2, 15\)" + PASSED
+    ),
+    "full: two ranks refuse": (
+        r"^ranks 0, 3: a model converted by fusedpar keeps no KV cache: use_cache=False" + PASSED
+    ),
+    "full: other labels": (
+        rf"^batch='full': the ranks disagree: rank 3 has labels \(2, 16\) {HASH} where ranks "
+        rf"0, 1, 2 have labels \(2, 16\) {HASH}\. The ranks of a cp x tp group got different"
+    ),
+    "full: a valid call after them": None,
+    "local: a share that does not split": (
+        r"^rank 2: batch='local': this rank's 3 tokens \(x 4 ranks = 12\) do not split into "
+        r"its shards: .*of 8" + PASSED
+    ),
+    "local: labels on one rank": (
+        r"^rank 1: labels= would shift within each rank's shard \(batch='local'\): .*" + PASSED
+    ),
+    "local: a share of another length": (
+        r"^batch='local': the ranks disagree: rank 2 has tokens \(2, 8\) where ranks 0, 1, 3 "
+        r"have tokens \(2, 4\)"
+    ),
+    "dp 4: labels of another shape": (
+        r"^rank 3: labels must be \(B, S\) = \(2, 16\), like the input, got \(2, 15\)" + PASSED
+    ),
+}
+
+
+def test_one_ranks_refusal_is_the_same_error_on_every_rank(world):
+    """A check that one rank fails alone (a length that does not split, labels of another
+    shape, use_cache) or a batch unlike its group's, at the first call: the same
+    ValueError on every rank, naming the ranks and the value, where the other ranks
+    waited in the batch check's all-gather (a short timeout: a wait fails here)."""
+    results = world(4).run(_one_rank_cases, timeout=240)
+    for case, match in ONE_RANK_CASES.items():
+        assert len({out[case] for out in results}) == 1, (case, [out[case] for out in results])
+        if match is None:
+            assert results[0][case] is None, (case, results[0][case])
+            continue
+        kind, message = results[0][case]
+        assert kind == "ValueError" and re.search(match, message), (case, message)
 
 
 def _run_refusal(family, changes):
@@ -409,13 +499,12 @@ def _batch_check_gathers(degrees: dict) -> list:
     return counts
 
 
-def test_the_batch_check_runs_at_the_first_call_and_never_on_one_rank(world):
+def test_the_batch_check_runs_at_the_first_call_only(world):
     """batch="full": the same-batch check all-gathers at the first call only (it ran at
-    every step), and not at all where one rank holds the whole sequence (dp 4: it
-    all-gathered over the world at every step, to compare nothing)."""
+    every step), dp 4 too (a rank's refusal stops every rank; nothing else to compare)."""
     names = {"dp": "data", "cp": "context", "tp": "tensor"}  # a mesh by other names too
     assert world(4).run(_batch_check_gathers, dict(cp=2, tp=2, names=names)) == [[1, 0]] * 4
-    assert world(4).run(_batch_check_gathers, dict(dp=4)) == [[0, 0]] * 4
+    assert world(4).run(_batch_check_gathers, dict(dp=4)) == [[1, 0]] * 4
 
 
 def test_an_optimizer_built_before_parallelize_raises_and_generate_is_refused():
@@ -475,3 +564,68 @@ def test_cp_ring_sets_latent_attentions_ring():
         hf.parallelize(llama, None, cp_ring="latent")
     assert not any(isinstance(m, fp.nn.ParallelAttention) for m in llama.modules())
     hf.parallelize(llama, None, cp_ring="expanded")  # what a ring of its heads moves
+
+
+# --- torch.compile(fullgraph=True) of a converted model --------------------------------------
+
+COMPILED = {"llama": {}, "qwen3_moe": dict(num_hidden_layers=1, mlp_only_layers=[])}
+
+
+def _compiled_and_eager(family: str, degrees: dict | None, tokenizer: bool = False) -> list:
+    """A converted model compiled full-graph (aot_eager) before any eager call, then
+    called eagerly (its first-call checks run), then compiled afresh: [compiled first ==
+    eager, compiled after == eager (loss and every gradient, bit for bit), the batch
+    check passed at the eager call]. `tokenizer`: the calls pass a tokenizer's all-ones
+    attention_mask and position_ids 0..S-1 too (asserted inside the graph), and a padded
+    mask's compiled call is appended: its error's message, or None."""
+    model = _model(family, 0, **COMPILED[family])
+    hf.parallelize(model, None if degrees is None else fp.ParallelDims(**degrees))
+    layouts = [m._rope_layout_checked for m in model.modules() if hasattr(m, "rope")]
+    assert layouts and all(layouts)  # checked at conversion: a compiled call skips it
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    call = dict(input_ids=ids, labels=ids)
+    if tokenizer:
+        call |= dict(attention_mask=torch.ones_like(ids), position_ids=torch.arange(SEQ)[None])
+
+    def step(forward) -> list:
+        model.zero_grad(set_to_none=True)
+        loss = forward(**call).loss
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        return [loss.detach(), *(g.to_local() if hasattr(g, "to_local") else g for g in grads)]
+
+    # EP > 1 (the MoE at TP2 x CP2): the rows a rank receives are an unbacked size
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        torch._dynamo.reset()
+        first = step(torch.compile(model, fullgraph=True, backend="aot_eager"))
+        eager = step(model)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        after = step(compiled)
+        if tokenizer:
+            call["attention_mask"] = PADDED
+            padded = exception_of(compiled, **call)
+        torch._dynamo.reset()
+    checked = getattr(model._fusedpar_batch, "_fusedpar_checked", False)
+    same = [all(map(torch.equal, got, eager)) and len(got) == len(eager) for got in (first, after)]
+    return [*same, checked, *([padded and str(padded)] if tokenizer else [])]
+
+
+@pytest.mark.parametrize("family", list(COMPILED))
+def test_a_converted_model_compiles_full_graph_before_and_after_an_eager_call(world, family):
+    """TP2 x CP2 (EP2 over tp for the MoE): the compiled model's loss and gradients are
+    eager's bit for bit, compiled before any eager call and after one; the eager call
+    ran the batch check that the compiled calls skip."""
+    degrees = dict(cp=2, tp=2, ep="tp" if family in MOE else None)
+    results = world(4).run(_compiled_and_eager, family, degrees, timeout=600)
+    assert results == [[True, True, True]] * 4
+
+
+def test_a_converted_model_compiles_full_graph_in_one_process():
+    """dims=None (every group None): both families, compiled before and after an eager
+    call, with a tokenizer's mask and positions, bit for bit eager's (no batch check in
+    one process); a padded mask raises inside the compiled graph."""
+    for family in COMPILED:
+        first, after, checked, padded = _compiled_and_eager(family, None, tokenizer=True)
+        assert first and after and not checked, family
+        assert padded is not None and "takes no padding" in padded, (family, padded)

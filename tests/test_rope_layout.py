@@ -184,3 +184,6 @@ def test_a_table_with_each_angle_twice_in_a_row_is_refused():
     layer = fp.nn.ParallelAttention(D_MODEL, HEADS, KV_HEADS, rope=interleaved_table)
     with pytest.raises(ValueError, match=r"\(8, 8\) tables whose halves differ.*t\[:, ::2\]"):
         layer(torch.randn(8, 1, D_MODEL))
+    # ahead of a compile, whose traced calls skip it (parallelize runs it at conversion)
+    with pytest.raises(ValueError, match=r"\(4, 8\) tables whose halves differ"):
+        layer.check_rope_layout()

@@ -106,6 +106,17 @@ class _HFAttentionCall:
     ignored (causal, RoPE at global positions inside; the documents of a packed batch
     from the model's `_Batch`, set by `parallelize`)."""
 
+    @classmethod
+    def from_dense(cls, *args, **kwargs):
+        """The layer, its RoPE tables' layout checked now (on its weights' device, the
+        model's rotary module's), not only at its first eager call, which a model
+        compiled before any eager call skips."""
+        layer = super().from_dense(*args, **kwargs)
+        device = next(layer.parameters()).device
+        if device.type != "meta":
+            layer.check_rope_layout(device)
+        return layer
+
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
         if past_key_values is not None:
             raise ValueError("fusedpar's attention keeps no KV cache: call with use_cache=False")
@@ -348,66 +359,34 @@ class _Batch:
         self.pad_token_id = None
         self.pooled: torch.Tensor | None = None  # (B,) int64
         self.token_positions: torch.Tensor | None = None  # (1, S_loc) int64
+        # (fixed: read as plain ints where torch.compile traces the hooks)
+        self.sequence_ranks = math.prod(comm.group_size(groups.get(a)) for a in SEQUENCE_AXES)
+        self.gathers = mesh is not None and mesh.size() > 1  # the first call's batch check
 
     def ranks(self) -> int:
         """The ranks that share one sequence: cp x ulysses x tp."""
-        return math.prod(comm.group_size(self.groups.get(axis)) for axis in SEQUENCE_AXES)
+        return self.sequence_ranks
 
 
 def _take_batch(module, args, kwargs):
     """Forward pre-hook: refuse what the converted model would get wrong; under "full",
-    check the ranks got the same batch and keep this rank's share of it."""
+    check the ranks got the same batch and keep this rank's share of it. This rank's
+    checks run first, into a `checks.Verdict` gathered with the batch's fingerprints at
+    the first call: a refusal is the same ValueError on every rank."""
     state = module._fusedpar_batch
     state.cu_seqlens = None
     kwargs = {**dict(zip(state.forward_args, args, strict=False)), **kwargs}
-    if kwargs.get("use_cache"):
-        raise ValueError("a model converted by fusedpar keeps no KV cache: use_cache=False")
-    if kwargs.get("past_key_values") is not None:
-        raise ValueError("a model converted by fusedpar keeps no KV cache: no past_key_values")
-    if kwargs.get("logits_to_keep", 0) not in (0, None):
-        raise ValueError("logits_to_keep: a converted model's logits are this rank's tokens")
-    tokens = kwargs.get("input_ids")
-    tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
-    if tokens is None or tokens.dim() < 2:
-        raise ValueError("a converted model takes input_ids (B, S) or inputs_embeds (B, S, d)")
-    if kwargs.get("token_type_ids") is not None:
-        raise ValueError("token_type_ids are not sharded by a converted model: leave them out")
+    verdict = checks.Verdict()
     if state.kind == "local":
-        _check_local(kwargs, tokens, state)
+        tokens = verdict.run(_read_local, kwargs, state)
+        _check_local(tokens, state, verdict)
         kwargs["position_ids"] = _positions(tokens.shape[1] * state.ranks(), tokens, state)
         state.pending.append(None)
         return (), kwargs
+    taken = verdict.run(_read_full, kwargs, state)
+    _check_same_batch(taken, state, verdict)
+    tokens, shifted, positions = taken["tokens"], taken["labels"], taken["position_ids"]
     seq = tokens.shape[1]
-    check_shards(seq, state.groups)
-    mask, positions = kwargs.pop("attention_mask", None), kwargs.pop("position_ids", None)
-    if positions is not None:
-        state.cu_seqlens = packed_documents(positions, tokens.shape[:2])
-    # sequence classification: Hugging Face's own loss of the pooled logits takes labels
-    pooled_labels = kwargs.get("labels") if state.head == "sequence" else None
-    labels = None if state.head == "sequence" else kwargs.pop("labels", None)
-    shifted = kwargs.pop("shift_labels", None)
-    if shifted is not None and state.head != "causal":
-        raise ValueError("shift_labels are a causal LM's: pass labels")
-    if labels is not None and shifted is not None:
-        raise ValueError("pass labels or shift_labels, not both")
-    if labels is not None:  # Hugging Face shifts inside a causal LM: over the whole sequence
-        shifted = F.pad(labels[:, 1:], (0, 1), value=-100) if state.head == "causal" else labels
-    if shifted is not None and tuple(shifted.shape) != tuple(tokens.shape[:2]):
-        raise ValueError(f"labels must be (B, S) = {tuple(tokens.shape[:2])}, like the input, "
-                         f"got {tuple(shifted.shape)}")  # fmt: skip
-    if pooled_labels is not None and (pooled_labels.dim() == 0
-                                      or pooled_labels.shape[0] != tokens.shape[0]):  # fmt: skip
-        raise ValueError(f"sequence classification labels must be one per row, (B,) or "
-                         f"(B, num_labels) with B = {tokens.shape[0]}, got "
-                         f"{tuple(pooled_labels.shape)}")  # fmt: skip
-    if state.head == "sequence":
-        state.pooled = heads.pooled_positions(kwargs.get("input_ids"), tokens, state.pad_token_id)
-    if mask is not None:
-        heads.check_padding(mask, tokens.shape[:2], state.head, labels=shifted,
-                            pooled=state.pooled if state.head == "sequence" else None,
-                            packed=state.cu_seqlens is not None)  # fmt: skip
-    given = (tokens, shifted, positions, pooled_labels)
-    _check_same_batch([t for t in given if t is not None], state)
     for name in ("input_ids", "inputs_embeds"):
         if kwargs.get(name) is not None:
             kwargs[name] = local_tokens(kwargs[name], state.groups)
@@ -422,6 +401,127 @@ def _take_batch(module, args, kwargs):
     kwargs.pop("num_items_in_batch", None)
     state.pending.append((local, items) if local is not None else None)
     return (), kwargs
+
+
+BATCH_TENSORS = ("tokens", "labels", "position_ids", "attention_mask", "sequence labels")
+
+
+def _read_call(kwargs) -> torch.Tensor:
+    """The checks of a call under either batch mode; returns its input_ids or
+    inputs_embeds."""
+    if kwargs.get("use_cache"):
+        raise ValueError("a model converted by fusedpar keeps no KV cache: use_cache=False")
+    if kwargs.get("past_key_values") is not None:
+        raise ValueError("a model converted by fusedpar keeps no KV cache: no past_key_values")
+    if kwargs.get("logits_to_keep", 0) not in (0, None):
+        raise ValueError("logits_to_keep: a converted model's logits are this rank's tokens")
+    tokens = kwargs.get("input_ids")
+    tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
+    if tokens is None or tokens.dim() < 2:
+        raise ValueError("a converted model takes input_ids (B, S) or inputs_embeds (B, S, d)")
+    if kwargs.get("token_type_ids") is not None:
+        raise ValueError("token_type_ids are not sharded by a converted model: leave them out")
+    return tokens
+
+
+def _read_full(kwargs, state) -> dict:
+    """batch="full": this rank's checks of the call (`kwargs`: its mask, positions and
+    labels popped, the model's own kwargs left); returns {`BATCH_TENSORS` name: tensor or
+    None}, the labels shifted (a causal LM's), as every rank of a cp x tp group must
+    hold them. Sets the state's packed documents and pooled positions."""
+    tokens = _read_call(kwargs)
+    seq = tokens.shape[1]
+    check_shards(seq, state.groups)
+    mask, positions = kwargs.pop("attention_mask", None), kwargs.pop("position_ids", None)
+    if torch.compiler.is_compiling():  # no host read in a graph: asserted inside it
+        _assert_whole(mask, positions, tokens.shape[:2])
+        mask = positions = None
+    if positions is not None:
+        state.cu_seqlens = packed_documents(positions, tokens.shape[:2])
+    # sequence classification: Hugging Face's own loss of the pooled logits takes labels
+    pooled_labels = kwargs.get("labels") if state.head == "sequence" else None
+    labels = None if state.head == "sequence" else kwargs.pop("labels", None)
+    shifted = kwargs.pop("shift_labels", None)
+    if shifted is not None and state.head != "causal":
+        raise ValueError("shift_labels are a causal LM's: pass labels")
+    if labels is not None and shifted is not None:
+        raise ValueError("pass labels or shift_labels, not both")
+    if labels is not None:  # Hugging Face shifts inside a causal LM: over the whole sequence
+        shifted = F.pad(labels[:, 1:], (0, 1), value=-100) if state.head == "causal" else labels
+    if shifted is not None and tuple(shifted.shape) != tuple(tokens.shape[:2]):
+        raise ValueError(
+            f"labels must be (B, S) = {tuple(tokens.shape[:2])}, like the input, "
+            f"got {tuple(shifted.shape)}"
+        )
+    if pooled_labels is not None and (
+        pooled_labels.dim() == 0 or pooled_labels.shape[0] != tokens.shape[0]
+    ):
+        raise ValueError(
+            f"sequence classification labels must be one per row, (B,) or "
+            f"(B, num_labels) with B = {tokens.shape[0]}, got {tuple(pooled_labels.shape)}"
+        )
+    if state.head == "sequence":
+        state.pooled = heads.pooled_positions(kwargs.get("input_ids"), tokens, state.pad_token_id)
+    if mask is not None:
+        pooled = state.pooled if state.head == "sequence" else None
+        packed = state.cu_seqlens is not None
+        heads.check_padding(
+            mask, tokens.shape[:2], state.head, labels=shifted, pooled=pooled, packed=packed
+        )
+    given = (tokens, shifted, positions, mask, pooled_labels)
+    return dict(zip(BATCH_TENSORS, given, strict=True))
+
+
+def _assert_whole(mask, positions, shape) -> None:
+    """While torch.compile traces: the mask and positions a compiled call takes, those of
+    whole sequences (a tokenizer's all-ones mask, position_ids 0..S-1), asserted inside
+    the graph (a RuntimeError when it runs otherwise), as reading them on the host (the
+    eager checks) would break the graph: padding and packed documents need eager calls."""
+    batch, seq = shape
+    if mask is not None:
+        if tuple(mask.shape) != (batch, seq):
+            raise ValueError(
+                f"attention_mask must be (B, S) = {(batch, seq)}, got {tuple(mask.shape)}"
+            )
+        torch._assert_async(
+            (mask == 1).all(),
+            "a compiled model converted by fusedpar "
+            "takes no padding: attention_mask all ones, or left out",
+        )
+    if positions is not None:
+        if positions.shape[-1] != seq or positions.dim() > 2:
+            raise ValueError(
+                f"position_ids must be (B, S) = {(batch, seq)}, got {tuple(positions.shape)}"
+            )
+        whole = (positions == torch.arange(seq, device=positions.device)).all()
+        torch._assert_async(
+            whole,
+            "a compiled model converted by fusedpar takes "
+            "position_ids 0..S-1, or none: packed documents need eager calls",
+        )
+
+
+def _check_same_batch(taken: dict | None, state, verdict) -> None:
+    """The same ValueError on every rank unless every rank passed its checks (`verdict`)
+    and the ranks of each cp x tp group (all but dp) hold equal tensors (`taken`, None
+    where this rank refused): one all-gather of the verdicts and the tensors' shapes and
+    fingerprints over the stage's mesh, at the first call (every call under
+    FUSEDPAR_CHECKS=all, `fusedpar.checks`), where the mesh has more than one rank (dp
+    alone too: a refusal stops every rank); otherwise this rank's refusal, alone."""
+    given = [t for t in (taken or {}).values() if t is not None]
+    if not state.gathers or not checks.due(state, *given):
+        verdict.reraise()
+        return
+    fields = {name: checks.Content((taken or {}).get(name)) for name in BATCH_TENSORS}
+    hint = (
+        "The ranks of a cp x tp group got different batches: each takes the whole batch, "
+        "the same on every rank of its group (the model shards it), or parallelize with "
+        "batch='local' and pass local_tokens(input_ids, groups)"
+    )
+    checks.agree_on_mesh(
+        "batch='full'", state.mesh, fields, verdict, apart=_dp_axis(state), hint=hint
+    )
+    checks.passed(state)
 
 
 def packed_documents(positions: torch.Tensor, shape) -> torch.Tensor | None:
@@ -461,36 +561,73 @@ def _positions(full_len: int, tokens, state) -> torch.Tensor:
     return local_tokens(positions, state.groups)
 
 
-def _check_local(kwargs, tokens, state) -> None:
-    """batch="local": what only the caller can shard is refused; at the first call (every
-    call under FUSEDPAR_CHECKS=all), a batch that looks unsharded (the same tokens on the
-    ranks of tp, or of cp) raises; nothing to compare where one rank holds the sequence."""
+def _read_local(kwargs, state) -> torch.Tensor:
+    """batch="local": this rank's checks of the call: what only the caller can shard is
+    refused, and its share must make a whole sequence that splits into the shards.
+    Returns the tokens."""
+    tokens = _read_call(kwargs)
     if kwargs.get("attention_mask") is not None:
-        raise ValueError("a model converted by fusedpar is causal over whole sequences: "
-                         "pass attention_mask=None (batch='local')")  # fmt: skip
+        raise ValueError(
+            "a model converted by fusedpar is causal over whole sequences: "
+            "pass attention_mask=None (batch='local')"
+        )
     if kwargs.get("position_ids") is not None:
-        raise ValueError("a converted model takes no position_ids: RoPE is applied at the "
-                         "global positions of the local tokens")  # fmt: skip
+        raise ValueError(
+            "a converted model takes no position_ids: RoPE is applied at the "
+            "global positions of the local tokens"
+        )
     if kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None:
         if state.head == "token":
-            raise ValueError("labels= under batch='local': compute the loss of the logits "
-                             "with local_tokens(labels, groups), or parallelize with "
-                             "batch='full'")  # fmt: skip
-        raise ValueError("labels= would shift within each rank's shard (batch='local'): "
-                         "compute the loss with next_token_labels and local_tokens, or "
-                         "parallelize with batch='full'")  # fmt: skip
-    if state.mesh is None or state.ranks() == 1 or not checks.due(state, tokens):
+            raise ValueError(
+                "labels= under batch='local': compute the loss of the logits "
+                "with local_tokens(labels, groups), or parallelize with batch='full'"
+            )
+        raise ValueError(
+            "labels= would shift within each rank's shard (batch='local'): compute the loss "
+            "with next_token_labels and local_tokens, or parallelize with batch='full'"
+        )
+    share, ranks = tokens.shape[1], state.ranks()
+    what = f"batch='local': this rank's {share} tokens (x {ranks} ranks = {share * ranks})"
+    check_shards(share * ranks, state.groups, what)
+    return tokens
+
+
+def _check_local(tokens: torch.Tensor | None, state, verdict) -> None:
+    """batch="local", at the first call (every call under FUSEDPAR_CHECKS=all): the same
+    ValueError on every rank where a rank refused its call (`verdict`; `tokens` None
+    there), where the ranks sharing a sequence (all but dp) hold shares of different
+    shapes, or where a batch looks unsharded (the same tokens on the ranks of tp, or of
+    cp): one all-gather over the stage's mesh of the verdicts, the shapes and the
+    tokens' fingerprints, where the mesh has more than one rank; otherwise this rank's
+    refusal, alone."""
+    if not state.gathers or not checks.due(state, *([] if tokens is None else [tokens])):
+        verdict.reraise()
         return
-    table = comm.mesh_table(comm.fingerprint(tokens), state.mesh)  # (*mesh.shape, 3)
-    dp = _dp_axis(state)
-    for axis, name in enumerate(state.mesh.mesh_dim_names):
-        if axis == dp or state.mesh.size(axis) == 1:
+    mesh, dp = state.mesh, _dp_axis(state)
+    shape = () if tokens is None else tokens.shape
+    fingerprint = [0, 0, 0] if tokens is None else comm.fingerprint(tokens).tolist()
+    hint = (
+        "Each rank takes its own share of one batch, local_tokens(input_ids, groups), of "
+        "one shape on the ranks of a cp x tp group"
+    )
+    shares = checks.agree_on_mesh(
+        "batch='local'", mesh, {"tokens": shape}, verdict, apart=dp, hint=hint, carried=fingerprint
+    )
+    table = torch.tensor([shares[rank] for rank in mesh.mesh.flatten().tolist()])
+    table = table.view(*mesh.shape, 3)
+    for axis, name in enumerate(mesh.mesh_dim_names):
+        if axis == dp or mesh.size(axis) == 1:
             continue
-        if bool((table.amax(axis) == table.amin(axis)).all(-1).any()):
-            raise ValueError(f"batch='local': the ranks of mesh axis {name!r} hold the "
-                             "same tokens; each takes its own share, "
-                             "local_tokens(input_ids, groups) (or parallelize with "
-                             "batch='full' and pass the whole batch)")  # fmt: skip
+        same = (table.amax(axis) == table.amin(axis)).all(-1)  # the mesh without `axis`
+        if bool(same.any()):
+            where = tuple(int(i) for i in same.nonzero()[0])
+            alike = mesh.mesh.movedim(axis, -1)[where].tolist()  # the ranks along `axis` there
+            raise ValueError(
+                f"batch='local': the ranks of mesh axis {name!r} hold the same tokens "
+                f"({checks.ranks_text(alike)}, for one); each takes its own share, "
+                "local_tokens(input_ids, groups) (or parallelize with batch='full' and "
+                "pass the whole batch)"
+            )
     checks.passed(state)
 
 
@@ -500,26 +637,6 @@ def _dp_axis(state) -> int | None:
 
     names = mesh_axes_of(state.groups.get("dp"), state.mesh)
     return state.mesh.mesh_dim_names.index(names[0]) if names else None
-
-
-def _check_same_batch(tensors, state) -> None:
-    """The same ValueError on every rank unless the ranks of each cp x tp group (all but
-    dp) hold equal `tensors`: one all-gather of their fingerprints, at the first call
-    (every call under FUSEDPAR_CHECKS=all, `fusedpar.checks`); none where one rank holds
-    the whole sequence. Called after the checks a rank makes alone."""
-    if state.mesh is None or state.ranks() == 1 or not checks.due(state, *tensors):
-        return
-    mesh = state.mesh
-    table = comm.mesh_table(torch.stack([comm.fingerprint(t) for t in tensors]), mesh)
-    dp = _dp_axis(state)
-    table = table.unsqueeze(0) if dp is None else table.movedim(dp, 0)
-    table = table.flatten(1, -3)  # (dp, ranks sharing a batch, tensors, 3)
-    if bool((table.amax(1) != table.amin(1)).any()):
-        raise ValueError("batch='full': the ranks of a cp x tp group got different batches; "
-                         "each takes the whole batch, the same on every rank of its group "
-                         "(the model shards it), or parallelize with batch='local' and "
-                         "pass local_tokens(input_ids, groups)")  # fmt: skip
-    checks.passed(state)
 
 
 def _pool(state, module, args, output):
@@ -564,17 +681,20 @@ def _add_loss(module, args, kwargs, output):
     return (loss, *output)
 
 
-def check_shards(seq: int, groups: dict) -> None:
+def check_shards(seq: int, groups: dict, what: str | None = None) -> None:
     """ValueError unless a sequence of `seq` tokens splits into this sharding's chunks:
-    2 x CP (zigzag), each CP shard into ULYSSES parts, each of those into TP chunks."""
+    2 x CP (zigzag), each CP shard into ULYSSES parts, each of those into TP chunks.
+    `what`: the tokens' name in the message (the batch's `seq` tokens)."""
     cp, ulysses, tp = (comm.group_size(groups.get(axis)) for axis in SEQUENCE_AXES)
     chunks = 2 * cp if cp > 1 else 1
     per_rank = seq // chunks // ulysses
+    what = what or f"the batch's {seq} tokens"
     if seq % chunks or (seq // chunks) % ulysses or per_rank % tp:
-        raise ValueError(f"the batch's {seq} tokens do not split into its shards: zigzag over "
-                         f"cp ({chunks} chunks), then ulysses ({ulysses}), then tp ({tp}); "
-                         f"pad or cut the sequences to a multiple of "
-                         f"{chunks * ulysses * tp}")  # fmt: skip
+        raise ValueError(
+            f"{what} do not split into its shards: "
+            f"zigzag over cp ({chunks} chunks), then ulysses ({ulysses}), then tp ({tp}); "
+            f"pad or cut the sequences to a multiple of {chunks * ulysses * tp}"
+        )
 
 
 def local_tokens(t: torch.Tensor, groups: dict) -> torch.Tensor:

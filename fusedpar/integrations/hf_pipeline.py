@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fusedpar import checks
 from fusedpar.integrations.hf import (
     _check_same_batch,
     _positions,
@@ -75,9 +76,11 @@ class DecoderStages(nn.Module):
         shape = (x.shape[0], seq)
         state.cu_seqlens = None if position_ids is None else packed_documents(position_ids, shape)
         if embed is not None:
-            check_shards(seq, groups)
-            # the ranks of this stage got one microbatch (at the first call)
-            _check_same_batch([x] if position_ids is None else [x, position_ids], state)
+            # the ranks of this stage got one microbatch, one that splits (at the first
+            # call: a rank's refusal raised on every rank of the stage)
+            verdict = checks.Verdict()
+            verdict.run(check_shards, seq, groups)
+            _check_same_batch({"tokens": x, "position_ids": position_ids}, state, verdict)
             x = embed(local_tokens(x, groups))  # (B, S_loc, d)
             learned = self._part(self.learned_positions)
             if learned is not None:

@@ -56,6 +56,7 @@ from torch import nn
 
 from fusedpar import checks, comm
 from fusedpar.kernels._common import accumulator, check_float_dtype
+from fusedpar.kernels.attention_mask import check_cu_seqlens
 from fusedpar.nn.attention_parts import (  # noqa: F401 (rope_tables: public here too)
     QK_NORMS,
     ROPE_LAYOUTS,
@@ -116,24 +117,41 @@ class RotaryPositions:
         """Check x (S_loc, B, d_model) and `cu_seqlens` (and on the first call, x and
         `weight` alike over the groups); returns (cos, sin) at this call's local tokens'
         positions, or None without a rotary embedding."""
-        name = type(self).__name__
-        if not self._fusedpar_checked:  # x and weights alike over tp, cp, ulysses
-            groups = {"tp_group": self.tp_group, "cp_group": self.cp_group,
-                      "ulysses_group": self.ulysses_group}  # fmt: skip
-            packed = -1 if cu_seqlens is None else cu_seqlens.numel()
-            fields = checks.alike(x, weight) | {"cu_seqlens length": packed}
-            checks.first_call(self, x, groups, fields)
-        if x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"{name} takes x (S_loc, B, d_model={self.d_model}), "
-                             f"got {tuple(x.shape)}")  # fmt: skip
-        if cu_seqlens is not None and x.shape[1] != 1:
-            raise ValueError(f"{name}: packed documents (cu_seqlens) take one sequence, x "
-                             f"(S_loc, 1, d); got batch {x.shape[1]}")  # fmt: skip
+        if not self._fusedpar_checked and not checks.skipped(x):
+            # this rank's checks (cu_seqlens' values read: once), then x, weights and
+            # cu_seqlens alike over tp, cp, ulysses: one rank's refusal raised on all
+            verdict = checks.Verdict()
+            verdict.run(self._check_call, x, cu_seqlens, values=True)
+            groups = {
+                "tp_group": self.tp_group,
+                "cp_group": self.cp_group,
+                "ulysses_group": self.ulysses_group,
+            }
+            fields = checks.alike(x, weight) | {"cu_seqlens": checks.Content(cu_seqlens)}
+            checks.first_call(self, x, groups, fields, verdict)
+        full_len = self._check_call(x, cu_seqlens)
         if self.rope is None:
             return None
+        return self._rope(full_len, x.device, cu_seqlens, accumulator(x.dtype))
+
+    def _check_call(self, x: torch.Tensor, cu_seqlens, values: bool = False) -> int:
+        """This rank's checks of x and `cu_seqlens` (their `values` read with values=True);
+        returns the length of the full sequence."""
+        name = type(self).__name__
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"{name} takes x (S_loc, B, d_model={self.d_model}), got {tuple(x.shape)}"
+            )
         seq = x.shape[0] * (comm.group_size(self.tp_group) if self.sequence_parallel else 1)
         full_len = seq * comm.group_size(self.cp_group) * comm.group_size(self.ulysses_group)
-        return self._rope(full_len, x.device, cu_seqlens, accumulator(x.dtype))
+        if cu_seqlens is not None:
+            if x.shape[1] != 1:
+                raise ValueError(
+                    f"{name}: packed documents (cu_seqlens) take one sequence, x "
+                    f"(S_loc, 1, d); got batch {x.shape[1]}"
+                )
+            check_cu_seqlens(cu_seqlens, full_len, values=values)
+        return full_len
 
     def _rope(self, full_len: int, device: torch.device, cu_seqlens=None,
               dtype=torch.float32):  # fmt: skip
@@ -157,13 +175,27 @@ class RotaryPositions:
             self._rope_tables[key] = tables
         return tables
 
+    def check_rope_layout(self, device="cpu") -> None:
+        """Check a `rope` callable's table layout now, on positions 0..3 on `device` (the
+        callable's tensors'), as the first eager call would: for a model compiled before
+        any eager call, whose traced calls skip the check. `parallelize` runs it."""
+        if not callable(self.rope) or self._rope_layout_checked:
+            return
+        positions = torch.arange(4, device=device)
+        for t in self.rope(positions):
+            self._rope_table(t, len(positions), torch.float32)
+
     def _rope_table(self, t: torch.Tensor, length: int, dtype) -> torch.Tensor:
         """One of a `rope` callable's tables as (S, r/2) of `dtype`, r = rotary_dim."""
         half = self.rotary_dim // 2
         while t.dim() > 2 and t.shape[0] == 1:
             t = t[0]
+        # the layout checks below: once per layer (a host sync), in eager calls only (a
+        # data-dependent branch breaks a compiled graph: `check_rope_layout` runs them
+        # ahead of one). Angles all 0 (position 0) tell nothing: checked again.
+        check = not self._rope_layout_checked and not checks.skipped(t)
         if t.dim() == 2 and t.shape == (length, 2 * half):
-            if not self._rope_layout_checked:  # once per layer (a host sync), as below
+            if check:
                 # a table of width r is Hugging Face's, each angle in both halves; one
                 # with each angle twice in a row (GPT-J's, Meta's repeat_interleave)
                 # would pass for it, its first half read as the angles: refused
@@ -181,11 +213,9 @@ class RotaryPositions:
             raise ValueError(f"rope(positions) must give cos, sin of ({length}, {half}) or "
                              f"({length}, {2 * half}) for rotary_dim {2 * half}, got "
                              f"{tuple(t.shape)}")  # fmt: skip
-        elif not self._rope_layout_checked and half % 2 == 0 and not checks.skipped(t):
+        elif check and half % 2 == 0:
             # Hugging Face's table of a rotary_dim of r/2 (GPT-NeoX's rotary_pct 0.5)
             # has our width; its halves repeat, ours (distinct frequencies) do not.
-            # Checked once per layer (a host sync), in eager calls only (a data-dependent
-            # branch breaks a compiled graph). Angles all 0 (position 0) tell nothing.
             first, second = t[:, : half // 2], t[:, half // 2 :]
             informative = bool((first != first.flatten()[0]).any())
             if informative and torch.equal(first, second):
