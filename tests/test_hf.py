@@ -571,13 +571,16 @@ def test_cp_ring_sets_latent_attentions_ring():
 COMPILED = {"llama": {}, "qwen3_moe": dict(num_hidden_layers=1, mlp_only_layers=[])}
 
 
-def _compiled_and_eager(family: str, degrees: dict | None, tokenizer: bool = False) -> list:
+def _compiled_and_eager(
+    family: str, degrees: dict | None, tokenizer: bool = False, orders=("first", "after")
+) -> list:
     """A converted model compiled full-graph (aot_eager) before any eager call, then
     called eagerly (its first-call checks run), then compiled afresh: [compiled first ==
     eager, compiled after == eager (loss and every gradient, bit for bit), the batch
     check passed at the eager call]. `tokenizer`: the calls pass a tokenizer's all-ones
     attention_mask and position_ids 0..S-1 too (asserted inside the graph), and a padded
-    mask's compiled call is appended: its error's message, or None."""
+    mask's compiled call is appended: its error's message, or None. `orders`: which
+    compiled calls run ("first", "after"); one left out is reported True."""
     model = _model(family, 0, **COMPILED[family])
     hf.parallelize(model, None if degrees is None else fp.ParallelDims(**degrees))
     layouts = [m._rope_layout_checked for m in model.modules() if hasattr(m, "rope")]
@@ -597,11 +600,13 @@ def _compiled_and_eager(family: str, degrees: dict | None, tokenizer: bool = Fal
     # EP > 1 (the MoE at TP2 x CP2): the rows a rank receives are an unbacked size
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         torch._dynamo.reset()
-        first = step(torch.compile(model, fullgraph=True, backend="aot_eager"))
+        if "first" in orders:
+            first = step(torch.compile(model, fullgraph=True, backend="aot_eager"))
         eager = step(model)
+        first = first if "first" in orders else eager
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-        after = step(compiled)
+        after = step(compiled) if "after" in orders else eager
         if tokenizer:
             call["attention_mask"] = PADDED
             padded = exception_of(compiled, **call)
@@ -611,13 +616,16 @@ def _compiled_and_eager(family: str, degrees: dict | None, tokenizer: bool = Fal
     return [*same, checked, *([padded and str(padded)] if tokenizer else [])]
 
 
-@pytest.mark.parametrize("family", list(COMPILED))
-def test_a_converted_model_compiles_full_graph_before_and_after_an_eager_call(world, family):
+@pytest.mark.parametrize("family, order", [("llama", "first"), ("qwen3_moe", "after")])
+def test_a_converted_model_compiles_full_graph_before_and_after_an_eager_call(
+    world, family, order
+):
     """TP2 x CP2 (EP2 over tp for the MoE): the compiled model's loss and gradients are
-    eager's bit for bit, compiled before any eager call and after one; the eager call
-    ran the batch check that the compiled calls skip."""
+    eager's bit for bit, compiled before any eager call (llama) or after one (qwen3_moe;
+    one process takes both orders for both families: a compile on 4 CPU ranks is ~20 s);
+    the eager call ran the batch check that the compiled calls skip."""
     degrees = dict(cp=2, tp=2, ep="tp" if family in MOE else None)
-    results = world(4).run(_compiled_and_eager, family, degrees, timeout=600)
+    results = world(4).run(_compiled_and_eager, family, degrees, False, (order,), timeout=600)
     assert results == [[True, True, True]] * 4
 
 

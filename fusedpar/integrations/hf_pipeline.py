@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedpar import checks
-from fusedpar.integrations.hf import (
-    _check_same_batch,
-    _positions,
+from fusedpar.integrations.hf_batch import (
+    check_same_batch,
     check_shards,
+    global_positions,
     local_tokens,
     packed_documents,
 )
@@ -80,11 +80,11 @@ class DecoderStages(nn.Module):
             # call: a rank's refusal raised on every rank of the stage)
             verdict = checks.Verdict()
             verdict.run(check_shards, seq, groups)
-            _check_same_batch({"tokens": x, "position_ids": position_ids}, state, verdict)
+            check_same_batch({"tokens": x, "position_ids": position_ids}, state, verdict)
             x = embed(local_tokens(x, groups))  # (B, S_loc, d)
             learned = self._part(self.learned_positions)
             if learned is not None:
-                positions = (_positions(seq, x, state) if state.cu_seqlens is None
+                positions = (global_positions(seq, x, state) if state.cu_seqlens is None
                              else local_tokens(position_ids.expand(1, seq), groups))  # fmt: skip
                 x = x + learned(positions)
         for layer in self._part(self.blocks):

@@ -21,7 +21,7 @@ would get wrong on a converted model, and what this one does instead:
   model shards it) and each dp rank its own. The sampler's share is made the dp rank's:
   batch ``i`` of the order (seeded by the Trainer alike on every rank, or sequential)
   goes to dp rank ``i % dp``, as DDP over the dp ranks alone would deal them. The
-  model's own check (at its first call, `_check_same_batch`) still raises on every rank
+  model's own check (at its first call, `hf_batch.check_same_batch`) still raises on every rank
   if a group's ranks got different batches.
 - **Counting.** The Trainer divides its token count (``num_items_in_batch``, summed over
   every process) and its global batch size by the ranks that hold the same batch, which
@@ -81,7 +81,7 @@ def _value(option) -> str:
 
 
 def _state(model):
-    """The model's `_Batch` (how it takes its batch, its mesh and groups)."""
+    """The model's `hf_batch.Batch` (how it takes its batch, its mesh and groups)."""
     state = getattr(model, "_fusedpar_batch", None)
     if state is None:
         raise TypeError(
