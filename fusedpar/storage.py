@@ -52,6 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fusedpar import comm
+from fusedpar.local_params import local_views
 
 DATA_AXES = ("dp",)  # averaged, as data parallelism does
 TOKEN_AXES = ("cp", "ulysses", "tp")  # where fusedpar's defaults split the tokens (CP, SP)
@@ -141,14 +142,23 @@ def _place(layout: ParamLayout, mesh: DeviceMesh, token_axes, axis_of: dict) -> 
 
 
 def _swap_in_locals(module, args):
-    """Forward pre-hook: each DTensor parameter's local tensor in its place."""
-    saved = {}
+    """Forward pre-hook: each DTensor parameter's local tensor in its place, all of them
+    one autograd node (`fusedpar.local_params`)."""
+    saved, grads = {}, []
+    # (name, mesh id) -> (mesh, gradient placements); gradient specs (`local_views`)
+    kept, specs = module.__dict__.setdefault("_fusedpar_locals", ({}, {}))
     for name, placed in module._fusedpar_placed.items():
         param = module._parameters.get(name)
         if isinstance(param, DTensor):
             saved[name] = param
-            grads = placed.grad_on(param.device_mesh)
-            module._parameters[name] = param.to_local(grad_placements=grads)
+            mesh = param.device_mesh
+            held = kept.get((name, id(mesh)))  # (the mesh kept with it: its id stays its own)
+            if held is None:
+                held = kept[name, id(mesh)] = (mesh, placed.grad_on(mesh))
+            grads.append(held[1])
+    if saved:
+        views = local_views(list(saved.values()), grads, specs)
+        module._parameters.update(zip(saved, views, strict=True))
     module._fusedpar_saved.append(saved)
 
 
