@@ -68,10 +68,13 @@ def _as_dtensor(grad: Tensor, spec, placements: tuple, specs: dict) -> DTensor:
         _, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
         made = DTensor.from_local(grad, spec.mesh, placements, shape=spec.shape,
                                   stride=tuple(stride))  # fmt: skip
-        specs[key] = copy.copy(made._spec)
+        kept = specs[key] = copy.copy(made._spec)
+        hash(kept)  # kept in the spec (and in its copies): DTensor's dispatch hashes specs
         return made
-    # a spec of its own per gradient, as DTensor's do (a spec can be changed in place)
-    return DTensor(grad.view_as(grad), copy.copy(kept), requires_grad=False)
+    # A spec of its own per gradient, as DTensor's do (a spec can be changed in place).
+    # ``__new__`` alone: ``__init__`` only marks the constructor for export's tracing, in a
+    # wrapper that costs more than the DTensor (this is never traced: `local_views`).
+    return DTensor.__new__(DTensor, grad.view_as(grad), copy.copy(kept), requires_grad=False)
 
 
 def local_views(params: list, grad_placements: list, specs: dict) -> list[Tensor]:

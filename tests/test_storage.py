@@ -264,7 +264,8 @@ def _run_local_views_match_to_local():
     (dp 1, cp 2, tp 2): the same local values, and each gradient the same DTensor
     (placements, global shape and stride, dtype, local values and strides), from the
     kept specs too (second round), for a transposed gradient as well; an unused
-    parameter gets none; a double backward (``create_graph``) is recorded."""
+    parameter gets none; a double backward (``create_graph``) is recorded. The hook of
+    `fp.distribute` makes one such node per call."""
     from fusedpar.local_params import local_views
 
     _, mesh, _ = _mesh()
@@ -293,6 +294,16 @@ def _run_local_views_match_to_local():
                 assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
                 assert torch.equal(a.to_local(), b.to_local())
                 assert a.to_local().stride() == b.to_local().stride()
+    # distribute's hook makes one such node a call, whatever the number of parameters (it
+    # made one `to_local` node each: ~110 us a parameter, bench/host_overhead.py)
+    layer = fp.distribute(nn.Linear(4, 3), mesh)
+    nodes, todo = {}, [layer(torch.randn(2, 4)).grad_fn]
+    while todo:
+        node = todo.pop()
+        nodes[node] = type(node).__name__
+        todo.extend(n for n, _ in node.next_functions if n is not None and n not in nodes)
+    names = list(nodes.values())
+    assert names.count("_LocalViewsBackward") == 1 and "_ToTorchTensorBackward" not in names
     return True
 
 
