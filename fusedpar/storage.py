@@ -24,7 +24,8 @@ is.)
 
 The gradient column is the mechanism that replaces a hand-written list of names: a
 parameter whole on every rank but used on only this rank's tokens gets a partial sum,
-and the local gradient is declared as such (``to_local(grad_placements=...)``). The sum
+and the local gradient is declared as such (as ``to_local(grad_placements=...)`` does;
+a module's parameters in one autograd node, `fusedpar.local_params`). The sum
 happens where PyTorch expects it: FSDP2 redistributes each gradient to its parameter's
 placements before its reduce-scatter over dp; without FSDP a post-accumulate-grad hook
 marks each partial gradient and, when the backward ends (a callback queued on the
