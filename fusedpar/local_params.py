@@ -5,13 +5,14 @@ its place for the module's forward, declaring the placements of its gradient. Do
 parameter with ``DTensor.to_local(grad_placements=...)``, each is an autograd node whose
 backward computes the gradient's global stride, copies or builds a ``DTensorSpec`` and
 wraps the local gradient through ``DTensor.from_local`` (an ``autograd.Function`` of its
-own and another new spec): about 110 µs a parameter per forward and backward on the
-2-core CPU machine (torch 2.13), where a one-rank ``ParallelSwiGLU``'s whole forward and
-backward take 230 µs (bench/host_overhead.py's distributed rows).
+own and another new spec): about 60 µs a parameter in the backward on the 2-core CPU
+machine (torch 2.13), where a one-rank ``ParallelSwiGLU``'s whole forward and backward
+take 230 µs (bench/host_overhead.py's distributed rows, docs/hot_path.md).
 
-`local_views` makes all of a module's parameters one node. Its backward wraps each local
+`local_views` makes all of a module's parameters one node (about 9 µs a gradient in
+its backward). Its backward wraps each local
 gradient in a DTensor whose spec is copied from one kept per (the parameter's spec, the
-gradient placements, the gradient's stride and dtype): at a miss the spec
+gradient placements, as objects; the gradient's stride and dtype): at a miss the spec
 ``DTensor.from_local`` makes from the gradient, the global shape and the global stride
 (as ``to_local``'s backward calls it), so each gradient is the DTensor ``to_local``'s
 backward returns: the same local tensor, placements, shape, stride and dtype
@@ -62,15 +63,19 @@ class _LocalViews(torch.autograd.Function):
 def _as_dtensor(grad: Tensor, spec, placements: tuple, specs: dict) -> DTensor:
     """`grad` (the local gradient) as the DTensor of `placements` whose global shape is
     the parameter's (`spec`): ``to_local``'s backward, its spec kept in `specs`."""
-    key = (spec, placements, grad.stride(), grad.dtype)
-    kept = specs.get(key)
-    if kept is None or torch.is_grad_enabled():  # (grad mode: a double backward)
+    # Keyed by identity (hashing a spec and its placements is a Python call each): the
+    # entry holds both objects, so their ids stay theirs while it is kept.
+    key = (id(spec), id(placements), grad.stride(), grad.dtype)
+    entry = specs.get(key)
+    if entry is None or torch.is_grad_enabled():  # (grad mode: a double backward)
         _, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
         made = DTensor.from_local(grad, spec.mesh, placements, shape=spec.shape,
                                   stride=tuple(stride))  # fmt: skip
-        kept = specs[key] = copy.copy(made._spec)
+        kept = copy.copy(made._spec)
         hash(kept)  # kept in the spec (and in its copies): DTensor's dispatch hashes specs
+        specs[key] = (spec, placements, kept)
         return made
+    kept = entry[2]
     # A spec of its own per gradient, as DTensor's do (a spec can be changed in place).
     # ``__new__`` alone: ``__init__`` only marks the constructor for export's tracing, in a
     # wrapper that costs more than the DTensor (this is never traced: `local_views`).
