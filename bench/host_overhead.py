@@ -236,8 +236,10 @@ def one_rank_world():
     unless one is there already (then it must be of one rank)."""
     if dist.is_initialized():
         if dist.get_world_size() != 1:
-            raise RuntimeError("bench/host_overhead runs in one process: a process group "
-                               f"of {dist.get_world_size()} ranks is initialized")  # fmt: skip
+            raise RuntimeError(
+                "bench/host_overhead runs in one process: a process group "
+                f"of {dist.get_world_size()} ranks is initialized"
+            )
         yield
         return
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

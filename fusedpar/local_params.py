@@ -69,8 +69,9 @@ def _as_dtensor(grad: Tensor, spec, placements: tuple, specs: dict) -> DTensor:
     entry = specs.get(key)
     if entry is None or torch.is_grad_enabled():  # (grad mode: a double backward)
         _, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
-        made = DTensor.from_local(grad, spec.mesh, placements, shape=spec.shape,
-                                  stride=tuple(stride))  # fmt: skip
+        made = DTensor.from_local(
+            grad, spec.mesh, placements, shape=spec.shape, stride=tuple(stride)
+        )
         kept = copy.copy(made._spec)
         hash(kept)  # kept in the spec (and in its copies): DTensor's dispatch hashes specs
         specs[key] = (spec, placements, kept)

@@ -272,21 +272,34 @@ def _run_local_views_match_to_local():
     R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
     avg = Partial("avg")
     torch.manual_seed(0)
-    cases = [((R, R, S0), (avg, P, S0), (6, 8)), ((R, R, S1), (avg, R, S1), (8, 6)),
-             ((R, R, R), (avg, P, P), (5,))]  # fmt: skip
-    params = [nn.Parameter(DTensor.from_local(torch.randn(shape), mesh, placements))
-              for placements, _, shape in cases]  # fmt: skip
+    cases = [
+        ((R, R, S0), (avg, P, S0), (6, 8)),
+        ((R, R, S1), (avg, R, S1), (8, 6)),
+        ((R, R, R), (avg, P, P), (5,)),
+    ]
+    params = [
+        nn.Parameter(DTensor.from_local(torch.randn(shape), mesh, placements))
+        for placements, _, shape in cases
+    ]
     grads, specs = [g for _, g, _ in cases], {}
     for _ in range(2):
         for create_graph in (False, True):
             ours = local_views(params, grads, specs)
             theirs = [p.to_local(grad_placements=g) for p, g in zip(params, grads, strict=True)]
-            assert all(torch.equal(a, b) and a.stride() == b.stride() and a.requires_grad
-                       for a, b in zip(ours, theirs, strict=True))  # fmt: skip
+            assert all(
+                torch.equal(a, b) and a.stride() == b.stride() and a.requires_grad
+                for a, b in zip(ours, theirs, strict=True)
+            )
             w = torch.randn(2, 6, 8)  # the second parameter used transposed, the third not
-            got, want = (torch.autograd.grad((t[0] * w[0]).sum() + (t[1].t() * w[1]).sum(),
-                                             params, allow_unused=True, create_graph=create_graph)
-                         for t in (ours, theirs))  # fmt: skip
+            got, want = (
+                torch.autograd.grad(
+                    (t[0] * w[0]).sum() + (t[1].t() * w[1]).sum(),
+                    params,
+                    allow_unused=True,
+                    create_graph=create_graph,
+                )
+                for t in (ours, theirs)
+            )
             assert got[2] is None and want[2] is None
             assert got[1].to_local().stride() == (1, 8)  # transposed
             for a, b in zip(got[:2], want[:2], strict=True):
