@@ -308,7 +308,7 @@ def _run_local_views_match_to_local():
                 assert torch.equal(a.to_local(), b.to_local())
                 assert a.to_local().stride() == b.to_local().stride()
     # distribute's hook makes one such node a call, whatever the number of parameters (it
-    # made one `to_local` node each: ~110 us a parameter, bench/host_overhead.py)
+    # made one `to_local` node each: ~60 us a parameter, docs/hot_path.md)
     layer = fp.distribute(nn.Linear(4, 3), mesh)
     nodes, todo = {}, [layer(torch.randn(2, 4)).grad_fn]
     while todo:
