@@ -19,6 +19,11 @@ memory held); the floors are measured in the same run:
 |                   | q/k RMSNorm (``qk_norm=True``)    | on q and k before RoPE            |
 | ParallelSwiGLU    | one rank                          | nn.Linear x3, silu                |
 | MoE (EP 1)        | top-2 of 4 experts                | a loop over the experts in torch  |
+| ..., distributed  | `ParallelAttention` and           | the same plain layers (plain      |
+|                   | `ParallelSwiGLU` after            | tensors: what one GPU runs        |
+|                   | ``fp.distribute`` on a one-rank   | without fusedpar)                 |
+|                   | mesh (DTensor parameters, their   |                                   |
+|                   | local tensors swapped in per call)|                                   |
 
 Columns: host µs (the median over ``SLICES`` slices, alternating with the floor's, of
 the median of ``ROUNDS / SLICES`` fwd+bwd each, after warm-up), Triton launches and
@@ -27,9 +32,11 @@ another is not counted again), and the ratio to the floor; at one thread (a GPU 
 host thread) and at torch's default count. The floors compute at tiny sizes on the CPU
 (one batch row), so their time is mostly host time too. Run ``python -m bench
 host_overhead`` on any machine, on its own (it sets ``TRITON_INTERPRET=1`` itself when
-triton is not imported yet).
+triton is not imported yet). The distributed rows need a process group of one rank: the
+bench makes one (gloo, its store in memory) where none is, and ends it after.
 """
 
+import contextlib
 import gc
 import math
 import os
@@ -39,6 +46,7 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -222,6 +230,32 @@ class LoopMoE(nn.Module):
 # --- the rows -----------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def one_rank_world():
+    """A default process group of one rank while inside (gloo, its store in memory),
+    unless one is there already (then it must be of one rank)."""
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise RuntimeError(
+                "bench/host_overhead runs in one process: a process group "
+                f"of {dist.get_world_size()} ranks is initialized"
+            )
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _distributed(layer):
+    """`layer` after ``fp.distribute`` on the one-rank mesh (dp, cp, tp all 1)."""
+    import fusedpar as fp
+
+    return fp.distribute(layer, fp.ParallelDims().build_mesh("cpu"))
+
+
 def _fwd_bwd(module, x):
     def step():
         out = module(x)
@@ -232,7 +266,8 @@ def _fwd_bwd(module, x):
 
 
 def cases():
-    """(name, fusedpar's step, floor name, floor step) per row."""
+    """(name, fusedpar's step, floor name, floor step) per row (the distributed rows inside
+    `one_rank_world`)."""
     import fusedpar as fp
 
     torch.manual_seed(0)
@@ -275,6 +310,12 @@ def cases():
          _fwd_bwd(PlainAttention(qk_norm=True), x)),
         ("ParallelSwiGLU", _fwd_bwd(swiglu, x), "nn.Linear x3 + silu", _fwd_bwd(PlainSwiGLU(), x)),
         ("MoE (EP 1)", _fwd_bwd(moe, x), "a loop over the experts", _fwd_bwd(LoopMoE(), x)),
+        ("ParallelAttention, distributed", _fwd_bwd(_distributed(
+            fp.nn.ParallelAttention(D, HEADS, KV_HEADS)), x), "nn.Linear + RoPE + SDPA",
+         _fwd_bwd(PlainAttention(), x)),
+        ("ParallelSwiGLU, distributed", _fwd_bwd(_distributed(fp.nn.ParallelSwiGLU(D, HIDDEN)),
+                                                 x), "nn.Linear x3 + silu",
+         _fwd_bwd(PlainSwiGLU(), x)),
     ]  # fmt: skip
 
 
@@ -287,7 +328,7 @@ def measure(rounds: int = ROUNDS, threads: int | tuple[int, ...] = 1) -> list[di
     import fusedpar as fp
 
     rows, before = [], torch.get_num_threads()
-    with fp.implementation("triton"):
+    with fp.implementation("triton"), one_rank_world():
         for n in (threads,) if isinstance(threads, int) else threads:
             torch.set_num_threads(n)
             for name, ours, floor_name, floor in cases():

@@ -24,7 +24,8 @@ is.)
 
 The gradient column is the mechanism that replaces a hand-written list of names: a
 parameter whole on every rank but used on only this rank's tokens gets a partial sum,
-and the local gradient is declared as such (``to_local(grad_placements=...)``). The sum
+and the local gradient is declared as such (as ``to_local(grad_placements=...)`` does;
+a module's parameters in one autograd node, `fusedpar.local_params`). The sum
 happens where PyTorch expects it: FSDP2 redistributes each gradient to its parameter's
 placements before its reduce-scatter over dp; without FSDP a post-accumulate-grad hook
 marks each partial gradient and, when the backward ends (a callback queued on the
@@ -61,6 +62,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fusedpar import comm
+from fusedpar.local_params import local_views
 
 DATA_AXES = ("dp",)  # averaged, as data parallelism does
 TOKEN_AXES = ("cp", "ulysses", "tp")  # where fusedpar's defaults split the tokens (CP, SP)
@@ -244,14 +246,23 @@ def _place(layout: ParamLayout, mesh: DeviceMesh, token_axes, axis_of: dict, whe
 
 
 def _swap_in_locals(module, args):
-    """Forward pre-hook: each DTensor parameter's local tensor in its place."""
-    saved = {}
+    """Forward pre-hook: each DTensor parameter's local tensor in its place, all of them
+    one autograd node (`fusedpar.local_params`)."""
+    saved, grads = {}, []
+    # (name, mesh id) -> (mesh, gradient placements); gradient specs (`local_views`)
+    kept, specs = module.__dict__.setdefault("_fusedpar_locals", ({}, {}))
     for name, placed in module._fusedpar_placed.items():
         param = module._parameters.get(name)
         if isinstance(param, DTensor):
             saved[name] = param
-            grads = placed.grad_on(param.device_mesh)
-            module._parameters[name] = param.to_local(grad_placements=grads)
+            mesh = param.device_mesh
+            held = kept.get((name, id(mesh)))  # (the mesh kept with it: its id stays its own)
+            if held is None:
+                held = kept[name, id(mesh)] = (mesh, placed.grad_on(mesh))
+            grads.append(held[1])
+    if saved:
+        views = local_views(list(saved.values()), grads, specs)
+        module._parameters.update(zip(saved, views, strict=True))
     module._fusedpar_saved.append(saved)
 
 

@@ -496,7 +496,7 @@ def test_the_host_overhead_bench_measures_every_row():
     assert torch.get_num_threads() == threads and all(r["threads"] == 1 for r in rows)
     assert [r["layer"] for r in rows][:2] == ["fusedpar op dispatch (empty)",
                                                "torch.library op (empty)"]  # fmt: skip
-    assert len(rows) == 7 and all(r["host_us"] > 0 and r["floor_us"] > 0 for r in rows)
+    assert len(rows) == 9 and all(r["host_us"] > 0 and r["floor_us"] > 0 for r in rows)
     launches = {r["layer"]: r["launches"] for r in rows}
     assert launches["fusedpar op dispatch (empty)"] == 0 and launches["ParallelSwiGLU"] > 0
     assert all(r["aten_ops"] > 0 for r in rows)

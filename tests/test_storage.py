@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import fusedpar as fp
 from fusedpar.testing import assert_close
@@ -332,3 +332,69 @@ def test_experts_over_dp_are_refused_and_early_optimizers_raise(world):
             ), out[kind]
         assert out["trained"] and out["checked once"]
         assert out["fully_shard"].endswith("build the optimizer after fully_shard"), out
+
+
+def _run_local_views_match_to_local():
+    """The forward pre-hook's swap (`fusedpar.local_params.local_views`, one autograd node
+    for a module's parameters) against ``to_local(grad_placements=...)`` per parameter on
+    (dp 1, cp 2, tp 2): the same local values, and each gradient the same DTensor
+    (placements, global shape and stride, dtype, local values and strides), from the
+    kept specs too (second round), for a transposed gradient as well; an unused
+    parameter gets none; a double backward (``create_graph``) is recorded. The hook of
+    `fp.distribute` makes one such node per call."""
+    from fusedpar.local_params import local_views
+
+    _, mesh, _ = _mesh()
+    R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
+    avg = Partial("avg")
+    torch.manual_seed(0)
+    cases = [
+        ((R, R, S0), (avg, P, S0), (6, 8)),
+        ((R, R, S1), (avg, R, S1), (8, 6)),
+        ((R, R, R), (avg, P, P), (5,)),
+    ]
+    params = [
+        nn.Parameter(DTensor.from_local(torch.randn(shape), mesh, placements))
+        for placements, _, shape in cases
+    ]
+    grads, specs = [g for _, g, _ in cases], {}
+    for _ in range(2):
+        for create_graph in (False, True):
+            ours = local_views(params, grads, specs)
+            theirs = [p.to_local(grad_placements=g) for p, g in zip(params, grads, strict=True)]
+            assert all(
+                torch.equal(a, b) and a.stride() == b.stride() and a.requires_grad
+                for a, b in zip(ours, theirs, strict=True)
+            )
+            w = torch.randn(2, 6, 8)  # the second parameter used transposed, the third not
+            got, want = (
+                torch.autograd.grad(
+                    (t[0] * w[0]).sum() + (t[1].t() * w[1]).sum(),
+                    params,
+                    allow_unused=True,
+                    create_graph=create_graph,
+                )
+                for t in (ours, theirs)
+            )
+            assert got[2] is None and want[2] is None
+            assert got[1].to_local().stride() == (1, 8)  # transposed
+            for a, b in zip(got[:2], want[:2], strict=True):
+                assert type(a) is DTensor and a.placements == b.placements
+                assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+                assert torch.equal(a.to_local(), b.to_local())
+                assert a.to_local().stride() == b.to_local().stride()
+    # distribute's hook makes one such node a call, whatever the number of parameters (it
+    # made one `to_local` node each: ~60 us a parameter, docs/hot_path.md)
+    layer = fp.distribute(nn.Linear(4, 3), mesh)
+    nodes, todo = {}, [layer(torch.randn(2, 4)).grad_fn]
+    while todo:
+        node = todo.pop()
+        nodes[node] = type(node).__name__
+        todo.extend(n for n, _ in node.next_functions if n is not None and n not in nodes)
+    names = list(nodes.values())
+    assert names.count("_LocalViewsBackward") == 1 and "_ToTorchTensorBackward" not in names
+    return True
+
+
+def test_local_views_make_the_gradients_to_local_makes(world):
+    assert all(world(4).run(_run_local_views_match_to_local))
