@@ -20,7 +20,8 @@ transformers = pytest.importorskip(
 )
 hf = pytest.importorskip("fusedpar.integrations.hf")
 
-from test_hf import COMMON, FAMILIES, MOE, NO_GQA, SEQ, VOCAB, _reference_grad  # noqa: E402, I001
+from support.hf_grads import reference_grad  # noqa: E402
+from support.hf_models import COMMON, FAMILIES, MOE, NO_GQA, SEQ, VOCAB  # noqa: E402
 
 PAD = 0
 # real tokens per row: at TP2 x CP2 (zigzag chunks of 4 tokens, then TP halves) the rows'
@@ -102,7 +103,7 @@ def _run_head(head: str, family: str, seed: int, problem: str | None = None, deg
     assert_close(logits, *(out[dtype][0] for dtype in refs), name="logits")
     assert_close(result.loss.detach(), *(out[dtype][1] for dtype in refs), name="loss")
     for name, param in model.named_parameters():
-        ref64, ref32 = (_reference_grad(refs[dtype], name) for dtype in refs)
+        ref64, ref32 = (reference_grad(refs[dtype], name) for dtype in refs)
         grad = param.grad.full_tensor() if dims else param.grad
         assert_close(grad, ref64, ref32, name=name, sum_length=SEQ)
     same = result.logits.detach() if head == "sequence" else result.loss.detach()

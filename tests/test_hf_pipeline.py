@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_hf import DOCUMENTS, MOE, SEQ, SPANS, VOCAB, _model, _reference_grad
 from test_pipeline import _assert_equal, _gathered, _union
 
 import fusedpar as fp
@@ -19,6 +18,10 @@ from fusedpar.pipeline import SCHEDULES, stage_losses_total
 from fusedpar.testing import assert_close, exception_of
 
 hf = pytest.importorskip("fusedpar.integrations.hf")
+
+from support.hf_grads import reference_grad  # noqa: E402
+from support.hf_models import DOCUMENTS, MOE, SEQ, SPANS, VOCAB  # noqa: E402
+from support.hf_models import tiny_model as _model  # noqa: E402
 
 
 def _run(family: str, schedule: str, packed: bool = False, seed: int = 0):
@@ -51,7 +54,7 @@ def _run(family: str, schedule: str, packed: bool = False, seed: int = 0):
     assert_close(total.reshape(1), losses[torch.float64], losses[torch.float32], name="loss")
     names = []
     for name, param in pipe.model.named_parameters():
-        ref64, ref32 = (_reference_grad(refs[dtype], name) for dtype in refs)
+        ref64, ref32 = (reference_grad(refs[dtype], name) for dtype in refs)
         assert_close(param.grad.full_tensor(), ref64, ref32, name=name, sum_length=SEQ)
         names.append(name)
     gathered = [None] * dist.get_world_size()

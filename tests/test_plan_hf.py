@@ -1,7 +1,7 @@
 """`fusedpar.plan` against Hugging Face models converted by `fusedpar.integrations.hf`:
 what the planner says a rank holds, saves and sends for ``plan.from_hf_config(config)``
 equals, exactly, what the converted model allocates, saves and sends. Tiny random
-models, 2 layers each (test_hf's configs): "llama" (dense GQA, q/k/v/o and MLP biases;
+models, 2 layers each (support.hf_models' configs): "llama" (dense GQA, q/k/v/o and MLP biases;
 tied embeddings too), "qwen3_moe" (per-head q/k norms, MoE) and "deepseek_v3" (latent
 attention with q's latent, a dense first layer, then MoE with a shared expert and the
 sigmoid router); at one process also mistral, qwen2, qwen3, phi3, mixtral, qwen2_moe,
@@ -41,10 +41,11 @@ from fusedpar.testing import Collectives, SavedActivations
 pytest.importorskip("transformers", reason="the [test] extra installs transformers")
 hf = pytest.importorskip("fusedpar.integrations.hf")
 
-from test_hf import BATCH, SEQ, VOCAB, _model  # noqa: E402
+from support.hf_models import BATCH, SEQ, VOCAB  # noqa: E402
+from support.hf_models import tiny_model as _model  # noqa: E402
 from test_plan import check_peaks, held_state  # noqa: E402
 
-CASES = {  # name: (family, config changes over test_hf's)
+CASES = {  # name: (family, config changes over hf_models')
     "llama": ("llama", dict(num_hidden_layers=2)),
     "llama-tied": ("llama", dict(num_hidden_layers=2, tie_word_embeddings=True)),
     "qwen3": ("qwen3", dict(num_hidden_layers=2)),
