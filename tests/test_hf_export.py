@@ -1,11 +1,11 @@
 """`fusedpar.integrations.hf.save_pretrained` (and ``model.save_pretrained`` of a
 converted model): a `parallelize`d Hugging Face model written back as the original's
 checkpoint. ``from_pretrained`` of it gives the original's every tensor and logits bit
-for bit in fp32: for every family in one process; at TP2 x CP2 with experts over tp, at
-DP2 x TP2 under FSDP2 and at PP2 x TP2 (each rank's stages' parameters, rank 0 writing)
-on 4 gloo ranks, there after every parameter the ranks hold was doubled (so that a stale
-copy, a shard taken twice or an unsharded leftover shows). What it cannot take is
-refused, on every rank where ranks are involved."""
+for bit in fp32: every family in one process; on 4 gloo ranks every family at TP2 x CP2
+(experts over tp) and at PP2 x TP2 (each rank its stages' parameters), and gpt-oss at
+DP2 x TP2 under FSDP2, rank 0 writing, there after every parameter the ranks hold was
+doubled (so that a stale copy, a shard taken twice or an unsharded leftover shows).
+What it cannot take is refused, on every rank where ranks are involved."""
 
 import copy
 import os
@@ -117,11 +117,11 @@ def test_an_unconverted_model_is_refused(tmp_path):
         hf.save_pretrained(tiny_model("llama", 0), tmp_path / "out")
 
 
-def _export(family: str, degrees: dict, directory: str, fsdp: bool = False) -> bool:
+def _export(family: str, degrees: dict, directory: str, fsdp: bool = False) -> torch.nn.Module:
     """`family` at `degrees` (experts over tp for the MoE families; FSDP2 over dp with
     `fsdp`; under pp the pipeline of `fp.pipeline.split`), every parameter a rank holds
-    doubled in place, then exported; rank 0 checks the checkpoint against the original
-    doubled. Under pp, first: the model alone (no pipeline=) is refused on every rank."""
+    doubled in place, then exported into `directory`; returns the original doubled.
+    Under pp, first: the model alone (no pipeline=) is refused on every rank."""
     dims = fp.ParallelDims(**degrees, ep="tp" if family in MOE else None)
     model = tiny_model(family, 0, num_hidden_layers=2)
     expected = _doubled(model)
@@ -141,16 +141,43 @@ def _export(family: str, degrees: dict, directory: str, fsdp: bool = False) -> b
             param.to_local().mul_(2)  # this rank's part: shards, replicas, its stages only
     hf.save_pretrained(model, directory, pipeline=pipeline)
     assert os.path.isfile(os.path.join(directory, "config.json"))  # on every rank, once back
-    return dist.get_rank() != 0 or _check_export(directory, expected)
+    return expected
 
 
-@pytest.mark.parametrize("family, degrees, fsdp", [
-    ("deepseek_v3", dict(cp=2, tp=2), False),  # latent attention, experts over tp
-    ("gpt_oss", dict(dp=2, tp=2), True),  # FSDP2 over dp: sinks, interleaved experts
-    ("gpt2", dict(pp=2, tp=2), False),  # stages; the embeddings tied across them, Conv1D
-])  # fmt: skip
-def test_every_rank_contributes_and_rank_0_writes(world, tmp_path, family, degrees, fsdp):
-    assert world(4).run(_export, family, degrees, str(tmp_path / "out"), fsdp) == [True] * 4
+def _export_each(degrees: dict, directory: str, families: list, fsdp: bool = False) -> list:
+    """Each of `families` exported at `degrees` into directory/family (`_export`), then
+    the checkpoints checked, family i by rank i mod 4 (the ranks share the checks; every
+    checkpoint is complete by then): the families this rank checked."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {}
+    for i, family in enumerate(families):
+        expected = _export(family, degrees, os.path.join(directory, family), fsdp)
+        if i % world == rank:
+            mine[family] = expected
+    for family, expected in mine.items():
+        assert _check_export(os.path.join(directory, family), expected), family
+    return list(mine)
+
+
+# every family from each layout (one World call a layout: a call a family costs its
+# scheduling); every family's tiny config runs both (none to leave out)
+LAYOUTS = {"TP2 x CP2, EP over tp": dict(cp=2, tp=2), "PP2 x TP2": dict(pp=2, tp=2)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_family_exports_from_each_layout(world, tmp_path, layout):
+    """TP2 x CP2 (latent attention's heads, the experts over tp) and PP2 x TP2 (each
+    rank its stage's parameters; GPT-2's, Gemma's and SmolLM3's embeddings tied across
+    the stages): every rank contributes, rank 0 writes, every checkpoint loads as the
+    doubled original."""
+    checked = world(4).run(_export_each, LAYOUTS[layout], str(tmp_path), list(FAMILIES))
+    assert sorted(sum(checked, [])) == sorted(FAMILIES)
+
+
+def test_fsdp2_shards_are_gathered(world, tmp_path):
+    """gpt-oss at DP2 x TP2 under FSDP2 over dp (sinks, interleaved experts, EP over tp)."""
+    checked = world(4).run(_export_each, dict(dp=2, tp=2), str(tmp_path), ["gpt_oss"], True)
+    assert sum(checked, []) == ["gpt_oss"]
 
 
 def _alone(directory: str) -> None:
