@@ -247,8 +247,19 @@ def _place(layout: ParamLayout, mesh: DeviceMesh, token_axes, axis_of: dict, whe
 
 def _swap_in_locals(module, args):
     """Forward pre-hook: each DTensor parameter's local tensor in its place, all of them
-    one autograd node (`fusedpar.local_params`)."""
+    one autograd node (`fusedpar.local_params`). While torch.compile traces, each
+    through ``to_local`` (Dynamo of torch 2.11 traces neither ``id()`` of a mesh nor
+    ``__dict__.setdefault``; the graph's cost is not the host's)."""
     saved, grads = {}, []
+    if torch.compiler.is_compiling():  # traced: to_local per parameter, no Python caches
+        for name, placed in module._fusedpar_placed.items():
+            param = module._parameters.get(name)
+            if isinstance(param, DTensor):
+                saved[name] = param
+                grad_placements = placed.grad_on(param.device_mesh)
+                module._parameters[name] = param.to_local(grad_placements=grad_placements)
+        module._fusedpar_saved.append(saved)
+        return
     # (name, mesh id) -> (mesh, gradient placements); gradient specs (`local_views`)
     kept, specs = module.__dict__.setdefault("_fusedpar_locals", ({}, {}))
     for name, placed in module._fusedpar_placed.items():

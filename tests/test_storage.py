@@ -341,7 +341,8 @@ def _run_local_views_match_to_local():
     (placements, global shape and stride, dtype, local values and strides), from the
     kept specs too (second round), for a transposed gradient as well; an unused
     parameter gets none; a double backward (``create_graph``) is recorded. The hook of
-    `fp.distribute` makes one such node per call."""
+    `fp.distribute` makes one such node per call; a frozen parameter's local does not
+    require grad."""
     from fusedpar.local_params import local_views
 
     _, mesh, _ = _mesh()
@@ -393,6 +394,12 @@ def _run_local_views_match_to_local():
         todo.extend(n for n, _ in node.next_functions if n is not None and n not in nodes)
     names = list(nodes.values())
     assert names.count("_LocalViewsBackward") == 1 and "_ToTorchTensorBackward" not in names
+    # a frozen parameter's local needs no gradient, as to_local's (its dW is not computed)
+    layer.weight.requires_grad_(False)
+    seen = []
+    layer.register_forward_pre_hook(lambda m, args: seen.append(m.weight.requires_grad))
+    layer(torch.randn(2, 4)).sum().backward()
+    assert seen == [False] and layer.weight.grad is None and layer.bias.grad is not None
     return True
 
 
