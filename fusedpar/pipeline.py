@@ -320,17 +320,17 @@ def split(model: nn.Module, dims, mesh, *, schedule: str = "1F1B", microbatches=
     `layers`, `first` and `last` (dotted paths allowed) default to the model's
     ``pipeline_layout`` if it has one, else ("blocks", ("embed",), ("norm", "head")). A
     model converted by `fusedpar.integrations.hf.parallelize` is taken as it is: its
-    decoder runs as `hf_pipeline.DecoderStages`, `loss_fn` defaulting to its loss."""
+    ``fusedpar_pipeline_stages()`` (set by `parallelize`: `hf_pipeline.DecoderStages`)
+    is what runs as the stages, `loss_fn` defaulting to that module's ``loss``."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import (
         PipelineScheduleSingle,
         get_schedule_class,
     )
 
-    if hasattr(model, "_fusedpar_batch"):  # a Hugging Face model, parallelize()d
-        from fusedpar.integrations.hf_pipeline import DecoderStages
-
-        model = DecoderStages(model)
+    stages = getattr(model, "fusedpar_pipeline_stages", None)
+    if callable(stages):  # a model that says what runs as its stages (parallelize's)
+        model = stages()
         loss_fn = model.loss if loss_fn is None else loss_fn
     default = getattr(model, "pipeline_layout", DEFAULT_LAYOUT)
     given = (layers, first, last)

@@ -20,7 +20,7 @@ import pytest
 
 import fusedpar as fp
 from fusedpar import plan
-from fusedpar.integrations.hf_config import DROPOUTS, FAMILIES
+from fusedpar.hf_config import DROPOUTS, FAMILIES
 from fusedpar.plan import accounting, devices, published, report
 from fusedpar.plan.__main__ import main
 from fusedpar.plan.search import search

@@ -77,6 +77,7 @@ from fusedpar.integrations.hf_batch import (  # noqa: F401 (public here: the use
 )
 from fusedpar.integrations.hf_export import save_pretrained  # noqa: F401 (public here)
 from fusedpar.integrations.hf_families import refuse
+from fusedpar.integrations.hf_pipeline import DecoderStages
 from fusedpar.nn import (
     ColumnParallelLinear,
     MoE,
@@ -310,6 +311,8 @@ def parallelize(
     hf_export.install(model, dims)  # model.save_pretrained: the original's checkpoint
     config.use_cache = False  # training: the converted attention keeps no KV cache
     model._fusedpar_batch = state
+    # what fp.pipeline.split runs as the stages (the core imports no integration)
+    model.fusedpar_pipeline_stages = functools.partial(DecoderStages, model)
     model.register_forward_pre_hook(take_batch, with_kwargs=True)
     model.register_forward_hook(add_loss, with_kwargs=True, always_call=True)
     if hasattr(model, "generate"):

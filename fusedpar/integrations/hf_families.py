@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusedpar.integrations.hf_config import (  # noqa: F401  (re-exported: hf.py's names)
+from fusedpar.hf_config import (  # noqa: F401  (re-exported: hf.py's names)
     ACTIVATION_NAMES,
     FAMILIES,
     activation_name,

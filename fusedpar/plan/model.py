@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from fusedpar.integrations.hf_config import check_config
+from fusedpar.hf_config import check_config
 
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3_text")
 SIGMOID_ROUTERS = ("deepseek_v3", "glm4_moe", "minimax_m2")  # a score-correction bias
@@ -122,7 +122,7 @@ def _get(config, *names, default=None):
 def from_hf_config(config, name: str | None = None) -> ModelSpec:
     """A ModelSpec from a Hugging Face config: a ``PretrainedConfig``, its dict, or the path
     of a ``config.json`` (or of the folder holding one). A config `parallelize` would
-    refuse (another family, dropout, ...: `fusedpar.integrations.hf_config.check_config`)
+    refuse (another family, dropout, ...: `fusedpar.hf_config.check_config`)
     raises its ValueError here, with its message."""
     if isinstance(config, (str, Path)):
         path = Path(config)
