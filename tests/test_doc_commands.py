@@ -1,4 +1,5 @@
-"""Every command in README.md and docs/ runs as written (#53).
+"""Every command in README.md and docs/ is run as written or checked (#53): the demo and
+the planner run; the GPU, benchmark and install commands are checked without running.
 
 The commands are read from the Markdown as a reader finds them: the lines of ```bash
 (sh, shell, console) blocks, indented lines that start with a command, and inline code
