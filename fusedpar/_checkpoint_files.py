@@ -91,8 +91,12 @@ def report(error: BaseException) -> tuple[str, str]:
 
 TIMEOUT_ENV = "FUSEDPAR_CHECKPOINT_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 120.0
-_KEY = "fusedpar/checkpoint/{n}/{rank}"
-_entered = None  # (the default group, how many save/load calls this rank passed `enter` in)
+_SLOT = "fusedpar/checkpoint/{n}/"  # the n-th save or load every rank made: its rounds
+_ROUND = "fusedpar/checkpoint/{n}.{gen}/"  # a try at it: one more after each give-up
+_SHUT = 2  # what a rank that gives up adds to each entry: 1 came, 2 shut out, 3 came first
+_MET = b"met"
+_entered = None  # (the default group, how many save/load calls this rank passed, the round
+#                   it passed the last one in)
 
 
 def timeout_s() -> float:
@@ -124,37 +128,24 @@ def enter(call: str, undone: str) -> None:
     first collective, and the others, which never call it, could not be told. gloo's
     `monitored_barrier` names the missing ranks too, but NCCL has none, and a gloo side
     group for it is itself made by a collective (one rank alone would hang making it).
-    Each rank sets ``fusedpar/checkpoint/N/RANK`` (N: its count of such calls) to `call`
-    and waits for every rank's key N. A rank that gives up withdraws its key and keeps
-    its count, so the group stays in step for the next call made by every rank. Ranks
-    that entered different calls (one save, one load) raise ValueError on every rank.
-    Keys N - 1 are deleted once N is passed: by then every rank is past N - 1."""
+    `meet` decides, the same way on every rank that called it: all passed, or all raise
+    TimeoutError (a rank that comes just after another gave up too). A rank that raises
+    keeps its count of calls N, so the group stays in step for the next call made by
+    every rank. Ranks that entered different calls (one save, one load) raise ValueError
+    on every rank. The keys of call N - 1 and of call N's failed rounds are deleted once
+    N is passed (`tidy`): by then every rank is past them."""
     global _entered
     timeout = timeout_s()  # validated on every rank, even alone
     rank, size = world()
     if size == 1:
         return
     group = dist.group.WORLD
-    n = _entered[1] if _entered is not None and _entered[0] is group else 0
+    n, last = _entered[1:] if _entered is not None and _entered[0] is group else (0, 0)
     store = dist.distributed_c10d._get_default_store()
-    keys = [_KEY.format(n=n, rank=r) for r in range(size)]
-    store.set(keys[rank], call)
-    try:
-        store.wait(keys, timedelta(seconds=timeout))
-    except RuntimeError:  # the store's timeout (DistStoreError on a TCPStore)
-        missing = [r for r in range(size) if not store.check([keys[r]])]
-        if missing:
-            store.delete_key(keys[rank])  # withdrawn: a late rank times out too, naming us
-            ranks = ", ".join(map(str, missing))
-            raise TimeoutError(
-                f"{call} is collective: rank{'s' if len(missing) > 1 else ''} "
-                f"{ranks} of {size} did not call it within {timeout:g} s ({TIMEOUT_ENV}). "
-                f"Every rank must call it (not rank 0 alone, as on one GPU); nothing was "
-                f"{undone}"
-            ) from None
-    _entered = (group, n + 1)
-    if n > 0:
-        store.delete_key(_KEY.format(n=n - 1, rank=rank))
+    gen = meet(store, n, rank, size, call, undone, timeout)
+    _entered = (group, n + 1, gen)
+    tidy(store, n, gen, rank, last)
+    keys = [_ROUND.format(n=n, gen=gen) + f"call/{r}" for r in range(size)]
     calls = [value.decode() for value in store.multi_get(keys)]
     if len(set(calls)) > 1:
         other = next(r for r, c in enumerate(calls) if c != calls[0])
@@ -162,6 +153,96 @@ def enter(call: str, undone: str) -> None:
             f"the ranks made different checkpoint calls at once (rank 0: {calls[0]}, "
             f"rank {other}: {calls[other]}): every rank must make the same one"
         )
+
+
+def meet(store, n: int, rank: int, size: int, call: str, undone: str, timeout: float) -> int:
+    """Wait on `store` (a torch.distributed Store) until all `size` ranks have entered
+    their `n`-th save or load, at most `timeout` seconds from this rank's entry, and
+    return the round they met in; else TimeoutError, on every rank that entered, naming
+    the ranks that had not (`call`, `undone`: the message's words).
+
+    One verdict for all, decided by the store's atomic `add`, so no rank can pass alone
+    into the first collective (where it would hang). Round R of call n (R: the key
+    SLOT/gen, which a failed round increments): each rank records its `call`, adds 1 to
+    its entry ROUND/in/RANK, then 1 to ROUND/count; the rank whose count reaches `size`
+    declares the round met (ROUND/verdict). A rank whose wait for the verdict runs out
+    adds 1 to ROUND/giveup, and the first to do so (one rank) adds _SHUT to every rank's
+    entry: each result says whether that rank had come (its 1 was there). If all had,
+    the round is met (the count reaches `size`); else it fails, naming the ranks that
+    had not, and a rank that comes after finds its entry shut (its 1 gives 3) and fails
+    too, whatever the count, which can then never reach `size`. The other ranks wait for
+    the verdict the deciding rank writes, at most `timeout` more; past that (only the
+    deciding rank stalled between two of its store calls can cause it), TimeoutError
+    saying a rank gave up, and the ranks may part (docs/checkpointing.md)."""
+    slot = _SLOT.format(n=n)
+    gen = store.add(slot + "gen", 0)
+    key = _ROUND.format(n=n, gen=gen)
+    store.set(key + f"call/{rank}", call)
+    if store.add(key + f"in/{rank}", 1) != 1:  # shut: a rank gave up before this one came
+        verdict = _verdict(store, key, timeout)
+        raise TimeoutError(_failed(verdict, rank, size, call, undone, timeout, late=True))
+    if store.add(key + "count", 1) == size:
+        store.set(key + "verdict", _MET)
+        return gen
+    try:
+        store.wait([key + "verdict"], timedelta(seconds=timeout))
+    except RuntimeError:  # the store's timeout (DistStoreError on a TCPStore)
+        if store.add(key + "giveup", 1) == 1:  # the first to give up decides
+            shut = [store.add(key + f"in/{r}", _SHUT) for r in range(size)]
+            missing = [r for r, value in enumerate(shut) if value == _SHUT]
+            verdict = {"by": rank, "missing": missing, "timeout": timeout}
+            store.set(key + "verdict", json.dumps(verdict) if missing else _MET)
+            if missing:
+                store.add(slot + "gen", 1)  # the next call made at n: a fresh round
+    verdict = _verdict(store, key, timeout)
+    if verdict == _MET:
+        return gen
+    raise TimeoutError(_failed(verdict, rank, size, call, undone, timeout, late=False))
+
+
+def _verdict(store, key: str, timeout: float) -> bytes | None:
+    """The round's verdict (_MET, or the failure's JSON), None if it is not written within
+    `timeout` (the deciding rank stalled between two store calls)."""
+    try:
+        store.wait([key + "verdict"], timedelta(seconds=timeout))
+    except RuntimeError:
+        return None
+    return store.get(key + "verdict")
+
+
+def _failed(verdict, rank, size, call, undone, timeout, late) -> str:
+    """The message of a round that failed (`late`: this rank came after it did)."""
+    must = f"Every rank must call it (not rank 0 alone, as on one GPU); nothing was {undone}"
+    if verdict is None:
+        return (
+            f"{call} is collective: a rank gave up waiting for the others and did not say "
+            f"which within {timeout:g} s ({TIMEOUT_ENV}). {must}"
+        )
+    verdict = json.loads(verdict)
+    missing, waited = verdict["missing"], f"{verdict['timeout']:g} s ({TIMEOUT_ENV})"
+    ranks = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {size}"
+    if late:
+        return (
+            f"{call} is collective: rank {verdict['by']} gave up after {waited} waiting "
+            f"for {ranks}, before this rank ({rank}) called it. {must}"
+        )
+    return f"{call} is collective: {ranks} did not call it within {waited}. {must}"
+
+
+def tidy(store, n: int, gen: int, rank: int, last: int) -> None:
+    """Delete the keys no rank reads again, once call `n` is met in round `gen` (call
+    n - 1 was met in round `last`): rounds n.0 to n.(gen-1), which every rank left before
+    entering round n.gen, and call n - 1's, which every rank left before entering n.
+    Each rank deletes its own entries, rank 0 the shared keys."""
+    rounds = [(n, g) for g in range(gen)] + [(n - 1, last)] * (n > 0)
+    for m, g in rounds:
+        key = _ROUND.format(n=m, gen=g)
+        names = [f"call/{rank}", f"in/{rank}"]
+        names += ["count", "verdict", "giveup"] * (rank == 0)
+        for name in names:
+            store.delete_key(key + name)
+    if n > 0 and rank == 0:
+        store.delete_key(_SLOT.format(n=n - 1) + "gen")
 
 
 # --- the directory layout: path, .NAME.tmp-ID (being written), .NAME.old-ID (set aside) --

@@ -208,8 +208,9 @@ def _async_save(state: dict, tmp: Path, group) -> Future:
 def enter(call: str, undone: str = "written") -> None:
     """Wait until every rank has called `call` (its name in the message), at most
     ``FUSEDPAR_CHECKPOINT_TIMEOUT_S`` (default 120), else TimeoutError naming the ranks
-    that did not and saying that nothing was `undone`. No collective (the default
-    group's store): the first step of `save`, `load` and
+    that did not and saying that nothing was `undone`. Every rank that called it gets
+    the same outcome (one that comes just after another gave up raises too). No
+    collective (the default group's store): the first step of `save`, `load` and
     `fusedpar.integrations.hf.save_pretrained`, where a rank calling alone would wait
     for ever in the first collective."""
     atomic.enter(call, undone)

@@ -12,7 +12,9 @@ import os
 import re
 import shutil
 import sys
+import threading
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import fusedpar as fp
-from fusedpar._checkpoint_files import TIMEOUT_ENV
+from fusedpar._checkpoint_files import TIMEOUT_ENV, meet, tidy
 from fusedpar.testing import exception_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -298,8 +300,9 @@ def _run_called_alone(root: str) -> dict:
     """Rank 0 calls save (blocking, then asynchronously) and load alone, the others wait
     in a barrier: its errors, and whether anything was written or loaded. Then every
     rank's save and load go through (the ranks still in step), a save on rank 0 meets a
-    load on the others, and a bad timeout is refused by every rank."""
-    os.environ[TIMEOUT_ENV] = "0.5"
+    load on the others, and a bad timeout is refused by every rank. The calls rank 0
+    makes alone wait 0.5 s; those every rank makes, 60 s (a rank descheduled on a loaded
+    machine still arrives in time)."""
     try:
         rank, root = dist.get_rank(), Path(root)
         torch.manual_seed(0)
@@ -307,17 +310,21 @@ def _run_called_alone(root: str) -> dict:
         out = {"errors": []}
         path = root / "ckpts" / "step-1"
         if rank == 0:
+            os.environ[TIMEOUT_ENV] = "0.5"
             for kwargs in ({}, {"async_save": True}):
                 out["errors"].append(exception_of(fp.checkpoint.save, path, model, **kwargs))
             out["written"] = sorted(p.name for p in root.iterdir())
+        os.environ[TIMEOUT_ENV] = "60"
         dist.barrier()
         fp.checkpoint.save(path, model)
         saved = model.weight.detach().clone()
         with torch.no_grad():
             model.weight.add_(1.0)
         if rank == 0:
+            os.environ[TIMEOUT_ENV] = "0.5"
             out["errors"].append(exception_of(fp.checkpoint.load, path, model))
             out["loaded alone"] = not torch.equal(model.weight, saved + 1.0)
+            os.environ[TIMEOUT_ENV] = "60"
         dist.barrier()
         fp.checkpoint.load(path, model)
         out["loaded"] = torch.equal(model.weight, saved)
@@ -328,7 +335,7 @@ def _run_called_alone(root: str) -> dict:
         out["listing"] = sorted(p.name for p in (root / "ckpts").iterdir())
         return out
     finally:
-        del os.environ[TIMEOUT_ENV]
+        os.environ.pop(TIMEOUT_ENV, None)
 
 
 def test_a_save_or_load_called_on_one_rank_fails_naming_the_others(world, tmp_path):
@@ -361,3 +368,86 @@ def test_a_save_or_load_called_on_one_rank_fails_naming_the_others(world, tmp_pa
             str(out["bad timeout"]),
         ), repr(out["bad timeout"])
         assert out["listing"] == ["step-1"], out["listing"]
+
+
+class _Forced:
+    """One rank's view of a store shared by threads: after its `add` to a key of
+    `after`, it runs that key's function (an order forced by the test, not by timing)."""
+
+    def __init__(self, store, after: dict):
+        self.store, self.after = store, dict(after)
+
+    def add(self, key, value):
+        result = self.store.add(key, value)
+        if key in self.after:
+            self.after.pop(key)()
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def _meet_in_threads(store, n: int, last: int, ranks: dict) -> dict:
+    """`enter`'s wait (meet, then tidy) for each of `ranks` {rank: (timeout, after, first)}
+    in a thread of its own, of 4 ranks: {rank: the round met, or the error raised}, once
+    every thread has ended (none hangs). `first`: events the rank waits for before it
+    comes (the others' steps), `after`: as `_Forced`."""
+    out = {}
+
+    def rank_main(rank, timeout, after, first):
+        try:
+            for event in first:
+                assert event.wait(60)
+            gen = meet(_Forced(store, after), n, rank, 4, "fp.checkpoint.save", "written", timeout)
+            tidy(store, n, gen, rank, last)
+            out[rank] = gen
+        except Exception as e:  # noqa: BLE001 - the outcome under test
+            out[rank] = e
+
+    threads = [threading.Thread(target=rank_main, args=(r, *plan)) for r, plan in ranks.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads)
+    return out
+
+
+def test_the_ranks_agree_on_entering_even_when_one_comes_as_another_gives_up():
+    """`enter`'s verdict is one for all, in any order of the store's calls (forced here
+    in threads over one store): a rank that comes just after another gave up raises too,
+    naming it, rather than passing alone into the first collective; a rank that came
+    before the give-up but had not yet been counted passes with the others; the calls
+    stay in step and their keys are deleted."""
+    store = dist.HashStore()
+    entry, verdict = "fusedpar/checkpoint/0.{}/in/{}".format, "fusedpar/checkpoint/0.{}/verdict"
+
+    def then_wait(event, gen):  # signal the rank that gives up, stall until it has
+        return lambda: (event.set(), store.wait([verdict.format(gen)], timedelta(seconds=60)))
+
+    # call 0, round 0: rank 1 waits; rank 2 looks up the round, then stalls until rank 0
+    # (0.01 s) has given up; rank 3 never comes
+    events = [threading.Event() for _ in range(2)]
+    ranks = {0: (0.01, {}, events), 1: (60, {entry(0, 1): events[0].set}, [])}
+    ranks[2] = (60, {"fusedpar/checkpoint/0/gen": then_wait(events[1], 0)}, [])
+    out = _meet_in_threads(store, 0, 0, ranks)
+    missed = rf"ranks 2, 3 of 4 did not call it within 0\.01 s \({TIMEOUT_ENV}\)"
+    must = r"\. Every rank must call it \(not rank 0 alone, as on one GPU\); nothing was written"
+    for rank in (0, 1):
+        assert isinstance(out[rank], TimeoutError), (rank, out[rank])
+        assert re.fullmatch(rf"fp\.checkpoint\.save is collective: {missed}{must}", str(out[rank]))
+    assert isinstance(out[2], TimeoutError) and re.fullmatch(
+        rf"fp\.checkpoint\.save is collective: rank 0 gave up after 0\.01 s \({TIMEOUT_ENV}\) "
+        rf"waiting for ranks 2, 3 of 4, before this rank \(2\) called it{must}",
+        str(out[2]),
+    ), repr(out[2])
+    # call 0 again, round 1: rank 3 is in before rank 0 gives up, counted after it
+    events = [threading.Event() for _ in range(3)]
+    ranks = {r: (60, {entry(1, r): events[r - 1].set}, []) for r in (1, 2)}
+    ranks[0] = (0.01, {}, events)
+    ranks[3] = (60, {entry(1, 3): then_wait(events[2], 1)}, [])
+    assert _meet_in_threads(store, 0, 0, ranks) == {0: 1, 1: 1, 2: 1, 3: 1}
+    # call 1: every rank, at once; what is left is its own round
+    ranks = {r: (60, {}, []) for r in range(4)}
+    assert _meet_in_threads(store, 1, 1, ranks) == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert store.num_keys() == 11  # call 1's: its round counter, 4 calls, 4 entries, count, verdict

@@ -181,12 +181,16 @@ def test_fsdp2_shards_are_gathered(world, tmp_path):
 
 
 def _alone(directory: str) -> None:
-    """Rank 0 alone calls it (the single-process habit): it fails waiting for the others."""
-    os.environ["FUSEDPAR_CHECKPOINT_TIMEOUT_S"] = "1"
+    """Rank 0 alone calls it (the single-process habit): it fails waiting for the others.
+    The 1 s wait is rank 0's, for this call only: the ranks live on for other tests."""
     model = tiny_model("llama", 0)
     hf.parallelize(model, fp.ParallelDims(dp=2, tp=2))
     if dist.get_rank() == 0:
-        model.save_pretrained(directory)
+        os.environ["FUSEDPAR_CHECKPOINT_TIMEOUT_S"] = "1"
+        try:
+            model.save_pretrained(directory)
+        finally:
+            del os.environ["FUSEDPAR_CHECKPOINT_TIMEOUT_S"]
 
 
 def test_a_rank_calling_alone_raises_instead_of_waiting(world, tmp_path):
