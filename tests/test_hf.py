@@ -300,6 +300,7 @@ def _one_rank_cases() -> dict:
         "full: a length that does not split": dict(input_ids=ids[:, : 12 if rank == 2 else SEQ]),
         "full: labels of another shape": dict(input_ids=ids, labels=short if rank == 1 else ids),
         "full: two ranks refuse": dict(input_ids=ids, use_cache=rank in (0, 3)),
+        "full: input_ids a list on one rank": dict(input_ids=ids.tolist() if rank == 1 else ids),
         "full: other labels": dict(input_ids=ids, labels=(ids + (rank == 3)) % VOCAB),
         "full: a valid call after them": dict(input_ids=ids, labels=ids),
     }
@@ -335,6 +336,9 @@ ONE_RANK_CASES = {  # case: the message on every rank (None: none raised)
     "full: two ranks refuse": (
         r"^ranks 0, 3: a model converted by fusedpar keeps no KV cache: use_cache=False" + PASSED
     ),
+    "full: input_ids a list on one rank": (  # a TypeError (where every refusal is one)
+        r"^rank 1: input_ids must be a torch\.Tensor or None, got list" + PASSED
+    ),
     "full: other labels": (
         rf"^batch='full': the ranks disagree: rank 3 has labels \(2, 16\) {HASH} where ranks "
         rf"0, 1, 2 have labels \(2, 16\) {HASH}\. The ranks of a cp x tp group got different"
@@ -359,9 +363,10 @@ ONE_RANK_CASES = {  # case: the message on every rank (None: none raised)
 
 def test_one_ranks_refusal_is_the_same_error_on_every_rank(world):
     """A check that one rank fails alone (a length that does not split, labels of another
-    shape, use_cache) or a batch unlike its group's, at the first call: the same
-    ValueError on every rank, naming the ranks and the value, where the other ranks
-    waited in the batch check's all-gather (a short timeout: a wait fails here)."""
+    shape, use_cache; input_ids not a tensor: a TypeError) or a batch unlike its group's,
+    at the first call: the same ValueError on every rank, naming the ranks and the value,
+    where the other ranks waited in the batch check's all-gather (a short timeout: a
+    wait fails here)."""
     results = world(4).run(_one_rank_cases, timeout=240)
     for case, match in ONE_RANK_CASES.items():
         assert len({out[case] for out in results}) == 1, (case, [out[case] for out in results])
@@ -369,7 +374,8 @@ def test_one_ranks_refusal_is_the_same_error_on_every_rank(world):
             assert results[0][case] is None, (case, results[0][case])
             continue
         kind, message = results[0][case]
-        assert kind == "ValueError" and re.search(match, message), (case, message)
+        want = "TypeError" if "a list" in case else "ValueError"
+        assert kind == want and re.search(match, message), (case, message)
 
 
 def _run_refusal(family, changes):
