@@ -152,8 +152,10 @@ class Verdict:
         taken = verdict.run(read_batch, kwargs)   # None where it raised
         agree(what, groups, fields, device, verdict)   # raises on every rank
 
-    `run` keeps a ValueError or TypeError; anything else propagates. While torch.compile
-    traces, no gather follows (`skipped`): `run` lets the error through."""
+    `run` keeps a ValueError or TypeError; anything else propagates, on that rank alone
+    (a bug, not a refusal), so a check run here validates its arguments' types first
+    (a TypeError where a tensor is expected), before reading their shapes. While
+    torch.compile traces, no gather follows (`skipped`): `run` lets the error through."""
 
     def __init__(self):
         self.error: ValueError | TypeError | None = None

@@ -54,7 +54,10 @@ every rank before any communication. At the first step (every step under
 each stage's cp, ulysses and tp ranks) also agree on the batch's size and its split in
 one small all-gather per group, so that a rank given another batch (or, under torch's
 convention, a first stage alone given the inputs, that do not split) raises on every
-rank, naming it, where the others would wait in the schedule.
+rank, naming it, where the others would wait in the schedule. A model's own checks of
+the batch that a rank makes alone (its ``check_step(inputs, kwargs, microbatches)``,
+raising ValueError or TypeError; a converted Hugging Face model's: the input's length
+and its position_ids) travel in that gather too.
 """
 
 import copy
@@ -214,6 +217,9 @@ class Pipeline:
     tied: list = field(default_factory=list)  # held by the first and last stage's ranks
     pp_group: object = None
     check_groups: list = field(default_factory=list)  # pp, cp, ulysses, tp: one batch
+    # the model's own checks of a step's batch that a rank makes alone (its
+    # ``check_step(inputs, kwargs, microbatches)``): at the first step, before the schedule
+    check_step: object = None
 
     @property
     def has_first(self) -> bool:
@@ -235,6 +241,8 @@ class Pipeline:
         verdict = checks.Verdict()
         verdict.run(self._check_batch, tensors)
         if checks.due(self, *(t for _, t in tensors)):
+            if self.check_step is not None and verdict.error is None:
+                verdict.run(self.check_step, inputs, kwargs, self.microbatches)
             self._agree_on_batch(tensors, verdict)  # raises on every rank of the pipeline
             checks.passed(self)
         verdict.reraise()
@@ -383,7 +391,7 @@ def split(model: nn.Module, dims, mesh, *, schedule: str = "1F1B", microbatches=
                 _put(merged, name, module_at(model, name), {})
     check_groups = [groups[axis] for axis in ("pp", "cp", "ulysses", "tp")]
     return Pipeline(runner, stages, parts, merged, microbatches, num_stages, stage_ids, tied,
-                    group, check_groups)  # fmt: skip
+                    group, check_groups, getattr(model, "check_step", None))  # fmt: skip
 
 
 def stage_losses_total(losses: list | None, reduction: str = "mean", device=None):

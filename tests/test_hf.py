@@ -3,9 +3,9 @@ supported family (built from their configs, nothing downloaded, fp32): at TP2 x 
 over tp for the MoE families) and in one process with every group None, the converted
 model gives the original's
 logits, loss and every parameter gradient (gathered) within the tolerance rule; each
-unsupported option is refused, on every rank, before any collective; a call one rank
-refuses alone is the same ValueError on every rank; and the converted model compiles
-full-graph (Llama, Qwen3-MoE), before and after an eager call, bit for bit eager's."""
+unsupported option is refused, on every rank, before any collective; and a call one
+rank refuses alone is the same ValueError on every rank. (Its compile:
+tests/test_hf_compile.py.)"""
 
 import copy
 import re
@@ -26,7 +26,16 @@ hf = pytest.importorskip("fusedpar.integrations.hf")
 # the tiny models of every family and their batches (shared with the other test_hf*
 # modules), the gradients they are held against
 from support.hf_grads import reference_grad  # noqa: E402
-from support.hf_models import BATCH, DOCUMENTS, FAMILIES, MOE, SEQ, SPANS, VOCAB  # noqa: E402
+from support.hf_models import (  # noqa: E402
+    BATCH,
+    DOCUMENTS,
+    FAMILIES,
+    MOE,
+    PADDED,
+    SEQ,
+    SPANS,
+    VOCAB,
+)
 from support.hf_models import tiny_model as _model  # noqa: E402
 
 
@@ -214,9 +223,6 @@ def test_packed_documents_in_one_process():
     assert _run_packed("mistral", 5)
 
 
-PADDED = torch.ones(BATCH, SEQ, dtype=torch.long).index_fill_(1, torch.tensor([SEQ - 1]), 0)
-
-
 @pytest.mark.parametrize("batch, call, match", [
     ("full", dict(attention_mask=PADDED), r"no padding \(attention_mask may be left out or"),
     ("full", dict(position_ids=torch.arange(SEQ)[None] + 3), r"restart at 0 at each packed"),
@@ -300,6 +306,7 @@ def _one_rank_cases() -> dict:
         "full: a length that does not split": dict(input_ids=ids[:, : 12 if rank == 2 else SEQ]),
         "full: labels of another shape": dict(input_ids=ids, labels=short if rank == 1 else ids),
         "full: two ranks refuse": dict(input_ids=ids, use_cache=rank in (0, 3)),
+        "full: input_ids a list on one rank": dict(input_ids=ids.tolist() if rank == 1 else ids),
         "full: other labels": dict(input_ids=ids, labels=(ids + (rank == 3)) % VOCAB),
         "full: a valid call after them": dict(input_ids=ids, labels=ids),
     }
@@ -335,6 +342,9 @@ ONE_RANK_CASES = {  # case: the message on every rank (None: none raised)
     "full: two ranks refuse": (
         r"^ranks 0, 3: a model converted by fusedpar keeps no KV cache: use_cache=False" + PASSED
     ),
+    "full: input_ids a list on one rank": (  # a TypeError (where every refusal is one)
+        r"^rank 1: input_ids must be a torch\.Tensor or None, got list" + PASSED
+    ),
     "full: other labels": (
         rf"^batch='full': the ranks disagree: rank 3 has labels \(2, 16\) {HASH} where ranks "
         rf"0, 1, 2 have labels \(2, 16\) {HASH}\. The ranks of a cp x tp group got different"
@@ -359,9 +369,10 @@ ONE_RANK_CASES = {  # case: the message on every rank (None: none raised)
 
 def test_one_ranks_refusal_is_the_same_error_on_every_rank(world):
     """A check that one rank fails alone (a length that does not split, labels of another
-    shape, use_cache) or a batch unlike its group's, at the first call: the same
-    ValueError on every rank, naming the ranks and the value, where the other ranks
-    waited in the batch check's all-gather (a short timeout: a wait fails here)."""
+    shape, use_cache; input_ids not a tensor: a TypeError) or a batch unlike its group's,
+    at the first call: the same ValueError on every rank, naming the ranks and the value,
+    where the other ranks waited in the batch check's all-gather (a short timeout: a
+    wait fails here)."""
     results = world(4).run(_one_rank_cases, timeout=240)
     for case, match in ONE_RANK_CASES.items():
         assert len({out[case] for out in results}) == 1, (case, [out[case] for out in results])
@@ -369,7 +380,8 @@ def test_one_ranks_refusal_is_the_same_error_on_every_rank(world):
             assert results[0][case] is None, (case, results[0][case])
             continue
         kind, message = results[0][case]
-        assert kind == "ValueError" and re.search(match, message), (case, message)
+        want = "TypeError" if "a list" in case else "ValueError"
+        assert kind == want and re.search(match, message), (case, message)
 
 
 def _run_refusal(family, changes):
@@ -480,76 +492,3 @@ def test_cp_ring_sets_latent_attentions_ring():
         hf.parallelize(llama, None, cp_ring="latent")
     assert not any(isinstance(m, fp.nn.ParallelAttention) for m in llama.modules())
     hf.parallelize(llama, None, cp_ring="expanded")  # what a ring of its heads moves
-
-
-# --- torch.compile(fullgraph=True) of a converted model --------------------------------------
-
-COMPILED = {"llama": {}, "qwen3_moe": dict(num_hidden_layers=1, mlp_only_layers=[])}
-
-
-def _compiled_and_eager(
-    family: str, degrees: dict | None, tokenizer: bool = False, orders=("first", "after")
-) -> list:
-    """A converted model compiled full-graph (aot_eager) before any eager call, then
-    called eagerly (its first-call checks run), then compiled afresh: [compiled first ==
-    eager, compiled after == eager (loss and every gradient, bit for bit), the batch
-    check passed at the eager call]. `tokenizer`: the calls pass a tokenizer's all-ones
-    attention_mask and position_ids 0..S-1 too (asserted inside the graph), and a padded
-    mask's compiled call is appended: its error's message, or None. `orders`: which
-    compiled calls run ("first", "after"); one left out is reported True."""
-    model = _model(family, 0, **COMPILED[family])
-    hf.parallelize(model, None if degrees is None else fp.ParallelDims(**degrees))
-    layouts = [m._rope_layout_checked for m in model.modules() if hasattr(m, "rope")]
-    assert layouts and all(layouts)  # checked at conversion: a compiled call skips it
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    call = dict(input_ids=ids, labels=ids)
-    if tokenizer:
-        call |= dict(attention_mask=torch.ones_like(ids), position_ids=torch.arange(SEQ)[None])
-
-    def step(forward) -> list:
-        model.zero_grad(set_to_none=True)
-        loss = forward(**call).loss
-        loss.backward()
-        grads = [p.grad for p in model.parameters()]
-        return [loss.detach(), *(g.to_local() if hasattr(g, "to_local") else g for g in grads)]
-
-    # EP > 1 (the MoE at TP2 x CP2): the rows a rank receives are an unbacked size
-    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        torch._dynamo.reset()
-        if "first" in orders:
-            first = step(torch.compile(model, fullgraph=True, backend="aot_eager"))
-        eager = step(model)
-        first = first if "first" in orders else eager
-        torch._dynamo.reset()
-        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-        after = step(compiled) if "after" in orders else eager
-        if tokenizer:
-            call["attention_mask"] = PADDED
-            padded = exception_of(compiled, **call)
-        torch._dynamo.reset()
-    checked = getattr(model._fusedpar_batch, "_fusedpar_checked", False)
-    same = [all(map(torch.equal, got, eager)) and len(got) == len(eager) for got in (first, after)]
-    return [*same, checked, *([padded and str(padded)] if tokenizer else [])]
-
-
-@pytest.mark.parametrize("family, order", [("llama", "first"), ("qwen3_moe", "after")])
-def test_a_converted_model_compiles_full_graph_before_and_after_an_eager_call(
-    world, family, order
-):
-    """TP2 x CP2 (EP2 over tp for the MoE): the compiled model's loss and gradients are
-    eager's bit for bit, compiled before any eager call (llama) or after one (qwen3_moe;
-    one process takes both orders for both families: a compile on 4 CPU ranks is ~20 s);
-    the eager call ran the batch check that the compiled calls skip."""
-    degrees = dict(cp=2, tp=2, ep="tp" if family in MOE else None)
-    results = world(4).run(_compiled_and_eager, family, degrees, False, (order,), timeout=600)
-    assert results == [[True, True, True]] * 4
-
-
-def test_a_converted_model_compiles_full_graph_in_one_process():
-    """dims=None (every group None): both families, compiled before and after an eager
-    call, with a tokenizer's mask and positions, bit for bit eager's (no batch check in
-    one process); a padded mask raises inside the compiled graph."""
-    for family in COMPILED:
-        first, after, checked, padded = _compiled_and_eager(family, None, tokenizer=True)
-        assert first and after and not checked, family
-        assert padded is not None and "takes no padding" in padded, (family, padded)

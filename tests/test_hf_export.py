@@ -5,8 +5,10 @@ for bit in fp32: every family in one process; on 4 gloo ranks every family at TP
 (experts over tp) and at PP2 x TP2 (each rank its stages' parameters), and gpt-oss at
 DP2 x TP2 under FSDP2, rank 0 writing, there after every parameter the ranks hold was
 doubled (so that a stale copy, a shard taken twice or an unsharded leftover shows).
-What it cannot take is refused, on every rank where ranks are involved."""
+What it cannot take is refused, on every rank where ranks are involved, and what fails
+on a rank that converts or writes (an inverse, rank 0's write) is raised on every rank."""
 
+import contextlib
 import copy
 import os
 import re
@@ -22,6 +24,7 @@ transformers = pytest.importorskip(
     "transformers", reason="the [test] extra installs transformers; absent on purpose here"
 )
 hf = pytest.importorskip("fusedpar.integrations.hf")
+families = pytest.importorskip("fusedpar.integrations.hf_families")
 
 from support.hf_models import FAMILIES, MOE, SEQ, VOCAB, tiny_model  # noqa: E402
 
@@ -201,16 +204,65 @@ def test_a_rank_calling_alone_raises_instead_of_waiting(world, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def _into_a_file(path: str) -> None:
+@contextlib.contextmanager
+def _failing_inverse(rank: int):
+    """On `rank`: Hugging Face's MLP inverse raises a KeyError (as a missing name would);
+    restored after (the World's ranks live on)."""
+    real = families.dense_mlp
+
+    def broken(template, config, params):
+        if dist.get_rank() == rank:
+            raise KeyError("gate_proj.weight")
+        return real(template, config, params)
+
+    families.dense_mlp = broken
+    try:
+        yield
+    finally:
+        families.dense_mlp = real
+
+
+def _failures(directory: str) -> list:
+    """What three saves raised on this rank: at DP2 x TP2 rank 0's inverse failing, at
+    PP2 x TP2 that of rank 2 (the lowest of the second stage, which sends it), then rank
+    0's write (the target is a file)."""
+    raised = []
     model = tiny_model("llama", 0)
-    hf.parallelize(model, fp.ParallelDims(dp=2, tp=2))
+    dims = fp.ParallelDims(dp=2, tp=2)
+    hf.parallelize(model, dims)
+    with _failing_inverse(0):
+        raised.append(exception_of(hf.save_pretrained, model, os.path.join(directory, "dp")))
+    model = tiny_model("llama", 0, num_hidden_layers=2)
+    staged = fp.ParallelDims(pp=2, tp=2)
+    pipeline = fp.pipeline.split(model, staged, hf.parallelize(model, staged))
+    with _failing_inverse(2):
+        target = os.path.join(directory, "pp")
+        raised.append(exception_of(hf.save_pretrained, model, target, pipeline=pipeline))
+    model = tiny_model("llama", 0)
+    hf.parallelize(model, dims)
+    path = os.path.join(directory, "file")
     if dist.get_rank() == 0:
         with open(path, "w") as f:
             f.write("not a directory")
-    hf.save_pretrained(model, path)
+    raised.append(exception_of(hf.save_pretrained, model, path))
+    return raised
 
 
-def test_what_fails_on_rank_0_raises_on_every_rank(world, tmp_path):
-    """Rank 0 alone writes: its error (here the target is a file) on every rank."""
-    for e in world(4).run(exception_of, _into_a_file, str(tmp_path / "file")):
-        assert isinstance(e, ValueError) and re.search(r"rank 0: .* is a file", str(e)), repr(e)
+INVERSE = r"^rank {}: save_pretrained: model\.layers\.{}\.mlp \(\w+\) does not convert back: "
+FAILED = [  # each save's error, on every rank
+    (KeyError, INVERSE.format(0, 0) + r"gate_proj\.weight$"),
+    (KeyError, INVERSE.format(2, 1) + r"gate_proj\.weight$"),
+    (ValueError, r"^rank 0: .* is a file"),
+]
+
+
+def test_what_fails_on_a_writing_rank_raises_on_every_rank(world, tmp_path):
+    """A rank that keeps full tensors fails: rank 0's inverse of a converted layer, a
+    stage's under pp (while the other ranks go on gathering), rank 0's write (here the
+    target is a file): the same error on every rank, none left waiting (a short
+    timeout), nothing written."""
+    results = world(4).run(_failures, str(tmp_path), timeout=120)
+    for raised in results:
+        for e, (kind, match) in zip(raised, FAILED, strict=True):
+            assert type(e) is kind and re.search(match, e.args[0]), repr(e)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no directory, no staging

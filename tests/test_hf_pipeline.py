@@ -23,8 +23,35 @@ from support.hf_grads import reference_grad  # noqa: E402
 from support.hf_models import DOCUMENTS, MOE, SEQ, SPANS, VOCAB  # noqa: E402
 from support.hf_models import tiny_model as _model  # noqa: E402
 
+PASSED = r" \(ranks [0-9, ]+ passed their checks; every rank raises this\)$"
+STEP_REFUSALS = [  # (rank, the change to its step, the error every rank raises)
+    (0, "offset positions", r"^rank 0: position_ids must be 0\.\.S-1, or restart at 0 at each "),
+    (3, "positions a list", r"^rank 3: position_ids must be a torch\.Tensor or None, got list"),
+    (1, "15 tokens", r"^rank 1: the batch's 15 tokens do not split into its shards: "),
+]
 
-def _run(family: str, schedule: str, packed: bool = False, seed: int = 0):
+
+def _step_refusals(pipe, ids, labels, kwargs) -> list:
+    """Steps that one rank's own checks refuse, at the first step (`STEP_REFUSALS`): what
+    each raised here, as (type, message)."""
+    raised = []
+    for rank, change, _ in STEP_REFUSALS:
+        given, wrong = ids, dict(kwargs)
+        if dist.get_rank() == rank:
+            if change == "offset positions":
+                wrong["position_ids"] = kwargs["position_ids"] + 3
+            elif change == "positions a list":
+                wrong["position_ids"] = kwargs["position_ids"].tolist()
+            else:
+                given = ids[:, :15]
+        e = exception_of(pipe.step, given, target=labels, **wrong)
+        raised.append(e and (type(e).__name__, str(e)))
+    return raised
+
+
+def _run(family: str, schedule: str, packed: bool = False, seed: int = 0, refusals=False):
+    """One step of `family` against the original's (and with `refusals`, before it, the
+    steps one rank refuses alone: what they raised is returned)."""
     moe = family in MOE
     dims = fp.ParallelDims(pp=2, tp=2, ep="tp" if moe else None)
     layers = 2 if SCHEDULES[schedule] == "single" else 4  # a stage a layer
@@ -49,6 +76,7 @@ def _run(family: str, schedule: str, packed: bool = False, seed: int = 0):
 
     mesh = hf.parallelize(model, dims)
     pipe = fp.pipeline.split(model, dims, mesh, schedule=schedule, microbatches=microbatches)
+    raised = _step_refusals(pipe, ids, labels, kwargs) if refusals else []
     total = stage_losses_total(pipe.step(ids, target=labels, **kwargs))
     dist.all_reduce(total)  # the last stage's TP ranks hold a share each
     assert_close(total.reshape(1), losses[torch.float64], losses[torch.float32], name="loss")
@@ -60,7 +88,7 @@ def _run(family: str, schedule: str, packed: bool = False, seed: int = 0):
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, names)
     assert {name for name, _ in model.named_parameters()} <= set().union(*map(set, gathered))
-    return True
+    return raised
 
 
 @pytest.mark.parametrize("family, schedule, packed", [
@@ -78,7 +106,16 @@ def _run(family: str, schedule: str, packed: bool = False, seed: int = 0):
     ("gpt_neox", "DualPipeV", False),  # its own tree; fused qkv, parallel residual
 ])  # fmt: skip
 def test_a_converted_model_pipelines_like_the_original(world, family, schedule, packed):
-    assert world(4).run(_run, family, schedule, packed) == [True] * 4
+    """(Before llama's interleaved step: one rank's position_ids with an offset, or a
+    list, or its input of another length, at the first step; the same error on every
+    rank, where the other stages would wait in the schedule.)"""
+    refusals = (family, schedule) == ("llama", "Interleaved1F1B")
+    results = world(4).run(_run, family, schedule, packed, refusals=refusals, timeout=240)
+    assert all(raised == results[0] for raised in results)
+    assert len(results[0]) == (len(STEP_REFUSALS) if refusals else 0)
+    for (_, change, match), (kind, message) in zip(STEP_REFUSALS, results[0], strict=False):
+        want = "TypeError" if change == "positions a list" else "ValueError"
+        assert kind == want and re.search(match + ".*" + PASSED, message), (change, message)
 
 
 def _refused(family, schedule, batch):

@@ -25,6 +25,7 @@ transformers = pytest.importorskip(
 )
 accelerate = pytest.importorskip("accelerate", reason="the Trainer needs it (the [test] extra)")
 hf = pytest.importorskip("fusedpar.integrations.hf")
+hf_trainer = pytest.importorskip("fusedpar.integrations.hf_trainer")
 
 SEQ, BATCH, VOCAB, STEPS, LR, CLIP = 16, 2, 64, 3, 1e-2, 0.5
 
@@ -106,13 +107,16 @@ def _arguments(out: str, **changes):
 
 def _train(model, data, out, **changes):
     """Three Trainer steps; returns (losses, grad norms, each forward's input_ids,
-    tokens seen) as the Trainer logged them."""
-    seen = []
+    tokens seen) as the Trainer logged them, and the microbatches whose FSDP2
+    reduce-scatter the Trainer deferred."""
+    seen, deferred = [], []
     model.register_forward_pre_hook(
         lambda m, a, k: seen.append(k["input_ids"].clone()), with_kwargs=True, prepend=True
     )
     trainer = hf.Trainer(model=model, args=_arguments(out, **changes), train_dataset=data)
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
+    defer = trainer._defer_fsdp_gradient_reduction  # counted where the Trainer enters it
+    trainer._defer_fsdp_gradient_reduction = lambda: deferred.append(1) or defer()
     gc.freeze()  # the Trainer's gc.collect() walks the rank's whole heap: seconds
     try:
         trainer.train()
@@ -124,6 +128,7 @@ def _train(model, data, out, **changes):
         [e["grad_norm"] for e in logs],
         seen,
         trainer.state.num_input_tokens_seen,
+        len(deferred),
     )
 
 
@@ -195,13 +200,14 @@ def _run_tp_cp():
         refused.append(_refusal(model, out, data))
         del model.extra
         with _torchrun_environment():
-            got, got_norms, seen, tokens = _train(
+            got, got_norms, seen, tokens, deferred = _train(
                 model, data, out, train_sampling_strategy="sequential"
             )
     assert got == losses and got_norms == norms, (got, losses, got_norms, norms)
     assert _same_weights(model, reference)
     assert all(torch.equal(s, b["input_ids"]) for s, b in zip(seen, batches, strict=True))
     assert tokens == STEPS * BATCH * SEQ  # counted once per batch, not per rank
+    assert deferred == 0  # (no FSDP2)
     # no torchrun variables: accelerate sees one process
     assert "sees 1 process(es)" in refused[0] and "torch.distributed has 4" in refused[0]
     assert "dims=None under 4 processes" in refused[1]
@@ -219,7 +225,7 @@ def _run_dp_tp():
     mesh = hf.parallelize(model, dims)
     dp_group = dims.groups(mesh)["dp"]
     with tempfile.TemporaryDirectory() as out, _torchrun_environment():
-        got, got_norms, seen, tokens = _train(model, data, out, activation_checkpointing=True)
+        got, got_norms, seen, tokens, _ = _train(model, data, out, activation_checkpointing=True)
     rows = {tuple(ids.tolist()): i for i, ids in enumerate(d["input_ids"] for d in data)}
     mine = [rows[tuple(r.tolist())] for ids in seen for r in ids]  # sample indices, in order
     everyone = [None] * 4
@@ -238,7 +244,8 @@ def _run_dp_tp():
     assert _same_weights(model, reference)
     assert tokens == STEPS * BATCH * SEQ * 2
 
-    # FSDP2 over dp, two microbatches a step (its reduce-scatter waits for the second)
+    # FSDP2 over dp, blocks then the model, two microbatches a step: the Trainer defers
+    # the first microbatch's reduce-scatter (the model is an FSDP module)
     models = []
     for _ in range(2):
         models.append(_model())
@@ -248,13 +255,14 @@ def _run_dp_tp():
         dims.fully_shard(models[-1], mesh)
     data = _rows(BATCH * STEPS * 4, masked=True)
     with tempfile.TemporaryDirectory() as out, _torchrun_environment():
-        fsdp, _, seen, _ = _train(
+        fsdp, _, seen, _, deferred = _train(
             models[0],
             data,
             out,
             gradient_accumulation_steps=2,
             train_sampling_strategy="sequential",
         )
+    assert deferred == STEPS  # the first microbatch of each step
     rank = fp.comm.group_rank(dp_group)
     order = [data[(k * 2 + rank) * BATCH : (k * 2 + rank + 1) * BATCH] for k in range(STEPS * 2)]
     batches = [transformers.default_data_collator(rows) for rows in order]
@@ -307,6 +315,47 @@ def test_what_cannot_work_is_refused_when_the_trainer_is_built(case, tmp_path):
             **given,
             train_dataset=_rows(BATCH, masked=False),
         )
+
+
+def _without_a_call(name: str):
+    """The Trainer's source with its calls of `name` renamed (as a release might)."""
+    read = hf_trainer._trainer_source  # (the real one, read when the test runs)
+    return lambda: read().replace(f"self.{name}", f"self.{name}_renamed")
+
+
+def _owner(cls: type, name: str) -> type:
+    """The class of `cls`'s bases that defines `name` (delattr takes it there)."""
+    return next(base for base in cls.__mro__ if name in vars(base))
+
+
+FLAG = hf_trainer.LOADED_BY_TRANSFORMERS
+GONE = {  # what a later transformers might change: (monkeypatch's call, its arguments)
+    "a method gone": ("delattr", (transformers.Trainer, "_clip_grad_norm")),
+    "a call gone": ("setattr", (hf_trainer, "_trainer_source", _without_a_call("get_tp_size"))),
+    "the model's flag gone": (
+        "delattr",
+        (_owner(transformers.PreTrainedModel, FLAG), FLAG),
+    ),
+}
+GONE_NAMED = {
+    "a method gone": r"Trainer\._clip_grad_norm \(absent\)",
+    "a call gone": r"Trainer\.get_tp_size \(not called: no 'self\.get_tp_size\(\)'\)",
+    "the model's flag gone": r"PreTrainedModel\.is_distributed_loading_by_transformers \(absent",
+}
+
+
+@pytest.mark.parametrize("case", list(GONE))
+def test_a_transformers_without_the_internals_it_overrides_is_refused(monkeypatch, tmp_path, case):
+    """An internal of transformers.Trainer that this module overrides, gone or no longer
+    called (a later transformers), or the model's flag for the Trainer's own-placement
+    path: the Trainer refuses to be built, naming it and the version tested."""
+    model = _model()
+    hf.parallelize(model, None)
+    call, arguments = GONE[case]
+    getattr(monkeypatch, call)(*arguments)
+    with pytest.raises(RuntimeError, match=GONE_NAMED[case]) as raised:
+        hf.Trainer(model=model, args=_arguments(str(tmp_path)), train_dataset=[])
+    assert "tested with transformers 5.23" in str(raised.value)
 
 
 class _Stream(torch.utils.data.IterableDataset):

@@ -83,9 +83,30 @@ def take_batch(module, args, kwargs):
 BATCH_TENSORS = ("tokens", "labels", "position_ids", "attention_mask", "sequence labels")
 
 
+BATCH_ARGUMENTS = (  # the tensors a call may pass, checked for their type first
+    "input_ids",
+    "inputs_embeds",
+    "attention_mask",
+    "position_ids",
+    "labels",
+    "shift_labels",
+)
+
+
+def check_tensors(kwargs, names=BATCH_ARGUMENTS) -> None:
+    """TypeError unless each of `names` in `kwargs` is a tensor or None: the checks after
+    read their shapes (an AttributeError there would escape the `checks.Verdict` and
+    leave the other ranks waiting in its gather)."""
+    for name in names:
+        given = kwargs.get(name)
+        if given is not None and not isinstance(given, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(given).__name__}")
+
+
 def _read_call(kwargs) -> torch.Tensor:
     """The checks of a call under either batch mode; returns its input_ids or
     inputs_embeds."""
+    check_tensors(kwargs)
     if kwargs.get("use_cache"):
         raise ValueError("a model converted by fusedpar keeps no KV cache: use_cache=False")
     if kwargs.get("past_key_values") is not None:
@@ -123,13 +144,14 @@ def _read_full(kwargs, state) -> dict:
         raise ValueError("shift_labels are a causal LM's: pass labels")
     if labels is not None and shifted is not None:
         raise ValueError("pass labels or shift_labels, not both")
-    if labels is not None:  # Hugging Face shifts inside a causal LM: over the whole sequence
-        shifted = F.pad(labels[:, 1:], (0, 1), value=-100) if state.head == "causal" else labels
-    if shifted is not None and tuple(shifted.shape) != tuple(tokens.shape[:2]):
+    given = labels if labels is not None else shifted
+    if given is not None and tuple(given.shape) != tuple(tokens.shape[:2]):
         raise ValueError(
             f"labels must be (B, S) = {tuple(tokens.shape[:2])}, like the input, "
-            f"got {tuple(shifted.shape)}"
+            f"got {tuple(given.shape)}"
         )
+    if labels is not None:  # Hugging Face shifts inside a causal LM: over the whole sequence
+        shifted = F.pad(labels[:, 1:], (0, 1), value=-100) if state.head == "causal" else labels
     if pooled_labels is not None and (
         pooled_labels.dim() == 0 or pooled_labels.shape[0] != tokens.shape[0]
     ):
@@ -208,7 +230,7 @@ def packed_documents(positions: torch.Tensor, shape) -> torch.Tensor | None:
     whole sequence, ``0..S-1``), for a batch of `shape` (B, S). Anything else (offsets,
     padding) raises."""
     batch, seq = shape
-    if positions.shape[-1] != seq or positions.dim() > 2:
+    if positions.dim() not in (1, 2) or positions.shape[-1] != seq:
         raise ValueError(f"position_ids must be (B, S) = {(batch, seq)}, got "
                          f"{tuple(positions.shape)}")  # fmt: skip
     expected = torch.arange(seq, device=positions.device)

@@ -37,12 +37,16 @@ device, its config a copy of the model's with ``use_cache`` as it was before
 writes with Hugging Face's own ``save_pretrained`` (safetensors shards of
 ``max_shard_size``, config, generation config) into a directory beside the target,
 moved into place when complete (weight files of an earlier save there are replaced).
-Every rank returns once it is written, or raises rank 0's error. Right after
+Every rank returns once it is written, or raises the same error: rank 0's write's, or
+an inverse's that failed on a rank converting its layers back (rank 0; under pp the
+lowest rank of a stage), named with the layer; that rank stops converting but goes on
+joining every gather, so no rank is left waiting, and nothing is written. Right after
 `parallelize` the files hold the original weights bit for bit.
 """
 
 import copy
 import os
+import pickle
 import secrets
 import shutil
 import types
@@ -133,17 +137,15 @@ def save_pretrained(
     mesh = getattr(getattr(model, "_fusedpar_batch", None), "mesh", None)
     lowest = None if mesh is None or pipeline is None else int(mesh.mesh.min())
     keep = rank in (0, lowest)
-    state = _held_state(model if pipeline is None else pipeline.model, skeleton, model.config, keep)
+    root = model if pipeline is None else pipeline.model
+    state, error = _held_state(root, skeleton, model.config, keep)
     if pipeline is not None:
-        state = _collect(state, keep, _device_of(model))
-    error = None
-    if rank == 0:
+        state, error = _collect(state, keep, _device_of(model), error)
+    if rank == 0 and error is None:
         try:
             _write(skeleton, state, Path(save_directory), max_shard_size)
         except Exception as e:
-            if not dist.is_initialized() or dist.get_world_size() == 1:
-                raise
-            error = (type(e), str(e))  # raised on every rank by _finish
+            error = Failure.of(e, 0)
     _finish(error)
 
 
@@ -211,10 +213,47 @@ def _dense(module: nn.Module, template: nn.Module, config, params: dict) -> dict
     return families.dense_mlp(template, config, params)  # ParallelSwiGLU, a plain MLP
 
 
-def _held_state(root: nn.Module, skeleton: nn.Module, config, keep: bool) -> dict:
-    """Hugging Face's names -> full tensors of what `root` (the converted model, or a
-    pipeline's stages) holds; every rank of a stage walks it in one order (each DTensor
-    gathered over its mesh), the ranks that `keep` return the tensors, the others {}."""
+@dataclass(frozen=True)
+class Failure:
+    """An error of the ranks that keep full tensors (an inverse, or rank 0's write),
+    raised on every rank by `_finish`: where it arose, its type and message, and the
+    exception itself on the rank that raised it (None once sent)."""
+
+    rank: int
+    kind: type
+    message: str
+    raised: BaseException | None = None
+
+    @classmethod
+    def of(cls, error: Exception, rank: int, where: str = "") -> "Failure":
+        text = error.args[0] if isinstance(error, KeyError) and error.args else error
+        return cls(rank, type(error), f"{where}{text}", error)
+
+    def sent(self) -> "Failure":
+        """The picklable part, for the other ranks (a type pickle cannot name: its name
+        in the message of a RuntimeError)."""
+        try:
+            pickle.dumps(self.kind)
+        except Exception:  # noqa: BLE001 - a local class, say
+            return Failure(self.rank, RuntimeError, f"{self.kind.__name__}: {self.message}")
+        return Failure(self.rank, self.kind, self.message)
+
+    def exception(self, prefix: str = "") -> BaseException:
+        """The error to raise: its type, with `prefix` before its message (RuntimeError
+        where the type takes other arguments)."""
+        try:
+            return self.kind(f"{prefix}{self.message}")
+        except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+            return RuntimeError(f"{prefix}{self.kind.__name__}: {self.message}")
+
+
+def _held_state(root: nn.Module, skeleton: nn.Module, config, keep: bool):
+    """(Hugging Face's names -> full tensors of what `root` (the converted model, or a
+    pipeline's stages) holds, this rank's `Failure` or None). Every rank of a stage walks
+    it in one order (each DTensor gathered over its mesh); the ranks that `keep` return
+    the tensors, the others {}. A conversion that fails there is kept as the `Failure`
+    (the first: no conversion after it), while the walk goes on joining every gather,
+    so that no rank is left waiting in one."""
     decoder, layers_name, attention = families.TREES.get(config.model_type, families.LLAMA_TREE)
     layers = module_at(root, f"{decoder}.{layers_name}")
     units = {}  # the converted layers, by their names
@@ -222,7 +261,8 @@ def _held_state(root: nn.Module, skeleton: nn.Module, config, keep: bool) -> dic
         if not isinstance(layer, PassThrough):  # another stage's block
             units[f"{decoder}.{layers_name}.{i}.{attention}"] = getattr(layer, attention)
             units[f"{decoder}.{layers_name}.{i}.mlp"] = layer.mlp
-    state, seen, inside = {}, set(), None
+    state, seen, inside, failure = {}, set(), None, None
+    rank = dist.get_rank() if dist.is_initialized() else 0
     for name, module in root.named_modules():
         if inside is not None and name.startswith(inside + "."):
             continue  # (a converted layer's submodules: taken with it)
@@ -234,8 +274,14 @@ def _held_state(root: nn.Module, skeleton: nn.Module, config, keep: bool) -> dic
             for sub, part in module.named_modules():
                 for key, t in _own_state(part, f"{sub}." if sub else ""):
                     params[key] = _full(t, keep)
-            if keep:
-                dense = _dense(module, skeleton.get_submodule(name), config, params)
+            if keep and failure is None:
+                try:
+                    dense = _dense(module, skeleton.get_submodule(name), config, params)
+                except Exception as e:
+                    kind = type(module).__name__
+                    where = f"save_pretrained: {name} ({kind}) does not convert back: "
+                    failure = Failure.of(e, rank, where)
+                    continue
                 state.update((prefix + key, t) for key, t in dense.items())
             continue
         for key, t in _own_state(module, prefix):
@@ -244,7 +290,7 @@ def _held_state(root: nn.Module, skeleton: nn.Module, config, keep: bool) -> dic
                 whole = _full(t, keep)
                 if keep:
                     state[key] = whole
-    return state
+    return state, failure
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -253,14 +299,21 @@ def _device_of(model: nn.Module) -> torch.device:
     return param.to_local().device if isinstance(param, DTensor) else param.device
 
 
-def _collect(state: dict, keep: bool, device) -> dict:
+def _collect(state: dict, keep: bool, device, failure):
     """Under pipeline parallelism: rank 0 receives what it does not hold, each tensor
     from the lowest rank that keeps it (one all_gather_object of names and shapes, then
-    point-to-point sends, in one order on every rank)."""
+    point-to-point sends, in one order on every rank). Returns (rank 0's state, {}
+    elsewhere; the first `Failure` of any rank, on every rank): where a rank failed,
+    nothing is sent."""
     rank = dist.get_rank()
     table = [None] * dist.get_world_size()
     listing = {key: (tuple(t.shape), t.dtype) for key, t in state.items()} if keep else None
-    dist.all_gather_object(table, listing)
+    dist.all_gather_object(table, (listing, failure and failure.sent()))
+    failures = [failed for _, failed in table if failed is not None]
+    if failures:  # (the same on every rank: no sends)
+        mine = failure if failure is not None and failure.rank == failures[0].rank else None
+        return {}, mine or failures[0]
+    table = [names for names, _ in table]
     owner = {}
     for source, names in enumerate(table):
         for key in names or ():
@@ -276,7 +329,7 @@ def _collect(state: dict, keep: bool, device) -> dict:
             buffer = torch.empty(shape, dtype=dtype, device=device)
             dist.recv(buffer, src=source)
             state[key] = buffer.cpu()
-    return state if rank == 0 else {}
+    return (state if rank == 0 else {}), None
 
 
 def _write(skeleton: nn.Module, state: dict, target: Path, max_shard_size) -> None:
@@ -336,17 +389,17 @@ def _move_into(staging: Path, target: Path) -> None:
         os.replace(path, target / path.name)
 
 
-def _finish(error) -> None:
-    """Every rank learns whether rank 0 wrote the directory: the same error everywhere,
-    or a return once it is complete (the barrier closing the save)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error is not None:
-        kind, message = error
-        try:
-            raised = kind(f"rank 0: {message}")
-        except Exception:  # noqa: BLE001 - an exception type that takes other arguments
-            raised = RuntimeError(f"rank 0: {kind.__name__}: {message}")
-        raise raised
+def _finish(failure: Failure | None) -> None:
+    """Every rank learns whether rank 0 wrote the directory: the same error everywhere
+    (rank 0's `failure`: a failed conversion, or its write; under pp a stage's failed
+    conversion, which `_collect` spread), or a return once it is complete (the broadcast
+    closing the save). In one process: the error, raised from the original."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if failure is not None:
+            raise failure.exception() from failure.raised
+        return
+    box = [failure and failure.sent()]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        mine = failure.raised if failure is not None and failure.rank == dist.get_rank() else None
+        raise box[0].exception(f"rank {box[0].rank}: ") from mine

@@ -17,7 +17,12 @@ same at any pipeline layout), and a forward that skips what a stage leaves out.
 | norm and head (last) | -> logits (B, S_loc, V), soft-capped where the model does  |
 
 ``position_ids`` of a packed batch go to every stage (a keyword of `Pipeline.step`):
-each derives the documents from them, nothing but the hidden state is sent. The loss
+each derives the documents from them, nothing but the hidden state is sent. What a rank
+alone finds wrong with its batch (a length that does not split, position_ids that give
+neither whole sequences nor packed documents, a non-tensor) raises the same error on
+every rank of the pipeline at the first step (`DecoderStages.check_step`, gathered by
+`Pipeline.step` before the schedule), and at the first stage's first call on every
+rank of that stage, with its check that they got one batch. The loss
 (`DecoderStages.loss`) takes Hugging Face's labels (B, S), shifts them over the whole
 sequence and returns this rank's tokens' share of the microbatch's mean: summed over
 the ranks of a stage it is the microbatch's loss. Only ``batch="full"`` is taken.
@@ -31,6 +36,7 @@ from fusedpar import checks
 from fusedpar.integrations.hf_batch import (
     check_same_batch,
     check_shards,
+    check_tensors,
     global_positions,
     local_tokens,
     packed_documents,
@@ -70,17 +76,20 @@ class DecoderStages(nn.Module):
         """x: input_ids (B, S) in the first stage, else the hidden state (B, S_loc, d)."""
         state, groups = self.batch, self.batch.groups
         embed = self._part(self.embed)
-        if embed is not None and x.dim() != 2:
-            raise ValueError(f"the first stage takes input_ids (B, S), got {tuple(x.shape)}")
-        seq = x.shape[1] if embed is not None else x.shape[1] * state.ranks()
-        shape = (x.shape[0], seq)
-        state.cu_seqlens = None if position_ids is None else packed_documents(position_ids, shape)
-        if embed is not None:
-            # the ranks of this stage got one microbatch, one that splits (at the first
-            # call: a rank's refusal raised on every rank of the stage)
+        if embed is None:
+            seq = x.shape[1] * state.ranks()
+            shape = (x.shape[0], seq)
+            state.cu_seqlens = (
+                None if position_ids is None else packed_documents(position_ids, shape)
+            )
+        else:
+            # the ranks of this stage got one microbatch, one that splits, with positions
+            # it takes (at the first call: a rank's refusal raised on every rank of the
+            # stage, none left waiting in the gather)
             verdict = checks.Verdict()
-            verdict.run(check_shards, seq, groups)
-            check_same_batch({"tokens": x, "position_ids": position_ids}, state, verdict)
+            seq = verdict.run(_read_first, x, position_ids, state)
+            taken = None if seq is None else {"tokens": x, "position_ids": position_ids}
+            check_same_batch(taken, state, verdict)
             x = embed(local_tokens(x, groups))  # (B, S_loc, d)
             learned = self._part(self.learned_positions)
             if learned is not None:
@@ -99,6 +108,21 @@ class DecoderStages(nn.Module):
             x = x if cap is None else torch.tanh(x / cap) * cap
         return x
 
+    def check_step(self, inputs: tuple, kwargs: dict, microbatches: int) -> None:
+        """`Pipeline.step`'s checks of its batch that a rank makes alone, on every rank
+        before the schedule (at the first step their verdicts are gathered over the
+        pipeline: a refusal raised on every rank, where the later stages would wait for
+        the first): input_ids (B, S) of a length that splits into the shards, and
+        position_ids that each microbatch takes (`packed_documents`)."""
+        x = inputs[0] if inputs else None
+        positions = kwargs.get("position_ids")
+        check_tensors({"input_ids": x, "position_ids": positions})
+        seq = None if x is None else _check_input(x, self.batch.groups)
+        if positions is not None:
+            seq = positions.shape[-1] if seq is None else seq
+            for part in positions.tensor_split(microbatches):  # as the schedule splits it
+                packed_documents(part, (part.shape[0], seq))
+
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """This rank's share of the microbatch's mean loss: `labels` (B, S) as Hugging
         Face takes them (shifted here, over the whole sequence), logits (B, S_loc, V)."""
@@ -107,3 +131,23 @@ class DecoderStages(nn.Module):
         total = F.cross_entropy(logits.flatten(0, 1).to(accumulator(logits.dtype)),
                                 mine.flatten(), ignore_index=-100, reduction="sum")  # fmt: skip
         return total / (shifted != -100).sum().clamp(min=1)
+
+
+def _check_input(x: torch.Tensor, groups: dict) -> int:
+    """input_ids (B, S) of a length that splits into the shards; returns S."""
+    if x.dim() != 2:
+        raise ValueError(f"the first stage takes input_ids (B, S), got {tuple(x.shape)}")
+    check_shards(x.shape[1], groups)
+    return x.shape[1]
+
+
+def _read_first(x, position_ids, state) -> int:
+    """The first stage's checks of its microbatch, which a rank makes alone: input_ids
+    (B, S) of a length that splits into the shards, position_ids (a tensor, or None)
+    that give whole sequences or packed documents (`packed_documents`, kept in the
+    state). Returns S."""
+    check_tensors({"input_ids": x, "position_ids": position_ids})
+    seq = _check_input(x, state.groups)
+    shape = (x.shape[0], seq)
+    state.cu_seqlens = None if position_ids is None else packed_documents(position_ids, shape)
+    return seq

@@ -33,11 +33,24 @@ would get wrong on a converted model, and what this one does instead:
   loop computes it.
 
 Activation checkpointing (``activation_checkpointing=True``, Hugging Face's own) and
-FSDP2 over dp (``dims.fully_shard`` before the Trainer; under gradient accumulation its
-reduce-scatter waits for the last microbatch) are taken as they are.
+FSDP2 over dp (``dims.fully_shard`` before the Trainer) are taken as they are. Under
+gradient accumulation FSDP2's reduce-scatter waits for the last microbatch where the
+model itself is an FSDP module (``dims.fully_shard(model, mesh)`` after its blocks: the
+Trainer reads that of the model); with only the blocks sharded each microbatch
+reduce-scatters (the same gradients, more communication).
+
+These changes override internals of ``transformers.Trainer`` (`INTERNALS`: its device
+move, ``get_tp_size``, token count, FSDP deferral, clipping, save and dataloader), and
+flag the model for the Trainer's own-placement path before the Trainer reads it, as
+``from_pretrained(distributed_config=...)`` does
+(``is_distributed_loading_by_transformers``). The ``hf`` extra takes any transformers
+>= 5.23, so the Trainer refuses to be built, naming them, where this transformers lacks
+one or its Trainer no longer calls it (`missing_internals`): an override gone unused
+would scale the loss or clip wrong, silently. Tested with transformers 5.23.
 
 What cannot work is refused when the Trainer is built, with the reason (`check_trainer`):
-a model not converted by `parallelize`, ``batch="local"``, a pipeline, ``model_init``, a
+a model not converted by `parallelize`, ``batch="local"``, a pipeline, a model on
+another device than the Trainer's (``use_cpu=True`` on a CPU), ``model_init``, a
 parameter added after `parallelize`, a Trainer that sees another number of processes
 than torch.distributed has, DeepSpeed, the Trainer's FSDP and accelerate's parallelism
 config, fp16 (its GradScaler decides alone on each rank whether to skip a step), a loss
@@ -52,6 +65,8 @@ gathers its weights), and the writing rank adds the tokenizer and the arguments.
 """
 
 import contextlib
+import functools
+import inspect
 import os
 
 import torch
@@ -68,6 +83,58 @@ _NO_EVALUATION = (
     "batch, and the logits are this rank's tokens): evaluate with "
     "model(input_ids=..., labels=...).loss under torch.no_grad()"
 )
+
+
+# transformers.Trainer's internals this module overrides, each with the text of its use
+# in the Trainer's source (transformers/trainer.py): renamed, or no longer called, the
+# override would go unused, and the loss scale (get_tp_size), the clipping or the token
+# count would be silently wrong (cp x tp times). Checked when the Trainer is built.
+TESTED_WITH = "5.23"
+INTERNALS = {
+    "_move_model_to_device": "self._move_model_to_device(",
+    "get_tp_size": "self.get_tp_size()",
+    "_track_num_input_tokens": "self._track_num_input_tokens(",
+    "_defer_fsdp_gradient_reduction": "self._defer_fsdp_gradient_reduction",
+    "_clip_grad_norm": "self._clip_grad_norm(",
+    "_save": "self._save(",
+    "get_train_dataloader": "self.get_train_dataloader()",
+}
+# the model's flag for the Trainer's path of a model that owns its placement and gradient
+# reduction (set by from_pretrained(distributed_config=...) where transformers shards a
+# model itself), and the Trainer's reading of it
+LOADED_BY_TRANSFORMERS = "is_distributed_loading_by_transformers"
+LOADED_READ = (
+    f'getattr(model, "{LOADED_BY_TRANSFORMERS}"',
+    f"if self.{LOADED_BY_TRANSFORMERS}:",
+)
+
+
+@functools.cache
+def _trainer_source() -> str | None:
+    """The text of the module that defines ``transformers.Trainer`` (None where its
+    source is not installed: then only the names are checked)."""
+    try:
+        return inspect.getsource(inspect.getmodule(transformers.Trainer))
+    except (OSError, TypeError):
+        return None
+
+
+def missing_internals(model) -> list[str]:
+    """The internals of ``transformers.Trainer`` this module relies on that this
+    transformers lacks or no longer calls (`INTERNALS`), and the model's flag for its
+    own-placement path where the model or the Trainer no longer has it."""
+    source, missing = _trainer_source(), []
+    for name, use in INTERNALS.items():
+        if not callable(getattr(transformers.Trainer, name, None)):
+            missing.append(f"Trainer.{name} (absent)")
+        elif source is not None and use not in source:
+            missing.append(f"Trainer.{name} (not called: no {use!r})")
+    flag = getattr(type(model), LOADED_BY_TRANSFORMERS, None)
+    if not isinstance(flag, property) or not hasattr(type(model), f"_{LOADED_BY_TRANSFORMERS}"):
+        missing.append(f"PreTrainedModel.{LOADED_BY_TRANSFORMERS} (absent)")
+    elif source is not None and not all(use in source for use in LOADED_READ):
+        missing.append(f"Trainer's {LOADED_BY_TRANSFORMERS} path (not read)")
+    return missing
 
 
 def _refuse(condition: bool, what: str, why: str) -> None:
@@ -136,6 +203,12 @@ def check_trainer(trainer) -> None:
         "launch with torchrun (accelerate reads RANK, WORLD_SIZE and LOCAL_RANK) and "
         "pass use_cpu=True on a CPU",
     )
+    have = next(model.parameters()).device.type
+    _refuse(
+        have != args.device.type,
+        f"a model on {have}",
+        f"the Trainer runs on {args.device} (use_cpu=True on a CPU)",
+    )
     _refuse(bool(args.deepspeed), "deepspeed", "the parameters are DTensors on fusedpar's mesh")
     _refuse(bool(args.fsdp), "fsdp", "shard over dp with dims.fully_shard before the Trainer")
     _refuse(
@@ -187,6 +260,12 @@ def check_trainer(trainer) -> None:
         "dispatch_batches or split_batches",
         "each dp rank takes whole batches of its own",
     )
+    check_saving(args)
+
+
+def check_saving(args) -> None:
+    """The Trainer's checkpoints refused (checked before the Trainer is built too: its own
+    refusal for the own-placement path names save_only_model, which would not do)."""
     _refuse(
         args.save_strategy != "no",
         f"save_strategy={_value(args.save_strategy)!r}",
@@ -213,20 +292,38 @@ class ParallelTrainerMixin:
                 "fusedpar's Trainer: model_init: pass model=, converted once "
                 "by parallelize on every rank"
             )
-        super().__init__(*args, **kwargs)
-        check_trainer(self)
-        # The Trainer's path for a model that owns its placement and gradient reduction:
-        # accelerate prepares the optimizer (and autocast), never a DDP wrapper.
-        if not hasattr(self, "is_distributed_loading_by_transformers"):
+        model = kwargs.get("model", args[0] if args else None)
+        _state(model)  # (TypeError for a model parallelize did not convert)
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:
+            check_saving(training_args)
+        missing = missing_internals(model)
+        if missing:
             raise RuntimeError(
-                "fusedpar's Trainer: this transformers has no "
-                "is_distributed_loading_by_transformers path (5.23 has)"
+                f"fusedpar's Trainer: this transformers ({transformers.__version__}) "
+                f"lacks or no longer calls what it overrides: {'; '.join(missing)}; "
+                f"without them its loss scale, clipping or token count would be silently "
+                f"wrong. It was tested with transformers {TESTED_WITH}: install that, or "
+                "train with the manual loop (docs/dropin.md)"
             )
-        self.is_distributed_loading_by_transformers = True
+        # The Trainer's path for a model that owns its placement and gradient reduction,
+        # flagged on the model as from_pretrained(distributed_config=...) does, before the
+        # Trainer reads it: no move to the device, no DDP wrapper (accelerate prepares the
+        # optimizer and autocast only).
+        model._is_distributed_loading_by_transformers = True
+        super().__init__(*args, **kwargs)
+        if getattr(self, LOADED_BY_TRANSFORMERS, None) is not True:
+            raise RuntimeError(
+                f"fusedpar's Trainer: this transformers ({transformers.__version__}) did "
+                f"not take the model's {LOADED_BY_TRANSFORMERS} path (tested with "
+                f"{TESTED_WITH})"
+            )
+        check_trainer(self)
 
     def _move_model_to_device(self, model, device):
         """The model is on its mesh's device already (a DTensor moves with its mesh):
-        check the type, move nothing."""
+        check the type, move nothing (the own-placement path calls this only for
+        ``bf16_full_eval``/``fp16_full_eval``; `check_trainer` checks the device)."""
         have = next(model.parameters()).device.type
         _refuse(
             have != torch.device(device).type,
@@ -272,9 +369,12 @@ class ParallelTrainerMixin:
 
     @contextlib.contextmanager
     def _defer_fsdp_gradient_reduction(self):
-        """FSDP2 over dp (``dims.fully_shard``) under gradient accumulation: its
-        reduce-scatter waits for the last microbatch (the Trainer's own reads a config
-        that `parallelize` does not set)."""
+        """FSDP2 over dp under gradient accumulation, where the model itself is an FSDP
+        module (``dims.fully_shard(model, mesh)`` after its blocks): the Trainer enters
+        this for every microbatch but the last, whose reduce-scatter then reduces them
+        all (the Trainer's own reads a config that `parallelize` does not set). With only
+        the blocks sharded the Trainer does not enter it: each microbatch reduce-scatters
+        (the same gradients, more communication)."""
         self.model.set_requires_gradient_sync(False)
         try:
             yield

@@ -1,7 +1,7 @@
 """Tiny random Hugging Face models of every family `fusedpar.integrations.hf.parallelize`
 converts, built from their configs (nothing downloaded), fp32, every parameter re-drawn:
 the models tests/test_hf*.py and tests/test_plan_hf.py run, and the packed batch
-(`DOCUMENTS`) some of them take."""
+(`DOCUMENTS`) and the padded mask (`PADDED`) some of them take."""
 
 import itertools
 
@@ -10,6 +10,8 @@ import torch
 SEQ, BATCH, VOCAB = 16, 2, 64
 DOCUMENTS = [0, 5, 11, 16]  # three packed documents of 5, 6 and 5 tokens in SEQ
 SPANS = list(itertools.pairwise(DOCUMENTS))
+# a (B, S) attention mask with padding (the last token of each row)
+PADDED = torch.ones(BATCH, SEQ, dtype=torch.long).index_fill_(1, torch.tensor([SEQ - 1]), 0)
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
 WINDOWED = dict(num_hidden_layers=2, sliding_window=5)  # a window that bites at SEQ tokens
