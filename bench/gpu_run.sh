@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU run plan of bench/NOTES.md, one self-contained command per step:
 #
-#   bash bench/gpu_run.sh STEP      (STEP 0-7, on a fresh lent GPU machine, with $OUT set)
+#   bash bench/gpu_run.sh STEP      (STEP 0-8, on a fresh lent GPU machine, with $OUT set)
 #
 # 0: what is new since the last run, for a 15-minute budget: the fused schedule's GPU tests,
 #    bench linear, and the other new GPU tests
@@ -12,13 +12,15 @@
 #    backward alone, cuDNN)
 # 6: MLA and the 2026 families' GPU tests, then a quick attention bench
 # 7: the example model's training step on one GPU against `fusedpar.plan`'s estimate (#44)
+# 8: #53's CPU tests that lean on torch internals (the DTensor swap of fp.distribute, the
+#    checkpoint's entry on the store, compile through distribute's hook) on torch 2.11
 #
 # Each step installs fusedpar, records the device, runs its parts under their own time
 # limits (summing to under 9 minutes, so the tarball is always written) and leaves at most
 # 8 files in $OUT: install.log, device.txt, summary.txt, one log per part, results.tgz
 # (every bench's JSON, table and plot, and the tuner's picks).
 set -uo pipefail
-step=${1:?usage: bash bench/gpu_run.sh 0|1|2|3|4|5|6|7}
+step=${1:?usage: bash bench/gpu_run.sh 0|1|2|3|4|5|6|7|8}
 out=${OUT:?set OUT to a folder that comes back}
 results=/tmp/fusedpar-results
 mkdir -p "$results"
@@ -84,7 +86,13 @@ case $step in
        tests/test_moe_kernels.py -k "head_dim_pairs_gpu or mla_gpu or routing_matches_float64_gpu"
      part attention 260 env BENCH_PEERS=fusedpar,sdpa-cudnn "${bench[@]}" attention ;;
   7) part step_time 300 env TRITON_PRINT_AUTOTUNING=1 python -m bench step_time ;;  # #44: vs_plan
-  *) echo "unknown step $step: 0-7" >&2; exit 2 ;;
+  # #53: CI runs torch 2.13 only; these lean on DTensor's internals (_local_tensor, _spec,
+  # DTensor.__new__), the default store, and Dynamo tracing distribute's hook: the CPU
+  # tier's files on this machine's torch 2.11 (CPU tensors, gloo, Triton interpreted)
+  8) part torch211_cpu 300 env TRITON_INTERPRET=1 python -m pytest -n 4 -q -p no:cacheprovider \
+       --timeout 240 tests/test_storage.py tests/test_checkpoint.py tests/test_checks.py \
+       tests/test_compile.py tests/test_pipeline.py ;;
+  *) echo "unknown step $step: 0-8" >&2; exit 2 ;;
 esac
 tar -czf "$out/results.tgz" -C "$results" .
 for log in "$out"/*.log; do echo "== $log"; tail -n 15 "$log"; done
