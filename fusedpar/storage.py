@@ -251,7 +251,7 @@ def _swap_in_locals(module, args):
     through ``to_local`` (Dynamo of torch 2.11 traces neither ``id()`` of a mesh nor
     ``__dict__.setdefault``; the graph's cost is not the host's)."""
     saved, grads = {}, []
-    if torch.compiler.is_compiling():  # traced: to_local per parameter, no Python caches
+    if torch.compiler.is_compiling():  # traced: the hook as it was before the one-node swap
         for name, placed in module._fusedpar_placed.items():
             param = module._parameters.get(name)
             if isinstance(param, DTensor):

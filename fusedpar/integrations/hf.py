@@ -317,12 +317,10 @@ def parallelize(
     model.register_forward_hook(add_loss, with_kwargs=True, always_call=True)
     if hasattr(model, "generate"):
         model.generate = _no_generation
-    retire_replaced(model, before, "parallelize")
-    if dims is None:
-        return None
-    distribute(model, stage_mesh, names=dims.names)  # a stage's parameters: its sub-mesh under pp
+    if dims is not None:  # a stage's parameters: its sub-mesh under pp
+        distribute(model, stage_mesh, names=dims.names)
     retire_replaced(model, before, "parallelize")  # distribute's too, under parallelize's name
-    return mesh
+    return mesh  # (None without dims)
 
 
 def _check_cp_ring(cp_ring: str, dims, attentions: list, config) -> None:
