@@ -10,7 +10,8 @@ machine (torch 2.13), where a one-rank ``ParallelSwiGLU``'s whole forward and ba
 take 230 µs (bench/host_overhead.py's distributed rows, docs/hot_path.md).
 
 `local_views` makes all of a module's parameters one node (about 9 µs a gradient in
-its backward). Its backward wraps each local
+its backward; its outputs alias the local tensors, as ``to_local``'s views do, without
+the view tracking autograd gives a Function's view outputs). Its backward wraps each local
 gradient in a DTensor whose spec is copied from one kept per (the parameter's spec, the
 gradient placements, as objects; the gradient's stride and dtype): at a miss the spec
 ``DTensor.from_local`` makes from the gradient, the global shape and the global stride
@@ -19,6 +20,10 @@ backward returns: the same local tensor, placements, shape, stride and dtype
 (tests/test_storage.py). While ``torch.compile`` traces, and for a parameter that is not
 a plain DTensor, the parameters go through ``to_local`` as before; in a double backward
 (``create_graph``) each gradient goes through ``DTensor.from_local``, which records it.
+
+Where the parameter's AccumulateGrad would then accumulate that DTensor (DTensor's
+dispatch: ~17 µs a ``detach`` or ``+=``), the node accumulates on the local tensors
+instead and hands it nothing (`_accumulate`); AccumulateGrad still runs, with its hooks.
 
 The parameters' gradients reach autograd together, when the module's backward has made
 them all, not one by one: the post-accumulate-grad hooks (`fusedpar.storage`'s, FSDP2's)
@@ -37,33 +42,76 @@ __all__ = ["local_views"]
 
 
 class _LocalViews(torch.autograd.Function):
-    """DTensors -> views of their local tensors; gradients -> DTensors (module doc)."""
+    """DTensors -> their local tensors; gradients -> DTensors, or accumulated (module doc)."""
 
     @staticmethod
     def forward(ctx, plan, *params):
-        # plan: per parameter (gradient placements, the module's spec cache)
-        ctx.plan, ctx.specs = plan, [p._spec for p in params]
+        ctx.plan, ctx.params, ctx.specs = plan, params, [p._spec for p in params]
         ctx.set_materialize_grads(False)  # an unused parameter gets no gradient, as before
         views, frozen = [], []
         for p in params:
             local = p._local_tensor
-            view = local.view_as(local)  # a fresh tensor: autograd's metadata goes on it
+            # a fresh tensor, autograd's metadata goes on it: an alias (to_local's is a view,
+            # which autograd tracks as one: 15 -> 7 µs for three, this machine)
+            view = local.detach()
             if getattr(p, "_is_param", False):
                 view._is_param = True  # a Parameter's local is one too (to_local, gh-166156)
             views.append(view)
             if not p.requires_grad:
                 frozen.append(view)
-        # a frozen parameter's view needs no gradient, as to_local's would not (a Function
-        # marks every output differentiable: the layers would compute dW to drop it)
-        ctx.mark_non_differentiable(*frozen)
+        if frozen:  # its view needs no gradient, as to_local's would not (a Function marks
+            ctx.mark_non_differentiable(*frozen)  # every output differentiable: dW for nothing)
         return tuple(views)
 
     @staticmethod
     def backward(ctx, *grads):
         out = [None]
-        for grad, spec, (placements, specs) in zip(grads, ctx.specs, ctx.plan, strict=True):
-            out.append(None if grad is None else _as_dtensor(grad, spec, placements, specs))
+        # (grad mode is on in a double backward: AccumulateGrad builds a graph then)
+        edges = None if torch.is_grad_enabled() else ctx.next_functions
+        specs = ctx.plan.specs
+        for i, (grad, param, spec, placements) in enumerate(
+            zip(grads, ctx.params, ctx.specs, ctx.plan.grad_placements, strict=True)
+        ):
+            if grad is None or (
+                edges is not None and _accumulate(param, grad, spec, placements, specs, edges[i][0])
+            ):
+                out.append(None)
+            else:
+                out.append(_as_dtensor(grad, spec, placements, specs))
         return tuple(out)
+
+
+def _accumulate(param, grad: Tensor, spec, placements: tuple, specs: dict, node) -> bool:
+    """Do `node`'s (``param``'s AccumulateGrad's) work on the local tensors, where it is
+    exactly what it would do with the DTensor `_as_dtensor` makes, and say whether it
+    was done. Then the node gets no gradient: it still runs, with its hooks and
+    ``param``'s post-accumulate-grad hooks, which see ``param.grad`` as it would have
+    left it. AccumulateGrad's DTensor ``detach`` or ``+=`` went through DTensor's
+    dispatch: ~15-20 µs each on the host, ~3 µs here (docs/hot_path.md)."""
+    if param._backward_hooks:  # tensor hooks see the DTensor gradient first
+        return False
+    try:
+        if not torch._C._will_engine_execute_node(node):
+            return False  # (``backward(inputs=...)`` without this parameter)
+    except RuntimeError:  # autograd.grad: the gradient is returned, not accumulated
+        return False
+    local, current = param._local_tensor, param.grad
+    if current is None:  # AccumulateGrad steals a fresh gradient: ``.grad = new.detach()``
+        if (
+            grad.shape != local.shape
+            or grad.dtype != local.dtype
+            or grad.stride() != local.stride()
+        ):
+            return False  # (it would check it or copy it to the parameter's layout)
+        param.grad = _as_dtensor(grad, spec, placements, specs)
+        return True
+    held = current._spec if type(current) is DTensor else None
+    if held is None or held.mesh is not spec.mesh or held.placements != placements:
+        return False  # (DTensor's ``+=`` redistributes the new one, or it is not a DTensor)
+    if current._local_tensor.shape != grad.shape:
+        return False  # (the engine checks the shape before AccumulateGrad)
+    current._local_tensor.add_(grad)  # AccumulateGrad's in-place ``grad += new``
+    return True
 
 
 def _as_dtensor(grad: Tensor, spec, placements: tuple, specs: dict) -> DTensor:
@@ -102,8 +150,17 @@ def local_views(params: list, grad_placements: list, specs: dict) -> list[Tensor
                 "more on the host than fusedpar's one-node swap)"
             )
         return [p.to_local(grad_placements=g) for p, g in zip(params, grad_placements, strict=True)]
-    plan = tuple((g, specs) for g in grad_placements)
-    return list(_LocalViews.apply(plan, *params))
+    return list(_LocalViews.apply(_Plan(grad_placements, specs), *params))
+
+
+class _Plan:
+    """The gradients' placements and the module's spec cache, one argument that pytree
+    leaves whole (``Function.apply`` flattens its arguments: ~2.5 µs for nested tuples)."""
+
+    __slots__ = ("grad_placements", "specs")
+
+    def __init__(self, grad_placements: list, specs: dict):
+        self.grad_placements, self.specs = grad_placements, specs
 
 
 _said: set = set()

@@ -294,7 +294,9 @@ def _needs_reduction(param) -> bool:
 
 
 def _reduce_grad(param: DTensor) -> None:
-    """Post-accumulate-grad hook: a partial gradient waits for the end of this backward,
+    """Post-accumulate-grad hook of the parameters whose gradient from forward is partial
+    on some axis (`_place`; the others' never is: a hook each would cost ~2 µs a step for
+    nothing): a partial gradient waits for the end of this backward,
     when `_reduce_grads` sums (or averages) every waiting one to its parameter's
     placements in a few collectives, as FSDP2 does before its reduce-scatter. Where the
     ranks' backwards may accumulate different parameters (`deferred_grad_reduction`),
@@ -545,6 +547,7 @@ def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=None,
     if check_replicas:
         _check_replicas(plan, mesh)
     done: dict[int, nn.Parameter] = {}  # a tied parameter becomes one DTensor parameter
+    partial: dict[int, nn.Parameter] = {}  # those whose gradient from forward is partial
     replaced = {}  # name -> the plain parameter, retired: an optimizer built before fails
     for owner, module, placed in plan:
         for name, where in placed.items():
@@ -555,12 +558,16 @@ def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=None,
                 tensor = DTensor.from_local(param.detach(), mesh, placements, run_check=False)
                 new = nn.Parameter(tensor, requires_grad=param.requires_grad)
                 if new.requires_grad:
-                    new.register_post_accumulate_grad_hook(_reduce_grad)
                     new._fusedpar_order = next(_order)
                 done[id(param)] = new
             module._parameters[name] = done[id(param)]
+            if where.grad_placements != where.placements:  # partial: reduced (`_reduce_grad`)
+                partial[id(param)] = done[id(param)]
         module._fusedpar_placed, module._fusedpar_saved = placed, []
         module.register_forward_pre_hook(_swap_in_locals)
         module.register_forward_hook(_swap_back, always_call=True)
+    for param in partial.values():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(_reduce_grad)
     retire(replaced, "distribute")
     return model

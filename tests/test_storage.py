@@ -4,6 +4,7 @@ over the ranks whose tokens they saw, with no list of names; clipping and foreac
 AdamW on the result; and the misuse errors. The whole-model gradient checks against a
 single device are in test_examples.py."""
 
+import copy
 import re
 
 import pytest
@@ -405,3 +406,108 @@ def _run_local_views_match_to_local():
 
 def test_local_views_make_the_gradients_to_local_makes(world):
     assert all(world(4).run(_run_local_views_match_to_local))
+
+
+def _run_local_accumulation_is_autograds():
+    """`fusedpar.local_params` accumulates a parameter's gradient on its local tensor
+    where AccumulateGrad would have accumulated the DTensor. Two copies of one model on
+    (dp 1, cp 2, tp 2), one with that fast path turned off, take the same backwards:
+    accumulating twice, after ``zero_grad``, ``autograd.grad`` (returned, not
+    accumulated), ``backward(inputs=...)``, a tensor hook on one parameter, a hook on
+    its AccumulateGrad node, post-accumulate-grad hooks and ``create_graph``: the same
+    gradients bit for bit (placements, partial ones reduced), hooks called alike."""
+    from unittest import mock
+
+    from fusedpar import local_params
+
+    _, mesh, groups = _mesh()
+    torch.manual_seed(0)
+    d, h, tokens = 8, 12, 8
+    dense = nn.Sequential(nn.RMSNorm(d), nn.Linear(d, h), nn.GELU(), nn.Linear(h, d))
+    with torch.no_grad():
+        dense[0].weight.uniform_(0.5, 1.5)
+    x = _sharded(torch.randn(tokens, d), groups)
+
+    def build():
+        norm, up, _, down = copy.deepcopy(dense)
+        column = fp.nn.ColumnParallelLinear.from_dense(up, groups["tp"])
+        row = fp.nn.RowParallelLinear.from_dense(down, groups["tp"])
+        return fp.distribute(nn.Sequential(norm, column, nn.GELU(), row), mesh)
+
+    fast, slow = build(), build()
+    # whole tokens (token_axes=()): whole gradients, no reduction, which runs without grad
+    plains = {
+        model: fp.distribute(copy.deepcopy(nn.Sequential(dense[0], dense[1])), mesh, token_axes=())
+        for model in (fast, slow)
+    }
+    # the reduction's hook only where a gradient from forward is partial: every parameter
+    # of the TP model (over cp at least), none of the one of whole tokens
+    assert all(p._post_accumulate_grad_hooks for p in fast.parameters())
+    assert not any(p._post_accumulate_grad_hooks for p in plains[fast].parameters())
+    taken, accumulate = [], local_params._accumulate
+
+    def counted(*args):
+        taken.append(accumulate(*args))
+        return taken[-1]
+
+    def run(model, accumulate):
+        seen = []  # (what, name, detail) in the order the hooks ran
+        with mock.patch.object(local_params, "_accumulate", accumulate):
+            params = dict(model.named_parameters())
+
+            def loss():
+                return model(x).square().sum()
+
+            loss().backward()
+            loss().backward()
+            grads = {"twice": {n: p.grad.to_local().clone() for n, p in params.items()}}
+            model.zero_grad()
+            got = torch.autograd.grad(loss(), list(params.values()))
+            assert all(p.grad is None for p in params.values())  # returned, not accumulated
+            grads["autograd.grad"] = {n: g.to_local() for n, g in zip(params, got, strict=True)}
+            loss().backward(inputs=[params["3.weight"]])
+            assert [n for n, p in params.items() if p.grad is not None] == ["3.weight"]
+            grads["inputs="] = {"3.weight": params["3.weight"].grad.to_local().clone()}
+            model.zero_grad()
+            params["1.weight"].register_hook(lambda g: g * 3)
+            node = params["0.weight"].view_as(params["0.weight"]).grad_fn.next_functions[0][0]
+            node.register_hook(lambda *_: seen.append(("node", "0.weight", None)))
+            for n, p in params.items():
+                p.register_post_accumulate_grad_hook(
+                    lambda p, n=n: seen.append(("post", n, p.grad.to_local().sum().item()))
+                )
+            loss().backward()
+            grads["hooked"] = {n: p.grad.to_local().clone() for n, p in params.items()}
+            # whole gradients accumulate on the local ones (partial ones were reduced to
+            # the parameter's placements: the next is added to that by DTensor, as before)
+            plain = plains[model]
+            for _ in range(2):
+                plain(x).square().sum().backward()
+            grads["whole, twice"] = {
+                n: p.grad.to_local().clone() for n, p in plain.named_parameters()
+            }
+            plain.zero_grad()
+            # a double backward (the TP layers' ops take none: a plain layer's)
+            plain(x).square().sum().backward(create_graph=True)
+            seen += [("create_graph", n, p.grad.requires_grad) for n, p in plain.named_parameters()]
+            grads["create_graph"] = {
+                n: p.grad.to_local().detach() for n, p in plain.named_parameters()
+            }
+            for p in params.values():
+                assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements
+        return grads, seen
+
+    ours, theirs = run(fast, counted), run(slow, lambda *args: False)
+    assert ours[1] == theirs[1] and len(ours[1]) == 9, (ours[1], theirs[1])
+    assert all(detail for what, _, detail in ours[1] if what == "create_graph")
+    for case, want in theirs[0].items():
+        for name, grad in want.items():
+            assert torch.equal(ours[0][case][name], grad), (case, name)
+    # the fast path where AccumulateGrad would run on a gradient of the placements it holds
+    assert taken[:5] == [True] * 5 and taken[5:10] == [False] * 5, taken  # twice: reduced
+    assert taken[-4:] == [True] * 4, taken  # whole, twice
+    return True
+
+
+def test_accumulating_on_local_tensors_is_autograds_accumulation(world):
+    assert all(world(4).run(_run_local_accumulation_is_autograds))
