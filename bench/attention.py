@@ -73,16 +73,18 @@ def selected_peers() -> list[str]:
     wanted = {n.strip() for n in named.split(",") if n.strip()}
     unknown = wanted - set(ALL_PEERS)
     if unknown:
-        raise ValueError(f"BENCH_PEERS: unknown peers {sorted(unknown)}; "
-                         f"known: {', '.join(ALL_PEERS)}")  # fmt: skip
+        raise ValueError(
+            f"BENCH_PEERS: unknown peers {sorted(unknown)}; known: {', '.join(ALL_PEERS)}"
+        )
     return [n for n in ALL_PEERS if n in wanted]
 
 
 def _fusedpar(causal, gqa, deterministic=False):
     import fusedpar as fp
 
-    return "bshd", lambda q, k, v: fp.flash_attn(q, k, v, causal=causal,
-                                                 deterministic=deterministic)
+    return "bshd", lambda q, k, v: fp.flash_attn(
+        q, k, v, causal=causal, deterministic=deterministic
+    )
 
 
 def backward_times() -> dict:
@@ -102,8 +104,9 @@ def _sdpa(backend, causal, gqa):
 
     def run(q, k, v):
         with sdpa_kernel(chosen):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                                                    **extra)  # fmt: skip
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, **extra
+            )
 
     return "bhsd", run
 
@@ -137,8 +140,11 @@ def make_peer(name, causal, S, gqa, device="cuda"):
         return _fusedpar(causal, gqa, deterministic=name == "fusedpar-split")
     if name == "flex":
         return _flex(causal, gqa, S, device)
-    backend = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION",
-               "sdpa-efficient": "EFFICIENT_ATTENTION"}[name]  # fmt: skip
+    backend = {
+        "sdpa-flash": "FLASH_ATTENTION",
+        "sdpa-cudnn": "CUDNN_ATTENTION",
+        "sdpa-efficient": "EFFICIENT_ATTENTION",
+    }[name]
     return _sdpa(backend, causal, gqa)
 
 
@@ -225,10 +231,10 @@ def _masked_flash_attn(mask, spec, device):
         raise Unavailable(f"flash-attn: not importable ({type(e).__name__})") from None
     if mask == "documents":
         cu, longest = cu_seqlens(spec, device), max(spec)
-        return "thd", lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, longest, longest,
-                                                             causal=True)  # fmt: skip
-    return "bshd", lambda q, k, v: flash_attn_func(q, k, v, causal=True,
-                                                   window_size=(spec - 1, 0))  # fmt: skip
+        return "thd", lambda q, k, v: flash_attn_varlen_func(
+            q, k, v, cu, cu, longest, longest, causal=True
+        )
+    return "bshd", lambda q, k, v: flash_attn_func(q, k, v, causal=True, window_size=(spec - 1, 0))
 
 
 def make_masked_peer(name, point, device="cuda"):
@@ -280,11 +286,19 @@ def _time_passes(make, B, S, Hq, Hkv, D, device="cuda"):
 def points():
     """(D, causal, S, Hq, Hkv) in run order: multi-head, then GQA."""
     head_dims, seq_lens = ((128,), (1024, 4096, 16384)) if quick() else (HEAD_DIMS, SEQ_LENS)
-    mha = [(D, causal, S, D_MODEL // D, D_MODEL // D)
-           for D in head_dims for causal in (False, True) for S in seq_lens]  # fmt: skip
+    mha = [
+        (D, causal, S, D_MODEL // D, D_MODEL // D)
+        for D in head_dims
+        for causal in (False, True)
+        for S in seq_lens
+    ]
     gqa_lens = (16384,) if quick() else SEQ_LENS
-    gqa = [(128, causal, S, GQA_HEADS, Hkv)
-           for Hkv in GQA_KV_HEADS for causal in (False, True) for S in gqa_lens]  # fmt: skip
+    gqa = [
+        (128, causal, S, GQA_HEADS, Hkv)
+        for Hkv in GQA_KV_HEADS
+        for causal in (False, True)
+        for S in gqa_lens
+    ]
     return mha + gqa
 
 
@@ -292,9 +306,14 @@ def masked_points():
     """(mask, D, T, Hq, Hkv, spec) in run order, causal over one packed stream of T
     tokens: documents (`spec`: their lengths), then a sliding window (`spec`: W keys)."""
     heads = MASKED_HEADS[:1] if quick() else MASKED_HEADS
-    return [pt for Hq, Hkv in heads
-            for pt in (("documents", 128, sum(DOC_LENGTHS), Hq, Hkv, DOC_LENGTHS),
-                       ("window", 128, WINDOW_TOKENS, Hq, Hkv, WINDOW))]  # fmt: skip
+    return [
+        pt
+        for Hq, Hkv in heads
+        for pt in (
+            ("documents", 128, sum(DOC_LENGTHS), Hq, Hkv, DOC_LENGTHS),
+            ("window", 128, WINDOW_TOKENS, Hq, Hkv, WINDOW),
+        )
+    ]
 
 
 def _masked(point) -> bool:
@@ -334,10 +353,29 @@ def main(device: str = "cuda") -> None:
         return
     names = selected_peers()
     dtype = str(DTYPE).removeprefix("torch.")
-    meta = {**environment(), **measured_ceilings(), "dtype": dtype, "tokens": TOKENS,
-            "d_model": D_MODEL, "quick": quick(), "peers": ",".join(names)}  # fmt: skip
-    columns = ["D", "S", "B", "Hq", "Hkv", "causal", "mask", "pass_", *names, "vs_best_peer",
-               "vs_matmul", "note"]  # fmt: skip
+    meta = {
+        **environment(),
+        **measured_ceilings(),
+        "dtype": dtype,
+        "tokens": TOKENS,
+        "d_model": D_MODEL,
+        "quick": quick(),
+        "peers": ",".join(names),
+    }
+    columns = [
+        "D",
+        "S",
+        "B",
+        "Hq",
+        "Hkv",
+        "causal",
+        "mask",
+        "pass_",
+        *names,
+        "vs_best_peer",
+        "vs_matmul",
+        "note",
+    ]
     dense, masked = points(), masked_points()
     table = {pt: {p: {**describe(pt)[0], "pass_": p} for p in PASSES} for pt in dense + masked}
     failures = {}
@@ -350,8 +388,17 @@ def main(device: str = "cuda") -> None:
             make = functools.partial(make_masked_peer, name, point, device)
         else:
             make = functools.partial(make_peer, name, causal, S, Hkv != Hq, device)
-        where = " ".join(filter(None, (name, fields.get("mask"), f"D={D} S={S} Hq={Hq} Hkv={Hkv}",
-                                       "causal" if causal else "")))  # fmt: skip
+        where = " ".join(
+            filter(
+                None,
+                (
+                    name,
+                    fields.get("mask"),
+                    f"D={D} S={S} Hq={Hq} Hkv={Hkv}",
+                    "causal" if causal else "",
+                ),
+            )
+        )
         for p, ms in _time_passes(make, B, S, Hq, Hkv, D, device).items():
             row = table[point][p]
             if isinstance(ms, Unavailable):  # not installed: a note in the row
@@ -390,10 +437,21 @@ def main(device: str = "cuda") -> None:
         shown = 128 if any(r["D"] == 128 for r in plain) else plain[0]["D"]
         for name in (n for n in names if n in PEERS):
             for causal, style in ((False, "-"), (True, "--")):
-                pts = [r for r in plain if r["D"] == shown and r["causal"] == causal
-                       and r["pass_"] == "fwd+bwd" and r.get(name) is not None]  # fmt: skip
-                ax.plot([r["S"] for r in pts], [r[name] for r in pts], style, marker="o",
-                        label=f"{name}{' causal' if causal else ''}")  # fmt: skip
+                pts = [
+                    r
+                    for r in plain
+                    if r["D"] == shown
+                    and r["causal"] == causal
+                    and r["pass_"] == "fwd+bwd"
+                    and r.get(name) is not None
+                ]
+                ax.plot(
+                    [r["S"] for r in pts],
+                    [r[name] for r in pts],
+                    style,
+                    marker="o",
+                    label=f"{name}{' causal' if causal else ''}",
+                )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length (16k tokens per batch)")
         ax.set_ylabel("TFLOP/s, forward + backward")

@@ -49,8 +49,9 @@ def _model(layers: int):
     dims = fp.ParallelDims(tp=WORLD)
     mesh = dims.build_mesh("cpu")
     torch.manual_seed(0)
-    cfg = Config(vocab=64, d_model=D_MODEL, n_layers=layers, n_heads=8, n_kv_heads=8,
-                 d_hidden=2 * D_MODEL)  # fmt: skip
+    cfg = Config(
+        vocab=64, d_model=D_MODEL, n_layers=layers, n_heads=8, n_kv_heads=8, d_hidden=2 * D_MODEL
+    )
     model = fp.distribute(ParallelTransformer(Transformer(cfg), dims.groups(mesh)), mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = torch.randint(0, 64, (2, 65), generator=torch.Generator().manual_seed(0))
@@ -82,9 +83,12 @@ def _rank(layers: int, root: str, reps: int) -> dict:
 
     model, optimizer, step = _model(layers)
     state_bytes = sum(t.to_local().numel() * t.element_size() for t in model.parameters())
-    state_bytes += sum(v.to_local().numel() * v.element_size()
-                       for s in optimizer.state.values() for k, v in s.items()
-                       if k != "step")  # fmt: skip
+    state_bytes += sum(
+        v.to_local().numel() * v.element_size()
+        for s in optimizer.state.values()
+        for k, v in s.items()
+        if k != "step"
+    )
     steps = [step() for _ in range(3)]
     blocking, blocked, total, during = [], [], [], []
     for rep in range(reps):
@@ -94,18 +98,23 @@ def _rank(layers: int, root: str, reps: int) -> dict:
         blocking.append((time.perf_counter() - start) * 1e3)
         dist.barrier()
         start = time.perf_counter()
-        pending = fp.checkpoint.save(Path(root) / f"async-{layers}-{rep}", model, optimizer,
-                                     async_save=True)  # fmt: skip
+        pending = fp.checkpoint.save(
+            Path(root) / f"async-{layers}-{rep}", model, optimizer, async_save=True
+        )
         blocked.append((time.perf_counter() - start) * 1e3)
         while _any_rank(not pending.done()):  # training goes on (every rank in step)
             during.append(step())
         pending.wait()
         total.append((time.perf_counter() - start) * 1e3)
-    return {"state_mib": state_bytes / 2**20, "blocking_ms": statistics.median(blocking),
-            "async_blocked_ms": statistics.median(blocked),
-            "async_total_ms": statistics.median(total), "step_ms": statistics.median(steps),
-            "step_during_ms": statistics.median(during) if during else None,
-            "steps_during": len(during) / reps}  # fmt: skip
+    return {
+        "state_mib": state_bytes / 2**20,
+        "blocking_ms": statistics.median(blocking),
+        "async_blocked_ms": statistics.median(blocked),
+        "async_total_ms": statistics.median(total),
+        "step_ms": statistics.median(steps),
+        "step_during_ms": statistics.median(during) if during else None,
+        "steps_during": len(during) / reps,
+    }
 
 
 def measure(sizes=None, reps: int = REPS) -> list[dict]:
@@ -119,15 +128,22 @@ def measure(sizes=None, reps: int = REPS) -> list[dict]:
             for label, layers in (sizes or SIZES).items():
                 per_rank = pool.run(_rank, layers, root, reps)
                 row = {"size": label, **per_rank[0]}
-                for key in ("blocking_ms", "async_blocked_ms", "async_total_ms", "step_ms",
-                            "step_during_ms"):  # fmt: skip
+                for key in (
+                    "blocking_ms",
+                    "async_blocked_ms",
+                    "async_total_ms",
+                    "step_ms",
+                    "step_during_ms",
+                ):
                     values = [r[key] for r in per_rank if r[key] is not None]
                     row[key] = max(values) if values else None
                 row["off_path_ms"] = row["async_total_ms"] - row["async_blocked_ms"]
                 rows.append(row)
-                print(f"{label} ({row['state_mib']:.0f} MiB a rank): blocking "
-                      f"{row['blocking_ms']:.0f} ms; async {row['async_blocked_ms']:.0f} ms "
-                      f"blocked, {row['async_total_ms']:.0f} ms to committed")  # fmt: skip
+                print(
+                    f"{label} ({row['state_mib']:.0f} MiB a rank): blocking "
+                    f"{row['blocking_ms']:.0f} ms; async {row['async_blocked_ms']:.0f} ms "
+                    f"blocked, {row['async_total_ms']:.0f} ms to committed"
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return rows
@@ -138,19 +154,39 @@ def main() -> None:
 
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())  # other work on the host, at start
     rows = measure()
-    columns = ["size", "state_mib", "blocking_ms", "async_blocked_ms", "async_total_ms",
-               "off_path_ms", "step_ms", "step_during_ms", "steps_during"]  # fmt: skip
+    columns = [
+        "size",
+        "state_mib",
+        "blocking_ms",
+        "async_blocked_ms",
+        "async_total_ms",
+        "off_path_ms",
+        "step_ms",
+        "step_during_ms",
+        "steps_during",
+    ]
 
     def plot(ax):
         from bench.common import paired_bars
 
-        paired_bars(ax, [f"{r['size']} ({r['state_mib']:.0f} MiB)" for r in rows],
-                    [r["async_blocked_ms"] for r in rows], [r["blocking_ms"] for r in rows],
-                    "async_save=True: save() returns", "blocking save", "ms (slowest rank)",
-                    f"checkpoint save on the training loop, {WORLD} CPU ranks")  # fmt: skip
+        paired_bars(
+            ax,
+            [f"{r['size']} ({r['state_mib']:.0f} MiB)" for r in rows],
+            [r["async_blocked_ms"] for r in rows],
+            [r["blocking_ms"] for r in rows],
+            "async_save=True: save() returns",
+            "blocking save",
+            "ms (slowest rank)",
+            f"checkpoint save on the training loop, {WORLD} CPU ranks",
+        )
 
-    meta = {**environment(), "device": f"CPU ({os.cpu_count()} cores), gloo",
-            "world": WORLD, "d_model": D_MODEL, "reps": REPS,
-            "storage": f"{tempfile.gettempdir()} (the system's temporary directory)",
-            "load_average_at_start": load}  # fmt: skip
+    meta = {
+        **environment(),
+        "device": f"CPU ({os.cpu_count()} cores), gloo",
+        "world": WORLD,
+        "d_model": D_MODEL,
+        "reps": REPS,
+        "storage": f"{tempfile.gettempdir()} (the system's temporary directory)",
+        "load_average_at_start": load,
+    }
     write_results("checkpoint_save", rows, columns, meta, plot)

@@ -153,8 +153,12 @@ def gpu_clocks() -> list[dict] | None:
     if exe is None:
         return None
     try:
-        proc = subprocess.run([exe, f"--query-gpu={CLOCK_QUERY}", "--format=csv"],
-                              capture_output=True, text=True, timeout=20)  # fmt: skip
+        proc = subprocess.run(
+            [exe, f"--query-gpu={CLOCK_QUERY}", "--format=csv"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     if proc.returncode != 0:
@@ -168,8 +172,9 @@ def parse_csv_query(text: str) -> list[dict] | None:
     if len(lines) < 2:
         return None
     header = [h.strip() for h in lines[0].split(",")]
-    return [dict(zip(header, (v.strip() for v in line.split(",")), strict=False))
-            for line in lines[1:]]  # fmt: skip
+    return [
+        dict(zip(header, (v.strip() for v in line.split(",")), strict=False)) for line in lines[1:]
+    ]
 
 
 def tuning_picks() -> dict:
@@ -224,8 +229,11 @@ def write_results(
     import fusedpar as fp
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    meta = {**meta, "implementation": fp.implementation_summary(device_type),
-            "tuning_picks": tuning_picks()}  # fmt: skip
+    meta = {
+        **meta,
+        "implementation": fp.implementation_summary(device_type),
+        "tuning_picks": tuning_picks(),
+    }
     text = json.dumps({"meta": meta, "rows": rows}, indent=2, allow_nan=False)
     (folder / f"{family}.json").write_text(text)
 
@@ -273,6 +281,8 @@ def _picks_section(picks: dict) -> list[str]:
                 lines.append(f"- {kernel} {key}: {config['implementation']}")
                 continue
             tile = " ".join(f"{k}={v}" for k, v in config["kwargs"].items())
-            lines.append(f"- {kernel} {key}: {tile}, {config['num_warps']} warps, "
-                         f"{config['num_stages']} stages")  # fmt: skip
+            lines.append(
+                f"- {kernel} {key}: {tile}, {config['num_warps']} warps, "
+                f"{config['num_stages']} stages"
+            )
     return lines

@@ -50,8 +50,10 @@ class SentCounter:
     def active(self):
         import torch.distributed as dist
 
-        originals = {n: getattr(dist, n) for n in ("all_to_all_single", "batch_isend_irecv",
-                                                   "all_gather", "all_reduce")}  # fmt: skip
+        originals = {
+            n: getattr(dist, n)
+            for n in ("all_to_all_single", "batch_isend_irecv", "all_gather", "all_reduce")
+        }
 
         def all_to_all_single(out, x, *args, group=None, **kwargs):
             peers = dist.get_world_size(group)
@@ -130,8 +132,14 @@ def _cpu_rank(ring, ulysses, batch, seq_len, heads, kv_heads, head_dim, reps, ca
         times.append((time.perf_counter() - start) * 1e3)
     row = {"time_ms": statistics.median(times)}
     for part, c in counts.items():
-        row.update({f"{part}_collectives": c.collectives, f"{part}_messages": c.messages,
-                    f"{part}_kib": c.bytes / 1024, f"{part}_checks": c.other})  # fmt: skip
+        row.update(
+            {
+                f"{part}_collectives": c.collectives,
+                f"{part}_messages": c.messages,
+                f"{part}_kib": c.bytes / 1024,
+                f"{part}_checks": c.other,
+            }
+        )
     return row
 
 
@@ -150,24 +158,48 @@ def cpu_modes(world: int = WORLD, shape=None, reps: int = CPU_REPS, pool=None) -
             row = dict(mode=mode, ring=ring, ulysses=ulysses, **per_rank[0])
             row["time_ms"] = max(r["time_ms"] for r in per_rank)
             rows.append(row)
-            print(f"{mode}: forward {row['fwd_messages']} messages, {row['fwd_kib']:.0f} KiB; "
-                  f"backward {row['bwd_messages']} messages, {row['bwd_kib']:.0f} KiB; "
-                  f"{row['time_ms']:.0f} ms")  # fmt: skip
+            print(
+                f"{mode}: forward {row['fwd_messages']} messages, {row['fwd_kib']:.0f} KiB; "
+                f"backward {row['bwd_messages']} messages, {row['bwd_kib']:.0f} KiB; "
+                f"{row['time_ms']:.0f} ms"
+            )
     return rows
 
 
 def main() -> None:
     rows = cpu_modes()
-    meta = dict(cpu_shape=str(CPU_SHAPE), causal=True, dtype="float32", cpu_reps=CPU_REPS,
-                cpu_cores=os.cpu_count(), torch=torch.__version__,
-                device=f"CPU ({os.cpu_count()} cores), gloo")  # fmt: skip
-    columns = ["mode", "fwd_collectives", "fwd_messages", "fwd_kib", "bwd_collectives",
-               "bwd_messages", "bwd_kib", "fwd_checks", "bwd_checks", "time_ms"]  # fmt: skip
+    meta = dict(
+        cpu_shape=str(CPU_SHAPE),
+        causal=True,
+        dtype="float32",
+        cpu_reps=CPU_REPS,
+        cpu_cores=os.cpu_count(),
+        torch=torch.__version__,
+        device=f"CPU ({os.cpu_count()} cores), gloo",
+    )
+    columns = [
+        "mode",
+        "fwd_collectives",
+        "fwd_messages",
+        "fwd_kib",
+        "bwd_collectives",
+        "bwd_messages",
+        "bwd_kib",
+        "fwd_checks",
+        "bwd_checks",
+        "time_ms",
+    ]
 
     def plot(ax):
-        paired_bars(ax, [r["mode"] for r in rows], [r["fwd_kib"] + r["bwd_kib"] for r in rows],
-                    [r["fwd_messages"] + r["bwd_messages"] for r in rows],
-                    "KiB sent per rank (fwd + bwd)", "messages per rank (fwd + bwd)", "count",
-                    f"context parallelism at W={WORLD}, {CPU_SHAPE}")  # fmt: skip
+        paired_bars(
+            ax,
+            [r["mode"] for r in rows],
+            [r["fwd_kib"] + r["bwd_kib"] for r in rows],
+            [r["fwd_messages"] + r["bwd_messages"] for r in rows],
+            "KiB sent per rank (fwd + bwd)",
+            "messages per rank (fwd + bwd)",
+            "count",
+            f"context parallelism at W={WORLD}, {CPU_SHAPE}",
+        )
 
     write_results("context_parallel", rows, columns, meta, plot)

@@ -304,19 +304,33 @@ def cases():
         ("fusedpar op dispatch (empty)", op_step, "autograd.Function (empty)", function_step),
         ("torch.library op (empty)", library_step, "autograd.Function (empty)", function_step),
         ("fp.flash_attn", flash_step, "SDPA", sdpa_step),
-        ("ParallelAttention", _fwd_bwd(attention, x), "nn.Linear + RoPE + SDPA",
-         _fwd_bwd(PlainAttention(), x)),
-        ("ParallelAttention + q/k norm", _fwd_bwd(normed, x), "the same + nn.RMSNorm(hd)",
-         _fwd_bwd(PlainAttention(qk_norm=True), x)),
+        (
+            "ParallelAttention",
+            _fwd_bwd(attention, x),
+            "nn.Linear + RoPE + SDPA",
+            _fwd_bwd(PlainAttention(), x),
+        ),
+        (
+            "ParallelAttention + q/k norm",
+            _fwd_bwd(normed, x),
+            "the same + nn.RMSNorm(hd)",
+            _fwd_bwd(PlainAttention(qk_norm=True), x),
+        ),
         ("ParallelSwiGLU", _fwd_bwd(swiglu, x), "nn.Linear x3 + silu", _fwd_bwd(PlainSwiGLU(), x)),
         ("MoE (EP 1)", _fwd_bwd(moe, x), "a loop over the experts", _fwd_bwd(LoopMoE(), x)),
-        ("ParallelAttention, distributed", _fwd_bwd(_distributed(
-            fp.nn.ParallelAttention(D, HEADS, KV_HEADS)), x), "nn.Linear + RoPE + SDPA",
-         _fwd_bwd(PlainAttention(), x)),
-        ("ParallelSwiGLU, distributed", _fwd_bwd(_distributed(fp.nn.ParallelSwiGLU(D, HIDDEN)),
-                                                 x), "nn.Linear x3 + silu",
-         _fwd_bwd(PlainSwiGLU(), x)),
-    ]  # fmt: skip
+        (
+            "ParallelAttention, distributed",
+            _fwd_bwd(_distributed(fp.nn.ParallelAttention(D, HEADS, KV_HEADS)), x),
+            "nn.Linear + RoPE + SDPA",
+            _fwd_bwd(PlainAttention(), x),
+        ),
+        (
+            "ParallelSwiGLU, distributed",
+            _fwd_bwd(_distributed(fp.nn.ParallelSwiGLU(D, HIDDEN)), x),
+            "nn.Linear x3 + silu",
+            _fwd_bwd(PlainSwiGLU(), x),
+        ),
+    ]
 
 
 def measure(rounds: int = ROUNDS, threads: int | tuple[int, ...] = 1) -> list[dict]:
@@ -340,9 +354,17 @@ def measure(rounds: int = ROUNDS, threads: int | tuple[int, ...] = 1) -> list[di
                         ours_us.append(host_us(ours, max(1, rounds // SLICES)))
                     floor_times.append(host_us(floor, max(1, rounds // SLICES)))
                 us, floor_us = statistics.median(ours_us), statistics.median(floor_times)
-                rows.append({"layer": name, "threads": n, "host_us": us, "floor": floor_name,
-                             "floor_us": floor_us, "ratio": us / floor_us,
-                             "steps": (ours, floor)})  # fmt: skip
+                rows.append(
+                    {
+                        "layer": name,
+                        "threads": n,
+                        "host_us": us,
+                        "floor": floor_name,
+                        "floor_us": floor_us,
+                        "ratio": us / floor_us,
+                        "steps": (ours, floor),
+                    }
+                )
         torch.set_num_threads(before)
         counted = {}
         for row in rows:
@@ -357,8 +379,10 @@ def main() -> None:
     from bench.common import environment, write_results
 
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        print("bench/host_overhead: triton was imported without TRITON_INTERPRET=1; run it "
-              "on its own (python -m bench host_overhead)")  # fmt: skip
+        print(
+            "bench/host_overhead: triton was imported without TRITON_INTERPRET=1; run it "
+            "on its own (python -m bench host_overhead)"
+        )
         return
     os.environ["TRITON_INTERPRET"] = "1"  # launches are stubbed; only their Python runs
     # Stubbed launches leave their outputs as they were allocated: whatever memory held,
@@ -370,8 +394,17 @@ def main() -> None:
     # floor's tiny CPU compute may or may not gain from a second thread
     thread_counts = sorted({1, torch.get_num_threads()})
     rows = measure(threads=tuple(thread_counts))
-    columns = ["layer", "threads", "host_us", "launches", "aten_ops", "floor", "floor_us",
-               "floor_aten_ops", "ratio"]  # fmt: skip
+    columns = [
+        "layer",
+        "threads",
+        "host_us",
+        "launches",
+        "aten_ops",
+        "floor",
+        "floor_us",
+        "floor_aten_ops",
+        "ratio",
+    ]
 
     def plot(ax):
         one = [r for r in rows if r["threads"] == 1]
@@ -384,18 +417,25 @@ def main() -> None:
         ax.set_title("Host time per layer (Triton launches stubbed, one thread)")
         ax.legend()
 
-    meta = {**environment(), "rounds": ROUNDS, "shape": f"S={S} B={B} d={D} heads={HEADS}/"
-            f"{KV_HEADS} hidden={HIDDEN}", "threads": thread_counts}  # fmt: skip
+    meta = {
+        **environment(),
+        "rounds": ROUNDS,
+        "shape": f"S={S} B={B} d={D} heads={HEADS}/{KV_HEADS} hidden={HIDDEN}",
+        "threads": thread_counts,
+    }
     for threads in thread_counts:
         ratios = [math.log(r["ratio"]) for r in rows if r["threads"] == threads]
         meta[f"gmean_ratio_{threads}_thread{'s' if threads > 1 else ''}"] = math.exp(
-            statistics.fmean(ratios))
+            statistics.fmean(ratios)
+        )
     import fusedpar as fp
 
     with fp.implementation("triton"):  # what fusedpar's rows ran (launches stubbed)
         write_results("host_overhead", rows, columns, meta, plot)
     for r in rows:
-        print(f"{r['layer']:28s} {r['threads']}t {r['host_us']:8.0f} µs  {r['launches']:3d} "
-              f"launches "
-              f"{r['aten_ops']:4d} aten ops | {r['floor']:26s} {r['floor_us']:7.0f} µs "
-              f"{r['floor_aten_ops']:4d} ops | {r['ratio']:.2f}x")  # fmt: skip
+        print(
+            f"{r['layer']:28s} {r['threads']}t {r['host_us']:8.0f} µs  {r['launches']:3d} "
+            f"launches "
+            f"{r['aten_ops']:4d} aten ops | {r['floor']:26s} {r['floor_us']:7.0f} µs "
+            f"{r['floor_aten_ops']:4d} ops | {r['ratio']:.2f}x"
+        )

@@ -76,9 +76,17 @@ SIDES = ("ag", "rs")  # and "rs-bf16" at TP 8 (`gpu_points`)
 
 
 def torch_gemm(
-    a, b, *, out=None, bias=None, accumulate=False, out_dtype=None, rope=None, agreement=None,
+    a,
+    b,
+    *,
+    out=None,
+    bias=None,
+    accumulate=False,
+    out_dtype=None,
+    rope=None,
+    agreement=None,
     tune_only=False,
-):  # fmt: skip
+):
     """The GEMM callback of the ring pipelines, done by torch (for the CPU comparison):
     `matmul`'s signature, with nothing to tune (and no rotation: the bench asks none)."""
     assert rope is None
@@ -136,10 +144,13 @@ def cpu_overlap() -> list[dict]:
         slowest = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
         for op in ("ag_gemm", "gemm_rs"):
             serial, ring = slowest[f"{op}_serial"], slowest[f"{op}_ring"]
-            rows.append(dict(world=size, op=op, serial_ms=serial, ring_ms=ring,
-                             speedup=serial / ring))  # fmt: skip
-            print(f"W={size} {op}: serialized {serial:.1f} ms, ring {ring:.1f} ms "
-                  f"({serial / ring:.2f}x)")  # fmt: skip
+            rows.append(
+                dict(world=size, op=op, serial_ms=serial, ring_ms=ring, speedup=serial / ring)
+            )
+            print(
+                f"W={size} {op}: serialized {serial:.1f} ms, ring {ring:.1f} ms "
+                f"({serial / ring:.2f}x)"
+            )
     return rows
 
 
@@ -177,8 +188,9 @@ class Case:
     peer_message: torch.Tensor  # what NCCL's collective would move per step for the peer
 
 
-def make_case(side: str, d: int, widths: list[int], tp: int, tokens: int, device,
-              reduce_dtype=None) -> Case:  # fmt: skip
+def make_case(
+    side: str, d: int, widths: list[int], tp: int, tokens: int, device, reduce_dtype=None
+) -> Case:
     """The tensors and calls of one point: bf16 on a GPU, fp32 on CPU (the interpreter has
     no bf16 dot); weights scaled by 1 / sqrt(d) so sums stay near 1. `reduce_dtype`
     (side "rs"): what the partial sums travel in, on the ring and for the peer (None:
@@ -212,13 +224,19 @@ def make_case(side: str, d: int, widths: list[int], tp: int, tokens: int, device
         peers = list(x_full.view(tp, n, d))  # rank 0's view: x is its own shard
 
         def fused(link):
-            return gather_matmuls_fused(peers[0], ops, [None] * len(ops), None,
-                                        side=CopyEngineGather(peers, 0, link))  # fmt: skip
+            return gather_matmuls_fused(
+                peers[0], ops, [None] * len(ops), None, side=CopyEngineGather(peers, 0, link)
+            )
 
-        return Case(loop=lambda ring: gather_matmuls(x, ops, [None] * len(ops), None, 1,
-                                                     ring=ring), fused=fused,
-                    gemms=gemms, unchunked=unchunked, cublas=lambda: x_full @ w_cat.T,
-                    message=x, peer_message=x)  # fmt: skip
+        return Case(
+            loop=lambda ring: gather_matmuls(x, ops, [None] * len(ops), None, 1, ring=ring),
+            fused=fused,
+            gemms=gemms,
+            unchunked=unchunked,
+            cublas=lambda: x_full @ w_cat.T,
+            message=x,
+            peer_message=x,
+        )
     # "rs": its backward dX = rs(sum_i dY_i @ W_i), fp32 running sums on the ring
     dys = [torch.randn(tokens, w, **kw) for w in widths]
     dy_cat = torch.cat(dys, dim=1)
@@ -240,13 +258,21 @@ def make_case(side: str, d: int, widths: list[int], tp: int, tokens: int, device
     incoming = torch.randn(tp, n, d, device=device).to(wire)  # the peers' partials for rank 0
 
     def fused(link):
-        return matmuls_reduce_scatter_fused(pairs, None, dtype, reduce_dtype=reduce_dtype,
-                                            side=CopyEngineScatter(incoming, 0, link))  # fmt: skip
+        return matmuls_reduce_scatter_fused(
+            pairs, None, dtype, reduce_dtype=reduce_dtype, side=CopyEngineScatter(incoming, 0, link)
+        )
 
-    return Case(loop=lambda ring: matmuls_reduce_scatter(pairs, None, 1, dtype, ring=ring,
-                                                         reduce_dtype=reduce_dtype), fused=fused,
-                gemms=gemms, unchunked=unchunked, cublas=lambda: dy_cat @ w_cat,
-                message=sent, peer_message=sent)  # fmt: skip
+    return Case(
+        loop=lambda ring: matmuls_reduce_scatter(
+            pairs, None, 1, dtype, ring=ring, reduce_dtype=reduce_dtype
+        ),
+        fused=fused,
+        gemms=gemms,
+        unchunked=unchunked,
+        cublas=lambda: dy_cat @ w_cat,
+        message=sent,
+        peer_message=sent,
+    )
 
 
 def _gpu_point(model, proj, tp, tokens, side, link, device="cuda") -> dict:
@@ -275,8 +301,13 @@ def _gpu_point(model, proj, tp, tokens, side, link, device="cuda") -> dict:
         for _ in range(tp - 1):
             paced_copy(case.peer_message, peer_recv, link, pace=pace)
 
-    for fn in (lambda: case.loop(ring), lambda: case.loop(silent), case.gemms, case.unchunked,
-               lambda: case.fused(link)):  # fmt: skip
+    for fn in (
+        lambda: case.loop(ring),
+        lambda: case.loop(silent),
+        case.gemms,
+        case.unchunked,
+        lambda: case.fused(link),
+    ):
         fn()  # tuning picks and compiles happen here, outside every timing
     gemm_ms, comm_ms = time_ms(case.gemms), time_ms(comm)
     ring_ms = time_ms(lambda: case.loop(ring))
@@ -290,23 +321,45 @@ def _gpu_point(model, proj, tp, tokens, side, link, device="cuda") -> dict:
     schedule_ms = {"serial": ours_serial_ms, "ring": ring_ms, "fused": fused_ms}
     auto = min(AUTO_CANDIDATES, key=schedule_ms.__getitem__)
     auto_ms = schedule_ms[auto]
-    return dict(side=side, model=model, proj=proj, world=tp, tokens=tokens, N=sum(widths), K=d,
-                reduce_dtype=None if side == "ag" else str(reduce_dtype or torch.float32),
-                serial_ms=ours_serial_ms, auto=auto, auto_ms=auto_ms,
-                auto_speedup=serial_ms / auto_ms,
-                msg_mb=case.message.nbytes / 2**20, link_gbps=link.gbps,
-                cublas_ms=time_ms(case.cublas), fusedpar_ms=unchunked_ms,
-                gemm_ms=gemm_ms, comm_ms=comm_ms, comm_nominal_ms=nominal,
-                comm_vs_nominal=comm_ms / nominal, serialized_ms=gemm_ms + comm_ms,
-                ring_ms=ring_ms, vs_max=ring_ms / max(comm_ms, gemm_ms),
-                fused_ms=fused_ms, fused_speedup=serial_ms / fused_ms,
-                fused_vs_max=fused_ms / max(nominal, unchunked_ms),
-                symm_mem_ms=None, symm_mem_note=SYMM_MEM_NOTE,
-                nocomm_ms=time_ms(lambda: case.loop(silent)), serial_cublas_ms=serial_ms,
-                speedup=serial_ms / ring_ms, ring_graph_ms=graph_ms, graph_note=graph_note,
-                host_us_step=host_us_step, gpu_us_step=gpu_us_step,
-                host_bound=None if gpu_us_step is None else host_us_step > gpu_us_step,
-                chunking_cost=gemm_ms / unchunked_ms)  # fmt: skip
+    return dict(
+        side=side,
+        model=model,
+        proj=proj,
+        world=tp,
+        tokens=tokens,
+        N=sum(widths),
+        K=d,
+        reduce_dtype=None if side == "ag" else str(reduce_dtype or torch.float32),
+        serial_ms=ours_serial_ms,
+        auto=auto,
+        auto_ms=auto_ms,
+        auto_speedup=serial_ms / auto_ms,
+        msg_mb=case.message.nbytes / 2**20,
+        link_gbps=link.gbps,
+        cublas_ms=time_ms(case.cublas),
+        fusedpar_ms=unchunked_ms,
+        gemm_ms=gemm_ms,
+        comm_ms=comm_ms,
+        comm_nominal_ms=nominal,
+        comm_vs_nominal=comm_ms / nominal,
+        serialized_ms=gemm_ms + comm_ms,
+        ring_ms=ring_ms,
+        vs_max=ring_ms / max(comm_ms, gemm_ms),
+        fused_ms=fused_ms,
+        fused_speedup=serial_ms / fused_ms,
+        fused_vs_max=fused_ms / max(nominal, unchunked_ms),
+        symm_mem_ms=None,
+        symm_mem_note=SYMM_MEM_NOTE,
+        nocomm_ms=time_ms(lambda: case.loop(silent)),
+        serial_cublas_ms=serial_ms,
+        speedup=serial_ms / ring_ms,
+        ring_graph_ms=graph_ms,
+        graph_note=graph_note,
+        host_us_step=host_us_step,
+        gpu_us_step=gpu_us_step,
+        host_bound=None if gpu_us_step is None else host_us_step > gpu_us_step,
+        chunking_cost=gemm_ms / unchunked_ms,
+    )
 
 
 # PyTorch's torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter, the
@@ -329,12 +382,22 @@ def standin_rows(link: Link, device="cuda") -> list[dict]:
         measured = time_ms(lambda s=src, t=dst: paced_copy(s, t, link, pace=pace))
         unpaced = time_ms(lambda s=src, t=dst: paced_copy(s, t, link, pace=False))
         nominal = link.nominal_ms(src.nbytes)
-        rows.append(dict(part="standin", link_gbps=link.gbps, msg_mb=float(mb), comm_ms=measured,
-                         comm_nominal_ms=nominal, comm_vs_nominal=measured / nominal,
-                         unpaced_ms=unpaced))  # fmt: skip
+        rows.append(
+            dict(
+                part="standin",
+                link_gbps=link.gbps,
+                msg_mb=float(mb),
+                comm_ms=measured,
+                comm_nominal_ms=nominal,
+                comm_vs_nominal=measured / nominal,
+                unpaced_ms=unpaced,
+            )
+        )
         flag = "" if abs(measured / nominal - 1) <= 0.1 else "  <- off by more than 10%"
-        print(f"stand-in {mb:3d} MiB at {link.gbps:g} GB/s: {measured * 1e3:8.1f} us, model "
-              f"{nominal * 1e3:8.1f} us, unpaced {unpaced * 1e3:8.1f} us{flag}")  # fmt: skip
+        print(
+            f"stand-in {mb:3d} MiB at {link.gbps:g} GB/s: {measured * 1e3:8.1f} us, model "
+            f"{nominal * 1e3:8.1f} us, unpaced {unpaced * 1e3:8.1f} us{flag}"
+        )
     return rows
 
 
@@ -349,8 +412,13 @@ def nccl_p2p_issue_us(nbytes: int = 4 << 20, reps: int = 20) -> tuple[float | No
     if dist.is_initialized():
         return None, "a process group already exists in this process"
     try:
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=60))  # fmt: skip
+        dist.init_process_group(
+            "nccl",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=60),
+        )
         send = torch.randn(nbytes // 4, device="cuda")
         recv = torch.empty_like(send)
 
@@ -368,12 +436,40 @@ def nccl_p2p_issue_us(nbytes: int = 4 << 20, reps: int = 20) -> tuple[float | No
             dist.destroy_process_group()
 
 
-GPU_COLUMNS = ["part", "side", "reduce_dtype", "model", "proj", "world", "tokens", "link_gbps",
-               "msg_mb", "gemm_ms", "comm_ms", "comm_vs_nominal", "serialized_ms", "ring_ms",
-               "vs_max", "nocomm_ms", "serial_cublas_ms", "speedup", "serial_ms", "fused_ms",
-               "fused_speedup", "fused_vs_max", "symm_mem_ms", "auto", "auto_ms", "auto_speedup",
-               "ring_graph_ms", "host_us_step", "gpu_us_step",
-               "host_bound", "chunking_cost", "unpaced_ms"]  # fmt: skip
+GPU_COLUMNS = [
+    "part",
+    "side",
+    "reduce_dtype",
+    "model",
+    "proj",
+    "world",
+    "tokens",
+    "link_gbps",
+    "msg_mb",
+    "gemm_ms",
+    "comm_ms",
+    "comm_vs_nominal",
+    "serialized_ms",
+    "ring_ms",
+    "vs_max",
+    "nocomm_ms",
+    "serial_cublas_ms",
+    "speedup",
+    "serial_ms",
+    "fused_ms",
+    "fused_speedup",
+    "fused_vs_max",
+    "symm_mem_ms",
+    "auto",
+    "auto_ms",
+    "auto_speedup",
+    "ring_graph_ms",
+    "host_us_step",
+    "gpu_us_step",
+    "host_bound",
+    "chunking_cost",
+    "unpaced_ms",
+]
 
 
 def gpu_overlap(meta: dict, device="cuda") -> list[dict]:
@@ -384,10 +480,12 @@ def gpu_overlap(meta: dict, device="cuda") -> list[dict]:
         for point in gpu_points():
             rows.append(dict(part="gpu", **_gpu_point(*point, link, device)))
             r = rows[-1]
-            print(f"{r['side']} {r['model']} {r['proj']} W={r['world']} T={r['tokens']}: ring "
-                  f"{r['ring_ms']:.3f} ms, gemm {r['gemm_ms']:.3f}, comm {r['comm_ms']:.3f} "
-                  f"(vs max {r['vs_max']:.2f}); host {r['host_us_step']:.0f} us/step, GPU "
-                  f"{r['gpu_us_step'] or float('nan'):.0f} us/step")  # fmt: skip
+            print(
+                f"{r['side']} {r['model']} {r['proj']} W={r['world']} T={r['tokens']}: ring "
+                f"{r['ring_ms']:.3f} ms, gemm {r['gemm_ms']:.3f}, comm {r['comm_ms']:.3f} "
+                f"(vs max {r['vs_max']:.2f}); host {r['host_us_step']:.0f} us/step, GPU "
+                f"{r['gpu_us_step'] or float('nan'):.0f} us/step"
+            )
             write_results("linear", rows, GPU_COLUMNS, {**meta, "partial": True}, announce=False)
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()
@@ -397,18 +495,29 @@ def gpu_overlap(meta: dict, device="cuda") -> list[dict]:
 def main() -> None:
     if not torch.cuda.is_available():  # the CPU part: gloo ranks on this machine
         rows = [dict(part="cpu-gloo", **r) for r in cpu_overlap()]
-        meta = {"device": f"CPU ({os.cpu_count()} cores), gloo", "cpu_shape": str(CPU_SHAPE),
-                "cpu_reps": CPU_REPS, "cpu_cores": os.cpu_count(),
-                "torch": torch.__version__}  # fmt: skip
+        meta = {
+            "device": f"CPU ({os.cpu_count()} cores), gloo",
+            "cpu_shape": str(CPU_SHAPE),
+            "cpu_reps": CPU_REPS,
+            "cpu_cores": os.cpu_count(),
+            "torch": torch.__version__,
+        }
 
         def plot(ax):
-            paired_bars(ax, [f"{r['op']} W={r['world']}" for r in rows],
-                        [r["ring_ms"] for r in rows], [r["serial_ms"] for r in rows],
-                        "ring pipeline", "serialized", "ms (slowest rank, median)",
-                        f"TP GEMM + collective, {meta['device']}")  # fmt: skip
+            paired_bars(
+                ax,
+                [f"{r['op']} W={r['world']}" for r in rows],
+                [r["ring_ms"] for r in rows],
+                [r["serial_ms"] for r in rows],
+                "ring pipeline",
+                "serialized",
+                "ms (slowest rank, median)",
+                f"TP GEMM + collective, {meta['device']}",
+            )
 
-        write_results("linear", rows, ["part", "world", "op", "serial_ms", "ring_ms", "speedup"],
-                      meta, plot)  # fmt: skip
+        write_results(
+            "linear", rows, ["part", "world", "op", "serial_ms", "ring_ms", "speedup"], meta, plot
+        )
         return
     if require_gpu("linear"):
         gpu_main()
@@ -416,9 +525,14 @@ def main() -> None:
 
 def gpu_main(device="cuda") -> None:
     """The GPU part, start to end (tests run it on CPU with the timers replaced)."""
-    meta = {**environment(), "dtype": "bfloat16", "quick": quick(), "piece_bytes": PIECE_BYTES,
-            "links": [vars(link) for link in links_from_env()],
-            "graph_timing": GRAPH_TIMING}  # fmt: skip
+    meta = {
+        **environment(),
+        "dtype": "bfloat16",
+        "quick": quick(),
+        "piece_bytes": PIECE_BYTES,
+        "links": [vars(link) for link in links_from_env()],
+        "graph_timing": GRAPH_TIMING,
+    }
     rows = gpu_overlap(meta, device)
     gpu = [r for r in rows if r["part"] == "gpu"]
     meta["worst_vs_max"] = max(r["vs_max"] for r in gpu)

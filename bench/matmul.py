@@ -39,11 +39,29 @@ from bench.common import (
 MODELS = {"llama3-8b": (4096, 14336, 4096 + 2 * 1024), "llama3-70b": (8192, 28672, 8192 + 2 * 1024)}
 TP_SIZES = (2, 4, 8)
 TOKENS = (2048, 4096, 8192, 16384)
-COLUMNS = ["model", "tp", "proj", "M", "N", "K", "fusedpar_tflops", "torch_tflops", "ratio",
-           "fusedpar_graph_tflops", "torch_graph_tflops", "graph_note", "rope_fused_ms",
-           "rope_apart_ms", "gated_fused_ms", "gated_product_ms", "gated_unfused_ms",
-           "gated_torch_ms",
-           "gated_grad_fused_ms", "gated_grad_apart_ms", "gated_grad_torch_ms"]  # fmt: skip
+COLUMNS = [
+    "model",
+    "tp",
+    "proj",
+    "M",
+    "N",
+    "K",
+    "fusedpar_tflops",
+    "torch_tflops",
+    "ratio",
+    "fusedpar_graph_tflops",
+    "torch_graph_tflops",
+    "graph_note",
+    "rope_fused_ms",
+    "rope_apart_ms",
+    "gated_fused_ms",
+    "gated_product_ms",
+    "gated_unfused_ms",
+    "gated_torch_ms",
+    "gated_grad_fused_ms",
+    "gated_grad_apart_ms",
+    "gated_grad_torch_ms",
+]
 # Points whose eager time can be launch-bound: timed through a CUDA graph as well.
 GRAPH_TP, GRAPH_MAX_M = 8, 4096
 
@@ -66,11 +84,14 @@ def _graph_point(matmul, x, weight, flops) -> dict:
     """TFLOP/s of both GEMMs replayed from a CUDA graph (None + the reason if capture fails)."""
     ours_ms, ours_note = time_ms_graph(lambda: matmul(x, weight.T))
     torch_ms, torch_note = time_ms_graph(lambda: x @ weight.T)
-    notes = [f"{who}: {note}" for who, note in (("fusedpar", ours_note), ("torch", torch_note))
-             if note]  # fmt: skip
-    return dict(fusedpar_graph_tflops=None if ours_ms is None else flops / ours_ms / 1e9,
-                torch_graph_tflops=None if torch_ms is None else flops / torch_ms / 1e9,
-                graph_note="; ".join(notes) or None)  # fmt: skip
+    notes = [
+        f"{who}: {note}" for who, note in (("fusedpar", ours_note), ("torch", torch_note)) if note
+    ]
+    return dict(
+        fusedpar_graph_tflops=None if ours_ms is None else flops / ours_ms / 1e9,
+        torch_graph_tflops=None if torch_ms is None else flops / torch_ms / 1e9,
+        graph_note="; ".join(notes) or None,
+    )
 
 
 def _rope_point(x, N: int, K: int, head_dim: int = 128) -> dict:
@@ -88,8 +109,10 @@ def _rope_point(x, N: int, K: int, head_dim: int = 128) -> dict:
         y = matmul(x, w.T)
         return rope(y.view(1, M, N // head_dim, head_dim), cos, sin)
 
-    return dict(rope_fused_ms=time_ms(lambda: matmul(x, w.T, rope=RowRotation(cos, sin))),
-                rope_apart_ms=time_ms(apart))  # fmt: skip
+    return dict(
+        rope_fused_ms=time_ms(lambda: matmul(x, w.T, rope=RowRotation(cos, sin))),
+        rope_apart_ms=time_ms(apart),
+    )
 
 
 def _gated_point(x, N: int, K: int) -> dict:
@@ -165,13 +188,21 @@ def main() -> None:
                 row.update(_gated_grad_point(M, N, K))
             rows.append(row)
             write_results("matmul", rows, COLUMNS, {**env, "partial": True}, announce=False)
-            print(f"{model} tp{tp} {proj:8s} M={M:6d} N={N:6d} K={K:6d}: fusedpar {ours:6.1f}"
-                  f"  cuBLAS {cublas:6.1f}  ({ours / cublas:.2f}x)")  # fmt: skip
+            print(
+                f"{model} tp{tp} {proj:8s} M={M:6d} N={N:6d} K={K:6d}: fusedpar {ours:6.1f}"
+                f"  cuBLAS {cublas:6.1f}  ({ours / cublas:.2f}x)"
+            )
 
     ratios = sorted(r["ratio"] for r in rows)
-    meta = {**env, **measured_ceilings(), "dtype": "bfloat16", "quick": quick(),
-            "graph_timing": GRAPH_TIMING,
-            "median_ratio": ratios[len(ratios) // 2], "min_ratio": ratios[0]}  # fmt: skip
+    meta = {
+        **env,
+        **measured_ceilings(),
+        "dtype": "bfloat16",
+        "quick": quick(),
+        "graph_timing": GRAPH_TIMING,
+        "median_ratio": ratios[len(ratios) // 2],
+        "min_ratio": ratios[0],
+    }
 
     def plot(ax):
         ax.plot([r["ratio"] for r in rows], "o", label="fusedpar / cuBLAS")

@@ -112,14 +112,21 @@ def _point(E, d, h, skewed, copy_gbps):
         y = torch.zeros_like(x)
         return y.index_add_(0, rows, permuted * weights.reshape(-1)[order, None].to(x.dtype))
 
-    comb = {"fusedpar": time_ms(lambda: combine(permuted, pos, weights)),
-            "torch": time_ms(torch_combine)}  # fmt: skip
+    comb = {
+        "fusedpar": time_ms(lambda: combine(permuted, pos, weights)),
+        "torch": time_ms(torch_combine),
+    }
     combined = (rows.numel() + TOKENS) * row_bytes  # read every routed row, write each token
-    row = dict(E=E, d_model=d, d_hidden=h, routing="skewed" if skewed else "uniform",
-               permute_gbps=moved / perm["fusedpar"] / 1e6,
-               permute_torch_gbps=moved / perm["torch"] / 1e6,
-               combine_gbps=combined / comb["fusedpar"] / 1e6,
-               combine_torch_gbps=combined / comb["torch"] / 1e6)  # fmt: skip
+    row = dict(
+        E=E,
+        d_model=d,
+        d_hidden=h,
+        routing="skewed" if skewed else "uniform",
+        permute_gbps=moved / perm["fusedpar"] / 1e6,
+        permute_torch_gbps=moved / perm["torch"] / 1e6,
+        combine_gbps=combined / comb["fusedpar"] / 1e6,
+        combine_torch_gbps=combined / comb["torch"] / 1e6,
+    )
     row["permute_vs_copy"] = row["permute_gbps"] / copy_gbps
     row["combine_vs_copy"] = row["combine_gbps"] / copy_gbps
 
@@ -201,22 +208,55 @@ def main() -> None:
     if not require_gpu("moe"):
         return
     ceilings = measured_ceilings()
-    rows = [_point(E, d, h, skewed, ceilings["copy_gbps"])
-            for E, d, h in SHAPES for skewed in (False, True)]  # fmt: skip
-    meta = {**environment(), **ceilings, "dtype": "bfloat16", "tokens": TOKENS, "top_k": TOP_K,
-            "tuning_picks": all_picks()}  # fmt: skip
-    columns = ["E", "d_model", "d_hidden", "routing", "permute_gbps", "permute_torch_gbps",
-               "permute_vs_copy", "combine_gbps", "combine_torch_gbps", "combine_vs_copy",
-               "grouped_tflops", "grouped_gather_tflops", "loop_tflops",
-               "torch_grouped_mm_tflops", "grouped_vs_loop", "gate_up_tflops",
-               "gate_up_grouped_mm_tflops", "wgrad_tflops", "wgrad_loop_tflops", "layer_ms",
-               "naive_layer_ms", "grouped_mm_layer_ms"]  # fmt: skip
+    rows = [
+        _point(E, d, h, skewed, ceilings["copy_gbps"])
+        for E, d, h in SHAPES
+        for skewed in (False, True)
+    ]
+    meta = {
+        **environment(),
+        **ceilings,
+        "dtype": "bfloat16",
+        "tokens": TOKENS,
+        "top_k": TOP_K,
+        "tuning_picks": all_picks(),
+    }
+    columns = [
+        "E",
+        "d_model",
+        "d_hidden",
+        "routing",
+        "permute_gbps",
+        "permute_torch_gbps",
+        "permute_vs_copy",
+        "combine_gbps",
+        "combine_torch_gbps",
+        "combine_vs_copy",
+        "grouped_tflops",
+        "grouped_gather_tflops",
+        "loop_tflops",
+        "torch_grouped_mm_tflops",
+        "grouped_vs_loop",
+        "gate_up_tflops",
+        "gate_up_grouped_mm_tflops",
+        "wgrad_tflops",
+        "wgrad_loop_tflops",
+        "layer_ms",
+        "naive_layer_ms",
+        "grouped_mm_layer_ms",
+    ]
 
     def plot(ax):
-        paired_bars(ax, [f"E={r['E']} {r['routing']}" for r in rows],
-                    [r["grouped_tflops"] for r in rows], [r["loop_tflops"] for r in rows],
-                    "fusedpar", "matmul loop", "grouped GEMM TFLOP/s",
-                    f"MoE expert GEMM, bf16, {meta['device']}")  # fmt: skip
+        paired_bars(
+            ax,
+            [f"E={r['E']} {r['routing']}" for r in rows],
+            [r["grouped_tflops"] for r in rows],
+            [r["loop_tflops"] for r in rows],
+            "fusedpar",
+            "matmul loop",
+            "grouped GEMM TFLOP/s",
+            f"MoE expert GEMM, bf16, {meta['device']}",
+        )
 
     write_results("moe", rows, columns, meta, plot)
 

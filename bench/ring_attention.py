@@ -39,9 +39,23 @@ GPU_SEQ_LENS = (4096, 16384)  # BENCH_QUICK: the last only
 GPU_DTYPE = torch.bfloat16  # a CPU test runs the GPU part in fp32 (the interpreter)
 
 
-def torch_attend(q, k, v, *, causal=False, softmax_scale, window=(-1, -1), softcap=0.0,
-                 intervals=None, out=None, lse=None, out_dtype=None, merge=False, agreement=None,
-                 tune_only=False):  # fmt: skip
+def torch_attend(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    softmax_scale,
+    window=(-1, -1),
+    softcap=0.0,
+    intervals=None,
+    out=None,
+    lse=None,
+    out_dtype=None,
+    merge=False,
+    agreement=None,
+    tune_only=False,
+):
     """One ring block in plain torch float32, with `attention_forward`'s contract."""
     from fusedpar.kernels.attention import attention_reference
 
@@ -51,9 +65,16 @@ def torch_attend(q, k, v, *, causal=False, softmax_scale, window=(-1, -1), softc
     if intervals is not None:  # the ring's mask: key rows [kv_lo, kv_hi) per query row
         keys = torch.arange(k.shape[1], device=q.device)
         visible = (keys >= intervals.kv_lo[0, :, None]) & (keys < intervals.kv_hi[0, :, None])
-    block_out, block_lse = attention_reference(q.float(), k.float(), v.float(), causal=causal,
-                                               softmax_scale=softmax_scale, window=window,
-                                               softcap=softcap, visible=visible)  # fmt: skip
+    block_out, block_lse = attention_reference(
+        q.float(),
+        k.float(),
+        v.float(),
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window=window,
+        softcap=softcap,
+        visible=visible,
+    )
     if out is None:
         return block_out, block_lse
     if merge:  # the LSE merge of the kernel's epilogue
@@ -81,9 +102,16 @@ def _cpu_rank(batch, tokens_per_rank, heads, kv_heads, head_dim, causal, reps):
 
         def run(overlap=overlap):
             return ring_attention_forward(
-                q, k, v, pg, causal=causal, softmax_scale=None, layout="zigzag",
-                overlap=overlap, attend=torch_attend,
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                pg,
+                causal=causal,
+                softmax_scale=None,
+                layout="zigzag",
+                overlap=overlap,
+                attend=torch_attend,
+            )
 
         run()
         times = []
@@ -108,8 +136,10 @@ def cpu_overlap() -> list[dict]:
                 overlapped = max(r["overlapped"] for r in per_rank)
                 row = dict(part="cpu-gloo", world=size, causal=causal, waited_ms=waited)
                 rows.append(dict(row, overlapped_ms=overlapped, speedup=waited / overlapped))
-                print(f"W={size} causal={causal}: waited {waited:.1f} ms, overlapped "
-                      f"{overlapped:.1f} ms ({waited / overlapped:.2f}x)")  # fmt: skip
+                print(
+                    f"W={size} causal={causal}: waited {waited:.1f} ms, overlapped "
+                    f"{overlapped:.1f} ms ({waited / overlapped:.2f}x)"
+                )
     return rows
 
 
@@ -146,23 +176,31 @@ def _gpu_point(S: int, causal: bool, device: str) -> list[dict]:
 
     rows = []
     for W in (1, *GPU_WORLDS):
-        row = dict(part="gpu-virtual-ring", seq_len=S, causal=causal,
-                   impl="flash_attn" if W == 1 else "virtual ring", world=W,
-                   **_timed(lambda W=W: attend(W), q, k, v, dout, device))  # fmt: skip
+        row = dict(
+            part="gpu-virtual-ring",
+            seq_len=S,
+            causal=causal,
+            impl="flash_attn" if W == 1 else "virtual ring",
+            world=W,
+            **_timed(lambda W=W: attend(W), q, k, v, dout, device),
+        )
         for t in ("fwd_ms", "fwd_bwd_ms"):
             if W > 1 and row[t] is not None and rows[0][t] is not None:
                 row[f"{t[:-3]}_vs_flash"] = row[t] / rows[0][t]
         rows.append(row)
-        print(f"S={S} causal={causal} {row['impl']} W={W}: fwd {row['fwd_ms']} ms, "
-              f"fwd+bwd {row['fwd_bwd_ms']} ms")  # fmt: skip
+        print(
+            f"S={S} causal={causal} {row['impl']} W={W}: fwd {row['fwd_ms']} ms, "
+            f"fwd+bwd {row['fwd_bwd_ms']} ms"
+        )
     return rows
 
 
 def gpu_virtual_ring(device: str = "cuda") -> list[dict]:
     """The GPU part's rows on `device` (a CPU test runs it in the interpreter)."""
     seq_lens = GPU_SEQ_LENS[-1:] if quick() else GPU_SEQ_LENS
-    return [row for S in seq_lens for causal in (False, True)
-            for row in _gpu_point(S, causal, device)]  # fmt: skip
+    return [
+        row for S in seq_lens for causal in (False, True) for row in _gpu_point(S, causal, device)
+    ]
 
 
 def main() -> None:
@@ -170,31 +208,58 @@ def main() -> None:
     if require_gpu("ring_attention (GPU part; the CPU part runs instead)"):
         meta.update(environment(), gpu_shape=str(GPU_SHAPE), dtype=str(GPU_DTYPE), quick=quick())
         rows = gpu_virtual_ring()
-        columns = ["part", "world", "causal", "seq_len", "impl", "fwd_ms", "fwd_bwd_ms",
-                   "fwd_vs_flash", "fwd_bwd_vs_flash", "error"]  # fmt: skip
+        columns = [
+            "part",
+            "world",
+            "causal",
+            "seq_len",
+            "impl",
+            "fwd_ms",
+            "fwd_bwd_ms",
+            "fwd_vs_flash",
+            "fwd_bwd_vs_flash",
+            "error",
+        ]
     else:  # the CPU part needs no GPU and says nothing about one: only where there is none
         rows = cpu_overlap()
-        meta.update(cpu_shape=str(CPU_SHAPE), cpu_reps=CPU_REPS, cpu_cores=os.cpu_count(),
-                    device=f"CPU ({os.cpu_count()} cores), gloo")  # fmt: skip
+        meta.update(
+            cpu_shape=str(CPU_SHAPE),
+            cpu_reps=CPU_REPS,
+            cpu_cores=os.cpu_count(),
+            device=f"CPU ({os.cpu_count()} cores), gloo",
+        )
         columns = ["part", "world", "causal", "waited_ms", "overlapped_ms", "speedup"]
 
     def plot(ax):
         gpu = [r for r in rows if r["part"] == "gpu-virtual-ring" and r["world"] > 1]
         if gpu:  # the ring against flash_attn on the same sequence, forward + backward
             flash = {(r["seq_len"], r["causal"]): r for r in rows if r.get("impl") == "flash_attn"}
-            paired_bars(ax, [f"S={r['seq_len'] // 1024}k W={r['world']}"
-                             f"{' causal' if r['causal'] else ''}" for r in gpu],
-                        [r["fwd_bwd_ms"] or 0 for r in gpu],
-                        [flash[(r["seq_len"], r["causal"])]["fwd_bwd_ms"] or 0 for r in gpu],
-                        "virtual ring", "flash_attn, whole sequence", "forward + backward ms",
-                        f"ring attention on one GPU, zigzag, {meta['device']}")  # fmt: skip
+            paired_bars(
+                ax,
+                [
+                    f"S={r['seq_len'] // 1024}k W={r['world']}{' causal' if r['causal'] else ''}"
+                    for r in gpu
+                ],
+                [r["fwd_bwd_ms"] or 0 for r in gpu],
+                [flash[(r["seq_len"], r["causal"])]["fwd_bwd_ms"] or 0 for r in gpu],
+                "virtual ring",
+                "flash_attn, whole sequence",
+                "forward + backward ms",
+                f"ring attention on one GPU, zigzag, {meta['device']}",
+            )
             ax.tick_params(axis="x", labelrotation=45)
             return
         cpu = [r for r in rows if r["part"] == "cpu-gloo"]
-        paired_bars(ax, [f"W={r['world']}{' causal' if r['causal'] else ''}" for r in cpu],
-                    [r["overlapped_ms"] for r in cpu], [r["waited_ms"] for r in cpu],
-                    "overlapped", "wait, then compute", "forward ms (slowest rank, median)",
-                    f"ring attention, zigzag, {meta['device']}")  # fmt: skip
+        paired_bars(
+            ax,
+            [f"W={r['world']}{' causal' if r['causal'] else ''}" for r in cpu],
+            [r["overlapped_ms"] for r in cpu],
+            [r["waited_ms"] for r in cpu],
+            "overlapped",
+            "wait, then compute",
+            "forward ms (slowest rank, median)",
+            f"ring attention, zigzag, {meta['device']}",
+        )
 
     write_results("ring_attention", rows, columns, meta, plot)
 

@@ -68,8 +68,10 @@ def links_from_env() -> list[Link]:
     latency = _env_numbers("BENCH_COMM_LATENCY_US", COMM_LATENCY_US)
     ctas = _env_numbers("BENCH_COMM_CTAS", COMM_CTAS, int)
     if len(latency) != 1 or len(ctas) != 1:
-        raise ValueError(f"BENCH_COMM_LATENCY_US and BENCH_COMM_CTAS take one value each, got "
-                         f"{latency} and {ctas}")  # fmt: skip
+        raise ValueError(
+            f"BENCH_COMM_LATENCY_US and BENCH_COMM_CTAS take one value each, got "
+            f"{latency} and {ctas}"
+        )
     return [Link(gbps, latency[0], ctas[0]) for gbps in _env_numbers("BENCH_COMM_GBPS", COMM_GBPS)]
 
 
@@ -130,21 +132,26 @@ def copy_plan(nbytes: int, elem_bytes: int, link: Link) -> CopyPlan:
 @triton.jit
 def _globaltimer():
     # The GPU's nanosecond clock (PTX %globaltimer); not pure: it must be read every time.
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                     is_pure=False, pack=1)  # fmt: skip
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
 
 
 @triton.jit
 def _paced_copy_kernel(
     # pointers
-    src_ptr, dst_ptr,
+    src_ptr,
+    dst_ptr,
     # sizes
-    numel, pieces,
+    numel,
+    pieces,
     # pacing: piece p is due latency_ns + (p + 1) * piece_ps / 1000 ns after this CTA starts
-    latency_ns, piece_ps,
+    latency_ns,
+    piece_ps,
     # meta-parameters
-    BLOCK: tl.constexpr, PACE: tl.constexpr,
-):  # fmt: skip
+    BLOCK: tl.constexpr,
+    PACE: tl.constexpr,
+):
     offs = tl.arange(0, BLOCK)
     if PACE:
         start = _globaltimer()
@@ -169,11 +176,14 @@ def paced_copy(src: torch.Tensor, dst: torch.Tensor, link: Link, *, pace: bool =
     """Copy `src`'s bytes into `dst` on the current stream in ``link.nominal_ms(nbytes)``
     (``pace=False``: as fast as ``link.ctas`` CTAs go; the interpreter cannot pace)."""
     if not (src.is_contiguous() and dst.is_contiguous()):
-        raise ValueError(f"paced_copy needs contiguous tensors, got strides {src.stride()} "
-                         f"and {dst.stride()}")  # fmt: skip
+        raise ValueError(
+            f"paced_copy needs contiguous tensors, got strides {src.stride()} and {dst.stride()}"
+        )
     if src.nbytes != dst.nbytes or src.device != dst.device:
-        raise ValueError(f"paced_copy: {src.nbytes} bytes on {src.device} into {dst.nbytes} "
-                         f"bytes on {dst.device}")  # fmt: skip
+        raise ValueError(
+            f"paced_copy: {src.nbytes} bytes on {src.device} into {dst.nbytes} "
+            f"bytes on {dst.device}"
+        )
     if pace and src.device.type != "cuda":
         raise ValueError("paced_copy: pacing reads the GPU's timer; pass pace=False on CPU")
     elem = _element_bytes(src, dst)
@@ -184,9 +194,17 @@ def paced_copy(src: torch.Tensor, dst: torch.Tensor, link: Link, *, pace: bool =
     if plan.numel:
         flat_src = src.reshape(-1).view(torch.uint8).view(dtype)
         flat_dst = dst.reshape(-1).view(torch.uint8).view(dtype)
-        _paced_copy_kernel[(plan.grid,)](flat_src, flat_dst, plan.numel, plan.pieces,
-                                         plan.latency_ns, plan.piece_ps, BLOCK=plan.block,
-                                         PACE=pace, num_warps=COPY_WARPS)  # fmt: skip
+        _paced_copy_kernel[(plan.grid,)](
+            flat_src,
+            flat_dst,
+            plan.numel,
+            plan.pieces,
+            plan.latency_ns,
+            plan.piece_ps,
+            BLOCK=plan.block,
+            PACE=pace,
+            num_warps=COPY_WARPS,
+        )
     return plan
 
 
@@ -285,8 +303,14 @@ class CopyEngineGather(_CopyEngine):
     ``delays_us`` extra per chunk if given: the tests' random producers) and followed by
     its flag (a stream write). ``link=None``: no pacing (the copies' own time only)."""
 
-    def __init__(self, peers: list[torch.Tensor], rank: int, link: Link | None, *,
-                 delays_us: list[float] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        peers: list[torch.Tensor],
+        rank: int,
+        link: Link | None,
+        *,
+        delays_us: list[float] | None = None,
+    ):
         super().__init__(len(peers), rank, link, peers[0].device, delays_us)
         self.peers = peers
         # The pacing sleeps are kernels: the fused GEMM leaves them an SM (the real
@@ -323,8 +347,14 @@ class CopyEngineScatter(_CopyEngine):
     same step's chunk (peers run the same GEMM at the same pace); then the GEMM and the
     sum. On CPU: the GEMM, then every copy, then the sum."""
 
-    def __init__(self, incoming: torch.Tensor, rank: int, link: Link | None, *,
-                 delays_us: list[float] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        incoming: torch.Tensor,
+        rank: int,
+        link: Link | None,
+        *,
+        delays_us: list[float] | None = None,
+    ):
         world, m, N = incoming.shape
         super().__init__(world, rank, link, incoming.device, delays_us)
         self.incoming, self.rows = incoming, m
@@ -340,8 +370,9 @@ class CopyEngineScatter(_CopyEngine):
         m, rank, world = self.rows, self.rank, self.world
         self.flags.zero_()
         self.counts.zero_()
-        partials = torch.empty((world * m, self.incoming.shape[2]), dtype=self.incoming.dtype,
-                               device=self.device)  # fmt: skip
+        partials = torch.empty(
+            (world * m, self.incoming.shape[2]), dtype=self.incoming.dtype, device=self.device
+        )
         chunk_bytes = self.incoming[0].nbytes
 
         def sends():
@@ -374,6 +405,12 @@ class CopyEngineScatter(_CopyEngine):
             # SM: `fusedpar.symmetric.Scatter.run`)
             current.wait_stream(self.stream)
             current.wait_stream(self.arrivals)
-        return matmul_fused.sum_partials(partials[rank * m : (rank + 1) * m], self.received,
-                                         self.flags, rank, out_dtype, bias,
-                                         status=self.status)  # fmt: skip
+        return matmul_fused.sum_partials(
+            partials[rank * m : (rank + 1) * m],
+            self.received,
+            self.flags,
+            rank,
+            out_dtype,
+            bias,
+            status=self.status,
+        )

@@ -43,14 +43,20 @@ def build(moe: bool, size: tuple, device, dtype=torch.bfloat16):
     from tiny_llama import Config, ParallelTransformer, Transformer
 
     _, d, heads, kv_heads, hidden, seq = size
-    cfg = Config(vocab=VOCAB, d_model=d, n_layers=LAYERS, n_heads=heads, n_kv_heads=kv_heads,
-                 d_hidden=hidden // 4 if moe else hidden, num_experts=EXPERTS if moe else 0,
-                 top_k=TOP_K)  # fmt: skip
+    cfg = Config(
+        vocab=VOCAB,
+        d_model=d,
+        n_layers=LAYERS,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        d_hidden=hidden // 4 if moe else hidden,
+        num_experts=EXPERTS if moe else 0,
+        top_k=TOP_K,
+    )
     torch.manual_seed(0)
     groups = {"tp": None, "cp": None, "ep": None}
     model = ParallelTransformer(Transformer(cfg), groups).to(device=device, dtype=dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4,
-                                  capturable=device.type == "cuda")  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=device.type == "cuda")
     for p in model.parameters():  # gradients allocated once, zeroed in place
         p.grad = torch.zeros_like(p)
     tokens = torch.randint(0, VOCAB, (BATCH, seq), device=device)
@@ -110,11 +116,27 @@ def planned_ms(moe: bool, size: tuple) -> float | None:
     if kind is None:
         return None
     _, d, heads, kv_heads, hidden, seq = size
-    spec = plan.ModelSpec("example", VOCAB, d, LAYERS, heads, kv_heads, d // heads,
-                          hidden // 4 if moe else hidden, num_experts=EXPERTS if moe else 0,
-                          top_k=TOP_K)  # fmt: skip
-    est = plan.estimate(spec, fp.ParallelDims(), seq_len=seq, micro_batch=BATCH,
-                        param_dtype=torch.bfloat16, device=kind, memory_margin=10.0)  # fmt: skip
+    spec = plan.ModelSpec(
+        "example",
+        VOCAB,
+        d,
+        LAYERS,
+        heads,
+        kv_heads,
+        d // heads,
+        hidden // 4 if moe else hidden,
+        num_experts=EXPERTS if moe else 0,
+        top_k=TOP_K,
+    )
+    est = plan.estimate(
+        spec,
+        fp.ParallelDims(),
+        seq_len=seq,
+        micro_batch=BATCH,
+        param_dtype=torch.bfloat16,
+        device=kind,
+        memory_margin=10.0,
+    )
     return est.step_time_s * 1e3
 
 
@@ -129,15 +151,26 @@ def measure(device) -> list[dict]:
             host = host_ms(step, reps=5)
             graphed, note = graph_ms(step)
             estimate = planned_ms(moe, size)
-            rows.append({"plan_ms": estimate, "vs_plan": eager / estimate if estimate else None,
-                         "model": "moe-ep1" if moe else "dense", "size": size[0],
-                         "d_model": size[1], "tokens": BATCH * size[5], "eager_ms": eager,
-                         "graph_ms": graphed, "host_ms": host,
-                         "graph_speedup": eager / graphed if graphed else None,
-                         "note": note})  # fmt: skip
-            print(f"{rows[-1]['model']:8s} {size[0]:7s} eager {eager:.2f} ms, graph "
-                  f"{graphed if graphed is None else round(graphed, 2)} ms, host {host:.2f} ms"
-                  f"{'' if note is None else ' (' + note + ')'}")  # fmt: skip
+            rows.append(
+                {
+                    "plan_ms": estimate,
+                    "vs_plan": eager / estimate if estimate else None,
+                    "model": "moe-ep1" if moe else "dense",
+                    "size": size[0],
+                    "d_model": size[1],
+                    "tokens": BATCH * size[5],
+                    "eager_ms": eager,
+                    "graph_ms": graphed,
+                    "host_ms": host,
+                    "graph_speedup": eager / graphed if graphed else None,
+                    "note": note,
+                }
+            )
+            print(
+                f"{rows[-1]['model']:8s} {size[0]:7s} eager {eager:.2f} ms, graph "
+                f"{graphed if graphed is None else round(graphed, 2)} ms, host {host:.2f} ms"
+                f"{'' if note is None else ' (' + note + ')'}"
+            )
             del step, model
             torch.cuda.empty_cache()
     return rows
@@ -148,20 +181,37 @@ def main() -> None:
         return
     with _first_tiles():
         rows = measure(torch.device("cuda"))
-    columns = ["model", "size", "d_model", "tokens", "eager_ms", "plan_ms", "vs_plan",
-               "graph_ms", "host_ms", "graph_speedup", "note"]  # fmt: skip
+    columns = [
+        "model",
+        "size",
+        "d_model",
+        "tokens",
+        "eager_ms",
+        "plan_ms",
+        "vs_plan",
+        "graph_ms",
+        "host_ms",
+        "graph_speedup",
+        "note",
+    ]
 
     def plot(ax):
         labels = [f"{r['model']} {r['size']}" for r in rows]
         xs = range(len(rows))
         ax.bar([i - 0.2 for i in xs], [r["eager_ms"] for r in rows], 0.4, label="eager")
-        ax.bar([i + 0.2 for i in xs], [r["graph_ms"] or 0 for r in rows], 0.4,
-               label="CUDA graph")  # fmt: skip
+        ax.bar([i + 0.2 for i in xs], [r["graph_ms"] or 0 for r in rows], 0.4, label="CUDA graph")
         ax.set_xticks(list(xs), labels, rotation=15)
         ax.set_ylabel("ms per training step")
         ax.set_title("The example model's step, eager and captured")
         ax.legend()
 
-    meta = {"layers": LAYERS, "batch": BATCH, "vocab": VOCAB, "experts": EXPERTS,
-            "top_k": TOP_K, "dtype": "bfloat16", "tiles": "FUSEDPAR_TUNING=first"}  # fmt: skip
+    meta = {
+        "layers": LAYERS,
+        "batch": BATCH,
+        "vocab": VOCAB,
+        "experts": EXPERTS,
+        "top_k": TOP_K,
+        "dtype": "bfloat16",
+        "tiles": "FUSEDPAR_TUNING=first",
+    }
     write_results("step_time", rows, columns, meta, plot)

@@ -187,15 +187,29 @@ class ParallelBlock(nn.Module):
         self.attn_norm, self.mlp_norm = _norm(block.attn_norm), _norm(block.mlp_norm)
         a = block.attn
         self.attn = fp.nn.ParallelAttention.from_dense(
-            a.q, a.k, a.v, a.o, cfg.d_model, cfg.n_heads, cfg.n_kv_heads,
-            tp_group=groups["tp"], cp_group=groups["cp"], ulysses_group=groups.get("ulysses"),
+            a.q,
+            a.k,
+            a.v,
+            a.o,
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            tp_group=groups["tp"],
+            cp_group=groups["cp"],
+            ulysses_group=groups.get("ulysses"),
             rope_theta=cfg.rope_theta,
-        )  # fmt: skip
+        )
         if cfg.num_experts:
             m = block.mlp
-            self.mlp = fp.nn.MoE.from_dense(m.router, m.w1, m.w2, m.w3, groups["ep"],
-                                            top_k=cfg.top_k,
-                                            aux_loss_coef=cfg.aux_loss_coef)  # fmt: skip
+            self.mlp = fp.nn.MoE.from_dense(
+                m.router,
+                m.w1,
+                m.w2,
+                m.w3,
+                groups["ep"],
+                top_k=cfg.top_k,
+                aux_loss_coef=cfg.aux_loss_coef,
+            )
         else:
             m = block.mlp
             self.mlp = fp.nn.ParallelSwiGLU.from_dense(m.gate, m.up, m.down, groups["tp"])
@@ -248,6 +262,9 @@ class ParallelTransformer(nn.Module):
 
     def loss(self, logits, labels):
         """This rank's share of the mean cross-entropy of the batch `labels` (B, S)."""
-        local = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                self.local_tokens(labels).reshape(-1), reduction="sum")  # fmt: skip
+        local = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            self.local_tokens(labels).reshape(-1),
+            reduction="sum",
+        )
         return local / labels.numel()

@@ -45,14 +45,24 @@ def parse_args(argv=None):
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel degree")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
-    parser.add_argument("--schedule", default="1F1B", help="with --pp: 1F1B, GPipe, "
-                        "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or "
-                        "DualPipeV (the last five: two stages per pipeline rank)")  # fmt: skip
-    parser.add_argument("--microbatches", type=int, default=None, metavar="N",
-                        help="with --pp: per step (default: one per stage)")  # fmt: skip
+    parser.add_argument(
+        "--schedule",
+        default="1F1B",
+        help="with --pp: 1F1B, GPipe, "
+        "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or "
+        "DualPipeV (the last five: two stages per pipeline rank)",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --pp: per step (default: one per stage)",
+    )
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    parser.add_argument("--ulysses", type=int, default=1,
-                        help="Ulysses degree (with --cp > 1: the hybrid)")  # fmt: skip
+    parser.add_argument(
+        "--ulysses", type=int, default=1, help="Ulysses degree (with --cp > 1: the hybrid)"
+    )
     parser.add_argument("--moe", action="store_true", help="MoE MLPs, experts over the tp axis")
     parser.add_argument("--experts", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
@@ -67,15 +77,28 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", metavar="DIR", help="write checkpoints to DIR/step-N")
-    parser.add_argument("--save-every", type=int, default=0, metavar="N",
-                        help="with --save: every N steps as well as at the end")  # fmt: skip
-    parser.add_argument("--overwrite", action="store_true",
-                        help="with --save: replace checkpoints already in DIR")  # fmt: skip
-    parser.add_argument("--async-save", action="store_true",
-                        help="with --save: write checkpoints while training goes on")  # fmt: skip
-    parser.add_argument("--resume", metavar="CKPT", help="continue from DIR/step-N, or from "
-                        "DIR's latest complete step-N, at any tp/cp/dp layout; --steps counts "
-                        "from the start")  # fmt: skip
+    parser.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --save: every N steps as well as at the end",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="with --save: replace checkpoints already in DIR"
+    )
+    parser.add_argument(
+        "--async-save",
+        action="store_true",
+        help="with --save: write checkpoints while training goes on",
+    )
+    parser.add_argument(
+        "--resume",
+        metavar="CKPT",
+        help="continue from DIR/step-N, or from "
+        "DIR's latest complete step-N, at any tp/cp/dp layout; --steps counts "
+        "from the start",
+    )
     return parser.parse_args(argv)
 
 
@@ -161,8 +184,11 @@ def main(argv=None) -> int:
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks
     if torch.cuda.is_available() and not cuda and os.environ.get("LOCAL_RANK") == "0":
-        print(f"{torch.cuda.device_count()} GPU(s) for {local_ranks} local ranks: running on "
-              "the CPU (gloo) instead", flush=True)  # fmt: skip
+        print(
+            f"{torch.cuda.device_count()} GPU(s) for {local_ranks} local ranks: running on "
+            "the CPU (gloo) instead",
+            flush=True,
+        )
     if not cuda and os.environ.get("FUSEDPAR_IMPL") == "triton":
         # before anything imports triton: on a CPU the kernels run in its interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -205,8 +231,9 @@ def train(args, cuda: bool) -> int:
     model = ParallelTransformer(reference, groups).to(device)
     pipe = None
     if args.pp > 1:  # this rank's stages: their parameters on the stage's sub-mesh
-        pipe = fp.pipeline.split(model, dims, mesh, schedule=args.schedule,
-                                 microbatches=microbatches, loss_fn=model.loss)  # fmt: skip
+        pipe = fp.pipeline.split(
+            model, dims, mesh, schedule=args.schedule, microbatches=microbatches, loss_fn=model.loss
+        )
         model = fp.distribute(pipe.model, dims.stage_mesh(mesh))
         for part in pipe.stage_modules if dims.dp > 1 else ():
             dims.fully_shard(part, dims.stage_mesh(mesh))  # FSDP2 over "dp", per stage
@@ -235,12 +262,16 @@ def train(args, cuda: bool) -> int:
 
     def save(step: int) -> None:
         nonlocal pending
-        reference_state = {"model": reference.state_dict(),
-                           "optimizer": ref_optimizer.state_dict()}  # fmt: skip
-        pending = fp.checkpoint.save(Path(args.save) / f"step-{step}", model, optimizer,
-                                     extra={"step": step}, overwrite=args.overwrite,
-                                     files={"reference.pt": reference_state} if rank == 0
-                                     else None, async_save=args.async_save)  # fmt: skip
+        reference_state = {"model": reference.state_dict(), "optimizer": ref_optimizer.state_dict()}
+        pending = fp.checkpoint.save(
+            Path(args.save) / f"step-{step}",
+            model,
+            optimizer,
+            extra={"step": step},
+            overwrite=args.overwrite,
+            files={"reference.pt": reference_state} if rank == 0 else None,
+            async_save=args.async_save,
+        )
 
     corpus = load_corpus()
     dp_rank, local = mesh["dp"].get_local_rank(), args.batch // dims.dp
@@ -249,13 +280,21 @@ def train(args, cuda: bool) -> int:
         ulysses = f" x ulysses {dims.ulysses}" if dims.ulysses > 1 else ""
         pp = f"pp {dims.pp} x " if pipe else ""
         per_stage = args.layers // pipe.num_stages if pipe else 0
-        schedule = (f" ({args.schedule}: {pipe.num_stages} stages of {per_stage} layers, "
-                    f"{pipe.microbatches} microbatches)") if pipe else ""  # fmt: skip
-        print(f"fusedpar demo: {world} ranks = {pp}dp {dims.dp} x cp {dims.cp}{ulysses} x tp "
-              f"{dims.tp}{schedule}{' (MoE, experts over tp)' if args.moe else ''}, "
-              f"{'NCCL' if cuda else 'gloo'}, "
-              f"{fp.implementation_summary(device.type)}, {tokens_per_step} tokens per step",
-              flush=True)  # fmt: skip
+        schedule = (
+            (
+                f" ({args.schedule}: {pipe.num_stages} stages of {per_stage} layers, "
+                f"{pipe.microbatches} microbatches)"
+            )
+            if pipe
+            else ""
+        )
+        print(
+            f"fusedpar demo: {world} ranks = {pp}dp {dims.dp} x cp {dims.cp}{ulysses} x tp "
+            f"{dims.tp}{schedule}{' (MoE, experts over tp)' if args.moe else ''}, "
+            f"{'NCCL' if cuda else 'gloo'}, "
+            f"{fp.implementation_summary(device.type)}, {tokens_per_step} tokens per step",
+            flush=True,
+        )
     progress, losses, ref_losses = Progress(args.steps), [], []
     start = time.perf_counter()
     for step in range(first_step, args.steps + 1):
@@ -283,14 +322,16 @@ def train(args, cuda: bool) -> int:
             ref_optimizer.zero_grad()
             ref_losses.append(ref_loss.item())
             rate = len(losses) * tokens_per_step / (time.perf_counter() - start)
-            progress.update(step, f"loss {losses[-1]:.4f} (reference {ref_losses[-1]:.4f}) "
-                                  f"{rate:,.0f} tokens/s")  # fmt: skip
+            progress.update(
+                step, f"loss {losses[-1]:.4f} (reference {ref_losses[-1]:.4f}) {rate:,.0f} tokens/s"
+            )
         if args.save and (step == args.steps or args.save_every and step % args.save_every == 0):
             try:
                 save(step)
             except FileExistsError as e:  # on every rank, before anything is written
-                print(f"rank {rank}: cannot save: {e} (--overwrite does)", file=sys.stderr,
-                      flush=True)  # fmt: skip
+                print(
+                    f"rank {rank}: cannot save: {e} (--overwrite does)", file=sys.stderr, flush=True
+                )
                 return 2
     if pending is not None:
         pending.wait()  # the last checkpoint complete before the group goes
@@ -302,10 +343,13 @@ def train(args, cuda: bool) -> int:
         worst = max(range(len(gaps)), key=gaps.__getitem__)
         relative = gaps[worst] / abs(ref_losses[worst])
         ok = relative <= PARITY_TOLERANCE
-        print(f"parity: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
-              f"max |loss - reference| = {gaps[worst]:.2e} at step {first_step + worst} "
-              f"({relative:.1e} relative, tolerance {PARITY_TOLERANCE:.0e}): "
-              f"{'OK' if ok else 'MISMATCH'}", flush=True)  # fmt: skip
+        print(
+            f"parity: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
+            f"max |loss - reference| = {gaps[worst]:.2e} at step {first_step + worst} "
+            f"({relative:.1e} relative, tolerance {PARITY_TOLERANCE:.0e}): "
+            f"{'OK' if ok else 'MISMATCH'}",
+            flush=True,
+        )
     return 0 if ok else 1
 
 

@@ -277,8 +277,9 @@ def read_record(directory: Path) -> dict:
     except FileNotFoundError:
         names = [p.name for p in directory.iterdir()]
         if DCP_METADATA not in names and not any(n.endswith(".distcp") for n in names):
-            raise FileNotFoundError(f"no checkpoint in {directory}: it holds neither a "
-                                    f"{RECORD} nor DCP's files") from None  # fmt: skip
+            raise FileNotFoundError(
+                f"no checkpoint in {directory}: it holds neither a {RECORD} nor DCP's files"
+            ) from None
         raise ValueError(
             f"{directory} is an incomplete checkpoint, an interrupted save: it has no "
             f"{RECORD}, which a save writes once every rank has written its files. (A "
@@ -294,11 +295,13 @@ def read_record(directory: Path) -> dict:
         try:
             found = (directory / name).stat().st_size
         except FileNotFoundError:
-            raise ValueError(f"{directory} is incomplete: {name}, listed in its {RECORD}, "
-                             "is missing") from None  # fmt: skip
+            raise ValueError(
+                f"{directory} is incomplete: {name}, listed in its {RECORD}, is missing"
+            ) from None
         if found != size:
-            raise ValueError(f"{directory} is damaged: {name} is {found} bytes, its {RECORD} "
-                             f"says {size}")  # fmt: skip
+            raise ValueError(
+                f"{directory} is damaged: {name} is {found} bytes, its {RECORD} says {size}"
+            )
     return record
 
 
@@ -322,14 +325,20 @@ def locate(path, require_record: bool = True) -> tuple[Path, dict | None]:
             continue
     if asides:
         aside = max(asides)[1]
-        warnings.warn(f"an overwrite of {target} was interrupted between its two renames: "
-                      f"using the checkpoint it replaced, set aside as {aside} (the next "
-                      f"save to {target} puts a new one in place)", stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"an overwrite of {target} was interrupted between its two renames: "
+            f"using the checkpoint it replaced, set aside as {aside} (the next "
+            f"save to {target} puts a new one in place)",
+            stacklevel=3,
+        )
         return aside, read_record(aside)
     temps = beside(target, "tmp")
     if temps:
-        state = ("written in full but not renamed" if (temps[-1] / RECORD).is_file()
-                 else "partly written")  # fmt: skip
+        state = (
+            "written in full but not renamed"
+            if (temps[-1] / RECORD).is_file()
+            else "partly written"
+        )
         raise FileNotFoundError(
             f"no checkpoint at {target}: a save into it was interrupted before it "
             f"completed ({temps[-1].name}, {state}, is left beside it; the next save to "
@@ -359,9 +368,11 @@ def serialize(files) -> dict[str, bytes]:
     for name, obj in (files or {}).items():
         plain = isinstance(name, str) and name and Path(name).name == name
         if not plain or name[0] in "._" or name == RECORD or name.endswith(".distcp"):
-            raise ValueError(f"files: {name!r} is not a plain file name of its own (no "
-                             f"directories, not {RECORD}, *.distcp or starting with '.' "
-                             "or '_')")  # fmt: skip
+            raise ValueError(
+                f"files: {name!r} is not a plain file name of its own (no "
+                f"directories, not {RECORD}, *.distcp or starting with '.' "
+                "or '_')"
+            )
         buffer = io.BytesIO()
         torch.save(obj, buffer)
         blobs[name] = buffer.getvalue()

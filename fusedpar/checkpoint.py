@@ -129,9 +129,11 @@ def latest(root: str | os.PathLike) -> str | None:
                 skipped.append((step, e))
     if skipped:
         names = ", ".join(f"step-{step}" for step, _ in skipped)
-        warnings.warn(f"latest({root}): no complete checkpoint among {names}, newer than "
-                      f"{Path(found).name if found else 'none'}: {skipped[0][1]}",
-                      stacklevel=2)  # fmt: skip
+        warnings.warn(
+            f"latest({root}): no complete checkpoint among {names}, newer than "
+            f"{Path(found).name if found else 'none'}: {skipped[0][1]}",
+            stacklevel=2,
+        )
     return found
 
 
@@ -186,9 +188,14 @@ def _own_storage(state: dict) -> None:
         if isinstance(value, dict):
             _own_storage(value)
         elif isinstance(value, DTensor) and value.to_local().storage_offset() != 0:
-            state[key] = DTensor.from_local(value.to_local().clone(), value.device_mesh,
-                                            value.placements, run_check=False,
-                                            shape=value.shape, stride=value.stride())  # fmt: skip
+            state[key] = DTensor.from_local(
+                value.to_local().clone(),
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
 
 
 def _async_save(state: dict, tmp: Path, group) -> Future:
@@ -216,9 +223,16 @@ def enter(call: str, undone: str = "written") -> None:
     atomic.enter(call, undone)
 
 
-def save(path: str | os.PathLike, model: nn.Module, optimizer=None, *, extra=None,
-         files: dict | None = None, overwrite: bool = False,
-         async_save: bool = False) -> AsyncSave | None:  # fmt: skip
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer=None,
+    *,
+    extra=None,
+    files: dict | None = None,
+    overwrite: bool = False,
+    async_save: bool = False,
+) -> AsyncSave | None:
     """Write `model`'s (and `optimizer`'s) state and the picklable dict `extra` to the
     directory `path`, atomically: complete there once this returns (or, with
     ``async_save``, once the returned `AsyncSave` is done), invisible before. Collective:
@@ -248,9 +262,14 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, *, extra=Non
     token = atomic.begin(target, overwrite, group, error)
     tmp = target.parent / f".{target.name}.tmp-{token}"
     step = (extra or {}).get("step")
-    record = {"format": atomic.FORMAT, "id": token, "world_size": atomic.world()[1],
-              "step": step if isinstance(step, int) else None, "async": async_save,
-              "torch": torch.__version__}  # fmt: skip
+    record = {
+        "format": atomic.FORMAT,
+        "id": token,
+        "world_size": atomic.world()[1],
+        "step": step if isinstance(step, int) else None,
+        "async": async_save,
+        "torch": torch.__version__,
+    }
     if not async_save:
         dcp.save(state, checkpoint_id=str(tmp))
         atomic.commit(tmp, target, group, record, blobs)
@@ -295,27 +314,43 @@ def _compare(path, metadata, state: dict) -> list[str]:
             )
         if not isinstance(saved, TensorStorageMetadata) or saved.size != tensor.shape:
             got = tuple(saved.size) if isinstance(saved, TensorStorageMetadata) else "no tensor"
-            raise ValueError(f"{name} is {tuple(tensor.shape)} in the model but {got} in the "
-                             f"checkpoint at {path}: a checkpoint of another model")  # fmt: skip
+            raise ValueError(
+                f"{name} is {tuple(tensor.shape)} in the model but {got} in the "
+                f"checkpoint at {path}: a checkpoint of another model"
+            )
     prefix = next(iter(state)) + "."
-    return sorted(k for k in metadata if k.startswith(prefix) and k not in names
-                  and isinstance(metadata[k], TensorStorageMetadata))  # fmt: skip
+    return sorted(
+        k
+        for k in metadata
+        if k.startswith(prefix)
+        and k not in names
+        and isinstance(metadata[k], TensorStorageMetadata)
+    )
 
 
 def _refuse_unknown(path, unknown) -> None:
     if unknown:
         unknown = sorted(unknown)
-        raise ValueError(f"the checkpoint at {path} has {unknown[0]}, which the model does "
-                         f"not ({len(unknown)} such tensors): a checkpoint of another "
-                         "model")  # fmt: skip
+        raise ValueError(
+            f"the checkpoint at {path} has {unknown[0]}, which the model does "
+            f"not ({len(unknown)} such tensors): a checkpoint of another "
+            "model"
+        )
 
 
 def _metadata(path) -> dict:
     return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
 
 
-def check(path: str | os.PathLike, model: nn.Module, optimizer=None, *, metadata=None,
-          part: bool = False, require_record: bool = True) -> list[str]:  # fmt: skip
+def check(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer=None,
+    *,
+    metadata=None,
+    part: bool = False,
+    require_record: bool = True,
+) -> list[str]:
     """ValueError unless the checkpoint at `path` holds exactly the tensors of `model`
     (and `optimizer`), with the same global shapes. ``part``: `model` is one part of the
     model (a pipeline rank's stages, `fusedpar.pipeline`): the checkpoint's other
@@ -359,14 +394,17 @@ def _agree(path, error: Exception | None, unknown: list[str], save_id=None) -> N
     ids = [save_id for _, _, save_id in reports]
     if len(set(ids)) > 1:
         other = next(rank for rank, i in enumerate(ids) if i != ids[0])
-        raise ValueError(f"cannot load {path}: the ranks found different saves there (rank 0: "
-                         f"{ids[0]}, rank {other}: {ids[other]}); give every rank the same "
-                         "checkpoint, on a file system they share")  # fmt: skip
+        raise ValueError(
+            f"cannot load {path}: the ranks found different saves there (rank 0: "
+            f"{ids[0]}, rank {other}: {ids[other]}); give every rank the same "
+            "checkpoint, on a file system they share"
+        )
     _refuse_unknown(path, set.intersection(*(set(names) for _, names, _ in reports)))
 
 
-def load(path: str | os.PathLike, model: nn.Module, optimizer=None, *,
-         require_record: bool = True) -> dict:  # fmt: skip
+def load(
+    path: str | os.PathLike, model: nn.Module, optimizer=None, *, require_record: bool = True
+) -> dict:
     """Read the checkpoint at `path` into `model` (and `optimizer`), resharding to their
     layout; returns the saved `extra` dict. Collective: every rank calls it. If the
     checkpoint is not complete (no record: an interrupted save), is missing, does not

@@ -75,8 +75,10 @@ def resolve_axes(mesh: DeviceMesh, names=None, expected=None) -> dict[str, str]:
     order, where their count is the mesh's). No communication: the same answer on every
     rank."""
     if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None:
-        raise TypeError(f"a DeviceMesh with named axes is needed (ParallelDims.build_mesh), "
-                        f"got {type(mesh).__name__}")  # fmt: skip
+        raise TypeError(
+            f"a DeviceMesh with named axes is needed (ParallelDims.build_mesh), "
+            f"got {type(mesh).__name__}"
+        )
     to_mesh = {axis: axis for axis in AXES} | dict(_names_of(names))
     to_axis = {name: axis for axis, name in to_mesh.items()}
     found = tuple(mesh.mesh_dim_names)
@@ -84,8 +86,11 @@ def resolve_axes(mesh: DeviceMesh, names=None, expected=None) -> dict[str, str]:
     if unknown:
         mapped = {axis: name for axis, name in to_mesh.items() if axis != name}
         expected = expected or tuple(axis for axis in AXES if axis not in _OPTIONAL)
-        guess = ({axis: name for axis, name in zip(expected, found, strict=True) if axis != name}
-                 if len(expected) == len(found) else {"dp": "data", "tp": "tensor"})  # fmt: skip
+        guess = (
+            {axis: name for axis, name in zip(expected, found, strict=True) if axis != name}
+            if len(expected) == len(found)
+            else {"dp": "data", "tp": "tensor"}
+        )
         raise ValueError(
             f"the mesh's axes {found} include {tuple(unknown)}, which are not fusedpar's axes "
             f"{AXES}" + (f" nor mapped to them (names={mapped})" if mapped else "") + ": name "
@@ -126,15 +131,22 @@ class ParallelDims:
         for axis, name in axes.items():
             size = mesh.size(mesh.mesh_dim_names.index(name))
             if size != getattr(self, axis):
-                raise ValueError(f"the mesh's axis {name!r} ({axis}) has {size} ranks, but "
-                                 f"{axis} = {getattr(self, axis)}: build the mesh from these "
-                                 "degrees (dims.build_mesh)")  # fmt: skip
-        missing = [axis for axis in AXES if axis not in axes and getattr(self, axis) > 1
-                   and not (stage and axis == "pp")]  # fmt: skip
+                raise ValueError(
+                    f"the mesh's axis {name!r} ({axis}) has {size} ranks, but "
+                    f"{axis} = {getattr(self, axis)}: build the mesh from these "
+                    "degrees (dims.build_mesh)"
+                )
+        missing = [
+            axis
+            for axis in AXES
+            if axis not in axes and getattr(self, axis) > 1 and not (stage and axis == "pp")
+        ]
         if missing:
-            raise ValueError(f"the mesh's axes {tuple(mesh.mesh_dim_names)} leave out "
-                             f"{', '.join(f'{a} ({getattr(self, a)} ranks)' for a in missing)}"
-                             ": build the mesh from these degrees (dims.build_mesh)")  # fmt: skip
+            raise ValueError(
+                f"the mesh's axes {tuple(mesh.mesh_dim_names)} leave out "
+                f"{', '.join(f'{a} ({getattr(self, a)} ranks)' for a in missing)}"
+                ": build the mesh from these degrees (dims.build_mesh)"
+            )
         return axes
 
     @property
@@ -167,9 +179,19 @@ class ParallelDims:
             size *= getattr(self, axis)
         return size
 
-    def validate(self, world_size: int, *, n_heads=None, n_kv_heads=None, num_experts=None,
-                 seq_len=None, cp_layout="zigzag", n_layers=None, microbatches=None,
-                 schedule="1F1B") -> None:  # fmt: skip
+    def validate(
+        self,
+        world_size: int,
+        *,
+        n_heads=None,
+        n_kv_heads=None,
+        num_experts=None,
+        seq_len=None,
+        cp_layout="zigzag",
+        n_layers=None,
+        microbatches=None,
+        schedule="1F1B",
+    ) -> None:
         """Raise ValueError naming the offending degree. No communication. With pp > 1
         and `n_layers`: the pipeline too (`fusedpar.pipeline.check_pipeline`: the
         schedule, layers per stage, microbatches; None: one per stage)."""
@@ -189,20 +211,26 @@ class ParallelDims:
             if axis not in AXES:
                 raise ValueError(f"ep runs over mesh axes {AXES}, got {self.ep!r}")
         if "pp" in self.ep_axes:
-            raise ValueError("ep over pp: the pipeline stages hold different layers, so their "
-                             "experts cannot be one layer's: run ep over cp and/or tp")  # fmt: skip
+            raise ValueError(
+                "ep over pp: the pipeline stages hold different layers, so their "
+                "experts cannot be one layer's: run ep over cp and/or tp"
+            )
         if "dp" in self.ep_axes and self.dp > 1:
             # Data parallelism (FSDP/DDP over dp) averages every parameter over dp, but
             # experts split over dp differ from rank to rank there.
-            raise ValueError(f"ep over dp (dp degree {self.dp}) would mix different experts in "
-                             "data parallelism over dp: run ep over cp and/or tp")  # fmt: skip
+            raise ValueError(
+                f"ep over dp (dp degree {self.dp}) would mix different experts in "
+                "data parallelism over dp: run ep over cp and/or tp"
+            )
         for name, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
             if heads is not None and heads % self.tp:
                 raise ValueError(f"{name} ({heads}) is not divisible by the tp degree ({self.tp})")
         if n_heads is not None and (n_heads // self.tp) % self.ulysses:
-            raise ValueError(f"n_heads ({n_heads}) is not divisible by tp ({self.tp}) x "
-                             f"ulysses ({self.ulysses}): each Ulysses rank needs whole "
-                             f"query heads")  # fmt: skip
+            raise ValueError(
+                f"n_heads ({n_heads}) is not divisible by tp ({self.tp}) x "
+                f"ulysses ({self.ulysses}): each Ulysses rank needs whole "
+                f"query heads"
+            )
         if n_kv_heads is not None and self.ulysses > 1:
             per_tp = n_kv_heads // self.tp
             if per_tp % self.ulysses and self.ulysses % per_tp:
@@ -216,22 +244,30 @@ class ParallelDims:
 
             check_pipeline(schedule, self.pp, n_layers, microbatches)
         if num_experts is not None and num_experts % self.ep_size:
-            raise ValueError(f"num_experts ({num_experts}) is not divisible by the ep degree "
-                             f"({self.ep_size}, over {'x'.join(self.ep_axes)})")  # fmt: skip
+            raise ValueError(
+                f"num_experts ({num_experts}) is not divisible by the ep degree "
+                f"({self.ep_size}, over {'x'.join(self.ep_axes)})"
+            )
         if seq_len is not None:
             chunks = self.cp * (2 if cp_layout == "zigzag" else 1)
             if seq_len % chunks:
-                raise ValueError(f"seq_len ({seq_len}) is not divisible by {chunks} (the cp "
-                                 f"degree {self.cp} under the {cp_layout} layout)")  # fmt: skip
+                raise ValueError(
+                    f"seq_len ({seq_len}) is not divisible by {chunks} (the cp "
+                    f"degree {self.cp} under the {cp_layout} layout)"
+                )
             per_cp = seq_len // self.cp
             if per_cp % self.ulysses:
-                raise ValueError(f"each cp rank's {per_cp} tokens are not divisible by the "
-                                 f"ulysses degree ({self.ulysses})")  # fmt: skip
+                raise ValueError(
+                    f"each cp rank's {per_cp} tokens are not divisible by the "
+                    f"ulysses degree ({self.ulysses})"
+                )
             if (per_cp // self.ulysses) % self.tp:
                 per_rank = per_cp // self.ulysses
-                raise ValueError(f"each cp{' x ulysses' if self.ulysses > 1 else ''} rank's "
-                                 f"{per_rank} tokens are not divisible by the tp degree "
-                                 f"({self.tp}) for sequence parallelism")  # fmt: skip
+                raise ValueError(
+                    f"each cp{' x ulysses' if self.ulysses > 1 else ''} rank's "
+                    f"{per_rank} tokens are not divisible by the tp degree "
+                    f"({self.tp}) for sequence parallelism"
+                )
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """``init_device_mesh(device_type, degrees, mesh_dim_names=...)``: the axes
@@ -291,8 +327,14 @@ class ParallelDims:
             groups["ep"] = None
         return groups
 
-    def fully_shard(self, module: nn.Module, mesh: DeviceMesh, *, dp_mesh_dims: bool | None = None,
-                    **fsdp_kwargs):  # fmt: skip
+    def fully_shard(
+        self,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        *,
+        dp_mesh_dims: bool | None = None,
+        **fsdp_kwargs,
+    ):
         """FSDP2 (``torch.distributed.fsdp.fully_shard``) over the "dp" axis of `mesh`, for
         a module whose parameters `fusedpar.distribute` put on `mesh`. Call it bottom-up
         like ``fully_shard`` (blocks, then the root); ``fsdp_kwargs`` go through.
@@ -317,8 +359,10 @@ class ParallelDims:
         axes = self.axes_of(mesh, stage=True)
         if "dp" not in axes:
             if fsdp_kwargs:
-                raise ValueError(f"fully_shard: the mesh's axes {tuple(mesh.mesh_dim_names)} "
-                                 "have no dp axis for FSDP2 to run over")  # fmt: skip
+                raise ValueError(
+                    f"fully_shard: the mesh's axes {tuple(mesh.mesh_dim_names)} "
+                    "have no dp axis for FSDP2 to run over"
+                )
             mesh_dp = 1
         else:
             mesh_dp = mesh.size(mesh.mesh_dim_names.index(axes["dp"]))
@@ -326,9 +370,12 @@ class ParallelDims:
             global _warned_dp1
             if not _warned_dp1:
                 _warned_dp1 = True
-                warnings.warn("ParallelDims.fully_shard with one dp rank: nothing to shard, "
-                              "FSDP2 skipped (the module is returned unchanged)",
-                              UserWarning, stacklevel=2)  # fmt: skip
+                warnings.warn(
+                    "ParallelDims.fully_shard with one dp rank: nothing to shard, "
+                    "FSDP2 skipped (the module is returned unchanged)",
+                    UserWarning,
+                    stacklevel=2,
+                )
             return module
         before = dict(module.named_parameters())  # replaced by FSDP2's: retired after
         sharded = self._fully_shard(module, mesh, axes, dp_mesh_dims, fsdp, fsdp_kwargs)
@@ -347,18 +394,23 @@ class ParallelDims:
                 raise RuntimeError(
                     f"dp_mesh_dims needs torch >= 2.12 (this is {torch.__version__})"
                 )
-            return fully_shard(module, mesh=mesh,
-                               dp_mesh_dims=DataParallelMeshDims(shard=axes["dp"]),
-                               **fsdp_kwargs)  # fmt: skip
+            return fully_shard(
+                module,
+                mesh=mesh,
+                dp_mesh_dims=DataParallelMeshDims(shard=axes["dp"]),
+                **fsdp_kwargs,
+            )
         # The other axes of more than one rank (FSDP2's TP path takes a 1-D or 2-D mesh;
         # a parameter's placement on an axis of one rank is always Replicate).
         names = mesh.mesh_dim_names
         kept = [i for i, axis in enumerate(names) if axis != axes["dp"] and mesh.size(i) > 1]
         kept = kept or [len(names) - 1]
         if len(kept) > 2:
-            raise ValueError(f"FSDP2's TP path (torch < 2.12) takes parameters on at most two "
-                             f"mesh axes, but {[names[i] for i in kept]} all have more than "
-                             f"one rank: use torch >= 2.12 (dp_mesh_dims)")  # fmt: skip
+            raise ValueError(
+                f"FSDP2's TP path (torch < 2.12) takes parameters on at most two "
+                f"mesh axes, but {[names[i] for i in kept]} all have more than "
+                f"one rank: use torch >= 2.12 (dp_mesh_dims)"
+            )
         rest = tuple(names[i] for i in kept)
         dp = names.index(axes["dp"])
         moved: dict[int, nn.Parameter] = {}
@@ -369,8 +421,9 @@ class ParallelDims:
                     continue  # not distributed, or sharded by an earlier fully_shard
                 if id(param) not in moved:
                     placements = tuple(param.placements[i] for i in kept)
-                    local = DTensor.from_local(param.to_local().detach(), mesh[rest], placements,
-                                               run_check=False)  # fmt: skip
+                    local = DTensor.from_local(
+                        param.to_local().detach(), mesh[rest], placements, run_check=False
+                    )
                     new = nn.Parameter(local, requires_grad=param.requires_grad)
                     if new.requires_grad:  # for what FSDP2 leaves alone (ignored_params)
                         new.register_post_accumulate_grad_hook(_reduce_grad)

@@ -72,10 +72,14 @@ from fusedpar.kernels._common import accumulator
 from fusedpar.storage import deferred_grad_reduction
 
 SCHEDULES = {  # name: how its stages sit on the pipeline ranks
-    "GPipe": "single", "1F1B": "single",
-    "Interleaved1F1B": "loop", "LoopedBFS": "loop", "InterleavedZeroBubble": "loop",
-    "ZBVZeroBubble": "v", "DualPipeV": "v",
-}  # fmt: skip
+    "GPipe": "single",
+    "1F1B": "single",
+    "Interleaved1F1B": "loop",
+    "LoopedBFS": "loop",
+    "InterleavedZeroBubble": "loop",
+    "ZBVZeroBubble": "v",
+    "DualPipeV": "v",
+}
 LOSS_REDUCTIONS = ("mean", "sum")
 DEFAULT_LAYOUT = ("blocks", ("embed",), ("norm", "head"))  # layers, first, last
 
@@ -104,35 +108,48 @@ def stage_count(schedule: str, pp: int, stages_per_rank: int = 2) -> int:
         raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
     style = SCHEDULES[schedule]
     if style == "v" and stages_per_rank != 2:
-        raise ValueError(f"{schedule} holds two stages per pipeline rank (a V), not "
-                         f"{stages_per_rank}")  # fmt: skip
+        raise ValueError(
+            f"{schedule} holds two stages per pipeline rank (a V), not {stages_per_rank}"
+        )
     if style == "loop" and stages_per_rank < 2:
-        raise ValueError(f"{schedule} needs at least 2 stages per pipeline rank, got "
-                         f"{stages_per_rank}")  # fmt: skip
+        raise ValueError(
+            f"{schedule} needs at least 2 stages per pipeline rank, got {stages_per_rank}"
+        )
     return pp * (1 if style == "single" else stages_per_rank)
 
 
-def check_pipeline(schedule: str, pp: int, n_layers: int, microbatches: int | None = None,
-                   stages_per_rank: int = 2, loss_reduction: str = "mean") -> int:  # fmt: skip
+def check_pipeline(
+    schedule: str,
+    pp: int,
+    n_layers: int,
+    microbatches: int | None = None,
+    stages_per_rank: int = 2,
+    loss_reduction: str = "mean",
+) -> int:
     """ValueError naming what does not fit; no communication. `microbatches` None: one
     per stage. Returns the stage count."""
     stages = stage_count(schedule, pp, stages_per_rank)
     if loss_reduction not in LOSS_REDUCTIONS:
-        raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got "
-                         f"{loss_reduction!r}")  # fmt: skip
+        raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
     per_rank = stages // pp
     microbatches = stages if microbatches is None else microbatches
     if n_layers < stages or n_layers % stages:
-        raise ValueError(f"{n_layers} layers do not divide into the {stages} stages of "
-                         f"{schedule} at pp {pp} ({per_rank} per pipeline rank): use a "
-                         f"multiple of {stages} layers")  # fmt: skip
+        raise ValueError(
+            f"{n_layers} layers do not divide into the {stages} stages of "
+            f"{schedule} at pp {pp} ({per_rank} per pipeline rank): use a "
+            f"multiple of {stages} layers"
+        )
     if microbatches < stages:
-        raise ValueError(f"{microbatches} microbatches for {stages} pipeline stages: a "
-                         f"schedule needs at least one microbatch per stage ({schedule} at "
-                         f"pp {pp}; fewer would leave stages waiting for ever)")  # fmt: skip
+        raise ValueError(
+            f"{microbatches} microbatches for {stages} pipeline stages: a "
+            f"schedule needs at least one microbatch per stage ({schedule} at "
+            f"pp {pp}; fewer would leave stages waiting for ever)"
+        )
     if schedule == "Interleaved1F1B" and microbatches % pp:
-        raise ValueError(f"Interleaved1F1B takes microbatches in rounds of pp ({pp}): "
-                         f"{microbatches} microbatches is not a multiple")  # fmt: skip
+        raise ValueError(
+            f"Interleaved1F1B takes microbatches in rounds of pp ({pp}): "
+            f"{microbatches} microbatches is not a multiple"
+        )
     return stages
 
 
@@ -173,8 +190,12 @@ def stage_module(model: nn.Module, stage: int, num_stages: int, layers: str, fir
     per_stage = len(blocks) // num_stages
     mine = range(stage * per_stage, (stage + 1) * per_stage)
     part, copies = _shallow_copy(model), {}
-    _put(part, layers, nn.ModuleList(block if i in mine else PassThrough()
-                                     for i, block in enumerate(blocks)), copies)  # fmt: skip
+    _put(
+        part,
+        layers,
+        nn.ModuleList(block if i in mine else PassThrough() for i, block in enumerate(blocks)),
+        copies,
+    )
     for names, holder in ((first, 0), (last, num_stages - 1)):
         for name in names:
             if stage != holder:
@@ -235,8 +256,11 @@ class Pipeline:
         `target` to `loss_fn` on the last (every rank passes the same batch; each uses
         its part). Returns the microbatches' losses on the ranks of the last stage, None
         elsewhere. Gradients accumulate in the parameters, as backward's do."""
-        named = (*((f"input {i}", t) for i, t in enumerate(inputs)), *kwargs.items(),
-                 ("target", target))  # fmt: skip
+        named = (
+            *((f"input {i}", t) for i, t in enumerate(inputs)),
+            *kwargs.items(),
+            ("target", target),
+        )
         tensors = [(what, t) for what, t in named if isinstance(t, torch.Tensor)]
         verdict = checks.Verdict()
         verdict.run(self._check_batch, tensors)
@@ -249,16 +273,22 @@ class Pipeline:
         # contiguous: torch 2.11's stages check each microbatch's strides against the
         # first's (a sliced batch, tokens[:, :-1], failed there)
         inputs = tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in inputs)
-        kwargs = {k: t.contiguous() if isinstance(t, torch.Tensor) else t
-                  for k, t in kwargs.items()}  # fmt: skip
+        kwargs = {
+            k: t.contiguous() if isinstance(t, torch.Tensor) else t for k, t in kwargs.items()
+        }
         target = target.contiguous() if isinstance(target, torch.Tensor) else target
         losses = [] if self.has_last else None
         args = inputs if self.has_first else ()
         # the partial gradients of whole parameters are summed once, after the step, in
         # one order on every rank (the split backwards accumulate in no fixed order)
         with deferred_grad_reduction(self.model):
-            self.schedule.step(*args, target=target if self.has_last else None, losses=losses,
-                               return_outputs=False, **kwargs)  # fmt: skip
+            self.schedule.step(
+                *args,
+                target=target if self.has_last else None,
+                losses=losses,
+                return_outputs=False,
+                **kwargs,
+            )
         self._sum_tied_grads()
         return losses
 
@@ -318,9 +348,20 @@ class Pipeline:
                 param.grad = local
 
 
-def split(model: nn.Module, dims, mesh, *, schedule: str = "1F1B", microbatches=None,
-          loss_fn=None, loss_reduction: str = "mean", stages_per_rank: int = 2,
-          layers: str | None = None, first=None, last=None) -> Pipeline:  # fmt: skip
+def split(
+    model: nn.Module,
+    dims,
+    mesh,
+    *,
+    schedule: str = "1F1B",
+    microbatches=None,
+    loss_fn=None,
+    loss_reduction: str = "mean",
+    stages_per_rank: int = 2,
+    layers: str | None = None,
+    first=None,
+    last=None,
+) -> Pipeline:
     """Cut `model` into the stages of `schedule` over the "pp" axis of `mesh` and build
     the schedule (see the module doc). `microbatches` defaults to the number of stages.
     Every rank builds the whole model (with its stage's groups) and calls this.
@@ -345,16 +386,20 @@ def split(model: nn.Module, dims, mesh, *, schedule: str = "1F1B", microbatches=
     layers, first, last = (g if g is not None else d for g, d in zip(given, default, strict=True))
     blocks = module_at(model, layers)
     if not isinstance(blocks, nn.ModuleList):
-        raise ValueError(f"split: {type(model).__name__}.{layers} must be an nn.ModuleList of "
-                         f"the blocks, got {type(blocks).__name__}")  # fmt: skip
+        raise ValueError(
+            f"split: {type(model).__name__}.{layers} must be an nn.ModuleList of "
+            f"the blocks, got {type(blocks).__name__}"
+        )
     for name in (*first, *last):
         if not isinstance(module_at(model, name), nn.Module):
             raise ValueError(f"split: {type(model).__name__} has no module {name!r}")
     own = [name for name, p in model._parameters.items() if p is not None]
     if own:
-        raise ValueError(f"split: {type(model).__name__} holds parameters of its own "
-                         f"({', '.join(own)}), which no one stage would hold: put them in a "
-                         "submodule of first or last")  # fmt: skip
+        raise ValueError(
+            f"split: {type(model).__name__} holds parameters of its own "
+            f"({', '.join(own)}), which no one stage would hold: put them in a "
+            "submodule of first or last"
+        )
     groups = dims.groups(mesh)
     pp_group = groups["pp"]
     pp, pp_rank = comm.group_size(pp_group), comm.group_rank(pp_group)
@@ -364,17 +409,21 @@ def split(model: nn.Module, dims, mesh, *, schedule: str = "1F1B", microbatches=
     tied = [] if pp == 1 else _tied(model, first, last)
     if SCHEDULES[schedule] == "v" and tied:
         # measured: the tied weight's gradient 5e-2 off (GPT-2, ZBVZeroBubble and DualPipeV)
-        raise ValueError(f"split: {schedule} puts the first and the last stage on one rank, "
-                         "and torch's split backward (input, then weight) gets a weight "
-                         "that two stages of a rank share wrong: untie the embeddings "
-                         "(tie_word_embeddings=False) or take another schedule")  # fmt: skip
+        raise ValueError(
+            f"split: {schedule} puts the first and the last stage on one rank, "
+            "and torch's split backward (input, then weight) gets a weight "
+            "that two stages of a rank share wrong: untie the embeddings "
+            "(tie_word_embeddings=False) or take another schedule"
+        )
     per_rank = num_stages // pp
     stage_ids = stages_of(schedule, pp_rank, pp, per_rank)
     parts = [stage_module(model, s, num_stages, layers, first, last) for s in stage_ids]
     device = next(model.parameters()).device
     group = None if pp_group is None else pp_group.get_group()
-    stages = [PipelineStage(part, s, num_stages, device, group=group)
-              for part, s in zip(parts, stage_ids, strict=True)]  # fmt: skip
+    stages = [
+        PipelineStage(part, s, num_stages, device, group=group)
+        for part, s in zip(parts, stage_ids, strict=True)
+    ]
     cls = get_schedule_class(schedule)
     scale = loss_reduction == "mean"
     if issubclass(cls, PipelineScheduleSingle):
@@ -390,8 +439,19 @@ def split(model: nn.Module, dims, mesh, *, schedule: str = "1F1B", microbatches=
             if any(id(p) in ids for p in module_at(model, name).parameters()):
                 _put(merged, name, module_at(model, name), {})
     check_groups = [groups[axis] for axis in ("pp", "cp", "ulysses", "tp")]
-    return Pipeline(runner, stages, parts, merged, microbatches, num_stages, stage_ids, tied,
-                    group, check_groups, getattr(model, "check_step", None))  # fmt: skip
+    return Pipeline(
+        runner,
+        stages,
+        parts,
+        merged,
+        microbatches,
+        num_stages,
+        stage_ids,
+        tied,
+        group,
+        check_groups,
+        getattr(model, "check_step", None),
+    )
 
 
 def stage_losses_total(losses: list | None, reduction: str = "mean", device=None):

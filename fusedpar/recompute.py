@@ -49,11 +49,19 @@ SAVED_BY_DEFAULT = COMMUNICATION_OPS + ROUTING_OPS
 # A layer that runs on one rank as one op is kept when an op its composed path runs
 # elsewhere is kept: a policy names the ops of the parallel model, the same on one rank.
 ONE_RANK_OPS = {
-    "fusedpar::attention_layer": ("fusedpar::all_gather_matmul", "fusedpar::matmul_reduce_scatter",
-                                  "fusedpar::flash_attn", "fusedpar::rms_norm", "fusedpar::rope"),
-    "fusedpar::gated_mlp": ("fusedpar::all_gather_matmul", "fusedpar::matmul_reduce_scatter",
-                            "fusedpar::gated"),
-}  # fmt: skip
+    "fusedpar::attention_layer": (
+        "fusedpar::all_gather_matmul",
+        "fusedpar::matmul_reduce_scatter",
+        "fusedpar::flash_attn",
+        "fusedpar::rms_norm",
+        "fusedpar::rope",
+    ),
+    "fusedpar::gated_mlp": (
+        "fusedpar::all_gather_matmul",
+        "fusedpar::matmul_reduce_scatter",
+        "fusedpar::gated",
+    ),
+}
 
 
 def _packet(op) -> torch._ops.OpOverloadPacket:
@@ -69,8 +77,10 @@ def _packet(op) -> torch._ops.OpOverloadPacket:
         packet = getattr(getattr(torch.ops, namespace), name, None)
         if isinstance(packet, torch._ops.OpOverloadPacket):
             return packet
-    raise ValueError(f"checkpoint_policy: {op!r} is not an op ('namespace::name', e.g. "
-                     f"'fusedpar::ring_attn', or torch.ops.<namespace>.<name>)")  # fmt: skip
+    raise ValueError(
+        f"checkpoint_policy: {op!r} is not an op ('namespace::name', e.g. "
+        f"'fusedpar::ring_attn', or torch.ops.<namespace>.<name>)"
+    )
 
 
 def checkpoint_policy(save=SAVED_BY_DEFAULT, *, also=()):
@@ -79,8 +89,11 @@ def checkpoint_policy(save=SAVED_BY_DEFAULT, *, also=()):
     Ops are "namespace::name" strings or ``torch.ops`` objects; an unknown name raises
     here, not in the backward."""
     kept = {_packet(op) for op in (*save, *also)}
-    kept |= {_packet(layer) for layer, parts in ONE_RANK_OPS.items()
-             if any(_packet(part) in kept for part in parts)}  # fmt: skip
+    kept |= {
+        _packet(layer)
+        for layer, parts in ONE_RANK_OPS.items()
+        if any(_packet(part) in kept for part in parts)
+    }
     kept = frozenset(kept)
 
     def policy(ctx, op, *args, **kwargs):

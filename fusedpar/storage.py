@@ -168,9 +168,11 @@ def mesh_axes_of(group, mesh: DeviceMesh) -> tuple[str, ...]:
             index = [slice(None) if d in dims else c for d, c in enumerate(coordinate)]
             if mesh.mesh[tuple(index)].flatten().tolist() == ranks:
                 return tuple(names[d] for d in dims)
-    raise ValueError(f"the group of ranks {ranks} is not an axis (or a run of axes) of the "
-                     f"mesh {names} {tuple(mesh.shape)}: build the layers from "
-                     "dims.groups(mesh)")  # fmt: skip
+    raise ValueError(
+        f"the group of ranks {ranks} is not an axis (or a run of axes) of the "
+        f"mesh {names} {tuple(mesh.shape)}: build the layers from "
+        "dims.groups(mesh)"
+    )
 
 
 @dataclass(frozen=True)
@@ -390,8 +392,10 @@ def _check_token_axes(model: nn.Module, mesh: DeviceMesh, token_axes, axis_of: d
         cp_axes += axes_of(getattr(module, "ulysses_group", None))
         if hasattr(module, "param_layouts") and any(a not in token_axes for a in cp_axes):
             what = name or type(module).__name__
-            raise ValueError(f"{what} splits the sequence over {cp_axes}, but "
-                             f"token_axes={tuple(token_axes)} leaves it out")  # fmt: skip
+            raise ValueError(
+                f"{what} splits the sequence over {cp_axes}, but "
+                f"token_axes={tuple(token_axes)} leaves it out"
+            )
         sequence_parallel = getattr(module, "sequence_parallel", None)
         if not hasattr(module, "param_layouts") or sequence_parallel is None:
             continue
@@ -418,10 +422,12 @@ def _check_group_axes(model: nn.Module, mesh: DeviceMesh, axis_of: dict) -> None
             if axes and axes != claimed:
                 what = f"{name or type(module).__name__}.{attr}"
                 shown = "x".join(names) + (f" ({'x'.join(axes)})" if axes != names else "")
-                raise ValueError(f"{what} is the mesh's {shown} axis, not "
-                                 f"{'x'.join(claimed)}: groups passed in the wrong places "
-                                 f"(tp for cp?) or from another mesh; take them from "
-                                 f"dims.groups(mesh)")  # fmt: skip
+                raise ValueError(
+                    f"{what} is the mesh's {shown} axis, not "
+                    f"{'x'.join(claimed)}: groups passed in the wrong places "
+                    f"(tp for cp?) or from another mesh; take them from "
+                    f"dims.groups(mesh)"
+                )
 
 
 def _check_replicas(plan, mesh: DeviceMesh) -> None:
@@ -446,14 +452,19 @@ def _check_replicas(plan, mesh: DeviceMesh) -> None:
             continue
         differ = (table.amax(axis) != table.amin(axis)).any(-1)  # (*other axes, P)
         differ = differ.flatten(0, -2).any(0) if differ.dim() > 1 else differ
-        bad = [name for (name, where), d in zip(names, differ.tolist(), strict=True)
-               if d and isinstance(where.placements[axis_name], Replicate)]  # fmt: skip
+        bad = [
+            name
+            for (name, where), d in zip(names, differ.tolist(), strict=True)
+            if d and isinstance(where.placements[axis_name], Replicate)
+        ]
         if bad:
             listed = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
-            raise ValueError(f"distribute: {listed} differ across the ranks of mesh axis "
-                             f"{axis_name!r}, which must hold them equal: build the model "
-                             "from the same seed on every rank (torch.manual_seed before "
-                             "building it) or load the same weights everywhere")  # fmt: skip
+            raise ValueError(
+                f"distribute: {listed} differ across the ranks of mesh axis "
+                f"{axis_name!r}, which must hold them equal: build the model "
+                "from the same seed on every rank (torch.manual_seed before "
+                "building it) or load the same weights everywhere"
+            )
 
 
 _warned_undistributed = False
@@ -474,16 +485,20 @@ def warn_if_undistributed(module: nn.Module, *groups) -> bool:
     if not torch.is_grad_enabled():
         return False
     _warned_undistributed = True
-    warnings.warn(f"{type(module).__name__} runs over more than one rank, but its model was "
-                  "not passed to fusedpar.distribute(model, mesh): the gradients of whole "
-                  "parameters (norms, embeddings, a row bias) and of shards that saw only "
-                  "this rank's tokens stay partial sums unless you reduce them yourself",
-                  UserWarning, stacklevel=6)  # fmt: skip
+    warnings.warn(
+        f"{type(module).__name__} runs over more than one rank, but its model was "
+        "not passed to fusedpar.distribute(model, mesh): the gradients of whole "
+        "parameters (norms, embeddings, a row bias) and of shards that saw only "
+        "this rank's tokens stay partial sums unless you reduce them yourself",
+        UserWarning,
+        stacklevel=6,
+    )
     return True
 
 
-def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=None,
-               check_replicas: bool = True, names=None) -> nn.Module:  # fmt: skip
+def distribute(
+    model: nn.Module, mesh: DeviceMesh, *, token_axes=None, check_replicas: bool = True, names=None
+) -> nn.Module:
     """Store every parameter of `model` as a DTensor on `mesh`, in place; returns `model`.
 
     `mesh` is the full mesh (``ParallelDims.build_mesh``), with named axes: fusedpar's
@@ -520,16 +535,20 @@ def distribute(model: nn.Module, mesh: DeviceMesh, *, token_axes=None,
         token_axes = tuple(axis for axis in TOKEN_AXES if axis in present)
     unknown = [axis for axis in token_axes if axis not in present]
     if unknown:
-        raise ValueError(f"token_axes {unknown} are not axes of the mesh {mesh.mesh_dim_names} "
-                         f"(fusedpar's names: {present})")  # fmt: skip
+        raise ValueError(
+            f"token_axes {unknown} are not axes of the mesh {mesh.mesh_dim_names} "
+            f"(fusedpar's names: {present})"
+        )
     _check_token_axes(model, mesh, token_axes, axis_of)
     _check_group_axes(model, mesh, axis_of)
     plan = []  # (owner, module, {name: _Placed}): every check passes before anything changes
     for owner, module in model.named_modules():
         if type(module) in _READS_CHILD_PARAMETERS:
-            raise ValueError(f"{owner or 'the model'} is an nn.{type(module).__name__}, whose "
-                             "forward reads its children's parameters: distribute swaps a "
-                             "module's own parameters for its forward only")  # fmt: skip
+            raise ValueError(
+                f"{owner or 'the model'} is an nn.{type(module).__name__}, whose "
+                "forward reads its children's parameters: distribute swaps a "
+                "module's own parameters for its forward only"
+            )
         declared = hasattr(module, "param_layouts")
         layouts = module.param_layouts() if declared else {}
         placed = {}

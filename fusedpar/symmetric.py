@@ -106,10 +106,12 @@ class Watchdog:
         if op == 0:
             return None
         name = matmul_fused.OPS[op - 1]
-        return (f"fusedpar: {name} (overlap='fused') on rank {rank} waited more than "
-                f"FUSEDPAR_WAIT_S = {wait_seconds():g} s for chunk {chunk} (the rows of rank "
-                f"{chunk}); the kernel stopped. A peer did not deliver: it failed, or it "
-                "called a different op")  # fmt: skip
+        return (
+            f"fusedpar: {name} (overlap='fused') on rank {rank} waited more than "
+            f"FUSEDPAR_WAIT_S = {wait_seconds():g} s for chunk {chunk} (the rows of rank "
+            f"{chunk}); the kernel stopped. A peer did not deliver: it failed, or it "
+            "called a different op"
+        )
 
     def _watch(self):
         while True:
@@ -194,12 +196,14 @@ class Scatter(_Transport):
         world = self.world
         self.received = symm_mem.empty((world, rows, N), dtype=dtype, device=device)
         self.handle = symm_mem.rendezvous(self.received, pg.group_name)
-        self.peer_received = [self.handle.get_buffer(r, (world, rows, N), dtype)
-                              for r in range(world)]  # fmt: skip
+        self.peer_received = [
+            self.handle.get_buffer(r, (world, rows, N), dtype) for r in range(world)
+        ]
         self.flags = symm_mem.empty((world,), dtype=torch.int32, device=device)
         self.flag_handle = symm_mem.rendezvous(self.flags, pg.group_name)
-        self.peer_flags = [self.flag_handle.get_buffer(r, (world,), torch.int32)
-                           for r in range(world)]  # fmt: skip
+        self.peer_flags = [
+            self.flag_handle.get_buffer(r, (world,), torch.int32) for r in range(world)
+        ]
         self.counts = torch.zeros(world, dtype=torch.int32, device=device)
         self.rows, self.dtype = rows, dtype
 
@@ -216,14 +220,16 @@ class Scatter(_Transport):
         if POISON:
             received.fill_(float("nan"))
         self.handle.barrier(channel=0)  # every rank reset its flags: peers may write them
-        partials = torch.empty((world * m, self.received.shape[2]), dtype=self.dtype,
-                               device=self.device)  # fmt: skip
+        partials = torch.empty(
+            (world * m, self.received.shape[2]), dtype=self.dtype, device=self.device
+        )
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
             for step in range(1, world):
                 dest = (rank + step) % world
-                matmul_fused.wait_count(self.counts, dest, tiles, rank, status=self.status,
-                                        wait_s=wait_s)  # fmt: skip
+                matmul_fused.wait_count(
+                    self.counts, dest, tiles, rank, status=self.status, wait_s=wait_s
+                )
                 self.peer_received[dest][rank, :m].copy_(partials[dest * m : (dest + 1) * m])
                 signal(self.peer_flags[dest], rank)
         gemm(partials, self.counts)
@@ -231,9 +237,16 @@ class Scatter(_Transport):
         # could hold every SM while this rank's count waits (one-program kernels on the
         # side stream) still need one, so no rank would send.
         current.wait_stream(self.stream)
-        return matmul_fused.sum_partials(partials[rank * m : (rank + 1) * m], received,
-                                         self.flags, rank, out_dtype, bias, status=self.status,
-                                         wait_s=wait_s)  # fmt: skip
+        return matmul_fused.sum_partials(
+            partials[rank * m : (rank + 1) * m],
+            received,
+            self.flags,
+            rank,
+            out_dtype,
+            bias,
+            status=self.status,
+            wait_s=wait_s,
+        )
 
 
 _TRANSPORTS: dict[tuple, _Transport] = {}
@@ -270,5 +283,7 @@ def _check_one_host(pg: dist.ProcessGroup) -> None:
     hosts = [None] * dist.get_world_size(pg)
     dist.all_gather_object(hosts, socket.gethostname(), group=pg)
     if len(set(hosts)) > 1:
-        raise ValueError(f"overlap='fused' maps peers' GPU memory, so its group must be on one "
-                         f"host; this one spans {sorted(set(hosts))}: use 'serial' or 'ring'")
+        raise ValueError(
+            f"overlap='fused' maps peers' GPU memory, so its group must be on one "
+            f"host; this one spans {sorted(set(hosts))}: use 'serial' or 'ring'"
+        )

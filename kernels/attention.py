@@ -73,7 +73,6 @@ LN2 = 0.6931471805599453  # log(x) = log2(x) * LN2
 MAX_HEAD_DIM = 256
 
 
-
 def tile_configs(table: dict, head_dim: int, dtype: torch.dtype, modes: frozenset = frozenset(),
                  v_dim: int | None = None) -> list[triton.Config]:  # fmt: skip
     """The configs of `table` ``{(padded head dim, "fp32" or "16-bit"[, padded V head

@@ -57,6 +57,8 @@ _FUSED_TILES = {
     (128, "16-bit"): [(64, 128, 2, 8, {"softcap", "pointer"}), (32, 128, 2, 8), (16, 32, 2, 8)],
     **{key: tiles for key, tiles in DKDV_TILES.items() if key[0] == 256 or key[1] == "fp32"},
 }  # fmt: skip
+
+
 def transposed_dot_miscompiles(version: str = triton.__version__) -> bool:
     """Whether this Triton is one that miscompiles ``tl.dot(tl.trans(ds), x)`` on Hopper
     when ``ds`` comes from a wgmma accumulator and the tile is 64 wide (wrong results,

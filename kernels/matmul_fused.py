@@ -511,8 +511,15 @@ def partial_matmuls(pairs, counts: torch.Tensor, rank: int, world: int, *,
     T, N = a0.shape[0], b0.shape[1]
     check_float_dtype("A", a0, _impl.KERNEL_DTYPES)
     for i, (a, b) in enumerate(pairs):
-        if (a.dim() != 2 or b.dim() != 2 or a.shape[0] != T or b.shape != (a.shape[1], N)
-                or a.dtype != a0.dtype or b.dtype != a0.dtype or a.stride(1) != a0.stride(1)):
+        if (
+            a.dim() != 2
+            or b.dim() != 2
+            or a.shape[0] != T
+            or b.shape != (a.shape[1], N)
+            or a.dtype != a0.dtype
+            or b.dtype != a0.dtype
+            or a.stride(1) != a0.stride(1)
+        ):
             raise ValueError(
                 f"pair {i} must be A ({T}, K) and B (K, {N}) of {a0.dtype} with A's column "
                 f"stride {a0.stride(1)}, got {tuple(a.shape)} {a.dtype} and {tuple(b.shape)}"

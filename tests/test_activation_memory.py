@@ -49,8 +49,16 @@ MOE_BRANCH_POINT = {torch.float32: 5020.4375, torch.float16: 3108.4375}  # bytes
 
 
 def _config(moe: bool) -> Config:
-    return Config(vocab=64, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_hidden=128,
-                  num_experts=4 if moe else 0, top_k=2)  # fmt: skip
+    return Config(
+        vocab=64,
+        d_model=64,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=2,
+        d_hidden=128,
+        num_experts=4 if moe else 0,
+        top_k=2,
+    )
 
 
 def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:

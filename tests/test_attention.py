@@ -85,15 +85,22 @@ def torch_results(inputs, dout, dlse, ref, causal=False, scale=None, **mask):
     alone is the yardstick there. `mask`: window, softcap or visible, as the references
     take them. Shared with the ring attention and mask tests."""
     same = attention_grads(
-        lambda *t: attention_reference(*t, causal=causal, softmax_scale=scale, **mask), inputs,
-        dout, dlse,
-    )  # fmt: skip
+        lambda *t: attention_reference(*t, causal=causal, softmax_scale=scale, **mask),
+        inputs,
+        dout,
+        dlse,
+    )
     if same[0].dtype != torch.float32:
         return same
     formula = attention_backward_reference(
-        dout.to(same[0].dtype), *inputs, *same[:2], causal=causal, softmax_scale=scale, **mask,
+        dout.to(same[0].dtype),
+        *inputs,
+        *same[:2],
+        causal=causal,
+        softmax_scale=scale,
+        **mask,
         dlse=torch.where(torch.isfinite(same[1]), dlse.to(torch.float32), 0),
-    )  # fmt: skip
+    )
 
     def error(t, r):
         return (t.double() - r.double()).nan_to_num(posinf=0, neginf=0).abs().max().item()
@@ -102,8 +109,9 @@ def torch_results(inputs, dout, dlse, ref, causal=False, scale=None, **mask):
     return same[:2] + [max(a, b, key=lambda t: error(t, r)) for a, b, r in grads]
 
 
-def check_attention(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, layout="contiguous", scale=None,
-                    Dv=None, **mask):  # fmt: skip
+def check_attention(
+    B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, layout="contiguous", scale=None, Dv=None, **mask
+):
     """`mask`: window and softcap, as `flash_attn` takes them; `Dv`: V's head dim (None:
     D)."""
     q, k, v = _inputs(B, Sq, Skv, Hq, Hkv, D, dtype, seed, layout, Dv)
@@ -129,25 +137,99 @@ def check_attention(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, layout="contigu
 
 
 @given(
-    B=st.integers(1, 2), Sq=st.integers(1, 70), Skv=st.integers(1, 70),
-    Hkv=st.integers(1, 2), group=st.integers(1, 3), D=st.sampled_from(HEAD_DIMS),
-    causal=st.booleans(), dtype=cpu_dtypes(), seed=seeds(),
-    layout=st.sampled_from(["contiguous", "seq-window"]), Dv=V_HEAD_DIMS,
-)  # fmt: skip
-@example(B=1, Sq=1, Skv=33, Hkv=1, group=2, D=64, causal=True, dtype=torch.float32, seed=0,
-         layout="contiguous", Dv=None)  # Sq = 1: a decoding step  # fmt: skip
-@example(B=2, Sq=40, Skv=13, Hkv=2, group=1, D=16, causal=True, dtype=torch.float16, seed=1,
-         layout="seq-window", Dv=None)  # Sq > Skv causal: 27 rows see no key  # fmt: skip
-@example(B=1, Sq=19, Skv=1, Hkv=1, group=4, D=40, causal=False, dtype=torch.float32, seed=2,
-         layout="contiguous", Dv=None)  # Skv = 1, MQA  # fmt: skip
-@example(B=1, Sq=24, Skv=24, Hkv=1, group=2, D=256, causal=True, dtype=torch.float16, seed=3,
-         layout="contiguous", Dv=None)  # the largest head dim  # fmt: skip
-@example(B=1, Sq=21, Skv=21, Hkv=1, group=2, D=192, causal=True, dtype=torch.float16, seed=4,
-         layout="seq-window", Dv=128)  # MLA's (192, 128)  # fmt: skip
-@example(B=2, Sq=9, Skv=30, Hkv=2, group=2, D=128, causal=False, dtype=torch.float32, seed=5,
-         layout="contiguous", Dv=64)  # fmt: skip
-def test_flash_attn_matches_float64(B, Sq, Skv, Hkv, group, D, causal, dtype, seed, layout, Dv,
-                                    each_implementation):  # fmt: skip
+    B=st.integers(1, 2),
+    Sq=st.integers(1, 70),
+    Skv=st.integers(1, 70),
+    Hkv=st.integers(1, 2),
+    group=st.integers(1, 3),
+    D=st.sampled_from(HEAD_DIMS),
+    causal=st.booleans(),
+    dtype=cpu_dtypes(),
+    seed=seeds(),
+    layout=st.sampled_from(["contiguous", "seq-window"]),
+    Dv=V_HEAD_DIMS,
+)
+@example(
+    B=1,
+    Sq=1,
+    Skv=33,
+    Hkv=1,
+    group=2,
+    D=64,
+    causal=True,
+    dtype=torch.float32,
+    seed=0,
+    layout="contiguous",
+    Dv=None,
+)  # Sq = 1: a decoding step
+@example(
+    B=2,
+    Sq=40,
+    Skv=13,
+    Hkv=2,
+    group=1,
+    D=16,
+    causal=True,
+    dtype=torch.float16,
+    seed=1,
+    layout="seq-window",
+    Dv=None,
+)  # Sq > Skv causal: 27 rows see no key
+@example(
+    B=1,
+    Sq=19,
+    Skv=1,
+    Hkv=1,
+    group=4,
+    D=40,
+    causal=False,
+    dtype=torch.float32,
+    seed=2,
+    layout="contiguous",
+    Dv=None,
+)  # Skv = 1, MQA
+@example(
+    B=1,
+    Sq=24,
+    Skv=24,
+    Hkv=1,
+    group=2,
+    D=256,
+    causal=True,
+    dtype=torch.float16,
+    seed=3,
+    layout="contiguous",
+    Dv=None,
+)  # the largest head dim
+@example(
+    B=1,
+    Sq=21,
+    Skv=21,
+    Hkv=1,
+    group=2,
+    D=192,
+    causal=True,
+    dtype=torch.float16,
+    seed=4,
+    layout="seq-window",
+    Dv=128,
+)  # MLA's (192, 128)
+@example(
+    B=2,
+    Sq=9,
+    Skv=30,
+    Hkv=2,
+    group=2,
+    D=128,
+    causal=False,
+    dtype=torch.float32,
+    seed=5,
+    layout="contiguous",
+    Dv=64,
+)
+def test_flash_attn_matches_float64(
+    B, Sq, Skv, Hkv, group, D, causal, dtype, seed, layout, Dv, each_implementation
+):
     check_attention(B, Sq, Skv, Hkv * group, Hkv, D, causal, dtype, seed, layout, Dv=Dv)
 
 
@@ -179,15 +261,24 @@ def test_default_scale_is_inverse_sqrt_head_dim():
 
 
 @pytest.mark.parametrize(
-    "scale, error", [(-0.5, ValueError), (0.0, ValueError), (float("nan"), ValueError),
-                     (float("inf"), ValueError), (True, TypeError), ("0.1", TypeError)],
-)  # fmt: skip
+    "scale, error",
+    [
+        (-0.5, ValueError),
+        (0.0, ValueError),
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        (True, TypeError),
+        ("0.1", TypeError),
+    ],
+)
 def test_softmax_scale_must_be_positive_and_finite(scale, error):
     """The kernels fold the scale into the row maximum, ``max(s) * scale``: only a
     positive scale commutes with the maximum."""
     q = torch.ones((1, 4, 2, 8))
-    for call in (lambda: fp.flash_attn(q, q, q, softmax_scale=scale),
-                 lambda: attention_forward(q, q, q, softmax_scale=scale)):  # fmt: skip
+    for call in (
+        lambda: fp.flash_attn(q, q, q, softmax_scale=scale),
+        lambda: attention_forward(q, q, q, softmax_scale=scale),
+    ):
         with pytest.raises(error, match="softmax_scale"):
             call()
 
@@ -226,9 +317,13 @@ def force_pointer_path(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     "B, S, Hq, Hkv, D, causal",
-    [(2, 1024, 8, 2, 128, True), (1, 8192, 4, 2, 128, True), (1, 4096, 4, 4, 64, False),
-     (1, 2048, 4, 1, 256, True)],
-)  # fmt: skip
+    [
+        (2, 1024, 8, 2, 128, True),
+        (1, 8192, 4, 2, 128, True),
+        (1, 4096, 4, 4, 64, False),
+        (1, 2048, 4, 1, 256, True),
+    ],
+)
 def test_flash_attn_gpu(B, S, Hq, Hkv, D, causal, dtype, path, monkeypatch):
     """Both read paths of the kernels (the GPU twin of the bitwise CPU test), and the
     torch implementation."""
@@ -266,8 +361,11 @@ def test_soft_capping_approximates_tanh_only_in_compiled_bf16():
     from fusedpar.kernels.attention import SOFTCAP_APPROX, SOFTCAP_EXACT, softcap_mode
 
     assert softcap_mode(torch.bfloat16, 30.0, interpreted=False) == SOFTCAP_APPROX
-    for dtype, interpreted in ((torch.float16, False), (torch.float32, False),
-                               (torch.bfloat16, True)):  # fmt: skip
+    for dtype, interpreted in (
+        (torch.float16, False),
+        (torch.float32, False),
+        (torch.bfloat16, True),
+    ):
         assert softcap_mode(dtype, 30.0, interpreted) == SOFTCAP_EXACT
     assert softcap_mode(torch.bfloat16, 0.0, interpreted=False) == 0
 
@@ -291,12 +389,14 @@ def test_approximate_soft_capping_gpu(softcap, deterministic):
     mask = {"causal": True, "softcap": softcap}
     with fp.implementation("triton"):
         got = attention_grads(
-            lambda *t: fp.flash_attn(*t, **mask, return_lse=True,
-                                     deterministic=deterministic),
-            (q, k, v), dout, dlse,
-        )  # fmt: skip
-    ref = attention_grads(lambda *t: attention_reference(*t, **mask),
-                          [t.double() for t in (q, k, v)], dout, dlse)  # fmt: skip
+            lambda *t: fp.flash_attn(*t, **mask, return_lse=True, deterministic=deterministic),
+            (q, k, v),
+            dout,
+            dlse,
+        )
+    ref = attention_grads(
+        lambda *t: attention_reference(*t, **mask), [t.double() for t in (q, k, v)], dout, dlse
+    )
     same = torch_results((q, k, v), dout, dlse, ref, **mask)
     for name, g, r, t in zip(("out", "lse", "dq", "dk", "dv"), got, ref, same, strict=True):
         assert_close(g, r, t, name=name, sum_length=D if name.startswith("d") else None)
@@ -365,8 +465,22 @@ def force_split(mp, split_below):
     mp.setattr(backward_kernels, "delta_buffer", nan_buffer)
 
 
-def check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, device="cpu", split_below=None,
-                     first_keys=None, deterministic=False, Dv=None):  # fmt: skip
+def check_ring_modes(
+    B,
+    Sq,
+    Skv,
+    Hq,
+    Hkv,
+    D,
+    causal,
+    dtype,
+    seed,
+    device="cpu",
+    split_below=None,
+    first_keys=None,
+    deterministic=False,
+    Dv=None,
+):
     """The kernels as the ring drives them, against float64 full attention:
 
     - forward: keys [0, s1) written as an fp32 partial into NaN-poisoned strided buffers,
@@ -396,8 +510,9 @@ def check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, device="cpu", 
     out, lse = poisoned((B, Sq, Hq, Dv), device), poisoned((B, Hq, Sq + 1), device)[..., 1:]
     attention_forward(q, k[:, :s1], v[:, :s1], out=out, lse=lse)
     attention_forward(q, k[:, s1:], v[:, s1:], causal=causal, out=out, lse=lse, merge=True)
-    ref = attention_grads(lambda *t: attention_reference(*t, causal=causal), (q64, k64, v64),
-                          dout, dlse)  # fmt: skip
+    ref = attention_grads(
+        lambda *t: attention_reference(*t, causal=causal), (q64, k64, v64), dout, dlse
+    )
     same = torch_results((q, k, v), dout, dlse, ref, causal)
     assert out.dtype == torch.float32
     assert_close(out, ref[0], same[0], name="merged out")
@@ -412,18 +527,42 @@ def check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, device="cpu", 
         fresh = [poisoned(t.shape, device) for t in (q, k, v)]
         attention_backward_dq(*saved, causal=causal, dq=fresh[0])
         attention_backward_dkdv(*saved, causal=causal, dk=fresh[1], dv=fresh[2])
-        start = [randn(t.shape, torch.float32, seed + 5 + i).to(device)
-                 for i, t in enumerate((q, k, v))]  # fmt: skip
+        start = [
+            randn(t.shape, torch.float32, seed + 5 + i).to(device) for i, t in enumerate((q, k, v))
+        ]
         added = [t.clone() for t in start]
-        attention_backward(dout, q, k, v, saved_lse, causal=causal, delta=delta, dq=added[0],
-                           dk=added[1], dv=added[2], accumulate=True,
-                           deterministic=deterministic)  # fmt: skip
+        attention_backward(
+            dout,
+            q,
+            k,
+            v,
+            saved_lse,
+            causal=causal,
+            delta=delta,
+            dq=added[0],
+            dk=added[1],
+            dv=added[2],
+            accumulate=True,
+            deterministic=deterministic,
+        )
         made = [poisoned(t.shape, device) for t in (q, k, v)]  # delta made by dQ's kernel
-        attention_backward(dout, q, k, v, saved_lse, causal=causal, out=o, dlse=seen_dlse,
-                           deterministic=deterministic,
-                           dq=made[0], dk=made[1], dv=made[2])  # fmt: skip
-    for name, f, a, m, s0, r, t in zip(("dq", "dk", "dv"), fresh, added, made, start, ref[2:],
-                                       same[2:], strict=True):  # fmt: skip
+        attention_backward(
+            dout,
+            q,
+            k,
+            v,
+            saved_lse,
+            causal=causal,
+            out=o,
+            dlse=seen_dlse,
+            deterministic=deterministic,
+            dq=made[0],
+            dk=made[1],
+            dv=made[2],
+        )
+    for name, f, a, m, s0, r, t in zip(
+        ("dq", "dk", "dv"), fresh, added, made, start, ref[2:], same[2:], strict=True
+    ):
         assert f.dtype == a.dtype == torch.float32
         # held in fp32 for the ring's sums, judged in the inputs' dtype, as the gradients
         # of flash_attn are: from 16-bit inputs the kernels' dots take 16-bit operands
@@ -436,29 +575,89 @@ def check_ring_modes(B, Sq, Skv, Hq, Hkv, D, causal, dtype, seed, device="cpu", 
 
 
 @given(
-    B=st.integers(1, 2), Sq=st.integers(1, 40), Skv=st.integers(1, 40), Hkv=st.integers(1, 2),
-    group=st.integers(1, 3), D=st.sampled_from([8, 16, 40, 64]), causal=st.booleans(),
-    dtype=cpu_dtypes(), seed=seeds(), split_below=st.sampled_from([None, 4, 10**6]),
-    deterministic=st.booleans(), Dv=V_HEAD_DIMS,
-)  # fmt: skip
+    B=st.integers(1, 2),
+    Sq=st.integers(1, 40),
+    Skv=st.integers(1, 40),
+    Hkv=st.integers(1, 2),
+    group=st.integers(1, 3),
+    D=st.sampled_from([8, 16, 40, 64]),
+    causal=st.booleans(),
+    dtype=cpu_dtypes(),
+    seed=seeds(),
+    split_below=st.sampled_from([None, 4, 10**6]),
+    deterministic=st.booleans(),
+    Dv=V_HEAD_DIMS,
+)
 # Sq > Skv: 24 rows see no key, merged into an empty partial (s1 = 0)
-@example(B=1, Sq=37, Skv=13, Hkv=1, group=3, D=16, causal=True, dtype=torch.float32, seed=0,
-         split_below=10**6, deterministic=False, Dv=None)  # fmt: skip
-@example(B=2, Sq=17, Skv=33, Hkv=2, group=3, D=40, causal=True, dtype=torch.float16, seed=7,
-         split_below=10**6, deterministic=True, Dv=24)  # V narrower, the GQA split  # fmt: skip
-def test_ring_modes_match_float64(B, Sq, Skv, Hkv, group, D, causal, dtype, seed, split_below,
-                                  deterministic, Dv, each_implementation):  # fmt: skip
-    check_ring_modes(B, Sq, Skv, Hkv * group, Hkv, D, causal, dtype, seed, split_below=split_below,
-                     deterministic=deterministic, Dv=Dv)  # fmt: skip
+@example(
+    B=1,
+    Sq=37,
+    Skv=13,
+    Hkv=1,
+    group=3,
+    D=16,
+    causal=True,
+    dtype=torch.float32,
+    seed=0,
+    split_below=10**6,
+    deterministic=False,
+    Dv=None,
+)
+@example(
+    B=2,
+    Sq=17,
+    Skv=33,
+    Hkv=2,
+    group=3,
+    D=40,
+    causal=True,
+    dtype=torch.float16,
+    seed=7,
+    split_below=10**6,
+    deterministic=True,
+    Dv=24,
+)  # V narrower, the GQA split
+def test_ring_modes_match_float64(
+    B,
+    Sq,
+    Skv,
+    Hkv,
+    group,
+    D,
+    causal,
+    dtype,
+    seed,
+    split_below,
+    deterministic,
+    Dv,
+    each_implementation,
+):
+    check_ring_modes(
+        B,
+        Sq,
+        Skv,
+        Hkv * group,
+        Hkv,
+        D,
+        causal,
+        dtype,
+        seed,
+        split_below=split_below,
+        deterministic=deterministic,
+        Dv=Dv,
+    )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
     "B, Sq, Skv, Hq, Hkv, D, causal",
-    [(1, 1024, 1536, 8, 2, 128, True), (2, 2048, 2048, 32, 1, 128, True),
-     (1, 1000, 777, 4, 4, 64, False)],
-)  # fmt: skip
+    [
+        (1, 1024, 1536, 8, 2, 128, True),
+        (2, 2048, 2048, 32, 1, 128, True),
+        (1, 1000, 777, 4, 4, 64, False),
+    ],
+)
 def test_ring_modes_gpu(B, Sq, Skv, Hq, Hkv, D, causal, dtype):
     """The default threshold (two waves of SMs) splits the first two: 24 and 32 dK/dV
     programs of 128 keys (D = 128's largest key block) on an H100's 132 SMs."""
@@ -481,8 +680,10 @@ def test_gqa_split_is_deterministic_and_needs_no_gpu_query(monkeypatch):
     q, k, v = (randn((1, 21, h, 16), torch.float32, i) for i, h in enumerate((6, 1, 1)))
     dout = randn(q.shape, torch.float32, 3)
     out, lse = attention_forward(q, k, v, causal=True)
-    runs = [attention_backward(dout, q, k, v, lse, causal=True, out=out, deterministic=True)
-            for _ in range(2)]  # fmt: skip
+    runs = [
+        attention_backward(dout, q, k, v, lse, causal=True, out=out, deterministic=True)
+        for _ in range(2)
+    ]
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
@@ -497,15 +698,20 @@ def test_tma_and_pointer_paths_agree_bitwise(monkeypatch, D, mask, deterministic
     the split one."""
     from fusedpar.kernels._common import tma_compatible
 
-    q, k, v = (randn((2, s, h, D), torch.float16, i)
-               for i, (s, h) in enumerate(((21, 4), (35, 2), (35, 2))))  # fmt: skip
+    q, k, v = (
+        randn((2, s, h, D), torch.float16, i)
+        for i, (s, h) in enumerate(((21, 4), (35, 2), (35, 2)))
+    )
     dout = randn(q.shape, torch.float16, 3)
     assert tma_compatible(q, k, v, dout)
 
     def run():
         out, lse = attention_forward(q, k, v, **mask)
-        return out, lse, *attention_backward(dout, q, k, v, lse, out=out, **mask,
-                                             deterministic=deterministic)  # fmt: skip
+        return (
+            out,
+            lse,
+            *attention_backward(dout, q, k, v, lse, out=out, **mask, deterministic=deterministic),
+        )
 
     with_tma = run()
     force_pointer_path(monkeypatch)
@@ -526,20 +732,56 @@ def test_tma_needs_16_byte_alignment_and_a_unit_last_stride():
 
 @pytest.mark.parametrize(
     "call, error, match",
-    [(lambda q: attention_forward(q, q, q, merge=True), ValueError, "give both"),
-     (lambda q: attention_forward(q, q, q, out=torch.empty_like(q), lse=torch.empty(1, 2, 4),
-                                  merge=True), TypeError, "float32: out is torch.float16"),
-     (lambda q: attention_backward_dq(q, q, q, q, torch.empty(1, 2, 4), torch.empty(1, 2, 4),
-                                      accumulate=True), ValueError, "adds into dq"),
-     (lambda q: attention_backward_dkdv(q, q, q, q, torch.empty(1, 2, 4), torch.empty(1, 2, 5)),
-      ValueError, r"delta must be \(1, 2, 4\)"),
-     (lambda q: attention_backward(q, q, q, q, torch.empty(1, 2, 4), dlse=torch.empty(1, 2, 4),
-                                   delta=torch.empty(1, 2, 4)), ValueError, "dlse folds into"),
-     (lambda q: attention_backward_dq(q, q, q, q, torch.empty(1, 2, 4), torch.empty(1, 2, 4),
-                                      dlse=torch.empty(1, 2, 4)), ValueError, "give out too"),
-     (lambda q: attention_backward(q, q, q, q, torch.empty(1, 2, 4), out=q[..., :4]), ValueError,
-      r"out must be \(1, 4, 2, 8\)")],
-)  # fmt: skip
+    [
+        (lambda q: attention_forward(q, q, q, merge=True), ValueError, "give both"),
+        (
+            lambda q: attention_forward(
+                q, q, q, out=torch.empty_like(q), lse=torch.empty(1, 2, 4), merge=True
+            ),
+            TypeError,
+            "float32: out is torch.float16",
+        ),
+        (
+            lambda q: attention_backward_dq(
+                q, q, q, q, torch.empty(1, 2, 4), torch.empty(1, 2, 4), accumulate=True
+            ),
+            ValueError,
+            "adds into dq",
+        ),
+        (
+            lambda q: attention_backward_dkdv(
+                q, q, q, q, torch.empty(1, 2, 4), torch.empty(1, 2, 5)
+            ),
+            ValueError,
+            r"delta must be \(1, 2, 4\)",
+        ),
+        (
+            lambda q: attention_backward(
+                q,
+                q,
+                q,
+                q,
+                torch.empty(1, 2, 4),
+                dlse=torch.empty(1, 2, 4),
+                delta=torch.empty(1, 2, 4),
+            ),
+            ValueError,
+            "dlse folds into",
+        ),
+        (
+            lambda q: attention_backward_dq(
+                q, q, q, q, torch.empty(1, 2, 4), torch.empty(1, 2, 4), dlse=torch.empty(1, 2, 4)
+            ),
+            ValueError,
+            "give out too",
+        ),
+        (
+            lambda q: attention_backward(q, q, q, q, torch.empty(1, 2, 4), out=q[..., :4]),
+            ValueError,
+            r"out must be \(1, 4, 2, 8\)",
+        ),
+    ],
+)
 def test_ring_mode_bad_input(call, error, match):
     with pytest.raises(error, match=match):
         call(torch.ones(1, 4, 2, 8, dtype=torch.float16))
@@ -568,8 +810,12 @@ def test_the_attention_benchmark_runs_on_cpu(monkeypatch, tmp_path):
     bench.main(device="cpu")
     result = json.loads((results_folder() / "attention.json").read_text())
     rows = result["rows"]
-    shapes = [(16, 2, 2, 2, None), (32, 1, 4, 1, None), (40, 1, 2, 2, "documents 7+16+1+16"),
-              (48, 1, 4, 2, "window 8")]  # fmt: skip
+    shapes = [
+        (16, 2, 2, 2, None),
+        (32, 1, 4, 1, None),
+        (40, 1, 2, 2, "documents 7+16+1+16"),
+        (48, 1, 4, 2, "window 8"),
+    ]
     assert [(r["S"], r["B"], r["Hq"], r["Hkv"], r.get("mask"), r["pass_"]) for r in rows] == [
         (*shape, p) for shape in shapes for p in bench.PASSES
     ]
@@ -642,9 +888,14 @@ def test_a_forward_is_checked_and_planned_once_per_signature(monkeypatch):
     checks = _counted(monkeypatch, forward_kernels, "check_attention_inputs")
     monkeypatch.setattr(forward_kernels, "FORWARD_PLANS", {})
     q, k, v = (randn((1, 24, h, 16), torch.float32, i) for i, h in enumerate((4, 2, 2)))
-    calls = [({}, (q, k, v)), ({}, (q, k, v)), ({"causal": True}, (q, k, v)),
-             ({"window": (5, 0)}, (q, k, v)), ({}, (q[:, 1:], k[:, 1:], v[:, 1:])),
-             ({}, (q.half(), k.half(), v.half()))]  # fmt: skip
+    calls = [
+        ({}, (q, k, v)),
+        ({}, (q, k, v)),
+        ({"causal": True}, (q, k, v)),
+        ({"window": (5, 0)}, (q, k, v)),
+        ({}, (q[:, 1:], k[:, 1:], v[:, 1:])),
+        ({}, (q.half(), k.half(), v.half())),
+    ]
     for mask, inputs in calls:
         out, _ = attention_forward(*inputs, **mask)
         ref64, _ = attention_reference(*(t.double() for t in inputs), **mask)
@@ -669,22 +920,33 @@ def test_a_backward_is_checked_and_planned_once_per_signature(monkeypatch):
         dout = randn(q.shape, q.dtype, 7)
         out, lse = attention_forward(q, k, v, **mask)
         delta = attention_delta(out, dout)
-        nan_buffers = {n: torch.full(t.shape, float("nan"))
-                    for n, t in zip(("dq", "dk", "dv"), (q, k, v), strict=True)}  # fmt: skip
+        nan_buffers = {
+            n: torch.full(t.shape, float("nan"))
+            for n, t in zip(("dq", "dk", "dv"), (q, k, v), strict=True)
+        }
         given = nan_buffers if given else {}
         dq = attention_backward_dq(dout, q, k, v, lse, delta, **mask, dq=given.get("dq"))
-        dk, dv = attention_backward_dkdv(dout, q, k, v, lse, delta, **mask, dk=given.get("dk"),
-                                         dv=given.get("dv"))  # fmt: skip
+        dk, dv = attention_backward_dkdv(
+            dout, q, k, v, lse, delta, **mask, dk=given.get("dk"), dv=given.get("dv")
+        )
         no_dlse = torch.zeros(lse.shape)
-        ref64, ref = (attention_grads(lambda *t: attention_reference(*t, **mask), ts, dout, no_dlse)
-                      for ts in ((t.double() for t in inputs), inputs))  # fmt: skip
-        for name, g, r64, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref64[2:], ref[2:],
-                                   strict=True):  # fmt: skip
+        ref64, ref = (
+            attention_grads(lambda *t: attention_reference(*t, **mask), ts, dout, no_dlse)
+            for ts in ((t.double() for t in inputs), inputs)
+        )
+        for name, g, r64, r in zip(
+            ("dq", "dk", "dv"), (dq, dk, dv), ref64[2:], ref[2:], strict=True
+        ):
             assert_close(g, r64, r, name=f"{name} {mask}")
 
-    calls = [((q, k, v), {}), ((q, k, v), {}), ((q, k, v), {"causal": True}),
-             ((q, k, v), {"window": (5, 0)}), ((q[:, 1:], k[:, 1:], v[:, 1:]), {}),
-             ((q.half(), k.half(), v.half()), {})]  # fmt: skip
+    calls = [
+        ((q, k, v), {}),
+        ((q, k, v), {}),
+        ((q, k, v), {"causal": True}),
+        ((q, k, v), {"window": (5, 0)}),
+        ((q[:, 1:], k[:, 1:], v[:, 1:]), {}),
+        ((q.half(), k.half(), v.half()), {}),
+    ]
     for inputs, mask in calls:
         grads(inputs, mask)
     assert len(checks) == 2 * 5  # dQ's and dK/dV's: the second call was looked up

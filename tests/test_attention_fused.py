@@ -32,11 +32,14 @@ def _mask(kind, S, seed, device):
         window = (seed % 7 + 1, seed % 3)
         return {"window": window, "softcap": 5.0}, {"window": window, "softcap": 5.0}
     lengths = [S // 3, 0, S - S // 3 - 2, 2]  # packed documents, one empty
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                      device=device)  # fmt: skip
+    cu = torch.tensor(
+        [0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device
+    )
     mask = dict(causal=True, window=(-1, -1))
-    return ({"intervals": packed_intervals(cu, cu, S, S, **mask)},
-            {"visible": visible_reference(cu, cu, **mask)})  # fmt: skip
+    return (
+        {"intervals": packed_intervals(cu, cu, S, S, **mask)},
+        {"visible": visible_reference(cu, cu, **mask)},
+    )
 
 
 def check_fused(B, S, Hkv, group, D, kind, dtype, seed, split_below, device="cpu", Dv=None):
@@ -54,34 +57,64 @@ def check_fused(B, S, Hkv, group, D, kind, dtype, seed, split_below, device="cpu
     out, lse = attention_forward(q, k, v, **mask)
     dlse = randn(lse.shape, torch.float32, seed + 4).to(device)
     dlse = torch.where(torch.isfinite(lse), dlse, 0)
-    ref = attention_grads(lambda *t: attention_reference(*t, **ref_mask),
-                          [t.double() for t in (q, k, v)], dout, dlse)  # fmt: skip
+    ref = attention_grads(
+        lambda *t: attention_reference(*t, **ref_mask), [t.double() for t in (q, k, v)], dout, dlse
+    )
     same = torch_results((q, k, v), dout, dlse, ref, **ref_mask)
     with pytest.MonkeyPatch.context() as mp:
         force_split(mp, split_below)
         made = [poisoned(t.shape, device, dtype) for t in (q, k, v)]
         backwards.attention_backward_fused(
-            dout, q, k, v, lse, split_kernels.delta_buffer(lse.shape, device), **mask,
-            dq=made[0], dk=made[1], dv=made[2], out=out, dlse=dlse)  # fmt: skip
-        start = [randn(t.shape, torch.float32, seed + 5 + i).to(device)
-                 for i, t in enumerate((q, k, v))]  # fmt: skip
+            dout,
+            q,
+            k,
+            v,
+            lse,
+            split_kernels.delta_buffer(lse.shape, device),
+            **mask,
+            dq=made[0],
+            dk=made[1],
+            dv=made[2],
+            out=out,
+            dlse=dlse,
+        )
+        start = [
+            randn(t.shape, torch.float32, seed + 5 + i).to(device) for i, t in enumerate((q, k, v))
+        ]
         added = [t.clone() for t in start]
         delta = attention_delta(out, dout, dlse)
-        backwards.attention_backward_fused(dout, q, k, v, lse, delta, **mask, dq=added[0],
-                                           dk=added[1], dv=added[2], accumulate=True)  # fmt: skip
-    for name, m, a, s0, r, t in zip(("dq", "dk", "dv"), made, added, start, ref[2:], same[2:],
-                                    strict=True):  # fmt: skip
+        backwards.attention_backward_fused(
+            dout,
+            q,
+            k,
+            v,
+            lse,
+            delta,
+            **mask,
+            dq=added[0],
+            dk=added[1],
+            dv=added[2],
+            accumulate=True,
+        )
+    for name, m, a, s0, r, t in zip(
+        ("dq", "dk", "dv"), made, added, start, ref[2:], same[2:], strict=True
+    ):
         assert_close(m, r, t, name=f"{name} fused", sum_length=max(D, Dv))
-        assert_close((a - s0).to(dtype), r, t, name=f"{name} fused, added",
-                     sum_length=max(D, Dv))  # fmt: skip
+        assert_close((a - s0).to(dtype), r, t, name=f"{name} fused, added", sum_length=max(D, Dv))
 
 
 @given(
-    B=st.integers(1, 2), S=st.integers(5, 40), Hkv=st.integers(1, 2), group=st.integers(1, 3),
-    D=st.sampled_from([8, 16, 40]), kind=st.sampled_from(["causal", "window-softcap", "packed"]),
-    dtype=cpu_dtypes(), seed=seeds(), split_below=st.sampled_from([None, 10**6]),
+    B=st.integers(1, 2),
+    S=st.integers(5, 40),
+    Hkv=st.integers(1, 2),
+    group=st.integers(1, 3),
+    D=st.sampled_from([8, 16, 40]),
+    kind=st.sampled_from(["causal", "window-softcap", "packed"]),
+    dtype=cpu_dtypes(),
+    seed=seeds(),
+    split_below=st.sampled_from([None, 10**6]),
     Dv=st.sampled_from([None, None, 8, 24]),
-)  # fmt: skip
+)
 def test_fused_backward_matches_float64(B, S, Hkv, group, D, kind, dtype, seed, split_below, Dv):
     check_fused(B, S, Hkv, group, D, kind, dtype, seed, split_below, Dv=Dv)
 
@@ -99,8 +132,7 @@ def test_fused_backward_gpu(kind, D, dtype):
 # the split kernel's NaN in key rows past Skv, which its store drops)
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-@pytest.mark.parametrize("dtype, q_scale", [(torch.float16, 4.0), (torch.float32, 30.0)],
-                         ids=str)  # fmt: skip
+@pytest.mark.parametrize("dtype, q_scale", [(torch.float16, 4.0), (torch.float32, 30.0)], ids=str)
 def test_keys_past_the_end_add_nothing_to_dq(dtype, q_scale):
     """Rows whose every score is far below 0 (LSE -13 in fp16, -116 in fp32) against a
     partial last key block, unmasked: the zero-filled keys past Skv score 0, exp(-LSE)
@@ -132,15 +164,27 @@ def test_fused_and_split_agree_into_every_kind_of_buffer(dtype):
             for deterministic in (False, True):
                 given = [t.clone() for t in start]
                 got = backwards.attention_backward(
-                    dout, q, k, v, lse, out=out, causal=True, dq=given[0], dk=given[1],
-                    dv=given[2], accumulate=accumulate, deterministic=deterministic)  # fmt: skip
+                    dout,
+                    q,
+                    k,
+                    v,
+                    lse,
+                    out=out,
+                    causal=True,
+                    dq=given[0],
+                    dk=given[1],
+                    dv=given[2],
+                    accumulate=accumulate,
+                    deterministic=deterministic,
+                )
                 assert all(g is t for g, t in zip(got, given, strict=True))
                 results.append(got)
             for name, f, s in zip(("dq", "dk", "dv"), *results, strict=True):
                 # the sums differ in order only: a rounding of the buffer's dtype apart
                 tol = 2 * torch.finfo(wide).eps * (1 + s.abs().max().item())
-                torch.testing.assert_close(f, s, atol=tol, rtol=0, msg=f"{name} {wide} "
-                                           f"accumulate={accumulate}")  # fmt: skip
+                torch.testing.assert_close(
+                    f, s, atol=tol, rtol=0, msg=f"{name} {wide} accumulate={accumulate}"
+                )
     fresh = backwards.attention_backward(dout, q, k, v, lse, out=out, causal=True)
     assert [g.dtype for g in fresh] == [dtype] * 3
 
@@ -150,8 +194,9 @@ def _runs(monkeypatch) -> list:
     seen = []
     for name, label in (("attention_backward_fused", "fused"), ("attention_backward_dq", "split")):
         real = getattr(backwards, name)
-        monkeypatch.setattr(backwards, name, lambda *a, _r=real, _l=label, **kw:
-                            seen.append(_l) or _r(*a, **kw))  # fmt: skip
+        monkeypatch.setattr(
+            backwards, name, lambda *a, _r=real, _l=label, **kw: seen.append(_l) or _r(*a, **kw)
+        )
     return seen
 
 
@@ -191,8 +236,10 @@ def test_the_split_backward_is_bitwise_repeatable():
     k, v = (randn((1, 21, 1, 16), torch.float32, i) for i in (1, 2))
     dout = randn(q.shape, torch.float32, 3)
     out, lse = attention_forward(q, k, v, causal=True)
-    runs = [backwards.attention_backward(dout, q, k, v, lse, causal=True, out=out,
-                                         deterministic=True) for _ in range(2)]  # fmt: skip
+    runs = [
+        backwards.attention_backward(dout, q, k, v, lse, causal=True, out=out, deterministic=True)
+        for _ in range(2)
+    ]
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
@@ -208,9 +255,10 @@ def test_bad_input_is_refused_before_any_launch():
 
 
 def test_a_miscompiling_triton_loses_the_64_wide_fused_tiles():
-    assert [transposed_dot_miscompiles(v) for v in ("3.3.1", "3.4.0", "3.6.0", "3.7.0",
-                                                    "3.7.1", "3.9.0")] == [
-        False, True, True, True, False, False]  # fmt: skip
+    assert [
+        transposed_dot_miscompiles(v)
+        for v in ("3.3.1", "3.4.0", "3.6.0", "3.7.0", "3.7.1", "3.9.0")
+    ] == [False, True, True, True, False, False]
     for D in (64, 128):
         every = fused_configs(D, torch.bfloat16, version="3.9.0")
         kept = fused_configs(D, torch.bfloat16, version="3.6.0")

@@ -55,8 +55,9 @@ class DenseAttention(nn.Module):
 
         q, k = rotate(q).transpose(1, 2), rotate(k).transpose(1, 2)
         v = self.v(x).view(B, S, KV_HEADS, HEAD_DIM).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
-                                             scale=GEMMA_SCALE)  # fmt: skip
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True, scale=GEMMA_SCALE
+        )
         return self.o(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -90,34 +91,65 @@ def _run_options(sequence_parallel, seed):
         }
 
     layer = fp.nn.ParallelAttention.from_dense(
-        dense.q, dense.k, dense.v, dense.o, D_MODEL, HEADS, KV_HEADS, q_norm=dense.q_norm,
-        k_norm=dense.k_norm, rope=scaled_rope, tp_group=groups["tp"], cp_group=groups["cp"],
-        sequence_parallel=sequence_parallel, softmax_scale=GEMMA_SCALE,
-    )  # fmt: skip
+        dense.q,
+        dense.k,
+        dense.v,
+        dense.o,
+        D_MODEL,
+        HEADS,
+        KV_HEADS,
+        q_norm=dense.q_norm,
+        k_norm=dense.k_norm,
+        rope=scaled_rope,
+        tp_group=groups["tp"],
+        cp_group=groups["cp"],
+        sequence_parallel=sequence_parallel,
+        softmax_scale=GEMMA_SCALE,
+    )
     assert layer.head_dim == HEAD_DIM and layer.q_bias is not None and layer.o_bias is not None
     fp.distribute(layer, mesh, token_axes=("cp", "tp") if sequence_parallel else ("cp",))
     if sequence_parallel:
         x_local = _to_local(x, groups).requires_grad_()
         y = layer(x_local)
         y.backward(_to_local(g, groups))
-        local = {dtype: {"y": _to_local(r["y"], groups), "dx": _to_local(r["dx"], groups)}
-                 for dtype, r in refs.items()}  # fmt: skip
+        local = {
+            dtype: {"y": _to_local(r["y"], groups), "dx": _to_local(r["dx"], groups)}
+            for dtype, r in refs.items()
+        }
     else:  # every TP rank holds the CP shard whole
         x_local = fp.shard_sequence(x, groups["cp"], dim=1).transpose(0, 1).requires_grad_()
         y = layer(x_local)
         y.backward(fp.shard_sequence(g, groups["cp"], dim=1).transpose(0, 1))
-        local = {dtype: {name: fp.shard_sequence(r[name], groups["cp"], dim=1).transpose(0, 1)
-                         for name in ("y", "dx")} for dtype, r in refs.items()}  # fmt: skip
+        local = {
+            dtype: {
+                name: fp.shard_sequence(r[name], groups["cp"], dim=1).transpose(0, 1)
+                for name in ("y", "dx")
+            }
+            for dtype, r in refs.items()
+        }
     for name, got in (("y", y), ("dx", x_local.grad)):
         assert_close(got, local[torch.float64][name], local[torch.float32][name], name=name)
-    names = {"q_weight": "q.weight", "k_weight": "k.weight", "v_weight": "v.weight",
-             "o_weight": "o.weight", "q_bias": "q.bias", "k_bias": "k.bias", "v_bias": "v.bias",
-             "o_bias": "o.bias", "q_norm_weight": "q_norm.weight",
-             "k_norm_weight": "k_norm.weight"}  # fmt: skip
+    names = {
+        "q_weight": "q.weight",
+        "k_weight": "k.weight",
+        "v_weight": "v.weight",
+        "o_weight": "o.weight",
+        "q_bias": "q.bias",
+        "k_bias": "k.bias",
+        "v_bias": "v.bias",
+        "o_bias": "o.bias",
+        "q_norm_weight": "q_norm.weight",
+        "k_norm_weight": "k_norm.weight",
+    }
     for name, param in layer.named_parameters():
         dense_name = names[name]
-        assert_close(param.grad.full_tensor(), refs[torch.float64][dense_name],
-                     refs[torch.float32][dense_name], name=name, sum_length=SEQ)  # fmt: skip
+        assert_close(
+            param.grad.full_tensor(),
+            refs[torch.float64][dense_name],
+            refs[torch.float32][dense_name],
+            name=name,
+            sum_length=SEQ,
+        )
     return True
 
 
@@ -138,37 +170,59 @@ def _dense_parts(**changes):
     return parts
 
 
-@pytest.mark.parametrize("build, match", [
-    (lambda p: fp.nn.ParallelAttention.from_dense(*p.values(), D_MODEL, HEADS, KV_HEADS,
-                                                  bias=False),
-     r"dense q has a bias but this ParallelAttention was built with bias=False"),
-    (lambda p: fp.nn.ParallelAttention.from_dense(*p.values(), D_MODEL, HEADS, KV_HEADS,
-                                                  o_bias=False),
-     r"dense o has a bias .* o_bias=False"),
-    (lambda p: fp.nn.ParallelAttention.from_dense(
-        *_dense_parts(k=nn.Linear(D_MODEL, KV_HEADS * HEAD_DIM, bias=False)).values(),
-        D_MODEL, HEADS, KV_HEADS),
-     r"dense k has no bias but this ParallelAttention was built with bias=True"),
-    (lambda p: fp.nn.ParallelAttention.from_dense(*p.values(), D_MODEL, HEADS, KV_HEADS,
-                                                  q_norm=torch.ones(HEAD_DIM)),
-     r"k_norm missing but this ParallelAttention was built with qk_norm='head'"),
-    (lambda p: fp.nn.ParallelAttention.from_dense(*p.values(), D_MODEL, HEADS, KV_HEADS,
-                                                  head_dim=8),
-     r"dense q must be \(32, 32\) \(heads x head_dim 8\), got \(64, 32\)"),
-    (lambda p: fp.nn.ParallelAttention.from_dense(*p.values(), D_MODEL, 3, 1),
-     r"dense q has 64 rows, not a multiple of n_heads \(3\)"),
-    (lambda p: fp.nn.ParallelAttention(D_MODEL, 4, head_dim=7),
-     r"head_dim \(7\) must be even"),
-    (lambda p: fp.nn.ParallelAttention(30, 4), r"d_model \(30\) is not divisible by n_heads"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (
+            lambda p: fp.nn.ParallelAttention.from_dense(
+                *p.values(), D_MODEL, HEADS, KV_HEADS, bias=False
+            ),
+            r"dense q has a bias but this ParallelAttention was built with bias=False",
+        ),
+        (
+            lambda p: fp.nn.ParallelAttention.from_dense(
+                *p.values(), D_MODEL, HEADS, KV_HEADS, o_bias=False
+            ),
+            r"dense o has a bias .* o_bias=False",
+        ),
+        (
+            lambda p: fp.nn.ParallelAttention.from_dense(
+                *_dense_parts(k=nn.Linear(D_MODEL, KV_HEADS * HEAD_DIM, bias=False)).values(),
+                D_MODEL,
+                HEADS,
+                KV_HEADS,
+            ),
+            r"dense k has no bias but this ParallelAttention was built with bias=True",
+        ),
+        (
+            lambda p: fp.nn.ParallelAttention.from_dense(
+                *p.values(), D_MODEL, HEADS, KV_HEADS, q_norm=torch.ones(HEAD_DIM)
+            ),
+            r"k_norm missing but this ParallelAttention was built with qk_norm='head'",
+        ),
+        (
+            lambda p: fp.nn.ParallelAttention.from_dense(
+                *p.values(), D_MODEL, HEADS, KV_HEADS, head_dim=8
+            ),
+            r"dense q must be \(32, 32\) \(heads x head_dim 8\), got \(64, 32\)",
+        ),
+        (
+            lambda p: fp.nn.ParallelAttention.from_dense(*p.values(), D_MODEL, 3, 1),
+            r"dense q has 64 rows, not a multiple of n_heads \(3\)",
+        ),
+        (lambda p: fp.nn.ParallelAttention(D_MODEL, 4, head_dim=7), r"head_dim \(7\) must be even"),
+        (lambda p: fp.nn.ParallelAttention(30, 4), r"d_model \(30\) is not divisible by n_heads"),
+    ],
+)
 def test_from_dense_refuses_what_it_would_not_compute(build, match):
     with pytest.raises(ValueError, match=match):
         build(_dense_parts())
 
 
 def test_a_bad_rope_table_is_refused():
-    layer = fp.nn.ParallelAttention(D_MODEL, HEADS, KV_HEADS, head_dim=HEAD_DIM,
-                                    rope=lambda pos: (torch.ones(len(pos), 3),) * 2)  # fmt: skip
+    layer = fp.nn.ParallelAttention(
+        D_MODEL, HEADS, KV_HEADS, head_dim=HEAD_DIM, rope=lambda pos: (torch.ones(len(pos), 3),) * 2
+    )
     match = r"cos, sin of \(8, 8\) or \(8, 16\) for rotary_dim 16, got \(8, 3\)"
     with pytest.raises(ValueError, match=match):
         layer(torch.randn(8, 1, D_MODEL))
@@ -290,13 +344,16 @@ def as_conv1d(linear: nn.Linear) -> Conv1D:
 # are given; sinks=True also gives the dense module sinks)
 VARIANTS = {
     "no-rope-scaled-tensors": (0, None, {"rope": None, "softmax_scale": 0.3}, "tensors"),
-    "partial-hf-table-conv1d": (ROTARY, None, {"rope": neox_rope, "rotary_dim": ROTARY},
-                                "conv1d"),
-    "partial-default-tables": (ROTARY, None, {"rotary_dim": ROTARY, "softmax_scale": 0.2},
-                               "linear"),
+    "partial-hf-table-conv1d": (ROTARY, None, {"rope": neox_rope, "rotary_dim": ROTARY}, "conv1d"),
+    "partial-default-tables": (
+        ROTARY,
+        None,
+        {"rotary_dim": ROTARY, "softmax_scale": 0.2},
+        "linear",
+    ),
     "gemma-norms-sinks": (HEAD_DIM, "gemma", {"norm_offset": 1.0, "sinks": True}, "linear"),
     "olmo-full-width-norms": (HEAD_DIM, "olmo", {}, "linear"),
-}  # fmt: skip
+}
 
 
 def _run_variants(seed):
@@ -316,8 +373,11 @@ def _run_variants(seed):
             xd = x.to(dtype, copy=True).requires_grad_()
             module(xd).backward(g.to(dtype))
             y = module(xd.detach())
-            refs[dtype] = {"y": y.detach(), "dx": xd.grad,
-                           **{n: p.grad for n, p in module.named_parameters()}}  # fmt: skip
+            refs[dtype] = {
+                "y": y.detach(),
+                "dx": xd.grad,
+                **{n: p.grad for n, p in module.named_parameters()},
+            }
         parts = (dense.q, dense.k, dense.v, dense.o)
         if given == "tensors":
             parts, options = [p.weight for p in parts], {**options, "bias": [p.bias for p in parts]}
@@ -328,9 +388,14 @@ def _run_variants(seed):
         if sinks:
             options = {**options, "sinks": dense.sinks}
         layer = fp.nn.ParallelAttention.from_dense(
-            *parts, D_MODEL, HEADS, KV_HEADS, tp_group=groups["tp"], cp_group=groups["cp"],
+            *parts,
+            D_MODEL,
+            HEADS,
+            KV_HEADS,
+            tp_group=groups["tp"],
+            cp_group=groups["cp"],
             **options,
-        )  # fmt: skip
+        )
         fp.distribute(layer, mesh)
         x_local = _to_local(x, groups).requires_grad_()
         y = layer(x_local)
@@ -340,9 +405,13 @@ def _run_variants(seed):
             assert_close(got, *expected, name=f"{name}: {what}")
         for pname, param in layer.named_parameters():
             dense_name = pname.replace("_weight", ".weight").replace("_bias", ".bias")
-            assert_close(param.grad.full_tensor(), refs[torch.float64][dense_name],
-                         refs[torch.float32][dense_name], name=f"{name}: {pname}",
-                         sum_length=SEQ)  # fmt: skip
+            assert_close(
+                param.grad.full_tensor(),
+                refs[torch.float64][dense_name],
+                refs[torch.float32][dense_name],
+                name=f"{name}: {pname}",
+                sum_length=SEQ,
+            )
     return True
 
 
@@ -359,19 +428,28 @@ def test_a_half_width_hf_table_is_never_taken_for_the_full_layout():
     """GPT-NeoX at rotary_pct 0.5 with its own rotary module and no rotary_dim: the
     table has the width of this layer's own full-rotary layout, but its halves repeat."""
     layer = fp.nn.ParallelAttention(D_MODEL, HEADS, KV_HEADS, head_dim=HEAD_DIM, rope=neox_rope)
-    with pytest.raises(ValueError, match=r"Hugging Face's layout for rotary_dim 8.*"
-                                         r"pass rotary_dim=8"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"Hugging Face's layout for rotary_dim 8.*"
+        r"pass rotary_dim=8",
+    ):
         layer(torch.randn(8, 1, D_MODEL))
-    layer = fp.nn.ParallelAttention(D_MODEL, HEADS, KV_HEADS, head_dim=HEAD_DIM, rope=neox_rope,
-                                    rotary_dim=ROTARY)  # fmt: skip
+    layer = fp.nn.ParallelAttention(
+        D_MODEL, HEADS, KV_HEADS, head_dim=HEAD_DIM, rope=neox_rope, rotary_dim=ROTARY
+    )
     assert layer(torch.randn(8, 1, D_MODEL)).shape == (8, 1, D_MODEL)
 
 
-@pytest.mark.parametrize("options", [
-    {}, {"rotary_dim": 8},  # in the GEMMs' epilogue; partial: one launch after them
-    {"qk_norm": "head"}, {"qk_norm": "head", "rotary_dim": 8},  # in the norm's kernel
-    {"sequence_parallel": False},  # classic TP's GEMMs too
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"rotary_dim": 8},  # in the GEMMs' epilogue; partial: one launch after them
+        {"qk_norm": "head"},
+        {"qk_norm": "head", "rotary_dim": 8},  # in the norm's kernel
+        {"sequence_parallel": False},  # classic TP's GEMMs too
+    ],
+)
 def test_rope_joins_the_qkv_projection_or_the_head_norm(monkeypatch, options, triton_kernels):
     """With no q/k norm, q and k leave `all_gather_matmul` turned (its GEMMs' epilogue,
     or one launch after them for partial rotary; classic TP's GEMMs gather nothing); with
@@ -396,14 +474,17 @@ def test_rope_joins_the_qkv_projection_or_the_head_norm(monkeypatch, options, tr
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize("options, error, match", [
-    ({"rope": False}, TypeError, r"rope must be a callable .* None \(no rotary embedding\)"),
-    ({"rope": None, "rotary_dim": 8}, ValueError, r"rotary_dim=8 with rope=None"),
-    ({"rotary_dim": 6 + HEAD_DIM}, ValueError, r"rotary_dim \(22\) must be even and in \(0, "),
-    ({"rotary_dim": 5}, ValueError, r"rotary_dim \(5\) must be even"),
-    ({"softmax_scale": 0.0}, ValueError, r"softmax_scale must be > 0 and finite"),
-    ({"softmax_scale": float("inf")}, ValueError, r"softmax_scale must be > 0 and finite"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "options, error, match",
+    [
+        ({"rope": False}, TypeError, r"rope must be a callable .* None \(no rotary embedding\)"),
+        ({"rope": None, "rotary_dim": 8}, ValueError, r"rotary_dim=8 with rope=None"),
+        ({"rotary_dim": 6 + HEAD_DIM}, ValueError, r"rotary_dim \(22\) must be even and in \(0, "),
+        ({"rotary_dim": 5}, ValueError, r"rotary_dim \(5\) must be even"),
+        ({"softmax_scale": 0.0}, ValueError, r"softmax_scale must be > 0 and finite"),
+        ({"softmax_scale": float("inf")}, ValueError, r"softmax_scale must be > 0 and finite"),
+    ],
+)
 def test_bad_layer_options_raise(options, error, match):
     with pytest.raises(error, match=match):
         fp.nn.ParallelAttention(D_MODEL, HEADS, KV_HEADS, head_dim=HEAD_DIM, **options)
@@ -439,21 +520,26 @@ def test_linears_take_conv1d_modules_and_tensors_with_biases():
     gate, up, down = nn.Linear(12, 20), nn.Linear(12, 20), nn.Linear(20, 12)
     expected = down(F.silu(gate(x)) * up(x))
     convs = fp.nn.ParallelSwiGLU.from_dense(*map(as_conv1d, (gate, up, down)), None)
-    tensors = fp.nn.ParallelSwiGLU.from_dense(gate.weight, up.weight, down.weight, None,
-                                              bias=(gate.bias, up.bias, down.bias))  # fmt: skip
+    tensors = fp.nn.ParallelSwiGLU.from_dense(
+        gate.weight, up.weight, down.weight, None, bias=(gate.bias, up.bias, down.bias)
+    )
     for mlp in (convs, tensors):
         torch.testing.assert_close(mlp(x), expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("options, frozen, packed", [
-    ({}, (), False),
-    ({"bias": True, "o_bias": True, "rotary_dim": 8}, ("x", "q_weight", "k_bias"), False),
-    ({"qk_norm": "head", "norm_offset": 1.0, "rotary_dim": 8}, ("k_norm_weight",), False),
-    ({"rope": None, "sliding_window": 3, "softcap": 5.0, "softmax_scale": 0.3}, (), False),
-    ({"qk_norm": "head", "dtype": torch.float16}, ("o_weight",), True),
-])  # fmt: skip
-def test_one_rank_is_one_op_with_the_composed_paths_bits(monkeypatch, options, frozen, packed,
-                                                          each_implementation):  # fmt: skip
+@pytest.mark.parametrize(
+    "options, frozen, packed",
+    [
+        ({}, (), False),
+        ({"bias": True, "o_bias": True, "rotary_dim": 8}, ("x", "q_weight", "k_bias"), False),
+        ({"qk_norm": "head", "norm_offset": 1.0, "rotary_dim": 8}, ("k_norm_weight",), False),
+        ({"rope": None, "sliding_window": 3, "softcap": 5.0, "softmax_scale": 0.3}, (), False),
+        ({"qk_norm": "head", "dtype": torch.float16}, ("o_weight",), True),
+    ],
+)
+def test_one_rank_is_one_op_with_the_composed_paths_bits(
+    monkeypatch, options, frozen, packed, each_implementation
+):
     """On one rank the layer is one op (`fusedpar::attention_layer`): the output and every
     gradient asked for are bit for bit those of the composed path (`all_gather_matmul`,
     the head norms, `flash_attn`, `matmul_reduce_scatter`), with biases, partial rotary,
@@ -474,8 +560,9 @@ def test_one_rank_is_one_op_with_the_composed_paths_bits(monkeypatch, options, f
     x, dy = (torch.randn(12, batch, D_MODEL).to(dtype) for _ in range(2))
     ops = []
     attention_layer = attention.attention_layer
-    monkeypatch.setattr(attention, "attention_layer",
-                        lambda *a, **k: ops.append(1) or attention_layer(*a, **k))  # fmt: skip
+    monkeypatch.setattr(
+        attention, "attention_layer", lambda *a, **k: ops.append(1) or attention_layer(*a, **k)
+    )
 
     def run():
         xr = x.clone().requires_grad_("x" not in frozen)

@@ -28,20 +28,67 @@ SOFTCAPS = st.sampled_from([0.0, 0.0, 0.5, 4.0])  # 0 (no cap) half the time
 
 
 @given(
-    B=st.integers(1, 2), Sq=st.integers(1, 70), Skv=st.integers(1, 70), Hkv=st.integers(1, 2),
-    group=st.integers(1, 3), D=st.sampled_from([8, 16, 40, 64]), causal=st.booleans(),
-    left=SIDES, right=SIDES, softcap=SOFTCAPS, dtype=cpu_dtypes(), seed=seeds(),
-)  # fmt: skip
-@example(B=1, Sq=64, Skv=64, Hkv=1, group=2, D=16, causal=True, left=0, right=-1, softcap=0.0,
-         dtype=torch.float32, seed=0)  # window 0: the diagonal only  # fmt: skip
-@example(B=2, Sq=33, Skv=70, Hkv=2, group=1, D=40, causal=False, left=3, right=1, softcap=4.0,
-         dtype=torch.float16, seed=1)  # a band, bottom-right aligned, capped  # fmt: skip
-@example(B=1, Sq=70, Skv=20, Hkv=1, group=3, D=8, causal=True, left=1, right=-1, softcap=0.5,
-         dtype=torch.float32, seed=2)  # Sq > Skv: rows with no key  # fmt: skip
-def test_window_and_softcap_match_float64(B, Sq, Skv, Hkv, group, D, causal, left, right,
-                                          softcap, dtype, seed, each_implementation):  # fmt: skip
-    check_attention(B, Sq, Skv, Hkv * group, Hkv, D, causal, dtype, seed,
-                    window=(left, right), softcap=softcap)  # fmt: skip
+    B=st.integers(1, 2),
+    Sq=st.integers(1, 70),
+    Skv=st.integers(1, 70),
+    Hkv=st.integers(1, 2),
+    group=st.integers(1, 3),
+    D=st.sampled_from([8, 16, 40, 64]),
+    causal=st.booleans(),
+    left=SIDES,
+    right=SIDES,
+    softcap=SOFTCAPS,
+    dtype=cpu_dtypes(),
+    seed=seeds(),
+)
+@example(
+    B=1,
+    Sq=64,
+    Skv=64,
+    Hkv=1,
+    group=2,
+    D=16,
+    causal=True,
+    left=0,
+    right=-1,
+    softcap=0.0,
+    dtype=torch.float32,
+    seed=0,
+)  # window 0: the diagonal only
+@example(
+    B=2,
+    Sq=33,
+    Skv=70,
+    Hkv=2,
+    group=1,
+    D=40,
+    causal=False,
+    left=3,
+    right=1,
+    softcap=4.0,
+    dtype=torch.float16,
+    seed=1,
+)  # a band, bottom-right aligned, capped
+@example(
+    B=1,
+    Sq=70,
+    Skv=20,
+    Hkv=1,
+    group=3,
+    D=8,
+    causal=True,
+    left=1,
+    right=-1,
+    softcap=0.5,
+    dtype=torch.float32,
+    seed=2,
+)  # Sq > Skv: rows with no key
+def test_window_and_softcap_match_float64(
+    B, Sq, Skv, Hkv, group, D, causal, left, right, softcap, dtype, seed, each_implementation
+):
+    check_attention(
+        B, Sq, Skv, Hkv * group, Hkv, D, causal, dtype, seed, window=(left, right), softcap=softcap
+    )
 
 
 def test_a_window_longer_than_the_sequence_is_plain_causal(each_implementation):
@@ -76,8 +123,12 @@ def check_varlen(lengths_q, lengths_k, Hq, Hkv, D, causal, window, softcap, dtyp
     visible = visible_reference(cu_q, cu_k, causal=causal, window=window)
     packed = [t[None] for t in (q, k, v)]
     got = attention_grads(ours, packed, dout, dlse)
-    ref = attention_grads(lambda *t: attention_reference(*t, softcap=softcap, visible=visible),
-                          [t.double() for t in packed], dout, dlse)  # fmt: skip
+    ref = attention_grads(
+        lambda *t: attention_reference(*t, softcap=softcap, visible=visible),
+        [t.double() for t in packed],
+        dout,
+        dlse,
+    )
     same = torch_results(packed, dout, dlse, ref, softcap=softcap, visible=visible)
     for name, g, r, t in zip(("out", "lse", "dq", "dk", "dv"), got, ref, same, strict=True):
         assert_close(g, r, t, name=name, sum_length=D if name.startswith("d") else None)
@@ -89,8 +140,11 @@ def per_document(lengths_q, lengths_k, q, k, v, **mask):
     give 0, as in the packed call)."""
     outs, start_q, start_k = [], 0, 0
     for lq, lk in zip(lengths_q, lengths_k, strict=True):
-        piece = [q[:, start_q : start_q + lq], k[:, start_k : start_k + lk],
-                 v[:, start_k : start_k + lk]]  # fmt: skip
+        piece = [
+            q[:, start_q : start_q + lq],
+            k[:, start_k : start_k + lk],
+            v[:, start_k : start_k + lk],
+        ]
         if lq:
             outs.append(fp.flash_attn(*piece, **mask) if lk else torch.zeros_like(piece[0]))
         start_q, start_k = start_q + lq, start_k + lk
@@ -109,16 +163,33 @@ def documents(draw):
 
 
 @given(
-    docs=documents(), Hkv=st.integers(1, 2), group=st.integers(1, 3),
-    D=st.sampled_from([8, 16, 40]), causal=st.booleans(), left=SIDES, right=SIDES,
-    softcap=SOFTCAPS, dtype=cpu_dtypes(), seed=seeds(),
-)  # fmt: skip
+    docs=documents(),
+    Hkv=st.integers(1, 2),
+    group=st.integers(1, 3),
+    D=st.sampled_from([8, 16, 40]),
+    causal=st.booleans(),
+    left=SIDES,
+    right=SIDES,
+    softcap=SOFTCAPS,
+    dtype=cpu_dtypes(),
+    seed=seeds(),
+)
 # zero-length and one-token documents
-@example(docs=([5, 0, 37, 1, 20],) * 2, Hkv=1, group=2, D=16, causal=True, left=-1, right=-1,
-         softcap=0.0, dtype=torch.float32, seed=0)  # fmt: skip
-def test_varlen_matches_float64_and_a_loop_over_documents(docs, Hkv, group, D, causal, left,
-                                                          right, softcap, dtype, seed,
-                                                          each_implementation):  # fmt: skip
+@example(
+    docs=([5, 0, 37, 1, 20],) * 2,
+    Hkv=1,
+    group=2,
+    D=16,
+    causal=True,
+    left=-1,
+    right=-1,
+    softcap=0.0,
+    dtype=torch.float32,
+    seed=0,
+)
+def test_varlen_matches_float64_and_a_loop_over_documents(
+    docs, Hkv, group, D, causal, left, right, softcap, dtype, seed, each_implementation
+):
     lengths, lengths_k = docs
     mask = dict(causal=causal, window=(left, right), softcap=softcap)
     got = check_varlen(lengths, lengths_k, Hkv * group, Hkv, D, dtype=dtype, seed=seed, **mask)
@@ -134,8 +205,9 @@ def test_max_seqlen_is_never_read():
     q, k, v = (randn((12, 2, 8), torch.float32, i) for i in range(3))
     cu = cu_of([5, 7])
     expected = fp.flash_attn_varlen(q, k, v, cu, causal=True)
-    assert torch.equal(fp.flash_attn_varlen(q, k, v, cu, max_seqlen_q=1, max_seqlen_k=1,
-                                            causal=True), expected)  # fmt: skip
+    assert torch.equal(
+        fp.flash_attn_varlen(q, k, v, cu, max_seqlen_q=1, max_seqlen_k=1, causal=True), expected
+    )
 
 
 def test_rows_whose_keys_start_in_a_later_block_keep_their_scale(each_implementation):
@@ -149,10 +221,10 @@ def test_rows_whose_keys_start_in_a_later_block_keep_their_scale(each_implementa
     v = randn((128, 1, 16), torch.float16, 2)
     out = fp.flash_attn_varlen(q, k, v, cu, causal=True, softmax_scale=1.0)
     visible = visible_reference(cu, cu, causal=True, window=(-1, -1))
-    ref, _ = attention_reference(*(t[None].double() for t in (q, k, v)), softmax_scale=1.0,
-                                 visible=visible)  # fmt: skip
-    same, _ = attention_reference(*(t[None] for t in (q, k, v)), softmax_scale=1.0,
-                                  visible=visible)  # fmt: skip
+    ref, _ = attention_reference(
+        *(t[None].double() for t in (q, k, v)), softmax_scale=1.0, visible=visible
+    )
+    same, _ = attention_reference(*(t[None] for t in (q, k, v)), softmax_scale=1.0, visible=visible)
     assert_close(out[None], ref, same, name="out")
 
 
@@ -213,7 +285,7 @@ def _qkv(T=6):
         ({"softcap": float("nan")}, ValueError, "softcap must be >= 0 and finite"),
         ({"softcap": float("inf")}, ValueError, "softcap must be >= 0 and finite"),
     ],
-)  # fmt: skip
+)
 def test_bad_window_or_softcap(kwargs, error, match):
     q, k, v = (t[None] for t in _qkv())
     with pytest.raises(error, match=match):
@@ -231,7 +303,7 @@ def test_bad_window_or_softcap(kwargs, error, match):
         (torch.tensor([0, 5], dtype=torch.int32), ValueError, "end at the total length 6"),
         (torch.tensor([[0, 6]], dtype=torch.int32), ValueError, "1-D"),
     ],
-)  # fmt: skip
+)
 def test_bad_cu_seqlens(cu, error, match):
     with pytest.raises(error, match=match):
         fp.flash_attn_varlen(*_qkv(), cu)
@@ -308,8 +380,10 @@ def test_the_widest_query_chunks_run_first():
     # widths: rows 0-127 see keys [0, 128); 128-255 [0, 256); 256-383 [0, 384); 384-399 [340, 400)
     assert packed.q_order.tolist() == [2, 1, 0, 3]
     q, k, v = (randn((1, 400, 2, 16), torch.float32, i) for i in range(3))
-    results = [attention_forward(q, k, v, intervals=dataclasses.replace(packed, q_order=order))
-               for order in (packed.q_order, None, torch.tensor([3, 0, 2, 1], dtype=torch.int32))]
+    results = [
+        attention_forward(q, k, v, intervals=dataclasses.replace(packed, q_order=order))
+        for order in (packed.q_order, None, torch.tensor([3, 0, 2, 1], dtype=torch.int32))
+    ]
     for out, lse in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
     bad = dataclasses.replace(packed, q_order=packed.q_order[:3])

@@ -16,8 +16,14 @@ from fusedpar.testing.strategies import randn
 
 
 def _scores(q, k, v=None, **mask):
-    mask = {"causal": False, "window": (-1, -1), "softcap": 0.0, "softmax_scale": None,
-            "intervals": None, **mask}  # fmt: skip
+    mask = {
+        "causal": False,
+        "window": (-1, -1),
+        "softcap": 0.0,
+        "softmax_scale": None,
+        "intervals": None,
+        **mask,
+    }
     return mask_arguments(q, k, k if v is None else v, side="query", **mask)[-1]
 
 
@@ -27,15 +33,17 @@ def _meta(shape, dtype=torch.bfloat16):
 
 @pytest.mark.parametrize(
     "mask, Sq, Skv, Hkv, D, dtype, offered",
-    [({}, 64, 80, 4, 128, torch.bfloat16, ["sdpa-flash", "sdpa-cudnn"]),
-     ({"causal": True}, 64, 64, 4, 64, torch.float16, ["sdpa-flash", "sdpa-cudnn"]),
-     ({"causal": True}, 64, 80, 4, 64, torch.bfloat16, []),  # bottom-right != top-left
-     ({"window": (15, 0)}, 64, 64, 4, 64, torch.bfloat16, []),
-     ({"softcap": 30.0}, 64, 64, 4, 64, torch.bfloat16, []),
-     ({}, 64, 64, 2, 64, torch.bfloat16, ["sdpa-flash"]),  # GQA: flash only
-     ({}, 64, 64, 4, 256, torch.bfloat16, ["sdpa-flash"]),  # D > 128: flash only
-     ({}, 64, 64, 4, 64, torch.float32, [])],
-)  # fmt: skip
+    [
+        ({}, 64, 80, 4, 128, torch.bfloat16, ["sdpa-flash", "sdpa-cudnn"]),
+        ({"causal": True}, 64, 64, 4, 64, torch.float16, ["sdpa-flash", "sdpa-cudnn"]),
+        ({"causal": True}, 64, 80, 4, 64, torch.bfloat16, []),  # bottom-right != top-left
+        ({"window": (15, 0)}, 64, 64, 4, 64, torch.bfloat16, []),
+        ({"softcap": 30.0}, 64, 64, 4, 64, torch.bfloat16, []),
+        ({}, 64, 64, 2, 64, torch.bfloat16, ["sdpa-flash"]),  # GQA: flash only
+        ({}, 64, 64, 4, 256, torch.bfloat16, ["sdpa-flash"]),  # D > 128: flash only
+        ({}, 64, 64, 4, 64, torch.float32, []),
+    ],
+)
 def test_which_calls_are_offered(mask, Sq, Skv, Hkv, D, dtype, offered):
     q, out = _meta((2, Sq, 4, D), dtype), _meta((2, Sq, 4, D), dtype)
     k = v = _meta((2, Skv, Hkv, D), dtype)
@@ -78,8 +86,9 @@ def test_the_calls_take_our_layout(causal):
     for run in platform.forward_candidates(q, k, v, scores, out, lse, merge=False).values():
         run()
     grads = [torch.empty_like(t) for t in (q, k, v)]
-    for run in platform.backward_candidates(out, q, k, v, out, lse, scores, grads, None,
-                                            False).values():  # fmt: skip
+    for run in platform.backward_candidates(
+        out, q, k, v, out, lse, scores, grads, None, False
+    ).values():
         run()
 
 
@@ -88,8 +97,11 @@ def test_the_ops_pass_no_lse_gradient_when_the_lse_is_unused(monkeypatch, triton
     kernels can then run it), and the LSE's gradient when it did."""
     seen = []
     real = backwards.attention_backward_fused
-    monkeypatch.setattr(backwards, "attention_backward_fused",
-                        lambda *a, **kw: seen.append(kw.get("dlse")) or real(*a, **kw))  # fmt: skip
+    monkeypatch.setattr(
+        backwards,
+        "attention_backward_fused",
+        lambda *a, **kw: seen.append(kw.get("dlse")) or real(*a, **kw),
+    )
     q = randn((1, 9, 2, 8), torch.float32, 0).requires_grad_()
     k, v = (randn((1, 9, 2, 8), torch.float32, i).requires_grad_() for i in (1, 2))
     fp.flash_attn(q, k, v).sum().backward()
@@ -112,16 +124,29 @@ def test_platform_candidates_gpu(candidate, Hkv, causal):
     k, v = (randn((2, 1000, Hkv, 128), torch.bfloat16, i).cuda() for i in (1, 2))
     dout = randn(q.shape, torch.bfloat16, 3).cuda()
     no_dlse = torch.zeros((2, 8, 1000), device="cuda")
-    with fp.implementation("auto"), _tuning.forced("_attn_fwd_kernel", candidate), \
-            _tuning.forced("attention_backward", candidate):  # fmt: skip
+    with (
+        fp.implementation("auto"),
+        _tuning.forced("_attn_fwd_kernel", candidate),
+        _tuning.forced("attention_backward", candidate),
+    ):
+
         def attend(*t):  # the LSE takes no gradient: PyTorch's backward may run
             lse = attention_forward(*(x.detach() for x in t), causal=causal)[1]
             return fp.flash_attn(*t, causal=causal), lse
 
         got = attention_grads(attend, (q, k, v), dout, no_dlse)
-    ref = attention_grads(lambda *t: attention_reference(*t, causal=causal),
-                          [t.double() for t in (q, k, v)], dout, no_dlse)  # fmt: skip
+    ref = attention_grads(
+        lambda *t: attention_reference(*t, causal=causal),
+        [t.double() for t in (q, k, v)],
+        dout,
+        no_dlse,
+    )
     same = torch_results((q, k, v), dout, no_dlse, ref, causal=causal)
     for name, g, r, t in zip(("out", "lse", "dq", "dk", "dv"), got, ref, same, strict=True):
-        assert_close(g, r, t, name=f"{name} ({candidate.name})",
-                     sum_length=128 if name.startswith("d") else None)  # fmt: skip
+        assert_close(
+            g,
+            r,
+            t,
+            name=f"{name} ({candidate.name})",
+            sum_length=128 if name.startswith("d") else None,
+        )

@@ -28,8 +28,9 @@ MiB = 2**20
 # --- the stand-in's arithmetic -------------------------------------------------------
 
 
-@pytest.mark.parametrize("nbytes", [1, 4 * 3, PIECE_BYTES - 4, PIECE_BYTES + 4, MiB, 4 * MiB + 12,
-                                    64 * MiB])  # fmt: skip
+@pytest.mark.parametrize(
+    "nbytes", [1, 4 * 3, PIECE_BYTES - 4, PIECE_BYTES + 4, MiB, 4 * MiB + 12, 64 * MiB]
+)
 @pytest.mark.parametrize("link", [Link(), Link(150.0, 0.0, 16), Link(900.0, 10.0, 1)])
 def test_copy_plan_moves_every_byte_once_and_ends_at_the_link_models_time(nbytes, link):
     elem = 4 if nbytes % 4 == 0 else 1
@@ -101,8 +102,9 @@ def test_link_model_numbers():
     assert math.isclose(per_cta_gbps, 350 / 32, rel_tol=1e-3)
 
 
-@pytest.mark.parametrize("kwargs", [dict(gbps=0.0), dict(gbps=math.inf), dict(latency_us=-1.0),
-                                    dict(ctas=0)])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs", [dict(gbps=0.0), dict(gbps=math.inf), dict(latency_us=-1.0), dict(ctas=0)]
+)
 def test_bad_links_raise(kwargs):
     with pytest.raises(ValueError):
         Link(**kwargs)
@@ -205,13 +207,16 @@ def test_copy_engine_stand_ins_drive_the_fused_schedule(triton_kernels):
     peers = [torch.randn(m, k, generator=gen) for _ in range(world)]
     weights = [torch.randn(w, k, generator=gen) for w in widths]
     side = CopyEngineGather(peers, 1, Link())
-    outs, gathered = gather_matmuls_fused(peers[1], [w.T for w in weights], [None, None], None,
-                                          side=side)  # fmt: skip
+    outs, gathered = gather_matmuls_fused(
+        peers[1], [w.T for w in weights], [None, None], None, side=side
+    )
     assert torch.equal(gathered, torch.cat(peers)) and side.flags.tolist() == [1] * world
     for out, w in zip(outs, weights, strict=True):
         assert_close(out, gathered.double() @ w.double().T, gathered @ w.T, name="fused gather")
-    pairs = [(torch.randn(world * m, kk, generator=gen), torch.randn(kk, 19, generator=gen))
-             for kk in (13, 6)]  # fmt: skip
+    pairs = [
+        (torch.randn(world * m, kk, generator=gen), torch.randn(kk, 19, generator=gen))
+        for kk in (13, 6)
+    ]
     incoming = torch.randn(world, m, 19, generator=gen)
     side = CopyEngineScatter(incoming, 2, Link())
     out = matmuls_reduce_scatter_fused(pairs, None, torch.float32, side=side)
@@ -330,8 +335,14 @@ for cap in (80, 90):
 print(json.dumps(out))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     for cap, found in json.loads(proc.stdout.strip().splitlines()[-1]).items():
         assert found["timer"] >= 2, f"sm_{cap}: the spin loop lost its timer reads"
@@ -398,13 +409,19 @@ def test_gpu_clocks(monkeypatch, tmp_path):
     monkeypatch.setattr(common.shutil, "which", lambda name: None)
     assert common.gpu_clocks() is None
     fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\necho 'clocks.current.sm [MHz], clocks.current.memory [MHz], "
-                    "clocks.max.sm [MHz]'\necho '1755 MHz, 2619 MHz, 1980 MHz'\n")  # fmt: skip
+    fake.write_text(
+        "#!/bin/sh\necho 'clocks.current.sm [MHz], clocks.current.memory [MHz], "
+        "clocks.max.sm [MHz]'\necho '1755 MHz, 2619 MHz, 1980 MHz'\n"
+    )
     fake.chmod(0o755)
     monkeypatch.setattr(common.shutil, "which", lambda name: str(fake))
-    assert common.gpu_clocks() == [{"clocks.current.sm [MHz]": "1755 MHz",
-                                    "clocks.current.memory [MHz]": "2619 MHz",
-                                    "clocks.max.sm [MHz]": "1980 MHz"}]  # fmt: skip
+    assert common.gpu_clocks() == [
+        {
+            "clocks.current.sm [MHz]": "1755 MHz",
+            "clocks.current.memory [MHz]": "2619 MHz",
+            "clocks.max.sm [MHz]": "1980 MHz",
+        }
+    ]
     fake.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
     assert common.gpu_clocks() is None
     assert common.parse_csv_query("only a header\n") is None
@@ -416,8 +433,9 @@ def test_write_results_records_nulls_and_tuner_picks(monkeypatch, tmp_path, trit
     matmul(torch.randn(5, 7), torch.randn(7, 3))  # makes (at least) one pick
     monkeypatch.setenv("BENCH_RESULTS", str(tmp_path))
     rows = [{"a": 1, "b": None, "c": 0.123456}, {"a": 2, "b": 1001.4, "c": 98765.4}]
-    folder = common.write_results("fam", rows, ["a", "b", "c"], {"device": "dev", "k": 2},
-                                  announce=False)  # fmt: skip
+    folder = common.write_results(
+        "fam", rows, ["a", "b", "c"], {"device": "dev", "k": 2}, announce=False
+    )
     assert folder == tmp_path / common.device_slug()
     data = json.loads((folder / "fam.json").read_text())
     assert data["rows"] == rows and data["meta"]["k"] == 2
@@ -439,8 +457,11 @@ def test_matmul_bench_graph_columns(monkeypatch):
     results = iter([(None, "RuntimeError: capture failed"), (0.5, None)])
     monkeypatch.setattr(mm, "time_ms_graph", lambda fn: next(results))
     row = mm._graph_point(None, None, None, flops=1e9)
-    assert row == {"fusedpar_graph_tflops": None, "torch_graph_tflops": 1e9 / 0.5 / 1e9,
-                   "graph_note": "fusedpar: RuntimeError: capture failed"}  # fmt: skip
+    assert row == {
+        "fusedpar_graph_tflops": None,
+        "torch_graph_tflops": 1e9 / 0.5 / 1e9,
+        "graph_note": "fusedpar: RuntimeError: capture failed",
+    }
 
 
 # --- context parallelism: what each mode sends, counted from the code --------------------
@@ -494,8 +515,10 @@ def test_the_host_overhead_bench_measures_every_row():
     threads = torch.get_num_threads()
     rows = host_overhead.measure(rounds=host_overhead.SLICES, threads=1)
     assert torch.get_num_threads() == threads and all(r["threads"] == 1 for r in rows)
-    assert [r["layer"] for r in rows][:2] == ["fusedpar op dispatch (empty)",
-                                               "torch.library op (empty)"]  # fmt: skip
+    assert [r["layer"] for r in rows][:2] == [
+        "fusedpar op dispatch (empty)",
+        "torch.library op (empty)",
+    ]
     assert len(rows) == 9 and all(r["host_us"] > 0 and r["floor_us"] > 0 for r in rows)
     launches = {r["layer"]: r["launches"] for r in rows}
     assert launches["fusedpar op dispatch (empty)"] == 0 and launches["ParallelSwiGLU"] > 0
@@ -508,8 +531,9 @@ def test_the_step_time_bench_builds_a_training_step(moe, capsys):
     the parameters; without a GPU the bench says so and measures nothing."""
     from bench import step_time
 
-    step, model = step_time.build(moe, ("tiny", 32, 4, 2, 64, 8), torch.device("cpu"),
-                                  torch.float32)  # fmt: skip
+    step, model = step_time.build(
+        moe, ("tiny", 32, 4, 2, 64, 8), torch.device("cpu"), torch.float32
+    )
     before = [p.detach().clone() for p in model.parameters()]
     step()
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))

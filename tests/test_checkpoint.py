@@ -34,8 +34,16 @@ SEQ, BATCH, SAVED_AT = 16, 4, 2  # BATCH sequences per step, split over dp
 
 def _config(moe: bool, d_model: int = 32, experts: int = 4, n_layers: int = 1) -> Config:
     # 4 heads (TP up to 4) of dimension 8: small, for Triton's interpreter
-    return Config(vocab=64, d_model=d_model, n_layers=n_layers, n_heads=4, n_kv_heads=4,
-                  d_hidden=32, num_experts=experts if moe else 0, top_k=2)  # fmt: skip
+    return Config(
+        vocab=64,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=4,
+        n_kv_heads=4,
+        d_hidden=32,
+        num_experts=experts if moe else 0,
+        top_k=2,
+    )
 
 
 def _build(layout, moe=False, fsdp=True, **config):
@@ -85,8 +93,9 @@ def _run_save(path, layout, moe, fsdp, steps_on, async_save):
     for after): the state saved, gathered, and the losses after it."""
     mesh, model, optimizer = _build(layout, moe, fsdp)
     _train(mesh, model, optimizer, range(SAVED_AT))
-    pending = fp.checkpoint.save(path, model, optimizer, extra={"step": SAVED_AT},
-                                 async_save=async_save)  # fmt: skip
+    pending = fp.checkpoint.save(
+        path, model, optimizer, extra={"step": SAVED_AT}, async_save=async_save
+    )
     gathered = _gathered(model, optimizer)
     losses = _train(mesh, model, optimizer, steps_on)  # changes the parameters in place
     if async_save:
@@ -110,15 +119,15 @@ def saved(request, world, tmp_path_factory):
     moe = request.param == "moe"
     path = str(tmp_path_factory.mktemp(request.param) / "step-2")
     steps_on = [] if moe else [SAVED_AT, SAVED_AT + 1]
-    gathered, losses = world(4).run(_run_save, path, (2, 1, 2), moe, not moe, steps_on,
-                                    not moe)[0]  # fmt: skip
+    gathered, losses = world(4).run(_run_save, path, (2, 1, 2), moe, not moe, steps_on, not moe)[0]
     return request.param, path, gathered, steps_on, losses
 
 
-@pytest.mark.parametrize("layout, fsdp", [((1, 1, 4), True), ((1, 2, 2), None), ((4, 1, 1), True),
-                                          ((1, 1, 1), None), ((2, 1, 2), True)],
-                         ids=["dp1-tp4", "tp2-cp2-no-fsdp", "dp4-tp1", "one-rank",
-                              "the-same-layout"])  # fmt: skip
+@pytest.mark.parametrize(
+    "layout, fsdp",
+    [((1, 1, 4), True), ((1, 2, 2), None), ((4, 1, 1), True), ((1, 1, 1), None), ((2, 1, 2), True)],
+    ids=["dp1-tp4", "tp2-cp2-no-fsdp", "dp4-tp1", "one-rank", "the-same-layout"],
+)
 def test_loads_bitwise_at_another_layout(world, saved, layout, fsdp):
     kind, path, expected, steps_on, losses = saved
     if (
@@ -141,8 +150,14 @@ def test_loads_bitwise_at_another_layout(world, saved, layout, fsdp):
     torch.testing.assert_close(resumed, losses, rtol=1e-5, atol=0)
 
 
-WRONG = {"d_model": {"d_model": 64}, "experts": {"experts": 8}, "layers": {"n_layers": 0},
-         "path on rank 3": {}, "interrupted": {}, "another save on rank 3": {}}  # fmt: skip
+WRONG = {
+    "d_model": {"d_model": 64},
+    "experts": {"experts": 8},
+    "layers": {"n_layers": 0},
+    "path on rank 3": {},
+    "interrupted": {},
+    "another save on rank 3": {},
+}
 
 
 def _run_load_wrong(path, what, other=None):
@@ -164,16 +179,25 @@ def _run_load_wrong(path, what, other=None):
     return None, None
 
 
-@pytest.mark.parametrize("what, match", [
-    ("d_model", r"model\.embed\.weight is \(64, 64\) in the model but \(64, 32\)"),
-    ("experts", r"router_weight is \(8, 32\) in the model but \(4, 32\)"),
-    ("layers", r"has model\.blocks\.0\..*, which the model does not \(\d+ such"),
-    ("path on rank 3", r"cannot load \(rank 3\): FileNotFoundError: no checkpoint at .*-typo"),
-    ("interrupted", r"cannot load \(rank 0\): ValueError: .* an interrupted save: it has no "
-                    r"complete\.json"),
-    ("another save on rank 3", r"cannot load .*: the ranks found different saves there \(rank "
-                               r"0: [0-9a-f]+, rank 3: 0bad\)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "what, match",
+    [
+        ("d_model", r"model\.embed\.weight is \(64, 64\) in the model but \(64, 32\)"),
+        ("experts", r"router_weight is \(8, 32\) in the model but \(4, 32\)"),
+        ("layers", r"has model\.blocks\.0\..*, which the model does not \(\d+ such"),
+        ("path on rank 3", r"cannot load \(rank 3\): FileNotFoundError: no checkpoint at .*-typo"),
+        (
+            "interrupted",
+            r"cannot load \(rank 0\): ValueError: .* an interrupted save: it has no "
+            r"complete\.json",
+        ),
+        (
+            "another save on rank 3",
+            r"cannot load .*: the ranks found different saves there \(rank "
+            r"0: [0-9a-f]+, rank 3: 0bad\)",
+        ),
+    ],
+)
 def test_a_checkpoint_of_another_model_fails_on_every_rank(world, saved, what, match, tmp_path):
     """...before any rank reads it, and every rank: none is left waiting in DCP. An
     interrupted save: DCP's files without the record (as DCP itself, writing in place,
@@ -240,8 +264,12 @@ def test_latest_overwrite_files_and_damage_in_one_process(tmp_path):
     assert fp.checkpoint.latest(tmp_path / "none") is None
     assert fp.checkpoint.latest(tmp_path) is None
     for step in (2, 10, 9):  # newest by N, not by name or time
-        fp.checkpoint.save(tmp_path / f"step-{step}", _linear(step), extra={"step": step},
-                           files={"notes.pt": {"step": step}})  # fmt: skip
+        fp.checkpoint.save(
+            tmp_path / f"step-{step}",
+            _linear(step),
+            extra={"step": step},
+            files={"notes.pt": {"step": step}},
+        )
     fp.checkpoint.save(tmp_path / "final", _linear(0))  # other names: not considered
     assert fp.checkpoint.latest(tmp_path) == str(tmp_path / "step-10")
     assert torch.load(tmp_path / "step-10" / "notes.pt") == {"step": 10}

@@ -47,8 +47,11 @@ SCENARIOS = {
 
 def _full(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(64, 16, generator=g), "v": torch.randn(32, 8, generator=g),
-            "b": torch.randn(16, generator=g)}  # fmt: skip
+    return {
+        "w": torch.randn(64, 16, generator=g),
+        "v": torch.randn(32, 8, generator=g),
+        "b": torch.randn(16, generator=g),
+    }
 
 
 class Tiny(torch.nn.Module):
@@ -96,14 +99,18 @@ def _rank(rank: int, root: Path, name: str) -> None:
 
     point, victim, how, async_save, _ = SCENARIOS[name]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), 2), rank=rank,
-                            world_size=2)  # fmt: skip
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(root / "store"), 2), rank=rank, world_size=2
+    )
     mesh = init_device_mesh("cpu", (2,))
 
     def model(seed):
         full = _full(seed)
-        local = {n: DTensor.from_local(t.chunk(2)[rank], mesh, [Shard(0)])  # rank 1's: a view
-                 for n, t in full.items() if n != "b"}  # fmt: skip
+        local = {
+            n: DTensor.from_local(t.chunk(2)[rank], mesh, [Shard(0)])  # rank 1's: a view
+            for n, t in full.items()
+            if n != "b"
+        }
         local["b"] = DTensor.from_local(full["b"], mesh, [Replicate()])
         return Tiny(local)
 
@@ -113,8 +120,9 @@ def _rank(rank: int, root: Path, name: str) -> None:
         _arm(root, point)
     target = root / ("step-2" if how == "fresh" else "step-1")
     try:
-        pending = fp.checkpoint.save(target, new, extra={"step": NEW}, overwrite=how == "over",
-                                     async_save=async_save)  # fmt: skip
+        pending = fp.checkpoint.save(
+            target, new, extra={"step": NEW}, overwrite=how == "over", async_save=async_save
+        )
         if pending is not None:
             with torch.no_grad():
                 new.w.to_local().add_(1.0)  # training goes on: the checkpoint holds NEW
@@ -176,8 +184,9 @@ def killed(tmp_path_factory):
     import subprocess
 
     root = tmp_path_factory.mktemp("killed")
-    proc = subprocess.run([sys.executable, __file__, str(root)], capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, __file__, str(root)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return root, json.loads((root / "report.json").read_text()), proc.stderr
 

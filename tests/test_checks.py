@@ -80,26 +80,44 @@ def _batch(cfg, batch=2, seq=16):
 
 
 LAYER_CASES = {  # case: (the ranks that raise, what their message says)
-    "shorter sequence": (range(4), r"^ParallelAttention \(over its tp_group, cp_group\): the "
-                         r"ranks disagree: rank 2 has x \(3, 2, 32\) where ranks 0, 1, 3 have "
-                         r"x \(4, 2, 32\)"),
-    "fp16 activations": ((0, 1), r"^ParallelSwiGLU .*: rank 1 has x dtype float16 where "
-                         r"rank 0 has x dtype float32"),
-    "model cast after distribute": (range(4), r"rank 1 has x dtype float16, weight dtype "
-                                    r"float16 where ranks 0, 2, 3 have x dtype float32, "
-                                    r"weight dtype float32"),
+    "shorter sequence": (
+        range(4),
+        r"^ParallelAttention \(over its tp_group, cp_group\): the "
+        r"ranks disagree: rank 2 has x \(3, 2, 32\) where ranks 0, 1, 3 have "
+        r"x \(4, 2, 32\)",
+    ),
+    "fp16 activations": (
+        (0, 1),
+        r"^ParallelSwiGLU .*: rank 1 has x dtype float16 where "
+        r"rank 0 has x dtype float32",
+    ),
+    "model cast after distribute": (
+        range(4),
+        r"rank 1 has x dtype float16, weight dtype "
+        r"float16 where ranks 0, 2, 3 have x dtype float32, "
+        r"weight dtype float32",
+    ),
     "row input": ((2, 3), r"^RowParallelLinear .*rank 3 has x \(5, 2, 32\) where rank 2 has"),
     "moe in fp16": ((0, 1), r"^MoE \(over its ep_group\).*rank 0 has x dtype float16"),
     "later call, FUSEDPAR_CHECKS=all": ((2, 3), r"rank 3 has x \(3, 2, 32\) where rank 2"),
-    "unknown mode": (range(4), r"FUSEDPAR_CHECKS must be one of \('first', 'all'\), got "
-                     r"'every'"),
+    "unknown mode": (
+        range(4),
+        r"FUSEDPAR_CHECKS must be one of \('first', 'all'\), got "
+        r"'every'",
+    ),
     # a check that one rank fails alone, before the gather: its message on every rank
-    "cu_seqlens refused on one rank": (range(4), r"^rank 2: cu_seqlens must end at the total "
-                                       r"length 16, got 15 \(ranks 0, 1, 3 passed their "
-                                       r"checks; every rank raises this\)$"),
-    "other documents on one rank": (range(4), r"rank 2 has cu_seqlens \(3,\) #[0-9a-f]{6} "
-                                    r"where ranks 0, 1, 3 have cu_seqlens \(3,\) #[0-9a-f]{6}"),
-}  # fmt: skip
+    "cu_seqlens refused on one rank": (
+        range(4),
+        r"^rank 2: cu_seqlens must end at the total "
+        r"length 16, got 15 \(ranks 0, 1, 3 passed their "
+        r"checks; every rank raises this\)$",
+    ),
+    "other documents on one rank": (
+        range(4),
+        r"rank 2 has cu_seqlens \(3,\) #[0-9a-f]{6} "
+        r"where ranks 0, 1, 3 have cu_seqlens \(3,\) #[0-9a-f]{6}",
+    ),
+}
 
 
 def test_what_ranks_disagree_on_is_named_on_every_rank(world):
@@ -137,10 +155,10 @@ def test_a_pipeline_stage_given_another_batch_raises_on_every_rank(world):
     The same ValueError on every rank, the refusing ranks' message included."""
     expected = {
         "does not split": r"^ranks 0, 1: pipeline step: input 0 \(3, 8\) does not split into "
-                          r"2 microbatches .* \(ranks 2, 3 passed their checks; every rank "
-                          r"raises this\)$",
+        r"2 microbatches .* \(ranks 2, 3 passed their checks; every rank "
+        r"raises this\)$",
         "another batch": r"different batch sizes \(ranks 0, 1: 2; ranks 2, 3: 4\)",
-    }  # fmt: skip
+    }
     results = world(4).run(_pipeline_cases, timeout=180)
     for case, match in expected.items():
         assert len({out[case] for out in results}) == 1, (case, results)

@@ -21,17 +21,31 @@ def _on_a_group_of_one():
     x = torch.randn(4, 3, requires_grad=True)
     w = torch.randn(5, 3, requires_grad=True)
     with Collectives() as seen:
-        outs = [comm.all_gather(x, one), comm.reduce_scatter(x, one), comm.all_reduce(x, one),
-                comm.copy_to_region(x, one), comm.reduce_from_region(x, one),
-                comm.gather_from_region(x, one), comm.all_to_all(x, one),
-                fp.all_gather_matmul(x, w, one), fp.matmul_reduce_scatter(x, w, one)]  # fmt: skip
-        asyncs = (comm.all_gather_async, comm.all_reduce_async, comm.reduce_scatter_async,
-                  comm.all_to_all_async)  # fmt: skip
+        outs = [
+            comm.all_gather(x, one),
+            comm.reduce_scatter(x, one),
+            comm.all_reduce(x, one),
+            comm.copy_to_region(x, one),
+            comm.reduce_from_region(x, one),
+            comm.gather_from_region(x, one),
+            comm.all_to_all(x, one),
+            fp.all_gather_matmul(x, w, one),
+            fp.matmul_reduce_scatter(x, w, one),
+        ]
+        asyncs = (
+            comm.all_gather_async,
+            comm.all_reduce_async,
+            comm.reduce_scatter_async,
+            comm.all_to_all_async,
+        )
         outs += [start(x, one).wait() for start in asyncs]
         # the layers' first calls (their cross-rank checks: none on a group of one)
         h = torch.randn(4, 2, 16, requires_grad=True)
-        layers = [fp.nn.ColumnParallelLinear(16, 8, one), fp.nn.ParallelSwiGLU(16, 12, one),
-                  fp.nn.ParallelAttention(16, 2, tp_group=one, cp_group=one)]  # fmt: skip
+        layers = [
+            fp.nn.ColumnParallelLinear(16, 8, one),
+            fp.nn.ParallelSwiGLU(16, 12, one),
+            fp.nn.ParallelAttention(16, 2, tp_group=one, cp_group=one),
+        ]
         outs += [layer(h) for layer in layers] + [fp.nn.MoE(16, 6, 4, 2, one)(h)[0]]
         outs.append(fp.nn.RowParallelLinear(8, 4, one)(outs[-4]))
         sum(o.sum() for o in outs).backward()
@@ -50,8 +64,16 @@ def _step_counts(moe: bool, fully_shard: bool = False) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     from tiny_llama import Config, ParallelTransformer, Transformer
 
-    cfg = Config(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_hidden=64,
-                 num_experts=4 if moe else 0, top_k=2)  # fmt: skip
+    cfg = Config(
+        vocab=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_hidden=64,
+        num_experts=4 if moe else 0,
+        top_k=2,
+    )
     dims = fp.ParallelDims(dp=1, cp=2, tp=2)
     mesh = dims.build_mesh("cpu")
     torch.manual_seed(0)

@@ -208,8 +208,14 @@ def test_validation_raises_on_every_rank_before_communicating(world):
 
 def test_no_group_means_identity():
     x = torch.randn(5, 3, requires_grad=True)
-    for op in (comm.all_gather, comm.reduce_scatter, comm.all_reduce, comm.copy_to_region,
-               comm.reduce_from_region, comm.all_to_all):  # fmt: skip
+    for op in (
+        comm.all_gather,
+        comm.reduce_scatter,
+        comm.all_reduce,
+        comm.copy_to_region,
+        comm.reduce_from_region,
+        comm.all_to_all,
+    ):
         assert op(x, None) is x
     assert comm.group_size(None) == 1 and comm.group_rank(None) == 0
     ring = comm.Ring(None)

@@ -86,13 +86,50 @@ def _opcheck_cases(group: str):
     xa, wa = _leaf(4, 2, 16), [_leaf(16, 16), _leaf(8, 16), _leaf(8, 16), _leaf(16, 16)]
     mask = (True, None, -1, -1, 0.0)
     layer_cases = [
-        (xa, wa, [], [False] * 4, [], list(rope_tables(torch.arange(4), 8, 100.0)), None, 8,
-         *mask, 1e-6, 0.0),
-        (xa, wa, [_leaf(16), _leaf(8), _leaf(8), _leaf(16)], [True] * 4, [_leaf(8), _leaf(8)],
-         list(rope_tables(torch.arange(4), 6, 100.0)), None, 8, *mask, 1e-6, 1.0),
-        (_leaf(7, 1, 16), wa, [_leaf(16)], [False, False, False, True], [], [],
-         torch.tensor([0, 3, 3, 7], dtype=torch.int32), 8, True, 0.5, 2, 0, 3.0, 1e-6, 0.0),
-    ]  # fmt: skip
+        (
+            xa,
+            wa,
+            [],
+            [False] * 4,
+            [],
+            list(rope_tables(torch.arange(4), 8, 100.0)),
+            None,
+            8,
+            *mask,
+            1e-6,
+            0.0,
+        ),
+        (
+            xa,
+            wa,
+            [_leaf(16), _leaf(8), _leaf(8), _leaf(16)],
+            [True] * 4,
+            [_leaf(8), _leaf(8)],
+            list(rope_tables(torch.arange(4), 6, 100.0)),
+            None,
+            8,
+            *mask,
+            1e-6,
+            1.0,
+        ),
+        (
+            _leaf(7, 1, 16),
+            wa,
+            [_leaf(16)],
+            [False, False, False, True],
+            [],
+            [],
+            torch.tensor([0, 3, 3, 7], dtype=torch.int32),
+            8,
+            True,
+            0.5,
+            2,
+            0,
+            3.0,
+            1e-6,
+            0.0,
+        ),
+    ]
     layer_saved = ops.attention_layer(*layer_cases[1])[1]
     return [
         (ops.flash_attn, (q, k, v, None, None, *opts)),
@@ -147,7 +184,7 @@ def _opcheck_cases(group: str):
                 0,
                 None,
             ),
-        ),  # fmt: skip
+        ),
         (
             ops.matmul_reduce_scatter_backward,
             (
@@ -171,11 +208,21 @@ def _opcheck_cases(group: str):
         # RoPE: heads of 8 in the GEMM's epilogue; of 6 (not a power of 2) after the ring
         (
             ops.all_gather_matmul,
-            (x, [wr, w1], [b1], [False, True], group, 0, False, tables8, [True, False], 8,
-             torch.bfloat16),  # serial (chunks 0), dX's partials in bf16
+            (
+                x,
+                [wr, w1],
+                [b1],
+                [False, True],
+                group,
+                0,
+                False,
+                tables8,
+                [True, False],
+                8,
+                torch.bfloat16,
+            ),  # serial (chunks 0), dX's partials in bf16
         ),
-        (ops.all_gather_matmul, (xt, [w1], [b1], [True], group, 1, True, tables6, [True], 6,
-                                  None)),
+        (ops.all_gather_matmul, (xt, [w1], [b1], [True], group, 1, True, tables6, [True], 6, None)),
         (
             ops.all_gather_matmul_backward,
             (
@@ -212,8 +259,10 @@ def _opcheck_cases(group: str):
                 None,
             ),
         ),
-        (ops.matmul_reduce_scatter, (_leaf(4 * W, 3, 6), _leaf(8, 6), _leaf(8), group, 1,
-                                     torch.float16)),
+        (
+            ops.matmul_reduce_scatter,
+            (_leaf(4 * W, 3, 6), _leaf(8, 6), _leaf(8), group, 1, torch.float16),
+        ),
         (
             ops.matmul_reduce_scatter_backward,
             (torch.randn(4, 3, 8), y, torch.randn(8, 6), group, 1, True, True, True),
@@ -270,7 +319,7 @@ def _opcheck_cases(group: str):
                 1,
                 [True, True, True],
             ),
-        ),  # fmt: skip
+        ),
         (
             ops.gated_down_backward,
             (
@@ -283,7 +332,7 @@ def _opcheck_cases(group: str):
                 1,
                 [True, False, False],
             ),
-        ),  # fmt: skip
+        ),
         (
             ops.gated_down_backward,
             (
@@ -296,13 +345,13 @@ def _opcheck_cases(group: str):
                 2,
                 [False, True, True],
             ),
-        ),  # fmt: skip
+        ),
         # RoPE: a strided head range of a projection, whole and partial rotary; q and k
         (ops.rope, ([_leaf(2, 5, 7, 16)[:, :, 1:4]], torch.randn(5, 8), torch.randn(5, 8), False)),
         (
             ops.rope,
             ([_leaf(1, 3, 2, 16, dtype=torch.float16)], torch.randn(3, 4), torch.randn(3, 4), True),
-        ),  # fmt: skip
+        ),
         (
             ops.rope,
             (
@@ -311,7 +360,7 @@ def _opcheck_cases(group: str):
                 torch.randn(5, 6),
                 False,
             ),
-        ),  # fmt: skip
+        ),
         # the one-rank gated MLP, with and without biases, some gradients not asked for
         (ops.gated_mlp, (xt, _leaf(5, 8), _leaf(5, 8), _leaf(8, 5), [], "silu")),
         (
@@ -324,7 +373,7 @@ def _opcheck_cases(group: str):
                 [_leaf(5), _leaf(5), _leaf(8)],
                 "gelu_tanh",
             ),
-        ),  # fmt: skip
+        ),
         (
             ops.gated_mlp_backward,
             (
@@ -338,7 +387,7 @@ def _opcheck_cases(group: str):
                 "silu",
                 [True, False, True, True],
             ),
-        ),  # fmt: skip
+        ),
         *((ops.attention_layer, args) for args in layer_cases),
         (
             ops.attention_layer_backward,
@@ -353,7 +402,7 @@ def _opcheck_cases(group: str):
                 *layer_cases[1][7:],
                 [True, False, True, True, True, True, False, True, True, True, False],
             ),
-        ),  # fmt: skip
+        ),
         (ops.moe_dispatch, ep),
         (ops.moe_return, (recv.detach().requires_grad_(), splits, group, False)),
         # Ulysses: q, k, v (strided, KV replicated W times) and the LSE's (B, S, H, 1) view
@@ -387,8 +436,9 @@ def _run_opcheck():
 
 
 def test_every_custom_op_passes_opcheck(world):
-    registered = sorted(name for name in torch._C._dispatch_get_all_op_names()
-                        if name.startswith("fusedpar::"))  # fmt: skip
+    registered = sorted(
+        name for name in torch._C._dispatch_get_all_op_names() if name.startswith("fusedpar::")
+    )
     checked = set()
     for failures, mine in world(2).run(_run_opcheck):
         assert failures == [], "\n".join(failures)
@@ -401,8 +451,16 @@ def test_every_custom_op_passes_opcheck(world):
 
 def _build(moe: bool):
     dims = fp.ParallelDims(cp=2, tp=2, ep="tp" if moe else None)
-    cfg = Config(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_hidden=64,
-                 num_experts=4 if moe else 0, top_k=2)  # fmt: skip
+    cfg = Config(
+        vocab=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_hidden=64,
+        num_experts=4 if moe else 0,
+        top_k=2,
+    )
     mesh = dims.build_mesh("cpu")
     torch.manual_seed(0)
     model = fp.distribute(ParallelTransformer(Transformer(cfg), dims.groups(mesh)), mesh)
@@ -468,8 +526,11 @@ def _run_checkpointed(moe):
     model, batch = _build(moe)
     blocks = list(model.blocks)
     results = {}
-    for mode, context_fn in (("none", None), ("full", noop_context_fn),
-                             ("selective", fp.checkpoint_policy())):  # fmt: skip
+    for mode, context_fn in (
+        ("none", None),
+        ("full", noop_context_fn),
+        ("selective", fp.checkpoint_policy()),
+    ):
         for i, block in enumerate(blocks):
             model.blocks[i] = block if context_fn is None else _Checkpointed(block, context_fn)
         model.zero_grad(set_to_none=True)
@@ -482,8 +543,10 @@ def _run_checkpointed(moe):
         untouched = all(block.mlp.last_stats == {"untouched": True} for block in blocks)
         results[mode] = (grads, sorted(log.seen), untouched)
     plain = results.pop("none")
-    return {mode: (_bitwise(plain[0], grads), seen, plain[1], untouched)
-            for mode, (grads, seen, untouched) in results.items()}  # fmt: skip
+    return {
+        mode: (_bitwise(plain[0], grads), seen, plain[1], untouched)
+        for mode, (grads, seen, untouched) in results.items()
+    }
 
 
 def test_activation_checkpointing_is_bitwise_and_the_policy_repeats_no_collective(world):
@@ -558,8 +621,16 @@ def test_cuda_graph_capture_of_a_whole_training_step_equals_eager(moe):
     the same parameters, bit for bit, as two eager steps from the same start. A host
     sync or a data-dependent host branch in the step fails the capture."""
     torch.manual_seed(0)
-    cfg = Config(vocab=256, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_hidden=256,
-                 num_experts=4 if moe else 0, top_k=2)  # fmt: skip
+    cfg = Config(
+        vocab=256,
+        d_model=128,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_hidden=256,
+        num_experts=4 if moe else 0,
+        top_k=2,
+    )
     groups = {"tp": None, "cp": None, "ep": None}
     tokens = torch.randint(0, cfg.vocab, (2, 64), device="cuda")
     labels = torch.randint(0, cfg.vocab, (2, 64), device="cuda")

@@ -113,9 +113,19 @@ def _tma(allowed):
         _common.tma_compatible = saved
 
 
-def attention_forward(dtype, head_dim, causal=True, group=2, merge=False, precision="highest",
-                      window=(-1, -1), softcap=0.0, intervals=False, tma=True,
-                      v_dim=None):  # fmt: skip
+def attention_forward(
+    dtype,
+    head_dim,
+    causal=True,
+    group=2,
+    merge=False,
+    precision="highest",
+    window=(-1, -1),
+    softcap=0.0,
+    intervals=False,
+    tma=True,
+    v_dim=None,
+):
     """The forward; with `merge`, a ring step: fp32 `out` and `lse` merged into in place;
     `v_dim`: V's head dim (None: head_dim)."""
     q = _empty((2, 256, 2 * group, head_dim), dtype)
@@ -123,16 +133,31 @@ def attention_forward(dtype, head_dim, causal=True, group=2, merge=False, precis
     v = _empty((2, 256, 2, v_dim or head_dim), dtype)
     buffers = {}
     if merge:
-        buffers = {"out": _empty((*q.shape[:3], v.shape[-1]), "float32"),
-                   "lse": _empty((2, 2 * group, 256), "float32")}  # fmt: skip
+        buffers = {
+            "out": _empty((*q.shape[:3], v.shape[-1]), "float32"),
+            "lse": _empty((2, 2 * group, 256), "float32"),
+        }
     with _fp32_precision(precision), _tma(tma):
-        attn.attention_forward(q, k, v, merge=merge, **_mask(causal, window, softcap, intervals),
-                               **buffers)  # fmt: skip
+        attn.attention_forward(
+            q, k, v, merge=merge, **_mask(causal, window, softcap, intervals), **buffers
+        )
 
 
-def attention_backward(dtype, head_dim, causal=True, group=2, accumulate=False, split=False,
-                       precision="highest", window=(-1, -1), softcap=0.0,
-                       intervals=False, tma=True, fused=False, v_dim=None):  # fmt: skip
+def attention_backward(
+    dtype,
+    head_dim,
+    causal=True,
+    group=2,
+    accumulate=False,
+    split=False,
+    precision="highest",
+    window=(-1, -1),
+    softcap=0.0,
+    intervals=False,
+    tma=True,
+    fused=False,
+    v_dim=None,
+):
     """Launches dQ (making delta from out) and dK/dV, as `flash_attn`'s deterministic
     backward does; `fused`: the delta kernel and the fused dK/dV/dQ kernel instead.
     `accumulate`: the ring's later steps instead (the delta kernel once, then fp32
@@ -154,9 +179,19 @@ def attention_backward(dtype, head_dim, causal=True, group=2, accumulate=False, 
         with _fp32_precision(precision), _tma(tma):
             mask = _mask(causal, window, softcap, intervals)
             delta = {"delta": attention_delta.attention_delta(out, dout)} if accumulate else {}
-            attn_bwd_fused.attention_backward(dout, q, k, v, lse, out=out, accumulate=accumulate,
-                                              deterministic=not fused, **mask, **grads,
-                                              **delta)  # fmt: skip
+            attn_bwd_fused.attention_backward(
+                dout,
+                q,
+                k,
+                v,
+                lse,
+                out=out,
+                accumulate=accumulate,
+                deterministic=not fused,
+                **mask,
+                **grads,
+                **delta,
+            )
     finally:
         attn_bwd.SPLIT_BELOW_PROGRAMS = saved
 
@@ -172,8 +207,17 @@ def attention_merge_call(head_dim):
     attention_merge.merge_attention(out, lse, block, block_lse)
 
 
-def matmul_call(dtype, accumulate=False, precision="highest", huge_stride=False, tma=True,
-                rope=0, gated="", gated_grad="", gated_up=""):  # fmt: skip
+def matmul_call(
+    dtype,
+    accumulate=False,
+    precision="highest",
+    huge_stride=False,
+    tma=True,
+    rope=0,
+    gated="",
+    gated_grad="",
+    gated_up="",
+):
     """``x @ w.T + bias`` (a linear layer's forward), or with ``accumulate`` an fp32 C added
     into without bias (reduce-scatter partials, weight gradients). ``huge_stride``: rows
     of A 2**31 elements apart, so the strides are passed as i64 (4 GiB of address space
@@ -194,19 +238,31 @@ def matmul_call(dtype, accumulate=False, precision="highest", huge_stride=False,
         if accumulate:
             matmul.matmul(a, w.T, out=_empty((M, N), "float32"), accumulate=True)
         elif gated_up:
-            matmul_gated.gated_up_matmul(a, w.T, _empty((M, N), dtype), bias=_empty((N,), dtype),
-                                         activation=gated_up)  # fmt: skip
+            matmul_gated.gated_up_matmul(
+                a, w.T, _empty((M, N), dtype), bias=_empty((N,), dtype), activation=gated_up
+            )
         elif gated_grad:
             gate, up = _empty((M, N), dtype), _empty((M, N), dtype)
-            matmul_gated.gated_grad_matmul(a, _empty((K, N), dtype), gate, up,
-                                           activation=gated_grad, hidden=True)  # fmt: skip
+            matmul_gated.gated_grad_matmul(
+                a, _empty((K, N), dtype), gate, up, activation=gated_grad, hidden=True
+            )
         elif gated:
-            matmul_gated.gated_matmul(a, w.T, _empty((N, K), dtype).T, bias=_empty((N,), dtype),
-                                bias2=_empty((N,), dtype), activation=gated)  # fmt: skip
+            matmul_gated.gated_matmul(
+                a,
+                w.T,
+                _empty((N, K), dtype).T,
+                bias=_empty((N,), dtype),
+                bias2=_empty((N,), dtype),
+                activation=gated,
+            )
         elif rope:
             cos, sin = (_empty((M // 2, rope // 2), "float32") for _ in range(2))
-            matmul.matmul(a, w.T, bias=_empty((N,), dtype),
-                          rope=matmul.RowRotation(cos, sin, rows_per_position=2))  # fmt: skip
+            matmul.matmul(
+                a,
+                w.T,
+                bias=_empty((N,), dtype),
+                rope=matmul.RowRotation(cos, sin, rows_per_position=2),
+            )
         else:
             matmul.matmul(a, w.T, bias=_empty((N,), dtype))
 
@@ -221,13 +277,21 @@ def fused_calls(dtype, weights=3, tma=True):
     gathered = _empty((W * m, K), dtype)
     ws = [_empty((n, K), dtype).T for n in (512, 128, 128)[:weights]]
     with _tma(tma):
-        matmul_fused.gathered_matmuls(gathered, ws, [_empty((w.shape[1],), dtype) for w in ws],
-                                      flags, 3, W, programs=132)  # fmt: skip
+        matmul_fused.gathered_matmuls(
+            gathered, ws, [_empty((w.shape[1],), dtype) for w in ws], flags, 3, W, programs=132
+        )
         x, w = _empty((W * m, 512), dtype), _empty((N, 512), dtype)
-        matmul_fused.partial_matmuls([(x, w.T)], torch.zeros(W, dtype=torch.int32), 3, W,
-                                     programs=131)  # fmt: skip
-    matmul_fused.sum_partials(_empty((m, N), "float32"), _empty((W, m, N), "float32"), flags, 3,
-                              getattr(torch, dtype), _empty((N,), dtype))  # fmt: skip
+        matmul_fused.partial_matmuls(
+            [(x, w.T)], torch.zeros(W, dtype=torch.int32), 3, W, programs=131
+        )
+    matmul_fused.sum_partials(
+        _empty((m, N), "float32"),
+        _empty((W, m, N), "float32"),
+        flags,
+        3,
+        getattr(torch, dtype),
+        _empty((N,), dtype),
+    )
     matmul_fused.wait_count(torch.zeros(W, dtype=torch.int32), 4, 16, 3)
 
 
@@ -286,8 +350,9 @@ def gated_calls(dtype, activation):
     gate, up = _empty((256, 14336), dtype), _empty((256, 14336), dtype)
     gated.gated(gate, up, activation)
     gated.gated_backward(_empty((256, 14336), dtype), gate, up, activation)
-    gated.gated_backward(_empty((256, 14336), dtype), gate, up, activation, hidden=True,
-                         stacked=True)  # fmt: skip
+    gated.gated_backward(
+        _empty((256, 14336), dtype), gate, up, activation, hidden=True, stacked=True
+    )
 
 
 def rope_calls(dtype, rotary, pair=False):
@@ -312,50 +377,94 @@ ATTENTION = {  # kernel label: (kernel name, scenario, config function, the loop
     "fwd": ("_attn_fwd_kernel", attention_forward, attn.forward_configs, "BLOCK_N"),
     "dkdv": ("_attn_bwd_dkdv_kernel", attention_backward, attn_bwd.backward_configs, "BLOCK_M"),
     "dq": ("_attn_bwd_dq_kernel", attention_backward, attn_bwd.dq_configs, "BLOCK_N"),
-    "fused": ("_attn_bwd_dkdv_kernel", attention_backward_fused, attn_bwd_fused.fused_configs,
-              "BLOCK_M"),
+    "fused": (
+        "_attn_bwd_dkdv_kernel",
+        attention_backward_fused,
+        attn_bwd_fused.fused_configs,
+        "BLOCK_M",
+    ),
 }
 MOE_PLAIN = {"HAS_ROWS": False, "GATE_UP": False, "SWIGLU_GRAD": False, "SECOND_K": False}
 GPT_OSS = {"bias": True, "activation": "clamped_swiglu"}  # moe_calls' gpt-oss experts
 MOE_GEMM_MODES = {  # variant: (kernel, flags that pick its launch, config list, scenario)
-    "gather-swiglu": ("_grouped_matmul_kernel", {"GATE_UP": True},
-                      moe.grouped_matmul_configs("gate_up"), {}),
-    "gather": ("_grouped_matmul_kernel", {"HAS_ROWS": True, "GATE_UP": False},
-               moe.grouped_matmul_configs(), {}),
+    "gather-swiglu": (
+        "_grouped_matmul_kernel",
+        {"GATE_UP": True},
+        moe.grouped_matmul_configs("gate_up"),
+        {},
+    ),
+    "gather": (
+        "_grouped_matmul_kernel",
+        {"HAS_ROWS": True, "GATE_UP": False},
+        moe.grouped_matmul_configs(),
+        {},
+    ),
     "plain": ("_grouped_matmul_kernel", MOE_PLAIN, moe.grouped_matmul_configs(), {}),
-    "swiglu-backward": ("_grouped_matmul_kernel", {"SWIGLU_GRAD": True},
-                        moe.grouped_matmul_configs("swiglu_grad"), {}),
-    "input-grad": ("_grouped_matmul_kernel", {"SECOND_K": True}, moe.grouped_matmul_configs(),
-                   {}),
-    "weight-grad-split": ("_grouped_weight_grad_kernel", {"SPLIT": True},
-                          moe_weight_grad.weight_grad_configs(), {}),
-    "weight-grad": ("_grouped_weight_grad_kernel", {"SPLIT": False},
-                    moe_weight_grad.weight_grad_configs(), {}),
+    "swiglu-backward": (
+        "_grouped_matmul_kernel",
+        {"SWIGLU_GRAD": True},
+        moe.grouped_matmul_configs("swiglu_grad"),
+        {},
+    ),
+    "input-grad": ("_grouped_matmul_kernel", {"SECOND_K": True}, moe.grouped_matmul_configs(), {}),
+    "weight-grad-split": (
+        "_grouped_weight_grad_kernel",
+        {"SPLIT": True},
+        moe_weight_grad.weight_grad_configs(),
+        {},
+    ),
+    "weight-grad": (
+        "_grouped_weight_grad_kernel",
+        {"SPLIT": False},
+        moe_weight_grad.weight_grad_configs(),
+        {},
+    ),
     # gpt-oss's experts: the modes its flags change (the gathered GEMM and the input
     # gradient take neither), every tile
-    "gather-swiglu-bias-clamped": ("_grouped_matmul_kernel", {"GATE_UP": True},
-                                   moe.grouped_matmul_configs("gate_up"), GPT_OSS),
+    "gather-swiglu-bias-clamped": (
+        "_grouped_matmul_kernel",
+        {"GATE_UP": True},
+        moe.grouped_matmul_configs("gate_up"),
+        GPT_OSS,
+    ),
     "plain-bias": ("_grouped_matmul_kernel", MOE_PLAIN, moe.grouped_matmul_configs(), GPT_OSS),
-    "swiglu-backward-clamped": ("_grouped_matmul_kernel", {"SWIGLU_GRAD": True},
-                                moe.grouped_matmul_configs("swiglu_grad"), GPT_OSS),
-    "weight-grad-split-bias": ("_grouped_weight_grad_kernel", {"SPLIT": True},
-                               moe_weight_grad.weight_grad_configs(), GPT_OSS),
-    "weight-grad-bias": ("_grouped_weight_grad_kernel", {"SPLIT": False},
-                         moe_weight_grad.weight_grad_configs(), GPT_OSS),
-}  # fmt: skip
+    "swiglu-backward-clamped": (
+        "_grouped_matmul_kernel",
+        {"SWIGLU_GRAD": True},
+        moe.grouped_matmul_configs("swiglu_grad"),
+        GPT_OSS,
+    ),
+    "weight-grad-split-bias": (
+        "_grouped_weight_grad_kernel",
+        {"SPLIT": True},
+        moe_weight_grad.weight_grad_configs(),
+        GPT_OSS,
+    ),
+    "weight-grad-bias": (
+        "_grouped_weight_grad_kernel",
+        {"SPLIT": False},
+        moe_weight_grad.weight_grad_configs(),
+        GPT_OSS,
+    ),
+}
 # The gate/up's other two flag combinations (a bias with silu, the clamp without bias):
 # each a part of the gpt-oss build's epilogue, built at the largest tile only.
-MOE_GATE_UP_MIXED = {"gather-swiglu-bias": {"bias": True},
-                     "gather-swiglu-clamped": {"activation": "clamped_swiglu"}}  # fmt: skip
+MOE_GATE_UP_MIXED = {
+    "gather-swiglu-bias": {"bias": True},
+    "gather-swiglu-clamped": {"activation": "clamped_swiglu"},
+}
 MOE_ROW_KERNELS = ("_gather_rows_kernel", "_combine_kernel", "_combine_weight_grad_kernel")
 
 
 BLOCKS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 # Kernels that read tiles through TMA descriptors where the launcher finds them usable
 # (`_common.tma_compatible`): always on the gate's aligned CPU tensors, never on an A100.
-TMA_KERNELS = {"_attn_fwd_kernel": ("TMA", "OUT_TMA"), "_attn_bwd_dq_kernel": ("TMA",),
-               "_attn_bwd_dkdv_kernel": ("TMA", "OUT_TMA", "DQ_TMA"),
-               "_matmul_kernel": ("TMA", "A_T", "B_T", "C_TMA")}  # fmt: skip
+TMA_KERNELS = {
+    "_attn_fwd_kernel": ("TMA", "OUT_TMA"),
+    "_attn_bwd_dq_kernel": ("TMA",),
+    "_attn_bwd_dkdv_kernel": ("TMA", "OUT_TMA", "DQ_TMA"),
+    "_matmul_kernel": ("TMA", "A_T", "B_T", "C_TMA"),
+}
 
 
 def _tile(config) -> str:
@@ -395,14 +504,22 @@ def add(
     name = f"{family}-{variant}-{tile.replace(' ', '-')}-sm{cap}"
     assert name not in CASES, name
     CASES[name] = {
-        "name": name, "scenario": gate.scenario_name(scenario), "params": params,
-        "kernel": kernel, "cap": cap,
+        "name": name,
+        "scenario": gate.scenario_name(scenario),
+        "params": params,
+        "kernel": kernel,
+        "cap": cap,
         "config": config,
-        "family": family, "variant": variant, "tile": tile,
-        "no_spill": no_spill and not loop_spill_only, "no_loop_spill": no_spill and loop_spill_only,
-        "no_serial": sixteen_bit and cap == 90, "wgmma": wgmma, "match": match,
+        "family": family,
+        "variant": variant,
+        "tile": tile,
+        "no_spill": no_spill and not loop_spill_only,
+        "no_loop_spill": no_spill and loop_spill_only,
+        "no_serial": sixteen_bit and cap == 90,
+        "wgmma": wgmma,
+        "match": match,
         "loop_step": config.get(loop_axis) if config and loop_axis else None,
-    }  # fmt: skip
+    }
 
 
 def _smallest(configs):
@@ -410,13 +527,36 @@ def _smallest(configs):
     return min(configs, key=lambda c: math.prod(c.kwargs.get(k, 1) for k in BLOCKS))
 
 
-def add_configs(family, variant, scenario, params, kernel, configs, *, no_spill, wgmma, match=None,
-                loop_axis="BLOCK_K", loop_spill_only=False):  # fmt: skip
+def add_configs(
+    family,
+    variant,
+    scenario,
+    params,
+    kernel,
+    configs,
+    *,
+    no_spill,
+    wgmma,
+    match=None,
+    loop_axis="BLOCK_K",
+    loop_spill_only=False,
+):
     """Every config for sm_90 (`wgmma`: the first, the largest, must use it)."""
     for i, config in enumerate(configs):
-        add(family, variant, scenario, params, kernel, 90, config, no_spill=no_spill,
-            wgmma=wgmma and i == 0, match=match, loop_axis=loop_axis,
-            loop_spill_only=loop_spill_only)  # fmt: skip
+        add(
+            family,
+            variant,
+            scenario,
+            params,
+            kernel,
+            90,
+            config,
+            no_spill=no_spill,
+            wgmma=wgmma and i == 0,
+            match=match,
+            loop_axis=loop_axis,
+            loop_spill_only=loop_spill_only,
+        )
 
 
 for label, (kernel, scenario, configs_of, axis) in ATTENTION.items():
@@ -432,26 +572,55 @@ for label, (kernel, scenario, configs_of, axis) in ATTENTION.items():
                 configs = configs[:1]
             # dK/dV at D=256 holds too much per key for the 64 keys wgmma needs
             matrix = dtype != "float32" and (label not in ("dkdv", "fused") or D < 256)
-            add_configs(family, f"{dtype}-d{D}", scenario, {"dtype": dtype, "head_dim": D},
-                        kernel, configs, no_spill=dtype != "float32" and D <= 128,
-                        wgmma=matrix, loop_axis=axis, loop_spill_only=label == "fused")  # fmt: skip
+            add_configs(
+                family,
+                f"{dtype}-d{D}",
+                scenario,
+                {"dtype": dtype, "head_dim": D},
+                kernel,
+                configs,
+                no_spill=dtype != "float32" and D <= 128,
+                wgmma=matrix,
+                loop_axis=axis,
+                loop_spill_only=label == "fused",
+            )
     # TF32 needs more shared memory than the FMA build of fp32: at the largest head dim
     fp32 = configs_of(256, torch.float32, frozenset({"pointer"}))
     tf32 = {"dtype": "float32", "head_dim": 256, "precision": "high"}
-    add_configs(family, "tf32-d256", scenario, tf32, kernel, fp32, no_spill=False, wgmma=False,
-                loop_axis=axis)  # fmt: skip
+    add_configs(
+        family,
+        "tf32-d256",
+        scenario,
+        tf32,
+        kernel,
+        fp32,
+        no_spill=False,
+        wgmma=False,
+        loop_axis=axis,
+    )
     for dtype, params in (("bfloat16", {"dtype": "bfloat16", "head_dim": 256}), ("tf32", tf32)):
         configs = configs_of(256, getattr(torch, params["dtype"]), frozenset({"pointer"}))
-        add(family, f"{dtype}-d256-smallest", scenario, params, kernel, 80, _smallest(configs),
-            no_spill=False, loop_axis=axis)  # fmt: skip
+        add(
+            family,
+            f"{dtype}-d256-smallest",
+            scenario,
+            params,
+            kernel,
+            80,
+            _smallest(configs),
+            no_spill=False,
+            loop_axis=axis,
+        )
     # The ring's modes, every 16-bit tile: a forward step merging into fp32 `out` and `lse`
     # (MHA, the mask as intervals), gradients added into fp32 buffers; the GQA split of
     # dK/dV; and the heaviest mask: causal GQA with a window and soft-capping.
     # Each with the tile modes its launches have (`attention_launch.kernel_modes`).
     ring = {"group": 1, "intervals": True}
     if label == "fwd":
-        modes = {"ring-merge": ({**ring, "merge": True}, {"accumulate"}),
-                 "packed": ({"intervals": "ordered"}, set())}  # its query order's mapping
+        modes = {
+            "ring-merge": ({**ring, "merge": True}, {"accumulate"}),
+            "packed": ({"intervals": "ordered"}, set()),
+        }  # its query order's mapping
     else:
         modes = {"ring-accumulate": ({**ring, "accumulate": True}, {"accumulate"})}
     modes["window-softcap"] = ({"window": (100, 0), "softcap": 30.0}, {"softcap"})
@@ -463,18 +632,34 @@ for label, (kernel, scenario, configs_of, axis) in ATTENTION.items():
             configs = configs_of(D, torch.bfloat16, frozenset(tile_modes))
             if mode.startswith("ring"):  # MHA: lighter than the cases above
                 configs = configs[:1]
-            add_configs(family, f"{mode}-bfloat16-d{D}", scenario,
-                        {"dtype": "bfloat16", "head_dim": D, **extra}, kernel, configs,
-                        no_spill=True, wgmma=True, loop_axis=axis,
-                        loop_spill_only=label == "fused")  # fmt: skip
+            add_configs(
+                family,
+                f"{mode}-bfloat16-d{D}",
+                scenario,
+                {"dtype": "bfloat16", "head_dim": D, **extra},
+                kernel,
+                configs,
+                no_spill=True,
+                wgmma=True,
+                loop_axis=axis,
+                loop_spill_only=label == "fused",
+            )
     # V narrower than Q and K, every tile of the pair's list: DeepSeek's MLA (192, 128:
     # BLOCK_D 256, BLOCK_DV 128), and (128, 64)
     for D, Dv in ((192, 128), (128, 64)):
         configs = configs_of(D, torch.bfloat16, frozenset(), v_dim=Dv)
-        add_configs(family, f"v{Dv}-bfloat16-d{D}", scenario,
-                    {"dtype": "bfloat16", "head_dim": D, "v_dim": Dv}, kernel, configs,
-                    no_spill=True, wgmma=label not in ("dkdv", "fused") or D <= 128,
-                    loop_axis=axis, loop_spill_only=label == "fused")  # fmt: skip
+        add_configs(
+            family,
+            f"v{Dv}-bfloat16-d{D}",
+            scenario,
+            {"dtype": "bfloat16", "head_dim": D, "v_dim": Dv},
+            kernel,
+            configs,
+            no_spill=True,
+            wgmma=label not in ("dkdv", "fused") or D <= 128,
+            loop_axis=axis,
+            loop_spill_only=label == "fused",
+        )
 
 for cap in (90, 80):
     add(
@@ -495,8 +680,15 @@ for cap in (90, 80):
         cap,
         no_spill=False,
     )
-add("attention-merge", "d128", attention_merge_call, {"head_dim": 128}, "_merge_kernel", 90,
-    no_spill=True)  # fmt: skip
+add(
+    "attention-merge",
+    "d128",
+    attention_merge_call,
+    {"head_dim": 128},
+    "_merge_kernel",
+    90,
+    no_spill=True,
+)
 
 MATMUL_VARIANTS = {  # variant: scenario params
     "bfloat16-bias": {"dtype": "bfloat16"},
@@ -531,15 +723,39 @@ MATMUL_VARIANTS = {  # variant: scenario params
 }
 for variant, params in MATMUL_VARIANTS.items():
     dtype = getattr(torch, params["dtype"])
-    mode = ("forward" if params.get("gated") else "product" if params.get("gated_up")
-            else "backward" if params.get("gated_grad") else "")  # fmt: skip
-    configs = matmul.matmul_configs(dtype, params.get("accumulate", False), params.get("rope", 0),
-                                    mode, params.get("tma", True))  # fmt: skip
-    add_configs("matmul", variant, matmul_call, params, "_matmul_kernel", configs,
-                no_spill=dtype != torch.float32, wgmma=variant != "ieee-bias")  # fmt: skip
+    mode = (
+        "forward"
+        if params.get("gated")
+        else "product"
+        if params.get("gated_up")
+        else "backward"
+        if params.get("gated_grad")
+        else ""
+    )
+    configs = matmul.matmul_configs(
+        dtype, params.get("accumulate", False), params.get("rope", 0), mode, params.get("tma", True)
+    )
+    add_configs(
+        "matmul",
+        variant,
+        matmul_call,
+        params,
+        "_matmul_kernel",
+        configs,
+        no_spill=dtype != torch.float32,
+        wgmma=variant != "ieee-bias",
+    )
     if variant.startswith(("bfloat16", "tf32")):
-        add("matmul", f"{variant}-smallest", matmul_call, params, "_matmul_kernel", 80,
-            _smallest(configs), no_spill=False)  # fmt: skip
+        add(
+            "matmul",
+            f"{variant}-smallest",
+            matmul_call,
+            params,
+            "_matmul_kernel",
+            80,
+            _smallest(configs),
+            no_spill=False,
+        )
 add(
     "matmul",
     "bfloat16-i64-strides",
@@ -566,12 +782,27 @@ FUSED_VARIANTS = {  # variant: (scenario params, match, every tile)
 }
 for variant, (params, match, every) in FUSED_VARIANTS.items():
     configs = matmul_fused.fused_configs(torch.bfloat16, 256, 1024)
-    add_configs("matmul-fused", variant, fused_calls, params, "_fused_matmul_kernel",
-                configs if every else configs[:1], no_spill=True, wgmma=True,
-                match=match)  # fmt: skip
+    add_configs(
+        "matmul-fused",
+        variant,
+        fused_calls,
+        params,
+        "_fused_matmul_kernel",
+        configs if every else configs[:1],
+        no_spill=True,
+        wgmma=True,
+        match=match,
+    )
 for kernel in ("_sum_partials_kernel", "_wait_count_kernel"):
-    add("matmul-fused", kernel.strip("_").removesuffix("_kernel"), fused_calls,
-        {"dtype": "bfloat16"}, kernel, 90, no_spill=True)  # fmt: skip
+    add(
+        "matmul-fused",
+        kernel.strip("_").removesuffix("_kernel"),
+        fused_calls,
+        {"dtype": "bfloat16"},
+        kernel,
+        90,
+        no_spill=True,
+    )
 
 # MoE: the grouped GEMM kernels run in several modes (constexpr flags) in one scenario,
 # each picked with `match`; the permute/combine kernels take their launcher's fixed tile
@@ -579,35 +810,86 @@ for kernel in ("_sum_partials_kernel", "_wait_count_kernel"):
 for variant, (kernel, match, configs, scenario) in MOE_GEMM_MODES.items():
     family = "moe-" + kernel.strip("_").removesuffix("_kernel")
     params = {"dtype": "bfloat16", **scenario}
-    add_configs(family, f"{variant}-bfloat16", moe_calls, params, kernel, configs,
-                no_spill=True, wgmma=True, match=match,
-                loop_axis="BLOCK_M" if "weight_grad" in kernel else "BLOCK_K")  # fmt: skip
-    add(family, f"{variant}-bfloat16-smallest", moe_calls, params, kernel, 80,
-        _smallest(configs), no_spill=False, match=match)  # fmt: skip
+    add_configs(
+        family,
+        f"{variant}-bfloat16",
+        moe_calls,
+        params,
+        kernel,
+        configs,
+        no_spill=True,
+        wgmma=True,
+        match=match,
+        loop_axis="BLOCK_M" if "weight_grad" in kernel else "BLOCK_K",
+    )
+    add(
+        family,
+        f"{variant}-bfloat16-smallest",
+        moe_calls,
+        params,
+        kernel,
+        80,
+        _smallest(configs),
+        no_spill=False,
+        match=match,
+    )
 for variant, scenario in MOE_GATE_UP_MIXED.items():
-    add("moe-grouped_matmul", f"{variant}-bfloat16", moe_calls,
-        {"dtype": "bfloat16", **scenario}, "_grouped_matmul_kernel", 90,
-        moe.grouped_matmul_configs("gate_up")[0], no_spill=True, wgmma=True,
-        match={"GATE_UP": True}, loop_axis="BLOCK_K")  # fmt: skip
+    add(
+        "moe-grouped_matmul",
+        f"{variant}-bfloat16",
+        moe_calls,
+        {"dtype": "bfloat16", **scenario},
+        "_grouped_matmul_kernel",
+        90,
+        moe.grouped_matmul_configs("gate_up")[0],
+        no_spill=True,
+        wgmma=True,
+        match={"GATE_UP": True},
+        loop_axis="BLOCK_K",
+    )
 for cap in (90, 80):
     for kernel in MOE_ROW_KERNELS:
-        add("moe-" + kernel.strip("_").removesuffix("_kernel"), "bfloat16", moe_calls,
-            {"dtype": "bfloat16"}, kernel, cap, no_spill=cap == 90)  # fmt: skip
+        add(
+            "moe-" + kernel.strip("_").removesuffix("_kernel"),
+            "bfloat16",
+            moe_calls,
+            {"dtype": "bfloat16"},
+            kernel,
+            cap,
+            no_spill=cap == 90,
+        )
 
 # The MoE routing: its launcher's fixed tile (whole rows), at Qwen3-MoE's 128 experts
 # (no spill allowed, and on an A100) and DeepSeek-V3's 256 (sigmoid, the selection's
 # bias), and reported at the most a program holds.
 for kernel in ("_route_fwd_kernel", "_route_bwd_kernel"):
     family = "moe-route-" + ("forward" if "fwd" in kernel else "backward")
-    for experts, score, cap in ((128, "softmax", 90), (128, "softmax", 80), (256, "sigmoid", 90),
-                                (1024, "softmax", 90)):  # fmt: skip
-        add(family, f"E{experts}-k8-{score}", route_calls,
-            {"experts": experts, "top_k": 8, "score": score}, kernel, cap,
-            no_spill=experts <= 256)  # fmt: skip
+    for experts, score, cap in (
+        (128, "softmax", 90),
+        (128, "softmax", 80),
+        (256, "sigmoid", 90),
+        (1024, "softmax", 90),
+    ):
+        add(
+            family,
+            f"E{experts}-k8-{score}",
+            route_calls,
+            {"experts": experts, "top_k": 8, "score": score},
+            kernel,
+            cap,
+            no_spill=experts <= 256,
+        )
 # DeepSeek-V3's router whole: 4 of 8 groups (the forward's group scores and masks)
-add("moe-route-forward", "E256-k8-sigmoid-groups8-4", route_calls,
-    {"experts": 256, "top_k": 8, "score": "sigmoid", "groups": [8, 4]}, "_route_fwd_kernel", 90,
-    no_spill=True, match={"N_GROUP": 8})  # fmt: skip
+add(
+    "moe-route-forward",
+    "E256-k8-sigmoid-groups8-4",
+    route_calls,
+    {"experts": 256, "top_k": 8, "score": "sigmoid", "groups": [8, 4]},
+    "_route_fwd_kernel",
+    90,
+    no_spill=True,
+    match={"N_GROUP": 8},
+)
 
 # RMSNorm: its launcher's fixed tile (whole rows), at Llama 8B's width in 16-bit (no spill
 # allowed, and on an A100), and reported at 70B's width and in fp32; as a q/k head norm
@@ -616,16 +898,36 @@ RMS_NORM_KERNELS = ("_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel")
 for kernel in RMS_NORM_KERNELS:
     family = "rms_norm-" + kernel.strip("_").removesuffix("_kernel").removeprefix("rms_norm_")
     for cap in (90, 80):
-        add(family, "bfloat16-d4096", rms_norm_calls, {"dtype": "bfloat16", "dim": 4096}, kernel,
-            cap, no_spill=True)  # fmt: skip
+        add(
+            family,
+            "bfloat16-d4096",
+            rms_norm_calls,
+            {"dtype": "bfloat16", "dim": 4096},
+            kernel,
+            cap,
+            no_spill=True,
+        )
     for dtype, dim in (("bfloat16", 8192), ("float32", 4096)):
-        add(family, f"{dtype}-d{dim}", rms_norm_calls, {"dtype": dtype, "dim": dim}, kernel, 90,
-            no_spill=False)  # fmt: skip
+        add(
+            family,
+            f"{dtype}-d{dim}",
+            rms_norm_calls,
+            {"dtype": dtype, "dim": dim},
+            kernel,
+            90,
+            no_spill=False,
+        )
     # a q/k head norm joined by RoPE: heads of 128, all turned (and on an A100) or half
     for rotary, cap in ((128, 90), (128, 80), (64, 90)):
-        add(family, f"bfloat16-d128-rope{rotary}", rms_norm_calls,
-            {"dtype": "bfloat16", "dim": 128, "rotary": rotary}, kernel, cap,
-            no_spill=True)  # fmt: skip
+        add(
+            family,
+            f"bfloat16-d128-rope{rotary}",
+            rms_norm_calls,
+            {"dtype": "bfloat16", "dim": 128, "rotary": rotary},
+            kernel,
+            cap,
+            no_spill=True,
+        )
 
 
 # The gated activation: its launcher's fixed tile, each activation and mode (forward;
@@ -636,24 +938,49 @@ for activation in gated.ACTIVATIONS:
         family = "gated-" + ("backward" if backward else "forward") + ("-h" * backward * store_h)
         match = {"ACTIVATION": activation, "BACKWARD": backward, "STORE_H": store_h}
         for dtype, cap in (("bfloat16", 90), ("bfloat16", 80), ("float32", 90)):
-            add(family, f"{activation}-{dtype}", gated_calls,
-                {"dtype": dtype, "activation": activation}, "_gated_kernel", cap,
-                no_spill=dtype == "bfloat16", match=match)  # fmt: skip
+            add(
+                family,
+                f"{activation}-{dtype}",
+                gated_calls,
+                {"dtype": dtype, "activation": activation},
+                "_gated_kernel",
+                cap,
+                no_spill=dtype == "bfloat16",
+                match=match,
+            )
 
 
 # RoPE: its launcher's fixed tile, each direction, whole and partial (GPT-NeoX's quarter)
 # rotary, in 16-bit (no spill, and on an A100) and reported in fp32.
 for inverse in (False, True):
     family = "rope-" + ("backward" if inverse else "forward")
-    for rotary, dtype, cap in ((128, "bfloat16", 90), (128, "bfloat16", 80), (32, "bfloat16", 90),
-                               (128, "float32", 90)):  # fmt: skip
-        add(family, f"r{rotary}-{dtype}", rope_calls, {"dtype": dtype, "rotary": rotary},
-            "_rope_kernel", cap, no_spill=dtype == "bfloat16",
-            match={"INVERSE": inverse, "PAIR": False})  # fmt: skip
+    for rotary, dtype, cap in (
+        (128, "bfloat16", 90),
+        (128, "bfloat16", 80),
+        (32, "bfloat16", 90),
+        (128, "float32", 90),
+    ):
+        add(
+            family,
+            f"r{rotary}-{dtype}",
+            rope_calls,
+            {"dtype": dtype, "rotary": rotary},
+            "_rope_kernel",
+            cap,
+            no_spill=dtype == "bfloat16",
+            match={"INVERSE": inverse, "PAIR": False},
+        )
     for cap in (90, 80):  # q and k in one launch, as ParallelAttention rotates them
-        add(family, "pair-r128-bfloat16", rope_calls,
-            {"dtype": "bfloat16", "rotary": 128, "pair": True}, "_rope_kernel", cap,
-            no_spill=True, match={"INVERSE": inverse, "PAIR": True})  # fmt: skip
+        add(
+            family,
+            "pair-r128-bfloat16",
+            rope_calls,
+            {"dtype": "bfloat16", "rotary": 128, "pair": True},
+            "_rope_kernel",
+            cap,
+            no_spill=True,
+            match={"INVERSE": inverse, "PAIR": True},
+        )
 
 
 # --- tests ----------------------------------------------------------------------------------
@@ -697,8 +1024,11 @@ def _twin(name):
     case = CASES[name]
     variant = case["variant"].replace("float16", "bfloat16", 1)
     same = ("family", "tile", "cap")
-    return next(n for n, c in CASES.items()
-                if c["variant"] == variant and all(c[k] == case[k] for k in same))  # fmt: skip
+    return next(
+        n
+        for n, c in CASES.items()
+        if c["variant"] == variant and all(c[k] == case[k] for k in same)
+    )
 
 
 @pytest.mark.parametrize(
@@ -801,9 +1131,17 @@ def test_soft_capping_costs_at_most_a_third_more(built):
         if case["family"] != "attention-fwd" or not case["variant"].startswith("window-softcap"):
             continue
         variant = case["variant"].removeprefix("window-softcap-")
-        plain = next((n for n, c in CASES.items() if c["family"] == "attention-fwd"
-                      and c["variant"] == variant and c["tile"] == case["tile"]
-                      and c["cap"] == case["cap"]), None)  # fmt: skip
+        plain = next(
+            (
+                n
+                for n, c in CASES.items()
+                if c["family"] == "attention-fwd"
+                and c["variant"] == variant
+                and c["tile"] == case["tile"]
+                and c["cap"] == case["cap"]
+            ),
+            None,
+        )
         if plain is None:
             continue
         ratio = built[name]["loop"]["insts_min"] / built[plain]["loop"]["insts_min"]

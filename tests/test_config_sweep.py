@@ -90,39 +90,66 @@ def check_attention_config(kernel, index, D, dtype, B, S, Hq, Hkv, device):
         _tuning.forced("_attn_bwd_dq_kernel", chosen["_attn_bwd_dq_kernel"]),
         _tuning.forced("attention_backward", FUSED if fused else SPLIT),
     ):
-        got = attention_grads(lambda *t: fp.flash_attn(*t, causal=True, return_lse=True,
-                                                       deterministic=not fused),
-                              (q, k, v), dout, dlse)  # fmt: skip
-    ref = attention_grads(lambda *t: attention_reference(*t, causal=True),
-                          [t.double() for t in (q, k, v)], dout, dlse)  # fmt: skip
+        got = attention_grads(
+            lambda *t: fp.flash_attn(*t, causal=True, return_lse=True, deterministic=not fused),
+            (q, k, v),
+            dout,
+            dlse,
+        )
+    ref = attention_grads(
+        lambda *t: attention_reference(*t, causal=True), [t.double() for t in (q, k, v)], dout, dlse
+    )
     same = torch_results((q, k, v), dout, dlse, ref, causal=True)
     for name, g, r, t in zip(("out", "lse", "dq", "dk", "dv"), got, ref, same, strict=True):
-        assert_close(g, r, t, name=f"{name} ({kernel} {_describe(chosen[kernel])})",
-                     sum_length=D if name.startswith("d") else None)  # fmt: skip
+        assert_close(
+            g,
+            r,
+            t,
+            name=f"{name} ({kernel} {_describe(chosen[kernel])})",
+            sum_length=D if name.startswith("d") else None,
+        )
 
 
 # --- the CPU tier: the 16-bit lists in fp16, in the interpreter --------------------------
 
 
 def _matmul_params(dtypes):
-    return [pytest.param(i, accumulate, dtype, id=f"{dtype}-acc{int(accumulate)}-{_describe(c)}")
-            for dtype in dtypes for accumulate in (False, True)
-            for i, c in enumerate(matmul_configs(dtype, accumulate))]  # fmt: skip
+    return [
+        pytest.param(i, accumulate, dtype, id=f"{dtype}-acc{int(accumulate)}-{_describe(c)}")
+        for dtype in dtypes
+        for accumulate in (False, True)
+        for i, c in enumerate(matmul_configs(dtype, accumulate))
+    ]
 
 
 def _attention_params(dtypes, head_dims):
-    return [pytest.param(kernel, i, D, dtype, id=f"{kernel}-{dtype}-d{D}-{_describe(c)}",
-                         marks=_miscompiled(kernel, c))
-            for dtype in dtypes for D in head_dims for kernel, configs in ATTENTION_LISTS.items()
-            for i, c in enumerate(configs(D, dtype))]  # fmt: skip
+    return [
+        pytest.param(
+            kernel,
+            i,
+            D,
+            dtype,
+            id=f"{kernel}-{dtype}-d{D}-{_describe(c)}",
+            marks=_miscompiled(kernel, c),
+        )
+        for dtype in dtypes
+        for D in head_dims
+        for kernel, configs in ATTENTION_LISTS.items()
+        for i, c in enumerate(configs(D, dtype))
+    ]
 
 
 def _miscompiled(kernel, config):
     """A fused tile that this Triton's miscompile may break is swept anyway, to learn
     whether it does (the library leaves it out: `transposed_dot_miscompiles`)."""
     left_out = kernel == "fused" and 64 in (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"])
-    return [pytest.mark.xfail(left_out and transposed_dot_miscompiles(), strict=False,
-                              reason="left out under this Triton (a known miscompile)")]
+    return [
+        pytest.mark.xfail(
+            left_out and transposed_dot_miscompiles(),
+            strict=False,
+            reason="left out under this Triton (a known miscompile)",
+        )
+    ]
 
 
 @pytest.mark.parametrize("index, accumulate, dtype", _matmul_params([torch.float16]))

@@ -28,19 +28,39 @@ SEQ, BATCH = 16, 2
 
 
 def _config(moe: bool, layers: int = 2) -> Config:
-    return Config(vocab=64, d_model=32, n_layers=layers, n_heads=4, n_kv_heads=2, d_hidden=64,
-                  num_experts=4 if moe else 0, top_k=2)  # fmt: skip
+    return Config(
+        vocab=64,
+        d_model=32,
+        n_layers=layers,
+        n_heads=4,
+        n_kv_heads=2,
+        d_hidden=64,
+        num_experts=4 if moe else 0,
+        top_k=2,
+    )
 
 
-def _build(moe: bool, seed: int, dp: int = 1, fsdp: bool | None = None, ulysses: int = 1,
-           tp: int = 2, layers: int = 2):  # fmt: skip
+def _build(
+    moe: bool,
+    seed: int,
+    dp: int = 1,
+    fsdp: bool | None = None,
+    ulysses: int = 1,
+    tp: int = 2,
+    layers: int = 2,
+):
     """The models; `fsdp`: None without FSDP2, True by this torch's own path
     (dp_mesh_dims from 2.12), False by the torch 2.11 path."""
     cp = 4 // (dp * ulysses * tp)
     dims = fp.ParallelDims(dp=dp, cp=cp, tp=tp, ulysses=ulysses, ep="tp" if moe else None)
     cfg = _config(moe, layers)
-    dims.validate(dist.get_world_size(), n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                  num_experts=cfg.num_experts or None, seq_len=SEQ)  # fmt: skip
+    dims.validate(
+        dist.get_world_size(),
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        num_experts=cfg.num_experts or None,
+        seq_len=SEQ,
+    )
     mesh = dims.build_mesh("cpu")
     torch.manual_seed(seed)
     reference = Transformer(cfg)
@@ -77,8 +97,12 @@ def _run_one_step(moe, seed, dp, fsdp, ulysses=1, tp=2, layers=2):
     ref64_loss.backward()
     loss = model(*_batch(cfg, seed + 1, mesh))
     loss.backward()
-    assert_close(_total_loss(loss, mesh).reshape(1), ref64_loss.detach().reshape(1),
-                 ref_loss.detach().reshape(1), name="loss")  # fmt: skip
+    assert_close(
+        _total_loss(loss, mesh).reshape(1),
+        ref64_loss.detach().reshape(1),
+        ref_loss.detach().reshape(1),
+        name="loss",
+    )
     ref_params = dict(reference.named_parameters())
     ref64_params = dict(reference64.named_parameters())
     checked = 0
@@ -91,9 +115,11 @@ def _run_one_step(moe, seed, dp, fsdp, ulysses=1, tp=2, layers=2):
     return True
 
 
-@pytest.mark.parametrize("moe, dp, fsdp", [(False, 1, None), (True, 1, None), (False, 2, True),
-                                           (True, 2, False)],
-                         ids=["dense", "moe", "dense-fsdp", "moe-fsdp-torch2.11-path"])  # fmt: skip
+@pytest.mark.parametrize(
+    "moe, dp, fsdp",
+    [(False, 1, None), (True, 1, None), (False, 2, True), (True, 2, False)],
+    ids=["dense", "moe", "dense-fsdp", "moe-fsdp-torch2.11-path"],
+)
 def test_one_step_matches_the_reference(world, moe, dp, fsdp):
     assert all(world(4).run(_run_one_step, moe, 0, dp, fsdp))
 
@@ -105,8 +131,11 @@ def test_one_step_on_triton_kernels(world, triton_kernels):
     assert all(world(4).run(_run_one_step, True, 0, 1, None, 1, 2, 1))
 
 
-@pytest.mark.parametrize("moe, ulysses, tp", [(True, 2, 2), (False, 2, 1)],
-                         ids=["moe-ulysses2-tp2", "dense-hybrid-cp2-ulysses2"])  # fmt: skip
+@pytest.mark.parametrize(
+    "moe, ulysses, tp",
+    [(True, 2, 2), (False, 2, 1)],
+    ids=["moe-ulysses2-tp2", "dense-hybrid-cp2-ulysses2"],
+)
 def test_one_step_matches_the_reference_under_ulysses(world, moe, ulysses, tp):
     """Ulysses 2 x TP 2 (1 KV head per TP rank: replicated to 2) and the hybrid."""
     assert all(world(4).run(_run_one_step, moe, 1, 1, None, ulysses, tp))
@@ -145,15 +174,20 @@ def _run_bad_config(kwargs, check):
 
 @pytest.mark.parametrize(
     "kwargs, check, match",
-    [({"cp": 2, "tp": 1}, {}, r"dp \(1\) x cp \(2\) x tp \(1\) = 2.*4 ranks"),
-     ({"cp": 2, "tp": 2}, {"n_heads": 5}, r"n_heads \(5\).*tp degree \(2\)"),
-     ({"cp": 2, "tp": 2}, {"seq_len": 18}, r"seq_len \(18\).*cp\s+degree 2"),
-     ({"cp": 2, "tp": 2, "ep": ("cp", "tp")}, {"num_experts": 6},
-      r"num_experts \(6\).*ep degree \(4"),
-     ({"dp": 4, "ep": "zz"}, {}, "ep runs over"),
-     ({"pp": 2, "dp": 2, "ep": "pp"}, {}, "ep over pp"),
-     ({"dp": 2, "tp": 2, "ep": "dp"}, {}, r"ep over dp \(dp degree 2\)")],
-)  # fmt: skip
+    [
+        ({"cp": 2, "tp": 1}, {}, r"dp \(1\) x cp \(2\) x tp \(1\) = 2.*4 ranks"),
+        ({"cp": 2, "tp": 2}, {"n_heads": 5}, r"n_heads \(5\).*tp degree \(2\)"),
+        ({"cp": 2, "tp": 2}, {"seq_len": 18}, r"seq_len \(18\).*cp\s+degree 2"),
+        (
+            {"cp": 2, "tp": 2, "ep": ("cp", "tp")},
+            {"num_experts": 6},
+            r"num_experts \(6\).*ep degree \(4",
+        ),
+        ({"dp": 4, "ep": "zz"}, {}, "ep runs over"),
+        ({"pp": 2, "dp": 2, "ep": "pp"}, {}, "ep over pp"),
+        ({"dp": 2, "tp": 2, "ep": "dp"}, {}, r"ep over dp \(dp degree 2\)"),
+    ],
+)
 def test_bad_configurations_fail_on_every_rank(world, kwargs, check, match):
     for e in world(4).run(exception_of, _run_bad_config, kwargs, check):
         assert isinstance(e, ValueError) and re.search(match, str(e)), repr(e)
@@ -164,8 +198,16 @@ def _torchrun(*args, ranks=4, timeout=600):
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(ranks), str(root / "examples" / "train.py"), *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        str(root / "examples" / "train.py"),
+        *args,
+    ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script sets it
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU tier stays on CPU (gloo) on a GPU machine too
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -186,8 +228,9 @@ def test_the_demo_pipelines_saves_and_resumes_at_another_layout(world, tmp_path)
     tests/test_pipeline.py's and tests/test_checkpoint.py's, bad degrees
     `ParallelDims.validate`'s above.)"""
     shape = ("--steps", "2", "--seq", "16", "--batch", "2", "--d-model", "32")
-    proc = _torchrun("--pp", "2", *shape, "--save", str(tmp_path), "--save-every", "1",
-                     "--async-save", ranks=2)  # fmt: skip
+    proc = _torchrun(
+        "--pp", "2", *shape, "--save", str(tmp_path), "--save-every", "1", "--async-save", ranks=2
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "pp 2 x dp 1 x cp 1 x tp 1 (1F1B: 2 stages of 1 layers, 2 microbatches)" in proc.stdout
     assert re.search(r"parity: .* over 2 steps; .*: OK", proc.stdout), proc.stdout
@@ -201,8 +244,9 @@ def test_the_demo_pipelines_saves_and_resumes_at_another_layout(world, tmp_path)
     assert code == 0, stdout + stderr
     assert f"resuming from {tmp_path / 'step-1'} (step 1)" in stdout, stdout
     assert re.search(r"parity: .* over 1 steps; .*: OK", stdout), stdout
-    torch.testing.assert_close(_losses(stdout, 2), [float(x) for x in losses[1:]],
-                               rtol=1e-6, atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        _losses(stdout, 2), [float(x) for x in losses[1:]], rtol=1e-6, atol=0
+    )
 
 
 def test_the_demo_resumed_at_another_dp_degree_goes_on_with_the_same_batches(world, tmp_path):

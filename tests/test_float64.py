@@ -66,46 +66,81 @@ def check_ops(device):
         return randn(shape, F64, seed).to(device)
 
     q, k, v, sinks = r((2, 11, 4, 16), 0), r((2, 11, 2, 16), 1), r((2, 11, 2, 16), 2), r((4,), 3)
-    _compare(lambda q, k, v, s: fp.flash_attn(q, k, v, causal=True, sinks=s, return_lse=True),
-             lambda q, k, v, s: attention_reference(q, k, v, causal=True, sinks=s),
-             (q, k, v, sinks), 4, "flash_attn")  # fmt: skip
+    _compare(
+        lambda q, k, v, s: fp.flash_attn(q, k, v, causal=True, sinks=s, return_lse=True),
+        lambda q, k, v, s: attention_reference(q, k, v, causal=True, sinks=s),
+        (q, k, v, sinks),
+        4,
+        "flash_attn",
+    )
     mask = dict(window=(3, 0), softcap=2.5, softmax_scale=0.3)  # Sq < Skv: bottom-right
-    _compare(lambda *t: fp.flash_attn(*t, causal=True, return_lse=True, **mask),
-             lambda *t: attention_reference(*t, causal=True, **mask),
-             (q[:, :7], k, v), 5, "flash_attn window softcap")  # fmt: skip
+    _compare(
+        lambda *t: fp.flash_attn(*t, causal=True, return_lse=True, **mask),
+        lambda *t: attention_reference(*t, causal=True, **mask),
+        (q[:, :7], k, v),
+        5,
+        "flash_attn window softcap",
+    )
     qs, ks, vs = r((1, 12, 4, 8), 21), r((1, 12, 2, 8), 22), r((1, 12, 2, 8), 23)
-    _compare(lambda *t: fp.ops.virtual_ring_attn(*t, 3, causal=True, return_lse=True),
-             lambda *t: attention_reference(*t, causal=True), (qs, ks, vs), 24,
-             "virtual_ring_attn")  # fmt: skip
+    _compare(
+        lambda *t: fp.ops.virtual_ring_attn(*t, 3, causal=True, return_lse=True),
+        lambda *t: attention_reference(*t, causal=True),
+        (qs, ks, vs),
+        24,
+        "virtual_ring_attn",
+    )
     cu = torch.tensor([0, 5, 5, 12, 17], dtype=torch.int32, device=device)
 
     def by_document(q, k, v):  # each document alone
-        parts = [attention_reference(q[None, a:b], k[None, a:b], v[None, a:b], causal=True)
-                 for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]  # fmt: skip
+        parts = [
+            attention_reference(q[None, a:b], k[None, a:b], v[None, a:b], causal=True)
+            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)
+        ]
         return torch.cat([o[0] for o, _ in parts]), torch.cat([lse[0] for _, lse in parts], -1)
 
-    _compare(lambda *t: fp.flash_attn_varlen(*t, cu, causal=True, return_lse=True), by_document,
-             (r((17, 4, 8), 6), r((17, 2, 8), 7), r((17, 2, 8), 8)), 9,
-             "flash_attn_varlen")  # fmt: skip
+    _compare(
+        lambda *t: fp.flash_attn_varlen(*t, cu, causal=True, return_lse=True),
+        by_document,
+        (r((17, 4, 8), 6), r((17, 2, 8), 7), r((17, 2, 8), 8)),
+        9,
+        "flash_attn_varlen",
+    )
     # RoPE (partial: 12 of 16 dims) and RMSNorm with it, float64 tables
     cos, sin = rope_tables(torch.arange(11, device=device) * 3 + 1, 12, 100.0, F64)
     _compare(lambda x: rope(x, cos, sin), lambda x: _rotate(x, cos, sin), (q,), 10, "rope")
     x, weight = r((11, 2, 3, 16), 11), r((16,), 12)
     options = dict(offset=1.0, rope=(cos, sin))
-    _compare(lambda x, w: fp.rms_norm(x, w, 1e-6, **options),
-             lambda x, w: rms_norm_reference(x, w, 1e-6, **options), (x, weight), 13,
-             "rms_norm")  # fmt: skip
+    _compare(
+        lambda x, w: fp.rms_norm(x, w, 1e-6, **options),
+        lambda x, w: rms_norm_reference(x, w, 1e-6, **options),
+        (x, weight),
+        13,
+        "rms_norm",
+    )
     # the TP ops with no group (plain GEMMs; over gloo: `_sharded`), a rotated output
     x, w1, w2, b1 = r((6, 2, 16), 14), r((24, 16), 15), r((8, 16), 16), r((24,), 17)
     table = rope_tables(torch.arange(6, device=device), 8, 100.0, F64)
-    _compare(lambda x, w1, w2, b1: fp.all_gather_matmul(x, [w1, w2], None, bias=[b1, None],
-                                                        rope=table, rotate=[True, False]),
-             lambda x, w1, w2, b1: [_rotate(F.linear(x, w1, b1).unflatten(-1, (3, 8))
-                                            .transpose(0, 1), *table).transpose(0, 1)
-                                    .flatten(-2), F.linear(x, w2)],
-             (x, w1, w2, b1), 18, "all_gather_matmul")  # fmt: skip
-    _compare(lambda x, w, b: fp.matmul_reduce_scatter(x, w, None, bias=b), F.linear,
-             (x, w2, r((8,), 19)), 20, "matmul_reduce_scatter")  # fmt: skip
+    _compare(
+        lambda x, w1, w2, b1: fp.all_gather_matmul(
+            x, [w1, w2], None, bias=[b1, None], rope=table, rotate=[True, False]
+        ),
+        lambda x, w1, w2, b1: [
+            _rotate(F.linear(x, w1, b1).unflatten(-1, (3, 8)).transpose(0, 1), *table)
+            .transpose(0, 1)
+            .flatten(-2),
+            F.linear(x, w2),
+        ],
+        (x, w1, w2, b1),
+        18,
+        "all_gather_matmul",
+    )
+    _compare(
+        lambda x, w, b: fp.matmul_reduce_scatter(x, w, None, bias=b),
+        F.linear,
+        (x, w2, r((8,), 19)),
+        20,
+        "matmul_reduce_scatter",
+    )
     return True
 
 
@@ -114,12 +149,31 @@ def _moe_case(ep_group, seed, device="cpu"):
     float64 loop, the router's and the experts' gradients included: its output for this
     rank's tokens and the gradients summed over the ranks."""
     E, d, h, top_k, T = 4, 12, 10, 2, 7
-    full = {name: randn(shape, F64, seed + i) * 0.5 for i, (name, shape) in enumerate(
-        [("router", (E, d)), ("w1", (E, h, d)), ("w2", (E, d, h)), ("w3", (E, h, d)),
-         ("s1", (6, d)), ("s2", (d, 6)), ("s3", (6, d)), ("gate", (1, d))])}  # fmt: skip
-    layer = fp.nn.MoE.from_dense(full["router"], full["w1"], full["w2"], full["w3"], ep_group,
-                                 top_k=top_k, shared=(full["s1"], full["s2"], full["s3"]),
-                                 shared_gate_weight=full["gate"]).to(device)  # fmt: skip
+    full = {
+        name: randn(shape, F64, seed + i) * 0.5
+        for i, (name, shape) in enumerate(
+            [
+                ("router", (E, d)),
+                ("w1", (E, h, d)),
+                ("w2", (E, d, h)),
+                ("w3", (E, h, d)),
+                ("s1", (6, d)),
+                ("s2", (d, 6)),
+                ("s3", (6, d)),
+                ("gate", (1, d)),
+            ]
+        )
+    }
+    layer = fp.nn.MoE.from_dense(
+        full["router"],
+        full["w1"],
+        full["w2"],
+        full["w3"],
+        ep_group,
+        top_k=top_k,
+        shared=(full["s1"], full["s2"], full["s3"]),
+        shared_gate_weight=full["gate"],
+    ).to(device)
     rank = fp.comm.group_rank(ep_group)
     x = randn((T, d), F64, seed + 20 + rank).to(device).requires_grad_()
     dy = randn((T, d), F64, seed + 30 + rank).to(device)
@@ -127,17 +181,32 @@ def _moe_case(ep_group, seed, device="cpu"):
     (torch.sum(y * dy) + aux).backward()
     leaves = {n: t.to(device).requires_grad_() for n, t in full.items()}
     xr = x.detach().clone().requires_grad_()
-    yr, auxr = moe_reference(xr, leaves["router"], leaves["w1"], leaves["w2"], leaves["w3"],
-                             top_k=top_k, shared=(leaves["s1"], leaves["s2"], leaves["s3"]),
-                             shared_gate=leaves["gate"])  # fmt: skip
+    yr, auxr = moe_reference(
+        xr,
+        leaves["router"],
+        leaves["w1"],
+        leaves["w2"],
+        leaves["w3"],
+        top_k=top_k,
+        shared=(leaves["s1"], leaves["s2"], leaves["s3"]),
+        shared_gate=leaves["gate"],
+    )
     (torch.sum(yr * dy) + auxr).backward()
     assert_ulps(y, yr.detach(), name="MoE y")
     assert_ulps(aux.reshape(1), auxr.detach().reshape(1), name="MoE aux")
     assert_ulps(x.grad, xr.grad, name="MoE dx")
     size, local = fp.comm.group_size(ep_group), E // fp.comm.group_size(ep_group)
     mine = slice(rank * local, (rank + 1) * local)
-    names = {"router_weight": "router", "w1": "w1", "w2": "w2", "w3": "w3", "shared_w1": "s1",
-             "shared_w2": "s2", "shared_w3": "s3", "shared_gate_weight": "gate"}  # fmt: skip
+    names = {
+        "router_weight": "router",
+        "w1": "w1",
+        "w2": "w2",
+        "w3": "w3",
+        "shared_w1": "s1",
+        "shared_w2": "s2",
+        "shared_w3": "s3",
+        "shared_gate_weight": "gate",
+    }
     for name, param in layer.named_parameters():
         ref = leaves[names[name]].grad
         if size > 1:  # the reference saw this rank's tokens only: sum over the ranks
@@ -173,9 +242,15 @@ def check_layers(device):
     gate, up, down = (nn.Linear(*io, dtype=F64).to(device) for io in ((12, 18), (12, 18), (18, 12)))
     swiglu = fp.nn.ParallelSwiGLU.from_dense(gate, up, down, None)  # one rank: one op
     _compare(swiglu, lambda x: down(F.silu(gate(x)) * up(x)), (x,), 3, "ParallelSwiGLU")
-    _grads_match(swiglu, {f"{n}_{leaf}": getattr(m, leaf) for n, m in
-                          (("gate", gate), ("up", up), ("down", down))
-                          for leaf in ("weight", "bias")}, "ParallelSwiGLU")  # fmt: skip
+    _grads_match(
+        swiglu,
+        {
+            f"{n}_{leaf}": getattr(m, leaf)
+            for n, m in (("gate", gate), ("up", up), ("down", down))
+            for leaf in ("weight", "bias")
+        },
+        "ParallelSwiGLU",
+    )
     norm = fp.nn.RMSNorm(12, 1e-6, dtype=F64).to(device)
     twin = nn.RMSNorm(12, 1e-6, dtype=F64).to(device)
     with torch.no_grad():
@@ -204,10 +279,20 @@ def _attention_case(mesh, seed, device="cpu"):
         groups = fp.ParallelDims(cp=2, tp=2).groups(mesh)
     tp, cp = groups["tp"], groups["cp"]
     layer = fp.nn.ParallelAttention.from_dense(
-        dense.q, dense.k, dense.v, dense.o, dense.q.in_features, 4, 2, q_norm=dense.q_norm,
-        k_norm=dense.k_norm, tp_group=tp, cp_group=cp, softmax_scale=GEMMA_SCALE,
+        dense.q,
+        dense.k,
+        dense.v,
+        dense.o,
+        dense.q.in_features,
+        4,
+        2,
+        q_norm=dense.q_norm,
+        k_norm=dense.k_norm,
+        tp_group=tp,
+        cp_group=cp,
+        softmax_scale=GEMMA_SCALE,
         rope=lambda positions: [t.to(positions.device) for t in scaled_rope(positions.cpu())],
-    ).to(device)  # fmt: skip
+    ).to(device)
     assert layer.head_dim == HEAD_DIM
     if mesh is not None:
         fp.distribute(layer, mesh)
@@ -221,9 +306,14 @@ def _attention_case(mesh, seed, device="cpu"):
     y_local.backward(local(g))
     assert_ulps(y_local, local(y.detach()), name="ParallelAttention y")
     assert_ulps(x_local.grad, local(x.grad), name="ParallelAttention dx")
-    twins = {name: dense.get_parameter(name.replace("_norm_weight", "_norm.weight")
-                                       .replace("_weight", ".weight").replace("_bias", ".bias"))
-             for name, _ in layer.named_parameters()}  # fmt: skip
+    twins = {
+        name: dense.get_parameter(
+            name.replace("_norm_weight", "_norm.weight")
+            .replace("_weight", ".weight")
+            .replace("_bias", ".bias")
+        )
+        for name, _ in layer.named_parameters()
+    }
     _grads_match(layer, twins, "ParallelAttention")
     return True
 
@@ -261,8 +351,10 @@ def _sharded(seed):
         return [fp.shard_sequence(u, world) for u in t]
 
     reference = lambda q, k, v, s: attention_reference(q, k, v, causal=True, sinks=s)[0]  # noqa: E731
-    for name, attend, layout in (("ring_attn", fp.ring_attn, "zigzag"),
-                                 ("ulysses_attn", fp.ulysses_attn, "contiguous")):  # fmt: skip
+    for name, attend, layout in (
+        ("ring_attn", fp.ring_attn, "zigzag"),
+        ("ulysses_attn", fp.ulysses_attn, "contiguous"),
+    ):
         got_in, ref_in = _leaves(*full, sinks), _leaves(*full, sinks)
         q, k, v = (fp.shard_sequence(t, world, layout=layout) for t in got_in[:3])
         out = attend(q, k, v, world, causal=True, sinks=got_in[3])
@@ -318,23 +410,47 @@ def test_the_fakes_declare_float64():
     the fake gives what the op does (opcheck's fake-tensor test, without compiling). The
     ring's fake is checked here (no group needed), its real LSE in `_sharded`."""
     ops = torch.ops.fusedpar
-    q, k, v = (randn(s, F64, i) for i, s in enumerate([(1, 8, 4, 16), (1, 8, 2, 16),
-                                                     (1, 8, 2, 16)]))  # fmt: skip
+    q, k, v = (
+        randn(s, F64, i) for i, s in enumerate([(1, 8, 4, 16), (1, 8, 2, 16), (1, 8, 2, 16)])
+    )
     opts = (None, None, True, None, -1, -1, 0.0)
     out, lse = ops.flash_attn(q, k, v, *opts)
     x, w = randn((6, 8), F64, 3), randn((8,), F64, 4)
     cases = [
         (ops.flash_attn, (q, k, v, *opts)),
-        (ops.flash_attn_backward, (torch.randn_like(out), torch.randn_like(lse), q, k, v, out,
-                                   lse, *opts)),
+        (
+            ops.flash_attn_backward,
+            (torch.randn_like(out), torch.randn_like(lse), q, k, v, out, lse, *opts),
+        ),
         (ops.rms_norm, (x, w, 1e-6, 0.0, None, None)),
-        (ops.rms_norm_backward, (torch.randn(6, 8, dtype=F64), x, w, torch.rand(6, dtype=F64),
-                                 1e-6, 0.0, None, None, True, True)),
+        (
+            ops.rms_norm_backward,
+            (
+                torch.randn(6, 8, dtype=F64),
+                x,
+                w,
+                torch.rand(6, dtype=F64),
+                1e-6,
+                0.0,
+                None,
+                None,
+                True,
+                True,
+            ),
+        ),
         (ops.moe_route, (randn((5, 4), F64, 5), None, 2, "softmax", True)),
-        (ops.moe_route_backward, (None, torch.rand(5, 4, dtype=F64),
-                                  torch.rand(5, 4, dtype=F64),
-                                  torch.zeros(5, 2, dtype=torch.int32), "softmax", True)),
-    ]  # fmt: skip
+        (
+            ops.moe_route_backward,
+            (
+                None,
+                torch.rand(5, 4, dtype=F64),
+                torch.rand(5, 4, dtype=F64),
+                torch.zeros(5, 2, dtype=torch.int32),
+                "softmax",
+                True,
+            ),
+        ),
+    ]
     for op, args in cases:
         real, fake = op(*args), _fake_results(op, args)
         for i, (a, b) in enumerate(zip(real, fake, strict=True)):
@@ -363,8 +479,9 @@ def _refused(name):
     return calls[name]
 
 
-@pytest.mark.parametrize("name", ["flash_attn", "all_gather_matmul", "rms_norm",
-                                  "ParallelSwiGLU", "MoE", "matmul"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name", ["flash_attn", "all_gather_matmul", "rms_norm", "ParallelSwiGLU", "MoE", "matmul"]
+)
 @pytest.mark.parametrize("how", ["context", "environment"])
 def test_triton_refuses_float64(how, name, monkeypatch):
     """Asked for Triton's kernels, float64 is a TypeError naming the dtypes they take and
@@ -395,8 +512,9 @@ def test_float64_runs_torch_and_is_no_tuning_candidate():
     ``torch`` (so no tuner, which would time Triton's tiles, is reached), a TypeError
     under ``triton``; fp32 on CUDA under ``auto`` still tunes."""
     cuda = torch.device("cuda")
-    f64, f32 = (types.SimpleNamespace(dtype=d, device=cuda, shape=(2, 3))
-                for d in (F64, torch.float32))  # fmt: skip
+    f64, f32 = (
+        types.SimpleNamespace(dtype=d, device=cuda, shape=(2, 3)) for d in (F64, torch.float32)
+    )
     for name in ("auto", "torch"):
         with fp.implementation(name):
             assert _impl.runs_torch(f64)

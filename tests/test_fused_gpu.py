@@ -16,8 +16,10 @@ from fusedpar.kernels import matmul_fused as mf
 from bench.standin import CopyEngineGather
 from fusedpar import symmetric
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]  # fmt: skip
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
+]
 
 
 def _operands(W, m=512, K=1024, Ns=(512, 128, 128), dtype=torch.bfloat16, seed=0):
@@ -31,8 +33,16 @@ def _operands(W, m=512, K=1024, Ns=(512, 128, 128), dtype=torch.bfloat16, seed=0
 def _fused(side, shard, weights, biases):
     gathered = shard.new_empty((side.world * shard.shape[0], shard.shape[1]))
     side.start(shard, gathered)
-    outs = mf.gathered_matmuls(gathered, [w.t() for w in weights], biases, side.flags, side.rank,
-                               side.world, status=side.status, programs=side.programs)  # fmt: skip
+    outs = mf.gathered_matmuls(
+        gathered,
+        [w.t() for w in weights],
+        biases,
+        side.flags,
+        side.rank,
+        side.world,
+        status=side.status,
+        programs=side.programs,
+    )
     side.finish()
     return outs
 
@@ -41,8 +51,9 @@ def _fused(side, shard, weights, biases):
 def test_fused_gather_with_random_producer_delays_matches_float64(W):
     shards, weights, biases = _operands(W)
     full = torch.cat(shards)
-    ref = [full.double() @ w.double().t() + b.double()
-           for w, b in zip(weights, biases, strict=True)]  # fmt: skip
+    ref = [
+        full.double() @ w.double().t() + b.double() for w, b in zip(weights, biases, strict=True)
+    ]
     plain = None
     for rank in range(W):
         delays = torch.rand(W, generator=torch.Generator().manual_seed(rank)) * 200
@@ -55,7 +66,7 @@ def test_fused_gather_with_random_producer_delays_matches_float64(W):
         for out, p, r in zip(outs, plain, ref, strict=True):
             assert torch.equal(out, p)  # arrival order changes nothing
             err = (out.double() - r).abs().max().item()
-            assert err <= 2 ** -7 * r.abs().max().item(), err
+            assert err <= 2**-7 * r.abs().max().item(), err
 
 
 def test_kernel_waits_for_flags_set_from_the_host_after_a_delay():
@@ -107,8 +118,9 @@ torch.cuda.synchronize()
 
 def test_a_wait_past_the_bound_stops_naming_rank_chunk_and_op():
     env = {**os.environ, "FUSEDPAR_WAIT_S": "1", "FUSEDPAR_TUNING": "first"}
-    proc = subprocess.run([sys.executable, "-c", _STOPPED], capture_output=True, text=True,
-                          env=env, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _STOPPED], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode != 0
     assert "all_gather_matmul (overlap='fused') on rank 0 waited more than" in proc.stderr
     assert "for chunk 1" in proc.stderr, proc.stderr[-2000:]
@@ -121,8 +133,9 @@ def test_reduce_scatter_pieces_count_wait_and_sum():
     gen = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(W * m, K, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) / 16
-    config = mf.partial_matmuls([(x, w.t())], torch.zeros(W, dtype=torch.int32, device="cuda"),
-                                1, W, tune_only=True)  # fmt: skip
+    config = mf.partial_matmuls(
+        [(x, w.t())], torch.zeros(W, dtype=torch.int32, device="cuda"), 1, W, tune_only=True
+    )
     tiles = mf.partial_tiles(config, m, N)
     counts = torch.zeros(W, dtype=torch.int32, device="cuda")
     partials = torch.empty(W * m, N, device="cuda")
@@ -146,7 +159,7 @@ def test_reduce_scatter_pieces_count_wait_and_sum():
     assert (landed[[0, 2, 3]] - exact[[0, 2, 3]]).abs().max() < 1e-2 * exact.abs().max()
     total = received.double().clone()
     total[1] = partials[m : 2 * m].double()
-    assert (out.double() - total.sum(0)).abs().max() <= 2 ** -7 * total.sum(0).abs().max()
+    assert (out.double() - total.sum(0)).abs().max() <= 2**-7 * total.sum(0).abs().max()
 
 
 _TWO_RANKS = """
@@ -189,9 +202,16 @@ def test_symmetric_transport_two_processes_on_one_gpu(tmp_path):
     symmetric memory refuses the shared device."""
     env = {**os.environ, "FUSEDPAR_TUNING": "first", "FUSEDPAR_WAIT_S": "20"}
     store = tmp_path / "store"
-    procs = [subprocess.Popen([sys.executable, "-c", _TWO_RANKS, str(r), str(store)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env) for r in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TWO_RANKS, str(r), str(store)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=240)[0] for p in procs]
     if all(p.returncode == 3 for p in procs):
         pytest.skip("symmetric memory on one shared GPU: " + outs[0].split("UNSUPPORTED")[-1][:300])

@@ -46,8 +46,9 @@ def test_gathered_matmuls_equal_the_plain_gemm_bitwise_in_arrival_order(dtype, W
     per_chunk = 1 * (2 + 1 + 1)  # one row block of 32; column blocks 2 + 1 + 1
     for rank in range(W):
         trace = torch.full((3 * W * per_chunk,), -1, dtype=torch.int32)
-        outs = mf.gathered_matmuls(gathered, [w.t() for w in weights], biases, flags, rank, W,
-                                   trace=trace, programs=3)  # fmt: skip
+        outs = mf.gathered_matmuls(
+            gathered, [w.t() for w in weights], biases, flags, rank, W, trace=trace, programs=3
+        )
         for out, w, b in zip(outs, weights, biases, strict=True):
             # chunk by chunk: a tile of the fused kernel ends at its chunk's last row
             ref = torch.cat([_plain(gathered[c * m : (c + 1) * m], w.t(), b) for c in range(W)])
@@ -63,8 +64,13 @@ def test_gathered_matmuls_equal_the_plain_gemm_bitwise_in_arrival_order(dtype, W
 def test_partial_matmuls_count_each_chunk_and_start_after_this_rank(dtype):
     gen = torch.Generator().manual_seed(1)
     W, m, N = 3, 12, 40
-    pairs = [(torch.randn(W * m, k, generator=gen).to(dtype),
-              torch.randn(N, k, generator=gen).to(dtype).t()) for k in (72, 16)]  # fmt: skip
+    pairs = [
+        (
+            torch.randn(W * m, k, generator=gen).to(dtype),
+            torch.randn(N, k, generator=gen).to(dtype).t(),
+        )
+        for k in (72, 16)
+    ]
     for rank in range(W):
         counts = torch.zeros(W, dtype=torch.int32)
         trace = torch.full((2 * W * 2,), -1, dtype=torch.int32)
@@ -74,12 +80,14 @@ def test_partial_matmuls_count_each_chunk_and_start_after_this_rank(dtype):
         for tiles in _tiles(trace, 2, 2):  # rank + 1 first, this rank's own last
             slots = [(t // 2 - rank - 1) % W for t in tiles]
             assert slots == sorted(slots)
-        both = mf.partial_matmuls(pairs, torch.zeros(W, dtype=torch.int32), rank, W,
-                                  out_dtype=torch.float16)  # fmt: skip
+        both = mf.partial_matmuls(
+            pairs, torch.zeros(W, dtype=torch.int32), rank, W, out_dtype=torch.float16
+        )
         exact = sum(a.double() @ b.double() for a, b in pairs)
         assert both.dtype == torch.float16
-        torch.testing.assert_close(both.double(), exact, atol=2e-2 * exact.abs().max().item(),
-                                   rtol=0)  # fmt: skip
+        torch.testing.assert_close(
+            both.double(), exact, atol=2e-2 * exact.abs().max().item(), rtol=0
+        )
 
 
 def test_sum_partials_adds_in_rank_order_and_rounds_once():
@@ -89,8 +97,9 @@ def test_sum_partials_adds_in_rank_order_and_rounds_once():
     own = torch.randn(m, N, generator=gen)
     bias = torch.randn(N, generator=gen).half()
     for rank in range(W):
-        got = mf.sum_partials(own, received, torch.ones(W, dtype=torch.int32), rank,
-                              torch.float16, bias)  # fmt: skip
+        got = mf.sum_partials(
+            own, received, torch.ones(W, dtype=torch.int32), rank, torch.float16, bias
+        )
         total = torch.zeros(m, N)
         for s in range(W):
             total += own if s == rank else received[s]
@@ -101,20 +110,32 @@ def test_bad_input_is_refused_naming_the_sizes():
     x, w = torch.randn(8, 16), torch.randn(16, 8)
     ones = torch.ones(2, dtype=torch.int32)
     cases = [
-        (lambda: mf.gathered_matmuls(x, [w], [None], torch.tensor([1, 0], dtype=torch.int32),
-                                     0, 2), r"flags \[1\] are not set: in Triton's interpreter"),
+        (
+            lambda: mf.gathered_matmuls(
+                x, [w], [None], torch.tensor([1, 0], dtype=torch.int32), 0, 2
+            ),
+            r"flags \[1\] are not set: in Triton's interpreter",
+        ),
         (lambda: mf.gathered_matmuls(x, [w], [None], ones.long(), 0, 2), "must be int32"),
         (lambda: mf.gathered_matmuls(x, [w] * 4, [None] * 4, ones, 0, 2), "1 to 3 weights"),
-        (lambda: mf.gathered_matmuls(x, [w], [None], torch.ones(3, dtype=torch.int32), 0, 3),
-         r"rows divisible by world = 3"),
+        (
+            lambda: mf.gathered_matmuls(x, [w], [None], torch.ones(3, dtype=torch.int32), 0, 3),
+            r"rows divisible by world = 3",
+        ),
         (lambda: mf.gathered_matmuls(x, [w], [None], ones, 2, 2), r"rank must be in \[0, 2\)"),
-        (lambda: mf.gathered_matmuls(x, [torch.randn(8, 8)], [None], ones, 0, 2),
-         r"weight 0 must be \(16, N\)"),
+        (
+            lambda: mf.gathered_matmuls(x, [torch.randn(8, 8)], [None], ones, 0, 2),
+            r"weight 0 must be \(16, N\)",
+        ),
         (lambda: mf.gathered_matmuls(x, [w], [None], ones, 0, 2, wait_s=0), "wait_s must be"),
         (lambda: mf.partial_matmuls([(x, w), (x[:4], w)], ones, 0, 2), "pair 1 must be"),
-        (lambda: mf.sum_partials(torch.randn(3, 4), torch.randn(2, 3, 5), ones, 0,
-                                 torch.float32), r"own must be \(3, 5\)"),
-    ]  # fmt: skip
+        (
+            lambda: mf.sum_partials(
+                torch.randn(3, 4), torch.randn(2, 3, 5), ones, 0, torch.float32
+            ),
+            r"own must be \(3, 5\)",
+        ),
+    ]
     for call, match in cases:
         with pytest.raises(ValueError, match=match):
             call()
@@ -166,9 +187,14 @@ class _LoopbackScatter:
         assert self.counts.tolist() == [tiles] * W
         received = torch.empty_like(partials)
         dist.all_to_all_single(received, partials, group=self.pg)
-        return mf.sum_partials(partials[self.rank * m : (self.rank + 1) * m],
-                               received.view(W, m, self.N), torch.ones(W, dtype=torch.int32),
-                               self.rank, out_dtype, bias)  # fmt: skip
+        return mf.sum_partials(
+            partials[self.rank * m : (self.rank + 1) * m],
+            received.view(W, m, self.N),
+            torch.ones(W, dtype=torch.int32),
+            self.rank,
+            out_dtype,
+            bias,
+        )
 
 
 def _fused_layers(dtype, reduce_dtype):
@@ -204,20 +230,30 @@ def _check_fused_layers(dtype, reduce_dtype):
     def run(x, ws, bs, w2, b2, overlap, reduce_dtype):
         outs = fp.all_gather_matmul(x, ws, WORLD, bias=bs, overlap=overlap)
         h = torch.cat(outs, dim=-1)
-        return fp.matmul_reduce_scatter(h, w2, WORLD, bias=b2, overlap=overlap,
-                                        reduce_dtype=reduce_dtype)  # fmt: skip
+        return fp.matmul_reduce_scatter(
+            h, w2, WORLD, bias=b2, overlap=overlap, reduce_dtype=reduce_dtype
+        )
 
-    leaves = [X[mine], *[shard(w, n) for w, n in zip(Ws, Ns, strict=True)],
-              *[shard(b, n) for b, n in zip(Bs, Ns, strict=True)]]  # fmt: skip
-    cols = torch.cat([torch.arange(o * W + rank * n, o * W + (rank + 1) * n)
-                      for o, n in zip((0, Ns[0], Ns[0] + Ns[1]), Ns, strict=True)])  # fmt: skip
+    leaves = [
+        X[mine],
+        *[shard(w, n) for w, n in zip(Ws, Ns, strict=True)],
+        *[shard(b, n) for b, n in zip(Bs, Ns, strict=True)],
+    ]
+    cols = torch.cat(
+        [
+            torch.arange(o * W + rank * n, o * W + (rank + 1) * n)
+            for o, n in zip((0, Ns[0], Ns[0] + Ns[1]), Ns, strict=True)
+        ]
+    )
     leaves += [W2[:, cols], B2]
     results = {}
     # the fused schedule, the serial one in the same dtypes (the error it may have twice
     # of), and float64 (partials not rounded)
-    for run_as, overlap, kind, rd in (("fused", "fused", dtype, reduce_dtype),
-                                      ("peer", "serial", dtype, reduce_dtype),
-                                      ("ref", "serial", torch.float64, None)):  # fmt: skip
+    for run_as, overlap, kind, rd in (
+        ("fused", "fused", dtype, reduce_dtype),
+        ("peer", "serial", dtype, reduce_dtype),
+        ("ref", "serial", torch.float64, None),
+    ):
         args = [t.detach().to(kind).contiguous().requires_grad_() for t in leaves]
         x, ws, bs, w2, b2 = args[0], args[1:4], args[4:7], args[7], args[8]
         y = run(x, ws, bs, w2, b2, overlap, rd)
@@ -225,16 +261,21 @@ def _check_fused_layers(dtype, reduce_dtype):
         y.backward(dy)
         results[run_as] = [y.detach(), *[a.grad for a in args]]
     names = ["y", "dx", "dwq", "dwk", "dwv", "dbq", "dbk", "dbv", "dw2", "db2"]
-    for name, got, peer, ref in zip(names, results["fused"], results["peer"], results["ref"],
-                                    strict=True):  # fmt: skip
+    for name, got, peer, ref in zip(
+        names, results["fused"], results["peer"], results["ref"], strict=True
+    ):
         assert got.dtype == dtype
         assert_close(got, ref, peer, name=name, sum_length=K)
     return True
 
 
-@pytest.mark.parametrize("W, dtype, reduce_dtype", [
-    (4, torch.float16, None), (2, torch.float32, torch.float16),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "W, dtype, reduce_dtype",
+    [
+        (4, torch.float16, None),
+        (2, torch.float32, torch.float16),
+    ],
+)
 def test_fused_ops_match_float64_every_gradient(world, W, dtype, reduce_dtype):
     assert all(world(W).run(_fused_layers, dtype, reduce_dtype))
 
@@ -250,7 +291,7 @@ class _StaleGather(_LoopbackGather):
 
 
 def _auto_with_fused(stale):
-    """"auto" measured (switched on) with "fused" a candidate, through the loopback (or a
+    """ "auto" measured (switched on) with "fused" a candidate, through the loopback (or a
     transport that reads a chunk too early): the pick per key, and every warning."""
     import warnings
 
@@ -258,8 +299,13 @@ def _auto_with_fused(stale):
 
     from fusedpar.ops import overlap
 
-    saved = (symmetric.unavailable, symmetric.Gather, symmetric.Scatter, overlap.measures,
-             overlap.AUTO_CANDIDATES)  # fmt: skip
+    saved = (
+        symmetric.unavailable,
+        symmetric.Gather,
+        symmetric.Scatter,
+        overlap.measures,
+        overlap.AUTO_CANDIDATES,
+    )
     symmetric.unavailable, overlap.measures = (lambda pg: None), (lambda device: True)
     overlap.AUTO_CANDIDATES = ("serial", "ring", "fused")  # (not yet by default)
     symmetric.Gather = _StaleGather if stale else _LoopbackGather
@@ -273,14 +319,25 @@ def _auto_with_fused(stale):
             warnings.simplefilter("always")
             y = fp.all_gather_matmul(X[9 * rank : 9 * (rank + 1)], w, WORLD, overlap="auto")
         torch.testing.assert_close(y.double(), X.double() @ w.double().T, rtol=1e-5, atol=1e-5)
-        timings = {key: times for (_, key), times in _tuning.tuner("tp_schedule").timings.items()
-                   if key[:4] == ("all_gather_matmul", W, 16, 40)}  # fmt: skip
-        picks = {key: c.kwargs["overlap"] for (_, key), c in
-                 _tuning.tuner("tp_schedule").picks.items() if key in timings}  # fmt: skip
+        timings = {
+            key: times
+            for (_, key), times in _tuning.tuner("tp_schedule").timings.items()
+            if key[:4] == ("all_gather_matmul", W, 16, 40)
+        }
+        picks = {
+            key: c.kwargs["overlap"]
+            for (_, key), c in _tuning.tuner("tp_schedule").picks.items()
+            if key in timings
+        }
         return list(picks.values()), list(timings.values()), [str(c.message) for c in caught]
     finally:
-        (symmetric.unavailable, symmetric.Gather, symmetric.Scatter, overlap.measures,
-         overlap.AUTO_CANDIDATES) = saved  # fmt: skip
+        (
+            symmetric.unavailable,
+            symmetric.Gather,
+            symmetric.Scatter,
+            overlap.measures,
+            overlap.AUTO_CANDIDATES,
+        ) = saved
         symmetric._TRANSPORTS.clear()
         _tuning.tuner("tp_schedule").picks.clear()
 
@@ -311,8 +368,9 @@ def _fused_swiglu():
             with torch.no_grad():
                 for p in layer.parameters():
                     p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
-            x = torch.randn(5, 16, generator=torch.Generator().manual_seed(rank),
-                            requires_grad=True)  # fmt: skip
+            x = torch.randn(
+                5, 16, generator=torch.Generator().manual_seed(rank), requires_grad=True
+            )
             symmetric._WARNED.clear()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")

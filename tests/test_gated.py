@@ -21,9 +21,13 @@ pytestmark = pytest.mark.usefixtures("triton_kernels")
 
 
 @given(
-    rows=st.integers(1, 9), N=st.integers(1, 40), dtype=cpu_dtypes(), seed=seeds(),
-    strided=st.booleans(), activation=st.sampled_from(ACTIVATIONS),
-)  # fmt: skip
+    rows=st.integers(1, 9),
+    N=st.integers(1, 40),
+    dtype=cpu_dtypes(),
+    seed=seeds(),
+    strided=st.booleans(),
+    activation=st.sampled_from(ACTIVATIONS),
+)
 @example(rows=3, N=37, dtype=torch.float16, seed=0, strided=True, activation="gelu_tanh")
 def test_gated_matches_float64(rows, N, dtype, seed, strided, activation, each_implementation):
     """h, dgate and dup: elementwise, so no sum amplifies rounding (no sum_length)."""
@@ -48,8 +52,14 @@ def test_gated_matches_float64(rows, N, dtype, seed, strided, activation, each_i
 
 def test_the_layer_takes_the_kernel_for_its_activations():
     tanh_gelu = functools.partial(F.gelu, approximate="tanh")
-    named = {F.silu: "silu", torch.nn.SiLU(): "silu", F.gelu: "gelu", tanh_gelu: "gelu_tanh",
-             torch.nn.GELU(approximate="tanh"): "gelu_tanh", torch.nn.GELU(): "gelu"}  # fmt: skip
+    named = {
+        F.silu: "silu",
+        torch.nn.SiLU(): "silu",
+        F.gelu: "gelu",
+        tanh_gelu: "gelu_tanh",
+        torch.nn.GELU(approximate="tanh"): "gelu_tanh",
+        torch.nn.GELU(): "gelu",
+    }
     assert all(kernel_activation(a) == name for a, name in named.items())
 
 
@@ -82,10 +92,12 @@ def test_gated_down_with_and_without_a_kernel(activation, recwarn):
 
 @pytest.mark.parametrize(
     "gate, up, activation, error, match",
-    [((2, 3), (2, 4), "silu", ValueError, "must share a shape"),
-     ((2, 3), (2, 3), "relu", ValueError, "activation must be one of"),
-     ((2, 3), (2, 3), "silu", TypeError, "gate is torch.float32")],
-)  # fmt: skip
+    [
+        ((2, 3), (2, 4), "silu", ValueError, "must share a shape"),
+        ((2, 3), (2, 3), "relu", ValueError, "activation must be one of"),
+        ((2, 3), (2, 3), "silu", TypeError, "gate is torch.float32"),
+    ],
+)
 def test_bad_input_is_named(gate, up, activation, error, match):
     dtype = torch.float16 if error is TypeError else torch.float32
     with pytest.raises(error, match=match):
@@ -93,24 +105,58 @@ def test_bad_input_is_named(gate, up, activation, error, match):
 
 
 @given(
-    T=st.integers(1, 7), d=st.integers(1, 12), h=st.integers(1, 20), bias=st.booleans(),
-    activation=st.sampled_from(ACTIVATIONS), dtype=cpu_dtypes(), seed=seeds(),
-    frozen=st.sampled_from([(), ("x",), ("up_weight",), ("gate_weight", "up_weight"),
-                            ("down_weight",), ("x", "gate_weight", "down_weight")]),
-)  # fmt: skip
-@example(T=5, d=9, h=13, bias=True, activation="gelu_tanh", dtype=torch.float16, seed=0,
-         frozen=("gate_weight",))  # fmt: skip
-@example(T=3, d=4, h=5, bias=True, activation="silu", dtype=torch.float32, seed=1,
-         frozen=("up_bias",))  # the bias gradients split apart: one of them asked for
-@example(T=3, d=4, h=5, bias=True, activation="silu", dtype=torch.float32, seed=2,
-         frozen=("gate_bias", "up_weight", "down_bias"))  # fmt: skip
-def test_one_rank_swiglu_is_one_op_and_matches_float64(T, d, h, bias, activation, dtype, seed,
-                                                       frozen, each_implementation):  # fmt: skip
+    T=st.integers(1, 7),
+    d=st.integers(1, 12),
+    h=st.integers(1, 20),
+    bias=st.booleans(),
+    activation=st.sampled_from(ACTIVATIONS),
+    dtype=cpu_dtypes(),
+    seed=seeds(),
+    frozen=st.sampled_from(
+        [
+            (),
+            ("x",),
+            ("up_weight",),
+            ("gate_weight", "up_weight"),
+            ("down_weight",),
+            ("x", "gate_weight", "down_weight"),
+        ]
+    ),
+)
+@example(
+    T=5,
+    d=9,
+    h=13,
+    bias=True,
+    activation="gelu_tanh",
+    dtype=torch.float16,
+    seed=0,
+    frozen=("gate_weight",),
+)
+@example(
+    T=3, d=4, h=5, bias=True, activation="silu", dtype=torch.float32, seed=1, frozen=("up_bias",)
+)  # the bias gradients split apart: one of them asked for
+@example(
+    T=3,
+    d=4,
+    h=5,
+    bias=True,
+    activation="silu",
+    dtype=torch.float32,
+    seed=2,
+    frozen=("gate_bias", "up_weight", "down_bias"),
+)
+def test_one_rank_swiglu_is_one_op_and_matches_float64(
+    T, d, h, bias, activation, dtype, seed, frozen, each_implementation
+):
     """`ParallelSwiGLU` on one rank (`fusedpar::gated_mlp`) against the dense MLP in
     float64: output and every gradient asked for, with biases re-drawn (never zero) and
     some inputs frozen (their gradients not asked for)."""
-    act = {"silu": F.silu, "gelu": F.gelu,
-           "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}[activation]  # fmt: skip
+    act = {
+        "silu": F.silu,
+        "gelu": F.gelu,
+        "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+    }[activation]
     layer = fp.nn.ParallelSwiGLU(d, h, bias=bias, activation=act, dtype=dtype)
     with torch.no_grad():
         for i, p in enumerate(layer.parameters()):
@@ -126,8 +172,10 @@ def test_one_rank_swiglu_is_one_op_and_matches_float64(T, d, h, bias, activation
     got = [y] + ([] if "x" in frozen else [x.grad]) + [layer.get_parameter(n).grad for n in names]
     refs = []
     for dt in (torch.float64, dtype):  # the oracle, then PyTorch's own error in dtype
-        params = {n: p.detach().to(dt).requires_grad_(p.requires_grad)
-                  for n, p in layer.named_parameters()}  # fmt: skip
+        params = {
+            n: p.detach().to(dt).requires_grad_(p.requires_grad)
+            for n, p in layer.named_parameters()
+        }
         xr = x.detach().to(dt).requires_grad_(x.requires_grad)
         bg, bu, bd = (params.get(f"{n}_bias") for n in ("gate", "up", "down"))
         gate, up = F.linear(xr, params["gate_weight"], bg), F.linear(xr, params["up_weight"], bu)

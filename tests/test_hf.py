@@ -131,42 +131,60 @@ def test_a_float64_model_matches_the_original_to_a_few_ulps(world):
     assert all(world(4).run(_run_float64, "llama", 4))
 
 
-@pytest.mark.parametrize("family, degrees", [
-    ("llama", None),
-    ("gpt2", None),  # learned positions looked up at the shards' global positions
-    ("gpt2", dict(cp=2, ulysses=2)),  # ... in the hybrid's layout
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "family, degrees",
+    [
+        ("llama", None),
+        ("gpt2", None),  # learned positions looked up at the shards' global positions
+        ("gpt2", dict(cp=2, ulysses=2)),  # ... in the hybrid's layout
+    ],
+)
 def test_the_caller_may_shard_the_batch_itself(world, family, degrees):
     assert len(set(world(4).run(_run_family, family, 2, None, "local", degrees))) == 1
 
 
-@pytest.mark.parametrize("family, degrees", [
-    ("llama", dict(ulysses=2, tp=2)),  # one q head and one (shared) kv head per rank
-    ("gemma2", dict(cp=2, ulysses=2)),  # the hybrid: windows and soft-capping over both
-    ("mixtral", dict(ulysses=2, tp=2)),  # experts over tp
-    ("gpt_oss", dict(cp=2, ulysses=2)),  # sinks entering once, after the hybrid's merge
-    ("deepseek_v3", dict(cp=2, ulysses=2)),  # latent attention's expanded heads over both
-    # #43's other families, the hybrid each
-    *((family, dict(cp=2, ulysses=2))
-      for family in ("qwen3_moe", "glm4_moe", "minimax_m2", "olmo3", "smollm3")),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "family, degrees",
+    [
+        ("llama", dict(ulysses=2, tp=2)),  # one q head and one (shared) kv head per rank
+        ("gemma2", dict(cp=2, ulysses=2)),  # the hybrid: windows and soft-capping over both
+        ("mixtral", dict(ulysses=2, tp=2)),  # experts over tp
+        ("gpt_oss", dict(cp=2, ulysses=2)),  # sinks entering once, after the hybrid's merge
+        ("deepseek_v3", dict(cp=2, ulysses=2)),  # latent attention's expanded heads over both
+        # #43's other families, the hybrid each
+        *(
+            (family, dict(cp=2, ulysses=2))
+            for family in ("qwen3_moe", "glm4_moe", "minimax_m2", "olmo3", "smollm3")
+        ),
+    ],
+)
 def test_ulysses_and_the_hybrid(world, family, degrees):
     assert len(set(world(4).run(_run_family, family, 3, None, "full", degrees))) == 1
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}  # fmt: skip
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,
+}
 VARIANTS = [(family, None) for family in FAMILIES] + [
     ("llama", dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)),  # scaled, tied
     ("qwen2_moe", dict(num_hidden_layers=2, mlp_only_layers=[1])),  # a dense layer among MoE
     # MoE every second layer, the top-k weights not renormalized
     ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False)),
-    ("mixtral", dict(norm_topk_prob=False, num_local_experts=4, num_experts_per_tok=2,
-                     sliding_window=None)),  # Mixtral's router normalizes whatever this says
-    ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1,
-                   num_hidden_layers=2)),  # its second layer windowed
+    (
+        "mixtral",
+        dict(norm_topk_prob=False, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    ),  # Mixtral's router normalizes whatever this says
+    (
+        "qwen2",
+        dict(use_sliding_window=True, sliding_window=5, max_window_layers=1, num_hidden_layers=2),
+    ),  # its second layer windowed
     ("phi3", dict(partial_rotary_factor=0.5, pad_token_id=0)),  # partial rotary
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("family, changes", VARIANTS)
@@ -198,10 +216,15 @@ def _run_packed(family, seed, degrees=None):
     groups = dims.groups(mesh) if dims else dict.fromkeys(("cp", "ulysses", "tp"))
     result = model(input_ids=ids, labels=labels, position_ids=positions)
     result.loss.backward()
-    assert_close(hf.full_logits(result.logits.detach(), groups), out[torch.float64][0],
-                 out[torch.float32][0], name="logits")  # fmt: skip
-    assert_close(result.loss.detach().reshape(1), out[torch.float64][1], out[torch.float32][1],
-                 name="loss")  # fmt: skip
+    assert_close(
+        hf.full_logits(result.logits.detach(), groups),
+        out[torch.float64][0],
+        out[torch.float32][0],
+        name="logits",
+    )
+    assert_close(
+        result.loss.detach().reshape(1), out[torch.float64][1], out[torch.float32][1], name="loss"
+    )
     for name, param in model.named_parameters():
         ref64, ref32 = (reference_grad(refs[dtype], name) for dtype in refs)
         grad = param.grad.full_tensor() if dims else param.grad
@@ -209,12 +232,15 @@ def _run_packed(family, seed, degrees=None):
     return True
 
 
-@pytest.mark.parametrize("family, degrees", [
-    ("llama", None),  # RoPE restarting in each document
-    ("gpt2", None),  # learned positions restarting
-    ("gemma2", dict(cp=2, ulysses=2)),  # windows and soft-capping, the hybrid
-    ("deepseek_v3", None),  # latent attention, its rotary dims restarting
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "family, degrees",
+    [
+        ("llama", None),  # RoPE restarting in each document
+        ("gpt2", None),  # learned positions restarting
+        ("gemma2", dict(cp=2, ulysses=2)),  # windows and soft-capping, the hybrid
+        ("deepseek_v3", None),  # latent attention, its rotary dims restarting
+    ],
+)
 def test_packed_documents_attend_within_their_own(world, family, degrees):
     assert world(4).run(_run_packed, family, 4, degrees) == [True] * 4
 
@@ -223,17 +249,23 @@ def test_packed_documents_in_one_process():
     assert _run_packed("mistral", 5)
 
 
-@pytest.mark.parametrize("batch, call, match", [
-    ("full", dict(attention_mask=PADDED), r"no padding \(attention_mask may be left out or"),
-    ("full", dict(position_ids=torch.arange(SEQ)[None] + 3), r"restart at 0 at each packed"),
-    ("full", dict(position_ids=torch.arange(SEQ)[None] % 8), r"take one sequence \(B = 1\)"),
-    ("full", dict(labels=torch.zeros(BATCH, SEQ - 1, dtype=torch.long)), r"labels must be"),
-    ("full", dict(use_cache=True), r"keeps no KV cache"),
-    ("local", dict(attention_mask=torch.ones(BATCH, SEQ, dtype=torch.long)),
-     r"attention_mask=None"),
-    ("local", dict(position_ids=torch.arange(SEQ)[None]), r"no position_ids"),
-    ("local", dict(labels=torch.zeros(BATCH, SEQ, dtype=torch.long)), r"labels= would shift"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "batch, call, match",
+    [
+        ("full", dict(attention_mask=PADDED), r"no padding \(attention_mask may be left out or"),
+        ("full", dict(position_ids=torch.arange(SEQ)[None] + 3), r"restart at 0 at each packed"),
+        ("full", dict(position_ids=torch.arange(SEQ)[None] % 8), r"take one sequence \(B = 1\)"),
+        ("full", dict(labels=torch.zeros(BATCH, SEQ - 1, dtype=torch.long)), r"labels must be"),
+        ("full", dict(use_cache=True), r"keeps no KV cache"),
+        (
+            "local",
+            dict(attention_mask=torch.ones(BATCH, SEQ, dtype=torch.long)),
+            r"attention_mask=None",
+        ),
+        ("local", dict(position_ids=torch.arange(SEQ)[None]), r"no position_ids"),
+        ("local", dict(labels=torch.zeros(BATCH, SEQ, dtype=torch.long)), r"labels= would shift"),
+    ],
+)
 def test_what_the_converted_model_would_get_wrong_is_refused(batch, call, match):
     model = _model("llama", 0)
     hf.parallelize(model, None, batch=batch)
@@ -246,8 +278,12 @@ def test_a_tokenizers_all_ones_mask_and_positions_are_taken():
     the original's loss."""
     model = _model("llama", 0)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    call = dict(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids),
-                position_ids=torch.arange(SEQ)[None])  # fmt: skip
+    call = dict(
+        input_ids=ids,
+        labels=ids,
+        attention_mask=torch.ones_like(ids),
+        position_ids=torch.arange(SEQ)[None],
+    )
     expected = copy.deepcopy(model)(**call).loss
     hf.parallelize(model, None)
     torch.testing.assert_close(model(**call).loss, expected, rtol=1e-5, atol=1e-6)
@@ -276,15 +312,24 @@ def _run_wrong_batch(case):
         model(input_ids=fp.shard_sequence(ids, groups["cp"], dim=1))
 
 
-@pytest.mark.parametrize("case, match", [
-    ("full: each rank its own shard", r"^batch='full': the ranks disagree: rank 1 has tokens "
-     r"\(2, 16\) #[0-9a-f]{6} where rank 0 has .*The ranks of a cp x tp group got different"),
-    ("full: a length that does not split", r"^the batch's 12 tokens do not split.*multiple of 8$"),
-    ("full: a contiguous shard", r"got different batches"),
-    ("full: a different batch per rank", r"rank 1 has tokens \(2, 16\) #[0-9a-f]{6} where "),
-    ("local: the whole batch", r"batch='local': the ranks of mesh axis 'cp' hold the same"),
-    ("local: sharded over cp only", r"the ranks of mesh axis 'tp' hold the same tokens"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        (
+            "full: each rank its own shard",
+            r"^batch='full': the ranks disagree: rank 1 has tokens "
+            r"\(2, 16\) #[0-9a-f]{6} where rank 0 has .*The ranks of a cp x tp group got different",
+        ),
+        (
+            "full: a length that does not split",
+            r"^the batch's 12 tokens do not split.*multiple of 8$",
+        ),
+        ("full: a contiguous shard", r"got different batches"),
+        ("full: a different batch per rank", r"rank 1 has tokens \(2, 16\) #[0-9a-f]{6} where "),
+        ("local: the whole batch", r"batch='local': the ranks of mesh axis 'cp' hold the same"),
+        ("local: sharded over cp only", r"the ranks of mesh axis 'tp' hold the same tokens"),
+    ],
+)
 def test_a_batch_the_mode_does_not_take_raises_on_every_rank(world, case, match):
     import re
 
@@ -388,14 +433,20 @@ def _run_refusal(family, changes):
     hf.parallelize(_model(family, 0, **changes), fp.ParallelDims(cp=2, tp=2))
 
 
-@pytest.mark.parametrize("family, changes, match", [
-    ("llama", dict(attention_dropout=0.1), r"attention_dropout=0.1"),
-    ("llama", dict(hidden_act="relu"), r"hidden_act='relu'"),
-    ("mixtral", dict(router_jitter_noise=0.1, sliding_window=None), r"router_jitter_noise=0.1"),
-    ("qwen2", dict(layer_types=["chunked_attention"]), r"layer_types \['chunked_attention'\]"),
-    ("llama", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
-     r"rope_type 'dynamic'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "family, changes, match",
+    [
+        ("llama", dict(attention_dropout=0.1), r"attention_dropout=0.1"),
+        ("llama", dict(hidden_act="relu"), r"hidden_act='relu'"),
+        ("mixtral", dict(router_jitter_noise=0.1, sliding_window=None), r"router_jitter_noise=0.1"),
+        ("qwen2", dict(layer_types=["chunked_attention"]), r"layer_types \['chunked_attention'\]"),
+        (
+            "llama",
+            dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+            r"rope_type 'dynamic'",
+        ),
+    ],
+)
 def test_unsupported_options_are_refused_on_every_rank(world, family, changes, match):
     import re
 
@@ -404,8 +455,7 @@ def test_unsupported_options_are_refused_on_every_rank(world, family, changes, m
 
 
 def test_another_family_is_refused():
-    config = transformers.GPTJConfig(n_embd=32, n_layer=1, n_head=4, vocab_size=VOCAB,
-                                     rotary_dim=4)  # fmt: skip
+    config = transformers.GPTJConfig(n_embd=32, n_layer=1, n_head=4, vocab_size=VOCAB, rotary_dim=4)
     model = transformers.GPTJForCausalLM(config)
     with pytest.raises(ValueError, match=r"model_type 'gptj' \(supported: llama"):
         hf.parallelize(model, fp.ParallelDims())

@@ -72,10 +72,13 @@ def test_a_converted_family_exports_bit_for_bit_in_one_process(tmp_path, family,
     assert _check_export(tmp_path / "out", original)
 
 
-@pytest.mark.parametrize("family, head, auto", [
-    ("llama", "ForSequenceClassification", "AutoModelForSequenceClassification"),
-    ("qwen2_moe", "ForTokenClassification", "AutoModelForTokenClassification"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "family, head, auto",
+    [
+        ("llama", "ForSequenceClassification", "AutoModelForSequenceClassification"),
+        ("qwen2_moe", "ForTokenClassification", "AutoModelForTokenClassification"),
+    ],
+)
 def test_the_classification_heads_export(tmp_path, family, head, auto):
     model = tiny_model(family, 0, head, pad_token_id=0, num_labels=3)
     original = copy.deepcopy(model)
@@ -96,17 +99,23 @@ def test_shards_and_a_second_save_into_the_same_directory(tmp_path):
     assert "model.safetensors.index.json" in first and len(first) > 4
     assert _check_export(target, original)
     model.save_pretrained(target)  # one file now
-    assert sorted(p.name for p in target.iterdir()) == ["config.json", "generation_config.json",
-                                                        "model.safetensors"]  # fmt: skip
+    assert sorted(p.name for p in target.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
     assert _check_export(target, original)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
 
 
-@pytest.mark.parametrize("call, error, match", [
-    (dict(state_dict={}), TypeError, r"not state_dict \(it gathers the weights itself"),
-    (dict(push_to_hub=True), TypeError, r"not push_to_hub"),
-    (dict(safe_serialization=False), ValueError, r"writes safetensors only"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (dict(state_dict={}), TypeError, r"not state_dict \(it gathers the weights itself"),
+        (dict(push_to_hub=True), TypeError, r"not push_to_hub"),
+        (dict(safe_serialization=False), ValueError, r"writes safetensors only"),
+    ],
+)
 def test_what_the_method_does_not_take_is_refused(tmp_path, call, error, match):
     model = tiny_model("llama", 0)
     hf.parallelize(model, None)

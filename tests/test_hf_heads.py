@@ -127,15 +127,18 @@ def test_the_heads_at_tp2_cp2(world):
     assert all(len({rank[i] for rank in results}) == 1 for i in range(len(DISTRIBUTED)))
 
 
-@pytest.mark.parametrize("head, family, problem", [
-    *(("sequence", "llama", problem) for problem in PROBLEMS),
-    ("sequence", "gpt2", "single label (inferred: integer labels)"),  # its own head code
-    ("sequence", "gpt_neox", "multi label (inferred: float labels)"),  # its own head code
-    ("sequence", "mixtral", "regression (inferred: one label)"),  # MoE
-    ("sequence", "olmo2", "single label (inferred: integer labels)"),  # full-width q/k norms
-    ("token", "gpt2", None),  # its own head: `classifier`
-    ("token", "qwen3", None),  # q/k norms
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "head, family, problem",
+    [
+        *(("sequence", "llama", problem) for problem in PROBLEMS),
+        ("sequence", "gpt2", "single label (inferred: integer labels)"),  # its own head code
+        ("sequence", "gpt_neox", "multi label (inferred: float labels)"),  # its own head code
+        ("sequence", "mixtral", "regression (inferred: one label)"),  # MoE
+        ("sequence", "olmo2", "single label (inferred: integer labels)"),  # full-width q/k norms
+        ("token", "gpt2", None),  # its own head: `classifier`
+        ("token", "qwen3", None),  # q/k norms
+    ],
+)
 def test_the_heads_in_one_process(head, family, problem):
     assert _run_head(head, family, 3, problem)
 
@@ -160,9 +163,11 @@ def _refused_head(model_name: str):
 def test_another_head_is_refused_on_every_rank(world, model_name):
     for e in world(4).run(exception_of, _refused_head, model_name):
         assert isinstance(e, ValueError), repr(e)
-        assert re.search(rf"{model_name}'s head is not supported \(supported: \*ForCausalLM, "
-                         r"\*ForSequenceClassification, \*ForTokenClassification\)",
-                         str(e)), str(e)  # fmt: skip
+        assert re.search(
+            rf"{model_name}'s head is not supported \(supported: \*ForCausalLM, "
+            r"\*ForSequenceClassification, \*ForTokenClassification\)",
+            str(e),
+        ), str(e)
 
 
 def _padded(rows):
@@ -175,23 +180,54 @@ def _padded(rows):
 RIGHT, LEFT = [[1, 1, 1, 0], [1, 1, 1, 1]], [[0, 1, 1, 1], [1, 1, 1, 1]]
 
 
-@pytest.mark.parametrize("head, call, match", [
-    ("sequence", lambda: dict(zip(("input_ids", "attention_mask"), _padded(LEFT), strict=True)),
-     r"only right padding is taken"),
-    ("sequence", lambda: dict(zip(("input_ids", "attention_mask"),
-                                  _padded([[0, 0, 0, 0], [1, 1, 1, 1]]), strict=True)),
-     r"rows \[0\] have no real token"),
-    ("sequence", lambda: dict(input_ids=_padded(RIGHT)[0].clamp(min=1),  # pads not PAD
-                              attention_mask=_padded(RIGHT)[1]),
-     r"rows \[0\]: the token sequence classification pools at .* is padding by attention_mask"),
-    ("sequence", lambda: dict(input_ids=_padded(RIGHT)[0], labels=torch.zeros(3)),
-     r"labels must be one per row, \(B,\) or \(B, num_labels\) with B = 2, got \(3,\)"),
-    ("token", lambda: dict(zip(("input_ids", "attention_mask"), _padded(RIGHT), strict=True),
-                           labels=torch.zeros(2, SEQ, dtype=torch.long)),
-     r"labels must be -100 at the padded positions"),
-    ("token", lambda: dict(input_ids=_padded(RIGHT)[0], shift_labels=_padded(RIGHT)[0]),
-     r"shift_labels are a causal LM's"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "head, call, match",
+    [
+        (
+            "sequence",
+            lambda: dict(zip(("input_ids", "attention_mask"), _padded(LEFT), strict=True)),
+            r"only right padding is taken",
+        ),
+        (
+            "sequence",
+            lambda: dict(
+                zip(
+                    ("input_ids", "attention_mask"),
+                    _padded([[0, 0, 0, 0], [1, 1, 1, 1]]),
+                    strict=True,
+                )
+            ),
+            r"rows \[0\] have no real token",
+        ),
+        (
+            "sequence",
+            lambda: dict(
+                input_ids=_padded(RIGHT)[0].clamp(min=1),  # pads not PAD
+                attention_mask=_padded(RIGHT)[1],
+            ),
+            r"rows \[0\]: the token sequence classification pools at .* "
+            "is padding by attention_mask",
+        ),
+        (
+            "sequence",
+            lambda: dict(input_ids=_padded(RIGHT)[0], labels=torch.zeros(3)),
+            r"labels must be one per row, \(B,\) or \(B, num_labels\) with B = 2, got \(3,\)",
+        ),
+        (
+            "token",
+            lambda: dict(
+                zip(("input_ids", "attention_mask"), _padded(RIGHT), strict=True),
+                labels=torch.zeros(2, SEQ, dtype=torch.long),
+            ),
+            r"labels must be -100 at the padded positions",
+        ),
+        (
+            "token",
+            lambda: dict(input_ids=_padded(RIGHT)[0], shift_labels=_padded(RIGHT)[0]),
+            r"shift_labels are a causal LM's",
+        ),
+    ],
+)
 def test_what_the_heads_would_get_wrong_is_refused(head, call, match):
     model = _model("llama", head, 0, num_labels=2)
     hf.parallelize(model, None)

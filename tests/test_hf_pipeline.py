@@ -91,20 +91,23 @@ def _run(family: str, schedule: str, packed: bool = False, seed: int = 0, refusa
     return raised
 
 
-@pytest.mark.parametrize("family, schedule, packed", [
-    ("llama", "1F1B", False),
-    ("llama", "Interleaved1F1B", True),  # two stages per rank, RoPE restarting per document
-    ("gpt2", "1F1B", True),  # tied embeddings across the pipeline, learned positions
-    ("gemma2", "InterleavedZeroBubble", False),  # tied, split backward, soft-capped logits
-    ("mixtral", "GPipe", False),  # MoE, EP over tp
-    ("qwen3_moe", "1F1B", True),  # MoE and dense layers, q/k norms, packed documents
-    ("deepseek_v3", "Interleaved1F1B", False),  # latent attention, the grouped router
-    ("glm4_moe", "1F1B", False),  # a dense stage, then the grouped router's
-    ("minimax_m2", "GPipe", False),  # full-width q/k norms, the block's correction bias
-    ("olmo3", "1F1B", False),  # windows and RoPE per layer type across stages
-    ("smollm3", "1F1B", True),  # a NoPE stage, packed documents
-    ("gpt_neox", "DualPipeV", False),  # its own tree; fused qkv, parallel residual
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "family, schedule, packed",
+    [
+        ("llama", "1F1B", False),
+        ("llama", "Interleaved1F1B", True),  # two stages per rank, RoPE restarting per document
+        ("gpt2", "1F1B", True),  # tied embeddings across the pipeline, learned positions
+        ("gemma2", "InterleavedZeroBubble", False),  # tied, split backward, soft-capped logits
+        ("mixtral", "GPipe", False),  # MoE, EP over tp
+        ("qwen3_moe", "1F1B", True),  # MoE and dense layers, q/k norms, packed documents
+        ("deepseek_v3", "Interleaved1F1B", False),  # latent attention, the grouped router
+        ("glm4_moe", "1F1B", False),  # a dense stage, then the grouped router's
+        ("minimax_m2", "GPipe", False),  # full-width q/k norms, the block's correction bias
+        ("olmo3", "1F1B", False),  # windows and RoPE per layer type across stages
+        ("smollm3", "1F1B", True),  # a NoPE stage, packed documents
+        ("gpt_neox", "DualPipeV", False),  # its own tree; fused qkv, parallel residual
+    ],
+)
 def test_a_converted_model_pipelines_like_the_original(world, family, schedule, packed):
     """(Before llama's interleaved step: one rank's position_ids with an offset, or a
     list, or its input of another length, at the first step; the same error on every
@@ -125,10 +128,13 @@ def _refused(family, schedule, batch):
     fp.pipeline.split(model, dims, mesh, schedule=schedule)
 
 
-@pytest.mark.parametrize("family, schedule, batch, match", [
-    ("llama", "1F1B", "local", r"takes the whole batch: parallelize it with batch='full'"),
-    ("gpt2", "ZBVZeroBubble", "full", r"untie the embeddings"),  # measured wrong in torch
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "family, schedule, batch, match",
+    [
+        ("llama", "1F1B", "local", r"takes the whole batch: parallelize it with batch='full'"),
+        ("gpt2", "ZBVZeroBubble", "full", r"untie the embeddings"),  # measured wrong in torch
+    ],
+)
 def test_what_a_pipeline_would_get_wrong_is_refused(world, family, schedule, batch, match):
     for e in world(4).run(exception_of, _refused, family, schedule, batch):
         assert isinstance(e, ValueError) and re.search(match, str(e)), repr(e)
@@ -177,8 +183,11 @@ def test_a_deepseek_v3_checkpoint_reshards_bitwise(world, tmp_path):
     projections (whole latents, heads split) and the experts, with their moments, under
     the converted model's names whatever the layout."""
     first, second = str(tmp_path / "pp2"), str(tmp_path / "cp2")
-    trained = _union(world(4).run(_save_or_load, dict(pp=2, tp=2), first, None, "1F1B",
-                                  "deepseek_v3"))  # fmt: skip
+    trained = _union(
+        world(4).run(_save_or_load, dict(pp=2, tp=2), first, None, "1F1B", "deepseek_v3")
+    )
     assert any(name.endswith("kv_a_weight.exp_avg") for name in trained)
-    _assert_equal(world(4).run(_save_or_load, dict(cp=2, tp=2), second, first, "1F1B",
-                               "deepseek_v3")[0], trained)  # fmt: skip
+    _assert_equal(
+        world(4).run(_save_or_load, dict(cp=2, tp=2), second, first, "1F1B", "deepseek_v3")[0],
+        trained,
+    )

@@ -70,8 +70,15 @@ def test_the_detector_sees_each_kind_of_sync():
         x.clone()[1] = 0.0  # no sync (a scalar written on the device)
     reasons = [why for why, _ in syncs.found]
     assert len(reasons) == 8, syncs.report()
-    for word in ("item", "boolean-mask", "bincount", "arange", "repeat_interleave",
-                 "tolist", "torch.tensor"):  # fmt: skip
+    for word in (
+        "item",
+        "boolean-mask",
+        "bincount",
+        "arange",
+        "repeat_interleave",
+        "tolist",
+        "torch.tensor",
+    ):
         assert any(word in r for r in reasons), (word, syncs.report())
 
 
@@ -194,8 +201,9 @@ def _attention_layer_step(device, dtype):
 
 def _moe_step(device, dtype, capacity_factor, **options):
     torch.manual_seed(0)
-    layer = fp.nn.MoE(16, 12, 4, 2, capacity_factor=capacity_factor, device=device, dtype=dtype,
-                      **options)  # fmt: skip
+    layer = fp.nn.MoE(
+        16, 12, 4, 2, capacity_factor=capacity_factor, device=device, dtype=dtype, **options
+    )
     x = torch.randn(11, 16, device=device, dtype=dtype) + 1.0  # skewed: drops happen
     x.requires_grad_()
 
@@ -261,8 +269,16 @@ def _training_step_syncs(moe: bool, parallel: bool) -> str | None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     from tiny_llama import Config, ParallelTransformer, Transformer
 
-    cfg = Config(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_hidden=64,
-                 num_experts=4 if moe else 0, top_k=2)  # fmt: skip
+    cfg = Config(
+        vocab=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_hidden=64,
+        num_experts=4 if moe else 0,
+        top_k=2,
+    )
     torch.manual_seed(0)
     reference = Transformer(cfg)
     if parallel:
@@ -307,8 +323,9 @@ def _check_syncs() -> list:
             for _ in range(2):
                 with HostSyncs() as syncs:
                     layer(x)
-                out.append(sorted({where.rsplit("/", 1)[-1].split(":")[0]
-                                   for _, where in syncs.found}))  # fmt: skip
+                out.append(
+                    sorted({where.rsplit("/", 1)[-1].split(":")[0] for _, where in syncs.found})
+                )
     return out
 
 

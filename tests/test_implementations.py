@@ -132,8 +132,14 @@ SCRIPT = textwrap.dedent("""
 
 def test_a_cpu_needs_no_interpreter_and_triton_without_it_says_so():
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FUSEDPAR_IMPL")}
-    run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                         text=True, cwd=ROOT, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     assert "ok torch ops (FUSEDPAR_IMPL=auto)" in run.stdout
     assert "set TRITON_INTERPRET=1 before anything imports triton" in run.stdout
@@ -206,8 +212,9 @@ def test_torch_moe_edges(each_implementation):
 
     pos = torch.full((3, 2), -1, dtype=torch.int64)
     assert torch.equal(combine(torch.empty(0, 4), pos), torch.zeros(3, 4))
-    assert torch.equal(combine_weight_grad(torch.ones(3, 4), torch.empty(0, 4), pos),
-                       torch.zeros(3, 2))  # fmt: skip
+    assert torch.equal(
+        combine_weight_grad(torch.ones(3, 4), torch.empty(0, 4), pos), torch.zeros(3, 2)
+    )
     counts = torch.ones(2, dtype=torch.int64, device="meta")
     with pytest.raises(ValueError, match="one device"):
         grouped_matmul(torch.ones(4, 8), torch.ones(2, 3, 8), counts)
@@ -226,8 +233,11 @@ def test_the_row_kernels_are_tuned_against_torch_indexing(monkeypatch):
     weight, dy = randn((4, 2), torch.float32, 1), randn((4, 24), torch.float32, 2)
 
     def run():
-        return (gather_rows(src, idx, weight.flatten()), combine(src, pos, weight),
-                combine_weight_grad(dy, src, pos))  # fmt: skip
+        return (
+            gather_rows(src, idx, weight.flatten()),
+            combine(src, pos, weight),
+            combine_weight_grad(dy, src, pos),
+        )
 
     with fp.implementation("torch"):
         expected = run()

@@ -34,16 +34,31 @@ def _operand(shape, dtype, seed, transposed):
 
 
 @given(
-    M=st.integers(1, 80), N=st.integers(1, 80), K=st.integers(1, 80),
-    dtype=cpu_dtypes(), seed=seeds(),
-    a_t=st.booleans(), b_t=st.booleans(), bias=st.booleans(),
+    M=st.integers(1, 80),
+    N=st.integers(1, 80),
+    K=st.integers(1, 80),
+    dtype=cpu_dtypes(),
+    seed=seeds(),
+    a_t=st.booleans(),
+    b_t=st.booleans(),
+    bias=st.booleans(),
     mode=st.sampled_from(["new", "slice", "accumulate-fp32", "accumulate"]),
-)  # fmt: skip
+)
 @example(M=1, N=1, K=1, dtype=torch.float32, seed=0, a_t=False, b_t=False, bias=True, mode="new")
-@example(M=65, N=33, K=17, dtype=torch.float16, seed=1, a_t=True, b_t=True, bias=True,
-         mode="accumulate-fp32")  # fmt: skip
-@example(M=7, N=70, K=64, dtype=torch.float32, seed=2, a_t=False, b_t=True, bias=False,
-         mode="slice")  # fmt: skip
+@example(
+    M=65,
+    N=33,
+    K=17,
+    dtype=torch.float16,
+    seed=1,
+    a_t=True,
+    b_t=True,
+    bias=True,
+    mode="accumulate-fp32",
+)
+@example(
+    M=7, N=70, K=64, dtype=torch.float32, seed=2, a_t=False, b_t=True, bias=False, mode="slice"
+)
 def test_matmul_matches_float64(M, N, K, dtype, seed, a_t, b_t, bias, mode, each_implementation):
     a = _operand((M, K), dtype, seed, a_t)
     b = _operand((K, N), dtype, seed + 1, b_t)
@@ -58,9 +73,12 @@ def test_matmul_matches_float64(M, N, K, dtype, seed, a_t, b_t, bias, mode, each
     before = kwargs["out"].clone() if "out" in kwargs else None
 
     ref = matmul_reference(
-        a.double(), b.double(), bias=None if bias_t is None else bias_t.double(),
-        out=before, accumulate=kwargs.get("accumulate", False),
-    )  # fmt: skip
+        a.double(),
+        b.double(),
+        bias=None if bias_t is None else bias_t.double(),
+        out=before,
+        accumulate=kwargs.get("accumulate", False),
+    )
     expected_torch = matmul_reference(
         a, b, out=before, **{k: v for k, v in kwargs.items() if k != "out"}
     )
@@ -84,16 +102,45 @@ def _rotated(c, rope: RowRotation, head_dim):
 
 
 @given(
-    M=st.integers(1, 40), K=st.integers(1, 40), heads=st.integers(1, 3),
-    head_dim=st.sampled_from([2, 8, 16, 64]), per_position=st.integers(1, 3),
-    first_row=st.integers(0, 5), dtype=cpu_dtypes(), seed=seeds(), b_t=st.booleans(),
-    bias=st.booleans(), into_slice=st.booleans(),
-)  # fmt: skip
-@example(M=70, K=33, heads=2, head_dim=64, per_position=2, first_row=3, dtype=torch.float16,
-         seed=0, b_t=True, bias=True, into_slice=True)  # fmt: skip
-def test_rotating_epilogue_matches_float64(M, K, heads, head_dim, per_position, first_row, dtype,
-                                           seed, b_t, bias, into_slice,
-                                           each_implementation):  # fmt: skip
+    M=st.integers(1, 40),
+    K=st.integers(1, 40),
+    heads=st.integers(1, 3),
+    head_dim=st.sampled_from([2, 8, 16, 64]),
+    per_position=st.integers(1, 3),
+    first_row=st.integers(0, 5),
+    dtype=cpu_dtypes(),
+    seed=seeds(),
+    b_t=st.booleans(),
+    bias=st.booleans(),
+    into_slice=st.booleans(),
+)
+@example(
+    M=70,
+    K=33,
+    heads=2,
+    head_dim=64,
+    per_position=2,
+    first_row=3,
+    dtype=torch.float16,
+    seed=0,
+    b_t=True,
+    bias=True,
+    into_slice=True,
+)
+def test_rotating_epilogue_matches_float64(
+    M,
+    K,
+    heads,
+    head_dim,
+    per_position,
+    first_row,
+    dtype,
+    seed,
+    b_t,
+    bias,
+    into_slice,
+    each_implementation,
+):
     """``rope=RowRotation(...)``: C's heads turned at their rows' positions (a chunk of a
     TP ring's (S, B) rows: `first_row`, B = `per_position`), one rounding, against the
     float64 product turned by the formula; elementwise after the product, so C's
@@ -101,29 +148,40 @@ def test_rotating_epilogue_matches_float64(M, K, heads, head_dim, per_position, 
     N = heads * head_dim
     a, b = randn((M, K), dtype, seed), _operand((K, N), dtype, seed + 1, b_t)
     bias_t = randn((N,), dtype, seed + 2) if bias else None
-    cos, sin = rope_tables(torch.arange((first_row + M - 1) // per_position + 1) * 3 + 1,
-                           head_dim, 10000.0)  # fmt: skip
+    cos, sin = rope_tables(
+        torch.arange((first_row + M - 1) // per_position + 1) * 3 + 1, head_dim, 10000.0
+    )
     rope = RowRotation(cos, sin, per_position, first_row)
     out = randn((M + 2, N + 8), dtype, seed + 3)[1 : M + 1, 8:] if into_slice else None
     c = matmul(a, b, bias=bias_t, out=out, rope=rope)
-    ref = _rotated(matmul_reference(a.double(), b.double(),
-                                    bias=None if bias_t is None else bias_t.double()), rope,
-                   head_dim)  # fmt: skip
-    same = _rotated(matmul_reference(a.float(), b.float(),
-                                     bias=None if bias_t is None else bias_t.float()), rope,
-                    head_dim).to(dtype)  # fmt: skip
+    ref = _rotated(
+        matmul_reference(a.double(), b.double(), bias=None if bias_t is None else bias_t.double()),
+        rope,
+        head_dim,
+    )
+    same = _rotated(
+        matmul_reference(a.float(), b.float(), bias=None if bias_t is None else bias_t.float()),
+        rope,
+        head_dim,
+    ).to(dtype)
     assert_close(c, ref, same, name="C")
     assert out is None or c.data_ptr() == out.data_ptr()
 
 
 @given(
-    M=st.integers(1, 40), N=st.integers(1, 40), K=st.integers(1, 40), dtype=cpu_dtypes(),
-    seed=seeds(), w_t=st.booleans(), bias=st.booleans(), activation=st.sampled_from(ACTIVATIONS),
-)  # fmt: skip
-@example(M=65, N=33, K=70, dtype=torch.float16, seed=0, w_t=True, bias=True,
-         activation="gelu_tanh")  # fmt: skip
-def test_gated_matmul_is_two_gemms_and_the_activation(M, N, K, dtype, seed, w_t, bias,
-                                                      activation, each_implementation):  # fmt: skip
+    M=st.integers(1, 40),
+    N=st.integers(1, 40),
+    K=st.integers(1, 40),
+    dtype=cpu_dtypes(),
+    seed=seeds(),
+    w_t=st.booleans(),
+    bias=st.booleans(),
+    activation=st.sampled_from(ACTIVATIONS),
+)
+@example(M=65, N=33, K=70, dtype=torch.float16, seed=0, w_t=True, bias=True, activation="gelu_tanh")
+def test_gated_matmul_is_two_gemms_and_the_activation(
+    M, N, K, dtype, seed, w_t, bias, activation, each_implementation
+):
     """`gated_matmul`'s gate and up are `matmul`'s bit for bit (the same K order) and h is
     `gated`'s of them, in one launch; gate and up against float64 too."""
     a = randn((M, K), dtype, seed)
@@ -137,28 +195,53 @@ def test_gated_matmul_is_two_gemms_and_the_activation(M, N, K, dtype, seed, w_t,
         assert_close(got, ref, matmul_reference(a, w, bias=b), name="gate/up")
 
 
-@pytest.mark.parametrize("up, biases, activation, match", [
-    ((5, 8), (None, None), "silu", r"up operand must be \(3, 8\)"),
-    ((3, 8, "t"), (None, None), "silu", "strides"),
-    ((3, 8), (torch.ones(8), None), "silu", "both biases or neither"),
-    ((3, 8), (None, None), "relu", "activation must be one of"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "up, biases, activation, match",
+    [
+        ((5, 8), (None, None), "silu", r"up operand must be \(3, 8\)"),
+        ((3, 8, "t"), (None, None), "silu", "strides"),
+        ((3, 8), (torch.ones(8), None), "silu", "both biases or neither"),
+        ((3, 8), (None, None), "relu", "activation must be one of"),
+    ],
+)
 def test_gated_matmul_names_bad_input(up, biases, activation, match, each_implementation):
     up_operand = torch.ones(8, 3).t() if up[-1] == "t" else torch.ones(up)
     with pytest.raises(ValueError, match=match):
-        gated_matmul(torch.ones(4, 3), torch.ones(3, 8), up_operand, bias=biases[0],
-                     bias2=biases[1], activation=activation)  # fmt: skip
+        gated_matmul(
+            torch.ones(4, 3),
+            torch.ones(3, 8),
+            up_operand,
+            bias=biases[0],
+            bias2=biases[1],
+            activation=activation,
+        )
 
 
 @given(
-    M=st.integers(1, 40), N=st.integers(1, 40), K=st.integers(1, 40), dtype=cpu_dtypes(),
-    seed=seeds(), w_t=st.booleans(), bias=st.booleans(), strided=st.booleans(),
+    M=st.integers(1, 40),
+    N=st.integers(1, 40),
+    K=st.integers(1, 40),
+    dtype=cpu_dtypes(),
+    seed=seeds(),
+    w_t=st.booleans(),
+    bias=st.booleans(),
+    strided=st.booleans(),
     activation=st.sampled_from(ACTIVATIONS),
-)  # fmt: skip
-@example(M=65, N=33, K=70, dtype=torch.float16, seed=0, w_t=True, bias=True, strided=True,
-         activation="gelu_tanh")  # fmt: skip
-def test_gated_up_matmul_is_the_gemm_and_the_product(M, N, K, dtype, seed, w_t, bias, strided,
-                                                     activation, each_implementation):  # fmt: skip
+)
+@example(
+    M=65,
+    N=33,
+    K=70,
+    dtype=torch.float16,
+    seed=0,
+    w_t=True,
+    bias=True,
+    strided=True,
+    activation="gelu_tanh",
+)
+def test_gated_up_matmul_is_the_gemm_and_the_product(
+    M, N, K, dtype, seed, w_t, bias, strided, activation, each_implementation
+):
     """`gated_up_matmul`'s up is `matmul`'s bit for bit and h is `gated`'s of the stored
     gate (a column slice of a wider buffer, or whole) and that up, in one launch; h
     against float64 too."""
@@ -179,18 +262,32 @@ def _gated_grad_oracle(dh, gate, up, activation):
     (float64 in: the oracle)."""
     M, N = gate.shape
     grads, h = (torch.empty((M, n), dtype=dh.dtype, device=dh.device) for n in (2 * N, N))
-    gated_torch(activation, gate.to(dh.dtype), up.to(dh.dtype), dh, h, grads[:, :N],
-                grads[:, N:])  # fmt: skip
+    gated_torch(activation, gate.to(dh.dtype), up.to(dh.dtype), dh, h, grads[:, :N], grads[:, N:])
     return grads, h
 
 
 @given(
-    M=st.integers(1, 40), N=st.integers(1, 40), K=st.integers(1, 40), dtype=cpu_dtypes(),
-    seed=seeds(), w_t=st.booleans(), hidden=st.booleans(), strided=st.booleans(),
+    M=st.integers(1, 40),
+    N=st.integers(1, 40),
+    K=st.integers(1, 40),
+    dtype=cpu_dtypes(),
+    seed=seeds(),
+    w_t=st.booleans(),
+    hidden=st.booleans(),
+    strided=st.booleans(),
     activation=st.sampled_from(ACTIVATIONS),
-)  # fmt: skip
-@example(M=65, N=33, K=70, dtype=torch.float16, seed=0, w_t=True, hidden=True, strided=True,
-         activation="gelu_tanh")  # fmt: skip
+)
+@example(
+    M=65,
+    N=33,
+    K=70,
+    dtype=torch.float16,
+    seed=0,
+    w_t=True,
+    hidden=True,
+    strided=True,
+    activation="gelu_tanh",
+)
 def test_gated_grad_matmul_is_the_gemm_and_the_activations_backward(
     M, N, K, dtype, seed, w_t, hidden, strided, activation, each_implementation
 ):
@@ -205,35 +302,41 @@ def test_gated_grad_matmul_is_the_gemm_and_the_activations_backward(
     else:
         gate, up = randn((M, N), dtype, seed + 2), randn((M, N), dtype, seed + 3)
     grads, h = gated_grad_matmul(dy, w_down, gate, up, activation=activation, hidden=hidden)
-    unfused = gated_backward(matmul(dy, w_down), gate, up, activation, hidden=hidden,
-                             stacked=True)  # fmt: skip
+    unfused = gated_backward(matmul(dy, w_down), gate, up, activation, hidden=hidden, stacked=True)
     assert torch.equal(grads, unfused[0])
     assert (h is None) if not hidden else torch.equal(h, unfused[1])
     ref_grads, ref_h = _gated_grad_oracle(dy.double() @ w_down.double(), gate, up, activation)
-    same_grads, same_h = _gated_grad_oracle(matmul_reference(dy, w_down).float(), gate, up,
-                                            activation)  # fmt: skip
+    same_grads, same_h = _gated_grad_oracle(
+        matmul_reference(dy, w_down).float(), gate, up, activation
+    )
     assert_close(grads, ref_grads, same_grads.to(dtype), name="dgate | dup", sum_length=K)
     if hidden:
         assert_close(h, ref_h, same_h.to(dtype), name="h")
 
 
-@pytest.mark.parametrize("gate, activation, match", [
-    ((4, 7), "silu", r"gate and up must be \(M, N\) = \(4, 8\)"),
-    ((4, 8), "relu", "activation must be one of"),
-    (torch.float64, "silu", "A's torch.float32"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "gate, activation, match",
+    [
+        ((4, 7), "silu", r"gate and up must be \(M, N\) = \(4, 8\)"),
+        ((4, 8), "relu", "activation must be one of"),
+        (torch.float64, "silu", "A's torch.float32"),
+    ],
+)
 def test_gated_up_matmul_names_bad_input(gate, activation, match, each_implementation):
     gate = torch.ones(4, 8, dtype=gate) if isinstance(gate, torch.dtype) else torch.ones(gate)
     with pytest.raises((ValueError, TypeError), match=match):
         gated_up_matmul(torch.ones(4, 3), torch.ones(3, 8), gate, activation=activation)
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"activation": "relu"}, "activation must be one of"),
-    ({"gate": (5, 8)}, r"gate and up must be \(M, N\) = \(4, 8\)"),
-    ({"up": "t"}, "share strides"),
-    ({"up": torch.float64}, "A's torch.float32"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"activation": "relu"}, "activation must be one of"),
+        ({"gate": (5, 8)}, r"gate and up must be \(M, N\) = \(4, 8\)"),
+        ({"up": "t"}, "share strides"),
+        ({"up": torch.float64}, "A's torch.float32"),
+    ],
+)
 def test_gated_grad_matmul_names_bad_input(change, match, each_implementation):
     gate, up = torch.ones(4, 8), torch.ones(4, 8)
     if "gate" in change:
@@ -243,8 +346,13 @@ def test_gated_grad_matmul_names_bad_input(change, match, each_implementation):
     elif "up" in change:
         up = up.to(change["up"])
     with pytest.raises((ValueError, TypeError), match=match):
-        gated_grad_matmul(torch.ones(4, 3), torch.ones(3, 8), gate, up,
-                          activation=change.get("activation", "silu"))  # fmt: skip
+        gated_grad_matmul(
+            torch.ones(4, 3),
+            torch.ones(3, 8),
+            gate,
+            up,
+            activation=change.get("activation", "silu"),
+        )
 
 
 def test_out_dtype_fp32_and_empty_sizes(each_implementation):
@@ -299,8 +407,13 @@ def test_a_call_is_checked_and_planned_once_per_signature(monkeypatch, triton_ke
     monkeypatch.setattr(matmul_module, "check_operands", lambda *a: checks.append(1) or check(*a))
     monkeypatch.setattr(matmul_module, "PLANS", {})
     a, b = randn((24, 40), torch.float32, 0), randn((40, 16), torch.float32, 1)
-    for operands in [(a, b), (a, b), (a, b.t().contiguous().t()), (a[:, 8:], b[8:]),
-                     (a.half(), b.half())]:  # fmt: skip
+    for operands in [
+        (a, b),
+        (a, b),
+        (a, b.t().contiguous().t()),
+        (a[:, 8:], b[8:]),
+        (a.half(), b.half()),
+    ]:
         expected = matmul_reference(*(t.double() for t in operands))
         assert_close(matmul(*operands).double(), expected, matmul_reference(*operands).double())
     assert len(checks) == 4  # the second call was looked up
@@ -343,16 +456,23 @@ def _rotation(positions=4, half=4, dtype=torch.float32, **kwargs):
 
 @pytest.mark.parametrize(
     "n, rope, kwargs, error, match",
-    [(16, _rotation(half=3), {}, ValueError, "power of 2"),  # heads of 6
-     (12, _rotation(), {}, ValueError, "dividing N = 12"),
-     (16, _rotation(dtype=torch.float64), {}, TypeError, "float32"),
-     (16, RowRotation(torch.ones(4), torch.ones(4)), {}, ValueError, r"\(positions, hd/2\)"),
-     (16, _rotation(rows_per_position=0), {}, ValueError, "rows_per_position"),
-     (16, _rotation(first_row=1), {}, ValueError, r"rows 1\.\.4 .* 4 positions"),
-     (16, _rotation(), {"accumulate": True, "out": torch.zeros(4, 16)}, ValueError, "added"),
-     (16, RowRotation(*(t.t().contiguous().t() for t in rope_tables(torch.arange(4), 8, 1.0))),
-      {}, ValueError, "contiguous")],
-)  # fmt: skip
+    [
+        (16, _rotation(half=3), {}, ValueError, "power of 2"),  # heads of 6
+        (12, _rotation(), {}, ValueError, "dividing N = 12"),
+        (16, _rotation(dtype=torch.float64), {}, TypeError, "float32"),
+        (16, RowRotation(torch.ones(4), torch.ones(4)), {}, ValueError, r"\(positions, hd/2\)"),
+        (16, _rotation(rows_per_position=0), {}, ValueError, "rows_per_position"),
+        (16, _rotation(first_row=1), {}, ValueError, r"rows 1\.\.4 .* 4 positions"),
+        (16, _rotation(), {"accumulate": True, "out": torch.zeros(4, 16)}, ValueError, "added"),
+        (
+            16,
+            RowRotation(*(t.t().contiguous().t() for t in rope_tables(torch.arange(4), 8, 1.0))),
+            {},
+            ValueError,
+            "contiguous",
+        ),
+    ],
+)
 def test_a_bad_rotation_is_a_clear_error(n, rope, kwargs, error, match, each_implementation):
     with pytest.raises(error, match=match):
         matmul(torch.ones(4, 3), torch.ones(3, n), rope=rope, **kwargs)
@@ -411,8 +531,11 @@ def test_rotating_epilogue_gpu(dtype, head_dim, path, monkeypatch):
         c = matmul(a, w.T, bias=bias, rope=rope)
     product = a.double() @ w.T.double() + bias.double()
     ref = _rotated(product.cpu(), rope._replace(cos=cos.cpu(), sin=sin.cpu()), head_dim)
-    same = _rotated((a.float() @ w.T.float() + bias.float()).cpu(),
-                    rope._replace(cos=cos.cpu(), sin=sin.cpu()), head_dim).to(dtype)  # fmt: skip
+    same = _rotated(
+        (a.float() @ w.T.float() + bias.float()).cpu(),
+        rope._replace(cos=cos.cpu(), sin=sin.cpu()),
+        head_dim,
+    ).to(dtype)
     assert_close(c.cpu(), ref, same, sum_length=K)
 
 
@@ -479,6 +602,5 @@ def test_gated_up_matmul_gpu(path, monkeypatch):
     b_up, gate = randn((N,), dtype, 2).cuda(), randn((M, N), dtype, 3).cuda()
     with fp.implementation("torch" if path == "torch" else "triton"):
         up, h = gated_up_matmul(a, w_up.T, gate, bias=b_up, activation="silu")
-    assert_close(up, a.double() @ w_up.T.double() + b_up.double(), a @ w_up.T + b_up,
-                 sum_length=K)  # fmt: skip
+    assert_close(up, a.double() @ w_up.T.double() + b_up.double(), a @ w_up.T + b_up, sum_length=K)
     assert_close(h, gated_reference(gate.double(), up.double()), gated_reference(gate, up))

@@ -27,10 +27,13 @@ def test_dims_with_names_stay_hashable_and_refuse_bad_maps():
     b = fp.ParallelDims(cp=2, tp=2, names={"cp": "context", "tp": "tensor"})
     assert a == b and hash(a) == hash(b) and a.mesh_name("tp") == "tensor"
     assert a.mesh_name("dp") == "dp" and fp.ParallelDims(names=a.names) == fp.ParallelDims(
-        names=dict(a.names))
-    for names, match in (({"sp": "x"}, r"'sp' is not one of fusedpar's axes"),
-                         ({"cp": "x", "tp": "x"}, r"two axes share a mesh name"),
-                         ({"tp": 3}, r"must be a string")):  # fmt: skip
+        names=dict(a.names)
+    )
+    for names, match in (
+        ({"sp": "x"}, r"'sp' is not one of fusedpar's axes"),
+        ({"cp": "x", "tp": "x"}, r"two axes share a mesh name"),
+        ({"tp": 3}, r"must be a string"),
+    ):
         with pytest.raises(ValueError, match=match):
             fp.ParallelDims(names=names)
 
@@ -67,8 +70,10 @@ def _step(mapped: bool, directory: str) -> list:
 
 
 def _mapped_and_canonical(directory: str) -> bool:
-    return all(torch.equal(a, b) for a, b in zip(_step(True, directory), _step(False, directory),
-                                                 strict=True))  # fmt: skip
+    return all(
+        torch.equal(a, b)
+        for a, b in zip(_step(True, directory), _step(False, directory), strict=True)
+    )
 
 
 def test_a_mapped_mesh_trains_and_checkpoints_as_the_canonical_one(world, tmp_path):
@@ -102,7 +107,8 @@ def _pipeline_losses(mapped: bool) -> list:
 def _pipelines_equal() -> bool:
     mapped, canonical = _pipeline_losses(True), _pipeline_losses(False)
     return len(mapped) == len(canonical) and all(
-        torch.equal(a, b) for a, b in zip(mapped, canonical, strict=True))  # fmt: skip
+        torch.equal(a, b) for a, b in zip(mapped, canonical, strict=True)
+    )
 
 
 def test_a_mapped_mesh_pipelines_and_shards_as_the_canonical_one(world):
@@ -141,11 +147,14 @@ def _refusals() -> dict:
 def test_unknown_axis_names_and_other_degrees_are_refused_on_every_rank(world):
     unknown = r"the mesh's axes \('data', 'context', 'tensor'\) include .* not fusedpar's axes"
     expected = {
-        "groups": unknown, "stage_mesh": unknown, "fully_shard": unknown,
-        "distribute": unknown + r".*names=dims.names", "split": unknown,
+        "groups": unknown,
+        "stage_mesh": unknown,
+        "fully_shard": unknown,
+        "distribute": unknown + r".*names=dims.names",
+        "split": unknown,
         "degrees": r"the mesh's axis 'cp' \(cp\) has 4 ranks, but cp = 2",
         "left out": r"leave out tp \(2 ranks\)",
-    }  # fmt: skip
+    }
     for out in world(4).run(_refusals):
         for name, match in expected.items():
             e = out[name]

@@ -57,33 +57,54 @@ def mla_reference(x, p, q_lora, interleaved, scale):
 
 def _dense(q_lora, bias, seed):
     """Hugging Face's weights (out, in), every one random (norms and biases too)."""
-    shapes = {"kv_a": (KV_LORA + ROPE, D_MODEL), "kv_a_norm": (KV_LORA,),
-              "kv_b": (HEADS * (NOPE + V_DIM), KV_LORA), "o": (D_MODEL, HEADS * V_DIM)}  # fmt: skip
+    shapes = {
+        "kv_a": (KV_LORA + ROPE, D_MODEL),
+        "kv_a_norm": (KV_LORA,),
+        "kv_b": (HEADS * (NOPE + V_DIM), KV_LORA),
+        "o": (D_MODEL, HEADS * V_DIM),
+    }
     if q_lora:
-        shapes |= {"q_a": (q_lora, D_MODEL), "q_a_norm": (q_lora,),
-                   "q_b": (HEADS * (NOPE + ROPE), q_lora)}  # fmt: skip
+        shapes |= {
+            "q_a": (q_lora, D_MODEL),
+            "q_a_norm": (q_lora,),
+            "q_b": (HEADS * (NOPE + ROPE), q_lora),
+        }
     else:
         shapes["q"] = (HEADS * (NOPE + ROPE), D_MODEL)
     if bias:
         shapes |= {"kv_a_b": (KV_LORA + ROPE,), "o_b": (D_MODEL,)}
         if q_lora:
             shapes["q_a_b"] = (q_lora,)
-    return {n: randn(s, torch.float64, seed + i, scale=0.3, exact_in=torch.float32)
-            for i, (n, s) in enumerate(shapes.items())}  # fmt: skip
+    return {
+        n: randn(s, torch.float64, seed + i, scale=0.3, exact_in=torch.float32)
+        for i, (n, s) in enumerate(shapes.items())
+    }
 
 
 # our parameter -> (Hugging Face's weight name, whose rows `dense_rows` maps back)
-NAMES = {"q_a_weight": "q_a", "q_a_bias": "q_a_b", "q_a_norm_weight": "q_a_norm",
-         "q_b_weight": "q_b", "q_weight": "q", "kv_a_weight": "kv_a", "kv_a_bias": "kv_a_b",
-         "kv_a_norm_weight": "kv_a_norm", "kv_b_weight": "kv_b", "o_weight": "o",
-         "o_bias": "o_b"}  # fmt: skip
+NAMES = {
+    "q_a_weight": "q_a",
+    "q_a_bias": "q_a_b",
+    "q_a_norm_weight": "q_a_norm",
+    "q_b_weight": "q_b",
+    "q_weight": "q",
+    "kv_a_weight": "kv_a",
+    "kv_a_bias": "kv_a_b",
+    "kv_a_norm_weight": "kv_a_norm",
+    "kv_b_weight": "kv_b",
+    "o_weight": "o",
+    "o_bias": "o_b",
+}
 
 
-@pytest.mark.parametrize("q_lora, bias, interleaved, implementation", [
-    (16, False, True, "auto"),  # DeepSeek-V3's: q's latent, interleaved rotary pairs
-    (None, True, False, "auto"),  # V2-Lite's: q_proj, biases
-    (16, True, False, "triton"),  # the attention kernels with Dv != Dqk (the interpreter)
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "q_lora, bias, interleaved, implementation",
+    [
+        (16, False, True, "auto"),  # DeepSeek-V3's: q's latent, interleaved rotary pairs
+        (None, True, False, "auto"),  # V2-Lite's: q_proj, biases
+        (16, True, False, "triton"),  # the attention kernels with Dv != Dqk (the interpreter)
+    ],
+)
 def test_mla_matches_float64(q_lora, bias, interleaved, implementation):
     check_mla(q_lora, bias, interleaved, implementation, 11, "cpu", torch.float32)
 
@@ -111,19 +132,33 @@ def check_mla(q_lora, bias, interleaved, implementation, S, device, dtype):
     ref64, ref32 = reference(torch.float64), reference(dtype)
     q = tuple(_linear(dense, n) for n in ("q_a", "q_b")) if q_lora else _linear(dense, "q")
     layer = ParallelMLA.from_dense(
-        q, _linear(dense, "kv_a"), _linear(dense, "kv_b"), _linear(dense, "o"), D_MODEL, HEADS,
-        q_a_norm=dense.get("q_a_norm"), kv_a_norm=dense["kv_a_norm"], kv_lora_rank=KV_LORA,
-        qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V_DIM, softmax_scale=scale,
-        norm_eps=EPS, rope_interleave=interleaved, dtype=dtype, device=device,
-    )  # fmt: skip
+        q,
+        _linear(dense, "kv_a"),
+        _linear(dense, "kv_b"),
+        _linear(dense, "o"),
+        D_MODEL,
+        HEADS,
+        q_a_norm=dense.get("q_a_norm"),
+        kv_a_norm=dense["kv_a_norm"],
+        kv_lora_rank=KV_LORA,
+        qk_nope_head_dim=NOPE,
+        qk_rope_head_dim=ROPE,
+        v_head_dim=V_DIM,
+        softmax_scale=scale,
+        norm_eps=EPS,
+        rope_interleave=interleaved,
+        dtype=dtype,
+        device=device,
+    )
     with fp.implementation(implementation):
         y = layer(x.to(device, dtype))
         (y * dy.to(device, dtype)).sum().backward()
     assert_close(y.cpu(), ref64[0], ref32[0], name="output", sum_length=D_MODEL)
     for name, param in layer.named_parameters():
         grad = layer.dense_rows(name, param.grad.cpu(), interleaved)
-        assert_close(grad, ref64[1][NAMES[name]], ref32[1][NAMES[name]], name=name,
-                     sum_length=D_MODEL)  # fmt: skip
+        assert_close(
+            grad, ref64[1][NAMES[name]], ref32[1][NAMES[name]], name=name, sum_length=D_MODEL
+        )
 
 
 def _linear(dense, name):
@@ -138,8 +173,9 @@ def _linear(dense, name):
 
 
 def test_bad_configurations_are_refused():
-    common = dict(q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                  v_head_dim=8)  # fmt: skip
+    common = dict(
+        q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8
+    )
     with pytest.raises(ValueError, match="qk_rope_head_dim \\(7\\) must be even"):
         ParallelMLA(32, 4, **{**common, "qk_rope_head_dim": 7})
     with pytest.raises(TypeError, match="rope must be"):
@@ -161,13 +197,27 @@ def _run_ring(cp_ring, seed):
     group = dist.group.WORLD
     q = tuple(_linear(dense, n) for n in ("q_a", "q_b"))
     layer = ParallelMLA.from_dense(
-        q, _linear(dense, "kv_a"), _linear(dense, "kv_b"), _linear(dense, "o"), D_MODEL, HEADS,
-        q_a_norm=dense["q_a_norm"], kv_a_norm=dense["kv_a_norm"], qk_nope_head_dim=NOPE,
-        qk_rope_head_dim=ROPE, v_head_dim=V_DIM, norm_eps=EPS, rope_interleave=True,
-        cp_group=group, cp_ring=cp_ring, dtype=torch.float32,
-    )  # fmt: skip
-    x, dy = (fp.shard_sequence(randn((16, 2, D_MODEL), torch.float32, seed + i), group, dim=0)
-             for i in (10, 11))  # fmt: skip
+        q,
+        _linear(dense, "kv_a"),
+        _linear(dense, "kv_b"),
+        _linear(dense, "o"),
+        D_MODEL,
+        HEADS,
+        q_a_norm=dense["q_a_norm"],
+        kv_a_norm=dense["kv_a_norm"],
+        qk_nope_head_dim=NOPE,
+        qk_rope_head_dim=ROPE,
+        v_head_dim=V_DIM,
+        norm_eps=EPS,
+        rope_interleave=True,
+        cp_group=group,
+        cp_ring=cp_ring,
+        dtype=torch.float32,
+    )
+    x, dy = (
+        fp.shard_sequence(randn((16, 2, D_MODEL), torch.float32, seed + i), group, dim=0)
+        for i in (10, 11)
+    )
     with Collectives() as seen:
         y = layer(x)
         (y * dy).sum().backward()
@@ -189,7 +239,8 @@ def test_the_latent_ring_computes_the_expanded_rings_numbers(world):
     latent = world(4).run(_run_ring, "latent", 5)
     expanded = world(4).run(_run_ring, "auto", 5)
     for (y, grads, took_latent, sent), (y_ref, grads_ref, took_ref, sent_ref) in zip(
-            latent, expanded, strict=True):  # fmt: skip
+        latent, expanded, strict=True
+    ):
         assert took_latent and not took_ref
         torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
         for name, grad in grads.items():
@@ -205,8 +256,9 @@ def _odd_ring():
 
     q = torch.zeros(1, 3, HEADS, NOPE + ROPE)
     latent, w = torch.zeros(1, 3, KV_LORA + ROPE), torch.zeros(HEADS * (NOPE + V_DIM), KV_LORA)
-    mla_ring_attn(q, latent, w, dist.group.WORLD, qk_nope_head_dim=NOPE, v_head_dim=V_DIM,
-                  softmax_scale=0.1)  # fmt: skip
+    mla_ring_attn(
+        q, latent, w, dist.group.WORLD, qk_nope_head_dim=NOPE, v_head_dim=V_DIM, softmax_scale=0.1
+    )
 
 
 def test_the_latent_ring_refuses_what_it_cannot_split_on_every_rank(world):

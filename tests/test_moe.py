@@ -50,14 +50,18 @@ def _problem(p, size):
     router = randn((E, d), torch.float64, seed)
     router[0] += skew  # with x shifted by skew too, expert 0 draws the tokens
     gate_up = 5.0 if p.get("gpt_oss") else 1.0
-    stacks = {"router_weight": router,
-              "w1": randn((E, h, d), torch.float64, seed + 1) * gate_up / d**0.5,
-              "w2": randn((E, d, h), torch.float64, seed + 3) / h**0.5,
-              "w3": randn((E, h, d), torch.float64, seed + 2) * gate_up / d**0.5}  # fmt: skip
+    stacks = {
+        "router_weight": router,
+        "w1": randn((E, h, d), torch.float64, seed + 1) * gate_up / d**0.5,
+        "w2": randn((E, d, h), torch.float64, seed + 3) / h**0.5,
+        "w3": randn((E, h, d), torch.float64, seed + 2) * gate_up / d**0.5,
+    }
     if p["shared"]:  # a shared expert of width h (and its gate)
-        stacks.update(shared_w1=randn((h, d), torch.float64, seed + 4) / d**0.5,
-                      shared_w2=randn((d, h), torch.float64, seed + 5) / h**0.5,
-                      shared_w3=randn((h, d), torch.float64, seed + 6) / d**0.5)  # fmt: skip
+        stacks.update(
+            shared_w1=randn((h, d), torch.float64, seed + 4) / d**0.5,
+            shared_w2=randn((d, h), torch.float64, seed + 5) / h**0.5,
+            shared_w3=randn((h, d), torch.float64, seed + 6) / d**0.5,
+        )
         if p["shared"] == "gated":
             stacks["shared_gate_weight"] = randn((1, d), torch.float64, seed + 7) / d**0.5
     if p.get("gpt_oss"):
@@ -78,8 +82,9 @@ def _problem(p, size):
 
 def _options(p) -> dict:
     """The layer's keywords for the problem's routing and experts."""
-    options = dict(top_k=p["k"], score=p["score"], capacity_factor=p["capacity"],
-                   z_loss_coef=p["z_loss"])  # fmt: skip
+    options = dict(
+        top_k=p["k"], score=p["score"], capacity_factor=p["capacity"], z_loss_coef=p["z_loss"]
+    )
     if p.get("gpt_oss"):
         options["activation"] = "clamped_swiglu"
     return options
@@ -93,9 +98,16 @@ def _reference(p, stacks, xs, dys, dtype, batched=False):
     kwargs = _options(p)
     if "activation" in kwargs:
         kwargs["swiglu_alpha"], kwargs["swiglu_limit"] = 1.702, 7.0
-    outs = [moe_reference(x, *(params[n] for n in ("router_weight", "w1", "w2", "w3")),
-                          **kwargs, **_extras(params, "reference"), batched=batched)
-            for x in xr]  # fmt: skip
+    outs = [
+        moe_reference(
+            x,
+            *(params[n] for n in ("router_weight", "w1", "w2", "w3")),
+            **kwargs,
+            **_extras(params, "reference"),
+            batched=batched,
+        )
+        for x in xr
+    ]
     loss = sum((y * dy.to(dtype)).sum() + aux for (y, aux), dy in zip(outs, dys, strict=True))
     if loss.requires_grad:
         loss.backward()
@@ -133,8 +145,12 @@ def _run_moe(p):
     dtype = p["dtype"]
     stacks, xs, dys = _problem(p, size)
     stacks_in = {n: t.to(dtype) for n, t in stacks.items()}
-    layer = fp.nn.MoE.from_dense(*(stacks_in[n] for n in ("router_weight", "w1", "w2", "w3")),
-                                 _group(), **_options(p), **_extras(stacks_in))  # fmt: skip
+    layer = fp.nn.MoE.from_dense(
+        *(stacks_in[n] for n in ("router_weight", "w1", "w2", "w3")),
+        _group(),
+        **_options(p),
+        **_extras(stacks_in),
+    )
     x = xs[rank].to(dtype).requires_grad_()
     with poisoned_outputs():  # dropped pairs' rows hold NaN: nothing may read them
         y, aux = layer(x)
@@ -150,15 +166,20 @@ def _run_moe(p):
     mine = slice(rank * p["E"] // size, (rank + 1) * p["E"] // size)
     checks = [
         ("y", y, ref[0][rank][0], [s[0][rank][0] for s in routes]),
-        ("aux", aux.reshape(1), ref[0][rank][1].reshape(1),
-         [s[0][rank][1].reshape(1) for s in routes]),
+        (
+            "aux",
+            aux.reshape(1),
+            ref[0][rank][1].reshape(1),
+            [s[0][rank][1].reshape(1) for s in routes],
+        ),
         ("dx", x.grad, ref[1][rank], [s[1][rank] for s in routes]),
-    ]  # fmt: skip
+    ]
     for name in stacks:
         grad = getattr(layer, name).grad.clone()
         if name in EXPERTS:  # this rank's experts: every rank's tokens routed to them
-            checks.append((f"d {name}", grad, ref[2][name][mine],
-                           [s[2][name][mine] for s in routes]))  # fmt: skip
+            checks.append(
+                (f"d {name}", grad, ref[2][name][mine], [s[2][name][mine] for s in routes])
+            )
             continue
         if size > 1:  # whole on every rank: the sum data parallelism takes over EP ranks
             dist.all_reduce(grad)
@@ -173,20 +194,37 @@ def moe_problems(draw):
     size = draw(st.sampled_from([1, 2, 4]))
     E = size * draw(st.integers(1, 3))
     return dict(
-        world_size=size, E=E, k=draw(st.integers(1, min(E, 4))),
-        d=draw(st.integers(1, 12)), h=draw(st.integers(1, 12)),
+        world_size=size,
+        E=E,
+        k=draw(st.integers(1, min(E, 4))),
+        d=draw(st.integers(1, 12)),
+        h=draw(st.integers(1, 12)),
         tokens=draw(st.lists(st.integers(0, 6), min_size=size, max_size=size)),
         score=draw(st.sampled_from(["softmax", "sigmoid"])),
         capacity=draw(st.sampled_from([None, None, 1.0, 0.5])),
-        z_loss=draw(st.sampled_from([0.0, 1e-3])), skew=draw(st.sampled_from([0.0, 0.5, 2.0])),
+        z_loss=draw(st.sampled_from([0.0, 1e-3])),
+        skew=draw(st.sampled_from([0.0, 0.5, 2.0])),
         shared=draw(st.sampled_from([None, None, "plain", "gated"])),
         gpt_oss=draw(st.sampled_from([False, False, True])),
-        dtype=draw(cpu_dtypes()), seed=draw(seeds()),
-    )  # fmt: skip
+        dtype=draw(cpu_dtypes()),
+        seed=draw(seeds()),
+    )
 
 
-BASE = dict(E=4, k=2, d=8, h=6, score="softmax", capacity=None, z_loss=0.0, skew=0.0,
-            shared=None, gpt_oss=False, dtype=torch.float32, seed=0)  # fmt: skip
+BASE = dict(
+    E=4,
+    k=2,
+    d=8,
+    h=6,
+    score="softmax",
+    capacity=None,
+    z_loss=0.0,
+    skew=0.0,
+    shared=None,
+    gpt_oss=False,
+    dtype=torch.float32,
+    seed=0,
+)
 # gpt-oss's experts and router (biases, the clamped SwiGLU) at odd sizes, its last expert
 # idle, at EP = 2
 GPT_OSS = {**BASE, "world_size": 2, "E": 6, "d": 9, "h": 7, "tokens": [5, 7], "gpt_oss": True}
@@ -203,30 +241,85 @@ GPT_OSS = {**BASE, "world_size": 2, "E": 6, "d": 9, "h": 7, "tokens": [5, 7], "g
 # gpt-oss's top-1 at EP 4, three ranks with no tokens: its weight is 1 and gives the
 # router no gradient; the renormalized chosen probability gave it rounding amplified by
 # 1/p (1.04e-5 off, 6x PyTorch's own fp32 error)
-@example(p={**BASE, "world_size": 4, "k": 1, "d": 9, "h": 3, "tokens": [0, 0, 0, 4],
-            "gpt_oss": True, "seed": 147})  # fmt: skip
+@example(
+    p={
+        **BASE,
+        "world_size": 4,
+        "k": 1,
+        "d": 9,
+        "h": 3,
+        "tokens": [0, 0, 0, 4],
+        "gpt_oss": True,
+        "seed": 147,
+    }
+)
 # ... and at top_k = E, where a softmax over the chosen logits would lose the dominant
 # weight's gradient to its own cancellation: the renormalized form is kept for k > 1
-@example(p={**BASE, "world_size": 1, "E": 2, "k": 2, "d": 12, "h": 1, "tokens": [1],
-            "skew": 0.5, "gpt_oss": True, "seed": 3})  # fmt: skip
+@example(
+    p={
+        **BASE,
+        "world_size": 1,
+        "E": 2,
+        "k": 2,
+        "d": 12,
+        "h": 1,
+        "tokens": [1],
+        "skew": 0.5,
+        "gpt_oss": True,
+        "seed": 3,
+    }
+)
 # a gate's dot cancelling (+-13 to 0.17) under gpt-oss's clamped SwiGLU: the layer's
 # rounding is a batched model's, which the token-at-a-time route alone misjudged
-@example(p={**BASE, "world_size": 4, "E": 8, "d": 12, "h": 7, "tokens": [0, 0, 0, 2],
-            "score": "sigmoid", "skew": 2.0, "gpt_oss": True, "seed": 304992189})  # fmt: skip
+@example(
+    p={
+        **BASE,
+        "world_size": 4,
+        "E": 8,
+        "d": 12,
+        "h": 7,
+        "tokens": [0, 0, 0, 2],
+        "score": "sigmoid",
+        "skew": 2.0,
+        "gpt_oss": True,
+        "seed": 304992189,
+    }
+)
 @example(p={**GPT_OSS, "tokens": [0, 6], "dtype": torch.float16, "capacity": 1.0})
-@example(p={**BASE, "world_size": 2, "tokens": [6, 4], "capacity": 0.5, "skew": 2.0,
-            "score": "sigmoid", "z_loss": 1e-3, "dtype": torch.float16})  # dropping  # fmt: skip
+@example(
+    p={
+        **BASE,
+        "world_size": 2,
+        "tokens": [6, 4],
+        "capacity": 0.5,
+        "skew": 2.0,
+        "score": "sigmoid",
+        "z_loss": 1e-3,
+        "dtype": torch.float16,
+    }
+)  # dropping
 def test_moe_matches_naive_loop(world, p):
     p = dict(p)
     size = p.pop("world_size")
     world(size).run(_run_moe, p)
 
 
-@pytest.mark.parametrize("p", [
-    {**BASE, "tokens": [6, 4], "capacity": 0.5, "skew": 2.0, "score": "sigmoid",
-     "z_loss": 1e-3, "dtype": torch.float16},
-    {k: v for k, v in GPT_OSS.items() if k != "world_size"},
-], ids=["dropping", "gpt-oss"])  # fmt: skip
+@pytest.mark.parametrize(
+    "p",
+    [
+        {
+            **BASE,
+            "tokens": [6, 4],
+            "capacity": 0.5,
+            "skew": 2.0,
+            "score": "sigmoid",
+            "z_loss": 1e-3,
+            "dtype": torch.float16,
+        },
+        {k: v for k, v in GPT_OSS.items() if k != "world_size"},
+    ],
+    ids=["dropping", "gpt-oss"],
+)
 def test_the_layer_on_triton_kernels(world, triton_kernels, p):
     """The property test's dropping and gpt-oss examples with fusedpar's Triton kernels
     (the interpreter here) on both ranks: the kernels inside the layer, not alone."""
@@ -251,8 +344,12 @@ def test_the_clamp_bites():
 def _run_determinism(p):
     stacks, xs, dys = _problem(p, dist.get_world_size())
     stacks = {n: t.float() for n, t in stacks.items()}
-    layer = fp.nn.MoE.from_dense(*(stacks[n] for n in ("router_weight", "w1", "w2", "w3")),
-                                 _group(), **_options(p), **_extras(stacks))  # fmt: skip
+    layer = fp.nn.MoE.from_dense(
+        *(stacks[n] for n in ("router_weight", "w1", "w2", "w3")),
+        _group(),
+        **_options(p),
+        **_extras(stacks),
+    )
     results = []
     for _ in range(2):
         layer.zero_grad()
@@ -300,25 +397,40 @@ def _run_bad(case):
 
 @pytest.mark.parametrize(
     "case, error, match",
-    [("experts", ValueError, r"num_experts \(3\).*EP group size \(2\)"),
-     ("top_k", ValueError, r"top_k \(5\).*num_experts \(4\)"),
-     ("shape", ValueError, r"d_model=8.*\(3, 7\)"), ("dtype", TypeError, "float16")],
-)  # fmt: skip
+    [
+        ("experts", ValueError, r"num_experts \(3\).*EP group size \(2\)"),
+        ("top_k", ValueError, r"top_k \(5\).*num_experts \(4\)"),
+        ("shape", ValueError, r"d_model=8.*\(3, 7\)"),
+        ("dtype", TypeError, "float16"),
+    ],
+)
 def test_bad_input_fails_on_every_rank(world, case, error, match):
     for e in world(2).run(exception_of, _run_bad, case):
         assert isinstance(e, error) and re.search(match, str(e)), repr(e)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"shared_gate_weight": torch.ones(1, 8)}, r"shared_gate needs a shared expert"),
-    ({"shared": (torch.ones(5, 8), torch.ones(8, 5), torch.ones(5, 8)),
-      "shared_gate_weight": torch.ones(1, 8), "shared_gate": False},
-     r"a shared gate given but this MoE was built with shared_gate=False"),
-    ({"shared": (torch.ones(5, 8), torch.ones(8, 5), torch.ones(5, 8)), "shared_hidden": 0},
-     r"a shared expert given but this MoE was built with shared_hidden=0"),
-    ({"shared": (torch.ones(5, 8), torch.ones(8, 4), torch.ones(5, 8))},
-     r"shared w2 must be \(8, 5\), got \(8, 4\)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"shared_gate_weight": torch.ones(1, 8)}, r"shared_gate needs a shared expert"),
+        (
+            {
+                "shared": (torch.ones(5, 8), torch.ones(8, 5), torch.ones(5, 8)),
+                "shared_gate_weight": torch.ones(1, 8),
+                "shared_gate": False,
+            },
+            r"a shared gate given but this MoE was built with shared_gate=False",
+        ),
+        (
+            {"shared": (torch.ones(5, 8), torch.ones(8, 5), torch.ones(5, 8)), "shared_hidden": 0},
+            r"a shared expert given but this MoE was built with shared_hidden=0",
+        ),
+        (
+            {"shared": (torch.ones(5, 8), torch.ones(8, 4), torch.ones(5, 8))},
+            r"shared w2 must be \(8, 5\), got \(8, 4\)",
+        ),
+    ],
+)
 def test_from_dense_refuses_a_shared_expert_it_would_not_compute(kwargs, match):
     stacks = (torch.ones(4, 8), torch.ones(4, 6, 8), torch.ones(4, 8, 6), torch.ones(4, 6, 8))
     with pytest.raises(ValueError, match=match):
@@ -329,24 +441,43 @@ STACKS = (torch.ones(4, 8), torch.ones(4, 6, 8), torch.ones(4, 8, 6), torch.ones
 BIASES = (torch.ones(4, 6), torch.ones(4, 8), torch.ones(4, 6))
 
 
-@pytest.mark.parametrize("build, match", [
-    (lambda: fp.nn.MoE(8, 6, 4, 2, activation="gelu"),
-     r"activation must be one of \('silu', 'clamped_swiglu'\), got 'gelu'"),
-    (lambda: fp.nn.MoE(8, 6, 4, 2, swiglu_limit=7.0),
-     r"swiglu_limit apply to activation='clamped_swiglu' only, got activation='silu'"),
-    (lambda: fp.nn.MoE(8, 6, 4, 2, activation="clamped_swiglu", swiglu_alpha=float("inf")),
-     "swiglu_alpha must be a positive finite number, got inf"),
-    (lambda: fp.nn.MoE(8, 6, 4, 2, activation="clamped_swiglu", swiglu_limit=-7.0),
-     "swiglu_limit must be a positive finite number, got -7.0"),
-    (lambda: fp.nn.MoE.from_dense(*STACKS, top_k=2, bias=(BIASES[0], BIASES[0], BIASES[2])),
-     r"b2 must be \(4, 8\), got \(4, 6\)"),
-    (lambda: fp.nn.MoE.from_dense(*STACKS, top_k=2, router_bias=torch.ones(8)),
-     r"router_bias must be \(4,\), got \(8,\)"),
-    (lambda: fp.nn.MoE(8, 6, 4, 2).load_dense(*STACKS, bias=BIASES),
-     r"expert biases given but this MoE was built with bias=False"),
-    (lambda: fp.nn.MoE(8, 6, 4, 2, router_bias=True).load_dense(*STACKS),
-     r"a router bias missing but this MoE was built with router_bias=True"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (
+            lambda: fp.nn.MoE(8, 6, 4, 2, activation="gelu"),
+            r"activation must be one of \('silu', 'clamped_swiglu'\), got 'gelu'",
+        ),
+        (
+            lambda: fp.nn.MoE(8, 6, 4, 2, swiglu_limit=7.0),
+            r"swiglu_limit apply to activation='clamped_swiglu' only, got activation='silu'",
+        ),
+        (
+            lambda: fp.nn.MoE(8, 6, 4, 2, activation="clamped_swiglu", swiglu_alpha=float("inf")),
+            "swiglu_alpha must be a positive finite number, got inf",
+        ),
+        (
+            lambda: fp.nn.MoE(8, 6, 4, 2, activation="clamped_swiglu", swiglu_limit=-7.0),
+            "swiglu_limit must be a positive finite number, got -7.0",
+        ),
+        (
+            lambda: fp.nn.MoE.from_dense(*STACKS, top_k=2, bias=(BIASES[0], BIASES[0], BIASES[2])),
+            r"b2 must be \(4, 8\), got \(4, 6\)",
+        ),
+        (
+            lambda: fp.nn.MoE.from_dense(*STACKS, top_k=2, router_bias=torch.ones(8)),
+            r"router_bias must be \(4,\), got \(8,\)",
+        ),
+        (
+            lambda: fp.nn.MoE(8, 6, 4, 2).load_dense(*STACKS, bias=BIASES),
+            r"expert biases given but this MoE was built with bias=False",
+        ),
+        (
+            lambda: fp.nn.MoE(8, 6, 4, 2, router_bias=True).load_dense(*STACKS),
+            r"a router bias missing but this MoE was built with router_bias=True",
+        ),
+    ],
+)
 def test_bias_and_activation_options_are_checked(build, match):
     with pytest.raises(ValueError, match=match):
         build()
@@ -374,8 +505,9 @@ def test_gpt_oss_matches_hugging_face():
     tensors: y and every gradient, HF in float64 the oracle, HF in fp32 the same-dtype
     peer. Gate and up weights large enough that the clamp bites."""
     gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
-    config = gpt_oss.GptOssConfig(hidden_size=12, intermediate_size=10, num_local_experts=5,
-                                  num_experts_per_tok=2)  # fmt: skip
+    config = gpt_oss.GptOssConfig(
+        hidden_size=12, intermediate_size=10, num_local_experts=5, num_experts_per_tok=2
+    )
     torch.manual_seed(0)
     hf = gpt_oss.GptOssMLP(config)
     with torch.no_grad():
@@ -392,32 +524,57 @@ def test_gpt_oss_matches_hugging_face():
         model = copy.deepcopy(hf).to(dtype)
         xs = x.to(dtype).requires_grad_()
         e, r = model.experts, model.router
-        leaves = [xs, r.weight, r.bias, e.gate_up_proj, e.gate_up_proj_bias, e.down_proj,
-                  e.down_proj_bias]  # fmt: skip
+        leaves = [
+            xs,
+            r.weight,
+            r.bias,
+            e.gate_up_proj,
+            e.gate_up_proj_bias,
+            e.down_proj,
+            e.down_proj_bias,
+        ]
         return grads_of(model(xs)[0], leaves)
 
     e = hf.experts
     gate, up = (slice(0, None, 2), slice(1, None, 2))  # HF's interleaving
     layer = fp.nn.MoE.from_dense(
-        hf.router.weight, e.gate_up_proj[..., gate].transpose(1, 2), e.down_proj.transpose(1, 2),
-        e.gate_up_proj[..., up].transpose(1, 2), top_k=2, router_bias=hf.router.bias,
+        hf.router.weight,
+        e.gate_up_proj[..., gate].transpose(1, 2),
+        e.down_proj.transpose(1, 2),
+        e.gate_up_proj[..., up].transpose(1, 2),
+        top_k=2,
+        router_bias=hf.router.bias,
         bias=(e.gate_up_proj_bias[..., gate], e.down_proj_bias, e.gate_up_proj_bias[..., up]),
-        activation="clamped_swiglu", swiglu_alpha=config.swiglu_alpha,
-        swiglu_limit=config.swiglu_limit, aux_loss_coef=0.0,
-    )  # fmt: skip
+        activation="clamped_swiglu",
+        swiglu_alpha=config.swiglu_alpha,
+        swiglu_limit=config.swiglu_limit,
+        aux_loss_coef=0.0,
+    )
     xs = x.clone().requires_grad_()
     out = grads_of(layer(xs)[0], [xs, layer.router_weight, layer.router_bias])
 
     def interleave(g, u):  # ours as HF's fused (E, ..., 2h): gate, up alternating
         return torch.stack([g, u], -1).flatten(-2)
 
-    out += [interleave(layer.w1.grad.transpose(1, 2), layer.w3.grad.transpose(1, 2)),
-            interleave(layer.b1.grad, layer.b3.grad), layer.w2.grad.transpose(1, 2),
-            layer.b2.grad]  # fmt: skip
-    names = ["y", "dx", "d router", "d router bias", "d gate_up", "d gate_up bias", "d down",
-             "d down bias"]  # fmt: skip
-    for name, got, ref, same in zip(names, out, run_hf(torch.float64), run_hf(torch.float32),
-                                    strict=True):  # fmt: skip
+    out += [
+        interleave(layer.w1.grad.transpose(1, 2), layer.w3.grad.transpose(1, 2)),
+        interleave(layer.b1.grad, layer.b3.grad),
+        layer.w2.grad.transpose(1, 2),
+        layer.b2.grad,
+    ]
+    names = [
+        "y",
+        "dx",
+        "d router",
+        "d router bias",
+        "d gate_up",
+        "d gate_up bias",
+        "d down",
+        "d down bias",
+    ]
+    for name, got, ref, same in zip(
+        names, out, run_hf(torch.float64), run_hf(torch.float32), strict=True
+    ):
         assert_close(got, ref, same, name=name)
     g = torch.einsum("btd,ehd->bteh", x, layer.w1.detach()) + layer.b1.detach()
     assert (g > config.swiglu_limit).any(), "the clamp should bite"
@@ -429,8 +586,17 @@ def test_gpt_oss_layer_parameters():
     torch.manual_seed(0)
     plain = fp.nn.MoE(8, 6, 4, 2)
     torch.manual_seed(0)
-    oss = fp.nn.MoE(8, 6, 4, 2, bias=True, router_bias=True, activation="clamped_swiglu",
-                    swiglu_alpha=1.5, swiglu_limit=5.0)  # fmt: skip
+    oss = fp.nn.MoE(
+        8,
+        6,
+        4,
+        2,
+        bias=True,
+        router_bias=True,
+        activation="clamped_swiglu",
+        swiglu_alpha=1.5,
+        swiglu_limit=5.0,
+    )
     for name in ("router_weight", "w1", "w2", "w3"):
         assert torch.equal(getattr(plain, name), getattr(oss, name)), name
     shapes = {"router_bias": (4,), "b1": (4, 6), "b2": (4, 8), "b3": (4, 6)}
@@ -441,8 +607,9 @@ def test_gpt_oss_layer_parameters():
     assert "bias=True, router_bias=True, activation=clamped_swiglu(alpha=1.5, limit=5.0)" in repr(
         oss
     )
-    again = fp.nn.MoE.from_dense(*STACKS, top_k=2, bias=BIASES, router_bias=torch.ones(4),
-                                 activation="clamped_swiglu")  # fmt: skip
+    again = fp.nn.MoE.from_dense(
+        *STACKS, top_k=2, bias=BIASES, router_bias=torch.ones(4), activation="clamped_swiglu"
+    )
     assert again.b2.shape == (4, 8) and again.router_bias is not None
     assert (again.swiglu_alpha, again.swiglu_limit) == (1.702, 7.0)
 
@@ -452,8 +619,16 @@ def test_leading_dims_and_no_group():
     layer = fp.nn.MoE(6, 5, 4, 2, score="sigmoid", z_loss_coef=1e-3)
     x = torch.randn(2, 3, 6)
     y, aux = layer(x)
-    ref, ref_aux = moe_reference(x.reshape(-1, 6), layer.router_weight, layer.w1, layer.w2,
-                                 layer.w3, top_k=2, score="sigmoid", z_loss_coef=1e-3)  # fmt: skip
+    ref, ref_aux = moe_reference(
+        x.reshape(-1, 6),
+        layer.router_weight,
+        layer.w1,
+        layer.w2,
+        layer.w3,
+        top_k=2,
+        score="sigmoid",
+        z_loss_coef=1e-3,
+    )
     assert y.shape == x.shape
     torch.testing.assert_close(y.reshape(-1, 6), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(aux, ref_aux)
@@ -515,14 +690,16 @@ def test_bench_peers_match_the_reference(monkeypatch, capsys):
     router, w1, w3 = torch.randn(E, d), torch.randn(E, h, d) / 4, torch.randn(E, h, d) / 4
     w2 = torch.randn(E, d, h) / 3
     x = torch.randn(13, d)
-    ref, _ = moe_reference(x.double(), router.double(), w1.double(), w2.double(),
-                           w3.double(), top_k=k)  # fmt: skip
+    ref, _ = moe_reference(
+        x.double(), router.double(), w1.double(), w2.double(), w3.double(), top_k=k
+    )
     peers = [bench_moe._naive_moe]
     if hasattr(torch, "_grouped_mm"):
         peers.append(bench_moe._grouped_mm_moe)
     for peer in peers:
-        torch.testing.assert_close(peer(x, router, w1, w2, w3, k).double(), ref, rtol=1e-5,
-                                   atol=1e-5)  # fmt: skip
+        torch.testing.assert_close(
+            peer(x, router, w1, w2, w3, k).double(), ref, rtol=1e-5, atol=1e-5
+        )
     ids = bench_moe._routing(8, True, torch.Generator().manual_seed(0), 32, 4, "cpu")
     assert ids.shape == (32, 4) and all(len(set(r)) == 4 for r in ids.tolist())
     if not torch.cuda.is_available():

@@ -53,8 +53,9 @@ def poisoned_outputs():
     real = [module._empty for module in modules]
 
     def nan_empty(shape, dtype, device):  # (integers: -1, an index out of range)
-        return torch.full(shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype,
-                          device=device)  # fmt: skip
+        return torch.full(
+            shape, float("nan") if dtype.is_floating_point else -1, dtype=dtype, device=device
+        )
 
     for module in modules:
         module._empty = nan_empty
@@ -94,19 +95,28 @@ def _kernel_problem(p, device):
     )
     strided, act = p["strided"], p.get("act", "silu")
     big = 5.0 if act == "clamped_swiglu" else 1.0
-    biases = [_operand((E, n), dtype, seed + 7 + i, device, strided, scale)
-              for i, (n, scale) in enumerate(((h, big), (d, 1.0), (h, big)))]  # fmt: skip
+    biases = [
+        _operand((E, n), dtype, seed + 7 + i, device, strided, scale)
+        for i, (n, scale) in enumerate(((h, big), (d, 1.0), (h, big)))
+    ]
     return dict(
-        counts=counts, order=order, pos=pos, rows=order // k, kept=int(counts.sum()),
+        counts=counts,
+        order=order,
+        pos=pos,
+        rows=order // k,
+        kept=int(counts.sum()),
         x=_operand((T, d), dtype, seed + 1, device, strided),
         w1=_operand((E, h, d), dtype, seed + 2, device, strided, big * d**-0.5),
         w3=_operand((E, h, d), dtype, seed + 3, device, strided, big * d**-0.5),
         w2=_operand((E, d, h), dtype, seed + 4, device, strided, h**-0.5),
         dy=_operand((T * k, d), dtype, seed + 5, device, strided),
         dh13=_operand((T * k, 2 * h), dtype, seed + 6, device, strided),
-        b1=biases[0], b2=biases[1], b3=biases[2],
-        bias=tuple(biases) if p.get("bias") else None, act={"activation": act},
-    )  # fmt: skip
+        b1=biases[0],
+        b2=biases[1],
+        b3=biases[2],
+        bias=tuple(biases) if p.get("bias") else None,
+        act={"activation": act},
+    )
 
 
 def _unwritten(t, kept, name):
@@ -163,8 +173,9 @@ def check_expert_swiglu(p, device):
                 (out[:n] * q["dy"][:n]).sum().backward()
             out = out[:n]
         else:
-            out = expert_swiglu_reference(x, w1, w3, w2, counts, rows, bias=bias, **act,
-                                          passes=passes if follow else None)  # fmt: skip
+            out = expert_swiglu_reference(
+                x, w1, w3, w2, counts, rows, bias=bias, **act, passes=passes if follow else None
+            )
             if out.requires_grad:
                 (out * q["dy"][:n].to(out.dtype)).sum().backward()
         leaves = (x, w1, w3, w2, *(bias or ()))
@@ -206,8 +217,9 @@ def test_the_clamp_passes_the_gradient_on_its_bounds(each_implementation):
         x, w1, w3, w2, *bias = (t.detach().requires_grad_() for t in operands)
         fn = expert_swiglu if fused else expert_swiglu_reference
         extra = (pos,) if fused else ()
-        out = fn(x, w1, w3, w2, counts, order, *extra, bias=tuple(bias),
-                 activation="clamped_swiglu")  # fmt: skip
+        out = fn(
+            x, w1, w3, w2, counts, order, *extra, bias=tuple(bias), activation="clamped_swiglu"
+        )
         (out * dy[order].to(out.dtype)).sum().backward()
         return [out] + [t.grad for t in (x, w1, w3, w2, *bias)]
 
@@ -228,8 +240,11 @@ def check_weight_grad(p, device):
         dw1, dw3, *db13 = grouped_weight_grad(dh, x, counts, rows, split=True, bias_grad=bias)
         dw2 = grouped_weight_grad(q["dy"], dh[:, :h], counts, bias_grad=bias)
     dw2, *db2 = dw2 if bias else (dw2,)
-    cases = [("dw1", dw1, dh[:, :h], x, rows), ("dw3", dw3, dh[:, h:], x, rows),
-             ("dw2", dw2, q["dy"], dh[:, :h], None)]  # fmt: skip
+    cases = [
+        ("dw1", dw1, dh[:, :h], x, rows),
+        ("dw3", dw3, dh[:, h:], x, rows),
+        ("dw2", dw2, q["dy"], dh[:, :h], None),
+    ]
     for name, got, dy, src, r in cases:
         ref = grouped_weight_grad_reference(dy.double(), src.double(), counts, r)
         assert_close(got, ref, grouped_weight_grad_reference(dy, src, counts, r), name=name)
@@ -268,25 +283,47 @@ def check_permute_combine(p, device):
     assert_close(dw, ref, dw_reference(y.float(), dy.float()), name="combine weight grad")
 
 
-KERNEL_CHECKS = [check_grouped_matmul, check_expert_swiglu, check_weight_grad,
-                 check_permute_combine]  # fmt: skip
+KERNEL_CHECKS = [
+    check_grouped_matmul,
+    check_expert_swiglu,
+    check_weight_grad,
+    check_permute_combine,
+]
 
 
 @st.composite
 def kernel_problems(draw):
     E = draw(st.integers(1, 5))
     return dict(
-        T=draw(st.integers(0, 24)), k=draw(st.integers(1, 3)), E=E, d=draw(st.integers(1, 40)),
-        h=draw(st.integers(1, 40)), empty=draw(st.integers(0, E - 1)),
-        skew=draw(st.sampled_from([0.0, 1.0, 3.0])), drop=draw(st.booleans()),
-        strided=draw(st.booleans()), bias=draw(st.booleans()),
-        act=draw(st.sampled_from(["silu", "clamped_swiglu"])), dtype=draw(cpu_dtypes()),
+        T=draw(st.integers(0, 24)),
+        k=draw(st.integers(1, 3)),
+        E=E,
+        d=draw(st.integers(1, 40)),
+        h=draw(st.integers(1, 40)),
+        empty=draw(st.integers(0, E - 1)),
+        skew=draw(st.sampled_from([0.0, 1.0, 3.0])),
+        drop=draw(st.booleans()),
+        strided=draw(st.booleans()),
+        bias=draw(st.booleans()),
+        act=draw(st.sampled_from(["silu", "clamped_swiglu"])),
+        dtype=draw(cpu_dtypes()),
         seed=draw(seeds()),
-    )  # fmt: skip
+    )
 
 
-SMALL = dict(T=9, k=2, E=4, d=10, h=7, empty=1, skew=1.0, drop=True, strided=False,
-             dtype=torch.float32, seed=0)  # fmt: skip
+SMALL = dict(
+    T=9,
+    k=2,
+    E=4,
+    d=10,
+    h=7,
+    empty=1,
+    skew=1.0,
+    drop=True,
+    strided=False,
+    dtype=torch.float32,
+    seed=0,
+)
 # gpt-oss's experts: biases and the clamped SwiGLU, strided, an empty expert, drops
 GPT_OSS_KERNEL = dict(T=20, bias=True, act="clamped_swiglu", strided=True)
 
@@ -298,29 +335,58 @@ GPT_OSS_KERNEL = dict(T=20, bias=True, act="clamped_swiglu", strided=True)
 @example(p={**SMALL, "T": 40, "k": 1, "E": 2, "empty": 0, "drop": False})  # many blocks/expert
 @example(p={**SMALL, **GPT_OSS_KERNEL})
 @example(p={**SMALL, **GPT_OSS_KERNEL, "dtype": torch.float16, "d": 70, "h": 67})
-@example(p={**SMALL, "T": 1, "k": 2, "E": 1, "d": 1, "h": 1, "empty": 0, "drop": True,
-            "seed": 230})  # a dropped slot: its unwritten (poisoned) row is never read  # fmt: skip
-@example(p={"T": 18, "k": 1, "E": 3, "d": 7, "h": 34, "empty": 0, "skew": 3.0, "drop": False,
-            "strided": True, "bias": True, "act": "clamped_swiglu", "dtype": torch.float16,
-            "seed": 1_330_303_161})  # an h3 within fp16 rounding of the clamp (CI)  # fmt: skip
+@example(
+    p={**SMALL, "T": 1, "k": 2, "E": 1, "d": 1, "h": 1, "empty": 0, "drop": True, "seed": 230}
+)  # a dropped slot: its unwritten (poisoned) row is never read
+@example(
+    p={
+        "T": 18,
+        "k": 1,
+        "E": 3,
+        "d": 7,
+        "h": 34,
+        "empty": 0,
+        "skew": 3.0,
+        "drop": False,
+        "strided": True,
+        "bias": True,
+        "act": "clamped_swiglu",
+        "dtype": torch.float16,
+        "seed": 1_330_303_161,
+    }
+)  # an h3 within fp16 rounding of the clamp (CI)
 def test_kernels_match_references(check, p, each_implementation):
     check(p, torch.device("cpu"))
 
 
 GPU_PROBLEMS = {
     # fine-grained experts, top-8, 4 of 64 experts empty
-    "E64-d2048": dict(T=2048, k=8, E=64, d=2048, h=768, empty=4, skew=1.0, drop=False,
-                      strided=False),
+    "E64-d2048": dict(
+        T=2048, k=8, E=64, d=2048, h=768, empty=4, skew=1.0, drop=False, strided=False
+    ),
     # few large experts, a capacity drop, strided operands, h not a multiple of 64
-    "E8-d512-drop": dict(T=3000, k=2, E=8, d=512, h=1400, empty=1, skew=1.0, drop=True,
-                         strided=True),
+    "E8-d512-drop": dict(
+        T=3000, k=2, E=8, d=512, h=1400, empty=1, skew=1.0, drop=True, strided=True
+    ),
     # d past one permute tile (2048): the D loop; uneven experts
-    "E16-d2560": dict(T=1000, k=4, E=16, d=2560, h=1000, empty=2, skew=2.0, drop=False,
-                      strided=False),
+    "E16-d2560": dict(
+        T=1000, k=4, E=16, d=2560, h=1000, empty=2, skew=2.0, drop=False, strided=False
+    ),
     # gpt-oss-20b's experts: biases, the clamped SwiGLU, d = h = 2880 (not a multiple of 64)
-    "E32-gpt-oss": dict(T=1024, k=4, E=32, d=2880, h=2880, empty=2, skew=1.0, drop=False,
-                        strided=False, bias=True, act="clamped_swiglu"),
-}  # fmt: skip
+    "E32-gpt-oss": dict(
+        T=1024,
+        k=4,
+        E=32,
+        d=2880,
+        h=2880,
+        empty=2,
+        skew=1.0,
+        drop=False,
+        strided=False,
+        bias=True,
+        act="clamped_swiglu",
+    ),
+}
 
 
 @pytest.mark.gpu
@@ -353,7 +419,7 @@ def check_tile_independence(p, device, gemm_configs, wgrad_configs, exact=False)
         for module, name, configs, run in (
             (moe_kernels, "_gemm_candidates", gemm_configs, gemm),
             (moe_weight_grad, "_weight_grad_candidates", wgrad_configs, wgrad),
-        ):  # fmt: skip
+        ):
             outs = []
             for config in configs:
                 setattr(module, name, lambda *_, c=config: [c])
@@ -373,8 +439,13 @@ def test_gemm_bits_do_not_depend_on_the_tile(triton_kernels):
         ]
 
     p = {**SMALL, "T": 30, "d": 70, "h": 40, "E": 3, "empty": 0, "strided": True}
-    check_tile_independence(p, torch.device("cpu"), tiles("BLOCK_M", "BLOCK_N", "BLOCK_K", 64),
-                            tiles("BLOCK_N", "BLOCK_K", "BLOCK_M", 16), exact=True)  # fmt: skip
+    check_tile_independence(
+        p,
+        torch.device("cpu"),
+        tiles("BLOCK_M", "BLOCK_N", "BLOCK_K", 64),
+        tiles("BLOCK_N", "BLOCK_K", "BLOCK_M", 16),
+        exact=True,
+    )
 
 
 @pytest.mark.gpu
@@ -382,8 +453,12 @@ def test_gemm_bits_do_not_depend_on_the_tile(triton_kernels):
 def test_gemm_bits_do_not_depend_on_the_tile_gpu(dtype, triton_kernels):
     """The GPU tiles: 128- and 64-row wgmma ones and the 32-row mma ones alike."""
     p = {**GPU_PROBLEMS["E8-d512-drop"], "dtype": dtype, "seed": 1}
-    check_tile_independence(p, torch.device("cuda"), moe_kernels.grouped_matmul_configs(),
-                            moe_weight_grad.weight_grad_configs())  # fmt: skip
+    check_tile_independence(
+        p,
+        torch.device("cuda"),
+        moe_kernels.grouped_matmul_configs(),
+        moe_weight_grad.weight_grad_configs(),
+    )
 
 
 def _f(*shape, dtype=torch.float32):
@@ -399,17 +474,32 @@ def _i(*shape, dtype=torch.int64):
     [
         (grouped_matmul, (_f(4, 3), _f(2, 5, 4), _i(2)), ValueError, r"w must be \(2, 5, 3\)"),
         (grouped_matmul, (_f(4, 3), _f(2, 5, 3), _i(3)), ValueError, r"\(3, 5, 3\).*3 experts"),
-        (grouped_matmul, (_f(4, 3), _f(2, 5, 3, dtype=torch.float16), _i(2)), TypeError,
-         "float16"),
+        (grouped_matmul, (_f(4, 3), _f(2, 5, 3, dtype=torch.float16), _i(2)), TypeError, "float16"),
         (grouped_matmul, (_f(4, 3), _f(2, 5, 3), _f(2)), ValueError, "counts must be int64"),
-        (grouped_swiglu, (_f(4, 3), _f(2, 5, 3), _f(2, 6, 3), _i(2)), ValueError,
-         r"w3 must be \(2, 5, 3\)"),
-        (grouped_swiglu, (_f(4, 3), _f(2, 5, 3), _f(2, 5, 3), _i(2), _i(3, dtype=torch.int16)),
-         ValueError, r"rows must be int32 or int64 \(3,\)"),
-        (grouped_swiglu_backward, (_f(4, 3), _f(2, 3, 5), _f(4, 9), _i(2)), ValueError,
-         r"\(4, 2h\)"),
-        (grouped_swiglu_input_grad, (_f(4, 8), _f(2, 5, 3), _f(2, 5, 3), _i(2)), ValueError,
-         r"\(2, 4, 3\)"),
+        (
+            grouped_swiglu,
+            (_f(4, 3), _f(2, 5, 3), _f(2, 6, 3), _i(2)),
+            ValueError,
+            r"w3 must be \(2, 5, 3\)",
+        ),
+        (
+            grouped_swiglu,
+            (_f(4, 3), _f(2, 5, 3), _f(2, 5, 3), _i(2), _i(3, dtype=torch.int16)),
+            ValueError,
+            r"rows must be int32 or int64 \(3,\)",
+        ),
+        (
+            grouped_swiglu_backward,
+            (_f(4, 3), _f(2, 3, 5), _f(4, 9), _i(2)),
+            ValueError,
+            r"\(4, 2h\)",
+        ),
+        (
+            grouped_swiglu_input_grad,
+            (_f(4, 8), _f(2, 5, 3), _f(2, 5, 3), _i(2)),
+            ValueError,
+            r"\(2, 4, 3\)",
+        ),
         (grouped_weight_grad, (_f(4, 5), _f(3, 2), _i(2)), ValueError, "dy's 4 rows"),
         (gather_rows, (_f(4, 3), _i(2), _f(3)), ValueError, r"float32 \(2,\)"),
         (combine, (_f(4, 3), _i(2, 2), _f(2, 3)), ValueError, r"\(2, 3\)"),
@@ -419,14 +509,26 @@ def _i(*shape, dtype=torch.int64):
         (route_top_k, (_f(3, 4), 2, "relu"), ValueError, "score must be one of"),
         (route_top_k, (_f(3, 4), 2, "sigmoid", True, _f(5)), ValueError, r"bias must be \(4,\)"),
         (route_top_k, (_f(3, 1025), 2), ValueError, "1025 experts"),
-        (route_top_k_backward, (_f(3, 3), None, _f(3, 4), _i(3, 2, dtype=torch.int32)),
-         ValueError, r"d_weights must be \(3, 2\) float32"),
-        (route_top_k_backward, (None, None, _f(4, 3).T, _i(3, 2, dtype=torch.int32)),
-         ValueError, r"probs must be contiguous \(T, E\) float32"),
-        (route_top_k_backward, (None, None, _f(3, 4), _i(3, 2)), ValueError,
-         r"ids must be contiguous \(3, k\) int32"),
+        (
+            route_top_k_backward,
+            (_f(3, 3), None, _f(3, 4), _i(3, 2, dtype=torch.int32)),
+            ValueError,
+            r"d_weights must be \(3, 2\) float32",
+        ),
+        (
+            route_top_k_backward,
+            (None, None, _f(4, 3).T, _i(3, 2, dtype=torch.int32)),
+            ValueError,
+            r"probs must be contiguous \(T, E\) float32",
+        ),
+        (
+            route_top_k_backward,
+            (None, None, _f(3, 4), _i(3, 2)),
+            ValueError,
+            r"ids must be contiguous \(3, k\) int32",
+        ),
     ],
-)  # fmt: skip
+)
 def test_kernel_bad_input_is_a_clear_error(fn, args, error, match):
     with pytest.raises(error, match=match):
         fn(*args)
@@ -435,19 +537,38 @@ def test_kernel_bad_input_is_a_clear_error(fn, args, error, match):
 @pytest.mark.parametrize(
     "fn, args, kwargs, match",
     [
-        (grouped_matmul, (_f(4, 3), _f(2, 5, 3), _i(2)), {"bias": _f(2, 4)},
-         r"bias must be \(2, 5\)"),
-        (grouped_swiglu, (_f(4, 3), _f(2, 5, 3), _f(2, 5, 3), _i(2)),
-         {"bias": (_f(2, 5), _f(5, 2))}, r"b3 must be \(2, 5\)"),
-        (grouped_swiglu, (_f(4, 3), _f(2, 5, 3), _f(2, 5, 3), _i(2)), {"activation": "gelu"},
-         r"activation must be one of \('silu', 'clamped_swiglu'\), got 'gelu'"),
-        (grouped_swiglu_backward, (_f(4, 3), _f(2, 3, 5), _f(4, 10), _i(2)),
-         {"activation": "clamped_swiglu", "limit": 0.0},
-         "swiglu_limit must be a positive finite number, got 0.0"),
-        (grouped_weight_grad, (_f(4, 5), _f(4, 0), _i(2)), {"bias_grad": True},
-         r"bias_grad needs x with columns, got \(4, 0\)"),
+        (
+            grouped_matmul,
+            (_f(4, 3), _f(2, 5, 3), _i(2)),
+            {"bias": _f(2, 4)},
+            r"bias must be \(2, 5\)",
+        ),
+        (
+            grouped_swiglu,
+            (_f(4, 3), _f(2, 5, 3), _f(2, 5, 3), _i(2)),
+            {"bias": (_f(2, 5), _f(5, 2))},
+            r"b3 must be \(2, 5\)",
+        ),
+        (
+            grouped_swiglu,
+            (_f(4, 3), _f(2, 5, 3), _f(2, 5, 3), _i(2)),
+            {"activation": "gelu"},
+            r"activation must be one of \('silu', 'clamped_swiglu'\), got 'gelu'",
+        ),
+        (
+            grouped_swiglu_backward,
+            (_f(4, 3), _f(2, 3, 5), _f(4, 10), _i(2)),
+            {"activation": "clamped_swiglu", "limit": 0.0},
+            "swiglu_limit must be a positive finite number, got 0.0",
+        ),
+        (
+            grouped_weight_grad,
+            (_f(4, 5), _f(4, 0), _i(2)),
+            {"bias_grad": True},
+            r"bias_grad needs x with columns, got \(4, 0\)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_kernel_bias_and_activation_errors(fn, args, kwargs, match, each_implementation):
     with pytest.raises(ValueError, match=match):
         fn(*args, **kwargs)
@@ -490,38 +611,83 @@ def check_routing(T, E, k, score, norm, bias, grads, strided, seed, device, grou
         assert torch.equal(weights, torch.ones_like(weights))
 
 
-@given(T=st.integers(0, 9), E=st.integers(1, 40), k_share=st.floats(0, 1),
-       score=st.sampled_from(SCORES), norm=st.booleans(), bias=st.booleans(),
-       grads=st.sampled_from(["both", "weights", "probs"]), strided=st.booleans(),
-       seed=seeds())  # fmt: skip
-@example(T=5, E=1, k_share=1, score="softmax", norm=True, bias=False, grads="both",
-         strided=False, seed=0)  # one expert: the weight is 1, its gradient 0  # fmt: skip
-@example(T=3, E=8, k_share=1, score="softmax", norm=True, bias=False, grads="weights",
-         strided=True, seed=1)  # k = E: the renormalized weights are the probabilities  # fmt: skip
-@example(T=9, E=33, k_share=0.1, score="sigmoid", norm=True, bias=True, grads="both",
-         strided=False, seed=2)  # a row past 32 experts; the selection's bias  # fmt: skip
-def test_routing_matches_float64(T, E, k_share, score, norm, bias, grads, strided, seed,
-                                 each_implementation):  # fmt: skip
-    check_routing(T, E, max(1, round(k_share * E)), score, norm, bias, grads, strided, seed,
-                  torch.device("cpu"))  # fmt: skip
+@given(
+    T=st.integers(0, 9),
+    E=st.integers(1, 40),
+    k_share=st.floats(0, 1),
+    score=st.sampled_from(SCORES),
+    norm=st.booleans(),
+    bias=st.booleans(),
+    grads=st.sampled_from(["both", "weights", "probs"]),
+    strided=st.booleans(),
+    seed=seeds(),
+)
+@example(
+    T=5, E=1, k_share=1, score="softmax", norm=True, bias=False, grads="both", strided=False, seed=0
+)  # one expert: the weight is 1, its gradient 0
+@example(
+    T=3,
+    E=8,
+    k_share=1,
+    score="softmax",
+    norm=True,
+    bias=False,
+    grads="weights",
+    strided=True,
+    seed=1,
+)  # k = E: the renormalized weights are the probabilities
+@example(
+    T=9,
+    E=33,
+    k_share=0.1,
+    score="sigmoid",
+    norm=True,
+    bias=True,
+    grads="both",
+    strided=False,
+    seed=2,
+)  # a row past 32 experts; the selection's bias
+def test_routing_matches_float64(
+    T, E, k_share, score, norm, bias, grads, strided, seed, each_implementation
+):
+    check_routing(
+        T,
+        E,
+        max(1, round(k_share * E)),
+        score,
+        norm,
+        bias,
+        grads,
+        strided,
+        seed,
+        torch.device("cpu"),
+    )
 
 
-@pytest.mark.parametrize("T, E, k, score, groups", [
-    (9, 16, 3, "sigmoid", (4, 2)),  # 2 of 4 groups of 4
-    (7, 32, 8, "sigmoid", (8, 4)),  # DeepSeek-V3's shape, scaled down: 4 of 8 groups
-    (6, 12, 2, "softmax", (3, 1)),  # one group kept
-    (5, 10, 4, "sigmoid", (5, 2)),  # groups of 2 (the fewest a group scores with)
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "T, E, k, score, groups",
+    [
+        (9, 16, 3, "sigmoid", (4, 2)),  # 2 of 4 groups of 4
+        (7, 32, 8, "sigmoid", (8, 4)),  # DeepSeek-V3's shape, scaled down: 4 of 8 groups
+        (6, 12, 2, "softmax", (3, 1)),  # one group kept
+        (5, 10, 4, "sigmoid", (5, 2)),  # groups of 2 (the fewest a group scores with)
+    ],
+)
 def test_group_limited_routing_matches_float64(T, E, k, score, groups, each_implementation):
     """DeepSeek-V3's router: the choice among the experts of the best groups (each
     scored by its two best selection scores, the correction bias included)."""
     check_routing(T, E, k, score, True, True, "both", False, E + k, torch.device("cpu"), groups)
 
 
-@pytest.mark.parametrize("E, k, groups, match", [
-    (16, 2, (3, 1), "do not split"), (16, 2, (16, 1), "do not split"),
-    (16, 9, (4, 2), "cannot hold top_k=9"), (16, 2, (4, 5), "topk_group=5"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "E, k, groups, match",
+    [
+        (16, 2, (3, 1), "do not split"),
+        (16, 2, (16, 1), "do not split"),
+        (16, 9, (4, 2), "cannot hold top_k=9"),
+        (16, 2, (4, 5), "topk_group=5"),
+    ],
+)
 def test_bad_groups_are_refused(E, k, groups, match):
     with pytest.raises(ValueError, match=match):
         route_top_k(torch.zeros(3, E), k, "sigmoid", True, None, groups)
@@ -567,8 +733,12 @@ def test_nan_logits_route_within_range_gpu(each_implementation):
 def _down_projection(P, counts, dtype=torch.bfloat16, device="cpu"):
     x = randn((P, 64), dtype, 0).to(device)  # (P, K), in expert order
     w = randn((len(counts), 40, 64), dtype, 1).to(device)  # (E, N, K)
-    return x, w, torch.tensor(counts, device=device), torch.empty((P, 40), dtype=dtype,
-                                                                  device=device)  # fmt: skip
+    return (
+        x,
+        w,
+        torch.tensor(counts, device=device),
+        torch.empty((P, 40), dtype=dtype, device=device),
+    )
 
 
 def test_grouped_mm_computes_the_plain_grouped_gemm():
@@ -584,9 +754,12 @@ def test_grouped_mm_computes_the_plain_grouped_gemm():
     assert moe_torch.grouped_mm_run(x, wt, counts, None, None, y, True) is None  # row-major
     rows, bias = torch.arange(29), torch.zeros(4, 40, dtype=torch.bfloat16)
     half = [t.half() for t in (x, w, y)]
-    for refused in ((x, w, counts, rows, None, y, False), (x, w, counts, None, bias, y, False),
-                    (half[0], half[1], counts, None, None, half[2], False),
-                    (x[:, 1:], w[..., 1:], counts, None, None, y, False)):  # fmt: skip
+    for refused in (
+        (x, w, counts, rows, None, y, False),
+        (x, w, counts, None, bias, y, False),
+        (half[0], half[1], counts, None, None, half[2], False),
+        (x[:, 1:], w[..., 1:], counts, None, None, y, False),
+    ):
         assert moe_torch.grouped_mm_run(*refused) is None
 
 

@@ -29,8 +29,9 @@ def _counts(overlap, env):
         x = torch.randn(3, 8, requires_grad=True)
         w1, w2 = torch.randn(4, 8, requires_grad=True), torch.randn(5, 4, requires_grad=True)
         with Collectives() as seen:
-            y = fp.matmul_reduce_scatter(fp.all_gather_matmul(x, w1, WORLD, overlap=overlap),
-                                         w2, WORLD, overlap=overlap)  # fmt: skip
+            y = fp.matmul_reduce_scatter(
+                fp.all_gather_matmul(x, w1, WORLD, overlap=overlap), w2, WORLD, overlap=overlap
+            )
         forward = dict(seen.counts)
         with Collectives() as seen:
             y.sum().backward()
@@ -39,13 +40,16 @@ def _counts(overlap, env):
         os.environ.pop("FUSEDPAR_OVERLAP", None)
 
 
-@pytest.mark.parametrize("overlap, env, schedule", [
-    ("serial", None, "serial"),
-    ("ring", "serial", "ring"),  # the argument beats the variable
-    (None, "serial", "serial"),  # the variable, read at the call
-    (None, None, "ring"),  # auto on gloo: the ring
-    ("auto", "serial", "ring"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overlap, env, schedule",
+    [
+        ("serial", None, "serial"),
+        ("ring", "serial", "ring"),  # the argument beats the variable
+        (None, "serial", "serial"),  # the variable, read at the call
+        (None, None, "ring"),  # auto on gloo: the ring
+        ("auto", "serial", "ring"),
+    ],
+)
 def test_each_schedule_runs_its_collectives(world, overlap, env, schedule):
     for got in world(4).run(_counts, overlap, env):
         W = got["W"]
@@ -69,24 +73,30 @@ def _refused(overlap, env):
         os.environ.pop("FUSEDPAR_OVERLAP", None)
 
 
-@pytest.mark.parametrize("overlap, env, match", [
-    ("fused", None, r"overlap='fused' .* cannot run here: .* this group is gloo"),
-    (None, "fused", r"overlap='fused'"),
-    ("rings", None, r"overlap must be one of 'auto', 'serial', 'ring', 'fused', got 'rings'"),
-    (None, "Serial", r"FUSEDPAR_OVERLAP must be one of .* got 'Serial'"),
-])  # fmt: skip
-def test_fused_and_typos_are_refused_on_every_rank_before_any_collective(world, overlap, env,
-                                                                         match):  # fmt: skip
+@pytest.mark.parametrize(
+    "overlap, env, match",
+    [
+        ("fused", None, r"overlap='fused' .* cannot run here: .* this group is gloo"),
+        (None, "fused", r"overlap='fused'"),
+        ("rings", None, r"overlap must be one of 'auto', 'serial', 'ring', 'fused', got 'rings'"),
+        (None, "Serial", r"FUSEDPAR_OVERLAP must be one of .* got 'Serial'"),
+    ],
+)
+def test_fused_and_typos_are_refused_on_every_rank_before_any_collective(
+    world, overlap, env, match
+):
     for kind, message, counts in world(2).run(_refused, overlap, env):
         assert kind == "ValueError" and counts == {}
         assert __import__("re").search(match, message), message
 
 
 def test_layers_refuse_a_typo_when_built_and_one_rank_resolves_anything():
-    for make in (lambda: fp.nn.ColumnParallelLinear(4, 4, overlap="serial "),
-                 lambda: fp.nn.RowParallelLinear(4, 4, overlap="Ring"),
-                 lambda: fp.nn.ParallelSwiGLU(4, 8, overlap="fast"),
-                 lambda: fp.nn.ParallelAttention(8, 2, overlap="overlap")):  # fmt: skip
+    for make in (
+        lambda: fp.nn.ColumnParallelLinear(4, 4, overlap="serial "),
+        lambda: fp.nn.RowParallelLinear(4, 4, overlap="Ring"),
+        lambda: fp.nn.ParallelSwiGLU(4, 8, overlap="fast"),
+        lambda: fp.nn.ParallelAttention(8, 2, overlap="overlap"),
+    ):
         with pytest.raises(ValueError, match="overlap must be None or one of"):
             make()
     assert resolve_overlap("auto", None) == "serial"  # no group: nothing to schedule
@@ -109,24 +119,29 @@ def _reduced(overlap, reduce_dtype):
     T, K, N, D = 4 * W, 6, 5, 7
     X, Wt = torch.randn(T, K * W, generator=gen), torch.randn(N, K * W, generator=gen)
     b = torch.randn(N, generator=gen)
-    Xc, W2, dY = (torch.randn(T, D, generator=gen), torch.randn(K * W, D, generator=gen),
-                  torch.randn(T, K * W, generator=gen))  # fmt: skip
+    Xc, W2, dY = (
+        torch.randn(T, D, generator=gen),
+        torch.randn(K * W, D, generator=gen),
+        torch.randn(T, K * W, generator=gen),
+    )
     cols, rows = slice(rank * K, (rank + 1) * K), slice(rank * 4, (rank + 1) * 4)
     results = {}
     for rd in (None, reduce_dtype):
-        y = fp.matmul_reduce_scatter(X[:, cols].clone(), Wt[:, cols].clone(), WORLD, bias=b,
-                                     overlap=overlap, reduce_dtype=rd)  # fmt: skip
+        y = fp.matmul_reduce_scatter(
+            X[:, cols].clone(), Wt[:, cols].clone(), WORLD, bias=b, overlap=overlap, reduce_dtype=rd
+        )
         xs = Xc[rows].clone().requires_grad_()
-        out = fp.all_gather_matmul(xs, W2[cols].clone(), WORLD, overlap=overlap,
-                                   reduce_dtype=rd)  # fmt: skip
+        out = fp.all_gather_matmul(xs, W2[cols].clone(), WORLD, overlap=overlap, reduce_dtype=rd)
         out.backward(dY[:, cols])
         results[rd] = (y, xs.grad)
     each = [slice(r * K, (r + 1) * K) for r in range(W)]
     parts = [X[:, c].double() @ Wt[:, c].double().T for c in each]
     dparts = [dY[:, c].double() @ W2[c].double() for c in each]
     eps, ok = torch.finfo(reduce_dtype).eps, []
-    for got, ref, ps in ((results[reduce_dtype][0], sum(parts)[rows] + b.double(), parts),
-                         (results[reduce_dtype][1], sum(dparts)[rows], dparts)):  # fmt: skip
+    for got, ref, ps in (
+        (results[reduce_dtype][0], sum(parts)[rows] + b.double(), parts),
+        (results[reduce_dtype][1], sum(dparts)[rows], dparts),
+    ):
         scale = sum(p.abs() for p in ps)[rows]
         ok.append(bool(((got.double() - ref).abs() <= (W + 1) * eps * scale + 1e-5).all()))
     ok += [not torch.equal(results[None][i], results[reduce_dtype][i]) for i in (0, 1)]
@@ -168,9 +183,11 @@ def _auto_measured():
         x = X[13 * rank : 13 * (rank + 1)]
         with Collectives() as first:
             y = fp.all_gather_matmul(x, w, WORLD, overlap="auto")
-        picks = {key: c.kwargs["overlap"] for (_, key), c in
-                 _tuning.tuner("tp_schedule").picks.items()
-                 if key[:3] == ("all_gather_matmul", W, 16) and key[3] == 12}  # fmt: skip
+        picks = {
+            key: c.kwargs["overlap"]
+            for (_, key), c in _tuning.tuner("tp_schedule").picks.items()
+            if key[:3] == ("all_gather_matmul", W, 16) and key[3] == 12
+        }
         with Collectives() as second:
             again = fp.all_gather_matmul(x, w, WORLD, overlap="auto")
         torch.testing.assert_close(y.double(), X.double() @ w.double().T, rtol=1e-5, atol=1e-5)
@@ -195,5 +212,9 @@ def test_auto_times_each_candidate_once_per_shape_and_agrees(world):
     # the first call: the serial reference, each candidate 1 + 3 times and once checked,
     # one sum of the times, then the pick's own run
     serial = picks[0][0] == "serial"
-    assert first == {("all_gather", 2): 1 + 5 + serial, ("send", 2): 5 + (not serial),
-                     ("recv", 2): 5 + (not serial), ("all_reduce", 2): 1}, first  # fmt: skip
+    assert first == {
+        ("all_gather", 2): 1 + 5 + serial,
+        ("send", 2): 5 + (not serial),
+        ("recv", 2): 5 + (not serial),
+        ("all_reduce", 2): 1,
+    }, first

@@ -17,10 +17,22 @@ def wheel(tmp_path_factory):
     pytest.importorskip("setuptools", reason="building the wheel offline needs setuptools")
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "--quiet", "-w", str(out), str(ROOT)],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--quiet",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     (path,) = out.glob("fusedpar-*.whl")
     return path
 
@@ -35,10 +47,21 @@ def test_wheel_holds_kernels_under_fusedpar(wheel):
 def test_wheel_imports_from_a_clean_directory(wheel, tmp_path):
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--target", str(target),
-         str(wheel)],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--quiet",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     code = (
         "import importlib.util, fusedpar, fusedpar.kernels.matmul as m; "
         f"assert fusedpar.__file__.startswith({str(target)!r}), fusedpar.__file__; "
@@ -47,8 +70,9 @@ def test_wheel_imports_from_a_clean_directory(wheel, tmp_path):
         "assert spec is None or 'fusedpar' not in str(spec.origin), spec; print('ok')"
     )
     env = {**os.environ, "PYTHONPATH": str(target)}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 

@@ -24,8 +24,16 @@ SEQ, BATCH = 8, 8
 
 
 def _config(moe: bool, layers: int) -> Config:
-    return Config(vocab=64, d_model=16, n_layers=layers, n_heads=2, n_kv_heads=2, d_hidden=16,
-                  num_experts=4 if moe else 0, top_k=2)  # fmt: skip
+    return Config(
+        vocab=64,
+        d_model=16,
+        n_layers=layers,
+        n_heads=2,
+        n_kv_heads=2,
+        d_hidden=16,
+        num_experts=4 if moe else 0,
+        top_k=2,
+    )
 
 
 def _reference(cfg: Config, seed: int) -> Transformer:
@@ -38,15 +46,17 @@ def _reference(cfg: Config, seed: int) -> Transformer:
     return reference
 
 
-def _pipeline(degrees: dict, schedule: str, moe: bool, layers: int, fsdp: bool, seed: int,
-              microbatches=None):  # fmt: skip
+def _pipeline(
+    degrees: dict, schedule: str, moe: bool, layers: int, fsdp: bool, seed: int, microbatches=None
+):
     dims = fp.ParallelDims(**degrees, ep="cp" if moe else None)
     mesh = dims.build_mesh("cpu")
     cfg = _config(moe, layers)
     reference = _reference(cfg, seed)
     model = ParallelTransformer(reference, dims.groups(mesh))
-    pipe = fp.pipeline.split(model, dims, mesh, schedule=schedule, microbatches=microbatches,
-                             loss_fn=model.loss)  # fmt: skip
+    pipe = fp.pipeline.split(
+        model, dims, mesh, schedule=schedule, microbatches=microbatches, loss_fn=model.loss
+    )
     stage_mesh = dims.stage_mesh(mesh)
     fp.distribute(pipe.model, stage_mesh)
     if fsdp:
@@ -114,27 +124,32 @@ def _bad(case):
     degrees, schedule, layers, microbatches, batch = case
     dims = fp.ParallelDims(**degrees)
     if batch is None:  # the degrees and the pipeline at once, as a script checks first
-        dims.validate(dist.get_world_size(), n_layers=layers, microbatches=microbatches,
-                      schedule=schedule)  # fmt: skip
+        dims.validate(
+            dist.get_world_size(), n_layers=layers, microbatches=microbatches, schedule=schedule
+        )
     dims.validate(dist.get_world_size())
     mesh = dims.build_mesh("cpu")
     cfg = _config(False, layers)
     model = ParallelTransformer(_reference(cfg, 0), dims.groups(mesh))
-    pipe = fp.pipeline.split(model, dims, mesh, schedule=schedule, microbatches=microbatches,
-                             loss_fn=model.loss)  # fmt: skip
+    pipe = fp.pipeline.split(
+        model, dims, mesh, schedule=schedule, microbatches=microbatches, loss_fn=model.loss
+    )
     tokens = torch.zeros(batch, SEQ, dtype=torch.long)
     pipe.step(tokens, target=tokens)
 
 
-@pytest.mark.parametrize("case, match", [
-    ((dict(pp=3), "1F1B", 2, None, 4), r"pp \(3\) x dp \(1\) .* = 3, but the world has 4"),
-    ((dict(pp=2, tp=2), "1F1B", 3, None, 4), r"3 layers do not divide into the 2 stages"),
-    ((dict(pp=2, tp=2), "Interleaved1F1B", 2, None, 4), r"2 layers do not divide into the 4"),
-    ((dict(pp=2, tp=2), "1F1B", 2, 1, 4), r"1 microbatches for 2 pipeline stages"),
-    ((dict(pp=2, tp=2), "1F1B", 2, 2, 3), r"\(3, 8\) does not split into 2 microbatches"),
-    ((dict(pp=2, tp=2), "Zigzag", 2, 2, 4), r"schedule must be one of"),
-    ((dict(pp=2, tp=2), "DualPipeV", 8, 3, None), r"3 microbatches for 4 pipeline stages"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ((dict(pp=3), "1F1B", 2, None, 4), r"pp \(3\) x dp \(1\) .* = 3, but the world has 4"),
+        ((dict(pp=2, tp=2), "1F1B", 3, None, 4), r"3 layers do not divide into the 2 stages"),
+        ((dict(pp=2, tp=2), "Interleaved1F1B", 2, None, 4), r"2 layers do not divide into the 4"),
+        ((dict(pp=2, tp=2), "1F1B", 2, 1, 4), r"1 microbatches for 2 pipeline stages"),
+        ((dict(pp=2, tp=2), "1F1B", 2, 2, 3), r"\(3, 8\) does not split into 2 microbatches"),
+        ((dict(pp=2, tp=2), "Zigzag", 2, 2, 4), r"schedule must be one of"),
+        ((dict(pp=2, tp=2), "DualPipeV", 8, 3, None), r"3 microbatches for 4 pipeline stages"),
+    ],
+)
 def test_bad_configurations_raise_on_every_rank(world, case, match):
     for e in world(4).run(exception_of, _bad, case):
         assert isinstance(e, ValueError) and re.search(match, str(e)), repr(e)

@@ -38,8 +38,16 @@ SEQ, BATCH = 32, 2
 
 
 def _config(moe: bool) -> Config:
-    return Config(vocab=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_hidden=96,
-                  num_experts=4 if moe else 0, top_k=2)  # fmt: skip
+    return Config(
+        vocab=96,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_hidden=96,
+        num_experts=4 if moe else 0,
+        top_k=2,
+    )
 
 
 class Checkpointed(torch.nn.Module):
@@ -82,15 +90,22 @@ def _measure(kw: dict, moe: bool, ep=None, dtype=torch.float16) -> dict:
     tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     got = {policy: saved_in_forward(model, tokens, labels, policy) for policy in POLICIES}
     spec = plan.model_spec(cfg)
-    want = {policy: plan.activation_bytes(spec, dims, seq_len=SEQ, micro_batch=BATCH,
-                                          dtype=dtype, checkpointing=policy)
-            for policy in POLICIES}  # fmt: skip
+    want = {
+        policy: plan.activation_bytes(
+            spec, dims, seq_len=SEQ, micro_batch=BATCH, dtype=dtype, checkpointing=policy
+        )
+        for policy in POLICIES
+    }
     return {"saved": got, "planned": want}
 
 
-LAYOUTS = [({"tp": 2, "dp": 2}, False, None), ({"cp": 2, "tp": 2}, False, None),
-           ({"cp": 2, "ulysses": 2}, False, None), ({"cp": 2, "tp": 2}, True, "tp"),
-           ({"cp": 2, "tp": 2}, True, ("cp", "tp"))]  # EP 4: one expert a rank  # fmt: skip
+LAYOUTS = [
+    ({"tp": 2, "dp": 2}, False, None),
+    ({"cp": 2, "tp": 2}, False, None),
+    ({"cp": 2, "ulysses": 2}, False, None),
+    ({"cp": 2, "tp": 2}, True, "tp"),
+    ({"cp": 2, "tp": 2}, True, ("cp", "tp")),
+]  # EP 4: one expert a rank
 EP_GROUPS = {"tp": ((0, 1), (2, 3)), ("cp", "tp"): ((0, 1, 2, 3),)}
 
 
@@ -123,10 +138,14 @@ def test_saved_activations_on_four_ranks(world):
 def held_state(model, optimizer) -> dict:
     """Bytes of the parameters, gradients and optimizer state this rank holds (local
     shards of DTensors)."""
-    held = [model.parameters(), (p.grad for p in model.parameters()),
-            (t for s in optimizer.state.values() for t in s.values())]  # fmt: skip
-    local = (sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in ts)
-             for ts in held)  # fmt: skip
+    held = [
+        model.parameters(),
+        (p.grad for p in model.parameters()),
+        (t for s in optimizer.state.values() for t in s.values()),
+    ]
+    local = (
+        sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in ts) for ts in held
+    )
     return dict(zip(("parameters", "gradients", "optimizer"), local, strict=True))
 
 
@@ -158,8 +177,9 @@ def _step(kw: dict, moe: bool, ep=None, schedule=None, policy="none") -> dict:
         model.blocks = torch.nn.ModuleList(Checkpointed(b, context_fn) for b in model.blocks)
     pp_rank = 0
     if dims.pp > 1:
-        pipe = fp.pipeline.split(model, dims, mesh, schedule=schedule,
-                                 microbatches=microbatches, loss_fn=model.loss)  # fmt: skip
+        pipe = fp.pipeline.split(
+            model, dims, mesh, schedule=schedule, microbatches=microbatches, loss_fn=model.loss
+        )
         model = fp.distribute(pipe.model, dims.stage_mesh(mesh))
         pp_rank = fp.comm.group_rank(dims.groups(mesh)["pp"])
 
@@ -190,21 +210,40 @@ def _step(kw: dict, moe: bool, ep=None, schedule=None, policy="none") -> dict:
     peak = None  # FSDP2 saves its gathered weights too; EP in a pipeline: `check_peaks`
     if dims.dp == 1 and not (dims.pp > 1 and dims.ep_size > 1):
         views = tokens.nbytes + labels.nbytes if dims.pp > 1 else 0  # the ids and labels (int64)
-        peak = (saved.peak, saved_peaks(spec, dims, z, policy, schedule, microbatches)[pp_rank],
-                views)  # fmt: skip
+        peak = (
+            saved.peak,
+            saved_peaks(spec, dims, z, policy, schedule, microbatches)[pp_rank],
+            views,
+        )
     stage_ranks = None
     if dims.pp > 1:
         stage_ranks = {s: r for r in range(dims.pp) for s in stages_of(schedule, r, dims.pp, 2)}
     stages = stages_of(schedule, pp_rank, dims.pp, 2) if dims.pp > 1 else None
-    ledger = traffic.step(spec, dims, z, layers, first, last, microbatches, stages=stages,
-                          stage_ranks=stage_ranks, cpu_checks=True, policy=policy)  # fmt: skip
+    ledger = traffic.step(
+        spec,
+        dims,
+        z,
+        layers,
+        first,
+        last,
+        microbatches,
+        stages=stages,
+        stage_ranks=stage_ranks,
+        cpu_checks=True,
+        policy=policy,
+    )
     counts, nbytes = ledger.by_group_size()
-    state = state_bytes(spec, dims, layers, first, last, param_dtype=torch.float32,
-                        optimizer="adamw")  # fmt: skip
+    state = state_bytes(
+        spec, dims, layers, first, last, param_dtype=torch.float32, optimizer="adamw"
+    )
     state.pop("numel")
-    return {"peak": peak,
-            "real": (dict(seen.counts), dict(seen.bytes)), "planned": (counts, nbytes),
-            "real_state": real_state, "planned_state": state}  # fmt: skip
+    return {
+        "peak": peak,
+        "real": (dict(seen.counts), dict(seen.bytes)),
+        "planned": (counts, nbytes),
+        "real_state": real_state,
+        "planned_state": state,
+    }
 
 
 def check_peaks(results: list, where, summed: bool) -> None:
@@ -220,11 +259,14 @@ def check_peaks(results: list, where, summed: bool) -> None:
         assert 0 <= real - planned <= slack, (where, real, planned, slack)
 
 
-STEP_LAYOUTS = [({"tp": 2, "dp": 2}, False, None, None), ({"cp": 2, "tp": 2}, False, None, None),
-                   ({"cp": 2, "ulysses": 2}, False, None, None),
-                   ({"cp": 2, "tp": 2}, True, "tp", None),
-                   ({"pp": 2, "tp": 2}, False, None, "1F1B", "selective"),
-                   ({"pp": 2, "tp": 2}, True, "tp", "Interleaved1F1B")]  # fmt: skip
+STEP_LAYOUTS = [
+    ({"tp": 2, "dp": 2}, False, None, None),
+    ({"cp": 2, "tp": 2}, False, None, None),
+    ({"cp": 2, "ulysses": 2}, False, None, None),
+    ({"cp": 2, "tp": 2}, True, "tp", None),
+    ({"pp": 2, "tp": 2}, False, None, "1F1B", "selective"),
+    ({"pp": 2, "tp": 2}, True, "tp", "Interleaved1F1B"),
+]
 
 
 def _all_steps():

@@ -27,7 +27,6 @@ glm4_moe and qwen3_moe with a dense first layer (`mlp_only_layers`).
   EP group's sum is what is held equal.
 """
 
-
 import pytest
 import torch
 from torch.utils.checkpoint import noop_context_fn
@@ -60,6 +59,8 @@ CASES = {  # name: (family, config changes over hf_models')
     "glm4_moe": ("glm4_moe", {}),
     "deepseek_v3": ("deepseek_v3", {}),  # first_k_dense_replace=1: one dense, one MoE
 }
+
+
 def _saved_in_forward(model, ids, policy: str) -> int:
     """Bytes of the distinct storages one forward keeps for its backward under `policy`
     (parameters left out), its decoder layers checkpointed as Hugging Face does it."""
@@ -90,15 +91,19 @@ def _measure(case: str, dtype) -> dict:
     hf.parallelize(model, None)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     got = {policy: _saved_in_forward(model, ids, policy) for policy in POLICIES}
-    want = {policy: plan.activation_bytes(spec, dims, seq_len=SEQ, micro_batch=BATCH,
-                                          dtype=dtype, checkpointing=policy)
-            for policy in POLICIES}  # fmt: skip
+    want = {
+        policy: plan.activation_bytes(
+            spec, dims, seq_len=SEQ, micro_batch=BATCH, dtype=dtype, checkpointing=policy
+        )
+        for policy in POLICIES
+    }
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     optimizer.step()
     state = held_state(model, optimizer)
-    planned = state_bytes(spec, dims, range(spec.n_layers), True, True, param_dtype=dtype,
-                          optimizer="adamw")  # fmt: skip
+    planned = state_bytes(
+        spec, dims, range(spec.n_layers), True, True, param_dtype=dtype, optimizer="adamw"
+    )
     planned.pop("numel")
     return {"saved": got, "planned": want, "state": state, "planned_state": planned}
 
@@ -112,8 +117,9 @@ def test_one_process(case, dtype):
     assert result["state"] == result["planned_state"]
 
 
-def _step(case: str, degrees: dict, ep=None, schedule=None, policy="none",
-          cp_ring="expanded") -> dict:  # fmt: skip
+def _step(
+    case: str, degrees: dict, ep=None, schedule=None, policy="none", cp_ring="expanded"
+) -> dict:
     """On this rank, a batch of 4 (the same on every rank): without a pipeline the bytes
     one forward saves under each policy, then a training step (in a pipeline two), the
     decoder layers checkpointed under `policy`, MLA's ring `cp_ring` (a CPU's choice:
@@ -136,11 +142,21 @@ def _step(case: str, degrees: dict, ep=None, schedule=None, policy="none",
     ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(1))
     forward_saved = None
     if dims.pp == 1:  # before FSDP2 wraps the layers
-        forward_saved = ({p: _saved_in_forward(model, ids, p) for p in POLICIES},
-                         {p: plan.activation_bytes(spec, dims, seq_len=SEQ, micro_batch=4,
-                                                   dtype=torch.float32, checkpointing=p,
-                                                   cp_ring=cp_ring)
-                          for p in POLICIES})  # fmt: skip
+        forward_saved = (
+            {p: _saved_in_forward(model, ids, p) for p in POLICIES},
+            {
+                p: plan.activation_bytes(
+                    spec,
+                    dims,
+                    seq_len=SEQ,
+                    micro_batch=4,
+                    dtype=torch.float32,
+                    checkpointing=p,
+                    cp_ring=cp_ring,
+                )
+                for p in POLICIES
+            },
+        )
     if policy != "none":
 
         def context_fn():  # selective checkpointing's cache followed by the step's `saved`
@@ -149,7 +165,8 @@ def _step(case: str, degrees: dict, ep=None, schedule=None, policy="none",
             return noop_context_fn()
 
         model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn})
+            activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn}
+        )
     pp_rank, stages, stage_ranks = 0, None, None
     if dims.pp > 1:
         pipe = fp.pipeline.split(model, dims, mesh, schedule=schedule, microbatches=microbatches)
@@ -177,22 +194,50 @@ def _step(case: str, degrees: dict, ep=None, schedule=None, policy="none",
             optimizer.step()
         real_state = held_state(model, optimizer)
         optimizer.zero_grad()
-    z = plan.Local(SEQ, 4 // microbatches, dims.cp, dims.ulysses, dims.tp, dims.ep_size, 4,
-                   latent_ring=latent_ring(spec, dims, cp_ring))  # fmt: skip
+    z = plan.Local(
+        SEQ,
+        4 // microbatches,
+        dims.cp,
+        dims.ulysses,
+        dims.tp,
+        dims.ep_size,
+        4,
+        latent_ring=latent_ring(spec, dims, cp_ring),
+    )
     layers, first, last, _ = rank_stages(spec, dims, schedule)[pp_rank]
     peak = None  # FSDP2 saves its gathered weights too; EP in a pipeline: `check_peaks`
     if dims.dp == 1 and not (dims.pp > 1 and dims.ep_size > 1):
         views = 2 * ids.nbytes if dims.pp > 1 else 0  # the ids and labels (int64)
-        peak = (saved.peak, saved_peaks(spec, dims, z, policy, schedule, microbatches)[pp_rank],
-                views)  # fmt: skip
-    ledger = traffic.step(spec, dims, z, layers, first, last, microbatches, stages=stages,
-                          stage_ranks=stage_ranks, cpu_checks=True, policy=policy)  # fmt: skip
-    state = state_bytes(spec, dims, layers, first, last, param_dtype=torch.float32,
-                        optimizer="adamw")  # fmt: skip
+        peak = (
+            saved.peak,
+            saved_peaks(spec, dims, z, policy, schedule, microbatches)[pp_rank],
+            views,
+        )
+    ledger = traffic.step(
+        spec,
+        dims,
+        z,
+        layers,
+        first,
+        last,
+        microbatches,
+        stages=stages,
+        stage_ranks=stage_ranks,
+        cpu_checks=True,
+        policy=policy,
+    )
+    state = state_bytes(
+        spec, dims, layers, first, last, param_dtype=torch.float32, optimizer="adamw"
+    )
     state.pop("numel")
-    return {"peak": peak, "saved": forward_saved,
-            "real": (dict(seen.counts), dict(seen.bytes)), "planned": ledger.by_group_size(),
-            "real_state": real_state, "planned_state": state}  # fmt: skip
+    return {
+        "peak": peak,
+        "saved": forward_saved,
+        "real": (dict(seen.counts), dict(seen.bytes)),
+        "planned": ledger.by_group_size(),
+        "real_state": real_state,
+        "planned_state": state,
+    }
 
 
 LAYOUTS = [  # on 4 ranks: (case, degrees, EP over, schedule, the step's checkpointing,

@@ -71,8 +71,9 @@ def _run_schedules(cases):
     results = []
     for schedule, microbatches in cases:
         model = ParallelTransformer(reference, dims.groups(mesh))
-        pipe = fp.pipeline.split(model, dims, mesh, schedule=schedule, microbatches=microbatches,
-                                 loss_fn=model.loss)  # fmt: skip
+        pipe = fp.pipeline.split(
+            model, dims, mesh, schedule=schedule, microbatches=microbatches, loss_fn=model.loss
+        )
         log, peak = [], [0]
         _record(pipe.stages, log, peak)
         pipe.step(data[:, :-1], target=data[:, 1:])
@@ -92,8 +93,10 @@ def test_torch_runs_the_actions_and_holds_in_flight(world):
 
 
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
-@pytest.mark.parametrize("pp, m, f, b", [(2, 4, 1.0, 2.0), (4, 8, 1.0, 1.0), (4, 8, 0.5, 1.5),
-                                         (3, 5, 1.0, 3.0), (8, 8, 2.0, 1.0)])  # fmt: skip
+@pytest.mark.parametrize(
+    "pp, m, f, b",
+    [(2, 4, 1.0, 2.0), (4, 8, 1.0, 1.0), (4, 8, 0.5, 1.5), (3, 5, 1.0, 3.0), (8, 8, 2.0, 1.0)],
+)
 def test_simulate_meets_the_closed_form(schedule, pp, m, f, b):
     timing = simulate(schedule, pp, m, forward_s=f, backward_s=b)
     assert timing.step_s == pytest.approx((m + pp - 1) * (f + b))
@@ -134,17 +137,26 @@ def test_single_schedules_agree_with_torchs_drawing():
         if order is None:
             pytest.skip("this torch draws no pipeline_order for the single-stage schedules")
         for rank, acts in actions(schedule, pp, 8).items():
-            drawn = [(a.computation_type.value, a.stage_index, a.microbatch_index)
-                     for a in order[rank] if a and a.computation_type.value in "FB"]  # fmt: skip
+            drawn = [
+                (a.computation_type.value, a.stage_index, a.microbatch_index)
+                for a in order[rank]
+                if a and a.computation_type.value in "FB"
+            ]
             if ("F", rank, 8) in drawn:  # the slip: forwards numbered from 1
                 drawn = [(k, s, m - (k == "F")) for k, s, m in drawn]
             assert drawn == acts, (schedule, rank)
 
 
 def test_in_flight_at_pp4_as_the_module_doc_tables():
-    table = {"GPipe": [8] * 4, "1F1B": [4, 3, 2, 1], "Interleaved1F1B": [11, 9, 7, 5],
-             "LoopedBFS": [16] * 4, "InterleavedZeroBubble": [8] * 4, "ZBVZeroBubble": [8] * 4,
-             "DualPipeV": [9] * 4}  # fmt: skip
+    table = {
+        "GPipe": [8] * 4,
+        "1F1B": [4, 3, 2, 1],
+        "Interleaved1F1B": [11, 9, 7, 5],
+        "LoopedBFS": [16] * 4,
+        "InterleavedZeroBubble": [8] * 4,
+        "ZBVZeroBubble": [8] * 4,
+        "DualPipeV": [9] * 4,
+    }
     assert {name: list(in_flight(name, 4, 8).values()) for name in SCHEDULES} == table
 
 

@@ -70,8 +70,23 @@ def test_an_estimate_refuses_a_layout_that_does_not_divide():
 
 
 def test_the_command_line_writes_the_three_outputs(tmp_path, capsys):
-    main(["llama3-8b", "--gpus", "8", "--gpus-per-node", "4", "--seq-len", "4096",
-          "--global-batch-tokens", "1M", "--out", str(tmp_path), "--top", "5"])  # fmt: skip
+    main(
+        [
+            "llama3-8b",
+            "--gpus",
+            "8",
+            "--gpus-per-node",
+            "4",
+            "--seq-len",
+            "4096",
+            "--global-batch-tokens",
+            "1M",
+            "--out",
+            str(tmp_path),
+            "--top",
+            "5",
+        ]
+    )
     table = capsys.readouterr().out
     assert "| 1 |" in table and "# the demo model" in table
     mfus = [float(m) for m in re.findall(r"\| ([0-9.]+)% \|", table)]
@@ -85,9 +100,19 @@ def test_the_command_line_writes_the_three_outputs(tmp_path, capsys):
 
 
 def test_one_layout_from_the_command_line(capsys):
-    code = main(["deepseek-v3", "--gpus", "512", "--seq-len", "4096", "--layout",
-                 "dp=32,cp=2,tp=8,ep=cp+tp",
-                 "--checkpointing", "full"])  # fmt: skip
+    code = main(
+        [
+            "deepseek-v3",
+            "--gpus",
+            "512",
+            "--seq-len",
+            "4096",
+            "--layout",
+            "dp=32,cp=2,tp=8,ep=cp+tp",
+            "--checkpointing",
+            "full",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["layout"] == "dp32 cp2 tp8 ep16(cpxtp)" and out["memory"]["activations"] > 0
     assert code == (0 if out["fits"] else 1)
@@ -101,10 +126,17 @@ def test_the_frontier_and_the_dims_call():
     assert report.dims_call(result.best).startswith("fp.ParallelDims(")
 
 
-@pytest.mark.parametrize("name, total, active", [
-    ("llama3-8b", 8.03e9, None), ("llama3-70b", 70.55e9, None), ("llama3-405b", 405.85e9, None),
-    ("qwen3-235b-a22b", 235e9, 22e9), ("mixtral-8x22b", 141e9, 39e9),
-    ("deepseek-v3", 671e9, 37e9)])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, total, active",
+    [
+        ("llama3-8b", 8.03e9, None),
+        ("llama3-70b", 70.55e9, None),
+        ("llama3-405b", 405.85e9, None),
+        ("qwen3-235b-a22b", 235e9, 22e9),
+        ("mixtral-8x22b", 141e9, 39e9),
+        ("deepseek-v3", 671e9, 37e9),
+    ],
+)
 def test_presets_have_their_published_sizes(name, total, active):
     """The presets' parameter counts (the model cards': 8B ... 671B, 37B active) within 1%."""
     spec = plan.model_spec(name)
@@ -127,8 +159,24 @@ def test_packed_documents_and_the_optimizer_change_what_they_should():
     assert sgd.times["optimizer"] == pytest.approx(whole.times["optimizer"] * 3 / 7)
     with pytest.raises(ValueError, match="document_len"):
         plan.estimate("llama3-8b", dims, seq_len=8192, document_len=16384)
-    assert main(["llama3-8b", "--gpus", "8", "--seq-len", "8192", "--layout", "tp=8",
-                 "--optimizer", "sgd", "--document-len", "1024"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "llama3-8b",
+                "--gpus",
+                "8",
+                "--seq-len",
+                "8192",
+                "--layout",
+                "tp=8",
+                "--optimizer",
+                "sgd",
+                "--document-len",
+                "1024",
+            ]
+        )
+        == 0
+    )
 
 
 def test_mla_rings_move_the_latent_where_it_is_less():
@@ -141,16 +189,28 @@ def test_mla_rings_move_the_latent_where_it_is_less():
     spec, sent = plan.model_spec("deepseek-v3"), {}
     for latent in (False, True):  # one block's ring
         ledger = traffic.Ledger(dims)
-        traffic.block(ledger, spec, 3, plan.Local(32768, 1, 8, 1, 8, 64, latent_ring=latent),
-                      cpu_checks=False)  # fmt: skip
+        traffic.block(
+            ledger, spec, 3, plan.Local(32768, 1, 8, 1, 8, 64, latent_ring=latent), cpu_checks=False
+        )
         sent[latent] = ledger.bytes["send", ("cp",)]
     assert 8 < sent[False] / sent[True] < 10
-    auto, expanded = (plan.estimate("deepseek-v3", dims, seq_len=32768, checkpointing="full",
-                                    cp_ring=ring) for ring in ("auto", "expanded"))  # fmt: skip
+    auto, expanded = (
+        plan.estimate("deepseek-v3", dims, seq_len=32768, checkpointing="full", cp_ring=ring)
+        for ring in ("auto", "expanded")
+    )
     assert auto.traffic["cp"] < expanded.traffic["cp"]  # (less the gradients' all-reduces)
     hybrid = fp.ParallelDims(dp=8, cp=4, ulysses=2, tp=8, ep=("cp", "ulysses", "tp"))
-    assert len({plan.estimate("deepseek-v3", hybrid, seq_len=32768, checkpointing="full",
-                              cp_ring=ring).traffic["cp"] for ring in ("auto", "expanded")}) == 1
+    assert (
+        len(
+            {
+                plan.estimate(
+                    "deepseek-v3", hybrid, seq_len=32768, checkpointing="full", cp_ring=ring
+                ).traffic["cp"]
+                for ring in ("auto", "expanded")
+            }
+        )
+        == 1
+    )
     with pytest.raises(ValueError, match="cp_ring"):
         plan.estimate("deepseek-v3", dims, seq_len=32768, cp_ring="compressed")
 

@@ -45,8 +45,9 @@ def test_plain_eager_runs_the_bodies_as_a_function_and_a_policy_sees_the_op():
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     context = functools.partial(create_selective_checkpoint_contexts, policy)
-    _, checkpointed = _run(lambda *t: checkpoint(_flash, *t, use_reentrant=False,
-                                                 context_fn=context))  # fmt: skip
+    _, checkpointed = _run(
+        lambda *t: checkpoint(_flash, *t, use_reentrant=False, context_fn=context)
+    )
     assert any("fusedpar.flash_attn" in name for name in asked), asked
     for a, b in zip(eager, checkpointed, strict=True):
         assert torch.equal(a, b)

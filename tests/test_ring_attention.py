@@ -58,8 +58,14 @@ def check_sharded_attention(p, ring_group, ulysses_group, layout):
     if ring > 1:  # the hybrid
 
         def attend(*t):  # noqa: E306
-            return fp.ring_attn(*t, ring_group, causal=causal, return_lse=True, **where,
-                                deterministic=p.get("deterministic", False))  # fmt: skip
+            return fp.ring_attn(
+                *t,
+                ring_group,
+                causal=causal,
+                return_lse=True,
+                **where,
+                deterministic=p.get("deterministic", False),
+            )
     else:
 
         def attend(*t):  # noqa: E306
@@ -68,8 +74,9 @@ def check_sharded_attention(p, ring_group, ulysses_group, layout):
     local = [shard(t).to(dtype) for t in (q, k, v)]
     got = attention_grads(attend, local, shard(dout), shard(dlse, dim=2))
     full = [t.to(dtype) for t in (q, k, v)]
-    ref64 = attention_grads(lambda *t: attention_reference(*t, causal=causal), (q, k, v), dout,
-                            dlse)  # fmt: skip
+    ref64 = attention_grads(
+        lambda *t: attention_reference(*t, causal=causal), (q, k, v), dout, dlse
+    )
     same = torch_results(full, dout, dlse, ref64, causal)
     single = attention_grads(
         lambda *t: fp.flash_attn(*t, causal=causal, return_lse=True), full, dout, dlse
@@ -99,15 +106,44 @@ def _run_ring(p):
 
 
 @given(
-    world_size=st.sampled_from([2, 4]), B=st.integers(1, 2), chunk=st.integers(1, 9),
-    Hkv=st.integers(1, 2), group=st.integers(1, 3), D=st.sampled_from([8, 16, 40, 64]),
-    causal=st.booleans(), layout=st.sampled_from(["zigzag", "contiguous"]),
-    dtype=cpu_dtypes(), seed=seeds(), Dv=st.sampled_from([None, None, 8, 24]),
-)  # fmt: skip
-@example(world_size=4, B=1, chunk=1, Hkv=1, group=4, D=16, causal=True, layout="zigzag",
-         dtype=torch.float32, seed=0, Dv=None)  # one token per chunk, MQA  # fmt: skip
-@example(world_size=2, B=2, chunk=7, Hkv=2, group=2, D=40, causal=True, layout="contiguous",
-         dtype=torch.float16, seed=1, Dv=24)  # V narrower than Q and K  # fmt: skip
+    world_size=st.sampled_from([2, 4]),
+    B=st.integers(1, 2),
+    chunk=st.integers(1, 9),
+    Hkv=st.integers(1, 2),
+    group=st.integers(1, 3),
+    D=st.sampled_from([8, 16, 40, 64]),
+    causal=st.booleans(),
+    layout=st.sampled_from(["zigzag", "contiguous"]),
+    dtype=cpu_dtypes(),
+    seed=seeds(),
+    Dv=st.sampled_from([None, None, 8, 24]),
+)
+@example(
+    world_size=4,
+    B=1,
+    chunk=1,
+    Hkv=1,
+    group=4,
+    D=16,
+    causal=True,
+    layout="zigzag",
+    dtype=torch.float32,
+    seed=0,
+    Dv=None,
+)  # one token per chunk, MQA
+@example(
+    world_size=2,
+    B=2,
+    chunk=7,
+    Hkv=2,
+    group=2,
+    D=40,
+    causal=True,
+    layout="contiguous",
+    dtype=torch.float16,
+    seed=1,
+    Dv=24,
+)  # V narrower than Q and K
 def test_ring_attn_matches_full_attention(world, world_size, **p):
     assert all(world(world_size).run(_run_ring, p))
 
@@ -118,8 +154,19 @@ def test_the_ring_on_triton_kernels(world, triton_kernels, deterministic):
     rank: the ring's merge and accumulate modes of the kernels, inside the ring; its
     backward fused (the interpreter's pick) or, deterministic, split; V narrower than Q
     and K (the kernels' HEAD_DIM_V)."""
-    p = dict(B=2, chunk=3, Hkv=1, group=2, D=16, causal=True, layout="zigzag",
-             dtype=torch.float32, seed=4, deterministic=deterministic, Dv=8)  # fmt: skip
+    p = dict(
+        B=2,
+        chunk=3,
+        Hkv=1,
+        group=2,
+        D=16,
+        causal=True,
+        layout="zigzag",
+        dtype=torch.float32,
+        seed=4,
+        deterministic=deterministic,
+        Dv=8,
+    )
     assert all(world(4).run(_run_ring, p))
 
 
@@ -258,8 +305,9 @@ def test_merge_gpu(block_dtype):
 # --- the virtual ring: the ring's loops over W ranks on one device ----------------------
 
 
-def check_virtual_ring(W, B, chunk, Hkv, group, D, causal, layout, dtype, seed, device="cpu",
-                       split_below=None, Dv=None):  # fmt: skip
+def check_virtual_ring(
+    W, B, chunk, Hkv, group, D, causal, layout, dtype, seed, device="cpu", split_below=None, Dv=None
+):
     """virtual_ring_attn against float64 full attention: output, LSE, every gradient,
     with the loops' own buffers (and the GQA split's partials) poisoned with NaN first.
     Inputs are strided windows of longer sequences."""
@@ -286,8 +334,12 @@ def check_virtual_ring(W, B, chunk, Hkv, group, D, causal, layout, dtype, seed, 
             return virtual_ring_attn(*t, W, causal=causal, layout=layout, return_lse=True)
 
         got = attention_grads(ring, (q, k, v), dout, dlse)
-    ref = attention_grads(lambda *t: attention_reference(*t, causal=causal),
-                          [t.double() for t in (q, k, v)], dout, dlse)  # fmt: skip
+    ref = attention_grads(
+        lambda *t: attention_reference(*t, causal=causal),
+        [t.double() for t in (q, k, v)],
+        dout,
+        dlse,
+    )
     same = torch_results((q, k, v), dout, dlse, ref, causal)
     for name, g, r, t in zip(("out", "lse", "dq", "dk", "dv"), got, ref, same, strict=True):
         assert g.dtype == (torch.float32 if name == "lse" else dtype), name
@@ -299,19 +351,47 @@ def check_virtual_ring(W, B, chunk, Hkv, group, D, causal, layout, dtype, seed, 
 # each on 2 cores): one batch, at most 4 query heads, and fewer examples keep this ~20 s.
 @settings(max_examples=4)
 @given(
-    W=st.integers(2, 4), chunk=st.integers(1, 7),
-    heads=st.sampled_from([(1, 1), (1, 2), (1, 3), (2, 2)]), D=st.sampled_from([8, 16, 40]),
-    causal=st.booleans(), layout=st.sampled_from(["zigzag", "contiguous"]), dtype=cpu_dtypes(),
-    seed=seeds(), split_below=st.sampled_from([None, 10**6]), Dv=st.sampled_from([None, 8]),
-)  # fmt: skip
-@example(W=4, chunk=3, heads=(1, 3), D=16, causal=True, layout="zigzag", dtype=torch.float32,
-         seed=0, split_below=10**6, Dv=8)  # MQA, split dK/dV, V narrower  # fmt: skip
-@example(W=3, chunk=5, heads=(2, 2), D=40, causal=True, layout="contiguous",
-         dtype=torch.float16, seed=1, split_below=None, Dv=None)  # hidden blocks  # fmt: skip
-def test_virtual_ring_matches_full_attention(triton_kernels, W, chunk, heads, D, causal, layout,
-                                            dtype, seed, split_below, Dv):  # fmt: skip
-    check_virtual_ring(W, 1, chunk, *heads, D, causal, layout, dtype, seed,
-                       split_below=split_below, Dv=Dv)  # fmt: skip
+    W=st.integers(2, 4),
+    chunk=st.integers(1, 7),
+    heads=st.sampled_from([(1, 1), (1, 2), (1, 3), (2, 2)]),
+    D=st.sampled_from([8, 16, 40]),
+    causal=st.booleans(),
+    layout=st.sampled_from(["zigzag", "contiguous"]),
+    dtype=cpu_dtypes(),
+    seed=seeds(),
+    split_below=st.sampled_from([None, 10**6]),
+    Dv=st.sampled_from([None, 8]),
+)
+@example(
+    W=4,
+    chunk=3,
+    heads=(1, 3),
+    D=16,
+    causal=True,
+    layout="zigzag",
+    dtype=torch.float32,
+    seed=0,
+    split_below=10**6,
+    Dv=8,
+)  # MQA, split dK/dV, V narrower
+@example(
+    W=3,
+    chunk=5,
+    heads=(2, 2),
+    D=40,
+    causal=True,
+    layout="contiguous",
+    dtype=torch.float16,
+    seed=1,
+    split_below=None,
+    Dv=None,
+)  # hidden blocks
+def test_virtual_ring_matches_full_attention(
+    triton_kernels, W, chunk, heads, D, causal, layout, dtype, seed, split_below, Dv
+):
+    check_virtual_ring(
+        W, 1, chunk, *heads, D, causal, layout, dtype, seed, split_below=split_below, Dv=Dv
+    )
 
 
 def test_virtual_ring_batches():
@@ -321,9 +401,15 @@ def test_virtual_ring_batches():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
-    "W, layout, causal", [(2, "zigzag", True), (4, "zigzag", True), (8, "zigzag", True),
-                          (4, "contiguous", True), (4, "zigzag", False)],
-)  # fmt: skip
+    "W, layout, causal",
+    [
+        (2, "zigzag", True),
+        (4, "zigzag", True),
+        (8, "zigzag", True),
+        (4, "contiguous", True),
+        (4, "zigzag", False),
+    ],
+)
 def test_virtual_ring_gpu(W, layout, causal, dtype):
     """4096 tokens, 8 query heads over 2 KV heads, D = 128 (the default GQA split)."""
     chunk = 4096 // (2 * W if layout == "zigzag" else W)
@@ -334,8 +420,9 @@ def test_virtual_ring_one_rank_is_flash_attn():
     q = randn((2, 7, 4, 16), torch.float32, 0)
     k, v = randn((2, 7, 2, 16), torch.float32, 1), randn((2, 7, 2, 16), torch.float32, 2)
     for causal in (False, True):
-        assert torch.equal(virtual_ring_attn(q, k, v, 1, causal=causal),
-                           fp.flash_attn(q, k, v, causal=causal))  # fmt: skip
+        assert torch.equal(
+            virtual_ring_attn(q, k, v, 1, causal=causal), fp.flash_attn(q, k, v, causal=causal)
+        )
 
 
 def test_virtual_ring_transport():
@@ -354,12 +441,14 @@ def test_virtual_ring_transport():
 
 @pytest.mark.parametrize(
     "shapes, world_size, layout, match",
-    [(((1, 12, 2, 8), (1, 12, 2, 8)), 0, "zigzag", "world_size must be an int >= 1, got 0"),
-     (((1, 12, 2, 8), (1, 12, 2, 8)), 4, "zigzag", "12 must be divisible by 8"),
-     (((1, 12, 2, 8), (1, 10, 2, 8)), 2, "zigzag", "12 tokens, k and v have 10"),
-     (((1, 3, 2, 8), (1, 3, 2, 8)), 4, "contiguous", "3 tokens cannot fill the 4 chunks"),
-     (((1, 12, 2, 8), (1, 12, 2, 8)), 2, "spiral", "spiral")],
-)  # fmt: skip
+    [
+        (((1, 12, 2, 8), (1, 12, 2, 8)), 0, "zigzag", "world_size must be an int >= 1, got 0"),
+        (((1, 12, 2, 8), (1, 12, 2, 8)), 4, "zigzag", "12 must be divisible by 8"),
+        (((1, 12, 2, 8), (1, 10, 2, 8)), 2, "zigzag", "12 tokens, k and v have 10"),
+        (((1, 3, 2, 8), (1, 3, 2, 8)), 4, "contiguous", "3 tokens cannot fill the 4 chunks"),
+        (((1, 12, 2, 8), (1, 12, 2, 8)), 2, "spiral", "spiral"),
+    ],
+)
 def test_virtual_ring_bad_input(shapes, world_size, layout, match):
     q, k = torch.ones(shapes[0]), torch.ones(shapes[1])
     with pytest.raises(ValueError, match=match):
@@ -380,9 +469,13 @@ def _run_bad(case):
 
 @pytest.mark.parametrize(
     "case, match",
-    [("odd zigzag", r"2W = 4.*3 tokens"), ("layout", "spiral"),
-     ("q/k lengths", "4 local tokens.*5"), ("ranks disagree", "disagree")],
-)  # fmt: skip
+    [
+        ("odd zigzag", r"2W = 4.*3 tokens"),
+        ("layout", "spiral"),
+        ("q/k lengths", "4 local tokens.*5"),
+        ("ranks disagree", "disagree"),
+    ],
+)
 def test_bad_input_fails_on_every_rank(world, case, match):
     for e in world(2).run(exception_of, _run_bad, case):
         assert isinstance(e, ValueError) and re.search(match, str(e)), repr(e)
@@ -401,8 +494,7 @@ def test_the_ring_benchmarks_gpu_part_runs_on_cpu(monkeypatch):
     fp32, the interpreter, timers replaced): rows, ratios and the torch block's merge."""
     import bench.ring_attention as bench
 
-    monkeypatch.setattr(bench, "GPU_SHAPE", {"batch": 1, "heads": 2, "kv_heads": 1,
-                                             "head_dim": 16})  # fmt: skip
+    monkeypatch.setattr(bench, "GPU_SHAPE", {"batch": 1, "heads": 2, "kv_heads": 1, "head_dim": 16})
     monkeypatch.setattr(bench, "GPU_WORLDS", (2,))
     monkeypatch.setattr(bench, "GPU_SEQ_LENS", (4, 8))
     monkeypatch.setattr(bench, "GPU_DTYPE", torch.float32)
@@ -410,13 +502,18 @@ def test_the_ring_benchmarks_gpu_part_runs_on_cpu(monkeypatch):
     monkeypatch.setattr(bench, "time_ms", lambda fn, **kw: (fn(), 2.0)[1])
     rows = bench.gpu_virtual_ring(device="cpu")
     assert [(r["seq_len"], r["causal"], r["world"]) for r in rows] == [
-        (8, False, 1), (8, False, 2), (8, True, 1), (8, True, 2)]  # fmt: skip
+        (8, False, 1),
+        (8, False, 2),
+        (8, True, 1),
+        (8, True, 2),
+    ]
     assert all(r["fwd_vs_flash"] == r["fwd_bwd_vs_flash"] == 1.0 for r in rows if r["world"] > 1)
     # the CPU part's torch block merges like the kernel's epilogue
     q, k, v = (randn((1, 6, 2, 8), torch.float32, i) for i in range(3))
     # key 0 is visible to every row; the rest, bottom-right aligned, is the causal part
     out, lse = bench.torch_attend(q, k[:, :1], v[:, :1], causal=False, softmax_scale=None)
-    bench.torch_attend(q, k[:, 1:], v[:, 1:], causal=True, softmax_scale=None, out=out, lse=lse,
-                       merge=True)  # fmt: skip
+    bench.torch_attend(
+        q, k[:, 1:], v[:, 1:], causal=True, softmax_scale=None, out=out, lse=lse, merge=True
+    )
     full = attention_reference(q, k, v, causal=True)
     torch.testing.assert_close((out, lse), full, rtol=1e-5, atol=1e-6)

@@ -43,11 +43,16 @@ def _run_packed_ring(p):
     def ring(*t):
         return fp.ring_attn(*t, WORLD, layout=layout, cu_seqlens=cu, return_lse=True, **mask)
 
-    got = attention_grads(ring, [shard(t).to(dtype) for t in (q, k, v)], shard(dout),
-                          shard(dlse, dim=2))  # fmt: skip
+    got = attention_grads(
+        ring, [shard(t).to(dtype) for t in (q, k, v)], shard(dout), shard(dlse, dim=2)
+    )
     visible = visible_reference(cu, cu, causal=p["causal"], window=p["window"])
-    ref = attention_grads(lambda *t: attention_reference(*t, softcap=p["softcap"], visible=visible),
-                          (q, k, v), dout, dlse)  # fmt: skip
+    ref = attention_grads(
+        lambda *t: attention_reference(*t, softcap=p["softcap"], visible=visible),
+        (q, k, v),
+        dout,
+        dlse,
+    )
     full = [t.to(dtype) for t in (q, k, v)]
     same = torch_results(full, dout, dlse, ref, softcap=p["softcap"], visible=visible)
 
@@ -81,16 +86,42 @@ def packed(draw):
 # W * W blocks x 3 kernels in the interpreter, program by program: few examples.
 @settings(max_examples=6)
 @given(
-    setup=packed(), Hkv=st.integers(1, 2), group=st.integers(1, 2), D=st.sampled_from([8, 16]),
-    causal=st.booleans(), left=st.sampled_from([-1, 0, 1, 3, 9, 100]),
-    right=st.sampled_from([-1, 0, 2]), softcap=st.sampled_from([0.0, 2.0]), dtype=cpu_dtypes(),
+    setup=packed(),
+    Hkv=st.integers(1, 2),
+    group=st.integers(1, 2),
+    D=st.sampled_from([8, 16]),
+    causal=st.booleans(),
+    left=st.sampled_from([-1, 0, 1, 3, 9, 100]),
+    right=st.sampled_from([-1, 0, 2]),
+    softcap=st.sampled_from([0.0, 2.0]),
+    dtype=cpu_dtypes(),
     seed=seeds(),
-)  # fmt: skip
+)
 # one document spanning all four ranks, a window spanning several chunks
-@example(setup=(4, "zigzag", [3, 0, 29]), Hkv=1, group=2, D=16, causal=True, left=9, right=-1,
-         softcap=0.0, dtype=torch.float32, seed=0)  # fmt: skip
-@example(setup=(2, "contiguous", [1, 5, 6]), Hkv=2, group=1, D=8, causal=False, left=1, right=2,
-         softcap=2.0, dtype=torch.float16, seed=1)  # fmt: skip
+@example(
+    setup=(4, "zigzag", [3, 0, 29]),
+    Hkv=1,
+    group=2,
+    D=16,
+    causal=True,
+    left=9,
+    right=-1,
+    softcap=0.0,
+    dtype=torch.float32,
+    seed=0,
+)
+@example(
+    setup=(2, "contiguous", [1, 5, 6]),
+    Hkv=2,
+    group=1,
+    D=8,
+    causal=False,
+    left=1,
+    right=2,
+    softcap=2.0,
+    dtype=torch.float16,
+    seed=1,
+)
 def test_packed_ring_matches_the_whole_stream(world, setup, causal, left, right, **p):
     size, layout, lengths = setup
     p.update(layout=layout, lengths=lengths, causal=causal, window=(left, right))
@@ -113,8 +144,15 @@ def _launches(W, layout, chunk, **mask):
             counts[next(i for i, s in enumerate(shards) if s is q_rank)] += 1
         return attention_forward(q_rank, *args, **kw)
 
-    ring_attention._forward(shards, shards, shards, ring_attention.VirtualRing(W), masks,
-                            softmax_scale=None, attend=counting)  # fmt: skip
+    ring_attention._forward(
+        shards,
+        shards,
+        shards,
+        ring_attention.VirtualRing(W),
+        masks,
+        softmax_scale=None,
+        attend=counting,
+    )
     return counts
 
 
@@ -140,9 +178,12 @@ def _bad_ring_input(case):
 
 @pytest.mark.parametrize(
     "case, error, match",
-    [("batch", ValueError, "one batch row"), ("end", ValueError, "end at the total length 8"),
-     ("dtype", TypeError, "int32")],
-)  # fmt: skip
+    [
+        ("batch", ValueError, "one batch row"),
+        ("end", ValueError, "end at the total length 8"),
+        ("dtype", TypeError, "int32"),
+    ],
+)
 def test_bad_packed_input_fails_on_every_rank(world, case, error, match):
     raised = world(2).run(exception_of, _bad_ring_input, case)
     assert all(isinstance(e, error) and match in str(e) for e in raised), raised
@@ -156,8 +197,9 @@ LENGTHS = [3, 9, 0, 12]  # 24 tokens: zigzag over 2 ranks is 4 chunks of 6
 
 def _layer(cp_group):
     torch.manual_seed(0)
-    return fp.nn.ParallelAttention(D_MODEL, HEADS, KV_HEADS, sliding_window=WINDOW,
-                                   softcap=SOFTCAP, cp_group=cp_group)  # fmt: skip
+    return fp.nn.ParallelAttention(
+        D_MODEL, HEADS, KV_HEADS, sliding_window=WINDOW, softcap=SOFTCAP, cp_group=cp_group
+    )
 
 
 def _dense_packed(layer, x, cu):
@@ -166,8 +208,10 @@ def _dense_packed(layer, x, cu):
     float64 rotation runs on torch's implementation, whatever the caller asked for:
     Triton's kernels refuse float64.)"""
     T, hd, x = x.shape[0], layer.head_dim, x.double()
-    q, k, v = (torch.nn.functional.linear(x[:, 0], w.double()).view(T, -1, hd)
-               for w in (layer.q_weight, layer.k_weight, layer.v_weight))  # fmt: skip
+    q, k, v = (
+        torch.nn.functional.linear(x[:, 0], w.double()).view(T, -1, hd)
+        for w in (layer.q_weight, layer.k_weight, layer.v_weight)
+    )
     positions = fp.sequence_positions(T, None, cu_seqlens=cu)
     cos, sin = fp.nn.attention.rope_tables(positions, hd, layer.rope_theta, torch.float64)
     with fp.implementation("torch"):

@@ -26,19 +26,42 @@ def _input(shape, dtype, seed, strided):
 
 
 @given(
-    rows=st.integers(1, 40), D=st.integers(1, 100), dtype=cpu_dtypes(), seed=seeds(),
-    strided=st.booleans(), offset=st.sampled_from([0.0, 1.0]),
-    weight_fp32=st.booleans(), lead=st.sampled_from([(), (2,)]),
-)  # fmt: skip
-@example(rows=1, D=1, dtype=torch.float32, seed=0, strided=False, offset=0.0,
-         weight_fp32=False, lead=())  # fmt: skip
-@example(rows=33, D=67, dtype=torch.float16, seed=1, strided=True, offset=1.0,
-         weight_fp32=False, lead=(2,))  # fmt: skip
+    rows=st.integers(1, 40),
+    D=st.integers(1, 100),
+    dtype=cpu_dtypes(),
+    seed=seeds(),
+    strided=st.booleans(),
+    offset=st.sampled_from([0.0, 1.0]),
+    weight_fp32=st.booleans(),
+    lead=st.sampled_from([(), (2,)]),
+)
+@example(
+    rows=1, D=1, dtype=torch.float32, seed=0, strided=False, offset=0.0, weight_fp32=False, lead=()
+)
+@example(
+    rows=33,
+    D=67,
+    dtype=torch.float16,
+    seed=1,
+    strided=True,
+    offset=1.0,
+    weight_fp32=False,
+    lead=(2,),
+)
 # one feature, x^2 >> eps: dx's bracket 1 - xhat^2 cancelled to 3.7x PyTorch's error (CI)
-@example(rows=29, D=1, dtype=torch.float32, seed=36524, strided=False, offset=1.0,
-         weight_fp32=False, lead=())  # fmt: skip
-def test_rms_norm_matches_float64(rows, D, dtype, seed, strided, offset, weight_fp32, lead,
-                                  each_implementation):  # fmt: skip
+@example(
+    rows=29,
+    D=1,
+    dtype=torch.float32,
+    seed=36524,
+    strided=False,
+    offset=1.0,
+    weight_fp32=False,
+    lead=(),
+)
+def test_rms_norm_matches_float64(
+    rows, D, dtype, seed, strided, offset, weight_fp32, lead, each_implementation
+):
     _check_against_float64(rows, D, dtype, seed, strided, offset, weight_fp32, lead)
 
 
@@ -50,8 +73,7 @@ def test_rms_norm_matches_float64_on_a_gpu(dtype, D):
     _check_against_float64(300, D, dtype, 0, True, 0.0, False, (2,), device="cuda")
 
 
-def _check_against_float64(rows, D, dtype, seed, strided, offset, weight_fp32, lead,
-                           device="cpu"):  # fmt: skip
+def _check_against_float64(rows, D, dtype, seed, strided, offset, weight_fp32, lead, device="cpu"):
     x = _input((rows * (lead[0] if lead else 1), D), dtype, seed, strided).to(device)
     x = x.reshape(*lead, rows, D) if lead else x
     w_dtype = torch.float32 if weight_fp32 else dtype
@@ -84,16 +106,25 @@ def _check_norm(x, weight, offset, seed, rope=None):
 
 
 @given(
-    S=st.integers(1, 9), B=st.integers(1, 2), H=st.integers(1, 3), D=st.integers(2, 40),
-    rotated=st.floats(0.0, 1.0), dtype=cpu_dtypes(), seed=seeds(), batch_first=st.booleans(),
+    S=st.integers(1, 9),
+    B=st.integers(1, 2),
+    H=st.integers(1, 3),
+    D=st.integers(2, 40),
+    rotated=st.floats(0.0, 1.0),
+    dtype=cpu_dtypes(),
+    seed=seeds(),
+    batch_first=st.booleans(),
     offset=st.sampled_from([0.0, 1.0]),
-)  # fmt: skip
-@example(S=5, B=2, H=3, D=16, rotated=1.0, dtype=torch.float16, seed=0, batch_first=True,
-         offset=0.0)  # fmt: skip
-@example(S=3, B=1, H=2, D=13, rotated=0.5, dtype=torch.float32, seed=1, batch_first=False,
-         offset=1.0)  # fmt: skip
-def test_rms_norm_with_rope_matches_float64(S, B, H, D, rotated, dtype, seed, batch_first,
-                                            offset, each_implementation):  # fmt: skip
+)
+@example(
+    S=5, B=2, H=3, D=16, rotated=1.0, dtype=torch.float16, seed=0, batch_first=True, offset=0.0
+)
+@example(
+    S=3, B=1, H=2, D=13, rotated=0.5, dtype=torch.float32, seed=1, batch_first=False, offset=1.0
+)
+def test_rms_norm_with_rope_matches_float64(
+    S, B, H, D, rotated, dtype, seed, batch_first, offset, each_implementation
+):
     """A q/k head norm with RoPE after it (``rope=``): x (S, B, H, hd) as attention's
     projection gives it, or a transposed view of a batch-first one (rows that do not
     flatten: copied); the first r = 2 * half <= hd dims rotate, the rest pass."""

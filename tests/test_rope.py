@@ -24,13 +24,18 @@ def _formula(x, cos, sin):
 
 
 @given(
-    B=st.integers(1, 2), S=st.integers(1, 9), H=st.integers(1, 5),
-    hd=st.sampled_from([8, 16, 24]), partial=st.booleans(), fused=st.booleans(),
-    pair=st.booleans(), dtype=cpu_dtypes(), seed=seeds(),
-)  # fmt: skip
+    B=st.integers(1, 2),
+    S=st.integers(1, 9),
+    H=st.integers(1, 5),
+    hd=st.sampled_from([8, 16, 24]),
+    partial=st.booleans(),
+    fused=st.booleans(),
+    pair=st.booleans(),
+    dtype=cpu_dtypes(),
+    seed=seeds(),
+)
 @example(B=2, S=7, H=5, hd=24, partial=True, fused=True, pair=True, dtype=torch.float16, seed=0)
-def test_rope_matches_float64(B, S, H, hd, partial, fused, pair, dtype, seed,
-                              each_implementation):  # fmt: skip
+def test_rope_matches_float64(B, S, H, hd, partial, fused, pair, dtype, seed, each_implementation):
     """Output and dx: elementwise (two products a sum), so no sum_length. `pair`: q and
     k (max(1, H // 2) heads) in one launch each way (`apply_rope_qk`)."""
     rotary = hd // 2 if partial else hd
@@ -74,10 +79,12 @@ def test_tables_that_need_a_gradient_get_it():
 
 @pytest.mark.parametrize(
     "x, table, error, match",
-    [((1, 4, 2, 8), (3, 4), ValueError, "cos and sin must be"),
-     ((1, 4, 2, 8), (4, 5), ValueError, "over the head dim"),
-     ((4, 2, 8), (4, 4), ValueError, "x must be")],
-)  # fmt: skip
+    [
+        ((1, 4, 2, 8), (3, 4), ValueError, "cos and sin must be"),
+        ((1, 4, 2, 8), (4, 5), ValueError, "over the head dim"),
+        ((4, 2, 8), (4, 4), ValueError, "x must be"),
+    ],
+)
 def test_bad_input_is_named(x, table, error, match):
     from fusedpar.ops.attention import rope
 

@@ -25,14 +25,20 @@ def _dense(case: str, seed: int) -> dict:
     """The checkpoint's tensors, in Meta's layout (q/k rows pairing (2i, 2i + 1))."""
     hd, _, norm, bias, _ = CASES[case]
     g = torch.Generator().manual_seed(seed)
-    shapes = {"q": (HEADS * hd, D_MODEL), "k": (KV_HEADS * hd, D_MODEL),
-              "v": (KV_HEADS * hd, D_MODEL), "o": (D_MODEL, HEADS * hd)}  # fmt: skip
+    shapes = {
+        "q": (HEADS * hd, D_MODEL),
+        "k": (KV_HEADS * hd, D_MODEL),
+        "v": (KV_HEADS * hd, D_MODEL),
+        "o": (D_MODEL, HEADS * hd),
+    }
     if bias:
         shapes |= {f"{n}_bias": (shapes[n][0],) for n in "qkvo"}
     if norm is not None:
         full = norm == "full"
-        shapes |= {"q_norm": (HEADS * hd if full else hd,),
-                   "k_norm": (KV_HEADS * hd if full else hd,)}  # fmt: skip
+        shapes |= {
+            "q_norm": (HEADS * hd if full else hd,),
+            "k_norm": (KV_HEADS * hd if full else hd,),
+        }
     tensors = {n: torch.randn(shape, generator=g) * 0.3 for n, shape in shapes.items()}
     for n in ("q_norm", "k_norm"):
         if n in tensors:
@@ -75,10 +81,21 @@ def _convert(p: dict, case: str, groups: dict, **kwargs):
     biases = {"bias": tuple(p[f"{n}_bias"] for n in "qkvo")} if bias else {}
     norms = {n: p[n] for n in ("q_norm", "k_norm") if n in p}
     return fp.nn.ParallelAttention.from_dense(
-        p["q"], p["k"], p["v"], p["o"], D_MODEL, HEADS, KV_HEADS, rotary_dim=r,
-        rope_theta=theta, tp_group=groups["tp"], cp_group=groups["cp"], **biases, **norms,
+        p["q"],
+        p["k"],
+        p["v"],
+        p["o"],
+        D_MODEL,
+        HEADS,
+        KV_HEADS,
+        rotary_dim=r,
+        rope_theta=theta,
+        tp_group=groups["tp"],
+        cp_group=groups["cp"],
+        **biases,
+        **norms,
         **kwargs,
-    )  # fmt: skip
+    )
 
 
 def _run_layout(case: str, seed: int) -> bool:
@@ -110,16 +127,22 @@ def _run_layout(case: str, seed: int) -> bool:
     y = layer(x_local)
     y.backward(local(dy))
     for name, got in (("y", y), ("dx", x_local.grad)):
-        assert_close(got, local(refs[torch.float64][name]), local(refs[torch.float32][name]),
-                     name=name)  # fmt: skip
+        assert_close(
+            got, local(refs[torch.float64][name]), local(refs[torch.float32][name]), name=name
+        )
     hd, r = CASES[case][:2]
     for name, param in layer.named_parameters():
         grad = param.grad.full_tensor() if dims else param.grad
         dense_name = name.removesuffix("_weight")
         if name[0] in "qk":  # the layer's q/k rows are in its own layout: map them back
             grad = half_to_interleaved(grad, hd, r)
-        assert_close(grad, refs[torch.float64][dense_name], refs[torch.float32][dense_name],
-                     name=name, sum_length=SEQ)  # fmt: skip
+        assert_close(
+            grad,
+            refs[torch.float64][dense_name],
+            refs[torch.float32][dense_name],
+            name=name,
+            sum_length=SEQ,
+        )
     return True
 
 
@@ -145,27 +168,43 @@ def test_the_layout_is_a_permutation_of_each_heads_rows():
     assert torch.equal(interleaved_to_half(w, hd, r), expected)
     assert torch.equal(half_to_interleaved(interleaved_to_half(w, hd, r), hd, r), w)
     case, groups, rows = "head norms, biases, partial rotary", {"tp": None, "cp": None}, "qk"
-    half = {n: interleaved_to_half(t, hd, r) if n[0] in rows and n[1:] in ("", "_bias", "_norm")
-            else t for n, t in p.items()}  # fmt: skip
+    half = {
+        n: interleaved_to_half(t, hd, r) if n[0] in rows and n[1:] in ("", "_bias", "_norm") else t
+        for n, t in p.items()
+    }
     by_hand = _convert(half, case, groups)
     converted = _convert(p, case, groups, rope_layout="interleaved")
     default = _convert(half, case, groups, rope_layout="half")
-    for (name, a), b, c in zip(by_hand.named_parameters(), converted.parameters(),
-                               default.parameters(), strict=True):  # fmt: skip
+    for (name, a), b, c in zip(
+        by_hand.named_parameters(), converted.parameters(), default.parameters(), strict=True
+    ):
         assert torch.equal(a, b) and torch.equal(a, c), name
 
 
 def test_bad_layouts_are_refused():
     p = _dense("head norms, biases, partial rotary", 0)
     case, groups = "head norms, biases, partial rotary", {"tp": None, "cp": None}
-    with pytest.raises(ValueError, match=r"rope_layout must be one of \('half', 'interleaved'\), "
-                                         r"got 'meta'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"rope_layout must be one of \('half', 'interleaved'\), "
+        r"got 'meta'",
+    ):
         _convert(p, case, groups, rope_layout="meta")
     with pytest.raises(ValueError, match=r"rope_layout='interleaved' with rope=None"):
-        fp.nn.ParallelAttention.from_dense(p["q"], p["k"], p["v"], p["o"], D_MODEL, HEADS,
-                                           KV_HEADS, rope=None, rope_layout="interleaved",
-                                           bias=tuple(p[f"{n}_bias"] for n in "qkvo"),
-                                           q_norm=p["q_norm"], k_norm=p["k_norm"])  # fmt: skip
+        fp.nn.ParallelAttention.from_dense(
+            p["q"],
+            p["k"],
+            p["v"],
+            p["o"],
+            D_MODEL,
+            HEADS,
+            KV_HEADS,
+            rope=None,
+            rope_layout="interleaved",
+            bias=tuple(p[f"{n}_bias"] for n in "qkvo"),
+            q_norm=p["q_norm"],
+            k_norm=p["k_norm"],
+        )
     with pytest.raises(ValueError, match=r"dim 0 of \(20, 3\) is not a multiple of head_dim 16"):
         interleaved_to_half(torch.ones(20, 3), 16)
     with pytest.raises(ValueError, match=r"rotary_dim \(6\) must be even and in \(0, head_dim 4\]"):

@@ -39,8 +39,9 @@ def _grads(fn, q, k, v, sinks, dout, dlse):
 
 
 def _check(got, ref64, same, D, what):
-    for name, g, r, t in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), got, ref64, same,
-                             strict=True):  # fmt: skip
+    for name, g, r, t in zip(
+        ("out", "lse", "dq", "dk", "dv", "dsinks"), got, ref64, same, strict=True
+    ):
         assert torch.isfinite(g).all(), f"{what}: {name} not finite"
         assert_close(g, r, t, name=f"{what}: {name}", sum_length=D)
 
@@ -57,17 +58,25 @@ def _expected(inputs, dtype, **mask):
     return ref64, same
 
 
-@pytest.mark.parametrize("Sq, Skv, causal, window, dtype, Dv", [
-    (13, 13, True, (-1, -1), torch.float32, None),
-    (9, 17, False, (3, 2), torch.float16, 8),  # V narrower than Q and K
-    (11, 5, True, (-1, -1), torch.float32, None),  # bottom-right: the first 6 rows see no key
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "Sq, Skv, causal, window, dtype, Dv",
+    [
+        (13, 13, True, (-1, -1), torch.float32, None),
+        (9, 17, False, (3, 2), torch.float16, 8),  # V narrower than Q and K
+        (11, 5, True, (-1, -1), torch.float32, None),  # bottom-right: the first 6 rows see no key
+    ],
+)
 def test_flash_attn_sinks_match_float64(each_implementation, Sq, Skv, causal, window, dtype, Dv):
     inputs = _inputs(2, Sq, Skv, 4, 2, 16, dtype, seed=Sq + Skv, Dv=Dv)
     q, k, v, dout, dlse, sinks = inputs
     mask = dict(causal=causal, window=window)
-    got = _grads(lambda *t: fp.flash_attn(*t[:3], sinks=t[3], return_lse=True, **mask),
-                 *(t.to(dtype) for t in (q, k, v)), sinks, dout, dlse)  # fmt: skip
+    got = _grads(
+        lambda *t: fp.flash_attn(*t[:3], sinks=t[3], return_lse=True, **mask),
+        *(t.to(dtype) for t in (q, k, v)),
+        sinks,
+        dout,
+        dlse,
+    )
     _check(got, *_expected(inputs, dtype, **mask), 16, "flash_attn")
     if Sq > Skv:  # rows with no key: out 0, LSE the sink
         empty = Sq - Skv
@@ -82,8 +91,9 @@ def test_flash_attn_varlen_sinks_match_float64(each_implementation):
     visible = visible_reference(cu, cu, causal=True, window=(4, 0))
 
     def varlen(q, k, v, s):
-        out, lse = fp.flash_attn_varlen(q[0], k[0], v[0], cu, causal=True, window=(4, 0),
-                                        sinks=s, return_lse=True)  # fmt: skip
+        out, lse = fp.flash_attn_varlen(
+            q[0], k[0], v[0], cu, causal=True, window=(4, 0), sinks=s, return_lse=True
+        )
         return out[None], lse[None]
 
     got = _grads(varlen, *(t.float() for t in (q, k, v)), sinks, dout, dlse)
@@ -110,17 +120,26 @@ def _run_sharded(kind, seed):
     mask = dict(causal=True, window=(5, 0))
 
     def shard(t, dim=1):
-        return fp.shard_sequence(t, ring_group, dim=dim, layout=layout,
-                                 ulysses_group=ulysses_group)  # fmt: skip
+        return fp.shard_sequence(t, ring_group, dim=dim, layout=layout, ulysses_group=ulysses_group)
 
     def attend(q, k, v, s):
         if kind == "ulysses":
             return fp.ulysses_attn(q, k, v, ulysses_group, sinks=s, return_lse=True, **mask)
-        return fp.ring_attn(q, k, v, ring_group, layout=layout, ulysses_group=ulysses_group,
-                            sinks=s, return_lse=True, **mask)  # fmt: skip
+        return fp.ring_attn(
+            q,
+            k,
+            v,
+            ring_group,
+            layout=layout,
+            ulysses_group=ulysses_group,
+            sinks=s,
+            return_lse=True,
+            **mask,
+        )
 
-    got = _grads(attend, *(shard(t.float()) for t in (q, k, v)), sinks, shard(dout),
-                 shard(dlse, dim=2))  # fmt: skip
+    got = _grads(
+        attend, *(shard(t.float()) for t in (q, k, v)), sinks, shard(dout), shard(dlse, dim=2)
+    )
     dist.all_reduce(got[5])
     ref64, same = _expected(inputs, dtype, **mask)
 
@@ -136,11 +155,14 @@ def test_sharded_attention_sinks_match_float64(world, kind, ranks):
     assert all(world(ranks).run(_run_sharded, kind, 3))
 
 
-@pytest.mark.parametrize("sinks, error, match", [
-    (torch.zeros(3), ValueError, r"sinks must be float32 \(4,\) \(one logit per query head\)"),
-    (torch.zeros(4, dtype=torch.float64), ValueError, r"got torch.float64 \(4,\)"),
-    ([0.0] * 4, TypeError, r"sinks must be a tensor"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "sinks, error, match",
+    [
+        (torch.zeros(3), ValueError, r"sinks must be float32 \(4,\) \(one logit per query head\)"),
+        (torch.zeros(4, dtype=torch.float64), ValueError, r"got torch.float64 \(4,\)"),
+        ([0.0] * 4, TypeError, r"sinks must be a tensor"),
+    ],
+)
 def test_bad_sinks_raise(sinks, error, match):
     q = torch.randn(1, 4, 4, 8)
     with pytest.raises(error, match=match):

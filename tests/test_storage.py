@@ -28,18 +28,21 @@ def _run_placements():
     """Every layer kind on (dp=1, cp=2, tp=2): placements, global shapes, local data."""
     _, mesh, groups = _mesh(ep="tp")
     torch.manual_seed(0)
-    model = nn.ModuleDict({
-        "embed": nn.Embedding(10, 16),
-        "norm": nn.RMSNorm(16),
-        "col": fp.nn.ColumnParallelLinear(16, 8, groups["tp"]),
-        "row": fp.nn.RowParallelLinear(8, 16, groups["tp"]),
-        "mlp": fp.nn.ParallelSwiGLU(16, 12, groups["tp"]),
-        "attn": fp.nn.ParallelAttention(16, 2, tp_group=groups["tp"], cp_group=groups["cp"]),
-        "moe": fp.nn.MoE(16, 6, 4, 2, groups["ep"]),
-        "oss": fp.nn.MoE(16, 6, 4, 2, groups["ep"], bias=True, router_bias=True,
-                         activation="clamped_swiglu"),
-        "head": nn.Linear(16, 10, bias=False),
-    })  # fmt: skip
+    model = nn.ModuleDict(
+        {
+            "embed": nn.Embedding(10, 16),
+            "norm": nn.RMSNorm(16),
+            "col": fp.nn.ColumnParallelLinear(16, 8, groups["tp"]),
+            "row": fp.nn.RowParallelLinear(8, 16, groups["tp"]),
+            "mlp": fp.nn.ParallelSwiGLU(16, 12, groups["tp"]),
+            "attn": fp.nn.ParallelAttention(16, 2, tp_group=groups["tp"], cp_group=groups["cp"]),
+            "moe": fp.nn.MoE(16, 6, 4, 2, groups["ep"]),
+            "oss": fp.nn.MoE(
+                16, 6, 4, 2, groups["ep"], bias=True, router_bias=True, activation="clamped_swiglu"
+            ),
+            "head": nn.Linear(16, 10, bias=False),
+        }
+    )
     model["head"].weight = model["embed"].weight  # tied
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     fp.distribute(model, mesh)
@@ -47,20 +50,30 @@ def _run_placements():
     expected = {  # name: (placements on (dp, cp, tp), global shape)
         "embed.weight": ((R, R, R), (10, 16)),
         "norm.weight": ((R, R, R), (16,)),
-        "col.weight": ((R, R, S0), (8, 16)), "col.bias": ((R, R, S0), (8,)),
-        "row.weight": ((R, R, S1), (16, 8)), "row.bias": ((R, R, R), (16,)),
-        "mlp.gate_weight": ((R, R, S0), (12, 16)), "mlp.up_weight": ((R, R, S0), (12, 16)),
+        "col.weight": ((R, R, S0), (8, 16)),
+        "col.bias": ((R, R, S0), (8,)),
+        "row.weight": ((R, R, S1), (16, 8)),
+        "row.bias": ((R, R, R), (16,)),
+        "mlp.gate_weight": ((R, R, S0), (12, 16)),
+        "mlp.up_weight": ((R, R, S0), (12, 16)),
         "mlp.down_weight": ((R, R, S1), (16, 12)),
-        "attn.q_weight": ((R, R, S0), (16, 16)), "attn.k_weight": ((R, R, S0), (16, 16)),
-        "attn.v_weight": ((R, R, S0), (16, 16)), "attn.o_weight": ((R, R, S1), (16, 16)),
+        "attn.q_weight": ((R, R, S0), (16, 16)),
+        "attn.k_weight": ((R, R, S0), (16, 16)),
+        "attn.v_weight": ((R, R, S0), (16, 16)),
+        "attn.o_weight": ((R, R, S1), (16, 16)),
         "moe.router_weight": ((R, R, R), (4, 16)),
-        "moe.w1": ((R, R, S0), (4, 6, 16)), "moe.w2": ((R, R, S0), (4, 16, 6)),
+        "moe.w1": ((R, R, S0), (4, 6, 16)),
+        "moe.w2": ((R, R, S0), (4, 16, 6)),
         "moe.w3": ((R, R, S0), (4, 6, 16)),
-        "oss.router_weight": ((R, R, R), (4, 16)), "oss.router_bias": ((R, R, R), (4,)),
-        "oss.w1": ((R, R, S0), (4, 6, 16)), "oss.w2": ((R, R, S0), (4, 16, 6)),
-        "oss.w3": ((R, R, S0), (4, 6, 16)), "oss.b1": ((R, R, S0), (4, 6)),
-        "oss.b2": ((R, R, S0), (4, 16)), "oss.b3": ((R, R, S0), (4, 6)),
-    }  # fmt: skip
+        "oss.router_weight": ((R, R, R), (4, 16)),
+        "oss.router_bias": ((R, R, R), (4,)),
+        "oss.w1": ((R, R, S0), (4, 6, 16)),
+        "oss.w2": ((R, R, S0), (4, 16, 6)),
+        "oss.w3": ((R, R, S0), (4, 6, 16)),
+        "oss.b1": ((R, R, S0), (4, 6)),
+        "oss.b2": ((R, R, S0), (4, 16)),
+        "oss.b3": ((R, R, S0), (4, 6)),
+    }
     params = dict(model.named_parameters())
     assert sorted(params) == sorted(expected)  # the tied head is the embedding's parameter
     assert model["head"].weight is model["embed"].weight
@@ -122,12 +135,18 @@ def _run_whole_parameter_gradients(dp, cp, seed):
 
     ref64, ref32 = dense(torch.float64), dense(torch.float32)
     column = fp.nn.ColumnParallelLinear.from_dense(up, groups["tp"])
-    model = nn.Sequential(norm, column, nn.GELU(),
-                          fp.nn.RowParallelLinear.from_dense(down, groups["tp"]))  # fmt: skip
+    model = nn.Sequential(
+        norm, column, nn.GELU(), fp.nn.RowParallelLinear.from_dense(down, groups["tp"])
+    )
     fp.distribute(model, mesh)
     (dp * model(_sharded(x, groups)) * _sharded(g, groups)).sum().backward()
-    names = {"0.weight": "0.weight", "1.weight": "1.weight", "1.bias": "1.bias",
-             "3.weight": "2.weight", "3.bias": "2.bias"}  # fmt: skip
+    names = {
+        "0.weight": "0.weight",
+        "1.weight": "1.weight",
+        "1.bias": "1.bias",
+        "3.weight": "2.weight",
+        "3.bias": "2.bias",
+    }
     for name, p in model.named_parameters():
         assert p.grad.placements == p.placements, (name, p.grad.placements)  # reduced
         assert_close(p.grad.full_tensor(), ref64[names[name]], ref32[names[name]], name=name)
@@ -214,17 +233,26 @@ def _run_misuse(case):
     return None
 
 
-@pytest.mark.parametrize("case, match", [
-    ("classic tp with split tokens", r"sequence_parallel=False over \('tp',\).*token_axes"),
-    ("group not on the mesh", r"ranks \[(0, 3|1, 2)\] is not an axis"),
-    ("cp left out of token_axes", r"splits the sequence over \('cp',\), but token_axes"),
-    ("multihead attention", r"0 is an nn.MultiheadAttention, whose forward reads its children"),
-    ("twice", r"weight is already a DTensor"),
-    ("unknown axis", r"token_axes \['sp'\] are not axes"),
-    ("tp and cp swapped", r"ParallelAttention.tp_group is the mesh's cp axis, not tp"),
-    ("seeded per rank", r"0.weight, 1.weight, 1.bias differ across the ranks of mesh axis 'cp'"),
-    ("shards differ over cp", r"^distribute: weight, bias differ across .* axis 'cp'.* same seed"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("classic tp with split tokens", r"sequence_parallel=False over \('tp',\).*token_axes"),
+        ("group not on the mesh", r"ranks \[(0, 3|1, 2)\] is not an axis"),
+        ("cp left out of token_axes", r"splits the sequence over \('cp',\), but token_axes"),
+        ("multihead attention", r"0 is an nn.MultiheadAttention, whose forward reads its children"),
+        ("twice", r"weight is already a DTensor"),
+        ("unknown axis", r"token_axes \['sp'\] are not axes"),
+        ("tp and cp swapped", r"ParallelAttention.tp_group is the mesh's cp axis, not tp"),
+        (
+            "seeded per rank",
+            r"0.weight, 1.weight, 1.bias differ across the ranks of mesh axis 'cp'",
+        ),
+        (
+            "shards differ over cp",
+            r"^distribute: weight, bias differ across .* axis 'cp'.* same seed",
+        ),
+    ],
+)
 def test_misuse_raises_on_every_rank(world, case, match):
     messages = world(4).run(_run_misuse, case)
     assert all(m is not None and re.search(match, m) for m in messages), messages
@@ -254,8 +282,9 @@ def _run_undistributed(distributed):
 
 def test_training_without_distribute_warns_once(world):
     warned = world(2).run(_run_undistributed, False)
-    assert all(len(w) == 1 and "ColumnParallelLinear runs over more than one rank" in w[0]
-               for w in warned), warned  # fmt: skip
+    assert all(
+        len(w) == 1 and "ColumnParallelLinear runs over more than one rank" in w[0] for w in warned
+    ), warned
     assert world(2).run(_run_undistributed, True) == [[], []]
 
 

@@ -23,11 +23,11 @@ from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
 WORLD = dist.group.WORLD  # read inside the ranks, after init_process_group
 
 
-
 def _schedule(chunks: int) -> dict:
     """The ops' and layers' keywords for a drawn `chunks`: 0 is the serial schedule (one
     collective, one GEMM), n > 0 the ring with n chunks per rank."""
     return {"chunks_per_rank": max(1, chunks), "overlap": "serial" if chunks == 0 else "ring"}
+
 
 def _tokens_shape(p, tokens):
     """(tokens, K) flat, or sequence-first (tokens, B, K)."""
@@ -57,8 +57,13 @@ def _run_all_gather_matmul(p):
     # every rank's weights, biases and upstream gradients (rank s: index s)
 
     def draw(shape_of, offset):  # [rank][weight] -> a float64 tensor
-        return [[randn(shape_of(N), torch.float64, seed + 100 * s + offset + i, exact_in=dtype)
-                 for i, N in enumerate(p["Ns"])] for s in range(size)]  # fmt: skip
+        return [
+            [
+                randn(shape_of(N), torch.float64, seed + 100 * s + offset + i, exact_in=dtype)
+                for i, N in enumerate(p["Ns"])
+            ]
+            for s in range(size)
+        ]
 
     Ws, dYs = draw(lambda N: (N, K), 0), draw(lambda N: (*lead, N), 80)
     bs = draw(lambda N: (N,), 50) if p["bias"] else [[None] * len(p["Ns"])] * size
@@ -66,8 +71,9 @@ def _run_all_gather_matmul(p):
     x = _maybe_strided(X[rank * n : (rank + 1) * n].to(dtype), p["strided"]).requires_grad_()
     ws = [w.to(dtype).requires_grad_() for w in Ws[rank]]
     b_in = [None if b is None else b.to(dtype).requires_grad_() for b in bs[rank]]
-    ys = fp.all_gather_matmul(x, ws, WORLD, bias=b_in, save_gathered_input=p["save"],
-                              **_schedule(p["chunks"]))  # fmt: skip
+    ys = fp.all_gather_matmul(
+        x, ws, WORLD, bias=b_in, save_gathered_input=p["save"], **_schedule(p["chunks"])
+    )
     torch.autograd.backward(ys, [dy.to(dtype) for dy in dYs[rank]])
 
     def dense(X, Ws, bs, dYs, dt):  # outputs, dX rows of this rank, dWs, dbs
@@ -93,17 +99,61 @@ def _run_all_gather_matmul(p):
 
 
 @given(
-    world_size=st.sampled_from([2, 4]), rows=st.integers(1, 4), K=st.integers(1, 20),
-    Ns=st.lists(st.integers(1, 12), min_size=1, max_size=3), bias=st.booleans(),
-    chunks=st.integers(0, 3), dtype=cpu_dtypes(), seq_first=st.booleans(),
-    batch=st.integers(1, 2), strided=st.booleans(), save=st.booleans(), seed=seeds(),
-)  # fmt: skip
-@example(world_size=4, rows=0, K=5, Ns=[3], bias=True, chunks=1, dtype=torch.float32,
-         seq_first=False, batch=1, strided=False, save=False, seed=0)  # no tokens  # fmt: skip
-@example(world_size=2, rows=3, K=33, Ns=[17, 5, 9], bias=True, chunks=2, dtype=torch.float16,
-         seq_first=True, batch=2, strided=True, save=True, seed=1)  # fused QKV  # fmt: skip
-@example(world_size=4, rows=2, K=6, Ns=[5, 3], bias=True, chunks=0, dtype=torch.float16,
-         seq_first=True, batch=2, strided=True, save=False, seed=2)  # serial  # fmt: skip
+    world_size=st.sampled_from([2, 4]),
+    rows=st.integers(1, 4),
+    K=st.integers(1, 20),
+    Ns=st.lists(st.integers(1, 12), min_size=1, max_size=3),
+    bias=st.booleans(),
+    chunks=st.integers(0, 3),
+    dtype=cpu_dtypes(),
+    seq_first=st.booleans(),
+    batch=st.integers(1, 2),
+    strided=st.booleans(),
+    save=st.booleans(),
+    seed=seeds(),
+)
+@example(
+    world_size=4,
+    rows=0,
+    K=5,
+    Ns=[3],
+    bias=True,
+    chunks=1,
+    dtype=torch.float32,
+    seq_first=False,
+    batch=1,
+    strided=False,
+    save=False,
+    seed=0,
+)  # no tokens
+@example(
+    world_size=2,
+    rows=3,
+    K=33,
+    Ns=[17, 5, 9],
+    bias=True,
+    chunks=2,
+    dtype=torch.float16,
+    seq_first=True,
+    batch=2,
+    strided=True,
+    save=True,
+    seed=1,
+)  # fused QKV
+@example(
+    world_size=4,
+    rows=2,
+    K=6,
+    Ns=[5, 3],
+    bias=True,
+    chunks=0,
+    dtype=torch.float16,
+    seq_first=True,
+    batch=2,
+    strided=True,
+    save=False,
+    seed=2,
+)  # serial
 def test_all_gather_matmul(world, world_size, **p):
     assert all(world(world_size).run(_run_all_gather_matmul, p))
 
@@ -112,14 +162,44 @@ def test_the_rings_on_triton_kernels(world, triton_kernels):
     """A fused-QKV gather and a reduce-scatter with fusedpar's Triton GEMM (the
     interpreter here) on every rank: its fp32 partials and slices inside the TP rings,
     q and k turned in its epilogue, and a gated MLP's gradient in it."""
-    p = dict(rows=3, K=33, Ns=[17, 5, 9], bias=True, chunks=2, dtype=torch.float16,
-             seq_first=True, batch=2, strided=True, save=True, seed=1)  # fmt: skip
+    p = dict(
+        rows=3,
+        K=33,
+        Ns=[17, 5, 9],
+        bias=True,
+        chunks=2,
+        dtype=torch.float16,
+        seq_first=True,
+        batch=2,
+        strided=True,
+        save=True,
+        seed=1,
+    )
     assert all(world(2).run(_run_all_gather_matmul, p))
-    p = dict(rows=2, K=9, heads=[2, 1, 1], head_dim=16, rotary=16, chunks=3, batch=2,
-             dtype=torch.float16, seed=0)  # fmt: skip
+    p = dict(
+        rows=2,
+        K=9,
+        heads=[2, 1, 1],
+        head_dim=16,
+        rotary=16,
+        chunks=3,
+        batch=2,
+        dtype=torch.float16,
+        seed=0,
+    )
     assert all(world(2).run(_run_all_gather_matmul_rope, p))
-    p = dict(rows=3, K=7, N=19, bias=True, chunks=3, dtype=torch.float16, seq_first=True,
-             batch=2, strided=True, seed=2)  # fmt: skip
+    p = dict(
+        rows=3,
+        K=7,
+        N=19,
+        bias=True,
+        chunks=3,
+        dtype=torch.float16,
+        seq_first=True,
+        batch=2,
+        strided=True,
+        seed=2,
+    )
     assert all(world(2).run(_run_matmul_reduce_scatter, p))
     # the SwiGLU's backward: the ring's dh GEMMs (two chunks of 3 rows) ending in dgate,
     # dup and h; and classic TP's plain GEMM ending in them
@@ -145,8 +225,13 @@ def _run_all_gather_matmul_rope(p):
     X = randn((*lead, K), torch.float64, seed, exact_in=dtype)
 
     def draw(shape_of, offset):  # [rank][weight] -> a float64 tensor
-        return [[randn(shape_of(N), torch.float64, seed + 100 * s + offset + i, exact_in=dtype)
-                 for i, N in enumerate(Ns)] for s in range(size)]  # fmt: skip
+        return [
+            [
+                randn(shape_of(N), torch.float64, seed + 100 * s + offset + i, exact_in=dtype)
+                for i, N in enumerate(Ns)
+            ]
+            for s in range(size)
+        ]
 
     Ws, bs, dYs = draw(lambda N: (N, K), 1), draw(lambda N: (N,), 5), draw(lambda N: (*lead, N), 9)
     cos, sin = rope_tables(torch.arange(T) * 2 + 1, p["rotary"], 1000.0)
@@ -159,12 +244,19 @@ def _run_all_gather_matmul_rope(p):
             params = [t.detach().to(dt).requires_grad_() for t in (*Ws[s], *bs[s])]
             ws, b = params[: len(Ns)], params[len(Ns) :]
             if ours:
-                ys = fp.all_gather_matmul(x, ws, WORLD, bias=b, rope=(cos, sin), rotate=rotate,
-                                          head_dim=hd, **_schedule(p["chunks"]))  # fmt: skip
+                ys = fp.all_gather_matmul(
+                    x,
+                    ws,
+                    WORLD,
+                    bias=b,
+                    rope=(cos, sin),
+                    rotate=rotate,
+                    head_dim=hd,
+                    **_schedule(p["chunks"]),
+                )
             else:
                 ys = [x @ w.T + bias for w, bias in zip(ws, b, strict=True)]
-                ys = [_turned(y, cos, sin, hd) if r else y
-                      for y, r in zip(ys, rotate, strict=True)]  # fmt: skip
+                ys = [_turned(y, cos, sin, hd) if r else y for y, r in zip(ys, rotate, strict=True)]
             torch.autograd.backward(ys, [dy.to(dt) for dy in dYs[s]])
             if s == rank:
                 mine = ys, [t.grad for t in params]
@@ -178,17 +270,49 @@ def _run_all_gather_matmul_rope(p):
 
 
 @given(
-    world_size=st.sampled_from([2, 4]), rows=st.integers(1, 3), K=st.integers(1, 20),
+    world_size=st.sampled_from([2, 4]),
+    rows=st.integers(1, 3),
+    K=st.integers(1, 20),
     heads=st.lists(st.integers(1, 3), min_size=2, max_size=3),
-    shape=st.sampled_from([(8, 8), (16, 16), (16, 8), (12, 12)]), chunks=st.integers(0, 3),
-    batch=st.integers(1, 2), dtype=cpu_dtypes(), seed=seeds(),
-)  # fmt: skip
-@example(world_size=2, rows=2, K=9, heads=[2, 1, 1], shape=(16, 16), chunks=3, batch=2,
-         dtype=torch.float16, seed=0)  # chunks starting mid-position  # fmt: skip
-@example(world_size=2, rows=0, K=3, heads=[1, 1], shape=(12, 12), chunks=1, batch=2,
-         dtype=torch.float32, seed=0)  # no tokens, turned after the ring  # fmt: skip
-@example(world_size=4, rows=1, K=5, heads=[2, 1, 1], shape=(16, 8), chunks=0, batch=2,
-         dtype=torch.float16, seed=3)  # serial, partial rotary  # fmt: skip
+    shape=st.sampled_from([(8, 8), (16, 16), (16, 8), (12, 12)]),
+    chunks=st.integers(0, 3),
+    batch=st.integers(1, 2),
+    dtype=cpu_dtypes(),
+    seed=seeds(),
+)
+@example(
+    world_size=2,
+    rows=2,
+    K=9,
+    heads=[2, 1, 1],
+    shape=(16, 16),
+    chunks=3,
+    batch=2,
+    dtype=torch.float16,
+    seed=0,
+)  # chunks starting mid-position
+@example(
+    world_size=2,
+    rows=0,
+    K=3,
+    heads=[1, 1],
+    shape=(12, 12),
+    chunks=1,
+    batch=2,
+    dtype=torch.float32,
+    seed=0,
+)  # no tokens, turned after the ring
+@example(
+    world_size=4,
+    rows=1,
+    K=5,
+    heads=[2, 1, 1],
+    shape=(16, 8),
+    chunks=0,
+    batch=2,
+    dtype=torch.float16,
+    seed=3,
+)  # serial, partial rotary
 def test_all_gather_matmul_turns_q_and_k(world, world_size, shape, **p):
     """`rope=`: heads of 8 or 16 turned in the GEMMs' epilogue (chunks of the ring start at
     any row, not only at a position's first), partial rotary (16, 8) and heads of 12 turned
@@ -202,15 +326,18 @@ def _tables(tokens=4, half=4, **changes):
     return cos.to(**changes), sin.to(**changes)
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"rope": _tables(tokens=5)}, ValueError, r"\(T=4, r/2\)"),
-    ({"rope": _tables(dtype=torch.float64)}, TypeError, "float32"),
-    ({"rope": tuple(t.requires_grad_() for t in _tables())}, ValueError, "no gradient"),
-    ({"rope": _tables(), "rotate": [True]}, ValueError, "2 weights but 1 rotate"),
-    ({"rope": _tables(), "head_dim": 6}, ValueError, "8 rotated dims"),
-    ({"rope": _tables(half=2), "head_dim": 16}, ValueError, "not whole heads of head_dim=16"),
-    ({"rotate": [True, False]}, ValueError, "go with rope"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"rope": _tables(tokens=5)}, ValueError, r"\(T=4, r/2\)"),
+        ({"rope": _tables(dtype=torch.float64)}, TypeError, "float32"),
+        ({"rope": tuple(t.requires_grad_() for t in _tables())}, ValueError, "no gradient"),
+        ({"rope": _tables(), "rotate": [True]}, ValueError, "2 weights but 1 rotate"),
+        ({"rope": _tables(), "head_dim": 6}, ValueError, "8 rotated dims"),
+        ({"rope": _tables(half=2), "head_dim": 16}, ValueError, "not whole heads of head_dim=16"),
+        ({"rotate": [True, False]}, ValueError, "go with rope"),
+    ],
+)
 def test_a_bad_rotation_is_refused_before_any_transfer(kwargs, error, match):
     x, weights = torch.ones(4, 3), [torch.ones(8, 3), torch.ones(24, 3)]
     with pytest.raises(error, match=match):
@@ -224,8 +351,10 @@ def _run_matmul_reduce_scatter(p):
     X = randn((*lead, k * size), torch.float64, seed, exact_in=dtype)
     Wt = randn((N, k * size), torch.float64, seed + 1, exact_in=dtype)
     b = randn((N,), torch.float64, seed + 2, exact_in=dtype) if p["bias"] else None
-    dYs = [randn((*_tokens_shape(p, n), N), torch.float64, seed + 10 + s, exact_in=dtype)
-           for s in range(size)]  # fmt: skip
+    dYs = [
+        randn((*_tokens_shape(p, n), N), torch.float64, seed + 10 + s, exact_in=dtype)
+        for s in range(size)
+    ]
     cols = slice(rank * k, (rank + 1) * k)
 
     x = _maybe_strided(X[..., cols].to(dtype), p["strided"]).requires_grad_()
@@ -237,29 +366,76 @@ def _run_matmul_reduce_scatter(p):
     def dense(dt):
         full = X.to(dt) @ Wt.to(dt).T + (0 if b is None else b.to(dt))
         dY = torch.cat(dYs).to(dt)
-        return (full[rank * n : (rank + 1) * n], dY @ Wt[:, cols].to(dt),
-                dY.flatten(0, -2).T @ X[..., cols].to(dt).flatten(0, -2),
-                dYs[rank].to(dt).flatten(0, -2).sum(0))  # fmt: skip
+        return (
+            full[rank * n : (rank + 1) * n],
+            dY @ Wt[:, cols].to(dt),
+            dY.flatten(0, -2).T @ X[..., cols].to(dt).flatten(0, -2),
+            dYs[rank].to(dt).flatten(0, -2).sum(0),
+        )
 
     ref, same = dense(torch.float64), dense(dtype)
-    checks = [("y", y, ref[0], same[0]), ("dx", x.grad, ref[1], same[1]),
-              ("dw", w.grad, ref[2], same[2])]  # fmt: skip
+    checks = [
+        ("y", y, ref[0], same[0]),
+        ("dx", x.grad, ref[1], same[1]),
+        ("dw", w.grad, ref[2], same[2]),
+    ]
     if b is not None:
         checks.append(("db", b_in.grad, ref[3], same[3]))
     return _check_all(checks)
 
 
 @given(
-    world_size=st.sampled_from([2, 4]), rows=st.integers(1, 4), K=st.integers(1, 9),
-    N=st.integers(1, 20), bias=st.booleans(), chunks=st.integers(0, 3), dtype=cpu_dtypes(),
-    seq_first=st.booleans(), batch=st.integers(1, 2), strided=st.booleans(), seed=seeds(),
-)  # fmt: skip
-@example(world_size=2, rows=0, K=3, N=4, bias=True, chunks=2, dtype=torch.float32,
-         seq_first=False, batch=1, strided=False, seed=0)  # no tokens  # fmt: skip
-@example(world_size=4, rows=3, K=7, N=19, bias=True, chunks=3, dtype=torch.float16,
-         seq_first=True, batch=2, strided=True, seed=1)  # fmt: skip
-@example(world_size=4, rows=2, K=5, N=7, bias=True, chunks=0, dtype=torch.float16,
-         seq_first=False, batch=2, strided=True, seed=4)  # serial  # fmt: skip
+    world_size=st.sampled_from([2, 4]),
+    rows=st.integers(1, 4),
+    K=st.integers(1, 9),
+    N=st.integers(1, 20),
+    bias=st.booleans(),
+    chunks=st.integers(0, 3),
+    dtype=cpu_dtypes(),
+    seq_first=st.booleans(),
+    batch=st.integers(1, 2),
+    strided=st.booleans(),
+    seed=seeds(),
+)
+@example(
+    world_size=2,
+    rows=0,
+    K=3,
+    N=4,
+    bias=True,
+    chunks=2,
+    dtype=torch.float32,
+    seq_first=False,
+    batch=1,
+    strided=False,
+    seed=0,
+)  # no tokens
+@example(
+    world_size=4,
+    rows=3,
+    K=7,
+    N=19,
+    bias=True,
+    chunks=3,
+    dtype=torch.float16,
+    seq_first=True,
+    batch=2,
+    strided=True,
+    seed=1,
+)
+@example(
+    world_size=4,
+    rows=2,
+    K=5,
+    N=7,
+    bias=True,
+    chunks=0,
+    dtype=torch.float16,
+    seq_first=False,
+    batch=2,
+    strided=True,
+    seed=4,
+)  # serial
 def test_matmul_reduce_scatter(world, world_size, **p):
     assert all(world(world_size).run(_run_matmul_reduce_scatter, p))
 
@@ -302,24 +478,34 @@ def _run_layers(kind, sequence_parallel, gather_output, dtype, seed, chunks=1):
         for param in dense_params:
             param.copy_(param.to(dtype))
     if kind == "swiglu":
-        layer = fp.nn.ParallelSwiGLU.from_dense(*(p.to(dtype) for p in dense_params), WORLD,
-                                                sequence_parallel=sequence_parallel,
-                                                **_schedule(chunks))  # fmt: skip
+        layer = fp.nn.ParallelSwiGLU.from_dense(
+            *(p.to(dtype) for p in dense_params),
+            WORLD,
+            sequence_parallel=sequence_parallel,
+            **_schedule(chunks),
+        )
         layer_params = [layer.gate_weight, layer.up_weight, layer.down_weight]
     elif kind == "geglu-bias":  # from the nn.Linear modules: biases read off them
         layer = fp.nn.ParallelSwiGLU.from_dense(
-            *(model[n].to(dtype) for n in ("gate", "up", "down")), WORLD,
-            activation=_activation(kind), sequence_parallel=sequence_parallel,
-            **_schedule(chunks))  # fmt: skip
+            *(model[n].to(dtype) for n in ("gate", "up", "down")),
+            WORLD,
+            activation=_activation(kind),
+            sequence_parallel=sequence_parallel,
+            **_schedule(chunks),
+        )
         model.double()
-        layer_params = [getattr(layer, f"{n}_{p}") for p in ("weight", "bias")
-                        for n in ("gate", "up", "down")]  # fmt: skip
+        layer_params = [
+            getattr(layer, f"{n}_{p}") for p in ("weight", "bias") for n in ("gate", "up", "down")
+        ]
     else:
         cls = fp.nn.ColumnParallelLinear if kind == "column" else fp.nn.RowParallelLinear
         kwargs = {"gather_output": gather_output} if kind == "column" else {}
         layer = cls.from_dense(
-            model.to(dtype), WORLD, sequence_parallel=sequence_parallel, **kwargs,
-            **_schedule(chunks)
+            model.to(dtype),
+            WORLD,
+            sequence_parallel=sequence_parallel,
+            **kwargs,
+            **_schedule(chunks),
         )
         model.double()
         layer_params = [layer.weight, layer.bias]
@@ -358,16 +544,27 @@ def _run_layers(kind, sequence_parallel, gather_output, dtype, seed, chunks=1):
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize(
     "kind, sequence_parallel, gather_output",
-    [("column", True, False), ("column", True, True), ("column", False, False),
-     ("column", False, True), ("row", True, False), ("row", False, False),
-     ("swiglu", True, False), ("swiglu", False, False), ("geglu-bias", True, False),
-     ("geglu-bias", False, False)],
-)  # fmt: skip
+    [
+        ("column", True, False),
+        ("column", True, True),
+        ("column", False, False),
+        ("column", False, True),
+        ("row", True, False),
+        ("row", False, False),
+        ("swiglu", True, False),
+        ("swiglu", False, False),
+        ("geglu-bias", True, False),
+        ("geglu-bias", False, False),
+    ],
+)
 def test_layers_equal_dense(world, world_size, kind, sequence_parallel, gather_output):
     """fp32 on the ring, fp16 in the serial schedule."""
     for dtype, seed, chunks in ((torch.float32, 0, 1), (torch.float16, 1, 0)):
-        assert all(world(world_size).run(
-            _run_layers, kind, sequence_parallel, gather_output, dtype, seed, chunks))  # fmt: skip
+        assert all(
+            world(world_size).run(
+                _run_layers, kind, sequence_parallel, gather_output, dtype, seed, chunks
+            )
+        )
 
 
 def _run_init(seed):
@@ -382,12 +579,15 @@ def _run_init(seed):
     col, row = fp.nn.ColumnParallelLinear(5, 8, WORLD), fp.nn.RowParallelLinear(8, 5, WORLD)
     mlp = fp.nn.ParallelSwiGLU(5, 8, WORLD)
     r, size = dist.get_rank(), dist.get_world_size()
-    pairs = [(col.weight, dense_col.weight.chunk(size, 0)[r]),
-             (col.bias, dense_col.bias.chunk(size, 0)[r]),
-             (row.weight, dense_row.weight.chunk(size, 1)[r]), (row.bias, dense_row.bias),
-             (mlp.gate_weight, gate.weight.chunk(size, 0)[r]),
-             (mlp.up_weight, up.weight.chunk(size, 0)[r]),
-             (mlp.down_weight, down.weight.chunk(size, 1)[r])]  # fmt: skip
+    pairs = [
+        (col.weight, dense_col.weight.chunk(size, 0)[r]),
+        (col.bias, dense_col.bias.chunk(size, 0)[r]),
+        (row.weight, dense_row.weight.chunk(size, 1)[r]),
+        (row.bias, dense_row.bias),
+        (mlp.gate_weight, gate.weight.chunk(size, 0)[r]),
+        (mlp.up_weight, up.weight.chunk(size, 0)[r]),
+        (mlp.down_weight, down.weight.chunk(size, 1)[r]),
+    ]
     return all(torch.equal(a, b) for a, b in pairs)
 
 
@@ -425,11 +625,13 @@ def _run_bad_input(case):
 
 @pytest.mark.parametrize(
     "case, error, match",
-    [("indivisible tokens", ValueError, r"5 tokens.*group size 4"),
-     ("wrong K", ValueError, "K=4.*K=6"),
-     ("fp16 weight", TypeError, "float16"),
-     ("indivisible features", ValueError, r"out_features \(6\).*group size \(4\)")],
-)  # fmt: skip
+    [
+        ("indivisible tokens", ValueError, r"5 tokens.*group size 4"),
+        ("wrong K", ValueError, "K=4.*K=6"),
+        ("fp16 weight", TypeError, "float16"),
+        ("indivisible features", ValueError, r"out_features \(6\).*group size \(4\)"),
+    ],
+)
 def test_bad_input_fails_on_every_rank(world, case, error, match):
     for e in world(4).run(exception_of, _run_bad_input, case):
         assert isinstance(e, error) and re.search(match, str(e)), repr(e)

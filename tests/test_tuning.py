@@ -117,19 +117,16 @@ def test_growing_lengths_share_a_bucket():
 def test_first_candidate_without_timing(monkeypatch):
     monkeypatch.setenv("FUSEDPAR_TUNING", "first")
     calls = []
-    pick = _tuning.Tuner("t").run(("k",), candidates, _sleepy({16: 5, 32: 1}, calls),
-                                  device=CPU)  # fmt: skip
+    pick = _tuning.Tuner("t").run(("k",), candidates, _sleepy({16: 5, 32: 1}, calls), device=CPU)
     assert pick.kwargs["BLOCK_M"] == 16 and calls == [16]
 
 
 def test_picks_survive_in_the_cache_file(monkeypatch, tmp_path):
     monkeypatch.setenv("FUSEDPAR_TUNING_CACHE", str(tmp_path / "picks.json"))
     calls = []
-    _tuning.Tuner("t").run(("k", 1), candidates, _sleepy({16: 20, 32: 1}, calls),
-                           device=CPU)  # fmt: skip
+    _tuning.Tuner("t").run(("k", 1), candidates, _sleepy({16: 20, 32: 1}, calls), device=CPU)
     calls.clear()
-    pick = _tuning.Tuner("t").run(("k", 1), candidates, _sleepy({16: 20, 32: 1}, calls),
-                                  device=CPU)  # fmt: skip
+    pick = _tuning.Tuner("t").run(("k", 1), candidates, _sleepy({16: 20, 32: 1}, calls), device=CPU)
     assert pick.kwargs["BLOCK_M"] == 32 and calls == [32]  # read back, not timed again
 
 
@@ -150,11 +147,11 @@ def _agree_on_a_tile():
     81 against 45, so both pick 32."""
     rank = dist.get_rank()
     times = {16: 1, 32: 40} if rank == 0 else {16: 80, 32: 5}
-    alone = _tuning.Tuner("alone").run(("k",), candidates, _sleepy(times, []),
-                                       device=CPU)  # fmt: skip
+    alone = _tuning.Tuner("alone").run(("k",), candidates, _sleepy(times, []), device=CPU)
     agreement = fp.comm.tuning_agreement(dist.group.WORLD, torch.device("cpu"))
-    together = _tuning.Tuner("together").run(("k",), candidates, _sleepy(times, []),
-                                             device=CPU, agreement=agreement)  # fmt: skip
+    together = _tuning.Tuner("together").run(
+        ("k",), candidates, _sleepy(times, []), device=CPU, agreement=agreement
+    )
     return alone.kwargs["BLOCK_M"], together.kwargs["BLOCK_M"]
 
 

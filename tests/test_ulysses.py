@@ -41,8 +41,12 @@ def _run_ulysses(p):
         q, k, v, dout = (t.to(p["dtype"]) for t in full[:4])
         dlse = full[4]
         repeated = [k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)]
-        grads = attention_grads(lambda *t: fp.flash_attn(*t, causal=p["causal"], return_lse=True),
-                                [q, *repeated], dout, dlse)  # fmt: skip
+        grads = attention_grads(
+            lambda *t: fp.flash_attn(*t, causal=p["causal"], return_lse=True),
+            [q, *repeated],
+            dout,
+            dlse,
+        )
         for g, mine in zip(grads[3:], got[3:], strict=True):
             summed = g.unflatten(2, (-1, rep)).sum(3, dtype=torch.float32).to(g.dtype)
             assert torch.equal(shard(summed), mine)
@@ -56,10 +60,23 @@ def _ulysses_cases():
             Hq = max(P, Hkv) * (2 if i % 2 and P == 2 else 1)
             dtype = torch.float16 if i % 2 else torch.float32
             Dv = 8 if i % 2 else None  # V narrower than Q and K in half of them
-            cases.append(pytest.param(P, dict(B=1 + i % 2, tokens=3 + i, Hq=Hq, Hkv=Hkv, D=16,
-                                               causal=i % 2 == 0, dtype=dtype, seed=10 * P + i,
-                                               Dv=Dv),
-                                      id=f"P{P}-Hkv{Hkv}-Hq{Hq}" + "-dv8" * bool(Dv)))  # fmt: skip
+            cases.append(
+                pytest.param(
+                    P,
+                    dict(
+                        B=1 + i % 2,
+                        tokens=3 + i,
+                        Hq=Hq,
+                        Hkv=Hkv,
+                        D=16,
+                        causal=i % 2 == 0,
+                        dtype=dtype,
+                        seed=10 * P + i,
+                        Dv=Dv,
+                    ),
+                    id=f"P{P}-Hkv{Hkv}-Hq{Hq}" + "-dv8" * bool(Dv),
+                )
+            )
     return cases
 
 
@@ -74,13 +91,24 @@ def _run_hybrid(p, layout):
     return True
 
 
-@pytest.mark.parametrize("layout, p", [
-    ("zigzag", dict(B=1, tokens=6, Hq=4, Hkv=1, D=16, causal=True, dtype=torch.float32, seed=1,
-                    Dv=24)),
-    ("contiguous", dict(B=2, tokens=3, Hq=4, Hkv=4, D=8, causal=False, dtype=torch.float16,
-                        seed=2)),
-    ("zigzag", dict(B=1, tokens=2, Hq=2, Hkv=2, D=16, causal=True, dtype=torch.float16, seed=3)),
-], ids=["zigzag-mqa-fp32", "contiguous-mha-fp16", "zigzag-one-token-per-chunk"])  # fmt: skip
+@pytest.mark.parametrize(
+    "layout, p",
+    [
+        (
+            "zigzag",
+            dict(B=1, tokens=6, Hq=4, Hkv=1, D=16, causal=True, dtype=torch.float32, seed=1, Dv=24),
+        ),
+        (
+            "contiguous",
+            dict(B=2, tokens=3, Hq=4, Hkv=4, D=8, causal=False, dtype=torch.float16, seed=2),
+        ),
+        (
+            "zigzag",
+            dict(B=1, tokens=2, Hq=2, Hkv=2, D=16, causal=True, dtype=torch.float16, seed=3),
+        ),
+    ],
+    ids=["zigzag-mqa-fp32", "contiguous-mha-fp16", "zigzag-one-token-per-chunk"],
+)
 def test_hybrid_2x2_matches_full_attention(world, layout, p):
     """Ring 2 x Ulysses 2. (8 ranks, 2 x 4 and 4 x 2, are left out for the suite's time:
     the same code paths, at other sizes.)"""
@@ -156,21 +184,25 @@ def _run_bad(case):
         return fp.ring_attn(q, k, v, ring, ulysses_group=ulysses)
     if case == "shard length":
         ring, ulysses = _mesh(2, 2)
-        return fp.shard_sequence(torch.zeros(1, 6), ring, layout="contiguous",
-                                 ulysses_group=ulysses)  # fmt: skip
+        return fp.shard_sequence(
+            torch.zeros(1, 6), ring, layout="contiguous", ulysses_group=ulysses
+        )
     return fp.ulysses_attn(q, k, v, WORLD)
 
 
-@pytest.mark.parametrize("case, world_size, match", [
-    ("query heads", 2, "3 query heads do not divide by the Ulysses degree 2"),
-    ("kv heads", 2, "3 KV heads and Ulysses degree 2"),
-    ("q/k lengths", 2, "4 local tokens.*3"),
-    ("cu_seqlens", 2, "cu_seqlens"),
-    ("ranks disagree", 2, "ranks disagree"),
-    ("overlapping groups", 2, r"overlap in ranks \[0, 1\]"),
-    ("hybrid heads", 4, "over ulysses_group: 3 KV heads"),
-    ("shard length", 4, "3 tokens do not divide by the Ulysses degree 2"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "case, world_size, match",
+    [
+        ("query heads", 2, "3 query heads do not divide by the Ulysses degree 2"),
+        ("kv heads", 2, "3 KV heads and Ulysses degree 2"),
+        ("q/k lengths", 2, "4 local tokens.*3"),
+        ("cu_seqlens", 2, "cu_seqlens"),
+        ("ranks disagree", 2, "ranks disagree"),
+        ("overlapping groups", 2, r"overlap in ranks \[0, 1\]"),
+        ("hybrid heads", 4, "over ulysses_group: 3 KV heads"),
+        ("shard length", 4, "3 tokens do not divide by the Ulysses degree 2"),
+    ],
+)
 def test_bad_input_fails_on_every_rank(world, case, world_size, match):
     for e in world(world_size).run(exception_of, _run_bad, case):
         assert isinstance(e, ValueError) and re.search(match, str(e)), repr(e)
@@ -180,13 +212,23 @@ def _run_bad_config(kwargs, check):
     fp.ParallelDims(**kwargs).validate(dist.get_world_size(), **check)
 
 
-@pytest.mark.parametrize("kwargs, check, match", [
-    ({"cp": 2, "ulysses": 4}, {}, r"x ulysses \(4\).*= 8, but the world has 4"),
-    ({"ulysses": 2, "tp": 2}, {"n_heads": 6}, r"n_heads \(6\).*tp \(2\) x ulysses \(2\)"),
-    ({"ulysses": 4}, {"n_heads": 8, "n_kv_heads": 3}, r"n_kv_heads \(3\).*ulysses degree \(4\)"),
-    ({"cp": 2, "ulysses": 2}, {"seq_len": 6, "cp_layout": "contiguous"},
-     r"3 tokens .* ulysses degree \(2\)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, check, match",
+    [
+        ({"cp": 2, "ulysses": 4}, {}, r"x ulysses \(4\).*= 8, but the world has 4"),
+        ({"ulysses": 2, "tp": 2}, {"n_heads": 6}, r"n_heads \(6\).*tp \(2\) x ulysses \(2\)"),
+        (
+            {"ulysses": 4},
+            {"n_heads": 8, "n_kv_heads": 3},
+            r"n_kv_heads \(3\).*ulysses degree \(4\)",
+        ),
+        (
+            {"cp": 2, "ulysses": 2},
+            {"seq_len": 6, "cp_layout": "contiguous"},
+            r"3 tokens .* ulysses degree \(2\)",
+        ),
+    ],
+)
 def test_bad_ulysses_configurations_fail_on_every_rank(world, kwargs, check, match):
     for e in world(4).run(exception_of, _run_bad_config, kwargs, check):
         assert isinstance(e, ValueError) and re.search(match, str(e)), repr(e)

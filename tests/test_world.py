@@ -182,10 +182,12 @@ def subgroup_on_one_rank_then_raise():
 
 def ring_then_raise():
     rank, size = dist.get_rank(), dist.get_world_size()
-    dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, torch.full((4,), 7.0), (rank + 1) % size),
-        dist.P2POp(dist.irecv, torch.empty(4), (rank - 1) % size),
-    ])  # fmt: skip
+    dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, torch.full((4,), 7.0), (rank + 1) % size),
+            dist.P2POp(dist.irecv, torch.empty(4), (rank - 1) % size),
+        ]
+    )
     raise ValueError("both ranks give up before waiting for the exchange")
 
 
@@ -266,8 +268,10 @@ def _environment_seen(name):
     return os.environ.get(name), inductor.max_autotune
 
 
-@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(),
-                    reason="every World is spawned here")
+@pytest.mark.skipif(
+    "forkserver" not in multiprocessing.get_all_start_methods(),
+    reason="every World is spawned here",
+)
 def test_a_world_started_in_another_environment_is_spawned_and_sees_it(monkeypatch):
     """The ranks' process server imported torch under the session's environment; a
     World started after a variable read at import changed gets spawned ranks (said once),
@@ -275,8 +279,10 @@ def test_a_world_started_in_another_environment_is_spawned_and_sees_it(monkeypat
     shared_world(1).run(whoami)  # the server is running (the session's first World may be later)
     monkeypatch.setattr(world_module, "_said_spawned", False)
     monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")
-    with pytest.warns(UserWarning, match="TORCHINDUCTOR_MAX_AUTOTUNE.*spawned"), \
-            World(1, timeout=60) as w:  # fmt: skip
+    with (
+        pytest.warns(UserWarning, match="TORCHINDUCTOR_MAX_AUTOTUNE.*spawned"),
+        World(1, timeout=60) as w,
+    ):
         assert w.run(_environment_seen, "TORCHINDUCTOR_MAX_AUTOTUNE") == [("1", True)]
 
 
@@ -340,8 +346,13 @@ def test_ranks_do_not_outlive_the_test_process(tmp_path):
             "        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()\n"
             "        w.run(sleep_on, 0, 600)\n"
         )
-        owners[how] = subprocess.Popen([sys.executable, str(script)], env=env, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        owners[how] = subprocess.Popen(
+            [sys.executable, str(script)],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
     pids = {}
     for how, owner in owners.items():
         try:  # (the pipes close when the ranks, which hold them too, have ended)

@@ -191,10 +191,16 @@ def _attention(
         )
     options = families.attention_options(i, attn, config, rotary_emb)
     return HFParallelAttention.from_dense(
-        *options.pop("parts"), config.hidden_size, config.num_attention_heads,
-        families.kv_heads(config), tp_group=groups["tp"], cp_group=groups["cp"],
-        ulysses_group=groups.get("ulysses"), **options, **tp,
-    )  # fmt: skip
+        *options.pop("parts"),
+        config.hidden_size,
+        config.num_attention_heads,
+        families.kv_heads(config),
+        tp_group=groups["tp"],
+        cp_group=groups["cp"],
+        ulysses_group=groups.get("ulysses"),
+        **options,
+        **tp,
+    )
 
 
 def _mlp(mlp: nn.Module, config, groups, tp: dict) -> nn.Module:
@@ -204,15 +210,13 @@ def _mlp(mlp: nn.Module, config, groups, tp: dict) -> nn.Module:
     if not hasattr(mlp, "experts"):
         *parts, bias = families.mlp_parts(mlp)
         act = families.ACTIVATIONS[families.activation_name(config)]
-        return HFParallelSwiGLU.from_dense(*parts, groups["tp"], bias=bias, activation=act,
-                                           **tp)  # fmt: skip
+        return HFParallelSwiGLU.from_dense(*parts, groups["tp"], bias=bias, activation=act, **tp)
     if config.model_type == "gpt_oss":
         return _gpt_oss_moe(mlp, config, groups)
     extra = families.router_options(mlp)
     shared = families.shared_expert(mlp)
     if shared is not None:
-        extra["shared"] = (shared.gate_proj.weight, shared.down_proj.weight,
-                           shared.up_proj.weight)  # fmt: skip
+        extra["shared"] = (shared.gate_proj.weight, shared.down_proj.weight, shared.up_proj.weight)
         if getattr(mlp, "shared_expert_gate", None) is not None:
             extra["shared_gate_weight"] = mlp.shared_expert_gate.weight
     stacks, _, _ = families.expert_stacks(mlp, config)  # (E, 2h, d): gate rows, then up
@@ -229,10 +233,17 @@ def _gpt_oss_moe(mlp: nn.Module, config, groups) -> "HFMoE":
     experts = mlp.experts
     stacks, bias, router_bias = families.expert_stacks(mlp, config)
     layer = HFMoE.from_dense(
-        *stacks, groups["ep"], top_k=config.num_experts_per_tok, aux_loss_coef=0.0,
-        norm_topk_prob=True, bias=bias, router_bias=router_bias, activation="clamped_swiglu",
-        swiglu_alpha=experts.alpha, swiglu_limit=experts.limit,
-    )  # fmt: skip
+        *stacks,
+        groups["ep"],
+        top_k=config.num_experts_per_tok,
+        aux_loss_coef=0.0,
+        norm_topk_prob=True,
+        bias=bias,
+        router_bias=router_bias,
+        activation="clamped_swiglu",
+        swiglu_alpha=experts.alpha,
+        swiglu_limit=experts.limit,
+    )
     layer.returns_scores = True  # the decoder layer unpacks (hidden_states, router_scores)
     return layer
 
@@ -282,8 +293,12 @@ def parallelize(
     if dims is not None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-        dims.validate(world, n_heads=config.num_attention_heads,
-                      n_kv_heads=families.kv_heads(config), num_experts=experts)  # fmt: skip
+        dims.validate(
+            world,
+            n_heads=config.num_attention_heads,
+            n_kv_heads=families.kv_heads(config),
+            num_experts=experts,
+        )
     decoder, layers, attention = families.tree(model, config)
     for i, layer in enumerate(layers):
         families.check_layer(i, layer, config)

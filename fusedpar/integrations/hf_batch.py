@@ -231,8 +231,9 @@ def packed_documents(positions: torch.Tensor, shape) -> torch.Tensor | None:
     padding) raises."""
     batch, seq = shape
     if positions.dim() not in (1, 2) or positions.shape[-1] != seq:
-        raise ValueError(f"position_ids must be (B, S) = {(batch, seq)}, got "
-                         f"{tuple(positions.shape)}")  # fmt: skip
+        raise ValueError(
+            f"position_ids must be (B, S) = {(batch, seq)}, got {tuple(positions.shape)}"
+        )
     expected = torch.arange(seq, device=positions.device)
     positions = positions.reshape(-1, seq)
     if bool((positions == expected).all()):
@@ -240,13 +241,17 @@ def packed_documents(positions: torch.Tensor, shape) -> torch.Tensor | None:
     starts = positions == 0
     rises = positions[:, 1:] == positions[:, :-1] + 1
     if not bool(starts[:, 0].all()) or not bool((rises | starts[:, 1:]).all()):
-        raise ValueError("position_ids must be 0..S-1, or restart at 0 at each packed "
-                         "document's start and rise by 1 within it (no offsets, no "
-                         "padding)")  # fmt: skip
+        raise ValueError(
+            "position_ids must be 0..S-1, or restart at 0 at each packed "
+            "document's start and rise by 1 within it (no offsets, no "
+            "padding)"
+        )
     if positions.shape[0] != 1 or batch != 1:
-        raise ValueError("packed documents (position_ids that restart) take one sequence "
-                         f"(B = 1), as Hugging Face's flattening collator makes; got B = "
-                         f"{batch}")  # fmt: skip
+        raise ValueError(
+            "packed documents (position_ids that restart) take one sequence "
+            f"(B = 1), as Hugging Face's flattening collator makes; got B = "
+            f"{batch}"
+        )
     p = positions[0]
     bounds = torch.cat([starts[0].nonzero().flatten(), p.new_tensor([seq])])
     return bounds.to(torch.int32)
@@ -365,8 +370,9 @@ def add_loss(module, args, kwargs, output):
     labels, num_items = pending
     logits = output.logits if hasattr(output, "logits") else output[0]
     wide = accumulator(logits.dtype)  # fp32 (Hugging Face's upcast); float64 stays float64
-    local_sum = F.cross_entropy(logits.flatten(0, 1).to(wide), labels.flatten(),
-                                ignore_index=-100, reduction="sum")  # fmt: skip
+    local_sum = F.cross_entropy(
+        logits.flatten(0, 1).to(wide), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
     totals = torch.stack([local_sum.detach(), (labels != -100).sum().to(local_sum.dtype)])
     for axis in SEQUENCE_AXES:
         totals = comm.all_reduce(totals, state.groups.get(axis))

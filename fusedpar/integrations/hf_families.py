@@ -73,8 +73,11 @@ def tree(model: nn.Module, config):
     decoder_name, layers_name, attention = TREES.get(config.model_type, LLAMA_TREE)
     decoder = getattr(model, decoder_name, None)
     layers = getattr(decoder, layers_name, None)
-    refuse(layers is None, f"{type(model).__name__} without .{decoder_name}.{layers_name} "
-                           "(pass the model with its head, e.g. ForCausalLM)")  # fmt: skip
+    refuse(
+        layers is None,
+        f"{type(model).__name__} without .{decoder_name}.{layers_name} "
+        "(pass the model with its head, e.g. ForCausalLM)",
+    )
     return decoder, layers, attention
 
 
@@ -92,8 +95,11 @@ def layer_window(config, i: int) -> int | None:
 
 
 # a fused q/k/v projection's attribute and output (o) projection's, by family
-FUSED_QKV = {"phi3": ("qkv_proj", "o_proj"), "gpt_neox": ("query_key_value", "dense"),
-             "gpt2": ("c_attn", "c_proj")}  # fmt: skip
+FUSED_QKV = {
+    "phi3": ("qkv_proj", "o_proj"),
+    "gpt_neox": ("query_key_value", "dense"),
+    "gpt2": ("c_attn", "c_proj"),
+}
 
 
 def _qkv_rows(t: torch.Tensor, config, inverse: bool = False) -> torch.Tensor:
@@ -112,8 +118,10 @@ def _fused_parts(attn, config):
     head, (H, [q, k, v], hd). `dense_attention` is the inverse."""
     fused = getattr(attn, FUSED_QKV[config.model_type][0])
     weight, bias = (_qkv_rows(t, config) for t in linear_parts("qkv", fused))
-    heads, hd = config.num_attention_heads, weight.shape[0] // (config.num_attention_heads
-                                                                + 2 * kv_heads(config))  # fmt: skip
+    heads, hd = (
+        config.num_attention_heads,
+        weight.shape[0] // (config.num_attention_heads + 2 * kv_heads(config)),
+    )
     sizes = [heads * hd, *[kv_heads(config) * hd] * 2]
     return weight.split(sizes), [None] * 3 if bias is None else bias.split(sizes)
 
@@ -153,9 +161,13 @@ def router_options(mlp: nn.Module) -> dict:
     options = dict(norm_topk_prob=getattr(gate, "norm_topk_prob", True))
     if correction is not None:
         groups = getattr(gate, "num_group", None) or getattr(gate, "n_group", 1)
-        options |= dict(score="sigmoid", expert_bias=correction, n_group=groups,
-                        topk_group=getattr(gate, "topk_group", 1),
-                        routed_scaling_factor=getattr(gate, "routed_scaling_factor", 1.0))
+        options |= dict(
+            score="sigmoid",
+            expert_bias=correction,
+            n_group=groups,
+            topk_group=getattr(gate, "topk_group", 1),
+            routed_scaling_factor=getattr(gate, "routed_scaling_factor", 1.0),
+        )
     return options
 
 
@@ -172,13 +184,18 @@ def mla_options(attn: nn.Module, config, rotary_emb) -> dict:
     q = (attn.q_a_proj, attn.q_b_proj) if lora else attn.q_proj
     norm = attn.kv_a_layernorm
     rope_dim = config.qk_rope_head_dim
-    return dict(parts=[q, attn.kv_a_proj_with_mqa, attn.kv_b_proj, attn.o_proj],
-                q_a_norm=attn.q_a_layernorm if lora else None, kv_a_norm=norm,
-                qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=rope_dim,
-                v_head_dim=config.v_head_dim, softmax_scale=attn.scaling,
-                norm_eps=getattr(norm, "variance_epsilon", None) or norm.eps,
-                rope=functools.partial(rope, rotary_emb, rope_dim, None),
-                rope_interleave=_rope_interleave(config))  # fmt: skip
+    return dict(
+        parts=[q, attn.kv_a_proj_with_mqa, attn.kv_b_proj, attn.o_proj],
+        q_a_norm=attn.q_a_layernorm if lora else None,
+        kv_a_norm=norm,
+        qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=config.v_head_dim,
+        softmax_scale=attn.scaling,
+        norm_eps=getattr(norm, "variance_epsilon", None) or norm.eps,
+        rope=functools.partial(rope, rotary_emb, rope_dim, None),
+        rope_interleave=_rope_interleave(config),
+    )
 
 
 def _rope_interleave(config) -> bool:
@@ -219,26 +236,38 @@ def check_layer(i: int, layer: nn.Module, config) -> None:
     if is_mla(attn):
         lora = getattr(attn, "q_a_proj", None) is not None
         parts = (("q_a_proj", "q_b_proj") if lora else ("q_proj",)) + (
-            "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")  # fmt: skip
-        refuse(lora and getattr(attn.q_b_proj, "bias", None) is not None,
-               f"layer {i}: a q_b_proj with a bias")  # fmt: skip
+            "kv_a_proj_with_mqa",
+            "kv_b_proj",
+            "o_proj",
+        )
+        refuse(
+            lora and getattr(attn.q_b_proj, "bias", None) is not None,
+            f"layer {i}: a q_b_proj with a bias",
+        )
         refuse(attn.kv_b_proj.bias is not None, f"layer {i}: a kv_b_proj with a bias")
         refuse(layer_window(config, i) is not None, f"layer {i}: a window on latent attention")
-    refuse(not all(_linear_like(getattr(attn, p, None)) for p in parts),
-           f"layer {i}: attention {type(attn).__name__} without {'/'.join(parts)} "
-           "Linears")  # fmt: skip
+    refuse(
+        not all(_linear_like(getattr(attn, p, None)) for p in parts),
+        f"layer {i}: attention {type(attn).__name__} without {'/'.join(parts)} Linears",
+    )
     refuse(not getattr(attn, "is_causal", True), f"layer {i}: non-causal attention")
     if hasattr(mlp, "experts"):
         router = getattr(mlp, "router", getattr(mlp, "gate", None))  # gpt-oss: router
-        refuse(not hasattr(mlp.experts, "gate_up_proj") or router is None,
-               f"layer {i}: experts of {type(mlp.experts).__name__}")  # fmt: skip
-        refuse(ACTIVATIONS[activation_name(config)] is not F.silu,
-               f"layer {i}: MoE experts with hidden_act={activation_name(config)!r}")  # fmt: skip
+        refuse(
+            not hasattr(mlp.experts, "gate_up_proj") or router is None,
+            f"layer {i}: experts of {type(mlp.experts).__name__}",
+        )
+        refuse(
+            ACTIVATIONS[activation_name(config)] is not F.silu,
+            f"layer {i}: MoE experts with hidden_act={activation_name(config)!r}",
+        )
         shared = shared_expert(mlp)
         linears = () if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
         gate = getattr(mlp, "shared_expert_gate", None)
-        refuse(any(lin.bias is not None for lin in (*linears, *([gate] if gate else []))),
-               f"layer {i}: a shared expert (or its gate) with biases")  # fmt: skip
+        refuse(
+            any(lin.bias is not None for lin in (*linears, *([gate] if gate else []))),
+            f"layer {i}: a shared expert (or its gate) with biases",
+        )
         return
     if config.model_type in PLAIN_MLPS:
         parts = PLAIN_MLPS[config.model_type]
@@ -246,8 +275,10 @@ def check_layer(i: int, layer: nn.Module, config) -> None:
         parts = ("gate_up_proj", "down_proj")
     else:
         parts = ("gate_proj", "up_proj", "down_proj")
-    refuse(not all(_linear_like(getattr(mlp, p, None)) for p in parts),
-           f"layer {i}: MLP {type(mlp).__name__}")  # fmt: skip
+    refuse(
+        not all(_linear_like(getattr(mlp, p, None)) for p in parts),
+        f"layer {i}: MLP {type(mlp).__name__}",
+    )
 
 
 def rope(rotary_emb: nn.Module, rotary_dim: int, layer_type, positions: torch.Tensor):
@@ -261,8 +292,10 @@ def rope(rotary_emb: nn.Module, rotary_dim: int, layer_type, positions: torch.Te
     # each angle once (rotary_dim / 2), fusedpar's own layout. The width tells them apart
     # here, where the rotary dims are known.
     if cos.shape[-1] not in (rotary_dim, rotary_dim // 2):
-        raise ValueError(f"the model's rotary module gives tables of width {cos.shape[-1]}, "
-                         f"neither the rotary dims {rotary_dim} nor half of them")  # fmt: skip
+        raise ValueError(
+            f"the model's rotary module gives tables of width {cos.shape[-1]}, "
+            f"neither the rotary dims {rotary_dim} nor half of them"
+        )
     return cos, sin
 
 
@@ -289,16 +322,22 @@ def attention_options(i: int, attn: nn.Module, config, rotary_emb) -> dict:
             "rope": functools.partial(rope, rotary_emb, rotary_dim, layer_type),
         }
     )
-    options |= dict(softmax_scale=attn.scaling, **positions,
-                    sliding_window=layer_window(config, i),
-                    softcap=getattr(config, "attn_logit_softcapping", None) or None)  # fmt: skip
+    options |= dict(
+        softmax_scale=attn.scaling,
+        **positions,
+        sliding_window=layer_window(config, i),
+        softcap=getattr(config, "attn_logit_softcapping", None) or None,
+    )
     if getattr(attn, "sinks", None) is not None:  # gpt-oss: a learned logit per head
         options["sinks"] = attn.sinks
     if getattr(attn, "q_norm", None) is not None:
         norm = attn.q_norm
-        options |= dict(q_norm=attn.q_norm, k_norm=attn.k_norm,
-                        norm_eps=getattr(norm, "variance_epsilon", None) or norm.eps,
-                        norm_offset=NORM_OFFSET.get(config.model_type, 0.0))  # fmt: skip
+        options |= dict(
+            q_norm=attn.q_norm,
+            k_norm=attn.k_norm,
+            norm_eps=getattr(norm, "variance_epsilon", None) or norm.eps,
+            norm_offset=NORM_OFFSET.get(config.model_type, 0.0),
+        )
     return dict(parts=parts, **options)
 
 

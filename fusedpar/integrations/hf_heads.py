@@ -34,20 +34,26 @@ from torch import nn
 
 from fusedpar.integrations.hf_families import refuse
 
-HEADS = (("ForCausalLM", "causal"), ("LMHeadModel", "causal"),  # class name suffix, kind
-         ("ForSequenceClassification", "sequence"), ("ForTokenClassification", "token"))
+HEADS = (
+    ("ForCausalLM", "causal"),
+    ("LMHeadModel", "causal"),  # class name suffix, kind
+    ("ForSequenceClassification", "sequence"),
+    ("ForTokenClassification", "token"),
+)
 SUPPORTED = "*ForCausalLM, *ForSequenceClassification, *ForTokenClassification"
 
 
 def head_of(model: nn.Module) -> str:
-    """"causal", "sequence" or "token", by the model's class (or the Hugging Face class
+    """ "causal", "sequence" or "token", by the model's class (or the Hugging Face class
     it derives from); ValueError for any other head."""
     for cls in type(model).__mro__:
         for suffix, kind in HEADS:
             if cls.__name__.endswith(suffix):
                 return kind
-    raise ValueError(f"parallelize: {type(model).__name__}'s head is not supported (supported: "
-                     f"{SUPPORTED}); the result would not compute what the model does")  # fmt: skip
+    raise ValueError(
+        f"parallelize: {type(model).__name__}'s head is not supported (supported: "
+        f"{SUPPORTED}); the result would not compute what the model does"
+    )
 
 
 def check_head(model: nn.Module, kind: str, batch: str, pp: int) -> None:
@@ -55,13 +61,18 @@ def check_head(model: nn.Module, kind: str, batch: str, pp: int) -> None:
     if kind == "causal":
         return
     name = type(model).__name__
-    head = getattr(model, "score", None) if kind == "sequence" else (
-        getattr(model, "score", None) or getattr(model, "classifier", None))  # fmt: skip
+    head = (
+        getattr(model, "score", None)
+        if kind == "sequence"
+        else (getattr(model, "score", None) or getattr(model, "classifier", None))
+    )
     refuse(not isinstance(head, nn.Linear), f"{name} without an nn.Linear score/classifier")
     refuse(pp > 1, f"{name} under pipeline parallelism (pp={pp}; a causal LM's head only)")
-    refuse(kind == "sequence" and batch == "local",
-           f"{name} with batch='local' (pooling reads the whole sequence's input_ids: "
-           "pass batch='full')")  # fmt: skip
+    refuse(
+        kind == "sequence" and batch == "local",
+        f"{name} with batch='local' (pooling reads the whole sequence's input_ids: "
+        "pass batch='full')",
+    )
 
 
 def pooled_positions(input_ids, tokens: torch.Tensor, pad_token_id) -> torch.Tensor:
@@ -70,9 +81,11 @@ def pooled_positions(input_ids, tokens: torch.Tensor, pad_token_id) -> torch.Ten
     pads), the last token without a pad id or without input_ids (inputs_embeds)."""
     batch, seq = tokens.shape[:2]
     if pad_token_id is None and batch != 1:
-        raise ValueError(f"sequence classification of a batch of {batch} rows needs "
-                         "config.pad_token_id (Hugging Face's: cannot handle batch sizes > 1 "
-                         "if no padding token is defined)")  # fmt: skip
+        raise ValueError(
+            f"sequence classification of a batch of {batch} rows needs "
+            "config.pad_token_id (Hugging Face's: cannot handle batch sizes > 1 "
+            "if no padding token is defined)"
+        )
     if pad_token_id is None or input_ids is None:
         return torch.full((batch,), seq - 1, dtype=torch.long, device=tokens.device)
     real = (input_ids != pad_token_id).to(torch.int32)
@@ -80,29 +93,35 @@ def pooled_positions(input_ids, tokens: torch.Tensor, pad_token_id) -> torch.Ten
     return (index * real).argmax(-1)
 
 
-def check_padding(mask: torch.Tensor, shape, kind: str, *, labels=None, pooled=None,
-                  packed: bool = False) -> None:  # fmt: skip
+def check_padding(
+    mask: torch.Tensor, shape, kind: str, *, labels=None, pooled=None, packed: bool = False
+) -> None:
     """ValueError unless `mask` (B, S) is a right padding the head `kind` computes exactly
     (see the module doc); `labels` (token classification) and `pooled` (sequence
     classification's positions) are checked against it."""
     if tuple(mask.shape) != tuple(shape):
-        raise ValueError(f"attention_mask must be (B, S) = {tuple(shape)}, got "
-                         f"{tuple(mask.shape)}")  # fmt: skip
+        raise ValueError(f"attention_mask must be (B, S) = {tuple(shape)}, got {tuple(mask.shape)}")
     if bool(mask.all()):
         return
     if kind == "causal":
-        raise ValueError("a causal LM converted by fusedpar is causal over whole sequences: "
-                         "no padding (attention_mask may be left out or all ones)")  # fmt: skip
+        raise ValueError(
+            "a causal LM converted by fusedpar is causal over whole sequences: "
+            "no padding (attention_mask may be left out or all ones)"
+        )
     if packed:
-        raise ValueError("padding (an attention_mask with zeros) and packed documents "
-                         "(position_ids that restart) together are not supported")  # fmt: skip
+        raise ValueError(
+            "padding (an attention_mask with zeros) and packed documents "
+            "(position_ids that restart) together are not supported"
+        )
     real = mask != 0
     if not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError("attention_mask must hold 0 (padding) and 1 (real tokens)")
     if not bool((real[:, 1:] <= real[:, :-1]).all()):
-        raise ValueError("attention_mask: only right padding is taken (each row's real tokens, "
-                         "then its pads; padding_side='right'): under left padding fusedpar's "
-                         "causal attention would let the real tokens see the pads")  # fmt: skip
+        raise ValueError(
+            "attention_mask: only right padding is taken (each row's real tokens, "
+            "then its pads; padding_side='right'): under left padding fusedpar's "
+            "causal attention would let the real tokens see the pads"
+        )
     empty = (~real[:, 0]).nonzero().flatten().tolist()
     if empty:
         raise ValueError(f"attention_mask: rows {empty} have no real token")
@@ -110,10 +129,14 @@ def check_padding(mask: torch.Tensor, shape, kind: str, *, labels=None, pooled=N
         rows = torch.arange(len(pooled), device=pooled.device)
         padded = (~real[rows, pooled]).nonzero().flatten().tolist()
         if padded:
-            raise ValueError(f"rows {padded}: the token sequence classification pools at (the "
-                             "last one that is not config.pad_token_id; the last one given "
-                             "inputs_embeds or no pad id) is padding by attention_mask; pad "
-                             "with config.pad_token_id and pass input_ids")  # fmt: skip
+            raise ValueError(
+                f"rows {padded}: the token sequence classification pools at (the "
+                "last one that is not config.pad_token_id; the last one given "
+                "inputs_embeds or no pad id) is padding by attention_mask; pad "
+                "with config.pad_token_id and pass input_ids"
+            )
     if labels is not None and bool((labels[~real] != -100).any()):
-        raise ValueError("token classification over a padded batch: labels must be -100 at "
-                         "the padded positions (their logits are not Hugging Face's)")  # fmt: skip
+        raise ValueError(
+            "token classification over a padded batch: labels must be -100 at "
+            "the padded positions (their logits are not Hugging Face's)"
+        )

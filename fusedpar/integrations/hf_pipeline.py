@@ -46,11 +46,15 @@ from fusedpar.pipeline import module_at
 
 LLAMA_TREE = ("model.embed_tokens", None, "model.layers", "model.norm", "lm_head")
 TREES = {  # model_type: (embeddings, learned positions, blocks, final norm, head)
-    "gpt2": ("transformer.wte", "transformer.wpe", "transformer.h", "transformer.ln_f",
-             "lm_head"),
-    "gpt_neox": ("gpt_neox.embed_in", None, "gpt_neox.layers", "gpt_neox.final_layer_norm",
-                 "lm_head"),
-}  # fmt: skip
+    "gpt2": ("transformer.wte", "transformer.wpe", "transformer.h", "transformer.ln_f", "lm_head"),
+    "gpt_neox": (
+        "gpt_neox.embed_in",
+        None,
+        "gpt_neox.layers",
+        "gpt_neox.final_layer_norm",
+        "lm_head",
+    ),
+}
 
 
 class DecoderStages(nn.Module):
@@ -62,8 +66,10 @@ class DecoderStages(nn.Module):
         self._modules.update(model._modules)  # the model's names: checkpoints agree
         self.config, self.batch = model.config, model._fusedpar_batch
         if self.batch.kind != "full":
-            raise ValueError("a pipelined Hugging Face model takes the whole batch: "
-                             "parallelize it with batch='full'")  # fmt: skip
+            raise ValueError(
+                "a pipelined Hugging Face model takes the whole batch: "
+                "parallelize it with batch='full'"
+            )
         tree = TREES.get(self.config.model_type, LLAMA_TREE)
         self.embed, self.learned_positions, self.blocks, self.norm, self.head = tree
         first = (self.embed,) if self.learned_positions is None else tree[:2]
@@ -93,8 +99,11 @@ class DecoderStages(nn.Module):
             x = embed(local_tokens(x, groups))  # (B, S_loc, d)
             learned = self._part(self.learned_positions)
             if learned is not None:
-                positions = (global_positions(seq, x, state) if state.cu_seqlens is None
-                             else local_tokens(position_ids.expand(1, seq), groups))  # fmt: skip
+                positions = (
+                    global_positions(seq, x, state)
+                    if state.cu_seqlens is None
+                    else local_tokens(position_ids.expand(1, seq), groups)
+                )
                 x = x + learned(positions)
         for layer in self._part(self.blocks):
             out = layer(x)
@@ -128,8 +137,12 @@ class DecoderStages(nn.Module):
         Face takes them (shifted here, over the whole sequence), logits (B, S_loc, V)."""
         shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
         mine = local_tokens(shifted, self.batch.groups)
-        total = F.cross_entropy(logits.flatten(0, 1).to(accumulator(logits.dtype)),
-                                mine.flatten(), ignore_index=-100, reduction="sum")  # fmt: skip
+        total = F.cross_entropy(
+            logits.flatten(0, 1).to(accumulator(logits.dtype)),
+            mine.flatten(),
+            ignore_index=-100,
+            reduction="sum",
+        )
         return total / (shifted != -100).sum().clamp(min=1)
 
 

@@ -97,12 +97,16 @@ def _check_cp_mode(cp_mode, cp_group, ulysses_group) -> str:
     if cp_mode not in CP_MODES:
         raise ValueError(f"cp_mode must be one of {CP_MODES}, got {cp_mode!r}")
     if cp_mode == "ring" and ulysses > 1:
-        raise ValueError(f"cp_mode='ring' with a ulysses_group of {ulysses} ranks: pass "
-                         f"cp_mode='hybrid' (or leave it out)")  # fmt: skip
+        raise ValueError(
+            f"cp_mode='ring' with a ulysses_group of {ulysses} ranks: pass "
+            f"cp_mode='hybrid' (or leave it out)"
+        )
     if cp_mode == "ulysses" and ring > 1:
-        raise ValueError(f"cp_mode='ulysses' runs over ulysses_group, but cp_group (the ring) "
-                         f"has {ring} ranks: pass the all-to-all group as ulysses_group, and "
-                         f"cp_mode='hybrid' to keep a ring as well")  # fmt: skip
+        raise ValueError(
+            f"cp_mode='ulysses' runs over ulysses_group, but cp_group (the ring) "
+            f"has {ring} ranks: pass the all-to-all group as ulysses_group, and "
+            f"cp_mode='hybrid' to keep a ring as well"
+        )
     return cp_mode
 
 
@@ -153,22 +157,25 @@ class RotaryPositions:
             check_cu_seqlens(cu_seqlens, full_len, values=values)
         return full_len
 
-    def _rope(self, full_len: int, device: torch.device, cu_seqlens=None,
-              dtype=torch.float32):  # fmt: skip
+    def _rope(self, full_len: int, device: torch.device, cu_seqlens=None, dtype=torch.float32):
         """cos, sin (S_loc, hd/2) of `dtype` (fp32; float64 for a float64 x) at this rank's
         positions: global ones, kept per length; with packed documents, restarting in
         each (built per call)."""
         key = (full_len, device, dtype)
         if cu_seqlens is None and key in self._rope_tables:
             return self._rope_tables[key]
-        positions = sequence_positions(full_len, self.cp_group, layout=self.cp_layout,
-                                       device=device, cu_seqlens=cu_seqlens,
-                                       ulysses_group=self.ulysses_group)  # fmt: skip
+        positions = sequence_positions(
+            full_len,
+            self.cp_group,
+            layout=self.cp_layout,
+            device=device,
+            cu_seqlens=cu_seqlens,
+            ulysses_group=self.ulysses_group,
+        )
         if self.rope == DEFAULT_ROPE:
             tables = rope_tables(positions, self.rotary_dim, self.rope_theta, dtype)
         else:
-            tables = tuple(self._rope_table(t, len(positions), dtype)
-                           for t in self.rope(positions))  # fmt: skip
+            tables = tuple(self._rope_table(t, len(positions), dtype) for t in self.rope(positions))
         if cu_seqlens is None:
             if len(self._rope_tables) >= 4:  # lengths that vary (evaluation): keep a few
                 self._rope_tables.clear()
@@ -210,9 +217,11 @@ class RotaryPositions:
                 self._rope_layout_checked = informative
             t = t[:, :half]  # Hugging Face's layout: the same angles twice
         elif t.shape != (length, half):
-            raise ValueError(f"rope(positions) must give cos, sin of ({length}, {half}) or "
-                             f"({length}, {2 * half}) for rotary_dim {2 * half}, got "
-                             f"{tuple(t.shape)}")  # fmt: skip
+            raise ValueError(
+                f"rope(positions) must give cos, sin of ({length}, {half}) or "
+                f"({length}, {2 * half}) for rotary_dim {2 * half}, got "
+                f"{tuple(t.shape)}"
+            )
         elif check and half % 2 == 0:
             # Hugging Face's table of a rotary_dim of r/2 (GPT-NeoX's rotary_pct 0.5)
             # has our width; its halves repeat, ours (distinct frequencies) do not.
@@ -264,15 +273,37 @@ class ParallelAttention(RotaryPositions, nn.Module):
     GROUP_AXES = {"tp_group": ("tp",), "cp_group": ("cp",), "ulysses_group": ("ulysses",)}
     _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 
-    def __init__(self, d_model, n_heads, n_kv_heads=None, *, head_dim=None, bias=False,
-                 o_bias=False, qk_norm: bool | str = False, norm_eps=1e-6, norm_offset=0.0,
-                 sinks: bool = False,
-                 rope: Callable | str | None = DEFAULT_ROPE, rotary_dim: int | None = None,
-                 softmax_scale: float | None = None, sliding_window: int | None = None,
-                 softcap: float | None = None, tp_group=None, cp_group=None, causal=True,
-                 sequence_parallel=True, cp_layout="zigzag", rope_theta=10000.0,
-                 ulysses_group=None, cp_mode: str | None = None, overlap=None,
-                 reduce_dtype=None, device=None, dtype=None):  # fmt: skip
+    def __init__(
+        self,
+        d_model,
+        n_heads,
+        n_kv_heads=None,
+        *,
+        head_dim=None,
+        bias=False,
+        o_bias=False,
+        qk_norm: bool | str = False,
+        norm_eps=1e-6,
+        norm_offset=0.0,
+        sinks: bool = False,
+        rope: Callable | str | None = DEFAULT_ROPE,
+        rotary_dim: int | None = None,
+        softmax_scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        tp_group=None,
+        cp_group=None,
+        causal=True,
+        sequence_parallel=True,
+        cp_layout="zigzag",
+        rope_theta=10000.0,
+        ulysses_group=None,
+        cp_mode: str | None = None,
+        overlap=None,
+        reduce_dtype=None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         # the TP projections' schedule and the dtype their partial sums travel in
         self.overlap, self.reduce_dtype = check_overlap(overlap), check_reduce_dtype(reduce_dtype)
@@ -280,36 +311,47 @@ class ParallelAttention(RotaryPositions, nn.Module):
             if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
                 raise TypeError(f"sliding_window must be an int, got {sliding_window!r}")
             if sliding_window < 1 or not causal:
-                raise ValueError(f"sliding_window={sliding_window} is Hugging Face's causal "
-                                 f"window of W >= 1 keys (causal={causal})")  # fmt: skip
+                raise ValueError(
+                    f"sliding_window={sliding_window} is Hugging Face's causal "
+                    f"window of W >= 1 keys (causal={causal})"
+                )
         if softcap is not None and not softcap > 0:
             raise ValueError(f"softcap must be > 0 (or None), got {softcap!r}")
         if softmax_scale is not None and not 0 < softmax_scale < float("inf"):
-            raise ValueError(f"softmax_scale must be > 0 and finite (or None), got "
-                             f"{softmax_scale!r}")  # fmt: skip
+            raise ValueError(
+                f"softmax_scale must be > 0 and finite (or None), got {softmax_scale!r}"
+            )
         if not (rope is None or rope == DEFAULT_ROPE or callable(rope)):
-            raise TypeError(f"rope must be a callable positions -> (cos, sin), None (no rotary "
-                            f"embedding) or left out (Llama's tables), got {rope!r}")  # fmt: skip
+            raise TypeError(
+                f"rope must be a callable positions -> (cos, sin), None (no rotary "
+                f"embedding) or left out (Llama's tables), got {rope!r}"
+            )
         qk_norm = "head" if qk_norm is True else qk_norm or None
         if qk_norm is not None and qk_norm not in QK_NORMS:
-            raise ValueError(f"qk_norm must be False, True (\"head\") or one of {QK_NORMS}, got "
-                             f"{qk_norm!r}")  # fmt: skip
+            raise ValueError(
+                f'qk_norm must be False, True ("head") or one of {QK_NORMS}, got {qk_norm!r}'
+            )
         n_kv_heads = n_kv_heads or n_heads
         tp = comm.group_size(tp_group)
         if head_dim is None:
             if d_model % n_heads:
-                raise ValueError(f"d_model ({d_model}) is not divisible by n_heads ({n_heads}): "
-                                 "pass head_dim")  # fmt: skip
+                raise ValueError(
+                    f"d_model ({d_model}) is not divisible by n_heads ({n_heads}): pass head_dim"
+                )
             head_dim = d_model // n_heads
         if rope is None and rotary_dim is not None:
             raise ValueError(f"rotary_dim={rotary_dim} with rope=None (no rotary embedding)")
         if rope is not None and rotary_dim is None and head_dim % 2:
-            raise ValueError(f"head_dim ({head_dim}) must be even for the rotary embedding "
-                             f"(or pass rotary_dim, or rope=None)")  # fmt: skip
+            raise ValueError(
+                f"head_dim ({head_dim}) must be even for the rotary embedding "
+                f"(or pass rotary_dim, or rope=None)"
+            )
         rotary_dim = head_dim if rotary_dim is None or rope is None else rotary_dim
         if rope is not None and (rotary_dim % 2 or not 0 < rotary_dim <= head_dim):
-            raise ValueError(f"rotary_dim ({rotary_dim}) must be even and in (0, head_dim "
-                             f"{head_dim}] for the rotary embedding")  # fmt: skip
+            raise ValueError(
+                f"rotary_dim ({rotary_dim}) must be even and in (0, head_dim "
+                f"{head_dim}] for the rotary embedding"
+            )
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         for name, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
@@ -318,9 +360,12 @@ class ParallelAttention(RotaryPositions, nn.Module):
         self.cp_mode = _check_cp_mode(cp_mode, cp_group, ulysses_group)
         ulysses = comm.group_size(ulysses_group)
         if ulysses > 1:
-            check_heads(n_heads // tp, n_kv_heads // tp, ulysses,
-                        f"ParallelAttention (n_heads {n_heads}, n_kv_heads {n_kv_heads}, "
-                        f"TP {tp})")  # fmt: skip
+            check_heads(
+                n_heads // tp,
+                n_kv_heads // tp,
+                ulysses,
+                f"ParallelAttention (n_heads {n_heads}, n_kv_heads {n_kv_heads}, TP {tp})",
+            )
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim, self.norm_eps, self.rope = head_dim, norm_eps, rope
         self.qk_norm, self.norm_offset = qk_norm, norm_offset
@@ -376,8 +421,19 @@ class ParallelAttention(RotaryPositions, nn.Module):
             extras["sinks"] = torch.zeros(self.n_heads)
         self.load_dense(q, k, v, o, **extras)
 
-    def load_dense(self, q, k, v, o, *, q_norm=None, k_norm=None, sinks=None,
-                   bias=None, rope_layout: str = "half") -> None:  # fmt: skip
+    def load_dense(
+        self,
+        q,
+        k,
+        v,
+        o,
+        *,
+        q_norm=None,
+        k_norm=None,
+        sinks=None,
+        bias=None,
+        rope_layout: str = "half",
+    ) -> None:
         """Copy this rank's heads of dense projections: q, k, v, o as ``nn.Linear``s or
         Hugging Face ``Conv1D``s (with biases where this layer has them), or weight
         tensors in ``nn.Linear``'s layout (q (Hq*hd, d), k and v (Hkv*hd, d), o
@@ -392,22 +448,30 @@ class ParallelAttention(RotaryPositions, nn.Module):
         if rope_layout not in ROPE_LAYOUTS:
             raise ValueError(f"rope_layout must be one of {ROPE_LAYOUTS}, got {rope_layout!r}")
         if rope_layout == "interleaved" and self.rope is None:
-            raise ValueError("rope_layout='interleaved' with rope=None: a layer without a rotary "
-                             "embedding has no rotary pairs to reorder")  # fmt: skip
+            raise ValueError(
+                "rope_layout='interleaved' with rope=None: a layer without a rotary "
+                "embedding has no rotary pairs to reorder"
+            )
         d, hd = self.d_model, self.head_dim
 
         def permute(t):  # the dense q/k rows (or norm weights) in this layer's layout
             return interleaved_to_half(t, hd, self.rotary_dim) if rope_layout != "half" else t
 
-        expected = {"q": (self.n_heads * hd, d), "k": (self.n_kv_heads * hd, d),
-                    "v": (self.n_kv_heads * hd, d), "o": (d, self.n_heads * hd)}  # fmt: skip
+        expected = {
+            "q": (self.n_heads * hd, d),
+            "k": (self.n_kv_heads * hd, d),
+            "v": (self.n_kv_heads * hd, d),
+            "o": (d, self.n_heads * hd),
+        }
         biases = bias_per_weight("ParallelAttention", bias, 4)
         copies = []  # (parameter, full tensor, split dim or None)
         for name, t, given in zip("qkvo", (q, k, v, o), biases, strict=True):
             weight, bias = linear_parts(name, t, given)
             if tuple(weight.shape) != expected[name]:
-                raise ValueError(f"dense {name} must be {expected[name]} (heads x head_dim "
-                                 f"{hd}), got {tuple(weight.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"dense {name} must be {expected[name]} (heads x head_dim "
+                    f"{hd}), got {tuple(weight.shape)}"
+                )
             param_bias = getattr(self, f"{name}_bias")
             if (bias is None) != (param_bias is None):
                 flag = "o_bias" if name == "o" else "bias"
@@ -421,8 +485,11 @@ class ParallelAttention(RotaryPositions, nn.Module):
             if bias is not None:
                 copies.append((param_bias, bias, None if name == "o" else 0))
         full = self.qk_norm == "full"
-        extras = (("q_norm", q_norm, self.n_heads), ("k_norm", k_norm, self.n_kv_heads),
-                  ("sinks", sinks, self.n_heads))  # fmt: skip
+        extras = (
+            ("q_norm", q_norm, self.n_heads),
+            ("k_norm", k_norm, self.n_kv_heads),
+            ("sinks", sinks, self.n_heads),
+        )
         for name, t, heads in extras:
             param = self.sinks if name == "sinks" else getattr(self, f"{name}_weight")
             if (t is None) != (param is None):
@@ -430,8 +497,7 @@ class ParallelAttention(RotaryPositions, nn.Module):
                 flag = (
                     f"sinks={param is not None}" if name == "sinks" else f"qk_norm={self.qk_norm!r}"
                 )
-                raise ValueError(f"{name} {given} but this ParallelAttention was built with "
-                                 f"{flag}")  # fmt: skip
+                raise ValueError(f"{name} {given} but this ParallelAttention was built with {flag}")
             if t is None:
                 continue
             weight = norm_weight(name, t)
@@ -459,15 +525,38 @@ class ParallelAttention(RotaryPositions, nn.Module):
         heads, o = ParamLayout(0, self.tp_group), ParamLayout(1, self.tp_group)
         tp = (self.tp_group,)
         norm = heads if self.qk_norm == "full" else ParamLayout(partial_over=tp)
-        return {"q_weight": heads, "k_weight": heads, "v_weight": heads, "o_weight": o,
-                "q_bias": heads, "k_bias": heads, "v_bias": heads,
-                "o_bias": ParamLayout(complete_over=tp),
-                "q_norm_weight": norm, "k_norm_weight": norm, "sinks": heads}  # fmt: skip
+        return {
+            "q_weight": heads,
+            "k_weight": heads,
+            "v_weight": heads,
+            "o_weight": o,
+            "q_bias": heads,
+            "k_bias": heads,
+            "v_bias": heads,
+            "o_bias": ParamLayout(complete_over=tp),
+            "q_norm_weight": norm,
+            "k_norm_weight": norm,
+            "sinks": heads,
+        }
 
     @classmethod
-    def from_dense(cls, q, k, v, o, d_model, n_heads, n_kv_heads=None, *, q_norm=None,
-                   k_norm=None, sinks=None, bias=None, rope_layout: str = "half",
-                   **kwargs):  # fmt: skip
+    def from_dense(
+        cls,
+        q,
+        k,
+        v,
+        o,
+        d_model,
+        n_heads,
+        n_kv_heads=None,
+        *,
+        q_norm=None,
+        k_norm=None,
+        sinks=None,
+        bias=None,
+        rope_layout: str = "half",
+        **kwargs,
+    ):
         """A layer holding this TP rank's heads of dense q, k, v, o (``nn.Linear``s,
         ``Conv1D``s, or weight tensors with ``bias=(q, k, v, o)`` beside them) and
         optional q/k norms and sinks. The flags `bias` (True/False), `o_bias`, `qk_norm`
@@ -485,22 +574,33 @@ class ParallelAttention(RotaryPositions, nn.Module):
         weight, q_bias = linear_parts("q", q, given[0])
         n_kv_heads = n_kv_heads or n_heads
         if weight.shape[0] % n_heads:
-            raise ValueError(f"dense q has {weight.shape[0]} rows, not a multiple of n_heads "
-                             f"({n_heads})")  # fmt: skip
+            raise ValueError(
+                f"dense q has {weight.shape[0]} rows, not a multiple of n_heads ({n_heads})"
+            )
         kwargs.setdefault("head_dim", weight.shape[0] // n_heads)
         kwargs["bias"] = q_bias is not None if flag is None else flag
         kwargs.setdefault("o_bias", linear_parts("o", o, given[3])[1] is not None)
         if q_norm is not None:
             width = norm_weight("q_norm", q_norm).numel()
-            kwargs.setdefault("qk_norm", "full" if width == weight.shape[0] != kwargs["head_dim"]
-                              else "head")  # fmt: skip
+            kwargs.setdefault(
+                "qk_norm", "full" if width == weight.shape[0] != kwargs["head_dim"] else "head"
+            )
         kwargs.setdefault("sinks", sinks is not None)
         kwargs.setdefault("dtype", weight.dtype)
         device = kwargs.pop("device", weight.device)
         layer = cls(d_model, n_heads, n_kv_heads, device="meta", **kwargs)
         layer.to_empty(device=device)
-        layer.load_dense(q, k, v, o, q_norm=q_norm, k_norm=k_norm, sinks=sinks, bias=biases,
-                         rope_layout=rope_layout)  # fmt: skip
+        layer.load_dense(
+            q,
+            k,
+            v,
+            o,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            sinks=sinks,
+            bias=biases,
+            rope_layout=rope_layout,
+        )
         return layer
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -520,9 +620,15 @@ class ParallelAttention(RotaryPositions, nn.Module):
         joined = rotary and self.qk_norm is None and not rotates_by_formula(x, cos, sin)
         rope = dict(rope=(cos, sin), rotate=[True, True, False], head_dim=hd) if joined else {}
         if self.sequence_parallel:
-            q, k, v = all_gather_matmul(x, weights, self.tp_group, bias=biases,
-                                        overlap=self.overlap, reduce_dtype=self.reduce_dtype,
-                                        **rope)  # fmt: skip
+            q, k, v = all_gather_matmul(
+                x,
+                weights,
+                self.tp_group,
+                bias=biases,
+                overlap=self.overlap,
+                reduce_dtype=self.reduce_dtype,
+                **rope,
+            )
         else:  # classic TP: every rank holds x whole, so the GEMMs gather nothing
             x = comm.copy_to_region(x, self.tp_group)
             q, k, v = all_gather_matmul(x, weights, None, bias=biases, **rope)
@@ -531,26 +637,44 @@ class ParallelAttention(RotaryPositions, nn.Module):
         # ... or the q/k head norm's kernel rotates its output (one launch each way per tensor)
         normed = rotary and not joined and joins_rope(self.qk_norm, q, cos, sin)
         if self.qk_norm is not None:  # (on rows that flatten: the norm kernel reads them in place)
-            norm = dict(kind=self.qk_norm, offset=self.norm_offset, tp_group=self.tp_group,
-                        rope=(cos, sin) if normed else None)  # fmt: skip
+            norm = dict(
+                kind=self.qk_norm,
+                offset=self.norm_offset,
+                tp_group=self.tp_group,
+                rope=(cos, sin) if normed else None,
+            )
             q = qk_rms_norm(q, self.q_norm_weight, self.norm_eps, **norm)
             k = qk_rms_norm(k, self.k_norm_weight, self.norm_eps, **norm)
         # (S, B, H, hd) -> (B, S, H, hd): a strided view, read in place by the kernels
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         if rotary and not joined and not normed:
             q, k = apply_rope_qk(q, k, cos, sin)  # one launch for both, each way
-        out = ring_attn(q, k, v, self.cp_group, causal=self.causal, layout=self.cp_layout,
-                        softmax_scale=self.softmax_scale,
-                        sinks=None if self.sinks is None else self.sinks.to(accumulator(x.dtype)),
-                        window=self.window, softcap=self.softcap or 0.0,
-                        cu_seqlens=cu_seqlens, ulysses_group=self.ulysses_group)  # fmt: skip
+        out = ring_attn(
+            q,
+            k,
+            v,
+            self.cp_group,
+            causal=self.causal,
+            layout=self.cp_layout,
+            softmax_scale=self.softmax_scale,
+            sinks=None if self.sinks is None else self.sinks.to(accumulator(x.dtype)),
+            window=self.window,
+            softcap=self.softcap or 0.0,
+            cu_seqlens=cu_seqlens,
+            ulysses_group=self.ulysses_group,
+        )
         out = out.transpose(0, 1).reshape(seq, batch, -1)  # (S, B, Hq/TP * hd)
         if self.sequence_parallel:
             # Each rank adds the o bias to its own tokens: its gradient is summed over TP.
             bias = None if self.o_bias is None else comm.copy_to_region(self.o_bias, self.tp_group)
-            return matmul_reduce_scatter(out, self.o_weight, self.tp_group, bias=bias,
-                                         overlap=self.overlap,
-                                         reduce_dtype=self.reduce_dtype)  # fmt: skip
+            return matmul_reduce_scatter(
+                out,
+                self.o_weight,
+                self.tp_group,
+                bias=bias,
+                overlap=self.overlap,
+                reduce_dtype=self.reduce_dtype,
+            )
         y = comm.reduce_from_region(F.linear(out, self.o_weight), self.tp_group)
         return y if self.o_bias is None else y + self.o_bias
 
@@ -563,13 +687,25 @@ class ParallelAttention(RotaryPositions, nn.Module):
         for t in (*weights, *biases, *norms):  # what the composed path's ops each check
             if t is not None and (t.dtype != x.dtype or t.device != x.device):
                 name = next(n for n, p in self.named_parameters() if p is t)
-                raise TypeError(f"ParallelAttention: x is {x.dtype} on {x.device} but "
-                                f"{name} is {t.dtype} on {t.device}")  # fmt: skip
-        return attention_layer(x, weights, biases, norms, tables, cu_seqlens,
-                               head_dim=self.head_dim, causal=self.causal,
-                               softmax_scale=self.softmax_scale, window=self.window,
-                               softcap=self.softcap or 0.0, norm_eps=self.norm_eps,
-                               norm_offset=self.norm_offset)  # fmt: skip
+                raise TypeError(
+                    f"ParallelAttention: x is {x.dtype} on {x.device} but "
+                    f"{name} is {t.dtype} on {t.device}"
+                )
+        return attention_layer(
+            x,
+            weights,
+            biases,
+            norms,
+            tables,
+            cu_seqlens,
+            head_dim=self.head_dim,
+            causal=self.causal,
+            softmax_scale=self.softmax_scale,
+            window=self.window,
+            softcap=self.softcap or 0.0,
+            norm_eps=self.norm_eps,
+            norm_offset=self.norm_offset,
+        )
 
 
 def takes_one_op(layer: ParallelAttention, x, cos, sin) -> bool:
@@ -577,8 +713,13 @@ def takes_one_op(layer: ParallelAttention, x, cos, sin) -> bool:
     rank (no tp, cp or Ulysses group of more than one), with sequence parallelism (classic
     TP's o projection is ``F.linear``), no sinks, no q/k norm or a "head" one, and RoPE
     tables (cos, sin; None: no RoPE) the kernels take."""
-    one_rank = all(comm.group_size(g) == 1
-                   for g in (layer.tp_group, layer.cp_group, layer.ulysses_group))  # fmt: skip
-    return (one_rank and layer.sequence_parallel and layer.sinks is None
-            and layer.qk_norm in (None, "head")
-            and (cos is None or not rotates_by_formula(x, cos, sin)))  # fmt: skip
+    one_rank = all(
+        comm.group_size(g) == 1 for g in (layer.tp_group, layer.cp_group, layer.ulysses_group)
+    )
+    return (
+        one_rank
+        and layer.sequence_parallel
+        and layer.sinks is None
+        and layer.qk_norm in (None, "head")
+        and (cos is None or not rotates_by_formula(x, cos, sin))
+    )

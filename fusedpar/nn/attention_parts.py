@@ -46,13 +46,20 @@ def _rope_order(t: torch.Tensor, head_dim: int, rotary_dim: int | None) -> torch
     1, 3, .., r-1, then the dims past r (unrotated) in place."""
     r = head_dim if rotary_dim is None else rotary_dim
     if t.dim() == 0 or t.shape[0] % head_dim:
-        raise ValueError(f"a RoPE layout permutes whole heads: dim 0 of {tuple(t.shape)} is not "
-                         f"a multiple of head_dim {head_dim}")  # fmt: skip
+        raise ValueError(
+            f"a RoPE layout permutes whole heads: dim 0 of {tuple(t.shape)} is not "
+            f"a multiple of head_dim {head_dim}"
+        )
     if r % 2 or not 0 < r <= head_dim:
         raise ValueError(f"rotary_dim ({r}) must be even and in (0, head_dim {head_dim}]")
     device = t.device
-    return torch.cat([torch.arange(0, r, 2, device=device), torch.arange(1, r, 2, device=device),
-                      torch.arange(r, head_dim, device=device)])  # fmt: skip
+    return torch.cat(
+        [
+            torch.arange(0, r, 2, device=device),
+            torch.arange(1, r, 2, device=device),
+            torch.arange(r, head_dim, device=device),
+        ]
+    )
 
 
 def interleaved_to_half(t: torch.Tensor, head_dim: int, rotary_dim: int | None = None):
@@ -119,8 +126,16 @@ def joins_rope(kind: str | None, x, cos, sin) -> bool:
     return kind == "head" and not rotates_by_formula(x, cos, sin)
 
 
-def qk_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, kind: str,
-                offset: float = 0.0, tp_group=None, rope=None) -> torch.Tensor:  # fmt: skip
+def qk_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    kind: str,
+    offset: float = 0.0,
+    tp_group=None,
+    rope=None,
+) -> torch.Tensor:
     """The q/k RMSNorm of `kind` (see the module doc) of x (..., H_loc, hd) in fp32,
     returned in x's dtype, weighted in fp32 and rounded once (as Gemma and OLMo 2 do;
     Qwen3 rounds the normalized values before weighting them, one rounding more). "head"

@@ -68,20 +68,30 @@ def linear_parts(name: str, t, bias=None) -> tuple[torch.Tensor, torch.Tensor | 
     ``nn.Linear``'s (out, in) layout with its `bias` given beside it (a module carries
     its own: a `bias` given for one is an error, never a silent choice)."""
     if isinstance(t, torch.Tensor):
-        if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dim() != 1
-                                 or t.dim() != 2 or bias.shape[0] != t.shape[0]):  # fmt: skip
+        if bias is not None and (
+            not isinstance(bias, torch.Tensor)
+            or bias.dim() != 1
+            or t.dim() != 2
+            or bias.shape[0] != t.shape[0]
+        ):
             got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
-            raise ValueError(f"the bias of dense {name} must be a ({t.shape[0]},) tensor "
-                             f"(its {tuple(t.shape)} weight's outputs), got {got}")  # fmt: skip
+            raise ValueError(
+                f"the bias of dense {name} must be a ({t.shape[0]},) tensor "
+                f"(its {tuple(t.shape)} weight's outputs), got {got}"
+            )
         return t, bias
     if isinstance(t, nn.Linear) or is_conv1d(t):
         if bias is not None:
-            raise ValueError(f"a bias given for dense {name}, a {type(t).__name__} that has "
-                             f"its own (bias={t.bias is not None}): pass biases only beside "
-                             f"weight tensors")  # fmt: skip
+            raise ValueError(
+                f"a bias given for dense {name}, a {type(t).__name__} that has "
+                f"its own (bias={t.bias is not None}): pass biases only beside "
+                f"weight tensors"
+            )
         return (t.weight if isinstance(t, nn.Linear) else t.weight.t()), t.bias
-    raise TypeError(f"dense {name} must be an nn.Linear, a Hugging Face Conv1D or a weight "
-                    f"tensor (out, in), got {type(t).__name__}")  # fmt: skip
+    raise TypeError(
+        f"dense {name} must be an nn.Linear, a Hugging Face Conv1D or a weight "
+        f"tensor (out, in), got {type(t).__name__}"
+    )
 
 
 def linear_weight(module, weight: torch.Tensor) -> torch.Tensor:
@@ -96,8 +106,10 @@ def bias_per_weight(what: str, bias, count: int) -> tuple:
     if bias is None:
         return (None,) * count
     if isinstance(bias, torch.Tensor) or len(bias) != count:
-        raise ValueError(f"{what}: bias= takes one bias (a tensor or None) per dense weight, "
-                         f"{count} in all, beside weight tensors")  # fmt: skip
+        raise ValueError(
+            f"{what}: bias= takes one bias (a tensor or None) per dense weight, "
+            f"{count} in all, beside weight tensors"
+        )
     return tuple(bias)
 
 
@@ -108,8 +120,19 @@ class _ParallelLinear(nn.Module):
     GROUP_AXES = {"group": ("tp",)}  # checked by `fusedpar.distribute`
     _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 
-    def __init__(self, in_features, out_features, group, bias, sequence_parallel,
-                 chunks_per_rank, overlap, reduce_dtype, device, dtype):  # fmt: skip
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        group,
+        bias,
+        sequence_parallel,
+        chunks_per_rank,
+        overlap,
+        reduce_dtype,
+        device,
+        dtype,
+    ):
         super().__init__()
         self.group = group
         self.world = comm.group_size(group)
@@ -173,8 +196,7 @@ class _ParallelLinear(nn.Module):
         kwargs.setdefault("dtype", w.dtype)
         device = kwargs.pop("device")
         out_features, in_features = w.shape
-        layer = cls(in_features, out_features, group, bias=b is not None, device="meta",
-                    **kwargs)  # fmt: skip
+        layer = cls(in_features, out_features, group, bias=b is not None, device="meta", **kwargs)
         layer.to_empty(device=device)
         layer.load_dense(w.detach(), None if b is None else b.detach())
         return layer
@@ -185,9 +207,11 @@ class _ParallelLinear(nn.Module):
         checks.first_call(self, x, {"group": self.group}, checks.alike(x, self.weight))
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"world={self.world}, bias={self.bias is not None}, "
-                f"sequence_parallel={self.sequence_parallel}")  # fmt: skip
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"world={self.world}, bias={self.bias is not None}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -201,21 +225,48 @@ class ColumnParallelLinear(_ParallelLinear):
 
     split_dim = 0
 
-    def __init__(self, in_features, out_features, group=None, *, bias=True,
-                 sequence_parallel=True, gather_output=False,
-                 chunks_per_rank=DEFAULT_CHUNKS_PER_RANK, overlap=None, reduce_dtype=None,
-                 device=None, dtype=None):  # fmt: skip
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        group=None,
+        *,
+        bias=True,
+        sequence_parallel=True,
+        gather_output=False,
+        chunks_per_rank=DEFAULT_CHUNKS_PER_RANK,
+        overlap=None,
+        reduce_dtype=None,
+        device=None,
+        dtype=None,
+    ):
         self.gather_output = gather_output
-        super().__init__(in_features, out_features, group, bias, sequence_parallel,
-                         chunks_per_rank, overlap, reduce_dtype, device, dtype)  # fmt: skip
+        super().__init__(
+            in_features,
+            out_features,
+            group,
+            bias,
+            sequence_parallel,
+            chunks_per_rank,
+            overlap,
+            reduce_dtype,
+            device,
+            dtype,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._fusedpar_checked:
             self._first_call(x)
         if self.sequence_parallel:
-            y = all_gather_matmul(x, self.weight, self.group, bias=self.bias,
-                                  chunks_per_rank=self.chunks_per_rank, overlap=self.overlap,
-                                  reduce_dtype=self.reduce_dtype)  # fmt: skip
+            y = all_gather_matmul(
+                x,
+                self.weight,
+                self.group,
+                bias=self.bias,
+                chunks_per_rank=self.chunks_per_rank,
+                overlap=self.overlap,
+                reduce_dtype=self.reduce_dtype,
+            )
         else:
             y = F.linear(comm.copy_to_region(x, self.group), self.weight, self.bias)
         return comm.gather_from_region(y, self.group, dim=-1) if self.gather_output else y
@@ -231,11 +282,32 @@ class RowParallelLinear(_ParallelLinear):
 
     split_dim = 1
 
-    def __init__(self, in_features, out_features, group=None, *, bias=True,
-                 sequence_parallel=True, chunks_per_rank=DEFAULT_CHUNKS_PER_RANK,
-                 overlap=None, reduce_dtype=None, device=None, dtype=None):  # fmt: skip
-        super().__init__(in_features, out_features, group, bias, sequence_parallel,
-                         chunks_per_rank, overlap, reduce_dtype, device, dtype)  # fmt: skip
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        group=None,
+        *,
+        bias=True,
+        sequence_parallel=True,
+        chunks_per_rank=DEFAULT_CHUNKS_PER_RANK,
+        overlap=None,
+        reduce_dtype=None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(
+            in_features,
+            out_features,
+            group,
+            bias,
+            sequence_parallel,
+            chunks_per_rank,
+            overlap,
+            reduce_dtype,
+            device,
+            dtype,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._fusedpar_checked:
@@ -243,10 +315,15 @@ class RowParallelLinear(_ParallelLinear):
         if self.sequence_parallel:
             # Each rank adds the bias to its own tokens: its gradient is summed over ranks.
             bias = None if self.bias is None else comm.copy_to_region(self.bias, self.group)
-            return matmul_reduce_scatter(x, self.weight, self.group, bias=bias,
-                                         chunks_per_rank=self.chunks_per_rank,
-                                         overlap=self.overlap,
-                                         reduce_dtype=self.reduce_dtype)  # fmt: skip
+            return matmul_reduce_scatter(
+                x,
+                self.weight,
+                self.group,
+                bias=bias,
+                chunks_per_rank=self.chunks_per_rank,
+                overlap=self.overlap,
+                reduce_dtype=self.reduce_dtype,
+            )
         y = comm.reduce_from_region(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
@@ -268,9 +345,21 @@ class ParallelSwiGLU(nn.Module):
     GROUP_AXES = {"group": ("tp",)}  # checked by `fusedpar.distribute`
     _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 
-    def __init__(self, d_model, d_hidden, group=None, *, bias=False, activation=F.silu,
-                 sequence_parallel=True, chunks_per_rank=DEFAULT_CHUNKS_PER_RANK,
-                 overlap=None, reduce_dtype=None, device=None, dtype=None):  # fmt: skip
+    def __init__(
+        self,
+        d_model,
+        d_hidden,
+        group=None,
+        *,
+        bias=False,
+        activation=F.silu,
+        sequence_parallel=True,
+        chunks_per_rank=DEFAULT_CHUNKS_PER_RANK,
+        overlap=None,
+        reduce_dtype=None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.group, self.activation = group, activation
         self.overlap, self.reduce_dtype = check_overlap(overlap), check_reduce_dtype(reduce_dtype)
@@ -297,8 +386,11 @@ class ParallelSwiGLU(nn.Module):
         hidden_first = (self.d_hidden, self.d_model)
         copies = []  # (parameter, this rank's part)
         biases = bias_per_weight("ParallelSwiGLU", bias, 3)
-        specs = (("gate", w_gate, hidden_first, 0), ("up", w_up, hidden_first, 0),
-                 ("down", w_down, hidden_first[::-1], 1))  # fmt: skip
+        specs = (
+            ("gate", w_gate, hidden_first, 0),
+            ("up", w_up, hidden_first, 0),
+            ("down", w_down, hidden_first[::-1], 1),
+        )
         for (name, dense, shape, dim), given in zip(specs, biases, strict=True):
             weight, bias = linear_parts(name, dense, given)
             weight = weight.detach()
@@ -307,8 +399,10 @@ class ParallelSwiGLU(nn.Module):
             param_bias = getattr(self, f"{name}_bias")
             if (bias is None) != (param_bias is None):
                 has = "a" if bias is not None else "no"
-                raise ValueError(f"dense {name} has {has} bias but this ParallelSwiGLU was built "
-                                 f"with bias={param_bias is not None}")  # fmt: skip
+                raise ValueError(
+                    f"dense {name} has {has} bias but this ParallelSwiGLU was built "
+                    f"with bias={param_bias is not None}"
+                )
             copies.append(
                 (getattr(self, f"{name}_weight"), weight.chunk(self.world, dim)[self.rank])
             )
@@ -323,16 +417,22 @@ class ParallelSwiGLU(nn.Module):
         """For `fusedpar.distribute`: the hidden features split over the group; the down
         bias whole, summed over the group inside the layer."""
         column, row = ParamLayout(0, self.group), ParamLayout(1, self.group)
-        return {"gate_weight": column, "up_weight": column, "down_weight": row,
-                "gate_bias": column, "up_bias": column,
-                "down_bias": ParamLayout(complete_over=(self.group,))}  # fmt: skip
+        return {
+            "gate_weight": column,
+            "up_weight": column,
+            "down_weight": row,
+            "gate_bias": column,
+            "up_bias": column,
+            "down_bias": ParamLayout(complete_over=(self.group,)),
+        }
 
     def reset_parameters(self) -> None:
         """As ``nn.Linear(d, h)`` twice then ``nn.Linear(h, d)``, with this layer's bias."""
         bias = self.gate_bias is not None
         d, h = self.d_model, self.d_hidden
-        self.load_dense(nn.Linear(d, h, bias=bias), nn.Linear(d, h, bias=bias),
-                        nn.Linear(h, d, bias=bias))  # fmt: skip
+        self.load_dense(
+            nn.Linear(d, h, bias=bias), nn.Linear(d, h, bias=bias), nn.Linear(h, d, bias=bias)
+        )
 
     @classmethod
     def from_dense(cls, w_gate, w_up, w_down, group, *, bias=None, **kwargs):
@@ -360,23 +460,42 @@ class ParallelSwiGLU(nn.Module):
             activation = kernel_activation(self.activation)
             if activation is not None:  # one rank: the whole MLP as one op
                 if x.shape[-1] != self.d_model:
-                    raise ValueError(f"ParallelSwiGLU: x must be (..., {self.d_model}), got "
-                                     f"{tuple(x.shape)}")  # fmt: skip
+                    raise ValueError(
+                        f"ParallelSwiGLU: x must be (..., {self.d_model}), got {tuple(x.shape)}"
+                    )
                 if x.dtype != self.gate_weight.dtype:
-                    raise TypeError(f"ParallelSwiGLU: x is {x.dtype} but the weights are "
-                                    f"{self.gate_weight.dtype}")  # fmt: skip
-                biases = () if self.gate_bias is None else (self.gate_bias, self.up_bias,
-                                                            self.down_bias)  # fmt: skip
-                return gated_mlp(x, self.gate_weight, self.up_weight, self.down_weight, biases,
-                                 activation=activation)  # fmt: skip
+                    raise TypeError(
+                        f"ParallelSwiGLU: x is {x.dtype} but the weights are "
+                        f"{self.gate_weight.dtype}"
+                    )
+                biases = (
+                    () if self.gate_bias is None else (self.gate_bias, self.up_bias, self.down_bias)
+                )
+                return gated_mlp(
+                    x,
+                    self.gate_weight,
+                    self.up_weight,
+                    self.down_weight,
+                    biases,
+                    activation=activation,
+                )
         weights, biases = [self.gate_weight, self.up_weight], [self.gate_bias, self.up_bias]
-        down = {"activation": self.activation, "chunks_per_rank": self.chunks_per_rank,
-                "overlap": self.overlap, "reduce_dtype": self.reduce_dtype}
+        down = {
+            "activation": self.activation,
+            "chunks_per_rank": self.chunks_per_rank,
+            "overlap": self.overlap,
+            "reduce_dtype": self.reduce_dtype,
+        }
         if self.sequence_parallel:
-            gate, up = all_gather_matmul(x, weights, self.group, bias=biases,
-                                         chunks_per_rank=self.chunks_per_rank,
-                                         overlap=self.overlap,
-                                         reduce_dtype=self.reduce_dtype)  # fmt: skip
+            gate, up = all_gather_matmul(
+                x,
+                weights,
+                self.group,
+                bias=biases,
+                chunks_per_rank=self.chunks_per_rank,
+                overlap=self.overlap,
+                reduce_dtype=self.reduce_dtype,
+            )
             # Each rank adds the down bias to its own tokens: its gradient is summed.
             bias = (
                 None if self.down_bias is None else comm.copy_to_region(self.down_bias, self.group)
@@ -384,7 +503,8 @@ class ParallelSwiGLU(nn.Module):
             return gated_down(gate, up, self.down_weight, self.group, bias=bias, **down)
         x = comm.copy_to_region(x, self.group)
         gate, up = (F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
-        partial = gated_down(gate, up, self.down_weight, self.group, sequence_parallel=False,
-                             **down)  # fmt: skip
+        partial = gated_down(
+            gate, up, self.down_weight, self.group, sequence_parallel=False, **down
+        )
         y = comm.reduce_from_region(partial, self.group)
         return y if self.down_bias is None else y + self.down_bias

@@ -50,8 +50,16 @@ def _head_order(nope: int, rope: int, interleaved: bool) -> torch.Tensor:
     return torch.cat([nope + rotary, torch.arange(nope)])
 
 
-def layer_rows(name: str, t: torch.Tensor, *, nope: int, rope: int, kv_lora_rank: int,
-               rope_interleave: bool = False, inverse: bool = False) -> torch.Tensor:
+def layer_rows(
+    name: str,
+    t: torch.Tensor,
+    *,
+    nope: int,
+    rope: int,
+    kv_lora_rank: int,
+    rope_interleave: bool = False,
+    inverse: bool = False,
+) -> torch.Tensor:
     """Rows of a full `ParallelMLA` parameter `name` from Hugging Face's layout (q's
     heads (nope, rope) -> (rope, nope), kv_a's rotary rows, interleaved pairs to the
     half layout), or back with `inverse`; other parameters as they are. A tensor or a
@@ -100,19 +108,46 @@ class ParallelMLA(RotaryPositions, nn.Module):
     GROUP_AXES = {"tp_group": ("tp",), "cp_group": ("cp",), "ulysses_group": ("ulysses",)}
     _fusedpar_checked = False
 
-    def __init__(self, d_model, n_heads, *, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
-                 qk_rope_head_dim, v_head_dim, bias=False, norm_eps=1e-6,
-                 rope: Callable | str = DEFAULT_ROPE, rope_theta=10000.0,
-                 softmax_scale=None, tp_group=None, cp_group=None, ulysses_group=None,
-                 cp_mode=None, cp_layout="zigzag", cp_ring="auto", sequence_parallel=True,
-                 overlap=None, reduce_dtype=None, device=None, dtype=None):  # fmt: skip
+    def __init__(
+        self,
+        d_model,
+        n_heads,
+        *,
+        q_lora_rank,
+        kv_lora_rank,
+        qk_nope_head_dim,
+        qk_rope_head_dim,
+        v_head_dim,
+        bias=False,
+        norm_eps=1e-6,
+        rope: Callable | str = DEFAULT_ROPE,
+        rope_theta=10000.0,
+        softmax_scale=None,
+        tp_group=None,
+        cp_group=None,
+        ulysses_group=None,
+        cp_mode=None,
+        cp_layout="zigzag",
+        cp_ring="auto",
+        sequence_parallel=True,
+        overlap=None,
+        reduce_dtype=None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         if rope is None or not (rope == DEFAULT_ROPE or callable(rope)):
-            raise TypeError(f"ParallelMLA: rope must be a callable positions -> (cos, sin) or "
-                            f"left out (the tables of rope_theta), got {rope!r}")  # fmt: skip
-        sizes = {"kv_lora_rank": kv_lora_rank, "qk_nope_head_dim": qk_nope_head_dim,
-                 "qk_rope_head_dim": qk_rope_head_dim, "v_head_dim": v_head_dim,
-                 "q_lora_rank": 1 if q_lora_rank is None else q_lora_rank}  # fmt: skip
+            raise TypeError(
+                f"ParallelMLA: rope must be a callable positions -> (cos, sin) or "
+                f"left out (the tables of rope_theta), got {rope!r}"
+            )
+        sizes = {
+            "kv_lora_rank": kv_lora_rank,
+            "qk_nope_head_dim": qk_nope_head_dim,
+            "qk_rope_head_dim": qk_rope_head_dim,
+            "v_head_dim": v_head_dim,
+            "q_lora_rank": 1 if q_lora_rank is None else q_lora_rank,
+        }
         for name, value in sizes.items():
             if value < 1:
                 raise ValueError(f"ParallelMLA: {name} must be positive, got {value}")
@@ -120,25 +155,33 @@ class ParallelMLA(RotaryPositions, nn.Module):
             raise ValueError(f"ParallelMLA: qk_rope_head_dim ({qk_rope_head_dim}) must be even")
         tp = comm.group_size(tp_group)
         if n_heads % tp:
-            raise ValueError(f"ParallelMLA: n_heads ({n_heads}) is not divisible by the TP "
-                             f"degree ({tp})")  # fmt: skip
+            raise ValueError(
+                f"ParallelMLA: n_heads ({n_heads}) is not divisible by the TP degree ({tp})"
+            )
         self.cp_mode = _check_cp_mode(cp_mode, cp_group, ulysses_group)
         if cp_ring not in CP_RINGS:
             raise ValueError(f"ParallelMLA: cp_ring must be one of {CP_RINGS}, got {cp_ring!r}")
         if cp_ring == "latent" and self.cp_mode != "ring":
-            raise ValueError(f"ParallelMLA: cp_ring='latent' moves the latent around a ring "
-                             f"alone; cp_mode is {self.cp_mode!r}")  # fmt: skip
+            raise ValueError(
+                f"ParallelMLA: cp_ring='latent' moves the latent around a ring "
+                f"alone; cp_mode is {self.cp_mode!r}"
+            )
         # "auto": the latent ring on a GPU where it moves fewer values a token than the
         # expanded heads (DeepSeek-V3: 576 against H/TP x 320); on a CPU the expanded
         # ring (measured faster over gloo, 2 cores, 4 ranks, S = 1k: 0.41 s against 0.45
         # at 4 heads a rank, 1.09 against 1.45 at 16: each step's expansion, twice in the
         # backward, costs more there than the bytes it saves, 2.2x and 8.9x fewer)
         self.cp_ring = cp_ring
-        self._latent_moves_less = latent_moves_less(n_heads // tp, qk_nope_head_dim,
-                                                    qk_rope_head_dim, v_head_dim, kv_lora_rank)
+        self._latent_moves_less = latent_moves_less(
+            n_heads // tp, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank
+        )
         if comm.group_size(ulysses_group) > 1:
-            check_heads(n_heads // tp, n_heads // tp, comm.group_size(ulysses_group),
-                        f"ParallelMLA (n_heads {n_heads}, TP {tp})")  # fmt: skip
+            check_heads(
+                n_heads // tp,
+                n_heads // tp,
+                comm.group_size(ulysses_group),
+                f"ParallelMLA (n_heads {n_heads}, TP {tp})",
+            )
         self.overlap, self.reduce_dtype = check_overlap(overlap), check_reduce_dtype(reduce_dtype)
         self.d_model, self.n_heads, self.norm_eps = d_model, n_heads, norm_eps
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
@@ -176,17 +219,23 @@ class ParallelMLA(RotaryPositions, nn.Module):
         """``nn.Linear`` initialization of the dense projections (fp32, CPU, the current
         RNG state: one model for any TP degree), norm weights 1."""
         d, H, lora, bias = self.d_model, self.n_heads, self.q_lora_rank, self.o_bias is not None
-        q = ((nn.Linear(d, lora, bias=bias), nn.Linear(lora, H * self.qk_dim, bias=False))
-             if lora else nn.Linear(d, H * self.qk_dim, bias=False))  # fmt: skip
+        q = (
+            (nn.Linear(d, lora, bias=bias), nn.Linear(lora, H * self.qk_dim, bias=False))
+            if lora
+            else nn.Linear(d, H * self.qk_dim, bias=False)
+        )
         self.load_dense(
-            q, nn.Linear(d, self.kv_lora_rank + self.rope_dim, bias=bias),
+            q,
+            nn.Linear(d, self.kv_lora_rank + self.rope_dim, bias=bias),
             nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False),
             nn.Linear(H * self.v_dim, d, bias=bias),
-            q_a_norm=torch.ones(lora) if lora else None, kv_a_norm=torch.ones(self.kv_lora_rank),
-        )  # fmt: skip
+            q_a_norm=torch.ones(lora) if lora else None,
+            kv_a_norm=torch.ones(self.kv_lora_rank),
+        )
 
-    def load_dense(self, q, kv_a, kv_b, o, *, q_a_norm=None, kv_a_norm,
-                   rope_interleave: bool = False) -> None:  # fmt: skip
+    def load_dense(
+        self, q, kv_a, kv_b, o, *, q_a_norm=None, kv_a_norm, rope_interleave: bool = False
+    ) -> None:
         """Copy dense projections in Hugging Face's layout (``nn.Linear``s or weight
         tensors): q as ``(q_a_proj, q_b_proj)`` or ``q_proj``, ``kv_a_proj_with_mqa``,
         ``kv_b_proj``, ``o_proj``, the two latent norms (modules with ``.weight`` or
@@ -195,38 +244,60 @@ class ParallelMLA(RotaryPositions, nn.Module):
         H, tp = self.n_heads, self.tp
         lora = self.q_lora_rank is not None
         if isinstance(q, tuple) != lora:
-            raise ValueError(f"ParallelMLA: q must be {'(q_a, q_b)' if lora else 'q_proj'} for "
-                             f"q_lora_rank={self.q_lora_rank}")  # fmt: skip
-        rows = dict(nope=self.nope, rope=self.rope_dim, kv_lora_rank=self.kv_lora_rank,
-                    rope_interleave=rope_interleave)  # fmt: skip
+            raise ValueError(
+                f"ParallelMLA: q must be {'(q_a, q_b)' if lora else 'q_proj'} for "
+                f"q_lora_rank={self.q_lora_rank}"
+            )
+        rows = dict(
+            nope=self.nope,
+            rope=self.rope_dim,
+            kv_lora_rank=self.kv_lora_rank,
+            rope_interleave=rope_interleave,
+        )
         copies = []  # (parameter, full tensor, split over TP by rows or columns or None)
         if lora:
             (q_a, q_a_bias), (q_b, _) = linear_parts("q_a", q[0]), linear_parts("q_b", q[1])
-            copies += [(self.q_a_weight, q_a, None), (self.q_a_bias, q_a_bias, None),
-                       (self.q_a_norm_weight, norm_weight("q_a_norm", q_a_norm), None)]  # fmt: skip
+            copies += [
+                (self.q_a_weight, q_a, None),
+                (self.q_a_bias, q_a_bias, None),
+                (self.q_a_norm_weight, norm_weight("q_a_norm", q_a_norm), None),
+            ]
         else:
             q_b, _ = linear_parts("q", q)
         if q_b.shape[0] != H * self.qk_dim:
-            raise ValueError(f"ParallelMLA: dense q has {q_b.shape[0]} rows, not heads x "
-                             f"(nope + rope) = {H * self.qk_dim}")  # fmt: skip
+            raise ValueError(
+                f"ParallelMLA: dense q has {q_b.shape[0]} rows, not heads x "
+                f"(nope + rope) = {H * self.qk_dim}"
+            )
         q_b = layer_rows("q_weight", q_b, **rows)
         kv_a, kv_a_bias = linear_parts("kv_a", kv_a)
         if kv_a.shape[0] != self.kv_lora_rank + self.rope_dim:
-            raise ValueError(f"ParallelMLA: dense kv_a has {kv_a.shape[0]} rows, not "
-                             f"kv_lora_rank + rope = "
-                             f"{self.kv_lora_rank + self.rope_dim}")  # fmt: skip
+            raise ValueError(
+                f"ParallelMLA: dense kv_a has {kv_a.shape[0]} rows, not "
+                f"kv_lora_rank + rope = "
+                f"{self.kv_lora_rank + self.rope_dim}"
+            )
         (kv_b, _), (o, o_bias) = linear_parts("kv_b", kv_b), linear_parts("o", o)
-        copies += [(self.q_b_weight if lora else self.q_weight, q_b, 0),
-                   (self.kv_a_weight, layer_rows("kv_a_weight", kv_a, **rows), None),
-                   (self.kv_a_bias, None if kv_a_bias is None
-                    else layer_rows("kv_a_bias", kv_a_bias, **rows), None),
-                   (self.kv_a_norm_weight, norm_weight("kv_a_norm", kv_a_norm), None),
-                   (self.kv_b_weight, kv_b, 0), (self.o_weight, o, 1), (self.o_bias, o_bias, None)]
+        copies += [
+            (self.q_b_weight if lora else self.q_weight, q_b, 0),
+            (self.kv_a_weight, layer_rows("kv_a_weight", kv_a, **rows), None),
+            (
+                self.kv_a_bias,
+                None if kv_a_bias is None else layer_rows("kv_a_bias", kv_a_bias, **rows),
+                None,
+            ),
+            (self.kv_a_norm_weight, norm_weight("kv_a_norm", kv_a_norm), None),
+            (self.kv_b_weight, kv_b, 0),
+            (self.o_weight, o, 1),
+            (self.o_bias, o_bias, None),
+        ]
         for param, full, dim in copies:
             if (param is None) != (full is None):
-                raise ValueError(f"ParallelMLA: the dense projections' biases "
-                                 f"{'missing' if full is None else 'given'}, but this layer "
-                                 f"was built with bias={self.o_bias is not None}")  # fmt: skip
+                raise ValueError(
+                    f"ParallelMLA: the dense projections' biases "
+                    f"{'missing' if full is None else 'given'}, but this layer "
+                    f"was built with bias={self.o_bias is not None}"
+                )
             if param is None:
                 continue
             expected = tuple(param.shape)
@@ -234,15 +305,28 @@ class ParallelMLA(RotaryPositions, nn.Module):
                 expected = tuple(s * tp if i == dim else s for i, s in enumerate(expected))
             if tuple(full.shape) != expected:
                 name = next(n for n, p in self.named_parameters() if p is param)
-                raise ValueError(f"ParallelMLA: dense {name} must be {expected}, got "
-                                 f"{tuple(full.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"ParallelMLA: dense {name} must be {expected}, got {tuple(full.shape)}"
+                )
             part = full if dim is None else full.chunk(tp, dim)[self.tp_rank]
             with torch.no_grad():
                 local_tensor(param).copy_(part.detach())
 
     @classmethod
-    def from_dense(cls, q, kv_a, kv_b, o, d_model, n_heads, *, q_a_norm=None, kv_a_norm,
-                   rope_interleave: bool = False, **kwargs):  # fmt: skip
+    def from_dense(
+        cls,
+        q,
+        kv_a,
+        kv_b,
+        o,
+        d_model,
+        n_heads,
+        *,
+        q_a_norm=None,
+        kv_a_norm,
+        rope_interleave: bool = False,
+        **kwargs,
+    ):
         """A layer holding this TP rank's heads of dense projections (`load_dense`'s
         arguments); ``q_lora_rank``, ``kv_lora_rank`` and ``bias`` read off them. Pass
         the head dims (``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``), the
@@ -256,16 +340,29 @@ class ParallelMLA(RotaryPositions, nn.Module):
         device = kwargs.pop("device", kv_a_weight.device)
         layer = cls(d_model, n_heads, device="meta", **kwargs)
         layer.to_empty(device=device)
-        layer.load_dense(q, kv_a, kv_b, o, q_a_norm=q_a_norm, kv_a_norm=kv_a_norm,
-                         rope_interleave=rope_interleave)  # fmt: skip
+        layer.load_dense(
+            q,
+            kv_a,
+            kv_b,
+            o,
+            q_a_norm=q_a_norm,
+            kv_a_norm=kv_a_norm,
+            rope_interleave=rope_interleave,
+        )
         return layer
 
     def dense_rows(self, name: str, t: torch.Tensor, rope_interleave: bool = False):
         """`t` (a full parameter of `name`, or its gradient) in Hugging Face's layout: the
         inverse of `load_dense`'s row permutations (`layer_rows`)."""
-        return layer_rows(name, t, nope=self.nope, rope=self.rope_dim,
-                          kv_lora_rank=self.kv_lora_rank, rope_interleave=rope_interleave,
-                          inverse=True)  # fmt: skip
+        return layer_rows(
+            name,
+            t,
+            nope=self.nope,
+            rope=self.rope_dim,
+            kv_lora_rank=self.kv_lora_rank,
+            rope_interleave=rope_interleave,
+            inverse=True,
+        )
 
     def latent_ring(self, x: torch.Tensor) -> bool:
         """Whether the ring moves the latent for input `x` (`cp_ring`; see `__init__`)."""
@@ -281,11 +378,19 @@ class ParallelMLA(RotaryPositions, nn.Module):
         after the reduce-scatter)."""
         heads, tp = ParamLayout(0, self.tp_group), (self.tp_group,)
         shared = ParamLayout(partial_over=tp)
-        return {"q_a_weight": shared, "q_a_norm_weight": shared, "q_a_bias": shared,
-                "q_b_weight": heads, "q_weight": heads, "kv_a_weight": shared,
-                "kv_a_bias": shared, "kv_a_norm_weight": shared, "kv_b_weight": heads,
-                "o_weight": ParamLayout(1, self.tp_group),
-                "o_bias": ParamLayout(complete_over=tp)}  # fmt: skip
+        return {
+            "q_a_weight": shared,
+            "q_a_norm_weight": shared,
+            "q_a_bias": shared,
+            "q_b_weight": heads,
+            "q_weight": heads,
+            "kv_a_weight": shared,
+            "kv_a_bias": shared,
+            "kv_a_norm_weight": shared,
+            "kv_b_weight": heads,
+            "o_weight": ParamLayout(1, self.tp_group),
+            "o_bias": ParamLayout(complete_over=tp),
+        }
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """x (S_loc, B, d_model) -> the same shape; `cu_seqlens` as `ParallelAttention`'s."""
@@ -296,8 +401,9 @@ class ParallelMLA(RotaryPositions, nn.Module):
         gather = dict(overlap=self.overlap, reduce_dtype=self.reduce_dtype)
         lora = self.q_lora_rank is not None
         first = self.q_a_weight if lora else self.q_weight
-        q, kv = all_gather_matmul(x, [first, self.kv_a_weight], group,
-                                  bias=[self.q_a_bias, self.kv_a_bias], **gather)  # fmt: skip
+        q, kv = all_gather_matmul(
+            x, [first, self.kv_a_weight], group, bias=[self.q_a_bias, self.kv_a_bias], **gather
+        )
         if lora:  # (S, B, r_q) -> this rank's heads
             q = F.linear(rms_norm(q, self.q_a_norm_weight, self.norm_eps), self.q_b_weight)
         latent, k_rope = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -309,17 +415,32 @@ class ParallelMLA(RotaryPositions, nn.Module):
         q, k_rope = apply_rope(q, cos, sin), apply_rope(k_rope, cos, sin)
         if self.latent_ring(x):  # (B, S, r + dr) travels; each step expands it
             moving = torch.cat([latent.transpose(0, 1), k_rope[:, :, 0]], dim=-1)
-            out = mla_ring_attn(q, moving, self.kv_b_weight, self.cp_group,
-                                qk_nope_head_dim=self.nope, v_head_dim=self.v_dim,
-                                softmax_scale=self.softmax_scale, layout=self.cp_layout,
-                                cu_seqlens=cu_seqlens)  # fmt: skip
+            out = mla_ring_attn(
+                q,
+                moving,
+                self.kv_b_weight,
+                self.cp_group,
+                qk_nope_head_dim=self.nope,
+                v_head_dim=self.v_dim,
+                softmax_scale=self.softmax_scale,
+                layout=self.cp_layout,
+                cu_seqlens=cu_seqlens,
+            )
         else:
             kv = F.linear(latent, self.kv_b_weight).view(S, B, -1, self.nope + self.v_dim)
             k_nope, v = kv.transpose(0, 1).split([self.nope, self.v_dim], dim=-1)
             k = torch.cat([k_rope.expand(-1, -1, k_nope.shape[2], -1), k_nope], dim=-1)
-            out = ring_attn(q, k, v, self.cp_group, causal=True, layout=self.cp_layout,
-                            softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens,
-                            ulysses_group=self.ulysses_group)  # fmt: skip
+            out = ring_attn(
+                q,
+                k,
+                v,
+                self.cp_group,
+                causal=True,
+                layout=self.cp_layout,
+                softmax_scale=self.softmax_scale,
+                cu_seqlens=cu_seqlens,
+                ulysses_group=self.ulysses_group,
+            )
         out = out.transpose(0, 1).reshape(S, B, -1)  # (S, B, H/TP * dv)
         if self.sequence_parallel:
             bias = None if self.o_bias is None else comm.copy_to_region(self.o_bias, self.tp_group)
@@ -328,6 +449,8 @@ class ParallelMLA(RotaryPositions, nn.Module):
         return y if self.o_bias is None else y + self.o_bias
 
     def extra_repr(self) -> str:
-        return (f"d_model={self.d_model}, heads={self.n_heads} ({self.n_heads // self.tp} here), "
-                f"q_lora_rank={self.q_lora_rank}, kv_lora_rank={self.kv_lora_rank}, "
-                f"qk=({self.nope} + {self.rope_dim}), v={self.v_dim}")
+        return (
+            f"d_model={self.d_model}, heads={self.n_heads} ({self.n_heads // self.tp} here), "
+            f"q_lora_rank={self.q_lora_rank}, kv_lora_rank={self.kv_lora_rank}, "
+            f"qk=({self.nope} + {self.rope_dim}), v={self.v_dim}"
+        )

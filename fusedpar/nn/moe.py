@@ -73,27 +73,54 @@ class MoE(nn.Module):
 
     _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 
-    def __init__(self, d_model, d_hidden, num_experts, top_k, ep_group=None, *,
-                 score="softmax", norm_topk_prob=True, capacity_factor=None,
-                 aux_loss_coef=0.01, z_loss_coef=0.0, shared_hidden=0, shared_gate=False,
-                 bias=False, router_bias=False, activation="silu", swiglu_alpha=None,
-                 swiglu_limit=None, n_group=1, topk_group=1, routed_scaling_factor=1.0,
-                 device=None, dtype=None):  # fmt: skip
+    def __init__(
+        self,
+        d_model,
+        d_hidden,
+        num_experts,
+        top_k,
+        ep_group=None,
+        *,
+        score="softmax",
+        norm_topk_prob=True,
+        capacity_factor=None,
+        aux_loss_coef=0.01,
+        z_loss_coef=0.0,
+        shared_hidden=0,
+        shared_gate=False,
+        bias=False,
+        router_bias=False,
+        activation="silu",
+        swiglu_alpha=None,
+        swiglu_limit=None,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         world = comm.group_size(ep_group)
         if shared_gate and not shared_hidden:
             raise ValueError("shared_gate needs a shared expert: pass shared_hidden > 0")
-        given = [n for n, v in (("swiglu_alpha", swiglu_alpha), ("swiglu_limit", swiglu_limit))
-                 if v is not None]  # fmt: skip
+        given = [
+            n
+            for n, v in (("swiglu_alpha", swiglu_alpha), ("swiglu_limit", swiglu_limit))
+            if v is not None
+        ]
         if given and activation != "clamped_swiglu":
-            raise ValueError(f"{' and '.join(given)} apply to activation='clamped_swiglu' "
-                             f"only, got activation={activation!r}")  # fmt: skip
+            raise ValueError(
+                f"{' and '.join(given)} apply to activation='clamped_swiglu' "
+                f"only, got activation={activation!r}"
+            )
         swiglu_alpha = SWIGLU_ALPHA if swiglu_alpha is None else swiglu_alpha
         swiglu_limit = SWIGLU_LIMIT if swiglu_limit is None else swiglu_limit
         check_activation(activation, swiglu_alpha, swiglu_limit)
         if num_experts < 1 or num_experts % world:
-            raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the "
-                             f"EP group size ({world})")  # fmt: skip
+            raise ValueError(
+                f"num_experts ({num_experts}) must be a positive multiple of the "
+                f"EP group size ({world})"
+            )
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k ({top_k}) must be between 1 and num_experts ({num_experts})")
         if score not in SCORES:
@@ -102,8 +129,9 @@ class MoE(nn.Module):
             raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
         check_groups(num_experts, top_k, n_group, topk_group)
         if not 0 < routed_scaling_factor < math.inf:
-            raise ValueError(f"routed_scaling_factor must be positive and finite, got "
-                             f"{routed_scaling_factor}")  # fmt: skip
+            raise ValueError(
+                f"routed_scaling_factor must be positive and finite, got {routed_scaling_factor}"
+            )
         self.groups = (n_group, topk_group)
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.d_model, self.d_hidden, self.num_experts, self.top_k = (
@@ -126,18 +154,23 @@ class MoE(nn.Module):
         self.w1 = nn.Parameter(torch.empty(local, d_hidden, d_model, **factory))
         self.w3 = nn.Parameter(torch.empty(local, d_hidden, d_model, **factory))
         self.w2 = nn.Parameter(torch.empty(local, d_model, d_hidden, **factory))
-        for name, shape, on in (("router_bias", (num_experts,), router_bias),
-                                ("b1", (local, d_hidden), bias), ("b2", (local, d_model), bias),
-                                ("b3", (local, d_hidden), bias)):  # fmt: skip
+        for name, shape, on in (
+            ("router_bias", (num_experts,), router_bias),
+            ("b1", (local, d_hidden), bias),
+            ("b2", (local, d_model), bias),
+            ("b3", (local, d_hidden), bias),
+        ):
             self.register_parameter(
                 name, nn.Parameter(torch.empty(shape, **factory)) if on else None
             )
         self.shared_hidden = shared_hidden
         shared = shared_hidden > 0
-        for name, shape in (("shared_w1", (shared_hidden, d_model)),
-                            ("shared_w2", (d_model, shared_hidden)),
-                            ("shared_w3", (shared_hidden, d_model)),
-                            ("shared_gate_weight", (1, d_model))):  # fmt: skip
+        for name, shape in (
+            ("shared_w1", (shared_hidden, d_model)),
+            ("shared_w2", (d_model, shared_hidden)),
+            ("shared_w3", (shared_hidden, d_model)),
+            ("shared_gate_weight", (1, d_model)),
+        ):
             on = shared_gate if name == "shared_gate_weight" else shared
             self.register_parameter(
                 name, nn.Parameter(torch.empty(shape, **factory)) if on else None
@@ -162,17 +195,35 @@ class MoE(nn.Module):
             extras["shared"] = (linear_init(hs, d), linear_init(d, hs), linear_init(hs, d))
         if self.shared_gate_weight is not None:
             extras["shared_gate_weight"] = linear_init(1, d)
-        stacks = (linear_init(E, d), linear_init(E, h, d), linear_init(E, d, h),
-                  linear_init(E, h, d))  # fmt: skip
+        stacks = (
+            linear_init(E, d),
+            linear_init(E, h, d),
+            linear_init(E, d, h),
+            linear_init(E, h, d),
+        )
         if self.b1 is not None:  # drawn after the weights: a layer without them is unchanged
-            extras["bias"] = (linear_init(E, h, fan_in=d), linear_init(E, d, fan_in=h),
-                              linear_init(E, h, fan_in=d))  # fmt: skip
+            extras["bias"] = (
+                linear_init(E, h, fan_in=d),
+                linear_init(E, d, fan_in=h),
+                linear_init(E, h, fan_in=d),
+            )
         if self.router_bias is not None:
             extras["router_bias"] = linear_init(E, fan_in=d)
         self.load_dense(*stacks, **extras)
 
-    def load_dense(self, router_weight, w1, w2, w3, *, shared=None, shared_gate_weight=None,
-                   bias=None, router_bias=None, expert_bias=None) -> None:  # fmt: skip
+    def load_dense(
+        self,
+        router_weight,
+        w1,
+        w2,
+        w3,
+        *,
+        shared=None,
+        shared_gate_weight=None,
+        bias=None,
+        router_bias=None,
+        expert_bias=None,
+    ) -> None:
         """Copy the full (unsharded) router and expert stacks, keeping this rank's experts,
         the expert biases ``bias=(b1 (E, h), b2 (E, d), b3 (E, h))`` (this rank's too) and
         the router's bias (E,), and the shared expert (w1, w2, w3) and its gate
@@ -182,29 +233,41 @@ class MoE(nn.Module):
         E, d, h, hs = self.num_experts, self.d_model, self.d_hidden, self.shared_hidden
         if expert_bias is not None:
             if self.expert_bias is None:
-                raise ValueError("expert_bias given but this MoE scores by softmax: it shifts "
-                                 "a sigmoid router's choice only")  # fmt: skip
+                raise ValueError(
+                    "expert_bias given but this MoE scores by softmax: it shifts "
+                    "a sigmoid router's choice only"
+                )
             if tuple(expert_bias.shape) != (E,):
                 raise ValueError(f"expert_bias must be ({E},), got {tuple(expert_bias.shape)}")
             with torch.no_grad():
                 self.expert_bias.copy_(expert_bias)
-        for what, value, param, option in (("expert biases", bias, self.b1, "bias"),
-                                           ("a router bias", router_bias, self.router_bias,
-                                            "router_bias")):  # fmt: skip
+        for what, value, param, option in (
+            ("expert biases", bias, self.b1, "bias"),
+            ("a router bias", router_bias, self.router_bias, "router_bias"),
+        ):
             if (value is None) != (param is None):
                 given = "given" if value is not None else "missing"
-                raise ValueError(f"{what} {given} but this MoE was built with "
-                                 f"{option}={param is not None}")  # fmt: skip
+                raise ValueError(
+                    f"{what} {given} but this MoE was built with {option}={param is not None}"
+                )
         if (shared is None) != (hs == 0):
-            raise ValueError(f"a shared expert {'given' if shared is not None else 'missing'} "
-                             f"but this MoE was built with shared_hidden={hs}")  # fmt: skip
+            raise ValueError(
+                f"a shared expert {'given' if shared is not None else 'missing'} "
+                f"but this MoE was built with shared_hidden={hs}"
+            )
         if (shared_gate_weight is None) != (self.shared_gate_weight is None):
             given = "given" if shared_gate_weight is not None else "missing"
-            raise ValueError(f"a shared gate {given}"
-                             f" but this MoE was built with shared_gate="
-                             f"{self.shared_gate_weight is not None}")  # fmt: skip
-        checks = [("router_weight", router_weight, (E, d)), ("w1", w1, (E, h, d)),
-                  ("w2", w2, (E, d, h)), ("w3", w3, (E, h, d))]  # fmt: skip
+            raise ValueError(
+                f"a shared gate {given}"
+                f" but this MoE was built with shared_gate="
+                f"{self.shared_gate_weight is not None}"
+            )
+        checks = [
+            ("router_weight", router_weight, (E, d)),
+            ("w1", w1, (E, h, d)),
+            ("w2", w2, (E, d, h)),
+            ("w3", w3, (E, h, d)),
+        ]
         if shared is not None:
             shapes = ((hs, d), (d, hs), (hs, d))
             names = ("shared w1", "shared w2", "shared w3")
@@ -228,8 +291,9 @@ class MoE(nn.Module):
                 local_tensor(self.router_bias).copy_(router_bias)
             for param, full in experts:
                 local_tensor(param).copy_(full[mine])
-            for param, full in zip((self.shared_w1, self.shared_w2, self.shared_w3),
-                                   shared or (), strict=False):  # fmt: skip
+            for param, full in zip(
+                (self.shared_w1, self.shared_w2, self.shared_w3), shared or (), strict=False
+            ):
                 local_tensor(param).copy_(full)
             if shared_gate_weight is not None:
                 local_tensor(self.shared_gate_weight).copy_(shared_gate_weight)
@@ -238,15 +302,37 @@ class MoE(nn.Module):
         """For `fusedpar.distribute`: the expert stacks and their biases split over the EP
         group; the router and its bias whole (their gradient is this rank's tokens')."""
         experts, whole = ParamLayout(0, self.ep_group), ParamLayout()
-        return {"router_weight": whole, "router_bias": whole, "w1": experts, "w2": experts,
-                "w3": experts, "b1": experts, "b2": experts, "b3": experts,
-                "shared_w1": whole, "shared_w2": whole, "shared_w3": whole,
-                "shared_gate_weight": whole}  # fmt: skip
+        return {
+            "router_weight": whole,
+            "router_bias": whole,
+            "w1": experts,
+            "w2": experts,
+            "w3": experts,
+            "b1": experts,
+            "b2": experts,
+            "b3": experts,
+            "shared_w1": whole,
+            "shared_w2": whole,
+            "shared_w3": whole,
+            "shared_gate_weight": whole,
+        }
 
     @classmethod
-    def from_dense(cls, router_weight, w1, w2, w3, ep_group=None, *, shared=None,
-                   shared_gate_weight=None, bias=None, router_bias=None, expert_bias=None,
-                   **kwargs):  # fmt: skip
+    def from_dense(
+        cls,
+        router_weight,
+        w1,
+        w2,
+        w3,
+        ep_group=None,
+        *,
+        shared=None,
+        shared_gate_weight=None,
+        bias=None,
+        router_bias=None,
+        expert_bias=None,
+        **kwargs,
+    ):
         """A layer holding this rank's share of full stacks: router_weight (E, d_model);
         w1, w3 (E, d_hidden, d_model); w2 (E, d_model, d_hidden); optionally the experts'
         biases ``bias=(b1 (E, d_hidden), b2 (E, d_model), b3 (E, d_hidden))``, the
@@ -265,8 +351,15 @@ class MoE(nn.Module):
         num_experts, d_model = router_weight.shape
         kwargs.setdefault("dtype", w1.dtype)
         device = kwargs.pop("device", w1.device)
-        layer = cls(d_model, w1.shape[1], num_experts, kwargs.pop("top_k"), ep_group,
-                    device="meta", **kwargs)  # fmt: skip
+        layer = cls(
+            d_model,
+            w1.shape[1],
+            num_experts,
+            kwargs.pop("top_k"),
+            ep_group,
+            device="meta",
+            **kwargs,
+        )
         layer.to_empty(device=device)
         if layer.expert_bias is not None:
             layer.expert_bias.zero_()
@@ -281,32 +374,56 @@ class MoE(nn.Module):
             extras["router_bias"] = router_bias.detach()
         if expert_bias is not None:
             extras["expert_bias"] = expert_bias.detach()
-        layer.load_dense(router_weight.detach(), w1.detach(), w2.detach(), w3.detach(),
-                         **extras)  # fmt: skip
+        layer.load_dense(router_weight.detach(), w1.detach(), w2.detach(), w3.detach(), **extras)
         return layer
 
     def forward(self, x: torch.Tensor):
         if not self._fusedpar_checked:  # tokens per rank may differ; their features may not
-            checks.first_call(self, x, {"ep_group": self.ep_group}, {
-                "x features": x.shape[-1] if x.dim() else -1, "x dtype": x.dtype,
-                "expert dtype": self.w1.dtype})  # fmt: skip
+            checks.first_call(
+                self,
+                x,
+                {"ep_group": self.ep_group},
+                {
+                    "x features": x.shape[-1] if x.dim() else -1,
+                    "x dtype": x.dtype,
+                    "expert dtype": self.w1.dtype,
+                },
+            )
         if x.shape[-1] != self.d_model:
             raise ValueError(f"MoE: x must be (..., d_model={self.d_model}), got {tuple(x.shape)}")
         if x.dtype != self.w1.dtype:
             raise TypeError(f"MoE: x is {x.dtype} but the experts are {self.w1.dtype}")
         x2d = x.reshape(-1, self.d_model)
-        weights, ids, probs, logits = route(x2d, self.router_weight, self.top_k, self.score,
-                                            self.norm_topk_prob, self.expert_bias,
-                                            self.router_bias, self.groups,
-                                            self.routed_scaling_factor)  # fmt: skip
+        weights, ids, probs, logits = route(
+            x2d,
+            self.router_weight,
+            self.top_k,
+            self.score,
+            self.norm_topk_prob,
+            self.expert_bias,
+            self.router_bias,
+            self.groups,
+            self.routed_scaling_factor,
+        )
         keep = None
         if self.capacity_factor is not None:
             keep = capacity_mask(ids, weights, self.num_experts, self.capacity_factor)
         bias = None if self.b1 is None else (self.b1, self.b2, self.b3)
-        y, counts = moe_dispatch_combine(x2d, weights, ids, keep, self.w1, self.w3, self.w2,
-                                         self.num_experts, self.ep_group, bias=bias,
-                                         activation=self.activation, alpha=self.swiglu_alpha,
-                                         limit=self.swiglu_limit)  # fmt: skip
+        y, counts = moe_dispatch_combine(
+            x2d,
+            weights,
+            ids,
+            keep,
+            self.w1,
+            self.w3,
+            self.w2,
+            self.num_experts,
+            self.ep_group,
+            bias=bias,
+            activation=self.activation,
+            alpha=self.swiglu_alpha,
+            limit=self.swiglu_limit,
+        )
         if not is_recomputing():  # activation checkpointing's re-run counts nothing again
             if keep is None:  # dropless: none dropped
                 dropped = counts.new_zeros((), dtype=torch.float32)
@@ -314,13 +431,15 @@ class MoE(nn.Module):
                 dropped = (ids.numel() - counts.sum()).float() / max(1, ids.numel())
             self.last_stats = {"tokens_per_expert": counts.detach(), "dropped_fraction": dropped}
         counted = counts if keep is None else None  # (after a capacity's drops: not these)
-        aux = aux_losses(probs, logits, ids, self.score, self.aux_loss_coef, self.z_loss_coef,
-                         counts=counted)  # fmt: skip
+        aux = aux_losses(
+            probs, logits, ids, self.score, self.aux_loss_coef, self.z_loss_coef, counts=counted
+        )
         if self.shared_w1 is not None:
             gate, up = F.linear(x2d, self.shared_w1), F.linear(x2d, self.shared_w3)
             # saves gate and up, not silu(gate) nor the product (recomputed in the backward)
-            shared = gated_down(gate, up, self.shared_w2, None, activation=F.silu,
-                                sequence_parallel=False)  # fmt: skip
+            shared = gated_down(
+                gate, up, self.shared_w2, None, activation=F.silu, sequence_parallel=False
+            )
             if self.shared_gate_weight is not None:
                 shared = torch.sigmoid(F.linear(x2d, self.shared_gate_weight)) * shared
             y = y + shared
@@ -337,8 +456,12 @@ class MoE(nn.Module):
         if self.routed_scaling_factor != 1.0:
             extra += f", routed_scaling_factor={self.routed_scaling_factor}"
         if self.activation != "silu":
-            extra += (f", activation={self.activation}(alpha={self.swiglu_alpha}, "
-                      f"limit={self.swiglu_limit})")  # fmt: skip
-        return (f"d_model={self.d_model}, d_hidden={self.d_hidden}, experts={self.num_experts}"
-                f" ({self.num_experts // self.world} here), top_k={self.top_k}, "
-                f"score={self.score}, capacity_factor={self.capacity_factor}{extra}")  # fmt: skip
+            extra += (
+                f", activation={self.activation}(alpha={self.swiglu_alpha}, "
+                f"limit={self.swiglu_limit})"
+            )
+        return (
+            f"d_model={self.d_model}, d_hidden={self.d_hidden}, experts={self.num_experts}"
+            f" ({self.num_experts // self.world} here), top_k={self.top_k}, "
+            f"score={self.score}, capacity_factor={self.capacity_factor}{extra}"
+        )

@@ -19,8 +19,9 @@ class RMSNorm(nn.Module):
     rank's tokens; `fusedpar.distribute` sums it over the ranks that hold other tokens.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5, *, offset: float = 0.0, device=None,
-                 dtype=None):  # fmt: skip
+    def __init__(
+        self, dim: int, eps: float = 1e-5, *, offset: float = 0.0, device=None, dtype=None
+    ):
         super().__init__()
         self.dim, self.eps, self.offset = dim, eps, float(offset)
         self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))

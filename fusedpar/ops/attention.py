@@ -67,8 +67,14 @@ def _mask(q, k, cu_q, cu_k, causal, window, *, check: bool) -> dict:
         if check:
             check_cu_seqlens(cu_q, q.shape[1], "cu_seqlens_q")
             check_cu_seqlens(cu_k, k.shape[1], "cu_seqlens_k")
-        intervals = packed_intervals(cu_q.to(q.device), cu_k.to(q.device), q.shape[1],
-                                     k.shape[1], causal=causal, window=window)  # fmt: skip
+        intervals = packed_intervals(
+            cu_q.to(q.device),
+            cu_k.to(q.device),
+            q.shape[1],
+            k.shape[1],
+            causal=causal,
+            window=window,
+        )
         _PACKED.put(q, k, cu_q, cu_k, causal, window, check, intervals)
     return dict(intervals=intervals)
 
@@ -94,54 +100,98 @@ class _PackedMasks:
         if entry is None:
             return None
         ref_q, ref_k, versions, checked, intervals = entry
-        fresh = (ref_q() is cu_q and ref_k() is cu_k
-                 and versions == (cu_q._version, cu_k._version))  # fmt: skip
+        fresh = ref_q() is cu_q and ref_k() is cu_k and versions == (cu_q._version, cu_k._version)
         return intervals if fresh and (checked or not check) else None
 
     def put(self, q, k, cu_q, cu_k, causal, window, checked, intervals):
         if len(self.entries) >= self.SIZE:
             self.entries.pop(next(iter(self.entries)))
         self.entries[self._key(q, k, cu_q, cu_k, causal, window)] = (
-            weakref.ref(cu_q), weakref.ref(cu_k), (cu_q._version, cu_k._version), checked,
-            intervals)  # fmt: skip
+            weakref.ref(cu_q),
+            weakref.ref(cu_k),
+            (cu_q._version, cu_k._version),
+            checked,
+            intervals,
+        )
 
 
 _PACKED = _PackedMasks()
 
 
 @torch.library.custom_op("fusedpar::flash_attn", mutates_args=())
-def _flash_attn_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None,
-                   cu_seqlens_k: Tensor | None, causal: bool, softmax_scale: float | None,
-                   window_left: int, window_right: int, softcap: float,
-                   deterministic: bool = False) -> tuple[Tensor, Tensor]:  # fmt: skip
+def _flash_attn_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None,
+    causal: bool,
+    softmax_scale: float | None,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool = False,
+) -> tuple[Tensor, Tensor]:
     # (`deterministic` is the backward's: it travels in the op's options)
-    mask = _mask(q, k, cu_seqlens_q, cu_seqlens_k, causal, (window_left, window_right),
-                 check=True)  # fmt: skip
+    mask = _mask(q, k, cu_seqlens_q, cu_seqlens_k, causal, (window_left, window_right), check=True)
     return attention_forward(q, k, v, softmax_scale=softmax_scale, softcap=softcap, **mask)
 
 
 @_flash_attn_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_left, window_right,
-      softcap, deterministic=False):  # fmt: skip
+def _(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    causal,
+    softmax_scale,
+    window_left,
+    window_right,
+    softcap,
+    deterministic=False,
+):
     B, Sq, Hq, _ = q.shape
-    return (q.new_empty((B, Sq, Hq, v.shape[-1])),
-            q.new_empty((B, Hq, Sq), dtype=accumulator(q.dtype)))  # fmt: skip
+    return (
+        q.new_empty((B, Sq, Hq, v.shape[-1])),
+        q.new_empty((B, Hq, Sq), dtype=accumulator(q.dtype)),
+    )
 
 
 @torch.library.custom_op("fusedpar::flash_attn_backward", mutates_args=())
-def _flash_attn_backward_op(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
-                            out: Tensor, lse: Tensor, cu_seqlens_q: Tensor | None,
-                            cu_seqlens_k: Tensor | None, causal: bool,
-                            softmax_scale: float | None, window_left: int, window_right: int,
-                            softcap: float, deterministic: bool = False,
-                            ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def _flash_attn_backward_op(
+    dout: Tensor,
+    dlse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None,
+    causal: bool,
+    softmax_scale: float | None,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
     # d(LSE_i)/d(S_ij) = P_ij: a gradient of the LSE folds into delta (None when the
     # LSE is unused), made from out and dlse as the backward starts
-    mask = _mask(q, k, cu_seqlens_q, cu_seqlens_k, causal, (window_left, window_right),
-                 check=False)  # fmt: skip
-    return attention_backward(dout, q, k, v, lse, out=out, dlse=dlse,
-                              softmax_scale=softmax_scale, softcap=softcap,
-                              deterministic=deterministic, **mask)  # fmt: skip
+    mask = _mask(q, k, cu_seqlens_q, cu_seqlens_k, causal, (window_left, window_right), check=False)
+    return attention_backward(
+        dout,
+        q,
+        k,
+        v,
+        lse,
+        out=out,
+        dlse=dlse,
+        softmax_scale=softmax_scale,
+        softcap=softcap,
+        deterministic=deterministic,
+        **mask,
+    )
 
 
 @_flash_attn_backward_op.register_fake
@@ -195,8 +245,10 @@ def _rope_setup(ctx, inputs, output):
 
 def _rope_backward(ctx, dys):
     cos, sin = ctx.saved_tensors
-    dys = [torch.zeros(shape, dtype=dtype, device=cos.device) if dy is None else dy
-           for dy, (shape, dtype) in zip(dys, ctx.outputs, strict=True)]  # fmt: skip
+    dys = [
+        torch.zeros(shape, dtype=dtype, device=cos.device) if dy is None else dy
+        for dy, (shape, dtype) in zip(dys, ctx.outputs, strict=True)
+    ]
     return _rope_again(dys, cos, sin, not ctx.inverse), None, None, None
 
 
@@ -233,9 +285,11 @@ def check_sinks(sinks, q: torch.Tensor, what: str) -> None:
     heads, wide = q.shape[-2], accumulator(q.dtype)
     if sinks.shape != (heads,) or sinks.dtype != wide or sinks.device != q.device:
         name = str(wide).removeprefix("torch.")
-        raise ValueError(f"{what}: sinks must be {name} ({heads},) (one logit per query head) "
-                         f"on {q.device}, got {sinks.dtype} {tuple(sinks.shape)} on "
-                         f"{sinks.device}")  # fmt: skip
+        raise ValueError(
+            f"{what}: sinks must be {name} ({heads},) (one logit per query head) "
+            f"on {q.device}, got {sinks.dtype} {tuple(sinks.shape)} on "
+            f"{sinks.device}"
+        )
 
 
 def apply_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
@@ -289,8 +343,9 @@ def flash_attn(
     window, softcap = check_window(window), check_softcap(softcap)
     check_softmax_scale(softmax_scale)
     check_sinks(sinks, q, "flash_attn")
-    out, lse = _flash_attn(q, k, v, None, None, causal, softmax_scale, *window, softcap,
-                           deterministic)  # fmt: skip
+    out, lse = _flash_attn(
+        q, k, v, None, None, causal, softmax_scale, *window, softcap, deterministic
+    )
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
@@ -330,8 +385,9 @@ def flash_attn_varlen(
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
-            raise ValueError(f"flash_attn_varlen: {name} must be packed (T, H, D), "
-                             f"got shape {tuple(t.shape)}")  # fmt: skip
+            raise ValueError(
+                f"flash_attn_varlen: {name} must be packed (T, H, D), got shape {tuple(t.shape)}"
+            )
     q, k, v = q[None], k[None], v[None]
     check_attention_inputs(q, k, v)
     window, softcap = check_window(window), check_softcap(softcap)
@@ -341,24 +397,30 @@ def flash_attn_varlen(
     check_cu_seqlens(cu_seqlens_q, q.shape[1], "cu_seqlens_q", values=False)
     check_cu_seqlens(cu_seqlens_k, k.shape[1], "cu_seqlens_k", values=False)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe {cu_seqlens_q.numel() - 1} "
-                         f"and {cu_seqlens_k.numel() - 1} documents")  # fmt: skip
-    out, lse = _flash_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
-                           *window, softcap, deterministic)  # fmt: skip
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k describe {cu_seqlens_q.numel() - 1} "
+            f"and {cu_seqlens_k.numel() - 1} documents"
+        )
+    out, lse = _flash_attn(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, *window, softcap, deterministic
+    )
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
     return (out[0], lse[0]) if return_lse else out[0]
 
 
-def check_shards(q, k, v, window, softcap, what: str,
-                 softmax_scale=None) -> tuple[tuple[int, int], float]:  # fmt: skip
+def check_shards(
+    q, k, v, window, softcap, what: str, softmax_scale=None
+) -> tuple[tuple[int, int], float]:
     """The checks of a sharded attention's inputs (q, k, v one sequence's shards; the
     window, softcap and scale); returns the window and softcap normalized."""
     check_attention_inputs(q, k, v)
     check_softmax_scale(softmax_scale)
     if q.shape[1] != k.shape[1]:
-        raise ValueError(f"{what}: q has {q.shape[1]} local tokens, k and v have "
-                         f"{k.shape[1]}: they must be shards of one sequence")  # fmt: skip
+        raise ValueError(
+            f"{what}: q has {q.shape[1]} local tokens, k and v have "
+            f"{k.shape[1]}: they must be shards of one sequence"
+        )
     return check_window(window), check_softcap(softcap)
 
 
@@ -368,6 +430,8 @@ def check_packed(q: torch.Tensor, cu_seqlens, total: int, what: str, *, values=F
     if cu_seqlens is None:
         return
     if q.shape[0] != 1:
-        raise ValueError(f"{what}: with cu_seqlens the documents are packed into one batch "
-                         f"row: q must be (1, T, H, D), got batch {q.shape[0]}")  # fmt: skip
+        raise ValueError(
+            f"{what}: with cu_seqlens the documents are packed into one batch "
+            f"row: q must be (1, T, H, D), got batch {q.shape[0]}"
+        )
     check_cu_seqlens(cu_seqlens, total, values=values)

@@ -67,12 +67,23 @@ def _rows(t: Tensor, S: int, B: int, N: int) -> Tensor:
 
 
 @torch.library.custom_op("fusedpar::attention_layer", mutates_args=())
-def _attention_layer_op(x: Tensor, weights: list[Tensor], biases: list[Tensor],
-                        has_bias: list[bool], norm_weights: list[Tensor], tables: list[Tensor],
-                        cu_seqlens: Tensor | None, head_dim: int, causal: bool,
-                        softmax_scale: float | None, window_left: int, window_right: int,
-                        softcap: float, norm_eps: float,
-                        norm_offset: float) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+def _attention_layer_op(
+    x: Tensor,
+    weights: list[Tensor],
+    biases: list[Tensor],
+    has_bias: list[bool],
+    norm_weights: list[Tensor],
+    tables: list[Tensor],
+    cu_seqlens: Tensor | None,
+    head_dim: int,
+    causal: bool,
+    softmax_scale: float | None,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    norm_eps: float,
+    norm_offset: float,
+) -> tuple[Tensor, list[Tensor]]:
     """(y (S, B, d), saved): saved is [q, k, v, out (B, S, H, hd) as attention reads and
     writes them, rows in (S, B) order in memory; lse (B, Hq, S)], then with the norms
     [their inputs q, k (S, B, H, hd), rstd of q, of k]. `biases`: those flagged in
@@ -83,18 +94,30 @@ def _attention_layer_op(x: Tensor, weights: list[Tensor], biases: list[Tensor],
     wq, wk, wv, wo = weights
     bq, bk, bv, bo = _spread(biases, has_bias)
     # the GEMMs' signatures follow from x, the weights, biases and tables (`GemmSequence`)
-    gemm = GemmSequence(("attention_layer", *map(layout, (x, *weights, *biases, *tables)),
-                         *has_bias, len(norm_weights), hd, *state()))  # fmt: skip
+    gemm = GemmSequence(
+        (
+            "attention_layer",
+            *map(layout, (x, *weights, *biases, *tables)),
+            *has_bias,
+            len(norm_weights),
+            hd,
+            *state(),
+        )
+    )
     x2d = _flat(x)
     rotation = _rotation(x2d, tables, hd, B, bool(norm_weights))
-    q, k, v = (gemm(x2d, w.t(), bias=b, out_dtype=x.dtype, rope=r)
-               for w, b, r in ((wq, bq, rotation), (wk, bk, rotation), (wv, bv, None)))  # fmt: skip
+    q, k, v = (
+        gemm(x2d, w.t(), bias=b, out_dtype=x.dtype, rope=r)
+        for w, b, r in ((wq, bq, rotation), (wk, bk, rotation), (wv, bv, None))
+    )
     normed = []
     if norm_weights:  # the head norms, turning their output where there are tables
         rope = (tables[0], tables[1]) if tables else None
         q, k = (t.view(S, B, -1, hd) for t in (q, k))
-        (qn, rq), (kn, rk) = (norm_kernels.rms_norm(t, w, norm_eps, norm_offset, rope)
-                              for t, w in ((q, norm_weights[0]), (k, norm_weights[1])))  # fmt: skip
+        (qn, rq), (kn, rk) = (
+            norm_kernels.rms_norm(t, w, norm_eps, norm_offset, rope)
+            for t, w in ((q, norm_weights[0]), (k, norm_weights[1]))
+        )
         normed = [q, k, rq, rk]
         q, k = qn, kn
     widths = [w.shape[0] for w in weights[:3]]
@@ -104,37 +127,71 @@ def _attention_layer_op(x: Tensor, weights: list[Tensor], biases: list[Tensor],
     out = torch.empty((S * B, widths[0]), dtype=x.dtype, device=x.device)
     out_b = _by_position(out, S, B, widths[0], hd)
     mask = _mask(q, k, cu_seqlens, cu_seqlens, causal, (window_left, window_right), check=True)
-    _, lse = attention_forward(q, k, v, softmax_scale=softmax_scale, softcap=softcap,
-                               out=out_b, **mask)  # fmt: skip
+    _, lse = attention_forward(
+        q, k, v, softmax_scale=softmax_scale, softcap=softcap, out=out_b, **mask
+    )
     y = gemm(out, wo.t(), bias=bo, out_dtype=x.dtype)
     gemm.close()
     return y.view(S, B, y.shape[1]), [q, k, v, out_b, lse, *normed]
 
 
 @_attention_layer_op.register_fake
-def _(x, weights, biases, has_bias, norm_weights, tables, cu_seqlens, head_dim, causal,
-      softmax_scale, window_left, window_right, softcap, norm_eps, norm_offset):  # fmt: skip
+def _(
+    x,
+    weights,
+    biases,
+    has_bias,
+    norm_weights,
+    tables,
+    cu_seqlens,
+    head_dim,
+    causal,
+    softmax_scale,
+    window_left,
+    window_right,
+    softcap,
+    norm_eps,
+    norm_offset,
+):
     S, B, _ = x.shape
     widths = [w.shape[0] for w in weights[:3]]
     q, k, v = (_by_position(x.new_empty((S * B, n)), S, B, n, head_dim) for n in widths)
-    saved = [q, k, v, _by_position(x.new_empty((S * B, widths[0])), S, B, widths[0], head_dim),
-             x.new_empty((B, q.shape[2], S), dtype=accumulator(x.dtype))]  # fmt: skip
+    saved = [
+        q,
+        k,
+        v,
+        _by_position(x.new_empty((S * B, widths[0])), S, B, widths[0], head_dim),
+        x.new_empty((B, q.shape[2], S), dtype=accumulator(x.dtype)),
+    ]
     if norm_weights:
         wide = accumulator(x.dtype)
         heads = (S, B, q.shape[2], head_dim), (S, B, k.shape[2], head_dim)
-        saved += [*(x.new_empty(h) for h in heads),
-                  *(x.new_empty(h[:-1], dtype=wide) for h in heads)]
+        saved += [
+            *(x.new_empty(h) for h in heads),
+            *(x.new_empty(h[:-1], dtype=wide) for h in heads),
+        ]
     return x.new_empty((S, B, weights[3].shape[0])), saved
 
 
 @torch.library.custom_op("fusedpar::attention_layer_backward", mutates_args=())
-def _attention_layer_backward_op(dy: Tensor, x: Tensor, saved: list[Tensor],
-                                 weights: list[Tensor], norm_weights: list[Tensor],
-                                 tables: list[Tensor], cu_seqlens: Tensor | None, head_dim: int,
-                                 causal: bool, softmax_scale: float | None, window_left: int,
-                                 window_right: int, softcap: float, norm_eps: float,
-                                 norm_offset: float,
-                                 needs: list[bool]) -> list[Tensor]:  # fmt: skip
+def _attention_layer_backward_op(
+    dy: Tensor,
+    x: Tensor,
+    saved: list[Tensor],
+    weights: list[Tensor],
+    norm_weights: list[Tensor],
+    tables: list[Tensor],
+    cu_seqlens: Tensor | None,
+    head_dim: int,
+    causal: bool,
+    softmax_scale: float | None,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    norm_eps: float,
+    norm_offset: float,
+    needs: list[bool],
+) -> list[Tensor]:
     """[dx, dWq, dWk, dWv, dWo, dbq, dbk, dbv, dbo, dnq, dnk], `needs` the flags of (x, the
     four weights, the four biases, the two norm weights): an empty (0,) tensor for each
     not asked for (an op's outputs may not be None)."""
@@ -146,9 +203,18 @@ def _attention_layer_backward_op(dy: Tensor, x: Tensor, saved: list[Tensor],
     wq, wk, wv, wo = weights
     # the GEMMs' signatures follow from dy, x, the weights and where out's rows start (the
     # rest is new: dO, dq, dk, dv, the norms' dx)
-    gemm = GemmSequence(("attention_layer_backward", *map(layout, (dy, x, *weights)),
-                         out.dtype, out.data_ptr() % 16, len(normed), hd, *needs,
-                         *state()))  # fmt: skip
+    gemm = GemmSequence(
+        (
+            "attention_layer_backward",
+            *map(layout, (dy, x, *weights)),
+            out.dtype,
+            out.data_ptr() % 16,
+            len(normed),
+            hd,
+            *needs,
+            *state(),
+        )
+    )
     dy2d = _flat(dy)
     grads = [None] * 11
     if need_w[3]:
@@ -161,18 +227,33 @@ def _attention_layer_backward_op(dy: Tensor, x: Tensor, saved: list[Tensor],
         widths = [w.shape[0] for w in weights[:3]]
         dys = [torch.empty((S * B, n), dtype=q.dtype, device=q.device) for n in widths]
         dq, dk, dv = (_by_position(t, S, B, n, hd) for t, n in zip(dys, widths, strict=True))
-        mask = _mask(q, k, cu_seqlens, cu_seqlens, causal, (window_left, window_right),
-                     check=False)  # fmt: skip
-        attention_backward(dout, q, k, v, lse, out=out, softmax_scale=softmax_scale,
-                           softcap=softcap, dq=dq, dk=dk, dv=dv, **mask)  # fmt: skip
+        mask = _mask(q, k, cu_seqlens, cu_seqlens, causal, (window_left, window_right), check=False)
+        attention_backward(
+            dout,
+            q,
+            k,
+            v,
+            lse,
+            out=out,
+            softmax_scale=softmax_scale,
+            softcap=softcap,
+            dq=dq,
+            dk=dk,
+            dv=dv,
+            **mask,
+        )
         rope = (tables[0], tables[1]) if tables else None
         if normed:  # through the head norms (which turn dq, dk back first)
             q_in, k_in, rq, rk = normed
             (dq, grads[9]), (dk, grads[10]) = (
-                norm_kernels.rms_norm_backward(g.view(t.shape), t, w, r, norm_offset,
-                                               eps=norm_eps, need_weight=n, rope=rope)
-                for g, t, w, r, n in ((dys[0], q_in, norm_weights[0], rq, need_n[0]),
-                                      (dys[1], k_in, norm_weights[1], rk, need_n[1])))  # fmt: skip
+                norm_kernels.rms_norm_backward(
+                    g.view(t.shape), t, w, r, norm_offset, eps=norm_eps, need_weight=n, rope=rope
+                )
+                for g, t, w, r, n in (
+                    (dys[0], q_in, norm_weights[0], rq, need_n[0]),
+                    (dys[1], k_in, norm_weights[1], rk, need_n[1]),
+                )
+            )
             dys[:2] = [_rows(t, S, B, n) for t, n in zip((dq, dk), widths[:2], strict=True)]
         elif rope is not None:  # turned back in place
             rope_kernels.rope_pair(dq, dk, *rope, True, outs=(dq, dk))
@@ -191,22 +272,47 @@ def _attention_layer_backward_op(dy: Tensor, x: Tensor, saved: list[Tensor],
 
 
 @_attention_layer_backward_op.register_fake
-def _(dy, x, saved, weights, norm_weights, tables, cu_seqlens, head_dim, causal, softmax_scale,
-      window_left, window_right, softcap, norm_eps, norm_offset, needs):  # fmt: skip
+def _(
+    dy,
+    x,
+    saved,
+    weights,
+    norm_weights,
+    tables,
+    cu_seqlens,
+    head_dim,
+    causal,
+    softmax_scale,
+    window_left,
+    window_right,
+    softcap,
+    norm_eps,
+    norm_offset,
+    needs,
+):
     flags = [*needs, False, False][:11]
     like = (x, *weights, *weights, *(norm_weights or weights[:2]))
-    shapes = (x.shape, *(w.shape for w in weights), *((w.shape[0],) for w in weights),
-              *(t.shape for t in norm_weights or weights[:2]))  # fmt: skip
-    return [t.new_empty(shape if flag else 0)
-            for t, shape, flag in zip(like, shapes, flags, strict=True)]  # fmt: skip
+    shapes = (
+        x.shape,
+        *(w.shape for w in weights),
+        *((w.shape[0],) for w in weights),
+        *(t.shape for t in norm_weights or weights[:2]),
+    )
+    return [
+        t.new_empty(shape if flag else 0)
+        for t, shape, flag in zip(like, shapes, flags, strict=True)
+    ]
 
 
 def _setup(ctx, inputs, output):
     x, weights, biases, has_bias, norm_weights, tables, cu_seqlens, *options = inputs
     present = _spread(biases, has_bias)
-    ctx.needs = [x.requires_grad, *(w.requires_grad for w in weights),
-                 *(b is not None and b.requires_grad for b in present),
-                 *(w.requires_grad for w in norm_weights)]  # fmt: skip
+    ctx.needs = [
+        x.requires_grad,
+        *(w.requires_grad for w in weights),
+        *(b is not None and b.requires_grad for b in present),
+        *(w.requires_grad for w in norm_weights),
+    ]
     ctx.has_bias, ctx.options = has_bias, options
     ctx.counts = (len(output[1]), len(norm_weights), len(tables))
     ctx.set_materialize_grads(False)  # the saved outputs take no gradient: no zeros made
@@ -221,30 +327,66 @@ def _backward(ctx, dy, _saved):
     tables, cu_seqlens = rest[n_saved + 4 + n_norm : -1], rest[-1]
     if dy is None:  # (only a saved output was used, which the layer never returns)
         dy = x.new_zeros((*x.shape[:-1], weights[3].shape[0]))
-    grads = _asked(_attention_layer_backward(dy, x, saved, weights, norm_weights, tables,
-                                             cu_seqlens, *ctx.options, ctx.needs),
-                   [*ctx.needs, False, False][:11])  # fmt: skip
+    grads = _asked(
+        _attention_layer_backward(
+            dy, x, saved, weights, norm_weights, tables, cu_seqlens, *ctx.options, ctx.needs
+        ),
+        [*ctx.needs, False, False][:11],
+    )
     biases = [g for g, has in zip(grads[5:9], ctx.has_bias, strict=True) if has]
-    return (grads[0], grads[1:5], biases, None, grads[9 : 9 + n_norm], [None] * n_tables,
-            None, *[None] * len(ctx.options))  # fmt: skip
+    return (
+        grads[0],
+        grads[1:5],
+        biases,
+        None,
+        grads[9 : 9 + n_norm],
+        [None] * n_tables,
+        None,
+        *[None] * len(ctx.options),
+    )
 
 
 _attention_layer_backward = direct_op(_attention_layer_backward_op)
 _attention_layer = autograd_op(_attention_layer_op, _backward, _setup)
 
 
-def attention_layer(x: Tensor, weights, biases, norm_weights, tables, cu_seqlens, *,
-                    head_dim: int, causal: bool, softmax_scale: float | None,
-                    window: tuple[int, int], softcap: float, norm_eps: float,
-                    norm_offset: float) -> Tensor:  # fmt: skip
+def attention_layer(
+    x: Tensor,
+    weights,
+    biases,
+    norm_weights,
+    tables,
+    cu_seqlens,
+    *,
+    head_dim: int,
+    causal: bool,
+    softmax_scale: float | None,
+    window: tuple[int, int],
+    softcap: float,
+    norm_eps: float,
+    norm_offset: float,
+) -> Tensor:
     """`ParallelAttention`'s forward on one rank (the module doc): x (S, B, d) -> (S, B,
     d). `weights` (q, k, v, o); `biases` (q, k, v, o), None where absent; `norm_weights`
     () or the "head" norms' (q, k); `tables` () or (cos, sin) (S, r/2) in the kernels'
     dtype, needing no gradient; `cu_seqlens` None or packed documents (B = 1). The
     caller (`ParallelAttention`) has checked the shapes and options."""
     has_bias = [b is not None for b in biases]
-    y, _ = _attention_layer(x, list(weights), [b for b in biases if b is not None], has_bias,
-                            list(norm_weights), list(tables), cu_seqlens, head_dim, causal,
-                            softmax_scale, window[0], window[1], softcap, float(norm_eps),
-                            float(norm_offset))  # fmt: skip
+    y, _ = _attention_layer(
+        x,
+        list(weights),
+        [b for b in biases if b is not None],
+        has_bias,
+        list(norm_weights),
+        list(tables),
+        cu_seqlens,
+        head_dim,
+        causal,
+        softmax_scale,
+        window[0],
+        window[1],
+        softcap,
+        float(norm_eps),
+        float(norm_offset),
+    )
     return y

@@ -50,9 +50,16 @@ def _(gate, up, activation):
 
 
 @torch.library.custom_op("fusedpar::gated_down_backward", mutates_args=())
-def _gated_down_backward_op(dy: Tensor, gate: Tensor, up: Tensor, weight: Tensor,
-                            activation: str, group: str, chunks: int,
-                            needs: list[bool]) -> list[Tensor]:  # fmt: skip
+def _gated_down_backward_op(
+    dy: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    weight: Tensor,
+    activation: str,
+    group: str,
+    chunks: int,
+    needs: list[bool],
+) -> list[Tensor]:
     """[[dgate | dup] (T, ..., 2K_loc), dW, db], each empty when `needs` (gate or up,
     weight, bias) does not ask for it: dh's GEMMs (those of the all-gather ring of dy
     under `group`; "": the plain GEMM of classic TP) end in dgate, dup and, for dW, h
@@ -72,8 +79,9 @@ def _gated_down_backward_op(dy: Tensor, gate: Tensor, up: Tensor, weight: Tensor
         if pg is None:
             matmul(dy2d, weight, out=buffer[:, :K], gated=grad)
         else:
-            _, dy_full = gather_matmuls(dy2d, [weight], [None], pg, chunks, epilogues=[grad],
-                                        outs=[buffer[:, :K]])  # fmt: skip
+            _, dy_full = gather_matmuls(
+                dy2d, [weight], [None], pg, chunks, epilogues=[grad], outs=[buffer[:, :K]]
+            )
         grads = buffer[:, : 2 * K].view(*gate.shape[:-1], 2 * K)
     elif needs_w:  # h alone; under SP, dy's rows gathered with no GEMM
         hidden = gated_kernels.gated(gate2d, up2d, activation)
@@ -91,8 +99,11 @@ def _(dy, gate, up, weight, activation, group, chunks, needs):
     grads = gate.new_empty(0)
     if needs_gu:  # [dgate | dup] of a [dgate | dup | h] buffer with needs_w: the real layout
         grads = gate.new_empty((*gate.shape[:-1], (3 if needs_w else 2) * K))[..., : 2 * K]
-    return [grads, weight.new_empty(weight.shape if needs_w else 0),
-            weight.new_empty(weight.shape[0] if needs_b else 0)]  # fmt: skip
+    return [
+        grads,
+        weight.new_empty(weight.shape if needs_w else 0),
+        weight.new_empty(weight.shape[0] if needs_b else 0),
+    ]
 
 
 _gated = direct_op(_gated_op)
@@ -114,17 +125,24 @@ def kernel_activation(activation) -> str | None:
         approximate = "none"
     elif isinstance(activation, torch.nn.GELU):
         approximate = activation.approximate
-    elif (isinstance(activation, functools.partial) and activation.func is F.gelu
-          and not activation.args and set(activation.keywords) <= {"approximate"}):  # fmt: skip
+    elif (
+        isinstance(activation, functools.partial)
+        and activation.func is F.gelu
+        and not activation.args
+        and set(activation.keywords) <= {"approximate"}
+    ):
         approximate = activation.keywords.get("approximate", "none")
     name = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
     # (said in an eager call: a warning inside a compiled graph is a graph break)
     quiet = torch.compiler.is_compiling() or repr(activation) in _WITHOUT_KERNEL
     if name is None and not quiet:
         _WITHOUT_KERNEL.add(repr(activation))
-        warnings.warn(f"gated_down: no fused kernel for activation {activation!r} (there is "
-                      f"one for silu, gelu and gelu tanh): act(gate) * up and its gradient "
-                      f"run through autograd", stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"gated_down: no fused kernel for activation {activation!r} (there is "
+            f"one for silu, gelu and gelu tanh): act(gate) * up and its gradient "
+            f"run through autograd",
+            stacklevel=3,
+        )
     return name
 
 
@@ -166,28 +184,48 @@ class _GatedDown(torch.autograd.Function):
         needs_b = needs_b and has_bias
         if name:  # dh's GEMMs end in dgate, dup and h (`_gated_down_backward_op`)
             needs = [needs_g or needs_u, needs_w, needs_b]
-            grads, dw, db = _gated_down_backward(dy, gate, up, weight, name, group or "", chunks,
-                                                 needs)  # fmt: skip
+            grads, dw, db = _gated_down_backward(
+                dy, gate, up, weight, name, group or "", chunks, needs
+            )
             K = gate.shape[-1]
             dgate, dup = (grads[..., :K], grads[..., K:]) if needs[0] else (None, None)
-            return (dgate, dup, dw if needs_w else None, db if needs_b else None, None, None,
-                    None, None)  # fmt: skip
+            return (
+                dgate,
+                dup,
+                dw if needs_w else None,
+                db if needs_b else None,
+                None,
+                None,
+                None,
+                None,
+            )
         hidden, vjp = _product_vjp(activation, gate, up)
         if group is None:
             dh = dy @ weight
             dw = _flat(dy).t() @ _flat(hidden) if needs_w else None
             db = _row_sum(_flat(dy), weight.dtype) if needs_b else None
         else:
-            dh, dw, db = _matmul_reduce_scatter_backward(dy, hidden, weight, group, chunks, True,
-                                                         needs_w, needs_b)  # fmt: skip
+            dh, dw, db = _matmul_reduce_scatter_backward(
+                dy, hidden, weight, group, chunks, True, needs_w, needs_b
+            )
             dw, db = dw if needs_w else None, db if needs_b else None
         dgate, dup = vjp(dh) if needs_g or needs_u else (None, None)
         return dgate, dup, dw, db, None, None, None, None
 
 
-def gated_down(gate, up, weight, group, *, activation, bias=None, sequence_parallel=True,
-               chunks_per_rank: int = DEFAULT_CHUNKS_PER_RANK, overlap: str | None = None,
-               reduce_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+def gated_down(
+    gate,
+    up,
+    weight,
+    group,
+    *,
+    activation,
+    bias=None,
+    sequence_parallel=True,
+    chunks_per_rank: int = DEFAULT_CHUNKS_PER_RANK,
+    overlap: str | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """``down(activation(gate) * up)`` (+ bias): with `sequence_parallel` the down GEMM's
     output reduce-scattered over `group` as in `matmul_reduce_scatter`, else this rank's
     partial (T, ..., N), to be all-reduced by the caller. gate, up (T, ..., K_loc);
@@ -209,8 +247,10 @@ def gated_down(gate, up, weight, group, *, activation, bias=None, sequence_paral
         pg = active_group(group)
         size = group_size(pg)
         if gate.shape[0] % size:
-            raise ValueError(f"gated_down: dim 0 of gate (shape {tuple(gate.shape)}) has "
-                             f"{gate.shape[0]} tokens, not divisible by the group size "
-                             f"{size}")  # fmt: skip
+            raise ValueError(
+                f"gated_down: dim 0 of gate (shape {tuple(gate.shape)}) has "
+                f"{gate.shape[0]} tokens, not divisible by the group size "
+                f"{size}"
+            )
         name, chunks = group_name(pg), ring_chunks(overlap, pg, chunks_per_rank)
     return _GatedDown.apply(gate, up, weight, bias, activation, name, chunks, reduce_dtype)

@@ -101,8 +101,9 @@ def _heads(t: Tensor, head_dim: int) -> Tensor:
     return t.view(t.shape[0], between, t.shape[-1] // head_dim, head_dim).transpose(0, 1)
 
 
-def _rotate_outputs(ts: list[Tensor], rope: list[Tensor], head_dim: int, inverse: bool,
-                    outs: list[Tensor]) -> None:  # fmt: skip
+def _rotate_outputs(
+    ts: list[Tensor], rope: list[Tensor], head_dim: int, inverse: bool, outs: list[Tensor]
+) -> None:
     """`fusedpar.kernels.rope` of the (T, ..., N) tensors `ts` into `outs` (in place where
     they are `ts`), two at a time (q and k in one launch)."""
     cos, sin = rope
@@ -116,11 +117,19 @@ def _rotate_outputs(ts: list[Tensor], rope: list[Tensor], head_dim: int, inverse
 
 
 @torch.library.custom_op("fusedpar::all_gather_matmul", mutates_args=())
-def _all_gather_matmul_op(x: Tensor, weights: list[Tensor], biases: list[Tensor],
-                          has_bias: list[bool], group: str, chunks: int, save_gathered: bool,
-                          rope: list[Tensor], rotate: list[bool], head_dim: int,
-                          reduce_dtype: torch.dtype | None,
-                          ) -> tuple[list[Tensor], Tensor]:  # fmt: skip
+def _all_gather_matmul_op(
+    x: Tensor,
+    weights: list[Tensor],
+    biases: list[Tensor],
+    has_bias: list[bool],
+    group: str,
+    chunks: int,
+    save_gathered: bool,
+    rope: list[Tensor],
+    rotate: list[bool],
+    head_dim: int,
+    reduce_dtype: torch.dtype | None,
+) -> tuple[list[Tensor], Tensor]:
     """The outputs (T, ..., N_i) and, when `save_gathered` (`save_gathered_input`), the
     gathered x (T * rows, K) for the backward (else an empty tensor: it re-gathers). `biases`:
     those of the weights with ``has_bias`` (a list of optional tensors would not carry
@@ -137,8 +146,9 @@ def _all_gather_matmul_op(x: Tensor, weights: list[Tensor], biases: list[Tensor]
     if in_epilogue:  # rows in (T, ...) order: the dims between share a position
         rotation = RowRotation(*rope, rows_per_position=max(1, math.prod(x.shape[1:-1])))
         rotations = [rotation if r else None for r in rotate]
-    outs, gathered = gather_matmuls(_flat(x), [w.t() for w in weights], biases, pg, chunks,
-                                    epilogues=rotations)  # fmt: skip
+    outs, gathered = gather_matmuls(
+        _flat(x), [w.t() for w in weights], biases, pg, chunks, epilogues=rotations
+    )
     lead = (group_size(pg) * x.shape[0], *x.shape[1:-1])
     outs = [out.view(*lead, out.shape[1]) for out in outs]
     if rope and not in_epilogue:
@@ -152,8 +162,9 @@ def _all_gather_matmul_op(x: Tensor, weights: list[Tensor], biases: list[Tensor]
 
 
 @_all_gather_matmul_op.register_fake
-def _(x, weights, biases, has_bias, group, chunks, save_gathered, rope, rotate, head_dim,
-      reduce_dtype):  # fmt: skip
+def _(
+    x, weights, biases, has_bias, group, chunks, save_gathered, rope, rotate, head_dim, reduce_dtype
+):
     size = group_size(group_by_name(group))
     lead = (size * x.shape[0], *x.shape[1:-1])
     outs = [x.new_empty((*lead, w.shape[0])) for w in weights]
@@ -163,10 +174,20 @@ def _(x, weights, biases, has_bias, group, chunks, save_gathered, rope, rotate, 
 
 @torch.library.custom_op("fusedpar::all_gather_matmul_backward", mutates_args=())
 def _all_gather_matmul_backward_op(
-    grads: list[Tensor], x: Tensor, gathered: Tensor | None, weights: list[Tensor], group: str,
-    chunks: int, needs_x: bool, needs_w: list[bool], needs_b: list[bool], rope: list[Tensor],
-    rotate: list[bool], head_dim: int, reduce_dtype: torch.dtype | None,
-) -> tuple[Tensor, list[Tensor], list[Tensor]]:  # fmt: skip
+    grads: list[Tensor],
+    x: Tensor,
+    gathered: Tensor | None,
+    weights: list[Tensor],
+    group: str,
+    chunks: int,
+    needs_x: bool,
+    needs_w: list[bool],
+    needs_b: list[bool],
+    rope: list[Tensor],
+    rotate: list[bool],
+    head_dim: int,
+    reduce_dtype: torch.dtype | None,
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """dX (reduce-scattered, pipelined), each weight's gradient, and each bias's (needs_b:
     one per weight, False where it has none). The gradients of rotated outputs are turned
     back first (the rotation's transpose), into new (T, ..., N) buffers whose rows the
@@ -187,23 +208,40 @@ def _all_gather_matmul_backward_op(
     dx = x.new_empty(0)
     if needs_x:
         pairs = list(zip(dys, weights, strict=True))
-        dx = matmuls_reduce_scatter(pairs, pg, chunks, x.dtype,
-                                    reduce_dtype=reduce_dtype).view(x.shape)  # fmt: skip
+        dx = matmuls_reduce_scatter(pairs, pg, chunks, x.dtype, reduce_dtype=reduce_dtype).view(
+            x.shape
+        )
     if regather is not None:
         gathered = regather.wait()
-    dws = [matmul(dy.t(), gathered) if need else w.new_empty(0)
-           for dy, w, need in zip(dys, weights, needs_w, strict=True)]  # fmt: skip
-    dbs = [_row_sum(dy, w.dtype) if need else w.new_empty(0)
-           for dy, w, need in zip(dys, weights, needs_b, strict=True)]  # fmt: skip
+    dws = [
+        matmul(dy.t(), gathered) if need else w.new_empty(0)
+        for dy, w, need in zip(dys, weights, needs_w, strict=True)
+    ]
+    dbs = [
+        _row_sum(dy, w.dtype) if need else w.new_empty(0)
+        for dy, w, need in zip(dys, weights, needs_b, strict=True)
+    ]
     return dx, dws, dbs
 
 
 @_all_gather_matmul_backward_op.register_fake
-def _(grads, x, gathered, weights, group, chunks, needs_x, needs_w, needs_b, rope, rotate,
-      head_dim, reduce_dtype):  # fmt: skip
+def _(
+    grads,
+    x,
+    gathered,
+    weights,
+    group,
+    chunks,
+    needs_x,
+    needs_w,
+    needs_b,
+    rope,
+    rotate,
+    head_dim,
+    reduce_dtype,
+):
     dx = x.new_empty(x.shape if needs_x else 0)  # fresh, contiguous: the real op's layout
-    dws = [w.new_empty(w.shape if n else 0)
-           for w, n in zip(weights, needs_w, strict=True)]  # fmt: skip
+    dws = [w.new_empty(w.shape if n else 0) for w, n in zip(weights, needs_w, strict=True)]
     dbs = [w.new_empty(w.shape[0] if n else 0) for w, n in zip(weights, needs_b, strict=True)]
     return dx, dws, dbs
 
@@ -220,20 +258,39 @@ def _all_gather_matmul_setup(ctx, inputs, output):
 def _all_gather_matmul_grads(ctx, grads, _):
     x, gathered, *rest = ctx.saved_tensors
     rope, weights = rest[: len(rest) - len(ctx.has_bias)], rest[len(rest) - len(ctx.has_bias) :]
-    dx, dws, dbs = _all_gather_matmul_backward(grads, x, gathered, weights, *ctx.options,
-                                               rope, *ctx.rotation)  # fmt: skip
+    dx, dws, dbs = _all_gather_matmul_backward(
+        grads, x, gathered, weights, *ctx.options, rope, *ctx.rotation
+    )
     _, _, needs_x, needs_w, needs_b = ctx.options
     dbs = [db for db, has in zip(_asked(dbs, needs_b), ctx.has_bias, strict=True) if has]
-    return (dx if needs_x else None, _asked(dws, needs_w), dbs, None, None, None, None,
-            [None] * len(rope), None, None, None)  # fmt: skip
+    return (
+        dx if needs_x else None,
+        _asked(dws, needs_w),
+        dbs,
+        None,
+        None,
+        None,
+        None,
+        [None] * len(rope),
+        None,
+        None,
+        None,
+    )
 
 
 @torch.library.custom_op("fusedpar::matmul_reduce_scatter", mutates_args=())
-def _matmul_reduce_scatter_op(x: Tensor, weight: Tensor, bias: Tensor | None, group: str,
-                              chunks: int, reduce_dtype: torch.dtype | None) -> Tensor:  # fmt: skip
+def _matmul_reduce_scatter_op(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    group: str,
+    chunks: int,
+    reduce_dtype: torch.dtype | None,
+) -> Tensor:
     pg = group_by_name(group)
-    y = matmuls_reduce_scatter([(_flat(x), weight.t())], pg, chunks, x.dtype, bias,
-                               reduce_dtype=reduce_dtype)  # fmt: skip
+    y = matmuls_reduce_scatter(
+        [(_flat(x), weight.t())], pg, chunks, x.dtype, bias, reduce_dtype=reduce_dtype
+    )
     return y.view(x.shape[0] // group_size(pg), *x.shape[1:-1], weight.shape[0])
 
 
@@ -244,9 +301,16 @@ def _(x, weight, bias, group, chunks, reduce_dtype):
 
 
 @torch.library.custom_op("fusedpar::matmul_reduce_scatter_backward", mutates_args=())
-def _matmul_reduce_scatter_backward_op(dy: Tensor, x: Tensor, weight: Tensor, group: str,
-                                       chunks: int, needs_x: bool, needs_w: bool,
-                                       needs_b: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def _matmul_reduce_scatter_backward_op(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    group: str,
+    chunks: int,
+    needs_x: bool,
+    needs_w: bool,
+    needs_b: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
     """dX from the all-gather ring of dY that also gathers dY for dW."""
     pg = group_by_name(group)
     dy2d = _flat(dy)
@@ -260,15 +324,22 @@ def _matmul_reduce_scatter_backward_op(dy: Tensor, x: Tensor, weight: Tensor, gr
 
 @_matmul_reduce_scatter_backward_op.register_fake
 def _(dy, x, weight, group, chunks, needs_x, needs_w, needs_b):
-    return (x.new_empty(x.shape if needs_x else 0),  # fresh, contiguous: the real op's layout
-            weight.new_empty(weight.shape if needs_w else 0),
-            weight.new_empty(weight.shape[0] if needs_b else 0))  # fmt: skip
+    return (
+        x.new_empty(x.shape if needs_x else 0),  # fresh, contiguous: the real op's layout
+        weight.new_empty(weight.shape if needs_w else 0),
+        weight.new_empty(weight.shape[0] if needs_b else 0),
+    )
 
 
 def _matmul_reduce_scatter_setup(ctx, inputs, output):
     x, weight, bias, group, chunks, _ = inputs  # (reduce_dtype: the forward's only)
-    ctx.options = (group, chunks, x.requires_grad, weight.requires_grad,
-                   bias is not None and bias.requires_grad)  # fmt: skip
+    ctx.options = (
+        group,
+        chunks,
+        x.requires_grad,
+        weight.requires_grad,
+        bias is not None and bias.requires_grad,
+    )
     ctx.save_for_backward(x, weight)
 
 
@@ -281,10 +352,12 @@ def _matmul_reduce_scatter_grads(ctx, dy):
 _all_gather_matmul_backward = direct_op(_all_gather_matmul_backward_op)
 _matmul_reduce_scatter_backward = direct_op(_matmul_reduce_scatter_backward_op)
 _matmul_reduce_scatter_forward = direct_op(_matmul_reduce_scatter_op)  # inside _GatedDown
-_all_gather_matmul = autograd_op(_all_gather_matmul_op, _all_gather_matmul_grads,
-                                 _all_gather_matmul_setup)  # fmt: skip
-_matmul_reduce_scatter = autograd_op(_matmul_reduce_scatter_op, _matmul_reduce_scatter_grads,
-                                     _matmul_reduce_scatter_setup)  # fmt: skip
+_all_gather_matmul = autograd_op(
+    _all_gather_matmul_op, _all_gather_matmul_grads, _all_gather_matmul_setup
+)
+_matmul_reduce_scatter = autograd_op(
+    _matmul_reduce_scatter_op, _matmul_reduce_scatter_grads, _matmul_reduce_scatter_setup
+)
 
 
 def _check_chunks(chunks: int) -> None:
@@ -293,10 +366,12 @@ def _check_chunks(chunks: int) -> None:
 
 
 def _check_reduce_dtype(reduce_dtype, what: str) -> None:
-    if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype)
-                                         and reduce_dtype.is_floating_point):  # fmt: skip
-        raise TypeError(f"{what}: reduce_dtype must be None or a floating torch.dtype, got "
-                        f"{reduce_dtype!r}")  # fmt: skip
+    if reduce_dtype is not None and not (
+        isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
+    ):
+        raise TypeError(
+            f"{what}: reduce_dtype must be None or a floating torch.dtype, got {reduce_dtype!r}"
+        )
 
 
 def check_reduce_dtype(reduce_dtype):
@@ -335,30 +410,42 @@ def _check_rope(x, weights, rope, rotate, head_dim, size) -> tuple[list, list, i
     cos, sin = rope
     tokens = size * x.shape[0]
     if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != tokens:
-        raise ValueError(f"all_gather_matmul: rope's cos and sin must be (T={tokens}, r/2), "
-                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")  # fmt: skip
+        raise ValueError(
+            f"all_gather_matmul: rope's cos and sin must be (T={tokens}, r/2), "
+            f"got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
     wide = accumulator(x.dtype)  # float64 tables for float64 x
     if cos.dtype != wide or sin.dtype != wide:
-        raise TypeError(f"all_gather_matmul: rope's tables must be {wide} for {x.dtype} x, "
-                        f"got {cos.dtype} and {sin.dtype}")  # fmt: skip
+        raise TypeError(
+            f"all_gather_matmul: rope's tables must be {wide} for {x.dtype} x, "
+            f"got {cos.dtype} and {sin.dtype}"
+        )
     if cos.requires_grad or sin.requires_grad:
-        raise ValueError("all_gather_matmul: rope's tables take no gradient here (for "
-                         "that, turn q and k with `fusedpar.nn.attention.apply_rope`)")  # fmt: skip
+        raise ValueError(
+            "all_gather_matmul: rope's tables take no gradient here (for "
+            "that, turn q and k with `fusedpar.nn.attention.apply_rope`)"
+        )
     if cos.device != x.device or sin.device != x.device:
-        raise ValueError(f"all_gather_matmul: x on {x.device}, rope's tables on {cos.device} "
-                         f"and {sin.device}")  # fmt: skip
+        raise ValueError(
+            f"all_gather_matmul: x on {x.device}, rope's tables on {cos.device} and {sin.device}"
+        )
     head_dim = 2 * cos.shape[1] if head_dim is None else head_dim
     rotate = [True] * len(weights) if rotate is None else [bool(r) for r in rotate]
     if len(rotate) != len(weights):
-        raise ValueError(f"all_gather_matmul: {len(weights)} weights but {len(rotate)} rotate "
-                         f"flags")  # fmt: skip
+        raise ValueError(
+            f"all_gather_matmul: {len(weights)} weights but {len(rotate)} rotate flags"
+        )
     if not (0 < 2 * cos.shape[1] <= head_dim):
-        raise ValueError(f"all_gather_matmul: {2 * cos.shape[1]} rotated dims (2 * "
-                         f"cos.shape[1]) in heads of head_dim={head_dim}")  # fmt: skip
+        raise ValueError(
+            f"all_gather_matmul: {2 * cos.shape[1]} rotated dims (2 * "
+            f"cos.shape[1]) in heads of head_dim={head_dim}"
+        )
     for w, r in zip(weights, rotate, strict=True):
         if r and w.shape[0] % head_dim:
-            raise ValueError(f"all_gather_matmul: a rotated output of {w.shape[0]} features "
-                             f"is not whole heads of head_dim={head_dim}")  # fmt: skip
+            raise ValueError(
+                f"all_gather_matmul: a rotated output of {w.shape[0]} features "
+                f"is not whole heads of head_dim={head_dim}"
+            )
     return [cos.contiguous(), sin.contiguous()], rotate, head_dim
 
 
@@ -421,9 +508,19 @@ def all_gather_matmul(
     has_bias = [b is not None for b in biases]
     _check_reduce_dtype(reduce_dtype, "all_gather_matmul")
     chunks = ring_chunks(overlap, pg, chunks_per_rank)
-    outs, _ = _all_gather_matmul(x, weights, present, has_bias, group_name(pg), chunks,
-                                 save_gathered_input, tables, flags, head_dim,
-                                 reduce_dtype)  # fmt: skip
+    outs, _ = _all_gather_matmul(
+        x,
+        weights,
+        present,
+        has_bias,
+        group_name(pg),
+        chunks,
+        save_gathered_input,
+        tables,
+        flags,
+        head_dim,
+        reduce_dtype,
+    )
     return list(outs) if many else outs[0]
 
 

@@ -30,39 +30,58 @@ def fused_takes(dtype: torch.dtype, pairs: int = 1) -> bool:
     pairs); else the caller runs the serial schedule and says so once."""
     if dtype in _impl.KERNEL_DTYPES and pairs <= matmul_fused.MAX_OPERANDS:
         return True
-    symmetric.say_once(f"overlap='fused': {dtype} operands or {pairs} summed pairs run the "
-                       "serial schedule (the fused kernels take 16-bit and fp32, 1-3 pairs)")
+    symmetric.say_once(
+        f"overlap='fused': {dtype} operands or {pairs} summed pairs run the "
+        "serial schedule (the fused kernels take 16-bit and fp32, 1-3 pairs)"
+    )
     return False
 
 
-def gather_matmuls_fused(x: Tensor, operands, biases, pg, gemm=matmul, epilogues=None,
-                         outs=None, side=None):  # fmt: skip
+def gather_matmuls_fused(
+    x: Tensor, operands, biases, pg, gemm=matmul, epilogues=None, outs=None, side=None
+):
     """`fusedpar.ops.linear.gather_matmuls`'s result ([outs], gathered) by the fused
     schedule (`outs`: written where given). `side` replaces the symmetric-memory
     `symmetric.Gather` (the benchmark's copy-engine stand-in,
     `bench.standin.CopyEngineGather`)."""
     epilogues = epilogues or [None] * len(operands)
     if side is None:
-        side = symmetric.transport(symmetric.Gather, pg, x.shape[0], x.shape[1], x.dtype,
-                                   x.device)  # fmt: skip
+        side = symmetric.transport(symmetric.Gather, pg, x.shape[0], x.shape[1], x.dtype, x.device)
     plain = [i for i, e in enumerate(epilogues) if e is None]
-    groups = [plain[i : i + matmul_fused.MAX_OPERANDS]
-              for i in range(0, len(plain), matmul_fused.MAX_OPERANDS)]  # fmt: skip
+    groups = [
+        plain[i : i + matmul_fused.MAX_OPERANDS]
+        for i in range(0, len(plain), matmul_fused.MAX_OPERANDS)
+    ]
     agreement = tuning_agreement(pg, x.device)
     gathered = x.new_empty((side.world * x.shape[0], x.shape[1]))
     for group in groups:  # picked before any transfer, agreed over the group
-        matmul_fused.gathered_matmuls(gathered, [operands[i] for i in group],
-                                      [biases[i] for i in group], side.flags, side.rank,
-                                      side.world, agreement=agreement, tune_only=True)  # fmt: skip
+        matmul_fused.gathered_matmuls(
+            gathered,
+            [operands[i] for i in group],
+            [biases[i] for i in group],
+            side.flags,
+            side.rank,
+            side.world,
+            agreement=agreement,
+            tune_only=True,
+        )
     made: list = [None] * len(operands)
     wait_s = symmetric.wait_seconds()
     side.start(x, gathered)
     with frozen("the fused all-gather", agreement):
         for group in groups:
             results = matmul_fused.gathered_matmuls(
-                gathered, [operands[i] for i in group], [biases[i] for i in group], side.flags,
-                side.rank, side.world, status=side.status, wait_s=wait_s, agreement=agreement,
-                programs=getattr(side, "programs", None))  # fmt: skip
+                gathered,
+                [operands[i] for i in group],
+                [biases[i] for i in group],
+                side.flags,
+                side.rank,
+                side.world,
+                status=side.status,
+                wait_s=wait_s,
+                agreement=agreement,
+                programs=getattr(side, "programs", None),
+            )
             for i, out in zip(group, results, strict=True):
                 made[i] = out if outs is None or outs[i] is None else outs[i].copy_(out)
     side.finish()
@@ -71,14 +90,18 @@ def gather_matmuls_fused(x: Tensor, operands, biases, pg, gemm=matmul, epilogues
     for i, epilogue in enumerate(epilogues):
         if epilogue is not None:
             symmetric.say_once("overlap='fused': a GEMM with an epilogue runs after the gather")
-            made[i] = gemm(gathered, operands[i], bias=biases[i], out_dtype=x.dtype,
-                           out=None if outs is None else outs[i],
-                           **_chunk_epilogue(epilogue, slice(0, gathered.shape[0])))  # fmt: skip
+            made[i] = gemm(
+                gathered,
+                operands[i],
+                bias=biases[i],
+                out_dtype=x.dtype,
+                out=None if outs is None else outs[i],
+                **_chunk_epilogue(epilogue, slice(0, gathered.shape[0])),
+            )
     return made, gathered
 
 
-def matmuls_reduce_scatter_fused(pairs, pg, out_dtype, bias=None, reduce_dtype=None,
-                                 side=None):  # fmt: skip
+def matmuls_reduce_scatter_fused(pairs, pg, out_dtype, bias=None, reduce_dtype=None, side=None):
     """`fusedpar.ops.linear.matmuls_reduce_scatter`'s result by the fused schedule. `side`
     replaces `symmetric.Scatter` (`bench.standin.CopyEngineScatter`)."""
     A0 = pairs[0][0]
@@ -90,13 +113,21 @@ def matmuls_reduce_scatter_fused(pairs, pg, out_dtype, bias=None, reduce_dtype=N
     agreement = tuning_agreement(pg, A0.device)
     # one SM for the copy stream's waits (the interpreter's grid is the launcher's own)
     programs = sm_count(A0.device) - 1 if A0.is_cuda else None
-    config = matmul_fused.partial_matmuls(pairs, side.counts, side.rank, world, out_dtype=dtype,
-                                          agreement=agreement, tune_only=True)  # fmt: skip
+    config = matmul_fused.partial_matmuls(
+        pairs, side.counts, side.rank, world, out_dtype=dtype, agreement=agreement, tune_only=True
+    )
     tiles = matmul_fused.partial_tiles(config, rows, N)
 
     def gemm(partials, counts):
         with frozen("the fused reduce-scatter", agreement):
-            matmul_fused.partial_matmuls(pairs, counts, side.rank, world, out=partials,
-                                         agreement=agreement, programs=programs)  # fmt: skip
+            matmul_fused.partial_matmuls(
+                pairs,
+                counts,
+                side.rank,
+                world,
+                out=partials,
+                agreement=agreement,
+                programs=programs,
+            )
 
     return side.run(pairs, out_dtype, bias, tiles, gemm)

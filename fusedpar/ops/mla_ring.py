@@ -80,8 +80,16 @@ class _LatentRing(torch.autograd.Function):
     def forward(ctx, q, latent, w, pg, layout, scale, nope, v_dim, cu_seqlens, deterministic):
         masks = _masks(pg, q, True, layout, (-1, -1), cu_seqlens)
         blocks = LatentBlocks(w, nope, v_dim, q.shape[-1] - nope)
-        out, lse = _forward([q], [latent], None, GroupRing(pg), [masks], softmax_scale=scale,
-                            agreement=tuning_agreement(pg, q.device), blocks=blocks)  # fmt: skip
+        out, lse = _forward(
+            [q],
+            [latent],
+            None,
+            GroupRing(pg),
+            [masks],
+            softmax_scale=scale,
+            agreement=tuning_agreement(pg, q.device),
+            blocks=blocks,
+        )
         out = out[0].to(q.dtype)
         ctx.save_for_backward(q, latent, w, out, lse[0])
         ctx.options = (pg, masks, scale, nope, v_dim, deterministic)
@@ -93,19 +101,38 @@ class _LatentRing(torch.autograd.Function):
         pg, masks, scale, nope, v_dim, deterministic = ctx.options
         blocks = LatentBlocks(w, nope, v_dim, q.shape[-1] - nope)
         rings = GroupRing(pg), GroupRing(pg, tag=1)
-        dq, d_latent = _backward([q], [latent], None, [dout.contiguous()], [lse], None, *rings,
-                                 [masks], softmax_scale=scale,
-                                 agreement=tuning_agreement(pg, q.device),
-                                 sources=[(out, None)], deterministic=deterministic,
-                                 blocks=blocks)  # fmt: skip
+        dq, d_latent = _backward(
+            [q],
+            [latent],
+            None,
+            [dout.contiguous()],
+            [lse],
+            None,
+            *rings,
+            [masks],
+            softmax_scale=scale,
+            agreement=tuning_agreement(pg, q.device),
+            sources=[(out, None)],
+            deterministic=deterministic,
+            blocks=blocks,
+        )
         dw = torch.zeros_like(w) if blocks.dw is None else blocks.dw.to(w.dtype)
         return dq[0].to(q.dtype), d_latent[0].to(latent.dtype), dw, *[None] * 7
 
 
-def mla_ring_attn(q: Tensor, latent: Tensor, w_kvb: Tensor, group: Group, *,
-                  qk_nope_head_dim: int, v_head_dim: int, softmax_scale: float,
-                  layout: str = "zigzag", cu_seqlens: Tensor | None = None,
-                  deterministic: bool = False) -> Tensor:  # fmt: skip
+def mla_ring_attn(
+    q: Tensor,
+    latent: Tensor,
+    w_kvb: Tensor,
+    group: Group,
+    *,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+    softmax_scale: float,
+    layout: str = "zigzag",
+    cu_seqlens: Tensor | None = None,
+    deterministic: bool = False,
+) -> Tensor:
     """Causal attention of q (B, S_loc, H, dr + dn: rotary dims first) over the sequence
     sharded on `group` in `layout`, whose keys and values are made from `latent` (B,
     S_loc, r + dr: the normalized KV latent, then the rotated k_rope) by `w_kvb` (H *
@@ -113,22 +140,40 @@ def mla_ring_attn(q: Tensor, latent: Tensor, w_kvb: Tensor, group: Group, *,
     in q, latent and w_kvb. `cu_seqlens`: packed documents of the whole stream."""
     pg = resolve_group(group)
     if pg is None or dist.get_world_size(pg) == 1:
-        raise ValueError("mla_ring_attn: a ring of one rank moves nothing: use flash_attn on "
-                         "the expanded heads")  # fmt: skip
+        raise ValueError(
+            "mla_ring_attn: a ring of one rank moves nothing: use flash_attn on the expanded heads"
+        )
     H, rope = q.shape[2], q.shape[-1] - qk_nope_head_dim
     r = latent.shape[-1] - rope
     if w_kvb.shape != (H * (qk_nope_head_dim + v_head_dim), r):
-        raise ValueError(f"mla_ring_attn: w_kvb must be ({H * (qk_nope_head_dim + v_head_dim)}, "
-                         f"{r}) for {H} heads, got {tuple(w_kvb.shape)}")  # fmt: skip
+        raise ValueError(
+            f"mla_ring_attn: w_kvb must be ({H * (qk_nope_head_dim + v_head_dim)}, "
+            f"{r}) for {H} heads, got {tuple(w_kvb.shape)}"
+        )
     if latent.shape[:2] != q.shape[:2] or latent.dtype != q.dtype:
-        raise ValueError(f"mla_ring_attn: latent {tuple(latent.shape)} {latent.dtype} must share "
-                         f"q's (B, S_loc) {tuple(q.shape[:2])} and dtype {q.dtype}")  # fmt: skip
+        raise ValueError(
+            f"mla_ring_attn: latent {tuple(latent.shape)} {latent.dtype} must share "
+            f"q's (B, S_loc) {tuple(q.shape[:2])} and dtype {q.dtype}"
+        )
     # what no rank sees alone: one collective, as ring_attn checks
-    check_same_across_ranks(pg, [*q.shape, *latent.shape, *w_kvb.shape],
-                            "mla_ring_attn: q/latent/w_kvb shapes", q.device)  # fmt: skip
+    check_same_across_ranks(
+        pg,
+        [*q.shape, *latent.shape, *w_kvb.shape],
+        "mla_ring_attn: q/latent/w_kvb shapes",
+        q.device,
+    )
     size = dist.get_world_size(pg)
     check_sequence_length(q.shape[1] * size, size, layout, "mla_ring_attn")
     check_packed(q, cu_seqlens, q.shape[1] * size, "mla_ring_attn", values=True)
-    return _LatentRing.apply(q, latent, w_kvb, pg, layout, softmax_scale, qk_nope_head_dim,
-                             v_head_dim, cu_seqlens, deterministic)  # fmt: skip
-
+    return _LatentRing.apply(
+        q,
+        latent,
+        w_kvb,
+        pg,
+        layout,
+        softmax_scale,
+        qk_nope_head_dim,
+        v_head_dim,
+        cu_seqlens,
+        deterministic,
+    )

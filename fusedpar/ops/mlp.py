@@ -30,21 +30,34 @@ from fusedpar.ops.tp_schedules import matmuls_reduce_scatter
 
 
 @torch.library.custom_op("fusedpar::gated_mlp", mutates_args=())
-def _gated_mlp_op(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: Tensor,
-                  biases: list[Tensor],
-                  activation: str) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def _gated_mlp_op(
+    x: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    biases: list[Tensor],
+    activation: str,
+) -> tuple[Tensor, Tensor, Tensor]:
     """(y (x's shape), gate, up (tokens, h): kept for the backward). `biases`: none, or
     (bg, bu, bd)."""
     bg, bu, bd = biases or (None, None, None)
-    gemm = GemmSequence(("gated_mlp", layout(x), *map(layout, (gate_weight, up_weight,
-                         down_weight, *biases)), activation, *state()))  # fmt: skip
+    gemm = GemmSequence(
+        (
+            "gated_mlp",
+            layout(x),
+            *map(layout, (gate_weight, up_weight, down_weight, *biases)),
+            activation,
+            *state(),
+        )
+    )
     # The gate GEMM, then the up GEMM ending in the product (reading the gate it wrote):
     # each on the TMA schedule, and the product with no pass of its own. (`gated_matmul`
     # would be one launch, but on the pointer schedule: TMA serialized its wgmma.)
     x2d = _flat(x)
     gate = gemm(x2d, gate_weight.t(), bias=bg)
-    up, hidden = gated_up_matmul(x2d, up_weight.t(), gate, bias=bu, activation=activation,
-                                 gemm=gemm)  # fmt: skip
+    up, hidden = gated_up_matmul(
+        x2d, up_weight.t(), gate, bias=bu, activation=activation, gemm=gemm
+    )
     y = gemm(hidden, down_weight.t(), bias=bd)
     gemm.close()
     return y.view(*x.shape[:-1], y.shape[1]), gate, up
@@ -61,23 +74,39 @@ def _(x, gate_weight, up_weight, down_weight, biases, activation):
 
 
 @torch.library.custom_op("fusedpar::gated_mlp_backward", mutates_args=())
-def _gated_mlp_backward_op(dy: Tensor, x: Tensor, gate: Tensor, up: Tensor, gate_weight: Tensor,
-                           up_weight: Tensor, down_weight: Tensor, activation: str,
-                           needs: list[bool]) -> list[Tensor]:  # fmt: skip
+def _gated_mlp_backward_op(
+    dy: Tensor,
+    x: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    activation: str,
+    needs: list[bool],
+) -> list[Tensor]:
     """[dx, dW, dWd, db, dbd], `needs` the flags of (x, Wg, Wu, Wd, bg, bu, bd) (the
     biases' may be left out: none). dW: [dWg; dWu] (2h, d) when both are asked for (one
     GEMM), the one asked for (h, d), or empty; db likewise [dbg; dbu] (2h,) if either
     is. An op's outputs may not alias one another: the caller splits them."""
     x_, wg, wu, wd, bg, bu, bd = [*needs, *[False] * (7 - len(needs))]
-    gemm = GemmSequence(("gated_mlp_backward", *map(layout, (dy, x, gate, up, gate_weight,
-                         up_weight, down_weight)), activation, *needs, *state()))  # fmt: skip
+    gemm = GemmSequence(
+        (
+            "gated_mlp_backward",
+            *map(layout, (dy, x, gate, up, gate_weight, up_weight, down_weight)),
+            activation,
+            *needs,
+            *state(),
+        )
+    )
     dy2d, gate, up = _flat(dy), _flat(gate), _flat(up)
     dx = dw = dwd = db = dbd = hidden = None
     if x_ or wg or wu or bg or bu:
         # dh's GEMM ends in dgate, dup and (for the down weight) the product again: dh is
         # never stored (`gated_grad_matmul`)
-        both, hidden = gated_grad_matmul(dy2d, down_weight, gate, up, activation=activation,
-                                         hidden=wd, gemm=gemm)  # fmt: skip
+        both, hidden = gated_grad_matmul(
+            dy2d, down_weight, gate, up, activation=activation, hidden=wd, gemm=gemm
+        )
         dgate, dup = both.chunk(2, 1)
         if x_:  # the fp32 sum of both products, rounded once
             pairs = [(dgate, gate_weight), (dup, up_weight)]
@@ -104,11 +133,13 @@ def _gated_mlp_backward_op(dy: Tensor, x: Tensor, gate: Tensor, up: Tensor, gate
 def _(dy, x, gate, up, gate_weight, up_weight, down_weight, activation, needs):
     x_, wg, wu, wd, bg, bu, bd = [*needs, *[False] * (7 - len(needs))]
     h, d = gate_weight.shape
-    return [x.new_empty(x.shape if x_ else 0),
-            gate_weight.new_empty(((wg + wu) * h, d) if wg or wu else 0),
-            down_weight.new_empty(down_weight.shape if wd else 0),
-            gate_weight.new_empty(2 * h if bg or bu else 0),
-            down_weight.new_empty(d if bd else 0)]  # fmt: skip
+    return [
+        x.new_empty(x.shape if x_ else 0),
+        gate_weight.new_empty(((wg + wu) * h, d) if wg or wu else 0),
+        down_weight.new_empty(down_weight.shape if wd else 0),
+        gate_weight.new_empty(2 * h if bg or bu else 0),
+        down_weight.new_empty(d if bd else 0),
+    ]
 
 
 def _setup(ctx, inputs, output):
@@ -123,8 +154,7 @@ def _backward(ctx, dy, _gate, _up):
     x, gate, up, *weights = ctx.saved_tensors
     if dy is None:  # (only gate or up was used, which the layer never returns)
         dy = x.new_zeros((*x.shape[:-1], weights[2].shape[0]))
-    dx, dw, dwd, db, dbd = _gated_mlp_backward(dy, x, gate, up, *weights, ctx.activation,
-                                               ctx.needs)  # fmt: skip
+    dx, dw, dwd, db, dbd = _gated_mlp_backward(dy, x, gate, up, *weights, ctx.activation, ctx.needs)
     x_, wg, wu, wd, *biases = ctx.needs
     # [dWg; dWu] and [dbg; dbu] split in one call each (`_gated_mlp_backward_op`)
     dwg, dwu = dw.chunk(2) if wg and wu else (dw if wg else None, dw if wu else None)
@@ -142,8 +172,15 @@ _gated_mlp_backward = direct_op(_gated_mlp_backward_op)
 _gated_mlp = autograd_op(_gated_mlp_op, _backward, _setup)
 
 
-def gated_mlp(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: Tensor,
-              biases=(), *, activation: str) -> Tensor:  # fmt: skip
+def gated_mlp(
+    x: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    biases=(),
+    *,
+    activation: str,
+) -> Tensor:
     """``down(act(gate(x)) * up(x))`` on one rank (the module doc's table); `biases`:
     () or (bg, bu, bd); `activation` one of `fusedpar.kernels.gated.ACTIVATIONS`. The
     caller (`ParallelSwiGLU`) has checked the shapes."""

@@ -78,12 +78,22 @@ def _asked(grads, needs) -> list:
 
 
 @torch.library.custom_op("fusedpar::expert_swiglu", mutates_args=())
-def _expert_swiglu_op(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, counts: Tensor,
-                      rows: Tensor | None, reduce_pos: Tensor | None, save_hidden: bool,
-                      b1: Tensor | None = None, b3: Tensor | None = None,
-                      b2: Tensor | None = None, activation: str = "silu",
-                      alpha: float = SWIGLU_ALPHA,
-                      limit: float = SWIGLU_LIMIT) -> tuple[Tensor, Tensor]:  # fmt: skip
+def _expert_swiglu_op(
+    x: Tensor,
+    w1: Tensor,
+    w3: Tensor,
+    w2: Tensor,
+    counts: Tensor,
+    rows: Tensor | None,
+    reduce_pos: Tensor | None,
+    save_hidden: bool,
+    b1: Tensor | None = None,
+    b3: Tensor | None = None,
+    b2: Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = SWIGLU_ALPHA,
+    limit: float = SWIGLU_LIMIT,
+) -> tuple[Tensor, Tensor]:
     """``out[p] = w2[e] @ act(w1[e] @ x[rows[p]] + b1[e], w3[e] @ x[rows[p]] + b3[e]) +
     b2[e]`` for the rows p of expert e (rows None: x is in expert order; biases None:
     none; act: `activation`, ``"silu"`` (silu(h1) * h3) or ``"clamped_swiglu"``
@@ -105,19 +115,43 @@ def _expert_swiglu_op(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, counts: Ten
 
 
 @_expert_swiglu_op.register_fake
-def _(x, w1, w3, w2, counts, rows, reduce_pos, save_hidden, b1=None, b3=None, b2=None,
-      activation="silu", alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT):  # fmt: skip
+def _(
+    x,
+    w1,
+    w3,
+    w2,
+    counts,
+    rows,
+    reduce_pos,
+    save_hidden,
+    b1=None,
+    b3=None,
+    b2=None,
+    activation="silu",
+    alpha=SWIGLU_ALPHA,
+    limit=SWIGLU_LIMIT,
+):
     P = x.shape[0] if rows is None else rows.shape[0]
     h13 = x.new_empty((P, 2 * w1.shape[1]) if save_hidden else 0)
     return x.new_empty((P, w2.shape[1])), h13
 
 
 @torch.library.custom_op("fusedpar::expert_swiglu_backward", mutates_args=())
-def _expert_swiglu_backward_op(d_out: Tensor, x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
-                               counts: Tensor, rows: Tensor | None, reduce_pos: Tensor | None,
-                               h13: Tensor, needs: list[bool], activation: str = "silu",
-                               alpha: float = SWIGLU_ALPHA,
-                               limit: float = SWIGLU_LIMIT) -> list[Tensor]:  # fmt: skip
+def _expert_swiglu_backward_op(
+    d_out: Tensor,
+    x: Tensor,
+    w1: Tensor,
+    w3: Tensor,
+    w2: Tensor,
+    counts: Tensor,
+    rows: Tensor | None,
+    reduce_pos: Tensor | None,
+    h13: Tensor,
+    needs: list[bool],
+    activation: str = "silu",
+    alpha: float = SWIGLU_ALPHA,
+    limit: float = SWIGLU_LIMIT,
+) -> list[Tensor]:
     """dx (summed over the rows p that read each row of x: `reduce_pos` (R, j), -1 for
     none), dw1, dw3, dw2, and the expert biases' db1, db3 (E, h), db2 (E, d); `needs`
     says which (the others come back empty; the last three may be left out: no bias).
@@ -132,8 +166,9 @@ def _expert_swiglu_backward_op(d_out: Tensor, x: Tensor, w1: Tensor, w3: Tensor,
         d_rows = grouped_swiglu_input_grad(d_h13, w1, w3, counts)
         dx = d_rows if rows is None else combine(d_rows, reduce_pos, out_dtype=x.dtype)
     if need_w1 or need_w3 or need_b1 or need_b3:
-        grads = grouped_weight_grad(d_h13, x, counts, rows, out_dtype=w1.dtype, split=True,
-                                    bias_grad=need_b1 or need_b3)  # fmt: skip
+        grads = grouped_weight_grad(
+            d_h13, x, counts, rows, out_dtype=w1.dtype, split=True, bias_grad=need_b1 or need_b3
+        )
         dw1, dw3, *b13 = grads
         db1, db3 = b13 or (None, None)
     if need_w2 or need_b2:
@@ -141,8 +176,10 @@ def _expert_swiglu_backward_op(d_out: Tensor, x: Tensor, w1: Tensor, w3: Tensor,
         dw2, db2 = grads if need_b2 else (grads, None)
     grads = [dx, dw1, dw3, dw2, db1, db3, db2]  # those not asked for empty, as the fake's
     sources = (x, w1, w3, w2, w1, w3, w2)
-    return [g if need else t.new_empty(0) for g, need, t in zip(grads, _pad(needs), sources,
-                                                                 strict=True)]  # fmt: skip
+    return [
+        g if need else t.new_empty(0)
+        for g, need, t in zip(grads, _pad(needs), sources, strict=True)
+    ]
 
 
 def _pad(needs) -> list[bool]:
@@ -151,8 +188,21 @@ def _pad(needs) -> list[bool]:
 
 
 @_expert_swiglu_backward_op.register_fake
-def _(d_out, x, w1, w3, w2, counts, rows, reduce_pos, h13, needs, activation="silu",
-      alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT):  # fmt: skip
+def _(
+    d_out,
+    x,
+    w1,
+    w3,
+    w2,
+    counts,
+    rows,
+    reduce_pos,
+    h13,
+    needs,
+    activation="silu",
+    alpha=SWIGLU_ALPHA,
+    limit=SWIGLU_LIMIT,
+):
     shapes = (x.shape, w1.shape, w3.shape, w2.shape, w1.shape[:2], w3.shape[:2], w2.shape[:2])
     sources = (x, w1, w3, w2, w1, w3, w2)
     # fresh, contiguous: the real layout
@@ -175,14 +225,27 @@ def _expert_swiglu_setup(ctx, inputs, output):
 
 def _expert_swiglu_backward(ctx, d_out, _):
     x, w1, w3, w2, counts, rows, reduce_pos, h13 = ctx.saved_tensors
-    grads = _expert_swiglu_backward_call(d_out, x, w1, w3, w2, counts, rows, reduce_pos,
-                                         h13, ctx.needs, *ctx.act)  # fmt: skip
+    grads = _expert_swiglu_backward_call(
+        d_out, x, w1, w3, w2, counts, rows, reduce_pos, h13, ctx.needs, *ctx.act
+    )
     dx, dw1, dw3, dw2, db1, db3, db2 = _asked(grads, ctx.needs)
     return dx, dw1, dw3, dw2, None, None, None, None, db1, db3, db2, None, None, None
 
 
-def expert_swiglu(x, w1, w3, w2, counts, rows, reduce_pos, *, bias=None, activation="silu",
-                  alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT):  # fmt: skip
+def expert_swiglu(
+    x,
+    w1,
+    w3,
+    w2,
+    counts,
+    rows,
+    reduce_pos,
+    *,
+    bias=None,
+    activation="silu",
+    alpha=SWIGLU_ALPHA,
+    limit=SWIGLU_LIMIT,
+):
     """`fusedpar::expert_swiglu`'s output; `reduce_pos` (R, j) lists the rows p that read
     each row of x (-1 for none), for summing dx back; `bias` None or the experts' (b1
     (E, h), b2 (E, d), b3 (E, h)); `activation` ``"silu"`` or ``"clamped_swiglu"`` (with
@@ -193,8 +256,9 @@ def expert_swiglu(x, w1, w3, w2, counts, rows, reduce_pos, *, bias=None, activat
         raise ValueError("expert_swiglu: bias must be None or all of (b1, b2, b3)")
     params = [t for t in (x, w1, w3, w2, b1, b2, b3) if t is not None]
     save = torch.is_grad_enabled() and any(t.requires_grad for t in params)
-    out, _ = _expert_swiglu(x, w1, w3, w2, counts, rows, reduce_pos, save, b1, b3, b2,
-                            activation, alpha, limit)  # fmt: skip
+    out, _ = _expert_swiglu(
+        x, w1, w3, w2, counts, rows, reduce_pos, save, b1, b3, b2, activation, alpha, limit
+    )
     return out
 
 
@@ -242,8 +306,15 @@ def _(out, weight, pos, order):
 
 
 @torch.library.custom_op("fusedpar::moe_combine_backward", mutates_args=())
-def _combine_backward_op(dy: Tensor, out: Tensor, weight: Tensor, pos: Tensor, order: Tensor,
-                         need_out: bool, need_weight: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
+def _combine_backward_op(
+    dy: Tensor,
+    out: Tensor,
+    weight: Tensor,
+    pos: Tensor,
+    order: Tensor,
+    need_out: bool,
+    need_weight: bool,
+) -> tuple[Tensor, Tensor]:
     """``dout[p] = w[t, j] dy[t]`` for the pair (t, j) of row p; ``dw[t, j] = <dy[t],
     out[pos[t, j]]>``."""
     d_out = d_weight = None
@@ -256,14 +327,18 @@ def _combine_backward_op(dy: Tensor, out: Tensor, weight: Tensor, pos: Tensor, o
     if need_weight:
         d_weight = combine_weight_grad(dy, out, pos)
         d_weight = d_weight if d_weight.dtype == weight.dtype else d_weight.to(weight.dtype)
-    return (out.new_empty(0) if d_out is None else d_out,
-            weight.new_empty(0) if d_weight is None else d_weight)  # fmt: skip
+    return (
+        out.new_empty(0) if d_out is None else d_out,
+        weight.new_empty(0) if d_weight is None else d_weight,
+    )
 
 
 @_combine_backward_op.register_fake
 def _(dy, out, weight, pos, order, need_out, need_weight):
-    return (out.new_empty(out.shape if need_out else 0),
-            weight.new_empty(weight.shape if need_weight else 0))  # fmt: skip
+    return (
+        out.new_empty(out.shape if need_out else 0),
+        weight.new_empty(weight.shape if need_weight else 0),
+    )
 
 
 def _combine_setup(ctx, inputs, output):
@@ -279,8 +354,9 @@ def _combine_backward(ctx, dy):
 
 
 @torch.library.custom_op("fusedpar::moe_dispatch", mutates_args=())
-def _dispatch_op(x: Tensor, order: Tensor, pos: Tensor, counts: Tensor, top_k: int,
-                 group: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+def _dispatch_op(
+    x: Tensor, order: Tensor, pos: Tensor, counts: Tensor, top_k: int, group: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Send each kept (token, slot) pair's row of x (T, d) to its expert's rank.
 
     Returns the rows received (R, d), source-major (source s, then expert e); the counts
@@ -311,8 +387,13 @@ def _(x, order, pos, counts, top_k, group):
     rows = torch.library.get_ctx().new_dynamic_size()
     index = torch.empty(rows, dtype=torch.int32, device=order.device)
     splits = torch.empty((2, size), dtype=torch.int64, device="cpu")
-    return (x.new_empty((rows, x.shape[1])), counts.new_empty((size, counts.shape[0] // size)),
-            index, torch.empty_like(index), splits)  # fmt: skip
+    return (
+        x.new_empty((rows, x.shape[1])),
+        counts.new_empty((size, counts.shape[0] // size)),
+        index,
+        torch.empty_like(index),
+        splits,
+    )
 
 
 @torch.library.custom_op("fusedpar::moe_return", mutates_args=())
@@ -372,16 +453,31 @@ def _regroup_index(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
     flat = recv_counts.reshape(-1)
     starts = (torch.cumsum(flat, 0) - flat).view_as(recv_counts)
     em_counts, em_starts = recv_counts.T.reshape(-1), starts.T.reshape(-1)
-    block_of = torch.repeat_interleave(torch.arange(em_counts.numel(), device=flat.device),
-                                       em_counts, output_size=total)  # fmt: skip
+    block_of = torch.repeat_interleave(
+        torch.arange(em_counts.numel(), device=flat.device), em_counts, output_size=total
+    )
     em_offsets = torch.cumsum(em_counts, 0) - em_counts
     within = torch.arange(total, device=flat.device) - em_offsets[block_of]
     # int32 like the other saved row indices: 2**31 rows received would be terabytes
     return (em_starts[block_of] + within).to(index_dtype(total))
 
 
-def moe_dispatch_combine(x, weights, ids, keep, w1, w3, w2, num_experts, group, *, bias=None,
-                         activation="silu", alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT):  # fmt: skip
+def moe_dispatch_combine(
+    x,
+    weights,
+    ids,
+    keep,
+    w1,
+    w3,
+    w2,
+    num_experts,
+    group,
+    *,
+    bias=None,
+    activation="silu",
+    alpha=SWIGLU_ALPHA,
+    limit=SWIGLU_LIMIT,
+):
     """Send the routed pairs to their experts (EP: all-to-all), run them, and combine.
 
     x (T, d); weights, ids, keep (T, k); w1, w3 (E_loc, h, d); w2 (E_loc, d, h); `bias`
@@ -398,10 +494,10 @@ def moe_dispatch_combine(x, weights, ids, keep, w1, w3, w2, num_experts, group, 
         out = expert_swiglu(x, w1, w3, w2, counts, rows, pos, **experts)
         return _combine(out, weights, pos, order), counts
     name = comm.group_name(pg)
-    x_recv, recv_counts, regroup, inverse, splits = _dispatch(x, order, pos, counts, top_k,
-                                                              name)  # fmt: skip
-    out = expert_swiglu(x_recv, w1, w3, w2, recv_counts.sum(0), regroup, inverse.view(-1, 1),
-                        **experts)  # fmt: skip
+    x_recv, recv_counts, regroup, inverse, splits = _dispatch(x, order, pos, counts, top_k, name)
+    out = expert_swiglu(
+        x_recv, w1, w3, w2, recv_counts.sum(0), regroup, inverse.view(-1, 1), **experts
+    )
     out = _permute(out, inverse, regroup.view(-1, 1))  # back to source-major
     out = _return(out, splits, name, False)
     return _combine(out, weights, pos, order), counts
@@ -410,11 +506,29 @@ def moe_dispatch_combine(x, weights, ids, keep, w1, w3, w2, num_experts, group, 
 # --- reference -------------------------------------------------------------------------------
 
 
-def moe_reference(x, router_weight, w1, w2, w3, *, top_k, score="softmax",
-                  norm_topk_prob=True, capacity_factor=None, expert_bias=None,
-                  aux_loss_coef=0.01, z_loss_coef=0.0, shared=None, shared_gate=None,
-                  router_bias=None, bias=None, activation="silu", swiglu_alpha=SWIGLU_ALPHA,
-                  swiglu_limit=SWIGLU_LIMIT, batched=False):  # fmt: skip
+def moe_reference(
+    x,
+    router_weight,
+    w1,
+    w2,
+    w3,
+    *,
+    top_k,
+    score="softmax",
+    norm_topk_prob=True,
+    capacity_factor=None,
+    expert_bias=None,
+    aux_loss_coef=0.01,
+    z_loss_coef=0.0,
+    shared=None,
+    shared_gate=None,
+    router_bias=None,
+    bias=None,
+    activation="silu",
+    swiglu_alpha=SWIGLU_ALPHA,
+    swiglu_limit=SWIGLU_LIMIT,
+    batched=False,
+):
     """The whole layer as a naive loop over tokens and experts, in x's dtype (float64 in ->
     the oracle; the router in at least fp32, as the layer's). Full (unsharded) stacks;
     `router_bias` (E,): added to the logits; `bias` (b1 (E, h), b2 (E, d), b3 (E, h)):

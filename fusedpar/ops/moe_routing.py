@@ -57,8 +57,15 @@ def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 @torch.library.custom_op("fusedpar::moe_route", mutates_args=())
-def _route_op(logits: Tensor, bias: Tensor | None, top_k: int, score: str, norm: bool,
-              n_group: int = 1, topk_group: int = 1) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def _route_op(
+    logits: Tensor,
+    bias: Tensor | None,
+    top_k: int,
+    score: str,
+    norm: bool,
+    n_group: int = 1,
+    topk_group: int = 1,
+) -> tuple[Tensor, Tensor, Tensor]:
     """(weights (T, k) fp32, ids (T, k) int32, probs (T, E) fp32) of logits (T, E) fp32
     (float64 logits: float64 for each fp32): `fusedpar.kernels.moe_route.route_top_k`."""
     return route_top_k(logits, top_k, score, norm, bias, (n_group, topk_group))
@@ -67,13 +74,22 @@ def _route_op(logits: Tensor, bias: Tensor | None, top_k: int, score: str, norm:
 @_route_op.register_fake
 def _(logits, bias, top_k, score, norm, n_group=1, topk_group=1):
     T, E = logits.shape
-    return (logits.new_empty((T, top_k)), logits.new_empty((T, top_k), dtype=torch.int32),
-            logits.new_empty((T, E)))  # fmt: skip
+    return (
+        logits.new_empty((T, top_k)),
+        logits.new_empty((T, top_k), dtype=torch.int32),
+        logits.new_empty((T, E)),
+    )
 
 
 @torch.library.custom_op("fusedpar::moe_route_backward", mutates_args=())
-def _route_backward_op(d_weights: Tensor | None, d_probs: Tensor | None, probs: Tensor,
-                       ids: Tensor, score: str, norm: bool) -> Tensor:  # fmt: skip
+def _route_backward_op(
+    d_weights: Tensor | None,
+    d_probs: Tensor | None,
+    probs: Tensor,
+    ids: Tensor,
+    score: str,
+    norm: bool,
+) -> Tensor:
     """dlogits (T, E) in probs' dtype (fp32, or float64); a gradient that did not flow is
     None."""
     return route_top_k_backward(d_weights, d_probs, probs, ids, score, norm)
@@ -103,8 +119,17 @@ _route_backward_call = direct_op(_route_backward_op)
 _route = autograd_op(_route_op, _route_backward, _route_setup)
 
 
-def route(x, router_weight, top_k, score, norm_topk_prob, expert_bias=None, router_bias=None,
-          groups=(1, 1), scaling=1.0):  # fmt: skip
+def route(
+    x,
+    router_weight,
+    top_k,
+    score,
+    norm_topk_prob,
+    expert_bias=None,
+    router_bias=None,
+    groups=(1, 1),
+    scaling=1.0,
+):
     """Router math in fp32 (float64 for float64 x). Returns (weights (T, k) fp32, ids (T,
     k) int32, probs (T, E), logits).
 

@@ -25,8 +25,9 @@ def _rope(cos: Tensor | None, sin: Tensor | None):
 
 
 @torch.library.custom_op("fusedpar::rms_norm", mutates_args=())
-def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, offset: float, cos: Tensor | None,
-                 sin: Tensor | None) -> tuple[Tensor, Tensor]:  # fmt: skip
+def _rms_norm_op(
+    x: Tensor, weight: Tensor, eps: float, offset: float, cos: Tensor | None, sin: Tensor | None
+) -> tuple[Tensor, Tensor]:
     """(y (x's shape and dtype), rstd (x.shape[:-1]) float32, float64 for float64 x); y
     rotated by cos, sin where given."""
     return kernels.rms_norm(x, weight, eps, offset, _rope(cos, sin))
@@ -38,19 +39,39 @@ def _(x, weight, eps, offset, cos, sin):
 
 
 @torch.library.custom_op("fusedpar::rms_norm_backward", mutates_args=())
-def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, eps: float,
-                          offset: float, cos: Tensor | None, sin: Tensor | None, need_x: bool,
-                          need_weight: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
+def _rms_norm_backward_op(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    rstd: Tensor,
+    eps: float,
+    offset: float,
+    cos: Tensor | None,
+    sin: Tensor | None,
+    need_x: bool,
+    need_weight: bool,
+) -> tuple[Tensor, Tensor]:
     """(dx, dweight); a gradient not asked for comes back as an empty (0,) tensor."""
-    dx, dw = kernels.rms_norm_backward(dy, x, weight, rstd, offset, eps=eps, need_x=need_x,
-                                       need_weight=need_weight, rope=_rope(cos, sin))  # fmt: skip
+    dx, dw = kernels.rms_norm_backward(
+        dy,
+        x,
+        weight,
+        rstd,
+        offset,
+        eps=eps,
+        need_x=need_x,
+        need_weight=need_weight,
+        rope=_rope(cos, sin),
+    )
     return (x.new_empty(0) if dx is None else dx, weight.new_empty(0) if dw is None else dw)
 
 
 @_rms_norm_backward_op.register_fake
 def _(dy, x, weight, rstd, eps, offset, cos, sin, need_x, need_weight):
-    return (x.new_empty(x.shape if need_x else 0),
-            weight.new_empty(weight.shape if need_weight else 0))  # fmt: skip
+    return (
+        x.new_empty(x.shape if need_x else 0),
+        weight.new_empty(weight.shape if need_weight else 0),
+    )
 
 
 def _setup(ctx, inputs, output):
@@ -70,8 +91,14 @@ _rms_norm_backward = direct_op(_rms_norm_backward_op)
 _rms_norm = autograd_op(_rms_norm_op, _backward, _setup)  # the bodies, in plain eager
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-5, *, offset: float = 0.0,
-             rope: tuple[Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
+def rms_norm(
+    x: Tensor,
+    weight: Tensor,
+    eps: float = 1e-5,
+    *,
+    offset: float = 0.0,
+    rope: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
     """``x / sqrt(mean(x^2, -1) + eps) * (offset + weight)``: x (..., D) any float dtype
     and strides; weight (D,); the result in x's dtype, computed in fp32 and rounded once.
     ``offset=1.0`` is Gemma's RMSNorm (its weight starts at zero). Saves x and one fp32
@@ -86,9 +113,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-5, *, offset: float = 0.
     if rope is not None:
         kernels.check_rope(x, rope)
         if rope[0].requires_grad or rope[1].requires_grad:
-            raise ValueError("rms_norm: rope's tables take no gradient here; rotate with "
-                             "fusedpar.nn.attention_parts.apply_rope for tables that need "
-                             "one")  # fmt: skip
+            raise ValueError(
+                "rms_norm: rope's tables take no gradient here; rotate with "
+                "fusedpar.nn.attention_parts.apply_rope for tables that need "
+                "one"
+            )
     cos, sin = rope if rope is not None else (None, None)
     y, _ = _rms_norm(x, weight, float(eps), float(offset), cos, sin)
     return y

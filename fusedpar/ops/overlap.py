@@ -61,7 +61,7 @@ def resolve_overlap(overlap: str | None, pg: dist.ProcessGroup | None) -> str:
                 "overlap='fused' (one persistent GEMM waiting on chunks that symmetric "
                 f"memory's copy engine delivers) cannot run here: {reason}; use 'serial' or "
                 "'ring'"
-            )  # fmt: skip
+            )
         return "fused" if pg is not None else "serial"
     backend = None if pg is None else dist.get_backend(pg)
     return auto_overlap(backend) if name == "auto" else name
@@ -110,8 +110,9 @@ def measures(device: torch.device) -> bool:
     return not (torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling())
 
 
-def measured_chunks(side: str, key: tuple, pg: dist.ProcessGroup, device: torch.device,
-                    run: Callable[[int], object]) -> int:  # fmt: skip
+def measured_chunks(
+    side: str, key: tuple, pg: dist.ProcessGroup, device: torch.device, run: Callable[[int], object]
+) -> int:
     """The chunks "auto" runs for a call of the op `side` whose shape is `key`: the pick
     kept for it, or, on its first call where `measures` (every rank of `pg` reaching it
     with the same key, as a collective op's call does), each candidate run once (its
@@ -134,16 +135,20 @@ def measured_chunks(side: str, key: tuple, pg: dist.ProcessGroup, device: torch.
                 error = _disagreement(_tensors(run(_CHUNKS[name])), reference)
             if error is not None:  # never picked, on any rank (the sum is inf)
                 times[-1] = float("inf")
-                symmetric.say_once(f"'auto' left {name!r} out for {side}: its result "
-                                   f"differed from the serial schedule's by {error:.3g} "
-                                   "(relative)")  # fmt: skip
+                symmetric.say_once(
+                    f"'auto' left {name!r} out for {side}: its result "
+                    f"differed from the serial schedule's by {error:.3g} "
+                    "(relative)"
+                )
         times = agreement.sum_times(times)
         best = min(range(len(times)), key=times.__getitem__)
         pick = tuner.picks[scope] = triton.Config({"overlap": names[best]})
         tuner.timings[scope], tuner.tuned = times, tuner.tuned + 1
         if os.environ.get("FUSEDPAR_PRINT_TUNING") == "1":
-            print(f"fusedpar tuning: tp_schedule {scope} -> {names[best]} "
-                  f"({', '.join(f'{t:.4f}' for t in times)} ms summed over the group)")  # fmt: skip
+            print(
+                f"fusedpar tuning: tp_schedule {scope} -> {names[best]} "
+                f"({', '.join(f'{t:.4f}' for t in times)} ms summed over the group)"
+            )
     return _CHUNKS[pick.kwargs["overlap"]]
 
 

@@ -121,10 +121,14 @@ def autograd_op(op, backward, setup_context):
         return (None, None, *flat)
 
     # named after the op (its backward node: "<op>_eagerBackward" in a graph's grad_fn)
-    Function = type(f"{op._name}_eager", (torch.autograd.Function,), {
-        "forward": staticmethod(forward),
-        "backward": staticmethod(backward_leaves),
-    })  # fmt: skip
+    Function = type(
+        f"{op._name}_eager",
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(forward),
+            "backward": staticmethod(backward_leaves),
+        },
+    )
 
     def call(*args):
         if _op_wanted(args):

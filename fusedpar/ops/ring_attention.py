@@ -127,8 +127,14 @@ def mask_row(rank, size, layout, s_local, device, *, causal, window, cu_seqlens=
     row = torch.zeros((size, 4, s_local), dtype=torch.int32, device=device)
     for src in range(size):
         if _step_sees(rank, src, size, layout, s_local, causal, window):
-            cut = intervals(mine, _positions(src, size, layout, s_local, device), cu, cu,
-                            causal=causal, window=window)  # fmt: skip
+            cut = intervals(
+                mine,
+                _positions(src, size, layout, s_local, device),
+                cu,
+                cu,
+                causal=causal,
+                window=window,
+            )
             row[src] = torch.cat([cut.kv_lo, cut.kv_hi, cut.q_lo, cut.q_hi])
     return row
 
@@ -137,9 +143,12 @@ def unpack_masks(row, rank, size, layout, *, causal, window):
     """`mask_row`'s tensor as the loops take it: a list over source ranks j of
     `Intervals` (views of `row`) or None for a skipped step."""
     s_local = row.shape[-1]
-    return [Intervals(*row[src, :, None].unbind(0))
-            if _step_sees(rank, src, size, layout, s_local, causal, window) else None
-            for src in range(size)]  # fmt: skip
+    return [
+        Intervals(*row[src, :, None].unbind(0))
+        if _step_sees(rank, src, size, layout, s_local, causal, window)
+        else None
+        for src in range(size)
+    ]
 
 
 def ring_masks(ranks, size, layout, s_local, device, *, causal, window, cu_seqlens=None):
@@ -147,9 +156,16 @@ def ring_masks(ranks, size, layout, s_local, device, *, causal, window, cu_seqle
     rank's queries against j's keys, or None when the step is skipped. `cu_seqlens`:
     the documents of the whole packed stream (None: one sequence)."""
     mask = dict(causal=causal, window=window)
-    return [unpack_masks(mask_row(rank, size, layout, s_local, device, **mask,
-                                  cu_seqlens=cu_seqlens), rank, size, layout, **mask)
-            for rank in ranks]  # fmt: skip
+    return [
+        unpack_masks(
+            mask_row(rank, size, layout, s_local, device, **mask, cu_seqlens=cu_seqlens),
+            rank,
+            size,
+            layout,
+            **mask,
+        )
+        for rank in ranks
+    ]
 
 
 def _fresh(shape, device, dtype=torch.float32) -> torch.Tensor:
@@ -183,8 +199,20 @@ class KVBlocks:
         return payload[0], payload[1]
 
 
-def _forward(q, k, v, ring, masks, *, softmax_scale, softcap=0.0, agreement=None, overlap=True,
-             attend=attention_forward, blocks=None):  # fmt: skip
+def _forward(
+    q,
+    k,
+    v,
+    ring,
+    masks,
+    *,
+    softmax_scale,
+    softcap=0.0,
+    agreement=None,
+    overlap=True,
+    attend=attention_forward,
+    blocks=None,
+):
     """The forward schedule over `ring`; q, k, v: one shard per rank of ``ring.ranks``;
     `masks` from `ring_masks`. Returns lists of out (fp32) and lse. ``overlap=False``
     waits for each transfer before computing (the benchmark's baseline); `attend`
@@ -198,8 +226,16 @@ def _forward(q, k, v, ring, masks, *, softmax_scale, softcap=0.0, agreement=None
     kv = blocks.payloads(k, v)
     own_k, own_v = blocks.expand(kv[0])
     for first in _tuned_launches(size):
-        attend(q[0], own_k, own_v, intervals=masks[0][ring.ranks[0]], out_dtype=wide,
-               merge=not first, tune_only=True, **block)  # fmt: skip
+        attend(
+            q[0],
+            own_k,
+            own_v,
+            intervals=masks[0][ring.ranks[0]],
+            out_dtype=wide,
+            merge=not first,
+            tune_only=True,
+            **block,
+        )
     out = [_fresh((*t.shape[:3], own_v.shape[-1]), t.device, wide) for t in q]  # (B, S, Hq, Dv)
     lse = [_fresh((t.shape[0], t.shape[2], t.shape[1]), t.device, wide) for t in q]
     with frozen("the ring attention forward", agreement):
@@ -212,16 +248,32 @@ def _forward(q, k, v, ring, masks, *, softmax_scale, softcap=0.0, agreement=None
                 mask = masks[i][(rank - step) % size]
                 if mask is not None:  # step 0 (every row sees itself) writes fresh
                     kv_i = (own_k, own_v) if step == 0 and i == 0 else blocks.expand(kv[i])
-                    attend(q[i], *kv_i, intervals=mask, out=out[i], lse=lse[i],
-                           merge=step > 0, **block)  # fmt: skip
+                    attend(
+                        q[i], *kv_i, intervals=mask, out=out[i], lse=lse[i], merge=step > 0, **block
+                    )
             if step + 1 < size:
                 kv = ring.wait() if overlap else incoming
     return out, lse
 
 
-def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_scale,
-              softcap=0.0, agreement=None, sources=None, deterministic=False,
-              blocks=None):  # fmt: skip
+def _backward(
+    q,
+    k,
+    v,
+    dout,
+    lse,
+    delta,
+    kv_ring,
+    grad_ring,
+    masks,
+    *,
+    softmax_scale,
+    softcap=0.0,
+    agreement=None,
+    sources=None,
+    deterministic=False,
+    blocks=None,
+):
     """The backward schedule: lists (one per rank of the rings) of dQ and of the dK, dV
     of the rank's own KV (fp32; each of the payload's gradients with `blocks`), back
     home after W steps. `delta`: each rank's, or None
@@ -238,8 +290,7 @@ def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_s
     blocks = blocks or KVBlocks()
     kv = blocks.payloads(k, v)
     wide = accumulator(q[0].dtype)  # dQ, dK, dV sums and delta: fp32, float64 for float64
-    f32 = dict(softmax_scale=softmax_scale, softcap=softcap, grad_dtype=wide,
-               agreement=agreement)  # fmt: skip
+    f32 = dict(softmax_scale=softmax_scale, softcap=softcap, grad_dtype=wide, agreement=agreement)
     made = [{} for _ in q]  # per rank: the first dQ launch's out and dlse, where it makes delta
     if delta is None:
         delta = [delta_buffer(t.shape, t.device, wide) for t in lse]
@@ -250,12 +301,23 @@ def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_s
             else:
                 made[i] = {"out": out, "dlse": dlse}
     own = (dout[0], q[0], *blocks.expand(kv[0]), lse[0], delta[0])
-    pick = attention_backward(*own[:5], delta=own[5], **f32, intervals=masks[0][kv_ring.ranks[0]],
-                              accumulate=True, tune_only=True, deterministic=deterministic)
+    pick = attention_backward(
+        *own[:5],
+        delta=own[5],
+        **f32,
+        intervals=masks[0][kv_ring.ranks[0]],
+        accumulate=True,
+        tune_only=True,
+        deterministic=deterministic,
+    )
     fused = pick is FUSED  # (a ring step adds into fp32: no platform kernel is a candidate)
     for first in _tuned_launches(size):
-        tuning = {**f32, "intervals": masks[0][kv_ring.ranks[0]], "accumulate": not first,
-                  "tune_only": True}  # fmt: skip
+        tuning = {
+            **f32,
+            "intervals": masks[0][kv_ring.ranks[0]],
+            "accumulate": not first,
+            "tune_only": True,
+        }
         if fused:
             attention_backward_fused(*own, **tuning, **(made[0] if first else {}))
             continue
@@ -282,13 +344,15 @@ def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_s
                 grads = grad_ring.wait()
             for i, kw, inputs in work:
                 if blocks.absorbs:  # (zeros: added into from step 1 on, as dQ is)
-                    dk, dv = (torch.zeros(t.shape, dtype=wide, device=t.device)
-                              for t in inputs[2:4])  # fmt: skip
+                    dk, dv = (
+                        torch.zeros(t.shape, dtype=wide, device=t.device) for t in inputs[2:4]
+                    )
                 else:
                     dk, dv = grads[i]
                 if fused:
-                    attention_backward_fused(*inputs, dq=dq[i], dk=dk, dv=dv, **kw,
-                                             **(made[i] if step == 0 else {}))  # fmt: skip
+                    attention_backward_fused(
+                        *inputs, dq=dq[i], dk=dk, dv=dv, **kw, **(made[i] if step == 0 else {})
+                    )
                 else:
                     attention_backward_dkdv(*inputs, dk=dk, dv=dv, **kw)
                 if blocks.absorbs:
@@ -303,17 +367,39 @@ def _backward(q, k, v, dout, lse, delta, kv_ring, grad_ring, masks, *, softmax_s
 # --- over a process group ------------------------------------------------------------
 
 
-def ring_attention_forward(q, k, v, pg, *, causal, softmax_scale, layout, window=(-1, -1),
-                           softcap=0.0, cu_seqlens=None, overlap=True, attend=attention_forward,
-                           masks=None):  # fmt: skip
+def ring_attention_forward(
+    q,
+    k,
+    v,
+    pg,
+    *,
+    causal,
+    softmax_scale,
+    layout,
+    window=(-1, -1),
+    softcap=0.0,
+    cu_seqlens=None,
+    overlap=True,
+    attend=attention_forward,
+    masks=None,
+):
     """This rank's forward ring over `pg`: returns (out fp32, lse). `overlap` and
     `attend` as in `_forward`; `masks`: this rank's row of `ring_masks` (built here
     when not given)."""
     if masks is None:
         masks = _masks(pg, q, causal, layout, window, cu_seqlens)
-    out, lse = _forward([q], [k], [v], GroupRing(pg), [masks], softmax_scale=softmax_scale,
-                        softcap=softcap, agreement=tuning_agreement(pg, q.device),
-                        overlap=overlap, attend=attend)  # fmt: skip
+    out, lse = _forward(
+        [q],
+        [k],
+        [v],
+        GroupRing(pg),
+        [masks],
+        softmax_scale=softmax_scale,
+        softcap=softcap,
+        agreement=tuning_agreement(pg, q.device),
+        overlap=overlap,
+        attend=attend,
+    )
     return out[0], lse[0]
 
 
@@ -326,19 +412,39 @@ def ring_attention_forward(q, k, v, pg, *, causal, softmax_scale, layout, window
 
 
 @torch.library.custom_op("fusedpar::ring_attn", mutates_args=())
-def _ring_attn_op(q: Tensor, k: Tensor, v: Tensor, group: str, causal: bool,
-                  softmax_scale: float | None, layout: str, window_left: int,
-                  window_right: int, softcap: float, deterministic: bool,
-                  cu_seqlens: Tensor | None,
-                  masks: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+def _ring_attn_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: str,
+    causal: bool,
+    softmax_scale: float | None,
+    layout: str,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+    cu_seqlens: Tensor | None,
+    masks: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     pg = group_by_name(group)
-    check_same_across_ranks(pg, [*q.shape, *k.shape, v.shape[-1]], "ring_attn: q/k/v shapes",
-                            q.device)  # fmt: skip
+    check_same_across_ranks(
+        pg, [*q.shape, *k.shape, v.shape[-1]], "ring_attn: q/k/v shapes", q.device
+    )
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, q.shape[1] * dist.get_world_size(pg))
     masks = _masks(pg, q, causal, layout, (window_left, window_right), cu_seqlens, masks)
-    out, lse = ring_attention_forward(q, k, v, pg, causal=causal, softmax_scale=softmax_scale,
-                                      layout=layout, softcap=softcap, masks=masks)  # fmt: skip
+    out, lse = ring_attention_forward(
+        q,
+        k,
+        v,
+        pg,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        layout=layout,
+        softcap=softcap,
+        masks=masks,
+    )
     return out.to(q.dtype), lse
 
 
@@ -349,20 +455,44 @@ def _(q, k, v, *args):  # fresh, contiguous (the kernels' layout), any inputs
 
 
 @torch.library.custom_op("fusedpar::ring_attn_backward", mutates_args=())
-def _ring_attn_backward_op(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: Tensor,
-                           out: Tensor, lse: Tensor, group: str, causal: bool,
-                           softmax_scale: float | None, layout: str, window_left: int,
-                           window_right: int, softcap: float, deterministic: bool,
-                           cu_seqlens: Tensor | None, masks: Tensor | None = None
-                           ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def _ring_attn_backward_op(
+    dout: Tensor,
+    dlse: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    group: str,
+    causal: bool,
+    softmax_scale: float | None,
+    layout: str,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+    cu_seqlens: Tensor | None,
+    masks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     pg = group_by_name(group)
     masks = _masks(pg, q, causal, layout, (window_left, window_right), cu_seqlens, masks)
     rings = GroupRing(pg), GroupRing(pg, tag=1)
     # delta = rowsum(dO * O) - dLSE: made by the first launch (the own block's)
-    dq, dk, dv = _backward([q], [k], [v], [dout], [lse], None, *rings, [masks],
-                           softmax_scale=softmax_scale, softcap=softcap,
-                           agreement=tuning_agreement(pg, q.device),
-                           sources=[(out, dlse)], deterministic=deterministic)  # fmt: skip
+    dq, dk, dv = _backward(
+        [q],
+        [k],
+        [v],
+        [dout],
+        [lse],
+        None,
+        *rings,
+        [masks],
+        softmax_scale=softmax_scale,
+        softcap=softcap,
+        agreement=tuning_agreement(pg, q.device),
+        sources=[(out, dlse)],
+        deterministic=deterministic,
+    )
     return dq[0].to(q.dtype), dk[0].to(k.dtype), dv[0].to(v.dtype)
 
 
@@ -374,8 +504,16 @@ def _(dout, dlse, q, k, v, *args):
 def _mask_row(pg, q, causal, layout, window, cu_seqlens):
     """This rank's `mask_row` over `pg`."""
     rank, size = dist.get_rank(pg), dist.get_world_size(pg)
-    return mask_row(rank, size, layout, q.shape[1], q.device, causal=causal, window=window,
-                    cu_seqlens=cu_seqlens)  # fmt: skip
+    return mask_row(
+        rank,
+        size,
+        layout,
+        q.shape[1],
+        q.device,
+        causal=causal,
+        window=window,
+        cu_seqlens=cu_seqlens,
+    )
 
 
 def _masks(pg, q, causal, layout, window, cu_seqlens, row=None):
@@ -394,8 +532,7 @@ def _setup(ctx, inputs, output):
 
 def _backward_op(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens, masks = ctx.saved_tensors
-    grads = _ring_attn_backward(dout, dlse, q, k, v, out, lse, *ctx.options, cu_seqlens,
-                                masks)  # fmt: skip
+    grads = _ring_attn_backward(dout, dlse, q, k, v, out, lse, *ctx.options, cu_seqlens, masks)
     return *grads, *[None] * (len(ctx.options) + 2)
 
 
@@ -445,10 +582,21 @@ def ring_attn(
     check_layout(layout)
     if sinks is not None:  # once, on the merged rows: see `apply_sinks`
         check_sinks(sinks, q, "ring_attn")
-        out, lse = ring_attn(q, k, v, group, causal=causal, softmax_scale=softmax_scale,
-                             layout=layout, window=window, softcap=softcap,
-                             cu_seqlens=cu_seqlens, return_lse=True,
-                             ulysses_group=ulysses_group, deterministic=deterministic)  # fmt: skip
+        out, lse = ring_attn(
+            q,
+            k,
+            v,
+            group,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            layout=layout,
+            window=window,
+            softcap=softcap,
+            cu_seqlens=cu_seqlens,
+            return_lse=True,
+            ulysses_group=ulysses_group,
+            deterministic=deterministic,
+        )
         out, lse = apply_sinks(out, lse, sinks)
         return (out, lse) if return_lse else out
     window, softcap = check_shards(q, k, v, window, softcap, "ring_attn", softmax_scale)
@@ -458,28 +606,57 @@ def ring_attn(
         check_crossing_groups(pg, ug, "ring_attn")
         check_heads(q.shape[2], k.shape[2], ulysses, "ring_attn over ulysses_group")
     # with a head exchange first, the values too (in eager): before any collective
-    check_packed(q, cu_seqlens, q.shape[1] * size * ulysses, "ring_attn",
-                 values=ulysses > 1 and not torch.compiler.is_compiling())  # fmt: skip
+    check_packed(
+        q,
+        cu_seqlens,
+        q.shape[1] * size * ulysses,
+        "ring_attn",
+        values=ulysses > 1 and not torch.compiler.is_compiling(),
+    )
     if layout == "zigzag" and size > 1 and q.shape[1] * ulysses % 2:
         raise ValueError(
             f"ring_attn: zigzag needs the full length divisible by 2W = {2 * size}, but "
             f"this rank holds {q.shape[1]} tokens (full length {q.shape[1] * size * ulysses})"
         )
-    options = dict(causal=causal, softmax_scale=softmax_scale, layout=layout, window=window,
-                   softcap=softcap, cu_seqlens=cu_seqlens, deterministic=deterministic)  # fmt: skip
+    options = dict(
+        causal=causal,
+        softmax_scale=softmax_scale,
+        layout=layout,
+        window=window,
+        softcap=softcap,
+        cu_seqlens=cu_seqlens,
+        deterministic=deterministic,
+    )
     if ulysses > 1:  # the ring (or, over one rank, flash_attn) on the exchanged heads
         attend = lambda *qkv: ring_attn(*qkv, pg, **options, return_lse=True)  # noqa: E731
         return head_parallel(q, k, v, ug, attend, return_lse=return_lse)
-    mask = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
-                deterministic=deterministic)  # fmt: skip
+    mask = dict(
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window=window,
+        softcap=softcap,
+        deterministic=deterministic,
+    )
     if size == 1:
         if cu_seqlens is None:
             return flash_attn(q, k, v, **mask, return_lse=return_lse)
         out, lse = flash_attn_varlen(q[0], k[0], v[0], cu_seqlens, **mask, return_lse=True)
         return (out[None], lse[None]) if return_lse else out[None]
     masks = _mask_row(pg, q, causal, layout, window, cu_seqlens)  # once, for both directions
-    out, lse = _ring_attn(q, k, v, group_name(pg), causal, softmax_scale, layout, *window,
-                          softcap, deterministic, cu_seqlens, masks)  # fmt: skip
+    out, lse = _ring_attn(
+        q,
+        k,
+        v,
+        group_name(pg),
+        causal,
+        softmax_scale,
+        layout,
+        *window,
+        softcap,
+        deterministic,
+        cu_seqlens,
+        masks,
+    )
     return (out, lse) if return_lse else out
 
 
@@ -502,11 +679,20 @@ def _unshard(pieces, size, layout, dim=1):
 class VirtualRingAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, size, causal, softmax_scale, layout, window, softcap, cu_seqlens):
-        masks = ring_masks(range(size), size, layout, q.shape[1] // size, q.device,
-                           causal=causal, window=window, cu_seqlens=cu_seqlens)  # fmt: skip
+        masks = ring_masks(
+            range(size),
+            size,
+            layout,
+            q.shape[1] // size,
+            q.device,
+            causal=causal,
+            window=window,
+            cu_seqlens=cu_seqlens,
+        )
         common = dict(softmax_scale=softmax_scale, softcap=softcap)
-        out, lse = _forward(*(_shards(t, size, layout) for t in (q, k, v)), VirtualRing(size),
-                            masks, **common)  # fmt: skip
+        out, lse = _forward(
+            *(_shards(t, size, layout) for t in (q, k, v)), VirtualRing(size), masks, **common
+        )
         out = _unshard([o.to(q.dtype) for o in out], size, layout)  # rounded as ring_attn's
         lse = _unshard(lse, size, layout, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -525,10 +711,18 @@ class VirtualRingAttnFunction(torch.autograd.Function):
         # delta made by each rank's first dQ launch, as ring_attn's
         dlses = [None] * size if dlse is None else _shards(dlse, size, layout, dim=2)
         sources = list(zip(_shards(out, size, layout), dlses, strict=True))
-        grads = _backward(*per_rank, None, VirtualRing(size), VirtualRing(size), ctx.masks,
-                          **ctx.common, sources=sources)  # fmt: skip
-        dq, dk, dv = (_unshard(g, size, layout).to(t.dtype)
-                      for g, t in zip(grads, (q, k, v), strict=True))  # fmt: skip
+        grads = _backward(
+            *per_rank,
+            None,
+            VirtualRing(size),
+            VirtualRing(size),
+            ctx.masks,
+            **ctx.common,
+            sources=sources,
+        )
+        dq, dk, dv = (
+            _unshard(g, size, layout).to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True)
+        )
         return dq, dk, dv, *[None] * 7
 
 
@@ -565,18 +759,23 @@ def virtual_ring_attn(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"virtual_ring_attn: world_size must be an int >= 1, got {world_size!r}")
     if q.shape[1] != k.shape[1]:
-        raise ValueError(f"virtual_ring_attn: q has {q.shape[1]} tokens, k and v have "
-                         f"{k.shape[1]}: ring attention needs one sequence")  # fmt: skip
+        raise ValueError(
+            f"virtual_ring_attn: q has {q.shape[1]} tokens, k and v have "
+            f"{k.shape[1]}: ring attention needs one sequence"
+        )
     if q.shape[1] < _num_chunks(world_size, layout):
-        raise ValueError(f"virtual_ring_attn: {q.shape[1]} tokens cannot fill the "
-                         f"{_num_chunks(world_size, layout)} chunks of layout {layout!r} "
-                         f"at W={world_size}")  # fmt: skip
+        raise ValueError(
+            f"virtual_ring_attn: {q.shape[1]} tokens cannot fill the "
+            f"{_num_chunks(world_size, layout)} chunks of layout {layout!r} "
+            f"at W={world_size}"
+        )
     check_sequence_length(q.shape[1], world_size, layout, "virtual_ring_attn")
     check_packed(q, cu_seqlens, q.shape[1], "virtual_ring_attn")
     if cu_seqlens is not None:  # this one runs eagerly: its values are read here
         check_cu_seqlens(cu_seqlens, q.shape[1])
     if world_size == 1:  # one rank holds the sequence in order, whatever the layout
         layout = "contiguous"
-    out, lse = VirtualRingAttnFunction.apply(q, k, v, world_size, causal, softmax_scale, layout,
-                                             window, softcap, cu_seqlens)  # fmt: skip
+    out, lse = VirtualRingAttnFunction.apply(
+        q, k, v, world_size, causal, softmax_scale, layout, window, softcap, cu_seqlens
+    )
     return (out, lse) if return_lse else out

@@ -70,15 +70,19 @@ def check_crossing_groups(group: Group, ulysses_group: Group, what: str) -> None
         return
     shared = set(dist.get_process_group_ranks(pg)) & set(dist.get_process_group_ranks(ug))
     if len(shared) > 1:
-        raise ValueError(f"{what}: the ring group and the Ulysses group overlap in ranks "
-                         f"{sorted(shared)}: they must be different axes of the mesh, sharing "
-                         f"only this rank")  # fmt: skip
+        raise ValueError(
+            f"{what}: the ring group and the Ulysses group overlap in ranks "
+            f"{sorted(shared)}: they must be different axes of the mesh, sharing "
+            f"only this rank"
+        )
 
 
 def _check_ulysses_split(local_len: int, ulysses: int, what: str) -> None:
     if ulysses > 1 and local_len % ulysses:
-        raise ValueError(f"{what}: each ring rank's {local_len} tokens do not divide by the "
-                         f"Ulysses degree {ulysses}")  # fmt: skip
+        raise ValueError(
+            f"{what}: each ring rank's {local_len} tokens do not divide by the "
+            f"Ulysses degree {ulysses}"
+        )
 
 
 def _shard(x: torch.Tensor, rank: int, size: int, dim: int, layout: str) -> torch.Tensor:
@@ -91,8 +95,9 @@ def _gather(x: torch.Tensor, pg, dim: int, layout: str) -> torch.Tensor:
     gathered = all_gather_async(x.movedim(dim, 0), pg).wait()
     per_rank = len(_chunks_of(0, size, layout))
     pieces = gathered.chunk(size * per_rank)  # rank-major: rank r's chunks in its order
-    owner = {c: r * per_rank + i for r in range(size)
-             for i, c in enumerate(_chunks_of(r, size, layout))}  # fmt: skip
+    owner = {
+        c: r * per_rank + i for r in range(size) for i, c in enumerate(_chunks_of(r, size, layout))
+    }
     full = torch.cat([pieces[owner[c]] for c in range(_num_chunks(size, layout))])
     return full.movedim(0, dim)
 
@@ -121,8 +126,14 @@ class _GatherSequence(torch.autograd.Function):
         return shard, None, None, None
 
 
-def shard_sequence(x: torch.Tensor, group: Group, *, dim: int = 1, layout: str = "zigzag",
-                   ulysses_group: Group = None):  # fmt: skip
+def shard_sequence(
+    x: torch.Tensor,
+    group: Group,
+    *,
+    dim: int = 1,
+    layout: str = "zigzag",
+    ulysses_group: Group = None,
+):
     """This rank's part of the full sequence `x` along `dim` (every rank passes the same
     full `x`); with `ulysses_group`, its contiguous part of that over the Ulysses group
     (the hybrid layout). Backward: the gradient is gathered, so each rank gets the full
@@ -139,8 +150,14 @@ def shard_sequence(x: torch.Tensor, group: Group, *, dim: int = 1, layout: str =
     return x
 
 
-def gather_sequence(x: torch.Tensor, group: Group, *, dim: int = 1, layout: str = "zigzag",
-                    ulysses_group: Group = None):  # fmt: skip
+def gather_sequence(
+    x: torch.Tensor,
+    group: Group,
+    *,
+    dim: int = 1,
+    layout: str = "zigzag",
+    ulysses_group: Group = None,
+):
     """The full sequence from every rank's part `x` along `dim`, in order, on every rank
     (the inverse of `shard_sequence` with the same groups). Backward: each rank keeps
     its part of the gradient (the output is replicated)."""
@@ -150,8 +167,10 @@ def gather_sequence(x: torch.Tensor, group: Group, *, dim: int = 1, layout: str 
     dim = dim % x.dim()
     size, ulysses = group_size(pg), group_size(ug)
     if size > 1 and layout == "zigzag" and x.shape[dim] * ulysses % 2:
-        raise ValueError(f"gather_sequence: a zigzag shard holds two equal chunks, but its "
-                         f"length along dim {dim} is {x.shape[dim] * ulysses}")  # fmt: skip
+        raise ValueError(
+            f"gather_sequence: a zigzag shard holds two equal chunks, but its "
+            f"length along dim {dim} is {x.shape[dim] * ulysses}"
+        )
     if ulysses > 1:
         x = _GatherSequence.apply(x, ug, dim, "contiguous")
     if size > 1:

@@ -38,8 +38,9 @@ def _pieces(rows: int, chunks: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
 
 
-def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None, epilogues=None,
-                   outs=None):  # fmt: skip
+def gather_matmuls(
+    x, operands, biases, pg, chunks, gemm=matmul, ring=None, epilogues=None, outs=None
+):
     """``gather(x) @ operand + bias`` for each operand, one ring all-gather for all.
 
     x (n, K) this rank's rows; operands [(K, N_i)]; biases [(N_i,) or None]. Returns the
@@ -57,11 +58,20 @@ def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None, epil
     epilogues = epilogues or [None] * len(operands)
     n, K = x.shape
     if chunks == AUTO:
-        key = (bucket(n), K, tuple(op.shape[1] for op in operands), str(x.dtype),
-               tuple(e is not None for e in epilogues))  # fmt: skip
-        chunks = measured_chunks("all_gather_matmul", key, pg, x.device,
-                                 lambda c: gather_matmuls(x, operands, biases, pg, c, gemm,
-                                                          ring, epilogues))  # fmt: skip
+        key = (
+            bucket(n),
+            K,
+            tuple(op.shape[1] for op in operands),
+            str(x.dtype),
+            tuple(e is not None for e in epilogues),
+        )
+        chunks = measured_chunks(
+            "all_gather_matmul",
+            key,
+            pg,
+            x.device,
+            lambda c: gather_matmuls(x, operands, biases, pg, c, gemm, ring, epilogues),
+        )
     if chunks == FUSED:
         if ring is not None:
             raise ValueError("gather_matmuls: the fused schedule takes no ring")
@@ -72,10 +82,17 @@ def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None, epil
         # one rank: plain GEMMs, nothing to gather; serial: one all-gather, then GEMMs
         full = x if group_size(pg) == 1 else all_gather_async(x, pg).wait()
         outs = outs or [None] * len(operands)
-        outs = [gemm(full, op, bias=bias, out=out, out_dtype=x.dtype,
-                     **_chunk_epilogue(epilogue, slice(0, full.shape[0])))
-                for op, bias, epilogue, out in zip(operands, biases, epilogues, outs,
-                                                   strict=True)]  # fmt: skip
+        outs = [
+            gemm(
+                full,
+                op,
+                bias=bias,
+                out=out,
+                out_dtype=x.dtype,
+                **_chunk_epilogue(epilogue, slice(0, full.shape[0])),
+            )
+            for op, bias, epilogue, out in zip(operands, biases, epilogues, outs, strict=True)
+        ]
         return outs, full
     ring = Ring(pg) if ring is None else ring
     size, rank = ring.size, ring.rank
@@ -88,9 +105,16 @@ def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None, epil
         for out, op, bias, epilogue in gemms:
             # (a gated epilogue's tuning writes rows the ring writes again)
             gated = epilogue is not None and not isinstance(epilogue, RowRotation)
-            gemm(x[a:b], op, bias=bias, out=out[a:b] if gated else None,
-                 out_dtype=x.dtype, agreement=agreement, tune_only=True,
-                 **_chunk_epilogue(epilogue, slice(a, b)))  # fmt: skip
+            gemm(
+                x[a:b],
+                op,
+                bias=bias,
+                out=out[a:b] if gated else None,
+                out_dtype=x.dtype,
+                agreement=agreement,
+                tune_only=True,
+                **_chunk_epilogue(epilogue, slice(a, b)),
+            )
     with frozen("the all-gather ring", agreement):
         for step in range(size):
             src, incoming = (rank - step) % size, (rank - step - 1) % size
@@ -100,8 +124,14 @@ def gather_matmuls(x, operands, biases, pg, chunks, gemm=matmul, ring=None, epil
                     arriving = gathered[incoming * n + a : incoming * n + b]
                     ring.send_recv(gathered[rows], out=arriving)
                 for out, op, bias, epilogue in gemms:
-                    gemm(gathered[rows], op, out=out[rows], bias=bias, agreement=agreement,
-                         **_chunk_epilogue(epilogue, rows))  # fmt: skip
+                    gemm(
+                        gathered[rows],
+                        op,
+                        out=out[rows],
+                        bias=bias,
+                        agreement=agreement,
+                        **_chunk_epilogue(epilogue, rows),
+                    )
                 if step + 1 < size:
                     ring.wait()
     return outs, gathered
@@ -115,12 +145,12 @@ def _chunk_epilogue(epilogue, rows: slice) -> dict:
         return {}
     if isinstance(epilogue, RowRotation):
         return {"rope": epilogue._replace(first_row=rows.start)}
-    return {"gated": type(epilogue)(*(t[rows] if isinstance(t, Tensor) else t
-                                      for t in epilogue))}  # fmt: skip
+    return {"gated": type(epilogue)(*(t[rows] if isinstance(t, Tensor) else t for t in epilogue))}
 
 
-def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul, ring=None,
-                           reduce_dtype=None):  # fmt: skip
+def matmuls_reduce_scatter(
+    pairs, pg, chunks, out_dtype, bias=None, gemm=matmul, ring=None, reduce_dtype=None
+):
     """This rank's rows of ``sum_ranks sum_i A_i @ B_i`` (+ bias), by a ring reduce-scatter.
 
     pairs [(A_i (W*m, K_i), B_i (K_i, N))]. At step s rank r computes its fp32 partial for
@@ -134,9 +164,15 @@ def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul,
     """
     wide = accumulator(pairs[0][0].dtype)
     if chunks == AUTO:
-        key = (bucket(pairs[0][0].shape[0]), pairs[0][1].shape[1],
-               tuple(A.shape[1] for A, _ in pairs), str(pairs[0][0].dtype), str(out_dtype),
-               str(reduce_dtype))  # fmt: skip
+        key = (
+            bucket(pairs[0][0].shape[0]),
+            pairs[0][1].shape[1],
+            tuple(A.shape[1] for A, _ in pairs),
+            str(pairs[0][0].dtype),
+            str(out_dtype),
+            str(reduce_dtype),
+        )
+
         def run(c):
             return matmuls_reduce_scatter(pairs, pg, c, out_dtype, bias, gemm, ring, reduce_dtype)
 
@@ -174,8 +210,7 @@ def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul,
     agreement = tuning_agreement(pg, device)
     for a, b in _pieces(rows, chunks):  # the loop's GEMM shapes, picked before it starts
         for i, (A, B) in enumerate(pairs):
-            gemm(A[a:b], B, out_dtype=wide, accumulate=i > 0, agreement=agreement,
-                 tune_only=True)  # fmt: skip
+            gemm(A[a:b], B, out_dtype=wide, accumulate=i > 0, agreement=agreement, tune_only=True)
     with frozen("the reduce-scatter ring", agreement):
         for step in range(size):
             dest = (rank - step - 1) % size
@@ -185,8 +220,13 @@ def matmuls_reduce_scatter(pairs, pg, chunks, out_dtype, bias=None, gemm=matmul,
                     sent = running[a] if reduce_dtype is None else running[a].to(reduce_dtype)
                     ring.send_recv(sent)
                 for i, (A, B) in enumerate(pairs):
-                    gemm(A[dest * rows + a : dest * rows + b], B, out=partial, accumulate=i > 0,
-                         agreement=agreement)  # fmt: skip
+                    gemm(
+                        A[dest * rows + a : dest * rows + b],
+                        B,
+                        out=partial,
+                        accumulate=i > 0,
+                        agreement=agreement,
+                    )
                 if step > 0:
                     partial += ring.wait()  # the sum for `dest` so far, from rank - 1
                 running[a] = partial

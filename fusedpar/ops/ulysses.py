@@ -57,15 +57,18 @@ def check_heads(n_heads: int, n_kv_heads: int, size: int, what: str) -> int:
     """The replication of each KV head for a head exchange over `size` ranks (1, or
     P / Hkv when Hkv < P). ValueError, naming the counts, for heads that do not fit."""
     if n_heads % size:
-        raise ValueError(f"{what}: the {n_heads} query heads do not divide by the Ulysses "
-                         f"degree {size}")  # fmt: skip
+        raise ValueError(
+            f"{what}: the {n_heads} query heads do not divide by the Ulysses degree {size}"
+        )
     if n_kv_heads % size == 0:
         return 1
     if size % n_kv_heads == 0:
         return size // n_kv_heads
-    raise ValueError(f"{what}: {n_kv_heads} KV heads and Ulysses degree {size}: the KV heads "
-                     f"must divide by {size}, or divide it (then each is replicated "
-                     f"{size} / Hkv times)")  # fmt: skip
+    raise ValueError(
+        f"{what}: {n_kv_heads} KV heads and Ulysses degree {size}: the KV heads "
+        f"must divide by {size}, or divide it (then each is replicated "
+        f"{size} / Hkv times)"
+    )
 
 
 # --- the exchanges: fusedpar::scatter_heads and fusedpar::gather_heads ---------------------
@@ -102,24 +105,26 @@ def _check_exchange(xs, group, replicas, what):
     if len(xs) != len(replicas):
         raise ValueError(f"{what}: {len(xs)} tensors but {len(replicas)} replica counts")
     pg = group_by_name(group)
-    check_same_across_ranks(pg, [v for x in xs for v in x.shape], f"{what}: shapes",
-                            xs[0].device)  # fmt: skip
+    check_same_across_ranks(pg, [v for x in xs for v in x.shape], f"{what}: shapes", xs[0].device)
     return pg, dist.get_world_size(pg)
 
 
 @torch.library.custom_op("fusedpar::scatter_heads", mutates_args=())
 def _scatter_heads_op(xs: list[Tensor], group: str, replicas: list[int]) -> list[Tensor]:
     pg, size = _check_exchange(xs, group, replicas, "scatter_heads")
-    pending = [all_to_all_async(_heads_first(x, size, r), pg)
-               for x, r in zip(xs, replicas, strict=True)]  # fmt: skip
+    pending = [
+        all_to_all_async(_heads_first(x, size, r), pg) for x, r in zip(xs, replicas, strict=True)
+    ]
     return [_sequence_whole(p.wait()) for p in pending]
 
 
 @_scatter_heads_op.register_fake
 def _(xs, group, replicas):
     size = dist.get_world_size(group_by_name(group))
-    return [x.new_empty((x.shape[0], x.shape[1] * size, x.shape[2] * r // size, x.shape[3]))
-            for x, r in zip(xs, replicas, strict=True)]  # fmt: skip
+    return [
+        x.new_empty((x.shape[0], x.shape[1] * size, x.shape[2] * r // size, x.shape[3]))
+        for x, r in zip(xs, replicas, strict=True)
+    ]
 
 
 @torch.library.custom_op("fusedpar::gather_heads", mutates_args=())
@@ -132,8 +137,10 @@ def _gather_heads_op(xs: list[Tensor], group: str, replicas: list[int]) -> list[
 @_gather_heads_op.register_fake
 def _(xs, group, replicas):
     size = dist.get_world_size(group_by_name(group))
-    return [x.new_empty((x.shape[0], x.shape[1] // size, x.shape[2] * size // r, x.shape[3]))
-            for x, r in zip(xs, replicas, strict=True)]  # fmt: skip
+    return [
+        x.new_empty((x.shape[0], x.shape[1] // size, x.shape[2] * size // r, x.shape[3]))
+        for x, r in zip(xs, replicas, strict=True)
+    ]
 
 
 def _setup(ctx, inputs, output):
@@ -204,8 +211,9 @@ def ulysses_attn(
     size = group_size(pg)
     check_heads(q.shape[2], k.shape[2], size, "ulysses_attn")
     # the values too (in eager): the exchange comes before the attention op reads them
-    check_packed(q, cu_seqlens, q.shape[1] * size, "ulysses_attn",
-                 values=not torch.compiler.is_compiling())  # fmt: skip
+    check_packed(
+        q, cu_seqlens, q.shape[1] * size, "ulysses_attn", values=not torch.compiler.is_compiling()
+    )
     options = (causal, softmax_scale, *window, softcap, deterministic)
 
     def attend(q, k, v):  # the whole sequence, this rank's heads

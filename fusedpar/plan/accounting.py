@@ -103,13 +103,19 @@ def layer_tensors(spec: ModelSpec, layer: int, tp: int = 1, ep: int = 1) -> list
     if spec.mla:
         hq = spec.n_heads // t
         if spec.q_lora_rank:
-            out += [((spec.q_lora_rank, d), "whole"), ((spec.q_lora_rank,), "whole"),
-                    ((hq * hd, spec.q_lora_rank), "tp")]  # fmt: skip
+            out += [
+                ((spec.q_lora_rank, d), "whole"),
+                ((spec.q_lora_rank,), "whole"),
+                ((hq * hd, spec.q_lora_rank), "tp"),
+            ]
         else:
             out.append(((hq * hd, d), "tp"))
-        out += [((spec.kv_lora_rank + spec.rope_dim, d), "whole"), ((spec.kv_lora_rank,), "whole"),
-                ((hq * (hd - spec.rope_dim + hv), spec.kv_lora_rank), "tp"),
-                ((d, hq * hv), "tp")]  # fmt: skip
+        out += [
+            ((spec.kv_lora_rank + spec.rope_dim, d), "whole"),
+            ((spec.kv_lora_rank,), "whole"),
+            ((hq * (hd - spec.rope_dim + hv), spec.kv_lora_rank), "tp"),
+            ((d, hq * hv), "tp"),
+        ]
         if spec.attention_bias:  # q_a's (q_proj's has none) and kv_a's
             out += [((spec.q_lora_rank,), "whole")] if spec.q_lora_rank else []
             out.append(((spec.kv_lora_rank + spec.rope_dim,), "whole"))
@@ -291,8 +297,9 @@ def block_saved(spec: ModelSpec, layer: int, z: Local, policy: str = "none", rec
     tensors, or under checkpointing its input and what the policy keeps."""
     if policy not in POLICIES:
         raise ValueError(f"checkpointing must be one of {POLICIES}, got {policy!r}")
-    saved = attention_saved(spec, z, policy) + mlp_saved(spec, z, spec.is_moe(layer), policy,
-                                                         received)  # fmt: skip
+    saved = attention_saved(spec, z, policy) + mlp_saved(
+        spec, z, spec.is_moe(layer), policy, received
+    )
     if policy != "none":
         saved += z.n * spec.d_model * z.e  # the block's input, kept by the checkpoint
     return saved
@@ -321,6 +328,8 @@ def stage_saved(spec: ModelSpec, layers, z: Local, policy: str, *, first: bool, 
     kinds: dict[bool, int] = {}
     for i in layers:  # blocks of one kind save alike
         kinds[spec.is_moe(i)] = kinds.get(spec.is_moe(i), 0) + 1
-    blocks = sum(count * block_saved(spec, next(i for i in layers if spec.is_moe(i) == moe), z,
-                                     policy) for moe, count in kinds.items())  # fmt: skip
+    blocks = sum(
+        count * block_saved(spec, next(i for i in layers if spec.is_moe(i) == moe), z, policy)
+        for moe, count in kinds.items()
+    )
     return blocks + ends_saved(spec, z, first=first, last=last)

@@ -91,16 +91,28 @@ class Estimate:
 
     def as_dict(self) -> dict:
         d = self.dims
-        return {"model": self.model, "layout": self.layout(), "gpus": self.gpus,
-                "dims": {a: getattr(d, a) for a in AXES} | {"ep": list(d.ep_axes)},
-                "seq_len": self.seq_len, "micro_batch": self.micro_batch,
-                "microbatches": self.microbatches, "schedule": self.schedule,
-                "checkpointing": self.checkpointing, "dp_sharding": self.dp_sharding,
-                "memory": self.memory,
-                "traffic": self.traffic, "collectives": self.collectives, "links": self.links,
-                "times": self.times, "step_time_s": self.step_time_s,
-                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
-                "fits": self.fits, "notes": self.notes}  # fmt: skip
+        return {
+            "model": self.model,
+            "layout": self.layout(),
+            "gpus": self.gpus,
+            "dims": {a: getattr(d, a) for a in AXES} | {"ep": list(d.ep_axes)},
+            "seq_len": self.seq_len,
+            "micro_batch": self.micro_batch,
+            "microbatches": self.microbatches,
+            "schedule": self.schedule,
+            "checkpointing": self.checkpointing,
+            "dp_sharding": self.dp_sharding,
+            "memory": self.memory,
+            "traffic": self.traffic,
+            "collectives": self.collectives,
+            "links": self.links,
+            "times": self.times,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "fits": self.fits,
+            "notes": self.notes,
+        }
 
 
 def _bytes(dtype: torch.dtype) -> int:
@@ -131,15 +143,21 @@ def state_bytes(spec, dims, layers, first, last, *, param_dtype, optimizer) -> d
         numel += count * sum(acc.fsdp_numel(s, dims.dp) for s in shapes)
         tensors += count * len(shapes)
     ends = acc.model_end_tensors(spec, first=first, last=last)
-    numel += sum(acc.fsdp_numel((n // spec.d_model, spec.d_model) if n > spec.d_model else (n,),
-                                dims.dp) for n, _ in ends)  # fmt: skip
+    numel += sum(
+        acc.fsdp_numel((n // spec.d_model, spec.d_model) if n > spec.d_model else (n,), dims.dp)
+        for n, _ in ends
+    )
     tensors += len(ends)
     p = _bytes(param_dtype)
     states = {"adamw": 2 * numel * p + 4 * tensors, "sgd": 0}
     if optimizer not in states:
         raise ValueError(f"optimizer must be one of {list(states)}, got {optimizer!r}")
-    return {"parameters": numel * p, "gradients": numel * p, "optimizer": states[optimizer],
-            "numel": numel}  # fmt: skip
+    return {
+        "parameters": numel * p,
+        "gradients": numel * p,
+        "optimizer": states[optimizer],
+        "numel": numel,
+    }
 
 
 def link_of(dims: ParallelDims, axis: str, gpus_per_node: int) -> str:
@@ -172,7 +190,6 @@ class _Clock:
             sent = nbytes
         bw = (self.dev.nvlink_gbps if link == "nvlink" else self.dev.network_gbps) * 1e9
         return sent / bw + calls * LATENCY_S[link]
-
 
     def group_comm(self, axes: tuple, given: float, calls: int) -> float:
         """Seconds for an all-reduce of `given` bytes in all over the group of `axes`,
@@ -241,8 +258,9 @@ def block_times(spec, layer, z: acc.Local, dev, clock: _Clock, policy, knobs) ->
         for gemm_s, gathered_input in gathers:
             # x's chunks, or the fp32 partials a reduce-scatter carries (traffic.py)
             t_f = clock.comm("tp", volume * (1 if gathered_input else 4 / e))
-            t_b = clock.comm("tp", volume * (1 + 4 / e if gathered_input else 1),
-                             calls=1 + gathered_input)  # fmt: skip
+            t_b = clock.comm(
+                "tp", volume * (1 + 4 / e if gathered_input else 1), calls=1 + gathered_input
+            )
             if knobs["overlap"] == "serial":
                 fwd, bwd = fwd + t_f, bwd + t_b
             else:
@@ -254,8 +272,9 @@ def block_times(spec, layer, z: acc.Local, dev, clock: _Clock, policy, knobs) ->
             kv = z.a * (spec.kv_lora_rank + spec.rope_dim) * e
             # each step expands its block (kv_b's GEMM, over all a tokens in all); the
             # backward expands again and makes the latent's and kv_b's gradients
-            expand = _gemm_s(dev, z.a, spec.n_heads // z.tp * (hd - spec.rope_dim + hv),
-                             spec.kv_lora_rank)  # fmt: skip
+            expand = _gemm_s(
+                dev, z.a, spec.n_heads // z.tp * (hd - spec.rope_dim + hv), spec.kv_lora_rank
+            )
             fwd, bwd = fwd + expand, bwd + 3 * expand
             if policy == "selective":  # no op the policy names: recomputed
                 bwd += expand + att_f
@@ -277,13 +296,28 @@ def block_times(spec, layer, z: acc.Local, dev, clock: _Clock, policy, knobs) ->
     return fwd, bwd, flops
 
 
-def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
-             microbatches: int = 1, schedule: str | None = None, dtype=torch.bfloat16,
-             param_dtype=torch.float32, checkpointing: str = "none", optimizer: str = "adamw",
-             device="h100", gpus_per_node: int = 8, overlap: str = "ring",
-             stages_per_rank: int = 2, memory_margin: float = 0.9, dp_sharding: str = "zero3",
-             elementwise_passes: float = 4.0, document_len: int | None = None,
-             cp_ring: str = "auto") -> Estimate:  # fmt: skip
+def estimate(
+    model,
+    dims: ParallelDims,
+    *,
+    seq_len: int,
+    micro_batch: int = 1,
+    microbatches: int = 1,
+    schedule: str | None = None,
+    dtype=torch.bfloat16,
+    param_dtype=torch.float32,
+    checkpointing: str = "none",
+    optimizer: str = "adamw",
+    device="h100",
+    gpus_per_node: int = 8,
+    overlap: str = "ring",
+    stages_per_rank: int = 2,
+    memory_margin: float = 0.9,
+    dp_sharding: str = "zero3",
+    elementwise_passes: float = 4.0,
+    document_len: int | None = None,
+    cp_ring: str = "auto",
+) -> Estimate:
     """One layout's estimate (see the module doc and `Estimate`). `dims` as the layers
     take them (`fp.ParallelDims`); `micro_batch` sequences of `seq_len` tokens per
     microbatch, `microbatches` per step (the pipeline's, or gradient accumulation). A
@@ -309,29 +343,54 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
     dev = devices.device(device)
     if dims.pp > 1 and schedule is None:
         schedule = "1F1B"
-    dims.validate(dims.pp * dims.dp * dims.cp * dims.ulysses * dims.tp, n_heads=spec.n_heads,
-                  n_kv_heads=spec.n_kv_heads, num_experts=spec.num_experts or None,
-                  seq_len=seq_len, n_layers=spec.n_layers if dims.pp > 1 else None,
-                  microbatches=microbatches, schedule=schedule or "1F1B")  # fmt: skip
+    dims.validate(
+        dims.pp * dims.dp * dims.cp * dims.ulysses * dims.tp,
+        n_heads=spec.n_heads,
+        n_kv_heads=spec.n_kv_heads,
+        num_experts=spec.num_experts or None,
+        seq_len=seq_len,
+        n_layers=spec.n_layers if dims.pp > 1 else None,
+        microbatches=microbatches,
+        schedule=schedule or "1F1B",
+    )
     if dims.pp > 1:
         check_pipeline(schedule, dims.pp, spec.n_layers, microbatches, stages_per_rank)
     if document_len is not None and not 0 < document_len <= seq_len:
         raise ValueError(f"document_len ({document_len}) must be in 1..seq_len ({seq_len})")
     if microbatches < 1 or micro_batch < 1:
-        raise ValueError(f"micro_batch ({micro_batch}) and microbatches ({microbatches}) must "
-                         "be at least 1")  # fmt: skip
-    z = acc.Local(seq_len, micro_batch, dims.cp, dims.ulysses, dims.tp, dims.ep_size,
-                  _bytes(dtype), latent_ring=latent_ring(spec, dims, cp_ring))  # fmt: skip
-    est = Estimate(spec.name, dims, seq_len, micro_batch, microbatches, schedule, checkpointing,
-                   dp_sharding)  # fmt: skip
+        raise ValueError(
+            f"micro_batch ({micro_batch}) and microbatches ({microbatches}) must be at least 1"
+        )
+    z = acc.Local(
+        seq_len,
+        micro_batch,
+        dims.cp,
+        dims.ulysses,
+        dims.tp,
+        dims.ep_size,
+        _bytes(dtype),
+        latent_ring=latent_ring(spec, dims, cp_ring),
+    )
+    est = Estimate(
+        spec.name, dims, seq_len, micro_batch, microbatches, schedule, checkpointing, dp_sharding
+    )
     est.experts, est.stages_per_rank = spec.num_experts, stages_per_rank
     ranks = rank_stages(spec, dims, schedule, stages_per_rank)
-    peaks = saved_peaks(spec, dims, z, checkpointing, schedule, microbatches, stages_per_rank,
-                        packed=document_len is not None)  # fmt: skip
+    peaks = saved_peaks(
+        spec,
+        dims,
+        z,
+        checkpointing,
+        schedule,
+        microbatches,
+        stages_per_rank,
+        packed=document_len is not None,
+    )
     best = None
     for rank, (layers, first, last, _) in enumerate(ranks):
-        mem = state_bytes(spec, dims, layers, first, last, param_dtype=param_dtype,
-                          optimizer=optimizer)  # fmt: skip
+        mem = state_bytes(
+            spec, dims, layers, first, last, param_dtype=param_dtype, optimizer=optimizer
+        )
         per_mb = acc.stage_saved(spec, layers, z, checkpointing, first=first, last=last)
         mem["activations"] = per_mb
         # the pipeline's: held stage-microbatches beyond this rank's one of each stage
@@ -345,8 +404,15 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
         recompute = 0
         if checkpointing != "none" and layers:
             recompute = max(acc.block_saved(spec, i, z) for i in layers)
-        mem["peak"] = (mem["parameters"] + mem["gradients"] + mem["optimizer"] + per_mb
-                       + mem["in_flight"] + mem["buffers"] + recompute)  # fmt: skip
+        mem["peak"] = (
+            mem["parameters"]
+            + mem["gradients"]
+            + mem["optimizer"]
+            + per_mb
+            + mem["in_flight"]
+            + mem["buffers"]
+            + recompute
+        )
         mem.pop("numel")
         if best is None or mem["peak"] > best["peak"]:
             best = mem
@@ -354,11 +420,18 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
     est.fits = best["peak"] <= memory_margin * dev.memory_bytes
     if not est.fits:
         short = best["peak"] - memory_margin * dev.memory_bytes
-        est.notes.append(f"out of memory by {short / 1e9:.1f} GB "
-                         f"(peak {best['peak'] / 1e9:.1f} GB, {memory_margin:.0%} of "
-                         f"{dev.memory_gb:g} GB usable)")  # fmt: skip
-    knobs = {"overlap": overlap, "dp_sharding": dp_sharding, "passes": elementwise_passes,
-             "optimizer": optimizer, "document_len": document_len or seq_len}  # fmt: skip
+        est.notes.append(
+            f"out of memory by {short / 1e9:.1f} GB "
+            f"(peak {best['peak'] / 1e9:.1f} GB, {memory_margin:.0%} of "
+            f"{dev.memory_gb:g} GB usable)"
+        )
+    knobs = {
+        "overlap": overlap,
+        "dp_sharding": dp_sharding,
+        "passes": elementwise_passes,
+        "optimizer": optimizer,
+        "document_len": document_len or seq_len,
+    }
     _time(est, spec, dims, z, dev, ranks, gpus_per_node, knobs, stages_per_rank, param_dtype)
     for group in est.traffic:  # the link of its outermost axis
         names = group.split(" x ")
@@ -367,8 +440,7 @@ def estimate(model, dims: ParallelDims, *, seq_len: int, micro_batch: int = 1,
     return est
 
 
-def _ledger(spec, dims, z, ranks, rank, m, *, schedule, per_rank, param_dtype, sharding,
-            policy):  # fmt: skip
+def _ledger(spec, dims, z, ranks, rank, m, *, schedule, per_rank, param_dtype, sharding, policy):
     """The collectives of one step on pipeline rank `rank` (`traffic.step`, the ledger
     tests/test_plan.py holds equal to a real step's)."""
     from fusedpar.plan import traffic
@@ -379,9 +451,21 @@ def _ledger(spec, dims, z, ranks, rank, m, *, schedule, per_rank, param_dtype, s
         per = stage_count(schedule, dims.pp, per_rank) // dims.pp
         stage_ranks = {s: r for r in range(dims.pp) for s in stages_of(schedule, r, dims.pp, per)}
         stages = [s for s, r in stage_ranks.items() if r == rank]
-    ledger = traffic.step(spec, dims, z, layers, first, last, m, stages=stages,
-                          stage_ranks=stage_ranks, grad_bytes=REDUCE_BYTES,
-                          gather_bytes=z.e, dp_sharding=sharding, policy=policy)  # fmt: skip
+    ledger = traffic.step(
+        spec,
+        dims,
+        z,
+        layers,
+        first,
+        last,
+        m,
+        stages=stages,
+        stage_ranks=stage_ranks,
+        grad_bytes=REDUCE_BYTES,
+        gather_bytes=z.e,
+        dp_sharding=sharding,
+        policy=policy,
+    )
     return ledger
 
 
@@ -416,8 +500,15 @@ def _pipeline(schedule, pp, microbatches, per_rank, backward, send) -> tuple[flo
 
     simulated = _simulated(schedule, pp, microbatches, per_rank)
     per_rank_stages = stage_count(schedule, pp, per_rank) // pp
-    timing = simulate(schedule, pp, simulated, forward_s=1.0, backward_s=backward,
-                      send_s=send, stages_per_rank=per_rank)  # fmt: skip
+    timing = simulate(
+        schedule,
+        pp,
+        simulated,
+        forward_s=1.0,
+        backward_s=backward,
+        send_s=send,
+        stages_per_rank=per_rank,
+    )
     extra = (microbatches - simulated) * per_rank_stages * (1.0 + backward)
     step = timing.step_s + extra
     busy = max(timing.busy_s.values()) + extra
@@ -433,12 +524,17 @@ def latent_ring(spec, dims, cp_ring: str = "auto") -> bool:
     from fusedpar.nn.mla import latent_moves_less
 
     return cp_ring == "latent" or latent_moves_less(
-        spec.n_heads // dims.tp, spec.head_dim - spec.rope_dim, spec.rope_dim, spec.v_dim,
-        spec.kv_lora_rank)  # fmt: skip
+        spec.n_heads // dims.tp,
+        spec.head_dim - spec.rope_dim,
+        spec.rope_dim,
+        spec.v_dim,
+        spec.kv_lora_rank,
+    )
 
 
-def saved_peaks(spec, dims, z, policy, schedule, microbatches, per_rank=2, *,
-                packed: bool = False) -> list[int]:  # fmt: skip
+def saved_peaks(
+    spec, dims, z, policy, schedule, microbatches, per_rank=2, *, packed: bool = False
+) -> list[int]:
     """Per pipeline rank: the most bytes of saved activations it holds at once in a step,
     the (stage, microbatch) pairs its schedule keeps in flight each counted at its stage's
     `stage_saved`, what they share (`stage_shared`; nothing when `packed` documents give
@@ -468,8 +564,10 @@ def _buffers(spec, dims, z, layers, last, param_dtype) -> int:
     TP's gathered input; the ring's K/V blocks in flight; the head's logits."""
     out = 0
     if dims.dp > 1 and layers:
-        block = max(sum(math.prod(s) for s, _ in acc.layer_tensors(spec, i, dims.tp, dims.ep_size))
-                    for i in {spec.is_moe(i): i for i in layers}.values())  # fmt: skip
+        block = max(
+            sum(math.prod(s) for s, _ in acc.layer_tensors(spec, i, dims.tp, dims.ep_size))
+            for i in {spec.is_moe(i): i for i in layers}.values()
+        )
         out += block * (2 * z.e + REDUCE_BYTES)  # two gathered blocks, one's gradient
     if dims.tp > 1:
         out += z.m * spec.d_model * z.e
@@ -501,8 +599,7 @@ def _time(est, spec, dims, z, dev, ranks, gpn, knobs, per_rank, param_dtype) -> 
     f, b = fb[worst]
     if dims.pp > 1:
         send = clock.comm("pp", z.n * spec.d_model * z.e, calls=1, kind="p2p")
-        _, bubble = _pipeline(est.schedule, dims.pp, m, per_rank, _round(b / f),
-                              _round(send / f))  # fmt: skip
+        _, bubble = _pipeline(est.schedule, dims.pp, m, per_rank, _round(b / f), _round(send / f))
         # the worst rank's own work, stretched by the simulated bubble (rounding the
         # ratios moves the bubble a little, never the work)
         pipeline = m * ranks[worst][3] * (f + b) / (1 - bubble)
@@ -510,11 +607,22 @@ def _time(est, spec, dims, z, dev, ranks, gpn, knobs, per_rank, param_dtype) -> 
     else:
         pipeline = m * (f + b) * ranks[0][3]
     layers, first, last, _ = ranks[worst]
-    state = state_bytes(spec, dims, layers, first, last, param_dtype=param_dtype,
-                        optimizer=knobs["optimizer"])  # fmt: skip
-    ledger = _ledger(spec, dims, z, ranks, worst, m, schedule=est.schedule, per_rank=per_rank,
-                     param_dtype=param_dtype, sharding=knobs["dp_sharding"],
-                     policy=est.checkpointing)  # fmt: skip
+    state = state_bytes(
+        spec, dims, layers, first, last, param_dtype=param_dtype, optimizer=knobs["optimizer"]
+    )
+    ledger = _ledger(
+        spec,
+        dims,
+        z,
+        ranks,
+        worst,
+        m,
+        schedule=est.schedule,
+        per_rank=per_rank,
+        param_dtype=param_dtype,
+        sharding=knobs["dp_sharding"],
+        policy=est.checkpointing,
+    )
     exposed = 0.0
     if dims.dp > 1:  # FSDP2: the parameters gathered, the gradients reduce-scattered
         sharding = knobs["dp_sharding"]
@@ -526,18 +634,30 @@ def _time(est, spec, dims, z, dev, ranks, gpn, knobs, per_rank, param_dtype) -> 
         rs = clock.comm("dp", scatters * unsharded * REDUCE_BYTES, calls=scatters * blocks)
         # each block's share hides under a block's compute; the first and last do not
         per_block = pipeline / (blocks * m)
-        exposed = (max(0.0, (ag + rs) / (blocks * m) - per_block) * blocks * m
-                   + (ag / gathers + rs / scatters) / blocks)  # fmt: skip
+        exposed = (
+            max(0.0, (ag + rs) / (blocks * m) - per_block) * blocks * m
+            + (ag / gathers + rs / scatters) / blocks
+        )
     # the partial gradients' all-reduces (the ledger's, each on its group's link), after
     # the step's last backward
-    reduce_s = sum(clock.group_comm(axes, ledger.bytes[kind, axes], ledger.counts[kind, axes])
-                   for kind, axes in ledger.bytes if kind == "all_reduce")  # fmt: skip
+    reduce_s = sum(
+        clock.group_comm(axes, ledger.bytes[kind, axes], ledger.counts[kind, axes])
+        for kind, axes in ledger.bytes
+        if kind == "all_reduce"
+    )
     words = OPTIMIZER_WORDS[knobs["optimizer"]]
     optimizer_s = words * _bytes(param_dtype) * state["numel"] / (dev.hbm_tbps * 1e12)
     est.step_time_s = pipeline + exposed + reduce_s + optimizer_s
-    est.times.update({"forward_per_microbatch": f, "backward_per_microbatch": b,
-                      "pipeline": pipeline, "exposed_dp": exposed,
-                      "gradient_all_reduce": reduce_s, "optimizer": optimizer_s})  # fmt: skip
+    est.times.update(
+        {
+            "forward_per_microbatch": f,
+            "backward_per_microbatch": b,
+            "pipeline": pipeline,
+            "exposed_dp": exposed,
+            "gradient_all_reduce": reduce_s,
+            "optimizer": optimizer_s,
+        }
+    )
     est.traffic, est.collectives = ledger.sent()
     tokens = est.seq_len * est.micro_batch * m * dims.dp
     gpus = est.gpus

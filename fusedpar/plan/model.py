@@ -149,9 +149,9 @@ def _spec(config, name: str | None) -> ModelSpec:
         kv_heads = heads
     else:
         head_dim = _get(config, "head_dim") or d // heads
-        factor = (_get(config, "partial_rotary_factor", "rotary_pct")
-                  or _get(_get(config, "rope_parameters", default={}), "partial_rotary_factor",
-                          default=1.0))  # fmt: skip
+        factor = _get(config, "partial_rotary_factor", "rotary_pct") or _get(
+            _get(config, "rope_parameters", default={}), "partial_rotary_factor", default=1.0
+        )
         rope = _get(config, "rotary_dim") or (int(head_dim * factor) if factor != 1.0 else 0)
         v_head = 0
         kv_heads = _get(config, "num_key_value_heads", default=heads)
@@ -164,16 +164,23 @@ def _spec(config, name: str | None) -> ModelSpec:
     qkv_bias = {"qwen2": True, "qwen2_moe": bool(_get(config, "qkv_bias", default=True))}
     return ModelSpec(
         name=name or _get(config, "_name_or_path", default="") or model_type,
-        vocab=_get(config, "vocab_size"), d_model=d,
+        vocab=_get(config, "vocab_size"),
+        d_model=d,
         n_layers=_get(config, "num_hidden_layers", "n_layer"),
-        n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=v_head or 0,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        head_dim=head_dim,
+        v_head_dim=v_head or 0,
         d_hidden=_get(config, "intermediate_size", "n_inner", default=4 * d),
-        num_experts=experts or 0, top_k=_get(config, "num_experts_per_tok", default=1),
-        moe_hidden=moe_hidden, shared_hidden=shared,
+        num_experts=experts or 0,
+        top_k=_get(config, "num_experts_per_tok", default=1),
+        moe_hidden=moe_hidden,
+        shared_hidden=shared,
         dense_layers_first=_get(config, "first_k_dense_replace", default=0) or 0,
         moe_every=_get(config, "decoder_sparse_step", default=1) or 1,
         dense_layers=tuple(_get(config, "mlp_only_layers", default=()) or ()),
-        q_lora_rank=_get(config, "q_lora_rank", default=0) or 0, kv_lora_rank=kv_lora,
+        q_lora_rank=_get(config, "q_lora_rank", default=0) or 0,
+        kv_lora_rank=kv_lora,
         rope_dim=rope or 0,
         qk_norm=model_type in QK_NORM_FAMILIES or bool(_get(config, "use_qk_norm")),
         attention_bias=qkv_bias.get(model_type, bias),
@@ -182,16 +189,25 @@ def _spec(config, name: str | None) -> ModelSpec:
         shared_gate=model_type == "qwen2_moe" and bool(shared),
         router="sigmoid" if model_type in SIGMOID_ROUTERS else "softmax",
         tied=bool(_get(config, "tie_word_embeddings", default=True)),  # PretrainedConfig's
-        gated=model_type not in ("gpt2", "gpt_neox"), hf=True,
-    )  # fmt: skip
+        gated=model_type not in ("gpt2", "gpt_neox"),
+        hf=True,
+    )
 
 
 def from_example_config(cfg) -> ModelSpec:
     """A ModelSpec of examples/tiny_llama.py's ``Config``."""
-    return ModelSpec(name="tiny_llama", vocab=cfg.vocab, d_model=cfg.d_model,
-                     n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                     head_dim=cfg.head_dim, d_hidden=cfg.d_hidden, num_experts=cfg.num_experts,
-                     top_k=cfg.top_k)  # fmt: skip
+    return ModelSpec(
+        name="tiny_llama",
+        vocab=cfg.vocab,
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        d_hidden=cfg.d_hidden,
+        num_experts=cfg.num_experts,
+        top_k=cfg.top_k,
+    )
 
 
 # The published configs (their config.json on the Hugging Face hub), MTP layers left out.
@@ -199,15 +215,44 @@ PRESETS = {
     "llama3-8b": ModelSpec("Llama-3 8B", 128256, 4096, 32, 32, 8, 128, 14336),
     "llama3-70b": ModelSpec("Llama-3 70B", 128256, 8192, 80, 64, 8, 128, 28672),
     "llama3-405b": ModelSpec("Llama-3 405B", 128256, 16384, 126, 128, 8, 128, 53248),
-    "qwen3-235b-a22b": ModelSpec("Qwen3-235B-A22B", 151936, 4096, 94, 64, 4, 128, 12288,
-                                 num_experts=128, top_k=8, moe_hidden=1536, qk_norm=True),
-    "mixtral-8x22b": ModelSpec("Mixtral 8x22B", 32768, 6144, 56, 48, 8, 128, 16384,
-                               num_experts=8, top_k=2),
-    "deepseek-v3": ModelSpec("DeepSeek-V3", 129280, 7168, 61, 128, 128, 192, 18432,
-                             v_head_dim=128, num_experts=256, top_k=8, moe_hidden=2048,
-                             shared_hidden=2048, dense_layers_first=3, q_lora_rank=1536,
-                             kv_lora_rank=512, rope_dim=64, router="sigmoid"),
-}  # fmt: skip
+    "qwen3-235b-a22b": ModelSpec(
+        "Qwen3-235B-A22B",
+        151936,
+        4096,
+        94,
+        64,
+        4,
+        128,
+        12288,
+        num_experts=128,
+        top_k=8,
+        moe_hidden=1536,
+        qk_norm=True,
+    ),
+    "mixtral-8x22b": ModelSpec(
+        "Mixtral 8x22B", 32768, 6144, 56, 48, 8, 128, 16384, num_experts=8, top_k=2
+    ),
+    "deepseek-v3": ModelSpec(
+        "DeepSeek-V3",
+        129280,
+        7168,
+        61,
+        128,
+        128,
+        192,
+        18432,
+        v_head_dim=128,
+        num_experts=256,
+        top_k=8,
+        moe_hidden=2048,
+        shared_hidden=2048,
+        dense_layers_first=3,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        rope_dim=64,
+        router="sigmoid",
+    ),
+}
 
 
 def model_spec(model) -> ModelSpec:
@@ -218,8 +263,9 @@ def model_spec(model) -> ModelSpec:
     if isinstance(model, str) and model.lower() in PRESETS:
         return PRESETS[model.lower()]
     if isinstance(model, (str, Path)) and not Path(model).exists():
-        raise ValueError(f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a path "
-                         "to a config.json")  # fmt: skip
+        raise ValueError(
+            f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a path to a config.json"
+        )
     if hasattr(model, "head_dim") and hasattr(model, "d_model"):
         return from_example_config(model)
     return from_hf_config(model)

@@ -13,10 +13,12 @@ from fusedpar.pipeline import SCHEDULES, stage_count
 from fusedpar.plan.estimate import Estimate
 
 GB = 1e9
-SHARDING_NOTE = {"zero3": "fully_shard's defaults",
-                 "zero2": "reshard_after_forward=False",
-                 "zero1": "reshard_after_forward=False, set_reshard_after_backward(False), "
-                          "no gradient sync but in the last microbatch"}  # fmt: skip
+SHARDING_NOTE = {
+    "zero3": "fully_shard's defaults",
+    "zero2": "reshard_after_forward=False",
+    "zero1": "reshard_after_forward=False, set_reshard_after_backward(False), "
+    "no gradient sync but in the last microbatch",
+}
 
 
 def dims_call(est: Estimate) -> str:
@@ -134,32 +136,45 @@ def _row(rank: int, est: Estimate) -> str:
     mem = est.memory
     exposed = est.times.get("exposed_dp", 0.0)
     bubble = est.times.get("bubble")
-    return (f"| {rank} | {est.layout()} | {est.checkpointing} | {est.dp_sharding} | "
-            f"{est.micro_batch} x "
-            f"{est.microbatches} | {est.schedule or '-'} | {mem['peak'] / GB:.1f} | "
-            f"{(mem['activations'] + mem['in_flight']) / GB:.1f} | {est.step_time_s:.3f} | "
-            f"{est.tokens_per_s_per_gpu:,.0f} | {est.mfu:.1%} | "
-            f"{'-' if bubble is None else f'{bubble:.0%}'} | {exposed:.3f} |")  # fmt: skip
+    return (
+        f"| {rank} | {est.layout()} | {est.checkpointing} | {est.dp_sharding} | "
+        f"{est.micro_batch} x "
+        f"{est.microbatches} | {est.schedule or '-'} | {mem['peak'] / GB:.1f} | "
+        f"{(mem['activations'] + mem['in_flight']) / GB:.1f} | {est.step_time_s:.3f} | "
+        f"{est.tokens_per_s_per_gpu:,.0f} | {est.mfu:.1%} | "
+        f"{'-' if bubble is None else f'{bubble:.0%}'} | {exposed:.3f} |"
+    )
 
 
 def markdown(result, *, top: int = 15, title: str = "", gpus_per_node: int = 8) -> str:
     """The ranked layouts (the `top` fastest that fit), the best try of each layout that
     does not, and why every other one is ruled out."""
     lines = [f"# {title}", ""] if title else []
-    head = ("| # | layout | checkpointing | FSDP | batch x microbatches | schedule | peak GB | "
-            "activations GB | step s | tokens/s/GPU | MFU | bubble | exposed DP s |")  # fmt: skip
+    head = (
+        "| # | layout | checkpointing | FSDP | batch x microbatches | schedule | peak GB | "
+        "activations GB | step s | tokens/s/GPU | MFU | bubble | exposed DP s |"
+    )
     lines += [head, "|" + " --- |" * 13]
     lines += [_row(i + 1, est) for i, est in enumerate(result.ranked[:top])]
     if result.best is not None:
         best = result.best
-        lines += ["", f"Top pick: {best.layout()} ({best.checkpointing} checkpointing), "
-                  f"{best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU (FSDP2: "
-                  f"{SHARDING_NOTE[best.dp_sharding]}):", "", "```",
-                  *demo_lines(best, gpus_per_node), "# your model's degrees:",
-                  dims_call(best), "```"]  # fmt: skip
-        traffic = ", ".join(f"{axis} {best.traffic[axis] / GB:.1f} GB in "
-                            f"{best.collectives[axis]} calls over {best.links.get(axis, '?')}"
-                            for axis in best.traffic)  # fmt: skip
+        lines += [
+            "",
+            f"Top pick: {best.layout()} ({best.checkpointing} checkpointing), "
+            f"{best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU (FSDP2: "
+            f"{SHARDING_NOTE[best.dp_sharding]}):",
+            "",
+            "```",
+            *demo_lines(best, gpus_per_node),
+            "# your model's degrees:",
+            dims_call(best),
+            "```",
+        ]
+        traffic = ", ".join(
+            f"{axis} {best.traffic[axis] / GB:.1f} GB in "
+            f"{best.collectives[axis]} calls over {best.links.get(axis, '?')}"
+            for axis in best.traffic
+        )
         lines += ["", f"Its traffic per step and rank: {traffic or 'none'}."]
     if result.ruled_out:
         lines += ["", f"Ruled out ({len(result.ruled_out)}):", ""]
@@ -170,10 +185,11 @@ def markdown(result, *, top: int = 15, title: str = "", gpus_per_node: int = 8) 
 
 
 def as_json(result) -> dict:
-    return {"ranked": [e.as_dict() for e in result.ranked],
-            "out_of_memory": [e.as_dict() for e in result.out_of_memory],
-            "ruled_out": [{"layout": layout, "why": why}
-                          for layout, why in result.ruled_out]}  # fmt: skip
+    return {
+        "ranked": [e.as_dict() for e in result.ranked],
+        "out_of_memory": [e.as_dict() for e in result.out_of_memory],
+        "ruled_out": [{"layout": layout, "why": why} for layout, why in result.ruled_out],
+    }
 
 
 def frontier(estimates: list[Estimate]) -> list[Estimate]:
@@ -195,24 +211,38 @@ def plot(result, path, *, title: str = "") -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no plot (pip install -e '.[bench]')",
-              file=sys.stderr)
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
         return False
     fig, ax = plt.subplots(figsize=(8, 5))
-    for group, color, label in ((result.out_of_memory, "0.7", "out of memory (best try)"),
-                                (result.ranked, "tab:blue", "fits")):  # fmt: skip
+    for group, color, label in (
+        (result.out_of_memory, "0.7", "out of memory (best try)"),
+        (result.ranked, "tab:blue", "fits"),
+    ):
         if group:
-            ax.scatter([e.step_time_s for e in group], [e.memory["peak"] / GB for e in group],
-                       s=14, color=color, label=label)  # fmt: skip
+            ax.scatter(
+                [e.step_time_s for e in group],
+                [e.memory["peak"] / GB for e in group],
+                s=14,
+                color=color,
+                label=label,
+            )
     edge = frontier(result.ranked)
     if edge:
-        ax.plot([e.step_time_s for e in edge], [e.memory["peak"] / GB for e in edge],
-                color="tab:orange", label="frontier")  # fmt: skip
+        ax.plot(
+            [e.step_time_s for e in edge],
+            [e.memory["peak"] / GB for e in edge],
+            color="tab:orange",
+            label="frontier",
+        )
     if result.best is not None:
         b = result.best
-        ax.annotate(f"top: {b.layout()}", (b.step_time_s, b.memory["peak"] / GB),
-                    xytext=(10, 10), textcoords="offset points",
-                    arrowprops={"arrowstyle": "->"})  # fmt: skip
+        ax.annotate(
+            f"top: {b.layout()}",
+            (b.step_time_s, b.memory["peak"] / GB),
+            xytext=(10, 10),
+            textcoords="offset points",
+            arrowprops={"arrowstyle": "->"},
+        )
     ax.set_xscale("log")  # layouts across nodes' TP run 10x slower: one axis for all
     ax.set_xlabel("step time (s)")
     ax.set_ylabel("peak memory per GPU (GB)")
@@ -224,16 +254,19 @@ def plot(result, path, *, title: str = "") -> bool:
     return True
 
 
-def write(result, folder, *, name: str = "plan", title: str = "", gpus_per_node: int = 8,
-          top: int = 15) -> dict:  # fmt: skip
+def write(
+    result, folder, *, name: str = "plan", title: str = "", gpus_per_node: int = 8, top: int = 15
+) -> dict:
     """`name`.md, `name`.json and `name`.png in `folder`; returns their paths."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    paths = {"md": folder / f"{name}.md", "json": folder / f"{name}.json",
-             "png": folder / f"{name}.png"}  # fmt: skip
+    paths = {
+        "md": folder / f"{name}.md",
+        "json": folder / f"{name}.json",
+        "png": folder / f"{name}.png",
+    }
     paths["md"].write_text(markdown(result, top=top, title=title, gpus_per_node=gpus_per_node))
     paths["json"].write_text(json.dumps(as_json(result), indent=1, default=str))
     if not plot(result, paths["png"], title=title):
         paths.pop("png")
     return paths
-

@@ -48,10 +48,19 @@ def _torch_order(schedule: str, pp: int, microbatches: int, per_rank: int) -> di
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     num_stages = pp * per_rank
-    stand_ins = [SimpleNamespace(stage_index=s, num_stages=num_stages, group_size=pp,
-                                 group_rank=0, is_first=s == 0, is_last=s == num_stages - 1,
-                                 submod=nn.Module(), stage_index_to_group_rank={})
-                 for s in stages_of(schedule, 0, pp, per_rank)]  # fmt: skip
+    stand_ins = [
+        SimpleNamespace(
+            stage_index=s,
+            num_stages=num_stages,
+            group_size=pp,
+            group_rank=0,
+            is_first=s == 0,
+            is_last=s == num_stages - 1,
+            submod=nn.Module(),
+            stage_index_to_group_rank={},
+        )
+        for s in stages_of(schedule, 0, pp, per_rank)
+    ]
     runner = get_schedule_class(schedule)(stand_ins, microbatches)
     # what runs: the lowered order (comms and grad reductions added, compute order kept)
     order = getattr(runner, "pipeline_order_with_comms", None) or runner.pipeline_order
@@ -74,7 +83,8 @@ def _single(schedule: str, pp: int, microbatches: int) -> dict:
     for rank in range(pp):
         if schedule == "GPipe":
             out[rank] = [("F", rank, m) for m in range(microbatches)] + [
-                ("B", rank, m) for m in range(microbatches)]  # fmt: skip
+                ("B", rank, m) for m in range(microbatches)
+            ]
             continue
         warmup = min(microbatches, pp - rank)
         done = [("F", rank, m) for m in range(warmup)]
@@ -97,17 +107,25 @@ def _actions(schedule: str, pp: int, microbatches: int, stages_per_rank: int) ->
     return tuple(tuple(order[rank]) for rank in range(pp))
 
 
-def actions(schedule: str, pp: int, microbatches: int,
-            stages_per_rank: int = 2) -> dict[int, list[tuple[str, int, int]]]:  # fmt: skip
+def actions(
+    schedule: str, pp: int, microbatches: int, stages_per_rank: int = 2
+) -> dict[int, list[tuple[str, int, int]]]:
     """Per pipeline rank: its compute actions in execution order, (kind, stage, microbatch)
     with kind "F", "B" (the whole backward), "I" or "W" (the split backward's halves).
     ValueError where `fusedpar.pipeline.check_pipeline` refuses the schedule."""
-    return {rank: list(acts) for rank, acts in
-            enumerate(_actions(schedule, pp, microbatches, stages_per_rank))}  # fmt: skip
+    return {
+        rank: list(acts)
+        for rank, acts in enumerate(_actions(schedule, pp, microbatches, stages_per_rank))
+    }
 
 
-def in_flight(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 2,
-              stage_bytes: dict | None = None) -> dict[int, int]:  # fmt: skip
+def in_flight(
+    schedule: str,
+    pp: int,
+    microbatches: int,
+    stages_per_rank: int = 2,
+    stage_bytes: dict | None = None,
+) -> dict[int, int]:
     """Per pipeline rank: the most (stage, microbatch) pairs whose forward has run and whose
     backward has not finished, at any point of its action list. A split backward finishes
     at W, not I: until W the stage keeps what the weights' gradient needs (its inputs and
@@ -143,9 +161,17 @@ class Timing:
     busy_s: dict[int, float] = field(default_factory=dict)
 
 
-def simulate(schedule: str, pp: int, microbatches: int, *, forward_s: float,
-             backward_s: float, weight_s: float | None = None, send_s: float = 0.0,
-             stages_per_rank: int = 2) -> Timing:  # fmt: skip
+def simulate(
+    schedule: str,
+    pp: int,
+    microbatches: int,
+    *,
+    forward_s: float,
+    backward_s: float,
+    weight_s: float | None = None,
+    send_s: float = 0.0,
+    stages_per_rank: int = 2,
+) -> Timing:
     """The step time of `schedule` when one stage-chunk takes `forward_s` forward and
     `backward_s` backward for one microbatch (the whole backward: I + W where it is split,
     `weight_s` the W part, default half). `send_s`: an activation's or a gradient's way to

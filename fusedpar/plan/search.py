@@ -54,8 +54,10 @@ def layouts(spec, gpus: int, gpus_per_node: int, seq_len: int, skipped=None):
                     dims = ParallelDims(dp=dp, cp=cp, tp=tp, ulysses=ulysses, pp=pp)
                     why = None
                     if cp * ulysses > 1 and seq_len // (cp * ulysses) < MIN_TOKENS_PER_CP_RANK:
-                        why = (f"{seq_len // (cp * ulysses)} tokens a cp x ulysses rank, under "
-                               f"{MIN_TOKENS_PER_CP_RANK}: the exchanges would be all latency")
+                        why = (
+                            f"{seq_len // (cp * ulysses)} tokens a cp x ulysses rank, under "
+                            f"{MIN_TOKENS_PER_CP_RANK}: the exchanges would be all latency"
+                        )
                     elif pp > spec.n_layers:
                         why = f"pp {pp} is more stages than the {spec.n_layers} layers"
                     if why:
@@ -81,31 +83,49 @@ def _label(dims: ParallelDims) -> str:
     return Estimate("", dims, 0, 0, 0, None, "").layout()
 
 
-def search(model, *, gpus: int, seq_len: int, global_batch_tokens: int,
-           gpus_per_node: int = 8, device="h100", dtype=torch.bfloat16,
-           checkpointing=None, schedules=SCHEDULES, micro_batches=(1, 2, 4, 8),
-           dp_shardings=("zero3", "zero1"), **options) -> SearchResult:  # fmt: skip
+def search(
+    model,
+    *,
+    gpus: int,
+    seq_len: int,
+    global_batch_tokens: int,
+    gpus_per_node: int = 8,
+    device="h100",
+    dtype=torch.bfloat16,
+    checkpointing=None,
+    schedules=SCHEDULES,
+    micro_batches=(1, 2, 4, 8),
+    dp_shardings=("zero3", "zero1"),
+    **options,
+) -> SearchResult:
     """Every layout of `gpus`, its best choices estimated (see the module doc). `checkpointing`:
     one policy, or None for the first of POLICIES that fits. `dp_shardings`: FSDP2's
     modes tried where a dp rank runs several microbatches (`estimate`'s `dp_sharding`).
     `options` go to `estimate`."""
     spec = model_spec(model)
     if global_batch_tokens % seq_len:
-        raise ValueError(f"global_batch_tokens ({global_batch_tokens}) is not a multiple of "
-                         f"seq_len ({seq_len})")  # fmt: skip
+        raise ValueError(
+            f"global_batch_tokens ({global_batch_tokens}) is not a multiple of seq_len ({seq_len})"
+        )
     sequences = global_batch_tokens // seq_len
     policies = POLICIES if checkpointing is None else (checkpointing,)
     result = SearchResult()
     for dims in layouts(spec, gpus, gpus_per_node, seq_len, result.ruled_out):
         try:
-            dims.validate(gpus, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
-                          num_experts=spec.num_experts or None, seq_len=seq_len)  # fmt: skip
+            dims.validate(
+                gpus,
+                n_heads=spec.n_heads,
+                n_kv_heads=spec.n_kv_heads,
+                num_experts=spec.num_experts or None,
+                seq_len=seq_len,
+            )
         except ValueError as e:
             result.ruled_out.append((_label(dims), str(e)))
             continue
         if sequences % dims.dp:
-            result.ruled_out.append((_label(dims), f"{sequences} sequences a step do not split "
-                                                   f"over dp {dims.dp}"))  # fmt: skip
+            result.ruled_out.append(
+                (_label(dims), f"{sequences} sequences a step do not split over dp {dims.dp}")
+            )
             continue
         best, tried, why = None, None, None
         for mb in micro_batches:
@@ -117,11 +137,20 @@ def search(model, *, gpus: int, seq_len: int, global_batch_tokens: int,
             for schedule, sharding in product(schedules if dims.pp > 1 else (None,), shardings):
                 for policy in policies:
                     try:
-                        est = estimate(spec, dims, seq_len=seq_len, micro_batch=mb,
-                                       microbatches=per_dp // mb, schedule=schedule,
-                                       dtype=dtype, checkpointing=policy, device=device,
-                                       gpus_per_node=gpus_per_node, dp_sharding=sharding,
-                                       **options)  # fmt: skip
+                        est = estimate(
+                            spec,
+                            dims,
+                            seq_len=seq_len,
+                            micro_batch=mb,
+                            microbatches=per_dp // mb,
+                            schedule=schedule,
+                            dtype=dtype,
+                            checkpointing=policy,
+                            device=device,
+                            gpus_per_node=gpus_per_node,
+                            dp_sharding=sharding,
+                            **options,
+                        )
                     except (ValueError, RuntimeError) as e:
                         why = why or str(e)  # the first schedule's reason
                         break
@@ -137,7 +166,13 @@ def search(model, *, gpus: int, seq_len: int, global_batch_tokens: int,
             result.out_of_memory.append(tried)
             result.ruled_out.append((_label(dims), tried.notes[-1]))
         else:
-            result.ruled_out.append((_label(dims), why or "no microbatch size divides the "
-                                     f"{sequences // dims.dp} sequences per dp rank"))  # fmt: skip
+            result.ruled_out.append(
+                (
+                    _label(dims),
+                    why
+                    or "no microbatch size divides the "
+                    f"{sequences // dims.dp} sequences per dp rank",
+                )
+            )
     result.ranked.sort(key=lambda e: e.step_time_s)
     return result

@@ -78,9 +78,14 @@ class Ledger:
         sent, calls = Counter(), Counter()
         for (kind, axes), given in self.bytes.items():
             w, name = self.group_size(axes), " x ".join(axes)
-            share = {"all_gather": (w - 1) / (w + 1), "reduce_scatter": (w - 1) / (w + 1),
-                     "all_reduce": 2 * (w - 1) / w, "all_to_all": (w - 1) / (2 * w),
-                     "send": 1.0, "recv": 0.0}[kind]  # fmt: skip
+            share = {
+                "all_gather": (w - 1) / (w + 1),
+                "reduce_scatter": (w - 1) / (w + 1),
+                "all_reduce": 2 * (w - 1) / w,
+                "all_to_all": (w - 1) / (2 * w),
+                "send": 1.0,
+                "recv": 0.0,
+            }[kind]
             sent[name] += given * share
             if kind != "recv":
                 calls[name] += self.counts[kind, axes]
@@ -100,8 +105,9 @@ def _p2p(ledger, axis, nbytes, count):
     ledger.add("recv", (axis,), nbytes, count)
 
 
-def block(ledger: Ledger, spec, layer: int, z: acc.Local, *, cpu_checks: bool,
-          policy: str = "none") -> None:  # fmt: skip
+def block(
+    ledger: Ledger, spec, layer: int, z: acc.Local, *, cpu_checks: bool, policy: str = "none"
+) -> None:
     """One block's collectives for one microbatch, forward and backward. Under "full"
     checkpointing the forward's run twice (its recompute); `fp.checkpoint_policy()`
     keeps every communicating op's output, so "selective" repeats none but MLA's latent
@@ -177,8 +183,12 @@ def _partial_groups(spec, dims, layers, first, last) -> dict:
     """{axes a gradient is partial over: [numel of each such parameter]} for one rank."""
     split = tuple(a for a in ("cp", "ulysses", "tp") if getattr(dims, a) > 1)
     without_tp = tuple(a for a in split if a != "tp")
-    of_kind = {"whole": split, "tp": without_tp, "summed": without_tp,
-               "expert": tuple(a for a in split if a not in dims.ep_axes)}  # fmt: skip
+    of_kind = {
+        "whole": split,
+        "tp": without_tp,
+        "summed": without_tp,
+        "expert": tuple(a for a in split if a not in dims.ep_axes),
+    }
     groups: dict = {}
     for i in layers:
         for shape, kind in acc.layer_tensors(spec, i, dims.tp, dims.ep_size):
@@ -188,10 +198,23 @@ def _partial_groups(spec, dims, layers, first, last) -> dict:
     return {axes: sizes for axes, sizes in groups.items() if axes}
 
 
-def step(spec, dims, z: acc.Local, layers, first: bool, last: bool, microbatches: int, *,
-         stages=None, stage_ranks=None, grad_bytes: int = 4, gather_bytes: int | None = None,
-         cpu_checks: bool = False, dp_sharding: str = "zero3",
-         policy: str = "none") -> Ledger:  # fmt: skip
+def step(
+    spec,
+    dims,
+    z: acc.Local,
+    layers,
+    first: bool,
+    last: bool,
+    microbatches: int,
+    *,
+    stages=None,
+    stage_ranks=None,
+    grad_bytes: int = 4,
+    gather_bytes: int | None = None,
+    cpu_checks: bool = False,
+    dp_sharding: str = "zero3",
+    policy: str = "none",
+) -> Ledger:
     """One rank's collectives in a step: `microbatches` of its blocks `layers` (and the
     embedding / head), the pipeline's sends between its `stages` (`stage_ranks`: each
     stage's pipeline rank), the gradients' reductions. With dp > 1, FSDP2 over dp, each
@@ -203,8 +226,14 @@ def step(spec, dims, z: acc.Local, layers, first: bool, last: bool, microbatches
     kinds = Counter(spec.is_moe(i) for i in layers)
     for moe, count in kinds.items():
         one = Ledger(dims)
-        block(one, spec, next(i for i in layers if spec.is_moe(i) == moe), z,
-              cpu_checks=cpu_checks, policy=policy)  # fmt: skip
+        block(
+            one,
+            spec,
+            next(i for i in layers if spec.is_moe(i) == moe),
+            z,
+            cpu_checks=cpu_checks,
+            policy=policy,
+        )
         for key in one.counts:
             ledger.counts[key] += one.counts[key] * count * microbatches
             ledger.bytes[key] += one.bytes[key] * count * microbatches
@@ -225,13 +254,16 @@ def step(spec, dims, z: acc.Local, layers, first: bool, last: bool, microbatches
         else:
             ledger.add("all_reduce", axes, sum(sizes) * grad_bytes)
     if fsdp:
-        units = [[s for s, _ in acc.layer_tensors(spec, i, dims.tp, dims.ep_size)]
-                 for i in layers]  # fmt: skip
+        units = [[s for s, _ in acc.layer_tensors(spec, i, dims.tp, dims.ep_size)] for i in layers]
         ends = acc.model_end_tensors(spec, first=first, last=last)
-        root_shapes = [(n // spec.d_model, spec.d_model) if n > spec.d_model else (n,)
-                       for n, _ in ends]  # fmt: skip
-        per_step = {"zero3": (2 * microbatches, microbatches), "zero2": (microbatches,) * 2,
-                    "zero1": (1, 1)}[dp_sharding]  # (a block's gathers, its scatters)
+        root_shapes = [
+            (n // spec.d_model, spec.d_model) if n > spec.d_model else (n,) for n, _ in ends
+        ]
+        per_step = {
+            "zero3": (2 * microbatches, microbatches),
+            "zero2": (microbatches,) * 2,
+            "zero1": (1, 1),
+        }[dp_sharding]  # (a block's gathers, its scatters)
         for shapes, root in [(u, False) for u in units] + [(root_shapes, True)]:
             shard = sum(acc.fsdp_numel(s, dims.dp) for s in shapes)
             gathers, scatters = per_step
@@ -240,6 +272,5 @@ def step(spec, dims, z: acc.Local, layers, first: bool, last: bool, microbatches
             if shard:
                 gathered = shard * (dims.dp + 1) * (gather_bytes or grad_bytes)
                 ledger.add("all_gather", ("dp",), gathered, gathers)
-                ledger.add("reduce_scatter", ("dp",), shard * (dims.dp + 1) * grad_bytes,
-                           scatters)  # fmt: skip
+                ledger.add("reduce_scatter", ("dp",), shard * (dims.dp + 1) * grad_bytes, scatters)
     return ledger

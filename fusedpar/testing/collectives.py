@@ -23,18 +23,32 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fusedpar.testing.host_syncs import _python_body
 
-_KINDS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",
-          "allgather": "all_gather", "allgather_base": "all_gather",
-          "allgather_into_tensor_coalesced": "all_gather", "all_gather_into_tensor": "all_gather",
-          "all_gather_into_tensor_out": "all_gather",
-          "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-          "reduce_scatter_base": "reduce_scatter",  # gloo's reduce_scatter_tensor
-          "reduce_scatter_tensor_coalesced": "reduce_scatter",
-          "alltoall": "all_to_all", "alltoall_base": "all_to_all",
-          "all_to_all_single": "all_to_all", "broadcast": "broadcast", "barrier": "barrier",
-          "send": "send", "recv": "recv", "recv_any_source": "recv", "all_reduce": "all_reduce",
-          "all_reduce_coalesced": "all_reduce", "gather": "gather", "scatter": "scatter",
-          "reduce": "reduce"}  # fmt: skip
+_KINDS = {
+    "allreduce": "all_reduce",
+    "allreduce_coalesced": "all_reduce",
+    "allgather": "all_gather",
+    "allgather_base": "all_gather",
+    "allgather_into_tensor_coalesced": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_base": "reduce_scatter",  # gloo's reduce_scatter_tensor
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "alltoall": "all_to_all",
+    "alltoall_base": "all_to_all",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "barrier": "barrier",
+    "send": "send",
+    "recv": "recv",
+    "recv_any_source": "recv",
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "gather": "gather",
+    "scatter": "scatter",
+    "reduce": "reduce",
+}
 
 
 def _tensors(args):

@@ -90,16 +90,22 @@ def recording_launches():
 
     for info in pkgutil.iter_modules(fusedpar.kernels.__path__, "fusedpar.kernels."):
         importlib.import_module(info.name)
-    checked = [m for name, m in sys.modules.items()
-               if name.startswith("fusedpar") and getattr(m, "check_launchable", None)
-               is _common.check_launchable]  # fmt: skip
+    checked = [
+        m
+        for name, m in sys.modules.items()
+        if name.startswith("fusedpar")
+        and getattr(m, "check_launchable", None) is _common.check_launchable
+    ]
     launches: list[Launch] = []
 
     def record(self, *args, grid, warmup, **kwargs):
         # a settled launch (`_tuning.Settled`) passes the constexprs positionally: keyword
         # them, as ``kernel[grid](...)`` does, so that a case's `match` and `config` see them
         first = next((i for i, p in enumerate(self.params) if p.is_constexpr), len(args))
-        kwargs = {**dict(zip(self.arg_names[first:len(args)], args[first:], strict=True)), **kwargs}
+        kwargs = {
+            **dict(zip(self.arg_names[first : len(args)], args[first:], strict=True)),
+            **kwargs,
+        }
         launches.append(Launch(self, args[:first], kwargs))
 
     saved_run, saved_tuning = JITFunction.run, os.environ.get("FUSEDPAR_TUNING")
@@ -162,8 +168,9 @@ def build_key(src, target, options: dict) -> str:
     from triton.runtime.cache import get_cache_key
 
     backend = make_backend(target)
-    key = get_cache_key(src, backend, backend.parse_options(options),
-                        get_cache_invalidating_env_vars())  # fmt: skip
+    key = get_cache_key(
+        src, backend, backend.parse_options(options), get_cache_invalidating_env_vars()
+    )
     return hashlib.sha256(f"{key}-{_reader_source()}".encode()).hexdigest()
 
 
@@ -198,8 +205,12 @@ def _read_build(compiled, log: str) -> dict:
             f.write(compiled.asm["cubin"])
 
         def cuobjdump(flag):
-            return subprocess.run([os.path.join(tools, "cuobjdump"), flag, path],
-                                  capture_output=True, text=True, check=True).stdout  # fmt: skip
+            return subprocess.run(
+                [os.path.join(tools, "cuobjdump"), flag, path],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
 
         usage, sass = cuobjdump("--dump-resource-usage"), cuobjdump("-sass")
     match = _USAGE.search(usage)
@@ -246,8 +257,11 @@ def _record(case: dict) -> list[Launch]:
 
 def _launch_of(case: dict) -> Launch:
     kernel, match = case["kernel"], case.get("match") or {}
-    found = [x for x in _record(case) if x.kernel.__name__ == kernel
-             and all(x.kwargs.get(k) == v for k, v in match.items())]  # fmt: skip
+    found = [
+        x
+        for x in _record(case)
+        if x.kernel.__name__ == kernel and all(x.kwargs.get(k) == v for k, v in match.items())
+    ]
     if not found:
         raise RuntimeError(f"the scenario launched no {kernel} with {match}")
     return found[0]
@@ -274,8 +288,14 @@ def run_case(case: dict) -> dict:
     """Record the case's scenario (once per process), compile the chosen launch, read it."""
     import traceback
 
-    result = {"name": case["name"], "ok": False, "error": "", "seconds": 0.0,
-              "cpu_seconds": 0.0, "cached": False}  # fmt: skip
+    result = {
+        "name": case["name"],
+        "ok": False,
+        "error": "",
+        "seconds": 0.0,
+        "cpu_seconds": 0.0,
+        "cached": False,
+    }
     try:
         launch = _launch_of(case)
         result["key"] = case_key(case)
@@ -294,8 +314,13 @@ def _worker_init(path: list[str]) -> None:
     sys.path[:] = path
 
 
-def run_cases(cases: list[dict], *, cache: dict | None = None, workers: int | None = None,
-              timeout: float = 1800) -> list:  # fmt: skip
+def run_cases(
+    cases: list[dict],
+    *,
+    cache: dict | None = None,
+    workers: int | None = None,
+    timeout: float = 1800,
+) -> list:
     """Build `cases` in a fresh process without the interpreter, on `workers` processes
     (default: the CPUs this process may use, or ``FUSEDPAR_GATE_WORKERS``); a case whose
     `build_key` is in `cache` (key: result) takes the cached result instead. Returns one
@@ -308,17 +333,33 @@ def run_cases(cases: list[dict], *, cache: dict | None = None, workers: int | No
         workers = int(os.environ.get("FUSEDPAR_GATE_WORKERS", 0)) or len(os.sched_getaffinity(0))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     request = {"cases": cases, "workers": workers, "path": sys.path, "cache": cache or {}}
-    proc = subprocess.run([sys.executable, "-m", "fusedpar.testing.compile_gate"],
-                          input=json.dumps(request), capture_output=True, text=True, env=env,
-                          timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusedpar.testing.compile_gate"],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"compile gate process failed:\n{proc.stderr}")
     return json.loads(proc.stdout)
 
 
 # The fields of a result that depend on the build alone (what the cache keeps).
-_BUILD_FIELDS = ("ok", "error", "regs", "spill", "shared", "wgmma", "notes", "serialized", "loop",
-                 "seconds", "cpu_seconds")  # fmt: skip
+_BUILD_FIELDS = (
+    "ok",
+    "error",
+    "regs",
+    "spill",
+    "shared",
+    "wgmma",
+    "notes",
+    "serialized",
+    "loop",
+    "seconds",
+    "cpu_seconds",
+)
 
 
 def load_cache(path) -> dict:
@@ -333,11 +374,14 @@ def save_cache(path, results: list[dict]) -> None:
     """Write the successful `results` as the cache (only these: older keys are dropped)."""
     import triton
 
-    builds = {r["key"]: {k: r[k] for k in _BUILD_FIELDS if k in r}
-              for r in results if r["ok"]}  # fmt: skip
+    builds = {r["key"]: {k: r[k] for k in _BUILD_FIELDS if k in r} for r in results if r["ok"]}
     with open(path, "w") as f:
-        json.dump({"triton": triton.__version__, "builds": dict(sorted(builds.items()))}, f,
-                  indent=0, sort_keys=True)  # fmt: skip
+        json.dump(
+            {"triton": triton.__version__, "builds": dict(sorted(builds.items()))},
+            f,
+            indent=0,
+            sort_keys=True,
+        )
         f.write("\n")
 
 
@@ -410,25 +454,42 @@ def resource_table(cases: list[dict], results: list[dict]) -> str:
         families.setdefault(case["family"], []).append((case, result))
     for family, rows in families.items():
         times = [r["cpu_seconds"] for _, r in rows]
-        lines.append(f"| {family} | {len(rows)} | {sum(times) / len(times):.1f}, "
-                     f"{max(times):.1f} | {sum(times):.0f} |")  # fmt: skip
+        lines.append(
+            f"| {family} | {len(rows)} | {sum(times) / len(times):.1f}, "
+            f"{max(times):.1f} | {sum(times):.0f} |"
+        )
     for family, rows in families.items():
-        lines += ["", f"## {family}", "",
-                  "| variant | tile (M x N, stages, warps) | sm | regs | spill B | shared KiB "
-                  "| wgmma | ptxas | HGMMA / iter | waits | loads | local | insts / iter "
-                  "| per 128 | CPU s | rule |",
-                  "| --- | --- | --- | ---: | ---: | ---: | --- | --- | --- | ---: | --- | ---: "
-                  "| ---: | ---: | ---: | --- |"]  # fmt: skip
+        lines += [
+            "",
+            f"## {family}",
+            "",
+            "| variant | tile (M x N, stages, warps) | sm | regs | spill B | shared KiB "
+            "| wgmma | ptxas | HGMMA / iter | waits | loads | local | insts / iter "
+            "| per 128 | CPU s | rule |",
+            "| --- | --- | --- | ---: | ---: | ---: | --- | --- | --- | ---: | --- | ---: "
+            "| ---: | ---: | ---: | --- |",
+        ]
         for case, r in rows:
             rule = ", ".join(k.replace("_", " ") for k in RULES if case.get(k)) or "report"
             if not r["ok"]:
-                lines.append(f"| {case['variant']} | {case['tile']} | {case['cap']} | "
-                             "failed to build |" + " |" * 13)  # fmt: skip
+                lines.append(
+                    f"| {case['variant']} | {case['tile']} | {case['cap']} | "
+                    "failed to build |" + " |" * 13
+                )
                 continue
-            cells = [case["variant"], case["tile"], str(case["cap"]), str(r["regs"]),
-                     str(r["spill"]), f"{r['shared'] / 1024:.1f}",
-                     "yes" if r["wgmma"] else "no", " ".join(r["notes"]) or "-",
-                     *_loop_columns(case, r), f"{r['cpu_seconds']:.1f}", rule]  # fmt: skip
+            cells = [
+                case["variant"],
+                case["tile"],
+                str(case["cap"]),
+                str(r["regs"]),
+                str(r["spill"]),
+                f"{r['shared'] / 1024:.1f}",
+                "yes" if r["wgmma"] else "no",
+                " ".join(r["notes"]) or "-",
+                *_loop_columns(case, r),
+                f"{r['cpu_seconds']:.1f}",
+                rule,
+            ]
             lines.append("| " + " | ".join(cells) + " |")
     names = json.dumps(sorted(c["name"] for c in cases))
     return "\n".join(lines) + f"\n\n<!-- cases: {names} -->\n"
@@ -447,8 +508,14 @@ def _main() -> None:
         try:
             key = case_key(case)
         except Exception:
-            results[i] = {"name": case["name"], "ok": False, "error": traceback.format_exc(),
-                          "seconds": 0.0, "cpu_seconds": 0.0, "cached": False}  # fmt: skip
+            results[i] = {
+                "name": case["name"],
+                "ok": False,
+                "error": traceback.format_exc(),
+                "seconds": 0.0,
+                "cpu_seconds": 0.0,
+                "cached": False,
+            }
             continue
         if key in cache:
             results[i] = {**cache[key], "name": case["name"], "key": key, "cached": True}

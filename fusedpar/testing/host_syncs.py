@@ -55,12 +55,30 @@ _BODIES_UNSEEN_SAID = False  # the warning of `_python_body`, given once
 
 # Python-level calls that never reach the dispatcher on a CPU.
 _HOST_COPIES = {"tolist", "numpy", "cpu"}
-_FACTORIES = {"arange", "zeros", "ones", "empty", "full", "rand", "randn", "randint",
-              "linspace", "eye"}  # fmt: skip
+_FACTORIES = {
+    "arange",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "rand",
+    "randn",
+    "randint",
+    "linspace",
+    "eye",
+}
 _FROM_DATA = {"tensor", "as_tensor", "from_numpy"}
 # aten ops (overload packets) whose output size depends on the data: the host waits.
-_DATA_SIZED = {"nonzero", "argwhere", "masked_select", "_unique2", "unique_dim",
-               "unique_consecutive", "bincount", "masked_scatter_"}  # fmt: skip
+_DATA_SIZED = {
+    "nonzero",
+    "argwhere",
+    "masked_select",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "bincount",
+    "masked_scatter_",
+}
 # aten ops that read a device value on the host (below autograd, as inside a custom op's
 # body, the composite ones arrive whole: item, is_nonzero, allclose).
 _READS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "allclose"}
@@ -130,9 +148,12 @@ def _python_body(func, args):
         global _BODIES_UNSEEN_SAID
         if not _BODIES_UNSEEN_SAID:
             _BODIES_UNSEEN_SAID = True
-            warnings.warn(f"HostSyncs: torch {torch.__version__} has no torch._library."
-                          f"custom_ops._maybe_get_opdef: custom ops' bodies go unseen "
-                          f"(only their aten-level calls are checked)", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"HostSyncs: torch {torch.__version__} has no torch._library."
+                f"custom_ops._maybe_get_opdef: custom ops' bodies go unseen "
+                f"(only their aten-level calls are checked)",
+                stacklevel=2,
+            )
         return None
     opdef = _maybe_get_opdef(func) if func.namespace != "aten" else None
     kernels = getattr(opdef, "_backend_fns", None) or {}
@@ -200,8 +221,10 @@ class HostSyncs:
             import fusedpar
             import fusedpar.kernels
 
-            packages = (str(Path(fusedpar.__file__).parent),
-                        str(Path(fusedpar.kernels.__file__).parent))  # fmt: skip
+            packages = (
+                str(Path(fusedpar.__file__).parent),
+                str(Path(fusedpar.kernels.__file__).parent),
+            )
         self.packages = tuple(str(Path(p).resolve()) for p in packages)
         self.found: list[tuple[str, str]] = []
         self._quiet = 0

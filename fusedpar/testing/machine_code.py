@@ -40,8 +40,11 @@ def wgmma_serialized(log: str) -> bool:
     letting them run asynchronously. Its notes name several causes, each with its own
     code (C7515: non-wgmma instructions define an accumulator mid-pipeline; C7511: too
     few registers for the pipeline), all with this wording."""
-    return any("wgmma" in m.group(2) and "serialized" in m.group(2)
-               for m in map(_NOTE.search, log.splitlines()) if m)  # fmt: skip
+    return any(
+        "wgmma" in m.group(2) and "serialized" in m.group(2)
+        for m in map(_NOTE.search, log.splitlines())
+        if m
+    )
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,9 @@ def parse_sass(text: str) -> list[Instruction]:
         match = _LINE.search(line)
         if match:
             address, predicate, opcode, operands = match.groups()
-            out.append(Instruction(int(address, 16), (predicate or "").strip(), opcode,
-                                   operands.strip()))  # fmt: skip
+            out.append(
+                Instruction(int(address, 16), (predicate or "").strip(), opcode, operands.strip())
+            )
     return out
 
 
@@ -82,11 +86,16 @@ def _is_mma(inst: Instruction) -> bool:
 def _loops(insts: list[Instruction]) -> list[tuple[int, int]]:
     """Innermost loops as (first index, back-edge index)."""
     index = {inst.address: i for i, inst in enumerate(insts)}
-    loops = [(index[inst.target], i) for i, inst in enumerate(insts)
-             if inst.target is not None and inst.target <= inst.address
-             and inst.target in index]  # fmt: skip
-    return [(a, b) for a, b in loops
-            if not any((c, d) != (a, b) and a <= c and d <= b for c, d in loops)]  # fmt: skip
+    loops = [
+        (index[inst.target], i)
+        for i, inst in enumerate(insts)
+        if inst.target is not None and inst.target <= inst.address and inst.target in index
+    ]
+    return [
+        (a, b)
+        for a, b in loops
+        if not any((c, d) != (a, b) and a <= c and d <= b for c, d in loops)
+    ]
 
 
 def _paths(insts: list[Instruction], head: int, back: int) -> tuple[list[int], int]:

@@ -84,11 +84,16 @@ class SavedActivations:
         def recording():
             forward, recompute = context_fn()
             storage = getattr(forward, "storage", None)
-            if not (isinstance(storage, defaultdict) and storage.default_factory is dict
-                    and getattr(recompute, "storage", None) is storage):  # fmt: skip
-                raise RuntimeError("SavedActivations.recorded: this torch's selective "
-                                   "checkpointing keeps its cache otherwise than torch 2.13's "
-                                   "{op: {call index: entry}}")  # fmt: skip
+            if not (
+                isinstance(storage, defaultdict)
+                and storage.default_factory is dict
+                and getattr(recompute, "storage", None) is storage
+            ):
+                raise RuntimeError(
+                    "SavedActivations.recorded: this torch's selective "
+                    "checkpointing keeps its cache otherwise than torch 2.13's "
+                    "{op: {call index: entry}}"
+                )
             forward.storage = recompute.storage = defaultdict(lambda: _Cache(self))
             return forward, recompute
 

@@ -23,8 +23,11 @@ def register_profiles(ci_examples: int = 10, dev_examples: int = 25) -> str:
 
     # function_scoped_fixture: a fixture that only sets a context for the test (which
     # implementation runs, `fusedpar.implementation`) holds for every example alike
-    slow_ok = [HealthCheck.too_slow, HealthCheck.data_too_large,
-               HealthCheck.function_scoped_fixture]  # fmt: skip
+    slow_ok = [
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ]
     settings.register_profile(
         "ci",
         derandomize=True,

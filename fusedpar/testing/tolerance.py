@@ -84,15 +84,18 @@ def assert_close(
         )
 
 
-def assert_ulps(out: torch.Tensor, ref: torch.Tensor, *, ulps: float = 16,
-                name: str = "output") -> None:  # fmt: skip
+def assert_ulps(
+    out: torch.Tensor, ref: torch.Tensor, *, ulps: float = 16, name: str = "output"
+) -> None:
     """Assert ``max|out - ref| <= ulps * eps * max|ref|`` (eps of out's dtype: 2.2e-16 in
     float64), non-finite values equal: for a float64 result against a float64 reference
     of the same math (a parallel model against its dense twin), where the only
     difference may be the order of rounded sums."""
     if out.shape != ref.shape or out.dtype != ref.dtype:
-        raise AssertionError(f"{name}: {out.dtype} {tuple(out.shape)} against the reference's "
-                             f"{ref.dtype} {tuple(ref.shape)}")  # fmt: skip
+        raise AssertionError(
+            f"{name}: {out.dtype} {tuple(out.shape)} against the reference's "
+            f"{ref.dtype} {tuple(ref.shape)}"
+        )
     finite = torch.isfinite(ref)
     if not torch.equal(torch.isfinite(out), finite) or not torch.equal(out[~finite], ref[~finite]):
         bad = (torch.isfinite(out) != finite).sum().item()
@@ -102,5 +105,7 @@ def assert_ulps(out: torch.Tensor, ref: torch.Tensor, *, ulps: float = 16,
     err = (out[finite] - ref[finite]).abs().max().item()
     unit = torch.finfo(out.dtype).eps * ref[finite].abs().max().item()
     if not err <= ulps * unit:
-        raise AssertionError(f"{name}: max error {err:.3g} is {err / unit:.1f} ulps of max|ref|, "
-                             f"over the {ulps} allowed, shape {tuple(out.shape)}")  # fmt: skip
+        raise AssertionError(
+            f"{name}: max error {err:.3g} is {err / unit:.1f} ulps of max|ref|, "
+            f"over the {ulps} allowed, shape {tuple(out.shape)}"
+        )

@@ -139,11 +139,19 @@ class World:
             alive_r, alive_w = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=rank_main,
-                args=(rank, self.world_size, self.backend, init_file, child_conn,
-                      self._dump_path(rank), self.threads_per_rank, alive_r),
+                args=(
+                    rank,
+                    self.world_size,
+                    self.backend,
+                    init_file,
+                    child_conn,
+                    self._dump_path(rank),
+                    self.threads_per_rank,
+                    alive_r,
+                ),
                 name=f"fusedpar-rank{rank}",
                 daemon=True,
-            )  # fmt: skip
+            )
             proc.start()
             child_conn.close()
             alive_r.close()
@@ -165,8 +173,10 @@ class World:
             details = "\n".join(_sections(failed))
             hint = ""
             if any(kind == "died" for kind, _ in replies.values()):
-                hint = (" (a script that makes a World needs an `if __name__ == '__main__':` "
-                        "guard: the ranks' process server imports it)")  # fmt: skip
+                hint = (
+                    " (a script that makes a World needs an `if __name__ == '__main__':` "
+                    "guard: the ranks' process server imports it)"
+                )
             raise WorldError(
                 f"World({self.world_size}) failed to start{hint}\n{details}", {}, failed
             )
@@ -379,11 +389,17 @@ def _rank_context():
         return mp.get_context("forkserver")
     if not _said_spawned:
         _said_spawned = True
-        changed = sorted(k for k in {*environment, *_server_environment}
-                         if environment.get(k) != _server_environment.get(k))  # fmt: skip
-        warnings.warn(f"World: the environment differs from the one its process server "
-                      f"started with ({', '.join(changed[:5])}): such Worlds' ranks are "
-                      f"spawned, 5-6 s a start instead of 0.5 s", stacklevel=3)  # fmt: skip
+        changed = sorted(
+            k
+            for k in {*environment, *_server_environment}
+            if environment.get(k) != _server_environment.get(k)
+        )
+        warnings.warn(
+            f"World: the environment differs from the one its process server "
+            f"started with ({', '.join(changed[:5])}): such Worlds' ranks are "
+            f"spawned, 5-6 s a start instead of 0.5 s",
+            stacklevel=3,
+        )
     return mp.get_context("spawn")
 
 

@@ -175,9 +175,12 @@ def rank_main(rank, world_size, backend, init_file, conn, dump_path, threads, al
         elif sys.platform == "linux":
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks are on this host
         dist.init_process_group(
-            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            backend,
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(hours=1),  # the driver's per-call timeout is what counts
-        )  # fmt: skip
+        )
     except BaseException as e:
         conn.send_bytes(pickle.dumps(("init-error", _describe(e)["traceback"])))
         return

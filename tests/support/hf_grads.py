@@ -9,29 +9,47 @@ import torch
 from fusedpar.nn.mla import layer_rows
 
 # ParallelMLA's parameters -> Hugging Face's (o_proj's: as every family's)
-MLA_NAMES = {"q_a_weight": "q_a_proj.weight", "q_a_bias": "q_a_proj.bias",
-             "q_a_norm_weight": "q_a_layernorm.weight", "q_b_weight": "q_b_proj.weight",
-             "q_weight": "q_proj.weight", "kv_a_weight": "kv_a_proj_with_mqa.weight",
-             "kv_a_bias": "kv_a_proj_with_mqa.bias", "kv_a_norm_weight": "kv_a_layernorm.weight",
-             "kv_b_weight": "kv_b_proj.weight"}  # fmt: skip
+MLA_NAMES = {
+    "q_a_weight": "q_a_proj.weight",
+    "q_a_bias": "q_a_proj.bias",
+    "q_a_norm_weight": "q_a_layernorm.weight",
+    "q_b_weight": "q_b_proj.weight",
+    "q_weight": "q_proj.weight",
+    "kv_a_weight": "kv_a_proj_with_mqa.weight",
+    "kv_a_bias": "kv_a_proj_with_mqa.bias",
+    "kv_a_norm_weight": "kv_a_layernorm.weight",
+    "kv_b_weight": "kv_b_proj.weight",
+}
 
 
 def reference_grad(model, name: str) -> torch.Tensor:
     """The gradient of the original parameter a converted one came from."""
     prefix, leaf = name.rsplit(".", 1)
     module = model.get_submodule(prefix)
-    plain = {"q_weight": "q_proj.weight", "k_weight": "k_proj.weight",
-             "v_weight": "v_proj.weight", "o_weight": "o_proj.weight", "q_bias": "q_proj.bias",
-             "k_bias": "k_proj.bias", "v_bias": "v_proj.bias", "o_bias": "o_proj.bias",
-             "q_norm_weight": "q_norm.weight", "k_norm_weight": "k_norm.weight",
-             "gate_weight": "gate_proj.weight", "up_weight": "up_proj.weight",
-             "down_weight": "down_proj.weight", "gate_bias": "gate_proj.bias",
-             "up_bias": "up_proj.bias", "down_bias": "down_proj.bias",
-             "router_weight": "gate.weight", "w2": "experts.down_proj",
-             "shared_w1": "shared_expert.gate_proj.weight",
-             "shared_w2": "shared_expert.down_proj.weight",
-             "shared_w3": "shared_expert.up_proj.weight",
-             "shared_gate_weight": "shared_expert_gate.weight"}  # fmt: skip
+    plain = {
+        "q_weight": "q_proj.weight",
+        "k_weight": "k_proj.weight",
+        "v_weight": "v_proj.weight",
+        "o_weight": "o_proj.weight",
+        "q_bias": "q_proj.bias",
+        "k_bias": "k_proj.bias",
+        "v_bias": "v_proj.bias",
+        "o_bias": "o_proj.bias",
+        "q_norm_weight": "q_norm.weight",
+        "k_norm_weight": "k_norm.weight",
+        "gate_weight": "gate_proj.weight",
+        "up_weight": "up_proj.weight",
+        "down_weight": "down_proj.weight",
+        "gate_bias": "gate_proj.bias",
+        "up_bias": "up_proj.bias",
+        "down_bias": "down_proj.bias",
+        "router_weight": "gate.weight",
+        "w2": "experts.down_proj",
+        "shared_w1": "shared_expert.gate_proj.weight",
+        "shared_w2": "shared_expert.down_proj.weight",
+        "shared_w3": "shared_expert.up_proj.weight",
+        "shared_gate_weight": "shared_expert_gate.weight",
+    }
     if hasattr(module, "shared_experts"):  # GLM-4.5's and DeepSeek-V3's name
         plain = {k: v.replace("shared_expert.", "shared_experts.") for k, v in plain.items()}
     config = model.config
@@ -45,8 +63,14 @@ def reference_grad(model, name: str) -> torch.Tensor:
             kv_lora_rank=config.kv_lora_rank,
             rope_interleave=config.rope_interleave,
         )
-    fused = next((getattr(module, n) for n in ("qkv_proj", "query_key_value", "c_attn")
-                  if hasattr(module, n)), None)  # fmt: skip
+    fused = next(
+        (
+            getattr(module, n)
+            for n in ("qkv_proj", "query_key_value", "c_attn")
+            if hasattr(module, n)
+        ),
+        None,
+    )
     if fused is not None and leaf[:2] in ("q_", "k_", "v_"):  # Phi-3, GPT-NeoX, GPT-2
         grad = fused.weight.grad if leaf.endswith("weight") else fused.bias.grad[:, None]
         grad = grad.t() if type(fused).__name__ == "Conv1D" and leaf.endswith("weight") else grad
