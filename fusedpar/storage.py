@@ -576,8 +576,7 @@ def distribute(
                 placements = tuple(where.placements.values())
                 tensor = DTensor.from_local(param.detach(), mesh, placements, run_check=False)
                 new = nn.Parameter(tensor, requires_grad=param.requires_grad)
-                if new.requires_grad:
-                    new._fusedpar_order = next(_order)
+                new._fusedpar_order = next(_order)
                 done[id(param)] = new
             module._parameters[name] = done[id(param)]
             if where.grad_placements != where.placements:  # partial: reduced (`_reduce_grad`)
@@ -585,8 +584,10 @@ def distribute(
         module._fusedpar_placed, module._fusedpar_saved = placed, []
         module.register_forward_pre_hook(_swap_in_locals)
         module.register_forward_hook(_swap_back, always_call=True)
-    for param in partial.values():
-        if param.requires_grad:
-            param.register_post_accumulate_grad_hook(_reduce_grad)
+    for param in partial.values():  # a frozen one too: it may be unfrozen later
+        frozen = not param.requires_grad
+        param.requires_grad_(True)  # (torch hooks only a tensor that requires grad)
+        param.register_post_accumulate_grad_hook(_reduce_grad)
+        param.requires_grad_(not frozen)
     retire(replaced, "distribute")
     return model

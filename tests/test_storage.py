@@ -112,10 +112,11 @@ def _sharded(t, groups):
     return t
 
 
-def _run_whole_parameter_gradients(dp, cp, seed):
+def _run_whole_parameter_gradients(dp, cp, seed, frozen=False):
     """norm -> column (bias) -> gelu -> row (bias), tokens split over dp, cp and tp, no
     FSDP: every gradient, whole parameters included, equals the dense model's (dp
-    averages, so each dp rank's loss counts dp times)."""
+    averages, so each dp rank's loss counts dp times). ``frozen``: the norm's weight is
+    frozen when distributed and trained after, reduced all the same."""
     _, mesh, groups = _mesh(dp=dp, cp=cp, tp=2)
     torch.manual_seed(seed)
     d, h, tokens = 8, 12, 8
@@ -138,7 +139,9 @@ def _run_whole_parameter_gradients(dp, cp, seed):
     model = nn.Sequential(
         norm, column, nn.GELU(), fp.nn.RowParallelLinear.from_dense(down, groups["tp"])
     )
+    norm.weight.requires_grad_(not frozen)
     fp.distribute(model, mesh)
+    model[0].weight.requires_grad_(True)
     (dp * model(_sharded(x, groups)) * _sharded(g, groups)).sum().backward()
     names = {
         "0.weight": "0.weight",
@@ -153,9 +156,9 @@ def _run_whole_parameter_gradients(dp, cp, seed):
     return True
 
 
-@pytest.mark.parametrize("dp, cp", [(1, 2), (2, 1)])
-def test_whole_parameters_get_whole_gradients(world, dp, cp):
-    assert all(world(4).run(_run_whole_parameter_gradients, dp, cp, 0))
+@pytest.mark.parametrize("dp, cp, frozen", [(1, 2, False), (2, 1, False), (1, 2, True)])
+def test_whole_parameters_get_whole_gradients(world, dp, cp, frozen):
+    assert all(world(4).run(_run_whole_parameter_gradients, dp, cp, 0, frozen))
 
 
 def _run_clip_and_optimizers(kind, fsdp):
