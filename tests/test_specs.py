@@ -2,7 +2,8 @@
 keyword constructors and ``from_spec`` build the same layer (parameters bit for bit for
 a seed, the same attributes), on one rank and over a mesh's groups; each spec refuses
 what the layer refused, with its message; a misspelt field is a TypeError when the spec
-is made; `ParallelDims.placement(mesh)` holds the groups of ``dims.groups(mesh)``."""
+is made; `ParallelDims.placement(mesh)` holds the groups of ``dims.groups(mesh)``; and
+`hf.parallelize` builds its layers from specs."""
 
 import dataclasses
 import re
@@ -344,3 +345,30 @@ def test_a_group_dependent_refusal_is_the_builds(world):
     for e in world(2).run(exception_of, _run_bad_heads):
         assert isinstance(e, ValueError)
         assert re.search(r"n_kv_heads \(1\) is not divisible by the TP degree \(2\)", str(e))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+def test_parallelize_builds_its_layers_from_specs(family):
+    """`hf.parallelize` (one process) builds each converted layer from a spec and the
+    one-rank placement; the spec builds the same layer again."""
+    pytest.importorskip("transformers")
+    hf = pytest.importorskip("fusedpar.integrations.hf")
+    from support.hf_models import tiny_model
+
+    model = tiny_model(family, 0)
+    hf.parallelize(model, None, overlap="serial")
+    kinds = {
+        fp.nn.ParallelAttention: AttentionSpec,
+        fp.nn.ParallelMLA: MLASpec,
+        fp.nn.MoE: MoESpec,
+        fp.nn.ParallelSwiGLU: MLPSpec,
+    }
+    built = [m for m in model.modules() if isinstance(m, tuple(kinds))]
+    assert built
+    for layer in built:
+        cls = next(c for c in kinds if isinstance(layer, c))
+        assert type(layer.spec) is kinds[cls]
+        assert layer.placement == fp.Placement(overlap="serial")
+        again = type(layer).from_spec(layer.spec, layer.placement, device="meta")
+        shapes = {n: p.shape for n, p in layer.named_parameters()}
+        assert shapes == {n: p.shape for n, p in again.named_parameters()}
