@@ -65,19 +65,18 @@ class AttentionWeights:
 
 
 def attention_weights(attn: nn.Module, config) -> AttentionWeights:
-    """Layer i's attention's projections (a fused one split: `fused_parts`), q/k norms
-    and sinks."""
-    extras = dict(
-        q_norm=getattr(attn, "q_norm", None),
-        k_norm=getattr(attn, "k_norm", None) if getattr(attn, "q_norm", None) is not None else None,
-        sinks=getattr(attn, "sinks", None),  # gpt-oss: a learned logit per head
-    )
+    """An attention's projections (a fused one split: `fused_parts`), q/k norms and
+    sinks."""
+    q_norm = getattr(attn, "q_norm", None)
+    k_norm = None if q_norm is None else attn.k_norm
+    sinks = getattr(attn, "sinks", None)  # gpt-oss: a learned logit per head
     if config.model_type in FUSED_QKV:
-        weights, biases = fused_parts(attn, config)
+        (q, k, v), biases = fused_parts(attn, config)
         o = getattr(attn, FUSED_QKV[config.model_type][1])
         bias = None if biases[0] is None else (*biases, None)
-        return AttentionWeights(*weights, o, bias=bias, **extras)
-    return AttentionWeights(attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, **extras)
+    else:
+        (q, k, v, o), bias = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj), None
+    return AttentionWeights(q, k, v, o, bias=bias, q_norm=q_norm, k_norm=k_norm, sinks=sinks)
 
 
 def attention_spec(i: int, attn: nn.Module, config, rotary_emb) -> AttentionSpec:
@@ -228,9 +227,11 @@ def expert_weights(mlp: nn.Module, config) -> ExpertWeights:
     shared expert, that expert's gate and its sigmoid router's selection bias; detached."""
     (router_weight, w1, w2, w3), bias, router_bias = expert_stacks(mlp, config)
     stacks = tuple(t.detach() for t in (router_weight, w1, w2, w3))
-    if config.model_type == "gpt_oss":  # biases everywhere; no shared expert
+    if config.model_type == "gpt_oss":  # biases (the router's too); no shared expert
         return ExpertWeights(
-            *stacks, bias=tuple(t.detach() for t in bias), router_bias=router_bias.detach()
+            *stacks,
+            bias=None if bias is None else tuple(t.detach() for t in bias),
+            router_bias=None if router_bias is None else router_bias.detach(),
         )
     shared, gate, correction = shared_expert(mlp), None, _correction(mlp)
     if shared is not None:
