@@ -16,6 +16,7 @@ from fusedpar.ops import (
     ulysses_attn,
 )
 from fusedpar.parallel import ParallelDims
+from fusedpar.placement import Placement
 from fusedpar.recompute import checkpoint_policy
 from fusedpar.storage import distribute
 
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ParallelDims",
+    "Placement",
     "all_gather_matmul",
     "checkpoint",
     "checkpoint_policy",

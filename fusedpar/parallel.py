@@ -4,6 +4,7 @@
     dims.validate(world_size, n_heads=8, n_kv_heads=4, num_experts=8, seq_len=256)
     mesh = dims.build_mesh("cpu")        # axes ("dp", "cp", "tp")
     groups = dims.groups(mesh)           # {"dp", "cp", "tp", "ep"; "ulysses": None}
+    placement = dims.placement(mesh)     # fp.Placement: the layers' groups and cp_mode
 
 Context parallelism has two axes: "cp", the ring (`fusedpar.ring_attn`), and "ulysses",
 the head all-to-all (`fusedpar.ulysses_attn`); both > 1 is the 2-D hybrid, Ulysses
@@ -39,6 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from fusedpar.placement import Placement
 from fusedpar.storage import _reduce_grad, retire_replaced
 
 AXES = ("pp", "dp", "cp", "ulysses", "tp")  # every axis a mesh may have, in mesh order
@@ -326,6 +328,21 @@ class ParallelDims:
         else:
             groups["ep"] = None
         return groups
+
+    def placement(self, mesh: DeviceMesh, **options) -> Placement:
+        """The `fusedpar.Placement` of this rank's layers on `mesh`: the tp, cp, ulysses
+        and ep groups of `groups` and `cp_mode`; `options` are its other fields
+        (``cp_layout``, ``sequence_parallel``, ``chunks_per_rank``, ``overlap``,
+        ``reduce_dtype``)."""
+        groups = self.groups(mesh)
+        return Placement(
+            tp_group=groups["tp"],
+            cp_group=groups["cp"],
+            ulysses_group=groups["ulysses"],
+            ep_group=groups["ep"],
+            cp_mode=self.cp_mode,
+            **options,
+        )
 
     def fully_shard(
         self,

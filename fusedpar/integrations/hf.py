@@ -55,14 +55,17 @@ calls it), on every rank, writes the converted model as the original's checkpoin
 ``AutoModelForCausalLM.from_pretrained(dir)``.
 """
 
+import dataclasses
 import functools
 import inspect
 
+import torch
 from torch import nn
 
 from fusedpar.integrations import hf_export
 from fusedpar.integrations import hf_families as families
 from fusedpar.integrations import hf_heads as heads
+from fusedpar.integrations import hf_specs as specs
 from fusedpar.integrations.hf_batch import (  # noqa: F401 (public here: the users' helpers)
     BATCHES,
     Batch,
@@ -86,9 +89,9 @@ from fusedpar.nn import (
     ParallelSwiGLU,
     RowParallelLinear,
 )
-from fusedpar.nn.mla import CP_RINGS
-from fusedpar.ops.linear import check_reduce_dtype
-from fusedpar.ops.overlap import check_overlap
+from fusedpar.nn.linear import linear_parts
+from fusedpar.nn.specs import CP_RINGS
+from fusedpar.placement import Placement
 from fusedpar.storage import distribute, retire_replaced
 
 
@@ -114,11 +117,7 @@ class _HFAttentionCall:
         """The layer, its RoPE tables' layout checked now (on its weights' device, the
         model's rotary module's), not only at its first eager call, which a model
         compiled before any eager call skips."""
-        layer = super().from_dense(*args, **kwargs)
-        device = next(layer.parameters()).device
-        if device.type != "meta":
-            layer.check_rope_layout(device)
-        return layer
+        return _rope_checked(super().from_dense(*args, **kwargs))
 
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
         if past_key_values is not None:
@@ -146,14 +145,24 @@ class HFParallelSwiGLU(ParallelSwiGLU):
 
 class HFParallelMLP(nn.Module):
     """A plain MLP, ``proj(act(fc(x)))`` (GPT-2, GPT-NeoX): fc column-parallel, proj
-    row-parallel, under the original's attribute names; batch-first (B, S_loc, d)."""
+    row-parallel over the placement's TP group, under the original's attribute names;
+    batch-first (B, S_loc, d)."""
 
-    def __init__(self, mlp: nn.Module, names: tuple[str, str], group, activation, tp: dict):
+    def __init__(self, mlp: nn.Module, names: tuple[str, str], activation, placement: Placement):
         super().__init__()
         self.names, self.activation = names, activation
         fc, proj = (getattr(mlp, name) for name in names)
-        setattr(self, names[0], ColumnParallelLinear.from_dense(fc, group, **tp))
-        setattr(self, names[1], RowParallelLinear.from_dense(proj, group, **tp))
+        group, overlap, reduce_dtype = (
+            placement.tp_group,
+            placement.overlap,
+            placement.reduce_dtype,
+        )
+        column = ColumnParallelLinear.from_dense(
+            fc, group, overlap=overlap, reduce_dtype=reduce_dtype
+        )
+        row = RowParallelLinear.from_dense(proj, group, overlap=overlap, reduce_dtype=reduce_dtype)
+        setattr(self, names[0], column)
+        setattr(self, names[1], row)
 
     def forward(self, hidden_states):
         fc, proj = (getattr(self, name) for name in self.names)
@@ -173,78 +182,58 @@ class HFMoE(MoE):
         return (y, None) if self.returns_scores else y
 
 
+def _rope_checked(layer: nn.Module) -> nn.Module:
+    """`layer` (an attention), its RoPE tables' layout checked now (on its weights'
+    device, the model's rotary module's), not only at its first eager call, which a
+    model compiled before any eager call skips."""
+    device = next(layer.parameters()).device
+    if device.type != "meta":
+        layer.check_rope_layout(device)
+    return layer
+
+
+def _empty(cls, spec, placement: Placement, like: torch.Tensor) -> nn.Module:
+    """``cls.from_spec(spec, placement)`` uninitialized, on `like`'s device in its dtype
+    (as `from_dense` builds a layer, to load the dense weights into)."""
+    layer = cls.from_spec(spec, placement, device="meta", dtype=like.dtype)
+    return layer.to_empty(device=like.device)
+
+
 def _attention(
-    i: int, attn: nn.Module, config, groups, rotary_emb, tp: dict, cp_ring: str
+    i: int, attn: nn.Module, config, placement: Placement, rotary_emb, cp_ring: str
 ) -> nn.Module:
-    cp = dict(tp_group=groups["tp"], cp_group=groups["cp"], ulysses_group=groups.get("ulysses"))
     if families.is_mla(attn):
-        options = families.mla_options(attn, config, rotary_emb)
-        parts = options.pop("parts")
-        return HFParallelMLA.from_dense(
-            *parts,
-            config.hidden_size,
-            config.num_attention_heads,
-            **cp,
-            **options,
-            **tp,
-            cp_ring=cp_ring,
-        )
-    options = families.attention_options(i, attn, config, rotary_emb)
-    return HFParallelAttention.from_dense(
-        *options.pop("parts"),
-        config.hidden_size,
-        config.num_attention_heads,
-        families.kv_heads(config),
-        tp_group=groups["tp"],
-        cp_group=groups["cp"],
-        ulysses_group=groups.get("ulysses"),
-        **options,
-        **tp,
-    )
+        spec = dataclasses.replace(specs.mla_spec(attn, config, rotary_emb), cp_ring=cp_ring)
+        weights, cls = specs.mla_weights(attn, config), HFParallelMLA
+    else:
+        spec = specs.attention_spec(i, attn, config, rotary_emb)
+        weights, cls = specs.attention_weights(attn, config), HFParallelAttention
+    layer = _empty(cls, spec, placement, weights.like)
+    weights.load_into(layer)
+    return _rope_checked(layer)
 
 
-def _mlp(mlp: nn.Module, config, groups, tp: dict) -> nn.Module:
+def _mlp(mlp: nn.Module, config, placement: Placement) -> nn.Module:
     if config.model_type in families.PLAIN_MLPS:
         act = families.ACTIVATIONS[families.activation_name(config)]
-        return HFParallelMLP(mlp, families.PLAIN_MLPS[config.model_type], groups["tp"], act, tp)
+        return HFParallelMLP(mlp, families.PLAIN_MLPS[config.model_type], act, placement)
     if not hasattr(mlp, "experts"):
-        *parts, bias = families.mlp_parts(mlp)
-        act = families.ACTIVATIONS[families.activation_name(config)]
-        return HFParallelSwiGLU.from_dense(*parts, groups["tp"], bias=bias, activation=act, **tp)
-    if config.model_type == "gpt_oss":
-        return _gpt_oss_moe(mlp, config, groups)
-    extra = families.router_options(mlp)
-    shared = families.shared_expert(mlp)
-    if shared is not None:
-        extra["shared"] = (shared.gate_proj.weight, shared.down_proj.weight, shared.up_proj.weight)
-        if getattr(mlp, "shared_expert_gate", None) is not None:
-            extra["shared_gate_weight"] = mlp.shared_expert_gate.weight
-    stacks, _, _ = families.expert_stacks(mlp, config)  # (E, 2h, d): gate rows, then up
-    return HFMoE.from_dense(
-        *stacks, groups["ep"], top_k=config.num_experts_per_tok, aux_loss_coef=0.0, **extra
-    )
-
-
-def _gpt_oss_moe(mlp: nn.Module, config, groups) -> "HFMoE":
-    """gpt-oss's experts: gate and up interleaved in one (E, d, 2h) tensor (gate the even
-    columns), weights stored (in, out), biases on every projection, the clamped SwiGLU;
-    its router has a bias and takes the softmax of the top-k logits (= the softmax over
-    all, top-k, renormalized)."""
-    experts = mlp.experts
-    stacks, bias, router_bias = families.expert_stacks(mlp, config)
-    layer = HFMoE.from_dense(
-        *stacks,
-        groups["ep"],
-        top_k=config.num_experts_per_tok,
-        aux_loss_coef=0.0,
-        norm_topk_prob=True,
-        bias=bias,
-        router_bias=router_bias,
-        activation="clamped_swiglu",
-        swiglu_alpha=experts.alpha,
-        swiglu_limit=experts.limit,
-    )
-    layer.returns_scores = True  # the decoder layer unpacks (hidden_states, router_scores)
+        gate, up, down, bias = families.mlp_parts(mlp)
+        like = linear_parts("gate", gate, None if bias is None else bias[0])[0]
+        layer = _empty(HFParallelSwiGLU, specs.mlp_spec(mlp, config), placement, like)
+        layer.load_dense(gate, up, down, bias=bias)
+        return layer
+    # Hugging Face's experts: gate and up in one (E, 2h, d), gate rows first; gpt-oss's
+    # interleaved in one (E, d, 2h) (gate the even columns), stored (in, out), biases on
+    # every projection, the clamped SwiGLU, a router with a bias taking the softmax of
+    # the top-k logits (= the softmax over all, top-k, renormalized)
+    weights = specs.expert_weights(mlp, config)
+    layer = _empty(HFMoE, specs.moe_spec(mlp, config), placement, weights.w1)
+    if layer.expert_bias is not None:
+        layer.expert_bias.zero_()
+    weights.load_into(layer)
+    # gpt-oss's decoder layer unpacks (hidden_states, router_scores)
+    layer.returns_scores = config.model_type == "gpt_oss"
     return layer
 
 
@@ -285,7 +274,7 @@ def parallelize(
         raise ValueError(f"parallelize: batch must be one of {BATCHES}, got {batch!r}")
     if cp_ring not in CP_RINGS:
         raise ValueError(f"parallelize: cp_ring must be one of {CP_RINGS}, got {cp_ring!r}")
-    tp = {"overlap": check_overlap(overlap), "reduce_dtype": check_reduce_dtype(reduce_dtype)}
+    one_rank = Placement(overlap=overlap, reduce_dtype=reduce_dtype)  # checked: no collective
     config = model.config
     families.check_config(config)
     head = heads.head_of(model)
@@ -306,10 +295,11 @@ def parallelize(
     before = dict(model.named_parameters())  # those replaced are retired
     if dims is None:
         refuse(mesh is not None, "a mesh without dims")
-        groups = dict.fromkeys(("dp", "cp", "ulysses", "tp", "ep"))
+        groups, placement = dict.fromkeys(("dp", "cp", "ulysses", "tp", "ep")), one_rank
     else:
         mesh = mesh if mesh is not None else dims.build_mesh(next(model.parameters()).device.type)
         groups = dims.groups(mesh)
+        placement = dims.placement(mesh, overlap=overlap, reduce_dtype=reduce_dtype)
     stage_mesh = None if dims is None else dims.stage_mesh(mesh)  # mesh without "pp"
     rotary_emb = getattr(decoder, "rotary_emb", None)  # None: learned absolute positions
     forward_args = list(inspect.signature(model.forward).parameters)
@@ -319,10 +309,10 @@ def parallelize(
         state.pad_token_id = text.pad_token_id
         model.score.register_forward_hook(functools.partial(pool, state))
     for i, layer in enumerate(layers):
-        attn = _attention(i, getattr(layer, attention), config, groups, rotary_emb, tp, cp_ring)
+        attn = _attention(i, getattr(layer, attention), config, placement, rotary_emb, cp_ring)
         attn._fusedpar_batch = state  # the call's packed documents
         setattr(layer, attention, attn)
-        layer.mlp = _mlp(layer.mlp, config, groups, tp)
+        layer.mlp = _mlp(layer.mlp, config, placement)
     hf_export.install(model, dims)  # model.save_pretrained: the original's checkpoint
     config.use_cache = False  # training: the converted attention keeps no KV cache
     model._fusedpar_batch = state

@@ -1,8 +1,9 @@
 """What `fusedpar.integrations.hf.parallelize` reads off each Hugging Face family: the
-refusals (checked for every layer before anything is built) and the conversion of one
-decoder layer's attention and MLP into fusedpar's layers; beside each conversion its
-inverse (`dense_attention`, `dense_mla`, `dense_mlp`, `dense_experts`: a converted
-layer's full parameters as the Hugging Face module holds them), which `hf_export` writes.
+refusals (checked for every layer before anything is built) and the readings of one
+decoder layer's attention and MLP that `hf_specs` makes fusedpar's layers' specs and
+dense weights of; beside each its inverse (`dense_attention`, `dense_mla`, `dense_mlp`,
+`dense_experts`: a converted layer's full parameters as the Hugging Face module holds
+them), which `hf_export` writes.
 
 | family (`model_type`)       | attention options read off the model                      |
 | --------------------------- | --------------------------------------------------------- |
@@ -112,7 +113,7 @@ def _qkv_rows(t: torch.Tensor, config, inverse: bool = False) -> torch.Tensor:
     return t.reshape(*shape, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
-def _fused_parts(attn, config):
+def fused_parts(attn, config):
     """q, k, v weights (out, in) and biases of a fused projection: Phi-3's and GPT-2's
     are q rows, then k, then v (GPT-2's a transposed ``Conv1D``); GPT-NeoX's are per
     head, (H, [q, k, v], hd). `dense_attention` is the inverse."""
@@ -144,31 +145,11 @@ def shared_expert(mlp: nn.Module) -> nn.Module | None:
     return None if name is None else getattr(mlp, name)
 
 
-def _correction_name(mlp: nn.Module) -> str | None:
+def correction_name(mlp: nn.Module) -> str | None:
     """Where an MoE block keeps its sigmoid router's selection bias (None: none)."""
     if getattr(mlp.gate, "e_score_correction_bias", None) is not None:
         return "gate.e_score_correction_bias"  # GLM-4.5, DeepSeek-V3
     return "e_score_correction_bias" if hasattr(mlp, "e_score_correction_bias") else None
-
-
-def router_options(mlp: nn.Module) -> dict:
-    """`MoE.from_dense`'s router options of a Hugging Face MoE block: a sigmoid router
-    where it has a selection bias (`e_score_correction_bias`, on the gate in GLM-4.5 and
-    DeepSeek-V3, on the block in MiniMax-M2), its groups and scaling; `norm_topk_prob`
-    where the router says (MiniMax-M2's always renormalizes; Mixtral's too)."""
-    gate, where = mlp.gate, _correction_name(mlp)
-    correction = None if where is None else functools.reduce(getattr, where.split("."), mlp)
-    options = dict(norm_topk_prob=getattr(gate, "norm_topk_prob", True))
-    if correction is not None:
-        groups = getattr(gate, "num_group", None) or getattr(gate, "n_group", 1)
-        options |= dict(
-            score="sigmoid",
-            expert_bias=correction,
-            n_group=groups,
-            topk_group=getattr(gate, "topk_group", 1),
-            routed_scaling_factor=getattr(gate, "routed_scaling_factor", 1.0),
-        )
-    return options
 
 
 def is_mla(attn: nn.Module) -> bool:
@@ -176,29 +157,7 @@ def is_mla(attn: nn.Module) -> bool:
     return hasattr(attn, "kv_a_proj_with_mqa")
 
 
-def mla_options(attn: nn.Module, config, rotary_emb) -> dict:
-    """`ParallelMLA.from_dense` arguments of an MLA module: the projections (q's latent
-    pair, or q_proj), its norms, head dims, scale (YaRN's mscale squared included, as the
-    module computed it) and the model's rotary tables over the rotary dims."""
-    lora = getattr(attn, "q_a_proj", None) is not None
-    q = (attn.q_a_proj, attn.q_b_proj) if lora else attn.q_proj
-    norm = attn.kv_a_layernorm
-    rope_dim = config.qk_rope_head_dim
-    return dict(
-        parts=[q, attn.kv_a_proj_with_mqa, attn.kv_b_proj, attn.o_proj],
-        q_a_norm=attn.q_a_layernorm if lora else None,
-        kv_a_norm=norm,
-        qk_nope_head_dim=config.qk_nope_head_dim,
-        qk_rope_head_dim=rope_dim,
-        v_head_dim=config.v_head_dim,
-        softmax_scale=attn.scaling,
-        norm_eps=getattr(norm, "variance_epsilon", None) or norm.eps,
-        rope=functools.partial(rope, rotary_emb, rope_dim, None),
-        rope_interleave=_rope_interleave(config),
-    )
-
-
-def _rope_interleave(config) -> bool:
+def rope_interleave(config) -> bool:
     return bool(getattr(config, "rope_interleave", False))
 
 
@@ -219,11 +178,11 @@ MLA_NAMES = {
 
 
 def dense_mla(layer, config, params: dict) -> dict:
-    """The inverse of `mla_options` (and `ParallelMLA.load_dense`'s row permutations):
+    """The inverse of `hf_specs.mla_weights` (and `ParallelMLA.load_dense`'s row permutations):
     the full parameters `params` of the converted `layer` (its names) under the Hugging
     Face module's names, in its layout (`ParallelMLA.dense_rows`)."""
     return {
-        MLA_NAMES[name]: layer.dense_rows(name, t, rope_interleave=_rope_interleave(config))
+        MLA_NAMES[name]: layer.dense_rows(name, t, rope_interleave=rope_interleave(config))
         for name, t in params.items()
     }
 
@@ -299,50 +258,8 @@ def rope(rotary_emb: nn.Module, rotary_dim: int, layer_type, positions: torch.Te
     return cos, sin
 
 
-def attention_options(i: int, attn: nn.Module, config, rotary_emb) -> dict:
-    """The `ParallelAttention.from_dense` arguments of layer i's attention."""
-    if config.model_type in FUSED_QKV:
-        weights, biases = _fused_parts(attn, config)
-        o = getattr(attn, FUSED_QKV[config.model_type][1])
-        parts = [*weights, o]
-        options = {"bias": [*biases, None]} if biases[0] is not None else {}
-    else:
-        parts, options = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj], {}
-    head_dim = linear_parts("q", parts[0])[0].shape[0] // config.num_attention_heads
-    factor = getattr(config, "partial_rotary_factor", None)
-    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", factor)
-    rotary_dim = int(head_dim * (factor or 1.0))
-    types = getattr(config, "layer_types", None)
-    layer_type = types[i] if types else None
-    positions = (
-        {"rope": None}  # learned positions (GPT-2), or a NoPE layer (SmolLM3's use_rope)
-        if rotary_emb is None or not getattr(attn, "use_rope", True)
-        else {
-            "rotary_dim": rotary_dim,
-            "rope": functools.partial(rope, rotary_emb, rotary_dim, layer_type),
-        }
-    )
-    options |= dict(
-        softmax_scale=attn.scaling,
-        **positions,
-        sliding_window=layer_window(config, i),
-        softcap=getattr(config, "attn_logit_softcapping", None) or None,
-    )
-    if getattr(attn, "sinks", None) is not None:  # gpt-oss: a learned logit per head
-        options["sinks"] = attn.sinks
-    if getattr(attn, "q_norm", None) is not None:
-        norm = attn.q_norm
-        options |= dict(
-            q_norm=attn.q_norm,
-            k_norm=attn.k_norm,
-            norm_eps=getattr(norm, "variance_epsilon", None) or norm.eps,
-            norm_offset=NORM_OFFSET.get(config.model_type, 0.0),
-        )
-    return dict(parts=parts, **options)
-
-
 def dense_attention(attn: nn.Module, config, params: dict) -> dict:
-    """The inverse of `attention_options`: the full parameters `params` of a converted
+    """The inverse of `hf_specs.attention_weights`: the full parameters `params` of a converted
     `ParallelAttention` (its names: q_weight, q_bias, .., q_norm_weight, sinks) as the
     Hugging Face attention `attn` holds them (names relative to it; `attn` may be on the
     meta device: only its modules' kinds are read). Fused projections are fused again
@@ -436,8 +353,8 @@ def expert_stacks(mlp: nn.Module, config):
 
 
 def dense_experts(mlp: nn.Module, config, params: dict) -> dict:
-    """The inverse of `expert_stacks`, of the shared expert's and its gate's reading and
-    of `router_options`' selection bias: a converted `MoE`'s full parameters and its
+    """The inverse of `hf_specs.expert_weights` (`expert_stacks`, the shared expert, its gate and
+    the sigmoid router's selection bias): a converted `MoE`'s full parameters and its
     ``expert_bias`` buffer (its names) as the Hugging Face block `mlp` holds them (names
     relative to it)."""
     w1, w2, w3 = params["w1"], params["w2"], params["w3"]
@@ -463,5 +380,5 @@ def dense_experts(mlp: nn.Module, config, params: dict) -> dict:
     if "shared_gate_weight" in params:
         out["shared_expert_gate.weight"] = params["shared_gate_weight"]
     if "expert_bias" in params:
-        out[_correction_name(mlp)] = params["expert_bias"]
+        out[correction_name(mlp)] = params["expert_bias"]
     return out

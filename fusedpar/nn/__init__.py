@@ -1,6 +1,7 @@
 """nn.Modules built from fusedpar.ops: parallel linears, attention (and DeepSeek's latent
 attention), MoE, RMSNorm (and
-`add_aux_loss`, which carries a MoE layer's auxiliary loss to the gradients)."""
+`add_aux_loss`, which carries a MoE layer's auxiliary loss to the gradients); the specs
+they are built from with a `fusedpar.Placement` (`fusedpar.nn.specs`)."""
 
 from fusedpar.nn.attention import ParallelAttention
 from fusedpar.nn.aux_loss import add_aux_loss
@@ -8,10 +9,15 @@ from fusedpar.nn.linear import ColumnParallelLinear, ParallelSwiGLU, RowParallel
 from fusedpar.nn.mla import ParallelMLA
 from fusedpar.nn.moe import MoE
 from fusedpar.nn.norm import RMSNorm
+from fusedpar.nn.specs import AttentionSpec, MLASpec, MLPSpec, MoESpec
 
 __all__ = [
+    "AttentionSpec",
     "ColumnParallelLinear",
+    "MLASpec",
+    "MLPSpec",
     "MoE",
+    "MoESpec",
     "ParallelAttention",
     "ParallelMLA",
     "ParallelSwiGLU",

@@ -71,43 +71,14 @@ from fusedpar.nn.attention_parts import (  # noqa: F401 (rope_tables: public her
     rotates_by_formula,
 )
 from fusedpar.nn.linear import bias_per_weight, linear_parts
+from fusedpar.nn.specs import DEFAULT_ROPE, AttentionSpec, FromSpec
 from fusedpar.ops.attention_layer import attention_layer
-from fusedpar.ops.linear import (
-    all_gather_matmul,
-    check_reduce_dtype,
-    matmul_reduce_scatter,
-)
-from fusedpar.ops.overlap import check_overlap
+from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.ring_attention import ring_attn
 from fusedpar.ops.sequence import sequence_positions
 from fusedpar.ops.ulysses import check_heads
+from fusedpar.placement import CP_MODES, Placement  # noqa: F401 (CP_MODES: public here too)
 from fusedpar.storage import ParamLayout, local_tensor
-
-CP_MODES = ("ring", "ulysses", "hybrid")
-DEFAULT_ROPE = "default"  # `rope` left out: Llama's tables (None: no rotary embedding)
-
-
-def _check_cp_mode(cp_mode, cp_group, ulysses_group) -> str:
-    """`cp_mode` given or read off the groups (see the module doc); ValueError when the
-    groups do not fit it."""
-    ring, ulysses = comm.group_size(cp_group), comm.group_size(ulysses_group)
-    inferred = "hybrid" if ring > 1 and ulysses > 1 else "ulysses" if ulysses > 1 else "ring"
-    if cp_mode is None:
-        return inferred
-    if cp_mode not in CP_MODES:
-        raise ValueError(f"cp_mode must be one of {CP_MODES}, got {cp_mode!r}")
-    if cp_mode == "ring" and ulysses > 1:
-        raise ValueError(
-            f"cp_mode='ring' with a ulysses_group of {ulysses} ranks: pass "
-            f"cp_mode='hybrid' (or leave it out)"
-        )
-    if cp_mode == "ulysses" and ring > 1:
-        raise ValueError(
-            f"cp_mode='ulysses' runs over ulysses_group, but cp_group (the ring) "
-            f"has {ring} ranks: pass the all-to-all group as ulysses_group, and "
-            f"cp_mode='hybrid' to keep a ring as well"
-        )
-    return cp_mode
 
 
 class RotaryPositions:
@@ -237,7 +208,7 @@ class RotaryPositions:
         return t.to(dtype).contiguous()  # (HF's half a row: the GEMM epilogue reads rows)
 
 
-class ParallelAttention(RotaryPositions, nn.Module):
+class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
     """GQA self-attention over TP (heads) and CP (sequence). See the module doc.
 
     | parameter                        | shape on a rank     | with           |
@@ -268,9 +239,14 @@ class ParallelAttention(RotaryPositions, nn.Module):
     packed documents (see `forward`). ``overlap``: the schedule of the sequence-parallel
     projections over TP (`fusedpar.ops.linear`; None: ``FUSEDPAR_OVERLAP``, else "auto");
     ``reduce_dtype``: the dtype their reduce-scatters' partial sums travel in (None: fp32).
+
+    Built from these keywords, or ``from_spec(spec, placement)``: an `AttentionSpec` (the
+    keywords but the groups') and a `fusedpar.Placement` (`fusedpar.nn.specs`), the same
+    layer either way, which keeps both (``self.spec``, ``self.placement``).
     """
 
     GROUP_AXES = {"tp_group": ("tp",), "cp_group": ("cp",), "ulysses_group": ("ulysses",)}
+    SPEC = AttentionSpec
     _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 
     def __init__(
@@ -304,60 +280,48 @@ class ParallelAttention(RotaryPositions, nn.Module):
         device=None,
         dtype=None,
     ):
-        super().__init__()
-        # the TP projections' schedule and the dtype their partial sums travel in
-        self.overlap, self.reduce_dtype = check_overlap(overlap), check_reduce_dtype(reduce_dtype)
-        if sliding_window is not None:
-            if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
-                raise TypeError(f"sliding_window must be an int, got {sliding_window!r}")
-            if sliding_window < 1 or not causal:
-                raise ValueError(
-                    f"sliding_window={sliding_window} is Hugging Face's causal "
-                    f"window of W >= 1 keys (causal={causal})"
-                )
-        if softcap is not None and not softcap > 0:
-            raise ValueError(f"softcap must be > 0 (or None), got {softcap!r}")
-        if softmax_scale is not None and not 0 < softmax_scale < float("inf"):
-            raise ValueError(
-                f"softmax_scale must be > 0 and finite (or None), got {softmax_scale!r}"
-            )
-        if not (rope is None or rope == DEFAULT_ROPE or callable(rope)):
-            raise TypeError(
-                f"rope must be a callable positions -> (cos, sin), None (no rotary "
-                f"embedding) or left out (Llama's tables), got {rope!r}"
-            )
-        qk_norm = "head" if qk_norm is True else qk_norm or None
-        if qk_norm is not None and qk_norm not in QK_NORMS:
-            raise ValueError(
-                f'qk_norm must be False, True ("head") or one of {QK_NORMS}, got {qk_norm!r}'
-            )
-        n_kv_heads = n_kv_heads or n_heads
+        placement = Placement(
+            tp_group=tp_group,
+            cp_group=cp_group,
+            ulysses_group=ulysses_group,
+            cp_mode=cp_mode,
+            cp_layout=cp_layout,
+            sequence_parallel=sequence_parallel,
+            overlap=overlap,
+            reduce_dtype=reduce_dtype,
+        )
+        spec = AttentionSpec(
+            d_model,
+            n_heads,
+            n_kv_heads,
+            head_dim=head_dim,
+            bias=bias,
+            o_bias=o_bias,
+            qk_norm=qk_norm,
+            norm_eps=norm_eps,
+            norm_offset=norm_offset,
+            sinks=sinks,
+            rope=rope,
+            rotary_dim=rotary_dim,
+            softmax_scale=softmax_scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            causal=causal,
+            rope_theta=rope_theta,
+        )
+        self._build(spec, placement, device, dtype)
+
+    def _build(self, spec: AttentionSpec, placement: Placement, device, dtype) -> None:
+        """The layer of `spec` on `placement` (`__init__` and `from_spec`): the checks
+        that need the groups (heads over TP and Ulysses), then the parameters."""
+        nn.Module.__init__(self)
+        self.spec, self.placement = spec, placement
+        n_heads, (n_kv_heads, head_dim, rotary_dim, qk_norm) = spec.n_heads, spec.resolved()
+        tp_group, ulysses_group = placement.tp_group, placement.ulysses_group
         tp = comm.group_size(tp_group)
-        if head_dim is None:
-            if d_model % n_heads:
-                raise ValueError(
-                    f"d_model ({d_model}) is not divisible by n_heads ({n_heads}): pass head_dim"
-                )
-            head_dim = d_model // n_heads
-        if rope is None and rotary_dim is not None:
-            raise ValueError(f"rotary_dim={rotary_dim} with rope=None (no rotary embedding)")
-        if rope is not None and rotary_dim is None and head_dim % 2:
-            raise ValueError(
-                f"head_dim ({head_dim}) must be even for the rotary embedding "
-                f"(or pass rotary_dim, or rope=None)"
-            )
-        rotary_dim = head_dim if rotary_dim is None or rope is None else rotary_dim
-        if rope is not None and (rotary_dim % 2 or not 0 < rotary_dim <= head_dim):
-            raise ValueError(
-                f"rotary_dim ({rotary_dim}) must be even and in (0, head_dim "
-                f"{head_dim}] for the rotary embedding"
-            )
-        if n_heads % n_kv_heads:
-            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         for name, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
             if heads % tp:
                 raise ValueError(f"{name} ({heads}) is not divisible by the TP degree ({tp})")
-        self.cp_mode = _check_cp_mode(cp_mode, cp_group, ulysses_group)
         ulysses = comm.group_size(ulysses_group)
         if ulysses > 1:
             check_heads(
@@ -366,18 +330,26 @@ class ParallelAttention(RotaryPositions, nn.Module):
                 ulysses,
                 f"ParallelAttention (n_heads {n_heads}, n_kv_heads {n_kv_heads}, TP {tp})",
             )
-        self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
-        self.head_dim, self.norm_eps, self.rope = head_dim, norm_eps, rope
-        self.qk_norm, self.norm_offset = qk_norm, norm_offset
-        self.rotary_dim, self.softmax_scale = rotary_dim, softmax_scale
-        self.tp_group, self.cp_group, self.ulysses_group = tp_group, cp_group, ulysses_group
+        # the TP projections' schedule and the dtype their partial sums travel in
+        self.overlap, self.reduce_dtype = placement.overlap, placement.reduce_dtype
+        self.cp_mode = placement.cp_mode
+        self.d_model, self.n_heads, self.n_kv_heads = spec.d_model, n_heads, n_kv_heads
+        self.head_dim, self.norm_eps, self.rope = head_dim, spec.norm_eps, spec.rope
+        self.qk_norm, self.norm_offset = qk_norm, spec.norm_offset
+        self.rotary_dim, self.softmax_scale = rotary_dim, spec.softmax_scale
+        self.tp_group, self.cp_group, self.ulysses_group = (
+            tp_group,
+            placement.cp_group,
+            ulysses_group,
+        )
         self.tp, self.tp_rank = tp, comm.group_rank(tp_group)
-        self.causal, self.sequence_parallel = causal, sequence_parallel
-        self.cp_layout, self.rope_theta = cp_layout, rope_theta
-        self.sliding_window, self.softcap = sliding_window, softcap
+        self.causal, self.sequence_parallel = spec.causal, placement.sequence_parallel
+        self.cp_layout, self.rope_theta = placement.cp_layout, spec.rope_theta
+        self.sliding_window, self.softcap = spec.sliding_window, spec.softcap
         # Hugging Face's W keys (the query's own included) is flash-attn's (W - 1, 0)
-        self.window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
-        hd, factory = head_dim, {"device": device, "dtype": dtype}
+        window = spec.sliding_window
+        self.window = (-1, -1) if window is None else (window - 1, 0)
+        hd, d_model, factory = head_dim, spec.d_model, {"device": device, "dtype": dtype}
         q_rows, kv_rows = n_heads // tp * hd, n_kv_heads // tp * hd
         self.q_weight = nn.Parameter(torch.empty(q_rows, d_model, **factory))
         self.k_weight = nn.Parameter(torch.empty(kv_rows, d_model, **factory))
@@ -387,13 +359,13 @@ class ParallelAttention(RotaryPositions, nn.Module):
         def optional(on, *shape):  # noqa: E306
             return nn.Parameter(torch.empty(shape, **factory)) if on else None
 
-        self.q_bias = optional(bias, q_rows)
-        self.k_bias, self.v_bias = optional(bias, kv_rows), optional(bias, kv_rows)
-        self.o_bias = optional(o_bias, d_model)
+        self.q_bias = optional(spec.bias, q_rows)
+        self.k_bias, self.v_bias = optional(spec.bias, kv_rows), optional(spec.bias, kv_rows)
+        self.o_bias = optional(spec.o_bias, d_model)
         full = qk_norm == "full"
         self.q_norm_weight = optional(qk_norm, q_rows if full else hd)
         self.k_norm_weight = optional(qk_norm, kv_rows if full else hd)
-        self.sinks = optional(sinks, n_heads // tp)
+        self.sinks = optional(spec.sinks, n_heads // tp)
         self._rope_tables: dict = {}  # (length, device) -> (cos, sin); not state
         self._rope_layout_checked = False  # a callable's table layout: checked once
         if self.q_weight.device.type != "meta":

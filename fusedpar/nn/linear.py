@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedpar import checks, comm
+from fusedpar.nn.specs import FromSpec, MLPSpec
 from fusedpar.ops.gated_down import gated_down, kernel_activation
 from fusedpar.ops.linear import (
     DEFAULT_CHUNKS_PER_RANK,
@@ -34,6 +35,7 @@ from fusedpar.ops.linear import (
 )
 from fusedpar.ops.mlp import gated_mlp
 from fusedpar.ops.overlap import check_overlap
+from fusedpar.placement import Placement
 from fusedpar.storage import ParamLayout, local_tensor
 
 
@@ -328,7 +330,7 @@ class RowParallelLinear(_ParallelLinear):
         return y if self.bias is None else y + self.bias
 
 
-class ParallelSwiGLU(nn.Module):
+class ParallelSwiGLU(FromSpec, nn.Module):
     """``down(act(gate(x)) * up(x))`` with the hidden features split over `group`.
 
     gate and up are column-parallel and share one all-gather of x; down is row-parallel.
@@ -340,9 +342,14 @@ class ParallelSwiGLU(nn.Module):
     Kept for the backward: x, gate and up; not ``act(gate)`` nor the product fed to
     down, which the backward recomputes (`fusedpar.ops.gated_down`), as the MoE
     experts do.
+
+    Built from these keywords, or ``from_spec(MLPSpec, Placement)`` (`fusedpar.nn.specs`;
+    `group` is the placement's ``tp_group``), the same layer either way, which keeps both
+    (``self.spec``, ``self.placement``).
     """
 
     GROUP_AXES = {"group": ("tp",)}  # checked by `fusedpar.distribute`
+    SPEC = MLPSpec
     _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 
     def __init__(
@@ -360,18 +367,35 @@ class ParallelSwiGLU(nn.Module):
         device=None,
         dtype=None,
     ):
-        super().__init__()
-        self.group, self.activation = group, activation
-        self.overlap, self.reduce_dtype = check_overlap(overlap), check_reduce_dtype(reduce_dtype)
+        placement = Placement(
+            tp_group=group,
+            sequence_parallel=sequence_parallel,
+            chunks_per_rank=chunks_per_rank,
+            overlap=overlap,
+            reduce_dtype=reduce_dtype,
+        )
+        spec = MLPSpec(d_model, d_hidden, bias=bias, activation=activation)
+        self._build(spec, placement, device, dtype)
+
+    def _build(self, spec: MLPSpec, placement: Placement, device, dtype) -> None:
+        """The layer of `spec` on `placement`'s ``tp_group`` (`__init__` and
+        `from_spec`): the hidden features over the group checked, then the parameters."""
+        nn.Module.__init__(self)
+        self.spec, self.placement = spec, placement
+        group, self.activation = placement.tp_group, spec.activation
+        self.group = group
+        self.overlap, self.reduce_dtype = placement.overlap, placement.reduce_dtype
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
+        d_model, d_hidden = spec.d_model, spec.d_hidden
         _check_divisible("d_hidden", d_hidden, self.world)
         self.d_model, self.d_hidden = d_model, d_hidden
-        self.sequence_parallel, self.chunks_per_rank = sequence_parallel, chunks_per_rank
+        self.sequence_parallel = placement.sequence_parallel
+        self.chunks_per_rank = placement.chunks_per_rank
         local, factory = d_hidden // self.world, {"device": device, "dtype": dtype}
         self.gate_weight = nn.Parameter(torch.empty(local, d_model, **factory))
         self.up_weight = nn.Parameter(torch.empty(local, d_model, **factory))
         self.down_weight = nn.Parameter(torch.empty(d_model, local, **factory))
-        biases = (local, local, d_model) if bias else (None, None, None)
+        biases = (local, local, d_model) if spec.bias else (None, None, None)
         for name, size in zip(("gate_bias", "up_bias", "down_bias"), biases, strict=True):
             param = None if size is None else nn.Parameter(torch.empty(size, **factory))
             self.register_parameter(name, param)

@@ -27,18 +27,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedpar import comm
-from fusedpar.nn.attention import DEFAULT_ROPE, RotaryPositions, _check_cp_mode
+from fusedpar.nn.attention import RotaryPositions
 from fusedpar.nn.attention_parts import apply_rope, norm_weight
 from fusedpar.nn.linear import linear_parts
-from fusedpar.ops.linear import all_gather_matmul, check_reduce_dtype, matmul_reduce_scatter
+from fusedpar.nn.specs import CP_RINGS, DEFAULT_ROPE, FromSpec, MLASpec  # noqa: F401 (CP_RINGS)
+from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.mla_ring import mla_ring_attn
 from fusedpar.ops.norm import rms_norm
-from fusedpar.ops.overlap import check_overlap
 from fusedpar.ops.ring_attention import ring_attn
 from fusedpar.ops.ulysses import check_heads
+from fusedpar.placement import Placement
 from fusedpar.storage import ParamLayout, local_tensor
-
-CP_RINGS = ("auto", "latent", "expanded")
 
 
 def _head_order(nope: int, rope: int, interleaved: bool) -> torch.Tensor:
@@ -82,7 +81,7 @@ def latent_moves_less(heads: int, nope: int, rope: int, v_dim: int, kv_lora_rank
     return kv_lora_rank + rope < heads * (nope + rope + v_dim)
 
 
-class ParallelMLA(RotaryPositions, nn.Module):
+class ParallelMLA(FromSpec, RotaryPositions, nn.Module):
     """Multi-head latent attention over TP (heads) and CP (sequence). See the module doc.
 
     | parameter          | shape on a rank               | notes                      |
@@ -103,9 +102,13 @@ class ParallelMLA(RotaryPositions, nn.Module):
     mscale squared: pass it). ``cp_ring``: "expanded" (`ring_attn` moves each rank's
     heads' K and V), "latent" (`fusedpar.ops.mla_ring`: the latent travels, each step
     expands it; a plain ring only) or "auto" (`latent_ring`).
+
+    Built from these keywords, or ``from_spec(MLASpec, Placement)`` (`fusedpar.nn.specs`),
+    the same layer either way, which keeps both (``self.spec``, ``self.placement``).
     """
 
     GROUP_AXES = {"tp_group": ("tp",), "cp_group": ("cp",), "ulysses_group": ("ulysses",)}
+    SPEC = MLASpec
     _fusedpar_checked = False
 
     def __init__(
@@ -135,33 +138,47 @@ class ParallelMLA(RotaryPositions, nn.Module):
         device=None,
         dtype=None,
     ):
-        super().__init__()
-        if rope is None or not (rope == DEFAULT_ROPE or callable(rope)):
-            raise TypeError(
-                f"ParallelMLA: rope must be a callable positions -> (cos, sin) or "
-                f"left out (the tables of rope_theta), got {rope!r}"
-            )
-        sizes = {
-            "kv_lora_rank": kv_lora_rank,
-            "qk_nope_head_dim": qk_nope_head_dim,
-            "qk_rope_head_dim": qk_rope_head_dim,
-            "v_head_dim": v_head_dim,
-            "q_lora_rank": 1 if q_lora_rank is None else q_lora_rank,
-        }
-        for name, value in sizes.items():
-            if value < 1:
-                raise ValueError(f"ParallelMLA: {name} must be positive, got {value}")
-        if qk_rope_head_dim % 2:
-            raise ValueError(f"ParallelMLA: qk_rope_head_dim ({qk_rope_head_dim}) must be even")
+        spec = MLASpec(
+            d_model,
+            n_heads,
+            q_lora_rank=q_lora_rank,
+            kv_lora_rank=kv_lora_rank,
+            qk_nope_head_dim=qk_nope_head_dim,
+            qk_rope_head_dim=qk_rope_head_dim,
+            v_head_dim=v_head_dim,
+            bias=bias,
+            norm_eps=norm_eps,
+            rope=rope,
+            rope_theta=rope_theta,
+            softmax_scale=softmax_scale,
+            cp_ring=cp_ring,
+        )
+        placement = Placement(
+            tp_group=tp_group,
+            cp_group=cp_group,
+            ulysses_group=ulysses_group,
+            cp_mode=cp_mode,
+            cp_layout=cp_layout,
+            sequence_parallel=sequence_parallel,
+            overlap=overlap,
+            reduce_dtype=reduce_dtype,
+        )
+        self._build(spec, placement, device, dtype)
+
+    def _build(self, spec: MLASpec, placement: Placement, device, dtype) -> None:
+        """The layer of `spec` on `placement` (`__init__` and `from_spec`): the checks
+        that need the groups (heads over TP and Ulysses, the latent ring's mode), then
+        the parameters."""
+        nn.Module.__init__(self)
+        self.spec, self.placement = spec, placement
+        n_heads, tp_group, ulysses_group = spec.n_heads, placement.tp_group, placement.ulysses_group
         tp = comm.group_size(tp_group)
         if n_heads % tp:
             raise ValueError(
                 f"ParallelMLA: n_heads ({n_heads}) is not divisible by the TP degree ({tp})"
             )
-        self.cp_mode = _check_cp_mode(cp_mode, cp_group, ulysses_group)
-        if cp_ring not in CP_RINGS:
-            raise ValueError(f"ParallelMLA: cp_ring must be one of {CP_RINGS}, got {cp_ring!r}")
-        if cp_ring == "latent" and self.cp_mode != "ring":
+        self.cp_mode = placement.cp_mode
+        if spec.cp_ring == "latent" and self.cp_mode != "ring":
             raise ValueError(
                 f"ParallelMLA: cp_ring='latent' moves the latent around a ring "
                 f"alone; cp_mode is {self.cp_mode!r}"
@@ -171,9 +188,11 @@ class ParallelMLA(RotaryPositions, nn.Module):
         # ring (measured faster over gloo, 2 cores, 4 ranks, S = 1k: 0.41 s against 0.45
         # at 4 heads a rank, 1.09 against 1.45 at 16: each step's expansion, twice in the
         # backward, costs more there than the bytes it saves, 2.2x and 8.9x fewer)
-        self.cp_ring = cp_ring
+        self.cp_ring = spec.cp_ring
+        nope, rope_dim, v_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+        q_lora_rank, kv_lora_rank, d_model = spec.q_lora_rank, spec.kv_lora_rank, spec.d_model
         self._latent_moves_less = latent_moves_less(
-            n_heads // tp, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank
+            n_heads // tp, nope, rope_dim, v_dim, kv_lora_rank
         )
         if comm.group_size(ulysses_group) > 1:
             check_heads(
@@ -182,17 +201,21 @@ class ParallelMLA(RotaryPositions, nn.Module):
                 comm.group_size(ulysses_group),
                 f"ParallelMLA (n_heads {n_heads}, TP {tp})",
             )
-        self.overlap, self.reduce_dtype = check_overlap(overlap), check_reduce_dtype(reduce_dtype)
-        self.d_model, self.n_heads, self.norm_eps = d_model, n_heads, norm_eps
+        self.overlap, self.reduce_dtype = placement.overlap, placement.reduce_dtype
+        self.d_model, self.n_heads, self.norm_eps = d_model, n_heads, spec.norm_eps
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
-        self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
-        self.qk_dim = qk_nope_head_dim + qk_rope_head_dim
-        self.softmax_scale = softmax_scale or self.qk_dim**-0.5
-        self.tp_group, self.cp_group, self.ulysses_group = tp_group, cp_group, ulysses_group
+        self.nope, self.rope_dim, self.v_dim = nope, rope_dim, v_dim
+        self.qk_dim = nope + rope_dim
+        self.softmax_scale = spec.softmax_scale or self.qk_dim**-0.5
+        self.tp_group, self.cp_group, self.ulysses_group = (
+            tp_group,
+            placement.cp_group,
+            ulysses_group,
+        )
         self.tp, self.tp_rank = tp, comm.group_rank(tp_group)
-        self.cp_layout, self.sequence_parallel = cp_layout, sequence_parallel
+        self.cp_layout, self.sequence_parallel = placement.cp_layout, placement.sequence_parallel
         # `RotaryPositions`: the tables of the rotary dims
-        self.rope, self.rope_theta, self.rotary_dim = rope, rope_theta, qk_rope_head_dim
+        self.rope, self.rope_theta, self.rotary_dim = spec.rope, spec.rope_theta, rope_dim
         self._rope_tables: dict = {}
         self._rope_layout_checked = False
         heads, factory = n_heads // tp, {"device": device, "dtype": dtype}
@@ -200,17 +223,17 @@ class ParallelMLA(RotaryPositions, nn.Module):
         def param(on, *shape):
             return nn.Parameter(torch.empty(shape, **factory)) if on else None
 
-        lora = q_lora_rank is not None
+        lora, bias = q_lora_rank is not None, spec.bias
         self.q_a_weight = param(lora, q_lora_rank or 0, d_model)
         self.q_a_norm_weight = param(lora, q_lora_rank or 0)
         self.q_b_weight = param(lora, heads * self.qk_dim, q_lora_rank or 0)
         self.q_weight = param(not lora, heads * self.qk_dim, d_model)
-        self.kv_a_weight = param(True, kv_lora_rank + qk_rope_head_dim, d_model)
+        self.kv_a_weight = param(True, kv_lora_rank + rope_dim, d_model)
         self.kv_a_norm_weight = param(True, kv_lora_rank)
-        self.kv_b_weight = param(True, heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank)
-        self.o_weight = param(True, d_model, heads * v_head_dim)
+        self.kv_b_weight = param(True, heads * (nope + v_dim), kv_lora_rank)
+        self.o_weight = param(True, d_model, heads * v_dim)
         self.q_a_bias = param(bias and lora, q_lora_rank or 0)
-        self.kv_a_bias = param(bias, kv_lora_rank + qk_rope_head_dim)
+        self.kv_a_bias = param(bias, kv_lora_rank + rope_dim)
         self.o_bias = param(bias, d_model)
         if self.kv_a_weight.device.type != "meta":
             self.reset_parameters()

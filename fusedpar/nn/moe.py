@@ -7,16 +7,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedpar import checks, comm
-from fusedpar.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT, check_activation
-from fusedpar.kernels.moe_route import check_groups
+from fusedpar.nn.specs import FromSpec, MoESpec
 from fusedpar.ops.gated_down import gated_down
 from fusedpar.ops.moe import moe_dispatch_combine
-from fusedpar.ops.moe_routing import SCORES, aux_losses, capacity_mask, route
+from fusedpar.ops.moe_routing import aux_losses, capacity_mask, route
+from fusedpar.placement import Placement
 from fusedpar.recompute import is_recomputing
 from fusedpar.storage import ParamLayout, local_tensor
 
 
-class MoE(nn.Module):
+class MoE(FromSpec, nn.Module):
     """Top-k routed SwiGLU experts; ``forward(x) -> (y, aux_loss)``.
 
     x (..., d_model): this rank's tokens (any leading shape, zero tokens allowed); y has
@@ -69,8 +69,13 @@ class MoE(nn.Module):
     partial sum and summed over them after backward, as for the rest of the model. The
     expert biases, like the expert weights, get the gradient of every token routed to
     this rank's experts, from every rank.
+
+    Built from these keywords, or ``from_spec(MoESpec, Placement)`` (`fusedpar.nn.specs`;
+    the placement's ``ep_group``), the same layer either way, which keeps both
+    (``self.spec``, ``self.placement``).
     """
 
+    SPEC = MoESpec
     _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 
     def __init__(
@@ -99,71 +104,74 @@ class MoE(nn.Module):
         device=None,
         dtype=None,
     ):
-        super().__init__()
+        spec = MoESpec(
+            d_model,
+            d_hidden,
+            num_experts,
+            top_k,
+            score=score,
+            norm_topk_prob=norm_topk_prob,
+            capacity_factor=capacity_factor,
+            aux_loss_coef=aux_loss_coef,
+            z_loss_coef=z_loss_coef,
+            shared_hidden=shared_hidden,
+            shared_gate=shared_gate,
+            bias=bias,
+            router_bias=router_bias,
+            activation=activation,
+            swiglu_alpha=swiglu_alpha,
+            swiglu_limit=swiglu_limit,
+            n_group=n_group,
+            topk_group=topk_group,
+            routed_scaling_factor=routed_scaling_factor,
+        )
+        self._build(spec, Placement(ep_group=ep_group), device, dtype)
+
+    def _build(self, spec: MoESpec, placement: Placement, device, dtype) -> None:
+        """The layer of `spec` on `placement`'s ``ep_group`` (`__init__` and
+        `from_spec`): the experts over the group checked, then the parameters."""
+        nn.Module.__init__(self)
+        self.spec, self.placement = spec, placement
+        ep_group, num_experts = placement.ep_group, spec.num_experts
         world = comm.group_size(ep_group)
-        if shared_gate and not shared_hidden:
-            raise ValueError("shared_gate needs a shared expert: pass shared_hidden > 0")
-        given = [
-            n
-            for n, v in (("swiglu_alpha", swiglu_alpha), ("swiglu_limit", swiglu_limit))
-            if v is not None
-        ]
-        if given and activation != "clamped_swiglu":
-            raise ValueError(
-                f"{' and '.join(given)} apply to activation='clamped_swiglu' "
-                f"only, got activation={activation!r}"
-            )
-        swiglu_alpha = SWIGLU_ALPHA if swiglu_alpha is None else swiglu_alpha
-        swiglu_limit = SWIGLU_LIMIT if swiglu_limit is None else swiglu_limit
-        check_activation(activation, swiglu_alpha, swiglu_limit)
         if num_experts < 1 or num_experts % world:
             raise ValueError(
                 f"num_experts ({num_experts}) must be a positive multiple of the "
                 f"EP group size ({world})"
             )
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k ({top_k}) must be between 1 and num_experts ({num_experts})")
-        if score not in SCORES:
-            raise ValueError(f"score must be one of {SCORES}, got {score!r}")
-        if capacity_factor is not None and capacity_factor <= 0:
-            raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
-        check_groups(num_experts, top_k, n_group, topk_group)
-        if not 0 < routed_scaling_factor < math.inf:
-            raise ValueError(
-                f"routed_scaling_factor must be positive and finite, got {routed_scaling_factor}"
-            )
-        self.groups = (n_group, topk_group)
-        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.groups = (spec.n_group, spec.topk_group)
+        self.routed_scaling_factor = float(spec.routed_scaling_factor)
+        d_model, d_hidden = spec.d_model, spec.d_hidden
         self.d_model, self.d_hidden, self.num_experts, self.top_k = (
             d_model,
             d_hidden,
             num_experts,
-            top_k,
+            spec.top_k,
         )
         self.ep_group, self.world, self.rank = ep_group, world, comm.group_rank(ep_group)
         self.score, self.norm_topk_prob, self.capacity_factor = (
-            score,
-            norm_topk_prob,
-            capacity_factor,
+            spec.score,
+            spec.norm_topk_prob,
+            spec.capacity_factor,
         )
-        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
-        self.activation = activation
-        self.swiglu_alpha, self.swiglu_limit = float(swiglu_alpha), float(swiglu_limit)
+        self.aux_loss_coef, self.z_loss_coef = spec.aux_loss_coef, spec.z_loss_coef
+        self.activation = spec.activation
+        self.swiglu_alpha, self.swiglu_limit = (float(v) for v in spec.swiglu())
         local, factory = num_experts // world, {"device": device, "dtype": dtype}
         self.router_weight = nn.Parameter(torch.empty(num_experts, d_model, **factory))
         self.w1 = nn.Parameter(torch.empty(local, d_hidden, d_model, **factory))
         self.w3 = nn.Parameter(torch.empty(local, d_hidden, d_model, **factory))
         self.w2 = nn.Parameter(torch.empty(local, d_model, d_hidden, **factory))
         for name, shape, on in (
-            ("router_bias", (num_experts,), router_bias),
-            ("b1", (local, d_hidden), bias),
-            ("b2", (local, d_model), bias),
-            ("b3", (local, d_hidden), bias),
+            ("router_bias", (num_experts,), spec.router_bias),
+            ("b1", (local, d_hidden), spec.bias),
+            ("b2", (local, d_model), spec.bias),
+            ("b3", (local, d_hidden), spec.bias),
         ):
             self.register_parameter(
                 name, nn.Parameter(torch.empty(shape, **factory)) if on else None
             )
-        self.shared_hidden = shared_hidden
+        self.shared_hidden = shared_hidden = spec.shared_hidden
         shared = shared_hidden > 0
         for name, shape in (
             ("shared_w1", (shared_hidden, d_model)),
@@ -171,11 +179,11 @@ class MoE(nn.Module):
             ("shared_w3", (shared_hidden, d_model)),
             ("shared_gate_weight", (1, d_model)),
         ):
-            on = shared_gate if name == "shared_gate_weight" else shared
+            on = spec.shared_gate if name == "shared_gate_weight" else shared
             self.register_parameter(
                 name, nn.Parameter(torch.empty(shape, **factory)) if on else None
             )
-        bias = torch.zeros(num_experts, device=device) if score == "sigmoid" else None
+        bias = torch.zeros(num_experts, device=device) if spec.score == "sigmoid" else None
         self.register_buffer("expert_bias", bias)
         self.last_stats: dict = {}
         if self.router_weight.device.type != "meta":
