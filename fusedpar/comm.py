@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from fusedpar.kernels import _impl
+from fusedpar.kernels._impl import cpu_path
 from fusedpar.kernels._tuning import Agreement
 
 Group = dist.ProcessGroup | DeviceMesh | None
@@ -111,7 +111,7 @@ def tuning_agreement(group: Group, device: torch.device) -> Agreement | None:
     return Agreement(f"group {name}", sum_times)
 
 
-@_impl.cpu_path  # its host work runs on CPUs only: no host sync on a GPU run
+@cpu_path  # its host work runs on CPUs only: no host sync on a GPU run
 def check_same_across_ranks(group: Group, values: Sequence[int], what: str, device) -> None:
     """Raise the same ValueError on every rank of `group` unless all pass equal
     `values` (shapes, say), for tensors on `device`. One tiny all-gather on CPU (gloo),
