@@ -367,14 +367,14 @@ def _dispatch_op(
     pg = comm.group_by_name(group)
     size = dist.get_world_size(pg)
     send_counts = counts.view(size, -1)
-    recv_counts = comm._exchange(send_counts, pg, [1] * size, [1] * size)
+    recv_counts = comm.plain_all_to_all(send_counts, pg, [1] * size, [1] * size)
     # The one host sync of the layer: all_to_all_single takes its variable split sizes
     # as host integers. Inherent without fixed-capacity send buffers.
     splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).cpu()
     send_splits, recv_splits = splits.tolist()
     kept = order[: sum(send_splits)]  # the dropped pairs sort last
     tokens = torch.div(kept, top_k, rounding_mode="floor")
-    x_recv = comm._exchange(gather_rows(x, tokens), pg, recv_splits, send_splits)
+    x_recv = comm.plain_all_to_all(gather_rows(x, tokens), pg, recv_splits, send_splits)
     regroup = _regroup_index(recv_counts, sum(recv_splits))
     inverse = torch.empty_like(regroup)
     inverse[regroup] = torch.arange(regroup.numel(), device=regroup.device, dtype=regroup.dtype)
@@ -403,7 +403,7 @@ def _return_op(rows: Tensor, splits: Tensor, group: str, reverse: bool) -> Tenso
     sent, received = splits.tolist()
     if reverse:
         sent, received = received, sent
-    return comm._exchange(rows, comm.group_by_name(group), sent, received)
+    return comm.plain_all_to_all(rows, comm.group_by_name(group), sent, received)
 
 
 @_return_op.register_fake
