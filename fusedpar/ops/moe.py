@@ -62,19 +62,13 @@ from fusedpar.kernels.moe_permute import (
 )
 from fusedpar.kernels.moe_weight_grad import grouped_weight_grad
 from fusedpar.ops.moe_routing import aux_losses
-from fusedpar.ops.registration import autograd_op, direct_op
+from fusedpar.ops.registration import asked, autograd_op, direct_op
 
 # --- custom ops: the differentiable pieces --------------------------------------------------
 # Every kernel launch and collective of the layer sits inside a ``fusedpar::`` op, with a
 # fake that gives its shapes and autograd registered through ``torch.library``; what is
 # left between them is plain PyTorch, so the layer compiles as one graph. A gradient
 # not asked for comes back from a backward op as an empty (0,) tensor.
-
-
-def _asked(grads, needs) -> list:
-    """None for each gradient not asked for (its op returned an empty tensor), decided by
-    the flags: a size is unbacked under torch.compile."""
-    return [g if need else None for g, need in zip(grads, needs, strict=True)]
 
 
 @torch.library.custom_op("fusedpar::expert_swiglu", mutates_args=())
@@ -228,7 +222,7 @@ def _expert_swiglu_backward(ctx, d_out, _):
     grads = _expert_swiglu_backward_call(
         d_out, x, w1, w3, w2, counts, rows, reduce_pos, h13, ctx.needs, *ctx.act
     )
-    dx, dw1, dw3, dw2, db1, db3, db2 = _asked(grads, ctx.needs)
+    dx, dw1, dw3, dw2, db1, db3, db2 = asked(grads, ctx.needs)
     return dx, dw1, dw3, dw2, None, None, None, None, db1, db3, db2, None, None, None
 
 
@@ -350,7 +344,7 @@ def _combine_setup(ctx, inputs, output):
 def _combine_backward(ctx, dy):
     out, weight, pos, order = ctx.saved_tensors
     grads = _combine_backward_call(dy, out, weight.detach(), pos, order, *ctx.needs)
-    return *_asked(grads, ctx.needs), None, None
+    return *asked(grads, ctx.needs), None, None
 
 
 @torch.library.custom_op("fusedpar::moe_dispatch", mutates_args=())
