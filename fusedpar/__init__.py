@@ -1,6 +1,8 @@
 """fusedpar: Triton kernels that fuse compute with communication for transformer training."""
 
-from fusedpar import checkpoint, checks, comm, nn, ops, pipeline, testing
+import importlib
+
+from fusedpar import checkpoint, checks, comm, nn, ops, pipeline
 from fusedpar.kernels._impl import implementation
 from fusedpar.kernels._impl import summary as implementation_summary
 from fusedpar.ops import (
@@ -21,6 +23,15 @@ from fusedpar.recompute import checkpoint_policy
 from fusedpar.storage import distribute
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``fp.testing`` (the test harness: hypothesis, subprocess ranks), imported at first
+    use, so that ``import fusedpar`` does not load it."""
+    if name == "testing":
+        return importlib.import_module("fusedpar.testing")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ParallelDims",

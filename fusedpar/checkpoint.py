@@ -33,7 +33,7 @@ small picklable state (the step, a data-loader position), saved once.
 rank has (``FUSEDPAR_CHECKPOINT_TIMEOUT_S``, default 120 s, read at each call; on the
 default group's store, so NCCL and gloo alike), and otherwise raises TimeoutError naming
 the ranks that did not, before anything is written or read: a save called on rank 0
-alone fails there instead of hanging every rank (`_checkpoint_files.enter`).
+alone fails there instead of hanging every rank (`checkpoint_files.enter`).
 
 Under pipeline parallelism each rank saves and loads its stages' part of the model
 (`fusedpar.pipeline.Pipeline.model`), whose names are the unsplit model's: a checkpoint
@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from fusedpar import _checkpoint_files as atomic
+from fusedpar import checkpoint_files as atomic
 
 # The optimizer's param groups saved per parameter ("param_groups.<name>.lr"), not per
 # group index: pipeline ranks hold different parameters in their group 0, and DCP keeps

@@ -246,7 +246,7 @@ def gather(groups, values: list[int], device) -> dict[int, tuple]:
         return {}
     table = torch.tensor([[dist.get_rank(), *values]], dtype=torch.int64).to(device)
     for pg in pgs:
-        table = comm._gather(table, pg)
+        table = comm.plain_all_gather(table, pg)
     return {row[0]: tuple(row[1:]) for row in table.tolist()}
 
 

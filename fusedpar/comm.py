@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from fusedpar.kernels import _impl
+from fusedpar.kernels._impl import cpu_path
 from fusedpar.kernels._tuning import Agreement
 
 Group = dist.ProcessGroup | DeviceMesh | None
@@ -111,7 +111,7 @@ def tuning_agreement(group: Group, device: torch.device) -> Agreement | None:
     return Agreement(f"group {name}", sum_times)
 
 
-@_impl.cpu_path  # its host work runs on CPUs only: no host sync on a GPU run
+@cpu_path  # its host work runs on CPUs only: no host sync on a GPU run
 def check_same_across_ranks(group: Group, values: Sequence[int], what: str, device) -> None:
     """Raise the same ValueError on every rank of `group` unless all pass equal
     `values` (shapes, say), for tensors on `device`. One tiny all-gather on CPU (gloo),
@@ -192,7 +192,8 @@ def _check_splits(name: str, splits: Sequence[int], size: int, total: int | None
 # --- plain collectives (no autograd) ---------------------------------------------------
 
 
-def _gather(x: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:
+def plain_all_gather(x: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:
+    """``cat_r x_r`` over `pg` (a ProcessGroup), dim 0; no autograd, no checks."""
     out = x.new_empty((dist.get_world_size(pg) * x.shape[0], *x.shape[1:]))
     _all_gather_tensor(out, x.contiguous(), group=pg)
     return out
@@ -210,7 +211,9 @@ def _sum(x: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
-def _exchange(x, pg, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+def plain_all_to_all(x, pg, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+    """Rows `input_splits[s]` of `x` to rank s of `pg`, `output_splits[s]` rows from it;
+    no autograd, no checks."""
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=pg)
     return out
@@ -223,7 +226,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pg):
         ctx.pg = pg
-        return _gather(x, pg)
+        return plain_all_gather(x, pg)
 
     @staticmethod
     def backward(ctx, grad):
@@ -238,7 +241,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.pg), None
+        return plain_all_gather(grad, ctx.pg), None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -277,7 +280,7 @@ class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pg, dim):
         ctx.pg, ctx.dim = pg, dim
-        gathered = _gather(x.movedim(dim, 0), pg)
+        gathered = plain_all_gather(x.movedim(dim, 0), pg)
         return gathered.movedim(0, dim).contiguous()
 
     @staticmethod
@@ -290,11 +293,11 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pg, output_splits, input_splits):
         ctx.pg, ctx.output_splits, ctx.input_splits = pg, output_splits, input_splits
-        return _exchange(x, pg, output_splits, input_splits)
+        return plain_all_to_all(x, pg, output_splits, input_splits)
 
     @staticmethod
     def backward(ctx, grad):
-        return _exchange(grad, ctx.pg, ctx.input_splits, ctx.output_splits), None, None, None
+        return plain_all_to_all(grad, ctx.pg, ctx.input_splits, ctx.output_splits), None, None, None
 
 
 def all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:

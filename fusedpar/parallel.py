@@ -40,11 +40,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from fusedpar.axes import AXES, OPTIONAL_AXES, names_of, resolve_axes
+from fusedpar.pipeline import check_pipeline
 from fusedpar.placement import Placement
-from fusedpar.storage import _reduce_grad, retire_replaced
+from fusedpar.storage import reduce_grad, retire_replaced
 
-AXES = ("pp", "dp", "cp", "ulysses", "tp")  # every axis a mesh may have, in mesh order
-_OPTIONAL = ("pp", "ulysses")  # axes a mesh has only with a degree > 1
 _meshes: dict[tuple, tuple] = {}  # (device type, degrees) -> (default group, mesh)
 _stage_meshes: dict[int, tuple] = {}  # id(mesh) -> (mesh, its stage's sub-mesh)
 _warned_dp1 = False  # `ParallelDims.fully_shard` skipped at dp = 1, said once
@@ -52,55 +52,6 @@ _warned_dp1 = False  # `ParallelDims.fully_shard` skipped at dp = 1, said once
 
 def _default_group():
     return dist.group.WORLD
-
-
-def _names_of(names) -> tuple[tuple[str, str], ...]:
-    """`names` (a dict or pairs: fusedpar's axis -> the mesh's name) as sorted pairs,
-    checked: known axes, distinct string names."""
-    pairs = tuple(sorted(dict(names or {}).items()))
-    for axis, name in pairs:
-        if axis not in AXES:
-            raise ValueError(f"names: {axis!r} is not one of fusedpar's axes {AXES}")
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"names: the mesh's name of {axis!r} must be a string, got {name!r}")
-    given = [name for _, name in pairs]
-    if len(set(given)) != len(given):
-        raise ValueError(f"names: two axes share a mesh name in {dict(pairs)}")
-    return pairs
-
-
-def resolve_axes(mesh: DeviceMesh, names=None, expected=None) -> dict[str, str]:
-    """{fusedpar's axis: the mesh's name} for each axis of `mesh`, in mesh order, where
-    `names` maps fusedpar's axes to the mesh's (``ParallelDims.names``; an axis left out
-    keeps its own name). ValueError naming the mesh's axes, fusedpar's and the mapping to
-    pass when a name is neither (read off `expected`, the axes the mesh should have in
-    order, where their count is the mesh's). No communication: the same answer on every
-    rank."""
-    if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None:
-        raise TypeError(
-            f"a DeviceMesh with named axes is needed (ParallelDims.build_mesh), "
-            f"got {type(mesh).__name__}"
-        )
-    to_mesh = {axis: axis for axis in AXES} | dict(_names_of(names))
-    to_axis = {name: axis for axis, name in to_mesh.items()}
-    found = tuple(mesh.mesh_dim_names)
-    unknown = [name for name in found if name not in to_axis]
-    if unknown:
-        mapped = {axis: name for axis, name in to_mesh.items() if axis != name}
-        expected = expected or tuple(axis for axis in AXES if axis not in _OPTIONAL)
-        guess = (
-            {axis: name for axis, name in zip(expected, found, strict=True) if axis != name}
-            if len(expected) == len(found)
-            else {"dp": "data", "tp": "tensor"}
-        )
-        raise ValueError(
-            f"the mesh's axes {found} include {tuple(unknown)}, which are not fusedpar's axes "
-            f"{AXES}" + (f" nor mapped to them (names={mapped})" if mapped else "") + ": name "
-            f"the mesh's axes so, or map them: ParallelDims(..., names={guess}) (for a mesh "
-            f"of axes {tuple(expected)} in that order), and pass names=dims.names to "
-            "fusedpar.distribute"
-        )
-    return {to_axis[name]: name for name in found}
 
 
 @dataclass(frozen=True)
@@ -117,7 +68,7 @@ class ParallelDims:
     names: tuple = ()
 
     def __post_init__(self):
-        object.__setattr__(self, "names", _names_of(self.names))
+        object.__setattr__(self, "names", names_of(self.names))
 
     def mesh_name(self, axis: str) -> str:
         """The mesh's name of fusedpar's `axis` ("tp" unless ``names`` maps it)."""
@@ -154,7 +105,7 @@ class ParallelDims:
     @property
     def mesh_axes(self) -> tuple[str, ...]:
         """The mesh's axes: "pp" and "ulysses" only with a degree > 1."""
-        return tuple(axis for axis in AXES if axis not in _OPTIONAL or getattr(self, axis) > 1)
+        return tuple(axis for axis in AXES if axis not in OPTIONAL_AXES or getattr(self, axis) > 1)
 
     @property
     def stage_axes(self) -> tuple[str, ...]:
@@ -242,8 +193,6 @@ class ParallelDims:
                     f"(then they are replicated)"
                 )
         if self.pp > 1 and n_layers is not None:
-            from fusedpar.pipeline import check_pipeline
-
             check_pipeline(schedule, self.pp, n_layers, microbatches)
         if num_experts is not None and num_experts % self.ep_size:
             raise ValueError(
@@ -443,7 +392,7 @@ class ParallelDims:
                     )
                     new = nn.Parameter(local, requires_grad=param.requires_grad)
                     if new.requires_grad:  # for what FSDP2 leaves alone (ignored_params)
-                        new.register_post_accumulate_grad_hook(_reduce_grad)
+                        new.register_post_accumulate_grad_hook(reduce_grad)
                         new._fusedpar_order = getattr(param, "_fusedpar_order", math.inf)
                     moved[id(param)] = new
                 sub._parameters[name] = moved[id(param)]

@@ -71,8 +71,8 @@ def _packet(op) -> torch._ops.OpOverloadPacket:
     if isinstance(op, torch._ops.OpOverloadPacket):
         return op
     if isinstance(op, str) and "::" in op:
-        import fusedpar.ops  # noqa: F401  (registers the fusedpar:: ops)
-
+        # The fusedpar:: ops are registered: importing this module ran fusedpar/__init__,
+        # which imports fusedpar.ops (and fusedpar.ops, through fusedpar.checks, this module).
         namespace, name = op.split("::", 1)
         packet = getattr(getattr(torch.ops, namespace), name, None)
         if isinstance(packet, torch._ops.OpOverloadPacket):

@@ -52,20 +52,16 @@ import math
 import warnings
 import weakref
 from dataclasses import dataclass
-from itertools import combinations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fusedpar import comm
+from fusedpar.axes import DATA_AXES, TOKEN_AXES, mesh_axes_of, resolve_axes
 from fusedpar.local_params import local_views
-
-DATA_AXES = ("dp",)  # averaged, as data parallelism does
-TOKEN_AXES = ("cp", "ulysses", "tp")  # where fusedpar's defaults split the tokens (CP, SP)
 
 
 @dataclass(frozen=True)
@@ -152,27 +148,6 @@ def _refuse_retired(optimizer, args, kwargs) -> None:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The local tensor behind a DTensor (a view: writes reach the parameter); t else."""
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def mesh_axes_of(group, mesh: DeviceMesh) -> tuple[str, ...]:
-    """The axes of `mesh` whose ranks, in order, are `group`'s: ``("tp",)`` for
-    ``mesh["tp"]``, ``("cp", "tp")`` for ``mesh["cp", "tp"]._flatten()``, ``()`` for a
-    group of one. No communication. ValueError if `group` is not on the mesh."""
-    pg = comm.resolve_group(group)
-    if pg is None or dist.get_world_size(pg) == 1:
-        return ()
-    ranks = dist.get_process_group_ranks(pg)
-    names, coordinate = mesh.mesh_dim_names, mesh.get_coordinate()
-    for count in range(1, mesh.ndim + 1):
-        for dims in combinations(range(mesh.ndim), count):
-            index = [slice(None) if d in dims else c for d, c in enumerate(coordinate)]
-            if mesh.mesh[tuple(index)].flatten().tolist() == ranks:
-                return tuple(names[d] for d in dims)
-    raise ValueError(
-        f"the group of ranks {ranks} is not an axis (or a run of axes) of the "
-        f"mesh {names} {tuple(mesh.shape)}: build the layers from "
-        "dims.groups(mesh)"
-    )
 
 
 @dataclass(frozen=True)
@@ -295,7 +270,7 @@ def _needs_reduction(param) -> bool:
     return isinstance(grad, DTensor) and grad.placements != param.placements
 
 
-def _reduce_grad(param: DTensor) -> None:
+def reduce_grad(param: DTensor) -> None:
     """Post-accumulate-grad hook of the parameters whose gradient from forward is partial
     on some axis (`_place`; the others' never is: a hook each would cost ~2 µs a step for
     nothing): a partial gradient waits for the end of this backward,
@@ -525,8 +500,6 @@ def distribute(
     ``distribute`` raises at its first step, on every rank ("build the optimizer after
     distribute"), where it would train nothing.
     """
-    from fusedpar.parallel import resolve_axes
-
     if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None:
         raise TypeError("distribute needs a DeviceMesh with named axes (ParallelDims.build_mesh)")
     axis_of = {name: axis for axis, name in resolve_axes(mesh, names).items()}
@@ -579,7 +552,7 @@ def distribute(
                 new._fusedpar_order = next(_order)
                 done[id(param)] = new
             module._parameters[name] = done[id(param)]
-            if where.grad_placements != where.placements:  # partial: reduced (`_reduce_grad`)
+            if where.grad_placements != where.placements:  # partial: reduced (`reduce_grad`)
                 partial[id(param)] = done[id(param)]
         module._fusedpar_placed, module._fusedpar_saved = placed, []
         module.register_forward_pre_hook(_swap_in_locals)
@@ -587,7 +560,7 @@ def distribute(
     for param in partial.values():  # a frozen one too: it may be unfrozen later
         frozen = not param.requires_grad
         param.requires_grad_(True)  # (torch hooks only a tensor that requires grad)
-        param.register_post_accumulate_grad_hook(_reduce_grad)
+        param.register_post_accumulate_grad_hook(reduce_grad)
         param.requires_grad_(not frozen)
     retire(replaced, "distribute")
     return model

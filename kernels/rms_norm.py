@@ -191,7 +191,7 @@ def _rows(name: str, t: torch.Tensor, D: int) -> torch.Tensor:
     return t.reshape(-1, D)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> int:
+def check_inputs(x: torch.Tensor, weight: torch.Tensor) -> int:
     """The checks of `rms_norm` (and its backward); returns D. float64 x runs on the
     torch implementation alone, computed in float64: its rstd, weight gradient and RoPE
     tables are float64 where they are fp32 for the other dtypes
@@ -232,7 +232,7 @@ def rms_norm(x, weight, eps: float = 1e-5, offset: float = 0.0, rope=None):
     (float64 x: computed in float64, rstd float64).
     x any float dtype and strides; weight (D,) any float dtype. ``rope=(cos, sin)``: y
     rotated (the module doc) before it is rounded, x (S, ..., D)."""
-    D = _check(x, weight)
+    D = check_inputs(x, weight)
     per_position = check_rope(x, rope) if rope is not None else 1
     x2d = _rows("x", x, D)
     M = x2d.shape[0]
@@ -268,7 +268,7 @@ def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, eps: float, n
     eps and rope: dx in x's dtype, dweight (D,) in weight's (None where not asked for).
     The weight's gradient sums per-program fp32 partial rows in a fixed order (no
     atomics)."""
-    D = _check(x, weight)
+    D = check_inputs(x, weight)
     per_position = check_rope(x, rope) if rope is not None else 1
     x2d, dy2d = _rows("x", x, D), _rows("dy", dy, D)
     M = x2d.shape[0]

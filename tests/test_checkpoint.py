@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import fusedpar as fp
-from fusedpar._checkpoint_files import TIMEOUT_ENV, meet, tidy
+from fusedpar.checkpoint_files import TIMEOUT_ENV, meet, tidy
 from fusedpar.testing import exception_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))

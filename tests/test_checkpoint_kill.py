@@ -85,9 +85,9 @@ def _arm(root: Path, point: str) -> None:
 
         filesystem._write_item = write_one_then_die
     else:
-        from fusedpar import _checkpoint_files
+        from fusedpar import checkpoint_files
 
-        _checkpoint_files.at = lambda at: _die(root, point) if at == point else None
+        checkpoint_files.at = lambda at: _die(root, point) if at == point else None
 
 
 def _rank(rank: int, root: Path, name: str) -> None:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedpar import checks, comm
+from fusedpar.axes import mesh_axes_of
 from fusedpar.integrations import hf_heads as heads
 from fusedpar.kernels._common import accumulator
 from fusedpar.ops.sequence import gather_sequence, shard_sequence
@@ -337,8 +338,6 @@ def _check_local(tokens: torch.Tensor | None, state, verdict) -> None:
 
 def _dp_axis(state) -> int | None:
     """The index of the mesh's dp axis (whatever its name), None without one."""
-    from fusedpar.storage import mesh_axes_of
-
     names = mesh_axes_of(state.groups.get("dp"), state.mesh)
     return state.mesh.mesh_dim_names.index(names[0]) if names else None
 

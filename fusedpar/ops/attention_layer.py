@@ -39,8 +39,7 @@ from fusedpar.kernels.attention_backward_fused import attention_backward
 from fusedpar.kernels.matmul import RowRotation, rope_epilogue_fits
 from fusedpar.kernels.matmul_sequence import GemmSequence, layout, state
 from fusedpar.ops.attention import _mask
-from fusedpar.ops.linear import _asked, _flat, _row_sum, _spread
-from fusedpar.ops.registration import autograd_op, direct_op
+from fusedpar.ops.registration import asked, autograd_op, direct_op, flat, row_sum, spread
 from fusedpar.ops.tp_schedules import matmuls_reduce_scatter
 
 
@@ -92,7 +91,7 @@ def _attention_layer_op(
     S, B, d = x.shape
     hd = head_dim
     wq, wk, wv, wo = weights
-    bq, bk, bv, bo = _spread(biases, has_bias)
+    bq, bk, bv, bo = spread(biases, has_bias)
     # the GEMMs' signatures follow from x, the weights, biases and tables (`GemmSequence`)
     gemm = GemmSequence(
         (
@@ -104,7 +103,7 @@ def _attention_layer_op(
             *state(),
         )
     )
-    x2d = _flat(x)
+    x2d = flat(x)
     rotation = _rotation(x2d, tables, hd, B, bool(norm_weights))
     q, k, v = (
         gemm(x2d, w.t(), bias=b, out_dtype=x.dtype, rope=r)
@@ -215,12 +214,12 @@ def _attention_layer_backward_op(
             *state(),
         )
     )
-    dy2d = _flat(dy)
+    dy2d = flat(dy)
     grads = [None] * 11
     if need_w[3]:
         grads[4] = gemm(dy2d.t(), _rows(out, S, B, wo.shape[1]))
     if need_b[3]:
-        grads[8] = _row_sum(dy2d, wo.dtype)
+        grads[8] = row_sum(dy2d, wo.dtype)
     if need_x or any(need_w[:3]) or any(need_b[:3]) or any(need_n):
         dout = _by_position(gemm(dy2d, wo, out_dtype=dy.dtype), S, B, wo.shape[1], hd)
         # dq, dk, dv with rows in (S, B) order: the GEMMs below read them flat
@@ -260,12 +259,12 @@ def _attention_layer_backward_op(
         if need_x:
             pairs = list(zip(dys, weights[:3], strict=True))
             grads[0] = matmuls_reduce_scatter(pairs, None, 1, x.dtype, gemm=gemm).view(x.shape)
-        x2d = _flat(x)
+        x2d = flat(x)
         for i, (g, w) in enumerate(zip(dys, weights[:3], strict=True)):
             if need_w[i]:
                 grads[1 + i] = gemm(g.t(), x2d)
             if need_b[i]:
-                grads[5 + i] = _row_sum(g, w.dtype)
+                grads[5 + i] = row_sum(g, w.dtype)
     gemm.close()
     like = (x, *weights, *weights, *(norm_weights or weights[:2]))
     return [t.new_empty(0) if g is None else g for g, t in zip(grads, like, strict=True)]
@@ -306,7 +305,7 @@ def _(
 
 def _setup(ctx, inputs, output):
     x, weights, biases, has_bias, norm_weights, tables, cu_seqlens, *options = inputs
-    present = _spread(biases, has_bias)
+    present = spread(biases, has_bias)
     ctx.needs = [
         x.requires_grad,
         *(w.requires_grad for w in weights),
@@ -327,7 +326,7 @@ def _backward(ctx, dy, _saved):
     tables, cu_seqlens = rest[n_saved + 4 + n_norm : -1], rest[-1]
     if dy is None:  # (only a saved output was used, which the layer never returns)
         dy = x.new_zeros((*x.shape[:-1], weights[3].shape[0]))
-    grads = _asked(
+    grads = asked(
         _attention_layer_backward(
             dy, x, saved, weights, norm_weights, tables, cu_seqlens, *ctx.options, ctx.needs
         ),

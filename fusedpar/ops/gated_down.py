@@ -27,13 +27,11 @@ from fusedpar.ops.linear import (
     _check_chunks,
     _check_linear,
     _check_reduce_dtype,
-    _flat,
     _matmul_reduce_scatter_backward,
     _matmul_reduce_scatter_forward,
-    _row_sum,
 )
 from fusedpar.ops.overlap import ring_chunks
-from fusedpar.ops.registration import direct_op
+from fusedpar.ops.registration import direct_op, flat, row_sum
 from fusedpar.ops.tp_schedules import gather_matmuls
 
 # --- custom ops: fusedpar::gated and the backward (inside _GatedDown) -------------------
@@ -67,7 +65,7 @@ def _gated_down_backward_op(
     op output aliases another: the caller splits [dgate | dup]."""
     needs_gu, needs_w, needs_b = needs
     pg = group_by_name(group) if group else None
-    dy2d, gate2d, up2d = _flat(dy), _flat(gate), _flat(up)
+    dy2d, gate2d, up2d = flat(dy), flat(gate), flat(up)
     if up2d.stride() != gate2d.stride():  # the epilogue reads both with one set of strides
         gate2d, up2d = gate2d.contiguous(), up2d.contiguous()
     M, K = gate2d.shape
@@ -88,7 +86,7 @@ def _gated_down_backward_op(
         if pg is not None:
             _, dy_full = gather_matmuls(dy2d, [], [], pg, chunks)
     dw = matmul(dy_full.t(), hidden) if needs_w else weight.new_empty(0)
-    db = _row_sum(dy2d, weight.dtype) if needs_b else weight.new_empty(0)
+    db = row_sum(dy2d, weight.dtype) if needs_b else weight.new_empty(0)
     return [grads, dw, db]
 
 
@@ -202,8 +200,8 @@ class _GatedDown(torch.autograd.Function):
         hidden, vjp = _product_vjp(activation, gate, up)
         if group is None:
             dh = dy @ weight
-            dw = _flat(dy).t() @ _flat(hidden) if needs_w else None
-            db = _row_sum(_flat(dy), weight.dtype) if needs_b else None
+            dw = flat(dy).t() @ flat(hidden) if needs_w else None
+            db = row_sum(flat(dy), weight.dtype) if needs_b else None
         else:
             dh, dw, db = _matmul_reduce_scatter_backward(
                 dy, hidden, weight, group, chunks, True, needs_w, needs_b

@@ -61,32 +61,10 @@ from fusedpar.kernels import rope as rope_kernels
 from fusedpar.kernels._common import accumulator, check_float_dtype
 from fusedpar.kernels.matmul import RowRotation, matmul, rope_epilogue_fits
 from fusedpar.ops.overlap import FUSED, ring_chunks
-from fusedpar.ops.registration import autograd_op, direct_op
+from fusedpar.ops.registration import asked, autograd_op, direct_op, flat, row_sum, spread
 from fusedpar.ops.tp_schedules import gather_matmuls, matmuls_reduce_scatter
 
 DEFAULT_CHUNKS_PER_RANK = 1  # one ring message per rank and step, as in async-TP
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """(tokens, features) of `t`: itself when 2-D (a view costs ~1 µs of host time)."""
-    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
-
-
-def _row_sum(dy2d: torch.Tensor, dtype) -> torch.Tensor:
-    """A bias's gradient: dy's rows summed in fp32 (float64 for float64), rounded once."""
-    return dy2d.sum(0, dtype=accumulator(dy2d.dtype)).to(dtype)
-
-
-def _spread(present: list, has: list[bool]) -> list:
-    """One entry per flag: the next of `present` where True, None where False."""
-    it = iter(present)
-    return [next(it) if flag else None for flag in has]
-
-
-def _asked(grads, needs) -> list:
-    """The backward ops return an empty tensor for a gradient not asked for: None here.
-    Decided by the flags, never by the tensor's size (unbacked under torch.compile)."""
-    return [g if need else None for g, need in zip(grads, needs, strict=True)]
 
 
 # --- custom ops: fusedpar::all_gather_matmul, fusedpar::matmul_reduce_scatter ------------
@@ -138,7 +116,7 @@ def _all_gather_matmul_op(
     epilogue where it fits (`rope_epilogue_fits`, full rotary), else in place after.
     `reduce_dtype`: the backward's (its dX reduce-scatter's partials)."""
     pg = group_by_name(group)
-    biases = _spread(biases, has_bias)
+    biases = spread(biases, has_bias)
     full = bool(rope) and 2 * rope[0].shape[1] == head_dim
     # (the fused schedule's GEMM has no rotating epilogue: it rotates after)
     in_epilogue = full and rope_epilogue_fits(x.dtype, head_dim) and chunks != FUSED
@@ -147,7 +125,7 @@ def _all_gather_matmul_op(
         rotation = RowRotation(*rope, rows_per_position=max(1, math.prod(x.shape[1:-1])))
         rotations = [rotation if r else None for r in rotate]
     outs, gathered = gather_matmuls(
-        _flat(x), [w.t() for w in weights], biases, pg, chunks, epilogues=rotations
+        flat(x), [w.t() for w in weights], biases, pg, chunks, epilogues=rotations
     )
     lead = (group_size(pg) * x.shape[0], *x.shape[1:-1])
     outs = [out.view(*lead, out.shape[1]) for out in outs]
@@ -169,7 +147,7 @@ def _(
     lead = (size * x.shape[0], *x.shape[1:-1])
     outs = [x.new_empty((*lead, w.shape[0])) for w in weights]
     kept = save_gathered and size > 1
-    return outs, x.new_empty((size * _flat(x).shape[0], x.shape[-1]) if kept else 0)
+    return outs, x.new_empty((size * flat(x).shape[0], x.shape[-1]) if kept else 0)
 
 
 @torch.library.custom_op("fusedpar::all_gather_matmul_backward", mutates_args=())
@@ -199,12 +177,12 @@ def _all_gather_matmul_backward_op(
         _rotate_outputs(turned, rope, head_dim, True, back)
         unturned = iter(back)
         grads = [next(unturned) if r else g for g, r in zip(grads, rotate, strict=True)]
-    dys = [_flat(g) for g in grads]
+    dys = [flat(g) for g in grads]
     regather = None
     if group_size(pg) == 1:
-        gathered = _flat(x)  # one rank: its rows are all there are
+        gathered = flat(x)  # one rank: its rows are all there are
     elif gathered is None and any(needs_w):
-        regather = all_gather_async(_flat(x), pg)  # runs while dX is computed
+        regather = all_gather_async(flat(x), pg)  # runs while dX is computed
     dx = x.new_empty(0)
     if needs_x:
         pairs = list(zip(dys, weights, strict=True))
@@ -218,7 +196,7 @@ def _all_gather_matmul_backward_op(
         for dy, w, need in zip(dys, weights, needs_w, strict=True)
     ]
     dbs = [
-        _row_sum(dy, w.dtype) if need else w.new_empty(0)
+        row_sum(dy, w.dtype) if need else w.new_empty(0)
         for dy, w, need in zip(dys, weights, needs_b, strict=True)
     ]
     return dx, dws, dbs
@@ -248,7 +226,7 @@ def _(
 
 def _all_gather_matmul_setup(ctx, inputs, output):
     x, weights, biases, has_bias, group, chunks, save_gathered, rope, rotate, head_dim, rd = inputs
-    needs_b = [b is not None and b.requires_grad for b in _spread(biases, has_bias)]
+    needs_b = [b is not None and b.requires_grad for b in spread(biases, has_bias)]
     ctx.options = (group, chunks, x.requires_grad, [w.requires_grad for w in weights], needs_b)
     ctx.has_bias, ctx.rotation = has_bias, (rotate, head_dim, rd)  # (rd: the dX partials')
     gathered = output[1] if save_gathered else None
@@ -262,10 +240,10 @@ def _all_gather_matmul_grads(ctx, grads, _):
         grads, x, gathered, weights, *ctx.options, rope, *ctx.rotation
     )
     _, _, needs_x, needs_w, needs_b = ctx.options
-    dbs = [db for db, has in zip(_asked(dbs, needs_b), ctx.has_bias, strict=True) if has]
+    dbs = [db for db, has in zip(asked(dbs, needs_b), ctx.has_bias, strict=True) if has]
     return (
         dx if needs_x else None,
-        _asked(dws, needs_w),
+        asked(dws, needs_w),
         dbs,
         None,
         None,
@@ -289,7 +267,7 @@ def _matmul_reduce_scatter_op(
 ) -> Tensor:
     pg = group_by_name(group)
     y = matmuls_reduce_scatter(
-        [(_flat(x), weight.t())], pg, chunks, x.dtype, bias, reduce_dtype=reduce_dtype
+        [(flat(x), weight.t())], pg, chunks, x.dtype, bias, reduce_dtype=reduce_dtype
     )
     return y.view(x.shape[0] // group_size(pg), *x.shape[1:-1], weight.shape[0])
 
@@ -313,12 +291,12 @@ def _matmul_reduce_scatter_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dX from the all-gather ring of dY that also gathers dY for dW."""
     pg = group_by_name(group)
-    dy2d = _flat(dy)
+    dy2d = flat(dy)
     operands = [weight] if needs_x else []
     outs, dy_full = gather_matmuls(dy2d, operands, [None] * len(operands), pg, chunks)
     dx = outs[0].view(x.shape) if needs_x else x.new_empty(0)
-    dw = matmul(dy_full.t(), _flat(x)) if needs_w else weight.new_empty(0)
-    db = _row_sum(dy2d, weight.dtype) if needs_b else weight.new_empty(0)
+    dw = matmul(dy_full.t(), flat(x)) if needs_w else weight.new_empty(0)
+    db = row_sum(dy2d, weight.dtype) if needs_b else weight.new_empty(0)
     return dx, dw, db
 
 
@@ -346,7 +324,7 @@ def _matmul_reduce_scatter_setup(ctx, inputs, output):
 def _matmul_reduce_scatter_grads(ctx, dy):
     x, weight = ctx.saved_tensors
     grads = _matmul_reduce_scatter_backward(dy, x, weight, *ctx.options)
-    return *_asked(grads, ctx.options[2:]), None, None, None
+    return *asked(grads, ctx.options[2:]), None, None, None
 
 
 _all_gather_matmul_backward = direct_op(_all_gather_matmul_backward_op)

@@ -19,22 +19,34 @@ from torch import Tensor
 
 from fusedpar import symmetric
 from fusedpar.comm import tuning_agreement
-from fusedpar.kernels import _impl, matmul_fused
+from fusedpar.kernels import matmul_fused
 from fusedpar.kernels._common import accumulator, sm_count
+from fusedpar.kernels._impl import KERNEL_DTYPES
 from fusedpar.kernels._tuning import frozen
-from fusedpar.kernels.matmul import matmul
+from fusedpar.kernels.matmul import RowRotation, matmul
 
 
 def fused_takes(dtype: torch.dtype, pairs: int = 1) -> bool:
     """Whether the fused kernels take operands of `dtype` (and `pairs` reduce-scatter
     pairs); else the caller runs the serial schedule and says so once."""
-    if dtype in _impl.KERNEL_DTYPES and pairs <= matmul_fused.MAX_OPERANDS:
+    if dtype in KERNEL_DTYPES and pairs <= matmul_fused.MAX_OPERANDS:
         return True
     symmetric.say_once(
         f"overlap='fused': {dtype} operands or {pairs} summed pairs run the "
         "serial schedule (the fused kernels take 16-bit and fp32, 1-3 pairs)"
     )
     return False
+
+
+def chunk_epilogue(epilogue, rows: slice) -> dict:
+    """The `matmul` keyword of a GEMM writing `rows` of an output whose epilogue is
+    `epilogue` over all its rows: a rotation from the chunk's first row, a gated
+    epilogue's tensors cut to the chunk's rows."""
+    if epilogue is None:
+        return {}
+    if isinstance(epilogue, RowRotation):
+        return {"rope": epilogue._replace(first_row=rows.start)}
+    return {"gated": type(epilogue)(*(t[rows] if isinstance(t, Tensor) else t for t in epilogue))}
 
 
 def gather_matmuls_fused(
@@ -85,8 +97,6 @@ def gather_matmuls_fused(
             for i, out in zip(group, results, strict=True):
                 made[i] = out if outs is None or outs[i] is None else outs[i].copy_(out)
     side.finish()
-    from fusedpar.ops.tp_schedules import _chunk_epilogue  # (it imports this module)
-
     for i, epilogue in enumerate(epilogues):
         if epilogue is not None:
             symmetric.say_once("overlap='fused': a GEMM with an epilogue runs after the gather")
@@ -96,7 +106,7 @@ def gather_matmuls_fused(
                 bias=biases[i],
                 out_dtype=x.dtype,
                 out=None if outs is None else outs[i],
-                **_chunk_epilogue(epilogue, slice(0, gathered.shape[0])),
+                **chunk_epilogue(epilogue, slice(0, gathered.shape[0])),
             )
     return made, gathered
 

@@ -24,8 +24,7 @@ from torch import Tensor
 from fusedpar.kernels import gated as gated_kernels
 from fusedpar.kernels.matmul_gated import gated_grad_matmul, gated_up_matmul
 from fusedpar.kernels.matmul_sequence import GemmSequence, layout, state
-from fusedpar.ops.linear import _flat, _row_sum
-from fusedpar.ops.registration import autograd_op, direct_op
+from fusedpar.ops.registration import autograd_op, direct_op, flat, row_sum
 from fusedpar.ops.tp_schedules import matmuls_reduce_scatter
 
 
@@ -53,7 +52,7 @@ def _gated_mlp_op(
     # The gate GEMM, then the up GEMM ending in the product (reading the gate it wrote):
     # each on the TMA schedule, and the product with no pass of its own. (`gated_matmul`
     # would be one launch, but on the pointer schedule: TMA serialized its wgmma.)
-    x2d = _flat(x)
+    x2d = flat(x)
     gate = gemm(x2d, gate_weight.t(), bias=bg)
     up, hidden = gated_up_matmul(
         x2d, up_weight.t(), gate, bias=bu, activation=activation, gemm=gemm
@@ -99,7 +98,7 @@ def _gated_mlp_backward_op(
             *state(),
         )
     )
-    dy2d, gate, up = _flat(dy), _flat(gate), _flat(up)
+    dy2d, gate, up = flat(dy), flat(gate), flat(up)
     dx = dw = dwd = db = dbd = hidden = None
     if x_ or wg or wu or bg or bu:
         # dh's GEMM ends in dgate, dup and (for the down weight) the product again: dh is
@@ -112,16 +111,16 @@ def _gated_mlp_backward_op(
             pairs = [(dgate, gate_weight), (dup, up_weight)]
             dx = matmuls_reduce_scatter(pairs, None, 1, x.dtype, gemm=gemm).view(x.shape)
         if wg or wu:  # [dWg; dWu] in one GEMM, or the one asked for
-            dw = gemm((both if wg and wu else dgate if wg else dup).t(), _flat(x))
+            dw = gemm((both if wg and wu else dgate if wg else dup).t(), flat(x))
         if bg or bu:
-            db = _row_sum(both, gate_weight.dtype)
+            db = row_sum(both, gate_weight.dtype)
     if wd:
         if hidden is None:
             hidden = gated_kernels.gated(gate, up, activation)
         dwd = gemm(dy2d.t(), hidden)
     gemm.close()
     if bd:
-        dbd = _row_sum(dy2d, down_weight.dtype)
+        dbd = row_sum(dy2d, down_weight.dtype)
     grads = [dx, dw, dwd, db, dbd]
     if any(g is None for g in grads):  # empty for those not asked for, in the fake's dtypes
         like = (x, gate_weight, down_weight, gate_weight, down_weight)

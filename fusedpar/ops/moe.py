@@ -62,19 +62,13 @@ from fusedpar.kernels.moe_permute import (
 )
 from fusedpar.kernels.moe_weight_grad import grouped_weight_grad
 from fusedpar.ops.moe_routing import aux_losses
-from fusedpar.ops.registration import autograd_op, direct_op
+from fusedpar.ops.registration import asked, autograd_op, direct_op
 
 # --- custom ops: the differentiable pieces --------------------------------------------------
 # Every kernel launch and collective of the layer sits inside a ``fusedpar::`` op, with a
 # fake that gives its shapes and autograd registered through ``torch.library``; what is
 # left between them is plain PyTorch, so the layer compiles as one graph. A gradient
 # not asked for comes back from a backward op as an empty (0,) tensor.
-
-
-def _asked(grads, needs) -> list:
-    """None for each gradient not asked for (its op returned an empty tensor), decided by
-    the flags: a size is unbacked under torch.compile."""
-    return [g if need else None for g, need in zip(grads, needs, strict=True)]
 
 
 @torch.library.custom_op("fusedpar::expert_swiglu", mutates_args=())
@@ -228,7 +222,7 @@ def _expert_swiglu_backward(ctx, d_out, _):
     grads = _expert_swiglu_backward_call(
         d_out, x, w1, w3, w2, counts, rows, reduce_pos, h13, ctx.needs, *ctx.act
     )
-    dx, dw1, dw3, dw2, db1, db3, db2 = _asked(grads, ctx.needs)
+    dx, dw1, dw3, dw2, db1, db3, db2 = asked(grads, ctx.needs)
     return dx, dw1, dw3, dw2, None, None, None, None, db1, db3, db2, None, None, None
 
 
@@ -350,7 +344,7 @@ def _combine_setup(ctx, inputs, output):
 def _combine_backward(ctx, dy):
     out, weight, pos, order = ctx.saved_tensors
     grads = _combine_backward_call(dy, out, weight.detach(), pos, order, *ctx.needs)
-    return *_asked(grads, ctx.needs), None, None
+    return *asked(grads, ctx.needs), None, None
 
 
 @torch.library.custom_op("fusedpar::moe_dispatch", mutates_args=())
@@ -367,14 +361,14 @@ def _dispatch_op(
     pg = comm.group_by_name(group)
     size = dist.get_world_size(pg)
     send_counts = counts.view(size, -1)
-    recv_counts = comm._exchange(send_counts, pg, [1] * size, [1] * size)
+    recv_counts = comm.plain_all_to_all(send_counts, pg, [1] * size, [1] * size)
     # The one host sync of the layer: all_to_all_single takes its variable split sizes
     # as host integers. Inherent without fixed-capacity send buffers.
     splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).cpu()
     send_splits, recv_splits = splits.tolist()
     kept = order[: sum(send_splits)]  # the dropped pairs sort last
     tokens = torch.div(kept, top_k, rounding_mode="floor")
-    x_recv = comm._exchange(gather_rows(x, tokens), pg, recv_splits, send_splits)
+    x_recv = comm.plain_all_to_all(gather_rows(x, tokens), pg, recv_splits, send_splits)
     regroup = _regroup_index(recv_counts, sum(recv_splits))
     inverse = torch.empty_like(regroup)
     inverse[regroup] = torch.arange(regroup.numel(), device=regroup.device, dtype=regroup.dtype)
@@ -403,7 +397,7 @@ def _return_op(rows: Tensor, splits: Tensor, group: str, reverse: bool) -> Tenso
     sent, received = splits.tolist()
     if reverse:
         sent, received = received, sent
-    return comm._exchange(rows, comm.group_by_name(group), sent, received)
+    return comm.plain_all_to_all(rows, comm.group_by_name(group), sent, received)
 
 
 @_return_op.register_fake

@@ -109,7 +109,7 @@ def rms_norm(
     at position s by the angles of row s, the last D - r dims passing), before its one
     rounding: a q/k head norm and RoPE in one launch each way. The tables take no
     gradient."""
-    kernels._check(x, weight)
+    kernels.check_inputs(x, weight)
     if rope is not None:
         kernels.check_rope(x, rope)
         if rope[0].requires_grad or rope[1].requires_grad:

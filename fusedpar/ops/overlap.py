@@ -29,7 +29,7 @@ import triton
 
 from fusedpar import symmetric
 from fusedpar.comm import tuning_agreement
-from fusedpar.kernels import _tuning
+from fusedpar.kernels._tuning import tuner as kernel_tuner
 
 SERIAL = 0  # the ops' chunks for the serial schedule (one collective, one GEMM)
 FUSED = -1  # the ops' chunks for the fused schedule
@@ -121,7 +121,7 @@ def measured_chunks(
     rule = _CHUNKS[auto_overlap(dist.get_backend(pg))]
     if not measures(device):
         return rule
-    tuner = _tuning.tuner("tp_schedule")
+    tuner = kernel_tuner("tp_schedule")
     agreement = tuning_agreement(pg, device)
     scope = (agreement.name, (side, dist.get_world_size(pg), *key))
     pick = tuner.picks.get(scope)

@@ -24,7 +24,9 @@ The numbers are the same either way: the same functions run.
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["autograd_op", "direct_op"]
+from fusedpar.kernels._common import accumulator
+
+__all__ = ["asked", "autograd_op", "direct_op", "flat", "row_sum", "spread"]
 
 
 def _first_tensor(args):
@@ -144,3 +146,28 @@ def autograd_op(op, backward, setup_context):
 
     call.op = op
     return call
+
+
+# --- what the ops' bodies share ---------------------------------------------------------
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """(tokens, features) of `t`: itself when 2-D (a view costs ~1 µs of host time)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def row_sum(dy2d: torch.Tensor, dtype) -> torch.Tensor:
+    """A bias's gradient: dy's rows summed in fp32 (float64 for float64), rounded once."""
+    return dy2d.sum(0, dtype=accumulator(dy2d.dtype)).to(dtype)
+
+
+def spread(present: list, has: list[bool]) -> list:
+    """One entry per flag: the next of `present` where True, None where False."""
+    it = iter(present)
+    return [next(it) if flag else None for flag in has]
+
+
+def asked(grads, needs) -> list:
+    """The backward ops return an empty tensor for a gradient not asked for: None here.
+    Decided by the flags, never by the tensor's size (unbacked under torch.compile)."""
+    return [g if need else None for g, need in zip(grads, needs, strict=True)]

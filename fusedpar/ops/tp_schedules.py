@@ -12,7 +12,6 @@ persistent GEMM (`fusedpar.ops.linear_fused`), `AUTO` the pick measured per shap
 """
 
 import torch
-from torch import Tensor
 
 from fusedpar.comm import (
     Ring,
@@ -25,6 +24,7 @@ from fusedpar.kernels._common import accumulator
 from fusedpar.kernels._tuning import bucket, frozen
 from fusedpar.kernels.matmul import RowRotation, matmul
 from fusedpar.ops.linear_fused import (
+    chunk_epilogue,
     fused_takes,
     gather_matmuls_fused,
     matmuls_reduce_scatter_fused,
@@ -50,7 +50,7 @@ def gather_matmuls(
     epilogue applies over its whole output's rows, a `RowRotation`, `GatedProduct` or
     `GatedGrad` (whose tensors' rows match the output's: an operand's GEMM may read the
     rows an earlier operand's wrote in the same chunk), of which each chunk's GEMM takes
-    its rows' share (`_chunk_epilogue`). `gemm` has
+    its rows' share (`chunk_epilogue`). `gemm` has
     `matmul`'s signature; `ring` replaces ``Ring(pg)`` (the benchmark injects a stand-in).
     The GEMMs are tuned before the first transfer, agreed over `pg`. `chunks` `SERIAL`:
     one all-gather, then each operand's GEMM over all rows.
@@ -89,7 +89,7 @@ def gather_matmuls(
                 bias=bias,
                 out=out,
                 out_dtype=x.dtype,
-                **_chunk_epilogue(epilogue, slice(0, full.shape[0])),
+                **chunk_epilogue(epilogue, slice(0, full.shape[0])),
             )
             for op, bias, epilogue, out in zip(operands, biases, epilogues, outs, strict=True)
         ]
@@ -113,7 +113,7 @@ def gather_matmuls(
                 out_dtype=x.dtype,
                 agreement=agreement,
                 tune_only=True,
-                **_chunk_epilogue(epilogue, slice(a, b)),
+                **chunk_epilogue(epilogue, slice(a, b)),
             )
     with frozen("the all-gather ring", agreement):
         for step in range(size):
@@ -130,22 +130,11 @@ def gather_matmuls(
                         out=out[rows],
                         bias=bias,
                         agreement=agreement,
-                        **_chunk_epilogue(epilogue, rows),
+                        **chunk_epilogue(epilogue, rows),
                     )
                 if step + 1 < size:
                     ring.wait()
     return outs, gathered
-
-
-def _chunk_epilogue(epilogue, rows: slice) -> dict:
-    """The `matmul` keyword of a GEMM writing `rows` of an output whose epilogue is
-    `epilogue` over all its rows: a rotation from the chunk's first row, a gated
-    epilogue's tensors cut to the chunk's rows."""
-    if epilogue is None:
-        return {}
-    if isinstance(epilogue, RowRotation):
-        return {"rope": epilogue._replace(first_row=rows.start)}
-    return {"gated": type(epilogue)(*(t[rows] if isinstance(t, Tensor) else t for t in epilogue))}
 
 
 def matmuls_reduce_scatter(

@@ -51,8 +51,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from fusedpar.plan.model import ModelSpec
+if TYPE_CHECKING:  # annotations only: fusedpar.plan.model imports this module
+    from fusedpar.plan.model import ModelSpec
 
 POLICIES = ("none", "selective", "full")
 

@@ -38,11 +38,13 @@ from functools import lru_cache
 
 import torch
 
+from fusedpar.nn.mla import latent_moves_less
 from fusedpar.parallel import ParallelDims
 from fusedpar.pipeline import check_pipeline, stage_count, stages_of
 from fusedpar.plan import accounting as acc
-from fusedpar.plan import devices
+from fusedpar.plan import devices, traffic
 from fusedpar.plan.model import ModelSpec, model_spec
+from fusedpar.plan.schedule import in_flight, simulate
 
 LATENCY_S = {"nvlink": 10e-6, "network": 25e-6}  # per collective
 DP_SHARDING = ("zero3", "zero2", "zero1")
@@ -443,8 +445,6 @@ def estimate(
 def _ledger(spec, dims, z, ranks, rank, m, *, schedule, per_rank, param_dtype, sharding, policy):
     """The collectives of one step on pipeline rank `rank` (`traffic.step`, the ledger
     tests/test_plan.py holds equal to a real step's)."""
-    from fusedpar.plan import traffic
-
     layers, first, last, _ = ranks[rank]
     stages = stage_ranks = None
     if dims.pp > 1:
@@ -496,8 +496,6 @@ def _pipeline(schedule, pp, microbatches, per_rank, backward, send) -> tuple[flo
     """(step / forward, bubble) of the schedule at these ratios to the forward's time
     (`schedule.simulate`; a step's time scales with the three). Past the simulated count
     each microbatch adds its stages' forward and backward to the step."""
-    from fusedpar.plan.schedule import simulate
-
     simulated = _simulated(schedule, pp, microbatches, per_rank)
     per_rank_stages = stage_count(schedule, pp, per_rank) // pp
     timing = simulate(
@@ -521,8 +519,6 @@ def latent_ring(spec, dims, cp_ring: str = "auto") -> bool:
         raise ValueError(f"cp_ring must be 'auto', 'latent' or 'expanded', got {cp_ring!r}")
     if not spec.mla or dims.cp == 1 or dims.ulysses > 1 or cp_ring == "expanded":
         return False
-    from fusedpar.nn.mla import latent_moves_less
-
     return cp_ring == "latent" or latent_moves_less(
         spec.n_heads // dims.tp,
         spec.head_dim - spec.rope_dim,
@@ -542,8 +538,6 @@ def saved_peaks(
     microbatch's backward frees what its forward saved before the next one runs)."""
     if dims.pp == 1:
         return [acc.stage_saved(spec, range(spec.n_layers), z, policy, first=True, last=True)]
-    from fusedpar.plan.schedule import in_flight
-
     num = stage_count(schedule, dims.pp, per_rank)
     size = spec.n_layers // num
     stage_bytes = {}

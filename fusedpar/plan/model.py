@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusedpar.hf_config import check_config
+from fusedpar.plan.accounting import layer_tensors, model_end_tensors
 
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3_text")
 SIGMOID_ROUTERS = ("deepseek_v3", "glm4_moe", "minimax_m2")  # a score-correction bias
@@ -99,8 +100,6 @@ class ModelSpec:
     def parameter_count(self, *, active: bool = False) -> int:
         """Parameters of the whole model (`active`: those one token runs through: top_k
         experts of each MoE layer)."""
-        from fusedpar.plan.accounting import layer_tensors, model_end_tensors
-
         total = sum(n for n, _ in model_end_tensors(self, first=True, last=True))
         for i in range(self.n_layers):
             for shape, kind in layer_tensors(self, i):

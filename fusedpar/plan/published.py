@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from fusedpar.parallel import ParallelDims
 from fusedpar.plan.devices import DEVICES, Device
+from fusedpar.plan.estimate import estimate
 from fusedpar.plan.model import PRESETS, ModelSpec
 
 TITAN_H100 = Device("H100 500 W HBM2e (torchtitan 2024)", 912, 96, 2.4, 450, 50)
@@ -258,8 +259,6 @@ def reproduce(points=POINTS) -> list[dict]:
     """Each point: published and estimated tokens/s per GPU and their ratio, the peak the
     planner puts on a rank, whether it fits the point's GPUs (`fits`), and `reproduced`:
     it fits and the ratio is within `TOLERANCE`."""
-    from fusedpar.plan.estimate import estimate
-
     rows = []
     for p in points:
         est = estimate(

@@ -62,6 +62,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+import fusedpar.kernels
+from fusedpar.kernels._common import check_launchable
+from fusedpar.kernels._impl import implementation
 from fusedpar.testing import machine_code
 
 # Shared memory a block may use (the opt-in maximum, static + dynamic) on A100 and H100.
@@ -81,20 +84,16 @@ class Launch:
 def recording_launches():
     """Inside, Triton launches are recorded (yielded list) instead of run, and fusedpar's
     launchers accept CPU tensors without the interpreter and take Triton's kernels
-    (`_impl.implementation("triton")`). The tuner takes its first candidate
+    (``fusedpar.implementation("triton")``). The tuner takes its first candidate
     (``FUSEDPAR_TUNING=first``): each launcher call launches once."""
     from triton.runtime.jit import JITFunction
-
-    import fusedpar.kernels
-    from fusedpar.kernels import _common, _impl
 
     for info in pkgutil.iter_modules(fusedpar.kernels.__path__, "fusedpar.kernels."):
         importlib.import_module(info.name)
     checked = [
         m
         for name, m in sys.modules.items()
-        if name.startswith("fusedpar")
-        and getattr(m, "check_launchable", None) is _common.check_launchable
+        if name.startswith("fusedpar") and getattr(m, "check_launchable", None) is check_launchable
     ]
     launches: list[Launch] = []
 
@@ -114,12 +113,12 @@ def recording_launches():
     for module in checked:
         module.check_launchable = _accept_any
     try:
-        with _impl.implementation("triton"):
+        with implementation("triton"):
             yield launches
     finally:
         JITFunction.run = saved_run
         for module in checked:
-            module.check_launchable = _common.check_launchable
+            module.check_launchable = check_launchable
         if saved_tuning is None:
             os.environ.pop("FUSEDPAR_TUNING", None)
         else:

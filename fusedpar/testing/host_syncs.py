@@ -51,6 +51,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import fusedpar
+import fusedpar.kernels
+from fusedpar.kernels._impl import CPU_PATHS
+
 _BODIES_UNSEEN_SAID = False  # the warning of `_python_body`, given once
 
 # Python-level calls that never reach the dispatcher on a CPU.
@@ -167,8 +171,6 @@ def _on_host(args) -> bool:
 
 
 def _in_cpu_path(frame) -> bool:
-    from fusedpar.kernels._impl import CPU_PATHS
-
     while frame is not None:
         if frame.f_code in CPU_PATHS:
             return True
@@ -218,9 +220,6 @@ class HostSyncs:
 
     def __init__(self, packages: tuple[str, ...] | None = None):
         if packages is None:
-            import fusedpar
-            import fusedpar.kernels
-
             packages = (
                 str(Path(fusedpar.__file__).parent),
                 str(Path(fusedpar.kernels.__file__).parent),

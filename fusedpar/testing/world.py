@@ -40,6 +40,7 @@ import time
 import traceback
 import warnings
 
+from fusedpar.kernels._impl import requested
 from fusedpar.testing.world_rank import rank_main
 
 # After the first rank fails, how long the others get to finish before they are taken to
@@ -468,8 +469,6 @@ def _call_message(fn, args, kwargs) -> bytes:
     # fn's module may have been added since the rank started) before unpickling fn. The
     # implementation asked for here travels with it: `with fp.implementation("triton"):
     # world.run(fn)` runs fn's ops on Triton's kernels on every rank.
-    from fusedpar.kernels._impl import requested
-
     call = pickle.dumps((fn, args, kwargs))
     return pickle.dumps(("call", (list(sys.path), requested(), call)))
 

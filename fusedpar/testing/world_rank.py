@@ -15,6 +15,8 @@ import threading
 import traceback
 from datetime import timedelta
 
+from fusedpar.kernels._impl import implementation
+
 
 def _describe(exc: BaseException) -> dict:
     text = "".join(traceback.format_exception(exc))
@@ -206,8 +208,6 @@ def rank_main(rank, world_size, backend, init_file, conn, dump_path, threads, al
                 path, request, call = payload
                 sys.path[:0] = [p for p in path if p not in sys.path]  # before fn is imported
                 fn, args, kwargs = pickle.loads(call)
-                from fusedpar.kernels._impl import implementation
-
                 with implementation(request):
                     reply = ("ok", fn(*args, **kwargs))
         except BaseException as e:
