@@ -89,7 +89,7 @@ def tile_configs(table: dict, head_dim: int, dtype: torch.dtype, modes: frozense
             for bm, bn, s, w, *skip in tiles if not modes & set(*skip)]  # fmt: skip
 
 
-# Every tile here passes the resource gate (tests/test_compile_gate.py, docs/resources.md):
+# Every tile passes the resource gate (tests/test_compile_gate.py, docs/generated/resources.md):
 # it fits an H100's shared memory; in fp16/bf16 its wgmma are not serialized and it does
 # not spill (causal GQA, the heaviest specialisation, triton 3.9). 128-key tiles halve
 # the per-key cost of the loop's bookkeeping: at D=128 with TMA, 128x128 runs 499
@@ -395,7 +395,7 @@ def check_buffer(name, t, shape, dtypes, device):
 def softcap_mode(dtype: torch.dtype, softcap: float, interpreted: bool) -> int:
     """The kernels' SOFTCAP: 0 (no capping), SOFTCAP_EXACT (`_tanh`) or SOFTCAP_APPROX
     (`_tanh_approx`: 627 instructions per 128 keys in the forward's loop at D=128 against
-    the exact formula's 1076 and 499 uncapped, `docs/resources.md`).
+    the exact formula's 1076 and 499 uncapped, `docs/generated/resources.md`).
     The approximation is taken for bf16 inputs in compiled kernels only: its relative
     error on a capped score (2^-11) is an eighth of the rounding bf16 itself puts on one
     (2^-8), which the numerics contract already allows (PyTorch's bf16 scores carry

@@ -72,9 +72,9 @@ INTERPRETER_MAX_BLOCK = 64
 BLOCK_K = 64
 
 
-# BLOCK_M, BLOCK_N, num_stages, num_warps. Every tile passes the resource gate
-# (tests/test_compile_gate.py, docs/resources.md): it fits an H100's shared memory and,
-# in fp16/bf16, does not spill. Adding into an fp32 C loads a (BLOCK_M, BLOCK_N) fp32
+# BLOCK_M, BLOCK_N, num_stages, num_warps. Every tile passes the resource gate (its report:
+# docs/generated/resources.md; tests/test_compile_gate.py): it fits an H100's shared memory
+# and, in fp16/bf16, does not spill. Adding into an fp32 C loads a (BLOCK_M, BLOCK_N) fp32
 # tile in the epilogue: 128x256 and 256x128 with 8 warps then spill 96-192 B, and
 # 128x128 with 4 warps 96 B, so those are left out of the accumulating list.
 _TILES_16BIT = [

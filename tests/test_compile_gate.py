@@ -15,8 +15,9 @@ fails when
   tuner skips the larger ones that do not fit).
 
 Everything else (registers, spills at D=256 and in fp32) is reported in
-docs/resources.md; ``FUSEDPAR_WRITE_RESOURCES=1 pytest tests/test_compile_gate.py``
-rewrites it. Combinations left out, and why (each checked on a sample):
+docs/generated/resources.md;
+``FUSEDPAR_WRITE_RESOURCES=1 pytest tests/test_compile_gate.py`` rewrites it.
+Combinations left out, and why (each checked on a sample):
 
 - fp16 GEMMs are built for every tile (conversions move their registers by a few);
   fp16 attention builds exactly as bf16 does, so only its largest tiles are built, and
@@ -65,7 +66,7 @@ from fusedpar.kernels import attention_backward_fused as attn_bwd_fused
 
 from fusedpar.testing import compile_gate as gate
 
-RESOURCES_DOC = Path(__file__).resolve().parent.parent / "docs" / "resources.md"
+RESOURCES_DOC = Path(__file__).resolve().parent.parent / "docs" / "generated" / "resources.md"
 # The gate's cache: each build's results under its key (`compile_gate.build_key`).
 RESOURCES_CACHE = RESOURCES_DOC.with_suffix(".json")
 
@@ -1151,10 +1152,10 @@ def test_soft_capping_costs_at_most_a_third_more(built):
 
 
 def test_resource_table_is_current(built):
-    """docs/resources.md is the report of these results, and docs/resources.json holds
-    every build (so CI rebuilds nothing it need not). ``FUSEDPAR_WRITE_RESOURCES=1``
-    rewrites both (``=path``: writes the table there instead, e.g. to compare two
-    triton versions)."""
+    """docs/generated/resources.md is the report of these results, and
+    docs/generated/resources.json holds every build (so CI rebuilds nothing it need
+    not). ``FUSEDPAR_WRITE_RESOURCES=1`` rewrites both (``=path``: writes the table there
+    instead, e.g. to compare two triton versions)."""
     cases, results = list(CASES.values()), list(built.values())
     table = gate.resource_table(cases, results)
     target = os.environ.get("FUSEDPAR_WRITE_RESOURCES")
@@ -1165,5 +1166,5 @@ def test_resource_table_is_current(built):
         Path(target).write_text(table)
     stale = "stale: rerun with FUSEDPAR_WRITE_RESOURCES=1"
     rebuilt = sorted(r["name"] for r in results if not r["cached"] and target != "1")
-    assert not rebuilt, f"docs/resources.json is {stale} (built anew: {rebuilt[:5]})"
-    assert RESOURCES_DOC.read_text() == table, f"docs/resources.md is {stale}"
+    assert not rebuilt, f"docs/generated/resources.json is {stale} (built anew: {rebuilt[:5]})"
+    assert RESOURCES_DOC.read_text() == table, f"docs/generated/resources.md is {stale}"

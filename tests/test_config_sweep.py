@@ -162,7 +162,7 @@ def test_every_attention_config(kernel, index, D, dtype):
     check_attention_config(kernel, index, D, dtype, 1, 21, 2, 1, "cpu")
 
 
-# --- the GPU tier: every list, compiled (fp16 builds as bf16 does: docs/resources.md) ------
+# --- the GPU tier: every list, compiled (fp16 builds as bf16: docs/generated/resources.md) ---
 
 GPU_DTYPES = [torch.bfloat16, torch.float32]
 
