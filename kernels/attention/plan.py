@@ -1,23 +1,163 @@
-"""The attention backward launchers' host side: their checks, the torch implementation's
-entry, and the plans (`BackwardPlan`) that a dK/dV or dQ call works out once per call
-signature and later calls with the same shapes, strides, dtypes, alignment, mask scalars
-and flags look up (host time per call at bench/host_overhead.py's shapes: dK/dV 41 ->
-18 µs, dQ 30 -> 15 µs). The kernels and their launchers are in `attention_backward`."""
+"""The attention launchers' host side. The checks of a call's inputs
+(`check_attention_inputs`, `check_buffer`) and what every kernel takes for its mask and
+scores (`mask_arguments`, `kernel_meta`, `softcap_mode`). The plans: what a launcher
+works out once per call signature, looked up by later calls with the same shapes,
+strides, dtypes, devices, alignment, mask scalars and flags (host time per call at
+bench/host_overhead.py's shapes: forward 37 -> 15 µs, dK/dV 41 -> 18 µs, dQ 30 -> 15
+µs): the forward's `ForwardPlan`, the backward's `BackwardPlan` (`plan_backward`, with
+the backward's checks and torch's entry), and the bounded store both use (`remember`).
+The launch through the tuner (`launch`): the kernel's tile list for the call's
+specialisation (`kernel_modes`) pruned to the sequences, one tile sized to the problem
+in the interpreter, torch's implementation and PyTorch's own kernels as candidates
+beside the tiles, and a planned launcher's settled pick launched past the tuner. The
+kernels are in `forward`, `backward` and `backward_fused`."""
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from fusedpar.kernels import _common, attention_torch
-from fusedpar.kernels._common import accumulator, check_launchable, tma_paths
-from fusedpar.kernels.attention import (
-    SOFTCAP_APPROX,
-    check_attention_inputs,
-    check_buffer,
-    mask_arguments,
+from fusedpar.kernels import _common
+from fusedpar.kernels._common import (
+    accumulator,
+    check_float_dtype,
+    check_launchable,
+    fp32_dot_precision,
+    is_interpreted,
+    next_power_of_2,
+    tma_paths,
 )
-from fusedpar.kernels.attention_plan import launch_key, remember
-from fusedpar.kernels.attention_reference import resolve_scale
+from fusedpar.kernels.attention import torch_impl
+from fusedpar.kernels.attention.launch import (  # the forward's plan and the launch
+    FORWARD_PLANS,  # noqa: F401
+    INTERPRETER_MAX_BLOCK,  # noqa: F401
+    ForwardPlan,  # noqa: F401
+    forward_signature,  # noqa: F401
+    interpreter_blocks,  # noqa: F401
+    kernel_modes,  # noqa: F401
+    launch,  # noqa: F401
+    launch_key,
+    prune_configs,  # noqa: F401
+    remember,
+)
+from fusedpar.kernels.attention.mask import (
+    block_ranges,
+    check_softcap,
+    check_softmax_scale,
+    is_masked,
+    scalar_bounds,
+)
+from fusedpar.kernels.attention.reference import resolve_scale
+
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
+MAX_HEAD_DIM = 256
+# SOFTCAP's values (`softcap_mode`); 0: scores not capped
+SOFTCAP_EXACT, SOFTCAP_APPROX = 1, 2  # (plain ints in the host's meta and keys)
+
+
+# --- checks ----------------------------------------------------------------------------
+
+
+def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ValueError/TypeError naming the sizes for anything the kernels cannot take."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (B, S, H, D), got shape {tuple(t.shape)}")
+    (B, _, Hq, D), (B_kv, _, Hkv, D_kv), Dv = q.shape, k.shape, v.shape[-1]
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have one (B, S, H), got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")  # fmt: skip
+    if B_kv != B:
+        raise ValueError(f"batch sizes differ: q has B={B}, k and v have B={B_kv}")
+    if D_kv != D:
+        raise ValueError(f"head dims differ: q has D={D}, k has D={D_kv}")
+    check_float_dtype("q", q)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if len({q.device, k.device, v.device}) > 1:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"query heads (Hq={Hq}) must be a multiple of KV heads (Hkv={Hkv})")
+    for name, d in (("D", D), ("v's head dim Dv", Dv)):
+        if d == 0 or d % 8 or d > MAX_HEAD_DIM:
+            raise ValueError(f"{name}={d} must be a positive multiple of 8, at most "
+                             f"{MAX_HEAD_DIM}")  # fmt: skip
+
+
+def check_buffer(name, t, shape, dtypes, device):
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must be {tuple(shape)}, got {tuple(t.shape)}")
+    check_float_dtype(name, t, dtypes)
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the inputs on {device}")
+
+
+def softcap_mode(dtype: torch.dtype, softcap: float, interpreted: bool) -> int:
+    """The kernels' SOFTCAP: 0 (no capping), SOFTCAP_EXACT (`_tanh`) or SOFTCAP_APPROX
+    (`_tanh_approx`: 627 instructions per 128 keys in the forward's loop at D=128 against
+    the exact formula's 1076 and 499 uncapped, `docs/resources.md`).
+    The approximation is taken for bf16 inputs in compiled kernels only: its relative
+    error on a capped score (2^-11) is an eighth of the rounding bf16 itself puts on one
+    (2^-8), which the numerics contract already allows (PyTorch's bf16 scores carry
+    it). fp16 rounds a score to 2^-11, the approximation's own size, and fp32 far
+    finer: both keep the exact formula, as the interpreter does (it has no PTX)."""
+    if not softcap:
+        return 0
+    return SOFTCAP_APPROX if dtype == torch.bfloat16 and not interpreted else SOFTCAP_EXACT
+
+
+def kernel_meta(q: torch.Tensor, v: torch.Tensor, *, intervals: bool = False,
+                softcap: float = 0.0) -> dict:  # fmt: skip
+    D, Dv = q.shape[-1], v.shape[-1]
+    return dict(
+        HEAD_DIM=D,
+        BLOCK_D=max(16, next_power_of_2(D)),  # tl.dot needs K >= 16
+        HEAD_DIM_V=Dv,  # V's, O's and dO's (DeepSeek's MLA: 192 for Q and K, 128 for V)
+        BLOCK_DV=max(16, next_power_of_2(Dv)),
+        INTERVALS=intervals,
+        # (whether the kernels run interpreted: every @triton.jit of the package is
+        # decorated on its import, this mask helper as the forward's kernel)
+        SOFTCAP=softcap_mode(q.dtype, softcap, is_interpreted(block_ranges)),
+        INPUT_PRECISION=fp32_dot_precision() if q.dtype == torch.float32 else "tf32",
+    )
+
+
+def mask_arguments(q, k, v, *, causal, window, softcap, softmax_scale, intervals, side):
+    """What every attention kernel takes for its mask and scores: ``(tensors, scalars,
+    meta, key, scores)``. tensors: the intervals of `side` ("query": keys each query row
+    sees; "key": queries that see each key row) and their batch stride; scalars:
+    ``(qk_scale, cap_in, shift, left, right)``; key: for the tuner; scores: the same for
+    the torch implementation (`torch_impl.Scores`). With `intervals` (the tensor
+    mode) they hold the whole mask: `causal` and `window` must be left unset."""
+    (B, Sq, _, D), Skv = q.shape, k.shape[1]
+    softcap = check_softcap(softcap)
+    check_softmax_scale(softmax_scale)
+    shift, left, right = scalar_bounds(causal, window, Sq, Skv)
+    scale = resolve_scale(softmax_scale, D)
+    if softcap:
+        qk_scale, cap_in = softcap * LOG2E, scale / softcap
+    else:
+        qk_scale, cap_in = scale * LOG2E, 0.0
+    if intervals is None:
+        tensors = (q, q, 0)  # never read
+    else:
+        if is_masked(causal, window):
+            raise ValueError("with intervals, causal and window are part of them: pass "
+                             "causal=False and no window")  # fmt: skip
+        intervals.check(B, Sq, Skv, q.device)
+        lo, hi = ((intervals.kv_lo, intervals.kv_hi) if side == "query"
+                  else (intervals.q_lo, intervals.q_hi))  # fmt: skip
+        tensors = (lo, hi, intervals.batch_stride(lo))
+    meta = kernel_meta(q, v, intervals=intervals is not None, softcap=softcap)
+    key = (("masked", is_masked(causal, window)),)
+    scores = torch_impl.Scores(scale, softcap, (shift, left, right), intervals)
+    return tensors, (qk_scale, cap_in, shift, left, right), meta, key, scores
+
+
+def strides(t: torch.Tensor) -> tuple:
+    return tuple(t.stride())
+
+
+# --- the backward's plan ---------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -85,7 +225,7 @@ def check_backward_inputs(dout, q, k, v, lse, delta, sources=(None, None)):
 def write_delta(delta, dout, out, dlse) -> None:
     """``delta = rowsum(dO * O) - dLSE`` (dlse None: 0) into `delta` (B, Hq, Sq), as
     dQ's kernel makes it."""
-    made = attention_torch.delta(out, dout)
+    made = torch_impl.delta(out, dout)
     delta.copy_(made if dlse is None else made - dlse)
 
 
@@ -133,10 +273,10 @@ def torch_backward(kind, dout, q, k, v, lse, delta, grads, mask, accumulate, gra
         write_delta(delta, dout, *sources)
     if kind == "dq":
         if q.numel():
-            attention_torch.backward_dq(dout, q, k, v, lse, delta, scores, *grads, accumulate)
+            torch_impl.backward_dq(dout, q, k, v, lse, delta, scores, *grads, accumulate)
         return grads[0]
     if k.numel():
-        attention_torch.backward_dkdv(dout, q, k, v, lse, delta, scores, *grads, accumulate)
+        torch_impl.backward_dkdv(dout, q, k, v, lse, delta, scores, *grads, accumulate)
     return tuple(grads)
 
 
@@ -195,7 +335,7 @@ def plan_backward(kind, kernel, split_of: Callable[[], int], split_below, dout, 
     # (split > 1 writes partials, summed after: a torch pick would write dk, dv itself)
     # (the fused kernel's alternative is the split backward, torch's among its candidates)
     # (torch's exact tanh would not recompute the P of a forward on the approximate one)
-    torch_candidate = (split == 1 and kind != "fused" and attention_torch.capable_on_cuda(q, k)
+    torch_candidate = (split == 1 and kind != "fused" and torch_impl.capable_on_cuda(q, k)
                        and meta["SOFTCAP"] != SOFTCAP_APPROX)  # fmt: skip
     args = (q, k, v, dout, lse, delta, *grads, *tensors[:2])
     plan = BackwardPlan(grad_dtype or q.dtype, split, dq_direct, strides, scalars, meta,

@@ -2,16 +2,26 @@
 specialisation (`kernel_modes`) pruned to the sequences, one tile sized to the problem in
 the interpreter, torch's implementation and PyTorch's own kernels as candidates beside
 the tiles, and a planned launcher's settled pick launched past the tuner. Used by the
-forward (`attention`), the split and the fused backward."""
+forward (`forward`), the split and the fused backward. And the attention forward's plan:
+what a call works out once per call signature (its checks, the kernel's scalars and
+meta, the tuner's key), looked up by later calls with the same shapes, strides, dtypes,
+devices, alignment, mask scalars and flags (host time per call at
+bench/host_overhead.py's shapes: 37 -> 15 µs); and the tuner key and the bounded store
+every attention plan uses (the backward's: `plan`)."""
 
+from dataclasses import dataclass, field
+
+import torch
 import triton
-from fusedpar.kernels import _impl, _tuning
+from fusedpar.kernels import _common, _impl, _tuning
 from fusedpar.kernels._common import device_guard, is_interpreted, next_power_of_2
 from fusedpar.kernels._tuning import bucket
-from fusedpar.kernels.attention_plan import launch_key
 
 # The interpreter runs one program at a time in numpy: a few large tiles beat many small.
 INTERPRETER_MAX_BLOCK = 64
+
+
+# --- launch ----------------------------------------------------------------------------
 
 
 def kernel_modes(meta: dict) -> frozenset:
@@ -26,7 +36,7 @@ def kernel_modes(meta: dict) -> frozenset:
     ) if on)  # fmt: skip
 
 
-def _prune_configs(configs, Sq: int, Skv: int):
+def prune_configs(configs, Sq: int, Skv: int):
     """Drop tiles far larger than the sequences; keep at least the smallest."""
     limit_m = max(32, next_power_of_2(Sq))
     limit_n = max(32, next_power_of_2(Skv))
@@ -53,7 +63,7 @@ def launch(
     key as `launch_key` makes it, from a launcher's plan; `settled`: that plan's
     `_tuning.Settled` per implementation asked for, launched past the tuner once the
     pick is made (and kept there after it). `platform`: ``platform()`` gives ``{candidate:
-    run()}`` of PyTorch's own kernels for this call (`attention_platform`), candidates
+    run()}`` of PyTorch's own kernels for this call (`torch_impl`), candidates
     too where torch's is; the key must name them."""
     name = kernel.__name__
     request = None
@@ -72,7 +82,7 @@ def launch(
         else:
             configs_here = configs(meta["HEAD_DIM"], args[0].dtype, kernel_modes(meta),
                                    v_dim=meta["HEAD_DIM_V"])  # fmt: skip
-            tiles = _prune_configs(configs_here, bucket(Sq), bucket(Skv))
+            tiles = prune_configs(configs_here, bucket(Sq), bucket(Skv))
         if not _impl.tunes_torch():
             return tiles
         return tiles + ([_impl.TORCH] if torch_run else []) + list(platform_runs())
@@ -100,3 +110,58 @@ def launch(
             kwargs = {**meta, **config.all_kwargs()}
             settled[request] = _tuning.Settled.of(kernel, config, scope, grid(config.kwargs),
                                                   kwargs, len(args))  # fmt: skip
+
+
+# --- the forward's plan ----------------------------------------------------------------
+
+
+def launch_key(args, meta, Sq, Skv, key_extra, torch_candidate: bool) -> tuple:
+    """The tuner's key of a launch: the buckets, the meta, the tensors' dtypes, and
+    whether torch's implementation may run (it depends on the exact sizes, a memory
+    bound, which the buckets do not hold)."""
+    dtypes = (str(a.dtype) for a in args if isinstance(a, torch.Tensor))
+    return (bucket(Sq), bucket(Skv), *sorted(meta.items()), *dtypes, *key_extra,
+            ("torch", torch_candidate))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """What `attention_forward` works out once per call signature (shapes, strides,
+    dtypes, alignment, the mask's scalars, flags): the inputs checked, the kernel's
+    scalars and meta, the tuner's key. Calls with the tensor mask (`intervals`), with
+    ``tune_only`` or on torch's implementation are not planned."""
+
+    out_shape: tuple
+    out_dtype: torch.dtype
+    scalars: tuple  # Sq, Skv, group, qk_scale, cap_in, shift, left, right
+    meta: dict
+    key: tuple
+    scores: object  # for torch's implementation, a candidate on CUDA
+    torch_candidate: bool
+    # per implementation asked for, the pick and its launch once made (`_tuning.Settled`)
+    settled: dict = field(default_factory=dict, compare=False)
+
+
+FORWARD_PLANS: dict[tuple, ForwardPlan] = {}
+MAX_PLANS = 4096  # a property test's many shapes: start over rather than grow
+
+
+def forward_signature(q, k, v, causal, softmax_scale, window, softcap, out, lse, out_dtype,
+                      merge) -> tuple:  # fmt: skip
+    return (
+        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+        v.dtype, q.device, k.device, v.device, causal, softmax_scale, tuple(window), softcap,
+        out_dtype, merge,
+        out is not None and (out.shape, out.stride(), out.dtype, out.data_ptr() % 16),
+        lse is not None and (lse.shape, lse.stride(), lse.dtype), q.data_ptr() % 16,
+        k.data_ptr() % 16, v.data_ptr() % 16, torch.get_float32_matmul_precision(),
+        _common.tma_compatible,  # the TMA rule in force (tests swap it for the pointer path)
+    )  # fmt: skip
+
+
+def remember(plans: dict, signature: tuple, plan):
+    """Keep `plan` under `signature` (starting over past `MAX_PLANS`); returns it."""
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plans[signature] = plan
+    return plan
