@@ -14,7 +14,7 @@ and listed under `missing`. The tiles the tuner picked are in the results' meta
 (`bench.common.write_results` adds them). ``fusedpar`` is what a user gets: per key the
 tuner's pick of our tiles and, under ``FUSEDPAR_IMPL=auto``, SDPA's own kernels where they
 compute the call (the picks say which ran); its backward the pick of the fused, the split
-and those (`fusedpar.kernels.attention_backward_fused`), whose times per key are in the
+and those (`fusedpar.kernels.attention.backward_fused`), whose times per key are in the
 meta (``backward_fused_split_ms``); ``fusedpar-split`` is the deterministic (split)
 backward alone, not a peer.
 
@@ -186,8 +186,7 @@ def _masked_fusedpar_prebuilt(mask, spec, T, device):
     building). Forward only: it has no autograd, so its backward passes are missing.
     Beside `fusedpar`'s row it tells the call's own cost from the kernel's (the first
     H100 run: the documents forward at 0.47 of flex, its backward at 0.89)."""
-    from fusedpar.kernels.attention import attention_forward
-    from fusedpar.kernels.attention_mask import packed_intervals
+    from fusedpar.kernels.attention import attention_forward, packed_intervals
 
     if mask != "documents":
         raise Unavailable("fusedpar-prebuilt: the documents point only")

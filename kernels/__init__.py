@@ -1,4 +1,6 @@
-"""Triton kernels, their launchers and plain-PyTorch references, one module per family.
+"""Triton kernels, their launchers and plain-PyTorch references, one module per family
+(attention's is a subpackage: ``fusedpar.kernels.attention``, which re-exports its
+launchers, ``from fusedpar.kernels.attention import attention_forward``).
 
 Installed as ``fusedpar.kernels``. Nothing here uses autograd or ``torch.distributed``:
 ``fusedpar.ops`` builds the autograd Functions on top of these launchers. Import the

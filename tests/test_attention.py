@@ -10,16 +10,17 @@ import math
 
 import pytest
 import torch
-from fusedpar.kernels import attention_backward as backward_kernels
-from fusedpar.kernels.attention import attention_forward, attention_reference
-from fusedpar.kernels.attention_backward import (
+from fusedpar.kernels.attention import (
+    attention_backward,
     attention_backward_dkdv,
     attention_backward_dq,
     attention_backward_reference,
+    attention_delta,
+    attention_forward,
+    attention_reference,
     gqa_split,
 )
-from fusedpar.kernels.attention_backward_fused import attention_backward
-from fusedpar.kernels.attention_delta import attention_delta
+from fusedpar.kernels.attention import backward as backward_kernels
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -883,7 +884,7 @@ def test_a_forward_is_checked_and_planned_once_per_signature(monkeypatch):
     """The forward's checks and launch parameters are worked out on the first call of a
     signature (shapes, strides, dtypes, alignment, mask, flags) and looked up after; a
     call that differs in any of them is checked anew, and computes right."""
-    from fusedpar.kernels import attention as forward_kernels
+    from fusedpar.kernels.attention import forward as forward_kernels
 
     checks = _counted(monkeypatch, forward_kernels, "check_attention_inputs")
     monkeypatch.setattr(forward_kernels, "FORWARD_PLANS", {})
@@ -908,7 +909,7 @@ def test_a_backward_is_checked_and_planned_once_per_signature(monkeypatch):
     """dK/dV and dQ work out their checks and launch parameters on the first call of a
     signature and look them up after; a call that differs in shape, stride, dtype, mask,
     buffers or the GQA split is checked anew, and its gradients are right."""
-    from fusedpar.kernels import attention_backward_plan as plans
+    from fusedpar.kernels.attention import plan as plans
 
     checks = _counted(monkeypatch, plans, "check_backward_inputs")
     monkeypatch.setattr(plans, "BACKWARD_PLANS", {})

@@ -1,4 +1,4 @@
-"""The fused attention backward (`fusedpar.kernels.attention_backward_fused`): dK, dV and
+"""The fused attention backward (`fusedpar.kernels.attention.backward_fused`): dK, dV and
 dQ from one kernel, against float64 and beside the split backward, in the modes the
 split one has (GQA and its split, fp32 gradients added into as the ring does, windows,
 soft-capping, packed documents, both read paths); which of the two runs (`deterministic`,
@@ -7,12 +7,17 @@ PyTorch's flag, the tuner); the tiles a miscompiling Triton leaves out."""
 import pytest
 import torch
 from fusedpar.kernels import _tuning
-from fusedpar.kernels import attention_backward as split_kernels
-from fusedpar.kernels import attention_backward_fused as backwards
-from fusedpar.kernels.attention import attention_forward, attention_reference
-from fusedpar.kernels.attention_backward_fused import fused_configs, transposed_dot_miscompiles
-from fusedpar.kernels.attention_delta import attention_delta
-from fusedpar.kernels.attention_mask import packed_intervals, visible_reference
+from fusedpar.kernels.attention import (
+    attention_delta,
+    attention_forward,
+    attention_reference,
+    fused_configs,
+    packed_intervals,
+    transposed_dot_miscompiles,
+    visible_reference,
+)
+from fusedpar.kernels.attention import backward as split_kernels
+from fusedpar.kernels.attention import backward_fused as backwards
 from hypothesis import given
 from hypothesis import strategies as st
 from test_attention import attention_grads, force_split, poisoned, torch_results  # noqa: I001 (a sibling test module)

@@ -9,8 +9,7 @@ NaN: a kernel that read them, even masked, would give NaN.
 
 import pytest
 import torch
-from fusedpar.kernels.attention import attention_reference
-from fusedpar.kernels.attention_mask import visible_reference
+from fusedpar.kernels.attention import attention_reference, visible_reference
 from hypothesis import example, given
 from hypothesis import strategies as st
 from test_attention import attention_grads, check_attention, torch_results  # noqa: I001 (a sibling test module)
@@ -372,8 +371,7 @@ def test_the_widest_query_chunks_run_first():
     the last chunk's second (rows 448 to 511) writes nothing."""
     import dataclasses
 
-    from fusedpar.kernels.attention import attention_forward
-    from fusedpar.kernels.attention_mask import packed_intervals
+    from fusedpar.kernels.attention import attention_forward, packed_intervals
 
     cu = torch.tensor([0, 300, 340, 400], dtype=torch.int32)
     packed = packed_intervals(cu, cu, 400, 400, causal=True, window=(-1, -1))
@@ -394,9 +392,7 @@ def test_the_widest_query_chunks_run_first():
 def test_every_forward_tile_splits_an_order_chunk():
     """The forward maps a program to a chunk of ORDER_CHUNK rows and a block in it:
     every tile's BLOCK_M must divide the chunk."""
-    from fusedpar.kernels.attention import forward_configs
-    from fusedpar.kernels.attention_launch import INTERPRETER_MAX_BLOCK
-    from fusedpar.kernels.attention_mask import ORDER_CHUNK
+    from fusedpar.kernels.attention import INTERPRETER_MAX_BLOCK, ORDER_CHUNK, forward_configs
 
     for D in (64, 128, 256):
         for dtype in (torch.bfloat16, torch.float32):

@@ -1,13 +1,13 @@
-"""PyTorch's own attention kernels as tuner candidates (`fusedpar.kernels.attention_platform`):
+"""PyTorch's own attention kernels as tuner candidates (`fusedpar.kernels.attention.torch_impl`):
 which calls they are offered for, their calls' shapes and arguments (on the "meta" device,
 where the aten ops run their shape functions), and on a GPU each against float64."""
 
 import pytest
 import torch
 from fusedpar.kernels import _tuning
-from fusedpar.kernels import attention_backward_fused as backwards
-from fusedpar.kernels import attention_platform as platform
 from fusedpar.kernels.attention import attention_forward, attention_reference, mask_arguments
+from fusedpar.kernels.attention import backward_fused as backwards
+from fusedpar.kernels.attention import torch_impl as platform
 from test_attention import attention_grads, torch_results  # noqa: I001 (a sibling test module)
 
 import fusedpar as fp

@@ -46,9 +46,6 @@ import pytest
 import torch
 from fusedpar.kernels import (
     _common,
-    attention_delta,
-    attention_launch,
-    attention_merge,
     gated,
     matmul,
     matmul_fused,
@@ -60,9 +57,11 @@ from fusedpar.kernels import (
     rms_norm,
     rope,
 )
-from fusedpar.kernels import attention as attn
-from fusedpar.kernels import attention_backward as attn_bwd
-from fusedpar.kernels import attention_backward_fused as attn_bwd_fused
+from fusedpar.kernels.attention import backward as attn_bwd
+from fusedpar.kernels.attention import backward_fused as attn_bwd_fused
+from fusedpar.kernels.attention import forward as attn
+from fusedpar.kernels.attention import merge as attn_merge
+from fusedpar.kernels.attention import plan as attn_plan
 
 from fusedpar.testing import compile_gate as gate
 
@@ -179,7 +178,7 @@ def attention_backward(
     try:
         with _fp32_precision(precision), _tma(tma):
             mask = _mask(causal, window, softcap, intervals)
-            delta = {"delta": attention_delta.attention_delta(out, dout)} if accumulate else {}
+            delta = {"delta": attn_merge.attention_delta(out, dout)} if accumulate else {}
             attn_bwd_fused.attention_backward(
                 dout,
                 q,
@@ -205,7 +204,7 @@ def attention_backward_fused(**params):
 def attention_merge_call(head_dim):
     out, block = (_empty((2, 256, 4, head_dim), "float32") for _ in range(2))
     lse, block_lse = (_empty((2, 4, 256), "float32") for _ in range(2))
-    attention_merge.merge_attention(out, lse, block, block_lse)
+    attn_merge.merge_attention(out, lse, block, block_lse)
 
 
 def matmul_call(
@@ -615,7 +614,7 @@ for label, (kernel, scenario, configs_of, axis) in ATTENTION.items():
     # The ring's modes, every 16-bit tile: a forward step merging into fp32 `out` and `lse`
     # (MHA, the mask as intervals), gradients added into fp32 buffers; the GQA split of
     # dK/dV; and the heaviest mask: causal GQA with a window and soft-capping.
-    # Each with the tile modes its launches have (`attention_launch.kernel_modes`).
+    # Each with the tile modes its launches have (`plan.kernel_modes`).
     ring = {"group": 1, "intervals": True}
     if label == "fwd":
         modes = {
@@ -1054,7 +1053,7 @@ def test_pruning_keeps_the_smallest_attention_tile(label, dtype):
     for D in HEAD_DIMS:
         configs = ATTENTION[label][2](D, dtype, frozenset({"pointer"}))
         for n in (1, 16, 32, 64, 128, 1024):
-            assert _smallest(configs) in attention_launch._prune_configs(configs, n, n)
+            assert _smallest(configs) in attn_plan.prune_configs(configs, n, n)
 
 
 def test_pruning_keeps_the_smallest_matmul_tile():

@@ -12,11 +12,13 @@ checks the tile sizes and masks). The MoE kernels' configs are swept in test_moe
 import pytest
 import torch
 from fusedpar.kernels import _tuning
-from fusedpar.kernels.attention import attention_reference, forward_configs
-from fusedpar.kernels.attention_backward import backward_configs, dq_configs
-from fusedpar.kernels.attention_backward_fused import (
+from fusedpar.kernels.attention import (
     FUSED,
     SPLIT,
+    attention_reference,
+    backward_configs,
+    dq_configs,
+    forward_configs,
     fused_configs,
     transposed_dot_miscompiles,
 )

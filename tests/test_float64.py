@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from fusedpar.kernels import _impl, _tuning
-from fusedpar.kernels.attention_reference import attention_reference
+from fusedpar.kernels.attention import attention_reference
 from fusedpar.kernels.rms_norm import rms_norm_reference
 from test_attention_layer import GEMMA_SCALE, HEAD_DIM, DenseAttention, scaled_rope
 from torch import nn

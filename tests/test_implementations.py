@@ -168,11 +168,11 @@ def test_a_thread_without_the_context_sees_the_active_request():
 def test_a_pick_of_torch_never_reaches_a_call_it_cannot_run(monkeypatch):
     """Whether torch's attention may run depends on the exact sizes (a memory bound),
     not on the tuner's buckets: the two kinds of call keep their own picks."""
-    from fusedpar.kernels import attention_torch
+    from fusedpar.kernels.attention import torch_impl
 
     monkeypatch.setattr(_impl, "runs_torch", lambda t, name=None: False)
     q, k, v = (randn((1, n, 2, 16), torch.float32, i) for i, n in enumerate((40, 60, 60)))
-    monkeypatch.setattr(attention_torch, "CUDA_SCORES_LIMIT", 2 * 40 * 40)
+    monkeypatch.setattr(torch_impl, "CUDA_SCORES_LIMIT", 2 * 40 * 40)
     with fp.implementation("auto"):
         attention_forward(q, k[:, :40], v[:, :40])  # capable: torch wins the key
         attention_forward(q[:, :33], k, v)  # the same buckets (64, 64), over the bound

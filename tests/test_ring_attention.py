@@ -11,8 +11,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from fusedpar.kernels.attention import attention_reference
-from fusedpar.kernels.attention_merge import merge_attention
+from fusedpar.kernels.attention import attention_reference, merge_attention
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_attention import attention_grads, force_split, torch_results  # noqa: I001 (a sibling test module)

@@ -8,8 +8,7 @@ has Hugging Face's meaning of the window, under CP too."""
 import pytest
 import torch
 import torch.distributed as dist
-from fusedpar.kernels.attention import attention_forward, attention_reference
-from fusedpar.kernels.attention_mask import visible_reference
+from fusedpar.kernels.attention import attention_forward, attention_reference, visible_reference
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_attention import attention_grads, torch_results  # noqa: I001 (a sibling test module)
@@ -144,7 +143,7 @@ def _launches(W, layout, chunk, **mask):
             counts[next(i for i, s in enumerate(shards) if s is q_rank)] += 1
         return attention_forward(q_rank, *args, **kw)
 
-    ring_attention._forward(
+    ring_attention.forward_schedule(
         shards,
         shards,
         shards,

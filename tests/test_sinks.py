@@ -8,8 +8,7 @@ that see no key give 0 (LSE = the sink), never NaN; under the ring the sink ente
 import pytest
 import torch
 import torch.distributed as dist
-from fusedpar.kernels.attention_mask import visible_reference
-from fusedpar.kernels.attention_reference import attention_reference
+from fusedpar.kernels.attention import attention_reference, visible_reference
 
 import fusedpar as fp
 from fusedpar.testing import assert_close

@@ -56,7 +56,7 @@ from torch import nn
 
 from fusedpar import checks, comm
 from fusedpar.kernels._common import accumulator, check_float_dtype
-from fusedpar.kernels.attention_mask import check_cu_seqlens
+from fusedpar.kernels.attention import check_cu_seqlens
 from fusedpar.nn.attention_parts import (  # noqa: F401 (rope_tables: public here too)
     QK_NORMS,
     ROPE_LAYOUTS,

@@ -13,7 +13,7 @@ summed over the query heads of each GQA group, with
 scores under ``softcap``): a gradient flowing into the returned LSE is folded into the
 same backward pass. The varlen form runs the same kernels on the packed stream as one
 batch row, its documents given to the kernels as key intervals
-(`fusedpar.kernels.attention_mask`).
+(`fusedpar.kernels.attention.mask`).
 
 Attention sinks (gpt-oss: a learned logit per head in every row's softmax denominator,
 with no value) are an exact epilogue on (out, lse), `apply_sinks`, shared by every
@@ -39,9 +39,10 @@ from torch import Tensor
 
 from fusedpar.kernels import rope as rope_kernels
 from fusedpar.kernels._common import accumulator
-from fusedpar.kernels.attention import attention_forward, check_attention_inputs
-from fusedpar.kernels.attention_backward_fused import attention_backward
-from fusedpar.kernels.attention_mask import (
+from fusedpar.kernels.attention import (
+    attention_backward,
+    attention_forward,
+    check_attention_inputs,
     check_cu_seqlens,
     check_softcap,
     check_softmax_scale,
@@ -204,7 +205,7 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
     ctx.options = options
     # an unused output's gradient comes as None, not zeros: with no LSE gradient the
-    # backward may run PyTorch's own kernels (`fusedpar.kernels.attention_platform`)
+    # backward may run PyTorch's own kernels (`fusedpar.kernels.attention.torch_impl`)
     ctx.set_materialize_grads(False)
 
 
@@ -337,7 +338,7 @@ def flash_attn(
     ``(out, lse)`` with lse (B, Hq, Sq) float32 in natural log when ``return_lse``.
     ``deterministic`` (or ``torch.use_deterministic_algorithms(True)``): the backward
     whose every sum has a fixed order (otherwise dQ's last bits may vary from run to
-    run: `fusedpar.kernels.attention_backward_fused`).
+    run: `fusedpar.kernels.attention.backward_fused`).
     """
     check_attention_inputs(q, k, v)
     window, softcap = check_window(window), check_softcap(softcap)

@@ -34,8 +34,7 @@ from torch import Tensor
 from fusedpar.kernels import rms_norm as norm_kernels
 from fusedpar.kernels import rope as rope_kernels
 from fusedpar.kernels._common import accumulator
-from fusedpar.kernels.attention import attention_forward
-from fusedpar.kernels.attention_backward_fused import attention_backward
+from fusedpar.kernels.attention import attention_backward, attention_forward
 from fusedpar.kernels.matmul import RowRotation, rope_epilogue_fits
 from fusedpar.kernels.matmul_sequence import GemmSequence, layout, state
 from fusedpar.ops.attention import _mask

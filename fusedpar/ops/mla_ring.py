@@ -16,10 +16,10 @@ into the latent's gradient, which travels home as dK, dV do in `ring_attn`:
 |        |                                        | summed over heads; ``dW_kvb += [dk_nope,  |
 |        |                                        | dv].T c``                                 |
 
-The schedule is `ring_attention`'s own loops (`_forward`, `_backward`) with `LatentBlocks`
-as what travels: the masks, the tuning before the loops and the fused or split
-backward are theirs. The ring alone (no Ulysses group): the hybrid moves expanded
-heads (`fusedpar.nn.ParallelMLA` picks).
+The schedule is `ring_attention`'s own loops (`forward_schedule`, `backward_schedule`,
+the masks from `rank_masks`) with `LatentBlocks` as what travels: the masks, the tuning
+before the loops and the fused or split backward are theirs. The ring alone (no Ulysses
+group): the hybrid moves expanded heads (`fusedpar.nn.ParallelMLA` picks).
 """
 
 import torch
@@ -29,7 +29,7 @@ from torch import Tensor
 
 from fusedpar.comm import Group, check_same_across_ranks, resolve_group, tuning_agreement
 from fusedpar.ops.attention import check_packed
-from fusedpar.ops.ring_attention import _backward, _forward, _masks
+from fusedpar.ops.ring_attention import backward_schedule, forward_schedule, rank_masks
 from fusedpar.ops.ring_transport import GroupRing
 from fusedpar.ops.sequence import check_sequence_length
 
@@ -78,9 +78,9 @@ class _LatentRing(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, latent, w, pg, layout, scale, nope, v_dim, cu_seqlens, deterministic):
-        masks = _masks(pg, q, True, layout, (-1, -1), cu_seqlens)
+        masks = rank_masks(pg, q, True, layout, (-1, -1), cu_seqlens)
         blocks = LatentBlocks(w, nope, v_dim, q.shape[-1] - nope)
-        out, lse = _forward(
+        out, lse = forward_schedule(
             [q],
             [latent],
             None,
@@ -101,7 +101,7 @@ class _LatentRing(torch.autograd.Function):
         pg, masks, scale, nope, v_dim, deterministic = ctx.options
         blocks = LatentBlocks(w, nope, v_dim, q.shape[-1] - nope)
         rings = GroupRing(pg), GroupRing(pg, tag=1)
-        dq, d_latent = _backward(
+        dq, d_latent = backward_schedule(
             [q],
             [latent],
             None,

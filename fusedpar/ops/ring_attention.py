@@ -3,7 +3,7 @@
 
 Each rank keeps its queries; keys and values travel a ring (at the KV head count), and
 each step folds one rank's block into the running output through the LSE. The mask is
-computed in global coordinates (`fusedpar.kernels.attention_mask`): for each KV block a
+computed in global coordinates (`fusedpar.kernels.attention.mask`): for each KV block a
 rank meets, `ring_masks` gives the kernels every local query's interval of visible
 local keys, and every key's interval of the queries that see it, from the global
 positions of both ranks' tokens (a zigzag pair of chunks included), the packed
@@ -53,24 +53,21 @@ from fusedpar.comm import (
 )
 from fusedpar.kernels._common import accumulator
 from fusedpar.kernels._tuning import frozen
-from fusedpar.kernels.attention import attention_forward, check_attention_inputs
-from fusedpar.kernels.attention_backward import (
+from fusedpar.kernels.attention import (
+    FUSED,
+    Intervals,
+    attention_backward,
     attention_backward_dkdv,
     attention_backward_dq,
-    delta_buffer,
-)
-from fusedpar.kernels.attention_backward_fused import (
-    FUSED,
-    attention_backward,
     attention_backward_fused,
-)
-from fusedpar.kernels.attention_delta import attention_delta
-from fusedpar.kernels.attention_mask import (
-    Intervals,
+    attention_delta,
+    attention_forward,
+    check_attention_inputs,
     check_cu_seqlens,
     check_softcap,
     check_softmax_scale,
     check_window,
+    delta_buffer,
     intervals,
     window_sides,
 )
@@ -199,7 +196,7 @@ class KVBlocks:
         return payload[0], payload[1]
 
 
-def _forward(
+def forward_schedule(
     q,
     k,
     v,
@@ -213,7 +210,8 @@ def _forward(
     attend=attention_forward,
     blocks=None,
 ):
-    """The forward schedule over `ring`; q, k, v: one shard per rank of ``ring.ranks``;
+    """The forward schedule over `ring` (`ring_attn`'s, and `mla_ring_attn`'s with its
+    latent as `blocks`); q, k, v: one shard per rank of ``ring.ranks``;
     `masks` from `ring_masks`. Returns lists of out (fp32) and lse. ``overlap=False``
     waits for each transfer before computing (the benchmark's baseline); `attend`
     computes one block (``attention_forward``'s signature; the CPU benchmark passes a
@@ -256,7 +254,7 @@ def _forward(
     return out, lse
 
 
-def _backward(
+def backward_schedule(
     q,
     k,
     v,
@@ -274,7 +272,8 @@ def _backward(
     deterministic=False,
     blocks=None,
 ):
-    """The backward schedule: lists (one per rank of the rings) of dQ and of the dK, dV
+    """The backward schedule (`ring_attn`'s, and `mla_ring_attn`'s with its latent as
+    `blocks`): lists (one per rank of the rings) of dQ and of the dK, dV
     of the rank's own KV (fp32; each of the payload's gradients with `blocks`), back
     home after W steps. `delta`: each rank's, or None
     with `sources`, each rank's (out, dlse): the first launch, on the rank's own block,
@@ -283,7 +282,7 @@ def _backward(
     Each step runs the fused backward (one kernel: dK, dV and dQ) or the split one (dQ,
     launched before the gradients arrive, then dK/dV), as the tuner picks for the own
     block (`attention_backward`'s pick, agreed over the group; the split one when
-    `deterministic`). `blocks` as in `_forward`: where it `absorbs`, each step's dK, dV
+    `deterministic`). `blocks` as in `forward_schedule`: where it `absorbs`, each step's dK, dV
     go into fp32 scratch and `blocks.absorb` turns them into the travelling payload's
     gradient."""
     size = kv_ring.size
@@ -384,11 +383,11 @@ def ring_attention_forward(
     masks=None,
 ):
     """This rank's forward ring over `pg`: returns (out fp32, lse). `overlap` and
-    `attend` as in `_forward`; `masks`: this rank's row of `ring_masks` (built here
+    `attend` as in `forward_schedule`; `masks`: this rank's row of `ring_masks` (built here
     when not given)."""
     if masks is None:
-        masks = _masks(pg, q, causal, layout, window, cu_seqlens)
-    out, lse = _forward(
+        masks = rank_masks(pg, q, causal, layout, window, cu_seqlens)
+    out, lse = forward_schedule(
         [q],
         [k],
         [v],
@@ -433,7 +432,7 @@ def _ring_attn_op(
     )
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, q.shape[1] * dist.get_world_size(pg))
-    masks = _masks(pg, q, causal, layout, (window_left, window_right), cu_seqlens, masks)
+    masks = rank_masks(pg, q, causal, layout, (window_left, window_right), cu_seqlens, masks)
     out, lse = ring_attention_forward(
         q,
         k,
@@ -475,10 +474,10 @@ def _ring_attn_backward_op(
     masks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     pg = group_by_name(group)
-    masks = _masks(pg, q, causal, layout, (window_left, window_right), cu_seqlens, masks)
+    masks = rank_masks(pg, q, causal, layout, (window_left, window_right), cu_seqlens, masks)
     rings = GroupRing(pg), GroupRing(pg, tag=1)
     # delta = rowsum(dO * O) - dLSE: made by the first launch (the own block's)
-    dq, dk, dv = _backward(
+    dq, dk, dv = backward_schedule(
         [q],
         [k],
         [v],
@@ -516,7 +515,7 @@ def _mask_row(pg, q, causal, layout, window, cu_seqlens):
     )
 
 
-def _masks(pg, q, causal, layout, window, cu_seqlens, row=None):
+def rank_masks(pg, q, causal, layout, window, cu_seqlens, row=None):
     """This rank's row of `ring_masks` (from `row`, its `mask_row`, when given)."""
     if row is None:
         row = _mask_row(pg, q, causal, layout, window, cu_seqlens)
@@ -690,7 +689,7 @@ class VirtualRingAttnFunction(torch.autograd.Function):
             cu_seqlens=cu_seqlens,
         )
         common = dict(softmax_scale=softmax_scale, softcap=softcap)
-        out, lse = _forward(
+        out, lse = forward_schedule(
             *(_shards(t, size, layout) for t in (q, k, v)), VirtualRing(size), masks, **common
         )
         out = _unshard([o.to(q.dtype) for o in out], size, layout)  # rounded as ring_attn's
@@ -711,7 +710,7 @@ class VirtualRingAttnFunction(torch.autograd.Function):
         # delta made by each rank's first dQ launch, as ring_attn's
         dlses = [None] * size if dlse is None else _shards(dlse, size, layout, dim=2)
         sources = list(zip(_shards(out, size, layout), dlses, strict=True))
-        grads = _backward(
+        grads = backward_schedule(
             *per_rank,
             None,
             VirtualRing(size),

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fusedpar.comm import Group, all_gather_async, group_rank, group_size, resolve_group
-from fusedpar.kernels.attention_mask import check_cu_seqlens
+from fusedpar.kernels.attention import check_cu_seqlens
 
 LAYOUTS = ("zigzag", "contiguous")
 

@@ -1,19 +1,19 @@
 """The attention kernels' contract in plain, differentiable PyTorch: the references the
-tests compare with in float64, beside the kernels (`attention`, `attention_backward`).
+tests compare with in float64, beside the kernels (`forward`, `backward`).
 
 | function                       | computes                                              |
 | ------------------------------ | ----------------------------------------------------- |
 | `attention_reference`          | ``(out, lse)``, rows with no key: 0 and -inf          |
 | `attention_backward_reference` | dQ, dK, dV by the kernels' formula (P from the LSE)   |
 
-The mask is `attention_mask.visible_reference`: a dense boolean matrix built
+The mask is `mask.visible_reference`: a dense boolean matrix built
 independently of the intervals the kernels take.
 """
 
 import math
 
 import torch
-from fusedpar.kernels.attention_mask import visible_reference
+from fusedpar.kernels.attention.mask import visible_reference
 
 
 def resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
@@ -53,7 +53,7 @@ def attention_reference(
     """The same contract in plain, differentiable PyTorch, in q's dtype (float64 in ->
     the oracle). Returns ``(out, lse)``; rows that see no key give 0 and -inf, and their
     gradients are 0, not NaN. `visible`: a dense (Sq, Skv) mask instead of `causal` and
-    `window` (`attention_mask.visible_reference` of packed documents). `sinks` (Hq,):
+    `window` (`mask.visible_reference` of packed documents). `sinks` (Hq,):
     one more logit per head in every row's softmax denominator, with no value (gpt-oss's
     attention sinks): a row that sees no key gives 0 and LSE = its sink."""
     (B, Sq, Hq, _), Skv = q.shape, k.shape[1]

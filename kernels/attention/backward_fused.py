@@ -5,7 +5,7 @@
 | split    | dQ (makes delta), dK/dV                  | 7: S, dP twice       | fixed order       |
 | fused    | delta, dK/dV adding dQ, (dQ's conversion) | 5                    | atomics, any order |
 
-The fused backward is the dK/dV kernel of `fusedpar.kernels.attention_backward` with
+The fused backward is the dK/dV kernel of `fusedpar.kernels.attention.backward` with
 ``DQ``: each program
 adds every query block's ``scale * dS K`` into an fp32 dQ (on Hopper one TMA
 reduce-add per block, FlashAttention-3's scheme), which is converted to dQ's dtype
@@ -14,7 +14,7 @@ the order programs reach them, so dQ's last bits may differ from run to run; dK 
 are summed in a fixed order as before. The split backward is the deterministic path:
 `attention_backward` runs it under ``deterministic=True`` or
 ``torch.use_deterministic_algorithms(True)``, and otherwise lets the tuner time both,
-with SDPA's own backwards where they compute the call (`attention_platform`; tuner
+with SDPA's own backwards where they compute the call (`torch_impl`; tuner
 ``attention_backward``; in the interpreter and under ``FUSEDPAR_TUNING=first`` the
 fused one runs untimed).
 """
@@ -24,11 +24,11 @@ import re
 
 import torch
 import triton
-from fusedpar.kernels import _common, _impl, _tuning, attention_platform
-from fusedpar.kernels import attention_backward as split_backward
+from fusedpar.kernels import _common, _impl, _tuning
 from fusedpar.kernels._tuning import Agreement, bucket
-from fusedpar.kernels.attention import tile_configs
-from fusedpar.kernels.attention_backward import (
+from fusedpar.kernels.attention import backward as split_backward
+from fusedpar.kernels.attention import torch_impl
+from fusedpar.kernels.attention.backward import (
     DKDV_TILES,
     _attn_bwd_dkdv_kernel,
     attention_backward_dkdv,
@@ -37,11 +37,12 @@ from fusedpar.kernels.attention_backward import (
     group_split,
     launch_dkdv,
 )
-from fusedpar.kernels.attention_backward_plan import gradient_buffer, plan_backward
-from fusedpar.kernels.attention_delta import attention_delta
-from fusedpar.kernels.attention_mask import Intervals, is_masked, scalar_bounds
-from fusedpar.kernels.attention_reference import resolve_scale
-from fusedpar.kernels.attention_torch import Scores
+from fusedpar.kernels.attention.forward import tile_configs
+from fusedpar.kernels.attention.mask import Intervals, is_masked, scalar_bounds
+from fusedpar.kernels.attention.merge import attention_delta
+from fusedpar.kernels.attention.plan import gradient_buffer, plan_backward
+from fusedpar.kernels.attention.reference import resolve_scale
+from fusedpar.kernels.attention.torch_impl import Scores
 
 # The fused backward (dK/dV adding dQ): dQ's GEMM runs on wgmma only where BLOCK_M is
 # 64 per warpgroup (32 queries run it as 16x8 mma.sync), so its tiles are the dK/dV
@@ -199,12 +200,12 @@ def attention_backward(
     ``accumulate=True`` adds into the given `dq`, `dk`, `dv` (any strides) instead of
     overwriting them. New gradients are in `grad_dtype` (q's unless given: q's or
     fp32). `agreement` as in `attention_forward`; ``tune_only`` makes the pick on scratch
-    gradients and returns it (`FUSED`, `SPLIT` or one of `attention_platform`'s), as the
+    gradients and returns it (`FUSED`, `SPLIT` or one of `torch_impl`'s), as the
     ring does before its loop. The mask and `softcap` as in `attention_forward`.
     ``deterministic`` (or PyTorch's `torch.use_deterministic_algorithms`) runs the split
     backward, whose every sum has a fixed order; otherwise the fastest of it, the fused
     one and, on CUDA under ``FUSEDPAR_IMPL=auto``, PyTorch's own backwards where they
-    compute the call (`attention_platform`; no `dlse` among them) for these sizes (module
+    compute the call (`torch_impl`; no `dlse` among them) for these sizes (module
     docstring). The ring launches the fused kernel or the split halves itself, by this
     pick for its own block.
     """
@@ -252,7 +253,7 @@ def attention_backward(
     if q.device.type == "cuda" and intervals is None and _impl.tunes_torch():
         bounds = scalar_bounds(causal, window, q.shape[1], k.shape[1])
         scores = Scores(resolve_scale(softmax_scale, q.shape[-1]), softcap, bounds, None)
-        platform = attention_platform.backward_candidates(
+        platform = torch_impl.backward_candidates(
             dout, q, k, v, out, lse, scores, grads, dlse, accumulate)  # fmt: skip
     ran = []
 

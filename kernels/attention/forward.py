@@ -10,7 +10,7 @@
 
 Query head h reads KV head ``h // (Hq / Hkv)``; KV is never repeated. The mask (causal,
 a sliding window, packed documents) is one key interval per query row, in global
-coordinates (`fusedpar.kernels.attention_mask`): blocks outside every row's interval are
+coordinates (`fusedpar.kernels.attention.mask`): blocks outside every row's interval are
 skipped, blocks inside all of them run unmasked. A row that sees no key gets output 0
 and LSE -inf. ``softcap`` caps the scaled scores at ``softcap * tanh(S / softcap)``.
 
@@ -18,12 +18,12 @@ and LSE -inf. ``softcap`` caps the scaled scores at ``softcap * tanh(S / softcap
 | -------- | ----------------------------------------------------------------- |
 | forward  | ``P = softmax(S)``, ``O = P V``, ``LSE = logsumexp(S)``           |
 | merge    | (ring steps) ``O, LSE`` folded into the fp32 ``out, lse`` given,  |
-|          | through the LSE (`fusedpar.kernels.attention_merge`)              |
+|          | through the LSE (`fusedpar.kernels.attention.merge`)              |
 | delta    | ``delta = rowsum(dO * O) - dLSE``                                 |
 | backward | ``dV = P^T dO``, ``dS = P * (dO V^T - delta)``,                   |
 |          | ``dQ = scale * dS K``, ``dK = scale * dS^T Q`` (summed over a group) |
 
-The backward kernels live in `fusedpar.kernels.attention_backward`; P is recomputed
+The backward kernels live in `fusedpar.kernels.attention.backward`; P is recomputed
 there from the LSE (no S x S storage). The kernels work in
 base 2 (``exp2`` with log2(e) folded into the scale); the LSE is natural at the boundary.
 """
@@ -31,46 +31,39 @@ base 2 (``exp2`` with log2(e) folded into the scale); the LSE is natural at the 
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _common, _impl, attention_platform, attention_torch
+from fusedpar.kernels import _common, _impl
 from fusedpar.kernels._common import (
     cdiv,
-    check_float_dtype,
     check_launchable,
     ensure_tma_allocator,
-    fp32_dot_precision,
     next_power_of_2,
     tma_paths,
 )
 from fusedpar.kernels._tuning import Agreement
-from fusedpar.kernels.attention_launch import launch
-from fusedpar.kernels.attention_mask import (
+from fusedpar.kernels.attention import torch_impl
+from fusedpar.kernels.attention.mask import (
     ORDER_CHUNK,
     Intervals,
     block_ranges,
-    check_softcap,
-    check_softmax_scale,
-    is_masked,
     load_intervals,
-    scalar_bounds,
     scalar_intervals,
 )
-from fusedpar.kernels.attention_merge import merge_partials
-from fusedpar.kernels.attention_plan import (
+from fusedpar.kernels.attention.merge import merge_partials
+from fusedpar.kernels.attention.plan import (
     FORWARD_PLANS,
+    SOFTCAP_APPROX,
     ForwardPlan,
+    check_attention_inputs,
+    check_buffer,
     forward_signature,
+    launch,
     launch_key,
+    mask_arguments,
     remember,
-)
-from fusedpar.kernels.attention_reference import (  # the references, beside the kernels
-    attention_reference,  # noqa: F401
-    reference_scores,  # noqa: F401
-    resolve_scale,
+    strides,
 )
 
-LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # log(x) = log2(x) * LN2
-MAX_HEAD_DIM = 256
 
 
 def tile_configs(table: dict, head_dim: int, dtype: torch.dtype, modes: frozenset = frozenset(),
@@ -89,8 +82,8 @@ def tile_configs(table: dict, head_dim: int, dtype: torch.dtype, modes: frozense
             for bm, bn, s, w, *skip in tiles if not modes & set(*skip)]  # fmt: skip
 
 
-# Every tile passes the resource gate (tests/test_compile_gate.py, docs/generated/resources.md):
-# it fits an H100's shared memory; in fp16/bf16 its wgmma are not serialized and it does
+# Every tile here passes the resource gate (tests/test_compile_gate.py,
+# docs/generated/resources.md): it fits an H100's shared memory; in fp16/bf16 its wgmma are not serialized and it does
 # not spill (causal GQA, the heaviest specialisation, triton 3.9). 128-key tiles halve
 # the per-key cost of the loop's bookkeeping: at D=128 with TMA, 128x128 runs 499
 # instructions per 128 keys on the unmasked path, 128x64 702, 64x64 752 (the Triton
@@ -121,17 +114,16 @@ def forward_configs(head_dim: int, dtype: torch.dtype, modes: frozenset = frozen
                     v_dim: int | None = None) -> list[triton.Config]:  # fmt: skip
     """Forward tiles for the tuner at this head dim (and V's) and dtype: 128-row query
     tiles feed Hopper's wgmma; the smallest (kept for short sequences by
-    `_prune_configs`) fits an A100 too."""
+    `plan.prune_configs`) fits an A100 too."""
     return tile_configs(_FORWARD_TILES, head_dim, dtype, modes, v_dim)
 
 
 # --- forward ---------------------------------------------------------------------------
 
 
-# The forward's QUERY_ORDER chunk (`attention_mask.query_order`)
+# The forward's QUERY_ORDER chunk (`mask.query_order`)
 QUERY_CHUNK: tl.constexpr = tl.constexpr(ORDER_CHUNK)
-# SOFTCAP's values (`softcap_mode`); 0: scores not capped
-SOFTCAP_EXACT, SOFTCAP_APPROX = 1, 2  # (plain ints in the host's meta and keys)
+# SOFTCAP's values (`plan.softcap_mode`); 0: scores not capped
 _TANH_APPROX: tl.constexpr = tl.constexpr(SOFTCAP_APPROX)
 
 
@@ -305,7 +297,7 @@ def _attn_fwd_kernel(
     dv_mask = offs_dv < HEAD_DIM_V
     row_mask = offs_m < Sq
 
-    # Each row's visible keys [lo, hi) (attention_mask), and the key blocks they give:
+    # Each row's visible keys [lo, hi) (`mask`), and the key blocks they give:
     # masked [start, mid_lo), whole [mid_lo, mid_hi), masked [mid_hi, end); no others.
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if INTERVALS:
@@ -358,100 +350,6 @@ def _attn_fwd_kernel(
 # --- launchers -------------------------------------------------------------------------
 
 
-def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise ValueError/TypeError naming the sizes for anything the kernels cannot take."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (B, S, H, D), got shape {tuple(t.shape)}")
-    (B, _, Hq, D), (B_kv, _, Hkv, D_kv), Dv = q.shape, k.shape, v.shape[-1]
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k and v must have one (B, S, H), got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")  # fmt: skip
-    if B_kv != B:
-        raise ValueError(f"batch sizes differ: q has B={B}, k and v have B={B_kv}")
-    if D_kv != D:
-        raise ValueError(f"head dims differ: q has D={D}, k has D={D_kv}")
-    check_float_dtype("q", q)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if len({q.device, k.device, v.device}) > 1:
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"query heads (Hq={Hq}) must be a multiple of KV heads (Hkv={Hkv})")
-    for name, d in (("D", D), ("v's head dim Dv", Dv)):
-        if d == 0 or d % 8 or d > MAX_HEAD_DIM:
-            raise ValueError(f"{name}={d} must be a positive multiple of 8, at most "
-                             f"{MAX_HEAD_DIM}")  # fmt: skip
-
-
-def check_buffer(name, t, shape, dtypes, device):
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must be {tuple(shape)}, got {tuple(t.shape)}")
-    check_float_dtype(name, t, dtypes)
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, the inputs on {device}")
-
-
-def softcap_mode(dtype: torch.dtype, softcap: float, interpreted: bool) -> int:
-    """The kernels' SOFTCAP: 0 (no capping), SOFTCAP_EXACT (`_tanh`) or SOFTCAP_APPROX
-    (`_tanh_approx`: 627 instructions per 128 keys in the forward's loop at D=128 against
-    the exact formula's 1076 and 499 uncapped, `docs/generated/resources.md`).
-    The approximation is taken for bf16 inputs in compiled kernels only: its relative
-    error on a capped score (2^-11) is an eighth of the rounding bf16 itself puts on one
-    (2^-8), which the numerics contract already allows (PyTorch's bf16 scores carry
-    it). fp16 rounds a score to 2^-11, the approximation's own size, and fp32 far
-    finer: both keep the exact formula, as the interpreter does (it has no PTX)."""
-    if not softcap:
-        return 0
-    return SOFTCAP_APPROX if dtype == torch.bfloat16 and not interpreted else SOFTCAP_EXACT
-
-
-def kernel_meta(q: torch.Tensor, v: torch.Tensor, *, intervals: bool = False,
-                softcap: float = 0.0) -> dict:  # fmt: skip
-    D, Dv = q.shape[-1], v.shape[-1]
-    return dict(
-        HEAD_DIM=D,
-        BLOCK_D=max(16, next_power_of_2(D)),  # tl.dot needs K >= 16
-        HEAD_DIM_V=Dv,  # V's, O's and dO's (DeepSeek's MLA: 192 for Q and K, 128 for V)
-        BLOCK_DV=max(16, next_power_of_2(Dv)),
-        INTERVALS=intervals,
-        SOFTCAP=softcap_mode(q.dtype, softcap, _common.is_interpreted(_attn_fwd_kernel)),
-        INPUT_PRECISION=fp32_dot_precision() if q.dtype == torch.float32 else "tf32",
-    )
-
-
-def mask_arguments(q, k, v, *, causal, window, softcap, softmax_scale, intervals, side):
-    """What every attention kernel takes for its mask and scores: ``(tensors, scalars,
-    meta, key, scores)``. tensors: the intervals of `side` ("query": keys each query row
-    sees; "key": queries that see each key row) and their batch stride; scalars:
-    ``(qk_scale, cap_in, shift, left, right)``; key: for the tuner; scores: the same for
-    the torch implementation (`attention_torch.Scores`). With `intervals` (the tensor
-    mode) they hold the whole mask: `causal` and `window` must be left unset."""
-    (B, Sq, _, D), Skv = q.shape, k.shape[1]
-    softcap = check_softcap(softcap)
-    check_softmax_scale(softmax_scale)
-    shift, left, right = scalar_bounds(causal, window, Sq, Skv)
-    scale = resolve_scale(softmax_scale, D)
-    if softcap:
-        qk_scale, cap_in = softcap * LOG2E, scale / softcap
-    else:
-        qk_scale, cap_in = scale * LOG2E, 0.0
-    if intervals is None:
-        tensors = (q, q, 0)  # never read
-    else:
-        if is_masked(causal, window):
-            raise ValueError("with intervals, causal and window are part of them: pass "
-                             "causal=False and no window")  # fmt: skip
-        intervals.check(B, Sq, Skv, q.device)
-        lo, hi = ((intervals.kv_lo, intervals.kv_hi) if side == "query"
-                  else (intervals.q_lo, intervals.q_hi))  # fmt: skip
-        tensors = (lo, hi, intervals.batch_stride(lo))
-    meta = kernel_meta(q, v, intervals=intervals is not None, softcap=softcap)
-    key = (("masked", is_masked(causal, window)),)
-    scores = attention_torch.Scores(scale, softcap, (shift, left, right), intervals)
-    return tensors, (qk_scale, cap_in, shift, left, right), meta, key, scores
-
-
 def _planned_forward(plan: ForwardPlan, q, k, v, out, lse, merge, agreement):
     """`attention_forward` from its plan: allocate, build the arguments, launch."""
     if out is None:
@@ -470,20 +368,16 @@ def _planned_forward(plan: ForwardPlan, q, k, v, out, lse, merge, agreement):
         return (cdiv(Sq, tile["BLOCK_M"]), B, Hq)
 
     def torch_run():
-        attention_torch.forward(q, k, v, plan.scores, out, lse, merge)
+        torch_impl.forward(q, k, v, plan.scores, out, lse, merge)
 
     def platform():
-        return attention_platform.forward_candidates(q, k, v, plan.scores, out, lse, merge)
+        return torch_impl.forward_candidates(q, k, v, plan.scores, out, lse, merge)
 
     launch(_attn_fwd_kernel, forward_configs, grid, args, meta, Sq, plan.scalars[1],
            restore=[out, lse] if merge else [], agreement=agreement, key=plan.key,
            torch_run=torch_run if plan.torch_candidate else None,
            settled=plan.settled, platform=platform)  # fmt: skip
     return out, lse
-
-
-def strides(t: torch.Tensor) -> tuple:
-    return tuple(t.stride())
 
 
 def attention_forward(
@@ -508,7 +402,7 @@ def attention_forward(
     (fp32 here is ``accumulator(q.dtype)``: float64 for float64 q, which runs on torch's
     implementation only.)
 
-    The mask: `causal` and `window` (see `fusedpar.kernels.attention_mask`), or
+    The mask: `causal` and `window` (see `fusedpar.kernels.attention.mask`), or
     `intervals` (packed documents, ring blocks: the whole mask in tensors). ``softcap``
     > 0 caps the scaled scores at ``softcap * tanh(s / softcap)`` before masking.
 
@@ -547,7 +441,7 @@ def attention_forward(
     check_buffer("lse", lse, (B, Hq, Sq), (wide,), q.device)
 
     def torch_run():
-        attention_torch.forward(q, k, v, scores, out, lse, merge)
+        torch_impl.forward(q, k, v, scores, out, lse, merge)
 
     if _impl.runs_torch(q):
         if not tune_only and B * Sq * Hq:
@@ -577,10 +471,10 @@ def attention_forward(
     meta = {**meta, "MERGE": merge, "QUERY_ORDER": order is not None, "TMA": tma,
             "OUT_TMA": out_tma}  # fmt: skip
     # (not beside the approximate tanh: a forward and backward of two tanh would disagree)
-    torch_candidate = attention_torch.capable_on_cuda(q, k) and meta["SOFTCAP"] != SOFTCAP_APPROX
+    torch_candidate = torch_impl.capable_on_cuda(q, k) and meta["SOFTCAP"] != SOFTCAP_APPROX
 
     def platform():
-        return attention_platform.forward_candidates(q, k, v, scores, out, lse, merge)
+        return torch_impl.forward_candidates(q, k, v, scores, out, lse, merge)
 
     if q.device.type == "cuda":  # which of PyTorch's kernels compute this call: in the key
         key = (*key, ("platform", tuple(c.name for c in platform())))

@@ -1,6 +1,6 @@
 """Flash attention backward: ``delta``, then dK/dV and dQ, recomputing P from the LSE.
 
-Shapes and conventions are those of `fusedpar.kernels.attention`. With
+Shapes and conventions are those of `fusedpar.kernels.attention.forward`. With
 ``S = scale * Q K^T`` (masked) and ``P = exp(S - LSE)``:
 
 | kernel  | grid                      | computes                                          |
@@ -23,34 +23,34 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _impl, attention_torch
+from fusedpar.kernels import _impl
 from fusedpar.kernels._common import (
     cdiv,
     ensure_tma_allocator,
     sm_count,
 )
 from fusedpar.kernels._tuning import Agreement
-from fusedpar.kernels.attention import (
+from fusedpar.kernels.attention import torch_impl
+from fusedpar.kernels.attention.forward import (
     load_rows,
     scores,
     store_tile,
     tile_configs,
     tile_source,
 )
-from fusedpar.kernels.attention_backward_plan import (
-    gradient_buffer,
-    plan_backward,
-    torch_backward,
-    write_delta,
-)
-from fusedpar.kernels.attention_launch import launch
-from fusedpar.kernels.attention_mask import (
+from fusedpar.kernels.attention.mask import (
     Intervals,
     block_ranges,
     load_intervals,
     scalar_intervals,
 )
-from fusedpar.kernels.attention_reference import attention_backward_reference  # noqa: F401
+from fusedpar.kernels.attention.plan import (
+    gradient_buffer,
+    launch,
+    plan_backward,
+    torch_backward,
+    write_delta,
+)
 
 # Split a GQA group over programs when the dK/dV grid has fewer programs than this (two
 # waves of the GPU's SMs keep every SM busy through the tail). None: 2 x the SM count
@@ -58,7 +58,7 @@ from fusedpar.kernels.attention_reference import attention_backward_reference  #
 SPLIT_BELOW_PROGRAMS: int | None = None
 
 
-# Checked by the resource gate as the forward's tiles are (kernels/attention.py). BLOCK_M
+# Checked by the resource gate as the forward's tiles are (attention/forward.py). BLOCK_M
 # is the query block and BLOCK_N the key block in both kernels; each program keeps its
 # own rows' tiles and accumulators in registers, and Hopper's wgmma needs 64 of them per
 # warpgroup, so the two kernels tune over different lists.
@@ -234,7 +234,7 @@ def _attn_bwd_dkdv_kernel(
     kv_mask = (offs_n < Skv)[:, None] & d_mask[None, :]
     v_mask = (offs_n < Skv)[:, None] & dv_mask[None, :]
 
-    # The queries [q_lo, q_hi) that see each key (attention_mask), and the query blocks
+    # The queries [q_lo, q_hi) that see each key (`mask`), and the query blocks
     # they give (the forward's ranges, from the key side). Rows past Sq and keys past
     # Skv load as zeros and add nothing to the stored rows.
     keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -469,7 +469,7 @@ def attention_backward_dkdv(
     `attention_backward` (``delta`` required). Writes fresh values, or adds into `dk`
     and `dv` with ``accumulate``. Under GQA with a small grid the group is split
     (`gqa_split`): fp32 partials, then a fixed-order sum into `dk`, `dv`. Checked and
-    planned once per call signature (`attention_backward_plan.BackwardPlan`)."""
+    planned once per call signature (`plan.BackwardPlan`)."""
     mask = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
                 intervals=intervals)  # fmt: skip
     if _impl.runs_torch(q):
@@ -488,7 +488,7 @@ def attention_backward_dkdv(
         return None if tune_only else (dk, dv)
 
     def torch_run():
-        attention_torch.backward_dkdv(dout, q, k, v, lse, delta, plan.scores, dk, dv, accumulate)
+        torch_impl.backward_dkdv(dout, q, k, v, lse, delta, plan.scores, dk, dv, accumulate)
 
     launch_dkdv(plan, lo, hi, batch_stride, backward_configs, dout, q, k, v, lse, delta, dk,
                 dv, accumulate=accumulate, agreement=agreement, tune_only=tune_only,
@@ -595,7 +595,7 @@ def attention_backward_dq(
     def torch_run():
         if out is not None:
             write_delta(delta, dout, *sources)
-        attention_torch.backward_dq(dout, q, k, v, lse, delta, plan.scores, dq, accumulate)
+        torch_impl.backward_dq(dout, q, k, v, lse, delta, plan.scores, dq, accumulate)
 
     launch(_attn_bwd_dq_kernel, dq_configs, grid, args, plan.meta, Sq, k.shape[1],
            restore=[dq] if accumulate and not tune_only else [], agreement=agreement,
