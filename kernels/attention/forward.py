@@ -83,8 +83,8 @@ def tile_configs(table: dict, head_dim: int, dtype: torch.dtype, modes: frozense
 
 
 # Every tile here passes the resource gate (tests/test_compile_gate.py,
-# docs/generated/resources.md): it fits an H100's shared memory; in fp16/bf16 its wgmma are not serialized and it does
-# not spill (causal GQA, the heaviest specialisation, triton 3.9). 128-key tiles halve
+# docs/generated/resources.md): it fits an H100's shared memory; in fp16/bf16 its wgmma
+# are not serialized and it does not spill (causal GQA, the heaviest specialisation, triton 3.9). 128-key tiles halve
 # the per-key cost of the loop's bookkeeping: at D=128 with TMA, 128x128 runs 499
 # instructions per 128 keys on the unmasked path, 128x64 702, 64x64 752 (the Triton
 # tutorial's 128x128: 520). Measured drops: 128x128 with 4 warps serializes its wgmma
