@@ -84,9 +84,9 @@ def tile_configs(table: dict, head_dim: int, dtype: torch.dtype, modes: frozense
 
 # Every tile here passes the resource gate (tests/test_compile_gate.py,
 # docs/generated/resources.md): it fits an H100's shared memory; in fp16/bf16 its wgmma
-# are not serialized and it does not spill (causal GQA, the heaviest specialisation, triton 3.9). 128-key tiles halve
-# the per-key cost of the loop's bookkeeping: at D=128 with TMA, 128x128 runs 499
-# instructions per 128 keys on the unmasked path, 128x64 702, 64x64 752 (the Triton
+# are not serialized and it does not spill (causal GQA, the heaviest specialisation,
+# triton 3.9). 128-key tiles halve the per-key cost of the loop's bookkeeping: at D=128
+# with TMA, 128x128 runs 499 instructions per 128 keys on the unmasked path, 128x64 702, 64x64 752 (the Triton
 # tutorial's 128x128: 520). Measured drops: 128x128 with 4 warps serializes its wgmma
 # (C7511: too few registers for the pipeline); at D=256, 128x64 costs more per key
 # (900) than 64x64 (770); 64x32 takes 4 warps (with 8, each of its wgmma is 64x16);
