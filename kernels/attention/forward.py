@@ -86,11 +86,11 @@ def tile_configs(table: dict, head_dim: int, dtype: torch.dtype, modes: frozense
 # docs/generated/resources.md): it fits an H100's shared memory; in fp16/bf16 its wgmma
 # are not serialized and it does not spill (causal GQA, the heaviest specialisation,
 # triton 3.9). 128-key tiles halve the per-key cost of the loop's bookkeeping: at D=128
-# with TMA, 128x128 runs 499 instructions per 128 keys on the unmasked path, 128x64 702, 64x64 752 (the Triton
-# tutorial's 128x128: 520). Measured drops: 128x128 with 4 warps serializes its wgmma
-# (C7511: too few registers for the pipeline); at D=256, 128x64 costs more per key
-# (900) than 64x64 (770); 64x32 takes 4 warps (with 8, each of its wgmma is 64x16);
-# 32x32 at D=64 spills 8 B on the pointer path. fp32 is the correctness path: its
+# with TMA, 128x128 runs 499 instructions per 128 keys on the unmasked path, 128x64 702,
+# 64x64 752 (the Triton tutorial's 128x128: 520). Measured drops: 128x128 with 4 warps
+# serializes its wgmma (C7511: too few registers for the pipeline); at D=256, 128x64 costs
+# more per key (900) than 64x64 (770); 64x32 takes 4 warps (with 8, each of its wgmma is
+# 64x16); 32x32 at D=64 spills 8 B on the pointer path. fp32 is the correctness path: its
 # full-precision dots are FMA loops (64x32 with 4 warps spills 7-10 KB at D >= 128 and
 # compiles in 14-48 s), so it gets one small 8-warp tile: no spill, about 2 s to build.
 _FORWARD_TILES = {
