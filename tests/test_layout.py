@@ -15,14 +15,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SUBPACKAGES = ("kernels", "ops", "nn", "plan", "integrations", "testing")
 
-# Modules whose private names others may import for now: the attention kernels (moving to
-# a kernels/attention/ subpackage) and the ring loops (to be made public). Remove an
-# entry when its module's shared names are public.
-PRIVATE_SHARED_FOR_NOW = (
-    "fusedpar.kernels.attention",  # and every fusedpar.kernels.attention_* module
-    "fusedpar.ops.ring_attention",
-    "fusedpar.ops.mla_ring",
-)
 # kernels' own toolbox, private in name, which fusedpar's ops, layers and harness import
 # names from (`from fusedpar.kernels._common import accumulator`): the modules may be
 # named so, their names imported; the modules themselves (`from fusedpar.kernels import
@@ -56,10 +48,6 @@ def _boundary(module: str) -> str:
 
 def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
-
-
-def _shared_for_now(module: str) -> bool:
-    return any(module == m or module.startswith(m) for m in PRIVATE_SHARED_FOR_NOW)
 
 
 def _imports(module: str):
@@ -117,7 +105,7 @@ def test_no_private_name_crosses_a_boundary():
         tree = None
         for node, _, found, tree in _imports(module):  # noqa: B007 (the tree, read below)
             for source, name, alias in found:
-                if _boundary(source) == _boundary(module) or _shared_for_now(source):
+                if _boundary(source) == _boundary(module):
                     continue
                 # the module path past the shared root: a private module is not imported
                 owner = _boundary(source).split(".")
