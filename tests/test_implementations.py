@@ -82,6 +82,12 @@ def test_the_tuner_chooses_between_tiles_and_torch(monkeypatch):
     as a pick; under ``triton`` it is no candidate, and the two requests keep their own
     picks."""
     monkeypatch.setattr(_impl, "runs_torch", lambda t, name=None: False)
+
+    def timed(fn, device):  # torch the faster: the interpreter's own times (three runs of
+        # one program) came out below torch's matmul now and then on a loaded machine
+        return 1.0 if isinstance(fn.__defaults__[0], _impl.Torch) else 2.0
+
+    monkeypatch.setattr(_tuning, "_time_ms", timed)
     auto = _tuned_picks("auto")
     for kernel in ("_attn_fwd_kernel", "matmul"):
         (pick,) = auto[kernel].values()
