@@ -11,12 +11,10 @@
   MoE's statistics are not touched by the recompute.
 """
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
+from tiny_llama import Block, Config, ParallelBlock, ParallelTransformer, Transformer
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
@@ -24,10 +22,6 @@ import fusedpar as fp
 from fusedpar.comm import group_name
 from fusedpar.nn.attention_parts import rope_tables
 from fusedpar.recompute import COMMUNICATION_OPS
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-from tiny_llama import Block, Config, ParallelBlock, ParallelTransformer, Transformer  # noqa: E402
 
 SEQ, BATCH = 16, 2
 
