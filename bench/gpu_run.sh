@@ -45,7 +45,7 @@ part() {  # part NAME SECONDS COMMAND...: run under a limit, log to $OUT/NAME.lo
   echo "$name: exit $? after $((SECONDS - start)) s (limit $limit s)" >>"$out/summary.txt"
 }
 # The GPU tier takes the first tile of each list (one build per specialisation: the review's
-# F1); tests/test_config_sweep.py builds and checks every tile. Benchmarks tune, print each
+# F1); tests/attention/test_config_sweep.py builds and checks every tile. Benchmarks tune, print each
 # pick (TRITON_PRINT_AUTOTUNING) and keep the picks in the tarball (FUSEDPAR_TUNING_CACHE).
 # Four workers: at six, 26 of the large tests (MoE at E = 64, d = 2048; the virtual ring)
 # ran out of the H100's 80 GB together (first run, 2026-11-25); rerun at four workers,
@@ -62,7 +62,7 @@ bench=(env BENCH_QUICK=1 TRITON_PRINT_AUTOTUNING=1 FUSEDPAR_TUNING_CACHE=$result
 new_tests="rotating_epilogue_gpu or head_norm_with_rope_on_a_gpu or gated_matmul_gpu or gated_grad_matmul_gpu or routing or nan_logits or flash_attn_gpu or ring_modes_gpu or virtual_ring_gpu or cuda_graph or no_host_sync_gpu or float64_on_cuda"
 case $step in
   0) part fused_gpu 180 python -m pytest -m gpu -q -p no:cacheprovider --timeout 150 -rs \
-       tests/test_fused_gpu.py
+       tests/matmul/test_fused_gpu.py
      part linear 150 "${bench[@]}" linear
      part gpu_tier_new 120 env FUSEDPAR_TUNING=first "${tier[@]}" -k "$new_tests" ;;
   1) part gpu_tier 520 env FUSEDPAR_TUNING=first "${tier[@]}" -k "not float32" ;;
@@ -74,24 +74,24 @@ case $step in
      part step_time 200 "${bench[@]}" step_time
      part gpu_tier_fp32 180 env FUSEDPAR_TUNING=first "${tier[@]}" -k float32 ;;
   5) part fused_attention_gpu 170 env FUSEDPAR_TUNING=first python -m pytest -m gpu -n 2 -q \
-       -p no:cacheprovider --timeout 150 -rxXs tests/test_attention_fused.py tests/test_config_sweep.py \
-       tests/test_attention_platform.py tests/test_moe_kernels.py tests/test_attention.py \
+       -p no:cacheprovider --timeout 150 -rxXs tests/attention/test_attention_fused.py tests/attention/test_config_sweep.py \
+       tests/attention/test_attention_platform.py tests/moe/test_moe_kernels.py tests/attention/test_attention.py \
        -k "fused_backward_gpu or platform_candidates_gpu or grouped_mm_candidate_gpu or (every_attention_config_gpu and fused) or approximate_soft_capping_gpu"
      part attention 300 env BENCH_PEERS=fusedpar,fusedpar-split,sdpa-cudnn "${bench[@]}" attention ;;
   # #43: attention with V of its own head dim (MLA's (192, 128), (128, 64)) on both
   # backwards and read paths, ParallelMLA compiled, the grouped routers (DeepSeek-V3,
   # GLM-4.5); then the attention bench's quick points again (the tiles' lists moved)
   6) part mla_gpu 200 env FUSEDPAR_TUNING=first python -m pytest -m gpu -n 2 -q \
-       -p no:cacheprovider --timeout 150 -rs tests/test_attention.py tests/test_mla.py \
-       tests/test_moe_kernels.py -k "head_dim_pairs_gpu or mla_gpu or routing_matches_float64_gpu"
+       -p no:cacheprovider --timeout 150 -rs tests/attention/test_attention.py tests/attention/test_mla.py \
+       tests/moe/test_moe_kernels.py -k "head_dim_pairs_gpu or mla_gpu or routing_matches_float64_gpu"
      part attention 260 env BENCH_PEERS=fusedpar,sdpa-cudnn "${bench[@]}" attention ;;
   7) part step_time 300 env TRITON_PRINT_AUTOTUNING=1 python -m bench step_time ;;  # #44: vs_plan
   # #53: CI runs torch 2.13 only; these lean on DTensor's internals (_local_tensor, _spec,
   # DTensor.__new__), the default store, and Dynamo tracing distribute's hook: the CPU
   # tier's files on this machine's torch 2.11 (CPU tensors, gloo, Triton interpreted)
   8) part torch211_cpu 300 env TRITON_INTERPRET=1 python -m pytest -n 4 -q -p no:cacheprovider \
-       --timeout 240 tests/test_storage.py tests/test_checkpoint.py tests/test_checks.py \
-       tests/test_compile.py tests/test_pipeline.py ;;
+       --timeout 240 tests/storage/test_storage.py tests/checkpoint/test_checkpoint.py tests/storage/test_checks.py \
+       tests/test_compile.py tests/pipeline/test_pipeline.py ;;
   *) echo "unknown step $step: 0-8" >&2; exit 2 ;;
 esac
 tar -czf "$out/results.tgz" -C "$results" .

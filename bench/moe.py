@@ -19,7 +19,7 @@ Fine-grained shapes (E = 64 and 128 experts, d_model 2048, d_hidden 768 and 1536
   times do not depend on the routing column.
 
 The tuner's picks (`all_picks`) go in the results' meta. Runs on a GPU only (exits 0
-without one); the peers' math is device-agnostic and tested on CPU (tests/test_moe.py).
+without one); the peers' math is device-agnostic and tested on CPU (tests/moe/test_moe.py).
 
 Anchors: CUTLASS SM90 grouped GEMM 160 TFLOP/s against a cuBLAS loop at 129.5 on
 Qwen3-30B-A3B shapes (H100); permute kernels at 1.5-2.4 TB/s on H200.

@@ -36,7 +36,7 @@ STEP = re.compile(r"step-(\d+)")
 
 
 def at(point: str) -> None:
-    """Where a save stands; does nothing (tests/test_checkpoint_kill.py kills a rank
+    """Where a save stands; does nothing (tests/checkpoint/test_checkpoint_kill.py kills a rank
     here). "written": this rank's files are written, on its way to the barrier;
     "recorded": rank 0 wrote the record, nothing is renamed; "aside": rank 0, overwriting,
     renamed the old checkpoint aside, the new one is not in place; "renamed": the new one

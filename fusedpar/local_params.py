@@ -17,7 +17,7 @@ gradient placements, as objects; the gradient's stride and dtype): at a miss the
 ``DTensor.from_local`` makes from the gradient, the global shape and the global stride
 (as ``to_local``'s backward calls it), so each gradient is the DTensor ``to_local``'s
 backward returns: the same local tensor, placements, shape, stride and dtype
-(tests/test_storage.py). While ``torch.compile`` traces, and for a parameter that is not
+(tests/storage/test_storage.py). While ``torch.compile`` traces, and for a parameter that is not
 a plain DTensor, the parameters go through ``to_local`` as before; in a double backward
 (``create_graph``) each gradient goes through ``DTensor.from_local``, which records it.
 

@@ -19,6 +19,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
+import tests.support  # noqa: E402, F401 (puts examples/ on sys.path before the test modules import them)
+
 
 def _gpu_tier_selected(config) -> bool:
     markexpr = (config.getoption("markexpr") or "").replace(" ", "")

@@ -1,5 +1,5 @@
 """What fusedpar's layers hold and save, per rank, from their sizes: the description the
-planner's memory is computed from, and that tests/test_plan.py holds equal to what a
+planner's memory is computed from, and that tests/plan/test_plan.py holds equal to what a
 real step allocates and saves.
 
 Sizes of one rank for one microbatch of B sequences of S tokens, on a layout of degrees

@@ -444,7 +444,7 @@ def estimate(
 
 def _ledger(spec, dims, z, ranks, rank, m, *, schedule, per_rank, param_dtype, sharding, policy):
     """The collectives of one step on pipeline rank `rank` (`traffic.step`, the ledger
-    tests/test_plan.py holds equal to a real step's)."""
+    tests/plan/test_plan.py holds equal to a real step's)."""
     layers, first, last, _ = ranks[rank]
     stages = stage_ranks = None
     if dims.pp > 1:

@@ -1,5 +1,5 @@
 """Published training throughput, each with the layout it ran, and the planner's estimate
-of it: the time model's check (docs/plan.md lists the sources; tests/test_plan_time.py
+of it: the time model's check (docs/plan.md lists the sources; tests/plan/test_plan_time.py
 holds every point within ±20% or to its stated reason). A point counts as reproduced
 when the estimate is within ±20% and fusedpar would fit in the point's memory at that
 layout (the planner's own verdict, `Estimate.fits`); one it says would not fit is

@@ -32,7 +32,7 @@ def dims_call(est: Estimate) -> str:
 
 
 # examples/train.py's model (examples/tiny_llama.py's Config) and its defaults: what the
-# demo's flags leave fixed (tests/test_plan_time.py holds them to the example's)
+# demo's flags leave fixed (tests/plan/test_plan_time.py holds them to the example's)
 DEMO_HEADS, DEMO_KV_HEADS, DEMO_EXPERTS = 4, 2, 4
 
 

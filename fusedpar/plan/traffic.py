@@ -1,6 +1,6 @@
 """The collectives one rank runs in a training step, each with the bytes of the tensors it
 is given (as `fusedpar.testing.Collectives` counts them), from the layers' sizes; held
-equal to a real step's by tests/test_plan.py.
+equal to a real step's by tests/plan/test_plan.py.
 
 Per block and microbatch (n, m, a as in `accounting`; e the activations' bytes, 4 for
 the fp32 partial sums TP's reduce-scatters and the ring's dK/dV carry):

@@ -20,7 +20,7 @@ pipeline's whole step `peak` is the most its in-flight microbatches hold at once
 cache is followed through torch's selective-checkpointing contexts' ``storage``
 ({op: {call index: entry}}, torch 2.13): another layout raises.
 
-`tests/test_activation_memory.py` and the planner's tests (`tests/test_plan*.py`) hold
+`tests/plan/test_activation_memory.py` and the planner's tests (`tests/plan/test_plan*.py`) hold
 the layers' and `fusedpar.plan`'s accounting to these counts.
 """
 

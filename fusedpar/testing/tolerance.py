@@ -30,7 +30,7 @@ FLOOR = {
 }
 # The dot length FLOOR is set for. Measured over 2,000 random fp32 flash-attention
 # examples (head dims 8 to 256, the dot length D), against the worse of PyTorch's two
-# routes (see tests/test_attention.py): the gradients' error past twice PyTorch's
+# routes (see tests/attention/test_attention.py): the gradients' error past twice PyTorch's
 # reached 1.7e-7 * sqrt(D) * max(1, max|ref|); this floor allows 2.5e-7 * sqrt(D).
 FLOOR_SUM_LENGTH = 16
 

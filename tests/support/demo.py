@@ -1,14 +1,13 @@
 """examples/train.py run on the ranks of a `fusedpar.testing.World` (its process group),
-as torchrun would run it, without torchrun's start: tests/test_examples.py and
-tests/test_doc_commands.py call `run` through `World.run`."""
+as torchrun would run it, without torchrun's start: tests/project/test_examples.py and
+tests/project/test_doc_commands.py call `run` through `World.run`."""
 
 import contextlib
 import io
 import os
 import sys
-from pathlib import Path
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+from tests.support import EXAMPLES
 
 
 def run(runs: list[list[str]], cwd: str) -> list[tuple[int, str, str]]:

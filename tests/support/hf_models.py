@@ -1,6 +1,6 @@
 """Tiny random Hugging Face models of every family `fusedpar.integrations.hf.parallelize`
 converts, built from their configs (nothing downloaded), fp32, every parameter re-drawn:
-the models tests/test_hf*.py and tests/test_plan_hf.py run, and the packed batch
+the models tests/hf/test_hf*.py and tests/plan/test_plan_hf.py run, and the packed batch
 (`DOCUMENTS`) and the padded mask (`PADDED`) some of them take."""
 
 import itertools

@@ -1,0 +1,201 @@
+"""The walls between fusedpar's modules, read off the source (the AST of every file in
+fusedpar/ and kernels/, which installs as fusedpar.kernels): no private name imported
+across a boundary, no import inside a function to dodge a cycle, no import cycle at all,
+and ``import fusedpar`` leaves the test harness unloaded.
+
+A boundary: kernels/ is one package; fusedpar/ops, nn, plan, integrations and testing
+are each one; every top-level fusedpar/*.py module is its own. What a module shares
+across one has a public name where it lives."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SUBPACKAGES = ("kernels", "ops", "nn", "plan", "integrations", "testing")
+
+# kernels' own toolbox, private in name, which fusedpar's ops, layers and harness import
+# names from (`from fusedpar.kernels._common import accumulator`): the modules may be
+# named so, their names imported; the modules themselves (`from fusedpar.kernels import
+# _impl`) may not.
+KERNEL_TOOLBOX = ("fusedpar.kernels._common", "fusedpar.kernels._impl", "fusedpar.kernels._tuning")
+# Imports inside a function, each for laziness (a heavy optional dependency), not a cycle.
+LAZY = {
+    # hf.Trainer: Hugging Face's Trainer takes a second to import and needs accelerate
+    ("fusedpar.integrations.hf", "fusedpar.integrations.hf_trainer"),
+}
+
+
+def _module_of(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] == "kernels":
+        parts = ["fusedpar", *parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+FILES = {
+    _module_of(p): p
+    for folder in ("fusedpar", "kernels")
+    for p in sorted((ROOT / folder).rglob("*.py"))
+}
+
+
+def _boundary(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and parts[1] in SUBPACKAGES else module
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _imports(module: str):
+    """(node, where, [(the module imported from, the name, the local alias)], the tree)
+    for each of `module`'s imports of fusedpar, `where` "function", "typing" (under ``if
+    TYPE_CHECKING``) or "top"; a name that is a module comes as that module, name None."""
+    path = FILES[module]
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    inside = set()  # in a function, or for the type checker alone
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            inside.update(id(n) for n in ast.walk(node) if n is not node)
+    typing = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If)
+        and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for n in ast.walk(node)
+    }
+    for node in ast.walk(tree):
+        found = []
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "fusedpar":
+                    found.append((a.name, None, a.asname or a.name.split(".")[0]))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                source = node.module or ""
+            if source.split(".")[0] != "fusedpar":
+                continue
+            for a in node.names:
+                sub = f"{source}.{a.name}"
+                found.append(
+                    (sub, None, a.asname or a.name)
+                    if sub in FILES
+                    else (source, a.name, a.asname or a.name)
+                )
+        if found:
+            where = "function" if id(node) in inside else "typing" if id(node) in typing else "top"
+            yield node, where, found, tree
+
+
+def _where(module: str, node) -> str:
+    return f"{FILES[module].relative_to(ROOT)}:{node.lineno}"
+
+
+def test_no_private_name_crosses_a_boundary():
+    bad = []
+    for module in FILES:
+        aliases = {}  # local name -> a module of another boundary
+        tree = None
+        for node, _, found, tree in _imports(module):  # noqa: B007 (the tree, read below)
+            for source, name, alias in found:
+                if _boundary(source) == _boundary(module):
+                    continue
+                # the module path past the shared root: a private module is not imported
+                owner = _boundary(source).split(".")
+                private_path = any(_private(p) for p in source.split(".")[len(owner) :])
+                if (
+                    name is None
+                    and private_path
+                    and source not in KERNEL_TOOLBOX
+                    or (name is None and _private(source.rpartition(".")[2]))
+                ):
+                    bad.append(f"{_where(module, node)}: the private module {source}")
+                elif private_path and source not in KERNEL_TOOLBOX:
+                    bad.append(f"{_where(module, node)}: {name} from the private module {source}")
+                elif name is not None and _private(name):
+                    bad.append(f"{_where(module, node)}: {source}.{name}")
+                if name is None:
+                    aliases[alias] = source
+        for node in ast.walk(tree) if tree is not None else ():
+            if (
+                isinstance(node, ast.Attribute)
+                and _private(node.attr)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+            ):
+                bad.append(f"{_where(module, node)}: {aliases[node.value.id]}.{node.attr}")
+    assert not bad, "private names used across a module boundary:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_no_import_inside_a_function_but_lazy_ones():
+    bad = [
+        f"{_where(module, node)}: {source}"
+        for module in FILES
+        for node, where, found, _ in _imports(module)
+        if where == "function"
+        for source, _, _ in found
+        if (module, source) not in LAZY
+    ]
+    assert not bad, "imports of fusedpar inside functions (a cycle dodged?):\n" + "\n".join(bad)
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> the modules it imports at its top level (a package's submodule where
+    the name is one, else the module named)."""
+    graph = {m: set() for m in FILES}
+    for module in FILES:
+        for _, where, found, _ in _imports(module):
+            if where == "top":
+                graph[module].update(
+                    source for source, _, _ in found if source in FILES and source != module
+                )
+    return graph
+
+
+def test_no_import_cycle_between_modules():
+    """Between modules, packages' __init__ aside (a package imports its modules, which
+    import their siblings through the package's name)."""
+    packages = {m for m, p in FILES.items() if p.name == "__init__.py"}
+    graph = {
+        m: {t for t in ts if t not in packages} for m, ts in _graph().items() if m not in packages
+    }
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    cycles = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                cycles.append(" -> ".join([*path[path.index(t) :], t]))
+            elif t not in state:
+                visit(t, [*path, t])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_axes_are_a_leaf_and_the_pipeline_knows_no_integration():
+    graph = _graph()
+    assert graph["fusedpar.axes"] <= {"fusedpar.comm"}, graph["fusedpar.axes"]
+    everything = {
+        source for _, _, found, _ in _imports("fusedpar.pipeline") for source, _, _ in found
+    }
+    assert not [s for s in everything if s.startswith("fusedpar.integrations")], everything
+
+
+def test_import_fusedpar_leaves_the_harness_unloaded():
+    code = (
+        "import fusedpar, sys; assert 'fusedpar.testing' not in sys.modules; fusedpar.testing.World"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
