@@ -353,7 +353,7 @@ def test_parallelize_builds_its_layers_from_specs(family):
     one-rank placement; the spec builds the same layer again."""
     pytest.importorskip("transformers")
     hf = pytest.importorskip("fusedpar.integrations.hf")
-    from support.hf_models import tiny_model
+    from tests.support.hf_models import tiny_model
 
     model = tiny_model(family, 0)
     hf.parallelize(model, None, overlap="serial")
