@@ -31,6 +31,7 @@ see the same gradients, in the same backward.
 """
 
 import copy
+import sys
 import warnings
 
 import torch
@@ -66,8 +67,10 @@ class _LocalViews(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         out = [None]
-        # (grad mode is on in a double backward: AccumulateGrad builds a graph then)
-        edges = None if torch.is_grad_enabled() else ctx.next_functions
+        # AccumulateGrad's own way in a double backward (grad mode: it builds a graph) and
+        # under compiled autograd (traced: its graph accumulates the gradients)
+        traced = torch.is_grad_enabled() or torch.compiler.is_compiling() or _compiled_autograd()
+        edges = None if traced else ctx.next_functions
         specs = ctx.plan.specs
         for i, (grad, param, spec, placements) in enumerate(
             zip(grads, ctx.params, ctx.specs, ctx.plan.grad_placements, strict=True)
@@ -170,3 +173,9 @@ def _say_once(message: str) -> None:
     if message not in _said:
         _said.add(message)
         warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def _compiled_autograd() -> bool:
+    """Inside a backward that compiled autograd runs (traced, or its graph's eager parts)."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")  # (loaded where it is on)
+    return module is not None and module.in_compiled_autograd_region

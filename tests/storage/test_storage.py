@@ -446,7 +446,8 @@ def _run_local_accumulation_is_autograds():
     (dp 1, cp 2, tp 2), one with that fast path turned off, take the same backwards:
     accumulating twice, after ``zero_grad``, ``autograd.grad`` (returned, not
     accumulated), ``backward(inputs=...)``, a tensor hook on one parameter, a hook on
-    its AccumulateGrad node, post-accumulate-grad hooks and ``create_graph``: the same
+    its AccumulateGrad node, post-accumulate-grad hooks, ``create_graph`` and compiled
+    autograd: the same
     gradients bit for bit (placements, partial ones reduced), hooks called alike."""
     from unittest import mock
 
@@ -516,6 +517,14 @@ def _run_local_accumulation_is_autograds():
             for _ in range(2):
                 plain(x).square().sum().backward()
             grads["whole, twice"] = {
+                n: p.grad.to_local().clone() for n, p in plain.named_parameters()
+            }
+            plain.zero_grad()
+            # compiled autograd traces the backward: AccumulateGrad's way, in its graph
+            compiled = torch.compile(backend="eager")
+            with torch._dynamo.compiled_autograd._enable(compiled):
+                plain(x).square().sum().backward()
+            grads["compiled autograd"] = {
                 n: p.grad.to_local().clone() for n, p in plain.named_parameters()
             }
             plain.zero_grad()
