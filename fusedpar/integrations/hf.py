@@ -10,12 +10,12 @@ Each decoder layer's attention becomes a `ParallelAttention` (heads over tp, seq
 over cp and ulysses), its MLP a `ParallelSwiGLU` or a `MoE` (experts over ep);
 embeddings, norms and the head stay Hugging Face's; `fusedpar.distribute` puts every
 parameter on the mesh. ``batch="full"`` (default): every rank of a cp x tp group takes
-the same (B, S) batch (unpadded, or packed documents by ``position_ids``) and its share
-is cut zigzag over cp, then over ulysses, then tp; ``batch="local"``: this rank's share
-(`local_tokens`). `full_logits` gathers the logits. Families: `hf_families.FAMILIES`;
-heads: `hf_heads.HEADS`. Anything the converted model would not compute exactly raises
-ValueError naming it, on every rank, before any collective. Back to Hugging Face:
-`save_pretrained` (`hf_export`). docs/dropin.md.
+the same (B, S) batch (unpadded but for `hf_heads`' right padding, or packed documents
+by ``position_ids``), its share cut zigzag over cp, then over ulysses, then tp;
+``batch="local"``: this rank's share (`local_tokens`). `full_logits` gathers the logits.
+Families: `hf_families.FAMILIES`; heads: `hf_heads.HEADS`. Anything the converted model
+would not compute exactly raises ValueError naming it, on every rank, before any
+collective. Back to Hugging Face: `save_pretrained` (`hf_export`). docs/dropin.md.
 """
 
 import dataclasses

@@ -5,11 +5,12 @@ dense weights of; beside each its inverse (`dense_attention`, `dense_mla`, `dens
 `dense_experts`: a converted layer's full parameters as the Hugging Face module holds
 them), which `hf_export` writes.
 
-Families (`FAMILIES`, by ``model_type``): llama, mistral, qwen2, qwen3, mixtral,
-qwen2_moe, qwen3_moe, glm4_moe, minimax_m2, deepseek_v3 (MLA: `fp.nn.ParallelMLA`),
-gemma2, gemma3_text, phi3, olmo2, olmo3, smollm3, gpt_neox, gpt2, gpt_oss. What each
-reads (biases, q/k norms, partial rotary, windows, soft-capping, sinks, routers, shared
-experts, fused projections split here) is in the table of docs/dropin.md.
+Families (`FAMILIES` of `fusedpar.hf_config`, by ``model_type``): llama, mistral, qwen2,
+qwen3, mixtral, qwen2_moe, qwen3_moe, glm4_moe, minimax_m2, deepseek_v3 (MLA:
+`fp.nn.ParallelMLA`), gemma2, gemma3_text, phi3, olmo2, olmo3, smollm3, gpt_neox, gpt2,
+gpt_oss. What each reads (biases, q/k norms, partial rotary, windows, soft-capping,
+sinks, routers, shared experts, fused projections split here) is in the table of
+docs/dropin.md.
 
 Hugging Face's ``sliding_window=W`` is the layer's own (a query sees itself and W - 1
 keys before it); layers are windowed by ``config.layer_types`` where the config has
