@@ -7,38 +7,15 @@ complete or refused.
     pending = fp.checkpoint.save(path, model, optimizer, async_save=True)  # training goes on
     pending.wait()                                      # (or the next save waits for it)
 
-A thin layer over ``torch.distributed.checkpoint`` (DCP): ``get_model_state_dict`` /
-``get_optimizer_state_dict`` on save, ``set_*`` after load. With every parameter a
-DTensor on the full mesh (`fusedpar.distribute`, with or without FSDP2), DCP writes each
-shard with its offset in the global tensor, so a checkpoint saved at (dp=2, tp=2) loads
-at (dp=1, tp=4), at (tp=2, cp=2) or on one rank, parameters and optimizer moments alike.
-
-A save is atomic: DCP writes into a fresh directory beside `path` (``.NAME.tmp-ID``, same
-parent, so one file system), every rank reports its files written (one small
-collective), rank 0 writes the completion record (`RECORD`: the save's id, world size,
-step, every file with its size) and renames the directory to `path`. A rank killed at
-any moment leaves the previous checkpoint whole and the new one invisible. An existing
-`path` is refused unless ``overwrite=True``: the old one is renamed aside
-(``.NAME.old-ID``), the new one renamed in, the old one removed; between the two renames
-`load` and `latest` find the old one aside. `load` refuses a directory without the
-record (an interrupted save), naming it so, on every rank.
-
-`load` first compares the global shape of every tensor of the model and optimizer with
-the checkpoint's metadata, on every rank and without communication, and raises
-ValueError naming the first that differs or is missing: a checkpoint of another model
-fails on every rank before anything is read, and nothing is half-loaded. `extra` is
-small picklable state (the step, a data-loader position), saved once.
-
-`save` and `load` are collective: every rank calls them. Each first waits until every
-rank has (``FUSEDPAR_CHECKPOINT_TIMEOUT_S``, default 120 s, read at each call; on the
-default group's store, so NCCL and gloo alike), and otherwise raises TimeoutError naming
-the ranks that did not, before anything is written or read: a save called on rank 0
-alone fails there instead of hanging every rank (`checkpoint_files.enter`).
-
-Under pipeline parallelism each rank saves and loads its stages' part of the model
-(`fusedpar.pipeline.Pipeline.model`), whose names are the unsplit model's: a checkpoint
-written at PP2 x TP2 loads at PP1 x CP2 x TP2 and back. `load` then refuses a tensor of
-the checkpoint only if no rank's part holds it.
+A thin layer over ``torch.distributed.checkpoint`` (DCP) for a model whose parameters
+are DTensors on the full mesh (`fusedpar.distribute`): a checkpoint saved at (dp=2,
+tp=2) loads at (dp=1, tp=4), (tp=2, cp=2), one rank, or another pipeline layout.
+A save is atomic (a temporary directory beside `path`, the completion record `RECORD`
+written by rank 0, then a rename); `load` refuses a directory without the record and
+checks every tensor's global shape before reading anything. `save` and `load` are
+collective: a rank that does not join within ``FUSEDPAR_CHECKPOINT_TIMEOUT_S`` (default
+120 s) is named in a TimeoutError on the others (`checkpoint_files.enter`).
+Details: docs/checkpointing.md.
 """
 
 import inspect

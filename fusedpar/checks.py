@@ -1,43 +1,22 @@
 """Mistakes no rank sees alone, named at a call's first time: one small collective, once.
 
-One rank given a shorter sequence, its activations or its model in another dtype, a
-pipeline stage given another batch: each rank alone sees valid input, and the next
-collective fails with a transport error ("Received data size doesn't match") or leaves
-the other ranks waiting. So fusedpar's layers (`ColumnParallelLinear`,
-`RowParallelLinear`, `ParallelSwiGLU`, `ParallelAttention`, `MoE`), `Pipeline.step` and
-`parallelize`'s batch check describe what their ranks must agree on in a few int64s
-(sizes, dtype codes) and gather them over their groups at their first call: a mismatch
-is the same ValueError on every rank, naming the ranks that differ and their values.
+One rank given a shorter sequence, another dtype, or another batch sees valid input
+alone, and the next collective fails with a transport error or hangs. So the layers
+(`ColumnParallelLinear`, `RowParallelLinear`, `ParallelSwiGLU`, `ParallelAttention`,
+`MoE`), `Pipeline.step` and `parallelize`'s batch check gather a few int64s (sizes,
+dtype codes, a local `Verdict`) over their groups at their first call: a mismatch or a
+rank's refusal is the same ValueError on every rank, naming the ranks and their values.
 
-| ``FUSEDPAR_CHECKS`` | the checks run                                                   |
-| ------------------- | ---------------------------------------------------------------- |
-| ``first`` (default) | at the first call of each layer (pipeline, converted model);     |
-|                     | after it, a layer's forward reads one attribute: no collective,  |
-|                     | no host sync                                                     |
-| ``all``             | at every call: a collective and a host sync each, for hunting a  |
-|                     | mismatch that appears after the first step                       |
+| ``FUSEDPAR_CHECKS`` | the checks run                                                  |
+| ------------------- | --------------------------------------------------------------- |
+| ``first`` (default) | at each layer's first call; after it no collective, no host sync |
+| ``all``             | at every call (a collective and a host sync each)               |
 
-The variable is read at call time, never at import (a layer that has passed its checks
-reads it no more); `every_call()` asks for ``all`` inside a block. No check runs while
-``torch.compile`` traces (they run at eager calls), inside activation checkpointing's
-recompute (its forward was checked), on meta or fake tensors, or on a group of one rank.
-
-A layer's groups are gathered one after the other (each rank passes on what it has
-gathered so far), so every rank of their union (tp x cp x ulysses for attention) ends
-with the same table and the same verdict, and none is left waiting in a collective that
-a rank which raised never joins.
-
-What a rank can refuse alone (a length that does not split into the shards, labels of
-another shape, invalid cu_seqlens) is checked before the gather, into a `Verdict`
-that travels in the gathered row (its kind and its message's length: two int64s). Where
-any rank refused, the ranks gather the refusing ranks' messages (a second all-gather,
-on this path only) and every rank raises the same error: "rank 2: <its message>
-(ranks 0, 1, 3 passed their checks; every rank raises this)", or the message alone where
-every rank refused it alike. What a rank would refuse on every rank given equal input
-and the gathered fields decide (a wrong feature size, say) is refused after the gather,
-the same on every rank. After a first call has passed, a later call's local checks
-raise on the rank that fails them alone (no gather, unless FUSEDPAR_CHECKS=all): the
-other ranks wait in the next collective.
+Read at call time (`every_call()` asks for ``all`` inside a block). No check runs while
+``torch.compile`` traces, in a checkpoint's recompute, on meta or fake tensors, or on a
+group of one rank. A layer's groups are gathered one after the other, each rank passing
+on what it has, so every rank of their union ends with the same table and verdict and
+none is left waiting in a collective a raising rank never joins. docs/testing.md.
 """
 
 import contextlib

@@ -1,28 +1,23 @@
 """Process groups, differentiable collectives, async collectives and the ring.
 
-Every function takes ``group``: a ``ProcessGroup``, a 1-D ``DeviceMesh``, or ``None``.
-``None`` means no parallelism: each collective is then the identity (a group of one),
-so layers built on these run on one device without ``torch.distributed`` initialized.
-
+Every function takes ``group``: a ``ProcessGroup``, a 1-D ``DeviceMesh``, or ``None``
+(no parallelism: each collective is the identity, no ``torch.distributed`` needed).
 Collectives work on dim 0 and validate their inputs before communicating, so bad input
-raises the same ``ValueError`` on every rank instead of leaving the others waiting.
+raises the same ``ValueError`` on every rank. Differentiable collectives (W ranks):
 
-Differentiable collectives (W = group size, x on rank r is ``x_r``):
-
-| function              | forward                       | backward of ``g``                 |
-| --------------------- | ----------------------------- | --------------------------------- |
-| `all_gather`          | ``cat_r x_r``  (n -> W*n)     | ``reduce_scatter(g)``             |
-| `reduce_scatter`      | ``(sum_r x_r)[chunk r]``      | ``all_gather(g)``                 |
-| `all_reduce`          | ``sum_r x_r``                 | ``all_reduce(g)``                 |
-| `copy_to_region`      | ``x``                         | ``all_reduce(g)``                 |
-| `reduce_from_region`  | ``sum_r x_r``                 | ``g``                             |
-| `gather_from_region`  | ``cat_r x_r`` along `dim`     | ``g``'s chunk r along `dim`       |
+| function              | forward                         | backward of ``g``                  |
+| --------------------- | ------------------------------- | ---------------------------------- |
+| `all_gather`          | ``cat_r x_r``  (n -> W*n)       | ``reduce_scatter(g)``              |
+| `reduce_scatter`      | ``(sum_r x_r)[chunk r]``        | ``all_gather(g)``                  |
+| `all_reduce`          | ``sum_r x_r``                   | ``all_reduce(g)``                  |
+| `copy_to_region`      | ``x``                           | ``all_reduce(g)``                  |
+| `reduce_from_region`  | ``sum_r x_r``                   | ``g``                              |
+| `gather_from_region`  | ``cat_r x_r`` along `dim`       | ``g``'s chunk r along `dim`        |
 | `all_to_all`          | rows ``in_splits[s]`` to rank s | ``all_to_all`` with splits swapped |
 
 `all_gather` and `all_reduce` give the gradient of a sum when every rank goes on with
-its own loss; `copy_to_region`, `reduce_from_region` and `gather_from_region` are
-Megatron's mappings for a region whose downstream is replicated (each rank computes the
-same loss, counted once).
+its own loss; the ``*_region`` functions are Megatron's mappings for a region whose
+downstream is replicated (each rank computes the same loss, counted once).
 """
 
 from __future__ import annotations

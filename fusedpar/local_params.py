@@ -1,33 +1,20 @@
 """A module's DTensor parameters as local tensors for one forward: one autograd node.
 
-`fusedpar.distribute`'s forward pre-hook puts each DTensor parameter's local tensor in
-its place for the module's forward, declaring the placements of its gradient. Done per
-parameter with ``DTensor.to_local(grad_placements=...)``, each is an autograd node whose
-backward computes the gradient's global stride, copies or builds a ``DTensorSpec`` and
-wraps the local gradient through ``DTensor.from_local`` (an ``autograd.Function`` of its
-own and another new spec): about 60 µs a parameter in the backward on the 2-core CPU
-machine (torch 2.13), where a one-rank ``ParallelSwiGLU``'s whole forward and backward
-take 230 µs (bench/host_overhead.py's distributed rows, docs/hot_path.md).
+`fusedpar.distribute`'s forward pre-hook calls `local_views`, which puts every DTensor
+parameter's local tensor in its place for the module's forward as one autograd node
+(its outputs alias the local tensors), where ``DTensor.to_local(grad_placements=...)``
+would make one node per parameter; the host time saved is in docs/hot_path.md.
 
-`local_views` makes all of a module's parameters one node (about 9 µs a gradient in
-its backward; its outputs alias the local tensors, as ``to_local``'s views do, without
-the view tracking autograd gives a Function's view outputs). Its backward wraps each local
-gradient in a DTensor whose spec is copied from one kept per (the parameter's spec, the
-gradient placements, as objects; the gradient's stride and dtype): at a miss the spec
-``DTensor.from_local`` makes from the gradient, the global shape and the global stride
-(as ``to_local``'s backward calls it), so each gradient is the DTensor ``to_local``'s
-backward returns: the same local tensor, placements, shape, stride and dtype
-(tests/storage/test_storage.py). While ``torch.compile`` traces, and for a parameter that is not
-a plain DTensor, the parameters go through ``to_local`` as before; in a double backward
+Its backward wraps each local gradient in the DTensor ``to_local``'s backward would
+return (the same local tensor, placements, shape, stride and dtype), its spec copied
+from one kept per (parameter spec, gradient placements; stride, dtype)
+(tests/storage/test_storage.py). Where AccumulateGrad would accumulate that DTensor,
+the node accumulates on the local tensors instead (`_accumulate`); AccumulateGrad still
+runs, with its hooks. The gradients reach autograd together when the module's backward
+has made them all, so post-accumulate-grad hooks (`fusedpar.storage`'s, FSDP2's) see
+them in the same backward. While ``torch.compile`` traces, and for a parameter that is
+not a plain DTensor, the parameters go through ``to_local``; in a double backward
 (``create_graph``) each gradient goes through ``DTensor.from_local``, which records it.
-
-Where the parameter's AccumulateGrad would then accumulate that DTensor (DTensor's
-dispatch: ~17 µs a ``detach`` or ``+=``), the node accumulates on the local tensors
-instead and hands it nothing (`_accumulate`); AccumulateGrad still runs, with its hooks.
-
-The parameters' gradients reach autograd together, when the module's backward has made
-them all, not one by one: the post-accumulate-grad hooks (`fusedpar.storage`'s, FSDP2's)
-see the same gradients, in the same backward.
 """
 
 import copy

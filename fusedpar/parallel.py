@@ -6,27 +6,15 @@
     groups = dims.groups(mesh)           # {"dp", "cp", "tp", "ep"; "ulysses": None}
     placement = dims.placement(mesh)     # fp.Placement: the layers' groups and cp_mode
 
-Context parallelism has two axes: "cp", the ring (`fusedpar.ring_attn`), and "ulysses",
-the head all-to-all (`fusedpar.ulysses_attn`); both > 1 is the 2-D hybrid, Ulysses
-inside (its groups are neighbouring ranks, next to tp), the ring across. `cp_mode` names
-which of the three a configuration is. The mesh has the "ulysses" axis only with a
-Ulysses degree > 1 ((dp, cp, ulysses, tp)); otherwise it is (dp, cp, tp), as before.
-
-Pipeline parallelism is the outermost axis, "pp" ((pp, dp, cp, tp), only with a degree
-> 1): a rank's groups are those of its stage, and `stage_mesh` is the sub-mesh its
-stage's parameters live on (`fusedpar.pipeline`).
-
-`validate` runs no collective: call it first, on every rank, and a bad configuration
-fails everywhere with a message naming the degree that does not fit.
-
-With the model's parameters on the full mesh (`fusedpar.distribute`), `fully_shard`
-applies PyTorch's FSDP2 over the "dp" axis of that same mesh: on torch >= 2.12 with
-``dp_mesh_dims`` (the parameters stay on the full mesh); on older torch (2.11 has no
-``dp_mesh_dims``) by moving them to the mesh of the other axes first, FSDP2's TP/EP
-path. EP runs over one named axis (``"tp"``, ``"cp"``, ``"ulysses"``) or a run of them
-flattened into one (``("cp", "tp")``), or not at all (``None``: every expert on every
-rank). Not over ``"dp"`` when dp > 1: data parallelism averages parameters over dp, and
-split experts differ there.
+Mesh axes, outermost first: (pp, dp, cp, ulysses, tp), "pp" and "ulysses" only with a
+degree > 1. "cp" is the ring (`fusedpar.ring_attn`), "ulysses" the head all-to-all
+(`fusedpar.ulysses_attn`), both > 1 the 2-D hybrid; `cp_mode` names which. Under pp a
+rank's groups are its stage's, and `stage_mesh` is the sub-mesh its parameters live on.
+`validate` runs no collective: a bad configuration fails on every rank, naming the
+degree. `fully_shard` applies FSDP2 over "dp" of the full mesh (torch >= 2.12:
+``dp_mesh_dims``; 2.11: the other axes' mesh, FSDP2's TP/EP path). EP runs over one
+named axis, a run of them flattened (``("cp", "tp")``) or none; never over "dp" when
+dp > 1 (data parallelism averages parameters over dp, and split experts differ there).
 """
 
 import math

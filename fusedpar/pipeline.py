@@ -6,58 +6,18 @@
     pipe = fp.pipeline.split(model, dims, mesh, schedule="1F1B", microbatches=4,
                              loss_fn=model.loss)
     fp.distribute(pipe.model, dims.stage_mesh(mesh))   # this rank's part, its sub-mesh
-    optimizer = torch.optim.AdamW(pipe.model.parameters())
     losses = pipe.step(tokens, target=labels)    # the last stage's ranks: a loss each
 
-fusedpar runs no pipeline of its own: `split` cuts a model whose blocks are a list into
-stages and hands them to ``torch.distributed.pipelining`` (its `PipelineStage`s and a
-schedule by name). What it asks of the model is torchtitan's contract:
-
-| the model has                          | in a stage that does not hold it           |
-| -------------------------------------- | ------------------------------------------ |
-| `layers` (default "blocks"): a list    | the block is a parameter-free pass-through |
-| `first` (default ("embed",)): modules  | None: the forward takes the hidden state   |
-| run before the blocks                  | in place of the tokens                     |
-| `last` (default ("norm", "head"))      | None: the forward returns the hidden state |
-
-So the model's forward skips what is None, and returns the last stage's output for
-`loss_fn(output, target)` (the example model's forward returns logits when given no
-labels). Names may be dotted paths; a model's ``pipeline_layout`` (layers, first, last)
-gives the defaults. A Hugging Face model converted by `parallelize` is taken as it is
-(`fusedpar.integrations.hf_pipeline`). Parameters both ends hold (tied embeddings) get
-their gradients summed over pp after each step.
-
-A stage module is a shallow copy of the model: its parameters are the model's own,
-under the unsplit model's names (``blocks.3.attn.q_weight`` on whichever stage holds
-block 3), so checkpoints load across pipeline layouts. `Pipeline.model` holds all
-of this rank's stages at once (several for the interleaved and V schedules): distribute
-it, build the optimizer on it, save and load it.
-
-| schedule                  | stages per pipeline rank | rank r holds stages       |
-| ------------------------- | ------------------------ | ------------------------- |
-| "GPipe", "1F1B"           | 1                        | r                         |
-| "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble" | 2 (`stages_per_rank`) | r, r + pp, ... |
-| "ZBVZeroBubble", "DualPipeV" | 2                     | r and 2 pp - 1 - r (a V)  |
-
-Only the hidden state crosses stages. The context-parallel positions (and packed
-documents) are derived from the batch on every stage; a MoE layer's auxiliary loss
-reaches the gradients where it arises (`fusedpar.nn.add_aux_loss`), never sent.
-
-Microbatches: the batch (dim 0 of every input and of the target) is split into
-`microbatches` equal chunks; with ``loss_reduction="mean"`` the schedule divides the
-gradients by their number, so a loss that is a mean over its microbatch gives the
-gradient of the mean over the batch; with "sum", a sum gives the sum. Fewer
-microbatches than stages (a hang in the schedules), layers that do not divide into the
-stages and a batch that does not divide into the microbatches raise ValueError on
-every rank before any communication. At the first step (every step under
-``FUSEDPAR_CHECKS=all``, `fusedpar.checks`) the ranks of a pipeline (its stages, and
-each stage's cp, ulysses and tp ranks) also agree on the batch's size and its split in
-one small all-gather per group, so that a rank given another batch (or, under torch's
-convention, a first stage alone given the inputs, that do not split) raises on every
-rank, naming it, where the others would wait in the schedule. A model's own checks of
-the batch that a rank makes alone (its ``check_step(inputs, kwargs, microbatches)``,
-raising ValueError or TypeError; a converted Hugging Face model's: the input's length
-and its position_ids) travel in that gather too.
+`split` cuts a model whose blocks are a list (`layers`, default "blocks"; `first` and
+`last` the modules before and after, None in a stage without them: torchtitan's
+contract, or the model's ``pipeline_layout``) into stages for
+``torch.distributed.pipelining``'s schedules. A stage module is a shallow copy holding
+the model's own parameters under the unsplit names, so checkpoints load across layouts;
+`Pipeline.model` holds this rank's stages (several for interleaved and V schedules).
+Only the hidden state crosses stages. The batch splits into `microbatches` equal chunks
+(``loss_reduction`` "mean" or "sum"); bad splits raise ValueError on every rank before
+any communication, and the first step checks the ranks agree on the batch
+(`fusedpar.checks`). Schedules, layouts and checks: docs/pipeline.md.
 """
 
 import copy

@@ -1,25 +1,23 @@
 """`Placement`: where a layer runs, the parallel half of its construction (its spec, the
 model half: `fusedpar.nn.specs`). Frozen, validated when made:
 
-| field               | default    | read by                                            |
-| ------------------- | ---------- | -------------------------------------------------- |
-| `tp_group`          | None       | attention, MLA (heads), `ParallelSwiGLU` (hidden)  |
-| `cp_group`          | None       | attention, MLA: the ring over the sequence         |
-| `ulysses_group`     | None       | attention, MLA: the head all-to-all                |
-| `ep_group`          | None       | `MoE`: the experts                                 |
-| `cp_mode`           | None       | attention, MLA ("ring", "ulysses", "hybrid")       |
-| `cp_layout`         | "zigzag"   | attention, MLA: the sequence's shards over cp      |
-| `sequence_parallel` | True       | attention, MLA, `ParallelSwiGLU`                   |
-| `chunks_per_rank`   | 1          | `ParallelSwiGLU`'s ring schedule                   |
-| `overlap`           | None       | the TP projections' schedule (`fusedpar.ops.linear`) |
-| `reduce_dtype`      | None       | the dtype their partial sums travel in (None: fp32) |
+| field               | default  | read by                                               |
+| ------------------- | -------- | ----------------------------------------------------- |
+| `tp_group`          | None     | attention, MLA (heads), `ParallelSwiGLU` (hidden)     |
+| `cp_group`          | None     | attention, MLA: the ring over the sequence            |
+| `ulysses_group`     | None     | attention, MLA: the head all-to-all                   |
+| `ep_group`          | None     | `MoE`: the experts                                    |
+| `cp_mode`           | None     | attention, MLA ("ring", "ulysses", "hybrid")          |
+| `cp_layout`         | "zigzag" | attention, MLA: the sequence's shards over cp         |
+| `sequence_parallel` | True     | attention, MLA, `ParallelSwiGLU`                      |
+| `chunks_per_rank`   | 1        | `ParallelSwiGLU`'s ring schedule                      |
+| `overlap`           | None     | the TP projections' schedule (`fusedpar.ops.linear`)  |
+| `reduce_dtype`      | None     | the dtype their partial sums travel in (None: fp32)   |
 
-A group is a ``ProcessGroup``, a 1-D ``DeviceMesh`` or None (one rank).
-`ParallelDims.placement(mesh)` makes one from a mesh's groups. ``cp_mode`` left out is
-read off the groups, and given it is checked against them (`check_cp_mode`); a
-placement holds the mode it runs (``dataclasses.replace`` keeps it: pass
-``cp_mode=None`` there with other groups). A layer reads the fields it needs and ignores
-the others: one placement serves every layer of a model.
+A group is a ``ProcessGroup``, a 1-D ``DeviceMesh`` or None (one rank). ``cp_mode``
+left out is read off the groups, given it is checked (`check_cp_mode`); a placement
+holds the mode it runs (with ``dataclasses.replace`` and other groups pass
+``cp_mode=None``). One placement serves every layer of a model.
 """
 
 from dataclasses import dataclass

@@ -4,30 +4,20 @@ recompute from a forward.
     from torch.utils.checkpoint import checkpoint
     y = checkpoint(block, x, use_reentrant=False, context_fn=fp.checkpoint_policy())
 
-`checkpoint_policy` gives `torch.utils.checkpoint` (selective activation checkpointing)
-a policy that keeps the outputs of the ops named in `save` and recomputes the rest. By
-default it keeps every fusedpar op that communicates and the MoE routing, so a backward
-never repeats a collective or re-routes a token:
+`checkpoint_policy` keeps the outputs of the ops named in `save` and recomputes the
+rest; by default every op that communicates and the routing (no repeated collective):
 
-| op                                  | why it is kept                                    |
-| ----------------------------------- | ------------------------------------------------- |
-| ``fusedpar::all_gather_matmul``     | its all-gather ring                               |
-| ``fusedpar::matmul_reduce_scatter`` | its reduce-scatter ring                           |
-| ``fusedpar::ring_attn``             | the ring of K/V blocks (and all the attention)    |
-| ``fusedpar::moe_dispatch``, ``fusedpar::moe_return`` | the expert-parallel all-to-alls  |
-| ``fusedpar::scatter_heads``, ``fusedpar::gather_heads`` | Ulysses' head all-to-alls     |
-| ``fusedpar::moe_route``             | the routing: a recompute could break a near tie   |
-|                                     | the other way and send tokens elsewhere           |
+| ops kept                                                      | why                       |
+| ------------------------------------------------------------- | ------------------------- |
+| ``fusedpar::all_gather_matmul``, ``matmul_reduce_scatter``    | TP's rings                |
+| ``fusedpar::ring_attn``                                       | the K/V ring              |
+| ``fusedpar::moe_dispatch``, ``moe_return``                    | EP's all-to-alls          |
+| ``fusedpar::scatter_heads``, ``gather_heads``                 | Ulysses' all-to-alls      |
+| ``fusedpar::moe_route``                                       | a recompute could re-route|
 
-A layer that runs on one rank as one op (`ParallelAttention`: ``fusedpar::attention_layer``;
-`ParallelSwiGLU`: ``fusedpar::gated_mlp``) is kept when an op its composed path runs is
-(by default: its projections'), so a policy means on one rank what it means on many:
-there the default recomputes only the norms, keeping more than torchtitan's op-level
-policy, which recomputes every other GEMM (docs/plan.md compares the two).
-Everything else (norms, RoPE, the experts' GEMMs, single-device attention) is
-recomputed: under Ulysses, the attention between the two exchanges too (from the kept
-exchanged q, k, v). Pass ``also=`` to keep more (``"fusedpar::flash_attn"``,
-``"fusedpar::expert_swiglu"``), or ``save=`` for a list of your own.
+A one-rank layer that is one op (``fusedpar::attention_layer``, ``fusedpar::gated_mlp``)
+is kept when an op of its composed path is. ``also=`` keeps more, ``save=`` replaces
+the list. docs/plan.md compares this policy with torchtitan's.
 """
 
 import functools

@@ -4,46 +4,20 @@
     fp.distribute(model, mesh)              # every parameter -> a DTensor on that mesh
     dims.fully_shard(model, mesh)           # optional: FSDP2 over "dp"
 
-PyTorch's tools (DCP checkpoints, FSDP2, ``clip_grad_norm_``, foreach and fused
-optimizers) understand a model only when every parameter is a DTensor on one mesh: a
-TP shard held as a plain tensor checkpoints as if it were the whole weight, and a mix
-of plain and DTensor parameters fails ("mixed torch.Tensor and DTensor"). So
-`distribute` stores each parameter as ``DTensor.from_local(local, mesh, placements)``
-and the module still computes on plain tensors: a forward pre-hook puts each DTensor
-parameter's local tensor in its place for the duration of ``forward`` (as FSDP2 does
-with its unsharded parameters) and a forward hook puts the DTensor back.
+PyTorch's tools (DCP, FSDP2, ``clip_grad_norm_``, foreach optimizers) need every
+parameter a DTensor on one mesh, so `distribute` stores each as one and a forward
+pre-hook hands the module its local tensors (`fusedpar.local_params`), declaring each
+gradient's placements:
 
-| parameter (placements on (dp, cp, tp))  | gradient placements declared in forward |
-| ---------------------------------------- | --------------------------------------- |
-| TP shard `q_weight`: (R, R, Shard(d))    | (Partial(avg), Partial, Shard(d))       |
-| `MoE` experts, ep over tp: (R, R, Shard(0)) | (Partial(avg), Partial, Shard(0))    |
-| whole (norm, embedding, router): (R, R, R) | (Partial(avg), Partial, Partial)      |
+| parameter (placements on (dp, cp, tp))      | gradient placements declared      |
+| ------------------------------------------- | --------------------------------- |
+| TP shard `q_weight`: (R, R, Shard(d))       | (Partial(avg), Partial, Shard(d)) |
+| `MoE` experts, ep over tp: (R, R, Shard(0)) | (Partial(avg), Partial, Shard(0)) |
+| whole (norm, embedding, router): (R, R, R)  | (Partial(avg), Partial, Partial)  |
 
-(With a Ulysses degree the mesh is (dp, cp, ulysses, tp), and "ulysses" is placed as cp
-is.)
-
-The gradient column is the mechanism that replaces a hand-written list of names: a
-parameter whole on every rank but used on only this rank's tokens gets a partial sum,
-and the local gradient is declared as such (as ``to_local(grad_placements=...)`` does;
-a module's parameters in one autograd node, `fusedpar.local_params`). The sum
-happens where PyTorch expects it: FSDP2 redistributes each gradient to its parameter's
-placements before its reduce-scatter over dp; without FSDP a post-accumulate-grad hook
-marks each partial gradient and, when the backward ends (a callback queued on the
-autograd engine), they are reduced together: one collective per (partial axes, dtype),
-not one per parameter. Data-parallel axes average (``Partial("avg")``), as FSDP does; the axes
-the tokens are split over (`token_axes`: cp, and tp under sequence parallelism) sum.
-Axes over which a layer already completes the gradient itself (the TP all-gather of its
-input, the EP all-to-all of its tokens) stay as the parameter's own placement. Which
-axes those are is read off the layer's groups (`param_layouts`), never assumed from
-the axes' names (the rule: `_place`); a layer that splits or completes a parameter over
-dp (experts over dp, whose gradient would sum the dp ranks' batches) is refused until
-fusedpar supports it.
-
-Parameters `distribute` replaces are retired: an optimizer built before it holds the
-old ones, which the model no longer uses, and raises at its first step (`retire`).
-
-fusedpar's layers declare their parameters with ``param_layouts()`` (`ParamLayout` per
-name); any other module's parameters are whole (`Replicate`) and need no edit.
+dp averages, the token axes (`token_axes`) sum: FSDP2, or one collective per (partial
+axes, dtype) at the end of the backward. Axes are read off the layers' groups
+(`param_layouts`, `_place`), never their names; replaced parameters are `retire`d.
 """
 
 import contextlib

@@ -1,30 +1,22 @@
 """The fused schedule's transport (``overlap="fused"``): symmetric-memory buffers, copies
 by the copy engine, and a flag written after each.
 
-| side           | before the GEMM                 | during it (side stream, high priority)  |
-| -------------- | ------------------------------- | --------------------------------------- |
+| side           | before the GEMM                 | during it (side stream, high priority)   |
+| -------------- | ------------------------------- | ---------------------------------------- |
 | all-gather     | x into this rank's symmetric    | rank + 1, rank + 2, ...: pull the peer's |
-|                | shard; own rows into place,     | shard into its rows of the gathered     |
+|                | shard; own rows into place,     | shard into its rows of the gathered      |
 |                | ``flags[rank] = 1``; barrier    | buffer, then ``flags[src] = 1``          |
 | reduce-scatter | flags and counts zeroed;        | per destination d (rank + 1 first): wait |
 |                | barrier                         | for its tiles' count, copy them into d's |
-|                |                                 | ``received[rank]``, ``d.flags[rank] = 1`` |
+|                |                                 | ``received[rank]``, ``d.flags[rank] = 1``|
 
 The persistent GEMM (`fusedpar.kernels.matmul_fused`) waits on the flags or raises the
-counts; a last kernel sums the received partials. Flags are reset in the stream, flag
-writes are stream memory ops (``cuStreamWriteValue32``; a memset while a CUDA graph is
-captured), so a step captures and replays. The all-gather ends with a barrier (no peer
-still reads this rank's shard when the next call overwrites it).
-
-The count waits on the side stream are one-program kernels, so the reduce-scatter's
-GEMM leaves one SM free for them: with every SM held by a persistent tile loop, a wait
-queued behind it could hold back that SM's own tiles, the ones it waits for.
-
-A wait longer than ``FUSEDPAR_WAIT_S`` (default 30 s, read at each call) stops the
-kernel; the record it leaves in pinned memory is reported by `Watchdog`, which ends
-the process with the message, as NCCL's watchdog does on a timed-out collective.
-
-Buffers are made once per (group, shape, dtype) and reused (`transport`)."""
+counts; a last kernel sums the received partials. Flag writes are stream memory ops, so
+a step captures into a CUDA graph; the all-gather ends with a barrier. The
+reduce-scatter's GEMM leaves one SM free for the one-program count waits. A wait past
+``FUSEDPAR_WAIT_S`` (default 30 s) stops the kernel, and `Watchdog` ends the process
+with its record. Buffers are made once per (group, shape, dtype) (`transport`).
+"""
 
 import atexit
 import contextlib

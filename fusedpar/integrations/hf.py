@@ -4,55 +4,18 @@
     mesh = parallelize(model, dims)              # in place; returns the mesh
     out = model(input_ids=ids, labels=ids)       # the whole batch, as for the original
     out.loss.backward()                          # the original's loss, on every rank
-    out.logits                                   # this rank's tokens: (B, S/CP/TP, V)
+    out.logits                                   # this rank's tokens: (B, S/CP/U/TP, V)
 
-Each decoder layer's attention becomes a `ParallelAttention` (heads over tp, the
-sequence over cp, RoPE from the model's own rotary module at the global positions of the
-local tokens), its MLP a `ParallelSwiGLU` or, in MoE layers, a `MoE` (experts over the
-ep axes, the shared expert and its gate where the model has them). Embeddings, norms and
-the LM head stay as they are; then `fusedpar.distribute` puts every parameter on the
-mesh.
-
-The batch (``batch=`` of `parallelize`):
-
-| batch     | the model takes                                  | loss                      |
-| --------- | ------------------------------------------------ | ------------------------- |
-| "full"    | `input_ids` / `inputs_embeds` (B, S), `labels`   | ``labels=``: Hugging      |
-| (default) | (B, S), the same on every rank of a cp x tp      | Face's, shifted over the  |
-|           | group (checked at the first call: one all-gather | whole sequence; its value |
-|           | of a fingerprint); it takes this rank's share    | the global mean           |
-| "local"   | this rank's share, `local_tokens(ids, groups)`   | yours, from `local_tokens`|
-|           | (B, S/CP/U/TP): the zigzag CP shard, its Ulysses | of `next_token_labels`    |
-|           | part, then its TP chunk (checked at the first    |                           |
-|           | call: ranks holding the same tokens raise)       |                           |
-
-Either way the logits are this rank's tokens', (B, S/CP/U/TP, V); `full_logits` gathers
-them. Under "full", ``attention_mask`` may be left out or all ones (what a tokenizer
-returns for unpadded text) and ``position_ids`` left out, ``0..S-1``, or packed
-documents (B = 1, positions restarting at 0 at each document's start, as Hugging Face's
-``DataCollatorWithFlattening`` makes them): each token then attends within its own
-document, RoPE (or learned positions) restarting there; under "local" both are refused,
-as are ``labels``.
-
-Besides causal LMs, `*ForSequenceClassification` (logits pooled at each row's last real
-token, (B, num_labels) on every rank; Hugging Face's own loss) and
-`*ForTokenClassification` (unshifted labels) are taken, the two with right padding: see
-`hf_heads`.
-
-Supported: the families of `hf_families.FAMILIES` (Llama, Mistral, Qwen2/3, Mixtral,
-Qwen2-MoE, Gemma 2, Gemma 3 text, Phi-3, OLMo 2, GPT-NeoX, GPT-2, gpt-oss) with the
-heads of `hf_heads.HEADS`, training over whole sequences, with any of ParallelDims'
-context-parallel modes (the ring over cp, Ulysses, the hybrid): the sequence is sharded
-zigzag over cp, then contiguously over ulysses, then over tp. Anything the converted
-model would not compute exactly (attention dropout, router jitter, another activation,
-RoPE whose tables depend on the sequence length, a module of an unknown kind, another
-head) raises ValueError naming it, on every rank, before any collective; so do, at
-call time, padding (but a classification head's right padding), position_ids with
-offsets and use_cache.
-
-Back to Hugging Face: `save_pretrained(model, dir)` (`hf_export`; ``model.save_pretrained``
-calls it), on every rank, writes the converted model as the original's checkpoint, for
-``AutoModelForCausalLM.from_pretrained(dir)``.
+Each decoder layer's attention becomes a `ParallelAttention` (heads over tp, sequence
+over cp and ulysses), its MLP a `ParallelSwiGLU` or a `MoE` (experts over ep);
+embeddings, norms and the head stay Hugging Face's; `fusedpar.distribute` puts every
+parameter on the mesh. ``batch="full"`` (default): every rank of a cp x tp group takes
+the same (B, S) batch (unpadded but for `hf_heads`' right padding, or packed documents
+by ``position_ids``), its share cut zigzag over cp, then over ulysses, then tp;
+``batch="local"``: this rank's share (`local_tokens`). `full_logits` gathers the logits.
+Families: `hf_families.FAMILIES`; heads: `hf_heads.HEADS`. Anything the converted model
+would not compute exactly raises ValueError naming it, on every rank, before any
+collective. Back to Hugging Face: `save_pretrained` (`hf_export`). docs/dropin.md.
 """
 
 import dataclasses

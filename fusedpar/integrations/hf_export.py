@@ -2,46 +2,20 @@
 checkpoint, for ``AutoModelForCausalLM.from_pretrained(dir)`` (or the classifier's Auto
 class) on any machine, with or without fusedpar.
 
-    mesh = parallelize(model, dims)
-    ...                                           # train
     save_pretrained(model, "out/")                # every rank; rank 0 writes
     model.save_pretrained("out/")                 # the same (set by parallelize)
     save_pretrained(model, "out/", pipeline=pipe) # under pp: the stages' parameters
 
 Every rank calls it (a rank alone fails after ``FUSEDPAR_CHECKPOINT_TIMEOUT_S``,
-default 120 s, naming the ranks that did not: `fusedpar.checkpoint.enter`, before any
-collective). Each rank takes the full tensors of what it holds
-(``DTensor.full_tensor()``: TP, EP and FSDP2 shards alike), and the converted layers'
-parameters are turned back into Hugging Face's, each by the inverse that sits beside
-its conversion in `hf_families`:
-
-| converted layer              | written back as                                            |
-| ---------------------------- | ---------------------------------------------------------- |
-| `ParallelAttention`          | q/k/v/o projections, biases, q/k norms, sinks; Phi-3's,    |
-|                              | GPT-NeoX's (per head) and GPT-2's (``Conv1D``) fused qkv   |
-| `ParallelMLA`                | DeepSeek-V3's projections and latent norms, their rows in  |
-|                              | Hugging Face's (nope, rope) and interleaved order          |
-| `ParallelSwiGLU`, plain MLPs | gate/up/down (Phi-3's gate_up fused), fc/proj              |
-| `MoE`                        | router (and gpt-oss's bias), the fused expert stacks       |
-|                              | (gpt-oss's interleaved), shared expert and its gate, the   |
-|                              | router's selection bias (``e_score_correction_bias``)      |
-
-Everything else (embeddings, norms, heads) keeps its name. Under pipeline parallelism
-each stage's parameters come from the ranks that hold that stage (``pipeline=`` the
-`Pipeline` of `fusedpar.pipeline.split`; the model's copies of the other stages are
-not trained there): one rank of each stage sends them to rank 0.
-
-Rank 0 then loads the tensors into a skeleton of the original class (built on the meta
-device, its config a copy of the model's with ``use_cache`` as it was before
-`parallelize` set it False), checks that every name and shape is the original's, and
-writes with Hugging Face's own ``save_pretrained`` (safetensors shards of
-``max_shard_size``, config, generation config) into a directory beside the target,
-moved into place when complete (weight files of an earlier save there are replaced).
-Every rank returns once it is written, or raises the same error: rank 0's write's, or
-an inverse's that failed on a rank converting its layers back (rank 0; under pp the
-lowest rank of a stage), named with the layer; that rank stops converting but goes on
-joining every gather, so no rank is left waiting, and nothing is written. Right after
-`parallelize` the files hold the original weights bit for bit.
+`fusedpar.checkpoint.enter`). Each rank takes the full tensors of what it holds
+(``DTensor.full_tensor()``) and turns the converted layers' parameters back into
+Hugging Face's by the inverses beside their conversions in `hf_families`
+(`dense_attention`, `dense_mla`, `dense_mlp`, `dense_experts`); under pp one rank of
+each stage sends its stage's to rank 0. Rank 0 loads them into a skeleton of the
+original class on the meta device, checks every name and shape, and writes with Hugging
+Face's own ``save_pretrained`` into a directory beside the target, moved into place when
+complete. Every rank returns once written or raises the same error: a failing rank goes
+on joining every gather, so none is left waiting. docs/dropin.md.
 """
 
 import copy

@@ -5,33 +5,12 @@ dense weights of; beside each its inverse (`dense_attention`, `dense_mla`, `dens
 `dense_experts`: a converted layer's full parameters as the Hugging Face module holds
 them), which `hf_export` writes.
 
-| family (`model_type`)       | attention options read off the model                      |
-| --------------------------- | --------------------------------------------------------- |
-| llama, qwen2, qwen3         | biases, head_dim, per-head q/k norms (qwen3, qwen3_moe)   |
-| mixtral, qwen2/3_moe        | MoE where the layer has experts (`decoder_sparse_step`,   |
-|                             | `mlp_only_layers`), `norm_topk_prob`, a shared expert     |
-| glm4_moe                    | GQA with biases, half rotary, optional per-head q/k norms;|
-|                             | sigmoid router with `e_score_correction_bias`, groups and |
-|                             | `routed_scaling_factor`; ungated shared experts; dense    |
-|                             | layers first (`first_k_dense_replace`)                    |
-| minimax_m2                  | full-width q/k norms, partial RoPE (`rotary_dim`); sigmoid|
-|                             | router, its correction bias on the block                  |
-| deepseek_v3                 | multi-head latent attention (`fp.nn.ParallelMLA`: q and   |
-|                             | kv latents, `rope_interleave`, the scale with YaRN's      |
-|                             | mscale); GLM-4.5's router and shared experts              |
-| mistral, mixtral, qwen2     | `sliding_window` (every layer, or the `layer_types` ones) |
-| gemma2                      | + `attn_logit_softcapping`, `query_pre_attn_scalar`       |
-| gemma3_text                 | + per-head (1 + w) q/k norms, RoPE per layer type         |
-| phi3                        | fused `qkv_proj` and `gate_up_proj`, split here           |
-| olmo2                       | q/k norms over the full width (statistics over TP)        |
-| olmo3                       | + sliding layers and RoPE per layer type (`layer_types`)  |
-| smollm3                     | as Llama; no RoPE on the layers `no_rope_layers` marks 0  |
-| gpt_neox                    | fused qkv in NeoX's per-head layout, partial rotary, a    |
-|                             | plain GELU MLP (`rotary_pct`; parallel residual as is)    |
-| gpt2                        | ``Conv1D`` q/k/v (fused) and o, no RoPE (learned absolute |
-|                             | positions at the global positions), a plain GELU MLP      |
-| gpt_oss                     | attention sinks, alternating windows, its half-width RoPE |
-|                             | table; MoE with biases, clamped SwiGLU, router bias       |
+Families (`FAMILIES` of `fusedpar.hf_config`, by ``model_type``): llama, mistral, qwen2,
+qwen3, mixtral, qwen2_moe, qwen3_moe, glm4_moe, minimax_m2, deepseek_v3 (MLA:
+`fp.nn.ParallelMLA`), gemma2, gemma3_text, phi3, olmo2, olmo3, smollm3, gpt_neox, gpt2,
+gpt_oss. What each reads (biases, q/k norms, partial rotary, windows, soft-capping,
+sinks, routers, shared experts, fused projections split here) is in the table of
+docs/dropin.md.
 
 Hugging Face's ``sliding_window=W`` is the layer's own (a query sees itself and W - 1
 keys before it); layers are windowed by ``config.layer_types`` where the config has

@@ -1,32 +1,22 @@
 """The heads `fusedpar.integrations.hf.parallelize` takes on a decoder, and what each
 needs beyond the causal LM's (Hugging Face's own head modules stay, on every rank):
 
-| model (class name ends in) | ``out.logits``                 | ``labels=`` and ``out.loss``       |
-| -------------------------- | ------------------------------ | ---------------------------------- |
-| ForCausalLM, LMHeadModel   | this rank's tokens', (B, S_loc,| (B, S), shifted over the whole     |
-|                            | V)                             | sequence; the global mean          |
-| ForSequenceClassification  | (B, num_labels), pooled at     | Hugging Face's own loss of the     |
-|                            | each row's last token that is  | pooled logits (``problem_type``:   |
-|                            | not ``config.pad_token_id``,   | regression, single- or multi-label,|
-|                            | the same on every rank         | or inferred as Hugging Face does)  |
-| ForTokenClassification     | this rank's tokens', (B, S_loc,| (B, S), unshifted; cross entropy,  |
-|                            | num_labels)                    | -100 ignored, the global mean      |
+| model (class name ends in) | ``out.logits``                   | ``labels=`` and ``out.loss``     |
+| -------------------------- | -------------------------------- | -------------------------------- |
+| ForCausalLM, LMHeadModel   | this rank's tokens' (B, S_loc, V) | (B, S), shifted; global mean    |
+| ForSequenceClassification  | (B, num_labels) pooled at each   | Hugging Face's own loss of the   |
+|                            | row's last non-pad token, every  | pooled logits (``problem_type``) |
+|                            | rank alike                       |                                  |
+| ForTokenClassification     | this rank's tokens' (B, S_loc,   | (B, S), unshifted; cross entropy,|
+|                            | num_labels)                      | -100 ignored, the global mean    |
 
-Any other head (question answering, a bare decoder, ...) is refused. The pooled token
-lives on one rank of the cp x ulysses x tp group: each rank takes it where it holds it
-(zeros elsewhere), the ranks sum that, and the pooled logits' gradient reaches the
-owner's token only (the sum enters detached; `fusedpar.distribute` sums the parameters'
-gradients over the group). ``num_items_in_batch`` is ignored by both classification
-heads, as Hugging Face's ignore it.
-
-Padding: the classification heads take a right-padded ``attention_mask`` (each row ones,
-then zeros; a tokenizer's ``padding_side="right"``). Attention is causal, so a row's
-real tokens see only real tokens and are computed exactly as Hugging Face does; the
-padded positions attend to the pads before them too (Hugging Face masks them), so their
-hidden states differ, and nothing may read them: sequence classification's pooled token
-must be a real one, token classification's labels -100 at padded positions. Left
-padding, rows without a real token and padding inside packed documents are refused; the
-causal LM refuses any padding.
+Any other head is refused. The pooled token lives on one rank of the cp x ulysses x tp
+group: each rank takes it where it holds it (zeros elsewhere) and the ranks sum that,
+detached, so its gradient reaches the owner's token only. The classification heads take
+right padding (``padding_side="right"``): real tokens are computed exactly, padded
+positions differ from Hugging Face's and nothing may read them (a real pooled token,
+labels -100 there). Left padding, rows without a real token and padding inside packed
+documents are refused; the causal LM refuses any padding. docs/dropin.md.
 """
 
 import torch

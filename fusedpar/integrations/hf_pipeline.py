@@ -5,9 +5,8 @@
     pipe = fp.pipeline.split(model, dims, mesh, schedule="1F1B", microbatches=4)
     losses = pipe.step(input_ids, target=input_ids)   # labels as Hugging Face takes them
 
-Hugging Face's forward runs every module it has, so `split` runs the decoder as
-`DecoderStages`: the model's own modules under their own names (a checkpoint is the
-same at any pipeline layout), and a forward that skips what a stage leaves out.
+`split` runs the decoder as `DecoderStages`: the model's own modules under their own
+names, with a forward that skips what a stage leaves out (Hugging Face's runs them all).
 
 | stage holds          | forward                                                    |
 | -------------------- | ---------------------------------------------------------- |
@@ -16,16 +15,9 @@ same at any pipeline layout), and a forward that skips what a stage leaves out.
 | blocks i..j          | hidden (B, S_loc, d) -> each decoder layer in turn         |
 | norm and head (last) | -> logits (B, S_loc, V), soft-capped where the model does  |
 
-``position_ids`` of a packed batch go to every stage (a keyword of `Pipeline.step`):
-each derives the documents from them, nothing but the hidden state is sent. What a rank
-alone finds wrong with its batch (a length that does not split, position_ids that give
-neither whole sequences nor packed documents, a non-tensor) raises the same error on
-every rank of the pipeline at the first step (`DecoderStages.check_step`, gathered by
-`Pipeline.step` before the schedule), and at the first stage's first call on every
-rank of that stage, with its check that they got one batch. The loss
-(`DecoderStages.loss`) takes Hugging Face's labels (B, S), shifts them over the whole
-sequence and returns this rank's tokens' share of the microbatch's mean: summed over
-the ranks of a stage it is the microbatch's loss. Only ``batch="full"`` is taken.
+Packed ``position_ids`` go to every stage; only the hidden state is sent. Batch errors
+are gathered by `Pipeline.step` (`DecoderStages.check_step`); `DecoderStages.loss` is
+this rank's tokens' share of the microbatch's mean. Only ``batch="full"``.
 """
 
 import torch

@@ -4,64 +4,20 @@
     args = TrainingArguments(out, save_strategy="no", use_cpu=True)   # use_cpu: CPU only
     Trainer(model=model, args=args, train_dataset=data).train()       # under torchrun
 
-A drop-in for ``transformers.Trainer`` (`ParallelTrainerMixin` first in the bases puts
-the same changes on another subclass of it, such as TRL's). What the stock Trainer
-would get wrong on a converted model, and what this one does instead:
+A drop-in for ``transformers.Trainer`` (`ParallelTrainerMixin` puts the same changes on
+another subclass, such as TRL's). It fixes what the stock Trainer gets wrong on a
+converted model: no DDP wrapper (the gradients are reduced by what `fusedpar.distribute`
+put on the parameters; the Trainer's own-placement path,
+``is_distributed_loading_by_transformers``); batch ``i`` to dp rank ``i % dp``, the same
+batch on the ranks of a cp x ulysses x tp group; token counts and batch size divided by
+those ranks (`get_tp_size`); ``clip_grad_norm_`` over the DTensor gradients.
 
-- **No DDP.** accelerate wraps the model in DDP when it sees several processes, and DDP
-  over DTensor parameters fails ("mixed torch.Tensor and DTensor", or accelerate's own
-  refusal). The gradients need no wrapper: the mechanism `fusedpar.distribute` put on
-  every parameter sums them over cp, ulysses and tp and averages them over dp at the end
-  of each backward. So the Trainer takes its own path for a model that owns its
-  placement and gradient reduction (``is_distributed_loading_by_transformers``):
-  accelerate prepares the optimizer and autocast, never a wrapper, and the model stays
-  where it is.
-- **Each rank its tokens.** accelerate's batch sampler deals the batches out over every
-  process; the ranks of a cp x ulysses x tp group must take the same whole batch (the
-  model shards it) and each dp rank its own. The sampler's share is made the dp rank's:
-  batch ``i`` of the order (seeded by the Trainer alike on every rank, or sequential)
-  goes to dp rank ``i % dp``, as DDP over the dp ranks alone would deal them. The
-  model's own check (at its first call, `hf_batch.check_same_batch`) still raises on every rank
-  if a group's ranks got different batches.
-- **Counting.** The Trainer divides its token count (``num_items_in_batch``, summed over
-  every process) and its global batch size by the ranks that hold the same batch, which
-  it reads from `get_tp_size`: here cp x ulysses x tp. The loss's denominator is then the
-  tokens of all dp ranks' batches, and the loss is scaled by dp, which the average over
-  dp undoes, as under DDP.
-- **Clipping.** ``torch.nn.utils.clip_grad_norm_`` over the DTensor gradients (one
-  mesh): the norm of the whole model's gradient, the same on every rank, as the manual
-  loop computes it.
-
-Activation checkpointing (``activation_checkpointing=True``, Hugging Face's own) and
-FSDP2 over dp (``dims.fully_shard`` before the Trainer) are taken as they are. Under
-gradient accumulation FSDP2's reduce-scatter waits for the last microbatch where the
-model itself is an FSDP module (``dims.fully_shard(model, mesh)`` after its blocks: the
-Trainer reads that of the model); with only the blocks sharded each microbatch
-reduce-scatters (the same gradients, more communication).
-
-These changes override internals of ``transformers.Trainer`` (`INTERNALS`: its device
-move, ``get_tp_size``, token count, FSDP deferral, clipping, save and dataloader), and
-flag the model for the Trainer's own-placement path before the Trainer reads it, as
-``from_pretrained(distributed_config=...)`` does
-(``is_distributed_loading_by_transformers``). The ``hf`` extra takes any transformers
->= 5.23, so the Trainer refuses to be built, naming them, where this transformers lacks
-one or its Trainer no longer calls it (`missing_internals`): an override gone unused
-would scale the loss or clip wrong, silently. Tested with transformers 5.23.
-
-What cannot work is refused when the Trainer is built, with the reason (`check_trainer`):
-a model not converted by `parallelize`, ``batch="local"``, a pipeline, a model on
-another device than the Trainer's (``use_cpu=True`` on a CPU), ``model_init``, a
-parameter added after `parallelize`, a Trainer that sees another number of processes
-than torch.distributed has, DeepSpeed, the Trainer's FSDP and accelerate's parallelism
-config, fp16 (its GradScaler decides alone on each rank whether to skip a step), a loss
-or metrics computed from the logits (they are this rank's tokens), token counts per
-process (``average_tokens_across_devices=False``), an iterable dataset, samplers other
-than the random and the sequential one, accelerate's dispatched or split batches,
-evaluation (``evaluate`` and ``predict`` raise too) and checkpoints of the Trainer (they
-would hold one rank's shard of the optimizer; `fusedpar.checkpoint` saves a resumable
-one; ``train(resume_from_checkpoint=...)`` raises). ``save_model(dir)`` calls the
-model's ``save_pretrained(dir)`` on every rank, with no state dict (a converted model's
-gathers its weights), and the writing rank adds the tokenizer and the arguments.
+These override internals of ``transformers.Trainer`` (`INTERNALS`); where this
+transformers lacks one, or no longer calls it, the Trainer refuses to be built naming it
+(`missing_internals`): an unused override would scale the loss or clip wrong, silently.
+What cannot work (fp16, DeepSpeed, the Trainer's FSDP, evaluation, its checkpoints, a
+loss from the logits, ...) is refused when the Trainer is built (`check_trainer`).
+``save_model(dir)`` calls the model's ``save_pretrained``. docs/dropin.md.
 """
 
 import contextlib

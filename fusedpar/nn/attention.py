@@ -1,11 +1,9 @@
-"""`ParallelAttention`: GQA self-attention with heads split over TP and the sequence
-split over CP (ring attention, Ulysses' head all-to-all, or both), plus the rotary
-embedding it uses.
+"""`ParallelAttention`: GQA self-attention, heads split over TP, the sequence over CP
+(ring attention, Ulysses' head all-to-all, or both), and the rotary embedding it uses.
 
-Activations are sequence-first, as in Megatron: x (S_loc, B, d_model), where S_loc is
-this rank's share of the sequence: S / CP tokens (in `cp_layout`; over a Ulysses group
-too, S / (CP U) in the hybrid layout of `fusedpar.shard_sequence`), and under sequence
-parallelism a further 1 / TP of them (dim 0 split over TP).
+Activations are sequence-first, as in Megatron: x (S_loc, B, d_model), S_loc this
+rank's share (S / CP in `cp_layout`, S / (CP U) in the hybrid; under sequence
+parallelism a further 1 / TP of them).
 
 | step        | op                                        | shape on a rank               |
 | ----------- | ----------------------------------------- | ----------------------------- |
@@ -14,38 +12,12 @@ parallelism a further 1 / TP of them (dim 0 split over TP).
 | attention   | `ring_attn(q, k, v, cp, causal, ulysses_group=u)` | (B, S/CP, Hq/TP, hd)  |
 | projection  | `matmul_reduce_scatter(o, wo, tp)`        | (S/CP/TP, B, d_model)         |
 
-Options for today's open models: q/k/v biases (`bias`, Qwen2) and an o bias (`o_bias`),
-a head dim other than d_model / n_heads (`head_dim`, Qwen3, Gemma), a per-head RMSNorm
-of q and k before RoPE (`qk_norm`, Qwen3), the softmax scale (`softmax_scale`, Gemma's
-``query_pre_attn_scalar ** -0.5``, GPT-2's per-layer scaling), and the positions:
-
-| `rope=`    | rotary embedding                                                      |
-| ---------- | --------------------------------------------------------------------- |
-| left out   | Llama's tables of `rope_theta`                                        |
-| ``None``   | none (the model adds its positions itself: GPT-2's learned ones)      |
-| a callable | ``positions -> (cos, sin)``: any variant (Llama 3, YaRN, the model's  |
-|            | own rotary module), called at the global positions of the local tokens |
-
-`rotary_dim` (GPT-NeoX's ``rotary_pct * head_dim``) rotates only the first rotary_dim
-dims of each head. `from_dense` reads these off the dense modules (``nn.Linear``,
-Hugging Face's ``Conv1D``, or weight tensors with ``bias=``), and refuses what it
-cannot compute exactly. RoPE pairs dims (i, i + r/2) of each head (Hugging Face's
-layout); ``from_dense(..., rope_layout="interleaved")`` takes a checkpoint that pairs
-(2i, 2i + 1) (Meta's, torchtitan's), permuting its q and k rows (biases and norm
-weights too) into this layer's layout, where its parameters then stay
-(`half_to_interleaved` maps them, or their gradients, back).
-
-`cp_mode` says how attention crosses the sequence's ranks; it is read off the groups
-when not given, and checked against them when given:
-
-| cp_mode   | cp_group           | ulysses_group    | attention                           |
-| --------- | ------------------ | ---------------- | ----------------------------------- |
-| "ring"    | the ring           | None (or 1 rank) | `ring_attn` over cp_group           |
-| "ulysses" | None (or 1 rank)   | the all-to-all   | `ulysses_attn` over ulysses_group   |
-| "hybrid"  | the ring (across)  | the all-to-all   | both (USP); a group of one degrades |
-
-Ulysses needs the query heads on each TP rank (Hq / TP) to divide by its degree U, and
-the KV heads (Hkv / TP) to divide by U or divide it (then replicated).
+Options for today's open models: biases, `head_dim`, `qk_norm`, `softmax_scale`,
+`rope=` (Llama's tables, ``None``, or a callable ``positions -> (cos, sin)`` called at
+the global positions), `rotary_dim`. RoPE pairs dims (i, i + r/2) (Hugging Face's
+layout); `from_dense(..., rope_layout="interleaved")` permutes a (2i, 2i + 1)
+checkpoint's rows. `cp_mode` ("ring", "ulysses", "hybrid") is read off the groups or
+checked against them. docs/attention.md.
 """
 
 from collections.abc import Callable

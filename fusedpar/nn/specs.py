@@ -1,26 +1,23 @@
 """What a layer computes, apart from where it runs: one frozen spec per layer, validated
 when made, and `FromSpec`, the layers' ``from_spec(spec, placement)``.
 
-| layer              | spec            | the placement's fields it reads                   |
-| ------------------ | --------------- | ------------------------------------------------- |
+| layer               | spec            | the placement's fields it reads                  |
+| ------------------- | --------------- | ------------------------------------------------ |
 | `ParallelAttention` | `AttentionSpec` | tp, cp, ulysses groups, cp_mode, cp_layout,      |
-|                    |                 | sequence_parallel, overlap, reduce_dtype          |
-| `ParallelMLA`      | `MLASpec`       | the same                                          |
-| `MoE`              | `MoESpec`       | ep_group                                          |
-| `ParallelSwiGLU`   | `MLPSpec`       | tp_group, sequence_parallel, chunks_per_rank,     |
-|                    |                 | overlap, reduce_dtype                             |
+|                     |                 | sequence_parallel, overlap, reduce_dtype         |
+| `ParallelMLA`       | `MLASpec`       | the same                                         |
+| `MoE`               | `MoESpec`       | ep_group                                         |
+| `ParallelSwiGLU`    | `MLPSpec`       | tp_group, sequence_parallel, chunks_per_rank,    |
+|                     |                 | overlap, reduce_dtype                            |
 
     spec = fp.nn.AttentionSpec(d_model=512, n_heads=8, n_kv_heads=2)
-    placement = dims.placement(mesh)                 # fp.Placement
-    attn = fp.nn.ParallelAttention.from_spec(spec, placement)
+    attn = fp.nn.ParallelAttention.from_spec(spec, dims.placement(mesh))
 
-A spec's fields are the layer's keywords of the same names, with the same defaults and
-meanings (see each layer's doc); the layers' keyword constructors build a spec and a
-placement and hand over to the same build. A spec checks what needs no group (a
-misspelt field is a TypeError, a bad value the layer's ValueError); the layer's build
-checks what does (heads or experts that do not divide over their group). Fields hold
-what was given (``n_kv_heads=None``, ``head_dim=None``: derived when the layer is
-built, and kept there: ``layer.head_dim``).
+A spec's fields are the layer's keywords of the same names, defaults and meanings; the
+keyword constructors build a spec and a placement and hand over to the same build. A
+spec checks what needs no group (a misspelt field is a TypeError, a bad value the
+layer's ValueError), the build what does. Fields hold what was given (``head_dim=None``
+is derived at the build and kept there: ``layer.head_dim``).
 """
 
 import math

@@ -2,34 +2,21 @@
 backward op and autograd registered through ``torch.library``) over the flash-attention
 kernels.
 
-| input   | shape             | gradient                                     |
-| ------- | ----------------- | -------------------------------------------- |
-| q       | (B, Sq, Hq, D)    | ``dQ = scale * dS K``                        |
-| k       | (B, Skv, Hkv, D)  | ``dK = scale * dS^T Q``                      |
+| input   | shape             | gradient                                      |
+| ------- | ----------------- | --------------------------------------------- |
+| q       | (B, Sq, Hq, D)    | ``dQ = scale * dS K``                         |
+| k       | (B, Skv, Hkv, D)  | ``dK = scale * dS^T Q``                       |
 | v       | (B, Skv, Hkv, Dv) | ``dV = P^T dO`` (out and dO: (B, Sq, Hq, Dv)) |
 
-summed over the query heads of each GQA group, with
-``dS = P * (dO V^T - rowsum(dO * O) + dLSE)`` (times ``1 - tanh^2`` of the capped
-scores under ``softcap``): a gradient flowing into the returned LSE is folded into the
-same backward pass. The varlen form runs the same kernels on the packed stream as one
-batch row, its documents given to the kernels as key intervals
-(`fusedpar.kernels.attention.mask`).
-
-Attention sinks (gpt-oss: a learned logit per head in every row's softmax denominator,
-with no value) are an exact epilogue on (out, lse), `apply_sinks`, shared by every
-entry point: with L = lse and s the head's sink,
-
-| output | value                              | gradient (autograd)                       |
-| ------ | ---------------------------------- | ----------------------------------------- |
-| out'   | ``out * sigmoid(L - s)``           | into out, and into L (the kernels' dLSE)  |
-| lse'   | ``logaddexp(L, s)``                | ``d s = -sum_rows P_sink rowsum(dO' O')`` |
-
-A row that sees no key (L = -inf) gives out' = 0 and lse' = s, never NaN. Under the
-ring the sink enters once, after the merge of every step.
-
-float64 q, k, v run on torch's implementation (`fusedpar.kernels._impl`), computed in
-float64 throughout: the LSE and the sinks are then float64 where they are float32 for
-the other dtypes (`fusedpar.kernels._common.accumulator`).
+summed over each GQA group's query heads, with ``dS = P * (dO V^T - rowsum(dO * O) +
+dLSE)`` (times ``1 - tanh^2`` of the capped scores under ``softcap``): a gradient into
+the returned LSE folds into the same backward. The varlen form runs the same kernels on
+the packed stream as one batch row, documents as key intervals
+(`fusedpar.kernels.attention.mask`). Attention sinks (gpt-oss) are an exact epilogue on
+(out, lse) shared by every entry point, `apply_sinks`: ``out * sigmoid(L - s)``,
+``logaddexp(L, s)``; a row that sees no key gives out 0, never NaN; under the ring the
+sink enters once, after the merge. float64 runs torch's implementation
+(`fusedpar.kernels._impl`), its LSE and sinks float64 (`_common.accumulator`).
 """
 
 import weakref

@@ -4,28 +4,19 @@ Shapes: x (S, B, d); weights q (Hq hd, d), k and v (Hkv hd, d), o (d, Hq hd); bi
 q, k, v and o, each present or not; "head" q/k norm weights (hd,); RoPE tables cos, sin
 (S, r/2).
 
-| direction | computes                                                                    |
-| --------- | --------------------------------------------------------------------------- |
-| forward   | ``q, k, v = x W^T + b``, RoPE turning q and k in the GEMMs' epilogue (or one |
-|           | launch after them: partial rotary), or the head norms turning them in their |
-|           | kernel; ``out = attention(q, k, v)`` written in (S, B) row order, so that   |
-|           | ``y = out Wo^T + bo`` reads it flat, without a copy                         |
-| backward  | ``dO = dy Wo``, ``dWo = dy^T out``; attention's dq, dk, dv written in (S, B) |
-|           | row order and turned back in place (or through the norms' backward);       |
-|           | ``dx = dq Wq + dk Wk + dv Wv`` (fp32 sum, rounded once), each ``dW = d^T x``, |
-|           | the biases' row sums                                                        |
+| direction | computes                                                                  |
+| --------- | ------------------------------------------------------------------------- |
+| forward   | ``q, k, v = x W^T + b``, RoPE (or the head norms) turning q and k; ``out = |
+|           | attention(q, k, v)`` in (S, B) row order, so ``y = out Wo^T + bo`` reads it |
+| backward  | ``dO = dy Wo``, ``dWo = dy^T out``; attention's dq, dk, dv turned back;     |
+|           | ``dx = dq Wq + dk Wk + dv Wv`` (fp32 sum, rounded once), ``dW = d^T x``     |
 
-The math, the kernels and the order of every sum are those of the layer's composed
-path (`all_gather_matmul`, `qk_rms_norm`, `flash_attn`, `matmul_reduce_scatter` over a
-group of one): the same bits. Saved for the backward: x, q, k (as attention reads them),
-v, out and its LSE, and with the norms their inputs and rstd; what the composed path
-saves. As one op it is one ``autograd.Function`` a layer where the composed path is
-three, with their checks, list plumbing and six autograd views between them: host
-time (bench/host_overhead.py). `ParallelAttention` takes it on one rank (no tp, cp or
-Ulysses group of more than one) with sequence parallelism (its default; classic TP's
-o projection is ``F.linear``), no sinks, no q/k norm or a "head" one, and RoPE tables
-the kernels take (`fusedpar.nn.attention_parts.rotates_by_formula`); else the
-composed path.
+The math, kernels and order of every sum are the composed path's (`all_gather_matmul`,
+`qk_rms_norm`, `flash_attn`, `matmul_reduce_scatter` over a group of one): the same bits
+and the same saved tensors, as one ``autograd.Function`` (host time: docs/hot_path.md).
+`ParallelAttention` takes it on one rank with sequence parallelism, no sinks, no q/k
+norm or a "head" one, and RoPE tables the kernels take
+(`fusedpar.nn.attention_parts.rotates_by_formula`); else the composed path.
 """
 
 import torch

@@ -1,46 +1,23 @@
 """Sequence-parallel tensor parallelism: GEMMs whose all-gather or reduce-scatter travels
 a ring in chunks, each chunk's transfer overlapping the GEMM of the one before it.
 
-Shapes on each of W ranks (T tokens in all, dim 0 sharded, any dims between):
+| op (W ranks)            | x               | weight     | result          | backward            |
+| ----------------------- | --------------- | ---------- | --------------- | ------------------- |
+| `all_gather_matmul`     | (T/W, ..., K)   | (N_loc, K) | (T, ..., N_loc) | ``dX = rs(dY @ W)`` |
+| `matmul_reduce_scatter` | (T, ..., K_loc) | (N, K_loc) | (T/W, ..., N)   | ``dX = g(dY) @ W``  |
 
-| op                        | x                | weight        | result             |
-| ------------------------- | ---------------- | ------------- | ------------------ |
-| `all_gather_matmul`       | (T/W, ..., K)    | (N_loc, K)    | (T, ..., N_loc)    |
-| `matmul_reduce_scatter`   | (T, ..., K_loc)  | (N, K_loc)    | (T/W, ..., N)      |
+g = all-gather, rs = reduce-scatter, on dim 0; ``Y = g(X) @ W^T + b`` and ``Y = rs(X @
+W^T) + b``, the reduce-scatter's partials added in fp32 (float64 for float64) and
+rounded once. ``overlap=`` (or ``FUSEDPAR_OVERLAP``, read at the call;
+`resolve_overlap`) picks the schedule (`fusedpar.ops.tp_schedules`):
 
-| op                      | forward                | backward                            |
-| ----------------------- | ---------------------- | ----------------------------------- |
-| `all_gather_matmul`     | ``Y = g(X) @ W^T + b`` | ``dX = rs(dY @ W)``, pipelined      |
-|                         |                        | ``dW = dY^T @ g(X)``, ``db = sum dY`` |
-| `matmul_reduce_scatter` | ``Y = rs(X @ W^T) + b`` | ``dX = g(dY) @ W``, pipelined      |
-|                         |                        | ``dW = g(dY)^T @ X``, ``db = sum dY`` |
-
-g = all-gather, rs = reduce-scatter, both on dim 0; the row op's db sums this rank's
-rows only (the layers all-reduce it). The backward of `all_gather_matmul`
-re-gathers X while it computes dX; that of `matmul_reduce_scatter` gets g(dY) from the
-same ring that feeds the dX GEMMs.
-
-The ring order is that of PyTorch async-TP and Flux: the all-gather multiplies the local
-chunk first while the next arrives, each GEMM writing straight into its rows of the
-output; the reduce-scatter computes the partial bound for one rank while the previous
-partial travels, adds in fp32, and rounds once at the end (the bias after the sum).
-float64 (torch's implementation) sums its partials in float64: nothing rounds it to fp32
-(`fusedpar.kernels._common.accumulator`).
-
-Each op runs one of these schedules, chosen with ``overlap=`` (or ``FUSEDPAR_OVERLAP``,
-read at the call; `resolve_overlap`):
-
-| overlap    | runs                                                                      |
-| ---------- | ------------------------------------------------------------------------- |
-| ``serial`` | one collective (all-gather / reduce-scatter of fp32 partials), one GEMM   |
-| ``ring``   | the pipelined ring above                                                  |
-| ``fused``  | one persistent GEMM taking chunks as the copy engine lands them           |
-|            | (`fusedpar.ops.linear_fused`); NCCL groups only, refused elsewhere        |
-| ``auto``   | measured per shape on a GPU, else a rule (`fusedpar.ops.overlap`)         |
-
-Inside the ops a schedule is the ring's chunks per rank, 0 for ``serial`` and -1 for
-``fused`` (`fusedpar.ops.overlap`); the schedules themselves are
-`fusedpar.ops.tp_schedules`.
+| overlap    | runs                                                                     |
+| ---------- | ------------------------------------------------------------------------ |
+| ``serial`` | one collective, one GEMM (inside the ops: 0 chunks per rank)             |
+| ``ring``   | the pipelined ring, PyTorch async-TP's and Flux's order (its chunks)     |
+| ``fused``  | one persistent GEMM taking chunks as the copy engine lands them          |
+|            | (`fusedpar.ops.linear_fused`; -1); NCCL groups only                      |
+| ``auto``   | measured per shape on a GPU, else a rule (`fusedpar.ops.overlap`)        |
 """
 
 import math

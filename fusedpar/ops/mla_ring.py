@@ -1,25 +1,22 @@
 """`mla_ring_attn`: ring attention for DeepSeek's latent attention that moves the latent.
 
-`ring_attn` on MLA's expanded heads moves each rank's K and V, H/TP x (192 + 128)
-values a token at DeepSeek-V3's sizes. Here the ring moves what they are made from:
-the normalized KV latent and the rotated shared k_rope, 512 + 64 = 576 values a token
-(about 9x fewer at TP 8's 16 heads, 71x at TP 1's 128). Each step expands the block it
-holds with `kv_b_proj` (this rank's heads), and the backward absorbs each step's dK, dV
-into the latent's gradient, which travels home as dK, dV do in `ring_attn`:
+The ring moves the normalized KV latent and the rotated shared k_rope (512 + 64 values
+a token at DeepSeek-V3's sizes) instead of `ring_attn`'s expanded K and V; each step
+expands the block it holds with `kv_b_proj` (this rank's heads), and the backward
+absorbs each step's dK, dV into the latent's gradient, which travels home:
 
-| step   | forward                                | backward                                  |
-| ------ | -------------------------------------- | ----------------------------------------- |
-| expand | ``k_nope, v = c @ W_kvb.T``,           | the same (recomputed)                     |
-|        | ``k = [k_rope (every head), k_nope]``  |                                           |
+| step   | forward                                | backward                                   |
+| ------ | -------------------------------------- | ------------------------------------------ |
+| expand | ``k_nope, v = c @ W_kvb.T``,           | the same (recomputed)                      |
+|        | ``k = [k_rope (every head), k_nope]``  |                                            |
 | attend | `attention_forward` (merge)            | `attention_backward` (dQ added, dK dV new) |
-| absorb |                                        | ``dc = [dk_nope, dv] @ W_kvb``, dk_rope   |
-|        |                                        | summed over heads; ``dW_kvb += [dk_nope,  |
-|        |                                        | dv].T c``                                 |
+| absorb |                                        | ``dc = [dk_nope, dv] @ W_kvb``, dk_rope    |
+|        |                                        | summed over heads; ``dW_kvb += [dk_nope,   |
+|        |                                        | dv].T c``                                  |
 
 The schedule is `ring_attention`'s own loops (`forward_schedule`, `backward_schedule`,
-the masks from `rank_masks`) with `LatentBlocks` as what travels: the masks, the tuning
-before the loops and the fused or split backward are theirs. The ring alone (no Ulysses
-group): the hybrid moves expanded heads (`fusedpar.nn.ParallelMLA` picks).
+`rank_masks`) with `LatentBlocks` as what travels. The ring alone (no Ulysses group):
+the hybrid moves expanded heads (`fusedpar.nn.ParallelMLA` picks). docs/context_parallel.md.
 """
 
 import torch

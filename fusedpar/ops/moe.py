@@ -11,29 +11,13 @@ Shapes on each of W expert-parallel ranks (T local tokens, k slots, E experts, E
 | local experts (SwiGLU)  | rows read expert-major through an index |
 | back, and combine       | all_to_all: R -> P; y (T, d)            |
 
-Forward and backward of the differentiable pieces (``h1, h3 = x[rows[p]] @ w1[e].T,
-w3[e].T`` (+ b1[e], b3[e] with expert biases); ``a = silu(h1) * h3``, or gpt-oss's
-clamped SwiGLU; ``out = a @ w2[e].T`` (+ b2[e])):
-
-| piece          | forward                               | backward                              |
-| -------------- | ------------------------------------- | ------------------------------------- |
-| `ExpertSwiGLU` | ``a`` and ``[h1, h3]``: one GEMM;     | ``da = dout w2[e]``, its epilogue     |
-|                | ``out[p] = a[p] @ w2[e].T``           | giving ``dh1, dh3`` and ``a``;        |
-|                |                                       | ``dx[r] = sum_(p reads r) dh1 w1[e] + |
-|                |                                       | dh3 w3[e]``; ``dw1, dw3 = dh1_e^T x_e, |
-|                |                                       | dh3_e^T x_e``; ``dw2 = dout_e^T a_e`` |
-|                |                                       | ``db1, db3, db2``: per-expert sums of |
-|                |                                       | dh1, dh3, dout (same launches)        |
-| `PermuteRows`  | ``out[p] = src[idx[p]]``              | ``dsrc[r] = sum_(p reads r) dout[p]`` |
-| `Combine`      | ``y[t] = sum_j w[t,j] out[pos[t,j]]`` | ``dout[p] = w[t,j] dy[t]``            |
-|                |                                       | ``dw[t,j] = <dy[t], out[pos[t,j]]>``  |
-
-"sum over p that read r" runs through the combine kernel in a fixed order (no atomics):
-two runs give bitwise-equal outputs and gradients. At EP = 1 nothing here reads a count
-back to the host: pairs dropped by a capacity limit sit past ``counts.sum()`` in the
-full-length order, and no kernel touches those rows. A float64 layer runs on torch's
-implementation, computed in float64: its router, expert sums, combine weights and sums
-are float64 where they are fp32 for the other dtypes.
+Differentiable pieces: `ExpertSwiGLU` (``out[p] = (silu(x[r] w1[e].T) * x[r] w3[e].T)
+w2[e].T``, biases optional, or gpt-oss's clamped SwiGLU), `PermuteRows` (``out[p] =
+src[idx[p]]``) and `Combine` (``y[t] = sum_j w[t,j] out[pos[t,j]]``). Every "sum over
+the p that read r" runs through the combine kernel in a fixed order (no atomics): two
+runs are bitwise equal. At EP = 1 nothing reads a count back to the host (pairs dropped
+by capacity sit past ``counts.sum()``, untouched). float64 runs torch's implementation
+in float64 throughout. docs/expert_parallel.md.
 """
 
 import math

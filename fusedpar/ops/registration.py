@@ -2,13 +2,10 @@
 straight in plain eager.
 
 Each op is a ``torch.library.custom_op`` with its fake, backward op and autograd
-registered, so torch.compile traces it whole (full graph), selective checkpointing
-names it in a policy, and fake or meta tensors get its shapes. That dispatch costs host
-time: for an op with flash-attention's signature, fwd+bwd with empty bodies, 80 µs
-against 56 µs as an ``autograd.Function`` (bench/host_overhead.py), on every call of
-every layer. So in plain eager, where nothing looks at the op, the same forward body,
-``setup_context`` and backward run as an ``autograd.Function``, and a backward op's body
-is called directly:
+registered, so torch.compile traces it whole, selective checkpointing names it and fake
+or meta tensors get its shapes. That dispatch costs host time on every call
+(docs/hot_path.md), so in plain eager the same forward body, ``setup_context`` and
+backward run as an ``autograd.Function``, and a backward op's body is called directly:
 
 | when                                                  | runs                          |
 | ----------------------------------------------------- | ----------------------------- |

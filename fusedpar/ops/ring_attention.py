@@ -1,41 +1,21 @@
 """`ring_attn`: exact attention over a sequence sharded on a context-parallel group, and
 `virtual_ring_attn`: the same schedule over W simulated ranks on one device.
 
-Each rank keeps its queries; keys and values travel a ring (at the KV head count), and
-each step folds one rank's block into the running output through the LSE. The mask is
-computed in global coordinates (`fusedpar.kernels.attention.mask`): for each KV block a
-rank meets, `ring_masks` gives the kernels every local query's interval of visible
-local keys, and every key's interval of the queries that see it, from the global
-positions of both ranks' tokens (a zigzag pair of chunks included), the packed
-documents (`cu_seqlens` of the whole stream, documents spanning ranks), causality and
-the window. So the kernels skip the blocks no query sees, and a ring step whose KV no
-local query can see under the causal mask and window (decided on the host, from the
-chunk positions) launches nothing and only relays:
-
-| KV of rank j (step r - j) | causal, zigzag             | causal, contiguous | window w (left)   |
-| ------------------------- | -------------------------- | ------------------ | ----------------- |
-| j == r                    | the causal part            | the causal part    | the band          |
-| j <  r                    | chunk j, to all of r's     | all of it          | only within w     |
-| j >  r                    | all of it, to chunk 2W-1-r | nothing (skipped)  | only within w     |
-
-(zigzag: rank r holds chunks r and 2W-1-r.) The running output is fp32: step 0 writes
-it, later steps merge into it in the forward kernel's epilogue
-(``attention_forward(merge=True)``), so no block partial is written and re-read.
-
-Backward: dQ accumulates locally in fp32 (written at step 0, added to after); each KV
-block's dK, dV (fp32) travel a second ring with it: written fresh by the block's owner
-at step 0, then added to in place by every rank the block visits, arriving back at the
-owner after W steps. Every step uses the final LSE and ``delta = rowsum(dO * O) - dLSE``.
-
-float64 q, k, v (torch's implementation): every fp32 above is float64 (the running
-output and LSE, their merge, dQ and the dK, dV that travel), so nothing rounds a
-float64 ring to fp32 (`fusedpar.kernels._common.accumulator`).
+Each rank keeps its queries; keys and values travel a ring (at the KV head count), each
+step folding one rank's block into the running output (fp32, merged in the forward
+kernel's epilogue) through the LSE. `ring_masks` gives the kernels each step's visible
+key and query intervals in global coordinates (zigzag chunks, packed documents spanning
+ranks, causality, the window), so they skip blocks no query sees, and a step nothing
+sees (decided on the host) launches nothing and only relays. Backward: dQ accumulates
+locally in fp32; each block's dK, dV (fp32) travel a second ring with it, added to by
+every rank it visits, arriving back at the owner after W steps; every step uses the
+final LSE and ``delta = rowsum(dO * O) - dLSE``. float64 keeps every fp32 above in
+float64 (`fusedpar.kernels._common.accumulator`).
 
 The loops take a transport (`fusedpar.ops.ring_transport`): `GroupRing` (this rank's
 side of a `fusedpar.comm.Ring`) or `VirtualRing` (every rank in this process, transfers
-replaced by copies, all ranks' step s run before step s + 1). `virtual_ring_attn`
-runs the real loops over a
-`VirtualRing`: the ring's exact launches, checkable and measurable on one device.
+replaced by copies); `virtual_ring_attn` runs the real loops over a `VirtualRing`, the
+ring's exact launches on one device. Which steps compute what: docs/context_parallel.md.
 """
 
 import torch

@@ -1,32 +1,23 @@
 """Sharding a sequence over a context-parallel group, and putting it back.
 
-A sequence of length S is cut into chunks along `dim`:
+| layout       | chunks | rank r holds        | per rank |
+| ------------ | ------ | ------------------- | -------- |
+| "zigzag"     | 2W     | chunks r and 2W-1-r | S / W    |
+| "contiguous" | W      | chunk r             | S / W    |
 
-| layout       | chunks | rank r holds            | per rank |
-| ------------ | ------ | ----------------------- | -------- |
-| "zigzag"     | 2W     | chunks r and 2W-1-r     | S / W    |
-| "contiguous" | W      | chunk r                 | S / W    |
-
-With a causal mask, zigzag gives every rank the same work: an early chunk (few keys
-visible) paired with a late one (many keys visible). For W = 4 and S = 16:
+Zigzag balances causal work: an early chunk paired with a late one. W = 4, S = 16:
 
     positions  0 1 | 2 3 | 4 5 | 6 7 | 8 9 | 10 11 | 12 13 | 14 15
-    chunk      0   | 1   | 2   | 3   | 4   | 5     | 6     | 7
     rank       0   | 1   | 2   | 3   | 3   | 2     | 1     | 0
 
-`shard_sequence` (full -> local) and `gather_sequence` (local -> full) are differentiable
-duals for a region that is replicated outside and sharded inside: the gradient of a
-shard is gathered (every rank gets the full gradient), that of a gather is sharded.
-
-With a Ulysses group as well (the 2-D hybrid, USP), each rank's share of the layout
-above is split again, contiguously, over its Ulysses group: Ulysses rank u of U holds
-part u of its ring rank's tokens. W = 2, U = 2, S = 16, zigzag:
+`shard_sequence` (full -> local) and `gather_sequence` (local -> full) are
+differentiable duals: the gradient of a shard is gathered, that of a gather sharded.
+With a Ulysses group too (the hybrid, USP), each ring rank's share is split again,
+contiguously, over its Ulysses group: W = 2, U = 2, S = 16, zigzag:
 
     positions     0-3 | 4-7 | 8-11 | 12-15
     ring rank     0   | 1   | 1    | 0
     ulysses rank  0   | 0   | 1    | 1
-
-`fusedpar.ulysses_attn` alone is the contiguous layout over its group.
 """
 
 import torch

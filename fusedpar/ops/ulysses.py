@@ -10,23 +10,13 @@ P ranks; rank r holds the contiguous tokens [r S/P, (r+1) S/P) of every head:
 | attention  | ``flash_attn`` (hybrid: the ring)    | (B, S, Hq/P, D), every token        |
 | out back   | ``gather_heads([out], group)``       | (B, S, Hq/P, D) -> (B, S/P, Hq, D)  |
 
-Each exchange is one all-to-all per tensor, posted together (q, k and v are in flight
-at once) on the group's side stream; the backward of one exchange is the other. Every
-rank sees the whole sequence for its heads, so no balancing is needed and a causal
-mask, window or packed documents apply exactly as on one device.
-
-GQA below the degree (Hkv < P, P % Hkv == 0): K and V heads are replicated to P
-(``repeat_interleave``) before the exchange, so rank j receives KV head j // (P/Hkv),
-the one its query heads use; the backward's exchange sums the replicas' gradients (each
-rank's in the input dtype, their sum in fp32 (float64 for float64), rounded once): the
-GQA gradient. (r: the replication, 1 for q and when Hkv >= P.) Hq must divide by P,
-and Hkv divide P or be divisible by it.
-
-Hybrid (``ring_attn(q, k, v, ring_group, ulysses_group=ug)``): the head exchange runs
-inside `ug`, the ring over `ring_group` on the exchanged tensors. The layout is USP's:
-the ring's layout over `ring_group` (zigzag by default), then each ring rank's tokens
-split contiguously over its Ulysses group (`fusedpar.shard_sequence(...,
-ulysses_group=)`), so the exchange gathers exactly the ring rank's shard.
+One all-to-all per tensor, posted together on the group's side stream; the backward of
+one exchange is the other. Every rank sees the whole sequence for its heads, so masks,
+windows and packed documents apply as on one device. Hq must divide by P, and Hkv
+divide P or be divisible by it; with Hkv < P, K and V heads are replicated to P before
+the exchange (r: the replication, else 1) and the backward sums the replicas' gradients
+in fp32. Hybrid: the exchange runs inside the Ulysses group, the ring over the ring
+group on the exchanged tensors, in USP's layout (`fusedpar.shard_sequence`).
 """
 
 import torch

@@ -11,40 +11,11 @@ cp (ring), u (Ulysses), t (tensor), ep (experts), with e bytes per activation:
 | m = S B / (c u)     | TP's gathered tokens: projections' outputs, the MLP      |
 | a = S B / c         | attention's tokens (heads Hq / (t u), KV heads per rank) |
 
-Saved for the backward, per layer (no checkpointing), bytes:
-
-| layer                  | saves                                                        |
-| ---------------------- | ------------------------------------------------------------ |
-| `fp.nn.RMSNorm`        | x, its output (n d e each), rstd (4 n)                       |
-| `ParallelAttention`    | q, k, v after RoPE, the output (a e per head and dim), the   |
-|                        | LSE (4 a per head); RoPE's cos and sin (4 hd S / (c u));     |
-|                        | the ring's masks (16 S) with cp > 1; the gathered output     |
-|                        | o-proj takes (m Hq hd / t e) under Ulysses                   |
-| `ParallelSwiGLU`       | gate and up (m h / t e each)                                 |
-| `MoE` (one EP rank)    | probs (4 n E), ids, weights (4 n k each), counts, the        |
-|                        | expert inputs' order (4 R) twice, gate||up (2 h e R), the    |
-|                        | expert output rows (d e R), R = n k rows                     |
-| `MoE` (EP over ep)     | + the received rows (d e R') and their bookkeeping, R' rows  |
-|                        | received (n k when routing is balanced), the splits (2, ep)  |
-| embedding, head, loss  | the token ids (8 m); the final norm; fp32 log-probs (4 n V), |
-|                        | the labels (8 n), the loss's count (4)                       |
-| q/k norms (per head)   | their inputs (m e per head and dim) and rstd (4 m per head)  |
-| `ParallelMLA`          | see `mla_saved`                                              |
-
-A Hugging Face model converted by `fusedpar.integrations.hf.parallelize` (``spec.hf``,
-set by `from_hf_config`) keeps its own RMSNorm, which saves x in fp32, rstd, the
-normalized x and the output (4 n d + 4 n + 2 n d e), and its loss divides by the count
-(+ 8: the (sum, count) pair); the rest is fusedpar's layers. Qwen2-MoE's shared-expert
-gate saves its sigmoid's output and the shared output (n (d + 1) e); a sigmoid router
-(DeepSeek-V3's) the scores' sum (4 n).
-
-Under ``fp.checkpoint_policy()`` ("selective") a block keeps its input (n d e) and the
-outputs of the ops the policy saves (the projections whose gather or reduce-scatter it
-would repeat, the ring's and Ulysses' exchanges, the routing and the all-to-alls; MLA's
-the latents' gathered projections, q_a's and kv_a's outputs; on one rank a layer that is
-one op keeps that op's outputs); under "full" only its input. The MoE's rows depend on
-the routing: the planner takes it balanced (R' = n k), which the tests hold exact summed
-over an EP group.
+What each layer saves for the backward (per layer, under no checkpointing, "selective"
+and "full"), and a converted Hugging Face model's own norms and loss, are in the
+functions below and tabulated in docs/plan.md. The MoE's rows depend on the routing:
+the planner takes it balanced (R' = n k), which the tests hold exact summed over an EP
+group.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
 """One layout's estimate: memory by part (from `accounting`, which the tests hold equal to
 the code), traffic and collectives per mesh axis, and the step time.
 
-The time model, per rank and microbatch, for each block of its stages:
-
-| term         | model                                                                |
-| ------------ | -------------------------------------------------------------------- |
-| GEMMs        | 2 x rows x out x in FLOPs each (backward 2x the forward), at the     |
-|              | TFLOP/s of the nearest shape in bench/results/<device>/matmul.json,  |
-|              | else a stated fraction of peak (`devices`)                           |
-| attention    | 4 S_visible hd per query and head (backward 2.5x: FA2's recompute),  |
-|              | at the measured fwd+bwd rate of the nearest (S, D)                   |
-| element-wise | each saved byte written and read once forward, twice backward, at    |
-|              | HBM bandwidth (norms, RoPE, the activation, the routing)             |
-| recompute    | "full": the forward again; "selective": the element-wise part (and   |
-|              | attention where no exchange keeps it)                                |
-| TP           | all-gather / reduce-scatter chunks overlapped with their GEMM (ring  |
-|              | or fused schedule): exposed = max(0, comm - GEMM) + one chunk        |
-| CP ring      | each step's K/V (and dK/dV, fp32) overlapped with the step's blocks; |
-|              | MLA's latent ring moves the latent and k_rope, plus its expansions   |
-| Ulysses, EP  | all-to-alls exposed in full (fusedpar does not overlap them)         |
-| FSDP         | each block's all-gather prefetched under the previous block, its     |
-|              | reduce-scatter under the next backward: the excess is exposed        |
-| pipeline     | torch's action lists, simulated (`schedule.simulate`): the bubble    |
-| optimizer    | AdamW reads and writes 7 words a parameter at HBM bandwidth (SGD 3)  |
+The time model, per rank and microbatch, for each block of its stages: GEMMs at the
+measured TFLOP/s of the nearest shape (bench/results/<device>/matmul.json, else a
+stated fraction of peak: `devices`); attention at the measured fwd+bwd rate of the
+nearest (S, D); element-wise work as saved bytes moved at HBM bandwidth; recompute per
+policy; TP's collectives hidden under their GEMMs but one chunk, the ring's steps under
+their blocks, Ulysses' and EP's all-to-alls exposed, FSDP2's gathers prefetched under
+the previous block; the pipeline bubble simulated on torch's action lists
+(`schedule.simulate`); AdamW at HBM bandwidth.
 
 Collectives take bytes x (W - 1) / W (all-reduce twice that) over the axis's link
 (NVLink when the axis's ranks share a node: mesh order (pp, dp, cp, ulysses, tp), tp

@@ -1,30 +1,13 @@
 """What the planner knows of a model: its sizes, read off a Hugging Face config, the
 example model's `Config`, or a named preset (the published configs).
 
-| field                          | Hugging Face config's name(s)                           |
-| ------------------------------ | ------------------------------------------------------- |
-| vocab, d_model, n_layers       | vocab_size, hidden_size, num_hidden_layers              |
-| n_heads, n_kv_heads, head_dim  | num_attention_heads, num_key_value_heads, head_dim      |
-| d_hidden (dense MLPs)          | intermediate_size                                       |
-| num_experts, top_k, moe_hidden | num_local_experts / num_experts / n_routed_experts,     |
-|                                | num_experts_per_tok, moe_intermediate_size              |
-| shared_hidden                  | n_shared_experts x moe_intermediate_size,               |
-|                                | shared_expert_intermediate_size                         |
-| dense_layers_first             | first_k_dense_replace (DeepSeek-V3, GLM-4.5)            |
-| moe_every, dense_layers        | decoder_sparse_step, mlp_only_layers (Qwen2/3-MoE)      |
-| q_lora_rank, kv_lora_rank,     | multi-head latent attention (DeepSeek-V3); qk_nope +    |
-| rope_dim, v_head_dim           | qk_rope = the Q/K head dim; partial_rotary_factor       |
-| qk_norm                        | qwen3, qwen3_moe, olmo2/3, gemma3 (per-head q/k norms), |
-|                                | use_qk_norm (GLM-4.5)                                   |
-| attention_bias, o_bias         | attention_bias (q/k/v's, MLA's q_a/kv_a's; o's but in   |
-|                                | GLM-4.5); qwen2: q/k/v always, qwen2_moe: qkv_bias      |
-| mlp_bias                       | mlp_bias (Llama, SmolLM3)                               |
-| shared_gate                    | Qwen2-MoE's shared_expert_gate                          |
-| router                         | "sigmoid": deepseek_v3, glm4_moe, minimax_m2            |
-| tied                           | tie_word_embeddings                                     |
-| hf                             | True: norms, embedding, head and loss Hugging Face's    |
-
-MTP layers (DeepSeek-V3's 62nd) are left out, as Hugging Face leaves them out on load.
+`ModelSpec`'s fields name the model's sizes (vocab, d_model, n_layers, heads, the dense
+and expert MLPs' widths, MLA's ranks, biases, norms, the router's kind, tied embeddings)
+and `from_hf_config` reads each off the config's names (``hidden_size``,
+``num_key_value_heads``, ``n_routed_experts``, ``first_k_dense_replace``, ...); the
+field-by-field table is in docs/plan.md. ``hf=True`` marks a model converted by
+`parallelize`, whose norms, embedding, head and loss are Hugging Face's. MTP layers
+(DeepSeek-V3's 62nd) are left out, as Hugging Face leaves them out on load.
 """
 
 from __future__ import annotations

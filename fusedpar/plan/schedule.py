@@ -7,24 +7,14 @@ it: its compute actions in order, the activations a rank holds at most, and its 
 
 An action is (kind, stage, microbatch): "F" forward, "B" the whole backward, "I" and "W"
 the split backward's halves (the input's gradient, sent on at once; the weights', later).
-The orders are torch's own: the multi-stage schedules build theirs (``pipeline_order``, as
+The orders are torch's own: the multi-stage schedules build theirs (``pipeline_order``,
 lowered to ``pipeline_order_with_comms``, which is what runs) in the constructor, so this
-module builds the schedule class on stand-in stages (`_torch_order`: the few attributes a
-constructor reads; no module, no process group). GPipe and 1F1B run a loop of their own,
-``_step_microbatches``, reconstructed here (`_single`; their ``_get_pipeline_order`` is a
-drawing that drives nothing: the same compute order, but torch 2.13 numbers the last
-rank's 1F1B forwards from 1).
-
-`in_flight` counts, per rank, the (stage, microbatch) pairs whose forward has run and whose
-backward has not finished, at its peak (or, given each stage's bytes, the most bytes they
-hold at once). At pp = 4, 8 microbatches (2 stages per rank but for GPipe and 1F1B):
-
-| schedule                | rank 0..3      | schedule                | rank 0..3      |
-| ----------------------- | -------------- | ----------------------- | -------------- |
-| "GPipe"                 | 8, 8, 8, 8     | "LoopedBFS"             | 16, 16, 16, 16 |
-| "1F1B"                  | 4, 3, 2, 1     | "InterleavedZeroBubble" | 8, 8, 8, 8     |
-| "Interleaved1F1B"       | 11, 9, 7, 5    | "ZBVZeroBubble"         | 8, 8, 8, 8     |
-|                         |                | "DualPipeV"             | 9, 9, 9, 9     |
+module builds the schedule class on stand-in stages (`_torch_order`). GPipe and 1F1B run
+a loop of their own, ``_step_microbatches``, reconstructed here (`_single`; their
+``_get_pipeline_order`` drives nothing, and torch 2.13 numbers the last rank's 1F1B
+forwards from 1). `in_flight` counts, per rank, the (stage, microbatch) pairs whose
+forward has run and backward not finished, at its peak (or the most bytes they hold);
+its values for every schedule at pp = 4 are in docs/plan.md.
 """
 
 from __future__ import annotations

@@ -3,36 +3,12 @@ is given (as `fusedpar.testing.Collectives` counts them), from the layers' sizes
 equal to a real step's by tests/plan/test_plan.py.
 
 Per block and microbatch (n, m, a as in `accounting`; e the activations' bytes, 4 for
-the fp32 partial sums TP's reduce-scatters and the ring's dK/dV carry):
-
-| op                        | forward                     | backward                          |
-| ------------------------- | --------------------------- | --------------------------------- |
-| TP, ring schedule (t > 1) | each of the 4 projections   | the same 4 x (t - 1) sends, and   |
-|                           | (2 in a MoE block): t - 1   | one all-gather of x per gathered  |
-|                           | sends of n d (e, or 4 for a | input (re-gathered for the        |
-|                           | reduce-scatter's partials)  | weights' gradient)                |
-| ring attention (c > 1)    | K, V: 2 (c - 1) sends       | K, V: 2 (c - 1); dK, dV: 2 c (fp32)|
-|                           | (again in a "full" recompute: every forward collective) |         |
-| MLA's latent ring (c > 1) | the latent and k_rope       | the same; its gradient c (fp32);  |
-|                           | (r + dr): c - 1 sends       | under "selective" the forward's   |
-|                           |                             | sends again (no op kept)          |
-| Ulysses (u > 1)           | q, k, v out, the output     | the same 4 all-to-alls            |
-|                           | back: 4 all-to-alls         |                                   |
-| EP (ep > 1, MoE block)    | the counts; rows out, back  | rows out, back                    |
-| pipeline (pp > 1)         | the activation to the next  | its gradient to the previous      |
-|                           | stage's rank                | stage's rank                      |
-| biases after a TP         |                             | one all-reduce over tp each       |
-| reduction (o's, down's)   |                             | (`copy_to_region`), d e           |
-
-A Hugging Face model's loss (`parallelize`'s, without a pipeline) all-reduces its (sum,
-count) over each of cp, ulysses and tp, per microbatch.
-
-Once a step: the partial gradients of parameters that saw only this rank's tokens, one
-all-reduce per group they are partial over (whole ones over cp x ulysses x tp, TP shards
-and the biases summed over tp over cp x ulysses, experts over those axes EP does not run
-on); under FSDP2 each such parameter alone, and per FSDP unit (each block, and the root)
-an all-gather in the forward (and the backward, but for the root) and a reduce-scatter,
-per microbatch.
+the fp32 partial sums TP's reduce-scatters and the ring's dK/dV carry): TP's ring sends
+per projection and the backward's re-gathers, the ring's K/V and fp32 dK/dV (MLA's: the
+latent and k_rope), Ulysses' four all-to-alls, EP's counts and rows, the pipeline's
+sends, and one all-reduce over tp per bias after a TP reduction. Once a step: one
+all-reduce of partial gradients per group they are partial over; under FSDP2 each unit's
+all-gathers and reduce-scatter per microbatch. The table, op by op: docs/plan.md.
 
 On a CPU (gloo) the ring and Ulysses' exchanges add a small all-gather per call that
 checks the ranks agree on shapes (`cpu_checks`); on GPUs they do not.

@@ -1,40 +1,17 @@
 """Find host syncs in a hot path on any machine, CPU included.
 
 On a GPU, reading a device value on the host (``.item()``, ``.tolist()``, ``bool(t)``),
-an op whose output size depends on the data (``nonzero``, boolean indexing,
-``bincount``, ``unique``, ``repeat_interleave`` without ``output_size``) or a tensor built
-on the CPU and copied over stalls the host until the GPU catches up: the CPU can no longer
-run ahead, CUDA graphs and ``fullgraph`` compiles break. On a CPU nothing stalls, so the
-same code looks fine. `HostSyncs` records these calls wherever they run, so a CPU test
-can fail when one appears.
-
-Two layers, because neither sees everything alone (torch 2.13, measured):
-
-- a ``TorchDispatchMode`` sees the aten ops that sync (``aten._local_scalar_dense``
-  behind ``.item()``/``bool()``, ``aten.nonzero``, boolean ``aten.index``, ``lift_fresh``
-  of a tensor made from Python data, copies between devices, ...) everywhere: in
-  forward, in every backward (the autograd engine runs its nodes under it), in hooks;
-- a ``TorchFunctionMode`` sees what never reaches the dispatcher on a CPU (``.tolist()``,
-  ``.cpu()``, factory calls without ``device=``, ``torch.tensor`` of a Python scalar).
-
-A mode is switched off while it handles a call, so neither sees inside a call it
-intercepts: the function mode sees a ``torch.library.custom_op`` as one call (its body
-ran unseen) and ``Tensor.backward`` as one call; the dispatch mode sees a custom op as
-one aten-level call. So when the dispatch mode meets a custom op it runs the op's Python
-body itself with both modes back on: custom ops (fusedpar's, and a user's) are seen
-inside, forward and backward. What stays unseen is the function layer inside backward
-outside custom ops (a ``.tolist()`` in an ``autograd.Function.backward`` on a CPU);
-the dispatch layer still sees the aten ops there, and a GPU run
-(``torch.cuda.set_sync_debug_mode``) sees all.
-
-Only calls made from the code under `packages` (fusedpar's by default) count: a user's own
-``.item()`` or the test's is not ours. Nor does a call on CPU tensors (or none) inside a
-function marked `fusedpar.kernels._impl.cpu_path`: code that runs only on a CPU (the
-torch implementations' CPU paths, which ``auto`` never takes on a GPU; checks skipped on
-GPUs), where it reads host memory. ``torch.tensor``/``torch.as_tensor`` of Python
-data count even with ``device=`` (a synchronous host-to-device copy on a GPU, and no
-CUDA-graph capture); other factory calls count without ``device=`` (built on the CPU,
-then copied on a GPU run).
+an op whose output size depends on the data (``nonzero``, boolean indexing, ...) or a
+tensor built on the CPU and copied over stalls the host until the GPU catches up; on a
+CPU nothing stalls. `HostSyncs` records these calls wherever they run, so a CPU test
+can fail when one appears. Two layers, as neither sees everything alone (torch 2.13):
+a ``TorchDispatchMode`` sees the aten ops that sync, in forward, backward and hooks; a
+``TorchFunctionMode`` sees what never reaches the dispatcher on a CPU (``.tolist()``,
+``.cpu()``, factory calls without ``device=``). A mode is off while it handles a call,
+so the dispatch mode runs a custom op's Python body itself with both modes back on.
+Only calls from the code under `packages` count (fusedpar's by default), and not CPU
+work inside a function marked `fusedpar.kernels._impl.cpu_path`. What is seen and what
+is not: docs/testing.md.
 
     with HostSyncs() as syncs:
         fp.flash_attn(q, k, v).sum().backward()

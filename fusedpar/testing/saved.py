@@ -7,21 +7,15 @@
     saved.nbytes                                      # distinct storages, parameters left out
     saved.peak                                        # the most held at once (a whole step's)
 
-What is counted: every tensor ``torch.autograd.graph.saved_tensors_hooks`` packs (a
-storage once, however many views of it are saved; a DTensor's local shard), and the
-outputs a selective-checkpointing context made by `recorded` keeps for the backward's
-recompute. Under ``torch.utils.checkpoint`` (non-reentrant) what a checkpointed region
-saves inside is not packed by an outer hook: its inputs are, which is what it holds.
-
-`peak` follows what is still held: a packed tensor until its graph lets it go (after
-that node's backward), a cached output until the recompute takes it; so around a
-pipeline's whole step `peak` is the most its in-flight microbatches hold at once
-(`nbytes`, for one forward, would there count a storage freed and reused as one). The
-cache is followed through torch's selective-checkpointing contexts' ``storage``
-({op: {call index: entry}}, torch 2.13): another layout raises.
-
-`tests/plan/test_activation_memory.py` and the planner's tests (`tests/plan/test_plan*.py`) hold
-the layers' and `fusedpar.plan`'s accounting to these counts.
+Counted: every tensor ``saved_tensors_hooks`` packs (a storage once, however many views;
+a DTensor's local shard) and the outputs a context made by `recorded` keeps for the
+recompute; inside a non-reentrant ``checkpoint`` region its inputs are what it holds.
+`peak` follows what is still held (a packed tensor until its node's backward, a cached
+output until the recompute takes it), so around a pipeline's step it is the most its
+in-flight microbatches hold at once. The cache is read through torch's
+selective-checkpointing contexts' ``storage`` (torch 2.13): another layout raises.
+tests/plan/test_activation_memory.py and tests/plan/test_plan*.py hold the layers' and
+`fusedpar.plan`'s accounting to these counts.
 """
 
 from __future__ import annotations

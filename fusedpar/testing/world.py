@@ -4,23 +4,17 @@
         results = world.run(fn, *args)   # fn(*args) on every rank, results in rank order
 
 Each rank is a process with the default process group initialized (gloo on CPU, NCCL on
-GPUs), reused for every call, so a property test pays the start-up once rather than per
-example; ranks are forked from a process server that imported torch and fusedpar once
-(`_rank_context`), so a restart costs a fork, not the imports. ``fn`` and its arguments
-are pickled, so ``fn`` must be defined at module level. A call fails as a whole: if any
-rank raises, `WorldError` carries every rank's traceback (each distinct one once); if
-the call runs past its timeout, `WorldTimeout` carries every running rank's Python
-stack.
+GPUs), reused for every call; ranks are forked from a process server that imported
+torch and fusedpar once (`_rank_context`). ``fn`` and its arguments are pickled, so
+``fn`` must be defined at module level. If any rank raises, `WorldError` carries every
+rank's traceback; past the timeout, `WorldTimeout` carries every running rank's stack.
 
-One failing test never leaves the next one a group out of step. After a failed call that
-every rank answered (each raised or returned: none hung or died), the ranks check in a
-few milliseconds that they are still in step, and the pool is kept if they are: every
-rank is in the same process groups, issued as many collectives on each in the call and
-made as many groups; every point-to-point send of the call has its receive (same group,
-ranks and tag) and completes; then a barrier on each group completes within
-`CHECK_TIMEOUT_S` (gloo's barrier waits for the collectives still in flight). Otherwise (a
-rank hung or died, the call timed out or was interrupted, the check fails, or on NCCL)
-the pool is killed and started afresh on the next call, seconds per restart.
+One failing test never leaves the next one a group out of step: after a failed call
+every rank answered, the ranks check that they are still in step (the same groups,
+collectives and point-to-point pairs; a barrier on each group within
+`CHECK_TIMEOUT_S`) and the pool is kept; otherwise (a rank hung or died, a timeout, an
+interrupt, a failed check, or NCCL) it is killed and started afresh on the next call.
+docs/testing.md.
 """
 
 from __future__ import annotations
