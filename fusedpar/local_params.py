@@ -10,7 +10,8 @@ return (the same local tensor, placements, shape, stride and dtype), its spec co
 from one kept per (parameter spec, gradient placements; stride, dtype)
 (tests/storage/test_storage.py). Where AccumulateGrad would accumulate that DTensor,
 the node accumulates on the local tensors instead (`_accumulate`); AccumulateGrad still
-runs, with its hooks. The gradients reach autograd together when the module's backward
+runs, with its hooks (a pre-hook on that node itself, which Python cannot list, gets
+None). The gradients reach autograd together when the module's backward
 has made them all, so post-accumulate-grad hooks (`fusedpar.storage`'s, FSDP2's) see
 them in the same backward. While ``torch.compile`` traces, and for a parameter that is
 not a plain DTensor, the parameters go through ``to_local``; in a double backward
@@ -78,8 +79,8 @@ def _accumulate(param, grad: Tensor, spec, placements: tuple, specs: dict, node)
     ``param``'s post-accumulate-grad hooks, which see ``param.grad`` as it would have
     left it. AccumulateGrad's DTensor ``detach`` or ``+=`` went through DTensor's
     dispatch: ~15-20 µs each on the host, ~3 µs here (docs/hot_path.md)."""
-    if param._backward_hooks:  # tensor hooks see the DTensor gradient first
-        return False
+    if param._backward_hooks or getattr(param, "_fusedpar_tied", False):
+        return False  # tensor hooks see the DTensor first; a tied one's are summed first
     try:
         if not torch._C._will_engine_execute_node(node):
             return False  # (``backward(inputs=...)`` without this parameter)

@@ -525,6 +525,8 @@ def distribute(
                 new = nn.Parameter(tensor, requires_grad=param.requires_grad)
                 new._fusedpar_order = next(_order)
                 done[id(param)] = new
+            else:  # tied: its gradients from two modules are summed first, by autograd
+                done[id(param)]._fusedpar_tied = True  # (`fusedpar.local_params`)
             module._parameters[name] = done[id(param)]
             if where.grad_placements != where.placements:  # partial: reduced (`reduce_grad`)
                 partial[id(param)] = done[id(param)]

@@ -286,7 +286,7 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
     def _build(self, spec: AttentionSpec, placement: Placement, device, dtype) -> None:
         """The layer of `spec` on `placement` (`__init__` and `from_spec`): the checks
         that need the groups (heads over TP and Ulysses), then the parameters."""
-        nn.Module.__init__(self)
+        super().__init__()  # (cooperative: a subclass's other bases too)
         self.spec, self.placement = spec, placement
         n_heads, (n_kv_heads, head_dim, rotary_dim, qk_norm) = spec.n_heads, spec.resolved()
         tp_group, ulysses_group = placement.tp_group, placement.ulysses_group

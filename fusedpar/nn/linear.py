@@ -380,7 +380,7 @@ class ParallelSwiGLU(FromSpec, nn.Module):
     def _build(self, spec: MLPSpec, placement: Placement, device, dtype) -> None:
         """The layer of `spec` on `placement`'s ``tp_group`` (`__init__` and
         `from_spec`): the hidden features over the group checked, then the parameters."""
-        nn.Module.__init__(self)
+        super().__init__()  # (cooperative: a subclass's other bases too)
         self.spec, self.placement = spec, placement
         group, self.activation = placement.tp_group, spec.activation
         self.group = group

@@ -169,7 +169,7 @@ class ParallelMLA(FromSpec, RotaryPositions, nn.Module):
         """The layer of `spec` on `placement` (`__init__` and `from_spec`): the checks
         that need the groups (heads over TP and Ulysses, the latent ring's mode), then
         the parameters."""
-        nn.Module.__init__(self)
+        super().__init__()  # (cooperative: a subclass's other bases too)
         self.spec, self.placement = spec, placement
         n_heads, tp_group, ulysses_group = spec.n_heads, placement.tp_group, placement.ulysses_group
         tp = comm.group_size(tp_group)

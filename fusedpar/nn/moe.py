@@ -130,7 +130,7 @@ class MoE(FromSpec, nn.Module):
     def _build(self, spec: MoESpec, placement: Placement, device, dtype) -> None:
         """The layer of `spec` on `placement`'s ``ep_group`` (`__init__` and
         `from_spec`): the experts over the group checked, then the parameters."""
-        nn.Module.__init__(self)
+        super().__init__()  # (cooperative: a subclass's other bases too)
         self.spec, self.placement = spec, placement
         ep_group, num_experts = placement.ep_group, spec.num_experts
         world = comm.group_size(ep_group)

@@ -538,6 +538,21 @@ def _run_local_accumulation_is_autograds():
                 assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements
         return grads, seen
 
+    # a tied parameter (an embedding and its LM head): autograd sums its two gradients,
+    # then adds the sum to .grad (G + (a + b), not (G + a) + b): bit for bit
+    tied_grads = []
+    for way in (counted, lambda *args: False):
+        torch.manual_seed(1)
+        embed, head = nn.Embedding(11, d), nn.Linear(d, 11, bias=False)
+        head.weight = embed.weight
+        tied = fp.distribute(nn.ModuleDict({"embed": embed, "head": head}), mesh, token_axes=())
+        ids = torch.randint(0, 11, (5,))
+        with mock.patch.object(local_params, "_accumulate", way):
+            for _ in range(3):
+                tied["head"](tied["embed"](ids)).logsumexp(-1).sum().backward()
+        tied_grads.append(tied["embed"].weight.grad.to_local())
+    assert torch.equal(*tied_grads) and taken and not any(taken)  # AccumulateGrad's way
+    taken.clear()
     ours, theirs = run(fast, counted), run(slow, lambda *args: False)
     assert ours[1] == theirs[1] and len(ours[1]) == 9, (ours[1], theirs[1])
     assert all(detail for what, _, detail in ours[1] if what == "create_graph")

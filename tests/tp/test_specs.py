@@ -372,3 +372,20 @@ def test_parallelize_builds_its_layers_from_specs(family):
         again = type(layer).from_spec(layer.spec, layer.placement, device="meta")
         shapes = {n: p.shape for n, p in layer.named_parameters()}
         assert shapes == {n: p.shape for n, p in again.named_parameters()}
+
+
+def test_the_layers_initialize_cooperatively():
+    """A subclass with another ``nn.Module`` base gets that base's ``__init__`` too, as the
+    layers' ``super().__init__()`` gave it before they were built from specs."""
+
+    class Mixin(torch.nn.Module):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.mixin_ready = True
+
+    for layer, args in (
+        (fp.nn.ParallelSwiGLU, (8, 16)),
+        (fp.nn.ParallelAttention, (16, 2)),
+        (fp.nn.MoE, (8, 16, 4, 2)),
+    ):
+        assert type("Mixed", (layer, Mixin), {})(*args).mixin_ready, layer.__name__
