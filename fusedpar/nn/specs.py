@@ -258,7 +258,8 @@ class FromSpec:
     def from_spec(cls, spec, placement: Placement | None = None, *, device=None, dtype=None):
         """The layer of `spec` on `placement` (None: one rank, ``fp.Placement()``),
         its parameters initialized as its keyword constructor's (on the meta device:
-        not)."""
+        not). Built without ``__init__``: a subclass that sets state of its own in
+        ``__init__`` sets it in ``_build`` too (after ``super()._build``)."""
         if not isinstance(spec, cls.SPEC):
             raise TypeError(
                 f"{cls.__name__}.from_spec takes a {cls.SPEC.__name__}, got {type(spec).__name__}"
