@@ -483,6 +483,9 @@ def _run_local_accumulation_is_autograds():
         taken.append(accumulate(*args))
         return taken[-1]
 
+    def local_grads(model):  # copies: the next backward accumulates into them
+        return {n: p.grad.to_local().detach().clone() for n, p in model.named_parameters()}
+
     def run(model, accumulate):
         seen = []  # (what, name, detail) in the order the hooks ran
         with mock.patch.object(local_params, "_accumulate", accumulate):
@@ -493,7 +496,7 @@ def _run_local_accumulation_is_autograds():
 
             loss().backward()
             loss().backward()
-            grads = {"twice": {n: p.grad.to_local().clone() for n, p in params.items()}}
+            grads = {"twice": local_grads(model)}
             model.zero_grad()
             got = torch.autograd.grad(loss(), list(params.values()))
             assert all(p.grad is None for p in params.values())  # returned, not accumulated
@@ -510,30 +513,24 @@ def _run_local_accumulation_is_autograds():
                     lambda p, n=n: seen.append(("post", n, p.grad.to_local().sum().item()))
                 )
             loss().backward()
-            grads["hooked"] = {n: p.grad.to_local().clone() for n, p in params.items()}
+            grads["hooked"] = local_grads(model)
             # whole gradients accumulate on the local ones (partial ones were reduced to
             # the parameter's placements: the next is added to that by DTensor, as before)
             plain = plains[model]
             for _ in range(2):
                 plain(x).square().sum().backward()
-            grads["whole, twice"] = {
-                n: p.grad.to_local().clone() for n, p in plain.named_parameters()
-            }
+            grads["whole, twice"] = local_grads(plain)
             plain.zero_grad()
             # compiled autograd traces the backward: AccumulateGrad's way, in its graph
             compiled = torch.compile(backend="eager")
             with torch._dynamo.compiled_autograd._enable(compiled):
                 plain(x).square().sum().backward()
-            grads["compiled autograd"] = {
-                n: p.grad.to_local().clone() for n, p in plain.named_parameters()
-            }
+            grads["compiled autograd"] = local_grads(plain)
             plain.zero_grad()
             # a double backward (the TP layers' ops take none: a plain layer's)
             plain(x).square().sum().backward(create_graph=True)
             seen += [("create_graph", n, p.grad.requires_grad) for n, p in plain.named_parameters()]
-            grads["create_graph"] = {
-                n: p.grad.to_local().detach() for n, p in plain.named_parameters()
-            }
+            grads["create_graph"] = local_grads(plain)
             for p in params.values():
                 assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements
         return grads, seen
