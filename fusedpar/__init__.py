@@ -5,6 +5,7 @@ import importlib
 from fusedpar import checkpoint, checks, comm, nn, ops, pipeline
 from fusedpar.kernels._impl import implementation
 from fusedpar.kernels._impl import summary as implementation_summary
+from fusedpar.kernels.attention import AttentionMask
 from fusedpar.ops import (
     all_gather_matmul,
     flash_attn,
@@ -35,6 +36,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "ParallelDims",
+    "AttentionMask",
     "Placement",
     "all_gather_matmul",
     "checkpoint",

@@ -105,6 +105,25 @@ class Agreement:
     sum_times: Callable[[list[float]], list[float]]
 
 
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """How a launcher's call meets the tuner, one value from the loop that decides it down
+    to `Tuner.run`: `agreement` (the ranks that pick together, or None: a local pick)
+    and `tune_only` (make the pick, on scratch where the call would write, and launch
+    nothing: a ring or TP loop tunes its launches before its first transfer)."""
+
+    agreement: Agreement | None = None
+    tune_only: bool = False
+
+    @property
+    def plain(self) -> bool:
+        """A local pick, launched: what a planned launch may take past the tuner."""
+        return self.agreement is None and not self.tune_only
+
+
+LAUNCH = Launch()  # the default: a local pick, launched
+
+
 @contextlib.contextmanager
 def frozen(where: str, agreement: Agreement | None):
     """Inside, a launch whose pick was not made before, or that names another agreement,

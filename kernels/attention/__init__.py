@@ -40,7 +40,9 @@ from fusedpar.kernels.attention.backward_fused import (
 )
 from fusedpar.kernels.attention.forward import attention_forward, forward_configs
 from fusedpar.kernels.attention.mask import (
+    NO_MASK,
     ORDER_CHUNK,
+    AttentionMask,
     Intervals,
     check_cu_seqlens,
     check_softcap,
@@ -70,10 +72,12 @@ from fusedpar.kernels.attention.reference import (
 __all__ = [
     "FUSED",
     "INTERPRETER_MAX_BLOCK",
+    "NO_MASK",
     "ORDER_CHUNK",
     "SOFTCAP_APPROX",
     "SOFTCAP_EXACT",
     "SPLIT",
+    "AttentionMask",
     "Intervals",
     "attention_backward",
     "attention_backward_dkdv",

@@ -31,16 +31,23 @@ blocks inside every interval run unmasked, the rest are masked element by elemen
 way (document ids by repetition), for the float64 references.
 """
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
+
 # An unbounded side of a window, in the kernels' integer arithmetic: far past any
 # sequence, and i + UNBOUNDED stays inside int32 for i < 2**30.
 UNBOUNDED = 2**30
 _UNBOUNDED = tl.constexpr(UNBOUNDED)
+
+
+def resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
 
 def check_window(window, what: str = "window") -> tuple[int, int]:
@@ -175,6 +182,97 @@ class Intervals:
 
     def batch_stride(self, t: torch.Tensor) -> int:
         return 0 if t.shape[0] == 1 else t.stride(0)
+
+
+# --- the mask as one value, on the host ----------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionMask:
+    """Which keys a query sees and how its scores are shaped, as one frozen value: built
+    once where a user's keywords enter (``fp.flash_attn(q, k, v, causal=True)``, a
+    layer's spec) and passed whole down to the launchers, the plans, the torch
+    implementation and the references.
+
+    | field           | meaning                                                          |
+    | --------------- | ---------------------------------------------------------------- |
+    | `causal`        | a query sees no later key (bottom-right aligned: right side 0)   |
+    | `window`        | ``(left, right)`` keys either side, -1 unbounded (flash-attn's)  |
+    | `softcap`       | scores pass through ``softcap * tanh(s / softcap)``; 0: none     |
+    | `softmax_scale` | the scores' scale; None: ``1 / sqrt(D)``                         |
+    | `sinks`         | (Hq,) one learned logit per query head in every row's softmax    |
+    | `intervals`     | the tensor mode (`Intervals`): packed documents or a ring step's |
+    |                 | block, holding causality and the window (both then unset)        |
+
+    A custom op's schema takes the scalars as one ``float[]`` (`flat` / `from_flat`);
+    the kernels take them as `scalars` and the constexprs `mask_arguments` builds.
+    Compared by identity; `key` is the scalars' hashable form, for plans and caches."""
+
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    softmax_scale: float | None = None
+    sinks: torch.Tensor | None = None
+    intervals: Intervals | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.causal, bool):
+            raise TypeError(f"causal must be a bool, got {self.causal!r}")
+        object.__setattr__(self, "window", check_window(self.window))
+        object.__setattr__(self, "softcap", check_softcap(self.softcap))
+        check_softmax_scale(self.softmax_scale)
+        if self.sinks is not None and not isinstance(self.sinks, torch.Tensor):
+            raise TypeError(f"sinks must be a tensor (Hq,), got {type(self.sinks).__name__}")
+        if self.intervals is not None:
+            if not isinstance(self.intervals, Intervals):
+                raise TypeError(f"intervals must be Intervals, got {type(self.intervals).__name__}")
+            if self.masked:
+                raise ValueError("with intervals, causal and window are part of them: pass "
+                                 "causal=False and no window")  # fmt: skip
+
+    @property
+    def masked(self) -> bool:
+        """Whether causality or the window hides any key (the scalar mode's mask)."""
+        return is_masked(self.causal, self.window)
+
+    def key(self) -> tuple:
+        """The scalars, hashable (plans' signatures, caches); tensors left out."""
+        return (self.causal, self.window, self.softcap, self.softmax_scale)
+
+    def flat(self) -> list[float]:
+        """The scalars as a custom op's ``float[]``: causal, scale (0: the default),
+        left, right, softcap. Ints below 2**53 are exact in a float."""
+        left, right = self.window
+        scale = 0.0 if self.softmax_scale is None else float(self.softmax_scale)
+        return [float(self.causal), scale, float(left), float(right), self.softcap]
+
+    @staticmethod
+    def from_flat(values, sinks=None, intervals=None) -> "AttentionMask":
+        """`flat`'s inverse, with the tensors given beside it."""
+        causal, scale, left, right, softcap = values
+        return AttentionMask(bool(causal), (int(left), int(right)), float(softcap),
+                             None if scale == 0 else float(scale), sinks, intervals)  # fmt: skip
+
+    def scalars(self, Sq: int, Skv: int, D: int) -> tuple[float, float, int, int, int]:
+        """The kernels' ``(qk_scale, cap_in, shift, left, right)``: the scale (with
+        log2(e) folded in, or the cap's in place of it), the cap's input scale, and the
+        scalar mode's bounds (`scalar_bounds`)."""
+        scale = resolve_scale(self.softmax_scale, D)
+        if self.softcap:
+            qk_scale, cap_in = self.softcap * LOG2E, scale / self.softcap
+        else:
+            qk_scale, cap_in = scale * LOG2E, 0.0
+        return (qk_scale, cap_in, *scalar_bounds(self.causal, self.window, Sq, Skv))
+
+    def on_block(self, intervals: Intervals | None) -> "AttentionMask":
+        """This mask for one block in the tensor mode: `intervals` hold causality and
+        the window (None: this mask)."""
+        if intervals is None:
+            return self
+        return replace(self, causal=False, window=(-1, -1), intervals=intervals)
+
+
+NO_MASK = AttentionMask()
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, what: str = "cu_seqlens", *,

@@ -31,15 +31,15 @@ from fusedpar.kernels._common import (
 from fusedpar.kernels._tuning import bucket
 from fusedpar.kernels.attention import torch_impl
 from fusedpar.kernels.attention.mask import (
+    LOG2E,
     block_ranges,
     check_softcap,
     check_softmax_scale,
     is_masked,
+    resolve_scale,
     scalar_bounds,
 )
-from fusedpar.kernels.attention.reference import resolve_scale
 
-LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
 MAX_HEAD_DIM = 256
 # SOFTCAP's values (`softcap_mode`); 0: scores not capped
 SOFTCAP_EXACT, SOFTCAP_APPROX = 1, 2  # (plain ints in the host's meta and keys)

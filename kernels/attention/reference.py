@@ -10,14 +10,8 @@ The mask is `mask.visible_reference`: a dense boolean matrix built
 independently of the intervals the kernels take.
 """
 
-import math
-
 import torch
-from fusedpar.kernels.attention.mask import visible_reference
-
-
-def resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
-    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+from fusedpar.kernels.attention.mask import resolve_scale, visible_reference
 
 
 def reference_scores(q, k, v, *, causal, softmax_scale, window=(-1, -1), softcap=0.0,
