@@ -1,31 +1,22 @@
 """Which implementation computes an op: fusedpar's Triton kernels or PyTorch's own.
 
 Every launcher in `fusedpar.kernels` has, beside its Triton kernel, a torch
-implementation of its whole contract (masks, soft-capping, the ring's fp32 partials and
-accumulation, the MoE modes): never a different answer, only a different speed.
+implementation of its whole contract: never a different answer, only a different speed.
 
-| request    | on CUDA                                                    | on CPU              |
-| ---------- | ---------------------------------------------------------- | ------------------- |
-| ``auto``   | the tuner times the capable candidates per key, Triton's    | torch               |
-|            | tiles and torch, and keeps the fastest (agreed over a group |                     |
-|            | like a tile, frozen inside ring and TP loops)               |                     |
-| ``triton`` | Triton's tiles only                                         | Triton's interpreter |
-| ``torch``  | torch only                                                  | torch               |
+| request    | on CUDA                                                         | on CPU      |
+| ---------- | --------------------------------------------------------------- | ----------- |
+| ``auto``   | the tuner times the capable candidates per key, Triton's tiles  | torch       |
+|            | and torch, keeps the fastest (agreed, frozen in ring/TP loops)  |             |
+| ``triton`` | Triton's tiles only                                             | interpreter |
+| ``torch``  | torch only                                                      | torch       |
 
-The request comes from `implementation` (a context manager, for code) or else the
-``FUSEDPAR_IMPL`` environment variable, read when a launcher runs, never at import;
-``auto`` by default. On a CPU, Triton's kernels run only in its interpreter
-(``TRITON_INTERPRET=1`` before triton is imported): a debugging tool there, not a speed,
-which is why ``auto`` means torch on a CPU.
-
-float64 (a reference model's dtype, a property test's) runs on torch's implementation
-only, on a CPU and on CUDA alike: Triton's kernels take fp16, bf16 and fp32
-(`KERNEL_DTYPES`), so under ``auto`` they are no candidates for it (nothing is timed),
-and an explicit ``triton`` request with float64 is a TypeError (`refuse_float64`), never
-a silent switch. The torch implementation computes float64 in float64 throughout: what
-the contract keeps in fp32 for the other dtypes (LSEs, ring partials, reduce-scatter
-sums, rstd, RoPE tables, the router) is float64 for it
-(`fusedpar.kernels._common.accumulator`).
+The request: `implementation` (a context manager) or else ``FUSEDPAR_IMPL``, read when
+a launcher runs, never at import; ``auto`` by default. A launcher asks `runs_torch`, and
+offers `TORCH` (a `Torch`) to the tuner beside its tiles. float64 runs torch's
+implementation only, in float64 throughout (`fusedpar.kernels._common.accumulator`):
+Triton's kernels take `KERNEL_DTYPES`, and ``triton`` with float64 is a TypeError
+(`refuse_float64`), never a silent switch. Why, and Triton's interpreter on a CPU:
+docs/architecture.md, "Two implementations of every op".
 """
 
 import contextlib

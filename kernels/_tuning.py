@@ -1,35 +1,21 @@
 """Choosing a kernel's tile: one tuner behind every launcher, kept out of the hot loops.
 
-A launcher hands `Tuner.run` a key, the candidate configs and ``launch(config)``; the
-tuner returns the pick for that key, timing every candidate once on a miss:
+A launcher hands `Tuner.run` (``tuner(name)``) a key, the candidate configs and
+``launch(config)``; the tuner returns the pick for that key, timing every candidate once
+on a miss. Keys bucket lengths (`bucket`: the next power of two); buffers the kernel
+reads back (``restore``) are copied aside and put back around the timing; a config that
+does not compile is skipped; a candidate may be `_impl.Torch`, torch's implementation.
+`Launch` says how a call meets the tuner: an `Agreement` (each rank of a group times
+every candidate, the times are summed in one collective, the lowest sum wins: one pick
+on every rank) and ``tune_only`` (pick, launch nothing), with which ring and TP loops
+tune before running inside `frozen()`, where a miss raises. `forced(name, config)` runs
+one config for every key, untimed (tests); `Settled` keeps a planned launch's pick.
 
-| concern            | what the tuner does                                                  |
-| ------------------ | -------------------------------------------------------------------- |
-| keys               | the launcher buckets lengths (`bucket`: the next power of two), so a |
-|                    | growing sequence or token count does not retune every call           |
-| accumulating calls | buffers the kernel reads back (``restore``) are copied aside once    |
-|                    | and put back after timing; the copy is not in the timed region, and  |
-|                    | calls that only write their output copy nothing                      |
-| ranks of a group   | with an `Agreement`, each rank times every candidate, the times are  |
-|                    | summed over the group (one collective) and the lowest sum wins: every |
-|                    | rank gets the same pick, kept in that group's own table              |
-| ring and TP loops  | they tune with ``tune_only`` before the loop and run the loop inside |
-|                    | `frozen()`, where a miss raises instead of timing between transfers  |
-| failures           | a config that does not compile (shared memory, registers) is skipped |
-| implementations    | a candidate may be `_impl.Torch`: the torch implementation, timed    |
-|                    | beside the tiles (``FUSEDPAR_IMPL=auto`` on CUDA)                    |
-| tests              | `forced(name, config)` runs one config for every key, untimed, so   |
-|                    | each config of a list is checked for correctness in turn           |
-
-Environment (read when a pick is made, never at import):
-
-- ``FUSEDPAR_TUNING=first``: take the first candidate without timing (fast test runs);
-- ``FUSEDPAR_TUNING_CACHE=path.json``: keep the picks made without a group in a file,
-  read at first use and rewritten after each new pick (a later process skips the timing);
-- ``TRITON_PRINT_AUTOTUNING=1`` or ``FUSEDPAR_PRINT_TUNING=1``: print each pick with its time.
-
-Kernels know nothing of ``torch.distributed``: the collective behind an `Agreement` is
-built in `fusedpar.comm`.
+Environment, read when a pick is made: ``FUSEDPAR_TUNING=first`` (no timing),
+``FUSEDPAR_TUNING_CACHE=path.json`` (picks made without a group, kept in a file),
+``TRITON_PRINT_AUTOTUNING=1`` or ``FUSEDPAR_PRINT_TUNING=1`` (print each pick). Kernels
+know nothing of ``torch.distributed``: an `Agreement`'s collective is built in
+`fusedpar.comm`. The rules and why: docs/architecture.md, "Tuning".
 """
 
 from __future__ import annotations

@@ -9,16 +9,13 @@ output rounded once):
 | `gated_backward` | gate, up, dh | dgate, dup    | ``dgate = dh * up * act'(gate)``,            |
 |                  |              | (and h)       | ``dup = dh * act(gate)`` (and h again)       |
 
-So a layer saves gate and up, never act(gate) nor h. The layers take these formulas
-inside GEMM epilogues where they can (`fusedpar.kernels.matmul_gated`: the up GEMM writing
-h, dh's GEMM writing dgate, dup and h again); `gated` is the tensor-parallel forward's h
-after the all-gather ring (`fusedpar.ops.gated_down`), and `gated_backward` the same
-gradients apart from any GEMM (the unfused baseline `bench matmul` times, and the tests'
-bit-for-bit twin of the epilogue). Autograd's recompute and backward are five kernels (the
-activation and its backward, three products). The
-MoE experts fuse the same activation into their grouped GEMMs (`moe._swiglu`). On CUDA
-under ``FUSEDPAR_IMPL=auto`` the tuner times each kernel's fixed tile against the torch
-implementation, which closes the file with the float64 reference.
+So a layer saves gate and up, never act(gate) nor h. Where they can, the layers take these
+formulas inside GEMM epilogues (`fusedpar.kernels.matmul_gated`); `gated` is the
+tensor-parallel forward's h after the all-gather ring (`fusedpar.ops.gated_down`), and
+`gated_backward` the same gradients apart from any GEMM (the unfused baseline, and the
+tests' bit-for-bit twin of the epilogue). The torch implementation (timed against the
+fixed tile on CUDA under ``auto``) and the float64 reference close the file. Who calls
+which, and the MoE experts' own activation: docs/elementwise.md.
 """
 
 import math

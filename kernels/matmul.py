@@ -1,5 +1,5 @@
 """Tiled GEMM with strided operands: ``C = A @ B (+ bias)`` or ``C += A @ B (+ bias)``,
-optionally with C's heads rotated (RoPE) in the epilogue.
+optionally with C's heads rotated (RoPE) or a gated activation in the epilogue.
 
 | tensor | shape  | dtype                          | strides   |
 | ------ | ------ | ------------------------------ | --------- |
@@ -8,24 +8,16 @@ optionally with C's heads rotated (RoPE) in the epilogue.
 | bias   | (N,)   | A's or fp32                    | any       |
 | C      | (M, N) | A's or fp32                    | any       |
 
-Any strides means a transposed weight (``weight.T``) is read in place and C can be a
-slice of a larger buffer (a chunk's rows of an all-gathered output). Products accumulate
-in fp32 and are rounded once; with ``accumulate=True`` the old C is added in fp32 before
-that rounding, which is how reduce-scatter partials and weight gradients build up in an
-fp32 buffer.
-
-``rope=RowRotation(cos, sin, ...)`` rotates each head of C (hd = 2 * cos.shape[1] columns)
-by its row's angles before that rounding: a q or k projection leaves the GEMM with its
-rotary embedding applied, one rounding instead of two and no pass of its own (the
-tile then spans whole heads: `rope_epilogue_fits`).
-
-A dense gated MLP's GEMMs run the same kernel with the activation in their epilogues
-(``gated=``): the up GEMM writing ``act(gate) * up`` beside up (`GatedProduct`), the
-backward's dh GEMM ending in dgate and dup (`GatedGrad`), and the gate and up GEMMs as one
-(two B operands against the same A tiles); their launchers are
-`fusedpar.kernels.matmul_gated`. The epilogues are `matmul_epilogue`; the
-checks and per-call plan `matmul_plan`; the torch implementation and the reference
-`matmul_torch`.
+Any strides: a transposed weight (``weight.T``) is read in place, and C can be a slice
+of a larger buffer (a chunk's rows of an all-gathered output). Products accumulate in
+fp32 and are rounded once; ``accumulate=True`` adds the old C in fp32 before that
+rounding (reduce-scatter partials, weight gradients in an fp32 buffer).
+``rope=RowRotation(cos, sin, ...)`` turns C's heads before the rounding
+(`rope_epilogue_fits`); ``gated=`` ends a dense gated MLP's GEMMs in the activation
+(`GatedProduct`) or its gradient (`GatedGrad`), launched by `fusedpar.kernels.matmul_gated`.
+Beside it: the epilogues `matmul_epilogue`, the checks and per-call plan `matmul_plan`,
+the torch implementation and the reference `matmul_torch`. Schedules, tiles and machine
+code: docs/matmul.md.
 """
 
 import functools

@@ -4,35 +4,20 @@ they are done (reduce-scatter), and the small kernels around it.
 
 Rows come in W chunks of m rows (one a rank), A (W*m, K) with chunk c at rows c*m.
 
-| kernel (launcher)    | computes                                   | signals                     |
-| -------------------- | ------------------------------------------ | --------------------------- |
-| `gathered_matmuls`   | ``C_i = A @ B_i + bias_i`` for 1-3 weights | waits for ``flags[c] >= 1`` |
-|                      | (QKV, gate/up: one launch)                 | before each tile of chunk c |
-| `partial_matmuls`    | ``P = sum_i A_i @ B_i`` (1-3 pairs), fp32  | ``counts[c] += 1`` after    |
-|                      | or the reduce dtype                        | each tile of chunk c        |
-| `sum_partials`       | ``out = sum_s P_s + bias``, rounded once   | waits for ``flags[s] >= 1`` |
-| `wait_count`         | (one program, for a copy stream)           | waits for ``counts[c] >= n``|
+| kernel (launcher)  | computes, and its signal                                              |
+| ------------------ | --------------------------------------------------------------------- |
+| `gathered_matmuls` | ``C_i = A @ B_i + bias_i``, 1-3 weights; a tile of chunk c waits for  |
+|                    | ``flags[c] >= 1``                                                     |
+| `partial_matmuls`  | ``P = sum_i A_i @ B_i`` (1-3 pairs), fp32 or the reduce dtype; each   |
+|                    | tile of chunk c does ``counts[c] += 1``                               |
+| `sum_partials`     | ``out = sum_s P_s + bias``, rounded once; waits for ``flags[s] >= 1`` |
+| `wait_count`       | one program, for a copy stream: waits for ``counts[c] >= n``          |
 
-Tiles go in arrival order: the all-gather's chunks from this rank's own (already there)
-through rank + 1, rank + 2, ... (the copy engine pulls them in that order); the
-reduce-scatter's from rank + 1's rows to this rank's own last, so the first partial can
-leave while the rest are computed. A tile's chunk is read through 3-D descriptors
-(W, m, K) that end at the chunk's last row: a tile never reads rows of another chunk.
-
-**Waits.** A wait is one acquire load of the flag per tile (``ld.acquire``, every
-thread), before its K loop (never inside it); a tile whose chunk is not there spins. A
-spin that outlasts ``wait_ns`` (the GPU's global timer) writes (op, rank, chunk) into
-`status`, pinned host memory the host's watchdog reads (`fusedpar.symmetric`), and stops
-the kernel with a trap: the message names the rank, the chunk and the op, and nothing
-goes on with a missing chunk. **Counts** are released after a CTA barrier, so a reader
-that acquires ``counts[c] == n`` sees every tile of chunk c.
-
-The persistent loop is not flattened: with tiles and K steps as one pipelined loop
-(matmul's schedule) the pipeliner would issue a tile's first loads before its wait.
-
-In Triton's interpreter (one program at a time) a wait cannot be met by a producer, so
-the launchers require the flags set before the launch; the timer, fences and trap are
-GPU-only (``ON_GPU``).
+Tiles go in arrival order (all-gather: this rank's chunk, then rank + 1, ...;
+reduce-scatter: rank + 1's rows first, this rank's own last). A wait that outlasts
+``wait_s`` (the GPU's global timer) writes (op, rank, chunk) into `status`, pinned host
+memory the watchdog reads (`fusedpar.symmetric`), and traps. How the waits, counts and
+loop are built, and the interpreter's rule: docs/tensor_parallel.md.
 """
 
 import torch

@@ -1,29 +1,23 @@
-"""Mixture-of-experts token dispatch: metadata and the grouped expert GEMMs.
+"""Mixture-of-experts: the grouped expert GEMMs over tokens dispatched to experts.
 
-Routing sends each of T tokens to k experts: P = T * k (token, slot) pairs. The pairs are
-put in a stable expert-major order; expert e owns the rows ``offsets[e]:offsets[e + 1]``
-of that order, and the pairs a capacity limit drops sort last, past ``offsets[E]``: no
-kernel reads or writes those rows (their values are unspecified), so no count has to
-reach the host.
+Each of T tokens goes to k experts: P = T * k (token, slot) pairs in a stable expert-major
+order; expert e owns rows ``offsets[e]:offsets[e + 1]``; pairs a capacity limit drops sort
+last, past ``offsets[E]``, where no kernel reads or writes (no count reaches the host).
 
-| function                    | computes                                                 |
-| --------------------------- | -------------------------------------------------------- |
-| `grouped_matmul`            | ``y[p] = x[rows[p]] @ w[e].T (+ b[e])`` (the gather in   |
-|                             | the loads, the bias in the epilogue)                     |
-| `grouped_swiglu`            | ``a[p] = act(h1[p], h3[p])``, ``h1, h3 = x[rows[p]] @    |
-|                             | w1[e].T, w3[e].T (+ b1[e], b3[e])``: one gather of x, one |
-|                             | product whose tiles take half their columns from each    |
-|                             | weight; act is silu(h1) * h3 or gpt-oss's clamped SwiGLU |
-| `grouped_swiglu_backward`   | ``dh1, dh3`` from ``da = d_out[p] @ w2[e]`` and the saved |
-|                             | h1, h3; a again (for w2's gradient)                      |
-| `grouped_swiglu_input_grad` | ``dx[p] = dh1[p] @ w1[e] + dh3[p] @ w3[e]``              |
+| function                    | computes                                                        |
+| --------------------------- | --------------------------------------------------------------- |
+| `grouped_matmul`            | ``y[p] = x[rows[p]] @ w[e].T (+ b[e])`` (the gather in the      |
+|                             | loads, the bias in the epilogue)                                |
+| `grouped_swiglu`            | ``a = act(h1, h3)`` (`ACTIVATIONS`), h1 and h3 being            |
+|                             | ``x[rows[p]] @ w1[e].T, w3[e].T (+ b1[e], b3[e])``, one product |
+| `grouped_swiglu_backward`   | ``dh1, dh3`` from ``da = d_out[p] @ w2[e]`` and the saved h1,   |
+|                             | h3; a again (for w2's gradient)                                 |
+| `grouped_swiglu_input_grad` | ``dx[p] = dh1[p] @ w1[e] + dh3[p] @ w3[e]``                     |
 
-The weights' gradients (`grouped_weight_grad`) live in `fusedpar.kernels.moe_weight_grad`;
-the metadata (`dispatch_metadata`, `offsets`), permute and combine (`gather_rows`,
-`combine`, `combine_weight_grad`) in `fusedpar.kernels.moe_permute`. Every sum runs in a
-fixed order inside one program: no floating-point atomics, so results are bitwise
-reproducible, and they do not depend on the tile the tuner picks (see `BLOCK_K`).
-Accumulation is fp32. A plain-PyTorch reference of each kernel closes the file.
+The weights' gradients are `fusedpar.kernels.moe_weight_grad`'s; the metadata, permute and
+combine `fusedpar.kernels.moe_permute`'s. Sums accumulate in fp32 in a fixed order inside
+one program (no atomics: bitwise reproducible, whatever tile the tuner picks: `BLOCK_K`);
+plain-PyTorch references close the file. Layout and why: docs/expert_parallel.md.
 """
 
 import math

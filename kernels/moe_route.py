@@ -1,9 +1,8 @@
 """MoE routing, forward and backward: one row kernel each, fp32, from the router's logits.
 
-A program holds whole rows of the logits (T, E): the scores, the top-k and the weights
-of a token come from one read of its row, in place of PyTorch's softmax, topk, gather
-and renormalizing sum and division (and their backwards: a scatter, the division's,
-the softmax's), each an op of its own (host time) and a pass over (T, E) (GPU time).
+A program holds whole rows of the logits (T, E): a token's scores, top-k and weights come
+from one read of its row, in place of PyTorch's softmax, topk, gather, sum and division
+(and their backwards), each an op (host time) and a pass over (T, E) (GPU time).
 
 | function               | computes                                                       |
 | ---------------------- | -------------------------------------------------------------- |
@@ -15,11 +14,10 @@ the softmax's), each an op of its own (host time) and a pass over (T, E) (GPU ti
 |                        | ``weights = probs[ids]`` (T, k), renormalized to sum to 1 with |
 |                        | ``norm`` (top-1: exactly 1, whose gradient is exactly 0)       |
 | `route_top_k_backward` | ``dlogits`` from ``dweights`` (T, k) and ``dprobs`` (T, E),    |
-|                        | either absent: the chain rule as autograd runs it, in the same |
-|                        | order (renormalization, scatter, softmax's or sigmoid's)       |
+|                        | either absent: the chain rule in autograd's order              |
 
-On CUDA under ``FUSEDPAR_IMPL=auto`` the tuner times each kernel's fixed tile against
-the torch implementation, which with the float64 reference closes the file.
+The torch implementation and the float64 reference close the file; on CUDA under
+``FUSEDPAR_IMPL=auto`` the tuner times each kernel's fixed tile against torch's.
 """
 
 import torch

@@ -3,30 +3,21 @@
 Rows are the last dim of x (..., D); ``w' = offset + weight`` (offset 0: Llama's
 RMSNorm; 1: Gemma's, whose weight starts at zero).
 
-| function               | computes                                                        |
-| ---------------------- | --------------------------------------------------------------- |
-| `rms_norm`             | ``y = x * rstd * w'``, ``rstd = 1 / sqrt(mean(x^2) + eps)`` (fp32) |
-| `rms_norm_backward`    | ``dx = rstd * (g - x * rstd^2 * mean(g * x))``, ``g = dy * w'``; |
-|                        | ``dweight = sum_rows dy * x * rstd``                            |
-| ``rope=(cos, sin)``    | the forward rotates y (`fusedpar.kernels.rope`'s pairs ``i``,    |
-|                        | ``i + r/2``) before storing it; the backward rotates dy back     |
-|                        | first (the transpose): x (S, ..., D), cos, sin (S, r/2) fp32      |
+| function            | computes                                                           |
+| ------------------- | ------------------------------------------------------------------ |
+| `rms_norm`          | ``y = x * rstd * w'``, ``rstd = 1 / sqrt(mean(x^2) + eps)`` (fp32) |
+| `rms_norm_backward` | ``dx = rstd * (g - x * rstd^2 * mean(g * x))``, ``g = dy * w'``;   |
+|                     | ``dweight = sum_rows dy * x * rstd``                               |
+| ``rope=(cos, sin)`` | the forward rotates y (`fusedpar.kernels.rope`'s pairs ``i``,      |
+|                     | ``i + r/2``) before storing it; the backward rotates dy back       |
+|                     | first (the transpose): x (S, ..., D), cos, sin (S, r/2) fp32       |
 
-The rotation is the q/k head norm's (Qwen3, Gemma 3): RoPE follows it, and joined they
-are one pass over q (or k) each way where apart they were two, with one rounding. A dim
-turns with its partner (``i +- r/2``, itself past r), which the program reads again from
-the row it has just read (a cache hit, no extra pass): ``y' = y cos + partner(y) sin``
-with sin negated on the first half, and ``dy = dy' cos - partner(dy') sin``.
-
-The backward needs x and rstd only (one fp32 per row), not the normalized rows, and eps:
-with D = 1 the bracket is ``g * (1 - xhat^2) = g * eps * rstd^2``, which the general form
-would reach by cancelling ``1 - xhat^2`` in fp32 (up to ~50 ulps of dx where x^2 >> eps;
-PyTorch's autograd cancels alike, and CI's random draws caught ours at 3.7x its error). The
-weight's gradient is summed without atomics: each backward program adds its rows'
-contributions in fp32 into its own row of a (programs, D) buffer, and the launcher sums
-that buffer's rows in a fixed order: two runs give the same bits. On CUDA under
-``FUSEDPAR_IMPL=auto`` the tuner times each kernel's fixed tile against the torch
-implementation, which with the float64 reference closes the file.
+The backward reads x, rstd (one fp32 per row) and eps, not the normalized rows; with
+D = 1 its bracket is ``g * eps * rstd^2`` (the general form would cancel in fp32). The
+weight's gradient takes no atomics: each program adds its rows into its own row of a
+(programs, D) fp32 buffer, which the launcher sums in a fixed order (the same bits each
+run). The torch implementation (timed against the fixed tile on CUDA under ``auto``) and
+the float64 reference close the file. Why, and the rotation: docs/elementwise.md.
 """
 
 import math

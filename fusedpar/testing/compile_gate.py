@@ -1,51 +1,23 @@
 """The compile and resource gate: build Triton kernels for real GPUs on a machine with none.
 
-The interpreter forgives what the GPU compiler rejects (non-power-of-2 ``arange``, dot
-tiles under 16, unsupported ops), and it says nothing of registers, spills or shared
-memory. The gate compiles kernels to cubin for a compute capability and reads what each
-build uses:
-
-| quantity          | source                                                             |
-| ----------------- | ------------------------------------------------------------------ |
-| registers         | ``REG`` of ``cuobjdump --dump-resource-usage`` (shipped with Triton) |
-| spill bytes       | ``STACK + LOCAL`` of the same: the per-thread stack frame holds the |
-|                   | spills (ptxas -v: a 120 B frame for 116 B of spill stores)         |
-| shared memory     | ``compiled.metadata.shared`` (the dynamic part the launch asks for) |
-|                   | plus cuobjdump's static ``SHARED``                                 |
-
-| ptxas notes       | ``ptxas -v``'s log (``TRITON_DUMP_PTXAS_LOG``): ``C7515``, ``C7511``|
-|                   | ... mean the wgmma were serialized                                 |
-| hot loop          | the SASS (``cuobjdump -sass``), read by `machine_code.hot_loop`     |
-
-``n_regs``/``n_spills`` of a compiled kernel are filled in only when a driver loads the
-binary (a GPU), in triton 3.6 and 3.9 alike, so they are not used here.
-
-**Results are cached by build.** A build's key is Triton's own cache key (the kernel's
-source and everything it calls, the specialisation, the options, the Triton and ptxas
-versions) plus the source of the readers here; `run_cases` takes the cached results
-(``docs/generated/resources.json`` in this repository) and compiles only the cases whose
-key is not there, so a change rebuilds only what it touches.
-
-**Cases come from the launchers' own calls.** A case names a *scenario*: a function that
-calls a public launcher on small CPU tensors. The gate runs it with every
-``kernel[grid](...)`` recorded instead of launched (`recording_launches`), then binds the
-recorded arguments exactly as ``JITFunction.run`` does, so each build has the launcher's
-real specialisation: 16-byte aligned pointers and integers divisible by 16 carry the
-divisibility attribute, integers equal to 1 (unit strides, a GQA group of 1) become
-constants, Python floats are fp32. A case may swap the recorded tile for another config
-(``config``), which is how every tuning config of a kernel is built. A case is a dict::
+The interpreter forgives what the GPU compiler rejects and says nothing of registers,
+spills or shared memory; the gate compiles each case to cubin for a compute capability,
+reading what the build uses (`compile_launch`, `run_case`): registers, spilled bytes,
+shared memory, ptxas's notes and the SASS hot loop (`machine_code`). `run_cases` runs
+them in fresh processes without ``TRITON_INTERPRET``, compiling only the cases whose key
+(Triton's cache key plus the readers' source) is not in the cache (`load_cache`). A
+case's *scenario* calls a public launcher on small CPU tensors under
+`recording_launches`; the recorded launch is built with a GPU's specialisation::
 
     {"name": "attention-fwd-bf16-d128-...",            # unique, the test id
      "scenario": "test_compile_gate:attention_forward",  # module:function
      "params": {"dtype": "bfloat16", "head_dim": 128},   # JSON, passed as keyword args
-     "kernel": "_attn_fwd_kernel",                        # which recorded launch to build:
-     "match": {"CAUSAL": True},                           # the first of that kernel whose
-                                                          # keyword arguments match (optional)
+     "kernel": "_attn_fwd_kernel",                        # the recorded launch to build:
+     "match": {"CAUSAL": True},                           # the first that matches (optional)
      "config": {"BLOCK_M": 128, "num_warps": 8, ...},    # or None: the recorded tile
      "cap": 90}
 
-It must run where ``TRITON_INTERPRET`` is unset (the interpreter replaces the jit object
-at decoration time), so `run_cases` compiles in a fresh process, with a pool of workers.
+What is read from where, and the specialisation: docs/testing.md, "Adding a kernel to the gate".
 """
 
 import contextlib

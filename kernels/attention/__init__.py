@@ -1,21 +1,16 @@
 """Flash attention: the Triton kernels, their launchers, torch's implementation and the
-references, as one subpackage (``fusedpar.kernels.attention``).
+references, as one subpackage (``fusedpar.kernels.attention``; docs/attention.md).
 
-| module           | holds                                                            |
-| ---------------- | ---------------------------------------------------------------- |
-| `forward`        | the forward kernel (and its merge into ring partials), the       |
-|                  | launcher `attention_forward`                                     |
-| `backward`       | the split backward: the dK/dV and dQ kernels and launchers       |
-| `backward_fused` | the fused backward (dQ added from the dK/dV kernel) and          |
-|                  | `attention_backward`, the choice of the two                      |
-| `mask`           | masks as key intervals in global coordinates (`Intervals`)       |
-| `plan`           | the launchers' host side: checks, `mask_arguments`, the plans    |
-|                  | kept per call signature, `launch` through the tuner              |
-| `merge`          | two partials merged through their LSE (`merge_attention`), and   |
-|                  | the backward's delta (`attention_delta`)                         |
-| `torch_impl`     | the launchers' torch implementation, and PyTorch's own kernels   |
-|                  | (SDPA's flash and cuDNN) as the tuner's candidates               |
-| `reference`      | the plain, differentiable PyTorch references of the tests        |
+| module           | holds                                                                      |
+| ---------------- | -------------------------------------------------------------------------- |
+| `forward`        | the forward kernel (and its merge into ring partials), `attention_forward` |
+| `backward`       | the split backward: the dK/dV and dQ kernels and launchers                 |
+| `backward_fused` | the fused backward, and `attention_backward`: the choice of the two        |
+| `mask`           | masks (`AttentionMask`) as key intervals (`Intervals`), global coordinates |
+| `plan`           | the launchers' host side: checks, mask arguments, plans, the launch        |
+| `merge`          | two partials merged through their LSE, and the backward's delta            |
+| `torch_impl`     | torch's implementation, and SDPA's kernels as the tuner's candidates       |
+| `reference`      | the plain, differentiable PyTorch references of the tests                  |
 
 The names the rest of fusedpar (and its tests and benchmarks) uses are re-exported here;
 a module's settings (``backward.SPLIT_BELOW_PROGRAMS``, ``torch_impl.CUDA_SCORES_LIMIT``)

@@ -1,31 +1,23 @@
-"""Flash attention: blockwise ``softmax(Q K^T * scale) V`` with an online softmax.
+"""Flash attention's forward: blockwise ``softmax(Q K^T * scale) V`` with an online softmax.
 
-| tensor     | shape            | dtype                               |
-| ---------- | ---------------- | ----------------------------------- |
+| tensor     | shape             | dtype                              |
+| ---------- | ----------------- | ---------------------------------- |
 | q          | (B, Sq, Hq, D)    | fp16, bf16 or fp32, any strides    |
 | k          | (B, Skv, Hkv, D)  | q's; Hq % Hkv == 0 (GQA / MQA)     |
 | v          | (B, Skv, Hkv, Dv) | q's; Dv may differ from D (MLA)    |
 | o          | (B, Sq, Hq, Dv)   | q's or fp32 (ring partials)        |
 | lse        | (B, Hq, Sq)       | fp32, natural log                  |
 
-Query head h reads KV head ``h // (Hq / Hkv)``; KV is never repeated. The mask (causal,
-a sliding window, packed documents) is one key interval per query row, in global
-coordinates (`fusedpar.kernels.attention.mask`): blocks outside every row's interval are
-skipped, blocks inside all of them run unmasked. A row that sees no key gets output 0
-and LSE -inf. ``softcap`` caps the scaled scores at ``softcap * tanh(S / softcap)``.
-
-| pass     | math (S = scale * Q K^T, masked)                                  |
-| -------- | ----------------------------------------------------------------- |
-| forward  | ``P = softmax(S)``, ``O = P V``, ``LSE = logsumexp(S)``           |
-| merge    | (ring steps) ``O, LSE`` folded into the fp32 ``out, lse`` given,  |
-|          | through the LSE (`fusedpar.kernels.attention.merge`)              |
-| delta    | ``delta = rowsum(dO * O) - dLSE``                                 |
-| backward | ``dV = P^T dO``, ``dS = P * (dO V^T - delta)``,                   |
-|          | ``dQ = scale * dS K``, ``dK = scale * dS^T Q`` (summed over a group) |
-
-The backward kernels live in `fusedpar.kernels.attention.backward`; P is recomputed
-there from the LSE (no S x S storage). The kernels work in
-base 2 (``exp2`` with log2(e) folded into the scale); the LSE is natural at the boundary.
+``P = softmax(S)``, ``O = P V``, ``LSE = logsumexp(S)``, with S = scale * Q K^T capped
+(``softcap * tanh(S / softcap)``) and masked: one key interval per query row, in global
+coordinates (`fusedpar.kernels.attention.mask`); blocks outside every row's interval are
+skipped, blocks inside all of them run unmasked, a row that sees no key gets 0 and LSE
+-inf. Query head h reads KV head ``h // (Hq / Hkv)``; KV is never repeated. With
+``merge=True`` (ring steps) the kernel folds its O, LSE into the fp32 ``out, lse`` given,
+through the LSE (`fusedpar.kernels.attention.merge`). It works in base 2 (``exp2``,
+log2(e) folded into the scale); the LSE is natural at the boundary. The launcher is
+`attention_forward`; the backward (`backward`) recomputes P from the LSE. The masks,
+numerics, tiles and machine code: docs/attention.md.
 """
 
 import torch

@@ -1,33 +1,23 @@
-"""Merge two attention partials through their LSE, in place: the ring's combine step.
+"""Merge two attention partials through their LSE, in place; and the backward's delta.
 
-Two results of softmax attention over disjoint key sets, ``(o_a, lse_a)`` and
-``(o_b, lse_b)``, combine exactly into the result over the union:
+Results of softmax attention over disjoint key sets combine exactly into the union's
+(`merge_partials`: the forward's epilogue under ``merge=True``, and `merge_attention`):
 
     lse = log(exp(lse_a) + exp(lse_b))
     o   = (o_a * exp(lse_a - lse) + o_b * exp(lse_b - lse))
 
-computed around ``m = max(lse_a, lse_b)`` so nothing overflows. The formula is
-symmetric (the order of merging does not matter), a side with ``lse = -inf`` (no key)
-drops out exactly (its weight is 0 and the other's is exp(0) = 1), and two empty sides
-give output 0 and ``lse = -inf``, never NaN.
+computed around ``max(lse_a, lse_b)``; symmetric, a side with ``lse = -inf`` drops out
+exactly, two empty sides give 0 and ``-inf``, never NaN.
 
-| tensor          | shape        | dtype                       |
-| --------------- | ------------ | --------------------------- |
-| out (updated)   | (B, S, H, D) | fp32, any strides           |
-| lse (updated)   | (B, H, S)    | fp32, any strides           |
+| tensor          | shape        | dtype                        |
+| --------------- | ------------ | ---------------------------- |
+| out (updated)   | (B, S, H, D) | fp32, any strides            |
+| lse (updated)   | (B, H, S)    | fp32, any strides            |
 | block_out       | (B, S, H, D) | any float dtype, any strides |
-| block_lse       | (B, H, S)    | fp32                        |
+| block_lse       | (B, H, S)    | fp32                         |
 
-The ring no longer calls this kernel: the forward kernel merges its block into the
-running result in its epilogue (``attention_forward(..., merge=True)``), through the
-same `merge_partials` below. `merge_attention` stays as a building block for partials
-computed elsewhere (and as the isolated test of that math).
-
-The second half of this module is ``delta = rowsum(dO * O) - dLSE``, the attention
-backward's per-row term: one kernel and its launcher (`attention_delta`). The split
-backward's dQ kernel makes delta itself as it starts; this launch serves the fused
-backward, which needs every row's delta before its first program, and the ring's ranks
-whose own block is skipped.
+`attention_delta`: ``delta = rowsum(dO * O) - dLSE``, for the fused backward and the ring
+ranks whose own block is skipped. Who calls which, and why: docs/attention.md.
 """
 
 import torch

@@ -1,47 +1,22 @@
-"""The attention launchers' torch implementation: the kernels' whole contract in PyTorch.
+"""The attention launchers' torch implementation, and PyTorch's own kernels as candidates.
 
-The launchers of `forward` and `backward` call these when the torch
-implementation is chosen (`fusedpar.kernels._impl`): the same arguments, the same
-buffers written, the same masks (causal, windows, packed documents and ring blocks as
-key intervals), soft-capping, the ring's fp32 partials merged through the LSE and its
-gradients added into fp32 buffers. Scores are formed in fp32 (from fp16/bf16 inputs
-too) as one (Sq, Skv) matrix per head: memory grows with Sq * Skv, which is what a CPU
-run of a test or a small model needs, and what the tuner's capability check keeps a
-CUDA launch under. float64 inputs (this implementation's alone) are computed in float64
-throughout: every fp32 above (scores, LSE, partials, delta) is float64 for them
-(`fusedpar.kernels._common.accumulator`).
+The launchers call these when the torch implementation is chosen (`fusedpar.kernels._impl`):
+the same arguments, buffers and contract (masks as key intervals, soft-capping, the
+ring's fp32 partials merged and gradients added). Scores are one fp32 (Sq, Skv) matrix
+per head (float64 for float64 inputs): memory grows with Sq * Skv (`CUDA_SCORES_LIMIT`).
 
 | function        | computes                                                          |
 | --------------- | ----------------------------------------------------------------- |
 | `forward`       | ``out, lse`` of ``softmax(S) V``, or merged into the given fp32   |
 | `backward_dq`   | ``dQ = scale * dS K`` (written, or added)                         |
 | `backward_dkdv` | ``dK = scale * dS^T Q``, ``dV = P^T dO``, summed over a GQA group |
-| `delta`         | ``rowsum(dO * O)``                                                |
-| `merge`         | ``merge_attention``: two partials through their LSE               |
+| `delta`         | ``rowsum(dO * O)``; `merge`: ``merge_attention``'s               |
 
-with ``S`` the scaled (and capped) scores, masked to -inf, ``P = exp(S - LSE)`` and
-``dS = P * (dO V^T - delta)`` (times ``1 - tanh^2`` when capped).
-
-The second half of this module: PyTorch's own fused attention ops as candidates of
-fusedpar's attention launchers (`forward_candidates`, `backward_candidates`). SDPA's
-flash and cuDNN backends, called through the aten ops that return the LSE (their
-shapes, dtypes and returns are those of torch's meta registrations and
-``native_functions.yaml``), for the calls they compute exactly. The tuner times them
-beside the Triton tiles under ``FUSEDPAR_IMPL=auto`` and keeps the fastest; one that
-raises (a shape or layout the op refuses) is never picked.
-
-| candidate  | aten ops (and their ``_backward``)     | LSE returned  | heads          | D      |
-| ---------- | -------------------------------------- | ------------- | -------------- | ------ |
-| sdpa-flash | ``_scaled_dot_product_flash_attention`` | (B, H, Sq)    | Hkv divides Hq | <= 256 |
-| sdpa-cudnn | ``_scaled_dot_product_cudnn_attention`` | (B, H, Sq, 1) | Hq == Hkv      | <= 128 |
-
-What they compute exactly: 16-bit q, k, v on CUDA; no soft-capping; no mask, or causal
-with Sq == Skv (their causal mask is aligned top-left, ours bottom-right: the two agree
-only there), so every row sees a key. The forward writes out in q's dtype, fresh (a
-ring step merging into fp32 partials is not theirs); the backward writes new gradients
-in q's dtype and takes no LSE gradient (theirs makes delta from out alone). Their
-tensors are (B, H, S, D): ours (B, S, H, D) transposed, not copied. Both ops are
-non-deterministic in dQ (atomics), so a ``deterministic`` backward never takes them.
+with ``P = exp(S - LSE)``, ``dS = P * (dO V^T - delta)`` (times ``1 - tanh^2`` capped).
+Then SDPA's flash and cuDNN kernels (`FLASH`, `CUDNN`: the aten ops that return the LSE)
+as the tuner's candidates (`forward_candidates`, `backward_candidates`) for the calls
+they compute exactly (16-bit on CUDA, no softcap, no mask or causal with Sq == Skv), on
+(B, H, S, D) views of ours. Their rules: docs/attention.md, "Two implementations".
 """
 
 from dataclasses import dataclass
