@@ -2,7 +2,7 @@
 fusedpar/ and kernels/, which installs as fusedpar.kernels): no private name imported
 across a boundary, no import inside a function to dodge a cycle, no import cycle at all,
 ``import fusedpar`` leaves the test harness unloaded, and every module docstring of
-fusedpar/ says what its module is for in a few lines.
+fusedpar/ and kernels/ says what its module is for in a few lines.
 
 A boundary: kernels/ is one package; fusedpar/ops, nn, plan, integrations and testing
 are each one; every top-level fusedpar/*.py module is its own. What a module shares
@@ -205,17 +205,15 @@ def test_import_fusedpar_leaves_the_harness_unloaded():
 # A module docstring says what the module is for, its entry points and shapes; its history
 # and the longer story belong in docs/ and commit messages.
 DOCSTRING_LINES = 20
-# Not held to it: sources that are part of the compile gate's cache keys (its own key's
-# source, and Triton's keys, which include line numbers), so an edit there rebuilds the
-# gate's cache. kernels/ is checked as a folder, these two files by path.
-LONG_DOCSTRING_ALLOWED = ("fusedpar/testing/machine_code.py", "fusedpar/testing/compile_gate.py")
+# A temporary exception, owned by the mask change (AttentionMask): removed once it lands.
+LONG_DOCSTRING_ALLOWED = ("kernels/attention/mask.py",)
 
 
 def test_module_docstrings_are_short():
     long = {}
     for path in FILES.values():
         where = path.relative_to(ROOT).as_posix()
-        if where.startswith("kernels/") or where in LONG_DOCSTRING_ALLOWED:
+        if where in LONG_DOCSTRING_ALLOWED:
             continue
         doc = ast.get_docstring(ast.parse(path.read_text(), str(path)))
         if doc is not None and len(doc.splitlines()) > DOCSTRING_LINES:
