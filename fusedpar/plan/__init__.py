@@ -13,7 +13,8 @@ import torch
 
 from fusedpar.plan.accounting import POLICIES, Local, stage_saved
 from fusedpar.plan.devices import DEVICES, Device
-from fusedpar.plan.estimate import Estimate, estimate, latent_ring
+from fusedpar.plan.estimate import Estimate, estimate
+from fusedpar.plan.memory import latent_ring
 from fusedpar.plan.model import PRESETS, ModelSpec, from_hf_config, model_spec
 from fusedpar.plan.search import SearchResult, search
 

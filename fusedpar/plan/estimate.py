@@ -1,5 +1,5 @@
-"""One layout's estimate: memory by part (from `accounting`, which the tests hold equal to
-the code), traffic and collectives per mesh axis, and the step time.
+"""One layout's estimate: memory by part (`memory`, from `accounting`, which the tests hold
+equal to the code), traffic and collectives per mesh axis (`traffic`), and the step time.
 
 The time model, per rank and microbatch, for each block of its stages: GEMMs at the
 measured TFLOP/s of the nearest shape (bench/results/<device>/matmul.json, else a
@@ -24,19 +24,16 @@ from functools import lru_cache
 
 import torch
 
-from fusedpar.nn.mla import latent_moves_less
 from fusedpar.parallel import ParallelDims
-from fusedpar.pipeline import check_pipeline, stage_count, stages_of
+from fusedpar.pipeline import check_pipeline, stage_count
 from fusedpar.plan import accounting as acc
-from fusedpar.plan import devices, traffic
-from fusedpar.plan.model import ModelSpec, model_spec
-from fusedpar.plan.schedule import in_flight, simulate
+from fusedpar.plan import devices, memory, traffic
+from fusedpar.plan.memory import REDUCE_BYTES, PipelineRank, element_bytes, latent_ring
+from fusedpar.plan.model import model_spec
+from fusedpar.plan.schedule import simulate, simulated_count
 
 LATENCY_S = {"nvlink": 10e-6, "network": 25e-6}  # per collective
 DP_SHARDING = ("zero3", "zero2", "zero1")
-# FSDP2 as torchtitan runs it: MixedPrecisionPolicy(param_dtype=the compute dtype,
-# reduce_dtype=float32): parameters gathered in the compute dtype, gradients reduced fp32
-REDUCE_BYTES = 4
 AXES = ("pp", "dp", "cp", "ulysses", "tp")
 
 
@@ -103,49 +100,21 @@ class Estimate:
         }
 
 
-def _bytes(dtype: torch.dtype) -> int:
-    return torch.finfo(dtype).bits // 8
+@dataclass(frozen=True)
+class StepOptions:
+    """A step's choices beyond the layout and the sizes, `estimate`'s keywords of these
+    names made once (`document_len` None: each sequence one document)."""
 
-
-def rank_stages(spec: ModelSpec, dims: ParallelDims, schedule: str | None, per_rank: int = 2):
-    """Per pipeline rank: (its layers, holds the embedding, holds the head, its stages)."""
-    if dims.pp == 1:
-        return [(list(range(spec.n_layers)), True, True, 1)]
-    num = stage_count(schedule, dims.pp, per_rank)
-    per_stage = spec.n_layers // num
-    out = []
-    for rank in range(dims.pp):
-        stages = stages_of(schedule, rank, dims.pp, num // dims.pp)
-        layers = [i for s in stages for i in range(s * per_stage, (s + 1) * per_stage)]
-        out.append((layers, 0 in stages, num - 1 in stages, len(stages)))
-    return out
-
-
-def state_bytes(spec, dims, layers, first, last, *, param_dtype, optimizer) -> dict:
-    """Parameters, gradients and optimizer state of a rank holding `layers` (FSDP2 over
-    dp: each tensor's dim 0 padded and split)."""
-    numel = tensors = 0
-    for moe, count in Counter(spec.is_moe(i) for i in layers).items():  # alike by kind
-        layer = next(i for i in layers if spec.is_moe(i) == moe)
-        shapes = [s for s, _ in acc.layer_tensors(spec, layer, dims.tp, dims.ep_size)]
-        numel += count * sum(acc.fsdp_numel(s, dims.dp) for s in shapes)
-        tensors += count * len(shapes)
-    ends = acc.model_end_tensors(spec, first=first, last=last)
-    numel += sum(
-        acc.fsdp_numel((n // spec.d_model, spec.d_model) if n > spec.d_model else (n,), dims.dp)
-        for n, _ in ends
-    )
-    tensors += len(ends)
-    p = _bytes(param_dtype)
-    states = {"adamw": 2 * numel * p + 4 * tensors, "sgd": 0}
-    if optimizer not in states:
-        raise ValueError(f"optimizer must be one of {list(states)}, got {optimizer!r}")
-    return {
-        "parameters": numel * p,
-        "gradients": numel * p,
-        "optimizer": states[optimizer],
-        "numel": numel,
-    }
+    microbatches: int
+    schedule: str | None
+    stages_per_rank: int
+    checkpointing: str
+    dp_sharding: str
+    optimizer: str
+    param_dtype: torch.dtype
+    overlap: str
+    elementwise_passes: float
+    document_len: int | None
 
 
 def link_of(dims: ParallelDims, axis: str, gpus_per_node: int) -> str:
@@ -198,9 +167,10 @@ def _gemm_s(dev, rows, out, inner) -> float:
     return 2 * rows * out * inner / (tflops * 1e12)
 
 
-def block_times(spec, layer, z: acc.Local, dev, clock: _Clock, policy, knobs) -> tuple:
+def block_times(spec, layer, z: acc.Local, clock: _Clock, opts: StepOptions) -> tuple:
     """(forward s, backward s, GEMM+attention FLOPs fwd) of one block, one microbatch,
-    exposed communication included (timed on `clock`)."""
+    exposed communication included (timed on `clock`, on its device)."""
+    dev, policy = clock.dev, opts.checkpointing
     d, hd, hv, e = spec.d_model, spec.head_dim, spec.v_dim, z.e
     hq, hkv = z.heads(spec)
     moe = spec.is_moe(layer)
@@ -224,14 +194,14 @@ def block_times(spec, layer, z: acc.Local, dev, clock: _Clock, policy, knobs) ->
         flops += 2 * z.m * (inputs + 1) * h * d
     gemm = qkv + o + mlp_in + mlp_out
     # attention: causal, zigzag-balanced: each query sees half its document on average
-    document = min(knobs.get("document_len") or z.seq, z.seq)
+    document = min(opts.document_len or z.seq, z.seq)
     att_flops = 2 * z.a * (document / 2) * hq * (hd + hv)
     att_rate, _ = devices.attention_tflops(dev, document, hd, True)
     attention = 3.5 * att_flops / (att_rate * 1e12)  # fwd + bwd, at the fwd+bwd rate
     att_f, att_b = attention / 3.5, attention * 2.5 / 3.5
     flops += att_flops
     saved = acc.block_saved(spec, layer, z, "none")
-    elementwise = knobs["passes"] * saved / (dev.hbm_tbps * 1e12)
+    elementwise = opts.elementwise_passes * saved / (dev.hbm_tbps * 1e12)
     fwd = gemm + att_f + elementwise
     bwd = 2 * gemm + att_b + 2 * elementwise
     if policy == "selective":  # what `fp.checkpoint_policy` recomputes (recompute.py)
@@ -249,7 +219,7 @@ def block_times(spec, layer, z: acc.Local, dev, clock: _Clock, policy, knobs) ->
             t_b = clock.comm(
                 "tp", volume * (1 + 4 / e if gathered_input else 1), calls=1 + gathered_input
             )
-            if knobs["overlap"] == "serial":
+            if opts.overlap == "serial":
                 fwd, bwd = fwd + t_f, bwd + t_b
             else:
                 fwd += max(0.0, t_f - gemm_s) + t_f / z.tp
@@ -356,55 +326,27 @@ def estimate(
         dims.ulysses,
         dims.tp,
         dims.ep_size,
-        _bytes(dtype),
+        element_bytes(dtype),
         latent_ring=latent_ring(spec, dims, cp_ring),
+    )
+    opts = StepOptions(
+        microbatches=microbatches,
+        schedule=schedule,
+        stages_per_rank=stages_per_rank,
+        checkpointing=checkpointing,
+        dp_sharding=dp_sharding,
+        optimizer=optimizer,
+        param_dtype=param_dtype,
+        overlap=overlap,
+        elementwise_passes=elementwise_passes,
+        document_len=document_len,
     )
     est = Estimate(
         spec.name, dims, seq_len, micro_batch, microbatches, schedule, checkpointing, dp_sharding
     )
     est.experts, est.stages_per_rank = spec.num_experts, stages_per_rank
-    ranks = rank_stages(spec, dims, schedule, stages_per_rank)
-    peaks = saved_peaks(
-        spec,
-        dims,
-        z,
-        checkpointing,
-        schedule,
-        microbatches,
-        stages_per_rank,
-        packed=document_len is not None,
-    )
-    best = None
-    for rank, (layers, first, last, _) in enumerate(ranks):
-        mem = state_bytes(
-            spec, dims, layers, first, last, param_dtype=param_dtype, optimizer=optimizer
-        )
-        per_mb = acc.stage_saved(spec, layers, z, checkpointing, first=first, last=last)
-        mem["activations"] = per_mb
-        # the pipeline's: held stage-microbatches beyond this rank's one of each stage
-        mem["in_flight"] = max(0, peaks[rank] - per_mb)
-        mem["buffers"] = _buffers(spec, dims, z, layers, last, param_dtype)
-        if dims.dp > 1 and dp_sharding != "zero3":  # unsharded parameters (and gradients)
-            whole = mem["numel"] * dims.dp
-            mem["buffers"] += whole * z.e
-            if dp_sharding == "zero1":
-                mem["gradients"] = whole * 4
-        recompute = 0
-        if checkpointing != "none" and layers:
-            recompute = max(acc.block_saved(spec, i, z) for i in layers)
-        mem["peak"] = (
-            mem["parameters"]
-            + mem["gradients"]
-            + mem["optimizer"]
-            + per_mb
-            + mem["in_flight"]
-            + mem["buffers"]
-            + recompute
-        )
-        mem.pop("numel")
-        if best is None or mem["peak"] > best["peak"]:
-            best = mem
-    est.memory = best
+    ranks = memory.rank_stages(spec, dims, schedule, stages_per_rank)
+    best = est.memory = memory.largest(spec, dims, z, ranks, opts)
     est.fits = best["peak"] <= memory_margin * dev.memory_bytes
     if not est.fits:
         short = best["peak"] - memory_margin * dev.memory_bytes
@@ -413,46 +355,12 @@ def estimate(
             f"(peak {best['peak'] / 1e9:.1f} GB, {memory_margin:.0%} of "
             f"{dev.memory_gb:g} GB usable)"
         )
-    knobs = {
-        "overlap": overlap,
-        "dp_sharding": dp_sharding,
-        "passes": elementwise_passes,
-        "optimizer": optimizer,
-        "document_len": document_len or seq_len,
-    }
-    _time(est, spec, dims, z, dev, ranks, gpus_per_node, knobs, stages_per_rank, param_dtype)
+    _time(est, spec, z, _Clock(dev, dims, gpus_per_node), ranks, opts)
     for group in est.traffic:  # the link of its outermost axis
         names = group.split(" x ")
         axes = [a for name in names for a in (dims.ep_axes if name == "ep" else (name,))]
         est.links[group] = link_of(dims, min(axes, key=AXES.index), gpus_per_node)
     return est
-
-
-def _ledger(spec, dims, z, ranks, rank, m, *, schedule, per_rank, param_dtype, sharding, policy):
-    """The collectives of one step on pipeline rank `rank` (`traffic.step`, the ledger
-    tests/plan/test_plan.py holds equal to a real step's)."""
-    layers, first, last, _ = ranks[rank]
-    stages = stage_ranks = None
-    if dims.pp > 1:
-        per = stage_count(schedule, dims.pp, per_rank) // dims.pp
-        stage_ranks = {s: r for r in range(dims.pp) for s in stages_of(schedule, r, dims.pp, per)}
-        stages = [s for s, r in stage_ranks.items() if r == rank]
-    ledger = traffic.step(
-        spec,
-        dims,
-        z,
-        layers,
-        first,
-        last,
-        m,
-        stages=stages,
-        stage_ranks=stage_ranks,
-        grad_bytes=REDUCE_BYTES,
-        gather_bytes=z.e,
-        dp_sharding=sharding,
-        policy=policy,
-    )
-    return ledger
 
 
 def _round(x: float) -> float:
@@ -463,18 +371,6 @@ def _round(x: float) -> float:
 # words an optimizer step reads and writes a parameter: AdamW p, g, m, v in and p, m, v
 # out; plain SGD p, g in and p out
 OPTIMIZER_WORDS = {"adamw": 7, "sgd": 3}
-SIMULATED_MICROBATCHES = 32  # beyond: the steady state's, extrapolated (1F1B-like schedules)
-
-
-def _simulated(schedule, pp, microbatches, per_rank) -> int:
-    """The microbatch count simulated for `microbatches`: itself up to
-    SIMULATED_MICROBATCHES (or 4 per stage), else the largest valid count below."""
-    stages = stage_count(schedule, pp, per_rank)
-    cap = max(SIMULATED_MICROBATCHES, 4 * stages)
-    if microbatches <= cap or schedule in ("GPipe", "LoopedBFS"):  # they hold them all
-        return microbatches
-    step = pp if schedule == "Interleaved1F1B" else 1
-    return cap - cap % step
 
 
 @lru_cache(maxsize=4096)
@@ -482,7 +378,7 @@ def _pipeline(schedule, pp, microbatches, per_rank, backward, send) -> tuple[flo
     """(step / forward, bubble) of the schedule at these ratios to the forward's time
     (`schedule.simulate`; a step's time scales with the three). Past the simulated count
     each microbatch adds its stages' forward and backward to the step."""
-    simulated = _simulated(schedule, pp, microbatches, per_rank)
+    simulated = simulated_count(schedule, pp, microbatches, per_rank)
     per_rank_stages = stage_count(schedule, pp, per_rank) // pp
     timing = simulate(
         schedule,
@@ -499,116 +395,58 @@ def _pipeline(schedule, pp, microbatches, per_rank, backward, send) -> tuple[flo
     return step, 1 - busy / step
 
 
-def latent_ring(spec, dims, cp_ring: str = "auto") -> bool:
-    """Whether MLA's ring moves the latent (`ParallelMLA`'s choice on a GPU)."""
-    if cp_ring not in ("auto", "latent", "expanded"):
-        raise ValueError(f"cp_ring must be 'auto', 'latent' or 'expanded', got {cp_ring!r}")
-    if not spec.mla or dims.cp == 1 or dims.ulysses > 1 or cp_ring == "expanded":
-        return False
-    return cp_ring == "latent" or latent_moves_less(
-        spec.n_heads // dims.tp,
-        spec.head_dim - spec.rope_dim,
-        spec.rope_dim,
-        spec.v_dim,
-        spec.kv_lora_rank,
-    )
-
-
-def saved_peaks(
-    spec, dims, z, policy, schedule, microbatches, per_rank=2, *, packed: bool = False
-) -> list[int]:
-    """Per pipeline rank: the most bytes of saved activations it holds at once in a step,
-    the (stage, microbatch) pairs its schedule keeps in flight each counted at its stage's
-    `stage_saved`, what they share (`stage_shared`; nothing when `packed` documents give
-    each microbatch its own positions) once; one microbatch's without a pipeline (each
-    microbatch's backward frees what its forward saved before the next one runs)."""
-    if dims.pp == 1:
-        return [acc.stage_saved(spec, range(spec.n_layers), z, policy, first=True, last=True)]
-    num = stage_count(schedule, dims.pp, per_rank)
-    size = spec.n_layers // num
-    stage_bytes = {}
-    for s in range(num):
-        layers = range(s * size, (s + 1) * size)
-        saved = acc.stage_saved(spec, layers, z, policy, first=s == 0, last=s == num - 1)
-        shared = 0 if packed else acc.stage_shared(spec, layers, z, policy)
-        stage_bytes[s] = (saved - shared, shared)
-    simulated = _simulated(schedule, dims.pp, microbatches, per_rank)
-    peaks = in_flight(schedule, dims.pp, simulated, per_rank, stage_bytes)
-    return [peaks[r] for r in range(dims.pp)]
-
-
-def _buffers(spec, dims, z, layers, last, param_dtype) -> int:
-    """Transient buffers (an estimate, not held exact by a test): FSDP's gathered block
-    (this one and the prefetched next, in the compute dtype: `REDUCE_BYTES`'s note) and
-    its unsharded fp32 gradient;
-    TP's gathered input; the ring's K/V blocks in flight; the head's logits."""
-    out = 0
-    if dims.dp > 1 and layers:
-        block = max(
-            sum(math.prod(s) for s, _ in acc.layer_tensors(spec, i, dims.tp, dims.ep_size))
-            for i in {spec.is_moe(i): i for i in layers}.values()
-        )
-        out += block * (2 * z.e + REDUCE_BYTES)  # two gathered blocks, one's gradient
-    if dims.tp > 1:
-        out += z.m * spec.d_model * z.e
-    if dims.cp > 1:
-        hq, hkv = z.heads(spec)
-        out += 2 * z.a * hkv * (spec.head_dim + spec.v_dim) * (z.e + 4)
-    if last:
-        out += z.n * spec.vocab * (z.e + 4)
-    return out
-
-
-def _time(est, spec, dims, z, dev, ranks, gpn, knobs, per_rank, param_dtype) -> None:
-    """Fills est.times, traffic, collectives, step time, tokens/s, MFU."""
-    clock = _Clock(dev, dims, gpn)
+def _time(est, spec, z, clock: _Clock, ranks: list[PipelineRank], opts: StepOptions) -> None:
+    """Fills est.times, traffic, collectives, step time, tokens/s, MFU (on `clock`'s
+    device and links)."""
+    dev, dims = clock.dev, clock.dims
     fb, flops_rank = [], []
-    for layers, _first, last, n_stages in ranks:
+    for rank in ranks:
         f = b = flops = 0.0
-        for moe, count in Counter(spec.is_moe(i) for i in layers).items():
-            layer = next(i for i in layers if spec.is_moe(i) == moe)  # one of the kind
-            bf, bb, fl = block_times(spec, layer, z, dev, clock, est.checkpointing, knobs)
+        for moe, count in Counter(spec.is_moe(i) for i in rank.layers).items():
+            layer = next(i for i in rank.layers if spec.is_moe(i) == moe)  # one of the kind
+            bf, bb, fl = block_times(spec, layer, z, clock, opts)
             f, b, flops = f + count * bf, b + count * bb, flops + count * fl
-        if last:
+        if rank.last:
             head = _gemm_s(dev, z.n, spec.vocab, spec.d_model)
             f, b, flops = f + head, b + 2 * head, flops + 2 * z.n * spec.vocab * spec.d_model
+        n_stages = len(rank.stages)
         fb.append((f / n_stages, b / n_stages))
         flops_rank.append(flops)
-    m = est.microbatches
+    m = opts.microbatches
     worst = max(range(len(ranks)), key=lambda r: sum(fb[r]))
     f, b = fb[worst]
     if dims.pp > 1:
         send = clock.comm("pp", z.n * spec.d_model * z.e, calls=1, kind="p2p")
-        _, bubble = _pipeline(est.schedule, dims.pp, m, per_rank, _round(b / f), _round(send / f))
+        ratios = _round(b / f), _round(send / f)
+        _, bubble = _pipeline(opts.schedule, dims.pp, m, opts.stages_per_rank, *ratios)
         # the worst rank's own work, stretched by the simulated bubble (rounding the
         # ratios moves the bubble a little, never the work)
-        pipeline = m * ranks[worst][3] * (f + b) / (1 - bubble)
+        pipeline = m * len(ranks[worst].stages) * (f + b) / (1 - bubble)
         est.times["bubble"] = bubble
     else:
-        pipeline = m * (f + b) * ranks[0][3]
-    layers, first, last, _ = ranks[worst]
-    state = state_bytes(
-        spec, dims, layers, first, last, param_dtype=param_dtype, optimizer=knobs["optimizer"]
+        pipeline = m * (f + b) * len(ranks[0].stages)
+    state = memory.state_bytes(
+        spec, dims, ranks[worst], param_dtype=opts.param_dtype, optimizer=opts.optimizer
     )
-    ledger = _ledger(
+    # the collectives of one step on the worst rank (the ledger tests/plan/test_plan.py
+    # holds equal to a real step's)
+    ledger = traffic.step(
         spec,
         dims,
         z,
-        ranks,
-        worst,
+        ranks[worst],
         m,
-        schedule=est.schedule,
-        per_rank=per_rank,
-        param_dtype=param_dtype,
-        sharding=knobs["dp_sharding"],
-        policy=est.checkpointing,
+        policy=opts.checkpointing,
+        dp_sharding=opts.dp_sharding,
+        grad_bytes=REDUCE_BYTES,
+        gather_bytes=z.e,
     )
     exposed = 0.0
     if dims.dp > 1:  # FSDP2: the parameters gathered, the gradients reduce-scattered
-        sharding = knobs["dp_sharding"]
+        sharding = opts.dp_sharding
         gathers = {"zero3": 2 * m, "zero2": m, "zero1": 1}[sharding]
         scatters = 1 if sharding == "zero1" else m
-        blocks = max(len(layers), 1)
+        blocks = max(len(ranks[worst].layers), 1)
         unsharded = state["numel"] * dims.dp
         ag = clock.comm("dp", gathers * unsharded * z.e, calls=gathers * blocks)
         rs = clock.comm("dp", scatters * unsharded * REDUCE_BYTES, calls=scatters * blocks)
@@ -625,8 +463,8 @@ def _time(est, spec, dims, z, dev, ranks, gpn, knobs, per_rank, param_dtype) -> 
         for kind, axes in ledger.bytes
         if kind == "all_reduce"
     )
-    words = OPTIMIZER_WORDS[knobs["optimizer"]]
-    optimizer_s = words * _bytes(param_dtype) * state["numel"] / (dev.hbm_tbps * 1e12)
+    words = OPTIMIZER_WORDS[opts.optimizer]
+    optimizer_s = words * element_bytes(opts.param_dtype) * state["numel"] / (dev.hbm_tbps * 1e12)
     est.step_time_s = pipeline + exposed + reduce_s + optimizer_s
     est.times.update(
         {

@@ -109,6 +109,21 @@ def actions(
     }
 
 
+SIMULATED_MICROBATCHES = 32  # the planner's: beyond, the steady state's (1F1B-like schedules)
+
+
+def simulated_count(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 2) -> int:
+    """The microbatch count the planner simulates for `microbatches`: itself up to
+    SIMULATED_MICROBATCHES (or 4 per stage), else the largest valid count below (a step's
+    later microbatches repeat the steady state; GPipe and LoopedBFS hold them all)."""
+    stages = stage_count(schedule, pp, stages_per_rank)
+    cap = max(SIMULATED_MICROBATCHES, 4 * stages)
+    if microbatches <= cap or schedule in ("GPipe", "LoopedBFS"):
+        return microbatches
+    step = pp if schedule == "Interleaved1F1B" else 1
+    return cap - cap % step
+
+
 def in_flight(
     schedule: str,
     pp: int,

@@ -20,6 +20,7 @@ import math
 from collections import Counter
 
 from fusedpar.plan import accounting as acc
+from fusedpar.plan.memory import PipelineRank
 
 ACCUMULATE = 4  # fp32 partial sums
 
@@ -178,25 +179,22 @@ def step(
     spec,
     dims,
     z: acc.Local,
-    layers,
-    first: bool,
-    last: bool,
+    rank: PipelineRank,
     microbatches: int,
     *,
-    stages=None,
-    stage_ranks=None,
+    policy: str = "none",
+    dp_sharding: str = "zero3",
     grad_bytes: int = 4,
     gather_bytes: int | None = None,
     cpu_checks: bool = False,
-    dp_sharding: str = "zero3",
-    policy: str = "none",
 ) -> Ledger:
-    """One rank's collectives in a step: `microbatches` of its blocks `layers` (and the
-    embedding / head), the pipeline's sends between its `stages` (`stage_ranks`: each
-    stage's pipeline rank), the gradients' reductions. With dp > 1, FSDP2 over dp, each
-    block a unit and the root another, resharding as `dp_sharding` says (`estimate`),
-    gathering `gather_bytes` an element (a MixedPrecisionPolicy's param_dtype; default
-    `grad_bytes`: the parameters as held) and reducing `grad_bytes`."""
+    """One pipeline rank's collectives in a step: `microbatches` of its blocks (and the
+    embedding / head: `rank`, as `memory.rank_stages` gives it), the pipeline's sends
+    between its stages and other ranks', the gradients' reductions. With dp > 1, FSDP2
+    over dp, each block a unit and the root another, resharding as `dp_sharding` says
+    (`estimate`), gathering `gather_bytes` an element (a MixedPrecisionPolicy's
+    param_dtype; default `grad_bytes`: the parameters as held) and reducing `grad_bytes`."""
+    layers, first, last = rank.layers, rank.first, rank.last
     ledger = Ledger(dims)
     fsdp = dims.dp > 1
     kinds = Counter(spec.is_moe(i) for i in layers)
@@ -213,12 +211,12 @@ def step(
         for key in one.counts:
             ledger.counts[key] += one.counts[key] * count * microbatches
             ledger.bytes[key] += one.bytes[key] * count * microbatches
-    if dims.pp > 1 and stages:
-        me, last_stage = stage_ranks[stages[0]], len(stage_ranks) - 1
+    if dims.pp > 1:
+        owner, me = rank.stage_ranks, rank.stage_ranks[rank.stages[0]]
         hidden = z.n * spec.d_model * z.e
-        for s in stages:
+        for s in rank.stages:
             for neighbour in (s - 1, s + 1):
-                if 0 <= neighbour <= last_stage and stage_ranks[neighbour] != me:
+                if 0 <= neighbour < len(owner) and owner[neighbour] != me:
                     _p2p(ledger, "pp", hidden, microbatches)  # activation or its gradient
     if spec.hf and last and dims.pp == 1:  # `parallelize`'s loss: (sum, count) in fp32
         for axis in ("cp", "ulysses", "tp"):

@@ -126,9 +126,8 @@ def _step(kw: dict, moe: bool, ep=None, schedule=None, policy="none") -> dict:
     """On each rank, after two training steps (the blocks checkpointed under `policy`):
     the parameters, gradients and AdamW state it holds, the collectives of the second
     step (`Collectives`) and the most saved bytes it held at once, real and planned."""
-    from fusedpar.pipeline import stages_of
     from fusedpar.plan import traffic
-    from fusedpar.plan.estimate import rank_stages, saved_peaks, state_bytes
+    from fusedpar.plan.memory import rank_stages, saved_peaks, state_bytes
     from fusedpar.testing.collectives import Collectives
 
     cfg = _config(moe)
@@ -179,7 +178,7 @@ def _step(kw: dict, moe: bool, ep=None, schedule=None, policy="none") -> dict:
     spec = plan.model_spec(cfg)
     # (every dp rank takes this batch of 4 here)
     z = plan.Local(SEQ, 4 // microbatches, dims.cp, dims.ulysses, dims.tp, dims.ep_size, 4)
-    layers, first, last, _ = rank_stages(spec, dims, schedule)[pp_rank]
+    rank = rank_stages(spec, dims, schedule)[pp_rank]
     peak = None  # FSDP2 saves its gathered weights too; EP in a pipeline: `check_peaks`
     if dims.dp == 1 and not (dims.pp > 1 and dims.ep_size > 1):
         views = tokens.nbytes + labels.nbytes if dims.pp > 1 else 0  # the ids and labels (int64)
@@ -188,27 +187,9 @@ def _step(kw: dict, moe: bool, ep=None, schedule=None, policy="none") -> dict:
             saved_peaks(spec, dims, z, policy, schedule, microbatches)[pp_rank],
             views,
         )
-    stage_ranks = None
-    if dims.pp > 1:
-        stage_ranks = {s: r for r in range(dims.pp) for s in stages_of(schedule, r, dims.pp, 2)}
-    stages = stages_of(schedule, pp_rank, dims.pp, 2) if dims.pp > 1 else None
-    ledger = traffic.step(
-        spec,
-        dims,
-        z,
-        layers,
-        first,
-        last,
-        microbatches,
-        stages=stages,
-        stage_ranks=stage_ranks,
-        cpu_checks=True,
-        policy=policy,
-    )
+    ledger = traffic.step(spec, dims, z, rank, microbatches, policy=policy, cpu_checks=True)
     counts, nbytes = ledger.by_group_size()
-    state = state_bytes(
-        spec, dims, layers, first, last, param_dtype=torch.float32, optimizer="adamw"
-    )
+    state = state_bytes(spec, dims, rank, param_dtype=torch.float32, optimizer="adamw")
     state.pop("numel")
     return {
         "peak": peak,

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import noop_context_fn
 import fusedpar as fp
 from fusedpar import plan
 from fusedpar.plan.accounting import POLICIES
-from fusedpar.plan.estimate import state_bytes
+from fusedpar.plan.memory import PipelineRank, state_bytes
 from fusedpar.testing import Collectives, SavedActivations
 
 pytest.importorskip("transformers", reason="the [test] extra installs transformers")
@@ -101,9 +101,8 @@ def _measure(case: str, dtype) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     optimizer.step()
     state = held_state(model, optimizer)
-    planned = state_bytes(
-        spec, dims, range(spec.n_layers), True, True, param_dtype=dtype, optimizer="adamw"
-    )
+    whole = PipelineRank(tuple(range(spec.n_layers)), first=True, last=True)
+    planned = state_bytes(spec, dims, whole, param_dtype=dtype, optimizer="adamw")
     planned.pop("numel")
     return {"saved": got, "planned": want, "state": state, "planned_state": planned}
 
@@ -127,9 +126,8 @@ def _step(
     the collectives of the last step and the most saved bytes it held at once in it;
     real and planned. (The first call holds `parallelize`'s once-only checks, a
     pipeline's first step its shape inference.)"""
-    from fusedpar.pipeline import stages_of
     from fusedpar.plan import traffic
-    from fusedpar.plan.estimate import latent_ring, rank_stages, saved_peaks
+    from fusedpar.plan.memory import latent_ring, rank_stages, saved_peaks
 
     family, changes = CASES[case]
     if schedule == "Interleaved1F1B":  # two stages a rank, a layer each
@@ -167,13 +165,11 @@ def _step(
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn}
         )
-    pp_rank, stages, stage_ranks = 0, None, None
+    pp_rank = 0
     if dims.pp > 1:
         pipe = fp.pipeline.split(model, dims, mesh, schedule=schedule, microbatches=microbatches)
         model = pipe.model
         pp_rank = fp.comm.group_rank(dims.groups(mesh)["pp"])
-        stages = stages_of(schedule, pp_rank, dims.pp, 2)
-        stage_ranks = {s: r for r in range(dims.pp) for s in stages_of(schedule, r, dims.pp, 2)}
 
         def forward_backward():
             pipe.step(ids, target=ids)
@@ -204,7 +200,7 @@ def _step(
         4,
         latent_ring=latent_ring(spec, dims, cp_ring),
     )
-    layers, first, last, _ = rank_stages(spec, dims, schedule)[pp_rank]
+    rank = rank_stages(spec, dims, schedule)[pp_rank]
     peak = None  # FSDP2 saves its gathered weights too; EP in a pipeline: `check_peaks`
     if dims.dp == 1 and not (dims.pp > 1 and dims.ep_size > 1):
         views = 2 * ids.nbytes if dims.pp > 1 else 0  # the ids and labels (int64)
@@ -213,22 +209,8 @@ def _step(
             saved_peaks(spec, dims, z, policy, schedule, microbatches)[pp_rank],
             views,
         )
-    ledger = traffic.step(
-        spec,
-        dims,
-        z,
-        layers,
-        first,
-        last,
-        microbatches,
-        stages=stages,
-        stage_ranks=stage_ranks,
-        cpu_checks=True,
-        policy=policy,
-    )
-    state = state_bytes(
-        spec, dims, layers, first, last, param_dtype=torch.float32, optimizer="adamw"
-    )
+    ledger = traffic.step(spec, dims, z, rank, microbatches, policy=policy, cpu_checks=True)
+    state = state_bytes(spec, dims, rank, param_dtype=torch.float32, optimizer="adamw")
     state.pop("numel")
     return {
         "peak": peak,
