@@ -13,8 +13,9 @@ tuner returns the pick for that key, timing every candidate once on a miss:
 | ranks of a group   | with an `Agreement`, each rank times every candidate, the times are  |
 |                    | summed over the group (one collective) and the lowest sum wins: every |
 |                    | rank gets the same pick, kept in that group's own table              |
-| ring and TP loops  | they tune with ``tune_only`` before the loop and run the loop inside |
-|                    | `frozen()`, where a miss raises instead of timing between transfers  |
+| ring and TP loops  | they tune before the loop (a `Launch` with ``tune_only``) and run    |
+|                    | the loop inside `frozen()`, where a miss raises instead of timing    |
+|                    | between transfers                                                    |
 | failures           | a config that does not compile (shared memory, registers) is skipped |
 | implementations    | a candidate may be `_impl.Torch`: the torch implementation, timed    |
 |                    | beside the tiles (``FUSEDPAR_IMPL=auto`` on CUDA)                    |
@@ -229,14 +230,15 @@ class Tuner:
         *,
         device: torch.device,
         restore: Sequence[torch.Tensor] = (),
-        agreement: Agreement | None = None,
-        tune_only: bool = False,
+        launch_as: Launch = LAUNCH,
     ) -> triton.Config:
         """Launch with the pick for `key` (timing the configs ``candidates()`` lists first
-        on a miss: they are built only then, not on every launch). With `tune_only`, make
-        the pick if missing and launch nothing more. A candidate may be `_impl.Torch`
-        (``launch`` then runs the torch implementation); the implementation asked for
-        (`_impl.requested`) is part of the key."""
+        on a miss: they are built only then, not on every launch). `launch_as` (`Launch`):
+        the group that picks together, and with ``tune_only`` make the pick if missing and
+        launch nothing more. A candidate may be `_impl.Torch` (``launch`` then runs the
+        torch implementation); the implementation asked for (`_impl.requested`) is part of
+        the key."""
+        agreement, tune_only = launch_as.agreement, launch_as.tune_only
         key = _full_key(key)
         config = (_FORCED.get() or {}).get(self.name)
         if config is not None:
