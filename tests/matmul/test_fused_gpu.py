@@ -108,7 +108,6 @@ _STOPPED = """
 import torch
 from fusedpar import symmetric
 from fusedpar.kernels import matmul_fused as mf
-from fusedpar.kernels._tuning import Launch
 x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
 w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
 flags = torch.tensor([1, 0], dtype=torch.int32, device="cuda")  # chunk 1 never comes
