@@ -51,6 +51,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from fusedpar.kernels._tuning import LAUNCH
 
 from bench.common import (
     GRAPH_TIMING,
@@ -84,13 +85,12 @@ def torch_gemm(
     accumulate=False,
     out_dtype=None,
     rope=None,
-    agreement=None,
-    tune_only=False,
+    launch_as=LAUNCH,
 ):
     """The GEMM callback of the ring pipelines, done by torch (for the CPU comparison):
     `matmul`'s signature, with nothing to tune (and no rotation: the bench asks none)."""
     assert rope is None
-    if tune_only:
+    if launch_as.tune_only:
         return None
     if accumulate:
         out.addmm_(a, b)

@@ -215,14 +215,15 @@ class Tuner:
         *,
         device: torch.device,
         restore: Sequence[torch.Tensor] = (),
-        agreement: Agreement | None = None,
-        tune_only: bool = False,
+        launch_as: Launch = LAUNCH,
     ) -> triton.Config:
         """Launch with the pick for `key` (timing the configs ``candidates()`` lists first
-        on a miss: they are built only then, not on every launch). With `tune_only`, make
-        the pick if missing and launch nothing more. A candidate may be `_impl.Torch`
-        (``launch`` then runs the torch implementation); the implementation asked for
-        (`_impl.requested`) is part of the key."""
+        on a miss: they are built only then, not on every launch). `launch_as` (`Launch`):
+        the group that picks together, and with ``tune_only`` make the pick if missing and
+        launch nothing more. A candidate may be `_impl.Torch` (``launch`` then runs the
+        torch implementation); the implementation asked for (`_impl.requested`) is part of
+        the key."""
+        agreement, tune_only = launch_as.agreement, launch_as.tune_only
         key = _full_key(key)
         config = (_FORCED.get() or {}).get(self.name)
         if config is not None:

@@ -36,7 +36,7 @@ from fusedpar.kernels._common import (
     sm_count,
     tma_paths,
 )
-from fusedpar.kernels._tuning import Agreement, bucket
+from fusedpar.kernels._tuning import LAUNCH, Launch, bucket
 from fusedpar.kernels.matmul_epilogue import epilogue, gated_epilogue, output_target
 from fusedpar.kernels.matmul_plan import (
     MAX_PLANS,
@@ -404,8 +404,7 @@ def matmul(
     out_dtype: torch.dtype | None = None,
     rope: RowRotation | None = None,
     gated: GatedProduct | GatedGrad | None = None,
-    agreement: Agreement | None = None,
-    tune_only: bool = False,
+    launch_as: Launch = LAUNCH,
 ) -> torch.Tensor | None:
     """``C = A @ B (+ bias)``, or ``C += A @ B (+ bias)`` with ``accumulate=True``; with
     `rope`, C's heads rotated at their rows' positions before C is rounded
@@ -416,11 +415,13 @@ def matmul(
     a (M, K), b (K, N), bias (N,), out (M, N): any strides, no copies. ``out`` defaults to
     a new tensor of ``out_dtype`` (A's dtype unless given: A's or float32). Returns C.
 
-    The tile is tuned per (M bucket, N, K, dtypes, flags); `agreement` makes the ranks
-    of a group pick the same one, and ``tune_only`` only makes the pick (on scratch
-    buffers, nothing written, returns None; a gated epilogue writes its given outputs,
-    which the call that follows writes again): the TP rings do so before their loops.
+    The tile is tuned per (M bucket, N, K, dtypes, flags); `launch_as` (`Launch`): its
+    ``agreement`` makes the ranks of a group pick the same one, and ``tune_only`` only
+    makes the pick (on scratch buffers, nothing written, returns None; a gated epilogue
+    writes its given outputs, which the call that follows writes again): the TP rings do
+    so before their loops.
     """
+    tune_only = launch_as.tune_only
     request = _impl.requested()
     # (an explicit "triton" request of a kernel dtype runs the kernels: no call to decide it)
     if (request != "triton" or a.dtype == torch.float64) and _impl.runs_torch(a, request):
@@ -441,7 +442,7 @@ def matmul(
         matmul_torch(a, b, bias, out, accumulate, rope, gated)
         return out
     plan = _plan(a, b, bias, out, accumulate, out_dtype, tune_only, rope, None, gated)
-    if agreement is None and not tune_only:
+    if launch_as.plain:
         done = launch_planned(plan, request, a, b, bias, out, rope, gated)
         if done is not None:
             return done
@@ -452,7 +453,7 @@ def matmul(
         first_row = rope.first_row
     tuner = _tuning.tuner("matmul")
     if tune_only:
-        if M == 0 or N == 0 or tuner.has(key, agreement):
+        if M == 0 or N == 0 or tuner.has(key, launch_as.agreement):
             return None
         if gated is None:
             out = torch.zeros((M, N), dtype=plan.c_dtype, device=a.device)  # scratch
@@ -479,9 +480,9 @@ def matmul(
 
     with device_guard(a):
         config = tuner.run(key, candidates, launch, device=a.device,
-                           restore=[out] if accumulate else [], agreement=agreement,
-                           tune_only=tune_only)  # fmt: skip
-    if not tune_only and agreement is None and not isinstance(config, _impl.Torch):
+                           restore=[out] if accumulate else [],
+                           launch_as=launch_as)  # fmt: skip
+    if launch_as.plain and not isinstance(config, _impl.Torch):
         grid, kwargs = plan.launch_arguments(config)
         scope = _tuning.local_scope(key, request)
         plan.settled[request] = _tuning.Settled.of(_matmul_kernel, config, scope, grid, kwargs,

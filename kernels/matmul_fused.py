@@ -20,6 +20,8 @@ memory the watchdog reads (`fusedpar.symmetric`), and traps. How the waits, coun
 loop are built, and the interpreter's rule: docs/tensor_parallel.md.
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -36,7 +38,7 @@ from fusedpar.kernels._common import (
     next_power_of_2,
     sm_count,
 )
-from fusedpar.kernels._tuning import Agreement, bucket
+from fusedpar.kernels._tuning import LAUNCH, Launch, bucket
 from fusedpar.kernels.matmul import (
     BLOCK_K,
     GROUP_M,
@@ -322,6 +324,27 @@ def _wait_count_kernel(counts_ptr, status_ptr, chunk, target, rank, wait_ns, ON_
 
 # --- launchers ---
 
+
+@dataclass(frozen=True, slots=True)
+class Signals:
+    """How a fused GEMM meets its transport (`fusedpar.symmetric` sets it up): `flags`
+    int32 (world,), the gather's (chunk c landed) or the scatter's counts (tiles of chunk
+    c written); this `rank` of `world`; `status`, where a stopped wait writes (None: a
+    scratch of the launcher's), after `wait_s` (the module doc); `trace` int32 (programs *
+    tiles,): each program's tiles in order (tests)."""
+
+    flags: torch.Tensor
+    rank: int
+    world: int
+    status: torch.Tensor | None = None
+    wait_s: float = 30.0
+    trace: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank must be in [0, {self.world}), got {self.rank}")
+
+
 _STATUS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -365,13 +388,13 @@ def _operand_layout(operands) -> tuple[bool, bool]:
     return tma, tma and b_t.pop()
 
 
-def _launch(name: str, key: tuple, operands, outs, biases, signal, rank: int, world: int,
-            rows: int, gather: bool, status, wait_s: float, agreement, tune_only: bool,
-            trace, programs: int | None) -> triton.Config:  # fmt: skip
+def _launch(name: str, operands, outs, biases, signals: Signals, rows: int, gather: bool,
+            launch_as: Launch, programs: int | None) -> triton.Config:  # fmt: skip
     """Tune (or look up) and launch `_fused_matmul_kernel` for 1-3 (A, B) operands;
-    returns the config. With `tune_only`, the pick is made on scratch (the gather's
-    rows zeros and every flag set; the counts zeroed) and nothing else is launched; a
-    pick already made returns at once, allocating nothing."""
+    returns the config. With ``launch_as.tune_only``, the pick is made on scratch (the
+    gather's rows zeros and every flag set; the counts zeroed) and nothing else is
+    launched; a pick already made returns at once, allocating nothing."""
+    signal, rank, world = signals.flags, signals.rank, signals.world
     a0 = operands[0][0]
     device = a0.device
     interpreted = is_interpreted(_fused_matmul_kernel)
@@ -380,10 +403,10 @@ def _launch(name: str, key: tuple, operands, outs, biases, signal, rank: int, wo
     N_s = [b.shape[1] for _, b in operands]
     precision = fp32_dot_precision() if a0.dtype == torch.float32 else "tf32"
     has_bias = any(b is not None for b in biases)
-    key = (*key, bucket(rows), world, tuple(K_s), tuple(N_s), str(a0.dtype), str(outs[0].dtype),
+    key = (bucket(rows), world, tuple(K_s), tuple(N_s), str(a0.dtype), str(outs[0].dtype),
            has_bias, precision, tma, b_t)  # fmt: skip
-    if tune_only:
-        scope = (agreement.name if agreement else None, _tuning._full_key(key))
+    if launch_as.tune_only:
+        scope = (getattr(launch_as.agreement, "name", None), _tuning._full_key(key))
         if scope in _tuning.tuner(name).picks:
             return _tuning.tuner(name).picks[scope]
         if gather:
@@ -408,11 +431,11 @@ def _launch(name: str, key: tuple, operands, outs, biases, signal, rank: int, wo
                  else [outs[0]] * len(biases), outs[0])  # fmt: skip
     c_s = pad(outs, outs[0])
     K_s, N_s = pad(K_s, 0), pad(N_s, 0)
-    status = _status(device, status)
+    status, trace = _status(device, signals.status), signals.trace
     args = (*a_s, *b_s, *bias_s, *c_s, signal, status, trace if trace is not None else signal,
             *(a.stride(0) for a in a_s), a0.stride(1),
             *(s for b in b_s for s in b.stride()), *(c.stride(0) for c in c_s),
-            rows, world, rank, *K_s, *N_s, _wait_ns(wait_s))  # fmt: skip
+            rows, world, rank, *K_s, *N_s, _wait_ns(signals.wait_s))  # fmt: skip
     meta = dict(GATHER=gather, OPERANDS=len(operands), HAS_BIAS=has_bias, TMA=tma, B_T=b_t,
                 ON_GPU=not interpreted, TRACE=trace is not None, INPUT_PRECISION=precision,
                 GROUP_M=GROUP_M)  # fmt: skip
@@ -436,22 +459,20 @@ def _launch(name: str, key: tuple, operands, outs, biases, signal, rank: int, wo
         return candidates()[0]
     with device_guard(a0):
         return _tuning.tuner(name).run(key, candidates, launch, device=device,
-                                       agreement=agreement, tune_only=tune_only)  # fmt: skip
+                                       launch_as=launch_as)  # fmt: skip
 
 
-def gathered_matmuls(gathered: torch.Tensor, weights, biases, flags: torch.Tensor, rank: int,
-                     world: int, *, status: torch.Tensor | None = None, wait_s: float = 30.0,
-                     agreement: Agreement | None = None, tune_only: bool = False,
-                     trace: torch.Tensor | None = None,
+def gathered_matmuls(gathered: torch.Tensor, weights, biases, signals: Signals, *,
+                     launch_as: Launch = LAUNCH,
                      programs: int | None = None) -> list[torch.Tensor] | None:  # fmt: skip
     """``gathered @ B_i + bias_i`` for 1-3 operands B_i (K, N_i) (a weight's ``w.t()``), one
     launch, as the chunks land: chunk c (rows c*m, m = rows / world) is read once
-    ``flags[c] >= 1``. Returns the outputs (world*m, N_i) in gathered's dtype.
+    ``signals.flags[c] >= 1``. Returns the outputs (world*m, N_i) in gathered's dtype.
 
-    gathered (world*m, K) contiguous; biases [(N_i,) or None]; flags int32 (world,) (in
-    the interpreter: all set before the call). `status`, `wait_s`: see the module doc.
-    ``tune_only``: make the pick (on scratch, flags set), launch nothing. `trace`: int32
-    (programs * tiles,), each program's tiles in order (tests)."""
+    gathered (world*m, K) contiguous; biases [(N_i,) or None]; `Signals` (the flags: in
+    the interpreter, all set before the call). ``launch_as`` (`Launch`) with ``tune_only``:
+    make the pick (on scratch, flags set), launch nothing."""
+    flags, world, tune_only = signals.flags, signals.world, launch_as.tune_only
     if not 1 <= len(weights) <= MAX_OPERANDS or len(biases) != len(weights):
         raise ValueError(f"gathered_matmuls takes 1 to {MAX_OPERANDS} weights with a bias (or "
                          f"None) each, got {len(weights)} and {len(biases)}")  # fmt: skip
@@ -467,52 +488,39 @@ def gathered_matmuls(gathered: torch.Tensor, weights, biases, flags: torch.Tenso
         if bias is not None and (bias.shape != (b.shape[1],) or not bias.is_contiguous()):
             raise ValueError(f"bias {i} must be contiguous ({b.shape[1]},), got "
                              f"{tuple(bias.shape)}")  # fmt: skip
-    if not 0 <= rank < world:
-        raise ValueError(f"rank must be in [0, {world}), got {rank}")
     check_launchable(_fused_matmul_kernel, gathered, *weights, flags,
                      *(b for b in biases if b is not None))  # fmt: skip
     _check_signal("flags", flags, world, gathered.device, must_be_set=not tune_only)
     outs = [gathered.new_empty((0 if tune_only else T, b.shape[1])) for b in weights]
-    _launch("fused_all_gather_matmul", (), [(gathered, b) for b in weights], outs, biases, flags,
-            rank, world, T // world, True, status, wait_s, agreement, tune_only, trace,
-            programs)  # fmt: skip
+    _launch("fused_all_gather_matmul", [(gathered, b) for b in weights], outs, biases, signals,
+            T // world, True, launch_as, programs)  # fmt: skip
     return None if tune_only else outs
 
 
-def partial_matmuls(pairs, counts: torch.Tensor, rank: int, world: int, *,
-                    out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-                    agreement: Agreement | None = None, tune_only: bool = False,
-                    trace: torch.Tensor | None = None,
+def partial_matmuls(pairs, signals: Signals, *, out_dtype: torch.dtype | None = None,
+                    out: torch.Tensor | None = None, launch_as: Launch = LAUNCH,
                     programs: int | None = None) -> torch.Tensor | triton.Config:  # fmt: skip
     """``P = sum_i A_i @ B_i`` for 1-3 pairs A_i (world*m, K_i), B_i (K_i, N), written
-    chunk by chunk from rank + 1's rows to this rank's own, ``counts[c]`` raised by one
-    after each tile of chunk c (its tiles: `partial_tiles`). Returns P (world*m, N) in
-    `out_dtype` (fp32 by default; `out` if given, unit column stride). ``tune_only``:
-    make the pick (on scratch) and return its config, which says how many tiles a chunk
-    has."""
+    chunk by chunk from rank + 1's rows to this rank's own, the counts ``signals.flags[c]``
+    raised by one after each tile of chunk c (its tiles: `partial_tiles`). Returns P
+    (world*m, N) in `out_dtype` (fp32 by default; `out` if given, unit column stride).
+    ``launch_as`` (`Launch`) with ``tune_only``: make the pick (on scratch) and return its
+    config, which says how many tiles a chunk has."""
+    counts, world, tune_only = signals.flags, signals.world, launch_as.tune_only
     if not 1 <= len(pairs) <= MAX_OPERANDS:
         raise ValueError(f"partial_matmuls takes 1 to {MAX_OPERANDS} pairs, got {len(pairs)}")
     a0, b0 = pairs[0]
     T, N = a0.shape[0], b0.shape[1]
     check_float_dtype("A", a0, _impl.KERNEL_DTYPES)
     for i, (a, b) in enumerate(pairs):
-        if (
-            a.dim() != 2
-            or b.dim() != 2
-            or a.shape[0] != T
-            or b.shape != (a.shape[1], N)
-            or a.dtype != a0.dtype
-            or b.dtype != a0.dtype
-            or a.stride(1) != a0.stride(1)
-        ):
+        shaped = a.dim() == 2 and a.shape[0] == T and b.shape == (a.shape[1], N)
+        if not shaped or (a.dtype, b.dtype, a.stride(1)) != (a0.dtype, a0.dtype, a0.stride(1)):
             raise ValueError(
                 f"pair {i} must be A ({T}, K) and B (K, {N}) of {a0.dtype} with A's column "
                 f"stride {a0.stride(1)}, got {tuple(a.shape)} {a.dtype} and {tuple(b.shape)}"
             )  # fmt: skip
     if T % world:
         raise ValueError(f"A's rows ({T}) must divide by world = {world}")
-    if not 0 <= rank < world:
-        raise ValueError(f"rank must be in [0, {world}), got {rank}")
     out_dtype = out.dtype if out is not None else out_dtype or accumulator(a0.dtype)
     if out is None:  # (with tune_only: a shape for the key, the scratch is made if needed)
         out = torch.empty((T, N) if not tune_only else (0, N), dtype=out_dtype, device=a0.device)
@@ -521,9 +529,8 @@ def partial_matmuls(pairs, counts: torch.Tensor, rank: int, world: int, *,
                          f"{tuple(out.shape)} {out.stride()}")  # fmt: skip
     check_launchable(_fused_matmul_kernel, a0, out, counts, *(t for p in pairs for t in p))
     _check_signal("counts", counts, world, a0.device, must_be_set=False)
-    config = _launch("fused_matmul_reduce_scatter", (), list(pairs), [out], [None] * len(pairs),
-                     counts, rank, world, T // world, False, None, 30.0, agreement, tune_only,
-                     trace, programs)  # fmt: skip
+    config = _launch("fused_matmul_reduce_scatter", list(pairs), [out], [None] * len(pairs),
+                     signals, T // world, False, launch_as, programs)  # fmt: skip
     return config if tune_only else out
 
 

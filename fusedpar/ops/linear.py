@@ -22,6 +22,7 @@ rounded once. ``overlap=`` (or ``FUSEDPAR_OVERLAP``, read at the call;
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -71,6 +72,35 @@ def _rotate_outputs(
             rope_kernels.rope(pair[0], cos, sin, inverse, out=into[0])
 
 
+class GatherOptions(NamedTuple):
+    """The all-gather GEMM ops' options, which cross the op boundary as one ``int[]``
+    (`ints`; `of` reads it back): the ring's `chunks` (`ring_chunks`), the heads'
+    `head_dim` (0: no rope) and per weight whether its output is rotated (`rotate`); the
+    forward's `save_gathered` (`save_gathered_input`); the backward's gradients asked for
+    (`needs_x`; per weight `needs_w`, and `needs_b`: False where it has no bias)."""
+
+    chunks: int
+    head_dim: int
+    rotate: tuple[bool, ...]
+    save_gathered: bool = False
+    needs_x: bool = False
+    needs_w: tuple[bool, ...] = ()
+    needs_b: tuple[bool, ...] = ()
+
+    def ints(self) -> list[int]:
+        """[chunks, head_dim, save_gathered, needs_x, *rotate, *needs_w, *needs_b]."""
+        flags = (self.save_gathered, self.needs_x, *self.rotate, *self.needs_w, *self.needs_b)
+        return [self.chunks, self.head_dim, *(1 if f else 0 for f in flags)]
+
+    @staticmethod
+    def of(ints: list[int], weights: int) -> "GatherOptions":
+        """The options `ints` holds, for an op of `weights` weights."""
+        chunks, head_dim, save, needs_x, *flags = ints
+        flags = tuple(bool(f) for f in flags)
+        per = [flags[i * weights : (i + 1) * weights] for i in range(3)]
+        return GatherOptions(chunks, head_dim, per[0], bool(save), bool(needs_x), *per[1:])
+
+
 @torch.library.custom_op("fusedpar::all_gather_matmul", mutates_args=())
 def _all_gather_matmul_op(
     x: Tensor,
@@ -78,52 +108,49 @@ def _all_gather_matmul_op(
     biases: list[Tensor],
     has_bias: list[bool],
     group: str,
-    chunks: int,
-    save_gathered: bool,
+    options: list[int],
     rope: list[Tensor],
-    rotate: list[bool],
-    head_dim: int,
     reduce_dtype: torch.dtype | None,
 ) -> tuple[list[Tensor], Tensor]:
-    """The outputs (T, ..., N_i) and, when `save_gathered` (`save_gathered_input`), the
-    gathered x (T * rows, K) for the backward (else an empty tensor: it re-gathers). `biases`:
-    those of the weights with ``has_bias`` (a list of optional tensors would not carry
-    gradients through ``torch.library``'s autograd). `rope`: none, or the tables cos, sin
-    (T, r/2) that turn the outputs flagged in `rotate`, heads of `head_dim`: in the GEMMs'
-    epilogue where it fits (`rope_epilogue_fits`, full rotary), else in place after.
-    `reduce_dtype`: the backward's (its dX reduce-scatter's partials)."""
+    """The outputs (T, ..., N_i) and, when ``save_gathered`` (`GatherOptions`, as
+    `options`), the gathered x (T * rows, K) for the backward (else an empty tensor: it
+    re-gathers). `biases`: those of the weights with ``has_bias`` (a list of optional
+    tensors would not carry gradients through ``torch.library``'s autograd). `rope`: none,
+    or the tables cos, sin (T, r/2) that turn the outputs flagged in ``rotate``, heads of
+    ``head_dim``: in the GEMMs' epilogue where it fits (`rope_epilogue_fits`, full
+    rotary), else in place after. `reduce_dtype`: the backward's (its dX reduce-scatter's
+    partials)."""
     pg = group_by_name(group)
     biases = spread(biases, has_bias)
-    full = bool(rope) and 2 * rope[0].shape[1] == head_dim
+    o = GatherOptions.of(options, len(weights))
+    full = bool(rope) and 2 * rope[0].shape[1] == o.head_dim
     # (the fused schedule's GEMM has no rotating epilogue: it rotates after)
-    in_epilogue = full and rope_epilogue_fits(x.dtype, head_dim) and chunks != FUSED
+    in_epilogue = full and rope_epilogue_fits(x.dtype, o.head_dim) and o.chunks != FUSED
     rotations = None
     if in_epilogue:  # rows in (T, ...) order: the dims between share a position
         rotation = RowRotation(*rope, rows_per_position=max(1, math.prod(x.shape[1:-1])))
-        rotations = [rotation if r else None for r in rotate]
+        rotations = [rotation if r else None for r in o.rotate]
     outs, gathered = gather_matmuls(
-        flat(x), [w.t() for w in weights], biases, pg, chunks, epilogues=rotations
+        flat(x), [w.t() for w in weights], biases, pg, o.chunks, epilogues=rotations
     )
     lead = (group_size(pg) * x.shape[0], *x.shape[1:-1])
     outs = [out.view(*lead, out.shape[1]) for out in outs]
     if rope and not in_epilogue:
-        turned = [out for out, r in zip(outs, rotate, strict=True) if r]
-        _rotate_outputs(turned, rope, head_dim, False, turned)
+        turned = [out for out, r in zip(outs, o.rotate, strict=True) if r]
+        _rotate_outputs(turned, rope, o.head_dim, False, turned)
     # Not kept: an empty tensor, so that nothing (selective checkpointing caches every
     # output of this op) holds W times the input until the backward.
     # (one rank: x itself, which an op may not return; the backward takes x)
-    kept = gathered if save_gathered and group_size(pg) > 1 else x.new_empty(0)
+    kept = gathered if o.save_gathered and group_size(pg) > 1 else x.new_empty(0)
     return outs, kept
 
 
 @_all_gather_matmul_op.register_fake
-def _(
-    x, weights, biases, has_bias, group, chunks, save_gathered, rope, rotate, head_dim, reduce_dtype
-):
+def _(x, weights, biases, has_bias, group, options, rope, reduce_dtype):
     size = group_size(group_by_name(group))
     lead = (size * x.shape[0], *x.shape[1:-1])
     outs = [x.new_empty((*lead, w.shape[0])) for w in weights]
-    kept = save_gathered and size > 1
+    kept = GatherOptions.of(options, len(weights)).save_gathered and size > 1
     return outs, x.new_empty((size * flat(x).shape[0], x.shape[-1]) if kept else 0)
 
 
@@ -134,103 +161,76 @@ def _all_gather_matmul_backward_op(
     gathered: Tensor | None,
     weights: list[Tensor],
     group: str,
-    chunks: int,
-    needs_x: bool,
-    needs_w: list[bool],
-    needs_b: list[bool],
+    options: list[int],
     rope: list[Tensor],
-    rotate: list[bool],
-    head_dim: int,
     reduce_dtype: torch.dtype | None,
 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-    """dX (reduce-scattered, pipelined), each weight's gradient, and each bias's (needs_b:
-    one per weight, False where it has none). The gradients of rotated outputs are turned
-    back first (the rotation's transpose), into new (T, ..., N) buffers whose rows the
-    GEMMs read flat."""
+    """dX (reduce-scattered, pipelined), each weight's gradient, and each bias's, as
+    `options` (`GatherOptions`) asks. The gradients of rotated outputs are turned back
+    first (the rotation's transpose), into new (T, ..., N) buffers whose rows the GEMMs
+    read flat."""
     pg = group_by_name(group)
+    o = GatherOptions.of(options, len(weights))
     if rope:
-        turned = [g for g, r in zip(grads, rotate, strict=True) if r]
+        turned = [g for g, r in zip(grads, o.rotate, strict=True) if r]
         back = [torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in turned]
-        _rotate_outputs(turned, rope, head_dim, True, back)
+        _rotate_outputs(turned, rope, o.head_dim, True, back)
         unturned = iter(back)
-        grads = [next(unturned) if r else g for g, r in zip(grads, rotate, strict=True)]
+        grads = [next(unturned) if r else g for g, r in zip(grads, o.rotate, strict=True)]
     dys = [flat(g) for g in grads]
     regather = None
     if group_size(pg) == 1:
         gathered = flat(x)  # one rank: its rows are all there are
-    elif gathered is None and any(needs_w):
+    elif gathered is None and any(o.needs_w):
         regather = all_gather_async(flat(x), pg)  # runs while dX is computed
     dx = x.new_empty(0)
-    if needs_x:
+    if o.needs_x:
         pairs = list(zip(dys, weights, strict=True))
-        dx = matmuls_reduce_scatter(pairs, pg, chunks, x.dtype, reduce_dtype=reduce_dtype).view(
-            x.shape
-        )
+        dx = matmuls_reduce_scatter(pairs, pg, o.chunks, x.dtype, reduce_dtype=reduce_dtype)
+        dx = dx.view(x.shape)
     if regather is not None:
         gathered = regather.wait()
     dws = [
         matmul(dy.t(), gathered) if need else w.new_empty(0)
-        for dy, w, need in zip(dys, weights, needs_w, strict=True)
+        for dy, w, need in zip(dys, weights, o.needs_w, strict=True)
     ]
     dbs = [
         row_sum(dy, w.dtype) if need else w.new_empty(0)
-        for dy, w, need in zip(dys, weights, needs_b, strict=True)
+        for dy, w, need in zip(dys, weights, o.needs_b, strict=True)
     ]
     return dx, dws, dbs
 
 
 @_all_gather_matmul_backward_op.register_fake
-def _(
-    grads,
-    x,
-    gathered,
-    weights,
-    group,
-    chunks,
-    needs_x,
-    needs_w,
-    needs_b,
-    rope,
-    rotate,
-    head_dim,
-    reduce_dtype,
-):
-    dx = x.new_empty(x.shape if needs_x else 0)  # fresh, contiguous: the real op's layout
-    dws = [w.new_empty(w.shape if n else 0) for w, n in zip(weights, needs_w, strict=True)]
-    dbs = [w.new_empty(w.shape[0] if n else 0) for w, n in zip(weights, needs_b, strict=True)]
+def _(grads, x, gathered, weights, group, options, rope, reduce_dtype):
+    o = GatherOptions.of(options, len(weights))
+    dx = x.new_empty(x.shape if o.needs_x else 0)  # fresh, contiguous: the real op's layout
+    dws = [w.new_empty(w.shape if n else 0) for w, n in zip(weights, o.needs_w, strict=True)]
+    dbs = [w.new_empty(w.shape[0] if n else 0) for w, n in zip(weights, o.needs_b, strict=True)]
     return dx, dws, dbs
 
 
 def _all_gather_matmul_setup(ctx, inputs, output):
-    x, weights, biases, has_bias, group, chunks, save_gathered, rope, rotate, head_dim, rd = inputs
-    needs_b = [b is not None and b.requires_grad for b in spread(biases, has_bias)]
-    ctx.options = (group, chunks, x.requires_grad, [w.requires_grad for w in weights], needs_b)
-    ctx.has_bias, ctx.rotation = has_bias, (rotate, head_dim, rd)  # (rd: the dX partials')
-    gathered = output[1] if save_gathered else None
+    x, weights, biases, has_bias, group, options, rope, reduce_dtype = inputs
+    o = GatherOptions.of(options, len(weights))
+    needs_b = tuple(b is not None and b.requires_grad for b in spread(biases, has_bias))
+    needs_w = tuple(w.requires_grad for w in weights)
+    ctx.options = o._replace(needs_x=x.requires_grad, needs_w=needs_w, needs_b=needs_b)
+    ctx.group, ctx.has_bias, ctx.reduce_dtype = group, has_bias, reduce_dtype  # (dX's partials')
+    gathered = output[1] if o.save_gathered else None
     ctx.save_for_backward(x, gathered, *rope, *weights)
 
 
 def _all_gather_matmul_grads(ctx, grads, _):
     x, gathered, *rest = ctx.saved_tensors
     rope, weights = rest[: len(rest) - len(ctx.has_bias)], rest[len(rest) - len(ctx.has_bias) :]
+    o = ctx.options
     dx, dws, dbs = _all_gather_matmul_backward(
-        grads, x, gathered, weights, *ctx.options, rope, *ctx.rotation
+        grads, x, gathered, weights, ctx.group, o.ints(), rope, ctx.reduce_dtype
     )
-    _, _, needs_x, needs_w, needs_b = ctx.options
-    dbs = [db for db, has in zip(asked(dbs, needs_b), ctx.has_bias, strict=True) if has]
-    return (
-        dx if needs_x else None,
-        asked(dws, needs_w),
-        dbs,
-        None,
-        None,
-        None,
-        None,
-        [None] * len(rope),
-        None,
-        None,
-        None,
-    )
+    dbs = [db for db, has in zip(asked(dbs, o.needs_b), ctx.has_bias, strict=True) if has]
+    dx = dx if o.needs_x else None
+    return dx, asked(dws, o.needs_w), dbs, None, None, None, [None] * len(rope), None
 
 
 @torch.library.custom_op("fusedpar::matmul_reduce_scatter", mutates_args=())
@@ -463,18 +463,9 @@ def all_gather_matmul(
     has_bias = [b is not None for b in biases]
     _check_reduce_dtype(reduce_dtype, "all_gather_matmul")
     chunks = ring_chunks(overlap, pg, chunks_per_rank)
+    options = GatherOptions(chunks, head_dim, tuple(flags), save_gathered=save_gathered_input)
     outs, _ = _all_gather_matmul(
-        x,
-        weights,
-        present,
-        has_bias,
-        group_name(pg),
-        chunks,
-        save_gathered_input,
-        tables,
-        flags,
-        head_dim,
-        reduce_dtype,
+        x, weights, present, has_bias, group_name(pg), options.ints(), tables, reduce_dtype
     )
     return list(outs) if many else outs[0]
 

@@ -22,7 +22,7 @@ from fusedpar.comm import tuning_agreement
 from fusedpar.kernels import matmul_fused
 from fusedpar.kernels._common import accumulator, sm_count
 from fusedpar.kernels._impl import KERNEL_DTYPES
-from fusedpar.kernels._tuning import frozen
+from fusedpar.kernels._tuning import Launch, frozen
 from fusedpar.kernels.matmul import RowRotation, matmul
 
 
@@ -66,19 +66,18 @@ def gather_matmuls_fused(
     ]
     agreement = tuning_agreement(pg, x.device)
     gathered = x.new_empty((side.world * x.shape[0], x.shape[1]))
+    wait_s = symmetric.wait_seconds()
+    signals = matmul_fused.Signals(side.flags, side.rank, side.world, side.status, wait_s)
+    tuning = Launch(agreement, tune_only=True)
     for group in groups:  # picked before any transfer, agreed over the group
         matmul_fused.gathered_matmuls(
             gathered,
             [operands[i] for i in group],
             [biases[i] for i in group],
-            side.flags,
-            side.rank,
-            side.world,
-            agreement=agreement,
-            tune_only=True,
+            signals,
+            launch_as=tuning,
         )
     made: list = [None] * len(operands)
-    wait_s = symmetric.wait_seconds()
     side.start(x, gathered)
     with frozen("the fused all-gather", agreement):
         for group in groups:
@@ -86,12 +85,8 @@ def gather_matmuls_fused(
                 gathered,
                 [operands[i] for i in group],
                 [biases[i] for i in group],
-                side.flags,
-                side.rank,
-                side.world,
-                status=side.status,
-                wait_s=wait_s,
-                agreement=agreement,
+                signals,
+                launch_as=Launch(agreement),
                 programs=getattr(side, "programs", None),
             )
             for i, out in zip(group, results, strict=True):
@@ -123,20 +118,18 @@ def matmuls_reduce_scatter_fused(pairs, pg, out_dtype, bias=None, reduce_dtype=N
     agreement = tuning_agreement(pg, A0.device)
     # one SM for the copy stream's waits (the interpreter's grid is the launcher's own)
     programs = sm_count(A0.device) - 1 if A0.is_cuda else None
-    config = matmul_fused.partial_matmuls(
-        pairs, side.counts, side.rank, world, out_dtype=dtype, agreement=agreement, tune_only=True
-    )
+    signals = matmul_fused.Signals(side.counts, side.rank, world)
+    tuning = Launch(agreement, tune_only=True)
+    config = matmul_fused.partial_matmuls(pairs, signals, out_dtype=dtype, launch_as=tuning)
     tiles = matmul_fused.partial_tiles(config, rows, N)
 
     def gemm(partials, counts):
         with frozen("the fused reduce-scatter", agreement):
             matmul_fused.partial_matmuls(
                 pairs,
-                counts,
-                side.rank,
-                world,
+                matmul_fused.Signals(counts, side.rank, world),
                 out=partials,
-                agreement=agreement,
+                launch_as=Launch(agreement),
                 programs=programs,
             )
 

@@ -21,7 +21,7 @@ from fusedpar.comm import (
     tuning_agreement,
 )
 from fusedpar.kernels._common import accumulator
-from fusedpar.kernels._tuning import bucket, frozen
+from fusedpar.kernels._tuning import Launch, bucket, frozen
 from fusedpar.kernels.matmul import RowRotation, matmul
 from fusedpar.ops.linear_fused import (
     chunk_epilogue,
@@ -100,6 +100,7 @@ def gather_matmuls(
     gathered[rank * n : (rank + 1) * n].copy_(x)
     outs = outs or [x.new_empty((size * n, op.shape[1])) for op in operands]
     agreement = tuning_agreement(pg, x.device)
+    tuning, agreed = Launch(agreement, tune_only=True), Launch(agreement)
     gemms = list(zip(outs, operands, biases, epilogues, strict=True))
     for a, b in _pieces(n, chunks):  # the loop's GEMM shapes, picked before it starts
         for out, op, bias, epilogue in gemms:
@@ -111,8 +112,7 @@ def gather_matmuls(
                 bias=bias,
                 out=out[a:b] if gated else None,
                 out_dtype=x.dtype,
-                agreement=agreement,
-                tune_only=True,
+                launch_as=tuning,
                 **chunk_epilogue(epilogue, slice(a, b)),
             )
     with frozen("the all-gather ring", agreement):
@@ -129,7 +129,7 @@ def gather_matmuls(
                         op,
                         out=out[rows],
                         bias=bias,
-                        agreement=agreement,
+                        launch_as=agreed,
                         **chunk_epilogue(epilogue, rows),
                     )
                 if step + 1 < size:
@@ -197,9 +197,10 @@ def matmuls_reduce_scatter(
     out = torch.empty((rows, N), dtype=out_dtype, device=device)
     running = {}
     agreement = tuning_agreement(pg, device)
+    tuning, agreed = Launch(agreement, tune_only=True), Launch(agreement)
     for a, b in _pieces(rows, chunks):  # the loop's GEMM shapes, picked before it starts
         for i, (A, B) in enumerate(pairs):
-            gemm(A[a:b], B, out_dtype=wide, accumulate=i > 0, agreement=agreement, tune_only=True)
+            gemm(A[a:b], B, out_dtype=wide, accumulate=i > 0, launch_as=tuning)
     with frozen("the reduce-scatter ring", agreement):
         for step in range(size):
             dest = (rank - step - 1) % size
@@ -214,7 +215,7 @@ def matmuls_reduce_scatter(
                         B,
                         out=partial,
                         accumulate=i > 0,
-                        agreement=agreement,
+                        launch_as=agreed,
                     )
                 if step > 0:
                     partial += ring.wait()  # the sum for `dest` so far, from rank - 1

@@ -285,9 +285,9 @@ def launch(
             kernel[grid(config.kwargs)](*args, **meta, **config.all_kwargs())
 
     with device_guard(args[0]):
+        launch_as = _tuning.Launch(agreement, tune_only)
         config = _tuning.tuner(name).run(key, candidates, run, device=args[0].device,
-                                         restore=restore, agreement=agreement,
-                                         tune_only=tune_only)  # fmt: skip
+                                         restore=restore, launch_as=launch_as)  # fmt: skip
     if request is not None and not isinstance(config, _impl.Torch):
         scope = _tuning.local_scope(key, request)
         if _tuning.kept(name, scope) is config:  # the pick (not a forced config)

@@ -88,13 +88,12 @@ def fused_calls(dtype, weights=3, tma=True):
     gathered = _empty((W * m, K), dtype)
     ws = [_empty((n, K), dtype).T for n in (512, 128, 128)[:weights]]
     with _tma(tma):
-        matmul_fused.gathered_matmuls(
-            gathered, ws, [_empty((w.shape[1],), dtype) for w in ws], flags, 3, W, programs=132
-        )
+        biases = [_empty((w.shape[1],), dtype) for w in ws]
+        signals = matmul_fused.Signals(flags, 3, W)
+        matmul_fused.gathered_matmuls(gathered, ws, biases, signals, programs=132)
         x, w = _empty((W * m, 512), dtype), _empty((N, 512), dtype)
-        matmul_fused.partial_matmuls(
-            [(x, w.T)], torch.zeros(W, dtype=torch.int32), 3, W, programs=131
-        )
+        counts = matmul_fused.Signals(torch.zeros(W, dtype=torch.int32), 3, W)
+        matmul_fused.partial_matmuls([(x, w.T)], counts, programs=131)
     matmul_fused.sum_partials(
         _empty((m, N), "float32"),
         _empty((W, m, N), "float32"),

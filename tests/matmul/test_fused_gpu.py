@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 from fusedpar.kernels import matmul_fused as mf
+from fusedpar.kernels._tuning import Launch
 
 from bench.standin import CopyEngineGather
 from fusedpar import symmetric
@@ -37,10 +38,7 @@ def _fused(side, shard, weights, biases):
         gathered,
         [w.t() for w in weights],
         biases,
-        side.flags,
-        side.rank,
-        side.world,
-        status=side.status,
+        mf.Signals(side.flags, side.rank, side.world, side.status),
         programs=side.programs,
     )
     side.finish()
@@ -62,7 +60,8 @@ def test_fused_gather_with_random_producer_delays_matches_float64(W):
         torch.cuda.synchronize()
         if plain is None:  # the same tiles with every flag set before the launch
             ones = torch.ones(W, dtype=torch.int32, device="cuda")
-            plain = mf.gathered_matmuls(full, [w.t() for w in weights], biases, ones, rank, W)
+            signals = mf.Signals(ones, rank, W)
+            plain = mf.gathered_matmuls(full, [w.t() for w in weights], biases, signals)
         for out, p, r in zip(outs, plain, ref, strict=True):
             assert torch.equal(out, p)  # arrival order changes nothing
             err = (out.double() - r).abs().max().item()
@@ -75,16 +74,18 @@ def test_kernel_waits_for_flags_set_from_the_host_after_a_delay():
     full = torch.cat(shards)
     flags = torch.zeros(W, dtype=torch.int32, device="cuda")
     # the pick first (its timing launches on scratch, flags set): the call below waits once
-    mf.gathered_matmuls(full, [w.t() for w in weights], biases, flags, 1, W, tune_only=True)
+    waiting = mf.Signals(flags, 1, W)
+    tuning = Launch(tune_only=True)
+    mf.gathered_matmuls(full, [w.t() for w in weights], biases, waiting, launch_as=tuning)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        outs = mf.gathered_matmuls(full, [w.t() for w in weights], biases, flags, 1, W)
+        outs = mf.gathered_matmuls(full, [w.t() for w in weights], biases, waiting)
     time.sleep(0.2)
     assert not side.query(), "the kernel ran before its chunks were flagged"
     flags.copy_(torch.ones(W, dtype=torch.int32).pin_memory(), non_blocking=True)
     side.synchronize()
     ones = torch.ones(W, dtype=torch.int32, device="cuda")
-    plain = mf.gathered_matmuls(full, [w.t() for w in weights], biases, ones, 1, W)
+    plain = mf.gathered_matmuls(full, [w.t() for w in weights], biases, mf.Signals(ones, 1, W))
     assert all(torch.equal(o, p) for o, p in zip(outs, plain, strict=True))
 
 
@@ -111,7 +112,7 @@ x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
 w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
 flags = torch.tensor([1, 0], dtype=torch.int32, device="cuda")  # chunk 1 never comes
 status = symmetric.Watchdog.of(x.device).status
-mf.gathered_matmuls(x, [w], [None], flags, 0, 2, status=status, wait_s=symmetric.wait_seconds())
+mf.gathered_matmuls(x, [w], [None], mf.Signals(flags, 0, 2, status, symmetric.wait_seconds()))
 torch.cuda.synchronize()
 """
 
@@ -133,9 +134,8 @@ def test_reduce_scatter_pieces_count_wait_and_sum():
     gen = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(W * m, K, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) / 16
-    config = mf.partial_matmuls(
-        [(x, w.t())], torch.zeros(W, dtype=torch.int32, device="cuda"), 1, W, tune_only=True
-    )
+    scratch = mf.Signals(torch.zeros(W, dtype=torch.int32, device="cuda"), 1, W)
+    config = mf.partial_matmuls([(x, w.t())], scratch, launch_as=Launch(tune_only=True))
     tiles = mf.partial_tiles(config, m, N)
     counts = torch.zeros(W, dtype=torch.int32, device="cuda")
     partials = torch.empty(W * m, N, device="cuda")
@@ -150,7 +150,7 @@ def test_reduce_scatter_pieces_count_wait_and_sum():
             landed[d].copy_(partials[d * m : (d + 1) * m])  # where rank d would receive it
             symmetric.signal(flags, d)
     programs = torch.cuda.get_device_properties(0).multi_processor_count - 1
-    mf.partial_matmuls([(x, w.t())], counts, 1, W, out=partials, programs=programs)
+    mf.partial_matmuls([(x, w.t())], mf.Signals(counts, 1, W), out=partials, programs=programs)
     out = mf.sum_partials(partials[m : 2 * m], received, flags, 1, torch.bfloat16)
     torch.cuda.current_stream().wait_stream(copy)
     torch.cuda.synchronize()

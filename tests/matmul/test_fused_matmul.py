@@ -46,9 +46,8 @@ def test_gathered_matmuls_equal_the_plain_gemm_bitwise_in_arrival_order(dtype, W
     per_chunk = 1 * (2 + 1 + 1)  # one row block of 32; column blocks 2 + 1 + 1
     for rank in range(W):
         trace = torch.full((3 * W * per_chunk,), -1, dtype=torch.int32)
-        outs = mf.gathered_matmuls(
-            gathered, [w.t() for w in weights], biases, flags, rank, W, trace=trace, programs=3
-        )
+        signals = mf.Signals(flags, rank, W, trace=trace)
+        outs = mf.gathered_matmuls(gathered, [w.t() for w in weights], biases, signals, programs=3)
         for out, w, b in zip(outs, weights, biases, strict=True):
             # chunk by chunk: a tile of the fused kernel ends at its chunk's last row
             ref = torch.cat([_plain(gathered[c * m : (c + 1) * m], w.t(), b) for c in range(W)])
@@ -74,15 +73,14 @@ def test_partial_matmuls_count_each_chunk_and_start_after_this_rank(dtype):
     for rank in range(W):
         counts = torch.zeros(W, dtype=torch.int32)
         trace = torch.full((2 * W * 2,), -1, dtype=torch.int32)
-        P = mf.partial_matmuls(pairs[:1], counts, rank, W, trace=trace, programs=2)
+        P = mf.partial_matmuls(pairs[:1], mf.Signals(counts, rank, W, trace=trace), programs=2)
         assert torch.equal(P, _plain(*pairs[0], out_dtype=torch.float32))
         assert counts.tolist() == [2] * W  # 1 x 2 tiles a chunk, each counted once
         for tiles in _tiles(trace, 2, 2):  # rank + 1 first, this rank's own last
             slots = [(t // 2 - rank - 1) % W for t in tiles]
             assert slots == sorted(slots)
-        both = mf.partial_matmuls(
-            pairs, torch.zeros(W, dtype=torch.int32), rank, W, out_dtype=torch.float16
-        )
+        zeros = torch.zeros(W, dtype=torch.int32)
+        both = mf.partial_matmuls(pairs, mf.Signals(zeros, rank, W), out_dtype=torch.float16)
         exact = sum(a.double() @ b.double() for a, b in pairs)
         assert both.dtype == torch.float16
         torch.testing.assert_close(
@@ -112,23 +110,40 @@ def test_bad_input_is_refused_naming_the_sizes():
     cases = [
         (
             lambda: mf.gathered_matmuls(
-                x, [w], [None], torch.tensor([1, 0], dtype=torch.int32), 0, 2
+                x, [w], [None], mf.Signals(torch.tensor([1, 0], dtype=torch.int32), 0, 2)
             ),
             r"flags \[1\] are not set: in Triton's interpreter",
         ),
-        (lambda: mf.gathered_matmuls(x, [w], [None], ones.long(), 0, 2), "must be int32"),
-        (lambda: mf.gathered_matmuls(x, [w] * 4, [None] * 4, ones, 0, 2), "1 to 3 weights"),
         (
-            lambda: mf.gathered_matmuls(x, [w], [None], torch.ones(3, dtype=torch.int32), 0, 3),
+            lambda: mf.gathered_matmuls(x, [w], [None], mf.Signals(ones.long(), 0, 2)),
+            "must be int32",
+        ),
+        (
+            lambda: mf.gathered_matmuls(x, [w] * 4, [None] * 4, mf.Signals(ones, 0, 2)),
+            "1 to 3 weights",
+        ),
+        (
+            lambda: mf.gathered_matmuls(
+                x, [w], [None], mf.Signals(torch.ones(3, dtype=torch.int32), 0, 3)
+            ),
             r"rows divisible by world = 3",
         ),
-        (lambda: mf.gathered_matmuls(x, [w], [None], ones, 2, 2), r"rank must be in \[0, 2\)"),
         (
-            lambda: mf.gathered_matmuls(x, [torch.randn(8, 8)], [None], ones, 0, 2),
+            lambda: mf.gathered_matmuls(x, [w], [None], mf.Signals(ones, 2, 2)),
+            r"rank must be in \[0, 2\)",
+        ),
+        (
+            lambda: mf.gathered_matmuls(x, [torch.randn(8, 8)], [None], mf.Signals(ones, 0, 2)),
             r"weight 0 must be \(16, N\)",
         ),
-        (lambda: mf.gathered_matmuls(x, [w], [None], ones, 0, 2, wait_s=0), "wait_s must be"),
-        (lambda: mf.partial_matmuls([(x, w), (x[:4], w)], ones, 0, 2), "pair 1 must be"),
+        (
+            lambda: mf.gathered_matmuls(x, [w], [None], mf.Signals(ones, 0, 2, wait_s=0)),
+            "wait_s must be",
+        ),
+        (
+            lambda: mf.partial_matmuls([(x, w), (x[:4], w)], mf.Signals(ones, 0, 2)),
+            "pair 1 must be",
+        ),
         (
             lambda: mf.sum_partials(
                 torch.randn(3, 4), torch.randn(2, 3, 5), ones, 0, torch.float32

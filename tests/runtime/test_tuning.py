@@ -134,12 +134,14 @@ def test_frozen_loops_refuse_to_tune():
     tuner = _tuning.Tuner("t")
     with _tuning.frozen("a test loop", None), pytest.raises(RuntimeError, match="a test loop"):
         tuner.run(("k",), candidates, lambda c: None, device=CPU)
-    tuner.run(("k",), candidates, lambda c: None, device=CPU, tune_only=True)
+    tuner.run(
+        ("k",), candidates, lambda c: None, device=CPU, launch_as=_tuning.Launch(tune_only=True)
+    )
     with _tuning.frozen("a test loop", None):
         tuner.run(("k",), candidates, lambda c: None, device=CPU)  # tuned: fine
     other = _tuning.Agreement("group x", lambda t: t)
     with _tuning.frozen("a test loop", None), pytest.raises(RuntimeError, match="group x"):
-        tuner.run(("k",), candidates, lambda c: None, device=CPU, agreement=other)
+        tuner.run(("k",), candidates, lambda c: None, device=CPU, launch_as=_tuning.Launch(other))
 
 
 def _agree_on_a_tile():
@@ -150,7 +152,7 @@ def _agree_on_a_tile():
     alone = _tuning.Tuner("alone").run(("k",), candidates, _sleepy(times, []), device=CPU)
     agreement = fp.comm.tuning_agreement(dist.group.WORLD, torch.device("cpu"))
     together = _tuning.Tuner("together").run(
-        ("k",), candidates, _sleepy(times, []), device=CPU, agreement=agreement
+        ("k",), candidates, _sleepy(times, []), device=CPU, launch_as=_tuning.Launch(agreement)
     )
     return alone.kwargs["BLOCK_M"], together.kwargs["BLOCK_M"]
 

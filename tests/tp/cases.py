@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from fusedpar.nn.attention_parts import rope_tables
+from fusedpar.ops.linear import GatherOptions
 from tests.support.opcheck import leaf
 
 # --- opcheck cases (tests/test_compile.py runs them on 2 ranks) ---
@@ -21,8 +22,15 @@ def opcheck_cases(group: str) -> list:
     wr = leaf(8, 8)  # a head of 8 turned by RoPE
     tables8, tables6 = (list(rope_tables(torch.arange(4 * W), hd, 100.0)) for hd in (8, 6))
     y = torch.randn(4 * W, 3, 6)
+
+    def gather(chunks, rotate, head_dim=0, save=False):  # the forward's options
+        return GatherOptions(chunks, head_dim, rotate, save_gathered=save).ints()
+
+    def grads(chunks, rotate, needs_w, needs_b, head_dim=0):  # the backward's
+        return GatherOptions(chunks, head_dim, rotate, False, True, needs_w, needs_b).ints()
+
     return [
-        (ops.all_gather_matmul, (xt, [w1], [b1], [True], group, 1, True, [], [False], 0, None)),
+        (ops.all_gather_matmul, (xt, [w1], [b1], [True], group, gather(1, [0], save=1), [], None)),
         (
             ops.all_gather_matmul_backward,
             (
@@ -31,13 +39,8 @@ def opcheck_cases(group: str) -> list:
                 None,
                 [w1],
                 group,
-                1,
-                True,
-                [True],
-                [True],
+                grads(1, [0], [1], [1]),
                 [],
-                [False],
-                0,
                 None,
             ),
         ),
@@ -56,9 +59,9 @@ def opcheck_cases(group: str) -> list:
         ),
         (
             ops.all_gather_matmul,
-            (x, [w1, w2], [b1], [True, False], group, 2, False, [], [False] * 2, 0, None),
+            (x, [w1, w2], [b1], [True, False], group, gather(2, [0, 0]), [], None),
         ),
-        (ops.all_gather_matmul, (x, [w1], [], [False], group, 1, True, [], [False], 0, None)),
+        (ops.all_gather_matmul, (x, [w1], [], [False], group, gather(1, [0], save=1), [], None)),
         # RoPE: heads of 8 in the GEMM's epilogue; of 6 (not a power of 2) after the ring
         (
             ops.all_gather_matmul,
@@ -68,15 +71,15 @@ def opcheck_cases(group: str) -> list:
                 [b1],
                 [False, True],
                 group,
-                0,
-                False,
+                gather(0, [1, 0], head_dim=8),
                 tables8,
-                [True, False],
-                8,
                 torch.bfloat16,
             ),  # serial (chunks 0), dX's partials in bf16
         ),
-        (ops.all_gather_matmul, (xt, [w1], [b1], [True], group, 1, True, tables6, [True], 6, None)),
+        (
+            ops.all_gather_matmul,
+            (xt, [w1], [b1], [True], group, gather(1, [1], head_dim=6, save=1), tables6, None),
+        ),
         (
             ops.all_gather_matmul_backward,
             (
@@ -85,13 +88,8 @@ def opcheck_cases(group: str) -> list:
                 None,
                 [w1],
                 group,
-                1,
-                True,
-                [True],
-                [False],
+                grads(1, [0], [1], [0]),
                 [],
-                [False],
-                0,
                 torch.float16,
             ),
         ),
@@ -103,13 +101,8 @@ def opcheck_cases(group: str) -> list:
                 None,
                 [wr],
                 group,
-                1,
-                True,
-                [True],
-                [False],
+                grads(1, [1], [1], [0], head_dim=8),
                 tables8,
-                [True],
-                8,
                 None,
             ),
         ),
