@@ -17,8 +17,7 @@ last, past ``offsets[E]``, where no kernel reads or writes (no count reaches the
 The weights' gradients are `fusedpar.kernels.moe_weight_grad`'s; the metadata, permute and
 combine `fusedpar.kernels.moe_permute`'s. Sums accumulate in fp32 in a fixed order inside
 one program (no atomics: bitwise reproducible, whatever tile the tuner picks: `BLOCK_K`);
-the plain-PyTorch references are `fusedpar.kernels.moe_reference`. Layout and why:
-docs/expert_parallel.md.
+references in `fusedpar.kernels.moe_reference`. Layout and why: docs/expert_parallel.md.
 """
 
 import math

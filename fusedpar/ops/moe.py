@@ -16,10 +16,8 @@ w2[e].T``, biases optional, or gpt-oss's clamped SwiGLU), `PermuteRows` (``out[p
 src[idx[p]]``) and `Combine` (``y[t] = sum_j w[t,j] out[pos[t,j]]``). Every "sum over
 the p that read r" runs through the combine kernel in a fixed order (no atomics): two
 runs are bitwise equal. At EP = 1 nothing reads a count back to the host (pairs dropped
-by capacity sit past ``counts.sum()``, untouched). float64 runs torch's implementation
-in float64 throughout. The layer hands down its experts' stacks (`Experts`), the
-routing's outputs (`Routing`) and the activation (`fusedpar.kernels.moe.Swiglu`) as one
-value each. docs/expert_parallel.md.
+by capacity sit past ``counts.sum()``, untouched). float64: torch's implementation
+throughout. The layer hands down `Experts`, `Routing`, `Swiglu`. docs/expert_parallel.md.
 """
 
 import math
