@@ -17,11 +17,12 @@ last, past ``offsets[E]``, where no kernel reads or writes (no count reaches the
 The weights' gradients are `fusedpar.kernels.moe_weight_grad`'s; the metadata, permute and
 combine `fusedpar.kernels.moe_permute`'s. Sums accumulate in fp32 in a fixed order inside
 one program (no atomics: bitwise reproducible, whatever tile the tuner picks: `BLOCK_K`);
-plain-PyTorch references close the file. Layout and why: docs/expert_parallel.md.
+references in `fusedpar.kernels.moe_reference`. Layout and why: docs/expert_parallel.md.
 """
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -68,6 +69,19 @@ def check_activation(activation: str, alpha: float, limit: float) -> None:
             or not (math.isfinite(value) and value > 0)
         ):
             raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+class Swiglu(NamedTuple):
+    """The experts' activation as one value, from the layer down to the kernel's flags:
+    `kind` one of `ACTIVATIONS`, and the clamped SwiGLU's `alpha` and `limit` (the
+    launchers check it: `check_activation`)."""
+
+    kind: str = "silu"
+    alpha: float = SWIGLU_ALPHA
+    limit: float = SWIGLU_LIMIT
+
+
+SILU = Swiglu()
 
 
 def grouped_matmul_configs(mode: str = "plain") -> list[triton.Config]:
@@ -342,6 +356,19 @@ def _weight_strides(w, transpose):
     return (w.stride(0), w.stride(2), w.stride(1)) if transpose else tuple(w.stride())
 
 
+class _GemmCall(NamedTuple):
+    """A grouped GEMM's kind of call, one value from a launcher to its plan: `mode` (the
+    kernel's flags: ``"plain"``, ``"gate_up"``, ``"swiglu_grad"``, ``"second_k"``), the
+    N output columns over K, whether the weights are read as (E, K, N) (`transpose`),
+    and the SwiGLU's activation (gate_up, swiglu_grad)."""
+
+    mode: str
+    N: int
+    K: int
+    transpose: bool = False
+    act: Swiglu = SILU
+
+
 @dataclass
 class _GemmPlan:
     """What a grouped GEMM launch works out on its signature's first call (~5 µs of a
@@ -362,26 +389,27 @@ class _GemmPlan:
         return grid, {**self.meta, **config.all_kwargs()}
 
 
-# (mode, layouts, sizes, flags) -> its plan
+# (call, layouts, sizes, flags) -> its plan
 _GEMM_PLANS: dict[tuple, _GemmPlan] = {}
 
 
-def _gemm_plan(mode, x, w_strides, v_strides, y, h, dh, E, N, K, has_rows, has_bias,
-               activation, alpha, limit) -> tuple:  # fmt: skip
-    signature = (mode, x.stride(), x.dtype, w_strides, v_strides, y.shape, y.stride(),
-                 y.dtype, h is not None and h.stride(), dh is not None and dh.stride(), E, N,
-                 K, has_rows, has_bias, activation, alpha, limit,
-                 torch.get_float32_matmul_precision())  # fmt: skip
+def _gemm_plan(call: _GemmCall, x, weights, y, hidden, E, has_rows, has_bias) -> _GemmPlan:
+    """`call`'s plan for these operands: `weights` (w,) or (w, v), `hidden` (h, dh)."""
+    (mode, N, K, transpose, act), (h, dh) = call, hidden
+    w_strides = tuple(_weight_strides(w, transpose) for w in weights)
+    signature = (call, x.stride(), x.dtype, w_strides, y.shape, y.stride(), y.dtype,
+                 h is not None and h.stride(), dh is not None and dh.stride(), E, has_rows,
+                 has_bias, torch.get_float32_matmul_precision())  # fmt: skip
     plan = _GEMM_PLANS.get(signature)
     if plan is not None:
         return plan
-    strides = (*x.stride(), *w_strides, *(v_strides or w_strides), *y.stride(),
+    strides = (*x.stride(), *w_strides[0], *w_strides[-1], *y.stride(),
                *(h.stride() if h is not None else (0, 0)),
                *(dh.stride() if dh is not None else (0, 0)))  # fmt: skip
     meta = dict(HAS_ROWS=has_rows, GATE_UP=mode == "gate_up",
                 STORE_HIDDEN=mode == "gate_up" and h is not None,
                 SWIGLU_GRAD=mode == "swiglu_grad", SECOND_K=mode == "second_k",
-                HAS_BIAS=has_bias, CLAMPED=activation == "clamped_swiglu",
+                HAS_BIAS=has_bias, CLAMPED=act.kind == "clamped_swiglu",
                 EVEN_K=K % BLOCK_K == 0, E_PAD=_common.next_power_of_2(E + 1),
                 INPUT_PRECISION=_dot_precision(x.dtype), GROUP_M=GROUP_M)  # fmt: skip
     per_expert = _common.cdiv(y.shape[0], max(E, 1))
@@ -390,32 +418,33 @@ def _gemm_plan(mode, x, w_strides, v_strides, y, h, dh, E, N, K, has_rows, has_b
     if len(_GEMM_PLANS) >= 4096:  # a property test's many shapes: start over
         _GEMM_PLANS.clear()
     plan = _GEMM_PLANS[signature] = _GemmPlan(strides, meta,
-                                              (N, K, E, float(alpha), float(limit)), key,
-                                              per_expert)  # fmt: skip
+                                              (N, K, E, float(act.alpha), float(act.limit)),
+                                              key, per_expert)  # fmt: skip
     return plan
 
 
-def _launch_gemm(mode, x, w, y, counts, rows, N, K, *, w_strides, v=None, v_strides=None,
-                 h=None, dh=None, bias=(), activation="silu", alpha=SWIGLU_ALPHA,
-                 limit=SWIGLU_LIMIT, grouped_mm=None):  # fmt: skip
+def _launch_gemm(call: _GemmCall, x, weights, y, counts, rows=None, *, hidden=(None, None),
+                 bias=(), grouped_mm=None):  # fmt: skip
     """Tune (per mode, N, K, rows-per-expert bucket, dtypes, bias, activation) and launch
-    the grouped GEMM. `bias`: () or the (E, N) bias of w (and of v: gate/up). The grid
-    depends on BLOCK_M (blocks never straddle two experts), so each config builds its
-    own block offsets; its size is an upper bound, cdiv(P, BLOCK_M) + E row blocks, so
-    no count is read back to the host. `grouped_mm`: ``torch._grouped_mm``'s run of the
-    same call (`moe_torch.grouped_mm_run`), a candidate too under ``FUSEDPAR_IMPL=auto``
-    (whether there is one is part of the key)."""
-    P, E = y.shape[0], counts.shape[0]
+    the grouped GEMM `call` of x against `weights`, (w,) or (w, v) (v: the up weight of
+    gate/up, the second K half's of second_k), into y. `hidden`: (h, dh), the saved
+    [g | u] (gate_up writes it, swiglu_grad reads it) and swiglu_grad's [dg | du], or
+    None. `bias`: () or the (E, N) bias of w (and of v: gate/up). The grid depends on
+    BLOCK_M (blocks never straddle two experts), so each config builds its own block
+    offsets; its size is an upper bound, cdiv(P, BLOCK_M) + E row blocks, so no count is
+    read back to the host. `grouped_mm`: ``torch._grouped_mm``'s run of the same call
+    (`moe_torch.grouped_mm_run`), a candidate too under ``FUSEDPAR_IMPL=auto`` (whether
+    there is one is part of the key)."""
+    P, E, N = y.shape[0], counts.shape[0], call.N
     if P == 0 or N == 0:
         return
-    plan = _gemm_plan(mode, x, w_strides, v_strides, y, h, dh, E, N, K, rows is not None,
-                      bool(bias), activation, alpha, limit)  # fmt: skip
+    plan = _gemm_plan(call, x, weights, y, hidden, E, rows is not None, bool(bias))
     expert_starts = offsets(counts)
     bias = tuple(b.contiguous() for b in bias)  # the kernel reads b[e, n] at e * N + n
-    args = (x, w, w if v is None else v, y, y if h is None else h, y if dh is None else dh,
+    args = (x, weights[0], weights[-1], y, *(y if t is None else t for t in hidden),
             *(bias * 2 if len(bias) == 1 else bias or (y, y)),
             expert_starts if rows is None else rows, expert_starts)  # fmt: skip
-    out_split = 2 if mode == "gate_up" else 1
+    out_split = 2 if call.mode == "gate_up" else 1
     tuner = _tuning.tuner("grouped_matmul")
     key = plan.key if grouped_mm is None else (*plan.key, "grouped_mm")
 
@@ -430,7 +459,7 @@ def _launch_gemm(mode, x, w, y, counts, rows, N, K, *, w_strides, v=None, v_stri
 
     def candidates():
         torch_ops = [moe_torch.GROUPED_MM] if grouped_mm and _impl.tunes_torch() else []
-        return _gemm_candidates(mode, plan.per_expert, N) + torch_ops
+        return _gemm_candidates(call.mode, plan.per_expert, N) + torch_ops
 
     settled = plan.settled
     with device_guard(x):
@@ -469,7 +498,7 @@ def grouped_matmul(x, w, counts, rows=None, *, bias=None, out_dtype=None, transp
     run = None
     if x.device.type == "cuda":  # torch's grouped GEMM, where its rules hold
         run = moe_torch.grouped_mm_run(x, w, counts, rows, bias, y, transpose_w)
-    _launch_gemm("plain", x, w, y, counts, rows, N, K, w_strides=_weight_strides(w, transpose_w),
+    _launch_gemm(_GemmCall("plain", N, K, transpose_w), x, (w,), y, counts, rows,
                  bias=() if bias is None else (bias,), grouped_mm=run)  # fmt: skip
     return y
 
@@ -490,6 +519,7 @@ def grouped_swiglu(x, w1, w3, counts, rows=None, *, bias=None, activation="silu"
     so `grouped_swiglu_backward` recomputes it bit for bit.
     """
     check_activation(activation, alpha, limit)
+    act = Swiglu(activation, alpha, limit)
     h, d = w1.shape[1:] if w1.dim() == 3 else (0, x.shape[-1])
     P = x.shape[0] if rows is None else rows.shape[0]
     biases = {} if bias is None else {"b1": (bias[0], (h,)), "b3": (bias[1], (h,))}
@@ -497,12 +527,11 @@ def grouped_swiglu(x, w1, w3, counts, rows=None, *, bias=None, activation="silu"
                    w1=(w1, (h, x.shape[-1])), w3=(w3, (h, x.shape[-1])), **biases)  # fmt: skip
     a = _empty((P, h), x.dtype, x.device)
     h13 = _empty((P, 2 * h), x.dtype, x.device) if save_hidden else None
-    act = {"activation": activation, "alpha": alpha, "limit": limit}
     if _impl.runs_torch(x):
-        moe_torch.grouped_swiglu(x, w1, w3, counts, rows, a, h13, bias, **act)
+        moe_torch.grouped_swiglu(x, w1, w3, counts, rows, a, h13, bias, act)
         return a, h13
-    _launch_gemm("gate_up", x, w1, a, counts, rows, h, d, w_strides=tuple(w1.stride()), v=w3,
-                 v_strides=tuple(w3.stride()), h=h13, bias=tuple(bias or ()), **act)  # fmt: skip
+    _launch_gemm(_GemmCall("gate_up", h, d, act=act), x, (w1, w3), a, counts, rows,
+                 hidden=(h13, None), bias=tuple(bias or ()))  # fmt: skip
     return a, h13
 
 
@@ -518,6 +547,7 @@ def grouped_swiglu_backward(d_out, w2, h13, counts, *, activation="silu", alpha=
     gradient), all in d_out's dtype, from one grouped GEMM.
     """
     check_activation(activation, alpha, limit)
+    act = Swiglu(activation, alpha, limit)
     d = w2.shape[1] if w2.dim() == 3 else -1
     P, h = d_out.shape[0], h13.shape[-1] // 2
     if h13.shape != (P, 2 * h) or h13.dtype != d_out.dtype:
@@ -528,12 +558,11 @@ def grouped_swiglu_backward(d_out, w2, h13, counts, *, activation="silu", alpha=
                    w2=(w2, (d_out.shape[-1], h)))  # fmt: skip
     a = _empty((P, h), d_out.dtype, d_out.device)
     d_h13 = _empty((P, 2 * h), d_out.dtype, d_out.device)
-    act = {"activation": activation, "alpha": alpha, "limit": limit}
     if _impl.runs_torch(d_out):
-        moe_torch.grouped_swiglu_backward(d_out, w2, h13, counts, d_h13, a, **act)
+        moe_torch.grouped_swiglu_backward(d_out, w2, h13, counts, d_h13, a, act)
         return d_h13, a
-    _launch_gemm("swiglu_grad", d_out, w2, a, counts, None, h, d,
-                 w_strides=_weight_strides(w2, True), h=h13, dh=d_h13, **act)  # fmt: skip
+    _launch_gemm(_GemmCall("swiglu_grad", h, d, True, act), d_out, (w2,), a, counts,
+                 hidden=(h13, d_h13))  # fmt: skip
     return d_h13, a
 
 
@@ -552,49 +581,5 @@ def grouped_swiglu_input_grad(d_h13, w1, w3, counts):
     if _impl.runs_torch(dx):
         moe_torch.grouped_swiglu_input_grad(d_h13, w1, w3, counts, dx)
         return dx
-    _launch_gemm("second_k", d_h13, w1, dx, counts, None, d, h,
-                 w_strides=_weight_strides(w1, True), v=w3,
-                 v_strides=_weight_strides(w3, True))  # fmt: skip
+    _launch_gemm(_GemmCall("second_k", d, h, True), d_h13, (w1, w3), dx, counts)
     return dx
-
-
-# --- references (plain PyTorch, in the inputs' dtype: float64 in -> the oracle) -----------
-
-
-def swiglu_reference(g, u, activation="silu", alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT,
-                     passes=None):  # fmt: skip
-    """The experts' activation in plain (differentiable) PyTorch, in the inputs' dtype:
-    ``silu(g) * u``, or ``"clamped_swiglu"`` as Hugging Face's GptOssExperts writes it.
-    `passes`: None, or (g's, u's) masks of where the clamps let the value through, a
-    low-precision run's own decisions: within its rounding of a bound the two sides'
-    gradients differ by a whole term, so a float64 oracle follows them there."""
-    if activation == "silu":
-        return torch.nn.functional.silu(g) * u
-    if passes is None:
-        g = g.clamp(max=limit)
-        u = u.clamp(min=-limit, max=limit)
-    else:  # (a clamped value is the bound: no gradient)
-        g = torch.where(passes[0], g, limit)
-        u = torch.where(passes[1], u, u.detach().clamp(min=-limit, max=limit))
-    return (u + 1) * (g * torch.sigmoid(g * alpha))
-
-
-def grouped_matmul_reference(x, w, counts, rows=None, transpose_w=False, bias=None):
-    """`grouped_matmul` as a loop over experts; rows past ``counts.sum()`` are left out."""
-    xs = x if rows is None else x[rows]
-    slices = moe_torch.expert_slices(counts)
-    outs = [xs[s] @ (w[e] if transpose_w else w[e].T) + (0 if bias is None else bias[e])
-            for e, s in enumerate(slices)]  # fmt: skip
-    return torch.cat(outs) if outs else xs.new_empty((0, w.shape[2 if transpose_w else 1]))
-
-
-def expert_swiglu_reference(x, w1, w3, w2, counts, rows=None, *, bias=None, activation="silu",
-                            alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT, passes=None):  # fmt: skip
-    """``w2[e] @ act(w1[e] @ x + b1[e], w3[e] @ x + b3[e]) + b2[e]`` per expert
-    (differentiable; `bias` None or (b1, b2, b3); `passes` as `swiglu_reference`'s, in
-    expert order): the kept rows, (counts.sum(), d)."""
-    b1, b2, b3 = bias or (None, None, None)
-    h1 = grouped_matmul_reference(x, w1, counts, rows, bias=b1)
-    h3 = grouped_matmul_reference(x, w3, counts, rows, bias=b3)
-    a = swiglu_reference(h1, h3, activation, alpha, limit, passes)
-    return grouped_matmul_reference(a, w2, counts, bias=b2)

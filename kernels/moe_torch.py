@@ -76,16 +76,19 @@ def grouped_mm_run(x, w, counts, rows, bias, y, transpose_w):
     return run
 
 
-def _swiglu(g, u, activation, alpha, limit):
-    """The kernels' `_swiglu` in fp32: silu(g) * u, or gpt-oss's clamped SwiGLU."""
+def _swiglu(g, u, act):
+    """The kernels' `_swiglu` in fp32: silu(g) * u, or gpt-oss's clamped SwiGLU (`act`: a
+    `fusedpar.kernels.moe.Swiglu`)."""
+    activation, alpha, limit = act
     if activation == "silu":
         return g * torch.sigmoid(g) * u
     g = g.clamp(max=limit)
     return g * torch.sigmoid(alpha * g) * (u.clamp(-limit, limit) + 1.0)
 
 
-def _swiglu_grad(da, g, u, activation, alpha, limit):
+def _swiglu_grad(da, g, u, act):
     """The kernels' `_swiglu_grad`: (dg, du) from da, in fp32."""
+    activation, alpha, limit = act
     if activation == "silu":
         sig = torch.sigmoid(g)
         return da * u * sig * (1.0 + g * (1.0 - sig)), da * g * sig
@@ -104,7 +107,7 @@ def _wide(*ts):
             for t in ts)  # fmt: skip
 
 
-def grouped_swiglu(x, w1, w3, counts, rows, a, h13, bias, activation, alpha, limit) -> None:
+def grouped_swiglu(x, w1, w3, counts, rows, a, h13, bias, act) -> None:
     h = w1.shape[1]
     b1, b3 = bias or (None, None)
     for (s, g), (_, u) in zip(grouped_products(x, w1, counts, rows, bias=b1),
@@ -113,15 +116,15 @@ def grouped_swiglu(x, w1, w3, counts, rows, a, h13, bias, activation, alpha, lim
         g, u = g.to(x.dtype), u.to(x.dtype)  # as PyTorch's h1 and h3 would be
         if h13 is not None:
             h13[s, :h], h13[s, h:] = g, u
-        a[s] = _swiglu(*_wide(g, u), activation, alpha, limit)
+        a[s] = _swiglu(*_wide(g, u), act)
 
 
-def grouped_swiglu_backward(d_out, w2, h13, counts, d_h13, a, activation, alpha, limit) -> None:
+def grouped_swiglu_backward(d_out, w2, h13, counts, d_h13, a, act) -> None:
     h = h13.shape[1] // 2
     for s, da in grouped_products(d_out, w2, counts, transpose_w=True):
         g, u = _wide(h13[s, :h], h13[s, h:])
-        d_h13[s, :h], d_h13[s, h:] = _swiglu_grad(da, g, u, activation, alpha, limit)
-        a[s] = _swiglu(g, u, activation, alpha, limit)
+        d_h13[s, :h], d_h13[s, h:] = _swiglu_grad(da, g, u, act)
+        a[s] = _swiglu(g, u, act)
 
 
 def grouped_swiglu_input_grad(d_h13, w1, w3, counts, dx) -> None:

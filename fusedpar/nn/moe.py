@@ -7,9 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedpar import checks, comm
+from fusedpar.kernels.moe import Swiglu
 from fusedpar.nn.specs import FromSpec, MoESpec
 from fusedpar.ops.gated_down import gated_down
-from fusedpar.ops.moe import moe_dispatch_combine
+from fusedpar.ops.moe import Experts, Routing, moe_dispatch_combine
 from fusedpar.ops.moe_routing import aux_losses, capacity_mask, route
 from fusedpar.placement import Placement
 from fusedpar.recompute import is_recomputing
@@ -416,21 +417,10 @@ class MoE(FromSpec, nn.Module):
         keep = None
         if self.capacity_factor is not None:
             keep = capacity_mask(ids, weights, self.num_experts, self.capacity_factor)
-        bias = None if self.b1 is None else (self.b1, self.b2, self.b3)
+        experts = Experts(self.w1, self.w3, self.w2, self.b1, self.b3, self.b2)
+        act = Swiglu(self.activation, self.swiglu_alpha, self.swiglu_limit)
         y, counts = moe_dispatch_combine(
-            x2d,
-            weights,
-            ids,
-            keep,
-            self.w1,
-            self.w3,
-            self.w2,
-            self.num_experts,
-            self.ep_group,
-            bias=bias,
-            activation=self.activation,
-            alpha=self.swiglu_alpha,
-            limit=self.swiglu_limit,
+            x2d, Routing(weights, ids, keep), experts, self.num_experts, self.ep_group, act
         )
         if not is_recomputing():  # activation checkpointing's re-run counts nothing again
             if keep is None:  # dropless: none dropped

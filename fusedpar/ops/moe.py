@@ -16,11 +16,12 @@ w2[e].T``, biases optional, or gpt-oss's clamped SwiGLU), `PermuteRows` (``out[p
 src[idx[p]]``) and `Combine` (``y[t] = sum_j w[t,j] out[pos[t,j]]``). Every "sum over
 the p that read r" runs through the combine kernel in a fixed order (no atomics): two
 runs are bitwise equal. At EP = 1 nothing reads a count back to the host (pairs dropped
-by capacity sit past ``counts.sum()``, untouched). float64 runs torch's implementation
-in float64 throughout. docs/expert_parallel.md.
+by capacity sit past ``counts.sum()``, untouched). float64: torch's implementation
+throughout. The layer hands down `Experts`, `Routing`, `Swiglu`. docs/expert_parallel.md.
 """
 
 import math
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,13 +30,12 @@ from torch import Tensor
 from fusedpar import comm
 from fusedpar.kernels._common import accumulator
 from fusedpar.kernels.moe import (
-    SWIGLU_ALPHA,
-    SWIGLU_LIMIT,
+    SILU,
+    Swiglu,
     grouped_matmul,
     grouped_swiglu,
     grouped_swiglu_backward,
     grouped_swiglu_input_grad,
-    swiglu_reference,
 )
 from fusedpar.kernels.moe_permute import (
     combine,
@@ -44,9 +44,13 @@ from fusedpar.kernels.moe_permute import (
     gather_rows,
     index_dtype,
 )
+from fusedpar.kernels.moe_reference import swiglu_reference
 from fusedpar.kernels.moe_weight_grad import grouped_weight_grad
 from fusedpar.ops.moe_routing import aux_losses
 from fusedpar.ops.registration import asked, autograd_op, direct_op
+
+if TYPE_CHECKING:  # (fusedpar.nn imports this module)
+    from fusedpar.nn.specs import MoESpec
 
 # --- custom ops: the differentiable pieces --------------------------------------------------
 # Every kernel launch and collective of the layer sits inside a ``fusedpar::`` op, with a
@@ -55,29 +59,67 @@ from fusedpar.ops.registration import asked, autograd_op, direct_op
 # not asked for comes back from a backward op as an empty (0,) tensor.
 
 
+class Experts(NamedTuple):
+    """The experts' stacks as one value, from the layer down to the ops: w1, w3 (E, h, d)
+    (gate, up), w2 (E, d, h) (down), and their biases b1, b3 (E, h), b2 (E, d), all or
+    none. The ops take them as one ``list[Tensor]`` (`tensors`)."""
+
+    w1: Tensor
+    w3: Tensor
+    w2: Tensor
+    b1: Tensor | None = None
+    b3: Tensor | None = None
+    b2: Tensor | None = None
+
+    def tensors(self) -> list[Tensor]:
+        """[w1, w3, w2], then [b1, b3, b2] where there are biases: the ops' argument."""
+        biases = self[3:]
+        if all(b is None for b in biases):
+            return list(self[:3])
+        if any(b is None for b in biases):
+            raise ValueError("expert biases must be all of (b1, b2, b3) or none")
+        return list(self)
+
+
+class Routing(NamedTuple):
+    """The routing's outputs the dispatch takes: weights and ids (T, k) (`route`), and
+    keep (T, k) bool (`capacity_mask`; None: dropless)."""
+
+    weights: Tensor
+    ids: Tensor
+    keep: Tensor | None = None
+
+
+def _act_args(act: Swiglu) -> tuple[str, list[float]]:
+    """`act` as the ops take it: ``activation`` and ``swiglu`` = [alpha, limit]
+    (`_act_keywords` reads it back)."""
+    return act.kind, [float(act.alpha), float(act.limit)]
+
+
+def _act_keywords(activation: str, swiglu: list[float]) -> dict:
+    """The launchers' keywords of an op's ``activation`` and ``swiglu`` (`_act_args`)."""
+    alpha, limit = swiglu
+    return {"activation": activation, "alpha": alpha, "limit": limit}
+
+
 @torch.library.custom_op("fusedpar::expert_swiglu", mutates_args=())
 def _expert_swiglu_op(
     x: Tensor,
-    w1: Tensor,
-    w3: Tensor,
-    w2: Tensor,
+    experts: list[Tensor],
     counts: Tensor,
     rows: Tensor | None,
     reduce_pos: Tensor | None,
     save_hidden: bool,
-    b1: Tensor | None = None,
-    b3: Tensor | None = None,
-    b2: Tensor | None = None,
-    activation: str = "silu",
-    alpha: float = SWIGLU_ALPHA,
-    limit: float = SWIGLU_LIMIT,
+    activation: str,
+    swiglu: list[float],
 ) -> tuple[Tensor, Tensor]:
     """``out[p] = w2[e] @ act(w1[e] @ x[rows[p]] + b1[e], w3[e] @ x[rows[p]] + b3[e]) +
-    b2[e]`` for the rows p of expert e (rows None: x is in expert order; biases None:
-    none; act: `activation`, ``"silu"`` (silu(h1) * h3) or ``"clamped_swiglu"``
-    (gpt-oss's, with `alpha` and `limit`)), and h13 = [h1 | h3] (P, 2h) for the backward
-    (empty without `save_hidden`). `reduce_pos` (R, j) lists the rows p that read each
-    row of x (-1 for none): the backward sums dx through it.
+    b2[e]`` for the rows p of expert e (`experts`: [w1, w3, w2] or with the biases [w1,
+    w3, w2, b1, b3, b2], `Experts.tensors`; rows None: x is in expert order; act:
+    `activation`, ``"silu"`` (silu(h1) * h3) or ``"clamped_swiglu"`` (gpt-oss's, with
+    `swiglu` = [alpha, limit])), and h13 = [h1 | h3] (P, 2h) for the backward (empty
+    without `save_hidden`). `reduce_pos` (R, j) lists the rows p that read each row of x
+    (-1 for none): the backward sums dx through it.
 
     Saved for the backward: h1 and h3 (P, 2h, in x's dtype, biases added, before any
     clamp), not a: the backward's first GEMM (``da = dout w2[e]``) loads h1 and h3 in its
@@ -85,60 +127,44 @@ def _expert_swiglu_op(
     bit the forward's (both round h1 and h3 first). Recomputing h1 and h3 instead would
     cost a second gate/up GEMM, 2/3 of the experts' forward FLOPs; saving a as well would
     add half again to the activations kept per layer."""
-    act = {"activation": activation, "alpha": alpha, "limit": limit}
-    bias = None if b1 is None else (b1, b3)
-    a, h13 = grouped_swiglu(x, w1, w3, counts, rows, bias=bias, save_hidden=save_hidden, **act)
+    w1, w3, w2, *bias = experts
+    b1, b3, b2 = bias or (None, None, None)
+    act = _act_keywords(activation, swiglu)
+    b13 = None if b1 is None else (b1, b3)
+    a, h13 = grouped_swiglu(x, w1, w3, counts, rows, bias=b13, save_hidden=save_hidden, **act)
     out = grouped_matmul(a, w2, counts, bias=b2)
     return out, x.new_empty(0) if h13 is None else h13
 
 
 @_expert_swiglu_op.register_fake
-def _(
-    x,
-    w1,
-    w3,
-    w2,
-    counts,
-    rows,
-    reduce_pos,
-    save_hidden,
-    b1=None,
-    b3=None,
-    b2=None,
-    activation="silu",
-    alpha=SWIGLU_ALPHA,
-    limit=SWIGLU_LIMIT,
-):
+def _(x, experts, counts, rows, reduce_pos, save_hidden, activation, swiglu):
     P = x.shape[0] if rows is None else rows.shape[0]
-    h13 = x.new_empty((P, 2 * w1.shape[1]) if save_hidden else 0)
-    return x.new_empty((P, w2.shape[1])), h13
+    h13 = x.new_empty((P, 2 * experts[0].shape[1]) if save_hidden else 0)
+    return x.new_empty((P, experts[2].shape[1])), h13
 
 
 @torch.library.custom_op("fusedpar::expert_swiglu_backward", mutates_args=())
 def _expert_swiglu_backward_op(
     d_out: Tensor,
     x: Tensor,
-    w1: Tensor,
-    w3: Tensor,
-    w2: Tensor,
+    experts: list[Tensor],
     counts: Tensor,
     rows: Tensor | None,
     reduce_pos: Tensor | None,
     h13: Tensor,
     needs: list[bool],
-    activation: str = "silu",
-    alpha: float = SWIGLU_ALPHA,
-    limit: float = SWIGLU_LIMIT,
+    activation: str,
+    swiglu: list[float],
 ) -> list[Tensor]:
     """dx (summed over the rows p that read each row of x: `reduce_pos` (R, j), -1 for
-    none), dw1, dw3, dw2, and the expert biases' db1, db3 (E, h), db2 (E, d); `needs`
-    says which (the others come back empty; the last three may be left out: no bias).
-    The bias gradients come from the weight gradients' launches (per-expert sums of dh1,
-    dh3 and d_out, fp32, no atomics): a bias asked for without its weight still runs
-    them."""
+    none), dw1, dw3, dw2, and the expert biases' db1, db3 (E, h), db2 (E, d) (`experts`
+    as the forward's); `needs` says which (the others come back empty; the last three
+    may be left out: no bias). The bias gradients come from the weight gradients'
+    launches (per-expert sums of dh1, dh3 and d_out, fp32, no atomics): a bias asked for
+    without its weight still runs them."""
+    w1, w3, w2 = experts[:3]
     need_x, need_w1, need_w3, need_w2, need_b1, need_b3, need_b2 = _pad(needs)
-    act = {"activation": activation, "alpha": alpha, "limit": limit}
-    d_h13, a = grouped_swiglu_backward(d_out, w2, h13, counts, **act)
+    d_h13, a = grouped_swiglu_backward(d_out, w2, h13, counts, **_act_keywords(activation, swiglu))
     dx = dw1 = dw3 = dw2 = db1 = db3 = db2 = None
     if need_x:
         d_rows = grouped_swiglu_input_grad(d_h13, w1, w3, counts)
@@ -153,10 +179,9 @@ def _expert_swiglu_backward_op(
         grads = grouped_weight_grad(d_out, a, counts, out_dtype=w2.dtype, bias_grad=need_b2)
         dw2, db2 = grads if need_b2 else (grads, None)
     grads = [dx, dw1, dw3, dw2, db1, db3, db2]  # those not asked for empty, as the fake's
-    sources = (x, w1, w3, w2, w1, w3, w2)
     return [
         g if need else t.new_empty(0)
-        for g, need, t in zip(grads, _pad(needs), sources, strict=True)
+        for g, need, t in zip(grads, _pad(needs), _sources(x, experts), strict=True)
     ]
 
 
@@ -165,78 +190,47 @@ def _pad(needs) -> list[bool]:
     return [*needs, *[False] * (7 - len(needs))]
 
 
+def _sources(x, experts) -> tuple:
+    """The tensor each of the 7 gradients is shaped as (a bias's, its weight where there
+    is no bias): x, w1, w3, w2, b1, b3, b2."""
+    return (x, *experts[:3], *(experts[3:] or experts[:3]))
+
+
 @_expert_swiglu_backward_op.register_fake
-def _(
-    d_out,
-    x,
-    w1,
-    w3,
-    w2,
-    counts,
-    rows,
-    reduce_pos,
-    h13,
-    needs,
-    activation="silu",
-    alpha=SWIGLU_ALPHA,
-    limit=SWIGLU_LIMIT,
-):
+def _(d_out, x, experts, counts, rows, reduce_pos, h13, needs, activation, swiglu):
+    w1, w3, w2 = experts[:3]
     shapes = (x.shape, w1.shape, w3.shape, w2.shape, w1.shape[:2], w3.shape[:2], w2.shape[:2])
-    sources = (x, w1, w3, w2, w1, w3, w2)
     # fresh, contiguous: the real layout
     return [
         t.new_empty(shape if need else 0)
-        for t, shape, need in zip(sources, shapes, _pad(needs), strict=True)
+        for t, shape, need in zip(_sources(x, experts), shapes, _pad(needs), strict=True)
     ]
 
 
-_DEFAULTS = (None, None, None, "silu", SWIGLU_ALPHA, SWIGLU_LIMIT)  # b1 .. limit
-
-
 def _expert_swiglu_setup(ctx, inputs, output):
-    x, w1, w3, w2, counts, rows, reduce_pos, _, *rest = inputs
-    b1, b3, b2, activation, alpha, limit = (*rest, *_DEFAULTS[len(rest) :])
-    ctx.needs = [t is not None and t.requires_grad for t in (x, w1, w3, w2, b1, b3, b2)]
-    ctx.act = (activation, alpha, limit)
-    ctx.save_for_backward(x, w1, w3, w2, counts, rows, reduce_pos, output[1])
+    x, experts, counts, rows, reduce_pos, _, activation, swiglu = inputs
+    ctx.needs = [t.requires_grad for t in (x, *experts)]
+    ctx.act = (activation, swiglu)
+    ctx.save_for_backward(x, counts, rows, reduce_pos, output[1], *experts)
 
 
 def _expert_swiglu_backward(ctx, d_out, _):
-    x, w1, w3, w2, counts, rows, reduce_pos, h13 = ctx.saved_tensors
+    x, counts, rows, reduce_pos, h13, *experts = ctx.saved_tensors
     grads = _expert_swiglu_backward_call(
-        d_out, x, w1, w3, w2, counts, rows, reduce_pos, h13, ctx.needs, *ctx.act
+        d_out, x, experts, counts, rows, reduce_pos, h13, ctx.needs, *ctx.act
     )
-    dx, dw1, dw3, dw2, db1, db3, db2 = asked(grads, ctx.needs)
-    return dx, dw1, dw3, dw2, None, None, None, None, db1, db3, db2, None, None, None
+    dx, *d_experts = asked(grads[: len(ctx.needs)], ctx.needs)
+    return dx, d_experts, None, None, None, None, None, None
 
 
-def expert_swiglu(
-    x,
-    w1,
-    w3,
-    w2,
-    counts,
-    rows,
-    reduce_pos,
-    *,
-    bias=None,
-    activation="silu",
-    alpha=SWIGLU_ALPHA,
-    limit=SWIGLU_LIMIT,
-):
+def expert_swiglu(x, experts: Experts, counts, rows, reduce_pos, act: Swiglu = SILU):
     """`fusedpar::expert_swiglu`'s output; `reduce_pos` (R, j) lists the rows p that read
-    each row of x (-1 for none), for summing dx back; `bias` None or the experts' (b1
-    (E, h), b2 (E, d), b3 (E, h)); `activation` ``"silu"`` or ``"clamped_swiglu"`` (with
-    `alpha`, `limit`). Where no gradient is needed (no grad mode, or nothing requires
-    one) h1 and h3 are not stored."""
-    b1, b2, b3 = bias or (None, None, None)
-    if bias is not None and any(b is None for b in bias):
-        raise ValueError("expert_swiglu: bias must be None or all of (b1, b2, b3)")
-    params = [t for t in (x, w1, w3, w2, b1, b2, b3) if t is not None]
-    save = torch.is_grad_enabled() and any(t.requires_grad for t in params)
-    out, _ = _expert_swiglu(
-        x, w1, w3, w2, counts, rows, reduce_pos, save, b1, b3, b2, activation, alpha, limit
-    )
+    each row of x (-1 for none), for summing dx back; `experts` the stacks (and biases:
+    all or none); `act` the activation. Where no gradient is needed (no grad mode, or
+    nothing requires one) h1 and h3 are not stored."""
+    tensors = experts.tensors()
+    save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors))
+    out, _ = _expert_swiglu(x, tensors, counts, rows, reduce_pos, save, *_act_args(act))
     return out
 
 
@@ -440,42 +434,25 @@ def _regroup_index(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
     return (em_starts[block_of] + within).to(index_dtype(total))
 
 
-def moe_dispatch_combine(
-    x,
-    weights,
-    ids,
-    keep,
-    w1,
-    w3,
-    w2,
-    num_experts,
-    group,
-    *,
-    bias=None,
-    activation="silu",
-    alpha=SWIGLU_ALPHA,
-    limit=SWIGLU_LIMIT,
-):
+def moe_dispatch_combine(x, routing: Routing, experts: Experts, num_experts, group, act=SILU):
     """Send the routed pairs to their experts (EP: all-to-all), run them, and combine.
 
-    x (T, d); weights, ids, keep (T, k); w1, w3 (E_loc, h, d); w2 (E_loc, d, h); `bias`
-    None or this rank's expert biases (b1 (E_loc, h), b2 (E_loc, d), b3 (E_loc, h));
-    `activation`, `alpha`, `limit` as in `expert_swiglu`. Returns y (T, d) and the local
+    x (T, d); `routing` its weights, ids and keep (T, k); `experts` this rank's stacks,
+    w1, w3 (E_loc, h, d), w2 (E_loc, d, h) and the biases (b1, b3 (E_loc, h), b2 (E_loc,
+    d)) or none; `act` the experts' activation (`Swiglu`). Returns y (T, d) and the local
     counts per expert (E,) after capacity.
     """
+    weights, ids, keep = routing
     counts, order, pos = dispatch_metadata(ids, num_experts, keep)
     top_k = ids.shape[1]
     pg = comm.resolve_group(group)
-    experts = {"bias": bias, "activation": activation, "alpha": alpha, "limit": limit}
     if comm.group_size(pg) == 1:  # the gather is fused into the gate/up GEMM: no copy of x
         rows = torch.div(order, top_k, rounding_mode="floor")  # (the token of each pair)
-        out = expert_swiglu(x, w1, w3, w2, counts, rows, pos, **experts)
+        out = expert_swiglu(x, experts, counts, rows, pos, act)
         return _combine(out, weights, pos, order), counts
     name = comm.group_name(pg)
     x_recv, recv_counts, regroup, inverse, splits = _dispatch(x, order, pos, counts, top_k, name)
-    out = expert_swiglu(
-        x_recv, w1, w3, w2, recv_counts.sum(0), regroup, inverse.view(-1, 1), **experts
-    )
+    out = expert_swiglu(x_recv, experts, recv_counts.sum(0), regroup, inverse.view(-1, 1), act)
     out = _permute(out, inverse, regroup.view(-1, 1))  # back to source-major
     out = _return(out, splits, name, False)
     return _combine(out, weights, pos, order), counts
@@ -486,39 +463,38 @@ def moe_dispatch_combine(
 
 def moe_reference(
     x,
+    spec: "MoESpec",
     router_weight,
-    w1,
-    w2,
-    w3,
+    experts: Experts,
     *,
-    top_k,
-    score="softmax",
-    norm_topk_prob=True,
-    capacity_factor=None,
+    router_bias=None,
     expert_bias=None,
-    aux_loss_coef=0.01,
-    z_loss_coef=0.0,
     shared=None,
     shared_gate=None,
-    router_bias=None,
-    bias=None,
-    activation="silu",
-    swiglu_alpha=SWIGLU_ALPHA,
-    swiglu_limit=SWIGLU_LIMIT,
     batched=False,
 ):
     """The whole layer as a naive loop over tokens and experts, in x's dtype (float64 in ->
-    the oracle; the router in at least fp32, as the layer's). Full (unsharded) stacks;
-    `router_bias` (E,): added to the logits; `bias` (b1 (E, h), b2 (E, d), b3 (E, h)):
-    expert e computes ``w2[e] @ act(w1[e] @ x + b1[e], w3[e] @ x + b3[e]) + b2[e]``, act
-    ``silu(g) * u`` or, with ``activation="clamped_swiglu"``, gpt-oss's ``(u' + 1) * g' *
-    sigmoid(swiglu_alpha * g')`` (``g' = min(g, swiglu_limit)``, ``u' = clamp(u,
-    -swiglu_limit, swiglu_limit)``); `shared` (w1 (hs, d), w2 (d, hs), w3 (hs, d)): a
+    the oracle; the router in at least fp32, as the layer's). `spec` (`fusedpar.nn.
+    MoESpec`) gives the routing (top_k, score, norm_topk_prob, capacity_factor), the
+    losses' coefficients and the activation (not group-limited routing nor a routed
+    scaling: ValueError); the tensors given decide the rest. Full (unsharded) stacks:
+    router_weight (E, d); `experts` w1, w3 (E, h, d), w2 (E, d, h) and optionally the
+    biases b1, b3 (E, h), b2 (E, d): expert e computes ``w2[e] @ act(w1[e] @ x + b1[e],
+    w3[e] @ x + b3[e]) + b2[e]``, act ``silu(g) * u`` or, with
+    ``activation="clamped_swiglu"``, gpt-oss's ``(u' + 1) * g' * sigmoid(alpha * g')``
+    (``g' = min(g, limit)``, ``u' = clamp(u, -limit, limit)``: the spec's swiglu_alpha,
+    swiglu_limit); `router_bias` (E,): added to the logits; `expert_bias` (E,): the
+    sigmoid router's selection bias; `shared` (w1 (hs, d), w2 (d, hs), w3 (hs, d)): a
     shared expert every token goes through, scaled by ``sigmoid(x @ shared_gate.T)`` if
     given (1, d). Returns (y (T, d), aux_loss). ``batched``: each expert's gate and up
     projections of every token as one matmul, ``x @ w1[e].T + b1[e]`` (the order a
     batched model sums in), not a token at a time: in fp32 another, equally valid
     rounding of the same math."""
+    if (spec.n_group, spec.topk_group, spec.routed_scaling_factor) != (1, 1, 1.0):
+        raise ValueError("moe_reference: no group-limited routing nor routed scaling")
+    top_k, score, capacity_factor = spec.top_k, spec.score, spec.capacity_factor
+    w1, w3, w2, b1, b3, b2 = experts
+    bias = b1 is not None
     T, E = x.shape[0], router_weight.shape[0]
     router_dtype = accumulator(x.dtype)
     logits = x.to(router_dtype) @ router_weight.to(router_dtype).T
@@ -528,7 +504,7 @@ def moe_reference(
     select = probs if expert_bias is None or score == "softmax" else probs + expert_bias
     ids = select.detach().topk(top_k, dim=-1).indices
     weights = probs.gather(1, ids)
-    if norm_topk_prob:
+    if spec.norm_topk_prob:
         weights = weights / weights.sum(-1, keepdim=True)
     kept = [[True] * top_k for _ in range(T)]
     if capacity_factor is not None:
@@ -538,8 +514,6 @@ def moe_reference(
             pairs.sort(key=lambda tj: (-float(weights[tj].detach()), tj[0] * top_k + tj[1]))
             for t, j in pairs[capacity:]:
                 kept[t][j] = False
-    b1, b2, b3 = bias or (0, 0, 0)
-
     every = {}  # batched: expert e's (G, U) (T, h), made once
 
     def projections(e, t):  # (g, u) of token t by expert e
@@ -557,7 +531,7 @@ def moe_reference(
             if kept[t][j]:
                 e = int(ids[t, j])
                 g, u = projections(e, t)
-                hidden = swiglu_reference(g, u, activation, swiglu_alpha, swiglu_limit)
+                hidden = swiglu_reference(g, u, spec.activation, *spec.swiglu())
                 out = w2[e] @ hidden + (b2[e] if bias else 0)
                 y_t = y_t + weights[t, j].to(x.dtype) * out
         rows.append(y_t)
@@ -566,4 +540,4 @@ def moe_reference(
         s1, s2, s3 = shared
         out = (torch.nn.functional.silu(x @ s1.T) * (x @ s3.T)) @ s2.T
         y = y + (out if shared_gate is None else torch.sigmoid(x @ shared_gate.T) * out)
-    return y, aux_losses(probs, logits, ids, score, aux_loss_coef, z_loss_coef)
+    return y, aux_losses(probs, logits, ids, score, spec.aux_loss_coef, spec.z_loss_coef)

@@ -235,21 +235,26 @@ def opcheck_cases(group: str) -> list:
     wts = torch.rand(T, top_k).requires_grad_()
     ew1, ew3, ew2 = leaf(E, h, d), leaf(E, h, d), leaf(E, d, h)
     rows = order // top_k
-    experts = (xm, ew1, ew3, ew2, counts, rows, pos)
-    eout, h13 = ops.expert_swiglu(*experts, True)
+    silu = (True, "silu", [1.702, 7.0])  # save_hidden, the activation
+    experts = (xm, [ew1, ew3, ew2], counts, rows, pos)
+    eout, h13 = ops.expert_swiglu(*experts, *silu)
     # gpt-oss's experts: biases (b1, b3, b2) and the clamped SwiGLU
-    oss = (leaf(E, h), leaf(E, h), leaf(E, d), "clamped_swiglu", 1.702, 7.0)
-    oss_out, oss_h13 = ops.expert_swiglu(*experts, True, *oss)
+    oss = (True, "clamped_swiglu", [1.702, 7.0])
+    oss_experts = (xm, [ew1, ew3, ew2, leaf(E, h), leaf(E, h), leaf(E, d)], counts, rows, pos)
+    oss_out, oss_h13 = ops.expert_swiglu(*oss_experts, *oss)
     ep = (xm, order, pos, counts, top_k, group)
     recv, *_, splits = ops.moe_dispatch(*ep)
     _, route_ids, route_probs = ops.moe_route(torch.randn(T, 5), None, 2, "softmax", True)
     return [
-        (ops.expert_swiglu, (*experts, True)),
-        (ops.expert_swiglu_backward, (torch.randn_like(eout), *experts, h13, [True] * 4)),
-        (ops.expert_swiglu, (*experts, True, *oss)),
+        (ops.expert_swiglu, (*experts, *silu)),
         (
             ops.expert_swiglu_backward,
-            (torch.randn_like(oss_out), *experts, oss_h13, [True] * 7, *oss[3:]),
+            (torch.randn_like(eout), *experts, h13, [True] * 4, *silu[1:]),
+        ),
+        (ops.expert_swiglu, (*oss_experts, *oss)),
+        (
+            ops.expert_swiglu_backward,
+            (torch.randn_like(oss_out), *oss_experts, oss_h13, [True] * 7, *oss[1:]),
         ),
         (ops.moe_permute, (xm, rows, pos)),
         (ops.moe_permute_backward, (torch.randn(T * top_k, d), pos)),

@@ -21,7 +21,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import fusedpar as fp
-from fusedpar.ops.moe import moe_reference
+from fusedpar.nn.specs import MoESpec
+from fusedpar.ops.moe import Experts, moe_reference
 from fusedpar.ops.moe_routing import _RouterLogits
 from fusedpar.testing import assert_close, exception_of
 from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
@@ -95,14 +96,15 @@ def _reference(p, stacks, xs, dys, dtype, batched=False):
     (`batched`: `moe_reference`'s)."""
     params = {n: t.to(dtype, copy=True).requires_grad_() for n, t in stacks.items()}
     xr = [t.to(dtype, copy=True).requires_grad_() for t in xs]
-    kwargs = _options(p)
-    if "activation" in kwargs:
-        kwargs["swiglu_alpha"], kwargs["swiglu_limit"] = 1.702, 7.0
+    E, h, d = stacks["w1"].shape
+    spec = MoESpec(d, h, E, **_options(p))
+    experts = Experts(*(params.get(n) for n in ("w1", "w3", "w2", "b1", "b3", "b2")))
     outs = [
         moe_reference(
             x,
-            *(params[n] for n in ("router_weight", "w1", "w2", "w3")),
-            **kwargs,
+            spec,
+            params["router_weight"],
+            experts,
             **_extras(params, "reference"),
             batched=batched,
         )
@@ -127,13 +129,14 @@ def _worse(ref, routes):
 
 def _extras(stacks, to="layer") -> dict:
     """The keywords of `MoE.from_dense` (``to="layer"``) or of `moe_reference` for the
-    shared expert, its gate and the biases among `stacks`."""
+    shared expert, its gate and the biases among `stacks` (the reference's expert
+    biases: in its `Experts`)."""
     kwargs = {}
     if "shared_w1" in stacks:
         kwargs["shared"] = tuple(stacks[n] for n in SHARED[:3])
     if "shared_gate_weight" in stacks:
         kwargs["shared_gate_weight" if to == "layer" else "shared_gate"] = stacks[SHARED[3]]
-    if "b1" in stacks:
+    if "b1" in stacks and to == "layer":
         kwargs["bias"] = tuple(stacks[n] for n in ("b1", "b2", "b3"))
     if "router_bias" in stacks:
         kwargs["router_bias"] = stacks["router_bias"]
@@ -620,14 +623,7 @@ def test_leading_dims_and_no_group():
     x = torch.randn(2, 3, 6)
     y, aux = layer(x)
     ref, ref_aux = moe_reference(
-        x.reshape(-1, 6),
-        layer.router_weight,
-        layer.w1,
-        layer.w2,
-        layer.w3,
-        top_k=2,
-        score="sigmoid",
-        z_loss_coef=1e-3,
+        x.reshape(-1, 6), layer.spec, layer.router_weight, Experts(layer.w1, layer.w3, layer.w2)
     )
     assert y.shape == x.shape
     torch.testing.assert_close(y.reshape(-1, 6), ref, rtol=1e-5, atol=1e-5)
@@ -690,9 +686,8 @@ def test_bench_peers_match_the_reference(monkeypatch, capsys):
     router, w1, w3 = torch.randn(E, d), torch.randn(E, h, d) / 4, torch.randn(E, h, d) / 4
     w2 = torch.randn(E, d, h) / 3
     x = torch.randn(13, d)
-    ref, _ = moe_reference(
-        x.double(), router.double(), w1.double(), w2.double(), w3.double(), top_k=k
-    )
+    experts = Experts(w1.double(), w3.double(), w2.double())
+    ref, _ = moe_reference(x.double(), MoESpec(d, h, E, k), router.double(), experts)
     peers = [bench_moe._naive_moe]
     if hasattr(torch, "_grouped_mm"):
         peers.append(bench_moe._grouped_mm_moe)

@@ -15,9 +15,8 @@ from fusedpar.kernels import _tuning, moe_weight_grad
 from fusedpar.kernels import moe as moe_kernels
 from fusedpar.kernels.moe import (
     SWIGLU_LIMIT,
-    expert_swiglu_reference,
+    Swiglu,
     grouped_matmul,
-    grouped_matmul_reference,
     grouped_swiglu,
     grouped_swiglu_backward,
     grouped_swiglu_input_grad,
@@ -29,6 +28,7 @@ from fusedpar.kernels.moe_permute import (
     dispatch_metadata,
     gather_rows,
 )
+from fusedpar.kernels.moe_reference import expert_swiglu_reference, grouped_matmul_reference
 from fusedpar.kernels.moe_route import SCORES, route_reference, route_top_k, route_top_k_backward
 from fusedpar.kernels.moe_weight_grad import (
     expert_sums_reference,
@@ -39,7 +39,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import fusedpar as fp
-from fusedpar.ops.moe import expert_swiglu
+from fusedpar.ops.moe import Experts, expert_swiglu
 from fusedpar.testing import assert_close
 from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
 from tests.moe.helpers import GPT_OSS_KERNEL, SMALL, _kernel_problem, poisoned_outputs
@@ -91,22 +91,24 @@ def check_expert_swiglu(p, device):
     limit = act.get("limit", SWIGLU_LIMIT)
     passes = (h1 <= limit, (h3 >= -limit) & (h3 <= limit))
 
+    swiglu = Swiglu(act["activation"])
+
     def run(operands, fused, follow=False):
         x, w1, w3, w2, *bias = (t.detach().requires_grad_() for t in operands)
-        bias = tuple(bias) or None  # (b1, b2, b3)
+        b1, b2, b3 = bias or (None, None, None)
+        experts = Experts(w1, w3, w2, b1, b3, b2)
         if fused:
             with poisoned_outputs():
-                out = expert_swiglu(x, w1, w3, w2, counts, rows, pos, bias=bias, **act)
+                out = expert_swiglu(x, experts, counts, rows, pos, swiglu)
                 _unwritten(out, n, "expert outputs")
                 (out[:n] * q["dy"][:n]).sum().backward()
             out = out[:n]
         else:
-            out = expert_swiglu_reference(
-                x, w1, w3, w2, counts, rows, bias=bias, **act, passes=passes if follow else None
-            )
+            follows = passes if follow else None
+            out = expert_swiglu_reference(x, experts, counts, rows, act=swiglu, passes=follows)
             if out.requires_grad:
                 (out * q["dy"][:n].to(out.dtype)).sum().backward()
-        leaves = (x, w1, w3, w2, *(bias or ()))
+        leaves = (x, w1, w3, w2, *bias)
         return [out, *(torch.zeros_like(t) if t.grad is None else t.grad for t in leaves)]
 
     names = ["x", "w1", "w3", "w2"] + (["b1", "b2", "b3"] if q["bias"] else [])
@@ -143,11 +145,12 @@ def test_the_clamp_passes_the_gradient_on_its_bounds(each_implementation):
 
     def run(operands, fused):
         x, w1, w3, w2, *bias = (t.detach().requires_grad_() for t in operands)
-        fn = expert_swiglu if fused else expert_swiglu_reference
-        extra = (pos,) if fused else ()
-        out = fn(
-            x, w1, w3, w2, counts, order, *extra, bias=tuple(bias), activation="clamped_swiglu"
-        )
+        b1, b2, b3 = bias
+        experts, act = Experts(w1, w3, w2, b1, b3, b2), Swiglu("clamped_swiglu")
+        if fused:
+            out = expert_swiglu(x, experts, counts, order, pos, act)
+        else:
+            out = expert_swiglu_reference(x, experts, counts, order, act=act)
         (out * dy[order].to(out.dtype)).sum().backward()
         return [out] + [t.grad for t in (x, w1, w3, w2, *bias)]
 

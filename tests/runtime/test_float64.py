@@ -22,7 +22,7 @@ from torch import nn
 import fusedpar as fp
 from fusedpar.nn.attention_parts import rope_tables
 from fusedpar.ops.attention import rope
-from fusedpar.ops.moe import moe_reference
+from fusedpar.ops.moe import Experts, moe_reference
 from fusedpar.testing import assert_ulps, exception_of
 from fusedpar.testing.strategies import randn
 from tests.attention.helpers import GEMMA_SCALE, HEAD_DIM, DenseAttention, scaled_rope
@@ -183,11 +183,9 @@ def _moe_case(ep_group, seed, device="cpu"):
     xr = x.detach().clone().requires_grad_()
     yr, auxr = moe_reference(
         xr,
+        layer.spec,
         leaves["router"],
-        leaves["w1"],
-        leaves["w2"],
-        leaves["w3"],
-        top_k=top_k,
+        Experts(leaves["w1"], leaves["w3"], leaves["w2"]),
         shared=(leaves["s1"], leaves["s2"], leaves["s3"]),
         shared_gate=leaves["gate"],
     )
