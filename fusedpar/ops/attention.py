@@ -224,7 +224,7 @@ _flash_attn_backward = direct_op(_flash_attn_backward_op)
 _flash_attn = autograd_op(_flash_attn_op, _backward, _setup)
 
 
-def attend(q, k, v, mask: AttentionMask, cu_seqlens=None, deterministic: bool = False):
+def masked_flash_attn(q, k, v, mask: AttentionMask, cu_seqlens=None, deterministic=False):
     """(out, lse) of ``fusedpar::flash_attn`` under `mask` (its sinks left out: the
     caller applies them, `apply_sinks`), `cu_seqlens`: None, or the packed documents of
     both q and k (B = 1)."""
@@ -356,7 +356,7 @@ def flash_attn(
     check_attention_inputs(q, k, v)
     check_sinks(sinks, q, "flash_attn")
     mask = AttentionMask(causal, window, softcap, softmax_scale, sinks)
-    out, lse = apply_sinks(*attend(q, k, v, mask, deterministic=deterministic), mask)
+    out, lse = apply_sinks(*masked_flash_attn(q, k, v, mask, deterministic=deterministic), mask)
     return (out, lse) if return_lse else out
 
 

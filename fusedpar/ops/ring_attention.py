@@ -47,10 +47,10 @@ from fusedpar.kernels.attention import (
 )
 from fusedpar.ops.attention import (
     apply_sinks,
-    attend,
     check_packed,
     check_shards,
     check_sinks,
+    masked_flash_attn,
     unflat,
 )
 from fusedpar.ops.registration import autograd_op, direct_op
@@ -471,7 +471,7 @@ def masked_ring_attn(
 
     def ring(q, k, v):  # (out, lse) over pg, or flash_attn over one rank; no sinks
         if size == 1:
-            return attend(q, k, v, mask, cu_seqlens, deterministic)
+            return masked_flash_attn(q, k, v, mask, cu_seqlens, deterministic)
         rows = rank_row(pg, q, layout, mask, cu_seqlens)  # once, for both directions
         name, flat = group_name(pg), mask.flat()
         return _ring_attn(q, k, v, name, layout, flat, deterministic, cu_seqlens, rows)

@@ -34,7 +34,13 @@ from fusedpar.comm import (
 )
 from fusedpar.kernels._common import accumulator
 from fusedpar.kernels.attention import AttentionMask
-from fusedpar.ops.attention import apply_sinks, attend, check_packed, check_shards, check_sinks
+from fusedpar.ops.attention import (
+    apply_sinks,
+    check_packed,
+    check_shards,
+    check_sinks,
+    masked_flash_attn,
+)
 from fusedpar.ops.registration import autograd_op
 
 
@@ -202,7 +208,7 @@ def ulysses_attn(
     )
 
     def whole(q, k, v):  # the whole sequence, this rank's heads
-        return attend(q, k, v, mask, cu_seqlens, deterministic)
+        return masked_flash_attn(q, k, v, mask, cu_seqlens, deterministic)
 
     with_lse = return_lse or sinks is not None  # else the LSE is never exchanged back
     if size == 1:
