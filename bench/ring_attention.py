@@ -90,6 +90,7 @@ def torch_attend(
 
 def _cpu_rank(batch, tokens_per_rank, heads, kv_heads, head_dim, causal, reps):
     import torch.distributed as dist
+    from fusedpar.kernels.attention import AttentionMask
 
     from fusedpar.ops.ring_attention import ring_attention_forward
 
@@ -106,9 +107,8 @@ def _cpu_rank(batch, tokens_per_rank, heads, kv_heads, head_dim, causal, reps):
                 k,
                 v,
                 pg,
-                causal=causal,
-                softmax_scale=None,
                 layout="zigzag",
+                mask=AttentionMask(causal=causal),
                 overlap=overlap,
                 attend=torch_attend,
             )
@@ -161,7 +161,7 @@ def _timed(fn, q, k, v, dout, device) -> dict:
 
 def _gpu_point(S: int, causal: bool, device: str) -> list[dict]:
     import fusedpar as fp
-    from fusedpar.ops.ring_attention import virtual_ring_attn
+    from fusedpar.ops.virtual_ring import virtual_ring_attn
 
     B, H, Hkv, D = (GPU_SHAPE[n] for n in ("batch", "heads", "kv_heads", "head_dim"))
     shape = dict(device=device, dtype=GPU_DTYPE, requires_grad=True)

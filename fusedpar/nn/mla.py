@@ -27,14 +27,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedpar import comm
-from fusedpar.nn.attention import RotaryPositions
 from fusedpar.nn.attention_parts import apply_rope, norm_weight
 from fusedpar.nn.linear import linear_parts
+from fusedpar.nn.rotary import RotaryPositions
 from fusedpar.nn.specs import CP_RINGS, DEFAULT_ROPE, FromSpec, MLASpec  # noqa: F401 (CP_RINGS)
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.mla_ring import mla_ring_attn
 from fusedpar.ops.norm import rms_norm
-from fusedpar.ops.ring_attention import ring_attn
+from fusedpar.ops.ring_attention import masked_ring_attn
 from fusedpar.ops.ulysses import check_heads
 from fusedpar.placement import Placement
 from fusedpar.storage import ParamLayout, local_tensor
@@ -206,7 +206,8 @@ class ParallelMLA(FromSpec, RotaryPositions, nn.Module):
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.nope, self.rope_dim, self.v_dim = nope, rope_dim, v_dim
         self.qk_dim = nope + rope_dim
-        self.softmax_scale = spec.softmax_scale or self.qk_dim**-0.5
+        self._mask = spec.mask  # causal, at the scale below
+        self.softmax_scale = self._mask.softmax_scale
         self.tp_group, self.cp_group, self.ulysses_group = (
             tp_group,
             placement.cp_group,
@@ -445,7 +446,7 @@ class ParallelMLA(FromSpec, RotaryPositions, nn.Module):
                 self.cp_group,
                 qk_nope_head_dim=self.nope,
                 v_head_dim=self.v_dim,
-                softmax_scale=self.softmax_scale,
+                softmax_scale=self._mask.softmax_scale,
                 layout=self.cp_layout,
                 cu_seqlens=cu_seqlens,
             )
@@ -453,14 +454,13 @@ class ParallelMLA(FromSpec, RotaryPositions, nn.Module):
             kv = F.linear(latent, self.kv_b_weight).view(S, B, -1, self.nope + self.v_dim)
             k_nope, v = kv.transpose(0, 1).split([self.nope, self.v_dim], dim=-1)
             k = torch.cat([k_rope.expand(-1, -1, k_nope.shape[2], -1), k_nope], dim=-1)
-            out = ring_attn(
+            out = masked_ring_attn(
                 q,
                 k,
                 v,
                 self.cp_group,
-                causal=True,
+                self._mask,
                 layout=self.cp_layout,
-                softmax_scale=self.softmax_scale,
                 cu_seqlens=cu_seqlens,
                 ulysses_group=self.ulysses_group,
             )

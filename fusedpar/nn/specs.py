@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch.nn.functional as F
 
+from fusedpar.kernels.attention import AttentionMask
 from fusedpar.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT, check_activation
 from fusedpar.kernels.moe_route import SCORES, check_groups
 from fusedpar.nn.attention_parts import QK_NORMS
@@ -118,6 +119,15 @@ class AttentionSpec:
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})"
             )
 
+    @property
+    def mask(self) -> AttentionMask:
+        """The layer's mask (`AttentionMask`), its sinks aside (a parameter: the layer
+        joins them per call): Hugging Face's ``sliding_window=W`` keys (the query's own
+        included) is flash-attn's ``window=(W - 1, 0)``."""
+        W = self.sliding_window
+        window = (-1, -1) if W is None else (W - 1, 0)
+        return AttentionMask(self.causal, window, self.softcap or 0.0, self.softmax_scale)
+
     def resolved(self) -> AttentionSizes:
         """The values left out, derived: n_kv_heads (n_heads), head_dim (d_model /
         n_heads), rotary_dim (head_dim), qk_norm (True: "head"; False: None)."""
@@ -171,6 +181,12 @@ class MLASpec:
             raise ValueError(
                 f"ParallelMLA: cp_ring must be one of {CP_RINGS}, got {self.cp_ring!r}"
             )
+
+    @property
+    def mask(self) -> AttentionMask:
+        """The layer's mask: causal, scaled by `softmax_scale` or (dn + dr) ** -0.5."""
+        qk_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        return AttentionMask(causal=True, softmax_scale=self.softmax_scale or qk_dim**-0.5)
 
 
 @dataclass(frozen=True)

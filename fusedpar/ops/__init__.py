@@ -3,9 +3,10 @@
 from fusedpar.ops.attention import flash_attn, flash_attn_varlen
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.norm import rms_norm
-from fusedpar.ops.ring_attention import ring_attn, virtual_ring_attn
+from fusedpar.ops.ring_attention import ring_attn
 from fusedpar.ops.sequence import gather_sequence, sequence_positions, shard_sequence
 from fusedpar.ops.ulysses import ulysses_attn
+from fusedpar.ops.virtual_ring import virtual_ring_attn
 
 __all__ = [
     "all_gather_matmul",

@@ -27,30 +27,51 @@ from torch import Tensor
 from fusedpar.kernels import rope as rope_kernels
 from fusedpar.kernels._common import accumulator
 from fusedpar.kernels.attention import (
+    AttentionMask,
     attention_backward,
     attention_forward,
     check_attention_inputs,
     check_cu_seqlens,
-    check_softcap,
-    check_softmax_scale,
-    check_window,
     packed_intervals,
 )
 from fusedpar.ops.registration import autograd_op, direct_op
 
 # --- custom ops: fusedpar::flash_attn and its backward ---------------------------------
-# The mask crosses the op boundary as plain values: (causal, window) for one sequence,
-# or the packed documents' cu_seqlens (then causal and window apply within each
-# document). Their values are checked inside the op: a compiled graph never sees the read.
+# The mask crosses the op boundary as its scalars, one ``float[]`` (`AttentionMask.flat`,
+# read back by `unflat`), and the packed documents as ``documents``: none for one sequence
+# per batch row, or the cu_seqlens of the queries and keys (causality and the window then
+# apply within each document). Their values are checked inside the op: a compiled graph
+# never sees the read.
 
 
-def _mask(q, k, cu_q, cu_k, causal, window, *, check: bool) -> dict:
-    """The kernels' mask arguments. Packed documents' intervals are built (and with
-    `check` the cu_seqlens' values read: a host sync) once per cu_seqlens tensors: the
-    layers of a model, forward and backward, pass the same ones (`_PackedMasks`)."""
-    if cu_q is None:
-        return dict(causal=causal, window=window)
-    intervals = _PACKED.get(q, k, cu_q, cu_k, causal, window, check)
+def unflat(values: list[float], sinks: Tensor | None = None) -> AttentionMask:
+    """A custom op's ``mask`` argument as the `AttentionMask` it was flattened from
+    (`AttentionMask.from_flat`; `sinks` beside it). The masks without sinks are kept per
+    value (the same few every call: a layer's, a model's), so an op call builds none."""
+    if sinks is not None:
+        return AttentionMask.from_flat(values, sinks)
+    key = tuple(values)
+    mask = _UNFLAT.get(key)
+    if mask is None:
+        if len(_UNFLAT) >= 64:
+            _UNFLAT.clear()
+        mask = _UNFLAT[key] = AttentionMask.from_flat(values)
+    return mask
+
+
+_UNFLAT: dict[tuple, AttentionMask] = {}
+
+
+def block_mask(q, k, documents: list[Tensor], mask: AttentionMask, *, check: bool):
+    """`mask` as the kernels take it for q against k: itself for one sequence per batch
+    row, else on the packed documents' intervals (`AttentionMask.on_block`). The
+    intervals are built (and with `check` the cu_seqlens' values read: a host sync) once
+    per cu_seqlens tensors: the layers of a model, forward and backward, pass the same
+    ones (`_PackedMasks`)."""
+    if not documents:
+        return mask
+    cu_q, cu_k = documents
+    intervals = _PACKED.get(q, k, documents, mask, check)
     if intervals is None:
         if check:
             check_cu_seqlens(cu_q, q.shape[1], "cu_seqlens_q")
@@ -60,11 +81,11 @@ def _mask(q, k, cu_q, cu_k, causal, window, *, check: bool) -> dict:
             cu_k.to(q.device),
             q.shape[1],
             k.shape[1],
-            causal=causal,
-            window=window,
+            causal=mask.causal,
+            window=mask.window,
         )
-        _PACKED.put(q, k, cu_q, cu_k, causal, window, check, intervals)
-    return dict(intervals=intervals)
+        _PACKED.put(q, k, documents, mask, check, intervals)
+    return mask.on_block(intervals)
 
 
 class _PackedMasks:
@@ -80,21 +101,24 @@ class _PackedMasks:
         self.entries: dict[tuple, tuple] = {}
 
     @staticmethod
-    def _key(q, k, cu_q, cu_k, causal, window):
-        return (id(cu_q), id(cu_k), q.shape[1], k.shape[1], causal, tuple(window), q.device)
+    def _key(q, k, documents, mask):
+        cu_q, cu_k = documents
+        return (id(cu_q), id(cu_k), q.shape[1], k.shape[1], mask.causal, mask.window, q.device)
 
-    def get(self, q, k, cu_q, cu_k, causal, window, check):
-        entry = self.entries.get(self._key(q, k, cu_q, cu_k, causal, window))
+    def get(self, q, k, documents, mask, check):
+        entry = self.entries.get(self._key(q, k, documents, mask))
         if entry is None:
             return None
         ref_q, ref_k, versions, checked, intervals = entry
+        cu_q, cu_k = documents
         fresh = ref_q() is cu_q and ref_k() is cu_k and versions == (cu_q._version, cu_k._version)
         return intervals if fresh and (checked or not check) else None
 
-    def put(self, q, k, cu_q, cu_k, causal, window, checked, intervals):
+    def put(self, q, k, documents, mask, checked, intervals):
         if len(self.entries) >= self.SIZE:
             self.entries.pop(next(iter(self.entries)))
-        self.entries[self._key(q, k, cu_q, cu_k, causal, window)] = (
+        cu_q, cu_k = documents
+        self.entries[self._key(q, k, documents, mask)] = (
             weakref.ref(cu_q),
             weakref.ref(cu_k),
             (cu_q._version, cu_k._version),
@@ -111,34 +135,28 @@ def _flash_attn_op(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    cu_seqlens_q: Tensor | None,
-    cu_seqlens_k: Tensor | None,
-    causal: bool,
-    softmax_scale: float | None,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    deterministic: bool = False,
+    documents: list[Tensor],
+    mask: list[float],
+    deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
-    # (`deterministic` is the backward's: it travels in the op's options)
-    mask = _mask(q, k, cu_seqlens_q, cu_seqlens_k, causal, (window_left, window_right), check=True)
-    return attention_forward(q, k, v, softmax_scale=softmax_scale, softcap=softcap, **mask)
+    # (`deterministic` is the backward's: it travels in the op's options. No argument has
+    # a default: the dispatcher leaves out one given at its default, and the gradients
+    # must match the inputs given, list by list, with `documents` a list)
+    m = block_mask(q, k, documents, unflat(mask), check=True)
+    return attention_forward(
+        q,
+        k,
+        v,
+        causal=m.causal,
+        softmax_scale=m.softmax_scale,
+        window=m.window,
+        softcap=m.softcap,
+        intervals=m.intervals,
+    )
 
 
 @_flash_attn_op.register_fake
-def _(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    causal,
-    softmax_scale,
-    window_left,
-    window_right,
-    softcap,
-    deterministic=False,
-):
+def _(q, k, v, documents, mask, deterministic):
     B, Sq, Hq, _ = q.shape
     return (
         q.new_empty((B, Sq, Hq, v.shape[-1])),
@@ -155,57 +173,63 @@ def _flash_attn_backward_op(
     v: Tensor,
     out: Tensor,
     lse: Tensor,
-    cu_seqlens_q: Tensor | None,
-    cu_seqlens_k: Tensor | None,
-    causal: bool,
-    softmax_scale: float | None,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    deterministic: bool = False,
+    documents: list[Tensor],
+    mask: list[float],
+    deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     # d(LSE_i)/d(S_ij) = P_ij: a gradient of the LSE folds into delta (None when the
     # LSE is unused), made from out and dlse as the backward starts
-    mask = _mask(q, k, cu_seqlens_q, cu_seqlens_k, causal, (window_left, window_right), check=False)
+    m = block_mask(q, k, documents, unflat(mask), check=False)
     return attention_backward(
         dout,
         q,
         k,
         v,
         lse,
+        causal=m.causal,
+        softmax_scale=m.softmax_scale,
+        window=m.window,
+        softcap=m.softcap,
+        intervals=m.intervals,
         out=out,
         dlse=dlse,
-        softmax_scale=softmax_scale,
-        softcap=softcap,
         deterministic=deterministic,
-        **mask,
     )
 
 
 @_flash_attn_backward_op.register_fake
-def _(dout, dlse, q, k, v, *args):  # fresh, contiguous (the kernels' layout), any inputs
+def _(dout, dlse, q, k, v, out, lse, documents, mask, deterministic):
+    # fresh, contiguous (the kernels' layout), any inputs
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, *options = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
-    ctx.options = options
+    q, k, v, documents, mask, deterministic = inputs
+    ctx.save_for_backward(q, k, v, *output, *documents)
+    ctx.options, ctx.documents = (mask, deterministic), len(documents)
     # an unused output's gradient comes as None, not zeros: with no LSE gradient the
     # backward may run PyTorch's own kernels (`fusedpar.kernels.attention.torch_impl`)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    q, k, v, out, lse, *documents = ctx.saved_tensors
     if dout is None:  # only the LSE was used
         dout = torch.zeros_like(out)
-    dq, dk, dv = _flash_attn_backward(dout, dlse, q, k, v, out, lse, cu_q, cu_k, *ctx.options)
-    return dq, dk, dv, *[None] * (len(ctx.options) + 2)
+    dq, dk, dv = _flash_attn_backward(dout, dlse, q, k, v, out, lse, documents, *ctx.options)
+    return dq, dk, dv, [None] * ctx.documents, None, None
 
 
 _flash_attn_backward = direct_op(_flash_attn_backward_op)
 _flash_attn = autograd_op(_flash_attn_op, _backward, _setup)
+
+
+def masked_flash_attn(q, k, v, mask: AttentionMask, cu_seqlens=None, deterministic=False):
+    """(out, lse) of ``fusedpar::flash_attn`` under `mask` (its sinks left out: the
+    caller applies them, `apply_sinks`), `cu_seqlens`: None, or the packed documents of
+    both q and k (B = 1)."""
+    documents = [] if cu_seqlens is None else [cu_seqlens, cu_seqlens]
+    return _flash_attn(q, k, v, documents, mask.flat(), deterministic)
 
 
 # --- custom op: fusedpar::rope (its backward is itself, by -angle) -----------------------
@@ -280,12 +304,14 @@ def check_sinks(sinks, q: torch.Tensor, what: str) -> None:
         )
 
 
-def apply_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+def apply_sinks(out: Tensor, lse: Tensor, mask: AttentionMask) -> tuple[Tensor, Tensor]:
     """out (..., S, H, D) and lse (..., H, S) of attention without sinks -> with one
-    more logit per head, `sinks` (H,), in every row's denominator (see the module doc).
-    Differentiable in all three; computed in fp32 (the LSE's dtype: float64 for a float64
-    out), out returned in its dtype."""
-    sink = sinks.to(lse.dtype)[:, None]  # (H, 1) against lse (..., H, S)
+    more logit per head, ``mask.sinks`` (H,), in every row's denominator (see the module
+    doc); (out, lse) as they are without sinks. Differentiable in all three; computed in
+    fp32 (the LSE's dtype: float64 for a float64 out), out returned in its dtype."""
+    if mask.sinks is None:
+        return out, lse
+    sink = mask.sinks.to(lse.dtype)[:, None]  # (H, 1) against lse (..., H, S)
     new_lse = torch.logaddexp(lse, sink)
     kept = torch.exp(lse - new_lse)  # sigmoid(L - s): the keys' share; 0 where L = -inf
     return (out.to(lse.dtype) * kept.transpose(-1, -2)[..., None]).to(out.dtype), new_lse
@@ -328,14 +354,9 @@ def flash_attn(
     run: `fusedpar.kernels.attention.backward_fused`).
     """
     check_attention_inputs(q, k, v)
-    window, softcap = check_window(window), check_softcap(softcap)
-    check_softmax_scale(softmax_scale)
     check_sinks(sinks, q, "flash_attn")
-    out, lse = _flash_attn(
-        q, k, v, None, None, causal, softmax_scale, *window, softcap, deterministic
-    )
-    if sinks is not None:
-        out, lse = apply_sinks(out, lse, sinks)
+    mask = AttentionMask(causal, window, softcap, softmax_scale, sinks)
+    out, lse = apply_sinks(*masked_flash_attn(q, k, v, mask, deterministic=deterministic), mask)
     return (out, lse) if return_lse else out
 
 
@@ -378,9 +399,8 @@ def flash_attn_varlen(
             )
     q, k, v = q[None], k[None], v[None]
     check_attention_inputs(q, k, v)
-    window, softcap = check_window(window), check_softcap(softcap)
-    check_softmax_scale(softmax_scale)
     check_sinks(sinks, q, "flash_attn_varlen")
+    mask = AttentionMask(causal, window, softcap, softmax_scale, sinks)
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     check_cu_seqlens(cu_seqlens_q, q.shape[1], "cu_seqlens_q", values=False)
     check_cu_seqlens(cu_seqlens_k, k.shape[1], "cu_seqlens_k", values=False)
@@ -389,27 +409,21 @@ def flash_attn_varlen(
             f"cu_seqlens_q and cu_seqlens_k describe {cu_seqlens_q.numel() - 1} "
             f"and {cu_seqlens_k.numel() - 1} documents"
         )
-    out, lse = _flash_attn(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, *window, softcap, deterministic
-    )
-    if sinks is not None:
-        out, lse = apply_sinks(out, lse, sinks)
+    documents = [cu_seqlens_q, cu_seqlens_k]
+    out, lse = _flash_attn(q, k, v, documents, mask.flat(), deterministic)
+    out, lse = apply_sinks(out, lse, mask)
     return (out[0], lse[0]) if return_lse else out[0]
 
 
-def check_shards(
-    q, k, v, window, softcap, what: str, softmax_scale=None
-) -> tuple[tuple[int, int], float]:
-    """The checks of a sharded attention's inputs (q, k, v one sequence's shards; the
-    window, softcap and scale); returns the window and softcap normalized."""
+def check_shards(q, k, v, what: str) -> None:
+    """The checks of a sharded attention's inputs: q, k, v one sequence's shards (the
+    mask is checked where it is built, `AttentionMask`)."""
     check_attention_inputs(q, k, v)
-    check_softmax_scale(softmax_scale)
     if q.shape[1] != k.shape[1]:
         raise ValueError(
             f"{what}: q has {q.shape[1]} local tokens, k and v have "
             f"{k.shape[1]}: they must be shards of one sequence"
         )
-    return check_window(window), check_softcap(softcap)
 
 
 def check_packed(q: torch.Tensor, cu_seqlens, total: int, what: str, *, values=False) -> None:

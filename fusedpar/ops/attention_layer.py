@@ -1,8 +1,9 @@
 """`ParallelAttention` on one rank as one op: ``fusedpar::attention_layer``.
 
-Shapes: x (S, B, d); weights q (Hq hd, d), k and v (Hkv hd, d), o (d, Hq hd); biases
-q, k, v and o, each present or not; "head" q/k norm weights (hd,); RoPE tables cos, sin
-(S, r/2).
+Shapes: x (S, B, d); weights q (Hq hd, d), k and v (Hkv hd, d), o (d, Hq hd), then the
+"head" q/k norm weights (hd,) where there are; biases q, k, v and o, each present or not;
+RoPE tables cos, sin (S, r/2). The mask crosses the op boundary as its scalars
+(`AttentionMask.flat`), the norms' (eps, offset) as two floats.
 
 | direction | computes                                                                  |
 | --------- | ------------------------------------------------------------------------- |
@@ -25,10 +26,10 @@ from torch import Tensor
 from fusedpar.kernels import rms_norm as norm_kernels
 from fusedpar.kernels import rope as rope_kernels
 from fusedpar.kernels._common import accumulator
-from fusedpar.kernels.attention import attention_backward, attention_forward
+from fusedpar.kernels.attention import AttentionMask, attention_backward, attention_forward
 from fusedpar.kernels.matmul import RowRotation, rope_epilogue_fits
 from fusedpar.kernels.matmul_sequence import GemmSequence, layout, state
-from fusedpar.ops.attention import _mask
+from fusedpar.ops.attention import block_mask, unflat
 from fusedpar.ops.registration import asked, autograd_op, direct_op, flat, row_sum, spread
 from fusedpar.ops.tp_schedules import matmuls_reduce_scatter
 
@@ -61,32 +62,27 @@ def _attention_layer_op(
     weights: list[Tensor],
     biases: list[Tensor],
     has_bias: list[bool],
-    norm_weights: list[Tensor],
     tables: list[Tensor],
     cu_seqlens: Tensor | None,
     head_dim: int,
-    causal: bool,
-    softmax_scale: float | None,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    norm_eps: float,
-    norm_offset: float,
+    mask: list[float],
+    norm: list[float],
 ) -> tuple[Tensor, list[Tensor]]:
     """(y (S, B, d), saved): saved is [q, k, v, out (B, S, H, hd) as attention reads and
     writes them, rows in (S, B) order in memory; lse (B, Hq, S)], then with the norms
-    [their inputs q, k (S, B, H, hd), rstd of q, of k]. `biases`: those flagged in
-    `has_bias` (q, k, v, o); `norm_weights`: none, or the "head" norms' (q, k); `tables`:
-    none, or cos, sin."""
+    [their inputs q, k (S, B, H, hd), rstd of q, of k]. `weights`: q, k, v, o, then
+    the "head" norms' (q, k) where there are; `biases`: those flagged in `has_bias` (q,
+    k, v, o); `tables`: none, or cos, sin; `norm`: the norms' (eps, offset)."""
     S, B, d = x.shape
     hd = head_dim
-    wq, wk, wv, wo = weights
+    wq, wk, wv, wo = weights[:4]
+    norm_weights, (norm_eps, norm_offset) = weights[4:], norm
     bq, bk, bv, bo = spread(biases, has_bias)
     # the GEMMs' signatures follow from x, the weights, biases and tables (`GemmSequence`)
     gemm = GemmSequence(
         (
             "attention_layer",
-            *map(layout, (x, *weights, *biases, *tables)),
+            *map(layout, (x, *weights[:4], *biases, *tables)),
             *has_bias,
             len(norm_weights),
             hd,
@@ -115,9 +111,18 @@ def _attention_layer_op(
         rope_kernels.rope_pair(q, k, *tables, outs=(q, k))  # in place
     out = torch.empty((S * B, widths[0]), dtype=x.dtype, device=x.device)
     out_b = _by_position(out, S, B, widths[0], hd)
-    mask = _mask(q, k, cu_seqlens, cu_seqlens, causal, (window_left, window_right), check=True)
+    documents = [] if cu_seqlens is None else [cu_seqlens, cu_seqlens]
+    m = block_mask(q, k, documents, unflat(mask), check=True)
     _, lse = attention_forward(
-        q, k, v, softmax_scale=softmax_scale, softcap=softcap, out=out_b, **mask
+        q,
+        k,
+        v,
+        causal=m.causal,
+        softmax_scale=m.softmax_scale,
+        window=m.window,
+        softcap=m.softcap,
+        intervals=m.intervals,
+        out=out_b,
     )
     y = gemm(out, wo.t(), bias=bo, out_dtype=x.dtype)
     gemm.close()
@@ -125,23 +130,7 @@ def _attention_layer_op(
 
 
 @_attention_layer_op.register_fake
-def _(
-    x,
-    weights,
-    biases,
-    has_bias,
-    norm_weights,
-    tables,
-    cu_seqlens,
-    head_dim,
-    causal,
-    softmax_scale,
-    window_left,
-    window_right,
-    softcap,
-    norm_eps,
-    norm_offset,
-):
+def _(x, weights, biases, has_bias, tables, cu_seqlens, head_dim, mask, norm):
     S, B, _ = x.shape
     widths = [w.shape[0] for w in weights[:3]]
     q, k, v = (_by_position(x.new_empty((S * B, n)), S, B, n, head_dim) for n in widths)
@@ -152,7 +141,7 @@ def _(
         _by_position(x.new_empty((S * B, widths[0])), S, B, widths[0], head_dim),
         x.new_empty((B, q.shape[2], S), dtype=accumulator(x.dtype)),
     ]
-    if norm_weights:
+    if len(weights) > 4:  # the head norms'
         wide = accumulator(x.dtype)
         heads = (S, B, q.shape[2], head_dim), (S, B, k.shape[2], head_dim)
         saved += [
@@ -168,27 +157,22 @@ def _attention_layer_backward_op(
     x: Tensor,
     saved: list[Tensor],
     weights: list[Tensor],
-    norm_weights: list[Tensor],
     tables: list[Tensor],
     cu_seqlens: Tensor | None,
     head_dim: int,
-    causal: bool,
-    softmax_scale: float | None,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    norm_eps: float,
-    norm_offset: float,
+    mask: list[float],
+    norm: list[float],
     needs: list[bool],
 ) -> list[Tensor]:
     """[dx, dWq, dWk, dWv, dWo, dbq, dbk, dbv, dbo, dnq, dnk], `needs` the flags of (x, the
     four weights, the four biases, the two norm weights): an empty (0,) tensor for each
-    not asked for (an op's outputs may not be None)."""
+    not asked for (an op's outputs may not be None). `weights` as the forward's."""
     need_x, *need_w = needs[:5]
     need_b, need_n = needs[5:9], [*needs[9:], False, False][:2]
     q, k, v, out, lse, *normed = saved
     S, B, d = x.shape
     hd = head_dim
+    weights, norm_weights, (norm_eps, norm_offset) = weights[:4], weights[4:], norm
     wq, wk, wv, wo = weights
     # the GEMMs' signatures follow from dy, x, the weights and where out's rows start (the
     # rest is new: dO, dq, dk, dv, the norms' dx)
@@ -216,20 +200,23 @@ def _attention_layer_backward_op(
         widths = [w.shape[0] for w in weights[:3]]
         dys = [torch.empty((S * B, n), dtype=q.dtype, device=q.device) for n in widths]
         dq, dk, dv = (_by_position(t, S, B, n, hd) for t, n in zip(dys, widths, strict=True))
-        mask = _mask(q, k, cu_seqlens, cu_seqlens, causal, (window_left, window_right), check=False)
+        documents = [] if cu_seqlens is None else [cu_seqlens, cu_seqlens]
+        m = block_mask(q, k, documents, unflat(mask), check=False)
         attention_backward(
             dout,
             q,
             k,
             v,
             lse,
+            causal=m.causal,
+            softmax_scale=m.softmax_scale,
+            window=m.window,
+            softcap=m.softcap,
+            intervals=m.intervals,
             out=out,
-            softmax_scale=softmax_scale,
-            softcap=softcap,
             dq=dq,
             dk=dk,
             dv=dv,
-            **mask,
         )
         rope = (tables[0], tables[1]) if tables else None
         if normed:  # through the head norms (which turn dq, dk back first)
@@ -261,24 +248,8 @@ def _attention_layer_backward_op(
 
 
 @_attention_layer_backward_op.register_fake
-def _(
-    dy,
-    x,
-    saved,
-    weights,
-    norm_weights,
-    tables,
-    cu_seqlens,
-    head_dim,
-    causal,
-    softmax_scale,
-    window_left,
-    window_right,
-    softcap,
-    norm_eps,
-    norm_offset,
-    needs,
-):
+def _(dy, x, saved, weights, tables, cu_seqlens, head_dim, mask, norm, needs):
+    weights, norm_weights = weights[:4], weights[4:]
     flags = [*needs, False, False][:11]
     like = (x, *weights, *weights, *(norm_weights or weights[:2]))
     shapes = (
@@ -294,41 +265,39 @@ def _(
 
 
 def _setup(ctx, inputs, output):
-    x, weights, biases, has_bias, norm_weights, tables, cu_seqlens, *options = inputs
+    x, weights, biases, has_bias, tables, cu_seqlens, *options = inputs
     present = spread(biases, has_bias)
     ctx.needs = [
         x.requires_grad,
-        *(w.requires_grad for w in weights),
+        *(w.requires_grad for w in weights[:4]),
         *(b is not None and b.requires_grad for b in present),
-        *(w.requires_grad for w in norm_weights),
+        *(w.requires_grad for w in weights[4:]),
     ]
     ctx.has_bias, ctx.options = has_bias, options
-    ctx.counts = (len(output[1]), len(norm_weights), len(tables))
+    ctx.counts = (len(output[1]), len(weights), len(tables))
     ctx.set_materialize_grads(False)  # the saved outputs take no gradient: no zeros made
-    ctx.save_for_backward(x, *output[1], *weights, *norm_weights, *tables, cu_seqlens)
+    ctx.save_for_backward(x, *output[1], *weights, *tables, cu_seqlens)
 
 
 def _backward(ctx, dy, _saved):
     x, *rest = ctx.saved_tensors
-    n_saved, n_norm, n_tables = ctx.counts
-    saved, weights = rest[:n_saved], rest[n_saved : n_saved + 4]
-    norm_weights = rest[n_saved + 4 : n_saved + 4 + n_norm]
-    tables, cu_seqlens = rest[n_saved + 4 + n_norm : -1], rest[-1]
+    n_saved, n_weights, n_tables = ctx.counts
+    saved, weights = rest[:n_saved], rest[n_saved : n_saved + n_weights]
+    tables, cu_seqlens = rest[n_saved + n_weights : -1], rest[-1]
     if dy is None:  # (only a saved output was used, which the layer never returns)
         dy = x.new_zeros((*x.shape[:-1], weights[3].shape[0]))
     grads = asked(
         _attention_layer_backward(
-            dy, x, saved, weights, norm_weights, tables, cu_seqlens, *ctx.options, ctx.needs
+            dy, x, saved, weights, tables, cu_seqlens, *ctx.options, ctx.needs
         ),
         [*ctx.needs, False, False][:11],
     )
     biases = [g for g, has in zip(grads[5:9], ctx.has_bias, strict=True) if has]
     return (
         grads[0],
-        grads[1:5],
+        [*grads[1:5], *grads[9 : 9 + n_weights - 4]],
         biases,
         None,
-        grads[9 : 9 + n_norm],
         [None] * n_tables,
         None,
         *[None] * len(ctx.options),
@@ -348,34 +317,26 @@ def attention_layer(
     cu_seqlens,
     *,
     head_dim: int,
-    causal: bool,
-    softmax_scale: float | None,
-    window: tuple[int, int],
-    softcap: float,
+    mask: AttentionMask,
     norm_eps: float,
     norm_offset: float,
 ) -> Tensor:
     """`ParallelAttention`'s forward on one rank (the module doc): x (S, B, d) -> (S, B,
     d). `weights` (q, k, v, o); `biases` (q, k, v, o), None where absent; `norm_weights`
     () or the "head" norms' (q, k); `tables` () or (cos, sin) (S, r/2) in the kernels'
-    dtype, needing no gradient; `cu_seqlens` None or packed documents (B = 1). The
-    caller (`ParallelAttention`) has checked the shapes and options."""
+    dtype, needing no gradient; `cu_seqlens` None or packed documents (B = 1); `mask`
+    the layer's (no sinks: the layer with sinks is not one op). The caller
+    (`ParallelAttention`) has checked the shapes and options."""
     has_bias = [b is not None for b in biases]
     y, _ = _attention_layer(
         x,
-        list(weights),
+        [*weights, *norm_weights],
         [b for b in biases if b is not None],
         has_bias,
-        list(norm_weights),
         list(tables),
         cu_seqlens,
         head_dim,
-        causal,
-        softmax_scale,
-        window[0],
-        window[1],
-        softcap,
-        float(norm_eps),
-        float(norm_offset),
+        mask.flat(),
+        [float(norm_eps), float(norm_offset)],
     )
     return y

@@ -14,8 +14,8 @@ absorbs each step's dK, dV into the latent's gradient, which travels home:
 |        |                                        | summed over heads; ``dW_kvb += [dk_nope,   |
 |        |                                        | dv].T c``                                  |
 
-The schedule is `ring_attention`'s own loops (`forward_schedule`, `backward_schedule`,
-`rank_masks`) with `LatentBlocks` as what travels. The ring alone (no Ulysses group):
+The schedule is `ring_attention`'s own loops (`forward_schedule`, `backward_schedule`)
+over `ring_masks.rank_masks` with `LatentBlocks` as what travels. The ring alone (no Ulysses group):
 the hybrid moves expanded heads (`fusedpar.nn.ParallelMLA` picks). docs/context_parallel.md.
 """
 
@@ -25,8 +25,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fusedpar.comm import Group, check_same_across_ranks, resolve_group, tuning_agreement
+from fusedpar.kernels.attention import AttentionMask
 from fusedpar.ops.attention import check_packed
-from fusedpar.ops.ring_attention import backward_schedule, forward_schedule, rank_masks
+from fusedpar.ops.ring_attention import backward_schedule, forward_schedule
+from fusedpar.ops.ring_masks import rank_masks
 from fusedpar.ops.ring_transport import GroupRing
 from fusedpar.ops.sequence import check_sequence_length
 
@@ -74,8 +76,8 @@ class _LatentRing(torch.autograd.Function):
     """out (B, S_loc, H, dv) of q (B, S_loc, H, dr + dn) over every rank's latent."""
 
     @staticmethod
-    def forward(ctx, q, latent, w, pg, layout, scale, nope, v_dim, cu_seqlens, deterministic):
-        masks = rank_masks(pg, q, True, layout, (-1, -1), cu_seqlens)
+    def forward(ctx, q, latent, w, pg, layout, mask, nope, v_dim, cu_seqlens, deterministic):
+        masks = rank_masks(pg, q, layout, mask, cu_seqlens)
         blocks = LatentBlocks(w, nope, v_dim, q.shape[-1] - nope)
         out, lse = forward_schedule(
             [q],
@@ -83,33 +85,29 @@ class _LatentRing(torch.autograd.Function):
             None,
             GroupRing(pg),
             [masks],
-            softmax_scale=scale,
             agreement=tuning_agreement(pg, q.device),
             blocks=blocks,
         )
         out = out[0].to(q.dtype)
         ctx.save_for_backward(q, latent, w, out, lse[0])
-        ctx.options = (pg, masks, scale, nope, v_dim, deterministic)
+        ctx.options = (pg, masks, nope, v_dim, deterministic)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, latent, w, out, lse = ctx.saved_tensors
-        pg, masks, scale, nope, v_dim, deterministic = ctx.options
+        pg, masks, nope, v_dim, deterministic = ctx.options
         blocks = LatentBlocks(w, nope, v_dim, q.shape[-1] - nope)
         rings = GroupRing(pg), GroupRing(pg, tag=1)
         dq, d_latent = backward_schedule(
             [q],
             [latent],
             None,
-            [dout.contiguous()],
-            [lse],
-            None,
-            *rings,
+            [(out, lse)],
+            [(dout.contiguous(), None)],
+            rings,
             [masks],
-            softmax_scale=scale,
             agreement=tuning_agreement(pg, q.device),
-            sources=[(out, None)],
             deterministic=deterministic,
             blocks=blocks,
         )
@@ -162,13 +160,14 @@ def mla_ring_attn(
     size = dist.get_world_size(pg)
     check_sequence_length(q.shape[1] * size, size, layout, "mla_ring_attn")
     check_packed(q, cu_seqlens, q.shape[1] * size, "mla_ring_attn", values=True)
+    mask = AttentionMask(causal=True, softmax_scale=softmax_scale)
     return _LatentRing.apply(
         q,
         latent,
         w_kvb,
         pg,
         layout,
-        softmax_scale,
+        mask,
         qk_nope_head_dim,
         v_head_dim,
         cu_seqlens,

@@ -33,12 +33,13 @@ from fusedpar.comm import (
     resolve_group,
 )
 from fusedpar.kernels._common import accumulator
+from fusedpar.kernels.attention import AttentionMask
 from fusedpar.ops.attention import (
-    _flash_attn,
     apply_sinks,
     check_packed,
     check_shards,
     check_sinks,
+    masked_flash_attn,
 )
 from fusedpar.ops.registration import autograd_op
 
@@ -195,8 +196,9 @@ def ulysses_attn(
     summed).
     Differentiable. With ``group=None`` or one rank this is `flash_attn`.
     """
-    window, softcap = check_shards(q, k, v, window, softcap, "ulysses_attn", softmax_scale)
+    check_shards(q, k, v, "ulysses_attn")
     check_sinks(sinks, q, "ulysses_attn")
+    mask = AttentionMask(causal, window, softcap, softmax_scale, sinks)
     pg = resolve_group(group)
     size = group_size(pg)
     check_heads(q.shape[2], k.shape[2], size, "ulysses_attn")
@@ -204,18 +206,16 @@ def ulysses_attn(
     check_packed(
         q, cu_seqlens, q.shape[1] * size, "ulysses_attn", values=not torch.compiler.is_compiling()
     )
-    options = (causal, softmax_scale, *window, softcap, deterministic)
 
-    def attend(q, k, v):  # the whole sequence, this rank's heads
-        return _flash_attn(q, k, v, cu_seqlens, cu_seqlens, *options)
+    def whole(q, k, v):  # the whole sequence, this rank's heads
+        return masked_flash_attn(q, k, v, mask, cu_seqlens, deterministic)
 
     with_lse = return_lse or sinks is not None  # else the LSE is never exchanged back
     if size == 1:
-        out, lse = attend(q, k, v)
+        out, lse = whole(q, k, v)
     elif with_lse:
-        out, lse = head_parallel(q, k, v, pg, attend, return_lse=True)
+        out, lse = head_parallel(q, k, v, pg, whole, return_lse=True)
     else:
-        return head_parallel(q, k, v, pg, attend, return_lse=False)
-    if sinks is not None:  # once per whole row, after the exchange back: see `apply_sinks`
-        out, lse = apply_sinks(out, lse, sinks)
+        return head_parallel(q, k, v, pg, whole, return_lse=False)
+    out, lse = apply_sinks(out, lse, mask)  # once per whole row, after the exchange back
     return (out, lse) if return_lse else out

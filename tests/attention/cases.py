@@ -8,6 +8,7 @@ from fusedpar.kernels.attention import backward_fused as attn_bwd_fused
 from fusedpar.kernels.attention import forward as attn
 from fusedpar.kernels.attention import mask as attn_mask
 from fusedpar.kernels.attention import merge as attn_merge
+from fusedpar.kernels.attention.mask import AttentionMask
 
 from fusedpar.nn.attention_parts import rope_tables
 from tests.support.gate import Cases, _empty, _fp32_precision, _smallest, _tma
@@ -283,42 +284,38 @@ def opcheck_cases(group: str) -> list:
     ops = torch.ops.fusedpar
     q, k, v = leaf(1, 8, 4, 16), leaf(1, 8, 2, 16), leaf(1, 8, 2, 16)
     cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
-    opts = (True, None, -1, -1, 0.0)
-    out, lse = ops.flash_attn(q, k, v, None, None, *opts)
+    causal = AttentionMask(causal=True).flat()
+    out, lse = ops.flash_attn(q, k, v, [], causal, False)
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     # the layer's layout: (S, B, H, D) projections viewed as (B, S, H, D), not contiguous
     qt, kt, vt = (leaf(8, 2, h, 16).transpose(0, 1) for h in (4, 2, 2))
-    out_t, lse_t = ops.flash_attn(qt, kt, vt, None, None, *opts)
+    out_t, lse_t = ops.flash_attn(qt, kt, vt, [], causal, False)
     # the one-rank attention layer (x (4, 2, 16), heads 2/1 of 8): RoPE in the GEMMs; biases,
     # head norms turning 6 of 8 dims; packed documents with a window and softcap, no RoPE
     xa, wa = leaf(4, 2, 16), [leaf(16, 16), leaf(8, 16), leaf(8, 16), leaf(16, 16)]
-    mask = (True, None, -1, -1, 0.0)
+    windowed = AttentionMask(causal=True, window=(2, 0), softcap=3.0, softmax_scale=0.5)
     layer_cases = [
         (
             xa,
             wa,
             [],
             [False] * 4,
-            [],
             list(rope_tables(torch.arange(4), 8, 100.0)),
             None,
             8,
-            *mask,
-            1e-6,
-            0.0,
+            causal,
+            [1e-6, 0.0],
         ),
         (
             xa,
-            wa,
+            [*wa, leaf(8), leaf(8)],  # the head norms' weights after the projections'
             [leaf(16), leaf(8), leaf(8), leaf(16)],
             [True] * 4,
-            [leaf(8), leaf(8)],
             list(rope_tables(torch.arange(4), 6, 100.0)),
             None,
             8,
-            *mask,
-            1e-6,
-            1.0,
+            causal,
+            [1e-6, 1.0],
         ),
         (
             leaf(7, 1, 16),
@@ -326,23 +323,17 @@ def opcheck_cases(group: str) -> list:
             [leaf(16)],
             [False, False, False, True],
             [],
-            [],
             torch.tensor([0, 3, 3, 7], dtype=torch.int32),
             8,
-            True,
-            0.5,
-            2,
-            0,
-            3.0,
-            1e-6,
-            0.0,
+            windowed.flat(),
+            [1e-6, 0.0],
         ),
     ]
     layer_saved = ops.attention_layer(*layer_cases[1])[1]
     return [
-        (ops.flash_attn, (q, k, v, None, None, *opts)),
-        (ops.flash_attn, (q[0, None], k[0, None], v[0, None], cu, cu, *opts)),
-        (ops.flash_attn_backward, (dout, dlse, q, k, v, out, lse, None, None, *opts)),
+        (ops.flash_attn, (q, k, v, [], causal, False)),
+        (ops.flash_attn, (q[0, None], k[0, None], v[0, None], [cu, cu], causal, False)),
+        (ops.flash_attn_backward, (dout, dlse, q, k, v, out, lse, [], causal, False)),
         (
             ops.flash_attn_backward,
             (
@@ -353,9 +344,9 @@ def opcheck_cases(group: str) -> list:
                 vt,
                 out_t,
                 lse_t,
-                None,
-                None,
-                *opts,
+                [],
+                causal,
+                False,
             ),
         ),
         *((ops.attention_layer, args) for args in layer_cases),
@@ -365,11 +356,8 @@ def opcheck_cases(group: str) -> list:
                 torch.randn(4, 2, 16),
                 xa,
                 layer_saved,
-                wa,
-                layer_cases[1][4],
-                layer_cases[1][5],
-                None,
-                *layer_cases[1][7:],
+                *layer_cases[1][1:2],
+                *layer_cases[1][4:],
                 [True, False, True, True, True, True, False, True, True, True, False],
             ),
         ),

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 import fusedpar as fp
 from fusedpar.ops import ring_attention
-from fusedpar.ops.ring_attention import VirtualRing, virtual_ring_attn
+from fusedpar.ops.ring_transport import VirtualRing
+from fusedpar.ops.virtual_ring import virtual_ring_attn
 from fusedpar.testing import assert_close, exception_of
 from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
 from tests.attention.helpers import attention_grads, force_split, torch_results

@@ -13,7 +13,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import fusedpar as fp
-from fusedpar.ops import ring_attention
+from fusedpar.ops import ring_attention, ring_masks
+from fusedpar.ops.ring_transport import VirtualRing
+from fusedpar.ops.sequence import _shard
 from fusedpar.testing import assert_close, exception_of
 from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
 from tests.attention.helpers import attention_grads, torch_results
@@ -134,8 +136,8 @@ def _launches(W, layout, chunk, **mask):
     """Blocks each rank computes in the ring's forward loop (tuning launches aside)."""
     S = chunk * (2 * W if layout == "zigzag" else W)
     q = randn((1, S, 1, 8), torch.float32, 0)
-    shards = [ring_attention._shard(q, r, W, 1, layout) for r in range(W)]
-    masks = ring_attention.ring_masks(range(W), W, layout, S // W, "cpu", **mask)
+    shards = [_shard(q, r, W, 1, layout) for r in range(W)]
+    masks = ring_masks.ring_masks(range(W), W, layout, S // W, "cpu", fp.AttentionMask(**mask))
     counts = [0] * W
 
     def counting(q_rank, *args, **kw):
@@ -147,9 +149,8 @@ def _launches(W, layout, chunk, **mask):
         shards,
         shards,
         shards,
-        ring_attention.VirtualRing(W),
+        VirtualRing(W),
         masks,
-        softmax_scale=None,
         attend=counting,
     )
     return counts

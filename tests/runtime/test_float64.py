@@ -385,7 +385,8 @@ def _sharded(seed):
     _attention_case(fp.ParallelDims(cp=2, tp=2).build_mesh("cpu"), seed + 11)
     # the ring op's LSE: float64, as its fake says (`test_the_fakes_declare_float64`)
     q, k, v = shards(*full)
-    ring = (fp.comm.group_name(world), True, None, "zigzag", -1, -1, 0.0, False, None)
+    causal = fp.AttentionMask(causal=True).flat()
+    ring = (fp.comm.group_name(world), "zigzag", causal, False, None)
     assert torch.ops.fusedpar.ring_attn(q, k, v, *ring)[1].dtype == F64
     return True
 
@@ -411,7 +412,7 @@ def test_the_fakes_declare_float64():
     q, k, v = (
         randn(s, F64, i) for i, s in enumerate([(1, 8, 4, 16), (1, 8, 2, 16), (1, 8, 2, 16)])
     )
-    opts = (None, None, True, None, -1, -1, 0.0)
+    opts = ([], fp.AttentionMask(causal=True).flat(), False)
     out, lse = ops.flash_attn(q, k, v, *opts)
     x, w = randn((6, 8), F64, 3), randn((8,), F64, 4)
     cases = [
@@ -454,7 +455,8 @@ def test_the_fakes_declare_float64():
         for i, (a, b) in enumerate(zip(real, fake, strict=True)):
             assert (a.dtype, a.shape) == (b.dtype, b.shape), (op, i, a.dtype, b.dtype)
         assert any(t.dtype == F64 for t in real)
-    ring = ("any group", True, None, "zigzag", -1, -1, 0.0, False, None)  # (its fake reads none)
+    causal = fp.AttentionMask(causal=True).flat()
+    ring = ("any group", "zigzag", causal, False, None)  # (its fake reads none)
     fake = _fake_results(ops.ring_attn, (q, k, v, *ring))
     assert [t.dtype for t in fake] == [F64, F64]
 
