@@ -186,15 +186,17 @@ def _masked_fusedpar_prebuilt(mask, spec, T, device):
     building). Forward only: it has no autograd, so its backward passes are missing.
     Beside `fusedpar`'s row it tells the call's own cost from the kernel's (the first
     H100 run: the documents forward at 0.47 of flex, its backward at 0.89)."""
-    from fusedpar.kernels.attention import attention_forward, packed_intervals
+    from fusedpar.kernels.attention import AttentionMask, attention_forward, packed_intervals
 
     if mask != "documents":
         raise Unavailable("fusedpar-prebuilt: the documents point only")
     cu = cu_seqlens(spec, device)
-    intervals = packed_intervals(cu, cu, T, T, causal=True, window=(-1, -1))
+    documents = AttentionMask(
+        intervals=packed_intervals(cu, cu, T, T, causal=True, window=(-1, -1))
+    )
 
     def forward(q, k, v):
-        return attention_forward(q[None], k[None], v[None], intervals=intervals)[0][0]
+        return attention_forward(q[None], k[None], v[None], documents)[0][0]
 
     return "thd", forward
 

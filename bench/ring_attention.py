@@ -43,38 +43,25 @@ def torch_attend(
     q,
     k,
     v,
+    mask,
     *,
-    causal=False,
-    softmax_scale,
-    window=(-1, -1),
-    softcap=0.0,
-    intervals=None,
     out=None,
     lse=None,
     out_dtype=None,
     merge=False,
-    agreement=None,
-    tune_only=False,
+    launch_as=None,
 ):
     """One ring block in plain torch float32, with `attention_forward`'s contract."""
     from fusedpar.kernels.attention import attention_reference
 
-    if tune_only:  # nothing to tune
+    if launch_as is not None and launch_as.tune_only:  # nothing to tune
         return None
     visible = None
-    if intervals is not None:  # the ring's mask: key rows [kv_lo, kv_hi) per query row
+    if mask.intervals is not None:  # the ring's mask: key rows [kv_lo, kv_hi) per query row
         keys = torch.arange(k.shape[1], device=q.device)
-        visible = (keys >= intervals.kv_lo[0, :, None]) & (keys < intervals.kv_hi[0, :, None])
-    block_out, block_lse = attention_reference(
-        q.float(),
-        k.float(),
-        v.float(),
-        causal=causal,
-        softmax_scale=softmax_scale,
-        window=window,
-        softcap=softcap,
-        visible=visible,
-    )
+        kv_lo, kv_hi = mask.intervals.kv_lo, mask.intervals.kv_hi
+        visible = (keys >= kv_lo[0, :, None]) & (keys < kv_hi[0, :, None])
+    block_out, block_lse = attention_reference(q.float(), k.float(), v.float(), mask, visible)
     if out is None:
         return block_out, block_lse
     if merge:  # the LSE merge of the kernel's epilogue

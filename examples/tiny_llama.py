@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from fusedpar.kernels.attention import attention_reference
+from fusedpar.kernels.attention import AttentionMask, attention_reference
 from torch import nn
 
 import fusedpar as fp
@@ -77,7 +77,7 @@ class Attention(nn.Module):
         k, v = self.k(x).view(B, S, -1, hd), self.v(x).view(B, S, -1, hd)
         cos, sin = rope_tables(torch.arange(S, device=x.device), hd, self.cfg.rope_theta)
         out, _ = attention_reference(
-            apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, causal=True
+            apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, AttentionMask(causal=True)
         )
         return self.o(out.reshape(B, S, -1))
 

@@ -28,6 +28,7 @@ from fusedpar.kernels import rope as rope_kernels
 from fusedpar.kernels._common import accumulator
 from fusedpar.kernels.attention import (
     AttentionMask,
+    Gradients,
     attention_backward,
     attention_forward,
     check_attention_inputs,
@@ -143,16 +144,7 @@ def _flash_attn_op(
     # a default: the dispatcher leaves out one given at its default, and the gradients
     # must match the inputs given, list by list, with `documents` a list)
     m = block_mask(q, k, documents, unflat(mask), check=True)
-    return attention_forward(
-        q,
-        k,
-        v,
-        causal=m.causal,
-        softmax_scale=m.softmax_scale,
-        window=m.window,
-        softcap=m.softcap,
-        intervals=m.intervals,
-    )
+    return attention_forward(q, k, v, m)
 
 
 @_flash_attn_op.register_fake
@@ -186,14 +178,9 @@ def _flash_attn_backward_op(
         k,
         v,
         lse,
-        causal=m.causal,
-        softmax_scale=m.softmax_scale,
-        window=m.window,
-        softcap=m.softcap,
-        intervals=m.intervals,
-        out=out,
-        dlse=dlse,
-        deterministic=deterministic,
+        m,
+        delta_from=(out, dlse),
+        grads=Gradients(deterministic=deterministic),
     )
 
 

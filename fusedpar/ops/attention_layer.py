@@ -26,7 +26,12 @@ from torch import Tensor
 from fusedpar.kernels import rms_norm as norm_kernels
 from fusedpar.kernels import rope as rope_kernels
 from fusedpar.kernels._common import accumulator
-from fusedpar.kernels.attention import AttentionMask, attention_backward, attention_forward
+from fusedpar.kernels.attention import (
+    AttentionMask,
+    Gradients,
+    attention_backward,
+    attention_forward,
+)
 from fusedpar.kernels.matmul import RowRotation, rope_epilogue_fits
 from fusedpar.kernels.matmul_sequence import GemmSequence, layout, state
 from fusedpar.ops.attention import block_mask, unflat
@@ -113,17 +118,7 @@ def _attention_layer_op(
     out_b = _by_position(out, S, B, widths[0], hd)
     documents = [] if cu_seqlens is None else [cu_seqlens, cu_seqlens]
     m = block_mask(q, k, documents, unflat(mask), check=True)
-    _, lse = attention_forward(
-        q,
-        k,
-        v,
-        causal=m.causal,
-        softmax_scale=m.softmax_scale,
-        window=m.window,
-        softcap=m.softcap,
-        intervals=m.intervals,
-        out=out_b,
-    )
+    _, lse = attention_forward(q, k, v, m, out=out_b)
     y = gemm(out, wo.t(), bias=bo, out_dtype=x.dtype)
     gemm.close()
     return y.view(S, B, y.shape[1]), [q, k, v, out_b, lse, *normed]
@@ -208,15 +203,9 @@ def _attention_layer_backward_op(
             k,
             v,
             lse,
-            causal=m.causal,
-            softmax_scale=m.softmax_scale,
-            window=m.window,
-            softcap=m.softcap,
-            intervals=m.intervals,
-            out=out,
-            dq=dq,
-            dk=dk,
-            dv=dv,
+            m,
+            delta_from=(out, None),
+            grads=Gradients(dq, dk, dv),
         )
         rope = (tables[0], tables[1]) if tables else None
         if normed:  # through the head norms (which turn dq, dk back first)

@@ -32,10 +32,11 @@ from fusedpar.comm import (
     tuning_agreement,
 )
 from fusedpar.kernels._common import accumulator
-from fusedpar.kernels._tuning import frozen
+from fusedpar.kernels._tuning import Launch, frozen
 from fusedpar.kernels.attention import (
     FUSED,
     AttentionMask,
+    Gradients,
     attention_backward,
     attention_backward_dkdv,
     attention_backward_dq,
@@ -91,21 +92,6 @@ class KVBlocks:
         return payload[0], payload[1]
 
 
-def _attend_block(attend, q, k, v, mask: AttentionMask, **buffers):
-    """`attend` (``attention_forward``'s signature) on one block under `mask`."""
-    return attend(
-        q,
-        k,
-        v,
-        causal=mask.causal,
-        softmax_scale=mask.softmax_scale,
-        window=mask.window,
-        softcap=mask.softcap,
-        intervals=mask.intervals,
-        **buffers,
-    )
-
-
 def forward_schedule(
     q, k, v, ring, masks, *, agreement=None, overlap=True, attend=None, blocks=None
 ):
@@ -124,19 +110,18 @@ def forward_schedule(
     own_k, own_v = blocks.expand(kv[0])
     own_mask = masks[0][ring.ranks[0]]
     for first in _tuned_launches(size):
-        _attend_block(
-            attend,
+        attend(
             q[0],
             own_k,
             own_v,
             own_mask,
             out_dtype=wide,
             merge=not first,
-            agreement=agreement,
-            tune_only=True,
+            launch_as=Launch(agreement, tune_only=True),
         )
     out = [_fresh((*t.shape[:3], own_v.shape[-1]), t.device, wide) for t in q]  # (B, S, Hq, Dv)
     lse = [_fresh((t.shape[0], t.shape[2], t.shape[1]), t.device, wide) for t in q]
+    launched = Launch(agreement)
     with frozen("the ring attention forward", agreement):
         for step in range(size):
             if step + 1 < size:
@@ -147,33 +132,18 @@ def forward_schedule(
                 mask = masks[i][(rank - step) % size]
                 if mask is not None:  # step 0 (every row sees itself) writes fresh
                     kv_i = (own_k, own_v) if step == 0 and i == 0 else blocks.expand(kv[i])
-                    _attend_block(
-                        attend,
+                    attend(
                         q[i],
                         *kv_i,
                         mask,
                         out=out[i],
                         lse=lse[i],
                         merge=step > 0,
-                        agreement=agreement,
+                        launch_as=launched,
                     )
             if step + 1 < size:
                 kv = ring.wait() if overlap else incoming
     return out, lse
-
-
-def _backward_kwargs(mask: AttentionMask, wide, agreement, accumulate: bool) -> dict:
-    """The backward launchers' keywords for one block under `mask`, summing in `wide`."""
-    return dict(
-        causal=mask.causal,
-        softmax_scale=mask.softmax_scale,
-        window=mask.window,
-        softcap=mask.softcap,
-        intervals=mask.intervals,
-        grad_dtype=wide,
-        agreement=agreement,
-        accumulate=accumulate,
-    )
 
 
 def backward_schedule(
@@ -206,51 +176,70 @@ def backward_schedule(
         if masks[i][rank] is None:  # no own block to start on (never at step 0 today)
             attention_delta(out, dout[i], dlse, delta[i])
         else:
-            made[i] = {"out": out, "dlse": dlse}
+            made[i] = {"delta_from": (out, dlse)}
     own = (dout[0], q[0], *blocks.expand(kv[0]), lse[0], delta[0])
     own_mask = masks[0][kv_ring.ranks[0]]
-    tuning = {**_backward_kwargs(own_mask, wide, agreement, True), "tune_only": True}
-    pick = attention_backward(*own[:5], delta=own[5], **tuning, deterministic=deterministic)
+    tune_only = Launch(agreement, tune_only=True)
+    pick = attention_backward(
+        *own[:5],
+        own_mask,
+        delta=own[5],
+        grads=Gradients(accumulate=True, dtype=wide, deterministic=deterministic),
+        launch_as=tune_only,
+    )
     fused = pick is FUSED  # (a ring step adds into fp32: no platform kernel is a candidate)
     for first in _tuned_launches(size):
-        tuning["accumulate"] = not first
+        tuning = {"grads": Gradients(accumulate=not first, dtype=wide), "launch_as": tune_only}
         if fused:
-            attention_backward_fused(*own, **tuning, **(made[0] if first else {}))
+            attention_backward_fused(*own, own_mask, **tuning, **(made[0] if first else {}))
             continue
-        attention_backward_dq(*own, **tuning, **(made[0] if first else {}))
-        attention_backward_dkdv(*own, **tuning)
+        attention_backward_dq(*own, own_mask, **tuning, **(made[0] if first else {}))
+        attention_backward_dkdv(*own, own_mask, **tuning)
     dq = [_fresh(t.shape, t.device, wide) for t in q]
+    launched = Launch(agreement)
     with frozen("the ring attention backward", agreement):
         for step in range(size):
             if step + 1 < size:
                 kv_ring.send_recv(kv)
-            work = []  # (rank index, kernel kwargs, block inputs)
+            work = []  # (rank index, block mask, block inputs)
             for i, rank in enumerate(kv_ring.ranks):
                 mask = masks[i][(rank - step) % size]
                 if mask is not None:  # (the own block's K, V: expanded for the tuning)
                     kv_i = own[2:4] if step == 0 and i == 0 else blocks.expand(kv[i])
                     inputs = (dout[i], q[i], *kv_i, lse[i], delta[i])
-                    work.append((i, _backward_kwargs(mask, wide, agreement, step > 0), inputs))
-            for i, kw, inputs in work:  # dQ needs no transfer: launched first
+                    work.append((i, mask, inputs))
+            for i, block, inputs in work:  # dQ needs no transfer: launched first
                 if not fused:
-                    attention_backward_dq(*inputs, dq=dq[i], **kw, **(made[i] if step == 0 else {}))
+                    into = Gradients(dq=dq[i], accumulate=step > 0, dtype=wide)
+                    attention_backward_dq(
+                        *inputs,
+                        block,
+                        grads=into,
+                        launch_as=launched,
+                        **(made[i] if step == 0 else {}),
+                    )
             if step == 0:  # each owner starts its block's sums: written fresh, no zero fill
                 sums = [[_fresh(t.shape, t.device, wide) for t in pair] for pair in kv]
             else:  # the sums from the ranks the held blocks visited before, added to here
                 sums = grad_ring.wait()
-            for i, kw, inputs in work:
+            for i, block, inputs in work:
                 if blocks.absorbs:  # (zeros: added into from step 1 on, as dQ is)
                     dk, dv = (
                         torch.zeros(t.shape, dtype=wide, device=t.device) for t in inputs[2:4]
                     )
                 else:
                     dk, dv = sums[i]
+                into = Gradients(dq[i], dk, dv, accumulate=step > 0, dtype=wide)
                 if fused:
                     attention_backward_fused(
-                        *inputs, dq=dq[i], dk=dk, dv=dv, **kw, **(made[i] if step == 0 else {})
+                        *inputs,
+                        block,
+                        grads=into,
+                        launch_as=launched,
+                        **(made[i] if step == 0 else {}),
                     )
                 else:
-                    attention_backward_dkdv(*inputs, dk=dk, dv=dv, **kw)
+                    attention_backward_dkdv(*inputs, block, grads=into, launch_as=launched)
                 if blocks.absorbs:
                     blocks.absorb(kv[i], dk, dv, sums[i], first=step == 0)
             if step + 1 < size:

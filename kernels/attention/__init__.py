@@ -7,7 +7,7 @@ references, as one subpackage (``fusedpar.kernels.attention``; docs/attention.md
 | `backward`       | the split backward: the dK/dV and dQ kernels and launchers                 |
 | `backward_fused` | the fused backward, and `attention_backward`: the choice of the two        |
 | `mask`           | masks (`AttentionMask`) as key intervals (`Intervals`), global coordinates |
-| `plan`           | the launchers' host side: checks, mask arguments, plans, the launch        |
+| `plan`           | the launchers' host side: checks, mask arguments, `Gradients`, the launch  |
 | `merge`          | two partials merged through their LSE, and the backward's delta            |
 | `torch_impl`     | torch's implementation, and SDPA's kernels as the tuner's candidates       |
 | `reference`      | the plain, differentiable PyTorch references of the tests                  |
@@ -51,8 +51,10 @@ from fusedpar.kernels.attention.mask import (
 from fusedpar.kernels.attention.merge import attention_delta, merge_attention
 from fusedpar.kernels.attention.plan import (
     INTERPRETER_MAX_BLOCK,
+    NEW_GRADIENTS,
     SOFTCAP_APPROX,
     SOFTCAP_EXACT,
+    Gradients,
     check_attention_inputs,
     kernel_modes,
     mask_arguments,
@@ -67,12 +69,14 @@ from fusedpar.kernels.attention.reference import (
 __all__ = [
     "FUSED",
     "INTERPRETER_MAX_BLOCK",
+    "NEW_GRADIENTS",
     "NO_MASK",
     "ORDER_CHUNK",
     "SOFTCAP_APPROX",
     "SOFTCAP_EXACT",
     "SPLIT",
     "AttentionMask",
+    "Gradients",
     "Intervals",
     "attention_backward",
     "attention_backward_dkdv",

@@ -29,7 +29,7 @@ from fusedpar.kernels._common import (
     ensure_tma_allocator,
     sm_count,
 )
-from fusedpar.kernels._tuning import Agreement
+from fusedpar.kernels._tuning import LAUNCH, Launch
 from fusedpar.kernels.attention import torch_impl
 from fusedpar.kernels.attention.forward import (
     load_rows,
@@ -39,15 +39,20 @@ from fusedpar.kernels.attention.forward import (
     tile_source,
 )
 from fusedpar.kernels.attention.mask import (
-    Intervals,
+    NO_MASK,
+    AttentionMask,
     block_ranges,
     load_intervals,
     scalar_intervals,
 )
 from fusedpar.kernels.attention.plan import (
+    NEW_GRADIENTS,
+    NO_SOURCES,
+    Gradients,
     gradient_buffer,
     launch,
     plan_backward,
+    torch_alternatives,
     torch_backward,
     write_delta,
 )
@@ -452,48 +457,34 @@ def attention_backward_dkdv(
     v: torch.Tensor,
     lse: torch.Tensor,
     delta: torch.Tensor,
+    mask: AttentionMask = NO_MASK,
     *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    window: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    intervals: Intervals | None = None,
-    dk: torch.Tensor | None = None,
-    dv: torch.Tensor | None = None,
-    accumulate: bool = False,
-    grad_dtype: torch.dtype | None = None,
-    agreement: Agreement | None = None,
-    tune_only: bool = False,
+    grads: Gradients = NEW_GRADIENTS,
+    launch_as: Launch = LAUNCH,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(dk, dv)`` (B, Skv, Hkv, D) and (B, Skv, Hkv, Dv) of one attention block; arguments as in
-    `attention_backward` (``delta`` required). Writes fresh values, or adds into `dk`
-    and `dv` with ``accumulate``. Under GQA with a small grid the group is split
-    (`gqa_split`): fp32 partials, then a fixed-order sum into `dk`, `dv`. Checked and
-    planned once per call signature (`plan.BackwardPlan`)."""
-    mask = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
-                intervals=intervals)  # fmt: skip
+    `attention_backward` (``delta`` required). Writes fresh values, or adds into
+    ``grads.dk`` and ``grads.dv`` with ``grads.accumulate``. Under GQA with a small grid
+    the group is split (`gqa_split`): fp32 partials, then a fixed-order sum into dk, dv.
+    Checked and planned once per call signature (`plan.BackwardPlan`)."""
     if _impl.runs_torch(q):
-        return torch_backward("dkdv", dout, q, k, v, lse, delta, (dk, dv), mask, accumulate,
-                               grad_dtype, tune_only)  # fmt: skip
-    delta = contiguous_delta(delta)
-    plan, (lo, hi, batch_stride) = plan_backward(
-        "dkdv", _attn_bwd_dkdv_kernel, functools.partial(group_split, q, k, v),
-        SPLIT_BELOW_PROGRAMS, dout, q, k, v, lse, delta, (dk, dv), mask, accumulate,
-        grad_dtype, tune_only)  # fmt: skip
-    dk, dv = (
-        gradient_buffer(g, like, plan.grad_dtype, tune_only) for g, like in ((dk, k), (dv, v))
-    )
+        return torch_backward("dkdv", (dout, q, k, v, lse, delta), mask, grads, launch_as)
+    inputs = (dout, q, k, v, lse, contiguous_delta(delta))
+    plan, tensors = plan_backward("dkdv", _attn_bwd_dkdv_kernel,
+                                  functools.partial(group_split, q, k, v), SPLIT_BELOW_PROGRAMS,
+                                  inputs, mask, grads, launch_as)  # fmt: skip
+    dk, dv = (gradient_buffer(g, like, plan.grad_dtype, launch_as.tune_only)
+              for g, like in ((grads.dk, k), (grads.dv, v)))  # fmt: skip
     B, Skv, Hkv, _ = k.shape
     if B * Hkv * Skv == 0:  # with Sq == 0 the kernel writes zeros: no query, no gradient
-        return None if tune_only else (dk, dv)
+        return None if launch_as.tune_only else (dk, dv)
 
     def torch_run():
-        torch_impl.backward_dkdv(dout, q, k, v, lse, delta, plan.scores, dk, dv, accumulate)
+        torch_impl.backward_dkdv(*inputs, plan.scores, dk, dv, plan.accumulate)
 
-    launch_dkdv(plan, lo, hi, batch_stride, backward_configs, dout, q, k, v, lse, delta, dk,
-                dv, accumulate=accumulate, agreement=agreement, tune_only=tune_only,
+    launch_dkdv(plan, tensors, backward_configs, inputs, (dk, dv), launch_as,
                 torch_run=torch_run if plan.torch_candidate else None)  # fmt: skip
-    return None if tune_only else (dk, dv)
+    return None if launch_as.tune_only else (dk, dv)
 
 
 def group_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
@@ -502,32 +493,35 @@ def group_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
     return gqa_split(*k.shape[:3], q.shape[2] // k.shape[2], q, max(q.shape[-1], v.shape[-1]))
 
 
-def launch_dkdv(plan, lo, hi, batch_stride, configs, dout, q, k, v, lse, delta, dk, dv,
-                dq_sums=None, *, accumulate, agreement, tune_only, restore=(),
+def launch_dkdv(plan, tensors, configs, inputs, outs, launch_as: Launch, restore=(),
                 torch_run=None) -> None:  # fmt: skip
-    """The dK/dV kernel as `plan` has it (`plan_backward`), into `dk` and `dv`, or under
-    the GQA split into fp32 partials summed into them after, in order; with the fused
-    backward's fp32 `dq_sums` (plan kind "fused") it adds dQ there too. `restore`: what
-    else the kernel adds into (tuning puts it back; dk and dv are added when the plan
-    accumulates into them)."""
+    """The dK/dV kernel as `plan` has it (`plan_backward`; `tensors`: the mask's lo, hi
+    and batch stride) on `inputs` (dout, q, k, v, lse, delta), into `outs` (dk, dv), or
+    under the GQA split into fp32 partials summed into them after, in order; with the
+    fused backward's fp32 dQ sums as a third of `outs` (plan kind "fused") it adds dQ
+    there too. `restore`: what else the kernel adds into (tuning puts it back; dk and dv
+    are added when the plan accumulates into them)."""
+    dout, q, k, v, lse, delta = inputs
+    dk, dv, *dq_sums = outs
     (B, Skv, Hkv, D), Dv, split, meta = k.shape, v.shape[-1], plan.split, plan.meta
     out_k, out_v = dk, dv
     if split > 1:
         out_k, out_v = (partials((B, Skv, Hkv * split, d), q.device) for d in (D, Dv))
     if meta["TMA"] or meta["OUT_TMA"] or meta["DQ_TMA"]:
         ensure_tma_allocator(q.device)  # per thread: autograd's backward runs on its own
-    args = (q, k, v, dout, lse, delta, out_k, out_v, q if dq_sums is None else dq_sums, lo, hi,
-            *plan.strides, batch_stride, *plan.scalars)  # fmt: skip
+    lo, hi, batch_stride = tensors
+    args = (q, k, v, dout, lse, delta, out_k, out_v, *(dq_sums or [q]), lo, hi, *plan.strides,
+            batch_stride, *plan.scalars)  # fmt: skip
 
     def grid(tile):
         return (cdiv(Skv, tile["BLOCK_N"]), B, Hkv * split)
 
+    tune_only = launch_as.tune_only
     restore = [] if tune_only else [*restore, *([dk, dv] if meta["ACCUMULATE"] else [])]
-    launch(_attn_bwd_dkdv_kernel, configs, grid, args, meta, q.shape[1], Skv, restore=restore,
-           agreement=agreement, tune_only=tune_only, key=plan.key, torch_run=torch_run,
-           settled=plan.settled)  # fmt: skip
+    launch(_attn_bwd_dkdv_kernel, configs, grid, args, plan, launch_as=launch_as,
+           restore=restore, torch_runs=torch_alternatives(torch_run))  # fmt: skip
     if split > 1 and not tune_only:
-        sum_slices((dk, dv), (out_k, out_v), split, accumulate)
+        sum_slices((dk, dv), (out_k, out_v), split, plan.accumulate)
 
 
 def sum_slices(grads, parts, split: int, accumulate: bool) -> None:
@@ -549,44 +543,36 @@ def attention_backward_dq(
     v: torch.Tensor,
     lse: torch.Tensor,
     delta: torch.Tensor,
+    mask: AttentionMask = NO_MASK,
     *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    window: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    intervals: Intervals | None = None,
-    dq: torch.Tensor | None = None,
-    accumulate: bool = False,
-    grad_dtype: torch.dtype | None = None,
-    agreement: Agreement | None = None,
-    tune_only: bool = False,
-    out: torch.Tensor | None = None,
-    dlse: torch.Tensor | None = None,
+    grads: Gradients = NEW_GRADIENTS,
+    launch_as: Launch = LAUNCH,
+    delta_from: tuple = NO_SOURCES,
 ) -> torch.Tensor | None:
     """``dq`` (B, Sq, Hq, D) of one attention block; arguments as in `attention_backward`.
-    Writes fresh values, or adds into `dq` with ``accumulate``. With `out` (and `dlse`,
-    or None) the kernel makes ``delta = rowsum(dO * O) - dLSE`` itself and writes it into
-    `delta` (a (B, Hq, Sq) fp32 buffer), for a dK/dV call after it; without, it reads
-    `delta`. Checked and planned once per call signature."""
-    mask = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
-                intervals=intervals)  # fmt: skip
+    Writes fresh values, or adds into ``grads.dq`` with ``grads.accumulate``. With
+    `delta_from` ``(out, dlse)`` (dlse None: 0) the kernel makes ``delta = rowsum(dO * O)
+    - dLSE`` itself and writes it into `delta` (a (B, Hq, Sq) fp32 buffer), for a dK/dV
+    call after it; without, it reads `delta`. Checked and planned once per call
+    signature."""
+    out, dlse = delta_from
     if dlse is not None and out is None:
         raise ValueError("attention_backward_dq: dlse folds into the delta made from `out`: "
                          "give out too, or subtract it from a precomputed delta")  # fmt: skip
-    sources = (out, dlse)
     if _impl.runs_torch(q):
-        return torch_backward("dq", dout, q, k, v, lse, delta, (dq,), mask, accumulate,
-                               grad_dtype, tune_only, sources)  # fmt: skip
-    delta = contiguous_delta(delta)
-    plan, (lo, hi, batch_stride) = plan_backward(
-        "dq", _attn_bwd_dq_kernel, None, None, dout, q, k, v, lse, delta, (dq,), mask,
-        accumulate, grad_dtype, tune_only, sources)  # fmt: skip
-    dq = gradient_buffer(dq, q, plan.grad_dtype, tune_only)
+        return torch_backward("dq", (dout, q, k, v, lse, delta), mask, grads, launch_as,
+                              delta_from)  # fmt: skip
+    inputs = (dout, q, k, v, lse, contiguous_delta(delta))
+    plan, (lo, hi, batch_stride) = plan_backward("dq", _attn_bwd_dq_kernel, None, None, inputs,
+                                                 mask, grads, launch_as, delta_from)  # fmt: skip
+    tune_only = launch_as.tune_only
+    dq = gradient_buffer(grads.dq, q, plan.grad_dtype, tune_only)
     B, Sq, Hq, _ = q.shape
     if B * Hq * Sq == 0:
         return None if tune_only else dq
+    delta = inputs[-1]
     args = (q, k, v, dout, lse, delta, dq, lo, hi, q if out is None else out,
-            lse if sources[1] is None else sources[1], *plan.strides, batch_stride,
+            lse if dlse is None else dlse, *plan.strides, batch_stride,
             *plan.scalars)  # fmt: skip
 
     def grid(tile):
@@ -594,12 +580,10 @@ def attention_backward_dq(
 
     def torch_run():
         if out is not None:
-            write_delta(delta, dout, *sources)
-        torch_impl.backward_dq(dout, q, k, v, lse, delta, plan.scores, dq, accumulate)
+            write_delta(delta, dout, out, dlse)
+        torch_impl.backward_dq(*inputs, plan.scores, dq, plan.accumulate)
 
-    launch(_attn_bwd_dq_kernel, dq_configs, grid, args, plan.meta, Sq, k.shape[1],
-           restore=[dq] if accumulate and not tune_only else [], agreement=agreement,
-           tune_only=tune_only, key=plan.key,
-           torch_run=torch_run if plan.torch_candidate else None,
-           settled=plan.settled)  # fmt: skip
+    launch(_attn_bwd_dq_kernel, dq_configs, grid, args, plan, launch_as=launch_as,
+           restore=[dq] if plan.accumulate and not tune_only else [],
+           torch_runs=torch_alternatives(torch_run if plan.torch_candidate else None))  # fmt: skip
     return None if tune_only else dq

@@ -21,11 +21,12 @@ fused one runs untimed).
 
 import functools
 import re
+from dataclasses import replace
 
 import torch
 import triton
 from fusedpar.kernels import _common, _impl, _tuning
-from fusedpar.kernels._tuning import Agreement, bucket
+from fusedpar.kernels._tuning import LAUNCH, Launch, bucket
 from fusedpar.kernels.attention import backward as split_backward
 from fusedpar.kernels.attention import torch_impl
 from fusedpar.kernels.attention.backward import (
@@ -38,10 +39,15 @@ from fusedpar.kernels.attention.backward import (
     launch_dkdv,
 )
 from fusedpar.kernels.attention.forward import tile_configs
-from fusedpar.kernels.attention.mask import Intervals, is_masked, scalar_bounds
+from fusedpar.kernels.attention.mask import NO_MASK, AttentionMask
 from fusedpar.kernels.attention.merge import attention_delta
-from fusedpar.kernels.attention.plan import gradient_buffer, plan_backward
-from fusedpar.kernels.attention.reference import resolve_scale
+from fusedpar.kernels.attention.plan import (
+    NEW_GRADIENTS,
+    NO_SOURCES,
+    Gradients,
+    gradient_buffer,
+    plan_backward,
+)
 from fusedpar.kernels.attention.torch_impl import Scores
 
 # The fused backward (dK/dV adding dQ): dQ's GEMM runs on wgmma only where BLOCK_M is
@@ -93,51 +99,43 @@ def attention_backward_fused(
     v: torch.Tensor,
     lse: torch.Tensor,
     delta: torch.Tensor,
+    mask: AttentionMask = NO_MASK,
     *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    window: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    intervals: Intervals | None = None,
-    dq: torch.Tensor | None = None,
-    dk: torch.Tensor | None = None,
-    dv: torch.Tensor | None = None,
-    accumulate: bool = False,
-    grad_dtype: torch.dtype | None = None,
-    agreement: Agreement | None = None,
-    tune_only: bool = False,
-    out: torch.Tensor | None = None,
-    dlse: torch.Tensor | None = None,
+    grads: Gradients = NEW_GRADIENTS,
+    launch_as: Launch = LAUNCH,
+    delta_from: tuple = NO_SOURCES,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``(dq, dk, dv)`` of one attention block in one kernel; arguments as in
-    `attention_backward`. With `out` (and `dlse`, or None) ``delta = rowsum(dO * O) -
-    dLSE`` is first written into `delta` (a (B, Hq, Sq) fp32 buffer), after the checks;
-    without, `delta` is read. dQ is summed in fp32: in the caller's buffer when it is
-    fp32 (zeroed first unless ``accumulate``), else in scratch converted (or added)
-    after. On torch's implementation: the split halves."""
-    mask = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
-                intervals=intervals)  # fmt: skip
-    common = dict(**mask, accumulate=accumulate, grad_dtype=grad_dtype, agreement=agreement,
-                  tune_only=tune_only)  # fmt: skip
+    `attention_backward`. With `delta_from` ``(out, dlse)`` (dlse None: 0) ``delta =
+    rowsum(dO * O) - dLSE`` is first written into `delta` (a (B, Hq, Sq) fp32 buffer),
+    after the checks; without, `delta` is read. dQ is summed in fp32: in the caller's
+    buffer when it is fp32 (zeroed first unless ``grads.accumulate``), else in scratch
+    converted (or added) after. On torch's implementation: the split halves."""
+    out, dlse = delta_from
     if dlse is not None and out is None:
         raise ValueError("attention_backward_fused: dlse folds into the delta made from "
                          "`out`: give out too, or subtract it from a precomputed "
                          "delta")  # fmt: skip
+    if grads.deterministic:
+        raise ValueError("attention_backward_fused adds dQ by atomics, in no fixed order: "
+                         "a deterministic backward is the split one")  # fmt: skip
+    tune_only, accumulate = launch_as.tune_only, grads.accumulate
     if _impl.runs_torch(q):
-        grad_q = attention_backward_dq(dout, q, k, v, lse, delta, dq=dq, **common, out=out,
-                                       dlse=dlse)  # fmt: skip
-        grads_kv = attention_backward_dkdv(dout, q, k, v, lse, delta, dk=dk, dv=dv, **common)
+        grad_q = attention_backward_dq(dout, q, k, v, lse, delta, mask, grads=grads,
+                                       launch_as=launch_as, delta_from=delta_from)  # fmt: skip
+        grads_kv = attention_backward_dkdv(dout, q, k, v, lse, delta, mask, grads=grads,
+                                           launch_as=launch_as)  # fmt: skip
         return None if tune_only else (grad_q, *grads_kv)
-    delta = contiguous_delta(delta)
-    plan, (lo, hi, batch_stride) = plan_backward(
-        "fused", _attn_bwd_dkdv_kernel, functools.partial(group_split, q, k, v),
-        split_backward.SPLIT_BELOW_PROGRAMS, dout, q, k, v, lse, delta, [dk, dv, dq], mask,
-        accumulate, grad_dtype, tune_only, (out, dlse))  # fmt: skip
+    inputs = (dout, q, k, v, lse, contiguous_delta(delta))
+    plan, tensors = plan_backward("fused", _attn_bwd_dkdv_kernel,
+                                  functools.partial(group_split, q, k, v),
+                                  split_backward.SPLIT_BELOW_PROGRAMS, inputs, mask, grads,
+                                  launch_as, delta_from)  # fmt: skip
     dk, dv, dq = (gradient_buffer(g, like, plan.grad_dtype, tune_only)
-                  for g, like in ((dk, k), (dv, v), (dq, q)))  # fmt: skip
+                  for g, like in ((grads.dk, k), (grads.dv, v), (grads.dq, q)))  # fmt: skip
     B, Skv, Hkv, _ = k.shape
     if out is not None and not tune_only:
-        attention_delta(out, dout, dlse, delta)
+        attention_delta(out, dout, dlse, inputs[-1])
     if B * Hkv * Skv == 0:  # no key: dQ is 0 (with Sq == 0 the kernel writes dK, dV zeros)
         if not tune_only and not accumulate:
             dq.zero_()
@@ -147,8 +145,7 @@ def attention_backward_fused(
     else:
         dq_sums = torch.zeros(q.shape, dtype=_common.accumulator(q.dtype), device=q.device)
     # every launch adds into dQ's sums: tuning restores them
-    launch_dkdv(plan, lo, hi, batch_stride, fused_configs, dout, q, k, v, lse, delta, dk, dv,
-                dq_sums, accumulate=accumulate, agreement=agreement, tune_only=tune_only,
+    launch_dkdv(plan, tensors, fused_configs, inputs, (dk, dv, dq_sums), launch_as,
                 restore=[dq_sums])  # fmt: skip
     if tune_only:
         return None
@@ -159,13 +156,13 @@ def attention_backward_fused(
     return dq, dk, dv
 
 
-def _backward_key(q, k, v, causal, window, softcap, intervals, accumulate, grads) -> tuple:
+def _backward_key(q, k, v, mask: AttentionMask, accumulate: bool, buffers) -> tuple:
     """Tuner ``attention_backward``'s key: what the two backwards' relative speed depends
     on (the lengths bucketed as the kernels' tiles are)."""
     (B, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
     return (str(q.dtype), D, v.shape[-1], bucket(B), bucket(Sq), bucket(Skv), Hq, Hkv,
-            intervals is not None or is_masked(causal, window), softcap > 0, accumulate,
-            *(str(g.dtype) for g in grads))  # fmt: skip
+            mask.intervals is not None or mask.masked, mask.softcap > 0, accumulate,
+            *(str(g.dtype) for g in buffers))  # fmt: skip
 
 
 def attention_backward(
@@ -174,105 +171,92 @@ def attention_backward(
     k: torch.Tensor,
     v: torch.Tensor,
     lse: torch.Tensor,
+    mask: AttentionMask = NO_MASK,
     *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    window: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    intervals: Intervals | None = None,
-    out: torch.Tensor | None = None,
-    dlse: torch.Tensor | None = None,
     delta: torch.Tensor | None = None,
-    dq: torch.Tensor | None = None,
-    dk: torch.Tensor | None = None,
-    dv: torch.Tensor | None = None,
-    accumulate: bool = False,
-    grad_dtype: torch.dtype | None = None,
-    agreement: Agreement | None = None,
-    tune_only: bool = False,
-    deterministic: bool = False,
+    delta_from: tuple = NO_SOURCES,
+    grads: Gradients = NEW_GRADIENTS,
+    launch_as: Launch = LAUNCH,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | triton.Config | _impl.Torch:
-    """Returns ``(dq, dk, dv)`` from dO, the inputs and the forward's LSE.
+    """Returns ``(dq, dk, dv)`` from dO, the inputs and the forward's LSE, under `mask`
+    (`AttentionMask`, as in `attention_forward`).
 
     `delta` (B, Hq, Sq) fp32 is ``rowsum(dO * O)`` (minus dLSE when the LSE has a
-    gradient); when not given it is made from `out` and `dlse` (None: 0): by the split
-    backward's dQ kernel as it starts, or by the delta kernel before the fused one.
-    ``accumulate=True`` adds into the given `dq`, `dk`, `dv` (any strides) instead of
-    overwriting them. New gradients are in `grad_dtype` (q's unless given: q's or
-    fp32). `agreement` as in `attention_forward`; ``tune_only`` makes the pick on scratch
-    gradients and returns it (`FUSED`, `SPLIT` or one of `torch_impl`'s), as the
-    ring does before its loop. The mask and `softcap` as in `attention_forward`.
-    ``deterministic`` (or PyTorch's `torch.use_deterministic_algorithms`) runs the split
-    backward, whose every sum has a fixed order; otherwise the fastest of it, the fused
-    one and, on CUDA under ``FUSEDPAR_IMPL=auto``, PyTorch's own backwards where they
-    compute the call (`torch_impl`; no `dlse` among them) for these sizes (module
-    docstring). The ring launches the fused kernel or the split halves itself, by this
-    pick for its own block.
+    gradient); when not given it is made from `delta_from` ``(out, dlse)`` (dlse None:
+    0): by the split backward's dQ kernel as it starts, or by the delta kernel before the
+    fused one. `grads` (`Gradients`): the caller's dq, dk, dv (any strides; None: new
+    ones in ``grads.dtype``, q's unless given: q's or fp32), overwritten, or added into
+    with ``grads.accumulate``. `launch_as`: as in `attention_forward`; with ``tune_only``
+    it makes the pick on scratch gradients and returns it (`FUSED`, `SPLIT` or one of
+    `torch_impl`'s), as the ring does before its loop. ``grads.deterministic`` (or
+    PyTorch's `torch.use_deterministic_algorithms`) runs the split backward, whose every
+    sum has a fixed order; otherwise the fastest of it, the fused one and, on CUDA under
+    ``FUSEDPAR_IMPL=auto``, PyTorch's own backwards where they compute the call
+    (`torch_impl`; no dlse among them) for these sizes (module docstring). The ring
+    launches the fused kernel or the split halves itself, by this pick for its own block.
     """
+    out, dlse = delta_from
     if delta is not None and dlse is not None:
         raise ValueError("attention_backward: dlse folds into delta: give it with `out`, or "
                          "subtract it from the precomputed delta yourself")  # fmt: skip
     if delta is None and out is None:
         raise ValueError("attention_backward needs `out` or a precomputed `delta`")
-    common = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
-                  intervals=intervals, accumulate=accumulate, grad_dtype=grad_dtype,
-                  agreement=agreement)  # fmt: skip
+    accumulate = grads.accumulate
 
-    def split(grads, tune_only):
-        dq, dk, dv = grads
-        given, sources = delta, {}
-        if given is None:  # dQ writes it (lse's shape, which dQ checks before any launch)
-            given = split_backward.delta_buffer(lse.shape, lse.device, lse.dtype)
-            sources = {"out": out, "dlse": dlse}
-        grad_q = attention_backward_dq(dout, q, k, v, lse, given, dq=dq, **common,
-                                       tune_only=tune_only, **sources)  # fmt: skip
-        grads_kv = attention_backward_dkdv(dout, q, k, v, lse, given, dk=dk, dv=dv, **common,
-                                           tune_only=tune_only)  # fmt: skip
-        return None if tune_only else (grad_q, *grads_kv)
+    def halves(given: Gradients, launch_as: Launch):
+        made, sources = delta, NO_SOURCES
+        if made is None:  # dQ writes it (lse's shape, which dQ checks before any launch)
+            made = split_backward.delta_buffer(lse.shape, lse.device, lse.dtype)
+            sources = delta_from
+        grad_q = attention_backward_dq(dout, q, k, v, lse, made, mask, grads=given,
+                                       launch_as=launch_as, delta_from=sources)  # fmt: skip
+        grads_kv = attention_backward_dkdv(dout, q, k, v, lse, made, mask, grads=given,
+                                           launch_as=launch_as)  # fmt: skip
+        return None if launch_as.tune_only else (grad_q, *grads_kv)
 
-    if deterministic or torch.are_deterministic_algorithms_enabled() or _impl.runs_torch(q):
-        ran = split((dq, dk, dv), tune_only)
-        return SPLIT if tune_only else ran
+    if grads.deterministic or torch.are_deterministic_algorithms_enabled() or _impl.runs_torch(q):
+        ran = halves(grads, launch_as)
+        return SPLIT if launch_as.tune_only else ran
 
-    def fused(grads, tune_only):
-        given, sources = delta, {}
-        if given is None:  # written by the launcher, after its checks
-            given = split_backward.delta_buffer(lse.shape, lse.device, lse.dtype)
-            sources = {"out": out, "dlse": dlse}
-        return attention_backward_fused(dout, q, k, v, lse, given, dq=grads[0], dk=grads[1],
-                                        dv=grads[2], **common, tune_only=tune_only,
-                                        **sources)  # fmt: skip
+    def fused(given: Gradients, launch_as: Launch):
+        made, sources = delta, NO_SOURCES
+        if made is None:  # written by the launcher, after its checks
+            made = split_backward.delta_buffer(lse.shape, lse.device, lse.dtype)
+            sources = delta_from
+        return attention_backward_fused(dout, q, k, v, lse, made, mask, grads=given,
+                                        launch_as=launch_as, delta_from=sources)  # fmt: skip
 
     # Both write into the same buffers, so the tuner can time one after the other: the
     # caller's, or new ones (scratch when only tuning; the launchers check them all).
-    if accumulate and not tune_only and None in (dq, dk, dv):
+    given = [grads.dq, grads.dk, grads.dv]
+    if accumulate and not launch_as.tune_only and None in given:
         raise ValueError("accumulate=True adds into dq, dk and dv: give all three")
-    grads = [gradient_buffer(g, like, grad_dtype or q.dtype, tune_only)
-             for g, like in ((dq, q), (dk, k), (dv, v))]  # fmt: skip
+    buffers = [gradient_buffer(g, like, grads.dtype or q.dtype, launch_as.tune_only)
+               for g, like in zip(given, (q, k, v), strict=True)]  # fmt: skip
+    into = replace(grads, dq=buffers[0], dk=buffers[1], dv=buffers[2])
     platform = {}  # PyTorch's own backwards, where they compute this call (not deterministic)
-    if q.device.type == "cuda" and intervals is None and _impl.tunes_torch():
-        bounds = scalar_bounds(causal, window, q.shape[1], k.shape[1])
-        scores = Scores(resolve_scale(softmax_scale, q.shape[-1]), softcap, bounds, None)
+    if q.device.type == "cuda" and mask.intervals is None and _impl.tunes_torch():
+        scores = Scores.of_mask(mask, q.shape[1], k.shape[1], q.shape[-1])
         platform = torch_impl.backward_candidates(
-            dout, q, k, v, out, lse, scores, grads, dlse, accumulate)  # fmt: skip
+            dout, q, k, v, out, lse, scores, buffers, dlse, accumulate)  # fmt: skip
     ran = []
+    launched = Launch(launch_as.agreement)  # each candidate launches, with the agreement
 
     def run(config):
         if config is FUSED or config is SPLIT:
-            ran.append((fused if config is FUSED else split)(grads, False))
+            ran.append((fused if config is FUSED else halves)(into, launched))
         else:
             platform[config]()
-            ran.append(tuple(grads))
+            ran.append(tuple(buffers))
 
     def candidates():
         if _common.is_interpreted(_attn_bwd_dkdv_kernel):
             return [FUSED]
         return [FUSED, SPLIT, *platform]
 
-    key = (*_backward_key(q, k, v, causal, window, softcap, intervals, accumulate, grads),
+    key = (*_backward_key(q, k, v, mask, accumulate, buffers),
            ("platform", tuple(c.name for c in platform)))  # fmt: skip
-    restore = grads if accumulate and not tune_only else []
-    pick = _tuning.tuner("attention_backward").run(key, candidates, run, device=q.device,
-                                                   restore=restore, agreement=agreement,
-                                                   tune_only=tune_only)  # fmt: skip
-    return pick if tune_only else ran[-1]
+    restore = buffers if accumulate and not launch_as.tune_only else []
+    tuner = _tuning.tuner("attention_backward")
+    pick = tuner.run(key, candidates, run, device=q.device, restore=restore, launch_as=launch_as)
+    return pick if launch_as.tune_only else ran[-1]

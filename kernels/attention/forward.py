@@ -20,6 +20,8 @@ log2(e) folded into the scale); the LSE is natural at the boundary. The launcher
 numerics, tiles and machine code: docs/attention.md.
 """
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -31,11 +33,12 @@ from fusedpar.kernels._common import (
     next_power_of_2,
     tma_paths,
 )
-from fusedpar.kernels._tuning import Agreement
+from fusedpar.kernels._tuning import LAUNCH, Launch
 from fusedpar.kernels.attention import torch_impl
 from fusedpar.kernels.attention.mask import (
+    NO_MASK,
     ORDER_CHUNK,
-    Intervals,
+    AttentionMask,
     block_ranges,
     load_intervals,
     scalar_intervals,
@@ -53,6 +56,7 @@ from fusedpar.kernels.attention.plan import (
     mask_arguments,
     remember,
     strides,
+    torch_alternatives,
 )
 
 LN2 = 0.6931471805599453  # log(x) = log2(x) * LN2
@@ -342,7 +346,7 @@ def _attn_fwd_kernel(
 # --- launchers -------------------------------------------------------------------------
 
 
-def _planned_forward(plan: ForwardPlan, q, k, v, out, lse, merge, agreement):
+def _planned_forward(plan: ForwardPlan, q, k, v, out, lse, merge, launch_as):
     """`attention_forward` from its plan: allocate, build the arguments, launch."""
     if out is None:
         out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=q.device)
@@ -365,10 +369,10 @@ def _planned_forward(plan: ForwardPlan, q, k, v, out, lse, merge, agreement):
     def platform():
         return torch_impl.forward_candidates(q, k, v, plan.scores, out, lse, merge)
 
-    launch(_attn_fwd_kernel, forward_configs, grid, args, meta, Sq, plan.scalars[1],
-           restore=[out, lse] if merge else [], agreement=agreement, key=plan.key,
-           torch_run=torch_run if plan.torch_candidate else None,
-           settled=plan.settled, platform=platform)  # fmt: skip
+    launch(_attn_fwd_kernel, forward_configs, grid, args, plan, launch_as=launch_as,
+           restore=[out, lse] if merge else [],
+           torch_runs=torch_alternatives(torch_run if plan.torch_candidate else None,
+                                         platform))  # fmt: skip
     return out, lse
 
 
@@ -376,47 +380,41 @@ def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    mask: AttentionMask = NO_MASK,
     *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    window: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    intervals: Intervals | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     merge: bool = False,
-    agreement: Agreement | None = None,
-    tune_only: bool = False,
+    launch_as: Launch = LAUNCH,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Returns ``(out, lse)``: out (B, Sq, Hq, Dv) in `out_dtype` (q's, or fp32 for ring
     partials), lse (B, Hq, Sq) fp32. `out` and `lse` may be given, with any strides.
     (fp32 here is ``accumulator(q.dtype)``: float64 for float64 q, which runs on torch's
     implementation only.)
 
-    The mask: `causal` and `window` (see `fusedpar.kernels.attention.mask`), or
-    `intervals` (packed documents, ring blocks: the whole mask in tensors). ``softcap``
-    > 0 caps the scaled scores at ``softcap * tanh(s / softcap)`` before masking.
+    `mask` (`AttentionMask`): causality and the window (see
+    `fusedpar.kernels.attention.mask`), or ``mask.intervals`` (packed documents, ring
+    blocks: the whole mask in tensors); ``mask.softcap`` > 0 caps the scaled scores at
+    ``softcap * tanh(s / softcap)`` before masking; ``mask.sinks`` is not read here (the
+    ops fold sinks into the result through the LSE).
 
     ``merge``: `out` (fp32) and `lse` hold attention over other keys; this call's result
     is merged into them in place through the LSE (a ring step) rather than overwriting
-    them. `agreement`: the ranks that pick one tile together; ``tune_only``: make the
-    pick for this call (on scratch buffers) and return None: the ring does so before its
-    loop."""
-    planned = intervals is None and not tune_only and not _impl.runs_torch(q)
+    them. `launch_as`: its agreement, the ranks that pick one tile together; its
+    ``tune_only``: make the pick for this call (on scratch buffers) and return None: the
+    ring does so before its loop."""
+    tune_only = launch_as.tune_only
+    planned = mask.intervals is None and not tune_only and not _impl.runs_torch(q)
     signature = None
     if planned:
-        signature = forward_signature(q, k, v, causal, softmax_scale, window, softcap, out,
-                                       lse, out_dtype, merge)  # fmt: skip
+        signature = forward_signature(q, k, v, mask, out, lse, out_dtype, merge)
         plan = FORWARD_PLANS.get(signature)
         if plan is not None:
-            return _planned_forward(plan, q, k, v, out, lse, merge, agreement)
+            return _planned_forward(plan, q, k, v, out, lse, merge, launch_as)
     check_attention_inputs(q, k, v)
     (B, Sq, Hq, _), (_, Skv, Hkv, _), Dv = q.shape, k.shape, v.shape[-1]
-    tensors, scalars, meta, key, scores = mask_arguments(
-        q, k, v, causal=causal, window=window, softcap=softcap, softmax_scale=softmax_scale,
-        intervals=intervals, side="query",
-    )  # fmt: skip
+    tensors, scalars, meta, key, scores = mask_arguments(q, k, v, mask, "query")
     wide = _common.accumulator(q.dtype)  # fp32, float64 for float64 q
     if merge and not tune_only and (out is None or lse is None):
         raise ValueError("merge=True folds the result into `out` and `lse`: give both")
@@ -443,7 +441,7 @@ def attention_forward(
     if B * Sq * Hq == 0:
         return None if tune_only else (out, lse)
     qk_scale, cap_in, shift, left, right = scalars
-    order = None if intervals is None else intervals.q_order
+    order = None if mask.intervals is None else mask.intervals.q_order
     args = (
         q, k, v, out, lse, *tensors[:2], q if order is None else order,
         *strides(q), *strides(k), *strides(v), *strides(out), *strides(lse), tensors[2],
@@ -470,12 +468,14 @@ def attention_forward(
 
     if q.device.type == "cuda":  # which of PyTorch's kernels compute this call: in the key
         key = (*key, ("platform", tuple(c.name for c in platform())))
-    launch_key_ = launch_key(args, meta, Sq, Skv, key, torch_candidate)
+    # (this launch goes through the tuner: the kept plan's later calls settle its pick)
+    plan = ForwardPlan((B, Sq, Hq, Dv), out.dtype, args[-8:], meta,
+                       launch_key(args, meta, Sq, Skv, key, torch_candidate), scores,
+                       torch_candidate, None)  # fmt: skip
     if signature is not None:
-        plan = ForwardPlan((B, Sq, Hq, Dv), out.dtype, args[-8:], meta, launch_key_, scores,
-                           torch_candidate)  # fmt: skip
-        remember(FORWARD_PLANS, signature, plan)
-    launch(_attn_fwd_kernel, forward_configs, grid, args, meta, Sq, Skv,
-           restore=restore, agreement=agreement, tune_only=tune_only, key=launch_key_,
-           torch_run=torch_run if torch_candidate else None, platform=platform)  # fmt: skip
+        remember(FORWARD_PLANS, signature, replace(plan, settled={}))
+    launch(_attn_fwd_kernel, forward_configs, grid, args, plan, launch_as=launch_as,
+           restore=restore,
+           torch_runs=torch_alternatives(torch_run if torch_candidate else None,
+                                         platform))  # fmt: skip
     return None if tune_only else (out, lse)

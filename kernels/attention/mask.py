@@ -29,6 +29,13 @@ blocks inside every interval run unmasked, the rest are masked element by elemen
 
 `visible_reference` is the same rule as a dense boolean (Sq, Skv) matrix, built another
 way (document ids by repetition), for the float64 references.
+
+`AttentionMask` is the whole mask as one frozen value (causality, the window, the
+softcap, the scale, the sinks, and the tensor mode's `Intervals`): built once where a
+user's keywords enter and passed whole to the launchers, the plans, the torch
+implementation and the references; ``plan.mask_arguments`` is the one place it becomes
+the kernels' scalars (`AttentionMask.scalars`) and constexprs, and a ring step's block
+is ``mask.on_block(intervals)``.
 """
 
 import math

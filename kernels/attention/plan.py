@@ -1,6 +1,8 @@
 """The attention launchers' host side. The checks of a call's inputs
 (`check_attention_inputs`, `check_buffer`) and what every kernel takes for its mask and
-scores (`mask_arguments`, `kernel_meta`, `softcap_mode`). The plans: what a launcher
+scores (`mask_arguments`, `kernel_meta`, `softcap_mode`): every launcher takes the mask
+as one value, an `AttentionMask`, and how it meets the tuner as one `_tuning.Launch`;
+a backward takes where it writes as one `Gradients`. The plans: what a launcher
 works out once per call signature, looked up by later calls with the same shapes,
 strides, dtypes, devices, alignment, mask scalars and flags (host time per call at
 bench/host_overhead.py's shapes: forward 37 -> 15 µs, dK/dV 41 -> 18 µs, dQ 30 -> 15
@@ -28,17 +30,9 @@ from fusedpar.kernels._common import (
     next_power_of_2,
     tma_paths,
 )
-from fusedpar.kernels._tuning import bucket
+from fusedpar.kernels._tuning import LAUNCH, Launch, bucket
 from fusedpar.kernels.attention import torch_impl
-from fusedpar.kernels.attention.mask import (
-    LOG2E,
-    block_ranges,
-    check_softcap,
-    check_softmax_scale,
-    is_masked,
-    resolve_scale,
-    scalar_bounds,
-)
+from fusedpar.kernels.attention.mask import AttentionMask, block_ranges, resolve_scale
 
 MAX_HEAD_DIM = 256
 # SOFTCAP's values (`softcap_mode`); 0: scores not capped
@@ -114,36 +108,27 @@ def kernel_meta(q: torch.Tensor, v: torch.Tensor, *, intervals: bool = False,
     )
 
 
-def mask_arguments(q, k, v, *, causal, window, softcap, softmax_scale, intervals, side):
-    """What every attention kernel takes for its mask and scores: ``(tensors, scalars,
-    meta, key, scores)``. tensors: the intervals of `side` ("query": keys each query row
-    sees; "key": queries that see each key row) and their batch stride; scalars:
-    ``(qk_scale, cap_in, shift, left, right)``; key: for the tuner; scores: the same for
-    the torch implementation (`torch_impl.Scores`). With `intervals` (the tensor
-    mode) they hold the whole mask: `causal` and `window` must be left unset."""
+def mask_arguments(q, k, v, mask: AttentionMask, side: str):
+    """The one place a mask becomes what the attention kernels take: ``(tensors,
+    scalars, meta, key, scores)``. tensors: the intervals of `side` ("query": keys each
+    query row sees; "key": queries that see each key row) and their batch stride;
+    scalars: ``(qk_scale, cap_in, shift, left, right)`` (`AttentionMask.scalars`); key:
+    for the tuner; scores: the same for the torch implementation (`torch_impl.Scores`).
+    With ``mask.intervals`` (the tensor mode) they hold the whole mask."""
     (B, Sq, _, D), Skv = q.shape, k.shape[1]
-    softcap = check_softcap(softcap)
-    check_softmax_scale(softmax_scale)
-    shift, left, right = scalar_bounds(causal, window, Sq, Skv)
-    scale = resolve_scale(softmax_scale, D)
-    if softcap:
-        qk_scale, cap_in = softcap * LOG2E, scale / softcap
-    else:
-        qk_scale, cap_in = scale * LOG2E, 0.0
+    if not isinstance(mask, AttentionMask):
+        raise TypeError(f"mask must be an AttentionMask, got {type(mask).__name__}")
+    intervals = mask.intervals
     if intervals is None:
         tensors = (q, q, 0)  # never read
     else:
-        if is_masked(causal, window):
-            raise ValueError("with intervals, causal and window are part of them: pass "
-                             "causal=False and no window")  # fmt: skip
         intervals.check(B, Sq, Skv, q.device)
         lo, hi = ((intervals.kv_lo, intervals.kv_hi) if side == "query"
                   else (intervals.q_lo, intervals.q_hi))  # fmt: skip
         tensors = (lo, hi, intervals.batch_stride(lo))
-    meta = kernel_meta(q, v, intervals=intervals is not None, softcap=softcap)
-    key = (("masked", is_masked(causal, window)),)
-    scores = torch_impl.Scores(scale, softcap, (shift, left, right), intervals)
-    return tensors, (qk_scale, cap_in, shift, left, right), meta, key, scores
+    meta = kernel_meta(q, v, intervals=intervals is not None, softcap=mask.softcap)
+    key = (("masked", mask.masked),)
+    return tensors, mask.scalars(Sq, Skv, D), meta, key, torch_impl.Scores.of_mask(mask, Sq, Skv, D)
 
 
 def strides(t: torch.Tensor) -> tuple:
@@ -166,8 +151,9 @@ def launch_key(args, meta, Sq, Skv, key_extra, torch_candidate: bool) -> tuple:
 class ForwardPlan:
     """What `attention_forward` works out once per call signature (shapes, strides,
     dtypes, alignment, the mask's scalars, flags): the inputs checked, the kernel's
-    scalars and meta, the tuner's key. Calls with the tensor mask (`intervals`), with
-    ``tune_only`` or on torch's implementation are not planned."""
+    scalars and meta, the tuner's key. Calls with the tensor mask (``mask.intervals``),
+    with ``tune_only`` or on torch's implementation are not kept (their plan serves the
+    one launch, with no `settled`)."""
 
     out_shape: tuple
     out_dtype: torch.dtype
@@ -176,20 +162,19 @@ class ForwardPlan:
     key: tuple
     scores: object  # for torch's implementation, a candidate on CUDA
     torch_candidate: bool
-    # per implementation asked for, the pick and its launch once made (`_tuning.Settled`)
-    settled: dict = field(default_factory=dict, compare=False)
+    # per implementation asked for, the pick and its launch once made (`_tuning.Settled`);
+    # None: a plan not kept
+    settled: dict | None = field(default_factory=dict, compare=False)
 
 
 FORWARD_PLANS: dict[tuple, ForwardPlan] = {}
 MAX_PLANS = 4096  # a property test's many shapes: start over rather than grow
 
 
-def forward_signature(q, k, v, causal, softmax_scale, window, softcap, out, lse, out_dtype,
-                      merge) -> tuple:  # fmt: skip
+def forward_signature(q, k, v, mask: AttentionMask, out, lse, out_dtype, merge) -> tuple:
     return (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
-        v.dtype, q.device, k.device, v.device, causal, softmax_scale, tuple(window), softcap,
-        out_dtype, merge,
+        v.dtype, q.device, k.device, v.device, mask.key(), out_dtype, merge,
         out is not None and (out.shape, out.stride(), out.dtype, out.data_ptr() % 16),
         lse is not None and (lse.shape, lse.stride(), lse.dtype), q.data_ptr() % 16,
         k.data_ptr() % 16, v.data_ptr() % 16, torch.get_float32_matmul_precision(),
@@ -235,30 +220,28 @@ def interpreter_blocks(Sq: int, Skv: int) -> dict:
     return {"BLOCK_M": block(Sq), "BLOCK_N": block(Skv)}
 
 
-def launch(
-    kernel, configs, grid, args, meta, Sq, Skv, *, restore=(), agreement=None, tune_only=False,
-    key_extra=(), torch_run=None, key=None, settled=None, platform=None,
-):  # fmt: skip
-    """Launch `kernel` with the tile tuned for (Sq and Skv buckets, `meta`, the dtypes,
-    `key_extra`): one sized to the problem in the interpreter, else the best of
-    ``configs()``. `grid(tile)` builds the grid; `restore`: buffers the kernel reads
-    back (adds into, or merges with). `torch_run`: the torch implementation of the same
-    call, a candidate too where given (CUDA, ``FUSEDPAR_IMPL=auto``). `key`: the tuner's
-    key as `launch_key` makes it, from a launcher's plan; `settled`: that plan's
-    `_tuning.Settled` per implementation asked for, launched past the tuner once the
-    pick is made (and kept there after it). `platform`: ``platform()`` gives ``{candidate:
-    run()}`` of PyTorch's own kernels for this call (`torch_impl`), candidates
-    too where torch's is; the key must name them."""
-    name = kernel.__name__
+def launch(kernel, configs, grid, args, plan, *, launch_as: Launch = LAUNCH, restore=(),
+           torch_runs=None) -> None:  # fmt: skip
+    """Launch `kernel` with the tile tuned for `plan.key` (`launch_key`: the Sq and Skv
+    buckets, the meta, the dtypes): one sized to the problem in the interpreter, else
+    the best of ``configs()``. `plan`: a `ForwardPlan` or `BackwardPlan` (its meta, key
+    and `settled`; its scalars start with Sq, Skv). `grid(tile)` builds the grid;
+    `restore`: buffers the kernel reads back (adds into, or merges with);
+    `launch_as`: the tuner's agreement and tune_only. `torch_runs`: ``torch_runs()``
+    gives ``{candidate: run()}`` of torch's implementation of the same call
+    (`_impl.TORCH`) and of PyTorch's own kernels (`torch_impl`), candidates beside the
+    tiles (CUDA, ``FUSEDPAR_IMPL=auto``); the key must name them. A kept plan's settled
+    pick (`_tuning.Settled`, per implementation asked for) is launched past the tuner
+    once made (and kept there after it)."""
+    name, settled, meta, key = kernel.__name__, plan.settled, plan.meta, plan.key
     request = None
-    if settled is not None and agreement is None and not tune_only:
+    if settled is not None and launch_as.plain:
         request = _impl.requested()
         kept = settled.get(request)
         if kept is not None and _tuning.kept(name, kept.scope) is kept.config:
             kept.launch(kernel, args)
             return
-    if key is None:
-        key = launch_key(args, meta, Sq, Skv, key_extra, torch_run is not None)
+    Sq, Skv = plan.scalars[:2]
 
     def candidates():
         if is_interpreted(kernel):
@@ -269,23 +252,22 @@ def launch(
             tiles = prune_configs(configs_here, bucket(Sq), bucket(Skv))
         if not _impl.tunes_torch():
             return tiles
-        return tiles + ([_impl.TORCH] if torch_run else []) + list(platform_runs())
+        return tiles + list(alternatives())
 
     runs = {}
 
-    def platform_runs():  # built once per call, when first needed
-        if platform is not None and not runs:
-            runs.update(platform())
+    def alternatives():  # built once per call, when first needed
+        if torch_runs is not None and not runs:
+            runs.update(torch_runs())
         return runs
 
     def run(config):
         if isinstance(config, _impl.Torch):
-            platform_runs().get(config, torch_run)()
+            alternatives()[config]()
         else:
             kernel[grid(config.kwargs)](*args, **meta, **config.all_kwargs())
 
     with device_guard(args[0]):
-        launch_as = _tuning.Launch(agreement, tune_only)
         config = _tuning.tuner(name).run(key, candidates, run, device=args[0].device,
                                          restore=restore, launch_as=launch_as)  # fmt: skip
     if request is not None and not isinstance(config, _impl.Torch):
@@ -294,6 +276,17 @@ def launch(
             kwargs = {**meta, **config.all_kwargs()}
             settled[request] = _tuning.Settled.of(kernel, config, scope, grid(config.kwargs),
                                                   kwargs, len(args))  # fmt: skip
+
+
+def torch_alternatives(torch_run, platform=None):
+    """`launch`'s ``torch_runs``: torch's implementation `torch_run` (None: not a
+    candidate) and ``platform()``'s PyTorch kernels (None: none)."""
+
+    def runs():
+        found = {_impl.TORCH: torch_run} if torch_run is not None else {}
+        return {**found, **(platform() if platform is not None else {})}
+
+    return runs
 
 
 # --- the backward's plan ---------------------------------------------------------------
@@ -306,9 +299,11 @@ class BackwardPlan:
     kernel's order), its scalars after the mask's batch stride, meta and tuner key, and
     the dtype of new gradients. ``split``: dK/dV's programs per KV head (1 for dQ).
     ``dq_direct``: the fused backward adds dQ straight into the caller's fp32 buffer
-    (else into fp32 scratch, converted after)."""
+    (else into fp32 scratch, converted after). ``accumulate``: the call adds into the
+    caller's gradients."""
 
     grad_dtype: torch.dtype
+    accumulate: bool
     split: int
     dq_direct: bool
     strides: tuple
@@ -328,22 +323,49 @@ def _layout(t: torch.Tensor | None):
     return t is not None and (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
 
 
-def backward_signature(kind, dout, q, k, v, lse, delta, grads, mask: dict, accumulate,
-                       grad_dtype, split_below, sources=(None, None)) -> tuple:  # fmt: skip
-    """`kind` ("dkdv" or "dq"), the tensors' layouts, the caller's gradient buffers (or
-    None), dQ's delta `sources` (out, dlse; or None), the mask's scalars (``intervals``
-    None), the flags and what decides the GQA split and TMA."""
+@dataclass(frozen=True, eq=False)
+class Gradients:
+    """Where a backward call writes dQ, dK and dV, as one value: the caller's buffers
+    (any strides; None: new ones, or scratch when the call only tunes), overwritten, or
+    added into with `accumulate`; new ones in `dtype` (q's unless given: q's or fp32).
+    Each launcher writes its own: dK/dV's `dk` and `dv`, dQ's `dq`, the fused one all
+    three. `deterministic` (read by `attention_backward`): every sum in a fixed order,
+    dQ's too, i.e. the split backward."""
+
+    dq: torch.Tensor | None = None
+    dk: torch.Tensor | None = None
+    dv: torch.Tensor | None = None
+    accumulate: bool = False
+    dtype: torch.dtype | None = None
+    deterministic: bool = False
+
+    def of(self, kind: str) -> list:
+        """The buffers a `kind` of launch writes ("dkdv": dk, dv; "dq": dq; "fused": dk,
+        dv, dq), None where new."""
+        return [getattr(self, name) for name in _GRADIENTS[kind]]
+
+
+NEW_GRADIENTS = Gradients()  # new gradients in q's dtype, written
+NO_SOURCES = (None, None)  # delta read, not made from (out, dlse)
+_GRADIENTS = {"dkdv": ("dk", "dv"), "dq": ("dq",), "fused": ("dk", "dv", "dq")}
+
+
+def backward_signature(kind, inputs, grads: Gradients, mask: AttentionMask, split_below,
+                       delta_from=NO_SOURCES) -> tuple:  # fmt: skip
+    """`kind` ("dkdv", "dq" or "fused"), the layouts of the `inputs` (dout, q, k, v, lse,
+    delta), of the caller's gradient buffers (or None) and of dQ's `delta_from` (out,
+    dlse; or None), the mask's scalars (``mask.intervals`` None), the flags and what
+    decides the GQA split and TMA."""
     return (
-        kind, *(_layout(t) for t in (dout, q, k, v, lse, delta, *grads, *sources)),
-        mask["causal"], mask["softmax_scale"], tuple(mask["window"]), mask["softcap"],
-        accumulate, grad_dtype, split_below, torch.get_float32_matmul_precision(),
+        kind, *(_layout(t) for t in (*inputs, *grads.of(kind), *delta_from)), mask.key(),
+        grads.accumulate, grads.dtype, split_below, torch.get_float32_matmul_precision(),
         _common.tma_compatible,
     )  # fmt: skip
 
 
-def check_backward_inputs(dout, q, k, v, lse, delta, sources=(None, None)):
-    """Raise for anything the backward kernels cannot take (`sources`: delta's out and
-    dlse, either None). The LSE, delta and dLSE are fp32 (float64 for float64 q:
+def check_backward_inputs(dout, q, k, v, lse, delta, delta_from=NO_SOURCES):
+    """Raise for anything the backward kernels cannot take (`delta_from`: delta's out
+    and dlse, either None). The LSE, delta and dLSE are fp32 (float64 for float64 q:
     `accumulator`)."""
     check_attention_inputs(q, k, v)
     (B, Sq, Hq, _) = q.shape
@@ -354,7 +376,7 @@ def check_backward_inputs(dout, q, k, v, lse, delta, sources=(None, None)):
     check_buffer("lse", lse, (B, Hq, Sq), (wide,), q.device)
     if delta is not None:
         check_buffer("delta", delta, (B, Hq, Sq), (wide,), q.device)
-    out, dlse = sources
+    out, dlse = delta_from
     if out is not None:
         check_buffer("out", out, out_shape, (q.dtype, wide), q.device)
     if dlse is not None:
@@ -377,95 +399,96 @@ def gradient_buffer(buf, like, dtype, tune_only):
     return buf
 
 
-_GRADIENTS = {"dkdv": ("dk", "dv"), "dq": ("dq",), "fused": ("dk", "dv", "dq")}
-
-
-def checked_buffers(kind, dout, q, k, v, lse, delta, grads, accumulate, grad_dtype,
-                     tune_only, sources=(None, None)) -> list:  # fmt: skip
-    """Check a dK/dV (`kind` "dkdv", `grads` (dk, dv)), dQ ("dq", (dq,)) or fused ("fused",
-    (dk, dv, dq)) call; returns the gradient buffers it writes (`gradient_buffer`)."""
-    check_backward_inputs(dout, q, k, v, lse, delta, sources)
+def checked_buffers(kind, inputs, grads: Gradients, tune_only: bool,
+                    delta_from=NO_SOURCES) -> list:  # fmt: skip
+    """Check a dK/dV (`kind` "dkdv": writes dk, dv), dQ ("dq": dq) or fused ("fused": dk,
+    dv, dq) call of `inputs` (dout, q, k, v, lse, delta); returns the gradient buffers
+    it writes (`gradient_buffer`)."""
+    dout, q, k, v, lse, delta = inputs
+    check_backward_inputs(dout, q, k, v, lse, delta, delta_from)
     names = _GRADIENTS[kind]
-    if accumulate and not tune_only and any(g is None for g in grads):
+    given = grads.of(kind)
+    if grads.accumulate and not tune_only and any(g is None for g in given):
         raise ValueError(f"accumulate=True adds into {' and '.join(names)}: give "
                          f"{'both' if len(names) > 1 else 'it'}")  # fmt: skip
     buffers = []
     likes = {"dkdv": (k, v), "dq": (q,), "fused": (k, v, q)}[kind]
-    for name, g, like in zip(names, grads, likes, strict=True):
-        g = gradient_buffer(g, like, grad_dtype or q.dtype, tune_only)
+    for name, g, like in zip(names, given, likes, strict=True):
+        g = gradient_buffer(g, like, grads.dtype or q.dtype, tune_only)
         check_buffer(name, g, like.shape, (q.dtype, accumulator(q.dtype)), q.device)
         buffers.append(g)
     return buffers
 
 
-def torch_backward(kind, dout, q, k, v, lse, delta, grads, mask, accumulate, grad_dtype,
-                    tune_only, sources=(None, None)):  # fmt: skip
+def torch_backward(kind, inputs, mask: AttentionMask, grads: Gradients, launch_as: Launch,
+                   delta_from=NO_SOURCES):  # fmt: skip
     """A dK/dV or dQ call on torch's implementation, checked as the kernels' are (dQ
-    with delta's `sources` writes delta from them first, as its kernel does)."""
-    grads = checked_buffers(kind, dout, q, k, v, lse, delta, grads, accumulate, grad_dtype,
-                             tune_only, sources)  # fmt: skip
+    with delta's `delta_from` writes delta from them first, as its kernel does)."""
+    buffers = checked_buffers(kind, inputs, grads, launch_as.tune_only, delta_from)
+    dout, q, k, v, lse, delta = inputs
     side = "query" if kind == "dq" else "key"
-    scores = mask_arguments(q, k, v, side=side, **mask)[-1]
-    if tune_only:
+    scores = mask_arguments(q, k, v, mask, side)[-1]
+    if launch_as.tune_only:
         return None
-    if sources[0] is not None:
-        write_delta(delta, dout, *sources)
+    if delta_from[0] is not None:
+        write_delta(delta, dout, *delta_from)
     if kind == "dq":
         if q.numel():
-            torch_impl.backward_dq(dout, q, k, v, lse, delta, scores, *grads, accumulate)
-        return grads[0]
+            torch_impl.backward_dq(*inputs, scores, *buffers, grads.accumulate)
+        return buffers[0]
     if k.numel():
-        torch_impl.backward_dkdv(dout, q, k, v, lse, delta, scores, *grads, accumulate)
-    return tuple(grads)
+        torch_impl.backward_dkdv(*inputs, scores, *buffers, grads.accumulate)
+    return tuple(buffers)
 
 
-def plan_backward(kind, kernel, split_of: Callable[[], int], split_below, dout, q, k, v, lse,
-                  delta, grads, mask, accumulate, grad_dtype, tune_only,
-                  sources=(None, None)):  # fmt: skip
-    """Check a dK/dV or dQ call (`checked_buffers`) and work out its `BackwardPlan`, kept
-    per signature unless the mask is in tensors or the call only tunes. `kernel`: the
-    kernel it launches; ``split_of()``: dK/dV's GQA split (called once the inputs are
-    checked), which `split_below` decides; `sources`: dQ's (out, dlse) when it makes
-    delta itself (out None: it reads delta). Returns (plan, the mask's tensors: lo, hi
-    and their batch stride)."""
-    cached = mask["intervals"] is None and not tune_only
+def plan_backward(kind, kernel, split_of: Callable[[], int] | None, split_below, inputs,
+                  mask: AttentionMask, grads: Gradients, launch_as: Launch,
+                  delta_from=NO_SOURCES):  # fmt: skip
+    """Check a dK/dV, dQ or fused call of `inputs` (dout, q, k, v, lse, delta;
+    `checked_buffers`) and work out its `BackwardPlan`, kept per signature unless the
+    mask is in tensors or the call only tunes. `kernel`: the kernel it launches;
+    ``split_of()``: dK/dV's GQA split (called once the inputs are checked), which
+    `split_below` decides; `delta_from`: dQ's (out, dlse) when it makes delta itself
+    (out None: it reads delta). Returns (plan, the mask's tensors: lo, hi and their
+    batch stride)."""
+    tune_only, accumulate = launch_as.tune_only, grads.accumulate
+    cached = mask.intervals is None and not tune_only
     if cached:
-        signature = backward_signature(kind, dout, q, k, v, lse, delta, grads, mask,
-                                       accumulate, grad_dtype, split_below, sources)  # fmt: skip
+        signature = backward_signature(kind, inputs, grads, mask, split_below, delta_from)
         plan = BACKWARD_PLANS.get(signature)
         if plan is not None:
-            return plan, (q, q, 0)
-    grads = checked_buffers(kind, dout, q, k, v, lse, delta, grads, accumulate, grad_dtype,
-                            tune_only, sources)  # fmt: skip
+            return plan, (inputs[1], inputs[1], 0)
+    buffers = checked_buffers(kind, inputs, grads, tune_only, delta_from)
+    dout, q, k, v, lse, delta = inputs
     (B, Sq, Hq, D), (_, Skv, Hkv, _), Dv = q.shape, k.shape, v.shape[-1]
     side = "query" if kind == "dq" else "key"
     tensors, (qk_scale, cap_in, shift, left, right), meta, key, scores = mask_arguments(
-        q, k, v, side=side, **mask)  # fmt: skip
-    given = [t for t in sources if t is not None]
-    check_launchable(kernel, dout, q, k, v, lse, delta, *grads, *tensors[:2], *given)
+        q, k, v, mask, side)  # fmt: skip
+    given = [t for t in delta_from if t is not None]
+    check_launchable(kernel, *inputs, *buffers, *tensors[:2], *given)
     split = split_of() if kind != "dq" else 1
     if split > 1:  # the kernel writes fp32 partials (contiguous), summed after it
-        grads[:2] = [torch.empty((B, Skv, Hkv * split, d), dtype=torch.float32,
-                                 device=q.device) for d in (D, Dv)]  # fmt: skip
-    dq_direct = kind == "fused" and grads[2].dtype == accumulator(q.dtype)
+        buffers[:2] = [torch.empty((B, Skv, Hkv * split, d), dtype=torch.float32,
+                                   device=q.device) for d in (D, Dv)]  # fmt: skip
+    dq_direct = kind == "fused" and buffers[2].dtype == accumulator(q.dtype)
     if kind == "fused" and not dq_direct:  # fp32 scratch: contiguous, made per call
-        grads[2] = torch.empty(q.shape, dtype=accumulator(q.dtype), device=q.device)
-    scale = resolve_scale(mask["softmax_scale"], D)
+        buffers[2] = torch.empty(q.shape, dtype=accumulator(q.dtype), device=q.device)
+    scale = resolve_scale(mask.softmax_scale, D)
     if kind != "dq":
-        tma, out_tma = tma_paths((q, dout), grads[:2])
+        tma, out_tma = tma_paths((q, dout), buffers[:2])
         # dQ's reduce-add through TMA on a GPU (the interpreter has no descriptor atomics)
         dq_tma = (kind == "fused" and not _common.is_interpreted(kernel)
-                  and _common.tma_compatible(grads[2]))  # fmt: skip
+                  and _common.tma_compatible(buffers[2]))  # fmt: skip
         meta = {**meta, "ACCUMULATE": accumulate and split == 1, "TMA": tma,
                 "OUT_TMA": out_tma, "DQ": kind == "fused", "DQ_TMA": dq_tma}  # fmt: skip
         key = (*key, ("SPLIT", split))
         scalars = (Sq, Skv, Hq, Hq // Hkv, split, qk_scale, cap_in, scale, shift, left, right)
     else:
-        out, dlse = sources
+        out, dlse = delta_from
         meta = {**meta, "ACCUMULATE": accumulate, "TMA": tma_paths((k, v), ())[0],
                 "DELTA": out is not None, "DLSE": dlse is not None}  # fmt: skip
         scalars = (Sq, Skv, Hq, Hq // Hkv, qk_scale, cap_in, scale, shift, left, right)
-    strides = tuple(s for t in (q, k, v, dout, lse, *grads) for s in t.stride())
+    strides = tuple(s for t in (q, k, v, dout, lse, *buffers) for s in t.stride())
     if kind == "dkdv":  # no dQ: its strides are zeros (not read)
         strides += (0,) * 4
     if kind == "dq":  # out's and dlse's, zeros for those absent (not read)
@@ -476,10 +499,10 @@ def plan_backward(kind, kernel, split_of: Callable[[], int], split_below, dout, 
     # (torch's exact tanh would not recompute the P of a forward on the approximate one)
     torch_candidate = (split == 1 and kind != "fused" and torch_impl.capable_on_cuda(q, k)
                        and meta["SOFTCAP"] != SOFTCAP_APPROX)  # fmt: skip
-    args = (q, k, v, dout, lse, delta, *grads, *tensors[:2])
-    plan = BackwardPlan(grad_dtype or q.dtype, split, dq_direct, strides, scalars, meta,
-                        launch_key(args, meta, Sq, Skv, key, torch_candidate), scores,
-                        torch_candidate)  # fmt: skip
+    args = (q, k, v, dout, lse, delta, *buffers, *tensors[:2])
+    plan = BackwardPlan(grads.dtype or q.dtype, accumulate, split, dq_direct, strides, scalars,
+                        meta, launch_key(args, meta, Sq, Skv, key, torch_candidate), scores,
+                        torch_candidate, {} if cached else None)  # fmt: skip
     if cached:
         remember(BACKWARD_PLANS, signature, plan)
     return plan, tensors

@@ -6,29 +6,34 @@ tests compare with in float64, beside the kernels (`forward`, `backward`).
 | `attention_reference`          | ``(out, lse)``, rows with no key: 0 and -inf          |
 | `attention_backward_reference` | dQ, dK, dV by the kernels' formula (P from the LSE)   |
 
-The mask is `mask.visible_reference`: a dense boolean matrix built
-independently of the intervals the kernels take.
+Both take the kernels' `AttentionMask` for causality, the window, the scale, the cap
+and (the forward) the sinks; the mask itself is `mask.visible_reference`: a dense
+boolean matrix built independently of the intervals the kernels take. Packed documents
+come as that matrix (`visible`), never as ``mask.intervals``.
 """
 
 import torch
-from fusedpar.kernels.attention.mask import resolve_scale, visible_reference
+from fusedpar.kernels.attention.mask import NO_MASK, AttentionMask, resolve_scale, visible_reference
 
 
-def reference_scores(q, k, v, *, causal, softmax_scale, window=(-1, -1), softcap=0.0,
-                     visible=None):  # fmt: skip
+def reference_scores(q, k, v, mask: AttentionMask, visible=None):
     """The references' shared start: ``S = scale * Q K^T`` (B, Hq, Sq, Skv), soft-capped,
     with the mask as -inf, K and V repeated to Hq heads, and the scale. The mask:
-    `visible` (Sq, Skv) boolean (packed documents), else `causal` and `window`."""
+    `visible` (Sq, Skv) boolean (packed documents; ``mask.intervals`` is then not
+    read), else ``mask.causal`` and ``mask.window``."""
     (_, Sq, Hq, D), (_, Skv, Hkv, _) = q.shape, k.shape
-    scale = resolve_scale(softmax_scale, D)
+    if mask.intervals is not None and visible is None:  # (with `visible`: not read)
+        raise ValueError("the references take packed documents as `visible`, a dense "
+                         "mask built apart from the kernels' mask.intervals")  # fmt: skip
+    scale = resolve_scale(mask.softmax_scale, D)
     k = k.repeat_interleave(Hq // Hkv, dim=2)
     v = v.repeat_interleave(Hq // Hkv, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
+    if mask.softcap:
+        s = mask.softcap * torch.tanh(s / mask.softcap)
     if visible is None:
         one = torch.tensor([0, Sq]), torch.tensor([0, Skv])
-        visible = visible_reference(*one, causal=causal, window=window)
+        visible = visible_reference(*one, causal=mask.causal, window=mask.window)
     return s.masked_fill(~visible.to(q.device), float("-inf")), k, v, scale
 
 
@@ -36,25 +41,19 @@ def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    window: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
+    mask: AttentionMask = NO_MASK,
     visible: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same contract in plain, differentiable PyTorch, in q's dtype (float64 in ->
     the oracle). Returns ``(out, lse)``; rows that see no key give 0 and -inf, and their
-    gradients are 0, not NaN. `visible`: a dense (Sq, Skv) mask instead of `causal` and
-    `window` (`mask.visible_reference` of packed documents). `sinks` (Hq,):
-    one more logit per head in every row's softmax denominator, with no value (gpt-oss's
-    attention sinks): a row that sees no key gives 0 and LSE = its sink."""
+    gradients are 0, not NaN. `visible`: a dense (Sq, Skv) mask instead of ``mask.causal``
+    and ``mask.window`` (`mask.visible_reference` of packed documents). ``mask.sinks``
+    (Hq,): one more logit per head in every row's softmax denominator, with no value
+    (gpt-oss's attention sinks): a row that sees no key gives 0 and LSE = its sink."""
     (B, Sq, Hq, _), Skv = q.shape, k.shape[1]
-    s, _, v, _ = reference_scores(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                  window=window, softcap=softcap, visible=visible)  # fmt: skip
-    if sinks is not None:  # an extra key column: its logit, no value
-        sink = sinks.to(s.dtype)[None, :, None, None].expand(B, Hq, Sq, 1)
+    s, _, v, _ = reference_scores(q, k, v, mask, visible)
+    if mask.sinks is not None:  # an extra key column: its logit, no value
+        sink = mask.sinks.to(s.dtype)[None, :, None, None].expand(B, Hq, Sq, 1)
         s = torch.cat([s, sink], dim=-1)
     m = s.amax(-1, keepdim=True) if s.shape[-1] else s.new_full((B, Hq, Sq, 1), float("-inf"))
     m = torch.where(torch.isinf(m), 0.0, m).detach()  # softmax is shift-invariant
@@ -74,16 +73,14 @@ def attention_backward_reference(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    mask: AttentionMask = NO_MASK,
     *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    window: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
     visible: torch.Tensor | None = None,
     dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernels' backward formula in plain PyTorch, in q's dtype: P from the LSE and
-    ``delta = rowsum(dO * O) - dLSE`` from the forward's output.
+    ``delta = rowsum(dO * O) - dLSE`` from the forward's output (`mask` and `visible` as
+    in `attention_reference`; sinks are folded in by the LSE).
 
     Autograd through `attention_reference` computes ``P * (dP - rowsum(P * dP))``, where
     the two dP terms cancel exactly; here, as in the kernels (and FlashAttention), delta
@@ -92,17 +89,16 @@ def attention_backward_reference(
     rounded to it (the kernels keep it in fp32).
     """
     Hkv, group = k.shape[2], q.shape[2] // k.shape[2]
-    s, k, v, scale = reference_scores(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                      window=window, softcap=softcap, visible=visible)  # fmt: skip
+    s, k, v, scale = reference_scores(q, k, v, mask, visible)
     lse = lse.to(q.dtype)[..., None]
     p = torch.where(torch.isneginf(lse), 0.0, torch.exp(s - lse))  # rows with no key: 0
     delta = (dout * out).sum(-1).transpose(1, 2)  # (B, Hq, Sq)
     if dlse is not None:
         delta = delta - dlse.to(delta.dtype)
     ds = p * (torch.einsum("bqhd,bkhd->bhqk", dout, v) - delta[..., None])
-    if softcap:  # s = softcap * tanh(raw / softcap): d s / d raw = 1 - tanh^2
+    if mask.softcap:  # s = softcap * tanh(raw / softcap): d s / d raw = 1 - tanh^2
         raw = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-        ds = ds * (1 - torch.tanh(raw / softcap) ** 2)
+        ds = ds * (1 - torch.tanh(raw / mask.softcap) ** 2)
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, k) * scale
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q) * scale
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)

@@ -24,7 +24,13 @@ from dataclasses import dataclass
 import torch
 from fusedpar.kernels import _impl
 from fusedpar.kernels._common import accumulator
-from fusedpar.kernels.attention.mask import UNBOUNDED, Intervals
+from fusedpar.kernels.attention.mask import (
+    UNBOUNDED,
+    AttentionMask,
+    Intervals,
+    resolve_scale,
+    scalar_bounds,
+)
 
 # The largest (B * Hq * Sq * Skv) scores a CUDA launch may form in torch: 2**26 fp32
 # (256 MiB with the exp and the mask). Past it only Triton's kernels are candidates.
@@ -62,6 +68,12 @@ class Scores:
     softcap: float
     bounds: tuple[int, int, int]
     intervals: Intervals | None
+
+    @staticmethod
+    def of_mask(mask: AttentionMask, Sq: int, Skv: int, D: int) -> "Scores":
+        """A mask's scores for (Sq, Skv) rows of head dim D."""
+        bounds = scalar_bounds(mask.causal, mask.window, Sq, Skv)
+        return Scores(resolve_scale(mask.softmax_scale, D), mask.softcap, bounds, mask.intervals)
 
     def of(self, q, k):
         """``(S, t)``: S (B, Hkv, G, Sq, Skv) fp32 (float64 for float64 q) scores masked

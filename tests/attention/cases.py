@@ -9,6 +9,7 @@ from fusedpar.kernels.attention import forward as attn
 from fusedpar.kernels.attention import mask as attn_mask
 from fusedpar.kernels.attention import merge as attn_merge
 from fusedpar.kernels.attention.mask import AttentionMask
+from fusedpar.kernels.attention.plan import Gradients
 
 from fusedpar.nn.attention_parts import rope_tables
 from tests.support.gate import Cases, _empty, _fp32_precision, _smallest, _tma
@@ -26,10 +27,11 @@ def _mask(causal, window, softcap, intervals):
     tensor mode the ring and packed documents use (int32, one row for every batch);
     "ordered": packed documents' with the forward's query order (`query_order`)."""
     if not intervals:
-        return {"causal": causal, "window": window, "softcap": softcap}
+        return attn_mask.AttentionMask(causal, window, softcap)
     lo, hi = (torch.empty((1, 256), dtype=torch.int32) for _ in range(2))
     order = torch.empty(2, dtype=torch.int32) if intervals == "ordered" else None
-    return {"intervals": attn_mask.Intervals(lo, hi, lo, hi, q_order=order), "softcap": softcap}
+    blocks = attn_mask.Intervals(lo, hi, lo, hi, q_order=order)
+    return attn_mask.AttentionMask(softcap=softcap, intervals=blocks)
 
 
 def attention_forward(
@@ -58,7 +60,7 @@ def attention_forward(
         }
     with _fp32_precision(precision), _tma(tma):
         attn.attention_forward(
-            q, k, v, merge=merge, **_mask(causal, window, softcap, intervals), **buffers
+            q, k, v, _mask(causal, window, softcap, intervals), merge=merge, **buffers
         )
 
 
@@ -88,9 +90,10 @@ def attention_backward(
     k = _empty((2, 256, 2, head_dim), dtype)
     v = _empty((2, 256, 2, v_dim or head_dim), dtype)
     lse = _empty((2, 2 * group, 256), "float32")
-    grads = {}
+    grads = Gradients(deterministic=not fused)
     if accumulate:
-        grads = {name: _empty(t.shape, "float32") for name, t in (("dq", q), ("dk", k), ("dv", v))}
+        buffers = [_empty(t.shape, "float32") for t in (q, k, v)]
+        grads = Gradients(*buffers, accumulate=True, deterministic=not fused)
     saved = attn_bwd.SPLIT_BELOW_PROGRAMS
     # 8 programs (2 KV blocks x B x Hkv) under 16: two slices per group
     attn_bwd.SPLIT_BELOW_PROGRAMS = 16 if split else saved
@@ -99,17 +102,7 @@ def attention_backward(
             mask = _mask(causal, window, softcap, intervals)
             delta = {"delta": attn_merge.attention_delta(out, dout)} if accumulate else {}
             attn_bwd_fused.attention_backward(
-                dout,
-                q,
-                k,
-                v,
-                lse,
-                out=out,
-                accumulate=accumulate,
-                deterministic=not fused,
-                **mask,
-                **grads,
-                **delta,
+                dout, q, k, v, lse, mask, delta_from=(out, None), grads=grads, **delta
             )
     finally:
         attn_bwd.SPLIT_BELOW_PROGRAMS = saved

@@ -2,7 +2,11 @@
 
 import torch
 import torch.nn.functional as F
-from fusedpar.kernels.attention import attention_backward_reference, attention_reference
+from fusedpar.kernels.attention import (
+    AttentionMask,
+    attention_backward_reference,
+    attention_reference,
+)
 from fusedpar.kernels.attention import backward as backward_kernels
 from torch import nn
 
@@ -51,6 +55,14 @@ def attention_grads(fn, inputs, dout, dlse):
     return [out.detach(), lse.detach(), *grads]
 
 
+def reference_of(mask=None, visible=None, **keywords):
+    """`attention_reference` as a function of (q, k, v): under `mask` (an
+    `AttentionMask`), or one of flash_attn's `keywords` (causal, softmax_scale, window,
+    softcap, sinks); `visible`: packed documents' dense mask."""
+    mask = AttentionMask(**keywords) if mask is None else mask
+    return lambda *t: attention_reference(*t, mask, visible)
+
+
 def torch_results(inputs, dout, dlse, ref, causal=False, scale=None, **mask):
     """PyTorch's own [out, lse, dq, dk, dv] in the inputs' dtype: the yardstick of the
     tolerance rule. In fp32 each gradient is the worse (against the float64 `ref`) of
@@ -60,21 +72,17 @@ def torch_results(inputs, dout, dlse, ref, causal=False, scale=None, **mask):
     the formula would round P, dS and delta where the kernels keep fp32, so autograd
     alone is the yardstick there. `mask`: window, softcap or visible, as the references
     take them. Shared with the ring attention and mask tests."""
-    same = attention_grads(
-        lambda *t: attention_reference(*t, causal=causal, softmax_scale=scale, **mask),
-        inputs,
-        dout,
-        dlse,
-    )
+    visible = mask.pop("visible", None)
+    mask = AttentionMask(causal, softmax_scale=scale, **mask)
+    same = attention_grads(reference_of(mask, visible), inputs, dout, dlse)
     if same[0].dtype != torch.float32:
         return same
     formula = attention_backward_reference(
         dout.to(same[0].dtype),
         *inputs,
         *same[:2],
-        causal=causal,
-        softmax_scale=scale,
-        **mask,
+        mask,
+        visible=visible,
         dlse=torch.where(torch.isfinite(same[1]), dlse.to(torch.float32), 0),
     )
 
@@ -98,7 +106,7 @@ def check_attention(
         return fp.flash_attn(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, **mask)
 
     def reference(q, k, v):
-        return attention_reference(q, k, v, causal=causal, softmax_scale=scale, **mask)
+        return attention_reference(q, k, v, AttentionMask(causal, softmax_scale=scale, **mask))
 
     got = attention_grads(ours, (q, k, v), dout, dlse)
     ref = attention_grads(reference, [t.double() for t in (q, k, v)], dout, dlse)

@@ -11,6 +11,8 @@ import math
 import pytest
 import torch
 from fusedpar.kernels.attention import (
+    AttentionMask,
+    Gradients,
     attention_backward,
     attention_backward_dkdv,
     attention_backward_dq,
@@ -183,7 +185,7 @@ def test_softmax_scale_must_be_positive_and_finite(scale, error):
     q = torch.ones((1, 4, 2, 8))
     for call in (
         lambda: fp.flash_attn(q, q, q, softmax_scale=scale),
-        lambda: attention_forward(q, q, q, softmax_scale=scale),
+        lambda: attention_forward(q, q, q, AttentionMask(softmax_scale=scale)),
     ):
         with pytest.raises(error, match="softmax_scale"):
             call()
@@ -250,7 +252,7 @@ def check_flash_attn_gpu(B, S, Hq, Hkv, D, causal, dtype, Dv=None):
         lambda *t: fp.flash_attn(*t, causal=causal, return_lse=True), (q, k, v), dout, dlse
     )
     ref = attention_grads(
-        lambda *t: attention_reference(*t, causal=causal),
+        lambda *t: attention_reference(*t, AttentionMask(causal)),
         [t.double() for t in (q, k, v)],
         dout,
         dlse,
@@ -301,7 +303,10 @@ def test_approximate_soft_capping_gpu(softcap, deterministic):
             dlse,
         )
     ref = attention_grads(
-        lambda *t: attention_reference(*t, **mask), [t.double() for t in (q, k, v)], dout, dlse
+        lambda *t: attention_reference(*t, AttentionMask(**mask)),
+        [t.double() for t in (q, k, v)],
+        dout,
+        dlse,
     )
     same = torch_results((q, k, v), dout, dlse, ref, **mask)
     for name, g, r, t in zip(("out", "lse", "dq", "dk", "dv"), got, ref, same, strict=True):
@@ -396,10 +401,9 @@ def check_ring_modes(
 
     out, lse = poisoned((B, Sq, Hq, Dv), device), poisoned((B, Hq, Sq + 1), device)[..., 1:]
     attention_forward(q, k[:, :s1], v[:, :s1], out=out, lse=lse)
-    attention_forward(q, k[:, s1:], v[:, s1:], causal=causal, out=out, lse=lse, merge=True)
-    ref = attention_grads(
-        lambda *t: attention_reference(*t, causal=causal), (q64, k64, v64), dout, dlse
-    )
+    mask = AttentionMask(causal)
+    attention_forward(q, k[:, s1:], v[:, s1:], mask, out=out, lse=lse, merge=True)
+    ref = attention_grads(lambda *t: attention_reference(*t, mask), (q64, k64, v64), dout, dlse)
     same = torch_results((q, k, v), dout, dlse, ref, causal)
     assert out.dtype == torch.float32
     assert_close(out, ref[0], same[0], name="merged out")
@@ -407,13 +411,13 @@ def check_ring_modes(
 
     with pytest.MonkeyPatch.context() as mp:
         force_split(mp, split_below)
-        o, saved_lse = attention_forward(q, k, v, causal=causal)  # what flash_attn saves
+        o, saved_lse = attention_forward(q, k, v, mask)  # what flash_attn saves
         seen_dlse = torch.where(torch.isfinite(saved_lse), dlse, 0)
         delta = attention_delta(o, dout) - seen_dlse
         saved = (dout, q, k, v, saved_lse, delta)
         fresh = [poisoned(t.shape, device) for t in (q, k, v)]
-        attention_backward_dq(*saved, causal=causal, dq=fresh[0])
-        attention_backward_dkdv(*saved, causal=causal, dk=fresh[1], dv=fresh[2])
+        attention_backward_dq(*saved, mask, grads=Gradients(dq=fresh[0]))
+        attention_backward_dkdv(*saved, mask, grads=Gradients(dk=fresh[1], dv=fresh[2]))
         start = [
             randn(t.shape, torch.float32, seed + 5 + i).to(device) for i, t in enumerate((q, k, v))
         ]
@@ -424,13 +428,9 @@ def check_ring_modes(
             k,
             v,
             saved_lse,
-            causal=causal,
+            mask,
             delta=delta,
-            dq=added[0],
-            dk=added[1],
-            dv=added[2],
-            accumulate=True,
-            deterministic=deterministic,
+            grads=Gradients(*added, accumulate=True, deterministic=deterministic),
         )
         made = [poisoned(t.shape, device) for t in (q, k, v)]  # delta made by dQ's kernel
         attention_backward(
@@ -439,13 +439,9 @@ def check_ring_modes(
             k,
             v,
             saved_lse,
-            causal=causal,
-            out=o,
-            dlse=seen_dlse,
-            deterministic=deterministic,
-            dq=made[0],
-            dk=made[1],
-            dv=made[2],
+            mask,
+            delta_from=(o, seen_dlse),
+            grads=Gradients(*made, deterministic=deterministic),
         )
     for name, f, a, m, s0, r, t in zip(
         ("dq", "dk", "dv"), fresh, added, made, start, ref[2:], same[2:], strict=True
@@ -566,9 +562,12 @@ def test_gqa_split_is_deterministic_and_needs_no_gpu_query(monkeypatch):
     assert gqa_split(1, 100, 1, 3, q) == 3  # at most one query head per slice
     q, k, v = (randn((1, 21, h, 16), torch.float32, i) for i, h in enumerate((6, 1, 1)))
     dout = randn(q.shape, torch.float32, 3)
-    out, lse = attention_forward(q, k, v, causal=True)
+    causal = AttentionMask(causal=True)
+    out, lse = attention_forward(q, k, v, causal)
     runs = [
-        attention_backward(dout, q, k, v, lse, causal=True, out=out, deterministic=True)
+        attention_backward(
+            dout, q, k, v, lse, causal, delta_from=(out, None), grads=Gradients(deterministic=True)
+        )
         for _ in range(2)
     ]
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
@@ -593,11 +592,20 @@ def test_tma_and_pointer_paths_agree_bitwise(monkeypatch, D, mask, deterministic
     assert tma_compatible(q, k, v, dout)
 
     def run():
-        out, lse = attention_forward(q, k, v, **mask)
+        out, lse = attention_forward(q, k, v, AttentionMask(**mask))
         return (
             out,
             lse,
-            *attention_backward(dout, q, k, v, lse, out=out, **mask, deterministic=deterministic),
+            *attention_backward(
+                dout,
+                q,
+                k,
+                v,
+                lse,
+                AttentionMask(**mask),
+                delta_from=(out, None),
+                grads=Gradients(deterministic=deterministic),
+            ),
         )
 
     with_tma = run()
@@ -630,7 +638,13 @@ def test_tma_needs_16_byte_alignment_and_a_unit_last_stride():
         ),
         (
             lambda q: attention_backward_dq(
-                q, q, q, q, torch.empty(1, 2, 4), torch.empty(1, 2, 4), accumulate=True
+                q,
+                q,
+                q,
+                q,
+                torch.empty(1, 2, 4),
+                torch.empty(1, 2, 4),
+                grads=Gradients(accumulate=True),
             ),
             ValueError,
             "adds into dq",
@@ -649,7 +663,7 @@ def test_tma_needs_16_byte_alignment_and_a_unit_last_stride():
                 q,
                 q,
                 torch.empty(1, 2, 4),
-                dlse=torch.empty(1, 2, 4),
+                delta_from=(None, torch.empty(1, 2, 4)),
                 delta=torch.empty(1, 2, 4),
             ),
             ValueError,
@@ -657,13 +671,21 @@ def test_tma_needs_16_byte_alignment_and_a_unit_last_stride():
         ),
         (
             lambda q: attention_backward_dq(
-                q, q, q, q, torch.empty(1, 2, 4), torch.empty(1, 2, 4), dlse=torch.empty(1, 2, 4)
+                q,
+                q,
+                q,
+                q,
+                torch.empty(1, 2, 4),
+                torch.empty(1, 2, 4),
+                delta_from=(None, torch.empty(1, 2, 4)),
             ),
             ValueError,
             "give out too",
         ),
         (
-            lambda q: attention_backward(q, q, q, q, torch.empty(1, 2, 4), out=q[..., :4]),
+            lambda q: attention_backward(
+                q, q, q, q, torch.empty(1, 2, 4), delta_from=(q[..., :4], None)
+            ),
             ValueError,
             r"out must be \(1, 4, 2, 8\)",
         ),
@@ -784,9 +806,9 @@ def test_a_forward_is_checked_and_planned_once_per_signature(monkeypatch):
         ({}, (q.half(), k.half(), v.half())),
     ]
     for mask, inputs in calls:
-        out, _ = attention_forward(*inputs, **mask)
-        ref64, _ = attention_reference(*(t.double() for t in inputs), **mask)
-        ref, _ = attention_reference(*inputs, **mask)
+        out, _ = attention_forward(*inputs, AttentionMask(**mask))
+        ref64, _ = attention_reference(*(t.double() for t in inputs), AttentionMask(**mask))
+        ref, _ = attention_reference(*inputs, AttentionMask(**mask))
         assert_close(out, ref64, ref, name=str(mask))
     assert len(checks) == 5  # the second call was looked up
 
@@ -805,20 +827,19 @@ def test_a_backward_is_checked_and_planned_once_per_signature(monkeypatch):
         monkeypatch.setattr(backward_kernels, "SPLIT_BELOW_PROGRAMS", split_below)
         q, k, v = inputs
         dout = randn(q.shape, q.dtype, 7)
-        out, lse = attention_forward(q, k, v, **mask)
+        mask = AttentionMask(**mask)
+        out, lse = attention_forward(q, k, v, mask)
         delta = attention_delta(out, dout)
         nan_buffers = {
             n: torch.full(t.shape, float("nan"))
             for n, t in zip(("dq", "dk", "dv"), (q, k, v), strict=True)
         }
         given = nan_buffers if given else {}
-        dq = attention_backward_dq(dout, q, k, v, lse, delta, **mask, dq=given.get("dq"))
-        dk, dv = attention_backward_dkdv(
-            dout, q, k, v, lse, delta, **mask, dk=given.get("dk"), dv=given.get("dv")
-        )
+        dq = attention_backward_dq(dout, q, k, v, lse, delta, mask, grads=Gradients(**given))
+        dk, dv = attention_backward_dkdv(dout, q, k, v, lse, delta, mask, grads=Gradients(**given))
         no_dlse = torch.zeros(lse.shape)
         ref64, ref = (
-            attention_grads(lambda *t: attention_reference(*t, **mask), ts, dout, no_dlse)
+            attention_grads(lambda *t: attention_reference(*t, mask), ts, dout, no_dlse)
             for ts in ((t.double() for t in inputs), inputs)
         )
         for name, g, r64, r in zip(

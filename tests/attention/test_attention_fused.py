@@ -8,9 +8,10 @@ import pytest
 import torch
 from fusedpar.kernels import _tuning
 from fusedpar.kernels.attention import (
+    AttentionMask,
+    Gradients,
     attention_delta,
     attention_forward,
-    attention_reference,
     fused_configs,
     packed_intervals,
     transposed_dot_miscompiles,
@@ -24,7 +25,13 @@ from hypothesis import strategies as st
 import fusedpar as fp
 from fusedpar.testing import assert_close
 from fusedpar.testing.strategies import cpu_dtypes, randn, seeds
-from tests.attention.helpers import attention_grads, force_split, poisoned, torch_results
+from tests.attention.helpers import (
+    attention_grads,
+    force_split,
+    poisoned,
+    reference_of,
+    torch_results,
+)
 
 pytestmark = pytest.mark.usefixtures("triton_kernels")
 
@@ -59,12 +66,11 @@ def check_fused(B, S, Hkv, group, D, kind, dtype, seed, split_below, device="cpu
     v = randn((B, S, Hkv, Dv), dtype, seed + 2).to(device)
     dout = randn((*q.shape[:3], Dv), dtype, seed + 3).to(device)
     mask, ref_mask = _mask(kind, S, seed, device)
-    out, lse = attention_forward(q, k, v, **mask)
+    mask = AttentionMask(**mask)
+    out, lse = attention_forward(q, k, v, mask)
     dlse = randn(lse.shape, torch.float32, seed + 4).to(device)
     dlse = torch.where(torch.isfinite(lse), dlse, 0)
-    ref = attention_grads(
-        lambda *t: attention_reference(*t, **ref_mask), [t.double() for t in (q, k, v)], dout, dlse
-    )
+    ref = attention_grads(reference_of(**ref_mask), [t.double() for t in (q, k, v)], dout, dlse)
     same = torch_results((q, k, v), dout, dlse, ref, **ref_mask)
     with pytest.MonkeyPatch.context() as mp:
         force_split(mp, split_below)
@@ -76,12 +82,9 @@ def check_fused(B, S, Hkv, group, D, kind, dtype, seed, split_below, device="cpu
             v,
             lse,
             split_kernels.delta_buffer(lse.shape, device),
-            **mask,
-            dq=made[0],
-            dk=made[1],
-            dv=made[2],
-            out=out,
-            dlse=dlse,
+            mask,
+            grads=Gradients(*made),
+            delta_from=(out, dlse),
         )
         start = [
             randn(t.shape, torch.float32, seed + 5 + i).to(device) for i, t in enumerate((q, k, v))
@@ -95,11 +98,8 @@ def check_fused(B, S, Hkv, group, D, kind, dtype, seed, split_below, device="cpu
             v,
             lse,
             delta,
-            **mask,
-            dq=added[0],
-            dk=added[1],
-            dv=added[2],
-            accumulate=True,
+            mask,
+            grads=Gradients(*added, accumulate=True),
         )
     for name, m, a, s0, r, t in zip(
         ("dq", "dk", "dv"), made, added, start, ref[2:], same[2:], strict=True
@@ -147,8 +147,10 @@ def test_keys_past_the_end_add_nothing_to_dq(dtype, q_scale):
     v, dout = randn((1, 20, 1, 16), dtype, 2), randn((1, 16, 1, 16), dtype, 3)
     out, lse = attention_forward(q, k, v)
     assert lse.max() < -12
-    fused = backwards.attention_backward(dout, q, k, v, lse, out=out)
-    split = backwards.attention_backward(dout, q, k, v, lse, out=out, deterministic=True)
+    fused = backwards.attention_backward(dout, q, k, v, lse, delta_from=(out, None))
+    split = backwards.attention_backward(
+        dout, q, k, v, lse, delta_from=(out, None), grads=Gradients(deterministic=True)
+    )
     for name, f, s in zip(("dq", "dk", "dv"), fused, split, strict=True):
         assert torch.isfinite(f).all(), name
         torch.testing.assert_close(f, s, msg=name)
@@ -161,7 +163,8 @@ def test_fused_and_split_agree_into_every_kind_of_buffer(dtype):
     q = randn((2, 29, 4, 16), dtype, 0)
     k, v = (randn((2, 29, 2, 16), dtype, i) for i in (1, 2))
     dout = randn(q.shape, dtype, 3)
-    out, lse = attention_forward(q, k, v, causal=True)
+    causal = AttentionMask(causal=True)
+    out, lse = attention_forward(q, k, v, causal)
     for wide in (dtype, torch.float32):
         start = [randn(t.shape, wide, 4 + i) for i, t in enumerate((q, k, v))]
         for accumulate in (False, True):
@@ -174,13 +177,9 @@ def test_fused_and_split_agree_into_every_kind_of_buffer(dtype):
                     k,
                     v,
                     lse,
-                    out=out,
-                    causal=True,
-                    dq=given[0],
-                    dk=given[1],
-                    dv=given[2],
-                    accumulate=accumulate,
-                    deterministic=deterministic,
+                    causal,
+                    delta_from=(out, None),
+                    grads=Gradients(*given, accumulate=accumulate, deterministic=deterministic),
                 )
                 assert all(g is t for g, t in zip(got, given, strict=True))
                 results.append(got)
@@ -190,7 +189,7 @@ def test_fused_and_split_agree_into_every_kind_of_buffer(dtype):
                 torch.testing.assert_close(
                     f, s, atol=tol, rtol=0, msg=f"{name} {wide} accumulate={accumulate}"
                 )
-    fresh = backwards.attention_backward(dout, q, k, v, lse, out=out, causal=True)
+    fresh = backwards.attention_backward(dout, q, k, v, lse, causal, delta_from=(out, None))
     assert [g.dtype for g in fresh] == [dtype] * 3
 
 
@@ -240,9 +239,13 @@ def test_the_split_backward_is_bitwise_repeatable():
     q = randn((1, 21, 6, 16), torch.float32, 0)
     k, v = (randn((1, 21, 1, 16), torch.float32, i) for i in (1, 2))
     dout = randn(q.shape, torch.float32, 3)
-    out, lse = attention_forward(q, k, v, causal=True)
+    causal = AttentionMask(causal=True)
+    out, lse = attention_forward(q, k, v, causal)
+    split = Gradients(deterministic=True)
     runs = [
-        backwards.attention_backward(dout, q, k, v, lse, causal=True, out=out, deterministic=True)
+        backwards.attention_backward(
+            dout, q, k, v, lse, causal, delta_from=(out, None), grads=split
+        )
         for _ in range(2)
     ]
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
@@ -252,11 +255,13 @@ def test_bad_input_is_refused_before_any_launch():
     q = torch.ones(1, 4, 2, 8, dtype=torch.float16)
     lse = torch.empty(1, 2, 4)
     with pytest.raises(ValueError, match="give out too"):
-        backwards.attention_backward_fused(q, q, q, q, lse, lse, dlse=lse)
+        backwards.attention_backward_fused(q, q, q, q, lse, lse, delta_from=(None, lse))
     with pytest.raises(ValueError, match="adds into dq, dk and dv"):
-        backwards.attention_backward(q, q, q, q, lse, delta=lse, accumulate=True, dq=q)
+        backwards.attention_backward(
+            q, q, q, q, lse, delta=lse, grads=Gradients(dq=q, accumulate=True)
+        )
     with pytest.raises(ValueError, match=r"out must be \(1, 4, 2, 8\)"):
-        backwards.attention_backward(q, q, q, q, lse, out=q[..., :4])
+        backwards.attention_backward(q, q, q, q, lse, delta_from=(q[..., :4], None))
 
 
 def test_a_miscompiling_triton_loses_the_64_wide_fused_tiles():

@@ -9,7 +9,7 @@ NaN: a kernel that read them, even masked, would give NaN.
 
 import pytest
 import torch
-from fusedpar.kernels.attention import attention_reference, visible_reference
+from fusedpar.kernels.attention import AttentionMask, attention_reference, visible_reference
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -123,7 +123,7 @@ def check_varlen(lengths_q, lengths_k, Hq, Hkv, D, causal, window, softcap, dtyp
     packed = [t[None] for t in (q, k, v)]
     got = attention_grads(ours, packed, dout, dlse)
     ref = attention_grads(
-        lambda *t: attention_reference(*t, softcap=softcap, visible=visible),
+        lambda *t: attention_reference(*t, AttentionMask(softcap=softcap), visible),
         [t.double() for t in packed],
         dout,
         dlse,
@@ -220,10 +220,9 @@ def test_rows_whose_keys_start_in_a_later_block_keep_their_scale(each_implementa
     v = randn((128, 1, 16), torch.float16, 2)
     out = fp.flash_attn_varlen(q, k, v, cu, causal=True, softmax_scale=1.0)
     visible = visible_reference(cu, cu, causal=True, window=(-1, -1))
-    ref, _ = attention_reference(
-        *(t[None].double() for t in (q, k, v)), softmax_scale=1.0, visible=visible
-    )
-    same, _ = attention_reference(*(t[None] for t in (q, k, v)), softmax_scale=1.0, visible=visible)
+    unit = AttentionMask(softmax_scale=1.0)
+    ref, _ = attention_reference(*(t[None].double() for t in (q, k, v)), unit, visible)
+    same, _ = attention_reference(*(t[None] for t in (q, k, v)), unit, visible)
     assert_close(out[None], ref, same, name="out")
 
 
@@ -371,7 +370,7 @@ def test_the_widest_query_chunks_run_first():
     the last chunk's second (rows 448 to 511) writes nothing."""
     import dataclasses
 
-    from fusedpar.kernels.attention import attention_forward, packed_intervals
+    from fusedpar.kernels.attention import AttentionMask, attention_forward, packed_intervals
 
     cu = torch.tensor([0, 300, 340, 400], dtype=torch.int32)
     packed = packed_intervals(cu, cu, 400, 400, causal=True, window=(-1, -1))
@@ -379,14 +378,16 @@ def test_the_widest_query_chunks_run_first():
     assert packed.q_order.tolist() == [2, 1, 0, 3]
     q, k, v = (randn((1, 400, 2, 16), torch.float32, i) for i in range(3))
     results = [
-        attention_forward(q, k, v, intervals=dataclasses.replace(packed, q_order=order))
+        attention_forward(
+            q, k, v, AttentionMask(intervals=dataclasses.replace(packed, q_order=order))
+        )
         for order in (packed.q_order, None, torch.tensor([3, 0, 2, 1], dtype=torch.int32))
     ]
     for out, lse in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
     bad = dataclasses.replace(packed, q_order=packed.q_order[:3])
     with pytest.raises(ValueError, match=r"q_order must be contiguous int32 \(4,\)"):
-        attention_forward(q, k, v, intervals=bad)
+        attention_forward(q, k, v, AttentionMask(intervals=bad))
 
 
 def test_every_forward_tile_splits_an_order_chunk():

@@ -5,7 +5,12 @@ where the aten ops run their shape functions), and on a GPU each against float64
 import pytest
 import torch
 from fusedpar.kernels import _tuning
-from fusedpar.kernels.attention import attention_forward, attention_reference, mask_arguments
+from fusedpar.kernels.attention import (
+    AttentionMask,
+    attention_forward,
+    attention_reference,
+    mask_arguments,
+)
 from fusedpar.kernels.attention import backward_fused as backwards
 from fusedpar.kernels.attention import torch_impl as platform
 
@@ -16,15 +21,7 @@ from tests.attention.helpers import attention_grads, torch_results
 
 
 def _scores(q, k, v=None, **mask):
-    mask = {
-        "causal": False,
-        "window": (-1, -1),
-        "softcap": 0.0,
-        "softmax_scale": None,
-        "intervals": None,
-        **mask,
-    }
-    return mask_arguments(q, k, k if v is None else v, side="query", **mask)[-1]
+    return mask_arguments(q, k, k if v is None else v, AttentionMask(**mask), "query")[-1]
 
 
 def _meta(shape, dtype=torch.bfloat16):
@@ -100,7 +97,7 @@ def test_the_ops_pass_no_lse_gradient_when_the_lse_is_unused(monkeypatch, triton
     monkeypatch.setattr(
         backwards,
         "attention_backward_fused",
-        lambda *a, **kw: seen.append(kw.get("dlse")) or real(*a, **kw),
+        lambda *a, **kw: seen.append(kw["delta_from"][1]) or real(*a, **kw),
     )
     q = randn((1, 9, 2, 8), torch.float32, 0).requires_grad_()
     k, v = (randn((1, 9, 2, 8), torch.float32, i).requires_grad_() for i in (1, 2))
@@ -131,12 +128,12 @@ def test_platform_candidates_gpu(candidate, Hkv, causal):
     ):
 
         def attend(*t):  # the LSE takes no gradient: PyTorch's backward may run
-            lse = attention_forward(*(x.detach() for x in t), causal=causal)[1]
+            lse = attention_forward(*(x.detach() for x in t), AttentionMask(causal))[1]
             return fp.flash_attn(*t, causal=causal), lse
 
         got = attention_grads(attend, (q, k, v), dout, no_dlse)
     ref = attention_grads(
-        lambda *t: attention_reference(*t, causal=causal),
+        lambda *t: attention_reference(*t, AttentionMask(causal)),
         [t.double() for t in (q, k, v)],
         dout,
         no_dlse,

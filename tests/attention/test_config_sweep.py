@@ -15,6 +15,7 @@ from fusedpar.kernels import _tuning
 from fusedpar.kernels.attention import (
     FUSED,
     SPLIT,
+    AttentionMask,
     attention_reference,
     backward_configs,
     dq_configs,
@@ -99,7 +100,10 @@ def check_attention_config(kernel, index, D, dtype, B, S, Hq, Hkv, device):
             dlse,
         )
     ref = attention_grads(
-        lambda *t: attention_reference(*t, causal=True), [t.double() for t in (q, k, v)], dout, dlse
+        lambda *t: attention_reference(*t, AttentionMask(causal=True)),
+        [t.double() for t in (q, k, v)],
+        dout,
+        dlse,
     )
     same = torch_results((q, k, v), dout, dlse, ref, causal=True)
     for name, g, r, t in zip(("out", "lse", "dq", "dk", "dv"), got, ref, same, strict=True):

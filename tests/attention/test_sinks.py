@@ -8,7 +8,7 @@ that see no key give 0 (LSE = the sink), never NaN; under the ring the sink ente
 import pytest
 import torch
 import torch.distributed as dist
-from fusedpar.kernels.attention import attention_reference, visible_reference
+from fusedpar.kernels.attention import AttentionMask, attention_reference, visible_reference
 
 import fusedpar as fp
 from fusedpar.testing import assert_close
@@ -48,9 +48,10 @@ def _check(got, ref64, same, D, what):
 def _expected(inputs, dtype, **mask):
     """The float64 reference and PyTorch's own in `dtype` (the tolerance rule's yardstick)."""
     q, k, v, dout, dlse, sinks = inputs
+    visible = mask.pop("visible", None)
 
     def reference(q, k, v, s):
-        return attention_reference(q, k, v, sinks=s, **mask)
+        return attention_reference(q, k, v, AttentionMask(sinks=s, **mask), visible)
 
     ref64 = _grads(reference, q, k, v, sinks.double(), dout, dlse)
     same = _grads(reference, *(t.to(dtype) for t in (q, k, v)), sinks, dout, dlse)

@@ -1,7 +1,7 @@
 """Helpers of the tests in this folder (moved from test_ring_attention.py)."""
 
 import torch
-from fusedpar.kernels.attention import attention_reference
+from fusedpar.kernels.attention import AttentionMask, attention_reference
 
 import fusedpar as fp
 from fusedpar.testing import assert_close
@@ -58,7 +58,7 @@ def check_sharded_attention(p, ring_group, ulysses_group, layout):
     got = attention_grads(attend, local, shard(dout), shard(dlse, dim=2))
     full = [t.to(dtype) for t in (q, k, v)]
     ref64 = attention_grads(
-        lambda *t: attention_reference(*t, causal=causal), (q, k, v), dout, dlse
+        lambda *t: attention_reference(*t, AttentionMask(causal)), (q, k, v), dout, dlse
     )
     same = torch_results(full, dout, dlse, ref64, causal)
     single = attention_grads(

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from fusedpar.kernels.attention import attention_reference, merge_attention
+from fusedpar.kernels.attention import AttentionMask, attention_reference, merge_attention
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -264,7 +264,7 @@ def check_virtual_ring(
 
         got = attention_grads(ring, (q, k, v), dout, dlse)
     ref = attention_grads(
-        lambda *t: attention_reference(*t, causal=causal),
+        lambda *t: attention_reference(*t, AttentionMask(causal)),
         [t.double() for t in (q, k, v)],
         dout,
         dlse,
@@ -440,9 +440,9 @@ def test_the_ring_benchmarks_gpu_part_runs_on_cpu(monkeypatch):
     # the CPU part's torch block merges like the kernel's epilogue
     q, k, v = (randn((1, 6, 2, 8), torch.float32, i) for i in range(3))
     # key 0 is visible to every row; the rest, bottom-right aligned, is the causal part
-    out, lse = bench.torch_attend(q, k[:, :1], v[:, :1], causal=False, softmax_scale=None)
+    out, lse = bench.torch_attend(q, k[:, :1], v[:, :1], AttentionMask())
     bench.torch_attend(
-        q, k[:, 1:], v[:, 1:], causal=True, softmax_scale=None, out=out, lse=lse, merge=True
+        q, k[:, 1:], v[:, 1:], AttentionMask(causal=True), out=out, lse=lse, merge=True
     )
-    full = attention_reference(q, k, v, causal=True)
+    full = attention_reference(q, k, v, AttentionMask(causal=True))
     torch.testing.assert_close((out, lse), full, rtol=1e-5, atol=1e-6)

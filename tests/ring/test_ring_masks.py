@@ -8,7 +8,12 @@ has Hugging Face's meaning of the window, under CP too."""
 import pytest
 import torch
 import torch.distributed as dist
-from fusedpar.kernels.attention import attention_forward, attention_reference, visible_reference
+from fusedpar.kernels.attention import (
+    AttentionMask,
+    attention_forward,
+    attention_reference,
+    visible_reference,
+)
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -49,7 +54,7 @@ def _run_packed_ring(p):
     )
     visible = visible_reference(cu, cu, causal=p["causal"], window=p["window"])
     ref = attention_grads(
-        lambda *t: attention_reference(*t, softcap=p["softcap"], visible=visible),
+        lambda *t: attention_reference(*t, AttentionMask(softcap=p["softcap"]), visible),
         (q, k, v),
         dout,
         dlse,
@@ -141,7 +146,7 @@ def _launches(W, layout, chunk, **mask):
     counts = [0] * W
 
     def counting(q_rank, *args, **kw):
-        if not kw.get("tune_only"):
+        if not kw["launch_as"].tune_only:
             counts[next(i for i, s in enumerate(shards) if s is q_rank)] += 1
         return attention_forward(q_rank, *args, **kw)
 
@@ -219,7 +224,7 @@ def _dense_packed(layer, x, cu):
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
     doc = torch.searchsorted(cu.long(), torch.arange(T), right=True)
     visible = (doc[:, None] == doc[None, :]) & (j <= i) & (j > i - WINDOW)
-    out, _ = attention_reference(q, k, v[None], softcap=SOFTCAP, visible=visible)
+    out, _ = attention_reference(q, k, v[None], AttentionMask(softcap=SOFTCAP), visible)
     return torch.nn.functional.linear(out.reshape(T, 1, -1), layer.o_weight.double())
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from fusedpar.kernels import _impl, _tuning
-from fusedpar.kernels.attention import attention_reference
+from fusedpar.kernels.attention import AttentionMask, attention_reference
 from fusedpar.kernels.rms_norm import rms_norm_reference
 from torch import nn
 
@@ -68,7 +68,7 @@ def check_ops(device):
     q, k, v, sinks = r((2, 11, 4, 16), 0), r((2, 11, 2, 16), 1), r((2, 11, 2, 16), 2), r((4,), 3)
     _compare(
         lambda q, k, v, s: fp.flash_attn(q, k, v, causal=True, sinks=s, return_lse=True),
-        lambda q, k, v, s: attention_reference(q, k, v, causal=True, sinks=s),
+        lambda q, k, v, s: attention_reference(q, k, v, AttentionMask(True, sinks=s)),
         (q, k, v, sinks),
         4,
         "flash_attn",
@@ -76,7 +76,7 @@ def check_ops(device):
     mask = dict(window=(3, 0), softcap=2.5, softmax_scale=0.3)  # Sq < Skv: bottom-right
     _compare(
         lambda *t: fp.flash_attn(*t, causal=True, return_lse=True, **mask),
-        lambda *t: attention_reference(*t, causal=True, **mask),
+        lambda *t: attention_reference(*t, AttentionMask(True, **mask)),
         (q[:, :7], k, v),
         5,
         "flash_attn window softcap",
@@ -84,7 +84,7 @@ def check_ops(device):
     qs, ks, vs = r((1, 12, 4, 8), 21), r((1, 12, 2, 8), 22), r((1, 12, 2, 8), 23)
     _compare(
         lambda *t: fp.ops.virtual_ring_attn(*t, 3, causal=True, return_lse=True),
-        lambda *t: attention_reference(*t, causal=True),
+        lambda *t: attention_reference(*t, AttentionMask(causal=True)),
         (qs, ks, vs),
         24,
         "virtual_ring_attn",
@@ -93,7 +93,7 @@ def check_ops(device):
 
     def by_document(q, k, v):  # each document alone
         parts = [
-            attention_reference(q[None, a:b], k[None, a:b], v[None, a:b], causal=True)
+            attention_reference(q[None, a:b], k[None, a:b], v[None, a:b], AttentionMask(True))
             for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)
         ]
         return torch.cat([o[0] for o, _ in parts]), torch.cat([lse[0] for _, lse in parts], -1)
@@ -348,7 +348,7 @@ def _sharded(seed):
     def shards(*t):
         return [fp.shard_sequence(u, world) for u in t]
 
-    reference = lambda q, k, v, s: attention_reference(q, k, v, causal=True, sinks=s)[0]  # noqa: E731
+    reference = lambda q, k, v, s: attention_reference(q, k, v, AttentionMask(True, sinks=s))[0]  # noqa: E731
     for name, attend, layout in (
         ("ring_attn", fp.ring_attn, "zigzag"),
         ("ulysses_attn", fp.ulysses_attn, "contiguous"),

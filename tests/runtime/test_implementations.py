@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from fusedpar.kernels import _impl, _tuning
-from fusedpar.kernels.attention import attention_forward, attention_reference
+from fusedpar.kernels.attention import AttentionMask, attention_forward, attention_reference
 from fusedpar.kernels.matmul import matmul
 
 import fusedpar as fp
@@ -57,8 +57,9 @@ def test_auto_runs_torch_on_a_cpu_and_tunes_nothing():
         out = fp.flash_attn(q, k, v, causal=True)
         matmul(q[0, :, 0], k[0, :, 0].T)
     assert _tuning.all_picks() == {}  # no tuner ran: torch outright
-    ref, _ = attention_reference(*(t.double() for t in (q, k, v)), causal=True)
-    assert_close(out, ref, attention_reference(q, k, v, causal=True)[0])
+    causal = AttentionMask(causal=True)
+    ref, _ = attention_reference(*(t.double() for t in (q, k, v)), causal)
+    assert_close(out, ref, attention_reference(q, k, v, causal)[0])
 
 
 def _tuned_picks(request):
@@ -68,10 +69,11 @@ def _tuned_picks(request):
     q, k, v = (randn((1, 64, 2, 16), torch.float32, i) for i in range(3))
     a, b = randn((64, 32), torch.float32, 3), randn((32, 48), torch.float32, 4)
     with fp.implementation(request):
-        out, _ = attention_forward(q, k, v, causal=True)
+        out, _ = attention_forward(q, k, v, AttentionMask(causal=True))
         c = matmul(a, b)
-    ref, _ = attention_reference(*(t.double() for t in (q, k, v)), causal=True)
-    assert_close(out, ref, attention_reference(q, k, v, causal=True)[0])
+    causal = AttentionMask(causal=True)
+    ref, _ = attention_reference(*(t.double() for t in (q, k, v)), causal)
+    assert_close(out, ref, attention_reference(q, k, v, causal)[0])
     assert_close(c, a.double() @ b.double(), a @ b)
     return _tuning.all_picks()
 
