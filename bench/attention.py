@@ -90,9 +90,9 @@ def _fusedpar(causal, gqa, deterministic=False):
 def backward_times() -> dict:
     """Per key the tuner timed, the backwards' times (ms: fused, split, then SDPA's where
     they apply): what ``fusedpar`` chose between (``fusedpar-split`` is the split alone)."""
-    from fusedpar.kernels import _tuning
+    from fusedpar.kernels import tuning
 
-    timed = _tuning.tuner("attention_backward").timings
+    timed = tuning.tuner("attention_backward").timings
     return {repr(key): [round(t, 4) for t in times] for (_, key), times in timed.items()}
 
 

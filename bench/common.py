@@ -179,7 +179,7 @@ def parse_csv_query(text: str) -> list[dict] | None:
 
 def tuning_picks() -> dict:
     """Every tile fusedpar's tuner picked in this process, ``{kernel: {key: config}}``."""
-    from fusedpar.kernels._tuning import all_picks
+    from fusedpar.kernels.tuning import all_picks
 
     return all_picks()
 

@@ -51,7 +51,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from fusedpar.kernels._tuning import LAUNCH
+from fusedpar.kernels.tuning import LAUNCH
 
 from bench.common import (
     GRAPH_TIMING,

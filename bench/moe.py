@@ -26,7 +26,7 @@ Qwen3-30B-A3B shapes (H100); permute kernels at 1.5-2.4 TB/s on H200.
 """
 
 import torch
-from fusedpar.kernels._tuning import all_picks
+from fusedpar.kernels.tuning import all_picks
 
 from bench.common import (
     environment,

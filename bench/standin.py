@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels._common import sm_count
+from fusedpar.kernels.common import sm_count
 
 # The link the stand-in imitates: NCCL between H100 SXM GPUs over NVLink 4 (450 GB/s line
 # rate each way). NCCL's maintainers put the effective NVLink bandwidth after protocol

@@ -3,9 +3,9 @@
 import importlib
 
 from fusedpar import checkpoint, checks, comm, nn, ops, pipeline
-from fusedpar.kernels._impl import implementation
-from fusedpar.kernels._impl import summary as implementation_summary
 from fusedpar.kernels.attention import AttentionMask
+from fusedpar.kernels.impl import implementation
+from fusedpar.kernels.impl import summary as implementation_summary
 from fusedpar.ops import (
     all_gather_matmul,
     flash_attn,

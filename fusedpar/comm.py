@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from fusedpar.kernels._impl import cpu_path
-from fusedpar.kernels._tuning import Agreement
+from fusedpar.kernels.impl import cpu_path
+from fusedpar.kernels.tuning import Agreement
 
 Group = dist.ProcessGroup | DeviceMesh | None
 

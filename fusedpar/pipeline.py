@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from fusedpar import checks, comm
-from fusedpar.kernels._common import accumulator
+from fusedpar.kernels.common import accumulator
 from fusedpar.storage import deferred_grad_reduction
 
 SCHEDULES = {  # name: how its stages sit on the pipeline ranks

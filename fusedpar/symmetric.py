@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from fusedpar.kernels import matmul_fused
-from fusedpar.kernels._common import next_power_of_2
+from fusedpar.kernels.common import next_power_of_2
 
 DEFAULT_WAIT_S = 30.0
 

@@ -23,9 +23,9 @@ import math
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _common, _impl, _tuning
-from fusedpar.kernels._common import cdiv, check_float_dtype, is_interpreted, next_power_of_2
-from fusedpar.kernels._tuning import bucket
+from fusedpar.kernels import common, impl, tuning
+from fusedpar.kernels.common import cdiv, check_float_dtype, is_interpreted, next_power_of_2
+from fusedpar.kernels.tuning import bucket
 
 # silu(g) = g sigmoid(g); gelu: the erf form; gelu_tanh: its tanh approximation (Gemma).
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
@@ -163,7 +163,7 @@ def _launch(activation: str, g, u, dh, h, dg, du) -> None:
     def torch_run():
         gated_torch(activation, g, u, dh, h, dg, du)
 
-    _tuning.run_tile_or_torch(_gated_kernel, config, lambda _: grid,
+    tuning.run_tile_or_torch(_gated_kernel, config, lambda _: grid,
                               (g, u, dh_, h_, dg_, du_, *scalars), meta, key, g,
                               torch_run)  # fmt: skip
 
@@ -174,7 +174,7 @@ def gated(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> tor
     check_gated(gate, up, activation)
     g, u = _rows(gate), _rows(up)
     h = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
-    run = gated_torch if _impl.runs_torch(gate) else _launch
+    run = gated_torch if impl.runs_torch(gate) else _launch
     run(activation, g, u, None, h, None, None)
     return h if gate.dim() == 2 else h.view(gate.shape)
 
@@ -204,7 +204,7 @@ def gated_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     else:
         dg, du = (torch.empty(g.shape, dtype=gate.dtype, device=gate.device) for _ in range(2))
     h = torch.empty(g.shape, dtype=gate.dtype, device=gate.device) if hidden else None
-    run = gated_torch if _impl.runs_torch(gate) else _launch
+    run = gated_torch if impl.runs_torch(gate) else _launch
     run(activation, g, u, d, h, dg, du)
     if stacked:
         return (both,) if h is None else (both, h)
@@ -231,7 +231,7 @@ def _activation_torch(activation: str, g: torch.Tensor) -> tuple[torch.Tensor, t
 def gated_torch(activation: str, g, u, dh, h, dg, du) -> None:
     """The kernel's contract in PyTorch, into h (if given) and, from dh, dg and du: fp32
     inside, each result rounded once."""
-    wide = _common.accumulator(g.dtype)
+    wide = common.accumulator(g.dtype)
     a, slope = _activation_torch(activation, g.to(wide))
     uf = u.to(wide)
     if h is not None:

@@ -25,8 +25,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _impl, _tuning
-from fusedpar.kernels._common import (
+from fusedpar.kernels import impl, tuning
+from fusedpar.kernels.common import (
     check_launchable,
     device_guard,
     ensure_tma_allocator,
@@ -36,7 +36,6 @@ from fusedpar.kernels._common import (
     sm_count,
     tma_paths,
 )
-from fusedpar.kernels._tuning import LAUNCH, Launch, bucket
 from fusedpar.kernels.matmul_epilogue import epilogue, gated_epilogue, output_target
 from fusedpar.kernels.matmul_plan import (
     MAX_PLANS,
@@ -54,6 +53,7 @@ from fusedpar.kernels.matmul_plan import (
     signature,
 )
 from fusedpar.kernels.matmul_torch import cublas_computes, matmul_torch
+from fusedpar.kernels.tuning import LAUNCH, Launch, bucket
 
 # Row blocks that share one column of B tiles in L2 (the Triton tutorial's grouped order).
 GROUP_M = 8
@@ -422,9 +422,9 @@ def matmul(
     so before their loops.
     """
     tune_only = launch_as.tune_only
-    request = _impl.requested()
+    request = impl.requested()
     # (an explicit "triton" request of a kernel dtype runs the kernels: no call to decide it)
-    if (request != "triton" or a.dtype == torch.float64) and _impl.runs_torch(a, request):
+    if (request != "triton" or a.dtype == torch.float64) and impl.runs_torch(a, request):
         check_operands(a, b, bias, out, accumulate and not tune_only, out_dtype)
         if rope is not None:
             check_rope(a, b, rope, accumulate, rope_epilogue_fits)
@@ -451,7 +451,7 @@ def matmul(
     if rope is not None:
         check_rope_rows(M, rope)
         first_row = rope.first_row
-    tuner = _tuning.tuner("matmul")
+    tuner = tuning.tuner("matmul")
     if tune_only:
         if M == 0 or N == 0 or tuner.has(key, launch_as.agreement):
             return None
@@ -466,7 +466,7 @@ def matmul(
     args = _arguments(plan, a, b, bias, out, rope, first_row, gated=gated)
 
     def launch(config):
-        if isinstance(config, _impl.Torch):
+        if isinstance(config, impl.Torch):
             matmul_torch(a, b, bias, out, accumulate, rope, gated)
             return
         grid, kwargs = plan.launch_arguments(config)
@@ -476,16 +476,16 @@ def matmul(
         cublas = cublas_computes(a, bias, plan.c_dtype, accumulate, rope)
         tiles = _candidates(bucket(M), N, is_interpreted(_matmul_kernel), a.dtype, accumulate,
                             meta["ROPE_HALF"] * 2, meta["GATED"], meta["TMA"])  # fmt: skip
-        return tiles + ([_impl.TORCH] if cublas and _impl.tunes_torch() else [])
+        return tiles + ([impl.TORCH] if cublas and impl.tunes_torch() else [])
 
     with device_guard(a):
         config = tuner.run(key, candidates, launch, device=a.device,
                            restore=[out] if accumulate else [],
                            launch_as=launch_as)  # fmt: skip
-    if launch_as.plain and not isinstance(config, _impl.Torch):
+    if launch_as.plain and not isinstance(config, impl.Torch):
         grid, kwargs = plan.launch_arguments(config)
-        scope = _tuning.local_scope(key, request)
-        plan.settled[request] = _tuning.Settled.of(_matmul_kernel, config, scope, grid, kwargs,
+        scope = tuning.local_scope(key, request)
+        plan.settled[request] = tuning.Settled.of(_matmul_kernel, config, scope, grid, kwargs,
                                                    len(args))  # fmt: skip
     return None if tune_only else out
 
@@ -494,11 +494,11 @@ def launch_planned(plan: Plan, request: str, a, b, bias=None, out=None, rope=Non
                    gated=None) -> torch.Tensor | None:  # fmt: skip
     """`matmul`'s call with these operands (no agreement, not ``tune_only``), whose
     `plan` it is, launched once the pick for the implementation `request` is settled
-    (`_tuning.Settled`: no tuner, nothing rebuilt): C (`out`, or a new one). None where
+    (`tuning.Settled`: no tuner, nothing rebuilt): C (`out`, or a new one). None where
     no pick is settled (the first call, a forced config, a frozen loop): `matmul` then
     runs the call."""
     settled = plan.settled.get(request)
-    if settled is None or _tuning.kept("matmul", settled.scope) is not settled.config:
+    if settled is None or tuning.kept("matmul", settled.scope) is not settled.config:
         return None
     first_row = 0
     if rope is not None:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _common, _impl, _tuning
-from fusedpar.kernels._common import (
+from fusedpar.kernels import common, impl, tuning
+from fusedpar.kernels.common import (
     accumulator,
     cdiv,
     check_float_dtype,
@@ -38,7 +38,6 @@ from fusedpar.kernels._common import (
     next_power_of_2,
     sm_count,
 )
-from fusedpar.kernels._tuning import LAUNCH, Launch, bucket
 from fusedpar.kernels.matmul import (
     BLOCK_K,
     GROUP_M,
@@ -48,6 +47,7 @@ from fusedpar.kernels.matmul import (
     matmul_configs,
     tile_of,
 )
+from fusedpar.kernels.tuning import LAUNCH, Launch, bucket
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "reduce_scatter_sum")  # status codes 1-3
 MAX_OPERANDS = 3  # QKV
@@ -383,7 +383,7 @@ def _operand_layout(operands) -> tuple[bool, bool]:
     same way (B_T: K-contiguous, a weight read as ``w.T``)."""
     b_t = {b.stride(0) == 1 and b.stride(1) != 1 for _, b in operands}
     aligned = all(a.dtype in (torch.float16, torch.bfloat16) and a.stride(-1) == 1
-                  and _common.tma_compatible(a, b) for a, b in operands)  # fmt: skip
+                  and common.tma_compatible(a, b) for a, b in operands)  # fmt: skip
     tma = aligned and len(b_t) == 1
     return tma, tma and b_t.pop()
 
@@ -406,9 +406,9 @@ def _launch(name: str, operands, outs, biases, signals: Signals, rows: int, gath
     key = (bucket(rows), world, tuple(K_s), tuple(N_s), str(a0.dtype), str(outs[0].dtype),
            has_bias, precision, tma, b_t)  # fmt: skip
     if launch_as.tune_only:
-        scope = (getattr(launch_as.agreement, "name", None), _tuning._full_key(key))
-        if scope in _tuning.tuner(name).picks:
-            return _tuning.tuner(name).picks[scope]
+        scope = (getattr(launch_as.agreement, "name", None), tuning._full_key(key))
+        if scope in tuning.tuner(name).picks:
+            return tuning.tuner(name).picks[scope]
         if gather:
             operands = [(torch.zeros_like(a0), b) for _, b in operands]
             a0, signal = operands[0][0], torch.ones_like(signal)
@@ -458,7 +458,7 @@ def _launch(name: str, operands, outs, biases, signals: Signals, rows: int, gath
     if rows == 0 or widest == 0:
         return candidates()[0]
     with device_guard(a0):
-        return _tuning.tuner(name).run(key, candidates, launch, device=device,
+        return tuning.tuner(name).run(key, candidates, launch, device=device,
                                        launch_as=launch_as)  # fmt: skip
 
 
@@ -476,7 +476,7 @@ def gathered_matmuls(gathered: torch.Tensor, weights, biases, signals: Signals, 
     if not 1 <= len(weights) <= MAX_OPERANDS or len(biases) != len(weights):
         raise ValueError(f"gathered_matmuls takes 1 to {MAX_OPERANDS} weights with a bias (or "
                          f"None) each, got {len(weights)} and {len(biases)}")  # fmt: skip
-    check_float_dtype("gathered", gathered, _impl.KERNEL_DTYPES)
+    check_float_dtype("gathered", gathered, impl.KERNEL_DTYPES)
     T, K = gathered.shape
     if T % world or not gathered.is_contiguous():
         raise ValueError(f"gathered must be contiguous with rows divisible by world = {world}, "
@@ -511,7 +511,7 @@ def partial_matmuls(pairs, signals: Signals, *, out_dtype: torch.dtype | None = 
         raise ValueError(f"partial_matmuls takes 1 to {MAX_OPERANDS} pairs, got {len(pairs)}")
     a0, b0 = pairs[0]
     T, N = a0.shape[0], b0.shape[1]
-    check_float_dtype("A", a0, _impl.KERNEL_DTYPES)
+    check_float_dtype("A", a0, impl.KERNEL_DTYPES)
     for i, (a, b) in enumerate(pairs):
         shaped = a.dim() == 2 and a.shape[0] == T and b.shape == (a.shape[1], N)
         if not shaped or (a.dtype, b.dtype, a.stride(1)) != (a0.dtype, a0.dtype, a0.stride(1)):

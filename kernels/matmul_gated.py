@@ -17,12 +17,12 @@ serialized their wgmma); no layer takes it.
 """
 
 import torch
-from fusedpar.kernels import _impl, _tuning
-from fusedpar.kernels._common import device_guard, ensure_tma_allocator, is_interpreted
-from fusedpar.kernels._tuning import bucket
+from fusedpar.kernels import impl, tuning
+from fusedpar.kernels.common import device_guard, ensure_tma_allocator, is_interpreted
 from fusedpar.kernels.matmul import _arguments, _candidates, _matmul_kernel, _plan, matmul
 from fusedpar.kernels.matmul_plan import GatedGrad, GatedProduct, check_gated, check_operands
 from fusedpar.kernels.matmul_torch import cublas_computes, gated_matmul_torch
+from fusedpar.kernels.tuning import bucket
 
 
 def gated_matmul(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor, *,
@@ -35,7 +35,7 @@ def gated_matmul(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor, *,
     `fusedpar.kernels.gated.gated` (the interpreter's; a GPU's may contract differently).
     B2 has B's shape, dtype and strides; the biases are both given or neither."""
     M, N = a.shape[0], b.shape[1] if b.dim() == 2 else 0
-    if _impl.runs_torch(a):
+    if impl.runs_torch(a):
         check_operands(a, b, bias, None, False, None)
         check_gated(b, bias, b2, bias2, activation)
         return gated_matmul_torch(a, b, b2, bias, bias2, activation)
@@ -48,7 +48,7 @@ def gated_matmul(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor, *,
     args = _arguments(plan, a, b, bias, gate, None, 0, second=(b2, bias2, up, h))
 
     def launch(config):
-        if isinstance(config, _impl.Torch):
+        if isinstance(config, impl.Torch):
             results = gated_matmul_torch(a, b, b2, bias, bias2, activation)
             for out, result in zip((gate, up, h), results, strict=True):
                 out.copy_(result)
@@ -60,10 +60,10 @@ def gated_matmul(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor, *,
         tiles = _candidates(bucket(M), N, is_interpreted(_matmul_kernel), a.dtype, False,
                             gated="forward")  # fmt: skip
         cublas = cublas_computes(a, bias, a.dtype, False)
-        return tiles + ([_impl.TORCH] if cublas and _impl.tunes_torch() else [])
+        return tiles + ([impl.TORCH] if cublas and impl.tunes_torch() else [])
 
     with device_guard(a):
-        _tuning.tuner("matmul").run(plan.key, candidates, launch, device=a.device)
+        tuning.tuner("matmul").run(plan.key, candidates, launch, device=a.device)
     return gate, up, h
 
 

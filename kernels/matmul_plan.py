@@ -10,8 +10,8 @@ from typing import NamedTuple
 
 import torch
 import triton
-from fusedpar.kernels import _common
-from fusedpar.kernels._common import accumulator, cdiv, check_float_dtype
+from fusedpar.kernels import common
+from fusedpar.kernels.common import accumulator, cdiv, check_float_dtype
 from fusedpar.kernels.gated import ACTIVATIONS
 
 
@@ -193,7 +193,7 @@ class Plan:
     scalars: tuple  # the kernel's strides and sizes (all but the rotation's first row)
     meta: dict  # its constexprs
     programs: int | None  # SMs (a persistent TMA grid), None in the interpreter
-    # per implementation asked for, the pick and its launch once launched (`_tuning.Settled`)
+    # per implementation asked for, the pick and its launch once launched (`tuning.Settled`)
     settled: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -221,19 +221,19 @@ def signature(a, b, bias, out, accumulate, out_dtype, tune_only, rope, second, g
     # a rotation's first row is an argument of each launch. A call with none of the
     # optional operands (most of them) has the short key: fewer reads, a cheaper hash.
     dtype = a.dtype
-    common = (
+    key = (
         a.shape, a.stride(), b.shape, b.stride(), dtype, b.dtype, a.device, a.data_ptr() % 16,
         b.data_ptr() % 16, accumulate, out_dtype, tune_only,
         dtype == torch.float32 and torch.get_float32_matmul_precision(),
-        _common.tma_compatible,  # the TMA rule in force (tests swap it for the pointer path)
+        common.tma_compatible,  # the TMA rule in force (tests swap it for the pointer path)
     )  # fmt: skip
     if bias is None and out is None and rope is None and second is None and gated is None:
-        return common
+        return key
     if gated is not None:
         g, u, c2, h = gated_tensors(gated)
         gated = (type(gated), gated.activation, layout(g), layout(u), layout(c2), layout(h))
     return (
-        common,
+        key,
         bias is not None and (bias.shape, bias.stride(), bias.dtype),
         out is not None and (out.shape, out.stride(), out.dtype, out.data_ptr() % 16),
         rope is not None and (rope.cos.shape, rope.cos.stride(), rope.sin.shape,

@@ -14,7 +14,7 @@ arguments and picks: the same bits. Host time: bench/host_overhead.py.
 """
 
 import torch
-from fusedpar.kernels import _common, _impl
+from fusedpar.kernels import common, impl
 from fusedpar.kernels.matmul import PLANS, launch_planned, matmul
 from fusedpar.kernels.matmul_plan import layout, signature  # noqa: F401 (layout: the ops')
 
@@ -24,8 +24,8 @@ MAX_SEQUENCES = 4096  # a property test's many shapes: start over rather than gr
 
 def state() -> tuple:
     """What an op's key holds of the process's state: the fp32 matmul precision and the
-    TMA rule in force (`_common.tma_compatible`: tests swap it)."""
-    return torch.get_float32_matmul_precision(), _common.tma_compatible
+    TMA rule in force (`common.tma_compatible`: tests swap it)."""
+    return torch.get_float32_matmul_precision(), common.tma_compatible
 
 
 class GemmSequence:
@@ -36,7 +36,7 @@ class GemmSequence:
     __slots__ = ("key", "plans", "made", "request", "at")
 
     def __init__(self, key: tuple):
-        self.request = _impl.requested()  # (which implementation ran decides the plans)
+        self.request = impl.requested()  # (which implementation ran decides the plans)
         self.key = (self.request, key)
         self.plans, self.at = _SEQUENCES.get(self.key), 0
         self.made = [] if self.plans is None else None

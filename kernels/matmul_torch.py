@@ -4,7 +4,7 @@ C's heads turned by `fusedpar.kernels.rope`'s formula), and the reference the te
 the kernel to. float64 operands (this implementation's alone) are summed in float64."""
 
 import torch
-from fusedpar.kernels._common import accumulator
+from fusedpar.kernels.common import accumulator
 from fusedpar.kernels.gated import gated_torch
 from fusedpar.kernels.matmul_plan import GatedGrad
 from fusedpar.kernels.rope import rope_torch

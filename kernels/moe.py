@@ -27,17 +27,17 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _common, _impl, _tuning, moe_torch
-from fusedpar.kernels._common import (
+from fusedpar.kernels import common, impl, moe_torch, tuning
+from fusedpar.kernels.common import (
     check_float_dtype,
     check_launchable,
     device_guard,
     fp32_dot_precision,
     is_interpreted,
 )
-from fusedpar.kernels._tuning import bucket
 from fusedpar.kernels.matmul import tile_of
 from fusedpar.kernels.moe_permute import _check_index, _empty, _fit, offsets
+from fusedpar.kernels.tuning import bucket
 
 # The K step of every grouped GEMM tile. Each output sums its K products in BLOCK_K
 # chunks, in order; with one BLOCK_K for every config no pick changes the order of any
@@ -346,7 +346,7 @@ def _check_grouped(what, kernel, x, counts, rows, P, **weights):
     if any(t.device != x.device for t in tensors):
         raise ValueError(f"{what}: all tensors must be on one device, got "
                          f"{sorted({str(t.device) for t in tensors})}")  # fmt: skip
-    if not _impl.runs_torch(x):
+    if not impl.runs_torch(x):
         check_launchable(kernel, x)  # one device: checked above
     return E
 
@@ -385,7 +385,7 @@ class _GemmPlan:
     def launch_arguments(self, config, P: int, out_split: int) -> tuple[tuple, dict]:
         N, E = self.scalars[0], self.scalars[2]
         bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"] // out_split
-        grid = ((_common.cdiv(P, bm) + E) * _common.cdiv(N, bn),)
+        grid = ((common.cdiv(P, bm) + E) * common.cdiv(N, bn),)
         return grid, {**self.meta, **config.all_kwargs()}
 
 
@@ -410,9 +410,9 @@ def _gemm_plan(call: _GemmCall, x, weights, y, hidden, E, has_rows, has_bias) ->
                 STORE_HIDDEN=mode == "gate_up" and h is not None,
                 SWIGLU_GRAD=mode == "swiglu_grad", SECOND_K=mode == "second_k",
                 HAS_BIAS=has_bias, CLAMPED=act.kind == "clamped_swiglu",
-                EVEN_K=K % BLOCK_K == 0, E_PAD=_common.next_power_of_2(E + 1),
+                EVEN_K=K % BLOCK_K == 0, E_PAD=common.next_power_of_2(E + 1),
                 INPUT_PRECISION=_dot_precision(x.dtype), GROUP_M=GROUP_M)  # fmt: skip
-    per_expert = _common.cdiv(y.shape[0], max(E, 1))
+    per_expert = common.cdiv(y.shape[0], max(E, 1))
     key = (mode, meta["STORE_HIDDEN"], has_bias, meta["CLAMPED"], N, K, bucket(per_expert),
            str(x.dtype), str(y.dtype), has_rows, meta["INPUT_PRECISION"])  # fmt: skip
     if len(_GEMM_PLANS) >= 4096:  # a property test's many shapes: start over
@@ -445,11 +445,11 @@ def _launch_gemm(call: _GemmCall, x, weights, y, counts, rows=None, *, hidden=(N
             *(bias * 2 if len(bias) == 1 else bias or (y, y)),
             expert_starts if rows is None else rows, expert_starts)  # fmt: skip
     out_split = 2 if call.mode == "gate_up" else 1
-    tuner = _tuning.tuner("grouped_matmul")
+    tuner = tuning.tuner("grouped_matmul")
     key = plan.key if grouped_mm is None else (*plan.key, "grouped_mm")
 
     def launch(config, grid=None, kwargs=None):
-        if isinstance(config, _impl.Torch):
+        if isinstance(config, impl.Torch):
             grouped_mm()
             return
         if grid is None:
@@ -458,7 +458,7 @@ def _launch_gemm(call: _GemmCall, x, weights, y, counts, rows=None, *, hidden=(N
                                      *plan.strides, *plan.scalars, **kwargs)  # fmt: skip
 
     def candidates():
-        torch_ops = [moe_torch.GROUPED_MM] if grouped_mm and _impl.tunes_torch() else []
+        torch_ops = [moe_torch.GROUPED_MM] if grouped_mm and impl.tunes_torch() else []
         return _gemm_candidates(call.mode, plan.per_expert, N) + torch_ops
 
     settled = plan.settled
@@ -467,7 +467,7 @@ def _launch_gemm(call: _GemmCall, x, weights, y, counts, rows=None, *, hidden=(N
             launch(*settled)  # the pick made: launch with its kept grid and keywords
             return
         config = tuner.run(key, candidates, launch, device=x.device)
-    if not isinstance(config, _impl.Torch):
+    if not isinstance(config, impl.Torch):
         plan.settled = (config, *plan.launch_arguments(config, P, out_split))
 
 
@@ -492,7 +492,7 @@ def grouped_matmul(x, w, counts, rows=None, *, bias=None, out_dtype=None, transp
     _check_grouped("grouped_matmul", _grouped_matmul_kernel, x, counts, rows, P,
                    w=(w, (K, N) if transpose_w else (N, K)), **biases)  # fmt: skip
     y = _empty((P, N), out_dtype or x.dtype, x.device)
-    if _impl.runs_torch(x):
+    if impl.runs_torch(x):
         moe_torch.grouped_matmul(x, w, counts, rows, y, transpose_w, bias)
         return y
     run = None
@@ -527,7 +527,7 @@ def grouped_swiglu(x, w1, w3, counts, rows=None, *, bias=None, activation="silu"
                    w1=(w1, (h, x.shape[-1])), w3=(w3, (h, x.shape[-1])), **biases)  # fmt: skip
     a = _empty((P, h), x.dtype, x.device)
     h13 = _empty((P, 2 * h), x.dtype, x.device) if save_hidden else None
-    if _impl.runs_torch(x):
+    if impl.runs_torch(x):
         moe_torch.grouped_swiglu(x, w1, w3, counts, rows, a, h13, bias, act)
         return a, h13
     _launch_gemm(_GemmCall("gate_up", h, d, act=act), x, (w1, w3), a, counts, rows,
@@ -558,7 +558,7 @@ def grouped_swiglu_backward(d_out, w2, h13, counts, *, activation="silu", alpha=
                    w2=(w2, (d_out.shape[-1], h)))  # fmt: skip
     a = _empty((P, h), d_out.dtype, d_out.device)
     d_h13 = _empty((P, 2 * h), d_out.dtype, d_out.device)
-    if _impl.runs_torch(d_out):
+    if impl.runs_torch(d_out):
         moe_torch.grouped_swiglu_backward(d_out, w2, h13, counts, d_h13, a, act)
         return d_h13, a
     _launch_gemm(_GemmCall("swiglu_grad", h, d, True, act), d_out, (w2,), a, counts,
@@ -578,7 +578,7 @@ def grouped_swiglu_input_grad(d_h13, w1, w3, counts):
     _check_grouped("grouped_swiglu_input_grad", _grouped_matmul_kernel, d_h13, counts, None,
                    d_h13.shape[0], w1=(w1, (h, d)), w3=(w3, (h, d)))  # fmt: skip
     dx = _empty((d_h13.shape[0], d), d_h13.dtype, d_h13.device)
-    if _impl.runs_torch(dx):
+    if impl.runs_torch(dx):
         moe_torch.grouped_swiglu_input_grad(d_h13, w1, w3, counts, dx)
         return dx
     _launch_gemm(_GemmCall("second_k", d, h, True), d_h13, (w1, w3), dx, counts)

@@ -22,9 +22,9 @@ import weakref
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _common, _impl, _tuning, moe_torch
-from fusedpar.kernels._common import check_launchable, is_interpreted
-from fusedpar.kernels._tuning import bucket
+from fusedpar.kernels import common, impl, moe_torch, tuning
+from fusedpar.kernels.common import check_launchable, is_interpreted
+from fusedpar.kernels.tuning import bucket
 
 # Permute/combine: a program moves this many elements (4 rows of 2048 at d_model 2048),
 # looping over the hidden size past MAX_BLOCK_D, and loads its indices once (P11).
@@ -50,7 +50,7 @@ def row_tile(D: int, interpreted: bool) -> dict:
 
 
 def _fit(n: int, limit: int) -> int:
-    return min(limit, max(16, _common.next_power_of_2(n)))
+    return min(limit, max(16, common.next_power_of_2(n)))
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -244,9 +244,9 @@ def _launch_rows(kernel, n_rows, D, args, meta, device_tensor, torch_run):
     key = (bucket(n_rows), D, *sorted(meta.items()), *(str(t.dtype) for t in tensors))
 
     def grid(tile):
-        return (_common.cdiv(n_rows, tile["BLOCK_ROWS"]),)
+        return (common.cdiv(n_rows, tile["BLOCK_ROWS"]),)
 
-    _tuning.run_tile_or_torch(kernel, row_tile(D, is_interpreted(kernel)), grid, args, meta, key,
+    tuning.run_tile_or_torch(kernel, row_tile(D, is_interpreted(kernel)), grid, args, meta, key,
                               device_tensor, torch_run)  # fmt: skip
 
 
@@ -255,7 +255,7 @@ def gather_rows(src, idx, scale=None, *, out_dtype=None):
     scale (P,) float32 (float64 for float64 src) or None."""
     P, D = idx.shape[0], src.shape[-1]
     _check_index("idx", idx, P, src.device)
-    wide = _common.accumulator(src.dtype)
+    wide = common.accumulator(src.dtype)
     bad_scale = scale is not None and (scale.shape != (P,) or scale.dtype != wide)
     if src.dim() != 2 or bad_scale:
         got = None if scale is None else (scale.dtype, tuple(scale.shape))
@@ -263,7 +263,7 @@ def gather_rows(src, idx, scale=None, *, out_dtype=None):
         raise ValueError(f"gather_rows takes src (R, D) and scale {name} ({P},) or None, got "
                          f"{tuple(src.shape)} and {got}")  # fmt: skip
     out = _empty((P, D), out_dtype or src.dtype, src.device)
-    if _impl.runs_torch(src):
+    if impl.runs_torch(src):
         moe_torch.gather_rows(src, idx, scale, out)
         return out
     check_launchable(_gather_rows_kernel, src, idx)
@@ -285,7 +285,7 @@ def combine(src, pos, weight=None, *, out_dtype=None):
                          f"{weight if weight is None else tuple(weight.shape)}")  # fmt: skip
     (T, top_k), D = pos.shape, src.shape[1]
     y = _empty((T, D), out_dtype or src.dtype, src.device)
-    if _impl.runs_torch(src):
+    if impl.runs_torch(src):
         moe_torch.combine(src, pos, weight, y)
         return y
     check_launchable(_combine_kernel, src, pos)
@@ -312,8 +312,8 @@ def combine_weight_grad(dy, src, pos):
     if dy.dim() != 2 or src.dim() != 2 or dy.shape != (T, src.shape[1]):
         raise ValueError(f"combine_weight_grad: dy must be ({T}, D) for pos {tuple(pos.shape)} "
                          f"and src (P, D) {tuple(src.shape)}, got {tuple(dy.shape)}")  # fmt: skip
-    dw = _empty((T, top_k), _common.accumulator(dy.dtype), dy.device)
-    if _impl.runs_torch(dy):
+    dw = _empty((T, top_k), common.accumulator(dy.dtype), dy.device)
+    if impl.runs_torch(dy):
         moe_torch.combine_weight_grad(dy, src, pos, dw)
         return dw
     check_launchable(_combine_weight_grad_kernel, dy, src, pos)

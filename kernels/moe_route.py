@@ -23,9 +23,9 @@ The torch implementation and the float64 reference close the file; on CUDA under
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _common, _impl, _tuning
-from fusedpar.kernels._common import check_launchable, is_interpreted
-from fusedpar.kernels._tuning import bucket
+from fusedpar.kernels import common, impl, tuning
+from fusedpar.kernels.common import check_launchable, is_interpreted
+from fusedpar.kernels.tuning import bucket
 
 SCORES = ("softmax", "sigmoid")
 # A program holds whole rows: 1024 experts is 4x DeepSeek-V3's 256.
@@ -47,7 +47,7 @@ def row_config(E: int, interpreted: bool, grouped: bool = False) -> dict:
     """Rows of a program (ROW_TILE_ELEMENTS over the row width, 1 to 64) and its warps:
     8 for group-limited routing, whose group scores and masks keep more tiles live (4
     warps spilled 184 B at 256 experts)."""
-    block_e = max(16, _common.next_power_of_2(E))
+    block_e = max(16, common.next_power_of_2(E))
     if interpreted:
         return dict(BLOCK_ROWS=INTERPRETER_ROWS, BLOCK_E=block_e, num_warps=4)
     rows = max(1, min(64, ROW_TILE_ELEMENTS // block_e))
@@ -196,7 +196,7 @@ def _route_bwd_kernel(
 # --- launchers ---------------------------------------------------------------------------
 
 
-# A float64 model routes from float64 logits (`fusedpar.kernels._common.accumulator`):
+# A float64 model routes from float64 logits (`fusedpar.kernels.common.accumulator`):
 # torch's implementation alone, every fp32 of the launchers below float64 then.
 ROUTER_DTYPES = (torch.float32, torch.float64)
 
@@ -252,19 +252,19 @@ def route_top_k(logits, top_k: int, score: str = "softmax", norm: bool = True, b
         route_top_k_torch(logits, top_k, score, norm, bias if use_bias else None, weights,
                           ids, probs, groups)  # fmt: skip
 
-    if _impl.runs_torch(logits):
+    if impl.runs_torch(logits):
         run_torch()
     elif T:
         check_launchable(_route_fwd_kernel, logits, *([bias] if use_bias else []))
         config = row_config(E, is_interpreted(_route_fwd_kernel), groups[0] > 1)
-        grid = (_common.cdiv(T, config["BLOCK_ROWS"]),)
+        grid = (common.cdiv(T, config["BLOCK_ROWS"]),)
         args = (logits, bias if use_bias else probs, probs, weights, ids, *logits.stride(), T, E)
         meta = dict(TOP_K=top_k, SOFTMAX=score == "softmax", NORM=bool(norm), HAS_BIAS=use_bias,
                     N_GROUP=groups[0], TOPK_GROUP=groups[1],
-                    BLOCK_K=_common.next_power_of_2(top_k),
-                    BLOCK_G=_common.next_power_of_2(groups[0]))  # fmt: skip
+                    BLOCK_K=common.next_power_of_2(top_k),
+                    BLOCK_G=common.next_power_of_2(groups[0]))  # fmt: skip
         key = (bucket(T), E, top_k, score, bool(norm), use_bias, tuple(groups))
-        _tuning.run_tile_or_torch(_route_fwd_kernel, config, lambda _: grid, args, meta, key,
+        tuning.run_tile_or_torch(_route_fwd_kernel, config, lambda _: grid, args, meta, key,
                                   logits, run_torch)  # fmt: skip
     return weights, ids, probs
 
@@ -292,21 +292,21 @@ def route_top_k_backward(d_weights, d_probs, probs, ids, score: str = "softmax",
     def run_torch():
         route_top_k_backward_torch(d_weights, d_probs, probs, ids, score, norm, d_logits)
 
-    if _impl.runs_torch(probs):
+    if impl.runs_torch(probs):
         run_torch()
     elif T:
         given = [g for g in (d_weights, d_probs) if g is not None]
         check_launchable(_route_bwd_kernel, probs, ids, *given)
         config = row_config(E, is_interpreted(_route_bwd_kernel))
-        grid = (_common.cdiv(T, config["BLOCK_ROWS"]),)
+        grid = (common.cdiv(T, config["BLOCK_ROWS"]),)
         dw = probs if d_weights is None else d_weights  # (not read: a pointer to pass)
         dp = probs if d_probs is None else d_probs
         args = (probs, ids, dw, dp, d_logits, *dw.stride(), *dp.stride(), T, E)
         meta = dict(TOP_K=top_k, SOFTMAX=score == "softmax", NORM=bool(norm),
                     HAS_D_WEIGHTS=d_weights is not None, HAS_D_PROBS=d_probs is not None,
-                    BLOCK_K=_common.next_power_of_2(top_k))  # fmt: skip
+                    BLOCK_K=common.next_power_of_2(top_k))  # fmt: skip
         key = (bucket(T), E, top_k, *meta.values())
-        _tuning.run_tile_or_torch(_route_bwd_kernel, config, lambda _: grid, args, meta, key,
+        tuning.run_tile_or_torch(_route_bwd_kernel, config, lambda _: grid, args, meta, key,
                                   probs, run_torch)  # fmt: skip
     return d_logits
 

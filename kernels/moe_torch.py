@@ -1,23 +1,23 @@
 """The MoE launchers' torch implementation: `fusedpar.kernels.moe` and `moe_permute`'s
 contracts in PyTorch, called when the torch implementation is chosen
-(`fusedpar.kernels._impl`).
+(`fusedpar.kernels.impl`).
 
 The same outputs as the kernels': products summed in fp32 (biases added there) and
 rounded once, g and u rounded to the activations' dtype before the activation (so the
 backward recomputes ``a`` bit for bit from the saved h13), rows past ``counts.sum()``
 left unwritten, empty experts' weight and bias gradients zero, combine sums in slot
 order in fp32. float64 inputs (this implementation's alone) are computed in float64:
-every fp32 here is ``accumulator(dtype)`` (`fusedpar.kernels._common`). The grouped GEMMs
+every fp32 here is ``accumulator(dtype)`` (`fusedpar.kernels.common`). The grouped GEMMs
 loop over the experts, reading the counts on the host: no host sync on a CPU, one on a
 GPU, where this implementation runs only when asked for (``FUSEDPAR_IMPL=torch``).
 """
 
 import torch
-from fusedpar.kernels import _impl
-from fusedpar.kernels._common import accumulator
+from fusedpar.kernels import impl
+from fusedpar.kernels.common import accumulator
 
 
-@_impl.cpu_path  # on a GPU this runs only when asked for (FUSEDPAR_IMPL=torch): a sync there
+@impl.cpu_path  # on a GPU this runs only when asked for (FUSEDPAR_IMPL=torch): a sync there
 def expert_slices(counts) -> list[slice]:
     """Each expert's rows in expert order, empty ones too (the counts read on the host;
     the references loop with it as well)."""
@@ -50,7 +50,7 @@ def grouped_matmul(x, w, counts, rows, y, transpose_w, bias=None) -> None:
         y[s] = prod
 
 
-GROUPED_MM = _impl.Torch("grouped_mm")  # a tuner candidate of the grouped GEMM
+GROUPED_MM = impl.Torch("grouped_mm")  # a tuner candidate of the grouped GEMM
 
 
 def grouped_mm_run(x, w, counts, rows, bias, y, transpose_w):

@@ -11,11 +11,11 @@ plain-PyTorch references close the file.
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _common, _impl, _tuning, moe_torch
-from fusedpar.kernels._common import check_launchable, device_guard, is_interpreted
-from fusedpar.kernels._tuning import bucket
+from fusedpar.kernels import common, impl, moe_torch, tuning
+from fusedpar.kernels.common import check_launchable, device_guard, is_interpreted
 from fusedpar.kernels.moe import _check_grouped, _dot_precision, _prune
 from fusedpar.kernels.moe_permute import _empty, _fit, offsets
+from fusedpar.kernels.tuning import bucket
 
 # The weight gradient sums over an expert's rows in chunks of this many, one for every
 # config, so no pick changes the order of a sum (as `moe.BLOCK_K` for the GEMMs). 64
@@ -160,7 +160,7 @@ def grouped_weight_grad(dy, x, counts, rows=None, *, out_dtype=None, split=False
     def result():
         return (*outs, *bias_outs) if split or bias_grad else outs[0]
 
-    if _impl.runs_torch(x):
+    if impl.runs_torch(x):
         moe_torch.grouped_weight_grad(dy, x, counts, rows, outs, bias_outs)
         return result()
     check_launchable(_grouped_weight_grad_kernel, dy, x)
@@ -176,16 +176,14 @@ def grouped_weight_grad(dy, x, counts, rows=None, *, out_dtype=None, split=False
                 INPUT_PRECISION=_dot_precision(x.dtype))  # fmt: skip
 
     def launch(config, kwargs=None):
-        tiles = _common.cdiv(N, config.kwargs["BLOCK_N"]) * _common.cdiv(
-            K, config.kwargs["BLOCK_K"]
-        )
+        tiles = common.cdiv(N, config.kwargs["BLOCK_N"]) * common.cdiv(K, config.kwargs["BLOCK_K"])
         kwargs = kwargs or {**meta, **config.all_kwargs()}
         _grouped_weight_grad_kernel[(E * tiles * halves,)](*args, **kwargs)
 
     # the key holds every flag of `meta`: a settled pick's keywords serve the whole key
-    key = (split, bias_grad, N, K, bucket(_common.cdiv(P, E)), str(x.dtype), str(dtype),
+    key = (split, bias_grad, N, K, bucket(common.cdiv(P, E)), str(x.dtype), str(dtype),
            rows is not None, meta["INPUT_PRECISION"])  # fmt: skip
-    tuner, settled = _tuning.tuner("grouped_weight_grad"), _SETTLED.get(key)
+    tuner, settled = tuning.tuner("grouped_weight_grad"), _SETTLED.get(key)
     with device_guard(x):
         if settled is not None and tuner.settled(key) is settled[0]:
             launch(*settled)  # the pick made: its keywords kept

@@ -25,15 +25,15 @@ import math
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _common, _impl, _tuning
-from fusedpar.kernels._common import (
+from fusedpar.kernels import common, impl, tuning
+from fusedpar.kernels.common import (
     check_float_dtype,
     check_launchable,
     is_interpreted,
     sm_count,
 )
-from fusedpar.kernels._tuning import bucket
 from fusedpar.kernels.rope import check_tables, rope_torch
+from fusedpar.kernels.tuning import bucket
 
 # A program holds whole rows (BLOCK_D = D rounded up to a power of two): one read of x
 # per pass. Past this width a row would not fit a program's registers.
@@ -54,7 +54,7 @@ def row_config(D: int, interpreted: bool, direction: str = "forward") -> dict:
     """Rows per step and the row width of a program, and its warps: the whole row, and
     as many rows as make ROW_TILE_ELEMENTS[direction] (at least 1); 16 elements of each
     tensor per thread in the backward, up to 64 in the forward."""
-    block_d = _common.next_power_of_2(max(D, 1))
+    block_d = common.next_power_of_2(max(D, 1))
     if interpreted:
         return dict(BLOCK_ROWS=INTERPRETER_ROWS, BLOCK_D=block_d, num_warps=4)
     rows = max(1, min(16, ROW_TILE_ELEMENTS[direction] // block_d))
@@ -186,10 +186,10 @@ def check_inputs(x: torch.Tensor, weight: torch.Tensor) -> int:
     """The checks of `rms_norm` (and its backward); returns D. float64 x runs on the
     torch implementation alone, computed in float64: its rstd, weight gradient and RoPE
     tables are float64 where they are fp32 for the other dtypes
-    (`fusedpar.kernels._common.accumulator`); a float64 weight goes with float64 x only."""
+    (`fusedpar.kernels.common.accumulator`); a float64 weight goes with float64 x only."""
     check_float_dtype("x", x)
-    check_float_dtype("weight", weight, _common.FLOAT_DTYPES if x.dtype == torch.float64
-                      else _impl.KERNEL_DTYPES)  # fmt: skip
+    check_float_dtype("weight", weight, common.FLOAT_DTYPES if x.dtype == torch.float64
+                      else impl.KERNEL_DTYPES)  # fmt: skip
     if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"rms_norm: x (..., D) and weight (D,) must agree on D, got x "
                          f"{tuple(x.shape)} and weight {tuple(weight.shape)}")  # fmt: skip
@@ -228,19 +228,19 @@ def rms_norm(x, weight, eps: float = 1e-5, offset: float = 0.0, rope=None):
     x2d = _rows("x", x, D)
     M = x2d.shape[0]
     y = torch.empty((M, D), dtype=x.dtype, device=x.device)
-    rstd = torch.empty((M,), dtype=_common.accumulator(x.dtype), device=x.device)
+    rstd = torch.empty((M,), dtype=common.accumulator(x.dtype), device=x.device)
     run_torch = lambda: rms_norm_torch(x2d, weight, eps, offset, y, rstd, rope, per_position)  # noqa: E731
-    if _impl.runs_torch(x):
+    if impl.runs_torch(x):
         run_torch()
     elif y.numel():
         check_launchable(_rms_norm_fwd_kernel, x, weight)
         config = row_config(D, is_interpreted(_rms_norm_fwd_kernel))
-        grid = (_common.cdiv(M, config["BLOCK_ROWS"]),)
+        grid = (common.cdiv(M, config["BLOCK_ROWS"]),)
         tables, table_strides, half = _tables(rope, x2d)
         args = (x2d, weight, y, rstd, *tables, *x2d.stride(), *y.stride(), *table_strides, M, D,
                 half, per_position, float(eps), float(offset))  # fmt: skip
         key = (bucket(M), D, half, str(x.dtype), str(weight.dtype))
-        _tuning.run_tile_or_torch(_rms_norm_fwd_kernel, config, lambda _: grid, args,
+        tuning.run_tile_or_torch(_rms_norm_fwd_kernel, config, lambda _: grid, args,
                                   {"ROTARY": rope is not None}, key, x, run_torch)  # fmt: skip
     return y.view(x.shape), rstd.view(x.shape[:-1])
 
@@ -250,7 +250,7 @@ def backward_programs(M: int, block_rows: int, device: torch.device, interpreted
     fill the GPU, never more than there are row blocks."""
     cuda = device.type == "cuda" and not interpreted
     most = PROGRAMS_PER_SM * sm_count(device) if cuda else INTERPRETER_PROGRAMS
-    return max(1, min(most, _common.cdiv(M, block_rows)))
+    return max(1, min(most, common.cdiv(M, block_rows)))
 
 
 def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, eps: float, need_x=True,
@@ -266,13 +266,13 @@ def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, eps: float, n
     if dy2d.shape != x2d.shape or rstd.numel() != M:
         raise ValueError(f"rms_norm_backward: dy {tuple(dy.shape)} and rstd {tuple(rstd.shape)} "
                          f"must match x {tuple(x.shape)}")  # fmt: skip
-    if rstd.dtype != _common.accumulator(x.dtype):
-        raise TypeError(f"rms_norm_backward: rstd must be {_common.accumulator(x.dtype)} for "
+    if rstd.dtype != common.accumulator(x.dtype):
+        raise TypeError(f"rms_norm_backward: rstd must be {common.accumulator(x.dtype)} for "
                         f"{x.dtype} x, got {rstd.dtype}")  # fmt: skip
     rstd = rstd.reshape(M)
     dx = torch.empty((M, D), dtype=x.dtype, device=x.device)
     torch_args = (dy2d, x2d, weight, rstd, eps, offset, dx, rope, per_position)
-    if _impl.runs_torch(x):
+    if impl.runs_torch(x):
         dw = rms_norm_backward_torch(*torch_args)
     else:
         check_launchable(_rms_norm_bwd_kernel, dy, x, weight, rstd)
@@ -280,7 +280,7 @@ def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, eps: float, n
         config = row_config(D, interpreted, "backward")
         block = config["BLOCK_ROWS"]
         programs = backward_programs(M, block, x.device, interpreted)
-        per_program = _common.cdiv(_common.cdiv(M, programs), block) * block
+        per_program = common.cdiv(common.cdiv(M, programs), block) * block
         partial = torch.zeros((programs, D), dtype=torch.float32, device=x.device)
 
         def torch_run():  # its weight gradient as the first partial row, the others 0
@@ -293,7 +293,7 @@ def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, eps: float, n
                     *dx.stride(), *table_strides, M, D, half, per_position, float(eps),
                     float(offset), per_program)  # fmt: skip
             key = (bucket(M), D, half, str(x.dtype), str(weight.dtype), str(dy.dtype))
-            _tuning.run_tile_or_torch(_rms_norm_bwd_kernel, config, lambda _: (programs,), args,
+            tuning.run_tile_or_torch(_rms_norm_bwd_kernel, config, lambda _: (programs,), args,
                                       {"ROTARY": rope is not None}, key, x,
                                       torch_run)  # fmt: skip
         dw = partial.sum(0)

@@ -21,9 +21,9 @@ times the kernel's fixed tile against the torch implementation, which closes the
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _common, _impl, _tuning
-from fusedpar.kernels._common import cdiv, check_float_dtype, is_interpreted, next_power_of_2
-from fusedpar.kernels._tuning import bucket
+from fusedpar.kernels import common, impl, tuning
+from fusedpar.kernels.common import cdiv, check_float_dtype, is_interpreted, next_power_of_2
+from fusedpar.kernels.tuning import bucket
 
 # Elements of each half a program rotates (heads x r/2): 32 heads of 64 at Llama's
 # head dim, 16 per thread at 4 warps.
@@ -101,14 +101,14 @@ def check_tables(who: str, cos, sin, positions: int, width: int, device, dtype) 
     float32 on `device` with r <= width, the head dim (the features of a row they turn:
     this kernel's and `fusedpar.kernels.rms_norm`'s ``rope=``). float64 x (torch's
     implementation only) takes float64 tables and rotates in float64 (the tables' dtype
-    is ``accumulator(x.dtype)``, `fusedpar.kernels._common`): a float64 model's rotation
+    is ``accumulator(x.dtype)``, `fusedpar.kernels.common`): a float64 model's rotation
     is not rounded through fp32 angles."""
     if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != positions:
         raise ValueError(f"{who}: cos and sin must be (S={positions}, r/2), got "
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")  # fmt: skip
     if 2 * cos.shape[1] > width:
         raise ValueError(f"{who}: {2 * cos.shape[1]} rotated dims, over the head dim {width}")
-    wide = _common.accumulator(dtype)
+    wide = common.accumulator(dtype)
     if cos.dtype != wide or sin.dtype != wide:
         raise TypeError(f"{who}: cos and sin must be {str(wide).removeprefix('torch.')} for "
                         f"{dtype} x, got {cos.dtype} and {sin.dtype}")  # fmt: skip
@@ -187,7 +187,7 @@ def _rotate(xs: list, cos, sin, inverse: bool, outs=None) -> list:
         if outs is None
         else list(outs)
     )
-    if _impl.runs_torch(xs[0]):
+    if impl.runs_torch(xs[0]):
         for x, y in zip(xs, ys, strict=True):
             rope_torch(x, cos, sin, inverse, y)
         return ys
@@ -204,7 +204,7 @@ def _rotate(xs: list, cos, sin, inverse: bool, outs=None) -> list:
         for x_i, y_i in zip(xs, ys, strict=True):
             rope_torch(x_i, cos, sin, inverse, y_i)
 
-    _tuning.run_tile_or_torch(_rope_kernel, config, lambda _: grid, args,
+    tuning.run_tile_or_torch(_rope_kernel, config, lambda _: grid, args,
                               {"INVERSE": inverse, "PAIR": len(xs) == 2}, key, x,
                               run_torch)  # fmt: skip
     return ys
@@ -216,7 +216,7 @@ def _rotate(xs: list, cos, sin, inverse: bool, outs=None) -> list:
 def rope_torch(x, cos, sin, inverse: bool, out: torch.Tensor) -> None:
     """`rope`'s contract in PyTorch, into `out` (x itself: in place): fp32 inside (float64
     for float64 x: the tables' dtype, `check_tables`), rounded once."""
-    half, wide = cos.shape[-1], _common.accumulator(x.dtype)
+    half, wide = cos.shape[-1], common.accumulator(x.dtype)
     x1, x2 = x[..., :half].to(wide), x[..., half : 2 * half].to(wide)
     c, s = cos[None, :, None, :], sin[None, :, None, :]
     if inverse:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fusedpar.kernels import _common, matmul
+from fusedpar.kernels import common, matmul
 from fusedpar.kernels.attention import plan as attn_plan
 
 from fusedpar.testing import compile_gate as gate
@@ -194,8 +194,8 @@ def test_the_fused_backward_issues_five_gemms_per_block_pair(built):
         if case["family"] not in gemms or not case["no_serial"] or not built[name]["wgmma"]:
             continue
         loop, config = built[name]["loop"], case["config"]
-        D = _common.next_power_of_2(case["params"]["head_dim"])
-        Dv = _common.next_power_of_2(case["params"].get("v_dim") or D)
+        D = common.next_power_of_2(case["params"]["head_dim"])
+        Dv = common.next_power_of_2(case["params"].get("v_dim") or D)
         over_d, over_dv = gemms[case["family"]]
         macs = config["BLOCK_M"] * config["BLOCK_N"] * (over_d * D + over_dv * Dv)
         assert _macs_per_iteration(loop, config["num_warps"]) == macs, name

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from fusedpar import checks, comm
 from fusedpar.axes import mesh_axes_of
 from fusedpar.integrations import hf_heads as heads
-from fusedpar.kernels._common import accumulator
+from fusedpar.kernels.common import accumulator
 from fusedpar.ops.sequence import gather_sequence, shard_sequence
 
 BATCHES = ("full", "local")

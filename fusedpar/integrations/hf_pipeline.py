@@ -33,7 +33,7 @@ from fusedpar.integrations.hf_batch import (
     local_tokens,
     packed_documents,
 )
-from fusedpar.kernels._common import accumulator
+from fusedpar.kernels.common import accumulator
 from fusedpar.pipeline import module_at
 
 LLAMA_TREE = ("model.embed_tokens", None, "model.layers", "model.norm", "lm_head")

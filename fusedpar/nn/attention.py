@@ -15,10 +15,9 @@ parallelism a further 1 / TP of them).
 
 Options for today's open models: biases, `head_dim`, `qk_norm`, `softmax_scale`,
 `rope=` (Llama's tables, ``None``, or a callable ``positions -> (cos, sin)`` called at
-the global positions), `rotary_dim`. RoPE pairs dims (i, i + r/2) (Hugging Face's
-layout); `from_dense(..., rope_layout="interleaved")` permutes a (2i, 2i + 1)
-checkpoint's rows. `cp_mode` ("ring", "ulysses", "hybrid") is read off the groups or
-checked against them. docs/attention.md.
+the global positions), `rotary_dim`. RoPE pairs dims (i, i + r/2) as Hugging Face does
+(`from_dense(..., rope_layout="interleaved")` permutes a (2i, 2i + 1) checkpoint's
+rows). `cp_mode` is read off the groups or checked against them. docs/attention.md.
 """
 
 from collections.abc import Callable
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedpar import comm
-from fusedpar.kernels._common import accumulator, check_float_dtype
+from fusedpar.kernels.common import accumulator, check_float_dtype
 from fusedpar.nn.attention_parts import (  # noqa: F401 (rope_tables: public here too)
     QK_NORMS,
     ROPE_LAYOUTS,

@@ -23,7 +23,7 @@ unchanged; `half_to_interleaved` is its inverse.
 import torch
 
 from fusedpar import comm
-from fusedpar.kernels._common import accumulator
+from fusedpar.kernels.common import accumulator
 from fusedpar.ops.attention import rope, rope_pair
 from fusedpar.ops.norm import rms_norm
 

@@ -10,8 +10,8 @@ r with equal halves, or r/2) is checked once.
 import torch
 
 from fusedpar import checks, comm
-from fusedpar.kernels._common import accumulator
 from fusedpar.kernels.attention import check_cu_seqlens
+from fusedpar.kernels.common import accumulator
 from fusedpar.nn.attention_parts import rope_tables
 from fusedpar.nn.specs import DEFAULT_ROPE
 from fusedpar.ops.sequence import sequence_positions

@@ -16,7 +16,7 @@ the packed stream as one batch row, documents as key intervals
 (out, lse) shared by every entry point, `apply_sinks`: ``out * sigmoid(L - s)``,
 ``logaddexp(L, s)``; a row that sees no key gives out 0, never NaN; under the ring the
 sink enters once, after the merge. float64 runs torch's implementation
-(`fusedpar.kernels._impl`), its LSE and sinks float64 (`_common.accumulator`).
+(`fusedpar.kernels.impl`), its LSE and sinks float64 (`common.accumulator`).
 """
 
 import weakref
@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 from fusedpar.kernels import rope as rope_kernels
-from fusedpar.kernels._common import accumulator
 from fusedpar.kernels.attention import (
     AttentionMask,
     Gradients,
@@ -35,6 +34,7 @@ from fusedpar.kernels.attention import (
     check_cu_seqlens,
     packed_intervals,
 )
+from fusedpar.kernels.common import accumulator
 from fusedpar.ops.registration import autograd_op, direct_op
 
 # --- custom ops: fusedpar::flash_attn and its backward ---------------------------------

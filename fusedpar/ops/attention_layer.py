@@ -25,13 +25,13 @@ from torch import Tensor
 
 from fusedpar.kernels import rms_norm as norm_kernels
 from fusedpar.kernels import rope as rope_kernels
-from fusedpar.kernels._common import accumulator
 from fusedpar.kernels.attention import (
     AttentionMask,
     Gradients,
     attention_backward,
     attention_forward,
 )
+from fusedpar.kernels.common import accumulator
 from fusedpar.kernels.matmul import RowRotation, rope_epilogue_fits
 from fusedpar.kernels.matmul_sequence import GemmSequence, layout, state
 from fusedpar.ops.attention import block_mask, unflat

@@ -36,7 +36,7 @@ from fusedpar.comm import (
     group_size,
 )
 from fusedpar.kernels import rope as rope_kernels
-from fusedpar.kernels._common import accumulator, check_float_dtype
+from fusedpar.kernels.common import accumulator, check_float_dtype
 from fusedpar.kernels.matmul import RowRotation, matmul, rope_epilogue_fits
 from fusedpar.ops.overlap import FUSED, ring_chunks
 from fusedpar.ops.registration import asked, autograd_op, direct_op, flat, row_sum, spread

@@ -20,10 +20,10 @@ from torch import Tensor
 from fusedpar import symmetric
 from fusedpar.comm import tuning_agreement
 from fusedpar.kernels import matmul_fused
-from fusedpar.kernels._common import accumulator, sm_count
-from fusedpar.kernels._impl import KERNEL_DTYPES
-from fusedpar.kernels._tuning import Launch, frozen
+from fusedpar.kernels.common import accumulator, sm_count
+from fusedpar.kernels.impl import KERNEL_DTYPES
 from fusedpar.kernels.matmul import RowRotation, matmul
+from fusedpar.kernels.tuning import Launch, frozen
 
 
 def fused_takes(dtype: torch.dtype, pairs: int = 1) -> bool:

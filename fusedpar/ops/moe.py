@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fusedpar import comm
-from fusedpar.kernels._common import accumulator
+from fusedpar.kernels.common import accumulator
 from fusedpar.kernels.moe import (
     SILU,
     Swiglu,

@@ -1,6 +1,6 @@
 """MoE routing: the router's logits, the top-k choice and its weights, capacity, and the
 auxiliary losses. Router math is fp32 (float64 for a float64 model: torch's
-implementation, `fusedpar.kernels._common.accumulator`).
+implementation, `fusedpar.kernels.common.accumulator`).
 
 | piece            | forward                                 | backward                       |
 | ---------------- | --------------------------------------- | ------------------------------ |
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fusedpar.kernels._common import accumulator
+from fusedpar.kernels.common import accumulator
 from fusedpar.kernels.moe_permute import expert_counts
 from fusedpar.kernels.moe_route import SCORES, route_top_k, route_top_k_backward
 from fusedpar.ops.registration import autograd_op, direct_op

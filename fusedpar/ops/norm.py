@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from fusedpar.kernels import rms_norm as kernels
-from fusedpar.kernels._common import accumulator
+from fusedpar.kernels.common import accumulator
 from fusedpar.ops.registration import autograd_op, direct_op
 
 

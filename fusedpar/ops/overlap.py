@@ -7,7 +7,7 @@ persistent GEMM of `fusedpar.ops.linear_fused`, `AUTO` (-2) for "auto" over a gr
 (the op's side, the world size, the rows' bucket, the widths, dtypes) times each of
 `AUTO_CANDIDATES` (one run to compile and tune, three timed), sums the times over the
 group and keeps the fastest, agreed, in the tuner "tp_schedule" (`fusedpar.kernels.
-_tuning.all_picks` records it with the tiles). Where nothing is timed (CPU ranks, whose
+tuning.all_picks` records it with the tiles). Where nothing is timed (CPU ranks, whose
 times say nothing of a deployment; ``FUSEDPAR_TUNING=first``; a CUDA-graph capture or a
 torch.compile trace before the pick), **the rule** stands in: ``ring`` on gloo (CPU:
 1.01-1.36x serial, bench linear's cpu rows), ``serial`` elsewhere (the first H100 run:
@@ -29,7 +29,7 @@ import triton
 
 from fusedpar import symmetric
 from fusedpar.comm import tuning_agreement
-from fusedpar.kernels._tuning import tuner as kernel_tuner
+from fusedpar.kernels.tuning import tuner as kernel_tuner
 
 SERIAL = 0  # the ops' chunks for the serial schedule (one collective, one GEMM)
 FUSED = -1  # the ops' chunks for the fused schedule

@@ -21,7 +21,7 @@ The numbers are the same either way: the same functions run.
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fusedpar.kernels._common import accumulator
+from fusedpar.kernels.common import accumulator
 
 __all__ = ["asked", "autograd_op", "direct_op", "flat", "row_sum", "spread"]
 

@@ -9,7 +9,7 @@ host) launches nothing and only relays. Backward: dQ accumulates locally in fp32
 block's dK, dV (fp32) travel a second ring with it, added to by every rank it visits,
 arriving back at the owner after W steps; every step uses the final LSE and ``delta =
 rowsum(dO * O) - dLSE``. float64 keeps every fp32 above in float64
-(`fusedpar.kernels._common.accumulator`).
+(`fusedpar.kernels.common.accumulator`).
 
 The loops take a transport (`fusedpar.ops.ring_transport`): `GroupRing` (this rank's
 side of a `fusedpar.comm.Ring`) or `VirtualRing` (every rank in this process, transfers
@@ -31,8 +31,6 @@ from fusedpar.comm import (
     resolve_group,
     tuning_agreement,
 )
-from fusedpar.kernels._common import accumulator
-from fusedpar.kernels._tuning import Launch, frozen
 from fusedpar.kernels.attention import (
     FUSED,
     AttentionMask,
@@ -46,6 +44,8 @@ from fusedpar.kernels.attention import (
     check_cu_seqlens,
     delta_buffer,
 )
+from fusedpar.kernels.common import accumulator
+from fusedpar.kernels.tuning import Launch, frozen
 from fusedpar.ops.attention import (
     apply_sinks,
     check_packed,

@@ -20,9 +20,9 @@ from fusedpar.comm import (
     reduce_scatter_async,
     tuning_agreement,
 )
-from fusedpar.kernels._common import accumulator
-from fusedpar.kernels._tuning import Launch, bucket, frozen
+from fusedpar.kernels.common import accumulator
 from fusedpar.kernels.matmul import RowRotation, matmul
+from fusedpar.kernels.tuning import Launch, bucket, frozen
 from fusedpar.ops.linear_fused import (
     chunk_epilogue,
     fused_takes,

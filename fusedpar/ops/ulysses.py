@@ -32,8 +32,8 @@ from fusedpar.comm import (
     group_size,
     resolve_group,
 )
-from fusedpar.kernels._common import accumulator
 from fusedpar.kernels.attention import AttentionMask
+from fusedpar.kernels.common import accumulator
 from fusedpar.ops.attention import (
     apply_sinks,
     check_packed,

@@ -35,8 +35,8 @@ import time
 from dataclasses import dataclass
 
 import fusedpar.kernels
-from fusedpar.kernels._common import check_launchable
-from fusedpar.kernels._impl import implementation
+from fusedpar.kernels.common import check_launchable
+from fusedpar.kernels.impl import implementation
 from fusedpar.testing import machine_code
 
 # Shared memory a block may use (the opt-in maximum, static + dynamic) on A100 and H100.
@@ -70,7 +70,7 @@ def recording_launches():
     launches: list[Launch] = []
 
     def record(self, *args, grid, warmup, **kwargs):
-        # a settled launch (`_tuning.Settled`) passes the constexprs positionally: keyword
+        # a settled launch (`tuning.Settled`) passes the constexprs positionally: keyword
         # them, as ``kernel[grid](...)`` does, so that a case's `match` and `config` see them
         first = next((i for i, p in enumerate(self.params) if p.is_constexpr), len(args))
         kwargs = {

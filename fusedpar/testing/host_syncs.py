@@ -10,7 +10,7 @@ a ``TorchDispatchMode`` sees the aten ops that sync, in forward, backward and ho
 ``.cpu()``, factory calls without ``device=``). A mode is off while it handles a call,
 so the dispatch mode runs a custom op's Python body itself with both modes back on.
 Only calls from the code under `packages` count (fusedpar's by default), and not CPU
-work inside a function marked `fusedpar.kernels._impl.cpu_path`. What is seen and what
+work inside a function marked `fusedpar.kernels.impl.cpu_path`. What is seen and what
 is not: docs/testing.md.
 
     with HostSyncs() as syncs:
@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedpar
 import fusedpar.kernels
-from fusedpar.kernels._impl import CPU_PATHS
+from fusedpar.kernels.impl import CPU_PATHS
 
 _BODIES_UNSEEN_SAID = False  # the warning of `_python_body`, given once
 
@@ -223,7 +223,7 @@ class HostSyncs:
 
     def _caller(self, args) -> str | None:
         """The first frame outside torch and this module, if it is in `packages` (and the
-        call is not host work on a CPU path: `fusedpar.kernels._impl.cpu_path`)."""
+        call is not host work on a CPU path: `fusedpar.kernels.impl.cpu_path`)."""
         frame = sys._getframe(2)
         if _on_host(args) and _in_cpu_path(frame):
             return None

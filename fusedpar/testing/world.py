@@ -34,7 +34,7 @@ import time
 import traceback
 import warnings
 
-from fusedpar.kernels._impl import requested
+from fusedpar.kernels.impl import requested
 from fusedpar.testing.world_rank import rank_main
 
 # After the first rank fails, how long the others get to finish before they are taken to

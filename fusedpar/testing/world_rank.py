@@ -15,7 +15,7 @@ import threading
 import traceback
 from datetime import timedelta
 
-from fusedpar.kernels._impl import implementation
+from fusedpar.kernels.impl import implementation
 
 
 def _describe(exc: BaseException) -> dict:

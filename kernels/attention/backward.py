@@ -23,13 +23,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _impl
-from fusedpar.kernels._common import (
-    cdiv,
-    ensure_tma_allocator,
-    sm_count,
-)
-from fusedpar.kernels._tuning import LAUNCH, Launch
+from fusedpar.kernels import impl
 from fusedpar.kernels.attention import torch_impl
 from fusedpar.kernels.attention.forward import (
     load_rows,
@@ -56,6 +50,12 @@ from fusedpar.kernels.attention.plan import (
     torch_backward,
     write_delta,
 )
+from fusedpar.kernels.common import (
+    cdiv,
+    ensure_tma_allocator,
+    sm_count,
+)
+from fusedpar.kernels.tuning import LAUNCH, Launch
 
 # Split a GQA group over programs when the dK/dV grid has fewer programs than this (two
 # waves of the GPU's SMs keep every SM busy through the tail). None: 2 x the SM count
@@ -467,7 +467,7 @@ def attention_backward_dkdv(
     ``grads.dk`` and ``grads.dv`` with ``grads.accumulate``. Under GQA with a small grid
     the group is split (`gqa_split`): fp32 partials, then a fixed-order sum into dk, dv.
     Checked and planned once per call signature (`plan.BackwardPlan`)."""
-    if _impl.runs_torch(q):
+    if impl.runs_torch(q):
         return torch_backward("dkdv", (dout, q, k, v, lse, delta), mask, grads, launch_as)
     inputs = (dout, q, k, v, lse, contiguous_delta(delta))
     plan, tensors = plan_backward("dkdv", _attn_bwd_dkdv_kernel,
@@ -559,7 +559,7 @@ def attention_backward_dq(
     if dlse is not None and out is None:
         raise ValueError("attention_backward_dq: dlse folds into the delta made from `out`: "
                          "give out too, or subtract it from a precomputed delta")  # fmt: skip
-    if _impl.runs_torch(q):
+    if impl.runs_torch(q):
         return torch_backward("dq", (dout, q, k, v, lse, delta), mask, grads, launch_as,
                               delta_from)  # fmt: skip
     inputs = (dout, q, k, v, lse, contiguous_delta(delta))

@@ -25,8 +25,7 @@ from dataclasses import replace
 
 import torch
 import triton
-from fusedpar.kernels import _common, _impl, _tuning
-from fusedpar.kernels._tuning import LAUNCH, Launch, bucket
+from fusedpar.kernels import common, impl, tuning
 from fusedpar.kernels.attention import backward as split_backward
 from fusedpar.kernels.attention import torch_impl
 from fusedpar.kernels.attention.backward import (
@@ -49,6 +48,7 @@ from fusedpar.kernels.attention.plan import (
     plan_backward,
 )
 from fusedpar.kernels.attention.torch_impl import Scores
+from fusedpar.kernels.tuning import LAUNCH, Launch, bucket
 
 # The fused backward (dK/dV adding dQ): dQ's GEMM runs on wgmma only where BLOCK_M is
 # 64 per warpgroup (32 queries run it as 16x8 mma.sync), so its tiles are the dK/dV
@@ -120,7 +120,7 @@ def attention_backward_fused(
         raise ValueError("attention_backward_fused adds dQ by atomics, in no fixed order: "
                          "a deterministic backward is the split one")  # fmt: skip
     tune_only, accumulate = launch_as.tune_only, grads.accumulate
-    if _impl.runs_torch(q):
+    if impl.runs_torch(q):
         grad_q = attention_backward_dq(dout, q, k, v, lse, delta, mask, grads=grads,
                                        launch_as=launch_as, delta_from=delta_from)  # fmt: skip
         grads_kv = attention_backward_dkdv(dout, q, k, v, lse, delta, mask, grads=grads,
@@ -143,7 +143,7 @@ def attention_backward_fused(
     if plan.dq_direct:  # the caller's fp32 dQ takes the sums itself
         dq_sums = dq if accumulate or tune_only else dq.zero_()
     else:
-        dq_sums = torch.zeros(q.shape, dtype=_common.accumulator(q.dtype), device=q.device)
+        dq_sums = torch.zeros(q.shape, dtype=common.accumulator(q.dtype), device=q.device)
     # every launch adds into dQ's sums: tuning restores them
     launch_dkdv(plan, tensors, fused_configs, inputs, (dk, dv, dq_sums), launch_as,
                 restore=[dq_sums])  # fmt: skip
@@ -177,7 +177,7 @@ def attention_backward(
     delta_from: tuple = NO_SOURCES,
     grads: Gradients = NEW_GRADIENTS,
     launch_as: Launch = LAUNCH,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | triton.Config | _impl.Torch:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | triton.Config | impl.Torch:
     """Returns ``(dq, dk, dv)`` from dO, the inputs and the forward's LSE, under `mask`
     (`AttentionMask`, as in `attention_forward`).
 
@@ -214,7 +214,7 @@ def attention_backward(
                                            launch_as=launch_as)  # fmt: skip
         return None if launch_as.tune_only else (grad_q, *grads_kv)
 
-    if grads.deterministic or torch.are_deterministic_algorithms_enabled() or _impl.runs_torch(q):
+    if grads.deterministic or torch.are_deterministic_algorithms_enabled() or impl.runs_torch(q):
         ran = halves(grads, launch_as)
         return SPLIT if launch_as.tune_only else ran
 
@@ -235,7 +235,7 @@ def attention_backward(
                for g, like in zip(given, (q, k, v), strict=True)]  # fmt: skip
     into = replace(grads, dq=buffers[0], dk=buffers[1], dv=buffers[2])
     platform = {}  # PyTorch's own backwards, where they compute this call (not deterministic)
-    if q.device.type == "cuda" and mask.intervals is None and _impl.tunes_torch():
+    if q.device.type == "cuda" and mask.intervals is None and impl.tunes_torch():
         scores = Scores.of_mask(mask, q.shape[1], k.shape[1], q.shape[-1])
         platform = torch_impl.backward_candidates(
             dout, q, k, v, out, lse, scores, buffers, dlse, accumulate)  # fmt: skip
@@ -250,13 +250,13 @@ def attention_backward(
             ran.append(tuple(buffers))
 
     def candidates():
-        if _common.is_interpreted(_attn_bwd_dkdv_kernel):
+        if common.is_interpreted(_attn_bwd_dkdv_kernel):
             return [FUSED]
         return [FUSED, SPLIT, *platform]
 
     key = (*_backward_key(q, k, v, mask, accumulate, buffers),
            ("platform", tuple(c.name for c in platform)))  # fmt: skip
     restore = buffers if accumulate and not launch_as.tune_only else []
-    tuner = _tuning.tuner("attention_backward")
+    tuner = tuning.tuner("attention_backward")
     pick = tuner.run(key, candidates, run, device=q.device, restore=restore, launch_as=launch_as)
     return pick if launch_as.tune_only else ran[-1]

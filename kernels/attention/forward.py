@@ -25,15 +25,7 @@ from dataclasses import replace
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _common, _impl
-from fusedpar.kernels._common import (
-    cdiv,
-    check_launchable,
-    ensure_tma_allocator,
-    next_power_of_2,
-    tma_paths,
-)
-from fusedpar.kernels._tuning import LAUNCH, Launch
+from fusedpar.kernels import common, impl
 from fusedpar.kernels.attention import torch_impl
 from fusedpar.kernels.attention.mask import (
     NO_MASK,
@@ -58,6 +50,14 @@ from fusedpar.kernels.attention.plan import (
     strides,
     torch_alternatives,
 )
+from fusedpar.kernels.common import (
+    cdiv,
+    check_launchable,
+    ensure_tma_allocator,
+    next_power_of_2,
+    tma_paths,
+)
+from fusedpar.kernels.tuning import LAUNCH, Launch
 
 LN2 = 0.6931471805599453  # log(x) = log2(x) * LN2
 
@@ -405,7 +405,7 @@ def attention_forward(
     ``tune_only``: make the pick for this call (on scratch buffers) and return None: the
     ring does so before its loop."""
     tune_only = launch_as.tune_only
-    planned = mask.intervals is None and not tune_only and not _impl.runs_torch(q)
+    planned = mask.intervals is None and not tune_only and not impl.runs_torch(q)
     signature = None
     if planned:
         signature = forward_signature(q, k, v, mask, out, lse, out_dtype, merge)
@@ -415,7 +415,7 @@ def attention_forward(
     check_attention_inputs(q, k, v)
     (B, Sq, Hq, _), (_, Skv, Hkv, _), Dv = q.shape, k.shape, v.shape[-1]
     tensors, scalars, meta, key, scores = mask_arguments(q, k, v, mask, "query")
-    wide = _common.accumulator(q.dtype)  # fp32, float64 for float64 q
+    wide = common.accumulator(q.dtype)  # fp32, float64 for float64 q
     if merge and not tune_only and (out is None or lse is None):
         raise ValueError("merge=True folds the result into `out` and `lse`: give both")
     if tune_only:  # the key depends on the dtypes only: write nothing of the caller's
@@ -433,7 +433,7 @@ def attention_forward(
     def torch_run():
         torch_impl.forward(q, k, v, scores, out, lse, merge)
 
-    if _impl.runs_torch(q):
+    if impl.runs_torch(q):
         if not tune_only and B * Sq * Hq:
             torch_run()
         return None if tune_only else (out, lse)

@@ -1,41 +1,23 @@
 """Attention masks in global coordinates: every mask is one key interval per query.
 
-Documents (packed sequences), causality and a sliding window combine into one rule. A
-query at global position i, in document d, sees key j when
+A query at global position i, in document d, sees key j when
+``max(doc_start, i - left) <= j < min(doc_end, i + right + 1)``, with ``window = (left,
+right)`` as in flash-attn (-1: unbounded; ``causal``: right = 0). Positions are global
+(across the packed stream and the ring's ranks); a document whose query and key lengths
+differ aligns its queries bottom-right.
 
-    max(doc_start, i - left)  <=  j  <  min(doc_end, i + right + 1)
+| mode      | query row i sees keys               | needs                          |
+| --------- | ----------------------------------- | ------------------------------ |
+| scalar    | ``[i + sh - left, i + sh + right]`` | nothing (``sh = Skv - Sq``)    |
+| intervals | ``[kv_lo[i], kv_hi[i])``            | `Intervals` (tensors)          |
 
-with ``window = (left, right)`` as in flash-attn (-1: unbounded; ``causal`` means
-right = 0). Positions are global: across the packed stream, and across the ranks of a
-ring, so a window means the same thing on every rank and at every ring step. Where a
-document's query and key lengths differ, a query is aligned bottom-right within it
-(query i of the document sits at key position ``i + Lk - Lq``).
-
-The kernels never see a mask kind, only intervals in the *local* rows of the block they
-compute:
-
-| mode      | query row i sees keys             | key row j is seen by queries      |
-| --------- | --------------------------------- | --------------------------------- |
-| scalar    | ``[i + sh - left, i + sh + right]`` | ``[j - sh - right, j - sh + left]`` |
-| intervals | ``[kv_lo[i], kv_hi[i])`` (tensors) | ``[q_lo[j], q_hi[j])`` (tensors)  |
-
-The scalar mode (one dense sequence per batch row, ``sh = Skv - Sq``) needs no
-tensors. `Intervals` holds the tensor mode: `intervals` builds it from the global
-positions of the block's query and key rows (any sorted positions: a zigzag pair of
-chunks too, as the set of rows a query sees is then still a contiguous run of local
-rows) and the documents. Each program of a kernel reduces its rows' intervals to
-the block ranges it visits (`block_ranges`): blocks outside every interval are skipped,
-blocks inside every interval run unmasked, the rest are masked element by element.
-
-`visible_reference` is the same rule as a dense boolean (Sq, Skv) matrix, built another
-way (document ids by repetition), for the float64 references.
-
-`AttentionMask` is the whole mask as one frozen value (causality, the window, the
-softcap, the scale, the sinks, and the tensor mode's `Intervals`): built once where a
-user's keywords enter and passed whole to the launchers, the plans, the torch
-implementation and the references; ``plan.mask_arguments`` is the one place it becomes
-the kernels' scalars (`AttentionMask.scalars`) and constexprs, and a ring step's block
-is ``mask.on_block(intervals)``.
+`AttentionMask` is the whole mask as one frozen value (causality, window, softcap, scale,
+sinks, the tensor mode's `Intervals`): built where a user's keywords enter, passed whole
+to launchers, plans, the torch implementation and the references. `block_ranges` turns
+rows' intervals into the blocks a program visits (skipped, unmasked, masked);
+``plan.mask_arguments`` makes the kernels' scalars; a ring step's block is
+``mask.on_block(intervals)``. `visible_reference`: the same rule as a dense boolean
+matrix, for the references. docs/attention.md#masks-in-global-coordinates.
 """
 
 import math

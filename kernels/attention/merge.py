@@ -23,16 +23,16 @@ ranks whose own block is skipped. Who calls which, and why: docs/attention.md.
 import torch
 import triton
 import triton.language as tl
-from fusedpar.kernels import _common, _impl
-from fusedpar.kernels._common import (
+from fusedpar.kernels import common, impl
+from fusedpar.kernels.attention import torch_impl
+from fusedpar.kernels.attention.plan import interpreter_blocks, strides
+from fusedpar.kernels.common import (
     cdiv,
     check_launchable,
     device_guard,
     is_interpreted,
     next_power_of_2,
 )
-from fusedpar.kernels.attention import torch_impl
-from fusedpar.kernels.attention.plan import interpreter_blocks, strides
 
 # One program merges BLOCK_S rows of one (batch, head): rows are D-wide, so 64 rows keep
 # a (64, 256) fp32 tile at most in registers.
@@ -95,12 +95,12 @@ def merge_attention(
 ) -> None:
     """Fold ``(block_out, block_lse)`` into ``(out, lse)``, in place (see the module doc).
     float64 partials (block_out float64) merge on torch's implementation, out and the
-    LSEs float64 then (`fusedpar.kernels._common.accumulator`)."""
+    LSEs float64 then (`fusedpar.kernels.common.accumulator`)."""
     if out.dim() != 4 or block_out.shape != out.shape:
         raise ValueError(f"out and block_out must be one (B, S, H, D) shape, got "
                          f"{tuple(out.shape)} and {tuple(block_out.shape)}")  # fmt: skip
     B, S, H, D = out.shape
-    wide = _common.accumulator(block_out.dtype)
+    wide = common.accumulator(block_out.dtype)
     for name, t in (("lse", lse), ("block_lse", block_lse)):
         if t.shape != (B, H, S) or t.dtype != wide:
             raise ValueError(
@@ -108,7 +108,7 @@ def merge_attention(
             )
     if out.dtype != wide:
         raise TypeError(f"out accumulates in {wide}, got {out.dtype}")
-    if _impl.runs_torch(out):
+    if impl.runs_torch(out):
         torch_impl.merge(out, lse, block_out, block_lse)
         return
     check_launchable(_merge_kernel, out, lse, block_out, block_lse)
@@ -166,7 +166,7 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | 
     B, Sq, Hq, D = out.shape
     if dlse is not None and tuple(dlse.shape) != (B, Hq, Sq):
         raise ValueError(f"dlse must be (B, Hq, Sq) = {(B, Hq, Sq)}, got {tuple(dlse.shape)}")
-    if _impl.runs_torch(out):
+    if impl.runs_torch(out):
         made = torch_impl.delta(out, dout)
         made = made if dlse is None else made - dlse
         return made if delta is None else delta.copy_(made)

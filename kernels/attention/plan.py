@@ -1,7 +1,7 @@
 """The attention launchers' host side. The checks of a call's inputs
 (`check_attention_inputs`, `check_buffer`) and what every kernel takes for its mask and
 scores (`mask_arguments`, `kernel_meta`, `softcap_mode`): every launcher takes the mask
-as one value, an `AttentionMask`, and how it meets the tuner as one `_tuning.Launch`;
+as one value, an `AttentionMask`, and how it meets the tuner as one `tuning.Launch`;
 a backward takes where it writes as one `Gradients`. The plans: what a launcher
 works out once per call signature, looked up by later calls with the same shapes,
 strides, dtypes, devices, alignment, mask scalars and flags (host time per call at
@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 import triton
-from fusedpar.kernels import _common, _impl, _tuning
-from fusedpar.kernels._common import (
+from fusedpar.kernels import common, impl, tuning
+from fusedpar.kernels.attention import torch_impl
+from fusedpar.kernels.attention.mask import AttentionMask, block_ranges, resolve_scale
+from fusedpar.kernels.common import (
     accumulator,
     check_float_dtype,
     check_launchable,
@@ -30,9 +32,7 @@ from fusedpar.kernels._common import (
     next_power_of_2,
     tma_paths,
 )
-from fusedpar.kernels._tuning import LAUNCH, Launch, bucket
-from fusedpar.kernels.attention import torch_impl
-from fusedpar.kernels.attention.mask import AttentionMask, block_ranges, resolve_scale
+from fusedpar.kernels.tuning import LAUNCH, Launch, bucket
 
 MAX_HEAD_DIM = 256
 # SOFTCAP's values (`softcap_mode`); 0: scores not capped
@@ -162,7 +162,7 @@ class ForwardPlan:
     key: tuple
     scores: object  # for torch's implementation, a candidate on CUDA
     torch_candidate: bool
-    # per implementation asked for, the pick and its launch once made (`_tuning.Settled`);
+    # per implementation asked for, the pick and its launch once made (`tuning.Settled`);
     # None: a plan not kept
     settled: dict | None = field(default_factory=dict, compare=False)
 
@@ -178,7 +178,7 @@ def forward_signature(q, k, v, mask: AttentionMask, out, lse, out_dtype, merge) 
         out is not None and (out.shape, out.stride(), out.dtype, out.data_ptr() % 16),
         lse is not None and (lse.shape, lse.stride(), lse.dtype), q.data_ptr() % 16,
         k.data_ptr() % 16, v.data_ptr() % 16, torch.get_float32_matmul_precision(),
-        _common.tma_compatible,  # the TMA rule in force (tests swap it for the pointer path)
+        common.tma_compatible,  # the TMA rule in force (tests swap it for the pointer path)
     )  # fmt: skip
 
 
@@ -229,16 +229,16 @@ def launch(kernel, configs, grid, args, plan, *, launch_as: Launch = LAUNCH, res
     `restore`: buffers the kernel reads back (adds into, or merges with);
     `launch_as`: the tuner's agreement and tune_only. `torch_runs`: ``torch_runs()``
     gives ``{candidate: run()}`` of torch's implementation of the same call
-    (`_impl.TORCH`) and of PyTorch's own kernels (`torch_impl`), candidates beside the
+    (`impl.TORCH`) and of PyTorch's own kernels (`torch_impl`), candidates beside the
     tiles (CUDA, ``FUSEDPAR_IMPL=auto``); the key must name them. A kept plan's settled
-    pick (`_tuning.Settled`, per implementation asked for) is launched past the tuner
+    pick (`tuning.Settled`, per implementation asked for) is launched past the tuner
     once made (and kept there after it)."""
     name, settled, meta, key = kernel.__name__, plan.settled, plan.meta, plan.key
     request = None
     if settled is not None and launch_as.plain:
-        request = _impl.requested()
+        request = impl.requested()
         kept = settled.get(request)
-        if kept is not None and _tuning.kept(name, kept.scope) is kept.config:
+        if kept is not None and tuning.kept(name, kept.scope) is kept.config:
             kept.launch(kernel, args)
             return
     Sq, Skv = plan.scalars[:2]
@@ -250,7 +250,7 @@ def launch(kernel, configs, grid, args, plan, *, launch_as: Launch = LAUNCH, res
             configs_here = configs(meta["HEAD_DIM"], args[0].dtype, kernel_modes(meta),
                                    v_dim=meta["HEAD_DIM_V"])  # fmt: skip
             tiles = prune_configs(configs_here, bucket(Sq), bucket(Skv))
-        if not _impl.tunes_torch():
+        if not impl.tunes_torch():
             return tiles
         return tiles + list(alternatives())
 
@@ -262,19 +262,19 @@ def launch(kernel, configs, grid, args, plan, *, launch_as: Launch = LAUNCH, res
         return runs
 
     def run(config):
-        if isinstance(config, _impl.Torch):
+        if isinstance(config, impl.Torch):
             alternatives()[config]()
         else:
             kernel[grid(config.kwargs)](*args, **meta, **config.all_kwargs())
 
     with device_guard(args[0]):
-        config = _tuning.tuner(name).run(key, candidates, run, device=args[0].device,
+        config = tuning.tuner(name).run(key, candidates, run, device=args[0].device,
                                          restore=restore, launch_as=launch_as)  # fmt: skip
-    if request is not None and not isinstance(config, _impl.Torch):
-        scope = _tuning.local_scope(key, request)
-        if _tuning.kept(name, scope) is config:  # the pick (not a forced config)
+    if request is not None and not isinstance(config, impl.Torch):
+        scope = tuning.local_scope(key, request)
+        if tuning.kept(name, scope) is config:  # the pick (not a forced config)
             kwargs = {**meta, **config.all_kwargs()}
-            settled[request] = _tuning.Settled.of(kernel, config, scope, grid(config.kwargs),
+            settled[request] = tuning.Settled.of(kernel, config, scope, grid(config.kwargs),
                                                   kwargs, len(args))  # fmt: skip
 
 
@@ -283,7 +283,7 @@ def torch_alternatives(torch_run, platform=None):
     candidate) and ``platform()``'s PyTorch kernels (None: none)."""
 
     def runs():
-        found = {_impl.TORCH: torch_run} if torch_run is not None else {}
+        found = {impl.TORCH: torch_run} if torch_run is not None else {}
         return {**found, **(platform() if platform is not None else {})}
 
     return runs
@@ -312,7 +312,7 @@ class BackwardPlan:
     key: tuple
     scores: object  # for torch's implementation, a candidate on CUDA
     torch_candidate: bool
-    # per implementation asked for, the pick and its launch once made (`_tuning.Settled`)
+    # per implementation asked for, the pick and its launch once made (`tuning.Settled`)
     settled: dict = field(default_factory=dict, compare=False)
 
 
@@ -359,7 +359,7 @@ def backward_signature(kind, inputs, grads: Gradients, mask: AttentionMask, spli
     return (
         kind, *(_layout(t) for t in (*inputs, *grads.of(kind), *delta_from)), mask.key(),
         grads.accumulate, grads.dtype, split_below, torch.get_float32_matmul_precision(),
-        _common.tma_compatible,
+        common.tma_compatible,
     )  # fmt: skip
 
 
@@ -477,8 +477,8 @@ def plan_backward(kind, kernel, split_of: Callable[[], int] | None, split_below,
     if kind != "dq":
         tma, out_tma = tma_paths((q, dout), buffers[:2])
         # dQ's reduce-add through TMA on a GPU (the interpreter has no descriptor atomics)
-        dq_tma = (kind == "fused" and not _common.is_interpreted(kernel)
-                  and _common.tma_compatible(buffers[2]))  # fmt: skip
+        dq_tma = (kind == "fused" and not common.is_interpreted(kernel)
+                  and common.tma_compatible(buffers[2]))  # fmt: skip
         meta = {**meta, "ACCUMULATE": accumulate and split == 1, "TMA": tma,
                 "OUT_TMA": out_tma, "DQ": kind == "fused", "DQ_TMA": dq_tma}  # fmt: skip
         key = (*key, ("SPLIT", split))

@@ -1,6 +1,6 @@
 """The attention launchers' torch implementation, and PyTorch's own kernels as candidates.
 
-The launchers call these when the torch implementation is chosen (`fusedpar.kernels._impl`):
+The launchers call these when the torch implementation is chosen (`fusedpar.kernels.impl`):
 the same arguments, buffers and contract (masks as key intervals, soft-capping, the
 ring's fp32 partials merged and gradients added). Scores are one fp32 (Sq, Skv) matrix
 per head (float64 for float64 inputs): memory grows with Sq * Skv (`CUDA_SCORES_LIMIT`).
@@ -22,8 +22,7 @@ they compute exactly (16-bit on CUDA, no softcap, no mask or causal with Sq == S
 from dataclasses import dataclass
 
 import torch
-from fusedpar.kernels import _impl
-from fusedpar.kernels._common import accumulator
+from fusedpar.kernels import impl
 from fusedpar.kernels.attention.mask import (
     UNBOUNDED,
     AttentionMask,
@@ -31,6 +30,7 @@ from fusedpar.kernels.attention.mask import (
     resolve_scale,
     scalar_bounds,
 )
+from fusedpar.kernels.common import accumulator
 
 # The largest (B * Hq * Sq * Skv) scores a CUDA launch may form in torch: 2**26 fp32
 # (256 MiB with the exp and the mask). Past it only Triton's kernels are candidates.
@@ -109,7 +109,7 @@ def merge(out, lse, block_out, block_lse) -> None:
     lse.copy_(torch.where(empty, float("-inf"), m + torch.log(total)))
 
 
-@_impl.cpu_path  # its host read (is a mask needed at all?) reads host memory
+@impl.cpu_path  # its host read (is a mask needed at all?) reads host memory
 def _forward_fused_cpu(q, k, v, scores: Scores):
     """``(out, lse)`` in fp32 (float64 for float64 q) through PyTorch's fused CPU
     attention (flash-style, no (Sq, Skv) matrix in memory), which takes the mask as an
@@ -237,8 +237,8 @@ def delta(out, dout) -> torch.Tensor:
 # --- PyTorch's own kernels as candidates ------------------------------------------------
 
 
-FLASH = _impl.Torch("sdpa-flash")
-CUDNN = _impl.Torch("sdpa-cudnn")
+FLASH = impl.Torch("sdpa-flash")
+CUDNN = impl.Torch("sdpa-cudnn")
 
 
 def _causal(q, k, scores) -> bool | None:

@@ -215,9 +215,9 @@ def test_bad_input_is_a_clear_error(shapes, dtypes, error, match):
 
 def force_pointer_path(monkeypatch):
     """The kernels' pointer path, as for inputs TMA cannot read (and on an A100)."""
-    from fusedpar.kernels import _common
+    from fusedpar.kernels import common
 
-    monkeypatch.setattr(_common, "tma_compatible", lambda *tensors: False)
+    monkeypatch.setattr(common, "tma_compatible", lambda *tensors: False)
 
 
 @pytest.mark.gpu
@@ -582,7 +582,7 @@ def test_tma_and_pointer_paths_agree_bitwise(monkeypatch, D, mask, deterministic
     numbers either way, bit for bit, with edges in every dimension (D=40: TMA's zero
     fill past the head dim, 21 and 35 rows: past the sequences); the fused backward and
     the split one."""
-    from fusedpar.kernels._common import tma_compatible
+    from fusedpar.kernels.common import tma_compatible
 
     q, k, v = (
         randn((2, s, h, D), torch.float16, i)
@@ -615,7 +615,7 @@ def test_tma_and_pointer_paths_agree_bitwise(monkeypatch, D, mask, deterministic
 
 
 def test_tma_needs_16_byte_alignment_and_a_unit_last_stride():
-    from fusedpar.kernels._common import tma_compatible
+    from fusedpar.kernels.common import tma_compatible
 
     x = torch.empty((2, 64, 4, 72), dtype=torch.bfloat16)
     assert tma_compatible(x) and tma_compatible(x[:, 3:], x[:, :, 1:]) and tma_compatible(x.float())

@@ -6,7 +6,7 @@ PyTorch's flag, the tuner); the tiles a miscompiling Triton leaves out."""
 
 import pytest
 import torch
-from fusedpar.kernels import _tuning
+from fusedpar.kernels import tuning
 from fusedpar.kernels.attention import (
     AttentionMask,
     Gradients,
@@ -223,9 +223,9 @@ def test_deterministic_runs_the_split_backward(monkeypatch):
         step()
     finally:
         torch.use_deterministic_algorithms(saved)
-    with _tuning.forced("attention_backward", backwards.SPLIT):
+    with tuning.forced("attention_backward", backwards.SPLIT):
         step()
-    with _tuning.forced("attention_backward", backwards.FUSED):
+    with tuning.forced("attention_backward", backwards.FUSED):
         step()
     assert seen == ["fused", "split", "split", "split", "fused"]
     cu = torch.tensor([0, 5, 13], dtype=torch.int32)

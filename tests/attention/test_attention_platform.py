@@ -4,7 +4,7 @@ where the aten ops run their shape functions), and on a GPU each against float64
 
 import pytest
 import torch
-from fusedpar.kernels import _tuning
+from fusedpar.kernels import tuning
 from fusedpar.kernels.attention import (
     AttentionMask,
     attention_forward,
@@ -123,8 +123,8 @@ def test_platform_candidates_gpu(candidate, Hkv, causal):
     no_dlse = torch.zeros((2, 8, 1000), device="cuda")
     with (
         fp.implementation("auto"),
-        _tuning.forced("_attn_fwd_kernel", candidate),
-        _tuning.forced("attention_backward", candidate),
+        tuning.forced("_attn_fwd_kernel", candidate),
+        tuning.forced("attention_backward", candidate),
     ):
 
         def attend(*t):  # the LSE takes no gradient: PyTorch's backward may run

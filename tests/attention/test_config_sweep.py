@@ -11,7 +11,7 @@ checks the tile sizes and masks). The MoE kernels' configs are swept in test_moe
 
 import pytest
 import torch
-from fusedpar.kernels import _tuning
+from fusedpar.kernels import tuning
 from fusedpar.kernels.attention import (
     FUSED,
     SPLIT,
@@ -61,7 +61,7 @@ def check_matmul_config(index, dtype, accumulate, M, N, K, device):
     config = matmul_configs(dtype, accumulate)[index]
     a = randn((M, K), dtype, 0).to(device)
     w = randn((N, K), dtype, 1).to(device)  # a weight, read transposed in place
-    with _tuning.forced("matmul", config):
+    with tuning.forced("matmul", config):
         if accumulate:
             before = randn((M, N), torch.float32, 3).to(device)
             c = before.clone()
@@ -88,10 +88,10 @@ def check_attention_config(kernel, index, D, dtype, B, S, Hq, Hkv, device):
     dout = randn((B, S, Hq, D), dtype, 3).to(device)
     dlse = randn((B, Hq, S), torch.float32, 4).to(device)
     with (
-        _tuning.forced("_attn_fwd_kernel", chosen["_attn_fwd_kernel"]),
-        _tuning.forced("_attn_bwd_dkdv_kernel", chosen["_attn_bwd_dkdv_kernel"]),
-        _tuning.forced("_attn_bwd_dq_kernel", chosen["_attn_bwd_dq_kernel"]),
-        _tuning.forced("attention_backward", FUSED if fused else SPLIT),
+        tuning.forced("_attn_fwd_kernel", chosen["_attn_fwd_kernel"]),
+        tuning.forced("_attn_bwd_dkdv_kernel", chosen["_attn_bwd_dkdv_kernel"]),
+        tuning.forced("_attn_bwd_dq_kernel", chosen["_attn_bwd_dq_kernel"]),
+        tuning.forced("attention_backward", FUSED if fused else SPLIT),
     ):
         got = attention_grads(
             lambda *t: fp.flash_attn(*t, causal=True, return_lse=True, deterministic=not fused),

@@ -221,7 +221,7 @@ def test_the_kernels_are_tuned_against_torch(monkeypatch):
     """On CUDA under ``auto`` each kernel's tile and the torch implementation are timed
     per key (here on the CPU, the tuner's path forced): the interpreter loses, and the
     results are the torch implementation's bits."""
-    from fusedpar.kernels import _impl, _tuning
+    from fusedpar.kernels import impl, tuning
     from fusedpar.kernels.rms_norm import rms_norm
 
     x, weight = randn((9, 40), torch.float16, 0), randn((40,), torch.float16, 1)
@@ -233,11 +233,11 @@ def test_the_kernels_are_tuned_against_torch(monkeypatch):
 
     with fp.implementation("torch"):
         expected = run()
-    _tuning.forget_picks()
-    monkeypatch.setattr(_impl, "runs_torch", lambda device: False)
+    tuning.forget_picks()
+    monkeypatch.setattr(impl, "runs_torch", lambda device: False)
     with fp.implementation("auto"):
         tuned = run()
     assert all(torch.equal(a, b) for a, b in zip(tuned, expected, strict=True))
-    picks = _tuning.all_picks()
+    picks = tuning.all_picks()
     for kernel in ("_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel"):
         assert list(picks[kernel].values()) == [{"implementation": "torch"}]

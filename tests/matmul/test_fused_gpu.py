@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 from fusedpar.kernels import matmul_fused as mf
-from fusedpar.kernels._tuning import Launch
+from fusedpar.kernels.tuning import Launch
 
 from bench.standin import CopyEngineGather
 from fusedpar import symmetric

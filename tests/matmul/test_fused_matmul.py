@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import triton
-from fusedpar.kernels import _tuning
 from fusedpar.kernels import matmul_fused as mf
+from fusedpar.kernels import tuning
 from fusedpar.kernels.matmul import matmul
 
 import fusedpar as fp
@@ -25,7 +25,7 @@ TILE = triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64})  # the inter
 
 def _plain(a, b, bias=None, out_dtype=None):
     """`matmul` (Triton's) at the fused kernel's interpreter tile."""
-    with fp.implementation("triton"), _tuning.forced("matmul", TILE):
+    with fp.implementation("triton"), tuning.forced("matmul", TILE):
         return matmul(a, b, bias=bias, out_dtype=out_dtype)
 
 
@@ -310,7 +310,7 @@ def _auto_with_fused(stale):
     transport that reads a chunk too early): the pick per key, and every warning."""
     import warnings
 
-    from fusedpar.kernels import _tuning
+    from fusedpar.kernels import tuning
 
     from fusedpar.ops import overlap
 
@@ -336,12 +336,12 @@ def _auto_with_fused(stale):
         torch.testing.assert_close(y.double(), X.double() @ w.double().T, rtol=1e-5, atol=1e-5)
         timings = {
             key: times
-            for (_, key), times in _tuning.tuner("tp_schedule").timings.items()
+            for (_, key), times in tuning.tuner("tp_schedule").timings.items()
             if key[:4] == ("all_gather_matmul", W, 16, 40)
         }
         picks = {
             key: c.kwargs["overlap"]
-            for (_, key), c in _tuning.tuner("tp_schedule").picks.items()
+            for (_, key), c in tuning.tuner("tp_schedule").picks.items()
             if key in timings
         }
         return list(picks.values()), list(timings.values()), [str(c.message) for c in caught]
@@ -354,7 +354,7 @@ def _auto_with_fused(stale):
             overlap.AUTO_CANDIDATES,
         ) = saved
         symmetric._TRANSPORTS.clear()
-        _tuning.tuner("tp_schedule").picks.clear()
+        tuning.tuner("tp_schedule").picks.clear()
 
 
 def test_auto_measures_fused_and_leaves_out_a_wrong_one(world):

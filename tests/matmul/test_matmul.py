@@ -374,11 +374,11 @@ def test_tma_and_pointer_paths_agree_bitwise(monkeypatch, a_t, b_t, mode):
     over their contiguous axis (``w.T`` too), and C is written through one where it is
     aligned: the same bits as the pointer path, with edges in M, N and K (72 x 40 x 88
     against 64-wide tiles; "rope": 5 heads of 8 turned in the epilogue)."""
-    from fusedpar.kernels import _common
+    from fusedpar.kernels import common
 
     M, N, K = 72, 40, 88
     a, b = _operand((M, K), torch.float16, 0, a_t), _operand((K, N), torch.float16, 1, b_t)
-    assert _common.tma_compatible(a, b)
+    assert common.tma_compatible(a, b)
 
     def run():
         if mode == "bias":
@@ -394,7 +394,7 @@ def test_tma_and_pointer_paths_agree_bitwise(monkeypatch, a_t, b_t, mode):
         return big
 
     with_tma = run()
-    monkeypatch.setattr(_common, "tma_compatible", lambda *tensors: False)
+    monkeypatch.setattr(common, "tma_compatible", lambda *tensors: False)
     assert torch.equal(with_tma, run())
 
 
@@ -486,9 +486,9 @@ def test_matmul_gpu(dtype, M, N, K, path, monkeypatch):
     """Both schedules (the GPU twin of the bitwise CPU test; fp32 reads through
     pointers), and the torch implementation."""
     if path == "pointer":
-        from fusedpar.kernels import _common
+        from fusedpar.kernels import common
 
-        monkeypatch.setattr(_common, "tma_compatible", lambda *tensors: False)
+        monkeypatch.setattr(common, "tma_compatible", lambda *tensors: False)
     with fp.implementation("torch" if path == "torch" else "triton"):
         check_matmul_gpu(dtype, M, N, K)
 
@@ -519,9 +519,9 @@ def test_rotating_epilogue_gpu(dtype, head_dim, path, monkeypatch):
     in the epilogue, on both schedules and the torch implementation, from a chunk's first
     row as a TP ring's GEMM is called."""
     if path == "pointer":
-        from fusedpar.kernels import _common
+        from fusedpar.kernels import common
 
-        monkeypatch.setattr(_common, "tma_compatible", lambda *tensors: False)
+        monkeypatch.setattr(common, "tma_compatible", lambda *tensors: False)
     M, K, N, first_row = 8192, 4096, 4 * head_dim, 4096
     a, w = randn((M, K), dtype, 0).cuda(), randn((N, K), dtype, 1).cuda()
     bias = randn((N,), dtype, 2).cuda()
@@ -546,9 +546,9 @@ def test_gated_matmul_gpu(activation, path, monkeypatch):
     """A dense SwiGLU's gate and up at TP 1 (Llama-8B: d 4096, h 14336) with 8192 tokens,
     against float64, on both schedules and the torch implementation."""
     if path == "pointer":
-        from fusedpar.kernels import _common
+        from fusedpar.kernels import common
 
-        monkeypatch.setattr(_common, "tma_compatible", lambda *tensors: False)
+        monkeypatch.setattr(common, "tma_compatible", lambda *tensors: False)
     M, K, N, dtype = 8192, 4096, 14336, torch.bfloat16
     a = randn((M, K), dtype, 0).cuda()
     wg, wu = (randn((N, K), dtype, i).cuda() for i in (1, 2))
@@ -573,9 +573,9 @@ def test_gated_grad_matmul_gpu(activation, path, monkeypatch):
     tokens, the down weight read as stored, against float64, on both schedules and the
     torch implementation."""
     if path == "pointer":
-        from fusedpar.kernels import _common
+        from fusedpar.kernels import common
 
-        monkeypatch.setattr(_common, "tma_compatible", lambda *tensors: False)
+        monkeypatch.setattr(common, "tma_compatible", lambda *tensors: False)
     M, K, N, dtype = 4096, 4096, 14336, torch.bfloat16
     dy, w_down = randn((M, K), dtype, 0).cuda(), randn((K, N), dtype, 1).cuda()
     gate, up = (randn((M, N), dtype, i).cuda() for i in (2, 3))
@@ -594,9 +594,9 @@ def test_gated_up_matmul_gpu(path, monkeypatch):
     4096, h 14336) for 8192 tokens, against float64, on both schedules and the torch
     implementation."""
     if path == "pointer":
-        from fusedpar.kernels import _common
+        from fusedpar.kernels import common
 
-        monkeypatch.setattr(_common, "tma_compatible", lambda *tensors: False)
+        monkeypatch.setattr(common, "tma_compatible", lambda *tensors: False)
     M, K, N, dtype = 8192, 4096, 14336, torch.bfloat16
     a, w_up = randn((M, K), dtype, 0).cuda(), randn((N, K), dtype, 1).cuda()
     b_up, gate = randn((N,), dtype, 2).cuda(), randn((M, N), dtype, 3).cuda()

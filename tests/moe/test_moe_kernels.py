@@ -11,8 +11,8 @@ or a row past the kept pairs that something reads, fails the comparison.
 import pytest
 import torch
 import triton
-from fusedpar.kernels import _tuning, moe_weight_grad
 from fusedpar.kernels import moe as moe_kernels
+from fusedpar.kernels import moe_weight_grad, tuning
 from fusedpar.kernels.moe import (
     SWIGLU_LIMIT,
     Swiglu,
@@ -337,13 +337,13 @@ def check_tile_independence(p, device, gemm_configs, wgrad_configs, exact=False)
             outs = []
             for config in configs:
                 setattr(module, name, lambda *_, c=config: [c])
-                _tuning.forget_picks()
+                tuning.forget_picks()
                 outs.append((config, run()))
             for config, out in outs[1:]:
                 assert torch.equal(out, outs[0][1]), f"{config} differs from {outs[0][0]}"
     finally:
         moe_kernels._gemm_candidates, moe_weight_grad._weight_grad_candidates = real
-        _tuning.forget_picks()
+        tuning.forget_picks()
 
 
 def test_gemm_bits_do_not_depend_on_the_tile(triton_kernels):
@@ -683,7 +683,7 @@ def test_grouped_mm_candidate_gpu():
     from fusedpar.kernels import moe_torch
 
     x, w, counts, _ = _down_projection(3000, [700, 0, 1300, 900, 100], device="cuda")
-    with fp.implementation("auto"), _tuning.forced("grouped_matmul", moe_torch.GROUPED_MM):
+    with fp.implementation("auto"), tuning.forced("grouped_matmul", moe_torch.GROUPED_MM):
         y = moe_kernels.grouped_matmul(x, w, counts)
     ref = grouped_matmul_reference(x.double(), w.double(), counts)
     assert_close(y, ref, grouped_matmul_reference(x, w, counts), name="grouped_mm")

@@ -16,11 +16,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SUBPACKAGES = ("kernels", "ops", "nn", "plan", "integrations", "testing")
 
-# kernels' own toolbox, private in name, which fusedpar's ops, layers and harness import
-# names from (`from fusedpar.kernels._common import accumulator`): the modules may be
-# named so, their names imported; the modules themselves (`from fusedpar.kernels import
-# _impl`) may not.
-KERNEL_TOOLBOX = ("fusedpar.kernels._common", "fusedpar.kernels._impl", "fusedpar.kernels._tuning")
 # Imports inside a function, each for laziness (a heavy optional dependency), not a cycle.
 LAZY = {
     # hf.Trainer: Hugging Face's Trainer takes a second to import and needs accelerate
@@ -111,14 +106,9 @@ def test_no_private_name_crosses_a_boundary():
                 # the module path past the shared root: a private module is not imported
                 owner = _boundary(source).split(".")
                 private_path = any(_private(p) for p in source.split(".")[len(owner) :])
-                if (
-                    name is None
-                    and private_path
-                    and source not in KERNEL_TOOLBOX
-                    or (name is None and _private(source.rpartition(".")[2]))
-                ):
+                if name is None and private_path:
                     bad.append(f"{_where(module, node)}: the private module {source}")
-                elif private_path and source not in KERNEL_TOOLBOX:
+                elif private_path:
                     bad.append(f"{_where(module, node)}: {name} from the private module {source}")
                 elif name is not None and _private(name):
                     bad.append(f"{_where(module, node)}: {source}.{name}")
@@ -205,16 +195,12 @@ def test_import_fusedpar_leaves_the_harness_unloaded():
 # A module docstring says what the module is for, its entry points and shapes; its history
 # and the longer story belong in docs/ and commit messages.
 DOCSTRING_LINES = 20
-# A temporary exception, owned by the mask change (AttentionMask): removed once it lands.
-LONG_DOCSTRING_ALLOWED = ("kernels/attention/mask.py",)
 
 
 def test_module_docstrings_are_short():
     long = {}
     for path in FILES.values():
         where = path.relative_to(ROOT).as_posix()
-        if where in LONG_DOCSTRING_ALLOWED:
-            continue
         doc = ast.get_docstring(ast.parse(path.read_text(), str(path)))
         if doc is not None and len(doc.splitlines()) > DOCSTRING_LINES:
             long[where] = len(doc.splitlines())

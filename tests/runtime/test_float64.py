@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from fusedpar.kernels import _impl, _tuning
+from fusedpar.kernels import impl, tuning
 from fusedpar.kernels.attention import AttentionMask, attention_reference
 from fusedpar.kernels.rms_norm import rms_norm_reference
 from torch import nn
@@ -328,10 +328,10 @@ def test_every_layer_takes_float64():
 def test_every_op_and_layer_takes_float64_on_cuda_and_times_no_tile():
     """On CUDA under ``auto``: torch's implementation computes float64 (the same checks
     as the CPU tier), and the tuner timed nothing for it: no Triton tile is a candidate."""
-    _tuning.forget_picks()
+    tuning.forget_picks()
     with fp.implementation("auto"):
         assert check_ops("cuda") and check_layers("cuda")
-    picks = _tuning.all_picks()
+    picks = tuning.all_picks()
     assert not any("float64" in key for kernel in picks.values() for key in kernel), picks
 
 
@@ -507,7 +507,7 @@ def test_triton_refuses_float64_on_every_rank_before_any_collective(world, trito
 
 
 def test_float64_runs_torch_and_is_no_tuning_candidate():
-    """The rule the launchers ask (`_impl.runs_torch`), on a CUDA tensor's description
+    """The rule the launchers ask (`impl.runs_torch`), on a CUDA tensor's description
     (no GPU here): float64 runs torch's implementation outright under ``auto`` and
     ``torch`` (so no tuner, which would time Triton's tiles, is reached), a TypeError
     under ``triton``; fp32 on CUDA under ``auto`` still tunes."""
@@ -517,8 +517,8 @@ def test_float64_runs_torch_and_is_no_tuning_candidate():
     )
     for name in ("auto", "torch"):
         with fp.implementation(name):
-            assert _impl.runs_torch(f64)
+            assert impl.runs_torch(f64)
     with fp.implementation("auto"):
-        assert not _impl.runs_torch(f32) and _impl.tunes_torch()
+        assert not impl.runs_torch(f32) and impl.tunes_torch()
     with fp.implementation("triton"), pytest.raises(TypeError, match=TRITON_FLOAT64):
-        _impl.runs_torch(f64)
+        impl.runs_torch(f64)

@@ -91,9 +91,9 @@ def test_only_the_packages_calls_count():
 
 
 def test_a_read_of_host_memory_on_a_cpu_path_is_not_a_sync():
-    from fusedpar.kernels import _impl
+    from fusedpar.kernels import impl
 
-    @_impl.cpu_path
+    @impl.cpu_path
     def cpu_only(t):
         return t.sum().item()
 

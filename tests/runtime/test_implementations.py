@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fusedpar.kernels import _impl, _tuning
+from fusedpar.kernels import impl, tuning
 from fusedpar.kernels.attention import AttentionMask, attention_forward, attention_reference
 from fusedpar.kernels.matmul import matmul
 
@@ -30,23 +30,23 @@ ROOT = Path(__file__).resolve().parents[2]
 def clean(monkeypatch):
     for name in ("FUSEDPAR_IMPL", "FUSEDPAR_TUNING", "FUSEDPAR_TUNING_CACHE"):
         monkeypatch.delenv(name, raising=False)
-    _tuning.forget_picks()
+    tuning.forget_picks()
     yield
-    _tuning.forget_picks()
+    tuning.forget_picks()
 
 
 def test_the_request_comes_from_the_context_then_the_environment(monkeypatch):
-    assert _impl.requested() == "auto"
+    assert impl.requested() == "auto"
     monkeypatch.setenv("FUSEDPAR_IMPL", "torch")
-    assert _impl.requested() == "torch"
+    assert impl.requested() == "torch"
     with fp.implementation("triton"):
-        assert _impl.requested() == "triton"
+        assert impl.requested() == "triton"
         with fp.implementation("auto"):
-            assert _impl.requested() == "auto"
-    assert _impl.requested() == "torch"
+            assert impl.requested() == "auto"
+    assert impl.requested() == "torch"
     monkeypatch.setenv("FUSEDPAR_IMPL", "cuda")
     with pytest.raises(ValueError, match="FUSEDPAR_IMPL must be one of auto, triton, torch"):
-        _impl.requested()
+        impl.requested()
     with pytest.raises(ValueError, match="implementation must be one of"), fp.implementation("x"):
         pass
 
@@ -56,7 +56,7 @@ def test_auto_runs_torch_on_a_cpu_and_tunes_nothing():
     with fp.implementation("auto"):
         out = fp.flash_attn(q, k, v, causal=True)
         matmul(q[0, :, 0], k[0, :, 0].T)
-    assert _tuning.all_picks() == {}  # no tuner ran: torch outright
+    assert tuning.all_picks() == {}  # no tuner ran: torch outright
     causal = AttentionMask(causal=True)
     ref, _ = attention_reference(*(t.double() for t in (q, k, v)), causal)
     assert_close(out, ref, attention_reference(q, k, v, causal)[0])
@@ -75,7 +75,7 @@ def _tuned_picks(request):
     ref, _ = attention_reference(*(t.double() for t in (q, k, v)), causal)
     assert_close(out, ref, attention_reference(q, k, v, causal)[0])
     assert_close(c, a.double() @ b.double(), a @ b)
-    return _tuning.all_picks()
+    return tuning.all_picks()
 
 
 def test_the_tuner_chooses_between_tiles_and_torch(monkeypatch):
@@ -83,13 +83,13 @@ def test_the_tuner_chooses_between_tiles_and_torch(monkeypatch):
     faster (torch: the interpreter runs programs one by one in Python) and records it
     as a pick; under ``triton`` it is no candidate, and the two requests keep their own
     picks."""
-    monkeypatch.setattr(_impl, "runs_torch", lambda t, name=None: False)
+    monkeypatch.setattr(impl, "runs_torch", lambda t, name=None: False)
 
     def timed(fn, device):  # torch the faster: the interpreter's own times (three runs of
         # one program) came out below torch's matmul now and then on a loaded machine
-        return 1.0 if isinstance(fn.__defaults__[0], _impl.Torch) else 2.0
+        return 1.0 if isinstance(fn.__defaults__[0], impl.Torch) else 2.0
 
-    monkeypatch.setattr(_tuning, "_time_ms", timed)
+    monkeypatch.setattr(tuning, "_time_ms", timed)
     auto = _tuned_picks("auto")
     for kernel in ("_attn_fwd_kernel", "matmul"):
         (pick,) = auto[kernel].values()
@@ -104,16 +104,16 @@ def test_the_tuner_chooses_between_tiles_and_torch(monkeypatch):
 def test_cuda_matmul_offers_cublas_only_for_its_contract(monkeypatch):
     """Adding into C, or an fp32 C of 16-bit operands, is not one cuBLAS call: there torch
     is no candidate (never a different answer, only a different speed)."""
-    monkeypatch.setattr(_impl, "runs_torch", lambda t, name=None: False)
+    monkeypatch.setattr(impl, "runs_torch", lambda t, name=None: False)
     a, b = randn((16, 32), torch.float16, 0), randn((32, 16), torch.float16, 1)
     with fp.implementation("auto"):
         matmul(a, b, out=torch.zeros(16, 16), accumulate=True)
-    (pick,) = _tuning.all_picks()["matmul"].values()
+    (pick,) = tuning.all_picks()["matmul"].values()
     assert "kwargs" in pick
 
 
 def _requested_here():
-    return _impl.requested()
+    return impl.requested()
 
 
 def test_a_world_carries_the_request_to_its_ranks(world):
@@ -159,7 +159,7 @@ def test_a_thread_without_the_context_sees_the_active_request():
 
     def seen_in_a_thread():
         seen = []
-        thread = threading.Thread(target=lambda: seen.append(_impl.requested()))
+        thread = threading.Thread(target=lambda: seen.append(impl.requested()))
         thread.start()
         thread.join()
         return seen[0]
@@ -178,13 +178,13 @@ def test_a_pick_of_torch_never_reaches_a_call_it_cannot_run(monkeypatch):
     not on the tuner's buckets: the two kinds of call keep their own picks."""
     from fusedpar.kernels.attention import torch_impl
 
-    monkeypatch.setattr(_impl, "runs_torch", lambda t, name=None: False)
+    monkeypatch.setattr(impl, "runs_torch", lambda t, name=None: False)
     q, k, v = (randn((1, n, 2, 16), torch.float32, i) for i, n in enumerate((40, 60, 60)))
     monkeypatch.setattr(torch_impl, "CUDA_SCORES_LIMIT", 2 * 40 * 40)
     with fp.implementation("auto"):
         attention_forward(q, k[:, :40], v[:, :40])  # capable: torch wins the key
         attention_forward(q[:, :33], k, v)  # the same buckets (64, 64), over the bound
-    picks = list(_tuning.all_picks()["_attn_fwd_kernel"].values())
+    picks = list(tuning.all_picks()["_attn_fwd_kernel"].values())
     assert {"implementation": "torch"} in picks and any("kwargs" in p for p in picks)
 
 
@@ -253,12 +253,12 @@ def test_the_row_kernels_are_tuned_against_torch_indexing(monkeypatch):
         gathered, combined, dw = run()
     assert torch.equal(gathered, expected[0]) and torch.equal(combined, expected[1])
     torch.testing.assert_close(dw, expected[2])
-    _tuning.forget_picks()
-    monkeypatch.setattr(_impl, "runs_torch", lambda t, name=None: False)
+    tuning.forget_picks()
+    monkeypatch.setattr(impl, "runs_torch", lambda t, name=None: False)
     with fp.implementation("auto"):
         tuned = run()
     for got, want in zip(tuned, expected, strict=True):
         assert torch.equal(got, want)
-    picks = _tuning.all_picks()
+    picks = tuning.all_picks()
     for kernel in ("_gather_rows_kernel", "_combine_kernel", "_combine_weight_grad_kernel"):
         assert list(picks[kernel].values()) == [{"implementation": "torch"}]

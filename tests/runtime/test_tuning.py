@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import triton
-from fusedpar.kernels import _tuning
+from fusedpar.kernels import tuning
 from fusedpar.kernels.matmul import matmul
 
 import fusedpar as fp
@@ -41,13 +41,13 @@ def _sleepy(ms_per_config, calls):
 def clean_picks(monkeypatch):
     for name in ("FUSEDPAR_TUNING", "FUSEDPAR_TUNING_CACHE"):  # the tests set their own
         monkeypatch.delenv(name, raising=False)
-    _tuning.forget_picks()
+    tuning.forget_picks()
     yield
-    _tuning.forget_picks()
+    tuning.forget_picks()
 
 
 def test_times_every_candidate_once_then_reuses_the_pick():
-    tuner, calls = _tuning.Tuner("t"), []
+    tuner, calls = tuning.Tuner("t"), []
     launch = _sleepy({16: 20, 32: 1}, calls)
     pick = tuner.run(("k",), candidates, launch, device=CPU)
     assert pick.kwargs["BLOCK_M"] == 32 and tuner.tuned == 1
@@ -60,7 +60,7 @@ def test_a_candidate_whose_own_tiles_do_not_compile_is_skipped():
     """A candidate that is itself a tuned launch (the fused attention backward) and
     finds no tile that compiles loses to the others, as a tile that does not compile
     does; when none is left, the error says so."""
-    tuner, inner = _tuning.Tuner("outer"), _tuning.Tuner("inner")
+    tuner, inner = tuning.Tuner("outer"), tuning.Tuner("inner")
 
     def out_of_resources(config):
         from triton.runtime.errors import OutOfResources
@@ -72,12 +72,12 @@ def test_a_candidate_whose_own_tiles_do_not_compile_is_skipped():
             inner.run(("k",), candidates, out_of_resources, device=CPU)
 
     assert tuner.run(("k",), candidates, launch, device=CPU).kwargs["BLOCK_M"] == 32
-    with pytest.raises(_tuning.NoConfigCompiles, match="no candidate config compiles"):
+    with pytest.raises(tuning.NoConfigCompiles, match="no candidate config compiles"):
         tuner.run(("k2",), lambda: CONFIGS[:1] * 2, launch, device=CPU)
 
 
 def test_restores_what_the_kernel_adds_into_after_timing():
-    tuner, acc = _tuning.Tuner("t"), torch.zeros(3)
+    tuner, acc = tuning.Tuner("t"), torch.zeros(3)
 
     def accumulate(config):
         acc.add_(1.0)
@@ -89,13 +89,13 @@ def test_restores_what_the_kernel_adds_into_after_timing():
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_matmul_restores_c_only_when_accumulating(monkeypatch, accumulate):
     seen = []
-    original = _tuning.Tuner.run
+    original = tuning.Tuner.run
 
     def spy(self, key, candidates, launch, **kwargs):
         seen.append(len(kwargs["restore"]))
         return original(self, key, candidates, launch, **kwargs)
 
-    monkeypatch.setattr(_tuning.Tuner, "run", spy)
+    monkeypatch.setattr(tuning.Tuner, "run", spy)
     a, b = randn((5, 7), torch.float32, 0), randn((7, 3), torch.float32, 1)
     matmul(a, b, out=torch.zeros(5, 3), accumulate=accumulate)
     assert seen == [1 if accumulate else 0]
@@ -107,41 +107,41 @@ def test_growing_lengths_share_a_bucket():
     for m in (33, 40, 64):  # one bucket: 64
         matmul(a[:m], b)
     matmul(a[:20], b)  # bucket 32
-    assert _tuning.tuner("matmul").tuned == 2
+    assert tuning.tuner("matmul").tuned == 2
     q = randn((1, 70, 2, 16), torch.float32, 2)
     for s in (65, 70):  # attention keys bucket Sq and Skv alike
         fp.flash_attn(q[:, :s], q[:, :s], q[:, :s])
-    assert _tuning.tuner("_attn_fwd_kernel").tuned == 1
+    assert tuning.tuner("_attn_fwd_kernel").tuned == 1
 
 
 def test_first_candidate_without_timing(monkeypatch):
     monkeypatch.setenv("FUSEDPAR_TUNING", "first")
     calls = []
-    pick = _tuning.Tuner("t").run(("k",), candidates, _sleepy({16: 5, 32: 1}, calls), device=CPU)
+    pick = tuning.Tuner("t").run(("k",), candidates, _sleepy({16: 5, 32: 1}, calls), device=CPU)
     assert pick.kwargs["BLOCK_M"] == 16 and calls == [16]
 
 
 def test_picks_survive_in_the_cache_file(monkeypatch, tmp_path):
     monkeypatch.setenv("FUSEDPAR_TUNING_CACHE", str(tmp_path / "picks.json"))
     calls = []
-    _tuning.Tuner("t").run(("k", 1), candidates, _sleepy({16: 20, 32: 1}, calls), device=CPU)
+    tuning.Tuner("t").run(("k", 1), candidates, _sleepy({16: 20, 32: 1}, calls), device=CPU)
     calls.clear()
-    pick = _tuning.Tuner("t").run(("k", 1), candidates, _sleepy({16: 20, 32: 1}, calls), device=CPU)
+    pick = tuning.Tuner("t").run(("k", 1), candidates, _sleepy({16: 20, 32: 1}, calls), device=CPU)
     assert pick.kwargs["BLOCK_M"] == 32 and calls == [32]  # read back, not timed again
 
 
 def test_frozen_loops_refuse_to_tune():
-    tuner = _tuning.Tuner("t")
-    with _tuning.frozen("a test loop", None), pytest.raises(RuntimeError, match="a test loop"):
+    tuner = tuning.Tuner("t")
+    with tuning.frozen("a test loop", None), pytest.raises(RuntimeError, match="a test loop"):
         tuner.run(("k",), candidates, lambda c: None, device=CPU)
     tuner.run(
-        ("k",), candidates, lambda c: None, device=CPU, launch_as=_tuning.Launch(tune_only=True)
+        ("k",), candidates, lambda c: None, device=CPU, launch_as=tuning.Launch(tune_only=True)
     )
-    with _tuning.frozen("a test loop", None):
+    with tuning.frozen("a test loop", None):
         tuner.run(("k",), candidates, lambda c: None, device=CPU)  # tuned: fine
-    other = _tuning.Agreement("group x", lambda t: t)
-    with _tuning.frozen("a test loop", None), pytest.raises(RuntimeError, match="group x"):
-        tuner.run(("k",), candidates, lambda c: None, device=CPU, launch_as=_tuning.Launch(other))
+    other = tuning.Agreement("group x", lambda t: t)
+    with tuning.frozen("a test loop", None), pytest.raises(RuntimeError, match="group x"):
+        tuner.run(("k",), candidates, lambda c: None, device=CPU, launch_as=tuning.Launch(other))
 
 
 def _agree_on_a_tile():
@@ -149,10 +149,10 @@ def _agree_on_a_tile():
     81 against 45, so both pick 32."""
     rank = dist.get_rank()
     times = {16: 1, 32: 40} if rank == 0 else {16: 80, 32: 5}
-    alone = _tuning.Tuner("alone").run(("k",), candidates, _sleepy(times, []), device=CPU)
+    alone = tuning.Tuner("alone").run(("k",), candidates, _sleepy(times, []), device=CPU)
     agreement = fp.comm.tuning_agreement(dist.group.WORLD, torch.device("cpu"))
-    together = _tuning.Tuner("together").run(
-        ("k",), candidates, _sleepy(times, []), device=CPU, launch_as=_tuning.Launch(agreement)
+    together = tuning.Tuner("together").run(
+        ("k",), candidates, _sleepy(times, []), device=CPU, launch_as=tuning.Launch(agreement)
     )
     return alone.kwargs["BLOCK_M"], together.kwargs["BLOCK_M"]
 
@@ -164,7 +164,7 @@ def test_ranks_of_a_group_agree_on_one_pick(world):
 def _ring_without_tuning_step():
     from fusedpar.ops import ring_attention
 
-    _tuning.forget_picks()
+    tuning.forget_picks()
     ring_attention._tuned_launches = lambda size: ()  # skip the tuning step
     q = randn((1, 8, 2, 16), torch.float32, dist.get_rank())
     fp.ring_attn(q, q, q, dist.group.WORLD, causal=True)
@@ -191,15 +191,15 @@ def test_tuning_on_a_gpu_leaves_one_result(accumulate):
     c = torch.randn(1000, 384, device="cuda", dtype=torch.float32)
     expected = (c.double() if accumulate else 0) + a.double() @ b.double()
     matmul(a, b, out=c, accumulate=accumulate)
-    assert _tuning.tuner("matmul").timings, "nothing was tuned"
-    assert len(next(iter(_tuning.tuner("matmul").timings.values()))) > 1
+    assert tuning.tuner("matmul").timings, "nothing was tuned"
+    assert len(next(iter(tuning.tuner("matmul").timings.values()))) > 1
     torch.testing.assert_close(c.double(), expected, rtol=2e-2, atol=2e-2)
 
 
 def test_a_forced_config_runs_without_timing_or_caching():
-    tuner, calls = _tuning.Tuner("t"), []
+    tuner, calls = tuning.Tuner("t"), []
     launch = _sleepy({16: 1, 32: 1}, calls)
-    with _tuning.forced("t", CONFIGS[1]):
+    with tuning.forced("t", CONFIGS[1]):
         assert tuner.run(("k",), candidates, launch, device=CPU) is CONFIGS[1]
     assert calls == [32] and not tuner.picks and tuner.tuned == 0
 
@@ -230,24 +230,24 @@ def test_a_settled_pick_skips_the_tuner_until_overridden(monkeypatch, name):
     """Once a key's pick is made, a planned launch reuses its grid and keywords and skips
     `Tuner.run`; a forced config, a frozen loop or forgotten picks send it back there."""
     runs = []
-    original = _tuning.Tuner.run
+    original = tuning.Tuner.run
 
     def spy(self, *args, **kwargs):
         runs.append(self.name)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(_tuning.Tuner, "run", spy)
+    monkeypatch.setattr(tuning.Tuner, "run", spy)
     call = _launchers()[name]
     first = call()
     assert runs == [name]
     again = call()
     assert runs == [name], "a settled pick went through the tuner again"
     assert torch.equal(first, again)
-    (pick,) = _tuning.tuner(name).picks.values()
-    with _tuning.forced(name, pick):
+    (pick,) = tuning.tuner(name).picks.values()
+    with tuning.forced(name, pick):
         call()
-    with _tuning.frozen("a test loop", None):
+    with tuning.frozen("a test loop", None):
         call()
-    _tuning.forget_picks()
+    tuning.forget_picks()
     assert torch.equal(call(), first)
     assert runs == [name] * 4

@@ -7,7 +7,7 @@ import contextlib
 import math
 
 import torch
-from fusedpar.kernels import _common
+from fusedpar.kernels import common
 
 from fusedpar.testing import compile_gate as gate
 
@@ -35,18 +35,18 @@ def _fp32_precision(precision):
 def _tma(allowed):
     """With `allowed` False, the launchers find no input TMA can read: the kernels'
     pointer path, as an A100 (or tiles TMA cannot address) gets it, on aligned tensors."""
-    saved = _common.tma_compatible
+    saved = common.tma_compatible
     if not allowed:
-        _common.tma_compatible = lambda *tensors: False
+        common.tma_compatible = lambda *tensors: False
     try:
         yield
     finally:
-        _common.tma_compatible = saved
+        common.tma_compatible = saved
 
 
 BLOCKS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 # Kernels that read tiles through TMA descriptors where the launcher finds them usable
-# (`_common.tma_compatible`): always on the gate's aligned CPU tensors, never on an A100.
+# (`common.tma_compatible`): always on the gate's aligned CPU tensors, never on an A100.
 TMA_KERNELS = {
     "_attn_fwd_kernel": ("TMA", "OUT_TMA"),
     "_attn_bwd_dq_kernel": ("TMA",),

@@ -171,7 +171,7 @@ def _auto_measured():
     """Two calls of an all-gather GEMM under "auto" with the measuring switched on (it
     times only on GPUs): the pick made on the first call, agreed, and the collectives of
     the second (the picked schedule's alone)."""
-    from fusedpar.kernels import _tuning
+    from fusedpar.kernels import tuning
 
     from fusedpar.ops import overlap
 
@@ -185,7 +185,7 @@ def _auto_measured():
             y = fp.all_gather_matmul(x, w, WORLD, overlap="auto")
         picks = {
             key: c.kwargs["overlap"]
-            for (_, key), c in _tuning.tuner("tp_schedule").picks.items()
+            for (_, key), c in tuning.tuner("tp_schedule").picks.items()
             if key[:3] == ("all_gather_matmul", W, 16) and key[3] == 12
         }
         with Collectives() as second:

@@ -4,7 +4,7 @@ A launcher hands `Tuner.run` (``tuner(name)``) a key, the candidate configs and
 ``launch(config)``; the tuner returns the pick for that key, timing every candidate once
 on a miss. Keys bucket lengths (`bucket`: the next power of two); buffers the kernel
 reads back (``restore``) are copied aside and put back around the timing; a config that
-does not compile is skipped; a candidate may be `_impl.Torch`, torch's implementation.
+does not compile is skipped; a candidate may be `impl.Torch`, torch's implementation.
 `Launch` says how a call meets the tuner: an `Agreement` (each rank of a group times
 every candidate, the times are summed in one collective, the lowest sum wins: one pick
 on every rank) and ``tune_only`` (pick, launch nothing), with which ring and TP loops
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 import triton
-from fusedpar.kernels import _impl
-from fusedpar.kernels._common import device_guard, next_power_of_2
+from fusedpar.kernels import impl
+from fusedpar.kernels.common import device_guard, next_power_of_2
 
 _FROZEN = contextvars.ContextVar("fusedpar_tuning_frozen", default=None)
 _FORCED = contextvars.ContextVar("fusedpar_tuning_forced", default=None)
@@ -164,7 +164,7 @@ def _time_ms(fn: Callable[[], None], device: torch.device) -> float:
 
 
 def _describe(config) -> dict:
-    if isinstance(config, _impl.Torch):
+    if isinstance(config, impl.Torch):
         return {"implementation": config.name}
     return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps,
             "num_stages": config.num_stages}  # fmt: skip
@@ -177,12 +177,12 @@ def _verbose() -> bool:
 
 def _full_key(key: tuple) -> tuple:
     """A launcher's key with the implementation asked for (its candidates depend on it)."""
-    return (*key, ("implementation", _impl.requested()))
+    return (*key, ("implementation", impl.requested()))
 
 
 def local_scope(key: tuple, request: str) -> tuple:
     """Where `Tuner.picks` keeps the pick made for `key` with no agreement, under the
-    implementation `request` (`_impl.requested`)."""
+    implementation `request` (`impl.requested`)."""
     return None, (*key, ("implementation", request))
 
 
@@ -205,7 +205,7 @@ class Tuner:
         first: the pick, when it is made and no forced config or frozen loop is in
         force; else None (then `run` it). A planned launcher that kept its arguments
         for that pick launches with them directly (host time: bench/host_overhead.py)."""
-        return kept(self.name, local_scope(key, _impl.requested()))
+        return kept(self.name, local_scope(key, impl.requested()))
 
     def run(
         self,
@@ -220,8 +220,8 @@ class Tuner:
         """Launch with the pick for `key` (timing the configs ``candidates()`` lists first
         on a miss: they are built only then, not on every launch). `launch_as` (`Launch`):
         the group that picks together, and with ``tune_only`` make the pick if missing and
-        launch nothing more. A candidate may be `_impl.Torch` (``launch`` then runs the
-        torch implementation); the implementation asked for (`_impl.requested`) is part of
+        launch nothing more. A candidate may be `impl.Torch` (``launch`` then runs the
+        torch implementation); the implementation asked for (`impl.requested`) is part of
         the key."""
         agreement, tune_only = launch_as.agreement, launch_as.tune_only
         key = _full_key(key)
@@ -269,7 +269,7 @@ class Tuner:
                     times.append(float("inf"))
                 except Exception:  # torch's implementation failed here (out of memory, a
                     # shape it refuses): never picked, never the end of the tuning
-                    if not isinstance(config, _impl.Torch):
+                    if not isinstance(config, impl.Torch):
                         raise
                     times.append(float("inf"))
             for t, s in zip(restore, saved, strict=True):
@@ -351,10 +351,10 @@ def run_tile_or_torch(kernel, tile: dict, grid, args, meta, key, device_tensor, 
         return
 
     def candidates():
-        return [config, *([_impl.TORCH] if _impl.tunes_torch() else [])]
+        return [config, *([impl.TORCH] if impl.tunes_torch() else [])]
 
     def launch(choice):
-        if isinstance(choice, _impl.Torch):
+        if isinstance(choice, impl.Torch):
             torch_run()
         else:
             kernel[grid(choice.kwargs)](*args, **meta, **choice.all_kwargs())

@@ -4,11 +4,11 @@ import contextlib
 import functools
 
 import torch
-from fusedpar.kernels import _impl
+from fusedpar.kernels import impl
 
-# What the ops take: Triton's kernels' dtypes (`_impl.KERNEL_DTYPES`), and float64 on
-# torch's implementation only (`_impl.runs_torch`).
-FLOAT_DTYPES = (*_impl.KERNEL_DTYPES, torch.float64)
+# What the ops take: Triton's kernels' dtypes (`impl.KERNEL_DTYPES`), and float64 on
+# torch's implementation only (`impl.runs_torch`).
+FLOAT_DTYPES = (*impl.KERNEL_DTYPES, torch.float64)
 
 
 def accumulator(dtype: torch.dtype) -> torch.dtype:
@@ -61,12 +61,12 @@ def check_launchable(kernel, *tensors: torch.Tensor) -> None:
 
 def check_float_dtype(name: str, tensor: torch.Tensor, allowed=FLOAT_DTYPES) -> None:
     """TypeError unless `tensor`'s dtype is `allowed`; float64 also under an explicit
-    ``triton`` request (`_impl.refuse_float64`: its kernels do not take it)."""
+    ``triton`` request (`impl.refuse_float64`: its kernels do not take it)."""
     if tensor.dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
         raise TypeError(f"{name} must be one of {names}, got {tensor.dtype}")
-    if tensor.dtype == torch.float64 and _impl.requested() == "triton":
-        _impl.refuse_float64(name)
+    if tensor.dtype == torch.float64 and impl.requested() == "triton":
+        impl.refuse_float64(name)
 
 
 def fp32_dot_precision() -> str:

@@ -13,7 +13,7 @@ implementation of its whole contract: never a different answer, only a different
 The request: `implementation` (a context manager) or else ``FUSEDPAR_IMPL``, read when
 a launcher runs, never at import; ``auto`` by default. A launcher asks `runs_torch`, and
 offers `TORCH` (a `Torch`) to the tuner beside its tiles. float64 runs torch's
-implementation only, in float64 throughout (`fusedpar.kernels._common.accumulator`):
+implementation only, in float64 throughout (`fusedpar.kernels.common.accumulator`):
 Triton's kernels take `KERNEL_DTYPES`, and ``triton`` with float64 is a TypeError
 (`refuse_float64`), never a silent switch. Why, and Triton's interpreter on a CPU:
 docs/architecture.md, "Two implementations of every op".
