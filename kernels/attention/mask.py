@@ -205,8 +205,11 @@ class AttentionMask:
     intervals: Intervals | None = None
 
     def __post_init__(self):
-        if not isinstance(self.causal, bool):
-            raise TypeError(f"causal must be a bool, got {self.causal!r}")
+        # Any truthy Python value reads as before the mask existed (``causal=1``); a tensor
+        # would make every call a host sync, so it is refused.
+        if isinstance(self.causal, torch.Tensor):
+            raise TypeError("causal must be a Python bool, not a tensor")
+        object.__setattr__(self, "causal", bool(self.causal))
         object.__setattr__(self, "window", check_window(self.window))
         object.__setattr__(self, "softcap", check_softcap(self.softcap))
         check_softmax_scale(self.softmax_scale)

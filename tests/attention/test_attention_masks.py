@@ -401,3 +401,12 @@ def test_every_forward_tile_splits_an_order_chunk():
                 for config in forward_configs(D, dtype, modes):
                     assert ORDER_CHUNK % config.kwargs["BLOCK_M"] == 0, (D, dtype, config)
     assert ORDER_CHUNK % INTERPRETER_MAX_BLOCK == 0
+
+
+def test_causal_reads_any_truthy_value_but_not_a_tensor():
+    # as before the mask existed: `causal=1` is causal, `causal=0` is not
+    assert AttentionMask(causal=1).causal is True and AttentionMask(causal=0).causal is False
+    q, k, v = (randn((1, 9, 2, 8), torch.float32, seed=i) for i in range(3))
+    assert torch.equal(fp.flash_attn(q, k, v, causal=1), fp.flash_attn(q, k, v, causal=True))
+    with pytest.raises(TypeError, match="Python bool, not a tensor"):
+        AttentionMask(causal=torch.tensor(True))

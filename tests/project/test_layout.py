@@ -205,3 +205,46 @@ def test_module_docstrings_are_short():
         if doc is not None and len(doc.splitlines()) > DOCSTRING_LINES:
             long[where] = len(doc.splitlines())
     assert not long, f"module docstrings over {DOCSTRING_LINES} lines: {long}"
+
+
+# Functions with more than this many parameters (self aside; Triton kernels aside, whose
+# argument lists are pointers, strides and sizes). The entries users call with keywords,
+# and only they, may pass it, and no more than MAX_LONG_SIGNATURES of them: a concept that
+# crosses layers travels as one value (AttentionMask, Placement, a spec).
+MAX_PARAMETERS = 10
+MAX_LONG_SIGNATURES = 15
+KEYWORD_ENTRIES = {
+    "fusedpar.nn.attention": {"__init__", "from_dense"},
+    "fusedpar.nn.mla": {"__init__"},
+    "fusedpar.nn.moe": {"__init__"},
+    "fusedpar.nn.linear": {"__init__"},
+    "fusedpar.ops.attention": {"flash_attn_varlen"},
+    "fusedpar.ops.ring_attention": {"ring_attn"},
+    "fusedpar.ops.ulysses": {"ulysses_attn"},
+    "fusedpar.ops.virtual_ring": {"virtual_ring_attn"},
+    "fusedpar.ops.mla_ring": {"forward"},  # an autograd.Function's, one per saved input
+    "fusedpar.ops.linear": {"all_gather_matmul"},
+    "fusedpar.plan.estimate": {"estimate"},
+    "fusedpar.plan.search": {"search"},
+    "fusedpar.pipeline": {"split"},
+}
+
+
+def _is_triton_kernel(node) -> bool:
+    return any("jit" in ast.unparse(d) for d in node.decorator_list)
+
+
+def test_long_signatures_are_few_and_only_users_entries():
+    long = []
+    for module, path in FILES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            a = node.args
+            names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+            count = len([n for n in names if n not in ("self", "cls")])
+            if count > MAX_PARAMETERS and not _is_triton_kernel(node):
+                long.append((module, node.name, count, f"{path.relative_to(ROOT)}:{node.lineno}"))
+    stray = [row for row in long if row[1] not in KEYWORD_ENTRIES.get(row[0], ())]
+    assert not stray, f"over {MAX_PARAMETERS} parameters, not a user's entry: {stray}"
+    assert len(long) <= MAX_LONG_SIGNATURES, f"{len(long)} long signatures: {long}"
