@@ -89,9 +89,16 @@ class GatedDeltaNet(FromSpec, RotaryPositions, nn.Module):
     _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 
     def __init__(
-        self, d_model, n_k_heads, n_v_heads=None, *, head_k_dim, device=None, dtype=None,
+        self,
+        d_model,
+        n_k_heads,
+        n_v_heads=None,
+        *,
+        head_k_dim,
+        device=None,
+        dtype=None,
         **options,
-    ):  # fmt: skip
+    ):
         what = "GatedDeltaNet"
         spec = GatedDeltaNetSpec(
             d_model,

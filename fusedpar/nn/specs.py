@@ -1,25 +1,23 @@
 """What a layer computes, apart from where it runs: one frozen spec per layer, validated
 when made, and `FromSpec`, the layers' ``from_spec(spec, placement)``.
 
-| layer               | spec            | the placement's fields it reads                  |
-| ------------------- | --------------- | ------------------------------------------------ |
-| `ParallelAttention` | `AttentionSpec` | tp, cp, ulysses groups, cp_mode, cp_layout,      |
-|                     |                 | sequence_parallel, overlap, reduce_dtype         |
-| `ParallelMLA`       | `MLASpec`       | the same                                         |
-| `MoE`               | `MoESpec`       | ep_group                                         |
-| `ParallelSwiGLU`    | `MLPSpec`       | tp_group, sequence_parallel, chunks_per_rank,    |
-|                     |                 | overlap, reduce_dtype                            |
-| `GatedDeltaNet`     | `GatedDeltaNetSpec` | tp_group, sequence_parallel, overlap,        |
-|                     |                 | reduce_dtype (cp, ulysses: refused for now)      |
+| layer               | spec                | the placement's fields it reads             |
+| ------------------- | ------------------- | ------------------------------------------- |
+| `ParallelAttention` | `AttentionSpec`     | tp, cp, ulysses groups, cp_mode, cp_layout, |
+|                     |                     | sequence_parallel, overlap, reduce_dtype    |
+| `ParallelMLA`       | `MLASpec`           | the same                                    |
+| `MoE`               | `MoESpec`           | ep_group                                    |
+| `ParallelSwiGLU`    | `MLPSpec`           | tp_group, sequence_parallel, overlap,       |
+|                     |                     | reduce_dtype, chunks_per_rank               |
+| `GatedDeltaNet`     | `GatedDeltaNetSpec` | the same but chunks_per_rank (cp: refused)  |
 
     spec = fp.nn.AttentionSpec(d_model=512, n_heads=8, n_kv_heads=2)
     attn = fp.nn.ParallelAttention.from_spec(spec, dims.placement(mesh))
 
 A spec's fields are the layer's keywords of the same names, defaults and meanings; the
 keyword constructors build a spec and a placement and hand over to the same build. A
-spec checks what needs no group (a misspelt field is a TypeError, a bad value the
-layer's ValueError), the build what does. Fields hold what was given (``head_dim=None``
-is derived at the build and kept there: ``layer.head_dim``).
+spec checks what needs no group (a misspelt field: TypeError, a bad value: ValueError),
+the build what does; fields hold what was given (``head_dim=None`` stays None).
 """
 
 import math

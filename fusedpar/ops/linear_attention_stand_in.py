@@ -19,9 +19,18 @@ GATES = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
 
 def gated_delta_rule(
-    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-    cu_seqlens=None, use_qk_l2norm_in_kernel=False,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    use_qk_l2norm_in_kernel=False,
+):
     """``(o, final_state)``: o (B, T, Hv, V) in v's dtype, final_state (N, Hv, K, V) fp32
     or None; the math of `fp.gated_delta_rule`, by the float64 oracle's token loop in fp32
     (float64 for float64 inputs)."""
@@ -42,9 +51,15 @@ def gated_delta_rule(
 
 
 def causal_conv1d(
-    x, weight, bias=None, *, activation="silu", cu_seqlens=None, initial_states=None,
+    x,
+    weight,
+    bias=None,
+    *,
+    activation="silu",
+    cu_seqlens=None,
+    initial_states=None,
     output_final_states=False,
-):  # fmt: skip
+):
     """``(y, None)``: the depthwise causal conv of x (B, T, C) by weight (C, W), y_t
     reading x_{t-W+1..t} of its own document (zero before its start), then SiLU."""
     if initial_states is not None or output_final_states:
@@ -62,10 +77,9 @@ def causal_conv1d(
 
 
 def rms_norm_gated(x, z, weight, *, eps, gate="silu"):
-    """``weight * rmsnorm(x) * gate(z)`` over the last dim, statistics in fp32."""
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if x.dtype == torch.float64:
-        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    work = normed.dtype
+    """``weight * rmsnorm(x) * gate(z)`` over the last dim, statistics in fp32 (float64
+    for float64 x)."""
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xw = x.to(work)
+    normed = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.to(work) * normed * GATES[gate](z.to(work))).to(x.dtype)
