@@ -129,6 +129,15 @@ def _refusals():
     with pytest.raises(ValueError, match=CP_REFUSAL):
         GatedDeltaNet.from_spec(spec, dims.placement(dims.build_mesh("cpu")))
     dims = fp.ParallelDims(tp=2)
+    placement = dims.placement(dims.build_mesh("cpu"))
+    torch.manual_seed(0)  # keywords and from_spec: the same layer on the mesh too
+    flat = GatedDeltaNet(D_MODEL, HK, HV, head_k_dim=K, head_v_dim=V, tp_group=placement.tp_group)
+    torch.manual_seed(0)
+    built = GatedDeltaNet.from_spec(spec, placement)
+    assert flat.spec == built.spec and built.placement is placement
+    for (name, p), q in zip(flat.state_dict().items(), built.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+    assert built.q_weight.shape == (HK // 2 * K, D_MODEL) and built.A_log.shape == (HV // 2,)
     with pytest.raises(
         ValueError, match=r"n_k_heads \(3\) is not divisible by the TP degree \(2\)"
     ):
@@ -138,7 +147,7 @@ def _refusals():
     return True
 
 
-def test_context_parallelism_and_heads_off_the_tp_degree_are_refused(world):
+def test_on_a_mesh_cp_and_heads_off_the_tp_degree_are_refused(world):
     assert all(world(2).run(_refusals))
 
 
@@ -172,6 +181,15 @@ def test_keywords_and_spec_build_the_same_layer():
         assert torch.equal(p, q), name
     x = torch.randn(5, 1, D_MODEL)
     assert a(x).shape == x.shape
+    with pytest.raises(TypeError, match="takes a GatedDeltaNetSpec, got dict"):
+        GatedDeltaNet.from_spec({})
+
+    class Mixin(nn.Module):  # cooperative: a subclass's other base is initialized too
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.mixin_ready = True
+
+    assert type("Mixed", (GatedDeltaNet, Mixin), {})(8, 2, head_k_dim=4).mixin_ready
 
 
 def test_from_dense_refuses_what_it_would_not_compute():
