@@ -199,6 +199,15 @@ def test_from_dense_refuses_what_it_would_not_compute():
     module.in_proj_z = nn.Linear(D_MODEL, HV * V, bias=True)
     with pytest.raises(ValueError, match="in_proj_z has a bias"):
         GatedDeltaNet.from_dense(module)
+    module = hf_module("qwen3_next", seed=1)
+    assert not GatedDeltaNet.from_dense(module, sequence_parallel=False).sequence_parallel
+    with pytest.raises(TypeError, match="a placement and keywords"):
+        GatedDeltaNet.from_dense(module, fp.Placement(), overlap="ring")
+    with pytest.raises(TypeError, match=r"unexpected keyword\(s\) \['tp'\]"):
+        GatedDeltaNet.from_dense(module, tp=2)
+    module.activation = "gelu"
+    with pytest.raises(ValueError, match="conv activation 'gelu', not silu"):
+        GatedDeltaNet.from_dense(module)
     layer = GatedDeltaNet(D_MODEL, HK, HV, head_k_dim=K, head_v_dim=V)
     parts = hf_parts(
         hf_module("olmo_hybrid", seed=1), dict(hf_module("olmo_hybrid", 1).named_parameters())
