@@ -74,6 +74,10 @@ def _tp2(family, seed, sequence_parallel):
         ours = torch.cat([layer.q_weight, layer.k_weight, layer.v_weight])
         assert ours.shape == naive.shape and not torch.equal(ours, naive)
     fp.distribute(layer, mesh, token_axes=("tp",) if sequence_parallel else ())
+    # each DTensor parameter is the one-rank layer's whole (what a DCP reshard reads)
+    one_rank = dict(GatedDeltaNet.from_dense(module).named_parameters())
+    for name, param in layer.named_parameters():
+        assert torch.equal(param.full_tensor(), one_rank[name]), name
 
     def local(name, t):  # (S, B, d) -> this rank's tokens
         return t.chunk(2)[rank] if sequence_parallel else t
