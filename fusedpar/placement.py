@@ -3,13 +3,13 @@ model half: `fusedpar.nn.specs`). Frozen, validated when made:
 
 | field               | default  | read by                                               |
 | ------------------- | -------- | ----------------------------------------------------- |
-| `tp_group`          | None     | attention, MLA (heads), `ParallelSwiGLU` (hidden)     |
-| `cp_group`          | None     | attention, MLA: the ring over the sequence            |
+| `tp_group`          | None     | attention, MLA, GDN (heads), SwiGLU (hidden)          |
+| `cp_group`          | None     | attention, MLA: the ring (GDN: refused if > 1 rank)   |
 | `ulysses_group`     | None     | attention, MLA: the head all-to-all                   |
 | `ep_group`          | None     | `MoE`: the experts                                    |
 | `cp_mode`           | None     | attention, MLA ("ring", "ulysses", "hybrid")          |
 | `cp_layout`         | "zigzag" | attention, MLA: the sequence's shards over cp         |
-| `sequence_parallel` | True     | attention, MLA, `ParallelSwiGLU`                      |
+| `sequence_parallel` | True     | attention, MLA, `GatedDeltaNet`, `ParallelSwiGLU`     |
 | `chunks_per_rank`   | 1        | `ParallelSwiGLU`'s ring schedule                      |
 | `overlap`           | None     | the TP projections' schedule (`fusedpar.ops.linear`)  |
 | `reduce_dtype`      | None     | the dtype their partial sums travel in (None: fp32)   |

@@ -1,19 +1,28 @@
 """nn.Modules built from fusedpar.ops: parallel linears, attention (and DeepSeek's latent
-attention), MoE, RMSNorm (and
+attention), Gated DeltaNet, MoE, RMSNorm (and
 `add_aux_loss`, which carries a MoE layer's auxiliary loss to the gradients); the specs
 they are built from with a `fusedpar.Placement` (`fusedpar.nn.specs`)."""
 
 from fusedpar.nn.attention import ParallelAttention
 from fusedpar.nn.aux_loss import add_aux_loss
+from fusedpar.nn.gated_deltanet import GatedDeltaNet
 from fusedpar.nn.linear import ColumnParallelLinear, ParallelSwiGLU, RowParallelLinear
 from fusedpar.nn.mla import ParallelMLA
 from fusedpar.nn.moe import MoE
 from fusedpar.nn.norm import RMSNorm
-from fusedpar.nn.specs import AttentionSpec, MLASpec, MLPSpec, MoESpec
+from fusedpar.nn.specs import (
+    AttentionSpec,
+    GatedDeltaNetSpec,
+    MLASpec,
+    MLPSpec,
+    MoESpec,
+)
 
 __all__ = [
     "AttentionSpec",
     "ColumnParallelLinear",
+    "GatedDeltaNet",
+    "GatedDeltaNetSpec",
     "MLASpec",
     "MLPSpec",
     "MoE",

@@ -1,23 +1,23 @@
 """What a layer computes, apart from where it runs: one frozen spec per layer, validated
 when made, and `FromSpec`, the layers' ``from_spec(spec, placement)``.
 
-| layer               | spec            | the placement's fields it reads                  |
-| ------------------- | --------------- | ------------------------------------------------ |
-| `ParallelAttention` | `AttentionSpec` | tp, cp, ulysses groups, cp_mode, cp_layout,      |
-|                     |                 | sequence_parallel, overlap, reduce_dtype         |
-| `ParallelMLA`       | `MLASpec`       | the same                                         |
-| `MoE`               | `MoESpec`       | ep_group                                         |
-| `ParallelSwiGLU`    | `MLPSpec`       | tp_group, sequence_parallel, chunks_per_rank,    |
-|                     |                 | overlap, reduce_dtype                            |
+| layer               | spec                | the placement's fields it reads             |
+| ------------------- | ------------------- | ------------------------------------------- |
+| `ParallelAttention` | `AttentionSpec`     | tp, cp, ulysses groups, cp_mode, cp_layout, |
+|                     |                     | sequence_parallel, overlap, reduce_dtype    |
+| `ParallelMLA`       | `MLASpec`           | the same                                    |
+| `MoE`               | `MoESpec`           | ep_group                                    |
+| `ParallelSwiGLU`    | `MLPSpec`           | tp_group, sequence_parallel, overlap,       |
+|                     |                     | reduce_dtype, chunks_per_rank               |
+| `GatedDeltaNet`     | `GatedDeltaNetSpec` | the same but chunks_per_rank (cp: refused)  |
 
     spec = fp.nn.AttentionSpec(d_model=512, n_heads=8, n_kv_heads=2)
     attn = fp.nn.ParallelAttention.from_spec(spec, dims.placement(mesh))
 
 A spec's fields are the layer's keywords of the same names, defaults and meanings; the
 keyword constructors build a spec and a placement and hand over to the same build. A
-spec checks what needs no group (a misspelt field is a TypeError, a bad value the
-layer's ValueError), the build what does. Fields hold what was given (``head_dim=None``
-is derived at the build and kept there: ``layer.head_dim``).
+spec checks what needs no group (a misspelt field: TypeError, a bad value: ValueError),
+the build what does; fields hold what was given (``head_dim=None`` stays None).
 """
 
 import math
@@ -35,6 +35,9 @@ from fusedpar.placement import Placement
 
 DEFAULT_ROPE = "default"  # `rope` left out: Llama's tables (None: no rotary embedding)
 CP_RINGS = ("auto", "latent", "expanded")  # what `ParallelMLA`'s ring over cp moves
+# A Gated DeltaNet checkpoint's layout -> the dense projection its output gate z comes from
+GDN_LAYOUTS = {"qwen3_next": "in_proj_qkvz", "qwen3_5": "in_proj_z", "olmo_hybrid": "g_proj"}
+NORM_GATES = ("silu", "sigmoid")  # the gated RMSNorm's act(z): GDN's, Kimi's KDA's
 
 
 class AttentionSizes(NamedTuple):
@@ -262,6 +265,75 @@ class MLPSpec:
     _: KW_ONLY
     bias: bool = False
     activation: Callable = F.silu
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetSpec:
+    """`GatedDeltaNet`'s model: its keywords but the groups', the placement's.
+
+    n_k_heads (Hk) q/k heads of head_k_dim (K); n_v_heads (Hv, default Hk, a multiple of
+    Hk: v-head j reads k-head j // (Hv / Hk)) v heads of head_v_dim (V, default K); a
+    depthwise causal conv of `conv_size` taps over the q|k|v channels; the gated RMSNorm
+    (eps `norm_eps`, act `norm_gate` of z); beta = sigmoid(b), or 2 sigmoid(b) with
+    `allow_neg_eigval` (OLMo Hybrid). `layout`: the checkpoint layout `from_dense` reads
+    and where z comes from (`GDN_LAYOUTS`). No family has biases: the layer has none."""
+
+    d_model: int
+    n_k_heads: int
+    n_v_heads: int | None = None
+    _: KW_ONLY
+    head_k_dim: int
+    head_v_dim: int | None = None
+    conv_size: int = 4
+    norm_eps: float = 1e-6
+    norm_gate: str = "silu"
+    allow_neg_eigval: bool = False
+    layout: str = "qwen3_5"
+
+    def __post_init__(self):
+        sizes = {
+            "d_model": self.d_model,
+            "n_k_heads": self.n_k_heads,
+            "n_v_heads": self.n_v_heads or self.n_k_heads,
+            "head_k_dim": self.head_k_dim,
+            "head_v_dim": self.head_v_dim or self.head_k_dim,
+            "conv_size": self.conv_size,
+        }
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"GatedDeltaNet: {name} must be an int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"GatedDeltaNet: {name} must be positive, got {value}")
+        if sizes["n_v_heads"] % self.n_k_heads:
+            raise ValueError(
+                f"GatedDeltaNet: n_v_heads ({sizes['n_v_heads']}) must be a multiple of "
+                f"n_k_heads ({self.n_k_heads})"
+            )
+        if not 0 < self.norm_eps < math.inf:
+            raise ValueError(f"GatedDeltaNet: norm_eps must be > 0, got {self.norm_eps!r}")
+        if self.norm_gate not in NORM_GATES:
+            raise ValueError(
+                f"GatedDeltaNet: norm_gate must be one of {NORM_GATES}, got {self.norm_gate!r}"
+            )
+        if self.layout not in GDN_LAYOUTS:
+            raise ValueError(
+                f"GatedDeltaNet: layout must be one of {tuple(GDN_LAYOUTS)}, got {self.layout!r}"
+            )
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        """(Hk, Hv, K, V), the defaults filled in."""
+        return (
+            self.n_k_heads,
+            self.n_v_heads or self.n_k_heads,
+            self.head_k_dim,
+            self.head_v_dim or self.head_k_dim,
+        )
+
+    @property
+    def gate_source(self) -> str:
+        """The dense projection the output gate z comes from, in `layout`'s checkpoints."""
+        return GDN_LAYOUTS[self.layout]
 
 
 class FromSpec:

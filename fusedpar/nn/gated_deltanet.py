@@ -1,0 +1,304 @@
+"""`GatedDeltaNet`: the linear-attention layer of Qwen3-Next, Qwen3.5 and OLMo Hybrid,
+heads split over TP, built from a `GatedDeltaNetSpec` and a placement. x is
+sequence-first (S_loc, B, d), S_loc = S / TP under sequence parallelism. On a rank
+(hk, hv = Hk / TP, Hv / TP):
+
+| step         | op                                                  | shape on a rank     |
+| ------------ | --------------------------------------------------- | ------------------- |
+| projections  | `all_gather_matmul(x, [wqkv, wz, wb, wa], tp)`      | (S, B, hk 2K + hv V) |
+| conv + SiLU  | `causal_conv1d` over this rank's q, k, v channels   | (B, S, hk 2K + hv V) |
+| gates        | beta = sigmoid(b) (x2), g = -exp(A_log) softplus(a + dt_bias) | (B, S, hv) |
+| recurrence   | `gated_delta_rule(q, k, v, g, beta, l2norm)`        | (B, S, hv, V)       |
+| gated norm   | `rms_norm_gated(o, z, w)` per head, w (V,) whole    | (B, S, hv, V)       |
+| out          | `matmul_reduce_scatter(o, wo, tp)`                  | (S_loc, B, d)       |
+
+Each section (q, k, v, z, b, a, the conv's q, k, v channels, A_log, dt_bias) is its
+own parameter, head-major, split by whole heads: a TP split (or a DCP reshard) cannot
+mix sections. Packed documents: `forward(x, cu_seqlens)` resets the conv and the state
+at each document. Context parallelism is refused (the next issue). `from_dense`:
+`fusedpar.nn.gated_deltanet_dense`. docs/linear_attention_layer.md.
+"""
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusedpar import comm
+from fusedpar.kernels.common import accumulator
+from fusedpar.nn.gated_deltanet_dense import dense_parts, detect_layout
+from fusedpar.nn.rotary import RotaryPositions
+from fusedpar.nn.specs import FromSpec, GatedDeltaNetSpec
+from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
+
+# The three ops of the layer: stand-ins until their kernels land (the lead swaps this
+# import for fusedpar.ops' and deletes the stand-in module).
+from fusedpar.ops.linear_attention_stand_in import (  # isort: skip
+    causal_conv1d,
+    gated_delta_rule,
+    rms_norm_gated,
+)
+from fusedpar.placement import Placement
+from fusedpar.storage import ParamLayout, local_tensor
+
+SPEC_FIELDS = {f.name for f in dataclasses.fields(GatedDeltaNetSpec)} - {"_"}
+PLACEMENT_FIELDS = {f.name for f in dataclasses.fields(Placement)}
+# our full tensors: name -> the dim split over TP (None: whole on every rank)
+SPLIT_DIMS = {
+    **{s: 0 for s in ("q", "k", "v", "z", "b", "a", "conv_q", "conv_k", "conv_v")},
+    "A_log": 0,
+    "dt_bias": 0,
+    "norm": None,
+    "o": 1,
+}
+CP_REFUSAL = "context parallelism for GatedDeltaNet is the next issue"
+
+
+def split_options(options: dict, allowed: set, what: str) -> dict:
+    """The entries of `options` named in `allowed`; TypeError for a name in neither set."""
+    unknown = set(options) - SPEC_FIELDS - PLACEMENT_FIELDS
+    if unknown:
+        raise TypeError(f"{what} got unexpected keyword(s) {sorted(unknown)}")
+    return {k: v for k, v in options.items() if k in allowed}
+
+
+class GatedDeltaNet(FromSpec, RotaryPositions, nn.Module):
+    """Gated DeltaNet over TP (heads). See the module doc.
+
+    | parameter                            | shape on a rank   |
+    | ------------------------------------ | ----------------- |
+    | `q_weight`, `k_weight`               | (hk K, d)         |
+    | `v_weight`, `z_weight`               | (hv V, d)         |
+    | `b_weight`, `a_weight`               | (hv, d)           |
+    | `conv_q_weight`, `conv_k_weight`     | (hk K, W)         |
+    | `conv_v_weight`                      | (hv V, W)         |
+    | `A_log`, `dt_bias`                   | (hv,)             |
+    | `norm_weight`                        | (V,), whole       |
+    | `o_weight`                           | (d, hv V)         |
+
+    ``GatedDeltaNet(d_model, n_k_heads, n_v_heads, head_k_dim=K, ...)``: the spec's
+    fields (`GatedDeltaNetSpec`) and the placement's (`fusedpar.Placement`: tp_group,
+    sequence_parallel, overlap, reduce_dtype) as keywords, or ``from_spec(spec,
+    placement)``; the same layer either way (``self.spec``, ``self.placement``).
+    """
+
+    GROUP_AXES = {"tp_group": ("tp",)}
+    SPEC = GatedDeltaNetSpec
+    _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
+
+    def __init__(
+        self,
+        d_model,
+        n_k_heads,
+        n_v_heads=None,
+        *,
+        head_k_dim,
+        device=None,
+        dtype=None,
+        **options,
+    ):
+        what = "GatedDeltaNet"
+        spec = GatedDeltaNetSpec(
+            d_model,
+            n_k_heads,
+            n_v_heads,
+            head_k_dim=head_k_dim,
+            **split_options(options, SPEC_FIELDS, what),
+        )
+        placement = Placement(**split_options(options, PLACEMENT_FIELDS, what))
+        self._build(spec, placement, device, dtype)
+
+    def _build(self, spec: GatedDeltaNetSpec, placement: Placement, device, dtype) -> None:
+        """The layer of `spec` on `placement`: the checks that need the groups (no CP,
+        heads over TP), then the parameters."""
+        super().__init__()
+        cp = comm.group_size(placement.cp_group) * comm.group_size(placement.ulysses_group)
+        if cp > 1:
+            raise ValueError(
+                f"{CP_REFUSAL}: this placement splits the sequence over {cp} ranks "
+                f"(cp_group {comm.group_size(placement.cp_group)}, ulysses_group "
+                f"{comm.group_size(placement.ulysses_group)}); run GDN layers with cp = 1"
+            )
+        Hk, Hv, K, V = spec.sizes
+        tp_group = placement.tp_group
+        tp = comm.group_size(tp_group)
+        if Hk % tp:
+            raise ValueError(
+                f"GatedDeltaNet: n_k_heads ({Hk}) is not divisible by the TP degree ({tp}) "
+                f"(n_v_heads {Hv} follow their k-heads)"
+            )
+        self.spec, self.placement = spec, placement
+        self.d_model, self.n_k_heads, self.n_v_heads = spec.d_model, Hk, Hv
+        self.head_k_dim, self.head_v_dim = K, V
+        self.tp_group, self.tp, self.tp_rank = tp_group, tp, comm.group_rank(tp_group)
+        self.sequence_parallel = placement.sequence_parallel
+        self.overlap, self.reduce_dtype = placement.overlap, placement.reduce_dtype
+        # what `RotaryPositions._start_call` reads: no rotary embedding, no CP
+        self.rope, self.rotary_dim, self.rope_theta = None, None, None
+        self.cp_group, self.ulysses_group, self.cp_layout = None, None, placement.cp_layout
+        self._rope_tables, self._rope_layout_checked = {}, True
+        hk, hv, d, W = Hk // tp, Hv // tp, spec.d_model, spec.conv_size
+        factory = {"device": device, "dtype": dtype}
+        shapes = {
+            "q_weight": (hk * K, d),
+            "k_weight": (hk * K, d),
+            "v_weight": (hv * V, d),
+            "z_weight": (hv * V, d),
+            "b_weight": (hv, d),
+            "a_weight": (hv, d),
+            "conv_q_weight": (hk * K, W),
+            "conv_k_weight": (hk * K, W),
+            "conv_v_weight": (hv * V, W),
+            "A_log": (hv,),
+            "dt_bias": (hv,),
+            "norm_weight": (V,),
+            "o_weight": (d, hv * V),
+        }
+        for name, shape in shapes.items():
+            setattr(self, name, nn.Parameter(torch.empty(shape, **factory)))
+        if self.q_weight.device.type != "meta":
+            self.reset_parameters()
+
+    @staticmethod
+    def param_name(part: str) -> str:
+        """The parameter holding the full tensor `part` (`SPLIT_DIMS`) on this rank."""
+        return part if part in ("A_log", "dt_bias") else f"{part}_weight"
+
+    def full_shapes(self) -> dict:
+        """part -> the shape of its full (unsplit) tensor."""
+        shapes = {}
+        for part, dim in SPLIT_DIMS.items():
+            shape = list(getattr(self, self.param_name(part)).shape)
+            if dim is not None:
+                shape[dim] *= self.tp
+            shapes[part] = tuple(shape)
+        return shapes
+
+    def reset_parameters(self) -> None:
+        """The full model drawn on the CPU in float32 from the current RNG state (the same
+        for any TP degree), then this rank's heads: ``nn.Linear``'s and a depthwise
+        ``nn.Conv1d``'s initialization, A = exp(A_log) uniform in [1, 16], dt_bias 1,
+        norm weight 1."""
+        parts = {}
+        for part, shape in self.full_shapes().items():
+            if part in ("A_log", "dt_bias", "norm"):
+                continue
+            bound = 1 / math.sqrt(shape[1])  # nn.Linear's and a depthwise conv's fan-in
+            parts[part] = torch.empty(shape).uniform_(-bound, bound)
+        Hv = self.n_v_heads
+        parts["A_log"] = torch.empty(Hv).uniform_(1, 16).log()
+        parts["dt_bias"] = torch.ones(Hv)
+        parts["norm"] = torch.ones(self.head_v_dim)
+        self.load_parts(parts)
+
+    def load_parts(self, parts: dict) -> None:
+        """Copy this rank's heads of the full tensors `parts` (every name of
+        `SPLIT_DIMS`, in this layer's head-major sections): ValueError naming a missing
+        one or a shape that does not fit."""
+        expected = self.full_shapes()
+        missing = set(expected) - set(parts)
+        if missing or set(parts) - set(expected):
+            raise ValueError(
+                f"GatedDeltaNet.load_parts takes {sorted(expected)}, got {sorted(parts)}"
+            )
+        for part, shape in expected.items():
+            if tuple(parts[part].shape) != shape:
+                raise ValueError(
+                    f"GatedDeltaNet: {part} must be {shape} (Hk {self.n_k_heads}, Hv "
+                    f"{self.n_v_heads}, K {self.head_k_dim}, V {self.head_v_dim}), got "
+                    f"{tuple(parts[part].shape)}"
+                )
+        with torch.no_grad():
+            for part, dim in SPLIT_DIMS.items():
+                full = parts[part].detach()
+                local = full if dim is None else full.chunk(self.tp, dim)[self.tp_rank]
+                local_tensor(getattr(self, self.param_name(part))).copy_(local)
+
+    def param_layouts(self) -> dict:
+        """For `fusedpar.distribute`: every section split over TP by whole heads (o by
+        its columns); the norm weight whole, each TP rank's gradient a partial sum over
+        its own heads."""
+        heads, norm = ParamLayout(0, self.tp_group), ParamLayout(partial_over=(self.tp_group,))
+        layouts = {self.param_name(p): heads for p, dim in SPLIT_DIMS.items() if dim == 0}
+        return layouts | {"norm_weight": norm, "o_weight": ParamLayout(1, self.tp_group)}
+
+    @classmethod
+    def from_dense(cls, module, placement=None, *, device=None, dtype=None, **options):
+        """The layer of a Hugging Face GDN module (``Qwen3NextGatedDeltaNet``,
+        ``Qwen3_5GatedDeltaNet``, ``OlmoHybridGatedDeltaNet``; the layout read off its
+        projections' names, `fusedpar.nn.gated_deltanet_dense`) holding this TP rank's
+        heads; `placement`, or its fields as keywords (tp_group, sequence_parallel,
+        overlap, reduce_dtype). dtype and device: the module's unless given."""
+        if placement is None:
+            placement = Placement(**split_options(options, PLACEMENT_FIELDS, "from_dense"))
+        elif options:
+            raise TypeError(f"from_dense: a placement and keywords {sorted(options)}")
+        layout = detect_layout(module)
+        activation = getattr(module, "activation", "silu")
+        if activation not in ("silu", "swish"):
+            raise ValueError(f"GatedDeltaNet.from_dense: conv activation {activation!r}, not silu")
+        norm = module.o_norm if layout == "olmo_hybrid" else module.norm
+        spec = GatedDeltaNetSpec(
+            module.hidden_size,
+            module.num_k_heads,
+            module.num_v_heads,
+            head_k_dim=module.head_k_dim,
+            head_v_dim=module.head_v_dim,
+            conv_size=module.conv_kernel_size,
+            norm_eps=norm.variance_epsilon,
+            norm_gate=getattr(norm, "activation", "silu"),
+            allow_neg_eigval=bool(getattr(module, "allow_neg_eigval", False)),
+            layout=layout,
+        )
+        parts = dense_parts(module, layout, spec.sizes)
+        weight = parts["o"]
+        layer = cls.from_spec(spec, placement, device="meta", dtype=dtype or weight.dtype)
+        layer.to_empty(device=device or weight.device)
+        layer.load_parts(parts)
+        return layer
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """x (S_loc, B, d_model) -> the same shape. `cu_seqlens` (int32, the same on every
+        rank): the documents packed into the full sequence (B = 1), as in
+        `ParallelAttention`; the conv and the recurrent state restart at each."""
+        self._start_call(x, cu_seqlens, self.q_weight)
+        Hk, Hv = self.n_k_heads // self.tp, self.n_v_heads // self.tp
+        K, V = self.head_k_dim, self.head_v_dim
+        # q, k, v as one GEMM output: the conv reads their channels contiguous
+        qkv_weight = torch.cat([self.q_weight, self.k_weight, self.v_weight])
+        weights = [qkv_weight, self.z_weight, self.b_weight, self.a_weight]
+        if self.sequence_parallel:  # one all-gather of x feeds every projection
+            qkv, z, b, a = all_gather_matmul(
+                x, weights, self.tp_group, overlap=self.overlap, reduce_dtype=self.reduce_dtype
+            )
+        else:  # classic TP: every rank holds x whole
+            x = comm.copy_to_region(x, self.tp_group)
+            qkv, z, b, a = all_gather_matmul(x, weights, None)
+        seq, batch = qkv.shape[:2]
+        conv_weight = torch.cat([self.conv_q_weight, self.conv_k_weight, self.conv_v_weight])
+        # (S, B, C) -> (B, S, C): a strided view, as every fusedpar op takes it
+        qkv, _ = causal_conv1d(qkv.transpose(0, 1), conv_weight, cu_seqlens=cu_seqlens)
+        q, k, v = qkv.split([Hk * K, Hk * K, Hv * V], dim=-1)
+        q, k = q.reshape(batch, seq, Hk, K), k.reshape(batch, seq, Hk, K)
+        v = v.reshape(batch, seq, Hv, V)
+        b, a = b.transpose(0, 1), a.transpose(0, 1)  # (B, S, hv)
+        beta = b.sigmoid() * 2 if self.spec.allow_neg_eigval else b.sigmoid()
+        acc = accumulator(x.dtype)  # the decay in fp32 (float64 for float64)
+        g = -self.A_log.to(acc).exp() * F.softplus(a.to(acc) + self.dt_bias.to(acc))
+        o, _ = gated_delta_rule(
+            q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True
+        )  # (B, S, hv, V)
+        z = z.transpose(0, 1).reshape(batch, seq, Hv, V)
+        o = rms_norm_gated(o, z, self.norm_weight, eps=self.spec.norm_eps, gate=self.spec.norm_gate)
+        o = o.transpose(0, 1).reshape(seq, batch, Hv * V)  # (S, B, hv V)
+        if self.sequence_parallel:
+            return matmul_reduce_scatter(
+                o,
+                self.o_weight,
+                self.tp_group,
+                overlap=self.overlap,
+                reduce_dtype=self.reduce_dtype,
+            )
+        return comm.reduce_from_region(F.linear(o, self.o_weight), self.tp_group)
