@@ -1,0 +1,184 @@
+"""The gated delta rule's torch implementation: the chunked algorithm of the kernels in
+torch ops, vectorized over batch, heads and chunks (``fusedpar.kernels.linear_attention``).
+
+Per chunk of `CHUNK` tokens (G the gates' cumulative sum in the chunk, Γ = exp(G)):
+
+| step        | math                                                                    |
+| ----------- | ----------------------------------------------------------------------- |
+| intra       | ``A = tril(K (K/Γ)^T, -1)``, ``P = tril(Q Γ (K/Γ)^T)`` (decays as       |
+|             | ``exp(G_t - G_i)``, never a ratio that overflows)                       |
+| WY/UT form  | ``(I + beta A) [U | W] = [beta V | beta K Γ]``: one unit-triangular solve |
+| state       | ``Δ = U - W S``; ``S <- Γ_last S + (K Γ_last / Γ)^T Δ``                 |
+| output      | ``O = (Q Γ) S + P Δ``                                                   |
+
+The chunk loop is the only sequential part. A per-channel gate (B, T, Hv, K) forms its
+decays per channel, (64, 64, K) a chunk. Computed in fp32 (float64 for float64 q).
+Packed documents (`cu_seqlens`) are cut into chunks of their own (the last padded with
+tokens that change nothing: k = 0, beta = 0, g = 0); reading the boundaries is a host
+sync. The backward recomputes the forward and differentiates it (``torch.func.vjp``):
+no chunk state is kept between forward and backward.
+"""
+
+from itertools import pairwise
+
+import torch
+from fusedpar.kernels.common import accumulator
+
+CHUNK = 64  # the kernels' chunk: one triangular solve per 64 tokens
+
+
+def _chunks(x: torch.Tensor, Hk: int, chunks: int) -> torch.Tensor:
+    """(B, chunks * CHUNK, H, X) -> (B, Hk, H // Hk, chunks, CHUNK, X): heads as
+    (k-head, member of its group)."""
+    B, _, H, X = x.shape
+    x = x.reshape(B, chunks, CHUNK, Hk, H // Hk, X)
+    return x.permute(0, 3, 4, 1, 2, 5)
+
+
+def _intra(q, k, gates):
+    """``(A, P, Γ, Γ_last, Γ_last / Γ)`` of every chunk: q, k (B, Hk, 1, NC, C, K);
+    gates' cumulative sums (B, Hk, G, NC, C, 1 or K)."""
+    C = q.shape[-2]
+    incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    last = gates[..., -1:, :]  # (..., 1, 1 or K)
+    if gates.shape[-1] == 1:  # a scalar per head: one (C, C) decay matrix
+        G = gates[..., 0]
+        decay = (G[..., :, None] - G[..., None, :]).masked_fill(~incl, float("-inf")).exp()
+        A = (k @ k.transpose(-1, -2)) * decay  # k k^T once per k-head (GVA)
+        P = (q @ k.transpose(-1, -2)) * decay
+    else:  # per channel: (C, C, K) decays
+        decay = gates[..., :, None, :] - gates[..., None, :, :]
+        decay = decay.masked_fill(~incl[..., None], float("-inf")).exp()
+        A = (k[..., :, None, :] * k[..., None, :, :] * decay).sum(-1)
+        P = (q[..., :, None, :] * k[..., None, :, :] * decay).sum(-1)
+    A = A.tril(-1)
+    return A, P, gates.exp(), last.exp(), (last - gates).exp()
+
+
+def _recurrence(U, W, Kd, decay_last, initial, resets):
+    """The chunk loop: entering states S (B, Hk, G, NC, K, V), deltas Δ (.., NC, C, V)
+    and the final state of every sequence (or document). `resets`: None, or (starts,
+    ends, count) for packed documents: chunk -> document whose state restarts there /
+    is final after it."""
+    B, Hk, G, NC, C, V = U.shape
+    K = W.shape[-1]
+    zero = U.new_zeros((B, Hk, G, K, V))
+    S = zero if initial is None else initial
+    states, deltas, finals = [], [], {}
+    for n in range(NC):
+        if resets is not None and n in resets[0]:
+            doc = resets[0][n]
+            S = zero if initial is None else initial[doc : doc + 1]
+        states.append(S)
+        delta = U[:, :, :, n] - W[:, :, :, n] @ S  # (B, Hk, G, C, V)
+        deltas.append(delta)
+        decayed = decay_last[:, :, :, n, 0, :, None] * S  # rows of S: (.., 1 or K, 1)
+        S = decayed + Kd[:, :, :, n].transpose(-1, -2) @ delta
+        if resets is not None and n in resets[1]:
+            finals[resets[1][n]] = S
+    if resets is None:
+        return torch.stack(states, 3), torch.stack(deltas, 3), S
+    count = resets[2]
+    rows = [finals.get(d, zero if initial is None else initial[d : d + 1]) for d in range(count)]
+    return torch.stack(states, 3), torch.stack(deltas, 3), torch.cat(rows)
+
+
+def _chunked(q, k, v, g, beta, scale, initial, resets):
+    """o (B, NC * C, Hv, V) and the final states (N, Hv, K, V): q, k (B, NC * C, Hk, K),
+    v (B, NC * C, Hv, V), g (B, NC * C, Hv, 1 or K), beta (B, NC * C, Hv), all in the
+    computation's dtype, padded to whole chunks."""
+    B, Tp, Hk, K = q.shape
+    Hv, V = v.shape[-2:]
+    NC = Tp // CHUNK
+    qc, kc = _chunks(q * scale, Hk, NC), _chunks(k, Hk, NC)  # (B, Hk, 1, NC, C, K)
+    vc = _chunks(v, Hk, NC)  # (B, Hk, G, NC, C, V)
+    betac = _chunks(beta[..., None], Hk, NC)  # (B, Hk, G, NC, C, 1)
+    gates = _chunks(g, Hk, NC).cumsum(-2)  # (B, Hk, G, NC, C, 1 or K)
+    A, P, gamma, decay_last, to_last = _intra(qc, kc, gates)
+    # the WY/UT form: U and W from one unit-triangular solve (its diagonal is not read)
+    rhs = torch.cat([betac * vc, betac * kc * gamma], -1)
+    UW = torch.linalg.solve_triangular(betac * A, rhs, upper=False, unitriangular=True)
+    U, W = UW.split([V, K], -1)
+    if initial is not None:
+        initial = initial.reshape(initial.shape[0], Hk, Hv // Hk, K, V)
+    states, deltas, final = _recurrence(U, W, kc * to_last, decay_last, initial, resets)
+    O = (qc * gamma) @ states + P @ deltas  # (B, Hk, G, NC, C, V)
+    o = O.permute(0, 3, 4, 1, 2, 5).reshape(B, Tp, Hv, V)
+    return o, final.reshape(final.shape[0], Hv, K, V)
+
+
+def _pad(x: torch.Tensor, length: int) -> torch.Tensor:
+    if x.shape[1] == length:
+        return x
+    shape = (x.shape[0], length - x.shape[1], *x.shape[2:])
+    return torch.cat([x, x.new_zeros(shape)], 1)
+
+
+def _documents(cu_seqlens: torch.Tensor, T: int):
+    """The packed stream's chunks: each token's row in the chunked layout (int64 (T,)),
+    the chunks' count and `_recurrence`'s resets. Reads `cu_seqlens` (a host sync)."""
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != T or any(b < a for a, b in pairwise(bounds)):
+        raise ValueError(
+            f"cu_seqlens must start at 0, never decrease and end at T = {T}, got {bounds}"
+        )
+    rows, starts, ends, chunk = [], {}, {}, 0
+    for doc, (start, end) in enumerate(pairwise(bounds)):
+        length = end - start
+        if length == 0:
+            continue
+        count = -(-length // CHUNK)
+        starts[chunk], ends[chunk + count - 1] = doc, doc
+        rows.extend(range(chunk * CHUNK, chunk * CHUNK + length))
+        chunk += count
+    index = torch.tensor(rows, dtype=torch.int64, device=cu_seqlens.device)
+    return index, chunk, (starts, ends, len(bounds) - 1)
+
+
+def forward(q, k, v, g, beta, *, scale, initial_state=None, cu_seqlens=None):
+    """``(o, final_state)``: o (B, T, Hv, V) in v's dtype, final_state (N, Hv, K, V) fp32
+    (float64 for float64 q), N = B or the documents. Inputs checked by the launcher."""
+    B, T, Hk, K = q.shape
+    Hv, V = v.shape[-2:]
+    wide, out_dtype = accumulator(q.dtype), v.dtype
+    q, k, v, g, beta = (t.to(wide) for t in (q, k, v, g, beta))
+    g = g[..., None] if g.dim() == 3 else g  # (B, T, Hv, 1 or K)
+    initial = None if initial_state is None else initial_state.to(wide)
+    resets = None
+    if cu_seqlens is not None:
+        index, chunks, resets = _documents(cu_seqlens.to(q.device), T)
+        Tp = chunks * CHUNK
+        if Tp == 0:  # documents of length 0 only
+            final = q.new_zeros((resets[2], Hv, K, V)) if initial is None else initial.clone()
+            return v.new_zeros((B, T, Hv, V), dtype=out_dtype), final
+        # each document on its own chunks: the padding rows stay zero
+        q, k, v, g, beta = (
+            t.new_zeros((1, Tp, *t.shape[2:])).index_copy(1, index.to(t.device), t)
+            for t in (q, k, v, g, beta)
+        )
+    else:
+        Tp = -(-T // CHUNK) * CHUNK
+        if Tp == 0:
+            final = q.new_zeros((B, Hv, K, V)) if initial is None else initial.clone()
+            return v.new_zeros((B, 0, Hv, V), dtype=out_dtype), final
+        q, k, v, g, beta = (_pad(t, Tp) for t in (q, k, v, g, beta))
+    o, final = _chunked(q, k, v, g, beta, scale, initial, resets)
+    o = o[:, :T] if cu_seqlens is None else o.index_select(1, index)
+    return o.to(out_dtype), final
+
+
+def backward(do, dfinal, q, k, v, g, beta, *, scale, initial_state=None, cu_seqlens=None):
+    """``(dq, dk, dv, dg, dbeta, dinit)`` of `forward` for the gradients do (of o) and
+    dfinal (of the final state, or None): the forward recomputed and differentiated by
+    ``torch.func.vjp`` (which works where autograd's dispatch is off: a custom op's
+    body), each gradient in its input's dtype, dinit None without `initial_state`."""
+    inputs = [q, k, v, g, beta] + ([] if initial_state is None else [initial_state])
+
+    def run(*tensors):
+        init = tensors[5] if initial_state is not None else None
+        o, final = forward(*tensors[:5], scale=scale, initial_state=init, cu_seqlens=cu_seqlens)
+        return (o, final) if dfinal is not None else o
+
+    _, vjp = torch.func.vjp(run, *inputs)
+    found = vjp((do, dfinal.to(accumulator(q.dtype))) if dfinal is not None else do)
+    return (*found[:5], found[5] if initial_state is not None else None)
