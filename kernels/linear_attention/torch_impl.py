@@ -35,24 +35,33 @@ def _chunks(x: torch.Tensor, Hk: int, chunks: int) -> torch.Tensor:
     return x.permute(0, 3, 4, 1, 2, 5)
 
 
-def _intra(q, k, gates):
+def _segment_sums(g: torch.Tensor) -> torch.Tensor:
+    """``sum(g[i+1..t])`` for t >= i, -inf above: g (..., C, X) -> (..., C, C, X). Each is
+    its own running sum, never a difference of two cumulative sums: a gate of -20
+    early in a chunk would cost the later decays ~1e-4 of relative precision in fp32."""
+    C = g.shape[-2]
+    strict = torch.ones(C, C, dtype=torch.bool, device=g.device).tril(-1)[..., None]
+    rows = g[..., :, None, :].expand(*g.shape[:-2], C, C, g.shape[-1])  # [t, i] = g_t
+    sums = rows.masked_fill(~strict, 0).cumsum(-3)  # [t, i] = sum(g[i+1..t])
+    return sums.masked_fill(strict.transpose(0, 1), float("-inf"))  # i > t
+
+
+def _intra(q, k, g):
     """``(A, P, Γ, Γ_last, Γ_last / Γ)`` of every chunk: q, k (B, Hk, 1, NC, C, K);
-    gates' cumulative sums (B, Hk, G, NC, C, 1 or K)."""
-    C = q.shape[-2]
-    incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    last = gates[..., -1:, :]  # (..., 1, 1 or K)
-    if gates.shape[-1] == 1:  # a scalar per head: one (C, C) decay matrix
-        G = gates[..., 0]
-        decay = (G[..., :, None] - G[..., None, :]).masked_fill(~incl, float("-inf")).exp()
+    g (B, Hk, G, NC, C, 1 or K)."""
+    decay = _segment_sums(g).exp()  # (..., C, C, 1 or K): exp(G_t - G_i), 0 above
+    if g.shape[-1] == 1:  # a scalar per head: one (C, C) decay matrix
+        decay = decay[..., 0]
         A = (k @ k.transpose(-1, -2)) * decay  # k k^T once per k-head (GVA)
         P = (q @ k.transpose(-1, -2)) * decay
     else:  # per channel: (C, C, K) decays
-        decay = gates[..., :, None, :] - gates[..., None, :, :]
-        decay = decay.masked_fill(~incl[..., None], float("-inf")).exp()
         A = (k[..., :, None, :] * k[..., None, :, :] * decay).sum(-1)
         P = (q[..., :, None, :] * k[..., None, :, :] * decay).sum(-1)
-    A = A.tril(-1)
-    return A, P, gates.exp(), last.exp(), (last - gates).exp()
+    gates = g.cumsum(-2)  # G_t: sums of one sign, exact to rounding
+    # G_last - G_t as the sum of the gates after t (a reversed running sum)
+    after = g.flip(-2).cumsum(-2).flip(-2)
+    after = torch.cat([after[..., 1:, :], torch.zeros_like(after[..., :1, :])], -2)
+    return A.tril(-1), P, gates.exp(), gates[..., -1:, :].exp(), after.exp()
 
 
 def _recurrence(U, W, Kd, decay_last, initial, resets):
@@ -93,7 +102,7 @@ def _chunked(q, k, v, g, beta, scale, initial, resets):
     qc, kc = _chunks(q * scale, Hk, NC), _chunks(k, Hk, NC)  # (B, Hk, 1, NC, C, K)
     vc = _chunks(v, Hk, NC)  # (B, Hk, G, NC, C, V)
     betac = _chunks(beta[..., None], Hk, NC)  # (B, Hk, G, NC, C, 1)
-    gates = _chunks(g, Hk, NC).cumsum(-2)  # (B, Hk, G, NC, C, 1 or K)
+    gates = _chunks(g, Hk, NC)  # (B, Hk, G, NC, C, 1 or K)
     A, P, gamma, decay_last, to_last = _intra(qc, kc, gates)
     # the WY/UT form: U and W from one unit-triangular solve (its diagonal is not read)
     rhs = torch.cat([betac * vc, betac * kc * gamma], -1)
