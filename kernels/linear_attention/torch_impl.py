@@ -15,10 +15,11 @@ The chunk loop is the only sequential part. A per-channel gate (B, T, Hv, K) for
 decays per channel, (64, 64, K) a chunk. Computed in fp32 (float64 for float64 q).
 Packed documents (`cu_seqlens`) are cut into chunks of their own (the last padded with
 tokens that change nothing: k = 0, beta = 0, g = 0); reading the boundaries is a host
-sync. The backward recomputes the forward and differentiates it (``torch.func.vjp``):
-no chunk state is kept between forward and backward.
+sync. The backward recomputes the forward under autograd (``torch.autograd.grad``): no
+chunk state is kept between forward and backward.
 """
 
+import contextlib
 from itertools import pairwise
 
 import torch
@@ -173,21 +174,47 @@ def forward(q, k, v, g, beta, *, scale, initial_state=None, cu_seqlens=None):
         q, k, v, g, beta = (_pad(t, Tp) for t in (q, k, v, g, beta))
     o, final = _chunked(q, k, v, g, beta, scale, initial, resets)
     o = o[:, :T] if cu_seqlens is None else o.index_select(1, index)
-    return o.to(out_dtype), final
+    return o.to(out_dtype).contiguous(), final.contiguous()
+
+
+# Autograd's dispatch keys. A custom op's body runs below autograd (torch excludes these
+# keys around it: a compiled backward, opcheck), where the recompute needs them back.
+# (``torch.func.vjp`` instead breaks under opcheck's schema check.)
+_AUTOGRAD_KEYS = (
+    torch._C.DispatchKey.AutogradFunctionality,
+    torch._C.DispatchKey.AutogradOther,
+    torch._C.DispatchKey.AutogradNestedTensor,
+)
+
+
+@contextlib.contextmanager
+def _autograd_on():
+    with contextlib.ExitStack() as stack:
+        for key in _AUTOGRAD_KEYS:
+            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
+        stack.enter_context(torch.enable_grad())
+        yield
 
 
 def backward(do, dfinal, q, k, v, g, beta, *, scale, initial_state=None, cu_seqlens=None):
     """``(dq, dk, dv, dg, dbeta, dinit)`` of `forward` for the gradients do (of o) and
-    dfinal (of the final state, or None): the forward recomputed and differentiated by
-    ``torch.func.vjp`` (which works where autograd's dispatch is off: a custom op's
-    body), each gradient in its input's dtype, dinit None without `initial_state`."""
-    inputs = [q, k, v, g, beta] + ([] if initial_state is None else [initial_state])
-
-    def run(*tensors):
-        init = tensors[5] if initial_state is not None else None
-        o, final = forward(*tensors[:5], scale=scale, initial_state=init, cu_seqlens=cu_seqlens)
-        return (o, final) if dfinal is not None else o
-
-    _, vjp = torch.func.vjp(run, *inputs)
-    found = vjp((do, dfinal.to(accumulator(q.dtype))) if dfinal is not None else do)
+    dfinal (of the final state, or None): the forward recomputed under autograd and
+    differentiated (``torch.autograd.grad``), each gradient in its input's dtype, dinit
+    None without `initial_state`."""
+    inputs = [t.detach().requires_grad_() for t in (q, k, v, g, beta)]
+    if initial_state is not None:
+        inputs.append(initial_state.detach().requires_grad_())
+    with _autograd_on():
+        init = inputs[5] if initial_state is not None else None
+        o, final = forward(*inputs[:5], scale=scale, initial_state=init, cu_seqlens=cu_seqlens)
+        outputs, grads = [o], [do]
+        if dfinal is not None:
+            outputs.append(final)
+            grads.append(dfinal.to(final.dtype))
+        found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+    # fresh and contiguous, as the op's fake says (the kernels' layout)
+    found = [
+        torch.zeros(t.shape, dtype=t.dtype, device=t.device) if d is None else d.contiguous()
+        for t, d in zip(inputs, found, strict=True)
+    ]
     return (*found[:5], found[5] if initial_state is not None else None)
