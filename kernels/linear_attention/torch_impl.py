@@ -207,11 +207,12 @@ def backward(do, dfinal, q, k, v, g, beta, *, scale, initial_state=None, cu_seql
     with _autograd_on():
         init = inputs[5] if initial_state is not None else None
         o, final = forward(*inputs[:5], scale=scale, initial_state=init, cu_seqlens=cu_seqlens)
-        outputs, grads = [o], [do]
-        if dfinal is not None:
-            outputs.append(final)
-            grads.append(dfinal.to(final.dtype))
-        found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+        pairs = [(o, do)] + ([] if dfinal is None else [(final, dfinal.to(final.dtype))])
+        pairs = [(out, grad) for out, grad in pairs if out.requires_grad]  # (T = 0: o is not)
+        found = [None] * len(inputs)
+        if pairs:
+            outputs, grads = zip(*pairs, strict=True)
+            found = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
     # fresh and contiguous, as the op's fake says (the kernels' layout)
     found = [
         torch.zeros(t.shape, dtype=t.dtype, device=t.device) if d is None else d.contiguous()
