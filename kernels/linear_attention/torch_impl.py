@@ -5,7 +5,7 @@ Per chunk of `CHUNK` tokens (G the gates' cumulative sum in the chunk, Γ = exp(
 
 | step        | math                                                                    |
 | ----------- | ----------------------------------------------------------------------- |
-| intra       | ``A = tril(K (K/Γ)^T, -1)``, ``P = tril(Q Γ (K/Γ)^T)`` (decays as       |
+| intra       | ``A = tril(KΓ (K/Γ)^T, -1)``, ``P = tril(QΓ (K/Γ)^T)`` (decays as       |
 |             | ``exp(G_t - G_i)``, never a ratio that overflows)                       |
 | WY/UT form  | ``T = (I + beta A)^-1`` (one unit-triangular solve), ``U = T beta V``,  |
 |             | ``W = T beta K Γ``                                                      |
