@@ -13,7 +13,7 @@ from fusedpar.kernels.linear_attention import (
     gated_delta_backward,
     gated_delta_forward,
 )
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import fusedpar as fp
@@ -113,7 +113,6 @@ def test_packed_documents_match_the_token_loop_and_each_document_alone():
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@settings(max_examples=6)
 @given(
     T=st.integers(1, 140),
     Hk=st.integers(1, 2),
@@ -232,3 +231,20 @@ def test_bad_sizes_and_documents_are_refused():
         fp.gated_delta_rule(*tensors, cu_seqlens=torch.tensor([0, 6, 4, 10], dtype=torch.int32))
     with pytest.raises(TypeError, match="float64"), fp.implementation("triton"):
         fp.gated_delta_rule(*(t.double() for t in tensors))
+
+
+@pytest.mark.gpu
+def test_torch_implementation_on_cuda_gpu():
+    """torch's implementation forced on CUDA, fp32, packed documents: within the rule of
+    the float64 token loop, output, final state and every gradient."""
+    shape = (1, 194, 2, 2, 16, 16)
+    options = dict(seed=1, documents=[1, 63, 130], exact_in=torch.float32)
+    inputs = gdn_inputs(*shape, dtype=torch.float32, **options)
+    wide = gdn_inputs(*shape, dtype=torch.float64, **options)
+    cuda = {n: None if t is None else t.cuda() for n, t in inputs.items()}
+    do, dfinal = _upstream(wide, 1)
+    with fp.implementation("torch"):
+        got = run_with_grads(fp.gated_delta_rule, cuda, do.float().cuda(), dfinal.float().cuda())
+    plain = run_with_grads(reference, inputs, do.float(), dfinal.float())
+    got = [None if t is None else t.cpu() for t in got]
+    _check(got, run_with_grads(reference, wide, do, dfinal), plain)
