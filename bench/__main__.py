@@ -6,6 +6,7 @@ import sys
 FAMILIES = [
     "matmul",
     "attention",
+    "linear_attention",
     "linear",
     "ring_attention",
     "context_parallel",

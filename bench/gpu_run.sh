@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU run plan of bench/NOTES.md, one self-contained command per step:
 #
-#   bash bench/gpu_run.sh STEP      (STEP 0-8, on a fresh lent GPU machine, with $OUT set)
+#   bash bench/gpu_run.sh STEP      (STEP 0-9, on a fresh lent GPU machine, with $OUT set)
 #
 # 0: what is new since the last run, for a 15-minute budget: the fused schedule's GPU tests,
 #    bench linear, and the other new GPU tests
@@ -14,13 +14,15 @@
 # 7: the example model's training step on one GPU against `fusedpar.plan`'s estimate (#44)
 # 8: #53's CPU tests that lean on torch internals (the DTensor swap of fp.distribute, the
 #    checkpoint's entry on the store, compile through distribute's hook) on torch 2.11
+# 9: the gated delta rule (#55): fp.gated_delta_rule against Hugging Face's torch fallback,
+#    flash-linear-attention (where fla-core is installed) and its own torch implementation
 #
 # Each step installs fusedpar, records the device, runs its parts under their own time
 # limits (summing to under 9 minutes, so the tarball is always written) and leaves at most
 # 8 files in $OUT: install.log, device.txt, summary.txt, one log per part, results.tgz
 # (every bench's JSON, table and plot, and the tuner's picks).
 set -uo pipefail
-step=${1:?usage: bash bench/gpu_run.sh 0|1|2|3|4|5|6|7|8}
+step=${1:?usage: bash bench/gpu_run.sh 0|1|2|3|4|5|6|7|8|9}
 out=${OUT:?set OUT to a folder that comes back}
 results=/tmp/fusedpar-results
 mkdir -p "$results"
@@ -92,7 +94,9 @@ case $step in
   8) part torch211_cpu 300 env TRITON_INTERPRET=1 python -m pytest -n 4 -q -p no:cacheprovider \
        --timeout 240 tests/storage/test_storage.py tests/checkpoint/test_checkpoint.py tests/storage/test_checks.py \
        tests/test_compile.py tests/pipeline/test_pipeline.py ;;
-  *) echo "unknown step $step: 0-8" >&2; exit 2 ;;
+  # #55: Qwen3.5-35B's GDN shapes, T = 4k and 16k (quick), forward and backward
+  9) part linear_attention 420 "${bench[@]}" linear_attention ;;
+  *) echo "unknown step $step: 0-9" >&2; exit 2 ;;
 esac
 tar -czf "$out/results.tgz" -C "$results" .
 for log in "$out"/*.log; do echo "== $log"; tail -n 15 "$log"; done

@@ -2,6 +2,7 @@
 
 from fusedpar.ops.attention import flash_attn, flash_attn_varlen
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
+from fusedpar.ops.linear_attention import gated_delta_rule
 from fusedpar.ops.norm import rms_norm
 from fusedpar.ops.ring_attention import ring_attn
 from fusedpar.ops.sequence import gather_sequence, sequence_positions, shard_sequence
@@ -12,6 +13,7 @@ __all__ = [
     "all_gather_matmul",
     "flash_attn",
     "flash_attn_varlen",
+    "gated_delta_rule",
     "gather_sequence",
     "matmul_reduce_scatter",
     "ring_attn",

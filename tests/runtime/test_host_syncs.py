@@ -214,8 +214,24 @@ def _moe_step(device, dtype, capacity_factor, **options):
     return step
 
 
+def _gated_delta_step(device, dtype):
+    """fp.gated_delta_rule (GVA, one sequence past a chunk), q and k normalized in the op;
+    g fp32 as the layers make it. (Packed documents read their cu_seqlens: not here.)"""
+    q, k = (randn((2, 70, 2, 16), dtype, i).to(device).requires_grad_() for i in (0, 1))
+    v = randn((2, 70, 4, 8), dtype, 2).to(device).requires_grad_()
+    g = (-torch.rand(2, 70, 4, device=device)).requires_grad_()
+    beta = torch.rand(2, 70, 4, device=device, dtype=dtype).requires_grad_()
+
+    def step():
+        o, _ = fp.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        o.float().sum().backward()
+
+    return step
+
+
 STEPS = {
     "flash_attn": _flash_step,
+    "gated_delta_rule": _gated_delta_step,
     "attention layer": _attention_layer_step,
     "moe": lambda device, dtype: _moe_step(device, dtype, None),
     "moe with capacity": lambda device, dtype: _moe_step(device, dtype, 0.5),
