@@ -155,3 +155,50 @@ def qk_rms_norm(
     mean_square = squares / (heads * x.shape[-1])
     scale = weight.to(wide).view(x.shape[-2:]) + offset  # (H_loc, hd)
     return (x32 * torch.rsqrt(mean_square + eps) * scale).to(x.dtype)
+
+
+def split_gate(t: torch.Tensor | None, head_dim: int):
+    """A gated q's dense rows (Hq * 2hd, ...) in Hugging Face's layout, each head's hd q
+    rows then its hd gate rows (Qwen3-Next's ``q_proj(x).view(..., Hq, 2hd).chunk(2)``),
+    as (q (Hq * hd, ...), gate (Hq * hd, ...)); None: (None, None)."""
+    if t is None:
+        return None, None
+    heads = t.reshape(-1, 2, head_dim, *t.shape[1:])  # (Hq, 2, hd, ...)
+    rows = (heads.shape[0] * head_dim, *t.shape[1:])
+    return heads[:, 0].reshape(rows), heads[:, 1].reshape(rows)
+
+
+def join_gate(q: torch.Tensor, gate: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The inverse of `split_gate`: q and gate rows (Hq * hd, ...) as one dense q."""
+    heads = torch.stack([t.reshape(-1, head_dim, *t.shape[1:]) for t in (q, gate)], 1)
+    return heads.reshape(-1, *q.shape[1:])
+
+
+class _SigmoidGate(torch.autograd.Function):
+    """``out * sigmoid(gate)`` in fp32 (float64 for float64), rounded once; saves the two
+    inputs as they are (no fp32 copies) and recomputes the sigmoid in the backward."""
+
+    @staticmethod
+    def forward(ctx, out, gate):
+        ctx.save_for_backward(out, gate)
+        wide = accumulator(out.dtype)
+        return (out.to(wide) * torch.sigmoid(gate.to(wide))).to(out.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        out, gate = ctx.saved_tensors
+        wide = accumulator(out.dtype)
+        s, dy = torch.sigmoid(gate.to(wide)), dy.to(wide)
+        d_out = (dy * s).to(out.dtype) if ctx.needs_input_grad[0] else None
+        d_gate = (
+            (dy * out.to(wide) * s * (1 - s)).to(gate.dtype) if ctx.needs_input_grad[1] else None
+        )
+        return d_out, d_gate
+
+
+def sigmoid_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The output gate of Qwen3-Next's attention: ``out * sigmoid(gate)``, both (S, B,
+    Hq_loc * hd), computed in fp32 and returned in out's dtype."""
+    if out.shape != gate.shape:
+        raise ValueError(f"sigmoid_gate: out {tuple(out.shape)} and gate {tuple(gate.shape)}")
+    return _SigmoidGate.apply(out, gate)
