@@ -8,12 +8,12 @@ parallelism a further 1 / TP of them).
 
 | step        | op                                        | shape on a rank               |
 | ----------- | ----------------------------------------- | ----------------------------- |
-| QKV         | `all_gather_matmul(x, [wq, wk, wv], tp)`  | (S/CP, B, (Hq+2Hkv)/TP * hd)  |
+| QKV (gate)  | `all_gather_matmul(x, [wq, wk, wv], tp)`  | (S/CP, B, (Hq+2Hkv)/TP * hd)  |
 | RoPE        | at `sequence_positions(S, cp)`            | q (B, S/CP, Hq/TP, hd)        |
 | attention   | `ring_attn(q, k, v, cp, causal, ulysses_group=u)` | (B, S/CP, Hq/TP, hd)  |
 | projection  | `matmul_reduce_scatter(o, wo, tp)`        | (S/CP/TP, B, d_model)         |
 
-Options for today's open models: biases, `head_dim`, `qk_norm`, `softmax_scale`,
+Options for today's open models: biases, `head_dim`, `qk_norm`, `softmax_scale`, `output_gate`,
 `rope=` (Llama's tables, ``None``, or a callable ``positions -> (cos, sin)`` called at
 the global positions), `rotary_dim`. RoPE pairs dims (i, i + r/2) as Hugging Face does
 (`from_dense(..., rope_layout="interleaved")` permutes a (2i, 2i + 1) checkpoint's
@@ -68,10 +68,15 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
     | `q_norm_weight`, `k_norm_weight` | (hd,), whole        | ``qk_norm="head"`` |
     | `q_norm_weight`; `k_norm_weight` | (Hq/TP * hd,); (Hkv/TP * hd,) | ``qk_norm="full"`` |
     | `sinks`                          | (Hq/TP,)            | ``sinks=True``  |
+    | `gate_weight`; `gate_bias`       | (Hq/TP * hd, d); (Hq/TP * hd,) | ``output_gate=True`` |
 
     ``qk_norm`` (True is "head"; see `fusedpar.nn.attention_parts`) with ``norm_eps``
     and ``norm_offset`` (1: Gemma's ``(1 + weight)``). ``sinks``: a learned logit per
     query head in the softmax denominator (gpt-oss; `fusedpar.flash_attn`'s `sinks`).
+    ``output_gate``: ``out * sigmoid(x gate_weight^T)`` before the o projection
+    (Qwen3-Next). TP a multiple of Hkv (> Hkv): `k_weight`, `v_weight` (and biases) are
+    (Hkv * hd, d) whole on each rank, which computes with its query heads' KV head
+    (`param_layouts`). docs/attention.md, "The layer".
 
     ``rope(positions)`` returns cos, sin of shape (S, r/2), or (S, r) with equal halves
     (Hugging Face's layout; leading dims of 1 are dropped), r = `rotary_dim` (default
@@ -426,15 +431,14 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         given = bias_per_weight("ParallelAttention.from_dense", biases, 4)
         weight, q_bias = linear_parts("q", q, given[0])
         n_kv_heads = n_kv_heads or n_heads
-        per_head = 2 * n_heads if kwargs.get("output_gate") else n_heads  # q's and gates'
+        gated = bool(kwargs.get("output_gate"))
+        per_head = 2 * n_heads if gated else n_heads  # q's and gates' rows
         if weight.shape[0] % per_head:
-            raise ValueError(
-                f"dense q has {weight.shape[0]} rows, not a multiple of {per_head} "
-                f"(n_heads {n_heads}, output_gate={bool(kwargs.get('output_gate'))})"
-            )
+            what = f"2 x n_heads ({n_heads}: output_gate)" if gated else f"n_heads ({n_heads})"
+            raise ValueError(f"dense q has {weight.shape[0]} rows, not a multiple of {what}")
         kwargs.setdefault("head_dim", weight.shape[0] // per_head)
         k_rows = linear_parts("k", k, given[1])[0].shape[0]
-        if not kwargs.get("output_gate") and weight.shape[0] * n_kv_heads == 2 * k_rows * n_heads:
+        if not gated and weight.shape[0] * n_kv_heads == 2 * k_rows * n_heads:
             raise ValueError(
                 f"dense q has {weight.shape[0]} rows, twice n_heads ({n_heads}) x k's head "
                 f"dim ({k_rows // n_kv_heads}): a gated q (Qwen3-Next)? pass output_gate=True"

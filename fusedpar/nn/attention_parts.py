@@ -1,5 +1,5 @@
 """The pieces of `ParallelAttention` that act on q and k one token at a time: the
-rotary embedding and the q/k norms.
+rotary embedding, the q/k norms, and the output gate (`split_gate`, `sigmoid_gate`).
 
 | `qk_norm` | statistics over                          | weight on a rank     | e.g.          |
 | --------- | ---------------------------------------- | -------------------- | ------------- |

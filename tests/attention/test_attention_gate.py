@@ -115,6 +115,7 @@ def _params(module):
 
 
 def _layer(dense, heads, kv_heads, groups, sequence_parallel):
+    """The layer of `dense` on `groups` (tp, and cp where the groups have it)."""
     p = _params(dense)
     parts = [p[f"{n}_proj.weight"].float() for n in "qkvo"]
     biases = [p.get(f"{n}_proj.bias") for n in "qkvo"]
@@ -137,15 +138,18 @@ def _layer(dense, heads, kv_heads, groups, sequence_parallel):
         kv_heads,
         output_gate=True,
         tp_group=groups["tp"],
+        cp_group=groups.get("cp"),
         sequence_parallel=sequence_parallel,
         **options,
     )
 
 
-def _run(kind, heads, kv_heads, sequence_parallel, seed):
-    """The layer at TP = the world size against the dense module in float64 and fp32."""
-    tp = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    dims = fp.ParallelDims(tp=tp)
+def _run(kind, heads, kv_heads, sequence_parallel, seed, cp=1):
+    """The layer at CP x TP = the world size against the dense module in float64 and
+    fp32 (CP: the zigzag ring)."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    tp = world // cp
+    dims = fp.ParallelDims(cp=cp, tp=tp)
     mesh = dims.build_mesh("cpu")
     groups = dims.groups(mesh)
     dense = _dense(kind, heads, kv_heads, seed)
@@ -161,11 +165,11 @@ def _run(kind, heads, kv_heads, sequence_parallel, seed):
         refs[dtype] = {"y": y.detach(), "dx": xd.grad, **grads}
     layer = _layer(dense, heads, kv_heads, groups, sequence_parallel)
     assert layer.kv_replicas == max(1, tp // kv_heads)
-    fp.distribute(layer, mesh, token_axes=("tp",) if sequence_parallel else ())
+    fp.distribute(layer, mesh, token_axes=("cp", "tp") if sequence_parallel else ("cp",))
     rank = fp.comm.group_rank(groups["tp"])
 
-    def local(t):  # (B, S, d) -> this rank's (S / TP, B, d) or (S, B, d)
-        t = t.transpose(0, 1)
+    def local(t):  # (B, S, d) -> this rank's (S / CP / TP, B, d) or (S / CP, B, d)
+        t = fp.shard_sequence(t, groups["cp"], dim=1).transpose(0, 1)
         return t.chunk(tp)[rank] if sequence_parallel else t
 
     x_local = local(x).float().requires_grad_()
@@ -200,6 +204,10 @@ def test_the_gate_matches_hugging_face_qwen3_next(world, ranks):
 
 def test_the_gate_matches_a_plain_module_at_tp2_classic_tp(world):
     assert all(world(2).run(_run, "plain", 4, 2, False, 3))
+
+
+def test_the_gate_under_context_parallelism_tp2_cp2(world):
+    assert all(world(4).run(_run, "hf", 4, 2, True, 6, cp=2))
 
 
 @pytest.mark.parametrize("kind", ["plain", "hf"])
