@@ -562,7 +562,8 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         norms = () if self.qk_norm is None else (self.q_norm_weight, self.k_norm_weight)
         weights = (self.q_weight, self.k_weight, self.v_weight, self.o_weight)
         biases = (self.q_bias, self.k_bias, self.v_bias, self.o_bias)
-        for t in (*weights, *biases, *norms):  # what the composed path's ops each check
+        gate = (self.gate_weight, self.gate_bias) if self.output_gate else ()
+        for t in (*weights, *biases, *norms, *gate):  # what the composed path's ops each check
             if t is not None and (t.dtype != x.dtype or t.device != x.device):
                 name = next(n for n, p in self.named_parameters() if p is t)
                 raise TypeError(
@@ -580,6 +581,7 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
             mask=self._mask,
             norm_eps=self.norm_eps,
             norm_offset=self.norm_offset,
+            gate=gate,
         )
 
 
@@ -600,8 +602,7 @@ def kv_heads_per_rank(n_heads: int, n_kv_heads: int, tp: int) -> int:
 def takes_one_op(layer: ParallelAttention, x, cos, sin) -> bool:
     """Whether `layer`'s forward runs as one op (`fusedpar.ops.attention_layer`): on one
     rank (no tp, cp or Ulysses group of more than one), with sequence parallelism (classic
-    TP's o projection is ``F.linear``), no sinks, no output gate (the op has no place for
-    it: the gated layer runs the composed path), no q/k norm or a "head" one, and RoPE
+    TP's o projection is ``F.linear``), no sinks, no q/k norm or a "head" one, and RoPE
     tables (cos, sin; None: no RoPE) the kernels take."""
     one_rank = all(
         comm.group_size(g) == 1 for g in (layer.tp_group, layer.cp_group, layer.ulysses_group)
@@ -610,7 +611,6 @@ def takes_one_op(layer: ParallelAttention, x, cos, sin) -> bool:
         one_rank
         and layer.sequence_parallel
         and layer.sinks is None
-        and not layer.output_gate
         and layer.qk_norm in (None, "head")
         and (cos is None or not rotates_by_formula(x, cos, sin))
     )

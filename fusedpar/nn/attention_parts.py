@@ -25,6 +25,7 @@ import torch
 from fusedpar import comm
 from fusedpar.kernels.common import accumulator
 from fusedpar.ops.attention import rope, rope_pair
+from fusedpar.ops.attention_layer import gated_output, gated_output_backward
 from fusedpar.ops.norm import rms_norm
 
 QK_NORMS = ("head", "full")
@@ -175,25 +176,18 @@ def join_gate(q: torch.Tensor, gate: torch.Tensor, head_dim: int) -> torch.Tenso
 
 
 class _SigmoidGate(torch.autograd.Function):
-    """``out * sigmoid(gate)`` in fp32 (float64 for float64), rounded once; saves the two
-    inputs as they are (no fp32 copies) and recomputes the sigmoid in the backward."""
+    """`gated_output` (fp32, rounded once); saves the two inputs as they are (no fp32
+    copies) and recomputes the sigmoid in the backward (`gated_output_backward`: the
+    one-rank op's math, so both paths give the same bits)."""
 
     @staticmethod
     def forward(ctx, out, gate):
         ctx.save_for_backward(out, gate)
-        wide = accumulator(out.dtype)
-        return (out.to(wide) * torch.sigmoid(gate.to(wide))).to(out.dtype)
+        return gated_output(out, gate)
 
     @staticmethod
     def backward(ctx, dy):
-        out, gate = ctx.saved_tensors
-        wide = accumulator(out.dtype)
-        s, dy = torch.sigmoid(gate.to(wide)), dy.to(wide)
-        d_out = (dy * s).to(out.dtype) if ctx.needs_input_grad[0] else None
-        d_gate = (
-            (dy * out.to(wide) * s * (1 - s)).to(gate.dtype) if ctx.needs_input_grad[1] else None
-        )
-        return d_out, d_gate
+        return gated_output_backward(dy, *ctx.saved_tensors, ctx.needs_input_grad[:2])
 
 
 def sigmoid_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

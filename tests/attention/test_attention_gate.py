@@ -297,3 +297,41 @@ def test_split_and_join_gate_are_inverse():
     assert torch.equal(join_gate(*split_gate(q, HEAD_DIM), HEAD_DIM), q)
     heads = q.view(4, 2, HEAD_DIM, 5)
     assert torch.equal(split_gate(q, HEAD_DIM)[1].view(4, HEAD_DIM, 5), heads[:, 1])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"bias": True}, {"qk_norm": "head", "norm_offset": 1.0, "rotary_dim": 4}],
+    ids=["bias-rope-in-gemms", "head-norms-partial-rotary"],
+)
+def test_one_rank_gated_is_one_op_with_the_composed_paths_bits(monkeypatch, options):
+    """On one rank the gated layer is one op (`fusedpar::attention_layer` with its gate):
+    the output and every gradient are bit for bit the composed path's."""
+    from fusedpar.nn import attention
+
+    layer = fp.nn.ParallelAttention(D_MODEL, 4, 2, head_dim=HEAD_DIM, output_gate=True, **options)
+    with torch.no_grad():
+        for i, p in enumerate(layer.parameters()):  # re-drawn: biases and norms never trivial
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.3)
+    x, dy = (torch.randn(SEQ - 1, BATCH, D_MODEL) for _ in range(2))
+    ops = []
+    attention_layer = attention.attention_layer
+    monkeypatch.setattr(
+        attention, "attention_layer", lambda *a, **k: ops.append(1) or attention_layer(*a, **k)
+    )
+
+    def run():
+        xr = x.clone().requires_grad_()
+        y = layer(xr)
+        y.backward(dy)
+        grads = [p.grad for p in layer.parameters()]
+        layer.zero_grad(set_to_none=True)
+        return [y, xr.grad, *grads]
+
+    one_op = run()
+    assert ops == [1] and layer.gate_weight.grad is None
+    monkeypatch.setattr(attention, "takes_one_op", lambda *a: False)
+    composed = run()
+    assert ops == [1] and len(one_op) == len(composed) == 2 + len(list(layer.parameters()))
+    for got, expected in zip(one_op, composed, strict=True):
+        assert torch.equal(got, expected)
