@@ -6,20 +6,18 @@ RoPE tables cos, sin (S, r/2); the output gate's weight (Hq hd, d) and bias, or 
 The mask crosses the op boundary as its scalars (`AttentionMask.flat`), the norms'
 (eps, offset) as two floats.
 
-| direction | computes                                                                  |
-| --------- | ------------------------------------------------------------------------- |
-| forward   | ``q, k, v = x W^T + b``, RoPE (or the head norms) turning q and k; ``out = |
-|           | attention(q, k, v)`` in (S, B) row order (gated: ``* sigmoid(x Wg^T + bg)``), |
-|           | so ``y = out Wo^T + bo`` reads it                                          |
+| direction | computes                                                                    |
+| --------- | --------------------------------------------------------------------------- |
+| forward   | ``q, k, v(, g) = x W^T + b``, RoPE (or the head norms) turning q and k;     |
+|           | ``out = attention(q, k, v) (* sigmoid(g))`` in (S, B) rows; ``out Wo^T + bo`` |
 | backward  | ``dO = dy Wo``, ``dWo = dy^T out``; attention's dq, dk, dv turned back;     |
-|           | ``dx = dq Wq + dk Wk + dv Wv`` (fp32 sum, rounded once), ``dW = d^T x``     |
+|           | ``dx = dq Wq + dk Wk + dv Wv (+ dg Wg)`` (fp32, rounded once), ``dW = d^T x`` |
 
 The math, kernels and order of every sum are the composed path's (`all_gather_matmul`,
 `qk_rms_norm`, `flash_attn`, `matmul_reduce_scatter` over a group of one): the same bits
 and the same saved tensors, as one ``autograd.Function`` (host time: docs/hot_path.md).
 `ParallelAttention` takes it on one rank with sequence parallelism, no sinks, no q/k
-norm or a "head" one, and RoPE tables the kernels take
-(`fusedpar.nn.attention_parts.rotates_by_formula`); else the composed path.
+norm or a "head" one, and RoPE tables the kernels take (`rotates_by_formula`).
 """
 
 import torch
