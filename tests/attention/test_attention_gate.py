@@ -210,10 +210,11 @@ def test_the_gate_under_context_parallelism_tp2_cp2(world):
     assert all(world(4).run(_run, "hf", 4, 2, True, 6, cp=2))
 
 
-@pytest.mark.parametrize("kind", ["plain", "hf"])
-def test_kv_heads_replicated_at_tp4_with_2_kv_heads(world, kind):
-    """8 query heads, 2 KV heads over TP4: each KV head on 2 ranks, 2 query heads each."""
-    assert all(world(4).run(_run, kind, 8, 2, True, 4))
+@pytest.mark.parametrize("kind, sequence_parallel", [("plain", True), ("hf", False)])
+def test_kv_heads_replicated_at_tp4_with_2_kv_heads(world, kind, sequence_parallel):
+    """8 query heads, 2 KV heads over TP4: each KV head on 2 ranks, 2 query heads each
+    (sequence parallel, and classic TP: the KV gradient partial over TP either way)."""
+    assert all(world(4).run(_run, kind, 8, 2, sequence_parallel, 4))
 
 
 def _built(tp_ranks, seed):
