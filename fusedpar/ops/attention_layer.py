@@ -182,7 +182,6 @@ def _attention_layer_backward_op(
     weights: list[Tensor],
     tables: list[Tensor],
     cu_seqlens: Tensor | None,
-    head_dim: int,
     mask: list[float],
     norm: list[float],
     needs: list[bool],
@@ -191,13 +190,13 @@ def _attention_layer_backward_op(
     """[dx, dWq, dWk, dWv, dWo, dbq, dbk, dbv, dbo, dnq, dnk, dWg, dbg], `needs` the flags
     of (x, the four weights, the four biases, the two norm weights, the gate's weight and
     bias): an empty (0,) tensor for each not asked for (an op's outputs may not be None).
-    `weights` and `gate` as the forward's."""
+    `weights` and `gate` as the forward's; the head dim is the saved q's."""
     need_x, need_w, need_b = needs[0], needs[1:5], needs[5:9]
     need_n, need_g = needs[9:11], needs[11:13]
     q, k, v, out, lse, *normed = saved
     g = normed.pop() if gate else None  # the gate's pre-sigmoid values (S B, Hq hd)
     S, B, d = x.shape
-    hd = head_dim
+    hd = q.shape[-1]
     weights, norm_weights, (norm_eps, norm_offset) = weights[:4], weights[4:], norm
     wq, wk, wv, wo = weights
     # the GEMMs' signatures follow from dy, x, the weights and where out's rows start (the
@@ -277,7 +276,7 @@ def _attention_layer_backward_op(
 
 
 @_attention_layer_backward_op.register_fake
-def _(dy, x, saved, weights, tables, cu_seqlens, head_dim, mask, norm, needs, gate):
+def _(dy, x, saved, weights, tables, cu_seqlens, mask, norm, needs, gate):
     weights, norm_weights = weights[:4], weights[4:]
     gate_like = [*gate, x, x][:2]
     like = (x, *weights, *weights, *(norm_weights or weights[:2]), *gate_like)
@@ -321,7 +320,7 @@ def _backward(ctx, dy, _saved):
         dy = x.new_zeros((*x.shape[:-1], weights[3].shape[0]))
     grads = asked(
         _attention_layer_backward(
-            dy, x, saved, weights, tables, cu_seqlens, *ctx.options, ctx.needs, list(gate)
+            dy, x, saved, weights, tables, cu_seqlens, *ctx.options[1:], ctx.needs, list(gate)
         ),
         ctx.needs,
     )

@@ -355,7 +355,8 @@ def opcheck_cases(group: str) -> list:
                 xa,
                 layer_saved,
                 *layer_cases[1][1:2],
-                *layer_cases[1][4:9],
+                *layer_cases[1][4:6],  # (the head dim: the saved q's)
+                *layer_cases[1][7:9],
                 [True, False, True, True, True, True, False, True, True, True, False, False, False],
                 [],
             ),
@@ -367,7 +368,8 @@ def opcheck_cases(group: str) -> list:
                 layer_cases[2][0],
                 gated_saved,
                 *layer_cases[2][1:2],
-                *layer_cases[2][4:9],
+                *layer_cases[2][4:6],
+                *layer_cases[2][7:9],
                 [
                     True,
                     True,
