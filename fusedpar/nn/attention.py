@@ -562,8 +562,9 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         norms = () if self.qk_norm is None else (self.q_norm_weight, self.k_norm_weight)
         weights = (self.q_weight, self.k_weight, self.v_weight, self.o_weight)
         biases = (self.q_bias, self.k_bias, self.v_bias, self.o_bias)
-        gate = (self.gate_weight, self.gate_bias) if self.output_gate else ()
-        for t in (*weights, *biases, *norms, *gate):  # what the composed path's ops each check
+        if self.output_gate:  # (after o's: the op's own order)
+            weights, biases = (*weights, self.gate_weight), (*biases, self.gate_bias)
+        for t in (*weights, *biases, *norms):  # what the composed path's ops each check
             if t is not None and (t.dtype != x.dtype or t.device != x.device):
                 name = next(n for n, p in self.named_parameters() if p is t)
                 raise TypeError(
@@ -581,7 +582,6 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
             mask=self._mask,
             norm_eps=self.norm_eps,
             norm_offset=self.norm_offset,
-            gate=gate,
         )
 
 

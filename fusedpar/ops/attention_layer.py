@@ -353,15 +353,16 @@ def attention_layer(
     mask: AttentionMask,
     norm_eps: float,
     norm_offset: float,
-    gate=(),
 ) -> Tensor:
     """`ParallelAttention`'s forward on one rank (the module doc): x (S, B, d) -> (S, B,
-    d). `weights` (q, k, v, o); `biases` (q, k, v, o), None where absent; `norm_weights`
-    () or the "head" norms' (q, k); `tables` () or (cos, sin) (S, r/2) in the kernels'
-    dtype, needing no gradient; `cu_seqlens` None or packed documents (B = 1); `mask`
-    the layer's (no sinks: the layer with sinks is not one op); `gate` () or the output
-    gate's (weight, bias or None). The caller (`ParallelAttention`) has checked the
+    d). `weights` (q, k, v, o), then the output gate's where there is one; `biases`
+    aligned with them, None where absent; `norm_weights` () or the "head" norms' (q, k);
+    `tables` () or (cos, sin) (S, r/2) in the kernels' dtype, needing no gradient;
+    `cu_seqlens` None or packed documents (B = 1); `mask` the layer's (no sinks: the
+    layer with sinks is not one op). The caller (`ParallelAttention`) has checked the
     shapes and options."""
+    gate = [t for t in (*weights[4:], *biases[4:]) if t is not None]
+    weights, biases = weights[:4], biases[:4]
     has_bias = [b is not None for b in biases]
     y, _ = _attention_layer(
         x,
@@ -373,6 +374,6 @@ def attention_layer(
         head_dim,
         mask.flat(),
         [float(norm_eps), float(norm_offset)],
-        [t for t in gate if t is not None],
+        gate,
     )
     return y
