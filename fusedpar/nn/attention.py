@@ -8,12 +8,12 @@ parallelism a further 1 / TP of them).
 
 | step        | op                                        | shape on a rank               |
 | ----------- | ----------------------------------------- | ----------------------------- |
-| QKV         | `all_gather_matmul(x, [wq, wk, wv], tp)`  | (S/CP, B, (Hq+2Hkv)/TP * hd)  |
+| QKV (gate)  | `all_gather_matmul(x, [wq, wk, wv], tp)`  | (S/CP, B, (Hq+2Hkv)/TP * hd)  |
 | RoPE        | at `sequence_positions(S, cp)`            | q (B, S/CP, Hq/TP, hd)        |
 | attention   | `ring_attn(q, k, v, cp, causal, ulysses_group=u)` | (B, S/CP, Hq/TP, hd)  |
 | projection  | `matmul_reduce_scatter(o, wo, tp)`        | (S/CP/TP, B, d_model)         |
 
-Options for today's open models: biases, `head_dim`, `qk_norm`, `softmax_scale`,
+Options for today's open models: biases, `head_dim`, `qk_norm`, `softmax_scale`, `output_gate`,
 `rope=` (Llama's tables, ``None``, or a callable ``positions -> (cos, sin)`` called at
 the global positions), `rotary_dim`. RoPE pairs dims (i, i + r/2) as Hugging Face does
 (`from_dense(..., rope_layout="interleaved")` permutes a (2i, 2i + 1) checkpoint's
@@ -41,6 +41,8 @@ from fusedpar.nn.attention_parts import (  # noqa: F401 (rope_tables: public her
     qk_rms_norm,
     rope_tables,
     rotates_by_formula,
+    sigmoid_gate,
+    split_gate,
 )
 from fusedpar.nn.linear import bias_per_weight, linear_parts
 from fusedpar.nn.rotary import RotaryPositions
@@ -66,10 +68,15 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
     | `q_norm_weight`, `k_norm_weight` | (hd,), whole        | ``qk_norm="head"`` |
     | `q_norm_weight`; `k_norm_weight` | (Hq/TP * hd,); (Hkv/TP * hd,) | ``qk_norm="full"`` |
     | `sinks`                          | (Hq/TP,)            | ``sinks=True``  |
+    | `gate_weight`; `gate_bias`       | (Hq/TP * hd, d); (Hq/TP * hd,) | ``output_gate=True`` |
 
     ``qk_norm`` (True is "head"; see `fusedpar.nn.attention_parts`) with ``norm_eps``
     and ``norm_offset`` (1: Gemma's ``(1 + weight)``). ``sinks``: a learned logit per
     query head in the softmax denominator (gpt-oss; `fusedpar.flash_attn`'s `sinks`).
+    ``output_gate``: ``out * sigmoid(x gate_weight^T)`` before the o projection
+    (Qwen3-Next). TP a multiple of Hkv (> Hkv): `k_weight`, `v_weight` (and biases) are
+    (Hkv * hd, d) whole on each rank, which computes with its query heads' KV head
+    (`param_layouts`). docs/attention.md, "The layer".
 
     ``rope(positions)`` returns cos, sin of shape (S, r/2), or (S, r) with equal halves
     (Hugging Face's layout; leading dims of 1 are dropped), r = `rotary_dim` (default
@@ -122,6 +129,7 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         cp_mode: str | None = None,
         overlap=None,
         reduce_dtype=None,
+        output_gate: bool = False,
         device=None,
         dtype=None,
     ):
@@ -153,6 +161,7 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
             softcap=softcap,
             causal=causal,
             rope_theta=rope_theta,
+            output_gate=output_gate,
         )
         self._build(spec, placement, device, dtype)
 
@@ -164,14 +173,20 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         n_heads, (n_kv_heads, head_dim, rotary_dim, qk_norm) = spec.n_heads, spec.resolved()
         tp_group, ulysses_group = placement.tp_group, placement.ulysses_group
         tp = comm.group_size(tp_group)
-        for name, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
-            if heads % tp:
-                raise ValueError(f"{name} ({heads}) is not divisible by the TP degree ({tp})")
+        # KV heads per rank; more TP ranks than KV heads: each KV head on tp / Hkv ranks
+        kv_local = kv_heads_per_rank(n_heads, n_kv_heads, tp)
+        self.kv_replicas = max(1, tp // n_kv_heads)
+        if self.kv_replicas > 1 and qk_norm == "full":
+            raise ValueError(
+                f"qk_norm='full' with {n_kv_heads} KV heads over TP {tp}: the norm's "
+                "statistics sum over TP ranks, which would count each replicated KV head "
+                f"{self.kv_replicas} times (use TP <= {n_kv_heads})"
+            )
         ulysses = comm.group_size(ulysses_group)
         if ulysses > 1:
             check_heads(
                 n_heads // tp,
-                n_kv_heads // tp,
+                kv_local,
                 ulysses,
                 f"ParallelAttention (n_heads {n_heads}, n_kv_heads {n_kv_heads}, TP {tp})",
             )
@@ -191,13 +206,16 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         self.causal, self.sequence_parallel = spec.causal, placement.sequence_parallel
         self.cp_layout, self.rope_theta = placement.cp_layout, spec.rope_theta
         self.sliding_window, self.softcap = spec.sliding_window, spec.softcap
+        self.output_gate = spec.output_gate
         # the mask of every call (its sinks aside: a parameter, joined per call), and its
         # parts as attributes: Hugging Face's W keys (the query's own included) is
         # flash-attn's (W - 1, 0)
         self._mask = spec.mask
         self.window = self._mask.window
         hd, d_model, factory = head_dim, spec.d_model, {"device": device, "dtype": dtype}
-        q_rows, kv_rows = n_heads // tp * hd, n_kv_heads // tp * hd
+        # replicated KV heads: every KV head whole on each rank, the forward reads its own
+        q_rows = n_heads // tp * hd
+        kv_rows = (n_kv_heads if self.kv_replicas > 1 else kv_local) * hd
         self.q_weight = nn.Parameter(torch.empty(q_rows, d_model, **factory))
         self.k_weight = nn.Parameter(torch.empty(kv_rows, d_model, **factory))
         self.v_weight = nn.Parameter(torch.empty(kv_rows, d_model, **factory))
@@ -207,6 +225,8 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
             return nn.Parameter(torch.empty(shape, **factory)) if on else None
 
         self.q_bias = optional(spec.bias, q_rows)
+        self.gate_weight = optional(spec.output_gate, q_rows, d_model)
+        self.gate_bias = optional(spec.output_gate and spec.bias, q_rows)
         self.k_bias, self.v_bias = optional(spec.bias, kv_rows), optional(spec.bias, kv_rows)
         self.o_bias = optional(spec.o_bias, d_model)
         full = qk_norm == "full"
@@ -227,7 +247,8 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         current RNG state: the same model for any TP degree), then this rank's heads;
         norm weights 1 (with their offset), sinks 0."""
         d, hd, bias = self.d_model, self.head_dim, self.has_bias
-        q = nn.Linear(d, self.n_heads * hd, bias=bias)
+        # gated: q's rows [q_h | gate_h] per head, as Hugging Face's (`load_dense`)
+        q = nn.Linear(d, self.n_heads * hd * (2 if self.output_gate else 1), bias=bias)
         k = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
         v = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
         o = nn.Linear(self.n_heads * hd, d, bias=self.o_bias is not None)
@@ -262,6 +283,9 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         this layer and Hugging Face do) or "interleaved" (pairs (2i, 2i + 1), Meta's and
         torchtitan's): q's and k's rows, biases and norm weights are then permuted into
         this layer's layout (`interleaved_to_half`), which leaves every score unchanged.
+        With ``output_gate``, q is (Hq*2hd, d) in Hugging Face's layout, each head's hd
+        q rows then its hd gate rows (its bias likewise): each rank takes its heads' q
+        and gate rows. Replicated KV heads (TP > Hkv): k and v are copied whole.
         Raises ValueError for anything this layer would not compute: a bias it has no
         place for, a missing one, a shape that does not fit."""
         if rope_layout not in ROPE_LAYOUTS:
@@ -276,8 +300,9 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         def permute(t):  # the dense q/k rows (or norm weights) in this layer's layout
             return interleaved_to_half(t, hd, self.rotary_dim) if rope_layout != "half" else t
 
+        gates = 2 if self.output_gate else 1
         expected = {
-            "q": (self.n_heads * hd, d),
+            "q": (self.n_heads * hd * gates, d),
             "k": (self.n_kv_heads * hd, d),
             "v": (self.n_kv_heads * hd, d),
             "o": (d, self.n_heads * hd),
@@ -298,11 +323,18 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
                     f"dense {name} has {'a' if bias is not None else 'no'} bias but this "
                     f"ParallelAttention was built with {flag}={param_bias is not None}"
                 )
+            if name == "q" and self.output_gate:  # [q_h | gate_h] per head: split them
+                (weight, gate), (bias, gate_bias) = split_gate(weight, hd), split_gate(bias, hd)
+                copies.append((self.gate_weight, gate, 0))
+                if gate_bias is not None:
+                    copies.append((self.gate_bias, gate_bias, 0))
             if name in "qk":
                 weight, bias = permute(weight), None if bias is None else permute(bias)
-            copies.append((getattr(self, f"{name}_weight"), weight, 1 if name == "o" else 0))
+            # o: split by its columns; replicated k and v: whole; else by heads
+            dim = 1 if name == "o" else None if name in "kv" and self.kv_replicas > 1 else 0
+            copies.append((getattr(self, f"{name}_weight"), weight, dim))
             if bias is not None:
-                copies.append((param_bias, bias, None if name == "o" else 0))
+                copies.append((param_bias, bias, None if name == "o" else dim))
         full = self.qk_norm == "full"
         extras = (
             ("q_norm", q_norm, self.n_heads),
@@ -337,21 +369,26 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
                 local_tensor(param).copy_(part)
 
     def param_layouts(self) -> dict:
-        """For `fusedpar.distribute`: the heads (and their biases, "full" norm weights and
-        sinks) split over the TP group; the o bias whole, summed over TP inside the
-        layer; "head" norm weights whole, each TP rank's gradient a partial sum over its
-        own heads."""
+        """For `fusedpar.distribute`: the heads (and their biases, gates, "full" norm
+        weights and sinks) split over the TP group; the o bias whole, summed over TP
+        inside the layer; "head" norm weights whole, each TP rank's gradient a partial
+        sum over its own heads; replicated KV heads (TP > Hkv) likewise whole, each rank's
+        gradient its own KV head's rows from its own query heads (zero elsewhere), summed
+        over TP: a checkpoint holds every KV head once, loadable at any TP."""
         heads, o = ParamLayout(0, self.tp_group), ParamLayout(1, self.tp_group)
         tp = (self.tp_group,)
         norm = heads if self.qk_norm == "full" else ParamLayout(partial_over=tp)
+        kv = ParamLayout(partial_over=tp) if self.kv_replicas > 1 else heads
         return {
             "q_weight": heads,
-            "k_weight": heads,
-            "v_weight": heads,
+            "k_weight": kv,
+            "v_weight": kv,
             "o_weight": o,
             "q_bias": heads,
-            "k_bias": heads,
-            "v_bias": heads,
+            "k_bias": kv,
+            "v_bias": kv,
+            "gate_weight": heads,
+            "gate_bias": heads,
             "o_bias": ParamLayout(complete_over=tp),
             "q_norm_weight": norm,
             "k_norm_weight": norm,
@@ -384,7 +421,9 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         the dense q and k pair their rotary dims (2i, 2i + 1) (Meta's and torchtitan's
         checkpoints), permuted here into this layer's (i, i + r/2) (see `load_dense`).
         Pass ``rope_theta`` (default 10000) or ``rope``: the layer builds its own
-        tables, and a model of another base would be silently off."""
+        tables, and a model of another base would be silently off. ``output_gate=True``
+        (never read off the shapes): q holds each head's q and gate rows (Hugging Face's
+        Qwen3-Next q_proj, (Hq*2hd, d); see `load_dense`)."""
         if rope_layout not in ROPE_LAYOUTS:
             raise ValueError(f"rope_layout must be one of {ROPE_LAYOUTS}, got {rope_layout!r}")
         flag = bias if isinstance(bias, bool) else None
@@ -392,17 +431,25 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         given = bias_per_weight("ParallelAttention.from_dense", biases, 4)
         weight, q_bias = linear_parts("q", q, given[0])
         n_kv_heads = n_kv_heads or n_heads
-        if weight.shape[0] % n_heads:
+        gated = bool(kwargs.get("output_gate"))
+        per_head = 2 * n_heads if gated else n_heads  # q's and gates' rows
+        if weight.shape[0] % per_head:
+            what = f"2 x n_heads ({n_heads}: output_gate)" if gated else f"n_heads ({n_heads})"
+            raise ValueError(f"dense q has {weight.shape[0]} rows, not a multiple of {what}")
+        kwargs.setdefault("head_dim", weight.shape[0] // per_head)
+        k_rows = linear_parts("k", k, given[1])[0].shape[0]
+        if not gated and weight.shape[0] * n_kv_heads == 2 * k_rows * n_heads:
             raise ValueError(
-                f"dense q has {weight.shape[0]} rows, not a multiple of n_heads ({n_heads})"
+                f"dense q has {weight.shape[0]} rows, twice n_heads ({n_heads}) x k's head "
+                f"dim ({k_rows // n_kv_heads}): a gated q (Qwen3-Next)? pass output_gate=True"
             )
-        kwargs.setdefault("head_dim", weight.shape[0] // n_heads)
         kwargs["bias"] = q_bias is not None if flag is None else flag
         kwargs.setdefault("o_bias", linear_parts("o", o, given[3])[1] is not None)
         if q_norm is not None:
             width = norm_weight("q_norm", q_norm).numel()
+            q_rows = n_heads * kwargs["head_dim"]  # (the gate rows aside)
             kwargs.setdefault(
-                "qk_norm", "full" if width == weight.shape[0] != kwargs["head_dim"] else "head"
+                "qk_norm", "full" if width == q_rows != kwargs["head_dim"] else "head"
             )
         kwargs.setdefault("sinks", sinks is not None)
         kwargs.setdefault("dtype", weight.dtype)
@@ -428,8 +475,10 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         (B = 1), as in `fusedpar.flash_attn_varlen`; a token attends within its own
         document, and its RoPE position restarts at each document's start."""
         tables = self._start_call(x, cu_seqlens, self.q_weight)
-        weights = [self.q_weight, self.k_weight, self.v_weight]
-        biases = [self.q_bias, self.k_bias, self.v_bias]
+        weights = [self.q_weight, *self._own_kv(self.k_weight, self.v_weight)]
+        biases = [self.q_bias, *self._own_kv(self.k_bias, self.v_bias)]
+        if self.output_gate:  # the gates: a fourth GEMM of the same gather
+            weights, biases = [*weights, self.gate_weight], [*biases, self.gate_bias]
         hd, rotary = self.head_dim, tables is not None
         cos, sin = tables if rotary else (None, None)
         if takes_one_op(self, x, cos, sin):
@@ -437,9 +486,10 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         # RoPE joins the QKV GEMMs (their epilogue, or one launch after them) where no q/k
         # norm comes between
         joined = rotary and self.qk_norm is None and not rotates_by_formula(x, cos, sin)
-        rope = dict(rope=(cos, sin), rotate=[True, True, False], head_dim=hd) if joined else {}
+        turned = [True, True, False, False][: len(weights)]  # q and k
+        rope = dict(rope=(cos, sin), rotate=turned, head_dim=hd) if joined else {}
         if self.sequence_parallel:
-            q, k, v = all_gather_matmul(
+            q, k, v, *gate = all_gather_matmul(
                 x,
                 weights,
                 self.tp_group,
@@ -450,7 +500,7 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
             )
         else:  # classic TP: every rank holds x whole, so the GEMMs gather nothing
             x = comm.copy_to_region(x, self.tp_group)
-            q, k, v = all_gather_matmul(x, weights, None, bias=biases, **rope)
+            q, k, v, *gate = all_gather_matmul(x, weights, None, bias=biases, **rope)
         seq, batch = q.shape[0], q.shape[1]
         q, k, v = (t.view(seq, batch, -1, hd) for t in (q, k, v))  # (S, B, H, hd)
         # ... or the q/k head norm's kernel rotates its output (one launch each way per tensor)
@@ -482,6 +532,8 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
             ulysses_group=self.ulysses_group,
         )
         out = out.transpose(0, 1).reshape(seq, batch, -1)  # (S, B, Hq/TP * hd)
+        if gate:  # (the gate's rows are q's: the same tokens, in the same order)
+            out = sigmoid_gate(out, gate[0])
         if self.sequence_parallel:
             # Each rank adds the o bias to its own tokens: its gradient is summed over TP.
             bias = None if self.o_bias is None else comm.copy_to_region(self.o_bias, self.tp_group)
@@ -496,12 +548,22 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         y = comm.reduce_from_region(F.linear(out, self.o_weight), self.tp_group)
         return y if self.o_bias is None else y + self.o_bias
 
+    def _own_kv(self, *tensors):
+        """k's and v's weights (or biases) this rank computes with: its parameters, or
+        with replicated KV heads its own KV head's rows (a view) of them whole."""
+        if self.kv_replicas == 1 or tensors[0] is None:
+            return list(tensors)
+        hd, head = self.head_dim, self.tp_rank // self.kv_replicas
+        return [t[head * hd : (head + 1) * hd] for t in tensors]
+
     def _one_op(self, x, tables, cu_seqlens):
         """The forward on one rank as one op (`fusedpar.ops.attention_layer`)."""
         check_float_dtype("ParallelAttention: x", x)
         norms = () if self.qk_norm is None else (self.q_norm_weight, self.k_norm_weight)
         weights = (self.q_weight, self.k_weight, self.v_weight, self.o_weight)
         biases = (self.q_bias, self.k_bias, self.v_bias, self.o_bias)
+        if self.output_gate:  # (after o's: the op's own order)
+            weights, biases = (*weights, self.gate_weight), (*biases, self.gate_bias)
         for t in (*weights, *biases, *norms):  # what the composed path's ops each check
             if t is not None and (t.dtype != x.dtype or t.device != x.device):
                 name = next(n for n, p in self.named_parameters() if p is t)
@@ -521,6 +583,20 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
             norm_eps=self.norm_eps,
             norm_offset=self.norm_offset,
         )
+
+
+def kv_heads_per_rank(n_heads: int, n_kv_heads: int, tp: int) -> int:
+    """The KV heads each TP rank computes with: Hkv / TP, or 1 where TP is a multiple of
+    Hkv (each KV head replicated on TP / Hkv ranks: its query heads' ranks). ValueError
+    for heads that do not split."""
+    if n_heads % tp:
+        raise ValueError(f"n_heads ({n_heads}) is not divisible by the TP degree ({tp})")
+    if n_kv_heads % tp and tp % n_kv_heads:
+        raise ValueError(
+            f"n_kv_heads ({n_kv_heads}) and the TP degree ({tp}): one must divide the "
+            "other (KV heads split over TP, or each replicated on TP / n_kv_heads ranks)"
+        )
+    return max(1, n_kv_heads // tp)
 
 
 def takes_one_op(layer: ParallelAttention, x, cos, sin) -> bool:

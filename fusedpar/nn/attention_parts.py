@@ -1,5 +1,5 @@
 """The pieces of `ParallelAttention` that act on q and k one token at a time: the
-rotary embedding and the q/k norms.
+rotary embedding, the q/k norms, and the output gate (`split_gate`, `sigmoid_gate`).
 
 | `qk_norm` | statistics over                          | weight on a rank     | e.g.          |
 | --------- | ---------------------------------------- | -------------------- | ------------- |
@@ -25,6 +25,7 @@ import torch
 from fusedpar import comm
 from fusedpar.kernels.common import accumulator
 from fusedpar.ops.attention import rope, rope_pair
+from fusedpar.ops.attention_layer import gated_output, gated_output_backward
 from fusedpar.ops.norm import rms_norm
 
 QK_NORMS = ("head", "full")
@@ -155,3 +156,43 @@ def qk_rms_norm(
     mean_square = squares / (heads * x.shape[-1])
     scale = weight.to(wide).view(x.shape[-2:]) + offset  # (H_loc, hd)
     return (x32 * torch.rsqrt(mean_square + eps) * scale).to(x.dtype)
+
+
+def split_gate(t: torch.Tensor | None, head_dim: int):
+    """A gated q's dense rows (Hq * 2hd, ...) in Hugging Face's layout, each head's hd q
+    rows then its hd gate rows (Qwen3-Next's ``q_proj(x).view(..., Hq, 2hd).chunk(2)``),
+    as (q (Hq * hd, ...), gate (Hq * hd, ...)); None: (None, None)."""
+    if t is None:
+        return None, None
+    heads = t.reshape(-1, 2, head_dim, *t.shape[1:])  # (Hq, 2, hd, ...)
+    rows = (heads.shape[0] * head_dim, *t.shape[1:])
+    return heads[:, 0].reshape(rows), heads[:, 1].reshape(rows)
+
+
+def join_gate(q: torch.Tensor, gate: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The inverse of `split_gate`: q and gate rows (Hq * hd, ...) as one dense q."""
+    heads = torch.stack([t.reshape(-1, head_dim, *t.shape[1:]) for t in (q, gate)], 1)
+    return heads.reshape(-1, *q.shape[1:])
+
+
+class _SigmoidGate(torch.autograd.Function):
+    """`gated_output` (fp32, rounded once); saves the two inputs as they are (no fp32
+    copies) and recomputes the sigmoid in the backward (`gated_output_backward`: the
+    one-rank op's math, so both paths give the same bits)."""
+
+    @staticmethod
+    def forward(ctx, out, gate):
+        ctx.save_for_backward(out, gate)
+        return gated_output(out, gate)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return gated_output_backward(dy, *ctx.saved_tensors, ctx.needs_input_grad[:2])
+
+
+def sigmoid_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The output gate of Qwen3-Next's attention: ``out * sigmoid(gate)``, both (S, B,
+    Hq_loc * hd), computed in fp32 and returned in out's dtype."""
+    if out.shape != gate.shape:
+        raise ValueError(f"sigmoid_gate: out {tuple(out.shape)} and gate {tuple(gate.shape)}")
+    return _SigmoidGate.apply(out, gate)

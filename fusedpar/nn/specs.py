@@ -51,7 +51,13 @@ class AttentionSizes(NamedTuple):
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """`ParallelAttention`'s model: its keywords but the groups', the placement's."""
+    """`ParallelAttention`'s model: its keywords but the groups', the placement's.
+
+    ``output_gate`` (Qwen3-Next, Qwen3.5): q's projection also emits a gate per query
+    head, ``out * sigmoid(gate)`` before the o projection (`gate_weight`; a dense q in
+    Hugging Face's layout is [q_h | gate_h] per head). ``n_kv_heads`` may be smaller than
+    the TP degree if it divides it: each KV head is replicated on the TP / n_kv_heads
+    ranks whose query heads read it (`ParallelAttention`'s param_layouts)."""
 
     d_model: int
     n_heads: int
@@ -71,8 +77,11 @@ class AttentionSpec:
     softcap: float | None = None
     causal: bool = True
     rope_theta: float = 10000.0
+    output_gate: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.output_gate, bool):
+            raise TypeError(f"output_gate must be a bool, got {self.output_gate!r}")
         window, rope, rotary_dim = self.sliding_window, self.rope, self.rotary_dim
         if window is not None:
             if isinstance(window, bool) or not isinstance(window, int):

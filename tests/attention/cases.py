@@ -284,7 +284,8 @@ def opcheck_cases(group: str) -> list:
     qt, kt, vt = (leaf(8, 2, h, 16).transpose(0, 1) for h in (4, 2, 2))
     out_t, lse_t = ops.flash_attn(qt, kt, vt, [], causal, False)
     # the one-rank attention layer (x (4, 2, 16), heads 2/1 of 8): RoPE in the GEMMs; biases,
-    # head norms turning 6 of 8 dims; packed documents with a window and softcap, no RoPE
+    # head norms turning 6 of 8 dims; packed documents with a window and softcap, no RoPE;
+    # output gates (the first and the last)
     xa, wa = leaf(4, 2, 16), [leaf(16, 16), leaf(8, 16), leaf(8, 16), leaf(16, 16)]
     windowed = AttentionMask(causal=True, window=(2, 0), softcap=3.0, softmax_scale=0.5)
     layer_cases = [
@@ -298,6 +299,7 @@ def opcheck_cases(group: str) -> list:
             8,
             causal,
             [1e-6, 0.0],
+            [leaf(16, 16)],  # an output gate
         ),
         (
             xa,
@@ -309,6 +311,7 @@ def opcheck_cases(group: str) -> list:
             8,
             causal,
             [1e-6, 1.0],
+            [],
         ),
         (
             leaf(7, 1, 16),
@@ -320,9 +323,11 @@ def opcheck_cases(group: str) -> list:
             8,
             windowed.flat(),
             [1e-6, 0.0],
+            [leaf(16, 16), leaf(16)],  # an output gate with its bias
         ),
     ]
     layer_saved = ops.attention_layer(*layer_cases[1])[1]
+    gated_saved = ops.attention_layer(*layer_cases[2])[1]
     return [
         (ops.flash_attn, (q, k, v, [], causal, False)),
         (ops.flash_attn, (q[0, None], k[0, None], v[0, None], [cu, cu], causal, False)),
@@ -350,8 +355,37 @@ def opcheck_cases(group: str) -> list:
                 xa,
                 layer_saved,
                 *layer_cases[1][1:2],
-                *layer_cases[1][4:],
-                [True, False, True, True, True, True, False, True, True, True, False],
+                *layer_cases[1][4:6],  # (the head dim: the saved q's)
+                *layer_cases[1][7:9],
+                [True, False, True, True, True, True, False, True, True, True, False, False, False],
+                [],
+            ),
+        ),
+        (
+            ops.attention_layer_backward,
+            (
+                torch.randn(7, 1, 16),
+                layer_cases[2][0],
+                gated_saved,
+                *layer_cases[2][1:2],
+                *layer_cases[2][4:6],
+                *layer_cases[2][7:9],
+                [
+                    True,
+                    True,
+                    False,
+                    True,
+                    True,
+                    False,
+                    False,
+                    False,
+                    True,
+                    False,
+                    False,
+                    True,
+                    True,
+                ],
+                layer_cases[2][9],
             ),
         ),
     ]

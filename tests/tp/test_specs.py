@@ -338,13 +338,14 @@ def _run_bad_heads():
     """A spec the TP group cannot split: the same ValueError on every rank."""
     dims = fp.ParallelDims(tp=2)
     placement = dims.placement(dims.build_mesh("cpu"))
-    fp.nn.ParallelAttention.from_spec(AttentionSpec(16, 2, 1), placement)
+    # (3 KV heads over TP 2: neither split nor replicated; 1 KV head would be replicated)
+    fp.nn.ParallelAttention.from_spec(AttentionSpec(24, 6, 3), placement)
 
 
 def test_a_group_dependent_refusal_is_the_builds(world):
     for e in world(2).run(exception_of, _run_bad_heads):
         assert isinstance(e, ValueError)
-        assert re.search(r"n_kv_heads \(1\) is not divisible by the TP degree \(2\)", str(e))
+        assert re.search(r"n_kv_heads \(3\) and the TP degree \(2\): one must divide", str(e))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2_moe", "deepseek_v3", "gpt_oss"])
