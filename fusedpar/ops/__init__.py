@@ -2,7 +2,8 @@
 
 from fusedpar.ops.attention import flash_attn, flash_attn_varlen
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
-from fusedpar.ops.norm import rms_norm
+from fusedpar.ops.linear_attention_parts import causal_conv1d
+from fusedpar.ops.norm import rms_norm, rms_norm_gated
 from fusedpar.ops.ring_attention import ring_attn
 from fusedpar.ops.sequence import gather_sequence, sequence_positions, shard_sequence
 from fusedpar.ops.ulysses import ulysses_attn
@@ -10,12 +11,14 @@ from fusedpar.ops.virtual_ring import virtual_ring_attn
 
 __all__ = [
     "all_gather_matmul",
+    "causal_conv1d",
     "flash_attn",
     "flash_attn_varlen",
     "gather_sequence",
     "matmul_reduce_scatter",
     "ring_attn",
     "rms_norm",
+    "rms_norm_gated",
     "sequence_positions",
     "shard_sequence",
     "ulysses_attn",
