@@ -38,7 +38,7 @@ BLOCK_T, BLOCK_C = 64, 128
 PROGRAMS_PER_SM = 2
 # The interpreter runs programs one after another: tiny tiles, so that small shapes
 # cross token and channel blocks and several partial sums.
-INTERPRETER_TILE = dict(BLOCK_T=4, BLOCK_C=8)
+INTERPRETER_TILE = dict(BLOCK_T=16, BLOCK_C=16)
 
 
 def tile_config(interpreted: bool) -> dict:
@@ -66,35 +66,41 @@ def _span(cu_ptr, g, T, N, steps, PACKED: tl.constexpr):
 
 
 @triton.jit
-def _tap(x_ptr, init_ptr, sx_b, sx_t, sx_c, si_n, si_c, si_w, row, t, start, doc, cols, mask,
-         j, W: tl.constexpr, HAS_INIT: tl.constexpr):  # fmt: skip
-    """(BLOCK_T, BLOCK_C) fp32: the input at position t - (W - 1) + j of row `row`, from
-    `initial_states[doc]` before `start`, zero there without them."""
-    p = t - (W - 1) + j
-    inside = p >= start
-    offs = row.to(tl.int64) * sx_b + p.to(tl.int64) * sx_t
-    v = tl.load(x_ptr + offs[:, None] + cols[None, :] * sx_c, mask=mask & inside[:, None],
-                other=0.0).to(tl.float32)  # fmt: skip
+def _window(x_ptr, init_ptr, sx_b, sx_t, sx_c, si_n, si_c, si_w, row, t, start, doc, cols,
+            W: tl.constexpr):  # fmt: skip
+    """For tokens t of sequence `row` (document `doc` from `start`), (BLOCK_T, BLOCK_C)
+    pointers to their first tap's input, t - (W - 1), in x and in initial_states (entry
+    t - start there), and t - start: tap j adds j to the three."""
+    offs = row.to(tl.int64) * sx_b + (t - (W - 1)).to(tl.int64) * sx_t
+    d = t - start
+    init_offs = doc.to(tl.int64) * si_n + d * si_w
+    return (x_ptr + offs[:, None] + cols[None, :] * sx_c,
+            init_ptr + init_offs[:, None] + cols[None, :] * si_c, d)  # fmt: skip
+
+
+@triton.jit
+def _tap(xp, ip, d, mask, j, sx_t, si_w, W: tl.constexpr, HAS_INIT: tl.constexpr):
+    """(BLOCK_T, BLOCK_C) fp32: tap j's input (`_window`'s pointers): x inside the
+    document, initial_states before it (zero without them)."""
+    inside = d >= W - 1 - j
+    v = tl.load(xp + j * sx_t, mask=mask & inside[:, None], other=0.0).to(tl.float32)
     if HAS_INIT:
-        i = p - start + (W - 1)  # >= 0: t >= start
-        offs = doc.to(tl.int64) * si_n + i * si_w
-        v += tl.load(init_ptr + offs[:, None] + cols[None, :] * si_c,
-                     mask=mask & (p < start)[:, None], other=0.0).to(tl.float32)  # fmt: skip
+        v += tl.load(ip + j * si_w, mask=mask & (d < W - 1 - j)[:, None],
+                     other=0.0).to(tl.float32)  # fmt: skip
     return v
 
 
 @triton.jit
-def _pre(x_ptr, w_ptr, bias_ptr, init_ptr, sx_b, sx_t, sx_c, sw_c, sw_w, si_n, si_c, si_w, row,
-         t, start, doc, cols, c_mask, mask, W: tl.constexpr, HAS_BIAS: tl.constexpr,
-         HAS_INIT: tl.constexpr):  # fmt: skip
-    """The pre-activation ``bias + sum_j w[:, j] x[t - (W - 1) + j]`` (fp32)."""
+def _pre(xp, ip, d, wp, bias_ptr, sx_t, si_w, sw_w, cols, c_mask, mask, W: tl.constexpr,
+         HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr):  # fmt: skip
+    """The pre-activation ``bias + sum_j w[:, j] x[t - (W - 1) + j]`` (fp32); wp: the
+    weight's channel pointers."""
     acc = tl.zeros(mask.shape, dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)[None, :]
     for j in tl.static_range(W):
-        wj = tl.load(w_ptr + cols * sw_c + j * sw_w, mask=c_mask, other=0.0).to(tl.float32)
-        acc += wj[None, :] * _tap(x_ptr, init_ptr, sx_b, sx_t, sx_c, si_n, si_c, si_w, row, t,
-                                  start, doc, cols, mask, j, W, HAS_INIT)  # fmt: skip
+        wj = tl.load(wp + j * sw_w, mask=c_mask, other=0.0).to(tl.float32)
+        acc += wj[None, :] * _tap(xp, ip, d, mask, j, sx_t, si_w, W, HAS_INIT)
     return acc
 
 
@@ -126,8 +132,10 @@ def _conv1d_fwd_kernel(
     mask = (g < M)[:, None] & c_mask[None, :]
     row, doc, start, _ = _span(cu_ptr, g, T, N, steps, PACKED)
     t = g - row * T
-    acc = _pre(x_ptr, w_ptr, bias_ptr, init_ptr, sx_b, sx_t, sx_c, sw_c, sw_w, si_n, si_c, si_w,
-               row, t, start, doc, cols, c_mask, mask, W, HAS_BIAS, HAS_INIT)  # fmt: skip
+    xp, ip, d = _window(x_ptr, init_ptr, sx_b, sx_t, sx_c, si_n, si_c, si_w, row, t, start, doc,
+                        cols, W)  # fmt: skip
+    acc = _pre(xp, ip, d, w_ptr + cols * sw_c, bias_ptr, sx_t, si_w, sw_w, cols, c_mask, mask, W,
+               HAS_BIAS, HAS_INIT)  # fmt: skip
     if SILU:
         acc = acc * tl.sigmoid(acc)
     offs = row.to(tl.int64) * sy_b + t.to(tl.int64) * sy_t
@@ -156,6 +164,7 @@ def _conv1d_bwd_kernel(
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = cols < C
+    wp = w_ptr + cols * sw_c
     taps = tl.arange(0, BLOCK_W)  # W rounded up to a power of two
     dw = tl.zeros((BLOCK_W, BLOCK_C), dtype=tl.float32)
     db = tl.zeros((BLOCK_C,), dtype=tl.float32)
@@ -166,25 +175,23 @@ def _conv1d_bwd_kernel(
         mask = (g < last)[:, None] & c_mask[None, :]
         row, doc, start, end = _span(cu_ptr, g, T, N, steps, PACKED)
         t = g - row * T
+        xp, ip, d = _window(x_ptr, init_ptr, sx_b, sx_t, sx_c, si_n, si_c, si_w, row, t, start,
+                            doc, cols, W)  # fmt: skip
+        offs = row.to(tl.int64) * sdy_b + t.to(tl.int64) * sdy_t
+        dyp = dy_ptr + offs[:, None] + cols[None, :] * sdy_c
         dx = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
         for k in tl.static_range(W):  # the outputs at t + k read x[t] through tap W-1-k
-            u = t + k
-            later = mask & (u < end)[:, None]
-            pre = _pre(x_ptr, w_ptr, bias_ptr, init_ptr, sx_b, sx_t, sx_c, sw_c, sw_w, si_n,
-                       si_c, si_w, row, u, start, doc, cols, c_mask, later, W, HAS_BIAS,
-                       HAS_INIT)  # fmt: skip
-            offs = row.to(tl.int64) * sdy_b + u.to(tl.int64) * sdy_t
-            dy = tl.load(dy_ptr + offs[:, None] + cols[None, :] * sdy_c, mask=later,
-                         other=0.0).to(tl.float32)  # fmt: skip
+            later = mask & (t + k < end)[:, None]
+            pre = _pre(xp + k * sx_t, ip + k * si_w, d + k, wp, bias_ptr, sx_t, si_w, sw_w, cols,
+                       c_mask, later, W, HAS_BIAS, HAS_INIT)  # fmt: skip
+            dy = tl.load(dyp + k * sdy_t, mask=later, other=0.0).to(tl.float32)
             dpre = _dpre(pre, dy, SILU)
-            wk = tl.load(w_ptr + cols * sw_c + (W - 1 - k) * sw_w, mask=c_mask,
-                         other=0.0).to(tl.float32)  # fmt: skip
+            wk = tl.load(wp + (W - 1 - k) * sw_w, mask=c_mask, other=0.0).to(tl.float32)
             dx += wk[None, :] * dpre
             if k == 0:  # this block's own outputs: the weight's and bias's gradients
                 db += tl.sum(dpre, 0)
                 for j in tl.static_range(W):
-                    x_j = _tap(x_ptr, init_ptr, sx_b, sx_t, sx_c, si_n, si_c, si_w, row, t,
-                               start, doc, cols, mask, j, W, HAS_INIT)  # fmt: skip
+                    x_j = _tap(xp, ip, d, mask, j, sx_t, si_w, W, HAS_INIT)
                     dw += tl.where(taps[:, None] == j, tl.sum(dpre * x_j, 0)[None, :], 0.0)
         if HAS_DFINAL:  # final_states[doc, :, f] is x at end - (W - 1) + f
             f = t - (end - (W - 1))
@@ -226,31 +233,31 @@ def _conv1d_edge_kernel(
         row, start, end = 0, tl.load(cu_ptr + n), tl.load(cu_ptr + n + 1)
     else:
         row, start, end = n, 0, T
-    rows = tl.zeros_like(r) + row
-    docs = tl.zeros_like(r) + n
-    starts = tl.zeros_like(r) + start
+    rows, docs = tl.zeros_like(r) + row, tl.zeros_like(r) + n
     mask = (r < W - 1)[:, None] & c_mask[None, :]
-    if BACKWARD:
+    if BACKWARD:  # the outputs at start + r - j read entry r through tap j (j <= r)
+        xp, ip, d = _window(x_ptr, init_ptr, sx_b, sx_t, sx_c, si_n, si_c, si_w, rows,
+                            start + r, start, docs, cols, W)  # fmt: skip
+        offs = row * sdy_b + (start + r).to(tl.int64) * sdy_t
+        dyp = dy_ptr + offs[:, None] + cols[None, :] * sdy_c
+        wp = w_ptr + cols * sw_c
         acc = tl.zeros((BLOCK_S, BLOCK_C), dtype=tl.float32)
         for j in tl.static_range(W):
-            u = start + r - j  # the output reading entry r through tap j
-            later = mask & ((r >= j) & (u < end))[:, None]
-            pre = _pre(x_ptr, w_ptr, bias_ptr, init_ptr, sx_b, sx_t, sx_c, sw_c, sw_w, si_n,
-                       si_c, si_w, rows, u, starts, docs, cols, c_mask, later, W, HAS_BIAS,
-                       HAS_INIT)  # fmt: skip
-            offs = row * sdy_b + u.to(tl.int64) * sdy_t
-            dy = tl.load(dy_ptr + offs[:, None] + cols[None, :] * sdy_c, mask=later,
-                         other=0.0).to(tl.float32)  # fmt: skip
-            wj = tl.load(w_ptr + cols * sw_c + j * sw_w, mask=c_mask, other=0.0).to(tl.float32)
+            later = mask & ((r >= j) & (start + r - j < end))[:, None]
+            pre = _pre(xp - j * sx_t, ip - j * si_w, d - j, wp, bias_ptr, sx_t, si_w, sw_w, cols,
+                       c_mask, later, W, HAS_BIAS, HAS_INIT)  # fmt: skip
+            dy = tl.load(dyp - j * sdy_t, mask=later, other=0.0).to(tl.float32)
+            wj = tl.load(wp + j * sw_w, mask=c_mask, other=0.0).to(tl.float32)
             acc += wj[None, :] * _dpre(pre, dy, SILU)
         if HAS_DFINAL:  # entry r is final_states' r - (end - start) when that is >= 0
             f = r - (end - start)
             offs = n.to(tl.int64) * sf_n + f * sf_w
             acc += tl.load(dfinal_ptr + offs[:, None] + cols[None, :] * sf_c,
                            mask=mask & (f >= 0)[:, None], other=0.0).to(tl.float32)  # fmt: skip
-    else:  # the tap W - 1 of a token at end - (W - 1) + r reads that very position
-        acc = _tap(x_ptr, init_ptr, sx_b, sx_t, sx_c, si_n, si_c, si_w, rows,
-                   end - (W - 1) + r, starts, docs, cols, mask, W - 1, W, HAS_INIT)  # fmt: skip
+    else:  # tap W - 1 of the token at end - (W - 1) + r reads that very position
+        xp, ip, d = _window(x_ptr, init_ptr, sx_b, sx_t, sx_c, si_n, si_c, si_w, rows,
+                            end - (W - 1) + r, start, docs, cols, W)  # fmt: skip
+        acc = _tap(xp, ip, d, mask, W - 1, sx_t, si_w, W, HAS_INIT)
     offs = n.to(tl.int64) * so_n + r * so_w
     tl.store(out_ptr + offs[:, None] + cols[None, :] * so_c, acc.to(out_ptr.dtype.element_ty),
              mask=mask)  # fmt: skip
@@ -260,11 +267,11 @@ def _conv1d_edge_kernel(
 
 
 def check_inputs(x, weight, bias=None, activation="silu", cu_seqlens=None,
-                 initial_states=None) -> int:  # fmt: skip
+                 initial_states=None, *, values=True) -> int:  # fmt: skip
     """ValueError/TypeError naming the sizes unless x (B, T, C), weight (C, W) with
     1 <= W <= MAX_WIDTH, bias (C,), initial_states (N, C, W - 1) in x's dtype, cu_seqlens
     int32 (N + 1,) with B = 1, all on x's device; returns N. The cu_seqlens' values are
-    read only on a CPU (on a GPU that would be a host sync)."""
+    read with `values`, on a CPU only (on a GPU that would be a host sync)."""
     check_float_dtype("x", x)
     check_float_dtype("weight", weight)
     if activation not in ACTIVATIONS:
@@ -283,7 +290,7 @@ def check_inputs(x, weight, bias=None, activation="silu", cu_seqlens=None,
             raise ValueError(f"causal_conv1d: bias must be ({C},), got {tuple(bias.shape)}")
     N = B
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, T, values=x.device.type == "cpu")
+        check_cu_seqlens(cu_seqlens, T, values=values and x.device.type == "cpu")
         if B != 1:
             raise ValueError(f"causal_conv1d: with cu_seqlens the documents are packed into "
                              f"one sequence (B = 1), got x {tuple(x.shape)}")  # fmt: skip
@@ -452,7 +459,9 @@ def _gather(x, initial_states, W: int, row, p, start, doc):
     sequence `row`, from initial_states[doc] before `start` (zeros without them)."""
     wide = common.accumulator(x.dtype)
     inside = (p >= start)[..., None]
-    values = torch.where(inside, x[row, p.clamp(min=0)].to(wide), 0.0)
+    T = x.shape[1]
+    read = x[row, p.clamp(0, T - 1)] if T else x.new_zeros((*p.shape, x.shape[2]))
+    values = torch.where(inside, read.to(wide), 0.0)
     if initial_states is not None and W > 1:
         i = (p - start + W - 1).clamp(0, W - 2)
         values = values + torch.where(inside, 0.0, initial_states.transpose(1, 2)[doc, i].to(wide))
