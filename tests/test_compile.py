@@ -23,6 +23,7 @@ from fusedpar.comm import group_name
 from fusedpar.recompute import COMMUNICATION_OPS
 from tests.attention import cases as attention_cases
 from tests.elementwise import cases as elementwise_cases
+from tests.linear_attention import conv_cases
 from tests.moe import cases as moe_cases
 from tests.ring import cases as ring_cases
 from tests.tp import cases as tp_cases
@@ -38,7 +39,7 @@ def _ops():
 
 
 # each family's cases, in turn
-OPCHECK_FAMILIES = (attention_cases, ring_cases, tp_cases, moe_cases, elementwise_cases)
+OPCHECK_FAMILIES = (attention_cases, ring_cases, tp_cases, moe_cases, elementwise_cases, conv_cases)
 
 
 def _opcheck_cases(group: str):

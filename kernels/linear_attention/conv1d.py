@@ -442,11 +442,11 @@ def _backward_kernels(dy, dfinal, x, weight, bias, activation, cu_seqlens, initi
                                   args, meta, key, x, torch_run)  # fmt: skip
     dinit = None
     if initial_states is not None and initial_states.numel():
-        dinit = torch.empty_like(initial_states)
+        dinit = x.new_empty(initial_states.shape)
         _edges(x, weight, bias, cu, initial_states, dy, dfinal, dinit, flags, W)
     elif initial_states is not None:
-        dinit = torch.zeros_like(initial_states)
-    dweight = dw.sum(0).T.to(weight.dtype)
+        dinit = x.new_zeros(initial_states.shape)
+    dweight = dw.sum(0).T.contiguous().to(weight.dtype)
     dbias = db.sum(0).to(bias.dtype) if bias is not None else None
     return dx, dweight, dbias, dinit
 
@@ -469,77 +469,108 @@ def _gather(x, initial_states, W: int, row, p, start, doc):
 
 
 def _positions(x, cu_seqlens):
-    """Per flattened token (B * T,): its row, position, document and document start;
-    per sequence or document (N,): its row, start and end (device tensors, no sync)."""
+    """Per flattened token (B * T,): its row, position, document, document start and
+    end; per sequence or document (N,): its row, start and end (device tensors)."""
     B, T, _ = x.shape
     g = torch.arange(B * T, device=x.device)
     if cu_seqlens is None:
-        row, ends = g // T, torch.arange(B, device=x.device)
-        return (row, g % T, row, torch.zeros_like(g)), (ends, torch.zeros_like(ends), ends * 0 + T)
+        row, rows = g // T, torch.arange(B, device=x.device)
+        zeros, ends = torch.zeros_like(g), torch.full_like(g, T)
+        return (row, g % T, row, zeros, ends), (rows, rows * 0, rows * 0 + T)
     cu = cu_seqlens.long()
     doc = torch.searchsorted(cu, g, right=True) - 1  # a zero-length document: skipped
-    zeros = torch.zeros_like(cu[:-1])
-    return (torch.zeros_like(g), g, doc, cu[doc]), (zeros, cu[:-1], cu[1:])
+    n_zeros = torch.zeros_like(cu[:-1])
+    return (torch.zeros_like(g), g, doc, cu[doc], cu[doc + 1]), (n_zeros, cu[:-1], cu[1:])
+
+
+def _windows(x, initial_states, W, tokens):
+    """(B * T, W, C): each token's tap inputs (`_gather`)."""
+    row, t, doc, start, _ = tokens
+    p = t[:, None] - (W - 1) + torch.arange(W, device=x.device)
+    return _gather(x, initial_states, W, row[:, None], p, start[:, None], doc[:, None])
 
 
 def _forward_torch(x, weight, bias, activation, cu_seqlens, initial_states, final_states=True):
-    """(y (B * T, C), final_states (N, C, W - 1) or None) in fp32 (float64 for float64
-    x), differentiable: the gathers of every tap, weighted and summed."""
+    """(pre-activation (B * T, C), y (B * T, C), final_states (N, C, W - 1) or None) in
+    fp32 (float64 for float64 x): the gathers of every tap, weighted and summed."""
     W = weight.shape[1]
-    wide = common.accumulator(x.dtype)
-    (row, t, doc, start), (n_row, n_start, n_end) = _positions(x, cu_seqlens)
-    taps = torch.arange(W, device=x.device)
-    p = t[:, None] - (W - 1) + taps  # (B * T, W)
-    window = _gather(x, initial_states, W, row[:, None], p, start[:, None], doc[:, None])
-    pre = (window * weight.T.to(wide)).sum(1)  # (B * T, C)
+    tokens, (n_row, n_start, n_end) = _positions(x, cu_seqlens)
+    window = _windows(x, initial_states, W, tokens)
+    pre = (window * weight.T.to(window.dtype)).sum(1)
     if bias is not None:
-        pre = pre + bias.to(wide)
+        pre = pre + bias.to(window.dtype)
     y = torch.nn.functional.silu(pre) if activation == "silu" else pre
     if not final_states:
-        return y, None
+        return pre, y, None
     docs = torch.arange(n_row.shape[0], device=x.device)[:, None]
-    v = n_end[:, None] - (W - 1) + taps[: W - 1]  # (N, W - 1): the last W - 1 positions
+    v = n_end[:, None] - (W - 1) + torch.arange(W - 1, device=x.device)  # the last W - 1
     final = _gather(x, initial_states, W, n_row[:, None], v, n_start[:, None], docs)
-    return y, final.transpose(1, 2)
+    return pre, y, final.transpose(1, 2)
 
 
 def causal_conv1d_torch(x, weight, bias, activation, cu_seqlens, initial_states, y, final):
     """`causal_conv1d`'s contract in PyTorch, into y (and final, if not None)."""
-    with torch.no_grad():
-        y_wide, final_wide = _forward_torch(x, weight, bias, activation, cu_seqlens,
-                                            initial_states, final is not None)  # fmt: skip
-        y.copy_(y_wide.view(x.shape))
-        if final is not None:
-            final.copy_(final_wide)
+    _, y_wide, final_wide = _forward_torch(x, weight, bias, activation, cu_seqlens,
+                                           initial_states, final is not None)  # fmt: skip
+    y.copy_(y_wide.view(x.shape))
+    if final is not None:
+        final.copy_(final_wide)
 
 
 def causal_conv1d_backward_torch(dy, dfinal, x, weight, bias, activation, cu_seqlens,
                                  initial_states, accumulate=False):  # fmt: skip
-    """`causal_conv1d_backward`'s contract in PyTorch: the forward's gathers in fp32
-    (float64 for float64 x) differentiated by autograd; ``(dx, dweight, dbias,
-    dinitial_states)`` (None for an absent input), each rounded once to its input's
-    dtype; with `accumulate`, dweight and dbias stay in fp32."""
-    wide = common.accumulator(x.dtype)
-    present = [t for t in (x, weight, bias, initial_states) if t is not None]
-    with torch.enable_grad():
-        leaves = [t.detach().to(wide).requires_grad_() for t in present]
-        it = iter(leaves)
-        xw, ww = next(it), next(it)
-        bw = next(it) if bias is not None else None
-        iw = next(it) if initial_states is not None else None
-        y, final = _forward_torch(xw, ww, bw, activation, cu_seqlens, iw, dfinal is not None)
-        outs, grads = [y], [dy.reshape(y.shape).to(wide)]
-        if dfinal is not None:
-            outs.append(final), grads.append(dfinal.to(wide))
-        got = iter(torch.autograd.grad(outs, leaves, grads, allow_unused=True))
+    """`causal_conv1d_backward`'s contract in PyTorch, gathers only (no scatter, no
+    atomics): ``(dx, dweight, dbias, dinitial_states)`` (None for an absent input), in
+    fp32 (float64 for float64 x) rounded once to each input's dtype; with
+    `accumulate`, dweight and dbias stay in fp32."""
+    B, T, C = x.shape
+    W, M = weight.shape[1], B * T
+    tokens, (n_row, n_start, n_end) = _positions(x, cu_seqlens)
+    row, t, doc, start, end = tokens
+    window = _windows(x, initial_states, W, tokens)  # (M, W, C)
+    w = weight.T.to(window.dtype)  # (W, C)
+    pre = (window * w).sum(1) + (0 if bias is None else bias.to(w.dtype))
+    dpre = dy.reshape(M, C).to(w.dtype)
+    if activation == "silu":
+        s = torch.sigmoid(pre)
+        dpre = dpre * s * (1 + pre * (1 - s))
+    dweight, dbias = (window * dpre[:, None]).sum(0).T.contiguous(), dpre.sum(0)
+    # dx[g] = sum_k w[W-1-k] dpre[g + k] within g's document; row M of padded is zero
+    padded = torch.cat([dpre, dpre.new_zeros(1, C)])
+    k = torch.arange(W, device=x.device)
+    later = torch.where(
+        t[:, None] + k < end[:, None], torch.arange(M, device=x.device)[:, None] + k, M
+    )
+    dx = (padded[later] * w.flip(0)).sum(1)
+    finals = None if dfinal is None or W == 1 else dfinal.transpose(1, 2)  # (N, W - 1, C)
+    if finals is not None:  # final_states[doc, :, f] is x at end - (W - 1) + f
+        f = t - (end - (W - 1))
+        dx = dx + torch.where((f >= 0)[:, None], finals[doc, f.clamp(min=0)], 0.0)
+    dinit = None
+    if initial_states is not None:
+        dinit = torch.zeros(initial_states.shape, dtype=w.dtype, device=x.device)
+    if initial_states is not None and W > 1:  # entry i read by the output start + i - j
+        i, j = torch.arange(W - 1, device=x.device)[:, None], k[None, :]
+        u = n_start[:, None, None] + i - j  # (N, W - 1, W)
+        inside = (j <= i) & (u < n_end[:, None, None])
+        reads = padded[torch.where(inside, n_row[:, None, None] * T + u, M)]
+        per_entry = (reads * w).sum(2)  # (N, W - 1, C)
+        if finals is not None:  # where the document is shorter than W - 1
+            fi = i.T - (n_end - n_start)[:, None]  # (N, W - 1)
+            docs = torch.arange(fi.shape[0], device=x.device)[:, None]
+            per_entry = per_entry + torch.where(
+                (fi >= 0)[..., None], finals[docs, fi.clamp(min=0)], 0.0
+            )
+        dinit = per_entry.transpose(1, 2).contiguous()
+    grads = [dx.view(x.shape), dweight, dbias, dinit]
     result = []
-    for t, keep in ((x, False), (weight, accumulate), (bias, accumulate), (initial_states, False)):
-        if t is None:
-            result.append(None)
-            continue
-        g = next(got)
-        g = torch.zeros_like(t, dtype=wide) if g is None else g
-        result.append(g if keep else g.to(t.dtype))
+    for g, t_in, keep in zip(
+        grads,
+        (x, weight, bias, initial_states),
+        (False, accumulate, accumulate, False),
+        strict=True,
+    ):
+        result.append(None if t_in is None else g if keep else g.to(t_in.dtype))
     return tuple(result)
 
 

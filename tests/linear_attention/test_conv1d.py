@@ -34,8 +34,9 @@ def _check(x, weight, bias, initial_states, cu_seqlens, activation, final, seed)
     inputs = (x, weight, bias, initial_states)
     runs = []
     for dt, op in ((None, fp.ops.causal_conv1d), (torch.float64, None), (dtype, None)):
-        leaves = [None if t is None else t.detach().to(dt or t.dtype).requires_grad_()
-                  for t in inputs]  # fmt: skip
+        leaves = [
+            None if t is None else t.detach().to(dt or t.dtype).requires_grad_() for t in inputs
+        ]
         if op is None:
             y, fin = causal_conv1d_reference(*leaves[:3], activation, cu_seqlens, leaves[3], final)
         else:
@@ -67,12 +68,35 @@ def _check(x, weight, bias, initial_states, cu_seqlens, activation, final, seed)
     initial=st.booleans(),
     final=st.booleans(),
 )
-@example(B=2, T=65, C=13, W=4, dtype=torch.float16, seed=0, strided=True, bias=True,
-         activation="silu", initial=True, final=True)  # fmt: skip
-@example(B=1, T=1, C=3, W=4, dtype=torch.float32, seed=1, strided=False, bias=False,
-         activation=None, initial=True, final=True)  # fmt: skip
-def test_matches_float64(B, T, C, W, dtype, seed, strided, bias, activation, initial, final,
-                         each_implementation):  # fmt: skip
+@example(
+    B=2,
+    T=65,
+    C=13,
+    W=4,
+    dtype=torch.float16,
+    seed=0,
+    strided=True,
+    bias=True,
+    activation="silu",
+    initial=True,
+    final=True,
+)
+@example(
+    B=1,
+    T=1,
+    C=3,
+    W=4,
+    dtype=torch.float32,
+    seed=1,
+    strided=False,
+    bias=False,
+    activation=None,
+    initial=True,
+    final=True,
+)
+def test_matches_float64(
+    B, T, C, W, dtype, seed, strided, bias, activation, initial, final, each_implementation
+):
     x = _x(B, T, C, dtype, seed, strided)
     weight = randn((W, C), dtype, seed + 1, scale=0.5).T  # (C, W), channels strided
     b = randn((C,), dtype, seed + 2) if bias else None
@@ -121,8 +145,9 @@ def test_final_states_continue_the_sequence(each_implementation):
     whole, whole_final = fp.ops.causal_conv1d(x, weight, output_final_states=True)
     pieces, states = [], None
     for s, e in ((0, 1), (1, 3), (3, 4), (4, 9)):
-        y, states = fp.ops.causal_conv1d(x[:, s:e], weight, initial_states=states,
-                                         output_final_states=True)  # fmt: skip
+        y, states = fp.ops.causal_conv1d(
+            x[:, s:e], weight, initial_states=states, output_final_states=True
+        )
         pieces.append(y)
     torch.testing.assert_close(torch.cat(pieces, 1), whole, rtol=0, atol=1e-6)
     assert torch.equal(states, whole_final) and torch.equal(states, x[:, -3:].transpose(1, 2))
@@ -137,8 +162,9 @@ def test_compiles_full_graph(triton_kernels):
     cu = torch.tensor([0, 2, 9, 10], dtype=torch.int32)
 
     def f(x, weight, init):
-        y, final = fp.ops.causal_conv1d(x, weight, bias, cu_seqlens=cu, initial_states=init,
-                                        output_final_states=True)  # fmt: skip
+        y, final = fp.ops.causal_conv1d(
+            x, weight, bias, cu_seqlens=cu, initial_states=init, output_final_states=True
+        )
         return y.square().sum() + final.sum()
 
     torch._dynamo.reset()
@@ -174,14 +200,14 @@ CU = torch.tensor([0, 2, 5], dtype=torch.int32)
             {"cu_seqlens": CU, "initial_states": torch.ones(1, 3, 3)},
             ValueError,
             r"\(2, 3, 3\), got \(1, 3, 3\)",
-        ),  # fmt: skip
+        ),
         (
             torch.ones(1, 5, 3),
             torch.ones(3, 4),
             {"initial_states": torch.ones(1, 3, 3).half()},
             TypeError,
             "float16",
-        ),  # fmt: skip
+        ),
         (torch.ones(1, 5, 3).int(), torch.ones(3, 4), {}, TypeError, "int32"),
     ],
 )
