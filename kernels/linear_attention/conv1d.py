@@ -238,7 +238,7 @@ def _conv1d_edge_kernel(
     if BACKWARD:  # the outputs at start + r - j read entry r through tap j (j <= r)
         xp, ip, d = _window(x_ptr, init_ptr, sx_b, sx_t, sx_c, si_n, si_c, si_w, rows,
                             start + r, start, docs, cols, W)  # fmt: skip
-        offs = row * sdy_b + (start + r).to(tl.int64) * sdy_t
+        offs = rows.to(tl.int64) * sdy_b + (start + r).to(tl.int64) * sdy_t
         dyp = dy_ptr + offs[:, None] + cols[None, :] * sdy_c
         wp = w_ptr + cols * sw_c
         acc = tl.zeros((BLOCK_S, BLOCK_C), dtype=tl.float32)

@@ -34,9 +34,22 @@ def _inputs(shape, dtype, seed, strided):
 @example(rows=5, heads=3, D=13, dtype=torch.float16, gate="silu", seed=0, strided=True)
 @example(rows=1, heads=1, D=1, dtype=torch.float32, gate="sigmoid", seed=1, strided=False)
 def test_matches_float64(rows, heads, D, dtype, gate, seed, strided, each_implementation):
-    x, z = _inputs((rows, heads, D), dtype, seed, strided)
-    weight = randn((D,), dtype, seed + 2, scale=0.5) + 1.0
-    dy = randn(x.shape, dtype, seed + 3)
+    _check(rows, heads, D, dtype, gate, seed, strided)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("gate", ["silu", "sigmoid"])
+def test_matches_float64_on_a_gpu(dtype, gate, triton_kernels):
+    """Compiled, bf16 included, at Qwen3.5's value heads (32 of 128) and an odd width."""
+    _check(300, 32, 128, dtype, gate, 0, True, "cuda")
+    _check(100, 3, 1000, dtype, gate, 1, True, "cuda")
+
+
+def _check(rows, heads, D, dtype, gate, seed, strided, device="cpu"):
+    x, z = (t.to(device) for t in _inputs((rows, heads, D), dtype, seed, strided))
+    weight = (randn((D,), dtype, seed + 2, scale=0.5) + 1.0).to(device)
+    dy = randn(x.shape, dtype, seed + 3).to(x.device)
     leaves = [t.detach().clone().requires_grad_() for t in (x, z, weight)]
     y = fp.ops.rms_norm_gated(*leaves, eps=1e-6, gate=gate)
     y.backward(dy)

@@ -29,8 +29,8 @@ def _check(x, weight, bias, initial_states, cu_seqlens, activation, final, seed)
     PyTorch's error: the loop in x's dtype); returns them."""
     dtype, N = x.dtype, x.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
     C, W = weight.shape
-    dy = randn(x.shape, dtype, seed + 10)
-    dfinal = randn((N, C, W - 1), dtype, seed + 11)
+    dy = randn(x.shape, dtype, seed + 10).to(x.device)
+    dfinal = randn((N, C, W - 1), dtype, seed + 11).to(x.device)
     inputs = (x, weight, bias, initial_states)
     runs = []
     for dt, op in ((None, fp.ops.causal_conv1d), (torch.float64, None), (dtype, None)):
@@ -104,6 +104,20 @@ def test_matches_float64(
     if not strided:
         weight, init = weight.contiguous(), None if init is None else init.contiguous()
     _check(x, weight, b, init, None, activation, final, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("states", [False, True])
+def test_matches_float64_on_a_gpu(dtype, states, triton_kernels):
+    """Compiled, bf16 included, at a model's width (Qwen3.5's q|k|v: 8192 channels, and
+    an odd one), strided, packed with states."""
+    for C in (8192, 1000):
+        x = _x(1, 700, C, dtype, 0, True).cuda()
+        weight, bias = randn((C, 4), dtype, 1).cuda(), randn((C,), dtype, 2).cuda()
+        cu = torch.tensor([0, 1, 64, 699, 700], dtype=torch.int32).cuda() if states else None
+        init = randn((4 if states else 1, C, 3), dtype, 3).cuda() if states else None
+        _check(x, weight, bias if states else None, init, cu, "silu", states, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
