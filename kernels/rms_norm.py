@@ -9,15 +9,15 @@ RMSNorm; 1: Gemma's, whose weight starts at zero).
 | `rms_norm_backward` | ``dx = rstd * (g - x * rstd^2 * mean(g * x))``, ``g = dy * w'``;   |
 |                     | ``dweight = sum_rows dy * x * rstd``                               |
 | ``rope=(cos, sin)`` | the forward rotates y (`fusedpar.kernels.rope`'s pairs ``i``,      |
-|                     | ``i + r/2``) before storing it; the backward rotates dy back       |
-|                     | first (the transpose): x (S, ..., D), cos, sin (S, r/2) fp32       |
+|                     | ``i + r/2``) before storing it; the backward rotates dy back first |
+| `rms_norm_gated`    | y times ``act(z)`` (GATE: silu or sigmoid); its backward stores    |
+| (and `_backward`)   | ``dz = dy * x * rstd * w' * act'(z)``, then takes ``dy * act(z)``  |
 
 The backward reads x, rstd (one fp32 per row) and eps, not the normalized rows; with
 D = 1 its bracket is ``g * eps * rstd^2`` (the general form would cancel in fp32). The
-weight's gradient takes no atomics: each program adds its rows into its own row of a
-(programs, D) fp32 buffer, which the launcher sums in a fixed order (the same bits each
-run). The torch implementation (timed against the fixed tile on CUDA under ``auto``) and
-the float64 reference close the file. Why, and the rotation: docs/elementwise.md.
+weight's gradient: each program sums its rows into its own row of a (programs, D) fp32
+buffer, which the launcher sums in a fixed order (the same bits each run). The torch
+implementation and the float64 references close the file. Why: docs/elementwise.md.
 """
 
 import math
@@ -42,6 +42,8 @@ MAX_D = 65536
 # Llama 8B's width; the backward, with twice the live tensors (x, dy, their products and
 # the weight gradient's partial row), one (4 rows: 245 registers per thread on sm_90).
 ROW_TILE_ELEMENTS = {"forward": 16384, "backward": 4096}
+# The gates of `rms_norm_gated`: Gated DeltaNet's output norm (silu) and Kimi's (sigmoid).
+GATES = ("silu", "sigmoid")
 # Backward programs per SM: each keeps one fp32 partial row of the weight's gradient.
 PROGRAMS_PER_SM = 2
 # The interpreter runs programs one after another: few rows per step and a few programs,
@@ -85,18 +87,29 @@ def _angles(cos_ptr, sin_ptr, stride_cs, stride_cd, stride_ss, stride_sd, rows, 
 
 
 @triton.jit
+def _gate(z, GATE: tl.constexpr):
+    """``(act(z), act'(z))`` in fp32, act one of `GATES`."""
+    s = tl.sigmoid(z)
+    if GATE == "silu":
+        return z * s, s * (1.0 + z * (1.0 - s))
+    return s, s * (1.0 - s)
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(
-    # pointers (cos, sin: read with ROTARY only)
-    x_ptr, w_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr,
+    # pointers (cos, sin: read with ROTARY only; z with GATE only)
+    x_ptr, w_ptr, y_ptr, rstd_ptr, cos_ptr, sin_ptr, z_ptr,
     # strides
     stride_xm, stride_xd, stride_ym, stride_yd, stride_cs, stride_cd, stride_ss, stride_sd,
+    stride_zm, stride_zd,
     # sizes and scalars
     M, D, HALF, rows_per_position, eps, offset,
     # meta-parameters
-    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY: tl.constexpr, GATE: tl.constexpr,
 ):  # fmt: skip
     """y[m] = x[m] * rstd[m] * (offset + w), rstd[m] = rsqrt(mean(x[m]^2) + eps), fp32;
-    with ROTARY, y[m] rotated by the angles of position m // rows_per_position."""
+    with ROTARY, y[m] rotated by the angles of position m // rows_per_position; with a
+    GATE, y[m] times act(z[m])."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
     row_mask = rows < M
@@ -115,6 +128,10 @@ def _rms_norm_fwd_kernel(
         cos, sin = _angles(cos_ptr, sin_ptr, stride_cs, stride_cd, stride_ss, stride_sd, rows,
                            row_mask, cols, HALF, rows_per_position)  # fmt: skip
         y = y * cos + x_partner * rstd[:, None] * w_partner[None, :] * sin
+    if GATE != "none":
+        z = tl.load(z_ptr + rows64[:, None] * stride_zm + cols[None, :] * stride_zd, mask=mask,
+                    other=0.0).to(tl.float32)  # fmt: skip
+        y = y * _gate(z, GATE)[0]
     tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :] * stride_yd,
              y.to(y_ptr.dtype.element_ty), mask=mask)  # fmt: skip
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
@@ -122,19 +139,20 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    # pointers (cos, sin: read with ROTARY only)
-    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, cos_ptr, sin_ptr,
+    # pointers (cos, sin: read with ROTARY only; z, dz with GATE only)
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, cos_ptr, sin_ptr, z_ptr, dz_ptr,
     # strides
     stride_dym, stride_dyd, stride_xm, stride_xd, stride_dxm, stride_dxd,
-    stride_cs, stride_cd, stride_ss, stride_sd,
+    stride_cs, stride_cd, stride_ss, stride_sd, stride_zm, stride_zd, stride_dzm, stride_dzd,
     # sizes and scalars
     M, D, HALF, rows_per_position, eps, offset, rows_per_program,
     # meta-parameters
-    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY: tl.constexpr, GATE: tl.constexpr,
 ):  # fmt: skip
     """dx for rows [pid * rows_per_program, ...) (rows_per_program a multiple of
     BLOCK_ROWS), and that range's sum of dy * x * rstd into row pid of dw_partial (D);
-    with ROTARY, dy is first rotated back by the angles of its rows' positions."""
+    with ROTARY, dy is first rotated back by the angles of its rows' positions; with a
+    GATE, dz = dy * normed * act'(z) is stored and dy becomes dy * act(z)."""
     one_feature = D == 1  # the bracket is g * eps * rstd^2 (the module doc)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -162,6 +180,14 @@ def _rms_norm_bwd_kernel(
             dy = dy * cos - dy_partner * sin
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
         xhat = x * rstd[:, None]
+        if GATE != "none":  # y = normed * act(z): dz, then the normed rows' gradient
+            z = tl.load(z_ptr + rows64[:, None] * stride_zm + cols[None, :] * stride_zd,
+                        mask=mask, other=0.0).to(tl.float32)  # fmt: skip
+            act, slope = _gate(z, GATE)
+            tl.store(dz_ptr + rows64[:, None] * stride_dzm + cols[None, :] * stride_dzd,
+                     (dy * xhat * w[None, :] * slope).to(dz_ptr.dtype.element_ty),
+                     mask=mask)  # fmt: skip
+            dy = dy * act
         g = dy * w[None, :]
         c = tl.sum(g * xhat, 1) / D
         bracket = tl.where(one_feature, g * (eps * rstd * rstd)[:, None], g - xhat * c[:, None])
@@ -210,6 +236,21 @@ def check_rope(x: torch.Tensor, rope) -> int:
     return math.prod(x.shape[1:-1])  # (no aten op: x[0] would be one)
 
 
+def check_gate(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, gate: str) -> int:
+    """The checks of `rms_norm_gated`: `check_inputs`', z of x's shape (any float dtype,
+    x's device), gate one of `GATES`; returns D."""
+    D = check_inputs(x, weight)
+    check_float_dtype("z", z, common.FLOAT_DTYPES if x.dtype == torch.float64
+                      else impl.KERNEL_DTYPES)  # fmt: skip
+    if gate not in GATES:
+        raise ValueError(f"rms_norm_gated: gate must be one of {GATES}, got {gate!r}")
+    if z.shape != x.shape:
+        raise ValueError(f"rms_norm_gated: z {tuple(z.shape)} must be x's shape {tuple(x.shape)}")
+    if z.device != x.device:
+        raise ValueError(f"rms_norm_gated: x is on {x.device} but z on {z.device}")
+    return D
+
+
 def _tables(rope, x2d: torch.Tensor) -> tuple:
     """The kernels' (cos, sin), their strides and HALF; without rope, x stands for the
     tables (never read) and HALF is 0."""
@@ -225,11 +266,23 @@ def rms_norm(x, weight, eps: float = 1e-5, offset: float = 0.0, rope=None):
     rotated (the module doc) before it is rounded, x (S, ..., D)."""
     D = check_inputs(x, weight)
     per_position = check_rope(x, rope) if rope is not None else 1
+    return _forward(x, weight, D, eps, offset, rope, per_position, None)
+
+
+def rms_norm_gated(x, z, weight, eps: float, gate: str = "silu"):
+    """``(y, rstd)`` of `rms_norm` (offset 0) with y multiplied by ``act(z)`` before its
+    one rounding, act `gate` ("silu" or "sigmoid"); z x's shape, any float dtype."""
+    D = check_gate(x, z, weight, gate)
+    return _forward(x, weight, D, eps, 0.0, None, 1, (_rows("z", z, D), gate))
+
+
+def _forward(x, weight, D, eps, offset, rope, per_position, gate):
+    """The forward launch; `gate`: None or (z (M, D), act)."""
     x2d = _rows("x", x, D)
     M = x2d.shape[0]
     y = torch.empty((M, D), dtype=x.dtype, device=x.device)
     rstd = torch.empty((M,), dtype=common.accumulator(x.dtype), device=x.device)
-    run_torch = lambda: rms_norm_torch(x2d, weight, eps, offset, y, rstd, rope, per_position)  # noqa: E731
+    run_torch = lambda: rms_norm_torch(x2d, weight, eps, offset, y, rstd, rope, per_position, gate)  # noqa: E731
     if impl.runs_torch(x):
         run_torch()
     elif y.numel():
@@ -237,11 +290,13 @@ def rms_norm(x, weight, eps: float = 1e-5, offset: float = 0.0, rope=None):
         config = row_config(D, is_interpreted(_rms_norm_fwd_kernel))
         grid = (common.cdiv(M, config["BLOCK_ROWS"]),)
         tables, table_strides, half = _tables(rope, x2d)
-        args = (x2d, weight, y, rstd, *tables, *x2d.stride(), *y.stride(), *table_strides, M, D,
-                half, per_position, float(eps), float(offset))  # fmt: skip
-        key = (bucket(M), D, half, str(x.dtype), str(weight.dtype))
+        z2d, act = gate if gate is not None else (x2d, "none")
+        args = (x2d, weight, y, rstd, *tables, z2d, *x2d.stride(), *y.stride(), *table_strides,
+                *z2d.stride(), M, D, half, per_position, float(eps), float(offset))  # fmt: skip
+        key = (bucket(M), D, half, act, str(x.dtype), str(weight.dtype), str(z2d.dtype))
         tuning.run_tile_or_torch(_rms_norm_fwd_kernel, config, lambda _: grid, args,
-                                  {"ROTARY": rope is not None}, key, x, run_torch)  # fmt: skip
+                                  {"ROTARY": rope is not None, "GATE": act}, key, x,
+                                  run_torch)  # fmt: skip
     return y.view(x.shape), rstd.view(x.shape[:-1])
 
 
@@ -261,6 +316,25 @@ def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, eps: float, n
     atomics)."""
     D = check_inputs(x, weight)
     per_position = check_rope(x, rope) if rope is not None else 1
+    dx, dw = _backward(dy, x, weight, rstd, D, offset, eps, rope, per_position, None)
+    return dx if need_x else None, dw.to(weight.dtype) if need_weight else None
+
+
+def rms_norm_gated_backward(dy, x, z, weight, rstd, *, eps: float, gate: str = "silu",
+                            needs=(True, True, True)):  # fmt: skip
+    """``(dx, dz, dweight)`` of `rms_norm_gated`, each in its input's dtype, None where
+    `needs` (x, z, weight) says no; the weight's gradient as `rms_norm_backward`'s."""
+    D = check_gate(x, z, weight, gate)
+    z2d = _rows("z", z, D)
+    dz = torch.empty(z2d.shape, dtype=z.dtype, device=z.device)
+    dx, dw = _backward(dy, x, weight, rstd, D, 0.0, eps, None, 1, (z2d, gate, dz))
+    grads = (dx, dz.view(z.shape), dw.to(weight.dtype))
+    return tuple(g if need else None for g, need in zip(grads, needs, strict=True))
+
+
+def _backward(dy, x, weight, rstd, D, offset, eps, rope, per_position, gate):
+    """The backward launch: (dx (x's shape), dweight (D,) fp32); `gate`: None, or (z
+    (M, D), act, dz (M, D)), dz written."""
     x2d, dy2d = _rows("x", x, D), _rows("dy", dy, D)
     M = x2d.shape[0]
     if dy2d.shape != x2d.shape or rstd.numel() != M:
@@ -271,7 +345,7 @@ def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, eps: float, n
                         f"{x.dtype} x, got {rstd.dtype}")  # fmt: skip
     rstd = rstd.reshape(M)
     dx = torch.empty((M, D), dtype=x.dtype, device=x.device)
-    torch_args = (dy2d, x2d, weight, rstd, eps, offset, dx, rope, per_position)
+    torch_args = (dy2d, x2d, weight, rstd, eps, offset, dx, rope, per_position, gate)
     if impl.runs_torch(x):
         dw = rms_norm_backward_torch(*torch_args)
     else:
@@ -289,16 +363,17 @@ def rms_norm_backward(dy, x, weight, rstd, offset: float = 0.0, *, eps: float, n
 
         if M:
             tables, table_strides, half = _tables(rope, x2d)
-            args = (dy2d, x2d, weight, rstd, dx, partial, *tables, *dy2d.stride(), *x2d.stride(),
-                    *dx.stride(), *table_strides, M, D, half, per_position, float(eps),
-                    float(offset), per_program)  # fmt: skip
-            key = (bucket(M), D, half, str(x.dtype), str(weight.dtype), str(dy.dtype))
+            z2d, act, dz = gate if gate is not None else (x2d, "none", dx)
+            args = (dy2d, x2d, weight, rstd, dx, partial, *tables, z2d, dz, *dy2d.stride(),
+                    *x2d.stride(), *dx.stride(), *table_strides, *z2d.stride(), *dz.stride(), M,
+                    D, half, per_position, float(eps), float(offset), per_program)  # fmt: skip
+            key = (bucket(M), D, half, act, str(x.dtype), str(weight.dtype), str(dy.dtype),
+                   str(z2d.dtype))  # fmt: skip
             tuning.run_tile_or_torch(_rms_norm_bwd_kernel, config, lambda _: (programs,), args,
-                                      {"ROTARY": rope is not None}, key, x,
+                                      {"ROTARY": rope is not None, "GATE": act}, key, x,
                                       torch_run)  # fmt: skip
         dw = partial.sum(0)
-    dx = dx.view(x.shape) if need_x else None
-    return dx, dw.to(weight.dtype) if need_weight else None
+    return dx.view(x.shape), dw
 
 
 # --- torch implementation and reference ------------------------------------------------
@@ -310,12 +385,23 @@ def _by_position(t2d, rows_per_position: int):
     return t2d.reshape(1, -1, rows_per_position, t2d.shape[1])
 
 
-def rms_norm_torch(x2d, weight, eps, offset, y, rstd, rope=None, rows_per_position=1) -> None:
+def gate_torch(z, act: str):
+    """``(act(z), act'(z))``, act one of `GATES`, in z's dtype."""
+    s = torch.sigmoid(z)
+    if act == "silu":
+        return z * s, s * (1 + z * (1 - s))
+    return s, s * (1 - s)
+
+
+def rms_norm_torch(x2d, weight, eps, offset, y, rstd, rope=None, rows_per_position=1,
+                   gate=None) -> None:  # fmt: skip
     """`rms_norm`'s contract in PyTorch, into y and rstd: fp32 inside (rstd's dtype:
-    float64 for float64 x), rounded once."""
+    float64 for float64 x), rounded once; `gate`: (z, act), y times act(z)."""
     xf = x2d.to(rstd.dtype)
     rstd.copy_(torch.rsqrt(xf.square().mean(-1) + eps))
     normed = xf * rstd[:, None] * (weight.to(rstd.dtype) + offset)
+    if gate is not None:
+        normed = normed * gate_torch(gate[0].to(rstd.dtype), gate[1])[0]
     if rope is None:
         y.copy_(normed)
     else:  # rope's rows (1, S, rows a position, D): rotated into y, rounded once
@@ -324,9 +410,9 @@ def rms_norm_torch(x2d, weight, eps, offset, y, rstd, rope=None, rows_per_positi
 
 
 def rms_norm_backward_torch(dy2d, x2d, weight, rstd, eps, offset, dx, rope=None,
-                            rows_per_position=1):  # fmt: skip
+                            rows_per_position=1, gate=None):  # fmt: skip
     """`rms_norm_backward`'s contract in PyTorch: dx into `dx`; returns dweight in fp32
-    (rstd's dtype: float64 for float64 x)."""
+    (rstd's dtype: float64 for float64 x); `gate`: (z, act, dz), dz written."""
     wide = rstd.dtype
     xhat = x2d.to(wide) * rstd[:, None]
     dyf = dy2d.to(wide)
@@ -334,13 +420,26 @@ def rms_norm_backward_torch(dy2d, x2d, weight, rstd, eps, offset, dx, rope=None,
         dyf = dy2d.to(wide, memory_format=torch.contiguous_format, copy=True)
         rope_torch(_by_position(dyf, rows_per_position), *rope, True,
                    _by_position(dyf, rows_per_position))  # fmt: skip
-    g = dyf * (weight.to(wide) + offset)
+    w = weight.to(wide) + offset
+    if gate is not None:  # y = normed * act(z): dz, then the normed rows' gradient
+        z, act, dz = gate
+        a, slope = gate_torch(z.to(wide), act)
+        dz.copy_(dyf * xhat * w * slope)
+        dyf = dyf * a
+    g = dyf * w
     if x2d.shape[1] == 1:  # the bracket without cancelling (the module doc)
         bracket = g * (eps * rstd * rstd)[:, None]
     else:
         bracket = g - xhat * (g * xhat).mean(-1, keepdim=True)
     dx.copy_(bracket * rstd[:, None])
     return (dyf * xhat).sum(0)
+
+
+def rms_norm_gated_reference(x, z, weight, eps: float, gate: str = "silu"):
+    """``weight * rmsnorm(x) * act(z)`` in x's dtype (float64 in: the oracle),
+    differentiable by autograd."""
+    act = torch.nn.functional.silu if gate == "silu" else torch.sigmoid
+    return rms_norm_reference(x, weight, eps) * act(z.to(x.dtype))
 
 
 def rms_norm_reference(x, weight, eps: float = 1e-5, offset: float = 0.0, rope=None):

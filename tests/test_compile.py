@@ -24,6 +24,7 @@ from fusedpar.recompute import COMMUNICATION_OPS
 from tests.attention import cases as attention_cases
 from tests.elementwise import cases as elementwise_cases
 from tests.linear_attention import cases as linear_attention_cases
+from tests.linear_attention import conv_cases
 from tests.moe import cases as moe_cases
 from tests.ring import cases as ring_cases
 from tests.tp import cases as tp_cases
@@ -46,6 +47,7 @@ OPCHECK_FAMILIES = (
     moe_cases,
     elementwise_cases,
     linear_attention_cases,
+    conv_cases,
 )
 
 

@@ -32,14 +32,9 @@ from fusedpar.nn.gated_deltanet_dense import dense_parts, detect_layout
 from fusedpar.nn.rotary import RotaryPositions
 from fusedpar.nn.specs import FromSpec, GatedDeltaNetSpec
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
-
-# The three ops of the layer: stand-ins until their kernels land (the lead swaps this
-# import for fusedpar.ops' and deletes the stand-in module).
-from fusedpar.ops.linear_attention_stand_in import (  # isort: skip
-    causal_conv1d,
-    gated_delta_rule,
-    rms_norm_gated,
-)
+from fusedpar.ops.linear_attention import gated_delta_rule
+from fusedpar.ops.linear_attention_parts import causal_conv1d
+from fusedpar.ops.norm import rms_norm_gated
 from fusedpar.placement import Placement
 from fusedpar.storage import ParamLayout, local_tensor
 

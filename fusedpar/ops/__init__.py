@@ -3,7 +3,8 @@
 from fusedpar.ops.attention import flash_attn, flash_attn_varlen
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.linear_attention import gated_delta_rule
-from fusedpar.ops.norm import rms_norm
+from fusedpar.ops.linear_attention_parts import causal_conv1d
+from fusedpar.ops.norm import rms_norm, rms_norm_gated
 from fusedpar.ops.ring_attention import ring_attn
 from fusedpar.ops.sequence import gather_sequence, sequence_positions, shard_sequence
 from fusedpar.ops.ulysses import ulysses_attn
@@ -11,6 +12,7 @@ from fusedpar.ops.virtual_ring import virtual_ring_attn
 
 __all__ = [
     "all_gather_matmul",
+    "causal_conv1d",
     "flash_attn",
     "flash_attn_varlen",
     "gated_delta_rule",
@@ -18,6 +20,7 @@ __all__ = [
     "matmul_reduce_scatter",
     "ring_attn",
     "rms_norm",
+    "rms_norm_gated",
     "sequence_positions",
     "shard_sequence",
     "ulysses_attn",

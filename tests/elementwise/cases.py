@@ -33,6 +33,16 @@ def rms_norm_calls(dtype, dim, rotary=0):
     rms_norm.rms_norm_backward(_empty(x.shape, dtype), x, weight, rstd, eps=1e-5, rope=rope)
 
 
+def rms_norm_gated_calls(dtype, gate):
+    """The gated output norm of Gated DeltaNet (silu) or KDA (sigmoid), forward and
+    backward: 64 tokens of 32 heads of 128 (Qwen3.5-35B's value heads)."""
+    x, z, weight = _empty((64, 32, 128), dtype), _empty((64, 32, 128), dtype), _empty((128,), dtype)
+    _, rstd = rms_norm.rms_norm_gated(x, z, weight, 1e-6, gate)
+    rms_norm.rms_norm_gated_backward(
+        _empty(x.shape, dtype), x, z, weight, rstd, eps=1e-6, gate=gate
+    )
+
+
 def gated_calls(dtype, activation):
     """The dense MLP's gated activation, forward and backward, over 256 rows of a
     14336-wide hidden layer (Llama 8B's)."""
@@ -96,6 +106,23 @@ for kernel in RMS_NORM_KERNELS:
             kernel,
             cap,
             no_spill=True,
+        )
+    # the gated output norm (heads of 128): each gate, 16-bit (no spill, and on an A100)
+    for gate, dtype, cap in (
+        ("silu", "bfloat16", 90),
+        ("silu", "bfloat16", 80),
+        ("sigmoid", "bfloat16", 90),
+        ("silu", "float32", 90),
+    ):
+        add(
+            family,
+            f"{dtype}-d128-gate-{gate}",
+            rms_norm_gated_calls,
+            {"dtype": dtype, "gate": gate},
+            kernel,
+            cap,
+            no_spill=dtype == "bfloat16",
+            match={"GATE": gate},
         )
 
 
@@ -165,7 +192,21 @@ def opcheck_cases(group: str) -> list:
     norm_rope = rope_tables(torch.arange(4), 6, 100.0)  # xt's 4 positions, 6 of 8 dims turned
     dy_t, rstd_t = torch.randn(4, 3, 8), torch.rand(4, 3)  # xt's gradient and rstd
     dy5, rstd5 = torch.randn(5, 8), torch.rand(5)
+    zt = leaf(3, 4, 8).transpose(0, 1)  # z of xt's shape, strided
     return [
+        (ops.rms_norm_gated, (xt, zt, leaf(8), 1e-6, "silu")),
+        (
+            ops.rms_norm_gated,
+            (leaf(5, 8, dtype=torch.float16), leaf(5, 8), leaf(8), 1e-5, "sigmoid"),
+        ),
+        (
+            ops.rms_norm_gated_backward,
+            (dy_t, xt, zt, leaf(8), rstd_t, 1e-6, "silu", [True, True, True]),
+        ),
+        (
+            ops.rms_norm_gated_backward,
+            (dy5, leaf(5, 8), leaf(5, 8), leaf(8), rstd5, 1e-5, "sigmoid", [False, True, False]),
+        ),
         (ops.rms_norm, (xt, leaf(8), 1e-5, 0.0, None, None)),
         (ops.rms_norm, (leaf(5, 8, dtype=torch.float16), leaf(8), 1e-6, 1.0, None, None)),
         (ops.rms_norm, (xt, leaf(8), 1e-5, 0.0, *norm_rope)),  # a q/k norm joined by RoPE

@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from fusedpar.kernels import impl, tuning
 from fusedpar.kernels.attention import AttentionMask, attention_reference
-from fusedpar.kernels.rms_norm import rms_norm_reference
+from fusedpar.kernels.linear_attention.conv1d import causal_conv1d_reference
+from fusedpar.kernels.rms_norm import rms_norm_gated_reference, rms_norm_reference
 from torch import nn
 
 import fusedpar as fp
@@ -140,6 +141,22 @@ def check_ops(device):
         (x, w2, r((8,), 19)),
         20,
         "matmul_reduce_scatter",
+    )
+    _compare(
+        lambda x, z, w: fp.ops.rms_norm_gated(x, z, w, eps=1e-6),
+        lambda x, z, w: rms_norm_gated_reference(x, z, w, 1e-6),
+        (r((3, 2, 8), 21), r((3, 2, 8), 22), r((8,), 23)),
+        24,
+        "rms_norm_gated",
+    )
+    cu = torch.tensor([0, 2, 9], dtype=torch.int32, device=device)
+    conv = dict(cu_seqlens=cu, output_final_states=True)
+    _compare(
+        lambda x, w, b, s: fp.ops.causal_conv1d(x, w, b, initial_states=s, **conv),
+        lambda x, w, b, s: causal_conv1d_reference(x, w, b, "silu", cu, s, True),
+        (r((1, 9, 5), 25), r((5, 4), 26), r((5,), 27), r((2, 5, 3), 28)),
+        29,
+        "causal_conv1d",
     )
     return True
 
