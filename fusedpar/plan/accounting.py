@@ -57,9 +57,71 @@ class Local:
 
     def heads(self, spec: ModelSpec) -> tuple[int, int]:
         """(query heads, KV heads) one rank's attention runs: KV heads fewer than the
-        Ulysses degree are replicated, one a rank."""
-        kv = spec.n_kv_heads // self.tp
+        TP degree, or than the Ulysses degree, are replicated, one a rank."""
+        kv = kv_heads_held(spec, self.tp)
         return spec.n_heads // (self.tp * self.ulysses), max(kv // self.ulysses, 1)
+
+
+def kv_replicated(spec: ModelSpec, tp: int) -> bool:
+    """Whether TP exceeds the KV heads (`ParallelAttention`'s KV-head replication: each
+    rank holds every KV head's weights whole, their gradient partial over TP, and
+    computes with KV head rank // (tp / Hkv))."""
+    return not spec.mla and tp > spec.n_kv_heads
+
+
+def kv_heads_held(spec: ModelSpec, tp: int) -> int:
+    """KV heads one TP rank's attention computes with: Hkv / tp, or 1 when replicated."""
+    return max(spec.n_kv_heads // tp, 1)
+
+
+def kv_rows(spec: ModelSpec, tp: int) -> int:
+    """Heads of K (and of V) one TP rank projects: Hkv / tp, or all Hkv when replicated
+    (the rank's head is a view of the whole projection)."""
+    return spec.n_kv_heads if kv_replicated(spec, tp) else spec.n_kv_heads // tp
+
+
+def check_heads(spec: ModelSpec, dims) -> int | None:
+    """What the layers refuse of `dims` that `ParallelDims.validate` does not check, as
+    the layers word it: GDN layers under context parallelism (the next issue), k-heads
+    not split over TP; TP neither dividing the KV heads nor a multiple of them, or
+    replicated KV heads with Ulysses. Returns the KV heads `validate` should check (None
+    where TP replicates them)."""
+    cp = dims.cp * dims.ulysses
+    if spec.linear_layers and cp > 1:
+        raise ValueError(
+            f"context parallelism for GatedDeltaNet is the next issue: {spec.name} has "
+            f"{spec.linear_layers} GDN layers and cp x ulysses is {cp}"
+        )
+    if spec.linear_layers and spec.linear_k_heads % dims.tp:
+        raise ValueError(
+            f"GatedDeltaNet: n_k_heads ({spec.linear_k_heads}) is not divisible by the TP "
+            f"degree ({dims.tp})"
+        )
+    if spec.mla or dims.tp <= spec.n_kv_heads:
+        return spec.n_kv_heads
+    if dims.tp % spec.n_kv_heads:
+        raise ValueError(
+            f"n_kv_heads ({spec.n_kv_heads}) and the TP degree ({dims.tp}): one must divide "
+            "the other (KV heads split over TP, or each replicated on TP / n_kv_heads ranks)"
+        )
+    if dims.ulysses > 1:
+        raise ValueError(
+            f"{spec.n_kv_heads} KV heads replicated over tp {dims.tp} with ulysses "
+            f"{dims.ulysses}: not planned (run tp <= n_kv_heads with Ulysses)"
+        )
+    return None
+
+
+def gdn_tensors(spec: ModelSpec, tp: int = 1) -> list[tuple]:
+    """`GatedDeltaNet`'s parameters on one TP rank (hk = Hk / tp, hv = Hv / tp):
+    q, k (hk K, d); v, z (hv V, d); b, a (hv, d); the conv's q, k (hk K, W) and v
+    (hv V, W) channels; A_log, dt_bias (hv,); o (d, hv V); the gated norm's (V,) whole,
+    its gradient partial over TP."""
+    d, K, V, W = spec.d_model, spec.linear_k_dim, spec.linear_v_dim, spec.linear_conv
+    hk, hv = spec.linear_k_heads // tp, spec.linear_v_heads // tp
+    shapes = [(hk * K, d)] * 2 + [(hv * V, d)] * 2 + [(hv, d)] * 2
+    shapes += [(hk * K, W)] * 2 + [(hv * V, W), (hv,), (hv,), (d, hv * V)]
+    return [(s, "tp") for s in shapes] + [((V,), "whole")]
 
 
 # --- parameters ----------------------------------------------------------------------------
@@ -73,7 +135,9 @@ def layer_tensors(spec: ModelSpec, layer: int, tp: int = 1, ep: int = 1) -> list
     over tp in the layer's backward)."""
     d, hd, hv, t = spec.d_model, spec.head_dim, spec.v_dim, tp
     out = [((d,), "whole"), ((d,), "whole")]  # the two norms
-    if spec.mla:
+    if spec.is_linear(layer):
+        out += gdn_tensors(spec, t)
+    elif spec.mla:
         hq = spec.n_heads // t
         if spec.q_lora_rank:
             out += [
@@ -93,13 +157,18 @@ def layer_tensors(spec: ModelSpec, layer: int, tp: int = 1, ep: int = 1) -> list
             out += [((spec.q_lora_rank,), "whole")] if spec.q_lora_rank else []
             out.append(((spec.kv_lora_rank + spec.rope_dim,), "whole"))
     else:
-        q, kv = spec.n_heads // t * hd, spec.n_kv_heads // t * hd
-        out += [((q, d), "tp"), ((kv, d), "tp"), ((kv, d), "tp"), ((d, q), "tp")]
+        # replicated K and V: every KV head whole on each rank, gradient partial over TP
+        q, kv, k_kind = spec.n_heads // t * hd, kv_rows(spec, t) * hd, "tp"
+        if kv_replicated(spec, t):
+            k_kind = "whole"
+        out += [((q, d), "tp"), ((kv, d), k_kind), ((kv, d), k_kind), ((d, q), "tp")]
         if spec.attention_bias:
-            out += [((q,), "tp"), ((kv,), "tp"), ((kv,), "tp")]
+            out += [((q,), "tp"), ((kv,), k_kind), ((kv,), k_kind)]
         if spec.qk_norm:
             out += [((hd,), "whole"), ((hd,), "whole")]
-    if spec.o_bias:  # added after the reduction
+        if spec.output_gate:  # gate_weight (and gate_bias), split like q
+            out += [((q, d), "tp")] + ([((q,), "tp")] if spec.attention_bias else [])
+    if spec.o_bias and not spec.is_linear(layer):  # added after the reduction
         out.append(((d,), "summed"))
     if spec.is_moe(layer):
         E, h = spec.num_experts, spec.expert_hidden
@@ -196,7 +265,8 @@ def attention_saved(spec: ModelSpec, z: Local, policy: str = "none") -> int:
     gathered_out = z.m * spec.n_heads // z.tp * hv * e  # o-proj's input under Ulysses
     qk_norms = 0  # per-head norms of q and k: their inputs and rstd
     if spec.qk_norm and not spec.mla:
-        qk_norms = z.m * (spec.n_heads + spec.n_kv_heads) // z.tp * (hd * e + 4)
+        qk_norms = z.m * (spec.n_heads // z.tp + kv_heads_held(spec, z.tp)) * (hd * e + 4)
+    gate = z.m * spec.n_heads // z.tp * hd * e if spec.output_gate else 0  # its GEMM's
     if policy == "full":
         return 0
     if policy == "selective" and spec.mla:  # the latents' gathered projections, o-proj's
@@ -208,8 +278,9 @@ def attention_saved(spec: ModelSpec, z: Local, policy: str = "none") -> int:
         return kept
     if policy == "selective":
         if z.tp == 1 and z.cp == 1 and z.ulysses == 1:  # one rank: the layer is one op
-            return z.n * d * e + q_k_v + out_lse + qk_norms
-        projections = z.m * (spec.n_heads * hd + spec.n_kv_heads * (hd + hv)) // z.tp * e
+            return z.n * d * e + q_k_v + out_lse + qk_norms + gate
+        kv = kv_heads_held(spec, z.tp) * (hd + hv)
+        projections = z.m * (spec.n_heads // z.tp * hd + kv) * e + gate
         kept = projections + z.n * d * e  # + o-proj's reduce-scattered output
         if z.cp > 1:
             kept += out_lse  # the ring's output
@@ -219,13 +290,48 @@ def attention_saved(spec: ModelSpec, z: Local, policy: str = "none") -> int:
     if spec.mla:
         return mla_saved(spec, z)
     saved = norm_saved(spec, z)  # its norm: x, rstd, the output
-    saved += q_k_v + out_lse + qk_norms
+    saved += q_k_v + out_lse + qk_norms + gate
+    if gate and not (z.tp == 1 and z.cp == 1 and z.ulysses == 1):  # the gated output,
+        saved += z.m * spec.n_heads // z.tp * hv * e  # o-proj's input (one op: not kept)
     saved += rope_tables(spec, z)
     if z.cp > 1:
         saved += 16 * z.seq  # the ring's masks: (cp, 4, S / cp) int32
     if z.ulysses > 1:
         saved += gathered_out
     return saved
+
+
+def gdn_saved(spec: ModelSpec, z: Local, policy: str = "none") -> int:
+    """Bytes one `GatedDeltaNet` saves, its input norm included (cp = 1: m tokens; C =
+    2 hk K + hv V the conv's channels, hk, hv this TP rank's heads). Selective: its
+    projections' outputs (q|k|v, z, b, a) and out's reduce-scattered output. None:
+
+    | tensor                                              | bytes                     |
+    | --------------------------------------------------- | ------------------------- |
+    | the q|k|v weights, concatenated (the gather's GEMM) | C d e (per microbatch)    |
+    | the conv's input (the q|k|v projection) and weight  | m C e + C W e             |
+    | the conv's output (v a view of it: the recurrence's)| m C e                     |
+    | beta = sigmoid(b) (2 sigmoid(b): and the sigmoid's) | m hv e (2 m hv e)         |
+    | the decay g's chain in fp32: exp(A_log), -exp,      | 2 hv 4 + 3 m hv 4         |
+    | softplus' input and output; g (the recurrence's)    |                           |
+    | q, k l2-normalized (recurrence's), their rsqrt fp32 | 2 m hk (K e + 4)          |
+    | and, from 16-bit q and k, their fp32 copies         | + 2 m hk K 4              |
+    | the gated norm: o, z (a copy), rstd (fp32)          | 2 m hv V e + m hv 4       |
+    | out's input (the norm's output)                     | m hv V e                  |
+    """
+    e, d, m = z.e, spec.d_model, z.m
+    hk, hv = spec.linear_k_heads // z.tp, spec.linear_v_heads // z.tp
+    K, V = spec.linear_k_dim, spec.linear_v_dim
+    C = 2 * hk * K + hv * V
+    if policy == "full":
+        return 0
+    if policy == "selective":
+        return m * (C + hv * V + 2 * hv) * e + z.n * d * e
+    saved = norm_saved(spec, z) + C * d * e + 2 * m * C * e + C * spec.linear_conv * e
+    saved += m * hv * e * (2 if spec.linear_neg_eigval else 1)  # beta
+    saved += 2 * hv * 4 + 3 * m * hv * 4  # g
+    saved += 2 * m * hk * (K * e + 4 + (K * 4 if e != 4 else 0))  # q, k
+    return saved + 3 * m * hv * V * e + m * hv * 4
 
 
 def mlp_saved(spec: ModelSpec, z: Local, moe: bool, policy: str = "none", received=None) -> int:
@@ -270,9 +376,8 @@ def block_saved(spec: ModelSpec, layer: int, z: Local, policy: str = "none", rec
     tensors, or under checkpointing its input and what the policy keeps."""
     if policy not in POLICIES:
         raise ValueError(f"checkpointing must be one of {POLICIES}, got {policy!r}")
-    saved = attention_saved(spec, z, policy) + mlp_saved(
-        spec, z, spec.is_moe(layer), policy, received
-    )
+    mixer = gdn_saved if spec.is_linear(layer) else attention_saved
+    saved = mixer(spec, z, policy) + mlp_saved(spec, z, spec.is_moe(layer), policy, received)
     if policy != "none":
         saved += z.n * spec.d_model * z.e  # the block's input, kept by the checkpoint
     return saved
@@ -292,17 +397,18 @@ def ends_saved(spec: ModelSpec, z: Local, *, first: bool, last: bool) -> int:
 def stage_shared(spec: ModelSpec, layers, z: Local, policy: str) -> int:
     """Bytes of `stage_saved` that every microbatch of a stage shares (RoPE's tables,
     saved with no checkpointing: a checkpointed block recomputes them)."""
-    return len(layers) * rope_tables(spec, z) if policy == "none" else 0
+    attention = sum(not spec.is_linear(i) for i in layers)  # GDN layers have no RoPE
+    return attention * rope_tables(spec, z) if policy == "none" else 0
 
 
 def stage_saved(spec: ModelSpec, layers, z: Local, policy: str, *, first: bool, last: bool) -> int:
     """Bytes one microbatch leaves saved on a rank holding blocks `layers` (and the
     embedding / the head when `first` / `last`)."""
-    kinds: dict[bool, int] = {}
+    kinds: dict[tuple, int] = {}
     for i in layers:  # blocks of one kind save alike
-        kinds[spec.is_moe(i)] = kinds.get(spec.is_moe(i), 0) + 1
+        kinds[spec.kind(i)] = kinds.get(spec.kind(i), 0) + 1
     blocks = sum(
-        count * block_saved(spec, next(i for i in layers if spec.is_moe(i) == moe), z, policy)
-        for moe, count in kinds.items()
+        count * block_saved(spec, next(i for i in layers if spec.kind(i) == kind), z, policy)
+        for kind, count in kinds.items()
     )
     return blocks + ends_saved(spec, z, first=first, last=last)

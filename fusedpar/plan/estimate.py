@@ -167,6 +167,30 @@ def _gemm_s(dev, rows, out, inner) -> float:
     return 2 * rows * out * inner / (tflops * 1e12)
 
 
+GDN_CHUNK = 64  # the chunked algorithm's chunk (fp.gated_delta_rule's)
+
+
+def gdn_widths(spec, tp: int) -> tuple[int, int]:
+    """(outputs of GDN's input projections, inputs of its out projection) on one TP rank:
+    q, k (hk K each), v, z (hv V each), b, a (hv each); o reads hv V."""
+    hk, hv = spec.linear_k_heads // tp, spec.linear_v_heads // tp
+    K, V = spec.linear_k_dim, spec.linear_v_dim
+    return 2 * hk * K + 2 * hv * V + 2 * hv, hv * V
+
+
+def gdn_recurrence_flops(spec, tokens: int, tp: int) -> float:
+    """Forward FLOPs of the chunked gated delta rule over `tokens` on one TP rank (its
+    hv v-heads; each reads its k-head, GVA). Per v-head and token, chunk C (64):
+    within a chunk, k k^T (2 C K), the WY/UT pair W = T beta k and U = T beta v
+    (2 C K + 2 C V; the C x C triangular solve, C^2 / 3, left out) and the masked
+    q k^T and its product with U - W S (2 C K + 2 C V); across chunks, W S, q S and
+    the state's update k^T (U - W S) (2 K V each). So 6 K V + 2 C (3 K + 2 V): at
+    K = V = d, 6 d^2 + 10 C d, flash-linear-attention's count. The conv (2 W a
+    channel), the gates and the gated norm are element-wise (timed by their bytes)."""
+    K, V, C = spec.linear_k_dim, spec.linear_v_dim, GDN_CHUNK
+    return tokens * spec.linear_v_heads // tp * (6 * K * V + 2 * C * (3 * K + 2 * V))
+
+
 def block_times(spec, layer, z: acc.Local, clock: _Clock, opts: StepOptions) -> tuple:
     """(forward s, backward s, GEMM+attention FLOPs fwd) of one block, one microbatch,
     exposed communication included (timed on `clock`, on its device)."""
@@ -175,10 +199,15 @@ def block_times(spec, layer, z: acc.Local, clock: _Clock, opts: StepOptions) -> 
     hq, hkv = z.heads(spec)
     moe = spec.is_moe(layer)
     # GEMMs: the attention projections over TP's gathered tokens, the MLP's
-    proj_flops_in = (spec.n_heads * hd + 2 * spec.n_kv_heads * hd) // z.tp
+    # (replicated KV heads: a rank projects its own one)
+    proj_flops_in = spec.n_heads // z.tp * hd * (2 if spec.output_gate else 1)
+    proj_flops_in += 2 * acc.kv_heads_held(spec, z.tp) * hd
+    o_in = spec.n_heads * hv // z.tp
+    if spec.is_linear(layer):  # GDN: q, k, v, z, b, a from one gather; o from hv V
+        proj_flops_in, o_in = gdn_widths(spec, z.tp)
     qkv = _gemm_s(dev, z.m, proj_flops_in, d)
-    o = _gemm_s(dev, z.m, d, spec.n_heads * hv // z.tp)
-    flops = 2 * z.m * d * (proj_flops_in + spec.n_heads * hv // z.tp)
+    o = _gemm_s(dev, z.m, d, o_in)
+    flops = 2 * z.m * d * (proj_flops_in + o_in)
     if moe:
         h, rows = spec.expert_hidden, z.n * spec.top_k
         mlp_in = _gemm_s(dev, rows, 2 * h, d) + _gemm_s(dev, z.n, spec.num_experts, d)
@@ -197,6 +226,9 @@ def block_times(spec, layer, z: acc.Local, clock: _Clock, opts: StepOptions) -> 
     document = min(opts.document_len or z.seq, z.seq)
     att_flops = 2 * z.a * (document / 2) * hq * (hd + hv)
     att_rate, _ = devices.attention_tflops(dev, document, hd, True)
+    if spec.is_linear(layer):  # the chunked recurrence, linear in the tokens
+        att_flops = gdn_recurrence_flops(spec, z.m, z.tp)
+        att_rate = dev.peak_tflops * dev.attention_efficiency
     attention = 3.5 * att_flops / (att_rate * 1e12)  # fwd + bwd, at the fwd+bwd rate
     att_f, att_b = attention / 3.5, attention * 2.5 / 3.5
     flops += att_flops
@@ -206,8 +238,8 @@ def block_times(spec, layer, z: acc.Local, clock: _Clock, opts: StepOptions) -> 
     bwd = 2 * gemm + att_b + 2 * elementwise
     if policy == "selective":  # what `fp.checkpoint_policy` recomputes (recompute.py)
         bwd += elementwise + (mlp_in + mlp_out if moe else 0.0)  # the experts' GEMMs
-        if (z.tp > 1 and z.cp == 1) or z.ulysses > 1:  # attention no exchange keeps
-            bwd += att_f
+        if (z.tp > 1 and z.cp == 1) or z.ulysses > 1 or spec.is_linear(layer):
+            bwd += att_f  # attention no exchange keeps; GDN's recurrence, never kept
     # TP: x gathered into the projections, outputs reduce-scattered; the backward
     # re-gathers x for the weights' gradients
     if z.tp > 1:
@@ -242,7 +274,8 @@ def block_times(spec, layer, z: acc.Local, clock: _Clock, opts: StepOptions) -> 
         fwd += steps * max(0.0, step_f - att_f / z.cp)
         bwd += steps * max(0.0, step_b - att_b / z.cp)
     if z.ulysses > 1:  # q, k, v out and the output back, forward and backward
-        moved = z.m * (spec.n_heads * (hd + hv) + spec.n_kv_heads * (hd + hv)) // z.tp * e
+        kv = acc.kv_heads_held(spec, z.tp) * (hd + hv)
+        moved = z.m * (spec.n_heads // z.tp * (hd + hv) + kv) * e
         t = clock.comm("ulysses", moved, calls=4, kind="all_to_all")
         fwd, bwd = fwd + t, bwd + clock.comm("ulysses", moved, calls=4, kind="all_to_all")
     if moe and z.ep > 1:  # dispatch and return (and their counts), both passes
@@ -304,7 +337,7 @@ def estimate(
     dims.validate(
         dims.pp * dims.dp * dims.cp * dims.ulysses * dims.tp,
         n_heads=spec.n_heads,
-        n_kv_heads=spec.n_kv_heads,
+        n_kv_heads=acc.check_heads(spec, dims),
         num_experts=spec.num_experts or None,
         seq_len=seq_len,
         n_layers=spec.n_layers if dims.pp > 1 else None,
@@ -402,8 +435,8 @@ def _time(est, spec, z, clock: _Clock, ranks: list[PipelineRank], opts: StepOpti
     fb, flops_rank = [], []
     for rank in ranks:
         f = b = flops = 0.0
-        for moe, count in Counter(spec.is_moe(i) for i in rank.layers).items():
-            layer = next(i for i in rank.layers if spec.is_moe(i) == moe)  # one of the kind
+        for kind, count in Counter(spec.kind(i) for i in rank.layers).items():
+            layer = next(i for i in rank.layers if spec.kind(i) == kind)  # one of the kind
             bf, bb, fl = block_times(spec, layer, z, clock, opts)
             f, b, flops = f + count * bf, b + count * bb, flops + count * fl
         if rank.last:

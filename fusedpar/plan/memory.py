@@ -76,8 +76,8 @@ def state_bytes(spec, dims, rank: PipelineRank, *, param_dtype, optimizer) -> di
     tensor's dim 0 padded and split)."""
     layers = rank.layers
     numel = tensors = 0
-    for moe, count in Counter(spec.is_moe(i) for i in layers).items():  # alike by kind
-        layer = next(i for i in layers if spec.is_moe(i) == moe)
+    for kind, count in Counter(spec.kind(i) for i in layers).items():  # alike by kind
+        layer = next(i for i in layers if spec.kind(i) == kind)
         shapes = [s for s, _ in acc.layer_tensors(spec, layer, dims.tp, dims.ep_size)]
         numel += count * sum(acc.fsdp_numel(s, dims.dp) for s in shapes)
         tensors += count * len(shapes)
@@ -146,7 +146,7 @@ def buffer_bytes(spec, dims, z, rank: PipelineRank) -> int:
     if dims.dp > 1 and rank.layers:
         block = max(
             sum(math.prod(s) for s, _ in acc.layer_tensors(spec, i, dims.tp, dims.ep_size))
-            for i in {spec.is_moe(i): i for i in rank.layers}.values()
+            for i in {spec.kind(i): i for i in rank.layers}.values()
         )
         out += block * (2 * z.e + REDUCE_BYTES)  # two gathered blocks, one's gradient
     if dims.tp > 1:

@@ -20,7 +20,10 @@ from pathlib import Path
 from fusedpar.hf_config import check_config
 from fusedpar.plan.accounting import layer_tensors, model_end_tensors
 
-QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3_text")
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "olmo2", "olmo3", "gemma3_text", "olmo_hybrid")
+# q_proj doubled: [q | gate] per head (the attention output gate), a shared expert's gate
+GATED_ATTENTION = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+QK_NORM_FAMILIES += GATED_ATTENTION
 SIGMOID_ROUTERS = ("deepseek_v3", "glm4_moe", "minimax_m2")  # a score-correction bias
 
 
@@ -57,6 +60,34 @@ class ModelSpec:
     gated: bool = True  # SwiGLU (gate, up, down); False: a plain MLP (fc, proj)
     hf: bool = False  # a Hugging Face model converted by `parallelize`: its own norms,
     # embedding, residuals, LM head and loss (their saved tensors differ from fusedpar's)
+    output_gate: bool = False  # q_proj emits [q | gate] per head (Qwen3-Next, Qwen3.5)
+    # hybrids: each layer's mixer, "linear_attention" (Gated DeltaNet) or
+    # "full_attention" (() : every layer attention); the GDN layers' sizes
+    layer_types: tuple[str, ...] = ()
+    linear_k_heads: int = 0  # Hk (q and k heads)
+    linear_v_heads: int = 0  # Hv (a multiple of Hk)
+    linear_k_dim: int = 0  # K
+    linear_v_dim: int = 0  # V
+    linear_conv: int = 4  # the short conv's taps W
+    linear_neg_eigval: bool = False  # beta = 2 sigmoid(b) (OLMo Hybrid)
+
+    def __post_init__(self):
+        if self.layer_types:
+            kinds = set(self.layer_types) - {"linear_attention", "full_attention"}
+            if len(self.layer_types) != self.n_layers or kinds:
+                raise ValueError(
+                    f"{self.name}: layer_types must name {self.n_layers} layers, each "
+                    f"'linear_attention' or 'full_attention', got {self.layer_types}"
+                )
+        if "linear_attention" in self.layer_types:
+            hk, hv = self.linear_k_heads, self.linear_v_heads
+            if min(hk, hv, self.linear_k_dim, self.linear_v_dim, self.linear_conv) < 1 or hv % hk:
+                raise ValueError(
+                    f"{self.name}: GDN layers need positive linear_k_heads ({hk}), "
+                    f"linear_v_heads ({hv}, a multiple of linear_k_heads), linear_k_dim "
+                    f"({self.linear_k_dim}), linear_v_dim ({self.linear_v_dim}) and "
+                    f"linear_conv ({self.linear_conv})"
+                )
 
     @property
     def v_dim(self) -> int:
@@ -75,6 +106,18 @@ class ModelSpec:
         if not self.num_experts or layer < self.dense_layers_first or layer in self.dense_layers:
             return False
         return (layer + 1) % self.moe_every == 0
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether `layer`'s mixer is Gated DeltaNet (linear attention)."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    def kind(self, layer: int) -> tuple[bool, bool]:
+        """(MoE MLP, GDN mixer): blocks of one kind hold, save and send alike."""
+        return self.is_moe(layer), self.is_linear(layer)
+
+    @property
+    def linear_layers(self) -> int:
+        return sum(self.is_linear(i) for i in range(self.n_layers))
 
     @property
     def moe_layers(self) -> int:
@@ -142,6 +185,7 @@ def _spec(config, name: str | None) -> ModelSpec:
     shared = _get(config, "shared_expert_intermediate_size", default=0) or 0
     if not shared and _get(config, "n_shared_experts"):
         shared = _get(config, "n_shared_experts") * moe_hidden
+    hybrid = _hybrid(config, _get(config, "num_hidden_layers", "n_layer"))
     bias = bool(_get(config, "attention_bias", "qkv_bias", default=False))
     qkv_bias = {"qwen2": True, "qwen2_moe": bool(_get(config, "qkv_bias", default=True))}
     return ModelSpec(
@@ -168,12 +212,35 @@ def _spec(config, name: str | None) -> ModelSpec:
         attention_bias=qkv_bias.get(model_type, bias),
         o_bias=bias and model_type not in ("qwen2", "qwen2_moe", "glm4_moe"),
         mlp_bias=bool(_get(config, "mlp_bias", default=False)),
-        shared_gate=model_type == "qwen2_moe" and bool(shared),
+        shared_gate=model_type in ("qwen2_moe", *GATED_ATTENTION) and bool(shared),
         router="sigmoid" if model_type in SIGMOID_ROUTERS else "softmax",
         tied=bool(_get(config, "tie_word_embeddings", default=True)),  # PretrainedConfig's
         gated=model_type not in ("gpt2", "gpt_neox"),
         hf=True,
+        output_gate=model_type in GATED_ATTENTION or bool(_get(config, "attn_output_gate")),
+        **hybrid,
     )
+
+
+def _hybrid(config, n_layers: int) -> dict:
+    """The GDN fields of a hybrid config (Qwen3-Next, Qwen3.5, OLMo Hybrid): its
+    `layer_types`, or every ``full_attention_interval``-th layer full attention (Qwen's
+    default 4), and the ``linear_*`` sizes; {} for a config without linear layers."""
+    k_heads = _get(config, "linear_num_key_heads")
+    if not k_heads:
+        return {}
+    types = _get(config, "layer_types")
+    if types is None:
+        types = hybrid_layers(n_layers, _get(config, "full_attention_interval", default=4))
+    return {
+        "layer_types": tuple(types),
+        "linear_k_heads": k_heads,
+        "linear_v_heads": _get(config, "linear_num_value_heads", default=k_heads),
+        "linear_k_dim": _get(config, "linear_key_head_dim"),
+        "linear_v_dim": _get(config, "linear_value_head_dim", "linear_key_head_dim"),
+        "linear_conv": _get(config, "linear_conv_kernel_dim", default=4),
+        "linear_neg_eigval": bool(_get(config, "linear_allow_neg_eigval", default=False)),
+    }
 
 
 def from_example_config(cfg) -> ModelSpec:
@@ -235,6 +302,84 @@ PRESETS = {
         router="sigmoid",
     ),
 }
+
+
+def hybrid_layers(n_layers: int, interval: int = 4) -> tuple[str, ...]:
+    """Qwen3-Next's and Qwen3.5's `layer_types` from ``full_attention_interval``: every
+    `interval`-th layer full attention, the others Gated DeltaNet."""
+    return tuple(
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
+    )
+
+
+# Qwen3.5's text models (MTP layer left out): the attention layers gated (q_proj doubled),
+# per-head q/k norms, a quarter of each 256-wide head rotary; the GDN layers K = V = 128,
+# a 4-tap conv. Sources: 35B-A3B, transformers 5.23's Qwen3_5MoeTextConfig defaults (its
+# docstring's checkpoint); 27B, THUDM/slime scripts/models/qwen3.5-27B.sh (d 5120, 64
+# layers, 24 / 4 heads, ffn 17408, vocab 248320) with the GDN heads of issue #55's
+# background (16 / 48); 397B-A17B, slime's scripts/models/qwen3.5-397B-A17B.sh (d 4096,
+# 60 layers, 32 / 2 heads, 512 experts top 10, expert and shared widths 1024, the
+# shared expert's gate) with the GDN heads of the background (16 / 64).
+QWEN3_5 = dict(
+    head_dim=256,
+    rope_dim=64,
+    qk_norm=True,
+    output_gate=True,
+    linear_k_dim=128,
+    linear_v_dim=128,
+    linear_conv=4,
+    linear_k_heads=16,
+)
+PRESETS.update(
+    {
+        "qwen3.5-27b": ModelSpec(
+            "Qwen3.5-27B",
+            248320,
+            5120,
+            64,
+            24,
+            4,
+            d_hidden=17408,
+            layer_types=hybrid_layers(64),
+            linear_v_heads=48,
+            **QWEN3_5,
+        ),
+        "qwen3.5-35b-a3b": ModelSpec(
+            "Qwen3.5-35B-A3B",
+            248320,
+            2048,
+            40,
+            16,
+            2,
+            d_hidden=512,  # every MLP MoE: the dense width is unused
+            num_experts=256,
+            top_k=8,
+            moe_hidden=512,
+            shared_hidden=512,
+            shared_gate=True,
+            layer_types=hybrid_layers(40),
+            linear_v_heads=32,
+            **QWEN3_5,
+        ),
+        "qwen3.5-397b-a17b": ModelSpec(
+            "Qwen3.5-397B-A17B",
+            248320,
+            4096,
+            60,
+            32,
+            2,
+            d_hidden=1024,
+            num_experts=512,
+            top_k=10,
+            moe_hidden=1024,
+            shared_hidden=1024,
+            shared_gate=True,
+            layer_types=hybrid_layers(60),
+            linear_v_heads=64,
+            **QWEN3_5,
+        ),
+    }
+)
 
 
 def model_spec(model) -> ModelSpec:

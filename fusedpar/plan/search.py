@@ -20,7 +20,7 @@ from itertools import combinations, product
 import torch
 
 from fusedpar.parallel import ParallelDims
-from fusedpar.plan.accounting import POLICIES
+from fusedpar.plan.accounting import POLICIES, check_heads
 from fusedpar.plan.estimate import Estimate, estimate
 from fusedpar.plan.model import model_spec
 
@@ -115,7 +115,7 @@ def search(
             dims.validate(
                 gpus,
                 n_heads=spec.n_heads,
-                n_kv_heads=spec.n_kv_heads,
+                n_kv_heads=check_heads(spec, dims),
                 num_experts=spec.num_experts or None,
                 seq_len=seq_len,
             )

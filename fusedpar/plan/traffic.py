@@ -136,8 +136,8 @@ def _block(ledger, spec, layer, z, *, cpu_checks: bool, forward: bool) -> None:
         _ring(ledger, spec, z, cpu_checks=cpu_checks, forward=forward)
     if u > 1:
         q = z.m * spec.n_heads // t * hd * e  # TP's gathered tokens, this rank's heads
-        k = z.m * spec.n_kv_heads // t * hd * e
-        v = z.m * spec.n_kv_heads // t * hv * e
+        k = z.m * acc.kv_heads_held(spec, t) * hd * e
+        v = z.m * acc.kv_heads_held(spec, t) * hv * e
         out = z.m * spec.n_heads // t * hv * e
         for size in (q, k, v, out):
             ledger.add("all_to_all", ("ulysses",), 2 * size)  # output + input
@@ -197,13 +197,13 @@ def step(
     layers, first, last = rank.layers, rank.first, rank.last
     ledger = Ledger(dims)
     fsdp = dims.dp > 1
-    kinds = Counter(spec.is_moe(i) for i in layers)
-    for moe, count in kinds.items():
+    kinds = Counter(spec.kind(i) for i in layers)
+    for kind, count in kinds.items():
         one = Ledger(dims)
         block(
             one,
             spec,
-            next(i for i in layers if spec.is_moe(i) == moe),
+            next(i for i in layers if spec.kind(i) == kind),
             z,
             cpu_checks=cpu_checks,
             policy=policy,

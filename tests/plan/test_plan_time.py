@@ -58,8 +58,11 @@ def test_the_search_rules_out_with_reasons():
 
 
 def test_an_estimate_refuses_a_layout_that_does_not_divide():
-    with pytest.raises(ValueError, match="n_kv_heads"):
-        plan.estimate("llama3-70b", fp.ParallelDims(tp=16), seq_len=8192)
+    odd = plan.ModelSpec("odd", 1024, 768, 2, 12, 3, 64, 2048)  # 3 KV heads
+    with pytest.raises(ValueError, match=r"n_kv_heads \(3\) is not divisible by the tp degree"):
+        plan.estimate(odd, fp.ParallelDims(tp=2), seq_len=8192)
+    # TP a multiple of the KV heads replicates them (`ParallelAttention`): planned
+    assert plan.estimate("llama3-70b", fp.ParallelDims(tp=16), seq_len=8192).mfu > 0
     with pytest.raises(ValueError, match="dp_sharding"):
         plan.estimate("llama3-8b", fp.ParallelDims(dp=2), seq_len=8192, dp_sharding="zero4")
 
