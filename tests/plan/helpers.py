@@ -1,10 +1,6 @@
 """Helpers of the tests in this folder: `held_state` and `check_peaks` (moved from
-test_plan.py), and `real_ops`: `GatedDeltaNet`'s three ops as the planner counts them
-(test_plan_gdn.py): `fp.gated_delta_rule` (the real op), and `fp.ops.causal_conv1d`
-and `fp.ops.rms_norm_gated` where they exist, else the layer's stand-ins run under an
-autograd Function saving what the real op's contract says (docs/linear_attention_parts.md
-and ops/norm.py on their branch): the conv its input and weight, the gated norm x, z,
-the weight and one fp32 rstd a row. At the merge the fallbacks fall away unused."""
+test_plan.py), and `real_ops`: `GatedDeltaNet`'s recurrence as the planner counts it
+(test_plan_gdn.py), its CPU backward's workspace kept out of the saved bytes."""
 
 import contextlib
 
@@ -45,53 +41,6 @@ def _same(t):
     return t
 
 
-class _Contract(torch.autograd.Function):
-    """``fn(*tensors)`` saving `tensors` and ``extra(*tensors)``; its backward recomputes
-    `fn` under autograd (the stand-in's math, the real op's saved set)."""
-
-    @staticmethod
-    def forward(ctx, fn, extra, *tensors):
-        ctx.fn, ctx.count = fn, len(tensors)
-        with torch.no_grad():
-            out = fn(*tensors)
-            more = extra(*tensors)
-        ctx.save_for_backward(*tensors, *more)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        tensors = ctx.saved_tensors[: ctx.count]
-        inputs = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
-        # (inner hooks that keep the tensors as they are: the recompute's own saved
-        # tensors, the stand-in's, are no part of the real op's and go uncounted)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
-            out = ctx.fn(*inputs)
-        wanted = [t for t in inputs if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad))
-        return (None, None, *(next(grads) if t.requires_grad else None for t in inputs))
-
-
-def _conv(x, weight, bias=None, *, cu_seqlens=None, **_):
-    from fusedpar.ops import linear_attention_stand_in as stand_in  # (deleted at the merge)
-
-    def fn(x, weight):
-        return stand_in.causal_conv1d(x, weight, bias, cu_seqlens=cu_seqlens)[0]
-
-    return _Contract.apply(fn, lambda *t: (), x, weight), None
-
-
-def _norm(x, z, weight, *, eps, gate="silu"):
-    from fusedpar.ops import linear_attention_stand_in as stand_in
-
-    def fn(x, z, weight):
-        return stand_in.rms_norm_gated(x, z, weight, eps=eps, gate=gate)
-
-    def rstd(x, z, weight):  # one fp32 a row
-        return ((x.float().pow(2).mean(-1) + eps).rsqrt(),)
-
-    return _Contract.apply(fn, rstd, x, z, weight)
-
-
 def _rule(*args, **kwargs):
     """`fp.gated_delta_rule`, its backward run under neutral hooks: torch's CPU backward
     recomputes its chunks under autograd, a workspace of the backward (the GPU's kernels
@@ -106,12 +55,8 @@ def _rule(*args, **kwargs):
 
 @contextlib.contextmanager
 def real_ops():
-    """`fusedpar.nn.gated_deltanet`'s ops replaced by the real ones (or their contracts)."""
-    ops = {
-        "gated_delta_rule": _rule,
-        "causal_conv1d": getattr(fp.ops, "causal_conv1d", _conv),
-        "rms_norm_gated": getattr(fp.ops, "rms_norm_gated", _norm),
-    }
+    """`fusedpar.nn.gated_deltanet`'s recurrence run as `_rule`."""
+    ops = {"gated_delta_rule": _rule}
     before = {name: getattr(gdn_module, name) for name in ops}
     try:
         for name, op in ops.items():
