@@ -29,17 +29,18 @@ MAX_HEAD_DIM = 256  # K and V: one (K, BV) fp32 state tile per program
 SOLVE_BLOCK = 16  # the triangular solve's diagonal blocks (tl.dot's smallest side)
 
 
-def state_configs(K: int, V: int) -> list[dict]:
-    """The state kernels' tiles over V, largest first: the (K, BV) fp32 state lives in
-    registers, so BV shrinks as K grows (K=256: 32 columns, 64 registers a thread)."""
+def state_configs(K: int, V: int) -> list[triton.Config]:
+    """The state kernels' tiles over V, largest first (the launcher takes the first: no
+    GPU has timed them yet): the (K, BV) fp32 state lives in registers, so BV shrinks as
+    K grows (K=256: 32 columns, 64 registers a thread with 4 warps)."""
     bk = max(16, next_power_of_2(K))
-    widths = [bv for bv in (64, 32, 16) if bk * bv <= 128 * 64]
-    return [{"BV": bv, "num_warps": 4, "num_stages": 1} for bv in widths]
+    widths = [bv for bv in (64, 32, 16) if bk * bv <= 128 * 64 and bv <= max(16, V)]
+    return [triton.Config({"BV": bv}, num_warps=4, num_stages=1) for bv in widths]
 
 
-def prepare_configs(K: int, V: int) -> list[dict]:
-    """The per-chunk kernels' settings: the 64x64 solve and Gram matrices in one CTA."""
-    return [{"num_warps": 4, "num_stages": 1}]
+def prepare_configs(K: int, V: int) -> list[triton.Config]:
+    """The per-chunk kernel's settings: the 64x64 solve and Gram matrices in one CTA."""
+    return [triton.Config({}, num_warps=4, num_stages=1)]
 
 
 # --- shared device helpers -----------------------------------------------------------------
@@ -412,7 +413,7 @@ def prepare(q, k, v, g, beta, scale, cu_seqlens, table, dims) -> tuple[torch.Ten
         BT=CHUNK,
         BK=max(16, next_power_of_2(K)),
         BV=min(64, max(16, next_power_of_2(V))),
-        **prepare_configs(K, V)[0],
+        **prepare_configs(K, V)[0].all_kwargs(),
     )
     return w, u, Tinv, M
 
@@ -429,7 +430,7 @@ def run_states(
     final = q.new_empty((N, Hv, K, V), dtype=torch.float32)
     states, new_values = store if store is not None else (final, final)
     out = o if o is not None else final.new_empty((1, 1, 1, 1))
-    grid = (cdiv(V, config["BV"]), N * Hv)
+    grid = (cdiv(V, config.kwargs["BV"]), N * Hv)
     gdn_state_kernel[grid](
         q,
         k,
@@ -463,7 +464,7 @@ def run_states(
         DOT=dot_precision(q.dtype),
         BT=CHUNK,
         BK=max(16, next_power_of_2(K)),
-        **config,
+        **config.all_kwargs(),
     )
     return final
 

@@ -20,6 +20,7 @@ GVA: dq and dk are made per value head in fp32 and summed over each key head's g
 import torch
 import triton
 import triton.language as tl
+from fusedpar.kernels.attention import transposed_dot_miscompiles
 from fusedpar.kernels.common import cdiv, check_launchable, next_power_of_2
 from fusedpar.kernels.linear_attention.chunk import (
     CHUNK,
@@ -40,10 +41,10 @@ from fusedpar.kernels.linear_attention.chunk import (
 )
 
 
-def grads_configs(K: int, V: int) -> list[dict]:
+def grads_configs(K: int, V: int) -> list[triton.Config]:
     """The chunk-gradient kernel's V step: it holds five (64, K) fp32 accumulators and
     two (64, 64) ones, and streams (K, BV) state tiles."""
-    return [{"BV": bv, "num_warps": 4, "num_stages": 1} for bv in (32, 16)]
+    return [triton.Config({"BV": bv}, num_warps=4, num_stages=1) for bv in (32, 16)]
 
 
 @triton.jit
@@ -107,9 +108,11 @@ def gdn_chunk_grads_kernel(
     sgb, sgt, sgh, sgk, sbb, sbt, sbh, sdb, sdt, sdh, sdv,
     Tinv, states, dstates, new_values, dnew,  # recomputed and backward scratch (fp32)
     dq, dk, dv, dg, dbeta,  # (B, T, Hv, K) fp32, (B, T, Hv, V), g's shape, (B, T, Hv)
+    spill_m, spill_a,  # (B, T, Hv, 64) fp32: dM, dA transposed through memory (VIA_MEMORY)
     cu_seqlens, chunk_doc, chunk_first,
     scale, T, N, NT, Hv, GROUP, K, V,
     PER_CHANNEL: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+    VIA_MEMORY: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     pid_c, pid_h = tl.program_id(0), tl.program_id(1)
@@ -171,8 +174,9 @@ def gdn_chunk_grads_kernel(
             tl.dot(tl.trans(Ti), dT, input_precision=DOT), tl.trans(Ti), input_precision=DOT
         )
         strides = (skt, skk, skt, skk, sgt, sgk)
-        Ahat = decay_gram(kt, kt, G, kp, kp, gp, rows, row_mask, strides, K, False, PER_CHANNEL,
-                          DOT, BT)  # fmt: skip
+        Ahat = decay_gram(
+            kt, kt, G, kp, kp, gp, rows, row_mask, strides, K, False, PER_CHANNEL, DOT, BT
+        )
         strict = (rows[:, None] > rows[None, :]) & row_mask[:, None] & row_mask[None, :]
         causal = (rows[:, None] >= rows[None, :]) & row_mask[:, None] & row_mask[None, :]
         dA = tl.where(strict, dA, 0.0)
@@ -202,8 +206,19 @@ def gdn_chunk_grads_kernel(
             DA = tl.where(strict, dAh * tl.exp(diff), 0.0)
             dqs += tl.dot(DM, kt, input_precision=DOT)
             dkp += tl.dot(DA, kt, input_precision=DOT)
-            dkm += tl.dot(tl.trans(DM), qt, input_precision=DOT)
-            dkm += tl.dot(tl.trans(DA), kt, input_precision=DOT)
+            if VIA_MEMORY:  # Triton 3.4-3.7.0 miscompile tl.dot(tl.trans(acc), x) on Hopper
+                square = base[:, None] * BT + rows[None, :]
+                tl.store(spill_m + square, DM, mask=row_mask[:, None])
+                tl.store(spill_a + square, DA, mask=row_mask[:, None])
+                tl.debug_barrier()  # the CTA's stores are visible to its loads
+                flipped = base[None, :] * BT + rows[:, None]  # [j, i] reads DM[i, j]
+                DMt = tl.load(spill_m + flipped, mask=row_mask[None, :], other=0)
+                DAt = tl.load(spill_a + flipped, mask=row_mask[None, :], other=0)
+                dkm += tl.dot(DMt, qt, input_precision=DOT)
+                dkm += tl.dot(DAt, kt, input_precision=DOT)
+            else:
+                dkm += tl.dot(tl.trans(DM), qt, input_precision=DOT)
+                dkm += tl.dot(tl.trans(DA), kt, input_precision=DOT)
         dG = qt * dqs + kt * (dkp - dkm)  # (BT, BK)
         # G_L scales the incoming state and every k's path to the chunk's end
         dGL = tl.exp(GL) * dGL_state + tl.sum(kt * dkd * to_end, axis=0)  # (BK,)
@@ -220,6 +235,22 @@ def gdn_chunk_grads_kernel(
             tl.store(dg + out, dg_, mask=kmask)
         else:
             tl.store(dg + base, dg_, mask=row_mask)
+
+
+# Tests set it to run the guarded path under any Triton (None: follow the version).
+TRANSPOSE_VIA_MEMORY: bool | None = None
+
+
+def transposed_through_memory(g: torch.Tensor) -> bool:
+    """Whether the chunk-gradient kernel transposes dM and dA through memory: under the
+    Triton versions that miscompile ``tl.dot(tl.trans(acc), x)`` with a 64-wide wgmma
+    accumulator (`fusedpar.kernels.attention.transposed_dot_miscompiles`: FLA's dK bug,
+    its issues #640, #826, #983), with a scalar gate (the per-channel path has no such dot)."""
+    if g.dim() == 4:
+        return False
+    if TRANSPOSE_VIA_MEMORY is not None:
+        return TRANSPOSE_VIA_MEMORY
+    return transposed_dot_miscompiles()
 
 
 def check_grads(do, dfinal, dims) -> None:
@@ -252,32 +283,103 @@ def chunk_gated_delta_backward(
     states, dstates = q.new_empty((2, chunks, Hv, K, V), dtype=torch.float32)
     new_values, dnew = q.new_empty((2, B, T, Hv, V), dtype=torch.float32)
     run_states(
-        q, k, g, scratch, initial_state, cu_seqlens, table, dims, scale=scale,
+        q,
+        k,
+        g,
+        scratch,
+        initial_state,
+        cu_seqlens,
+        table,
+        dims,
+        scale=scale,
         store=(states, new_values),
-    )  # fmt: skip
+    )
     w, _, Tinv, M = scratch
     dinit = None if initial_state is None else torch.empty_like(initial_state)
     per_channel, dot, BK = g.dim() == 4, dot_precision(q.dtype), max(16, next_power_of_2(K))
     config = state_configs(K, V)[0]
-    gdn_state_backward_kernel[(cdiv(V, config["BV"]), N * Hv)](
-        q, k, g, do, *q.stride(), *k.stride(), *g_strides(g), *do.stride(), w, M,
-        dfinal, dinit, dstates, dnew, cu_seqlens, chunk_first,
-        scale, T, NT, Hv, Hv // Hk, K, V,
-        PER_CHANNEL=per_channel, VARLEN=varlen, HAS_DHT=dfinal is not None,
-        HAS_H0=initial_state is not None, DOT=dot, BT=CHUNK, BK=BK, **config,
-    )  # fmt: skip
+    gdn_state_backward_kernel[(cdiv(V, config.kwargs["BV"]), N * Hv)](
+        q,
+        k,
+        g,
+        do,
+        *q.stride(),
+        *k.stride(),
+        *g_strides(g),
+        *do.stride(),
+        w,
+        M,
+        dfinal,
+        dinit,
+        dstates,
+        dnew,
+        cu_seqlens,
+        chunk_first,
+        scale,
+        T,
+        NT,
+        Hv,
+        Hv // Hk,
+        K,
+        V,
+        PER_CHANNEL=per_channel,
+        VARLEN=varlen,
+        HAS_DHT=dfinal is not None,
+        HAS_H0=initial_state is not None,
+        DOT=dot,
+        BT=CHUNK,
+        BK=BK,
+        **config.all_kwargs(),
+    )
     dq_h, dk_h = q.new_empty((2, B, T, Hv, K), dtype=torch.float32)
+    via_memory = transposed_through_memory(g)
+    spills = q.new_empty((2, B, T, Hv, CHUNK) if via_memory else (2, 1), dtype=torch.float32)
     dv = v.new_empty((B, T, Hv, V))
     dg = g.new_empty(g.shape)
     dbeta = beta.new_empty(beta.shape)
     gdn_chunk_grads_kernel[(slots, Hv if varlen else B * Hv)](
-        q, k, v, g, beta, do, *q.stride(), *k.stride(), *v.stride(), *g_strides(g),
-        *beta.stride(), *do.stride(), Tinv, states, dstates, new_values, dnew,
-        dq_h, dk_h, dv, dg, dbeta, cu_seqlens, chunk_doc, chunk_first,
-        scale, T, N, NT, Hv, Hv // Hk, K, V,
-        PER_CHANNEL=per_channel, VARLEN=varlen, DOT=dot, BT=CHUNK, BK=BK,
-        **grads_configs(K, V)[0],
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        g,
+        beta,
+        do,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *g_strides(g),
+        *beta.stride(),
+        *do.stride(),
+        Tinv,
+        states,
+        dstates,
+        new_values,
+        dnew,
+        dq_h,
+        dk_h,
+        dv,
+        dg,
+        dbeta,
+        *spills,
+        cu_seqlens,
+        chunk_doc,
+        chunk_first,
+        scale,
+        T,
+        N,
+        NT,
+        Hv,
+        Hv // Hk,
+        K,
+        V,
+        PER_CHANNEL=per_channel,
+        VARLEN=varlen,
+        DOT=dot,
+        VIA_MEMORY=via_memory,
+        BT=CHUNK,
+        BK=BK,
+        **grads_configs(K, V)[0].all_kwargs(),
+    )
     # GVA: each key head's gradient is its group's value heads' sum
     dq = dq_h.view(B, T, Hk, Hv // Hk, K).sum(3).to(q.dtype)
     dk = dk_h.view(B, T, Hk, Hv // Hk, K).sum(3).to(k.dtype)

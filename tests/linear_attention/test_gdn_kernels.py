@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fusedpar.kernels.linear_attention import chunk as gdn_chunk
+from fusedpar.kernels.linear_attention import chunk_backward as gdn_chunk_backward
 from fusedpar.kernels.linear_attention.chunk import CHUNK, chunk_gated_delta_forward
 from fusedpar.kernels.linear_attention.chunk_backward import chunk_gated_delta_backward
 from fusedpar.kernels.linear_attention.reference import gated_delta_rule_reference
@@ -58,8 +59,11 @@ def chunked_torch(q, k, v, g, beta, *, scale, initial_state, cu_seqlens):
     q, k = (t.repeat_interleave(Hv // Hk, 2) for t in (q * scale, k))  # (B, T, Hv, K)
     g = g[..., None].expand(B, T, Hv, K) if g.dim() == 3 else g
     bounds = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
-    spans = [(b, 0, T) for b in range(B)] if cu_seqlens is None else [
-        (0, s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
+    spans = (
+        [(b, 0, T) for b in range(B)]
+        if cu_seqlens is None
+        else [(0, s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+    )
     rows, finals = [[] for _ in range(B)], []
     for n, (b, s, e) in enumerate(spans):
         S = q.new_zeros((Hv, K, V)) if initial_state is None else initial_state[n].to(q.dtype)
@@ -197,3 +201,10 @@ def test_bad_inputs_raise_before_launch():
     with pytest.raises(ValueError, match="do"):
         chunk_gated_delta_backward(v[:, :4], None, q, k, v, g, beta, scale=1.0)
     assert gdn_chunk.CHUNK == 64
+
+
+def test_guarded_transposes_fp32(monkeypatch):
+    """The backward's path for Triton 3.4-3.7.0 (dM and dA transposed through memory, not
+    by ``tl.dot(tl.trans(acc), x)``, which those versions miscompile on Hopper)."""
+    monkeypatch.setattr(gdn_chunk_backward, "TRANSPOSE_VIA_MEMORY", True)
+    check(make_inputs(1, 65, 1, 2, 16, 16, seed=23), torch.float32)
