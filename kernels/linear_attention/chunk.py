@@ -35,7 +35,7 @@ def state_configs(K: int, V: int) -> list[triton.Config]:
     K grows (K=256: 32 columns, 64 registers a thread with 4 warps)."""
     bk = max(16, next_power_of_2(K))
     widths = [bv for bv in (64, 32, 16) if bk * bv <= 128 * 64 and bv <= max(16, V)]
-    return [triton.Config({"BV": bv}, num_warps=4, num_stages=1) for bv in widths]
+    return [triton.Config({"BV": bv}, num_warps=8, num_stages=1) for bv in widths]
 
 
 def prepare_configs(K: int, V: int) -> list[triton.Config]:

@@ -44,7 +44,7 @@ from fusedpar.kernels.linear_attention.chunk import (
 def grads_configs(K: int, V: int) -> list[triton.Config]:
     """The chunk-gradient kernel's V step: it holds five (64, K) fp32 accumulators and
     two (64, 64) ones, and streams (K, BV) state tiles."""
-    return [triton.Config({"BV": bv}, num_warps=4, num_stages=1) for bv in (32, 16)]
+    return [triton.Config({"BV": bv}, num_warps=8, num_stages=1) for bv in (32, 16)]
 
 
 @triton.jit
@@ -133,8 +133,6 @@ def gdn_chunk_grads_kernel(
         G, GL = load_decay(gp, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL)
         bet = tl.load(beta + b * sbb + (start + rows) * sbt + h * sbh, mask=row_mask, other=0)
         bet = bet.to(tl.float32)
-        kt = load_tile(kp, rows, row_mask, skt, kcols, K, skk).to(tl.float32)
-        qt = load_tile(qp, rows, row_mask, sqt, kcols, K, sqk).to(tl.float32)
         Ti = tl.load(Tinv + base[:, None] * BT + rows[None, :], mask=row_mask[:, None], other=0)
         dqt = tl.zeros((BT, BK), dtype=tl.float32)  # d(Q∘Γ) / scale
         dkd = tl.zeros((BT, BK), dtype=tl.float32)  # d(K∘Γ_L/Γ)
@@ -165,6 +163,9 @@ def gdn_chunk_grads_kernel(
             dbet += tl.sum(dbv * vt.to(tl.float32), axis=1)
             dT += tl.dot(dU, tl.trans(bv), input_precision=DOT)
             dGL_state += tl.sum(S * dS, axis=1)
+        # q and k are read after the V loop: its accumulators hold the registers
+        kt = load_tile(kp, rows, row_mask, skt, kcols, K, skk).to(tl.float32)
+        qt = load_tile(qp, rows, row_mask, sqt, kcols, K, sqk).to(tl.float32)
         decay = tl.exp(per_row(G, PER_CHANNEL))
         to_end = tl.exp(per_row(GL - G, PER_CHANNEL))
         bk = bet[:, None] * kt * decay

@@ -63,67 +63,48 @@ def tile_name(config) -> str:
 
 
 def gdn_gate_cases():
-    """Every config of every kernel for sm_90, bf16 with a scalar gate (GDN), the largest
-    per-channel (KDA), packed-document and fp32 builds, and the smallest tile for sm_80.
-    The tile goes into the variant (the gate names tiles by BLOCK_M/N/K)."""
+    """For sm_90: every config of every kernel in bf16 with a scalar gate (GDN) at both
+    head dims; at K = V = 128 the largest tile per channel (KDA) and in fp32, and the
+    state kernels with packed documents; the state kernel's storing mode (the backward's)
+    at its largest tiles. For sm_80: the smallest tile at K = V = 256. The tile goes into
+    the variant (the gate's names read BLOCK_M/N/K only)."""
     for label, (kernel, scenario, configs_of, match) in GDN.items():
         family = f"gdn-{label}"
         for K, V in GDN_HEAD_DIMS:
             configs = configs_of(K, V)
+            if label == "state-store":
+                configs = configs[:1]
             for i, config in enumerate(configs):
-                bv = tile_name(config)
-                for mode, extra in (("", {}), ("per-channel-", {"per_channel": True})):
-                    if mode and i:  # per-channel: the largest tile
-                        continue
-                    params = {"dtype": "bfloat16", "K": K, "V": V, **extra}
-                    add(
-                        family,
-                        f"{mode}bfloat16-k{K}-v{V}{bv}",
-                        scenario,
-                        params,
-                        kernel,
-                        90,
-                        config,
-                        no_spill=False,
-                        wgmma=i == 0,
-                        match=match,
-                    )
-            params = {"dtype": "float32", "K": K, "V": V}
-            add(
-                family,
-                f"float32-k{K}-v{V}{tile_name(configs[0])}",
-                scenario,
-                params,
-                kernel,
-                90,
-                configs[0],
-                no_spill=False,
-                match=match,
-            )
-            smallest = configs[-1]
-            add(
-                family,
-                f"bfloat16-k{K}-v{V}{tile_name(smallest)}",
-                scenario,
-                {"dtype": "bfloat16", "K": K, "V": V},
-                kernel,
-                80,
-                smallest,
-                no_spill=False,
-                match=match,
-            )
-        params = {"dtype": "bfloat16", "K": 128, "V": 128, "documents": True}
-        add(
-            family,
-            "packed-bfloat16-k128-v128",
-            scenario,
-            params,
-            kernel,
-            90,
-            configs_of(128, 128)[0],
-            no_spill=False,
-            match=match,
-        )
+                params = {"dtype": "bfloat16", "K": K, "V": V}
+                variant = f"bfloat16-k{K}-v{V}{tile_name(config)}"
+                add(
+                    family,
+                    variant,
+                    scenario,
+                    params,
+                    kernel,
+                    90,
+                    config,
+                    no_spill=False,
+                    wgmma=i == 0,
+                    match=match,
+                )
+        if label == "state-store":
+            continue
+        largest, smallest = configs_of(128, 128)[0], configs_of(256, 256)[-1]
+        for mode, extra in (("per-channel", {"per_channel": True}), ("float32", {})):
+            params = {"dtype": "bfloat16", "K": 128, "V": 128, **extra}
+            if mode == "float32":
+                params["dtype"] = "float32"
+            variant = f"{mode}-k128-v128{tile_name(largest)}"
+            add(family, variant, scenario, params, kernel, 90, largest, no_spill=False, match=match)
+        if label in ("prepare", "state"):
+            params = {"dtype": "bfloat16", "K": 128, "V": 128, "documents": True}
+            variant = f"packed-bfloat16-k128-v128{tile_name(largest)}"
+            add(family, variant, scenario, params, kernel, 90, largest, no_spill=False, match=match)
+        variant = f"bfloat16-k256-v256{tile_name(smallest)}"
+        params = {"dtype": "bfloat16", "K": 256, "V": 256}
+        add(family, variant, scenario, params, kernel, 80, smallest, no_spill=False, match=match)
 
 
 gdn_gate_cases()
