@@ -26,7 +26,7 @@ from fusedpar.kernels.common import cdiv, check_launchable, next_power_of_2
 
 CHUNK = 64  # tokens per chunk: the issue's, and FLA's (a 64x64 triangular solve)
 MAX_HEAD_DIM = 256  # K and V: one (K, BV) fp32 state tile per program
-SOLVE_BLOCK = 16  # the triangular solve's diagonal blocks (tl.dot's smallest side)
+SOLVE_BLOCK = tl.constexpr(16)  # the triangular solve's diagonal blocks (dot's least side)
 
 
 def state_configs(K: int, V: int) -> list[triton.Config]:
@@ -120,7 +120,7 @@ def per_state_row(GL, PER_CHANNEL: tl.constexpr):
 
 @triton.jit
 def decay_gram(a, b, G, a_ptr, b_ptr, g_ptr, rows, row_mask, strides, K,
-               INCLUSIVE: tl.constexpr, PER_CHANNEL: tl.constexpr, DOT: tl.constexpr,
+               INCLUSIVE: tl.constexpr, PER_CHANNEL: tl.constexpr, DT, DOT: tl.constexpr,
                BT: tl.constexpr):  # fmt: skip
     """``sum_c a_ic b_jc exp(G_ic - G_jc)`` on j < i (j <= i if INCLUSIVE), (BT, BT) fp32.
     Scalar decay: one dot of the tiles `a`, `b`. Per channel: a loop over channels,
@@ -140,8 +140,15 @@ def decay_gram(a, b, G, a_ptr, b_ptr, g_ptr, rows, row_mask, strides, K,
         return acc
     else:
         diff = tl.where(keep, G[:, None] - G[None, :], 0.0)
-        ab = tl.dot(a, tl.trans(b), input_precision=DOT)
+        ab = mm(a, tl.trans(b), DT, DOT)
         return tl.where(keep, ab * tl.exp(diff), 0.0)
+
+
+@triton.jit
+def mm(a, b, DT, DOT: tl.constexpr):
+    """``a @ b`` with fp32 accumulation, the operands rounded to DT first: 16-bit inputs'
+    dtype (tensor cores at full rate, as FLA does) or fp32 (then DOT: ieee or tf32)."""
+    return tl.dot(a.to(DT), b.to(DT), input_precision=DOT)
 
 
 @triton.jit
@@ -181,6 +188,7 @@ def gdn_prepare_kernel(
     PER_CHANNEL: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
+    DT = q.dtype.element_ty  # the dots' operands: 16-bit inputs' dtype, or fp32
     pid_c, pid_h = tl.program_id(0), tl.program_id(1)
     h = pid_h % Hv
     n, c, valid = chunk_slot(pid_c, pid_h, Hv, NT, chunk_doc, chunk_first, N, VARLEN)
@@ -199,42 +207,18 @@ def gdn_prepare_kernel(
         bet = bet.to(tl.float32)
         kt = load_tile(kp, rows, row_mask, skt, kcols, K, skk).to(tl.float32)
         qt = load_tile(qp, rows, row_mask, sqt, kcols, K, sqk).to(tl.float32)
+        kk, qk = (skt, skk, skt, skk, sgt, sgk), (sqt, sqk, skt, skk, sgt, sgk)
         A = decay_gram(
-            kt,
-            kt,
-            G,
-            kp,
-            kp,
-            gp,
-            rows,
-            row_mask,
-            (skt, skk, skt, skk, sgt, sgk),
-            K,
-            False,
-            PER_CHANNEL,
-            DOT,
-            BT,
+            kt, kt, G, kp, kp, gp, rows, row_mask, kk, K, False, PER_CHANNEL, DT, DOT, BT
         )
         Ti = unit_lower_inverse(bet[:, None] * A, BT, SOLVE_BLOCK)
-        Mt = scale * decay_gram(
-            qt,
-            kt,
-            G,
-            qp,
-            kp,
-            gp,
-            rows,
-            row_mask,
-            (sqt, sqk, skt, skk, sgt, sgk),
-            K,
-            True,
-            PER_CHANNEL,
-            DOT,
-            BT,
+        Mt = decay_gram(
+            qt, kt, G, qp, kp, gp, rows, row_mask, qk, K, True, PER_CHANNEL, DT, DOT, BT
         )
+        Mt *= scale
         # scratch rows: token (b, start + i), head h
         base = (b * T + start + rows) * Hv + h  # (BT,)
-        wt = tl.dot(Ti, bet[:, None] * kt * tl.exp(per_row(G, PER_CHANNEL)), input_precision=DOT)
+        wt = mm(Ti, bet[:, None] * kt * tl.exp(per_row(G, PER_CHANNEL)), DT, DOT)
         kmask = row_mask[:, None] & (kcols[None, :] < K)
         tl.store(w + base[:, None] * K + kcols[None, :], wt, mask=kmask)
         tl.store(Tinv + base[:, None] * BT + rows[None, :], Ti, mask=row_mask[:, None])
@@ -242,7 +226,7 @@ def gdn_prepare_kernel(
         vp = v + b * svb + start * svt + h * svh
         for v0 in range(0, V, BV):
             vt = load_tile(vp + v0 * svv, rows, row_mask, svt, vcols, V - v0, svv)
-            ut = tl.dot(Ti, bet[:, None] * vt.to(tl.float32), input_precision=DOT)
+            ut = mm(Ti, bet[:, None] * vt.to(tl.float32), DT, DOT)
             vmask = row_mask[:, None] & (v0 + vcols[None, :] < V)
             tl.store(u + base[:, None] * V + v0 + vcols[None, :], ut, mask=vmask)
 
@@ -260,6 +244,7 @@ def gdn_state_kernel(
     OUTPUT: tl.constexpr, STORE: tl.constexpr, DOT: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
+    DT = q.dtype.element_ty
     pid_v, pid_nh = tl.program_id(0), tl.program_id(1)
     n, h = pid_nh // Hv, pid_nh % Hv
     hk = h // GROUP
@@ -283,7 +268,7 @@ def gdn_state_kernel(
         )
         wt = tl.load(w + base[:, None] * K + kcols[None, :], mask=kmask, other=0)
         ut = tl.load(u + base[:, None] * V + vcols[None, :], mask=vmask, other=0)
-        U = ut - tl.dot(wt, S, input_precision=DOT)  # (BT, BV): the chunk's new values
+        U = ut - mm(wt, S, DT, DOT)  # (BT, BV): the chunk's new values
         if STORE:
             tl.store(states + ((first + c) * Hv + h) * K * V + state_off, S, mask=state_mask)
             tl.store(new_values + base[:, None] * V + vcols[None, :], U, mask=vmask)
@@ -291,14 +276,14 @@ def gdn_state_kernel(
             qt = load_tile(q + b * sqb + start * sqt + hk * sqh, rows, row_mask, sqt, kcols, K, sqk)
             qg = qt.to(tl.float32) * tl.exp(per_row(G, PER_CHANNEL))
             Mt = tl.load(M + base[:, None] * BT + rows[None, :], mask=row_mask[:, None], other=0)
-            out = scale * tl.dot(qg, S, input_precision=DOT)
-            out += tl.dot(Mt, U, input_precision=DOT)
+            out = scale * mm(qg, S, DT, DOT)
+            out += mm(Mt, U, DT, DOT)
             o_ptr = o + b * sob + (start + rows[:, None]) * sot + h * soh + vcols[None, :] * sov
             tl.store(o_ptr, out.to(o.dtype.element_ty), mask=vmask)
         kt = load_tile(k + b * skb + start * skt + hk * skh, rows, row_mask, skt, kcols, K, skk)
         kd = kt.to(tl.float32) * tl.exp(per_row(GL - G, PER_CHANNEL))
         S = S * tl.exp(per_state_row(GL, PER_CHANNEL))
-        S += tl.dot(tl.trans(kd), U, input_precision=DOT)
+        S += mm(tl.trans(kd), U, DT, DOT)
     tl.store(ht + (n * Hv + h) * K * V + state_off, S, mask=state_mask)
 
 

@@ -33,6 +33,7 @@ from fusedpar.kernels.linear_attention.chunk import (
     g_strides,
     load_decay,
     load_tile,
+    mm,
     per_row,
     per_state_row,
     prepare,
@@ -60,6 +61,7 @@ def gdn_state_backward_kernel(
     HAS_H0: tl.constexpr, DOT: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
+    DT = q.dtype.element_ty  # the dots' operands: 16-bit inputs' dtype, or fp32
     pid_v, pid_nh = tl.program_id(0), tl.program_id(1)
     n, h = pid_nh // Hv, pid_nh % Hv
     hk = h // GROUP
@@ -88,15 +90,15 @@ def gdn_state_backward_kernel(
         Mt = tl.load(M + base[:, None] * BT + rows[None, :], mask=row_mask[:, None], other=0)
         kt = load_tile(k + b * skb + start * skt + hk * skh, rows, row_mask, skt, kcols, K, skk)
         kd = kt.to(tl.float32) * tl.exp(per_row(GL - G, PER_CHANNEL))
-        dU = tl.dot(tl.trans(Mt), dot_, input_precision=DOT)
-        dU += tl.dot(kd, dS, input_precision=DOT)  # (BT, BV)
+        dU = mm(tl.trans(Mt), dot_, DT, DOT)
+        dU += mm(kd, dS, DT, DOT)  # (BT, BV)
         tl.store(dnew + base[:, None] * V + vcols[None, :], dU, mask=vmask)
         qt = load_tile(q + b * sqb + start * sqt + hk * sqh, rows, row_mask, sqt, kcols, K, sqk)
         qg = qt.to(tl.float32) * tl.exp(per_row(G, PER_CHANNEL))
         wt = tl.load(w + base[:, None] * K + kcols[None, :], mask=kmask, other=0)
         dS = dS * tl.exp(per_state_row(GL, PER_CHANNEL))
-        dS += scale * tl.dot(tl.trans(qg), dot_, input_precision=DOT)
-        dS -= tl.dot(tl.trans(wt), dU, input_precision=DOT)
+        dS += scale * mm(tl.trans(qg), dot_, DT, DOT)
+        dS -= mm(tl.trans(wt), dU, DT, DOT)
     if HAS_H0:
         tl.store(dh0 + (n * Hv + h) * K * V + state_off, dS, mask=state_mask)
 
@@ -115,6 +117,7 @@ def gdn_chunk_grads_kernel(
     VIA_MEMORY: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
+    DT = q.dtype.element_ty
     pid_c, pid_h = tl.program_id(0), tl.program_id(1)
     h = pid_h % Hv
     n, c, valid = chunk_slot(pid_c, pid_h, Hv, NT, chunk_doc, chunk_first, N, VARLEN)
@@ -154,14 +157,14 @@ def gdn_chunk_grads_kernel(
             dO = dO.to(tl.float32)
             vt = load_tile(v + b * svb + start * svt + h * svh, rows, row_mask, svt, cols, V, svv)
             bv = bet[:, None] * vt.to(tl.float32)
-            dqt += tl.dot(dO, tl.trans(S), input_precision=DOT)
-            dM += tl.dot(dO, tl.trans(U), input_precision=DOT)
-            dkd += tl.dot(U, tl.trans(dS), input_precision=DOT)
-            dw -= tl.dot(dU, tl.trans(S), input_precision=DOT)
-            dbv = tl.dot(tl.trans(Ti), dU, input_precision=DOT)  # d(beta v)
+            dqt += mm(dO, tl.trans(S), DT, DOT)
+            dM += mm(dO, tl.trans(U), DT, DOT)
+            dkd += mm(U, tl.trans(dS), DT, DOT)
+            dw -= mm(dU, tl.trans(S), DT, DOT)
+            dbv = mm(tl.trans(Ti), dU, DT, DOT)  # d(beta v)
             tl.store(dv + base[:, None] * V + cols[None, :], (bet[:, None] * dbv), mask=vmask)
             dbet += tl.sum(dbv * vt.to(tl.float32), axis=1)
-            dT += tl.dot(dU, tl.trans(bv), input_precision=DOT)
+            dT += mm(dU, tl.trans(bv), DT, DOT)
             dGL_state += tl.sum(S * dS, axis=1)
         # q and k are read after the V loop: its accumulators hold the registers
         kt = load_tile(kp, rows, row_mask, skt, kcols, K, skk).to(tl.float32)
@@ -169,14 +172,12 @@ def gdn_chunk_grads_kernel(
         decay = tl.exp(per_row(G, PER_CHANNEL))
         to_end = tl.exp(per_row(GL - G, PER_CHANNEL))
         bk = bet[:, None] * kt * decay
-        dbk = tl.dot(tl.trans(Ti), dw, input_precision=DOT)
-        dT += tl.dot(dw, tl.trans(bk), input_precision=DOT)
-        dA = -tl.dot(
-            tl.dot(tl.trans(Ti), dT, input_precision=DOT), tl.trans(Ti), input_precision=DOT
-        )
+        dbk = mm(tl.trans(Ti), dw, DT, DOT)
+        dT += mm(dw, tl.trans(bk), DT, DOT)
+        dA = -mm(mm(tl.trans(Ti), dT, DT, DOT), tl.trans(Ti), DT, DOT)
         strides = (skt, skk, skt, skk, sgt, sgk)
         Ahat = decay_gram(
-            kt, kt, G, kp, kp, gp, rows, row_mask, strides, K, False, PER_CHANNEL, DOT, BT
+            kt, kt, G, kp, kp, gp, rows, row_mask, strides, K, False, PER_CHANNEL, DT, DOT, BT
         )
         strict = (rows[:, None] > rows[None, :]) & row_mask[:, None] & row_mask[None, :]
         causal = (rows[:, None] >= rows[None, :]) & row_mask[:, None] & row_mask[None, :]
@@ -205,8 +206,8 @@ def gdn_chunk_grads_kernel(
             diff = tl.where(causal, G[:, None] - G[None, :], 0.0)
             DM = tl.where(causal, dMg * tl.exp(diff), 0.0)
             DA = tl.where(strict, dAh * tl.exp(diff), 0.0)
-            dqs += tl.dot(DM, kt, input_precision=DOT)
-            dkp += tl.dot(DA, kt, input_precision=DOT)
+            dqs += mm(DM, kt, DT, DOT)
+            dkp += mm(DA, kt, DT, DOT)
             if VIA_MEMORY:  # Triton 3.4-3.7.0 miscompile tl.dot(tl.trans(acc), x) on Hopper
                 square = base[:, None] * BT + rows[None, :]
                 tl.store(spill_m + square, DM, mask=row_mask[:, None])
@@ -215,11 +216,11 @@ def gdn_chunk_grads_kernel(
                 flipped = base[None, :] * BT + rows[:, None]  # [j, i] reads DM[i, j]
                 DMt = tl.load(spill_m + flipped, mask=row_mask[None, :], other=0)
                 DAt = tl.load(spill_a + flipped, mask=row_mask[None, :], other=0)
-                dkm += tl.dot(DMt, qt, input_precision=DOT)
-                dkm += tl.dot(DAt, kt, input_precision=DOT)
+                dkm += mm(DMt, qt, DT, DOT)
+                dkm += mm(DAt, kt, DT, DOT)
             else:
-                dkm += tl.dot(tl.trans(DM), qt, input_precision=DOT)
-                dkm += tl.dot(tl.trans(DA), kt, input_precision=DOT)
+                dkm += mm(tl.trans(DM), qt, DT, DOT)
+                dkm += mm(tl.trans(DA), kt, DT, DOT)
         dG = qt * dqs + kt * (dkp - dkm)  # (BT, BK)
         # G_L scales the incoming state and every k's path to the chunk's end
         dGL = tl.exp(GL) * dGL_state + tl.sum(kt * dkd * to_end, axis=0)  # (BK,)
