@@ -165,9 +165,11 @@ def test_per_channel_decay_fp32():
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["scalar", "per-channel"])
 def test_packed_documents_fp32(per_channel):
-    """Packed documents of 1, 63 and 66 tokens: the state restarts at each, one initial
+    """Packed documents of 1, 0, 63 and 66 tokens: the state restarts at each, one initial
     and one final state per document, and chunks never cross a document start."""
-    x = make_inputs(1, 130, 1, 1, 16, 16, seed=13, per_channel=per_channel, documents=[1, 63, 66])
+    x = make_inputs(
+        1, 130, 1, 1, 16, 16, seed=13, per_channel=per_channel, documents=[1, 0, 63, 66]
+    )
     check(x, torch.float32)
 
 
