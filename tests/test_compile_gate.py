@@ -47,6 +47,7 @@ from fusedpar.kernels.attention import plan as attn_plan
 from fusedpar.testing import compile_gate as gate
 from tests.attention import cases as attention_cases
 from tests.elementwise import cases as elementwise_cases
+from tests.linear_attention import cases as linear_attention_cases
 from tests.linear_attention import conv_cases
 from tests.matmul import cases as matmul_cases
 from tests.moe import cases as moe_cases
@@ -60,7 +61,15 @@ RESOURCES_CACHE = RESOURCES_DOC.with_suffix(".json")
 # --- cases: each family's, in the report's order -----------------------------------------
 
 CASES: dict[str, dict] = {}
-for family in (attention_cases, matmul_cases, moe_cases, elementwise_cases, conv_cases):
+FAMILIES = (
+    attention_cases,
+    matmul_cases,
+    moe_cases,
+    elementwise_cases,
+    linear_attention_cases,
+    conv_cases,
+)
+for family in FAMILIES:
     assert not CASES.keys() & family.GATE_CASES.keys()
     CASES.update(family.GATE_CASES)
 ATTENTION, HEAD_DIMS = attention_cases.ATTENTION, attention_cases.HEAD_DIMS

@@ -23,10 +23,8 @@ from fusedpar.kernels import impl
 from fusedpar.kernels.attention.mask import check_cu_seqlens
 from fusedpar.kernels.common import check_float_dtype
 from fusedpar.kernels.linear_attention import torch_impl
-from fusedpar.kernels.linear_attention.chunk import (
-    chunk_gated_delta_backward,
-    chunk_gated_delta_forward,
-)
+from fusedpar.kernels.linear_attention.chunk import chunk_gated_delta_forward
+from fusedpar.kernels.linear_attention.chunk_backward import chunk_gated_delta_backward
 
 MAX_HEAD_DIM = 256  # K and V: the kernels hold a (K, V) fp32 state per program
 

@@ -1,0 +1,395 @@
+"""The chunked gated delta rule's backward in Triton (the forward: `chunk`).
+
+Four launches, nothing saved by the forward but its inputs:
+
+| launch                      | computes                                                  |
+| --------------------------- | --------------------------------------------------------- |
+| `chunk.gdn_prepare_kernel`  | w, u, T = (I + A)⁻¹, M again, per chunk                   |
+| `chunk.gdn_state_kernel`    | the chunk-start states S_c and new values U, recomputed   |
+| `gdn_state_backward_kernel` | dS in fp32 registers, chunk after chunk in reverse:       |
+|                             | dU = Mᵀ dO + (K∘Γ_L/Γ) dS', dS = Γ_L dS' + scale (Q∘Γ)ᵀ dO |
+|                             | − wᵀ dU                                                   |
+| `gdn_chunk_grads_kernel`    | per chunk, from S_c, dS', U, dU: dq, dk, dv, dβ, dg       |
+
+Within a chunk: dT = dU (βV)ᵀ + dw (βK∘Γ)ᵀ with dw = −dU Sᵀ, dA = −Tᵀ dT Tᵀ; the log
+decays' gradient follows from every Γ multiplying q (+G) or k (+G or −G): dG = q∘dq +
+k∘(dk₊ − dk₋), plus the chunk total's terms at G_L, then a reverse cumulative sum.
+GVA: dq and dk are made per value head in fp32 and summed over each key head's group.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from fusedpar.kernels.attention import transposed_dot_miscompiles
+from fusedpar.kernels.common import cdiv, check_launchable, next_power_of_2
+from fusedpar.kernels.linear_attention.chunk import (
+    CHUNK,
+    check_inputs,
+    chunk_slot,
+    chunk_table,
+    decay_gram,
+    doc_span,
+    dot_precision,
+    g_strides,
+    load_decay,
+    load_tile,
+    mm,
+    per_row,
+    per_state_row,
+    prepare,
+    run_states,
+)
+
+
+def state_backward_configs(K: int, V: int) -> list[triton.Config]:
+    """The state backward's tiles over V, largest first: in bf16 at K = 128, BV = 32 with
+    8 warps builds without spilling (254 registers); BV = 64 spills 80-552 B."""
+    bk = max(16, next_power_of_2(K))
+    widths = [bv for bv in (32, 16) if bk * bv <= 128 * 32 or bv == 16]
+    return [triton.Config({"BV": bv}, num_warps=8, num_stages=1) for bv in widths]
+
+
+def grads_configs(K: int, V: int) -> list[triton.Config]:
+    """The chunk-gradient kernel's V step: it holds five (64, K) fp32 accumulators and
+    two (64, 64) ones, and streams (K, BV) state tiles."""
+    return [triton.Config({"BV": bv}, num_warps=8, num_stages=1) for bv in (32, 16)]
+
+
+@triton.jit
+def gdn_state_backward_kernel(
+    q, k, g, do, sqb, sqt, sqh, sqk, skb, skt, skh, skk, sgb, sgt, sgh, sgk,
+    sdb, sdt, sdh, sdv,
+    w, M,  # the prepare kernel's scratch
+    dht, dh0,  # (N, Hv, K, V) fp32: the final state's gradient (HAS_DHT), the initial's
+    dstates, dnew,  # (chunks, Hv, K, V) chunk-end state gradients, (B, T, Hv, V) dU: fp32
+    cu_seqlens, chunk_first,
+    scale, T, NT, Hv, GROUP, K, V,
+    PER_CHANNEL: tl.constexpr, VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
+    HAS_H0: tl.constexpr, DOT: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    DT = q.dtype.element_ty  # the dots' operands: 16-bit inputs' dtype, or fp32
+    pid_v, pid_nh = tl.program_id(0), tl.program_id(1)
+    n, h = pid_nh // Hv, pid_nh % Hv
+    hk = h // GROUP
+    b, bos, eos = doc_span(cu_seqlens, n, T, VARLEN)
+    first = tl.load(chunk_first + n) if VARLEN else n * NT
+    rows, kcols = tl.arange(0, BT), tl.arange(0, BK)
+    vcols = pid_v * BV + tl.arange(0, BV)
+    state_mask = (kcols[:, None] < K) & (vcols[None, :] < V)
+    state_off = kcols[:, None] * V + vcols[None, :]
+    dS = tl.zeros((BK, BV), dtype=tl.float32)
+    if HAS_DHT:
+        dS = tl.load(dht + (n * Hv + h) * K * V + state_off, mask=state_mask, other=0)
+    chunks = tl.cdiv(eos - bos, BT)
+    for i in range(0, chunks):
+        c = chunks - 1 - i
+        start = bos + c * BT
+        row_mask = start + rows < eos
+        kmask = row_mask[:, None] & (kcols[None, :] < K)
+        vmask = row_mask[:, None] & (vcols[None, :] < V)
+        base = (b * T + start + rows) * Hv + h
+        tl.store(dstates + ((first + c) * Hv + h) * K * V + state_off, dS, mask=state_mask)
+        gp = g + b * sgb + start * sgt + h * sgh
+        G, GL = load_decay(gp, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL)
+        dot_ = load_tile(do + b * sdb + start * sdt + h * sdh, rows, row_mask, sdt, vcols, V, sdv)
+        dot_ = dot_.to(tl.float32)
+        Mt = tl.load(M + base[:, None] * BT + rows[None, :], mask=row_mask[:, None], other=0)
+        kt = load_tile(k + b * skb + start * skt + hk * skh, rows, row_mask, skt, kcols, K, skk)
+        kd = kt.to(tl.float32) * tl.exp(per_row(GL - G, PER_CHANNEL))
+        dU = mm(tl.trans(Mt), dot_, DT, DOT)
+        dU += mm(kd, dS, DT, DOT)  # (BT, BV)
+        tl.store(dnew + base[:, None] * V + vcols[None, :], dU, mask=vmask)
+        qt = load_tile(q + b * sqb + start * sqt + hk * sqh, rows, row_mask, sqt, kcols, K, sqk)
+        qg = qt.to(tl.float32) * tl.exp(per_row(G, PER_CHANNEL))
+        wt = tl.load(w + base[:, None] * K + kcols[None, :], mask=kmask, other=0)
+        dS = dS * tl.exp(per_state_row(GL, PER_CHANNEL))
+        dS += scale * mm(tl.trans(qg), dot_, DT, DOT)
+        dS -= mm(tl.trans(wt), dU, DT, DOT)
+    if HAS_H0:
+        tl.store(dh0 + (n * Hv + h) * K * V + state_off, dS, mask=state_mask)
+
+
+@triton.jit
+def gdn_chunk_grads_kernel(
+    q, k, v, g, beta, do,  # inputs and dO, any strides
+    sqb, sqt, sqh, sqk, skb, skt, skh, skk, svb, svt, svh, svv,
+    sgb, sgt, sgh, sgk, sbb, sbt, sbh, sdb, sdt, sdh, sdv,
+    Tinv, states, dstates, new_values, dnew,  # recomputed and backward scratch (fp32)
+    dq, dk, dv, dg, dbeta,  # (B, T, Hv, K) fp32, (B, T, Hv, V), g's shape, (B, T, Hv)
+    spill_m, spill_a,  # (B, T, Hv, 64) fp32: dM, dA transposed through memory (VIA_MEMORY)
+    cu_seqlens, chunk_doc, chunk_first,
+    scale, T, N, NT, Hv, GROUP, K, V,
+    PER_CHANNEL: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
+    VIA_MEMORY: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    DT = q.dtype.element_ty
+    pid_c, pid_h = tl.program_id(0), tl.program_id(1)
+    h = pid_h % Hv
+    n, c, valid = chunk_slot(pid_c, pid_h, Hv, NT, chunk_doc, chunk_first, N, VARLEN)
+    b, bos, eos = doc_span(cu_seqlens, n, T, VARLEN)
+    start = bos + c * BT
+    chunk = (tl.load(chunk_first + n) if VARLEN else n * NT) + c
+    if valid & (start < eos):
+        rows, kcols, vcols = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
+        row_mask = start + rows < eos
+        kmask = row_mask[:, None] & (kcols[None, :] < K)
+        base = (b * T + start + rows) * Hv + h
+        hk = h // GROUP
+        qp = q + b * sqb + start * sqt + hk * sqh
+        kp = k + b * skb + start * skt + hk * skh
+        gp = g + b * sgb + start * sgt + h * sgh
+        G, GL = load_decay(gp, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL)
+        bet = tl.load(beta + b * sbb + (start + rows) * sbt + h * sbh, mask=row_mask, other=0)
+        bet = bet.to(tl.float32)
+        Ti = tl.load(Tinv + base[:, None] * BT + rows[None, :], mask=row_mask[:, None], other=0)
+        dqt = tl.zeros((BT, BK), dtype=tl.float32)  # d(Q∘Γ) / scale
+        dkd = tl.zeros((BT, BK), dtype=tl.float32)  # d(K∘Γ_L/Γ)
+        dw = tl.zeros((BT, BK), dtype=tl.float32)
+        dM = tl.zeros((BT, BT), dtype=tl.float32)
+        dT = tl.zeros((BT, BT), dtype=tl.float32)
+        dbet = tl.zeros((BT,), dtype=tl.float32)
+        dGL_state = tl.zeros((BK,), dtype=tl.float32)  # sum_v S dS' per channel
+        state = ((chunk * Hv + h) * K + kcols[:, None]) * V
+        for v0 in range(0, V, BV):
+            cols = v0 + vcols
+            vmask = row_mask[:, None] & (cols[None, :] < V)
+            smask = (kcols[:, None] < K) & (cols[None, :] < V)
+            S = tl.load(states + state + cols[None, :], mask=smask, other=0)  # (BK, BV)
+            dS = tl.load(dstates + state + cols[None, :], mask=smask, other=0)
+            U = tl.load(new_values + base[:, None] * V + cols[None, :], mask=vmask, other=0)
+            dU = tl.load(dnew + base[:, None] * V + cols[None, :], mask=vmask, other=0)
+            dO = load_tile(do + b * sdb + start * sdt + h * sdh, rows, row_mask, sdt, cols, V, sdv)
+            dO = dO.to(tl.float32)
+            vt = load_tile(v + b * svb + start * svt + h * svh, rows, row_mask, svt, cols, V, svv)
+            bv = bet[:, None] * vt.to(tl.float32)
+            dqt += mm(dO, tl.trans(S), DT, DOT)
+            dM += mm(dO, tl.trans(U), DT, DOT)
+            dkd += mm(U, tl.trans(dS), DT, DOT)
+            dw -= mm(dU, tl.trans(S), DT, DOT)
+            dbv = mm(tl.trans(Ti), dU, DT, DOT)  # d(beta v)
+            tl.store(dv + base[:, None] * V + cols[None, :], (bet[:, None] * dbv), mask=vmask)
+            dbet += tl.sum(dbv * vt.to(tl.float32), axis=1)
+            dT += mm(dU, tl.trans(bv), DT, DOT)
+            dGL_state += tl.sum(S * dS, axis=1)
+        # q and k are read after the V loop: its accumulators hold the registers
+        kt = load_tile(kp, rows, row_mask, skt, kcols, K, skk).to(tl.float32)
+        qt = load_tile(qp, rows, row_mask, sqt, kcols, K, sqk).to(tl.float32)
+        decay = tl.exp(per_row(G, PER_CHANNEL))
+        to_end = tl.exp(per_row(GL - G, PER_CHANNEL))
+        bk = bet[:, None] * kt * decay
+        dbk = mm(tl.trans(Ti), dw, DT, DOT)
+        dT += mm(dw, tl.trans(bk), DT, DOT)
+        dA = -mm(mm(tl.trans(Ti), dT, DT, DOT), tl.trans(Ti), DT, DOT)
+        strides = (skt, skk, skt, skk, sgt, sgk)
+        Ahat = decay_gram(
+            kt, kt, G, kp, kp, gp, rows, row_mask, strides, K, False, PER_CHANNEL, DT, DOT, BT
+        )
+        strict = (rows[:, None] > rows[None, :]) & row_mask[:, None] & row_mask[None, :]
+        causal = (rows[:, None] >= rows[None, :]) & row_mask[:, None] & row_mask[None, :]
+        dA = tl.where(strict, dA, 0.0)
+        dbet += tl.sum(dA * Ahat, axis=1) + tl.sum(dbk * kt * decay, axis=1)
+        dAh = bet[:, None] * dA  # d(K K^T ∘ decay), strictly lower
+        dMg = tl.where(causal, dM, 0.0) * scale  # d(Q K^T ∘ decay), lower
+        dqs = scale * dqt * decay  # dq, dk split by the sign G enters with
+        dkp = bet[:, None] * decay * dbk
+        dkm = dkd * to_end
+        if PER_CHANNEL:
+            for ch in range(K):
+                qc = tl.load(qp + rows * sqt + ch * sqk, mask=row_mask, other=0).to(tl.float32)
+                kc = tl.load(kp + rows * skt + ch * skk, mask=row_mask, other=0).to(tl.float32)
+                gc = tl.load(gp + rows * sgt + ch * sgk, mask=row_mask, other=0).to(tl.float32)
+                Gc = tl.cumsum(gc, axis=0)
+                Ec = tl.exp(tl.where(causal, Gc[:, None] - Gc[None, :], 0.0))
+                DM = tl.where(causal, dMg * Ec, 0.0)
+                DA = tl.where(strict, dAh * Ec, 0.0)
+                at = kcols[None, :] == ch
+                dqs += tl.where(at, tl.sum(DM * kc[None, :], axis=1)[:, None], 0.0)
+                dkp += tl.where(at, tl.sum(DA * kc[None, :], axis=1)[:, None], 0.0)
+                minus = tl.sum(DM * qc[:, None], axis=0) + tl.sum(DA * kc[:, None], axis=0)
+                dkm += tl.where(at, minus[:, None], 0.0)
+        else:
+            diff = tl.where(causal, G[:, None] - G[None, :], 0.0)
+            DM = tl.where(causal, dMg * tl.exp(diff), 0.0)
+            DA = tl.where(strict, dAh * tl.exp(diff), 0.0)
+            dqs += mm(DM, kt, DT, DOT)
+            dkp += mm(DA, kt, DT, DOT)
+            if VIA_MEMORY:  # Triton 3.4-3.7.0 miscompile tl.dot(tl.trans(acc), x) on Hopper
+                square = base[:, None] * BT + rows[None, :]
+                tl.store(spill_m + square, DM, mask=row_mask[:, None])
+                tl.store(spill_a + square, DA, mask=row_mask[:, None])
+                tl.debug_barrier()  # the CTA's stores are visible to its loads
+                flipped = base[None, :] * BT + rows[:, None]  # [j, i] reads DM[i, j]
+                DMt = tl.load(spill_m + flipped, mask=row_mask[None, :], other=0)
+                DAt = tl.load(spill_a + flipped, mask=row_mask[None, :], other=0)
+                dkm += mm(DMt, qt, DT, DOT)
+                dkm += mm(DAt, kt, DT, DOT)
+            else:
+                dkm += mm(tl.trans(DM), qt, DT, DOT)
+                dkm += mm(tl.trans(DA), kt, DT, DOT)
+        dG = qt * dqs + kt * (dkp - dkm)  # (BT, BK)
+        # G_L scales the incoming state and every k's path to the chunk's end
+        dGL = tl.exp(GL) * dGL_state + tl.sum(kt * dkd * to_end, axis=0)  # (BK,)
+        if not PER_CHANNEL:
+            dG = tl.sum(dG, axis=1)
+            dGL = tl.sum(dGL, axis=0)
+        # g_j enters every G_i with i >= j, and G_L: a reverse cumulative sum, plus dG_L
+        dg_ = tl.sum(dG, axis=0) - tl.cumsum(dG, axis=0) + dG + dGL
+        out = base[:, None] * K + kcols[None, :]
+        tl.store(dq + out, dqs, mask=kmask)
+        tl.store(dk + out, dkp + dkm, mask=kmask)
+        tl.store(dbeta + base, dbet, mask=row_mask)
+        if PER_CHANNEL:
+            tl.store(dg + out, dg_, mask=kmask)
+        else:
+            tl.store(dg + base, dg_, mask=row_mask)
+
+
+# Tests set it to run the guarded path under any Triton (None: follow the version).
+TRANSPOSE_VIA_MEMORY: bool | None = None
+
+
+def transposed_through_memory(g: torch.Tensor) -> bool:
+    """Whether the chunk-gradient kernel transposes dM and dA through memory: under the
+    Triton versions that miscompile ``tl.dot(tl.trans(acc), x)`` with a 64-wide wgmma
+    accumulator (`fusedpar.kernels.attention.transposed_dot_miscompiles`: FLA's dK bug,
+    its issues #640, #826, #983), with a scalar gate (the per-channel path has no such dot)."""
+    if g.dim() == 4:
+        return False
+    if TRANSPOSE_VIA_MEMORY is not None:
+        return TRANSPOSE_VIA_MEMORY
+    return transposed_dot_miscompiles()
+
+
+def check_grads(do, dfinal, dims) -> None:
+    B, T, Hk, Hv, K, V, N = dims
+    if do.shape != (B, T, Hv, V):
+        raise ValueError(f"do (B, T, Hv, V) = {(B, T, Hv, V)} expected, got {tuple(do.shape)}")
+    if dfinal is not None and (dfinal.shape != (N, Hv, K, V) or dfinal.dtype != torch.float32):
+        raise ValueError(
+            f"dfinal (N, Hv, K, V) = {(N, Hv, K, V)} fp32 expected, got "
+            f"{tuple(dfinal.shape)} {dfinal.dtype}"
+        )
+
+
+def chunk_gated_delta_backward(
+    do, dfinal, q, k, v, g, beta, *, scale, initial_state=None, cu_seqlens=None
+):
+    """``(dq, dk, dv, dg, dbeta, dinit)`` in their inputs' dtypes (dinit fp32, None without
+    an initial state) for the forward's ``(o, final_state)`` gradients `do` (B, T, Hv, V)
+    and `dfinal` (N, Hv, K, V) fp32 or None. The chunk states are recomputed."""
+    dims = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    check_grads(do, dfinal, dims)
+    extra = [t for t in (initial_state, cu_seqlens, dfinal) if t is not None]
+    check_launchable(gdn_chunk_grads_kernel, do, q, k, v, g, beta, *extra)
+    B, T, Hk, Hv, K, V, N = dims
+    table = chunk_table(cu_seqlens, T, B)
+    slots, NT, chunk_doc, chunk_first = table
+    varlen = cu_seqlens is not None
+    scratch = prepare(q, k, v, g, beta, scale, cu_seqlens, table, dims)
+    chunks = slots if varlen else B * NT
+    states, dstates = q.new_empty((2, chunks, Hv, K, V), dtype=torch.float32)
+    new_values, dnew = q.new_empty((2, B, T, Hv, V), dtype=torch.float32)
+    run_states(
+        q,
+        k,
+        g,
+        scratch,
+        initial_state,
+        cu_seqlens,
+        table,
+        dims,
+        scale=scale,
+        store=(states, new_values),
+    )
+    w, _, Tinv, M = scratch
+    dinit = None if initial_state is None else torch.empty_like(initial_state)
+    per_channel, dot, BK = g.dim() == 4, dot_precision(q.dtype), max(16, next_power_of_2(K))
+    config = state_backward_configs(K, V)[0]
+    gdn_state_backward_kernel[(cdiv(V, config.kwargs["BV"]), N * Hv)](
+        q,
+        k,
+        g,
+        do,
+        *q.stride(),
+        *k.stride(),
+        *g_strides(g),
+        *do.stride(),
+        w,
+        M,
+        dfinal,
+        dinit,
+        dstates,
+        dnew,
+        cu_seqlens,
+        chunk_first,
+        scale,
+        T,
+        NT,
+        Hv,
+        Hv // Hk,
+        K,
+        V,
+        PER_CHANNEL=per_channel,
+        VARLEN=varlen,
+        HAS_DHT=dfinal is not None,
+        HAS_H0=initial_state is not None,
+        DOT=dot,
+        BT=CHUNK,
+        BK=BK,
+        **config.all_kwargs(),
+    )
+    dq_h, dk_h = q.new_empty((2, B, T, Hv, K), dtype=torch.float32)
+    via_memory = transposed_through_memory(g)
+    spills = q.new_empty((2, B, T, Hv, CHUNK) if via_memory else (2, 1), dtype=torch.float32)
+    dv = v.new_empty((B, T, Hv, V))
+    dg = g.new_empty(g.shape)
+    dbeta = beta.new_empty(beta.shape)
+    gdn_chunk_grads_kernel[(slots, Hv if varlen else B * Hv)](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        do,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *g_strides(g),
+        *beta.stride(),
+        *do.stride(),
+        Tinv,
+        states,
+        dstates,
+        new_values,
+        dnew,
+        dq_h,
+        dk_h,
+        dv,
+        dg,
+        dbeta,
+        *spills,
+        cu_seqlens,
+        chunk_doc,
+        chunk_first,
+        scale,
+        T,
+        N,
+        NT,
+        Hv,
+        Hv // Hk,
+        K,
+        V,
+        PER_CHANNEL=per_channel,
+        VARLEN=varlen,
+        DOT=dot,
+        VIA_MEMORY=via_memory,
+        BT=CHUNK,
+        BK=BK,
+        **grads_configs(K, V)[0].all_kwargs(),
+    )
+    # GVA: each key head's gradient is its group's value heads' sum
+    dq = dq_h.view(B, T, Hk, Hv // Hk, K).sum(3).to(q.dtype)
+    dk = dk_h.view(B, T, Hk, Hv // Hk, K).sum(3).to(k.dtype)
+    return dq, dk, dv, dg, dbeta, dinit
