@@ -7,8 +7,9 @@
     out.logits                                   # this rank's tokens: (B, S/CP/U/TP, V)
 
 Each decoder layer's attention becomes a `ParallelAttention` (heads over tp, sequence
-over cp and ulysses), its MLP a `ParallelSwiGLU` or a `MoE` (experts over ep);
-embeddings, norms and the head stay Hugging Face's; `fusedpar.distribute` puts every
+over cp and ulysses; a hybrid's linear attention a `GatedDeltaNet`), its MLP a
+`ParallelSwiGLU` or a `MoE` (experts over ep); embeddings, norms and the head stay
+Hugging Face's; `fusedpar.distribute` puts every
 parameter on the mesh. ``batch="full"`` (default): every rank of a cp x tp group takes
 the same (B, S) batch (unpadded but for `hf_heads`' right padding, or packed documents
 by ``position_ids``), its share cut zigzag over cp, then over ulysses, then tp;

@@ -8,9 +8,9 @@ them), which `hf_export` writes.
 Families (`FAMILIES` of `fusedpar.hf_config`, by ``model_type``): llama, mistral, qwen2,
 qwen3, mixtral, qwen2_moe, qwen3_moe, glm4_moe, minimax_m2, deepseek_v3 (MLA:
 `fp.nn.ParallelMLA`), gemma2, gemma3_text, phi3, olmo2, olmo3, smollm3, gpt_neox, gpt2,
-gpt_oss. What each reads (biases, q/k norms, partial rotary, windows, soft-capping,
-sinks, routers, shared experts, fused projections split here) is in the table of
-docs/dropin.md.
+gpt_oss, and the hybrids qwen3_next, qwen3_5_text, qwen3_5_moe_text, olmo_hybrid (their
+"linear_attention" layers: `fp.nn.GatedDeltaNet`, `dense_gdn`). What each reads is in
+the table of docs/dropin.md.
 
 Hugging Face's ``sliding_window=W`` is the layer's own (a query sees itself and W - 1
 keys before it); layers are windowed by ``config.layer_types`` where the config has
@@ -34,6 +34,7 @@ from fusedpar.hf_config import (  # noqa: F401  (re-exported: hf.py's names)
     check_dims,
     refuse,
 )
+from fusedpar.nn.attention_parts import join_gate
 from fusedpar.nn.gated_deltanet_dense import conv_rows, detect_layout, index_maps
 from fusedpar.nn.linear import is_conv1d, linear_parts, linear_weight
 
@@ -262,10 +263,18 @@ def dense_attention(attn: nn.Module, config, params: dict) -> dict:
     """The inverse of `hf_specs.attention_weights`: the full parameters `params` of a converted
     `ParallelAttention` (its names: q_weight, q_bias, .., q_norm_weight, sinks) as the
     Hugging Face attention `attn` holds them (names relative to it; `attn` may be on the
-    meta device: only its modules' kinds are read). Fused projections are fused again
-    (`_qkv_rows` back to GPT-NeoX's per-head rows), ``Conv1D`` weights transposed back."""
+    meta device: only its modules' kinds are read); a gated q's gate rows joined back.
+    Fused projections are fused again (`_qkv_rows` back to GPT-NeoX's per-head rows),
+    ``Conv1D`` weights transposed back."""
     fused = FUSED_QKV.get(config.model_type)
     out = {}
+    if "gate_weight" in params:  # Qwen3-Next's, Qwen3.5's gated q: [q_h | gate_h] per head
+        params = dict(params)
+        hd = params["gate_weight"].shape[0] // config.num_attention_heads
+        for kind in ("weight", "bias"):
+            if f"gate_{kind}" in params:
+                gate = params.pop(f"gate_{kind}")
+                params[f"q_{kind}"] = join_gate(params[f"q_{kind}"], gate, hd)
     if fused is not None:
         qkv = [params[f"{p}_weight"] for p in "qkv"]
         weight = _qkv_rows(torch.cat(qkv), config, inverse=True)

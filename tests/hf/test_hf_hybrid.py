@@ -173,3 +173,23 @@ def test_context_parallelism_is_refused_on_every_rank(world, degrees):
     assert "linear_attention layers [0]" in message and "cp = 1" in message
     check_dims(config, 1)  # cp = 1: taken
     check_dims(_model("llama", 0).config, 2)  # no GDN layer: taken
+
+
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_save_pretrained_writes_the_original_checkpoint(tmp_path, family):
+    """The converted model exported (`dense_gdn` puts the GDN's sections back in the
+    family's layout) loads as the original, every tensor equal, the same logits."""
+    model = _model(family, 7)
+    original = copy.deepcopy(model)
+    hf.parallelize(model, None)
+    model.save_pretrained(tmp_path / "out")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", experts_implementation="eager"
+    )
+    assert type(loaded) is type(original)
+    got, want = loaded.state_dict(), original.state_dict()
+    assert sorted(got) == sorted(want)
+    assert not [name for name in want if not torch.equal(got[name], want[name])]
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, original(input_ids=ids).logits)
