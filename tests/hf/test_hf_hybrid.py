@@ -101,7 +101,7 @@ def test_one_process_with_every_group_none(family):
     assert _run(family, 1) > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text"])
+@pytest.mark.parametrize("family", list(HYBRIDS))
 def test_tp2(world, family):
     assert len(set(world(2).run(_run, family, 2, dict(tp=2)))) == 1
 
