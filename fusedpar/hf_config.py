@@ -107,12 +107,18 @@ def linear_layers(config) -> list[int]:
     ]
 
 
-def check_dims(config, cp: int, ulysses: int = 1) -> None:
+def check_dims(config, cp: int, ulysses: int = 1, tp: int = 1) -> None:
     """Raise `parallelize`'s ValueError where `config`'s model cannot run at these
     degrees whatever its weights: a sequence split over cp x ulysses ranks with Gated
     DeltaNet layers (their recurrence and conv would need the state of the tokens on the
-    ranks before: the next issue)."""
+    ranks before: the next issue), or their k-heads not divisible by tp."""
     linear = linear_layers(config)
+    k_heads = field(config, "linear_num_key_heads")
+    if linear and k_heads is not None and k_heads % tp:
+        raise ValueError(
+            f"GatedDeltaNet: n_k_heads ({k_heads}) is not divisible by the TP degree ({tp}) "
+            f"(n_v_heads {field(config, 'linear_num_value_heads')} follow their k-heads)"
+        )
     if linear and cp * ulysses > 1:
         raise ValueError(
             f"parallelize: context parallelism over Gated DeltaNet layers is not supported "

@@ -270,7 +270,7 @@ def parallelize(
             n_kv_heads=families.kv_heads(config),
             num_experts=experts,
         )
-        families.check_dims(config, dims.cp, dims.ulysses)
+        families.check_dims(config, dims.cp, dims.ulysses, dims.tp)
     decoder, layers, _ = families.tree(model, config)
     for i, layer in enumerate(layers):
         families.check_layer(i, layer, config)

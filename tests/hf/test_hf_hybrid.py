@@ -171,8 +171,12 @@ def test_context_parallelism_is_refused_on_every_rank(world, degrees):
         check_dims(config, degrees.get("cp", 1), degrees.get("ulysses", 1))
     assert kind == "ValueError" and message == str(alone.value)
     assert "linear_attention layers [0]" in message and "cp = 1" in message
-    check_dims(config, 1)  # cp = 1: taken
+    check_dims(config, 1, tp=4)  # cp = 1: taken
     check_dims(_model("llama", 0).config, 2)  # no GDN layer: taken
+    with pytest.raises(
+        ValueError, match=r"n_k_heads \(4\) is not divisible by the TP degree \(8\)"
+    ):
+        check_dims(config, 1, tp=8)
 
 
 @pytest.mark.parametrize("family", list(HYBRIDS))
