@@ -197,3 +197,12 @@ def test_save_pretrained_writes_the_original_checkpoint(tmp_path, family):
     ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, original(input_ids=ids).logits)
+
+
+def test_a_gated_deltanet_with_a_bias_is_refused():
+    """Checked for every layer before anything is built (no family has one)."""
+    model = _model("qwen3_5_text", 0)
+    gdn = model.model.layers[0].linear_attn
+    gdn.in_proj_z = torch.nn.Linear(gdn.hidden_size, gdn.value_dim, bias=True)
+    with pytest.raises(ValueError, match=r"layer 0: a Gated DeltaNet projection or conv with"):
+        hf.parallelize(model, None)
