@@ -20,6 +20,7 @@ are gathered by `Pipeline.step` (`DecoderStages.check_step`); `DecoderStages.los
 this rank's tokens' share of the microbatch's mean. Only ``batch="full"``.
 """
 
+import functools
 import inspect
 
 import torch
@@ -102,7 +103,8 @@ class DecoderStages(nn.Module):
         for layer in self._part(self.blocks):
             # (Qwen3-Next's and Qwen3.5's layers require position_embeddings: fusedpar's
             # attention applies RoPE itself, and the linear attention takes none)
-            out = layer(x, position_embeddings=None) if _needs_rope_arg(layer) else layer(x)
+            needs = _needs_rope_arg(type(layer))
+            out = layer(x, position_embeddings=None) if needs else layer(x)
             x = out[0] if isinstance(out, tuple) else out
         norm, head = self._part(self.norm), self._part(self.head)
         if norm is not None:
@@ -142,9 +144,11 @@ class DecoderStages(nn.Module):
         return total / (shifted != -100).sum().clamp(min=1)
 
 
-def _needs_rope_arg(layer: nn.Module) -> bool:
-    """Whether a decoder layer's forward requires ``position_embeddings`` (no default)."""
-    param = inspect.signature(layer.forward).parameters.get("position_embeddings")
+@functools.cache
+def _needs_rope_arg(kind: type) -> bool:
+    """Whether a decoder layer class's forward requires ``position_embeddings`` (no
+    default)."""
+    param = inspect.signature(kind.forward).parameters.get("position_embeddings")
     return param is not None and param.default is inspect.Parameter.empty
 
 
