@@ -71,10 +71,11 @@ def _check(model, refs, logits, loss, dims, groups) -> int:
     return checked
 
 
-def _run(family, seed, degrees=None, packed=False):
+def _run(family, seed, degrees=None, packed=False, export=None):
     """`family` converted at `degrees` (ParallelDims' keywords; None: one process, every
     group None), one step with labels= on the whole batch (packed: documents in one
-    sequence, position_ids restarting) against the original's."""
+    sequence, position_ids restarting) against the original's; then, given a directory
+    `export`, saved there (every rank) and loaded back as the original (rank 0)."""
     dims = (
         None if degrees is None else fp.ParallelDims(**degrees, ep="tp" if family in MOE else None)
     )
@@ -93,7 +94,25 @@ def _run(family, seed, degrees=None, packed=False):
     groups = dims.groups(mesh) if dims else dict.fromkeys(("cp", "ulysses", "tp"))
     result = model(input_ids=ids, labels=labels, **kwargs)
     result.loss.backward()
-    return _check(model, refs, result.logits, result.loss, dims, groups)
+    checked = _check(model, refs, result.logits, result.loss, dims, groups)
+    if export is not None:
+        model.save_pretrained(export)
+        if not dims or dist.get_rank() == 0:
+            _check_export(export, refs[torch.float32][2])
+    return checked
+
+
+def _check_export(directory, original):
+    """The checkpoint in `directory` loads as `original`'s class, every tensor equal;
+    returns the loaded model."""
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, experts_implementation="eager"
+    )
+    assert type(loaded) is type(original)
+    got, want = loaded.state_dict(), original.state_dict()
+    assert sorted(got) == sorted(want)
+    assert not [name for name in want if not torch.equal(got[name], want[name])]
+    return loaded
 
 
 @pytest.mark.parametrize("family", list(HYBRIDS))
@@ -106,10 +125,12 @@ def test_tp2(world, family):
     assert len(set(world(2).run(_run, family, 2, dict(tp=2)))) == 1
 
 
-def test_tp4_replicates_the_two_kv_heads(world):
+def test_tp4_replicates_the_two_kv_heads(world, tmp_path):
     """4 query heads and 2 KV heads over TP 4: each KV head on 2 ranks; the GDN's 4
-    k-heads one a rank; the experts one a rank (ep over tp)."""
-    assert len(set(world(4).run(_run, "qwen3_next", 3, dict(tp=4)))) == 1
+    k-heads one a rank; the experts one a rank (ep over tp); exported, gathered back
+    into Qwen3-Next's checkpoint."""
+    results = world(4).run(_run, "qwen3_next", 3, dict(tp=4), False, str(tmp_path / "out"))
+    assert len(set(results)) == 1
 
 
 @pytest.mark.parametrize("family", ["olmo_hybrid", "qwen3_5_moe_text"])
@@ -187,13 +208,7 @@ def test_save_pretrained_writes_the_original_checkpoint(tmp_path, family):
     original = copy.deepcopy(model)
     hf.parallelize(model, None)
     model.save_pretrained(tmp_path / "out")
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", experts_implementation="eager"
-    )
-    assert type(loaded) is type(original)
-    got, want = loaded.state_dict(), original.state_dict()
-    assert sorted(got) == sorted(want)
-    assert not [name for name in want if not torch.equal(got[name], want[name])]
+    loaded = _check_export(tmp_path / "out", original)
     ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, original(input_ids=ids).logits)
