@@ -3,9 +3,10 @@ Qwen3.5 (dense and MoE) and OLMo Hybrid, tiny random models (fp32, every paramet
 re-drawn), against the unconverted Hugging Face model: logits, loss and every
 parameter's gradient in one process, at TP2, at TP4 over 2 KV heads (replicated), at
 PP2 x TP2 and over packed documents (each document run alone by Hugging Face, whose GDN
-refuses packing without flash-linear-attention); and context parallelism refused on
-every rank before any collective. Hugging Face's GDN computes in fp32 even in a float64
-model: its float64 reference is fp32-exact there (`_close`)."""
+refuses packing without flash-linear-attention); `save_pretrained` back to the original
+checkpoint; and context parallelism refused on every rank before any collective.
+Hugging Face's GDN computes in fp32 even in a float64 model: its float64 reference is
+fp32-exact there (`_close`)."""
 
 import copy
 
