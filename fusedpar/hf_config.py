@@ -5,7 +5,8 @@ planner (`fusedpar.plan.model`) runs the very same check before it plans a confi
 refuses, with `parallelize`'s message, what `parallelize` would refuse.
 
 A config is a ``PretrainedConfig`` or its dict (a ``config.json``, as the planner reads
-it); a name it lacks reads as unset.
+it); a name it lacks reads as unset. `check_dims`: what a config refuses at given
+degrees (context parallelism over Gated DeltaNet layers).
 """
 
 FAMILIES = (
@@ -28,7 +29,14 @@ FAMILIES = (
     "gpt_neox",
     "gpt2",
     "gpt_oss",
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "olmo_hybrid",
 )
+# the layer kinds `parallelize` converts (``layer_types``); "linear_attention": Gated
+# DeltaNet (`fp.nn.GatedDeltaNet`), whose context parallelism is the next issue
+LAYER_KINDS = ("full_attention", "sliding_attention", "linear_attention")
 # the MLP activations fusedpar computes (`hf_families.ACTIVATIONS` maps them to functions)
 ACTIVATION_NAMES = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
 DROPOUTS = (
@@ -73,7 +81,7 @@ def check_config(config) -> None:
         model_type not in FAMILIES, f"model_type {model_type!r} (supported: {', '.join(FAMILIES)})"
     )
     kinds = set(field(config, "layer_types") or ())
-    refuse(bool(kinds - {"full_attention", "sliding_attention"}), f"layer_types {sorted(kinds)}")
+    refuse(bool(kinds - set(LAYER_KINDS)), f"layer_types {sorted(kinds)}")
     for name in DROPOUTS:
         value = field(config, name, 0.0)
         refuse(value not in (0, 0.0, None), f"{name}={value}")
@@ -90,3 +98,31 @@ def check_config(config) -> None:
     for rope in params.values() if "rope_type" not in (params or {"rope_type": 0}) else [params]:
         rope_type = (rope or {}).get("rope_type") if isinstance(rope, dict) else None
         refuse(rope_type in ("dynamic", "longrope"), f"rope_type {rope_type!r}")
+
+
+def linear_layers(config) -> list[int]:
+    """The indices of `config`'s Gated DeltaNet layers (``layer_types``' "linear_attention")."""
+    return [
+        i for i, kind in enumerate(field(config, "layer_types") or ()) if kind == "linear_attention"
+    ]
+
+
+def check_dims(config, cp: int, ulysses: int = 1, tp: int = 1) -> None:
+    """Raise `parallelize`'s ValueError where `config`'s model cannot run at these
+    degrees whatever its weights: a sequence split over cp x ulysses ranks with Gated
+    DeltaNet layers (their recurrence and conv would need the state of the tokens on the
+    ranks before: the next issue), or their k-heads not divisible by tp."""
+    linear = linear_layers(config)
+    k_heads = field(config, "linear_num_key_heads")
+    if linear and k_heads is not None and k_heads % tp:
+        raise ValueError(
+            f"GatedDeltaNet: n_k_heads ({k_heads}) is not divisible by the TP degree ({tp}) "
+            f"(n_v_heads {field(config, 'linear_num_value_heads')} follow their k-heads)"
+        )
+    if linear and cp * ulysses > 1:
+        raise ValueError(
+            f"parallelize: context parallelism over Gated DeltaNet layers is not supported "
+            f"yet (the next issue): {field(config, 'model_type')} has linear_attention "
+            f"layers {linear}, and cp ({cp}) x ulysses ({ulysses}) = {cp * ulysses} would "
+            "split their sequence; run with cp = 1 and ulysses = 1"
+        )

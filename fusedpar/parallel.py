@@ -163,9 +163,15 @@ class ParallelDims:
                 f"ep over dp (dp degree {self.dp}) would mix different experts in "
                 "data parallelism over dp: run ep over cp and/or tp"
             )
-        for name, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
-            if heads is not None and heads % self.tp:
-                raise ValueError(f"{name} ({heads}) is not divisible by the tp degree ({self.tp})")
+        if n_heads is not None and n_heads % self.tp:
+            raise ValueError(f"n_heads ({n_heads}) is not divisible by the tp degree ({self.tp})")
+        # KV heads split over tp, or (tp a multiple of them) each replicated on tp / n_kv_heads
+        # ranks: `fusedpar.nn.attention.kv_heads_per_rank`'s rule and message
+        if n_kv_heads is not None and n_kv_heads % self.tp and self.tp % n_kv_heads:
+            raise ValueError(
+                f"n_kv_heads ({n_kv_heads}) and the TP degree ({self.tp}): one must divide the "
+                "other (KV heads split over TP, or each replicated on TP / n_kv_heads ranks)"
+            )
         if n_heads is not None and (n_heads // self.tp) % self.ulysses:
             raise ValueError(
                 f"n_heads ({n_heads}) is not divisible by tp ({self.tp}) x "
@@ -173,7 +179,7 @@ class ParallelDims:
                 f"query heads"
             )
         if n_kv_heads is not None and self.ulysses > 1:
-            per_tp = n_kv_heads // self.tp
+            per_tp = max(1, n_kv_heads // self.tp)  # (replicated: one KV head a tp rank)
             if per_tp % self.ulysses and self.ulysses % per_tp:
                 raise ValueError(
                     f"n_kv_heads ({n_kv_heads}) / tp ({self.tp}) = {per_tp} KV heads per tp "

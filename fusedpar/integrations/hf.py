@@ -7,8 +7,9 @@
     out.logits                                   # this rank's tokens: (B, S/CP/U/TP, V)
 
 Each decoder layer's attention becomes a `ParallelAttention` (heads over tp, sequence
-over cp and ulysses), its MLP a `ParallelSwiGLU` or a `MoE` (experts over ep);
-embeddings, norms and the head stay Hugging Face's; `fusedpar.distribute` puts every
+over cp and ulysses; a hybrid's linear attention a `GatedDeltaNet`), its MLP a
+`ParallelSwiGLU` or a `MoE` (experts over ep); embeddings, norms and the head stay
+Hugging Face's; `fusedpar.distribute` puts every
 parameter on the mesh. ``batch="full"`` (default): every rank of a cp x tp group takes
 the same (B, S) batch (unpadded but for `hf_heads`' right padding, or packed documents
 by ``position_ids``), its share cut zigzag over cp, then over ulysses, then tp;
@@ -46,6 +47,7 @@ from fusedpar.integrations.hf_families import refuse
 from fusedpar.integrations.hf_pipeline import DecoderStages
 from fusedpar.nn import (
     ColumnParallelLinear,
+    GatedDeltaNet,
     MoE,
     ParallelAttention,
     ParallelMLA,
@@ -97,6 +99,21 @@ class HFParallelAttention(_HFAttentionCall, ParallelAttention):
 
 class HFParallelMLA(_HFAttentionCall, ParallelMLA):
     """`ParallelMLA` as a Hugging Face attention module (DeepSeek-V3's)."""
+
+
+class HFGatedDeltaNet(GatedDeltaNet):
+    """`GatedDeltaNet` called as a Hugging Face hybrid's linear attention: hidden_states
+    (B, S_loc, d) batch-first in, the output alone out (as Hugging Face's decoder layers
+    take it); no cache; the documents of a packed batch from the model's `Batch`: the
+    conv and the recurrent state restart at each."""
+
+    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        if cache_params is not None:
+            raise ValueError("fusedpar's GatedDeltaNet keeps no cache: call with use_cache=False")
+        batch = getattr(self, "_fusedpar_batch", None)
+        cu_seqlens = None if batch is None else batch.cu_seqlens
+        x = hidden_states.transpose(0, 1)  # (S_loc, B, d)
+        return super().forward(x, cu_seqlens=cu_seqlens).transpose(0, 1)
 
 
 class HFParallelSwiGLU(ParallelSwiGLU):
@@ -165,6 +182,8 @@ def _empty(cls, spec, placement: Placement, like: torch.Tensor) -> nn.Module:
 def _attention(
     i: int, attn: nn.Module, config, placement: Placement, rotary_emb, cp_ring: str
 ) -> nn.Module:
+    if families.is_gdn(attn):  # a hybrid's linear attention: its layout read off the module
+        return HFGatedDeltaNet.from_dense(attn, placement)
     if families.is_mla(attn):
         spec = dataclasses.replace(specs.mla_spec(attn, config, rotary_emb), cp_ring=cp_ring)
         weights, cls = specs.mla_weights(attn, config), HFParallelMLA
@@ -251,10 +270,13 @@ def parallelize(
             n_kv_heads=families.kv_heads(config),
             num_experts=experts,
         )
-    decoder, layers, attention = families.tree(model, config)
+        families.check_dims(config, dims.cp, dims.ulysses, dims.tp)
+    decoder, layers, _ = families.tree(model, config)
     for i, layer in enumerate(layers):
         families.check_layer(i, layer, config)
-    _check_cp_ring(cp_ring, dims, [getattr(layer, attention) for layer in layers], config)
+    mixers = [families.mixer_name(layer, config) for layer in layers]  # attention's attribute
+    attentions = [getattr(layer, name) for layer, name in zip(layers, mixers, strict=True)]
+    _check_cp_ring(cp_ring, dims, attentions, config)
     before = dict(model.named_parameters())  # those replaced are retired
     if dims is None:
         refuse(mesh is not None, "a mesh without dims")
@@ -271,10 +293,10 @@ def parallelize(
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         state.pad_token_id = text.pad_token_id
         model.score.register_forward_hook(functools.partial(pool, state))
-    for i, layer in enumerate(layers):
-        attn = _attention(i, getattr(layer, attention), config, placement, rotary_emb, cp_ring)
+    for i, (layer, name) in enumerate(zip(layers, mixers, strict=True)):
+        attn = _attention(i, getattr(layer, name), config, placement, rotary_emb, cp_ring)
         attn._fusedpar_batch = state  # the call's packed documents
-        setattr(layer, attention, attn)
+        setattr(layer, name, attn)
         layer.mlp = _mlp(layer.mlp, config, placement)
     hf_export.install(model, dims)  # model.save_pretrained: the original's checkpoint
     config.use_cache = False  # training: the converted attention keeps no KV cache

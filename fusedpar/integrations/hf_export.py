@@ -10,7 +10,7 @@ Every rank calls it (a rank alone fails after ``FUSEDPAR_CHECKPOINT_TIMEOUT_S``,
 `fusedpar.checkpoint.enter`). Each rank takes the full tensors of what it holds
 (``DTensor.full_tensor()``) and turns the converted layers' parameters back into
 Hugging Face's by the inverses beside their conversions in `hf_families`
-(`dense_attention`, `dense_mla`, `dense_mlp`, `dense_experts`); under pp one rank of
+(`dense_attention`, `dense_mla`, `dense_gdn`, `dense_mlp`, `dense_experts`); under pp one rank of
 each stage sends its stage's to rank 0. Rank 0 loads them into a skeleton of the
 original class on the meta device, checks every name and shape, and writes with Hugging
 Face's own ``save_pretrained`` into a directory beside the target, moved into place when
@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from fusedpar import checkpoint
 from fusedpar.integrations import hf_families as families
-from fusedpar.nn import MoE, ParallelAttention, ParallelMLA
+from fusedpar.nn import GatedDeltaNet, MoE, ParallelAttention, ParallelMLA
 from fusedpar.pipeline import PassThrough, module_at
 
 # `model.save_pretrained`'s keywords taken (Hugging Face's others are refused by name)
@@ -178,6 +178,8 @@ def _full(t: torch.Tensor, keep: bool) -> torch.Tensor | None:
 def _dense(module: nn.Module, template: nn.Module, config, params: dict) -> dict:
     """A converted layer's full `params` (its names) as Hugging Face's `template` module
     holds them (its names): the inverse of the conversion `parallelize` made."""
+    if isinstance(module, GatedDeltaNet):
+        return families.dense_gdn(module, params)
     if isinstance(module, ParallelMLA):
         return families.dense_mla(module, config, params)
     if isinstance(module, ParallelAttention):
@@ -228,11 +230,12 @@ def _held_state(root: nn.Module, skeleton: nn.Module, config, keep: bool):
     the tensors, the others {}. A conversion that fails there is kept as the `Failure`
     (the first: no conversion after it), while the walk goes on joining every gather,
     so that no rank is left waiting in one."""
-    decoder, layers_name, attention = families.TREES.get(config.model_type, families.LLAMA_TREE)
+    decoder, layers_name, _ = families.TREES.get(config.model_type, families.LLAMA_TREE)
     layers = module_at(root, f"{decoder}.{layers_name}")
     units = {}  # the converted layers, by their names
     for i, layer in enumerate(layers if layers is not None else ()):
         if not isinstance(layer, PassThrough):  # another stage's block
+            attention = families.mixer_name(layer, config)  # a hybrid's: per layer
             units[f"{decoder}.{layers_name}.{i}.{attention}"] = getattr(layer, attention)
             units[f"{decoder}.{layers_name}.{i}.mlp"] = layer.mlp
     state, seen, inside, failure = {}, set(), None, None

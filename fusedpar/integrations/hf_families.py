@@ -8,9 +8,9 @@ them), which `hf_export` writes.
 Families (`FAMILIES` of `fusedpar.hf_config`, by ``model_type``): llama, mistral, qwen2,
 qwen3, mixtral, qwen2_moe, qwen3_moe, glm4_moe, minimax_m2, deepseek_v3 (MLA:
 `fp.nn.ParallelMLA`), gemma2, gemma3_text, phi3, olmo2, olmo3, smollm3, gpt_neox, gpt2,
-gpt_oss. What each reads (biases, q/k norms, partial rotary, windows, soft-capping,
-sinks, routers, shared experts, fused projections split here) is in the table of
-docs/dropin.md.
+gpt_oss, and the hybrids qwen3_next, qwen3_5_text, qwen3_5_moe_text, olmo_hybrid (their
+"linear_attention" layers: `fp.nn.GatedDeltaNet`, `dense_gdn`). What each reads is in
+the table of docs/dropin.md.
 
 Hugging Face's ``sliding_window=W`` is the layer's own (a query sees itself and W - 1
 keys before it); layers are windowed by ``config.layer_types`` where the config has
@@ -31,8 +31,11 @@ from fusedpar.hf_config import (  # noqa: F401  (re-exported: hf.py's names)
     FAMILIES,
     activation_name,
     check_config,
+    check_dims,
     refuse,
 )
+from fusedpar.nn.attention_parts import join_gate
+from fusedpar.nn.gated_deltanet_dense import conv_rows, detect_layout, index_maps
 from fusedpar.nn.linear import is_conv1d, linear_parts, linear_weight
 
 _TANH_GELU = functools.partial(F.gelu, approximate="tanh")
@@ -45,7 +48,9 @@ TREES = {"gpt_neox": ("gpt_neox", "layers", "attention"), "gpt2": ("transformer"
 LLAMA_TREE = ("model", "layers", "self_attn")
 # a plain MLP's (fc, proj) attributes, by family
 PLAIN_MLPS = {"gpt_neox": ("dense_h_to_4h", "dense_4h_to_h"), "gpt2": ("c_fc", "c_proj")}
-NORM_OFFSET = {"gemma3_text": 1.0}  # Gemma's RMSNorm scales by (1 + weight)
+# Gemma's RMSNorm scales by (1 + weight); so do Qwen3-Next's and Qwen3.5's q/k norms
+NORM_OFFSET = dict.fromkeys(("gemma3_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), 1.0)
+LINEAR_ATTENTION = "linear_attn"  # a hybrid's Gated DeltaNet layer's attribute (all four's)
 
 
 def tree(model: nn.Module, config):
@@ -59,6 +64,19 @@ def tree(model: nn.Module, config):
         "(pass the model with its head, e.g. ForCausalLM)",
     )
     return decoder, layers, attention
+
+
+def mixer_name(layer: nn.Module, config) -> str:
+    """The attribute of decoder `layer`'s token mixer: its attention's (`tree`'s), or
+    `LINEAR_ATTENTION` on a hybrid's Gated DeltaNet layer."""
+    if getattr(layer, LINEAR_ATTENTION, None) is not None:
+        return LINEAR_ATTENTION
+    return TREES.get(config.model_type, LLAMA_TREE)[2]
+
+
+def is_gdn(module: nn.Module) -> bool:
+    """A Hugging Face Gated DeltaNet (its short conv beside the recurrence's gates)."""
+    return hasattr(module, "conv1d") and hasattr(module, "A_log")
 
 
 def kv_heads(config) -> int:
@@ -168,10 +186,20 @@ def dense_mla(layer, config, params: dict) -> dict:
 
 def check_layer(i: int, layer: nn.Module, config) -> None:
     """Every refusal for decoder layer i, before anything is built."""
-    attn = getattr(layer, TREES.get(config.model_type, LLAMA_TREE)[2], None)
+    attn = getattr(layer, mixer_name(layer, config), None)
     mlp = getattr(layer, "mlp", None)
     parts = FUSED_QKV.get(config.model_type, ("q_proj", "k_proj", "v_proj", "o_proj"))
-    if is_mla(attn):
+    if is_gdn(attn):
+        detect_layout(attn)  # a ValueError naming the projections it lacks
+        biased = [m for m in attn.modules() if isinstance(m, (nn.Linear, nn.Conv1d))]
+        refuse(
+            any(m.bias is not None for m in biased),
+            f"layer {i}: a Gated DeltaNet projection or conv with a bias",
+        )
+        act = getattr(attn, "activation", "silu")
+        refuse(act not in ("silu", "swish"), f"layer {i}: a Gated DeltaNet conv with {act!r}")
+        parts = ()
+    elif is_mla(attn):
         lora = getattr(attn, "q_a_proj", None) is not None
         parts = (("q_a_proj", "q_b_proj") if lora else ("q_proj",)) + (
             "kv_a_proj_with_mqa",
@@ -188,6 +216,7 @@ def check_layer(i: int, layer: nn.Module, config) -> None:
         not all(_linear_like(getattr(attn, p, None)) for p in parts),
         f"layer {i}: attention {type(attn).__name__} without {'/'.join(parts)} Linears",
     )
+    refuse(attn is None, f"layer {i}: {type(layer).__name__} without an attention")
     refuse(not getattr(attn, "is_causal", True), f"layer {i}: non-causal attention")
     if hasattr(mlp, "experts"):
         router = getattr(mlp, "router", getattr(mlp, "gate", None))  # gpt-oss: router
@@ -241,10 +270,18 @@ def dense_attention(attn: nn.Module, config, params: dict) -> dict:
     """The inverse of `hf_specs.attention_weights`: the full parameters `params` of a converted
     `ParallelAttention` (its names: q_weight, q_bias, .., q_norm_weight, sinks) as the
     Hugging Face attention `attn` holds them (names relative to it; `attn` may be on the
-    meta device: only its modules' kinds are read). Fused projections are fused again
-    (`_qkv_rows` back to GPT-NeoX's per-head rows), ``Conv1D`` weights transposed back."""
+    meta device: only its modules' kinds are read); a gated q's gate rows joined back.
+    Fused projections are fused again (`_qkv_rows` back to GPT-NeoX's per-head rows),
+    ``Conv1D`` weights transposed back."""
     fused = FUSED_QKV.get(config.model_type)
     out = {}
+    if "gate_weight" in params:  # Qwen3-Next's, Qwen3.5's gated q: [q_h | gate_h] per head
+        params = dict(params)
+        hd = params["gate_weight"].shape[0] // config.num_attention_heads
+        for kind in ("weight", "bias"):
+            if f"gate_{kind}" in params:
+                gate = params.pop(f"gate_{kind}")
+                params[f"q_{kind}"] = join_gate(params[f"q_{kind}"], gate, hd)
     if fused is not None:
         qkv = [params[f"{p}_weight"] for p in "qkv"]
         weight = _qkv_rows(torch.cat(qkv), config, inverse=True)
@@ -360,4 +397,27 @@ def dense_experts(mlp: nn.Module, config, params: dict) -> dict:
         out["shared_expert_gate.weight"] = params["shared_gate_weight"]
     if "expert_bias" in params:
         out[correction_name(mlp)] = params["expert_bias"]
+    return out
+
+
+def dense_gdn(layer, params: dict) -> dict:
+    """The inverse of `GatedDeltaNet.from_dense`: a converted layer's full parameters
+    `params` (its names) as the Hugging Face module of its layout holds them (names
+    relative to it): the sections' rows put back by the layout's index maps."""
+    Hk, Hv, K, V = layer.spec.sizes
+    layout = layer.spec.layout
+    maps = index_maps(layout, Hk, Hv, K, V)
+    out = {}
+    for section, (name, rows) in maps.items():
+        part = params[layer.param_name(section)]
+        key = f"{name}.weight"
+        if key not in out:  # (several sections share a fused projection)
+            total = sum(idx.numel() for tensor, idx in maps.values() if tensor == name)
+            out[key] = part.new_empty(total, part.shape[1])
+        out[key][rows] = part
+    conv = [params[f"conv_{s}_weight"] for s in conv_rows(Hk, Hv, K, V)]
+    out["conv1d.weight"] = torch.cat(conv).unsqueeze(1)  # (C, 1, W)
+    norm, o = ("o_norm", "o_proj") if layout == "olmo_hybrid" else ("norm", "out_proj")
+    out.update({"A_log": params["A_log"], "dt_bias": params["dt_bias"]})
+    out.update({f"{norm}.weight": params["norm_weight"], f"{o}.weight": params["o_weight"]})
     return out

@@ -20,6 +20,9 @@ are gathered by `Pipeline.step` (`DecoderStages.check_step`); `DecoderStages.los
 this rank's tokens' share of the microbatch's mean. Only ``batch="full"``.
 """
 
+import functools
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -98,7 +101,10 @@ class DecoderStages(nn.Module):
                 )
                 x = x + learned(positions)
         for layer in self._part(self.blocks):
-            out = layer(x)
+            # (Qwen3-Next's and Qwen3.5's layers require position_embeddings: fusedpar's
+            # attention applies RoPE itself, and the linear attention takes none)
+            needs = _needs_rope_arg(type(layer))
+            out = layer(x, position_embeddings=None) if needs else layer(x)
             x = out[0] if isinstance(out, tuple) else out
         norm, head = self._part(self.norm), self._part(self.head)
         if norm is not None:
@@ -136,6 +142,14 @@ class DecoderStages(nn.Module):
             reduction="sum",
         )
         return total / (shifted != -100).sum().clamp(min=1)
+
+
+@functools.cache
+def _needs_rope_arg(kind: type) -> bool:
+    """Whether a decoder layer class's forward requires ``position_embeddings`` (no
+    default)."""
+    param = inspect.signature(kind.forward).parameters.get("position_embeddings")
+    return param is not None and param.default is inspect.Parameter.empty
 
 
 def _check_input(x: torch.Tensor, groups: dict) -> int:

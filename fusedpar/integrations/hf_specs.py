@@ -88,7 +88,11 @@ def attention_spec(i: int, attn: nn.Module, config, rotary_emb) -> AttentionSpec
     biases = (None,) * 4 if weights.bias is None else weights.bias
     q_weight, q_bias = linear_parts("q", weights.q, biases[0])
     heads = config.num_attention_heads
-    head_dim = q_weight.shape[0] // heads
+    # Qwen3-Next's and Qwen3.5's q_proj emits [q_h | gate_h] per head: twice the rows of
+    # heads x the head dim that k's rows tell
+    k_rows = linear_parts("k", weights.k, biases[1])[0].shape[0]
+    output_gate = q_weight.shape[0] == 2 * heads * (k_rows // kv_heads(config))
+    head_dim = q_weight.shape[0] // heads // (2 if output_gate else 1)
     factor = getattr(config, "partial_rotary_factor", None)
     factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", factor)
     rotary_dim = int(head_dim * (factor or 1.0))
@@ -99,7 +103,7 @@ def attention_spec(i: int, attn: nn.Module, config, rotary_emb) -> AttentionSpec
     qk_norm, norm_eps, norm_offset = False, 1e-6, 0.0
     if weights.q_norm is not None:
         width = norm_weight("q_norm", weights.q_norm).numel()
-        qk_norm = "full" if width == q_weight.shape[0] != head_dim else "head"
+        qk_norm = "full" if width == heads * head_dim != head_dim else "head"
         norm_eps = getattr(weights.q_norm, "variance_epsilon", None) or weights.q_norm.eps
         norm_offset = NORM_OFFSET.get(config.model_type, 0.0)
     return AttentionSpec(
@@ -118,6 +122,7 @@ def attention_spec(i: int, attn: nn.Module, config, rotary_emb) -> AttentionSpec
         softmax_scale=attn.scaling,
         sliding_window=layer_window(config, i),
         softcap=getattr(config, "attn_logit_softcapping", None) or None,
+        output_gate=output_gate,
     )
 
 

@@ -53,6 +53,13 @@ def reference_grad(model, name: str) -> torch.Tensor:
     if hasattr(module, "shared_experts"):  # GLM-4.5's and DeepSeek-V3's name
         plain = {k: v.replace("shared_expert.", "shared_experts.") for k, v in plain.items()}
     config = model.config
+    if hasattr(module, "conv1d") and hasattr(module, "A_log"):  # a hybrid's Gated DeltaNet
+        return gdn_grads(module)[leaf]
+    if leaf in ("q_weight", "gate_weight") and _gated_q(module, config):
+        grad = module.q_proj.weight.grad  # [q_h | gate_h] per head
+        hd = grad.shape[0] // config.num_attention_heads // 2
+        halves = grad.view(config.num_attention_heads, 2, hd, -1)
+        return halves[:, int(leaf == "gate_weight")].flatten(0, 1)
     if hasattr(module, "kv_a_proj_with_mqa"):  # latent attention: HF's rows in the layer's layout
         grad = module.get_parameter(MLA_NAMES.get(leaf, plain.get(leaf))).grad
         return layer_rows(
@@ -109,3 +116,44 @@ def reference_grad(model, name: str) -> torch.Tensor:
     if leaf in plain:
         return module.get_parameter(plain[leaf]).grad
     return model.get_parameter(name).grad  # embeddings, norms, head: unchanged names
+
+
+def _gated_q(module, config) -> bool:
+    """Whether `module` is an attention whose q_proj also emits a gate per head
+    (Qwen3-Next's, Qwen3.5's): twice the rows that k_proj's per KV head tell."""
+    q, k = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
+    if q is None or k is None or not hasattr(q, "weight"):
+        return False
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return q.weight.shape[0] == 2 * config.num_attention_heads * (k.weight.shape[0] // kv)
+
+
+def gdn_grads(module) -> dict:
+    """A Hugging Face Gated DeltaNet's gradients as `fp.nn.GatedDeltaNet`'s parameters
+    (its names), split as Hugging Face's own forward splits its projections (Qwen3-Next's
+    per-k-head groups by its ``fix_query_key_value_ordering``, applied to W^T)."""
+    grads = {n: p.grad for n, p in module.named_parameters()}
+    kd, vd = module.key_dim, module.value_dim
+    parts = {}
+    if "in_proj_qkvz.weight" in grads:
+        mixed = grads["in_proj_qkvz.weight"].T[None]  # (1, d, N): d "tokens"
+        split = module.fix_query_key_value_ordering(mixed, grads["in_proj_ba.weight"].T[None])
+        for name, t in zip("qkvzba", split, strict=True):  # (1, d, H, D) or (1, d, H)
+            parts[name] = t[0].reshape(t.shape[1], -1).T
+    elif "in_proj_qkv.weight" in grads:
+        parts.update(
+            zip("qkv", torch.split(grads["in_proj_qkv.weight"], [kd, kd, vd]), strict=True)
+        )
+        parts.update(z=grads["in_proj_z.weight"], b=grads["in_proj_b.weight"])
+        parts["a"] = grads["in_proj_a.weight"]
+    else:  # OLMo Hybrid's: one projection each, z from g_proj
+        for ours, theirs in zip("qkvzba", "qkvgba", strict=True):
+            parts[ours] = grads[f"{theirs}_proj.weight"]
+    out = {f"{name}_weight": t for name, t in parts.items()}
+    conv = torch.split(grads["conv1d.weight"].squeeze(1), [kd, kd, vd])
+    out.update({f"conv_{s}_weight": t for s, t in zip("qkv", conv, strict=True)})
+    norm = "o_norm.weight" if "o_norm.weight" in grads else "norm.weight"
+    o = "o_proj.weight" if "o_proj.weight" in grads else "out_proj.weight"
+    out.update(A_log=grads["A_log"], dt_bias=grads["dt_bias"])
+    out.update(norm_weight=grads[norm], o_weight=grads[o])
+    return out

@@ -210,6 +210,39 @@ FAMILIES = {  # family: (config class, model class, options that family exercise
         ),
     ),
 }
+# the hybrids: Gated DeltaNet layers ("linear_attention") among gated full attention
+# (Qwen's: q/k norms scaling by 1 + w, partial rotary) or OLMo's post-norm attention;
+# 4 k-heads (TP4: one a rank) of K 8, 8 v-heads of V 12 (K != V, two v-heads a k-head)
+LINEAR = dict(
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    linear_conv_kernel_dim=4,
+    head_dim=16,
+    num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+)
+QWEN_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    shared_expert_intermediate_size=40,
+)
+HYBRIDS = {  # not in FAMILIES: their tests are tests/hf/test_hf_hybrid.py's
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(LINEAR, **QWEN_MOE)),
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(LINEAR)),
+    "qwen3_5_moe_text": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        dict(LINEAR, **QWEN_MOE),
+    ),
+    "olmo_hybrid": (
+        "OlmoHybridConfig",
+        "OlmoHybridForCausalLM",
+        dict(LINEAR, pad_token_id=0, eos_token_id=1),
+    ),
+}
 NO_GQA = ("gpt_neox", "gpt2")  # configs without num_key_value_heads
 MOE = (
     "mixtral",
@@ -219,6 +252,8 @@ MOE = (
     "minimax_m2",
     "deepseek_v3",
     "gpt_oss",
+    "qwen3_next",
+    "qwen3_5_moe_text",
 )  # experts over ep = tp
 
 
@@ -230,7 +265,7 @@ def tiny_model(family: str, seed: int, head: str | None = None, **changes):
     causal LM's."""
     import transformers  # the [test] extra's; a test module skips itself without it
 
-    config_cls, model_cls, options = FAMILIES[family]
+    config_cls, model_cls, options = {**FAMILIES, **HYBRIDS}[family]
     # the eager expert loop: the default grouped GEMM has no float64 (the oracle's dtype)
     common = {k: v for k, v in COMMON.items() if family not in NO_GQA or "key_value" not in k}
     config = getattr(transformers, config_cls)(
