@@ -59,7 +59,7 @@ def test_the_search_rules_out_with_reasons():
 
 def test_an_estimate_refuses_a_layout_that_does_not_divide():
     odd = plan.ModelSpec("odd", 1024, 768, 2, 12, 3, 64, 2048)  # 3 KV heads
-    with pytest.raises(ValueError, match=r"n_kv_heads \(3\) is not divisible by the tp degree"):
+    with pytest.raises(ValueError, match=r"n_kv_heads \(3\) and the TP degree \(2\): one must"):
         plan.estimate(odd, fp.ParallelDims(tp=2), seq_len=8192)
     # TP a multiple of the KV heads replicates them (`ParallelAttention`): planned
     assert plan.estimate("llama3-70b", fp.ParallelDims(tp=16), seq_len=8192).mfu > 0
@@ -292,16 +292,16 @@ def _tiny_config(family: str) -> dict:
 
 
 def test_the_planner_takes_the_families_parallelize_converts_and_refuses_the_rest(tmp_path, capsys):
-    """Every family of `hf_config.FAMILIES` plans from its config dict; qwen3_next,
-    qwen3_5 and bert are refused with `parallelize`'s own ValueError, the same text, in
-    Python and on the command line (one line, exit 2)."""
+    """Every family of `hf_config.FAMILIES` plans from its config dict; qwen3_5 (the
+    vision-language wrapper) and bert are refused with `parallelize`'s own ValueError,
+    the same text, in Python and on the command line (one line, exit 2)."""
     hf = pytest.importorskip("fusedpar.integrations.hf")
     transformers = pytest.importorskip("transformers")
     for family in FAMILIES:
         spec = plan.from_hf_config(_tiny_config(family))
         est = plan.estimate(spec, fp.ParallelDims(), seq_len=1024)
         assert est.memory["peak"] > 0 and 0 < est.mfu <= 1, family
-    for family in ("qwen3_next", "qwen3_5", "bert"):
+    for family in ("qwen3_5", "bert"):
         config = transformers.AutoConfig.for_model(family)
         stub = types.SimpleNamespace(config=config)  # what parallelize reads first
         with pytest.raises(ValueError) as theirs:
@@ -410,10 +410,9 @@ def test_the_demo_line_runs_the_layout_it_names():
     )
     line, notes = _demo("llama3-8b", fp.ParallelDims(dp=8), dp_sharding="zero1", microbatches=2)
     assert line is None and any(n.startswith("FSDP2's zero1") for n in notes)
+    # tp 4 over the demo's 2 KV heads replicates each on 2 ranks (`ParallelAttention`)
     line, notes = _demo("llama3-8b", fp.ParallelDims(dp=2, tp=4))
-    assert line is None and notes == [
-        "the demo model (4 heads, 2 KV heads): n_kv_heads (2) is not divisible by the tp degree (4)"
-    ]
+    assert line == run + "--tp 4 --seq 4096 --batch 2" and notes == []
     line, notes = _demo("llama3-8b", fp.ParallelDims(dp=16), seq_len=2048)
     assert line.startswith("torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d")
     assert line.endswith("examples/train.py --seq 2048 --batch 16")
