@@ -67,15 +67,17 @@ def chunk_slot(pid_chunk, pid_head, Hv, NT, chunk_doc, chunk_first, N, VARLEN: t
 
 @triton.jit
 def doc_span(cu_seqlens, n, T, VARLEN: tl.constexpr):
-    """(batch row, first token, end token) of document `n`."""
+    """(batch row, first token, end token) of document `n`, in int64: every offset built
+    on them (b * stride, the scratch rows (b * T + t) * Hv * 128) passes 2**31 from about
+    a quarter million tokens at Qwen3.5's 32 value heads."""
     if VARLEN:
-        bos = tl.load(cu_seqlens + n).to(tl.int32)
-        eos = tl.load(cu_seqlens + n + 1).to(tl.int32)
-        b = n * 0
+        bos = tl.load(cu_seqlens + n).to(tl.int64)
+        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+        b = (n * 0).to(tl.int64)
     else:
-        bos = n * 0
+        bos = (n * 0).to(tl.int64)
         eos = bos + T
-        b = n
+        b = n.to(tl.int64)
     return b, bos, eos
 
 
@@ -249,10 +251,10 @@ def gdn_state_kernel(
 ):  # fmt: skip
     DT = q.dtype.element_ty
     pid_v, pid_nh = tl.program_id(0), tl.program_id(1)
-    n, h = pid_nh // Hv, pid_nh % Hv
+    n, h = (pid_nh // Hv).to(tl.int64), pid_nh % Hv  # int64: the states' offsets
     hk = h // GROUP
     b, bos, eos = doc_span(cu_seqlens, n, T, VARLEN)
-    first = tl.load(chunk_first + n) if VARLEN else n * NT
+    first = (tl.load(chunk_first + n) if VARLEN else n * NT).to(tl.int64)
     rows, kcols = tl.arange(0, BT), tl.arange(0, BK)
     vcols = pid_v * BV + tl.arange(0, BV)
     state_mask = (kcols[:, None] < K) & (vcols[None, :] < V)

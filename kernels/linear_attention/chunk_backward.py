@@ -70,10 +70,10 @@ def gdn_state_backward_kernel(
 ):  # fmt: skip
     DT = q.dtype.element_ty  # the dots' operands: 16-bit inputs' dtype, or fp32
     pid_v, pid_nh = tl.program_id(0), tl.program_id(1)
-    n, h = pid_nh // Hv, pid_nh % Hv
+    n, h = (pid_nh // Hv).to(tl.int64), pid_nh % Hv  # int64: the states' offsets
     hk = h // GROUP
     b, bos, eos = doc_span(cu_seqlens, n, T, VARLEN)
-    first = tl.load(chunk_first + n) if VARLEN else n * NT
+    first = (tl.load(chunk_first + n) if VARLEN else n * NT).to(tl.int64)
     rows, kcols = tl.arange(0, BT), tl.arange(0, BK)
     vcols = pid_v * BV + tl.arange(0, BV)
     state_mask = (kcols[:, None] < K) & (vcols[None, :] < V)
@@ -130,7 +130,7 @@ def gdn_chunk_grads_kernel(
     n, c, valid = chunk_slot(pid_c, pid_h, Hv, NT, chunk_doc, chunk_first, N, VARLEN)
     b, bos, eos = doc_span(cu_seqlens, n, T, VARLEN)
     start = bos + c * BT
-    chunk = (tl.load(chunk_first + n) if VARLEN else n * NT) + c
+    chunk = (tl.load(chunk_first + n) if VARLEN else n * NT).to(tl.int64) + c
     if valid & (start < eos):
         rows, kcols, vcols = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
         row_mask = start + rows < eos

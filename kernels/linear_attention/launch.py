@@ -17,16 +17,38 @@ float64 is all or nothing: with float64 q every float input is float64.
 """
 
 import numbers
+import weakref
 
 import torch
 from fusedpar.kernels import impl
 from fusedpar.kernels.attention.mask import check_cu_seqlens
-from fusedpar.kernels.common import check_float_dtype
+from fusedpar.kernels.common import check_float_dtype, device_guard
 from fusedpar.kernels.linear_attention import torch_impl
 from fusedpar.kernels.linear_attention.chunk import chunk_gated_delta_forward
 from fusedpar.kernels.linear_attention.chunk_backward import chunk_gated_delta_backward
 
 MAX_HEAD_DIM = 256  # K and V: the kernels hold a (K, V) fp32 state per program
+
+# cu_seqlens tensors whose values the kernels' path has read (id -> (ref, version, T)):
+# the kernels trust them (a document past T would write out of bounds), so each packed
+# batch costs one host read, as attention's masks do, not one per layer and step.
+_CHECKED_DOCUMENTS: dict[int, tuple] = {}
+
+
+def _check_documents_once(cu_seqlens, T: int, what: str) -> None:
+    entry = _CHECKED_DOCUMENTS.get(id(cu_seqlens))
+    if entry is not None and entry[0]() is cu_seqlens and entry[1:] == (cu_seqlens._version, T):
+        return
+    check_cu_seqlens(cu_seqlens, T, f"{what}: cu_seqlens")
+    if len(_CHECKED_DOCUMENTS) >= 64:
+        _CHECKED_DOCUMENTS.pop(next(iter(_CHECKED_DOCUMENTS)))
+    _CHECKED_DOCUMENTS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, T)
+
+
+def _kernel_state(t):
+    """A state (or its gradient) as the kernels read and write it: fp32, contiguous (a
+    transposed, expanded or 16-bit one is copied once: (N, Hv, K, V) is small)."""
+    return None if t is None else t.to(torch.float32).contiguous()
 
 
 def _shape(t) -> tuple:
@@ -37,8 +59,9 @@ def check_gated_delta_inputs(
     q, k, v, g, beta, *, scale, initial_state, cu_seqlens, what: str = "gated_delta_rule"
 ) -> None:
     """A clear TypeError or ValueError, naming the sizes, unless the inputs meet the
-    contract of the module's table. Reads no tensor's values (cu_seqlens' are read where
-    they are used)."""
+    contract of the module's table. Reads no tensor's values: cu_seqlens' are read by
+    torch's implementation as it runs, and checked once per tensor before the kernels,
+    which trust them."""
     named = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     if initial_state is not None:
         named["initial_state"] = initial_state
@@ -114,8 +137,23 @@ def gated_delta_forward(q, k, v, g, beta, *, scale, initial_state=None, cu_seqle
     check_gated_delta_inputs(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
     )
-    run = torch_impl.forward if impl.runs_torch(q) else chunk_gated_delta_forward
-    return run(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    if impl.runs_torch(q):
+        return torch_impl.forward(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
+        )
+    if cu_seqlens is not None:
+        _check_documents_once(cu_seqlens, q.shape[1], "gated_delta_rule")
+    with device_guard(q):
+        return chunk_gated_delta_forward(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=scale,
+            initial_state=_kernel_state(initial_state),
+            cu_seqlens=cu_seqlens,
+        )
 
 
 def gated_delta_backward(
@@ -146,16 +184,32 @@ def gated_delta_backward(
         raise ValueError(
             f"{what}: dfinal must be the final state's shape {(N, Hv, K, V)}, got {_shape(dfinal)}"
         )
-    run = torch_impl.backward if impl.runs_torch(q) else chunk_gated_delta_backward
-    return run(
-        do,
-        dfinal,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        initial_state=initial_state,
-        cu_seqlens=cu_seqlens,
-    )
+    if impl.runs_torch(q):
+        return torch_impl.backward(
+            do,
+            dfinal,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=scale,
+            initial_state=initial_state,
+            cu_seqlens=cu_seqlens,
+        )
+    if cu_seqlens is not None:
+        _check_documents_once(cu_seqlens, T, what)
+    with device_guard(q):
+        *grads, dinit = chunk_gated_delta_backward(
+            do,
+            _kernel_state(dfinal),
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=scale,
+            initial_state=_kernel_state(initial_state),
+            cu_seqlens=cu_seqlens,
+        )
+    return (*grads, None if dinit is None else dinit.to(initial_state.dtype))

@@ -24,6 +24,7 @@ from fusedpar.testing.strategies import randn, seeds
 from tests.linear_attention.helpers import (
     NAMES,
     RESULT_NAMES,
+    differentiable_copy,
     gdn_inputs,
     reference,
     run_with_grads,
@@ -276,3 +277,35 @@ def test_the_op_runs_the_triton_kernels_when_asked():
     )
     for name, a, b in zip(RESULT_NAMES, got, (*forward, *backward), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_the_kernels_take_any_layout_and_dtype_of_the_states():
+    """Triton's path reads states as fp32 contiguous: a transposed bf16-free initial state,
+    a 16-bit one, and the expanded dfinal of ``final.sum()`` give torch's results."""
+    inputs = gdn_inputs(2, 9, 1, 2, 8, 4, dtype=torch.float32, seed=5)
+    h0 = inputs["initial_state"]
+    layouts = {
+        "transposed": h0.transpose(-1, -2).contiguous().transpose(-1, -2),
+        "fp16": h0.half(),
+    }
+    for name, state in layouts.items():
+        results = {}
+        for implementation in ("torch", "triton"):
+            leaves = {n: differentiable_copy(inputs[n]) for n in NAMES[:5]}
+            init = state.detach().clone().requires_grad_()
+            with fp.implementation(implementation):
+                o, final = fp.gated_delta_rule(
+                    *leaves.values(), initial_state=init, output_final_state=True
+                )
+                (o.sum() + final.sum()).backward()  # dfinal: an expanded scalar
+            results[implementation] = [o, final, *(t.grad for t in leaves.values()), init.grad]
+        for a, b in zip(*results.values(), strict=True):
+            assert a.dtype == b.dtype and torch.isfinite(b).all(), name
+            torch.testing.assert_close(b, a, rtol=2e-3, atol=2e-3, msg=name)
+
+
+def test_the_kernels_refuse_documents_past_the_sequence():
+    inputs = gdn_inputs(1, 9, 1, 1, 4, 4, dtype=torch.float32, seed=6, documents=[4, 5])
+    inputs["cu_seqlens"] = torch.tensor([0, 4, 12], dtype=torch.int32)
+    with fp.implementation("triton"), pytest.raises(ValueError, match="end at the total"):
+        fp.gated_delta_rule(*(inputs[n] for n in NAMES[:5]), cu_seqlens=inputs["cu_seqlens"])
