@@ -28,6 +28,8 @@ from typing import NamedTuple
 import torch.nn.functional as F
 
 from fusedpar.kernels.attention import AttentionMask
+from fusedpar.kernels.linear_attention import MAX_HEAD_DIM
+from fusedpar.kernels.linear_attention.conv1d import MAX_WIDTH
 from fusedpar.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT, check_activation
 from fusedpar.kernels.moe_route import SCORES, check_groups
 from fusedpar.nn.attention_parts import QK_NORMS
@@ -313,6 +315,10 @@ class GatedDeltaNetSpec:
                 raise TypeError(f"GatedDeltaNet: {name} must be an int, got {value!r}")
             if value < 1:
                 raise ValueError(f"GatedDeltaNet: {name} must be positive, got {value}")
+        limits = {"head_k_dim": MAX_HEAD_DIM, "head_v_dim": MAX_HEAD_DIM, "conv_size": MAX_WIDTH}
+        for name, limit in limits.items():  # the ops' bounds, refused here rather than at a call
+            if sizes[name] > limit:
+                raise ValueError(f"GatedDeltaNet: {name} ({sizes[name]}) must be <= {limit}")
         if sizes["n_v_heads"] % self.n_k_heads:
             raise ValueError(
                 f"GatedDeltaNet: n_v_heads ({sizes['n_v_heads']}) must be a multiple of "

@@ -162,6 +162,8 @@ def test_on_a_mesh_cp_and_heads_off_the_tp_degree_are_refused(world):
         (dict(head_k_dim=0), ValueError, "head_k_dim must be positive"),
         (dict(head_v_dim=2.0), TypeError, "head_v_dim must be an int"),
         (dict(conv_size=True), TypeError, "conv_size must be an int"),
+        (dict(conv_size=5), ValueError, r"conv_size \(5\) must be <= 4"),
+        (dict(head_v_dim=320), ValueError, r"head_v_dim \(320\) must be <= 256"),
         (dict(norm_gate="relu"), ValueError, "norm_gate must be one of"),
         (dict(layout="mamba"), ValueError, "layout must be one of"),
         (dict(norm_eps=0.0), ValueError, "norm_eps must be > 0"),
