@@ -248,3 +248,18 @@ def test_long_signatures_are_few_and_only_users_entries():
     stray = [row for row in long if row[1] not in KEYWORD_ENTRIES.get(row[0], ())]
     assert not stray, f"over {MAX_PARAMETERS} parameters, not a user's entry: {stray}"
     assert len(long) <= MAX_LONG_SIGNATURES, f"{len(long)} long signatures: {long}"
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in tests/support/ or a family's helpers.py and cases.py."""
+    bad = []
+    for path in (ROOT / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if any(n.rpartition(".")[2].startswith("test_") for n in names):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, f"test modules importing test modules: {bad}"
