@@ -67,17 +67,15 @@ def chunk_slot(pid_chunk, pid_head, Hv, NT, chunk_doc, chunk_first, N, VARLEN: t
 
 @triton.jit
 def doc_span(cu_seqlens, n, T, VARLEN: tl.constexpr):
-    """(batch row, first token, end token) of document `n`, in int64: every offset built
-    on them (b * stride, the scratch rows (b * T + t) * Hv * 128) passes 2**31 from about
-    a quarter million tokens at Qwen3.5's 32 value heads."""
+    """(batch row, first token, end token) of document `n`."""
     if VARLEN:
-        bos = tl.load(cu_seqlens + n).to(tl.int64)
-        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
-        b = (n * 0).to(tl.int64)
+        bos = tl.load(cu_seqlens + n).to(tl.int32)
+        eos = tl.load(cu_seqlens + n + 1).to(tl.int32)
+        b = n * 0
     else:
-        bos = (n * 0).to(tl.int64)
+        bos = n * 0
         eos = bos + T
-        b = n.to(tl.int64)
+        b = n
     return b, bos, eos
 
 
@@ -251,10 +249,10 @@ def gdn_state_kernel(
 ):  # fmt: skip
     DT = q.dtype.element_ty
     pid_v, pid_nh = tl.program_id(0), tl.program_id(1)
-    n, h = (pid_nh // Hv).to(tl.int64), pid_nh % Hv  # int64: the states' offsets
+    n, h = pid_nh // Hv, pid_nh % Hv
     hk = h // GROUP
     b, bos, eos = doc_span(cu_seqlens, n, T, VARLEN)
-    first = (tl.load(chunk_first + n) if VARLEN else n * NT).to(tl.int64)
+    first = tl.load(chunk_first + n) if VARLEN else n * NT
     rows, kcols = tl.arange(0, BT), tl.arange(0, BK)
     vcols = pid_v * BV + tl.arange(0, BV)
     state_mask = (kcols[:, None] < K) & (vcols[None, :] < V)
@@ -408,11 +406,11 @@ def prepare(q, k, v, g, beta, scale, cu_seqlens, table, dims) -> tuple[torch.Ten
     return w, u, Tinv, M
 
 
-def run_states(
-    q, k, g, scratch, initial_state, cu_seqlens, table, dims, *, scale, o=None, store=None
-):
+def run_states(q, k, g, scratch, initial_state, cu_seqlens, table, dims, *, scale, writes):
     """Launch the state kernel over (V tiles, N * Hv): the final state (N, Hv, K, V) fp32;
-    writes `o` when given, the chunk states and new values into `store` when given."""
+    ``writes = (o, store)``: writes `o` when given, the chunk states and new values into
+    `store` when given."""
+    o, store = writes
     B, T, Hk, Hv, K, V, N = dims
     _, NT, _, chunk_first = table
     w, u, _, M = scratch
@@ -471,5 +469,7 @@ def chunk_gated_delta_forward(q, k, v, g, beta, *, scale, initial_state=None, cu
     table = chunk_table(cu_seqlens, T, B)
     scratch = prepare(q, k, v, g, beta, scale, cu_seqlens, table, dims)
     o = v.new_empty((B, T, Hv, V))
-    final = run_states(q, k, g, scratch, initial_state, cu_seqlens, table, dims, scale=scale, o=o)
+    final = run_states(
+        q, k, g, scratch, initial_state, cu_seqlens, table, dims, scale=scale, writes=(o, None)
+    )
     return o, final

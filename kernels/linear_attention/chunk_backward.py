@@ -70,10 +70,10 @@ def gdn_state_backward_kernel(
 ):  # fmt: skip
     DT = q.dtype.element_ty  # the dots' operands: 16-bit inputs' dtype, or fp32
     pid_v, pid_nh = tl.program_id(0), tl.program_id(1)
-    n, h = (pid_nh // Hv).to(tl.int64), pid_nh % Hv  # int64: the states' offsets
+    n, h = pid_nh // Hv, pid_nh % Hv
     hk = h // GROUP
     b, bos, eos = doc_span(cu_seqlens, n, T, VARLEN)
-    first = (tl.load(chunk_first + n) if VARLEN else n * NT).to(tl.int64)
+    first = tl.load(chunk_first + n) if VARLEN else n * NT
     rows, kcols = tl.arange(0, BT), tl.arange(0, BK)
     vcols = pid_v * BV + tl.arange(0, BV)
     state_mask = (kcols[:, None] < K) & (vcols[None, :] < V)
@@ -130,7 +130,7 @@ def gdn_chunk_grads_kernel(
     n, c, valid = chunk_slot(pid_c, pid_h, Hv, NT, chunk_doc, chunk_first, N, VARLEN)
     b, bos, eos = doc_span(cu_seqlens, n, T, VARLEN)
     start = bos + c * BT
-    chunk = (tl.load(chunk_first + n) if VARLEN else n * NT).to(tl.int64) + c
+    chunk = (tl.load(chunk_first + n) if VARLEN else n * NT) + c
     if valid & (start < eos):
         rows, kcols, vcols = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
         row_mask = start + rows < eos
@@ -301,7 +301,7 @@ def chunk_gated_delta_backward(
         table,
         dims,
         scale=scale,
-        store=(states, new_values),
+        writes=(None, (states, new_values)),
     )
     w, _, Tinv, M = scratch
     dinit = None if initial_state is None else torch.empty_like(initial_state)

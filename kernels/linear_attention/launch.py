@@ -45,6 +45,30 @@ def _check_documents_once(cu_seqlens, T: int, what: str) -> None:
     _CHECKED_DOCUMENTS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, T)
 
 
+def _check_int32_reach(tensors, N: int, what: str) -> None:
+    """The kernels address in int32: refuse, naming the sizes, a call whose inputs, chunk
+    scratch (B T Hv rows of max(K, V, 64)) or chunk states ((chunks) Hv K V) reach 2**31
+    elements (at Qwen3.5's 32 value heads of 128: about 260k tokens in one call)."""
+    q, v = tensors[0], tensors[2]
+    B, T, _, K = q.shape
+    Hv, V = v.shape[-2:]
+    chunks = B * -(-T // 64) if B > 1 or N == B else -(-T // 64) + N
+    sizes = {
+        "scratch": B * T * Hv * max(K, V, 64),
+        "chunk states": chunks * Hv * K * V,
+        **{
+            f"input {i}": sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+            for i, t in enumerate(tensors)
+        },
+    }
+    big = {name: size for name, size in sizes.items() if size >= 2**31}
+    if big:
+        raise ValueError(
+            f"{what}: B {B} x T {T} with Hv {Hv}, K {K}, V {V} is past the kernels' int32 "
+            f"offsets ({big} elements >= 2**31): split the call's batch or sequence"
+        )
+
+
 def _kernel_state(t):
     """A state (or its gradient) as the kernels read and write it: fp32, contiguous (a
     transposed, expanded or 16-bit one is copied once: (N, Hv, K, V) is small)."""
@@ -141,6 +165,8 @@ def gated_delta_forward(q, k, v, g, beta, *, scale, initial_state=None, cu_seqle
         return torch_impl.forward(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
         )
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    _check_int32_reach((q, k, v, g, beta), N, "gated_delta_rule")
     if cu_seqlens is not None:
         _check_documents_once(cu_seqlens, q.shape[1], "gated_delta_rule")
     with device_guard(q):
@@ -197,6 +223,7 @@ def gated_delta_backward(
             initial_state=initial_state,
             cu_seqlens=cu_seqlens,
         )
+    _check_int32_reach((q, k, v, g, beta, do), N, what)
     if cu_seqlens is not None:
         _check_documents_once(cu_seqlens, T, what)
     with device_guard(q):

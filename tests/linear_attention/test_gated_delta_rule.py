@@ -309,3 +309,12 @@ def test_the_kernels_refuse_documents_past_the_sequence():
     inputs["cu_seqlens"] = torch.tensor([0, 4, 12], dtype=torch.int32)
     with fp.implementation("triton"), pytest.raises(ValueError, match="end at the total"):
         fp.gated_delta_rule(*(inputs[n] for n in NAMES[:5]), cu_seqlens=inputs["cu_seqlens"])
+
+
+def test_the_kernels_refuse_sizes_past_their_int32_offsets():
+    """Meta tensors: no memory, only the sizes (Qwen3.5's 32 value heads of 128, 300k tokens)."""
+    q = k = torch.empty((1, 300_000, 16, 128), device="meta")
+    v = torch.empty((1, 300_000, 32, 128), device="meta")
+    g = beta = torch.empty((1, 300_000, 32), device="meta")
+    with fp.implementation("triton"), pytest.raises(ValueError, match="int32 offsets"):
+        gated_delta_forward(q, k, v, g, beta, scale=0.1)
