@@ -1,22 +1,19 @@
 """fp.gated_delta_rule (rows ``op``) and the layer fp.nn.GatedDeltaNet (rows ``layer``)
 against Hugging Face's torch fallback and flash-linear-attention (the op only).
 
-Qwen3.5-35B-A3B's GDN shapes: Hk = 16 key heads, Hv = 32 value heads, K = V = 128, one
-sequence (B = 1), bf16 (fp32 on a CPU), g fp32, q, k L2-normalized in the op. Op: T = 4k,
-16k, 64k on a GPU (``BENCH_QUICK=1``: 4k, 16k), 256, 1024 on a CPU. Layer (d 2048, conv
-4, TP 1, projections included; ``from_dense`` of HF's `Qwen3_5GatedDeltaNet`, timed
-beside that module): T = 4k, 16k on a GPU; T = 2k at a quarter width on a CPU.
+Qwen3.5-35B-A3B's GDN: Hk = 16, Hv = 32, K = V = 128, B = 1, bf16 (fp32 on a CPU), g fp32,
+q, k L2-normalized in the op. Op: T = 4k, 16k, 64k on a GPU (``BENCH_QUICK=1``: 4k, 16k),
+256, 1024 on a CPU. Layer (d 2048, conv 4, TP 1, projections included): T = 4k, 16k on a
+GPU; 2k at a quarter of the heads on a CPU.
 
 | peer             | what runs                                                        |
 | ---------------- | ---------------------------------------------------------------- |
-| `fusedpar`       | `fp.gated_delta_rule` as a user gets it (``FUSEDPAR_IMPL``)      |
-| `fusedpar-torch` | the same on torch's implementation (GPU only: on a CPU it is     |
-|                  | `fusedpar`)                                                      |
-| `hf`             | transformers' `torch_chunk_gated_delta_rule` (Qwen3-Next)        |
-| `fla`            | flash-linear-attention's `chunk_gated_delta_rule`, where it      |
-|                  | imports (GPU)                                                    |
-| layer `fusedpar` | `GatedDeltaNet.from_dense(hf)`, x (S, B, d)                      |
-| layer `hf`       | the `Qwen3_5GatedDeltaNet` module itself, x (B, S, d)            |
+| `fusedpar`       | `fp.gated_delta_rule` as a user gets it (``FUSEDPAR_IMPL``); the |
+|                  | layer: `GatedDeltaNet.from_dense(hf)` on x (S, B, d)             |
+| `fusedpar-torch` | the same on torch's implementation (GPU only)                    |
+| `hf`             | transformers' `torch_chunk_gated_delta_rule` (Qwen3-Next); the   |
+|                  | layer: the `Qwen3_5GatedDeltaNet` module itself on x (B, S, d)   |
+| `fla`            | flash-linear-attention's `chunk_gated_delta_rule` (GPU, the op)  |
 
 Milliseconds of the forward and the backward (forward + backward less forward; no final
 state), fusedpar's speedups over `hf` and `fla` (H100 target: >= 1.0x fla both ways). A
