@@ -15,7 +15,8 @@
 # 8: #53's CPU tests that lean on torch internals (the DTensor swap of fp.distribute, the
 #    checkpoint's entry on the store, compile through distribute's hook) on torch 2.11
 # 9: the gated delta rule (#55): fp.gated_delta_rule against Hugging Face's torch fallback,
-#    flash-linear-attention (where fla-core is installed) and its own torch implementation
+#    flash-linear-attention (where fla-core is installed) and its own torch implementation;
+#    then the layer fp.nn.GatedDeltaNet against HF's Qwen3_5GatedDeltaNet (TP 1, T 4k, 16k)
 #
 # Each step installs fusedpar, records the device, runs its parts under their own time
 # limits (summing to under 9 minutes, so the tarball is always written) and leaves at most
@@ -94,8 +95,8 @@ case $step in
   8) part torch211_cpu 300 env TRITON_INTERPRET=1 python -m pytest -n 4 -q -p no:cacheprovider \
        --timeout 240 tests/storage/test_storage.py tests/checkpoint/test_checkpoint.py tests/storage/test_checks.py \
        tests/test_compile.py tests/pipeline/test_pipeline.py ;;
-  # #55: Qwen3.5-35B's GDN shapes, T = 4k and 16k (quick), forward and backward
-  9) part linear_attention 420 "${bench[@]}" linear_attention ;;
+  # #55: Qwen3.5-35B's GDN shapes, T = 4k and 16k (quick), forward and backward, op and layer
+  9) part linear_attention 480 "${bench[@]}" linear_attention ;;
   *) echo "unknown step $step: 0-9" >&2; exit 2 ;;
 esac
 tar -czf "$out/results.tgz" -C "$results" .

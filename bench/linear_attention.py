@@ -1,23 +1,23 @@
-"""fp.gated_delta_rule against Hugging Face's torch fallback and flash-linear-attention.
+"""fp.gated_delta_rule (rows ``op``) and the layer fp.nn.GatedDeltaNet (rows ``layer``)
+against Hugging Face's torch fallback and flash-linear-attention (the op only).
 
-Qwen3.5-35B-A3B's GDN shapes: Hk = 16 key heads, Hv = 32 value heads, K = V = 128, one
-sequence (B = 1), q, k, v and beta bf16 (fp32 on a CPU), g fp32, q and k L2-normalized
-in the op (``use_qk_l2norm_in_kernel``, as the models call it). T = 4k, 16k and 64k on a
-GPU (``BENCH_QUICK=1``: 4k and 16k), 256 and 1024 on a CPU.
+Qwen3.5-35B-A3B's GDN: Hk = 16, Hv = 32, K = V = 128, B = 1, bf16 (fp32 on a CPU), g fp32,
+q, k L2-normalized in the op. Op: T = 4k, 16k, 64k on a GPU (``BENCH_QUICK=1``: 4k, 16k),
+256, 1024 on a CPU. Layer (d 2048, conv 4, TP 1, projections included): T = 4k, 16k on a
+GPU; 2k at a quarter of the heads on a CPU.
 
 | peer             | what runs                                                        |
 | ---------------- | ---------------------------------------------------------------- |
-| `fusedpar`       | `fp.gated_delta_rule` as a user gets it (``FUSEDPAR_IMPL``)      |
-| `fusedpar-torch` | the same on torch's implementation (GPU only: on a CPU it is     |
-|                  | `fusedpar`)                                                      |
-| `hf`             | transformers' `torch_chunk_gated_delta_rule` (Qwen3-Next)        |
-| `fla`            | flash-linear-attention's `chunk_gated_delta_rule`, where it      |
-|                  | imports (GPU)                                                    |
+| `fusedpar`       | `fp.gated_delta_rule` as a user gets it (``FUSEDPAR_IMPL``); the |
+|                  | layer: `GatedDeltaNet.from_dense(hf)` on x (S, B, d)             |
+| `fusedpar-torch` | the same on torch's implementation (GPU only)                    |
+| `hf`             | transformers' `torch_chunk_gated_delta_rule` (Qwen3-Next); the   |
+|                  | layer: the `Qwen3_5GatedDeltaNet` module itself on x (B, S, d)   |
+| `fla`            | flash-linear-attention's `chunk_gated_delta_rule` (GPU, the op)  |
 
-Milliseconds of the forward and of the backward (forward + backward less forward; the
-final state is not asked for), and fusedpar's speedups over `hf` and `fla` (targets on
-an H100: >= 1.0x fla both ways). A peer that fails a point (out of memory, not
-installed, not implemented) is null, its reason in the row's ``notes``.
+Milliseconds of the forward and the backward (forward + backward less forward; no final
+state), fusedpar's speedups over `hf` and `fla` (H100 target: >= 1.0x fla both ways). A
+peer that fails a point is null, its reason in the row's ``notes``.
 """
 
 import os
@@ -31,6 +31,10 @@ from bench.common import environment, quick, time_ms, write_results
 HK, HV, HEAD_DIM = 16, 32, 128  # Qwen3.5-35B-A3B's GDN layer
 GPU_TOKENS = (4096, 16384, 65536)
 CPU_TOKENS = (256, 1024)
+# the layer: (d_model, Hk, Hv) by device; head dims HEAD_DIM, conv 4, B = 1, TP 1
+LAYER_WIDTH = {"cuda": (2048, 16, 32), "cpu": (512, 4, 8)}  # CPU: a quarter of the heads
+LAYER_GPU_TOKENS = (4096, 16384)
+LAYER_CPU_TOKENS = (2048,)
 PEERS = ("fusedpar", "fusedpar-torch", "hf", "fla")
 
 
@@ -88,36 +92,35 @@ def _cpu_ms(fn, reps: int = 3) -> float:
     return min(times)
 
 
-def measure(name: str, inputs, do) -> tuple[float, float]:
-    """(forward ms, backward ms) of a peer on `inputs`."""
-    fn = peer_function(name)
+def measure(fn, leaves, do) -> tuple[float, float]:
+    """(forward ms, backward ms) of ``fn() -> out`` whose backward of `do` fills `leaves`."""
 
     def forward():
         with torch.no_grad():
-            fn(*inputs)
+            fn()
 
     def both():
-        for t in inputs:
+        for t in leaves:
             t.grad = None
-        fn(*inputs).backward(do)
+        fn().backward(do)
 
-    timer = time_ms if inputs[0].is_cuda else _cpu_ms
+    timer = time_ms if do.is_cuda else _cpu_ms
     fwd = timer(forward)
     return fwd, timer(both) - fwd
 
 
-def point(T: int, device: str, dtype, peers) -> dict:
-    row, notes = {"T": T}, []
-    inputs = make_inputs(T, device, dtype)
-    do = torch.randn(1, T, HV, HEAD_DIM, device=device, dtype=dtype)
-    for name in peers:
-        try:
-            row[f"{name}_fwd_ms"], row[f"{name}_bwd_ms"] = measure(name, inputs, do)
-        except Exception as error:  # recorded per peer: the other peers still run
-            row[f"{name}_fwd_ms"] = row[f"{name}_bwd_ms"] = None
-            notes.append(f"{name}: {type(error).__name__}: {str(error).splitlines()[0][:100]}")
-        if device == "cuda":
-            torch.cuda.empty_cache()
+def _timed(row: dict, notes: list, name: str, run) -> None:
+    """``row``'s two timings of peer `name` by ``run() -> (fwd, bwd)``, or nulls and a note."""
+    try:
+        row[f"{name}_fwd_ms"], row[f"{name}_bwd_ms"] = run()
+    except Exception as error:  # recorded per peer: the other peers still run
+        row[f"{name}_fwd_ms"] = row[f"{name}_bwd_ms"] = None
+        notes.append(f"{name}: {type(error).__name__}: {str(error).splitlines()[0][:100]}")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _finish(row: dict, notes: list) -> dict:
     for peer in ("hf", "fla"):
         for side in ("fwd", "bwd"):
             ours, theirs = row.get(f"fusedpar_{side}_ms"), row.get(f"{peer}_{side}_ms")
@@ -125,6 +128,67 @@ def point(T: int, device: str, dtype, peers) -> dict:
     row["notes"] = "; ".join(notes)
     print({k: v for k, v in row.items() if v is not None and v != ""})
     return row
+
+
+def point(T: int, device: str, dtype, peers) -> dict:
+    row, notes = {"what": "op", "T": T}, []
+    inputs = make_inputs(T, device, dtype)
+    do = torch.randn(1, T, HV, HEAD_DIM, device=device, dtype=dtype)
+    for name in peers:
+        fn = peer_function(name)
+        _timed(row, notes, name, lambda fn=fn: measure(lambda: fn(*inputs), inputs, do))
+    return _finish(row, notes)
+
+
+def hf_layer(device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """Hugging Face's `Qwen3_5GatedDeltaNet` at `LAYER_WIDTH`'s size (its own init)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    d_model, hk, hv = LAYER_WIDTH[device]
+    config = m.Qwen3_5TextConfig(
+        hidden_size=d_model,
+        linear_num_key_heads=hk,
+        linear_num_value_heads=hv,
+        linear_key_head_dim=HEAD_DIM,
+        linear_value_head_dim=HEAD_DIM,
+        linear_conv_kernel_dim=4,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    torch.manual_seed(0)
+    return m.Qwen3_5GatedDeltaNet(config, 0).to(device=device, dtype=dtype)
+
+
+def layer_peers(module: torch.nn.Module, x: torch.Tensor) -> dict:
+    """name -> (``fn() -> out``, x's leaf): HF's module on x (B, S, d), ours (TP 1) on
+    its sequence-first copy (S, B, d)."""
+    layer = fp.nn.GatedDeltaNet.from_dense(module)
+    x_sbd = x.detach().transpose(0, 1).contiguous().requires_grad_()  # (S, B, d)
+
+    def ours_torch():
+        with fp.implementation("torch"):
+            return layer(x_sbd)
+
+    peers = {"fusedpar": (lambda: layer(x_sbd), x_sbd), "hf": (lambda: module(x), x)}
+    if x.is_cuda:
+        peers["fusedpar-torch"] = (ours_torch, x_sbd)
+    return peers
+
+
+def layer_point(T: int, device: str, dtype) -> dict:
+    """Forward and backward (x's and every parameter's gradient) of the layer and HF's."""
+    row, notes = {"what": "layer", "T": T}, []
+    module = hf_layer(device, dtype)
+    gen = torch.Generator(device=device).manual_seed(T)
+    d_model = LAYER_WIDTH[device][0]
+    x = torch.randn(1, T, d_model, generator=gen, device=device, dtype=dtype)
+    do = torch.randn(1, T, d_model, generator=gen, device=device, dtype=dtype)
+    for name, (fn, leaf) in layer_peers(module, x.requires_grad_()).items():
+        grad = do if leaf is x else do.transpose(0, 1).contiguous()  # (S, B, d) for ours
+        _timed(row, notes, name, lambda fn=fn, leaf=leaf, g=grad: measure(fn, [leaf], g))
+    return _finish(row, notes)
 
 
 def main() -> None:
@@ -139,7 +203,7 @@ def main() -> None:
         "dtype": f"{str(dtype).removeprefix('torch.')} (g fp32)",
         "timing": "do_bench median (GPU); fastest of 3 after a warm-up (CPU)",
     }
-    columns = ["T"]
+    columns = ["what", "T"]
     columns += [f"{p}_{side}_ms" for p in peers for side in ("fwd", "bwd")]
     columns += [f"{side}_vs_{p}" for p in ("hf", "fla") if p in peers for side in ("fwd", "bwd")]
     columns.append("notes")
@@ -147,9 +211,14 @@ def main() -> None:
     for T in tokens:
         rows.append(point(T, device, dtype, peers))
         write_results("linear_attention", rows, columns, meta, announce=False)
+    d_model, hk, hv = LAYER_WIDTH[device]
+    meta["layer_shape"] = f"B=1, d={d_model}, Hk={hk}, Hv={hv}, K=V={HEAD_DIM}, conv 4, TP 1"
+    for T in LAYER_GPU_TOKENS if gpu else LAYER_CPU_TOKENS:
+        rows.append(layer_point(T, device, dtype))
+        write_results("linear_attention", rows, columns, meta, announce=False)
 
     def plot(ax):
-        labels = [str(r["T"]) for r in rows]
+        labels = [f"{r['what']} {r['T']}" for r in rows]
         width = 0.8 / (2 * len(peers))
         for i, (name, side) in enumerate((p, s) for p in peers for s in ("fwd", "bwd")):
             ys = [r.get(f"{name}_{side}_ms") or 0.0 for r in rows]
@@ -161,9 +230,9 @@ def main() -> None:
             )
         ax.set_xticks(list(range(len(rows))), labels)
         ax.set_yscale("log")
-        ax.set_xlabel("T (tokens)")
+        ax.set_xlabel("op or layer, T (tokens)")
         ax.set_ylabel("ms")
-        ax.set_title(f"gated delta rule, {meta['shape']}, {meta['device']}")
+        ax.set_title(f"gated delta rule and GatedDeltaNet, {meta['device']}")
         ax.legend()
 
     write_results("linear_attention", rows, columns, meta, plot)
