@@ -495,15 +495,43 @@ def _windows(x, initial_states, W, tokens):
     return _gather(x, initial_states, W, row[:, None], p, start[:, None], doc[:, None])
 
 
+def _taps(x, weight, initial_states, cu_seqlens, tokens):
+    """(B * T, C) fp32 (float64 for float64 x): sum over taps s of x[t - s] w[W - 1 - s],
+    one shifted slice a tap (a gather of every tap's input, (B T, W, C), cost 2x the whole
+    forward at T = 2k). Before a sequence the stream holds its initial states (or zeros);
+    before a packed document's start a tap reads the document's own (or zero)."""
+    B, T, C = x.shape
+    W, wide = weight.shape[1], common.accumulator(x.dtype)
+    taps = weight.to(wide)
+    if initial_states is not None and cu_seqlens is None:
+        before = initial_states.transpose(1, 2).to(wide)  # (B, W - 1, C)
+    else:
+        before = x.new_zeros((B, W - 1, C), dtype=wide)
+    stream = torch.cat([before, x.to(wide)], 1)  # (B, W - 1 + T, C)
+    pre = stream[:, W - 1 :] * taps[:, W - 1]
+    _, t, doc, start, _ = (v.view(B, T) for v in tokens)
+    for shift in range(1, W):
+        shifted = stream[:, W - 1 - shift : W - 1 - shift + T]  # x at t - shift
+        if cu_seqlens is not None:  # a tap before the document's start
+            outside = (t - shift < start)[..., None]
+            if initial_states is not None:
+                i = (t - shift - start + W - 1).clamp(0, W - 2)
+                own = initial_states.transpose(1, 2)[doc, i].to(wide)
+            else:
+                own = 0.0
+            shifted = torch.where(outside, own, shifted)
+        pre = pre + shifted * taps[:, W - 1 - shift]
+    return pre.view(B * T, C)
+
+
 def _forward_torch(x, weight, bias, activation, cu_seqlens, initial_states, final_states=True):
     """(pre-activation (B * T, C), y (B * T, C), final_states (N, C, W - 1) or None) in
     fp32 (float64 for float64 x): the gathers of every tap, weighted and summed."""
     W = weight.shape[1]
     tokens, (n_row, n_start, n_end) = _positions(x, cu_seqlens)
-    window = _windows(x, initial_states, W, tokens)
-    pre = (window * weight.T.to(window.dtype)).sum(1)
+    pre = _taps(x, weight, initial_states, cu_seqlens, tokens)
     if bias is not None:
-        pre = pre + bias.to(window.dtype)
+        pre = pre + bias.to(pre.dtype)
     y = torch.nn.functional.silu(pre) if activation == "silu" else pre
     if not final_states:
         return pre, y, None
