@@ -22,7 +22,7 @@ import weakref
 import torch
 from fusedpar.kernels import impl
 from fusedpar.kernels.attention.mask import check_cu_seqlens
-from fusedpar.kernels.common import check_float_dtype, device_guard
+from fusedpar.kernels.common import cdiv, check_float_dtype, device_guard
 from fusedpar.kernels.linear_attention import torch_impl
 from fusedpar.kernels.linear_attention.chunk import chunk_gated_delta_forward
 from fusedpar.kernels.linear_attention.chunk_backward import chunk_gated_delta_backward
@@ -52,7 +52,7 @@ def _check_int32_reach(tensors, N: int, what: str) -> None:
     q, v = tensors[0], tensors[2]
     B, T, _, K = q.shape
     Hv, V = v.shape[-2:]
-    chunks = B * -(-T // 64) if B > 1 or N == B else -(-T // 64) + N
+    chunks = B * cdiv(T, 64) if N == B else cdiv(T, 64) + N  # packed: a part-chunk a document
     sizes = {
         "scratch": B * T * Hv * max(K, V, 64),
         "chunk states": chunks * Hv * K * V,
