@@ -19,6 +19,7 @@ checkpointing keeps the recurrence's inputs, never its states).
 import torch
 from torch import Tensor
 
+from fusedpar.comm import Group, group_size, resolve_group
 from fusedpar.kernels.common import accumulator
 from fusedpar.kernels.linear_attention import (
     check_gated_delta_inputs,
@@ -26,7 +27,9 @@ from fusedpar.kernels.linear_attention import (
     gated_delta_forward,
     l2norm_reference,
 )
+from fusedpar.ops.linear_attention_cp import context_parallel_gated_delta
 from fusedpar.ops.registration import asked, autograd_op, direct_op
+from fusedpar.ops.sequence import check_layout
 
 # --- custom ops: fusedpar::gated_delta_rule and its backward -----------------------------
 # No argument has a default (the dispatcher leaves out one given at its default). The
@@ -143,6 +146,8 @@ def gated_delta_rule(
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    group: Group = None,
+    layout: str = "zigzag",
 ) -> tuple[Tensor, Tensor | None]:
     """The gated delta rule (Gated DeltaNet; KDA with a per-channel g), chunked: the
     signature of flash-linear-attention's ``chunk_gated_delta_rule``, which Hugging
@@ -161,13 +166,31 @@ def gated_delta_rule(
     Returns ``(o, final_state)``: o (B, T, Hv, V) in v's dtype; final_state (N, Hv, K,
     V) fp32 (float64 for float64) when `output_final_state`, else None. Gradients for
     q, k, v, g, beta and initial_state, from both outputs.
+
+    With a context-parallel `group` (size > 1), q, k, v, g and beta are this rank's shard
+    of the sequence as ``fusedpar.shard_sequence(x, group, layout=layout)`` gives it, and
+    o is this rank's shard of the single-device result (`fusedpar.ops.linear_attention_cp`).
+    `initial_state`, `cu_seqlens` (the whole packed stream's documents) and the final
+    state are the sequence's own, the same on every rank.
     """
     K = q.shape[-1] if isinstance(q, Tensor) and q.dim() else 1
     scale = K**-0.5 if scale is None else scale
     check_gated_delta_inputs(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
     )
+    if group_size(group) > 1:
+        check_layout(layout)
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
+    if group_size(group) > 1:
+        return context_parallel_gated_delta(
+            (q, k, v, g, beta),
+            scale=float(scale),
+            initial_state=initial_state,
+            cu_seqlens=cu_seqlens,
+            want_final=output_final_state,
+            group=resolve_group(group),
+            layout=layout,
+        )
     o, final = _gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, float(scale))
     return o, (final if output_final_state else None)

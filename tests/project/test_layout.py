@@ -212,13 +212,14 @@ def test_module_docstrings_are_short():
 # and only they, may pass it, and no more than MAX_LONG_SIGNATURES of them: a concept that
 # crosses layers travels as one value (AttentionMask, Placement, a spec).
 MAX_PARAMETERS = 10
-MAX_LONG_SIGNATURES = 15
+MAX_LONG_SIGNATURES = 16  # 16th: gated_delta_rule, FLA's ten and the CP pair (#56)
 KEYWORD_ENTRIES = {
     "fusedpar.nn.attention": {"__init__", "from_dense"},
     "fusedpar.nn.mla": {"__init__"},
     "fusedpar.nn.moe": {"__init__"},
     "fusedpar.nn.linear": {"__init__"},
     "fusedpar.ops.attention": {"flash_attn_varlen"},
+    "fusedpar.ops.linear_attention": {"gated_delta_rule"},
     "fusedpar.ops.ring_attention": {"ring_attn"},
     "fusedpar.ops.ulysses": {"ulysses_attn"},
     "fusedpar.ops.virtual_ring": {"virtual_ring_attn"},
