@@ -16,6 +16,9 @@ Hkv < P) and as much backward, independent of W in total size per rank.
 
 GPU: the modes need one GPU per rank; a one-GPU machine has nothing to compare, so the
 GPU part is the message counts (device independent) until a multi-GPU run.
+
+Then linear attention (`bench.linear_attention_cp`, its own results file): one rank's
+gated delta rule under CP at W = 2, 4, 8, against the op on the same tokens alone.
 """
 
 import contextlib
@@ -25,6 +28,7 @@ import time
 
 import torch
 
+from bench import linear_attention_cp
 from bench.common import paired_bars, write_results
 
 CPU_SHAPE = {"batch": 1, "seq_len": 512, "heads": 8, "kv_heads": 2, "head_dim": 32}
@@ -203,3 +207,4 @@ def main() -> None:
         )
 
     write_results("context_parallel", rows, columns, meta, plot)
+    linear_attention_cp.main()  # the gated delta rule's spans: their own file

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU run plan of bench/NOTES.md, one self-contained command per step:
 #
-#   bash bench/gpu_run.sh STEP      (STEP 0-9, on a fresh lent GPU machine, with $OUT set)
+#   bash bench/gpu_run.sh STEP      (STEP 0-10, on a fresh lent GPU machine, with $OUT set)
 #
 # 0: what is new since the last run, for a 15-minute budget: the fused schedule's GPU tests,
 #    bench linear, and the other new GPU tests
@@ -17,13 +17,15 @@
 # 9: the gated delta rule (#55): fp.gated_delta_rule against Hugging Face's torch fallback,
 #    flash-linear-attention (where fla-core is installed) and its own torch implementation;
 #    then the layer fp.nn.GatedDeltaNet against HF's Qwen3_5GatedDeltaNet (TP 1, T 4k, 16k)
+# 10: the gated delta rule under CP (#56): one rank's spans at W = 2, 4, 8 (8k tokens a
+#    span) against the op alone on its tokens
 #
 # Each step installs fusedpar, records the device, runs its parts under their own time
 # limits (summing to under 9 minutes, so the tarball is always written) and leaves at most
 # 8 files in $OUT: install.log, device.txt, summary.txt, one log per part, results.tgz
 # (every bench's JSON, table and plot, and the tuner's picks).
 set -uo pipefail
-step=${1:?usage: bash bench/gpu_run.sh 0|1|2|3|4|5|6|7|8|9}
+step=${1:?usage: bash bench/gpu_run.sh 0|1|2|3|4|5|6|7|8|9|10}
 out=${OUT:?set OUT to a folder that comes back}
 results=/tmp/fusedpar-results
 mkdir -p "$results"
@@ -97,7 +99,10 @@ case $step in
        tests/test_compile.py tests/pipeline/test_pipeline.py ;;
   # #55: Qwen3.5-35B's GDN shapes, T = 4k and 16k (quick), forward and backward, op and layer
   9) part linear_attention 480 "${bench[@]}" linear_attention ;;
-  *) echo "unknown step $step: 0-9" >&2; exit 2 ;;
+  # #56: Qwen3.5-35B's GDN shapes, the summaries' overhead on a rank (target <= 15%)
+  10) part linear_attention_cp 240 env TRITON_PRINT_AUTOTUNING=1 \
+        FUSEDPAR_TUNING_CACHE=$results/picks.json python -m bench.linear_attention_cp ;;
+  *) echo "unknown step $step: 0-10" >&2; exit 2 ;;
 esac
 tar -czf "$out/results.tgz" -C "$results" .
 for log in "$out"/*.log; do echo "== $log"; tail -n 15 "$log"; done

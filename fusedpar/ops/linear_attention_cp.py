@@ -137,12 +137,29 @@ def _reach(v_like: Tensor, plan: SpanPlan, K: int) -> list:
     return [(v_like.new_zeros((*v_like.shape[:-1], K)), rows_m)]
 
 
+class Exchange:
+    """What crosses the ranks of `group`: an all-gather of every span's summary and a sum
+    (a benchmark stands in for it to time one rank's work alone)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank, self.size = group_rank(group), group_size(group)
+
+    def gather(self, x: Tensor) -> Tensor:
+        """(W n, ...): every rank's `x` (n, ...), rank-major."""
+        return all_gather_async(x.contiguous(), self.group).wait()
+
+    def sum(self, x: Tensor) -> Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
 @dataclass(frozen=True)
 class _Setup:
     plan: SpanPlan
     cu_seqlens: Tensor  # the local stream's pieces, int32
     scale: float
-    group: dist.ProcessGroup
+    exchange: Exchange
     want_final: bool
 
 
@@ -151,10 +168,10 @@ def _stream(tensors, B: int, T: int) -> list[Tensor]:
     return [t.reshape(1, B * T, *t.shape[2:]) for t in tensors]
 
 
-def _gather_spans(per_slot: Tensor, plan: SpanPlan, group) -> list[Tensor]:
+def _gather_spans(per_slot: Tensor, plan: SpanPlan, exchange: Exchange) -> list[Tensor]:
     """Every span's entry of `per_slot` (slots, rows, ...), in global span order, from every
     rank: one all-gather."""
-    gathered = all_gather_async(per_slot.contiguous(), group).wait()
+    gathered = exchange.gather(per_slot)
     slots = len(plan.spans.mine)
     return [
         gathered[rank * slots + slot]
@@ -196,7 +213,7 @@ def _unfold(plan: SpanPlan, spans_d: list[Tensor], maps: Tensor) -> Tensor:
     return torch.stack(found)
 
 
-def _finals(plan: SpanPlan, spans, entering, final_v, final_m, initial_state, group) -> Tensor:
+def _finals(plan: SpanPlan, spans, entering, final_v, final_m, initial_state, exchange) -> Tensor:
     """The final state of every sequence or document (N, Hv, K, V), on every rank: the
     last span's map without documents; with them, each document's from the rank where
     it ends (one all-reduce)."""
@@ -209,7 +226,7 @@ def _finals(plan: SpanPlan, spans, entering, final_v, final_m, initial_state, gr
             finals[p.doc] = final_v[i]
             if p.carries_in:
                 finals[p.doc] += final_m[i] @ entering[plan.spans.mine[p.slot], 0]
-    dist.all_reduce(finals, group=group)
+    exchange.sum(finals)
     for d in plan.empty:
         finals[d] = 0 if initial_state is None else initial_state[d]
     return finals
@@ -245,7 +262,7 @@ class _ContextParallelGatedDelta(torch.autograd.Function):
             {key: torch.cat([final_v[i], final_m[i]], -1) for key, i in _last_pieces(plan).items()},
             torch.empty((1, Hv, K, V + K), dtype=wide, device=q.device),
         )
-        spans = _gather_spans(maps, plan, setup.group)  # [E | M] of every span
+        spans = _gather_spans(maps, plan, setup.exchange)  # [E | M] of every span
         init = None if initial_state is None else initial_state.to(wide)
         entering = _fold(plan, spans, init, V)  # (C, rows, Hv, K, V)
         o = o0.to(wide)
@@ -257,7 +274,7 @@ class _ContextParallelGatedDelta(torch.autograd.Function):
                 )
         final = None
         if setup.want_final:
-            final = _finals(plan, spans, entering, final_v, final_m, init, setup.group)
+            final = _finals(plan, spans, entering, final_v, final_m, init, setup.exchange)
         ctx.setup = setup
         maps_m = torch.stack([s[..., V:] for s in spans])  # (C, rows, Hv, K, K)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, entering, maps_m)
@@ -297,7 +314,7 @@ class _ContextParallelGatedDelta(torch.autograd.Function):
                     d = d + final_m[i].transpose(-1, -2) @ dfinal[p.doc]
                 own[p.slot, p.row] = d
         like = torch.empty((1, Hv, K, V), dtype=wide, device=q.device)
-        spans_d = _gather_spans(_per_slot(plan, own, like), plan, setup.group)
+        spans_d = _gather_spans(_per_slot(plan, own, like), plan, setup.exchange)
         dentering = _unfold(plan, spans_d, maps_m)  # (C, rows, Hv, K, V)
         # the single-device backward from the true entering state and leaving gradient
         zero = like[0].new_zeros(like.shape[1:])
@@ -327,13 +344,13 @@ class _ContextParallelGatedDelta(torch.autograd.Function):
         grads = [d.reshape(t.shape) for d, t in zip(grads, (q, k, v, g, beta), strict=True)]
         dinitial = None
         if initial_state is not None and ctx.needs_input_grad[5]:
-            dinitial = _initial_grad(plan, dentering, dinit, dfinal, setup.group).to(
+            dinitial = _initial_grad(plan, dentering, dinit, dfinal, setup.exchange).to(
                 initial_state.dtype
             )
         return (*grads, dinitial, None)
 
 
-def _initial_grad(plan: SpanPlan, dentering: Tensor, dinit: Tensor, dfinal, group) -> Tensor:
+def _initial_grad(plan: SpanPlan, dentering: Tensor, dinit: Tensor, dfinal, exchange) -> Tensor:
     """initial_state's gradient, whole on every rank (as for any input every rank holds):
     span 0's entering gradient without documents; with them, each document's from the
     rank where it starts (one all-reduce)."""
@@ -343,7 +360,7 @@ def _initial_grad(plan: SpanPlan, dentering: Tensor, dinit: Tensor, dfinal, grou
     for i, p in enumerate(plan.pieces):
         if not p.carries_in:  # the piece where its document starts
             found[p.doc] = dinit[i]
-    dist.all_reduce(found, group=group)
+    exchange.sum(found)
     for d in plan.empty:  # the final state is the initial one
         found[d] = 0 if dfinal is None else dfinal[d]
     return found
@@ -352,16 +369,18 @@ def _initial_grad(plan: SpanPlan, dentering: Tensor, dinit: Tensor, dfinal, grou
 def context_parallel_gated_delta(
     inputs, *, scale, initial_state, cu_seqlens, want_final, group, layout
 ):
-    """`fusedpar.gated_delta_rule` over a context-parallel `group` (size > 1): inputs (q,
-    k, v, g, beta) this rank's shard under `layout`; checked by the caller."""
+    """`fusedpar.gated_delta_rule` over a context-parallel `group` (size > 1; or an
+    `Exchange`): inputs (q, k, v, g, beta) this rank's shard under `layout`, checked by
+    the caller."""
     q = inputs[0]
     B, T = q.shape[:2]
-    spans = Spans(group_rank(group), group_size(group), layout, T)
     if T == 0:
         raise ValueError(
             "gated_delta_rule: under context parallelism each rank needs tokens, got T = 0"
         )
+    exchange = group if isinstance(group, Exchange) else Exchange(group)
+    spans = Spans(exchange.rank, exchange.size, layout, T)
     plan = plan_spans(spans, B, cu_seqlens)
     local = torch.tensor(plan.bounds, dtype=torch.int32, device=q.device)
-    setup = _Setup(plan, local, float(scale), group, want_final)
+    setup = _Setup(plan, local, float(scale), exchange, want_final)
     return _ContextParallelGatedDelta.apply(*inputs, initial_state, setup)
