@@ -338,6 +338,33 @@ def gather_from_region(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Te
     return x if pg is None else _GatherFromRegion.apply(x, pg, dim % x.dim())
 
 
+class _SplitToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg, dim):
+        ctx.pg, ctx.dim = pg, dim
+        return x.chunk(dist.get_world_size(pg), dim=dim)[dist.get_rank(pg)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        gathered = plain_all_gather(grad.movedim(ctx.dim, 0).contiguous(), ctx.pg)
+        return gathered.movedim(0, ctx.dim).contiguous(), None, None
+
+
+def split_to_region(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    """This rank's chunk of `x` along `dim` (every rank holds `x` whole); the backward
+    gathers every rank's chunk of the gradient, so each gets the whole one (the dual of
+    `gather_from_region`)."""
+    pg = active_group(group)
+    if pg is None:
+        return x
+    if x.shape[dim] % dist.get_world_size(pg):
+        raise ValueError(
+            f"split_to_region: dim {dim} of size {x.shape[dim]} does not divide by the "
+            f"group's {dist.get_world_size(pg)} ranks"
+        )
+    return _SplitToRegion.apply(x, pg, dim % x.dim())
+
+
 def all_to_all(
     x: torch.Tensor,
     group: Group,

@@ -19,7 +19,7 @@ checkpointing keeps the recurrence's inputs, never its states).
 import torch
 from torch import Tensor
 
-from fusedpar.comm import Group, group_size, resolve_group
+from fusedpar.comm import Group, group_rank, group_size, resolve_group
 from fusedpar.kernels.common import accumulator
 from fusedpar.kernels.linear_attention import (
     check_gated_delta_inputs,
@@ -27,9 +27,13 @@ from fusedpar.kernels.linear_attention import (
     gated_delta_forward,
     l2norm_reference,
 )
-from fusedpar.ops.linear_attention_cp import context_parallel_gated_delta
+from fusedpar.ops.linear_attention_cp import (
+    context_parallel_gated_delta,
+    head_parallel_gated_delta,
+)
 from fusedpar.ops.registration import asked, autograd_op, direct_op
-from fusedpar.ops.sequence import check_layout
+from fusedpar.ops.sequence import check_crossing_groups
+from fusedpar.ops.spans import Spans
 
 # --- custom ops: fusedpar::gated_delta_rule and its backward -----------------------------
 # No argument has a default (the dispatcher leaves out one given at its default). The
@@ -148,6 +152,7 @@ def gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     group: Group = None,
     layout: str = "zigzag",
+    ulysses_group: Group = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The gated delta rule (Gated DeltaNet; KDA with a per-channel g), chunked: the
     signature of flash-linear-attention's ``chunk_gated_delta_rule``, which Hugging
@@ -171,26 +176,38 @@ def gated_delta_rule(
     of the sequence as ``fusedpar.shard_sequence(x, group, layout=layout)`` gives it, and
     o is this rank's shard of the single-device result (`fusedpar.ops.linear_attention_cp`).
     `initial_state`, `cu_seqlens` (the whole packed stream's documents) and the final
-    state are the sequence's own, the same on every rank.
+    state are the sequence's own, the same on every rank. With `ulysses_group` too (or
+    alone), the shard is `fusedpar.shard_sequence`'s with that `ulysses_group`: the heads
+    go over it by all-to-all (Hk divisible by its size) and the summaries over `group`.
     """
     K = q.shape[-1] if isinstance(q, Tensor) and q.dim() else 1
     scale = K**-0.5 if scale is None else scale
     check_gated_delta_inputs(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
     )
-    if group_size(group) > 1:
-        check_layout(layout)
+    ring, ulysses = group_size(group), group_size(ulysses_group)
+    if ring > 1:  # the layout's spans, before any exchange
+        Spans(group_rank(group), ring, layout, q.shape[1] * ulysses)
+        check_crossing_groups(group, ulysses_group, "gated_delta_rule")
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
-    if group_size(group) > 1:
-        return context_parallel_gated_delta(
-            (q, k, v, g, beta),
-            scale=float(scale),
-            initial_state=initial_state,
-            cu_seqlens=cu_seqlens,
-            want_final=output_final_state,
-            group=resolve_group(group),
-            layout=layout,
+
+    def whole(inputs, initial_state):  # this rank's heads, its ring rank's share
+        if ring > 1:
+            return context_parallel_gated_delta(
+                inputs,
+                scale=float(scale),
+                initial_state=initial_state,
+                cu_seqlens=cu_seqlens,
+                want_final=output_final_state,
+                group=resolve_group(group),
+                layout=layout,
+            )
+        o, final = _gated_delta_rule(*inputs, initial_state, cu_seqlens, float(scale))
+        return o, (final if output_final_state else None)
+
+    if ulysses > 1:
+        return head_parallel_gated_delta(
+            (q, k, v, g, beta), initial_state, resolve_group(ulysses_group), whole
         )
-    o, final = _gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, float(scale))
-    return o, (final if output_final_state else None)
+    return whole((q, k, v, g, beta), initial_state)

@@ -24,7 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fusedpar.comm import all_gather_async, group_rank, group_size
+from fusedpar.comm import (
+    all_gather_async,
+    gather_from_region,
+    group_rank,
+    group_size,
+    split_to_region,
+)
 from fusedpar.kernels.common import accumulator
 from fusedpar.kernels.linear_attention import (
     MAX_HEAD_DIM,
@@ -32,6 +38,7 @@ from fusedpar.kernels.linear_attention import (
     gated_delta_forward,
 )
 from fusedpar.ops.spans import SpanDocuments, Spans
+from fusedpar.ops.ulysses import gather_heads, scatter_heads
 
 
 @dataclass(frozen=True)
@@ -384,3 +391,30 @@ def context_parallel_gated_delta(
     local = torch.tensor(plan.bounds, dtype=torch.int32, device=q.device)
     setup = _Setup(plan, local, float(scale), exchange, want_final)
     return _ContextParallelGatedDelta.apply(*inputs, initial_state, setup)
+
+
+def head_parallel_gated_delta(inputs, initial_state, ulysses_group, whole):
+    """``whole(inputs, initial_state) -> (o, final)`` over the Ulysses group's whole
+    sequence (its ring rank's share under a ring too) and this rank's heads, between two
+    head exchanges (`fusedpar.ops.ulysses`): q, k (Hk / U heads), v, g, beta (Hv / U)
+    and the initial state's heads in; o's heads and the final state's back."""
+    q, k, v, g, beta = inputs
+    Hk, Hv, U = q.shape[2], v.shape[2], group_size(ulysses_group)
+    if Hk % U:
+        raise ValueError(
+            f"gated_delta_rule: the {Hk} q/k heads (and {Hv} v-heads) do not divide by the "
+            f"Ulysses degree {U}"
+        )
+    per_channel = g.dim() == 4
+    exchanged = scatter_heads(
+        [q, k, v, g if per_channel else g[..., None], beta[..., None]], ulysses_group
+    )
+    q, k, v, g, beta = exchanged[:3] + [
+        exchanged[3] if per_channel else exchanged[3][..., 0],
+        exchanged[4][..., 0],
+    ]
+    if initial_state is not None:  # its gradient whole again on every rank
+        initial_state = split_to_region(initial_state, ulysses_group, dim=1)
+    o, final = whole((q, k, v, g, beta), initial_state)
+    (o,) = gather_heads([o], ulysses_group)
+    return o, None if final is None else gather_from_region(final, ulysses_group, dim=1)

@@ -150,6 +150,17 @@ _scatter_heads = autograd_op(_scatter_heads_op, _scatter_backward, _setup)
 _gather_heads = autograd_op(_gather_heads_op, _gather_backward, _setup)
 
 
+def scatter_heads(xs: list[Tensor], group: dist.ProcessGroup) -> list[Tensor]:
+    """Each (B, s, H, D) of `xs` -> (B, P s, H / P, D): the group's whole sequence, this
+    rank's heads (one all-to-all each, differentiable; H checked by the caller)."""
+    return _scatter_heads(list(xs), group_name(group), [1] * len(xs))
+
+
+def gather_heads(xs: list[Tensor], group: dist.ProcessGroup) -> list[Tensor]:
+    """The inverse of `scatter_heads`: (B, P s, h, D) -> (B, s, P h, D)."""
+    return _gather_heads(list(xs), group_name(group), [1] * len(xs))
+
+
 # --- attention over exchanged heads ----------------------------------------------------
 
 

@@ -21,12 +21,27 @@ from tests.linear_attention.helpers import NAMES, gdn_inputs, run_with_grads
 WORLD = dist.group.WORLD
 
 
-def _shard(t, layout):
-    return None if t is None else fp.shard_sequence(t, WORLD, layout=layout)
+def _groups(p):
+    """(ring group, Ulysses group) of the case: the whole world as a ring, as Ulysses,
+    or a (2, 2) mesh."""
+    mesh = p.get("mesh", "ring")
+    if mesh == "ring":
+        return WORLD, None
+    if mesh == "ulysses":
+        return None, WORLD
+    dims = fp.ParallelDims(cp=2, ulysses=2)
+    groups = dims.groups(dims.build_mesh("cpu"))
+    return groups["cp"], groups["ulysses"]
+
+
+def _shard(t, layout, groups=(WORLD, None)):
+    ring, ulysses = groups
+    return None if t is None else fp.shard_sequence(t, ring, layout=layout, ulysses_group=ulysses)
 
 
 def _run(p):
     layout = p["layout"]
+    groups = _groups(p)
     inputs = gdn_inputs(
         p["B"],
         p["T"],
@@ -46,17 +61,19 @@ def _run(p):
     with fp.implementation("torch"):  # the float64 oracle, whichever path the CP op takes
         full = run_with_grads(fp.gated_delta_rule, inputs, do, dfinal)
     dtype = p["dtype"]
-    local = {n: _shard(inputs[n], layout) for n in NAMES[:5]}
+    local = {n: _shard(inputs[n], layout, groups) for n in NAMES[:5]}
     local = {n: t.to(dtype) for n, t in local.items()}
     local["initial_state"] = inputs["initial_state"]
     if local["initial_state"] is not None and dtype != torch.float64:
         local["initial_state"] = local["initial_state"].float()
     local["cu_seqlens"] = inputs["cu_seqlens"]
     assert local["q"].shape[1] * dist.get_world_size() == p["T"]  # a shard, not the whole
-    got = run_with_grads(
-        fp.gated_delta_rule, local, _shard(do, layout), dfinal, group=WORLD, layout=layout
-    )
-    expected = [_shard(t, layout) if i in (0, 2, 3, 4, 5, 6) else t for i, t in enumerate(full)]
+    ring, ulysses = groups
+    options = dict(group=ring, layout=layout, ulysses_group=ulysses)
+    got = run_with_grads(fp.gated_delta_rule, local, _shard(do, layout, groups), dfinal, **options)
+    expected = [
+        _shard(t, layout, groups) if i in (0, 2, 3, 4, 5, 6) else t for i, t in enumerate(full)
+    ]
     for name, mine, want in zip(("o", "final", *NAMES), got, expected, strict=True):
         if want is None:
             assert mine is None, name
@@ -98,6 +115,12 @@ CASES = {
     "contiguous-documents": _case(
         "contiguous", T=160, documents=[40, 1, 100, 19], seed=6, per_channel=True
     ),
+    # the heads over Ulysses 4 (Hk 4, Hv 8), and a ring 2 x Ulysses 2 mesh: the
+    # summaries over the ring, zigzag spans of 20 tokens split again over Ulysses
+    "ulysses-batch": _case("contiguous", mesh="ulysses", B=2, Hk=4, T=4 * 37, seed=7),
+    "hybrid-documents": _case(
+        "zigzag", mesh="hybrid", Hk=2, T=80, documents=[20, 1, 30, 29], seed=8, per_channel=True
+    ),
 }
 
 
@@ -117,13 +140,20 @@ def test_gated_delta_rule_cp_triton_interpreter(world, triton_kernels):
 def _refuse(layout):
     q = torch.randn(1, 3, 1, 4, dtype=torch.float64)
     g = -torch.rand(1, 3, 1, dtype=torch.float64)
+    if layout == "ulysses":  # one head over two Ulysses ranks
+        return fp.gated_delta_rule(q, q, q, g, -g, ulysses_group=WORLD)
     return fp.gated_delta_rule(q, q, q, g, -g, group=WORLD, layout=layout)
 
 
 def test_gated_delta_rule_cp_refuses_bad_layouts(world):
-    """A zigzag shard of an odd length and an unknown layout: a clear ValueError on every
-    rank, before any collective."""
-    for layout, words in (("zigzag", "two equal spans"), ("ring", "layout must be one of")):
+    """A zigzag shard of an odd length, an unknown layout, heads that do not divide over
+    Ulysses: a clear ValueError on every rank, before any collective."""
+    refusals = {
+        "zigzag": "two equal spans",
+        "ring": "layout must be one of",
+        "ulysses": "do not divide by the Ulysses degree 2",
+    }
+    for layout, words in refusals.items():
         found = world(2).run(exception_of, _refuse, layout)
         assert all(isinstance(e, ValueError) and words in str(e) for e in found), found
 
