@@ -227,16 +227,26 @@ def _finals(plan: SpanPlan, spans, entering, final_v, final_m, initial_state, ex
     V = final_v.shape[-1]
     if not plan.packed:
         return spans[-1][..., V:] @ entering[-1] + spans[-1][..., :V]
-    finals = final_v.new_zeros((plan.documents, *final_v.shape[1:]))
-    for i, p in enumerate(plan.pieces):
-        if p.ends_document:
-            finals[p.doc] = final_v[i]
-            if p.carries_in:
-                finals[p.doc] += final_m[i] @ entering[plan.spans.mine[p.slot], 0]
+    ends = [(p.doc, i) for i, p in enumerate(plan.pieces) if p.ends_document]
+    finals = _rows(plan.documents, ends, final_v, final_v[0])
+    for i, p in enumerate(plan.pieces):  # at most one a span: its first piece
+        if p.ends_document and p.carries_in:
+            finals[p.doc] += final_m[i] @ entering[plan.spans.mine[p.slot], 0]
     exchange.sum(finals)
     for d in plan.empty:
         finals[d] = 0 if initial_state is None else initial_state[d]
     return finals
+
+
+def _rows(count: int, pairs, source: Tensor | None, like: Tensor) -> Tensor:
+    """(count, ...) zeros but for row i = source[j] of each ``(i, j)`` in `pairs`: one
+    gather and one scatter, however many documents."""
+    out = like.new_zeros((count, *like.shape))
+    pairs = list(pairs)
+    if source is None or not pairs:
+        return out
+    to, frm = (torch.tensor(x, device=out.device) for x in zip(*pairs, strict=True))
+    return out.index_copy_(0, to, source.index_select(0, frm).to(out.dtype))
 
 
 def _last_pieces(plan: SpanPlan) -> dict:
@@ -256,12 +266,10 @@ class _ContextParallelGatedDelta(torch.autograd.Function):
         stream = _stream((q, k, g, beta), B, T)
         (v_s,) = _stream((v,), B, T)
 
-        def start(p):  # a piece that starts its document starts from the document's state
-            if p.carries_in or initial_state is None:
-                return torch.zeros((Hv, K, V), dtype=wide, device=q.device)
-            return initial_state[p.doc].to(wide)
-
-        rows_v = torch.stack([start(p) for p in plan.pieces])  # (P, Hv, K, V)
+        # a piece that starts its document starts from the document's own state
+        zero = torch.zeros((Hv, K, V), dtype=wide, device=q.device)
+        starts = [(i, p.doc) for i, p in enumerate(plan.pieces) if not p.carries_in]
+        rows_v = _rows(len(plan.pieces), starts, initial_state, zero)  # (P, Hv, K, V)
         parts = [(v_s, rows_v), *_reach(v_s, plan, K)]
         (o0, final_v), (reach, final_m) = _run(stream, setup.scale, setup.cu_seqlens, parts)
         maps = _per_slot(  # each span row's [E | M]: the map of its last piece
@@ -324,20 +332,23 @@ class _ContextParallelGatedDelta(torch.autograd.Function):
         spans_d = _gather_spans(_per_slot(plan, own, like), plan, setup.exchange)
         dentering = _unfold(plan, spans_d, maps_m)  # (C, rows, Hv, K, V)
         # the single-device backward from the true entering state and leaving gradient
-        zero = like[0].new_zeros(like.shape[1:])
-
-        def start(p):
-            if p.carries_in:
-                return entering[plan.spans.mine[p.slot], p.row]
-            return zero if initial_state is None else initial_state[p.doc].to(wide)
-
-        def leave(p):
-            if p.carries_out:
-                return dentering[plan.spans.mine[p.slot] + 1, p.row]
-            return zero if dfinal is None else dfinal[p.doc]
-
-        rows_init = torch.stack([start(p) for p in plan.pieces])
-        rows_dfinal = torch.stack([leave(p) for p in plan.pieces])
+        P, rows = len(plan.pieces), plan.rows
+        carried = [
+            (i, plan.spans.mine[p.slot] * rows + p.row)
+            for i, p in enumerate(plan.pieces)
+            if p.carries_in
+        ]
+        starts = [(i, p.doc) for i, p in enumerate(plan.pieces) if not p.carries_in]
+        rows_init = _rows(P, starts, initial_state, like[0])
+        rows_init += _rows(P, carried, entering.flatten(0, 1), like[0])
+        out = [
+            (i, (plan.spans.mine[p.slot] + 1) * rows + p.row)
+            for i, p in enumerate(plan.pieces)
+            if p.carries_out
+        ]
+        ends = [(i, p.doc) for i, p in enumerate(plan.pieces) if p.ends_document]
+        rows_dfinal = _rows(P, out, dentering.flatten(0, 1), like[0])
+        rows_dfinal += _rows(P, ends, dfinal, like[0])
         *grads, dinit = gated_delta_backward(
             do_s,
             rows_dfinal,
@@ -363,10 +374,8 @@ def _initial_grad(plan: SpanPlan, dentering: Tensor, dinit: Tensor, dfinal, exch
     rank where it starts (one all-reduce)."""
     if not plan.packed:
         return dentering[0]
-    found = dinit.new_zeros((plan.documents, *dinit.shape[1:]))
-    for i, p in enumerate(plan.pieces):
-        if not p.carries_in:  # the piece where its document starts
-            found[p.doc] = dinit[i]
+    starts = [(p.doc, i) for i, p in enumerate(plan.pieces) if not p.carries_in]
+    found = _rows(plan.documents, starts, dinit, dinit[0])  # where each document starts
     exchange.sum(found)
     for d in plan.empty:  # the final state is the initial one
         found[d] = 0 if dfinal is None else dfinal[d]
