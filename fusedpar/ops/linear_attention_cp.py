@@ -29,6 +29,7 @@ from fusedpar.comm import (
     gather_from_region,
     group_rank,
     group_size,
+    resolve_group,
     split_to_region,
 )
 from fusedpar.kernels.common import accumulator
@@ -148,8 +149,10 @@ class Exchange:
     """What crosses the ranks of `group`: an all-gather of every span's summary and a sum
     (a benchmark stands in for it to time one rank's work alone)."""
 
+    ulysses = 1  # `Spans`' Ulysses degree
+
     def __init__(self, group):
-        self.group = group
+        self.group = resolve_group(group)
         self.rank, self.size = group_rank(group), group_size(group)
 
     def gather(self, x: Tensor) -> Tensor:
@@ -158,6 +161,26 @@ class Exchange:
 
     def sum(self, x: Tensor) -> Tensor:
         dist.all_reduce(x, group=self.group)
+        return x
+
+
+class MeshExchange(Exchange):
+    """Over a ring group and a Ulysses group, two axes of a mesh: the summaries of the
+    hybrid layout's W U ranks (`Spans` with ``ulysses``), rank r U + u, gathered over
+    the Ulysses axis, then the ring."""
+
+    def __init__(self, ring, ulysses):
+        self.ring, self.ulysses_group = resolve_group(ring), resolve_group(ulysses)
+        self.size, self.ulysses = group_size(ring), group_size(ulysses)
+        self.rank = group_rank(ring) * self.ulysses + group_rank(ulysses)
+
+    def gather(self, x: Tensor) -> Tensor:
+        inner = all_gather_async(x.contiguous(), self.ulysses_group).wait()
+        return all_gather_async(inner, self.ring).wait()
+
+    def sum(self, x: Tensor) -> Tensor:
+        for group in (self.ulysses_group, self.ring):
+            dist.all_reduce(x, group=group)
         return x
 
 
@@ -395,7 +418,7 @@ def context_parallel_gated_delta(
             "gated_delta_rule: under context parallelism each rank needs tokens, got T = 0"
         )
     exchange = group if isinstance(group, Exchange) else Exchange(group)
-    spans = Spans(exchange.rank, exchange.size, layout, T)
+    spans = Spans(exchange.rank, exchange.size, layout, T, exchange.ulysses)
     plan = plan_spans(spans, B, cu_seqlens)
     local = torch.tensor(plan.bounds, dtype=torch.int32, device=q.device)
     setup = _Setup(plan, local, float(scale), exchange, want_final)

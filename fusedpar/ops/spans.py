@@ -23,12 +23,20 @@ from fusedpar.ops.sequence import check_layout
 
 @dataclass(frozen=True)
 class Spans:
-    """This rank's spans: `rank` of `size` ranks, a `layout`, `local_len` tokens here."""
+    """This rank's spans: `rank` of `size` ranks, a `layout`, `local_len` tokens here.
+
+    With `ulysses` = U > 1 (the hybrid layout of `fusedpar.shard_sequence`: each ring
+    rank's share split again, contiguously, over U ranks), `size` is the ring's W and
+    `rank` is r U + u (ring rank r, Ulysses rank u); every ring span is cut into U spans,
+    so each rank holds two (zigzag) or one (contiguous) of ``local_len / 2`` or
+    ``local_len`` tokens, as without Ulysses.
+    """
 
     rank: int
     size: int
     layout: str
     local_len: int
+    ulysses: int = 1
 
     def __post_init__(self):
         check_layout(self.layout)
@@ -39,9 +47,14 @@ class Spans:
             )
 
     @property
+    def ranks(self) -> int:
+        """The ranks holding spans: W, or W U."""
+        return self.size * self.ulysses
+
+    @property
     def count(self) -> int:
         """Spans in the whole sequence."""
-        return 2 * self.size if self.layout == "zigzag" else self.size
+        return (2 * self.size if self.layout == "zigzag" else self.size) * self.ulysses
 
     @property
     def span_len(self) -> int:
@@ -53,18 +66,25 @@ class Spans:
 
     def of_rank(self, rank: int) -> tuple[int, ...]:
         """The spans `rank` holds, in its local order."""
-        if self.layout == "zigzag":
-            return (rank, self.count - 1 - rank)
-        return (rank,)
+        ring, u = divmod(rank, self.ulysses)
+        U = self.ulysses
+        if self.layout == "contiguous":
+            return (ring * U + u,)
+        # the ring share [ring span r | ring span 2W-1-r], U spans each: u holds 2u, 2u+1
+        mirror = 2 * self.size - 1 - ring
+        return tuple(ring * U + i if i < U else mirror * U + i - U for i in (2 * u, 2 * u + 1))
 
     @property
     def mine(self) -> tuple[int, ...]:
         return self.of_rank(self.rank)
 
+    @cached_property
+    def _owners(self) -> dict:
+        return {s: (r, i) for r in range(self.ranks) for i, s in enumerate(self.of_rank(r))}
+
     def owner(self, span: int) -> tuple[int, int]:
         """``(rank, slot)``: who holds `span`, and at which of its local spans."""
-        rank = span if span < self.size else self.count - 1 - span
-        return rank, self.of_rank(rank).index(span)
+        return self._owners[span]
 
     def start(self, span: int) -> int:
         """The global position of the span's first token."""

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import fusedpar as fp
+from fusedpar.ops.linear_attention_cp import MeshExchange, context_parallel_gated_delta
 from fusedpar.testing import Collectives, exception_of
 from fusedpar.testing.strategies import randn
 from tests.linear_attention.helpers import NAMES, gdn_inputs, run_with_grads
@@ -37,6 +38,20 @@ def _groups(p):
 def _shard(t, layout, groups=(WORLD, None)):
     ring, ulysses = groups
     return None if t is None else fp.shard_sequence(t, ring, layout=layout, ulysses_group=ulysses)
+
+
+def _summaries_over_mesh(q, k, v, g, beta, *, group, ulysses_group, layout, **options):
+    """The summaries over both axes of a (ring, Ulysses) mesh (no head exchange): the
+    layer's other mode under the hybrid layout."""
+    return context_parallel_gated_delta(
+        (q, k, v, g, beta),
+        scale=q.shape[-1] ** -0.5,
+        initial_state=options["initial_state"],
+        cu_seqlens=options["cu_seqlens"],
+        want_final=options["output_final_state"],
+        group=MeshExchange(group, ulysses_group),
+        layout=layout,
+    )
 
 
 def _run(p):
@@ -70,7 +85,8 @@ def _run(p):
     assert local["q"].shape[1] * dist.get_world_size() == p["T"]  # a shard, not the whole
     ring, ulysses = groups
     options = dict(group=ring, layout=layout, ulysses_group=ulysses)
-    got = run_with_grads(fp.gated_delta_rule, local, _shard(do, layout, groups), dfinal, **options)
+    op = _summaries_over_mesh if p.get("over_mesh") else fp.gated_delta_rule
+    got = run_with_grads(op, local, _shard(do, layout, groups), dfinal, **options)
     expected = [
         _shard(t, layout, groups) if i in (0, 2, 3, 4, 5, 6) else t for i, t in enumerate(full)
     ]
@@ -118,6 +134,13 @@ CASES = {
     # the heads over Ulysses 4 (Hk 4, Hv 8), and a ring 2 x Ulysses 2 mesh: the
     # summaries over the ring, zigzag spans of 20 tokens split again over Ulysses
     "ulysses-batch": _case("contiguous", mesh="ulysses", B=2, Hk=4, T=4 * 37, seed=7),
+    # the same mesh with no head exchange: spans of 10 tokens over all 4 ranks
+    "mesh-summaries-documents": _case(
+        "zigzag", mesh="hybrid", over_mesh=True, T=80, documents=[20, 1, 30, 29], seed=10
+    ),
+    "mesh-summaries-contiguous": _case(
+        "contiguous", mesh="hybrid", over_mesh=True, B=2, T=4 * 21, seed=11
+    ),
     "hybrid-documents": _case(
         "zigzag", mesh="hybrid", Hk=2, T=80, documents=[20, 1, 30, 29], seed=8, per_channel=True
     ),
