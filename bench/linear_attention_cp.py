@@ -24,7 +24,7 @@ import fusedpar as fp
 from bench.common import environment, host_ms, time_ms, write_results
 from fusedpar.ops.linear_attention_cp import Exchange, context_parallel_gated_delta
 from fusedpar.plan import model_spec
-from fusedpar.plan.linear_context import summaries, ulysses
+from fusedpar.plan.linear_context import LinearSizes, head_all_to_all, summaries
 
 WORLDS = (2, 4, 8)
 GPU = {"span": 8192, "Hk": 16, "Hv": 32, "K": 128, "V": 128}
@@ -99,8 +99,9 @@ def point(world: int, shape: dict, device: str, dtype) -> dict:
     row["single_fwd_ms"], row["single_fwd_bwd_ms"] = _fwd_bwd(single, leaves, do, timer)
     row["cp_fwd_ms"], row["cp_fwd_bwd_ms"] = _fwd_bwd(spans, leaves, do, timer)
     row["overhead"] = row["cp_fwd_bwd_ms"] / row["single_fwd_bwd_ms"] - 1
-    spec = model_spec("qwen3.5-35b-a3b")
-    ours, theirs = summaries(spec, world), ulysses(spec, world, ALL_TO_ALL_TOKENS)
+    sizes = LinearSizes.of(model_spec("qwen3.5-35b-a3b"))
+    # against Megatron's head-parallel GDN (z exchanged too: 33 kB a token)
+    ours, theirs = summaries(sizes, world), head_all_to_all(sizes, world, ALL_TO_ALL_TOKENS, z=True)
     row["summaries_payload_mib"] = ours.payload / 2**20
     row["summaries_wire_mib"] = ours.wire / 2**20
     row["all_to_all_wire_mib"] = theirs.wire / 2**20

@@ -4,11 +4,12 @@ model half: `fusedpar.nn.specs`). Frozen, validated when made:
 | field               | default  | read by                                               |
 | ------------------- | -------- | ----------------------------------------------------- |
 | `tp_group`          | None     | attention, MLA, GDN (heads), SwiGLU (hidden)          |
-| `cp_group`          | None     | attention, MLA: the ring (GDN: refused if > 1 rank)   |
-| `ulysses_group`     | None     | attention, MLA: the head all-to-all                   |
+| `cp_group`          | None     | attention, MLA: the ring; GDN: its span summaries     |
+| `ulysses_group`     | None     | attention, MLA, GDN: the head all-to-all              |
 | `ep_group`          | None     | `MoE`: the experts                                    |
 | `cp_mode`           | None     | attention, MLA ("ring", "ulysses", "hybrid")          |
-| `cp_layout`         | "zigzag" | attention, MLA: the sequence's shards over cp         |
+| `cp_layout`         | "zigzag" | attention, MLA, GDN: the sequence's shards over cp    |
+| `linear_cp_mode`    | None     | GDN: "summaries", "ulysses" (None: by bytes a call)   |
 | `sequence_parallel` | True     | attention, MLA, `GatedDeltaNet`, `ParallelSwiGLU`     |
 | `chunks_per_rank`   | 1        | `ParallelSwiGLU`'s ring schedule                      |
 | `overlap`           | None     | the TP projections' schedule (`fusedpar.ops.linear`)  |
@@ -65,6 +66,7 @@ class Placement:
     ep_group: Any = None
     cp_mode: str | None = None
     cp_layout: str = "zigzag"
+    linear_cp_mode: str | None = None
     sequence_parallel: bool = True
     chunks_per_rank: int = DEFAULT_CHUNKS_PER_RANK
     overlap: str | None = None
@@ -76,3 +78,8 @@ class Placement:
         check_reduce_dtype(self.reduce_dtype)
         mode = check_cp_mode(self.cp_mode, self.cp_group, self.ulysses_group)
         object.__setattr__(self, "cp_mode", mode)
+        if self.linear_cp_mode not in (None, "summaries", "ulysses"):
+            raise ValueError(
+                f"linear_cp_mode must be None, 'summaries' or 'ulysses', got "
+                f"{self.linear_cp_mode!r}"
+            )

@@ -28,14 +28,14 @@ from torch import nn
 
 from fusedpar import comm
 from fusedpar.kernels.common import accumulator
+from fusedpar.nn.gated_deltanet_cp import SequenceSplit
 from fusedpar.nn.gated_deltanet_dense import dense_parts, detect_layout
 from fusedpar.nn.rotary import RotaryPositions
 from fusedpar.nn.specs import FromSpec, GatedDeltaNetSpec
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
-from fusedpar.ops.linear_attention import gated_delta_rule
-from fusedpar.ops.linear_attention_parts import causal_conv1d
 from fusedpar.ops.norm import rms_norm_gated
 from fusedpar.placement import Placement
+from fusedpar.plan.linear_context import LinearSizes
 from fusedpar.storage import ParamLayout, local_tensor
 
 SPEC_FIELDS = {f.name for f in dataclasses.fields(GatedDeltaNetSpec)} - {"_"}
@@ -48,7 +48,6 @@ SPLIT_DIMS = {
     "norm": None,
     "o": 1,
 }
-CP_REFUSAL = "context parallelism for GatedDeltaNet is the next issue"
 
 
 def split_options(options: dict, allowed: set, what: str) -> dict:
@@ -109,13 +108,6 @@ class GatedDeltaNet(FromSpec, RotaryPositions, nn.Module):
         """The layer of `spec` on `placement`: the checks that need the groups (no CP,
         heads over TP), then the parameters."""
         super().__init__()
-        cp = comm.group_size(placement.cp_group) * comm.group_size(placement.ulysses_group)
-        if cp > 1:
-            raise ValueError(
-                f"{CP_REFUSAL}: this placement splits the sequence over {cp} ranks "
-                f"(cp_group {comm.group_size(placement.cp_group)}, ulysses_group "
-                f"{comm.group_size(placement.ulysses_group)}); run GDN layers with cp = 1"
-            )
         Hk, Hv, K, V = spec.sizes
         tp_group = placement.tp_group
         tp = comm.group_size(tp_group)
@@ -124,15 +116,23 @@ class GatedDeltaNet(FromSpec, RotaryPositions, nn.Module):
                 f"GatedDeltaNet: n_k_heads ({Hk}) is not divisible by the TP degree ({tp}) "
                 f"(n_v_heads {Hv} follow their k-heads)"
             )
-        self.spec, self.placement = spec, placement
+        split = SequenceSplit(
+            placement.cp_group,
+            placement.ulysses_group,
+            placement.cp_layout,
+            placement.linear_cp_mode,
+        )
+        split.check(Hk // tp, Hv // tp)
+        self.spec, self.placement, self.split = spec, placement, split
         self.d_model, self.n_k_heads, self.n_v_heads = spec.d_model, Hk, Hv
         self.head_k_dim, self.head_v_dim = K, V
         self.tp_group, self.tp, self.tp_rank = tp_group, tp, comm.group_rank(tp_group)
         self.sequence_parallel = placement.sequence_parallel
         self.overlap, self.reduce_dtype = placement.overlap, placement.reduce_dtype
-        # what `RotaryPositions._start_call` reads: no rotary embedding, no CP
+        # what `RotaryPositions._start_call` reads: no rotary embedding
         self.rope, self.rotary_dim, self.rope_theta = None, None, None
-        self.cp_group, self.ulysses_group, self.cp_layout = None, None, placement.cp_layout
+        self.cp_group, self.ulysses_group = placement.cp_group, placement.ulysses_group
+        self.cp_layout = placement.cp_layout
         self._rope_tables, self._rope_layout_checked = {}, True
         hk, hv, d, W = Hk // tp, Hv // tp, spec.d_model, spec.conv_size
         factory = {"device": device, "dtype": dtype}
@@ -155,6 +155,12 @@ class GatedDeltaNet(FromSpec, RotaryPositions, nn.Module):
             setattr(self, name, nn.Parameter(torch.empty(shape, **factory)))
         if self.q_weight.device.type != "meta":
             self.reset_parameters()
+
+    @property
+    def linear_sizes(self) -> LinearSizes:
+        """This rank's heads and sizes, for the CP mode's byte count."""
+        Hk, Hv, K, V = self.spec.sizes
+        return LinearSizes(Hk // self.tp, Hv // self.tp, K, V, self.spec.conv_size)
 
     @staticmethod
     def param_name(part: str) -> str:
@@ -272,19 +278,31 @@ class GatedDeltaNet(FromSpec, RotaryPositions, nn.Module):
             x = comm.copy_to_region(x, self.tp_group)
             qkv, z, b, a = all_gather_matmul(x, weights, None)
         seq, batch = qkv.shape[:2]
-        conv_weight = torch.cat([self.conv_q_weight, self.conv_k_weight, self.conv_v_weight])
-        # (S, B, C) -> (B, S, C): a strided view, as every fusedpar op takes it
-        qkv, _ = causal_conv1d(qkv.transpose(0, 1), conv_weight, cu_seqlens=cu_seqlens)
+        convs = [self.conv_q_weight, self.conv_k_weight, self.conv_v_weight]
+        A_log, dt_bias = self.A_log, self.dt_bias
+        # (S, B, C) -> (B, S, C): strided views, as every fusedpar op takes them
+        qkv, b, a = qkv.transpose(0, 1), b.transpose(0, 1), a.transpose(0, 1)
+        mode = self.split.mode_for(self.linear_sizes, seq)
+        if mode == "ulysses":  # this rank's heads over its ring rank's whole share
+            q, k, v = qkv.split([Hk * K, Hk * K, Hv * V], dim=-1)
+            *qkv, b, a = self.split.exchange_heads([q, k, v, b, a], [Hk, Hk, Hv, Hv, Hv])
+            qkv = torch.cat(qkv, -1)
+            Hk, Hv = Hk // self.split.ulysses_size, Hv // self.split.ulysses_size
+            convs, A_log, dt_bias = (
+                [self.split.heads_of(w) for w in convs],
+                *(self.split.heads_of(t) for t in (A_log, dt_bias)),
+            )
+        qkv = self.split.conv(qkv, torch.cat(convs), cu_seqlens, mode)
+        length = qkv.shape[1]
         q, k, v = qkv.split([Hk * K, Hk * K, Hv * V], dim=-1)
-        q, k = q.reshape(batch, seq, Hk, K), k.reshape(batch, seq, Hk, K)
-        v = v.reshape(batch, seq, Hv, V)
-        b, a = b.transpose(0, 1), a.transpose(0, 1)  # (B, S, hv)
+        q, k = q.reshape(batch, length, Hk, K), k.reshape(batch, length, Hk, K)
+        v = v.reshape(batch, length, Hv, V)
         beta = b.sigmoid() * 2 if self.spec.allow_neg_eigval else b.sigmoid()
         acc = accumulator(x.dtype)  # the decay in fp32 (float64 for float64)
-        g = -self.A_log.to(acc).exp() * F.softplus(a.to(acc) + self.dt_bias.to(acc))
-        o, _ = gated_delta_rule(
-            q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True
-        )  # (B, S, hv, V)
+        g = -A_log.to(acc).exp() * F.softplus(a.to(acc) + dt_bias.to(acc))
+        o = self.split.recurrence((q, k, v, g, beta), cu_seqlens, mode)  # (B, S, hv, V)
+        if mode == "ulysses":
+            o, Hv = self.split.return_heads(o), Hv * self.split.ulysses_size
         z = z.transpose(0, 1).reshape(batch, seq, Hv, V)
         o = rms_norm_gated(o, z, self.norm_weight, eps=self.spec.norm_eps, gate=self.spec.norm_gate)
         o = o.transpose(0, 1).reshape(seq, batch, Hv * V)  # (S, B, hv V)

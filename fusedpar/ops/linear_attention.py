@@ -132,7 +132,7 @@ _gated_delta_rule_backward = direct_op(_gated_delta_rule_backward_op)
 _gated_delta_rule = autograd_op(_gated_delta_rule_op, _backward, _setup)
 
 
-def _l2norm(x: Tensor) -> Tensor:
+def l2norm_heads(x: Tensor) -> Tensor:
     """``x * rsqrt(sum(x^2) + 1e-6)`` per head, in fp32 (float64 for float64), rounded
     once to x's dtype; autograd differentiates it."""
     return l2norm_reference(x.to(accumulator(x.dtype))).to(x.dtype)
@@ -190,7 +190,7 @@ def gated_delta_rule(
         Spans(group_rank(group), ring, layout, q.shape[1] * ulysses)
         check_crossing_groups(group, ulysses_group, "gated_delta_rule")
     if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2norm_heads(q), l2norm_heads(k)
 
     def whole(inputs, initial_state):  # this rank's heads, its ring rank's share
         if ring > 1:

@@ -2,14 +2,15 @@
 Hybrid (tiny, every parameter re-drawn): output, dx and every parameter's gradient, on
 one process and at TP2 (gloo, with and without sequence parallelism, DTensor parameters
 gathered), each TP rank's slice equal to the dense module's heads section by section;
-packed documents equal to each document run alone; cp > 1 and bad configs refused."""
+packed documents equal to each document run alone; a CP mode the heads cannot run and
+bad configs refused (CP itself: test_gdn_layer_cp.py)."""
 
 import pytest
 import torch
 from torch import nn
 
 import fusedpar as fp
-from fusedpar.nn.gated_deltanet import CP_REFUSAL, SPLIT_DIMS, GatedDeltaNet
+from fusedpar.nn.gated_deltanet import SPLIT_DIMS, GatedDeltaNet
 from fusedpar.nn.gated_deltanet_dense import check_partition, index_maps, rank_rows
 from tests.linear_attention.layer_helpers import (
     BATCH,
@@ -130,8 +131,9 @@ def test_packed_documents_equal_each_document_alone(family):
 def _refusals():
     dims = fp.ParallelDims(cp=2)
     spec = fp.nn.GatedDeltaNetSpec(D_MODEL, HK, HV, head_k_dim=K, head_v_dim=V)
-    with pytest.raises(ValueError, match=CP_REFUSAL):
-        GatedDeltaNet.from_spec(spec, dims.placement(dims.build_mesh("cpu")))
+    with pytest.raises(ValueError, match=r"'ulysses' sends this rank's 2 k-heads .* group of 1"):
+        placement = dims.placement(dims.build_mesh("cpu"), linear_cp_mode="ulysses")
+        GatedDeltaNet.from_spec(spec, placement)
     dims = fp.ParallelDims(tp=2)
     placement = dims.placement(dims.build_mesh("cpu"))
     torch.manual_seed(0)  # keywords and from_spec: the same layer on the mesh too
@@ -151,7 +153,7 @@ def _refusals():
     return True
 
 
-def test_on_a_mesh_cp_and_heads_off_the_tp_degree_are_refused(world):
+def test_on_a_mesh_a_cp_mode_and_heads_off_the_tp_degree_are_refused(world):
     assert all(world(2).run(_refusals))
 
 
