@@ -15,10 +15,9 @@ model half: `fusedpar.nn.specs`). Frozen, validated when made:
 | `overlap`           | None     | the TP projections' schedule (`fusedpar.ops.linear`)  |
 | `reduce_dtype`      | None     | the dtype their partial sums travel in (None: fp32)   |
 
-A group is a ``ProcessGroup``, a 1-D ``DeviceMesh`` or None (one rank). ``cp_mode``
-left out is read off the groups, given it is checked (`check_cp_mode`); a placement
-holds the mode it runs (with ``dataclasses.replace`` and other groups pass
-``cp_mode=None``). One placement serves every layer of a model.
+A group is a ``ProcessGroup``, a 1-D ``DeviceMesh`` or None (one rank). ``cp_mode`` left
+out is read off the groups (`check_cp_mode`); a placement holds the mode it runs (with
+``dataclasses.replace`` and other groups pass ``cp_mode=None``). One serves every layer.
 """
 
 from dataclasses import dataclass
