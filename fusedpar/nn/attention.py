@@ -74,9 +74,9 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
     and ``norm_offset`` (1: Gemma's ``(1 + weight)``). ``sinks``: a learned logit per
     query head in the softmax denominator (gpt-oss; `fusedpar.flash_attn`'s `sinks`).
     ``output_gate``: ``out * sigmoid(x gate_weight^T)`` before the o projection
-    (Qwen3-Next). TP a multiple of Hkv (> Hkv): `k_weight`, `v_weight` (and biases) are
-    (Hkv * hd, d) whole on each rank, which computes with its query heads' KV head
-    (`param_layouts`). docs/attention.md, "The layer".
+    (Qwen3-Next). TP a multiple of Hkv (> Hkv): `k_weight`, `v_weight` (and biases, and
+    a "full" `k_norm_weight`) are (Hkv * hd, d) whole on each rank, which computes with
+    its query heads' KV head (`param_layouts`). docs/attention.md, "The layer".
 
     ``rope(positions)`` returns cos, sin of shape (S, r/2), or (S, r) with equal halves
     (Hugging Face's layout; leading dims of 1 are dropped), r = `rotary_dim` (default
@@ -176,12 +176,6 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         # KV heads per rank; more TP ranks than KV heads: each KV head on tp / Hkv ranks
         kv_local = kv_heads_per_rank(n_heads, n_kv_heads, tp)
         self.kv_replicas = max(1, tp // n_kv_heads)
-        if self.kv_replicas > 1 and qk_norm == "full":
-            raise ValueError(
-                f"qk_norm='full' with {n_kv_heads} KV heads over TP {tp}: the norm's "
-                "statistics sum over TP ranks, which would count each replicated KV head "
-                f"{self.kv_replicas} times (use TP <= {n_kv_heads})"
-            )
         ulysses = comm.group_size(ulysses_group)
         if ulysses > 1:
             check_heads(
@@ -358,6 +352,7 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
                 what = "one per head" if name == "sinks" else f"qk_norm={self.qk_norm!r}"
                 raise ValueError(f"{name} must be {shape} ({what}), got {tuple(weight.shape)}")
             weight = weight if name == "sinks" else permute(weight)  # sinks: one per head
+            split = split and not (name == "k_norm" and self.kv_replicas > 1)  # whole: as k
             copies.append((param, weight, 0 if split else None))
         with torch.no_grad():
             for param, full, dim in copies:
@@ -374,11 +369,13 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         inside the layer; "head" norm weights whole, each TP rank's gradient a partial
         sum over its own heads; replicated KV heads (TP > Hkv) likewise whole, each rank's
         gradient its own KV head's rows from its own query heads (zero elsewhere), summed
-        over TP: a checkpoint holds every KV head once, loadable at any TP."""
+        over TP (a "full" k norm's weight with them): a checkpoint holds every KV head
+        once, loadable at any TP."""
         heads, o = ParamLayout(0, self.tp_group), ParamLayout(1, self.tp_group)
         tp = (self.tp_group,)
         norm = heads if self.qk_norm == "full" else ParamLayout(partial_over=tp)
         kv = ParamLayout(partial_over=tp) if self.kv_replicas > 1 else heads
+        k_norm = kv if self.qk_norm == "full" else norm  # "full": per KV head, as k
         return {
             "q_weight": heads,
             "k_weight": kv,
@@ -391,7 +388,7 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
             "gate_bias": heads,
             "o_bias": ParamLayout(complete_over=tp),
             "q_norm_weight": norm,
-            "k_norm_weight": norm,
+            "k_norm_weight": k_norm,
             "sinks": heads,
         }
 
@@ -513,7 +510,10 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
                 rope=(cos, sin) if normed else None,
             )
             q = qk_rms_norm(q, self.q_norm_weight, self.norm_eps, **norm)
-            k = qk_rms_norm(k, self.k_norm_weight, self.norm_eps, **norm)
+            # a "full" k norm's weight of replicated KV heads: whole, this rank's head read
+            full = self.qk_norm == "full"
+            k_norm = self._own_kv(self.k_norm_weight)[0] if full else self.k_norm_weight
+            k = qk_rms_norm(k, k_norm, self.norm_eps, **norm)
         # (S, B, H, hd) -> (B, S, H, hd): a strided view, read in place by the kernels
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         if rotary and not joined and not normed:

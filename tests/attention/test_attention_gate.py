@@ -262,9 +262,8 @@ def _build_bad(heads, kv_heads, **options):
     [
         (12, 3, {}, r"n_kv_heads \(3\) and the TP degree \(4\)"),
         (6, 2, {}, r"n_heads \(6\) is not divisible by the TP degree \(4\)"),
-        (8, 2, {"qk_norm": "full"}, r"qk_norm='full' with 2 KV heads over TP 4"),
     ],
-    ids=["tp-neither-multiple-nor-divisor", "query-heads", "full-norm-replicated"],
+    ids=["tp-neither-multiple-nor-divisor", "query-heads"],
 )
 def test_bad_head_counts_are_refused_before_any_collective(world, heads, kv_heads, options, match):
     errors = world(4).run(exception_of, _build_bad, heads, kv_heads, **options)

@@ -1,9 +1,10 @@
 """`parallelize` on the hybrids (Gated DeltaNet layers among full attention): Qwen3-Next,
 Qwen3.5 (dense and MoE) and OLMo Hybrid, tiny random models (fp32, every parameter
 re-drawn), against the unconverted Hugging Face model: logits, loss and every
-parameter's gradient in one process, at TP2, at TP4 over 2 KV heads (replicated), at
-PP2 x TP2 and over packed documents (each document run alone by Hugging Face, whose GDN
-refuses packing without flash-linear-attention); `save_pretrained` back to the original
+parameter's gradient in one process, at TP2, at TP4 over 2 KV heads (replicated;
+OLMo's full-width k norm with them), at PP2 x TP2 and over packed documents (each
+document run alone by Hugging Face, whose GDN refuses packing without
+flash-linear-attention); `save_pretrained` back to the original
 checkpoint; and context parallelism refused on every rank before any collective.
 Hugging Face's GDN computes in fp32 even in a float64 model: its float64 reference is
 fp32-exact there (`_close`)."""
@@ -222,3 +223,9 @@ def test_a_gated_deltanet_with_a_bias_is_refused():
     gdn.in_proj_z = torch.nn.Linear(gdn.hidden_size, gdn.value_dim, bias=True)
     with pytest.raises(ValueError, match=r"layer 0: a Gated DeltaNet projection or conv with"):
         hf.parallelize(model, None)
+
+
+def test_tp4_olmo_hybrid_replicates_the_two_kv_heads(world):
+    """OLMo Hybrid at TP4 over 2 KV heads: its full-width q/k norms' statistics over
+    every rank's heads, each KV head on 2 ranks."""
+    assert len(set(world(4).run(_run, "olmo_hybrid", 8, dict(tp=4)))) == 1
