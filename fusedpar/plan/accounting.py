@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fusedpar.hf_config import refuse_split_recurrence
+
 if TYPE_CHECKING:  # annotations only: fusedpar.plan.model imports this module
     from fusedpar.plan.model import ModelSpec
 
@@ -93,12 +95,8 @@ def check_heads(spec: ModelSpec, dims) -> int | None:
     not split over TP; TP neither dividing the KV heads nor a multiple of them. Returns
     the KV heads `validate` should check (None where TP replicates them: one a TP rank,
     which Ulysses replicates again over its ranks)."""
-    cp = dims.cp * dims.ulysses
-    if spec.linear_layers and cp > 1:
-        raise ValueError(
-            f"context parallelism for GatedDeltaNet is the next issue: {spec.name} has "
-            f"{spec.linear_layers} GDN layers and cp x ulysses is {cp}"
-        )
+    linear = [i for i in range(spec.n_layers) if spec.is_linear(i)]
+    refuse_split_recurrence(spec.name, linear, dims.cp, dims.ulysses)
     if spec.linear_layers and spec.linear_k_heads % dims.tp:
         raise ValueError(
             f"GatedDeltaNet: n_k_heads ({spec.linear_k_heads}) is not divisible by the TP "

@@ -17,8 +17,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fusedpar as fp
-from fusedpar.hf_config import check_dims
+from fusedpar import plan
+from fusedpar.hf_config import check_dims, refuse_split_recurrence
 from fusedpar.pipeline import stage_losses_total
+from fusedpar.plan.accounting import check_heads
 from fusedpar.testing import assert_close, exception_of
 
 transformers = pytest.importorskip(
@@ -185,7 +187,8 @@ def _refused_at_cp(degrees):
 @pytest.mark.parametrize("degrees", [dict(cp=2, tp=2), dict(ulysses=2, tp=2)])
 def test_context_parallelism_is_refused_on_every_rank(world, degrees):
     """Before any collective (the mesh is not built): every rank raises the config's
-    refusal, which the planner reads too (`hf_config.check_dims`)."""
+    refusal (`hf_config.check_dims`), in the planner's words to the letter (both
+    `hf_config.refuse_split_recurrence`'s)."""
     results = world(4).run(_refused_at_cp, degrees)
     assert all(r == results[0] for r in results)
     kind, message = results[0]
@@ -193,7 +196,11 @@ def test_context_parallelism_is_refused_on_every_rank(world, degrees):
     with pytest.raises(ValueError) as alone:
         check_dims(config, degrees.get("cp", 1), degrees.get("ulysses", 1))
     assert kind == "ValueError" and message == str(alone.value)
-    assert "linear_attention layers [0]" in message and "cp = 1" in message
+    with pytest.raises(ValueError) as planned:
+        check_heads(plan.from_hf_config(config), fp.ParallelDims(**degrees))
+    assert str(planned.value) == message
+    assert message.startswith("context parallelism for GatedDeltaNet is the next issue")
+    assert "1 linear_attention layers [0]" in message and "cp = 1" in message
     check_dims(config, 1, tp=4)  # cp = 1: taken
     check_dims(_model("llama", 0).config, 2)  # no GDN layer: taken
     with pytest.raises(
@@ -229,3 +236,14 @@ def test_tp4_olmo_hybrid_replicates_the_two_kv_heads(world):
     """OLMo Hybrid at TP4 over 2 KV heads: its full-width q/k norms' statistics over
     every rank's heads, each KV head on 2 ranks."""
     assert len(set(world(4).run(_run, "olmo_hybrid", 8, dict(tp=4)))) == 1
+
+
+def test_the_split_recurrence_refusal_names_a_few_layers():
+    """One wording (`refuse_split_recurrence`): a long model's layers shown up to 8."""
+    refuse_split_recurrence("m", [], 2, 2)  # no GDN layer: taken
+    refuse_split_recurrence("m", [0, 1], 1, 1)  # no split: taken
+    with pytest.raises(ValueError) as e:
+        refuse_split_recurrence("Qwen3.5-27B", list(range(0, 64, 4)) * 3, 1, 2)
+    assert "Qwen3.5-27B has 48 linear_attention layers [0, 4, 8, 12, 16, 20, 24, 28, ...]" in str(
+        e.value
+    ) and "cp (1) x ulysses (2) = 2" in str(e.value)
