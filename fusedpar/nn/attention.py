@@ -29,6 +29,11 @@ from torch import nn
 
 from fusedpar import comm
 from fusedpar.kernels.common import accumulator, check_float_dtype
+from fusedpar.nn.attention_heads import (  # noqa: F401 (kv_heads_per_rank: public here too)
+    head_layouts,
+    kv_heads_per_rank,
+    own_kv,
+)
 from fusedpar.nn.attention_parts import (  # noqa: F401 (rope_tables: public here too)
     QK_NORMS,
     ROPE_LAYOUTS,
@@ -52,7 +57,7 @@ from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.ring_attention import masked_ring_attn
 from fusedpar.ops.ulysses import check_heads
 from fusedpar.placement import CP_MODES, Placement  # noqa: F401 (CP_MODES: public here too)
-from fusedpar.storage import ParamLayout, local_tensor
+from fusedpar.storage import local_tensor
 
 
 class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
@@ -364,33 +369,9 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
                 local_tensor(param).copy_(part)
 
     def param_layouts(self) -> dict:
-        """For `fusedpar.distribute`: the heads (and their biases, gates, "full" norm
-        weights and sinks) split over the TP group; the o bias whole, summed over TP
-        inside the layer; "head" norm weights whole, each TP rank's gradient a partial
-        sum over its own heads; replicated KV heads (TP > Hkv) likewise whole, each rank's
-        gradient its own KV head's rows from its own query heads (zero elsewhere), summed
-        over TP (a "full" k norm's weight with them): a checkpoint holds every KV head
-        once, loadable at any TP."""
-        heads, o = ParamLayout(0, self.tp_group), ParamLayout(1, self.tp_group)
-        tp = (self.tp_group,)
-        norm = heads if self.qk_norm == "full" else ParamLayout(partial_over=tp)
-        kv = ParamLayout(partial_over=tp) if self.kv_replicas > 1 else heads
-        k_norm = kv if self.qk_norm == "full" else norm  # "full": per KV head, as k
-        return {
-            "q_weight": heads,
-            "k_weight": kv,
-            "v_weight": kv,
-            "o_weight": o,
-            "q_bias": heads,
-            "k_bias": kv,
-            "v_bias": kv,
-            "gate_weight": heads,
-            "gate_bias": heads,
-            "o_bias": ParamLayout(complete_over=tp),
-            "q_norm_weight": norm,
-            "k_norm_weight": k_norm,
-            "sinks": heads,
-        }
+        """For `fusedpar.distribute`: each parameter's layout over TP (`head_layouts`:
+        heads split, replicated KV heads whole with their gradient partial over TP)."""
+        return head_layouts(self.tp_group, self.qk_norm, self.kv_replicas)
 
     @classmethod
     def from_dense(
@@ -549,12 +530,8 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         return y if self.o_bias is None else y + self.o_bias
 
     def _own_kv(self, *tensors):
-        """k's and v's weights (or biases) this rank computes with: its parameters, or
-        with replicated KV heads its own KV head's rows (a view) of them whole."""
-        if self.kv_replicas == 1 or tensors[0] is None:
-            return list(tensors)
-        hd, head = self.head_dim, self.tp_rank // self.kv_replicas
-        return [t[head * hd : (head + 1) * hd] for t in tensors]
+        """k's and v's tensors this rank computes with (`own_kv`)."""
+        return own_kv(tensors, self.head_dim, self.tp_rank, self.kv_replicas)
 
     def _one_op(self, x, tables, cu_seqlens):
         """The forward on one rank as one op (`fusedpar.ops.attention_layer`)."""
@@ -583,20 +560,6 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
             norm_eps=self.norm_eps,
             norm_offset=self.norm_offset,
         )
-
-
-def kv_heads_per_rank(n_heads: int, n_kv_heads: int, tp: int) -> int:
-    """The KV heads each TP rank computes with: Hkv / TP, or 1 where TP is a multiple of
-    Hkv (each KV head replicated on TP / Hkv ranks: its query heads' ranks). ValueError
-    for heads that do not split."""
-    if n_heads % tp:
-        raise ValueError(f"n_heads ({n_heads}) is not divisible by the TP degree ({tp})")
-    if n_kv_heads % tp and tp % n_kv_heads:
-        raise ValueError(
-            f"n_kv_heads ({n_kv_heads}) and the TP degree ({tp}): one must divide the "
-            "other (KV heads split over TP, or each replicated on TP / n_kv_heads ranks)"
-        )
-    return max(1, n_kv_heads // tp)
 
 
 def takes_one_op(layer: ParallelAttention, x, cos, sin) -> bool:
