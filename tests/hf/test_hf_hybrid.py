@@ -232,10 +232,12 @@ def test_a_gated_deltanet_with_a_bias_is_refused():
         hf.parallelize(model, None)
 
 
-def test_tp4_olmo_hybrid_replicates_the_two_kv_heads(world):
+def test_tp4_olmo_hybrid_replicates_the_two_kv_heads(world, tmp_path):
     """OLMo Hybrid at TP4 over 2 KV heads: its full-width q/k norms' statistics over
-    every rank's heads, each KV head on 2 ranks."""
-    assert len(set(world(4).run(_run, "olmo_hybrid", 8, dict(tp=4)))) == 1
+    every rank's heads, each KV head (and its k norm's weight) on 2 ranks; exported,
+    gathered back into OLMo Hybrid's checkpoint."""
+    results = world(4).run(_run, "olmo_hybrid", 8, dict(tp=4), False, str(tmp_path / "out"))
+    assert len(set(results)) == 1
 
 
 def test_the_split_recurrence_refusal_names_a_few_layers():
