@@ -6,7 +6,8 @@ refuses, with `parallelize`'s message, what `parallelize` would refuse.
 
 A config is a ``PretrainedConfig`` or its dict (a ``config.json``, as the planner reads
 it); a name it lacks reads as unset. `check_dims`: what a config refuses at given
-degrees (context parallelism over Gated DeltaNet layers).
+degrees (context parallelism over Gated DeltaNet layers: `refuse_split_recurrence`, the
+planner's words too).
 """
 
 FAMILIES = (
@@ -107,6 +108,23 @@ def linear_layers(config) -> list[int]:
     ]
 
 
+def refuse_split_recurrence(model: str, linear: list[int], cp: int, ulysses: int) -> None:
+    """The one refusal of a sequence split over Gated DeltaNet layers (their recurrence
+    and conv would need the state of the tokens on the ranks before: the next issue), in
+    one wording for `parallelize` (`check_dims`) and the planner
+    (`fusedpar.plan.accounting.check_heads`): `model`'s layers `linear` (indices) at
+    cp x ulysses ranks."""
+    if not linear or cp * ulysses == 1:
+        return
+    shown = ", ".join(map(str, linear[:8])) + (", ..." if len(linear) > 8 else "")
+    raise ValueError(
+        f"context parallelism for GatedDeltaNet is the next issue: {model} has "
+        f"{len(linear)} linear_attention layers [{shown}], and cp ({cp}) x ulysses "
+        f"({ulysses}) = {cp * ulysses} would split their sequence; run with cp = 1 and "
+        "ulysses = 1"
+    )
+
+
 def check_dims(config, cp: int, ulysses: int = 1, tp: int = 1) -> None:
     """Raise `parallelize`'s ValueError where `config`'s model cannot run at these
     degrees whatever its weights: a sequence split over cp x ulysses ranks with Gated
@@ -119,10 +137,4 @@ def check_dims(config, cp: int, ulysses: int = 1, tp: int = 1) -> None:
             f"GatedDeltaNet: n_k_heads ({k_heads}) is not divisible by the TP degree ({tp}) "
             f"(n_v_heads {field(config, 'linear_num_value_heads')} follow their k-heads)"
         )
-    if linear and cp * ulysses > 1:
-        raise ValueError(
-            f"parallelize: context parallelism over Gated DeltaNet layers is not supported "
-            f"yet (the next issue): {field(config, 'model_type')} has linear_attention "
-            f"layers {linear}, and cp ({cp}) x ulysses ({ulysses}) = {cp * ulysses} would "
-            "split their sequence; run with cp = 1 and ulysses = 1"
-        )
+    refuse_split_recurrence(field(config, "model_type"), linear, cp, ulysses)

@@ -1,7 +1,9 @@
-"""Checks shared by every launcher: dtypes, devices, and the interpreter/GPU split."""
+"""Checks shared by every launcher: dtypes, devices, and the interpreter/GPU split; and
+`TensorCache`, what a check or a build read off a few tensors, kept for those tensors."""
 
 import contextlib
 import functools
+import weakref
 
 import torch
 from fusedpar.kernels import impl
@@ -67,6 +69,37 @@ def check_float_dtype(name: str, tensor: torch.Tensor, allowed=FLOAT_DTYPES) -> 
         raise TypeError(f"{name} must be one of {names}, got {tensor.dtype}")
     if tensor.dtype == torch.float64 and impl.requested() == "triton":
         impl.refuse_float64(name)
+
+
+class TensorCache:
+    """The last `size` values computed from tensors (packed documents' cu_seqlens: their
+    values checked, their masks built), each kept for the very tensors it came from (the
+    same objects, alive, not written since: their version counters) and the call's
+    other facts (`key`: lengths, mask, device). A new tensor, even with equal values,
+    misses; so does one written in place. So a packed batch costs one host read, not one
+    per layer and step (attention's masks, the gated delta rule's documents' check)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.entries: dict[tuple, tuple] = {}
+
+    def get(self, tensors, key: tuple = ()):
+        """The value kept for `tensors` (a tuple) and `key`, or None."""
+        entry = self.entries.get((*map(id, tensors), *key))
+        if entry is None:
+            return None
+        refs, versions, value = entry
+        alive = all(ref() is t for ref, t in zip(refs, tensors, strict=True))
+        return value if alive and versions == tuple(t._version for t in tensors) else None
+
+    def put(self, tensors, key: tuple, value) -> None:
+        """Keep `value` for `tensors` and `key` (the oldest entry goes past `size`)."""
+        full_key = (*map(id, tensors), *key)
+        self.entries.pop(full_key, None)
+        if len(self.entries) >= self.size:
+            self.entries.pop(next(iter(self.entries)))
+        refs = tuple(weakref.ref(t) for t in tensors)
+        self.entries[full_key] = (refs, tuple(t._version for t in tensors), value)
 
 
 def fp32_dot_precision() -> str:

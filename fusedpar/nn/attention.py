@@ -29,6 +29,11 @@ from torch import nn
 
 from fusedpar import comm
 from fusedpar.kernels.common import accumulator, check_float_dtype
+from fusedpar.nn.attention_heads import (  # noqa: F401 (kv_heads_per_rank: public here too)
+    head_layouts,
+    kv_heads_per_rank,
+    own_kv,
+)
 from fusedpar.nn.attention_parts import (  # noqa: F401 (rope_tables: public here too)
     QK_NORMS,
     ROPE_LAYOUTS,
@@ -52,7 +57,7 @@ from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.ring_attention import masked_ring_attn
 from fusedpar.ops.ulysses import check_heads
 from fusedpar.placement import CP_MODES, Placement  # noqa: F401 (CP_MODES: public here too)
-from fusedpar.storage import ParamLayout, local_tensor
+from fusedpar.storage import local_tensor
 
 
 class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
@@ -74,9 +79,9 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
     and ``norm_offset`` (1: Gemma's ``(1 + weight)``). ``sinks``: a learned logit per
     query head in the softmax denominator (gpt-oss; `fusedpar.flash_attn`'s `sinks`).
     ``output_gate``: ``out * sigmoid(x gate_weight^T)`` before the o projection
-    (Qwen3-Next). TP a multiple of Hkv (> Hkv): `k_weight`, `v_weight` (and biases) are
-    (Hkv * hd, d) whole on each rank, which computes with its query heads' KV head
-    (`param_layouts`). docs/attention.md, "The layer".
+    (Qwen3-Next). TP a multiple of Hkv (> Hkv): `k_weight`, `v_weight` (and biases, and
+    a "full" `k_norm_weight`) are (Hkv * hd, d) whole on each rank, which computes with
+    its query heads' KV head (`param_layouts`). docs/attention.md, "The layer".
 
     ``rope(positions)`` returns cos, sin of shape (S, r/2), or (S, r) with equal halves
     (Hugging Face's layout; leading dims of 1 are dropped), r = `rotary_dim` (default
@@ -176,12 +181,6 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         # KV heads per rank; more TP ranks than KV heads: each KV head on tp / Hkv ranks
         kv_local = kv_heads_per_rank(n_heads, n_kv_heads, tp)
         self.kv_replicas = max(1, tp // n_kv_heads)
-        if self.kv_replicas > 1 and qk_norm == "full":
-            raise ValueError(
-                f"qk_norm='full' with {n_kv_heads} KV heads over TP {tp}: the norm's "
-                "statistics sum over TP ranks, which would count each replicated KV head "
-                f"{self.kv_replicas} times (use TP <= {n_kv_heads})"
-            )
         ulysses = comm.group_size(ulysses_group)
         if ulysses > 1:
             check_heads(
@@ -358,6 +357,7 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
                 what = "one per head" if name == "sinks" else f"qk_norm={self.qk_norm!r}"
                 raise ValueError(f"{name} must be {shape} ({what}), got {tuple(weight.shape)}")
             weight = weight if name == "sinks" else permute(weight)  # sinks: one per head
+            split = split and not (name == "k_norm" and self.kv_replicas > 1)  # whole: as k
             copies.append((param, weight, 0 if split else None))
         with torch.no_grad():
             for param, full, dim in copies:
@@ -369,31 +369,9 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
                 local_tensor(param).copy_(part)
 
     def param_layouts(self) -> dict:
-        """For `fusedpar.distribute`: the heads (and their biases, gates, "full" norm
-        weights and sinks) split over the TP group; the o bias whole, summed over TP
-        inside the layer; "head" norm weights whole, each TP rank's gradient a partial
-        sum over its own heads; replicated KV heads (TP > Hkv) likewise whole, each rank's
-        gradient its own KV head's rows from its own query heads (zero elsewhere), summed
-        over TP: a checkpoint holds every KV head once, loadable at any TP."""
-        heads, o = ParamLayout(0, self.tp_group), ParamLayout(1, self.tp_group)
-        tp = (self.tp_group,)
-        norm = heads if self.qk_norm == "full" else ParamLayout(partial_over=tp)
-        kv = ParamLayout(partial_over=tp) if self.kv_replicas > 1 else heads
-        return {
-            "q_weight": heads,
-            "k_weight": kv,
-            "v_weight": kv,
-            "o_weight": o,
-            "q_bias": heads,
-            "k_bias": kv,
-            "v_bias": kv,
-            "gate_weight": heads,
-            "gate_bias": heads,
-            "o_bias": ParamLayout(complete_over=tp),
-            "q_norm_weight": norm,
-            "k_norm_weight": norm,
-            "sinks": heads,
-        }
+        """For `fusedpar.distribute`: each parameter's layout over TP (`head_layouts`:
+        heads split, replicated KV heads whole with their gradient partial over TP)."""
+        return head_layouts(self.tp_group, self.qk_norm, self.kv_replicas)
 
     @classmethod
     def from_dense(
@@ -513,7 +491,10 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
                 rope=(cos, sin) if normed else None,
             )
             q = qk_rms_norm(q, self.q_norm_weight, self.norm_eps, **norm)
-            k = qk_rms_norm(k, self.k_norm_weight, self.norm_eps, **norm)
+            # a "full" k norm's weight of replicated KV heads: whole, this rank's head read
+            full = self.qk_norm == "full"
+            k_norm = self._own_kv(self.k_norm_weight)[0] if full else self.k_norm_weight
+            k = qk_rms_norm(k, k_norm, self.norm_eps, **norm)
         # (S, B, H, hd) -> (B, S, H, hd): a strided view, read in place by the kernels
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         if rotary and not joined and not normed:
@@ -549,12 +530,8 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         return y if self.o_bias is None else y + self.o_bias
 
     def _own_kv(self, *tensors):
-        """k's and v's weights (or biases) this rank computes with: its parameters, or
-        with replicated KV heads its own KV head's rows (a view) of them whole."""
-        if self.kv_replicas == 1 or tensors[0] is None:
-            return list(tensors)
-        hd, head = self.head_dim, self.tp_rank // self.kv_replicas
-        return [t[head * hd : (head + 1) * hd] for t in tensors]
+        """k's and v's tensors this rank computes with (`own_kv`)."""
+        return own_kv(tensors, self.head_dim, self.tp_rank, self.kv_replicas)
 
     def _one_op(self, x, tables, cu_seqlens):
         """The forward on one rank as one op (`fusedpar.ops.attention_layer`)."""
@@ -583,20 +560,6 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
             norm_eps=self.norm_eps,
             norm_offset=self.norm_offset,
         )
-
-
-def kv_heads_per_rank(n_heads: int, n_kv_heads: int, tp: int) -> int:
-    """The KV heads each TP rank computes with: Hkv / TP, or 1 where TP is a multiple of
-    Hkv (each KV head replicated on TP / Hkv ranks: its query heads' ranks). ValueError
-    for heads that do not split."""
-    if n_heads % tp:
-        raise ValueError(f"n_heads ({n_heads}) is not divisible by the TP degree ({tp})")
-    if n_kv_heads % tp and tp % n_kv_heads:
-        raise ValueError(
-            f"n_kv_heads ({n_kv_heads}) and the TP degree ({tp}): one must divide the "
-            "other (KV heads split over TP, or each replicated on TP / n_kv_heads ranks)"
-        )
-    return max(1, n_kv_heads // tp)
 
 
 def takes_one_op(layer: ParallelAttention, x, cos, sin) -> bool:

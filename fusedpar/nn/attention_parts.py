@@ -151,6 +151,9 @@ def qk_rms_norm(
         return rms_norm(x, weight, eps, offset=offset, rope=rope)
     wide = accumulator(x.dtype)
     x32 = x.to(wide)
+    # replicated KV heads (TP > Hkv: one a rank) are counted once a rank in the squares
+    # and in the count alike, so the mean is the full width's (and so is its gradient:
+    # each rank's share of it 1 / replicas of its head's)
     heads = x.shape[-2] * comm.group_size(tp_group)
     squares = comm.all_reduce(x32.square().sum((-2, -1), keepdim=True), tp_group)
     mean_square = squares / (heads * x.shape[-1])

@@ -19,8 +19,6 @@ sink enters once, after the merge. float64 runs torch's implementation
 (`fusedpar.kernels.impl`), its LSE and sinks float64 (`common.accumulator`).
 """
 
-import weakref
-
 import torch
 from torch import Tensor
 
@@ -34,7 +32,7 @@ from fusedpar.kernels.attention import (
     check_cu_seqlens,
     packed_intervals,
 )
-from fusedpar.kernels.common import accumulator
+from fusedpar.kernels.common import TensorCache, accumulator
 from fusedpar.ops.registration import autograd_op, direct_op
 
 # --- custom ops: fusedpar::flash_attn and its backward ---------------------------------
@@ -68,12 +66,13 @@ def block_mask(q, k, documents: list[Tensor], mask: AttentionMask, *, check: boo
     row, else on the packed documents' intervals (`AttentionMask.on_block`). The
     intervals are built (and with `check` the cu_seqlens' values read: a host sync) once
     per cu_seqlens tensors: the layers of a model, forward and backward, pass the same
-    ones (`_PackedMasks`)."""
+    ones (`_PACKED`, a `TensorCache`)."""
     if not documents:
         return mask
     cu_q, cu_k = documents
-    intervals = _PACKED.get(q, k, documents, mask, check)
-    if intervals is None:
+    key = (q.shape[1], k.shape[1], mask.causal, mask.window, q.device)
+    checked, intervals = _PACKED.get((cu_q, cu_k), key) or (False, None)
+    if intervals is None or (check and not checked):
         if check:
             check_cu_seqlens(cu_q, q.shape[1], "cu_seqlens_q")
             check_cu_seqlens(cu_k, k.shape[1], "cu_seqlens_k")
@@ -85,50 +84,14 @@ def block_mask(q, k, documents: list[Tensor], mask: AttentionMask, *, check: boo
             causal=mask.causal,
             window=mask.window,
         )
-        _PACKED.put(q, k, documents, mask, check, intervals)
+        _PACKED.put((cu_q, cu_k), key, (check, intervals))
     return mask.on_block(intervals)
 
 
-class _PackedMasks:
-    """The last few packed masks, each kept for the very cu_seqlens tensors it was built
-    from (the same objects, alive, not written since: their version counters) and the
-    call's lengths, mask and device. A new tensor, even with equal values, builds anew;
-    so does one written in place. An entry made without the values' check serves only
-    calls that do not ask for it."""
-
-    SIZE = 8
-
-    def __init__(self):
-        self.entries: dict[tuple, tuple] = {}
-
-    @staticmethod
-    def _key(q, k, documents, mask):
-        cu_q, cu_k = documents
-        return (id(cu_q), id(cu_k), q.shape[1], k.shape[1], mask.causal, mask.window, q.device)
-
-    def get(self, q, k, documents, mask, check):
-        entry = self.entries.get(self._key(q, k, documents, mask))
-        if entry is None:
-            return None
-        ref_q, ref_k, versions, checked, intervals = entry
-        cu_q, cu_k = documents
-        fresh = ref_q() is cu_q and ref_k() is cu_k and versions == (cu_q._version, cu_k._version)
-        return intervals if fresh and (checked or not check) else None
-
-    def put(self, q, k, documents, mask, checked, intervals):
-        if len(self.entries) >= self.SIZE:
-            self.entries.pop(next(iter(self.entries)))
-        cu_q, cu_k = documents
-        self.entries[self._key(q, k, documents, mask)] = (
-            weakref.ref(cu_q),
-            weakref.ref(cu_k),
-            (cu_q._version, cu_k._version),
-            checked,
-            intervals,
-        )
-
-
-_PACKED = _PackedMasks()
+# the last few packed masks, each kept for the very cu_seqlens tensors it was built from
+# and the call's lengths, mask and device, with whether their values were checked: an
+# entry made without the check serves only calls that do not ask for it
+_PACKED = TensorCache(8)
 
 
 @torch.library.custom_op("fusedpar::flash_attn", mutates_args=())

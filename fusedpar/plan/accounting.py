@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fusedpar.hf_config import refuse_split_recurrence
+
 if TYPE_CHECKING:  # annotations only: fusedpar.plan.model imports this module
     from fusedpar.plan.model import ModelSpec
 
@@ -74,6 +76,13 @@ def kv_heads_held(spec: ModelSpec, tp: int) -> int:
     return max(spec.n_kv_heads // tp, 1)
 
 
+def kv_heads_exchanged(spec: ModelSpec, tp: int, ulysses: int) -> int:
+    """KV heads one rank's Ulysses exchange sends (and receives): its own, or, fewer than
+    the Ulysses degree, each repeated to one a Ulysses rank (`ops.ulysses.check_heads`)."""
+    held = kv_heads_held(spec, tp)
+    return max(held, ulysses) if ulysses > 1 else held
+
+
 def kv_rows(spec: ModelSpec, tp: int) -> int:
     """Heads of K (and of V) one TP rank projects: Hkv / tp, or all Hkv when replicated
     (the rank's head is a view of the whole projection)."""
@@ -83,15 +92,11 @@ def kv_rows(spec: ModelSpec, tp: int) -> int:
 def check_heads(spec: ModelSpec, dims) -> int | None:
     """What the layers refuse of `dims` that `ParallelDims.validate` does not check, as
     the layers word it: GDN layers under context parallelism (the next issue), k-heads
-    not split over TP; TP neither dividing the KV heads nor a multiple of them, or
-    replicated KV heads with Ulysses. Returns the KV heads `validate` should check (None
-    where TP replicates them)."""
-    cp = dims.cp * dims.ulysses
-    if spec.linear_layers and cp > 1:
-        raise ValueError(
-            f"context parallelism for GatedDeltaNet is the next issue: {spec.name} has "
-            f"{spec.linear_layers} GDN layers and cp x ulysses is {cp}"
-        )
+    not split over TP; TP neither dividing the KV heads nor a multiple of them. Returns
+    the KV heads `validate` should check (None where TP replicates them: one a TP rank,
+    which Ulysses replicates again over its ranks)."""
+    linear = [i for i in range(spec.n_layers) if spec.is_linear(i)]
+    refuse_split_recurrence(spec.name, linear, dims.cp, dims.ulysses)
     if spec.linear_layers and spec.linear_k_heads % dims.tp:
         raise ValueError(
             f"GatedDeltaNet: n_k_heads ({spec.linear_k_heads}) is not divisible by the TP "
@@ -103,11 +108,6 @@ def check_heads(spec: ModelSpec, dims) -> int | None:
         raise ValueError(
             f"n_kv_heads ({spec.n_kv_heads}) and the TP degree ({dims.tp}): one must divide "
             "the other (KV heads split over TP, or each replicated on TP / n_kv_heads ranks)"
-        )
-    if dims.ulysses > 1:
-        raise ValueError(
-            f"{spec.n_kv_heads} KV heads replicated over tp {dims.tp} with ulysses "
-            f"{dims.ulysses}: not planned (run tp <= n_kv_heads with Ulysses)"
         )
     return None
 

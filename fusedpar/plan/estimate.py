@@ -274,7 +274,7 @@ def block_times(spec, layer, z: acc.Local, clock: _Clock, opts: StepOptions) -> 
         fwd += steps * max(0.0, step_f - att_f / z.cp)
         bwd += steps * max(0.0, step_b - att_b / z.cp)
     if z.ulysses > 1:  # q, k, v out and the output back, forward and backward
-        kv = acc.kv_heads_held(spec, z.tp) * (hd + hv)
+        kv = acc.kv_heads_exchanged(spec, z.tp, z.ulysses) * (hd + hv)
         moved = z.m * (spec.n_heads // z.tp * (hd + hv) + kv) * e
         t = clock.comm("ulysses", moved, calls=4, kind="all_to_all")
         fwd, bwd = fwd + t, bwd + clock.comm("ulysses", moved, calls=4, kind="all_to_all")

@@ -136,8 +136,8 @@ def _block(ledger, spec, layer, z, *, cpu_checks: bool, forward: bool) -> None:
         _ring(ledger, spec, z, cpu_checks=cpu_checks, forward=forward)
     if u > 1:
         q = z.m * spec.n_heads // t * hd * e  # TP's gathered tokens, this rank's heads
-        k = z.m * acc.kv_heads_held(spec, t) * hd * e
-        v = z.m * acc.kv_heads_held(spec, t) * hv * e
+        kv = acc.kv_heads_exchanged(spec, t, u)  # (repeated where fewer than u)
+        k, v = z.m * kv * hd * e, z.m * kv * hv * e
         out = z.m * spec.n_heads // t * hv * e
         for size in (q, k, v, out):
             ledger.add("all_to_all", ("ulysses",), 2 * size)  # output + input

@@ -17,32 +17,29 @@ float64 is all or nothing: with float64 q every float input is float64.
 """
 
 import numbers
-import weakref
 
 import torch
 from fusedpar.kernels import impl
 from fusedpar.kernels.attention.mask import check_cu_seqlens
-from fusedpar.kernels.common import cdiv, check_float_dtype, device_guard
+from fusedpar.kernels.common import TensorCache, cdiv, check_float_dtype, device_guard
 from fusedpar.kernels.linear_attention import torch_impl
 from fusedpar.kernels.linear_attention.chunk import chunk_gated_delta_forward
 from fusedpar.kernels.linear_attention.chunk_backward import chunk_gated_delta_backward
 
 MAX_HEAD_DIM = 256  # K and V: the kernels hold a (K, V) fp32 state per program
 
-# cu_seqlens tensors whose values the kernels' path has read (id -> (ref, version, T)):
-# the kernels trust them (a document past T would write out of bounds), so each packed
-# batch costs one host read, as attention's masks do, not one per layer and step.
-_CHECKED_DOCUMENTS: dict[int, tuple] = {}
+# cu_seqlens tensors whose values the kernels' path has read, per length T: the kernels
+# trust them (a document past T would write out of bounds), so each packed batch costs
+# one host read, as attention's masks do (the same `TensorCache`), not one per layer
+# and step.
+_CHECKED_DOCUMENTS = TensorCache(64)
 
 
 def _check_documents_once(cu_seqlens, T: int, what: str) -> None:
-    entry = _CHECKED_DOCUMENTS.get(id(cu_seqlens))
-    if entry is not None and entry[0]() is cu_seqlens and entry[1:] == (cu_seqlens._version, T):
+    if _CHECKED_DOCUMENTS.get((cu_seqlens,), (T,)) is not None:
         return
     check_cu_seqlens(cu_seqlens, T, f"{what}: cu_seqlens")
-    if len(_CHECKED_DOCUMENTS) >= 64:
-        _CHECKED_DOCUMENTS.pop(next(iter(_CHECKED_DOCUMENTS)))
-    _CHECKED_DOCUMENTS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, T)
+    _CHECKED_DOCUMENTS.put((cu_seqlens,), (T,), True)
 
 
 def _check_int32_reach(tensors, N: int, what: str) -> None:

@@ -3,9 +3,10 @@ Qwen3.5's full-attention layers) and KV heads replicated over TP ranks (TP a mul
 n_kv_heads): forward, dx and every parameter gradient (DTensor parameters, gathered)
 against Hugging Face's ``Qwen3NextAttention`` (tiny random config, every parameter
 re-drawn: head q/k norms with Gemma's offset, partial rotary) and a plain float64
-module (biases, Llama's full rotary, which the QKV GEMMs join), at one rank, TP2 and
-TP4 with 2 KV heads; a checkpoint saved at TP4 with 2 KV heads loads at TP2 and one
-rank, and one saved at TP2 at TP4; bad head counts refused before any collective."""
+module (biases, Llama's full rotary, which the QKV GEMMs join), at one rank, TP2, TP4
+with 2 KV heads and TP2 x Ulysses 2 with 1; a checkpoint saved at TP4 with 2 KV heads
+loads at TP2 and one rank, and one saved at TP2 at TP4; bad head counts refused before
+any collective."""
 
 import re
 
@@ -139,17 +140,18 @@ def _layer(dense, heads, kv_heads, groups, sequence_parallel):
         output_gate=True,
         tp_group=groups["tp"],
         cp_group=groups.get("cp"),
+        ulysses_group=groups.get("ulysses"),
         sequence_parallel=sequence_parallel,
         **options,
     )
 
 
-def _run(kind, heads, kv_heads, sequence_parallel, seed, cp=1):
-    """The layer at CP x TP = the world size against the dense module in float64 and
-    fp32 (CP: the zigzag ring)."""
+def _run(kind, heads, kv_heads, sequence_parallel, seed, cp=1, ulysses=1):
+    """The layer at CP x Ulysses x TP = the world size against the dense module in
+    float64 and fp32 (CP: the zigzag ring; Ulysses: the heads' exchange)."""
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    tp = world // cp
-    dims = fp.ParallelDims(cp=cp, tp=tp)
+    tp = world // (cp * ulysses)
+    dims = fp.ParallelDims(cp=cp, ulysses=ulysses, tp=tp)
     mesh = dims.build_mesh("cpu")
     groups = dims.groups(mesh)
     dense = _dense(kind, heads, kv_heads, seed)
@@ -165,11 +167,13 @@ def _run(kind, heads, kv_heads, sequence_parallel, seed, cp=1):
         refs[dtype] = {"y": y.detach(), "dx": xd.grad, **grads}
     layer = _layer(dense, heads, kv_heads, groups, sequence_parallel)
     assert layer.kv_replicas == max(1, tp // kv_heads)
-    fp.distribute(layer, mesh, token_axes=("cp", "tp") if sequence_parallel else ("cp",))
+    axes = ("cp", "ulysses") if ulysses > 1 else ("cp",)
+    fp.distribute(layer, mesh, token_axes=(*axes, "tp") if sequence_parallel else axes)
     rank = fp.comm.group_rank(groups["tp"])
 
-    def local(t):  # (B, S, d) -> this rank's (S / CP / TP, B, d) or (S / CP, B, d)
-        t = fp.shard_sequence(t, groups["cp"], dim=1).transpose(0, 1)
+    def local(t):  # (B, S, d) -> this rank's (S / CP / U / TP, B, d) or (S / CP / U, B, d)
+        t = fp.shard_sequence(t, groups["cp"], dim=1, ulysses_group=groups.get("ulysses"))
+        t = t.transpose(0, 1)
         return t.chunk(tp)[rank] if sequence_parallel else t
 
     x_local = local(x).float().requires_grad_()
@@ -217,6 +221,14 @@ def test_kv_heads_replicated_at_tp4_with_2_kv_heads(world, kind, sequence_parall
     assert all(world(4).run(_run, kind, 8, 2, sequence_parallel, 4))
 
 
+@pytest.mark.parametrize("kind", ["plain", "hf"])
+def test_kv_heads_replicated_over_tp_with_ulysses(world, kind):
+    """4 query heads, 1 KV head at TP2 x Ulysses 2: the KV head on both TP ranks, and
+    again on both Ulysses ranks by the heads' exchange (one query head a rank);
+    forward, dx and every gradient against the dense module."""
+    assert all(world(4).run(_run, kind, 4, 1, True, 7, 1, 2))
+
+
 def _built(tp_ranks, seed):
     dims = fp.ParallelDims(tp=tp_ranks)
     mesh = dims.build_mesh("cpu")
@@ -262,9 +274,8 @@ def _build_bad(heads, kv_heads, **options):
     [
         (12, 3, {}, r"n_kv_heads \(3\) and the TP degree \(4\)"),
         (6, 2, {}, r"n_heads \(6\) is not divisible by the TP degree \(4\)"),
-        (8, 2, {"qk_norm": "full"}, r"qk_norm='full' with 2 KV heads over TP 4"),
     ],
-    ids=["tp-neither-multiple-nor-divisor", "query-heads", "full-norm-replicated"],
+    ids=["tp-neither-multiple-nor-divisor", "query-heads"],
 )
 def test_bad_head_counts_are_refused_before_any_collective(world, heads, kv_heads, options, match):
     errors = world(4).run(exception_of, _build_bad, heads, kv_heads, **options)

@@ -10,6 +10,7 @@ NaN: a kernel that read them, even masked, would give NaN.
 import pytest
 import torch
 from fusedpar.kernels.attention import AttentionMask, attention_reference, visible_reference
+from fusedpar.kernels.common import TensorCache
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -339,7 +340,7 @@ def test_packed_masks_are_built_once_per_cu_seqlens(monkeypatch):
 
     monkeypatch.setattr(ops, "packed_intervals", counted("built", ops.packed_intervals))
     monkeypatch.setattr(ops, "check_cu_seqlens", counted("checked", ops.check_cu_seqlens))
-    monkeypatch.setattr(ops, "_PACKED", ops._PackedMasks())
+    monkeypatch.setattr(ops, "_PACKED", TensorCache(8))
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(20, 2, 16, generator=gen, requires_grad=True) for _ in range(3))
     cu = torch.tensor([0, 7, 20], dtype=torch.int32)

@@ -1,9 +1,10 @@
 """`parallelize` on the hybrids (Gated DeltaNet layers among full attention): Qwen3-Next,
 Qwen3.5 (dense and MoE) and OLMo Hybrid, tiny random models (fp32, every parameter
 re-drawn), against the unconverted Hugging Face model: logits, loss and every
-parameter's gradient in one process, at TP2, at TP4 over 2 KV heads (replicated), at
-PP2 x TP2 and over packed documents (each document run alone by Hugging Face, whose GDN
-refuses packing without flash-linear-attention); `save_pretrained` back to the original
+parameter's gradient in one process, at TP2, at TP4 over 2 KV heads (replicated;
+OLMo's full-width k norm with them), at PP2 x TP2 and over packed documents (each
+document run alone by Hugging Face, whose GDN refuses packing without
+flash-linear-attention); `save_pretrained` back to the original
 checkpoint; and context parallelism refused on every rank before any collective.
 Hugging Face's GDN computes in fp32 even in a float64 model: its float64 reference is
 fp32-exact there (`_close`)."""
@@ -16,8 +17,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fusedpar as fp
-from fusedpar.hf_config import check_dims
+from fusedpar import plan
+from fusedpar.hf_config import check_dims, refuse_split_recurrence
 from fusedpar.pipeline import stage_losses_total
+from fusedpar.plan.accounting import check_heads
 from fusedpar.testing import assert_close, exception_of
 
 transformers = pytest.importorskip(
@@ -184,7 +187,8 @@ def _refused_at_cp(degrees):
 @pytest.mark.parametrize("degrees", [dict(cp=2, tp=2), dict(ulysses=2, tp=2)])
 def test_context_parallelism_is_refused_on_every_rank(world, degrees):
     """Before any collective (the mesh is not built): every rank raises the config's
-    refusal, which the planner reads too (`hf_config.check_dims`)."""
+    refusal (`hf_config.check_dims`), in the planner's words to the letter (both
+    `hf_config.refuse_split_recurrence`'s)."""
     results = world(4).run(_refused_at_cp, degrees)
     assert all(r == results[0] for r in results)
     kind, message = results[0]
@@ -192,7 +196,11 @@ def test_context_parallelism_is_refused_on_every_rank(world, degrees):
     with pytest.raises(ValueError) as alone:
         check_dims(config, degrees.get("cp", 1), degrees.get("ulysses", 1))
     assert kind == "ValueError" and message == str(alone.value)
-    assert "linear_attention layers [0]" in message and "cp = 1" in message
+    with pytest.raises(ValueError) as planned:
+        check_heads(plan.from_hf_config(config), fp.ParallelDims(**degrees))
+    assert str(planned.value) == message
+    assert message.startswith("context parallelism for GatedDeltaNet is the next issue")
+    assert "1 linear_attention layers [0]" in message and "cp = 1" in message
     check_dims(config, 1, tp=4)  # cp = 1: taken
     check_dims(_model("llama", 0).config, 2)  # no GDN layer: taken
     with pytest.raises(
@@ -222,3 +230,22 @@ def test_a_gated_deltanet_with_a_bias_is_refused():
     gdn.in_proj_z = torch.nn.Linear(gdn.hidden_size, gdn.value_dim, bias=True)
     with pytest.raises(ValueError, match=r"layer 0: a Gated DeltaNet projection or conv with"):
         hf.parallelize(model, None)
+
+
+def test_tp4_olmo_hybrid_replicates_the_two_kv_heads(world, tmp_path):
+    """OLMo Hybrid at TP4 over 2 KV heads: its full-width q/k norms' statistics over
+    every rank's heads, each KV head (and its k norm's weight) on 2 ranks; exported,
+    gathered back into OLMo Hybrid's checkpoint."""
+    results = world(4).run(_run, "olmo_hybrid", 8, dict(tp=4), False, str(tmp_path / "out"))
+    assert len(set(results)) == 1
+
+
+def test_the_split_recurrence_refusal_names_a_few_layers():
+    """One wording (`refuse_split_recurrence`): a long model's layers shown up to 8."""
+    refuse_split_recurrence("m", [], 2, 2)  # no GDN layer: taken
+    refuse_split_recurrence("m", [0, 1], 1, 1)  # no split: taken
+    with pytest.raises(ValueError) as e:
+        refuse_split_recurrence("Qwen3.5-27B", list(range(0, 64, 4)) * 3, 1, 2)
+    assert "Qwen3.5-27B has 48 linear_attention layers [0, 4, 8, 12, 16, 20, 24, 28, ...]" in str(
+        e.value
+    ) and "cp (1) x ulysses (2) = 2" in str(e.value)

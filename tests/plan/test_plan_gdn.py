@@ -6,7 +6,8 @@ attention swapped for `fp.nn.GatedDeltaNet` and block 1's for a gated
 are the real ones or their saved-set contracts (tests/plan/helpers.py). Checked: saved
 activations under each policy, the most held at once, parameters, gradients, AdamW's
 state, the collectives and their bytes; at one process (fp32, fp16), at TP2 and at TP4
-with 2 KV heads (each replicated on 2 ranks). Then the Qwen3.5 presets: parameters near
+with 2 KV heads (each replicated on 2 ranks), and (both blocks gated attention) at TP2 x
+Ulysses 2 over 1 KV head. Then the Qwen3.5 presets: parameters near
 the published totals, a plan whose top pick prints, FLOPs at the chunked cost.
 """
 
@@ -31,22 +32,32 @@ SEQ, BATCH = 16, 2
 HK, HV, K, V = 4, 8, 8, 6  # GDN: Hv = 2 Hk, K != V
 
 
-def _hybrid(groups: dict, dtype=torch.float32):
-    """(model, spec): the hybrid model on `groups` and the planner's spec of it."""
-    cfg = tiny.config(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_hidden=48)
+def _hybrid(groups: dict, dtype=torch.float32, kv_heads: int = 2):
+    """(model, spec): the hybrid model on `groups` and the planner's spec of it. With a
+    Ulysses group (GDN's sequence cannot split yet) block 0 is a gated attention too."""
+    cfg = tiny.config(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=kv_heads, d_hidden=48)
     torch.manual_seed(0)
     model = ParallelTransformer(Transformer(cfg), groups)
-    tp = groups["tp"]
-    model.blocks[0].attn = fp.nn.GatedDeltaNet(
-        cfg.d_model, HK, HV, head_k_dim=K, head_v_dim=V, tp_group=tp
-    )
-    model.blocks[1].attn = fp.nn.ParallelAttention(
-        cfg.d_model, cfg.n_heads, cfg.n_kv_heads, output_gate=True, tp_group=tp
-    )
+    tp, ulysses = groups["tp"], groups.get("ulysses")
+    for block in model.blocks[1 if ulysses is None else 0 :]:
+        block.attn = fp.nn.ParallelAttention(
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            output_gate=True,
+            tp_group=tp,
+            ulysses_group=ulysses,
+        )
+    kinds = ("full_attention",) * 2
+    if ulysses is None:
+        kinds = ("linear_attention", "full_attention")
+        model.blocks[0].attn = fp.nn.GatedDeltaNet(
+            cfg.d_model, HK, HV, head_k_dim=K, head_v_dim=V, tp_group=tp
+        )
     spec = dataclasses.replace(
         plan.model_spec(cfg),
         output_gate=True,
-        layer_types=("linear_attention", "full_attention"),
+        layer_types=kinds,
         linear_k_heads=HK,
         linear_v_heads=HV,
         linear_k_dim=K,
@@ -69,11 +80,11 @@ def _batch(cfg):
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
 
-def _saved(kw: dict, dtype) -> dict:
+def _saved(kw: dict, dtype, kv_heads: int = 2) -> dict:
     """Saved bytes of one forward under each policy: (real, planned)."""
     dims = fp.ParallelDims(**kw)
     groups = dims.groups(dims.build_mesh("cpu")) if kw else {"tp": None, "cp": None, "ep": None}
-    model, spec, cfg = _hybrid(groups, dtype)
+    model, spec, cfg = _hybrid(groups, dtype, kv_heads)
     tokens, labels = _batch(cfg)
     out = {}
     for policy in POLICIES:
@@ -97,7 +108,7 @@ def _saved(kw: dict, dtype) -> dict:
     return out
 
 
-def _step(kw: dict) -> dict:
+def _step(kw: dict, kv_heads: int = 2) -> dict:
     """One rank's second training step: held state, collectives, the saved peak; real
     and planned."""
     from fusedpar.plan import traffic
@@ -106,7 +117,7 @@ def _step(kw: dict) -> dict:
 
     dims = fp.ParallelDims(**kw)
     mesh = dims.build_mesh("cpu")
-    model, spec, cfg = _hybrid(dims.groups(mesh))
+    model, spec, cfg = _hybrid(dims.groups(mesh), kv_heads=kv_heads)
     model = fp.distribute(model, mesh)
     tokens, labels = _batch(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -151,6 +162,24 @@ def test_hybrid_step_over_tp(world, tp):
         assert step["state"][0] == step["state"][1], tp
         assert step["real"] == step["planned"], tp
     check_peaks([step for _, step in per_rank], tp, summed=False)
+
+
+def _tp_ulysses():
+    kw = {"tp": 2, "ulysses": 2}
+    return _saved(kw, torch.float16, kv_heads=1), _step(kw, kv_heads=1)
+
+
+def test_replicated_kv_heads_with_ulysses(world):
+    """TP2 x Ulysses 2 over 1 KV head: replicated on both TP ranks, then again on both
+    Ulysses ranks by the heads' exchange (which sends it twice); both blocks gated
+    attention."""
+    per_rank = world(4).run(_tp_ulysses)
+    for saved, step in per_rank:
+        for policy, (real, planned) in saved.items():
+            assert real == planned, (policy, real, planned)
+        assert step["state"][0] == step["state"][1]
+        assert step["real"] == step["planned"]
+    check_peaks([step for _, step in per_rank], "tp2 x ulysses2", summed=False)
 
 
 def test_kv_replication_is_counted():
