@@ -199,9 +199,10 @@ def _check_cp(x, weight, bias, activation, cu_seqlens, initial_states, spans: Sp
 
 def _causal_conv1d_cp(x, weight, bias, activation, cu_seqlens, initial_states, final, pg, layout):
     """`causal_conv1d` on this rank's shard (`fusedpar.ops.conv_halo`)."""
-    check_same_across_ranks(pg, [*x.shape, *weight.shape], "causal_conv1d: x, weight", x.device)
     spans = Spans(dist.get_rank(pg), dist.get_world_size(pg), layout, x.shape[1])
     N = _check_cp(x, weight, bias, activation, cu_seqlens, initial_states, spans)
+    # (then the ranks' shapes, which the routes assume equal: one tiny all-gather on CPU)
+    check_same_across_ranks(pg, [*x.shape, *weight.shape], "causal_conv1d: x, weight", x.device)
     history = weight.shape[1] - 1
     if history:
         plan = conv_halo.halo_plan(spans, history)
