@@ -12,10 +12,16 @@ RMSNorm after the recurrence is `fusedpar.ops.norm.rms_norm_gated`.
 """
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from fusedpar.comm import Group, active_group, check_same_across_ranks
+from fusedpar.kernels.attention import check_cu_seqlens
 from fusedpar.kernels.linear_attention import conv1d as kernels
+from fusedpar.ops import conv_halo
 from fusedpar.ops.registration import asked, autograd_op, direct_op
+from fusedpar.ops.sequence import check_layout
+from fusedpar.ops.spans import Spans
 
 
 def _activation(name: str):
@@ -116,6 +122,8 @@ def causal_conv1d(
     cu_seqlens: Tensor | None = None,
     initial_states: Tensor | None = None,
     output_final_states: bool = False,
+    group: Group = None,
+    layout: str = "zigzag",
 ) -> tuple[Tensor, Tensor | None]:
     """``(y, final_states)``: the depthwise causal convolution of x (B, T, C) by weight
     (C, W) (W <= 4), plus bias (C,), then SiLU (``activation="silu"``) or nothing
@@ -128,7 +136,23 @@ def causal_conv1d(
     ``[initial_states ; x]`` per sequence (causal-conv1d's convention: pass them as the
     next call's initial_states to continue; a document shorter than W - 1 keeps older
     initial entries, zeros without). Gradients reach x, weight, bias and initial_states,
-    from y and final_states."""
+    from y and final_states.
+
+    With a context-parallel ``group`` (more than one rank), x is this rank's shard as
+    ``fp.shard_sequence(x_full, group, layout=layout)`` gives it, and y this rank's shard
+    of the single-device y: each span's W - 1 inputs before it come from the ranks that
+    hold them (`fusedpar.ops.conv_halo`), their gradient goes back. cu_seqlens are the
+    global stream's and initial_states the sequence's own, the same on every rank;
+    final_states the single-device ones, on every rank (their gradient taken once, as
+    one replicated value's). The gradients of weight, bias and initial_states are this
+    rank's share: their sum over the group is the single-device one."""
+    if group is not None:
+        check_layout(layout)
+    pg = active_group(group)
+    if pg is not None:
+        return _causal_conv1d_cp(
+            x, weight, bias, activation, cu_seqlens, initial_states, output_final_states, pg, layout
+        )
     # (cu_seqlens' values are read inside the op, on a CPU, where a graph does not see it)
     kernels.check_inputs(x, weight, bias, activation, cu_seqlens, initial_states, values=False)
     y, final = _causal_conv1d(
@@ -141,3 +165,57 @@ def causal_conv1d(
         bool(output_final_states),
     )
     return y, (final if output_final_states else None)
+
+
+def _check_cp(x, weight, bias, activation, cu_seqlens, initial_states, spans: Spans) -> int:
+    """The documents N of a sharded call (ValueError/TypeError naming the sizes, the
+    same on every rank when the ranks pass the same shapes)."""
+    kernels.check_inputs(x, weight, bias, activation)
+    B, T, C = x.shape
+    W, N = weight.shape[1], B
+    if cu_seqlens is not None:
+        what, on_cpu = "causal_conv1d: the global cu_seqlens", x.device.type == "cpu"
+        check_cu_seqlens(cu_seqlens, spans.seq_len, what, values=on_cpu)
+        if B != 1:
+            raise ValueError(
+                f"causal_conv1d: with cu_seqlens the documents are packed into one "
+                f"sequence (B = 1), got this rank's x {tuple(x.shape)}"
+            )
+        N = cu_seqlens.shape[0] - 1
+    if initial_states is not None:
+        if initial_states.shape != (N, C, W - 1):
+            raise ValueError(
+                f"causal_conv1d: initial_states (the sequence's own, the same on every "
+                f"rank) must be (N, C, W - 1) = ({N}, {C}, {W - 1}), got "
+                f"{tuple(initial_states.shape)}"
+            )
+        if initial_states.dtype != x.dtype or initial_states.device != x.device:
+            raise TypeError(
+                f"causal_conv1d: initial_states must be x's {x.dtype} on {x.device}, got "
+                f"{initial_states.dtype} on {initial_states.device}"
+            )
+    return N
+
+
+def _causal_conv1d_cp(x, weight, bias, activation, cu_seqlens, initial_states, final, pg, layout):
+    """`causal_conv1d` on this rank's shard (`fusedpar.ops.conv_halo`)."""
+    spans = Spans(dist.get_rank(pg), dist.get_world_size(pg), layout, x.shape[1])
+    N = _check_cp(x, weight, bias, activation, cu_seqlens, initial_states, spans)
+    # (then the ranks' shapes, which the routes assume equal: one tiny all-gather on CPU)
+    check_same_across_ranks(pg, [*x.shape, *weight.shape], "causal_conv1d: x, weight", x.device)
+    history = weight.shape[1] - 1
+    if history:
+        plan = conv_halo.halo_plan(spans, history)
+        halo = conv_halo.halo(x, plan, pg)
+        stream, cu, init = conv_halo.local_inputs(x, spans, halo, cu_seqlens, initial_states)
+    else:  # W = 1: no halo (and no states)
+        stream, cu, init = x, None, None
+    y, _ = causal_conv1d(
+        stream, weight, bias, activation=activation, cu_seqlens=cu, initial_states=init
+    )
+    y = y.view(x.shape)
+    if not final:
+        return y, None
+    if not history:
+        return y, x.new_zeros((N, x.shape[2], 0))
+    return y, conv_halo.final_states(x, spans, history, cu_seqlens, initial_states, pg)

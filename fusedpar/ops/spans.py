@@ -90,6 +90,16 @@ class Spans:
         """The global position of the span's first token."""
         return span * self.span_len
 
+    def locate(self, begin: int, end: int) -> list[tuple[int, int, int]]:
+        """``(span, lo, hi)`` for each span holding some of the global positions
+        [begin, end) (clipped to the sequence), in global order; lo and hi are offsets
+        in the span (a convolution's halo: the W - 1 positions before a span)."""
+        begin, end, n = max(begin, 0), min(end, self.seq_len), self.span_len
+        if not n or end <= begin:
+            return []
+        spans = range(begin // n, (end - 1) // n + 1)
+        return [(s, max(begin - s * n, 0), min(end - s * n, n)) for s in spans]
+
 
 @dataclass(frozen=True)
 class SpanDocuments:

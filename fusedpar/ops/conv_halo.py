@@ -1,0 +1,221 @@
+"""The short convolution under context parallelism: each span's halo (the W - 1 inputs
+before it) from whichever ranks hold them, point to point, and its gradient sent back.
+
+A rank's shard x (B, T_local, C) holds its spans (`fusedpar.ops.spans`). `local_inputs`
+turns it into one packed call of the single-device conv: the shard as one stream of
+local documents, each with initial states. A span's first document, where it began
+before the span, starts from the halo (the tokens inside the document; before its start
+the document's own initial states, or zeros); a document starting in the span starts
+from its own initial states. `final_states` gives the single-device final states on
+every rank. The routes depend on the shapes alone (`halo_plan`): the halo always
+travels whole, and cu_seqlens' values are read on the device only (no host sync).
+
+    zigzag, 4 ranks, 1-token spans, W = 4: span 4 (rank 3's second) reads spans 1, 2, 3
+    span   0 1 2 3 | 4 5 6 7        halo of span 4: span 1 from rank 1, span 2 from
+    rank   0 1 2 3 | 3 2 1 0        rank 2, span 3 from rank 3 itself (a local copy)
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fusedpar.comm import reduce_from_region
+from fusedpar.ops.spans import Spans
+
+# The halo's messages between two ranks, apart from the ring's (tags 0 and 1).
+HALO_TAG = 5
+
+
+@dataclass(frozen=True)
+class HaloPlan:
+    """This rank's halo (B, slots x (W - 1), C): entry ``slot * (W - 1) + k`` is global
+    position ``start(span) - (W - 1) + k`` (zero where that is before the sequence).
+    Runs of consecutive positions: ``copies`` (entry, local row, n) from this rank's own
+    shard; ``receives[peer]`` (entry, n) and ``sends[peer]`` (local row, n), in the order
+    the message packs them."""
+
+    spans: Spans
+    history: int  # W - 1
+    copies: tuple[tuple[int, int, int], ...]
+    receives: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
+    sends: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
+
+
+@functools.cache
+def halo_plan(spans: Spans, history: int) -> HaloPlan:
+    """Every rank's halo, walked in the same order on every rank: what this rank copies,
+    receives (its own halo's entries held elsewhere) and sends (its rows in another's)."""
+    copies, receives, sends = [], {}, {}
+    me, n = spans.rank, spans.span_len
+    for rank in range(spans.size):
+        for slot, span in enumerate(spans.of_rank(rank)):
+            first = spans.start(span) - history  # the halo's entry 0
+            for held, lo, hi in spans.locate(first, spans.start(span)):
+                owner, owner_slot = spans.owner(held)
+                entry, row = slot * history + spans.start(held) + lo - first, owner_slot * n + lo
+                if rank == me and owner == me:
+                    copies.append((entry, row, hi - lo))
+                elif rank == me:
+                    receives.setdefault(owner, []).append((entry, hi - lo))
+                elif owner == me:
+                    sends.setdefault(rank, []).append((row, hi - lo))
+    return HaloPlan(
+        spans,
+        history,
+        tuple(copies),
+        tuple((peer, tuple(runs)) for peer, runs in sorted(receives.items())),
+        tuple((peer, tuple(runs)) for peer, runs in sorted(sends.items())),
+    )
+
+
+def _count(runs) -> int:
+    return sum(r[-1] for r in runs)
+
+
+def _exchange(pg, outgoing: dict[int, Tensor], incoming: dict[int, Tensor]) -> None:
+    """Post every send and receive at once (one batch) and wait for them; peers are
+    ranks of `pg`."""
+    ops = [
+        dist.P2POp(dist.isend, t, dist.get_global_rank(pg, peer), pg, HALO_TAG)
+        for peer, t in outgoing.items()
+    ]
+    ops += [
+        dist.P2POp(dist.irecv, t, dist.get_global_rank(pg, peer), pg, HALO_TAG)
+        for peer, t in incoming.items()
+    ]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def _rows(x: Tensor, runs) -> Tensor:
+    """x's rows (dim 1) of `runs` ((row, n) pairs), one after another, contiguous."""
+    return torch.cat([x[:, row : row + count] for row, count in runs], 1).contiguous()
+
+
+class _Halo(torch.autograd.Function):
+    """x (B, T_local, C) -> the halo (B, slots x (W - 1), C); the backward sends each
+    entry's gradient to its owner, which adds it to its rows."""
+
+    @staticmethod
+    def forward(ctx, x, plan, pg):
+        ctx.plan, ctx.pg, ctx.shape = plan, pg, x.shape
+        B, _, C = x.shape
+        halo = x.new_zeros((B, len(plan.spans.mine) * plan.history, C))
+        for entry, row, count in plan.copies:
+            halo[:, entry : entry + count] = x[:, row : row + count]
+        outgoing = {peer: _rows(x, runs) for peer, runs in plan.sends}
+        incoming = {peer: x.new_empty((B, _count(runs), C)) for peer, runs in plan.receives}
+        _exchange(pg, outgoing, incoming)
+        for peer, runs in plan.receives:
+            at = 0
+            for entry, count in runs:
+                halo[:, entry : entry + count] = incoming[peer][:, at : at + count]
+                at += count
+        return halo
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan = ctx.plan
+        B, _, C = ctx.shape
+        outgoing = {peer: _rows(grad, runs) for peer, runs in plan.receives}
+        incoming = {peer: grad.new_empty((B, _count(runs), C)) for peer, runs in plan.sends}
+        _exchange(ctx.pg, outgoing, incoming)
+        dx = grad.new_zeros(ctx.shape)
+        for entry, row, count in plan.copies:
+            dx[:, row : row + count] += grad[:, entry : entry + count]
+        for peer, runs in plan.sends:
+            at = 0
+            for row, count in runs:  # a row in two halos (spans under W - 1): both add
+                dx[:, row : row + count] += incoming[peer][:, at : at + count]
+                at += count
+        return dx, None, None
+
+
+def halo(x: Tensor, plan: HaloPlan, pg) -> Tensor:
+    """This rank's halo (B, slots x (W - 1), C) (`HaloPlan`), differentiable: the
+    gradient of an entry goes back to the rank holding it and adds to its dx."""
+    return _Halo.apply(x, plan, pg)
+
+
+def local_inputs(x: Tensor, spans: Spans, halo_: Tensor, cu_seqlens, initial_states):
+    """``(x (1, B x T_local, C), cu_seqlens, initial_states)``: this rank's shard as one
+    packed stream for the single-device conv. Its documents: without `cu_seqlens` one a
+    (row, span), starting from the halo (before position 0, the row's own initial
+    states or zeros); with them (B = 1) every global document clipped to each span
+    (most of them empty there; an empty one between the spans), a document that began
+    before the span starting from its tokens in the halo, earlier positions from its
+    own initial states (or zeros)."""
+    B, T, C = x.shape
+    h, n, S = halo_.shape[1] // len(spans.mine), len(spans.mine), spans.span_len
+    starts = [spans.start(s) for s in spans.mine]
+    halos = halo_.view(B, n, h, C)
+    if cu_seqlens is None:
+        pieces = []
+        for i, st in enumerate(starts):
+            piece = halos[:, i]  # (B, h, C); zeros before the sequence
+            if initial_states is not None and st < h:  # the row's own before position 0
+                own = initial_states.transpose(1, 2)[:, st:]
+                piece = torch.cat([own, piece[:, h - st :]], 1)
+            pieces.append(piece)
+        init = torch.stack(pieces, 1).reshape(B * n, h, C).transpose(1, 2)
+        cu = torch.arange(B * n + 1, device=x.device, dtype=torch.int32) * S
+        return x.reshape(1, B * T, C), cu, init
+    cu = cu_seqlens.long()
+    first = cu[:-1, None]  # (N, 1): each document's start
+    cus, inits = [], []
+    for i, st in enumerate(starts):
+        q = torch.arange(st - h, st, device=x.device)  # (h,) the halo's positions
+        began_before = first < st  # (N, 1)
+        token = began_before & (q >= first)  # (N, h)
+        if initial_states is not None:  # entry k of its own: position start - (h - k)
+            k = torch.where(began_before, q - first + h, torch.arange(h, device=x.device))
+            own = initial_states.transpose(1, 2).gather(
+                1, k.clamp(0, h - 1)[..., None].expand(-1, -1, C)
+            )  # (N, h, C)
+        else:
+            own = x.new_zeros(())
+        inits.append(torch.where(token[..., None], halos[0, i], own))
+        cus.append((cu - st).clamp(0, S) + i * S)
+    if n == 2:  # the empty document between the spans (S to S) starts from zeros
+        inits.insert(1, x.new_zeros((1, h, C)))
+    init = torch.cat(inits).transpose(1, 2)
+    return x, torch.cat(cus).to(torch.int32), init
+
+
+def final_states(x: Tensor, spans: Spans, history: int, cu_seqlens, initial_states, pg) -> Tensor:
+    """The single-device final states (N, C, W - 1), on every rank: each rank puts in
+    the entries it holds (rank 0 those from the initial states, of a document shorter
+    than W - 1), one all-reduce adds them. Its backward is the identity (Megatron's
+    reduce_from_region: the final states are one replicated value, their gradient
+    counted once), each rank's gradient flowing to its own entries."""
+    from_init = spans.rank == 0 and initial_states is not None
+    h, S, (B, T, C) = history, spans.span_len, x.shape
+    if cu_seqlens is None:
+        end = spans.seq_len
+        parts = x.new_zeros((B, h, C))
+        for span, lo, hi in spans.locate(end - h, end):
+            owner, slot = spans.owner(span)
+            if owner == spans.rank:
+                entry = spans.start(span) + lo - (end - h)
+                parts[:, entry : entry + hi - lo] = x[:, slot * S + lo : slot * S + hi]
+        if from_init and end < h:
+            parts[:, : h - end] = initial_states.transpose(1, 2)[:, end:]
+    else:
+        cu = cu_seqlens.long()
+        first, q = cu[:-1, None], cu[1:, None] - h + torch.arange(h, device=x.device)  # (N, h)
+        token = q >= first
+        parts = x.new_zeros((*q.shape, C))
+        for i, span in enumerate(spans.mine if T else ()):  # (no rows: none held)
+            st = spans.start(span)
+            here = (token & (q >= st) & (q < st + S))[..., None]
+            parts = torch.where(here, x[0, (q - st + i * S).clamp(0, max(T - 1, 0))], parts)
+        if from_init:
+            own = initial_states.transpose(1, 2).gather(
+                1, (q - first + h).clamp(0, h - 1)[..., None].expand(-1, -1, C)
+            )
+            parts = torch.where(token[..., None], parts, own)
+    return reduce_from_region(parts, pg).transpose(1, 2).contiguous()
