@@ -22,7 +22,8 @@ import torch
 
 import fusedpar as fp
 from bench.common import environment, host_ms, time_ms, write_results
-from fusedpar.ops.linear_attention_cp import Exchange, context_parallel_gated_delta
+from fusedpar.ops.linear_attention_cp import context_parallel_gated_delta
+from fusedpar.ops.span_exchange import Exchange
 from fusedpar.plan import model_spec
 from fusedpar.plan.linear_context import LinearSizes, head_all_to_all, summaries
 

@@ -19,8 +19,9 @@ from torch import Tensor
 
 from fusedpar import comm
 from fusedpar.ops.linear_attention import gated_delta_rule, l2norm_heads
-from fusedpar.ops.linear_attention_cp import MeshExchange, context_parallel_gated_delta
+from fusedpar.ops.linear_attention_cp import context_parallel_gated_delta
 from fusedpar.ops.linear_attention_parts import causal_conv1d
+from fusedpar.ops.span_exchange import MeshExchange
 from fusedpar.ops.ulysses import gather_heads, scatter_heads
 from fusedpar.plan.linear_context import LinearSizes, layer_bytes
 

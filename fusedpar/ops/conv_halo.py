@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fusedpar.comm import reduce_from_region
 from fusedpar.ops.spans import Spans
 
 # The halo's messages between two ranks, apart from the ring's (tags 0 and 1).
@@ -50,7 +49,7 @@ def halo_plan(spans: Spans, history: int) -> HaloPlan:
     receives (its own halo's entries held elsewhere) and sends (its rows in another's)."""
     copies, receives, sends = [], {}, {}
     me, n = spans.rank, spans.span_len
-    for rank in range(spans.size):
+    for rank in range(spans.ranks):
         for slot, span in enumerate(spans.of_rank(rank)):
             first = spans.start(span) - history  # the halo's entry 0
             for held, lo, hi in spans.locate(first, spans.start(span)):
@@ -75,16 +74,14 @@ def _count(runs) -> int:
     return sum(r[-1] for r in runs)
 
 
-def _exchange(pg, outgoing: dict[int, Tensor], incoming: dict[int, Tensor]) -> None:
+def _exchange(exchange, outgoing: dict[int, Tensor], incoming: dict[int, Tensor]) -> None:
     """Post every send and receive at once (one batch) and wait for them; peers are
-    ranks of `pg`."""
+    ranks of `exchange` (`fusedpar.ops.span_exchange`)."""
     ops = [
-        dist.P2POp(dist.isend, t, dist.get_global_rank(pg, peer), pg, HALO_TAG)
-        for peer, t in outgoing.items()
+        dist.P2POp(dist.isend, t, *exchange.peer(peer), HALO_TAG) for peer, t in outgoing.items()
     ]
     ops += [
-        dist.P2POp(dist.irecv, t, dist.get_global_rank(pg, peer), pg, HALO_TAG)
-        for peer, t in incoming.items()
+        dist.P2POp(dist.irecv, t, *exchange.peer(peer), HALO_TAG) for peer, t in incoming.items()
     ]
     if ops:
         for work in dist.batch_isend_irecv(ops):
@@ -101,15 +98,15 @@ class _Halo(torch.autograd.Function):
     entry's gradient to its owner, which adds it to its rows."""
 
     @staticmethod
-    def forward(ctx, x, plan, pg):
-        ctx.plan, ctx.pg, ctx.shape = plan, pg, x.shape
+    def forward(ctx, x, plan, exchange):
+        ctx.plan, ctx.exchange, ctx.shape = plan, exchange, x.shape
         B, _, C = x.shape
         halo = x.new_zeros((B, len(plan.spans.mine) * plan.history, C))
         for entry, row, count in plan.copies:
             halo[:, entry : entry + count] = x[:, row : row + count]
         outgoing = {peer: _rows(x, runs) for peer, runs in plan.sends}
         incoming = {peer: x.new_empty((B, _count(runs), C)) for peer, runs in plan.receives}
-        _exchange(pg, outgoing, incoming)
+        _exchange(exchange, outgoing, incoming)
         for peer, runs in plan.receives:
             at = 0
             for entry, count in runs:
@@ -123,7 +120,7 @@ class _Halo(torch.autograd.Function):
         B, _, C = ctx.shape
         outgoing = {peer: _rows(grad, runs) for peer, runs in plan.receives}
         incoming = {peer: grad.new_empty((B, _count(runs), C)) for peer, runs in plan.sends}
-        _exchange(ctx.pg, outgoing, incoming)
+        _exchange(ctx.exchange, outgoing, incoming)
         dx = grad.new_zeros(ctx.shape)
         for entry, row, count in plan.copies:
             dx[:, row : row + count] += grad[:, entry : entry + count]
@@ -135,10 +132,10 @@ class _Halo(torch.autograd.Function):
         return dx, None, None
 
 
-def halo(x: Tensor, plan: HaloPlan, pg) -> Tensor:
+def halo(x: Tensor, plan: HaloPlan, exchange) -> Tensor:
     """This rank's halo (B, slots x (W - 1), C) (`HaloPlan`), differentiable: the
     gradient of an entry goes back to the rank holding it and adds to its dx."""
-    return _Halo.apply(x, plan, pg)
+    return _Halo.apply(x, plan, exchange)
 
 
 def local_inputs(x: Tensor, spans: Spans, halo_: Tensor, cu_seqlens, initial_states):
@@ -186,7 +183,9 @@ def local_inputs(x: Tensor, spans: Spans, halo_: Tensor, cu_seqlens, initial_sta
     return x, torch.cat(cus).to(torch.int32), init
 
 
-def final_states(x: Tensor, spans: Spans, history: int, cu_seqlens, initial_states, pg) -> Tensor:
+def final_states(
+    x: Tensor, spans: Spans, history: int, cu_seqlens, initial_states, exchange
+) -> Tensor:
     """The single-device final states (N, C, W - 1), on every rank: each rank puts in
     the entries it holds (rank 0 those from the initial states, of a document shorter
     than W - 1), one all-reduce adds them. Its backward is the identity (Megatron's
@@ -218,4 +217,4 @@ def final_states(x: Tensor, spans: Spans, history: int, cu_seqlens, initial_stat
                 1, (q - first + h).clamp(0, h - 1)[..., None].expand(-1, -1, C)
             )
             parts = torch.where(token[..., None], parts, own)
-    return reduce_from_region(parts, pg).transpose(1, 2).contiguous()
+    return exchange.reduce(parts).transpose(1, 2).contiguous()

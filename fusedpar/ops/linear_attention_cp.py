@@ -21,15 +21,11 @@ state through (its M is zero).
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from fusedpar.comm import (
-    all_gather_async,
     gather_from_region,
-    group_rank,
     group_size,
-    resolve_group,
     split_to_region,
 )
 from fusedpar.kernels.common import accumulator
@@ -38,6 +34,7 @@ from fusedpar.kernels.linear_attention import (
     gated_delta_backward,
     gated_delta_forward,
 )
+from fusedpar.ops.span_exchange import Exchange
 from fusedpar.ops.spans import SpanDocuments, Spans
 from fusedpar.ops.ulysses import gather_heads, scatter_heads
 
@@ -143,45 +140,6 @@ def _reach(v_like: Tensor, plan: SpanPlan, K: int) -> list:
     eye = torch.eye(K, dtype=accumulator(v_like.dtype), device=v_like.device).expand(Hv, K, K)
     rows_m = torch.stack([eye * p.carries_in for p in plan.pieces])  # (P, Hv, K, K)
     return [(v_like.new_zeros((*v_like.shape[:-1], K)), rows_m)]
-
-
-class Exchange:
-    """What crosses the ranks of `group`: an all-gather of every span's summary and a sum
-    (a benchmark stands in for it to time one rank's work alone)."""
-
-    ulysses = 1  # `Spans`' Ulysses degree
-
-    def __init__(self, group):
-        self.group = resolve_group(group)
-        self.rank, self.size = group_rank(group), group_size(group)
-
-    def gather(self, x: Tensor) -> Tensor:
-        """(W n, ...): every rank's `x` (n, ...), rank-major."""
-        return all_gather_async(x.contiguous(), self.group).wait()
-
-    def sum(self, x: Tensor) -> Tensor:
-        dist.all_reduce(x, group=self.group)
-        return x
-
-
-class MeshExchange(Exchange):
-    """Over a ring group and a Ulysses group, two axes of a mesh: the summaries of the
-    hybrid layout's W U ranks (`Spans` with ``ulysses``), rank r U + u, gathered over
-    the Ulysses axis, then the ring."""
-
-    def __init__(self, ring, ulysses):
-        self.ring, self.ulysses_group = resolve_group(ring), resolve_group(ulysses)
-        self.size, self.ulysses = group_size(ring), group_size(ulysses)
-        self.rank = group_rank(ring) * self.ulysses + group_rank(ulysses)
-
-    def gather(self, x: Tensor) -> Tensor:
-        inner = all_gather_async(x.contiguous(), self.ulysses_group).wait()
-        return all_gather_async(inner, self.ring).wait()
-
-    def sum(self, x: Tensor) -> Tensor:
-        for group in (self.ulysses_group, self.ring):
-            dist.all_reduce(x, group=group)
-        return x
 
 
 @dataclass(frozen=True)
@@ -418,7 +376,7 @@ def context_parallel_gated_delta(
             "gated_delta_rule: under context parallelism each rank needs tokens, got T = 0"
         )
     exchange = group if isinstance(group, Exchange) else Exchange(group)
-    spans = Spans(exchange.rank, exchange.size, layout, T, exchange.ulysses)
+    spans = exchange.spans(layout, T)
     plan = plan_spans(spans, B, cu_seqlens)
     local = torch.tensor(plan.bounds, dtype=torch.int32, device=q.device)
     setup = _Setup(plan, local, float(scale), exchange, want_final)

@@ -12,15 +12,15 @@ RMSNorm after the recurrence is `fusedpar.ops.norm.rms_norm_gated`.
 """
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from fusedpar.comm import Group, active_group, check_same_across_ranks
+from fusedpar.comm import Group, active_group
 from fusedpar.kernels.attention import check_cu_seqlens
 from fusedpar.kernels.linear_attention import conv1d as kernels
 from fusedpar.ops import conv_halo
 from fusedpar.ops.registration import asked, autograd_op, direct_op
 from fusedpar.ops.sequence import check_layout
+from fusedpar.ops.span_exchange import Exchange
 from fusedpar.ops.spans import Spans
 
 
@@ -148,10 +148,20 @@ def causal_conv1d(
     rank's share: their sum over the group is the single-device one."""
     if group is not None:
         check_layout(layout)
-    pg = active_group(group)
-    if pg is not None:
+    exchange = group if isinstance(group, Exchange) else None
+    if exchange is None and active_group(group) is not None:
+        exchange = Exchange(group)
+    if exchange is not None:
         return _causal_conv1d_cp(
-            x, weight, bias, activation, cu_seqlens, initial_states, output_final_states, pg, layout
+            x,
+            weight,
+            bias,
+            activation,
+            cu_seqlens,
+            initial_states,
+            output_final_states,
+            exchange,
+            layout,
         )
     # (cu_seqlens' values are read inside the op, on a CPU, where a graph does not see it)
     kernels.check_inputs(x, weight, bias, activation, cu_seqlens, initial_states, values=False)
@@ -197,16 +207,19 @@ def _check_cp(x, weight, bias, activation, cu_seqlens, initial_states, spans: Sp
     return N
 
 
-def _causal_conv1d_cp(x, weight, bias, activation, cu_seqlens, initial_states, final, pg, layout):
-    """`causal_conv1d` on this rank's shard (`fusedpar.ops.conv_halo`)."""
-    spans = Spans(dist.get_rank(pg), dist.get_world_size(pg), layout, x.shape[1])
+def _causal_conv1d_cp(
+    x, weight, bias, activation, cu_seqlens, initial_states, final, exchange, layout
+):
+    """`causal_conv1d` on this rank's shard (`fusedpar.ops.conv_halo`) over `exchange`'s
+    ranks (`fusedpar.ops.span_exchange`: a group, or the hybrid layout's two axes)."""
+    spans = exchange.spans(layout, x.shape[1])
     N = _check_cp(x, weight, bias, activation, cu_seqlens, initial_states, spans)
     # (then the ranks' shapes, which the routes assume equal: one tiny all-gather on CPU)
-    check_same_across_ranks(pg, [*x.shape, *weight.shape], "causal_conv1d: x, weight", x.device)
+    exchange.check_same([*x.shape, *weight.shape], "causal_conv1d: x, weight", x.device)
     history = weight.shape[1] - 1
     if history:
         plan = conv_halo.halo_plan(spans, history)
-        halo = conv_halo.halo(x, plan, pg)
+        halo = conv_halo.halo(x, plan, exchange)
         stream, cu, init = conv_halo.local_inputs(x, spans, halo, cu_seqlens, initial_states)
     else:  # W = 1: no halo (and no states)
         stream, cu, init = x, None, None
@@ -218,4 +231,4 @@ def _causal_conv1d_cp(x, weight, bias, activation, cu_seqlens, initial_states, f
         return y, None
     if not history:
         return y, x.new_zeros((N, x.shape[2], 0))
-    return y, conv_halo.final_states(x, spans, history, cu_seqlens, initial_states, pg)
+    return y, conv_halo.final_states(x, spans, history, cu_seqlens, initial_states, exchange)

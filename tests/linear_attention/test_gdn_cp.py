@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 import fusedpar as fp
-from fusedpar.ops.linear_attention_cp import MeshExchange, context_parallel_gated_delta
+from fusedpar.ops.linear_attention_cp import context_parallel_gated_delta
+from fusedpar.ops.span_exchange import MeshExchange
 from fusedpar.testing import Collectives, exception_of
 from fusedpar.testing.strategies import randn
 from tests.linear_attention.helpers import NAMES, gdn_inputs, run_with_grads

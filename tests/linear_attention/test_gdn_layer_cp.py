@@ -57,6 +57,8 @@ CASES = {
     "ring4-summaries-documents": ("qwen3_5", {"cp": 4}, None, True),
     "tp2-cp2-summaries": ("qwen3_next", {"tp": 2, "cp": 2}, "summaries", False),
     "cp2-ulysses2-heads": ("olmo_hybrid", {"cp": 2, "ulysses": 2}, "ulysses", True),
+    # the same mesh, no head exchange: halos and summaries over all four shards
+    "cp2-ulysses2-summaries": ("qwen3_5", {"cp": 2, "ulysses": 2}, "summaries", True),
 }
 
 
