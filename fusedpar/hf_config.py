@@ -6,8 +6,7 @@ refuses, with `parallelize`'s message, what `parallelize` would refuse.
 
 A config is a ``PretrainedConfig`` or its dict (a ``config.json``, as the planner reads
 it); a name it lacks reads as unset. `check_dims`: what a config refuses at given
-degrees (context parallelism over Gated DeltaNet layers: `refuse_split_recurrence`, the
-planner's words too).
+degrees (its Gated DeltaNet layers' k-heads over tp, in the planner's words too).
 """
 
 FAMILIES = (
@@ -36,7 +35,7 @@ FAMILIES = (
     "olmo_hybrid",
 )
 # the layer kinds `parallelize` converts (``layer_types``); "linear_attention": Gated
-# DeltaNet (`fp.nn.GatedDeltaNet`), whose context parallelism is the next issue
+# DeltaNet (`fp.nn.GatedDeltaNet`)
 LAYER_KINDS = ("full_attention", "sliding_attention", "linear_attention")
 # the MLP activations fusedpar computes (`hf_families.ACTIVATIONS` maps them to functions)
 ACTIVATION_NAMES = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
@@ -108,28 +107,11 @@ def linear_layers(config) -> list[int]:
     ]
 
 
-def refuse_split_recurrence(model: str, linear: list[int], cp: int, ulysses: int) -> None:
-    """The one refusal of a sequence split over Gated DeltaNet layers (their recurrence
-    and conv would need the state of the tokens on the ranks before: the next issue), in
-    one wording for `parallelize` (`check_dims`) and the planner
-    (`fusedpar.plan.accounting.check_heads`): `model`'s layers `linear` (indices) at
-    cp x ulysses ranks."""
-    if not linear or cp * ulysses == 1:
-        return
-    shown = ", ".join(map(str, linear[:8])) + (", ..." if len(linear) > 8 else "")
-    raise ValueError(
-        f"context parallelism for GatedDeltaNet is the next issue: {model} has "
-        f"{len(linear)} linear_attention layers [{shown}], and cp ({cp}) x ulysses "
-        f"({ulysses}) = {cp * ulysses} would split their sequence; run with cp = 1 and "
-        "ulysses = 1"
-    )
-
-
 def check_dims(config, cp: int, ulysses: int = 1, tp: int = 1) -> None:
     """Raise `parallelize`'s ValueError where `config`'s model cannot run at these
-    degrees whatever its weights: a sequence split over cp x ulysses ranks with Gated
-    DeltaNet layers (their recurrence and conv would need the state of the tokens on the
-    ranks before: the next issue), or their k-heads not divisible by tp."""
+    degrees whatever its weights: its Gated DeltaNet layers' k-heads not divisible by
+    tp. Any cp x ulysses split runs (`fusedpar.nn.gated_deltanet_cp`)."""
+    del cp, ulysses  # every sequence split runs
     linear = linear_layers(config)
     k_heads = field(config, "linear_num_key_heads")
     if linear and k_heads is not None and k_heads % tp:
@@ -137,4 +119,3 @@ def check_dims(config, cp: int, ulysses: int = 1, tp: int = 1) -> None:
             f"GatedDeltaNet: n_k_heads ({k_heads}) is not divisible by the TP degree ({tp}) "
             f"(n_v_heads {field(config, 'linear_num_value_heads')} follow their k-heads)"
         )
-    refuse_split_recurrence(field(config, "model_type"), linear, cp, ulysses)

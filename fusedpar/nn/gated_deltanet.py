@@ -15,7 +15,7 @@ sequence-first (S_loc, B, d), S_loc = S / TP under sequence parallelism. On a ra
 Each section (q, k, v, z, b, a, the conv's q, k, v channels, A_log, dt_bias) is its
 own parameter, head-major, split by whole heads: a TP split (or a DCP reshard) cannot
 mix sections. Packed documents: `forward(x, cu_seqlens)` resets the conv and the state
-at each document. Context parallelism is refused (the next issue). `from_dense`:
+at each document. Context parallelism: `fusedpar.nn.gated_deltanet_cp`. `from_dense`:
 `fusedpar.nn.gated_deltanet_dense`. docs/linear_attention_layer.md.
 """
 

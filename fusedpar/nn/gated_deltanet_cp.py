@@ -68,8 +68,8 @@ class SequenceSplit:
             return self.mode
         if sizes.hk % self.ulysses_size:
             return "summaries"
-        args = (sizes, self.ring_size, self.ulysses_size, tokens)
-        wire = {m: layer_bytes(*args, mode=m, layout=self.layout).wire for m in LINEAR_CP_MODES}
+        split = (self.ring_size, self.ulysses_size, tokens)
+        wire = {m: layer_bytes(sizes, m, *split, layout=self.layout).wire for m in LINEAR_CP_MODES}
         return min(wire, key=wire.get)
 
     def exchange_heads(self, tensors: list[Tensor], heads: list[int]) -> list[Tensor]:

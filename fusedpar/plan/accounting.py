@@ -24,8 +24,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fusedpar.hf_config import refuse_split_recurrence
-
 if TYPE_CHECKING:  # annotations only: fusedpar.plan.model imports this module
     from fusedpar.plan.model import ModelSpec
 
@@ -91,12 +89,9 @@ def kv_rows(spec: ModelSpec, tp: int) -> int:
 
 def check_heads(spec: ModelSpec, dims) -> int | None:
     """What the layers refuse of `dims` that `ParallelDims.validate` does not check, as
-    the layers word it: GDN layers under context parallelism (the next issue), k-heads
-    not split over TP; TP neither dividing the KV heads nor a multiple of them. Returns
-    the KV heads `validate` should check (None where TP replicates them: one a TP rank,
-    which Ulysses replicates again over its ranks)."""
-    linear = [i for i in range(spec.n_layers) if spec.is_linear(i)]
-    refuse_split_recurrence(spec.name, linear, dims.cp, dims.ulysses)
+    the layers word it: GDN k-heads not split over TP; TP neither dividing the KV heads
+    nor a multiple of them. Returns the KV heads `validate` should check (None where TP
+    replicates them: one a TP rank, which Ulysses replicates again over its ranks)."""
     if spec.linear_layers and spec.linear_k_heads % dims.tp:
         raise ValueError(
             f"GatedDeltaNet: n_k_heads ({spec.linear_k_heads}) is not divisible by the TP "

@@ -5,7 +5,7 @@ parameter's gradient in one process, at TP2, at TP4 over 2 KV heads (replicated;
 OLMo's full-width k norm with them), at PP2 x TP2 and over packed documents (each
 document run alone by Hugging Face, whose GDN refuses packing without
 flash-linear-attention); `save_pretrained` back to the original
-checkpoint; and context parallelism refused on every rank before any collective.
+checkpoint; and under context parallelism (TP2 x CP2, CP2 x Ulysses 2, packed).
 Hugging Face's GDN computes in fp32 even in a float64 model: its float64 reference is
 fp32-exact there (`_close`)."""
 
@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 import fusedpar as fp
 from fusedpar import plan
-from fusedpar.hf_config import check_dims, refuse_split_recurrence
+from fusedpar.hf_config import check_dims
 from fusedpar.pipeline import stage_losses_total
 from fusedpar.plan.accounting import check_heads
-from fusedpar.testing import assert_close, exception_of
+from fusedpar.testing import assert_close
 
 transformers = pytest.importorskip(
     "transformers", reason="the [test] extra installs transformers; absent on purpose here"
@@ -147,8 +147,8 @@ def test_packed_documents_at_tp2(world):
     assert len(set(world(2).run(_run, "qwen3_5_text", 5, dict(tp=2), True))) == 1
 
 
-def _run_pipeline(family: str, seed: int):
-    """PP2 x TP2, 1F1B, a stage of a linear and a full attention layer each, packed
+def _run_pipeline(family: str, seed: int, degrees=None):
+    """PP2 x TP2 (or `degrees`), 1F1B, a stage of a linear and a full attention layer each, packed
     documents in every microbatch: the loss and every gradient against the original's."""
     layers, microbatches = 4, 2
     kinds = ["linear_attention", "full_attention"] * 2
@@ -159,7 +159,8 @@ def _run_pipeline(family: str, seed: int):
     labels = ids.clone()
     labels[:, DOCUMENTS[:-1]] = -100
     refs = _references(model, ids, SPANS, labels)  # the microbatches' mean of equal counts
-    dims = fp.ParallelDims(pp=2, tp=2, ep="tp" if family in MOE else None)
+    degrees = degrees or dict(pp=2, tp=2)
+    dims = fp.ParallelDims(**degrees, ep="tp" if family in MOE and "tp" in degrees else None)
     mesh = hf.parallelize(model, dims)
     pipe = fp.pipeline.split(model, dims, mesh, schedule="1F1B", microbatches=microbatches)
     total = stage_losses_total(pipe.step(ids, target=labels, position_ids=positions))
@@ -177,36 +178,43 @@ def test_pp2_tp2_with_packed_documents(world):
     assert all(n > 0 for n in world(4).run(_run_pipeline, "qwen3_5_text", 6, timeout=240))
 
 
-def _refused_at_cp(degrees):
-    model = _model("qwen3_next", 0)
-    dims = fp.ParallelDims(**degrees, ep="tp")
-    e = exception_of(hf.parallelize, model, dims)
-    return type(e).__name__, str(e)
+def test_pp2_cp2_with_packed_documents(world):
+    """The GDN layers' summaries and halos inside each pipeline stage."""
+    degrees = dict(pp=2, cp=2)
+    assert all(n > 0 for n in world(4).run(_run_pipeline, "qwen3_next", 7, degrees, timeout=240))
 
 
-@pytest.mark.parametrize("degrees", [dict(cp=2, tp=2), dict(ulysses=2, tp=2)])
-def test_context_parallelism_is_refused_on_every_rank(world, degrees):
-    """Before any collective (the mesh is not built): every rank raises the config's
-    refusal (`hf_config.check_dims`), in the planner's words to the letter (both
-    `hf_config.refuse_split_recurrence`'s)."""
-    results = world(4).run(_refused_at_cp, degrees)
-    assert all(r == results[0] for r in results)
-    kind, message = results[0]
+@pytest.mark.parametrize(
+    ("family", "degrees"),
+    [
+        ("qwen3_5_text", dict(tp=2, cp=2)),
+        ("qwen3_next", dict(tp=2, cp=2)),  # experts over tp
+        ("olmo_hybrid", dict(cp=2, ulysses=2)),
+        ("qwen3_5_moe_text", dict(cp=2, ulysses=2)),
+    ],
+)
+def test_context_parallelism(world, family, degrees):
+    """The GDN layers' sequence split with the attention's (zigzag; under Ulysses too,
+    each layer's mode chosen by bytes: the head exchange at these lengths)."""
+    assert len(set(world(4).run(_run, family, 9, degrees))) == 1
+
+
+def test_context_parallelism_over_packed_documents(world):
+    """Documents straddling the ranks' spans (`SPANS`) at TP2 x CP2: no state crosses a
+    document, every state crosses the ranks."""
+    assert len(set(world(4).run(_run, "qwen3_5_text", 10, dict(tp=2, cp=2), True))) == 1
+
+
+def test_check_dims_takes_any_split_and_refuses_k_heads_off_tp():
     config = _model("qwen3_next", 0).config
-    with pytest.raises(ValueError) as alone:
-        check_dims(config, degrees.get("cp", 1), degrees.get("ulysses", 1))
-    assert kind == "ValueError" and message == str(alone.value)
-    with pytest.raises(ValueError) as planned:
-        check_heads(plan.from_hf_config(config), fp.ParallelDims(**degrees))
-    assert str(planned.value) == message
-    assert message.startswith("context parallelism for GatedDeltaNet is the next issue")
-    assert "1 linear_attention layers [0]" in message and "cp = 1" in message
-    check_dims(config, 1, tp=4)  # cp = 1: taken
-    check_dims(_model("llama", 0).config, 2)  # no GDN layer: taken
+    check_dims(config, 2, 2, tp=4)  # a sequence split: taken
     with pytest.raises(
         ValueError, match=r"n_k_heads \(4\) is not divisible by the TP degree \(8\)"
-    ):
+    ) as e:
         check_dims(config, 1, tp=8)
+    with pytest.raises(ValueError) as planned:
+        check_heads(plan.from_hf_config(config), fp.ParallelDims(tp=8))
+    assert str(planned.value).startswith(str(e.value).split(" (n_v_heads")[0])
 
 
 @pytest.mark.parametrize("family", list(HYBRIDS))
@@ -238,14 +246,3 @@ def test_tp4_olmo_hybrid_replicates_the_two_kv_heads(world, tmp_path):
     gathered back into OLMo Hybrid's checkpoint."""
     results = world(4).run(_run, "olmo_hybrid", 8, dict(tp=4), False, str(tmp_path / "out"))
     assert len(set(results)) == 1
-
-
-def test_the_split_recurrence_refusal_names_a_few_layers():
-    """One wording (`refuse_split_recurrence`): a long model's layers shown up to 8."""
-    refuse_split_recurrence("m", [], 2, 2)  # no GDN layer: taken
-    refuse_split_recurrence("m", [0, 1], 1, 1)  # no split: taken
-    with pytest.raises(ValueError) as e:
-        refuse_split_recurrence("Qwen3.5-27B", list(range(0, 64, 4)) * 3, 1, 2)
-    assert "Qwen3.5-27B has 48 linear_attention layers [0, 4, 8, 12, 16, 20, 24, 28, ...]" in str(
-        e.value
-    ) and "cp (1) x ulysses (2) = 2" in str(e.value)

@@ -59,6 +59,7 @@ CASES = {
     "cp2-ulysses2-heads": ("olmo_hybrid", {"cp": 2, "ulysses": 2}, "ulysses", True),
     # the same mesh, no head exchange: halos and summaries over all four shards
     "cp2-ulysses2-summaries": ("qwen3_5", {"cp": 2, "ulysses": 2}, "summaries", True),
+    "cp2-ulysses2-by-bytes": ("qwen3_next", {"cp": 2, "ulysses": 2}, None, False),
 }
 
 

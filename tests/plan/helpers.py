@@ -7,7 +7,7 @@ import contextlib
 import torch
 
 import fusedpar as fp
-import fusedpar.nn.gated_deltanet as gdn_module
+import fusedpar.nn.gated_deltanet_cp as gdn_module
 
 
 def held_state(model, optimizer) -> dict:
@@ -55,7 +55,7 @@ def _rule(*args, **kwargs):
 
 @contextlib.contextmanager
 def real_ops():
-    """`fusedpar.nn.gated_deltanet`'s recurrence run as `_rule`."""
+    """`fusedpar.nn.gated_deltanet_cp`'s recurrence run as `_rule`."""
     ops = {"gated_delta_rule": _rule}
     before = {name: getattr(gdn_module, name) for name in ops}
     try:
