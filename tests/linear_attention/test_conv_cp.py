@@ -17,11 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from fusedpar.kernels.linear_attention.conv1d import causal_conv1d_reference
+from hypothesis import given
+from hypothesis import strategies as st
 
 import fusedpar as fp
 from fusedpar.ops.spans import Spans
 from fusedpar.testing import Collectives, assert_close, exception_of
-from fusedpar.testing.strategies import randn
+from fusedpar.testing.strategies import randn, seeds
 from fusedpar.testing.tolerance import assert_ulps
 
 C = 5
@@ -155,6 +157,32 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_sharded_conv_matches_the_single_device_op(world, case):
     assert all(world(4).run(_cp_case, dict(CASES[case], **F64)))
+
+
+@st.composite
+def _shapes(draw):
+    """A random sharded case: layout, W 2..4, 1 to 4 tokens a span, rows or packed
+    documents (random cuts, empty documents too), with or without states and bias."""
+    layout = draw(st.sampled_from(["zigzag", "contiguous"]))
+    T_local = draw(st.integers(1, 4)) * (2 if layout == "zigzag" else 1)
+    p = dict(
+        layout=layout,
+        W=draw(st.integers(2, 4)),
+        T_local=T_local,
+        init=draw(st.booleans()),
+        bias=draw(st.booleans()),
+        activation=draw(st.sampled_from(["silu", None])),
+        seed=draw(seeds()),
+    )
+    if draw(st.booleans()):
+        cuts = draw(st.lists(st.integers(0, 4 * T_local), max_size=5))
+        return dict(p, B=1, cu=[0, *sorted(cuts), 4 * T_local])
+    return dict(p, B=draw(st.integers(1, 2)))
+
+
+@given(p=_shapes())
+def test_sharded_conv_matches_on_random_shapes(world, p):
+    assert all(world(4).run(_cp_case, dict(p, dtype=torch.float64)))
 
 
 def test_sharded_conv_on_triton_kernels(world, triton_kernels):
