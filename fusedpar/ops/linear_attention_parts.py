@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fusedpar.comm import Group, active_group, check_same_across_ranks
+from fusedpar.comm import Group, active_group
 from fusedpar.kernels.attention import check_cu_seqlens
 from fusedpar.kernels.linear_attention import conv1d as kernels
 from fusedpar.ops import conv_halo
@@ -201,12 +201,9 @@ def _causal_conv1d_cp(x, weight, bias, activation, cu_seqlens, initial_states, f
     """`causal_conv1d` on this rank's shard (`fusedpar.ops.conv_halo`)."""
     spans = Spans(dist.get_rank(pg), dist.get_world_size(pg), layout, x.shape[1])
     N = _check_cp(x, weight, bias, activation, cu_seqlens, initial_states, spans)
-    # (then the ranks' shapes, which the routes assume equal: one tiny all-gather on CPU)
-    check_same_across_ranks(pg, [*x.shape, *weight.shape], "causal_conv1d: x, weight", x.device)
     history = weight.shape[1] - 1
     if history:
-        plan = conv_halo.halo_plan(spans, history)
-        halo = conv_halo.halo(x, plan, pg)
+        halo = conv_halo.halo(x, pg, layout, history)  # (the ranks' shapes checked first)
         stream, cu, init = conv_halo.local_inputs(x, spans, halo, cu_seqlens, initial_states)
     else:  # W = 1: no halo (and no states)
         stream, cu, init = x, None, None
