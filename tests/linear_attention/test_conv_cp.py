@@ -9,7 +9,7 @@ spans, and are 1 token long. Float64 on torch's implementation within 64 ulps of
 largest value (the same math: only the halo's gradient add, the per-rank partial sums
 and SiLU's vector/scalar paths order the roundings differently; a wrong or missing halo
 token is an O(1) error); fp32 on Triton's interpreter by the tolerance rule. The point-
-to-point bytes are exactly the halo's, forward and back."""
+to-point bytes are exactly the halo's, forward and back; full-graph torch.compile."""
 
 import re
 
@@ -189,6 +189,33 @@ def test_sharded_conv_on_triton_kernels(world, triton_kernels):
     """fp32 on the interpreter's kernels: zigzag, W = 4, packed, spans of 3 tokens."""
     p = dict(CASES["zigzag-w4-packed"], dtype=torch.float32, seed=7)
     assert all(world(4).run(_cp_case, p))
+
+
+def _compiled_and_eager():
+    """The sharded conv (zigzag, packed, final states) compiled full-graph (aot_eager)
+    and in eager: (loss, dx, dweight) of each."""
+    x, weight = randn((1, 4, C), torch.float32, 1), randn((C, 4), torch.float32, 2)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+
+    def loss(x, weight):
+        y, final = fp.ops.causal_conv1d(
+            x, weight, cu_seqlens=cu, output_final_states=True, group=dist.group.WORLD
+        )
+        return (y * y).sum() + final.sum()
+
+    runs = []
+    for fn in (torch.compile(loss, backend="aot_eager", fullgraph=True), loss):
+        leaves = [t.clone().requires_grad_() for t in (x, weight)]
+        value = fn(*leaves)
+        value.backward()
+        runs.append((value.detach(), *(t.grad for t in leaves)))
+    return runs
+
+
+def test_sharded_conv_compiles_full_graph(world):
+    """No graph break (the halo is a custom op); the same bits as eager."""
+    for compiled, eager in world(2).run(_compiled_and_eager):
+        assert all(torch.equal(c, e) for c, e in zip(compiled, eager, strict=True))
 
 
 def test_spans_locate():
