@@ -33,6 +33,7 @@ COMMUNICATION_OPS = (
     "fusedpar::moe_return",
     "fusedpar::scatter_heads",
     "fusedpar::gather_heads",
+    "fusedpar::conv_halo",
 )
 ROUTING_OPS = ("fusedpar::moe_route",)
 SAVED_BY_DEFAULT = COMMUNICATION_OPS + ROUTING_OPS

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fusedpar.ops.registration import autograd_op, direct_op
+from fusedpar.ops.span_exchange import exchange_of
 from fusedpar.ops.spans import Spans
 
 # The halo's messages between two ranks, apart from the ring's (tags 0 and 1).
@@ -77,12 +79,8 @@ def _count(runs) -> int:
 def _exchange(exchange, outgoing: dict[int, Tensor], incoming: dict[int, Tensor]) -> None:
     """Post every send and receive at once (one batch) and wait for them; peers are
     ranks of `exchange` (`fusedpar.ops.span_exchange`)."""
-    ops = [
-        dist.P2POp(dist.isend, t, *exchange.peer(peer), HALO_TAG) for peer, t in outgoing.items()
-    ]
-    ops += [
-        dist.P2POp(dist.irecv, t, *exchange.peer(peer), HALO_TAG) for peer, t in incoming.items()
-    ]
+    ops = [dist.P2POp(dist.isend, t, *exchange.peer(p), HALO_TAG) for p, t in outgoing.items()]
+    ops += [dist.P2POp(dist.irecv, t, *exchange.peer(p), HALO_TAG) for p, t in incoming.items()]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
@@ -93,49 +91,94 @@ def _rows(x: Tensor, runs) -> Tensor:
     return torch.cat([x[:, row : row + count] for row, count in runs], 1).contiguous()
 
 
-class _Halo(torch.autograd.Function):
-    """x (B, T_local, C) -> the halo (B, slots x (W - 1), C); the backward sends each
-    entry's gradient to its owner, which adds it to its rows."""
-
-    @staticmethod
-    def forward(ctx, x, plan, exchange):
-        ctx.plan, ctx.exchange, ctx.shape = plan, exchange, x.shape
-        B, _, C = x.shape
-        halo = x.new_zeros((B, len(plan.spans.mine) * plan.history, C))
-        for entry, row, count in plan.copies:
-            halo[:, entry : entry + count] = x[:, row : row + count]
-        outgoing = {peer: _rows(x, runs) for peer, runs in plan.sends}
-        incoming = {peer: x.new_empty((B, _count(runs), C)) for peer, runs in plan.receives}
-        _exchange(exchange, outgoing, incoming)
-        for peer, runs in plan.receives:
-            at = 0
-            for entry, count in runs:
-                halo[:, entry : entry + count] = incoming[peer][:, at : at + count]
-                at += count
-        return halo
-
-    @staticmethod
-    def backward(ctx, grad):
-        plan = ctx.plan
-        B, _, C = ctx.shape
-        outgoing = {peer: _rows(grad, runs) for peer, runs in plan.receives}
-        incoming = {peer: grad.new_empty((B, _count(runs), C)) for peer, runs in plan.sends}
-        _exchange(ctx.exchange, outgoing, incoming)
-        dx = grad.new_zeros(ctx.shape)
-        for entry, row, count in plan.copies:
-            dx[:, row : row + count] += grad[:, entry : entry + count]
-        for peer, runs in plan.sends:
-            at = 0
-            for row, count in runs:  # a row in two halos (spans under W - 1): both add
-                dx[:, row : row + count] += incoming[peer][:, at : at + count]
-                at += count
-        return dx, None, None
+def _gather(x: Tensor, plan: HaloPlan, exchange) -> Tensor:
+    """x (B, T_local, C) -> the halo (B, spans x (W - 1), C), zeros before position 0."""
+    B, _, C = x.shape
+    halo = x.new_zeros((B, len(plan.spans.mine) * plan.history, C))
+    for entry, row, count in plan.copies:
+        halo[:, entry : entry + count] = x[:, row : row + count]
+    outgoing = {peer: _rows(x, runs) for peer, runs in plan.sends}
+    incoming = {peer: x.new_empty((B, _count(runs), C)) for peer, runs in plan.receives}
+    _exchange(exchange, outgoing, incoming)
+    for peer, runs in plan.receives:
+        at = 0
+        for entry, count in runs:
+            halo[:, entry : entry + count] = incoming[peer][:, at : at + count]
+            at += count
+    return halo
 
 
-def halo(x: Tensor, plan: HaloPlan, exchange) -> Tensor:
-    """This rank's halo (B, slots x (W - 1), C) (`HaloPlan`), differentiable: the
-    gradient of an entry goes back to the rank holding it and adds to its dx."""
-    return _Halo.apply(x, plan, exchange)
+def _scatter(grad: Tensor, plan: HaloPlan, exchange, local_len: int) -> Tensor:
+    """The halo's gradient -> dx (B, T_local, C): each entry's to its owner, added to
+    its row (a row in two halos, spans shorter than W - 1, gets both)."""
+    B, _, C = grad.shape
+    outgoing = {peer: _rows(grad, runs) for peer, runs in plan.receives}
+    incoming = {peer: grad.new_empty((B, _count(runs), C)) for peer, runs in plan.sends}
+    _exchange(exchange, outgoing, incoming)
+    dx = grad.new_zeros((B, local_len, C))
+    for entry, row, count in plan.copies:
+        dx[:, row : row + count] += grad[:, entry : entry + count]
+    for peer, runs in plan.sends:
+        at = 0
+        for row, count in runs:
+            dx[:, row : row + count] += incoming[peer][:, at : at + count]
+            at += count
+    return dx
+
+
+def _plan(group: str, ulysses: str, layout: str, local_len: int, history: int):
+    """(the halo's plan, the exchange) of the groups named (`Exchange.names`)."""
+    exchange = exchange_of(group, ulysses)
+    return halo_plan(exchange.spans(layout, local_len), history), exchange
+
+
+@torch.library.custom_op("fusedpar::conv_halo", mutates_args=())
+def _conv_halo_op(x: Tensor, group: str, ulysses: str, layout: str, history: int) -> Tensor:
+    """x (B, T_local, C), this rank's shard -> its halo (B, spans x history, C); the ranks
+    of `group`, or of `group` x `ulysses` (the hybrid layout) where that is not ""."""
+    plan, exchange = _plan(group, ulysses, layout, x.shape[1], history)
+    # the routes assume every rank's shapes: one tiny all-gather on CPU, none on GPUs
+    exchange.check_same([*x.shape, history], "causal_conv1d: x, W - 1", x.device)
+    return _gather(x, plan, exchange)
+
+
+@_conv_halo_op.register_fake
+def _(x, group, ulysses, layout, history):
+    spans = 2 if layout == "zigzag" else 1
+    return x.new_empty((x.shape[0], spans * history, x.shape[2]))
+
+
+@torch.library.custom_op("fusedpar::conv_halo_backward", mutates_args=())
+def _conv_halo_backward_op(
+    grad: Tensor, group: str, ulysses: str, layout: str, local_len: int
+) -> Tensor:
+    """The halo's gradient (B, spans x history, C) -> dx (B, local_len, C)."""
+    history = grad.shape[1] // (2 if layout == "zigzag" else 1)
+    return _scatter(grad, *_plan(group, ulysses, layout, local_len, history), local_len)
+
+
+@_conv_halo_backward_op.register_fake
+def _(grad, group, ulysses, layout, local_len):
+    return grad.new_empty((grad.shape[0], local_len, grad.shape[2]))
+
+
+def _setup(ctx, inputs, output):
+    x, group, ulysses, layout, _ = inputs
+    ctx.meta = (group, ulysses, layout, x.shape[1])
+
+
+def _backward(ctx, grad):
+    return _halo_backward(grad, *ctx.meta), None, None, None, None
+
+
+_halo_backward = direct_op(_conv_halo_backward_op)
+_halo = autograd_op(_conv_halo_op, _backward, _setup)  # the bodies, in plain eager
+
+
+def halo(x: Tensor, exchange, layout: str, history: int) -> Tensor:
+    """This rank's halo (B, spans x (W - 1), C) (`HaloPlan`; zeros before position 0),
+    differentiable: an entry's gradient goes back to the rank holding it, into its dx."""
+    return _halo(x, *exchange.names, layout, history)
 
 
 def local_inputs(x: Tensor, spans: Spans, halo_: Tensor, cu_seqlens, initial_states):
@@ -183,9 +226,7 @@ def local_inputs(x: Tensor, spans: Spans, halo_: Tensor, cu_seqlens, initial_sta
     return x, torch.cat(cus).to(torch.int32), init
 
 
-def final_states(
-    x: Tensor, spans: Spans, history: int, cu_seqlens, initial_states, exchange
-) -> Tensor:
+def final_states(x: Tensor, spans: Spans, history: int, cu_seqlens, initial_states, exchange):
     """The single-device final states (N, C, W - 1), on every rank: each rank puts in
     the entries it holds (rank 0 those from the initial states, of a document shorter
     than W - 1), one all-reduce adds them. Its backward is the identity (Megatron's

@@ -152,17 +152,8 @@ def causal_conv1d(
     if exchange is None and active_group(group) is not None:
         exchange = Exchange(group)
     if exchange is not None:
-        return _causal_conv1d_cp(
-            x,
-            weight,
-            bias,
-            activation,
-            cu_seqlens,
-            initial_states,
-            output_final_states,
-            exchange,
-            layout,
-        )
+        options = (cu_seqlens, initial_states, output_final_states, exchange, layout)
+        return _causal_conv1d_cp(x, weight, bias, activation, *options)
     # (cu_seqlens' values are read inside the op, on a CPU, where a graph does not see it)
     kernels.check_inputs(x, weight, bias, activation, cu_seqlens, initial_states, values=False)
     y, final = _causal_conv1d(
@@ -184,8 +175,10 @@ def _check_cp(x, weight, bias, activation, cu_seqlens, initial_states, spans: Sp
     B, T, C = x.shape
     W, N = weight.shape[1], B
     if cu_seqlens is not None:
-        what, on_cpu = "causal_conv1d: the global cu_seqlens", x.device.type == "cpu"
-        check_cu_seqlens(cu_seqlens, spans.seq_len, what, values=on_cpu)
+        # the values read on a CPU only (a host sync on a GPU), and not by a graph
+        values = x.device.type == "cpu" and not torch.compiler.is_compiling()
+        what = "causal_conv1d: the global cu_seqlens"
+        check_cu_seqlens(cu_seqlens, spans.seq_len, what, values=values)
         if B != 1:
             raise ValueError(
                 f"causal_conv1d: with cu_seqlens the documents are packed into one "
@@ -214,12 +207,9 @@ def _causal_conv1d_cp(
     ranks (`fusedpar.ops.span_exchange`: a group, or the hybrid layout's two axes)."""
     spans = exchange.spans(layout, x.shape[1])
     N = _check_cp(x, weight, bias, activation, cu_seqlens, initial_states, spans)
-    # (then the ranks' shapes, which the routes assume equal: one tiny all-gather on CPU)
-    exchange.check_same([*x.shape, *weight.shape], "causal_conv1d: x, weight", x.device)
     history = weight.shape[1] - 1
     if history:
-        plan = conv_halo.halo_plan(spans, history)
-        halo = conv_halo.halo(x, plan, exchange)
+        halo = conv_halo.halo(x, exchange, layout, history)  # (the ranks' shapes checked first)
         stream, cu, init = conv_halo.local_inputs(x, spans, halo, cu_seqlens, initial_states)
     else:  # W = 1: no halo (and no states)
         stream, cu, init = x, None, None

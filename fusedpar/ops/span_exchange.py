@@ -11,6 +11,7 @@ from torch import Tensor
 from fusedpar.comm import (
     all_gather_async,
     check_same_across_ranks,
+    group_by_name,
     group_name,
     group_rank,
     group_size,
@@ -52,6 +53,11 @@ class Exchange:
         """(global rank, group) of `rank` for a point-to-point op."""
         return dist.get_global_rank(self.group, rank), self.group
 
+    @property
+    def names(self) -> tuple[str, str]:
+        """(group, Ulysses group) as they cross a custom op's boundary (`exchange_of`)."""
+        return group_name(self.group), ""
+
 
 _GLOBAL_RANKS: dict[tuple[str, str], list[int]] = {}  # (ring, Ulysses) -> r U + u's rank
 
@@ -82,6 +88,10 @@ class MeshExchange(Exchange):
         for group in (self.ulysses_group, self.ring):
             check_same_across_ranks(group, values, what, device)
 
+    @property
+    def names(self) -> tuple[str, str]:
+        return group_name(self.ring), group_name(self.ulysses_group)
+
     def peer(self, rank: int) -> tuple[int, object]:
         """Global ranks over the default group: every rank's, gathered once a mesh."""
         key = (group_name(self.ring), group_name(self.ulysses_group))
@@ -89,3 +99,10 @@ class MeshExchange(Exchange):
             mine = torch.tensor([dist.get_rank()])
             _GLOBAL_RANKS[key] = self.gather(mine).tolist()
         return _GLOBAL_RANKS[key][rank], None
+
+
+def exchange_of(group: str, ulysses: str) -> Exchange:
+    """The exchange of `Exchange.names`: over `group`, or the mesh of both."""
+    if ulysses:
+        return MeshExchange(group_by_name(group), group_by_name(ulysses))
+    return Exchange(group_by_name(group))

@@ -63,8 +63,8 @@ for part, kernel, match in KERNELS:
 
 def conv_opcheck_cases(group: str) -> list:
     """(op, args) for the conv's custom ops: small and random, strided, packed with
-    states, some gradients not asked for; float inputs require grad. `group`: unused
-    (the conv does not communicate)."""
+    states, some gradients not asked for; float inputs require grad. `group`: the
+    context-parallel halo's (`fusedpar.ops.conv_halo`), run on every rank."""
     ops = torch.ops.fusedpar
     cu = torch.tensor([0, 2, 2, 7], dtype=torch.int32)
     xt = leaf(2, 5, 6).transpose(1, 2)  # (2, 6, 5), strided
@@ -111,6 +111,10 @@ def conv_opcheck_cases(group: str) -> list:
                 [False, True, True, True],
             ),
         ),
+        # the halo: zigzag, spans of 2 tokens and W - 1 = 3 (two spans' tokens), contiguous
+        (ops.conv_halo, (leaf(2, 4, 3), group, "", "zigzag", 3)),
+        (ops.conv_halo, (leaf(1, 5, 2, dtype=torch.float64), group, "", "contiguous", 1)),
+        (ops.conv_halo_backward, (torch.randn(2, 6, 3), group, "", "zigzag", 4)),
     ]
 
 
