@@ -33,6 +33,7 @@ FAMILIES = (
     "qwen3_5_text",
     "qwen3_5_moe_text",
     "olmo_hybrid",
+    "kimi_linear",
 )
 # the layer kinds `parallelize` converts (``layer_types``); "linear_attention": Gated
 # DeltaNet (`fp.nn.GatedDeltaNet`), whose context parallelism is the next issue
@@ -113,6 +114,8 @@ def check_dims(config, cp: int, ulysses: int = 1, tp: int = 1) -> None:
     DeltaNet layers (their recurrence and conv would need the state of the tokens on the
     ranks before: the next issue), or their k-heads not divisible by tp."""
     linear = linear_layers(config)
+    if linear and field(config, "model_type") == "kimi_linear":
+        check_kda_dims(config, linear, cp * ulysses, tp)
     k_heads = field(config, "linear_num_key_heads")
     if linear and k_heads is not None and k_heads % tp:
         raise ValueError(
@@ -125,4 +128,21 @@ def check_dims(config, cp: int, ulysses: int = 1, tp: int = 1) -> None:
             f"yet (the next issue): {field(config, 'model_type')} has linear_attention "
             f"layers {linear}, and cp ({cp}) x ulysses ({ulysses}) = {cp * ulysses} would "
             "split their sequence; run with cp = 1 and ulysses = 1"
+        )
+
+
+def check_kda_dims(config, linear: list[int], cp: int, tp: int) -> None:
+    """Kimi Linear's KDA layers (`fp.nn.KimiDeltaAttention`): their heads split over tp;
+    the sequence over cp refused until their conv has its halo."""
+    heads = field(config, "linear_num_heads") or 32  # (Hugging Face's default)
+    if heads % tp:
+        raise ValueError(
+            f"KimiDeltaAttention: n_heads ({heads}) is not divisible by the TP degree ({tp})"
+        )
+    if cp > 1:
+        raise ValueError(
+            f"parallelize: context parallelism over Kimi Linear's KDA layers is not "
+            f"supported yet (their conv's halo): kimi_linear has linear_attention layers "
+            f"{linear}, and cp x ulysses = {cp} would split their sequence; run with cp = 1 "
+            "and ulysses = 1"
         )
