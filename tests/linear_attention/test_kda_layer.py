@@ -3,7 +3,8 @@
 computes in fp32): output, dx and every parameter's gradient on one process and at TP2
 (gloo; sequence parallel with the ring schedule, and classic TP), each rank holding its
 heads of every section and the low-rank gates whole; packed documents equal to each
-document run alone; bad configs and cp > 1 refused."""
+document run alone; bad configs and cp > 1 refused; a DCP checkpoint saved at TP2
+loading at TP1 bit for bit."""
 
 import copy
 
@@ -198,3 +199,30 @@ def _cp_refused():
 
 def test_context_parallelism_is_refused_until_the_conv_has_its_halo(world):
     assert all(world(2).run(_cp_refused))
+
+
+def _distributed(seed):
+    dims = fp.ParallelDims(tp=torch.distributed.get_world_size())
+    mesh = dims.build_mesh("cpu")
+    layer = KimiDeltaAttention.from_dense(hf_module(seed), dims.placement(mesh))
+    return fp.distribute(layer, mesh)
+
+
+def _save(path):
+    layer = _distributed(seed=5)
+    fp.checkpoint.save(path, layer)
+    return {n: p.full_tensor() for n, p in layer.named_parameters()}
+
+
+def _load(path):
+    layer = _distributed(seed=99)  # other weights, overwritten by the load
+    fp.checkpoint.load(path, layer)
+    return {n: p.full_tensor() for n, p in layer.named_parameters()}
+
+
+def test_a_checkpoint_saved_at_tp2_loads_at_tp1_bit_for_bit(world, tmp_path):
+    path = str(tmp_path / "step-1")
+    saved = world(2).run(_save, path)[0]
+    (loaded,) = world(1).run(_load, path)
+    assert loaded.keys() == saved.keys()
+    assert not [name for name, t in loaded.items() if not torch.equal(t, saved[name])]
