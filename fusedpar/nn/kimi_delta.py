@@ -298,14 +298,15 @@ class KimiDeltaAttention(FromSpec, RotaryPositions, nn.Module):
             for t, c in zip((q, k, v), CONV, strict=True)
         )
         acc = accumulator(x.dtype)  # the decay in fp32 (float64 for float64)
-        f = F.linear(fa, self.f_b_weight).transpose(0, 1).unflatten(-1, (h, K))
+        # (B, S, ...) from the GEMMs: their outputs contiguous in the ops' order
+        f = F.linear(fa.transpose(0, 1), self.f_b_weight).unflatten(-1, (h, K))
         dt = self.dt_bias.to(acc).view(h, K)
         g = -self.A_log.to(acc).exp()[:, None] * F.softplus(f.to(acc) + dt)  # (B, S, h, K)
         beta = b.transpose(0, 1).sigmoid()  # (B, S, h)
         o, _ = gated_delta_rule(
             q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True
         )  # (B, S, h, K)
-        gate = F.linear(ga, self.g_b_weight).transpose(0, 1).unflatten(-1, (h, K))
+        gate = F.linear(ga.transpose(0, 1), self.g_b_weight).unflatten(-1, (h, K))
         o = rms_norm_gated(o, gate, self.norm_weight, eps=self.spec.norm_eps, gate="sigmoid")
         o = o.transpose(0, 1).reshape(seq, batch, h * K)  # (S, B, h K)
         if self.sequence_parallel:

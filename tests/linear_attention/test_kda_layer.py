@@ -4,7 +4,7 @@ computes in fp32): output, dx and every parameter's gradient on one process and 
 (gloo; sequence parallel with the ring schedule, and classic TP), each rank holding its
 heads of every section and the low-rank gates whole; packed documents equal to each
 document run alone; bad configs and cp > 1 refused; a DCP checkpoint saved at TP2
-loading at TP1 bit for bit."""
+loading at TP1 bit for bit; torch.compile(fullgraph=True) equal to eager."""
 
 import copy
 
@@ -226,3 +226,16 @@ def test_a_checkpoint_saved_at_tp2_loads_at_tp1_bit_for_bit(world, tmp_path):
     (loaded,) = world(1).run(_load, path)
     assert loaded.keys() == saved.keys()
     assert not [name for name, t in loaded.items() if not torch.equal(t, saved[name])]
+
+
+def test_compiles_full_graph_equal_to_eager():
+    """torch.compile(fullgraph=True) of the layer (its ops are custom ops): the output
+    and every gradient equal to eager's."""
+    layer = KimiDeltaAttention.from_dense(hf_module(6))
+    x, dy = (t.transpose(0, 1) for t in _inputs(6))
+    eager = run_layer(layer, x, dy)
+    compiled = run_layer(torch.compile(layer, fullgraph=True, backend="aot_eager"), x, dy)
+    compiled = {name.replace("d_orig_mod.", "d"): t for name, t in compiled.items()}
+    assert compiled.keys() == eager.keys()
+    for name, t in eager.items():
+        torch.testing.assert_close(compiled[name], t, rtol=1e-6, atol=1e-6, msg=name)
