@@ -206,3 +206,16 @@ def test_context_parallelism_is_refused_on_every_rank(world):
     check_dims(config, 1, tp=4)  # cp = 1: taken
     with pytest.raises(ValueError, match=r"n_heads \(4\) is not divisible by the TP degree \(8\)"):
         check_dims(config, 1, tp=8)
+
+
+def test_a_kda_with_a_bias_or_another_activation_is_refused():
+    """Checked for every layer before anything is built (Kimi has neither)."""
+    model = _model(0)
+    kda = model.model.layers[2].self_attn
+    kda.b_proj = torch.nn.Linear(kda.hidden_size, kda.num_heads, bias=True)
+    with pytest.raises(ValueError, match=r"layer 2: a KDA projection or conv with a bias"):
+        hf.parallelize(model, None)
+    model = _model(0)
+    model.model.layers[0].self_attn.activation = "gelu"
+    with pytest.raises(ValueError, match=r"layer 0: a KDA conv with 'gelu'"):
+        hf.parallelize(model, None)
