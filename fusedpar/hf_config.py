@@ -33,6 +33,7 @@ FAMILIES = (
     "qwen3_5_text",
     "qwen3_5_moe_text",
     "olmo_hybrid",
+    "kimi_linear",
 )
 # the layer kinds `parallelize` converts (``layer_types``); "linear_attention": Gated
 # DeltaNet (`fp.nn.GatedDeltaNet`)
@@ -110,12 +111,31 @@ def linear_layers(config) -> list[int]:
 def check_dims(config, cp: int, ulysses: int = 1, tp: int = 1) -> None:
     """Raise `parallelize`'s ValueError where `config`'s model cannot run at these
     degrees whatever its weights: its Gated DeltaNet layers' k-heads not divisible by
-    tp. Any cp x ulysses split runs (`fusedpar.nn.gated_deltanet_cp`)."""
-    del cp, ulysses  # every sequence split runs
+    tp (any cp x ulysses split runs: `fusedpar.nn.gated_deltanet_cp`); Kimi Linear's KDA
+    layers (`check_kda_dims`)."""
     linear = linear_layers(config)
+    if linear and field(config, "model_type") == "kimi_linear":
+        check_kda_dims(config, linear, cp * ulysses, tp)
     k_heads = field(config, "linear_num_key_heads")
     if linear and k_heads is not None and k_heads % tp:
         raise ValueError(
             f"GatedDeltaNet: n_k_heads ({k_heads}) is not divisible by the TP degree ({tp}) "
             f"(n_v_heads {field(config, 'linear_num_value_heads')} follow their k-heads)"
+        )
+
+
+def check_kda_dims(config, linear: list[int], cp: int, tp: int) -> None:
+    """Kimi Linear's KDA layers (`fp.nn.KimiDeltaAttention`): their heads split over tp;
+    the sequence over cp refused until their conv has its halo."""
+    heads = field(config, "linear_num_heads") or 32  # (Hugging Face's default)
+    if heads % tp:
+        raise ValueError(
+            f"KimiDeltaAttention: n_heads ({heads}) is not divisible by the TP degree ({tp})"
+        )
+    if cp > 1:
+        raise ValueError(
+            f"parallelize: context parallelism over Kimi Linear's KDA layers is not "
+            f"supported yet (their conv's halo): kimi_linear has linear_attention layers "
+            f"{linear}, and cp x ulysses = {cp} would split their sequence; run with cp = 1 "
+            "and ulysses = 1"
         )

@@ -7,7 +7,8 @@
     out.logits                                   # this rank's tokens: (B, S/CP/U/TP, V)
 
 Each decoder layer's attention becomes a `ParallelAttention` (heads over tp, sequence
-over cp and ulysses; a hybrid's linear attention a `GatedDeltaNet`), its MLP a
+over cp and ulysses; a hybrid's linear attention a `GatedDeltaNet`, Kimi Linear's a
+`KimiDeltaAttention`), its MLP a
 `ParallelSwiGLU` or a `MoE` (experts over ep); embeddings, norms and the head stay
 Hugging Face's; `fusedpar.distribute` puts every
 parameter on the mesh. ``batch="full"`` (default): every rank of a cp x tp group takes
@@ -48,6 +49,7 @@ from fusedpar.integrations.hf_pipeline import DecoderStages
 from fusedpar.nn import (
     ColumnParallelLinear,
     GatedDeltaNet,
+    KimiDeltaAttention,
     MoE,
     ParallelAttention,
     ParallelMLA,
@@ -110,6 +112,18 @@ class HFGatedDeltaNet(GatedDeltaNet):
     def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
         if cache_params is not None:
             raise ValueError("fusedpar's GatedDeltaNet keeps no cache: call with use_cache=False")
+        batch = getattr(self, "_fusedpar_batch", None)
+        cu_seqlens = None if batch is None else batch.cu_seqlens
+        x = hidden_states.transpose(0, 1)  # (S_loc, B, d)
+        return super().forward(x, cu_seqlens=cu_seqlens).transpose(0, 1)
+
+
+class HFKimiDeltaAttention(KimiDeltaAttention):
+    """`KimiDeltaAttention` called as Kimi Linear's KDA module, as `HFGatedDeltaNet` is."""
+
+    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        if cache_params is not None:
+            raise ValueError("fusedpar's KDA keeps no cache: call with use_cache=False")
         batch = getattr(self, "_fusedpar_batch", None)
         cu_seqlens = None if batch is None else batch.cu_seqlens
         x = hidden_states.transpose(0, 1)  # (S_loc, B, d)
@@ -184,6 +198,8 @@ def _attention(
 ) -> nn.Module:
     if families.is_gdn(attn):  # a hybrid's linear attention: its layout read off the module
         return HFGatedDeltaNet.from_dense(attn, placement)
+    if families.is_kda(attn):  # Kimi Linear's
+        return HFKimiDeltaAttention.from_dense(attn, placement)
     if families.is_mla(attn):
         spec = dataclasses.replace(specs.mla_spec(attn, config, rotary_emb), cp_ring=cp_ring)
         weights, cls = specs.mla_weights(attn, config), HFParallelMLA

@@ -10,7 +10,7 @@ Every rank calls it (a rank alone fails after ``FUSEDPAR_CHECKPOINT_TIMEOUT_S``,
 `fusedpar.checkpoint.enter`). Each rank takes the full tensors of what it holds
 (``DTensor.full_tensor()``) and turns the converted layers' parameters back into
 Hugging Face's by the inverses beside their conversions in `hf_families`
-(`dense_attention`, `dense_mla`, `dense_gdn`, `dense_mlp`, `dense_experts`); under pp one rank of
+(`dense_attention`, `dense_mla`, `dense_gdn`, `dense_kda`, ...); under pp one rank of
 each stage sends its stage's to rank 0. Rank 0 loads them into a skeleton of the
 original class on the meta device, checks every name and shape, and writes with Hugging
 Face's own ``save_pretrained`` into a directory beside the target, moved into place when
@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from fusedpar import checkpoint
 from fusedpar.integrations import hf_families as families
-from fusedpar.nn import GatedDeltaNet, MoE, ParallelAttention, ParallelMLA
+from fusedpar.nn import GatedDeltaNet, KimiDeltaAttention, MoE, ParallelAttention, ParallelMLA
 from fusedpar.pipeline import PassThrough, module_at
 
 # `model.save_pretrained`'s keywords taken (Hugging Face's others are refused by name)
@@ -180,6 +180,8 @@ def _dense(module: nn.Module, template: nn.Module, config, params: dict) -> dict
     holds them (its names): the inverse of the conversion `parallelize` made."""
     if isinstance(module, GatedDeltaNet):
         return families.dense_gdn(module, params)
+    if isinstance(module, KimiDeltaAttention):
+        return families.dense_kda(module, params)
     if isinstance(module, ParallelMLA):
         return families.dense_mla(module, config, params)
     if isinstance(module, ParallelAttention):

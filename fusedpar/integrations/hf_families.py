@@ -9,7 +9,8 @@ Families (`FAMILIES` of `fusedpar.hf_config`, by ``model_type``): llama, mistral
 qwen3, mixtral, qwen2_moe, qwen3_moe, glm4_moe, minimax_m2, deepseek_v3 (MLA:
 `fp.nn.ParallelMLA`), gemma2, gemma3_text, phi3, olmo2, olmo3, smollm3, gpt_neox, gpt2,
 gpt_oss, and the hybrids qwen3_next, qwen3_5_text, qwen3_5_moe_text, olmo_hybrid (their
-"linear_attention" layers: `fp.nn.GatedDeltaNet`, `dense_gdn`). What each reads is in
+"linear_attention" layers: `fp.nn.GatedDeltaNet`, `dense_gdn`) and kimi_linear (KDA:
+`fp.nn.KimiDeltaAttention`, `dense_kda`; NoPE MLA). What each reads is in
 the table of docs/dropin.md.
 
 Hugging Face's ``sliding_window=W`` is the layer's own (a query sees itself and W - 1
@@ -36,6 +37,7 @@ from fusedpar.hf_config import (  # noqa: F401  (re-exported: hf.py's names)
 )
 from fusedpar.nn.attention_parts import join_gate
 from fusedpar.nn.gated_deltanet_dense import conv_rows, detect_layout, index_maps
+from fusedpar.nn.kimi_delta import dense_kda  # noqa: F401 (hf_export's inverse, here)
 from fusedpar.nn.linear import is_conv1d, linear_parts, linear_weight
 
 _TANH_GELU = functools.partial(F.gelu, approximate="tanh")
@@ -77,6 +79,12 @@ def mixer_name(layer: nn.Module, config) -> str:
 def is_gdn(module: nn.Module) -> bool:
     """A Hugging Face Gated DeltaNet (its short conv beside the recurrence's gates)."""
     return hasattr(module, "conv1d") and hasattr(module, "A_log")
+
+
+def is_kda(module: nn.Module) -> bool:
+    """Kimi Linear's KDA (`KimiLinearDeltaAttention`: its short conv beside a low-rank
+    forget gate)."""
+    return hasattr(module, "conv1d") and hasattr(module, "forget_gate")
 
 
 def kv_heads(config) -> int:
@@ -198,6 +206,15 @@ def check_layer(i: int, layer: nn.Module, config) -> None:
         )
         act = getattr(attn, "activation", "silu")
         refuse(act not in ("silu", "swish"), f"layer {i}: a Gated DeltaNet conv with {act!r}")
+        parts = ()
+    elif is_kda(attn):
+        biased = [m for m in attn.modules() if isinstance(m, (nn.Linear, nn.Conv1d))]
+        refuse(
+            any(m.bias is not None for m in biased),
+            f"layer {i}: a KDA projection or conv with a bias",
+        )
+        act = getattr(attn, "activation", "silu")
+        refuse(act not in ("silu", "swish"), f"layer {i}: a KDA conv with {act!r}")
         parts = ()
     elif is_mla(attn):
         lora = getattr(attn, "q_a_proj", None) is not None

@@ -172,7 +172,7 @@ def mla_weights(attn: nn.Module, config) -> MLAWeights:
 def mla_spec(attn: nn.Module, config, rotary_emb) -> MLASpec:
     """The `ParallelMLA` of an MLA module: its ranks and head dims, scale (YaRN's
     mscale squared included, as the module computed it), biases and the model's rotary
-    tables over the rotary dims."""
+    tables over the rotary dims (none without a rotary module: Kimi Linear's NoPE)."""
     weights = mla_weights(attn, config)
     lora = isinstance(weights.q, tuple)
     norm = weights.kv_a_norm
@@ -188,7 +188,8 @@ def mla_spec(attn: nn.Module, config, rotary_emb) -> MLASpec:
         bias=linear_parts("kv_a", weights.kv_a)[1] is not None,
         softmax_scale=attn.scaling,
         norm_eps=getattr(norm, "variance_epsilon", None) or norm.eps,
-        rope=functools.partial(rope, rotary_emb, rope_dim, None),
+        # Kimi Linear's MLA: NoPE (its model has no rotary module)
+        rope=None if rotary_emb is None else functools.partial(rope, rotary_emb, rope_dim, None),
     )
 
 

@@ -1,11 +1,12 @@
 """nn.Modules built from fusedpar.ops: parallel linears, attention (and DeepSeek's latent
-attention), Gated DeltaNet, MoE, RMSNorm (and
+attention), Gated DeltaNet, Kimi's KDA, MoE, RMSNorm (and
 `add_aux_loss`, which carries a MoE layer's auxiliary loss to the gradients); the specs
 they are built from with a `fusedpar.Placement` (`fusedpar.nn.specs`)."""
 
 from fusedpar.nn.attention import ParallelAttention
 from fusedpar.nn.aux_loss import add_aux_loss
 from fusedpar.nn.gated_deltanet import GatedDeltaNet
+from fusedpar.nn.kimi_delta import KimiDeltaAttention, KimiDeltaSpec
 from fusedpar.nn.linear import ColumnParallelLinear, ParallelSwiGLU, RowParallelLinear
 from fusedpar.nn.mla import ParallelMLA
 from fusedpar.nn.moe import MoE
@@ -23,6 +24,8 @@ __all__ = [
     "ColumnParallelLinear",
     "GatedDeltaNet",
     "GatedDeltaNetSpec",
+    "KimiDeltaAttention",
+    "KimiDeltaSpec",
     "MLASpec",
     "MLPSpec",
     "MoE",

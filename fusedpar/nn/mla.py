@@ -97,7 +97,8 @@ class ParallelMLA(FromSpec, RotaryPositions, nn.Module):
     | `q_a_bias`, `kv_a_bias`, `o_bias` | (r_q,), (r_kv + dr,), (d,) | ``bias=True``, whole |
 
     ``rope``: as `ParallelAttention`'s (a callable ``positions -> (cos, sin)`` of width
-    dr, e.g. the model's own YaRN module; left out: the tables of `rope_theta`).
+    dr, e.g. the model's own YaRN module; left out: the tables of `rope_theta`; None:
+    NoPE, Kimi Linear's, whose dr shared k dims stay, unrotated, dr = 0 allowed).
     ``softmax_scale``: default (dn + dr) ** -0.5 (DeepSeek-V3's config carries YaRN's
     mscale squared: pass it). ``cp_ring``: "expanded" (`ring_attn` moves each rank's
     heads' K and V), "latent" (`fusedpar.ops.mla_ring`: the latent travels, each step
@@ -123,7 +124,7 @@ class ParallelMLA(FromSpec, RotaryPositions, nn.Module):
         v_head_dim,
         bias=False,
         norm_eps=1e-6,
-        rope: Callable | str = DEFAULT_ROPE,
+        rope: Callable | str | None = DEFAULT_ROPE,
         rope_theta=10000.0,
         softmax_scale=None,
         tp_group=None,
@@ -418,7 +419,7 @@ class ParallelMLA(FromSpec, RotaryPositions, nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """x (S_loc, B, d_model) -> the same shape; `cu_seqlens` as `ParallelAttention`'s."""
-        cos, sin = self._start_call(x, cu_seqlens, self.kv_a_weight)
+        tables = self._start_call(x, cu_seqlens, self.kv_a_weight)  # None: NoPE
         group = self.tp_group if self.sequence_parallel else None
         if not self.sequence_parallel:  # every rank holds x whole: its gradient is summed
             x = comm.copy_to_region(x, self.tp_group)
@@ -436,7 +437,8 @@ class ParallelMLA(FromSpec, RotaryPositions, nn.Module):
         # (S, B, ...) -> (B, S, H/TP, ...): strided views, read in place
         q = q.view(S, B, -1, self.qk_dim).transpose(0, 1)
         k_rope = k_rope.reshape(S, B, 1, self.rope_dim).transpose(0, 1)
-        q, k_rope = apply_rope(q, cos, sin), apply_rope(k_rope, cos, sin)
+        if tables is not None:  # (NoPE, rope=None: Kimi Linear's k_rope dims stay unrotated)
+            q, k_rope = apply_rope(q, *tables), apply_rope(k_rope, *tables)
         if self.latent_ring(x):  # (B, S, r + dr) travels; each step expands it
             moving = torch.cat([latent.transpose(0, 1), k_rope[:, :, 0]], dim=-1)
             out = mla_ring_attn(

@@ -165,17 +165,18 @@ class MLASpec:
     v_head_dim: int
     bias: bool = False
     norm_eps: float = 1e-6
-    rope: Callable | str = DEFAULT_ROPE
+    rope: Callable | str | None = DEFAULT_ROPE
     rope_theta: float = 10000.0
     softmax_scale: float | None = None
     cp_ring: str = "auto"
 
     def __post_init__(self):
         rope = self.rope
-        if rope is None or not (rope == DEFAULT_ROPE or callable(rope)):
+        if not (rope is None or rope == DEFAULT_ROPE or callable(rope)):
             raise TypeError(
-                f"ParallelMLA: rope must be a callable positions -> (cos, sin) or "
-                f"left out (the tables of rope_theta), got {rope!r}"
+                f"ParallelMLA: rope must be a callable positions -> (cos, sin), None (NoPE: "
+                f"Kimi Linear's; the shared k dims stay, unrotated) or left out (the tables "
+                f"of rope_theta), got {rope!r}"
             )
         sizes = {
             "kv_lora_rank": self.kv_lora_rank,
@@ -185,9 +186,9 @@ class MLASpec:
             "q_lora_rank": 1 if self.q_lora_rank is None else self.q_lora_rank,
         }
         for name, value in sizes.items():
-            if value < 1:
+            if value < (0 if name == "qk_rope_head_dim" and rope is None else 1):  # NoPE: 0 dims
                 raise ValueError(f"ParallelMLA: {name} must be positive, got {value}")
-        if self.qk_rope_head_dim % 2:
+        if rope is not None and self.qk_rope_head_dim % 2:
             raise ValueError(
                 f"ParallelMLA: qk_rope_head_dim ({self.qk_rope_head_dim}) must be even"
             )

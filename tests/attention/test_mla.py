@@ -179,7 +179,7 @@ def test_bad_configurations_are_refused():
     with pytest.raises(ValueError, match="qk_rope_head_dim \\(7\\) must be even"):
         ParallelMLA(32, 4, **{**common, "qk_rope_head_dim": 7})
     with pytest.raises(TypeError, match="rope must be"):
-        ParallelMLA(32, 4, **common, rope=None)
+        ParallelMLA(32, 4, **common, rope=False)
     layer = ParallelMLA(32, 4, **common)
     with pytest.raises(ValueError, match="takes x \\(S_loc, B, d_model=32\\)"):
         layer(torch.zeros(3, 1, 16))

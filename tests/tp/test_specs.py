@@ -257,7 +257,7 @@ BAD = [
         ValueError,
         r"n_heads \(4\) must be a multiple of n_kv_heads",
     ),
-    ("mla", dict(rope=None), TypeError, r"ParallelMLA: rope must be"),
+    ("mla", dict(rope=False), TypeError, r"ParallelMLA: rope must be"),
     ("mla", dict(q_lora_rank=0), ValueError, r"q_lora_rank must be positive, got 0"),
     ("mla", dict(qk_rope_head_dim=7), ValueError, r"qk_rope_head_dim \(7\) must be even"),
     ("mla", dict(cp_ring="ring"), ValueError, r"cp_ring must be one of"),
