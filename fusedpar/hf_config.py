@@ -115,7 +115,7 @@ def check_dims(config, cp: int, ulysses: int = 1, tp: int = 1) -> None:
     layers (`check_kda_dims`)."""
     linear = linear_layers(config)
     if linear and field(config, "model_type") == "kimi_linear":
-        check_kda_dims(config, linear, cp * ulysses, tp)
+        check_kda_dims(config, tp)
     k_heads = field(config, "linear_num_key_heads")
     if linear and k_heads is not None and k_heads % tp:
         raise ValueError(
@@ -124,18 +124,10 @@ def check_dims(config, cp: int, ulysses: int = 1, tp: int = 1) -> None:
         )
 
 
-def check_kda_dims(config, linear: list[int], cp: int, tp: int) -> None:
-    """Kimi Linear's KDA layers (`fp.nn.KimiDeltaAttention`): their heads split over tp;
-    the sequence over cp refused until their conv has its halo."""
+def check_kda_dims(config, tp: int) -> None:
+    """Kimi Linear's KDA layers (`fp.nn.KimiDeltaAttention`): their heads split over tp."""
     heads = field(config, "linear_num_heads") or 32  # (Hugging Face's default)
     if heads % tp:
         raise ValueError(
             f"KimiDeltaAttention: n_heads ({heads}) is not divisible by the TP degree ({tp})"
-        )
-    if cp > 1:
-        raise ValueError(
-            f"parallelize: context parallelism over Kimi Linear's KDA layers is not "
-            f"supported yet (their conv's halo): kimi_linear has linear_attention layers "
-            f"{linear}, and cp x ulysses = {cp} would split their sequence; run with cp = 1 "
-            "and ulysses = 1"
         )

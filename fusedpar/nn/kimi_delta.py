@@ -15,8 +15,9 @@ parallelism. On a rank (h = H / TP heads of K channels, r = K the gates' rank):
 f_a, g_a (r, d) and the norm weight (K,) are whole on every rank, each rank's gradient
 its own heads' share (partial over TP, summed by `fusedpar.distribute`); f_b, g_b, q, k,
 v, b, the convs, dt_bias (per channel) and A_log (per head) are split by whole heads,
-o by its columns. Packed documents: ``forward(x, cu_seqlens)``. Context parallelism is
-refused until the conv's halo lands (the recurrence takes ``group=`` already).
+o by its columns. Packed documents: ``forward(x, cu_seqlens)``. Context parallelism: the
+convs' halos and the span summaries over every shard (`fusedpar.nn.gated_deltanet_cp`'s
+"summaries": KDA's heads never travel).
 docs/linear_attention_layer.md.
 """
 
@@ -32,11 +33,10 @@ from fusedpar import comm
 from fusedpar.kernels.common import accumulator
 from fusedpar.kernels.linear_attention import MAX_HEAD_DIM
 from fusedpar.kernels.linear_attention.conv1d import MAX_WIDTH
+from fusedpar.nn.gated_deltanet_cp import SequenceSplit
 from fusedpar.nn.rotary import RotaryPositions
 from fusedpar.nn.specs import FromSpec
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
-from fusedpar.ops.linear_attention import gated_delta_rule
-from fusedpar.ops.linear_attention_parts import causal_conv1d
 from fusedpar.ops.norm import rms_norm_gated
 from fusedpar.placement import Placement
 from fusedpar.storage import ParamLayout, local_tensor
@@ -51,7 +51,6 @@ SPLIT_DIMS = {
     "norm": None,
     "o": 1,
 }
-CP_REFUSAL = "context parallelism for KimiDeltaAttention waits for the conv's halo"
 # Hugging Face's KimiLinearDeltaAttention: our part -> its parameter
 HF_NAMES = {
     "q": "q_proj.weight",
@@ -147,16 +146,9 @@ class KimiDeltaAttention(FromSpec, RotaryPositions, nn.Module):
         self._build(spec, placement, device, dtype)
 
     def _build(self, spec: KimiDeltaSpec, placement: Placement, device, dtype) -> None:
-        """The layer of `spec` on `placement`: the checks that need the groups (no CP,
-        heads over TP), then the parameters."""
+        """The layer of `spec` on `placement`: the checks that need the groups (heads over
+        TP), then the parameters."""
         super().__init__()
-        cp = comm.group_size(placement.cp_group) * comm.group_size(placement.ulysses_group)
-        if cp > 1:
-            raise ValueError(
-                f"{CP_REFUSAL}: this placement splits the sequence over {cp} ranks "
-                f"(cp_group {comm.group_size(placement.cp_group)}, ulysses_group "
-                f"{comm.group_size(placement.ulysses_group)}); run KDA layers with cp = 1"
-            )
         H, K, tp_group = spec.n_heads, spec.head_dim, placement.tp_group
         tp = comm.group_size(tp_group)
         if H % tp:
@@ -164,13 +156,17 @@ class KimiDeltaAttention(FromSpec, RotaryPositions, nn.Module):
                 f"KimiDeltaAttention: n_heads ({H}) is not divisible by the TP degree ({tp})"
             )
         self.spec, self.placement = spec, placement
+        self.split = SequenceSplit(
+            placement.cp_group, placement.ulysses_group, placement.cp_layout, "summaries"
+        )
         self.d_model, self.n_heads, self.head_dim = spec.d_model, H, K
         self.tp_group, self.tp, self.tp_rank = tp_group, tp, comm.group_rank(tp_group)
         self.sequence_parallel = placement.sequence_parallel
         self.overlap, self.reduce_dtype = placement.overlap, placement.reduce_dtype
-        # what `RotaryPositions._start_call` reads: no rotary embedding, no CP
+        # what `RotaryPositions._start_call` reads: no rotary embedding
         self.rope, self.rotary_dim, self.rope_theta = None, None, None
-        self.cp_group, self.ulysses_group, self.cp_layout = None, None, placement.cp_layout
+        self.cp_group, self.ulysses_group = placement.cp_group, placement.ulysses_group
+        self.cp_layout = placement.cp_layout
         self._rope_tables, self._rope_layout_checked = {}, True
         h, d, W = H // tp, spec.d_model, spec.conv_size
         shapes = {
@@ -303,9 +299,7 @@ class KimiDeltaAttention(FromSpec, RotaryPositions, nn.Module):
         dt = self.dt_bias.to(acc).view(h, K)
         g = -self.A_log.to(acc).exp()[:, None] * F.softplus(f.to(acc) + dt)  # (B, S, h, K)
         beta = b.transpose(0, 1).sigmoid()  # (B, S, h)
-        o, _ = gated_delta_rule(
-            q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True
-        )  # (B, S, h, K)
+        o = self.split.recurrence((q, k, v, g, beta), cu_seqlens, "summaries")  # (B, S, h, K)
         gate = F.linear(ga.transpose(0, 1), self.g_b_weight).unflatten(-1, (h, K))
         o = rms_norm_gated(o, gate, self.norm_weight, eps=self.spec.norm_eps, gate="sigmoid")
         o = o.transpose(0, 1).reshape(seq, batch, h * K)  # (S, B, h K)
@@ -319,11 +313,10 @@ class KimiDeltaAttention(FromSpec, RotaryPositions, nn.Module):
             )
         return comm.reduce_from_region(F.linear(o, self.o_weight), self.tp_group)
 
-    @staticmethod
-    def _conv(t: torch.Tensor, weight: torch.Tensor, cu_seqlens) -> torch.Tensor:
+    def _conv(self, t: torch.Tensor, weight: torch.Tensor, cu_seqlens) -> torch.Tensor:
         """The short conv (SiLU) of one section, (S, B, C) -> (B, S, C): each section its
         own weight, so that no activation or weight is copied to join them."""
-        return causal_conv1d(t.transpose(0, 1), weight, cu_seqlens=cu_seqlens)[0]
+        return self.split.conv(t.transpose(0, 1), weight, cu_seqlens, "summaries")
 
     def extra_repr(self) -> str:
         return (

@@ -5,7 +5,7 @@ shared expert). A tiny random model (fp32, every parameter and the router's bias
 re-drawn) against the unconverted Hugging Face model: logits, loss and every
 parameter's gradient in one process, at TP2 (experts over tp) and over packed documents
 at TP2 (each document run alone by Hugging Face); `save_pretrained` back to the original
-checkpoint; context parallelism refused on every rank before any collective. Hugging
+checkpoint; at TP2 x CP2 (the KDA layers' halos and summaries). Hugging
 Face's KDA (its torch fallback) computes in fp32 even in a float64 model: the float64
 reference is fp32-exact there (`_close`)."""
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import fusedpar as fp
 from fusedpar.hf_config import check_dims
 from fusedpar.nn.mla import layer_rows
-from fusedpar.testing import assert_close, exception_of
+from fusedpar.testing import assert_close
 
 transformers = pytest.importorskip(
     "transformers", reason="the [test] extra installs transformers; absent on purpose here"
@@ -189,21 +189,14 @@ def test_packed_documents_at_tp2(world):
     assert len(set(world(2).run(_run, 3, dict(tp=2), True))) == 1
 
 
-def _refused_at_cp():
-    e = exception_of(hf.parallelize, _model(0), fp.ParallelDims(cp=2))
-    return type(e).__name__, str(e)
+def test_tp2_cp2_experts_over_tp(world):
+    """The KDA layers' halos and span summaries beside the NoPE MLA's ring, zigzag."""
+    assert len(set(world(4).run(_run, 4, dict(tp=2, cp=2)))) == 1
 
 
-def test_context_parallelism_is_refused_on_every_rank(world):
-    """Before any collective: every rank raises the config's refusal (`check_dims`)."""
-    results = world(2).run(_refused_at_cp)
-    assert results[0] == results[1]
+def test_check_dims_takes_cp_and_refuses_heads_off_tp():
     config = _model(0).config
-    with pytest.raises(ValueError) as alone:
-        check_dims(config, 2)
-    assert results[0] == ("ValueError", str(alone.value))
-    assert "KDA layers" in str(alone.value) and "linear_attention layers [0, 2]" in str(alone.value)
-    check_dims(config, 1, tp=4)  # cp = 1: taken
+    check_dims(config, 2, 2, tp=4)  # a sequence split: taken
     with pytest.raises(ValueError, match=r"n_heads \(4\) is not divisible by the TP degree \(8\)"):
         check_dims(config, 1, tp=8)
 

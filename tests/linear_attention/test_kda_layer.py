@@ -3,8 +3,9 @@
 computes in fp32): output, dx and every parameter's gradient on one process and at TP2
 (gloo; sequence parallel with the ring schedule, and classic TP), each rank holding its
 heads of every section and the low-rank gates whole; packed documents equal to each
-document run alone; bad configs and cp > 1 refused; a DCP checkpoint saved at TP2
-loading at TP1 bit for bit; torch.compile(fullgraph=True) equal to eager."""
+document run alone; bad configs refused; at TP2 x CP2 equal to one process; a DCP
+checkpoint saved at TP2 loading at TP1 bit for bit; torch.compile(fullgraph=True) equal
+to eager."""
 
 import copy
 
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 import fusedpar as fp
-from fusedpar.nn.kimi_delta import CP_REFUSAL, SPLIT_DIMS, KimiDeltaAttention, dense_kda
+from fusedpar.nn.kimi_delta import SPLIT_DIMS, KimiDeltaAttention, dense_kda
 from tests.linear_attention.layer_helpers import BATCH, SEQ, check_against_hf, run_layer
 
 modeling = pytest.importorskip(
@@ -189,16 +190,36 @@ def test_keywords_and_spec_build_the_same_layer_and_from_dense_refuses():
         KimiDeltaAttention.from_dense(hf_module(1), fp.Placement(), overlap="ring")
 
 
-def _cp_refused():
-    dims = fp.ParallelDims(cp=2)
-    spec = fp.nn.KimiDeltaSpec(D_MODEL, H, head_dim=K)
-    with pytest.raises(ValueError, match=CP_REFUSAL):
-        KimiDeltaAttention.from_spec(spec, dims.placement(dims.build_mesh("cpu")))
+def _cp(layout, packed):
+    """Ring 2 (and TP 2 on 4 ranks) against one process, float64: the convs' halos and
+    the per-channel gate's span summaries."""
+    dims = fp.ParallelDims(cp=2, tp=torch.distributed.get_world_size() // 2)
+    mesh = dims.build_mesh("cpu")
+    groups = dims.groups(mesh)
+    module = hf_module(9)
+    gen = torch.Generator().manual_seed(10)
+    batch = 1 if packed else 2
+    x, dy = (torch.randn(16, batch, D_MODEL, generator=gen, dtype=torch.float64) for _ in "xy")
+    cu = torch.tensor([0, 3, 4, 13, 16], dtype=torch.int32) if packed else None
+    exact = run_layer(KimiDeltaAttention.from_dense(module, dtype=torch.float64), x, dy, cu)
+    placement = dims.placement(mesh, cp_layout=layout)
+    layer = KimiDeltaAttention.from_dense(module, placement, dtype=torch.float64)
+    fp.distribute(layer, mesh, token_axes=("cp", "tp"))
+
+    def local(t):  # (S, B, d): the CP shard, then TP's
+        t = fp.shard_sequence(t, groups["cp"], dim=0, layout=layout)
+        return t.chunk(fp.comm.group_size(groups["tp"]))[fp.comm.group_rank(groups["tp"])]
+
+    got = run_layer(layer, local(x), local(dy), cu)
+    for name, value in got.items():
+        ref = local(exact[name]) if name in ("y", "dx") else exact[name]
+        torch.testing.assert_close(value, ref, rtol=1e-9, atol=1e-12, msg=name)
     return True
 
 
-def test_context_parallelism_is_refused_until_the_conv_has_its_halo(world):
-    assert all(world(2).run(_cp_refused))
+@pytest.mark.parametrize(("layout", "packed"), [("zigzag", True), ("contiguous", False)])
+def test_tp2_cp2_matches_one_process(world, layout, packed):
+    assert all(world(4).run(_cp, layout, packed))
 
 
 def _distributed(seed):
