@@ -15,9 +15,8 @@ parallelism. On a rank (h = H / TP heads of K channels, r = K the gates' rank):
 f_a, g_a (r, d) and the norm weight (K,) are whole on every rank, each rank's gradient
 its own heads' share (partial over TP, summed by `fusedpar.distribute`); f_b, g_b, q, k,
 v, b, the convs, dt_bias (per channel) and A_log (per head) are split by whole heads,
-o by its columns. Packed documents: ``forward(x, cu_seqlens)``. Context parallelism: the
-convs' halos and the span summaries over every shard (`fusedpar.nn.gated_deltanet_cp`'s
-"summaries": KDA's heads never travel).
+o by its columns. Packed documents: ``forward(x, cu_seqlens)``. Under CP: the halos and
+span summaries over every shard (`fusedpar.nn.gated_deltanet_cp`'s "summaries").
 docs/linear_attention_layer.md.
 """
 

@@ -42,6 +42,7 @@ class Local:
     ep: int = 1
     e: int = 2  # bytes per activation element
     latent_ring: bool = False  # MLA's ring moves the latent (`ParallelMLA`'s cp_ring)
+    span_rank: int = 1  # the cp x ulysses rank whose GDN halo routes count (`linear_traffic`)
 
     @property
     def n(self) -> int:  # the sequence-parallel stream's tokens

@@ -87,3 +87,16 @@ def layer_bytes(sizes, mode: str, ring: int, ulysses: int, tokens: int, *, layou
         return summaries(sizes, ring * ulysses, layout=layout)
     per_rank = LinearSizes(sizes.hk // ulysses, sizes.hv // ulysses, sizes.K, sizes.V, sizes.conv)
     return head_all_to_all(sizes, ulysses, tokens) + summaries(per_rank, ring, layout=layout)
+
+
+def layer_mode(sizes: LinearSizes, ring: int, ulysses: int, tokens: int, layout: str) -> str:
+    """The mode `GatedDeltaNet` runs with ``linear_cp_mode=None`` (its `SequenceSplit`):
+    the summaries without a Ulysses group or where the heads do not divide by it, else
+    the one of fewer wire bytes at `tokens` tokens a rank."""
+    if ulysses == 1 or sizes.hk % ulysses:
+        return "summaries"
+    wire = {m: layer_bytes(sizes, m, ring, ulysses, tokens, layout=layout).wire for m in MODES}
+    return min(wire, key=wire.get)
+
+
+MODES = ("summaries", "ulysses")

@@ -20,6 +20,7 @@ import math
 from collections import Counter
 
 from fusedpar.plan import accounting as acc
+from fusedpar.plan.linear_traffic import linear_context
 from fusedpar.plan.memory import PipelineRank
 
 ACCUMULATE = 4  # fp32 partial sums
@@ -132,9 +133,11 @@ def _block(ledger, spec, layer, z, *, cpu_checks: bool, forward: bool) -> None:
             _p2p(ledger, "tp", z.n * d * (ACCUMULATE if gathered else e), t - 1)  # dX or dY
             if gathered:  # x re-gathered for the weights' gradient: output + input
                 ledger.add("all_gather", ("tp",), (z.m + z.n) * d * e)
-    if c > 1:
+    if spec.is_linear(layer) and c * u > 1:  # GDN: its halos, summaries or head exchanges
+        linear_context(ledger, spec, z, cpu_checks=cpu_checks, forward=forward)
+    elif c > 1:
         _ring(ledger, spec, z, cpu_checks=cpu_checks, forward=forward)
-    if u > 1:
+    if u > 1 and not spec.is_linear(layer):
         q = z.m * spec.n_heads // t * hd * e  # TP's gathered tokens, this rank's heads
         kv = acc.kv_heads_exchanged(spec, t, u)  # (repeated where fewer than u)
         k, v = z.m * kv * hd * e, z.m * kv * hv * e

@@ -32,27 +32,37 @@ SEQ, BATCH = 16, 2
 HK, HV, K, V = 4, 8, 8, 6  # GDN: Hv = 2 Hk, K != V
 
 
-def _hybrid(groups: dict, dtype=torch.float32, kv_heads: int = 2):
+def _hybrid(groups: dict, dtype=torch.float32, kv_heads: int = 2, split_gdn: bool = False):
     """(model, spec): the hybrid model on `groups` and the planner's spec of it. With a
-    Ulysses group (GDN's sequence cannot split yet) block 0 is a gated attention too."""
+    Ulysses group block 0 is a gated attention too, unless `split_gdn` (its GDN layer's
+    saved tensors under CP are not the planner's yet: only its collectives are)."""
     cfg = tiny.config(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=kv_heads, d_hidden=48)
     torch.manual_seed(0)
     model = ParallelTransformer(Transformer(cfg), groups)
-    tp, ulysses = groups["tp"], groups.get("ulysses")
-    for block in model.blocks[1 if ulysses is None else 0 :]:
+    tp, ulysses, cp = groups["tp"], groups.get("ulysses"), groups.get("cp")
+    gdn = ulysses is None or split_gdn
+    for block in model.blocks[1 if gdn else 0 :]:
         block.attn = fp.nn.ParallelAttention(
             cfg.d_model,
             cfg.n_heads,
             cfg.n_kv_heads,
             output_gate=True,
             tp_group=tp,
+            cp_group=cp,
             ulysses_group=ulysses,
         )
     kinds = ("full_attention",) * 2
-    if ulysses is None:
+    if gdn:
         kinds = ("linear_attention", "full_attention")
         model.blocks[0].attn = fp.nn.GatedDeltaNet(
-            cfg.d_model, HK, HV, head_k_dim=K, head_v_dim=V, tp_group=tp
+            cfg.d_model,
+            HK,
+            HV,
+            head_k_dim=K,
+            head_v_dim=V,
+            tp_group=tp,
+            cp_group=cp,
+            ulysses_group=ulysses,
         )
     spec = dataclasses.replace(
         plan.model_spec(cfg),
@@ -108,7 +118,7 @@ def _saved(kw: dict, dtype, kv_heads: int = 2) -> dict:
     return out
 
 
-def _step(kw: dict, kv_heads: int = 2) -> dict:
+def _step(kw: dict, kv_heads: int = 2, split_gdn: bool = False) -> dict:
     """One rank's second training step: held state, collectives, the saved peak; real
     and planned."""
     from fusedpar.plan import traffic
@@ -117,7 +127,8 @@ def _step(kw: dict, kv_heads: int = 2) -> dict:
 
     dims = fp.ParallelDims(**kw)
     mesh = dims.build_mesh("cpu")
-    model, spec, cfg = _hybrid(dims.groups(mesh), kv_heads=kv_heads)
+    groups = dims.groups(mesh)
+    model, spec, cfg = _hybrid(groups, kv_heads=kv_heads, split_gdn=split_gdn)
     model = fp.distribute(model, mesh)
     tokens, labels = _batch(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -128,7 +139,10 @@ def _step(kw: dict, kv_heads: int = 2) -> dict:
             optimizer.step()
             real_state = held_state(model, optimizer)
             optimizer.zero_grad()
-    z = plan.Local(SEQ, BATCH, dims.cp, dims.ulysses, dims.tp, dims.ep_size, 4)
+    span_rank = fp.comm.group_rank(groups["cp"]) * dims.ulysses + fp.comm.group_rank(
+        groups["ulysses"]
+    )
+    z = plan.Local(SEQ, BATCH, dims.cp, dims.ulysses, dims.tp, dims.ep_size, 4, span_rank=span_rank)
     rank = rank_stages(spec, dims, None)[0]
     ledger = traffic.step(spec, dims, z, rank, 1, cpu_checks=True)
     state = state_bytes(spec, dims, rank, param_dtype=torch.float32, optimizer="adamw")
@@ -182,6 +196,23 @@ def test_replicated_kv_heads_with_ulysses(world):
     check_peaks([step for _, step in per_rank], "tp2 x ulysses2", summed=False)
 
 
+def _cp_collectives(kw):
+    step = _step(kw, split_gdn=True)
+    return step["real"], step["planned"]
+
+
+@pytest.mark.parametrize(
+    "kw", [{"tp": 2, "cp": 2}, {"cp": 2, "ulysses": 2}, {"cp": 4}], ids=["tp2-cp2", "cp2-u2", "cp4"]
+)
+def test_gdn_collectives_under_cp(world, kw):
+    """The GDN layer's halos, span summaries and (CP2 x Ulysses 2 at these lengths: by
+    bytes) head exchanges, beside the attention's ring and exchanges, every rank's
+    exactly as `fusedpar.testing.Collectives` counts them (an edge rank's halo sends
+    fewer)."""
+    for real, planned in world(4).run(_cp_collectives, kw):
+        assert real == planned
+
+
 def test_kv_replication_is_counted():
     """TP above the KV heads: each rank holds every KV head's weights whole (partial
     over TP), computes and saves with one; `validate` is not asked about the KV heads
@@ -198,8 +229,7 @@ def test_kv_replication_is_counted():
     odd = dataclasses.replace(spec, n_kv_heads=3, n_heads=24, linear_k_heads=8)
     with pytest.raises(ValueError, match=r"n_kv_heads \(3\) and the TP degree \(8\)"):
         acc.check_heads(odd, fp.ParallelDims(tp=8))
-    with pytest.raises(ValueError, match="context parallelism for GatedDeltaNet"):
-        acc.check_heads(spec, fp.ParallelDims(cp=2))
+    assert acc.check_heads(spec, fp.ParallelDims(cp=2)) == 2  # GDN layers split too
 
 
 # published totals (the model cards'; the vision tower and MTP layer not counted here)
@@ -223,9 +253,8 @@ def test_qwen3_5_35b_plans_and_prints():
         "qwen3.5-35b-a3b", gpus=16, seq_len=4096, global_batch_tokens=16 * 4096 * 4
     )
     assert result.best is not None
-    assert result.best.dims.cp == result.best.dims.ulysses == 1  # GDN: no CP yet
     assert "Qwen3.5-35B-A3B" in markdown(result, title=result.best.model)
-    assert any("context parallelism for GatedDeltaNet" in why for _, why in result.ruled_out)
+    assert not any("GatedDeltaNet" in why for _, why in result.ruled_out)  # CP runs
 
 
 def test_gdn_flops_at_the_chunked_cost():
