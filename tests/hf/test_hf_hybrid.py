@@ -186,12 +186,8 @@ def test_pp2_cp2_with_packed_documents(world):
 
 @pytest.mark.parametrize(
     ("family", "degrees"),
-    [
-        ("qwen3_5_text", dict(tp=2, cp=2)),
-        ("qwen3_next", dict(tp=2, cp=2)),  # experts over tp
-        ("olmo_hybrid", dict(cp=2, ulysses=2)),
-        ("qwen3_5_moe_text", dict(cp=2, ulysses=2)),
-    ],
+    [(family, dict(tp=2, cp=2)) for family in HYBRIDS]
+    + [(family, dict(cp=2, ulysses=2)) for family in HYBRIDS],
 )
 def test_context_parallelism(world, family, degrees):
     """The GDN layers' sequence split with the attention's (zigzag; under Ulysses too,
