@@ -13,12 +13,10 @@ Per chunk of `CHUNK` tokens (G the gates' cumulative sum in the chunk, Γ = exp(
 | output      | ``O = (Q Γ) S + P Δ``                          | batched GEMMs around the loop  |
 
 The chunk loops are the only sequential parts (two GEMMs a chunk each way); the
-backward recomputes the forward's chunk states, keeps nothing between the two, and
-runs every other gradient as batched GEMMs. A per-channel gate (B, T, Hv, K) forms its
-(64, 64, K) decays a block of chunks at a time (`DECAY_ELEMENTS`). Computed in fp32
-(float64 for float64 q). Packed documents (`cu_seqlens`) are cut into chunks of their
-own (the last padded with tokens that change nothing: k = 0, beta = 0, g = 0); reading
-the boundaries is a host sync.
+backward recomputes the chunk states. A per-channel gate (B, T, Hv, K) forms its
+(64, 64, K) decays `DECAY_ELEMENTS` at a time. Computed in fp32 (float64 for float64
+q). Packed documents (`cu_seqlens`) are cut into chunks of their own (the last padded
+with tokens that change nothing: k = 0, beta = 0, g = 0); reading them is a host sync.
 """
 
 from itertools import pairwise
