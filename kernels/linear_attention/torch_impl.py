@@ -238,31 +238,48 @@ def forward(q, k, v, g, beta, *, scale, initial_state=None, cu_seqlens=None):
     return o.to(out_dtype).contiguous(), final.reshape(final.shape[0], Hv, K, V).contiguous()
 
 
+def _sum_before(x):
+    """``sum(x[..., :j, :])`` at j along dim -2 (an exclusive running sum)."""
+    return torch.cat([torch.zeros_like(x[..., :1, :]), x[..., :-1, :]], -2).cumsum(-2)
+
+
+def _decay_grad(Z):
+    """The gates' gradient (.., C, X) through the decays ``exp(sum(g[i+1..t]))`` from
+    dlog(decay) Z (.., C, C, X): ``dg_j = sum_{t >= j} sum_{i < j} Z[t, i]``, a direct
+    sum of the terms that hold g_j (row sums less column sums of a running total would
+    cancel: fp32 lost 10% of its digits on the decay's parameters)."""
+    C = Z.shape[-2]
+    before = _sum_before(Z)  # [t, j] = sum_{i < j} Z[t, i]
+    later = torch.ones(C, C, dtype=torch.bool, device=Z.device).tril()[..., None]  # t >= j
+    return before.masked_fill(~later, 0).sum(-3)
+
+
 def _intra_backward(p, dA, dP):
-    """The gradients of q (scaled), k and G (the gates' cumulative sums) through A and
-    P, each (B, Hk, G, NC, C, K) (G's: (.., 1 or K)). With decay[t, i, c] = exp(G_tc -
-    G_ic), dlog(decay) sums to ``k dk_rows + q dq`` over i and ``k dk_columns`` over t."""
+    """The gradients of q (scaled), k and g through A and P: (B, Hk, G, NC, C, K) and
+    (.., 1 or K). With decay[t, i, c] = exp(G_tc - G_ic), dlog(decay) is
+    ``dA k_t k_i decay + dP q_t k_i decay`` (for a scalar gate, ``dA A + dP P``)."""
     q, k, g = p["q"], p["k"], p["g"]
     if g.shape[-1] == 1:
         decay = _segment_sums(g).exp()[..., 0]
         EA, EP = dA * decay, dP * decay
         dq = EP @ k
         dk = (EA + EA.transpose(-1, -2)) @ k + EP.transpose(-1, -2) @ q
-        Z = dA * p["A"] + dP * p["P"]  # dlog(decay) (.., C, C)
-        return dq, dk, (Z.sum(-1) - Z.sum(-2))[..., None]
+        return dq, dk, _decay_grad((dA * p["A"] + dP * p["P"])[..., None])
     B, Hk, G, NC, C, K = g.shape
-    dq, rows, columns = (q.new_empty((B, Hk, G, NC, C, K)) for _ in range(3))
+    dq, dk, dg = (q.new_empty((B, Hk, G, NC, C, K)) for _ in range(3))
     for part, decay in _decay_blocks(g):  # (.., n, t, i, K)
         qn, kn = q[:, :, :, part], k[:, :, :, part]
         dAn, dPn = dA[:, :, :, part], dP[:, :, :, part]
         kd = decay * kn[..., None, :, :]  # decay[t, i] k_i
-        rows[:, :, :, part] = (dAn[..., :, None, :] @ kd)[..., 0, :]  # sum_i
+        rows = (dAn[..., :, None, :] @ kd)[..., 0, :]  # sum_i
         dq[:, :, :, part] = (dPn[..., :, None, :] @ kd)[..., 0, :]
+        reads = dAn[..., None] * kn[..., :, None, :] + dPn[..., None] * qn[..., :, None, :]
+        dg[:, :, :, part] = _decay_grad(kd * reads)  # Z[t, i] = decay k_i (dA k_t + dP q_t)
         decay = decay.transpose(-3, -2)  # (.., i, t, K)
         seen = dAn.transpose(-1, -2)[..., :, None, :] @ (decay * kn[..., None, :, :])
         seen += dPn.transpose(-1, -2)[..., :, None, :] @ (decay * qn[..., None, :, :])
-        columns[:, :, :, part] = seen[..., 0, :]  # sum_t
-    return dq, rows + columns, k * rows + q * dq - k * columns
+        dk[:, :, :, part] = rows + seen[..., 0, :]  # sum_t
+    return dq, dk, dg
 
 
 @torch.no_grad()
@@ -309,14 +326,16 @@ def backward(do, dfinal, q, k, v, g, beta, *, scale, initial_state=None, cu_seql
     dbeta = (dM * p["A"]).sum(-1, keepdim=True) + (dbv * p["v"]).sum(-1, keepdim=True)
     dbeta += (dbkg * p["kg"]).sum(-1, keepdim=True)
     dkg = beta_c * dbkg
-    dq, dk, dG = _intra_backward(p, beta_c * dM, dP)
+    dq, dk, dg = _intra_backward(p, beta_c * dM, dP)
     dq += dqg * p["gamma"]
     dk += dkg * p["gamma"] + dKd * p["to_last"]
     # G_t through QΓ, KΓ and Kd = K Γ_last / Γ; G_last through Γ_last and Kd
-    to_last = per_gate(dKd * p["Kd"])
-    dG = per_gate(dG) + per_gate(dqg * qg + dkg * p["kg"]) - to_last
-    dG[..., -1:, :] += dlast + to_last.sum(-2, keepdim=True)
-    dg = dG.flip(-2).cumsum(-2).flip(-2)  # G = cumsum(g)
+    # g_j reaches G_t (t >= j: QΓ, KΓ), G_last (Γ_last) and G_last - G_t (t < j: Kd), each
+    # summed directly (a difference of two sums would cancel)
+    dG = per_gate(dqg * qg + dkg * p["kg"])
+    dg += dG.flip(-2).cumsum(-2).flip(-2) + dlast
+    after = per_gate(dKd * p["Kd"])
+    dg += _sum_before(after)
     grads = [
         _unchunk(dq.sum(2, keepdim=True)) * scale,
         _unchunk(dk.sum(2, keepdim=True)),
