@@ -255,14 +255,15 @@ def _decay_grad(Z):
 
 
 def _intra_backward(p, dA, dP):
-    """The gradients of q (scaled), k and g through A and P: (B, Hk, G, NC, C, K) and
-    (.., 1 or K). With decay[t, i, c] = exp(G_tc - G_ic), dlog(decay) is
+    """The gradients of q (scaled), k and g through A and P: (B, Hk, G or 1, NC, C, K)
+    and (B, Hk, G, NC, C, 1 or K). With decay[t, i, c] = exp(G_tc - G_ic), dlog(decay) is
     ``dA k_t k_i decay + dP q_t k_i decay`` (for a scalar gate, ``dA A + dP P``)."""
     q, k, g = p["q"], p["k"], p["g"]
     if g.shape[-1] == 1:
         decay = _segment_sums(g).exp()[..., 0]
-        EA, EP = dA * decay, dP * decay
-        dq = EP @ k
+        # q and k are shared by the k-head's group: its members' (C, C) terms summed first
+        EA, EP = (dA * decay).sum(2, keepdim=True), (dP * decay).sum(2, keepdim=True)
+        dq = EP @ k  # (B, Hk, 1, NC, C, K)
         dk = (EA + EA.transpose(-1, -2)) @ k + EP.transpose(-1, -2) @ q
         return dq, dk, _decay_grad((dA * p["A"] + dP * p["P"])[..., None])
     B, Hk, G, NC, C, K = g.shape
@@ -327,9 +328,8 @@ def backward(do, dfinal, q, k, v, g, beta, *, scale, initial_state=None, cu_seql
     dbeta += (dbkg * p["kg"]).sum(-1, keepdim=True)
     dkg = beta_c * dbkg
     dq, dk, dg = _intra_backward(p, beta_c * dM, dP)
-    dq += dqg * p["gamma"]
-    dk += dkg * p["gamma"] + dKd * p["to_last"]
-    # G_t through QΓ, KΓ and Kd = K Γ_last / Γ; G_last through Γ_last and Kd
+    dq = dq.sum(2, keepdim=True) + (dqg * p["gamma"]).sum(2, keepdim=True)  # (.., 1, NC, C, K)
+    dk = dk.sum(2, keepdim=True) + (dkg * p["gamma"] + dKd * p["to_last"]).sum(2, keepdim=True)
     # g_j reaches G_t (t >= j: QΓ, KΓ), G_last (Γ_last) and G_last - G_t (t < j: Kd), each
     # summed directly (a difference of two sums would cancel)
     dG = per_gate(dqg * qg + dkg * p["kg"])
@@ -337,8 +337,8 @@ def backward(do, dfinal, q, k, v, g, beta, *, scale, initial_state=None, cu_seql
     after = per_gate(dKd * p["Kd"])
     dg += _sum_before(after)
     grads = [
-        _unchunk(dq.sum(2, keepdim=True)) * scale,
-        _unchunk(dk.sum(2, keepdim=True)),
+        _unchunk(dq) * scale,
+        _unchunk(dk),
         _unchunk(beta_c * dbv),
         _unchunk(dg),
         _unchunk(dbeta)[..., 0],
