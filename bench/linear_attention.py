@@ -16,8 +16,8 @@ GPU; 2k at a quarter of the heads on a CPU.
 | `fla`            | flash-linear-attention's `chunk_gated_delta_rule` (GPU, the op)  |
 
 Milliseconds of the forward and the backward (forward + backward less forward; no final
-state), fusedpar's speedups over `hf` and `fla` (H100 target: >= 1.0x fla both ways). A
-peer that fails a point is null, its reason in the row's ``notes``.
+state; a CPU times the peers in turn, `CPU_ROUNDS` rounds), fusedpar's speedups over `hf`
+and `fla` (H100: >= 1.0x fla both ways). A failed peer is null, its reason in ``notes``.
 """
 
 import os
@@ -36,6 +36,8 @@ LAYER_WIDTH = {"cuda": (2048, 16, 32), "cpu": (512, 4, 8)}  # CPU: a quarter of 
 LAYER_GPU_TOKENS = (4096, 16384)
 LAYER_CPU_TOKENS = (2048,)
 PEERS = ("fusedpar", "fusedpar-torch", "hf", "fla")
+# CPU timing: rounds of every peer in turn after a warm-up, the fastest of each kept
+CPU_ROUNDS = 5
 
 
 def _hf():
@@ -80,20 +82,9 @@ def make_inputs(T: int, device: str, dtype: torch.dtype) -> list[torch.Tensor]:
     return [t.requires_grad_() for t in (q, k, v, g, beta)]
 
 
-def _cpu_ms(fn, reps: int = 3) -> float:
-    """The fastest of `reps` runs after a warm-up: on a shared CPU the others' load only
-    ever adds time."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return min(times)
-
-
-def measure(fn, leaves, do) -> tuple[float, float]:
-    """(forward ms, backward ms) of ``fn() -> out`` whose backward of `do` fills `leaves`."""
+def _steps(fn, leaves, do):
+    """``(forward, forward + backward)`` of ``fn() -> out`` whose backward of `do` fills
+    `leaves`, as two callables."""
 
     def forward():
         with torch.no_grad():
@@ -104,19 +95,55 @@ def measure(fn, leaves, do) -> tuple[float, float]:
             t.grad = None
         fn().backward(do)
 
-    timer = time_ms if do.is_cuda else _cpu_ms
-    fwd = timer(forward)
-    return fwd, timer(both) - fwd
+    return forward, both
 
 
-def _timed(row: dict, notes: list, name: str, run) -> None:
-    """``row``'s two timings of peer `name` by ``run() -> (fwd, bwd)``, or nulls and a note."""
-    try:
-        row[f"{name}_fwd_ms"], row[f"{name}_bwd_ms"] = run()
-    except Exception as error:  # recorded per peer: the other peers still run
-        row[f"{name}_fwd_ms"] = row[f"{name}_bwd_ms"] = None
-        notes.append(f"{name}: {type(error).__name__}: {str(error).splitlines()[0][:100]}")
-    if torch.cuda.is_available():
+def _note(notes: list, name: str, error: Exception) -> None:
+    notes.append(f"{name}: {type(error).__name__}: {str(error).splitlines()[0][:100]}")
+
+
+def _cpu_interleaved(row: dict, notes: list, peers: dict) -> None:
+    """On a CPU: every peer's forward and forward + backward, one peer after the other
+    in `CPU_ROUNDS` rounds after a warm-up, the fastest round of each (a shared CPU's
+    load only ever adds time, and it comes and goes: interleaving gives every peer the
+    same chances at a quiet moment). The backward: the two fastest's difference."""
+    steps, best = {}, {}
+    for name, (fn, leaves, do) in peers.items():
+        try:  # a peer that fails is null, with its reason; the others still run
+            steps[name] = _steps(fn, leaves, do)
+            for step in steps[name]:
+                step()
+        except Exception as error:
+            steps.pop(name, None)
+            row[f"{name}_fwd_ms"] = row[f"{name}_bwd_ms"] = None
+            _note(notes, name, error)
+    for _ in range(CPU_ROUNDS):
+        for name, pair in steps.items():
+            for i, step in enumerate(pair):
+                start = time.perf_counter()
+                step()
+                ms = (time.perf_counter() - start) * 1e3
+                best[name, i] = min(best.get((name, i), ms), ms)
+    for name in steps:
+        row[f"{name}_fwd_ms"] = best[name, 0]
+        row[f"{name}_bwd_ms"] = best[name, 1] - best[name, 0]
+
+
+def _timed(row: dict, notes: list, peers: dict) -> None:
+    """``row``'s two timings of each of `peers` (name -> (``fn() -> out``, the leaves,
+    out's gradient)), or nulls and a note: interleaved on a CPU, one after the other on
+    a GPU (``do_bench``)."""
+    if not torch.cuda.is_available():
+        _cpu_interleaved(row, notes, peers)
+        return
+    for name, (fn, leaves, do) in peers.items():
+        forward, both = _steps(fn, leaves, do)
+        try:  # recorded per peer: the other peers still run
+            fwd = time_ms(forward)
+            row[f"{name}_fwd_ms"], row[f"{name}_bwd_ms"] = fwd, time_ms(both) - fwd
+        except Exception as error:
+            row[f"{name}_fwd_ms"] = row[f"{name}_bwd_ms"] = None
+            _note(notes, name, error)
         torch.cuda.empty_cache()
 
 
@@ -134,9 +161,16 @@ def point(T: int, device: str, dtype, peers) -> dict:
     row, notes = {"what": "op", "T": T}, []
     inputs = make_inputs(T, device, dtype)
     do = torch.randn(1, T, HV, HEAD_DIM, device=device, dtype=dtype)
+    runs = {}
     for name in peers:
-        fn = peer_function(name)
-        _timed(row, notes, name, lambda fn=fn: measure(lambda: fn(*inputs), inputs, do))
+        try:
+            fn = peer_function(name)
+        except Exception as error:  # not installed here: null, with its reason
+            row[f"{name}_fwd_ms"] = row[f"{name}_bwd_ms"] = None
+            _note(notes, name, error)
+            continue
+        runs[name] = (lambda fn=fn: fn(*inputs), inputs, do)
+    _timed(row, notes, runs)
     return _finish(row, notes)
 
 
@@ -185,9 +219,11 @@ def layer_point(T: int, device: str, dtype) -> dict:
     d_model = LAYER_WIDTH[device][0]
     x = torch.randn(1, T, d_model, generator=gen, device=device, dtype=dtype)
     do = torch.randn(1, T, d_model, generator=gen, device=device, dtype=dtype)
+    runs = {}
     for name, (fn, leaf) in layer_peers(module, x.requires_grad_()).items():
         grad = do if leaf is x else do.transpose(0, 1).contiguous()  # (S, B, d) for ours
-        _timed(row, notes, name, lambda fn=fn, leaf=leaf, g=grad: measure(fn, [leaf], g))
+        runs[name] = (fn, [leaf], grad)
+    _timed(row, notes, runs)
     return _finish(row, notes)
 
 
@@ -201,7 +237,8 @@ def main() -> None:
         **environment(),
         "shape": f"B=1, Hk={HK}, Hv={HV}, K=V={HEAD_DIM}",
         "dtype": f"{str(dtype).removeprefix('torch.')} (g fp32)",
-        "timing": "do_bench median (GPU); fastest of 3 after a warm-up (CPU)",
+        "timing": f"do_bench median (GPU); CPU: the peers interleaved, fastest of {CPU_ROUNDS} "
+        "rounds after a warm-up",
     }
     columns = ["what", "T"]
     columns += [f"{p}_{side}_ms" for p in peers for side in ("fwd", "bwd")]

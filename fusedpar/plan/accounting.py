@@ -304,9 +304,10 @@ def gdn_saved(spec: ModelSpec, z: Local, policy: str = "none") -> int:
 
     | tensor                                              | bytes                     |
     | --------------------------------------------------- | ------------------------- |
-    | the q|k|v weights, concatenated (the gather's GEMM) | C d e (per microbatch)    |
-    | the conv's input (the q|k|v projection) and weight  | m C e + C W e             |
-    | the conv's output (v a view of it: the recurrence's)| m C e                     |
+    | the conv's input (the q, k, v projections; each its | m C e                     |
+    | own GEMM and conv, on the parameters: no copy)      |                           |
+    | the conv's outputs: v (the recurrence's), q and k   | m hv V e (+ 2 m hk K e    |
+    | (the l2-norm's, where it reads them without a copy) | in fp32)                  |
     | beta = sigmoid(b) (2 sigmoid(b): and the sigmoid's) | m hv e (2 m hv e)         |
     | the decay g's chain in fp32: exp(A_log), -exp,      | 2 hv 4 + 3 m hv 4         |
     | softplus' input and output; g (the recurrence's)    |                           |
@@ -323,7 +324,8 @@ def gdn_saved(spec: ModelSpec, z: Local, policy: str = "none") -> int:
         return 0
     if policy == "selective":
         return m * (C + hv * V + 2 * hv) * e + z.n * d * e
-    saved = norm_saved(spec, z) + C * d * e + 2 * m * C * e + C * spec.linear_conv * e
+    saved = norm_saved(spec, z) + m * C * e  # the conv's input
+    saved += m * (hv * V + (2 * hk * K if e == 4 else 0)) * e  # the conv's outputs
     saved += m * hv * e * (2 if spec.linear_neg_eigval else 1)  # beta
     saved += 2 * hv * 4 + 3 * m * hv * 4  # g
     saved += 2 * m * hk * (K * e + 4 + (K * 4 if e != 4 else 0))  # q, k

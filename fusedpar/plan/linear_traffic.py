@@ -39,8 +39,9 @@ def linear_context(ledger, spec, z, *, cpu_checks: bool, forward: bool, layout="
     if c * u == 1:
         return
     spans = Spans(rank, c, layout, L, u)
-    row = B * (2 * hk * K + hv * V) * e  # a token of the conv's q, k, v channels
-    _halo(ledger, halo_plan(spans, spec.linear_conv - 1), axes, row, cpu_checks, forward)
+    routes = halo_plan(spans, spec.linear_conv - 1)
+    for channels in (hk * K, hk * K, hv * V):  # q's, k's and v's conv: each its own call
+        _halo(ledger, routes, axes, B * channels * e, cpu_checks, forward)
     per_span = len(spans.mine) * B * hv * K * ((V + K) if forward else V) * state
     if u > 1:  # over Ulysses, then the ring: rank r U + u's order
         ledger.add("all_gather", ("ulysses",), (u + 1) * per_span)

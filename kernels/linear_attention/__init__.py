@@ -8,6 +8,7 @@ one subpackage (``fusedpar.kernels.linear_attention``; docs/linear_attention.md)
 | `chunk`      | the chunked Triton forward (WY form per chunk, the state over chunks)   |
 | `chunk_backward` | the Triton backward (chunk states recomputed, dS in reverse)        |
 | `conv1d`     | the short causal convolution before the recurrence (`causal_conv1d`)    |
+| `conv1d_torch` | the convolution's torch implementation and its reference            |
 | `torch_impl` | torch's chunked implementation (WY/UT form), the CPU default            |
 | `reference`  | the token loop (`gated_delta_rule_reference`): the float64 oracle       |
 """

@@ -17,7 +17,7 @@ without). Gradients reach x, weight, bias and initial_states, from y and final_s
 | `_conv1d_edge_kernel` | documents x channels      | final_states, or initial_states' grad  |
 
 The backward recomputes the pre-activations (W^2 tap loads a tile, cached); a token
-finds its document by a binary search of cu_seqlens in the kernel (no host sync).
+finds its document by a binary search of cu_seqlens. torch's implementation: `conv1d_torch`.
 """
 
 import torch
@@ -26,6 +26,13 @@ import triton.language as tl
 from fusedpar.kernels import common, impl, tuning
 from fusedpar.kernels.attention.mask import check_cu_seqlens
 from fusedpar.kernels.common import check_float_dtype, check_launchable, is_interpreted, sm_count
+from fusedpar.kernels.linear_attention.conv1d_torch import (
+    causal_conv1d_backward_torch,
+    causal_conv1d_torch,
+)
+from fusedpar.kernels.linear_attention.conv1d_torch import (  # the tests' oracle, beside
+    causal_conv1d_reference as causal_conv1d_reference,  # the kernels (re-exported)
+)
 from fusedpar.kernels.tuning import bucket
 
 # The widest kernel: the taps unroll (W^2 + W loads a tile in the backward); the models
@@ -454,182 +461,3 @@ def _backward_kernels(dy, dfinal, x, weight, bias, activation, cu_seqlens, initi
     dweight = dw.sum(0).T.contiguous().to(weight.dtype)
     dbias = db.sum(0).to(bias.dtype) if bias is not None else None
     return dx, dweight, dbias, dinit
-
-
-# --- torch implementation and reference ------------------------------------------------
-
-
-def _gather(x, initial_states, W: int, row, p, start, doc):
-    """(*p.shape, C) in fp32 (float64 for float64 x): the input at position p of
-    sequence `row`, from initial_states[doc] before `start` (zeros without them)."""
-    wide = common.accumulator(x.dtype)
-    inside = (p >= start)[..., None]
-    T = x.shape[1]
-    read = x[row, p.clamp(0, T - 1)] if T else x.new_zeros((*p.shape, x.shape[2]))
-    values = torch.where(inside, read.to(wide), 0.0)
-    if initial_states is not None and W > 1:
-        i = (p - start + W - 1).clamp(0, W - 2)
-        values = values + torch.where(inside, 0.0, initial_states.transpose(1, 2)[doc, i].to(wide))
-    return values
-
-
-def _positions(x, cu_seqlens):
-    """Per flattened token (B * T,): its row, position, document, document start and
-    end; per sequence or document (N,): its row, start and end (device tensors)."""
-    B, T, _ = x.shape
-    g = torch.arange(B * T, device=x.device)
-    if cu_seqlens is None:
-        row, rows = g // T, torch.arange(B, device=x.device)
-        zeros, ends = torch.zeros_like(g), torch.full_like(g, T)
-        return (row, g % T, row, zeros, ends), (rows, rows * 0, rows * 0 + T)
-    cu = cu_seqlens.long()
-    doc = torch.searchsorted(cu, g, right=True) - 1  # a zero-length document: skipped
-    n_zeros = torch.zeros_like(cu[:-1])
-    return (torch.zeros_like(g), g, doc, cu[doc], cu[doc + 1]), (n_zeros, cu[:-1], cu[1:])
-
-
-def _windows(x, initial_states, W, tokens):
-    """(B * T, W, C): each token's tap inputs (`_gather`)."""
-    row, t, doc, start, _ = tokens
-    p = t[:, None] - (W - 1) + torch.arange(W, device=x.device)
-    return _gather(x, initial_states, W, row[:, None], p, start[:, None], doc[:, None])
-
-
-def _taps(x, weight, initial_states, cu_seqlens, tokens):
-    """(B * T, C) fp32 (float64 for float64 x): sum over taps s of x[t - s] w[W - 1 - s],
-    one shifted slice a tap (gathering every tap's input, (B T, W, C), had the GDN layer's
-    CPU forward at T = 2k take 330 ms instead of 155). Before a sequence the stream holds
-    its initial states (or zeros); before a packed document's start a tap reads the
-    document's own (or zero)."""
-    B, T, C = x.shape
-    W, wide = weight.shape[1], common.accumulator(x.dtype)
-    taps = weight.to(wide)
-    if initial_states is not None and cu_seqlens is None:
-        before = initial_states.transpose(1, 2).to(wide)  # (B, W - 1, C)
-    else:
-        before = x.new_zeros((B, W - 1, C), dtype=wide)
-    stream = torch.cat([before, x.to(wide)], 1)  # (B, W - 1 + T, C)
-    pre = stream[:, W - 1 :] * taps[:, W - 1]
-    _, t, doc, start, _ = (v.view(B, T) for v in tokens)
-    for shift in range(1, W):
-        shifted = stream[:, W - 1 - shift : W - 1 - shift + T]  # x at t - shift
-        if cu_seqlens is not None:  # a tap before the document's start
-            outside = (t - shift < start)[..., None]
-            if initial_states is not None:
-                i = (t - shift - start + W - 1).clamp(0, W - 2)
-                own = initial_states.transpose(1, 2)[doc, i].to(wide)
-            else:
-                own = 0.0
-            shifted = torch.where(outside, own, shifted)
-        pre = pre + shifted * taps[:, W - 1 - shift]
-    return pre.view(B * T, C)
-
-
-def _forward_torch(x, weight, bias, activation, cu_seqlens, initial_states, final_states=True):
-    """(pre-activation (B * T, C), y (B * T, C), final_states (N, C, W - 1) or None) in
-    fp32 (float64 for float64 x): the taps as shifted slices (`_taps`), the final states
-    gathered."""
-    W = weight.shape[1]
-    tokens, (n_row, n_start, n_end) = _positions(x, cu_seqlens)
-    pre = _taps(x, weight, initial_states, cu_seqlens, tokens)
-    if bias is not None:
-        pre = pre + bias.to(pre.dtype)
-    y = torch.nn.functional.silu(pre) if activation == "silu" else pre
-    if not final_states:
-        return pre, y, None
-    docs = torch.arange(n_row.shape[0], device=x.device)[:, None]
-    v = n_end[:, None] - (W - 1) + torch.arange(W - 1, device=x.device)  # the last W - 1
-    final = _gather(x, initial_states, W, n_row[:, None], v, n_start[:, None], docs)
-    return pre, y, final.transpose(1, 2)
-
-
-def causal_conv1d_torch(x, weight, bias, activation, cu_seqlens, initial_states, y, final):
-    """`causal_conv1d`'s contract in PyTorch, into y (and final, if not None)."""
-    _, y_wide, final_wide = _forward_torch(x, weight, bias, activation, cu_seqlens,
-                                           initial_states, final is not None)  # fmt: skip
-    y.copy_(y_wide.view(x.shape))
-    if final is not None:
-        final.copy_(final_wide)
-
-
-def causal_conv1d_backward_torch(dy, dfinal, x, weight, bias, activation, cu_seqlens,
-                                 initial_states, accumulate=False):  # fmt: skip
-    """`causal_conv1d_backward`'s contract in PyTorch, gathers only (no scatter, no
-    atomics): ``(dx, dweight, dbias, dinitial_states)`` (None for an absent input), in
-    fp32 (float64 for float64 x) rounded once to each input's dtype; with
-    `accumulate`, dweight and dbias stay in fp32."""
-    B, T, C = x.shape
-    W, M = weight.shape[1], B * T
-    tokens, (n_row, n_start, n_end) = _positions(x, cu_seqlens)
-    row, t, doc, start, end = tokens
-    window = _windows(x, initial_states, W, tokens)  # (M, W, C)
-    w = weight.T.to(window.dtype)  # (W, C)
-    pre = (window * w).sum(1) + (0 if bias is None else bias.to(w.dtype))
-    dpre = dy.reshape(M, C).to(w.dtype)
-    if activation == "silu":
-        s = torch.sigmoid(pre)
-        dpre = dpre * s * (1 + pre * (1 - s))
-    dweight, dbias = (window * dpre[:, None]).sum(0).T.contiguous(), dpre.sum(0)
-    # dx[g] = sum_k w[W-1-k] dpre[g + k] within g's document; row M of padded is zero
-    padded = torch.cat([dpre, dpre.new_zeros(1, C)])
-    k = torch.arange(W, device=x.device)
-    later = torch.where(
-        t[:, None] + k < end[:, None], torch.arange(M, device=x.device)[:, None] + k, M
-    )
-    dx = (padded[later] * w.flip(0)).sum(1)
-    finals = None if dfinal is None or W == 1 else dfinal.transpose(1, 2)  # (N, W - 1, C)
-    if finals is not None:  # final_states[doc, :, f] is x at end - (W - 1) + f
-        f = t - (end - (W - 1))
-        dx = dx + torch.where((f >= 0)[:, None], finals[doc, f.clamp(min=0)], 0.0)
-    dinit = None
-    if initial_states is not None:
-        dinit = torch.zeros(initial_states.shape, dtype=w.dtype, device=x.device)
-    if initial_states is not None and W > 1:  # entry i read by the output start + i - j
-        i, j = torch.arange(W - 1, device=x.device)[:, None], k[None, :]
-        u = n_start[:, None, None] + i - j  # (N, W - 1, W)
-        inside = (j <= i) & (u < n_end[:, None, None])
-        reads = padded[torch.where(inside, n_row[:, None, None] * T + u, M)]
-        per_entry = (reads * w).sum(2)  # (N, W - 1, C)
-        if finals is not None:  # where the document is shorter than W - 1
-            fi = i.T - (n_end - n_start)[:, None]  # (N, W - 1)
-            docs = torch.arange(fi.shape[0], device=x.device)[:, None]
-            per_entry = per_entry + torch.where(
-                (fi >= 0)[..., None], finals[docs, fi.clamp(min=0)], 0.0
-            )
-        dinit = per_entry.transpose(1, 2).contiguous()
-    grads = [dx.view(x.shape), dweight, dbias, dinit]
-    result = []
-    for g, t_in, keep in zip(
-        grads,
-        (x, weight, bias, initial_states),
-        (False, accumulate, accumulate, False),
-        strict=True,
-    ):
-        result.append(None if t_in is None else g if keep else g.to(t_in.dtype))
-    return tuple(result)
-
-
-def causal_conv1d_reference(x, weight, bias=None, activation="silu", cu_seqlens=None,
-                            initial_states=None, output_final_states=False):  # fmt: skip
-    """``(y, final_states)`` by a loop over the sequences (or documents) and taps, in the
-    inputs' promoted dtype (float64 in: the oracle), differentiable by autograd."""
-    dtype = torch.promote_types(x.dtype, weight.dtype)
-    B, T, C = x.shape
-    W = weight.shape[1]
-    if cu_seqlens is None:
-        spans = [(b, 0, T) for b in range(B)]
-    else:
-        bounds = cu_seqlens.tolist()
-        spans = [(0, s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
-    ys, finals = [], []
-    for n, (b, s, e) in enumerate(spans):
-        before = (x.new_zeros((W - 1, C), dtype=dtype) if initial_states is None
-                  else initial_states[n].T.to(dtype))  # fmt: skip
-        xd = torch.cat([before, x[b, s:e].to(dtype)])  # (W - 1 + L, C)
-        y = sum(weight[:, j].to(dtype) * xd[j : j + e - s] for j in range(W))
-        if bias is not None:
-            y = y + bias.to(dtype)
-        ys.append(torch.nn.functional.silu(y) if activation == "silu" else y)
-        finals.append(xd[xd.shape[0] - (W - 1) :].T)
-    y = torch.stack(ys) if cu_seqlens is None else torch.cat(ys)[None]
-    return y, (torch.stack(finals) if output_final_states else None)
