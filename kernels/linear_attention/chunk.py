@@ -40,9 +40,9 @@ def state_configs(K: int, V: int) -> list[triton.Config]:
 
 
 def prepare_configs(K: int, V: int) -> list[triton.Config]:
-    """The per-chunk kernel's settings: the 64x64 solve and Gram matrices in one CTA; its
-    full-fp32 solve holds FMA-dot operands in registers (bf16, K = 128: 632 B spilled
-    with 8 warps, 2,216 B with 4)."""
+    """The per-chunk kernel's settings: the 64x64 solve and Gram matrices in one CTA (bf16
+    on sm_90: 203 registers at K = 128, 240 at 256, no spill; with the solve's merge in
+    64x64 fp32 FMA dots it spilled 632 B, 2,216 B with 4 warps)."""
     return [triton.Config({}, num_warps=8, num_stages=1)]
 
 
@@ -155,12 +155,36 @@ def mm(a, b, DT, DOT: tl.constexpr):
 
 
 @triton.jit
-def unit_lower_inverse(A, BT: tl.constexpr, BLOCK: tl.constexpr):
-    """(I + A)^-1 for strictly lower A (BT, BT), blockwise: forward substitution inside the
-    diagonal BLOCK x BLOCK blocks (all blocks at once, BLOCK - 1 steps), then, with T_d that
-    block-diagonal inverse and X = T_d A_off (nilpotent: X^(BT/BLOCK) = 0),
-    (I + A)^-1 = (I + X)^-1 T_d = (I - X + X^2 - X^3) T_d for BT / BLOCK = 4. In full fp32:
-    the solve's error grows with A's entries (beta any sign)."""
+def load_block(tri, i, j, stride, n_rows, BLOCK: tl.constexpr):
+    """Block (i, j) of a (BT, BT) fp32 matrix stored row by row (`stride` apart) at `tri`,
+    0 in rows from `n_rows` on."""
+    r = tl.arange(0, BLOCK)
+    at = r + i * BLOCK  # the tensor first: the interpreter keeps constexpr + tensor constexpr
+    return tl.load(tri + at[:, None] * stride + j * BLOCK + r[None, :], mask=(at < n_rows)[:, None])
+
+
+@triton.jit
+def store_block(tri, x, i, j, stride, n_rows, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    at = r + i * BLOCK
+    tl.store(tri + at[:, None] * stride + j * BLOCK + r[None, :], x, mask=(at < n_rows)[:, None])
+
+
+@triton.jit
+def bdot(a, b):
+    """A BLOCK x BLOCK product in full fp32 (FMA: small operands, few registers)."""
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def unit_lower_inverse(A, tri, stride, n_rows, BT: tl.constexpr, BLOCK: tl.constexpr):
+    """T = (I + A)^-1 for strictly lower A (BT, BT), written to `tri` (rows `stride` apart,
+    `n_rows` of them) and returned. Forward substitution inside the diagonal BLOCK x BLOCK
+    blocks (all at once, BLOCK - 1 element-wise steps) gives T_ii; the blocks below follow
+    block row by block row, T_ij = -T_ii sum_{j <= k < i} A_ik T_kj, in BLOCK-sized fp32
+    dots read back from `tri` (a 64x64 fp32 FMA dot holds its operands in registers and
+    spills). In full fp32: the solve's error grows with A's entries (beta any sign)."""
+    tl.static_assert(BT == 4 * BLOCK)
     rows = tl.arange(0, BT)
     eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
     same = (rows[:, None] // BLOCK) == (rows[None, :] // BLOCK)
@@ -168,13 +192,40 @@ def unit_lower_inverse(A, BT: tl.constexpr, BLOCK: tl.constexpr):
     Td = eye
     for r in range(1, BLOCK):
         at = (rows % BLOCK) == r  # row r of every block: its earlier rows are final
-        row = -tl.dot(tl.where(at[:, None], diag, 0.0), Td, input_precision="ieee")
-        Td = tl.where(at[:, None], row + eye, Td)
-    X = tl.dot(Td, tl.where(same, 0.0, A), input_precision="ieee")
-    Y = eye - X
-    for _ in range(2, BT // BLOCK):  # Horner: I - X (I - X (I - X))
-        Y = eye - tl.dot(X, Y, input_precision="ieee")
-    return tl.dot(Y, Td, input_precision="ieee")
+        # the blocks' rows r side by side: their columns are disjoint (one block each)
+        a_r = tl.sum(tl.where(at[:, None], diag, 0.0), axis=0)  # (BT,)
+        row = -tl.sum(a_r[:, None] * Td, axis=0)  # column j: block j // BLOCK's row r
+        Td = tl.where(at[:, None] & same, row[None, :] + eye, Td)
+    row_mask = rows < n_rows
+    # T_ii on the diagonal, A_ij below it (disjoint): one store, then blocks read back
+    below = tl.where(same, 0.0, A)
+    tl.store(tri + rows[:, None] * stride + rows[None, :], Td + below, mask=row_mask[:, None])
+    tl.debug_barrier()  # the CTA's stores are visible to its loads
+    T00 = load_block(tri, 0, 0, stride, n_rows, BLOCK)
+    T11 = load_block(tri, 1, 1, stride, n_rows, BLOCK)
+    T22 = load_block(tri, 2, 2, stride, n_rows, BLOCK)
+    T33 = load_block(tri, 3, 3, stride, n_rows, BLOCK)
+    A10 = load_block(tri, 1, 0, stride, n_rows, BLOCK)
+    A20 = load_block(tri, 2, 0, stride, n_rows, BLOCK)
+    A21 = load_block(tri, 2, 1, stride, n_rows, BLOCK)
+    A30 = load_block(tri, 3, 0, stride, n_rows, BLOCK)
+    A31 = load_block(tri, 3, 1, stride, n_rows, BLOCK)
+    A32 = load_block(tri, 3, 2, stride, n_rows, BLOCK)
+    T10 = -bdot(T11, bdot(A10, T00))
+    T21 = -bdot(T22, bdot(A21, T11))
+    T32 = -bdot(T33, bdot(A32, T22))
+    T20 = -bdot(T22, bdot(A20, T00) + bdot(A21, T10))
+    T31 = -bdot(T33, bdot(A31, T11) + bdot(A32, T21))
+    T30 = -bdot(T33, bdot(A30, T00) + bdot(A31, T10) + bdot(A32, T20))
+    tl.debug_barrier()  # every A_ij is read before its T_ij overwrites it
+    store_block(tri, T10, 1, 0, stride, n_rows, BLOCK)
+    store_block(tri, T20, 2, 0, stride, n_rows, BLOCK)
+    store_block(tri, T21, 2, 1, stride, n_rows, BLOCK)
+    store_block(tri, T30, 3, 0, stride, n_rows, BLOCK)
+    store_block(tri, T31, 3, 1, stride, n_rows, BLOCK)
+    store_block(tri, T32, 3, 2, stride, n_rows, BLOCK)
+    tl.debug_barrier()
+    return tl.load(tri + rows[:, None] * stride + rows[None, :], mask=row_mask[:, None], other=0)
 
 
 # --- kernels -------------------------------------------------------------------------------
@@ -208,24 +259,28 @@ def gdn_prepare_kernel(
         G, _ = load_decay(gp, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL)
         bet = tl.load(beta + b * sbb + (start + rows) * sbt + h * sbh, mask=row_mask, other=0)
         bet = bet.to(tl.float32)
-        kt = load_tile(kp, rows, row_mask, skt, kcols, K, skk).to(tl.float32)
-        qt = load_tile(qp, rows, row_mask, sqt, kcols, K, sqk).to(tl.float32)
+        # q and k stay in their dtype (the dots' operands); M is stored before the solve so
+        # that only A, T and k hold registers through it
+        kt = load_tile(kp, rows, row_mask, skt, kcols, K, skk)
+        qt = load_tile(qp, rows, row_mask, sqt, kcols, K, sqk)
         kk, qk = (skt, skk, skt, skk, sgt, sgk), (sqt, sqk, skt, skk, sgt, sgk)
-        A = decay_gram(
-            kt, kt, G, kp, kp, gp, rows, row_mask, kk, K, False, PER_CHANNEL, DT, DOT, BT
-        )
-        Ti = unit_lower_inverse(bet[:, None] * A, BT, SOLVE_BLOCK)
+        # scratch rows: token (b, start + i), head h
+        base = (b * T + start + rows) * Hv + h  # (BT,)
         Mt = decay_gram(
             qt, kt, G, qp, kp, gp, rows, row_mask, qk, K, True, PER_CHANNEL, DT, DOT, BT
         )
-        Mt *= scale
-        # scratch rows: token (b, start + i), head h
-        base = (b * T + start + rows) * Hv + h  # (BT,)
-        wt = mm(Ti, bet[:, None] * kt * tl.exp(per_row(G, PER_CHANNEL)), DT, DOT)
+        tl.store(M + base[:, None] * BT + rows[None, :], Mt * scale, mask=row_mask[:, None])
+        A = decay_gram(
+            kt, kt, G, kp, kp, gp, rows, row_mask, kk, K, False, PER_CHANNEL, DT, DOT, BT
+        )
+        tri = Tinv + ((b * T + start) * Hv + h) * BT  # the chunk's (BT, BT) rows
+        Ti = unit_lower_inverse(bet[:, None] * A, tri, Hv * BT, eos - start, BT, SOLVE_BLOCK)
+        if PER_CHANNEL:  # read again: a (BT, BK) fp32 G held through the solve spills
+            G, _ = load_decay(gp, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL)
+        bk = bet[:, None] * kt.to(tl.float32) * tl.exp(per_row(G, PER_CHANNEL))
+        wt = mm(Ti, bk, DT, DOT)
         kmask = row_mask[:, None] & (kcols[None, :] < K)
         tl.store(w + base[:, None] * K + kcols[None, :], wt, mask=kmask)
-        tl.store(Tinv + base[:, None] * BT + rows[None, :], Ti, mask=row_mask[:, None])
-        tl.store(M + base[:, None] * BT + rows[None, :], Mt, mask=row_mask[:, None])
         vp = v + b * svb + start * svt + h * svh
         for v0 in range(0, V, BV):
             vt = load_tile(vp + v0 * svv, rows, row_mask, svt, vcols, V - v0, svv)
