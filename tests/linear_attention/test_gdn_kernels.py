@@ -9,6 +9,7 @@ and strided inputs; gates mix near-0 and very negative (-20) decays, beta has bo
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 from fusedpar.kernels.linear_attention import chunk as gdn_chunk
 from fusedpar.kernels.linear_attention import chunk_backward as gdn_chunk_backward
 from fusedpar.kernels.linear_attention.chunk import CHUNK, chunk_gated_delta_forward
@@ -213,3 +214,15 @@ def test_guarded_transposes_fp32(monkeypatch):
     by ``tl.dot(tl.trans(acc), x)``, which those versions miscompile on Hopper)."""
     monkeypatch.setattr(gdn_chunk_backward, "TRANSPOSE_VIA_MEMORY", True)
     check(make_inputs(1, 65, 1, 2, 16, 16, seed=23), torch.float32)
+
+
+@pytest.mark.parametrize(("T", "per_channel"), [(70, False), (30, True)], ids=["scalar", "kda"])
+def test_key_blocks_fp32(monkeypatch, T, per_channel):
+    """K = 40 in blocks of 16 (two full, one partial) in both gradient kernels: the
+    state-side kernel's K grid axis and the chunk-local kernel's K loops (the shipped
+    tiles take K <= 128 in one block there, and 32 at a time here). Per channel, one
+    chunk: the interpreter runs its channel loops slowly."""
+    blocks = [triton.Config({"BK": 16, "BV": 16}, num_warps=4, num_stages=1)]
+    monkeypatch.setattr(gdn_chunk_backward, "state_grads_configs", lambda K, V: blocks)
+    monkeypatch.setattr(gdn_chunk_backward, "grads_configs", lambda K, V: blocks)
+    check(make_inputs(1, T, 1, 2, 40, 24, seed=29, per_channel=per_channel), torch.float32)
