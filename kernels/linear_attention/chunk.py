@@ -80,6 +80,31 @@ def doc_span(cu_seqlens, n, T, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def chunk_of(
+    cu_seqlens, chunk_doc, chunk_first, T, N, NT, Hv, VARLEN: tl.constexpr, BT: tl.constexpr
+):
+    """This per-chunk program's (value head, batch row, first token, its document's end,
+    the chunk's index among all chunks, live: False in the unused slots)."""
+    pid_chunk, pid_head = tl.program_id(0), tl.program_id(1)
+    h = pid_head % Hv
+    n, c, valid = chunk_slot(pid_chunk, pid_head, Hv, NT, chunk_doc, chunk_first, N, VARLEN)
+    b, bos, eos = doc_span(cu_seqlens, n, T, VARLEN)
+    start = bos + c * BT
+    chunk = (tl.load(chunk_first + n) if VARLEN else n * NT) + c
+    return h, b, start, eos, chunk, valid & (start < eos)
+
+
+@triton.jit
+def document_of(cu_seqlens, chunk_first, T, NT, Hv, VARLEN: tl.constexpr):
+    """This per-document program's (document, value head, batch row, first token, end
+    token, its first chunk's index among all chunks)."""
+    n, h = tl.program_id(1) // Hv, tl.program_id(1) % Hv
+    b, bos, eos = doc_span(cu_seqlens, n, T, VARLEN)
+    first = tl.load(chunk_first + n) if VARLEN else n * NT
+    return n, h, b, bos, eos, first
+
+
+@triton.jit
 def load_tile(ptr, rows, row_mask, stride_row, cols, n_cols, stride_col):
     """A (rows, cols) tile in its own dtype, 0 outside the rows and columns."""
     mask = row_mask[:, None] & (cols[None, :] < n_cols)
@@ -243,12 +268,10 @@ def gdn_prepare_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     DT = q.dtype.element_ty  # the dots' operands: 16-bit inputs' dtype, or fp32
-    pid_c, pid_h = tl.program_id(0), tl.program_id(1)
-    h = pid_h % Hv
-    n, c, valid = chunk_slot(pid_c, pid_h, Hv, NT, chunk_doc, chunk_first, N, VARLEN)
-    b, bos, eos = doc_span(cu_seqlens, n, T, VARLEN)
-    start = bos + c * BT
-    if valid & (start < eos):
+    h, b, start, eos, chunk, live = chunk_of(  # chunk: unused here
+        cu_seqlens, chunk_doc, chunk_first, T, N, NT, Hv, VARLEN, BT
+    )
+    if live:
         rows = tl.arange(0, BT)
         row_mask = start + rows < eos
         kcols, vcols = tl.arange(0, BK), tl.arange(0, BV)
@@ -296,20 +319,17 @@ def gdn_state_kernel(
     o, sob, sot, soh, sov,  # (B, T, Hv, V) output (OUTPUT)
     h0, ht,  # (N, Hv, K, V) fp32: initial (HAS_H0) and final state
     states, new_values,  # (chunks, Hv, K, V) fp32 chunk-start states, (B, T, Hv, V) U (STORE)
-    cu_seqlens, chunk_first,
-    scale, T, NT, Hv, GROUP, K, V,
+    cu_seqlens, chunk_doc, chunk_first,  # packed documents (chunk_doc unused here)
+    scale, T, N, NT, Hv, GROUP, K, V,
     PER_CHANNEL: tl.constexpr, VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
     OUTPUT: tl.constexpr, STORE: tl.constexpr, DOT: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     DT = q.dtype.element_ty
-    pid_v, pid_nh = tl.program_id(0), tl.program_id(1)
-    n, h = pid_nh // Hv, pid_nh % Hv
+    n, h, b, bos, eos, first = document_of(cu_seqlens, chunk_first, T, NT, Hv, VARLEN)
     hk = h // GROUP
-    b, bos, eos = doc_span(cu_seqlens, n, T, VARLEN)
-    first = tl.load(chunk_first + n) if VARLEN else n * NT
     rows, kcols = tl.arange(0, BT), tl.arange(0, BK)
-    vcols = pid_v * BV + tl.arange(0, BV)
+    vcols = tl.program_id(0) * BV + tl.arange(0, BV)
     state_mask = (kcols[:, None] < K) & (vcols[None, :] < V)
     state_off = kcols[:, None] * V + vcols[None, :]  # (BK, BV) in a (K, V) state
     S = tl.zeros((BK, BV), dtype=tl.float32)
@@ -415,16 +435,38 @@ def g_strides(g: torch.Tensor) -> tuple[int, ...]:
     return (*g.stride(), 0) if g.dim() == 3 else g.stride()
 
 
+def chunk_grid(table, dims, cu_seqlens) -> tuple[int, int]:
+    """The per-chunk kernels' grid: (chunk slots, B * Hv), or (slots, Hv) when packed."""
+    B, _, _, Hv, *_ = dims
+    return table[0], Hv if cu_seqlens is not None else B * Hv
+
+
+def tail_args(table, dims, cu_seqlens, scale) -> tuple:
+    """The arguments every GDN kernel ends with, in its signatures' order: the packed
+    documents' tables, then scale, T, N, NT, Hv, GROUP, K, V."""
+    B, T, Hk, Hv, K, V, N = dims
+    _, NT, chunk_doc, chunk_first = table
+    return cu_seqlens, chunk_doc, chunk_first, scale, T, N, NT, Hv, Hv // Hk, K, V
+
+
+def kernel_flags(q, g, cu_seqlens) -> dict:
+    """The constexprs every GDN kernel takes: the gate's kind, packing, the dots' fp32
+    precision and the chunk."""
+    return {
+        "PER_CHANNEL": g.dim() == 4,
+        "VARLEN": cu_seqlens is not None,
+        "DOT": dot_precision(q.dtype),
+        "BT": CHUNK,
+    }
+
+
 def prepare(q, k, v, g, beta, scale, cu_seqlens, table, dims) -> tuple[torch.Tensor, ...]:
     """Launch the prepare kernel: (w, u, Tinv, M), fp32 scratch (B, T, Hv, K | V | 64 | 64)."""
     B, T, Hk, Hv, K, V, N = dims
-    slots, NT, chunk_doc, chunk_first = table
     scratch = q.new_empty(B * T * Hv * (K + V + 2 * CHUNK), dtype=torch.float32)
     sizes = [B * T * Hv * d for d in (K, V, CHUNK, CHUNK)]
     w, u, Tinv, M = (t.view(B, T, Hv, -1) for t in scratch.split(sizes))
-    varlen = cu_seqlens is not None
-    grid = (slots, Hv if varlen else B * Hv)
-    gdn_prepare_kernel[grid](
+    gdn_prepare_kernel[chunk_grid(table, dims, cu_seqlens)](
         q,
         k,
         v,
@@ -439,21 +481,8 @@ def prepare(q, k, v, g, beta, scale, cu_seqlens, table, dims) -> tuple[torch.Ten
         u,
         Tinv,
         M,
-        cu_seqlens,
-        chunk_doc,
-        chunk_first,
-        scale,
-        T,
-        N,
-        NT,
-        Hv,
-        Hv // Hk,
-        K,
-        V,
-        PER_CHANNEL=g.dim() == 4,
-        VARLEN=varlen,
-        DOT=dot_precision(q.dtype),
-        BT=CHUNK,
+        *tail_args(table, dims, cu_seqlens, scale),
+        **kernel_flags(q, g, cu_seqlens),
         BK=max(16, next_power_of_2(K)),
         BV=min(64, max(16, next_power_of_2(V))),
         **prepare_configs(K, V)[0].all_kwargs(),
@@ -467,7 +496,6 @@ def run_states(q, k, g, scratch, initial_state, cu_seqlens, table, dims, *, scal
     `store` when given."""
     o, store = writes
     B, T, Hk, Hv, K, V, N = dims
-    _, NT, _, chunk_first = table
     w, u, _, M = scratch
     config = state_configs(K, V)[0]
     final = q.new_empty((N, Hv, K, V), dtype=torch.float32)
@@ -490,22 +518,11 @@ def run_states(q, k, g, scratch, initial_state, cu_seqlens, table, dims, *, scal
         final,
         states,
         new_values,
-        cu_seqlens,
-        chunk_first,
-        scale,
-        T,
-        NT,
-        Hv,
-        Hv // Hk,
-        K,
-        V,
-        PER_CHANNEL=g.dim() == 4,
-        VARLEN=cu_seqlens is not None,
+        *tail_args(table, dims, cu_seqlens, scale),
+        **kernel_flags(q, g, cu_seqlens),
         HAS_H0=initial_state is not None,
         OUTPUT=o is not None,
         STORE=store is not None,
-        DOT=dot_precision(q.dtype),
-        BT=CHUNK,
         BK=max(16, next_power_of_2(K)),
         **config.all_kwargs(),
     )

@@ -26,12 +26,13 @@ from fusedpar.kernels.common import cdiv, check_launchable, next_power_of_2
 from fusedpar.kernels.linear_attention.chunk import (
     CHUNK,
     check_inputs,
-    chunk_slot,
+    chunk_grid,
+    chunk_of,
     chunk_table,
     decay_gram,
-    doc_span,
-    dot_precision,
+    document_of,
     g_strides,
+    kernel_flags,
     load_decay,
     load_tile,
     mm,
@@ -39,6 +40,7 @@ from fusedpar.kernels.linear_attention.chunk import (
     per_state_row,
     prepare,
     run_states,
+    tail_args,
 )
 
 
@@ -84,20 +86,17 @@ def gdn_state_backward_kernel(
     w, M,  # the prepare kernel's scratch
     dht, dh0,  # (N, Hv, K, V) fp32: the final state's gradient (HAS_DHT), the initial's
     dstates, dnew,  # (chunks, Hv, K, V) chunk-end state gradients, (B, T, Hv, V) dU: fp32
-    cu_seqlens, chunk_first,
-    scale, T, NT, Hv, GROUP, K, V,
+    cu_seqlens, chunk_doc, chunk_first,  # packed documents (chunk_doc unused here)
+    scale, T, N, NT, Hv, GROUP, K, V,
     PER_CHANNEL: tl.constexpr, VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
     HAS_H0: tl.constexpr, DOT: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     DT = q.dtype.element_ty  # the dots' operands: 16-bit inputs' dtype, or fp32
-    pid_v, pid_nh = tl.program_id(0), tl.program_id(1)
-    n, h = pid_nh // Hv, pid_nh % Hv
+    n, h, b, bos, eos, first = document_of(cu_seqlens, chunk_first, T, NT, Hv, VARLEN)
     hk = h // GROUP
-    b, bos, eos = doc_span(cu_seqlens, n, T, VARLEN)
-    first = tl.load(chunk_first + n) if VARLEN else n * NT
     rows, kcols = tl.arange(0, BT), tl.arange(0, BK)
-    vcols = pid_v * BV + tl.arange(0, BV)
+    vcols = tl.program_id(0) * BV + tl.arange(0, BV)
     state_mask = (kcols[:, None] < K) & (vcols[None, :] < V)
     state_off = kcols[:, None] * V + vcols[None, :]
     dS = tl.zeros((BK, BV), dtype=tl.float32)
@@ -138,20 +137,17 @@ def gdn_state_grads_kernel(
     states, dstates, new_values, dnew,  # recomputed and backward scratch (fp32)
     dq, dk, dw, dgl,  # out: (B, T, Hv, K) fp32 dq's, dk's state parts, dw; (chunks, Hv, K)
     cu_seqlens, chunk_doc, chunk_first,
-    scale, T, N, NT, Hv, K, V,
+    scale, T, N, NT, Hv, GROUP, K, V,  # GROUP unused: every GDN kernel's tail is the same
     PER_CHANNEL: tl.constexpr, VARLEN: tl.constexpr, DOT: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     DT = do.dtype.element_ty  # the inputs' dtype (dO is o's, v's)
-    pid_c, pid_h, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    h = pid_h % Hv
-    n, c, valid = chunk_slot(pid_c, pid_h, Hv, NT, chunk_doc, chunk_first, N, VARLEN)
-    b, bos, eos = doc_span(cu_seqlens, n, T, VARLEN)
-    start = bos + c * BT
-    chunk = (tl.load(chunk_first + n) if VARLEN else n * NT) + c
-    if valid & (start < eos):
+    h, b, start, eos, chunk, live = chunk_of(
+        cu_seqlens, chunk_doc, chunk_first, T, N, NT, Hv, VARLEN, BT
+    )
+    if live:
         rows, vcols = tl.arange(0, BT), tl.arange(0, BV)
-        kcols = pid_k * BK + tl.arange(0, BK)
+        kcols = tl.program_id(2) * BK + tl.arange(0, BK)
         row_mask = start + rows < eos
         base = (b * T + start + rows) * Hv + h
         dqt = tl.zeros((BT, BK), dtype=tl.float32)  # d(Q∘Γ) / scale
@@ -199,13 +195,10 @@ def gdn_chunk_grads_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     DT = q.dtype.element_ty
-    pid_c, pid_h = tl.program_id(0), tl.program_id(1)
-    h = pid_h % Hv
-    n, c, valid = chunk_slot(pid_c, pid_h, Hv, NT, chunk_doc, chunk_first, N, VARLEN)
-    b, bos, eos = doc_span(cu_seqlens, n, T, VARLEN)
-    start = bos + c * BT
-    chunk = (tl.load(chunk_first + n) if VARLEN else n * NT) + c
-    if valid & (start < eos):
+    h, b, start, eos, chunk, live = chunk_of(
+        cu_seqlens, chunk_doc, chunk_first, T, N, NT, Hv, VARLEN, BT
+    )
+    if live:
         rows, kcols, vcols = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
         row_mask = start + rows < eos
         base = (b * T + start + rows) * Hv + h
@@ -365,7 +358,7 @@ def chunk_gated_delta_backward(
     check_launchable(gdn_chunk_grads_kernel, do, q, k, v, g, beta, *extra)
     B, T, Hk, Hv, K, V, N = dims
     table = chunk_table(cu_seqlens, T, B)
-    slots, NT, chunk_doc, chunk_first = table
+    slots, NT, _, _ = table
     varlen = cu_seqlens is not None
     scratch = prepare(q, k, v, g, beta, scale, cu_seqlens, table, dims)
     chunks = slots if varlen else B * NT
@@ -385,7 +378,6 @@ def chunk_gated_delta_backward(
     )
     w, _, Tinv, M = scratch
     dinit = None if initial_state is None else torch.empty_like(initial_state)
-    per_channel, dot, BK = g.dim() == 4, dot_precision(q.dtype), max(16, next_power_of_2(K))
     config = state_backward_configs(K, V)[0]
     gdn_state_backward_kernel[(cdiv(V, config.kwargs["BV"]), N * Hv)](
         q,
@@ -402,22 +394,11 @@ def chunk_gated_delta_backward(
         dinit,
         dstates,
         dnew,
-        cu_seqlens,
-        chunk_first,
-        scale,
-        T,
-        NT,
-        Hv,
-        Hv // Hk,
-        K,
-        V,
-        PER_CHANNEL=per_channel,
-        VARLEN=varlen,
+        *tail_args(table, dims, cu_seqlens, scale),
+        **kernel_flags(q, g, cu_seqlens),
         HAS_DHT=dfinal is not None,
         HAS_H0=initial_state is not None,
-        DOT=dot,
-        BT=CHUNK,
-        BK=BK,
+        BK=max(16, next_power_of_2(K)),
         **config.all_kwargs(),
     )
     # w's scratch is free once the state backward has run: the state-side kernel writes
@@ -427,7 +408,7 @@ def chunk_gated_delta_backward(
     dq_h, dk_h = q.new_empty((2, B, T, Hv, K), dtype=torch.float32)
     dgl = q.new_empty((chunks, Hv, K), dtype=torch.float32)
     config = state_grads_configs(K, V)[0]
-    grid = (slots, Hv if varlen else B * Hv, cdiv(K, config.kwargs["BK"]))
+    grid = (*chunk_grid(table, dims, cu_seqlens), cdiv(K, config.kwargs["BK"]))
     gdn_state_grads_kernel[grid](
         g,
         do,
@@ -441,20 +422,8 @@ def chunk_gated_delta_backward(
         dk_h,
         dw,
         dgl,
-        cu_seqlens,
-        chunk_doc,
-        chunk_first,
-        scale,
-        T,
-        N,
-        NT,
-        Hv,
-        K,
-        V,
-        PER_CHANNEL=per_channel,
-        VARLEN=varlen,
-        DOT=dot,
-        BT=CHUNK,
+        *tail_args(table, dims, cu_seqlens, scale),
+        **kernel_flags(q, g, cu_seqlens),
         **config.all_kwargs(),
     )
     via_memory = transposed_through_memory(g)
@@ -462,7 +431,7 @@ def chunk_gated_delta_backward(
     dv = v.new_empty((B, T, Hv, V))
     dg = g.new_empty(g.shape)
     dbeta = beta.new_empty(beta.shape)
-    gdn_chunk_grads_kernel[(slots, Hv if varlen else B * Hv)](
+    gdn_chunk_grads_kernel[chunk_grid(table, dims, cu_seqlens)](
         q,
         k,
         v,
@@ -486,22 +455,9 @@ def chunk_gated_delta_backward(
         dg,
         dbeta,
         *spills,
-        cu_seqlens,
-        chunk_doc,
-        chunk_first,
-        scale,
-        T,
-        N,
-        NT,
-        Hv,
-        Hv // Hk,
-        K,
-        V,
-        PER_CHANNEL=per_channel,
-        VARLEN=varlen,
-        DOT=dot,
+        *tail_args(table, dims, cu_seqlens, scale),
+        **kernel_flags(q, g, cu_seqlens),
         VIA_MEMORY=via_memory,
-        BT=CHUNK,
         **grads_configs(K, V)[0].all_kwargs(),
     )
     # GVA: each key head's gradient is its group's value heads' sum
