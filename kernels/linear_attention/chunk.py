@@ -11,10 +11,11 @@ a scalar per row; Γ = exp(G); Γ_L the whole chunk's):
 | `gdn_state_kernel`    | S in fp32 registers, chunk after chunk: U = u − w S,         |
 |                       | o = scale (Q∘Γ) S + M U, S ← Γ_L S + (K∘Γ_L/Γ)ᵀ U            |
 
-The decays enter only as exp(G_i − G_j) with j <= i or exp(G_L − G_i): every exponent is
-<= 0, so no decay overflows (per channel, the Gram matrices loop over channels instead of
-factoring exp(G_i) exp(−G_j)). One launch per phase; packed documents (`cu_seqlens`)
-map chunk slots to documents on the device (`chunk_table`, no host sync). The backward
+The decays enter only as exp(G_i − G_j) with j <= i or exp(G_L − G_i), exponents <= 0
+(no overflow; per channel, the Gram matrices loop over channels rather than factor
+exp(G_i) exp(−G_j)), summed as segments of g (`segment_sums`, `load_decay`'s `after`)
+except per channel's Gram matrices. One launch per phase; packed documents map chunk
+slots to documents on the device (`chunk_table`, no host sync). The backward
 (`chunk_backward`) recomputes the chunk states. Notes: docs/linear_attention_kernels.md.
 """
 
@@ -114,18 +115,32 @@ def load_tile(ptr, rows, row_mask, stride_row, cols, n_cols, stride_col):
 
 @triton.jit
 def load_decay(g_ptr, rows, row_mask, stride_gt, cols, K, stride_gk, PER_CHANNEL: tl.constexpr):
-    """The in-chunk cumulative log decay G ((64,) or (64, BK), fp32) and the chunk's total
-    G_L (a scalar or (BK,)): G's last row, exactly (padding rows add 0), since G_L - G_i
-    must be 0 at the last token however large |G| grows (tl.sum would round differently)."""
+    """The in-chunk cumulative log decay G ((64,) or (64, BK), fp32), the chunk's total G_L
+    (a scalar or (BK,): G's last row, padding rows adding 0) and `after`, the decay from
+    each token to the chunk's end, sum_{t > i} g_t: its own running sum from the end, not
+    G_L - G_i, which an early deep gate leaves ~|G| eps off (0 at the last token either
+    way: tl.sum for G_L would round differently from G's last row)."""
+    nxt = rows + 1 < tl.sum(row_mask.to(tl.int32), axis=0)  # token i + 1 is the chunk's
     if PER_CHANNEL:
         g = load_tile(g_ptr, rows, row_mask, stride_gt, cols, K, stride_gk).to(tl.float32)
         G = tl.cumsum(g, axis=0)
         last = tl.sum(tl.where(rows[:, None] == rows.shape[0] - 1, G, 0.0), axis=0)
+        g_next = load_tile(g_ptr + stride_gt, rows, nxt, stride_gt, cols, K, stride_gk)
     else:
         g = tl.load(g_ptr + rows * stride_gt, mask=row_mask, other=0).to(tl.float32)
         G = tl.cumsum(g, axis=0)
         last = tl.sum(tl.where(rows == rows.shape[0] - 1, G, 0.0), axis=0)
-    return G, last
+        g_next = tl.load(g_ptr + (rows + 1) * stride_gt, mask=nxt, other=0)
+    return G, last, tl.cumsum(g_next.to(tl.float32), axis=0, reverse=True)
+
+
+@triton.jit
+def segment_sums(g_ptr, rows, row_mask, stride_gt):
+    """A scalar gate's log decays between rows, (BT, BT) fp32: sum_{j < t <= i} g_t at
+    [i, j], 0 where j >= i; each its own running sum, not G_i - G_j (torch_impl's
+    `_segment_sums`: an early gate of -30 cost the later decays ~1e-5 of their precision)."""
+    g = tl.load(g_ptr + rows * stride_gt, mask=row_mask, other=0).to(tl.float32)
+    return tl.cumsum(tl.where(rows[:, None] > rows[None, :], g[:, None], 0.0), axis=0)
 
 
 @triton.jit
@@ -147,12 +162,12 @@ def per_state_row(GL, PER_CHANNEL: tl.constexpr):
 
 
 @triton.jit
-def decay_gram(a, b, G, a_ptr, b_ptr, g_ptr, rows, row_mask, strides, K,
+def decay_gram(a, b, D, a_ptr, b_ptr, g_ptr, rows, row_mask, strides, K,
                INCLUSIVE: tl.constexpr, PER_CHANNEL: tl.constexpr, DT, DOT: tl.constexpr,
                BT: tl.constexpr):  # fmt: skip
     """``sum_c a_ic b_jc exp(G_ic - G_jc)`` on j < i (j <= i if INCLUSIVE), (BT, BT) fp32.
-    Scalar decay: one dot of the tiles `a`, `b`. Per channel: a loop over channels,
-    reading the columns (strides: a's, b's and g's per token and per channel)."""
+    Scalar decay: one dot of the tiles `a`, `b`, D the `segment_sums`. Per channel: a loop
+    over channels, reading the columns (strides: a's, b's and g's per token and channel)."""
     keep = rows[:, None] >= rows[None, :] if INCLUSIVE else rows[:, None] > rows[None, :]
     keep = keep & row_mask[:, None] & row_mask[None, :]
     if PER_CHANNEL:
@@ -167,9 +182,8 @@ def decay_gram(a, b, G, a_ptr, b_ptr, g_ptr, rows, row_mask, strides, K,
             acc += tl.where(keep, ac[:, None] * bc[None, :] * tl.exp(diff), 0.0)
         return acc
     else:
-        diff = tl.where(keep, G[:, None] - G[None, :], 0.0)
         ab = mm(a, tl.trans(b), DT, DOT)
-        return tl.where(keep, ab * tl.exp(diff), 0.0)
+        return tl.where(keep, ab * tl.exp(tl.where(keep, D, 0.0)), 0.0)
 
 
 @triton.jit
@@ -279,7 +293,8 @@ def gdn_prepare_kernel(
         qp = q + b * sqb + start * sqt + hk * sqh
         kp = k + b * skb + start * skt + hk * skh
         gp = g + b * sgb + start * sgt + h * sgh
-        G, _ = load_decay(gp, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL)
+        G, GL, after = load_decay(gp, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL)
+        D = segment_sums(gp, rows, row_mask, sgt)  # scalar gate only (unused per channel)
         bet = tl.load(beta + b * sbb + (start + rows) * sbt + h * sbh, mask=row_mask, other=0)
         bet = bet.to(tl.float32)
         # q and k stay in their dtype (the dots' operands); M is stored before the solve so
@@ -290,16 +305,16 @@ def gdn_prepare_kernel(
         # scratch rows: token (b, start + i), head h
         base = (b * T + start + rows) * Hv + h  # (BT,)
         Mt = decay_gram(
-            qt, kt, G, qp, kp, gp, rows, row_mask, qk, K, True, PER_CHANNEL, DT, DOT, BT
+            qt, kt, D, qp, kp, gp, rows, row_mask, qk, K, True, PER_CHANNEL, DT, DOT, BT
         )
         tl.store(M + base[:, None] * BT + rows[None, :], Mt * scale, mask=row_mask[:, None])
         A = decay_gram(
-            kt, kt, G, kp, kp, gp, rows, row_mask, kk, K, False, PER_CHANNEL, DT, DOT, BT
+            kt, kt, D, kp, kp, gp, rows, row_mask, kk, K, False, PER_CHANNEL, DT, DOT, BT
         )
         tri = Tinv + ((b * T + start) * Hv + h) * BT  # the chunk's (BT, BT) rows
         Ti = unit_lower_inverse(bet[:, None] * A, tri, Hv * BT, eos - start, BT, SOLVE_BLOCK)
         if PER_CHANNEL:  # read again: a (BT, BK) fp32 G held through the solve spills
-            G, _ = load_decay(gp, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL)
+            G, GL, after = load_decay(gp, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL)
         bk = bet[:, None] * kt.to(tl.float32) * tl.exp(per_row(G, PER_CHANNEL))
         wt = mm(Ti, bk, DT, DOT)
         kmask = row_mask[:, None] & (kcols[None, :] < K)
@@ -341,7 +356,7 @@ def gdn_state_kernel(
         kmask = row_mask[:, None] & (kcols[None, :] < K)
         vmask = row_mask[:, None] & (vcols[None, :] < V)
         base = (b * T + start + rows) * Hv + h
-        G, GL = load_decay(
+        G, GL, after = load_decay(
             g + b * sgb + start * sgt + h * sgh, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL
         )
         wt = tl.load(w + base[:, None] * K + kcols[None, :], mask=kmask, other=0)
@@ -359,7 +374,7 @@ def gdn_state_kernel(
             o_ptr = o + b * sob + (start + rows[:, None]) * sot + h * soh + vcols[None, :] * sov
             tl.store(o_ptr, out.to(o.dtype.element_ty), mask=vmask)
         kt = load_tile(k + b * skb + start * skt + hk * skh, rows, row_mask, skt, kcols, K, skk)
-        kd = kt.to(tl.float32) * tl.exp(per_row(GL - G, PER_CHANNEL))
+        kd = kt.to(tl.float32) * tl.exp(per_row(after, PER_CHANNEL))
         S = S * tl.exp(per_state_row(GL, PER_CHANNEL))
         S += mm(tl.trans(kd), U, DT, DOT)
     tl.store(ht + (n * Hv + h) * K * V + state_off, S, mask=state_mask)

@@ -40,6 +40,7 @@ from fusedpar.kernels.linear_attention.chunk import (
     per_state_row,
     prepare,
     run_states,
+    segment_sums,
     tail_args,
 )
 
@@ -112,12 +113,12 @@ def gdn_state_backward_kernel(
         base = (b * T + start + rows) * Hv + h
         tl.store(dstates + ((first + c) * Hv + h) * K * V + state_off, dS, mask=state_mask)
         gp = g + b * sgb + start * sgt + h * sgh
-        G, GL = load_decay(gp, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL)
+        G, GL, after = load_decay(gp, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL)
         dot_ = load_tile(do + b * sdb + start * sdt + h * sdh, rows, row_mask, sdt, vcols, V, sdv)
         dot_ = dot_.to(tl.float32)
         Mt = tl.load(M + base[:, None] * BT + rows[None, :], mask=row_mask[:, None], other=0)
         kt = load_tile(k + b * skb + start * skt + hk * skh, rows, row_mask, skt, kcols, K, skk)
-        kd = kt.to(tl.float32) * tl.exp(per_row(GL - G, PER_CHANNEL))
+        kd = kt.to(tl.float32) * tl.exp(per_row(after, PER_CHANNEL))
         dU = mm(tl.trans(Mt), dot_, DT, DOT)
         dU += mm(kd, dS, DT, DOT)  # (BT, BV)
         tl.store(dnew + base[:, None] * V + vcols[None, :], dU, mask=vmask)
@@ -169,11 +170,11 @@ def gdn_state_grads_kernel(
             dwt -= mm(dU, tl.trans(S), DT, DOT)
             dGL += tl.sum(S * dS, axis=1)
         gp = g + b * sgb + start * sgt + h * sgh
-        G, GL = load_decay(gp, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL)
+        G, GL, after = load_decay(gp, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL)
         kmask = row_mask[:, None] & (kcols[None, :] < K)
         out = base[:, None] * K + kcols[None, :]
         tl.store(dq + out, scale * dqt * tl.exp(per_row(G, PER_CHANNEL)), mask=kmask)
-        tl.store(dk + out, dkd * tl.exp(per_row(GL - G, PER_CHANNEL)), mask=kmask)
+        tl.store(dk + out, dkd * tl.exp(per_row(after, PER_CHANNEL)), mask=kmask)
         tl.store(dw + out, dwt, mask=kmask)
         # G_L scales the incoming state: its share of dG_L, per channel
         tl.store(dgl + (chunk * Hv + h) * K + kcols, tl.exp(GL) * dGL, mask=kcols < K)
@@ -206,7 +207,7 @@ def gdn_chunk_grads_kernel(
         qp = q + b * sqb + start * sqt + hk * sqh
         kp = k + b * skb + start * skt + hk * skh
         gp = g + b * sgb + start * sgt + h * sgh
-        G, GL = load_decay(gp, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL)
+        G, GL, after = load_decay(gp, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL)
         bet = tl.load(beta + b * sbb + (start + rows) * sbt + h * sbh, mask=row_mask, other=0)
         bet = bet.to(tl.float32)
         Ti = tl.load(Tinv + base[:, None] * BT + rows[None, :], mask=row_mask[:, None], other=0)
@@ -233,7 +234,7 @@ def gdn_chunk_grads_kernel(
             kc = k0 + kcols
             kmask = row_mask[:, None] & (kc[None, :] < K)
             if PER_CHANNEL:
-                G, GL = load_decay(gp, rows, row_mask, sgt, kc, K, sgk, PER_CHANNEL)
+                G, GL, after = load_decay(gp, rows, row_mask, sgt, kc, K, sgk, PER_CHANNEL)
             kt = load_tile(kp, rows, row_mask, skt, kc, K, skk)
             bk = bet[:, None] * kt.to(tl.float32) * tl.exp(per_row(G, PER_CHANNEL))
             dwt = tl.load(dw + base[:, None] * K + kc[None, :], mask=kmask, other=0)
@@ -250,7 +251,7 @@ def gdn_chunk_grads_kernel(
                 KK, KK, G, kp, kp, gp, rows, row_mask, strides, K, False, True, DT, DOT, BT
             )
         else:
-            diff = tl.where(causal, G[:, None] - G[None, :], 0.0)
+            diff = segment_sums(gp, rows, row_mask, sgt)  # log decays, 0 on and above
             Ahat = tl.where(strict, KK * tl.exp(diff), 0.0)
         dbet += tl.sum(dA * Ahat, axis=1)
         dAh = bet[:, None] * dA  # d(K K^T ∘ decay), strictly lower
@@ -270,7 +271,7 @@ def gdn_chunk_grads_kernel(
             kmask = row_mask[:, None] & (kc[None, :] < K)
             out = base[:, None] * K + kc[None, :]
             if PER_CHANNEL:
-                G, GL = load_decay(gp, rows, row_mask, sgt, kc, K, sgk, PER_CHANNEL)
+                G, GL, after = load_decay(gp, rows, row_mask, sgt, kc, K, sgk, PER_CHANNEL)
             kt = load_tile(kp, rows, row_mask, skt, kc, K, skk)
             qt = load_tile(qp, rows, row_mask, sqt, kc, K, sqk)
             decay = tl.exp(per_row(G, PER_CHANNEL))
