@@ -11,10 +11,11 @@ a scalar per row; Γ = exp(G); Γ_L the whole chunk's):
 | `gdn_state_kernel`    | S in fp32 registers, chunk after chunk: U = u − w S,         |
 |                       | o = scale (Q∘Γ) S + M U, S ← Γ_L S + (K∘Γ_L/Γ)ᵀ U            |
 
-The decays enter only as exp(G_i − G_j) with j <= i or exp(G_L − G_i): every exponent is
-<= 0, so no decay overflows (per channel, the Gram matrices loop over channels instead of
-factoring exp(G_i) exp(−G_j)). One launch per phase; packed documents (`cu_seqlens`)
-map chunk slots to documents on the device (`chunk_table`, no host sync). The backward
+The decays enter only as exp(G_i − G_j) with j <= i or exp(G_L − G_i), exponents <= 0
+(no overflow; per channel, the Gram matrices loop over channels rather than factor
+exp(G_i) exp(−G_j)), summed as segments of g (`segment_sums`, `load_decay`'s `after`)
+except per channel's Gram matrices. One launch per phase; packed documents map chunk
+slots to documents on the device (`chunk_table`, no host sync). The backward
 (`chunk_backward`) recomputes the chunk states. Notes: docs/linear_attention_kernels.md.
 """
 
@@ -40,9 +41,9 @@ def state_configs(K: int, V: int) -> list[triton.Config]:
 
 
 def prepare_configs(K: int, V: int) -> list[triton.Config]:
-    """The per-chunk kernel's settings: the 64x64 solve and Gram matrices in one CTA; its
-    full-fp32 solve holds FMA-dot operands in registers (bf16, K = 128: 632 B spilled
-    with 8 warps, 2,216 B with 4)."""
+    """The per-chunk kernel's settings: the 64x64 solve and Gram matrices in one CTA (bf16
+    on sm_90: 203 registers at K = 128, 240 at 256, no spill; with the solve's merge in
+    64x64 fp32 FMA dots it spilled 632 B, 2,216 B with 4 warps)."""
     return [triton.Config({}, num_warps=8, num_stages=1)]
 
 
@@ -80,6 +81,31 @@ def doc_span(cu_seqlens, n, T, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def chunk_of(
+    cu_seqlens, chunk_doc, chunk_first, T, N, NT, Hv, VARLEN: tl.constexpr, BT: tl.constexpr
+):
+    """This per-chunk program's (value head, batch row, first token, its document's end,
+    the chunk's index among all chunks, live: False in the unused slots)."""
+    pid_chunk, pid_head = tl.program_id(0), tl.program_id(1)
+    h = pid_head % Hv
+    n, c, valid = chunk_slot(pid_chunk, pid_head, Hv, NT, chunk_doc, chunk_first, N, VARLEN)
+    b, bos, eos = doc_span(cu_seqlens, n, T, VARLEN)
+    start = bos + c * BT
+    chunk = (tl.load(chunk_first + n) if VARLEN else n * NT) + c
+    return h, b, start, eos, chunk, valid & (start < eos)
+
+
+@triton.jit
+def document_of(cu_seqlens, chunk_first, T, NT, Hv, VARLEN: tl.constexpr):
+    """This per-document program's (document, value head, batch row, first token, end
+    token, its first chunk's index among all chunks)."""
+    n, h = tl.program_id(1) // Hv, tl.program_id(1) % Hv
+    b, bos, eos = doc_span(cu_seqlens, n, T, VARLEN)
+    first = tl.load(chunk_first + n) if VARLEN else n * NT
+    return n, h, b, bos, eos, first
+
+
+@triton.jit
 def load_tile(ptr, rows, row_mask, stride_row, cols, n_cols, stride_col):
     """A (rows, cols) tile in its own dtype, 0 outside the rows and columns."""
     mask = row_mask[:, None] & (cols[None, :] < n_cols)
@@ -89,18 +115,32 @@ def load_tile(ptr, rows, row_mask, stride_row, cols, n_cols, stride_col):
 
 @triton.jit
 def load_decay(g_ptr, rows, row_mask, stride_gt, cols, K, stride_gk, PER_CHANNEL: tl.constexpr):
-    """The in-chunk cumulative log decay G ((64,) or (64, BK), fp32) and the chunk's total
-    G_L (a scalar or (BK,)): G's last row, exactly (padding rows add 0), since G_L - G_i
-    must be 0 at the last token however large |G| grows (tl.sum would round differently)."""
+    """The in-chunk cumulative log decay G ((64,) or (64, BK), fp32), the chunk's total G_L
+    (a scalar or (BK,): G's last row, padding rows adding 0) and `after`, the decay from
+    each token to the chunk's end, sum_{t > i} g_t: its own running sum from the end, not
+    G_L - G_i, which an early deep gate leaves ~|G| eps off (0 at the last token either
+    way: tl.sum for G_L would round differently from G's last row)."""
+    nxt = rows + 1 < tl.sum(row_mask.to(tl.int32), axis=0)  # token i + 1 is the chunk's
     if PER_CHANNEL:
         g = load_tile(g_ptr, rows, row_mask, stride_gt, cols, K, stride_gk).to(tl.float32)
         G = tl.cumsum(g, axis=0)
         last = tl.sum(tl.where(rows[:, None] == rows.shape[0] - 1, G, 0.0), axis=0)
+        g_next = load_tile(g_ptr + stride_gt, rows, nxt, stride_gt, cols, K, stride_gk)
     else:
         g = tl.load(g_ptr + rows * stride_gt, mask=row_mask, other=0).to(tl.float32)
         G = tl.cumsum(g, axis=0)
         last = tl.sum(tl.where(rows == rows.shape[0] - 1, G, 0.0), axis=0)
-    return G, last
+        g_next = tl.load(g_ptr + (rows + 1) * stride_gt, mask=nxt, other=0)
+    return G, last, tl.cumsum(g_next.to(tl.float32), axis=0, reverse=True)
+
+
+@triton.jit
+def segment_sums(g_ptr, rows, row_mask, stride_gt):
+    """A scalar gate's log decays between rows, (BT, BT) fp32: sum_{j < t <= i} g_t at
+    [i, j], 0 where j >= i; each its own running sum, not G_i - G_j (torch_impl's
+    `_segment_sums`: an early gate of -30 cost the later decays ~1e-5 of their precision)."""
+    g = tl.load(g_ptr + rows * stride_gt, mask=row_mask, other=0).to(tl.float32)
+    return tl.cumsum(tl.where(rows[:, None] > rows[None, :], g[:, None], 0.0), axis=0)
 
 
 @triton.jit
@@ -122,12 +162,12 @@ def per_state_row(GL, PER_CHANNEL: tl.constexpr):
 
 
 @triton.jit
-def decay_gram(a, b, G, a_ptr, b_ptr, g_ptr, rows, row_mask, strides, K,
+def decay_gram(a, b, D, a_ptr, b_ptr, g_ptr, rows, row_mask, strides, K,
                INCLUSIVE: tl.constexpr, PER_CHANNEL: tl.constexpr, DT, DOT: tl.constexpr,
                BT: tl.constexpr):  # fmt: skip
     """``sum_c a_ic b_jc exp(G_ic - G_jc)`` on j < i (j <= i if INCLUSIVE), (BT, BT) fp32.
-    Scalar decay: one dot of the tiles `a`, `b`. Per channel: a loop over channels,
-    reading the columns (strides: a's, b's and g's per token and per channel)."""
+    Scalar decay: one dot of the tiles `a`, `b`, D the `segment_sums`. Per channel: a loop
+    over channels, reading the columns (strides: a's, b's and g's per token and channel)."""
     keep = rows[:, None] >= rows[None, :] if INCLUSIVE else rows[:, None] > rows[None, :]
     keep = keep & row_mask[:, None] & row_mask[None, :]
     if PER_CHANNEL:
@@ -142,9 +182,8 @@ def decay_gram(a, b, G, a_ptr, b_ptr, g_ptr, rows, row_mask, strides, K,
             acc += tl.where(keep, ac[:, None] * bc[None, :] * tl.exp(diff), 0.0)
         return acc
     else:
-        diff = tl.where(keep, G[:, None] - G[None, :], 0.0)
         ab = mm(a, tl.trans(b), DT, DOT)
-        return tl.where(keep, ab * tl.exp(diff), 0.0)
+        return tl.where(keep, ab * tl.exp(tl.where(keep, D, 0.0)), 0.0)
 
 
 @triton.jit
@@ -155,12 +194,36 @@ def mm(a, b, DT, DOT: tl.constexpr):
 
 
 @triton.jit
-def unit_lower_inverse(A, BT: tl.constexpr, BLOCK: tl.constexpr):
-    """(I + A)^-1 for strictly lower A (BT, BT), blockwise: forward substitution inside the
-    diagonal BLOCK x BLOCK blocks (all blocks at once, BLOCK - 1 steps), then, with T_d that
-    block-diagonal inverse and X = T_d A_off (nilpotent: X^(BT/BLOCK) = 0),
-    (I + A)^-1 = (I + X)^-1 T_d = (I - X + X^2 - X^3) T_d for BT / BLOCK = 4. In full fp32:
-    the solve's error grows with A's entries (beta any sign)."""
+def load_block(tri, i, j, stride, n_rows, BLOCK: tl.constexpr):
+    """Block (i, j) of a (BT, BT) fp32 matrix stored row by row (`stride` apart) at `tri`,
+    0 in rows from `n_rows` on."""
+    r = tl.arange(0, BLOCK)
+    at = r + i * BLOCK  # the tensor first: the interpreter keeps constexpr + tensor constexpr
+    return tl.load(tri + at[:, None] * stride + j * BLOCK + r[None, :], mask=(at < n_rows)[:, None])
+
+
+@triton.jit
+def store_block(tri, x, i, j, stride, n_rows, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    at = r + i * BLOCK
+    tl.store(tri + at[:, None] * stride + j * BLOCK + r[None, :], x, mask=(at < n_rows)[:, None])
+
+
+@triton.jit
+def bdot(a, b):
+    """A BLOCK x BLOCK product in full fp32 (FMA: small operands, few registers)."""
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def unit_lower_inverse(A, tri, stride, n_rows, BT: tl.constexpr, BLOCK: tl.constexpr):
+    """T = (I + A)^-1 for strictly lower A (BT, BT), written to `tri` (rows `stride` apart,
+    `n_rows` of them) and returned. Forward substitution inside the diagonal BLOCK x BLOCK
+    blocks (all at once, BLOCK - 1 element-wise steps) gives T_ii; the blocks below follow
+    block row by block row, T_ij = -T_ii sum_{j <= k < i} A_ik T_kj, in BLOCK-sized fp32
+    dots read back from `tri` (a 64x64 fp32 FMA dot holds its operands in registers and
+    spills). In full fp32: the solve's error grows with A's entries (beta any sign)."""
+    tl.static_assert(BT == 4 * BLOCK)
     rows = tl.arange(0, BT)
     eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
     same = (rows[:, None] // BLOCK) == (rows[None, :] // BLOCK)
@@ -168,13 +231,40 @@ def unit_lower_inverse(A, BT: tl.constexpr, BLOCK: tl.constexpr):
     Td = eye
     for r in range(1, BLOCK):
         at = (rows % BLOCK) == r  # row r of every block: its earlier rows are final
-        row = -tl.dot(tl.where(at[:, None], diag, 0.0), Td, input_precision="ieee")
-        Td = tl.where(at[:, None], row + eye, Td)
-    X = tl.dot(Td, tl.where(same, 0.0, A), input_precision="ieee")
-    Y = eye - X
-    for _ in range(2, BT // BLOCK):  # Horner: I - X (I - X (I - X))
-        Y = eye - tl.dot(X, Y, input_precision="ieee")
-    return tl.dot(Y, Td, input_precision="ieee")
+        # the blocks' rows r side by side: their columns are disjoint (one block each)
+        a_r = tl.sum(tl.where(at[:, None], diag, 0.0), axis=0)  # (BT,)
+        row = -tl.sum(a_r[:, None] * Td, axis=0)  # column j: block j // BLOCK's row r
+        Td = tl.where(at[:, None] & same, row[None, :] + eye, Td)
+    row_mask = rows < n_rows
+    # T_ii on the diagonal, A_ij below it (disjoint): one store, then blocks read back
+    below = tl.where(same, 0.0, A)
+    tl.store(tri + rows[:, None] * stride + rows[None, :], Td + below, mask=row_mask[:, None])
+    tl.debug_barrier()  # the CTA's stores are visible to its loads
+    T00 = load_block(tri, 0, 0, stride, n_rows, BLOCK)
+    T11 = load_block(tri, 1, 1, stride, n_rows, BLOCK)
+    T22 = load_block(tri, 2, 2, stride, n_rows, BLOCK)
+    T33 = load_block(tri, 3, 3, stride, n_rows, BLOCK)
+    A10 = load_block(tri, 1, 0, stride, n_rows, BLOCK)
+    A20 = load_block(tri, 2, 0, stride, n_rows, BLOCK)
+    A21 = load_block(tri, 2, 1, stride, n_rows, BLOCK)
+    A30 = load_block(tri, 3, 0, stride, n_rows, BLOCK)
+    A31 = load_block(tri, 3, 1, stride, n_rows, BLOCK)
+    A32 = load_block(tri, 3, 2, stride, n_rows, BLOCK)
+    T10 = -bdot(T11, bdot(A10, T00))
+    T21 = -bdot(T22, bdot(A21, T11))
+    T32 = -bdot(T33, bdot(A32, T22))
+    T20 = -bdot(T22, bdot(A20, T00) + bdot(A21, T10))
+    T31 = -bdot(T33, bdot(A31, T11) + bdot(A32, T21))
+    T30 = -bdot(T33, bdot(A30, T00) + bdot(A31, T10) + bdot(A32, T20))
+    tl.debug_barrier()  # every A_ij is read before its T_ij overwrites it
+    store_block(tri, T10, 1, 0, stride, n_rows, BLOCK)
+    store_block(tri, T20, 2, 0, stride, n_rows, BLOCK)
+    store_block(tri, T21, 2, 1, stride, n_rows, BLOCK)
+    store_block(tri, T30, 3, 0, stride, n_rows, BLOCK)
+    store_block(tri, T31, 3, 1, stride, n_rows, BLOCK)
+    store_block(tri, T32, 3, 2, stride, n_rows, BLOCK)
+    tl.debug_barrier()
+    return tl.load(tri + rows[:, None] * stride + rows[None, :], mask=row_mask[:, None], other=0)
 
 
 # --- kernels -------------------------------------------------------------------------------
@@ -192,12 +282,10 @@ def gdn_prepare_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     DT = q.dtype.element_ty  # the dots' operands: 16-bit inputs' dtype, or fp32
-    pid_c, pid_h = tl.program_id(0), tl.program_id(1)
-    h = pid_h % Hv
-    n, c, valid = chunk_slot(pid_c, pid_h, Hv, NT, chunk_doc, chunk_first, N, VARLEN)
-    b, bos, eos = doc_span(cu_seqlens, n, T, VARLEN)
-    start = bos + c * BT
-    if valid & (start < eos):
+    h, b, start, eos, chunk, live = chunk_of(  # chunk: unused here
+        cu_seqlens, chunk_doc, chunk_first, T, N, NT, Hv, VARLEN, BT
+    )
+    if live:
         rows = tl.arange(0, BT)
         row_mask = start + rows < eos
         kcols, vcols = tl.arange(0, BK), tl.arange(0, BV)
@@ -205,27 +293,32 @@ def gdn_prepare_kernel(
         qp = q + b * sqb + start * sqt + hk * sqh
         kp = k + b * skb + start * skt + hk * skh
         gp = g + b * sgb + start * sgt + h * sgh
-        G, _ = load_decay(gp, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL)
+        G, GL, after = load_decay(gp, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL)
+        D = segment_sums(gp, rows, row_mask, sgt)  # scalar gate only (unused per channel)
         bet = tl.load(beta + b * sbb + (start + rows) * sbt + h * sbh, mask=row_mask, other=0)
         bet = bet.to(tl.float32)
-        kt = load_tile(kp, rows, row_mask, skt, kcols, K, skk).to(tl.float32)
-        qt = load_tile(qp, rows, row_mask, sqt, kcols, K, sqk).to(tl.float32)
+        # q and k stay in their dtype (the dots' operands); M is stored before the solve so
+        # that only A, T and k hold registers through it
+        kt = load_tile(kp, rows, row_mask, skt, kcols, K, skk)
+        qt = load_tile(qp, rows, row_mask, sqt, kcols, K, sqk)
         kk, qk = (skt, skk, skt, skk, sgt, sgk), (sqt, sqk, skt, skk, sgt, sgk)
-        A = decay_gram(
-            kt, kt, G, kp, kp, gp, rows, row_mask, kk, K, False, PER_CHANNEL, DT, DOT, BT
-        )
-        Ti = unit_lower_inverse(bet[:, None] * A, BT, SOLVE_BLOCK)
-        Mt = decay_gram(
-            qt, kt, G, qp, kp, gp, rows, row_mask, qk, K, True, PER_CHANNEL, DT, DOT, BT
-        )
-        Mt *= scale
         # scratch rows: token (b, start + i), head h
         base = (b * T + start + rows) * Hv + h  # (BT,)
-        wt = mm(Ti, bet[:, None] * kt * tl.exp(per_row(G, PER_CHANNEL)), DT, DOT)
+        Mt = decay_gram(
+            qt, kt, D, qp, kp, gp, rows, row_mask, qk, K, True, PER_CHANNEL, DT, DOT, BT
+        )
+        tl.store(M + base[:, None] * BT + rows[None, :], Mt * scale, mask=row_mask[:, None])
+        A = decay_gram(
+            kt, kt, D, kp, kp, gp, rows, row_mask, kk, K, False, PER_CHANNEL, DT, DOT, BT
+        )
+        tri = Tinv + ((b * T + start) * Hv + h) * BT  # the chunk's (BT, BT) rows
+        Ti = unit_lower_inverse(bet[:, None] * A, tri, Hv * BT, eos - start, BT, SOLVE_BLOCK)
+        if PER_CHANNEL:  # read again: a (BT, BK) fp32 G held through the solve spills
+            G, GL, after = load_decay(gp, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL)
+        bk = bet[:, None] * kt.to(tl.float32) * tl.exp(per_row(G, PER_CHANNEL))
+        wt = mm(Ti, bk, DT, DOT)
         kmask = row_mask[:, None] & (kcols[None, :] < K)
         tl.store(w + base[:, None] * K + kcols[None, :], wt, mask=kmask)
-        tl.store(Tinv + base[:, None] * BT + rows[None, :], Ti, mask=row_mask[:, None])
-        tl.store(M + base[:, None] * BT + rows[None, :], Mt, mask=row_mask[:, None])
         vp = v + b * svb + start * svt + h * svh
         for v0 in range(0, V, BV):
             vt = load_tile(vp + v0 * svv, rows, row_mask, svt, vcols, V - v0, svv)
@@ -241,20 +334,17 @@ def gdn_state_kernel(
     o, sob, sot, soh, sov,  # (B, T, Hv, V) output (OUTPUT)
     h0, ht,  # (N, Hv, K, V) fp32: initial (HAS_H0) and final state
     states, new_values,  # (chunks, Hv, K, V) fp32 chunk-start states, (B, T, Hv, V) U (STORE)
-    cu_seqlens, chunk_first,
-    scale, T, NT, Hv, GROUP, K, V,
+    cu_seqlens, chunk_doc, chunk_first,  # packed documents (chunk_doc unused here)
+    scale, T, N, NT, Hv, GROUP, K, V,
     PER_CHANNEL: tl.constexpr, VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
     OUTPUT: tl.constexpr, STORE: tl.constexpr, DOT: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     DT = q.dtype.element_ty
-    pid_v, pid_nh = tl.program_id(0), tl.program_id(1)
-    n, h = pid_nh // Hv, pid_nh % Hv
+    n, h, b, bos, eos, first = document_of(cu_seqlens, chunk_first, T, NT, Hv, VARLEN)
     hk = h // GROUP
-    b, bos, eos = doc_span(cu_seqlens, n, T, VARLEN)
-    first = tl.load(chunk_first + n) if VARLEN else n * NT
     rows, kcols = tl.arange(0, BT), tl.arange(0, BK)
-    vcols = pid_v * BV + tl.arange(0, BV)
+    vcols = tl.program_id(0) * BV + tl.arange(0, BV)
     state_mask = (kcols[:, None] < K) & (vcols[None, :] < V)
     state_off = kcols[:, None] * V + vcols[None, :]  # (BK, BV) in a (K, V) state
     S = tl.zeros((BK, BV), dtype=tl.float32)
@@ -266,7 +356,7 @@ def gdn_state_kernel(
         kmask = row_mask[:, None] & (kcols[None, :] < K)
         vmask = row_mask[:, None] & (vcols[None, :] < V)
         base = (b * T + start + rows) * Hv + h
-        G, GL = load_decay(
+        G, GL, after = load_decay(
             g + b * sgb + start * sgt + h * sgh, rows, row_mask, sgt, kcols, K, sgk, PER_CHANNEL
         )
         wt = tl.load(w + base[:, None] * K + kcols[None, :], mask=kmask, other=0)
@@ -284,7 +374,7 @@ def gdn_state_kernel(
             o_ptr = o + b * sob + (start + rows[:, None]) * sot + h * soh + vcols[None, :] * sov
             tl.store(o_ptr, out.to(o.dtype.element_ty), mask=vmask)
         kt = load_tile(k + b * skb + start * skt + hk * skh, rows, row_mask, skt, kcols, K, skk)
-        kd = kt.to(tl.float32) * tl.exp(per_row(GL - G, PER_CHANNEL))
+        kd = kt.to(tl.float32) * tl.exp(per_row(after, PER_CHANNEL))
         S = S * tl.exp(per_state_row(GL, PER_CHANNEL))
         S += mm(tl.trans(kd), U, DT, DOT)
     tl.store(ht + (n * Hv + h) * K * V + state_off, S, mask=state_mask)
@@ -360,16 +450,38 @@ def g_strides(g: torch.Tensor) -> tuple[int, ...]:
     return (*g.stride(), 0) if g.dim() == 3 else g.stride()
 
 
+def chunk_grid(table, dims, cu_seqlens) -> tuple[int, int]:
+    """The per-chunk kernels' grid: (chunk slots, B * Hv), or (slots, Hv) when packed."""
+    B, _, _, Hv, *_ = dims
+    return table[0], Hv if cu_seqlens is not None else B * Hv
+
+
+def tail_args(table, dims, cu_seqlens, scale) -> tuple:
+    """The arguments every GDN kernel ends with, in its signatures' order: the packed
+    documents' tables, then scale, T, N, NT, Hv, GROUP, K, V."""
+    B, T, Hk, Hv, K, V, N = dims
+    _, NT, chunk_doc, chunk_first = table
+    return cu_seqlens, chunk_doc, chunk_first, scale, T, N, NT, Hv, Hv // Hk, K, V
+
+
+def kernel_flags(q, g, cu_seqlens) -> dict:
+    """The constexprs every GDN kernel takes: the gate's kind, packing, the dots' fp32
+    precision and the chunk."""
+    return {
+        "PER_CHANNEL": g.dim() == 4,
+        "VARLEN": cu_seqlens is not None,
+        "DOT": dot_precision(q.dtype),
+        "BT": CHUNK,
+    }
+
+
 def prepare(q, k, v, g, beta, scale, cu_seqlens, table, dims) -> tuple[torch.Tensor, ...]:
     """Launch the prepare kernel: (w, u, Tinv, M), fp32 scratch (B, T, Hv, K | V | 64 | 64)."""
     B, T, Hk, Hv, K, V, N = dims
-    slots, NT, chunk_doc, chunk_first = table
     scratch = q.new_empty(B * T * Hv * (K + V + 2 * CHUNK), dtype=torch.float32)
     sizes = [B * T * Hv * d for d in (K, V, CHUNK, CHUNK)]
     w, u, Tinv, M = (t.view(B, T, Hv, -1) for t in scratch.split(sizes))
-    varlen = cu_seqlens is not None
-    grid = (slots, Hv if varlen else B * Hv)
-    gdn_prepare_kernel[grid](
+    gdn_prepare_kernel[chunk_grid(table, dims, cu_seqlens)](
         q,
         k,
         v,
@@ -384,21 +496,8 @@ def prepare(q, k, v, g, beta, scale, cu_seqlens, table, dims) -> tuple[torch.Ten
         u,
         Tinv,
         M,
-        cu_seqlens,
-        chunk_doc,
-        chunk_first,
-        scale,
-        T,
-        N,
-        NT,
-        Hv,
-        Hv // Hk,
-        K,
-        V,
-        PER_CHANNEL=g.dim() == 4,
-        VARLEN=varlen,
-        DOT=dot_precision(q.dtype),
-        BT=CHUNK,
+        *tail_args(table, dims, cu_seqlens, scale),
+        **kernel_flags(q, g, cu_seqlens),
         BK=max(16, next_power_of_2(K)),
         BV=min(64, max(16, next_power_of_2(V))),
         **prepare_configs(K, V)[0].all_kwargs(),
@@ -412,7 +511,6 @@ def run_states(q, k, g, scratch, initial_state, cu_seqlens, table, dims, *, scal
     `store` when given."""
     o, store = writes
     B, T, Hk, Hv, K, V, N = dims
-    _, NT, _, chunk_first = table
     w, u, _, M = scratch
     config = state_configs(K, V)[0]
     final = q.new_empty((N, Hv, K, V), dtype=torch.float32)
@@ -435,22 +533,11 @@ def run_states(q, k, g, scratch, initial_state, cu_seqlens, table, dims, *, scal
         final,
         states,
         new_values,
-        cu_seqlens,
-        chunk_first,
-        scale,
-        T,
-        NT,
-        Hv,
-        Hv // Hk,
-        K,
-        V,
-        PER_CHANNEL=g.dim() == 4,
-        VARLEN=cu_seqlens is not None,
+        *tail_args(table, dims, cu_seqlens, scale),
+        **kernel_flags(q, g, cu_seqlens),
         HAS_H0=initial_state is not None,
         OUTPUT=o is not None,
         STORE=store is not None,
-        DOT=dot_precision(q.dtype),
-        BT=CHUNK,
         BK=max(16, next_power_of_2(K)),
         **config.all_kwargs(),
     )

@@ -9,6 +9,7 @@ and strided inputs; gates mix near-0 and very negative (-20) decays, beta has bo
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 from fusedpar.kernels.linear_attention import chunk as gdn_chunk
 from fusedpar.kernels.linear_attention import chunk_backward as gdn_chunk_backward
 from fusedpar.kernels.linear_attention.chunk import CHUNK, chunk_gated_delta_forward
@@ -213,3 +214,40 @@ def test_guarded_transposes_fp32(monkeypatch):
     by ``tl.dot(tl.trans(acc), x)``, which those versions miscompile on Hopper)."""
     monkeypatch.setattr(gdn_chunk_backward, "TRANSPOSE_VIA_MEMORY", True)
     check(make_inputs(1, 65, 1, 2, 16, 16, seed=23), torch.float32)
+
+
+@pytest.mark.parametrize(("T", "per_channel"), [(70, False), (30, True)], ids=["scalar", "kda"])
+def test_key_blocks_fp32(monkeypatch, T, per_channel):
+    """K = 40 in blocks of 16 (two full, one partial) in both gradient kernels: the
+    state-side kernel's K grid axis and the chunk-local kernel's K loops (the shipped
+    tiles take K <= 128 in one block there, and 32 at a time here). Per channel, one
+    chunk: the interpreter runs its channel loops slowly."""
+    blocks = [triton.Config({"BK": 16, "BV": 16}, num_warps=4, num_stages=1)]
+    monkeypatch.setattr(gdn_chunk_backward, "state_grads_configs", lambda K, V: blocks)
+    monkeypatch.setattr(gdn_chunk_backward, "grads_configs", lambda K, V: blocks)
+    check(make_inputs(1, T, 1, 2, 40, 24, seed=29, per_channel=per_channel), torch.float32)
+
+
+def test_deep_gate_keeps_fp32_precision():
+    """A scalar gate of -300 early in each chunk, near 0 elsewhere: the decays are segment
+    sums (each its own running sum), not differences of cumulative sums, so the later
+    tokens keep fp32's precision (with differences: o, dg, dbeta ~4e-5 relative, PyTorch's
+    chunked fp32 the same; segment sums ~4e-7)."""
+    x = make_inputs(1, 70, 1, 2, 16, 16, seed=31)
+    g = -0.01 * torch.rand_like(x["g"])
+    g[:, 3::CHUNK] = -300.0
+    x["g"] = g
+    ins = {n: x[n].float() for n in ("q", "k", "v", "g", "beta")}
+    h0 = x["initial_state"].float()
+    x = {**x, **{n: t.double() for n, t in ins.items()}, "initial_state": h0.double()}
+    kwargs = {"scale": 16**-0.5, "initial_state": h0, "cu_seqlens": None}
+    o, final = chunk_gated_delta_forward(*ins.values(), **kwargs)
+    dfinal = x["dfinal"].float()
+    grads = chunk_gated_delta_backward(x["do"].float(), dfinal, *ins.values(), **kwargs)
+    x["do"], x["dfinal"] = x["do"].float().double(), dfinal.double()
+    ref_o, ref_final, ref_grads = reference(x, torch.float64)
+    for name, got, ref in zip(
+        ("o", "final", *GRADS), (o, final, *grads), (ref_o, ref_final, *ref_grads), strict=True
+    ):
+        err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 3e-6, (name, err)
