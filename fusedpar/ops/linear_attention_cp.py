@@ -28,7 +28,7 @@ from fusedpar.comm import (
     group_size,
     split_to_region,
 )
-from fusedpar.kernels.common import accumulator
+from fusedpar.kernels.common import TensorCache, accumulator
 from fusedpar.kernels.linear_attention import (
     MAX_HEAD_DIM,
     gated_delta_backward,
@@ -363,6 +363,22 @@ def _initial_grad(plan: SpanPlan, dentering: Tensor, dinit: Tensor, dfinal, exch
     return found
 
 
+# (spans, B, device) and the packed documents -> (plan, the local pieces' cu_seqlens): a
+# packed batch read once on the host, not once per layer and step
+_PLANS = TensorCache(16)
+
+
+def _planned(spans: Spans, B: int, cu_seqlens: Tensor | None, device):
+    tensors = () if cu_seqlens is None else (cu_seqlens,)
+    key = (spans, B, str(device))
+    found = _PLANS.get(tensors, key)
+    if found is None:
+        plan = plan_spans(spans, B, cu_seqlens)
+        found = plan, torch.tensor(plan.bounds, dtype=torch.int32, device=device)
+        _PLANS.put(tensors, key, found)
+    return found
+
+
 def context_parallel_gated_delta(
     inputs, *, scale, initial_state, cu_seqlens, want_final, group, layout
 ):
@@ -377,8 +393,7 @@ def context_parallel_gated_delta(
         )
     exchange = group if isinstance(group, Exchange) else Exchange(group)
     spans = exchange.spans(layout, T)
-    plan = plan_spans(spans, B, cu_seqlens)
-    local = torch.tensor(plan.bounds, dtype=torch.int32, device=q.device)
+    plan, local = _planned(spans, B, cu_seqlens, q.device)
     setup = _Setup(plan, local, float(scale), exchange, want_final)
     return _ContextParallelGatedDelta.apply(*inputs, initial_state, setup)
 
