@@ -13,9 +13,9 @@ a scalar per row; Γ = exp(G); Γ_L the whole chunk's):
 
 The decays enter only as exp(G_i − G_j) with j <= i or exp(G_L − G_i), exponents <= 0
 (no overflow; per channel, the Gram matrices loop over channels rather than factor
-exp(G_i) exp(−G_j)), summed as segments of g (`segment_sums`, `load_decay`'s `after`)
-except per channel's Gram matrices. One launch per phase; packed documents map chunk
-slots to documents on the device (`chunk_table`, no host sync). The backward
+exp(G_i) exp(−G_j)); a scalar gate's are sums of g's segments (`segment_sums`,
+`load_decay`'s `after`), not differences. One launch per phase; packed documents map
+chunk slots to documents on the device (`chunk_table`, no host sync). The backward
 (`chunk_backward`) recomputes the chunk states. Notes: docs/linear_attention_kernels.md.
 """
 
@@ -117,21 +117,23 @@ def load_tile(ptr, rows, row_mask, stride_row, cols, n_cols, stride_col):
 def load_decay(g_ptr, rows, row_mask, stride_gt, cols, K, stride_gk, PER_CHANNEL: tl.constexpr):
     """The in-chunk cumulative log decay G ((64,) or (64, BK), fp32), the chunk's total G_L
     (a scalar or (BK,): G's last row, padding rows adding 0) and `after`, the decay from
-    each token to the chunk's end, sum_{t > i} g_t: its own running sum from the end, not
-    G_L - G_i, which an early deep gate leaves ~|G| eps off (0 at the last token either
-    way: tl.sum for G_L would round differently from G's last row)."""
-    nxt = rows + 1 < tl.sum(row_mask.to(tl.int32), axis=0)  # token i + 1 is the chunk's
+    each token to the chunk's end, sum_{t > i} g_t. A scalar gate's is its own running sum
+    from the end: G_L - G_i loses ~|G| eps after an early deep gate. Per channel it is
+    G_L - G (a second (64, BK) tile spilled the state kernel, 272 -> 680 B at K = 128).
+    Either is 0 at the last token (tl.sum for G_L would round differently from G's)."""
     if PER_CHANNEL:
         g = load_tile(g_ptr, rows, row_mask, stride_gt, cols, K, stride_gk).to(tl.float32)
         G = tl.cumsum(g, axis=0)
         last = tl.sum(tl.where(rows[:, None] == rows.shape[0] - 1, G, 0.0), axis=0)
-        g_next = load_tile(g_ptr + stride_gt, rows, nxt, stride_gt, cols, K, stride_gk)
+        after = last[None, :] - G
     else:
         g = tl.load(g_ptr + rows * stride_gt, mask=row_mask, other=0).to(tl.float32)
         G = tl.cumsum(g, axis=0)
         last = tl.sum(tl.where(rows == rows.shape[0] - 1, G, 0.0), axis=0)
-        g_next = tl.load(g_ptr + (rows + 1) * stride_gt, mask=nxt, other=0)
-    return G, last, tl.cumsum(g_next.to(tl.float32), axis=0, reverse=True)
+        nxt = rows + 1 < tl.sum(row_mask.to(tl.int32), axis=0)  # token i + 1 is the chunk's
+        g_next = tl.load(g_ptr + (rows + 1) * stride_gt, mask=nxt, other=0).to(tl.float32)
+        after = tl.cumsum(g_next, axis=0, reverse=True)
+    return G, last, after
 
 
 @triton.jit
