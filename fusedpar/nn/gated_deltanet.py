@@ -30,13 +30,13 @@ from fusedpar import comm
 from fusedpar.kernels.common import accumulator
 from fusedpar.nn.gated_deltanet_cp import SequenceSplit
 from fusedpar.nn.gated_deltanet_dense import dense_parts, detect_layout
+from fusedpar.nn.head_parts import HeadParts
 from fusedpar.nn.rotary import RotaryPositions
 from fusedpar.nn.specs import FromSpec, GatedDeltaNetSpec
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.norm import rms_norm_gated
 from fusedpar.placement import Placement
 from fusedpar.plan.linear_context import LinearSizes
-from fusedpar.storage import ParamLayout, local_tensor
 
 SPEC_FIELDS = {f.name for f in dataclasses.fields(GatedDeltaNetSpec)} - {"_"}
 PLACEMENT_FIELDS = {f.name for f in dataclasses.fields(Placement)}
@@ -58,7 +58,7 @@ def split_options(options: dict, allowed: set, what: str) -> dict:
     return {k: v for k, v in options.items() if k in allowed}
 
 
-class GatedDeltaNet(FromSpec, RotaryPositions, nn.Module):
+class GatedDeltaNet(FromSpec, HeadParts, RotaryPositions, nn.Module):
     """Gated DeltaNet over TP (heads). See the module doc.
 
     | parameter                            | shape on a rank   |
@@ -79,6 +79,7 @@ class GatedDeltaNet(FromSpec, RotaryPositions, nn.Module):
     """
 
     GROUP_AXES = {"tp_group": ("tp",)}
+    SPLIT_DIMS = SPLIT_DIMS
     SPEC = GatedDeltaNetSpec
     _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 
@@ -162,20 +163,8 @@ class GatedDeltaNet(FromSpec, RotaryPositions, nn.Module):
         Hk, Hv, K, V = self.spec.sizes
         return LinearSizes(Hk // self.tp, Hv // self.tp, K, V, self.spec.conv_size)
 
-    @staticmethod
-    def param_name(part: str) -> str:
-        """The parameter holding the full tensor `part` (`SPLIT_DIMS`) on this rank."""
-        return part if part in ("A_log", "dt_bias") else f"{part}_weight"
-
-    def full_shapes(self) -> dict:
-        """part -> the shape of its full (unsplit) tensor."""
-        shapes = {}
-        for part, dim in SPLIT_DIMS.items():
-            shape = list(getattr(self, self.param_name(part)).shape)
-            if dim is not None:
-                shape[dim] *= self.tp
-            shapes[part] = tuple(shape)
-        return shapes
+    def sizes_text(self) -> str:
+        return f"Hk {self.n_k_heads}, Hv {self.n_v_heads}, K {self.head_k_dim}, V {self.head_v_dim}"
 
     def reset_parameters(self) -> None:
         """The full model drawn on the CPU in float32 from the current RNG state (the same
@@ -193,37 +182,6 @@ class GatedDeltaNet(FromSpec, RotaryPositions, nn.Module):
         parts["dt_bias"] = torch.ones(Hv)
         parts["norm"] = torch.ones(self.head_v_dim)
         self.load_parts(parts)
-
-    def load_parts(self, parts: dict) -> None:
-        """Copy this rank's heads of the full tensors `parts` (every name of
-        `SPLIT_DIMS`, in this layer's head-major sections): ValueError naming a missing
-        one or a shape that does not fit."""
-        expected = self.full_shapes()
-        missing = set(expected) - set(parts)
-        if missing or set(parts) - set(expected):
-            raise ValueError(
-                f"GatedDeltaNet.load_parts takes {sorted(expected)}, got {sorted(parts)}"
-            )
-        for part, shape in expected.items():
-            if tuple(parts[part].shape) != shape:
-                raise ValueError(
-                    f"GatedDeltaNet: {part} must be {shape} (Hk {self.n_k_heads}, Hv "
-                    f"{self.n_v_heads}, K {self.head_k_dim}, V {self.head_v_dim}), got "
-                    f"{tuple(parts[part].shape)}"
-                )
-        with torch.no_grad():
-            for part, dim in SPLIT_DIMS.items():
-                full = parts[part].detach()
-                local = full if dim is None else full.chunk(self.tp, dim)[self.tp_rank]
-                local_tensor(getattr(self, self.param_name(part))).copy_(local)
-
-    def param_layouts(self) -> dict:
-        """For `fusedpar.distribute`: every section split over TP by whole heads (o by
-        its columns); the norm weight whole, each TP rank's gradient a partial sum over
-        its own heads."""
-        heads, norm = ParamLayout(0, self.tp_group), ParamLayout(partial_over=(self.tp_group,))
-        layouts = {self.param_name(p): heads for p, dim in SPLIT_DIMS.items() if dim == 0}
-        return layouts | {"norm_weight": norm, "o_weight": ParamLayout(1, self.tp_group)}
 
     @classmethod
     def from_dense(cls, module, placement=None, *, device=None, dtype=None, **options):

@@ -33,12 +33,12 @@ from fusedpar.kernels.common import accumulator
 from fusedpar.kernels.linear_attention import MAX_HEAD_DIM
 from fusedpar.kernels.linear_attention.conv1d import MAX_WIDTH
 from fusedpar.nn.gated_deltanet_cp import SequenceSplit
+from fusedpar.nn.head_parts import HeadParts
 from fusedpar.nn.rotary import RotaryPositions
 from fusedpar.nn.specs import FromSpec
 from fusedpar.ops.linear import all_gather_matmul, matmul_reduce_scatter
 from fusedpar.ops.norm import rms_norm_gated
 from fusedpar.placement import Placement
-from fusedpar.storage import ParamLayout, local_tensor
 
 # our full tensors: name -> the dim split over TP (None: whole on every rank)
 SPLIT_DIMS = {
@@ -111,7 +111,7 @@ def _options(options: dict, allowed: set, what: str) -> dict:
     return {k: v for k, v in options.items() if k in allowed}
 
 
-class KimiDeltaAttention(FromSpec, RotaryPositions, nn.Module):
+class KimiDeltaAttention(FromSpec, HeadParts, RotaryPositions, nn.Module):
     """Kimi Delta Attention over TP (heads). See the module doc.
 
     | parameter                                | shape on a rank |
@@ -133,6 +133,7 @@ class KimiDeltaAttention(FromSpec, RotaryPositions, nn.Module):
     """
 
     GROUP_AXES = {"tp_group": ("tp",)}
+    SPLIT_DIMS = SPLIT_DIMS
     SPEC = KimiDeltaSpec
     _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 
@@ -186,20 +187,8 @@ class KimiDeltaAttention(FromSpec, RotaryPositions, nn.Module):
         if self.q_weight.device.type != "meta":
             self.reset_parameters()
 
-    @staticmethod
-    def param_name(part: str) -> str:
-        """The parameter holding the full tensor `part` (`SPLIT_DIMS`) on this rank."""
-        return part if part in ("A_log", "dt_bias") else f"{part}_weight"
-
-    def full_shapes(self) -> dict:
-        """part -> the shape of its full (unsplit) tensor."""
-        shapes = {}
-        for part, dim in SPLIT_DIMS.items():
-            shape = list(getattr(self, self.param_name(part)).shape)
-            if dim is not None:
-                shape[dim] *= self.tp
-            shapes[part] = tuple(shape)
-        return shapes
+    def sizes_text(self) -> str:
+        return f"H {self.n_heads}, K {self.head_dim}, d {self.d_model}"
 
     def reset_parameters(self) -> None:
         """The full model drawn on the CPU in float32 from the current RNG state (the
@@ -217,35 +206,6 @@ class KimiDeltaAttention(FromSpec, RotaryPositions, nn.Module):
         parts["dt_bias"] = dt + torch.log(-torch.expm1(-dt))  # softplus(dt_bias) = dt
         parts["norm"] = torch.ones(shapes["norm"])
         self.load_parts(parts)
-
-    def load_parts(self, parts: dict) -> None:
-        """Copy this rank's heads of the full tensors `parts` (every name of
-        `SPLIT_DIMS`): ValueError naming a missing one or a shape that does not fit."""
-        expected = self.full_shapes()
-        if set(parts) != set(expected):
-            raise ValueError(
-                f"KimiDeltaAttention.load_parts takes {sorted(expected)}, got {sorted(parts)}"
-            )
-        for part, shape in expected.items():
-            if tuple(parts[part].shape) != shape:
-                raise ValueError(
-                    f"KimiDeltaAttention: {part} must be {shape} (H {self.n_heads}, K "
-                    f"{self.head_dim}, d {self.d_model}), got {tuple(parts[part].shape)}"
-                )
-        with torch.no_grad():
-            for part, dim in SPLIT_DIMS.items():
-                full = parts[part].detach()
-                local = full if dim is None else full.chunk(self.tp, dim)[self.tp_rank]
-                local_tensor(getattr(self, self.param_name(part))).copy_(local)
-
-    def param_layouts(self) -> dict:
-        """For `fusedpar.distribute`: the heads' tensors split over TP (o by its
-        columns); f_a, g_a and the norm weight whole, each TP rank's gradient a partial
-        sum over its own heads."""
-        heads, shared = ParamLayout(0, self.tp_group), ParamLayout(partial_over=(self.tp_group,))
-        layouts = {self.param_name(p): heads for p, dim in SPLIT_DIMS.items() if dim == 0}
-        layouts |= {self.param_name(p): shared for p, dim in SPLIT_DIMS.items() if dim is None}
-        return layouts | {"o_weight": ParamLayout(1, self.tp_group)}
 
     @classmethod
     def from_dense(cls, module, placement=None, *, device=None, dtype=None, **options):
