@@ -148,8 +148,8 @@ def test_per_channel_decays_formed_a_block_of_chunks_at_a_time(monkeypatch):
     forward and every gradient, packed documents across the blocks."""
     monkeypatch.setattr(torch_impl, "DECAY_ELEMENTS", 64 * 64 * 8 * 3)
     lengths = [65, 1, 66]
-    inputs = gdn_inputs(1, sum(lengths), 1, 2, 8, 4, dtype=torch.float64, seed=21,
-                        per_channel=True, documents=lengths)  # fmt: skip
+    options = dict(dtype=torch.float64, seed=21, per_channel=True, documents=lengths)
+    inputs = gdn_inputs(1, sum(lengths), 1, 2, 8, 4, **options)
     do, dfinal = _upstream(inputs, 21)
     got = run_with_grads(fp.gated_delta_rule, inputs, do, dfinal)
     _check(got, run_with_grads(reference, inputs, do, dfinal))
