@@ -12,6 +12,7 @@ import torch
 from fusedpar.kernels.linear_attention import (
     gated_delta_backward,
     gated_delta_forward,
+    torch_impl,
 )
 from fusedpar.kernels.linear_attention.chunk import chunk_gated_delta_forward
 from fusedpar.kernels.linear_attention.chunk_backward import chunk_gated_delta_backward
@@ -139,6 +140,19 @@ def test_fp32_against_float64(implementation, T, Hk, group, K, V, per_channel, s
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
     plain = run_with_grads(reference, inputs, do.float(), dfinal.float())
     _check(got, run_with_grads(reference, wide, do, dfinal), plain)
+
+
+def test_per_channel_decays_formed_a_block_of_chunks_at_a_time(monkeypatch):
+    """torch's per-channel decays, (64, 64, K) a chunk, formed a few chunks at a time
+    (`DECAY_ELEMENTS` cut to one chunk and head's worth): the same float64 results,
+    forward and every gradient, packed documents across the blocks."""
+    monkeypatch.setattr(torch_impl, "DECAY_ELEMENTS", 64 * 64 * 8 * 3)
+    lengths = [65, 1, 66]
+    options = dict(dtype=torch.float64, seed=21, per_channel=True, documents=lengths)
+    inputs = gdn_inputs(1, sum(lengths), 1, 2, 8, 4, **options)
+    do, dfinal = _upstream(inputs, 21)
+    got = run_with_grads(fp.gated_delta_rule, inputs, do, dfinal)
+    _check(got, run_with_grads(reference, inputs, do, dfinal))
 
 
 def test_dtypes_of_the_results():
