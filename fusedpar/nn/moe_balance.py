@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 
 class LoadStats(NamedTuple):
@@ -61,11 +62,25 @@ def _moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if hasattr(m, "bias_update_rate")]
 
 
-def _default_group():
-    """The world when there is one (no pipeline: every rank holds every layer)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.group.WORLD
-    return None
+_flattened: dict[int, tuple] = {}  # id(mesh) -> (mesh, its ranks as one group)
+
+
+def _group_of(group):
+    """The process group of `group`: None: the world when there is one (every rank holds
+    every layer when there is no pipeline); a DeviceMesh: all its ranks (flattened once
+    per mesh); a process group as it is."""
+    if group is None:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return dist.group.WORLD
+        return None
+    if isinstance(group, DeviceMesh):
+        if group.ndim == 1:
+            return group.get_group()
+        cached = _flattened.get(id(group))
+        if cached is None or cached[0] is not group:
+            cached = _flattened[id(group)] = (group, group._flatten().get_group())
+        return cached[1]
+    return group
 
 
 @torch.no_grad()
@@ -75,11 +90,11 @@ def update_expert_bias(model: nn.Module, group=None) -> None:
     ``expert_bias += bias_update_rate * sign(mean(load) - load)`` (layers with a rate
     only), are kept for `load_stats` and reset.
 
-    `group`: the ranks that routed the step's tokens through these same layers; None:
-    the world (every rank of dp x cp x tp when there is no pipeline). Under a pipeline
-    the stages hold different layers: pass the group of the ranks holding this stage's
-    layers (the mesh's non-pp axes flattened). A layer that ran no forward this step
-    counts zero. Every rank of `group` must call this (a collective)."""
+    `group`: the ranks that routed the step's tokens through these same layers, a
+    process group or a DeviceMesh (all its ranks); None: the world (every rank of dp x
+    cp x tp when there is no pipeline). Under a pipeline the stages hold different
+    layers: pass ``dims.stage_mesh(mesh)`` (the world would add other stages' loads).
+    A layer that ran no forward this step counts zero. Every rank of `group` calls it."""
     layers = _moe_layers(model)
     if not layers:
         return
@@ -89,7 +104,7 @@ def update_expert_bias(model: nn.Module, group=None) -> None:
         step = layer.step_load
         loads.append(step if step is not None else torch.zeros(layer.num_experts, device=device))
     flat = torch.cat([t.to(device=device, dtype=torch.int64) for t in loads])  # (sum E,)
-    group = _default_group() if group is None else group
+    group = _group_of(group)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(flat, group=group)  # the one collective of the step
     sizes = [layer.num_experts for _, layer in layers]
@@ -114,9 +129,3 @@ def load_stats(model: nn.Module) -> dict[str, LoadStats]:
         ratio = torch.where(mean > 0, load.max().float() / mean.clamp_min(1e-30), 1.0)
         stats[name] = LoadStats(load, ratio)
     return stats
-
-
-def worst_imbalance(model: nn.Module) -> torch.Tensor | None:
-    """The largest max/mean over `model`'s MoE layers' last step (None: no stats yet)."""
-    ratios = [s.max_over_mean for s in load_stats(model).values()]
-    return torch.stack(ratios).max() if ratios else None
