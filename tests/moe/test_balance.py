@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fusedpar as fp
-from fusedpar.testing import Collectives
+from fusedpar.testing import Collectives, HostSyncs
 
 RATE, STEPS, MICRO, D = 0.05, 3, 2, 8
 # (num_experts, top_k, score, bias_update_rate); the softmax layer is counted, not moved
@@ -168,3 +168,21 @@ def test_bad_rates_are_refused(kwargs, match):
 def test_the_spec_builds_the_same_layer():
     spec = fp.nn.MoESpec(D, 6, 4, 2, score="sigmoid", bias_update_rate=RATE)
     assert fp.nn.MoE.from_spec(spec).bias_update_rate == RATE
+
+
+def test_no_host_sync_and_no_gradient_touched():
+    """Counting (with a capacity: the choices' scatter-add) and the update read nothing
+    back to the host; the update leaves every gradient as it was, and the bias is no
+    parameter (the optimizer never sees it)."""
+    layer = fp.nn.MoE(D, 6, 4, 2, score="sigmoid", bias_update_rate=RATE, capacity_factor=1.0)
+    with HostSyncs() as syncs:
+        y, aux = layer(torch.randn(6, D))
+        fp.nn.moe.update_expert_bias(layer)
+    assert syncs.found == []
+    (y.sum() + aux).backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer(torch.randn(6, D))
+    fp.nn.moe.update_expert_bias(layer)
+    assert all(torch.equal(p.grad, grads[n]) for n, p in layer.named_parameters())
+    assert "expert_bias" not in dict(layer.named_parameters())
+    assert "expert_bias" in layer.state_dict() and "step_load" not in layer.state_dict()
