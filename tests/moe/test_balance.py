@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import fusedpar as fp
 from fusedpar.testing import Collectives, HostSyncs
@@ -73,10 +74,12 @@ def _reference(model, world: int, steps: int):
 def _run_steps(ep: bool):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _model(ep)
+    # at 4 ranks the group given as a 2 x 2 DeviceMesh (taken whole); at 2 the default
+    group = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b")) if world == 4 else None
     for step in range(STEPS):
         with Collectives() as seen:
             _step(model, step, rank)
-            fp.nn.moe.update_expert_bias(model)
+            fp.nn.moe.update_expert_bias(model, group)
         # the forwards' dispatch exchanges aside, one all-reduce for every layer's loads
         assert seen.counts[("all_reduce", world)] == 1, seen.counts
         assert all(layer.step_load is None for layer in model)  # reset
@@ -95,7 +98,7 @@ def _run_steps(ep: bool):
 @pytest.mark.parametrize("size, ep", [(2, False), (4, True)])
 def test_bias_follows_the_reference_loop(world, size, ep):
     """Loads summed over 2 or 4 ranks of different token counts (EP over the world for
-    the first layer at 4), two microbatches a step, three steps."""
+    the first layer at 4, the group a 2 x 2 mesh), two microbatches a step, three steps."""
     assert all(world(size).run(_run_steps, ep))
 
 
