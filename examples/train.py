@@ -313,6 +313,8 @@ def train(args, cuda: bool) -> int:
             total = loss.detach().clone()
         optimizer.step()
         optimizer.zero_grad()
+        if args.moe:  # the step's loads over the stage's ranks: one all-reduce, all layers
+            fp.nn.moe.update_expert_bias(model, dims.stage_mesh(mesh))
         dist.all_reduce(total)  # sum of the shares of every (dp, cp, tp) rank ...
         losses.append(total.item() / dims.dp)  # ... averaged over the dp batches
         if rank == 0:
@@ -322,8 +324,15 @@ def train(args, cuda: bool) -> int:
             ref_optimizer.zero_grad()
             ref_losses.append(ref_loss.item())
             rate = len(losses) * tokens_per_step / (time.perf_counter() - start)
+            balance = ""
+            if args.moe:  # the worst MoE layer's max/mean tokens per expert (this stage's)
+                stats = fp.nn.moe.load_stats(model).values()
+                worst = max((s.max_over_mean.item() for s in stats), default=1.0)
+                balance = f", experts' load max/mean {worst:.2f}"
             progress.update(
-                step, f"loss {losses[-1]:.4f} (reference {ref_losses[-1]:.4f}) {rate:,.0f} tokens/s"
+                step,
+                f"loss {losses[-1]:.4f} (reference {ref_losses[-1]:.4f}) {rate:,.0f} tokens/s"
+                f"{balance}",
             )
         if args.save and (step == args.steps or args.save_every and step % args.save_every == 0):
             try:

@@ -8,6 +8,7 @@ from torch import nn
 
 from fusedpar import checks, comm
 from fusedpar.kernels.moe import Swiglu
+from fusedpar.nn.moe_balance import check_rate, count_step_load, load_stats, update_expert_bias
 from fusedpar.nn.specs import FromSpec, MoESpec
 from fusedpar.ops.gated_down import gated_down
 from fusedpar.ops.moe import Experts, Routing, moe_dispatch_combine
@@ -15,6 +16,8 @@ from fusedpar.ops.moe_routing import aux_losses, capacity_mask, route
 from fusedpar.placement import Placement
 from fusedpar.recompute import is_recomputing
 from fusedpar.storage import ParamLayout, local_tensor
+
+__all__ = ["MoE", "load_stats", "update_expert_bias"]
 
 
 class MoE(FromSpec, nn.Module):
@@ -64,6 +67,12 @@ class MoE(FromSpec, nn.Module):
     token where the forward did; `fusedpar.checkpoint_policy` saves the top-k and the
     all-to-alls' outputs outright.
 
+    In training each forward adds its tokens per expert to the step's count;
+    `update_expert_bias` (after ``optimizer.step()``) sums it over the ranks and, with
+    ``bias_update_rate=u`` (sigmoid scores only), moves ``expert_bias`` by
+    ``u * sign(mean load - load_e)`` (DeepSeek-V3's loss-free balancing; `load_stats`:
+    the step's loads, `fusedpar.nn.moe_balance`).
+
     The router (and its bias), like every parameter not split over the EP group, gets
     the gradient of this rank's tokens: the ranks of an EP group see different tokens.
     With the parameters on the mesh (`fusedpar.distribute`) that gradient is declared a
@@ -102,6 +111,7 @@ class MoE(FromSpec, nn.Module):
         n_group=1,
         topk_group=1,
         routed_scaling_factor=1.0,
+        bias_update_rate=None,
         device=None,
         dtype=None,
     ):
@@ -125,6 +135,7 @@ class MoE(FromSpec, nn.Module):
             n_group=n_group,
             topk_group=topk_group,
             routed_scaling_factor=routed_scaling_factor,
+            bias_update_rate=bias_update_rate,
         )
         self._build(spec, Placement(ep_group=ep_group), device, dtype)
 
@@ -186,6 +197,11 @@ class MoE(FromSpec, nn.Module):
             )
         bias = torch.zeros(num_experts, device=device) if spec.score == "sigmoid" else None
         self.register_buffer("expert_bias", bias)
+        check_rate(spec.bias_update_rate, spec.score)
+        self.bias_update_rate = spec.bias_update_rate
+        # (E,) int64 each: this step's local tokens per expert (None: none yet), and the
+        # last step's over the update's group (`moe_balance`; neither in the state dict)
+        self.step_load = self.last_step_load = None
         self.last_stats: dict = {}
         if self.router_weight.device.type != "meta":
             self.reset_parameters()
@@ -428,6 +444,8 @@ class MoE(FromSpec, nn.Module):
             else:  # a device tensor: no host sync for the stats
                 dropped = (ids.numel() - counts.sum()).float() / max(1, ids.numel())
             self.last_stats = {"tokens_per_expert": counts.detach(), "dropped_fraction": dropped}
+            if self.training:
+                count_step_load(self, ids, counts if keep is None else None)
         counted = counts if keep is None else None  # (after a capacity's drops: not these)
         aux = aux_losses(
             probs, logits, ids, self.score, self.aux_loss_coef, self.z_loss_coef, counts=counted
@@ -453,6 +471,8 @@ class MoE(FromSpec, nn.Module):
             extra += f", groups={self.groups[1]} of {self.groups[0]}"
         if self.routed_scaling_factor != 1.0:
             extra += f", routed_scaling_factor={self.routed_scaling_factor}"
+        if self.bias_update_rate is not None:
+            extra += f", bias_update_rate={self.bias_update_rate}"
         if self.activation != "silu":
             extra += (
                 f", activation={self.activation}(alpha={self.swiglu_alpha}, "

@@ -33,6 +33,7 @@ from fusedpar.kernels.linear_attention.conv1d import MAX_WIDTH
 from fusedpar.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT, check_activation
 from fusedpar.kernels.moe_route import SCORES, check_groups
 from fusedpar.nn.attention_parts import QK_NORMS
+from fusedpar.nn.moe_balance import check_rate
 from fusedpar.placement import Placement
 
 DEFAULT_ROPE = "default"  # `rope` left out: Llama's tables (None: no rotary embedding)
@@ -228,8 +229,10 @@ class MoESpec:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    bias_update_rate: float | None = None  # loss-free balancing's step (`moe_balance`)
 
     def __post_init__(self):
+        check_rate(self.bias_update_rate, self.score)
         if self.shared_gate and not self.shared_hidden:
             raise ValueError("shared_gate needs a shared expert: pass shared_hidden > 0")
         given = [
