@@ -2,13 +2,6 @@
 test_plan.py), and `real_ops`: `GatedDeltaNet`'s recurrence as the planner counts it
 (test_plan_gdn.py), its CPU backward's workspace kept out of the saved bytes."""
 
-import contextlib
-
-import torch
-
-import fusedpar as fp
-import fusedpar.nn.gated_deltanet_cp as gdn_module
-
 
 def held_state(model, optimizer) -> dict:
     """Bytes of the parameters, gradients and optimizer state this rank holds (local
@@ -35,33 +28,3 @@ def check_peaks(results: list, where, summed: bool) -> None:
     for group in [results] if summed else [[r] for r in results]:
         real, planned, slack = (sum(r["peak"][i] for r in group) for i in range(3))
         assert 0 <= real - planned <= slack, (where, real, planned, slack)
-
-
-def _same(t):
-    return t
-
-
-def _rule(*args, **kwargs):
-    """`fp.gated_delta_rule`, its backward run under neutral hooks: torch's CPU backward
-    recomputes its chunks under autograd, a workspace of the backward (the GPU's kernels
-    keep theirs in registers), not a tensor the forward saved."""
-    o, final = fp.gated_delta_rule(*args, **kwargs)
-    if o.grad_fn is not None:
-        hooks = torch.autograd.graph.saved_tensors_hooks(_same, _same)
-        o.grad_fn.register_prehook(lambda grads: hooks.__enter__())
-        o.grad_fn.register_hook(lambda inputs, outputs: hooks.__exit__(None, None, None))
-    return o, final
-
-
-@contextlib.contextmanager
-def real_ops():
-    """`fusedpar.nn.gated_deltanet_cp`'s recurrence run as `_rule`."""
-    ops = {"gated_delta_rule": _rule}
-    before = {name: getattr(gdn_module, name) for name in ops}
-    try:
-        for name, op in ops.items():
-            setattr(gdn_module, name, op)
-        yield
-    finally:
-        for name, op in before.items():
-            setattr(gdn_module, name, op)

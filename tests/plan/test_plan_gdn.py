@@ -25,7 +25,7 @@ from fusedpar.plan.accounting import POLICIES
 from fusedpar.plan.estimate import gdn_recurrence_flops
 from fusedpar.plan.report import markdown
 from fusedpar.testing import SavedActivations
-from tests.plan.helpers import check_peaks, held_state, real_ops
+from tests.plan.helpers import check_peaks, held_state
 from tests.support import tiny
 
 SEQ, BATCH = 16, 2
@@ -106,7 +106,7 @@ def _saved(kw: dict, dtype, kv_heads: int = 2) -> dict:
                 Checkpointed(b, wrap or noop_context_fn) for b in blocks
             )
         try:
-            with real_ops(), saved:
+            with saved:
                 loss = model(tokens, labels)
         finally:
             model.blocks = blocks
@@ -134,7 +134,7 @@ def _step(kw: dict, kv_heads: int = 2, split_gdn: bool = False) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(2):  # the second step is counted
         saved = SavedActivations(model.parameters())
-        with real_ops(), Collectives() as seen, saved:
+        with Collectives() as seen, saved:
             model(tokens, labels).backward()
             optimizer.step()
             real_state = held_state(model, optimizer)
