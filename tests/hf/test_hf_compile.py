@@ -4,7 +4,8 @@ eager call, at TP2 x CP2 on 4 gloo ranks (EP over tp for the MoE) and in one pro
 the loss and every gradient bit for bit eager's; the eager call runs the first call's
 batch check that the compiled calls skip; a padded mask raises inside the graph. The
 hybrids (Qwen3.5 dense and MoE: Gated DeltaNet layers among gated attention) likewise,
-in one process and at TP2, their GDN layers' ops custom ops in the one graph."""
+in one process, their GDN layers' ops custom ops in the one graph (under CP the
+recurrence's summaries are an autograd.Function: a graph break, not tested)."""
 
 import pytest
 import torch
@@ -113,14 +114,3 @@ def test_a_converted_hybrid_compiles_full_graph_in_one_process():
         first, after, checked, padded, gdn = got
         assert first and after and gdn and not checked, family
         assert padded is not None and "takes no padding" in padded, (family, padded)
-
-
-def test_a_converted_hybrid_compiles_full_graph_at_tp2(world):
-    """Qwen3.5 MoE at TP2 (EP2 over tp; the GDN's heads split over TP), compiled before
-    an eager call: bit for bit eager's on both ranks, the batch check run by the eager
-    one, the GDN ops in the graph."""
-    degrees = dict(tp=2, ep="tp")
-    results = world(2).run(
-        _compiled_and_eager, "qwen3_5_moe_text", degrees, False, ("first",), timeout=600
-    )
-    assert results == [[True, True, True, True]] * 2
