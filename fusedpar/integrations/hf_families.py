@@ -197,24 +197,17 @@ def check_layer(i: int, layer: nn.Module, config) -> None:
     attn = getattr(layer, mixer_name(layer, config), None)
     mlp = getattr(layer, "mlp", None)
     parts = FUSED_QKV.get(config.model_type, ("q_proj", "k_proj", "v_proj", "o_proj"))
-    if is_gdn(attn):
-        detect_layout(attn)  # a ValueError naming the projections it lacks
+    if is_gdn(attn) or is_kda(attn):  # linear attention: no bias, a SiLU conv
+        kind = "Gated DeltaNet" if is_gdn(attn) else "KDA"
+        if is_gdn(attn):
+            detect_layout(attn)  # a ValueError naming the projections it lacks
         biased = [m for m in attn.modules() if isinstance(m, (nn.Linear, nn.Conv1d))]
         refuse(
             any(m.bias is not None for m in biased),
-            f"layer {i}: a Gated DeltaNet projection or conv with a bias",
+            f"layer {i}: a {kind} projection or conv with a bias",
         )
         act = getattr(attn, "activation", "silu")
-        refuse(act not in ("silu", "swish"), f"layer {i}: a Gated DeltaNet conv with {act!r}")
-        parts = ()
-    elif is_kda(attn):
-        biased = [m for m in attn.modules() if isinstance(m, (nn.Linear, nn.Conv1d))]
-        refuse(
-            any(m.bias is not None for m in biased),
-            f"layer {i}: a KDA projection or conv with a bias",
-        )
-        act = getattr(attn, "activation", "silu")
-        refuse(act not in ("silu", "swish"), f"layer {i}: a KDA conv with {act!r}")
+        refuse(act not in ("silu", "swish"), f"layer {i}: a {kind} conv with {act!r}")
         parts = ()
     elif is_mla(attn):
         lora = getattr(attn, "q_a_proj", None) is not None

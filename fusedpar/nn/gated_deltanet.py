@@ -19,7 +19,6 @@ at each document. Context parallelism: `fusedpar.nn.gated_deltanet_cp`. `from_de
 `fusedpar.nn.gated_deltanet_dense`. docs/linear_attention_layer.md.
 """
 
-import dataclasses
 import math
 
 import torch
@@ -38,8 +37,6 @@ from fusedpar.ops.norm import rms_norm_gated
 from fusedpar.placement import Placement
 from fusedpar.plan.linear_context import LinearSizes
 
-SPEC_FIELDS = {f.name for f in dataclasses.fields(GatedDeltaNetSpec)} - {"_"}
-PLACEMENT_FIELDS = {f.name for f in dataclasses.fields(Placement)}
 # our full tensors: name -> the dim split over TP (None: whole on every rank)
 SPLIT_DIMS = {
     **{s: 0 for s in ("q", "k", "v", "z", "b", "a", "conv_q", "conv_k", "conv_v")},
@@ -48,14 +45,6 @@ SPLIT_DIMS = {
     "norm": None,
     "o": 1,
 }
-
-
-def split_options(options: dict, allowed: set, what: str) -> dict:
-    """The entries of `options` named in `allowed`; TypeError for a name in neither set."""
-    unknown = set(options) - SPEC_FIELDS - PLACEMENT_FIELDS
-    if unknown:
-        raise TypeError(f"{what} got unexpected keyword(s) {sorted(unknown)}")
-    return {k: v for k, v in options.items() if k in allowed}
 
 
 class GatedDeltaNet(FromSpec, HeadParts, RotaryPositions, nn.Module):
@@ -94,15 +83,15 @@ class GatedDeltaNet(FromSpec, HeadParts, RotaryPositions, nn.Module):
         dtype=None,
         **options,
     ):
-        what = "GatedDeltaNet"
+        spec_options, placement_options = self.split_options(options, "GatedDeltaNet")
         spec = GatedDeltaNetSpec(
             d_model,
             n_k_heads,
             n_v_heads,
             head_k_dim=head_k_dim,
-            **split_options(options, SPEC_FIELDS, what),
+            **spec_options,
         )
-        placement = Placement(**split_options(options, PLACEMENT_FIELDS, what))
+        placement = Placement(**placement_options)
         self._build(spec, placement, device, dtype)
 
     def _build(self, spec: GatedDeltaNetSpec, placement: Placement, device, dtype) -> None:
@@ -191,7 +180,7 @@ class GatedDeltaNet(FromSpec, HeadParts, RotaryPositions, nn.Module):
         heads; `placement`, or its fields as keywords (tp_group, sequence_parallel,
         overlap, reduce_dtype). dtype and device: the module's unless given."""
         if placement is None:
-            placement = Placement(**split_options(options, PLACEMENT_FIELDS, "from_dense"))
+            placement = Placement(**cls.split_options(options, "from_dense")[1])
         elif options:
             raise TypeError(f"from_dense: a placement and keywords {sorted(options)}")
         layout = detect_layout(module)

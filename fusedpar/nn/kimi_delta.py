@@ -20,7 +20,6 @@ span summaries over every shard (`fusedpar.nn.gated_deltanet_cp`'s "summaries").
 docs/linear_attention_layer.md.
 """
 
-import dataclasses
 import math
 from dataclasses import KW_ONLY, dataclass
 
@@ -100,17 +99,6 @@ class KimiDeltaSpec:
             raise ValueError(f"KimiDeltaAttention: norm_eps must be > 0, got {self.norm_eps!r}")
 
 
-SPEC_FIELDS = {f.name for f in dataclasses.fields(KimiDeltaSpec)} - {"_"}
-PLACEMENT_FIELDS = {f.name for f in dataclasses.fields(Placement)}
-
-
-def _options(options: dict, allowed: set, what: str) -> dict:
-    unknown = set(options) - SPEC_FIELDS - PLACEMENT_FIELDS
-    if unknown:
-        raise TypeError(f"{what} got unexpected keyword(s) {sorted(unknown)}")
-    return {k: v for k, v in options.items() if k in allowed}
-
-
 class KimiDeltaAttention(FromSpec, HeadParts, RotaryPositions, nn.Module):
     """Kimi Delta Attention over TP (heads). See the module doc.
 
@@ -138,11 +126,9 @@ class KimiDeltaAttention(FromSpec, HeadParts, RotaryPositions, nn.Module):
     _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 
     def __init__(self, d_model, n_heads, *, head_dim, device=None, dtype=None, **options):
-        what = "KimiDeltaAttention"
-        spec = KimiDeltaSpec(
-            d_model, n_heads, head_dim=head_dim, **_options(options, SPEC_FIELDS, what)
-        )
-        placement = Placement(**_options(options, PLACEMENT_FIELDS, what))
+        spec_options, placement_options = self.split_options(options, "KimiDeltaAttention")
+        spec = KimiDeltaSpec(d_model, n_heads, head_dim=head_dim, **spec_options)
+        placement = Placement(**placement_options)
         self._build(spec, placement, device, dtype)
 
     def _build(self, spec: KimiDeltaSpec, placement: Placement, device, dtype) -> None:
@@ -213,7 +199,7 @@ class KimiDeltaAttention(FromSpec, HeadParts, RotaryPositions, nn.Module):
         rank's heads; `placement`, or its fields as keywords. dtype and device: the
         module's unless given."""
         if placement is None:
-            placement = Placement(**_options(options, PLACEMENT_FIELDS, "from_dense"))
+            placement = Placement(**cls.split_options(options, "from_dense")[1])
         elif options:
             raise TypeError(f"from_dense: a placement and keywords {sorted(options)}")
         parts = dense_parts(module)

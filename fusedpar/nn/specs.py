@@ -20,6 +20,7 @@ spec checks what needs no group (a misspelt field: TypeError, a bad value: Value
 the build what does; fields hold what was given (``head_dim=None`` stays None).
 """
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
@@ -380,3 +381,15 @@ class FromSpec:
         layer = cls.__new__(cls)
         layer._build(spec, placement, device, dtype)
         return layer
+
+    @classmethod
+    def split_options(cls, options: dict, what: str) -> tuple[dict, dict]:
+        """A keyword constructor's `options` as (the spec's fields, the placement's);
+        TypeError, in `what`'s name, for a keyword that is neither."""
+        spec_fields = {f.name for f in dataclasses.fields(cls.SPEC)} - {"_"}
+        placement_fields = {f.name for f in dataclasses.fields(Placement)}
+        unknown = set(options) - spec_fields - placement_fields
+        if unknown:
+            raise TypeError(f"{what} got unexpected keyword(s) {sorted(unknown)}")
+        spec = {k: v for k, v in options.items() if k in spec_fields}
+        return spec, {k: v for k, v in options.items() if k in placement_fields}
