@@ -18,7 +18,11 @@ from fusedpar import comm
 
 AXES = ("pp", "dp", "cp", "ulysses", "tp")  # every axis a mesh may have, in mesh order
 OPTIONAL_AXES = ("pp", "ulysses")  # axes a mesh has only with a degree > 1
-DATA_AXES = ("dp",)  # averaged, as data parallelism does
+# Where experts take part of dp (`ParallelDims.ep_degree`), the mesh holds dp as two axes,
+# outer then inner, and "dp" is their flattened mesh: the dp ranks holding the same
+# experts (Megatron's expert-data-parallel group), and the dp ranks of one EP group.
+DP_PARTS = ("dp_mod_ep", "dp_in_ep")
+DATA_AXES = ("dp", *DP_PARTS)  # averaged, as data parallelism does
 TOKEN_AXES = ("cp", "ulysses", "tp")  # where fusedpar's defaults split the tokens (CP, SP)
 
 
@@ -49,7 +53,7 @@ def resolve_axes(mesh: DeviceMesh, names=None, expected=None) -> dict[str, str]:
             f"a DeviceMesh with named axes is needed (ParallelDims.build_mesh), "
             f"got {type(mesh).__name__}"
         )
-    to_mesh = {axis: axis for axis in AXES} | dict(names_of(names))
+    to_mesh = {axis: axis for axis in AXES + DP_PARTS} | dict(names_of(names))
     to_axis = {name: axis for axis, name in to_mesh.items()}
     found = tuple(mesh.mesh_dim_names)
     unknown = [name for name in found if name not in to_axis]

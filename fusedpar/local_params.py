@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_global_tensor_info
 
-__all__ = ["local_views"]
+__all__ = ["local_views", "scale_grad"]
 
 
 class _LocalViews(torch.autograd.Function):
@@ -59,10 +59,12 @@ class _LocalViews(torch.autograd.Function):
         # under compiled autograd (traced: its graph accumulates the gradients)
         traced = torch.is_grad_enabled() or torch.compiler.is_compiling() or _compiled_autograd()
         edges = None if traced else ctx.next_functions
-        specs = ctx.plan.specs
+        specs, scales = ctx.plan.specs, ctx.plan.scales
         for i, (grad, param, spec, placements) in enumerate(
             zip(grads, ctx.params, ctx.specs, ctx.plan.grad_placements, strict=True)
         ):
+            if grad is not None and scales is not None and scales[i] != 1.0:
+                grad = grad * scales[i]  # (out of place: autograd may share the tensor)
             if grad is None or (
                 edges is not None and _accumulate(param, grad, spec, placements, specs, edges[i][0])
             ):
@@ -128,10 +130,12 @@ def _as_dtensor(grad: Tensor, spec, placements: tuple, specs: dict) -> DTensor:
     return DTensor.__new__(DTensor, grad.view_as(grad), copy.copy(kept), requires_grad=False)
 
 
-def local_views(params: list, grad_placements: list, specs: dict) -> list[Tensor]:
+def local_views(params: list, grad_placements: list, specs: dict, scales=None) -> list[Tensor]:
     """The local tensors of `params` (DTensors) for one forward, each the view
     ``p.to_local(grad_placements=g)`` returns, in one autograd node (the module doc);
-    `specs` is the caller's cache of gradient specs (a dict kept per module)."""
+    `specs` is the caller's cache of gradient specs (a dict kept per module); `scales`
+    (None: all 1) multiply each gradient (experts over dp, `fusedpar.storage._place`)."""
+    scales = None if scales is None or all(s == 1.0 for s in scales) else tuple(scales)
     if torch.compiler.is_compiling() or any(type(p) is not DTensor for p in params):
         if not torch.compiler.is_compiling():
             _say_once(
@@ -140,18 +144,37 @@ def local_views(params: list, grad_placements: list, specs: dict) -> list[Tensor
                 "parameters take DTensor.to_local one by one (~110 us a parameter a step "
                 "more on the host than fusedpar's one-node swap)"
             )
-        return [p.to_local(grad_placements=g) for p, g in zip(params, grad_placements, strict=True)]
-    return list(_LocalViews.apply(_Plan(grad_placements, specs), *params))
+        views = [
+            p.to_local(grad_placements=g) for p, g in zip(params, grad_placements, strict=True)
+        ]
+        return [scale_grad(v, s) for v, s in zip(views, scales or [1.0] * len(views), strict=True)]
+    return list(_LocalViews.apply(_Plan(grad_placements, specs, scales), *params))
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def scale_grad(x: Tensor, scale: float) -> Tensor:
+    """`x`, whose gradient is multiplied by `scale` in the backward (`x` itself at 1)."""
+    return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
 
 
 class _Plan:
     """The gradients' placements and the module's spec cache, one argument that pytree
     leaves whole (``Function.apply`` flattens its arguments: ~2.5 µs for nested tuples)."""
 
-    __slots__ = ("grad_placements", "specs")
+    __slots__ = ("grad_placements", "specs", "scales")
 
-    def __init__(self, grad_placements: list, specs: dict):
-        self.grad_placements, self.specs = grad_placements, specs
+    def __init__(self, grad_placements: list, specs: dict, scales=None):
+        self.grad_placements, self.specs, self.scales = grad_placements, specs, scales
 
 
 _said: set = set()

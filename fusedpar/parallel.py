@@ -11,10 +11,12 @@ degree > 1. "cp" is the ring (`fusedpar.ring_attn`), "ulysses" the head all-to-a
 (`fusedpar.ulysses_attn`), both > 1 the 2-D hybrid; `cp_mode` names which. Under pp a
 rank's groups are its stage's, and `stage_mesh` is the sub-mesh its parameters live on.
 `validate` runs no collective: a bad configuration fails on every rank, naming the
-degree. `fully_shard` applies FSDP2 over "dp" of the full mesh (torch >= 2.12:
-``dp_mesh_dims``; 2.11: the other axes' mesh, FSDP2's TP/EP path). EP runs over one
-named axis, a run of them flattened (``("cp", "tp")``) or none; never over "dp" when
-dp > 1 (data parallelism averages parameters over dp, and split experts differ there).
+degree. `fully_shard` applies FSDP2 over "dp" (torch >= 2.12: ``dp_mesh_dims``; 2.11:
+the other axes' mesh, FSDP2's TP path). EP runs over one axis or a run of them
+(``("dp", "tp")``), never pp; ``ep_degree`` below their product takes the inner part of
+dp, which the mesh then holds as two axes (`DP_PARTS`, "dp" their flattened mesh).
+Experts split over dp ranks have their gradients scaled and reduced over the dp ranks
+holding the same experts only (`fusedpar.storage`; docs/expert_parallel.md).
 """
 
 import math
@@ -28,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from fusedpar.axes import AXES, OPTIONAL_AXES, names_of, resolve_axes
+from fusedpar.axes import AXES, DATA_AXES, DP_PARTS, OPTIONAL_AXES, names_of, resolve_axes
 from fusedpar.pipeline import check_pipeline
 from fusedpar.placement import Placement
 from fusedpar.storage import reduce_grad, retire_replaced
@@ -45,7 +47,11 @@ def _default_group():
 @dataclass(frozen=True)
 class ParallelDims:
     """Parallel degrees (see the module doc). ``names``: fusedpar's axes -> the mesh's
-    names (a dict; kept as sorted pairs, so ParallelDims stays hashable)."""
+    names (a dict; kept as sorted pairs, so ParallelDims stays hashable). ``ep``: the
+    axes experts split over, in mesh order; ``ep_degree`` (None: their product) may be
+    smaller where ``ep`` holds dp: the EP group then takes ``ep_degree / (its other
+    axes)`` inner dp ranks (DeepSeek-V3: ``ParallelDims(pp=16, dp=128, ep="dp",
+    ep_degree=64)``)."""
 
     dp: int = 1
     cp: int = 1
@@ -54,6 +60,7 @@ class ParallelDims:
     ulysses: int = 1
     pp: int = 1
     names: tuple = ()
+    ep_degree: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "names", names_of(self.names))
@@ -71,29 +78,49 @@ class ParallelDims:
         axes = resolve_axes(mesh, self.names, self.mesh_axes if whole else self.stage_axes)
         for axis, name in axes.items():
             size = mesh.size(mesh.mesh_dim_names.index(name))
-            if size != getattr(self, axis):
+            if size != self.degree(axis):
                 raise ValueError(
                     f"the mesh's axis {name!r} ({axis}) has {size} ranks, but "
-                    f"{axis} = {getattr(self, axis)}: build the mesh from these "
+                    f"{axis} = {self.degree(axis)}: build the mesh from these "
                     "degrees (dims.build_mesh)"
                 )
         missing = [
             axis
-            for axis in AXES
-            if axis not in axes and getattr(self, axis) > 1 and not (stage and axis == "pp")
+            for axis in self.mesh_axes
+            if axis not in axes and self.degree(axis) > 1 and not (stage and axis == "pp")
         ]
         if missing:
             raise ValueError(
                 f"the mesh's axes {tuple(mesh.mesh_dim_names)} leave out "
-                f"{', '.join(f'{a} ({getattr(self, a)} ranks)' for a in missing)}"
+                f"{', '.join(f'{a} ({self.degree(a)} ranks)' for a in missing)}"
                 ": build the mesh from these degrees (dims.build_mesh)"
             )
         return axes
 
+    def degree(self, axis: str) -> int:
+        """The ranks along `axis`: one of fusedpar's `AXES`, or a part of dp (`DP_PARTS`:
+        "dp_mod_ep" = dp / `ep_dp`, "dp_in_ep" = `ep_dp`)."""
+        if axis == "dp_in_ep":
+            return self.ep_dp
+        if axis == "dp_mod_ep":
+            return self.dp // self.ep_dp
+        return getattr(self, axis)
+
     @property
     def mesh_axes(self) -> tuple[str, ...]:
-        """The mesh's axes: "pp" and "ulysses" only with a degree > 1."""
-        return tuple(axis for axis in AXES if axis not in OPTIONAL_AXES or getattr(self, axis) > 1)
+        """The mesh's axes: "pp" and "ulysses" only with a degree > 1; dp as its two parts
+        (`DP_PARTS`) where the EP groups take part of it (`splits_dp`)."""
+        axes = []
+        for axis in AXES:
+            if axis in OPTIONAL_AXES and getattr(self, axis) == 1:
+                continue
+            axes.extend(DP_PARTS if axis == "dp" and self.splits_dp else (axis,))
+        return tuple(axes)
+
+    @property
+    def splits_dp(self) -> bool:
+        """Whether the EP groups take some but not all of dp's ranks (`ep_degree`)."""
+        return 1 < self.ep_dp < self.dp
 
     @property
     def stage_axes(self) -> tuple[str, ...]:
@@ -115,10 +142,19 @@ class ParallelDims:
 
     @property
     def ep_size(self) -> int:
-        size = 1
-        for axis in self.ep_axes:
-            size *= getattr(self, axis)
-        return size
+        """The ranks of an EP group: ``ep_degree``, or the product of the ep axes."""
+        if self.ep_degree is not None:
+            return self.ep_degree
+        return math.prod(getattr(self, axis) for axis in self.ep_axes)
+
+    @property
+    def ep_dp(self) -> int:
+        """The dp ranks inside one EP group: 1 where ep leaves dp out, all of dp by
+        default, ``ep_degree / (the other ep axes)`` with ``ep_degree``."""
+        if "dp" not in self.ep_axes:
+            return 1
+        others = math.prod(getattr(self, axis) for axis in self.ep_axes if axis != "dp")
+        return self.ep_size // others
 
     def validate(
         self,
@@ -148,21 +184,7 @@ class ParallelDims:
                 f"{self.pp * self.dp * self.cp * self.ulysses * self.tp}, but the world has "
                 f"{world_size} ranks"
             )
-        for axis in self.ep_axes:
-            if axis not in AXES:
-                raise ValueError(f"ep runs over mesh axes {AXES}, got {self.ep!r}")
-        if "pp" in self.ep_axes:
-            raise ValueError(
-                "ep over pp: the pipeline stages hold different layers, so their "
-                "experts cannot be one layer's: run ep over cp and/or tp"
-            )
-        if "dp" in self.ep_axes and self.dp > 1:
-            # Data parallelism (FSDP/DDP over dp) averages every parameter over dp, but
-            # experts split over dp differ from rank to rank there.
-            raise ValueError(
-                f"ep over dp (dp degree {self.dp}) would mix different experts in "
-                "data parallelism over dp: run ep over cp and/or tp"
-            )
+        self._validate_ep()
         if n_heads is not None and n_heads % self.tp:
             raise ValueError(f"n_heads ({n_heads}) is not divisible by the tp degree ({self.tp})")
         # KV heads split over tp, or (tp a multiple of them) each replicated on tp / n_kv_heads
@@ -214,6 +236,41 @@ class ParallelDims:
                     f"({self.tp}) for sequence parallelism"
                 )
 
+    def _validate_ep(self) -> None:
+        """The ep axes (known, in mesh order, not pp) and ``ep_degree`` (takes whole
+        inner dp ranks: the other ep axes times a divisor of dp above 1)."""
+        for axis in self.ep_axes:
+            if axis not in AXES:
+                raise ValueError(f"ep runs over mesh axes {AXES}, got {self.ep!r}")
+        if "pp" in self.ep_axes:
+            raise ValueError(
+                "ep over pp: the pipeline stages hold different layers, so their "
+                "experts cannot be one layer's: run ep over dp, cp, ulysses and/or tp"
+            )
+        order = sorted(self.ep_axes, key=AXES.index)
+        if list(self.ep_axes) != order or len(set(order)) != len(order):
+            raise ValueError(f"ep={self.ep!r}: name each axis once, in mesh order ({tuple(order)})")
+        if self.ep_degree is None:
+            return
+        if not isinstance(self.ep_degree, int) or self.ep_degree < 1:
+            raise ValueError(f"ep_degree must be a positive int, got {self.ep_degree!r}")
+        product = math.prod(getattr(self, axis) for axis in self.ep_axes)
+        if "dp" not in self.ep_axes:
+            if self.ep_degree != product:
+                raise ValueError(
+                    f"ep_degree ({self.ep_degree}) below the product of ep={self.ep!r} "
+                    f"({product}) takes part of dp: ep must name dp"
+                )
+            return
+        others = product // self.dp
+        if self.ep_degree % others or self.dp % (self.ep_degree // others):
+            raise ValueError(
+                f"ep_degree ({self.ep_degree}) must be the other ep axes' {others} ranks "
+                f"times a divisor of dp ({self.dp}): an EP group takes whole inner dp ranks"
+            )
+        if self.ep_degree == others:
+            raise ValueError(f"ep_degree ({self.ep_degree}) takes no dp rank: leave dp out of ep")
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """``init_device_mesh(device_type, degrees, mesh_dim_names=...)``: the axes
         `mesh_axes` under their mesh names (``names``), with the flattened meshes of its
@@ -224,7 +281,7 @@ class ParallelDims:
         operator cache hands out the specs of an equal mesh built earlier in the
         process (a second model built in a test pool or a notebook failed there)."""
         self.validate(dist.get_world_size())
-        degrees = tuple(getattr(self, axis) for axis in self.mesh_axes)
+        degrees = tuple(self.degree(axis) for axis in self.mesh_axes)
         names = tuple(self.mesh_name(axis) for axis in self.mesh_axes)
         key = (device_type, *degrees, *names)
         cached = _meshes.get(key)
@@ -233,10 +290,13 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, degrees, mesh_dim_names=names)
         # DTensor sums a gradient partial over several axes (cp and tp, say) in one
         # collective, rather than one per axis, only where their flattened mesh exists.
-        split = [self.mesh_name(axis) for axis in self.stage_axes if getattr(self, axis) > 1]
+        split = [self.mesh_name(axis) for axis in self.stage_axes if self.degree(axis) > 1]
         for count in range(2, len(split) + 1):
             for axes in combinations(split, count):
-                mesh[axes]._flatten("_".join(axes))
+                if axes != DP_PARTS:
+                    mesh[axes]._flatten("_".join(axes))
+        if self.splits_dp:  # every dp rank, as one axis: the dense parameters' data parallelism
+            mesh[DP_PARTS]._flatten(self.mesh_name("dp"))
         _meshes[key] = (_default_group(), mesh)
         return mesh
 
@@ -257,11 +317,16 @@ class ParallelDims:
     def groups(self, mesh: DeviceMesh) -> dict:
         """1-D meshes per axis, by fusedpar's names (this rank's: a stage's groups under
         pipeline parallelism), and "ep" (None without expert parallelism); None for an
-        axis of one rank the mesh leaves out. The mesh's axes are checked first
-        (`axes_of`): unknown names or sizes other than the degrees raise ValueError."""
+        axis of one rank the mesh leaves out; "dp" every dp rank where the mesh holds dp
+        as two axes (`splits_dp`; ep then takes the inner one). The mesh's axes are
+        checked first (`axes_of`): unknown names or sizes other than the degrees raise
+        ValueError."""
         axes = self.axes_of(mesh)
         groups = {axis: mesh[axes[axis]] if axis in axes else None for axis in AXES}
-        ep = tuple(axes.get(axis) for axis in self.ep_axes)
+        if self.splits_dp:
+            groups["dp"] = mesh[self.mesh_name("dp")]
+        ep_axes = [DP_PARTS[1] if a == "dp" and self.splits_dp else a for a in self.ep_axes]
+        ep = tuple(axes.get(axis) for axis in ep_axes)
         if None in ep:
             groups["ep"] = None  # over an axis of one rank the mesh leaves out
         elif len(ep) == 1:
@@ -317,7 +382,8 @@ class ParallelDims:
         from torch.distributed import fsdp
 
         axes = self.axes_of(mesh, stage=True)
-        if "dp" not in axes:
+        data = tuple(axes[a] for a in DATA_AXES if a in axes)  # "dp", or its two parts
+        if not data:
             if fsdp_kwargs:
                 raise ValueError(
                     f"fully_shard: the mesh's axes {tuple(mesh.mesh_dim_names)} "
@@ -325,7 +391,7 @@ class ParallelDims:
                 )
             mesh_dp = 1
         else:
-            mesh_dp = mesh.size(mesh.mesh_dim_names.index(axes["dp"]))
+            mesh_dp = math.prod(mesh.size(mesh.mesh_dim_names.index(name)) for name in data)
         if mesh_dp == 1 and not fsdp_kwargs:
             global _warned_dp1
             if not _warned_dp1:
@@ -338,28 +404,32 @@ class ParallelDims:
                 )
             return module
         before = dict(module.named_parameters())  # replaced by FSDP2's: retired after
-        sharded = self._fully_shard(module, mesh, axes, dp_mesh_dims, fsdp, fsdp_kwargs)
+        ignored = _shard_experts(module, mesh, data, dp_mesh_dims, fsdp, fsdp_kwargs)
+        if ignored:
+            fsdp_kwargs["ignored_params"] = set(fsdp_kwargs.get("ignored_params", ())) | ignored
+        sharded = self._fully_shard(module, mesh, data, dp_mesh_dims, fsdp, fsdp_kwargs)
         retire_replaced(module, before, "fully_shard")
         return sharded
 
     @staticmethod
-    def _fully_shard(module, mesh, axes, dp_mesh_dims, fsdp, fsdp_kwargs):
-        """`fully_shard`'s FSDP2 call: over the full mesh, or the TP path (torch < 2.12)."""
+    def _fully_shard(module, mesh, data, dp_mesh_dims, fsdp, fsdp_kwargs):
+        """`fully_shard`'s FSDP2 call over the data axes `data` (the mesh's names): over
+        the full mesh, or the TP path (torch < 2.12)."""
         fully_shard = fsdp.fully_shard
-        DataParallelMeshDims = getattr(fsdp, "DataParallelMeshDims", None)  # torch >= 2.12
-        if dp_mesh_dims is None:
-            dp_mesh_dims = DataParallelMeshDims is not None
-        if dp_mesh_dims:
-            if DataParallelMeshDims is None:
-                raise RuntimeError(
-                    f"dp_mesh_dims needs torch >= 2.12 (this is {torch.__version__})"
-                )
+        if _full_mesh_path(dp_mesh_dims, fsdp):
+            shard = data[0] if len(data) == 1 else data
             return fully_shard(
                 module,
                 mesh=mesh,
-                dp_mesh_dims=DataParallelMeshDims(shard=axes["dp"]),
+                dp_mesh_dims=fsdp.DataParallelMeshDims(shard=shard),
                 **fsdp_kwargs,
             )
+        if len(data) > 1:
+            raise ValueError(
+                f"FSDP2's TP path (torch < 2.12) takes one dp axis, but experts over part "
+                f"of dp split it in two {data}: use torch >= 2.12 (dp_mesh_dims)"
+            )
+        axes = {"dp": data[0]}
         # The other axes of more than one rank (FSDP2's TP path takes a 1-D or 2-D mesh;
         # a parameter's placement on an axis of one rank is always Replicate).
         names = mesh.mesh_dim_names
@@ -373,12 +443,13 @@ class ParallelDims:
             )
         rest = tuple(names[i] for i in kept)
         dp = names.index(axes["dp"])
+        ignored = fsdp_kwargs.get("ignored_params", ())
         moved: dict[int, nn.Parameter] = {}
         for sub in module.modules():
             for name, param in sub._parameters.items():
                 ours = isinstance(param, DTensor) and param.device_mesh == mesh
-                if not ours or param.placements[dp] != Replicate():
-                    continue  # not distributed, or sharded by an earlier fully_shard
+                if not ours or param.placements[dp] != Replicate() or param in ignored:
+                    continue  # not distributed, sharded by an earlier fully_shard, or experts
                 if id(param) not in moved:
                     placements = tuple(param.placements[i] for i in kept)
                     local = DTensor.from_local(
@@ -391,3 +462,61 @@ class ParallelDims:
                     moved[id(param)] = new
                 sub._parameters[name] = moved[id(param)]
         return fully_shard(module, mesh=mesh[axes["dp"]], **fsdp_kwargs)
+
+
+def _full_mesh_path(dp_mesh_dims, fsdp) -> bool:
+    """Whether FSDP2 takes the parameters on the full mesh (``dp_mesh_dims``, torch >= 2.12;
+    None: where torch has it); RuntimeError if asked for on an older torch."""
+    has = getattr(fsdp, "DataParallelMeshDims", None) is not None
+    if dp_mesh_dims and not has:
+        raise RuntimeError(f"dp_mesh_dims needs torch >= 2.12 (this is {torch.__version__})")
+    return has if dp_mesh_dims is None else bool(dp_mesh_dims)
+
+
+def _shard_experts(module, mesh, data, dp_mesh_dims, fsdp, fsdp_kwargs) -> set:
+    """FSDP2 for the parameters of `module` split over a data axis (experts over dp):
+    each owning submodule sharded over the data axes where they are whole (the dp ranks
+    that hold the same experts: "dp_mod_ep"), its other parameters left to
+    `fusedpar.distribute`'s reductions; returns the split parameters with no such axis
+    (experts over all of dp), for the caller to pass FSDP2 as ``ignored_params``.
+    Parameters already under an FSDP2 module are left alone."""
+    managed = {
+        id(p)
+        for sub in module.modules()
+        if isinstance(sub, fsdp.FSDPModule)
+        for p in sub.parameters()
+    }
+    names = mesh.mesh_dim_names
+    ignored = set()
+    for sub in module.modules():
+        split = [
+            p
+            for p in sub._parameters.values()
+            if isinstance(p, DTensor)
+            and id(p) not in managed
+            and p.device_mesh == mesh
+            and any(p.placements[names.index(name)] != Replicate() for name in data)
+        ]
+        if not split:
+            continue
+        whole = tuple(
+            name
+            for name in data
+            if all(p.placements[names.index(name)] == Replicate() for p in split)
+            and mesh.size(names.index(name)) > 1
+        )
+        if not whole:
+            ignored.update(split)
+            continue
+        if not _full_mesh_path(dp_mesh_dims, fsdp):
+            raise ValueError(
+                f"FSDP2 of experts over part of dp ({type(sub).__name__}) needs its full-"
+                f"mesh path: use torch >= 2.12 (dp_mesh_dims)"
+            )
+        # the whole module over them: its other parameters (router, shared expert) are
+        # whole on the dp ranks of an EP group too; FSDP2 reduces them there first
+        shard = whole[0] if len(whole) == 1 else whole
+        fsdp.fully_shard(
+            sub, mesh=mesh, dp_mesh_dims=fsdp.DataParallelMeshDims(shard=shard), **fsdp_kwargs
+        )
+    return ignored

@@ -35,7 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fusedpar import comm
 from fusedpar.axes import DATA_AXES, TOKEN_AXES, mesh_axes_of, resolve_axes
-from fusedpar.local_params import local_views
+from fusedpar.local_params import local_views, scale_grad
 
 
 @dataclass(frozen=True)
@@ -128,10 +128,12 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 class _Placed:
     """A parameter's placements and the placements of its gradient from forward, by axis
     name, so either can be read off any mesh holding those axes (FSDP2 on torch < 2.12
-    keeps the parameters on the mesh without dp)."""
+    keeps the parameters on the mesh without dp). `grad_scale` multiplies the gradient
+    from forward (`_place`)."""
 
     placements: dict
     grad_placements: dict
+    grad_scale: float = 1.0  # experts over dp: 1 / the dp ranks of their EP group
 
     def grad_on(self, mesh: DeviceMesh) -> tuple:
         return tuple(self.grad_placements[name] for name in mesh.mesh_dim_names)
@@ -154,31 +156,32 @@ def _place(layout: ParamLayout, mesh: DeviceMesh, token_axes, axis_of: dict, whe
        sums; a data axis (`DATA_AXES`) averages, as FSDP2 does; any other axis holds the
        same gradient on each rank (``Replicate``).
 
-    Steps 1 and 2 on a data axis of more than one rank are refused (ValueError): the
-    average step 3 takes there presumes each rank's gradient is its own batch's, but a
-    layer that splits or completes a parameter over dp (experts over dp: their
-    all-to-all brings them every dp rank's tokens) already sums the batches, dp times
-    the data-parallel gradient, and nothing averages it. The verdict reads only the
-    layer's groups and the mesh: the same on every rank whose layer holds a group of
-    the same axes, as a collective over that group needs of its members."""
+    On a data axis of more than one rank, step 1 (experts over dp: their all-to-all
+    brings each expert every dp rank's tokens of its EP group) makes a gradient that
+    sums those ranks' batches, where data parallelism averages them: `grad_scale`
+    divides it by their count, and the dp ranks outside the EP group (where the
+    parameter is whole) average as step 3 says, so it ends the average over all of dp.
+    Step 2 there is refused (ValueError). The verdict reads only the layer's groups
+    and the mesh: the same on every rank whose layer holds a group of the same axes,
+    as a collective over that group needs of its members."""
     split = mesh_axes_of(layout.group, mesh) if layout.dim is not None else ()
     complete, partial = set(split), set()
     for group in layout.complete_over:
         complete.update(mesh_axes_of(group, mesh))
     for group in layout.partial_over:
         partial.update(mesh_axes_of(group, mesh))
-    for name in mesh.mesh_dim_names:  # (mesh_axes_of leaves out axes of one rank)
-        if axis_of[name] in DATA_AXES and name in complete | partial:
-            how = "split" if name in split else "completed" if name in complete else "partial"
+    scale = 1.0
+    for i, name in enumerate(mesh.mesh_dim_names):  # (mesh_axes_of leaves out axes of one rank)
+        if axis_of[name] not in DATA_AXES:
+            continue
+        if name in partial:
             raise ValueError(
-                f"distribute: {where} is {how} over the mesh's data-parallel axis {name!r} "
-                f"({mesh.size(mesh.mesh_dim_names.index(name))} ranks) by its layer's groups: "
-                "its gradient would sum every dp rank's batch where data parallelism "
-                "averages them (dp times too large). A layer over dp is not supported yet; "
-                "for experts run ep over another axis: dims = fp.ParallelDims(..., "
-                'ep="tp") (or "cp", "ulysses", ("cp", "tp")) and fp.nn.MoE(..., '
-                'ep_group=dims.groups(mesh)["ep"])'
+                f"distribute: {where} is declared partial over the mesh's data-parallel "
+                f"axis {name!r} ({mesh.size(i)} ranks) by its layer's groups: data "
+                "parallelism averages every parameter's gradient there"
             )
+        if name in complete:
+            scale /= mesh.size(i)
     placements, grads = {}, {}
     for i, name in enumerate(mesh.mesh_dim_names):
         placements[name] = Shard(layout.dim) if name in split else Replicate()
@@ -193,7 +196,7 @@ def _place(layout: ParamLayout, mesh: DeviceMesh, token_axes, axis_of: dict, whe
             grads[name] = Partial("avg")
         else:
             grads[name] = Replicate()
-    return _Placed(placements, grads)
+    return _Placed(placements, grads, scale)
 
 
 def _swap_in_locals(module, args):
@@ -208,11 +211,13 @@ def _swap_in_locals(module, args):
             if isinstance(param, DTensor):
                 saved[name] = param
                 grad_placements = placed.grad_on(param.device_mesh)
-                module._parameters[name] = param.to_local(grad_placements=grad_placements)
+                local = param.to_local(grad_placements=grad_placements)
+                module._parameters[name] = scale_grad(local, placed.grad_scale)
         module._fusedpar_saved.append(saved)
         return
     # (name, mesh id) -> (mesh, gradient placements); gradient specs (`local_views`)
     kept, specs = module.__dict__.setdefault("_fusedpar_locals", ({}, {}))
+    scales = []
     for name, placed in module._fusedpar_placed.items():
         param = module._parameters.get(name)
         if isinstance(param, DTensor):
@@ -222,8 +227,9 @@ def _swap_in_locals(module, args):
             if held is None:
                 held = kept[name, id(mesh)] = (mesh, placed.grad_on(mesh))
             grads.append(held[1])
+            scales.append(placed.grad_scale)
     if saved:
-        views = local_views(list(saved.values()), grads, specs)
+        views = local_views(list(saved.values()), grads, specs, scales)
         module._parameters.update(zip(saved, views, strict=True))
     module._fusedpar_saved.append(saved)
 

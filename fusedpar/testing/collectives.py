@@ -4,6 +4,7 @@
         step()
     seen.counts  # {("all_reduce", 4): 7, ("send", 2): 16, ...}
     seen.bytes  # the same keys: the bytes of the tensors each kind was given
+    seen.calls  # each in order: (kind, the group's ranks, bytes)
 
 A ``TorchDispatchMode`` sees each ``torch.distributed`` collective as the c10d op it
 dispatches (eager ``dist.*`` calls, DTensor's functional collectives, FSDP's), inside
@@ -60,41 +61,47 @@ def _tensors(args):
             yield from _tensors(a)
 
 
-def _size(args) -> int | None:
+def _group(args) -> dist.ProcessGroup | None:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     for a in args:
         if isinstance(a, str):
             try:
-                return dist.get_world_size(_resolve_process_group(a))
+                return _resolve_process_group(a)
             except (KeyError, ValueError, RuntimeError):
                 continue
         if isinstance(a, dist.ProcessGroup):
-            return a.size()
+            return a
         if isinstance(a, torch.ScriptObject):  # c10d's ops carry the group boxed
             try:
-                return dist.ProcessGroup.unbox(a).size()
+                return dist.ProcessGroup.unbox(a)
             except (RuntimeError, TypeError):
                 continue
     return None
 
 
 class Collectives(TorchDispatchMode):
-    """Counts ``(kind, group size)`` of the collectives run while active (``counts``)."""
+    """Counts ``(kind, group size)`` of the collectives run while active (``counts``,
+    ``bytes``), and lists each (``calls``: its kind, group's ranks and bytes)."""
 
     def __init__(self):
         super().__init__()
         self.counts: Counter = Counter()
         self.bytes: Counter = Counter()
+        self.calls: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace in ("c10d", "_c10d_functional"):
             kind = _KINDS.get(func.overloadpacket.__name__.strip("_"))
             if kind is not None:
-                key = kind, _size((*args, *kwargs.values()))
+                group = _group((*args, *kwargs.values()))
+                key = kind, None if group is None else group.size()
+                nbytes = sum(t.nbytes for t in _tensors((*args, *kwargs.values())))
                 self.counts[key] += 1
-                self.bytes[key] += sum(t.nbytes for t in _tensors((*args, *kwargs.values())))
+                self.bytes[key] += nbytes
+                ranks = () if group is None else tuple(dist.get_process_group_ranks(group))
+                self.calls.append((kind, ranks, nbytes))
         body = _python_body(func, args)
         if body is None:
             return func(*args, **kwargs)

@@ -168,7 +168,11 @@ def _run_bad_config(kwargs, check):
         ),
         ({"dp": 4, "ep": "zz"}, {}, "ep runs over"),
         ({"pp": 2, "dp": 2, "ep": "pp"}, {}, "ep over pp"),
-        ({"dp": 2, "tp": 2, "ep": "dp"}, {}, r"ep over dp \(dp degree 2\)"),
+        ({"dp": 2, "tp": 2, "ep": ("tp", "dp")}, {}, r"in mesh order \(\('dp', 'tp'\)\)"),
+        ({"dp": 4, "ep": "dp", "ep_degree": 3}, {}, r"ep_degree \(3\).*divisor of dp \(4\)"),
+        ({"dp": 2, "tp": 2, "ep": ("dp", "tp"), "ep_degree": 2}, {}, r"takes no dp rank"),
+        ({"dp": 2, "tp": 2, "ep": "tp", "ep_degree": 1}, {}, r"ep must name dp"),
+        ({"dp": 4, "ep": "dp", "ep_degree": 2}, {"num_experts": 3}, r"ep degree \(2, over dp"),
     ],
 )
 def test_bad_configurations_fail_on_every_rank(world, kwargs, check, match):

@@ -292,22 +292,31 @@ def test_training_without_distribute_warns_once(world):
 
 
 def _run_data_axis_and_retired():
-    """On (dp=2, tp=2): experts split over dp are refused on every rank, before anything
-    changes, naming the layout to use; experts over tp (the supported layout) are placed.
+    """On (dp=2, tp=2): experts built by hand over dp (``ep_group=mesh["dp"]``) or dp x
+    tp are placed split there, their gradient scaled by 1 / the dp ranks of the group
+    (#57; tests/moe/test_ep_over_dp.py checks the numbers); a layer declaring a
+    parameter partial over dp is refused on every rank, before anything changes.
     Optimizers (AdamW, SGD) built before `distribute`, or before `fully_shard`, raise at
     their first step; built after, they step unchanged."""
-    from fusedpar.storage import _checked
+    from fusedpar.storage import ParamLayout, _checked
 
     dims, mesh, groups = _mesh(dp=2, cp=1, tp=2, ep="tp")
     out = {}
     torch.manual_seed(0)
     for name, group in (("dp", mesh["dp"].get_group()), ("dp x tp", mesh["dp", "tp"]._flatten())):
-        moe = fp.nn.MoE(8, 6, 4, 2, group)
-        try:
-            fp.distribute(moe, mesh)
-        except ValueError as e:
-            out[name] = str(e)
-        out[f"{name} unchanged"] = not any(isinstance(p, DTensor) for p in moe.parameters())
+        moe = fp.distribute(fp.nn.MoE(8, 6, 4, 2, group), mesh)
+        out[name] = (moe.w1.placements, moe._fusedpar_placed["w1"].grad_scale)
+
+    class PartialOverDp(nn.Linear):
+        def param_layouts(self):
+            return {"weight": ParamLayout(partial_over=(mesh["dp"],)), "bias": ParamLayout()}
+
+    layer = PartialOverDp(4, 4)
+    try:
+        fp.distribute(layer, mesh)
+    except ValueError as e:
+        out["partial"] = str(e)
+    out["partial unchanged"] = not any(isinstance(p, DTensor) for p in layer.parameters())
 
     torch.manual_seed(0)
     model = nn.ModuleDict({"norm": nn.RMSNorm(8), "moe": fp.nn.MoE(8, 6, 4, 2, groups["ep"])})
@@ -342,19 +351,19 @@ def _run_data_axis_and_retired():
     return out
 
 
-def test_experts_over_dp_are_refused_and_early_optimizers_raise(world):
-    """Experts over dp trained with gradients dp times too large (issue 53, item 3);
-    an optimizer built before distribute trained nothing (item 4)."""
+def test_experts_over_dp_are_placed_and_early_optimizers_raise(world):
+    """Experts over dp trained with gradients dp times too large (issue 53, item 3; now
+    placed and scaled, #57); an optimizer built before distribute trained nothing (item 4)."""
     R, S0 = Replicate(), Shard(0)
     for out in world(4).run(_run_data_axis_and_retired):
-        for name in ("dp", "dp x tp"):
-            assert re.search(
-                r"w1 \(MoE\) is split over the mesh's data-parallel axis 'dp' "
-                r"\(2 ranks\).*dp times too large.*ParallelDims\(\.\.\., "
-                r'ep="tp"\).*ep_group=dims\.groups\(mesh\)\["ep"\]',
-                out[name],
-            ), out
-            assert out[f"{name} unchanged"]
+        assert out["dp"] == ((S0, R, R), 0.5)
+        assert out["dp x tp"] == ((S0, R, S0), 0.5)
+        assert re.search(
+            r"weight \(PartialOverDp\) is declared partial over the mesh's data-parallel "
+            r"axis 'dp' \(2 ranks\)",
+            out["partial"],
+        ), out
+        assert out["partial unchanged"]
         assert out["experts"] == (R, R, S0)
         for kind in ("AdamW", "SGD"):
             assert re.search(

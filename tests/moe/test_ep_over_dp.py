@@ -1,0 +1,140 @@
+"""Experts over data-parallel ranks (#57 item 1) on 4 gloo ranks, float64, torch's
+implementation: the loss, every parameter's gradient after reduction and two AdamW
+steps equal one process's, at EP 4 over dp 4 (FSDP2 over the dense parameters), EP 4
+over dp 2 x tp 2, EP 2 over dp beside tp 2, and EP 2 over the inner half of dp 4
+(the experts FSDP2-sharded over the outer half); each reduction counted with its group.
+
+The model: a norm, a MoE (router bias, expert biases, a shared expert; no auxiliary
+loss: a rank's Switch loss is over its own tokens, so it is not one process's) and a
+head. Rank (d, t) holds tokens ``X[d, t]``; its loss is its tokens' share of dp batch
+d's mean, so the tp ranks' losses sum to the batch's and data parallelism averages
+the batches: one process's loss is the mean over every token.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import fusedpar as fp
+from fusedpar.testing import Collectives
+
+D, H, E, N = 8, 6, 8, 5  # model width, expert width, experts, tokens a rank
+
+
+class _Tiny(nn.Module):
+    def __init__(self, ep_group):
+        super().__init__()
+        self.norm = nn.RMSNorm(D)
+        self.moe = fp.nn.MoE(
+            D, H, E, 2, ep_group, shared_hidden=4, router_bias=True, bias=True, aux_loss_coef=0.0
+        )
+        self.head = nn.Linear(D, 3)
+        with torch.no_grad():  # random, not the zeros and ones that hide a dropped one
+            self.norm.weight.uniform_(0.5, 1.5)
+            for name in ("router_bias", "b1", "b2", "b3"):
+                getattr(self.moe, name).normal_()
+
+    def forward(self, x):
+        y, _ = self.moe(self.norm(x))
+        return self.head(y)
+
+
+def _full_model():
+    torch.manual_seed(0)
+    return _Tiny(None).double()
+
+
+def _tokens(dp: int, tp: int):
+    return torch.randn(
+        dp, tp, N, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1)
+    )
+
+
+def _loss(out, share):
+    return out.square().sum() / share
+
+
+def _run(layout, steps=2):
+    """This rank's loss, its parameters' reduced gradients (full tensors) and its
+    parameters after `steps` AdamW steps; the reductions of the first backward."""
+    dims = fp.ParallelDims(**layout["dims"])
+    mesh = dims.build_mesh("cpu")
+    groups = dims.groups(mesh)
+    full = _full_model()
+    torch.manual_seed(0)
+    model = _Tiny(groups["ep"]).double()
+    rank = groups["ep"].get_local_rank()
+    shard = E // dims.ep_size
+    with torch.no_grad():  # the full model's experts, this EP rank's share
+        for name, param in model.named_parameters():
+            source = full.get_parameter(name)
+            is_expert = name.split(".")[-1] in ("w1", "w2", "w3", "b1", "b2", "b3")
+            param.copy_(source[rank * shard : (rank + 1) * shard] if is_expert else source)
+    fp.distribute(model, mesh)
+    if layout.get("fsdp"):
+        dims.fully_shard(model, mesh)
+    d = groups["dp"].get_local_rank()
+    t = groups["tp"].get_local_rank() if dims.tp > 1 else 0
+    x = _tokens(dims.dp, dims.tp)[d, t]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    out = {}
+    for step in range(steps):
+        with Collectives() as seen:
+            loss = _loss(model(x), dims.tp * N)
+            loss.backward()
+        if step == 0:
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            out["loss"] = total.item() / dims.dp
+            out["grads"] = {n: _full(p.grad) for n, p in model.named_parameters()}
+            out["reductions"] = seen.calls
+        optimizer.step()
+        optimizer.zero_grad()
+    out["params"] = {n: _full(p) for n, p in model.named_parameters()}
+    return out
+
+
+def _full(t):
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def _reference(dp, tp, steps=2):
+    model = _full_model()
+    x = _tokens(dp, tp).reshape(-1, D)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(steps):
+        loss = _loss(model(x), x.shape[0])
+        loss.backward()
+        if step == 0:
+            ref = {
+                "loss": loss.item(),
+                "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+            }
+        optimizer.step()
+        optimizer.zero_grad()
+    ref["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return ref
+
+
+LAYOUTS = {
+    "ep4 over dp4, FSDP2": {"dims": {"dp": 4, "ep": "dp"}, "fsdp": True},
+    "ep4 over dp2 x tp2": {"dims": {"dp": 2, "tp": 2, "ep": ("dp", "tp")}},
+    "ep2 over dp2 beside tp2": {"dims": {"dp": 2, "tp": 2, "ep": "dp"}},
+    "ep2 over half of dp4, FSDP2": {"dims": {"dp": 4, "ep": "dp", "ep_degree": 2}, "fsdp": True},
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_matches_one_process(world, name):
+    layout = LAYOUTS[name]
+    dims = layout["dims"]
+    ref = _reference(dims["dp"], dims.get("tp", 1))
+    for out in world(4).run(_run, layout):
+        assert abs(out["loss"] - ref["loss"]) <= 1e-12 * abs(ref["loss"])
+        for what in ("grads", "params"):
+            for n, expected in ref[what].items():
+                got = out[what][n]
+                err = (got - expected).abs().max().item()
+                assert err <= 1e-11 * max(1.0, expected.abs().max().item()), (name, what, n, err)
