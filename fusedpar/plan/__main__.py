@@ -3,6 +3,7 @@
     python -m fusedpar.plan llama3-70b --gpus 256 --seq-len 8192 --global-batch-tokens 4M
     python -m fusedpar.plan path/to/config.json --gpus 64 --device h200 --out plans/
     python -m fusedpar.plan deepseek-v3 --gpus 1024 --seq-len 4096 --layout dp=16,cp=8,tp=8,ep=cp+tp
+    python -m fusedpar.plan deepseek-v3 --gpus 1024 --layout dp=128,tp=8,ep=dp,ep_degree=64
 
 Prints the ranked table (markdown); ``--out DIR`` also writes plan.md, plan.json and
 plan.png there. ``--layout`` estimates one layout instead of searching.
@@ -68,33 +69,40 @@ def tokens(text: str) -> int:
 
 
 def layout(text: str) -> ParallelDims:
-    """A layout: "dp=16,tp=8,ep=cp+tp" -> ParallelDims."""
+    """A layout: "dp=16,tp=8,ep=cp+tp" or "pp=16,dp=128,ep=dp,ep_degree=64" ->
+    ParallelDims (its checks, `ParallelDims.validate`'s, run with the model's sizes)."""
     kwargs = {}
     for part in text.split(","):
         name, _, value = part.partition("=")
         if name == "ep":
             axes = tuple(value.split("+"))
             kwargs["ep"] = axes[0] if len(axes) == 1 else axes
-        elif name in AXES and value.isdigit() and int(value) > 0:
+        elif name in (*AXES, "ep_degree") and value.isdigit() and int(value) > 0:
             kwargs[name] = int(value)
         else:
             raise argparse.ArgumentTypeError(
                 f"{part!r} in {text!r}: each part is AXIS=DEGREE (AXIS one of "
-                f"{', '.join(AXES)}; DEGREE a positive integer) or ep=AXIS[+AXIS...]"
+                f"{', '.join(AXES)}; DEGREE a positive integer), ep=AXIS[+AXIS...] or "
+                "ep_degree=DEGREE (an EP group over part of dp)"
             )
     dims = ParallelDims(**kwargs)
-    bad = [a for a in dims.ep_axes if a not in AXES or a in ("pp", "dp")]
+    bad = [a for a in dims.ep_axes if a not in AXES or a == "pp"]
     if bad:
         raise argparse.ArgumentTypeError(
-            f"ep over {'+'.join(bad)}: fusedpar runs EP over cp, ulysses and tp"
+            f"ep over {'+'.join(bad)}: fusedpar runs EP over dp, cp, ulysses and tp"
         )
     return dims
 
 
 def text_of(dims: ParallelDims) -> str:
-    """ParallelDims(dp=16, tp=8) -> "dp=16,tp=8"."""
+    """ParallelDims(dp=16, tp=8) -> "dp=16,tp=8" (and ep=..., ep_degree=...)."""
     axes = ("pp", "dp", "cp", "ulysses", "tp")
-    return ",".join(f"{a}={getattr(dims, a)}" for a in axes if getattr(dims, a) > 1) or "dp=1"
+    parts = [f"{a}={getattr(dims, a)}" for a in axes if getattr(dims, a) > 1] or ["dp=1"]
+    if dims.ep_axes:
+        parts.append(f"ep={'+'.join(dims.ep_axes)}")
+    if dims.ep_degree is not None:
+        parts.append(f"ep_degree={dims.ep_degree}")
+    return ",".join(parts)
 
 
 FLAGS = ("peak-tflops", "memory-gb", "hbm-tbps", "nvlink-gbps", "network-gbps")
@@ -139,7 +147,11 @@ def parser() -> Parser:
         choices=DP_SHARDING,
         help="FSDP2's resharding (default: zero3 with --layout; a search tries zero3 and zero1)",
     )
-    p.add_argument("--layout", type=layout, help="estimate this layout only: dp=8,tp=8,...")
+    p.add_argument(
+        "--layout",
+        type=layout,
+        help="estimate this layout only: dp=8,tp=8,... (ep=dp+tp, ep_degree=N: experts)",
+    )
     p.add_argument("--micro-batch", type=positive, help="with --layout (default 1)")
     p.add_argument("--schedule", help="with --layout and pp > 1")
     p.add_argument("--top", type=positive, default=15)

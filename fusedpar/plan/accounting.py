@@ -167,19 +167,28 @@ def layer_tensors(spec: ModelSpec, layer: int, tp: int = 1, ep: int = 1) -> list
     if spec.o_bias and not spec.is_linear(layer):  # added after the reduction
         out.append(((d,), "summed"))
     if spec.is_moe(layer):
-        E, h = spec.num_experts, spec.expert_hidden
-        out += [((E, d), "whole")] + [((E // ep, *s), "expert") for s in ((h, d), (h, d), (d, h))]
-        if spec.shared_hidden:
-            hs = spec.shared_hidden
-            out += [((hs, d), "whole"), ((d, hs), "whole"), ((hs, d), "whole")]
-        if spec.shared_gate:
-            out.append(((1, d), "whole"))
+        out += moe_tensors(spec, ep)
     else:
         h = spec.d_hidden // t
         out += [((h, d), "tp"), ((h, d), "tp"), ((d, h), "tp")][1 - spec.gated :]
         if spec.mlp_bias:  # gate's and up's (fc's) split like their rows; down's summed
             out += [((h,), "tp"), ((h,), "tp"), ((d,), "summed")][1 - spec.gated :]
     return [(shape, kind) for shape, kind in out]
+
+
+def moe_tensors(spec: ModelSpec, ep: int = 1) -> list[tuple]:
+    """(local shape, kind) of one `MoE` module's parameters, the last of its block's
+    `layer_tensors`: the router, the routed experts (E / ep of them: "expert"), the
+    shared expert and its gate. FSDP2 treats the module as a unit of its own where
+    experts take part of dp (`memory.fsdp_units`)."""
+    d, E, h = spec.d_model, spec.num_experts, spec.expert_hidden
+    out = [((E, d), "whole")] + [((E // ep, *s), "expert") for s in ((h, d), (h, d), (d, h))]
+    if spec.shared_hidden:
+        hs = spec.shared_hidden
+        out += [((hs, d), "whole"), ((d, hs), "whole"), ((hs, d), "whole")]
+    if spec.shared_gate:
+        out.append(((1, d), "whole"))
+    return out
 
 
 def model_end_tensors(spec: ModelSpec, *, first: bool, last: bool) -> list[tuple[int, str]]:

@@ -24,6 +24,7 @@ from functools import lru_cache
 
 import torch
 
+from fusedpar.axes import DP_PARTS
 from fusedpar.parallel import ParallelDims
 from fusedpar.pipeline import check_pipeline, stage_count
 from fusedpar.plan import accounting as acc
@@ -80,7 +81,8 @@ class Estimate:
             "model": self.model,
             "layout": self.layout(),
             "gpus": self.gpus,
-            "dims": {a: getattr(d, a) for a in AXES} | {"ep": list(d.ep_axes)},
+            "dims": {a: getattr(d, a) for a in AXES}
+            | {"ep": list(d.ep_axes), "ep_degree": d.ep_degree},
             "seq_len": self.seq_len,
             "micro_batch": self.micro_batch,
             "microbatches": self.microbatches,
@@ -117,14 +119,42 @@ class StepOptions:
     document_len: int | None
 
 
-def link_of(dims: ParallelDims, axis: str, gpus_per_node: int) -> str:
-    """ "nvlink" when the ranks of `axis` share a node (mesh order, tp innermost)."""
-    span = 1
-    for a in reversed(AXES):
-        span *= getattr(dims, a)
-        if a == axis:
-            break
+def mesh_order(dims: ParallelDims) -> list[tuple[str, int]]:
+    """(axis, degree) of the mesh, outermost first: dp as its two parts ("dp_mod_ep"
+    outer, "dp_in_ep" inner) where the EP group takes part of it (`splits_dp`)."""
+    dp = [(a, dims.degree(a)) for a in DP_PARTS] if dims.splits_dp else [("dp", dims.dp)]
+    rest = [(a, getattr(dims, a)) for a in AXES[2:]]
+    return [("pp", dims.pp), *dp, *rest]
+
+
+def group_axes(dims: ParallelDims, names) -> tuple[str, ...]:
+    """The mesh axes of the group over `names` (fusedpar's axes, `DP_PARTS`, or "ep": its
+    axes, the inner part of dp where the EP group takes part of it)."""
+    out = []
+    for name in (names,) if isinstance(names, str) else names:
+        if name == "ep":
+            out += ["dp_in_ep" if a == "dp" and dims.splits_dp else a for a in dims.ep_axes]
+        elif name == "dp" and dims.splits_dp:
+            out += DP_PARTS
+        else:
+            out.append(name)
+    return tuple(out)
+
+
+def link_of(dims: ParallelDims, axes, gpus_per_node: int) -> str:
+    """ "nvlink" when the ranks of the group over `axes` (`group_axes`' names) share a
+    node: a group lies within the consecutive ranks its outermost axis spans (mesh
+    order, tp innermost); an EP group over dp ranks is the inner dp ranks times its
+    other axes."""
+    names, order = group_axes(dims, axes), mesh_order(dims)
+    first = min(i for i, (a, _) in enumerate(order) if a in names)
+    span = math.prod(n for _, n in order[first:])
     return "nvlink" if gpus_per_node % span == 0 else "network"
+
+
+def group_size(dims: ParallelDims, names) -> int:
+    """The ranks of the group over `names` (as `group_axes` takes them)."""
+    return math.prod(dims.ep_size if n == "ep" else dims.degree(n) for n in names)
 
 
 class _Clock:
@@ -137,11 +167,10 @@ class _Clock:
 
     def comm(self, axis: str, nbytes: float, calls: int = 1, kind: str = "ring") -> float:
         """Seconds for `calls` collectives moving `nbytes` in all over `axis`."""
-        size = self.dims.ep_size if axis == "ep" else getattr(self.dims, axis)
+        size = group_size(self.dims, (axis,))
         if size <= 1 or nbytes <= 0:
             return 0.0
-        link_axis = min(self.dims.ep_axes, key=AXES.index) if axis == "ep" else axis
-        link = link_of(self.dims, link_axis, self.gpn)
+        link = link_of(self.dims, axis, self.gpn)
         sent = nbytes * (size - 1) / size * (2 if kind == "all_reduce" else 1)
         if kind == "p2p":
             sent = nbytes
@@ -151,11 +180,10 @@ class _Clock:
     def group_comm(self, axes: tuple, given: float, calls: int) -> float:
         """Seconds for an all-reduce of `given` bytes in all over the group of `axes`,
         on the link of its outermost axis."""
-        axes = [a for name in axes for a in (self.dims.ep_axes if name == "ep" else (name,))]
-        size = math.prod(getattr(self.dims, a) for a in axes)
+        size = group_size(self.dims, axes)
         if size <= 1:
             return 0.0
-        link = link_of(self.dims, min(axes, key=AXES.index), self.gpn)
+        link = link_of(self.dims, axes, self.gpn)
         bw = (self.dev.nvlink_gbps if link == "nvlink" else self.dev.network_gbps) * 1e9
         return given * 2 * (size - 1) / size / bw + calls * LATENCY_S[link]
 
@@ -282,6 +310,10 @@ def block_times(spec, layer, z: acc.Local, clock: _Clock, opts: StepOptions) -> 
         rows_bytes = z.n * spec.top_k * d * e
         fwd += clock.comm("ep", 2 * rows_bytes, calls=3, kind="all_to_all")
         bwd += clock.comm("ep", 2 * rows_bytes, calls=2, kind="all_to_all")
+    if moe and clock.dims.ep_dp > 1:  # experts over dp ranks: their gradient scaled by
+        # 1 / ep_dp each microbatch, an element-wise pass (read and write)
+        experts = 3 * spec.num_experts // z.ep * spec.expert_hidden * d
+        bwd += 2 * experts * e / (dev.hbm_tbps * 1e12)
     if policy == "full":  # the whole forward again, its collectives too
         bwd += fwd
     return fwd, bwd, flops
@@ -390,9 +422,7 @@ def estimate(
         )
     _time(est, spec, z, _Clock(dev, dims, gpus_per_node), ranks, opts)
     for group in est.traffic:  # the link of its outermost axis
-        names = group.split(" x ")
-        axes = [a for name in names for a in (dims.ep_axes if name == "ep" else (name,))]
-        est.links[group] = link_of(dims, min(axes, key=AXES.index), gpus_per_node)
+        est.links[group] = link_of(dims, group.split(" x "), gpus_per_node)
     return est
 
 
@@ -480,9 +510,13 @@ def _time(est, spec, z, clock: _Clock, ranks: list[PipelineRank], opts: StepOpti
         gathers = {"zero3": 2 * m, "zero2": m, "zero1": 1}[sharding]
         scatters = 1 if sharding == "zero1" else m
         blocks = max(len(ranks[worst].layers), 1)
-        unsharded = state["numel"] * dims.dp
-        ag = clock.comm("dp", gathers * unsharded * z.e, calls=gathers * blocks)
-        rs = clock.comm("dp", scatters * unsharded * REDUCE_BYTES, calls=scatters * blocks)
+        ag = rs = 0.0
+        for group, (_, units, whole) in memory.dp_shards(spec, dims, ranks[worst]).items():
+            if group is None:  # experts FSDP2 leaves alone (EP over all of dp)
+                continue
+            units = max(units, 1)
+            ag += clock.comm(group, gathers * whole * z.e, calls=gathers * units)
+            rs += clock.comm(group, scatters * whole * REDUCE_BYTES, calls=scatters * units)
         # each block's share hides under a block's compute; the first and last do not
         per_block = pipeline / (blocks * m)
         exposed = (

@@ -71,22 +71,62 @@ def rank_stages(
     ]
 
 
+def fsdp_units(spec, dims, layer: int) -> list[tuple[str | None, list[tuple]]]:
+    """FSDP2's units of block `layer` as `ParallelDims.fully_shard` makes them: (the data
+    axis it shards over, its parameters' (local shape, kind) as `layer_tensors` gives
+    them). The block over "dp"; where the EP group takes dp ranks, the routed experts
+    held whole (None: EP over all of dp, FSDP2's ``ignored_params``), or the MoE module
+    a unit of its own over "dp_mod_ep" (EP over part of dp: its router and shared expert
+    sharded there too, replicated over "dp_in_ep")."""
+    tensors = acc.layer_tensors(spec, layer, dims.tp, dims.ep_size)
+    if not spec.is_moe(layer) or dims.ep_dp == 1:
+        return [("dp", tensors)]
+    moe = acc.moe_tensors(spec, dims.ep_size)
+    rest = tensors[: len(tensors) - len(moe)]
+    if dims.splits_dp:
+        return [("dp", rest), ("dp_mod_ep", moe)]
+    experts = [t for t in moe if t[1] == "expert"]
+    return [("dp", rest + [t for t in moe if t[1] != "expert"]), (None, experts)]
+
+
+def root_shapes(spec, rank: PipelineRank) -> list[tuple]:
+    """The shapes of FSDP2's root unit: the embedding, the final norm and the head."""
+    ends = acc.model_end_tensors(spec, first=rank.first, last=rank.last)
+    return [(n // spec.d_model, spec.d_model) if n > spec.d_model else (n,) for n, _ in ends]
+
+
+def dp_shards(spec, dims, rank: PipelineRank) -> dict:
+    """Per data axis a pipeline rank's parameters are FSDP2-sharded over (`fsdp_units`;
+    None: held whole): [elements this rank keeps, the blocks' units over it, the
+    elements its units gather (each tensor's dim 0 padded)]. The root unit is "dp"'s,
+    not counted among the units."""
+    out: dict = {}
+
+    def add(group, shapes, count, unit):
+        w = dims.degree(group) if group else 1
+        shard = sum(acc.fsdp_numel(s, w) for s in shapes)
+        entry = out.setdefault(group, [0, 0, 0])
+        entry[0] += count * shard
+        entry[1] += count * unit
+        entry[2] += count * shard * w if group else 0
+
+    for kind, count in Counter(spec.kind(i) for i in rank.layers).items():  # alike by kind
+        layer = next(i for i in rank.layers if spec.kind(i) == kind)
+        for group, tensors in fsdp_units(spec, dims, layer):
+            add(group, [s for s, _ in tensors], count, 1)
+    add("dp", root_shapes(spec, rank), 1, 0)
+    return out
+
+
 def state_bytes(spec, dims, rank: PipelineRank, *, param_dtype, optimizer) -> dict:
     """Parameters, gradients and optimizer state of a pipeline rank (FSDP2 over dp: each
-    tensor's dim 0 padded and split)."""
-    layers = rank.layers
-    numel = tensors = 0
-    for kind, count in Counter(spec.kind(i) for i in layers).items():  # alike by kind
-        layer = next(i for i in layers if spec.kind(i) == kind)
-        shapes = [s for s, _ in acc.layer_tensors(spec, layer, dims.tp, dims.ep_size)]
-        numel += count * sum(acc.fsdp_numel(s, dims.dp) for s in shapes)
-        tensors += count * len(shapes)
-    ends = acc.model_end_tensors(spec, first=rank.first, last=rank.last)
-    numel += sum(
-        acc.fsdp_numel((n // spec.d_model, spec.d_model) if n > spec.d_model else (n,), dims.dp)
-        for n, _ in ends
+    tensor's dim 0 padded and split; experts over dp ranks as `fsdp_units` says)."""
+    numel = sum(held for held, _, _ in dp_shards(spec, dims, rank).values())
+    tensors = sum(
+        count * len(acc.layer_tensors(spec, next(i for i in rank.layers if spec.kind(i) == k)))
+        for k, count in Counter(spec.kind(i) for i in rank.layers).items()
     )
-    tensors += len(ends)
+    tensors += len(acc.model_end_tensors(spec, first=rank.first, last=rank.last))
     p = element_bytes(param_dtype)
     states = {"adamw": 2 * numel * p + 4 * tensors, "sgd": 0}
     if optimizer not in states:
@@ -144,8 +184,13 @@ def buffer_bytes(spec, dims, z, rank: PipelineRank) -> int:
     TP's gathered input; the ring's K/V blocks in flight; the head's logits."""
     out = 0
     if dims.dp > 1 and rank.layers:
-        block = max(
-            sum(math.prod(s) for s, _ in acc.layer_tensors(spec, i, dims.tp, dims.ep_size))
+        block = max(  # (experts FSDP2 leaves alone are not gathered)
+            sum(
+                math.prod(s)
+                for group, tensors in fsdp_units(spec, dims, i)
+                if group
+                for s, _ in tensors
+            )
             for i in {spec.kind(i): i for i in rank.layers}.values()
         )
         out += block * (2 * z.e + REDUCE_BYTES)  # two gathered blocks, one's gradient
@@ -184,10 +229,11 @@ def largest(spec, dims, z: acc.Local, ranks: list[PipelineRank], opts: StepOptio
         mem["in_flight"] = max(0, held - per_mb)
         mem["buffers"] = buffer_bytes(spec, dims, z, rank)
         if dims.dp > 1 and opts.dp_sharding != "zero3":  # unsharded parameters (and gradients)
-            whole = mem["numel"] * dims.dp
-            mem["buffers"] += whole * z.e
-            if opts.dp_sharding == "zero1":
-                mem["gradients"] = whole * 4
+            shards = dp_shards(spec, dims, rank)
+            gathered = sum(whole for _, _, whole in shards.values())
+            mem["buffers"] += gathered * z.e
+            if opts.dp_sharding == "zero1":  # (experts FSDP2 leaves alone: whole already)
+                mem["gradients"] = (gathered + shards.get(None, (0,))[0]) * 4
         recompute = 0
         if opts.checkpointing != "none" and rank.layers:
             recompute = max(acc.block_saved(spec, i, z) for i in rank.layers)

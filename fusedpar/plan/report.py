@@ -28,6 +28,8 @@ def dims_call(est: Estimate) -> str:
     args = [f"{a}={getattr(d, a)}" for a in axes if getattr(d, a) > 1]
     if d.ep_axes:
         args.append(f"ep={d.ep!r}")
+    if d.ep_degree is not None:
+        args.append(f"ep_degree={d.ep_degree}")
     return f"fp.ParallelDims({', '.join(args)})"
 
 
@@ -43,8 +45,8 @@ def demo(est: Estimate, gpus_per_node: int = 8, script: str = "examples/train.py
     --ulysses, --pp; dp is the rest), a pipeline's schedule and microbatches, experts over
     tp (--moe), the sequence length and the global batch (--batch: sequences a step, split
     over dp). What it cannot run is a note instead of a command: experts over another
-    axis (or none while tp > 1), microbatches without a pipeline (no gradient
-    accumulation), FSDP2 holding parameters through the step (zero1, zero2: the demo
+    axis (dp ranks included; or none while tp > 1), microbatches without a pipeline (no
+    gradient accumulation), FSDP2 holding parameters through the step (zero1, zero2: the demo
     reshards after each forward), degrees its 4 heads and 2 KV heads do not split into,
     or GPUs torchrun cannot spread evenly over nodes. A note beside a command says what
     it runs otherwise (no activation checkpointing). A model of your own takes the

@@ -1,7 +1,8 @@
 """Every layout of N GPUs, estimated and ranked: `search`.
 
 A layout is degrees (pp, dp, cp, ulysses, tp) whose product is the GPU count, and for
-a MoE model an EP run of the (cp, ulysses, tp) axes (fusedpar runs no EP over dp). For
+a MoE model an EP run of the (dp, cp, ulysses, tp) axes, over all of dp or its inner
+ranks (`ep_degree`), its group dividing the experts and at most `MAX_EP` ranks. For
 each, the search keeps the fastest of: microbatch sizes, the pipeline schedules, and the
 checkpointing policies from the cheapest ("none") to "full", the first that fits, and
 FSDP2 resharding every microbatch ("zero3") or holding the gathered parameters through
@@ -26,6 +27,7 @@ from fusedpar.plan.model import model_spec
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
 MIN_TOKENS_PER_CP_RANK = 512  # shorter shards leave the ring's steps all latency
+MAX_EP = 64  # the largest EP group over dp ranks searched (published runs: 32-64)
 
 
 @dataclass
@@ -64,19 +66,33 @@ def layouts(spec, gpus: int, gpus_per_node: int, seq_len: int, skipped=None):
                         if skipped is not None:
                             skipped.append((_label(dims), why))
                         continue
-                    for ep in _ep_options(spec, cp, ulysses, tp):
-                        yield ParallelDims(dp=dp, cp=cp, tp=tp, ulysses=ulysses, pp=pp, ep=ep)
+                    for ep, degree in _ep_options(spec, dp, cp, ulysses, tp):
+                        yield ParallelDims(
+                            dp=dp, cp=cp, tp=tp, ulysses=ulysses, pp=pp, ep=ep, ep_degree=degree
+                        )
 
 
-def _ep_options(spec, cp, ulysses, tp):
+def _ep_options(spec, dp, cp, ulysses, tp):
+    """(ep, ep_degree) of a MoE model: none, each run of the axes of more than one rank
+    (dp, cp, ulysses, tp, in mesh order); with dp, each count of inner dp ranks (all of
+    dp: ep_degree None) whose EP group divides the experts and holds at most `MAX_EP`
+    ranks (EP groups beyond it are not searched, nor those that divide no experts)."""
+    yield None, None
     if not spec.num_experts:
-        yield None
         return
-    axes = [a for a, n in (("cp", cp), ("ulysses", ulysses), ("tp", tp)) if n > 1]
-    yield None
+    degrees = {"dp": dp, "cp": cp, "ulysses": ulysses, "tp": tp}
+    axes = [a for a, n in degrees.items() if n > 1]
     for count in range(1, len(axes) + 1):
         for run in combinations(axes, count):
-            yield run[0] if count == 1 else run
+            ep = run[0] if count == 1 else run
+            if "dp" not in run:
+                yield ep, None
+                continue
+            others = math.prod(degrees[a] for a in run if a != "dp")
+            for inner in _divisors(dp)[1:]:
+                size = others * inner
+                if size <= min(MAX_EP, spec.num_experts) and spec.num_experts % size == 0:
+                    yield ep, None if inner == dp else size
 
 
 def _label(dims: ParallelDims) -> str:

@@ -21,7 +21,7 @@ from collections import Counter
 
 from fusedpar.plan import accounting as acc
 from fusedpar.plan.linear_traffic import linear_context
-from fusedpar.plan.memory import PipelineRank
+from fusedpar.plan.memory import PipelineRank, fsdp_units, root_shapes
 
 ACCUMULATE = 4  # fp32 partial sums
 
@@ -43,7 +43,7 @@ class Ledger:
         self.bytes[kind, axes] += nbytes * count
 
     def size(self, axis) -> int:
-        return self.dims.ep_size if axis == "ep" else getattr(self.dims, axis)
+        return self.dims.ep_size if axis == "ep" else self.dims.degree(axis)
 
     def group_size(self, axes) -> int:
         return math.prod(self.size(a) for a in axes)
@@ -231,23 +231,26 @@ def step(
         else:
             ledger.add("all_reduce", axes, sum(sizes) * grad_bytes)
     if fsdp:
-        units = [[s for s, _ in acc.layer_tensors(spec, i, dims.tp, dims.ep_size)] for i in layers]
-        ends = acc.model_end_tensors(spec, first=first, last=last)
-        root_shapes = [
-            (n // spec.d_model, spec.d_model) if n > spec.d_model else (n,) for n, _ in ends
-        ]
+        units = [(g, t, False) for i in layers for g, t in fsdp_units(spec, dims, i) if g]
+        units.append(("dp", [(s, "whole") for s in root_shapes(spec, rank)], True))
         per_step = {
             "zero3": (2 * microbatches, microbatches),
             "zero2": (microbatches,) * 2,
             "zero1": (1, 1),
         }[dp_sharding]  # (a block's gathers, its scatters)
-        for shapes, root in [(u, False) for u in units] + [(root_shapes, True)]:
-            shard = sum(acc.fsdp_numel(s, dims.dp) for s in shapes)
+        for group, tensors, root in units:
+            w = dims.degree(group)
+            shard = sum(acc.fsdp_numel(s, w) for s, _ in tensors)
             gathers, scatters = per_step
             if root and dp_sharding == "zero3":  # the root is not resharded after forward
                 gathers = microbatches
             if shard:
-                gathered = shard * (dims.dp + 1) * (gather_bytes or grad_bytes)
-                ledger.add("all_gather", ("dp",), gathered, gathers)
-                ledger.add("reduce_scatter", ("dp",), shard * (dims.dp + 1) * grad_bytes, scatters)
+                gathered = shard * (w + 1) * (gather_bytes or grad_bytes)
+                ledger.add("all_gather", (group,), gathered, gathers)
+                ledger.add("reduce_scatter", (group,), shard * (w + 1) * grad_bytes, scatters)
+            if group == "dp_mod_ep":  # FSDP2 first sums the MoE's router and shared expert
+                for shape, kind in tensors:  # over the EP group's dp ranks, one at a time
+                    if kind != "expert":
+                        whole = math.prod(shape) * grad_bytes
+                        ledger.add("all_reduce", ("dp_in_ep",), whole, scatters)
     return ledger

@@ -33,8 +33,8 @@ from tests.support import tiny
 SEQ, BATCH = 32, 2
 
 
-def _config(moe: bool) -> Config:
-    return tiny.config(moe, vocab=96, d_model=64, n_layers=2, d_hidden=96)
+def _config(moe: bool, experts: int = 4) -> Config:
+    return tiny.config(moe, vocab=96, d_model=64, n_layers=2, d_hidden=96, experts=experts)
 
 
 class Checkpointed(torch.nn.Module):
@@ -92,8 +92,9 @@ LAYOUTS = [
     ({"cp": 2, "ulysses": 2}, False, None),
     ({"cp": 2, "tp": 2}, True, "tp"),
     ({"cp": 2, "tp": 2}, True, ("cp", "tp")),
+    ({"dp": 2, "tp": 2}, True, ("dp", "tp")),
 ]  # EP 4: one expert a rank
-EP_GROUPS = {"tp": ((0, 1), (2, 3)), ("cp", "tp"): ((0, 1, 2, 3),)}
+EP_GROUPS = {"tp": ((0, 1), (2, 3)), ("cp", "tp"): ((0, 1, 2, 3),), ("dp", "tp"): ((0, 1, 2, 3),)}
 
 
 def _all_layouts():
@@ -122,7 +123,7 @@ def test_saved_activations_on_four_ranks(world):
                     assert got == want, (kw, policy, group)
 
 
-def _step(kw: dict, moe: bool, ep=None, schedule=None, policy="none") -> dict:
+def _step(kw: dict, moe: bool, ep=None, schedule=None, policy="none", experts=4) -> dict:
     """On each rank, after two training steps (the blocks checkpointed under `policy`):
     the parameters, gradients and AdamW state it holds, the collectives of the second
     step (`Collectives`) and the most saved bytes it held at once, real and planned."""
@@ -130,7 +131,7 @@ def _step(kw: dict, moe: bool, ep=None, schedule=None, policy="none") -> dict:
     from fusedpar.plan.memory import rank_stages, saved_peaks, state_bytes
     from fusedpar.testing.collectives import Collectives
 
-    cfg = _config(moe)
+    cfg = _config(moe, experts)
     cfg.n_layers = 4 if schedule == "Interleaved1F1B" else 2  # one block per stage
     dims = fp.ParallelDims(ep=ep, **kw)
     mesh = dims.build_mesh("cpu")
@@ -233,3 +234,35 @@ def test_held_state_collectives_and_bytes_of_a_step(world):
             for key in results[0]["real"][1]:
                 got = sum(r["real"][1].get(key, 0) for r in results)
                 assert got == sum(r["planned"][1].get(key, 0) for r in results), (layout, key)
+
+
+# Experts over dp ranks (FSDP2 over dp, each block a unit): EP 4 over dp 2 x tp 2 and over
+# dp 4 (the experts FSDP2's ignored_params), EP 2 over the inner half of dp 4 (each MoE a
+# unit over the outer half, its router summed over the inner half first). 8 experts: 2 a
+# rank at EP 4, which FSDP2 over 4 would pad and split, as the planner would have wrongly.
+EP_DP_LAYOUTS = [
+    ({"dp": 2, "tp": 2}, True, ("dp", "tp")),
+    ({"dp": 4}, True, "dp"),
+    ({"dp": 4, "ep_degree": 2}, True, "dp"),
+]
+
+
+def _ep_dp_steps():
+    return [_step(kw, moe, ep, experts=8) for kw, moe, ep in EP_DP_LAYOUTS]
+
+
+def test_experts_over_dp_ranks_state_collectives_and_bytes(world):
+    """As `test_held_state_collectives_and_bytes_of_a_step`, with the EP group over dp
+    ranks: state and calls per rank, bytes per rank but the all-to-alls' (summed)."""
+    per_rank = world(4).run(_ep_dp_steps)
+    for i, layout in enumerate(EP_DP_LAYOUTS):
+        results = [rank[i] for rank in per_rank]
+        for result in results:
+            assert result["real_state"] == result["planned_state"], layout
+            assert result["real"][0] == result["planned"][0], layout
+            for key, got in result["real"][1].items():
+                if key[0] != "all_to_all":
+                    assert got == result["planned"][1].get(key), (layout, key)
+        for key in results[0]["real"][1]:
+            got = sum(r["real"][1].get(key, 0) for r in results)
+            assert got == sum(r["planned"][1].get(key, 0) for r in results), (layout, key)

@@ -116,6 +116,22 @@ def test_one_layout_from_the_command_line(capsys):
     assert code == (0 if out["fits"] else 1)
 
 
+def test_experts_over_dp_ranks_from_the_command_line(capsys):
+    """EP over dp from --layout (ep=dp, ep_degree=N): the JSON's layout and degree; the
+    search's top pick's `dims_call` is a ParallelDims the runtime takes."""
+    argv = ["deepseek-v3", "--gpus", "1024", "--seq-len", "4096", "--checkpointing", "full"]
+    code = main([*argv, "--layout", "dp=128,tp=8,ep=dp,ep_degree=64"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"] == "dp128 tp8 ep64(dp)" and out["dims"]["ep_degree"] == 64
+    assert out["links"]["ep"] == "network" and code == (0 if out["fits"] else 1)
+    est = plan.estimate("mixtral-8x22b", fp.ParallelDims(dp=8, ep="dp", ep_degree=4), seq_len=4096)
+    call = report.dims_call(est)
+    assert call == "fp.ParallelDims(dp=8, ep='dp', ep_degree=4)"
+    dims = eval(call, {"fp": fp})  # noqa: S307 (our own text)
+    dims.validate(8, num_experts=8)
+    assert (dims.ep_dp, dims.splits_dp, est.links["ep"]) == (4, True, "nvlink")
+
+
 def test_the_frontier_and_the_dims_call():
     result = search("llama3-8b", gpus=8, seq_len=8192, global_batch_tokens=2**19)
     edge = report.frontier(result.ranked)
@@ -340,7 +356,9 @@ M = ["llama3-8b", "--gpus", "8"]
         (["missing/config.json", "--gpus", "8"], ["neither a preset"]),
         ([*M, "--layout", "dp=eight"], ["'dp=eight'", "AXIS=DEGREE"]),
         ([*M, "--layout", "zz=8"], ["'zz=8'"]),
-        ([*M, "--layout", "dp=8,ep=dp"], ["ep over dp"]),
+        ([*M, "--layout", "pp=2,dp=4,ep=pp"], ["ep over pp"]),
+        ([*M, "--layout", "dp=8,ep=dp,ep_degree=3"], ["ep_degree (3) must be", "dp (8)"]),
+        ([*M, "--layout", "dp=8,ep_degree=x"], ["'ep_degree=x'", "ep_degree=DEGREE"]),
         ([*M, "--layout", "dp=4"], ["has 4 ranks, --gpus 8"]),
         ([*M, "--layout", "dp=8", "--global-batch-tokens", "24K"], ["do not split into dp"]),
         ([*M, "--global-batch-tokens", "4X"], ["'4X' is not a token count"]),
@@ -394,6 +412,14 @@ def test_the_demo_line_runs_the_layout_it_names():
     assert line is None and notes == ["experts over cp (the demo's --moe: over tp)"]
     line, notes = _demo(moe, fp.ParallelDims(dp=4, ulysses=2, ep="ulysses"))
     assert line is None and notes == ["experts over ulysses (the demo's --moe: over tp)"]
+    for dims in (
+        fp.ParallelDims(dp=4, tp=2, ep="dp"),
+        fp.ParallelDims(dp=4, tp=2, ep=("dp", "tp"), ep_degree=4),
+    ):  # the demo's --moe runs experts over tp alone: a note, no command
+        line, notes = _demo(moe, dims)
+        assert line is None and notes == [
+            f"experts over {' x '.join(dims.ep_axes)} (the demo's --moe: over tp)"
+        ]
     line, notes = _demo(moe, fp.ParallelDims(dp=4, tp=2))
     assert line is None and notes == ["every expert on each of tp 2 (the demo's --moe: over tp)"]
     line, notes = _demo("llama3-8b", fp.ParallelDims(dp=8), micro_batch=2, microbatches=4)
