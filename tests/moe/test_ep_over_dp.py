@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import fusedpar as fp
+from fusedpar import comm
 from fusedpar.testing import Collectives
 
 D, H, E, N = 8, 6, 8, 5  # model width, expert width, experts, tokens a rank
@@ -62,19 +63,21 @@ def _run(layout, steps=2):
     dims = fp.ParallelDims(**layout["dims"])
     mesh = dims.build_mesh("cpu")
     groups = dims.groups(mesh)
+    # built by hand: ParallelDims without ep, the layer given the dp group itself
+    ep_group = mesh["dp"].get_group() if layout.get("by_hand") else groups["ep"]
     full = _full_model()
     torch.manual_seed(0)
-    model = _Tiny(groups["ep"]).double()
-    rank = groups["ep"].get_local_rank()
-    shard = E // dims.ep_size
+    model = _Tiny(ep_group).double()
+    shard = E // comm.group_size(ep_group)
+    rank = comm.group_rank(ep_group)
     with torch.no_grad():  # the full model's experts, this EP rank's share
         for name, param in model.named_parameters():
             source = full.get_parameter(name)
             is_expert = name.split(".")[-1] in ("w1", "w2", "w3", "b1", "b2", "b3")
             param.copy_(source[rank * shard : (rank + 1) * shard] if is_expert else source)
     fp.distribute(model, mesh)
-    if layout.get("fsdp"):
-        dims.fully_shard(model, mesh)
+    if layout.get("fsdp"):  # "tp path": FSDP2's path of torch 2.11 (on the mesh without dp)
+        dims.fully_shard(model, mesh, dp_mesh_dims=layout["fsdp"] != "tp path")
     d = groups["dp"].get_local_rank()
     t = groups["tp"].get_local_rank() if dims.tp > 1 else 0
     x = _tokens(dims.dp, dims.tp)[d, t]
@@ -120,21 +123,57 @@ def _reference(dp, tp, steps=2):
 
 LAYOUTS = {
     "ep4 over dp4, FSDP2": {"dims": {"dp": 4, "ep": "dp"}, "fsdp": True},
+    "ep4 over dp4 by hand, FSDP2's torch 2.11 path": {
+        "dims": {"dp": 4},
+        "by_hand": True,
+        "fsdp": "tp path",
+    },
     "ep4 over dp2 x tp2": {"dims": {"dp": 2, "tp": 2, "ep": ("dp", "tp")}},
     "ep2 over dp2 beside tp2": {"dims": {"dp": 2, "tp": 2, "ep": "dp"}},
     "ep2 over half of dp4, FSDP2": {"dims": {"dp": 4, "ep": "dp", "ep_degree": 2}, "fsdp": True},
 }
 
 
+# Bytes (float64) of what each reduction carries: the norm and head (8 + 24 + 3), the
+# MoE's router and shared expert (64 + 8 + 3 x 32), and an EP rank's k experts
+# (k x 164: w1, w2, w3 48 each, b1, b3 6, b2 8). FSDP2 pads a parameter's dim 0 to a
+# multiple of its shards and counts the output too: a reduce-scatter over n carries
+# (1 + 1/n) x the padded sizes (head.weight 3 -> 4 rows, head.bias 3 -> 4 at n = 4).
+DENSE, MOE_DENSE = 8 * (8 + 24 + 3), 8 * (64 + 8 + 96)
+EXPERTS = 8 * 164
+REDUCTIONS = {  # layout -> rank -> the first backward's reductions: (kind, group, bytes)
+    "ep4 over dp4, FSDP2": lambda r: [("reduce_scatter", (0, 1, 2, 3), 8 * 212 * 5 // 4)],
+    "ep4 over dp2 x tp2": lambda r: [("all_reduce", (0, 1, 2, 3), DENSE + MOE_DENSE)],
+    "ep2 over dp2 beside tp2": lambda r: [
+        ("all_reduce", (0, 1, 2, 3), DENSE + MOE_DENSE),
+        ("all_reduce", (r - r % 2, r - r % 2 + 1), 4 * EXPERTS),  # over tp: its tokens'
+    ],
+    "ep2 over half of dp4, FSDP2": lambda r: [
+        # FSDP2 of the MoE over dp_mod_ep: its router and shared expert first averaged over
+        # dp_in_ep (one all-reduce each), then the whole layer reduce-scattered
+        *[("all_reduce", (r - r % 2, r - r % 2 + 1), 8 * n) for n in (64, 8, 32, 32, 32)],
+        ("reduce_scatter", (r % 2, r % 2 + 2), 4 * EXPERTS * 3 // 2 + MOE_DENSE * 3 // 2),
+        ("reduce_scatter", (0, 1, 2, 3), 8 * (8 + 32 + 4) * 5 // 4),
+    ],
+}
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_matches_one_process(world, name):
+def test_matches_one_process_and_reduces_each_gradient_once(world, name):
+    """The loss, every reduced gradient and the parameters after two AdamW steps equal
+    one process's (float64: the order of sums differs, 1e-11). No gradient reduced twice
+    or missed: each rank's reductions in the first backward, with their groups and
+    bytes, are exactly its parameters' (experts over all of dp: none; beside tp: summed
+    over tp; over half of dp: over the other half)."""
     layout = LAYOUTS[name]
     dims = layout["dims"]
     ref = _reference(dims["dp"], dims.get("tp", 1))
-    for out in world(4).run(_run, layout):
+    expected = REDUCTIONS.get(name, REDUCTIONS["ep4 over dp4, FSDP2"])
+    for rank, out in enumerate(world(4).run(_run, layout)):
         assert abs(out["loss"] - ref["loss"]) <= 1e-12 * abs(ref["loss"])
         for what in ("grads", "params"):
-            for n, expected in ref[what].items():
-                got = out[what][n]
-                err = (got - expected).abs().max().item()
-                assert err <= 1e-11 * max(1.0, expected.abs().max().item()), (name, what, n, err)
+            for n, want in ref[what].items():
+                err = (out[what][n] - want).abs().max().item()
+                assert err <= 1e-11 * max(1.0, want.abs().max().item()), (name, what, n, err)
+        got = [c for c in out["reductions"] if c[0] in ("all_reduce", "reduce_scatter")]
+        assert sorted(got) == sorted(expected(rank)), (name, rank, got)
