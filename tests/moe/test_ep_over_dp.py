@@ -57,10 +57,10 @@ def _loss(out, share):
     return out.square().sum() / share
 
 
-def _run(layout, steps=2):
-    """This rank's loss, its parameters' reduced gradients (full tensors) and its
-    parameters after `steps` AdamW steps; the reductions of the first backward."""
-    dims = fp.ParallelDims(**layout["dims"])
+def _built(layout):
+    """The model at `layout`: the full model's parameters, this rank's experts; placed
+    (`fp.distribute`) and, with ``layout["fsdp"]``, sharded by FSDP2."""
+    dims = fp.ParallelDims(**layout.get("dims", {}))
     mesh = dims.build_mesh("cpu")
     groups = dims.groups(mesh)
     # built by hand: ParallelDims without ep, the layer given the dp group itself
@@ -78,10 +78,17 @@ def _run(layout, steps=2):
     fp.distribute(model, mesh)
     if layout.get("fsdp"):  # "tp path": FSDP2's path of torch 2.11 (on the mesh without dp)
         dims.fully_shard(model, mesh, dp_mesh_dims=layout["fsdp"] != "tp path")
-    d = groups["dp"].get_local_rank()
+    return dims, groups, model
+
+
+def _run(layout, steps=2):
+    """This rank's loss, its parameters' reduced gradients (full tensors) and its
+    parameters after `steps` AdamW steps; the reductions of the first backward."""
+    dims, groups, model = _built(layout)
+    d = groups["dp"].get_local_rank() if dims.dp > 1 else 0
     t = groups["tp"].get_local_rank() if dims.tp > 1 else 0
     x = _tokens(dims.dp, dims.tp)[d, t]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=True)
     out = {}
     for step in range(steps):
         with Collectives() as seen:
@@ -106,7 +113,7 @@ def _full(t):
 def _reference(dp, tp, steps=2):
     model = _full_model()
     x = _tokens(dp, tp).reshape(-1, D)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=True)
     for step in range(steps):
         loss = _loss(model(x), x.shape[0])
         loss.backward()
@@ -177,3 +184,49 @@ def test_matches_one_process_and_reduces_each_gradient_once(world, name):
                 assert err <= 1e-11 * max(1.0, want.abs().max().item()), (name, what, n, err)
         got = [c for c in out["reductions"] if c[0] in ("all_reduce", "reduce_scatter")]
         assert sorted(got) == sorted(expected(rank)), (name, rank, got)
+
+
+def _run_checkpoint(layout, load_from, save_to):
+    """Trained a step (``load_from`` None) or loaded from ``load_from``, then saved to
+    ``save_to``: every parameter and AdamW state as full tensors."""
+    dims, groups, model = _built(layout)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=True)
+    if load_from is None:
+        d = groups["dp"].get_local_rank() if dims.dp > 1 else 0
+        t = groups["tp"].get_local_rank() if dims.tp > 1 else 0
+        _loss(model(_tokens(dims.dp, dims.tp)[d, t]), dims.tp * N).backward()
+        optimizer.step()
+    else:
+        fp.checkpoint.load(load_from, model, optimizer)
+    fp.checkpoint.save(save_to, model, optimizer)
+    out = {}
+    for name, param in model.named_parameters():
+        out[name] = _full(param)
+        for key, value in optimizer.state[param].items():
+            out[f"{name}.{key}"] = _full(value)
+    return out
+
+
+CHAIN = [  # (ranks, layout, the step whose checkpoint it loads)
+    (4, {"dims": {"dp": 2, "tp": 2, "ep": ("dp", "tp")}}, None),
+    (4, {"dims": {"dp": 2, "tp": 2, "ep": "tp"}, "fsdp": True}, 0),
+    (1, {}, 0),  # one process
+    (4, {"dims": {"dp": 4}, "fsdp": True}, 2),  # no EP: every expert on every rank
+    (4, {"dims": {"dp": 4, "ep": "dp", "ep_degree": 2}, "fsdp": True}, 3),  # experts' shards
+    (4, {"dims": {"dp": 4, "ep": "dp"}, "fsdp": True}, 4),
+]
+
+
+def test_checkpoints_move_between_ep_layouts_bit_for_bit(world, tmp_path):
+    """A checkpoint written at EP over dp 2 x tp 2 loads at EP over tp 2 and in one
+    process; that one's at no EP (dp 4), at EP 2 over half of dp 4 (the experts
+    FSDP2-sharded over the other half) and back at EP over all of dp 4, each saving for
+    the next: every parameter and AdamW moment equal to the first's, bit for bit."""
+    first = None
+    for i, (ranks, layout, source) in enumerate(CHAIN):
+        load_from = None if source is None else str(tmp_path / f"step-{source}")
+        got = world(ranks).run(_run_checkpoint, layout, load_from, str(tmp_path / f"step-{i}"))[0]
+        first = first or got
+        assert sorted(got) == sorted(first)
+        for name, tensor in first.items():
+            assert torch.equal(got[name], tensor), (layout, name)
