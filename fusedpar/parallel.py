@@ -293,10 +293,10 @@ class ParallelDims:
         split = [self.mesh_name(axis) for axis in self.stage_axes if self.degree(axis) > 1]
         for count in range(2, len(split) + 1):
             for axes in combinations(split, count):
-                if axes != DP_PARTS:
+                if axes != tuple(self.mesh_name(part) for part in DP_PARTS):
                     mesh[axes]._flatten("_".join(axes))
         if self.splits_dp:  # every dp rank, as one axis: the dense parameters' data parallelism
-            mesh[DP_PARTS]._flatten(self.mesh_name("dp"))
+            mesh[tuple(self.mesh_name(part) for part in DP_PARTS)]._flatten(self.mesh_name("dp"))
         _meshes[key] = (_default_group(), mesh)
         return mesh
 
@@ -323,8 +323,9 @@ class ParallelDims:
         ValueError."""
         axes = self.axes_of(mesh)
         groups = {axis: mesh[axes[axis]] if axis in axes else None for axis in AXES}
-        if self.splits_dp:
-            groups["dp"] = mesh[self.mesh_name("dp")]
+        if self.splits_dp:  # (the flattened mesh itself: slicing it from the root is deprecated)
+            parts = tuple(axes[part] for part in DP_PARTS)
+            groups["dp"] = mesh[parts]._flatten(self.mesh_name("dp"))
         ep_axes = [DP_PARTS[1] if a == "dp" and self.splits_dp else a for a in self.ep_axes]
         ep = tuple(axes.get(axis) for axis in ep_axes)
         if None in ep:

@@ -48,7 +48,8 @@ def _run_family(family, seed, changes=None, batch="full", degrees=None, overlap=
     world = dist.get_world_size() if dist.is_initialized() else 1
     moe = family in MOE
     degrees = degrees or dict(cp=2, tp=2)
-    dims = fp.ParallelDims(**degrees, ep="tp" if moe else None) if world == 4 else None
+    degrees = {"ep": "tp" if moe else None, **degrees}  # (`degrees` may name ep)
+    dims = fp.ParallelDims(**degrees) if world == 4 else None
     model = _model(family, seed, **(changes or {}))
     refs = {torch.float64: copy.deepcopy(model).double(), torch.float32: copy.deepcopy(model)}
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
@@ -99,6 +100,14 @@ def test_a_converted_model_in_the_serial_schedule(world, family):
     """`parallelize(..., overlap="serial")`: one collective, then one GEMM, in every TP
     projection (the ring is gloo's "auto")."""
     assert len(set(world(4).run(_run_family, family, 5, None, "full", None, "serial"))) == 1
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])  # softmax; sigmoid, groups
+def test_experts_over_data_parallel_ranks(world, family):
+    """EP 4 over dp 2 x tp 2 (#57): the same ParallelDims for every MoE family, which
+    all convert through the same layer; its router and shared experts whole."""
+    degrees = dict(dp=2, tp=2, ep=("dp", "tp"))
+    assert len(set(world(4).run(_run_family, family, 7, None, "full", degrees))) == 1
 
 
 def _run_float64(family, seed):
