@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,7 +72,8 @@ def rank_stages(
     ]
 
 
-def fsdp_units(spec, dims, layer: int) -> list[tuple[str | None, list[tuple]]]:
+@lru_cache(maxsize=4096)
+def fsdp_units(spec, dims, layer: int) -> tuple[tuple[str | None, list[tuple]], ...]:
     """FSDP2's units of block `layer` as `ParallelDims.fully_shard` makes them: (the data
     axis it shards over, its parameters' (local shape, kind) as `layer_tensors` gives
     them). The block over "dp"; where the EP group takes dp ranks, the routed experts
@@ -80,13 +82,13 @@ def fsdp_units(spec, dims, layer: int) -> list[tuple[str | None, list[tuple]]]:
     sharded there too, replicated over "dp_in_ep")."""
     tensors = acc.layer_tensors(spec, layer, dims.tp, dims.ep_size)
     if not spec.is_moe(layer) or dims.ep_dp == 1:
-        return [("dp", tensors)]
+        return (("dp", tensors),)
     moe = acc.moe_tensors(spec, dims.ep_size)
     rest = tensors[: len(tensors) - len(moe)]
     if dims.splits_dp:
-        return [("dp", rest), ("dp_mod_ep", moe)]
+        return (("dp", rest), ("dp_mod_ep", moe))
     experts = [t for t in moe if t[1] == "expert"]
-    return [("dp", rest + [t for t in moe if t[1] != "expert"]), (None, experts)]
+    return (("dp", rest + [t for t in moe if t[1] != "expert"]), (None, experts))
 
 
 def root_shapes(spec, rank: PipelineRank) -> list[tuple]:
@@ -95,11 +97,12 @@ def root_shapes(spec, rank: PipelineRank) -> list[tuple]:
     return [(n // spec.d_model, spec.d_model) if n > spec.d_model else (n,) for n, _ in ends]
 
 
+@lru_cache(maxsize=4096)
 def dp_shards(spec, dims, rank: PipelineRank) -> dict:
     """Per data axis a pipeline rank's parameters are FSDP2-sharded over (`fsdp_units`;
     None: held whole): [elements this rank keeps, the blocks' units over it, the
     elements its units gather (each tensor's dim 0 padded)]. The root unit is "dp"'s,
-    not counted among the units."""
+    not counted among the units. (Cached: read it, do not change it.)"""
     out: dict = {}
 
     def add(group, shapes, count, unit):

@@ -10,14 +10,16 @@ turned into tokens/s per GPU where they publish another (Megatron's TFLOP/s and 
 Korthikanti's iteration times) by their own FLOP formulas. Their hardware is modelled as
 published: torchtitan's H100s of 2024 are 500 W parts with HBM2e (2.4 TB/s), whose dense
 peak (between the SXM's 989 and the NVL's 835 TFLOP/s, in their words) is taken as the
-middle, 912.
+middle, 912. DeepSeek-V3's layout (PP16 x EP64 over dp ranks, FP8) is a case of its
+own (`deepseek_v3`): its memory and rank, not its throughput.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fusedpar.parallel import ParallelDims
+from fusedpar.plan.accounting import POLICIES
 from fusedpar.plan.devices import DEVICES, Device
 from fusedpar.plan.estimate import estimate
 from fusedpar.plan.model import PRESETS, ModelSpec
@@ -250,6 +252,43 @@ POINTS = [
         options=MEGATRON,
     ),
 ]
+
+
+# DeepSeek-V3's published layout (its technical report, section 3): 2,048 H800s, PP 16 x
+# EP 64 over the data-parallel ranks x ZeRO-1 DP (dp 128: the experts' optimizer state
+# sharded over the 2 dp ranks outside each EP group), no TP, sequences of 4,096, DualPipe,
+# 15,360 sequences a step. Its 61 layers take no equal stages: estimated at 64 (3 dense
+# + 61 MoE), two a stage of DualPipeV's 32, throughput scaled by 64/61. FP8 GEMMs and a
+# campaign average (1,543 tokens/s per GPU: 14.8T tokens in 2.664M GPU hours), not a bf16
+# step rate: what the case holds is the layout, fitting in the H800's memory, and its rank
+# among the layouts the planner could express before (EP over cp, ulysses and tp only).
+DEEPSEEK_V3 = replace(PRESETS["deepseek-v3"], name="DeepSeek-V3 at 64 layers", n_layers=64)
+DEEPSEEK_V3_LAYOUT = ParallelDims(pp=16, dp=128, ep="dp", ep_degree=64)
+DEEPSEEK_V3_SEQUENCES = 15360
+DEEPSEEK_V3_SCALE = 64 / 61
+
+
+def deepseek_v3(dims: ParallelDims = DEEPSEEK_V3_LAYOUT, **options):
+    """DeepSeek-V3 (`DEEPSEEK_V3`, 4,096 tokens a sequence, the published batch) at `dims`
+    on H800s: FSDP2's zero1 (the published ZeRO-1), DualPipeV under pp, one sequence a
+    microbatch, the cheapest checkpointing policy that fits (the last tried if none
+    does). `options` go to `estimate`."""
+    for policy in POLICIES:
+        est = estimate(
+            DEEPSEEK_V3,
+            dims,
+            seq_len=4096,
+            micro_batch=1,
+            microbatches=DEEPSEEK_V3_SEQUENCES // dims.dp,
+            schedule="DualPipeV" if dims.pp > 1 else None,
+            device="h800",
+            dp_sharding="zero1",
+            checkpointing=policy,
+            **options,
+        )
+        if est.fits:
+            break
+    return est
 
 
 TOLERANCE = (0.8, 1.2)  # the estimate over the published tokens/s

@@ -36,11 +36,15 @@ class Ledger:
         self.bytes: Counter = Counter()
 
     def add(self, kind, axes, nbytes, count=1):
+        self.add_total(kind, axes, nbytes * count, count)
+
+    def add_total(self, kind, axes, total, count):
+        """`count` collectives of `total` bytes in all (parameters of several sizes)."""
         axes = tuple(a for a in axes if self.size(a) > 1)
         if not axes or count <= 0:
             return
         self.counts[kind, axes] += count
-        self.bytes[kind, axes] += nbytes * count
+        self.bytes[kind, axes] += total
 
     def size(self, axis) -> int:
         return self.dims.ep_size if axis == "ep" else self.dims.degree(axis)
@@ -160,7 +164,7 @@ def _block(ledger, spec, layer, z, *, cpu_checks: bool, forward: bool) -> None:
 
 
 def _partial_groups(spec, dims, layers, first, last) -> dict:
-    """{axes a gradient is partial over: [numel of each such parameter]} for one rank."""
+    """{axes a gradient is partial over: [parameters, their elements]} for one rank."""
     split = tuple(a for a in ("cp", "ulysses", "tp") if getattr(dims, a) > 1)
     without_tp = tuple(a for a in split if a != "tp")
     of_kind = {
@@ -170,12 +174,25 @@ def _partial_groups(spec, dims, layers, first, last) -> dict:
         "expert": tuple(a for a in split if a not in dims.ep_axes),
     }
     groups: dict = {}
-    for i in layers:
-        for shape, kind in acc.layer_tensors(spec, i, dims.tp, dims.ep_size):
-            groups.setdefault(of_kind[kind], []).append(math.prod(shape))
+
+    def add(axes, numel, count):
+        entry = groups.setdefault(axes, [0, 0])
+        entry[0] += count
+        entry[1] += count * numel
+
+    for layer, count in _by_kind(spec, layers):
+        for shape, kind in acc.layer_tensors(spec, layer, dims.tp, dims.ep_size):
+            add(of_kind[kind], math.prod(shape), count)
     for numel, _ in acc.model_end_tensors(spec, first=first, last=last):
-        groups.setdefault(split, []).append(numel)
-    return {axes: sizes for axes, sizes in groups.items() if axes}
+        add(split, numel, 1)
+    return {axes: entry for axes, entry in groups.items() if axes}
+
+
+def _by_kind(spec, layers) -> list[tuple[int, int]]:
+    """(a block of each kind among `layers`, how many of that kind): blocks of one kind
+    hold and send alike."""
+    kinds = Counter(spec.kind(i) for i in layers)
+    return [(next(i for i in layers if spec.kind(i) == k), n) for k, n in kinds.items()]
 
 
 def step(
@@ -224,24 +241,24 @@ def step(
     if spec.hf and last and dims.pp == 1:  # `parallelize`'s loss: (sum, count) in fp32
         for axis in ("cp", "ulysses", "tp"):
             ledger.add("all_reduce", (axis,), 8, microbatches)
-    for axes, sizes in _partial_groups(spec, dims, layers, first, last).items():
-        if fsdp:
-            for numel in sizes:
-                ledger.add("all_reduce", axes, numel * grad_bytes)
-        else:
-            ledger.add("all_reduce", axes, sum(sizes) * grad_bytes)
+    for axes, (params, numel) in _partial_groups(spec, dims, layers, first, last).items():
+        # under FSDP2 each parameter alone; otherwise one bucket
+        ledger.add_total("all_reduce", axes, numel * grad_bytes, params if fsdp else 1)
     if fsdp:
-        units = [(g, t, False) for i in layers for g, t in fsdp_units(spec, dims, i) if g]
-        units.append(("dp", [(s, "whole") for s in root_shapes(spec, rank)], True))
+        kinds = _by_kind(spec, layers)
+        units = [(g, t, False, n) for i, n in kinds for g, t in fsdp_units(spec, dims, i)]
+        units.append(("dp", [(s, "whole") for s in root_shapes(spec, rank)], True, 1))
         per_step = {
             "zero3": (2 * microbatches, microbatches),
             "zero2": (microbatches,) * 2,
             "zero1": (1, 1),
         }[dp_sharding]  # (a block's gathers, its scatters)
-        for group, tensors, root in units:
+        for group, tensors, root, count in units:
+            if group is None:  # experts FSDP2 leaves alone (EP over all of dp)
+                continue
             w = dims.degree(group)
             shard = sum(acc.fsdp_numel(s, w) for s, _ in tensors)
-            gathers, scatters = per_step
+            gathers, scatters = (n * count for n in per_step)
             if root and dp_sharding == "zero3":  # the root is not resharded after forward
                 gathers = microbatches
             if shard:
@@ -249,8 +266,8 @@ def step(
                 ledger.add("all_gather", (group,), gathered, gathers)
                 ledger.add("reduce_scatter", (group,), shard * (w + 1) * grad_bytes, scatters)
             if group == "dp_mod_ep":  # FSDP2 first sums the MoE's router and shared expert
-                for shape, kind in tensors:  # over the EP group's dp ranks, one at a time
-                    if kind != "expert":
-                        whole = math.prod(shape) * grad_bytes
-                        ledger.add("all_reduce", ("dp_in_ep",), whole, scatters)
+                # over the EP group's dp ranks, one parameter at a time
+                shared = [math.prod(s) for s, kind in tensors if kind != "expert"]
+                total = sum(shared) * grad_bytes * scatters
+                ledger.add_total("all_reduce", ("dp_in_ep",), total, len(shared) * scatters)
     return ledger
