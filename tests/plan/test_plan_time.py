@@ -57,6 +57,29 @@ def test_the_search_rules_out_with_reasons():
     assert "seq_len (4096) is not divisible by 6 (the cp degree 3" in reasons
 
 
+def test_deepseek_v3s_published_layout_fits_and_is_ranked():
+    """DeepSeek-V3's PP16 x EP64 over dp x ZeRO-1 on 2,048 H800s at 4k (`published`: 64
+    layers for its 61) fits: bf16 under full checkpointing, 42 GB a rank. Its EP group
+    spans 8 nodes, and fusedpar's flat all-to-alls, not overlapped, put 1.3 TB a rank a
+    step on the network. Ranked against what the planner expressed before (EP over cp,
+    ulysses, tp): ahead of the issue's dp32 cp8 tp8 ep64 (cp x tp), which does not fit
+    (every rank holds the whole model's experts' fp32 state over 32 dp ranks), behind
+    pp16 dp16 tp8 ep8 (tp), whose all-to-alls stay inside a node; EP 8 over dp's inner
+    ranks (a node) is the fastest of the published shape."""
+    est = published.deepseek_v3()
+    assert (est.layout(), est.checkpointing, est.fits) == ("pp16 dp128 ep64(dp)", "full", True)
+    assert est.memory["peak"] == pytest.approx(42.3e9, rel=0.01)
+    assert (est.dims.ep_dp, est.dims.degree("dp_mod_ep"), est.links["ep"]) == (64, 2, "network")
+    assert est.traffic["ep"] == pytest.approx(1.33e12, rel=0.01)
+    issue = published.deepseek_v3(fp.ParallelDims(dp=32, cp=8, tp=8, ep=("cp", "tp")))
+    assert not issue.fits
+    tp8 = published.deepseek_v3(fp.ParallelDims(pp=16, dp=16, tp=8, ep="tp"))
+    node = published.deepseek_v3(fp.ParallelDims(pp=16, dp=128, ep="dp", ep_degree=8))
+    assert tp8.fits and node.fits and node.links["ep"] == "nvlink"
+    speeds = [e.tokens_per_s_per_gpu for e in (est, node, tp8)]
+    assert speeds == sorted(speeds)
+
+
 def test_an_estimate_refuses_a_layout_that_does_not_divide():
     odd = plan.ModelSpec("odd", 1024, 768, 2, 12, 3, 64, 2048)  # 3 KV heads
     with pytest.raises(ValueError, match=r"n_kv_heads \(3\) and the TP degree \(2\): one must"):
