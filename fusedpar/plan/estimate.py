@@ -10,9 +10,10 @@ their blocks, Ulysses' and EP's all-to-alls exposed, FSDP2's gathers prefetched 
 the previous block; the pipeline bubble simulated on torch's action lists
 (`schedule.simulate`); AdamW at HBM bandwidth.
 
-Collectives take bytes x (W - 1) / W (all-reduce twice that) over the axis's link
-(NVLink when the axis's ranks share a node: mesh order (pp, dp, cp, ulysses, tp), tp
-innermost) plus a latency each. See docs/plan.md for where it misses, and by how much.
+Collectives take bytes x (W - 1) / W (all-reduce twice that) over the group's link
+(NVLink when its ranks share a node: mesh order (pp, dp, cp, ulysses, tp), tp innermost;
+an EP group over dp ranks is the inner dp ranks times its other axes: `link_of`) plus a
+latency each. See docs/plan.md for where it misses, and by how much.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """One layout's memory, per pipeline rank and the largest rank's by part (`estimate`'s
 `Estimate.memory`): parameters, gradients and optimizer state (FSDP2 over dp: each
-tensor's dim 0 padded and split), the activations one microbatch saves and those the
+tensor's dim 0 padded and split; experts over dp ranks held or sharded as `fsdp_units`
+says), the activations one microbatch saves and those the
 schedule keeps in flight (from `accounting`, which the tests hold equal to the code), and
 transient buffers (an estimate). Also what each pipeline rank holds (`rank_stages`), which
 the step's collectives (`traffic.step`) and time take too.

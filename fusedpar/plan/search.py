@@ -2,7 +2,8 @@
 
 A layout is degrees (pp, dp, cp, ulysses, tp) whose product is the GPU count, and for
 a MoE model an EP run of the (dp, cp, ulysses, tp) axes, over all of dp or its inner
-ranks (`ep_degree`), its group dividing the experts and at most `MAX_EP` ranks. For
+ranks (`ep_degree`: the most inside a node and the most of all), its group dividing
+the experts and at most `MAX_EP` ranks. For
 each, the search keeps the fastest of: microbatch sizes, the pipeline schedules, and the
 checkpointing policies from the cheapest ("none") to "full", the first that fits, and
 FSDP2 resharding every microbatch ("zero3") or holding the gathered parameters through
@@ -66,17 +67,19 @@ def layouts(spec, gpus: int, gpus_per_node: int, seq_len: int, skipped=None):
                         if skipped is not None:
                             skipped.append((_label(dims), why))
                         continue
-                    for ep, degree in _ep_options(spec, dp, cp, ulysses, tp):
+                    for ep, degree in _ep_options(spec, gpus_per_node, dp, cp, ulysses, tp):
                         yield ParallelDims(
                             dp=dp, cp=cp, tp=tp, ulysses=ulysses, pp=pp, ep=ep, ep_degree=degree
                         )
 
 
-def _ep_options(spec, dp, cp, ulysses, tp):
+def _ep_options(spec, gpus_per_node, dp, cp, ulysses, tp):
     """(ep, ep_degree) of a MoE model: none, each run of the axes of more than one rank
-    (dp, cp, ulysses, tp, in mesh order); with dp, each count of inner dp ranks (all of
+    (dp, cp, ulysses, tp, in mesh order); with dp, two counts of inner dp ranks (all of
     dp: ep_degree None) whose EP group divides the experts and holds at most `MAX_EP`
-    ranks (EP groups beyond it are not searched, nor those that divide no experts)."""
+    ranks: the most whose group stays inside a node (its all-to-alls on NVLink) and the
+    most of all (the fewest experts a rank). Counts between them, which have neither's
+    advantage, are not searched: they would triple a large search's time."""
     yield None, None
     if not spec.num_experts:
         return
@@ -89,10 +92,15 @@ def _ep_options(spec, dp, cp, ulysses, tp):
                 yield ep, None
                 continue
             others = math.prod(degrees[a] for a in run if a != "dp")
-            for inner in _divisors(dp)[1:]:
-                size = others * inner
-                if size <= min(MAX_EP, spec.num_experts) and spec.num_experts % size == 0:
-                    yield ep, None if inner == dp else size
+            inner = [  # (a group over dp spans its inner ranks x cp x ulysses x tp)
+                n
+                for n in _divisors(dp)[1:]
+                if others * n <= min(MAX_EP, spec.num_experts)
+                and spec.num_experts % (others * n) == 0
+            ]
+            local = [n for n in inner if gpus_per_node % (n * cp * ulysses * tp) == 0]
+            for n in sorted({max(local, default=0), max(inner, default=0)} - {0}):
+                yield ep, None if n == dp else others * n
 
 
 def _label(dims: ParallelDims) -> str:

@@ -8,7 +8,9 @@ per projection and the backward's re-gathers, the ring's K/V and fp32 dK/dV (MLA
 latent and k_rope), Ulysses' four all-to-alls, EP's counts and rows, the pipeline's
 sends, and one all-reduce over tp per bias after a TP reduction. Once a step: one
 all-reduce of partial gradients per group they are partial over; under FSDP2 each unit's
-all-gathers and reduce-scatter per microbatch. The table, op by op: docs/plan.md.
+all-gathers and reduce-scatter per microbatch (experts over dp ranks: `memory.fsdp_units`'
+units, and the MoE's router and shared expert all-reduced over "dp_in_ep" before its
+reduce-scatter over "dp_mod_ep"). The table, op by op: docs/plan.md.
 
 On a CPU (gloo) the ring and Ulysses' exchanges add a small all-gather per call that
 checks the ranks agree on shapes (`cpu_checks`); on GPUs they do not.
