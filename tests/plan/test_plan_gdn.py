@@ -259,6 +259,11 @@ def test_qwen3_5_35b_plans_and_prints():
     )
     assert result.best is not None
     assert "Qwen3.5-35B-A3B" in markdown(result, title=result.best.model)
+    # EP over dp ranks searched: of dp 4 beside tp 4, the 2 inner ranks (EP 8 in a node)
+    # and all 4 (EP 16, two nodes); with tp 2, dp 8: EP 8 (4 inner ranks) and 16 (all 8)
+    ranked = {e.layout() for e in result.ranked}
+    for layout in ("dp4 tp4 ep8(dpxtp)", "dp4 tp4 ep16(dpxtp)", "dp8 tp2 ep8(dpxtp)"):
+        assert layout in ranked, layout
     assert not any("GatedDeltaNet" in why for _, why in result.ruled_out)  # CP runs
 
 
