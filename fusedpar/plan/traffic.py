@@ -166,7 +166,10 @@ def _block(ledger, spec, layer, z, *, cpu_checks: bool, forward: bool) -> None:
 
 
 def _partial_groups(spec, dims, layers, first, last) -> dict:
-    """{axes a gradient is partial over: [parameters, their elements]} for one rank."""
+    """{(axes a gradient is partial over, bucketed): [parameters, their elements]} for one
+    rank; bucketed: experts FSDP2 leaves alone (EP over all of dp), which
+    `fusedpar.distribute` reduces in one bucket a backward under FSDP2 too."""
+    ignored = 1 < dims.dp == dims.ep_dp
     split = tuple(a for a in ("cp", "ulysses", "tp") if getattr(dims, a) > 1)
     without_tp = tuple(a for a in split if a != "tp")
     of_kind = {
@@ -177,17 +180,17 @@ def _partial_groups(spec, dims, layers, first, last) -> dict:
     }
     groups: dict = {}
 
-    def add(axes, numel, count):
-        entry = groups.setdefault(axes, [0, 0])
+    def add(key, numel, count):
+        entry = groups.setdefault(key, [0, 0])
         entry[0] += count
         entry[1] += count * numel
 
     for layer, count in _by_kind(spec, layers):
         for shape, kind in acc.layer_tensors(spec, layer, dims.tp, dims.ep_size):
-            add(of_kind[kind], math.prod(shape), count)
+            add((of_kind[kind], ignored and kind == "expert"), math.prod(shape), count)
     for numel, _ in acc.model_end_tensors(spec, first=first, last=last):
-        add(split, numel, 1)
-    return {axes: entry for axes, entry in groups.items() if axes}
+        add((split, False), numel, 1)
+    return {key: entry for key, entry in groups.items() if key[0]}
 
 
 def _by_kind(spec, layers) -> list[tuple[int, int]]:
@@ -243,9 +246,13 @@ def step(
     if spec.hf and last and dims.pp == 1:  # `parallelize`'s loss: (sum, count) in fp32
         for axis in ("cp", "ulysses", "tp"):
             ledger.add("all_reduce", (axis,), 8, microbatches)
-    for axes, (params, numel) in _partial_groups(spec, dims, layers, first, last).items():
-        # under FSDP2 each parameter alone; otherwise one bucket
-        ledger.add_total("all_reduce", axes, numel * grad_bytes, params if fsdp else 1)
+    for (axes, bucketed), (params, numel) in _partial_groups(
+        spec, dims, layers, first, last
+    ).items():  # under FSDP2 each parameter alone, but those it ignores; else one bucket
+        if fsdp and bucketed:  # (at the end of each backward)
+            ledger.add("all_reduce", axes, numel * grad_bytes, microbatches)
+        else:
+            ledger.add_total("all_reduce", axes, numel * grad_bytes, params if fsdp else 1)
     if fsdp:
         kinds = _by_kind(spec, layers)
         units = [(g, t, False, n) for i, n in kinds for g, t in fsdp_units(spec, dims, i)]

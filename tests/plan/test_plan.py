@@ -237,11 +237,13 @@ def test_held_state_collectives_and_bytes_of_a_step(world):
 
 
 # Experts over dp ranks (FSDP2 over dp, each block a unit): EP 4 over dp 2 x tp 2 and over
-# dp 4 (the experts FSDP2's ignored_params), EP 2 over the inner half of dp 4 (each MoE a
-# unit over the outer half, its router summed over the inner half first). 8 experts: 2 a
-# rank at EP 4, which FSDP2 over 4 would pad and split, as the planner would have wrongly.
+# dp 4, EP 2 over dp 2 beside tp 2 (the experts FSDP2's ignored_params), EP 2 over the
+# inner half of dp 4 (each MoE a unit over the outer half, its router summed over the
+# inner half first). 8 experts: 2 a rank at EP 4, which FSDP2 over 4 would pad and
+# split, as the planner would have wrongly.
 EP_DP_LAYOUTS = [
     ({"dp": 2, "tp": 2}, True, ("dp", "tp")),
+    ({"dp": 2, "tp": 2}, True, "dp"),  # EP 2 beside tp 2: experts partial over tp
     ({"dp": 4}, True, "dp"),
     ({"dp": 4, "ep_degree": 2}, True, "dp"),
 ]
