@@ -1,8 +1,9 @@
 """`fusedpar.plan` against the code: what the planner says a rank holds, saves and sends
 equals, exactly, what the example model's real step allocates, saves and sends, at one
 process and on 4 gloo ranks at TP2 x DP2, TP2 x CP2, CP2 x Ulysses 2, TP2 x CP2 with EP
-over tp (and, for saved activations, over cp x tp: EP 4), PP2 x TP2 (1F1B under
-selective checkpointing; and Interleaved1F1B with EP over tp).
+over tp (and, for saved activations, over cp x tp and dp x tp: EP 4), PP2 x TP2 (1F1B
+under selective checkpointing; and Interleaved1F1B with EP over tp), and experts over dp
+ranks under FSDP2 (`EP_DP_LAYOUTS`).
 
 - parameters, gradients and AdamW's state: the bytes of the real tensors (AdamW's
   ``step`` is one fp32 scalar a parameter; FSDP2 over dp at DP2 x TP2, a pipeline rank's
