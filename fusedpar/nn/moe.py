@@ -92,7 +92,9 @@ class MoE(FromSpec, nn.Module):
     this rank's experts, from every rank.
 
     Built from these keywords, or ``from_spec(MoESpec, Placement)`` (`fusedpar.nn.specs`;
-    the placement's ``ep_group``), the same layer either way, which keeps both
+    the placement's ``ep_group``, and with ``aux_loss="sequence"`` its ``cp_group``,
+    ``ulysses_group``, ``tp_group`` and ``sequence_parallel``, keywords here too), the
+    same layer either way, which keeps both
     (``self.spec``, ``self.placement``).
     """
 
@@ -124,6 +126,10 @@ class MoE(FromSpec, nn.Module):
         routed_scaling_factor=1.0,
         bias_update_rate=None,
         aux_loss="switch",
+        cp_group=None,
+        ulysses_group=None,
+        tp_group=None,
+        sequence_parallel=True,
         device=None,
         dtype=None,
     ):
@@ -150,7 +156,15 @@ class MoE(FromSpec, nn.Module):
             bias_update_rate=bias_update_rate,
             aux_loss=aux_loss,
         )
-        self._build(spec, Placement(ep_group=ep_group), device, dtype)
+        # (cp, ulysses, tp and sequence_parallel: read by aux_loss="sequence" alone)
+        placement = Placement(
+            ep_group=ep_group,
+            cp_group=cp_group,
+            ulysses_group=ulysses_group,
+            tp_group=tp_group,
+            sequence_parallel=sequence_parallel,
+        )
+        self._build(spec, placement, device, dtype)
 
     def _build(self, spec: MoESpec, placement: Placement, device, dtype) -> None:
         """The layer of `spec` on `placement`'s ``ep_group`` (`__init__` and

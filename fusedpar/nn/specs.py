@@ -6,7 +6,7 @@ when made, and `FromSpec`, the layers' ``from_spec(spec, placement)``.
 | `ParallelAttention` | `AttentionSpec`     | tp, cp, ulysses groups, cp_mode, cp_layout, |
 |                     |                     | sequence_parallel, overlap, reduce_dtype    |
 | `ParallelMLA`       | `MLASpec`           | the same                                    |
-| `MoE`               | `MoESpec`           | ep_group                                    |
+| `MoE`               | `MoESpec`           | ep_group (cp, ulysses, tp: aux "sequence")  |
 | `ParallelSwiGLU`    | `MLPSpec`           | tp_group, sequence_parallel, overlap,       |
 |                     |                     | reduce_dtype, chunks_per_rank               |
 | `GatedDeltaNet`     | `GatedDeltaNetSpec` | the same but chunks_per_rank (cp: refused)  |

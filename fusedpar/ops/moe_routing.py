@@ -273,10 +273,13 @@ def sequence_aux_loss(probs, logits, ids, sequences: tuple, groups, coefs, score
     (s' the scores normalized per token), ``L_b = alpha * sum_e f_e P_e``. Returns this
     rank's share: its tokens' part of each P_e over the GLOBAL T_b; the shares over
     `groups` sum to ``mean_b L_b``, and so do their gradients. In a recompute
-    (`fusedpar.recompute.is_recomputing`) no collective runs: see `_SequenceBalance`."""
+    (`fusedpar.recompute.is_recomputing`) no collective runs: see `_SequenceBalance`;
+    with alpha 0, none at all."""
     alpha, z_loss_coef = coefs
     batch, seq_len = sequences
     E, top_k = probs.shape[1], ids.shape[1]
+    if not alpha:  # (the same on every rank: no collective skipped by one alone)
+        return _z_loss(logits, z_loss_coef) if z_loss_coef and batch * seq_len else 0 * probs.sum()
     with torch.no_grad():
         counts = sequence_choices(ids, batch, E)  # (B, E)
         recompute = is_recomputing()

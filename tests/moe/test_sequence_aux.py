@@ -113,6 +113,14 @@ def test_empty_shares_and_the_default():
         MoESpec(D, H, 4, 2, aux_loss="global")
     with pytest.raises(ValueError, match=r"x \(B, S_local, d_model=8\).*got \(6, 8\)"):
         layer(torch.randn(6, D, dtype=torch.float64))
+    x = torch.randn(3, 5, D, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for ckpt in (False, True):  # reentrant: with no group, the recompute's counts are right
+        layer.zero_grad()
+        _, aux = checkpoint(layer, x, use_reentrant=True) if ckpt else layer(x)
+        aux.backward()
+        grads.append(layer.router_weight.grad.clone())
+    assert torch.equal(*grads) and grads[0].abs().sum() > 0
 
 
 # --- cp 2 x tp 2 ------------------------------------------------------------------------------
@@ -152,19 +160,27 @@ def _run_split(score):
         bias = randn((E,), torch.float64, seed + 1, scale=0.2, exact_in=torch.float32)
     ref, ref_grad = _reference(x_full, stacks[0], k, score, bias)
     on_mesh = fp.Placement(cp_group=mesh["cp"], tp_group=mesh["tp"], ep_group=mesh["tp"])
-    by_groups = fp.Placement(cp_group=mesh["cp"].get_group(), tp_group=mesh["tp"].get_group())
+    by_groups = dict(cp_group=mesh["cp"].get_group(), tp_group=mesh["tp"].get_group())
     results = {}
-    for name, placement in (("mesh", on_mesh), ("groups", by_groups)):
-        layer = _layer(stacks, k, score, dtype, placement)
+    for name in ("mesh", "groups"):
+        if name == "mesh":  # as `parallelize` builds it: from the spec and the placement
+            layer = _layer(stacks, k, score, dtype, on_mesh)
+        else:  # the keywords, with process groups (and no EP)
+            options = dict(score=score, aux_loss="sequence", aux_loss_coef=ALPHA)
+            layer = fp.nn.MoE.from_dense(*stacks, top_k=k, **options, **by_groups)
         if bias is not None:
             layer.expert_bias.copy_(bias)
         x = _split(x_full)
         layer(x)  # the first call's checks
         grads = []
-        for ckpt in (False, True):
+        for ckpt in (None, "plain", "policy"):  # recomputed: everything, or but the ops kept
             layer.zero_grad()
             with _AllReduces() as forward:
-                y, aux = checkpoint(layer, x, use_reentrant=False) if ckpt else layer(x)
+                if ckpt is None:
+                    y, aux = layer(x)
+                else:
+                    context = {"context_fn": fp.checkpoint_policy()} if ckpt == "policy" else {}
+                    y, aux = checkpoint(layer, x, use_reentrant=False, **context)
             with _AllReduces() as backward:
                 aux.backward()
             total = aux.detach().clone()
@@ -176,7 +192,7 @@ def _run_split(score):
             grads.append(grad)
             # mesh slices fold into one group; process groups are summed one at a time
             assert forward.count == (1 if name == "mesh" else 2) and backward.count == 0
-        assert torch.equal(*grads)  # the recompute's backward: the forward's counts
+        assert all(torch.equal(grads[0], g) for g in grads)  # the forward's counts
         results[name] = len(layer.sequence_groups)
     return results == {"mesh": 1, "groups": 2}
 
@@ -213,3 +229,22 @@ def _run_refusal(case):
 def test_refusals_on_every_rank(world, case, error, match):
     for e in world(4).run(exception_of, _run_refusal, case):
         assert isinstance(e, error) and re.search(match, str(e)), repr(e)
+
+
+def _run_compiled():
+    stacks = [t.float() for t in _stacks(4, 3, torch.float32)]
+    options = dict(score="sigmoid", aux_loss="sequence", aux_loss_coef=ALPHA)
+    layer = fp.nn.MoE.from_dense(*stacks, top_k=2, cp_group=dist.group.WORLD, **options)
+    x = randn((3, 4, D), torch.float32, 20 + dist.get_rank())
+    grads = []
+    for run in (layer, torch.compile(layer, fullgraph=True, backend="aot_eager")):
+        layer.zero_grad()
+        _, aux = run(x)
+        aux.backward()
+        grads.append((aux.detach(), layer.router_weight.grad.clone()))
+    (eager, d_eager), (compiled, d_compiled) = grads
+    return torch.allclose(eager, compiled) and torch.allclose(d_eager, d_compiled)
+
+
+def test_compiles_full_graph_with_its_collective(world):
+    assert all(world(2).run(_run_compiled))
