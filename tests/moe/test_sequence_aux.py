@@ -1,8 +1,8 @@
 """`MoE(aux_loss="sequence")`: DeepSeek-V3's sequence-wise balance loss (report eq.
 17-20) against a float64 plain-PyTorch loop over sequences, on one process and with each
 sequence split over cp 2 x tp 2 (4 gloo ranks): the shares summed and the router's
-gradient summed over the ranks equal one process's; one all-reduce a forward, none in a
-checkpoint's recompute; refusals on every rank.
+gradient summed over the ranks (by `fp.distribute`) equal one process's; one all-reduce
+a forward, none in a checkpoint's recompute; refusals on every rank.
 
 The loss is a sum over a sequence's tokens, so how the sequence is cut over the ranks
 does not matter: the ranks here hold contiguous, uneven pieces (the zigzag layout is
@@ -134,14 +134,15 @@ def _split(x):
 
 
 class _AllReduces:
-    """Counts `torch.distributed.all_reduce` calls while inside."""
+    """Counts `torch.distributed.all_reduce` calls on int64 tensors (counts, not the
+    gradients `fp.distribute` reduces) while inside."""
 
     def __enter__(self):
         self.real, self.count = dist.all_reduce, 0
 
-        def counted(*args, **kwargs):
-            self.count += 1
-            return self.real(*args, **kwargs)
+        def counted(tensor, *args, **kwargs):
+            self.count += tensor.dtype == torch.int64
+            return self.real(tensor, *args, **kwargs)
 
         dist.all_reduce = counted
         return self
@@ -170,6 +171,8 @@ def _run_split(score):
             layer = fp.nn.MoE.from_dense(*stacks, top_k=k, **options, **by_groups)
         if bias is not None:
             layer.expert_bias.copy_(bias)
+        if name == "mesh":  # the router's gradient: a partial sum over cp and tp
+            fp.distribute(layer, mesh)
         x = _split(x_full)
         layer(x)  # the first call's checks
         grads = []
@@ -185,8 +188,12 @@ def _run_split(score):
                 aux.backward()
             total = aux.detach().clone()
             dist.all_reduce(total)
-            grad = layer.router_weight.grad.clone()
-            dist.all_reduce(grad)  # what distribute's partial sum over cp and tp does
+            grad = layer.router_weight.grad
+            if name == "mesh":  # reduced after the backward, by `fp.distribute`
+                grad = grad.full_tensor()
+            else:  # by hand, as `fp.distribute` would
+                grad = grad.clone()
+                dist.all_reduce(grad)
             assert_close(total.reshape(1), ref.reshape(1), ref.reshape(1), name=f"{name} aux")
             assert_close(grad, ref_grad, ref_grad, name=f"{name} d router_weight")
             grads.append(grad)
@@ -194,7 +201,10 @@ def _run_split(score):
             assert forward.count == (1 if name == "mesh" else 2) and backward.count == 0
         assert all(torch.equal(grads[0], g) for g in grads)  # the forward's counts
         results[name] = len(layer.sequence_groups)
-    return results == {"mesh": 1, "groups": 2}
+    silent = fp.nn.MoE.from_dense(*stacks, top_k=k, aux_loss="sequence", aux_loss_coef=0.0)
+    with _AllReduces() as zero:  # alpha 0: no collective
+        silent(x)
+    return results == {"mesh": 1, "groups": 2} and zero.count == 0
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
