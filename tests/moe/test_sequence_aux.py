@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fusedpar as fp
 from fusedpar.nn.specs import MoESpec
-from fusedpar.testing import assert_close, exception_of
+from fusedpar.testing import HostSyncs, assert_close, exception_of
 from fusedpar.testing.strategies import randn
 
 D, H = 8, 4  # d_model, the experts' width (their outputs are not under test here)
@@ -102,9 +102,14 @@ def test_one_process_matches_the_reference(p):
         assert "expert_bias" not in dict(layer.named_parameters())
 
 
-def test_empty_shares_and_the_default():
+def test_one_process_edges():
+    """No host sync; no token or no sequence: 0 with a gradient; "switch" the default;
+    refusals; reentrant checkpointing with no group (the recompute's counts are right)."""
     stacks = _stacks(4, 0, torch.float64)
     layer = _layer(stacks, 2, "softmax", torch.float64)
+    with HostSyncs() as syncs:  # the counts: a scatter-add, on the device
+        layer(torch.randn(3, 5, D, dtype=torch.float64))
+    assert syncs.found == []
     for shape in ((2, 0, D), (0, 3, D)):  # no token, no sequence: 0, and a gradient
         _, aux = layer(torch.randn(shape, dtype=torch.float64))
         assert aux.item() == 0.0 and aux.requires_grad
