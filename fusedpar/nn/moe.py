@@ -451,8 +451,17 @@ class MoE(FromSpec, nn.Module):
         every rank (a refusal on each) and hold as many sequences as the ranks that
         hold the rest of them (their counts are summed)."""
         verdict, due = checks.Verdict(), checks.due(self, x)
-        if self.aux_loss == "sequence":
-            verdict.run(self._sequences, x)
+        sequences = verdict.run(self._sequences, x) if self.aux_loss == "sequence" else None
+        if due and self.sequence_groups:
+            # first, on every rank of them (a local refusal travels in their gather); its
+            # verdict then goes to the EP group's gather below, so that ranks outside a
+            # refusing sequence group (EP over dp) raise too rather than wait in the
+            # all-to-all
+            what = "MoE(aux_loss='sequence') (over its sequence groups)"
+            batch = {"sequences": -1 if sequences is None else sequences[0]}
+            agreed = checks.Verdict()
+            agreed.run(checks.agree, what, self.sequence_groups, batch, x.device, verdict)
+            verdict = agreed if agreed.error is not None else verdict
         groups = {"ep_group": self.ep_group}
         groups.update({f"sequence_groups[{i}]": g for i, g in enumerate(self.sequence_groups)})
         features = {
@@ -461,9 +470,6 @@ class MoE(FromSpec, nn.Module):
             "expert dtype": self.w1.dtype,
         }
         checks.first_call(self, x, groups, features, verdict)
-        if due and self.sequence_groups:
-            what = "MoE(aux_loss='sequence') (over its sequence groups)"
-            checks.agree(what, self.sequence_groups, {"sequences": x.shape[0]}, x.device)
 
     def forward(self, x: torch.Tensor):
         if not self._fusedpar_checked:

@@ -220,11 +220,14 @@ def test_shares_over_cp_and_tp_sum_to_one_process(world, score):
 def _run_refusal(case):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
     placement = fp.Placement(cp_group=mesh["cp"], tp_group=mesh["tp"], ep_group=mesh["tp"])
+    if case == "batch, EP over dp":  # ranks 0, 1 share no sequence group with rank 3
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+        placement = fp.Placement(cp_group=mesh["cp"], ep_group=mesh["dp"])
     layer = _layer(_stacks(4, 0, torch.float32), 2, "softmax", torch.float32, placement)
     x = torch.randn(3, 2, D)
     if case == "2-D" and dist.get_rank() == 0:
         x = x[0]
-    if case == "batch" and dist.get_rank() == 3:
+    if case.startswith("batch") and dist.get_rank() == 3:
         x = x[:2]
     if case == "reentrant":
         layer(x)
@@ -238,6 +241,7 @@ def _run_refusal(case):
     [
         ("2-D", ValueError, r"x \(B, S_local, d_model=8\).*got \(2, 8\)"),
         ("batch", ValueError, r"sequences"),
+        ("batch, EP over dp", ValueError, r"sequences"),
         ("reentrant", RuntimeError, r"use_reentrant=False"),
     ],
 )
