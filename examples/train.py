@@ -63,7 +63,20 @@ def parse_args(argv=None):
     parser.add_argument(
         "--ulysses", type=int, default=1, help="Ulysses degree (with --cp > 1: the hybrid)"
     )
-    parser.add_argument("--moe", action="store_true", help="MoE MLPs, experts over the tp axis")
+    parser.add_argument("--moe", action="store_true", help="MoE MLPs, experts over --ep")
+    parser.add_argument(
+        "--ep",
+        default="tp",
+        metavar="AXES",
+        help="with --moe: the axes the experts split over, in mesh order (tp; dp; dp,tp; cp,tp)",
+    )
+    parser.add_argument(
+        "--ep-degree",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --ep naming dp: the EP degree, below the axes' product (part of dp)",
+    )
     parser.add_argument("--experts", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument(
@@ -123,7 +136,8 @@ def configure(args, world: int):
         tp=args.tp,
         pp=args.pp,
         ulysses=args.ulysses,
-        ep="tp" if args.moe else None,
+        ep=tuple(args.ep.split(",")) if args.moe else None,
+        ep_degree=args.ep_degree if args.moe else None,
     )
     dims.validate(
         world,
@@ -288,9 +302,10 @@ def train(args, cuda: bool) -> int:
             if pipe
             else ""
         )
+        experts = f" (MoE, EP {dims.ep_size} over {' x '.join(dims.ep_axes)})" if args.moe else ""
         print(
             f"fusedpar demo: {world} ranks = {pp}dp {dims.dp} x cp {dims.cp}{ulysses} x tp "
-            f"{dims.tp}{schedule}{' (MoE, experts over tp)' if args.moe else ''}, "
+            f"{dims.tp}{schedule}{experts}, "
             f"{'NCCL' if cuda else 'gloo'}, "
             f"{fp.implementation_summary(device.type)}, {tokens_per_step} tokens per step",
             flush=True,

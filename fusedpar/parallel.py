@@ -476,11 +476,11 @@ def _full_mesh_path(dp_mesh_dims, fsdp) -> bool:
 
 def _shard_experts(module, mesh, data, dp_mesh_dims, fsdp, fsdp_kwargs) -> set:
     """FSDP2 for the parameters of `module` split over a data axis (experts over dp):
-    each owning submodule sharded over the data axes where they are whole (the dp ranks
-    that hold the same experts: "dp_mod_ep"), its other parameters left to
-    `fusedpar.distribute`'s reductions; returns the split parameters with no such axis
-    (experts over all of dp), for the caller to pass FSDP2 as ``ignored_params``.
-    Parameters already under an FSDP2 module are left alone."""
+    each owning submodule (the `MoE`, its router and shared expert with it) is its own
+    FSDP2 unit over the data axes where they are whole (the dp ranks that hold the same
+    experts: "dp_mod_ep"); returns the split parameters with no such axis (experts over
+    all of dp), for the caller to pass FSDP2 as ``ignored_params``: their gradients
+    need no dp reduction. Parameters already under an FSDP2 module are left alone."""
     managed = {
         id(p)
         for sub in module.modules()

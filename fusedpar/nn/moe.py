@@ -12,7 +12,13 @@ from fusedpar.nn.moe_balance import check_rate, count_step_load, load_stats, upd
 from fusedpar.nn.specs import FromSpec, MoESpec
 from fusedpar.ops.gated_down import gated_down
 from fusedpar.ops.moe import Experts, Routing, moe_dispatch_combine
-from fusedpar.ops.moe_routing import aux_losses, capacity_mask, route
+from fusedpar.ops.moe_routing import (
+    aux_losses,
+    capacity_mask,
+    fold_groups,
+    route,
+    sequence_aux_loss,
+)
 from fusedpar.placement import Placement
 from fusedpar.recompute import is_recomputing
 from fusedpar.storage import ParamLayout, local_tensor
@@ -55,7 +61,12 @@ class MoE(FromSpec, nn.Module):
     shared experts are ungated).
 
     Router math is fp32. ``aux_loss`` = Switch load balancing (``aux_loss_coef``) + router
-    z-loss (``z_loss_coef``), over this rank's tokens. Dropless unless
+    z-loss (``z_loss_coef``), over this rank's tokens; with ``aux_loss="sequence"``
+    DeepSeek-V3's sequence-wise balance (alpha = ``aux_loss_coef``; x (B, S_local,
+    d_model)) in place of Switch's, each sequence's expert counts summed over the ranks
+    holding its tokens (the placement's cp, ulysses, and tp where sequence-parallel), and
+    the value returned this rank's share (`fusedpar.ops.moe_routing.sequence_aux_loss`;
+    for logging sum it over those ranks). Dropless unless
     ``capacity_factor`` is set: then each expert takes at most
     ``ceil(capacity_factor * T * k / E)`` of a rank's (token, slot) pairs, its
     highest-weighted ones, and dropped pairs add 0. ``last_stats`` holds the local tokens
@@ -81,7 +92,9 @@ class MoE(FromSpec, nn.Module):
     this rank's experts, from every rank.
 
     Built from these keywords, or ``from_spec(MoESpec, Placement)`` (`fusedpar.nn.specs`;
-    the placement's ``ep_group``), the same layer either way, which keeps both
+    the placement's ``ep_group``, and with ``aux_loss="sequence"`` its ``cp_group``,
+    ``ulysses_group``, ``tp_group`` and ``sequence_parallel``, keywords here too), the
+    same layer either way, which keeps both
     (``self.spec``, ``self.placement``).
     """
 
@@ -112,6 +125,11 @@ class MoE(FromSpec, nn.Module):
         topk_group=1,
         routed_scaling_factor=1.0,
         bias_update_rate=None,
+        aux_loss="switch",
+        cp_group=None,
+        ulysses_group=None,
+        tp_group=None,
+        sequence_parallel=True,
         device=None,
         dtype=None,
     ):
@@ -136,8 +154,17 @@ class MoE(FromSpec, nn.Module):
             topk_group=topk_group,
             routed_scaling_factor=routed_scaling_factor,
             bias_update_rate=bias_update_rate,
+            aux_loss=aux_loss,
         )
-        self._build(spec, Placement(ep_group=ep_group), device, dtype)
+        # (cp, ulysses, tp and sequence_parallel: read by aux_loss="sequence" alone)
+        placement = Placement(
+            ep_group=ep_group,
+            cp_group=cp_group,
+            ulysses_group=ulysses_group,
+            tp_group=tp_group,
+            sequence_parallel=sequence_parallel,
+        )
+        self._build(spec, placement, device, dtype)
 
     def _build(self, spec: MoESpec, placement: Placement, device, dtype) -> None:
         """The layer of `spec` on `placement`'s ``ep_group`` (`__init__` and
@@ -167,6 +194,13 @@ class MoE(FromSpec, nn.Module):
             spec.capacity_factor,
         )
         self.aux_loss_coef, self.z_loss_coef = spec.aux_loss_coef, spec.z_loss_coef
+        self.aux_loss = spec.aux_loss
+        # aux_loss="sequence": the groups a sequence's tokens are split over (cp, ulysses,
+        # and tp where the layer's input is sequence-parallel), folded (`fold_groups`)
+        self.sequence_groups = ()
+        if spec.aux_loss == "sequence":
+            tp = placement.tp_group if placement.sequence_parallel else None
+            self.sequence_groups = fold_groups((placement.cp_group, placement.ulysses_group, tp))
         self.activation = spec.activation
         self.swiglu_alpha, self.swiglu_limit = (float(v) for v in spec.swiglu())
         local, factory = num_experts // world, {"device": device, "dtype": dtype}
@@ -402,18 +436,45 @@ class MoE(FromSpec, nn.Module):
         layer.load_dense(router_weight.detach(), w1.detach(), w2.detach(), w3.detach(), **extras)
         return layer
 
-    def forward(self, x: torch.Tensor):
-        if not self._fusedpar_checked:  # tokens per rank may differ; their features may not
-            checks.first_call(
-                self,
-                x,
-                {"ep_group": self.ep_group},
-                {
-                    "x features": x.shape[-1] if x.dim() else -1,
-                    "x dtype": x.dtype,
-                    "expert dtype": self.w1.dtype,
-                },
+    def _sequences(self, x: torch.Tensor) -> tuple[int, int]:
+        """(B, S_local) of x (B, S_local, d_model), which aux_loss="sequence" needs."""
+        if x.dim() != 3:
+            raise ValueError(
+                f"MoE(aux_loss='sequence') takes x (B, S_local, d_model={self.d_model}), "
+                f"its sequences on dim 0, got {tuple(x.shape)}"
             )
+        return x.shape[0], x.shape[1]
+
+    def _first_call_checks(self, x: torch.Tensor) -> None:
+        """`fusedpar.checks` over the EP group (and the sequence groups): tokens per rank
+        may differ, their features may not; with aux_loss="sequence" x must be 3-D on
+        every rank (a refusal on each) and hold as many sequences as the ranks that
+        hold the rest of them (their counts are summed)."""
+        verdict, due = checks.Verdict(), checks.due(self, x)
+        sequences = verdict.run(self._sequences, x) if self.aux_loss == "sequence" else None
+        if due and self.sequence_groups:
+            # first, on every rank of them (a local refusal travels in their gather); its
+            # verdict then goes to the EP group's gather below, so that ranks outside a
+            # refusing sequence group (EP over dp) raise too rather than wait in the
+            # all-to-all
+            what = "MoE(aux_loss='sequence') (over its sequence groups)"
+            batch = {"sequences": -1 if sequences is None else sequences[0]}
+            agreed = checks.Verdict()
+            agreed.run(checks.agree, what, self.sequence_groups, batch, x.device, verdict)
+            verdict = agreed if agreed.error is not None else verdict
+        groups = {"ep_group": self.ep_group}
+        groups.update({f"sequence_groups[{i}]": g for i, g in enumerate(self.sequence_groups)})
+        features = {
+            "x features": x.shape[-1] if x.dim() else -1,
+            "x dtype": x.dtype,
+            "expert dtype": self.w1.dtype,
+        }
+        checks.first_call(self, x, groups, features, verdict)
+
+    def forward(self, x: torch.Tensor):
+        if not self._fusedpar_checked:
+            self._first_call_checks(x)
+        sequences = self._sequences(x) if self.aux_loss == "sequence" else None
         if x.shape[-1] != self.d_model:
             raise ValueError(f"MoE: x must be (..., d_model={self.d_model}), got {tuple(x.shape)}")
         if x.dtype != self.w1.dtype:
@@ -446,10 +507,16 @@ class MoE(FromSpec, nn.Module):
             self.last_stats = {"tokens_per_expert": counts.detach(), "dropped_fraction": dropped}
             if self.training:
                 count_step_load(self, ids, counts if keep is None else None)
-        counted = counts if keep is None else None  # (after a capacity's drops: not these)
-        aux = aux_losses(
-            probs, logits, ids, self.score, self.aux_loss_coef, self.z_loss_coef, counts=counted
-        )
+        if self.aux_loss == "sequence":  # each sequence's choices, summed over its ranks
+            coefs = (self.aux_loss_coef, self.z_loss_coef)
+            aux = sequence_aux_loss(
+                probs, logits, ids, sequences, self.sequence_groups, coefs, self.score
+            )
+        else:
+            counted = counts if keep is None else None  # (after a capacity's drops: not these)
+            aux = aux_losses(
+                probs, logits, ids, self.score, self.aux_loss_coef, self.z_loss_coef, counts=counted
+            )
         if self.shared_w1 is not None:
             gate, up = F.linear(x2d, self.shared_w1), F.linear(x2d, self.shared_w3)
             # saves gate and up, not silu(gate) nor the product (recomputed in the backward)
@@ -473,6 +540,8 @@ class MoE(FromSpec, nn.Module):
             extra += f", routed_scaling_factor={self.routed_scaling_factor}"
         if self.bias_update_rate is not None:
             extra += f", bias_update_rate={self.bias_update_rate}"
+        if self.aux_loss != "switch":
+            extra += f", aux_loss={self.aux_loss}"
         if self.activation != "silu":
             extra += (
                 f", activation={self.activation}(alpha={self.swiglu_alpha}, "

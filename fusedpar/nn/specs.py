@@ -6,7 +6,7 @@ when made, and `FromSpec`, the layers' ``from_spec(spec, placement)``.
 | `ParallelAttention` | `AttentionSpec`     | tp, cp, ulysses groups, cp_mode, cp_layout, |
 |                     |                     | sequence_parallel, overlap, reduce_dtype    |
 | `ParallelMLA`       | `MLASpec`           | the same                                    |
-| `MoE`               | `MoESpec`           | ep_group                                    |
+| `MoE`               | `MoESpec`           | ep_group (cp, ulysses, tp: aux "sequence")  |
 | `ParallelSwiGLU`    | `MLPSpec`           | tp_group, sequence_parallel, overlap,       |
 |                     |                     | reduce_dtype, chunks_per_rank               |
 | `GatedDeltaNet`     | `GatedDeltaNetSpec` | the same but chunks_per_rank (cp: refused)  |
@@ -35,6 +35,7 @@ from fusedpar.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT, check_activation
 from fusedpar.kernels.moe_route import SCORES, check_groups
 from fusedpar.nn.attention_parts import QK_NORMS
 from fusedpar.nn.moe_balance import check_rate
+from fusedpar.ops.moe_routing import AUX_LOSSES
 from fusedpar.placement import Placement
 
 DEFAULT_ROPE = "default"  # `rope` left out: Llama's tables (None: no rotary embedding)
@@ -231,9 +232,12 @@ class MoESpec:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     bias_update_rate: float | None = None  # loss-free balancing's step (`moe_balance`)
+    aux_loss: str = "switch"  # or DeepSeek-V3's "sequence" (`fusedpar.ops.moe_routing`)
 
     def __post_init__(self):
         check_rate(self.bias_update_rate, self.score)
+        if self.aux_loss not in AUX_LOSSES:
+            raise ValueError(f"aux_loss must be one of {AUX_LOSSES}, got {self.aux_loss!r}")
         if self.shared_gate and not self.shared_hidden:
             raise ValueError("shared_gate needs a shared expert: pass shared_hidden > 0")
         given = [

@@ -475,23 +475,24 @@ def moe_reference(
 ):
     """The whole layer as a naive loop over tokens and experts, in x's dtype (float64 in ->
     the oracle; the router in at least fp32, as the layer's). `spec` (`fusedpar.nn.
-    MoESpec`) gives the routing (top_k, score, norm_topk_prob, capacity_factor), the
-    losses' coefficients and the activation (not group-limited routing nor a routed
-    scaling: ValueError); the tensors given decide the rest. Full (unsharded) stacks:
-    router_weight (E, d); `experts` w1, w3 (E, h, d), w2 (E, d, h) and optionally the
-    biases b1, b3 (E, h), b2 (E, d): expert e computes ``w2[e] @ act(w1[e] @ x + b1[e],
+    MoESpec`) gives the routing (top_k, score, norm_topk_prob, capacity_factor), the losses'
+    coefficients and the activation (not group-limited routing, a routed scaling nor
+    aux_loss="sequence": ValueError); the tensors given decide the rest. Full (unsharded)
+    stacks: router_weight (E, d); `experts` w1, w3 (E, h, d), w2 (E, d, h) and optionally
+    the biases b1, b3 (E, h), b2 (E, d): expert e computes ``w2[e] @ act(w1[e] @ x + b1[e],
     w3[e] @ x + b3[e]) + b2[e]``, act ``silu(g) * u`` or, with
-    ``activation="clamped_swiglu"``, gpt-oss's ``(u' + 1) * g' * sigmoid(alpha * g')``
-    (``g' = min(g, limit)``, ``u' = clamp(u, -limit, limit)``: the spec's swiglu_alpha,
-    swiglu_limit); `router_bias` (E,): added to the logits; `expert_bias` (E,): the
-    sigmoid router's selection bias; `shared` (w1 (hs, d), w2 (d, hs), w3 (hs, d)): a
-    shared expert every token goes through, scaled by ``sigmoid(x @ shared_gate.T)`` if
-    given (1, d). Returns (y (T, d), aux_loss). ``batched``: each expert's gate and up
-    projections of every token as one matmul, ``x @ w1[e].T + b1[e]`` (the order a
-    batched model sums in), not a token at a time: in fp32 another, equally valid
-    rounding of the same math."""
+    ``activation="clamped_swiglu"``, gpt-oss's ``(u' + 1) * g' * sigmoid(alpha * g')`` (``g'
+    = min(g, limit)``, ``u' = clamp(u, -limit, limit)``: the spec's swiglu_alpha,
+    swiglu_limit); `router_bias` (E,): added to the logits; `expert_bias` (E,): the sigmoid
+    router's selection bias; `shared` (w1 (hs, d), w2 (d, hs), w3 (hs, d)): a shared expert
+    every token goes through, scaled by ``sigmoid(x @ shared_gate.T)`` if given (1, d).
+    Returns (y (T, d), aux_loss). ``batched``: each expert's gate and up projections of
+    every token as one matmul, ``x @ w1[e].T + b1[e]`` (the order a batched model sums in),
+    not a token at a time: in fp32 another, equally valid rounding of the same math."""
     if (spec.n_group, spec.topk_group, spec.routed_scaling_factor) != (1, 1, 1.0):
         raise ValueError("moe_reference: no group-limited routing nor routed scaling")
+    if spec.aux_loss != "switch":  # (its float64 loop: tests/moe/test_sequence_aux.py)
+        raise ValueError(f"moe_reference: the Switch auxiliary loss only, not {spec.aux_loss!r}")
     top_k, score, capacity_factor = spec.top_k, spec.score, spec.capacity_factor
     w1, w3, w2, b1, b3, b2 = experts
     bias = b1 is not None

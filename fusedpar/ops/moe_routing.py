@@ -2,13 +2,15 @@
 auxiliary losses. Router math is fp32 (float64 for a float64 model: torch's
 implementation, `fusedpar.kernels.common.accumulator`).
 
-| piece            | forward                                 | backward                       |
-| ---------------- | --------------------------------------- | ------------------------------ |
-| `_RouterLogits`  | ``logits = x @ router_weight.T`` (fp32) | dx, dw in fp32, rounded once   |
-| `moe_route`      | probs, the top-k ids and their weights: | dlogits from dweights and      |
-|                  | one row kernel                          | dprobs: one row kernel         |
-| `capacity_mask`  | which pairs an expert's capacity keeps  | (no gradient)                  |
-| `aux_losses`     | Switch load balancing + z-loss          | autograd                       |
+| piece               | forward                                 | backward                       |
+| ------------------- | --------------------------------------- | ------------------------------ |
+| `_RouterLogits`     | ``logits = x @ router_weight.T`` (fp32) | dx, dw in fp32, rounded once   |
+| `moe_route`         | probs, the top-k ids and their weights: | dlogits from dweights and      |
+|                     | one row kernel                          | dprobs: one row kernel         |
+| `capacity_mask`     | which pairs an expert's capacity keeps  | (no gradient)                  |
+| `aux_losses`        | Switch load balancing + z-loss          | autograd                       |
+| `sequence_aux_loss` | DeepSeek-V3's, per sequence; the counts | from the forward's counts: the |
+|                     | (B, E) summed over its ranks            | recompute runs no collective   |
 
 ``fusedpar::moe_route`` is the op `fusedpar.checkpoint_policy` saves by default: a
 recompute never re-routes a token (a near tie could break the other way).
@@ -17,15 +19,30 @@ recompute never re-routes a token (a near tie could break the other way).
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
+from fusedpar import comm
 from fusedpar.kernels.common import accumulator
 from fusedpar.kernels.moe_permute import expert_counts
 from fusedpar.kernels.moe_route import SCORES, route_top_k, route_top_k_backward
 from fusedpar.ops.registration import autograd_op, direct_op
+from fusedpar.recompute import is_recomputing
 
-__all__ = ["SCORES", "aux_losses", "capacity_mask", "route"]
+__all__ = [
+    "AUX_LOSSES",
+    "SCORES",
+    "aux_losses",
+    "capacity_mask",
+    "fold_groups",
+    "route",
+    "sequence_aux_loss",
+    "sequence_choices",
+]
+
+AUX_LOSSES = ("switch", "sequence")  # `MoESpec.aux_loss`: Switch's, DeepSeek-V3's
 
 
 class _RouterLogits(torch.autograd.Function):
@@ -185,5 +202,98 @@ def aux_losses(probs, logits, ids, score, aux_loss_coef, z_loss_coef, counts=Non
     p = probs if score == "softmax" else probs / probs.sum(-1, keepdim=True)
     loss = (counts.to(p.dtype) * p.mean(0)).sum() * (aux_loss_coef * E / ids.numel())
     if z_loss_coef:
-        loss = loss + z_loss_coef * torch.logsumexp(logits, -1).square().mean()
+        loss = loss + _z_loss(logits, z_loss_coef)
+    return loss
+
+
+def _z_loss(logits, z_loss_coef):
+    return z_loss_coef * torch.logsumexp(logits, -1).square().mean()
+
+
+def sequence_choices(ids: Tensor, batch: int, num_experts: int) -> Tensor:
+    """(B, E) int64: each sequence's (token, slot) choices per expert; ids (B*S, k), the
+    tokens sequence-major (x (B, S, d) flattened). A scatter-add: no host sync."""
+    T, top_k = ids.shape
+    counts = ids.new_zeros((batch, num_experts), dtype=torch.int64)
+    if T:
+        per_sequence = ids.reshape(batch, T // batch * top_k).long()  # (B, S*k)
+        counts.scatter_add_(1, per_sequence, torch.ones_like(per_sequence))
+    return counts
+
+
+def fold_groups(groups) -> tuple:
+    """The groups of more than one rank among `groups`, as few as they can be: 1-D
+    slices of one DeviceMesh flattened into one (torch caches it by name; it makes a
+    process group at the first call, which every rank of the mesh makes alike, as
+    `fusedpar.ParallelDims.groups` does for ``ep``); process groups as they are."""
+    active = tuple(g for g in groups if comm.group_size(g) > 1)
+    if len(active) < 2 or not all(isinstance(g, DeviceMesh) and g.ndim == 1 for g in active):
+        return active
+    root = active[0]._get_root_mesh()
+    names = [g.mesh_dim_names[0] if g.mesh_dim_names else None for g in active]
+    if any(g._get_root_mesh() is not root for g in active) or not all(
+        name in (root.mesh_dim_names or ()) for name in names
+    ):
+        return active  # (slices of other meshes, or already flattened ones)
+    names.sort(key=root.mesh_dim_names.index)
+    return (root[tuple(names)]._flatten(),)
+
+
+class _SequenceBalance(torch.autograd.Function):
+    """``sum(p_sum * weight)``, its gradient ``weight`` (B, E) kept on the graph's node as
+    an attribute, not a saved tensor: activation checkpointing (``use_reentrant=False``)
+    refills saved tensors from its recompute, but runs the backward of the forward's
+    node, so the gradient reads the counts the forward reduced, and the recompute needs
+    no collective. ``stand_in``: a recompute's weight, made without the collective: its
+    node's backward runs only under reentrant checkpointing, which is refused there."""
+
+    @staticmethod
+    def forward(ctx, p_sum, weight, stand_in):
+        ctx.weight, ctx.stand_in = weight, stand_in
+        return (p_sum * weight).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.stand_in:
+            raise RuntimeError(
+                "MoE aux_loss='sequence' under reentrant activation checkpointing: its "
+                "recompute runs no collective of the sequences' counts. Checkpoint with "
+                "use_reentrant=False"
+            )
+        return grad * ctx.weight, None, None
+
+
+def sequence_aux_loss(probs, logits, ids, sequences: tuple, groups, coefs, score: str):
+    """DeepSeek-V3's sequence-wise balance loss (report eq. 17-20), averaged over the
+    batch's sequences, plus the z-loss over this rank's tokens; `coefs` (alpha,
+    z_loss_coef). probs, logits (B*S, E) and ids (B*S, k) of x (B, S, d), `sequences`
+    (B, S); `groups`: those over which each sequence's tokens are split (`fold_groups`'s).
+    Per sequence b, ``f_e = E / (k T_b) * choices_e`` over all its T_b tokens (the
+    counts (B, E) summed over `groups`, no gradient), ``P_e = 1/T_b * sum_t s'_e,t``
+    (s' the scores normalized per token), ``L_b = alpha * sum_e f_e P_e``. Returns this
+    rank's share: its tokens' part of each P_e over the GLOBAL T_b; the shares over
+    `groups` sum to ``mean_b L_b``, and so do their gradients. In a recompute
+    (`fusedpar.recompute.is_recomputing`) no collective runs: see `_SequenceBalance`;
+    with alpha 0, none at all."""
+    alpha, z_loss_coef = coefs
+    batch, seq_len = sequences
+    E, top_k = probs.shape[1], ids.shape[1]
+    if not alpha:  # (the same on every rank: no collective skipped by one alone)
+        return _z_loss(logits, z_loss_coef) if z_loss_coef and batch * seq_len else 0 * probs.sum()
+    with torch.no_grad():
+        counts = sequence_choices(ids, batch, E)  # (B, E)
+        recompute = is_recomputing()
+        if not recompute:
+            for group in groups:
+                dist.all_reduce(counts, group=comm.resolve_group(group))
+        counts = counts.to(probs.dtype)
+        choices = counts.sum(-1, keepdim=True)  # (B, 1): k * T_b
+        # L_b's share = alpha * sum_e E/(k T_b) c_e * (1/T_b) p_sum_e, T_b = choices / k
+        weight = counts * (alpha * E * top_k / max(batch, 1)) / choices.clamp_min(1).square()
+    p = probs if score == "softmax" else probs / probs.sum(-1, keepdim=True)
+    p_sum = p.reshape(batch, seq_len, E).sum(1)  # (B, E): this rank's tokens of each sequence
+    # (with no group the recompute's counts are the forward's: nothing stands in)
+    loss = _SequenceBalance.apply(p_sum, weight, recompute and bool(groups))
+    if z_loss_coef and logits.shape[0]:
+        loss = loss + _z_loss(logits, z_loss_coef)
     return loss

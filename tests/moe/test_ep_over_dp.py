@@ -230,3 +230,28 @@ def test_checkpoints_move_between_ep_layouts_bit_for_bit(world, tmp_path):
         assert sorted(got) == sorted(first)
         for name, tensor in first.items():
             assert torch.equal(got[name], tensor), (layout, name)
+
+
+def _run_unequal_expert_replicas():
+    """EP 2 over half of dp 4: each expert shard is held by the 2 ranks of dp_mod_ep, which
+    must hold it equal; one rank's drawn differently is named, on every rank."""
+    dims = fp.ParallelDims(dp=4, ep="dp", ep_degree=2)
+    mesh = dims.build_mesh("cpu")
+    torch.manual_seed(0)
+    model = _Tiny(dims.groups(mesh)["ep"]).double()
+    if dist.get_rank() == 3:
+        with torch.no_grad():
+            model.moe.w2.add_(1e-3)
+    try:
+        fp.distribute(model, mesh)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_experts_unequal_across_their_replicas_are_named(world):
+    for message in world(4).run(_run_unequal_expert_replicas):
+        assert (
+            message is not None
+            and "moe.w2 differ across the ranks of mesh axis 'dp_mod_ep'" in message
+        ), message

@@ -37,7 +37,7 @@ def _reference(cfg: Config, seed: int) -> Transformer:
 def _pipeline(
     degrees: dict, schedule: str, moe: bool, layers: int, fsdp: bool, seed: int, microbatches=None
 ):
-    dims = fp.ParallelDims(**degrees, ep="cp" if moe else None)
+    dims = fp.ParallelDims(**{"ep": "cp" if moe else None, **degrees})  # (degrees may name ep)
     mesh = dims.build_mesh("cpu")
     cfg = _config(moe, layers)
     reference = _reference(cfg, seed)
@@ -104,6 +104,14 @@ def test_one_step_matches_the_reference(world, layout, schedule):
     degrees, moe, fsdp = LAYOUTS[layout]
     layers = 2 if schedule in SINGLE else 4
     assert all(world(4).run(_run_step, degrees, schedule, moe, layers, fsdp))
+
+
+def test_experts_over_dp_in_a_pipeline(world):
+    """PP 2 x EP 2 over dp 2 under FSDP2 (the experts left to fusedpar: their gradients
+    scaled by 1/2, no dp reduction), 1F1B: the loss and every gradient as the
+    reference's (#57; the demo's loss parity cannot see a gradient scale under AdamW)."""
+    degrees = dict(pp=2, dp=2, ep="dp")
+    assert all(world(4).run(_run_step, degrees, "1F1B", True, 2, True))
 
 
 def _bad(case):
