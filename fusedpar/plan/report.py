@@ -42,10 +42,11 @@ def demo(est: Estimate, gpus_per_node: int = 8, script: str = "examples/train.py
     """(the ``torchrun`` line that runs `est`'s layout on the demo model, or None; notes).
 
     The demo (examples/train.py: its own small model) takes the degrees (--tp, --cp,
-    --ulysses, --pp; dp is the rest), a pipeline's schedule and microbatches, experts over
-    tp (--moe), the sequence length and the global batch (--batch: sequences a step, split
-    over dp). What it cannot run is a note instead of a command: experts over another
-    axis (dp ranks included; or none while tp > 1), microbatches without a pipeline (no
+    --ulysses, --pp; dp is the rest), a pipeline's schedule and microbatches, experts
+    (--moe) over the axes --ep names (tp by default; dp ranks too, --ep-degree for part
+    of dp), the sequence length and the global batch (--batch: sequences a step, split
+    over dp). What it cannot run is a note instead of a command: every expert on each
+    rank while tp > 1 (no EP), microbatches without a pipeline (no
     gradient accumulation), FSDP2 holding parameters through the step (zero1, zero2: the demo
     reshards after each forward), degrees its 4 heads and 2 KV heads do not split into,
     or GPUs torchrun cannot spread evenly over nodes. A note beside a command says what
@@ -82,13 +83,19 @@ def demo(est: Estimate, gpus_per_node: int = 8, script: str = "examples/train.py
             "gradient accumulation: without a pipeline it runs a dp rank's batch at once)"
         )
     experts = 0
+    ep_axes = d.ep_axes or ("tp",)  # the demo's --ep: tp unless given
     if est.experts:
-        if d.ep_axes not in (("tp",), ()):
-            missing.append(f"experts over {' x '.join(d.ep_axes)} (the demo's --moe: over tp)")
-        elif not d.ep_axes and d.tp > 1:
-            missing.append(f"every expert on each of tp {d.tp} (the demo's --moe: over tp)")
-        experts = d.tp * -(-DEMO_EXPERTS // d.tp)  # a multiple of the EP degree
+        if not d.ep_axes and d.tp > 1:
+            missing.append(
+                f"every expert on each of tp {d.tp} (the demo's --moe splits them over --ep)"
+            )
+        size = d.ep_size if d.ep_axes else d.tp
+        experts = size * -(-DEMO_EXPERTS // size)  # a multiple of the EP degree
         flags.append("--moe")
+        if ep_axes != ("tp",):
+            flags.append(f"--ep {','.join(ep_axes)}")
+        if d.ep_degree is not None:
+            flags.append(f"--ep-degree {d.ep_degree}")
         if experts != DEMO_EXPERTS:
             flags.append(f"--experts {experts}")
     elif d.ep_axes:
@@ -100,7 +107,13 @@ def demo(est: Estimate, gpus_per_node: int = 8, script: str = "examples/train.py
         )
     try:  # what the demo itself checks first
         ParallelDims(
-            dp=d.dp, cp=d.cp, tp=d.tp, ulysses=d.ulysses, pp=d.pp, ep="tp" if experts else None
+            dp=d.dp,
+            cp=d.cp,
+            tp=d.tp,
+            ulysses=d.ulysses,
+            pp=d.pp,
+            ep=ep_axes if experts else None,
+            ep_degree=d.ep_degree if experts else None,
         ).validate(
             est.gpus,
             n_heads=DEMO_HEADS,

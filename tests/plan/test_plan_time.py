@@ -16,6 +16,7 @@ import types
 
 import pytest
 from tiny_llama import Config
+from train import configure as demo_configure
 from train import parse_args as demo_args
 
 import fusedpar as fp
@@ -413,9 +414,9 @@ def _demo(model, dims, **options):
 
 def test_the_demo_line_runs_the_layout_it_names():
     """examples/train.py's flags for each layout it can run (--batch: the sequences of a
-    step, split over dp), and for each it cannot, no command but a note saying what:
-    experts over cp or over no axis at tp > 1, microbatches without a pipeline, zero1,
-    heads the demo's model does not split."""
+    step, split over dp; experts over the axes of --ep, --ep-degree), and for each it
+    cannot, no command but a note saying what: experts over no axis at tp > 1,
+    microbatches without a pipeline, zero1, heads the demo's model does not split."""
     defaults, cfg = demo_args([]), Config()
     assert (
         cfg.n_heads,
@@ -429,22 +430,28 @@ def test_the_demo_line_runs_the_layout_it_names():
     line, notes = _demo(moe, fp.ParallelDims(dp=8), checkpointing="selective")
     assert line == run + "--moe --seq 4096 --batch 8"
     assert notes == ["the demo checkpoints no activations (the plan: selective)"]
-    line, notes = _demo(moe, fp.ParallelDims(dp=2, cp=2, tp=2, ep=("cp", "tp")))
-    assert line is None and notes == ["experts over cp x tp (the demo's --moe: over tp)"]
-    line, notes = _demo(moe, fp.ParallelDims(dp=4, cp=2, ep="cp"))
-    assert line is None and notes == ["experts over cp (the demo's --moe: over tp)"]
-    line, notes = _demo(moe, fp.ParallelDims(dp=4, ulysses=2, ep="ulysses"))
-    assert line is None and notes == ["experts over ulysses (the demo's --moe: over tp)"]
-    for dims in (
-        fp.ParallelDims(dp=4, tp=2, ep="dp"),
-        fp.ParallelDims(dp=4, tp=2, ep=("dp", "tp"), ep_degree=4),
-    ):  # the demo's --moe runs experts over tp alone: a note, no command
+    # experts over any axes (--ep), dp ranks included (--ep-degree for part of dp): the
+    # demo's own configure() takes the flags and builds the same degrees
+    for dims, flags in (
+        (fp.ParallelDims(dp=2, cp=2, tp=2, ep=("cp", "tp")), "--tp 2 --cp 2 --moe --ep cp,tp"),
+        (fp.ParallelDims(dp=4, cp=2, ep="cp"), "--cp 2 --moe --ep cp"),
+        (fp.ParallelDims(dp=4, ulysses=2, ep="ulysses"), "--ulysses 2 --moe --ep ulysses"),
+        (fp.ParallelDims(dp=4, tp=2, ep="dp"), "--tp 2 --moe --ep dp"),
+        (
+            fp.ParallelDims(dp=4, tp=2, ep=("dp", "tp"), ep_degree=4),
+            "--tp 2 --moe --ep dp,tp --ep-degree 4",
+        ),
+        (fp.ParallelDims(dp=8, ep="dp"), "--moe --ep dp --experts 8"),
+    ):
         line, notes = _demo(moe, dims)
-        assert line is None and notes == [
-            f"experts over {' x '.join(dims.ep_axes)} (the demo's --moe: over tp)"
-        ]
+        assert line.startswith(run + flags + " --seq 4096 --batch "), line
+        args = demo_args(line.split("examples/train.py ")[1].split())
+        _, got, _ = demo_configure(args, 8)
+        assert (got.ep_axes, got.ep_size, got.ep_dp) == (dims.ep_axes, dims.ep_size, dims.ep_dp)
     line, notes = _demo(moe, fp.ParallelDims(dp=4, tp=2))
-    assert line is None and notes == ["every expert on each of tp 2 (the demo's --moe: over tp)"]
+    assert line is None and notes == [
+        "every expert on each of tp 2 (the demo's --moe splits them over --ep)"
+    ]
     line, notes = _demo("llama3-8b", fp.ParallelDims(dp=8), micro_batch=2, microbatches=4)
     assert line is None and notes[0].startswith("4 microbatches of 2 a dp rank")
     line, notes = _demo(
