@@ -213,6 +213,7 @@ def _swap_in_locals(module, args):
                 grad_placements = placed.grad_on(param.device_mesh)
                 local = param.to_local(grad_placements=grad_placements)
                 module._parameters[name] = scale_grad(local, placed.grad_scale)
+        _cast_for_forward(module)
         module._fusedpar_saved.append(saved)
         return
     # (name, mesh id) -> (mesh, gradient placements); gradient specs (`local_views`)
@@ -231,7 +232,19 @@ def _swap_in_locals(module, args):
     if saved:
         views = local_views(list(saved.values()), grads, specs, scales)
         module._parameters.update(zip(saved, views, strict=True))
+        _cast_for_forward(module)
     module._fusedpar_saved.append(saved)
+
+
+def _cast_for_forward(module) -> None:
+    """The parameters `fusedpar.ParallelDims.fully_shard` left out of FSDP2 (experts over
+    all of dp) in a mixed-precision policy's param_dtype for this forward, as FSDP2
+    casts those it manages: ``_fusedpar_cast`` (name -> dtype). The cast's backward
+    brings the gradient back to the parameter's dtype."""
+    for name, dtype in getattr(module, "_fusedpar_cast", {}).items():
+        local = module._parameters.get(name)
+        if local is not None and local.dtype != dtype:
+            module._parameters[name] = local.to(dtype)
 
 
 def _swap_back(module, args, output):

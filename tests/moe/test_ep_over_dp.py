@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import fusedpar as fp
@@ -77,7 +78,10 @@ def _built(layout):
             param.copy_(source[rank * shard : (rank + 1) * shard] if is_expert else source)
     fp.distribute(model, mesh)
     if layout.get("fsdp"):  # "tp path": FSDP2's path of torch 2.11 (on the mesh without dp)
-        dims.fully_shard(model, mesh, dp_mesh_dims=layout["fsdp"] != "tp path")
+        options = {}
+        if layout.get("param_dtype"):  # FSDP2's mixed precision: the forward in that dtype
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=layout["param_dtype"])
+        dims.fully_shard(model, mesh, dp_mesh_dims=layout["fsdp"] != "tp path", **options)
     return dims, groups, model
 
 
@@ -255,3 +259,21 @@ def test_experts_unequal_across_their_replicas_are_named(world):
             message is not None
             and "moe.w2 differ across the ranks of mesh axis 'dp_mod_ep'" in message
         ), message
+
+
+@pytest.mark.parametrize("ep_degree", [None, 2], ids=["all of dp", "half of dp"])
+def test_mixed_precision_casts_the_experts_fsdp2_leaves_alone(world, ep_degree):
+    """FSDP2's MixedPrecisionPolicy(param_dtype=float32) on the float64 model: FSDP2 casts
+    what it manages, and the swap hook the experts it ignores (EP over all of dp), so the
+    MoE takes float32 inputs and experts (before: "x is float32 but the experts are
+    float64"); the gradients land in float64, within float32's rounding of one process's."""
+    dims = {"dp": 4, "ep": "dp", "ep_degree": ep_degree}
+    layout = {"dims": dims, "fsdp": True, "param_dtype": torch.float32}
+    ref = _reference(4, 1, steps=1)
+    for out in world(4).run(_run, layout, 1):
+        assert abs(out["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"])
+        for n, want in ref["grads"].items():
+            got = out["grads"][n]
+            assert got.dtype == torch.float64, n
+            err = (got - want).abs().max().item()
+            assert err <= 1e-5 * max(1.0, want.abs().max().item()), (n, err)
