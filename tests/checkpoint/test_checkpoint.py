@@ -48,7 +48,7 @@ def _build(layout, moe=False, fsdp=True, **config):
     fp.distribute(model, mesh)
     if fsdp is not None:
         dims.fully_shard(model, mesh, dp_mesh_dims=None if fsdp else False)
-    return mesh, model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return mesh, model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
 
 def _train(mesh, model, optimizer, steps) -> list[float]:

@@ -151,7 +151,7 @@ def _save_or_load(degrees, save_to=None, load_from=None, schedule="1F1B", family
     if dims.pp > 1:
         pipe = fp.pipeline.split(model, dims, mesh, schedule=schedule)
         model = pipe.model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     if load_from is not None:
         fp.checkpoint.load(load_from, model, optimizer)
     elif dims.pp > 1:

@@ -92,7 +92,7 @@ def _run(layout, steps=2):
     d = groups["dp"].get_local_rank() if dims.dp > 1 else 0
     t = groups["tp"].get_local_rank() if dims.tp > 1 else 0
     x = _tokens(dims.dp, dims.tp)[d, t]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     out = {}
     for step in range(steps):
         with Collectives() as seen:
@@ -117,7 +117,7 @@ def _full(t):
 def _reference(dp, tp, steps=2):
     model = _full_model()
     x = _tokens(dp, tp).reshape(-1, D)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     for step in range(steps):
         loss = _loss(model(x), x.shape[0])
         loss.backward()
@@ -194,7 +194,7 @@ def _run_checkpoint(layout, load_from, save_to):
     """Trained a step (``load_from`` None) or loaded from ``load_from``, then saved to
     ``save_to``: every parameter and AdamW state as full tensors."""
     dims, groups, model = _built(layout)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     if load_from is None:
         d = groups["dp"].get_local_rank() if dims.dp > 1 else 0
         t = groups["tp"].get_local_rank() if dims.tp > 1 else 0

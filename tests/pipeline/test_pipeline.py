@@ -161,7 +161,7 @@ def _save_or_load(degrees, save_to=None, load_from=None):
         model = fp.distribute(pipe.model, dims.stage_mesh(mesh))
     else:
         fp.distribute(model, mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     if load_from is None:
         inputs, labels = _batch(cfg, 1)
         if dims.pp > 1:

@@ -169,7 +169,7 @@ def _step(kw: dict, moe: bool, ep=None, schedule=None, policy="none", experts=4)
         def forward_backward():
             model(tokens, labels).backward()
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     for _ in range(2):  # the second step is counted
         saved = SavedActivations(model.parameters())
         with Collectives() as seen, saved:

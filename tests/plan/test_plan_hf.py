@@ -98,7 +98,7 @@ def _measure(case: str, dtype) -> dict:
         for policy in POLICIES
     }
     model(input_ids=ids, labels=ids).loss.backward()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     optimizer.step()
     state = held_state(model, optimizer)
     whole = PipelineRank(tuple(range(spec.n_layers)), first=True, last=True)
@@ -182,7 +182,7 @@ def _step(
         def forward_backward():
             model(input_ids=ids, labels=ids).loss.backward()
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     for _ in range(2 if dims.pp > 1 else 1):  # the last step is counted
         saved = SavedActivations(model.parameters())
         with Collectives() as seen, saved:

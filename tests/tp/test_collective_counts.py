@@ -82,7 +82,7 @@ def _step_counts(moe: bool, fully_shard: bool = False) -> dict:
             assert dims.fully_shard(model, mesh) is model
         assert not isinstance(model, FSDPModule)
         assert any("nothing to shard" in str(w.message) for w in caught), caught
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     data = torch.randint(0, cfg.vocab, (2, 17), generator=torch.Generator().manual_seed(1))
 
     def step():

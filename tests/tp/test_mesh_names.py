@@ -44,7 +44,7 @@ def _step(mapped: bool, directory: str) -> list:
     torch.manual_seed(0)
     model = ParallelTransformer(Transformer(CFG), dims.groups(mesh))
     fp.distribute(model, mesh, names=dims.names)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     data = torch.randint(0, CFG.vocab, (2, 17), generator=torch.Generator().manual_seed(1))
     loss = model(data[:, :-1], data[:, 1:])
     loss.backward()
@@ -88,7 +88,7 @@ def _pipeline_losses(mapped: bool) -> list:
     fp.distribute(pipe.model, stage, names=dims.names)
     for part in pipe.stage_modules:
         dims.fully_shard(part, stage)
-    optimizer = torch.optim.AdamW(pipe.model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(pipe.model.parameters(), lr=1e-2, fused=True)
     data = torch.randint(0, cfg.vocab, (4, 9), generator=torch.Generator().manual_seed(1))
     dp = dims.groups(mesh)["dp"]
     mine = data.chunk(2)[dp.get_local_rank()]
