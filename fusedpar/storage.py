@@ -218,7 +218,7 @@ def _swap_in_locals(module, args):
         return
     # (name, mesh id) -> (mesh, gradient placements); gradient specs (`local_views`)
     kept, specs = module.__dict__.setdefault("_fusedpar_locals", ({}, {}))
-    scales = []
+    scales = [] if module._fusedpar_scaled else None
     for name, placed in module._fusedpar_placed.items():
         param = module._parameters.get(name)
         if isinstance(param, DTensor):
@@ -228,7 +228,8 @@ def _swap_in_locals(module, args):
             if held is None:
                 held = kept[name, id(mesh)] = (mesh, placed.grad_on(mesh))
             grads.append(held[1])
-            scales.append(placed.grad_scale)
+            if scales is not None:
+                scales.append(placed.grad_scale)
     if saved:
         views = local_views(list(saved.values()), grads, specs, scales)
         module._parameters.update(zip(saved, views, strict=True))
@@ -550,6 +551,8 @@ def distribute(
             if where.grad_placements != where.placements:  # partial: reduced (`reduce_grad`)
                 partial[id(param)] = done[id(param)]
         module._fusedpar_placed, module._fusedpar_saved = placed, []
+        # (experts over dp: some gradient scaled; the others' swap builds no scales)
+        module._fusedpar_scaled = any(where.grad_scale != 1.0 for where in placed.values())
         module.register_forward_pre_hook(_swap_in_locals)
         module.register_forward_hook(_swap_back, always_call=True)
     for param in partial.values():  # a frozen one too: it may be unfrozen later
