@@ -3,6 +3,7 @@
 import importlib
 
 from fusedpar import checkpoint, checks, comm, nn, ops, pipeline
+from fusedpar.clip import clip_grad_norm_
 from fusedpar.kernels.attention import AttentionMask
 from fusedpar.kernels.impl import implementation
 from fusedpar.kernels.impl import summary as implementation_summary
@@ -43,6 +44,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_policy",
     "checks",
+    "clip_grad_norm_",
     "comm",
     "distribute",
     "flash_attn",

@@ -103,11 +103,8 @@ def _run(layout, steps=2):
             dist.all_reduce(total)
             out["loss"] = total.item() / dims.dp
             out["grads"] = {n: _full(p.grad) for n, p in model.named_parameters()}
-            # (two meshes, which torch's norm cannot stack, under part of dp and FSDP2's
-            # torch 2.11 path: docs/expert_parallel.md's limits)
-            if not dims.splits_dp and layout.get("fsdp") != "tp path":
-                grads = [p.grad for p in model.parameters()]
-                out["norm"] = _full(torch.nn.utils.get_total_norm(grads)).item()
+            # clips by it: one mesh, torch's own; two (part of dp, torch 2.11's path), ours
+            out["norm"] = fp.clip_grad_norm_(model.parameters(), float("inf")).item()
             out["reductions"] = seen.calls
         optimizer.step()
         optimizer.zero_grad()
@@ -175,12 +172,11 @@ REDUCTIONS = {  # layout -> rank -> the first backward's reductions: (kind, grou
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_matches_one_process_and_reduces_each_gradient_once(world, name):
-    """The loss, every reduced gradient, their total norm (clip_grad_norm_'s; one mesh
-    only) and the parameters after two AdamW steps equal one process's (float64:
-    the order of sums differs, 1e-11). No gradient reduced twice
-    or missed: each rank's reductions in the first backward, with their groups and
-    bytes, are exactly its parameters' (experts over all of dp: none; beside tp: summed
-    over tp; over half of dp: over the other half)."""
+    """The loss, every reduced gradient, their total norm (`fp.clip_grad_norm_`'s) and the
+    parameters after two AdamW steps equal one process's (float64: the order of sums
+    differs, 1e-11). No gradient reduced twice or missed: each rank's reductions in the
+    first backward, with their groups and bytes, are exactly its parameters' (experts over
+    all of dp: none; beside tp: summed over tp; over half of dp: over the other half)."""
     layout = LAYOUTS[name]
     dims = layout["dims"]
     ref = _reference(dims["dp"], dims.get("tp", 1))
@@ -193,7 +189,7 @@ def test_matches_one_process_and_reduces_each_gradient_once(world, name):
                 assert err <= 1e-11 * max(1.0, want.abs().max().item()), (name, what, n, err)
         got = [c for c in out["reductions"] if c[0] in ("all_reduce", "reduce_scatter")]
         assert sorted(got) == sorted(expected(rank)), (name, rank, got)
-        if "norm" in out:  # what clip_grad_norm_ clips by, over parameters of every layout
+        if "norm" in out:
             assert abs(out["norm"] - ref["norm"]) <= 1e-12 * ref["norm"], (name, out["norm"])
 
 
@@ -284,3 +280,27 @@ def test_mixed_precision_casts_the_experts_fsdp2_leaves_alone(world, ep_degree):
             assert got.dtype == torch.float64, n
             err = (got - want).abs().max().item()
             assert err <= 1e-5 * max(1.0, want.abs().max().item()), (n, err)
+
+
+def _run_clipped(layout, max_norm):
+    """Every gradient after ``fp.clip_grad_norm_(..., max_norm)``, as full tensors."""
+    dims, groups, model = _built(layout)
+    x = _tokens(dims.dp, 1)[groups["dp"].get_local_rank(), 0]
+    _loss(model(x), N).backward()
+    total = fp.clip_grad_norm_(model.parameters(), max_norm)
+    return total.item(), {n: _full(p.grad) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "name", ["ep2 over half of dp4, FSDP2", "ep4 over dp4 by hand, FSDP2's torch 2.11 path"]
+)
+def test_clipping_over_two_meshes(world, name):
+    """Where FSDP2 leaves the parameters on two meshes (torch's clip_grad_norm_ cannot
+    stack their norms), `fp.clip_grad_norm_` clips every gradient by one process's norm."""
+    ref = _reference(4, 1, steps=1)
+    norm = torch.nn.utils.get_total_norm(list(ref["grads"].values())).item()
+    for total, grads in world(4).run(_run_clipped, LAYOUTS[name], norm / 2):
+        assert abs(total - norm) <= 1e-12 * norm
+        for n, want in ref["grads"].items():
+            err = (grads[n] - want * (norm / 2) / (norm + 1e-6)).abs().max().item()
+            assert err <= 1e-11 * max(1.0, want.abs().max().item()), (n, err)
