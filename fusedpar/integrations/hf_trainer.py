@@ -10,7 +10,7 @@ converted model: no DDP wrapper (the gradients are reduced by what `fusedpar.dis
 put on the parameters; the Trainer's own-placement path,
 ``is_distributed_loading_by_transformers``); batch ``i`` to dp rank ``i % dp``, the same
 batch on the ranks of a cp x ulysses x tp group; token counts and batch size divided by
-those ranks (`get_tp_size`); ``clip_grad_norm_`` over the DTensor gradients.
+those ranks (`get_tp_size`); `fusedpar.clip_grad_norm_` over the DTensor gradients.
 
 These override internals of ``transformers.Trainer`` (`INTERNALS`); where this
 transformers lacks one, or no longer calls it, the Trainer refuses to be built naming it
@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from transformers.trainer import TRAINING_ARGS_NAME
 
 from fusedpar import comm
+from fusedpar.clip import clip_grad_norm_
 
 _NO_EVALUATION = (
     "the Trainer's evaluation gathers losses and logits over every process "
@@ -338,11 +339,11 @@ class ParallelTrainerMixin:
             self.model.set_requires_gradient_sync(True)
 
     def _clip_grad_norm(self, model):
-        """The whole model's gradient norm, clipped to max_grad_norm: one mesh, so
-        ``clip_grad_norm_`` reduces each sharded gradient's square sum over its mesh."""
+        """The whole model's gradient norm, clipped to max_grad_norm: each sharded
+        gradient's square sum reduced over its mesh (`fusedpar.clip`: over two meshes
+        too, as FSDP2 leaves them with experts over part of dp)."""
         parameters = [p for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(parameters, self.args.max_grad_norm)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        return clip_grad_norm_(parameters, self.args.max_grad_norm)
 
     def _save(self, output_dir=None, state_dict=None):
         """``save_model``'s write, on every rank: the model's own ``save_pretrained(dir)``
