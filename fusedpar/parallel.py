@@ -512,8 +512,8 @@ def _shard_experts(module, mesh, data, dp_mesh_dims, fsdp, fsdp_kwargs) -> set:
             # what it ignores: the swap hook casts these for each forward instead
             policy = fsdp_kwargs.get("mp_policy")
             if policy is not None and policy.param_dtype is not None:
-                names_of = {id(p): n for n, p in sub._parameters.items() if p is not None}
-                cast = {names_of[id(p)]: policy.param_dtype for p in split}
+                name_of = {id(p): n for n, p in sub._parameters.items() if p is not None}
+                cast = {name_of[id(p)]: policy.param_dtype for p in split}
                 sub._fusedpar_cast = getattr(sub, "_fusedpar_cast", {}) | cast
             continue
         if not _full_mesh_path(dp_mesh_dims, fsdp):
