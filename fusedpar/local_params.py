@@ -27,69 +27,73 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_global_tensor_info
 
-__all__ = ["local_views", "scale_grad"]
+__all__ = ["LocalSwap", "local_views", "scale_grad"]
 
 
 class _LocalViews(torch.autograd.Function):
-    """DTensors -> their local tensors; gradients -> DTensors, or accumulated (module doc)."""
+    """DTensors -> their local tensors; gradients -> DTensors, or accumulated (module doc).
+    `plan` is the `LocalSwap`: one argument that pytree leaves whole."""
 
     @staticmethod
     def forward(ctx, plan, *params):
         ctx.plan, ctx.params, ctx.specs = plan, params, [p._spec for p in params]
         ctx.set_materialize_grads(False)  # an unused parameter gets no gradient, as before
-        views, frozen = [], []
-        for p in params:
-            local = p._local_tensor
-            # a fresh tensor, autograd's metadata goes on it: an alias (to_local's is a view,
-            # which autograd tracks as one: 15 -> 7 µs for three, this machine)
-            view = local.detach()
-            if getattr(p, "_is_param", False):
-                view._is_param = True  # a Parameter's local is one too (to_local, gh-166156)
-            views.append(view)
-            if not p.requires_grad:
-                frozen.append(view)
+        # fresh tensors, autograd's metadata goes on them: aliases (to_local's are views,
+        # which autograd tracks as such: 15 -> 7 µs for three, this machine)
+        views = [p._local_tensor.detach() for p in params]
+        for view, is_param in zip(views, plan.is_param, strict=True):
+            if is_param:  # a Parameter's local is one too (to_local, gh-166156)
+                view._is_param = True
+        frozen = [view for view, p in zip(views, params, strict=True) if not p.requires_grad]
         if frozen:  # its view needs no gradient, as to_local's would not (a Function marks
             ctx.mark_non_differentiable(*frozen)  # every output differentiable: dW for nothing)
         return tuple(views)
 
     @staticmethod
     def backward(ctx, *grads):
-        out = [None]
+        out, adds = [None], ([], [])
         # AccumulateGrad's own way in a double backward (grad mode: it builds a graph) and
         # under compiled autograd (traced: its graph accumulates the gradients)
         traced = torch.is_grad_enabled() or torch.compiler.is_compiling() or _compiled_autograd()
         edges = None if traced else ctx.next_functions
-        specs, scales = ctx.plan.specs, ctx.plan.scales
-        for i, (grad, param, spec, placements) in enumerate(
-            zip(grads, ctx.params, ctx.specs, ctx.plan.grad_placements, strict=True)
+        plan = ctx.plan
+        for i, (grad, param, spec, placements, tied) in enumerate(
+            zip(grads, ctx.params, ctx.specs, plan.grad_placements, plan.tied, strict=True)
         ):
-            if grad is not None and scales is not None and scales[i] != 1.0:
-                grad = grad * scales[i]  # (out of place: autograd may share the tensor)
+            if grad is not None and plan.scales is not None and plan.scales[i] != 1.0:
+                grad = grad * plan.scales[i]  # (out of place: autograd may share the tensor)
             if grad is None or (
-                edges is not None and _accumulate(param, grad, spec, placements, specs, edges[i][0])
+                edges is not None
+                and not tied  # (a tied parameter's gradients are summed by autograd first)
+                and _accumulate(param, grad, spec, placements, plan.specs, edges[i][0], adds)
             ):
                 out.append(None)
             else:
-                out.append(_as_dtensor(grad, spec, placements, specs))
+                out.append(_as_dtensor(grad, spec, placements, plan.specs))
+        if adds[0]:  # AccumulateGrad's in-place ``grad += new``, for all in one call
+            torch._foreach_add_(*adds)
         return tuple(out)
 
 
-def _accumulate(param, grad: Tensor, spec, placements: tuple, specs: dict, node) -> bool:
+def _accumulate(param, grad: Tensor, spec, placements: tuple, specs: dict, node, adds) -> bool:
     """Do `node`'s (``param``'s AccumulateGrad's) work on the local tensors, where it is
     exactly what it would do with the DTensor `_as_dtensor` makes, and say whether it
-    was done. Then the node gets no gradient: it still runs, with its hooks and
-    ``param``'s post-accumulate-grad hooks, which see ``param.grad`` as it would have
-    left it. AccumulateGrad's DTensor ``detach`` or ``+=`` went through DTensor's
-    dispatch: ~15-20 µs each on the host, ~3 µs here (docs/hot_path.md)."""
-    if param._backward_hooks or getattr(param, "_fusedpar_tied", False):
-        return False  # tensor hooks see the DTensor first; a tied one's are summed first
+    was done: a first gradient set, or the local tensors to add put in `adds` (the
+    caller adds them before the nodes run). Then the node gets no gradient: it still
+    runs, with its hooks and ``param``'s post-accumulate-grad hooks, which see
+    ``param.grad`` as it would have left it. AccumulateGrad's DTensor ``detach`` or
+    ``+=`` went through DTensor's dispatch: ~15-20 µs each on the host, ~3 µs here
+    (docs/hot_path.md)."""
+    if param._backward_hooks:
+        return False  # tensor hooks see the DTensor first
     try:
         if not torch._C._will_engine_execute_node(node):
             return False  # (``backward(inputs=...)`` without this parameter)
     except RuntimeError:  # autograd.grad: the gradient is returned, not accumulated
         return False
-    local, current = param._local_tensor, param.grad
+    current = param.grad
     if current is None:  # AccumulateGrad steals a fresh gradient: ``.grad = new.detach()``
+        local = param._local_tensor
         if (
             grad.shape != local.shape
             or grad.dtype != local.dtype
@@ -99,11 +103,17 @@ def _accumulate(param, grad: Tensor, spec, placements: tuple, specs: dict, node)
         param.grad = _as_dtensor(grad, spec, placements, specs)
         return True
     held = current._spec if type(current) is DTensor else None
-    if held is None or held.mesh is not spec.mesh or held.placements != placements:
+    if (
+        held is None
+        or held.mesh is not spec.mesh
+        or (held.placements is not placements and held.placements != placements)
+    ):
         return False  # (DTensor's ``+=`` redistributes the new one, or it is not a DTensor)
-    if current._local_tensor.shape != grad.shape:
+    local = current._local_tensor
+    if local.shape != grad.shape:
         return False  # (the engine checks the shape before AccumulateGrad)
-    current._local_tensor.add_(grad)  # AccumulateGrad's in-place ``grad += new``
+    adds[0].append(local)
+    adds[1].append(grad)
     return True
 
 
@@ -120,6 +130,8 @@ def _as_dtensor(grad: Tensor, spec, placements: tuple, specs: dict) -> DTensor:
             grad, spec.mesh, placements, shape=spec.shape, stride=tuple(stride)
         )
         kept = copy.copy(made._spec)
+        if kept.placements == placements:  # the same object: `_accumulate` compares by id
+            kept.placements = placements
         hash(kept)  # kept in the spec (and in its copies): DTensor's dispatch hashes specs
         specs[key] = (spec, placements, kept)
         return made
@@ -135,20 +147,45 @@ def local_views(params: list, grad_placements: list, specs: dict, scales=None) -
     ``p.to_local(grad_placements=g)`` returns, in one autograd node (the module doc);
     `specs` is the caller's cache of gradient specs (a dict kept per module); `scales`
     (None: all 1) multiply each gradient (experts over dp, `fusedpar.storage._place`)."""
-    scales = None if scales is None or all(s == 1.0 for s in scales) else tuple(scales)
-    if torch.compiler.is_compiling() or any(type(p) is not DTensor for p in params):
-        if not torch.compiler.is_compiling():
-            _say_once(
-                "fusedpar.distribute: a parameter is a subclass of DTensor "
-                f"({', '.join(sorted({type(p).__name__ for p in params}))}): its module's "
-                "parameters take DTensor.to_local one by one (~110 us a parameter a step "
-                "more on the host than fusedpar's one-node swap)"
-            )
-        views = [
-            p.to_local(grad_placements=g) for p, g in zip(params, grad_placements, strict=True)
-        ]
-        return [scale_grad(v, s) for v, s in zip(views, scales or [1.0] * len(views), strict=True)]
-    return list(_LocalViews.apply(_Plan(grad_placements, specs, scales), *params))
+    if torch.compiler.is_compiling():
+        return _to_local(params, grad_placements, scales)
+    return list(LocalSwap(params, grad_placements, specs, scales).views())
+
+
+class LocalSwap:
+    """`local_views` of fixed `params`, worked out once: `views()` each forward (a
+    module's pre-hook keeps one while its parameters stay the same objects)."""
+
+    __slots__ = ("params", "grad_placements", "specs", "scales", "tied", "is_param", "plain")
+
+    def __init__(self, params, grad_placements, specs: dict, scales=None):
+        self.params, self.grad_placements, self.specs = tuple(params), grad_placements, specs
+        self.scales = None if scales is None or all(s == 1.0 for s in scales) else tuple(scales)
+        self.tied = tuple(getattr(p, "_fusedpar_tied", False) for p in self.params)
+        self.is_param = tuple(getattr(p, "_is_param", False) for p in self.params)
+        self.plain = all(type(p) is DTensor for p in self.params)  # (else: to_local)
+
+    def views(self) -> tuple:
+        if not self.plain or torch.compiler.is_compiling():
+            if not torch.compiler.is_compiling():
+                types = sorted({type(p).__name__ for p in self.params})
+                _say_once(
+                    f"fusedpar.distribute: a parameter is a subclass of DTensor "
+                    f"({', '.join(types)}): its module's parameters take DTensor.to_local "
+                    "one by one (~110 us a parameter a step more on the host than "
+                    "fusedpar's one-node swap)"
+                )
+            return tuple(_to_local(self.params, self.grad_placements, self.scales))
+        if torch._C._are_functorch_transforms_active():
+            return _LocalViews.apply(self, *self.params)
+        # ``Function.apply``'s own checks are for functorch (none active) and its dead
+        # wrappers (a parameter is never one): ~2 µs a call, this machine
+        return _apply_local_views(self, *self.params)
+
+
+def _to_local(params, grad_placements, scales) -> list[Tensor]:
+    views = [p.to_local(grad_placements=g) for p, g in zip(params, grad_placements, strict=True)]
+    return [scale_grad(v, s) for v, s in zip(views, scales or [1.0] * len(views), strict=True)]
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -167,16 +204,6 @@ def scale_grad(x: Tensor, scale: float) -> Tensor:
     return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
 
 
-class _Plan:
-    """The gradients' placements and the module's spec cache, one argument that pytree
-    leaves whole (``Function.apply`` flattens its arguments: ~2.5 µs for nested tuples)."""
-
-    __slots__ = ("grad_placements", "specs", "scales")
-
-    def __init__(self, grad_placements: list, specs: dict, scales=None):
-        self.grad_placements, self.specs, self.scales = grad_placements, specs, scales
-
-
 _said: set = set()
 
 
@@ -184,6 +211,10 @@ def _say_once(message: str) -> None:
     if message not in _said:
         _said.add(message)
         warnings.warn(message, UserWarning, stacklevel=4)
+
+
+# ``Function.apply`` past its Python layer (see `LocalSwap.views`)
+_apply_local_views = torch._C._FunctionBase.__dict__["apply"].__get__(None, _LocalViews)
 
 
 def _compiled_autograd() -> bool:

@@ -23,6 +23,7 @@ axes, dtype) at the end of the backward. Axes are read off the layers' groups
 import contextlib
 import itertools
 import math
+import operator
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fusedpar import comm
 from fusedpar.axes import DATA_AXES, TOKEN_AXES, mesh_axes_of, resolve_axes
-from fusedpar.local_params import local_views, scale_grad
+from fusedpar.local_params import LocalSwap, scale_grad
 
 
 @dataclass(frozen=True)
@@ -201,40 +202,61 @@ def _place(layout: ParamLayout, mesh: DeviceMesh, token_axes, axis_of: dict, whe
 
 def _swap_in_locals(module, args):
     """Forward pre-hook: each DTensor parameter's local tensor in its place, all of them
-    one autograd node (`fusedpar.local_params`). While torch.compile traces, each
-    through ``to_local`` (Dynamo of torch 2.11 traces neither ``id()`` of a mesh nor
+    one autograd node (`fusedpar.local_params`), worked out at the first forward and
+    kept while the module holds the same parameter objects (FSDP2 swaps its own in and
+    out: then it is worked out again). While torch.compile traces, each through
+    ``to_local`` (Dynamo of torch 2.11 traces neither ``id()`` of a mesh nor
     ``__dict__.setdefault``; the graph's cost is not the host's)."""
-    saved, grads = {}, []
+    table = module._parameters
     if torch.compiler.is_compiling():  # traced: the hook as it was before the one-node swap
+        names, params = [], []
         for name, placed in module._fusedpar_placed.items():
-            param = module._parameters.get(name)
+            param = table.get(name)
             if isinstance(param, DTensor):
-                saved[name] = param
+                names.append(name)
+                params.append(param)
                 grad_placements = placed.grad_on(param.device_mesh)
                 local = param.to_local(grad_placements=grad_placements)
-                module._parameters[name] = scale_grad(local, placed.grad_scale)
+                table[name] = scale_grad(local, placed.grad_scale)
         _cast_for_forward(module)
-        module._fusedpar_saved.append(saved)
+        module._fusedpar_saved.append((names, params))
         return
-    # (name, mesh id) -> (mesh, gradient placements); gradient specs (`local_views`)
-    kept, specs = module.__dict__.setdefault("_fusedpar_locals", ({}, {}))
-    scales = [] if module._fusedpar_scaled else None
-    for name, placed in module._fusedpar_placed.items():
-        param = module._parameters.get(name)
-        if isinstance(param, DTensor):
-            saved[name] = param
-            mesh = param.device_mesh
-            held = kept.get((name, id(mesh)))  # (the mesh kept with it: its id stays its own)
-            if held is None:
-                held = kept[name, id(mesh)] = (mesh, placed.grad_on(mesh))
-            grads.append(held[1])
-            if scales is not None:
+    swap = module.__dict__.get("_fusedpar_swap")
+    if swap is None or not all(map(operator.is_, map(table.get, swap.placed), swap.held)):
+        swap = module.__dict__["_fusedpar_swap"] = _Swap(module)
+    if swap.names:
+        table.update(zip(swap.names, swap.locals.views(), strict=True))
+        if "_fusedpar_cast" in module.__dict__:
+            _cast_for_forward(module)
+    module._fusedpar_saved.append(swap.saved)
+
+
+class _Swap:
+    """What `_swap_in_locals` does for `module` while it holds the parameters `held`
+    (those of `placed`, its names `distribute` placed): swap `names` for their local
+    tensors (`locals`, a `fusedpar.local_params.LocalSwap`), and back (`saved`)."""
+
+    __slots__ = ("placed", "held", "names", "locals", "saved")
+
+    def __init__(self, module):
+        # (name, mesh id) -> (mesh, gradient placements), one object per pair: the
+        # gradient specs (`LocalSwap`'s) are kept by its id
+        kept, specs = module.__dict__.setdefault("_fusedpar_locals", ({}, {}))
+        table, self.placed = module._parameters, tuple(module._fusedpar_placed)
+        self.held = tuple(table.get(name) for name in self.placed)
+        names, params, grads, scales = [], [], [], []
+        for name, param in zip(self.placed, self.held, strict=True):
+            if isinstance(param, DTensor):
+                placed, mesh = module._fusedpar_placed[name], param.device_mesh
+                held = kept.get((name, id(mesh)))  # (the mesh kept with it: its id stays its own)
+                if held is None:
+                    held = kept[name, id(mesh)] = (mesh, placed.grad_on(mesh))
+                names.append(name)
+                params.append(param)
+                grads.append(held[1])
                 scales.append(placed.grad_scale)
-    if saved:
-        views = local_views(list(saved.values()), grads, specs, scales)
-        module._parameters.update(zip(saved, views, strict=True))
-        _cast_for_forward(module)
-    module._fusedpar_saved.append(saved)
+        self.names, self.saved = tuple(names), (tuple(names), tuple(params))
+        self.locals = LocalSwap(params, grads, specs, scales)
 
 
 def _cast_for_forward(module) -> None:
@@ -242,7 +264,7 @@ def _cast_for_forward(module) -> None:
     all of dp) in a mixed-precision policy's param_dtype for this forward, as FSDP2
     casts those it manages: ``_fusedpar_cast`` (name -> dtype). The cast's backward
     brings the gradient back to the parameter's dtype."""
-    for name, dtype in getattr(module, "_fusedpar_cast", {}).items():
+    for name, dtype in module.__dict__.get("_fusedpar_cast", {}).items():
         local = module._parameters.get(name)
         if local is not None and local.dtype != dtype:
             module._parameters[name] = local.to(dtype)
@@ -251,7 +273,8 @@ def _cast_for_forward(module) -> None:
 def _swap_back(module, args, output):
     """Forward hook (also on an exception): the DTensor parameters back."""
     if module._fusedpar_saved:  # empty if an earlier pre-hook raised before ours ran
-        module._parameters.update(module._fusedpar_saved.pop())
+        names, params = module._fusedpar_saved.pop()
+        module._parameters.update(zip(names, params, strict=True))
 
 
 _deferred = 0  # > 0: inside `deferred_grad_reduction`
@@ -544,6 +567,7 @@ def distribute(
                 tensor = DTensor.from_local(param.detach(), mesh, placements, run_check=False)
                 new = nn.Parameter(tensor, requires_grad=param.requires_grad)
                 new._fusedpar_order = next(_order)
+                new._fusedpar_tied = False  # (`fusedpar.local_params`: set, read fast)
                 done[id(param)] = new
             else:  # tied: its gradients from two modules are summed first, by autograd
                 done[id(param)]._fusedpar_tied = True  # (`fusedpar.local_params`)
@@ -551,8 +575,6 @@ def distribute(
             if where.grad_placements != where.placements:  # partial: reduced (`reduce_grad`)
                 partial[id(param)] = done[id(param)]
         module._fusedpar_placed, module._fusedpar_saved = placed, []
-        # (experts over dp: some gradient scaled; the others' swap builds no scales)
-        module._fusedpar_scaled = any(where.grad_scale != 1.0 for where in placed.values())
         module.register_forward_pre_hook(_swap_in_locals)
         module.register_forward_hook(_swap_back, always_call=True)
     for param in partial.values():  # a frozen one too: it may be unfrozen later
