@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_global_tensor_info
 
-__all__ = ["LocalSwap", "local_views", "scale_grad"]
+__all__ = ["LocalSwap", "give_grads", "local_views", "scale_grad", "take_locals", "to_local"]
 
 
 class _LocalViews(torch.autograd.Function):
@@ -51,28 +51,42 @@ class _LocalViews(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        out, adds = [None], ([], [])
-        # AccumulateGrad's own way in a double backward (grad mode: it builds a graph) and
-        # under compiled autograd (traced: its graph accumulates the gradients)
-        traced = torch.is_grad_enabled() or torch.compiler.is_compiling() or _compiled_autograd()
-        edges = None if traced else ctx.next_functions
-        plan = ctx.plan
-        for i, (grad, param, spec, placements, tied) in enumerate(
-            zip(grads, ctx.params, ctx.specs, plan.grad_placements, plan.tied, strict=True)
-        ):
-            if grad is not None and plan.scales is not None and plan.scales[i] != 1.0:
-                grad = grad * plan.scales[i]  # (out of place: autograd may share the tensor)
-            if grad is None or (
-                edges is not None
-                and not tied  # (a tied parameter's gradients are summed by autograd first)
-                and _accumulate(param, grad, spec, placements, plan.specs, edges[i][0], adds)
-            ):
-                out.append(None)
-            else:
-                out.append(_as_dtensor(grad, spec, placements, plan.specs))
+        edges, adds, swap = _accumulating_edges(ctx), ([], []), ctx.plan
+        out = [None]  # (the plan's)
+        for i, (grad, param, spec) in enumerate(zip(grads, ctx.params, ctx.specs, strict=True)):
+            edge = None if edges is None else edges[i][0]
+            out.append(_param_grad(swap, i, param, spec, grad, edge, adds))
         if adds[0]:  # AccumulateGrad's in-place ``grad += new``, for all in one call
             torch._foreach_add_(*adds)
         return tuple(out)
+
+
+def _accumulating_edges(ctx):
+    """The node's edges, where its backward may do AccumulateGrad's work (`_accumulate`);
+    None in a double backward (grad mode: AccumulateGrad builds a graph) and under
+    compiled autograd (traced: its graph accumulates the gradients)."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or _compiled_autograd():
+        return None
+    return ctx.next_functions
+
+
+def _param_grad(swap, i: int, param, spec, grad, edge, adds):
+    """What autograd gets for ``swap.params[i]`` (`param`, whose spec was `spec` at the
+    forward) from its local gradient `grad`: None where there is none, or where
+    `_accumulate` did the work of `edge` (its AccumulateGrad; None: never), else the
+    DTensor ``to_local``'s backward makes, scaled by the swap's scale."""
+    if grad is None:
+        return None
+    if swap.scales is not None and swap.scales[i] != 1.0:
+        grad = grad * swap.scales[i]  # (out of place: autograd may share the tensor)
+    placements = swap.grad_placements[i]
+    if (
+        edge is not None
+        and not swap.tied[i]  # (a tied parameter's gradients are summed by autograd first)
+        and _accumulate(param, grad, spec, placements, swap.specs, edge, adds)
+    ):
+        return None
+    return _as_dtensor(grad, spec, placements, swap.specs)
 
 
 def _accumulate(param, grad: Tensor, spec, placements: tuple, specs: dict, node, adds) -> bool:
@@ -165,6 +179,12 @@ class LocalSwap:
         self.is_param = tuple(getattr(p, "_is_param", False) for p in self.params)
         self.plain = all(type(p) is DTensor for p in self.params)  # (else: to_local)
 
+    def lend_to_op(self) -> None:
+        """Mark each parameter as this swap's, for `take_locals`: where the module's
+        forward hands them straight to one op, which swaps them in its own node."""
+        for i, param in enumerate(self.params):
+            param._fusedpar_local = (self, i)
+
     def views(self) -> tuple:
         if not self.plain or torch.compiler.is_compiling():
             if not torch.compiler.is_compiling():
@@ -186,6 +206,57 @@ class LocalSwap:
 def _to_local(params, grad_placements, scales) -> list[Tensor]:
     views = [p.to_local(grad_placements=g) for p, g in zip(params, grad_placements, strict=True)]
     return [scale_grad(v, s) for v, s in zip(views, scales or [1.0] * len(views), strict=True)]
+
+
+def take_locals(leaves) -> tuple[list, tuple]:
+    """For an op's ``autograd.Function`` (`fusedpar.ops.registration`), given the
+    DTensor parameters of a module whose forward is one op (`LocalSwap.one_op`): each
+    one's local tensor in its place, a fresh alias asking for a gradient as the
+    parameter does, and what `give_grads` needs. The op's node is then the swap's
+    node too: its edges go to the parameters' AccumulateGrad."""
+    leaves, taken, edge = list(leaves), [], -1
+    for index, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor):  # (autograd's edges: one per tensor argument)
+            edge += 1
+            if type(leaf) is DTensor:
+                local = leaf._local_tensor.detach()
+                if leaf.requires_grad:  # (the op reads requires_grad off its inputs)
+                    local.requires_grad_()
+                taken.append((index, edge, leaf, leaf._spec, *_swap_of(leaf)))
+                leaves[index] = local
+    return leaves, taken
+
+
+def give_grads(ctx, grads: list, offset: int) -> None:
+    """`take_locals`'s parameters' gradients in `grads` (the op's backward's, for its
+    leaves from ``grads[offset]``) replaced, in place, by what autograd gets for each
+    parameter (`_param_grad`); `ctx` is the op's node."""
+    edges, adds = _accumulating_edges(ctx), ([], [])
+    for index, edge, param, spec, swap, i in ctx.taken:
+        edge = None if edges is None else edges[edge][0]
+        grads[offset + index] = _param_grad(swap, i, param, spec, grads[offset + index], edge, adds)
+    if adds[0]:
+        torch._foreach_add_(*adds)
+
+
+def to_local(leaf: DTensor) -> Tensor:
+    """`leaf` (a parameter `take_locals` would take) through ``to_local`` with its
+    gradient's placements and scale: where an op runs as the custom op (compiling, a
+    dispatch mode, fake or meta tensors)."""
+    swap, i = _swap_of(leaf)
+    local = leaf.to_local(grad_placements=swap.grad_placements[i])
+    return scale_grad(local, 1.0 if swap.scales is None else swap.scales[i])
+
+
+def _swap_of(leaf: DTensor) -> tuple:
+    found = getattr(leaf, "_fusedpar_local", None)
+    if found is None:
+        raise TypeError(
+            f"fusedpar's ops take local tensors, not a DTensor (shape {tuple(leaf.shape)}, "
+            f"{leaf.placements}): pass .to_local(), or let fusedpar.distribute hand a "
+            "layer its parameters"
+        )
+    return found
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -201,42 +201,76 @@ def _place(layout: ParamLayout, mesh: DeviceMesh, token_axes, axis_of: dict, whe
 
 
 def _swap_in_locals(module, args):
-    """Forward pre-hook: each DTensor parameter's local tensor in its place, all of them
-    one autograd node (`fusedpar.local_params`), worked out at the first forward and
-    kept while the module holds the same parameter objects (FSDP2 swaps its own in and
-    out: then it is worked out again). While torch.compile traces, each through
-    ``to_local`` (Dynamo of torch 2.11 traces neither ``id()`` of a mesh nor
-    ``__dict__.setdefault``; the graph's cost is not the host's)."""
+    """Forward pre-hook: each DTensor parameter's local tensor in its place
+    (`_local_views`), until `_swap_back`."""
+    (names, params), views = _local_views(module)
     table = module._parameters
-    if torch.compiler.is_compiling():  # traced: the hook as it was before the one-node swap
-        names, params = [], []
+    table.update(zip(names, views, strict=True))
+    if torch.compiler.is_compiling() or "_fusedpar_cast" in module.__dict__:
+        _cast_for_forward(module, table)
+    module._fusedpar_saved.append((names, params))
+
+
+def forward_params(module, *, one_op: bool) -> dict:
+    """The parameters (name -> tensor) for this forward of a layer that reads them here
+    (class attribute ``READS_FORWARD_PARAMS``: `distribute` gives it no swap hooks).
+    Before `distribute`, ``module._parameters``; after it, their local tensors (one
+    autograd node, `_local_views`), or, where the forward hands every parameter
+    straight to one fusedpar op (`one_op`) in plain eager, the DTensor parameters
+    themselves, marked for that op to swap in its own node (`fusedpar.ops.registration`,
+    `fusedpar.local_params.take_locals`): ParallelSwiGLU's swap node and hooks cost
+    ~35 µs a step on the host (docs/hot_path.md)."""
+    table = module._parameters
+    if not module.__dict__.get("_fusedpar_unhooked"):
+        return table
+    compiling = torch.compiler.is_compiling()
+    cast = compiling or "_fusedpar_cast" in module.__dict__
+    plain_eager = not compiling and not torch._C._len_torch_dispatch_stack()
+    if one_op and plain_eager and not cast and _kept_swap(module).one_op:
+        return table
+    (names, _), views = _local_views(module)
+    params = {**table, **dict(zip(names, views, strict=True))}
+    if cast:
+        _cast_for_forward(module, params)
+    return params
+
+
+def _local_views(module) -> tuple[tuple, tuple]:
+    """((names, parameters), local tensors): `module`'s DTensor parameters and their
+    local tensors for one forward, in one autograd node (`fusedpar.local_params`), as
+    its kept `_Swap` says. While torch.compile traces, each through ``to_local`` (Dynamo
+    of torch 2.11 traces neither ``id()`` of a mesh nor ``__dict__.setdefault``; the
+    graph's cost is not the host's)."""
+    if torch.compiler.is_compiling():
+        names, params, views = [], [], []
         for name, placed in module._fusedpar_placed.items():
-            param = table.get(name)
+            param = module._parameters.get(name)
             if isinstance(param, DTensor):
                 names.append(name)
                 params.append(param)
-                grad_placements = placed.grad_on(param.device_mesh)
-                local = param.to_local(grad_placements=grad_placements)
-                table[name] = scale_grad(local, placed.grad_scale)
-        _cast_for_forward(module)
-        module._fusedpar_saved.append((names, params))
-        return
-    swap = module.__dict__.get("_fusedpar_swap")
+                local = param.to_local(grad_placements=placed.grad_on(param.device_mesh))
+                views.append(scale_grad(local, placed.grad_scale))
+        return (names, params), views
+    swap = _kept_swap(module)
+    return swap.saved, (swap.locals.views() if swap.names else ())
+
+
+def _kept_swap(module) -> "_Swap":
+    """`module`'s `_Swap`, worked out again where it holds other parameter objects than
+    the kept one's (FSDP2 swaps its own in and out)."""
+    table, swap = module._parameters, module.__dict__.get("_fusedpar_swap")
     if swap is None or not all(map(operator.is_, map(table.get, swap.placed), swap.held)):
         swap = module.__dict__["_fusedpar_swap"] = _Swap(module)
-    if swap.names:
-        table.update(zip(swap.names, swap.locals.views(), strict=True))
-        if "_fusedpar_cast" in module.__dict__:
-            _cast_for_forward(module)
-    module._fusedpar_saved.append(swap.saved)
+    return swap
 
 
 class _Swap:
-    """What `_swap_in_locals` does for `module` while it holds the parameters `held`
-    (those of `placed`, its names `distribute` placed): swap `names` for their local
-    tensors (`locals`, a `fusedpar.local_params.LocalSwap`), and back (`saved`)."""
+    """`module`'s swap while it holds the parameters `held` (those of `placed`, its
+    names `distribute` placed): `names` go to their local tensors (`locals`, a
+    `fusedpar.local_params.LocalSwap`) and back (`saved`: names, parameters); `one_op`:
+    the DTensors may go to one op that swaps them (`forward_params`)."""
 
-    __slots__ = ("placed", "held", "names", "locals", "saved")
+    __slots__ = ("placed", "held", "names", "locals", "saved", "one_op")
 
     def __init__(self, module):
         # (name, mesh id) -> (mesh, gradient placements), one object per pair: the
@@ -257,17 +291,21 @@ class _Swap:
                 scales.append(placed.grad_scale)
         self.names, self.saved = tuple(names), (tuple(names), tuple(params))
         self.locals = LocalSwap(params, grads, specs, scales)
+        # not a tied parameter: each module's swap marks it as its own
+        self.one_op = self.locals.plain and not any(self.locals.tied)
+        if self.one_op:
+            self.locals.lend_to_op()
 
 
-def _cast_for_forward(module) -> None:
+def _cast_for_forward(module, params: dict) -> None:
     """The parameters `fusedpar.ParallelDims.fully_shard` left out of FSDP2 (experts over
-    all of dp) in a mixed-precision policy's param_dtype for this forward, as FSDP2
-    casts those it manages: ``_fusedpar_cast`` (name -> dtype). The cast's backward
-    brings the gradient back to the parameter's dtype."""
-    for name, dtype in module.__dict__.get("_fusedpar_cast", {}).items():
-        local = module._parameters.get(name)
+    all of dp) in a mixed-precision policy's param_dtype for this forward, in `params`
+    (name -> local tensor), as FSDP2 casts those it manages: ``_fusedpar_cast`` (name ->
+    dtype). The cast's backward brings the gradient back to the parameter's dtype."""
+    for name, dtype in getattr(module, "_fusedpar_cast", {}).items():
+        local = params.get(name)
         if local is not None and local.dtype != dtype:
-            module._parameters[name] = local.to(dtype)
+            params[name] = local.to(dtype)
 
 
 def _swap_back(module, args, output):
@@ -574,9 +612,13 @@ def distribute(
             module._parameters[name] = done[id(param)]
             if where.grad_placements != where.placements:  # partial: reduced (`reduce_grad`)
                 partial[id(param)] = done[id(param)]
-        module._fusedpar_placed, module._fusedpar_saved = placed, []
-        module.register_forward_pre_hook(_swap_in_locals)
-        module.register_forward_hook(_swap_back, always_call=True)
+        module._fusedpar_placed = placed
+        if getattr(type(module), "READS_FORWARD_PARAMS", False):
+            module._fusedpar_unhooked = True  # its forward reads them (`forward_params`)
+        else:
+            module._fusedpar_saved = []
+            module.register_forward_pre_hook(_swap_in_locals)
+            module.register_forward_hook(_swap_back, always_call=True)
     for param in partial.values():  # a frozen one too: it may be unfrozen later
         frozen = not param.requires_grad
         param.requires_grad_(True)  # (torch hooks only a tensor that requires grad)

@@ -36,7 +36,7 @@ from fusedpar.ops.linear import (
 from fusedpar.ops.mlp import gated_mlp
 from fusedpar.ops.overlap import check_overlap
 from fusedpar.placement import Placement
-from fusedpar.storage import ParamLayout, local_tensor
+from fusedpar.storage import ParamLayout, forward_params, local_tensor
 
 
 def _check_divisible(what: str, size: int, world: int) -> None:
@@ -349,6 +349,7 @@ class ParallelSwiGLU(FromSpec, nn.Module):
     """
 
     GROUP_AXES = {"group": ("tp",)}  # checked by `fusedpar.distribute`
+    READS_FORWARD_PARAMS = True  # through `fusedpar.storage.forward_params`: no swap hooks
     SPEC = MLPSpec
     _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 
@@ -477,33 +478,38 @@ class ParallelSwiGLU(FromSpec, nn.Module):
         mlp.load_dense(w_gate, w_up, w_down, bias=biases)
         return mlp
 
+    def _one_op_activation(self) -> str | None:
+        """The activation's kernel name where the forward is one op (on one rank, an
+        activation with a kernel: `fusedpar.ops.mlp`), else None; kept with the
+        activation it was worked out for (~2 µs a call otherwise)."""
+        activation, kept = self.activation, self.__dict__.get("_one_op_of")
+        if kept is None or kept[0] is not activation:
+            one_rank = comm.active_group(self.group) is None
+            kept = (activation, kernel_activation(activation) if one_rank else None)
+            self.__dict__["_one_op_of"] = kept
+        return kept[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._fusedpar_checked:  # one shape and dtype over the group (fusedpar.checks)
             checks.first_call(self, x, {"group": self.group}, checks.alike(x, self.gate_weight))
-        if comm.active_group(self.group) is None:
-            activation = kernel_activation(self.activation)
-            if activation is not None:  # one rank: the whole MLP as one op
-                if x.shape[-1] != self.d_model:
-                    raise ValueError(
-                        f"ParallelSwiGLU: x must be (..., {self.d_model}), got {tuple(x.shape)}"
-                    )
-                if x.dtype != self.gate_weight.dtype:
-                    raise TypeError(
-                        f"ParallelSwiGLU: x is {x.dtype} but the weights are "
-                        f"{self.gate_weight.dtype}"
-                    )
-                biases = (
-                    () if self.gate_bias is None else (self.gate_bias, self.up_bias, self.down_bias)
+        activation = self._one_op_activation()
+        # after fusedpar.distribute: the local tensors, or the DTensors for the one op
+        params = forward_params(self, one_op=activation is not None)
+        gate_weight, up_weight = params["gate_weight"], params["up_weight"]
+        down_weight, down_bias = params["down_weight"], params["down_bias"]
+        gate_bias, up_bias = params["gate_bias"], params["up_bias"]
+        if activation is not None:  # one rank: the whole MLP as one op
+            if x.shape[-1] != self.d_model:
+                raise ValueError(
+                    f"ParallelSwiGLU: x must be (..., {self.d_model}), got {tuple(x.shape)}"
                 )
-                return gated_mlp(
-                    x,
-                    self.gate_weight,
-                    self.up_weight,
-                    self.down_weight,
-                    biases,
-                    activation=activation,
+            if x.dtype != gate_weight.dtype:
+                raise TypeError(
+                    f"ParallelSwiGLU: x is {x.dtype} but the weights are {gate_weight.dtype}"
                 )
-        weights, biases = [self.gate_weight, self.up_weight], [self.gate_bias, self.up_bias]
+            biases = () if gate_bias is None else (gate_bias, up_bias, down_bias)
+            return gated_mlp(x, gate_weight, up_weight, down_weight, biases, activation=activation)
+        weights, biases = [gate_weight, up_weight], [gate_bias, up_bias]
         down = {
             "activation": self.activation,
             "chunks_per_rank": self.chunks_per_rank,
@@ -521,14 +527,10 @@ class ParallelSwiGLU(FromSpec, nn.Module):
                 reduce_dtype=self.reduce_dtype,
             )
             # Each rank adds the down bias to its own tokens: its gradient is summed.
-            bias = (
-                None if self.down_bias is None else comm.copy_to_region(self.down_bias, self.group)
-            )
-            return gated_down(gate, up, self.down_weight, self.group, bias=bias, **down)
+            bias = None if down_bias is None else comm.copy_to_region(down_bias, self.group)
+            return gated_down(gate, up, down_weight, self.group, bias=bias, **down)
         x = comm.copy_to_region(x, self.group)
         gate, up = (F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
-        partial = gated_down(
-            gate, up, self.down_weight, self.group, sequence_parallel=False, **down
-        )
+        partial = gated_down(gate, up, down_weight, self.group, sequence_parallel=False, **down)
         y = comm.reduce_from_region(partial, self.group)
-        return y if self.down_bias is None else y + self.down_bias
+        return y if down_bias is None else y + down_bias

@@ -20,7 +20,9 @@ The numbers are the same either way: the same functions run.
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
 
+from fusedpar import local_params
 from fusedpar.kernels.common import accumulator
 
 __all__ = ["asked", "autograd_op", "direct_op", "flat", "row_sum", "spread"]
@@ -93,6 +95,9 @@ def autograd_op(op, backward, setup_context):
     body = op._init_fn
 
     def forward(ctx, spec, output_spec, *leaves):
+        ctx.taken = None
+        if DTensor in map(type, leaves):  # a module's parameters (`local_params.take_locals`)
+            leaves, ctx.taken = local_params.take_locals(leaves)
         args = tuple(_unflatten(leaves, spec))
         output = body(*args)
         setup_context(ctx, args, output)
@@ -117,6 +122,8 @@ def autograd_op(op, backward, setup_context):
                 flat.append(grad)
             else:
                 flat.extend([None] * n if grad is None else grad)
+        if ctx.taken:  # the parameters' gradients as DTensors, or accumulated
+            local_params.give_grads(ctx, flat, 0)
         return (None, None, *flat)
 
     # named after the op (its backward node: "<op>_eagerBackward" in a graph's grad_fn)
@@ -131,7 +138,7 @@ def autograd_op(op, backward, setup_context):
 
     def call(*args):
         if _op_wanted(args):
-            return op(*args)
+            return op(*_locals(args))
         leaves, spec = _flatten(args)
         output_spec = []
         output = Function.apply(spec, output_spec, *leaves)
@@ -143,6 +150,19 @@ def autograd_op(op, backward, setup_context):
 
     call.op = op
     return call
+
+
+def _locals(args) -> tuple:
+    """`args` with a module's DTensor parameters (`local_params.take_locals`) through
+    ``to_local``, for the custom op (which takes local tensors). Never while compiling:
+    such a module hands its op local tensors then (`fusedpar.storage.forward_params`)."""
+    if torch.compiler.is_compiling():
+        return args
+    leaves, spec = _flatten(args)
+    if DTensor not in map(type, leaves):
+        return args
+    leaves = [local_params.to_local(t) if type(t) is DTensor else t for t in leaves]
+    return tuple(_unflatten(leaves, spec))
 
 
 # --- what the ops' bodies share ---------------------------------------------------------
