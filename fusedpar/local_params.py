@@ -153,7 +153,17 @@ def _as_dtensor(grad: Tensor, spec, placements: tuple, specs: dict) -> DTensor:
     # A spec of its own per gradient, as DTensor's do (a spec can be changed in place).
     # ``__new__`` alone: ``__init__`` only marks the constructor for export's tracing, in a
     # wrapper that costs more than the DTensor (this is never traced: `local_views`).
-    return DTensor.__new__(DTensor, grad.view_as(grad), copy.copy(kept), requires_grad=False)
+    return DTensor.__new__(DTensor, grad.view_as(grad), _copy(kept), requires_grad=False)
+
+
+def _copy(spec):
+    """``copy.copy(spec)`` without the reduce protocol (1.7 -> 0.3 µs, this machine): the
+    same new object and ``__dict__`` update."""
+    if not hasattr(spec, "__dict__"):  # (a spec with slots: copy's own way)
+        return copy.copy(spec)
+    new = object.__new__(type(spec))
+    new.__dict__.update(spec.__dict__)
+    return new
 
 
 def local_views(params: list, grad_placements: list, specs: dict, scales=None) -> list[Tensor]:
