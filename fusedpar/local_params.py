@@ -1,24 +1,25 @@
 """A module's DTensor parameters as local tensors for one forward: one autograd node.
 
-`fusedpar.distribute`'s forward pre-hook calls `local_views`, which puts every DTensor
-parameter's local tensor in its place for the module's forward as one autograd node
-(its outputs alias the local tensors), where ``DTensor.to_local(grad_placements=...)``
-would make one node per parameter; the host time saved is in docs/hot_path.md.
+`fusedpar.distribute`'s hooks (`swap_in_locals`, `swap_back`) put every DTensor
+parameter's local tensor in its place for the module's forward, all of them one autograd
+node (a `LocalSwap`, worked out once per module while it holds the same parameters),
+where ``DTensor.to_local(grad_placements=...)`` makes one node each. A layer whose class
+says ``READS_FORWARD_PARAMS`` gets no hooks and reads them through `forward_params`;
+where its forward is one op, that op's own node swaps them (`take_locals`, `give_grads`,
+`fusedpar.ops.registration`). The host time saved: docs/hot_path.md.
 
-Its backward wraps each local gradient in the DTensor ``to_local``'s backward would
-return (the same local tensor, placements, shape, stride and dtype), its spec copied
-from one kept per (parameter spec, gradient placements; stride, dtype)
-(tests/storage/test_storage.py). Where AccumulateGrad would accumulate that DTensor,
-the node accumulates on the local tensors instead (`_accumulate`); AccumulateGrad still
-runs, with its hooks (a pre-hook on that node itself, which Python cannot list, gets
-None). The gradients reach autograd together when the module's backward
-has made them all, so post-accumulate-grad hooks (`fusedpar.storage`'s, FSDP2's) see
-them in the same backward. While ``torch.compile`` traces, and for a parameter that is
-not a plain DTensor, the parameters go through ``to_local``; in a double backward
-(``create_graph``) each gradient goes through ``DTensor.from_local``, which records it.
+The backward wraps each local gradient in the DTensor ``to_local``'s backward would
+return (tests/storage/test_storage.py), its spec copied from one kept per (parameter
+spec, gradient placements; stride, dtype). Where AccumulateGrad would accumulate that
+DTensor, the node accumulates on the local tensors instead (`_accumulate`), and
+AccumulateGrad still runs its hooks (a pre-hook on that node itself, which Python
+cannot list, gets None). While ``torch.compile`` traces, and for a parameter that is
+not a plain DTensor, the parameters go through ``to_local``; in a double backward each
+gradient goes through ``DTensor.from_local``, which records it.
 """
 
 import copy
+import operator
 import sys
 import warnings
 
@@ -27,7 +28,17 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_global_tensor_info
 
-__all__ = ["LocalSwap", "give_grads", "local_views", "scale_grad", "take_locals", "to_local"]
+__all__ = [
+    "LocalSwap",
+    "forward_params",
+    "give_grads",
+    "local_views",
+    "scale_grad",
+    "swap_back",
+    "swap_in_locals",
+    "take_locals",
+    "to_local",
+]
 
 
 class _LocalViews(torch.autograd.Function):
@@ -302,3 +313,121 @@ def _compiled_autograd() -> bool:
     """Inside a backward that compiled autograd runs (traced, or its graph's eager parts)."""
     module = sys.modules.get("torch._dynamo.compiled_autograd")  # (loaded where it is on)
     return module is not None and module.in_compiled_autograd_region
+
+
+# --- a module's swap: `fusedpar.distribute`'s hooks, or `forward_params` -----------------
+
+
+def swap_in_locals(module, args):
+    """Forward pre-hook: each DTensor parameter's local tensor in its place
+    (`_local_views`), until `swap_back`."""
+    (names, params), views = _local_views(module)
+    table = module._parameters
+    table.update(zip(names, views, strict=True))
+    if torch.compiler.is_compiling() or "_fusedpar_cast" in module.__dict__:
+        _cast_for_forward(module, table)
+    module._fusedpar_saved.append((names, params))
+
+
+def forward_params(module, *, one_op: bool) -> dict:
+    """The parameters (name -> tensor) for this forward of a layer that reads them here
+    (class attribute ``READS_FORWARD_PARAMS``: `distribute` gives it no swap hooks).
+    Before `distribute`, ``module._parameters``; after it, their local tensors (one
+    autograd node, `_local_views`), or, where the forward hands every parameter
+    straight to one fusedpar op (`one_op`) in plain eager, the DTensor parameters
+    themselves, marked for that op to swap in its own node (`fusedpar.ops.registration`,
+    `take_locals`): ParallelSwiGLU's swap node and hooks cost
+    ~35 µs a step on the host (docs/hot_path.md)."""
+    table = module._parameters
+    if not module.__dict__.get("_fusedpar_unhooked"):
+        return table
+    compiling = torch.compiler.is_compiling()
+    cast = compiling or "_fusedpar_cast" in module.__dict__
+    plain_eager = not compiling and not torch._C._len_torch_dispatch_stack()
+    if one_op and plain_eager and not cast and _kept_swap(module).one_op:
+        return table
+    (names, _), views = _local_views(module)
+    params = {**table, **dict(zip(names, views, strict=True))}
+    if cast:
+        _cast_for_forward(module, params)
+    return params
+
+
+def _local_views(module) -> tuple[tuple, tuple]:
+    """((names, parameters), local tensors): `module`'s DTensor parameters and their
+    local tensors for one forward, in one autograd node (`LocalSwap`), as
+    its kept `_Swap` says. While torch.compile traces, each through ``to_local`` (Dynamo
+    of torch 2.11 traces neither ``id()`` of a mesh nor ``__dict__.setdefault``; the
+    graph's cost is not the host's)."""
+    if torch.compiler.is_compiling():
+        names, params, views = [], [], []
+        for name, placed in module._fusedpar_placed.items():
+            param = module._parameters.get(name)
+            if isinstance(param, DTensor):
+                names.append(name)
+                params.append(param)
+                local = param.to_local(grad_placements=placed.grad_on(param.device_mesh))
+                views.append(scale_grad(local, placed.grad_scale))
+        return (names, params), views
+    swap = _kept_swap(module)
+    return swap.saved, (swap.locals.views() if swap.names else ())
+
+
+def _kept_swap(module) -> "_Swap":
+    """`module`'s `_Swap`, worked out again where it holds other parameter objects than
+    the kept one's (FSDP2 swaps its own in and out)."""
+    table, swap = module._parameters, module.__dict__.get("_fusedpar_swap")
+    if swap is None or not all(map(operator.is_, map(table.get, swap.placed), swap.held)):
+        swap = module.__dict__["_fusedpar_swap"] = _Swap(module)
+    return swap
+
+
+class _Swap:
+    """`module`'s swap while it holds the parameters `held` (those of `placed`, its
+    names `distribute` placed): `names` go to their local tensors (`locals`, a
+    `LocalSwap`) and back (`saved`: names, parameters); `one_op`: the DTensors may go
+    to one op that swaps them (`forward_params`)."""
+
+    __slots__ = ("placed", "held", "names", "locals", "saved", "one_op")
+
+    def __init__(self, module):
+        # (name, mesh id) -> (mesh, gradient placements), one object per pair: the
+        # gradient specs (`LocalSwap`'s) are kept by its id
+        kept, specs = module.__dict__.setdefault("_fusedpar_locals", ({}, {}))
+        table, self.placed = module._parameters, tuple(module._fusedpar_placed)
+        self.held = tuple(table.get(name) for name in self.placed)
+        names, params, grads, scales = [], [], [], []
+        for name, param in zip(self.placed, self.held, strict=True):
+            if isinstance(param, DTensor):
+                placed, mesh = module._fusedpar_placed[name], param.device_mesh
+                held = kept.get((name, id(mesh)))  # (the mesh kept with it: its id stays its own)
+                if held is None:
+                    held = kept[name, id(mesh)] = (mesh, placed.grad_on(mesh))
+                names.append(name)
+                params.append(param)
+                grads.append(held[1])
+                scales.append(placed.grad_scale)
+        self.names, self.saved = tuple(names), (tuple(names), tuple(params))
+        self.locals = LocalSwap(params, grads, specs, scales)
+        # not a tied parameter: each module's swap marks it as its own
+        self.one_op = self.locals.plain and not any(self.locals.tied)
+        if self.one_op:
+            self.locals.lend_to_op()
+
+
+def _cast_for_forward(module, params: dict) -> None:
+    """The parameters `fusedpar.ParallelDims.fully_shard` left out of FSDP2 (experts over
+    all of dp) in a mixed-precision policy's param_dtype for this forward, in `params`
+    (name -> local tensor), as FSDP2 casts those it manages: ``_fusedpar_cast`` (name ->
+    dtype). The cast's backward brings the gradient back to the parameter's dtype."""
+    for name, dtype in getattr(module, "_fusedpar_cast", {}).items():
+        local = params.get(name)
+        if local is not None and local.dtype != dtype:
+            params[name] = local.to(dtype)
+
+
+def swap_back(module, args, output):
+    """Forward hook (also on an exception): the DTensor parameters back."""
+    if module._fusedpar_saved:  # empty if an earlier pre-hook raised before ours ran
+        names, params = module._fusedpar_saved.pop()
+        module._parameters.update(zip(names, params, strict=True))

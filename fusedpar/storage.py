@@ -6,8 +6,8 @@
 
 PyTorch's tools (DCP, FSDP2, ``clip_grad_norm_``, foreach optimizers) need every
 parameter a DTensor on one mesh, so `distribute` stores each as one and a forward
-pre-hook hands the module its local tensors (`fusedpar.local_params`), declaring each
-gradient's placements:
+pre-hook (or the layer, `forward_params`) takes its local tensors (`fusedpar.local_params`),
+declaring each gradient's placements:
 
 | parameter (placements on (dp, cp, tp))      | gradient placements declared      |
 | ------------------------------------------- | --------------------------------- |
@@ -23,7 +23,6 @@ axes, dtype) at the end of the backward. Axes are read off the layers' groups
 import contextlib
 import itertools
 import math
-import operator
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fusedpar import comm
 from fusedpar.axes import DATA_AXES, TOKEN_AXES, mesh_axes_of, resolve_axes
-from fusedpar.local_params import LocalSwap, scale_grad
+from fusedpar.local_params import swap_back, swap_in_locals
 
 
 @dataclass(frozen=True)
@@ -198,121 +197,6 @@ def _place(layout: ParamLayout, mesh: DeviceMesh, token_axes, axis_of: dict, whe
         else:
             grads[name] = Replicate()
     return _Placed(placements, grads, scale)
-
-
-def _swap_in_locals(module, args):
-    """Forward pre-hook: each DTensor parameter's local tensor in its place
-    (`_local_views`), until `_swap_back`."""
-    (names, params), views = _local_views(module)
-    table = module._parameters
-    table.update(zip(names, views, strict=True))
-    if torch.compiler.is_compiling() or "_fusedpar_cast" in module.__dict__:
-        _cast_for_forward(module, table)
-    module._fusedpar_saved.append((names, params))
-
-
-def forward_params(module, *, one_op: bool) -> dict:
-    """The parameters (name -> tensor) for this forward of a layer that reads them here
-    (class attribute ``READS_FORWARD_PARAMS``: `distribute` gives it no swap hooks).
-    Before `distribute`, ``module._parameters``; after it, their local tensors (one
-    autograd node, `_local_views`), or, where the forward hands every parameter
-    straight to one fusedpar op (`one_op`) in plain eager, the DTensor parameters
-    themselves, marked for that op to swap in its own node (`fusedpar.ops.registration`,
-    `fusedpar.local_params.take_locals`): ParallelSwiGLU's swap node and hooks cost
-    ~35 µs a step on the host (docs/hot_path.md)."""
-    table = module._parameters
-    if not module.__dict__.get("_fusedpar_unhooked"):
-        return table
-    compiling = torch.compiler.is_compiling()
-    cast = compiling or "_fusedpar_cast" in module.__dict__
-    plain_eager = not compiling and not torch._C._len_torch_dispatch_stack()
-    if one_op and plain_eager and not cast and _kept_swap(module).one_op:
-        return table
-    (names, _), views = _local_views(module)
-    params = {**table, **dict(zip(names, views, strict=True))}
-    if cast:
-        _cast_for_forward(module, params)
-    return params
-
-
-def _local_views(module) -> tuple[tuple, tuple]:
-    """((names, parameters), local tensors): `module`'s DTensor parameters and their
-    local tensors for one forward, in one autograd node (`fusedpar.local_params`), as
-    its kept `_Swap` says. While torch.compile traces, each through ``to_local`` (Dynamo
-    of torch 2.11 traces neither ``id()`` of a mesh nor ``__dict__.setdefault``; the
-    graph's cost is not the host's)."""
-    if torch.compiler.is_compiling():
-        names, params, views = [], [], []
-        for name, placed in module._fusedpar_placed.items():
-            param = module._parameters.get(name)
-            if isinstance(param, DTensor):
-                names.append(name)
-                params.append(param)
-                local = param.to_local(grad_placements=placed.grad_on(param.device_mesh))
-                views.append(scale_grad(local, placed.grad_scale))
-        return (names, params), views
-    swap = _kept_swap(module)
-    return swap.saved, (swap.locals.views() if swap.names else ())
-
-
-def _kept_swap(module) -> "_Swap":
-    """`module`'s `_Swap`, worked out again where it holds other parameter objects than
-    the kept one's (FSDP2 swaps its own in and out)."""
-    table, swap = module._parameters, module.__dict__.get("_fusedpar_swap")
-    if swap is None or not all(map(operator.is_, map(table.get, swap.placed), swap.held)):
-        swap = module.__dict__["_fusedpar_swap"] = _Swap(module)
-    return swap
-
-
-class _Swap:
-    """`module`'s swap while it holds the parameters `held` (those of `placed`, its
-    names `distribute` placed): `names` go to their local tensors (`locals`, a
-    `fusedpar.local_params.LocalSwap`) and back (`saved`: names, parameters); `one_op`:
-    the DTensors may go to one op that swaps them (`forward_params`)."""
-
-    __slots__ = ("placed", "held", "names", "locals", "saved", "one_op")
-
-    def __init__(self, module):
-        # (name, mesh id) -> (mesh, gradient placements), one object per pair: the
-        # gradient specs (`LocalSwap`'s) are kept by its id
-        kept, specs = module.__dict__.setdefault("_fusedpar_locals", ({}, {}))
-        table, self.placed = module._parameters, tuple(module._fusedpar_placed)
-        self.held = tuple(table.get(name) for name in self.placed)
-        names, params, grads, scales = [], [], [], []
-        for name, param in zip(self.placed, self.held, strict=True):
-            if isinstance(param, DTensor):
-                placed, mesh = module._fusedpar_placed[name], param.device_mesh
-                held = kept.get((name, id(mesh)))  # (the mesh kept with it: its id stays its own)
-                if held is None:
-                    held = kept[name, id(mesh)] = (mesh, placed.grad_on(mesh))
-                names.append(name)
-                params.append(param)
-                grads.append(held[1])
-                scales.append(placed.grad_scale)
-        self.names, self.saved = tuple(names), (tuple(names), tuple(params))
-        self.locals = LocalSwap(params, grads, specs, scales)
-        # not a tied parameter: each module's swap marks it as its own
-        self.one_op = self.locals.plain and not any(self.locals.tied)
-        if self.one_op:
-            self.locals.lend_to_op()
-
-
-def _cast_for_forward(module, params: dict) -> None:
-    """The parameters `fusedpar.ParallelDims.fully_shard` left out of FSDP2 (experts over
-    all of dp) in a mixed-precision policy's param_dtype for this forward, in `params`
-    (name -> local tensor), as FSDP2 casts those it manages: ``_fusedpar_cast`` (name ->
-    dtype). The cast's backward brings the gradient back to the parameter's dtype."""
-    for name, dtype in getattr(module, "_fusedpar_cast", {}).items():
-        local = params.get(name)
-        if local is not None and local.dtype != dtype:
-            params[name] = local.to(dtype)
-
-
-def _swap_back(module, args, output):
-    """Forward hook (also on an exception): the DTensor parameters back."""
-    if module._fusedpar_saved:  # empty if an earlier pre-hook raised before ours ran
-        names, params = module._fusedpar_saved.pop()
-        module._parameters.update(zip(names, params, strict=True))
 
 
 _deferred = 0  # > 0: inside `deferred_grad_reduction`
@@ -617,8 +501,8 @@ def distribute(
             module._fusedpar_unhooked = True  # its forward reads them (`forward_params`)
         else:
             module._fusedpar_saved = []
-            module.register_forward_pre_hook(_swap_in_locals)
-            module.register_forward_hook(_swap_back, always_call=True)
+            module.register_forward_pre_hook(swap_in_locals)
+            module.register_forward_hook(swap_back, always_call=True)
     for param in partial.values():  # a frozen one too: it may be unfrozen later
         frozen = not param.requires_grad
         param.requires_grad_(True)  # (torch hooks only a tensor that requires grad)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedpar import checks, comm
+from fusedpar.local_params import forward_params
 from fusedpar.nn.specs import FromSpec, MLPSpec
 from fusedpar.ops.gated_down import gated_down, kernel_activation
 from fusedpar.ops.linear import (
@@ -36,7 +37,7 @@ from fusedpar.ops.linear import (
 from fusedpar.ops.mlp import gated_mlp
 from fusedpar.ops.overlap import check_overlap
 from fusedpar.placement import Placement
-from fusedpar.storage import ParamLayout, forward_params, local_tensor
+from fusedpar.storage import ParamLayout, local_tensor
 
 
 def _check_divisible(what: str, size: int, world: int) -> None:
@@ -349,7 +350,7 @@ class ParallelSwiGLU(FromSpec, nn.Module):
     """
 
     GROUP_AXES = {"group": ("tp",)}  # checked by `fusedpar.distribute`
-    READS_FORWARD_PARAMS = True  # through `fusedpar.storage.forward_params`: no swap hooks
+    READS_FORWARD_PARAMS = True  # through `fusedpar.local_params.forward_params`: no hooks
     SPEC = MLPSpec
     _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 

@@ -155,7 +155,7 @@ def autograd_op(op, backward, setup_context):
 def _locals(args) -> tuple:
     """`args` with a module's DTensor parameters (`local_params.take_locals`) through
     ``to_local``, for the custom op (which takes local tensors). Never while compiling:
-    such a module hands its op local tensors then (`fusedpar.storage.forward_params`)."""
+    such a module hands its op local tensors then (`fusedpar.local_params.forward_params`)."""
     if torch.compiler.is_compiling():
         return args
     leaves, spec = _flatten(args)

@@ -1,5 +1,5 @@
 """A layer whose forward is one op (`ParallelSwiGLU` on one rank) after `fp.distribute`
-has no swap hooks: it reads its parameters through `fusedpar.storage.forward_params`, and
+has no swap hooks: it reads its parameters through `fusedpar.local_params.forward_params`, and
 its op swaps the DTensors in its own autograd node (`fusedpar.local_params.take_locals`).
 The gradients, and the hooks autograd calls, are the swap hooks' path's bit for bit:
 accumulating twice, after ``zero_grad``, ``autograd.grad``, ``backward(inputs=...)``, a
