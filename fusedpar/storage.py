@@ -489,7 +489,6 @@ def distribute(
                 tensor = DTensor.from_local(param.detach(), mesh, placements, run_check=False)
                 new = nn.Parameter(tensor, requires_grad=param.requires_grad)
                 new._fusedpar_order = next(_order)
-                new._fusedpar_tied = False  # (`fusedpar.local_params`: set, read fast)
                 done[id(param)] = new
             else:  # tied: its gradients from two modules are summed first, by autograd
                 done[id(param)]._fusedpar_tied = True  # (`fusedpar.local_params`)

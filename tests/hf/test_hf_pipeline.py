@@ -51,9 +51,13 @@ def _step_refusals(pipe, ids, labels, kwargs) -> list:
 
 def _run(family: str, schedule: str, packed: bool = False, seed: int = 0, refusals=False):
     """One step of `family` against the original's (and with `refusals`, before it, the
-    steps one rank refuses alone: what they raised is returned)."""
+    steps one rank refuses alone: what they raised is returned). At PP2 x TP2, but
+    gemma2's at PP2 x CP2: its MLPs one op each on one TP rank, which swaps its DTensor
+    parameters in its own node (`fusedpar.local_params.take_locals`), under the split
+    backward."""
     moe = family in MOE
-    dims = fp.ParallelDims(pp=2, tp=2, ep="tp" if moe else None)
+    tp = 1 if family == "gemma2" else 2
+    dims = fp.ParallelDims(pp=2, cp=2 // tp, tp=tp, ep="tp" if moe else None)
     layers = 2 if SCHEDULES[schedule] == "single" else 4  # a stage a layer
     microbatches = layers  # one sequence each, one per stage
     model = _model(family, seed, num_hidden_layers=layers)
@@ -97,7 +101,7 @@ def _run(family: str, schedule: str, packed: bool = False, seed: int = 0, refusa
         ("llama", "1F1B", False),
         ("llama", "Interleaved1F1B", True),  # two stages per rank, RoPE restarting per document
         ("gpt2", "1F1B", True),  # tied embeddings across the pipeline, learned positions
-        ("gemma2", "InterleavedZeroBubble", False),  # tied, split backward, soft-capped logits
+        ("gemma2", "InterleavedZeroBubble", False),  # tied, split backward, soft caps; CP2
         ("mixtral", "GPipe", False),  # MoE, EP over tp
         ("qwen3_moe", "1F1B", True),  # MoE and dense layers, q/k norms, packed documents
         ("deepseek_v3", "Interleaved1F1B", False),  # latent attention, the grouped router
