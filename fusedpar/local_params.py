@@ -37,7 +37,6 @@ __all__ = [
     "swap_back",
     "swap_in_locals",
     "take_locals",
-    "to_local",
 ]
 
 
@@ -258,15 +257,6 @@ def give_grads(ctx, grads: list, offset: int) -> None:
         grads[offset + index] = _param_grad(swap, i, param, spec, grads[offset + index], edge, adds)
     if adds[0]:
         torch._foreach_add_(*adds)
-
-
-def to_local(leaf: DTensor) -> Tensor:
-    """`leaf` (a parameter `take_locals` would take) through ``to_local`` with its
-    gradient's placements and scale: where an op runs as the custom op (compiling, a
-    dispatch mode, fake or meta tensors)."""
-    swap, i = _swap_of(leaf)
-    local = leaf.to_local(grad_placements=swap.grad_placements[i])
-    return scale_grad(local, 1.0 if swap.scales is None else swap.scales[i])
 
 
 def _swap_of(leaf: DTensor) -> tuple:

@@ -138,7 +138,7 @@ def autograd_op(op, backward, setup_context):
 
     def call(*args):
         if _op_wanted(args):
-            return op(*_locals(args))
+            return op(*args)
         leaves, spec = _flatten(args)
         output_spec = []
         output = Function.apply(spec, output_spec, *leaves)
@@ -150,19 +150,6 @@ def autograd_op(op, backward, setup_context):
 
     call.op = op
     return call
-
-
-def _locals(args) -> tuple:
-    """`args` with a module's DTensor parameters (`local_params.take_locals`) through
-    ``to_local``, for the custom op (which takes local tensors). Never while compiling:
-    such a module hands its op local tensors then (`fusedpar.local_params.forward_params`)."""
-    if torch.compiler.is_compiling():
-        return args
-    leaves, spec = _flatten(args)
-    if DTensor not in map(type, leaves):
-        return args
-    leaves = [local_params.to_local(t) if type(t) is DTensor else t for t in leaves]
-    return tuple(_unflatten(leaves, spec))
 
 
 # --- what the ops' bodies share ---------------------------------------------------------
