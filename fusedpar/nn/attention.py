@@ -29,6 +29,7 @@ from torch import nn
 
 from fusedpar import comm
 from fusedpar.kernels.common import accumulator, check_float_dtype
+from fusedpar.local_params import forward_params
 from fusedpar.nn.attention_heads import (  # noqa: F401 (kv_heads_per_rank: public here too)
     head_layouts,
     kv_heads_per_rank,
@@ -103,6 +104,7 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
     """
 
     GROUP_AXES = {"tp_group": ("tp",), "cp_group": ("cp",), "ulysses_group": ("ulysses",)}
+    READS_FORWARD_PARAMS = True  # through `fusedpar.local_params.forward_params`: no hooks
     SPEC = AttentionSpec
     _fusedpar_checked = False  # until the first call's checks pass (`fusedpar.checks`)
 
@@ -453,14 +455,17 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         (B = 1), as in `fusedpar.flash_attn_varlen`; a token attends within its own
         document, and its RoPE position restarts at each document's start."""
         tables = self._start_call(x, cu_seqlens, self.q_weight)
-        weights = [self.q_weight, *self._own_kv(self.k_weight, self.v_weight)]
-        biases = [self.q_bias, *self._own_kv(self.k_bias, self.v_bias)]
-        if self.output_gate:  # the gates: a fourth GEMM of the same gather
-            weights, biases = [*weights, self.gate_weight], [*biases, self.gate_bias]
         hd, rotary = self.head_dim, tables is not None
         cos, sin = tables if rotary else (None, None)
-        if takes_one_op(self, x, cos, sin):
-            return self._one_op(x, (cos, sin) if rotary else (), cu_seqlens)
+        one_op = takes_one_op(self, x, cos, sin)
+        # after fusedpar.distribute: the local tensors, or the DTensors for the one op
+        params = forward_params(self, one_op=one_op)
+        if one_op:
+            return self._one_op(x, params, (cos, sin) if rotary else (), cu_seqlens)
+        weights = [params["q_weight"], *self._own_kv(params["k_weight"], params["v_weight"])]
+        biases = [params.get("q_bias"), *self._own_kv(params.get("k_bias"), params.get("v_bias"))]
+        if self.output_gate:  # the gates: a fourth GEMM of the same gather
+            weights, biases = [*weights, params["gate_weight"]], [*biases, params.get("gate_bias")]
         # RoPE joins the QKV GEMMs (their epilogue, or one launch after them) where no q/k
         # norm comes between
         joined = rotary and self.qk_norm is None and not rotates_by_formula(x, cos, sin)
@@ -490,18 +495,20 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
                 tp_group=self.tp_group,
                 rope=(cos, sin) if normed else None,
             )
-            q = qk_rms_norm(q, self.q_norm_weight, self.norm_eps, **norm)
+            q = qk_rms_norm(q, params["q_norm_weight"], self.norm_eps, **norm)
             # a "full" k norm's weight of replicated KV heads: whole, this rank's head read
             full = self.qk_norm == "full"
-            k_norm = self._own_kv(self.k_norm_weight)[0] if full else self.k_norm_weight
+            k_norm = params["k_norm_weight"]
+            k_norm = self._own_kv(k_norm)[0] if full else k_norm
             k = qk_rms_norm(k, k_norm, self.norm_eps, **norm)
         # (S, B, H, hd) -> (B, S, H, hd): a strided view, read in place by the kernels
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         if rotary and not joined and not normed:
             q, k = apply_rope_qk(q, k, cos, sin)  # one launch for both, each way
         mask = self._mask
-        if self.sinks is not None:  # (replaced by fp.distribute: read per call)
-            mask = replace(mask, sinks=self.sinks.to(accumulator(x.dtype)))
+        sinks = params.get("sinks")
+        if sinks is not None:  # (a parameter: read per call)
+            mask = replace(mask, sinks=sinks.to(accumulator(x.dtype)))
         out = masked_ring_attn(
             q,
             k,
@@ -517,33 +524,36 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
             out = sigmoid_gate(out, gate[0])
         if self.sequence_parallel:
             # Each rank adds the o bias to its own tokens: its gradient is summed over TP.
-            bias = None if self.o_bias is None else comm.copy_to_region(self.o_bias, self.tp_group)
+            o_bias = params.get("o_bias")
+            bias = None if o_bias is None else comm.copy_to_region(o_bias, self.tp_group)
             return matmul_reduce_scatter(
                 out,
-                self.o_weight,
+                params["o_weight"],
                 self.tp_group,
                 bias=bias,
                 overlap=self.overlap,
                 reduce_dtype=self.reduce_dtype,
             )
-        y = comm.reduce_from_region(F.linear(out, self.o_weight), self.tp_group)
-        return y if self.o_bias is None else y + self.o_bias
+        y = comm.reduce_from_region(F.linear(out, params["o_weight"]), self.tp_group)
+        o_bias = params.get("o_bias")
+        return y if o_bias is None else y + o_bias
 
     def _own_kv(self, *tensors):
         """k's and v's tensors this rank computes with (`own_kv`)."""
         return own_kv(tensors, self.head_dim, self.tp_rank, self.kv_replicas)
 
-    def _one_op(self, x, tables, cu_seqlens):
-        """The forward on one rank as one op (`fusedpar.ops.attention_layer`)."""
+    def _one_op(self, x, params: dict, tables, cu_seqlens):
+        """The forward on one rank as one op (`fusedpar.ops.attention_layer`), of
+        `params` (`forward_params`)."""
         check_float_dtype("ParallelAttention: x", x)
-        norms = () if self.qk_norm is None else (self.q_norm_weight, self.k_norm_weight)
-        weights = (self.q_weight, self.k_weight, self.v_weight, self.o_weight)
-        biases = (self.q_bias, self.k_bias, self.v_bias, self.o_bias)
+        norms = () if self.qk_norm is None else (params["q_norm_weight"], params["k_norm_weight"])
+        weights = tuple(params[f"{n}_weight"] for n in ("q", "k", "v", "o"))
+        biases = tuple(params.get(f"{n}_bias") for n in ("q", "k", "v", "o"))
         if self.output_gate:  # (after o's: the op's own order)
-            weights, biases = (*weights, self.gate_weight), (*biases, self.gate_bias)
+            weights, biases = (*weights, params["gate_weight"]), (*biases, params.get("gate_bias"))
         for t in (*weights, *biases, *norms):  # what the composed path's ops each check
             if t is not None and (t.dtype != x.dtype or t.device != x.device):
-                name = next(n for n, p in self.named_parameters() if p is t)
+                name = next(n for n, p in params.items() if p is t)
                 raise TypeError(
                     f"ParallelAttention: x is {x.dtype} on {x.device} but "
                     f"{name} is {t.dtype} on {t.device}"

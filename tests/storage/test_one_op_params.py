@@ -1,6 +1,7 @@
-"""A layer whose forward is one op (`ParallelSwiGLU` on one rank) after `fp.distribute`
-has no swap hooks: it reads its parameters through `fusedpar.local_params.forward_params`, and
-its op swaps the DTensors in its own autograd node (`fusedpar.local_params.take_locals`).
+"""A layer whose forward is one op (`ParallelSwiGLU`, `ParallelAttention` on one rank)
+after `fp.distribute` has no swap hooks: it reads its parameters through
+`fusedpar.local_params.forward_params`, and its op swaps the DTensors in its own
+autograd node (`fusedpar.local_params.take_locals`).
 The gradients, and the hooks autograd calls, are the swap hooks' path's bit for bit:
 accumulating twice, after ``zero_grad``, ``autograd.grad``, ``backward(inputs=...)``, a
 tensor hook, a hook on the AccumulateGrad node, post-accumulate-grad hooks, under a
@@ -15,11 +16,33 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fusedpar as fp
 from fusedpar.ops.mlp import gated_mlp
 
-D, HIDDEN = 8, 12
+D, HIDDEN = 16, 12  # (attention: heads of 8, the smallest the kernels take)
 
 
-class _Hooked(fp.nn.ParallelSwiGLU):
+class _HookedSwiGLU(fp.nn.ParallelSwiGLU):
     READS_FORWARD_PARAMS = False  # the swap hooks' path, to compare with
+
+
+class _HookedAttention(fp.nn.ParallelAttention):
+    READS_FORWARD_PARAMS = False
+
+
+# layer -> (ours, the hooks' path, keywords, names of parameters: one to backward alone,
+# one with a tensor hook, one with a hook on its AccumulateGrad node)
+LAYERS = {
+    "swiglu": (
+        fp.nn.ParallelSwiGLU,
+        _HookedSwiGLU,
+        {"d_hidden": HIDDEN, "bias": True},
+        ("1.down_weight", "1.up_weight", "1.gate_weight"),
+    ),
+    "attention": (
+        fp.nn.ParallelAttention,
+        _HookedAttention,
+        {"n_heads": 2, "n_kv_heads": 1, "bias": True, "o_bias": True, "qk_norm": "head"},
+        ("1.o_weight", "1.k_weight", "1.q_norm_weight"),
+    ),
+}
 
 
 class _Passthrough(TorchDispatchMode):
@@ -27,13 +50,15 @@ class _Passthrough(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _build(mlp_class, fsdp: bool):
+def _build(layer_class, kwargs: dict, fsdp: bool):
     dims = fp.ParallelDims(dp=2)
     mesh = dims.build_mesh("cpu")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.RMSNorm(D), mlp_class(D, HIDDEN, bias=True))
-    with torch.no_grad():
-        model[0].weight.uniform_(0.5, 1.5)  # (never ones: a dropped weight would hide)
+    model = nn.Sequential(nn.RMSNorm(D), layer_class(D, **kwargs))
+    with torch.no_grad():  # (never ones or zeros: a dropped weight or bias would hide)
+        for name, param in model.named_parameters():
+            if "norm" in name or "bias" in name or name == "0.weight":
+                param.uniform_(0.5, 1.5)
     fp.distribute(model, mesh)
     if fsdp:
         dims.fully_shard(model, mesh)
@@ -44,9 +69,10 @@ def _local_grads(model) -> dict:
     return {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
 
 
-def _trace(model, x):
+def _trace(model, x, names):
     """The gradients and the hook calls of the backwards the module doc lists."""
     params, seen, grads = dict(model.named_parameters()), [], {}
+    alone, tensor_hooked, node_hooked = names
 
     def loss():
         return model(x).square().sum()
@@ -58,13 +84,13 @@ def _trace(model, x):
     got = torch.autograd.grad(loss(), list(params.values()))
     assert all(p.grad is None for p in params.values())  # returned, not accumulated
     grads["autograd.grad"] = {n: g.to_local() for n, g in zip(params, got, strict=True)}
-    loss().backward(inputs=[params["1.down_weight"]])
-    assert [n for n, p in params.items() if p.grad is not None] == ["1.down_weight"]
-    grads["inputs="] = {"1.down_weight": params["1.down_weight"].grad.to_local().clone()}
+    loss().backward(inputs=[params[alone]])
+    assert [n for n, p in params.items() if p.grad is not None] == [alone]
+    grads["inputs="] = {alone: params[alone].grad.to_local().clone()}
     model.zero_grad()
-    params["1.up_weight"].register_hook(lambda g: g * 3)
-    node = params["1.gate_weight"].view_as(params["1.gate_weight"]).grad_fn.next_functions[0][0]
-    node.register_hook(lambda *_: seen.append(("node", "1.gate_weight", None)))
+    params[tensor_hooked].register_hook(lambda g: g * 3)
+    node = params[node_hooked].view_as(params[node_hooked]).grad_fn.next_functions[0][0]
+    node.register_hook(lambda *_: seen.append(("node", node_hooked, None)))
     for n, p in params.items():
         p.register_post_accumulate_grad_hook(
             lambda p, n=n: seen.append(("post", n, p.grad.to_local().sum().item()))
@@ -85,36 +111,47 @@ def _trace(model, x):
     return grads, seen
 
 
-def _run_one_op_is_the_hooks_path():
-    ours, theirs = _build(fp.nn.ParallelSwiGLU, False), _build(_Hooked, False)
+def _run_one_op_is_the_hooks_path(layer: str):
+    ours_class, hooked_class, kwargs, names = LAYERS[layer]
+    ours, theirs = _build(ours_class, kwargs, False), _build(hooked_class, kwargs, False)
     assert not ours[1]._forward_pre_hooks and theirs[1]._forward_pre_hooks
-    x = torch.randn(5, 1, D, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+    x = torch.randn(6, 1, D, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
     # the op's node takes the DTensor parameters: no swap node between
     y = ours[1](x)
     edges = {type(node).__name__ for node, _ in y.grad_fn.next_functions if node is not None}
     assert "AccumulateGrad" in edges and not any("LocalViews" in e for e in edges), edges
-    got, want = _trace(ours, x), _trace(theirs, x)
-    assert got[1] == want[1] and len(got[1]) == 3 * 8, (got[1], want[1])  # (3 backwards)
+    got, want = _trace(ours, x, names), _trace(theirs, x, names)
+    # the same hook calls in each of the 3 backwards (autograd orders the parameters'
+    # AccumulateGrad nodes as they become ready: the op's inputs' order, not the swap
+    # node's), a node's hook right after its parameter's post-accumulate-grad hook
+    size = len(dict(ours.named_parameters())) + 1
+    assert len(got[1]) == len(want[1]) == 3 * size, (got[1], want[1])
+    for i in range(0, 3 * size, size):
+        assert sorted(got[1][i : i + size]) == sorted(want[1][i : i + size]), (got[1], want[1])
+    at = got[1].index(("node", names[2], None))
+    assert got[1][at - 1][:2] == ("post", names[2]), got[1]
     for case, grads in want[0].items():
         for name, grad in grads.items():
             assert torch.equal(got[0][case][name], grad), (case, name)
     # a DTensor that distribute did not hand to the op: refused, naming the fix
-    weight = ours[1].gate_weight
+    weight = dict(ours.named_parameters())[names[0]]
     with pytest.raises(TypeError, match=r"pass \.to_local\(\)"):
         gated_mlp(x, weight.detach(), weight, weight, activation="silu")
     return True
 
 
-def test_a_one_op_layer_swaps_in_its_op_as_the_hooks_did(world):
-    assert world(2).run(_run_one_op_is_the_hooks_path) == [True] * 2
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_a_one_op_layer_swaps_in_its_op_as_the_hooks_did(world, layer):
+    assert world(2).run(_run_one_op_is_the_hooks_path, layer) == [True] * 2
 
 
-def _run_under_fsdp():
+def _run_under_fsdp(layer: str):
     """FSDP2 over dp 2 (its unsharded parameters swapped in each forward): two AdamW steps
     of the one-op path equal the hooks' path bit for bit."""
+    ours_class, hooked_class, kwargs, _ = LAYERS[layer]
     results = []
-    for mlp_class in (fp.nn.ParallelSwiGLU, _Hooked):
-        model = _build(mlp_class, True)
+    for layer_class in (ours_class, hooked_class):
+        model = _build(layer_class, kwargs, True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         x = torch.randn(6, 1, D, generator=torch.Generator().manual_seed(7))
         losses = []
@@ -128,5 +165,6 @@ def _run_under_fsdp():
     return all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
-def test_a_one_op_layer_under_fsdp2_trains_as_the_hooks_did(world):
-    assert world(2).run(_run_under_fsdp) == [True] * 2
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_a_one_op_layer_under_fsdp2_trains_as_the_hooks_did(world, layer):
+    assert world(2).run(_run_under_fsdp, layer) == [True] * 2
