@@ -3,6 +3,7 @@
 import torch
 from torch import nn
 
+from fusedpar.local_params import forward_params
 from fusedpar.ops.norm import rms_norm
 
 
@@ -19,6 +20,8 @@ class RMSNorm(nn.Module):
     rank's tokens; `fusedpar.distribute` sums it over the ranks that hold other tokens.
     """
 
+    READS_FORWARD_PARAMS = True  # through `fusedpar.local_params.forward_params`: no hooks
+
     def __init__(
         self, dim: int, eps: float = 1e-5, *, offset: float = 0.0, device=None, dtype=None
     ):
@@ -34,7 +37,9 @@ class RMSNorm(nn.Module):
             self.weight.fill_(1.0 - self.offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, offset=self.offset)
+        # one op: after fusedpar.distribute it swaps the DTensor weight in its own node
+        weight = forward_params(self, one_op=True)["weight"]
+        return rms_norm(x, weight, self.eps, offset=self.offset)
 
     def extra_repr(self) -> str:
         offset = f", offset={self.offset}" if self.offset else ""

@@ -1,11 +1,11 @@
-"""A layer whose forward is one op (`ParallelSwiGLU`, `ParallelAttention` on one rank)
-after `fp.distribute` has no swap hooks: it reads its parameters through
+"""A layer whose forward is one op (`RMSNorm`; `ParallelSwiGLU`, `ParallelAttention` on
+one rank) after `fp.distribute` has no swap hooks: it reads its parameters through
 `fusedpar.local_params.forward_params`, and its op swaps the DTensors in its own
-autograd node (`fusedpar.local_params.take_locals`).
-The gradients, and the hooks autograd calls, are the swap hooks' path's bit for bit:
-accumulating twice, after ``zero_grad``, ``autograd.grad``, ``backward(inputs=...)``, a
-tensor hook, a hook on the AccumulateGrad node, post-accumulate-grad hooks, under a
-dispatch mode, compiled, and under FSDP2 with AdamW steps."""
+autograd node (`fusedpar.local_params.take_locals`). The gradients are the swap hooks'
+path's bit for bit, and the hook calls the same: accumulating twice, after
+``zero_grad``, ``autograd.grad``, ``backward(inputs=...)``, a tensor hook, a hook on the
+AccumulateGrad node, post-accumulate-grad hooks, under a dispatch mode, compiled, and
+under FSDP2 with AdamW steps."""
 
 import pytest
 import torch
@@ -27,6 +27,10 @@ class _HookedAttention(fp.nn.ParallelAttention):
     READS_FORWARD_PARAMS = False
 
 
+class _HookedRMSNorm(fp.nn.RMSNorm):
+    READS_FORWARD_PARAMS = False
+
+
 # layer -> (ours, the hooks' path, keywords, names of parameters: one to backward alone,
 # one with a tensor hook, one with a hook on its AccumulateGrad node)
 LAYERS = {
@@ -42,6 +46,7 @@ LAYERS = {
         {"n_heads": 2, "n_kv_heads": 1, "bias": True, "o_bias": True, "qk_norm": "head"},
         ("1.o_weight", "1.k_weight", "1.q_norm_weight"),
     ),
+    "rmsnorm": (fp.nn.RMSNorm, _HookedRMSNorm, {}, ("1.weight", "0.weight", "1.weight")),
 }
 
 
