@@ -22,9 +22,11 @@ import copy
 import operator
 import sys
 import warnings
+import weakref
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_global_tensor_info
 
@@ -190,7 +192,9 @@ class LocalSwap:
     """`local_views` of fixed `params`, worked out once: `views()` each forward (a
     module's pre-hook keeps one while its parameters stay the same objects)."""
 
+    # (weakly referenced from `_lent`, which must not keep a model's parameters alive)
     __slots__ = ("params", "grad_placements", "specs", "scales", "tied", "is_param", "plain")
+    __slots__ += ("__weakref__",)
 
     def __init__(self, params, grad_placements, specs: dict, scales=None):
         self.params, self.grad_placements, self.specs = tuple(params), grad_placements, specs
@@ -200,10 +204,22 @@ class LocalSwap:
         self.plain = all(type(p) is DTensor for p in self.params)  # (else: to_local)
 
     def lend_to_op(self) -> None:
-        """Mark each parameter as this swap's, for `take_locals`: where the module's
-        forward hands them straight to one op, which swaps them in its own node."""
-        for i, param in enumerate(self.params):
-            param._fusedpar_local = (self, i)
+        """Register each parameter as this swap's, for `take_locals`: a module whose
+        forward hands them straight to one op, which swaps them in its own node. Kept
+        beside the parameters, not on them (a copy of the model, deepcopy or pickle,
+        carries no stale mark: its module's swap is worked out again), and by their ids
+        with a weak reference to this swap, none to them (``swap_tensors``, which
+        ``model.to(dtype)`` uses, refuses a tensor that has one)."""
+        keys = [id(param) for param in self.params]
+
+        def dead(ref) -> None:  # this swap's entries, unless another swap took them since
+            for key in keys:
+                if _lent.get(key, (None,))[0] is ref:
+                    del _lent[key]
+
+        ref = weakref.ref(self, dead)
+        for i, key in enumerate(keys):
+            _lent[key] = (ref, i)  # (its parameters live as long as it does: ids kept)
 
     def views(self) -> tuple:
         if not self.plain or torch.compiler.is_compiling():
@@ -228,12 +244,12 @@ def _to_local(params, grad_placements, scales) -> list[Tensor]:
     return [scale_grad(v, s) for v, s in zip(views, scales or [1.0] * len(views), strict=True)]
 
 
-def take_locals(leaves) -> tuple[list, tuple]:
+def take_locals(leaves) -> tuple[list, list]:
     """For an op's ``autograd.Function`` (`fusedpar.ops.registration`), given the
-    DTensor parameters of a module whose forward is one op (`LocalSwap.one_op`): each
-    one's local tensor in its place, a fresh alias asking for a gradient as the
-    parameter does, and what `give_grads` needs. The op's node is then the swap's
-    node too: its edges go to the parameters' AccumulateGrad."""
+    DTensor parameters `lend_to_op` registered (`forward_params`): each one's local
+    tensor in its place, a fresh alias asking for a gradient as the parameter does, and
+    what `give_grads` needs. The op's node is then the swap's node too: its edges go to
+    the parameters' AccumulateGrad."""
     leaves, taken, edge = list(leaves), [], -1
     for index, leaf in enumerate(leaves):
         if isinstance(leaf, Tensor):  # (autograd's edges: one per tensor argument)
@@ -247,27 +263,42 @@ def take_locals(leaves) -> tuple[list, tuple]:
     return leaves, taken
 
 
-def give_grads(ctx, grads: list, offset: int) -> None:
-    """`take_locals`'s parameters' gradients in `grads` (the op's backward's, for its
-    leaves from ``grads[offset]``) replaced, in place, by what autograd gets for each
-    parameter (`_param_grad`); `ctx` is the op's node."""
+def give_grads(ctx, grads: list) -> None:
+    """`take_locals`'s parameters' gradients in `grads` (the op's backward's, one per
+    leaf) replaced, in place, by what autograd gets for each parameter (`_param_grad`);
+    `ctx` is the op's node. A backward that builds a graph (``create_graph``) is
+    refused: the op's backward computes on the aliases, so the parameters'
+    second-order terms would be lost."""
+    if torch.is_grad_enabled() and not _compiled_autograd():
+        raise RuntimeError(
+            "a backward with create_graph=True (a double backward) through a fusedpar layer "
+            "whose one op takes its DTensor parameters (fusedpar.local_params.forward_params) "
+            "would lose their second-order terms: give the layer fusedpar.distribute's hooks "
+            "instead (a subclass with READS_FORWARD_PARAMS = False)"
+        )
     edges, adds = _accumulating_edges(ctx), ([], [])
     for index, edge, param, spec, swap, i in ctx.taken:
         edge = None if edges is None else edges[edge][0]
-        grads[offset + index] = _param_grad(swap, i, param, spec, grads[offset + index], edge, adds)
+        grads[index] = _param_grad(swap, i, param, spec, grads[index], edge, adds)
     if adds[0]:
         torch._foreach_add_(*adds)
 
 
 def _swap_of(leaf: DTensor) -> tuple:
-    found = getattr(leaf, "_fusedpar_local", None)
-    if found is None:
+    """(LocalSwap, index) of a parameter `lend_to_op` registered, else TypeError."""
+    found = _lent.get(id(leaf))
+    swap = None if found is None else found[0]()
+    if swap is None or swap.params[found[1]] is not leaf:
         raise TypeError(
             f"fusedpar's ops take local tensors, not a DTensor (shape {tuple(leaf.shape)}, "
             f"{leaf.placements}): pass .to_local(), or let fusedpar.distribute hand a "
             "layer its parameters"
         )
-    return found
+    return swap, found[1]
+
+
+# id(parameter) -> (a weak reference to its LocalSwap, its index there): `lend_to_op`
+_lent: dict[int, tuple] = {}
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -319,22 +350,29 @@ def swap_in_locals(module, args):
     module._fusedpar_saved.append((names, params))
 
 
-def forward_params(module, *, one_op: bool) -> dict:
+def forward_params(module, one_op_input: Tensor | None = None) -> dict:
     """The parameters (name -> tensor) for this forward of a layer that reads them here
-    (class attribute ``READS_FORWARD_PARAMS``: `distribute` gives it no swap hooks).
-    Before `distribute`, ``module._parameters``; after it, their local tensors (one
-    autograd node, `_local_views`), or, where the forward hands every parameter
-    straight to one fusedpar op (`one_op`) in plain eager, the DTensor parameters
-    themselves, marked for that op to swap in its own node (`fusedpar.ops.registration`,
-    `take_locals`): ParallelSwiGLU's swap node and hooks cost
-    ~35 µs a step on the host (docs/hot_path.md)."""
+    (class attribute ``READS_FORWARD_PARAMS``: `distribute` gives it no swap hooks; a
+    subclass overriding forward reads them here too, or sets it False). Before
+    `distribute`, ``module._parameters``; after it, their local tensors (one autograd
+    node, `_local_views`), or, where this call's forward hands every parameter straight
+    to one fusedpar op whose input is `one_op_input` and that op runs in plain eager,
+    the DTensor parameters themselves, registered for that op to swap in its own node
+    (`fusedpar.ops.registration`, `take_locals`): ParallelSwiGLU's swap node and hooks
+    cost ~35 µs a step on the host (docs/hot_path.md)."""
     table = module._parameters
     if not module.__dict__.get("_fusedpar_unhooked"):
         return table
     compiling = torch.compiler.is_compiling()
     cast = compiling or "_fusedpar_cast" in module.__dict__
-    plain_eager = not compiling and not torch._C._len_torch_dispatch_stack()
-    if one_op and plain_eager and not cast and _kept_swap(module).one_op:
+    if (
+        one_op_input is not None
+        and not cast
+        and not torch._C._len_torch_dispatch_stack()
+        and not one_op_input.is_meta  # (the op runs as the custom op: `_op_wanted`)
+        and not isinstance(one_op_input, FakeTensor)
+        and _kept_swap(module).one_op
+    ):
         return table
     (names, _), views = _local_views(module)
     params = {**table, **dict(zip(names, views, strict=True))}
@@ -365,7 +403,8 @@ def _local_views(module) -> tuple[tuple, tuple]:
 
 def _kept_swap(module) -> "_Swap":
     """`module`'s `_Swap`, worked out again where it holds other parameter objects than
-    the kept one's (FSDP2 swaps its own in and out)."""
+    the kept one's (FSDP2 swaps its own in and out), or where a copy of the module
+    carried none (`_Swap.__reduce__`)."""
     table, swap = module._parameters, module.__dict__.get("_fusedpar_swap")
     if swap is None or not all(map(operator.is_, map(table.get, swap.placed), swap.held)):
         swap = module.__dict__["_fusedpar_swap"] = _Swap(module)
@@ -399,10 +438,22 @@ class _Swap:
                 scales.append(placed.grad_scale)
         self.names, self.saved = tuple(names), (tuple(names), tuple(params))
         self.locals = LocalSwap(params, grads, specs, scales)
-        # not a tied parameter: each module's swap marks it as its own
-        self.one_op = self.locals.plain and not any(self.locals.tied)
+        # a layer that reads them (`forward_params`); not a tied parameter: each
+        # module's swap would register it as its own
+        self.one_op = (
+            module.__dict__.get("_fusedpar_unhooked", False)
+            and self.locals.plain
+            and not any(self.locals.tied)
+        )
         if self.one_op:
             self.locals.lend_to_op()
+
+    def __reduce__(self):  # a copy of the module (deepcopy, pickle) works its own out
+        return (_no_swap, ())
+
+
+def _no_swap() -> None:
+    return None
 
 
 def _cast_for_forward(module, params: dict) -> None:

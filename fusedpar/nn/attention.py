@@ -459,7 +459,7 @@ class ParallelAttention(FromSpec, RotaryPositions, nn.Module):
         cos, sin = tables if rotary else (None, None)
         one_op = takes_one_op(self, x, cos, sin)
         # after fusedpar.distribute: the local tensors, or the DTensors for the one op
-        params = forward_params(self, one_op=one_op)
+        params = forward_params(self, x if one_op else None)
         if one_op:
             return self._one_op(x, params, (cos, sin) if rotary else (), cu_seqlens)
         weights = [params["q_weight"], *self._own_kv(params["k_weight"], params["v_weight"])]

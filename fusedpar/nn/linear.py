@@ -482,20 +482,21 @@ class ParallelSwiGLU(FromSpec, nn.Module):
     def _one_op_activation(self) -> str | None:
         """The activation's kernel name where the forward is one op (on one rank, an
         activation with a kernel: `fusedpar.ops.mlp`), else None; kept with the
-        activation it was worked out for (~2 µs a call otherwise)."""
-        activation, kept = self.activation, self.__dict__.get("_one_op_of")
-        if kept is None or kept[0] is not activation:
-            one_rank = comm.active_group(self.group) is None
-            kept = (activation, kernel_activation(activation) if one_rank else None)
+        activation and group it was worked out for (~2 µs a call otherwise)."""
+        activation, group = self.activation, self.group
+        kept = self.__dict__.get("_one_op_of")
+        if kept is None or kept[0] is not activation or kept[1] is not group:
+            one_rank = comm.active_group(group) is None
+            kept = (activation, group, kernel_activation(activation) if one_rank else None)
             self.__dict__["_one_op_of"] = kept
-        return kept[1]
+        return kept[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._fusedpar_checked:  # one shape and dtype over the group (fusedpar.checks)
             checks.first_call(self, x, {"group": self.group}, checks.alike(x, self.gate_weight))
         activation = self._one_op_activation()
         # after fusedpar.distribute: the local tensors, or the DTensors for the one op
-        params = forward_params(self, one_op=activation is not None)
+        params = forward_params(self, x if activation is not None else None)
         gate_weight, up_weight = params["gate_weight"], params["up_weight"]
         down_weight, down_bias = params["down_weight"], params["down_bias"]
         gate_bias, up_bias = params["gate_bias"], params["up_bias"]

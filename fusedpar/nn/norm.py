@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # one op: after fusedpar.distribute it swaps the DTensor weight in its own node
-        weight = forward_params(self, one_op=True)["weight"]
+        weight = forward_params(self, x)["weight"]
         return rms_norm(x, weight, self.eps, offset=self.offset)
 
     def extra_repr(self) -> str:

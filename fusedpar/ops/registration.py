@@ -123,7 +123,7 @@ def autograd_op(op, backward, setup_context):
             else:
                 flat.extend([None] * n if grad is None else grad)
         if ctx.taken:  # the parameters' gradients as DTensors, or accumulated
-            local_params.give_grads(ctx, flat, 0)
+            local_params.give_grads(ctx, flat)
         return (None, None, *flat)
 
     # named after the op (its backward node: "<op>_eagerBackward" in a graph's grad_fn)

@@ -173,3 +173,49 @@ def _run_under_fsdp(layer: str):
 @pytest.mark.parametrize("layer", sorted(LAYERS))
 def test_a_one_op_layer_under_fsdp2_trains_as_the_hooks_did(world, layer):
     assert world(2).run(_run_under_fsdp, layer) == [True] * 2
+
+
+def _run_copies_and_edges():
+    """What the review of the one-op path found: a copy of a distributed model (deepcopy,
+    pickle) after a forward trains its own parameters; ``model.to(dtype)`` after a
+    forward (``swap_tensors``) keeps training; meta inputs run as before; a backward
+    that builds a graph (``create_graph``, for a double backward) through the op is
+    refused, naming the way that gives it."""
+    import copy
+    import io
+
+    model = _build(fp.nn.RMSNorm, {}, False)
+    x = torch.randn(4, 1, D)
+
+    def trained(m) -> bool:
+        m.zero_grad(set_to_none=True)
+        m(x).square().sum().backward()
+        return all(p.grad is not None for p in m.parameters())
+
+    assert trained(model)
+    model.zero_grad(set_to_none=True)  # (torch deep-copies no DTensor gradient)
+    copied = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert trained(copied) and trained(loaded) and trained(model)
+    for other in (copied, loaded):  # the copies' gradients are theirs, equal to the model's
+        for mine, theirs in zip(model.parameters(), other.parameters(), strict=True):
+            assert theirs is not mine and torch.equal(theirs.grad.to_local(), mine.grad.to_local())
+    swish = _build(fp.nn.ParallelSwiGLU, {"d_hidden": HIDDEN}, False)
+    swish(x).sum().backward()
+    swish.zero_grad(set_to_none=True)
+    swish.double()  # (swap_tensors: the same parameter objects, their contents replaced)
+    swish(x.double()).square().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float64 for p in swish.parameters())
+    meta = _build(fp.nn.ParallelSwiGLU, {"d_hidden": HIDDEN}, False).to("meta")
+    assert meta(torch.empty(4, 1, D, device="meta")).shape == (4, 1, D)
+    loss = model(x.requires_grad_()).square().sum()
+    with pytest.raises(RuntimeError, match="READS_FORWARD_PARAMS = False"):
+        torch.autograd.grad(loss, x, create_graph=True)
+    return True
+
+
+def test_copies_dtype_changes_meta_inputs_and_double_backward(world):
+    assert world(2).run(_run_copies_and_edges) == [True] * 2
