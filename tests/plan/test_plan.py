@@ -224,17 +224,28 @@ def test_held_state_collectives_and_bytes_of_a_step(world):
     per_rank = world(4).run(_all_steps)
     for i, layout in enumerate(STEP_LAYOUTS):
         results = [rank[i] for rank in per_rank]
-        for result in results:
-            assert result["real_state"] == result["planned_state"], layout
-            assert result["real"][0] == result["planned"][0], layout
-            if layout[2] is None:
-                assert result["real"][1] == result["planned"][1], layout
+        _check_step(results, layout, ep=layout[2] is not None, per_rank_bytes=False)
         if results[0]["peak"] is not None:
             check_peaks(results, layout, summed=layout[2] is not None)
-        if layout[2] is not None:
-            for key in results[0]["real"][1]:
-                got = sum(r["real"][1].get(key, 0) for r in results)
-                assert got == sum(r["planned"][1].get(key, 0) for r in results), (layout, key)
+
+
+def _check_step(results, layout, *, ep: bool, per_rank_bytes: bool) -> None:
+    """Each rank's state and calls exactly as planned; its bytes exactly without EP;
+    with it, the all-to-alls' bytes summed over the ranks (the planner's routing is
+    balanced), and with `per_rank_bytes` every other collective's bytes per rank."""
+    for result in results:
+        assert result["real_state"] == result["planned_state"], layout
+        assert result["real"][0] == result["planned"][0], layout
+        if not ep:
+            assert result["real"][1] == result["planned"][1], layout
+        elif per_rank_bytes:
+            for key, got in result["real"][1].items():
+                if key[0] != "all_to_all":
+                    assert got == result["planned"][1].get(key), (layout, key)
+    if ep:
+        for key in results[0]["real"][1]:
+            got = sum(r["real"][1].get(key, 0) for r in results)
+            assert got == sum(r["planned"][1].get(key, 0) for r in results), (layout, key)
 
 
 # Experts over dp ranks (FSDP2 over dp, each block a unit): EP 4 over dp 2 x tp 2 and over
@@ -259,13 +270,4 @@ def test_experts_over_dp_ranks_state_collectives_and_bytes(world):
     ranks: state and calls per rank, bytes per rank but the all-to-alls' (summed)."""
     per_rank = world(4).run(_ep_dp_steps)
     for i, layout in enumerate(EP_DP_LAYOUTS):
-        results = [rank[i] for rank in per_rank]
-        for result in results:
-            assert result["real_state"] == result["planned_state"], layout
-            assert result["real"][0] == result["planned"][0], layout
-            for key, got in result["real"][1].items():
-                if key[0] != "all_to_all":
-                    assert got == result["planned"][1].get(key), (layout, key)
-        for key in results[0]["real"][1]:
-            got = sum(r["real"][1].get(key, 0) for r in results)
-            assert got == sum(r["planned"][1].get(key, 0) for r in results), (layout, key)
+        _check_step([rank[i] for rank in per_rank], layout, ep=True, per_rank_bytes=True)
