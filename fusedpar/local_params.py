@@ -388,15 +388,15 @@ def _local_views(module) -> tuple[tuple, tuple]:
     of torch 2.11 traces neither ``id()`` of a mesh nor ``__dict__.setdefault``; the
     graph's cost is not the host's)."""
     if torch.compiler.is_compiling():
-        names, params, views = [], [], []
+        names, params, grads, scales = [], [], [], []
         for name, placed in module._fusedpar_placed.items():
             param = module._parameters.get(name)
             if isinstance(param, DTensor):
                 names.append(name)
                 params.append(param)
-                local = param.to_local(grad_placements=placed.grad_on(param.device_mesh))
-                views.append(scale_grad(local, placed.grad_scale))
-        return (names, params), views
+                grads.append(placed.grad_on(param.device_mesh))
+                scales.append(placed.grad_scale)
+        return (names, params), _to_local(params, grads, scales)
     swap = _kept_swap(module)
     return swap.saved, (swap.locals.views() if swap.names else ())
 
